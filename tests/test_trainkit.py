@@ -1,0 +1,175 @@
+"""The shared training kit: mesh, config arguments, optimiser, checkpoints, metric writer."""
+import json
+import os
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from trainkit import config as cfg
+from trainkit.checkpoint import Checkpointer
+from trainkit.errors import ConfigError, UserError
+from trainkit.mesh import batch_sharding, make_mesh, mesh_shape, shard_batch
+from trainkit.metric_writers import MetricWriter, read_metrics
+from trainkit.optim import default_optimizer_config, learning_rate_schedule, make_optimizer
+from trainkit.workdir import prepare_workdir
+
+
+def test_eight_fake_devices_are_visible():
+  assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("data,expert", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_mesh_shapes_on_eight_devices(data, expert):
+  mesh = make_mesh({"data": data, "expert": expert})
+  assert dict(mesh.shape) == {"data": data, "expert": expert}
+  batch = {"x": np.arange(16 * 3, dtype=np.float32).reshape(16, 3)}
+  x = shard_batch(batch, mesh)["x"]
+  assert x.sharding == batch_sharding(mesh)
+  # Each device holds a distinct 1/8 of the batch rows.
+  rows = sorted(int(s.data[0, 0]) // 3 for s in x.addressable_shards)
+  assert rows == list(range(0, 16, 2))
+  np.testing.assert_array_equal(np.asarray(x), batch["x"])
+
+
+def test_mesh_minus_one_fills_remaining_devices():
+  assert mesh_shape({"data": -1, "expert": 2}, 8) == (4, 2)
+  assert mesh_shape({"data": 2, "expert": -1}, 8) == (2, 4)
+  assert mesh_shape({"data": 2, "expert": 2}, 8) == (2, 2)  # A smaller mesh uses the first devices.
+
+
+@pytest.mark.parametrize("mesh_config,key", [
+    ({"data": 4, "expert": 4}, "mesh"),
+    ({"data": -1, "expert": 3}, "mesh.data"),
+    ({"data": -1, "expert": -1}, "mesh"),
+    ({"data": 0, "expert": 1}, "mesh.data"),
+    ({"data": 1, "expert": "2"}, "mesh.expert"),
+])
+def test_impossible_meshes_name_the_key(mesh_config, key):
+  with pytest.raises(ConfigError) as e:
+    mesh_shape(mesh_config, 8)
+  assert e.value.key == key
+  assert key in str(e.value)
+
+
+def test_parse_arg_converts_to_default_types():
+  arg = cfg.parse_arg("steps=10,lr=0.5,name=x,flag,blocks=(1, 2)", steps=1, lr=1.0, name="a",
+                      flag=False, blocks=(0,))
+  assert (arg.steps, arg.lr, arg.name, arg.flag, arg.blocks) == (10, 0.5, "x", True, (1, 2))
+  assert cfg.parse_arg(None, steps=3).steps == 3
+
+
+@pytest.mark.parametrize("arg,key", [("nope=1", "nope"), ("steps=ten", "steps"), ("flag=maybe", "flag")])
+def test_parse_arg_errors_name_the_key(arg, key):
+  with pytest.raises(ConfigError, match=f"'{key}'"):
+    cfg.parse_arg(arg, steps=1, flag=False)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+  config = default_optimizer_config()
+  config.learning_rate, config.warmup_steps, config.final_lr_fraction = 1.0, 10, 0.1
+  schedule = learning_rate_schedule(config, 110)
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
+                             [0.0, 0.5, 1.0, 0.55, 0.1], rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_clips_and_skips_decay_on_vectors():
+  config = default_optimizer_config()
+  config.learning_rate, config.warmup_steps, config.weight_decay, config.grad_clip_norm = 0.1, 0, 0.5, 1.0
+  tx = make_optimizer(config, 10)
+  params = {"w": jnp.ones((2, 2)), "b": jnp.ones((2,))}
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zero_grads, tx.init(params), params)
+  # With zero gradients only decoupled weight decay moves parameters: matrices, not vectors.
+  np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * np.ones((2, 2)), rtol=1e-6)
+  np.testing.assert_allclose(updates["b"], 0.0)
+  huge = {"w": jnp.full((2, 2), 1e6), "b": jnp.full((2,), 1e6)}
+  clip = optax.clip_by_global_norm(1.0)
+  clipped, _ = clip.update(huge, clip.init(params))
+  assert abs(float(optax.tree.norm(clipped)) - 1.0) < 1e-5
+
+
+@flax.struct.dataclass
+class _State:
+  step: jax.Array
+  w: jax.Array
+
+
+def test_checkpoint_round_trip_keeps_n_and_restores_sharding(tmp_path):
+  mesh = make_mesh({"data": 2, "expert": 4})
+  sharding = jax.sharding.NamedSharding(mesh, P("expert"))
+  state = _State(step=jnp.array(0), w=jax.device_put(jnp.arange(8.0), sharding))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
+  for step in (1, 2, 3):
+    ckpt.save(step, state.replace(step=jnp.array(step), w=state.w * step), {"pos": step}, force=True)
+  ckpt.wait()
+  assert ckpt.all_steps() == [2, 3]
+  restored, data_state, step = ckpt.restore(state)
+  assert step == 3 and data_state == {"pos": 3} and int(restored.step) == 3
+  np.testing.assert_array_equal(restored.w, np.arange(8.0) * 3)
+  assert restored.w.sharding == sharding
+  ckpt.close()
+
+
+def _corrupt(step_dir):
+  for root, _, files in os.walk(step_dir):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+
+
+def test_corrupt_latest_checkpoint_falls_back_with_warning(tmp_path, caplog):
+  state = _State(step=jnp.array(0), w=jnp.arange(4.0))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=3, async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, state.replace(step=jnp.array(step)), {"pos": step}, force=True)
+  ckpt.close()
+  _corrupt(tmp_path / "ckpt" / "2")
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  with caplog.at_level("WARNING"):
+    restored, data_state, step = ckpt.restore(state)
+  assert step == 1 and data_state == {"pos": 1}
+  assert any("step 2" in r.getMessage() for r in caplog.records)
+
+
+def test_all_checkpoints_corrupt_is_a_user_error(tmp_path):
+  state = _State(step=jnp.array(0), w=jnp.arange(4.0))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  ckpt.save(1, state, {}, force=True)
+  ckpt.close()
+  _corrupt(tmp_path / "ckpt" / "1")
+  with pytest.raises(UserError, match="no readable checkpoint"):
+    Checkpointer(str(tmp_path / "ckpt")).restore(state)
+
+
+def test_checkpoint_path_that_is_a_file_is_a_user_error(tmp_path):
+  (tmp_path / "ckpt").write_text("not a directory")
+  with pytest.raises(UserError, match="not a directory"):
+    Checkpointer(str(tmp_path / "ckpt"))
+
+
+def test_metric_writer_merges_steps_and_truncates_on_resume(tmp_path):
+  writer = MetricWriter(str(tmp_path))
+  writer.write_scalars(1, {"loss": np.float32(2.0)})
+  writer.write_scalars(1, {"val/accuracy": 0.5})
+  writer.write_scalars(2, {"loss": 1.0})
+  writer.write_scalars(3, {"loss": float("nan")})
+  writer.close()
+  assert read_metrics(str(tmp_path)) == [
+      {"step": 1, "loss": 2.0, "val/accuracy": 0.5}, {"step": 2, "loss": 1.0}, {"step": 3, "loss": None}]
+  assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
+  MetricWriter(str(tmp_path), tensorboard=False).truncate_after(2)
+  assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
+  for line in open(tmp_path / "metrics.jsonl"):
+    json.loads(line)
+
+
+def test_unwritable_workdir_is_a_user_error(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  with pytest.raises(UserError, match="not writable"):
+    prepare_workdir(str(blocker / "sub"))

@@ -1,0 +1,97 @@
+"""Orbax checkpoints of the train state and the data-iterator position.
+
+Periodic saves keep the newest `max_to_keep`; the final step is always saved.
+Restoring walks back from the newest step: a corrupt checkpoint is skipped with a
+warning, and only when every checkpoint is unreadable does the run stop with a
+UserError naming the directory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from trainkit.errors import UserError
+
+_log = logging.getLogger(__name__)
+
+STATE = "state"
+DATA_ITERATOR = "data_iterator"
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      if isinstance(x, jax.Array) else x, tree)
+
+
+class Checkpointer:
+  """Saves and restores (train state, data-iterator state) pairs under `directory`."""
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3, save_interval_steps: int = 1,
+               async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+      raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True,
+        enable_async_checkpointing=async_save)
+    try:
+      self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                            item_names=(STATE, DATA_ITERATOR))
+    except Exception as e:  # Orbax reports unreadable directories in many ways.
+      raise UserError(f"cannot open checkpoint directory '{self.directory}': {e}") from e
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, data_iterator_state: dict | None = None, *,
+           force: bool = False) -> bool:
+    """Saves if `step` is due (or `force`); returns whether a save started."""
+    if step in self._manager.all_steps():
+      return False
+    args = ocp.args.Composite(**{
+        STATE: ocp.args.StandardSave(state),
+        DATA_ITERATOR: ocp.args.JsonSave(data_iterator_state or {}),
+    })
+    return self._manager.save(step, args=args, force=force)
+
+  def restore(self, template_state: Any) -> tuple[Any, dict, int] | None:
+    """Restores the newest readable checkpoint onto `template_state`'s shapes and shardings.
+
+    Returns (state, data_iterator_state, step), or None when there is no checkpoint.
+    """
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    if not steps:
+      return None
+    abstract = _abstract(template_state)
+    failures = []
+    for step in steps:
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardRestore(abstract),
+            DATA_ITERATOR: ocp.args.JsonRestore(),
+        }))
+      except Exception as e:  # A corrupt step falls back to the previous one.
+        failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        _log.warning("checkpoint at step %d in %s is unreadable (%s); trying an older one",
+                     step, self.directory, failures[-1])
+        continue
+      if failures:
+        _log.warning("restored step %d after skipping unreadable checkpoints: %s",
+                     step, "; ".join(failures))
+      return restored[STATE], dict(restored[DATA_ITERATOR] or {}), step
+    raise UserError(f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures))
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

@@ -1,0 +1,74 @@
+"""The training loop shared by every model: steps, logging, evaluation, checkpoints, preemption."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Protocol
+
+import jax
+from jax.sharding import Mesh
+
+from trainkit.checkpoint import Checkpointer
+from trainkit.mesh import shard_batch
+from trainkit.metric_writers import MetricWriter
+from trainkit.preemption import PreemptionGuard
+from trainkit.progress import ProgressBar
+from trainkit.train_state import TrainState
+
+_log = logging.getLogger(__name__)
+
+
+class CheckpointableIterator(Protocol):
+  def __next__(self) -> Mapping[str, Any]: ...
+  def get_state(self) -> dict: ...
+  def set_state(self, state: dict) -> None: ...
+
+
+def _due(step: int, every: int, last: int) -> bool:
+  return step == last or (every > 0 and step % every == 0)
+
+
+def train_loop(*, state: TrainState, train_step: Callable, train_iterator: CheckpointableIterator,
+               mesh: Mesh, checkpointer: Checkpointer, writer: MetricWriter, num_train_steps: int,
+               log_every_steps: int, eval_every_steps: int, checkpoint_every_steps: int,
+               examples_per_step: int,
+               evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
+               show_progress: bool = True) -> tuple[TrainState, bool]:
+  """Runs `train_step` from `state.step` to `num_train_steps`.
+
+  Training metrics are logged on every log, evaluation and checkpoint step, so every
+  line of metrics.jsonl carries the loss. On SIGTERM the loop saves a checkpoint at
+  the current step and returns early. Returns (state, preempted).
+  """
+  step = int(state.step)
+  progress = ProgressBar(num_train_steps, initial=step, examples_per_step=examples_per_step,
+                         enabled=show_progress)
+  preempted = False
+  with PreemptionGuard() as guard:
+    while step < num_train_steps:
+      batch = shard_batch(next(train_iterator), mesh)
+      state, metrics = train_step(state, batch)
+      step += 1
+      eval_due = evaluate is not None and _due(step, eval_every_steps, num_train_steps)
+      checkpoint_due = _due(step, checkpoint_every_steps, num_train_steps) or guard.requested
+      if _due(step, log_every_steps, num_train_steps) or eval_due or checkpoint_due:
+        steps_per_second = progress.rate(step)
+        scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if steps_per_second > 0:
+          scalars["steps_per_second"] = steps_per_second
+          scalars["examples_per_second"] = steps_per_second * examples_per_step
+        writer.write_scalars(step, scalars)
+        progress.update(step, steps_per_second, {"loss": scalars["loss"]})
+      if eval_due:
+        writer.write_scalars(step, evaluate(state))
+        progress.rate(step)  # Evaluation time is not training throughput.
+      if checkpoint_due:
+        writer.flush()
+        checkpointer.save(step, state, train_iterator.get_state(), force=True)
+      if guard.requested:
+        preempted = True
+        _log.warning("%s received: saved a checkpoint at step %d; stopping", guard.signal_name, step)
+        break
+  progress.close()
+  writer.flush()
+  checkpointer.wait()
+  return state, preempted

@@ -1,0 +1,70 @@
+"""Device mesh with axes `data` and `expert`, and the shardings of batches and parameters.
+
+The batch is split over every device (both axes): expert parallelism in a sparse
+MoE is also data parallelism for the rest of the network. Parameters are
+replicated unless their variable carries a sharding annotation naming mesh axes
+(the MoE experts use `("expert", ...)`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from trainkit.errors import ConfigError
+
+MESH_AXES = ("data", "expert")
+BATCH_AXES = ("data", "expert")
+
+
+def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, int]:
+  """Resolves `{data, expert}` sizes, where one size may be -1 ("all remaining devices")."""
+  sizes = {axis: mesh_config.get(axis, 1) for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+      raise ConfigError(f"mesh.{axis}", f"must be a positive integer or -1, got {size!r}")
+  unknown = [axis for axis, size in sizes.items() if size == -1]
+  if len(unknown) > 1:
+    raise ConfigError("mesh", "at most one of mesh.data and mesh.expert may be -1")
+  known = math.prod(size for size in sizes.values() if size != -1)
+  if unknown:
+    if num_devices % known:
+      raise ConfigError(f"mesh.{unknown[0]}",
+                        f"-1 cannot fill {num_devices} devices with the other axis of size {known}")
+    sizes[unknown[0]] = num_devices // known
+  total = math.prod(sizes.values())
+  if total > num_devices:
+    raise ConfigError("mesh", f"mesh data={sizes['data']} x expert={sizes['expert']} needs {total} "
+                      f"devices but only {num_devices} are available")
+  return sizes["data"], sizes["expert"]
+
+
+def make_mesh(mesh_config: Mapping[str, int], devices: list[Any] | None = None) -> Mesh:
+  """Builds the (data, expert) mesh; a mesh smaller than the device count uses the first devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(mesh_config, len(devices))
+  device_grid = np.asarray(devices[: math.prod(shape)]).reshape(shape)
+  return Mesh(device_grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) dimension split over all mesh axes."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def num_batch_shards(mesh: Mesh) -> int:
+  return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
+def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assembles the global batch from this process's local part (multi-host safe)."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}

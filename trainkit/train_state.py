@@ -1,0 +1,80 @@
+"""Explicit training state and a pure train step built from a model's loss function."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+# loss_fn(model, batch, rng) -> (scalar loss, dict of scalar metrics)
+LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a run needs to continue, as one pytree that Orbax saves.
+
+  `rng` is the run's base key: step t uses fold_in(rng, t), so a resumed run
+  draws the same randomness as an uninterrupted one. `extra` holds non-gradient
+  state that later methods update between steps (e.g. Lagrange multipliers or
+  expert assignments) so it is checkpointed with everything else.
+  """
+  step: jax.Array
+  params: nnx.State
+  model_state: nnx.State
+  opt_state: optax.OptState
+  rng: jax.Array
+  extra: dict[str, Any] = flax.struct.field(default_factory=dict)
+
+
+def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                       mesh: Mesh, seed: int) -> tuple[nnx.GraphDef, TrainState]:
+  """Builds the model under `mesh` so annotated parameters are created sharded."""
+  with jax.set_mesh(mesh):
+    model = make_model()
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    opt_state = jax.jit(tx.init)(params)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                     opt_state=opt_state, rng=jax.random.PRNGKey(seed))
+  return graphdef, state
+
+
+def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  """Returns a pure `train_step(state, batch) -> (state, metrics)`; the caller jits it."""
+
+  def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def objective(params):
+      model = nnx.merge(graphdef, params, state.model_state)
+      loss, metrics = loss_fn(model, batch, rng)
+      _, _, model_state = nnx.split(model, nnx.Param, ...)
+      return loss, (metrics, model_state)
+
+    (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+    if schedule is not None:
+      metrics["learning_rate"] = schedule(state.step)
+    new_state = state.replace(step=state.step + 1, params=params, model_state=model_state,
+                              opt_state=opt_state)
+    return new_state, metrics
+
+  return train_step
+
+
+def jit_train_step(train_step, state: TrainState, mesh: Mesh):
+  """Jits with the state donated and its shardings pinned, so steps never reshard it."""
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  with jax.set_mesh(mesh):
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, None))
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
