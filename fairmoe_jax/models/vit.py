@@ -1,0 +1,322 @@
+"""ViT / DeiT backbone in Flax NNX with optional sparse-MoE blocks.
+
+FairSMoE (paper Sec. 5, Fig. 3) replaces the MLP of the last block of a DeiT
+with a sparse MoE layer; `moe_blocks` chooses which blocks do so.
+
+Submodule names follow timm's `VisionTransformer` (patch_embed.proj, cls_token,
+pos_embed, blocks[i].norm1 / attn.qkv / attn.proj / norm2 / mlp.fc1 / mlp.fc2,
+norm, head) so timm checkpoints map one to one; only layouts differ
+(Linear kernels are [in, out], conv kernels are HWIO, images are NHWC).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fairmoe_jax.moe import MoEAux, SparseMoE
+
+# timm's ViT/DeiT initialisation: N(0, 0.02) linear kernels and position
+# embedding, zero biases, LayerNorm (1, 0), N(0, 1e-6) class token. timm calls
+# trunc_normal_(std=.02), but its cut-off is at +-2 in absolute value (100 std),
+# so it is a plain normal; JAX's truncated_normal would cut at +-2 std instead.
+_LINEAR_INIT = nnx.initializers.normal(stddev=0.02)
+# The patch-embedding conv keeps PyTorch's default, kaiming_uniform(a=sqrt(5)),
+# i.e. U(+-1/sqrt(fan_in)).
+_CONV_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+_LAYER_NORM_EPS = 1e-6  # timm uses 1e-6 for ViT/DeiT, not PyTorch's 1e-5.
+
+VIT_PRESETS: dict[str, dict[str, int]] = {
+    "deit_tiny": dict(dim=192, depth=12, num_heads=3, mlp_dim=768),
+    "deit_small": dict(dim=384, depth=12, num_heads=6, mlp_dim=1536),
+    "deit_base": dict(dim=768, depth=12, num_heads=12, mlp_dim=3072),
+    "quickstart": dict(dim=64, depth=4, num_heads=4, mlp_dim=128),
+}
+
+
+def num_params(module: nnx.Module) -> int:
+  """Total number of parameter entries (nnx.Param) in `module`."""
+  return sum(int(x.size) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def _linear(din: int, dout: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(
+      din, dout, dtype=dtype, param_dtype=param_dtype, kernel_init=_LINEAR_INIT, rngs=rngs
+  )
+
+
+def _layer_norm(dim: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(
+      dim, epsilon=_LAYER_NORM_EPS, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+  )
+
+
+class PatchEmbed(nnx.Module):
+  """Non-overlapping patches -> tokens, via a conv with stride = patch size."""
+
+  def __init__(
+      self, patch_size: int, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
+  ):
+    self.proj = nnx.Conv(
+        3,
+        dim,
+        kernel_size=(patch_size, patch_size),
+        strides=(patch_size, patch_size),
+        padding="VALID",
+        kernel_init=_CONV_INIT,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
+
+  def __call__(self, images: jax.Array) -> jax.Array:
+    """[B, H, W, 3] -> [B, (H / p) * (W / p), D], patches in row-major order."""
+    x = self.proj(images)
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with a fused qkv projection (timm layout)."""
+
+  def __init__(
+      self,
+      dim: int,
+      num_heads: int,
+      *,
+      dropout_rate: float,
+      dtype: Any,
+      param_dtype: Any,
+      rngs: nnx.Rngs,
+  ):
+    if dim % num_heads:
+      raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+    self.num_heads = num_heads
+    self.head_dim = dim // num_heads
+    self.qkv = _linear(dim, 3 * dim, dtype, param_dtype, rngs)
+    self.proj = _linear(dim, dim, dtype, param_dtype, rngs)
+    self.proj_drop = nnx.Dropout(dropout_rate)
+
+  def __call__(self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
+    batch, seq_len, dim = x.shape
+    # timm splits the fused output as (3, heads, head_dim); keep that order so
+    # converted checkpoints need no permutation.
+    qkv = self.qkv(x).reshape(batch, seq_len, 3, self.num_heads, self.head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, N, H, Dh]
+    q = q * (self.head_dim**-0.5)
+    # Logits and softmax in float32: in bf16 the exp/sum loses too much precision.
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq_len, dim)
+    return self.proj_drop(self.proj(out), deterministic=not train, rngs=rngs)
+
+
+class Mlp(nnx.Module):
+  """Dense ViT feed-forward: fc1 -> GELU -> fc2."""
+
+  def __init__(
+      self,
+      dim: int,
+      hidden_dim: int,
+      *,
+      dropout_rate: float,
+      dtype: Any,
+      param_dtype: Any,
+      rngs: nnx.Rngs,
+  ):
+    self.fc1 = _linear(dim, hidden_dim, dtype, param_dtype, rngs)
+    self.fc2 = _linear(hidden_dim, dim, dtype, param_dtype, rngs)
+    self.drop = nnx.Dropout(dropout_rate)
+
+  def __call__(self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
+    h = jax.nn.gelu(self.fc1(x), approximate=False)
+    h = self.drop(h, deterministic=not train, rngs=rngs)
+    return self.drop(self.fc2(h), deterministic=not train, rngs=rngs)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block; the MLP is dense or a `SparseMoE`."""
+
+  def __init__(
+      self,
+      dim: int,
+      num_heads: int,
+      mlp_dim: int,
+      *,
+      moe: bool,
+      num_experts: int,
+      top_k: int,
+      capacity_factor: float,
+      eval_capacity_factor: float,
+      dropout_rate: float,
+      dtype: Any,
+      param_dtype: Any,
+      rngs: nnx.Rngs,
+  ):
+    self.is_moe = moe
+    self.norm1 = _layer_norm(dim, dtype, param_dtype, rngs)
+    self.attn = Attention(
+        dim, num_heads, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
+    self.norm2 = _layer_norm(dim, dtype, param_dtype, rngs)
+    if moe:
+      self.mlp = SparseMoE(
+          dim,
+          mlp_dim,
+          num_experts,
+          top_k,
+          capacity_factor=capacity_factor,
+          eval_capacity_factor=eval_capacity_factor,
+          dtype=dtype,
+          param_dtype=param_dtype,
+          rngs=rngs,
+      )
+    else:
+      self.mlp = Mlp(
+          dim, mlp_dim, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+      )
+    # The MoE has no internal dropout; the block applies it to the MoE output.
+    self.mlp_drop = nnx.Dropout(dropout_rate)
+
+  def __call__(
+      self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None
+  ) -> tuple[jax.Array, MoEAux | None]:
+    x = x + self.attn(self.norm1(x), train=train, rngs=rngs)
+    if self.is_moe:
+      y, aux = self.mlp(self.norm2(x), train=train)
+      y = self.mlp_drop(y, deterministic=not train, rngs=rngs)
+    else:
+      y, aux = self.mlp(self.norm2(x), train=train, rngs=rngs), None
+    # Tokens dropped by the MoE get y = 0 and pass through on the residual.
+    return x + y.astype(x.dtype), aux
+
+
+class VisionTransformer(nnx.Module):
+  """ViT / DeiT classifier whose `moe_blocks` use a sparse-MoE feed-forward.
+
+  Args:
+    num_classes: number of output logits.
+    image_size: input height = width (must be divisible by patch_size).
+    patch_size: patch side length.
+    dim: model width.
+    depth: number of blocks.
+    num_heads: attention heads.
+    mlp_dim: hidden width of the MLP and of each expert.
+    moe_blocks: indices of blocks whose MLP is a `SparseMoE`; negative indices
+      count from the end; empty gives a plain ViT. Default: the last block,
+      as in FairSMoE.
+    num_experts, top_k, capacity_factor, eval_capacity_factor: `SparseMoE`
+      settings shared by all MoE blocks.
+    dropout_rate: dropout after the position embedding, the attention
+      projection and in the MLPs; only active with `train=True`.
+    dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
+    param_dtype: parameter dtype.
+    rngs: parameter RNGs.
+  """
+
+  def __init__(
+      self,
+      *,
+      num_classes: int,
+      image_size: int,
+      patch_size: int,
+      dim: int,
+      depth: int,
+      num_heads: int,
+      mlp_dim: int,
+      moe_blocks: Sequence[int] = (-1,),
+      num_experts: int = 4,
+      top_k: int = 2,
+      capacity_factor: float = 1.25,
+      eval_capacity_factor: float = 2.0,
+      dropout_rate: float = 0.0,
+      dtype: Any = jnp.float32,
+      param_dtype: Any = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    if image_size % patch_size:
+      raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
+    moe_set = set()
+    for i in moe_blocks:
+      if not -depth <= i < depth:
+        raise ValueError(f"moe_blocks index {i} out of range for depth={depth}")
+      moe_set.add(i % depth)
+    self.moe_blocks: tuple[int, ...] = tuple(sorted(moe_set))
+    self.num_classes = num_classes
+    self.image_size = image_size
+    self.patch_size = patch_size
+    self.dim = dim
+    self.dropout_rate = dropout_rate
+    self.dtype = dtype
+    num_patches = (image_size // patch_size) ** 2
+
+    self.patch_embed = PatchEmbed(
+        patch_size, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
+    self.cls_token = nnx.Param(
+        nnx.initializers.normal(stddev=1e-6)(rngs.params(), (1, 1, dim), param_dtype)
+    )
+    self.pos_embed = nnx.Param(
+        _LINEAR_INIT(rngs.params(), (1, num_patches + 1, dim), param_dtype)
+    )
+    self.pos_drop = nnx.Dropout(dropout_rate)
+    self.blocks = nnx.List([
+        Block(
+            dim,
+            num_heads,
+            mlp_dim,
+            moe=i in moe_set,
+            num_experts=num_experts,
+            top_k=top_k,
+            capacity_factor=capacity_factor,
+            eval_capacity_factor=eval_capacity_factor,
+            dropout_rate=dropout_rate,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        for i in range(depth)
+    ])
+    self.norm = _layer_norm(dim, dtype, param_dtype, rngs)
+    self.head = _linear(dim, num_classes, dtype, param_dtype, rngs)
+
+  def _encode(
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None
+  ) -> tuple[jax.Array, MoEAux]:
+    """[B, H, W, 3] -> (final-norm class-token feature [B, dim], merged MoEAux)."""
+    if train and self.dropout_rate > 0 and rngs is None:
+      raise ValueError("train=True with dropout_rate > 0 needs `rngs` with a 'dropout' stream")
+    x = self.patch_embed(images.astype(self.dtype))
+    cls = jnp.broadcast_to(self.cls_token[...].astype(self.dtype), (x.shape[0], 1, self.dim))
+    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...].astype(self.dtype)
+    x = self.pos_drop(x, deterministic=not train, rngs=rngs)
+    auxes: dict[str, MoEAux] = {}
+    for i, block in enumerate(self.blocks):
+      x, aux = block(x, train=train, rngs=rngs)
+      if aux is not None:
+        auxes[f"moe_block{i}"] = aux
+    return self.norm(x)[:, 0], MoEAux.merge(auxes)
+
+  def features(
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None
+  ) -> jax.Array:
+    """Pre-head class-token feature [B, dim] (after the final LayerNorm), in dtype.
+
+    The MoE auxiliary losses are discarded; use `__call__` when training MoE
+    blocks.
+    """
+    return self._encode(images, train=train, rngs=rngs)[0]
+
+  def __call__(
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None
+  ) -> tuple[jax.Array, MoEAux]:
+    """[B, H, W, 3] -> (float32 logits [B, num_classes], MoEAux summed over blocks).
+
+    The aux metrics are keyed "moe_block{i}/<metric>"; without MoE blocks the
+    losses are zero and the metrics empty.
+    """
+    feats, aux = self._encode(images, train=train, rngs=rngs)
+    return self.head(feats).astype(jnp.float32), aux

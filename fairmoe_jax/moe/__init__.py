@@ -1,0 +1,24 @@
+"""Sparse mixture-of-experts: routing, dispatch and the MoE feed-forward layer."""
+from fairmoe_jax.moe.dispatch import (
+    DispatchStats,
+    compute_capacity,
+    dispatch_and_combine_masks,
+    einsum_combine,
+    einsum_dispatch,
+)
+from fairmoe_jax.moe.layer import EXPERT_AXIS, MoEAux, SparseMoE
+from fairmoe_jax.moe.routing import RouterOutput, TopKRouter, route_from_logits
+
+__all__ = [
+    "EXPERT_AXIS",
+    "DispatchStats",
+    "MoEAux",
+    "RouterOutput",
+    "SparseMoE",
+    "TopKRouter",
+    "compute_capacity",
+    "dispatch_and_combine_masks",
+    "einsum_combine",
+    "einsum_dispatch",
+    "route_from_logits",
+]

@@ -1,0 +1,129 @@
+"""Token routing for sparse mixture-of-experts layers.
+
+Routing is kept apart from dispatch (the V-MoE split): a router only decides
+*where* each token wants to go and *with what weight*; it knows nothing about
+expert capacity. `fairmoe_jax.moe.dispatch` then turns those decisions into
+capacity-limited dispatch/combine tensors.
+
+Any module that maps tokens to gating logits can reuse `route_from_logits`, so a
+fairness-guided router (FairSMoE, Sec. 5.2) only has to produce logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+# Same scale as the timm/DeiT linear layers; a small init keeps the initial
+# routing close to uniform.
+_GATE_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+@struct.dataclass
+class RouterOutput:
+  """Routing decisions for a flat batch of T tokens.
+
+  Attributes:
+    logits: [T, E] float32 gating logits.
+    probs: [T, E] float32 softmax over experts.
+    expert_index: [T, k] int32, the chosen experts, best first.
+    gates: [T, k] float32, `probs` of the chosen experts. Not renormalised to sum
+      to one over the k choices: the paper's Eq. 5-6 weight expert outputs by
+      Top-K(softmax(g(x))), and keeping the raw probabilities also lets the
+      gradient reach the router through the weight of the chosen experts.
+    load_balance_loss: scalar Switch-Transformer auxiliary loss (unweighted).
+    z_loss: scalar ST-MoE router z-loss (unweighted).
+  """
+
+  logits: jax.Array
+  probs: jax.Array
+  expert_index: jax.Array
+  gates: jax.Array
+  load_balance_loss: jax.Array
+  z_loss: jax.Array
+
+
+def load_balance_loss(probs: jax.Array, expert_index: jax.Array) -> jax.Array:
+  """Switch-Transformer load-balancing loss, E * sum_e f_e * P_e.
+
+  f_e counts *all* top-k assignments (divided by k so that sum_e f_e = 1), not
+  only the top-1 choice as in the original top-1 Switch paper; this is the
+  usual generalisation for top-k routers. Assignments are counted before any
+  capacity dropping. P_e is the mean router probability of expert e. The loss
+  equals 1 for perfectly uniform routing.
+
+  Args:
+    probs: [T, E] router probabilities.
+    expert_index: [T, k] chosen experts.
+  """
+  num_experts = probs.shape[-1]
+  # [T, k, E] -> [E]: fraction of (token, choice) pairs assigned to e. No
+  # gradient flows through f_e (argmax); it flows through P_e.
+  assignments = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)
+  fraction_routed = assignments.mean(axis=(0, 1))
+  mean_prob = probs.mean(axis=0)
+  return num_experts * jnp.sum(fraction_routed * mean_prob)
+
+
+def router_z_loss(logits: jax.Array) -> jax.Array:
+  """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+
+
+def route_from_logits(logits: jax.Array, top_k: int) -> RouterOutput:
+  """Softmax over experts, then top-k; computes the auxiliary losses.
+
+  Args:
+    logits: [T, E] gating logits (cast to float32 here).
+    top_k: number of experts per token.
+  """
+  if logits.ndim != 2:
+    raise ValueError(f"logits must be [tokens, experts], got {logits.shape}")
+  num_experts = logits.shape[-1]
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+  logits = logits.astype(jnp.float32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  # lax.top_k breaks ties towards the lower expert index, deterministically.
+  gates, expert_index = jax.lax.top_k(probs, top_k)
+  return RouterOutput(
+      logits=logits,
+      probs=probs,
+      expert_index=expert_index.astype(jnp.int32),
+      gates=gates,
+      load_balance_loss=load_balance_loss(probs, expert_index),
+      z_loss=router_z_loss(logits),
+  )
+
+
+class TopKRouter(nnx.Module):
+  """Linear top-k router: R(x) = Top-K(softmax(x W)) (paper Eq. 5).
+
+  The gate has no bias and is evaluated in float32 regardless of the compute
+  dtype of the surrounding layer: routing decisions and the z-loss are
+  sensitive to logit precision (ST-MoE, Sec. 3).
+  """
+
+  def __init__(self, dim: int, num_experts: int, top_k: int, *, rngs: nnx.Rngs):
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    self.num_experts = num_experts
+    self.top_k = top_k
+    self.gate = nnx.Linear(
+        dim,
+        num_experts,
+        use_bias=False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        kernel_init=_GATE_INIT,
+        rngs=rngs,
+    )
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """[T, D] tokens -> [T, E] float32 logits."""
+    return self.gate(x.astype(jnp.float32))
+
+  def __call__(self, x: jax.Array) -> RouterOutput:
+    """Routes a flat batch of tokens x: [T, D]."""
+    return route_from_logits(self.logits(x), self.top_k)

@@ -1,0 +1,147 @@
+"""Tests for fairmoe_jax.models.vit: the ViT / DeiT backbone with MoE blocks."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from fairmoe_jax.models import VIT_PRESETS, VisionTransformer, num_params
+from fairmoe_jax.models.vit import Mlp
+from fairmoe_jax.moe import SparseMoE
+
+TINY = dict(num_classes=3, image_size=8, patch_size=4, dim=16, depth=2, num_heads=2, mlp_dim=32)
+
+
+def _images(batch: int = 2, seed: int = 0) -> jax.Array:
+  return jnp.asarray(np.random.default_rng(seed).normal(size=(batch, 8, 8, 3)), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames="train")
+def _apply(model: VisionTransformer, images: jax.Array, train: bool = False):
+  return model(images, train=train)
+
+
+def test_shapes_and_default_moe_in_last_block():
+  model = VisionTransformer(**TINY, rngs=nnx.Rngs(0))
+  assert model.moe_blocks == (1,)
+  assert isinstance(model.blocks[0].mlp, Mlp)
+  assert isinstance(model.blocks[1].mlp, SparseMoE)
+
+  (logits, aux), feats = jax.jit(
+      lambda m, x: (m(x, train=False), m.features(x, train=False))
+  )(model, _images())
+  assert logits.shape == (2, 3) and logits.dtype == jnp.float32
+  assert feats.shape == (2, 16)
+  assert aux.loss.shape == aux.z_loss.shape == ()
+  assert set(aux.metrics) == {
+      f"moe_block1/{k}"
+      for k in ("fraction_dropped", "tokens_per_expert", "example_expert_fraction",
+                "router_entropy", "importance")
+  }
+  assert aux.metrics["moe_block1/example_expert_fraction"].shape == (2, 4)
+
+
+def test_plain_vit_and_multiple_moe_blocks():
+  plain = VisionTransformer(**TINY, moe_blocks=(), rngs=nnx.Rngs(0))
+  assert all(isinstance(b.mlp, Mlp) for b in plain.blocks)
+  _, aux = _apply(plain, _images())
+  assert float(aux.loss) == 0.0 and float(aux.z_loss) == 0.0 and aux.metrics == {}
+
+  both = VisionTransformer(**TINY, moe_blocks=(0, -1), rngs=nnx.Rngs(0))
+  assert both.moe_blocks == (0, 1)
+  assert all(isinstance(b.mlp, SparseMoE) for b in both.blocks)
+  # Four experts replace one MLP: three extra MLPs plus a bias-free router.
+  extra = num_params(both.blocks[1].mlp) - num_params(plain.blocks[1].mlp)
+  assert extra == 3 * num_params(plain.blocks[1].mlp) + 16 * 4
+
+
+def test_timm_parameter_names():
+  model = VisionTransformer(**TINY, rngs=nnx.Rngs(0))
+  names = {".".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  for name in (
+      "patch_embed.proj.kernel", "cls_token", "pos_embed", "blocks.0.norm1.scale",
+      "blocks.0.attn.qkv.kernel", "blocks.0.attn.proj.kernel", "blocks.0.norm2.bias",
+      "blocks.0.mlp.fc1.kernel", "blocks.0.mlp.fc2.bias", "blocks.1.mlp.w1",
+      "blocks.1.mlp.router.gate.kernel", "norm.scale", "head.kernel",
+  ):
+    assert name in names, name
+  assert model.pos_embed.shape == (1, 1 + (8 // 4) ** 2, 16)
+
+
+def test_same_seed_same_params():
+  leaves = lambda seed: jax.tree.leaves(
+      nnx.state(VisionTransformer(**TINY, rngs=nnx.Rngs(seed)), nnx.Param)
+  )
+  for a, b in zip(leaves(0), leaves(0)):
+    np.testing.assert_array_equal(a, b)
+  assert any(not np.array_equal(a, b) for a, b in zip(leaves(0), leaves(1)))
+
+
+def test_bfloat16_compute():
+  model = VisionTransformer(**TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  logits, aux = _apply(model, _images())
+  assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+  assert aux.loss.dtype == jnp.float32
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_dropout_uses_rngs_only_when_training():
+  # A dense and an MoE block: every dropout site, with few compiled ops.
+  model = VisionTransformer(**TINY, dropout_rate=0.5, rngs=nnx.Rngs(0))
+  images = _images()
+
+  @nnx.jit  # one compilation for the three calls
+  def run(model, images, rngs):
+    train = [model(images, train=True, rngs=rngs)[0] for _ in range(2)]
+    return *train, model(images, train=False)[0]  # eval needs no rngs
+
+  train_a, train_b, eval_ = run(model, images, nnx.Rngs(dropout=1))
+  assert not np.allclose(train_a, train_b)  # a fresh mask per call
+  assert not np.allclose(train_a, eval_)
+  with pytest.raises(ValueError, match="rngs"):
+    model(images, train=True)
+
+
+def test_train_step_decreases_loss():
+  model = VisionTransformer(**TINY, rngs=nnx.Rngs(0))
+  w1_before = np.asarray(model.blocks[1].mlp.w1[...])
+  gate_before = np.asarray(model.blocks[1].mlp.router.gate.kernel[...])
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=1e-4), wrt=nnx.Param)
+  images = _images(batch=4, seed=1)
+  labels = jnp.array([0, 1, 2, 1])
+
+  @nnx.jit
+  def train_step(model, optimizer, images, labels):
+    def loss_fn(model):
+      logits, aux = model(images, train=True)
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+      return ce + 0.01 * aux.loss + 1e-3 * aux.z_loss, ce
+
+    (_, ce), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return ce
+
+  losses = [float(train_step(model, optimizer, images, labels)) for _ in range(6)]
+  assert losses[-1] < 0.8 * losses[0], losses
+  # The experts and the router received gradient updates.
+  assert not np.allclose(model.blocks[1].mlp.w1[...], w1_before)
+  assert not np.allclose(model.blocks[1].mlp.router.gate.kernel[...], gate_before)
+
+
+def test_presets():
+  assert VIT_PRESETS["deit_small"] == dict(dim=384, depth=12, num_heads=6, mlp_dim=1536)
+  assert set(VIT_PRESETS) == {"deit_tiny", "deit_small", "deit_base", "quickstart"}
+  # DeiT-Tiny without MoE has the well-known ~5.7M parameters (1000 classes, 224px).
+  abstract = nnx.eval_shape(
+      lambda: VisionTransformer(
+          num_classes=1000, image_size=224, patch_size=16, moe_blocks=(),
+          **VIT_PRESETS["deit_tiny"], rngs=nnx.Rngs(0),
+      )
+  )
+  assert num_params(abstract) == 5_717_416
