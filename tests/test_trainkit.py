@@ -158,9 +158,12 @@ def test_metric_writer_merges_steps_and_truncates_on_resume(tmp_path):
   writer.write_scalars(1, {"val/accuracy": 0.5})
   writer.write_scalars(2, {"loss": 1.0})
   writer.write_scalars(3, {"loss": float("nan")})
+  writer.flush()
+  writer.write_scalars(3, {"test/accuracy": 0.25})  # After a flush: merged into step 3's line.
   writer.close()
   assert read_metrics(str(tmp_path)) == [
-      {"step": 1, "loss": 2.0, "val/accuracy": 0.5}, {"step": 2, "loss": 1.0}, {"step": 3, "loss": None}]
+      {"step": 1, "loss": 2.0, "val/accuracy": 0.5}, {"step": 2, "loss": 1.0},
+      {"step": 3, "loss": None, "test/accuracy": 0.25}]
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
   MetricWriter(str(tmp_path), tensorboard=False).truncate_after(2)
   assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]

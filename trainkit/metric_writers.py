@@ -29,6 +29,7 @@ class MetricWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._pending_step: int | None = None
     self._pending: dict[str, Any] = {}
+    self._last_flushed: dict[str, Any] | None = None
     self._tb = None
     if enabled and tensorboard:
       from tensorboardX import SummaryWriter  # Imported lazily: only process 0 needs it.
@@ -58,8 +59,18 @@ class MetricWriter:
   def flush(self) -> None:
     if not self.enabled or self._pending_step is None:
       return
+    record = {"step": self._pending_step, **self._pending}
+    if self._last_flushed is not None and self._last_flushed["step"] == record["step"]:
+      # More scalars for a step already on disk (e.g. the final test evaluation after
+      # the final checkpoint): rewrite its line, so each step keeps exactly one line.
+      record = {**self._last_flushed, **self._pending}
+      with open(self.path) as f:
+        lines = f.readlines()[:-1]
+      with open(self.path, "w") as f:
+        f.writelines(lines)
     with open(self.path, "a") as f:
-      f.write(json.dumps({"step": self._pending_step, **self._pending}) + "\n")
+      f.write(json.dumps(record) + "\n")
+    self._last_flushed = record
     self._pending_step, self._pending = None, {}
     if self._tb is not None:
       self._tb.flush()

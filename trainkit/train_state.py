@@ -8,7 +8,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # loss_fn(model, batch, rng) -> (scalar loss, dict of scalar metrics)
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -40,7 +40,17 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
     opt_state = jax.jit(tx.init)(params)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                      opt_state=opt_state, rng=jax.random.PRNGKey(seed))
-  return graphdef, state
+  # Every leaf gets an explicit mesh sharding (replicated unless annotated), so the
+  # state the first step receives matches the one it returns and nothing recompiles.
+  return graphdef, jax.device_put(state, state_shardings(state, mesh))
+
+
+def state_shardings(state: Any, mesh: Mesh) -> Any:
+  """Each leaf's NamedSharding on `mesh`; leaves not placed by name are replicated."""
+  replicated = NamedSharding(mesh, P())
+  return jax.tree.map(
+      lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated,
+      state)
 
 
 def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -71,9 +81,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
 
 def jit_train_step(train_step, state: TrainState, mesh: Mesh):
   """Jits with the state donated and its shardings pinned, so steps never reshard it."""
-  state_shardings = jax.tree.map(lambda x: x.sharding, state)
   with jax.set_mesh(mesh):
-    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, None))
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings(state, mesh), None))
 
 
 def compute_dtype(name: str) -> jnp.dtype:

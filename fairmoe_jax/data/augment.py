@@ -1,0 +1,129 @@
+"""Per-example image augmentation in numpy (with PIL for resampling).
+
+All random functions take an explicit ``np.random.Generator`` so that the grain
+pipeline can seed them per example, which makes augmentation reproducible and
+independent of the number of reader threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from PIL import Image
+
+# (top, left, height, width) of a crop, in pixels of the source image.
+CropBox = tuple[int, int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class AugmentConfig:
+  """Training-time augmentation.
+
+  Attributes:
+    random_resized_crop: Crop a random region (``crop_scale`` of the area,
+      aspect ratio in ``crop_ratio``) and resize it to the output size, as
+      torchvision's ``RandomResizedCrop``. If False, the image is only resized.
+    crop_scale: Range of the crop area as a fraction of the image area.
+    crop_ratio: Range of the crop aspect ratio (width / height), sampled
+      log-uniformly.
+    horizontal_flip: Mirror the image left-right with probability 1/2.
+  """
+
+  random_resized_crop: bool = True
+  crop_scale: tuple[float, float] = (0.35, 1.0)
+  crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+  horizontal_flip: bool = True
+
+
+def random_resized_crop_box(
+    rng: np.random.Generator,
+    height: int,
+    width: int,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+) -> CropBox:
+  """Samples a crop with torchvision ``RandomResizedCrop.get_params`` semantics.
+
+  Up to 10 attempts draw an area fraction uniformly from ``scale`` and an
+  aspect ratio log-uniformly from ``ratio``; if none fits inside the image, the
+  largest centred crop with a ratio clamped to ``ratio`` is returned.
+  """
+  area = height * width
+  log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+  for _ in range(10):
+    target_area = area * rng.uniform(*scale)
+    aspect = math.exp(rng.uniform(*log_ratio))
+    w = round(math.sqrt(target_area * aspect))
+    h = round(math.sqrt(target_area / aspect))
+    if 0 < w <= width and 0 < h <= height:
+      top = int(rng.integers(0, height - h + 1))
+      left = int(rng.integers(0, width - w + 1))
+      return top, left, h, w
+  in_ratio = width / height
+  if in_ratio < min(ratio):
+    w, h = width, round(width / min(ratio))
+  elif in_ratio > max(ratio):
+    w, h = round(height * max(ratio)), height
+  else:
+    w, h = width, height
+  return (height - h) // 2, (width - w) // 2, h, w
+
+
+def resized_crop(image: np.ndarray, box: CropBox, size: int) -> np.ndarray:
+  """Bilinearly resamples ``box`` of a uint8 [H, W, 3] image to [size, size, 3].
+
+  PIL resamples crop and resize in one pass (with antialiasing when the crop
+  is shrunk), which is several times faster than numpy on small images.
+  """
+  top, left, h, w = box
+  if (top, left, h, w) == (0, 0, *image.shape[:2]) and h == w == size:
+    return image
+  pil = Image.fromarray(image)
+  return np.asarray(
+      pil.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+  )
+
+
+def resize(image: np.ndarray, size: int) -> np.ndarray:
+  """Bilinear resize of a uint8 [H, W, 3] image to [size, size, 3]."""
+  return resized_crop(image, (0, 0, *image.shape[:2]), size)
+
+
+def random_resized_crop(
+    image: np.ndarray,
+    rng: np.random.Generator,
+    size: int,
+    scale: tuple[float, float] = (0.35, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> np.ndarray:
+  """torchvision-style ``RandomResizedCrop`` of a uint8 [H, W, 3] image."""
+  box = random_resized_crop_box(rng, *image.shape[:2], scale, ratio)
+  return resized_crop(image, box, size)
+
+
+def horizontal_flip(image: np.ndarray) -> np.ndarray:
+  """Mirrors an [H, W, C] image left-right."""
+  return image[:, ::-1]
+
+
+def normalize(image: np.ndarray) -> np.ndarray:
+  """Maps uint8 pixels [0, 255] to float32 [-1, 1] (works on any shape)."""
+  return np.asarray(image, np.float32) * np.float32(1 / 127.5) - np.float32(1)
+
+
+def augment_image(
+    image: np.ndarray,
+    rng: np.random.Generator,
+    size: int,
+    config: AugmentConfig,
+) -> np.ndarray:
+  """Training augmentation of one uint8 image; returns normalised float32."""
+  if config.random_resized_crop:
+    image = random_resized_crop(image, rng, size, config.crop_scale, config.crop_ratio)
+  else:
+    image = resize(image, size)
+  if config.horizontal_flip and rng.random() < 0.5:
+    image = horizontal_flip(image)
+  return normalize(image)

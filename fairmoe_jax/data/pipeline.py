@@ -1,0 +1,182 @@
+"""Input pipelines: an infinite, checkpointable grain iterator for training and
+a padded, deterministic single pass for evaluation.
+
+Both yield dicts of numpy arrays for the local process:
+
+* ``image``: float32 [b, S, S, 3], normalised to [-1, 1];
+* ``label``: int32 [b];
+* ``attributes``: int32 [b, m], ``-1`` for a missing attribute value;
+* ``mask``: float32 [b], 1 for real examples and 0 for padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+import math
+from typing import Any
+
+import grain
+import numpy as np
+
+from fairmoe_jax.data import augment as augment_lib
+from fairmoe_jax.data.augment import AugmentConfig
+
+Batch = dict[str, np.ndarray]
+
+
+class ArraySource:
+  """Random-access grain source over parallel in-memory arrays."""
+
+  def __init__(self, arrays: Mapping[str, np.ndarray]):
+    self._arrays = {k: arrays[k] for k in ("image", "label", "attributes")}
+    self._len = len(self._arrays["label"])
+    if any(len(v) != self._len for v in self._arrays.values()):
+      raise ValueError("image, label and attributes must have the same length.")
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return {k: v[index] for k, v in self._arrays.items()}
+
+  def __repr__(self) -> str:
+    return f"ArraySource(len={self._len})"
+
+
+def local_batch_size(global_batch_size: int, process_count: int) -> int:
+  if global_batch_size % process_count:
+    raise ValueError(
+        f"global_batch_size {global_batch_size} is not divisible by "
+        f"process_count {process_count}."
+    )
+  return global_batch_size // process_count
+
+
+def train_iterator(
+    arrays: Mapping[str, np.ndarray],
+    *,
+    global_batch_size: int,
+    image_size: int,
+    seed: int,
+    augment: AugmentConfig | Mapping[str, Any] | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    num_threads: int = 2,
+    prefetch_buffer_size: int = 4,
+) -> grain.DatasetIterator:
+  """Infinite iterator of augmented training batches for this process.
+
+  Every epoch is a fresh seeded shuffle of the whole split (the same on all
+  processes); process ``i`` takes every ``process_count``-th example of it
+  starting at ``i``, so the processes see disjoint parts of each epoch. Each
+  process's epoch is batched separately, dropping its last partial batch.
+  Augmentation randomness is derived from ``seed``, the process and the
+  example's position in the stream, so batches do not depend on
+  ``num_threads``.
+
+  Args:
+    arrays: Split dict with ``image`` uint8 [N, H, W, 3], ``label`` [N] and
+      ``attributes`` [N, m].
+    global_batch_size: Batch size summed over all processes.
+    image_size: Output image side.
+    seed: Seed of the shuffle and the augmentation.
+    augment: An ``AugmentConfig`` or its fields as a mapping; ``None`` means
+      the ``AugmentConfig`` defaults.
+    process_index: Index of this process.
+    process_count: Number of processes sharing the data.
+    num_threads: Threads preparing batches (0 prepares them on ``next``).
+    prefetch_buffer_size: Number of batches prepared ahead.
+
+  Returns:
+    A ``grain.DatasetIterator``; ``get_state()`` is a JSON-serialisable dict
+    and ``set_state`` on a freshly built iterator resumes the exact stream.
+  """
+  if not isinstance(augment, AugmentConfig):
+    augment = AugmentConfig(**(augment or {}))
+  batch_size = local_batch_size(global_batch_size, process_count)
+  source = ArraySource(arrays)
+  # Dropping the remainder of the global shuffle keeps every process's epoch
+  # the same length, so the processes stay in step across epochs.
+  usable = len(source) - len(source) % process_count
+  if usable // process_count < batch_size:
+    raise ValueError(
+        f"{len(source)} examples are fewer than one global batch of "
+        f"{global_batch_size}."
+    )
+  augment_seed = int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
+
+  def transform(example: dict[str, np.ndarray], rng: np.random.Generator) -> Batch:
+    return {
+        "image": augment_lib.augment_image(example["image"], rng, image_size, augment),
+        "label": np.int32(example["label"]),
+        "attributes": example["attributes"].astype(np.int32),
+        "mask": np.float32(1.0),
+    }
+
+  dataset = (
+      grain.MapDataset.source(source)
+      .shuffle(seed=seed % 2**32)
+      .slice(slice(process_index, usable, process_count))
+      .random_map(transform, seed=augment_seed)
+      .batch(batch_size, drop_remainder=True)
+      # Repeating after batching keeps batches within epochs; it re-seeds the
+      # shuffle and the augmentation for every epoch.
+      .repeat(None)
+  )
+  read_options = grain.ReadOptions(
+      num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size
+  )
+  return iter(dataset.to_iter_dataset(read_options))
+
+
+def num_eval_batches(num_examples: int, batch_size: int, process_count: int = 1) -> int:
+  """Batches per process for ``eval_batches``; the same on every process."""
+  return math.ceil(math.ceil(num_examples / process_count) / batch_size)
+
+
+def eval_batches(
+    arrays: Mapping[str, np.ndarray],
+    *,
+    batch_size: int,
+    image_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[Batch]:
+  """One deterministic, unaugmented pass over a split for this process.
+
+  Process ``i`` evaluates examples ``i, i + process_count, ...``. The last
+  batches are padded to ``batch_size`` (zero image, label 0, attributes -1,
+  mask 0) so that all processes yield ``num_eval_batches(...)`` full batches
+  and together cover every example exactly once.
+
+  Args:
+    arrays: Split dict as for ``train_iterator``.
+    batch_size: Per-process batch size.
+    image_size: Output image side; images of another size are resized.
+    process_index: Index of this process.
+    process_count: Number of processes sharing the data.
+
+  Yields:
+    Batches with ``image``, ``label``, ``attributes`` and ``mask``.
+  """
+  source = ArraySource(arrays)
+  indices = np.arange(process_index, len(source), process_count)
+  num_attributes = arrays["attributes"].shape[1]
+  for b in range(num_eval_batches(len(source), batch_size, process_count)):
+    batch_indices = indices[b * batch_size : (b + 1) * batch_size]
+    n = len(batch_indices)
+    batch = {
+        "image": np.zeros((batch_size, image_size, image_size, 3), np.float32),
+        "label": np.zeros((batch_size,), np.int32),
+        "attributes": np.full((batch_size, num_attributes), -1, np.int32),
+        "mask": np.zeros((batch_size,), np.float32),
+    }
+    if n:
+      images = arrays["image"][batch_indices]
+      if images.shape[1:3] != (image_size, image_size):
+        images = np.stack([augment_lib.resize(im, image_size) for im in images])
+      batch["image"][:n] = augment_lib.normalize(images)
+      batch["label"][:n] = arrays["label"][batch_indices]
+      batch["attributes"][:n] = arrays["attributes"][batch_indices]
+      batch["mask"][:n] = 1.0
+    yield batch

@@ -1,0 +1,290 @@
+"""A small generated multi-attribute fairness benchmark in the spirit of ISIC 2019.
+
+Each image shows a "lesion" (a soft ellipse) on skin-coloured background. The
+target class is the orientation (up to mirroring) of the striped texture
+inside the lesion.
+Three sensitive attributes with the cardinalities of ISIC 2019 -- ``sex`` (2),
+``age`` (5) and ``site`` (8) -- are sampled with skewed frequencies and shape
+the image in ways that make a plain classifier unfair:
+
+* ``age`` lowers the texture contrast (older groups are harder);
+* ``site`` adds sensor noise and blur (rarer sites are noisier and blurrier),
+  and shifts the label prior (each site favours one class);
+* ``sex`` controls hair occlusion (thin dark lines, which also look like
+  stripes);
+* a coloured marker in the top-left corner (think of the ink marks and colour
+  stickers in dermoscopy photos) shows the class colour with a probability that
+  depends on ``site`` and ``sex`` and a random colour otherwise: a shortcut
+  that works for common groups and misleads on rare ones.
+
+Generation is vectorised numpy and fully determined by ``seed``. Every split
+(and every chunk of ``_CHUNK`` images within a split) has its own derived seed,
+so changing one split's size changes neither the other splits nor the
+examples already in that split. See ``docs/dataset.md`` for the rationale.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from fairmoe_jax.data.types import DatasetInfo
+
+DEFAULT_SIZES = {"train": 8000, "val": 1000, "test": 2000}
+ATTRIBUTE_NAMES = ("sex", "age", "site")
+SEX_GROUPS = ("male", "female")
+AGE_GROUPS = ("<30", "30-44", "45-59", "60-74", "75+")
+SITE_GROUPS = (
+    "anterior_torso",
+    "lower_extremity",
+    "upper_extremity",
+    "posterior_torso",
+    "head_neck",
+    "lateral_torso",
+    "palms_soles",
+    "oral_genital",
+)
+
+# Per-group generation factors, indexed by group id. Image-space numbers
+# (pixels, noise std) refer to a 32x32 image in uint8 units; other sizes scale
+# spatially.
+SEX_FREQ = (0.56, 0.44)
+SEX_HAIR = (0.45, 0.08)  # probability of each of 3 candidate hairs
+SEX_CUE = (0.6, 1.0)  # multiplies the site's marker reliability
+
+AGE_FREQ = (0.08, 0.20, 0.32, 0.27, 0.13)
+AGE_CONTRAST = (1.0, 0.9, 0.75, 0.55, 0.4)  # multiplies the texture contrast
+AGE_LABEL_TILT = 0.35  # logit slope: older groups favour higher classes
+
+SITE_FREQ = (0.25, 0.20, 0.16, 0.12, 0.10, 0.07, 0.06, 0.04)
+SITE_NOISE = (6.0, 7.0, 8.0, 10.0, 12.0, 15.0, 18.0, 21.0)  # noise std
+SITE_BLUR = (0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.55)  # 3x3 box-blur mix
+SITE_CUE = (0.9, 0.85, 0.75, 0.65, 0.5, 0.35, 0.2, 0.1)  # P(marker = class)
+SITE_LABEL_BIAS = 0.9  # logit bonus of class ``site % num_classes``
+
+# Nuisance factors shared by all groups.
+ORIENTATION_JITTER = 0.18  # std of the stripe angle, in class spacings
+STRIPE_PERIOD_PX = (3.5, 6.0)
+BASE_CONTRAST = (0.25, 0.4)
+LESION_RADIUS = (0.45, 0.75)  # semi-axes, in units of half the image side
+LESION_DARKNESS = (0.45, 0.7)  # lesion brightness relative to the skin
+LESION_TINT = np.array([1.0, 0.85, 0.75], np.float32)
+SKIN_LIGHT = np.array([232.0, 194.0, 172.0], np.float32)
+SKIN_DARK = np.array([140.0, 96.0, 72.0], np.float32)
+VIGNETTE = (0.0, 0.35)  # darkening at the corners
+NUM_HAIRS = 3
+HAIR_WIDTH_PX = 0.8
+MARKER_PX = 6
+
+_CHUNK = 1024
+
+
+def class_angles(num_classes: int) -> np.ndarray:
+  """Stripe angle of each class in degrees, evenly spaced over [0, 90].
+
+  Class ``k`` shows stripes at +-angle (sign random per image), so classes are
+  mirror symmetric and horizontal flips preserve the label.
+  """
+  return 90.0 * np.arange(num_classes) / (num_classes - 1)
+
+
+def class_names(num_classes: int) -> tuple[str, ...]:
+  """Names of the stripe-orientation classes, e.g. ``stripes_30deg``."""
+  return tuple(f"stripes_{round(a):02d}deg" for a in class_angles(num_classes))
+
+
+def marker_palette(num_classes: int) -> np.ndarray:
+  """The marker colour of each class: evenly spaced hues, float32 [K, 3]."""
+  hue = np.arange(num_classes, dtype=np.float32)[:, None] / num_classes
+  rgb = np.clip(np.abs((hue * 6 + np.array([0.0, 4.0, 2.0])) % 6 - 3) - 1, 0, 1)
+  return (40 + 190 * rgb).astype(np.float32)
+
+
+def label_probs(num_classes: int) -> np.ndarray:
+  """P(label | age, site) as float64 [5, 8, K]: the attribute-label correlation."""
+  classes = np.arange(num_classes)
+  centred = 2 * classes / (num_classes - 1) - 1  # -1 (class 0) ... +1
+  age_logit = AGE_LABEL_TILT * (np.arange(len(AGE_GROUPS)) - 2)[:, None] * centred
+  site_logit = SITE_LABEL_BIAS * (
+      np.arange(len(SITE_GROUPS))[:, None] % num_classes == classes
+  )
+  logits = age_logit[:, None, :] + site_logit[None, :, :]
+  probs = np.exp(logits)
+  return probs / probs.sum(-1, keepdims=True)
+
+
+def synthetic_info(image_size: int = 32, num_classes: int = 4) -> DatasetInfo:
+  return DatasetInfo(
+      name="synthetic",
+      num_classes=num_classes,
+      class_names=class_names(num_classes),
+      attribute_names=ATTRIBUTE_NAMES,
+      group_names=(SEX_GROUPS, AGE_GROUPS, SITE_GROUPS),
+      image_size=image_size,
+  )
+
+
+def load_synthetic(
+    *,
+    image_size: int = 32,
+    num_classes: int = 4,
+    sizes: dict[str, int] | None = None,
+    seed: int = 0,
+    missing_rate: float = 0.0,
+) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
+  """Generates the synthetic benchmark.
+
+  Args:
+    image_size: Side of the square images.
+    num_classes: Number of stripe orientations (classes), at least 2.
+    sizes: Splits to generate and their sizes; defaults to
+      ``{"train": 8000, "val": 1000, "test": 2000}``. All splits are i.i.d.
+      draws from the same distribution.
+    seed: Master seed; each split derives its own seed from it and its name.
+    missing_rate: Probability that each attribute value is replaced by ``-1``
+      ("missing", as in ISIC 2019). Drawn from a separate random stream, so
+      images, labels and present attributes do not depend on it.
+
+  Returns:
+    ``(info, splits)`` with ``splits[name] = {"image": uint8 [N, S, S, 3],
+    "label": int32 [N], "attributes": int32 [N, 3]}``.
+  """
+  if num_classes < 2:
+    raise ValueError(f"num_classes must be >= 2, got {num_classes}.")
+  if not 0.0 <= missing_rate < 1.0:
+    raise ValueError(f"missing_rate must be in [0, 1), got {missing_rate}.")
+  sizes = DEFAULT_SIZES if sizes is None else sizes
+  splits = {}
+  for split, size in sizes.items():
+    chunks = [
+        _generate_chunk(
+            _chunk_seed(seed, split, c), image_size, num_classes, missing_rate
+        )
+        for c in range(-(-size // _CHUNK))
+    ] or [_empty_split(image_size)]
+    splits[split] = {
+        key: np.concatenate([chunk[key] for chunk in chunks])[:size]
+        for key in chunks[0]
+    }
+  return synthetic_info(image_size, num_classes), splits
+
+
+def _chunk_seed(seed: int, split: str, chunk: int) -> np.random.SeedSequence:
+  # crc32 rather than hash(): it must not change between Python processes.
+  return np.random.SeedSequence(seed, spawn_key=(zlib.crc32(split.encode()), chunk))
+
+
+def _empty_split(image_size: int) -> dict[str, np.ndarray]:
+  return {
+      "image": np.zeros((0, image_size, image_size, 3), np.uint8),
+      "label": np.zeros((0,), np.int32),
+      "attributes": np.zeros((0, len(ATTRIBUTE_NAMES)), np.int32),
+  }
+
+
+def _categorical(rng: np.random.Generator, probs: np.ndarray) -> np.ndarray:
+  """One draw per row of ``probs`` [n, K], vectorised inverse-CDF sampling."""
+  u = rng.random(probs.shape[0])[:, None]
+  return np.minimum((u > np.cumsum(probs, axis=-1)).sum(-1), probs.shape[-1] - 1)
+
+
+def _generate_chunk(
+    seed: np.random.SeedSequence,
+    size: int,
+    num_classes: int,
+    missing_rate: float,
+) -> dict[str, np.ndarray]:
+  """Renders ``_CHUNK`` examples from one seed."""
+  rng = np.random.default_rng(seed)
+  n, k = _CHUNK, num_classes
+  pixel = 2.0 / size  # one pixel in normalised [-1, 1] coordinates
+  scale = size / 32.0
+
+  # --- Latent variables, always drawn in this order for reproducibility.
+  sex = rng.choice(len(SEX_GROUPS), n, p=SEX_FREQ)
+  age = rng.choice(len(AGE_GROUPS), n, p=AGE_FREQ)
+  site = rng.choice(len(SITE_GROUPS), n, p=SITE_FREQ)
+  label = _categorical(rng, label_probs(k)[age, site])
+
+  spacing = np.pi / 2 / (k - 1)
+  angle = spacing * (label + ORIENTATION_JITTER * rng.standard_normal(n))
+  angle *= rng.choice([-1.0, 1.0], n)
+  wavenumber = 2 * np.pi / (rng.uniform(*STRIPE_PERIOD_PX, n) * scale * pixel)
+  phase = rng.uniform(0, 2 * np.pi, n)
+  contrast = rng.uniform(*BASE_CONTRAST, n) * np.take(AGE_CONTRAST, age)
+  centre = np.clip(rng.normal(0, 0.12, (2, n)), -0.3, 0.3)
+  radius = rng.uniform(*LESION_RADIUS, (2, n))
+  tilt = rng.uniform(0, np.pi, n)
+  skin = SKIN_LIGHT + rng.uniform(0, 1, (n, 1)) * (SKIN_DARK - SKIN_LIGHT)
+  lesion = skin * rng.uniform(*LESION_DARKNESS, (n, 1)) * LESION_TINT
+  vignette = rng.uniform(*VIGNETTE, n)
+  hair_on = rng.random((n, NUM_HAIRS)) < np.take(SEX_HAIR, sex)[:, None]
+  hair_angle = rng.uniform(0, np.pi, (n, NUM_HAIRS))
+  hair_offset = rng.uniform(-0.8, 0.8, (n, NUM_HAIRS))
+  hair_colour = rng.uniform(20, 60, n)
+  cue_ok = rng.random(n) < np.take(SITE_CUE, site) * np.take(SEX_CUE, sex)
+  cue_class = np.where(cue_ok, label, rng.integers(0, k, n))
+  noise_std = np.take(SITE_NOISE, site) * rng.uniform(0.8, 1.2, n)
+  noise = rng.standard_normal((n, size, size, 3), dtype=np.float32)
+
+  # --- Rendering, in float32 uint8 units. The scene is linear in the skin,
+  # lesion and hair colours, so their per-pixel weights are built on [n, H, W]
+  # arrays and the colour images [n, H, W, 3] are formed once.
+  f32 = lambda a: np.asarray(a, np.float32)[:, None, None]  # per image
+  per_hair = lambda a: np.asarray(a, np.float32)[:, :, None, None]
+  coords = (np.arange(size, dtype=np.float32) + 0.5) * pixel - 1
+  y, x = coords[None, :, None], coords[None, None, :]
+
+  # Lesion: a soft, randomly tilted ellipse.
+  dx, dy = x - f32(centre[0]), y - f32(centre[1])
+  cos_t, sin_t = f32(np.cos(tilt)), f32(np.sin(tilt))
+  r = np.hypot(
+      (dx * cos_t + dy * sin_t) / f32(radius[0]),
+      (dy * cos_t - dx * sin_t) / f32(radius[1]),
+  )
+  lesion_w = 1 / (1 + np.exp(-8 * (1 - r)))
+  # Stripes run along ``angle``: the wave vector is perpendicular to it.
+  along_wave = y * f32(np.cos(angle)) - x * f32(np.sin(angle))
+  stripes = np.cos(f32(wavenumber) * along_wave + f32(phase))
+  shade = 1 - f32(vignette) * (x * x + y * y) / 2
+  skin_w = (1 - lesion_w) * shade
+  lesion_w *= shade * (1 + f32(contrast) * stripes)
+
+  # Hair: up to NUM_HAIRS thin dark straight lines across the image.
+  hair_dist = np.abs(
+      x[:, None] * per_hair(np.cos(hair_angle))
+      + y[:, None] * per_hair(np.sin(hair_angle))
+      - per_hair(hair_offset)
+  )
+  hair_w = np.clip(1 - hair_dist / (HAIR_WIDTH_PX * scale * pixel), 0, 1)
+  hair_w = (hair_w * per_hair(hair_on)).max(axis=1)
+  skin_w *= 1 - hair_w
+  lesion_w *= 1 - hair_w
+
+  img = skin_w[..., None] * skin[:, None, None].astype(np.float32)
+  img += lesion_w[..., None] * lesion[:, None, None].astype(np.float32)
+  img += (hair_w * f32(hair_colour))[..., None]
+
+  # The marker sits over the hair but is blurred and noised like the rest of
+  # the photographed scene.
+  m = max(2, round(MARKER_PX * scale))
+  img[:, 1 : 1 + m, 1 : 1 + m] = marker_palette(k)[cue_class][:, None, None]
+
+  blurred = np.flatnonzero(np.take(SITE_BLUR, site) > 0)
+  sharp = img[blurred]
+  padded = np.pad(sharp, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
+  box = padded[:, :-2] + padded[:, 1:-1] + padded[:, 2:]  # separable 3x3 box
+  box = (box[:, :, :-2] + box[:, :, 1:-1] + box[:, :, 2:]) / np.float32(9)
+  blur_w = f32(np.take(SITE_BLUR, site[blurred]))[..., None]
+  img[blurred] = sharp + blur_w * (box - sharp)
+
+  noise *= f32(noise_std)[..., None]
+  img += noise
+  image = np.clip(np.rint(img, out=img), 0, 255, out=img).astype(np.uint8)
+
+  attributes = np.stack([sex, age, site], axis=1).astype(np.int32)
+  if missing_rate > 0:
+    missing_rng = np.random.default_rng(seed.spawn(1)[0])
+    attributes[missing_rng.random(attributes.shape) < missing_rate] = -1
+  return {"image": image, "label": label.astype(np.int32), "attributes": attributes}

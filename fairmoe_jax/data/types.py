@@ -1,0 +1,48 @@
+"""Dataset metadata shared by every dataset loader."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+  """Static description of a multi-attribute fairness dataset.
+
+  Attributes:
+    name: Registry name of the dataset.
+    num_classes: Number of target classes.
+    class_names: One name per target class.
+    attribute_names: Names of the sensitive attributes, in the column order of
+      the ``attributes`` array (value ``-1`` there means "missing").
+    group_names: For each attribute, the names of its groups; group ``g`` of
+      attribute ``j`` is encoded as ``attributes[:, j] == g``.
+    image_size: Side length of the stored (square) images.
+  """
+
+  name: str
+  num_classes: int
+  class_names: tuple[str, ...]
+  attribute_names: tuple[str, ...]
+  group_names: tuple[tuple[str, ...], ...]
+  image_size: int
+
+  def __post_init__(self):
+    if len(self.class_names) != self.num_classes:
+      raise ValueError(
+          f"{len(self.class_names)} class names for {self.num_classes} classes."
+      )
+    if len(self.group_names) != len(self.attribute_names):
+      raise ValueError(
+          f"{len(self.group_names)} group-name lists for "
+          f"{len(self.attribute_names)} attributes."
+      )
+
+  @property
+  def num_attributes(self) -> int:
+    return len(self.attribute_names)
+
+  @property
+  def group_sizes(self) -> tuple[int, ...]:
+    """Cardinality of each sensitive attribute."""
+    return tuple(len(names) for names in self.group_names)

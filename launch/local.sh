@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs a config on this machine. Usage: launch/local.sh [--dry-run] CONFIG WORKDIR [extra flags...]
+# Multi-host launchers (TPU pods, SLURM) come with the scale-out issue.
+set -euo pipefail
+dry_run=0
+if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 [--dry-run] CONFIG WORKDIR [--config.key=value ...]" >&2
+  exit 2
+fi
+config=$1 workdir=$2
+shift 2
+cmd=(python -m fairmoe_jax.main "--config=${config}" "--workdir=${workdir}" "$@")
+echo "will run: ${cmd[*]}"
+if [[ $dry_run == 1 ]]; then exit 0; fi
+exec "${cmd[@]}"

@@ -1,0 +1,160 @@
+"""End to end through `python -m fairmoe_jax.main`: training, reports, resume, SIGTERM, bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainkit.errors import USER_ERROR_EXIT_CODE
+from trainkit.metric_writers import read_metrics
+
+# A tiny model and dataset so each run takes seconds; everything else is the quickstart.
+TINY = [
+    "--config.data.train_size=512", "--config.data.val_size=64", "--config.data.test_size=128",
+    "--config.model.dim=32", "--config.model.depth=2", "--config.model.num_heads=2",
+    "--config.model.mlp_dim=64", "--config.batch_size=32", "--config.eval_batch_size=64",
+]
+
+
+def _env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # One CPU device, as on a user's laptop.
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
+def _command(repo_root, workdir, *args, config="configs/quickstart.py"):
+  return [sys.executable, "-m", "fairmoe_jax.main", f"--config={repo_root / config}",
+          f"--workdir={workdir}", *args]
+
+
+def _run(repo_root, workdir, *args, **kwargs):
+  return subprocess.run(_command(repo_root, workdir, *args, **kwargs), cwd=repo_root, env=_env(),
+                        capture_output=True, text=True, timeout=600)
+
+
+def _losses(workdir):
+  return {m["step"]: m["loss"] for m in read_metrics(str(workdir))}
+
+
+def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
+  result = _run(repo_root, tmp_path, *TINY, "--config.eval_every_steps=15",
+                "--config.log_every_steps=10", config="configs/quickstart.py:steps=30")
+  assert result.returncode == 0, result.stderr
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["num_examples"] == 128 and 0.0 <= report["accuracy"] <= 1.0
+  assert set(report["attributes"]) == {"sex", "age", "site"}
+  for attribute in report["attributes"].values():
+    assert {"pqd", "dp", "eopp", "eodds", "groups"} <= set(attribute)
+    assert sum(g["n"] for g in attribute["groups"].values()) == 128
+  assert set(report["mf"]) >= {"pqd", "dp", "eodds"}
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [10, 15, 20, 30]
+  assert all("loss" in m for m in metrics)
+  assert "val/accuracy" in metrics[1] and "test/mf_pqd" in metrics[-1]
+  assert os.listdir(tmp_path / "tensorboard")
+  for name in ("sex", "age", "site", "MF"):
+    assert name in result.stdout
+  # --mode=eval on the same workdir reproduces the report from the final checkpoint.
+  evaluated = _run(repo_root, tmp_path, *TINY, "--mode=eval", config="configs/quickstart.py:steps=30")
+  assert evaluated.returncode == 0, evaluated.stderr
+  assert json.loads((tmp_path / "report.json").read_text())["accuracy"] == report["accuracy"]
+
+
+RESUME = TINY + ["--config.log_every_steps=1", "--config.checkpoint_every_steps=5",
+                 "--config.eval_every_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, request):
+  repo_root = request.config.rootpath
+  workdir = tmp_path_factory.mktemp("reference")
+  result = _run(repo_root, workdir, *RESUME, config="configs/quickstart.py:steps=60")
+  assert result.returncode == 0, result.stderr
+  return _losses(workdir)
+
+
+def _interrupt(repo_root, workdir, sig, after_step):
+  """Starts a 60-step run and sends `sig` once `after_step` has been logged."""
+  process = subprocess.Popen(_command(repo_root, workdir, *RESUME, config="configs/quickstart.py:steps=60"),
+                             cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and process.poll() is None:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= after_step:
+      process.send_signal(sig)
+      break
+    time.sleep(0.01)
+  stdout, stderr = process.communicate(timeout=300)
+  return process.returncode, stdout, stderr
+
+
+def test_sigterm_saves_and_resume_logs_identical_losses(repo_root, tmp_path, reference_losses):
+  code, stdout, stderr = _interrupt(repo_root, tmp_path, signal.SIGTERM, after_step=7)
+  assert code == 0, stderr
+  assert "Stopped at step" in stdout
+  stopped = max(_losses(tmp_path))
+  assert stopped < 60, "the run finished before the signal arrived"
+  # The checkpoint is at the step where it stopped, not only at the last periodic one.
+  assert str(stopped) in os.listdir(tmp_path / "checkpoints")
+  resumed = _run(repo_root, tmp_path, *RESUME, config="configs/quickstart.py:steps=60")
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"Resumed from the checkpoint at step {stopped}" in resumed.stdout
+  assert _losses(tmp_path) == reference_losses
+
+
+def test_killed_run_resumes_from_last_checkpoint_with_identical_losses(repo_root, tmp_path, reference_losses):
+  code, _, _ = _interrupt(repo_root, tmp_path, signal.SIGKILL, after_step=12)
+  assert code == -signal.SIGKILL
+  resumed = _run(repo_root, tmp_path, *RESUME, config="configs/quickstart.py:steps=60")
+  assert resumed.returncode == 0, resumed.stderr
+  assert "Resumed from the checkpoint at step" in resumed.stdout
+  assert _losses(tmp_path) == reference_losses
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.nope=1"], "nope"),
+    (["--config.batch_size=abc"], "batch_size"),
+    (["--config.mesh.data=4"], "mesh"),
+    (["--config.moe.num_experts=3", "--config.mesh.expert=1", "--config.moe.top_k=4"], "moe.top_k"),
+    (["--config.model.patch_size=5"], "model.patch_size"),
+    (["--config.batch_size=0"], "batch_size"),
+])
+def test_bad_config_fails_fast_naming_the_key(repo_root, tmp_path, args, needle):
+  result = _run(repo_root, tmp_path, *args)
+  assert result.returncode != 0
+  assert needle in result.stderr
+  assert "Traceback" not in result.stderr
+  assert not (tmp_path / "checkpoints").exists()
+
+
+def test_bad_config_file_argument_names_the_key(repo_root, tmp_path):
+  result = _run(repo_root, tmp_path, config="configs/quickstart.py:stepz=3")
+  assert result.returncode != 0 and "stepz" in result.stderr
+
+
+def test_unwritable_workdir_is_one_clear_message(repo_root, tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  result = _run(repo_root, blocker / "run")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "not writable" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eval_without_checkpoint_is_one_clear_message(repo_root, tmp_path):
+  result = _run(repo_root, tmp_path, *TINY, "--mode=eval")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "no checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_corrupt_checkpoint_directory_is_one_clear_message(repo_root, tmp_path):
+  step_dir = tmp_path / "checkpoints" / "5"
+  step_dir.mkdir(parents=True)
+  (step_dir / "state").write_text("garbage")
+  result = _run(repo_root, tmp_path, *TINY, "--mode=eval")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "no readable checkpoint" in result.stderr and "Traceback" not in result.stderr

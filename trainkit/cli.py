@@ -1,0 +1,41 @@
+"""Command-line plumbing shared by the packages' `main` modules."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(USER_ERROR_EXIT_CODE)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing where a bad `--config...` flag is one line, not a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(str(e))
+  except UserError as e:  # Raised by a config file's get_config(arg).
+    _fail(str(e))
+  except (KeyError, AttributeError) as e:  # An override names a key the config lacks.
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    _fail(f"unknown config key {str(e).strip(chr(34))} in {' '.join(overrides) or 'the overrides'}")
+  except Exception as e:  # A config file that fails to load.
+    _fail(f"cannot load the config: {type(e).__name__}: {e}")
+
+
+def quiet_logging() -> None:
+  """JAX and Orbax log at INFO (backends tried, every checkpoint step); users see warnings."""
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger().setLevel(logging.WARNING)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  app.run(main, flags_parser=parse_flags)
