@@ -37,12 +37,21 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
   with jax.set_mesh(mesh):
     model = make_model()
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(tx.init, out_shardings=_optimizer_shardings(tx, params, mesh))(params)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                      opt_state=opt_state, rng=jax.random.PRNGKey(seed))
   # Every leaf gets an explicit mesh sharding (replicated unless annotated), so the
   # state the first step receives matches the one it returns and nothing recompiles.
   return graphdef, jax.device_put(state, state_shardings(state, mesh))
+
+
+def _optimizer_shardings(tx: optax.GradientTransformation, params: nnx.State, mesh: Mesh) -> Any:
+  """Optimizer moments take their parameter's sharding; counts and scalars are replicated."""
+  replicated = NamedSharding(mesh, P())
+  param_shardings = jax.tree.map(
+      lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params)
+  return optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+                               param_shardings, transform_non_params=lambda _: replicated)
 
 
 def state_shardings(state: Any, mesh: Mesh) -> Any:

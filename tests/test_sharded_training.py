@@ -1,0 +1,72 @@
+"""The fairmoe train step on meshes of 8 fake CPU devices: same losses as on one device."""
+import subprocess
+
+import flax.nnx as nnx
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from fairmoe_jax import config as fairmoe_config
+from fairmoe_jax import train
+from trainkit.mesh import make_mesh
+from trainkit.metric_writers import read_metrics
+from trainkit.optim import make_optimizer
+from trainkit.train_state import create_train_state
+
+
+def _tiny_config(data: int, expert: int, dtype: str = "float32"):
+  config = fairmoe_config.base_config()
+  config.data.update(train_size=256, val_size=32, test_size=64, num_threads=0)
+  config.model.update(dim=32, depth=2, num_heads=2, mlp_dim=64)
+  config.moe.num_experts = 8
+  config.update(batch_size=32, eval_batch_size=32, num_train_steps=4, log_every_steps=1,
+                eval_every_steps=0, checkpoint_every_steps=0, compute_dtype=dtype)
+  config.mesh.update(data=data, expert=expert)
+  fairmoe_config.validate(config, num_devices=jax.device_count())
+  return config
+
+
+def _train_losses(config, workdir) -> np.ndarray:
+  train.train_and_evaluate(config, str(workdir))
+  return np.array([m["loss"] for m in read_metrics(str(workdir))])
+
+
+@pytest.fixture(scope="module")
+def single_device_losses(tmp_path_factory):
+  return _train_losses(_tiny_config(1, 1), tmp_path_factory.mktemp("single"))
+
+
+@pytest.mark.parametrize("data,expert", [(2, 4), (4, 2)])
+def test_sharded_training_matches_one_device(tmp_path, single_device_losses, data, expert):
+  losses = _train_losses(_tiny_config(data, expert), tmp_path)
+  assert len(losses) == 4
+  np.testing.assert_allclose(losses, single_device_losses, rtol=2e-5)
+
+
+def test_expert_weights_are_sharded_over_the_expert_axis():
+  config = _tiny_config(2, 4)
+  mesh = make_mesh(config.mesh)
+  info, _ = train.load_data(config)
+  tx = make_optimizer(config.optimizer, config.num_train_steps)
+  _, state = create_train_state(lambda: train.build_model(config, info, nnx.Rngs(0)), tx, mesh, 0)
+  moe = state.params["blocks"][1]["mlp"]
+  assert moe["w1"].sharding.spec == P("expert", None, None)
+  assert moe["w1"].addressable_shards[0].data.shape == (2, 32, 64)  # 8 experts over 4 shards.
+  assert state.params["blocks"][0]["mlp"]["fc1"]["kernel"].sharding.spec == P()
+  # Adam's moments follow their parameters' sharding.
+  mu = state.opt_state[1][0].mu["blocks"][1]["mlp"]["w1"]
+  assert mu.sharding.spec == P("expert", None, None)
+
+
+def test_bfloat16_compute_trains_with_float32_parameters(tmp_path):
+  losses = _train_losses(_tiny_config(1, 1, "bfloat16"), tmp_path)
+  assert np.all(np.isfinite(losses))
+
+
+def test_local_launcher_dry_run_prints_the_command(repo_root):
+  result = subprocess.run(["bash", str(repo_root / "launch/local.sh"), "--dry-run", "configs/quickstart.py",
+                           "/tmp/wd", "--config.batch_size=64"], capture_output=True, text=True)
+  assert result.returncode == 0
+  assert ("will run: python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/wd "
+          "--config.batch_size=64") in result.stdout
