@@ -21,6 +21,7 @@ setup(
         "chex>=0.1.89",
         "absl-py>=2.0",
         "numpy>=1.26",
+        "pillow>=10",
         "tensorboardX>=2.6",
     ],
     extras_require={
