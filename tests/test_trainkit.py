@@ -1,6 +1,7 @@
 """The shared training kit: mesh, config arguments, optimiser, checkpoints, metric writer."""
 import json
 import os
+import signal
 
 import flax
 import jax
@@ -13,9 +14,11 @@ from jax.sharding import PartitionSpec as P
 from trainkit import config as cfg
 from trainkit.checkpoint import Checkpointer
 from trainkit.errors import ConfigError, UserError
+from trainkit.loop import train_loop
 from trainkit.mesh import batch_sharding, make_mesh, mesh_shape, shard_batch
 from trainkit.metric_writers import MetricWriter, read_metrics
 from trainkit.optim import default_optimizer_config, learning_rate_schedule, make_optimizer
+from trainkit.train_state import TrainState
 from trainkit.workdir import prepare_workdir
 
 
@@ -176,3 +179,46 @@ def test_unwritable_workdir_is_a_user_error(tmp_path):
   blocker.write_text("x")
   with pytest.raises(UserError, match="not writable"):
     prepare_workdir(str(blocker / "sub"))
+
+
+class _SignallingIterator:
+  """Yields constant batches and sends this process SIGTERM while producing batch `signal_at`."""
+
+  def __init__(self, signal_at: int):
+    self.position, self.signal_at = 0, signal_at
+
+  def __next__(self):
+    self.position += 1
+    if self.position == self.signal_at:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return {"x": np.ones((8, 1), np.float32)}
+
+  def get_state(self):
+    return {"position": self.position}
+
+  def set_state(self, state):
+    self.position = state["position"]
+
+
+def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
+  mesh = make_mesh({"data": 8, "expert": 1})
+  state = TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.zeros(())}, model_state={},
+                     opt_state=(), rng=jax.random.PRNGKey(0))
+
+  def train_step(state, batch):
+    return state.replace(step=state.step + 1), {"loss": jnp.sum(batch["x"])}
+
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  previous_handler = signal.getsignal(signal.SIGTERM)
+  state, preempted = train_loop(
+      state=state, train_step=jax.jit(train_step), train_iterator=_SignallingIterator(4), mesh=mesh,
+      checkpointer=ckpt, writer=MetricWriter(str(tmp_path), tensorboard=False), num_train_steps=100,
+      log_every_steps=10, eval_every_steps=0, checkpoint_every_steps=0, examples_per_step=8,
+      show_progress=False)
+  assert preempted and int(state.step) == 4
+  assert ckpt.all_steps() == [4]
+  _, data_state, step = ckpt.restore(state)
+  assert (step, data_state) == (4, {"position": 4})
+  assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))] == [(4, 8.0)]
+  assert signal.getsignal(signal.SIGTERM) == previous_handler  # The guard restores the handler.
+  ckpt.close()

@@ -48,8 +48,11 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
       batch = shard_batch(next(train_iterator), mesh)
       state, metrics = train_step(state, batch)
       step += 1
+      # Read once: a signal arriving later in this iteration is handled at the next step,
+      # never between deciding to stop and deciding to save.
+      stop_requested = guard.requested
       eval_due = evaluate is not None and _due(step, eval_every_steps, num_train_steps)
-      checkpoint_due = _due(step, checkpoint_every_steps, num_train_steps) or guard.requested
+      checkpoint_due = _due(step, checkpoint_every_steps, num_train_steps) or stop_requested
       if _due(step, log_every_steps, num_train_steps) or eval_due or checkpoint_due:
         steps_per_second = progress.rate(step)
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -64,7 +67,7 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
       if checkpoint_due:
         writer.flush()
         checkpointer.save(step, state, train_iterator.get_state(), force=True)
-      if guard.requested:
+      if stop_requested:
         preempted = True
         _log.warning("%s received: saved a checkpoint at step %d; stopping", guard.signal_name, step)
         break
