@@ -7,7 +7,7 @@ Command (about 2-3 minutes on 2 CPU cores):
   python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart
 
 Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
-  steps    number of training steps (default 400)
+  steps    number of training steps (default 350)
   experts  number of experts in the MoE block (default 4)
   top_k    experts per token (default 2)
 
@@ -19,7 +19,7 @@ from trainkit.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, steps=400, experts=4, top_k=2)
+  arg = parse_arg(arg, steps=350, experts=4, top_k=2)
   config = base_config()
   config.num_train_steps = arg.steps
   config.log_every_steps = 20
