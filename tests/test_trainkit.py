@@ -6,6 +6,7 @@ import signal
 import flax
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -19,7 +20,7 @@ from trainkit.mesh import batch_sharding, make_mesh, mesh_shape, shard_batch
 from trainkit.metric_writers import MetricWriter, read_metrics
 from trainkit.optim import default_optimizer_config, learning_rate_schedule, make_optimizer
 from trainkit.train_state import TrainState
-from trainkit.workdir import prepare_workdir
+from trainkit.workdir import prepare_workdir, save_config
 
 
 def test_eight_fake_devices_are_visible():
@@ -149,6 +150,14 @@ def test_all_checkpoints_corrupt_is_a_user_error(tmp_path):
     Checkpointer(str(tmp_path / "ckpt")).restore(state)
 
 
+def test_checkpoint_of_a_different_model_is_a_user_error_naming_the_array(tmp_path):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  ckpt.save(1, _State(step=jnp.array(0), w=jnp.arange(4.0)), {}, force=True)
+  ckpt.close()
+  with pytest.raises(UserError, match=r"different model .*w has shape \(4,\), expected \(5,\)"):
+    Checkpointer(str(tmp_path / "ckpt")).restore(_State(step=jnp.array(0), w=jnp.arange(5.0)))
+
+
 def test_checkpoint_path_that_is_a_file_is_a_user_error(tmp_path):
   (tmp_path / "ckpt").write_text("not a directory")
   with pytest.raises(UserError, match="not a directory"):
@@ -172,6 +181,16 @@ def test_metric_writer_merges_steps_and_truncates_on_resume(tmp_path):
   assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
   for line in open(tmp_path / "metrics.jsonl"):
     json.loads(line)
+
+
+def test_changed_config_on_resume_is_reported(tmp_path, caplog):
+  config = ml_collections.ConfigDict({"batch_size": 8, "mesh": {"data": 1}})
+  save_config(config, str(tmp_path))
+  config.mesh.data = 2
+  with caplog.at_level("WARNING"):
+    save_config(config, str(tmp_path))
+  assert "mesh.data: 1 -> 2" in caplog.text and "batch_size" not in caplog.text
+  assert json.loads((tmp_path / "config.json").read_text())["mesh"]["data"] == 2
 
 
 def test_unwritable_workdir_is_a_user_error(tmp_path):

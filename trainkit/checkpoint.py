@@ -28,6 +28,24 @@ def _abstract(tree: Any) -> Any:
       if isinstance(x, jax.Array) else x, tree)
 
 
+def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | None:
+  """Describes how a checkpoint's stored tree differs from the template, or None."""
+  expected = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract, keep_empty_nodes=True))
+  stored = ocp.tree.to_flat_dict(metadata)
+  name = lambda key: "/".join(key)
+  # Parameters first: they are what a user recognises (optimiser moments mirror them).
+  expected = dict(sorted(expected.items(), key=lambda item: item[0][0] != "params"))
+  problems = [f"missing {name(k)}" for k in expected if k not in stored]
+  problems += [f"unexpected {name(k)}" for k in stored if k not in expected]
+  problems += [f"{name(k)} has shape {tuple(stored[k].shape)}, expected {tuple(expected[k].shape)}"
+               for k in expected if k in stored and hasattr(expected[k], "shape")
+               and tuple(stored[k].shape) != tuple(expected[k].shape)]
+  if not problems:
+    return None
+  more = f" and {len(problems) - limit} more" if len(problems) > limit else ""
+  return "; ".join(problems[:limit]) + more
+
+
 class Checkpointer:
   """Saves and restores (train state, data-iterator state) pairs under `directory`."""
 
@@ -40,8 +58,10 @@ class Checkpointer:
         max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True,
         enable_async_checkpointing=async_save)
     try:
-      self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                            item_names=(STATE, DATA_ITERATOR))
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=options,
+          item_handlers={STATE: ocp.StandardCheckpointHandler(),
+                         DATA_ITERATOR: ocp.JsonCheckpointHandler()})
     except Exception as e:  # Orbax reports unreadable directories in many ways.
       raise UserError(f"cannot open checkpoint directory '{self.directory}': {e}") from e
 
@@ -73,6 +93,21 @@ class Checkpointer:
     abstract = _abstract(template_state)
     failures = []
     for step in steps:
+      try:
+        metadata = self._manager.item_metadata(step)[STATE]
+        if metadata is None:
+          raise ValueError("no metadata for the train state")
+      except Exception as e:  # Unreadable metadata: a corrupt or partial checkpoint.
+        failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        _log.warning("checkpoint at step %d in %s is unreadable (%s); trying an older one",
+                     step, self.directory, failures[-1])
+        continue
+      mismatch = _structure_mismatch(abstract, metadata)
+      if mismatch:
+        raise UserError(
+            f"the checkpoint at step {step} in '{self.directory}' holds a different model or "
+            f"optimiser than this config builds ({mismatch}); use the config the run was trained "
+            "with (saved as config.json in the workdir) or a new workdir")
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardRestore(abstract),

@@ -1,12 +1,17 @@
 """The run's working directory: created, checked for writing, and given the run's config."""
 from __future__ import annotations
 
+import json
+import logging
 import os
 import tempfile
+from typing import Any
 
 import ml_collections
 
 from trainkit.errors import UserError
+
+_log = logging.getLogger(__name__)
 
 
 def prepare_workdir(workdir: str | None) -> str:
@@ -23,6 +28,29 @@ def prepare_workdir(workdir: str | None) -> str:
   return workdir
 
 
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
+  return flat
+
+
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+  """Writes `config.json`; warns about keys that differ from the one a previous run left."""
+  path = os.path.join(workdir, "config.json")
+  text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  if os.path.exists(path):
+    with open(path) as f:
+      try:
+        before = _flatten(json.load(f))
+      except json.JSONDecodeError:
+        before = {}
+    after = _flatten(json.loads(text))
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if before and changed:
+      _log.warning("config differs from the previous run in this workdir (%s): %s", path,
+                   ", ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed))
+  with open(path, "w") as f:
+    f.write(text)
