@@ -3,7 +3,7 @@ r"""Quickstart: a small ViT with a sparse-MoE last block on the built-in synthet
 Trains on 32x32 generated images with three sensitive attributes (sex: 2 groups,
 age: 5, site: 8), evaluates on the test split and prints the fairness report.
 
-Command (about 2-3 minutes on 2 CPU cores):
+Command:
   python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart
 
 Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
@@ -11,8 +11,9 @@ Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
   experts  number of experts in the MoE block (default 4)
   top_k    experts per token (default 2)
 
-Expected result: see docs/results.md (test accuracy well above the 25% chance level of
-4 classes, with a clear accuracy gap between groups, i.e. MF-PQD below 1).
+Expected result (docs/results.md; 139 s on 2 CPU cores): test accuracy about 76% (chance is
+25%), and a measurably unfair model: MF-PQD about 0.70, with site the least fair attribute
+(PQD about 0.41) and sex the fairest (about 0.87).
 """
 from fairmoe_jax.config import base_config
 from trainkit.config import parse_arg

@@ -68,6 +68,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, num_process
   cfg.require_int(config, "data.num_classes", minimum=2)
   for key in ("data.train_size", "data.val_size", "data.test_size"):
     cfg.require_int(config, key, minimum=1)
+  if config.data.train_size < config.batch_size:
+    raise ConfigError("data.train_size", f"{config.data.train_size} training examples are fewer "
+                      f"than one batch (batch_size={config.batch_size})")
   cfg.require_int(config, "data.num_threads", minimum=0)
 
   patch = cfg.require_int(config, "model.patch_size", minimum=1)

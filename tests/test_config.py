@@ -42,6 +42,7 @@ def test_quickstart_arguments_reach_the_config():
     (lambda c: c.model.update(num_heads=3), "model.num_heads"),
     (lambda c: c.update(num_train_steps=0), "num_train_steps"),
     (lambda c: c.data.update(name="imagenet"), "data.name"),
+    (lambda c: c.data.update(train_size=100), "data.train_size"),
     (lambda c: c.optimizer.update(final_lr_fraction=2.0), "optimizer.final_lr_fraction"),
 ])
 def test_impossible_values_name_the_key(mutate, key):
