@@ -54,8 +54,10 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
       eval_due = evaluate is not None and _due(step, eval_every_steps, num_train_steps)
       checkpoint_due = _due(step, checkpoint_every_steps, num_train_steps) or stop_requested
       if _due(step, log_every_steps, num_train_steps) or eval_due or checkpoint_due:
-        steps_per_second = progress.rate(step)
+        # Fetching the metrics waits for the step to finish; only then is the clock read,
+        # so throughput counts finished steps, not asynchronously dispatched ones.
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        steps_per_second = progress.rate(step)
         if steps_per_second > 0:
           scalars["steps_per_second"] = steps_per_second
           scalars["examples_per_second"] = steps_per_second * examples_per_step
