@@ -1,4 +1,5 @@
 """The shared training kit: mesh, config arguments, optimiser, checkpoints, metric writer."""
+import io
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from trainkit.loop import train_loop
 from trainkit.mesh import batch_sharding, make_mesh, mesh_shape, shard_batch
 from trainkit.metric_writers import MetricWriter, read_metrics
 from trainkit.optim import default_optimizer_config, learning_rate_schedule, make_optimizer
+from trainkit.progress import ProgressBar
 from trainkit.train_state import TrainState
 from trainkit.workdir import prepare_workdir, save_config
 
@@ -241,3 +243,14 @@ def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))] == [(4, 8.0)]
   assert signal.getsignal(signal.SIGTERM) == previous_handler  # The guard restores the handler.
   ckpt.close()
+
+
+def test_progress_bar_reports_throughput_eta_and_scalars():
+  stream = io.StringIO()  # Not a terminal: one line per update.
+  bar = ProgressBar(100, initial=20, examples_per_step=32, stream=stream)
+  bar.update(60, steps_per_second=2.0, scalars={"loss": 0.123456})
+  bar.close()
+  line = stream.getvalue().strip()
+  assert line.startswith("[#########") and "60/100" in line
+  assert "64.0 ex/s" in line and "ETA " in line and "loss 0.1235" in line
+  assert "\r" not in stream.getvalue()
