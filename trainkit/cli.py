@@ -2,18 +2,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Callable
 
 from absl import app, flags
 from absl import logging as absl_logging
 
-from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
-
-
-def _fail(message: str) -> None:
-  print(f"error: {message}", file=sys.stderr, flush=True)
-  sys.exit(USER_ERROR_EXIT_CODE)
+from trainkit.errors import UserError, fail
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -21,14 +15,14 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    _fail(str(e))
+    fail(str(e))
   except UserError as e:  # Raised by a config file's get_config(arg).
-    _fail(str(e))
+    fail(str(e))
   except (KeyError, AttributeError) as e:  # An override names a key the config lacks.
     overrides = [a for a in argv[1:] if a.startswith("--config.")]
-    _fail(f"unknown config key {str(e).strip(chr(34))} in {' '.join(overrides) or 'the overrides'}")
+    fail(f"unknown config key {str(e).strip(chr(34))} in {' '.join(overrides) or 'the overrides'}")
   except Exception as e:  # A config file that fails to load.
-    _fail(f"cannot load the config: {type(e).__name__}: {e}")
+    fail(f"cannot load the config: {type(e).__name__}: {e}")
 
 
 def quiet_logging() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable, TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -27,6 +27,12 @@ class ConfigError(UserError):
     super().__init__(f"config key '{key}': {message}")
 
 
+def fail(message: str) -> NoReturn:
+  """Prints `error: message` to stderr and exits with USER_ERROR_EXIT_CODE."""
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(USER_ERROR_EXIT_CODE)
+
+
 def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
   """Decorates an entry point so a UserError prints one line and exits non-zero."""
 
@@ -35,7 +41,6 @@ def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
     try:
       return fn(*args, **kwargs)
     except UserError as e:
-      print(f"error: {e}", file=sys.stderr, flush=True)
-      sys.exit(USER_ERROR_EXIT_CODE)
+      fail(str(e))
 
   return wrapper
