@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   cli.quiet_logging()
-  run(_CONFIG.value, _WORKDIR.value, _MODE.value)
+  run(cli.loaded_config(_CONFIG), _WORKDIR.value, _MODE.value)
 
 
 if __name__ == "__main__":

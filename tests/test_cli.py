@@ -158,3 +158,10 @@ def test_corrupt_checkpoint_directory_is_one_clear_message(repo_root, tmp_path):
   result = _run(repo_root, tmp_path, *TINY, "--mode=eval")
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert "no readable checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_config_file_is_one_clear_message(repo_root, tmp_path):
+  result = _run(repo_root, tmp_path, config="configs/does_not_exist.py")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "does_not_exist.py" in result.stderr and "No such file" in result.stderr
+  assert "Traceback" not in result.stderr
