@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from trainkit import config as cfg
 from trainkit.checkpoint import Checkpointer
 from trainkit.errors import ConfigError, UserError
-from trainkit.loop import train_loop
+from trainkit.loop import TrainingDiverged, train_loop
 from trainkit.mesh import batch_sharding, make_mesh, mesh_shape, shard_batch
 from trainkit.metric_writers import MetricWriter, read_metrics
 from trainkit.optim import default_optimizer_config, learning_rate_schedule, make_optimizer
@@ -254,3 +254,22 @@ def test_progress_bar_reports_throughput_eta_and_scalars():
   assert line.startswith("[#########") and "60/100" in line
   assert "64.0 ex/s" in line and "ETA " in line and "loss 0.1235" in line
   assert "\r" not in stream.getvalue()
+
+
+def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
+  mesh = make_mesh({"data": 8, "expert": 1})
+  state = TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.zeros(())}, model_state={},
+                     opt_state=(), rng=jax.random.PRNGKey(0))
+
+  def train_step(state, batch):
+    loss = jnp.where(state.step >= 4, jnp.nan, 1.0)  # Diverges at the 5th step.
+    return state.replace(step=state.step + 1), {"loss": loss}
+
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  with pytest.raises(TrainingDiverged, match="loss became nan at step 5.*latest is at step 4"):
+    train_loop(state=state, train_step=jax.jit(train_step), train_iterator=_SignallingIterator(-1),
+               mesh=mesh, checkpointer=ckpt, writer=MetricWriter(str(tmp_path), tensorboard=False),
+               num_train_steps=10, log_every_steps=1, eval_every_steps=0, checkpoint_every_steps=2,
+               examples_per_step=8, show_progress=False)
+  assert ckpt.all_steps() == [2, 4]
+  assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))][-1] == (5, None)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Mapping, Protocol
 
 import jax
 from jax.sharding import Mesh
 
 from trainkit.checkpoint import Checkpointer
+from trainkit.errors import UserError
 from trainkit.mesh import shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.preemption import PreemptionGuard
@@ -15,6 +17,10 @@ from trainkit.progress import ProgressBar
 from trainkit.train_state import TrainState
 
 _log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(UserError):
+  """The loss became NaN or infinite."""
 
 
 class CheckpointableIterator(Protocol):
@@ -57,6 +63,18 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
         # Fetching the metrics waits for the step to finish; only then is the clock read,
         # so throughput counts finished steps, not asynchronously dispatched ones.
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # Checkpoint steps are always logged, so every saved state passed this check: a finite
+        # loss and gradient norm at step s imply finite parameters after update s.
+        diverged = [k for k in ("loss", "grad_norm") if k in scalars and not math.isfinite(scalars[k])]
+        if diverged:
+          writer.write_scalars(step, scalars)
+          writer.flush()
+          checkpointer.wait()
+          raise TrainingDiverged(
+              f"the {' and '.join(diverged)} became {scalars[diverged[0]]} at step {step}; "
+              "no checkpoint was written for it "
+              f"(the latest is at step {checkpointer.latest_step()}). Lower the learning rate, "
+              "clip gradients or use float32 compute, then rerun to resume from that checkpoint")
         steps_per_second = progress.rate(step)
         if steps_per_second > 0:
           scalars["steps_per_second"] = steps_per_second

@@ -1,0 +1,432 @@
+r"""Statistics of the built-in synthetic dataset: the numbers in docs/dataset.md.
+
+Command (about 15 s on 2 CPU cores for the default sizes):
+
+  python scripts/synthetic_stats.py --seed=0
+  python scripts/synthetic_stats.py --seed=0 --output=/tmp/synthetic_stats_seed0.json
+
+With ``--workdir`` pointing at a finished training run on the same dataset (e.g. the quickstart,
+``python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/qs_seed0``), it also
+restores that run's final checkpoint and measures how much the model follows the corner marker:
+
+  python scripts/synthetic_stats.py --seed=0 --workdir=/tmp/qs_seed0
+
+What it reports, for dataset seed ``--seed`` and the split sizes given:
+
+* **Group sizes** of every split, per attribute, with the generator's nominal frequencies.
+* **Label frequencies** P(y | group) per attribute on ``--split`` (default: train), measured on
+  the generated labels, next to the generator's expected values (from ``label_probs`` and the
+  attribute frequencies).
+* **Marker agreement**: how often the corner marker shows the true class, per group, on the
+  train and test splits. It is *measured from the images*: the marker colour is read as the mean
+  of the marker square's interior pixels (which the 3x3 blur does not mix with the background)
+  and matched to the nearest palette colour. The generator's expected value
+  ``p + (1 - p) / K`` with ``p = site reliability x sex factor`` is printed beside it. Agreement
+  is computed with the repository's metric code, treating "predict the marker's class" as a
+  classifier, so it is also the per-group accuracy of that shortcut (and its PQD).
+* **Logistic regression baseline**: multinomial logistic regression (numpy, Newton's method,
+  deterministic) on 8x8-downsampled pixels (mean pooling; 192 standardised features), trained on
+  the train split and evaluated on the test split with ``fairness_report``.
+* With ``--workdir``: the trained model's test accuracy when the marker agrees and disagrees with
+  the label, and the share of its errors on disagreeing images that predict the marker's class.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from fairmoe_jax import data as data_lib
+from fairmoe_jax.data import synthetic
+from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
+
+Split = dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------------------
+# Group sizes and label frequencies.
+# ---------------------------------------------------------------------------
+
+
+def group_sizes(split: Split, info: data_lib.DatasetInfo) -> dict[str, dict[str, int]]:
+  """``{attribute: {group: n}}`` for one split (missing values, -1, are not counted)."""
+  return {
+      name: {g: int(np.sum(split["attributes"][:, i] == j)) for j, g in enumerate(groups)}
+      for i, (name, groups) in enumerate(zip(info.attribute_names, info.group_names))
+  }
+
+
+def _nominal_frequencies() -> dict[str, tuple[float, ...]]:
+  return {"sex": synthetic.SEX_FREQ, "age": synthetic.AGE_FREQ, "site": synthetic.SITE_FREQ}
+
+
+def _expected_label_probs(num_classes: int) -> dict[str, np.ndarray]:
+  """Generator's P(y | group) per attribute, [G, K], marginalised over the other attribute."""
+  probs = synthetic.label_probs(num_classes)  # [age, site, K]
+  age_freq, site_freq = np.asarray(synthetic.AGE_FREQ), np.asarray(synthetic.SITE_FREQ)
+  by_age = np.einsum("ask,s->ak", probs, site_freq)
+  by_site = np.einsum("ask,a->sk", probs, age_freq)
+  overall = age_freq @ by_age
+  # Sex does not enter the label distribution.
+  by_sex = np.tile(overall, (len(synthetic.SEX_GROUPS), 1))
+  return {"all": overall, "sex": by_sex, "age": by_age, "site": by_site}
+
+
+def label_frequencies(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
+  """Measured and expected P(y | group) per attribute, plus the overall label frequencies."""
+  k = info.num_classes
+  labels, attrs = split["label"], split["attributes"]
+  expected = _expected_label_probs(k)
+
+  def freq(mask: np.ndarray) -> list[float]:
+    return (np.bincount(labels[mask], minlength=k) / max(int(mask.sum()), 1)).tolist()
+
+  result: dict[str, Any] = {
+      "all": {"measured": freq(np.ones(len(labels), bool)), "expected": expected["all"].tolist()}
+  }
+  for i, (name, groups) in enumerate(zip(info.attribute_names, info.group_names)):
+    result[name] = {
+        g: {"measured": freq(attrs[:, i] == j), "expected": expected[name][j].tolist()}
+        for j, g in enumerate(groups)
+    }
+  return result
+
+
+# ---------------------------------------------------------------------------
+# The corner marker.
+# ---------------------------------------------------------------------------
+
+
+def decode_marker(images: np.ndarray, num_classes: int) -> np.ndarray:
+  """The palette class shown by each image's corner marker, int32 [N].
+
+  Reads the mean colour of the marker square's interior and returns the nearest palette colour.
+  The square covers rows and columns ``1 .. m`` (as drawn by ``_generate_chunk``); its interior
+  ``2 .. m - 1`` is untouched by the 3x3 blur, so only the per-pixel noise remains, which the
+  mean over the interior averages out.
+  """
+  size = images.shape[1]
+  m = max(2, round(synthetic.MARKER_PX * size / 32.0))  # the marker side, as in the generator
+  lo, hi = (2, m) if m > 2 else (1, m + 1)  # a 2 px marker has no interior: use all of it
+  colour = images[:, lo:hi, lo:hi].astype(np.float64).mean(axis=(1, 2))  # [N, 3]
+  palette = synthetic.marker_palette(num_classes).astype(np.float64)  # [K, 3]
+  distance = ((colour[:, None, :] - palette[None]) ** 2).sum(-1)
+  return np.argmin(distance, axis=1).astype(np.int32)
+
+
+def _report(labels: np.ndarray, predictions: np.ndarray, attributes: np.ndarray,
+            info: data_lib.DatasetInfo) -> dict[str, Any]:
+  """``fairness_report`` of ``predictions`` (numpy in, via the repository's count functions)."""
+  mask = np.ones(len(labels), np.float32)
+  k = info.num_classes
+  overall = overall_counts(labels, predictions, mask, num_classes=k)
+  per_attribute = attribute_counts(labels, predictions, attributes, mask,
+                                   group_sizes=info.group_sizes, num_classes=k)
+  return fairness_report(np.asarray(overall), [np.asarray(c) for c in per_attribute],
+                         info.attribute_names, info.group_names)
+
+
+def _expected_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
+  """Generator's P(marker = label) = p + (1 - p) / K, averaged over each group's examples."""
+  sex, site = split["attributes"][:, 0], split["attributes"][:, 2]
+  p = np.take(synthetic.SITE_CUE, site) * np.take(synthetic.SEX_CUE, sex)
+  agree = p + (1 - p) / info.num_classes
+  result: dict[str, Any] = {"all": float(agree.mean())}
+  for i, (name, groups) in enumerate(zip(info.attribute_names, info.group_names)):
+    col = split["attributes"][:, i]
+    result[name] = {g: float(agree[col == j].mean()) for j, g in enumerate(groups)
+                    if np.any(col == j)}
+  return result
+
+
+def marker_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
+  """Measured (from the images) and expected rate at which the marker shows the true class."""
+  marker = decode_marker(split["image"], info.num_classes)
+  return {
+      "measured": _report(split["label"], marker, split["attributes"], info),
+      "expected": _expected_agreement(split, info),
+  }
+
+
+# ---------------------------------------------------------------------------
+# Logistic regression baseline.
+# ---------------------------------------------------------------------------
+
+
+def downsample(images: np.ndarray, side: int = 8) -> np.ndarray:
+  """Mean-pools uint8 [N, S, S, 3] images to float64 [N, side * side * 3] features."""
+  n, size = images.shape[0], images.shape[1]
+  if size % side:
+    raise ValueError(f"image size {size} is not a multiple of {side}")
+  f = size // side
+  pooled = images.astype(np.float64).reshape(n, side, f, side, f, 3).mean(axis=(2, 4))
+  return pooled.reshape(n, -1)
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+  z = np.exp(logits - logits.max(axis=1, keepdims=True))
+  return z / z.sum(axis=1, keepdims=True)
+
+
+def fit_logistic_regression(x: np.ndarray, y: np.ndarray, num_classes: int, *, l2: float,
+                            max_iterations: int = 50, tolerance: float = 1e-8) -> np.ndarray:
+  """Multinomial logistic regression by Newton's method; returns weights [D + 1, K].
+
+  Minimises ``mean cross-entropy + l2 / 2 * |W|^2`` (the bias, the last row, is not penalised).
+  ``x`` should be standardised. Deterministic: no random initialisation, no sampling; a step
+  that does not lower the loss is halved.
+  """
+  n = x.shape[0]
+  xb = np.concatenate([x, np.ones((n, 1))], axis=1)
+  d, k = xb.shape[1], num_classes
+  onehot = np.eye(k)[y]
+  penalty = np.full(d, l2)
+  penalty[-1] = 0.0
+
+  def loss(w: np.ndarray) -> float:
+    logits = xb @ w
+    log_z = logits.max(1) + np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
+    return float(np.mean(log_z - logits[np.arange(n), y]) + 0.5 * np.sum(penalty[:, None] * w * w))
+
+  w = np.zeros((d, k))
+  current = loss(w)
+  for _ in range(max_iterations):
+    p = _softmax(xb @ w)
+    grad = xb.T @ (p - onehot) / n + penalty[:, None] * w  # [D, K]
+    # Hessian blocks H[a, b] = X^T diag(p_a (delta_ab - p_b)) X / n, laid out [K*D, K*D].
+    hess = np.zeros((k, d, k, d))
+    for a in range(k):
+      for b in range(a, k):
+        weight = p[:, a] * ((a == b) - p[:, b])
+        block = (xb * weight[:, None]).T @ xb / n
+        hess[a, :, b, :] = block
+        hess[b, :, a, :] = block.T
+    hess = hess.reshape(k * d, k * d) + np.diag(np.tile(penalty, k)) + 1e-10 * np.eye(k * d)
+    step = np.linalg.solve(hess, grad.T.reshape(-1)).reshape(k, d).T
+    scale = 1.0
+    while scale > 1e-4:
+      candidate = loss(w - scale * step)
+      if candidate <= current:
+        break
+      scale /= 2
+    w -= scale * step
+    improvement, current = current - candidate, candidate
+    if improvement < tolerance:
+      break
+  return w
+
+
+def logistic_regression_baseline(train: Split, test: Split, info: data_lib.DatasetInfo, *,
+                                 l2: float) -> dict[str, Any]:
+  """Trains on ``train`` (8x8 pixels), returns train accuracy and the test fairness report."""
+  x_train, x_test = downsample(train["image"]), downsample(test["image"])
+  mean, std = x_train.mean(0), x_train.std(0) + 1e-6
+  x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
+  w = fit_logistic_regression(x_train, train["label"], info.num_classes, l2=l2)
+  predict = lambda x: np.argmax(np.concatenate([x, np.ones((len(x), 1))], 1) @ w, axis=1)
+  return {
+      "features": f"8x8 mean-pooled pixels, {x_train.shape[1]} standardised features",
+      "l2": l2,
+      "train_accuracy": float(np.mean(predict(x_train) == train["label"])),
+      "test": _report(test["label"], predict(x_test).astype(np.int32), test["attributes"], info),
+  }
+
+
+# ---------------------------------------------------------------------------
+# Optional: how much a trained model follows the marker.
+# ---------------------------------------------------------------------------
+
+
+def model_predictions(workdir: str, test: Split) -> tuple[np.ndarray, dict[str, Any]]:
+  """Test-split predictions of the final checkpoint in ``workdir`` (a fairmoe_jax.main run)."""
+  import flax.nnx as nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  import ml_collections
+
+  from fairmoe_jax import train as train_lib
+  from trainkit.checkpoint import Checkpointer
+  from trainkit.mesh import make_mesh
+  from trainkit.optim import make_optimizer
+  from trainkit.train_state import create_train_state
+
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  info = synthetic.synthetic_info(config.data.image_size, config.data.num_classes)
+  mesh = make_mesh(config.mesh)
+  tx = make_optimizer(config.optimizer, config.num_train_steps)
+  graphdef, state = create_train_state(
+      lambda: train_lib.build_model(config, info, nnx.Rngs(params=config.seed)), tx, mesh,
+      config.seed)
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                              max_to_keep=config.keep_checkpoints)
+  restored = checkpointer.restore(state)
+  checkpointer.close()
+  if restored is None:
+    raise SystemExit(f"no checkpoint in {workdir}/checkpoints")
+  state, _, step = restored
+
+  @jax.jit
+  def predict(params, model_state, images):
+    logits, _ = nnx.merge(graphdef, params, model_state)(images, train=False)
+    return jax.numpy.argmax(logits, -1)
+
+  predictions = []
+  with jax.set_mesh(mesh):
+    for batch in data_lib.eval_batches(test, batch_size=config.eval_batch_size,
+                                       image_size=config.data.image_size):
+      pred = np.asarray(predict(state.params, state.model_state, batch["image"]))
+      predictions.append(pred[batch["mask"] > 0])
+  return np.concatenate(predictions).astype(np.int32), {"workdir": workdir, "step": int(step),
+                                                        "data": config.data.to_dict()}
+
+
+def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict[str, float]:
+  """Accuracy split by whether the marker agrees with the label, and marker-following errors."""
+  labels = test["label"]
+  marker = decode_marker(test["image"], num_classes)
+  agrees, correct = marker == labels, predictions == labels
+  wrong_on_disagreeing = ~agrees & ~correct
+  return {
+      "share_marker_agrees": float(agrees.mean()),
+      "accuracy": float(correct.mean()),
+      "accuracy_marker_agrees": float(correct[agrees].mean()),
+      "accuracy_marker_disagrees": float(correct[~agrees].mean()),
+      "errors_on_disagreeing": int(wrong_on_disagreeing.sum()),
+      "share_of_those_predicting_marker": float(
+          np.mean(predictions[wrong_on_disagreeing] == marker[wrong_on_disagreeing])),
+  }
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------
+
+
+def compute(*, seed: int, sizes: dict[str, int], image_size: int = 32, num_classes: int = 4,
+            split: str = "train", l2: float = 1e-3, workdir: str | None = None) -> dict[str, Any]:
+  """All statistics as a JSON-serialisable dict."""
+  for needed in (split, "train", "test"):
+    if needed not in sizes:
+      raise ValueError(f"sizes must include a {needed!r} split, got {sorted(sizes)}")
+  start = time.perf_counter()
+  info, splits = data_lib.get_dataset("synthetic", image_size=image_size,
+                                      num_classes=num_classes, sizes=sizes, seed=seed)
+  generation_seconds = time.perf_counter() - start
+  stats: dict[str, Any] = {
+      "dataset": {"seed": seed, "image_size": image_size, "num_classes": num_classes,
+                  "sizes": dict(sizes), "class_names": list(info.class_names)},
+      "generation_seconds": generation_seconds,
+      "nominal_frequencies": {k: list(v) for k, v in _nominal_frequencies().items()},
+      "group_sizes": {name: group_sizes(s, info) for name, s in splits.items()},
+      "label_frequencies": {"split": split, **label_frequencies(splits[split], info)},
+      "marker_agreement": {name: marker_agreement(splits[name], info) for name in ("train", "test")},
+  }
+  start = time.perf_counter()
+  stats["logistic_regression"] = logistic_regression_baseline(
+      splits["train"], splits["test"], info, l2=l2)
+  stats["logistic_regression"]["seconds"] = time.perf_counter() - start
+  if workdir is not None:
+    predictions, run = model_predictions(workdir, splits["test"])
+    wanted = {"seed": seed, "image_size": image_size, "num_classes": num_classes,
+              "test_size": sizes["test"]}
+    if any(run["data"].get(k) != v for k, v in wanted.items()):
+      raise SystemExit(f"{workdir} was trained on data {run['data']}, not on {wanted}; "
+                       "pass the matching --seed/--test-size")
+    stats["model"] = {"workdir": workdir, "step": run["step"],
+                      **shortcut_use(predictions, splits["test"], num_classes)}
+  return stats
+
+
+def _fmt_probs(values: list[float]) -> str:
+  return " ".join(f"{v:.3f}" for v in values)
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+  """Plain-text rendering of ``compute``'s result."""
+  d = stats["dataset"]
+  lines = [f"Synthetic dataset, seed {d['seed']}, {d['image_size']}x{d['image_size']}, "
+           f"{d['num_classes']} classes, sizes {d['sizes']} "
+           f"(generated in {stats['generation_seconds']:.2f} s)", ""]
+
+  lines.append("== Group sizes (nominal frequency in brackets)")
+  split_names = list(stats["group_sizes"])
+  for attr, nominal in stats["nominal_frequencies"].items():
+    lines.append(f"[{attr}]  " + "  ".join(f"{s:>6}" for s in split_names))
+    for j, g in enumerate(stats["group_sizes"][split_names[0]][attr]):
+      counts = "  ".join(f"{stats['group_sizes'][s][attr][g]:>6}" for s in split_names)
+      lines.append(f"  {g:<16} ({nominal[j]:.2f})  {counts}")
+  lines.append("")
+
+  lf = stats["label_frequencies"]
+  lines.append(f"== Label frequencies P(y | group) on {lf['split']}: measured [expected]; "
+               f"classes {', '.join(d['class_names'])}")
+  lines.append(f"  {'all':<16} {_fmt_probs(lf['all']['measured'])}  "
+               f"[{_fmt_probs(lf['all']['expected'])}]")
+  for attr in stats["nominal_frequencies"]:
+    lines.append(f"[{attr}]")
+    for g, v in lf[attr].items():
+      lines.append(f"  {g:<16} {_fmt_probs(v['measured'])}  [{_fmt_probs(v['expected'])}]")
+  lines.append("")
+
+  for split, ma in stats["marker_agreement"].items():
+    measured, expected = ma["measured"], ma["expected"]
+    lines.append(f"== Marker shows the true class ({split}): measured from the images "
+                 "[expected from the generator's factors]")
+    lines.append(f"  {'all':<16} {measured['accuracy']:.3f}  [{expected['all']:.3f}]")
+    for attr, entry in measured["attributes"].items():
+      lines.append(f"[{attr}]  PQD of always following the marker: {entry['pqd']:.3f}")
+      for g, v in entry["groups"].items():
+        lines.append(f"  {g:<16} {v['accuracy']:.3f}  [{expected[attr][g]:.3f}]  n={v['n']}")
+    lines.append("")
+
+  lr = stats["logistic_regression"]
+  lines.append(f"== Logistic regression on {lr['features']}, l2 {lr['l2']:g} "
+               f"({lr['seconds']:.1f} s): train accuracy {lr['train_accuracy']:.3f}; test:")
+  lines.append(format_report(lr["test"]))
+
+  if "model" in stats:
+    m = stats["model"]
+    lines += ["", f"== Trained model in {m['workdir']} (step {m['step']}), test split",
+              f"  accuracy {m['accuracy']:.3f}; marker agrees with the label on "
+              f"{m['share_marker_agrees']:.3f} of the images",
+              f"  accuracy where the marker agrees {m['accuracy_marker_agrees']:.3f}, "
+              f"where it disagrees {m['accuracy_marker_disagrees']:.3f}",
+              f"  errors on disagreeing images: {m['errors_on_disagreeing']}, of which "
+              f"{m['share_of_those_predicting_marker']:.3f} predict the marker's class"]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
+  parser.add_argument("--image-size", type=int, default=32)
+  parser.add_argument("--num-classes", type=int, default=4)
+  for name, size in synthetic.DEFAULT_SIZES.items():
+    parser.add_argument(f"--{name}-size", type=int, default=size, help=f"default {size}")
+  parser.add_argument("--split", default="train", help="split for the label frequencies")
+  parser.add_argument("--l2", type=float, default=1e-3,
+                      help="L2 penalty of the logistic regression (default 1e-3)")
+  parser.add_argument("--workdir", help="a finished fairmoe_jax.main run on this dataset: "
+                      "also measure how much its model follows the marker")
+  parser.add_argument("--output", help="also write the statistics to this JSON file")
+  args = parser.parse_args(argv)
+
+  sizes = {name: getattr(args, f"{name}_size") for name in synthetic.DEFAULT_SIZES}
+  stats = compute(seed=args.seed, sizes=sizes, image_size=args.image_size,
+                  num_classes=args.num_classes, split=args.split, l2=args.l2,
+                  workdir=args.workdir)
+  print(format_stats(stats), flush=True)
+  if args.output:
+    with open(args.output, "w") as f:
+      json.dump(stats, f, indent=2)
+  return stats
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
