@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["fairmoe_jax*", "causal_attn_jax*", "trainkit*"]),
     install_requires=[
-        "jax>=0.6",
+        "jax>=0.7",  # jax.set_mesh
         "flax>=0.12.4",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
