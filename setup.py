@@ -1,4 +1,5 @@
 """Installable package for fairmoe_jax, causal_attn_jax and their shared training kit."""
+
 from setuptools import find_packages, setup
 
 setup(
@@ -26,5 +27,6 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.5", "fairlearn>=0.10"],
+        "dev": ["pyink>=24"],
     },
 )

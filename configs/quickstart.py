@@ -15,6 +15,7 @@ Expected result (docs/results.md; 139 s on 2 CPU cores): test accuracy about 76%
 25%), and a measurably unfair model: MF-PQD about 0.70, with site the least fair attribute
 (PQD about 0.41) and sex the fairest (about 0.87).
 """
+
 from fairmoe_jax.config import base_config
 from trainkit.config import parse_arg
 

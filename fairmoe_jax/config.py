@@ -1,4 +1,5 @@
 """Default config of a fairmoe_jax run and its validation (before anything is compiled)."""
+
 from __future__ import annotations
 
 import ml_collections
@@ -16,38 +17,66 @@ def base_config() -> ml_collections.ConfigDict:
   """Every key a run reads, with defaults; config files override what they need."""
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.batch_size = 128            # Global, over all devices and processes.
+  config.batch_size = 128  # Global, over all devices and processes.
   config.eval_batch_size = 256
   config.num_train_steps = 1000
   config.log_every_steps = 50
-  config.eval_every_steps = 500      # On the validation split; 0 disables.
+  config.eval_every_steps = 500  # On the validation split; 0 disables.
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
 
-  config.data = ml_collections.ConfigDict(dict(
-      name="synthetic", image_size=32, num_classes=4, seed=0,
-      train_size=8000, val_size=1000, test_size=2000,
-      num_threads=2, prefetch_buffer_size=4,
-  ))
-  config.data.augment = ml_collections.ConfigDict(dict(
-      random_resized_crop=True, crop_scale=(0.35, 1.0), crop_ratio=(3 / 4, 4 / 3),
-      horizontal_flip=True,
-  ))
+  config.data = ml_collections.ConfigDict(
+      dict(
+          name="synthetic",
+          image_size=32,
+          num_classes=4,
+          seed=0,
+          train_size=8000,
+          val_size=1000,
+          test_size=2000,
+          num_threads=2,
+          prefetch_buffer_size=4,
+      )
+  )
+  config.data.augment = ml_collections.ConfigDict(
+      dict(
+          random_resized_crop=True,
+          crop_scale=(0.35, 1.0),
+          crop_ratio=(3 / 4, 4 / 3),
+          horizontal_flip=True,
+      )
+  )
 
-  config.model = ml_collections.ConfigDict(dict(
-      patch_size=4, dim=64, depth=4, num_heads=4, mlp_dim=128, dropout_rate=0.0,
-  ))
-  config.moe = ml_collections.ConfigDict(dict(
-      blocks=(-1,), num_experts=4, top_k=2, capacity_factor=1.25, eval_capacity_factor=2.0,
-      aux_loss_weight=0.01, z_loss_weight=0.0,
-  ))
+  config.model = ml_collections.ConfigDict(
+      dict(
+          patch_size=4,
+          dim=64,
+          depth=4,
+          num_heads=4,
+          mlp_dim=128,
+          dropout_rate=0.0,
+      )
+  )
+  config.moe = ml_collections.ConfigDict(
+      dict(
+          blocks=(-1,),
+          num_experts=4,
+          top_k=2,
+          capacity_factor=1.25,
+          eval_capacity_factor=2.0,
+          aux_loss_weight=0.01,
+          z_loss_weight=0.0,
+      )
+  )
   config.optimizer = default_optimizer_config()
   return config
 
 
-def validate(config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1) -> None:
+def validate(
+    config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
+) -> None:
   """Raises ConfigError naming the first key with a wrong type or an impossible value."""
   for key in ("num_train_steps", "batch_size", "eval_batch_size", "log_every_steps"):
     cfg.require_int(config, key, minimum=1)
@@ -60,8 +89,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, num_process
   shards = data_size * expert_size
   for key in ("batch_size", "eval_batch_size"):
     if config[key] % shards or config[key] % num_processes:
-      raise ConfigError(key, f"{config[key]} is not divisible by the {shards} devices of the mesh "
-                        f"(data={data_size} x expert={expert_size}) and {num_processes} process(es)")
+      raise ConfigError(
+          key,
+          f"{config[key]} is not divisible by the {shards} devices of the mesh "
+          f"(data={data_size} x expert={expert_size}) and {num_processes} process(es)",
+      )
 
   cfg.require_choice(config, "data.name", DATASETS)
   image_size = cfg.require_int(config, "data.image_size", minimum=8)
@@ -69,8 +101,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, num_process
   for key in ("data.train_size", "data.val_size", "data.test_size"):
     cfg.require_int(config, key, minimum=1)
   if config.data.train_size < config.batch_size:
-    raise ConfigError("data.train_size", f"{config.data.train_size} training examples are fewer "
-                      f"than one batch (batch_size={config.batch_size})")
+    raise ConfigError(
+        "data.train_size",
+        f"{config.data.train_size} training examples are fewer "
+        f"than one batch (batch_size={config.batch_size})",
+    )
   cfg.require_int(config, "data.num_threads", minimum=0)
 
   patch = cfg.require_int(config, "model.patch_size", minimum=1)
@@ -89,8 +124,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, num_process
   if top_k > num_experts:
     raise ConfigError("moe.top_k", f"{top_k} exceeds moe.num_experts={num_experts}")
   if num_experts % expert_size:
-    raise ConfigError("moe.num_experts", f"{num_experts} experts cannot be split over the "
-                      f"mesh's expert axis of size {expert_size}")
+    raise ConfigError(
+        "moe.num_experts",
+        f"{num_experts} experts cannot be split over the "
+        f"mesh's expert axis of size {expert_size}",
+    )
   for block in cfg.get(config, "moe.blocks"):
     if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
       raise ConfigError("moe.blocks", f"block index {block!r} is outside a model of depth {depth}")

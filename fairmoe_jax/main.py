@@ -4,6 +4,7 @@ r"""Command line: train then evaluate, or evaluate the latest checkpoint.
   python -m fairmoe_jax.main --config=configs/quickstart.py:steps=50 --workdir=/tmp/q \
       --config.batch_size=64 --mode=eval
 """
+
 from __future__ import annotations
 
 import jax
@@ -16,10 +17,18 @@ from trainkit import cli
 from trainkit.errors import exit_on_user_error
 from trainkit.workdir import prepare_workdir
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally `file.py:key=value,...`.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and report.json.")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval"],
-                          "train: train (resuming if possible) then evaluate; eval: evaluate the latest checkpoint.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file, optionally `file.py:key=value,...`."
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for checkpoints, metrics and report.json."
+)
+_MODE = flags.DEFINE_enum(
+    "mode",
+    "train",
+    ["train", "eval"],
+    "train: train (resuming if possible) then evaluate; eval: evaluate the latest checkpoint.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -3,6 +3,7 @@
 `train_and_evaluate` is the whole recipe, top to bottom: data, model, state,
 resume, the loop (trainkit), then the fairness report on the test split.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,21 +31,40 @@ from trainkit.train_state import TrainState, compute_dtype, create_train_state, 
 from trainkit.workdir import save_config
 
 
-def load_data(config: ml_collections.ConfigDict) -> tuple[data_lib.DatasetInfo, dict[str, dict[str, np.ndarray]]]:
+def load_data(
+    config: ml_collections.ConfigDict,
+) -> tuple[data_lib.DatasetInfo, dict[str, dict[str, np.ndarray]]]:
   d = config.data
   return data_lib.get_dataset(
-      d.name, image_size=d.image_size, num_classes=d.num_classes, seed=d.seed,
-      sizes={"train": d.train_size, "val": d.val_size, "test": d.test_size})
+      d.name,
+      image_size=d.image_size,
+      num_classes=d.num_classes,
+      seed=d.seed,
+      sizes={"train": d.train_size, "val": d.val_size, "test": d.test_size},
+  )
 
 
-def build_model(config: ml_collections.ConfigDict, info: data_lib.DatasetInfo, rngs: nnx.Rngs) -> VisionTransformer:
+def build_model(
+    config: ml_collections.ConfigDict, info: data_lib.DatasetInfo, rngs: nnx.Rngs
+) -> VisionTransformer:
   m, moe = config.model, config.moe
   return VisionTransformer(
-      num_classes=info.num_classes, image_size=config.data.image_size, patch_size=m.patch_size,
-      dim=m.dim, depth=m.depth, num_heads=m.num_heads, mlp_dim=m.mlp_dim,
-      moe_blocks=tuple(moe.blocks), num_experts=moe.num_experts, top_k=moe.top_k,
-      capacity_factor=moe.capacity_factor, eval_capacity_factor=moe.eval_capacity_factor,
-      dropout_rate=m.dropout_rate, dtype=compute_dtype(config.compute_dtype), rngs=rngs)
+      num_classes=info.num_classes,
+      image_size=config.data.image_size,
+      patch_size=m.patch_size,
+      dim=m.dim,
+      depth=m.depth,
+      num_heads=m.num_heads,
+      mlp_dim=m.mlp_dim,
+      moe_blocks=tuple(moe.blocks),
+      num_experts=moe.num_experts,
+      top_k=moe.top_k,
+      capacity_factor=moe.capacity_factor,
+      eval_capacity_factor=moe.eval_capacity_factor,
+      dropout_rate=m.dropout_rate,
+      dtype=compute_dtype(config.compute_dtype),
+      rngs=rngs,
+  )
 
 
 def make_loss_fn(config: ml_collections.ConfigDict):
@@ -54,8 +74,11 @@ def make_loss_fn(config: ml_collections.ConfigDict):
     logits, aux = model(batch["image"], train=True, rngs=nnx.Rngs(dropout=rng))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     loss = ce + config.moe.aux_loss_weight * aux.loss + config.moe.z_loss_weight * aux.z_loss
-    metrics = {"cross_entropy": ce, "moe_aux_loss": aux.loss,
-               "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
+    metrics = {
+        "cross_entropy": ce,
+        "moe_aux_loss": aux.loss,
+        "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+    }
     metrics.update({k: v for k, v in aux.metrics.items() if jnp.ndim(v) == 0})
     return loss, metrics
 
@@ -72,28 +95,49 @@ def make_eval_step(graphdef: nnx.GraphDef, info: data_lib.DatasetInfo):
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     return {
-        "overall": overall_counts(batch["label"], predictions, batch["mask"], num_classes=info.num_classes),
-        "attributes": attribute_counts(batch["label"], predictions, batch["attributes"], batch["mask"],
-                                       group_sizes=info.group_sizes, num_classes=info.num_classes),
+        "overall": overall_counts(
+            batch["label"], predictions, batch["mask"], num_classes=info.num_classes
+        ),
+        "attributes": attribute_counts(
+            batch["label"],
+            predictions,
+            batch["attributes"],
+            batch["mask"],
+            group_sizes=info.group_sizes,
+            num_classes=info.num_classes,
+        ),
         "loss_sum": jnp.sum(ce * batch["mask"]),
     }
 
   return eval_step
 
 
-def evaluate(eval_step, state: TrainState, arrays: dict[str, np.ndarray], info: data_lib.DatasetInfo,
-             config: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, Any]:
+def evaluate(
+    eval_step,
+    state: TrainState,
+    arrays: dict[str, np.ndarray],
+    info: data_lib.DatasetInfo,
+    config: ml_collections.ConfigDict,
+    mesh: Mesh,
+) -> dict[str, Any]:
   """Runs one pass over a split; returns the fairness report plus the mean loss."""
   totals = None
-  for batch in data_lib.eval_batches(arrays, batch_size=config.eval_batch_size // jax.process_count(),
-                                     image_size=config.data.image_size,
-                                     process_index=jax.process_index(),
-                                     process_count=jax.process_count()):
+  for batch in data_lib.eval_batches(
+      arrays,
+      batch_size=config.eval_batch_size // jax.process_count(),
+      image_size=config.data.image_size,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+  ):
     counts = eval_step(state, shard_batch(batch, mesh))
     totals = counts if totals is None else jax.tree.map(jnp.add, totals, counts)
   totals = jax.device_get(totals)
-  report = fairness_report(np.asarray(totals["overall"]), [np.asarray(c) for c in totals["attributes"]],
-                           info.attribute_names, info.group_names)
+  report = fairness_report(
+      np.asarray(totals["overall"]),
+      [np.asarray(c) for c in totals["attributes"]],
+      info.attribute_names,
+      info.group_names,
+  )
   report["loss"] = float(totals["loss_sum"]) / max(report["num_examples"], 1)
   return report
 
@@ -115,9 +159,11 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   info, splits = load_data(config)
   tx = make_optimizer(config.optimizer, config.num_train_steps)
   graphdef, state = create_train_state(
-      lambda: build_model(config, info, nnx.Rngs(params=config.seed)), tx, mesh, config.seed)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                              max_to_keep=config.keep_checkpoints)
+      lambda: build_model(config, info, nnx.Rngs(params=config.seed)), tx, mesh, config.seed
+  )
+  checkpointer = Checkpointer(
+      os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+  )
   return mesh, info, splits, tx, graphdef, state, checkpointer
 
 
@@ -132,10 +178,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   writer = MetricWriter(workdir, enabled=is_main)
 
   train_iterator = data_lib.train_iterator(
-      splits["train"], global_batch_size=config.batch_size, image_size=config.data.image_size,
-      seed=config.seed, augment=config.data.augment.to_dict(),
-      process_index=jax.process_index(), process_count=jax.process_count(),
-      num_threads=config.data.num_threads, prefetch_buffer_size=config.data.prefetch_buffer_size)
+      splits["train"],
+      global_batch_size=config.batch_size,
+      image_size=config.data.image_size,
+      seed=config.seed,
+      augment=config.data.augment.to_dict(),
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      num_threads=config.data.num_threads,
+      prefetch_buffer_size=config.data.prefetch_buffer_size,
+  )
   restored = checkpointer.restore(state)
   if restored is not None:
     state, iterator_state, step = restored
@@ -144,18 +196,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
 
   schedule = learning_rate_schedule(config.optimizer, config.num_train_steps)
-  train_step = jit_train_step(make_train_step(graphdef, make_loss_fn(config), tx, schedule), state, mesh)
+  train_step = jit_train_step(
+      make_train_step(graphdef, make_loss_fn(config), tx, schedule), state, mesh
+  )
   eval_step = make_eval_step(graphdef, info)
 
   def evaluate_val(state: TrainState) -> dict[str, float]:
     return _summary_scalars(evaluate(eval_step, state, splits["val"], info, config, mesh), "val")
 
   state, preempted = train_loop(
-      state=state, train_step=train_step, train_iterator=train_iterator, mesh=mesh,
-      checkpointer=checkpointer, writer=writer, num_train_steps=config.num_train_steps,
-      log_every_steps=config.log_every_steps, eval_every_steps=config.eval_every_steps,
-      checkpoint_every_steps=config.checkpoint_every_steps, examples_per_step=config.batch_size,
-      evaluate=evaluate_val if config.eval_every_steps > 0 else None, show_progress=is_main)
+      state=state,
+      train_step=train_step,
+      train_iterator=train_iterator,
+      mesh=mesh,
+      checkpointer=checkpointer,
+      writer=writer,
+      num_train_steps=config.num_train_steps,
+      log_every_steps=config.log_every_steps,
+      eval_every_steps=config.eval_every_steps,
+      checkpoint_every_steps=config.checkpoint_every_steps,
+      examples_per_step=config.batch_size,
+      evaluate=evaluate_val if config.eval_every_steps > 0 else None,
+      show_progress=is_main,
+  )
   if preempted:
     checkpointer.close()
     writer.close()

@@ -30,6 +30,7 @@ What it reports, for dataset seed ``--seed`` and the split sizes given:
 * With ``--workdir``: the trained model's test accuracy when the marker agrees and disagrees with
   the label, and the share of its errors on disagreeing images that predict the marker's class.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,33 +103,42 @@ def label_frequencies(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any
 # ---------------------------------------------------------------------------
 
 
-def decode_marker(images: np.ndarray, num_classes: int) -> np.ndarray:
-  """The palette class shown by each image's corner marker, int32 [N].
+def marker_distances(images: np.ndarray, num_classes: int) -> np.ndarray:
+  """Distance of each image's marker colour to each palette colour, float64 [N, K].
 
-  Reads the mean colour of the marker square's interior and returns the nearest palette colour.
-  The square covers rows and columns ``1 .. m`` (as drawn by ``_generate_chunk``); its interior
-  ``2 .. m - 1`` is untouched by the 3x3 blur, so only the per-pixel noise remains, which the
-  mean over the interior averages out.
+  The marker colour is the mean of the marker square's interior. The square covers rows and
+  columns ``1 .. m`` (as drawn by ``_generate_chunk``); its interior ``2 .. m - 1`` is untouched
+  by the 3x3 blur, so only the per-pixel noise remains, which the mean averages out.
   """
   size = images.shape[1]
   m = max(2, round(synthetic.MARKER_PX * size / 32.0))  # the marker side, as in the generator
   lo, hi = (2, m) if m > 2 else (1, m + 1)  # a 2 px marker has no interior: use all of it
   colour = images[:, lo:hi, lo:hi].astype(np.float64).mean(axis=(1, 2))  # [N, 3]
   palette = synthetic.marker_palette(num_classes).astype(np.float64)  # [K, 3]
-  distance = ((colour[:, None, :] - palette[None]) ** 2).sum(-1)
-  return np.argmin(distance, axis=1).astype(np.int32)
+  return np.sqrt(((colour[:, None, :] - palette[None]) ** 2).sum(-1))
 
 
-def _report(labels: np.ndarray, predictions: np.ndarray, attributes: np.ndarray,
-            info: data_lib.DatasetInfo) -> dict[str, Any]:
+def decode_marker(images: np.ndarray, num_classes: int) -> np.ndarray:
+  """The palette class shown by each image's corner marker (nearest palette colour), int32 [N]."""
+  return np.argmin(marker_distances(images, num_classes), axis=1).astype(np.int32)
+
+
+def _report(
+    labels: np.ndarray, predictions: np.ndarray, attributes: np.ndarray, info: data_lib.DatasetInfo
+) -> dict[str, Any]:
   """``fairness_report`` of ``predictions`` (numpy in, via the repository's count functions)."""
   mask = np.ones(len(labels), np.float32)
   k = info.num_classes
   overall = overall_counts(labels, predictions, mask, num_classes=k)
-  per_attribute = attribute_counts(labels, predictions, attributes, mask,
-                                   group_sizes=info.group_sizes, num_classes=k)
-  return fairness_report(np.asarray(overall), [np.asarray(c) for c in per_attribute],
-                         info.attribute_names, info.group_names)
+  per_attribute = attribute_counts(
+      labels, predictions, attributes, mask, group_sizes=info.group_sizes, num_classes=k
+  )
+  return fairness_report(
+      np.asarray(overall),
+      [np.asarray(c) for c in per_attribute],
+      info.attribute_names,
+      info.group_names,
+  )
 
 
 def _expected_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
@@ -139,15 +149,21 @@ def _expected_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, A
   result: dict[str, Any] = {"all": float(agree.mean())}
   for i, (name, groups) in enumerate(zip(info.attribute_names, info.group_names)):
     col = split["attributes"][:, i]
-    result[name] = {g: float(agree[col == j].mean()) for j, g in enumerate(groups)
-                    if np.any(col == j)}
+    result[name] = {
+        g: float(agree[col == j].mean()) for j, g in enumerate(groups) if np.any(col == j)
+    }
   return result
 
 
 def marker_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
   """Measured (from the images) and expected rate at which the marker shows the true class."""
+  distances = np.sort(marker_distances(split["image"], info.num_classes), axis=1)
   marker = decode_marker(split["image"], info.num_classes)
   return {
+      # The decoding is unambiguous when every marker is much closer to its nearest palette
+      # colour than any marker is to its second nearest.
+      "decoding": {"max_distance_to_nearest": float(distances[:, 0].max()),
+                   "min_distance_to_second": float(distances[:, 1].min())},
       "measured": _report(split["label"], marker, split["attributes"], info),
       "expected": _expected_agreement(split, info),
   }
@@ -173,8 +189,15 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
   return z / z.sum(axis=1, keepdims=True)
 
 
-def fit_logistic_regression(x: np.ndarray, y: np.ndarray, num_classes: int, *, l2: float,
-                            max_iterations: int = 50, tolerance: float = 1e-8) -> np.ndarray:
+def fit_logistic_regression(
+    x: np.ndarray,
+    y: np.ndarray,
+    num_classes: int,
+    *,
+    l2: float,
+    max_iterations: int = 50,
+    tolerance: float = 1e-8,
+) -> np.ndarray:
   """Multinomial logistic regression by Newton's method; returns weights [D + 1, K].
 
   Minimises ``mean cross-entropy + l2 / 2 * |W|^2`` (the bias, the last row, is not penalised).
@@ -221,8 +244,9 @@ def fit_logistic_regression(x: np.ndarray, y: np.ndarray, num_classes: int, *, l
   return w
 
 
-def logistic_regression_baseline(train: Split, test: Split, info: data_lib.DatasetInfo, *,
-                                 l2: float) -> dict[str, Any]:
+def logistic_regression_baseline(
+    train: Split, test: Split, info: data_lib.DatasetInfo, *, l2: float
+) -> dict[str, Any]:
   """Trains on ``train`` (8x8 pixels), returns train accuracy and the test fairness report."""
   x_train, x_test = downsample(train["image"]), downsample(test["image"])
   mean, std = x_train.mean(0), x_train.std(0) + 1e-6
@@ -260,10 +284,14 @@ def model_predictions(workdir: str, test: Split) -> tuple[np.ndarray, dict[str, 
   mesh = make_mesh(config.mesh)
   tx = make_optimizer(config.optimizer, config.num_train_steps)
   graphdef, state = create_train_state(
-      lambda: train_lib.build_model(config, info, nnx.Rngs(params=config.seed)), tx, mesh,
-      config.seed)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                              max_to_keep=config.keep_checkpoints)
+      lambda: train_lib.build_model(config, info, nnx.Rngs(params=config.seed)),
+      tx,
+      mesh,
+      config.seed,
+  )
+  checkpointer = Checkpointer(
+      os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+  )
   restored = checkpointer.restore(state)
   checkpointer.close()
   if restored is None:
@@ -277,12 +305,16 @@ def model_predictions(workdir: str, test: Split) -> tuple[np.ndarray, dict[str, 
 
   predictions = []
   with jax.set_mesh(mesh):
-    for batch in data_lib.eval_batches(test, batch_size=config.eval_batch_size,
-                                       image_size=config.data.image_size):
+    for batch in data_lib.eval_batches(
+        test, batch_size=config.eval_batch_size, image_size=config.data.image_size
+    ):
       pred = np.asarray(predict(state.params, state.model_state, batch["image"]))
       predictions.append(pred[batch["mask"] > 0])
-  return np.concatenate(predictions).astype(np.int32), {"workdir": workdir, "step": int(step),
-                                                        "data": config.data.to_dict()}
+  return np.concatenate(predictions).astype(np.int32), {
+      "workdir": workdir,
+      "step": int(step),
+      "data": config.data.to_dict(),
+  }
 
 
 def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict[str, float]:
@@ -298,7 +330,8 @@ def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict
       "accuracy_marker_disagrees": float(correct[~agrees].mean()),
       "errors_on_disagreeing": int(wrong_on_disagreeing.sum()),
       "share_of_those_predicting_marker": float(
-          np.mean(predictions[wrong_on_disagreeing] == marker[wrong_on_disagreeing])),
+          np.mean(predictions[wrong_on_disagreeing] == marker[wrong_on_disagreeing])
+      ),
   }
 
 
@@ -307,38 +340,64 @@ def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict
 # ---------------------------------------------------------------------------
 
 
-def compute(*, seed: int, sizes: dict[str, int], image_size: int = 32, num_classes: int = 4,
-            split: str = "train", l2: float = 1e-3, workdir: str | None = None) -> dict[str, Any]:
+def compute(
+    *,
+    seed: int,
+    sizes: dict[str, int],
+    image_size: int = 32,
+    num_classes: int = 4,
+    split: str = "train",
+    l2: float = 1e-3,
+    workdir: str | None = None,
+) -> dict[str, Any]:
   """All statistics as a JSON-serialisable dict."""
   for needed in (split, "train", "test"):
     if needed not in sizes:
       raise ValueError(f"sizes must include a {needed!r} split, got {sorted(sizes)}")
   start = time.perf_counter()
-  info, splits = data_lib.get_dataset("synthetic", image_size=image_size,
-                                      num_classes=num_classes, sizes=sizes, seed=seed)
+  info, splits = data_lib.get_dataset(
+      "synthetic", image_size=image_size, num_classes=num_classes, sizes=sizes, seed=seed
+  )
   generation_seconds = time.perf_counter() - start
   stats: dict[str, Any] = {
-      "dataset": {"seed": seed, "image_size": image_size, "num_classes": num_classes,
-                  "sizes": dict(sizes), "class_names": list(info.class_names)},
+      "dataset": {
+          "seed": seed,
+          "image_size": image_size,
+          "num_classes": num_classes,
+          "sizes": dict(sizes),
+          "class_names": list(info.class_names),
+      },
       "generation_seconds": generation_seconds,
       "nominal_frequencies": {k: list(v) for k, v in _nominal_frequencies().items()},
       "group_sizes": {name: group_sizes(s, info) for name, s in splits.items()},
       "label_frequencies": {"split": split, **label_frequencies(splits[split], info)},
-      "marker_agreement": {name: marker_agreement(splits[name], info) for name in ("train", "test")},
+      "marker_agreement": {
+          name: marker_agreement(splits[name], info) for name in ("train", "test")
+      },
   }
   start = time.perf_counter()
   stats["logistic_regression"] = logistic_regression_baseline(
-      splits["train"], splits["test"], info, l2=l2)
+      splits["train"], splits["test"], info, l2=l2
+  )
   stats["logistic_regression"]["seconds"] = time.perf_counter() - start
   if workdir is not None:
     predictions, run = model_predictions(workdir, splits["test"])
-    wanted = {"seed": seed, "image_size": image_size, "num_classes": num_classes,
-              "test_size": sizes["test"]}
+    wanted = {
+        "seed": seed,
+        "image_size": image_size,
+        "num_classes": num_classes,
+        "test_size": sizes["test"],
+    }
     if any(run["data"].get(k) != v for k, v in wanted.items()):
-      raise SystemExit(f"{workdir} was trained on data {run['data']}, not on {wanted}; "
-                       "pass the matching --seed/--test-size")
-    stats["model"] = {"workdir": workdir, "step": run["step"],
-                      **shortcut_use(predictions, splits["test"], num_classes)}
+      raise SystemExit(
+          f"{workdir} was trained on data {run['data']}, not on {wanted}; "
+          "pass the matching --seed/--test-size"
+      )
+    stats["model"] = {
+        "workdir": workdir,
+        "step": run["step"],
+        **shortcut_use(predictions, splits["test"], num_classes),
+    }
   return stats
 
 
@@ -349,9 +408,12 @@ def _fmt_probs(values: list[float]) -> str:
 def format_stats(stats: dict[str, Any]) -> str:
   """Plain-text rendering of ``compute``'s result."""
   d = stats["dataset"]
-  lines = [f"Synthetic dataset, seed {d['seed']}, {d['image_size']}x{d['image_size']}, "
-           f"{d['num_classes']} classes, sizes {d['sizes']} "
-           f"(generated in {stats['generation_seconds']:.2f} s)", ""]
+  lines = [
+      f"Synthetic dataset, seed {d['seed']}, {d['image_size']}x{d['image_size']}, "
+      f"{d['num_classes']} classes, sizes {d['sizes']} "
+      f"(generated in {stats['generation_seconds']:.2f} s)",
+      "",
+  ]
 
   lines.append("== Group sizes (nominal frequency in brackets)")
   split_names = list(stats["group_sizes"])
@@ -363,10 +425,14 @@ def format_stats(stats: dict[str, Any]) -> str:
   lines.append("")
 
   lf = stats["label_frequencies"]
-  lines.append(f"== Label frequencies P(y | group) on {lf['split']}: measured [expected]; "
-               f"classes {', '.join(d['class_names'])}")
-  lines.append(f"  {'all':<16} {_fmt_probs(lf['all']['measured'])}  "
-               f"[{_fmt_probs(lf['all']['expected'])}]")
+  lines.append(
+      f"== Label frequencies P(y | group) on {lf['split']}: measured [expected]; "
+      f"classes {', '.join(d['class_names'])}"
+  )
+  lines.append(
+      f"  {'all':<16} {_fmt_probs(lf['all']['measured'])}  "
+      f"[{_fmt_probs(lf['all']['expected'])}]"
+  )
   for attr in stats["nominal_frequencies"]:
     lines.append(f"[{attr}]")
     for g, v in lf[attr].items():
@@ -375,8 +441,13 @@ def format_stats(stats: dict[str, Any]) -> str:
 
   for split, ma in stats["marker_agreement"].items():
     measured, expected = ma["measured"], ma["expected"]
-    lines.append(f"== Marker shows the true class ({split}): measured from the images "
-                 "[expected from the generator's factors]")
+    lines.append(
+        f"== Marker shows the true class ({split}): measured from the images "
+        "[expected from the generator's factors]"
+    )
+    lines.append(f"  (marker colour within {ma['decoding']['max_distance_to_nearest']:.1f} of its "
+                 f"palette colour, at least {ma['decoding']['min_distance_to_second']:.1f} from "
+                 "any other)")
     lines.append(f"  {'all':<16} {measured['accuracy']:.3f}  [{expected['all']:.3f}]")
     for attr, entry in measured["attributes"].items():
       lines.append(f"[{attr}]  PQD of always following the marker: {entry['pqd']:.3f}")
@@ -385,42 +456,58 @@ def format_stats(stats: dict[str, Any]) -> str:
     lines.append("")
 
   lr = stats["logistic_regression"]
-  lines.append(f"== Logistic regression on {lr['features']}, l2 {lr['l2']:g} "
-               f"({lr['seconds']:.1f} s): train accuracy {lr['train_accuracy']:.3f}; test:")
+  lines.append(
+      f"== Logistic regression on {lr['features']}, l2 {lr['l2']:g} "
+      f"({lr['seconds']:.1f} s): train accuracy {lr['train_accuracy']:.3f}; test:"
+  )
   lines.append(format_report(lr["test"]))
 
   if "model" in stats:
     m = stats["model"]
-    lines += ["", f"== Trained model in {m['workdir']} (step {m['step']}), test split",
-              f"  accuracy {m['accuracy']:.3f}; marker agrees with the label on "
-              f"{m['share_marker_agrees']:.3f} of the images",
-              f"  accuracy where the marker agrees {m['accuracy_marker_agrees']:.3f}, "
-              f"where it disagrees {m['accuracy_marker_disagrees']:.3f}",
-              f"  errors on disagreeing images: {m['errors_on_disagreeing']}, of which "
-              f"{m['share_of_those_predicting_marker']:.3f} predict the marker's class"]
+    lines += [
+        "",
+        f"== Trained model in {m['workdir']} (step {m['step']}), test split",
+        f"  accuracy {m['accuracy']:.3f}; marker agrees with the label on "
+        f"{m['share_marker_agrees']:.3f} of the images",
+        f"  accuracy where the marker agrees {m['accuracy_marker_agrees']:.3f}, "
+        f"where it disagrees {m['accuracy_marker_disagrees']:.3f}",
+        f"  errors on disagreeing images: {m['errors_on_disagreeing']}, of which "
+        f"{m['share_of_those_predicting_marker']:.3f} predict the marker's class",
+    ]
   return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
   parser.add_argument("--image-size", type=int, default=32)
   parser.add_argument("--num-classes", type=int, default=4)
   for name, size in synthetic.DEFAULT_SIZES.items():
     parser.add_argument(f"--{name}-size", type=int, default=size, help=f"default {size}")
   parser.add_argument("--split", default="train", help="split for the label frequencies")
-  parser.add_argument("--l2", type=float, default=1e-3,
-                      help="L2 penalty of the logistic regression (default 1e-3)")
-  parser.add_argument("--workdir", help="a finished fairmoe_jax.main run on this dataset: "
-                      "also measure how much its model follows the marker")
+  parser.add_argument(
+      "--l2", type=float, default=1e-3, help="L2 penalty of the logistic regression (default 1e-3)"
+  )
+  parser.add_argument(
+      "--workdir",
+      help="a finished fairmoe_jax.main run on this dataset: "
+      "also measure how much its model follows the marker",
+  )
   parser.add_argument("--output", help="also write the statistics to this JSON file")
   args = parser.parse_args(argv)
 
   sizes = {name: getattr(args, f"{name}_size") for name in synthetic.DEFAULT_SIZES}
-  stats = compute(seed=args.seed, sizes=sizes, image_size=args.image_size,
-                  num_classes=args.num_classes, split=args.split, l2=args.l2,
-                  workdir=args.workdir)
+  stats = compute(
+      seed=args.seed,
+      sizes=sizes,
+      image_size=args.image_size,
+      num_classes=args.num_classes,
+      split=args.split,
+      l2=args.l2,
+      workdir=args.workdir,
+  )
   print(format_stats(stats), flush=True)
   if args.output:
     with open(args.output, "w") as f:

@@ -1,4 +1,5 @@
 """End to end through `python -m fairmoe_jax.main`: training, reports, resume, SIGTERM, bad input."""
+
 import json
 import os
 import signal
@@ -13,9 +14,15 @@ from trainkit.metric_writers import read_metrics
 
 # A tiny model and dataset so each run takes seconds; everything else is the quickstart.
 TINY = [
-    "--config.data.train_size=512", "--config.data.val_size=64", "--config.data.test_size=128",
-    "--config.model.dim=32", "--config.model.depth=2", "--config.model.num_heads=2",
-    "--config.model.mlp_dim=64", "--config.batch_size=32", "--config.eval_batch_size=64",
+    "--config.data.train_size=512",
+    "--config.data.val_size=64",
+    "--config.data.test_size=128",
+    "--config.model.dim=32",
+    "--config.model.depth=2",
+    "--config.model.num_heads=2",
+    "--config.model.mlp_dim=64",
+    "--config.batch_size=32",
+    "--config.eval_batch_size=64",
 ]
 
 
@@ -27,13 +34,25 @@ def _env():
 
 
 def _command(repo_root, workdir, *args, config="configs/quickstart.py"):
-  return [sys.executable, "-m", "fairmoe_jax.main", f"--config={repo_root / config}",
-          f"--workdir={workdir}", *args]
+  return [
+      sys.executable,
+      "-m",
+      "fairmoe_jax.main",
+      f"--config={repo_root / config}",
+      f"--workdir={workdir}",
+      *args,
+  ]
 
 
 def _run(repo_root, workdir, *args, **kwargs):
-  return subprocess.run(_command(repo_root, workdir, *args, **kwargs), cwd=repo_root, env=_env(),
-                        capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+      _command(repo_root, workdir, *args, **kwargs),
+      cwd=repo_root,
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
 
 
 def _losses(workdir):
@@ -41,8 +60,14 @@ def _losses(workdir):
 
 
 def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
-  result = _run(repo_root, tmp_path, *TINY, "--config.eval_every_steps=15",
-                "--config.log_every_steps=10", config="configs/quickstart.py:steps=30")
+  result = _run(
+      repo_root,
+      tmp_path,
+      *TINY,
+      "--config.eval_every_steps=15",
+      "--config.log_every_steps=10",
+      config="configs/quickstart.py:steps=30",
+  )
   assert result.returncode == 0, result.stderr
   report = json.loads((tmp_path / "report.json").read_text())
   assert report["num_examples"] == 128 and 0.0 <= report["accuracy"] <= 1.0
@@ -59,13 +84,18 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   for name in ("sex", "age", "site", "MF"):
     assert name in result.stdout
   # --mode=eval on the same workdir reproduces the report from the final checkpoint.
-  evaluated = _run(repo_root, tmp_path, *TINY, "--mode=eval", config="configs/quickstart.py:steps=30")
+  evaluated = _run(
+      repo_root, tmp_path, *TINY, "--mode=eval", config="configs/quickstart.py:steps=30"
+  )
   assert evaluated.returncode == 0, evaluated.stderr
   assert json.loads((tmp_path / "report.json").read_text())["accuracy"] == report["accuracy"]
 
 
-RESUME = TINY + ["--config.log_every_steps=1", "--config.checkpoint_every_steps=5",
-                 "--config.eval_every_steps=0"]
+RESUME = TINY + [
+    "--config.log_every_steps=1",
+    "--config.checkpoint_every_steps=5",
+    "--config.eval_every_steps=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +109,14 @@ def reference_losses(tmp_path_factory, request):
 
 def _interrupt(repo_root, workdir, sig, after_step):
   """Starts a 60-step run and sends `sig` once `after_step` has been logged."""
-  process = subprocess.Popen(_command(repo_root, workdir, *RESUME, config="configs/quickstart.py:steps=60"),
-                             cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+  process = subprocess.Popen(
+      _command(repo_root, workdir, *RESUME, config="configs/quickstart.py:steps=60"),
+      cwd=repo_root,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
   metrics = workdir / "metrics.jsonl"
   deadline = time.time() + 300
   while time.time() < deadline and process.poll() is None:
@@ -107,7 +142,9 @@ def test_sigterm_saves_and_resume_logs_identical_losses(repo_root, tmp_path, ref
   assert _losses(tmp_path) == reference_losses
 
 
-def test_killed_run_resumes_from_last_checkpoint_with_identical_losses(repo_root, tmp_path, reference_losses):
+def test_killed_run_resumes_from_last_checkpoint_with_identical_losses(
+    repo_root, tmp_path, reference_losses
+):
   code, _, _ = _interrupt(repo_root, tmp_path, signal.SIGKILL, after_step=12)
   assert code == -signal.SIGKILL
   resumed = _run(repo_root, tmp_path, *RESUME, config="configs/quickstart.py:steps=60")
@@ -116,14 +153,20 @@ def test_killed_run_resumes_from_last_checkpoint_with_identical_losses(repo_root
   assert _losses(tmp_path) == reference_losses
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--config.nope=1"], "nope"),
-    (["--config.batch_size=abc"], "batch_size"),
-    (["--config.mesh.data=4"], "mesh"),
-    (["--config.moe.num_experts=3", "--config.mesh.expert=1", "--config.moe.top_k=4"], "moe.top_k"),
-    (["--config.model.patch_size=5"], "model.patch_size"),
-    (["--config.batch_size=0"], "batch_size"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--config.nope=1"], "nope"),
+        (["--config.batch_size=abc"], "batch_size"),
+        (["--config.mesh.data=4"], "mesh"),
+        (
+            ["--config.moe.num_experts=3", "--config.mesh.expert=1", "--config.moe.top_k=4"],
+            "moe.top_k",
+        ),
+        (["--config.model.patch_size=5"], "model.patch_size"),
+        (["--config.batch_size=0"], "batch_size"),
+    ],
+)
 def test_bad_config_fails_fast_naming_the_key(repo_root, tmp_path, args, needle):
   result = _run(repo_root, tmp_path, *args)
   assert result.returncode != 0

@@ -1,4 +1,5 @@
 """Config files load and validate; impossible values are rejected naming the key."""
+
 import importlib.util
 
 import pytest
@@ -20,7 +21,13 @@ def _load(path, arg=None):
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
 def test_config_files_load_and_validate(path):
   config = _load(path)
-  for key in ("num_train_steps", "checkpoint_every_steps", "eval_every_steps", "seed", "batch_size"):
+  for key in (
+      "num_train_steps",
+      "checkpoint_every_steps",
+      "eval_every_steps",
+      "seed",
+      "batch_size",
+  ):
     assert key in config
   fairmoe_config.validate(config, num_devices=8)
   assert path.read_text().count("python -m fairmoe_jax.main") >= 1, "docstring gives the command"
@@ -31,20 +38,26 @@ def test_quickstart_arguments_reach_the_config():
   assert (config.num_train_steps, config.moe.num_experts, config.moe.top_k) == (7, 8, 1)
 
 
-@pytest.mark.parametrize("mutate,key", [
-    (lambda c: c.mesh.update(data=2, expert=4) or c.moe.update(num_experts=6, top_k=2), "moe.num_experts"),
-    (lambda c: c.update(batch_size=100), "batch_size"),
-    (lambda c: c.update(eval_batch_size=12), "eval_batch_size"),
-    (lambda c: c.mesh.update(data=16), "mesh"),
-    (lambda c: c.moe.update(blocks=(4,)), "moe.blocks"),
-    (lambda c: c.moe.update(top_k=5), "moe.top_k"),
-    (lambda c: c.update(compute_dtype="float16"), "compute_dtype"),
-    (lambda c: c.model.update(num_heads=3), "model.num_heads"),
-    (lambda c: c.update(num_train_steps=0), "num_train_steps"),
-    (lambda c: c.data.update(name="imagenet"), "data.name"),
-    (lambda c: c.data.update(train_size=100), "data.train_size"),
-    (lambda c: c.optimizer.update(final_lr_fraction=2.0), "optimizer.final_lr_fraction"),
-])
+@pytest.mark.parametrize(
+    "mutate,key",
+    [
+        (
+            lambda c: c.mesh.update(data=2, expert=4) or c.moe.update(num_experts=6, top_k=2),
+            "moe.num_experts",
+        ),
+        (lambda c: c.update(batch_size=100), "batch_size"),
+        (lambda c: c.update(eval_batch_size=12), "eval_batch_size"),
+        (lambda c: c.mesh.update(data=16), "mesh"),
+        (lambda c: c.moe.update(blocks=(4,)), "moe.blocks"),
+        (lambda c: c.moe.update(top_k=5), "moe.top_k"),
+        (lambda c: c.update(compute_dtype="float16"), "compute_dtype"),
+        (lambda c: c.model.update(num_heads=3), "model.num_heads"),
+        (lambda c: c.update(num_train_steps=0), "num_train_steps"),
+        (lambda c: c.data.update(name="imagenet"), "data.name"),
+        (lambda c: c.data.update(train_size=100), "data.train_size"),
+        (lambda c: c.optimizer.update(final_lr_fraction=2.0), "optimizer.final_lr_fraction"),
+    ],
+)
 def test_impossible_values_name_the_key(mutate, key):
   config = fairmoe_config.base_config()
   mutate(config)

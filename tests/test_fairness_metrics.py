@@ -28,61 +28,61 @@ from fairmoe_jax.metrics import (
 
 
 def _random_batch(rng, n, num_groups, num_classes, *, p_mask=0.15, p_missing=0.15):
-    labels = rng.integers(0, num_classes, n)
-    preds = np.where(rng.random(n) < 0.6, labels, rng.integers(0, num_classes, n))
-    groups = rng.integers(0, num_groups, n)
-    groups[rng.random(n) < p_missing] = -1
-    mask = rng.random(n) >= p_mask
-    return labels, preds, groups, mask
+  labels = rng.integers(0, num_classes, n)
+  preds = np.where(rng.random(n) < 0.6, labels, rng.integers(0, num_classes, n))
+  groups = rng.integers(0, num_groups, n)
+  groups[rng.random(n) < p_missing] = -1
+  mask = rng.random(n) >= p_mask
+  return labels, preds, groups, mask
 
 
 def _counts_loop(labels, preds, groups, mask, num_groups, num_classes):
-    out = np.zeros((num_groups, num_classes, num_classes))
-    for y, p, g, m in zip(labels, preds, groups, mask):
-        if m and g >= 0:
-            out[g, y, p] += 1
-    return out
+  out = np.zeros((num_groups, num_classes, num_classes))
+  for y, p, g, m in zip(labels, preds, groups, mask):
+    if m and g >= 0:
+      out[g, y, p] += 1
+  return out
 
 
 def _reference_metrics(y, p, g, num_groups, num_classes):
-    """Metrics straight from (label, pred, group) arrays, one example at a time in spirit."""
-    y, p, g = (np.asarray(a, dtype=np.int64) for a in (y, p, g))
-    present = [k for k in range(num_groups) if np.any(g == k)]
+  """Metrics straight from (label, pred, group) arrays, one example at a time in spirit."""
+  y, p, g = (np.asarray(a, dtype=np.int64) for a in (y, p, g))
+  present = [k for k in range(num_groups) if np.any(g == k)]
 
-    def spread(values):
-        return max(values) - min(values) if len(values) >= 2 else None
+  def spread(values):
+    return max(values) - min(values) if len(values) >= 2 else None
 
-    def mean_defined(values, default):
-        values = [v for v in values if v is not None]
-        return float(np.mean(values)) if values else default
+  def mean_defined(values, default):
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else default
 
-    acc = {k: float(np.mean(y[g == k] == p[g == k])) for k in present}
-    if len(present) < 2 or max(acc.values()) == 0:
-        pqd = 1.0
-    else:
-        pqd = min(acc.values()) / max(acc.values())
+  acc = {k: float(np.mean(y[g == k] == p[g == k])) for k in present}
+  if len(present) < 2 or max(acc.values()) == 0:
+    pqd = 1.0
+  else:
+    pqd = min(acc.values()) / max(acc.values())
 
-    dp, eopp, eodds = [], [], []
-    for c in range(num_classes):
-        dp.append(spread([np.mean(p[g == k] == c) for k in present]))
-        tpr = [np.mean(p[(g == k) & (y == c)] == c) for k in present if np.any((g == k) & (y == c))]
-        fpr = [np.mean(p[(g == k) & (y != c)] == c) for k in present if np.any((g == k) & (y != c))]
-        eopp.append(spread(tpr))
-        both = [s for s in (spread(tpr), spread(fpr)) if s is not None]
-        eodds.append(max(both) if both else None)
-    return {
-        "pqd": pqd,
-        "dp": mean_defined(dp, 0.0),
-        "eopp": mean_defined(eopp, 0.0),
-        "eodds": mean_defined(eodds, 0.0),
-        "group_accuracy": acc,
-    }
+  dp, eopp, eodds = [], [], []
+  for c in range(num_classes):
+    dp.append(spread([np.mean(p[g == k] == c) for k in present]))
+    tpr = [np.mean(p[(g == k) & (y == c)] == c) for k in present if np.any((g == k) & (y == c))]
+    fpr = [np.mean(p[(g == k) & (y != c)] == c) for k in present if np.any((g == k) & (y != c))]
+    eopp.append(spread(tpr))
+    both = [s for s in (spread(tpr), spread(fpr)) if s is not None]
+    eodds.append(max(both) if both else None)
+  return {
+      "pqd": pqd,
+      "dp": mean_defined(dp, 0.0),
+      "eopp": mean_defined(eopp, 0.0),
+      "eodds": mean_defined(eodds, 0.0),
+      "group_accuracy": acc,
+  }
 
 
 def _jit_counts(num_groups, num_classes):
-    return jax.jit(
-        functools.partial(confusion_counts, num_groups=num_groups, num_classes=num_classes)
-    )
+  return jax.jit(
+      functools.partial(confusion_counts, num_groups=num_groups, num_classes=num_classes)
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -92,69 +92,73 @@ def _jit_counts(num_groups, num_classes):
 
 @pytest.mark.parametrize("mask_dtype", [bool, np.float32])
 def test_counts_match_numpy_loop(mask_dtype):
-    rng = np.random.default_rng(0)
-    labels, preds, groups, mask = _random_batch(rng, 300, num_groups=3, num_classes=4)
-    assert (~mask).any() and (groups < 0).any()  # the data exercises both exclusions
+  rng = np.random.default_rng(0)
+  labels, preds, groups, mask = _random_batch(rng, 300, num_groups=3, num_classes=4)
+  assert (~mask).any() and (groups < 0).any()  # the data exercises both exclusions
 
-    got = _jit_counts(3, 4)(labels, preds, groups, mask.astype(mask_dtype))
-    assert got.shape == (3, 4, 4) and got.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(got), _counts_loop(labels, preds, groups, mask, 3, 4))
+  got = _jit_counts(3, 4)(labels, preds, groups, mask.astype(mask_dtype))
+  assert got.shape == (3, 4, 4) and got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), _counts_loop(labels, preds, groups, mask, 3, 4))
 
 
 def test_out_of_range_indices_are_dropped_not_aliased():
-    # With a flattened index y * C + p, pred == C would alias onto cell (y + 1, 0).
-    labels = np.array([0, 0, 1, 5])
-    preds = np.array([0, 2, 1, 0])
-    groups = np.array([0, 0, 1, 0])
-    got = np.asarray(_jit_counts(2, 2)(labels, preds, groups, np.ones(4, bool)))
-    expected = np.zeros((2, 2, 2))
-    expected[0, 0, 0] = 1
-    expected[1, 1, 1] = 1
-    np.testing.assert_array_equal(got, expected)
+  # With a flattened index y * C + p, pred == C would alias onto cell (y + 1, 0).
+  labels = np.array([0, 0, 1, 5])
+  preds = np.array([0, 2, 1, 0])
+  groups = np.array([0, 0, 1, 0])
+  got = np.asarray(_jit_counts(2, 2)(labels, preds, groups, np.ones(4, bool)))
+  expected = np.zeros((2, 2, 2))
+  expected[0, 0, 0] = 1
+  expected[1, 1, 1] = 1
+  np.testing.assert_array_equal(got, expected)
 
 
 def test_attribute_and_overall_counts_accumulate_over_batches():
-    rng = np.random.default_rng(1)
-    group_sizes, num_classes, n = (2, 3, 4), 5, 400
-    labels, preds, _, mask = _random_batch(rng, n, 1, num_classes)
-    attributes = np.stack([rng.integers(-1, g, n) for g in group_sizes], axis=1)
+  rng = np.random.default_rng(1)
+  group_sizes, num_classes, n = (2, 3, 4), 5, 400
+  labels, preds, _, mask = _random_batch(rng, n, 1, num_classes)
+  attributes = np.stack([rng.integers(-1, g, n) for g in group_sizes], axis=1)
 
-    @jax.jit
-    def step(labels, preds, attributes, mask):
-        return (
-            overall_counts(labels, preds, mask, num_classes=num_classes),
-            attribute_counts(
-                labels, preds, attributes, mask, group_sizes=group_sizes, num_classes=num_classes
-            ),
-        )
-
-    acc = jax.tree.map(jnp.zeros_like, step(labels[:100], preds[:100], attributes[:100], mask[:100]))
-    for start in range(0, n, 100):
-        sl = slice(start, start + 100)
-        acc = jax.tree.map(jnp.add, acc, step(labels[sl], preds[sl], attributes[sl], mask[sl]))
-    whole = step(labels, preds, attributes, mask)
-
-    jax.tree.map(np.testing.assert_array_equal, acc, whole)
-    overall, per_attribute = acc
-    np.testing.assert_array_equal(
-        np.asarray(overall), _counts_loop(labels, preds, np.zeros(n, int), mask, 1, num_classes)[0]
+  @jax.jit
+  def step(labels, preds, attributes, mask):
+    return (
+        overall_counts(labels, preds, mask, num_classes=num_classes),
+        attribute_counts(
+            labels, preds, attributes, mask, group_sizes=group_sizes, num_classes=num_classes
+        ),
     )
-    for i, g in enumerate(group_sizes):
-        np.testing.assert_array_equal(
-            np.asarray(per_attribute[i]),
-            _counts_loop(labels, preds, attributes[:, i], mask, g, num_classes),
-        )
-    # Missing attribute values shrink the per-attribute totals but not the overall one.
-    assert np.asarray(overall).sum() == mask.sum()
-    assert all(np.asarray(c).sum() < mask.sum() for c in per_attribute)
+
+  acc = jax.tree.map(jnp.zeros_like, step(labels[:100], preds[:100], attributes[:100], mask[:100]))
+  for start in range(0, n, 100):
+    sl = slice(start, start + 100)
+    acc = jax.tree.map(jnp.add, acc, step(labels[sl], preds[sl], attributes[sl], mask[sl]))
+  whole = step(labels, preds, attributes, mask)
+
+  jax.tree.map(np.testing.assert_array_equal, acc, whole)
+  overall, per_attribute = acc
+  np.testing.assert_array_equal(
+      np.asarray(overall), _counts_loop(labels, preds, np.zeros(n, int), mask, 1, num_classes)[0]
+  )
+  for i, g in enumerate(group_sizes):
+    np.testing.assert_array_equal(
+        np.asarray(per_attribute[i]),
+        _counts_loop(labels, preds, attributes[:, i], mask, g, num_classes),
+    )
+  # Missing attribute values shrink the per-attribute totals but not the overall one.
+  assert np.asarray(overall).sum() == mask.sum()
+  assert all(np.asarray(c).sum() < mask.sum() for c in per_attribute)
 
 
 def test_attribute_counts_rejects_wrong_number_of_columns():
-    with pytest.raises(ValueError):
-        attribute_counts(
-            np.zeros(4, int), np.zeros(4, int), np.zeros((4, 2), int), np.ones(4),
-            group_sizes=(2, 2, 2), num_classes=2,
-        )
+  with pytest.raises(ValueError):
+    attribute_counts(
+        np.zeros(4, int),
+        np.zeros(4, int),
+        np.zeros((4, 2), int),
+        np.ones(4),
+        group_sizes=(2, 2, 2),
+        num_classes=2,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -163,191 +167,192 @@ def test_attribute_counts_rejects_wrong_number_of_columns():
 
 
 def _multiclass_data():
-    """C=4, G=5: group 4 is empty, group 2 has no label 1, label 3 only occurs in group 0."""
-    rng = np.random.default_rng(2)
-    num_groups, num_classes, n = 5, 4, 600
-    labels, preds, groups, mask = _random_batch(rng, n, 4, num_classes)
-    labels[(groups == 2) & (labels == 1)] = 0
-    labels[(groups != 0) & (labels == 3)] = 2
-    # Rows of group 4 exist but are all padding, so the group must come out empty.
-    groups[:10] = 4
-    mask[:10] = False
-    return labels, preds, groups, mask, num_groups, num_classes
+  """C=4, G=5: group 4 is empty, group 2 has no label 1, label 3 only occurs in group 0."""
+  rng = np.random.default_rng(2)
+  num_groups, num_classes, n = 5, 4, 600
+  labels, preds, groups, mask = _random_batch(rng, n, 4, num_classes)
+  labels[(groups == 2) & (labels == 1)] = 0
+  labels[(groups != 0) & (labels == 3)] = 2
+  # Rows of group 4 exist but are all padding, so the group must come out empty.
+  groups[:10] = 4
+  mask[:10] = False
+  return labels, preds, groups, mask, num_groups, num_classes
 
 
 def test_multiclass_metrics_match_reference():
-    labels, preds, groups, mask, num_groups, num_classes = _multiclass_data()
-    counts = np.asarray(_jit_counts(num_groups, num_classes)(labels, preds, groups, mask))
-    got = attribute_fairness(counts)
+  labels, preds, groups, mask, num_groups, num_classes = _multiclass_data()
+  counts = np.asarray(_jit_counts(num_groups, num_classes)(labels, preds, groups, mask))
+  got = attribute_fairness(counts)
 
-    keep = mask & (groups >= 0)
-    ref = _reference_metrics(labels[keep], preds[keep], groups[keep], num_groups, num_classes)
-    for name in METRIC_NAMES:
-        assert getattr(got, name) == pytest.approx(ref[name], abs=1e-12), name
-    assert got.empty_groups == [4]
-    assert got.group_n.tolist() == [int(np.sum(groups[keep] == k)) for k in range(num_groups)]
-    for k, acc in ref["group_accuracy"].items():
-        assert got.group_accuracy[k] == pytest.approx(acc, abs=1e-12)
-    assert math.isnan(got.group_accuracy[4])
-    # The data is built so that the skip rules matter: sanity-check they changed something.
-    assert 0.0 < got.eopp and 0.0 < got.dp and got.pqd < 1.0
+  keep = mask & (groups >= 0)
+  ref = _reference_metrics(labels[keep], preds[keep], groups[keep], num_groups, num_classes)
+  for name in METRIC_NAMES:
+    assert getattr(got, name) == pytest.approx(ref[name], abs=1e-12), name
+  assert got.empty_groups == [4]
+  assert got.group_n.tolist() == [int(np.sum(groups[keep] == k)) for k in range(num_groups)]
+  for k, acc in ref["group_accuracy"].items():
+    assert got.group_accuracy[k] == pytest.approx(acc, abs=1e-12)
+  assert math.isnan(got.group_accuracy[4])
+  # The data is built so that the skip rules matter: sanity-check they changed something.
+  assert 0.0 < got.eopp and 0.0 < got.dp and got.pqd < 1.0
 
 
 def test_multiclass_dp_is_mean_of_one_vs_rest_fairlearn():
-    from fairlearn.metrics import demographic_parity_difference
+  from fairlearn.metrics import demographic_parity_difference
 
-    labels, preds, groups, mask, num_groups, num_classes = _multiclass_data()
-    counts = np.asarray(_jit_counts(num_groups, num_classes)(labels, preds, groups, mask))
-    keep = mask & (groups >= 0)
-    y, p, g = labels[keep], preds[keep], groups[keep]
-    per_class = [
-        demographic_parity_difference(y == c, p == c, sensitive_features=g)
-        for c in range(num_classes)
-    ]
-    assert attribute_fairness(counts).dp == pytest.approx(np.mean(per_class), abs=1e-12)
+  labels, preds, groups, mask, num_groups, num_classes = _multiclass_data()
+  counts = np.asarray(_jit_counts(num_groups, num_classes)(labels, preds, groups, mask))
+  keep = mask & (groups >= 0)
+  y, p, g = labels[keep], preds[keep], groups[keep]
+  per_class = [
+      demographic_parity_difference(y == c, p == c, sensitive_features=g)
+      for c in range(num_classes)
+  ]
+  assert attribute_fairness(counts).dp == pytest.approx(np.mean(per_class), abs=1e-12)
 
 
 def test_binary_metrics_match_fairlearn():
-    from fairlearn.metrics import (
-        MetricFrame,
-        accuracy_score_ratio,
-        demographic_parity_difference,
-        equal_opportunity_difference,
-        equalized_odds_difference,
-        true_positive_rate,
-    )
-    from sklearn.metrics import accuracy_score
+  from fairlearn.metrics import (
+      MetricFrame,
+      accuracy_score_ratio,
+      demographic_parity_difference,
+      equal_opportunity_difference,
+      equalized_odds_difference,
+      true_positive_rate,
+  )
+  from sklearn.metrics import accuracy_score
 
-    rng = np.random.default_rng(3)
-    n = 500
-    groups = rng.integers(0, 3, n)
-    # Group-dependent base rates and error rates so that every metric is nonzero.
-    labels = (rng.random(n) < np.array([0.3, 0.5, 0.7])[groups]).astype(int)
-    flip = rng.random(n) < np.array([0.1, 0.25, 0.4])[groups]
-    preds = np.where(flip, 1 - labels, labels)
-    counts = np.asarray(_jit_counts(3, 2)(labels, preds, groups, np.ones(n, bool)))
-    got = attribute_fairness(counts)
+  rng = np.random.default_rng(3)
+  n = 500
+  groups = rng.integers(0, 3, n)
+  # Group-dependent base rates and error rates so that every metric is nonzero.
+  labels = (rng.random(n) < np.array([0.3, 0.5, 0.7])[groups]).astype(int)
+  flip = rng.random(n) < np.array([0.1, 0.25, 0.4])[groups]
+  preds = np.where(flip, 1 - labels, labels)
+  counts = np.asarray(_jit_counts(3, 2)(labels, preds, groups, np.ones(n, bool)))
+  got = attribute_fairness(counts)
 
-    assert got.dp == pytest.approx(
-        demographic_parity_difference(labels, preds, sensitive_features=groups), abs=1e-12
-    )
-    assert got.eodds == pytest.approx(
-        equalized_odds_difference(labels, preds, sensitive_features=groups), abs=1e-12
-    )
-    assert got.pqd == pytest.approx(
-        accuracy_score_ratio(labels, preds, sensitive_features=groups), abs=1e-12
-    )
-    # EOpp averages the TPR spread of both one-vs-rest classes.
-    def tpr_of_class(c):
-        def tpr(y_true, y_pred):
-            return true_positive_rate(y_true, y_pred, pos_label=c)
+  assert got.dp == pytest.approx(
+      demographic_parity_difference(labels, preds, sensitive_features=groups), abs=1e-12
+  )
+  assert got.eodds == pytest.approx(
+      equalized_odds_difference(labels, preds, sensitive_features=groups), abs=1e-12
+  )
+  assert got.pqd == pytest.approx(
+      accuracy_score_ratio(labels, preds, sensitive_features=groups), abs=1e-12
+  )
 
-        return tpr
+  # EOpp averages the TPR spread of both one-vs-rest classes.
+  def tpr_of_class(c):
+    def tpr(y_true, y_pred):
+      return true_positive_rate(y_true, y_pred, pos_label=c)
 
-    tpr_spread = {
-        c: MetricFrame(
-            metrics=tpr_of_class(c),
-            y_true=labels,
-            y_pred=preds,
-            sensitive_features=groups,
-        ).difference()
-        for c in (0, 1)
-    }
-    assert tpr_spread[1] == pytest.approx(
-        equal_opportunity_difference(labels, preds, sensitive_features=groups), abs=1e-12
-    )
-    assert got.eopp == pytest.approx((tpr_spread[0] + tpr_spread[1]) / 2, abs=1e-12)
+    return tpr
 
-    by_group = MetricFrame(
-        metrics=accuracy_score, y_true=labels, y_pred=preds, sensitive_features=groups
-    ).by_group
-    np.testing.assert_allclose(got.group_accuracy, by_group.sort_index().to_numpy(), atol=1e-12)
-    assert min(got.dp, got.eopp, got.eodds) > 0.0 and got.pqd < 1.0
+  tpr_spread = {
+      c: MetricFrame(
+          metrics=tpr_of_class(c),
+          y_true=labels,
+          y_pred=preds,
+          sensitive_features=groups,
+      ).difference()
+      for c in (0, 1)
+  }
+  assert tpr_spread[1] == pytest.approx(
+      equal_opportunity_difference(labels, preds, sensitive_features=groups), abs=1e-12
+  )
+  assert got.eopp == pytest.approx((tpr_spread[0] + tpr_spread[1]) / 2, abs=1e-12)
+
+  by_group = MetricFrame(
+      metrics=accuracy_score, y_true=labels, y_pred=preds, sensitive_features=groups
+  ).by_group
+  np.testing.assert_allclose(got.group_accuracy, by_group.sort_index().to_numpy(), atol=1e-12)
+  assert min(got.dp, got.eopp, got.eodds) > 0.0 and got.pqd < 1.0
 
 
 def test_hand_computed_example():
-    # Group 0: labels [0, 0, 1, 1], preds [0, 1, 1, 1] -> acc 3/4, P(pred=1) = 3/4
-    #          TPR_1 = 2/2 = 1, FPR_1 = 1/2;  TPR_0 = 1/2, FPR_0 = 0/2 = 0
-    # Group 1: labels [0, 0, 1],    preds [1, 0, 0]    -> acc 1/3, P(pred=1) = 1/3
-    #          TPR_1 = 0/1 = 0, FPR_1 = 1/2;  TPR_0 = 1/2, FPR_0 = 1/1 = 1
-    # PQD   = (1/3) / (3/4)                                  = 4/9
-    # DP    = mean(|1/4 - 2/3|, |3/4 - 1/3|) = mean(5/12, 5/12) = 5/12
-    # EOpp  = mean(TPR_0 spread 0, TPR_1 spread 1)           = 1/2
-    # EOdds = mean(max(0, 1), max(1, 0))                     = 1
-    labels = np.array([0, 0, 1, 1, 0, 0, 1])
-    preds = np.array([0, 1, 1, 1, 1, 0, 0])
-    groups = np.array([0, 0, 0, 0, 1, 1, 1])
-    counts = np.asarray(_jit_counts(2, 2)(labels, preds, groups, np.ones(7)))
-    got = attribute_fairness(counts)
-    assert got.pqd == pytest.approx(4 / 9)
-    assert got.dp == pytest.approx(5 / 12)
-    assert got.eopp == pytest.approx(1 / 2)
-    assert got.eodds == pytest.approx(1.0)
-    np.testing.assert_allclose(got.group_accuracy, [3 / 4, 1 / 3])
-    assert got.group_n.tolist() == [4, 3] and got.empty_groups == []
+  # Group 0: labels [0, 0, 1, 1], preds [0, 1, 1, 1] -> acc 3/4, P(pred=1) = 3/4
+  #          TPR_1 = 2/2 = 1, FPR_1 = 1/2;  TPR_0 = 1/2, FPR_0 = 0/2 = 0
+  # Group 1: labels [0, 0, 1],    preds [1, 0, 0]    -> acc 1/3, P(pred=1) = 1/3
+  #          TPR_1 = 0/1 = 0, FPR_1 = 1/2;  TPR_0 = 1/2, FPR_0 = 1/1 = 1
+  # PQD   = (1/3) / (3/4)                                  = 4/9
+  # DP    = mean(|1/4 - 2/3|, |3/4 - 1/3|) = mean(5/12, 5/12) = 5/12
+  # EOpp  = mean(TPR_0 spread 0, TPR_1 spread 1)           = 1/2
+  # EOdds = mean(max(0, 1), max(1, 0))                     = 1
+  labels = np.array([0, 0, 1, 1, 0, 0, 1])
+  preds = np.array([0, 1, 1, 1, 1, 0, 0])
+  groups = np.array([0, 0, 0, 0, 1, 1, 1])
+  counts = np.asarray(_jit_counts(2, 2)(labels, preds, groups, np.ones(7)))
+  got = attribute_fairness(counts)
+  assert got.pqd == pytest.approx(4 / 9)
+  assert got.dp == pytest.approx(5 / 12)
+  assert got.eopp == pytest.approx(1 / 2)
+  assert got.eodds == pytest.approx(1.0)
+  np.testing.assert_allclose(got.group_accuracy, [3 / 4, 1 / 3])
+  assert got.group_n.tolist() == [4, 3] and got.empty_groups == []
 
 
 def test_empty_groups_are_listed_and_ignored():
-    rng = np.random.default_rng(4)
-    labels, preds, groups, mask = _random_batch(rng, 200, 3, 3, p_mask=0.0, p_missing=0.0)
-    dense = np.asarray(_jit_counts(3, 3)(labels, preds, groups, mask))
-    # Same examples, but spread over groups {0, 2, 4} of a 6-group attribute.
-    sparse = np.asarray(_jit_counts(6, 3)(labels, preds, groups * 2, mask))
-    a, b = attribute_fairness(dense), attribute_fairness(sparse)
+  rng = np.random.default_rng(4)
+  labels, preds, groups, mask = _random_batch(rng, 200, 3, 3, p_mask=0.0, p_missing=0.0)
+  dense = np.asarray(_jit_counts(3, 3)(labels, preds, groups, mask))
+  # Same examples, but spread over groups {0, 2, 4} of a 6-group attribute.
+  sparse = np.asarray(_jit_counts(6, 3)(labels, preds, groups * 2, mask))
+  a, b = attribute_fairness(dense), attribute_fairness(sparse)
 
-    assert b.empty_groups == [1, 3, 5]
-    for name in METRIC_NAMES:
-        value = getattr(b, name)
-        assert not math.isnan(value)
-        assert value == pytest.approx(getattr(a, name), abs=1e-12), name
-    assert np.isnan(b.group_accuracy[[1, 3, 5]]).all()
-    np.testing.assert_array_equal(b.group_accuracy[[0, 2, 4]], a.group_accuracy)
+  assert b.empty_groups == [1, 3, 5]
+  for name in METRIC_NAMES:
+    value = getattr(b, name)
+    assert not math.isnan(value)
+    assert value == pytest.approx(getattr(a, name), abs=1e-12), name
+  assert np.isnan(b.group_accuracy[[1, 3, 5]]).all()
+  np.testing.assert_array_equal(b.group_accuracy[[0, 2, 4]], a.group_accuracy)
 
 
 @pytest.mark.parametrize("num_nonempty", [0, 1])
 def test_fewer_than_two_groups_means_no_disparity(num_nonempty):
-    counts = np.zeros((3, 2, 2))
-    if num_nonempty:
-        counts[1] = [[5, 2], [1, 7]]
-    got = attribute_fairness(counts)
-    assert (got.pqd, got.dp, got.eopp, got.eodds) == (1.0, 0.0, 0.0, 0.0)
-    assert len(got.empty_groups) == 3 - num_nonempty
+  counts = np.zeros((3, 2, 2))
+  if num_nonempty:
+    counts[1] = [[5, 2], [1, 7]]
+  got = attribute_fairness(counts)
+  assert (got.pqd, got.dp, got.eopp, got.eodds) == (1.0, 0.0, 0.0, 0.0)
+  assert len(got.empty_groups) == 3 - num_nonempty
 
 
 def test_all_groups_zero_accuracy_gives_pqd_one():
-    counts = np.zeros((2, 2, 2))
-    counts[0] = [[0, 3], [1, 0]]
-    counts[1] = [[0, 2], [4, 0]]
-    assert attribute_fairness(counts).pqd == 1.0
+  counts = np.zeros((2, 2, 2))
+  counts[0] = [[0, 3], [1, 0]]
+  counts[1] = [[0, 2], [4, 0]]
+  assert attribute_fairness(counts).pqd == 1.0
 
 
 def test_class_defined_in_one_group_only_is_skipped_by_eopp():
-    # Class 1 appears only in group 0 -> TPR_1 has one group -> skipped; EOpp = TPR_0 spread.
-    counts = np.zeros((2, 2, 2))
-    counts[0] = [[4, 0], [1, 1]]  # TPR_0 = 1
-    counts[1] = [[1, 3], [0, 0]]  # TPR_0 = 1/4, no label 1
-    got = attribute_fairness(counts)
-    assert got.eopp == pytest.approx(3 / 4)
-    # EOdds class 1: TPR_1 undefined, FPR_1 spread |0 - 3/4|; class 0: TPR_0 spread 3/4,
-    # FPR_0 = P(pred 0 | y 1) only in group 0 -> undefined. Mean(3/4, 3/4).
-    assert got.eodds == pytest.approx(3 / 4)
+  # Class 1 appears only in group 0 -> TPR_1 has one group -> skipped; EOpp = TPR_0 spread.
+  counts = np.zeros((2, 2, 2))
+  counts[0] = [[4, 0], [1, 1]]  # TPR_0 = 1
+  counts[1] = [[1, 3], [0, 0]]  # TPR_0 = 1/4, no label 1
+  got = attribute_fairness(counts)
+  assert got.eopp == pytest.approx(3 / 4)
+  # EOdds class 1: TPR_1 undefined, FPR_1 spread |0 - 3/4|; class 0: TPR_0 spread 3/4,
+  # FPR_0 = P(pred 0 | y 1) only in group 0 -> undefined. Mean(3/4, 3/4).
+  assert got.eodds == pytest.approx(3 / 4)
 
 
 def test_multi_attribute_fairness_is_mean_over_attributes():
-    a = attribute_fairness(np.array([[[3, 1], [0, 4]], [[1, 1], [2, 2]]], dtype=float))
-    b = attribute_fairness(np.array([[[5, 0], [0, 5]], [[2, 3], [1, 4]]], dtype=float))
-    mf = multi_attribute_fairness([a, b])
-    for name in METRIC_NAMES:
-        assert mf[name] == pytest.approx((getattr(a, name) + getattr(b, name)) / 2)
-    with pytest.raises(ValueError):
-        multi_attribute_fairness([])
+  a = attribute_fairness(np.array([[[3, 1], [0, 4]], [[1, 1], [2, 2]]], dtype=float))
+  b = attribute_fairness(np.array([[[5, 0], [0, 5]], [[2, 3], [1, 4]]], dtype=float))
+  mf = multi_attribute_fairness([a, b])
+  for name in METRIC_NAMES:
+    assert mf[name] == pytest.approx((getattr(a, name) + getattr(b, name)) / 2)
+  with pytest.raises(ValueError):
+    multi_attribute_fairness([])
 
 
 def test_rejects_malformed_counts():
-    with pytest.raises(ValueError):
-        attribute_fairness(np.zeros((2, 2, 3)))
-    with pytest.raises(ValueError):
-        attribute_fairness(-np.ones((2, 2, 2)))
+  with pytest.raises(ValueError):
+    attribute_fairness(np.zeros((2, 2, 3)))
+  with pytest.raises(ValueError):
+    attribute_fairness(-np.ones((2, 2, 2)))
 
 
 # ---------------------------------------------------------------------------
@@ -356,74 +361,74 @@ def test_rejects_malformed_counts():
 
 
 def _report_inputs():
-    rng = np.random.default_rng(5)
-    group_sizes, num_classes, n = (2, 3), 3, 300
-    labels, preds, _, mask = _random_batch(rng, n, 1, num_classes)
-    attributes = np.stack([rng.integers(-1, 2, n), rng.integers(-1, 2, n)], axis=1)  # group 2 empty
-    overall = np.asarray(overall_counts(labels, preds, mask, num_classes=num_classes))
-    per_attribute = [
-        np.asarray(c)
-        for c in attribute_counts(
-            labels, preds, attributes, mask, group_sizes=group_sizes, num_classes=num_classes
-        )
-    ]
-    names = ["sex", "age"]
-    group_names = [["male", "female"], ["young", "middle", "senior"]]
-    return overall, per_attribute, names, group_names, mask
+  rng = np.random.default_rng(5)
+  group_sizes, num_classes, n = (2, 3), 3, 300
+  labels, preds, _, mask = _random_batch(rng, n, 1, num_classes)
+  attributes = np.stack([rng.integers(-1, 2, n), rng.integers(-1, 2, n)], axis=1)  # group 2 empty
+  overall = np.asarray(overall_counts(labels, preds, mask, num_classes=num_classes))
+  per_attribute = [
+      np.asarray(c)
+      for c in attribute_counts(
+          labels, preds, attributes, mask, group_sizes=group_sizes, num_classes=num_classes
+      )
+  ]
+  names = ["sex", "age"]
+  group_names = [["male", "female"], ["young", "middle", "senior"]]
+  return overall, per_attribute, names, group_names, mask
 
 
 def test_report_schema_and_values():
-    overall, per_attribute, names, group_names, mask = _report_inputs()
-    report = fairness_report(overall, per_attribute, names, group_names)
-    json.dumps(report, allow_nan=False)
+  overall, per_attribute, names, group_names, mask = _report_inputs()
+  report = fairness_report(overall, per_attribute, names, group_names)
+  json.dumps(report, allow_nan=False)
 
-    assert set(report) == {"accuracy", "num_examples", "attributes", "mf"}
-    assert type(report["accuracy"]) is float and type(report["num_examples"]) is int
-    assert report["num_examples"] == int(mask.sum())
-    assert report["accuracy"] == pytest.approx(np.trace(overall) / overall.sum())
-    assert list(report["attributes"]) == names
-    assert set(report["mf"]) == set(METRIC_NAMES)
+  assert set(report) == {"accuracy", "num_examples", "attributes", "mf"}
+  assert type(report["accuracy"]) is float and type(report["num_examples"]) is int
+  assert report["num_examples"] == int(mask.sum())
+  assert report["accuracy"] == pytest.approx(np.trace(overall) / overall.sum())
+  assert list(report["attributes"]) == names
+  assert set(report["mf"]) == set(METRIC_NAMES)
 
-    for name, counts in zip(names, per_attribute):
-        attr = report["attributes"][name]
-        assert set(attr) == {*METRIC_NAMES, "groups", "empty_groups"}
-        assert all(type(attr[m]) is float for m in METRIC_NAMES)
-        ref = attribute_fairness(counts)
-        for m in METRIC_NAMES:
-            assert attr[m] == getattr(ref, m)
-        for group in attr["groups"].values():
-            assert set(group) == {"n", "accuracy"}
-            assert type(group["n"]) is int and group["n"] > 0
-            assert type(group["accuracy"]) is float
-    assert report["attributes"]["age"]["empty_groups"] == ["senior"]
-    assert list(report["attributes"]["age"]["groups"]) == ["young", "middle"]
-    assert report["attributes"]["sex"]["empty_groups"] == []
+  for name, counts in zip(names, per_attribute):
+    attr = report["attributes"][name]
+    assert set(attr) == {*METRIC_NAMES, "groups", "empty_groups"}
+    assert all(type(attr[m]) is float for m in METRIC_NAMES)
+    ref = attribute_fairness(counts)
     for m in METRIC_NAMES:
-        expected = np.mean([report["attributes"][a][m] for a in names])
-        assert report["mf"][m] == pytest.approx(expected)
+      assert attr[m] == getattr(ref, m)
+    for group in attr["groups"].values():
+      assert set(group) == {"n", "accuracy"}
+      assert type(group["n"]) is int and group["n"] > 0
+      assert type(group["accuracy"]) is float
+  assert report["attributes"]["age"]["empty_groups"] == ["senior"]
+  assert list(report["attributes"]["age"]["groups"]) == ["young", "middle"]
+  assert report["attributes"]["sex"]["empty_groups"] == []
+  for m in METRIC_NAMES:
+    expected = np.mean([report["attributes"][a][m] for a in names])
+    assert report["mf"][m] == pytest.approx(expected)
 
 
 def test_format_report_lists_groups_and_mf():
-    overall, per_attribute, names, group_names, _ = _report_inputs()
-    report = fairness_report(overall, per_attribute, names, group_names)
-    text = format_report(report)
-    for name in names:
-        assert f"[{name}]" in text
-    for groups in group_names:
-        for group in groups:
-            assert group in text
-    assert "empty groups (excluded): senior" in text
-    mf_lines = text.splitlines()[text.splitlines().index("MF (mean over 2 attributes)") + 1]
-    assert f"PQD {report['mf']['pqd']:.4f}" in mf_lines
-    assert f"EOdds {report['mf']['eodds']:.4f}" in mf_lines
-    assert f"{100 * report['accuracy']:.2f}%" in text
+  overall, per_attribute, names, group_names, _ = _report_inputs()
+  report = fairness_report(overall, per_attribute, names, group_names)
+  text = format_report(report)
+  for name in names:
+    assert f"[{name}]" in text
+  for groups in group_names:
+    for group in groups:
+      assert group in text
+  assert "empty groups (excluded): senior" in text
+  mf_lines = text.splitlines()[text.splitlines().index("MF (mean over 2 attributes)") + 1]
+  assert f"PQD {report['mf']['pqd']:.4f}" in mf_lines
+  assert f"EOdds {report['mf']['eodds']:.4f}" in mf_lines
+  assert f"{100 * report['accuracy']:.2f}%" in text
 
 
 def test_report_rejects_mismatched_names():
-    overall, per_attribute, names, group_names, _ = _report_inputs()
-    with pytest.raises(ValueError):
-        fairness_report(overall, per_attribute, names[:1], group_names)
-    with pytest.raises(ValueError):
-        fairness_report(overall, per_attribute, names, [["male", "female"], ["young", "old"]])
-    with pytest.raises(ValueError):
-        fairness_report(overall, per_attribute, names, [["a", "a"], ["x", "y", "z"]])
+  overall, per_attribute, names, group_names, _ = _report_inputs()
+  with pytest.raises(ValueError):
+    fairness_report(overall, per_attribute, names[:1], group_names)
+  with pytest.raises(ValueError):
+    fairness_report(overall, per_attribute, names, [["male", "female"], ["young", "old"]])
+  with pytest.raises(ValueError):
+    fairness_report(overall, per_attribute, names, [["a", "a"], ["x", "y", "z"]])

@@ -220,8 +220,10 @@ def test_example_expert_fraction_accounts_for_drops():
   route = _route(layer.router, x.reshape(30, DIM))
   capacity = compute_capacity(10, 4, 2, 0.5)
   _, _, stats = _masks(
-      route.expert_index.reshape(3, 10, 2), route.gates.reshape(3, 10, 2),
-      num_experts=4, capacity=capacity,
+      route.expert_index.reshape(3, 10, 2),
+      route.gates.reshape(3, 10, 2),
+      num_experts=4,
+      capacity=capacity,
   )
   dropped_per_example = 1.0 - np.asarray(stats.kept).mean(axis=(1, 2))
   assert aux.metrics["fraction_dropped"] > 0  # The test must exercise drops.

@@ -54,8 +54,15 @@ def test_train_batch_shapes_and_dtypes():
 def test_processes_split_each_epoch_disjointly():
   arrays = make_arrays(96)
   iterators = [
-      pipeline.train_iterator(arrays, global_batch_size=16, image_size=16, seed=1,
-                              process_index=i, process_count=2, num_threads=0)
+      pipeline.train_iterator(
+          arrays,
+          global_batch_size=16,
+          image_size=16,
+          seed=1,
+          process_index=i,
+          process_count=2,
+          num_threads=0,
+      )
       for i in range(2)
   ]
   epochs = [[ids_of(take(it, 6)) for _ in range(2)] for it in iterators]  # 48 / 8
@@ -70,8 +77,9 @@ def test_processes_split_each_epoch_disjointly():
 
 def test_partial_batches_are_dropped_per_epoch():
   # 50 examples, batch 8: 6 batches per epoch and no batch mixes two epochs.
-  it = pipeline.train_iterator(make_arrays(50), global_batch_size=8, image_size=16, seed=0,
-                               num_threads=0)
+  it = pipeline.train_iterator(
+      make_arrays(50), global_batch_size=8, image_size=16, seed=0, num_threads=0
+  )
   for _ in range(3):
     ids = ids_of(take(it, 6))
     assert len(np.unique(ids)) == 48
@@ -80,8 +88,12 @@ def test_partial_batches_are_dropped_per_epoch():
 def test_stream_does_not_depend_on_threads():
   arrays = make_arrays(40)
   streams = [
-      take(pipeline.train_iterator(arrays, global_batch_size=8, image_size=12, seed=5,
-                                   num_threads=threads), 7)
+      take(
+          pipeline.train_iterator(
+              arrays, global_batch_size=8, image_size=12, seed=5, num_threads=threads
+          ),
+          7,
+      )
       for threads in (0, 3)
   ]
   assert_batches_equal(*streams)
@@ -89,8 +101,10 @@ def test_stream_does_not_depend_on_threads():
 
 def test_different_seed_gives_different_stream():
   arrays = make_arrays(40)
-  a, b = (next(pipeline.train_iterator(arrays, global_batch_size=8, image_size=12, seed=s))
-          for s in (0, 1))
+  a, b = (
+      next(pipeline.train_iterator(arrays, global_batch_size=8, image_size=12, seed=s))
+      for s in (0, 1)
+  )
   assert not np.array_equal(a["image"], b["image"])
 
 
@@ -109,18 +123,23 @@ def test_state_restore_reproduces_stream_across_epochs(num_threads):
 
 def test_augment_config_as_mapping_and_no_augmentation():
   arrays = make_arrays(24)
-  batch = next(pipeline.train_iterator(arrays, global_batch_size=8, image_size=16, seed=0,
-                                       augment=NO_AUGMENT))
+  batch = next(
+      pipeline.train_iterator(
+          arrays, global_batch_size=8, image_size=16, seed=0, augment=NO_AUGMENT
+      )
+  )
   np.testing.assert_array_equal(batch["image"], augment.normalize(arrays["image"][ids_of([batch])]))
   with pytest.raises(TypeError):
-    pipeline.train_iterator(arrays, global_batch_size=8, image_size=16, seed=0,
-                            augment={"colour_jitter": True})
+    pipeline.train_iterator(
+        arrays, global_batch_size=8, image_size=16, seed=0, augment={"colour_jitter": True}
+    )
 
 
 def test_invalid_batch_sizes():
   with pytest.raises(ValueError, match="divisible"):
-    pipeline.train_iterator(make_arrays(40), global_batch_size=9, image_size=16, seed=0,
-                            process_count=2)
+    pipeline.train_iterator(
+        make_arrays(40), global_batch_size=9, image_size=16, seed=0, process_count=2
+    )
   with pytest.raises(ValueError, match="fewer"):
     pipeline.train_iterator(make_arrays(10), global_batch_size=16, image_size=16, seed=0)
 
@@ -143,8 +162,14 @@ def test_eval_batches_pad_the_last_batch():
 
 def test_eval_batches_shard_evenly_over_processes():
   arrays = make_arrays(77)
-  shards = [list(pipeline.eval_batches(arrays, batch_size=8, image_size=16,
-                                       process_index=i, process_count=3)) for i in range(3)]
+  shards = [
+      list(
+          pipeline.eval_batches(
+              arrays, batch_size=8, image_size=16, process_index=i, process_count=3
+          )
+      )
+      for i in range(3)
+  ]
   assert [len(s) for s in shards] == [pipeline.num_eval_batches(77, 8, 3)] * 3 == [4, 4, 4]
   real = np.concatenate([ids_of(s)[np.concatenate([b["mask"] for b in s]) > 0] for s in shards])
   np.testing.assert_array_equal(np.sort(real), np.arange(77))
@@ -177,7 +202,8 @@ def test_crop_and_flip_invariants():
   square = image[:20]
   np.testing.assert_array_equal(
       augment.random_resized_crop(square, rng, 16, scale=(1, 1), ratio=(1, 1)),
-      augment.resize(square, 16))
+      augment.resize(square, 16),
+  )
   np.testing.assert_array_equal(augment.resize(square, 20), square)
 
 

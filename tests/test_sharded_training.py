@@ -1,4 +1,5 @@
 """The fairmoe train step on meshes of 8 fake CPU devices: same losses as on one device."""
+
 import subprocess
 
 import flax.nnx as nnx
@@ -20,8 +21,15 @@ def _tiny_config(data: int, expert: int, dtype: str = "float32"):
   config.data.update(train_size=256, val_size=32, test_size=64, num_threads=0)
   config.model.update(dim=32, depth=2, num_heads=2, mlp_dim=64)
   config.moe.num_experts = 8
-  config.update(batch_size=32, eval_batch_size=32, num_train_steps=4, log_every_steps=1,
-                eval_every_steps=0, checkpoint_every_steps=0, compute_dtype=dtype)
+  config.update(
+      batch_size=32,
+      eval_batch_size=32,
+      num_train_steps=4,
+      log_every_steps=1,
+      eval_every_steps=0,
+      checkpoint_every_steps=0,
+      compute_dtype=dtype,
+  )
   config.mesh.update(data=data, expert=expert)
   fairmoe_config.validate(config, num_devices=jax.device_count())
   return config
@@ -65,8 +73,20 @@ def test_bfloat16_compute_trains_with_float32_parameters(tmp_path):
 
 
 def test_local_launcher_dry_run_prints_the_command(repo_root):
-  result = subprocess.run(["bash", str(repo_root / "launch/local.sh"), "--dry-run", "configs/quickstart.py",
-                           "/tmp/wd", "--config.batch_size=64"], capture_output=True, text=True)
+  result = subprocess.run(
+      [
+          "bash",
+          str(repo_root / "launch/local.sh"),
+          "--dry-run",
+          "configs/quickstart.py",
+          "/tmp/wd",
+          "--config.batch_size=64",
+      ],
+      capture_output=True,
+      text=True,
+  )
   assert result.returncode == 0
-  assert ("will run: python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/wd "
-          "--config.batch_size=64") in result.stdout
+  assert (
+      "will run: python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/wd "
+      "--config.batch_size=64"
+  ) in result.stdout

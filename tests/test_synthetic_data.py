@@ -43,7 +43,10 @@ def test_info_and_shapes(default_data):
   assert info.group_sizes == (2, 5, 8)
   assert info.image_size == 32
   assert {k: len(v["label"]) for k, v in splits.items()} == {
-      "train": 8000, "val": 1000, "test": 2000}
+      "train": 8000,
+      "val": 1000,
+      "test": 2000,
+  }
   for split in splits.values():
     n = len(split["label"])
     assert split["image"].shape == (n, 32, 32, 3) and split["image"].dtype == np.uint8
@@ -76,7 +79,8 @@ def test_splits_have_independent_seeds():
 
 def test_image_size_num_classes_and_empty_split():
   info, splits = synthetic.load_synthetic(
-      image_size=48, num_classes=3, sizes={"test": 70, "empty": 0})
+      image_size=48, num_classes=3, sizes={"test": 70, "empty": 0}
+  )
   assert info.image_size == 48 and info.num_classes == 3
   assert info.class_names == ("stripes_00deg", "stripes_45deg", "stripes_90deg")
   assert splits["test"]["image"].shape == (70, 48, 48, 3)
@@ -107,10 +111,12 @@ def test_label_distribution_depends_on_age_and_site(train):
   overall = np.bincount(label, minlength=4) / len(label)
   for j in (AGE, SITE):
     column = train["attributes"][:, j]
-    conditional = np.stack([
-        np.bincount(label[column == g], minlength=4) / (column == g).sum()
-        for g in range(column.max() + 1)
-    ])
+    conditional = np.stack(
+        [
+            np.bincount(label[column == g], minlength=4) / (column == g).sum()
+            for g in range(column.max() + 1)
+        ]
+    )
     total_variation = 0.5 * np.abs(conditional - overall).sum(-1)
     assert total_variation.max() > 0.15
     weights = np.bincount(column) / len(column)
@@ -161,6 +167,7 @@ def test_registry():
   info, splits = data_lib.get_dataset("synthetic", sizes={"val": 10}, seed=3)
   assert info.name == "synthetic" and list(splits) == ["val"]
   np.testing.assert_array_equal(
-      splits["val"]["image"], synthetic.load_synthetic(sizes={"val": 10}, seed=3)[1]["val"]["image"])
+      splits["val"]["image"], synthetic.load_synthetic(sizes={"val": 10}, seed=3)[1]["val"]["image"]
+  )
   with pytest.raises(ValueError, match="synthetic"):
     data_lib.get_dataset("imagenet")

@@ -1,4 +1,5 @@
 """The shared training kit: mesh, config arguments, optimiser, checkpoints, metric writer."""
+
 import io
 import json
 import os
@@ -48,13 +49,16 @@ def test_mesh_minus_one_fills_remaining_devices():
   assert mesh_shape({"data": 2, "expert": 2}, 8) == (2, 2)  # A smaller mesh uses the first devices.
 
 
-@pytest.mark.parametrize("mesh_config,key", [
-    ({"data": 4, "expert": 4}, "mesh"),
-    ({"data": -1, "expert": 3}, "mesh.data"),
-    ({"data": -1, "expert": -1}, "mesh"),
-    ({"data": 0, "expert": 1}, "mesh.data"),
-    ({"data": 1, "expert": "2"}, "mesh.expert"),
-])
+@pytest.mark.parametrize(
+    "mesh_config,key",
+    [
+        ({"data": 4, "expert": 4}, "mesh"),
+        ({"data": -1, "expert": 3}, "mesh.data"),
+        ({"data": -1, "expert": -1}, "mesh"),
+        ({"data": 0, "expert": 1}, "mesh.data"),
+        ({"data": 1, "expert": "2"}, "mesh.expert"),
+    ],
+)
 def test_impossible_meshes_name_the_key(mesh_config, key):
   with pytest.raises(ConfigError) as e:
     mesh_shape(mesh_config, 8)
@@ -63,13 +67,21 @@ def test_impossible_meshes_name_the_key(mesh_config, key):
 
 
 def test_parse_arg_converts_to_default_types():
-  arg = cfg.parse_arg("steps=10,lr=0.5,name=x,flag,blocks=(1, 2)", steps=1, lr=1.0, name="a",
-                      flag=False, blocks=(0,))
+  arg = cfg.parse_arg(
+      "steps=10,lr=0.5,name=x,flag,blocks=(1, 2)",
+      steps=1,
+      lr=1.0,
+      name="a",
+      flag=False,
+      blocks=(0,),
+  )
   assert (arg.steps, arg.lr, arg.name, arg.flag, arg.blocks) == (10, 0.5, "x", True, (1, 2))
   assert cfg.parse_arg(None, steps=3).steps == 3
 
 
-@pytest.mark.parametrize("arg,key", [("nope=1", "nope"), ("steps=ten", "steps"), ("flag=maybe", "flag")])
+@pytest.mark.parametrize(
+    "arg,key", [("nope=1", "nope"), ("steps=ten", "steps"), ("flag=maybe", "flag")]
+)
 def test_parse_arg_errors_name_the_key(arg, key):
   with pytest.raises(ConfigError, match=f"'{key}'"):
     cfg.parse_arg(arg, steps=1, flag=False)
@@ -79,13 +91,22 @@ def test_schedule_warms_up_then_decays_to_the_floor():
   config = default_optimizer_config()
   config.learning_rate, config.warmup_steps, config.final_lr_fraction = 1.0, 10, 0.1
   schedule = learning_rate_schedule(config, 110)
-  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
-                             [0.0, 0.5, 1.0, 0.55, 0.1], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      [schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
+      [0.0, 0.5, 1.0, 0.55, 0.1],
+      rtol=1e-5,
+      atol=1e-6,
+  )
 
 
 def test_optimizer_clips_and_skips_decay_on_vectors():
   config = default_optimizer_config()
-  config.learning_rate, config.warmup_steps, config.weight_decay, config.grad_clip_norm = 0.1, 0, 0.5, 1.0
+  config.learning_rate, config.warmup_steps, config.weight_decay, config.grad_clip_norm = (
+      0.1,
+      0,
+      0.5,
+      1.0,
+  )
   tx = make_optimizer(config, 10)
   params = {"w": jnp.ones((2, 2)), "b": jnp.ones((2,))}
   zero_grads = jax.tree.map(jnp.zeros_like, params)
@@ -111,7 +132,9 @@ def test_checkpoint_round_trip_keeps_n_and_restores_sharding(tmp_path):
   state = _State(step=jnp.array(0), w=jax.device_put(jnp.arange(8.0), sharding))
   ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
   for step in (1, 2, 3):
-    ckpt.save(step, state.replace(step=jnp.array(step), w=state.w * step), {"pos": step}, force=True)
+    ckpt.save(
+        step, state.replace(step=jnp.array(step), w=state.w * step), {"pos": step}, force=True
+    )
   ckpt.wait()
   assert ckpt.all_steps() == [2, 3]
   restored, data_state, step = ckpt.restore(state)
@@ -176,9 +199,13 @@ def test_metric_writer_merges_steps_and_truncates_on_resume(tmp_path):
   writer.write_scalars(3, {"test/accuracy": 0.25})  # After a flush: merged into step 3's line.
   writer.close()
   assert read_metrics(str(tmp_path)) == [
-      {"step": 1, "loss": 2.0, "val/accuracy": 0.5}, {"step": 2, "loss": 1.0},
-      {"step": 3, "loss": None, "test/accuracy": 0.25}]
-  assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
+      {"step": 1, "loss": 2.0, "val/accuracy": 0.5},
+      {"step": 2, "loss": 1.0},
+      {"step": 3, "loss": None, "test/accuracy": 0.25},
+  ]
+  assert any(
+      name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard")
+  )
   MetricWriter(str(tmp_path), tensorboard=False).truncate_after(2)
   assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
   for line in open(tmp_path / "metrics.jsonl"):
@@ -223,8 +250,13 @@ class _SignallingIterator:
 
 def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
   mesh = make_mesh({"data": 8, "expert": 1})
-  state = TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.zeros(())}, model_state={},
-                     opt_state=(), rng=jax.random.PRNGKey(0))
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params={"w": jnp.zeros(())},
+      model_state={},
+      opt_state=(),
+      rng=jax.random.PRNGKey(0),
+  )
 
   def train_step(state, batch):
     return state.replace(step=state.step + 1), {"loss": jnp.sum(batch["x"])}
@@ -232,10 +264,19 @@ def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
   previous_handler = signal.getsignal(signal.SIGTERM)
   state, preempted = train_loop(
-      state=state, train_step=jax.jit(train_step), train_iterator=_SignallingIterator(4), mesh=mesh,
-      checkpointer=ckpt, writer=MetricWriter(str(tmp_path), tensorboard=False), num_train_steps=100,
-      log_every_steps=10, eval_every_steps=0, checkpoint_every_steps=0, examples_per_step=8,
-      show_progress=False)
+      state=state,
+      train_step=jax.jit(train_step),
+      train_iterator=_SignallingIterator(4),
+      mesh=mesh,
+      checkpointer=ckpt,
+      writer=MetricWriter(str(tmp_path), tensorboard=False),
+      num_train_steps=100,
+      log_every_steps=10,
+      eval_every_steps=0,
+      checkpoint_every_steps=0,
+      examples_per_step=8,
+      show_progress=False,
+  )
   assert preempted and int(state.step) == 4
   assert ckpt.all_steps() == [4]
   _, data_state, step = ckpt.restore(state)
@@ -258,8 +299,13 @@ def test_progress_bar_reports_throughput_eta_and_scalars():
 
 def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
   mesh = make_mesh({"data": 8, "expert": 1})
-  state = TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.zeros(())}, model_state={},
-                     opt_state=(), rng=jax.random.PRNGKey(0))
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params={"w": jnp.zeros(())},
+      model_state={},
+      opt_state=(),
+      rng=jax.random.PRNGKey(0),
+  )
 
   def train_step(state, batch):
     loss = jnp.where(state.step >= 4, jnp.nan, 1.0)  # Diverges at the 5th step.
@@ -267,9 +313,19 @@ def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
   with pytest.raises(TrainingDiverged, match="loss became nan at step 5.*latest is at step 4"):
-    train_loop(state=state, train_step=jax.jit(train_step), train_iterator=_SignallingIterator(-1),
-               mesh=mesh, checkpointer=ckpt, writer=MetricWriter(str(tmp_path), tensorboard=False),
-               num_train_steps=10, log_every_steps=1, eval_every_steps=0, checkpoint_every_steps=2,
-               examples_per_step=8, show_progress=False)
+    train_loop(
+        state=state,
+        train_step=jax.jit(train_step),
+        train_iterator=_SignallingIterator(-1),
+        mesh=mesh,
+        checkpointer=ckpt,
+        writer=MetricWriter(str(tmp_path), tensorboard=False),
+        num_train_steps=10,
+        log_every_steps=1,
+        eval_every_steps=0,
+        checkpoint_every_steps=2,
+        examples_per_step=8,
+        show_progress=False,
+    )
   assert ckpt.all_steps() == [2, 4]
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))][-1] == (5, None)

@@ -33,16 +33,21 @@ def test_shapes_and_default_moe_in_last_block():
   assert isinstance(model.blocks[0].mlp, Mlp)
   assert isinstance(model.blocks[1].mlp, SparseMoE)
 
-  (logits, aux), feats = jax.jit(
-      lambda m, x: (m(x, train=False), m.features(x, train=False))
-  )(model, _images())
+  (logits, aux), feats = jax.jit(lambda m, x: (m(x, train=False), m.features(x, train=False)))(
+      model, _images()
+  )
   assert logits.shape == (2, 3) and logits.dtype == jnp.float32
   assert feats.shape == (2, 16)
   assert aux.loss.shape == aux.z_loss.shape == ()
   assert set(aux.metrics) == {
       f"moe_block1/{k}"
-      for k in ("fraction_dropped", "tokens_per_expert", "example_expert_fraction",
-                "router_entropy", "importance")
+      for k in (
+          "fraction_dropped",
+          "tokens_per_expert",
+          "example_expert_fraction",
+          "router_entropy",
+          "importance",
+      )
   }
   assert aux.metrics["moe_block1/example_expert_fraction"].shape == (2, 4)
 
@@ -65,10 +70,19 @@ def test_timm_parameter_names():
   model = VisionTransformer(**TINY, rngs=nnx.Rngs(0))
   names = {".".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   for name in (
-      "patch_embed.proj.kernel", "cls_token", "pos_embed", "blocks.0.norm1.scale",
-      "blocks.0.attn.qkv.kernel", "blocks.0.attn.proj.kernel", "blocks.0.norm2.bias",
-      "blocks.0.mlp.fc1.kernel", "blocks.0.mlp.fc2.bias", "blocks.1.mlp.w1",
-      "blocks.1.mlp.router.gate.kernel", "norm.scale", "head.kernel",
+      "patch_embed.proj.kernel",
+      "cls_token",
+      "pos_embed",
+      "blocks.0.norm1.scale",
+      "blocks.0.attn.qkv.kernel",
+      "blocks.0.attn.proj.kernel",
+      "blocks.0.norm2.bias",
+      "blocks.0.mlp.fc1.kernel",
+      "blocks.0.mlp.fc2.bias",
+      "blocks.1.mlp.w1",
+      "blocks.1.mlp.router.gate.kernel",
+      "norm.scale",
+      "head.kernel",
   ):
     assert name in names, name
   assert model.pos_embed.shape == (1, 1 + (8 // 4) ** 2, 16)
@@ -140,8 +154,12 @@ def test_presets():
   # DeiT-Tiny without MoE has the well-known ~5.7M parameters (1000 classes, 224px).
   abstract = nnx.eval_shape(
       lambda: VisionTransformer(
-          num_classes=1000, image_size=224, patch_size=16, moe_blocks=(),
-          **VIT_PRESETS["deit_tiny"], rngs=nnx.Rngs(0),
+          num_classes=1000,
+          image_size=224,
+          patch_size=16,
+          moe_blocks=(),
+          **VIT_PRESETS["deit_tiny"],
+          rngs=nnx.Rngs(0),
       )
   )
   assert num_params(abstract) == 5_717_416

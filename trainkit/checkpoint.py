@@ -5,6 +5,7 @@ Restoring walks back from the newest step: a corrupt checkpoint is skipped with 
 warning, and only when every checkpoint is unreadable does the run stop with a
 UserError naming the directory.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,10 @@ DATA_ITERATOR = "data_iterator"
 def _abstract(tree: Any) -> Any:
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-      if isinstance(x, jax.Array) else x, tree)
+      if isinstance(x, jax.Array)
+      else x,
+      tree,
+  )
 
 
 def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | None:
@@ -37,9 +41,13 @@ def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | N
   expected = dict(sorted(expected.items(), key=lambda item: item[0][0] != "params"))
   problems = [f"missing {name(k)}" for k in expected if k not in stored]
   problems += [f"unexpected {name(k)}" for k in stored if k not in expected]
-  problems += [f"{name(k)} has shape {tuple(stored[k].shape)}, expected {tuple(expected[k].shape)}"
-               for k in expected if k in stored and hasattr(expected[k], "shape")
-               and tuple(stored[k].shape) != tuple(expected[k].shape)]
+  problems += [
+      f"{name(k)} has shape {tuple(stored[k].shape)}, expected {tuple(expected[k].shape)}"
+      for k in expected
+      if k in stored
+      and hasattr(expected[k], "shape")
+      and tuple(stored[k].shape) != tuple(expected[k].shape)
+  ]
   if not problems:
     return None
   more = f" and {len(problems) - limit} more" if len(problems) > limit else ""
@@ -49,19 +57,32 @@ def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | N
 class Checkpointer:
   """Saves and restores (train state, data-iterator state) pairs under `directory`."""
 
-  def __init__(self, directory: str, *, max_to_keep: int = 3, save_interval_steps: int = 1,
-               async_save: bool = True):
+  def __init__(
+      self,
+      directory: str,
+      *,
+      max_to_keep: int = 3,
+      save_interval_steps: int = 1,
+      async_save: bool = True,
+  ):
     self.directory = os.path.abspath(directory)
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True,
-        enable_async_checkpointing=async_save)
+        max_to_keep=max_to_keep,
+        save_interval_steps=save_interval_steps,
+        create=True,
+        enable_async_checkpointing=async_save,
+    )
     try:
       self._manager = ocp.CheckpointManager(
-          self.directory, options=options,
-          item_handlers={STATE: ocp.StandardCheckpointHandler(),
-                         DATA_ITERATOR: ocp.JsonCheckpointHandler()})
+          self.directory,
+          options=options,
+          item_handlers={
+              STATE: ocp.StandardCheckpointHandler(),
+              DATA_ITERATOR: ocp.JsonCheckpointHandler(),
+          },
+      )
     except Exception as e:  # Orbax reports unreadable directories in many ways.
       raise UserError(f"cannot open checkpoint directory '{self.directory}': {e}") from e
 
@@ -71,15 +92,18 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: Any, data_iterator_state: dict | None = None, *,
-           force: bool = False) -> bool:
+  def save(
+      self, step: int, state: Any, data_iterator_state: dict | None = None, *, force: bool = False
+  ) -> bool:
     """Saves if `step` is due (or `force`); returns whether a save started."""
     if step in self._manager.all_steps():
       return False
-    args = ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state),
-        DATA_ITERATOR: ocp.args.JsonSave(data_iterator_state or {}),
-    })
+    args = ocp.args.Composite(
+        **{
+            STATE: ocp.args.StandardSave(state),
+            DATA_ITERATOR: ocp.args.JsonSave(data_iterator_state or {}),
+        }
+    )
     return self._manager.save(step, args=args, force=force)
 
   def restore(self, template_state: Any) -> tuple[Any, dict, int] | None:
@@ -99,28 +123,43 @@ class Checkpointer:
           raise ValueError("no metadata for the train state")
       except Exception as e:  # Unreadable metadata: a corrupt or partial checkpoint.
         failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        _log.warning("checkpoint at step %d in %s is unreadable (%s); trying an older one",
-                     step, self.directory, failures[-1])
+        _log.warning(
+            "checkpoint at step %d in %s is unreadable (%s); trying an older one",
+            step,
+            self.directory,
+            failures[-1],
+        )
         continue
       mismatch = _structure_mismatch(abstract, metadata)
       if mismatch:
         raise UserError(
             f"the checkpoint at step {step} in '{self.directory}' holds a different model or "
             f"optimiser than this config builds ({mismatch}); use the config the run was trained "
-            "with (saved as config.json in the workdir) or a new workdir")
+            "with (saved as config.json in the workdir) or a new workdir"
+        )
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardRestore(abstract),
-            DATA_ITERATOR: ocp.args.JsonRestore(),
-        }))
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    STATE: ocp.args.StandardRestore(abstract),
+                    DATA_ITERATOR: ocp.args.JsonRestore(),
+                }
+            ),
+        )
       except Exception as e:  # A corrupt step falls back to the previous one.
         failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        _log.warning("checkpoint at step %d in %s is unreadable (%s); trying an older one",
-                     step, self.directory, failures[-1])
+        _log.warning(
+            "checkpoint at step %d in %s is unreadable (%s); trying an older one",
+            step,
+            self.directory,
+            failures[-1],
+        )
         continue
       if failures:
-        _log.warning("restored step %d after skipping unreadable checkpoints: %s",
-                     step, "; ".join(failures))
+        _log.warning(
+            "restored step %d after skipping unreadable checkpoints: %s", step, "; ".join(failures)
+        )
       return restored[STATE], dict(restored[DATA_ITERATOR] or {}), step
     raise UserError(f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures))
 

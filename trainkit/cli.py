@@ -1,4 +1,5 @@
 """Command-line plumbing shared by the packages' `main` modules."""
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,9 @@ def loaded_config(flag: flags.FlagHolder) -> ml_collections.ConfigDict:
     try:
       config.to_dict()
     except Exception as e:
-      fail(f"cannot load --config={flags.FLAGS[flag.name].config_filename}: {type(e).__name__}: {e}")
+      fail(
+          f"cannot load --config={flags.FLAGS[flag.name].config_filename}: {type(e).__name__}: {e}"
+      )
   return config
 
 

@@ -1,4 +1,5 @@
 """Config helpers: big_vision-style `file.py:key=value` arguments and checks before compilation."""
+
 from __future__ import annotations
 
 import ast
@@ -79,8 +80,13 @@ def require_int(config: ml_collections.ConfigDict, key: str, *, minimum: int | N
   return value
 
 
-def require_float(config: ml_collections.ConfigDict, key: str, *, minimum: float | None = None,
-                  maximum: float | None = None) -> float:
+def require_float(
+    config: ml_collections.ConfigDict,
+    key: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> float:
   value = get(config, key)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     raise ConfigError(key, f"expected a number, got {value!r}")

@@ -1,4 +1,5 @@
 """User-facing errors: one clear message and a non-zero exit, never a traceback from inside JAX."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """The training loop shared by every model: steps, logging, evaluation, checkpoints, preemption."""
+
 from __future__ import annotations
 
 import logging
@@ -24,21 +25,37 @@ class TrainingDiverged(UserError):
 
 
 class CheckpointableIterator(Protocol):
-  def __next__(self) -> Mapping[str, Any]: ...
-  def get_state(self) -> dict: ...
-  def set_state(self, state: dict) -> None: ...
+
+  def __next__(self) -> Mapping[str, Any]:
+    ...
+
+  def get_state(self) -> dict:
+    ...
+
+  def set_state(self, state: dict) -> None:
+    ...
 
 
 def _due(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
 
-def train_loop(*, state: TrainState, train_step: Callable, train_iterator: CheckpointableIterator,
-               mesh: Mesh, checkpointer: Checkpointer, writer: MetricWriter, num_train_steps: int,
-               log_every_steps: int, eval_every_steps: int, checkpoint_every_steps: int,
-               examples_per_step: int,
-               evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
-               show_progress: bool = True) -> tuple[TrainState, bool]:
+def train_loop(
+    *,
+    state: TrainState,
+    train_step: Callable,
+    train_iterator: CheckpointableIterator,
+    mesh: Mesh,
+    checkpointer: Checkpointer,
+    writer: MetricWriter,
+    num_train_steps: int,
+    log_every_steps: int,
+    eval_every_steps: int,
+    checkpoint_every_steps: int,
+    examples_per_step: int,
+    evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
+    show_progress: bool = True,
+) -> tuple[TrainState, bool]:
   """Runs `train_step` from `state.step` to `num_train_steps`.
 
   Training metrics are logged on every log, evaluation and checkpoint step, so every
@@ -46,8 +63,9 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
   the current step and returns early. Returns (state, preempted).
   """
   step = int(state.step)
-  progress = ProgressBar(num_train_steps, initial=step, examples_per_step=examples_per_step,
-                         enabled=show_progress)
+  progress = ProgressBar(
+      num_train_steps, initial=step, examples_per_step=examples_per_step, enabled=show_progress
+  )
   preempted = False
   with PreemptionGuard() as guard:
     while step < num_train_steps:
@@ -65,7 +83,9 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
         # Checkpoint steps are always logged, so every saved state passed this check: a finite
         # loss and gradient norm at step s imply finite parameters after update s.
-        diverged = [k for k in ("loss", "grad_norm") if k in scalars and not math.isfinite(scalars[k])]
+        diverged = [
+            k for k in ("loss", "grad_norm") if k in scalars and not math.isfinite(scalars[k])
+        ]
         if diverged:
           writer.write_scalars(step, scalars)
           writer.flush()
@@ -74,7 +94,8 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
               f"the {' and '.join(diverged)} became {scalars[diverged[0]]} at step {step}; "
               "no checkpoint was written for it "
               f"(the latest is at step {checkpointer.latest_step()}). Lower the learning rate, "
-              "clip gradients or use float32 compute, then rerun to resume from that checkpoint")
+              "clip gradients or use float32 compute, then rerun to resume from that checkpoint"
+          )
         steps_per_second = progress.rate(step)
         if steps_per_second > 0:
           scalars["steps_per_second"] = steps_per_second
@@ -89,7 +110,9 @@ def train_loop(*, state: TrainState, train_step: Callable, train_iterator: Check
         checkpointer.save(step, state, train_iterator.get_state(), force=True)
       if stop_requested:
         preempted = True
-        _log.warning("%s received: saved a checkpoint at step %d; stopping", guard.signal_name, step)
+        _log.warning(
+            "%s received: saved a checkpoint at step %d; stopping", guard.signal_name, step
+        )
         break
   progress.close()
   writer.flush()

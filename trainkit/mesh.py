@@ -5,6 +5,7 @@ MoE is also data parallelism for the rest of the network. Parameters are
 replicated unless their variable carries a sharding annotation naming mesh axes
 (the MoE experts use `("expert", ...)`).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,13 +33,18 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, i
   known = math.prod(size for size in sizes.values() if size != -1)
   if unknown:
     if num_devices % known:
-      raise ConfigError(f"mesh.{unknown[0]}",
-                        f"-1 cannot fill {num_devices} devices with the other axis of size {known}")
+      raise ConfigError(
+          f"mesh.{unknown[0]}",
+          f"-1 cannot fill {num_devices} devices with the other axis of size {known}",
+      )
     sizes[unknown[0]] = num_devices // known
   total = math.prod(sizes.values())
   if total > num_devices:
-    raise ConfigError("mesh", f"mesh data={sizes['data']} x expert={sizes['expert']} needs {total} "
-                      f"devices but only {num_devices} are available")
+    raise ConfigError(
+        "mesh",
+        f"mesh data={sizes['data']} x expert={sizes['expert']} needs {total} "
+        f"devices but only {num_devices} are available",
+    )
   return sizes["data"], sizes["expert"]
 
 
@@ -66,5 +72,6 @@ def num_batch_shards(mesh: Mesh) -> int:
 def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """Assembles the global batch from this process's local part (multi-host safe)."""
   sharding = batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-          for k, v in batch.items()}
+  return {
+      k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
+  }

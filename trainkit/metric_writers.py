@@ -1,4 +1,5 @@
 """Metrics to `metrics.jsonl` and TensorBoard event files (tensorboardX: no TensorFlow needed)."""
+
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ class MetricWriter:
     self._tb = None
     if enabled and tensorboard:
       from tensorboardX import SummaryWriter  # Imported lazily: only process 0 needs it.
+
       self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
 
   def truncate_after(self, step: int) -> None:

@@ -1,4 +1,5 @@
 """SIGTERM (and Ctrl-C) become a request to checkpoint and stop at the next step boundary."""
+
 from __future__ import annotations
 
 import signal

@@ -1,4 +1,5 @@
 """A dependency-free terminal progress bar with throughput and ETA."""
+
 from __future__ import annotations
 
 import sys
@@ -16,8 +17,16 @@ def _duration(seconds: float) -> str:
 class ProgressBar:
   """Redraws one line on a terminal; prints a line per update elsewhere (logs, CI)."""
 
-  def __init__(self, total: int, *, initial: int = 0, examples_per_step: int = 1,
-               stream: TextIO | None = None, width: int = 24, enabled: bool = True):
+  def __init__(
+      self,
+      total: int,
+      *,
+      initial: int = 0,
+      examples_per_step: int = 1,
+      stream: TextIO | None = None,
+      width: int = 24,
+      enabled: bool = True,
+  ):
     self.total, self.examples_per_step, self.width = total, examples_per_step, width
     self.stream = stream or sys.stderr
     self.enabled = enabled
@@ -40,9 +49,11 @@ class ProgressBar:
     eta = (self.total - step) * elapsed / done if done > 0 else float("nan")
     filled = int(self.width * step / max(self.total, 1))
     bar = "#" * filled + "." * (self.width - filled)
-    parts = [f"[{bar}] {step}/{self.total}",
-             f"{steps_per_second * self.examples_per_step:.1f} ex/s",
-             f"ETA {_duration(eta) if eta == eta else '?'}"]
+    parts = [
+        f"[{bar}] {step}/{self.total}",
+        f"{steps_per_second * self.examples_per_step:.1f} ex/s",
+        f"ETA {_duration(eta) if eta == eta else '?'}",
+    ]
     parts += [f"{k} {v:.4g}" for k, v in scalars.items()]
     line = " | ".join(parts)
     if self._interactive:

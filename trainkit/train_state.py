@@ -1,4 +1,5 @@
 """Explicit training state and a pure train step built from a model's loss function."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -11,7 +12,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # loss_fn(model, batch, rng) -> (scalar loss, dict of scalar metrics)
-LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+LossFn = Callable[
+    [nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]
+]
 
 
 @flax.struct.dataclass
@@ -23,6 +26,7 @@ class TrainState:
   state that later methods update between steps (e.g. Lagrange multipliers or
   expert assignments) so it is checkpointed with everything else.
   """
+
   step: jax.Array
   params: nnx.State
   model_state: nnx.State
@@ -31,15 +35,21 @@ class TrainState:
   extra: dict[str, Any] = flax.struct.field(default_factory=dict)
 
 
-def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
-                       mesh: Mesh, seed: int) -> tuple[nnx.GraphDef, TrainState]:
+def create_train_state(
+    make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, seed: int
+) -> tuple[nnx.GraphDef, TrainState]:
   """Builds the model under `mesh` so annotated parameters are created sharded."""
   with jax.set_mesh(mesh):
     model = make_model()
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
     opt_state = jax.jit(tx.init, out_shardings=_optimizer_shardings(tx, params, mesh))(params)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                     opt_state=opt_state, rng=jax.random.PRNGKey(seed))
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      model_state=model_state,
+      opt_state=opt_state,
+      rng=jax.random.PRNGKey(seed),
+  )
   # Every leaf gets an explicit mesh sharding (replicated unless annotated), so the
   # state the first step receives matches the one it returns and nothing recompiles.
   return graphdef, jax.device_put(state, state_shardings(state, mesh))
@@ -49,21 +59,34 @@ def _optimizer_shardings(tx: optax.GradientTransformation, params: nnx.State, me
   """Optimizer moments take their parameter's sharding; counts and scalars are replicated."""
   replicated = NamedSharding(mesh, P())
   param_shardings = jax.tree.map(
-      lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params)
-  return optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
-                               param_shardings, transform_non_params=lambda _: replicated)
+      lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params
+  )
+  return optax.tree_map_params(
+      tx,
+      lambda _, sharding: sharding,
+      jax.eval_shape(tx.init, params),
+      param_shardings,
+      transform_non_params=lambda _: replicated,
+  )
 
 
 def state_shardings(state: Any, mesh: Mesh) -> Any:
   """Each leaf's NamedSharding on `mesh`; leaves not placed by name are replicated."""
   replicated = NamedSharding(mesh, P())
   return jax.tree.map(
-      lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else replicated,
-      state)
+      lambda x: x.sharding
+      if isinstance(getattr(x, "sharding", None), NamedSharding)
+      else replicated,
+      state,
+  )
 
 
-def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule | None = None,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Returns a pure `train_step(state, batch) -> (state, metrics)`; the caller jits it."""
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
@@ -75,14 +98,17 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       _, _, model_state = nnx.split(model, nnx.Param, ...)
       return loss, (metrics, model_state)
 
-    (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+    (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
+        state.params
+    )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     if schedule is not None:
       metrics["learning_rate"] = schedule(state.step)
-    new_state = state.replace(step=state.step + 1, params=params, model_state=model_state,
-                              opt_state=opt_state)
+    new_state = state.replace(
+        step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+    )
     return new_state, metrics
 
   return train_step

@@ -1,4 +1,5 @@
 """The run's working directory: created, checked for writing, and given the run's config."""
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,10 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     after = _flatten(json.loads(text))
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if before and changed:
-      _log.warning("config differs from the previous run in this workdir (%s): %s", path,
-                   ", ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed))
+      _log.warning(
+          "config differs from the previous run in this workdir (%s): %s",
+          path,
+          ", ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed),
+      )
   with open(path, "w") as f:
     f.write(text)

@@ -81,9 +81,7 @@ def resized_crop(image: np.ndarray, box: CropBox, size: int) -> np.ndarray:
   if (top, left, h, w) == (0, 0, *image.shape[:2]) and h == w == size:
     return image
   pil = Image.fromarray(image)
-  return np.asarray(
-      pil.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
-  )
+  return np.asarray(pil.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h)))
 
 
 def resize(image: np.ndarray, size: int) -> np.ndarray:

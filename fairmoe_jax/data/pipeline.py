@@ -100,8 +100,7 @@ def train_iterator(
   usable = len(source) - len(source) % process_count
   if usable // process_count < batch_size:
     raise ValueError(
-        f"{len(source)} examples are fewer than one global batch of "
-        f"{global_batch_size}."
+        f"{len(source)} examples are fewer than one global batch of " f"{global_batch_size}."
     )
   augment_seed = int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
 

@@ -106,9 +106,7 @@ def label_probs(num_classes: int) -> np.ndarray:
   classes = np.arange(num_classes)
   centred = 2 * classes / (num_classes - 1) - 1  # -1 (class 0) ... +1
   age_logit = AGE_LABEL_TILT * (np.arange(len(AGE_GROUPS)) - 2)[:, None] * centred
-  site_logit = SITE_LABEL_BIAS * (
-      np.arange(len(SITE_GROUPS))[:, None] % num_classes == classes
-  )
+  site_logit = SITE_LABEL_BIAS * (np.arange(len(SITE_GROUPS))[:, None] % num_classes == classes)
   logits = age_logit[:, None, :] + site_logit[None, :, :]
   probs = np.exp(logits)
   return probs / probs.sum(-1, keepdims=True)
@@ -158,14 +156,11 @@ def load_synthetic(
   splits = {}
   for split, size in sizes.items():
     chunks = [
-        _generate_chunk(
-            _chunk_seed(seed, split, c), image_size, num_classes, missing_rate
-        )
+        _generate_chunk(_chunk_seed(seed, split, c), image_size, num_classes, missing_rate)
         for c in range(-(-size // _CHUNK))
     ] or [_empty_split(image_size)]
     splits[split] = {
-        key: np.concatenate([chunk[key] for chunk in chunks])[:size]
-        for key in chunks[0]
+        key: np.concatenate([chunk[key] for chunk in chunks])[:size] for key in chunks[0]
     }
   return synthetic_info(image_size, num_classes), splits
 

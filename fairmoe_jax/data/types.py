@@ -29,9 +29,7 @@ class DatasetInfo:
 
   def __post_init__(self):
     if len(self.class_names) != self.num_classes:
-      raise ValueError(
-          f"{len(self.class_names)} class names for {self.num_classes} classes."
-      )
+      raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes.")
     if len(self.group_names) != len(self.attribute_names):
       raise ValueError(
           f"{len(self.group_names)} group-name lists for "

@@ -34,20 +34,20 @@ def _check_names(
     attribute_names: Sequence[str],
     group_names: Sequence[Sequence[str]],
 ) -> None:
-    if not (len(per_attribute) == len(attribute_names) == len(group_names)):
-        raise ValueError(
-            f"got {len(per_attribute)} count tensors, {len(attribute_names)} attribute names "
-            f"and {len(group_names)} group-name lists; they must match"
-        )
-    if len(set(attribute_names)) != len(attribute_names):
-        raise ValueError(f"duplicate attribute names: {list(attribute_names)}")
-    for name, counts, groups in zip(attribute_names, per_attribute, group_names):
-        if len(groups) != np.shape(counts)[0]:
-            raise ValueError(
-                f"attribute {name!r}: {len(groups)} group names for {np.shape(counts)[0]} groups"
-            )
-        if len(set(groups)) != len(groups):
-            raise ValueError(f"attribute {name!r}: duplicate group names {list(groups)}")
+  if not (len(per_attribute) == len(attribute_names) == len(group_names)):
+    raise ValueError(
+        f"got {len(per_attribute)} count tensors, {len(attribute_names)} attribute names "
+        f"and {len(group_names)} group-name lists; they must match"
+    )
+  if len(set(attribute_names)) != len(attribute_names):
+    raise ValueError(f"duplicate attribute names: {list(attribute_names)}")
+  for name, counts, groups in zip(attribute_names, per_attribute, group_names):
+    if len(groups) != np.shape(counts)[0]:
+      raise ValueError(
+          f"attribute {name!r}: {len(groups)} group names for {np.shape(counts)[0]} groups"
+      )
+    if len(set(groups)) != len(groups):
+      raise ValueError(f"attribute {name!r}: duplicate group names {list(groups)}")
 
 
 def fairness_report(
@@ -56,57 +56,57 @@ def fairness_report(
     attribute_names: Sequence[str],
     group_names: Sequence[Sequence[str]],
 ) -> dict[str, Any]:
-    """Report dict (schema in the module docstring) from accumulated count tensors.
+  """Report dict (schema in the module docstring) from accumulated count tensors.
 
-    ``overall`` is the ``[C, C]`` matrix of ``overall_counts``; ``per_attribute[i]`` the
-    ``[G_i, C, C]`` tensor of attribute ``attribute_names[i]`` with groups named
-    ``group_names[i]``.
-    """
-    _check_names(per_attribute, attribute_names, group_names)
-    accuracy, num_examples = overall_accuracy(np.asarray(overall))
+  ``overall`` is the ``[C, C]`` matrix of ``overall_counts``; ``per_attribute[i]`` the
+  ``[G_i, C, C]`` tensor of attribute ``attribute_names[i]`` with groups named
+  ``group_names[i]``.
+  """
+  _check_names(per_attribute, attribute_names, group_names)
+  accuracy, num_examples = overall_accuracy(np.asarray(overall))
 
-    results = [attribute_fairness(np.asarray(c)) for c in per_attribute]
-    attributes: dict[str, Any] = {}
-    for name, groups, res in zip(attribute_names, group_names, results):
-        entry: dict[str, Any] = {m: float(getattr(res, m)) for m in METRIC_NAMES}
-        entry["groups"] = {
-            str(g): {"n": int(n), "accuracy": float(acc)}
-            for g, n, acc in zip(groups, res.group_n, res.group_accuracy)
-            if n > 0
-        }
-        entry["empty_groups"] = [str(groups[i]) for i in res.empty_groups]
-        attributes[str(name)] = entry
-
-    return {
-        "accuracy": float(accuracy),
-        "num_examples": int(num_examples),
-        "attributes": attributes,
-        "mf": multi_attribute_fairness(results),
+  results = [attribute_fairness(np.asarray(c)) for c in per_attribute]
+  attributes: dict[str, Any] = {}
+  for name, groups, res in zip(attribute_names, group_names, results):
+    entry: dict[str, Any] = {m: float(getattr(res, m)) for m in METRIC_NAMES}
+    entry["groups"] = {
+        str(g): {"n": int(n), "accuracy": float(acc)}
+        for g, n, acc in zip(groups, res.group_n, res.group_accuracy)
+        if n > 0
     }
+    entry["empty_groups"] = [str(groups[i]) for i in res.empty_groups]
+    attributes[str(name)] = entry
+
+  return {
+      "accuracy": float(accuracy),
+      "num_examples": int(num_examples),
+      "attributes": attributes,
+      "mf": multi_attribute_fairness(results),
+  }
 
 
 def _metric_line(metrics: dict[str, Any]) -> str:
-    return "   ".join(f"{_METRIC_LABELS[m]} {metrics[m]:.4f}" for m in METRIC_NAMES)
+  return "   ".join(f"{_METRIC_LABELS[m]} {metrics[m]:.4f}" for m in METRIC_NAMES)
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """Plain-text table of a ``fairness_report`` dict."""
-    lines = [
-        "Fairness report",
-        f"  accuracy {100.0 * report['accuracy']:.2f}%   examples {report['num_examples']}",
-    ]
-    for name, attr in report["attributes"].items():
-        groups = attr["groups"]
-        width = max(len(g) for g in ["group", *groups])
-        n_width = max([len("n"), *(len(str(v["n"])) for v in groups.values())])
-        with_attribute = sum(v["n"] for v in groups.values())
-        lines += ["", f"[{name}]  ({with_attribute} examples with this attribute)"]
-        lines.append(f"  {'group':<{width}}  {'n':>{n_width}}  {'accuracy':>8}")
-        for g, v in groups.items():
-            lines.append(f"  {g:<{width}}  {v['n']:>{n_width}}  {100.0 * v['accuracy']:>7.2f}%")
-        if attr["empty_groups"]:
-            lines.append(f"  empty groups (excluded): {', '.join(attr['empty_groups'])}")
-        lines.append(f"  {_metric_line(attr)}")
-    num_attributes = len(report["attributes"])
-    lines += ["", f"MF (mean over {num_attributes} attributes)", f"  {_metric_line(report['mf'])}"]
-    return "\n".join(lines)
+  """Plain-text table of a ``fairness_report`` dict."""
+  lines = [
+      "Fairness report",
+      f"  accuracy {100.0 * report['accuracy']:.2f}%   examples {report['num_examples']}",
+  ]
+  for name, attr in report["attributes"].items():
+    groups = attr["groups"]
+    width = max(len(g) for g in ["group", *groups])
+    n_width = max([len("n"), *(len(str(v["n"])) for v in groups.values())])
+    with_attribute = sum(v["n"] for v in groups.values())
+    lines += ["", f"[{name}]  ({with_attribute} examples with this attribute)"]
+    lines.append(f"  {'group':<{width}}  {'n':>{n_width}}  {'accuracy':>8}")
+    for g, v in groups.items():
+      lines.append(f"  {g:<{width}}  {v['n']:>{n_width}}  {100.0 * v['accuracy']:>7.2f}%")
+    if attr["empty_groups"]:
+      lines.append(f"  empty groups (excluded): {', '.join(attr['empty_groups'])}")
+    lines.append(f"  {_metric_line(attr)}")
+  num_attributes = len(report["attributes"])
+  lines += ["", f"MF (mean over {num_attributes} attributes)", f"  {_metric_line(report['mf'])}"]
+  return "\n".join(lines)

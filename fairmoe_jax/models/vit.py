@@ -58,9 +58,7 @@ def _layer_norm(dim: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.L
 class PatchEmbed(nnx.Module):
   """Non-overlapping patches -> tokens, via a conv with stride = patch size."""
 
-  def __init__(
-      self, patch_size: int, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
-  ):
+  def __init__(self, patch_size: int, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
     self.proj = nnx.Conv(
         3,
         dim,
@@ -253,33 +251,31 @@ class VisionTransformer(nnx.Module):
     self.dtype = dtype
     num_patches = (image_size // patch_size) ** 2
 
-    self.patch_embed = PatchEmbed(
-        patch_size, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-    )
+    self.patch_embed = PatchEmbed(patch_size, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.cls_token = nnx.Param(
         nnx.initializers.normal(stddev=1e-6)(rngs.params(), (1, 1, dim), param_dtype)
     )
-    self.pos_embed = nnx.Param(
-        _LINEAR_INIT(rngs.params(), (1, num_patches + 1, dim), param_dtype)
-    )
+    self.pos_embed = nnx.Param(_LINEAR_INIT(rngs.params(), (1, num_patches + 1, dim), param_dtype))
     self.pos_drop = nnx.Dropout(dropout_rate)
-    self.blocks = nnx.List([
-        Block(
-            dim,
-            num_heads,
-            mlp_dim,
-            moe=i in moe_set,
-            num_experts=num_experts,
-            top_k=top_k,
-            capacity_factor=capacity_factor,
-            eval_capacity_factor=eval_capacity_factor,
-            dropout_rate=dropout_rate,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
-        for i in range(depth)
-    ])
+    self.blocks = nnx.List(
+        [
+            Block(
+                dim,
+                num_heads,
+                mlp_dim,
+                moe=i in moe_set,
+                num_experts=num_experts,
+                top_k=top_k,
+                capacity_factor=capacity_factor,
+                eval_capacity_factor=eval_capacity_factor,
+                dropout_rate=dropout_rate,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+            for i in range(depth)
+        ]
+    )
     self.norm = _layer_norm(dim, dtype, param_dtype, rngs)
     self.head = _linear(dim, num_classes, dtype, param_dtype, rngs)
 
@@ -300,9 +296,7 @@ class VisionTransformer(nnx.Module):
         auxes[f"moe_block{i}"] = aux
     return self.norm(x)[:, 0], MoEAux.merge(auxes)
 
-  def features(
-      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None
-  ) -> jax.Array:
+  def features(self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
     """Pre-head class-token feature [B, dim] (after the final LayerNorm), in dtype.
 
     The MoE auxiliary losses are discarded; use `__call__` when training MoE

@@ -1,4 +1,5 @@
 """Sparse mixture-of-experts: routing, dispatch and the MoE feed-forward layer."""
+
 from fairmoe_jax.moe.dispatch import (
     DispatchStats,
     compute_capacity,

@@ -101,10 +101,9 @@ def dispatch_and_combine_masks(
   dispatch = per_choice.sum(axis=2)
   combine = jnp.einsum("gskec,gsk->gsec", per_choice.astype(gates.dtype), gates)
 
-  group_expert_fraction = (
-      (choice_one_hot * kept[..., None]).sum(axis=(1, 2)).astype(jnp.float32)
-      / (group_size * top_k)
-  )
+  group_expert_fraction = (choice_one_hot * kept[..., None]).sum(axis=(1, 2)).astype(
+      jnp.float32
+  ) / (group_size * top_k)
   stats = DispatchStats(
       kept=kept,
       fraction_dropped=jnp.mean(~kept, dtype=jnp.float32),
@@ -149,6 +148,4 @@ def einsum_combine(combine: jax.Array, expert_outputs: jax.Array) -> jax.Array:
   Dropped choices have zero weight, so a token whose every choice was dropped
   gets 0 here and is carried only by the residual connection of its block.
   """
-  return jnp.einsum(
-      "gsec,gecd->gsd", combine.astype(expert_outputs.dtype), expert_outputs
-  )
+  return jnp.einsum("gsec,gecd->gsd", combine.astype(expert_outputs.dtype), expert_outputs)

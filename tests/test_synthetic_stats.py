@@ -1,0 +1,78 @@
+"""Smoke test of scripts/synthetic_stats.py (the numbers in docs/dataset.md) on a small dataset."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="module")
+def stats_module(request):
+  path = request.config.rootpath / "scripts" / "synthetic_stats.py"
+  spec = importlib.util.spec_from_file_location("synthetic_stats", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def stats(stats_module, tmp_path_factory):
+  output = tmp_path_factory.mktemp("stats") / "stats.json"
+  returned = stats_module.main(["--seed=0", "--train-size=800", "--val-size=16",
+                                "--test-size=300", f"--output={output}"])
+  with open(output) as f:
+    written = json.load(f)
+  assert written == json.loads(json.dumps(returned))  # the JSON file holds what main returned
+  return written
+
+
+def test_group_sizes_add_up(stats):
+  for split, size in {"train": 800, "val": 16, "test": 300}.items():
+    for attr, groups in stats["group_sizes"][split].items():
+      assert sum(groups.values()) == size, (split, attr)
+  assert list(stats["group_sizes"]["train"]["site"]) == ["anterior_torso", "lower_extremity",
+                                                        "upper_extremity", "posterior_torso",
+                                                        "head_neck", "lateral_torso",
+                                                        "palms_soles", "oral_genital"]
+
+
+def test_label_frequencies_are_distributions(stats):
+  lf = stats["label_frequencies"]
+  assert lf["split"] == "train"
+  for attr in ("sex", "age", "site"):
+    for group, v in lf[attr].items():
+      for kind in ("measured", "expected"):
+        assert len(v[kind]) == 4
+        assert sum(v[kind]) == pytest.approx(1.0), (attr, group, kind)
+  # The generator's age tilt: class 0 is more frequent in the youngest group than the oldest.
+  assert lf["age"]["<30"]["expected"][0] > lf["age"]["75+"]["expected"][0]
+
+
+def test_marker_agreement(stats):
+  train = stats["marker_agreement"]["train"]
+  decoding = train["decoding"]
+  assert decoding["max_distance_to_nearest"] < decoding["min_distance_to_second"] / 4
+  sites = train["measured"]["attributes"]["site"]["groups"]
+  assert sites["anterior_torso"]["accuracy"] > sites["oral_genital"]["accuracy"] + 0.2
+  # Measured from the images, it matches the generator's expected rate.
+  assert train["measured"]["accuracy"] == pytest.approx(train["expected"]["all"], abs=0.06)
+  assert train["expected"]["site"]["anterior_torso"] > train["expected"]["site"]["oral_genital"]
+
+
+def test_logistic_regression_report(stats):
+  lr = stats["logistic_regression"]
+  test = lr["test"]
+  assert test["num_examples"] == 300
+  assert 0.25 < test["accuracy"] <= 1.0
+  assert set(test["attributes"]) == {"sex", "age", "site"}
+  assert 0.0 <= test["mf"]["pqd"] <= 1.0
+
+
+def test_logistic_regression_fits_separable_data(stats_module):
+  rng = np.random.default_rng(0)
+  y = rng.integers(0, 3, 300)
+  x = np.eye(3)[y] * 3 + rng.normal(0, 0.3, (300, 3))
+  w = stats_module.fit_logistic_regression(x, y, 3, l2=1e-3)
+  predictions = np.argmax(np.concatenate([x, np.ones((300, 1))], 1) @ w, axis=1)
+  assert np.mean(predictions == y) == 1.0
