@@ -2,14 +2,15 @@
 
 import importlib.util
 import json
+import pathlib
 
 import numpy as np
 import pytest
 
 
 @pytest.fixture(scope="module")
-def stats_module(request):
-  path = request.config.rootpath / "scripts" / "synthetic_stats.py"
+def stats_module():
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "synthetic_stats.py"
   spec = importlib.util.spec_from_file_location("synthetic_stats", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -19,8 +20,9 @@ def stats_module(request):
 @pytest.fixture(scope="module")
 def stats(stats_module, tmp_path_factory):
   output = tmp_path_factory.mktemp("stats") / "stats.json"
-  returned = stats_module.main(["--seed=0", "--train-size=800", "--val-size=16",
-                                "--test-size=300", f"--output={output}"])
+  returned = stats_module.main(
+      ["--seed=0", "--train-size=800", "--val-size=16", "--test-size=300", f"--output={output}"]
+  )
   with open(output) as f:
     written = json.load(f)
   assert written == json.loads(json.dumps(returned))  # the JSON file holds what main returned
@@ -31,10 +33,16 @@ def test_group_sizes_add_up(stats):
   for split, size in {"train": 800, "val": 16, "test": 300}.items():
     for attr, groups in stats["group_sizes"][split].items():
       assert sum(groups.values()) == size, (split, attr)
-  assert list(stats["group_sizes"]["train"]["site"]) == ["anterior_torso", "lower_extremity",
-                                                        "upper_extremity", "posterior_torso",
-                                                        "head_neck", "lateral_torso",
-                                                        "palms_soles", "oral_genital"]
+  assert list(stats["group_sizes"]["train"]["site"]) == [
+      "anterior_torso",
+      "lower_extremity",
+      "upper_extremity",
+      "posterior_torso",
+      "head_neck",
+      "lateral_torso",
+      "palms_soles",
+      "oral_genital",
+  ]
 
 
 def test_label_frequencies_are_distributions(stats):
