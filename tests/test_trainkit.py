@@ -248,15 +248,18 @@ class _SignallingIterator:
     self.position = state["position"]
 
 
-def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
-  mesh = make_mesh({"data": 8, "expert": 1})
-  state = TrainState(
+def _toy_train_state() -> TrainState:
+  return TrainState(
       step=jnp.zeros((), jnp.int32),
       params={"w": jnp.zeros(())},
       model_state={},
       opt_state=(),
       rng=jax.random.PRNGKey(0),
   )
+
+
+def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
+  mesh, state = make_mesh({"data": 8, "expert": 1}), _toy_train_state()
 
   def train_step(state, batch):
     return state.replace(step=state.step + 1), {"loss": jnp.sum(batch["x"])}
@@ -298,14 +301,7 @@ def test_progress_bar_reports_throughput_eta_and_scalars():
 
 
 def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
-  mesh = make_mesh({"data": 8, "expert": 1})
-  state = TrainState(
-      step=jnp.zeros((), jnp.int32),
-      params={"w": jnp.zeros(())},
-      model_state={},
-      opt_state=(),
-      rng=jax.random.PRNGKey(0),
-  )
+  mesh, state = make_mesh({"data": 8, "expert": 1}), _toy_train_state()
 
   def train_step(state, batch):
     loss = jnp.where(state.step >= 4, jnp.nan, 1.0)  # Diverges at the 5th step.
