@@ -325,3 +325,16 @@ def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
     )
   assert ckpt.all_steps() == [2, 4]
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))][-1] == (5, None)
+
+
+def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):
+  state = _State(step=jnp.array(0), w=jnp.arange(4.0))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  ckpt.save(1, state, {}, force=True)
+  ckpt.close()
+  # What a save cut short by SIGKILL leaves behind (Orbax's temporary-directory name).
+  leftover = tmp_path / "ckpt" / "2.orbax-checkpoint-tmp-1234567890"
+  (leftover / "state").mkdir(parents=True)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  assert not leftover.exists()
+  assert ckpt.all_steps() == [1] and ckpt.restore(state)[2] == 1

@@ -73,6 +73,8 @@ class Checkpointer:
         save_interval_steps=save_interval_steps,
         create=True,
         enable_async_checkpointing=async_save,
+        # A save cut short by SIGKILL leaves a temporary directory; remove it on the next start.
+        cleanup_tmp_directories=True,
     )
     try:
       self._manager = ocp.CheckpointManager(
