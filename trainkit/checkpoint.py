@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ _log = logging.getLogger(__name__)
 
 STATE = "state"
 DATA_ITERATOR = "data_iterator"
+_TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
 def _abstract(tree: Any) -> Any:
@@ -30,6 +32,20 @@ def _abstract(tree: Any) -> Any:
       else x,
       tree,
   )
+
+
+def _remove_interrupted_saves(directory: str) -> None:
+  """Deletes the temporary directories of saves cut short (e.g. by SIGKILL).
+
+  Done here, synchronously, rather than by Orbax's option of the same purpose, which
+  cleans up in a background thread that can race with a short run's exit.
+  """
+  if jax.process_index() != 0 or not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    if _TMP_MARKER in name:
+      _log.warning("removing an interrupted checkpoint save: %s", name)
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | None:
@@ -68,13 +84,12 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
+    _remove_interrupted_saves(self.directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         save_interval_steps=save_interval_steps,
         create=True,
         enable_async_checkpointing=async_save,
-        # A save cut short by SIGKILL leaves a temporary directory; remove it on the next start.
-        cleanup_tmp_directories=True,
     )
     try:
       self._manager = ocp.CheckpointManager(
