@@ -40,6 +40,7 @@ def benchmark(
     batch_size: int,
     num_experts: int,
     top_k: int,
+    dispatch: str,
     compute_dtype: str,
     steps: int,
 ) -> dict:
@@ -47,7 +48,7 @@ def benchmark(
   dim, depth, heads, mlp = SIZES[preset]
   config.model.update(dim=dim, depth=depth, num_heads=heads, mlp_dim=mlp, patch_size=patch_size)
   config.data.image_size = image_size
-  config.moe.update(num_experts=num_experts, top_k=top_k)
+  config.moe.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch)
   config.batch_size, config.compute_dtype = batch_size, compute_dtype
   fairmoe_config.validate(config, num_devices=jax.device_count())
   info = DatasetInfo(
@@ -89,6 +90,7 @@ def benchmark(
       batch_size=batch_size,
       num_experts=num_experts,
       top_k=top_k,
+      dispatch=dispatch,
       compute_dtype=compute_dtype,
       compile_s=round(compile_s, 2),
       step_ms=round(1e3 * step_s, 2),
@@ -108,6 +110,9 @@ def main() -> None:
   parser.add_argument("--batch_size", type=int, default=128)
   parser.add_argument("--experts", type=int, nargs="+", default=[4, 8])
   parser.add_argument("--top_k", type=int, default=2)
+  parser.add_argument(
+      "--dispatch", nargs="+", default=["einsum"], choices=["dense", "einsum", "sort", "dropless"]
+  )
   parser.add_argument("--compute_dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument(
@@ -123,9 +128,11 @@ def main() -> None:
           args.batch_size,
           e,
           args.top_k,
+          dispatch,
           args.compute_dtype,
           args.steps,
       )
+      for dispatch in args.dispatch
       for e in args.experts
   ]
   columns = [
@@ -134,6 +141,7 @@ def main() -> None:
       "batch_size",
       "num_experts",
       "top_k",
+      "dispatch",
       "compute_dtype",
       "compile_s",
       "step_ms",

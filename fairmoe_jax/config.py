@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.mesh import mesh_shape
@@ -66,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
           top_k=2,
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
+          dispatch="einsum",  # dense | einsum | sort | dropless (fairmoe_jax/moe/algorithms.py)
           aux_loss_weight=0.01,
           z_loss_weight=0.0,
       )
@@ -132,6 +134,7 @@ def validate(
   for block in cfg.get(config, "moe.blocks"):
     if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
       raise ConfigError("moe.blocks", f"block index {block!r} is outside a model of depth {depth}")
+  cfg.require_choice(config, "moe.dispatch", DISPATCH_ALGORITHMS)
   for key in ("moe.capacity_factor", "moe.eval_capacity_factor"):
     cfg.require_float(config, key, minimum=1e-6)
   for key in ("moe.aux_loss_weight", "moe.z_loss_weight"):

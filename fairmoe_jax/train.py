@@ -61,6 +61,7 @@ def build_model(
       top_k=moe.top_k,
       capacity_factor=moe.capacity_factor,
       eval_capacity_factor=moe.eval_capacity_factor,
+      moe_dispatch=moe.dispatch,
       dropout_rate=m.dropout_rate,
       dtype=compute_dtype(config.compute_dtype),
       rngs=rngs,

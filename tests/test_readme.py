@@ -1,4 +1,5 @@
 """The README's two set-up commands are the ones the project actually runs."""
+
 import re
 
 from conftest import REPO_ROOT

@@ -67,6 +67,24 @@ def test_expert_weights_are_sharded_over_the_expert_axis():
   assert mu.sharding.spec == P("expert", None, None)
 
 
+def _ample_capacity_config(dispatch: str):
+  config = _tiny_config(1, 1)
+  # Capacity suffices for every token, so all algorithms compute the same function.
+  config.moe.update(dispatch=dispatch, capacity_factor=8.0)
+  return config
+
+
+@pytest.fixture(scope="module")
+def einsum_losses(tmp_path_factory):
+  return _train_losses(_ample_capacity_config("einsum"), tmp_path_factory.mktemp("einsum"))
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "sort", "dropless"])
+def test_every_dispatch_algorithm_trains_like_einsum(tmp_path, einsum_losses, dispatch):
+  losses = _train_losses(_ample_capacity_config(dispatch), tmp_path)
+  np.testing.assert_allclose(losses, einsum_losses, rtol=2e-5)
+
+
 def test_bfloat16_compute_trains_with_float32_parameters(tmp_path):
   losses = _train_losses(_tiny_config(1, 1, "bfloat16"), tmp_path)
   assert np.all(np.isfinite(losses))

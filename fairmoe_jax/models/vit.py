@@ -149,6 +149,7 @@ class Block(nnx.Module):
       top_k: int,
       capacity_factor: float,
       eval_capacity_factor: float,
+      moe_dispatch: str,
       dropout_rate: float,
       dtype: Any,
       param_dtype: Any,
@@ -168,6 +169,7 @@ class Block(nnx.Module):
           top_k,
           capacity_factor=capacity_factor,
           eval_capacity_factor=eval_capacity_factor,
+          dispatch=moe_dispatch,
           dtype=dtype,
           param_dtype=param_dtype,
           rngs=rngs,
@@ -208,6 +210,7 @@ class VisionTransformer(nnx.Module):
       as in FairSMoE.
     num_experts, top_k, capacity_factor, eval_capacity_factor: `SparseMoE`
       settings shared by all MoE blocks.
+    moe_dispatch: the MoE dispatch algorithm (`SparseMoE`'s `dispatch`).
     dropout_rate: dropout after the position embedding, the attention
       projection and in the MLPs; only active with `train=True`.
     dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
@@ -230,6 +233,7 @@ class VisionTransformer(nnx.Module):
       top_k: int = 2,
       capacity_factor: float = 1.25,
       eval_capacity_factor: float = 2.0,
+      moe_dispatch: str = "einsum",
       dropout_rate: float = 0.0,
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
@@ -268,6 +272,7 @@ class VisionTransformer(nnx.Module):
                 top_k=top_k,
                 capacity_factor=capacity_factor,
                 eval_capacity_factor=eval_capacity_factor,
+                moe_dispatch=moe_dispatch,
                 dropout_rate=dropout_rate,
                 dtype=dtype,
                 param_dtype=param_dtype,

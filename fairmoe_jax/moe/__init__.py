@@ -1,5 +1,6 @@
 """Sparse mixture-of-experts: routing, dispatch and the MoE feed-forward layer."""
 
+from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights
 from fairmoe_jax.moe.dispatch import (
     DispatchStats,
     compute_capacity,
@@ -8,10 +9,15 @@ from fairmoe_jax.moe.dispatch import (
     einsum_dispatch,
 )
 from fairmoe_jax.moe.layer import EXPERT_AXIS, MoEAux, SparseMoE
+from fairmoe_jax.moe.routers import ExpertChoiceRouter, NoisyTopKRouter
 from fairmoe_jax.moe.routing import RouterOutput, TopKRouter, route_from_logits
 
 __all__ = [
+    "DISPATCH_ALGORITHMS",
     "EXPERT_AXIS",
+    "ExpertChoiceRouter",
+    "ExpertWeights",
+    "NoisyTopKRouter",
     "DispatchStats",
     "MoEAux",
     "RouterOutput",

@@ -4,7 +4,7 @@
 
 with E_i a GELU MLP of the same shape as a ViT block's MLP. The layer is
 composed of three interchangeable pieces: a router (`TopKRouter`), a dispatch
-algorithm (`einsum_dispatch` / `einsum_combine`) and the stacked expert weights.
+algorithm (`fairmoe_jax.moe.algorithms`) and the stacked expert weights.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from fairmoe_jax.moe import dispatch as dispatch_lib
+from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights
 from fairmoe_jax.moe.routing import TopKRouter
 
 # Logical axis name of the expert dimension. It is also the mesh axis name, so
@@ -93,6 +94,9 @@ class SparseMoE(nnx.Module):
     capacity_factor: capacity factor used when `train=True`.
     eval_capacity_factor: capacity factor used when `train=False`; usually
       larger, so evaluation drops (almost) nothing.
+    dispatch: dispatch algorithm, a key of `DISPATCH_ALGORITHMS` ("dense",
+      "einsum", "sort", "dropless"); all give the same output wherever capacity
+      suffices (see `fairmoe_jax.moe.algorithms`).
     dtype: compute dtype of the experts; routing is always float32.
     param_dtype: dtype of the parameters.
     rngs: parameter RNGs.
@@ -107,10 +111,14 @@ class SparseMoE(nnx.Module):
       *,
       capacity_factor: float = 1.25,
       eval_capacity_factor: float = 2.0,
+      dispatch: str = "einsum",
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
       rngs: nnx.Rngs,
   ):
+    if dispatch not in DISPATCH_ALGORITHMS:
+      raise ValueError(f"dispatch={dispatch!r}; known: {', '.join(DISPATCH_ALGORITHMS)}")
+    self.dispatch = dispatch
     self.dim = dim
     self.hidden_dim = hidden_dim
     self.num_experts = num_experts
@@ -130,14 +138,6 @@ class SparseMoE(nnx.Module):
     self.w2 = param(_KERNEL_INIT, (hidden_dim, dim))
     self.b2 = param(_BIAS_INIT, (dim,))
 
-  def experts(self, x: jax.Array) -> jax.Array:
-    """Applies expert e to its buffer: [G, E, C, D] -> [G, E, C, D]."""
-    w1, b1, w2, b2 = (p[...].astype(self.dtype) for p in (self.w1, self.b1, self.w2, self.b2))
-    h = jnp.einsum("gecd,edh->gech", x, w1) + b1[:, None, :]
-    # Exact (erf) GELU, as in timm's ViT MLP.
-    h = jax.nn.gelu(h, approximate=False)
-    return jnp.einsum("gech,ehd->gecd", h, w2) + b2[:, None, :]
-
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[jax.Array, MoEAux]:
     """x: [B, S, D] -> (y [B, S, D] in the compute dtype, MoEAux).
 
@@ -152,10 +152,9 @@ class SparseMoE(nnx.Module):
 
     capacity_factor = self.capacity_factor if train else self.eval_capacity_factor
     capacity = dispatch_lib.compute_capacity(seq_len, self.num_experts, self.top_k, capacity_factor)
-    dispatched, combine, stats = dispatch_lib.einsum_dispatch(
-        x, expert_index, gates, capacity, num_experts=self.num_experts
+    y, stats = DISPATCH_ALGORITHMS[self.dispatch](
+        x, expert_index, gates, ExpertWeights.from_module(self), capacity=capacity
     )
-    y = dispatch_lib.einsum_combine(combine, self.experts(dispatched))
 
     probs = route.probs
     metrics = {

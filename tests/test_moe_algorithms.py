@@ -1,0 +1,320 @@
+"""Tests for fairmoe_jax.moe.algorithms: every dispatch algorithm against the dense oracle,
+and the sort-based dispatch against the einsum reference under capacity overflow."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.special
+
+from fairmoe_jax.moe import route_from_logits
+from fairmoe_jax.moe.algorithms import (
+    DISPATCH_ALGORITHMS,
+    ExpertWeights,
+    moe_dense,
+    moe_dropless,
+    moe_einsum,
+    moe_sort,
+)
+
+G, S, D, H, E, K = 2, 6, 8, 16, 4, 2
+SPARSE = ("einsum", "sort", "dropless")
+
+
+def _rng(seed: int) -> np.random.Generator:
+  return np.random.default_rng(seed)
+
+
+def _normal(seed: int, shape: tuple[int, ...], dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
+  # NumPy RNG: eager jax.random calls would each compile on first use.
+  return jnp.asarray(scale * _rng(seed).normal(size=shape), dtype)
+
+
+def _experts(seed: int = 0, num_experts: int = E, dim: int = D, hidden: int = H) -> ExpertWeights:
+  shapes = [(num_experts, dim, hidden), (num_experts, hidden), (num_experts, hidden, dim)]
+  shapes.append((num_experts, dim))
+  return ExpertWeights(*(_normal(seed + i, s, scale=0.3) for i, s in enumerate(shapes)))
+
+
+def _random_routing(seed: int, groups: int, tokens: int, num_experts: int, top_k: int, skew=None):
+  """Distinct experts per token (optionally skewed towards low experts) and random gates."""
+  rng = _rng(seed)
+  p = None if skew is None else np.asarray(skew, np.float64) / np.sum(skew)
+  index = np.array(
+      [
+          [rng.choice(num_experts, size=top_k, replace=False, p=p) for _ in range(tokens)]
+          for _ in range(groups)
+      ],
+      np.int32,
+  )
+  gates = rng.uniform(0.05, 1.0, size=index.shape).astype(np.float32)
+  return jnp.asarray(index), jnp.asarray(gates)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(name: str):
+  return jax.jit(DISPATCH_ALGORITHMS[name], static_argnames="capacity")
+
+
+def _assert_tree_allclose(actual, expected, **kw):
+  for (path, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+  ):
+    np.testing.assert_allclose(
+        np.asarray(a, np.float32),
+        np.asarray(b, np.float32),
+        err_msg=jax.tree_util.keystr(path),
+        **kw,
+    )
+
+
+def _assert_stats_equal(a, b):
+  np.testing.assert_array_equal(a.kept, b.kept)
+  np.testing.assert_array_equal(a.fraction_dropped, b.fraction_dropped)
+  np.testing.assert_array_equal(a.group_expert_fraction, b.group_expert_fraction)
+
+
+# ---------------------------------------------------------------------------
+# The oracle itself
+# ---------------------------------------------------------------------------
+
+
+def _numpy_reference(x, index, gates, experts: ExpertWeights):
+  """Float64 NumPy: every expert on every token, the chosen ones weighted by their gates."""
+  w = [np.asarray(a, np.float64) for a in (experts.w1, experts.b1, experts.w2, experts.b2)]
+  pre = np.einsum("gsd,edh->gseh", np.asarray(x, np.float64), w[0]) + w[1]
+  h = 0.5 * pre * (1.0 + scipy.special.erf(pre / np.sqrt(2.0)))  # exact GELU
+  out_all = np.einsum("gseh,ehd->gsed", h, w[2]) + w[3]
+  chosen = np.take_along_axis(out_all, np.asarray(index)[..., None], 2)
+  return np.einsum("gsk,gskd->gsd", np.asarray(gates, np.float64), chosen)
+
+
+def test_dense_matches_numpy_reference():
+  x, experts = _normal(0, (G, S, D)), _experts(1)
+  index, gates = _random_routing(2, G, S, E, K)
+  y, stats = _jitted("dense")(x, index, gates, experts)
+  np.testing.assert_allclose(y, _numpy_reference(x, index, gates, experts), rtol=1e-5, atol=1e-6)
+  assert bool(np.all(stats.kept)) and float(stats.fraction_dropped) == 0.0
+  np.testing.assert_allclose(stats.group_expert_fraction.sum(-1), 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Every algorithm equals the oracle when capacity suffices (values and gradients)
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_fn(name: str):
+  algorithm = DISPATCH_ALGORITHMS[name]
+
+  def loss(x, logits, experts, cotangent):
+    route = route_from_logits(logits, K)
+    index = route.expert_index.reshape(G, S, K)
+    gates = route.gates.reshape(G, S, K)
+    y, stats = algorithm(x, index, gates, experts, capacity=S)
+    return jnp.sum(y * cotangent), (y, stats)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_matches_dense_with_enough_capacity(name):
+  x, experts = _normal(0, (G, S, D)), _experts(1)
+  logits, cotangent = _normal(5, (G * S, E), scale=2.0), _normal(6, (G, S, D))
+  (_, (y, stats)), grads = _loss_fn(name)(x, logits, experts, cotangent)
+  (_, (y_ref, stats_ref)), grads_ref = _loss_fn("dense")(x, logits, experts, cotangent)
+
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  _assert_stats_equal(stats, stats_ref)
+  assert float(stats.fraction_dropped) == 0.0
+  # Gradients w.r.t. x, the router logits (through the gates) and every expert weight.
+  _assert_tree_allclose(grads, grads_ref, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(grads[1]).max()) > 0  # The logits gradient is exercised.
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_capacity_none_means_no_drops(name):
+  x, experts = _normal(0, (G, S, D)), _experts(1)
+  index, gates = _random_routing(3, G, S, E, K, skew=[8, 1, 1, 1])
+  y, stats = _jitted(name)(x, index, gates, experts, capacity=None)
+  y_ref, _ = _jitted("dense")(x, index, gates, experts)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  assert bool(np.all(stats.kept))
+
+
+# ---------------------------------------------------------------------------
+# sort == einsum under capacity overflow
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _gates_grad_fn(name: str, capacity: int):
+  algorithm = DISPATCH_ALGORITHMS[name]
+
+  def loss(x, gates, experts, index, cotangent):
+    y, stats = algorithm(x, index, gates, experts, capacity=capacity)
+    return jnp.sum(y * cotangent), (y, stats)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+@pytest.mark.parametrize(
+    "groups, tokens, num_experts, top_k, capacity",
+    [(3, 10, 4, 2, 2), (2, 12, 4, 1, 2), (2, 9, 5, 3, 4), (1, 16, 8, 2, 1)],
+)
+def test_sort_equals_einsum_under_overflow(groups, tokens, num_experts, top_k, capacity):
+  x, experts = _normal(0, (groups, tokens, D)), _experts(1, num_experts=num_experts)
+  skew = np.arange(num_experts, 0, -1) ** 2  # Low experts are oversubscribed.
+  index, gates = _random_routing(7, groups, tokens, num_experts, top_k, skew=skew)
+  cotangent = _normal(8, (groups, tokens, D))
+  args = (x, gates, experts, index, cotangent)
+  (_, (y, stats)), grads = _gates_grad_fn("sort", capacity)(*args)
+  (_, (y_ref, stats_ref)), grads_ref = _gates_grad_fn("einsum", capacity)(*args)
+
+  assert float(stats_ref.fraction_dropped) > 0.0  # The test must exercise drops.
+  _assert_stats_equal(stats, stats_ref)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+  _assert_tree_allclose(grads, grads_ref, rtol=1e-5, atol=1e-6)
+  # Dropped choices contribute nothing: a (dense) oracle on the kept gates agrees.
+  y_kept, _ = _jitted("dense")(x, index, gates * stats.kept, experts)
+  np.testing.assert_allclose(y, y_kept, rtol=1e-5, atol=1e-5)
+
+
+# Hand-built routing of tests/test_moe.py; (a, b) means top-1 = expert a, top-2 = expert b.
+_PREFS = [
+    # Example 0, capacity 3. Top-1 round: e0 gets t1, t2, t3 (t4 dropped), e1
+    # gets t0, e2 gets t5. Top-2 round: t0 -> e0 is dropped although t0 is the
+    # first token (top-1 choices come first), t5 -> e0 dropped too; the rest fit.
+    [(1, 0), (0, 1), (0, 2), (0, 1), (0, 3), (2, 0)],
+    # Example 1: everyone wants (e0, e1); t3..t5 lose both choices.
+    [(0, 1)] * 6,
+]
+_EXPECTED_KEPT = np.array(
+    [
+        [[1, 0], [1, 1], [1, 1], [1, 1], [0, 1], [1, 0]],
+        [[1, 1], [1, 1], [1, 1], [0, 0], [0, 0], [0, 0]],
+    ],
+    bool,
+)
+
+
+@pytest.mark.parametrize("name", ["einsum", "sort"])
+def test_hand_built_overflow(name):
+  index = jnp.asarray(_PREFS, jnp.int32)
+  gates = jnp.asarray(_rng(4).uniform(0.1, 1.0, size=index.shape), jnp.float32)
+  x, experts = _normal(0, (G, S, D)), _experts(1)
+  y, stats = _jitted(name)(x, index, gates, experts, capacity=3)
+
+  np.testing.assert_array_equal(stats.kept, _EXPECTED_KEPT)
+  np.testing.assert_allclose(stats.fraction_dropped, 9 / 24, rtol=1e-6)
+  np.testing.assert_allclose(
+      stats.group_expert_fraction, np.array([[3, 3, 2, 1], [3, 3, 0, 0]]) / 12, rtol=1e-6
+  )
+  expected = _numpy_reference(x, index, np.asarray(gates) * _EXPECTED_KEPT, experts)
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+  # Tokens that lost both choices get exactly 0 (the residual carries them).
+  np.testing.assert_array_equal(np.asarray(y)[1, 3:], 0.0)
+  if name == "sort":
+    y_ref, stats_ref = _jitted("einsum")(x, index, gates, experts, capacity=3)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-7)
+    _assert_stats_equal(stats, stats_ref)
+
+
+def _max_intermediate_size(jaxpr) -> int:
+  """Largest number of elements of any value in a (closed) jaxpr, sub-jaxprs included."""
+  best = 0
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      best = max(best, int(np.prod(getattr(var.aval, "shape", ()), dtype=np.int64)))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      best = max(best, _max_intermediate_size(sub))
+  return best
+
+
+def test_sort_builds_no_token_by_expert_by_capacity_tensor():
+  groups, tokens, num_experts, top_k, capacity, dim, hidden = 1, 64, 8, 2, 16, 4, 4
+  x = _normal(0, (groups, tokens, dim))
+  experts = _experts(1, num_experts=num_experts, dim=dim, hidden=hidden)
+  index, gates = _random_routing(2, groups, tokens, num_experts, top_k)
+  sizes = {}
+  for name in ("einsum", "sort"):
+    fn = functools.partial(DISPATCH_ALGORITHMS[name], capacity=capacity)
+    sizes[name] = _max_intermediate_size(jax.make_jaxpr(fn)(x, index, gates, experts).jaxpr)
+  # The [G, S, E, C] one-hot is 8192 elements here; sort's largest values are the
+  # [G, E, C, D] buffers (512), the G S D input and the G S k choices.
+  assert sizes["einsum"] >= groups * tokens * num_experts * capacity
+  assert sizes["sort"] <= max(
+      groups * num_experts * capacity * max(dim, hidden),
+      groups * tokens * dim,
+      groups * tokens * top_k,
+  ), sizes
+
+
+# ---------------------------------------------------------------------------
+# dropless
+# ---------------------------------------------------------------------------
+
+
+def test_dropless_never_drops():
+  # Everyone wants experts 0 and 1: einsum drops most choices at capacity 1, and
+  # experts 2, 3 get empty ragged_dot groups.
+  index = jnp.asarray(np.broadcast_to(np.array([0, 1], np.int32), (G, S, K)))
+  gates = jnp.asarray(_rng(3).uniform(0.1, 1.0, size=(G, S, K)), jnp.float32)
+  x, experts, cotangent = _normal(0, (G, S, D)), _experts(1), _normal(2, (G, S, D))
+  args = (x, gates, experts, index, cotangent)
+
+  (_, (y, stats)), grads = _gates_grad_fn("dropless", 1)(*args)
+  (_, (y_ref, stats_ref)), grads_ref = _gates_grad_fn("dense", 1)(*args)
+  assert bool(np.all(stats.kept)) and float(stats.fraction_dropped) == 0.0
+  _assert_stats_equal(stats, stats_ref)
+  np.testing.assert_allclose(stats.group_expert_fraction, [[0.5, 0.5, 0, 0]] * G)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  _assert_tree_allclose(grads, grads_ref, rtol=1e-5, atol=1e-5)
+  # Unused experts get zero gradient.
+  np.testing.assert_array_equal(grads[2].w1[2:], 0.0)
+
+  _, einsum_stats = _jitted("einsum")(x, index, gates, experts, capacity=1)
+  assert float(einsum_stats.fraction_dropped) > 0.5
+
+
+# ---------------------------------------------------------------------------
+# jit + bfloat16
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(DISPATCH_ALGORITHMS))
+def test_bfloat16_under_jit(name):
+  x32, experts = _normal(0, (G, S, D)), _experts(1)
+  index, gates = _random_routing(2, G, S, E, K)
+  y, stats = _jitted(name)(x32.astype(jnp.bfloat16), index, gates, experts, capacity=S)
+  y_ref, _ = _jitted("dense")(x32, index, gates, experts)
+  assert y.dtype == jnp.bfloat16 and y.shape == (G, S, D)
+  assert stats.fraction_dropped.dtype == jnp.float32
+  scale = float(jnp.abs(y_ref).max())
+  np.testing.assert_allclose(np.asarray(y, np.float32), y_ref, rtol=0, atol=3e-2 * scale)
+
+
+def test_registry_and_interface():
+  assert DISPATCH_ALGORITHMS == {
+      "dense": moe_dense,
+      "einsum": moe_einsum,
+      "sort": moe_sort,
+      "dropless": moe_dropless,
+  }
+  experts = _experts(0)
+  assert experts.num_experts == E
+  with pytest.raises(ValueError, match="gates"):
+    moe_sort(jnp.zeros((G, S, D)), jnp.zeros((G, S, K), jnp.int32), jnp.zeros((G, S)), experts)
+  with pytest.raises(ValueError, match="capacity"):
+    moe_einsum(
+        jnp.zeros((G, S, D)),
+        jnp.zeros((G, S, K), jnp.int32),
+        jnp.zeros((G, S, K)),
+        experts,
+        capacity=0,
+    )
