@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_collections
 
 from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS
+from fairmoe_jax.moe.expert_parallel import EP_ALGORITHMS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.mesh import mesh_shape
@@ -135,6 +136,12 @@ def validate(
     if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
       raise ConfigError("moe.blocks", f"block index {block!r} is outside a model of depth {depth}")
   cfg.require_choice(config, "moe.dispatch", DISPATCH_ALGORITHMS)
+  if expert_size > 1 and config.moe.dispatch not in EP_ALGORITHMS:
+    raise ConfigError(
+        "moe.dispatch",
+        f"{config.moe.dispatch!r} has no expert-parallel version (mesh.expert={expert_size}); "
+        f"use one of {', '.join(EP_ALGORITHMS)}",
+    )
   for key in ("moe.capacity_factor", "moe.eval_capacity_factor"):
     cfg.require_float(config, key, minimum=1e-6)
   for key in ("moe.aux_loss_weight", "moe.z_loss_weight"):

@@ -45,9 +45,14 @@ def load_data(
 
 
 def build_model(
-    config: ml_collections.ConfigDict, info: data_lib.DatasetInfo, rngs: nnx.Rngs
+    config: ml_collections.ConfigDict,
+    info: data_lib.DatasetInfo,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
 ) -> VisionTransformer:
+  """The ViT of `config`; with a mesh whose expert axis is > 1, its MoE is expert-parallel."""
   m, moe = config.model, config.moe
+  expert_parallel = mesh is not None and mesh.shape["expert"] > 1
   return VisionTransformer(
       num_classes=info.num_classes,
       image_size=config.data.image_size,
@@ -62,6 +67,7 @@ def build_model(
       capacity_factor=moe.capacity_factor,
       eval_capacity_factor=moe.eval_capacity_factor,
       moe_dispatch=moe.dispatch,
+      moe_mesh=mesh if expert_parallel else None,
       dropout_rate=m.dropout_rate,
       dtype=compute_dtype(config.compute_dtype),
       rngs=rngs,
@@ -160,7 +166,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   info, splits = load_data(config)
   tx = make_optimizer(config.optimizer, config.num_train_steps)
   graphdef, state = create_train_state(
-      lambda: build_model(config, info, nnx.Rngs(params=config.seed)), tx, mesh, config.seed
+      lambda: build_model(config, info, nnx.Rngs(params=config.seed), mesh), tx, mesh, config.seed
   )
   checkpointer = Checkpointer(
       os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints

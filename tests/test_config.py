@@ -51,6 +51,10 @@ def test_quickstart_arguments_reach_the_config():
         (lambda c: c.moe.update(blocks=(4,)), "moe.blocks"),
         (lambda c: c.moe.update(top_k=5), "moe.top_k"),
         (lambda c: c.moe.update(dispatch="scatter"), "moe.dispatch"),
+        (
+            lambda c: c.mesh.update(data=4, expert=2) or c.moe.update(dispatch="dropless"),
+            "moe.dispatch",
+        ),
         (lambda c: c.update(compute_dtype="float16"), "compute_dtype"),
         (lambda c: c.model.update(num_heads=3), "model.num_heads"),
         (lambda c: c.update(num_train_steps=0), "num_train_steps"),

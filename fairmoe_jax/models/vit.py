@@ -150,6 +150,7 @@ class Block(nnx.Module):
       capacity_factor: float,
       eval_capacity_factor: float,
       moe_dispatch: str,
+      moe_mesh: jax.sharding.Mesh | None,
       dropout_rate: float,
       dtype: Any,
       param_dtype: Any,
@@ -170,6 +171,7 @@ class Block(nnx.Module):
           capacity_factor=capacity_factor,
           eval_capacity_factor=eval_capacity_factor,
           dispatch=moe_dispatch,
+          mesh=moe_mesh,
           dtype=dtype,
           param_dtype=param_dtype,
           rngs=rngs,
@@ -211,6 +213,7 @@ class VisionTransformer(nnx.Module):
     num_experts, top_k, capacity_factor, eval_capacity_factor: `SparseMoE`
       settings shared by all MoE blocks.
     moe_dispatch: the MoE dispatch algorithm (`SparseMoE`'s `dispatch`).
+    moe_mesh: a mesh with an "expert" axis for expert parallelism, or None.
     dropout_rate: dropout after the position embedding, the attention
       projection and in the MLPs; only active with `train=True`.
     dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
@@ -234,6 +237,7 @@ class VisionTransformer(nnx.Module):
       capacity_factor: float = 1.25,
       eval_capacity_factor: float = 2.0,
       moe_dispatch: str = "einsum",
+      moe_mesh: jax.sharding.Mesh | None = None,
       dropout_rate: float = 0.0,
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
@@ -273,6 +277,7 @@ class VisionTransformer(nnx.Module):
                 capacity_factor=capacity_factor,
                 eval_capacity_factor=eval_capacity_factor,
                 moe_dispatch=moe_dispatch,
+                moe_mesh=moe_mesh,
                 dropout_rate=dropout_rate,
                 dtype=dtype,
                 param_dtype=param_dtype,

@@ -18,6 +18,7 @@ from flax import nnx, struct
 
 from fairmoe_jax.moe import dispatch as dispatch_lib
 from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights
+from fairmoe_jax.moe.expert_parallel import EP_ALGORITHMS, expert_parallel_moe
 from fairmoe_jax.moe.routing import TopKRouter
 
 # Logical axis name of the expert dimension. It is also the mesh axis name, so
@@ -97,6 +98,9 @@ class SparseMoE(nnx.Module):
     dispatch: dispatch algorithm, a key of `DISPATCH_ALGORITHMS` ("dense",
       "einsum", "sort", "dropless"); all give the same output wherever capacity
       suffices (see `fairmoe_jax.moe.algorithms`).
+    mesh: a mesh with an "expert" axis: experts are split over it and tokens
+      travel to them by all_to_all inside `jax.shard_map`
+      (`fairmoe_jax.moe.expert_parallel`); capacity algorithms only.
     dtype: compute dtype of the experts; routing is always float32.
     param_dtype: dtype of the parameters.
     rngs: parameter RNGs.
@@ -112,13 +116,26 @@ class SparseMoE(nnx.Module):
       capacity_factor: float = 1.25,
       eval_capacity_factor: float = 2.0,
       dispatch: str = "einsum",
+      mesh: jax.sharding.Mesh | None = None,
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
       rngs: nnx.Rngs,
   ):
     if dispatch not in DISPATCH_ALGORITHMS:
       raise ValueError(f"dispatch={dispatch!r}; known: {', '.join(DISPATCH_ALGORITHMS)}")
+    if mesh is not None:
+      if dispatch not in EP_ALGORITHMS:
+        raise ValueError(
+            f"dispatch={dispatch!r} has no expert-parallel version; with a mesh use one of "
+            f"{', '.join(EP_ALGORITHMS)}"
+        )
+      if num_experts % mesh.shape[EXPERT_AXIS]:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the mesh's {EXPERT_AXIS!r} axis "
+            f"of size {mesh.shape[EXPERT_AXIS]}"
+        )
     self.dispatch = dispatch
+    self.mesh = mesh
     self.dim = dim
     self.hidden_dim = hidden_dim
     self.num_experts = num_experts
@@ -152,9 +169,21 @@ class SparseMoE(nnx.Module):
 
     capacity_factor = self.capacity_factor if train else self.eval_capacity_factor
     capacity = dispatch_lib.compute_capacity(seq_len, self.num_experts, self.top_k, capacity_factor)
-    y, stats = DISPATCH_ALGORITHMS[self.dispatch](
-        x, expert_index, gates, ExpertWeights.from_module(self), capacity=capacity
-    )
+    experts = ExpertWeights.from_module(self)
+    if self.mesh is None:
+      y, stats = DISPATCH_ALGORITHMS[self.dispatch](
+          x, expert_index, gates, experts, capacity=capacity
+      )
+    else:  # Each device routes its own examples; tokens reach their experts by all_to_all.
+      y, stats = expert_parallel_moe(
+          x,
+          expert_index,
+          gates,
+          experts,
+          capacity=capacity,
+          mesh=self.mesh,
+          algorithm=self.dispatch,
+      )
 
     probs = route.probs
     metrics = {

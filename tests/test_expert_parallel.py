@@ -1,0 +1,157 @@
+"""Expert-parallel MoE (shard_map + all-to-all) against the single-device `moe_sort`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fairmoe_jax.moe.algorithms import ExpertWeights, moe_sort
+from fairmoe_jax.moe.expert_parallel import expert_parallel_moe
+from trainkit.mesh import make_mesh
+
+G, S, D, H, E, K = 16, 8, 16, 32, 8, 2
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+
+def _problem(seed=0, num_experts=E, skewed=False):
+  """NumPy inputs (no eager JAX dispatch, which is slow on few cores)."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((G, S, D), np.float32)
+  logits = rng.standard_normal((G, S, num_experts), np.float32)
+  if skewed:
+    # Most tokens prefer the first experts, so their queues overflow.
+    logits = logits - 2.0 * np.arange(num_experts, dtype=np.float32)
+  expert_index = np.argsort(-logits, axis=-1)[..., :K].astype(np.int32)
+  gate_logits = rng.standard_normal((G, S, K), np.float32)
+  gates = np.exp(gate_logits) / np.exp(gate_logits).sum(-1, keepdims=True)
+  normal = lambda scale, *shape: (scale * rng.standard_normal(shape)).astype(np.float32)
+  experts = ExpertWeights(
+      w1=normal(0.3, num_experts, D, H),
+      b1=normal(0.1, num_experts, H),
+      w2=normal(0.3, num_experts, H, D),
+      b2=normal(0.1, num_experts, D),
+  )
+  return x, expert_index, gates, experts
+
+
+def _loss_and_grads(algorithm, x, expert_index, gates, experts, cotangent):
+  def loss(x, gates, experts):
+    y, stats = algorithm(x, expert_index, gates, experts)
+    return jnp.sum(y * cotangent), (y, stats)
+
+  (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+      x, gates, experts
+  )
+  return y, stats, grads
+
+
+def _assert_tree_close(actual, expected):
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL),
+      actual,
+      expected,
+  )
+
+
+def _run(algorithm, capacity, **kwargs):
+  """Jitted forward and gradients of <y, cotangent> w.r.t. x, gates and the experts."""
+  x, expert_index, gates, experts = _problem(seed=capacity or 0, skewed=capacity == 1)
+  cotangent = np.random.default_rng(7).standard_normal(x.shape, np.float32)
+  fn = functools.partial(algorithm, capacity=capacity, **kwargs)
+  out = jax.jit(functools.partial(_loss_and_grads, fn))(x, expert_index, gates, experts, cotangent)
+  return jax.tree.map(np.asarray, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(capacity):
+  """moe_sort results, shared by the meshes (one compilation per capacity)."""
+  return _run(moe_sort, capacity)
+
+
+@pytest.mark.parametrize("capacity", [None, 1], ids=["ample", "overflow"])
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"data{s[0]}xexpert{s[1]}")
+def test_matches_moe_sort(mesh_shape, capacity):
+  mesh = make_mesh({"data": mesh_shape[0], "expert": mesh_shape[1]})
+  y_ref, stats_ref, grads_ref = _reference(capacity)
+  y, stats, grads = _run(expert_parallel_moe, capacity, mesh=mesh)
+
+  np.testing.assert_allclose(y, y_ref, **TOL)
+  np.testing.assert_array_equal(stats.kept, stats_ref.kept)
+  _assert_tree_close(stats, stats_ref)
+  _assert_tree_close(grads, grads_ref)
+  # Every input got a gradient, including every expert (they all receive tokens).
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
+  if capacity is None:
+    assert stats.kept.all() and stats.fraction_dropped == 0.0
+  else:
+    assert 0.0 < stats.fraction_dropped < 1.0
+    # Top-1 choices are served before any top-2 choice.
+    assert stats.kept[..., 0].mean() > stats.kept[..., 1].mean()
+
+
+def test_sharded_inputs_and_outputs():
+  """With inputs already laid out as in training, the output keeps the batch sharding."""
+  mesh = make_mesh({"data": 2, "expert": 4})
+  x, expert_index, gates, experts = _problem(seed=3)
+  batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "expert")))
+  expert_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
+  x_s, index_s, gates_s = (jax.device_put(a, batch) for a in (x, expert_index, gates))
+  experts_s = jax.device_put(experts, expert_sharding)
+
+  fn = jax.jit(functools.partial(expert_parallel_moe, capacity=2, mesh=mesh))
+  y, stats = fn(x_s, index_s, gates_s, experts_s)
+  y_ref, stats_ref = jax.jit(functools.partial(moe_sort, capacity=2))(
+      x, expert_index, gates, experts
+  )
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), **TOL)
+  _assert_tree_close(stats, stats_ref)
+  assert y.sharding.is_equivalent_to(batch, y.ndim)
+
+
+def test_bfloat16_close_to_moe_sort():
+  mesh = make_mesh({"data": 2, "expert": 4})
+  x, expert_index, gates, experts = _problem(seed=4)
+  x = jnp.asarray(x, jnp.bfloat16)
+  y, _ = jax.jit(functools.partial(expert_parallel_moe, capacity=2, mesh=mesh))(
+      x, expert_index, gates, experts
+  )
+  y_ref, _ = jax.jit(functools.partial(moe_sort, capacity=2))(x, expert_index, gates, experts)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(
+      np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=2e-2, atol=2e-2
+  )
+
+
+def test_indivisible_experts_raises():
+  mesh = make_mesh({"data": 2, "expert": 4})
+  x, expert_index, gates, experts = _problem(num_experts=6)
+  with pytest.raises(ValueError, match=r"num_experts=6.*size 4.*'expert'"):
+    expert_parallel_moe(x, expert_index, gates, experts, capacity=2, mesh=mesh)
+
+
+def test_indivisible_batch_raises():
+  mesh = make_mesh({"data": 2, "expert": 4})
+  x, expert_index, gates, experts = _problem()
+  with pytest.raises(ValueError, match=r"12 is not divisible by the\s+8 devices"):
+    expert_parallel_moe(x[:12], expert_index[:12], gates[:12], experts, capacity=2, mesh=mesh)
+
+
+def test_dropless_not_implemented():
+  mesh = make_mesh({"data": 2, "expert": 4})
+  x, expert_index, gates, experts = _problem()
+  with pytest.raises(NotImplementedError, match="ragged_all_to_all"):
+    expert_parallel_moe(
+        x, expert_index, gates, experts, capacity=None, mesh=mesh, algorithm="dropless"
+    )
+
+
+def test_unknown_algorithm_raises():
+  mesh = make_mesh({"data": 2, "expert": 4})
+  x, expert_index, gates, experts = _problem()
+  with pytest.raises(ValueError, match="dense"):
+    expert_parallel_moe(x, expert_index, gates, experts, capacity=2, mesh=mesh, algorithm="dense")
