@@ -106,7 +106,7 @@ class ExpertWeights:
 DispatchAlgorithm = Callable[..., tuple[jax.Array, DispatchStats]]
 
 
-def _check_inputs(x: jax.Array, expert_index: jax.Array, gates: jax.Array) -> None:
+def check_inputs(x: jax.Array, expert_index: jax.Array, gates: jax.Array) -> None:
   if x.ndim != 3:
     raise ValueError(f"x must be [groups, tokens, dim], got {x.shape}")
   if expert_index.ndim != 3 or expert_index.shape[:2] != x.shape[:2]:
@@ -117,7 +117,7 @@ def _check_inputs(x: jax.Array, expert_index: jax.Array, gates: jax.Array) -> No
     raise ValueError(f"gates {gates.shape} and expert_index {expert_index.shape} differ")
 
 
-def _resolve_capacity(capacity: int | None, group_size: int) -> int:
+def resolve_capacity(capacity: int | None, group_size: int) -> int:
   """None means "enough": an expert never gets more than S choices of a group."""
   if capacity is None:
     return group_size
@@ -152,7 +152,7 @@ def moe_dense(
   y[g, s] = sum_j gates[g, s, j] * E_{expert_index[g, s, j]}(x[g, s]).
   """
   del capacity
-  _check_inputs(x, expert_index, gates)
+  check_inputs(x, expert_index, gates)
   num_experts = experts.num_experts
   w = experts.cast(x.dtype)
   h = jnp.einsum("gsd,edh->gesh", x, w.w1) + w.b1[:, None, :]
@@ -175,8 +175,8 @@ def moe_einsum(
     capacity: int | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
   """One-hot [G, S, E, C] dispatch / combine (`dispatch.einsum_dispatch`)."""
-  _check_inputs(x, expert_index, gates)
-  capacity = _resolve_capacity(capacity, x.shape[1])
+  check_inputs(x, expert_index, gates)
+  capacity = resolve_capacity(capacity, x.shape[1])
   dispatched, combine, stats = dispatch_lib.einsum_dispatch(
       x, expert_index, gates, capacity, num_experts=experts.num_experts
   )
@@ -189,27 +189,36 @@ def _batched_searchsorted(sorted_values: jax.Array, queries: jax.Array) -> jax.A
   return jax.vmap(lambda row: jnp.searchsorted(row, queries, side="left"))(sorted_values)
 
 
-def moe_sort(
-    x: jax.Array,
-    expert_index: jax.Array,
-    gates: jax.Array,
-    experts: ExpertWeights,
-    *,
-    capacity: int | None = None,
-) -> tuple[jax.Array, DispatchStats]:
-  """Capacity-limited dispatch by sorting; the same results as `moe_einsum`.
+@struct.dataclass
+class SlotPlan:
+  """Where each (token, choice) of every group goes in the [E, C] capacity slots.
+
+  Attributes:
+    slot_token: [G, E * C] int32 token held by slot (e, c) (arbitrary where invalid).
+    valid: [G, E * C] whether slot (e, c) holds a token.
+    slot_gate: [G, E * C] gate of that choice, 0 where invalid.
+    stats: the `DispatchStats` of these decisions.
+  """
+
+  slot_token: jax.Array
+  valid: jax.Array
+  slot_gate: jax.Array
+  stats: DispatchStats
+
+
+def sort_slot_plan(
+    expert_index: jax.Array, gates: jax.Array, *, num_experts: int, capacity: int
+) -> SlotPlan:
+  """Capacity slots by sorting, with `moe_einsum`'s semantics and no [S, E, C] tensor.
 
   Per group, the k * S (token, choice) pairs are numbered priority-major
   (p = j * S + s, so every top-1 choice precedes every top-2 choice and earlier
   tokens come first) and sorted by the key (expert, p). Expert e's choices then
   form the segment [start_e, start_e + count_e) of the sorted order, in arrival
   order, so slot c of expert e is the sorted element start_e + c, served iff
-  c < min(count_e, C). No [S, E, C] or [S * k, E] tensor is built.
+  c < min(count_e, C).
   """
-  _check_inputs(x, expert_index, gates)
   num_groups, group_size, top_k = expert_index.shape
-  num_experts = experts.num_experts
-  capacity = _resolve_capacity(capacity, group_size)
   num_choices = group_size * top_k
   groups = jnp.arange(num_groups)[:, None]
 
@@ -246,21 +255,44 @@ def moe_sort(
   valid = (slots < served[:, :, None]).reshape(num_groups, -1)
   sorted_pos = jnp.minimum(start[:, :, None] + slots, num_choices - 1).reshape(num_groups, -1)
   slot_priority = jnp.take_along_axis(sorted_priority, sorted_pos, axis=1)
-  slot_token = slot_priority % group_size
   slot_gate = jnp.where(valid, jnp.take_along_axis(gates_pm, slot_priority, axis=1), 0.0)
-
-  # Gather the expert buffers; empty slots are zero, like the einsum dispatch.
-  buffers = jnp.take_along_axis(x, slot_token[:, :, None], axis=1)
-  buffers = jnp.where(valid[:, :, None], buffers, jnp.zeros((), x.dtype))
-  outputs = experts.apply(buffers.reshape(num_groups, num_experts, capacity, -1))
-  weighted = (
-      outputs.reshape(num_groups, num_experts * capacity, -1)
-      * slot_gate.astype(x.dtype)[:, :, None]
+  return SlotPlan(
+      slot_token=slot_priority % group_size, valid=valid, slot_gate=slot_gate, stats=stats
   )
-  # Scatter-add back to the tokens; empty slots point past the end and are dropped.
-  target = jnp.where(valid, slot_token, group_size)
-  y = jnp.zeros(x.shape, x.dtype).at[groups, target].add(weighted, mode="drop")
-  return y, stats
+
+
+def gather_slots(x: jax.Array, plan: SlotPlan, *, num_experts: int, capacity: int) -> jax.Array:
+  """Expert buffers [G, E, C, D] gathered from x [G, S, D]; empty slots are zero."""
+  buffers = jnp.take_along_axis(x, plan.slot_token[:, :, None], axis=1)
+  buffers = jnp.where(plan.valid[:, :, None], buffers, jnp.zeros((), x.dtype))
+  return buffers.reshape(x.shape[0], num_experts, capacity, x.shape[-1])
+
+
+def combine_slots(outputs: jax.Array, plan: SlotPlan, x_shape: tuple[int, ...]) -> jax.Array:
+  """Gate-weighted expert outputs [G, E, C, D] scatter-added back to tokens [G, S, D]."""
+  num_groups, group_size, dim = x_shape
+  weighted = outputs.reshape(num_groups, -1, dim) * plan.slot_gate.astype(outputs.dtype)[:, :, None]
+  # Empty slots point past the end and are dropped.
+  target = jnp.where(plan.valid, plan.slot_token, group_size)
+  groups = jnp.arange(num_groups)[:, None]
+  return jnp.zeros(x_shape, outputs.dtype).at[groups, target].add(weighted, mode="drop")
+
+
+def moe_sort(
+    x: jax.Array,
+    expert_index: jax.Array,
+    gates: jax.Array,
+    experts: ExpertWeights,
+    *,
+    capacity: int | None = None,
+) -> tuple[jax.Array, DispatchStats]:
+  """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`."""
+  check_inputs(x, expert_index, gates)
+  capacity = resolve_capacity(capacity, x.shape[1])
+  num_experts = experts.num_experts
+  plan = sort_slot_plan(expert_index, gates, num_experts=num_experts, capacity=capacity)
+  buffers = gather_slots(x, plan, num_experts=num_experts, capacity=capacity)
+  return combine_slots(experts.apply(buffers), plan, x.shape), plan.stats
 
 
 def moe_dropless(
@@ -278,7 +310,7 @@ def moe_dropless(
   `jax.lax.ragged_dot`.
   """
   del capacity
-  _check_inputs(x, expert_index, gates)
+  check_inputs(x, expert_index, gates)
   num_groups, group_size, top_k = expert_index.shape
   num_experts = experts.num_experts
   dim = x.shape[-1]

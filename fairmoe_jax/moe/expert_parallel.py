@@ -40,7 +40,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from fairmoe_jax.moe.algorithms import ExpertWeights
+from fairmoe_jax.moe.algorithms import (
+    ExpertWeights,
+    check_inputs,
+    combine_slots,
+    gather_slots,
+    resolve_capacity,
+    sort_slot_plan,
+)
 from fairmoe_jax.moe.dispatch import DispatchStats
 
 __all__ = ["EP_ALGORITHMS", "expert_parallel_moe"]
@@ -48,67 +55,6 @@ __all__ = ["EP_ALGORITHMS", "expert_parallel_moe"]
 # Algorithms with an expert-parallel implementation. "sort" and "einsum" share
 # their semantics (and results), so both map to the capacity path below.
 EP_ALGORITHMS = ("sort", "einsum")
-
-
-def _check_inputs(x: jax.Array, expert_index: jax.Array, gates: jax.Array) -> None:
-  if x.ndim != 3:
-    raise ValueError(f"x must be [groups, tokens, dim], got {x.shape}")
-  if expert_index.ndim != 3 or expert_index.shape[:2] != x.shape[:2]:
-    raise ValueError(
-        f"expert_index must be [groups, tokens, k] for x {x.shape}, got {expert_index.shape}"
-    )
-  if gates.shape != expert_index.shape:
-    raise ValueError(f"gates {gates.shape} and expert_index {expert_index.shape} differ")
-
-
-def _sort_plan(
-    expert_index: jax.Array, gates: jax.Array, *, num_experts: int, capacity: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-  """Slot assignment of `moe_sort`, per group.
-
-  Args:
-    expert_index: [G, S, k] chosen experts.
-    gates: [G, S, k] gates.
-    num_experts: E.
-    capacity: C.
-
-  Returns:
-    slot_token: [G, E * C] int32 token of slot (e, c) (arbitrary where invalid).
-    valid: [G, E * C] whether slot (e, c) holds a token.
-    slot_gate: [G, E * C] gate of that choice, 0 where invalid (gates.dtype).
-    kept: [G, S, k] whether each choice was served.
-    served: [G, E] int32 served choices per expert.
-  """
-  num_groups, group_size, top_k = expert_index.shape
-  num_choices = group_size * top_k
-  groups = jnp.arange(num_groups)[:, None]
-
-  # Priority-major flattening: element p = j * S + s.
-  expert_pm = jnp.swapaxes(expert_index, 1, 2).reshape(num_groups, num_choices).astype(jnp.int32)
-  gates_pm = jnp.swapaxes(gates, 1, 2).reshape(num_groups, num_choices)
-  priority = jnp.broadcast_to(jnp.arange(num_choices, dtype=jnp.int32), expert_pm.shape)
-  sorted_expert, sorted_priority = jax.lax.sort(
-      (expert_pm, priority), dimension=1, is_stable=True, num_keys=2
-  )
-  queries = jnp.arange(num_experts + 1, dtype=jnp.int32)
-  bounds = jax.vmap(lambda row: jnp.searchsorted(row, queries, side="left"))(sorted_expert)
-  start, count = bounds[:, :-1], bounds[:, 1:] - bounds[:, :-1]
-
-  position = jnp.arange(num_choices, dtype=jnp.int32) - jnp.take_along_axis(
-      start, sorted_expert, axis=1
-  )
-  kept_pm = jnp.zeros((num_groups, num_choices), bool)
-  kept_pm = kept_pm.at[groups, sorted_priority].set(position < capacity, unique_indices=True)
-  kept = jnp.swapaxes(kept_pm.reshape(num_groups, top_k, group_size), 1, 2)
-  served = jnp.minimum(count, capacity)
-
-  slots = jnp.arange(capacity, dtype=jnp.int32)
-  valid = (slots < served[:, :, None]).reshape(num_groups, -1)
-  sorted_pos = jnp.minimum(start[:, :, None] + slots, num_choices - 1).reshape(num_groups, -1)
-  slot_priority = jnp.take_along_axis(sorted_priority, sorted_pos, axis=1)
-  slot_token = slot_priority % group_size
-  slot_gate = jnp.where(valid, jnp.take_along_axis(gates_pm, slot_priority, axis=1), 0.0)
-  return slot_token, valid, slot_gate, kept, served
 
 
 def _local_moe(
@@ -122,31 +68,16 @@ def _local_moe(
     expert_axis: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-device body: local groups [G_l, S, ...], local experts [E_l, ...]."""
-  num_groups, group_size, top_k = expert_index.shape
-  dim = x.shape[-1]
-  slot_token, valid, slot_gate, kept, served = _sort_plan(
-      expert_index, gates, num_experts=num_experts, capacity=capacity
-  )
-  buffers = jnp.take_along_axis(x, slot_token[:, :, None], axis=1)
-  buffers = jnp.where(valid[:, :, None], buffers, jnp.zeros((), x.dtype))
-  buffers = buffers.reshape(num_groups, num_experts, capacity, dim)
-
+  plan = sort_slot_plan(expert_index, gates, num_experts=num_experts, capacity=capacity)
+  buffers = gather_slots(x, plan, num_experts=num_experts, capacity=capacity)
   # [G_l, E, C, D] -> [n_expert * G_l, E_l, C, D]: expert shard j gets the slots of
   # its experts [j E_l, (j + 1) E_l) from every shard of its expert axis.
   received = jax.lax.all_to_all(buffers, expert_axis, split_axis=1, concat_axis=0, tiled=True)
   outputs = experts.apply(received)
   # And back: [n_expert * G_l, E_l, C, D] -> [G_l, E, C, D].
   outputs = jax.lax.all_to_all(outputs, expert_axis, split_axis=0, concat_axis=1, tiled=True)
-
-  weighted = (
-      outputs.reshape(num_groups, num_experts * capacity, dim)
-      * slot_gate.astype(x.dtype)[:, :, None]
-  )
-  target = jnp.where(valid, slot_token, group_size)
-  groups = jnp.arange(num_groups)[:, None]
-  y = jnp.zeros(x.shape, x.dtype).at[groups, target].add(weighted, mode="drop")
-  group_expert_fraction = served.astype(jnp.float32) / (group_size * top_k)
-  return y, kept, group_expert_fraction
+  y = combine_slots(outputs, plan, x.shape)
+  return y, plan.stats.kept, plan.stats.group_expert_fraction
 
 
 def expert_parallel_moe(
@@ -195,14 +126,10 @@ def expert_parallel_moe(
         f"algorithm={algorithm!r} has no expert-parallel implementation; "
         f"known: {', '.join(EP_ALGORITHMS)}"
     )
-  _check_inputs(x, expert_index, gates)
+  check_inputs(x, expert_index, gates)
   num_groups, group_size, _ = expert_index.shape
   num_experts = experts.num_experts
-  if capacity is None:
-    capacity = group_size
-  if capacity < 1:
-    raise ValueError(f"capacity must be >= 1, got {capacity}")
-  capacity = int(capacity)
+  capacity = resolve_capacity(capacity, group_size)
 
   if expert_axis not in mesh.shape:
     raise ValueError(f"mesh axes {tuple(mesh.axis_names)} lack the expert axis {expert_axis!r}")
