@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from fairmoe_jax.moe.dispatch import compute_capacity
-from fairmoe_jax.moe.routing import _GATE_INIT, RouterOutput, TopKRouter, router_z_loss
+from fairmoe_jax.moe.routing import RouterOutput, TopKRouter, float32_gate, router_z_loss
 
 # ---------------------------------------------------------------------------
 # Noisy top-k gating (Shazeer et al. 2017)
@@ -188,14 +188,9 @@ class NoisyTopKRouter(TopKRouter):
     super().__init__(dim, num_experts, top_k, rngs=rngs)
     self.importance_weight = importance_weight
     self.load_weight = load_weight
-    self.noise_gate = nnx.Linear(
-        dim,
-        num_experts,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=nnx.initializers.zeros_init(),
-        rngs=rngs,
+    # Zero-initialised as in Shazeer et al. (2017): training starts noise-free.
+    self.noise_gate = float32_gate(
+        dim, num_experts, rngs=rngs, kernel_init=nnx.initializers.zeros_init()
     )
 
   def noise_std(self, x: jax.Array) -> jax.Array:
@@ -396,15 +391,7 @@ class ExpertChoiceRouter(nnx.Module):
       raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
     self.num_experts = num_experts
     self.capacity_factor = capacity_factor
-    self.gate = nnx.Linear(
-        dim,
-        num_experts,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=_GATE_INIT,
-        rngs=rngs,
-    )
+    self.gate = float32_gate(dim, num_experts, rngs=rngs)
 
   def capacity(self, group_size: int) -> int:
     """C for groups of `group_size` tokens."""

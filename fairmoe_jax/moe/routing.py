@@ -20,6 +20,25 @@ from flax import nnx, struct
 _GATE_INIT = nnx.initializers.normal(stddev=0.02)
 
 
+def float32_gate(
+    dim: int,
+    num_experts: int,
+    *,
+    rngs: nnx.Rngs,
+    kernel_init: nnx.Initializer = _GATE_INIT,
+) -> nnx.Linear:
+  """A bias-free linear gate computed and stored in float32, whatever the model's dtype."""
+  return nnx.Linear(
+      dim,
+      num_experts,
+      use_bias=False,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+      kernel_init=kernel_init,
+      rngs=rngs,
+  )
+
+
 @struct.dataclass
 class RouterOutput:
   """Routing decisions for a flat batch of T tokens.
@@ -110,15 +129,7 @@ class TopKRouter(nnx.Module):
       raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     self.num_experts = num_experts
     self.top_k = top_k
-    self.gate = nnx.Linear(
-        dim,
-        num_experts,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=_GATE_INIT,
-        rngs=rngs,
-    )
+    self.gate = float32_gate(dim, num_experts, rngs=rngs)
 
   def logits(self, x: jax.Array) -> jax.Array:
     """[T, D] tokens -> [T, E] float32 logits."""
