@@ -26,7 +26,7 @@ setup(
         "tensorboardX>=2.6",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "fairlearn>=0.10"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "fairlearn>=0.10", "scipy>=1.10"],
         "dev": ["pyink>=24"],
     },
 )

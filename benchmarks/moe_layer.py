@@ -108,19 +108,20 @@ def _time_and_memory(loss: Callable[..., Any], args: tuple[Any, ...], repeats: i
   t0 = time.perf_counter()
   compiled = step.lower(*args).compile()
   compile_s = time.perf_counter() - t0
-  (_, dropped), _ = jax.block_until_ready(compiled(*args))  # warm-up, excluded
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
+  times, dropped = [], None
+  if repeats > 0:  # repeats == 0: compile only, for memory figures of shapes too big to run here.
+    (_, dropped), _ = jax.block_until_ready(compiled(*args))  # warm-up, excluded
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times.append(time.perf_counter() - t0)
   memory = _memory_analysis(compiled)
   stats = jax.devices()[0].memory_stats() or {}
   return dict(
-      time_ms=1e3 * statistics.median(times),
-      time_min_ms=1e3 * min(times),
+      time_ms=1e3 * statistics.median(times) if times else None,
+      time_min_ms=1e3 * min(times) if times else None,
       compile_s=compile_s,
-      fraction_dropped=float(dropped),
+      fraction_dropped=float(dropped) if dropped is not None else None,
       flops=_flops(compiled),
       peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"),
       **memory,
@@ -223,7 +224,6 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
       speedup = _ratio(einsum["time_ms"], sort["time_ms"])
       leaner = _ratio(einsum["temp_size_in_bytes"], sort["temp_size_in_bytes"])
       passed = speedup is not None and leaner is not None and speedup >= 2 and leaner >= 4
-      leaner_text = f"{leaner:.2f}x" if leaner is not None else "n/a"
       targets.append(
           dict(
               target="sort >= 2x faster and >= 4x leaner than einsum at E=64",
@@ -231,8 +231,8 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
               top_k=k,
               passed=passed,
               detail=(
-                  f"k={k}: einsum/sort time = {speedup:.2f}x (target >= 2x), "
-                  f"einsum/sort temp memory = {leaner_text} (target >= 4x)"
+                  f"k={k}: einsum/sort time = {_fmt(speedup, 2)}x (target >= 2x), "
+                  f"einsum/sort temp memory = {_fmt(leaner, 2)}x (target >= 4x)"
               ),
           )
       )
@@ -279,7 +279,9 @@ def main() -> None:
       help="dispatch algorithms to time; the equal-FLOPs dense MLP baseline always runs",
   )
   parser.add_argument("--capacity_factor", type=float, default=1.25)
-  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument(
+      "--repeats", type=int, default=10, help="timed calls per case; 0 compiles only (memory)"
+  )
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument(
       "--output", default=os.path.join(os.path.dirname(__file__), "results", "moe_layer.json")
@@ -296,7 +298,7 @@ def main() -> None:
           args.shape, e, k, dispatch, args.dtype, args.capacity_factor, args.repeats
       )
       print(
-          f"  {args.shape} E={e} k={k} {dispatch}: {row['time_ms']:.2f} ms, "
+          f"  {args.shape} E={e} k={k} {dispatch}: {_fmt(row['time_ms'], 2)} ms, "
           f"compile {row['compile_s']:.1f} s",
           flush=True,
       )

@@ -20,6 +20,7 @@ from fairmoe_jax.moe import (
     dispatch_and_combine_masks,
     route_from_logits,
 )
+from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
 PARAM_NAMES = ("gate", "w1", "b1", "w2", "b2")
 
@@ -146,28 +147,9 @@ def test_compute_capacity(args, expected):
   assert compute_capacity(*args) == expected
 
 
-# Hand-built routing: the gate kernel copies the first E input features to the
-# logits, so token t's logits are x[t, :E]. (a, b) means top-1 = expert a, top-2 = expert b.
-_PREFS = [
-    # Example 0, capacity 3. Top-1 round: e0 gets t1, t2, t3 (t4 dropped), e1
-    # gets t0, e2 gets t5. Top-2 round: t0 -> e0 is dropped although t0 is the
-    # first token (top-1 choices come first), t5 -> e0 dropped too; the rest fit.
-    [(1, 0), (0, 1), (0, 2), (0, 1), (0, 3), (2, 0)],
-    # Example 1: everyone wants (e0, e1); t3..t5 lose both choices.
-    [(0, 1)] * 6,
-]
-_EXPECTED_KEPT = np.array(
-    [
-        [[1, 0], [1, 1], [1, 1], [1, 1], [0, 1], [1, 0]],
-        [[1, 1], [1, 1], [1, 1], [0, 0], [0, 0], [0, 0]],
-    ],
-    bool,
-)
-
-
 def _hand_routed_inputs() -> np.ndarray:
   x = np.zeros((2, 6, DIM), np.float32)
-  for g, prefs in enumerate(_PREFS):
+  for g, prefs in enumerate(HAND_BUILT_PREFERENCES):
     for s, (a, b) in enumerate(prefs):
       x[g, s, a], x[g, s, b] = 3.0, 2.0
   return x
@@ -187,13 +169,13 @@ def test_capacity_overflow_drops_by_priority():
   _, _, stats = _masks(
       route.expert_index.reshape(2, 6, 2), route.gates.reshape(2, 6, 2), num_experts=4, capacity=3
   )
-  np.testing.assert_array_equal(stats.kept, _EXPECTED_KEPT)
+  np.testing.assert_array_equal(stats.kept, HAND_BUILT_EXPECTED_KEPT)
   np.testing.assert_allclose(aux.metrics["fraction_dropped"], 9 / 24, rtol=1e-6)
 
   # Output level: dense reference restricted to the kept choices.
   params = _params(layer)
   idx = np.asarray(route.expert_index).reshape(2, 6, 2)
-  gates = np.asarray(route.gates).reshape(2, 6, 2) * _EXPECTED_KEPT
+  gates = np.asarray(route.gates).reshape(2, 6, 2) * HAND_BUILT_EXPECTED_KEPT
   p = {k: np.asarray(v, np.float64) for k, v in params.items()}
   pre = np.einsum("gsd,edh->gseh", x, p["w1"]) + p["b1"]
   h = 0.5 * pre * (1.0 + scipy.special.erf(pre / np.sqrt(2.0)))  # exact GELU

@@ -21,6 +21,7 @@ from fairmoe_jax.moe.algorithms import (
     moe_einsum,
     moe_sort,
 )
+from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
 G, S, D, H, E, K = 2, 6, 8, 16, 4, 2
 SPARSE = ("einsum", "sort", "dropless")
@@ -185,37 +186,19 @@ def test_sort_equals_einsum_under_overflow(groups, tokens, num_experts, top_k, c
   np.testing.assert_allclose(y, y_kept, rtol=1e-5, atol=1e-5)
 
 
-# Hand-built routing of tests/test_moe.py; (a, b) means top-1 = expert a, top-2 = expert b.
-_PREFS = [
-    # Example 0, capacity 3. Top-1 round: e0 gets t1, t2, t3 (t4 dropped), e1
-    # gets t0, e2 gets t5. Top-2 round: t0 -> e0 is dropped although t0 is the
-    # first token (top-1 choices come first), t5 -> e0 dropped too; the rest fit.
-    [(1, 0), (0, 1), (0, 2), (0, 1), (0, 3), (2, 0)],
-    # Example 1: everyone wants (e0, e1); t3..t5 lose both choices.
-    [(0, 1)] * 6,
-]
-_EXPECTED_KEPT = np.array(
-    [
-        [[1, 0], [1, 1], [1, 1], [1, 1], [0, 1], [1, 0]],
-        [[1, 1], [1, 1], [1, 1], [0, 0], [0, 0], [0, 0]],
-    ],
-    bool,
-)
-
-
 @pytest.mark.parametrize("name", ["einsum", "sort"])
 def test_hand_built_overflow(name):
-  index = jnp.asarray(_PREFS, jnp.int32)
+  index = jnp.asarray(HAND_BUILT_PREFERENCES, jnp.int32)
   gates = jnp.asarray(_rng(4).uniform(0.1, 1.0, size=index.shape), jnp.float32)
   x, experts = _normal(0, (G, S, D)), _experts(1)
   y, stats = _jitted(name)(x, index, gates, experts, capacity=3)
 
-  np.testing.assert_array_equal(stats.kept, _EXPECTED_KEPT)
+  np.testing.assert_array_equal(stats.kept, HAND_BUILT_EXPECTED_KEPT)
   np.testing.assert_allclose(stats.fraction_dropped, 9 / 24, rtol=1e-6)
   np.testing.assert_allclose(
       stats.group_expert_fraction, np.array([[3, 3, 2, 1], [3, 3, 0, 0]]) / 12, rtol=1e-6
   )
-  expected = _numpy_reference(x, index, np.asarray(gates) * _EXPECTED_KEPT, experts)
+  expected = _numpy_reference(x, index, np.asarray(gates) * HAND_BUILT_EXPECTED_KEPT, experts)
   np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
   # Tokens that lost both choices get exactly 0 (the residual carries them).
   np.testing.assert_array_equal(np.asarray(y)[1, 3:], 0.0)

@@ -133,19 +133,23 @@ class Checkpointer:
       return None
     abstract = _abstract(template_state)
     failures = []
+
+    def skip(step: int, error: Exception) -> None:
+      failures.append(f"step {step}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+      _log.warning(
+          "checkpoint at step %d in %s is unreadable (%s); trying an older one",
+          step,
+          self.directory,
+          failures[-1],
+      )
+
     for step in steps:
       try:
         metadata = self._manager.item_metadata(step)[STATE]
         if metadata is None:
           raise ValueError("no metadata for the train state")
       except Exception as e:  # Unreadable metadata: a corrupt or partial checkpoint.
-        failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        _log.warning(
-            "checkpoint at step %d in %s is unreadable (%s); trying an older one",
-            step,
-            self.directory,
-            failures[-1],
-        )
+        skip(step, e)
         continue
       mismatch = _structure_mismatch(abstract, metadata)
       if mismatch:
@@ -165,13 +169,7 @@ class Checkpointer:
             ),
         )
       except Exception as e:  # A corrupt step falls back to the previous one.
-        failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        _log.warning(
-            "checkpoint at step %d in %s is unreadable (%s); trying an older one",
-            step,
-            self.directory,
-            failures[-1],
-        )
+        skip(step, e)
         continue
       if failures:
         _log.warning(

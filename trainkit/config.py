@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ast
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import ml_collections
 
@@ -103,8 +103,3 @@ def require_choice(config: ml_collections.ConfigDict, key: str, choices: Iterabl
   if value not in choices:
     raise ConfigError(key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
   return value
-
-
-def require_keys(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None:
-  for key in keys:
-    get(config, key)

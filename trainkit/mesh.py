@@ -65,10 +65,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def num_batch_shards(mesh: Mesh) -> int:
-  return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
-
-
 def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """Assembles the global batch from this process's local part (multi-host safe)."""
   sharding = batch_sharding(mesh)

@@ -9,7 +9,9 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+
+from trainkit.mesh import replicated
 
 # loss_fn(model, batch, rng) -> (scalar loss, dict of scalar metrics)
 LossFn = Callable[
@@ -57,26 +59,20 @@ def create_train_state(
 
 def _optimizer_shardings(tx: optax.GradientTransformation, params: nnx.State, mesh: Mesh) -> Any:
   """Optimizer moments take their parameter's sharding; counts and scalars are replicated."""
-  replicated = NamedSharding(mesh, P())
-  param_shardings = jax.tree.map(
-      lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, params
-  )
   return optax.tree_map_params(
       tx,
       lambda _, sharding: sharding,
       jax.eval_shape(tx.init, params),
-      param_shardings,
-      transform_non_params=lambda _: replicated,
+      state_shardings(params, mesh),
+      transform_non_params=lambda _: replicated(mesh),
   )
 
 
 def state_shardings(state: Any, mesh: Mesh) -> Any:
   """Each leaf's NamedSharding on `mesh`; leaves not placed by name are replicated."""
-  replicated = NamedSharding(mesh, P())
+  default = replicated(mesh)
   return jax.tree.map(
-      lambda x: x.sharding
-      if isinstance(getattr(x, "sharding", None), NamedSharding)
-      else replicated,
+      lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else default,
       state,
   )
 
