@@ -6,6 +6,7 @@ import ml_collections
 
 from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS
 from fairmoe_jax.moe.expert_parallel import EP_ALGORITHMS
+from fairmoe_jax.moe.layer import ROUTERS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.mesh import mesh_shape
@@ -68,7 +69,9 @@ def base_config() -> ml_collections.ConfigDict:
           top_k=2,
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
-          dispatch="einsum",  # dense | einsum | sort | dropless (fairmoe_jax/moe/algorithms.py)
+          dispatch="sort",  # dense | einsum | sort | dropless (fairmoe_jax/moe/algorithms.py)
+          router="topk",  # topk | noisy_topk | expert_choice (fairmoe_jax/moe/layer.py)
+          batch_priority=False,  # V-MoE batch-priority routing
           aux_loss_weight=0.01,
           z_loss_weight=0.0,
       )
@@ -136,6 +139,15 @@ def validate(
     if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
       raise ConfigError("moe.blocks", f"block index {block!r} is outside a model of depth {depth}")
   cfg.require_choice(config, "moe.dispatch", DISPATCH_ALGORITHMS)
+  router = cfg.require_choice(config, "moe.router", ROUTERS)
+  if not isinstance(cfg.get(config, "moe.batch_priority"), bool):
+    raise ConfigError("moe.batch_priority", "must be True or False")
+  if router == "expert_choice" and config.moe.batch_priority:
+    raise ConfigError("moe.batch_priority", "applies to token-choice routers, not expert_choice")
+  if router == "expert_choice" and expert_size > 1:
+    raise ConfigError(
+        "moe.router", f"expert_choice has no expert-parallel version (mesh.expert={expert_size})"
+    )
   if expert_size > 1 and config.moe.dispatch not in EP_ALGORITHMS:
     raise ConfigError(
         "moe.dispatch",

@@ -62,12 +62,16 @@ def build_model(
       num_heads=m.num_heads,
       mlp_dim=m.mlp_dim,
       moe_blocks=tuple(moe.blocks),
-      num_experts=moe.num_experts,
-      top_k=moe.top_k,
-      capacity_factor=moe.capacity_factor,
-      eval_capacity_factor=moe.eval_capacity_factor,
-      moe_dispatch=moe.dispatch,
-      moe_mesh=mesh if expert_parallel else None,
+      moe=dict(
+          num_experts=moe.num_experts,
+          top_k=moe.top_k,
+          dispatch=moe.dispatch,
+          capacity_factor=moe.capacity_factor,
+          eval_capacity_factor=moe.eval_capacity_factor,
+          router=moe.router,
+          batch_priority=moe.batch_priority,
+          mesh=mesh if expert_parallel else None,
+      ),
       dropout_rate=m.dropout_rate,
       dtype=compute_dtype(config.compute_dtype),
       rngs=rngs,
@@ -78,7 +82,8 @@ def make_loss_fn(config: ml_collections.ConfigDict):
   """Cross-entropy plus the weighted MoE auxiliary losses."""
 
   def loss_fn(model: VisionTransformer, batch: dict[str, jax.Array], rng: jax.Array):
-    logits, aux = model(batch["image"], train=True, rngs=nnx.Rngs(dropout=rng))
+    rngs = nnx.Rngs(dropout=rng, noise=jax.random.fold_in(rng, 1))
+    logits, aux = model(batch["image"], train=True, rngs=rngs)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
     loss = ce + config.moe.aux_loss_weight * aux.loss + config.moe.z_loss_weight * aux.z_loss
     metrics = {

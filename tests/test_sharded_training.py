@@ -108,3 +108,17 @@ def test_local_launcher_dry_run_prints_the_command(repo_root):
       "will run: python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/wd "
       "--config.batch_size=64"
   ) in result.stdout
+
+
+@pytest.mark.parametrize(
+    "router,batch_priority", [("noisy_topk", False), ("expert_choice", False), ("topk", True)]
+)
+def test_every_router_trains_in_the_jitted_step(
+    tmp_path, single_device_losses, router, batch_priority
+):
+  config = _tiny_config(1, 1)
+  config.moe.update(router=router, batch_priority=batch_priority)
+  losses = _train_losses(config, tmp_path)
+  assert len(losses) == 4 and np.all(np.isfinite(losses))
+  # Same data and initial weights as the top-k run: the router changes the computation.
+  assert not np.allclose(losses, single_device_losses)

@@ -15,7 +15,16 @@ from fairmoe_jax.models import VIT_PRESETS, VisionTransformer, num_params
 from fairmoe_jax.models.vit import Mlp
 from fairmoe_jax.moe import SparseMoE
 
-TINY = dict(num_classes=3, image_size=8, patch_size=4, dim=16, depth=2, num_heads=2, mlp_dim=32)
+TINY = dict(
+    num_classes=3,
+    image_size=8,
+    patch_size=4,
+    dim=16,
+    depth=2,
+    num_heads=2,
+    mlp_dim=32,
+    moe=dict(num_experts=4, top_k=2),
+)
 
 
 def _images(batch: int = 2, seed: int = 0) -> jax.Array:

@@ -11,7 +11,7 @@ norm, head) so timm checkpoints map one to one; only layouts differ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -144,38 +144,20 @@ class Block(nnx.Module):
       num_heads: int,
       mlp_dim: int,
       *,
-      moe: bool,
-      num_experts: int,
-      top_k: int,
-      capacity_factor: float,
-      eval_capacity_factor: float,
-      moe_dispatch: str,
-      moe_mesh: jax.sharding.Mesh | None,
+      moe: Mapping[str, Any] | None,
       dropout_rate: float,
       dtype: Any,
       param_dtype: Any,
       rngs: nnx.Rngs,
   ):
-    self.is_moe = moe
+    self.is_moe = moe is not None
     self.norm1 = _layer_norm(dim, dtype, param_dtype, rngs)
     self.attn = Attention(
         dim, num_heads, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
     self.norm2 = _layer_norm(dim, dtype, param_dtype, rngs)
-    if moe:
-      self.mlp = SparseMoE(
-          dim,
-          mlp_dim,
-          num_experts,
-          top_k,
-          capacity_factor=capacity_factor,
-          eval_capacity_factor=eval_capacity_factor,
-          dispatch=moe_dispatch,
-          mesh=moe_mesh,
-          dtype=dtype,
-          param_dtype=param_dtype,
-          rngs=rngs,
-      )
+    if moe is not None:
+      self.mlp = SparseMoE(dim, mlp_dim, **moe, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     else:
       self.mlp = Mlp(
           dim, mlp_dim, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
@@ -184,11 +166,16 @@ class Block(nnx.Module):
     self.mlp_drop = nnx.Dropout(dropout_rate)
 
   def __call__(
-      self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None
+      self,
+      x: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None,
+      context: Mapping[str, jax.Array] | None = None,
   ) -> tuple[jax.Array, MoEAux | None]:
     x = x + self.attn(self.norm1(x), train=train, rngs=rngs)
     if self.is_moe:
-      y, aux = self.mlp(self.norm2(x), train=train)
+      y, aux = self.mlp(self.norm2(x), train=train, rngs=rngs, context=context)
       y = self.mlp_drop(y, deterministic=not train, rngs=rngs)
     else:
       y, aux = self.mlp(self.norm2(x), train=train, rngs=rngs), None
@@ -210,10 +197,9 @@ class VisionTransformer(nnx.Module):
     moe_blocks: indices of blocks whose MLP is a `SparseMoE`; negative indices
       count from the end; empty gives a plain ViT. Default: the last block,
       as in FairSMoE.
-    num_experts, top_k, capacity_factor, eval_capacity_factor: `SparseMoE`
-      settings shared by all MoE blocks.
-    moe_dispatch: the MoE dispatch algorithm (`SparseMoE`'s `dispatch`).
-    moe_mesh: a mesh with an "expert" axis for expert parallelism, or None.
+    moe: keyword arguments of `SparseMoE` after (dim, hidden_dim), shared by
+      all MoE blocks, e.g. dict(num_experts=4, top_k=2, dispatch="sort",
+      router="topk", mesh=None); None gives a plain ViT.
     dropout_rate: dropout after the position embedding, the attention
       projection and in the MLPs; only active with `train=True`.
     dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
@@ -232,12 +218,7 @@ class VisionTransformer(nnx.Module):
       num_heads: int,
       mlp_dim: int,
       moe_blocks: Sequence[int] = (-1,),
-      num_experts: int = 4,
-      top_k: int = 2,
-      capacity_factor: float = 1.25,
-      eval_capacity_factor: float = 2.0,
-      moe_dispatch: str = "einsum",
-      moe_mesh: jax.sharding.Mesh | None = None,
+      moe: Mapping[str, Any] | None = None,
       dropout_rate: float = 0.0,
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
@@ -246,7 +227,7 @@ class VisionTransformer(nnx.Module):
     if image_size % patch_size:
       raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
     moe_set = set()
-    for i in moe_blocks:
+    for i in moe_blocks if moe is not None else ():
       if not -depth <= i < depth:
         raise ValueError(f"moe_blocks index {i} out of range for depth={depth}")
       moe_set.add(i % depth)
@@ -271,13 +252,7 @@ class VisionTransformer(nnx.Module):
                 dim,
                 num_heads,
                 mlp_dim,
-                moe=i in moe_set,
-                num_experts=num_experts,
-                top_k=top_k,
-                capacity_factor=capacity_factor,
-                eval_capacity_factor=eval_capacity_factor,
-                moe_dispatch=moe_dispatch,
-                moe_mesh=moe_mesh,
+                moe=moe if i in moe_set else None,
                 dropout_rate=dropout_rate,
                 dtype=dtype,
                 param_dtype=param_dtype,
@@ -290,7 +265,12 @@ class VisionTransformer(nnx.Module):
     self.head = _linear(dim, num_classes, dtype, param_dtype, rngs)
 
   def _encode(
-      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None
+      self,
+      images: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None,
+      context: Mapping[str, jax.Array] | None,
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (final-norm class-token feature [B, dim], merged MoEAux)."""
     if train and self.dropout_rate > 0 and rngs is None:
@@ -301,26 +281,40 @@ class VisionTransformer(nnx.Module):
     x = self.pos_drop(x, deterministic=not train, rngs=rngs)
     auxes: dict[str, MoEAux] = {}
     for i, block in enumerate(self.blocks):
-      x, aux = block(x, train=train, rngs=rngs)
+      x, aux = block(x, train=train, rngs=rngs, context=context)
       if aux is not None:
         auxes[f"moe_block{i}"] = aux
     return self.norm(x)[:, 0], MoEAux.merge(auxes)
 
-  def features(self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
+  def features(
+      self,
+      images: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None = None,
+      context: Mapping[str, jax.Array] | None = None,
+  ) -> jax.Array:
     """Pre-head class-token feature [B, dim] (after the final LayerNorm), in dtype.
 
     The MoE auxiliary losses are discarded; use `__call__` when training MoE
     blocks.
     """
-    return self._encode(images, train=train, rngs=rngs)[0]
+    return self._encode(images, train=train, rngs=rngs, context=context)[0]
 
   def __call__(
-      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None
+      self,
+      images: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None = None,
+      context: Mapping[str, jax.Array] | None = None,
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (float32 logits [B, num_classes], MoEAux summed over blocks).
 
-    The aux metrics are keyed "moe_block{i}/<metric>"; without MoE blocks the
-    losses are zero and the metrics empty.
+    `context` holds per-example arrays [B, ...] handed to every MoE router
+    (e.g. the sensitive attributes for fairness-guided routing). The aux
+    metrics are keyed "moe_block{i}/<metric>"; without MoE blocks the losses
+    are zero and the metrics empty.
     """
-    feats, aux = self._encode(images, train=train, rngs=rngs)
+    feats, aux = self._encode(images, train=train, rngs=rngs, context=context)
     return self.head(feats).astype(jnp.float32), aux

@@ -3,7 +3,8 @@
     y = sum_{i in Top-K} softmax(g(x))_i * E_i(x)
 
 with E_i a GELU MLP of the same shape as a ViT block's MLP. The layer is
-composed of three interchangeable pieces: a router (`TopKRouter`), a dispatch
+composed of three interchangeable pieces: a router (`ROUTERS`, or any module
+following the router protocol of `fairmoe_jax.moe.routing`), a dispatch
 algorithm (`fairmoe_jax.moe.algorithms`) and the stacked expert weights.
 """
 
@@ -19,7 +20,16 @@ from flax import nnx, struct
 from fairmoe_jax.moe import dispatch as dispatch_lib
 from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights
 from fairmoe_jax.moe.expert_parallel import EP_ALGORITHMS, expert_parallel_moe
-from fairmoe_jax.moe.routing import TopKRouter
+from fairmoe_jax.moe.routers import (
+    ExpertChoiceRouter,
+    NoisyTopKRouter,
+    apply_expert_choice,
+    batch_priority_order,
+    expert_choice_from_logits,
+    reorder_tokens,
+    restore_token_order,
+)
+from fairmoe_jax.moe.routing import RouterOutput, TopKRouter
 
 # Logical axis name of the expert dimension. It is also the mesh axis name, so
 # `nnx.get_partition_spec` gives specs that can be used with the mesh directly.
@@ -38,26 +48,32 @@ class MoEAux:
     loss: scalar load-balancing loss, unweighted (the caller scales it).
     z_loss: scalar router z-loss, unweighted.
     metrics: named arrays for logging, e.g. "fraction_dropped".
+    extra_losses: further named scalar losses from the router (e.g. the
+      fairness-guided router's "confusion"), unweighted; summed over layers.
   """
 
   loss: jax.Array
   z_loss: jax.Array
   metrics: dict[str, jax.Array] = struct.field(default_factory=dict)
+  extra_losses: dict[str, jax.Array] = struct.field(default_factory=dict)
 
   @classmethod
   def zeros(cls) -> "MoEAux":
     """The aux of a model without MoE layers."""
-    return cls(loss=jnp.zeros((), jnp.float32), z_loss=jnp.zeros((), jnp.float32), metrics={})
+    return cls(loss=jnp.zeros((), jnp.float32), z_loss=jnp.zeros((), jnp.float32))
 
   @classmethod
   def merge(cls, named: Mapping[str, "MoEAux"]) -> "MoEAux":
     """Sums losses over layers and prefixes each layer's metrics with its name."""
-    total = cls.zeros()
+    loss, z_loss = cls.zeros().loss, cls.zeros().z_loss
     metrics: dict[str, jax.Array] = {}
+    extra: dict[str, jax.Array] = {}
     for name, aux in named.items():
-      total = total.replace(loss=total.loss + aux.loss, z_loss=total.z_loss + aux.z_loss)
+      loss, z_loss = loss + aux.loss, z_loss + aux.z_loss
       metrics.update({f"{name}/{k}": v for k, v in aux.metrics.items()})
-    return total.replace(metrics=metrics)
+      for k, v in aux.extra_losses.items():
+        extra[k] = extra.get(k, 0.0) + v
+    return cls(loss=loss, z_loss=z_loss, metrics=metrics, extra_losses=extra)
 
 
 def _expert_param(
@@ -80,30 +96,49 @@ def _expert_param(
   return nnx.Param(annotated(key, tuple(shape), dtype))
 
 
+# Built-in routers by name (`SparseMoE(router=...)`); a router module can also be
+# passed directly.
+ROUTERS = ("topk", "noisy_topk", "expert_choice")
+
+
 class SparseMoE(nnx.Module):
   """Top-k sparse MoE replacing a transformer block's MLP.
 
+      y, aux = layer(x)            # x: [batch, tokens, dim]
+
   Expert weights are stacked along a leading expert axis (one parameter per
   weight) and annotated ("expert", ...) so they can be sharded over an
-  "expert" mesh axis.
+  "expert" mesh axis. Training or evaluation behaviour (capacity factor,
+  router noise) follows `train=` when given, else the module's mode as set by
+  `model.train()` / `model.eval()` (the NNX `deterministic` attribute).
 
   Args:
     dim: model width D.
     hidden_dim: hidden width of each expert MLP.
     num_experts: E.
     top_k: experts per token.
-    capacity_factor: capacity factor used when `train=True`.
-    eval_capacity_factor: capacity factor used when `train=False`; usually
-      larger, so evaluation drops (almost) nothing.
     dispatch: dispatch algorithm, a key of `DISPATCH_ALGORITHMS` ("dense",
       "einsum", "sort", "dropless"); all give the same output wherever capacity
-      suffices (see `fairmoe_jax.moe.algorithms`).
+      suffices (see `fairmoe_jax.moe.algorithms`). Ignored by expert choice,
+      which gathers and scatters the tokens its experts pick.
+    capacity_factor: capacity factor when training.
+    eval_capacity_factor: capacity factor when evaluating; usually larger, so
+      evaluation drops (almost) nothing.
+    router: "topk" (softmax top-k, Switch load-balancing and z-losses),
+      "noisy_topk" (Shazeer et al. 2017, importance and load losses),
+      "expert_choice" (Zhou et al. 2022; experts pick C tokens each, with C the
+      capacity the top-k dispatch would have, so the expert FLOPs match), or a
+      router module following the protocol of `fairmoe_jax.moe.routing`.
+    batch_priority: V-MoE batch-priority routing: within each example, tokens
+      with the highest routing weight are served first, so capacity overflow
+      drops the least confident choices instead of the last tokens.
     mesh: a mesh with an "expert" axis: experts are split over it and tokens
       travel to them by all_to_all inside `jax.shard_map`
       (`fairmoe_jax.moe.expert_parallel`); capacity algorithms only.
     dtype: compute dtype of the experts; routing is always float32.
     param_dtype: dtype of the parameters.
-    rngs: parameter RNGs.
+    rngs: parameter RNGs. Parameters are drawn in the same order with or
+      without a mesh, so a seed gives the same weights whatever the mesh.
   """
 
   def __init__(
@@ -113,9 +148,11 @@ class SparseMoE(nnx.Module):
       num_experts: int,
       top_k: int,
       *,
+      dispatch: str = "sort",
       capacity_factor: float = 1.25,
       eval_capacity_factor: float = 2.0,
-      dispatch: str = "einsum",
+      router: str | nnx.Module = "topk",
+      batch_priority: bool = False,
       mesh: jax.sharding.Mesh | None = None,
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
@@ -123,7 +160,12 @@ class SparseMoE(nnx.Module):
   ):
     if dispatch not in DISPATCH_ALGORITHMS:
       raise ValueError(f"dispatch={dispatch!r}; known: {', '.join(DISPATCH_ALGORITHMS)}")
+    if isinstance(router, str) and router not in ROUTERS:
+      raise ValueError(f"router={router!r}; known: {', '.join(ROUTERS)} (or a router module)")
+    self.expert_choice = router == "expert_choice"
     if mesh is not None:
+      if self.expert_choice:
+        raise ValueError("router='expert_choice' has no expert-parallel version; use mesh=None")
       if dispatch not in EP_ALGORITHMS:
         raise ValueError(
             f"dispatch={dispatch!r} has no expert-parallel version; with a mesh use one of "
@@ -134,6 +176,8 @@ class SparseMoE(nnx.Module):
             f"num_experts={num_experts} is not divisible by the mesh's {EXPERT_AXIS!r} axis "
             f"of size {mesh.shape[EXPERT_AXIS]}"
         )
+    if batch_priority and self.expert_choice:
+      raise ValueError("batch_priority applies to token-choice routers, not 'expert_choice'")
     self.dispatch = dispatch
     self.mesh = mesh
     self.dim = dim
@@ -142,8 +186,17 @@ class SparseMoE(nnx.Module):
     self.top_k = top_k
     self.capacity_factor = capacity_factor
     self.eval_capacity_factor = eval_capacity_factor
+    self.batch_priority = batch_priority
     self.dtype = dtype
-    self.router = TopKRouter(dim, num_experts, top_k, rngs=rngs)
+    self.deterministic = False  # Toggled by model.eval() / model.train().
+    if router == "topk":
+      self.router = TopKRouter(dim, num_experts, top_k, rngs=rngs)
+    elif router == "noisy_topk":
+      self.router = NoisyTopKRouter(dim, num_experts, top_k, rngs=rngs)
+    elif self.expert_choice:
+      self.router = ExpertChoiceRouter(dim, num_experts, capacity_factor=top_k, rngs=rngs)
+    else:
+      self.router = router
 
     def param(init: Callable[..., jax.Array], shape: tuple[int, ...]) -> nnx.Param:
       # One tensor for all experts, sharded along its leading expert axis only.
@@ -155,21 +208,49 @@ class SparseMoE(nnx.Module):
     self.w2 = param(_KERNEL_INIT, (hidden_dim, dim))
     self.b2 = param(_BIAS_INIT, (dim,))
 
-  def __call__(self, x: jax.Array, *, train: bool) -> tuple[jax.Array, MoEAux]:
+  def __call__(
+      self,
+      x: jax.Array,
+      *,
+      train: bool | None = None,
+      rngs: nnx.Rngs | None = None,
+      context: Mapping[str, jax.Array] | None = None,
+  ) -> tuple[jax.Array, MoEAux]:
     """x: [B, S, D] -> (y [B, S, D] in the compute dtype, MoEAux).
 
     Each example is one dispatch group, so capacity is per example and per
     expert: C = ceil(capacity_factor * S * k / E).
+
+    Args:
+      x: tokens.
+      train: training behaviour; None follows the module's mode.
+      rngs: randomness for routers that need it (noisy top-k, `noise` stream).
+      context: per-example arrays [B, ...] for the router (e.g. sensitive
+        attributes); broadcast to every token of the example.
     """
+    if train is None:
+      train = not self.deterministic
     batch, seq_len, dim = x.shape
     x = x.astype(self.dtype)
-    route = self.router(x.reshape(batch * seq_len, dim))
-    expert_index = route.expert_index.reshape(batch, seq_len, self.top_k)
-    gates = route.gates.reshape(batch, seq_len, self.top_k)
-
     capacity_factor = self.capacity_factor if train else self.eval_capacity_factor
     capacity = dispatch_lib.compute_capacity(seq_len, self.num_experts, self.top_k, capacity_factor)
     experts = ExpertWeights.from_module(self)
+    if self.expert_choice:
+      return self._expert_choice(x, experts, capacity)
+
+    token_context = None
+    if context is not None:  # [B, ...] -> [B * S, ...]: every token carries its example's.
+      token_context = {k: jnp.repeat(v, seq_len, axis=0) for k, v in context.items()}
+    route: RouterOutput = self.router(
+        x.reshape(batch * seq_len, dim), train=train, rngs=rngs, context=token_context
+    )
+    expert_index = route.expert_index.reshape(batch, seq_len, self.top_k)
+    gates = route.gates.reshape(batch, seq_len, self.top_k)
+    order = None
+    if self.batch_priority:  # Serve confident tokens first; undone on y and the stats below.
+      order = batch_priority_order(gates)
+      x, expert_index, gates = reorder_tokens((x, expert_index, gates), order)
+
     if self.mesh is None:
       y, stats = DISPATCH_ALGORITHMS[self.dispatch](
           x, expert_index, gates, experts, capacity=capacity
@@ -184,16 +265,45 @@ class SparseMoE(nnx.Module):
           mesh=self.mesh,
           algorithm=self.dispatch,
       )
+    if order is not None:
+      y, kept = restore_token_order((y, stats.kept), order)
+      stats = stats.replace(kept=kept)
 
-    probs = route.probs
-    metrics = {
-        "fraction_dropped": stats.fraction_dropped,
-        # Served (token, choice) pairs per expert, as a fraction of all T * k;
-        # equals the batch mean of example_expert_fraction.
-        "tokens_per_expert": stats.group_expert_fraction.mean(axis=0),
-        "example_expert_fraction": stats.group_expert_fraction,
-        "router_entropy": jnp.mean(jnp.sum(jax.scipy.special.entr(probs), axis=-1)),
-        "importance": probs.sum(axis=0) / probs.sum(),
-    }
-    aux = MoEAux(loss=route.load_balance_loss, z_loss=route.z_loss, metrics=metrics)
+    metrics = _routing_metrics(route.probs, stats.fraction_dropped, stats.group_expert_fraction)
+    aux = MoEAux(
+        loss=route.load_balance_loss,
+        z_loss=route.z_loss,
+        metrics=metrics,
+        extra_losses=route.extra_losses(),
+    )
     return y, aux
+
+  def _expert_choice(
+      self, x: jax.Array, experts: ExpertWeights, capacity: int
+  ) -> tuple[jax.Array, MoEAux]:
+    """Expert choice: every expert takes its `capacity` best tokens of each example."""
+    batch, seq_len, _ = x.shape
+    assignment = expert_choice_from_logits(self.router.logits(x), capacity)
+    y = apply_expert_choice(x, assignment, experts.apply)
+    # Each expert serves `capacity` tokens of the S * k slots a top-k router would fill.
+    served = jnp.full((batch, self.num_experts), capacity / (seq_len * self.top_k), jnp.float32)
+    probs = assignment.probs.reshape(-1, self.num_experts)
+    metrics = _routing_metrics(probs, assignment.fraction_unrouted, served)
+    # Perfectly balanced by construction: no load-balancing loss.
+    return y, MoEAux(loss=jnp.zeros((), jnp.float32), z_loss=assignment.z_loss, metrics=metrics)
+
+
+def _routing_metrics(
+    probs: jax.Array, fraction_dropped: jax.Array, example_expert_fraction: jax.Array
+) -> dict[str, jax.Array]:
+  """Per-layer routing metrics; `example_expert_fraction` [B, E] gives per-example usage."""
+  return {
+      # Token-choice routers: dropped (token, choice) pairs; expert choice: tokens no expert took.
+      "fraction_dropped": fraction_dropped,
+      # Served (token, choice) pairs per expert, as a fraction of all T * k;
+      # the batch mean of example_expert_fraction.
+      "tokens_per_expert": example_expert_fraction.mean(axis=0),
+      "example_expert_fraction": example_expert_fraction,
+      "router_entropy": jnp.mean(jnp.sum(jax.scipy.special.entr(probs), axis=-1)),
+      "importance": probs.sum(axis=0) / probs.sum(),
+  }

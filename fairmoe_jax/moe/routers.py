@@ -17,6 +17,7 @@ Router logits are computed in float32 in all cases.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -197,8 +198,13 @@ class NoisyTopKRouter(TopKRouter):
     """[T, D] tokens -> [T, E] float32 softplus(x W_noise)."""
     return jax.nn.softplus(self.noise_gate(x.astype(jnp.float32)))
 
-  def __call__(  # pytype: disable=signature-mismatch
-      self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None
+  def __call__(
+      self,
+      x: jax.Array,
+      *,
+      train: bool = False,
+      rngs: nnx.Rngs | None = None,
+      context: Mapping[str, jax.Array] | None = None,
   ) -> NoisyRouterOutput:
     """Routes a flat batch of tokens x: [T, D].
 
@@ -207,7 +213,9 @@ class NoisyTopKRouter(TopKRouter):
       train: adds the gating noise when True; deterministic when False.
       rngs: required when `train=True`; the noise key is drawn from its
         `noise` stream (or its default stream when it has no `noise` stream).
+      context: unused (router protocol).
     """
+    del context
     noise = None
     clean = self.logits(x)
     if train:

@@ -7,9 +7,19 @@ capacity-limited dispatch/combine tensors.
 
 Any module that maps tokens to gating logits can reuse `route_from_logits`, so a
 fairness-guided router (FairSMoE, Sec. 5.2) only has to produce logits.
+
+Router protocol (what `SparseMoE` calls):
+
+    route = router(x, train=..., rngs=..., context=...)   # x: [T, D] tokens
+
+returning a `RouterOutput` (or a subclass). `context` maps names to per-token
+arrays with leading dimension T (e.g. the sensitive attributes of each token's
+example); routers that need none ignore it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +71,15 @@ class RouterOutput:
   gates: jax.Array
   load_balance_loss: jax.Array
   z_loss: jax.Array
+
+  def extra_losses(self) -> dict[str, jax.Array]:
+    """Named scalar losses a router adds beyond load balancing and z-loss (unweighted).
+
+    Empty for the plain routers; the fairness-guided router returns its
+    confusion, attribute-classifier and specialization losses here, so that
+    `SparseMoE` can pass them on without knowing the router.
+    """
+    return {}
 
 
 def load_balance_loss(probs: jax.Array, expert_index: jax.Array) -> jax.Array:
@@ -135,6 +154,18 @@ class TopKRouter(nnx.Module):
     """[T, D] tokens -> [T, E] float32 logits."""
     return self.gate(x.astype(jnp.float32))
 
-  def __call__(self, x: jax.Array) -> RouterOutput:
-    """Routes a flat batch of tokens x: [T, D]."""
+  def __call__(
+      self,
+      x: jax.Array,
+      *,
+      train: bool = False,
+      rngs: nnx.Rngs | None = None,
+      context: Mapping[str, jax.Array] | None = None,
+  ) -> RouterOutput:
+    """Routes a flat batch of tokens x: [T, D].
+
+    `train`, `rngs` and `context` are the router protocol of `SparseMoE`
+    (every router accepts them); this router is deterministic and context-free.
+    """
+    del train, rngs, context
     return route_from_logits(self.logits(x), self.top_k)
