@@ -7,6 +7,10 @@ Both yield dicts of numpy arrays for the local process:
 * ``label``: int32 [b];
 * ``attributes``: int32 [b, m], ``-1`` for a missing attribute value;
 * ``mask``: float32 [b], 1 for real examples and 0 for padding.
+
+A split may hold ``path`` (image file paths) instead of ``image``; its images
+are then decoded when an example is read (see ``images.py``), so datasets
+larger than memory stream from disk.
 """
 
 from __future__ import annotations
@@ -19,28 +23,50 @@ import grain
 import numpy as np
 
 from fairmoe_jax.data import augment as augment_lib
+from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data.augment import AugmentConfig
 
 Batch = dict[str, np.ndarray]
 
 
 class ArraySource:
-  """Random-access grain source over parallel in-memory arrays."""
+  """Random-access grain source over parallel in-memory arrays.
 
-  def __init__(self, arrays: Mapping[str, np.ndarray]):
-    self._arrays = {k: arrays[k] for k in ("image", "label", "attributes")}
+  With ``path`` instead of ``image`` in ``arrays``, each access decodes its
+  image file to ``decode_size`` (see ``images.load_image``) in the reading
+  thread, so only the batches in flight are held in memory.
+  """
+
+  def __init__(self, arrays: Mapping[str, np.ndarray], *, decode_size: int | None = None):
+    self._image_key = "image" if "image" in arrays else "path"
+    if self._image_key == "path" and decode_size is None:
+      raise ValueError("A split with image paths needs decode_size.")
+    self._decode_size = decode_size
+    self._arrays = {k: arrays[k] for k in (self._image_key, "label", "attributes")}
     self._len = len(self._arrays["label"])
     if any(len(v) != self._len for v in self._arrays.values()):
-      raise ValueError("image, label and attributes must have the same length.")
+      raise ValueError(f"{self._image_key}, label and attributes must have the same length.")
 
   def __len__(self) -> int:
     return self._len
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    return {k: v[index] for k, v in self._arrays.items()}
+    example = {k: v[index] for k, v in self._arrays.items()}
+    if self._image_key == "path":
+      example["image"] = images_lib.load_image(example.pop("path"), self._decode_size)
+    return example
 
   def __repr__(self) -> str:
-    return f"ArraySource(len={self._len})"
+    return f"ArraySource(len={self._len}, image_key={self._image_key!r})"
+
+
+def train_decode_size(image_size: int) -> int:
+  """Side at which training decodes image files before the random crop.
+
+  Slightly larger than the output so that ``RandomResizedCrop`` resamples from
+  more pixels than it emits, as it does on pre-decoded images.
+  """
+  return round(image_size * 1.15)
 
 
 def local_batch_size(global_batch_size: int, process_count: int) -> int:
@@ -63,6 +89,7 @@ def train_iterator(
     process_count: int = 1,
     num_threads: int = 2,
     prefetch_buffer_size: int = 4,
+    decode_size: int | None = None,
 ) -> grain.DatasetIterator:
   """Infinite iterator of augmented training batches for this process.
 
@@ -75,8 +102,8 @@ def train_iterator(
   ``num_threads``.
 
   Args:
-    arrays: Split dict with ``image`` uint8 [N, H, W, 3], ``label`` [N] and
-      ``attributes`` [N, m].
+    arrays: Split dict with ``image`` uint8 [N, H, W, 3] (or ``path`` [N],
+      image files decoded on access), ``label`` [N] and ``attributes`` [N, m].
     global_batch_size: Batch size summed over all processes.
     image_size: Output image side.
     seed: Seed of the shuffle and the augmentation.
@@ -86,6 +113,9 @@ def train_iterator(
     process_count: Number of processes sharing the data.
     num_threads: Threads preparing batches (0 prepares them on ``next``).
     prefetch_buffer_size: Number of batches prepared ahead.
+    decode_size: For a split with ``path``: the square side image files are
+      decoded to before augmentation; ``None`` means
+      ``train_decode_size(image_size)``. Ignored for ``image`` splits.
 
   Returns:
     A ``grain.DatasetIterator``; ``get_state()`` is a JSON-serialisable dict
@@ -94,7 +124,7 @@ def train_iterator(
   if not isinstance(augment, AugmentConfig):
     augment = AugmentConfig(**(augment or {}))
   batch_size = local_batch_size(global_batch_size, process_count)
-  source = ArraySource(arrays)
+  source = ArraySource(arrays, decode_size=decode_size or train_decode_size(image_size))
   # Dropping the remainder of the global shuffle keeps every process's epoch
   # the same length, so the processes stay in step across epochs.
   usable = len(source) - len(source) % process_count
@@ -140,6 +170,7 @@ def eval_batches(
     image_size: int,
     process_index: int = 0,
     process_count: int = 1,
+    num_threads: int = images_lib.DEFAULT_NUM_THREADS,
 ) -> Iterator[Batch]:
   """One deterministic, unaugmented pass over a split for this process.
 
@@ -151,14 +182,16 @@ def eval_batches(
   Args:
     arrays: Split dict as for ``train_iterator``.
     batch_size: Per-process batch size.
-    image_size: Output image side; images of another size are resized.
+    image_size: Output image side; images of another size are resized, image
+      files (``path``) are decoded with ``images.load_image``.
     process_index: Index of this process.
     process_count: Number of processes sharing the data.
+    num_threads: Threads decoding image files (``path`` splits only).
 
   Yields:
     Batches with ``image``, ``label``, ``attributes`` and ``mask``.
   """
-  source = ArraySource(arrays)
+  source = ArraySource(arrays, decode_size=image_size)
   indices = np.arange(process_index, len(source), process_count)
   num_attributes = arrays["attributes"].shape[1]
   for b in range(num_eval_batches(len(source), batch_size, process_count)):
@@ -171,7 +204,10 @@ def eval_batches(
         "mask": np.zeros((batch_size,), np.float32),
     }
     if n:
-      images = arrays["image"][batch_indices]
+      if "image" in arrays:
+        images = arrays["image"][batch_indices]
+      else:
+        images = images_lib.load_images(arrays["path"][batch_indices], image_size, num_threads)
       if images.shape[1:3] != (image_size, image_size):
         images = np.stack([augment_lib.resize(im, image_size) for im in images])
       batch["image"][:n] = augment_lib.normalize(images)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import dataclasses
 
 
@@ -18,6 +19,9 @@ class DatasetInfo:
     group_names: For each attribute, the names of its groups; group ``g`` of
       attribute ``j`` is encoded as ``attributes[:, j] == g``.
     image_size: Side length of the stored (square) images.
+    load_stats: What the loader counted while reading real files, e.g.
+      ``{"rows_without_image": 25199}``: rows dropped or left unmatched are
+      kept here so that a run's record shows how much of the data it used.
   """
 
   name: str
@@ -26,6 +30,7 @@ class DatasetInfo:
   attribute_names: tuple[str, ...]
   group_names: tuple[tuple[str, ...], ...]
   image_size: int
+  load_stats: Mapping[str, int] = dataclasses.field(default_factory=dict, hash=False)
 
   def __post_init__(self):
     if len(self.class_names) != self.num_classes:

@@ -1,0 +1,364 @@
+"""CelebA from its official files, or from a prepared tfds ``celeb_a``.
+
+One binary CelebA attribute is the target (``Attractive`` by default) and
+others are the sensitive attributes (``Male``, ``Chubby``, ``Goatee``), each a
+binary attribute with groups ``not_<name>`` (file value -1) and ``<name>``
+(file value 1). The official partition (``list_eval_partition.txt``) is used
+because it keeps identities apart; a random split by image would leak them
+(about 25 photos per person).
+
+Official layout under ``root``::
+
+  img_align_celeba/NNNNNN.jpg
+  list_attr_celeba.txt      # row count, attribute names, "image v1 v2 ..." (-1/1)
+  list_eval_partition.txt   # "image split", 0/1/2 = train/val/test
+
+Partial copies are common (a subset of images, of rows, of attribute
+columns), so rows are matched by image name and what could not be matched is
+counted in ``DatasetInfo.load_stats`` rather than trusted from the header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+import concurrent.futures
+import importlib.util
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from fairmoe_jax.data import images as images_lib
+from fairmoe_jax.data.types import DatasetInfo
+from trainkit.errors import UserError
+
+SPLITS = ("train", "val", "test")
+PARTITION_FILE = "list_eval_partition.txt"
+IMAGE_DIR = "img_align_celeba"
+# tfds names the validation split "validation".
+_TFDS_SPLITS = {"train": "train", "val": "validation", "test": "test"}
+
+Splits = dict[str, dict[str, np.ndarray]]
+
+
+def _check_names(target: str, sensitive: Sequence[str]) -> tuple[str, ...]:
+  if isinstance(sensitive, str):
+    raise UserError(f"CelebA sensitive attributes must be a list of names, got {sensitive!r}.")
+  sensitive = tuple(sensitive)
+  if len(set(sensitive)) != len(sensitive):
+    raise UserError(f"CelebA sensitive attributes must be distinct, got {sensitive!r}.")
+  if target in sensitive:
+    raise UserError(f"CelebA target {target!r} is also a sensitive attribute.")
+  return sensitive
+
+
+def celeba_info(
+    target: str,
+    sensitive: Sequence[str],
+    image_size: int,
+    load_stats: dict[str, int] | None = None,
+) -> DatasetInfo:
+  """The ``DatasetInfo`` of CelebA with binary ``target`` and ``sensitive`` attributes."""
+  return DatasetInfo(
+      name="celeba",
+      num_classes=2,
+      class_names=(f"not_{target}", target),
+      attribute_names=tuple(sensitive),
+      group_names=tuple((f"not_{name}", name) for name in sensitive),
+      image_size=image_size,
+      load_stats=dict(load_stats or {}),
+  )
+
+
+def _read_lines(path: pathlib.Path) -> list[str]:
+  if not path.is_file():
+    raise UserError(f"CelebA file {path} does not exist.")
+  try:
+    return path.read_text().splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"CelebA file {path} cannot be read: {e}") from e
+
+
+def read_attributes(
+    path: str | os.PathLike, columns: Sequence[str]
+) -> tuple[list[str], np.ndarray]:
+  """Reads the requested columns of an official ``list_attr_celeba.txt``.
+
+  The first line (a row count) is ignored because partial copies keep the
+  count of the full file; a file without it (first line = names) is accepted.
+
+  Args:
+    path: The attribute file.
+    columns: Attribute names to return, in this order.
+
+  Returns:
+    Image names in file order and int32 [rows, len(columns)] with values 0
+    (file value -1) and 1 (file value 1).
+
+  Raises:
+    UserError: A column is not in the file (the message lists those that are),
+      or a row has the wrong number of fields, a value other than -1/1 in a
+      requested column, or a repeated image name (file and line are named).
+  """
+  path = pathlib.Path(path)
+  lines = _read_lines(path)
+  header_index = 0
+  while header_index < len(lines) and not lines[header_index].split():
+    header_index += 1
+  if header_index < len(lines):
+    first = lines[header_index].split()
+    if len(first) == 1 and first[0].isdigit():
+      header_index += 1
+  if header_index >= len(lines) or not lines[header_index].split():
+    raise UserError(f"{path}: no line with attribute names (expected on line 2).")
+  names = lines[header_index].split()
+  missing = [c for c in columns if c not in names]
+  if missing:
+    raise UserError(
+        f"{path}:{header_index + 1}: attribute(s) {', '.join(missing)} not in the file; "
+        f"available: {' '.join(names)}."
+    )
+  # +1: field 0 of a row is the image name.
+  fields = [names.index(c) + 1 for c in columns]
+  expected = len(names) + 1
+  images: list[str] = []
+  values: list[list[str]] = []
+  line_numbers: list[int] = []
+  seen: dict[str, int] = {}
+  for i in range(header_index + 1, len(lines)):
+    row = lines[i].split()
+    if not row:
+      continue
+    if len(row) != expected:
+      raise UserError(
+          f"{path}:{i + 1}: expected {expected} fields (image name and {len(names)} "
+          f"attributes), got {len(row)}."
+      )
+    if row[0] in seen:
+      raise UserError(f"{path}:{i + 1}: image {row[0]} already listed on line {seen[row[0]]}.")
+    seen[row[0]] = i + 1
+    images.append(row[0])
+    values.append([row[f] for f in fields])
+    line_numbers.append(i + 1)
+  raw = np.array(values, dtype=np.str_).reshape(len(images), len(columns))
+  # Validated as a whole array: a per-value Python check is slow on 200k rows.
+  bad = (raw != "1") & (raw != "-1")
+  if bad.any():
+    r, c = np.argwhere(bad)[0]
+    raise UserError(
+        f"{path}:{line_numbers[r]}: column {columns[c]} has value {str(raw[r, c])!r}; "
+        "expected -1 or 1."
+    )
+  return images, (raw == "1").astype(np.int32)
+
+
+def read_partition(path: str | os.PathLike) -> dict[str, int]:
+  """Reads ``list_eval_partition.txt`` into {image name: 0 train / 1 val / 2 test}."""
+  path = pathlib.Path(path)
+  partition: dict[str, int] = {}
+  for i, line in enumerate(_read_lines(path)):
+    row = line.split()
+    if not row:
+      continue
+    if len(row) != 2 or row[1] not in ("0", "1", "2"):
+      raise UserError(
+          f"{path}:{i + 1}: expected 'image split' with split 0, 1 or 2, got {line.strip()!r}."
+      )
+    if row[0] in partition:
+      raise UserError(f"{path}:{i + 1}: image {row[0]} is listed twice.")
+    partition[row[0]] = int(row[1])
+  return partition
+
+
+def _image_dir(root: pathlib.Path) -> pathlib.Path:
+  image_dir = root / IMAGE_DIR
+  if not image_dir.is_dir():
+    raise UserError(f"CelebA image directory {image_dir} does not exist.")
+  # Some archives (e.g. Kaggle's) unpack to img_align_celeba/img_align_celeba/.
+  nested = image_dir / IMAGE_DIR
+  return nested if nested.is_dir() else image_dir
+
+
+def load_celeba(
+    *,
+    root: str,
+    target: str = "Attractive",
+    sensitive: Sequence[str] = ("Male", "Chubby", "Goatee"),
+    image_size: int,
+    attr_file: str = "list_attr_celeba.txt",
+    preload: bool = True,
+    max_examples_per_split: int = 0,
+    num_threads: int = images_lib.DEFAULT_NUM_THREADS,
+) -> tuple[DatasetInfo, Splits]:
+  """Loads CelebA from its official files under ``root``.
+
+  An example is an attribute row whose image file exists and which has a
+  partition entry; examples keep the attribute file's order.
+
+  Args:
+    root: Directory with ``img_align_celeba/``, ``attr_file`` and
+      ``list_eval_partition.txt``.
+    target: Binary attribute predicted by the model.
+    sensitive: Binary attributes whose groups fairness is measured over.
+    image_size: Side of the square images (short side resized, centre crop).
+    attr_file: Attribute file name (relative to ``root``) or absolute path.
+    preload: Decode all images now (``image``); otherwise splits carry
+      ``path`` and the pipeline decodes on access (for the full 200k images).
+    max_examples_per_split: If > 0, keep only the first this many examples of
+      each split (for small runs).
+    num_threads: Threads decoding images when ``preload``.
+
+  Returns:
+    ``(info, splits)``; ``info.load_stats`` holds ``attribute_rows``,
+    ``image_files``, ``rows_without_image`` (attribute rows whose image file is
+    absent), ``images_without_attributes``, ``rows_without_partition``
+    (attribute rows with an image but no partition entry) and
+    ``{train,val,test}_examples``.
+
+  Raises:
+    UserError: A file or directory is missing, an attribute is not in the
+      attribute file, or a line of a file is malformed.
+  """
+  sensitive = _check_names(target, sensitive)
+  root_path = pathlib.Path(root)
+  if not root_path.is_dir():
+    raise UserError(f"CelebA root directory {root_path} does not exist.")
+  image_dir = _image_dir(root_path)
+  attr_path = root_path / attr_file
+  names, values = read_attributes(attr_path, (target, *sensitive))
+  partition = read_partition(root_path / PARTITION_FILE)
+  image_files = {
+      entry.name for entry in os.scandir(image_dir) if entry.name.lower().endswith(".jpg")
+  }
+  has_image = np.array([name in image_files for name in names], bool)
+  split_of = np.array([partition.get(name, -1) for name in names], np.int64)
+  stats = {
+      "attribute_rows": len(names),
+      "image_files": len(image_files),
+      "rows_without_image": int((~has_image).sum()),
+      "images_without_attributes": len(image_files - set(names)),
+      "rows_without_partition": int((has_image & (split_of < 0)).sum()),
+  }
+  image_dir_abs = image_dir.resolve()
+  splits: Splits = {}
+  for split_id, split in enumerate(SPLITS):
+    indices = np.flatnonzero(has_image & (split_of == split_id))
+    if max_examples_per_split > 0:
+      indices = indices[:max_examples_per_split]
+    splits[split] = {
+        "path": np.array([str(image_dir_abs / names[i]) for i in indices], dtype=object),
+        "label": values[indices, 0].astype(np.int32),
+        "attributes": values[indices, 1:].astype(np.int32).reshape(len(indices), len(sensitive)),
+    }
+    stats[f"{split}_examples"] = len(indices)
+  images_lib.report_load_stats(f"celeba ({attr_path})", stats)
+  if preload:
+    splits = {k: images_lib.preload_images(v, image_size, num_threads) for k, v in splits.items()}
+  return celeba_info(target, sensitive, image_size, stats), splits
+
+
+def load_celeba_tfds(
+    *,
+    data_dir: str,
+    target: str = "Attractive",
+    sensitive: Sequence[str] = ("Male", "Chubby", "Goatee"),
+    image_size: int,
+    max_examples_per_split: int = 0,
+    num_threads: int = images_lib.DEFAULT_NUM_THREADS,
+) -> tuple[DatasetInfo, Splits]:
+  """Loads tfds ``celeb_a`` that has already been prepared in ``data_dir``.
+
+  Nothing is downloaded or prepared here: a missing dataset is a user error.
+  tensorflow_datasets is imported only when this is called. A dataset in
+  ``array_record`` format is read without TensorFlow (tfds's random-access
+  data source); ``tfrecord`` needs TensorFlow installed. Images are always
+  decoded into memory (``image``) at ``image_size``, one at a time, so the
+  full-size images are never all held.
+
+  Args:
+    data_dir: tfds data directory holding ``celeb_a/<version>/``.
+    target: Binary attribute predicted by the model (tfds uses the official
+      attribute names).
+    sensitive: Binary sensitive attributes.
+    image_size: Side of the square images (short side resized, centre crop).
+    max_examples_per_split: If > 0, keep the first this many of each split.
+    num_threads: Threads decoding images.
+
+  Returns:
+    ``(info, splits)`` as ``load_celeba``; ``load_stats`` has
+    ``{train,val,test}_examples``.
+  """
+  sensitive = _check_names(target, sensitive)
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise UserError(f"dataset celeba_tfds needs tensorflow_datasets installed: {e}") from e
+  builder = tfds.builder("celeb_a", data_dir=data_dir)
+  if not builder.is_prepared():
+    raise UserError(
+        f"tfds dataset celeb_a is not prepared in {data_dir} (looked for {builder.data_dir}); "
+        "prepare it there first (e.g. `tfds build celeb_a --data_dir=...`); "
+        "it is never downloaded here."
+    )
+  available = list(builder.info.features["attributes"].keys())
+  columns = (target, *sensitive)
+  missing = [name for name in columns if name not in available]
+  if missing:
+    raise UserError(
+        f"tfds celeb_a in {data_dir} has no attribute(s) {', '.join(missing)}; "
+        f"available: {' '.join(available)}."
+    )
+
+  def convert(example: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    image = images_lib.square_resize(Image.fromarray(np.asarray(example["image"])), image_size)
+    values = np.array([bool(example["attributes"][name]) for name in columns], np.int32)
+    return image, values
+
+  splits: Splits = {}
+  stats: dict[str, int] = {}
+  for split, tfds_split in _TFDS_SPLITS.items():
+    converted = list(_tfds_map(builder, tfds_split, max_examples_per_split, convert, num_threads))
+    n = len(converted)
+    images = np.zeros((n, image_size, image_size, 3), np.uint8)
+    values = np.zeros((n, len(columns)), np.int32)
+    for i, (image, value) in enumerate(converted):
+      images[i] = image
+      values[i] = value
+    splits[split] = {"image": images, "label": values[:, 0].copy(), "attributes": values[:, 1:]}
+    stats[f"{split}_examples"] = n
+  images_lib.report_load_stats(f"celeba_tfds ({builder.data_dir})", stats)
+  return celeba_info(target, sensitive, image_size, stats), splits
+
+
+def _tfds_map(
+    builder: Any,
+    split: str,
+    max_examples: int,
+    fn: Callable[[Mapping[str, Any]], Any],
+    num_threads: int,
+) -> Iterator[Any]:
+  """Yields ``fn(example)`` over a tfds split (numpy values), without TensorFlow if possible."""
+  file_format = str(getattr(builder.info, "file_format", "") or "")
+  if "array_record" in file_format or importlib.util.find_spec("tensorflow") is None:
+    try:
+      source = builder.as_data_source(split=split)
+    except Exception as e:  # pylint: disable=broad-except
+      raise UserError(
+          f"tfds celeb_a in {builder.data_dir} is stored as {file_format or 'tfrecord'}, which "
+          "needs TensorFlow to read; install tensorflow or prepare it with "
+          f"--file_format=array_record ({type(e).__name__}: {e})."
+      ) from e
+    n = len(source)
+    n = min(n, max_examples) if max_examples > 0 else n
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+      yield from pool.map(lambda i: fn(source[i]), range(n))
+    return
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  dataset = builder.as_dataset(split=split, shuffle_files=False)
+  if max_examples > 0:
+    dataset = dataset.take(max_examples)
+  for example in tfds.as_numpy(dataset):
+    yield fn(example)

@@ -1,0 +1,369 @@
+"""ISIC 2019 (training part) from its official files.
+
+The target is the diagnosis, one of the 8 classes MEL NV BCC AK BKL DF VASC
+SCC (the ground truth is one-hot; ``UNK`` never occurs in the training part
+and is rejected). The sensitive attributes come from the metadata CSV:
+
+* ``sex``: ``female``, ``male``;
+* ``age``: ``age_approx`` in 5 bins 0-19, 20-39, 40-59, 60-79, 80+;
+* ``site``: ``anatom_site_general``, the 8 categories of ISIC 2019.
+
+Metadata is really missing for some rows (sex 384, age 437, site 2,631 of
+25,331). ``missing="unknown"`` makes "unknown" an explicit last group of the
+attribute, so its members are measured as a group; ``missing="exclude"``
+stores -1, which the fairness metrics skip.
+
+Layout under ``root``::
+
+  ISIC_2019_Training_Input/<image>.jpg
+  ISIC_2019_Training_GroundTruth.csv   # image,MEL,NV,BCC,AK,BKL,DF,VASC,SCC,UNK
+  ISIC_2019_Training_Metadata.csv      # image,age_approx,anatom_site_general,lesion_id,sex
+
+Rows whose image file is absent are dropped and counted in
+``DatasetInfo.load_stats``, so a partial copy of the images can be used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import csv
+import math
+import os
+import pathlib
+
+import numpy as np
+
+from fairmoe_jax.data import images as images_lib
+from fairmoe_jax.data.types import DatasetInfo
+from trainkit.errors import UserError
+
+SPLITS = ("train", "val", "test")
+IMAGE_DIR = "ISIC_2019_Training_Input"
+GROUND_TRUTH_FILE = "ISIC_2019_Training_GroundTruth.csv"
+METADATA_FILE = "ISIC_2019_Training_Metadata.csv"
+
+CLASS_NAMES = ("MEL", "NV", "BCC", "AK", "BKL", "DF", "VASC", "SCC")
+UNKNOWN_CLASS = "UNK"
+SEX_GROUPS = ("female", "male")
+AGE_GROUPS = ("0-19", "20-39", "40-59", "60-79", "80+")
+AGE_BIN_WIDTH = 20
+SITE_GROUPS = (
+    "anterior torso",
+    "head/neck",
+    "lateral torso",
+    "lower extremity",
+    "oral/genital",
+    "palms/soles",
+    "posterior torso",
+    "upper extremity",
+)
+GROUPS = {"sex": SEX_GROUPS, "age": AGE_GROUPS, "site": SITE_GROUPS}
+UNKNOWN_GROUP = "unknown"
+MISSING_MODES = ("unknown", "exclude")
+
+Splits = dict[str, dict[str, np.ndarray]]
+
+
+def age_group(age: float) -> int:
+  """Index into ``AGE_GROUPS`` of an age in years (20-year bins, 80+ last)."""
+  return min(int(age // AGE_BIN_WIDTH), len(AGE_GROUPS) - 1)
+
+
+def _read_csv(path: pathlib.Path, required: Sequence[str]):
+  """Yields (line number, row dict) of a CSV whose header has the ``required`` columns."""
+  if not path.is_file():
+    raise UserError(f"ISIC file {path} does not exist.")
+  try:
+    with open(path, newline="") as f:
+      reader = csv.DictReader(f)
+      header = reader.fieldnames or []
+      missing = [c for c in required if c not in header]
+      if missing:
+        raise UserError(
+            f"{path}:1: missing column(s) {', '.join(missing)}; header is {','.join(header)}."
+        )
+      for row in reader:
+        if None in row or any(v is None for v in row.values()):
+          raise UserError(
+              f"{path}:{reader.line_num}: expected {len(header)} comma-separated fields."
+          )
+        yield reader.line_num, row
+  except (OSError, UnicodeDecodeError, csv.Error) as e:
+    raise UserError(f"ISIC file {path} cannot be read: {e}") from e
+
+
+def read_ground_truth(path: str | os.PathLike) -> dict[str, int]:
+  """Reads the one-hot ground truth into {image: class index into ``CLASS_NAMES``}.
+
+  Raises:
+    UserError: A value is not 0/1, a row is not one-hot, a row is ``UNK``, or
+      an image is repeated; the message names file, line and column.
+  """
+  path = pathlib.Path(path)
+  columns = (*CLASS_NAMES, UNKNOWN_CLASS)
+  labels: dict[str, int] = {}
+  for line, row in _read_csv(path, ("image", *columns)):
+    onehot = []
+    for column in columns:
+      text = row[column].strip()
+      try:
+        value = float(text)
+      except ValueError:
+        value = math.nan
+      if value not in (0.0, 1.0):
+        raise UserError(f"{path}:{line}: column {column} has value {text!r}; expected 0 or 1.")
+      onehot.append(value)
+    if sum(onehot) != 1:
+      raise UserError(
+          f"{path}:{line}: columns {' '.join(columns)} are not one-hot " f"(sum {sum(onehot):g})."
+      )
+    if onehot[-1]:
+      raise UserError(
+          f"{path}:{line}: column {UNKNOWN_CLASS} is 1; only the 8 diagnostic classes "
+          f"{' '.join(CLASS_NAMES)} are supported."
+      )
+    image = row["image"].strip()
+    if image in labels:
+      raise UserError(f"{path}:{line}: image {image} is listed twice.")
+    labels[image] = onehot.index(1.0)
+  return labels
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, tuple[int, int, int]]:
+  """Reads the metadata into {image: (sex, age, site)} group indices, -1 = missing.
+
+  Raises:
+    UserError: A value is not empty and not a known category (or, for age, not
+      a non-negative number); the message names file, line and column.
+  """
+  path = pathlib.Path(path)
+  metadata: dict[str, tuple[int, int, int]] = {}
+  columns = ("image", "age_approx", "anatom_site_general", "sex")
+  for line, row in _read_csv(path, columns):
+    sex = row["sex"].strip().lower()
+    if sex and sex not in SEX_GROUPS:
+      raise UserError(
+          f"{path}:{line}: column sex has value {row['sex']!r}; expected "
+          f"{' or '.join(SEX_GROUPS)} or empty."
+      )
+    age_text = row["age_approx"].strip()
+    age = -1
+    if age_text:
+      try:
+        years = float(age_text)
+      except ValueError:
+        years = math.nan
+      if not 0 <= years < 200:
+        raise UserError(
+            f"{path}:{line}: column age_approx has value {age_text!r}; expected an age in "
+            "years or empty."
+        )
+      age = age_group(years)
+    site = row["anatom_site_general"].strip().lower()
+    if site and site not in SITE_GROUPS:
+      raise UserError(
+          f"{path}:{line}: column anatom_site_general has value "
+          f"{row['anatom_site_general']!r}; expected one of {', '.join(SITE_GROUPS)} or empty."
+      )
+    image = row["image"].strip()
+    if image in metadata:
+      raise UserError(f"{path}:{line}: image {image} is listed twice.")
+    metadata[image] = (
+        SEX_GROUPS.index(sex) if sex else -1,
+        age,
+        SITE_GROUPS.index(site) if site else -1,
+    )
+  return metadata
+
+
+def isic2019_info(
+    sensitive: Sequence[str], missing: str, image_size: int, load_stats=None
+) -> DatasetInfo:
+  """The ``DatasetInfo`` of ISIC 2019 with the given sensitive attributes."""
+  extra = (UNKNOWN_GROUP,) if missing == "unknown" else ()
+  return DatasetInfo(
+      name="isic2019",
+      num_classes=len(CLASS_NAMES),
+      class_names=CLASS_NAMES,
+      attribute_names=tuple(sensitive),
+      group_names=tuple(GROUPS[name] + extra for name in sensitive),
+      image_size=image_size,
+      load_stats=dict(load_stats or {}),
+  )
+
+
+def random_split(
+    images: Sequence[str], seed: int, test_fraction: float, val_fraction: float
+) -> dict[str, int]:
+  """Seeded random train/val/test assignment {image: 0 train / 1 val / 2 test}.
+
+  ``test_fraction`` of ``images`` is test and ``val_fraction`` of the rest is
+  val. Call it on all ground-truth rows, not only those with an image file, so
+  that an image's split does not depend on which other images are on disk.
+  """
+  order = np.random.default_rng(seed).permutation(len(images))
+  n_test = round(test_fraction * len(images))
+  n_val = round(val_fraction * (len(images) - n_test))
+  split_of = np.zeros(len(images), np.int64)
+  split_of[order[:n_test]] = 2
+  split_of[order[n_test : n_test + n_val]] = 1
+  return {image: int(s) for image, s in zip(images, split_of)}
+
+
+def read_split_files(split: str) -> tuple[dict[str, int], dict[str, str]]:
+  """Reads a given split: {image: 0/1/2} and {image: file and line it came from}.
+
+  ``split`` is a directory with ``train.csv``, ``val.csv`` and ``test.csv``
+  (only their ``image`` column is used; other columns such as labels are
+  ignored in favour of the official ground truth), or one CSV with columns
+  ``image`` and ``split`` (``train``, ``val`` or ``test``).
+  """
+  path = pathlib.Path(split)
+  assignment: dict[str, int] = {}
+  origin: dict[str, str] = {}
+
+  def add(image: str, split_id: int, where: str):
+    if image in assignment:
+      raise UserError(f"{where}: image {image} is already in the split at {origin[image]}.")
+    assignment[image] = split_id
+    origin[image] = where
+
+  if path.is_dir():
+    for split_id, name in enumerate(SPLITS):
+      file = path / f"{name}.csv"
+      for line, row in _read_csv(file, ("image",)):
+        add(row["image"].strip(), split_id, f"{file}:{line}")
+  elif path.is_file():
+    for line, row in _read_csv(path, ("image", "split")):
+      name = row["split"].strip()
+      if name not in SPLITS:
+        raise UserError(
+            f"{path}:{line}: column split has value {name!r}; expected train, val or test."
+        )
+      add(row["image"].strip(), SPLITS.index(name), f"{path}:{line}")
+  else:
+    raise UserError(
+        f"ISIC split {split!r} is neither 'random' nor an existing directory or CSV file."
+    )
+  return assignment, origin
+
+
+def _image_dir(root: pathlib.Path) -> pathlib.Path:
+  image_dir = root / IMAGE_DIR
+  if not image_dir.is_dir():
+    raise UserError(f"ISIC image directory {image_dir} does not exist.")
+  nested = image_dir / IMAGE_DIR
+  return nested if nested.is_dir() else image_dir
+
+
+def load_isic2019(
+    *,
+    root: str,
+    image_size: int,
+    sensitive: Sequence[str] = ("sex", "age", "site"),
+    missing: str = "unknown",
+    split: str = "random",
+    split_seed: int = 0,
+    test_fraction: float = 0.2,
+    val_fraction: float = 0.05,
+    preload: bool = True,
+    max_examples_per_split: int = 0,
+    num_threads: int = images_lib.DEFAULT_NUM_THREADS,
+) -> tuple[DatasetInfo, Splits]:
+  """Loads the ISIC 2019 training part with sensitive attributes from its metadata.
+
+  Args:
+    root: Directory with ``ISIC_2019_Training_Input/`` and the two CSVs.
+    image_size: Side of the square images (short side resized, centre crop).
+    sensitive: Any of ``sex``, ``age``, ``site``, in the column order wanted.
+    missing: ``"unknown"`` (missing metadata is an extra group ``unknown``) or
+      ``"exclude"`` (missing metadata is -1).
+    split: ``"random"`` (seeded ``test_fraction`` test, ``val_fraction`` of the
+      rest val, over all ground-truth rows) or a split directory / CSV (see
+      ``read_split_files``).
+    split_seed: Seed of the random split.
+    test_fraction: Fraction of rows in test (random split).
+    val_fraction: Fraction of the non-test rows in val (random split).
+    preload: Decode all images now (``image``); otherwise splits carry
+      ``path`` and the pipeline decodes on access.
+    max_examples_per_split: If > 0, keep the first this many of each split
+      (in ground-truth order).
+    num_threads: Threads decoding images when ``preload``.
+
+  Returns:
+    ``(info, splits)``; examples keep the ground-truth file's order within a
+    split. ``info.load_stats`` holds ``label_rows``, ``image_files``,
+    ``rows_without_image`` (dropped), ``rows_without_metadata`` (kept, all
+    attributes missing), ``metadata_rows_without_label``, ``missing_sex``,
+    ``missing_age``, ``missing_site`` (over all label rows),
+    ``split_rows_unknown_image`` (split-file rows whose image has no label
+    row), ``unassigned_rows`` (rows with an image in no split file) and
+    ``{train,val,test}_examples``.
+  """
+  sensitive = tuple(sensitive)
+  unknown = [name for name in sensitive if name not in GROUPS]
+  if unknown or len(set(sensitive)) != len(sensitive) or isinstance(sensitive, str):
+    raise UserError(
+        f"ISIC sensitive attributes {sensitive!r}: expected distinct names among "
+        f"{', '.join(GROUPS)}."
+    )
+  if missing not in MISSING_MODES:
+    raise UserError(f"ISIC missing={missing!r}: expected one of {', '.join(MISSING_MODES)}.")
+  if not (0 <= test_fraction < 1 and 0 <= val_fraction < 1):
+    raise UserError(
+        f"ISIC test_fraction={test_fraction} and val_fraction={val_fraction} must be in [0, 1)."
+    )
+  root_path = pathlib.Path(root)
+  if not root_path.is_dir():
+    raise UserError(f"ISIC root directory {root_path} does not exist.")
+  image_dir = _image_dir(root_path)
+  labels = read_ground_truth(root_path / GROUND_TRUTH_FILE)
+  metadata = read_metadata(root_path / METADATA_FILE)
+  image_files = {
+      entry.name[:-4] for entry in os.scandir(image_dir) if entry.name.lower().endswith(".jpg")
+  }
+  names = list(labels)
+  stats = {
+      "label_rows": len(names),
+      "image_files": len(image_files),
+      "rows_without_image": sum(name not in image_files for name in names),
+      "rows_without_metadata": sum(name not in metadata for name in names),
+      "metadata_rows_without_label": sum(name not in labels for name in metadata),
+  }
+  all_missing = (-1, -1, -1)
+  groups = np.array([metadata.get(name, all_missing) for name in names], np.int32).reshape(-1, 3)
+  for j, attribute in enumerate(GROUPS):
+    stats[f"missing_{attribute}"] = int((groups[:, j] < 0).sum())
+  if split == "random":
+    assignment = random_split(names, split_seed, test_fraction, val_fraction)
+    stats["split_rows_unknown_image"] = 0
+  else:
+    assignment, _ = read_split_files(split)
+    stats["split_rows_unknown_image"] = sum(image not in labels for image in assignment)
+  has_image = np.array([name in image_files for name in names], bool)
+  split_of = np.array([assignment.get(name, -1) for name in names], np.int64)
+  stats["unassigned_rows"] = int((has_image & (split_of < 0)).sum())
+
+  columns = [list(GROUPS).index(name) for name in sensitive]
+  attributes = groups[:, columns]
+  if missing == "unknown":
+    # "unknown" is the last group of each attribute.
+    sizes = np.array([len(GROUPS[name]) for name in sensitive], np.int32)
+    attributes = np.where(attributes < 0, sizes, attributes)
+  label_array = np.array([labels[name] for name in names], np.int32)
+  image_dir_abs = image_dir.resolve()
+  splits: Splits = {}
+  for split_id, split_name in enumerate(SPLITS):
+    indices = np.flatnonzero(has_image & (split_of == split_id))
+    if max_examples_per_split > 0:
+      indices = indices[:max_examples_per_split]
+    splits[split_name] = {
+        "path": np.array([str(image_dir_abs / f"{names[i]}.jpg") for i in indices], dtype=object),
+        "label": label_array[indices],
+        "attributes": attributes[indices].astype(np.int32),
+    }
+    stats[f"{split_name}_examples"] = len(indices)
+  images_lib.report_load_stats(f"isic2019 ({root_path})", stats)
+  if preload:
+    splits = {k: images_lib.preload_images(v, image_size, num_threads) for k, v in splits.items()}
+  return isic2019_info(sensitive, missing, image_size, stats), splits
