@@ -6,19 +6,24 @@ import ml_collections
 
 from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS
 from fairmoe_jax.moe.expert_parallel import EP_ALGORITHMS
+from fairmoe_jax.fairness.surrogates import PSI_SURROGATES
+from fairmoe_jax.methods import METHODS
+from fairmoe_jax.models.backbones import BACKBONES
+from fairmoe_jax.moe.fair_router import ROUTE_BY
 from fairmoe_jax.moe.layer import ROUTERS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.mesh import mesh_shape
 from trainkit.optim import default_optimizer_config
 
-DATASETS = ("synthetic",)
+DATASETS = ("synthetic", "celeba", "celeba_tfds", "isic2019")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def base_config() -> ml_collections.ConfigDict:
   """Every key a run reads, with defaults; config files override what they need."""
   config = ml_collections.ConfigDict()
+  config.method = "fairsmoe"  # fairmoe_jax/methods.py: METHODS
   config.seed = 0
   config.batch_size = 128  # Global, over all devices and processes.
   config.eval_batch_size = 256
@@ -28,6 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
+  config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
 
   config.data = ml_collections.ConfigDict(
@@ -41,6 +47,19 @@ def base_config() -> ml_collections.ConfigDict:
           test_size=2000,
           num_threads=2,
           prefetch_buffer_size=4,
+          # Real datasets (celeba, celeba_tfds, isic2019): see fairmoe_jax/data/.
+          root="",  # Directory of the official layout.
+          tfds_data_dir="",  # celeba_tfds: where tfds prepared celeb_a.
+          target="Attractive",  # celeba: target attribute column.
+          sensitive="",  # Comma-separated; "" = the dataset's paper default.
+          attr_file="list_attr_celeba.txt",
+          missing="unknown",  # isic2019: missing metadata as an "unknown" group, or "exclude".
+          split="random",  # isic2019: "random" (paper's 80:20, 5% val) or a split dir / CSV.
+          split_seed=0,
+          test_fraction=0.2,
+          val_fraction=0.05,
+          preload=True,  # Decode all images once at load (small data); False decodes per step.
+          max_examples_per_split=0,  # > 0 truncates each split (small runs).
       )
   )
   config.data.augment = ml_collections.ConfigDict(
@@ -54,6 +73,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict(
       dict(
+          backbone="vit",  # fairmoe_jax/models/backbones.py: vit (shape below), deit_s, swin_s, ...
+          pretrained="",  # A timm checkpoint (.safetensors / .npz) to start from.
           patch_size=4,
           dim=64,
           depth=4,
@@ -76,6 +97,25 @@ def base_config() -> ml_collections.ConfigDict:
           z_loss_weight=0.0,
       )
   )
+  config.fair = ml_collections.ConfigDict(
+      dict(
+          psi="pqd",  # Fairness surrogate L_Psi: pqd | dp.
+          lambda_psi=0.1,  # Paper Sec. 6.1.
+          alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
+          route_by="label",  # FGR attribute vector from the true class or the "predicted" one.
+          feature_dim=0,  # Width of FGR's feature extractor phi; 0 = model width.
+          confusion_weight=1.0,
+          attribute_ce_weight=1.0,
+          specialization_weight=1.0,
+          dynamic_allocation=True,  # FEM: grow/shrink expert sets at each evaluation.
+          patience=2,  # Evaluations SF_i must hold or improve before a growth.
+          tolerance=0.0,
+      )
+  )
+  config.muffin = ml_collections.ConfigDict(
+      dict(attributes=(0, 1), pretrain_fraction=0.5)  # One backbone per listed attribute.
+  )
+  config.multifair = ml_collections.ConfigDict(dict(mixup_alpha=1.0, weight=1.0))
   config.optimizer = default_optimizer_config()
   return config
 
@@ -89,6 +129,7 @@ def validate(
   for key in ("seed", "eval_every_steps", "checkpoint_every_steps"):
     cfg.require_int(config, key, minimum=0)
   cfg.require_int(config, "keep_checkpoints", minimum=1)
+  cfg.require_int(config, "analysis_batches", minimum=0)
   cfg.require_choice(config, "compute_dtype", COMPUTE_DTYPES)
 
   data_size, expert_size = mesh_shape(cfg.get(config, "mesh"), num_devices)
@@ -101,12 +142,31 @@ def validate(
           f"(data={data_size} x expert={expert_size}) and {num_processes} process(es)",
       )
 
+  cfg.require_choice(config, "method", METHODS)
+  cfg.require_choice(config, "model.backbone", BACKBONES)
+  cfg.require_choice(config, "fair.psi", PSI_SURROGATES)
+  cfg.require_choice(config, "fair.route_by", ROUTE_BY)
+  for key in ("fair.lambda_psi", "fair.confusion_weight", "fair.attribute_ce_weight"):
+    cfg.require_float(config, key, minimum=0.0)
+  cfg.require_float(config, "fair.specialization_weight", minimum=0.0)
+  cfg.require_float(config, "fair.alpha", minimum=0.0, maximum=1.0)
+  cfg.require_int(config, "fair.feature_dim", minimum=0)
+  cfg.require_int(config, "fair.patience", minimum=1)
+  cfg.require_float(config, "muffin.pretrain_fraction", minimum=0.0, maximum=1.0)
+  cfg.require_float(config, "multifair.mixup_alpha", minimum=1e-6)
+  cfg.require_float(config, "multifair.weight", minimum=0.0)
   cfg.require_choice(config, "data.name", DATASETS)
+  if config.data.name in ("celeba", "isic2019") and not config.data.root:
+    raise ConfigError("data.root", f"{config.data.name} needs the directory of its official layout")
+  if config.data.name == "celeba_tfds" and not config.data.tfds_data_dir:
+    raise ConfigError("data.tfds_data_dir", "celeba_tfds needs the tfds data_dir of celeb_a")
+  cfg.require_choice(config, "data.missing", ("unknown", "exclude"))
+  cfg.require_int(config, "data.max_examples_per_split", minimum=0)
   image_size = cfg.require_int(config, "data.image_size", minimum=8)
   cfg.require_int(config, "data.num_classes", minimum=2)
   for key in ("data.train_size", "data.val_size", "data.test_size"):
     cfg.require_int(config, key, minimum=1)
-  if config.data.train_size < config.batch_size:
+  if config.data.name == "synthetic" and config.data.train_size < config.batch_size:
     raise ConfigError(
         "data.train_size",
         f"{config.data.train_size} training examples are fewer "

@@ -6,7 +6,9 @@ resume, the loop (trainkit), then the fairness report on the test split.
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 from typing import Any
 
@@ -20,28 +22,31 @@ from jax.sharding import Mesh
 
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
-from fairmoe_jax.models.vit import VisionTransformer
+from fairmoe_jax import methods
+from fairmoe_jax.fairness import experts as experts_lib
 from trainkit.checkpoint import Checkpointer
 from trainkit.errors import UserError
 from trainkit.loop import train_loop
 from trainkit.mesh import make_mesh, shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
-from trainkit.train_state import TrainState, compute_dtype, create_train_state, jit_train_step, make_train_step
+from fairmoe_jax.metrics.gradients import gradient_cosines
+from fairmoe_jax.moe.fair_router import FairRouter
+from trainkit.mesh import replicated
+from trainkit.train_state import (
+    TrainState,
+    create_train_state,
+    jit_train_step,
+    make_train_step,
+    state_shardings,
+)
 from trainkit.workdir import save_config
 
 
 def load_data(
     config: ml_collections.ConfigDict,
 ) -> tuple[data_lib.DatasetInfo, dict[str, dict[str, np.ndarray]]]:
-  d = config.data
-  return data_lib.get_dataset(
-      d.name,
-      image_size=d.image_size,
-      num_classes=d.num_classes,
-      seed=d.seed,
-      sizes={"train": d.train_size, "val": d.val_size, "test": d.test_size},
-  )
+  return data_lib.dataset_from_config(config.data)
 
 
 def build_model(
@@ -49,63 +54,45 @@ def build_model(
     info: data_lib.DatasetInfo,
     rngs: nnx.Rngs,
     mesh: Mesh | None = None,
-) -> VisionTransformer:
-  """The ViT of `config`; with a mesh whose expert axis is > 1, its MoE is expert-parallel."""
-  m, moe = config.model, config.moe
-  expert_parallel = mesh is not None and mesh.shape["expert"] > 1
-  return VisionTransformer(
-      num_classes=info.num_classes,
-      image_size=config.data.image_size,
-      patch_size=m.patch_size,
-      dim=m.dim,
-      depth=m.depth,
-      num_heads=m.num_heads,
-      mlp_dim=m.mlp_dim,
-      moe_blocks=tuple(moe.blocks),
-      moe=dict(
-          num_experts=moe.num_experts,
-          top_k=moe.top_k,
-          dispatch=moe.dispatch,
-          capacity_factor=moe.capacity_factor,
-          eval_capacity_factor=moe.eval_capacity_factor,
-          router=moe.router,
-          batch_priority=moe.batch_priority,
-          mesh=mesh if expert_parallel else None,
-      ),
-      dropout_rate=m.dropout_rate,
-      dtype=compute_dtype(config.compute_dtype),
-      rngs=rngs,
-  )
+) -> nnx.Module:
+  """The model of `config.method`, from a timm checkpoint when `model.pretrained` is set."""
+  model = methods.build_model(config, info, rngs, mesh)
+  if config.model.pretrained:
+    from fairmoe_jax.models.convert_timm import load_timm_checkpoint
+
+    for note in load_timm_checkpoint(model, config.model.pretrained):
+      logging.info("%s", note)
+  return model
 
 
-def make_loss_fn(config: ml_collections.ConfigDict):
-  """Cross-entropy plus the weighted MoE auxiliary losses."""
+def make_loss_fn(config: ml_collections.ConfigDict, info: data_lib.DatasetInfo):
+  return methods.make_loss_fn(config, info)
 
-  def loss_fn(model: VisionTransformer, batch: dict[str, jax.Array], rng: jax.Array):
-    rngs = nnx.Rngs(dropout=rng, noise=jax.random.fold_in(rng, 1))
-    logits, aux = model(batch["image"], train=True, rngs=rngs)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-    loss = ce + config.moe.aux_loss_weight * aux.loss + config.moe.z_loss_weight * aux.z_loss
-    metrics = {
-        "cross_entropy": ce,
-        "moe_aux_loss": aux.loss,
-        "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
-    }
-    metrics.update({k: v for k, v in aux.metrics.items() if jnp.ndim(v) == 0})
-    return loss, metrics
 
-  return loss_fn
+def _moe_usage_keys(aux_metrics: dict[str, Any]) -> list[str]:
+  return sorted(k for k in aux_metrics if k.endswith("/example_expert_fraction"))
 
 
 def make_eval_step(graphdef: nnx.GraphDef, info: data_lib.DatasetInfo):
-  """Returns a jitted `eval_step(state, batch) -> counts`; counts add up over batches."""
+  """Returns a jitted `eval_step(state, batch) -> counts`; counts add up over batches.
+
+  Besides the confusion counts, it sums each MoE block's per-example expert usage
+  over the examples of every group of every attribute (paper Figs. 2 and 5).
+  """
 
   @jax.jit
   def eval_step(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, Any]:
     model = nnx.merge(graphdef, state.params, state.model_state)
-    logits, _ = model(batch["image"], train=False)
+    logits, aux = model(batch["image"], train=False, context=methods.context_of(batch))
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    usage = {}
+    for key in _moe_usage_keys(aux.metrics):
+      fraction = aux.metrics[key] * batch["mask"][:, None]  # [B, E]
+      usage[key.split("/")[0]] = [
+          jax.nn.one_hot(batch["attributes"][:, i], size).T @ fraction  # [G_i, E]
+          for i, size in enumerate(info.group_sizes)
+      ]
     return {
         "overall": overall_counts(
             batch["label"], predictions, batch["mask"], num_classes=info.num_classes
@@ -119,9 +106,21 @@ def make_eval_step(graphdef: nnx.GraphDef, info: data_lib.DatasetInfo):
             num_classes=info.num_classes,
         ),
         "loss_sum": jnp.sum(ce * batch["mask"]),
+        "expert_usage": usage,
     }
 
   return eval_step
+
+
+def _eval_batches(arrays, config, mesh):
+  for batch in data_lib.eval_batches(
+      arrays,
+      batch_size=config.eval_batch_size // jax.process_count(),
+      image_size=config.data.image_size,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+  ):
+    yield shard_batch(batch, mesh)
 
 
 def evaluate(
@@ -132,16 +131,15 @@ def evaluate(
     config: ml_collections.ConfigDict,
     mesh: Mesh,
 ) -> dict[str, Any]:
-  """Runs one pass over a split; returns the fairness report plus the mean loss."""
+  """Runs one pass over a split; returns the fairness report plus the mean loss.
+
+  With MoE blocks the report has "expert_utilisation": per block, attribute and
+  group, the fraction of the group's routed (token, choice) pairs that each expert
+  served.
+  """
   totals = None
-  for batch in data_lib.eval_batches(
-      arrays,
-      batch_size=config.eval_batch_size // jax.process_count(),
-      image_size=config.data.image_size,
-      process_index=jax.process_index(),
-      process_count=jax.process_count(),
-  ):
-    counts = eval_step(state, shard_batch(batch, mesh))
+  for batch in _eval_batches(arrays, config, mesh):
+    counts = eval_step(state, batch)
     totals = counts if totals is None else jax.tree.map(jnp.add, totals, counts)
   totals = jax.device_get(totals)
   report = fairness_report(
@@ -151,13 +149,49 @@ def evaluate(
       info.group_names,
   )
   report["loss"] = float(totals["loss_sum"]) / max(report["num_examples"], 1)
+  if totals["expert_usage"]:
+    report["expert_utilisation"] = {
+        block: {
+            attribute: {
+                group: (row / max(row.sum(), 1e-12)).round(6).tolist()
+                for group, row in zip(groups, np.asarray(per_group))
+            }
+            for attribute, groups, per_group in zip(info.attribute_names, info.group_names, usage)
+        }
+        for block, usage in totals["expert_usage"].items()
+    }
   return report
 
 
 def _summary_scalars(report: dict[str, Any], prefix: str) -> dict[str, float]:
   scalars = {f"{prefix}/accuracy": report["accuracy"], f"{prefix}/loss": report["loss"]}
   scalars.update({f"{prefix}/mf_{k}": v for k, v in report["mf"].items()})
+  for name, attr in report["attributes"].items():
+    scalars.update({f"{prefix}/{name}/{k}": attr[k] for k in ("pqd", "dp")})
   return scalars
+
+
+def final_report(eval_step, graphdef, state, splits, info, config, mesh) -> dict[str, Any]:
+  """The test report plus the method, the expert allocation and the gradient cosines."""
+  report = evaluate(eval_step, state, splits["test"], info, config, mesh)
+  report["step"] = int(state.step)
+  report["method"] = config.method
+  if "fem" in state.extra:
+    counts = np.asarray(jax.device_get(state.extra["fem"]["counts"]))
+    report["experts_per_class"] = dict(zip(info.attribute_names, counts.tolist()))
+  batches = itertools.islice(_eval_batches(splits["val"], config, mesh), config.analysis_batches)
+  cosines = gradient_cosines(
+      graphdef,
+      state.params,
+      state.model_state,
+      batches,
+      attribute_names=info.attribute_names,
+      group_sizes=info.group_sizes,
+      psi=config.fair.psi,
+  )
+  if cosines:
+    report["gradient_cosine"] = cosines
+  return report
 
 
 def _write_report(report: dict[str, Any], workdir: str) -> None:
@@ -173,10 +207,59 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   graphdef, state = create_train_state(
       lambda: build_model(config, info, nnx.Rngs(params=config.seed), mesh), tx, mesh, config.seed
   )
+  if methods.uses_expert_management(config):
+    # The allocator's state is checkpointed with the run (TrainState.extra).
+    fem = jax.tree.map(jnp.asarray, experts_lib.initial_state(info.num_attributes))
+    state = state.replace(extra={"fem": jax.device_put(fem, replicated(mesh))})
   checkpointer = Checkpointer(
       os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
   )
   return mesh, info, splits, tx, graphdef, state, checkpointer
+
+
+def make_expert_manager(
+    config: ml_collections.ConfigDict,
+    info: data_lib.DatasetInfo,
+    graphdef: nnx.GraphDef,
+    mesh: Mesh,
+):
+  """`after_evaluate(state, val_scalars) -> (state, scalars)`: FEM's dynamic allocation.
+
+  Writes the new assignment into every FairRouter of the model state (same shapes
+  and shardings, so the train step does not recompile) and logs the expert
+  counts per attribute, the allocation history.
+  """
+  allocator = experts_lib.ExpertAllocator(
+      info.group_sizes,
+      config.moe.num_experts,
+      patience=config.fair.patience,
+      tolerance=config.fair.tolerance,
+  )
+  psi = config.fair.psi
+
+  def after_evaluate(state: TrainState, scalars: dict[str, Any]):
+    sf = [
+        scalars[f"val/{name}/{psi}"] * (1 if psi == "pqd" else -1) for name in info.attribute_names
+    ]
+    fem = jax.tree.map(np.asarray, jax.device_get(state.extra["fem"]))
+    fem, events = allocator.update(fem, sf, scalars["val/loss"])
+    assignment = allocator.assignment(fem)
+    model = nnx.merge(graphdef, state.params, state.model_state)
+    for _, node in nnx.iter_graph(model):
+      if isinstance(node, FairRouter):
+        node.assignment.set_value(jnp.asarray(assignment))
+    _, _, model_state = nnx.split(model, nnx.Param, ...)
+    model_state = jax.device_put(model_state, state_shardings(state.model_state, mesh))
+    fem = jax.device_put(jax.tree.map(jnp.asarray, fem), replicated(mesh))
+    state = state.replace(model_state=model_state, extra=dict(state.extra, fem=fem))
+    logged = {
+        f"fem/experts_per_class/{n}": int(c) for n, c in zip(info.attribute_names, fem["counts"])
+    }
+    for event in events:
+      logging.info("expert management: %s (%s)", event, info.attribute_names[int(event.split()[1])])
+    return state, logged
+
+  return after_evaluate
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
@@ -209,12 +292,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   schedule = learning_rate_schedule(config.optimizer, config.num_train_steps)
   train_step = jit_train_step(
-      make_train_step(graphdef, make_loss_fn(config), tx, schedule), state, mesh
+      make_train_step(graphdef, make_loss_fn(config, info), tx, schedule), state, mesh
   )
   eval_step = make_eval_step(graphdef, info)
 
   def evaluate_val(state: TrainState) -> dict[str, float]:
     return _summary_scalars(evaluate(eval_step, state, splits["val"], info, config, mesh), "val")
+
+  manage_experts = methods.uses_expert_management(config) and config.eval_every_steps > 0
 
   state, preempted = train_loop(
       state=state,
@@ -229,6 +314,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       checkpoint_every_steps=config.checkpoint_every_steps,
       examples_per_step=config.batch_size,
       evaluate=evaluate_val if config.eval_every_steps > 0 else None,
+      after_evaluate=make_expert_manager(config, info, graphdef, mesh) if manage_experts else None,
       show_progress=is_main,
   )
   if preempted:
@@ -237,8 +323,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)
     return None
 
-  report = evaluate(eval_step, state, splits["test"], info, config, mesh)
-  report["step"] = int(state.step)
+  report = final_report(eval_step, graphdef, state, splits, info, config, mesh)
   writer.write_scalars(int(state.step), _summary_scalars(report, "test"))
   writer.close()
   checkpointer.close()
@@ -255,8 +340,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   if restored is None:
     raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
   state, _, step = restored
-  report = evaluate(make_eval_step(graphdef, info), state, splits["test"], info, config, mesh)
-  report["step"] = step
+  report = final_report(make_eval_step(graphdef, info), graphdef, state, splits, info, config, mesh)
   if jax.process_index() == 0:
     _write_report(report, workdir)
   return report

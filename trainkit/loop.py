@@ -54,6 +54,9 @@ def train_loop(
     checkpoint_every_steps: int,
     examples_per_step: int,
     evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
+    after_evaluate: (
+        Callable[[TrainState, Mapping[str, Any]], tuple[TrainState, Mapping[str, Any]]] | None
+    ) = None,
     show_progress: bool = True,
 ) -> tuple[TrainState, bool]:
   """Runs `train_step` from `state.step` to `num_train_steps`.
@@ -61,6 +64,12 @@ def train_loop(
   Training metrics are logged on every log, evaluation and checkpoint step, so every
   line of metrics.jsonl carries the loss. On SIGTERM the loop saves a checkpoint at
   the current step and returns early. Returns (state, preempted).
+
+  `after_evaluate(state, eval_scalars) -> (state, scalars)` runs after each evaluation
+  and may change non-gradient state between steps (e.g. an expert assignment kept in
+  the model state); its state is the one checkpointed and trained on next, and its
+  scalars are logged. It must keep every array's shape, dtype and sharding, so the
+  train step is not recompiled.
   """
   step = int(state.step)
   progress = ProgressBar(
@@ -103,7 +112,11 @@ def train_loop(
         writer.write_scalars(step, scalars)
         progress.update(step, steps_per_second, {"loss": scalars["loss"]})
       if eval_due:
-        writer.write_scalars(step, evaluate(state))
+        eval_scalars = evaluate(state)
+        writer.write_scalars(step, eval_scalars)
+        if after_evaluate is not None:
+          state, update_scalars = after_evaluate(state, eval_scalars)
+          writer.write_scalars(step, update_scalars)
         progress.rate(step)  # Evaluation time is not training throughput.
       if checkpoint_due:
         writer.flush()

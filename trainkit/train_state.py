@@ -13,9 +13,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from trainkit.mesh import replicated
 
-# loss_fn(model, batch, rng) -> (scalar loss, dict of scalar metrics)
+# loss_fn(model, batch, rng, step) -> (scalar loss, dict of scalar metrics); `step` is the
+# int32 step counter, for losses whose form changes during training (e.g. training phases).
 LossFn = Callable[
-    [nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]
+    [nnx.Module, dict[str, jax.Array], jax.Array, jax.Array],
+    tuple[jax.Array, dict[str, jax.Array]],
 ]
 
 
@@ -90,7 +92,7 @@ def make_train_step(
 
     def objective(params):
       model = nnx.merge(graphdef, params, state.model_state)
-      loss, metrics = loss_fn(model, batch, rng)
+      loss, metrics = loss_fn(model, batch, rng, state.step)
       _, _, model_state = nnx.split(model, nnx.Param, ...)
       return loss, (metrics, model_state)
 

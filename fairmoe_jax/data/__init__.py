@@ -9,10 +9,13 @@ numpy arrays ``image`` uint8 [N, S, S, 3], ``label`` int32 [N] and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from fairmoe_jax.data.augment import AugmentConfig
+from fairmoe_jax.data.celeba import load_celeba, load_celeba_tfds
+from fairmoe_jax.data.isic import load_isic2019
 from fairmoe_jax.data.pipeline import eval_batches, num_eval_batches, train_iterator
 from fairmoe_jax.data.synthetic import load_synthetic
 from fairmoe_jax.data.types import DatasetInfo
@@ -21,7 +24,47 @@ Splits = dict[str, dict[str, np.ndarray]]
 
 _LOADERS: dict[str, Callable[..., tuple[DatasetInfo, Splits]]] = {
     "synthetic": load_synthetic,
+    "celeba": load_celeba,
+    "celeba_tfds": load_celeba_tfds,
+    "isic2019": load_isic2019,
 }
+
+# The paper's sensitive attributes (Sec. 6.1) when `data.sensitive` is empty.
+DEFAULT_SENSITIVE = {
+    "celeba": ("Male", "Chubby", "Goatee"),
+    "celeba_tfds": ("Male", "Chubby", "Goatee"),
+    "isic2019": ("sex", "age", "site"),
+}
+
+
+def dataset_from_config(d: Any) -> tuple[DatasetInfo, Splits]:
+  """Loads the dataset described by a config's `data` section (fairmoe_jax/config.py)."""
+  if d.name == "synthetic":
+    sizes = {"train": d.train_size, "val": d.val_size, "test": d.test_size}
+    return load_synthetic(
+        image_size=d.image_size, num_classes=d.num_classes, seed=d.seed, sizes=sizes
+    )
+  sensitive = tuple(s.strip() for s in d.sensitive.split(",") if s.strip())
+  sensitive = sensitive or DEFAULT_SENSITIVE[d.name]
+  common = dict(
+      image_size=d.image_size, sensitive=sensitive, max_examples_per_split=d.max_examples_per_split
+  )
+  if d.name == "celeba":
+    return load_celeba(
+        root=d.root, target=d.target, attr_file=d.attr_file, preload=d.preload, **common
+    )
+  if d.name == "celeba_tfds":
+    return load_celeba_tfds(data_dir=d.tfds_data_dir, target=d.target, **common)
+  return load_isic2019(
+      root=d.root,
+      missing=d.missing,
+      split=d.split,
+      split_seed=d.split_seed,
+      test_fraction=d.test_fraction,
+      val_fraction=d.val_fraction,
+      preload=d.preload,
+      **common,
+  )
 
 
 def get_dataset(name: str, **kwargs) -> tuple[DatasetInfo, Splits]:
@@ -36,6 +79,7 @@ __all__ = [
     "DatasetInfo",
     "Splits",
     "eval_batches",
+    "dataset_from_config",
     "get_dataset",
     "load_synthetic",
     "num_eval_batches",

@@ -127,8 +127,9 @@ class SparseMoE(nnx.Module):
     router: "topk" (softmax top-k, Switch load-balancing and z-losses),
       "noisy_topk" (Shazeer et al. 2017, importance and load losses),
       "expert_choice" (Zhou et al. 2022; experts pick C tokens each, with C the
-      capacity the top-k dispatch would have, so the expert FLOPs match), or a
-      router module following the protocol of `fairmoe_jax.moe.routing`.
+      capacity the top-k dispatch would have, so the expert FLOPs match), a
+      router module following the protocol of `fairmoe_jax.moe.routing`, or a
+      factory `router(dim, num_experts, top_k, rngs=rngs)` returning one.
     batch_priority: V-MoE batch-priority routing: within each example, tokens
       with the highest routing weight are served first, so capacity overflow
       drops the least confident choices instead of the last tokens.
@@ -151,7 +152,7 @@ class SparseMoE(nnx.Module):
       dispatch: str = "sort",
       capacity_factor: float = 1.25,
       eval_capacity_factor: float = 2.0,
-      router: str | nnx.Module = "topk",
+      router: str | nnx.Module | Callable[..., nnx.Module] = "topk",
       batch_priority: bool = False,
       mesh: jax.sharding.Mesh | None = None,
       dtype: Any = jnp.float32,
@@ -195,8 +196,10 @@ class SparseMoE(nnx.Module):
       self.router = NoisyTopKRouter(dim, num_experts, top_k, rngs=rngs)
     elif self.expert_choice:
       self.router = ExpertChoiceRouter(dim, num_experts, capacity_factor=top_k, rngs=rngs)
-    else:
+    elif isinstance(router, nnx.Module):
       self.router = router
+    else:  # A factory, so that every MoE block of a model builds its own router.
+      self.router = router(dim, num_experts, top_k, rngs=rngs)
 
     def param(init: Callable[..., jax.Array], shape: tuple[int, ...]) -> nnx.Param:
       # One tensor for all experts, sharded along its leading expert axis only.
