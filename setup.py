@@ -23,6 +23,7 @@ setup(
         "absl-py>=2.0",
         "numpy>=1.26",
         "pillow>=10",
+        "safetensors>=0.4",
         "tensorboardX>=2.6",
     ],
     extras_require={

@@ -31,6 +31,8 @@ from trainkit.mesh import make_mesh, shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from fairmoe_jax.metrics.gradients import gradient_cosines
+from fairmoe_jax.models.convert_timm import load_timm_checkpoint
+from fairmoe_jax.models.muffin import Muffin
 from fairmoe_jax.moe.fair_router import FairRouter
 from trainkit.mesh import replicated
 from trainkit.train_state import (
@@ -58,10 +60,10 @@ def build_model(
   """The model of `config.method`, from a timm checkpoint when `model.pretrained` is set."""
   model = methods.build_model(config, info, rngs, mesh)
   if config.model.pretrained:
-    from fairmoe_jax.models.convert_timm import load_timm_checkpoint
-
-    for note in load_timm_checkpoint(model, config.model.pretrained):
-      logging.info("%s", note)
+    # Muffin's backbones each start from the checkpoint.
+    for backbone in model.backbones if isinstance(model, Muffin) else [model]:
+      for note in load_timm_checkpoint(backbone, config.model.pretrained):
+        logging.info("%s", note)
   return model
 
 
@@ -200,10 +202,13 @@ def _write_report(report: dict[str, Any], workdir: str) -> None:
   print(format_report(report), flush=True)
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str):
-  mesh = make_mesh(config.mesh)
-  info, splits = load_data(config)
-  tx = make_optimizer(config.optimizer, config.num_train_steps)
+def create_state(
+    config: ml_collections.ConfigDict,
+    info: data_lib.DatasetInfo,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+) -> tuple[nnx.GraphDef, TrainState]:
+  """The initial train state of `config.method` on `mesh`."""
   graphdef, state = create_train_state(
       lambda: build_model(config, info, nnx.Rngs(params=config.seed), mesh), tx, mesh, config.seed
   )
@@ -211,6 +216,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
     # The allocator's state is checkpointed with the run (TrainState.extra).
     fem = jax.tree.map(jnp.asarray, experts_lib.initial_state(info.num_attributes))
     state = state.replace(extra={"fem": jax.device_put(fem, replicated(mesh))})
+  return graphdef, state
+
+
+def _setup(config: ml_collections.ConfigDict, workdir: str):
+  mesh = make_mesh(config.mesh)
+  info, splits = load_data(config)
+  tx = make_optimizer(config.optimizer, config.num_train_steps)
+  graphdef, state = create_state(config, info, tx, mesh)
   checkpointer = Checkpointer(
       os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
   )

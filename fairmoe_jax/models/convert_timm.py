@@ -293,12 +293,12 @@ def load_timm_checkpoint(
   upcycled: list[str] = []
   moe_names = {moe: ".".join(map(str, moe)) for _, _, moe, _ in rules if moe is not None}
 
-  def take(name: str, rule: _Rule, path: Path, target: tuple[int, ...]) -> np.ndarray | None:
+  def take(name: str, rule: _Rule, ppath: Path, target: tuple[int, ...]) -> np.ndarray | None:
     value = ckpt[name]
     used.add(name)
     expected = tuple(rule.to_timm(np.empty(target, np.int8)).shape)
     try:
-      out = _convert(rule, value, target, model, path)
+      out = _convert(rule, value, target, model, ppath)
     except ValueError:
       misshapen.append(f"{name} (expected {expected}, found {tuple(value.shape)})")
       return None
@@ -308,8 +308,8 @@ def load_timm_checkpoint(
 
   # Expert weights first: whether a block is upcycled decides its router's fate.
   ordered = sorted(rules, key=lambda r: r[3] is None)
-  for path, rule, moe, expert in ordered:
-    target = tuple(params[path].shape)
+  for ppath, rule, moe, expert in ordered:
+    target = tuple(params[ppath].shape)
     if _matches(rule.name, skip):
       skipped.append(rule.name)
       continue
@@ -317,10 +317,10 @@ def load_timm_checkpoint(
     if expert is not None:
       dense = f"{moe_names[moe]}.{_EXPERT_NAMES[expert][1]}"
       if rule.name in ckpt:
-        value = take(rule.name, rule, path, target)
+        value = take(rule.name, rule, ppath, target)
       elif upcycle_moe and dense in ckpt and not _matches(dense, skip):
         dense_rule = _linear_rule(dense) if expert in ("w1", "w2") else _Rule(dense)
-        one = take(dense, dense_rule, path, target[1:])
+        one = take(dense, dense_rule, ppath, target[1:])
         if one is not None:
           value = np.broadcast_to(one, target)
         if moe_names[moe] not in upcycled:
@@ -329,14 +329,14 @@ def load_timm_checkpoint(
         missing.append(rule.name + (f" (or {dense} to upcycle)" if upcycle_moe else ""))
         continue
     elif rule.name in ckpt:
-      value = take(rule.name, rule, path, target)
+      value = take(rule.name, rule, ppath, target)
     elif moe is not None and moe_names[moe] in upcycled:
       continue  # The router of an upcycled block keeps its init (noted below).
     else:
       missing.append(rule.name)
       continue
     if value is not None:
-      new_values[path] = value
+      new_values[ppath] = value
 
   if missing or misshapen:
     parts = []
@@ -349,8 +349,8 @@ def load_timm_checkpoint(
         "(pass skip=(...) with timm-name prefixes to keep such parameters at init)"
     )
 
-  for path, value in new_values.items():
-    var = params[path]
+  for ppath, value in new_values.items():
+    var = params[ppath]
     old = var[...]
     new = jnp.asarray(value, dtype=old.dtype)
     sharding = getattr(old, "sharding", None)
