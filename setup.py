@@ -24,6 +24,7 @@ setup(
         "numpy>=1.26",
         "pillow>=10",
         "safetensors>=0.4",
+        "matplotlib>=3.7",
         "tensorboardX>=2.6",
     ],
     extras_require={

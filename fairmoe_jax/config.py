@@ -28,6 +28,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.batch_size = 128  # Global, over all devices and processes.
   config.eval_batch_size = 256
   config.num_train_steps = 1000
+  config.num_epochs = 0  # > 0 overrides num_train_steps: epochs over the loaded train split.
   config.log_every_steps = 50
   config.eval_every_steps = 500  # On the validation split; 0 disables.
   config.checkpoint_every_steps = 500
@@ -130,6 +131,7 @@ def validate(
     cfg.require_int(config, key, minimum=0)
   cfg.require_int(config, "keep_checkpoints", minimum=1)
   cfg.require_int(config, "analysis_batches", minimum=0)
+  cfg.require_float(config, "num_epochs", minimum=0.0)
   cfg.require_choice(config, "compute_dtype", COMPUTE_DTYPES)
 
   data_size, expert_size = mesh_shape(cfg.get(config, "mesh"), num_devices)
@@ -202,6 +204,12 @@ def validate(
   router = cfg.require_choice(config, "moe.router", ROUTERS)
   if not isinstance(cfg.get(config, "moe.batch_priority"), bool):
     raise ConfigError("moe.batch_priority", "must be True or False")
+  if METHODS[config.method].fair_router and router != "topk":
+    raise ConfigError(
+        "moe.router",
+        f"{router!r} cannot be used with method={config.method!r}, which routes with its "
+        "fairness-guided router; use method=smoe to train another router",
+    )
   if router == "expert_choice" and config.moe.batch_priority:
     raise ConfigError("moe.batch_priority", "applies to token-choice routers, not expert_choice")
   if router == "expert_choice" and expert_size > 1:

@@ -7,6 +7,7 @@ and what it minimises.
 | fairsmoe_no_fgr   | same, plain gate + FEM      | without the SA branch (confusion, attr CE)         |
 | fairsmoe_no_fem   | same, FGR only              | without specialization / dynamic allocation        |
 | vanilla_smoe      | backbone + MoE, top-k       | CE only: no auxiliary loss, no noise (as the paper) |
+| smoe              | backbone + MoE, moe.router  | CE + the moe.* auxiliary losses (no fairness terms) |
 | muffin            | 2+ backbones, fusion head   | phase 1: per-backbone CE + lambda L_Psi(own attr); phase 2: fused CE + lambda L_Psi |
 | multifair         | backbone, no MoE            | CE + weight * cross-group mixup CE                 |
 
@@ -32,6 +33,7 @@ from fairmoe_jax.fairness.surrogates import fairness_surrogate
 from fairmoe_jax.models.backbones import build_backbone
 from fairmoe_jax.models.muffin import Muffin
 from fairmoe_jax.moe.fair_router import FairRouter
+from trainkit.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ METHODS: dict[str, Method] = {
     "fairsmoe_no_fgr": Method(fair_router=True, guided=False, specialize=True, psi=True),
     "fairsmoe_no_fem": Method(fair_router=True, guided=True, specialize=False, psi=True),
     "vanilla_smoe": Method(moe_aux=False),
+    "smoe": Method(),
     "muffin": Method(moe=False, muffin=True, psi=True),
     "multifair": Method(moe=False, multifair=True),
 }
@@ -83,6 +86,13 @@ def build_model(
     if method.fair_router:
       moe["router"] = _fair_router_factory(config, info, method)
   if method.muffin:
+    bad = [a for a in config.muffin.attributes if not 0 <= a < info.num_attributes]
+    if bad or not config.muffin.attributes:
+      raise ConfigError(
+          "muffin.attributes",
+          f"{tuple(config.muffin.attributes)}: one attribute index per backbone, each in "
+          f"[0, {info.num_attributes}) for the attributes {', '.join(info.attribute_names)}",
+      )
     make = lambda r: build_backbone(config, info.num_classes, None, r)
     return Muffin(make, len(config.muffin.attributes), info.num_classes, rngs=rngs)
   return build_backbone(config, info.num_classes, moe, rngs)

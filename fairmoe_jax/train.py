@@ -7,6 +7,7 @@ resume, the loop (trainkit), then the fairness report on the test split.
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from jax.sharding import Mesh
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
 from fairmoe_jax import methods
+from fairmoe_jax.analysis import write_plots
 from fairmoe_jax.fairness import experts as experts_lib
 from trainkit.checkpoint import Checkpointer
 from trainkit.errors import UserError
@@ -200,6 +202,8 @@ def _write_report(report: dict[str, Any], workdir: str) -> None:
   with open(os.path.join(workdir, "report.json"), "w") as f:
     json.dump(report, f, indent=2)
   print(format_report(report), flush=True)
+  plots = write_plots(workdir)
+  print(f"Plots: {', '.join(os.path.relpath(p, workdir) for p in plots)} in {workdir}", flush=True)
 
 
 def create_state(
@@ -222,6 +226,16 @@ def create_state(
 def _setup(config: ml_collections.ConfigDict, workdir: str):
   mesh = make_mesh(config.mesh)
   info, splits = load_data(config)
+  train_examples = len(splits["train"]["label"])
+  if train_examples < config.batch_size:
+    raise UserError(
+        f"the train split has {train_examples} examples, fewer than one batch "
+        f"(batch_size={config.batch_size}); lower batch_size or add data"
+    )
+  if config.num_epochs > 0:
+    config.num_train_steps = max(
+        1, math.ceil(config.num_epochs * train_examples / config.batch_size)
+    )
   tx = make_optimizer(config.optimizer, config.num_train_steps)
   graphdef, state = create_state(config, info, tx, mesh)
   checkpointer = Checkpointer(

@@ -29,6 +29,8 @@ def test_config_files_load_and_validate(path):
       "batch_size",
   ):
     assert key in config
+  if config.data.name in ("celeba", "isic2019"):
+    config.data.root = "/data/layout"  # The only key a user must add for the real datasets.
   fairmoe_config.validate(config, num_devices=8)
   assert path.read_text().count("python -m fairmoe_jax.main") >= 1, "docstring gives the command"
 

@@ -16,8 +16,9 @@ from trainkit.optim import make_optimizer
 from trainkit.train_state import create_train_state
 
 
-def _tiny_config(data: int, expert: int, dtype: str = "float32"):
+def _tiny_config(data: int, expert: int, dtype: str = "float32", method: str = "smoe"):
   config = fairmoe_config.base_config()
+  config.method = method
   config.data.update(train_size=256, val_size=32, test_size=64, num_threads=0)
   config.model.update(dim=32, depth=2, num_heads=2, mlp_dim=64)
   config.moe.num_experts = 8
@@ -50,6 +51,13 @@ def test_sharded_training_matches_one_device(tmp_path, single_device_losses, dat
   losses = _train_losses(_tiny_config(data, expert), tmp_path)
   assert len(losses) == 4
   np.testing.assert_allclose(losses, single_device_losses, rtol=2e-5)
+
+
+def test_fairsmoe_on_an_expert_parallel_mesh_matches_one_device(tmp_path):
+  # The fairness-guided router, its losses and the attributes travelling to it under shard_map.
+  single = _train_losses(_tiny_config(1, 1, method="fairsmoe"), tmp_path / "single")
+  sharded = _train_losses(_tiny_config(2, 4, method="fairsmoe"), tmp_path / "sharded")
+  np.testing.assert_allclose(sharded, single, rtol=2e-5)
 
 
 def test_expert_weights_are_sharded_over_the_expert_axis():

@@ -75,7 +75,10 @@ def gradient_cosines(
       grads.append([x for path, x in leaves if in_moe(path, x)])
     return jnp.stack([_cosine(grads[a], grads[b]) for a, b in pairs])
 
-  values = np.stack([np.asarray(batch_cosines(params, b)) for b in batches])
+  per_batch = [np.asarray(batch_cosines(params, b)) for b in batches]
+  if not per_batch:
+    return {}
+  values = np.stack(per_batch)
   return {
       f"{attribute_names[a]}|{attribute_names[b]}": values[:, n].round(6).tolist()
       for n, (a, b) in enumerate(pairs)

@@ -109,4 +109,14 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  {_metric_line(attr)}")
   num_attributes = len(report["attributes"])
   lines += ["", f"MF (mean over {num_attributes} attributes)", f"  {_metric_line(report['mf'])}"]
+  if "experts_per_class" in report:
+    counts = ", ".join(f"{k} {v}" for k, v in report["experts_per_class"].items())
+    lines.append(f"Experts per attribute class at the end (expert management): {counts}")
+  if report.get("method", "").startswith("fairsmoe"):
+    lines += [
+        "",
+        f"Method {report['method']}. To see the baselines it improves on, run the same config with",
+        "  python -m fairmoe_jax.compare --methods=fairsmoe,vanilla_smoe,muffin,multifair "
+        "--config=<config> --workdir=<dir>",
+    ]
   return "\n".join(lines)

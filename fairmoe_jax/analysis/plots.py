@@ -1,0 +1,298 @@
+"""PNG plots of a finished run, from its `report.json` and `metrics.jsonl`.
+
+  from fairmoe_jax.analysis import write_plots
+  write_plots("/tmp/quickstart")  # -> /tmp/quickstart/plots/*.png
+
+Each plot is drawn only when the run logged its data (a dense method has no expert
+activation, a run without FairSMoE's expert management no allocation history), so the
+same call works for every method.
+
+Figures are built with the object-oriented `matplotlib.figure.Figure` API on the Agg
+canvas rather than `pyplot`: no display is needed, no global figure state leaks between
+calls, and importing this module does not switch the backend of a user's notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from trainkit.errors import UserError
+
+# metrics.jsonl keys of FairSMoE's expert management: `fem/experts_per_class/<ATTR>`.
+_ALLOCATION_PREFIX = "fem/experts_per_class/"
+_DPI = 120
+# Heatmap cells are annotated with their value only while the text stays legible.
+_MAX_ANNOTATED_CELLS = 160
+
+
+def load_report(workdir: str) -> dict[str, Any]:
+  """The run's `report.json`; a missing or unreadable one is a UserError naming the file."""
+  path = os.path.join(workdir, "report.json")
+  if not os.path.exists(path):
+    raise UserError(
+        f"no report '{path}': train the run first (python -m fairmoe_jax.main ... --workdir={workdir})"
+    )
+  try:
+    with open(path) as f:
+      report = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f"cannot read report '{path}': {e}") from None
+  if not isinstance(report, dict):
+    raise UserError(f"report '{path}' is not a JSON object")
+  return report
+
+
+def load_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The lines of `metrics.jsonl`, or [] without one: the report alone still gives most plots.
+
+  Unlike `trainkit.metric_writers.read_metrics`, a line cut short (a run killed while
+  writing) is skipped rather than fatal, since plots are best-effort analysis.
+  """
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+        records.append(record)
+  return sorted(records, key=lambda r: r["step"])
+
+
+def _series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+  """(steps, values) of `key`, skipping steps where it is absent or not finite (None in JSON)."""
+  steps, values = [], []
+  for record in metrics:
+    value = record.get(key)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+      steps.append(record["step"])
+      values.append(float(value))
+  return steps, values
+
+
+def _safe_name(name: str) -> str:
+  """A block name as a file-name part (block names may hold '/' or '.')."""
+  return re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_") or "block"
+
+
+def _subplots(n: int, *, width: float, height: float, max_cols: int = 3):
+  """A figure with `n` axes in a grid of at most `max_cols` columns; the unused axes removed."""
+  cols = min(n, max_cols)
+  rows = math.ceil(n / cols)
+  fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(rows, cols, squeeze=False).ravel()
+  for ax in axes[n:]:
+    ax.remove()
+  return fig, list(axes[:n])
+
+
+def _title(report: dict[str, Any]) -> str:
+  parts = [report.get("method"), f"step {report['step']}" if "step" in report else None]
+  return " - ".join(str(p) for p in parts if p)
+
+
+def _save(fig: Figure, path: str) -> str:
+  fig.savefig(path, dpi=_DPI)
+  return path
+
+
+def plot_expert_activation(report: dict[str, Any], block: str, path: str) -> str:
+  """Per attribute, the fraction of each group's routed tokens that each expert served.
+
+  Rows are the attribute's groups, columns the experts (the paper's Figs. 2 and 5):
+  rows that look alike mean the router treats the groups alike; a bright cell off the
+  common pattern is an expert that specialised on one group.
+  """
+  per_attribute = report["expert_utilisation"][block]
+  fig, axes = _subplots(len(per_attribute), width=4.2, height=3.4)
+  vmax = max(
+      (max(row) for groups in per_attribute.values() for row in groups.values() if row),
+      default=1.0,
+  )
+  image = None
+  for ax, (attribute, groups) in zip(axes, per_attribute.items()):
+    names = list(groups)
+    values = np.asarray([groups[g] for g in names], dtype=float)
+    if values.size == 0:
+      ax.set_axis_off()
+      ax.set_title(f"{attribute}: no groups")
+      continue
+    image = ax.imshow(values, aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax)
+    ax.set_title(attribute)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("group")
+    ax.set_xticks(range(values.shape[1]))
+    ax.set_yticks(range(len(names)), names)
+    if values.size <= _MAX_ANNOTATED_CELLS:
+      for (i, j), v in np.ndenumerate(values):
+        ax.text(
+            j,
+            i,
+            f"{v:.2f}",
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="black" if v > 0.6 * vmax else "white",
+        )
+  if image is not None:
+    fig.colorbar(image, ax=axes, shrink=0.8, label="fraction of the group's routed tokens")
+  fig.suptitle(f"Expert activation per group, {block} ({_title(report)})")
+  return _save(fig, path)
+
+
+def plot_group_accuracy(report: dict[str, Any], path: str) -> str:
+  """Per attribute, test accuracy of each group with its size; overall accuracy as a line.
+
+  The spread of the bars is what PQD summarises (worst group / best group), so the
+  attribute's PQD is in each title.
+  """
+  attributes = report["attributes"]
+  most = max((len(a["groups"]) for a in attributes.values()), default=1)
+  # Horizontal bars: group names as long as "posterior_torso" stay legible.
+  fig, axes = _subplots(len(attributes), width=4.6, height=1.4 + 0.32 * most)
+  overall = 100.0 * report["accuracy"]
+  for ax, (attribute, entry) in zip(axes, attributes.items()):
+    groups = entry["groups"]
+    names = list(groups)
+    accuracies = [100.0 * groups[g]["accuracy"] for g in names]
+    positions = np.arange(len(names))
+    ax.barh(positions, accuracies, color="tab:blue")
+    ax.set_yticks(positions, [f"{g} (n={groups[g]['n']})" for g in names], fontsize=8)
+    ax.invert_yaxis()  # First group on top, as in the report.
+    ax.axvline(overall, color="tab:red", linestyle="--", label=f"overall {overall:.1f}%")
+    ax.set_xlim(0.0, 100.0)
+    ax.set_xlabel("test accuracy (%)")
+    title = f"{attribute} (PQD {entry['pqd']:.3f})" if "pqd" in entry else attribute
+    if entry.get("empty_groups"):
+      title += f"\nempty: {', '.join(entry['empty_groups'])}"
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+  fig.suptitle(f"Test accuracy per group ({_title(report)})")
+  return _save(fig, path)
+
+
+def _allocation_attributes(report: dict[str, Any], metrics: Sequence[dict]) -> list[str]:
+  """Attributes with a logged allocation, in the report's order (then any others, sorted)."""
+  logged = {
+      k[len(_ALLOCATION_PREFIX) :] for r in metrics for k in r if k.startswith(_ALLOCATION_PREFIX)
+  }
+  ordered = [a for a in report.get("attributes", {}) if a in logged]
+  return ordered + sorted(logged - set(ordered))
+
+
+def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], path: str) -> str:
+  """Experts per class of each attribute against step, as FairSMoE's expert management moved them.
+
+  One panel per attribute on a shared step axis: the counts are small integers and often
+  equal across attributes, so lines on one axis would hide each other.
+  """
+  attributes = _allocation_attributes(report, metrics)
+  fig = Figure(figsize=(6.4, 1.2 + 1.6 * len(attributes)), layout="constrained")
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(len(attributes), 1, sharex=True, squeeze=False).ravel()
+  for ax, attribute in zip(axes, attributes):
+    steps, values = _series(metrics, _ALLOCATION_PREFIX + attribute)
+    ax.plot(steps, values, drawstyle="steps-post", marker="o", color="tab:green")
+    ax.set_ylim(0.0, max(values, default=1.0) + 1.0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(f"{attribute}\nexperts/class")
+    ax.grid(alpha=0.3)
+  axes[-1].set_xlabel("step")
+  fig.suptitle(f"Experts per attribute class ({_title(report)})")
+  return _save(fig, path)
+
+
+def plot_gradient_cosine(report: dict[str, Any], path: str) -> str:
+  """Per attribute pair, the histogram of the cosine between their fairness-loss gradients.
+
+  The paper's Fig. 6: mass below 0 means improving one attribute's fairness works
+  against the other's, the conflict FairSMoE's routing is meant to resolve.
+  """
+  pairs = report["gradient_cosine"]
+  fig, axes = _subplots(len(pairs), width=3.8, height=3.0)
+  bins = np.linspace(-1.0, 1.0, 41)
+  for ax, (pair, values) in zip(axes, pairs.items()):
+    values = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    ax.hist(values, bins=bins, color="tab:purple", alpha=0.8)
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    if values.size:
+      ax.axvline(values.mean(), color="tab:red", linestyle="--", label=f"mean {values.mean():.2f}")
+      ax.legend(fontsize=8)
+    ax.set_xlim(-1.0, 1.0)
+    ax.set_xlabel("cosine similarity")
+    ax.set_ylabel("batches")
+    ax.set_title(f"{pair.replace('|', ' vs ')} ({values.size} batches)", fontsize=10)
+  fig.suptitle(f"Gradient cosine between attribute fairness losses ({_title(report)})")
+  return _save(fig, path)
+
+
+def plot_validation_curves(report: dict[str, Any], metrics: Sequence[dict], path: str) -> str:
+  """Validation accuracy and MF-PQD (with each attribute's PQD, thin) against step."""
+  attributes = list(report.get("attributes", {}))
+  fig = Figure(figsize=(10.0, 3.8), layout="constrained")
+  FigureCanvasAgg(fig)
+  acc_ax, pqd_ax = fig.subplots(1, 2)
+  steps, values = _series(metrics, "val/accuracy")
+  acc_ax.plot(steps, [100.0 * v for v in values], marker="o", color="tab:blue")
+  acc_ax.set_ylabel("validation accuracy (%)")
+  steps, values = _series(metrics, "val/mf_pqd")
+  pqd_ax.plot(steps, values, marker="o", color="black", linewidth=2, label="MF-PQD")
+  for attribute in attributes:
+    steps, values = _series(metrics, f"val/{attribute}/pqd")
+    if steps:
+      pqd_ax.plot(steps, values, linewidth=1, alpha=0.7, label=attribute)
+  pqd_ax.set_ylabel("validation PQD (1 = fair)")
+  pqd_ax.set_ylim(0.0, 1.05)
+  if pqd_ax.get_legend_handles_labels()[0]:
+    pqd_ax.legend(fontsize=8)
+  for ax in (acc_ax, pqd_ax):
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  fig.suptitle(f"Validation curves ({_title(report)})")
+  return _save(fig, path)
+
+
+def write_plots(workdir: str) -> list[str]:
+  """Writes every plot the run has data for into `workdir/plots/`; returns their paths.
+
+  Raises UserError when `workdir/report.json` is missing or unreadable. metrics.jsonl
+  is optional (only the allocation history and validation curves need it).
+  """
+  report = load_report(workdir)
+  metrics = load_metrics(workdir)
+  out_dir = os.path.join(workdir, "plots")
+  os.makedirs(out_dir, exist_ok=True)
+
+  jobs: list[tuple[str, Callable[[str], str]]] = []
+  for block in report.get("expert_utilisation") or {}:
+    if report["expert_utilisation"][block]:
+      jobs.append(
+          (
+              f"expert_activation_{_safe_name(block)}.png",
+              lambda p, b=block: plot_expert_activation(report, b, p),
+          )
+      )
+  if report.get("attributes"):
+    jobs.append(("group_accuracy.png", lambda p: plot_group_accuracy(report, p)))
+  if any(k.startswith(_ALLOCATION_PREFIX) for r in metrics for k in r):
+    jobs.append(("allocation_history.png", lambda p: plot_allocation_history(report, metrics, p)))
+  if report.get("gradient_cosine"):
+    jobs.append(("gradient_cosine.png", lambda p: plot_gradient_cosine(report, p)))
+  if _series(metrics, "val/accuracy")[0] or _series(metrics, "val/mf_pqd")[0]:
+    jobs.append(("validation_curves.png", lambda p: plot_validation_curves(report, metrics, p)))
+
+  return [draw(os.path.join(out_dir, name)) for name, draw in jobs]

@@ -1,0 +1,118 @@
+"""`write_plots` on a hand-made run directory: which PNGs appear, and which are skipped."""
+
+import json
+
+import pytest
+from PIL import Image
+
+from fairmoe_jax.analysis import write_plots
+from trainkit.errors import UserError
+
+ATTRIBUTES = {"sex": ["male", "female"], "site": ["head/neck", "torso", "palms_soles"]}
+NUM_EXPERTS = 4
+
+
+def _report(*, moe: bool = True, fem: bool = True) -> dict:
+  report = {
+      "accuracy": 0.75,
+      "num_examples": 100,
+      "loss": 0.8,
+      "step": 30,
+      "method": "fairsmoe" if moe else "multifair",
+      "attributes": {
+          name: {
+              "pqd": 0.8,
+              "dp": 0.01,
+              "eopp": 0.02,
+              "eodds": 0.03,
+              "groups": {g: {"n": 10 + i, "accuracy": 0.6 + 0.1 * i} for i, g in enumerate(groups)},
+              "empty_groups": [],
+          }
+          for name, groups in ATTRIBUTES.items()
+      },
+      "mf": {"pqd": 0.8, "dp": 0.01, "eopp": 0.02, "eodds": 0.03},
+  }
+  report["attributes"]["site"]["empty_groups"] = ["oral_genital"]
+  if moe:
+    report["expert_utilisation"] = {
+        "moe_block3": {
+            name: {g: [0.4, 0.3, 0.2, 0.1] for g in groups} for name, groups in ATTRIBUTES.items()
+        }
+    }
+    report["gradient_cosine"] = {"sex|site": [0.5, -0.2, 0.1, 0.9]}
+  if fem:
+    report["experts_per_class"] = {"sex": 2, "site": 1}
+  return report
+
+
+def _metrics(*, val: bool = True, fem: bool = True) -> list[dict]:
+  records = []
+  for step in (10, 20, 30):
+    record = {"step": step, "loss": 1.0 / step}
+    if val:
+      record.update({"val/accuracy": 0.5 + step / 100, "val/mf_pqd": 0.7, "val/sex/pqd": 0.9})
+    if fem:
+      record.update({"fem/experts_per_class/sex": step // 10, "fem/experts_per_class/site": 1})
+    records.append(record)
+  records.append({"step": 31, "val/mf_pqd": None})  # A non-finite value, as MetricWriter writes it.
+  return records
+
+
+def _write_run(directory, report: dict | None, metrics: list[dict] | None):
+  directory.mkdir(parents=True, exist_ok=True)
+  if report is not None:
+    (directory / "report.json").write_text(json.dumps(report))
+  if metrics is not None:
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+  return str(directory)
+
+
+def _assert_pngs(paths: list[str]):
+  for path in paths:
+    with Image.open(path) as image:
+      assert image.format == "PNG"
+      assert image.size[0] > 0 and image.size[1] > 0
+
+
+def test_all_plots_for_a_fairsmoe_run(tmp_path):
+  workdir = _write_run(tmp_path / "run", _report(), _metrics())
+  paths = write_plots(workdir)
+  names = sorted(p.split("/")[-1] for p in paths)
+  assert names == [
+      "allocation_history.png",
+      "expert_activation_moe_block3.png",
+      "gradient_cosine.png",
+      "group_accuracy.png",
+      "validation_curves.png",
+  ]
+  assert all(p.startswith(str(tmp_path / "run" / "plots")) for p in paths)
+  _assert_pngs(paths)
+
+
+def test_absent_data_skips_its_plot(tmp_path):
+  # A dense method without validation: no experts, no allocation, no cosines, no curves.
+  workdir = _write_run(
+      tmp_path / "run", _report(moe=False, fem=False), _metrics(val=False, fem=False)
+  )
+  paths = write_plots(workdir)
+  assert [p.split("/")[-1] for p in paths] == ["group_accuracy.png"]
+  _assert_pngs(paths)
+  assert sorted(p.name for p in (tmp_path / "run" / "plots").iterdir()) == ["group_accuracy.png"]
+
+
+def test_without_metrics_file_plots_the_report_only(tmp_path):
+  workdir = _write_run(tmp_path / "run", _report(), None)
+  names = sorted(p.split("/")[-1] for p in write_plots(workdir))
+  assert names == ["expert_activation_moe_block3.png", "gradient_cosine.png", "group_accuracy.png"]
+
+
+def test_missing_report_is_a_user_error_naming_the_file(tmp_path):
+  workdir = _write_run(tmp_path / "run", None, _metrics())
+  with pytest.raises(UserError, match="report.json"):
+    write_plots(workdir)
+
+
+def test_unreadable_report_is_a_user_error(tmp_path):
+  (tmp_path / "report.json").write_text("{not json")
+  with pytest.raises(UserError, match="report.json"):
+    write_plots(str(tmp_path))
