@@ -223,16 +223,16 @@ def create_state(
   return graphdef, state
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str):
+def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = True):
   mesh = make_mesh(config.mesh)
   info, splits = load_data(config)
   train_examples = len(splits["train"]["label"])
-  if train_examples < config.batch_size:
+  if training and train_examples < config.batch_size:
     raise UserError(
         f"the train split has {train_examples} examples, fewer than one batch "
         f"(batch_size={config.batch_size}); lower batch_size or add data"
     )
-  if config.num_epochs > 0:
+  if config.num_epochs > 0 and train_examples:
     config.num_train_steps = max(
         1, math.ceil(config.num_epochs * train_examples / config.batch_size)
     )
@@ -361,7 +361,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Evaluates the latest readable checkpoint in `workdir` on the test split."""
-  mesh, info, splits, _, graphdef, state, checkpointer = _setup(config, workdir)
+  mesh, info, splits, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
   restored = checkpointer.restore(state)
   checkpointer.close()
   if restored is None:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import SHARED_DATA
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
@@ -208,3 +209,45 @@ def test_missing_config_file_is_one_clear_message(repo_root, tmp_path):
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert "does_not_exist.py" in result.stderr and "No such file" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "celeba").is_dir(), reason="../shared/data/celeba absent")
+def test_celeba_sample_trains_fairsmoe_and_evaluates_on_another_copy(repo_root, tmp_path):
+  small = [
+      f"--config.data.root={SHARED_DATA / 'celeba'}",
+      "--config.data.sensitive=Male",
+      "--config.data.image_size=32",
+      "--config.data.max_examples_per_split=96",
+      "--config.model.dim=32",
+      "--config.model.depth=1",
+      "--config.model.patch_size=8",
+      "--config.batch_size=32",
+      "--config.eval_batch_size=32",
+  ]
+  workdir = tmp_path / "run"
+  config = "configs/celeba.py:size=small,epochs=1"
+  result = _run(repo_root, workdir, *small, config=config)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "rows_without_image=0" in result.stdout  # The load report is printed.
+  report = json.loads((workdir / "report.json").read_text())
+  assert report["method"] == "fairsmoe" and report["num_examples"] == 96
+  assert set(report["attributes"]) == {"Male"}
+  usage = report["expert_utilisation"]["moe_block0"]["Male"]
+  assert set(usage) == {"not_Male", "Male"} and all(len(v) == 4 for v in usage.values())
+  assert (workdir / "plots" / "expert_activation_moe_block0.png").is_file()
+
+  # Evaluate the trained model on another copy of the layout (here: a subset of the rows).
+  copy = tmp_path / "copy"
+  copy.mkdir()
+  (copy / "img_align_celeba").symlink_to(SHARED_DATA / "celeba" / "img_align_celeba")
+  lines = (SHARED_DATA / "celeba" / "list_attr_celeba.txt").read_text().splitlines()
+  (copy / "list_attr_celeba.txt").write_text("\n".join(lines[:2] + lines[-50:]) + "\n")
+  (copy / "list_eval_partition.txt").symlink_to(SHARED_DATA / "celeba" / "list_eval_partition.txt")
+  other = [
+      a if not a.startswith("--config.data.root") else f"--config.data.root={copy}" for a in small
+  ]
+  result = _run(repo_root, workdir, *other, "--mode=eval", config=config)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report_copy = json.loads((workdir / "report.json").read_text())
+  assert report_copy["step"] == report["step"]
+  assert report_copy["num_examples"] == 50  # The copy's test split, not the original's.

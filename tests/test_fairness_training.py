@@ -52,13 +52,13 @@ def test_surrogate_matches_numpy_reference(psi):
   labels = rng.integers(0, 3, 12)
   attributes = np.stack([rng.integers(0, 2, 12), rng.integers(-1, 2, 12)], 1)  # group 2 absent
   mask = (np.arange(12) < 10).astype(np.float32)  # Two padded examples.
-  got = fairness_surrogate(
+  got = jax.jit(fairness_surrogate, static_argnums=(3, 4))(
       jnp.asarray(logits, jnp.float32),
       jnp.asarray(labels),
       jnp.asarray(attributes),
       GROUP_SIZES,
       psi,
-      mask=jnp.asarray(mask),
+      jnp.asarray(mask),
   )
   np.testing.assert_allclose(got, _surrogate_reference(logits, labels, attributes, mask, psi), 1e-5)
 
@@ -133,6 +133,11 @@ def _router(route_by="label", **kw):
   return router
 
 
+@nnx.jit
+def _route(router, x, attributes):
+  return router(x, context={"attributes": attributes})
+
+
 def _tokens(n=6):
   return jnp.asarray(np.random.default_rng(2).normal(size=(n, 8)), jnp.float32)
 
@@ -140,8 +145,8 @@ def _tokens(n=6):
 def test_label_routing_adds_the_projection_row_of_the_true_class():
   router = _router()
   x = _tokens(2)
-  a = router(x, context={"attributes": jnp.array([[0, 1], [0, 1]])})
-  b = router(x, context={"attributes": jnp.array([[1, 1], [0, 2]])})
+  a = _route(router, x, jnp.array([[0, 1], [0, 1]]))
+  b = _route(router, x, jnp.array([[1, 1], [0, 2]]))
   w0, w1 = (np.asarray(p[...]) for p in router.projections)
   np.testing.assert_allclose(b.logits[0] - a.logits[0], w0[1] - w0[0], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(b.logits[1] - a.logits[1], w1[2] - w1[1], rtol=1e-5, atol=1e-6)
@@ -150,11 +155,11 @@ def test_label_routing_adds_the_projection_row_of_the_true_class():
 def test_predicted_routing_needs_no_labels_and_missing_labels_fall_back_to_it():
   x = _tokens(3)
   predicted = _router("predicted")
-  a = predicted(x, context={"attributes": jnp.array([[0, 0], [1, 1], [0, 2]])})
-  b = predicted(x, context={"attributes": jnp.full((3, 2), -1)})
+  a = _route(predicted, x, jnp.array([[0, 0], [1, 1], [0, 2]]))
+  b = _route(predicted, x, jnp.full((3, 2), -1))
   np.testing.assert_allclose(a.logits, b.logits, rtol=1e-6)
   by_label = _router("label")
-  c = by_label(x, context={"attributes": jnp.full((3, 2), -1)})
+  c = _route(by_label, x, jnp.full((3, 2), -1))
   np.testing.assert_allclose(c.logits, b.logits, rtol=1e-6)
 
 
@@ -168,7 +173,7 @@ def test_confusion_trains_phi_only_and_attribute_ce_trains_classifiers_only():
     def loss(p):
       return getattr(nnx.merge(graphdef, p, rest)(x, context=context), loss_name)
 
-    return jax.grad(loss)(params)
+    return jax.jit(jax.grad(loss))(params)
 
   confusion = grads_of("confusion")
   ce = grads_of("attribute_ce")
