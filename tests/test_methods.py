@@ -17,10 +17,11 @@ from trainkit.optim import learning_rate_schedule, make_optimizer
 from trainkit.train_state import jit_train_step, make_train_step
 
 
-def _config(method: str):
+def _config(method: str, backbone: str = "vit", image_size: int = 16):
   config = fairmoe_config.base_config()
   config.method = method
-  config.data.update(train_size=64, val_size=32, test_size=32, num_threads=0, image_size=16)
+  config.model.backbone = backbone
+  config.data.update(train_size=64, val_size=32, test_size=32, num_threads=0, image_size=image_size)
   config.model.update(dim=16, depth=2, num_heads=2, mlp_dim=32)
   config.update(batch_size=16, eval_batch_size=16, num_train_steps=4)
   config.muffin.pretrain_fraction = 0.5
@@ -46,9 +47,13 @@ def _setup(config):
   return mesh, info, graphdef, state, step, shard_batch(batch, mesh)
 
 
-@pytest.mark.parametrize("method", sorted(methods.METHODS))
-def test_every_method_trains_in_the_jitted_step(method):
-  config = _config(method)
+@pytest.mark.parametrize(
+    "method,backbone",
+    [(m, "vit") for m in sorted(methods.METHODS)]
+    + [("fairsmoe", "swin_tiny_cpu"), ("muffin", "swin_tiny_cpu")],
+)
+def test_every_method_trains_in_the_jitted_step(method, backbone):
+  config = _config(method, backbone, image_size=32 if backbone.startswith("swin") else 16)
   mesh, info, graphdef, state, step, batch = _setup(config)
   model = nnx.merge(graphdef, state.params, state.model_state)
   has_fair_router = any(isinstance(n, FairRouter) for _, n in nnx.iter_graph(model))

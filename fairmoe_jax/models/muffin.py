@@ -22,8 +22,8 @@ class Muffin(nnx.Module):
   """Backbones without MoE whose features a linear head fuses.
 
   Args:
-    make_backbone: builds one backbone (a classifier with `features(images,
-      train=..., rngs=...)`, a `head` and a `num_features` or `dim` width).
+    make_backbone: builds one backbone (a `BackboneClassifier`; its own head
+      classifies during the per-attribute phase).
     num_backbones: how many (one per attribute they are first trained on).
     num_classes: target classes.
     rngs: parameter RNGs.
@@ -38,7 +38,7 @@ class Muffin(nnx.Module):
       rngs: nnx.Rngs,
   ):
     self.backbones = nnx.List([make_backbone(rngs) for _ in range(num_backbones)])
-    width = sum(b.head.in_features for b in self.backbones)
+    width = sum(b.num_features for b in self.backbones)
     self.fusion_head = nnx.Linear(
         width,
         num_classes,
@@ -51,7 +51,9 @@ class Muffin(nnx.Module):
   ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
     """(fused float32 logits [B, K], per-backbone float32 logits, per-backbone features)."""
     features = [b.features(images, train=train, rngs=rngs) for b in self.backbones]
-    branch_logits = [b.head(f).astype(jnp.float32) for b, f in zip(self.backbones, features)]
+    branch_logits = [
+        b.classify(f, train=train, rngs=rngs) for b, f in zip(self.backbones, features)
+    ]
     fused = self.fusion_head(jnp.concatenate(features, axis=-1)).astype(jnp.float32)
     return fused, branch_logits, features
 

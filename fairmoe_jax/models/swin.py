@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from fairmoe_jax.models.vit import Mlp
+from fairmoe_jax.models.classifier import BackboneClassifier
 from fairmoe_jax.moe import MoEAux, SparseMoE
 
 # timm initialises Swin like its ViT: N(0, 0.02) linear kernels and relative
@@ -359,7 +360,7 @@ class SwinStage(nnx.Module):
     )
 
 
-class SwinTransformer(nnx.Module):
+class SwinTransformer(BackboneClassifier):
   """Swin Transformer classifier whose `moe_blocks` use a sparse-MoE feed-forward.
 
   Args:
@@ -485,37 +486,8 @@ class SwinTransformer(nnx.Module):
     feats = self.norm(x).astype(jnp.float32).mean(axis=(1, 2)).astype(self.dtype)
     return feats, MoEAux.merge(auxes)
 
-  def features(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, jax.Array] | None = None,
-  ) -> jax.Array:
-    """Pre-head feature [B, C] (final LayerNorm, then mean over tokens), in dtype.
-
-    The MoE auxiliary losses are discarded; use `__call__` when training MoE
-    blocks.
-    """
-    return self._encode(images, train=train, rngs=rngs, context=context)[0]
-
-  def __call__(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, jax.Array] | None = None,
-  ) -> tuple[jax.Array, MoEAux]:
-    """[B, H, W, 3] -> (float32 logits [B, num_classes], MoEAux summed over blocks).
-
-    `context` holds per-example arrays [B, ...] handed to every MoE router.
-    The aux metrics are keyed "moe_block{i}/<metric>" with i the flattened
-    block index; without MoE blocks the losses are zero and the metrics empty.
-    """
-    feats, aux = self._encode(images, train=train, rngs=rngs, context=context)
-    return self.head(feats, train=train, rngs=rngs).astype(jnp.float32), aux
+  def classify(self, feats: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
+    return self.head(feats, train=train, rngs=rngs).astype(jnp.float32)
 
 
 class ClassifierHead(nnx.Module):

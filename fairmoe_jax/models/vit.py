@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fairmoe_jax.models.classifier import BackboneClassifier
 from fairmoe_jax.moe import MoEAux, SparseMoE
 
 # timm's ViT/DeiT initialisation: N(0, 0.02) linear kernels and position
@@ -183,7 +184,7 @@ class Block(nnx.Module):
     return x + y.astype(x.dtype), aux
 
 
-class VisionTransformer(nnx.Module):
+class VisionTransformer(BackboneClassifier):
   """ViT / DeiT classifier whose `moe_blocks` use a sparse-MoE feed-forward.
 
   Args:
@@ -236,6 +237,7 @@ class VisionTransformer(nnx.Module):
     self.image_size = image_size
     self.patch_size = patch_size
     self.dim = dim
+    self.num_features = dim
     self.dropout_rate = dropout_rate
     self.dtype = dtype
     num_patches = (image_size // patch_size) ** 2
@@ -286,35 +288,6 @@ class VisionTransformer(nnx.Module):
         auxes[f"moe_block{i}"] = aux
     return self.norm(x)[:, 0], MoEAux.merge(auxes)
 
-  def features(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, jax.Array] | None = None,
-  ) -> jax.Array:
-    """Pre-head class-token feature [B, dim] (after the final LayerNorm), in dtype.
-
-    The MoE auxiliary losses are discarded; use `__call__` when training MoE
-    blocks.
-    """
-    return self._encode(images, train=train, rngs=rngs, context=context)[0]
-
-  def __call__(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, jax.Array] | None = None,
-  ) -> tuple[jax.Array, MoEAux]:
-    """[B, H, W, 3] -> (float32 logits [B, num_classes], MoEAux summed over blocks).
-
-    `context` holds per-example arrays [B, ...] handed to every MoE router
-    (e.g. the sensitive attributes for fairness-guided routing). The aux
-    metrics are keyed "moe_block{i}/<metric>"; without MoE blocks the losses
-    are zero and the metrics empty.
-    """
-    feats, aux = self._encode(images, train=train, rngs=rngs, context=context)
-    return self.head(feats).astype(jnp.float32), aux
+  def classify(self, feats: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
+    del train, rngs
+    return self.head(feats).astype(jnp.float32)

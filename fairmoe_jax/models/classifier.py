@@ -1,0 +1,68 @@
+"""What every backbone classifier shares: features, logits and the call contract."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fairmoe_jax.moe import MoEAux
+
+
+class BackboneClassifier(nnx.Module):
+  """Base of the ViT/DeiT and Swin classifiers.
+
+  Subclasses set `num_features` and implement `_encode` (images -> pre-head
+  feature and merged MoEAux) and `classify` (feature -> logits).
+  """
+
+  num_features: int
+
+  def _encode(
+      self,
+      images: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None,
+      context: Mapping[str, jax.Array] | None,
+  ) -> tuple[jax.Array, MoEAux]:
+    raise NotImplementedError
+
+  def classify(self, feats: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
+    """Pre-head feature [B, num_features] -> float32 logits [B, num_classes]."""
+    raise NotImplementedError
+
+  def features(
+      self,
+      images: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None = None,
+      context: Mapping[str, jax.Array] | None = None,
+  ) -> jax.Array:
+    """Pre-head feature [B, num_features] in the compute dtype.
+
+    The MoE auxiliary losses are discarded; use `__call__` when training MoE
+    blocks.
+    """
+    return self._encode(images, train=train, rngs=rngs, context=context)[0]
+
+  def __call__(
+      self,
+      images: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None = None,
+      context: Mapping[str, jax.Array] | None = None,
+  ) -> tuple[jax.Array, MoEAux]:
+    """[B, H, W, 3] -> (float32 logits [B, num_classes], MoEAux summed over MoE blocks).
+
+    `context` holds per-example arrays [B, ...] handed to every MoE router
+    (e.g. the sensitive attributes for fairness-guided routing). The aux
+    metrics are keyed "moe_block{i}/<metric>", i the block index (flattened
+    over stages); without MoE blocks the losses are zero and the metrics empty.
+    """
+    feats, aux = self._encode(images, train=train, rngs=rngs, context=context)
+    return self.classify(feats, train=train, rngs=rngs), aux
