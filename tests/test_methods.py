@@ -102,3 +102,29 @@ def test_expert_management_changes_the_assignment_without_recompiling():
   assert step._cache_size() == compiled  # New assignment, same compiled step.
   assert np.isfinite(float(metrics["loss"]))
   np.testing.assert_array_equal(np.asarray(state.extra["fem"]["counts"])[0], 2)
+
+
+@pytest.mark.parametrize("method", ["fairsmoe", "muffin"])
+def test_pretrained_checkpoint_initialises_every_backbone(tmp_path, method):
+  from fairmoe_jax.models.convert_timm import export_timm_state_dict
+
+  config = _config(method)
+  info, _ = train.load_data(config)
+  # A "timm checkpoint" of the plain backbone, exported from a differently seeded model.
+  plain = _config("vanilla_smoe")
+  plain.moe.blocks = ()
+  source = train.build_model(plain, info, nnx.Rngs(7))
+  path = tmp_path / "backbone.npz"
+  np.savez(path, **export_timm_state_dict(source))
+  config.model.pretrained = str(path)
+  model = train.build_model(config, info, nnx.Rngs(0))
+  backbones = model.backbones if method == "muffin" else [model]
+  for backbone in backbones:
+    np.testing.assert_array_equal(backbone.pos_embed[...], source.pos_embed[...])
+    np.testing.assert_array_equal(
+        backbone.blocks[0].attn.qkv.kernel[...], source.blocks[0].attn.qkv.kernel[...]
+    )
+  if method == "fairsmoe":  # The MoE experts are upcycled from the dense MLP of their block.
+    moe = model.blocks[-1].mlp
+    for e in range(moe.num_experts):
+      np.testing.assert_array_equal(moe.w1[...][e], source.blocks[-1].mlp.fc1.kernel[...])
