@@ -43,8 +43,10 @@ def benchmark(
     dispatch: str,
     compute_dtype: str,
     steps: int,
+    method: str = "smoe",
 ) -> dict:
   config = fairmoe_config.base_config()
+  config.method = method
   dim, depth, heads, mlp = SIZES[preset]
   config.model.update(dim=dim, depth=depth, num_heads=heads, mlp_dim=mlp, patch_size=patch_size)
   config.data.image_size = image_size
@@ -62,7 +64,7 @@ def benchmark(
   mesh = make_mesh(config.mesh)
   tx = make_optimizer(config.optimizer, 1000)
   graphdef, state = create_train_state(lambda: build_model(config, info, nnx.Rngs(0)), tx, mesh, 0)
-  step_fn = jit_train_step(make_train_step(graphdef, make_loss_fn(config), tx), state, mesh)
+  step_fn = jit_train_step(make_train_step(graphdef, make_loss_fn(config, info), tx), state, mesh)
   rng = np.random.default_rng(0)
   batch = shard_batch(
       {
@@ -115,6 +117,7 @@ def main() -> None:
   )
   parser.add_argument("--compute_dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--method", default="smoe", help="fairmoe_jax.methods.METHODS key")
   parser.add_argument(
       "--output", default=os.path.join(os.path.dirname(__file__), "results", "train_step.json")
   )
@@ -131,6 +134,7 @@ def main() -> None:
           dispatch,
           args.compute_dtype,
           args.steps,
+          args.method,
       )
       for dispatch in args.dispatch
       for e in args.experts

@@ -130,7 +130,7 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def make_loss_fn(config: ml_collections.ConfigDict, info: DatasetInfo):
-  """`loss_fn(model, batch, rng, step) -> (loss, metrics)` of `config.method`."""
+  """`loss_fn(model, batch, rng, step, extra) -> (loss, metrics)` of `config.method`."""
   method = METHODS[config.method]
   f = config.fair
   group_sizes = info.group_sizes
@@ -145,8 +145,8 @@ def make_loss_fn(config: ml_collections.ConfigDict, info: DatasetInfo):
         attribute_indices=attribute_indices,
     )
 
-  def smoe_loss(model, batch, rng, step):
-    del step
+  def smoe_loss(model, batch, rng, step, extra):
+    del step, extra
     rngs = nnx.Rngs(dropout=rng, noise=jax.random.fold_in(rng, 1))
     logits, aux = model(batch["image"], train=True, rngs=rngs, context=context_of(batch))
     ce = _cross_entropy(logits, batch["label"])
@@ -171,7 +171,8 @@ def make_loss_fn(config: ml_collections.ConfigDict, info: DatasetInfo):
     metrics.update({k: v for k, v in aux.metrics.items() if jnp.ndim(v) == 0})
     return loss, metrics
 
-  def muffin_loss(model: Muffin, batch, rng, step):
+  def muffin_loss(model: Muffin, batch, rng, step, extra):
+    del extra
     # Phase 1 trains each backbone (with its own head) toward fairness on its attribute;
     # phase 2 trains the fusion head on the frozen backbones' features.
     pretrain_steps = int(config.muffin.pretrain_fraction * config.num_train_steps)
@@ -193,7 +194,8 @@ def make_loss_fn(config: ml_collections.ConfigDict, info: DatasetInfo):
     }
     return loss, metrics
 
-  def multifair_loss(model, batch, rng, step):
+  def multifair_loss(model, batch, rng, step, extra):
+    del extra
     rngs = nnx.Rngs(dropout=rng)
     logits, _ = model(batch["image"], train=True, rngs=rngs)
     ce = _cross_entropy(logits, batch["label"])

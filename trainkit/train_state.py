@@ -13,11 +13,17 @@ from jax.sharding import Mesh, NamedSharding
 
 from trainkit.mesh import replicated
 
-# loss_fn(model, batch, rng, step) -> (scalar loss, dict of scalar metrics); `step` is the
-# int32 step counter, for losses whose form changes during training (e.g. training phases).
+# loss_fn(model, batch, rng, step, extra) -> (scalar loss, dict of metrics); `step` is the
+# int32 step counter, for losses whose form changes during training (e.g. training phases);
+# `extra` is TrainState.extra (e.g. Lagrange multipliers), read-only in the loss.
 LossFn = Callable[
-    [nnx.Module, dict[str, jax.Array], jax.Array, jax.Array],
+    [nnx.Module, dict[str, jax.Array], jax.Array, jax.Array, dict[str, Any]],
     tuple[jax.Array, dict[str, jax.Array]],
+]
+# update_extra(extra, metrics) -> (extra, scalar metrics): non-gradient state updated after the
+# optimiser step from the step's metrics (e.g. projected dual ascent on multipliers).
+UpdateExtraFn = Callable[
+    [dict[str, Any], dict[str, jax.Array]], tuple[dict[str, Any], dict[str, jax.Array]]
 ]
 
 
@@ -84,15 +90,20 @@ def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
+    update_extra: UpdateExtraFn | None = None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """Returns a pure `train_step(state, batch) -> (state, metrics)`; the caller jits it."""
+  """Returns a pure `train_step(state, batch) -> (state, metrics)`; the caller jits it.
+
+  Metrics whose name starts with "_" are internal to `update_extra` (e.g. per-head
+  violation arrays) and are not returned.
+  """
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     rng = jax.random.fold_in(state.rng, state.step)
 
     def objective(params):
       model = nnx.merge(graphdef, params, state.model_state)
-      loss, metrics = loss_fn(model, batch, rng, state.step)
+      loss, metrics = loss_fn(model, batch, rng, state.step, state.extra)
       _, _, model_state = nnx.split(model, nnx.Param, ...)
       return loss, (metrics, model_state)
 
@@ -101,11 +112,20 @@ def make_train_step(
     )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    extra = state.extra
+    if update_extra is not None:
+      extra, extra_metrics = update_extra(extra, metrics)
+      metrics = dict(metrics, **extra_metrics)
+    metrics = {k: v for k, v in metrics.items() if not k.startswith("_")}
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     if schedule is not None:
       metrics["learning_rate"] = schedule(state.step)
     new_state = state.replace(
-        step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+        step=state.step + 1,
+        params=params,
+        model_state=model_state,
+        opt_state=opt_state,
+        extra=extra,
     )
     return new_state, metrics
 
