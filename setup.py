@@ -25,6 +25,8 @@ setup(
         "pillow>=10",
         "safetensors>=0.4",
         "matplotlib>=3.7",
+        "sentencepiece>=0.2",
+        "sacrebleu>=2.3",
         "tensorboardX>=2.6",
     ],
     extras_require={

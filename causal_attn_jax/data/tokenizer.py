@@ -1,0 +1,360 @@
+"""SentencePiece tokenizer trained in the run's workdir, with fixed special ids.
+
+The special ids are fixed (``PAD_ID`` 0, ``UNK_ID`` 1, ``BOS_ID`` 2,
+``EOS_ID`` 3, then ``SEP_PIECE`` ``[SEP]`` as a user-defined symbol) so that
+models, padding masks (``ids != PAD_ID``) and the loss can hard-code them
+whatever corpus the vocabulary was trained on.
+
+``load_or_train`` trains ``<workdir>/<name>.model`` once and reuses it when a
+run resumes: retraining would give different ids (the training samples and
+threads vary) and silently invalidate the checkpointed embeddings. A reused
+model must match the requested settings, recorded beside it in
+``<name>.json``; a mismatch is an error rather than a silent switch.
+
+Multi-host runs should call ``load_or_train`` on one process first (or share a
+prepared workdir): concurrent training in one workdir is not coordinated here,
+although each writer replaces the model file atomically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+import json
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from trainkit.errors import UserError
+
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+SEP_PIECE = "[SEP]"
+# pad, unk, bos, eos and [SEP]: the pieces every vocabulary starts with.
+NUM_RESERVED_PIECES = 5
+MODEL_TYPES = ("unigram", "bpe")
+# encode_pair's segment ids: 0 = padding, 1 = <bos> premise <sep>, 2 = hypothesis <eos>.
+NUM_SEGMENT_IDS = 3
+# <bos>, <sep> and <eos> of a packed pair.
+_PAIR_SPECIALS = 3
+
+Texts = Iterable[str] | Callable[[], Iterable[str]]
+
+
+def _spm() -> Any:
+  try:
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise UserError(f"the tokenizer needs sentencepiece installed: {e}") from e
+  return spm
+
+
+def train_sentencepiece(
+    texts: Texts,
+    model_prefix: str | os.PathLike,
+    *,
+    vocab_size: int,
+    model_type: str = "unigram",
+    character_coverage: float = 0.9995,
+    input_sentence_size: int = 2_000_000,
+    byte_fallback: bool = False,
+    seed: int = 0,
+    num_threads: int = 4,
+) -> pathlib.Path:
+  """Trains a SentencePiece model and writes ``<model_prefix>.model`` and ``.vocab``.
+
+  The files appear atomically (trained under a temporary prefix, then
+  renamed), so an interrupted run never leaves a half-written model that a
+  resume would load.
+
+  Args:
+    texts: Training sentences (or a callable returning them); empty ones are
+      skipped. Give source and target text together for a shared NMT vocabulary.
+    model_prefix: Path prefix of the output, normally inside the run's workdir.
+    vocab_size: Pieces in the vocabulary, specials and ``[SEP]`` included.
+    model_type: ``"unigram"`` or ``"bpe"``.
+    character_coverage: Fraction of characters covered by single pieces; the
+      rarest rest map to ``<unk>`` (or bytes with ``byte_fallback``).
+    input_sentence_size: At most this many sentences are sampled for training.
+    byte_fallback: Encode unknown characters as UTF-8 bytes instead of ``<unk>``.
+    seed: Seed of SentencePiece's sentence sampling.
+    num_threads: Training threads.
+
+  Returns:
+    The path of the ``.model`` file.
+
+  Raises:
+    UserError: Bad settings, no text, or SentencePiece refused the corpus
+      (e.g. a vocabulary larger than the corpus supports); the message says why.
+  """
+  if model_type not in MODEL_TYPES:
+    raise UserError(
+        f"tokenizer model_type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}."
+    )
+  if vocab_size <= NUM_RESERVED_PIECES:
+    raise UserError(
+        f"tokenizer vocab_size {vocab_size} must exceed the {NUM_RESERVED_PIECES} reserved pieces."
+    )
+  spm = _spm()
+  prefix = pathlib.Path(model_prefix)
+  prefix.parent.mkdir(parents=True, exist_ok=True)
+  tmp_prefix = prefix.parent / f".{prefix.name}.tmp{os.getpid()}"
+  sentences = (t for t in (texts() if callable(texts) else texts) if t and t.strip())
+  counted = _Counting(sentences)
+  spm.set_random_generator_seed(seed)
+  try:
+    with open(os.devnull, "w") as devnull:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=counted,
+          model_prefix=str(tmp_prefix),
+          vocab_size=vocab_size,
+          model_type=model_type,
+          character_coverage=character_coverage,
+          input_sentence_size=input_sentence_size,
+          shuffle_input_sentence=True,
+          byte_fallback=byte_fallback,
+          num_threads=num_threads,
+          pad_id=PAD_ID,
+          unk_id=UNK_ID,
+          bos_id=BOS_ID,
+          eos_id=EOS_ID,
+          pad_piece="<pad>",
+          unk_piece="<unk>",
+          bos_piece="<s>",
+          eos_piece="</s>",
+          user_defined_symbols=[SEP_PIECE],
+          logstream=devnull,
+      )
+  except RuntimeError as e:
+    for suffix in (".model", ".vocab"):
+      pathlib.Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
+    if not counted.count:
+      raise UserError(f"tokenizer {prefix}.model: no non-empty training text was given.") from e
+    raise UserError(
+        f"tokenizer {prefix}.model: SentencePiece training on {counted.count} sentences "
+        f"failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+    ) from e
+  os.replace(f"{tmp_prefix}.vocab", f"{prefix}.vocab")
+  os.replace(f"{tmp_prefix}.model", f"{prefix}.model")
+  return pathlib.Path(f"{prefix}.model")
+
+
+class _Counting:
+  """An iterator that counts what it yields (to tell "no text" from other failures)."""
+
+  def __init__(self, iterable: Iterable[str]):
+    self._it = iter(iterable)
+    self.count = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> str:
+    item = next(self._it)
+    self.count += 1
+    return item
+
+
+def load_or_train(
+    workdir: str | os.PathLike,
+    texts: Texts,
+    vocab_size: int,
+    *,
+    model_type: str = "unigram",
+    name: str = "spm",
+    character_coverage: float = 0.9995,
+    input_sentence_size: int = 2_000_000,
+    byte_fallback: bool = False,
+    seed: int = 0,
+) -> Tokenizer:
+  """Returns the tokenizer ``<workdir>/<name>.model``, training it only if absent.
+
+  On resume the existing model is reused; ``texts`` is then not read (pass a
+  generator or callable so the corpus is not loaded for nothing).
+
+  Raises:
+    UserError: The existing model's vocabulary size, or a setting recorded in
+      ``<name>.json``, differs from the requested one (the message names the
+      file and both values), or training failed.
+  """
+  workdir = pathlib.Path(workdir)
+  model_path = workdir / f"{name}.model"
+  settings_path = workdir / f"{name}.json"
+  settings = {
+      "vocab_size": vocab_size,
+      "model_type": model_type,
+      "character_coverage": character_coverage,
+      "byte_fallback": byte_fallback,
+  }
+  if model_path.is_file():
+    tokenizer = Tokenizer(model_path)
+    if tokenizer.vocab_size != vocab_size:
+      raise UserError(
+          f"tokenizer {model_path} has vocab_size {tokenizer.vocab_size} but {vocab_size} was "
+          "requested; use the same vocab_size to resume, or a new workdir (or delete the "
+          "model) to train another."
+      )
+    if settings_path.is_file():
+      try:
+        saved = json.loads(settings_path.read_text())
+      except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"tokenizer settings {settings_path} cannot be read: {e}") from e
+      for key, value in settings.items():
+        if key in saved and saved[key] != value:
+          raise UserError(
+              f"tokenizer {model_path} was trained with {key}={saved[key]!r} "
+              f"(recorded in {settings_path}) but {key}={value!r} was requested."
+          )
+    return tokenizer
+  train_sentencepiece(
+      texts,
+      workdir / name,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      character_coverage=character_coverage,
+      input_sentence_size=input_sentence_size,
+      byte_fallback=byte_fallback,
+      seed=seed,
+  )
+  tmp = settings_path.with_name(f".{settings_path.name}.tmp{os.getpid()}")
+  tmp.write_text(json.dumps(settings, indent=2) + "\n")
+  os.replace(tmp, settings_path)
+  return Tokenizer(model_path)
+
+
+def pair_lengths(premise_len: int, hypothesis_len: int, budget: int) -> tuple[int, int]:
+  """Lengths kept when truncating a pair to ``budget`` tokens, longer sentence first.
+
+  Equivalent to removing one token at a time from the end of the longer
+  sentence (the hypothesis on ties), as BERT's "longest_first" does, so a
+  short hypothesis is not cut because the premise is long.
+  """
+  if premise_len + hypothesis_len <= budget:
+    return premise_len, hypothesis_len
+  shorter = min(premise_len, hypothesis_len)
+  if 2 * shorter <= budget:
+    if premise_len > hypothesis_len:
+      return budget - hypothesis_len, hypothesis_len
+    return premise_len, budget - premise_len
+  return (budget + 1) // 2, budget // 2
+
+
+class Tokenizer:
+  """A SentencePiece model with fixed special ids and fixed-length int32 encoding."""
+
+  def __init__(self, model_path: str | os.PathLike):
+    """Loads ``model_path``; its special ids must be the fixed ones (module doc)."""
+    spm = _spm()
+    self.path = pathlib.Path(model_path)
+    if not self.path.is_file():
+      raise UserError(f"tokenizer model {self.path} does not exist.")
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      self._sp.Load(str(self.path))
+    except (OSError, RuntimeError) as e:
+      raise UserError(f"tokenizer model {self.path} cannot be loaded: {e}") from e
+    found = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
+    if found != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+      raise UserError(
+          f"tokenizer model {self.path} has pad/unk/bos/eos ids {found}; expected "
+          f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} (train it with train_sentencepiece)."
+      )
+    self.sep_id = self._sp.piece_to_id(SEP_PIECE)
+    if self.sep_id == UNK_ID:
+      raise UserError(f"tokenizer model {self.path} has no {SEP_PIECE} piece.")
+    self.pad_id, self.unk_id, self.bos_id, self.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.get_piece_size()
+
+  def tokenize(self, texts: str | Sequence[str]) -> list[list[int]]:
+    """Piece ids of each text, without specials, padding or truncation."""
+    batch = [texts] if isinstance(texts, str) else list(texts)
+    return self._sp.encode(batch, out_type=int)
+
+  def encode(
+      self,
+      texts: str | Sequence[str],
+      max_len: int,
+      add_bos: bool = False,
+      add_eos: bool = True,
+  ) -> np.ndarray:
+    """Encodes to int32 [N, max_len] ([max_len] for one str), padded with ``PAD_ID``.
+
+    Text longer than the room left by the specials is truncated at the end;
+    ``<eos>`` is kept after truncation, so a decoder still learns to stop.
+    """
+    specials = int(add_bos) + int(add_eos)
+    if max_len <= specials:
+      raise UserError(f"tokenizer max_len {max_len} leaves no room for text ({specials} specials).")
+    pieces = self.tokenize(texts)
+    out = np.full((len(pieces), max_len), PAD_ID, np.int32)
+    for i, ids in enumerate(pieces):
+      row = (
+          ([BOS_ID] if add_bos else []) + ids[: max_len - specials] + ([EOS_ID] if add_eos else [])
+      )
+      out[i, : len(row)] = row
+    return out[0] if isinstance(texts, str) else out
+
+  def encode_pair(
+      self,
+      premise: str | Sequence[str],
+      hypothesis: str | Sequence[str],
+      max_len: int,
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """Packs ``<bos> premise <sep> hypothesis <eos>`` into ``max_len`` tokens.
+
+    If too long, the longer sentence is truncated first (``pair_lengths``).
+
+    Returns:
+      ``(ids, segment_ids)``, int32 [max_len] for one pair or [N, max_len] for
+      sequences. Segment ids are 1 for ``<bos> premise <sep>``, 2 for
+      ``hypothesis <eos>`` and 0 for padding (``NUM_SEGMENT_IDS`` values), so
+      ``segment_ids > 0`` is also the padding mask.
+    """
+    single = isinstance(premise, str)
+    if single != isinstance(hypothesis, str):
+      raise ValueError("encode_pair: premise and hypothesis must both be str or both sequences.")
+    premises = self.tokenize(premise)
+    hypotheses = self.tokenize(hypothesis)
+    if len(premises) != len(hypotheses):
+      raise ValueError(f"encode_pair: {len(premises)} premises but {len(hypotheses)} hypotheses.")
+    if max_len <= _PAIR_SPECIALS:
+      raise UserError(f"tokenizer max_len {max_len} leaves no room for a pair (3 specials).")
+    budget = max_len - _PAIR_SPECIALS
+    ids = np.full((len(premises), max_len), PAD_ID, np.int32)
+    segments = np.zeros((len(premises), max_len), np.int32)
+    for i, (p, h) in enumerate(zip(premises, hypotheses)):
+      lp, lh = pair_lengths(len(p), len(h), budget)
+      first = [BOS_ID] + p[:lp] + [self.sep_id]
+      second = h[:lh] + [EOS_ID]
+      ids[i, : len(first)] = first
+      ids[i, len(first) : len(first) + len(second)] = second
+      segments[i, : len(first)] = 1
+      segments[i, len(first) : len(first) + len(second)] = 2
+    if single:
+      return ids[0], segments[0]
+    return ids, segments
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Text of one id sequence: stops at the first ``<eos>``, skips pad and bos.
+
+    Ids outside the vocabulary (a model whose output layer is padded beyond
+    ``vocab_size``) decode as ``<unk>`` rather than raising.
+    """
+    kept: list[int] = []
+    for token in np.asarray(ids).reshape(-1).tolist():
+      if token == EOS_ID:
+        break
+      if token in (PAD_ID, BOS_ID):
+        continue
+      kept.append(token if 0 <= token < self.vocab_size else UNK_ID)
+    return self._sp.decode(kept)
+
+  def decode_batch(self, ids: np.ndarray) -> list[str]:
+    """``decode`` of each row of an [N, L] array."""
+    return [self.decode(row) for row in np.asarray(ids)]

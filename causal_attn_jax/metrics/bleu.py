@@ -1,0 +1,64 @@
+"""BLEU (via sacrebleu), accuracy and macro-F1 for the paper's NMT and classification results.
+
+BLEU is sacrebleu's corpus BLEU on detokenised text with its default ``13a``
+tokenizer, the comparable-across-papers setting: computing it on text that is
+already tokenised (e.g. Moses-tokenised WMT14 files) inflates scores, so
+detokenise hypotheses and references first. sacrebleu is imported only when
+BLEU is computed, so classification runs do not need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+  """Corpus BLEU (0-100) of ``hypotheses`` against one reference each.
+
+  Raises:
+    ValueError: The two lists differ in length (a misaligned evaluation would
+      give a meaningless score).
+  """
+  if len(hypotheses) != len(references):
+    raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references.")
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+
+  return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
+
+
+def _masked(labels, predictions, mask) -> tuple[np.ndarray, np.ndarray]:
+  labels = np.asarray(labels).reshape(-1)
+  predictions = np.asarray(predictions).reshape(-1)
+  if labels.shape != predictions.shape:
+    raise ValueError(f"{labels.shape[0]} labels but {predictions.shape[0]} predictions.")
+  if mask is not None:
+    keep = np.asarray(mask, bool).reshape(-1)
+    labels, predictions = labels[keep], predictions[keep]
+  return labels, predictions
+
+
+def accuracy(labels, predictions, mask=None) -> float:
+  """Fraction of correct predictions; examples with ``mask`` False (eval padding) are ignored."""
+  labels, predictions = _masked(labels, predictions, mask)
+  if not labels.size:
+    return float("nan")
+  return float(np.mean(labels == predictions))
+
+
+def macro_f1(labels, predictions, num_classes: int, mask=None) -> float:
+  """Unweighted mean over ``num_classes`` classes of the per-class F1.
+
+  A class with no true and no predicted example has F1 0 and still counts,
+  as in ``sklearn.metrics.f1_score(average="macro", labels=range(num_classes))``,
+  so a model that never predicts a class is penalised for it.
+  """
+  labels, predictions = _masked(labels, predictions, mask)
+  classes = np.arange(num_classes)[:, None]
+  true_positive = ((labels == classes) & (predictions == classes)).sum(1)
+  false_positive = ((labels != classes) & (predictions == classes)).sum(1)
+  false_negative = ((labels == classes) & (predictions != classes)).sum(1)
+  denominator = 2 * true_positive + false_positive + false_negative
+  f1 = np.where(denominator > 0, 2 * true_positive / np.maximum(denominator, 1), 0.0)
+  return float(f1.mean())
