@@ -1,0 +1,35 @@
+r"""QQP -> PAWS-QQP (paper 001 Sec. 4.1, Table 1): train on QQP, score PAWS-QQP, no fine-tuning.
+
+Full run (200 epochs, warm-up 12800 steps, dropout 0.1, 300-d GloVe init as in the paper):
+  python -m causal_attn_jax.main --config=configs/qqp_paws.py:attention=causal \
+      --config.data.train_file=/data/glue/QQP/train.tsv --config.data.eval_file=/data/glue/QQP/dev.tsv \
+      --config.data.challenge_file=/data/paws_qqp/dev_and_test.tsv \
+      --config.model.glove_path=/data/glove.840B.300d.txt --workdir=/tmp/qqp_causal
+
+(tfds: --config.data.tfds_name=glue/qqp --config.data.tfds_data_dir=DIR, PAWS still from a file.)
+
+Arguments: size (full | small), attention (causal | vanilla | band | dilated | random | block),
+gcn_hops (1 | 2), steps, seed.
+
+Expected result: the paper reports 87.8% QQP and 78.1% PAWS-QQP (not reproduced here; no QQP or
+PAWS sample is in ../shared/data).
+"""
+
+from causal_attn_jax.config import paper_config
+from trainkit.config import parse_arg
+
+
+def get_config(arg: str | None = None):
+  arg = parse_arg(arg, size="full", attention="causal", gcn_hops=1, steps=0, seed=0)
+  config = paper_config(
+      task="classification",
+      size=arg.size,
+      attention=arg.attention,
+      gcn_hops=arg.gcn_hops,
+      steps=arg.steps,
+      seed=arg.seed,
+  )
+  config.data.pair_task = "paraphrase"
+  if arg.size == "full":
+    config.num_epochs = 200.0
+  return config
