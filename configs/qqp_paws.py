@@ -2,7 +2,8 @@ r"""QQP -> PAWS-QQP (paper 001 Sec. 4.1, Table 1): train on QQP, score PAWS-QQP,
 
 Full run (200 epochs, warm-up 12800 steps, dropout 0.1, 300-d GloVe init as in the paper):
   python -m causal_attn_jax.main --config=configs/qqp_paws.py:attention=causal \
-      --config.data.train_file=/data/glue/QQP/train.tsv --config.data.eval_file=/data/glue/QQP/dev.tsv \
+      --config.data.train_file=/data/glue/QQP/train.tsv \
+      --config.data.eval_file=/data/glue/QQP/dev.tsv \
       --config.data.challenge_file=/data/paws_qqp/dev_and_test.tsv \
       --config.model.glove_path=/data/glove.840B.300d.txt --workdir=/tmp/qqp_causal
 
@@ -30,6 +31,6 @@ def get_config(arg: str | None = None):
       seed=arg.seed,
   )
   config.data.pair_task = "paraphrase"
-  if arg.size == "full":
+  if arg.size == "full" and not arg.steps:  # The paper counts epochs; steps= overrides.
     config.num_epochs = 200.0
   return config

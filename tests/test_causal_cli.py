@@ -1,0 +1,185 @@
+"""Causal Transformer end to end: `python -m causal_attn_jax.main` on the MNLI/HANS samples, a bad
+data path, and a tiny translation run through `train_and_evaluate` (BLEU in the report)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from conftest import SHARED_DATA
+from causal_attn_jax import train
+from trainkit.errors import USER_ERROR_EXIT_CODE
+from trainkit.metric_writers import read_metrics
+
+NLI = SHARED_DATA / "nli"
+ENDE = SHARED_DATA / "translation" / "wmt14_ende_opennmt"
+
+# A tiny model, vocabulary and data so a run takes seconds.
+TINY = [
+    "--config.model.dim=16",
+    "--config.model.num_layers=1",
+    "--config.model.num_heads=2",
+    "--config.model.mlp_dim=16",
+    "--config.data.vocab_size=200",
+    "--config.data.max_len=24",
+    "--config.data.max_train_examples=256",
+    "--config.data.max_eval_examples=64",
+    "--config.batch_size=16",
+    "--config.eval_batch_size=32",
+    "--config.log_every_steps=2",
+    "--config.eval_every_steps=0",
+    "--config.checkpoint_every_steps=4",
+    "--config.plots.num_examples=1",
+]
+
+
+def _env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # One CPU device, as on a user's laptop.
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
+def _run(repo_root, workdir, *args, config="configs/mnli_hans.py:size=small,steps=4"):
+  return subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "causal_attn_jax.main",
+          f"--config={repo_root / config}",
+          f"--workdir={workdir}",
+          *args,
+      ],
+      cwd=repo_root,
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+
+
+@pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
+def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
+  result = _run(
+      repo_root,
+      tmp_path,
+      *TINY,
+      f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
+      f"--config.data.challenge_file={NLI / 'hans_format_sample.txt'}",
+  )
+  assert result.returncode == 0, result.stderr
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert 0.0 <= report["accuracy"] <= 1.0 and 0.0 <= report["macro_f1"] <= 1.0
+  assert report["num_examples"] == 64 and report["attention"] == "causal"
+  challenge = report["challenge"]
+  assert 0.0 <= challenge["accuracy"] <= 1.0
+  assert set(challenge["by_heuristic"]) == {"lexical_overlap"}
+  assert set(challenge["by_heuristic"]["lexical_overlap"]) == {"entailment", "non-entailment"}
+  assert set(report["constraints"]) >= {"rows_within", "cols_within", "per_layer"}
+  assert 0.0 <= report["constraints"]["rows_within"] <= 1.0
+  assert all((tmp_path / p).is_file() for p in report["plots"]) and report["plots"]
+  assert (tmp_path / "spm.model").is_file()
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [2, 4]
+  assert (
+      "constraints/enc0/rows_within" in metrics[0] and "constraints/enc0/multiplier" in metrics[0]
+  )
+  assert "report:" in result.stdout
+
+
+def test_bad_data_path_is_one_line_error(repo_root, tmp_path):
+  result = _run(repo_root, tmp_path, "--config.data.train_file=/nonexistent/train.tsv")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "data.train_file" in lines[0] and "/nonexistent/train.tsv" in lines[0]
+  # Data paths have no default: the bare config names the key that is missing.
+  result = _run(repo_root, tmp_path)
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "data.train_file" in result.stderr and "required" in result.stderr
+
+
+@pytest.mark.skipif(not ENDE.is_dir(), reason="needs ../shared/data/translation")
+def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("wmt14_ende", repo_root / "configs/wmt14_ende.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("size=small,steps=4")
+  config.update_from_flattened_dict(
+      {
+          "data.train_source": str(ENDE / "src-train.txt"),
+          "data.train_target": str(ENDE / "tgt-train.txt"),
+          "data.eval_source": str(ENDE / "src-val.txt"),
+          "data.eval_target": str(ENDE / "tgt-val.txt"),
+          "data.unescape": True,
+          "data.max_train_examples": 128,
+          "data.max_eval_examples": 16,
+          "data.vocab_size": 200,
+          "data.max_source_len": 12,
+          "data.max_target_len": 12,
+          "nmt.max_decode_len": 8,
+          "nmt.beam_size": 2,
+          "model.dim": 16,
+          "model.num_layers": 1,
+          "model.num_decoder_layers": 1,
+          "model.num_heads": 2,
+          "model.mlp_dim": 16,
+          "batch_size": 8,
+          "eval_batch_size": 8,
+          "log_every_steps": 1,
+          "eval_every_steps": 0,
+          "checkpoint_every_steps": 4,
+          "plots.num_examples": 0,
+          "mesh.data": 1,
+      }
+  )
+  from causal_attn_jax import config as config_lib
+
+  config_lib.validate(config, num_devices=jax.device_count())
+  report = train.train_and_evaluate(config, str(tmp_path))
+  assert report["num_sentences"] == 16 and 0.0 <= report["bleu"] <= 100.0
+  assert set(report["constraints"]["per_layer"]) == {"enc0", "dec0"}
+  saved = json.loads((tmp_path / "report.json").read_text())
+  assert saved["bleu"] == report["bleu"]
+  # The decoder (no slack) starts out of bounds: its multipliers grow step after step.
+  multipliers = [m["constraints/dec0/multiplier"] for m in read_metrics(str(tmp_path))]
+  assert multipliers[0] > 0 and all(b > a for a, b in zip(multipliers, multipliers[1:]))
+
+
+CAUSAL_CONFIGS = ["snli.py", "mnli_hans.py", "qqp_paws.py", "wmt14_ende.py", "wmt16_enro.py"]
+
+
+def _load_config(repo_root, name, arg=None):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(name[:-3], repo_root / "configs" / name)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+@pytest.mark.parametrize("name", CAUSAL_CONFIGS)
+def test_causal_config_files_validate_once_data_is_given(repo_root, name, tmp_path):
+  from causal_attn_jax import config as config_lib
+  from trainkit.errors import ConfigError
+
+  assert "python -m causal_attn_jax.main" in (repo_root / "configs" / name).read_text()
+  sample = tmp_path / "sample.txt"
+  sample.write_text("x\n")
+  for arg in ("size=full", "size=small,attention=band,gcn_hops=2"):
+    config = _load_config(repo_root, name, arg)
+    key = "data.train_file" if config.task == "classification" else "data.train_source"
+    with pytest.raises(ConfigError, match=key):  # Data paths have no default.
+      config_lib.validate(config, num_devices=8)
+    for key in ("train_file", "train_source", "train_target", "eval_source", "eval_target"):
+      config.data[key] = str(sample)
+    config_lib.validate(config, num_devices=8)
+  full = _load_config(repo_root, name, "size=full")
+  if full.task == "translation":  # Paper Sec. 4.2.
+    assert (full.model.dim, full.model.num_layers, full.model.num_heads) == (512, 6, 8)
+    assert full.model.head_dim == 64
+  assert _load_config(repo_root, name, "attention=vanilla").constraints.weight == 0
