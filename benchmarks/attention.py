@@ -1,0 +1,321 @@
+r"""Forward+backward time and memory of one attention layer: causal (GCN updater) vs vanilla.
+
+  python benchmarks/attention.py                                    # N in {128, 256, 512, 2048}
+  python benchmarks/attention.py --dtype bfloat16                   # accelerator
+  python benchmarks/attention.py --lengths 128 256 512 --repeats 3  # CPU-sized
+  python benchmarks/attention.py --lengths 2048 --repeats 0         # compile only (memory)
+
+Each case jits `jax.value_and_grad` with respect to the layer's parameters and its input x
+[B, N, D] of one `causal_attn_jax.layers.attention.MultiHeadAttention` (self-attention, no
+mask, dropout off; the paper's NMT shape by default: B 8, D 512, 8 heads, d_k 64):
+
+* "vanilla": loss = sum(y * cotangent), y = softmax(Q K^T / sqrt(d_k)) V W_O;
+* "causal": the Eq. 4 GCN updater (gcn_hops from --gcn_hops), plus the Markov-blanket term of
+  Eq. 6 as a training step computes it: `constraints.constraint_violations` of the layer's
+  attention probabilities (encoder self-attention: with slack; `--decoder` uses a causal mask
+  and the decoder rules instead) and `constraints.lagrangian_term` with every multiplier equal
+  to --multiplier (nonzero, so that the constraint's gradient flows back through A) and
+  augmented penalty --penalty;
+* "causal_unconstrained" (only when asked for with --kinds): the GCN updater alone, which
+  separates the cost of the updater from that of the constraint.
+
+Time: median of `--repeats` calls, each ended by `block_until_ready`, after compilation and one
+warm-up call (compilation is not timed). Memory: the compiled executable's `memory_analysis()`
+temp_size_in_bytes (scratch besides arguments and outputs; available on CPU too). Where the
+device has `memory_stats()` its peak_bytes_in_use is recorded as well; it cannot be reset
+between cases, so it is a running maximum over the cases run so far.
+
+Prints a table (vs_vanilla = time / vanilla's time at the same N) and the issue's target,
+"causal at most 1.15x vanilla at N=256 on GPU", evaluated on the rows; CPU figures do not decide
+it. Writes JSON (default benchmarks/results/attention.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from causal_attn_jax import constraints as constraints_lib
+from causal_attn_jax.layers.attention import MultiHeadAttention
+
+KINDS = ("vanilla", "causal", "causal_unconstrained")
+BASELINE = "vanilla"
+TARGET_LENGTH = 256
+TARGET_RATIO = 1.15
+
+
+def _memory_analysis(compiled: Any) -> dict[str, int | None]:
+  fields = (
+      "temp_size_in_bytes",
+      "argument_size_in_bytes",
+      "output_size_in_bytes",
+      "alias_size_in_bytes",
+      "generated_code_size_in_bytes",
+  )
+  try:
+    analysis = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    analysis = None
+  return {f: (int(getattr(analysis, f)) if analysis is not None else None) for f in fields}
+
+
+def _flops(compiled: Any) -> float | None:
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def _make_loss(
+    graphdef: Any, kind: str, decoder: bool, n: int, multipliers: jax.Array, penalty: float
+):
+  """loss(params, x, cotangent) -> (loss, (rows_within, cols_within)) for one case."""
+  mask = jnp.tril(jnp.ones((n, n), bool))[None, None] if decoder else None
+  constrained = kind == "causal"
+
+  def loss(params, x, cotangent):
+    layer = nnx.merge(graphdef, params)
+    y, probs = layer(x, mask=mask)
+    value = jnp.sum((y * cotangent).astype(jnp.float32))
+    if not constrained:
+      return value, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    stats = constraints_lib.constraint_violations(probs, mask, self_attention=True, decoder=decoder)
+    term = constraints_lib.lagrangian_term(stats.violations, multipliers, penalty=penalty)
+    return value + term, (stats.rows_within, stats.cols_within)
+
+  return loss
+
+
+def benchmark_case(
+    n: int,
+    kind: str,
+    *,
+    batch: int,
+    dim: int,
+    heads: int,
+    gcn_hops: int,
+    dtype: str,
+    decoder: bool,
+    multiplier: float,
+    penalty: float,
+    repeats: int,
+    seed: int = 0,
+) -> dict:
+  layer = MultiHeadAttention(
+      dim,
+      heads,
+      kind="vanilla" if kind == BASELINE else "causal",
+      gcn_hops=gcn_hops,
+      dtype=jnp.dtype(dtype),
+      rngs=nnx.Rngs(seed),
+  )
+  graphdef, params = nnx.split(layer)
+  keys = jax.random.split(jax.random.key(seed + 1), 2)
+  x = jax.random.normal(keys[0], (batch, n, dim), jnp.float32).astype(dtype)
+  cotangent = jax.random.normal(keys[1], (batch, n, dim), jnp.float32).astype(dtype)
+  multipliers = jnp.full((heads, len(constraints_lib.CONSTRAINT_NAMES)), multiplier, jnp.float32)
+  loss = _make_loss(graphdef, kind, decoder, n, multipliers, penalty)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+  t0 = time.perf_counter()
+  compiled = step.lower(params, x, cotangent).compile()
+  compile_s = time.perf_counter() - t0
+  times, aux = [], None
+  if repeats > 0:  # repeats == 0: compile only, for memory figures of shapes too big to run here.
+    (_, aux), _ = jax.block_until_ready(compiled(params, x, cotangent))  # warm-up, excluded
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(params, x, cotangent))
+      times.append(time.perf_counter() - t0)
+  stats = jax.devices()[0].memory_stats() or {}
+  constrained = kind == "causal" and aux is not None
+  return dict(
+      n=n,
+      kind=kind,
+      batch=batch,
+      dim=dim,
+      heads=heads,
+      head_dim=dim // heads,
+      gcn_hops=gcn_hops if kind != BASELINE else None,
+      dtype=dtype,
+      decoder=decoder,
+      multiplier=multiplier if kind == "causal" else None,
+      penalty=penalty if kind == "causal" else None,
+      time_ms=1e3 * statistics.median(times) if times else None,
+      time_min_ms=1e3 * min(times) if times else None,
+      compile_s=compile_s,
+      rows_within=float(aux[0]) if constrained else None,
+      cols_within=float(aux[1]) if constrained else None,
+      flops=_flops(compiled),
+      peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"),
+      **_memory_analysis(compiled),
+  )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+  return a / b if a is not None and b else None
+
+
+def add_ratios(rows: list[dict]) -> None:
+  """vs_vanilla: time / vanilla's time; vs_vanilla_memory: temp / vanilla's temp (same N)."""
+  vanilla = {r["n"]: r for r in rows if r["kind"] == BASELINE}
+  for r in rows:
+    v = vanilla.get(r["n"])
+    r["vs_vanilla"] = _ratio(r["time_ms"], v["time_ms"]) if v else None
+    r["vs_vanilla_memory"] = _ratio(r["temp_size_in_bytes"], v["temp_size_in_bytes"]) if v else None
+
+
+def evaluate_targets(rows: list[dict]) -> list[dict]:
+  """The issue's target, on whichever rows are present."""
+  find = {(r["n"], r["kind"]): r for r in rows}
+  causal = find.get((TARGET_LENGTH, "causal"))
+  if causal is None or causal["vs_vanilla"] is None:
+    return []
+  return [
+      dict(
+          target=f"causal at most {TARGET_RATIO}x vanilla at N={TARGET_LENGTH} on GPU",
+          passed=causal["vs_vanilla"] <= TARGET_RATIO,
+          detail=(
+              f"causal/vanilla time = {causal['vs_vanilla']:.2f}x (target <= {TARGET_RATIO:.2f}x)"
+          ),
+      )
+  ]
+
+
+def _fmt(value: Any, digits: int) -> str:
+  if value is None:
+    return "-"
+  return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def print_table(rows: list[dict]) -> None:
+  header = ["N", "kind", "time_ms", "vs_vanilla", "temp_MB", "vs_vanilla_memory"]
+  print("| " + " | ".join(header) + " |")
+  print("|" + "---|" * len(header))
+  for r in rows:
+    temp = r["temp_size_in_bytes"]
+    cells = [
+        str(r["n"]),
+        r["kind"],
+        _fmt(r["time_ms"], 2),
+        _fmt(r["vs_vanilla"], 2),
+        _fmt(temp / 2**20 if temp is not None else None, 2),
+        _fmt(r["vs_vanilla_memory"], 2),
+    ]
+    print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 2048])
+  parser.add_argument(
+      "--kinds",
+      nargs="+",
+      default=["vanilla", "causal"],
+      choices=KINDS,
+      help="vanilla always runs (it is the baseline of vs_vanilla)",
+  )
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--dim", type=int, default=512)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--gcn_hops", type=int, default=1, choices=[1, 2])
+  parser.add_argument(
+      "--decoder",
+      action="store_true",
+      help="causal mask and decoder constraint rules (default: encoder self-attention)",
+  )
+  parser.add_argument(
+      "--multiplier", type=float, default=1.0, help="every Lagrange multiplier (causal)"
+  )
+  parser.add_argument("--penalty", type=float, default=0.0, help="augmented-Lagrangian penalty")
+  parser.add_argument(
+      "--repeats", type=int, default=10, help="timed calls per case; 0 compiles only (memory)"
+  )
+  parser.add_argument(
+      "--compile_only_above",
+      type=int,
+      default=0,
+      help="lengths above this are compiled only (memory, no time); 0 = time every length",
+  )
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument(
+      "--output", default=os.path.join(os.path.dirname(__file__), "results", "attention.json")
+  )
+  args = parser.parse_args()
+
+  kinds = [BASELINE] + [k for k in dict.fromkeys(args.kinds) if k != BASELINE]
+  rows = []
+  for n in args.lengths:
+    repeats = 0 if args.compile_only_above and n > args.compile_only_above else args.repeats
+    for kind in kinds:
+      row = benchmark_case(
+          n,
+          kind,
+          batch=args.batch,
+          dim=args.dim,
+          heads=args.heads,
+          gcn_hops=args.gcn_hops,
+          dtype=args.dtype,
+          decoder=args.decoder,
+          multiplier=args.multiplier,
+          penalty=args.penalty,
+          repeats=repeats,
+      )
+      print(
+          f"  N={n} {kind}: {_fmt(row['time_ms'], 2)} ms, compile {row['compile_s']:.1f} s",
+          flush=True,
+      )
+      rows.append(row)
+  add_ratios(rows)
+  device = jax.devices()[0]
+  print(
+      f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}, "
+      f"dtype {args.dtype}, B {args.batch}, D {args.dim}, H {args.heads}, "
+      f"gcn_hops {args.gcn_hops}, {'decoder' if args.decoder else 'encoder'} self-attention, "
+      f"multipliers {args.multiplier}, median of {args.repeats}"
+  )
+  print_table(rows)
+  targets = evaluate_targets(rows)
+  if targets:
+    print()
+    for t in targets:
+      print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']}: {t['detail']}")
+  if device.platform == "cpu":
+    print(f"note: CPU figures do not decide the GPU target; run on a GPU (N={TARGET_LENGTH} row).")
+  os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+  with open(args.output, "w") as f:
+    json.dump(
+        {
+            "device": str(device.device_kind),
+            "platform": device.platform,
+            "num_devices": jax.device_count(),
+            "jax": jax.__version__,
+            "host": platform.node(),
+            "date": datetime.date.today().isoformat(),
+            "args": vars(args),
+            "rows": rows,
+            "targets": targets,
+        },
+        f,
+        indent=2,
+    )
+  print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+  main()
