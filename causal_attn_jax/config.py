@@ -19,12 +19,10 @@ import ml_collections
 from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
-from trainkit.mesh import mesh_shape
 from trainkit.optim import default_optimizer_config
 
 TASKS = ("classification", "translation")
 PAIR_TASKS = ("nli", "paraphrase")
-COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -143,22 +141,7 @@ def validate(
 ) -> None:
   """Raises ConfigError naming the first key with a wrong type, impossible value or missing file."""
   task = cfg.require_choice(config, "task", TASKS)
-  for key in ("num_train_steps", "batch_size", "eval_batch_size", "log_every_steps"):
-    cfg.require_int(config, key, minimum=1)
-  for key in ("seed", "eval_every_steps", "checkpoint_every_steps"):
-    cfg.require_int(config, key, minimum=0)
-  cfg.require_int(config, "keep_checkpoints", minimum=1)
-  cfg.require_float(config, "num_epochs", minimum=0.0)
-  cfg.require_choice(config, "compute_dtype", COMPUTE_DTYPES)
-  data_size, expert_size = mesh_shape(cfg.get(config, "mesh"), num_devices)
-  shards = data_size * expert_size
-  for key in ("batch_size", "eval_batch_size"):
-    if config[key] % shards or config[key] % num_processes:
-      raise ConfigError(
-          key,
-          f"{config[key]} is not divisible by the {shards} devices of the mesh and "
-          f"{num_processes} process(es)",
-      )
+  cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
 
   cfg.require_choice(config, "model.attention", ATTENTION_KINDS)
   cfg.require_choice(config, "model.gcn_hops", (1, 2))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from typing import Any
 
@@ -36,6 +35,7 @@ from causal_attn_jax import plots
 from causal_attn_jax.data import batching, nli, tokenizer as tokenizer_lib, translation
 from causal_attn_jax.metrics import accuracy, corpus_bleu, macro_f1
 from trainkit.checkpoint import Checkpointer
+from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
 from trainkit.loop import train_loop
 from trainkit.mesh import make_mesh, replicated, shard_batch
@@ -688,15 +688,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = Tru
   mesh = make_mesh(config.mesh)
   data = load_data(config, workdir)
   train_examples = len(next(iter(data.train.values())))
-  if training and train_examples < config.batch_size:
-    raise UserError(
-        f"the training data has {train_examples} examples, fewer than one batch "
-        f"(batch_size={config.batch_size}); lower batch_size or add data"
-    )
-  if config.num_epochs > 0 and train_examples:
-    config.num_train_steps = max(
-        1, math.ceil(config.num_epochs * train_examples / config.batch_size)
-    )
+  resolve_train_steps(config, train_examples, training=training)
   tx = make_optimizer(config.optimizer, config.num_train_steps)
   graphdef, state = create_state(config, data, tx, mesh)
   checkpointer = Checkpointer(

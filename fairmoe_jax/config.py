@@ -13,11 +13,9 @@ from fairmoe_jax.moe.fair_router import ROUTE_BY
 from fairmoe_jax.moe.layer import ROUTERS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
-from trainkit.mesh import mesh_shape
 from trainkit.optim import default_optimizer_config
 
 DATASETS = ("synthetic", "celeba", "celeba_tfds", "isic2019")
-COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -125,24 +123,8 @@ def validate(
     config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
 ) -> None:
   """Raises ConfigError naming the first key with a wrong type or an impossible value."""
-  for key in ("num_train_steps", "batch_size", "eval_batch_size", "log_every_steps"):
-    cfg.require_int(config, key, minimum=1)
-  for key in ("seed", "eval_every_steps", "checkpoint_every_steps"):
-    cfg.require_int(config, key, minimum=0)
-  cfg.require_int(config, "keep_checkpoints", minimum=1)
+  _, expert_size = cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
   cfg.require_int(config, "analysis_batches", minimum=0)
-  cfg.require_float(config, "num_epochs", minimum=0.0)
-  cfg.require_choice(config, "compute_dtype", COMPUTE_DTYPES)
-
-  data_size, expert_size = mesh_shape(cfg.get(config, "mesh"), num_devices)
-  shards = data_size * expert_size
-  for key in ("batch_size", "eval_batch_size"):
-    if config[key] % shards or config[key] % num_processes:
-      raise ConfigError(
-          key,
-          f"{config[key]} is not divisible by the {shards} devices of the mesh "
-          f"(data={data_size} x expert={expert_size}) and {num_processes} process(es)",
-      )
 
   cfg.require_choice(config, "method", METHODS)
   cfg.require_choice(config, "model.backbone", BACKBONES)

@@ -7,47 +7,15 @@ r"""Command line: train then evaluate, or evaluate the latest checkpoint.
 
 from __future__ import annotations
 
-import jax
-from absl import app, flags
-from ml_collections import config_flags
-
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax import train
 from trainkit import cli
-from trainkit.errors import exit_on_user_error
-from trainkit.workdir import prepare_workdir
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file, optionally `file.py:key=value,...`."
+main = cli.train_eval_command(
+    validate=fairmoe_config.validate,
+    train_and_evaluate=train.train_and_evaluate,
+    evaluate_checkpoint=train.evaluate_checkpoint,
 )
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Directory for checkpoints, metrics and report.json."
-)
-_MODE = flags.DEFINE_enum(
-    "mode",
-    "train",
-    ["train", "eval"],
-    "train: train (resuming if possible) then evaluate; eval: evaluate the latest checkpoint.",
-)
-flags.mark_flags_as_required(["config", "workdir"])
-
-
-@exit_on_user_error
-def run(config, workdir: str, mode: str) -> None:
-  fairmoe_config.validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
-  workdir = prepare_workdir(workdir)
-  if mode == "train":
-    train.train_and_evaluate(config, workdir)
-  else:
-    train.evaluate_checkpoint(config, workdir)
-
-
-def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  cli.quiet_logging()
-  run(cli.loaded_config(_CONFIG), _WORKDIR.value, _MODE.value)
-
 
 if __name__ == "__main__":
-  cli.run(main)
+  main()

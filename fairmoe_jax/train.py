@@ -7,7 +7,6 @@ resume, the loop (trainkit), then the fairness report on the test split.
 from __future__ import annotations
 
 import itertools
-import math
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from fairmoe_jax import methods
 from fairmoe_jax.analysis import write_plots
 from fairmoe_jax.fairness import experts as experts_lib
 from trainkit.checkpoint import Checkpointer
+from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
 from trainkit.loop import train_loop
 from trainkit.mesh import make_mesh, shard_batch
@@ -227,15 +227,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = Tru
   mesh = make_mesh(config.mesh)
   info, splits = load_data(config)
   train_examples = len(splits["train"]["label"])
-  if training and train_examples < config.batch_size:
-    raise UserError(
-        f"the train split has {train_examples} examples, fewer than one batch "
-        f"(batch_size={config.batch_size}); lower batch_size or add data"
-    )
-  if config.num_epochs > 0 and train_examples:
-    config.num_train_steps = max(
-        1, math.ceil(config.num_epochs * train_examples / config.batch_size)
-    )
+  resolve_train_steps(config, train_examples, training=training)
   tx = make_optimizer(config.optimizer, config.num_train_steps)
   graphdef, state = create_state(config, info, tx, mesh)
   checkpointer = Checkpointer(

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
+import jax
 import ml_collections
 from absl import app, flags
 from absl import logging as absl_logging
+from ml_collections import config_flags
 
-from trainkit.errors import UserError, fail
+from trainkit.errors import UserError, exit_on_user_error, fail
+from trainkit.workdir import prepare_workdir
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -52,3 +55,42 @@ def quiet_logging() -> None:
 
 def run(main: Callable[[list[str]], None]) -> None:
   app.run(main, flags_parser=parse_flags)
+
+
+def train_eval_command(
+    *,
+    validate: Callable[..., None],
+    train_and_evaluate: Callable[[ml_collections.ConfigDict, str], Any],
+    evaluate_checkpoint: Callable[[ml_collections.ConfigDict, str], Any],
+    workdir_help: str = "Directory for checkpoints, metrics and report.json.",
+) -> Callable[[], None]:
+  """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
+
+  `validate(config, num_devices=, num_processes=)` runs before anything is compiled; every
+  UserError (a bad config key, a missing file, ...) becomes one line and exit code 2.
+  """
+  config_flag = config_flags.DEFINE_config_file(
+      "config", None, "Config file, optionally `file.py:key=value,...`."
+  )
+  workdir_flag = flags.DEFINE_string("workdir", None, workdir_help)
+  mode_flag = flags.DEFINE_enum(
+      "mode",
+      "train",
+      ["train", "eval"],
+      "train: train (resuming if possible) then evaluate; eval: evaluate the latest checkpoint.",
+  )
+  flags.mark_flags_as_required(["config", "workdir"])
+
+  @exit_on_user_error
+  def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
+    validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
+    workdir = prepare_workdir(workdir)
+    (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
+
+  def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    quiet_logging()
+    execute(loaded_config(config_flag), workdir_flag.value, mode_flag.value)
+
+  return lambda: run(main)

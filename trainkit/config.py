@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import ast
+import math
 from typing import Any, Iterable
 
 import ml_collections
 
-from trainkit.errors import ConfigError
+from trainkit.errors import ConfigError, UserError
+from trainkit.mesh import mesh_shape
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
@@ -103,3 +107,44 @@ def require_choice(config: ml_collections.ConfigDict, key: str, choices: Iterabl
   if value not in choices:
     raise ConfigError(key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
   return value
+
+
+def validate_run(
+    config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
+) -> tuple[int, int]:
+  """Checks the keys every run has (steps, batch sizes, cadences, dtype, mesh).
+
+  Returns the (data, expert) mesh shape. Raises ConfigError naming the first bad key.
+  """
+  for key in ("num_train_steps", "batch_size", "eval_batch_size", "log_every_steps"):
+    require_int(config, key, minimum=1)
+  for key in ("seed", "eval_every_steps", "checkpoint_every_steps"):
+    require_int(config, key, minimum=0)
+  require_int(config, "keep_checkpoints", minimum=1)
+  require_float(config, "num_epochs", minimum=0.0)
+  require_choice(config, "compute_dtype", COMPUTE_DTYPES)
+  data_size, expert_size = mesh_shape(get(config, "mesh"), num_devices)
+  shards = data_size * expert_size
+  for key in ("batch_size", "eval_batch_size"):
+    if config[key] % shards or config[key] % num_processes:
+      raise ConfigError(
+          key,
+          f"{config[key]} is not divisible by the {shards} devices of the mesh "
+          f"(data={data_size} x expert={expert_size}) and {num_processes} process(es)",
+      )
+  return data_size, expert_size
+
+
+def resolve_train_steps(
+    config: ml_collections.ConfigDict, train_examples: int, *, training: bool
+) -> None:
+  """Checks one batch fits the loaded training data; `num_epochs` > 0 sets `num_train_steps`."""
+  if training and train_examples < config.batch_size:
+    raise UserError(
+        f"the training data has {train_examples} examples, fewer than one batch "
+        f"(batch_size={config.batch_size}); lower batch_size or add data"
+    )
+  if config.num_epochs > 0 and train_examples:
+    config.num_train_steps = max(
+        1, math.ceil(config.num_epochs * train_examples / config.batch_size)
+    )
