@@ -48,35 +48,12 @@ from flax import nnx
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.attention import MultiHeadAttention
 
+from bench_utils import flops, memory_analysis
+
 KINDS = ("vanilla", "causal", "causal_unconstrained")
 BASELINE = "vanilla"
 TARGET_LENGTH = 256
 TARGET_RATIO = 1.15
-
-
-def _memory_analysis(compiled: Any) -> dict[str, int | None]:
-  fields = (
-      "temp_size_in_bytes",
-      "argument_size_in_bytes",
-      "output_size_in_bytes",
-      "alias_size_in_bytes",
-      "generated_code_size_in_bytes",
-  )
-  try:
-    analysis = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except
-    analysis = None
-  return {f: (int(getattr(analysis, f)) if analysis is not None else None) for f in fields}
-
-
-def _flops(compiled: Any) -> float | None:
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
-    return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  return float(cost["flops"]) if cost and "flops" in cost else None
 
 
 def _make_loss(
@@ -159,9 +136,9 @@ def benchmark_case(
       compile_s=compile_s,
       rows_within=float(aux[0]) if constrained else None,
       cols_within=float(aux[1]) if constrained else None,
-      flops=_flops(compiled),
+      flops=flops(compiled),
       peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"),
-      **_memory_analysis(compiled),
+      **memory_analysis(compiled),
   )
 
 

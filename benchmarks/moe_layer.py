@@ -38,6 +38,8 @@ from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights, sort_
 from fairmoe_jax.moe.dispatch import compute_capacity, dispatch_and_combine_masks
 from fairmoe_jax.moe.routing import route_from_logits
 
+from bench_utils import flops, memory_analysis
+
 SHAPES = {  # images (groups), tokens per image, dim, expert hidden width
     "deit_s": (256, 197, 384, 1536),
     "cpu": (32, 65, 128, 512),
@@ -77,31 +79,6 @@ def _dense_loss(x, weights, cotangent):
   return jnp.sum((y * cotangent).astype(jnp.float32)), jnp.zeros((), jnp.float32)
 
 
-def _memory_analysis(compiled: Any) -> dict[str, int | None]:
-  fields = (
-      "temp_size_in_bytes",
-      "argument_size_in_bytes",
-      "output_size_in_bytes",
-      "alias_size_in_bytes",
-      "generated_code_size_in_bytes",
-  )
-  try:
-    analysis = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except
-    analysis = None
-  return {f: (int(getattr(analysis, f)) if analysis is not None else None) for f in fields}
-
-
-def _flops(compiled: Any) -> float | None:
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
-    return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  return float(cost["flops"]) if cost and "flops" in cost else None
-
-
 def _time_and_memory(loss: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> dict:
   """Compiles grad(loss) w.r.t. all but the last argument; times it; reads its memory."""
   step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args) - 1)), has_aux=True))
@@ -115,14 +92,14 @@ def _time_and_memory(loss: Callable[..., Any], args: tuple[Any, ...], repeats: i
       t0 = time.perf_counter()
       jax.block_until_ready(compiled(*args))
       times.append(time.perf_counter() - t0)
-  memory = _memory_analysis(compiled)
+  memory = memory_analysis(compiled)
   stats = jax.devices()[0].memory_stats() or {}
   return dict(
       time_ms=1e3 * statistics.median(times) if times else None,
       time_min_ms=1e3 * min(times) if times else None,
       compile_s=compile_s,
       fraction_dropped=float(dropped) if dropped is not None else None,
-      flops=_flops(compiled),
+      flops=flops(compiled),
       peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"),
       **memory,
   )

@@ -37,7 +37,7 @@ from causal_attn_jax.metrics import accuracy, corpus_bleu, macro_f1
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
-from trainkit.loop import train_loop
+from trainkit.loop import stop_after_preemption, train_loop
 from trainkit.mesh import make_mesh, replicated, shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
@@ -752,9 +752,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       show_progress=is_main,
   )
   if preempted:
-    checkpointer.close()
-    writer.close()
-    print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)
+    stop_after_preemption(state, checkpointer, writer)
     return None
 
   report = final_report(eval_step, translate, state, data, config, mesh, workdir)

@@ -131,3 +131,12 @@ def train_loop(
   writer.flush()
   checkpointer.wait()
   return state, preempted
+
+
+def stop_after_preemption(
+    state: TrainState, checkpointer: Checkpointer, writer: MetricWriter
+) -> None:
+  """Closes the run's writers after train_loop returned preempted (its checkpoint is saved)."""
+  checkpointer.close()
+  writer.close()
+  print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)
