@@ -112,7 +112,8 @@ def base_config() -> ml_collections.ConfigDict:
       )
   )
   config.muffin = ml_collections.ConfigDict(
-      dict(attributes=(0, 1), pretrain_fraction=0.5)  # One backbone per listed attribute.
+      # One backbone per listed attribute index; () = the first two (or the only one).
+      dict(attributes=(), pretrain_fraction=0.5)
   )
   config.multifair = ml_collections.ConfigDict(dict(mixup_alpha=1.0, weight=1.0))
   config.optimizer = default_optimizer_config()

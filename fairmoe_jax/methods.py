@@ -86,16 +86,22 @@ def build_model(
     if method.fair_router:
       moe["router"] = _fair_router_factory(config, info, method)
   if method.muffin:
-    bad = [a for a in config.muffin.attributes if not 0 <= a < info.num_attributes]
-    if bad or not config.muffin.attributes:
+    attributes = muffin_attributes(config, info)
+    bad = [a for a in attributes if not 0 <= a < info.num_attributes]
+    if bad:
       raise ConfigError(
           "muffin.attributes",
-          f"{tuple(config.muffin.attributes)}: one attribute index per backbone, each in "
+          f"{attributes}: one attribute index per backbone, each in "
           f"[0, {info.num_attributes}) for the attributes {', '.join(info.attribute_names)}",
       )
     make = lambda r: build_backbone(config, info.num_classes, None, r)
-    return Muffin(make, len(config.muffin.attributes), info.num_classes, rngs=rngs)
+    return Muffin(make, len(attributes), info.num_classes, rngs=rngs)
   return build_backbone(config, info.num_classes, moe, rngs)
+
+
+def muffin_attributes(config: ml_collections.ConfigDict, info: DatasetInfo) -> tuple[int, ...]:
+  """The attribute each Muffin backbone is first trained on; () means the first two."""
+  return tuple(config.muffin.attributes) or tuple(range(min(2, info.num_attributes)))
 
 
 def _fair_router_factory(config, info: DatasetInfo, method: Method) -> Callable[..., FairRouter]:
@@ -180,7 +186,7 @@ def make_loss_fn(config: ml_collections.ConfigDict, info: DatasetInfo):
     rngs = nnx.Rngs(dropout=rng)
     fused, branch_logits, features = model.branches(batch["image"], train=True, rngs=rngs)
     branch_loss = 0.0
-    for logits, attribute in zip(branch_logits, config.muffin.attributes):
+    for logits, attribute in zip(branch_logits, muffin_attributes(config, info)):
       branch_loss += _cross_entropy(logits, batch["label"])
       branch_loss += f.lambda_psi * psi(logits, batch, (attribute,))
     fused = model.fuse([jax.lax.stop_gradient(x) for x in features])
