@@ -32,6 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
+  config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
   config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
 
@@ -126,6 +127,7 @@ def validate(
   """Raises ConfigError naming the first key with a wrong type or an impossible value."""
   _, expert_size = cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
   cfg.require_int(config, "analysis_batches", minimum=0)
+  cfg.require_float(config, "peak_flops_per_device", minimum=0.0)
 
   cfg.require_choice(config, "method", METHODS)
   cfg.require_choice(config, "model.backbone", BACKBONES)

@@ -332,6 +332,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       eval_every_steps=config.eval_every_steps,
       checkpoint_every_steps=config.checkpoint_every_steps,
       examples_per_step=config.batch_size,
+      # Patch tokens per image, the sequence the transformer (and the MoE) processes.
+      tokens_per_example=(config.data.image_size // config.model.patch_size) ** 2,
+      peak_flops=config.peak_flops_per_device,
       evaluate=evaluate_val if config.eval_every_steps > 0 else None,
       after_evaluate=make_expert_manager(config, info, graphdef, mesh) if manage_experts else None,
       show_progress=is_main,

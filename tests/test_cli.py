@@ -81,6 +81,9 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   assert [m["step"] for m in metrics] == [10, 15, 20, 30]
   assert all("loss" in m for m in metrics)
   assert "val/accuracy" in metrics[1] and "test/mf_pqd" in metrics[-1]
+  # Throughput accounting: FLOPs from the compiled step (no MFU on CPU: no known peak).
+  assert metrics[-1]["tokens_per_second"] == metrics[-1]["examples_per_second"] * 64
+  assert metrics[-1]["model_tflops_per_second_per_device"] > 0 and "mfu" not in metrics[-1]
   assert os.listdir(tmp_path / "tensorboard")
   for name in ("sex", "age", "site", "MF"):
     assert name in result.stdout

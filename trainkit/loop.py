@@ -15,6 +15,7 @@ from trainkit.mesh import shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.preemption import PreemptionGuard
 from trainkit.progress import ProgressBar
+from trainkit.throughput import compiled_flops, peak_flops_per_device, throughput_scalars
 from trainkit.train_state import TrainState
 
 _log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def train_loop(
     eval_every_steps: int,
     checkpoint_every_steps: int,
     examples_per_step: int,
+    tokens_per_example: int = 0,
+    peak_flops: float = 0.0,
     evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
     after_evaluate: (
         Callable[[TrainState, Mapping[str, Any]], tuple[TrainState, Mapping[str, Any]]] | None
@@ -65,6 +68,11 @@ def train_loop(
   line of metrics.jsonl carries the loss. On SIGTERM the loop saves a checkpoint at
   the current step and returns early. Returns (state, preempted).
 
+  Throughput is logged as steps, examples and (with `tokens_per_example`) tokens per
+  second, and as model FLOPs utilisation when the device's peak is known (a table in
+  `trainkit.throughput`, or `peak_flops` > 0): FLOPs come from the compiled step's cost
+  analysis.
+
   `after_evaluate(state, eval_scalars) -> (state, scalars)` runs after each evaluation
   and may change non-gradient state between steps (e.g. an expert assignment kept in
   the model state); its state is the one checkpointed and trained on next, and its
@@ -76,9 +84,13 @@ def train_loop(
       num_train_steps, initial=step, examples_per_step=examples_per_step, enabled=show_progress
   )
   preempted = False
+  flops_per_step: float | None = None
+  peak = peak_flops_per_device(jax.devices()[0], peak_flops)
   with PreemptionGuard() as guard:
     while step < num_train_steps:
       batch = shard_batch(next(train_iterator), mesh)
+      if flops_per_step is None and hasattr(train_step, "lower"):
+        flops_per_step = compiled_flops(train_step, state, batch) or 0.0
       state, metrics = train_step(state, batch)
       step += 1
       # Read once: a signal arriving later in this iteration is handled at the next step,
@@ -107,8 +119,15 @@ def train_loop(
           )
         steps_per_second = progress.rate(step)
         if steps_per_second > 0:
-          scalars["steps_per_second"] = steps_per_second
-          scalars["examples_per_second"] = steps_per_second * examples_per_step
+          scalars.update(
+              throughput_scalars(
+                  steps_per_second,
+                  examples_per_step=examples_per_step,
+                  tokens_per_example=tokens_per_example,
+                  flops_per_step=flops_per_step,
+                  peak_flops=peak,
+              )
+          )
         writer.write_scalars(step, scalars)
         progress.update(step, steps_per_second, {"loss": scalars["loss"]})
       if eval_due:

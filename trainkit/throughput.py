@@ -1,0 +1,79 @@
+"""Throughput accounting: model FLOPs of the compiled step and model FLOPs utilisation (MFU).
+
+FLOPs come from XLA's cost analysis of the compiled train step (forward, backward and
+optimiser, as compiled for one device's shard), so they count what the program really does,
+including the MoE dispatch. MFU = achieved FLOP/s / peak FLOP/s of the devices; the peak is
+looked up by device kind (dense bf16 tensor-core figures from the vendors' data sheets) or
+given in the config, since a wrong peak silently gives a wrong MFU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+# Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
+PEAK_FLOPS_BY_KIND = {
+    "NVIDIA H100": 989e12,  # SXM; the PCIe card is lower: set the peak in the config.
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5": 459e12,  # v5p
+    "TPU v6 lite": 918e12,  # Trillium
+}
+
+
+def peak_flops_per_device(device: Any, override: float = 0.0) -> float | None:
+  """Peak FLOP/s of `device`: the override if > 0, else the table entry whose name starts
+  its `device_kind` (longest match), else None (e.g. CPU: no MFU is reported)."""
+  if override > 0:
+    return float(override)
+  kind = getattr(device, "device_kind", "")
+  matches = [k for k in PEAK_FLOPS_BY_KIND if kind.startswith(k)]
+  return PEAK_FLOPS_BY_KIND[max(matches, key=len)] if matches else None
+
+
+def compiled_flops(jitted: Any, *args: Any) -> float | None:
+  """FLOPs per call of `jitted(*args)` from XLA's cost analysis, or None where unavailable.
+
+  Lowering and compiling here reuses JAX's compilation cache, so the step that runs next
+  does not compile again.
+  """
+  try:
+    cost = jitted.lower(*args).compile().cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # Cost analysis is best effort.
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  flops = cost.get("flops") if cost else None
+  return float(flops) if flops and flops > 0 else None
+
+
+def throughput_scalars(
+    steps_per_second: float,
+    *,
+    examples_per_step: int,
+    tokens_per_example: int = 0,
+    flops_per_step: float | None = None,
+    peak_flops: float | None = None,
+    num_devices: int = 1,
+) -> dict[str, float]:
+  """examples/s, tokens/s and MFU for a measured step rate.
+
+  `flops_per_step` is the cost analysis of the SPMD program, i.e. per device; MFU is then
+  flops_per_step * steps/s / peak of one device.
+  """
+  scalars = {
+      "steps_per_second": steps_per_second,
+      "examples_per_second": steps_per_second * examples_per_step,
+  }
+  if tokens_per_example:
+    scalars["tokens_per_second"] = scalars["examples_per_second"] * tokens_per_example
+  if flops_per_step:
+    scalars["model_tflops_per_second_per_device"] = flops_per_step * steps_per_second / 1e12
+    if peak_flops:
+      scalars["mfu"] = flops_per_step * steps_per_second / peak_flops
+  del num_devices
+  return scalars
