@@ -11,6 +11,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from trainkit.distributed import initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit.workdir import prepare_workdir
 
@@ -83,6 +84,9 @@ def train_eval_command(
 
   @exit_on_user_error
   def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
+    # Multi-process runs (TPU pod, SLURM, launch/local_multiprocess.sh) join JAX's
+    # multi-controller runtime before any device is touched; single runs do nothing here.
+    initialize_from_env()
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
     workdir = prepare_workdir(workdir)
     (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)

@@ -1,0 +1,347 @@
+"""The launchers' --dry-run output and usage errors, and trainkit.distributed.distributed_args."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainkit.distributed import distributed_args, expand_nodelist
+from trainkit.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(script, *args, env=None):
+  return subprocess.run(
+      ["bash", str(REPO / "launch" / script), *args],
+      capture_output=True,
+      text=True,
+      timeout=30,
+      env=env,
+  )
+
+
+@pytest.mark.parametrize(
+    "script", ["tpu_pod.sh", "slurm.sh", "local_multiprocess.sh", "slurm_gpu.sbatch"]
+)
+def test_scripts_parse(script):
+  assert subprocess.run(["bash", "-n", str(REPO / "launch" / script)]).returncode == 0
+
+
+def test_tpu_pod_dry_run_prints_create_install_run_delete():
+  result = _run(
+      "tpu_pod.sh",
+      "--dry-run",
+      "--name",
+      "moe-16",
+      "--zone",
+      "us-west4-a",
+      "--accelerator",
+      "v5litepod-16",
+      "--project",
+      "proj",
+      "--delete-after",
+      "--",
+      "--config=configs/quickstart.py",
+      "--workdir=gs://bucket/run",
+  )
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert all(line.startswith("+ ") for line in lines)
+  assert lines[0] == (
+      "+ gcloud compute tpus tpu-vm create moe-16 --zone=us-west4-a --project=proj "
+      "--accelerator-type=v5litepod-16 --version=tpu-ubuntu2204-base"
+  )
+  ssh = [line for line in lines if "tpu-vm ssh moe-16" in line]
+  assert len(ssh) == 2 and all("--worker=all" in line for line in ssh)
+  assert "pip install -q -e . " in ssh[0] and "jax[tpu]" in ssh[0]
+  assert (
+      "TRAINKIT_DISTRIBUTED=auto python3 -m fairmoe_jax.main --config=configs/quickstart.py "
+      "--workdir=gs://bucket/run"
+  ) in ssh[1]
+  assert any("tpu-vm scp" in line and "--worker=all" in line for line in lines)
+  assert (
+      lines[-1]
+      == "+ gcloud compute tpus tpu-vm delete moe-16 --zone=us-west4-a --project=proj --quiet"
+  )
+
+
+def test_tpu_pod_module_and_no_delete():
+  result = _run(
+      "tpu_pod.sh",
+      "--dry-run",
+      "--name",
+      "n",
+      "--zone",
+      "z",
+      "--accelerator",
+      "v4-32",
+      "--module",
+      "causal_attn_jax.main",
+      "--",
+      "--workdir=gs://b/a b",
+  )
+  assert result.returncode == 0, result.stderr
+  assert "python3 -m causal_attn_jax.main '\\''--workdir=gs://b/a b'\\''" in result.stdout
+  assert "delete" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--name", "n", "--zone", "z"],  # No --accelerator.
+        ["--name", "n", "--zone", "z", "--accelerator", "v4-8", "--bogus"],
+        ["--name"],
+    ],
+)
+def test_tpu_pod_bad_args(args):
+  result = _run("tpu_pod.sh", "--dry-run", *args)
+  assert result.returncode == 2
+  assert "usage: " in result.stderr and result.stdout == ""
+
+
+def test_slurm_dry_run_prints_sbatch():
+  result = _run(
+      "slurm.sh",
+      "--dry-run",
+      "--nodes",
+      "2",
+      "--gpus-per-node",
+      "8",
+      "--partition",
+      "gpu",
+      "--time",
+      "04:00:00",
+      "--module",
+      "causal_attn_jax.main",
+      "--",
+      "--config=configs/quickstart.py",
+      "--workdir=/shared/run",
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stdout == (
+      "+ sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-task=1 "
+      "--export=ALL,MODULE=causal_attn_jax.main --partition=gpu --time=04:00:00 "
+      f"{REPO}/launch/slurm_gpu.sbatch --config=configs/quickstart.py --workdir=/shared/run\n"
+  )
+
+
+def test_sbatch_script_runs_the_module_under_srun():
+  text = (REPO / "launch/slurm_gpu.sbatch").read_text()
+  assert "#SBATCH --gpus-per-task=1" in text and "#SBATCH --ntasks-per-node=" in text
+  assert "module_name=${MODULE:-fairmoe_jax.main}" in text
+  assert 'srun --label python -m "${module_name}" "$@"' in text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--nodes", "2"],
+        ["--nodes", "0", "--gpus-per-node", "8"],
+        ["--nodes", "2", "--gpus-per-node", "x"],
+        ["--nodes", "2", "--gpus-per-node", "8", "--time", "soon"],
+        ["--nodes", "2", "--gpus-per-node", "8", "extra"],
+    ],
+)
+def test_slurm_bad_args(args):
+  result = _run("slurm.sh", "--dry-run", *args)
+  assert result.returncode == 2
+  assert "usage: " in result.stderr and result.stdout == ""
+
+
+def test_local_multiprocess_dry_run_prints_every_process(tmp_path):
+  env = {"PATH": "/usr/bin:/bin", "PYTHON": "python3"}
+  result = _run(
+      "local_multiprocess.sh",
+      "--dry-run",
+      "--processes",
+      "3",
+      "--port",
+      "2222",
+      "--",
+      "--config=configs/quickstart.py",
+      env=env,
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.splitlines() == [
+      f"+ env JAX_COORDINATOR_ADDRESS=localhost:2222 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} "
+      "JAX_PLATFORMS=cpu python3 -m fairmoe_jax.main --config=configs/quickstart.py"
+      for i in range(3)
+  ]
+  result = _run(
+      "local_multiprocess.sh", "--dry-run", "--processes", "1", env={**env, "JAX_PLATFORMS": "gpu"}
+  )
+  assert "JAX_PLATFORMS=gpu python3 -m fairmoe_jax.main\n" in result.stdout
+
+
+def test_local_multiprocess_prefixes_output_and_stops_on_failure(tmp_path):
+  (tmp_path / "fake_main.py").write_text(
+      "import os, sys, time\n"
+      "i = int(os.environ['JAX_PROCESS_ID'])\n"
+      "print('hello from', i, 'of', os.environ['JAX_NUM_PROCESSES'], flush=True)\n"
+      "if 'fail' in sys.argv:\n"
+      "  sys.exit(3) if i == 1 else time.sleep(60)\n"
+  )
+  env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+  ok = _run("local_multiprocess.sh", "--processes", "2", "--module", "fake_main", env=env)
+  assert ok.returncode == 0, ok.stderr
+  assert "[0] hello from 0 of 2" in ok.stdout and "[1] hello from 1 of 2" in ok.stdout
+  failed = _run(
+      "local_multiprocess.sh", "--processes", "3", "--module", "fake_main", "--", "fail", env=env
+  )
+  assert failed.returncode == 3
+  assert "process 1 exited with status 3" in failed.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["--processes", "0"], ["--processes", "2", "--port", "99999"], ["--bad"]]
+)
+def test_local_multiprocess_bad_args(args):
+  result = _run("local_multiprocess.sh", "--dry-run", *args)
+  assert result.returncode == 2
+  assert "usage: " in result.stderr and result.stdout == ""
+
+
+# distributed_args
+
+
+def test_single_process():
+  assert distributed_args({}) is None
+  assert distributed_args({"HOME": "/root", "JAX_PLATFORMS": "cpu"}) is None
+  assert distributed_args({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+  assert distributed_args({"TRAINKIT_DISTRIBUTED": "off"}) is None
+
+
+def test_explicit_variables():
+  env = {
+      "JAX_COORDINATOR_ADDRESS": "localhost:1234",
+      "JAX_NUM_PROCESSES": "4",
+      "JAX_PROCESS_ID": "2",
+  }
+  assert distributed_args(env) == {
+      "coordinator_address": "localhost:1234",
+      "num_processes": 4,
+      "process_id": 2,
+      "cluster_detection_method": "deactivate",
+  }
+
+
+def test_explicit_variables_override_slurm():
+  env = {
+      "SLURM_NTASKS": "8",
+      "SLURM_PROCID": "3",
+      "SLURM_JOB_NODELIST": "gpu[01-02]",
+      "JAX_COORDINATOR_ADDRESS": "head:999",
+      "JAX_PROCESS_ID": "5",
+  }
+  assert distributed_args(env) == {
+      "coordinator_address": "head:999",
+      "num_processes": 8,
+      "process_id": 5,
+      "cluster_detection_method": "deactivate",
+  }
+
+
+def _slurm(**extra):
+  return {"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", **extra}
+
+
+@pytest.mark.parametrize(
+    "nodelist,first",
+    [
+        ("node[01-03,07]", "node01"),
+        ("a1,b2", "a1"),
+        ("node7", "node7"),
+        ("gpu[008-010]-ib,cpu1", "gpu008-ib"),
+        ("rack[2-3]-n[5,1]", "rack2-n5"),
+    ],
+)
+def test_slurm_coordinator_is_the_first_node(nodelist, first):
+  args = distributed_args(_slurm(SLURM_JOB_NODELIST=nodelist))
+  assert args == {
+      "num_processes": 16,
+      "process_id": 9,
+      "coordinator_address": f"{first}:12345",
+      "cluster_detection_method": "deactivate",
+  }
+
+
+def test_slurm_step_nodelist_port_and_local_device():
+  env = _slurm(
+      SLURM_JOB_NODELIST="job[1-4]",
+      SLURM_STEP_NODELIST="step[3-4]",
+      JAX_COORDINATOR_PORT="4000",
+      SLURM_GPUS_PER_TASK="1",
+  )
+  args = distributed_args(env)
+  assert args["coordinator_address"] == "step3:4000" and args["local_device_ids"] == [1]
+  # Slurm bound the task to one GPU: it is JAX's device 0.
+  assert distributed_args({**env, "CUDA_VISIBLE_DEVICES": "5"})["local_device_ids"] == [0]
+  assert "local_device_ids" not in distributed_args({**env, "SLURM_GPUS_PER_TASK": "2"})
+
+
+def test_expand_nodelist():
+  assert expand_nodelist("node[01-03,07]") == ["node01", "node02", "node03", "node07"]
+  assert expand_nodelist("a1,b2") == ["a1", "b2"]
+  assert expand_nodelist("n[8-10],x") == ["n8", "n9", "n10", "x"]
+  assert expand_nodelist("r[1-2]-n[1-2]") == ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2", "TPU_WORKER_ID": "0"},
+        {"CLOUD_TPU_TASK_ID": "1"},
+        {"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.1:8080"},
+        {"TRAINKIT_DISTRIBUTED": "auto"},
+    ],
+)
+def test_tpu_pod_is_auto_detected_by_jax(env):
+  assert distributed_args(env) == {}
+
+
+@pytest.mark.parametrize(
+    "env,variable",
+    [
+        (
+            {"JAX_COORDINATOR_ADDRESS": "nohost", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+            "JAX_COORDINATOR_ADDRESS",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+            "JAX_NUM_PROCESSES",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "-1"},
+            "JAX_PROCESS_ID",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+            "JAX_PROCESS_ID",
+        ),
+        ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES"),
+        ({"SLURM_NTASKS": "x", "SLURM_PROCID": "0"}, "SLURM_NTASKS"),
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "4", "SLURM_JOB_NODELIST": "a"}, "SLURM_PROCID"),
+        (
+            {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "n[1-"},
+            "SLURM_JOB_NODELIST",
+        ),
+        (
+            {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n[3-1]"},
+            "SLURM_STEP_NODELIST",
+        ),
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, "SLURM_JOB_NODELIST"),
+        (_slurm(SLURM_JOB_NODELIST="a", JAX_COORDINATOR_PORT="http"), "JAX_COORDINATOR_PORT"),
+        (
+            _slurm(SLURM_JOB_NODELIST="a", SLURM_GPUS_PER_TASK="1", SLURM_LOCALID="?"),
+            "SLURM_LOCALID",
+        ),
+        ({"TRAINKIT_DISTRIBUTED": "maybe"}, "TRAINKIT_DISTRIBUTED"),
+    ],
+)
+def test_malformed_values_name_the_variable(env, variable):
+  with pytest.raises(UserError, match=variable):
+    distributed_args(env)

@@ -1,0 +1,230 @@
+"""Arguments of `jax.distributed.initialize`, decided from the environment.
+
+`distributed_args(env)` is a pure function of the environment variables; `initialize_from_env`
+calls `jax.distributed.initialize` with them. The launchers in `launch/` set the variables:
+
+* Our variables take precedence: `JAX_COORDINATOR_ADDRESS` (`host:port`), `JAX_NUM_PROCESSES`,
+  `JAX_PROCESS_ID` (`launch/local_multiprocess.sh` sets all three). Each one also overrides the
+  corresponding value read from SLURM.
+* SLURM (`launch/slurm_gpu.sbatch`, inside `srun`): `SLURM_NTASKS` processes, this one is
+  `SLURM_PROCID`, the coordinator is the first host of `SLURM_STEP_NODELIST` (else
+  `SLURM_JOB_NODELIST`) on port `JAX_COORDINATOR_PORT` (default 12345). With one GPU per task
+  (`SLURM_GPUS_PER_TASK=1`) the process uses only its own GPU: `local_device_ids` is
+  `[SLURM_LOCALID]`, or `[0]` when Slurm already restricted `CUDA_VISIBLE_DEVICES` to one GPU.
+  A single task (`SLURM_NTASKS=1`) is a single process.
+* Cloud TPU (`launch/tpu_pod.sh`): `{}`, i.e. `jax.distributed.initialize()` with no arguments,
+  because JAX detects TPU pods itself: on GKE from `TPU_WORKER_HOSTNAMES` /
+  `TPU_PROCESS_ADDRESSES` and `TPU_WORKER_ID`, on TPU VMs created with `gcloud compute tpus
+  tpu-vm create` from the GCE metadata server (`agent-worker-number`, `worker-network-endpoints`),
+  and for multislice from `MEGASCALE_COORDINATOR_ADDRESS` / `MEGASCALE_NUM_SLICES` /
+  `MEGASCALE_SLICE_ID`. A TPU VM's shell environment does not necessarily hold any of these (the
+  values live in the metadata server), so the TPU launcher also sets `TRAINKIT_DISTRIBUTED=auto`,
+  which asks for the same auto-detection explicitly. `CLOUD_TPU_TASK_ID` (set by some TPU
+  runtimes) is also taken as a sign of a TPU pod.
+* Otherwise: `None`, a single process; `jax.distributed.initialize` is not called.
+
+When the coordinator, the process count and the process id are all known, the arguments also
+hold `cluster_detection_method="deactivate"`, so that JAX's own SLURM detection does not
+override `local_device_ids` (it would set `[SLURM_LOCALID]` even when each task sees one GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping
+
+from trainkit.errors import UserError
+
+DEFAULT_COORDINATOR_PORT = 12345
+
+# Variables whose presence means "a Cloud TPU pod: let JAX auto-detect everything".
+TPU_VARIABLES = (
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_PROCESS_ADDRESSES",
+    "TPU_WORKER_ID",
+    "CLOUD_TPU_TASK_ID",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "MEGASCALE_NUM_SLICES",
+)
+AUTO_VARIABLE = "TRAINKIT_DISTRIBUTED"
+EXPLICIT_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+_HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def expand_nodelist(nodelist: str, variable: str = "SLURM_JOB_NODELIST") -> list[str]:
+  """Expands a Slurm host list: `node[01-03,07]`, `a1,b2`, `rack[1-2]-n[1-2]`, ...
+
+  Zero padding of a range is kept (`node[08-10]` -> node08, node09, node10). A malformed list
+  raises UserError naming `variable`.
+  """
+  hosts = []
+  for item in _split_top_level(nodelist.strip(), variable):
+    hosts.extend(_expand_host(item, variable, nodelist))
+  if not hosts:
+    raise UserError(f"{variable}={nodelist!r} holds no host name")
+  return hosts
+
+
+def _bad(variable: str, value: str, why: str) -> UserError:
+  return UserError(f"{variable}={value!r} is malformed: {why}")
+
+
+def _split_top_level(text: str, variable: str) -> list[str]:
+  items, depth, start = [], 0, 0
+  for i, ch in enumerate(text):
+    if ch == "[":
+      depth += 1
+      if depth > 1:
+        raise _bad(variable, text, "nested brackets")
+    elif ch == "]":
+      depth -= 1
+      if depth < 0:
+        raise _bad(variable, text, "']' without '['")
+    elif ch == "," and depth == 0:
+      items.append(text[start:i])
+      start = i + 1
+  if depth != 0:
+    raise _bad(variable, text, "'[' without ']'")
+  items.append(text[start:])
+  if any(not item for item in items):
+    raise _bad(variable, text, "empty host name")
+  return items
+
+
+def _expand_host(item: str, variable: str, whole: str) -> list[str]:
+  open_at = item.find("[")
+  if open_at < 0:
+    if not _HOST_RE.match(item):
+      raise _bad(variable, whole, f"bad host name {item!r}")
+    return [item]
+  close_at = item.index("]", open_at)
+  prefix, ranges, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
+  if prefix and not _HOST_RE.match(prefix):
+    raise _bad(variable, whole, f"bad host name prefix {prefix!r}")
+  values = []
+  for part in ranges.split(","):
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+    if not m:
+      raise _bad(variable, whole, f"bad range {part!r} (expected N or N-M)")
+    lo, hi = m.group(1), m.group(2) or m.group(1)
+    if int(hi) < int(lo):
+      raise _bad(variable, whole, f"range {part!r} is decreasing")
+    width = len(lo)
+    values.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+  tails = _expand_host(rest, variable, whole) if rest else [""]
+  return [prefix + v + tail for v in values for tail in tails]
+
+
+def _int(env: Mapping[str, str], variable: str, minimum: int) -> int:
+  value = env[variable]
+  try:
+    n = int(value.strip())
+  except ValueError:
+    raise _bad(variable, value, "expected an integer") from None
+  if n < minimum:
+    raise _bad(variable, value, f"expected an integer >= {minimum}")
+  return n
+
+
+def _coordinator(env: Mapping[str, str]) -> str:
+  value = env["JAX_COORDINATOR_ADDRESS"]
+  host, sep, port = value.strip().rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise _bad("JAX_COORDINATOR_ADDRESS", value, "expected host:port")
+  return value.strip()
+
+
+def _port(env: Mapping[str, str]) -> int:
+  if "JAX_COORDINATOR_PORT" not in env:
+    return DEFAULT_COORDINATOR_PORT
+  port = _int(env, "JAX_COORDINATOR_PORT", 1)
+  if port > 65535:
+    raise _bad("JAX_COORDINATOR_PORT", env["JAX_COORDINATOR_PORT"], "expected a port <= 65535")
+  return port
+
+
+def _slurm_args(env: Mapping[str, str]) -> dict[str, Any] | None:
+  if "SLURM_NTASKS" not in env or "SLURM_PROCID" not in env:
+    return None
+  num_processes = _int(env, "SLURM_NTASKS", 1)
+  process_id = _int(env, "SLURM_PROCID", 0)
+  if process_id >= num_processes:
+    raise _bad("SLURM_PROCID", env["SLURM_PROCID"], f"not below SLURM_NTASKS={num_processes}")
+  if num_processes == 1:
+    return None
+  args: dict[str, Any] = {"num_processes": num_processes, "process_id": process_id}
+  if "JAX_COORDINATOR_ADDRESS" not in env:
+    variable = next(
+        (v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if env.get(v, "").strip()), None
+    )
+    if variable is None:
+      raise UserError(
+          "SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are unset: cannot choose the coordinator "
+          "(set JAX_COORDINATOR_ADDRESS=host:port)"
+      )
+    first_host = expand_nodelist(env[variable], variable)[0]
+    args["coordinator_address"] = f"{first_host}:{_port(env)}"
+  if env.get("SLURM_GPUS_PER_TASK", "").strip() == "1":
+    local_id = _int(env, "SLURM_LOCALID", 0) if "SLURM_LOCALID" in env else None
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(visible) == 1:
+      args["local_device_ids"] = [0]  # Slurm bound this task to one GPU, JAX's device 0.
+    elif local_id is not None:
+      args["local_device_ids"] = [local_id]
+  return args
+
+
+def distributed_args(env: Mapping[str, str]) -> dict[str, Any] | None:
+  """The keyword arguments of `jax.distributed.initialize`, or None for a single process.
+
+  See the module docstring for the variables read. A malformed value raises UserError naming
+  the variable.
+  """
+  explicit: dict[str, Any] = {}
+  if "JAX_COORDINATOR_ADDRESS" in env:
+    explicit["coordinator_address"] = _coordinator(env)
+  if "JAX_NUM_PROCESSES" in env:
+    explicit["num_processes"] = _int(env, "JAX_NUM_PROCESSES", 1)
+  if "JAX_PROCESS_ID" in env:
+    explicit["process_id"] = _int(env, "JAX_PROCESS_ID", 0)
+
+  auto = env.get(AUTO_VARIABLE, "").strip().lower()
+  if auto not in ("", "auto", "0", "off"):
+    raise _bad(AUTO_VARIABLE, env[AUTO_VARIABLE], "expected 'auto' or 'off'")
+
+  base = _slurm_args(env)
+  if base is None and (auto == "auto" or any(env.get(v, "").strip() for v in TPU_VARIABLES)):
+    base = {}
+  if base is None and not explicit:
+    return None
+  if base is None:
+    missing = [v for v in EXPLICIT_VARIABLES if v not in env]
+    if missing:
+      raise UserError(
+          f"{missing[0]} is not set: outside SLURM and Cloud TPU, "
+          f"{', '.join(EXPLICIT_VARIABLES)} must be set together"
+      )
+    base = {}
+  args = {**base, **explicit}
+  if "num_processes" in args and "process_id" in args:
+    if args["process_id"] >= args["num_processes"]:
+      variable = "JAX_PROCESS_ID" if "JAX_PROCESS_ID" in env else "SLURM_PROCID"
+      raise _bad(variable, str(args["process_id"]), f"not below {args['num_processes']} processes")
+  if all(k in args for k in ("coordinator_address", "num_processes", "process_id")):
+    args["cluster_detection_method"] = "deactivate"
+  return args
+
+
+def initialize_from_env(env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+  """Calls `jax.distributed.initialize(**distributed_args(env))` unless single-process.
+
+  Returns the arguments (None when it did not initialize). Call it before any other JAX call.
+  """
+  args = distributed_args(env)
+  if args is not None:
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.distributed.initialize(**args)
+  return args
