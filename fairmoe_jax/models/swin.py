@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fairmoe_jax.models.vit import Mlp
+from fairmoe_jax.models.vit import Mlp, layer_norm, linear, patch_conv
 from fairmoe_jax.models.classifier import BackboneClassifier
 from fairmoe_jax.moe import MoEAux, SparseMoE
 
@@ -34,8 +34,7 @@ from fairmoe_jax.moe import MoEAux, SparseMoE
 # position bias tables (trunc_normal_ with an absolute cut-off of +-2, i.e. a
 # plain normal), zero biases, LayerNorm (1, 0); the patch-embedding conv keeps
 # PyTorch's default U(+-1/sqrt(fan_in)).
-_LINEAR_INIT = nnx.initializers.normal(stddev=0.02)
-_CONV_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+_BIAS_TABLE_INIT = nnx.initializers.normal(stddev=0.02)
 _LAYER_NORM_EPS = 1e-5  # timm's Swin uses nn.LayerNorm's default, unlike its ViT (1e-6).
 # timm fills the shifted-window mask with -100 rather than -inf: exp(-100) is 0
 # in float32 and a fully masked row cannot produce NaNs.
@@ -52,24 +51,8 @@ SWIN_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _linear(
-    din: int, dout: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs, *, use_bias: bool = True
-) -> nnx.Linear:
-  return nnx.Linear(
-      din,
-      dout,
-      use_bias=use_bias,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      kernel_init=_LINEAR_INIT,
-      rngs=rngs,
-  )
-
-
 def _layer_norm(dim: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.LayerNorm:
-  return nnx.LayerNorm(
-      dim, epsilon=_LAYER_NORM_EPS, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-  )
+  return layer_norm(dim, dtype, param_dtype, rngs, epsilon=_LAYER_NORM_EPS)
 
 
 def window_partition(x: jax.Array, window: int) -> jax.Array:
@@ -133,17 +116,7 @@ class PatchEmbed(nnx.Module):
   """Non-overlapping patches -> [B, H/p, W/p, C] map, then LayerNorm (timm's Swin stem)."""
 
   def __init__(self, patch_size: int, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
-    self.proj = nnx.Conv(
-        3,
-        dim,
-        kernel_size=(patch_size, patch_size),
-        strides=(patch_size, patch_size),
-        padding="VALID",
-        kernel_init=_CONV_INIT,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        rngs=rngs,
-    )
+    self.proj = patch_conv(patch_size, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.norm = _layer_norm(dim, dtype, param_dtype, rngs)
 
   def __call__(self, images: jax.Array) -> jax.Array:
@@ -160,7 +133,7 @@ class PatchMerging(nnx.Module):
 
   def __init__(self, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
     self.norm = _layer_norm(4 * dim, dtype, param_dtype, rngs)
-    self.reduction = _linear(4 * dim, 2 * dim, dtype, param_dtype, rngs, use_bias=False)
+    self.reduction = linear(4 * dim, 2 * dim, dtype, param_dtype, rngs, use_bias=False)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, h, w, c = x.shape
@@ -190,13 +163,13 @@ class WindowAttention(nnx.Module):
     self.num_heads = num_heads
     self.head_dim = dim // num_heads
     self.window = window
-    self.qkv = _linear(dim, 3 * dim, dtype, param_dtype, rngs)
-    self.proj = _linear(dim, dim, dtype, param_dtype, rngs)
+    self.qkv = linear(dim, 3 * dim, dtype, param_dtype, rngs)
+    self.proj = linear(dim, dim, dtype, param_dtype, rngs)
     self.proj_drop = nnx.Dropout(dropout_rate)
     # One learned bias per head and relative offset (dy, dx) in [-(w-1), w-1]^2;
     # the index into it is a constant recomputed at trace time, not state.
     self.relative_position_bias_table = nnx.Param(
-        _LINEAR_INIT(rngs.params(), ((2 * window - 1) ** 2, num_heads), param_dtype)
+        _BIAS_TABLE_INIT(rngs.params(), ((2 * window - 1) ** 2, num_heads), param_dtype)
     )
 
   def relative_position_bias(self) -> jax.Array:
@@ -504,7 +477,7 @@ class ClassifierHead(nnx.Module):
       rngs: nnx.Rngs,
   ):
     self.drop = nnx.Dropout(dropout_rate)
-    self.fc = _linear(dim, num_classes, dtype, param_dtype, rngs)
+    self.fc = linear(dim, num_classes, dtype, param_dtype, rngs)
 
   def __call__(self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
     return self.fc(self.drop(x, deterministic=not train, rngs=rngs))

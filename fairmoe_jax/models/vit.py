@@ -44,15 +44,41 @@ def num_params(module: nnx.Module) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
-def _linear(din: int, dout: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+def linear(
+    din: int, dout: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs, *, use_bias: bool = True
+) -> nnx.Linear:
+  """A Linear with timm's N(0, 0.02) kernel init (shared by the ViT and Swin backbones)."""
   return nnx.Linear(
-      din, dout, dtype=dtype, param_dtype=param_dtype, kernel_init=_LINEAR_INIT, rngs=rngs
+      din,
+      dout,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      kernel_init=_LINEAR_INIT,
+      rngs=rngs,
   )
 
 
-def _layer_norm(dim: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.LayerNorm:
-  return nnx.LayerNorm(
-      dim, epsilon=_LAYER_NORM_EPS, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+def layer_norm(
+    dim: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs, *, epsilon: float = _LAYER_NORM_EPS
+) -> nnx.LayerNorm:
+  return nnx.LayerNorm(dim, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def patch_conv(
+    patch_size: int, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
+) -> nnx.Conv:
+  """Non-overlapping patch projection, a conv with stride = patch size (PyTorch's init)."""
+  return nnx.Conv(
+      3,
+      dim,
+      kernel_size=(patch_size, patch_size),
+      strides=(patch_size, patch_size),
+      padding="VALID",
+      kernel_init=_CONV_INIT,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
   )
 
 
@@ -60,17 +86,7 @@ class PatchEmbed(nnx.Module):
   """Non-overlapping patches -> tokens, via a conv with stride = patch size."""
 
   def __init__(self, patch_size: int, dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
-    self.proj = nnx.Conv(
-        3,
-        dim,
-        kernel_size=(patch_size, patch_size),
-        strides=(patch_size, patch_size),
-        padding="VALID",
-        kernel_init=_CONV_INIT,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        rngs=rngs,
-    )
+    self.proj = patch_conv(patch_size, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, images: jax.Array) -> jax.Array:
     """[B, H, W, 3] -> [B, (H / p) * (W / p), D], patches in row-major order."""
@@ -95,8 +111,8 @@ class Attention(nnx.Module):
       raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
     self.num_heads = num_heads
     self.head_dim = dim // num_heads
-    self.qkv = _linear(dim, 3 * dim, dtype, param_dtype, rngs)
-    self.proj = _linear(dim, dim, dtype, param_dtype, rngs)
+    self.qkv = linear(dim, 3 * dim, dtype, param_dtype, rngs)
+    self.proj = linear(dim, dim, dtype, param_dtype, rngs)
     self.proj_drop = nnx.Dropout(dropout_rate)
 
   def __call__(self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
@@ -126,8 +142,8 @@ class Mlp(nnx.Module):
       param_dtype: Any,
       rngs: nnx.Rngs,
   ):
-    self.fc1 = _linear(dim, hidden_dim, dtype, param_dtype, rngs)
-    self.fc2 = _linear(hidden_dim, dim, dtype, param_dtype, rngs)
+    self.fc1 = linear(dim, hidden_dim, dtype, param_dtype, rngs)
+    self.fc2 = linear(hidden_dim, dim, dtype, param_dtype, rngs)
     self.drop = nnx.Dropout(dropout_rate)
 
   def __call__(self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
@@ -152,11 +168,11 @@ class Block(nnx.Module):
       rngs: nnx.Rngs,
   ):
     self.is_moe = moe is not None
-    self.norm1 = _layer_norm(dim, dtype, param_dtype, rngs)
+    self.norm1 = layer_norm(dim, dtype, param_dtype, rngs)
     self.attn = Attention(
         dim, num_heads, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
-    self.norm2 = _layer_norm(dim, dtype, param_dtype, rngs)
+    self.norm2 = layer_norm(dim, dtype, param_dtype, rngs)
     if moe is not None:
       self.mlp = SparseMoE(dim, mlp_dim, **moe, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     else:
@@ -263,8 +279,8 @@ class VisionTransformer(BackboneClassifier):
             for i in range(depth)
         ]
     )
-    self.norm = _layer_norm(dim, dtype, param_dtype, rngs)
-    self.head = _linear(dim, num_classes, dtype, param_dtype, rngs)
+    self.norm = layer_norm(dim, dtype, param_dtype, rngs)
+    self.head = linear(dim, num_classes, dtype, param_dtype, rngs)
 
   def _encode(
       self,
