@@ -33,10 +33,7 @@ it. Writes JSON (default benchmarks/results/attention.json).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import time
 from typing import Any
@@ -48,7 +45,7 @@ from flax import nnx
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.attention import MultiHeadAttention
 
-from bench_utils import flops, memory_analysis
+from bench_utils import flops, memory_analysis, write_results
 
 KINDS = ("vanilla", "causal", "causal_unconstrained")
 BASELINE = "vanilla"
@@ -274,24 +271,7 @@ def main() -> None:
       print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']}: {t['detail']}")
   if device.platform == "cpu":
     print(f"note: CPU figures do not decide the GPU target; run on a GPU (N={TARGET_LENGTH} row).")
-  os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-  with open(args.output, "w") as f:
-    json.dump(
-        {
-            "device": str(device.device_kind),
-            "platform": device.platform,
-            "num_devices": jax.device_count(),
-            "jax": jax.__version__,
-            "host": platform.node(),
-            "date": datetime.date.today().isoformat(),
-            "args": vars(args),
-            "rows": rows,
-            "targets": targets,
-        },
-        f,
-        indent=2,
-    )
-  print(f"wrote {args.output}")
+  write_results(args.output, args, rows, targets)
 
 
 if __name__ == "__main__":

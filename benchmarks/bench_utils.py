@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 from typing import Any
+
+import jax
 
 
 def memory_analysis(compiled: Any) -> dict[str, int | None]:
@@ -28,3 +34,26 @@ def flops(compiled: Any) -> float | None:
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
   return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def write_results(path: str, args: Any, rows: list[dict], targets: list[dict]) -> None:
+  """Writes the rows, the evaluated targets and where they were measured as JSON."""
+  device = jax.devices()[0]
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(
+        {
+            "device": str(device.device_kind),
+            "platform": device.platform,
+            "num_devices": jax.device_count(),
+            "jax": jax.__version__,
+            "host": platform.node(),
+            "date": datetime.date.today().isoformat(),
+            "args": vars(args),
+            "rows": rows,
+            "targets": targets,
+        },
+        f,
+        indent=2,
+    )
+  print(f"wrote {path}")

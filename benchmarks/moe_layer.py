@@ -23,10 +23,7 @@ benchmarks/results/moe_layer.json).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import time
 from typing import Any, Callable
@@ -38,7 +35,7 @@ from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights, sort_
 from fairmoe_jax.moe.dispatch import compute_capacity, dispatch_and_combine_masks
 from fairmoe_jax.moe.routing import route_from_logits
 
-from bench_utils import flops, memory_analysis
+from bench_utils import flops, memory_analysis, write_results
 
 SHAPES = {  # images (groups), tokens per image, dim, expert hidden width
     "deit_s": (256, 197, 384, 1536),
@@ -339,24 +336,7 @@ def main() -> None:
       print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']} ({t['shape']}): {t['detail']}")
     if device.platform == "cpu":
       print("note: CPU figures do not decide the GPU targets; run --shape deit_s on a GPU.")
-  os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-  with open(args.output, "w") as f:
-    json.dump(
-        {
-            "device": str(device.device_kind),
-            "platform": device.platform,
-            "num_devices": jax.device_count(),
-            "jax": jax.__version__,
-            "host": platform.node(),
-            "date": datetime.date.today().isoformat(),
-            "args": vars(args),
-            "rows": rows,
-            "targets": targets,
-        },
-        f,
-        indent=2,
-    )
-  print(f"wrote {args.output}")
+  write_results(args.output, args, rows, targets)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ class BackboneClassifier(nnx.Module):
   ) -> tuple[jax.Array, MoEAux]:
     raise NotImplementedError
 
+  def _check_rngs(self, train: bool, rngs: nnx.Rngs | None) -> None:
+    if train and getattr(self, "dropout_rate", 0.0) > 0 and rngs is None:
+      raise ValueError("train=True with dropout_rate > 0 needs `rngs` with a 'dropout' stream")
+
   def classify(self, feats: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
     """Pre-head feature [B, num_features] -> float32 logits [B, num_classes]."""
     raise NotImplementedError

@@ -442,8 +442,7 @@ class SwinTransformer(BackboneClassifier):
       context: Mapping[str, jax.Array] | None,
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (pooled final-norm feature [B, C], merged MoEAux)."""
-    if train and self.dropout_rate > 0 and rngs is None:
-      raise ValueError("train=True with dropout_rate > 0 needs `rngs` with a 'dropout' stream")
+    self._check_rngs(train, rngs)
     x = self.patch_embed(images.astype(self.dtype))
     auxes: dict[str, MoEAux] = {}
     index = 0

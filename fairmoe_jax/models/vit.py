@@ -291,8 +291,7 @@ class VisionTransformer(BackboneClassifier):
       context: Mapping[str, jax.Array] | None,
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (final-norm class-token feature [B, dim], merged MoEAux)."""
-    if train and self.dropout_rate > 0 and rngs is None:
-      raise ValueError("train=True with dropout_rate > 0 needs `rngs` with a 'dropout' stream")
+    self._check_rngs(train, rngs)
     x = self.patch_embed(images.astype(self.dtype))
     cls = jnp.broadcast_to(self.cls_token[...].astype(self.dtype), (x.shape[0], 1, self.dim))
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...].astype(self.dtype)
