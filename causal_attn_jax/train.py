@@ -38,7 +38,8 @@ from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
 from trainkit.loop import stop_after_preemption, train_loop
-from trainkit.mesh import make_mesh, replicated, shard_batch
+from trainkit.distributed import main_process_first
+from trainkit.mesh import make_mesh, place, process_block, replicated, shard_batch, to_host
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from trainkit.train_state import (
@@ -136,12 +137,16 @@ def _encode_pairs(tok, pairs: nli.PairData, max_len: int) -> dict[str, np.ndarra
 
 def _load_classification(config, workdir: str) -> TaskData:
   train, evaluation, challenge = _load_pairs(config)
-  tok = tokenizer_lib.load_or_train(
-      workdir,
-      lambda: train.premises + train.hypotheses,
-      config.data.vocab_size,
-      model_type=config.data.tokenizer_type,
-      seed=config.seed,
+  # Process 0 trains and saves it; the others load it.
+  tok = main_process_first(
+      "tokenizer",
+      lambda: tokenizer_lib.load_or_train(
+          workdir,
+          lambda: train.premises + train.hypotheses,
+          config.data.vocab_size,
+          model_type=config.data.tokenizer_type,
+          seed=config.seed,
+      ),
   )
   max_len = config.data.max_len
   data = TaskData(
@@ -190,12 +195,16 @@ def _load_translation(config, workdir: str) -> TaskData:
   (train_src, train_tgt), (eval_src, eval_tgt) = _load_parallel(config)
   keep = [i for i, (s, t) in enumerate(zip(train_src, train_tgt)) if s.strip() and t.strip()]
   train_src, train_tgt = [train_src[i] for i in keep], [train_tgt[i] for i in keep]
-  tok = tokenizer_lib.load_or_train(
-      workdir,
-      lambda: train_src + train_tgt,  # A joint vocabulary: the embeddings are tied.
-      config.data.vocab_size,
-      model_type=config.data.tokenizer_type,
-      seed=config.seed,
+  # Process 0 trains and saves it; the others load it.
+  tok = main_process_first(
+      "tokenizer",
+      lambda: tokenizer_lib.load_or_train(
+          workdir,
+          lambda: train_src + train_tgt,  # A joint vocabulary: the embeddings are tied.
+          config.data.vocab_size,
+          model_type=config.data.tokenizer_type,
+          seed=config.seed,
+      ),
   )
   return TaskData(
       tokenizer=tok,
@@ -238,7 +247,8 @@ class TrainIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     while self.index >= len(self._batches()):
       self.epoch, self.index, self._order = self.epoch + 1, 0, None
-    indices = self._batches()[self.index]
+    # Every process orders the epoch the same way and reads only its block of the batch.
+    indices = process_block(self._batches()[self.index])
     self.index += 1
     return {k: v[indices] for k, v in self.arrays.items()}
 
@@ -391,20 +401,23 @@ def initial_extra(config: ml_collections.ConfigDict) -> dict[str, jax.Array]:
 def create_state(config, data: TaskData, tx, mesh: Mesh) -> tuple[nnx.GraphDef, TrainState]:
   """The initial train state; the multipliers live in `extra`, replicated."""
 
-  def make_model():
-    model = build_model(config, data, nnx.Rngs(params=config.seed))
-    if config.model.glove_path:
-      matched = models.init_from_glove(model, _pieces(data.tokenizer), config.model.glove_path)
-      data.glove_matched = matched
-      print(
-          f"GloVe init: {matched} of {data.tokenizer.vocab_size} pieces matched in "
-          f"{config.model.glove_path}",
-          flush=True,
-      )
-    return model
+  def load_glove(model: nnx.Module) -> None:
+    matched = models.init_from_glove(model, _pieces(data.tokenizer), config.model.glove_path)
+    data.glove_matched = matched
+    print(
+        f"GloVe init: {matched} of {data.tokenizer.vocab_size} pieces matched in "
+        f"{config.model.glove_path}",
+        flush=True,
+    )
 
-  graphdef, state = create_train_state(make_model, tx, mesh, config.seed)
-  state = state.replace(extra=jax.device_put(initial_extra(config), replicated(mesh)))
+  graphdef, state = create_train_state(
+      lambda: build_model(config, data, nnx.Rngs(params=config.seed)),
+      tx,
+      mesh,
+      config.seed,
+      load_weights=load_glove if config.model.glove_path else None,
+  )
+  state = state.replace(extra=place(initial_extra(config), replicated(mesh)))
   return graphdef, state
 
 
@@ -438,8 +451,9 @@ def make_eval_step(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict):
 
 
 def _batches(arrays, config, mesh):
+  """(global host batch, its device array): each process puts only its block on the mesh."""
   for batch in batching.eval_batches(arrays, config.eval_batch_size):
-    yield batch, shard_batch(batch, mesh)
+    yield batch, shard_batch(process_block(batch), mesh)
 
 
 def run_eval(eval_step, state, arrays, config, mesh, *, keep_attention: int = 0):
@@ -450,14 +464,14 @@ def run_eval(eval_step, state, arrays, config, mesh, *, keep_attention: int = 0)
     out = eval_step(state, batch)
     weight = float(host_batch["mask"].sum())
     totals["loss"] += float(out["loss"]) * weight
-    totals["rows"] += np.asarray(out["rows_within"]) * weight
-    totals["cols"] += np.asarray(out["cols_within"]) * weight
+    totals["rows"] += to_host(out["rows_within"]) * weight
+    totals["cols"] += to_host(out["cols_within"]) * weight
     totals["weight"] += weight
     if "predictions" in out:
-      predictions.append(np.asarray(out["predictions"])[host_batch["mask"]])
+      predictions.append(to_host(out["predictions"])[host_batch["mask"]])
     if len(attention) < keep_attention:
       take = keep_attention - len(attention)
-      maps = [np.asarray(a[:take]) for a in out["attention"]]
+      maps = [to_host(a)[:take] for a in out["attention"]]
       for i in range(min(take, int(weight))):
         attention.append([m[i] for m in maps])
         inputs.append({k: v[i] for k, v in host_batch.items()})
@@ -577,7 +591,7 @@ def translate_eval(translate, state, data: TaskData, config, mesh) -> tuple[list
   arrays = {"src": data.eval["src"][:limit]}
   hypotheses = []
   for host_batch, batch in _batches(arrays, config, mesh):
-    tokens = np.asarray(translate(state.params, state.model_state, batch["src"]))
+    tokens = to_host(translate(state.params, state.model_state, batch["src"]))
     hypotheses += data.tokenizer.decode_batch(tokens[host_batch["mask"]])
   return hypotheses, data.eval_references[:limit]
 

@@ -6,6 +6,7 @@ resume, the loop (trainkit), then the fairness report on the test split.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -29,7 +30,7 @@ from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
 from trainkit.loop import stop_after_preemption, train_loop
-from trainkit.mesh import make_mesh, shard_batch
+from trainkit.mesh import make_mesh, place, shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from fairmoe_jax.metrics.gradients import gradient_cosines
@@ -62,11 +63,16 @@ def build_model(
   """The model of `config.method`, from a timm checkpoint when `model.pretrained` is set."""
   model = methods.build_model(config, info, rngs, mesh)
   if config.model.pretrained:
-    # Muffin's backbones each start from the checkpoint.
-    for backbone in model.backbones if isinstance(model, Muffin) else [model]:
-      for note in load_timm_checkpoint(backbone, config.model.pretrained):
-        logging.info("%s", note)
+    load_pretrained(config, model)
   return model
+
+
+def load_pretrained(config: ml_collections.ConfigDict, model: nnx.Module) -> None:
+  """Loads `model.pretrained` (a timm checkpoint) into the backbone, keeping the shardings."""
+  # Muffin's backbones each start from the checkpoint.
+  for backbone in model.backbones if isinstance(model, Muffin) else [model]:
+    for note in load_timm_checkpoint(backbone, config.model.pretrained):
+      logging.info("%s", note)
 
 
 def make_loss_fn(config: ml_collections.ConfigDict, info: data_lib.DatasetInfo):
@@ -214,12 +220,16 @@ def create_state(
 ) -> tuple[nnx.GraphDef, TrainState]:
   """The initial train state of `config.method` on `mesh`."""
   graphdef, state = create_train_state(
-      lambda: build_model(config, info, nnx.Rngs(params=config.seed), mesh), tx, mesh, config.seed
+      lambda: methods.build_model(config, info, nnx.Rngs(params=config.seed), mesh),
+      tx,
+      mesh,
+      config.seed,
+      load_weights=functools.partial(load_pretrained, config) if config.model.pretrained else None,
   )
   if methods.uses_expert_management(config):
     # The allocator's state is checkpointed with the run (TrainState.extra).
-    fem = jax.tree.map(jnp.asarray, experts_lib.initial_state(info.num_attributes))
-    state = state.replace(extra={"fem": jax.device_put(fem, replicated(mesh))})
+    fem = experts_lib.initial_state(info.num_attributes)
+    state = state.replace(extra={"fem": place(fem, replicated(mesh))})
   return graphdef, state
 
 
@@ -268,9 +278,10 @@ def make_expert_manager(
       if isinstance(node, FairRouter):
         node.assignment.set_value(jnp.asarray(assignment))
     _, _, model_state = nnx.split(model, nnx.Param, ...)
-    model_state = jax.device_put(model_state, state_shardings(state.model_state, mesh))
-    fem = jax.device_put(jax.tree.map(jnp.asarray, fem), replicated(mesh))
-    state = state.replace(model_state=model_state, extra=dict(state.extra, fem=fem))
+    model_state = place(model_state, state_shardings(state.model_state, mesh))
+    state = state.replace(
+        model_state=model_state, extra=dict(state.extra, fem=place(fem, replicated(mesh)))
+    )
     logged = {
         f"fem/experts_per_class/{n}": int(c) for n, c in zip(info.attribute_names, fem["counts"])
     }

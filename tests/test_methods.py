@@ -49,8 +49,7 @@ def _setup(config):
 
 @pytest.mark.parametrize(
     "method,backbone",
-    [(m, "vit") for m in sorted(methods.METHODS)]
-    + [("fairsmoe", "swin_tiny_cpu")],
+    [(m, "vit") for m in sorted(methods.METHODS)] + [("fairsmoe", "swin_tiny_cpu")],
 )
 def test_every_method_trains_in_the_jitted_step(method, backbone):
   config = _config(method, backbone, image_size=32 if backbone.startswith("swin") else 16)

@@ -75,6 +75,26 @@ def test_processes_split_each_epoch_disjointly():
   assert not np.array_equal(epochs[0][0], np.sort(epochs[0][0]))
 
 
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_global_batches_do_not_depend_on_the_process_count(process_count):
+  # 100 examples, global batch 16: 6 global batches per epoch; 14 steps cross two epochs.
+  arrays = make_arrays(100)
+  kwargs = dict(global_batch_size=16, image_size=12, seed=4, num_threads=0)
+  single = take(pipeline.train_iterator(arrays, **kwargs), 14)
+  parts = [
+      take(
+          pipeline.train_iterator(arrays, process_index=i, process_count=process_count, **kwargs),
+          14,
+      )
+      for i in range(process_count)
+  ]
+  for step, batch in enumerate(single):
+    for key in batch:
+      # What jax.make_array_from_process_local_data assembles: the processes' parts in order.
+      assembled = np.concatenate([part[step][key] for part in parts])
+      np.testing.assert_array_equal(assembled, batch[key], err_msg=f"step {step}, {key}")
+
+
 def test_partial_batches_are_dropped_per_epoch():
   # 50 examples, batch 8: 6 batches per epoch and no batch mixes two epochs.
   it = pipeline.train_iterator(

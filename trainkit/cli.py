@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any, Callable
 
 import jax
@@ -11,7 +13,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from trainkit.distributed import initialize_from_env
+from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit.workdir import prepare_workdir
 
@@ -87,9 +89,13 @@ def train_eval_command(
     # Multi-process runs (TPU pod, SLURM, launch/local_multiprocess.sh) join JAX's
     # multi-controller runtime before any device is touched; single runs do nothing here.
     initialize_from_env()
-    validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
-    workdir = prepare_workdir(workdir)
-    (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
+    if jax.process_index() != 0:
+      # Reports, progress and summaries come from process 0; the others keep stderr only.
+      sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
+    with exit_together(workdir):
+      validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
+      workdir = prepare_workdir(workdir)
+      (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
 
   def main(argv: list[str]) -> None:
     if len(argv) > 1:

@@ -23,6 +23,11 @@ calls `jax.distributed.initialize` with them. The launchers in `launch/` set the
   runtimes) is also taken as a sign of a TPU pod.
 * Otherwise: `None`, a single process; `jax.distributed.initialize` is not called.
 
+`TRAINKIT_HEARTBEAT_TIMEOUT` (seconds, JAX's default 100 when unset) bounds how long the
+survivors of a dead process wait: the coordination service then ends every process. Collectives
+that notice the dead peer sooner (gloo on CPU does at once) raise at once, and `exit_together`
+turns that into one message and an immediate exit.
+
 When the coordinator, the process count and the process id are all known, the arguments also
 hold `cluster_detection_method="deactivate"`, so that JAX's own SLURM detection does not
 override `local_device_ids` (it would set `[SLURM_LOCALID]` even when each task sees one GPU).
@@ -30,11 +35,16 @@ override `local_device_ids` (it would set `[SLURM_LOCALID]` even when each task 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from typing import Any, Mapping
+import sys
+import traceback
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
-from trainkit.errors import UserError
+from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
+
+T = TypeVar("T")
 
 DEFAULT_COORDINATOR_PORT = 12345
 
@@ -49,6 +59,7 @@ TPU_VARIABLES = (
 )
 AUTO_VARIABLE = "TRAINKIT_DISTRIBUTED"
 EXPLICIT_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+HEARTBEAT_VARIABLE = "TRAINKIT_HEARTBEAT_TIMEOUT"
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -214,6 +225,8 @@ def distributed_args(env: Mapping[str, str]) -> dict[str, Any] | None:
       raise _bad(variable, str(args["process_id"]), f"not below {args['num_processes']} processes")
   if all(k in args for k in ("coordinator_address", "num_processes", "process_id")):
     args["cluster_detection_method"] = "deactivate"
+  if HEARTBEAT_VARIABLE in env:
+    args["heartbeat_timeout_seconds"] = _int(env, HEARTBEAT_VARIABLE, 1)
   return args
 
 
@@ -228,3 +241,70 @@ def initialize_from_env(env: Mapping[str, str] = os.environ) -> dict[str, Any] |
 
     jax.distributed.initialize(**args)
   return args
+
+
+@contextlib.contextmanager
+def exit_together(workdir_hint: str = "") -> Iterator[None]:
+  """In a multi-process run, an error ends this process at once with one clear message.
+
+  A process that raised and then exited normally would wait in JAX's shutdown barrier for
+  peers that are themselves blocked in a collective waiting for it. Ending it with `os._exit`
+  instead closes its connections, so the peers' collectives fail too and every process stops
+  within seconds (or, where a collective does not notice, within the heartbeat timeout). A
+  failed collective is reported as what it almost always is: another process died.
+
+  Single-process runs (or a clean exit) are not affected.
+  """
+  try:
+    yield
+  except BaseException as e:  # pylint: disable=broad-except
+    import jax  # pylint: disable=import-outside-toplevel
+
+    if jax.process_count() == 1 or (isinstance(e, SystemExit) and e.code in (0, None)):
+      raise
+    where = f"process {jax.process_index()} of {jax.process_count()}"
+    first_line = (str(e).strip().splitlines() or [""])[0][:300]
+    resume = (
+        "Restart all processes with the same command to resume from the latest checkpoint"
+        + (f" in {workdir_hint}" if workdir_hint else "")
+        + "."
+    )
+    if isinstance(e, UserError):
+      message, code = f"error: {where}: {e}", USER_ERROR_EXIT_CODE
+    elif isinstance(e, SystemExit):
+      message, code = f"error: {where} exited with status {e.code}", (
+          e.code if isinstance(e.code, int) else 1
+      )
+    elif isinstance(e, jax.errors.JaxRuntimeError):
+      traceback.print_exc()
+      message, code = (
+          f"error: {where}: a collective or device operation failed ({first_line}). Another "
+          f"process has most likely died or been preempted: see its log. {resume}",
+          1,
+      )
+    else:
+      traceback.print_exc()
+      message, code = f"error: {where}: {type(e).__name__}: {first_line}. {resume}", 1
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)  # pylint: disable=protected-access
+
+
+def main_process_first(name: str, fn: Callable[[], T]) -> T:
+  """`fn()` on process 0, then on the others once it returned: for files in a shared workdir.
+
+  E.g. a tokenizer trained and saved by process 0 is loaded, not trained again, by the rest.
+  `name` labels the barrier (every process must reach it).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.process_count() == 1:
+    return fn()
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  if jax.process_index() == 0:
+    result = fn()
+    multihost_utils.sync_global_devices(name)
+    return result
+  multihost_utils.sync_global_devices(name)
+  return fn()

@@ -95,7 +95,7 @@ def train_loop(
       step += 1
       # Read once: a signal arriving later in this iteration is handled at the next step,
       # never between deciding to stop and deciding to save.
-      stop_requested = guard.requested
+      stop_requested = guard.stop_requested(step)
       eval_due = evaluate is not None and _due(step, eval_every_steps, num_train_steps)
       checkpoint_due = _due(step, checkpoint_every_steps, num_train_steps) or stop_requested
       if _due(step, log_every_steps, num_train_steps) or eval_due or checkpoint_due:
@@ -158,4 +158,5 @@ def stop_after_preemption(
   """Closes the run's writers after train_loop returned preempted (its checkpoint is saved)."""
   checkpointer.close()
   writer.close()
-  print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)
+  if jax.process_index() == 0:
+    print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)

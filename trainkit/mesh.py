@@ -65,6 +65,59 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def place(tree: Any, shardings: Any) -> Any:
+  """Puts host values that are identical on every process onto (global) `shardings`.
+
+  Each process fills only its own devices' shards from its copy, so nothing crosses
+  processes: unlike `jax.device_put`, which compares the value across processes first
+  (one collective per leaf, and a false mismatch on NaN). `shardings` is one sharding or
+  a tree of them matching `tree`. Arrays already spread over several processes are resharded
+  with `device_put`. PRNG key arrays keep their key type.
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, tree)
+
+  def put(x: Any, sharding: jax.sharding.Sharding) -> Any:
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+      return x
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      impl = jax.random.key_impl(x)
+      return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=impl)
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+  return jax.tree.map(put, tree, shardings)
+
+
+def process_block(tree: Any) -> Any:
+  """This process's block of a global batch every process holds (leading dimension).
+
+  Process i of n takes rows [i * B/n, (i + 1) * B/n): what `shard_batch` expects, so
+  `shard_batch(process_block(batch), mesh)` is the global `batch` on the mesh, whatever
+  the number of processes.
+  """
+  count, index = jax.process_count(), jax.process_index()
+
+  def block(x: Any) -> Any:
+    if len(x) % count:
+      raise ValueError(f"a batch of {len(x)} rows cannot be split over {count} processes")
+    size = len(x) // count
+    return x[index * size : (index + 1) * size]
+
+  return jax.tree.map(block, tree)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole value of `x` as numpy on every process (a collective when `x` spans processes)."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """Assembles the global batch from this process's local part (multi-host safe)."""
   sharding = batch_sharding(mesh)

@@ -8,10 +8,11 @@ import flax
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from trainkit.mesh import replicated
+from trainkit.mesh import place, replicated
 
 # loss_fn(model, batch, rng, step, extra) -> (scalar loss, dict of metrics); `step` is the
 # int32 step counter, for losses whose form changes during training (e.g. training phases);
@@ -46,23 +47,50 @@ class TrainState:
 
 
 def create_train_state(
-    make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, seed: int
+    make_model: Callable[[], nnx.Module],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    seed: int,
+    *,
+    load_weights: Callable[[nnx.Module], None] | None = None,
 ) -> tuple[nnx.GraphDef, TrainState]:
-  """Builds the model under `mesh` so annotated parameters are created sharded."""
-  with jax.set_mesh(mesh):
+  """Builds the model in one jitted call on `mesh`, then the optimiser state.
+
+  `make_model` runs under `jax.jit`, so the parameters are created directly as arrays on
+  the mesh (sharded where annotated, replicated otherwise): one compilation instead of one
+  per initialiser, and in a multi-process run each process creates only its own shards.
+  `load_weights(model)` then runs eagerly (e.g. a pretrained checkpoint); it must keep the
+  shapes. `place` gives every leaf an explicit mesh sharding, so the state the first step
+  receives matches the one it returns and nothing recompiles.
+  """
+
+  def init() -> nnx.Module:
     model = make_model()
-    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    state = nnx.state(model)
+    nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+    return model
+
+  with jax.set_mesh(mesh):
+    model = nnx.jit(init)()
+  if load_weights is not None:
+    load_weights(model)
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+  params = place(params, state_shardings(params, mesh))
+  model_state = place(model_state, state_shardings(model_state, mesh))
+  with jax.set_mesh(mesh):
     opt_state = jax.jit(tx.init, out_shardings=_optimizer_shardings(tx, params, mesh))(params)
+  scalars = place(
+      {"step": np.zeros((), np.int32), "rng": np.asarray(jax.random.PRNGKey(seed))},
+      replicated(mesh),
+  )
   state = TrainState(
-      step=jnp.zeros((), jnp.int32),
+      step=scalars["step"],
       params=params,
       model_state=model_state,
       opt_state=opt_state,
-      rng=jax.random.PRNGKey(seed),
+      rng=scalars["rng"],
   )
-  # Every leaf gets an explicit mesh sharding (replicated unless annotated), so the
-  # state the first step receives matches the one it returns and nothing recompiles.
-  return graphdef, jax.device_put(state, state_shardings(state, mesh))
+  return graphdef, state
 
 
 def _optimizer_shardings(tx: optax.GradientTransformation, params: nnx.State, mesh: Mesh) -> Any:

@@ -8,6 +8,7 @@ import os
 import tempfile
 from typing import Any
 
+import jax
 import ml_collections
 
 from trainkit.errors import UserError
@@ -39,7 +40,12 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes `config.json`; warns about keys that differ from the one a previous run left."""
+  """Writes `config.json`; warns about keys that differ from the one a previous run left.
+
+  Only process 0 writes (the workdir is shared in a multi-process run).
+  """
+  if jax.process_index() != 0:
+    return
   path = os.path.join(workdir, "config.json")
   text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
   if os.path.exists(path):

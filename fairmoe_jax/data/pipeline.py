@@ -60,6 +60,50 @@ class ArraySource:
     return f"ArraySource(len={self._len}, image_key={self._image_key!r})"
 
 
+class ProcessBlocks(grain.MapDataset):
+  """This process's part of each global batch of a (shuffled, augmented) global stream.
+
+  The parent's first ``num_batches * global_batch_size`` elements are cut into global
+  batches; process ``i`` reads the ``i``-th block of ``local_batch_size`` consecutive
+  elements of each. Batching this dataset by ``local_batch_size`` and concatenating the
+  processes' batches in process order (``jax.make_array_from_process_local_data``) gives
+  exactly the global batch one process would read: the training stream does not depend on
+  the number of processes. Indices past one epoch map to the parent's next epoch, as
+  grain's slice does, so the parent's shuffle and augmentation change every epoch.
+  """
+
+  def __init__(
+      self,
+      parent: grain.MapDataset,
+      *,
+      global_batch_size: int,
+      process_index: int,
+      process_count: int,
+  ):
+    super().__init__(parent)
+    self._parent_length = len(parent)
+    self._global = global_batch_size
+    self._local = global_batch_size // process_count
+    self._offset = process_index * self._local
+    self._length = (self._parent_length // global_batch_size) * self._local
+
+  def __len__(self) -> int:
+    return self._length
+
+  def _parent_index(self, index: int) -> int:
+    epoch, position = divmod(index, self._length)
+    batch, within = divmod(position, self._local)
+    return epoch * self._parent_length + batch * self._global + self._offset + within
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    return self._parent[self._parent_index(index)]
+
+  def __str__(self) -> str:
+    return f"ProcessBlocks(global={self._global}, local={self._local}, offset={self._offset})"
+
+
 def train_decode_size(image_size: int) -> int:
   """Side at which training decodes image files before the random crop.
 
@@ -93,13 +137,11 @@ def train_iterator(
 ) -> grain.DatasetIterator:
   """Infinite iterator of augmented training batches for this process.
 
-  Every epoch is a fresh seeded shuffle of the whole split (the same on all
-  processes); process ``i`` takes every ``process_count``-th example of it
-  starting at ``i``, so the processes see disjoint parts of each epoch. Each
-  process's epoch is batched separately, dropping its last partial batch.
-  Augmentation randomness is derived from ``seed``, the process and the
-  example's position in the stream, so batches do not depend on
-  ``num_threads``.
+  Every epoch is a fresh seeded shuffle of the whole split, cut into global batches
+  (dropping the remainder); process ``i`` reads the ``i``-th ``1/process_count`` block of
+  each global batch (``ProcessBlocks``). Augmentation randomness is derived from ``seed``
+  and the example's position in the global stream. So the global batches, augmentation
+  included, are the same whatever the number of processes or ``num_threads``.
 
   Args:
     arrays: Split dict with ``image`` uint8 [N, H, W, 3] (or ``path`` [N],
@@ -125,14 +167,13 @@ def train_iterator(
     augment = AugmentConfig(**(augment or {}))
   batch_size = local_batch_size(global_batch_size, process_count)
   source = ArraySource(arrays, decode_size=decode_size or train_decode_size(image_size))
-  # Dropping the remainder of the global shuffle keeps every process's epoch
-  # the same length, so the processes stay in step across epochs.
-  usable = len(source) - len(source) % process_count
-  if usable // process_count < batch_size:
+  if len(source) < global_batch_size:
     raise ValueError(
-        f"{len(source)} examples are fewer than one global batch of " f"{global_batch_size}."
+        f"{len(source)} examples are fewer than one global batch of {global_batch_size}."
     )
-  augment_seed = int(np.random.SeedSequence([seed, process_index]).generate_state(1)[0])
+  # Independent of the process, so that the stream is too (the `0` keeps the single-process
+  # stream of earlier versions).
+  augment_seed = int(np.random.SeedSequence([seed, 0]).generate_state(1)[0])
 
   def transform(example: dict[str, np.ndarray], rng: np.random.Generator) -> Batch:
     return {
@@ -145,9 +186,15 @@ def train_iterator(
   dataset = (
       grain.MapDataset.source(source)
       .shuffle(seed=seed % 2**32)
-      .slice(slice(process_index, usable, process_count))
       .random_map(transform, seed=augment_seed)
-      .batch(batch_size, drop_remainder=True)
+  )
+  dataset = (
+      ProcessBlocks(
+          dataset,
+          global_batch_size=global_batch_size,
+          process_index=process_index,
+          process_count=process_count,
+      ).batch(batch_size, drop_remainder=True)
       # Repeating after batching keeps batches within epochs; it re-seeds the
       # shuffle and the augmentation for every epoch.
       .repeat(None)

@@ -33,6 +33,7 @@ from flax import nnx
 
 from fairmoe_jax.moe import SparseMoE
 from trainkit.errors import UserError
+from trainkit.mesh import place
 
 # Non-persistent buffers some timm checkpoints still hold: recomputed by our models.
 _BUFFER_SUFFIXES = ("relative_position_index", "attn_mask")
@@ -354,7 +355,7 @@ def load_timm_checkpoint(
     old = var[...]
     new = jnp.asarray(value, dtype=old.dtype)
     sharding = getattr(old, "sharding", None)
-    var[...] = jax.device_put(new, sharding) if sharding is not None else new
+    var[...] = place(new, sharding) if sharding is not None else new
 
   for name in upcycled:
     notes.append(
