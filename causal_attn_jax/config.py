@@ -19,7 +19,7 @@ import ml_collections
 from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
-from trainkit.optim import default_optimizer_config
+from trainkit.optim import default_optimizer_config, validate_optimizer_config
 
 TASKS = ("classification", "translation")
 PAIR_TASKS = ("nli", "paraphrase")
@@ -199,12 +199,7 @@ def validate(
     cfg.require_int(config, "nmt.max_eval_sentences", minimum=0)
   cfg.require_int(config, "plots.num_examples", minimum=0)
 
-  cfg.require_choice(config, "optimizer.name", ("adamw",))
-  cfg.require_float(config, "optimizer.learning_rate", minimum=0.0)
-  cfg.require_int(config, "optimizer.warmup_steps", minimum=0)
-  cfg.require_float(config, "optimizer.final_lr_fraction", minimum=0.0, maximum=1.0)
-  cfg.require_float(config, "optimizer.weight_decay", minimum=0.0)
-  cfg.require_float(config, "optimizer.grad_clip_norm", minimum=0.0)
+  validate_optimizer_config(config)
 
 
 def paper_config(

@@ -703,7 +703,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = Tru
   data = load_data(config, workdir)
   train_examples = len(next(iter(data.train.values())))
   resolve_train_steps(config, train_examples, training=training)
-  tx = make_optimizer(config.optimizer, config.num_train_steps)
+  tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)
   graphdef, state = create_state(config, data, tx, mesh)
   checkpointer = Checkpointer(
       os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
@@ -734,7 +734,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer.truncate_after(step)
     print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
 
-  schedule = learning_rate_schedule(config.optimizer, config.num_train_steps)
+  schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
   train_step = jit_train_step(
       make_train_step(
           graphdef, make_loss_fn(config), tx, schedule, update_extra=make_update_extra(config)

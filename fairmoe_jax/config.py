@@ -13,7 +13,7 @@ from fairmoe_jax.moe.fair_router import ROUTE_BY
 from fairmoe_jax.moe.layer import ROUTERS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
-from trainkit.optim import default_optimizer_config
+from trainkit.optim import default_optimizer_config, validate_optimizer_config
 
 DATASETS = ("synthetic", "celeba", "celeba_tfds", "isic2019")
 
@@ -212,9 +212,4 @@ def validate(
   for key in ("moe.aux_loss_weight", "moe.z_loss_weight"):
     cfg.require_float(config, key, minimum=0.0)
 
-  cfg.require_choice(config, "optimizer.name", ("adamw",))
-  cfg.require_float(config, "optimizer.learning_rate", minimum=0.0)
-  cfg.require_int(config, "optimizer.warmup_steps", minimum=0)
-  cfg.require_float(config, "optimizer.final_lr_fraction", minimum=0.0, maximum=1.0)
-  cfg.require_float(config, "optimizer.weight_decay", minimum=0.0)
-  cfg.require_float(config, "optimizer.grad_clip_norm", minimum=0.0)
+  validate_optimizer_config(config)

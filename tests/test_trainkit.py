@@ -99,6 +99,28 @@ def test_schedule_warms_up_then_decays_to_the_floor():
   )
 
 
+@pytest.mark.parametrize(
+    "scaling,batch_size,expected",
+    [("none", 1024, 0.4), ("linear", 1024, 1.6), ("linear", 64, 0.1), ("sqrt", 1024, 0.8)],
+)
+def test_peak_learning_rate_scales_with_the_batch_size(scaling, batch_size, expected):
+  config = default_optimizer_config()
+  config.learning_rate, config.base_batch_size, config.lr_scaling = 0.4, 256, scaling
+  config.warmup_steps, config.final_lr_fraction = 4, 0.25
+  schedule = learning_rate_schedule(config, 20, batch_size)
+  # The warm-up ends at the scaled peak and the floor is scaled with it.
+  np.testing.assert_allclose([schedule(4), schedule(20)], [expected, expected * 0.25], rtol=1e-6)
+
+
+def test_lr_scaling_is_a_validated_config_key(tmp_path):
+  from fairmoe_jax import config as fairmoe_config
+
+  config = fairmoe_config.base_config()
+  config.optimizer.lr_scaling = "cubic"
+  with pytest.raises(ConfigError, match="optimizer.lr_scaling"):
+    fairmoe_config.validate(config, num_devices=1)
+
+
 def test_optimizer_clips_and_skips_decay_on_vectors():
   config = default_optimizer_config()
   config.learning_rate, config.warmup_steps, config.weight_decay, config.grad_clip_norm = (
