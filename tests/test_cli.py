@@ -77,6 +77,9 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
     assert {"pqd", "dp", "eopp", "eodds", "groups"} <= set(attribute)
     assert sum(g["n"] for g in attribute["groups"].values()) == 128
   assert set(report["mf"]) >= {"pqd", "dp", "eodds"}
+  # Fig. 6's analysis: cosines between the attribute tasks' gradients at the MoE layer.
+  cosines = [c for pair in report["gradient_cosine"].values() for c in pair]
+  assert cosines and all(-1.0 - 1e-6 <= c <= 1.0 + 1e-6 for c in cosines)
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics] == [10, 15, 20, 30]
   assert all("loss" in m for m in metrics)
@@ -96,6 +99,7 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
 
 
 RESUME = TINY + [
+    "--config.analysis_batches=0",
     "--config.log_every_steps=1",
     "--config.checkpoint_every_steps=5",
     "--config.eval_every_steps=0",

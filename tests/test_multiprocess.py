@@ -1,8 +1,8 @@
 """Two JAX processes on this machine (CPU collectives over gloo, localhost coordinator).
 
-The same tiny training on one process and on two gives the same losses, also across a
-SIGTERM that reaches only one process (JAX's preemption sync point makes both save at the
-same step) and a resume; a process that dies makes the other stop at once with a message.
+The same tiny training on one process and on two gives the same losses, across a SIGTERM that
+reaches only one process (JAX's preemption sync point makes both save at the same step), a
+resume, a process killed mid-run (the other stops at once with a message) and a second resume.
 """
 
 import json
@@ -28,28 +28,31 @@ FAIRMOE_TINY = [
     "--config.batch_size=32",
     "--config.eval_batch_size=32",
     "--config.log_every_steps=1",
-    "--config.checkpoint_every_steps=100",
+    "--config.checkpoint_every_steps=4",
     "--config.eval_every_steps=0",
-    "--config.analysis_batches=1",
+    "--config.analysis_batches=0",
 ]
-STEPS = 40
+STEPS = 24
 
 
-def _fairmoe_args(repo_root, workdir, steps=STEPS):
-  return [f"--config={repo_root}/configs/quickstart.py:steps={steps}", f"--workdir={workdir}"] + (
-      FAIRMOE_TINY
-  )
+def _fairmoe_args(repo_root, workdir):
+  config = f"--config={repo_root}/configs/quickstart.py:steps={STEPS}"
+  return [config, f"--workdir={workdir}"] + FAIRMOE_TINY
 
 
 def _losses(workdir):
   return np.array([m["loss"] for m in read_metrics(str(workdir))])
 
 
-def _wait_for_steps(workdir, steps, processes, timeout=300):
+def _logged_steps(workdir) -> int:
   metrics = workdir / "metrics.jsonl"
+  return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def _wait_for_steps(workdir, steps, processes, timeout=300):
   deadline = time.time() + timeout
   while time.time() < deadline:
-    if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+    if _logged_steps(workdir) >= steps:
       return
     assert all(p.poll() is None for p in processes), "a process ended before the signal"
     time.sleep(0.02)
@@ -68,51 +71,46 @@ def _single_process(module, args, repo_root, devices=1):
   assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_two_processes_train_like_one_across_a_one_sided_sigterm(repo_root, tmp_path):
+def _wait_all(processes, logs):
+  codes = [p.wait(timeout=300) for p in processes]
+  assert codes == [0] * len(processes), log_text(logs, 0)[-3000:] + log_text(logs, 1)[-3000:]
+
+
+def _start_two(repo_root, workdir, logs):
+  return start(
+      "fairmoe_jax.main", _fairmoe_args(repo_root, workdir), processes=2, cwd=repo_root, logs=logs
+  )
+
+
+def _checkpoints(workdir) -> list[int]:
+  return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_two_processes_train_like_one_through_sigterm_a_dead_process_and_resumes(
+    repo_root, tmp_path
+):
   _single_process("fairmoe_jax.main", _fairmoe_args(repo_root, tmp_path / "one"), repo_root)
   reference = _losses(tmp_path / "one")
+  assert len(reference) == STEPS
+  workdir = tmp_path / "two"
 
-  workdir, logs = tmp_path / "two", tmp_path / "first"
-  processes = start(
-      "fairmoe_jax.main", _fairmoe_args(repo_root, workdir), processes=2, cwd=repo_root, logs=logs
-  )
-  _wait_for_steps(workdir, 4, processes)
-  processes[1].send_signal(signal.SIGTERM)  # Only one process is told.
-  codes = [p.wait(timeout=300) for p in processes]
-  assert codes == [0, 0], log_text(logs, 0)[-3000:] + log_text(logs, 1)[-3000:]
-  saved = sorted(int(s.name) for s in (workdir / "checkpoints").iterdir() if s.name.isdigit())
-  assert len(saved) == 1 and saved[0] < STEPS, f"checkpoints {saved}: no preemption save"
-  # Printed by process 0 only.
-  assert f"Stopped at step {saved[0]}" in log_text(logs, 0)
-  assert "Stopped at step" not in log_text(logs, 1)
+  # 1. SIGTERM reaches process 1 only: both save at the same step and exit 0.
+  logs = tmp_path / "sigterm"
+  processes = _start_two(repo_root, workdir, logs)
+  _wait_for_steps(workdir, 2, processes)
+  processes[1].send_signal(signal.SIGTERM)
+  _wait_all(processes, logs)
+  stopped = _checkpoints(workdir)[-1]
+  assert stopped < STEPS, f"the run ended before the preemption: {_checkpoints(workdir)}"
+  assert f"Stopped at step {stopped}" in log_text(logs, 0)
+  assert "Stopped at step" not in log_text(logs, 1)  # Process 0 alone prints.
 
-  logs = tmp_path / "resumed"
-  processes = start(
-      "fairmoe_jax.main", _fairmoe_args(repo_root, workdir), processes=2, cwd=repo_root, logs=logs
-  )
-  codes = [p.wait(timeout=300) for p in processes]
-  assert codes == [0, 0], log_text(logs, 0)[-3000:] + log_text(logs, 1)[-3000:]
-  assert f"Resumed from the checkpoint at step {saved[0]}" in log_text(logs, 0)
-  np.testing.assert_allclose(_losses(workdir), reference, rtol=1e-5)
-  report = json.loads((workdir / "report.json").read_text())
-  assert report["step"] == STEPS
-  assert (
-      report["num_examples"]
-      == json.loads((tmp_path / "one/report.json").read_text())["num_examples"]
-  )
-
-
-def test_a_dead_process_stops_the_other_at_once_with_a_message(repo_root, tmp_path):
-  workdir, logs = tmp_path / "run", tmp_path / "run"
-  processes = start(
-      "fairmoe_jax.main",
-      _fairmoe_args(repo_root, workdir, steps=2000),
-      processes=2,
-      cwd=repo_root,
-      logs=logs,
-  )
-  _wait_for_steps(workdir, 3, processes)
-  processes[0].kill()  # The coordinator's host: the harder case.
+  # 2. Resumed on two processes; process 0 (the coordinator's host) is killed mid-run: process 1
+  # stops at once with a message instead of hanging in a collective.
+  logs = tmp_path / "killed"
+  processes = _start_two(repo_root, workdir, logs)
+  _wait_for_steps(workdir, min(stopped + 6, STEPS - 2), processes)
+  processes[0].kill()
   killed_at = time.time()
   code = processes[1].wait(timeout=120)
   elapsed = time.time() - killed_at
@@ -120,6 +118,16 @@ def test_a_dead_process_stops_the_other_at_once_with_a_message(repo_root, tmp_pa
   # Gloo notices the closed connection at once; the heartbeat timeout (15 s) is the bound.
   assert elapsed < 40, f"the surviving process took {elapsed:.0f} s to stop"
   assert "Another process has most likely died" in log_text(logs, 1)
+
+  # 3. Resumed again from the last complete checkpoint, to the end: the one-process losses.
+  logs = tmp_path / "resumed"
+  processes = _start_two(repo_root, workdir, logs)
+  _wait_all(processes, logs)
+  assert "Resumed from the checkpoint at step" in log_text(logs, 0)
+  np.testing.assert_allclose(_losses(workdir), reference, rtol=1e-5)
+  one, two = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
+  assert two["step"] == STEPS and two["num_examples"] == one["num_examples"]
+  np.testing.assert_allclose(two["accuracy"], one["accuracy"], atol=1 / one["num_examples"])
 
 
 def test_causal_transformer_on_two_processes_matches_one(repo_root, tmp_path):

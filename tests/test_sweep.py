@@ -1,0 +1,271 @@
+"""`trainkit.sweep` with a stub training module: grid, commands, run/resume, tables, plots, errors."""
+
+import csv
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import ml_collections
+import numpy as np
+import pytest
+
+from trainkit import sweep as sweep_lib
+from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
+
+# A stand-in for a package's main: parses the flags, counts its invocations, writes
+# metrics.jsonl and a report whose accuracy is a function of the flags; batch_size=13 fails.
+STUB = textwrap.dedent("""
+    import json, os, sys
+
+    flags = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+    workdir = flags["workdir"]
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "calls.txt"), "a") as f:
+      f.write("call\\n")
+    config = {k[len("config."):]: v for k, v in flags.items() if k.startswith("config.")}
+    batch, experts, seed = int(config["batch_size"]), int(config["moe.num_experts"]), int(config["seed"])
+    if batch == 13:
+      print("stub: batch_size 13 is unlucky", file=sys.stderr)
+      sys.exit(1)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      for i, step in enumerate(range(10, 70, 10)):
+        f.write(json.dumps({"step": step, "loss": 1.0 / step,
+                            "examples_per_second": batch * (1 + i) + experts + seed}) + "\\n")
+    accuracy = batch / 1000 + experts / 100 + seed / 10000
+    report = {"accuracy": accuracy, "mf": {"pqd": 0.5 + seed / 100}, "step": 60,
+              "flags": config}
+    with open(os.path.join(workdir, "report.json"), "w") as f:
+      json.dump(report, f)
+    """)
+
+
+def _accuracy(batch, experts, seed):
+  return batch / 1000 + experts / 100 + seed / 10000
+
+
+def _throughput(batch, experts, seed):
+  steps = np.arange(10, 70, 10)
+  values = batch * (1 + np.arange(len(steps))) + experts + seed
+  return float(np.median(values[steps > steps.max() / 2]))
+
+
+def _sweep(batch_sizes=(16, 32), **extra):
+  return ml_collections.ConfigDict(
+      dict(
+          module="stub_main",
+          config="configs/quickstart.py",
+          grid=sweep_lib.dotted(
+              {"batch_size": batch_sizes, "moe.num_experts": (2, 4), "seed": (0, 1)}
+          ),
+          overrides=sweep_lib.dotted({"use_flag": True, "data.name": "synthetic", "lr": 1e-3}),
+          metrics=("accuracy", "mf.pqd", "mf.missing"),
+          **extra,
+      )
+  )
+
+
+@pytest.fixture
+def stub_env(tmp_path):
+  (tmp_path / "stub_main.py").write_text(STUB)
+  return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_grid_points_names_and_order():
+  sweep = sweep_lib.validate_sweep(_sweep())
+  points = sweep_lib.grid_points(sweep)
+  assert len(points) == 8
+  assert points[0] == {"batch_size": 16, "moe.num_experts": 2, "seed": 0}
+  assert points[1] == {"batch_size": 16, "moe.num_experts": 2, "seed": 1}
+  assert points[-1] == {"batch_size": 32, "moe.num_experts": 4, "seed": 1}
+  assert sweep_lib.run_name(points[0]) == "batch_size=16,moe.num_experts=2,seed=0"
+  assert sweep_lib.run_name({"method": "a b/c", "x": (1, 2)}) == "method=a_b_c,x=_1,_2_"
+
+
+def test_command_formats_values(tmp_path):
+  raw = _sweep()
+  raw.overrides = sweep_lib.dotted({"flag": False, "name": "fair smoe", "lr": 0.0003, "t": (1, 2)})
+  sweep = sweep_lib.validate_sweep(raw)
+  point = {"batch_size": 16, "moe.num_experts": 2, "seed": 0}
+  command = sweep_lib.run_command(sweep, point, "/w/r")
+  assert command == [
+      sys.executable,
+      "-m",
+      "stub_main",
+      "--config=configs/quickstart.py",
+      "--workdir=/w/r",
+      "--config.flag=False",
+      "--config.name=fair smoe",
+      "--config.lr=0.0003",
+      "--config.t=(1, 2)",
+      "--config.batch_size=16",
+      "--config.moe.num_experts=2",
+      "--config.seed=0",
+  ]
+
+
+def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
+  sweep = sweep_lib.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
+  sweep_path = tmp_path / "sweep.py"
+  workdir = tmp_path / "sweep"
+  monkeypatch.setattr(sweep_lib, "load_sweep", lambda _: sweep)  # No file: this definition.
+  status = sweep_lib.execute(str(sweep_path), str(workdir), env=stub_env)
+  assert status == 1
+  out = capsys.readouterr().out
+  assert "[1/12] batch_size=16,moe.num_experts=2,seed=0: ok" in out
+  assert "[5/12] batch_size=13,moe.num_experts=2,seed=0: failed (exit code 1" in out
+
+  runs = workdir / "runs"
+  failed = runs / "batch_size=13,moe.num_experts=2,seed=0"
+  error = (failed / "error.txt").read_text()
+  assert error.startswith("exit code 1") and "batch_size 13 is unlucky" in error
+  assert not (failed / "report.json").exists()
+  report = json.loads((runs / "batch_size=16,moe.num_experts=2,seed=0" / "report.json").read_text())
+  assert report["flags"]["use_flag"] == "True" and report["flags"]["lr"] == "0.001"
+
+  with open(workdir / "sweep.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 12
+  assert list(rows[0]) == [
+      "batch_size",
+      "moe.num_experts",
+      "seed",
+      "status",
+      "accuracy",
+      "mf.pqd",
+      "mf.missing",
+      "examples_per_second",
+  ]
+  markdown = (workdir / "sweep.md").read_text()
+  assert str(sweep_path) in markdown.splitlines()[0]
+  for row in rows:
+    b, e, s = int(row["batch_size"]), int(row["moe.num_experts"]), int(row["seed"])
+    if b == 13:
+      assert row["status"] == "failed" and row["accuracy"] == "" and row["mf.missing"] == ""
+      continue
+    assert row["status"] == "ok" and row["mf.missing"] == ""
+    assert float(row["accuracy"]) == pytest.approx(_accuracy(b, e, s))
+    assert float(row["examples_per_second"]) == pytest.approx(_throughput(b, e, s))
+    cells = [f"{v:.4g}" for v in (_accuracy(b, e, s), 0.5 + s / 100, _throughput(b, e, s))]
+    line = f"| {b} | {e} | {s} | ok | {cells[0]} | {cells[1]} |  | {cells[2]} |"
+    assert line in markdown
+  saved = json.loads((workdir / "sweep.json").read_text())
+  assert len(saved["rows"]) == 12 and saved["definition"]["module"] == "stub_main"
+
+  plots = sorted(os.listdir(workdir / "plots"))
+  assert plots == sorted(
+      f"{m}_vs_{k}.png"
+      for m in ("accuracy", "mf.pqd", "examples_per_second")
+      for k in ("batch_size", "moe.num_experts")
+  )
+
+  # Rerun: finished runs are skipped (their stub is not called again), the failed one retried.
+  calls = {d.name: (d / "calls.txt").read_text().count("call") for d in runs.iterdir()}
+  assert set(calls.values()) == {1}
+  assert sweep_lib.execute(str(sweep_path), str(workdir), env=stub_env) == 1
+  out = capsys.readouterr().out
+  assert out.count("skipped (report.json exists)") == 8
+  for d in runs.iterdir():
+    expected = 2 if d.name.startswith("batch_size=13") else 1
+    assert (d / "calls.txt").read_text().count("call") == expected
+
+  # Dry run prints commands only.
+  assert sweep_lib.execute(str(sweep_path), str(workdir), dry_run=True) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 12 and sum(line.startswith("# skipped") for line in lines) == 8
+
+
+def test_commands_mode_with_launcher(tmp_path):
+  sweep = sweep_lib.validate_sweep(_sweep())
+  workdir = tmp_path / "w d"  # A space, so quoting matters.
+  launcher = "launch/slurm.sh --nodes 2 --gpus-per-node 8 --"
+  path = sweep_lib.write_commands(sweep, str(workdir), shlex.split(launcher), "s.py")
+  assert path == str(workdir / "commands.sh") and os.access(path, os.X_OK)
+  lines = open(path).read().splitlines()
+  assert lines[0] == "#!/usr/bin/env bash" and "set -euo pipefail" in lines
+  runs = lines[lines.index("set -euo pipefail") + 2 :]
+  assert len(runs) == 8
+  for line, point in zip(runs, sweep_lib.grid_points(sweep)):
+    run_dir = workdir / "runs" / sweep_lib.run_name(point)
+    assert shlex.split(line) == [
+        "launch/slurm.sh",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--module",
+        "stub_main",
+        "--",
+        "--config=configs/quickstart.py",
+        f"--workdir={run_dir}",
+        "--config.use_flag=True",
+        "--config.data.name=synthetic",
+        "--config.lr=0.001",
+        f"--config.batch_size={point['batch_size']}",
+        f"--config.moe.num_experts={point['moe.num_experts']}",
+        f"--config.seed={point['seed']}",
+    ]
+  plain = sweep_lib.write_commands(sweep, str(workdir))
+  first = shlex.split(open(plain).read().splitlines()[-8])
+  assert first[:3] == ["python", "-m", "stub_main"]
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"grid": {"batch_size": []}}, "grid.batch_size"),
+        ({"grid": {"batch_size": 64}}, "grid.batch_size"),
+        ({"grid": {"a": (1, 1)}}, "grid.a"),
+        ({"grid": {}}, "grid"),
+        ({"module": None}, "module"),
+        ({"metrics": "accuracy"}, "metrics"),
+        ({"gird": {"a": (1,)}}, "gird"),
+        ({"overrides": {"seed": 3}}, "overrides.seed"),
+        ({"timeout_s": -1}, "timeout_s"),
+    ],
+)
+def test_bad_sweeps_name_the_key(changes, key):
+  raw = {**dict(_sweep().items()), **changes}
+  if raw["module"] is None:
+    del raw["module"]
+  with pytest.raises(UserError, match=f"sweep key '{key}'"):
+    sweep_lib.validate_sweep(raw)
+
+
+def test_cli_errors_are_one_line(tmp_path, repo_root):
+  bad = tmp_path / "bad.py"
+  bad.write_text(
+      "def get_config(arg=None):\n"
+      "  return {'module': 'm', 'config': 'c.py', 'grid': {'batch_size': []}}\n"
+  )
+  cases = [
+      (["--mode=bogus", f"--sweep={bad}"], "--mode: unknown mode 'bogus'"),
+      ([f"--sweep={bad}"], "sweep key 'grid.batch_size': must be a non-empty list"),
+      ([f"--sweep={tmp_path / 'absent.py'}"], "no such file"),
+  ]
+  for args, message in cases:
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit.sweep", f"--workdir={tmp_path / 'w'}", *args],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_shipped_sweeps():
+  batch = sweep_lib.load_sweep("configs/sweeps/batch_experts.py")
+  assert len(sweep_lib.grid_points(batch)) == 12
+  assert list(batch.grid) == ["batch_size", "moe.num_experts", "method", "seed"]
+  assert batch.overrides["optimizer.lr_scaling"] == "sqrt"
+  scaling = sweep_lib.load_sweep("configs/sweeps/scaling_cpu8.py")
+  assert len(sweep_lib.grid_points(scaling)) == 8
+  assert scaling.overrides["moe.num_experts"] == 8 and scaling.overrides["mesh.data"] == -1
+  assert "optimizer.lr_scaling" not in scaling.overrides
+  wider = sweep_lib.load_sweep("configs/sweeps/batch_experts.py:steps=5,seeds=2")
+  assert len(sweep_lib.grid_points(wider)) == 24
+  assert wider.overrides["num_train_steps"] == 5
