@@ -39,6 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
+  config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
 
   config.data = ml_collections.ConfigDict(
@@ -200,6 +201,7 @@ def validate(
   cfg.require_int(config, "plots.num_examples", minimum=0)
 
   validate_optimizer_config(config)
+  cfg.require_float(config, "peak_flops_per_device", minimum=0.0)
 
 
 def paper_config(

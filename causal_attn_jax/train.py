@@ -762,6 +762,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       eval_every_steps=config.eval_every_steps,
       checkpoint_every_steps=config.checkpoint_every_steps,
       examples_per_step=config.batch_size,
+      # Sequence positions per example as batched (fixed shapes, so padding included).
+      tokens_per_example=(
+          config.data.max_len
+          if config.task == "classification"
+          else config.data.max_source_len + config.data.max_target_len
+      ),
+      peak_flops=config.peak_flops_per_device,
       evaluate=evaluate if config.eval_every_steps > 0 else None,
       show_progress=is_main,
   )

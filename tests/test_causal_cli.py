@@ -87,6 +87,9 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
   assert (
       "constraints/enc0/rows_within" in metrics[0] and "constraints/enc0/multiplier" in metrics[0]
   )
+  # Throughput: tokens are the max_len=24 positions of every pair; FLOPs from the compiled step.
+  assert metrics[-1]["tokens_per_second"] == pytest.approx(metrics[-1]["examples_per_second"] * 24)
+  assert metrics[-1]["model_tflops_per_second_per_device"] > 0
   assert "report:" in result.stdout
 
 

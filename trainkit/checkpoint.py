@@ -28,13 +28,26 @@ _TMP_MARKER = ".orbax-checkpoint-tmp"
 # on 8 devices. Below this size per replica the parallel write gains nothing, so one replica
 # writes the array whole.
 MIN_REPLICA_PARALLEL_SLICE_BYTES = 8 << 20
-ocp.type_handlers.register_type_handler(
-    jax.Array,
-    ocp.type_handlers.ArrayHandler(
-        min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_SLICE_BYTES
-    ),
-    override=True,
-)
+
+
+def _register_array_handler() -> None:
+  # Orbax logs a warning when a registered handler is replaced; this replacement is deliberate.
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array,
+        ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_SLICE_BYTES
+        ),
+        override=True,
+    )
+  finally:
+    absl_logger.setLevel(level)
+
+
+_register_array_handler()
 
 
 def _abstract(tree: Any) -> Any:

@@ -60,6 +60,12 @@ TPU_VARIABLES = (
 AUTO_VARIABLE = "TRAINKIT_DISTRIBUTED"
 EXPLICIT_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 HEARTBEAT_VARIABLE = "TRAINKIT_HEARTBEAT_TIMEOUT"
+# How a lost peer shows in errors that JAX, Orbax or the data path re-raise under other types.
+_PEER_FAILURE = re.compile(
+    r"gloo|nccl|connection (reset|closed|refused)|closed by peer|socket closed|"
+    r"coordination service|heartbeat|barrier|DEADLINE_EXCEEDED|UNAVAILABLE",
+    re.IGNORECASE,
+)
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -275,7 +281,7 @@ def exit_together(workdir_hint: str = "") -> Iterator[None]:
       message, code = f"error: {where} exited with status {e.code}", (
           e.code if isinstance(e.code, int) else 1
       )
-    elif isinstance(e, jax.errors.JaxRuntimeError):
+    elif isinstance(e, jax.errors.JaxRuntimeError) or _PEER_FAILURE.search(str(e)):
       traceback.print_exc()
       message, code = (
           f"error: {where}: a collective or device operation failed ({first_line}). Another "
@@ -284,7 +290,11 @@ def exit_together(workdir_hint: str = "") -> Iterator[None]:
       )
     else:
       traceback.print_exc()
-      message, code = f"error: {where}: {type(e).__name__}: {first_line}. {resume}", 1
+      message, code = (
+          f"error: {where}: {type(e).__name__}: {first_line}. If another process failed first, "
+          f"its log has the cause. {resume}",
+          1,
+      )
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)  # pylint: disable=protected-access
