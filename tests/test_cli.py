@@ -106,13 +106,7 @@ RESUME = TINY + [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory, request):
-  repo_root = request.config.rootpath
-  workdir = tmp_path_factory.mktemp("reference")
-  result = _run(repo_root, workdir, *RESUME, config="configs/quickstart.py:steps=60")
-  assert result.returncode == 0, result.stderr
-  return _losses(workdir)
+QUICKSTART = "configs/quickstart.py"
 
 
 def _interrupt(repo_root, workdir, sig, after_step):
@@ -136,29 +130,29 @@ def _interrupt(repo_root, workdir, sig, after_step):
   return process.returncode, stdout, stderr
 
 
-def test_sigterm_saves_and_resume_logs_identical_losses(repo_root, tmp_path, reference_losses):
-  code, stdout, stderr = _interrupt(repo_root, tmp_path, signal.SIGTERM, after_step=7)
+def test_sigterm_then_sigkill_then_resume_log_the_uninterrupted_losses(repo_root, tmp_path):
+  reference = _run(repo_root, tmp_path / "reference", *RESUME, config=f"{QUICKSTART}:steps=60")
+  assert reference.returncode == 0, reference.stderr
+  reference_losses = _losses(tmp_path / "reference")
+  workdir = tmp_path / "run"
+
+  # SIGTERM saves at the current step, not only at the last periodic checkpoint, and exits 0.
+  code, stdout, stderr = _interrupt(repo_root, workdir, signal.SIGTERM, after_step=7)
   assert code == 0, stderr
   assert "Stopped at step" in stdout
-  stopped = max(_losses(tmp_path))
+  stopped = max(_losses(workdir))
   assert stopped < 60, "the run finished before the signal arrived"
-  # The checkpoint is at the step where it stopped, not only at the last periodic one.
-  assert str(stopped) in os.listdir(tmp_path / "checkpoints")
-  resumed = _run(repo_root, tmp_path, *RESUME, config="configs/quickstart.py:steps=60")
-  assert resumed.returncode == 0, resumed.stderr
-  assert f"Resumed from the checkpoint at step {stopped}" in resumed.stdout
-  assert _losses(tmp_path) == reference_losses
+  assert str(stopped) in os.listdir(workdir / "checkpoints")
 
-
-def test_killed_run_resumes_from_last_checkpoint_with_identical_losses(
-    repo_root, tmp_path, reference_losses
-):
-  code, _, _ = _interrupt(repo_root, tmp_path, signal.SIGKILL, after_step=12)
+  # The resumed run is killed outright: the next resume starts from the last periodic checkpoint.
+  code, stdout, _ = _interrupt(repo_root, workdir, signal.SIGKILL, after_step=stopped + 8)
   assert code == -signal.SIGKILL
-  resumed = _run(repo_root, tmp_path, *RESUME, config="configs/quickstart.py:steps=60")
+  assert f"Resumed from the checkpoint at step {stopped}" in stdout
+
+  resumed = _run(repo_root, workdir, *RESUME, config=f"{QUICKSTART}:steps=60")
   assert resumed.returncode == 0, resumed.stderr
   assert "Resumed from the checkpoint at step" in resumed.stdout
-  assert _losses(tmp_path) == reference_losses
+  assert _losses(workdir) == reference_losses
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,7 @@ TINY = [
     "--config.model.dim=32",
     "--config.model.num_heads=2",
     "--config.model.mlp_dim=64",
+    "--config.analysis_batches=0",
 ]
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from conftest import SHARED_DATA
 from multiprocess import cpu_env, log_text, start
+from test_causal_cli import TINY as CAUSAL_TINY
 from trainkit.metric_writers import read_metrics
 
 FAIRMOE_TINY = [
@@ -136,19 +137,8 @@ def test_causal_transformer_on_two_processes_matches_one(repo_root, tmp_path):
       f"--config={repo_root}/configs/mnli_hans.py:size=small,steps=4",
       f"--config.data.train_file={nli / 'mnli_dev_matched.tsv'}",
       f"--config.data.challenge_file={nli / 'hans_format_sample.txt'}",
-      "--config.model.dim=16",
-      "--config.model.num_layers=1",
-      "--config.model.num_heads=2",
-      "--config.model.mlp_dim=16",
-      "--config.data.vocab_size=200",
-      "--config.data.max_len=24",
-      "--config.data.max_train_examples=256",
-      "--config.data.max_eval_examples=64",
-      "--config.batch_size=16",
-      "--config.eval_batch_size=32",
+      *CAUSAL_TINY,
       "--config.log_every_steps=1",
-      "--config.eval_every_steps=0",
-      "--config.plots.num_examples=1",
   ]
   _single_process("causal_attn_jax.main", args + [f"--workdir={tmp_path / 'one'}"], repo_root)
   logs = tmp_path / "two"
