@@ -37,7 +37,7 @@ from causal_attn_jax.metrics import accuracy, corpus_bleu, macro_f1
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
-from trainkit.loop import stop_after_preemption, train_loop
+from trainkit.loop import loop_settings, stop_after_preemption, train_loop
 from trainkit.distributed import main_process_first
 from trainkit.mesh import make_mesh, place, process_block, replicated, shard_batch, to_host
 from trainkit.metric_writers import MetricWriter
@@ -757,18 +757,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       mesh=mesh,
       checkpointer=checkpointer,
       writer=writer,
-      num_train_steps=config.num_train_steps,
-      log_every_steps=config.log_every_steps,
-      eval_every_steps=config.eval_every_steps,
-      checkpoint_every_steps=config.checkpoint_every_steps,
-      examples_per_step=config.batch_size,
+      **loop_settings(config),
       # Sequence positions per example as batched (fixed shapes, so padding included).
       tokens_per_example=(
           config.data.max_len
           if config.task == "classification"
           else config.data.max_source_len + config.data.max_target_len
       ),
-      peak_flops=config.peak_flops_per_device,
       evaluate=evaluate if config.eval_every_steps > 0 else None,
       show_progress=is_main,
   )

@@ -29,7 +29,7 @@ from fairmoe_jax.fairness import experts as experts_lib
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
-from trainkit.loop import stop_after_preemption, train_loop
+from trainkit.loop import loop_settings, stop_after_preemption, train_loop
 from trainkit.mesh import make_mesh, place, shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
@@ -338,14 +338,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       mesh=mesh,
       checkpointer=checkpointer,
       writer=writer,
-      num_train_steps=config.num_train_steps,
-      log_every_steps=config.log_every_steps,
-      eval_every_steps=config.eval_every_steps,
-      checkpoint_every_steps=config.checkpoint_every_steps,
-      examples_per_step=config.batch_size,
+      **loop_settings(config),
       # Patch tokens per image, the sequence the transformer (and the MoE) processes.
       tokens_per_example=(config.data.image_size // config.model.patch_size) ** 2,
-      peak_flops=config.peak_flops_per_device,
       evaluate=evaluate_val if config.eval_every_steps > 0 else None,
       after_evaluate=make_expert_manager(config, info, graphdef, mesh) if manage_experts else None,
       show_progress=is_main,

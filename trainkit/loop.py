@@ -41,6 +41,18 @@ def _due(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
 
+def loop_settings(config: Any) -> dict[str, Any]:
+  """`train_loop`'s keyword arguments that every run config holds under the same keys."""
+  return dict(
+      num_train_steps=config.num_train_steps,
+      log_every_steps=config.log_every_steps,
+      eval_every_steps=config.eval_every_steps,
+      checkpoint_every_steps=config.checkpoint_every_steps,
+      examples_per_step=config.batch_size,
+      peak_flops=config.peak_flops_per_device,
+  )
+
+
 def train_loop(
     *,
     state: TrainState,
