@@ -31,9 +31,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights, sort_slot_plan
-from fairmoe_jax.moe.dispatch import compute_capacity, dispatch_and_combine_masks
-from fairmoe_jax.moe.routing import route_from_logits
+from fairmoe_jax.moe.dispatch import (
+    DISPATCH_ALGORITHMS,
+    ExpertWeights,
+    compute_capacity,
+    dispatch_and_combine_masks,
+    sort_slot_plan,
+)
+from fairmoe_jax.moe.routers import route_from_logits
 
 from bench_utils import flops, memory_analysis, write_results
 

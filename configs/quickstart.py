@@ -32,6 +32,7 @@ def get_config(arg: str | None = None):
   config.log_every_steps = 20
   config.eval_every_steps = 200
   config.checkpoint_every_steps = 200
+  config.fair.review_every_steps = 50  # FEM reviews the allocation 6 times.
   config.batch_size = 128
 
   config.moe.num_experts = arg.experts

@@ -3,13 +3,19 @@ r"""Command line: train several methods over several seeds, then tabulate them a
   python -m fairmoe_jax.compare --config=configs/quickstart.py \
       --methods=fairsmoe,vanilla_smoe,muffin,multifair --seeds=0,1,2 --workdir=/tmp/compare
 
+A method may carry config overrides, `METHOD@KEY=VALUE[@KEY=VALUE...]`, so readings of the
+same method compare side by side, e.g.
+`--methods=fairsmoe@fair.specialization=class_routing,fairsmoe@fair.route_by=label`.
+
 Every (method, seed) trains in `<workdir>/<method>/seed<k>/` with `fairmoe_jax.main`'s
 recipe. A run whose report.json exists is not trained again, and an interrupted run
 resumes from its checkpoint, so rerunning the same command resumes the comparison. A run
 that raises is recorded (its message in `error.txt`, retried on the next invocation) and
 the others go on. The result, `<workdir>/comparison.md` and `comparison.json`, has one row
 per method with mean ± sample std over the seeds that succeeded: Acc. (%), MF-PQD and
-MF-DP (x 1e-3, as the paper's Tables 1-2 print it), then each attribute's PQD.
+MF-DP (x 1e-3, as the paper's Tables 1-2 print it), the effective number of experts the MoE
+block uses (exp of the entropy of its test-set choices, paper Fig. 5) and the mean gradient
+cosine between attribute tasks (Fig. 6), then each attribute's PQD and DP.
 The exit status is 1 when any run has no result (the tables are still written).
 """
 
@@ -45,7 +51,8 @@ _WORKDIR = flags.DEFINE_string(
 _METHODS = flags.DEFINE_list(
     "methods",
     "fairsmoe,vanilla_smoe,muffin,multifair",
-    f"Comma-separated methods to compare, from: {', '.join(METHODS)}.",
+    f"Comma-separated methods to compare, from: {', '.join(METHODS)}; each may add config "
+    "overrides as METHOD@KEY=VALUE@KEY=VALUE.",
 )
 _SEEDS = flags.DEFINE_list("seeds", "0,1,2", "Comma-separated seeds (non-negative integers).")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -54,7 +61,14 @@ REPORT = "report.json"
 ERROR = "error.txt"
 # Display scale of the markdown table: accuracy in %, MF-DP in units of 1e-3 (the paper's).
 TABLE_SCALE = {"accuracy": 100.0, "mf_pqd": 1.0, "mf_dp": 1e3}
-_COLUMNS = (("accuracy", "Acc. (%)", 2), ("mf_pqd", "MF-PQD", 4), ("mf_dp", "MF-DP (×10⁻³)", 2))
+TABLE_SCALE.update(experts_active=1.0, gradient_cosine=1.0)
+_COLUMNS = (
+    ("accuracy", "Acc. (%)", 2),
+    ("mf_pqd", "MF-PQD", 4),
+    ("mf_dp", "MF-DP (×10⁻³)", 2),
+    ("experts_active", "Experts active", 2),
+    ("gradient_cosine", "Grad. cos", 3),
+)
 
 
 def run_dir(workdir: str, method: str, seed: int) -> str:
@@ -66,7 +80,7 @@ def parse_methods(names: Sequence[str]) -> list[str]:
   names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
   if not names:
     raise UserError(f"--methods is empty; choose from {', '.join(METHODS)}")
-  unknown = [n for n in names if n not in METHODS]
+  unknown = [n for n in names if split_method(n)[0] not in METHODS]
   if unknown:
     raise UserError(
         f"--methods: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}"
@@ -93,13 +107,54 @@ def parse_seeds(values: Sequence[str]) -> list[int]:
   return list(dict.fromkeys(seeds))
 
 
+def split_method(entry: str) -> tuple[str, dict[str, str]]:
+  """`METHOD@KEY=VALUE@...` -> (METHOD, {KEY: VALUE})."""
+  name, *overrides = entry.split("@")
+  pairs = {}
+  for override in overrides:
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+      raise UserError(f"--methods: {override!r} in {entry!r} is not KEY=VALUE")
+    pairs[key.strip()] = value.strip()
+  return name.strip(), pairs
+
+
+def _override(config: ml_collections.ConfigDict, key: str, text: str, entry: str) -> None:
+  """Sets `key` from `text`, parsed to the type the key already has."""
+  *parents, leaf = key.split(".")
+  node = config
+  try:
+    for part in parents:
+      node = node[part]
+    current = node[leaf]
+  except (KeyError, AttributeError, TypeError):
+    raise UserError(f"--methods: unknown config key {key!r} in {entry!r}") from None
+  if isinstance(current, bool):
+    if text.lower() not in ("true", "false"):
+      raise UserError(f"--methods: {key} in {entry!r} must be true or false, got {text!r}")
+    value: Any = text.lower() == "true"
+  elif isinstance(current, (int, float)):
+    try:
+      value = type(current)(text)
+    except ValueError:
+      raise UserError(
+          f"--methods: {key} in {entry!r} must be a {type(current).__name__}, got {text!r}"
+      ) from None
+  else:
+    value = text
+  node[leaf] = value
+
+
 def run_config(
     config: ml_collections.ConfigDict, method: str, seed: int
 ) -> ml_collections.ConfigDict:
   """A copy of the shared config for one run, validated (its error names the method and seed)."""
   config = copy.deepcopy(config)
-  config.method = method
+  name, overrides = split_method(method)
+  config.method = name
   config.seed = seed
+  for key, text in overrides.items():
+    _override(config, key, text, method)
   try:
     fairmoe_config.validate(
         config, num_devices=jax.device_count(), num_processes=jax.process_count()
@@ -162,6 +217,13 @@ def _read_run(directory: str) -> dict[str, Any]:
           },
       )
       entry["mf_pqd"], entry["mf_dp"] = entry["mf"]["pqd"], entry["mf"]["dp"]
+      active = report.get("experts_active", {}).get("choices", {})
+      if active:
+        entry["experts_active"] = float(np.mean(list(active.values())))
+      # {"a|b": [cosine per validation batch]} for every pair of attributes.
+      cosines = [v for values in report.get("gradient_cosine", {}).values() for v in values]
+      if cosines:
+        entry["gradient_cosine"] = float(np.mean(cosines))
       return entry
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
       return {**entry, "status": "failed", "error": f"unreadable {report_path}: {e}"}
@@ -207,12 +269,18 @@ def summarise(run_dirs_by_method: dict[str, list[str]]) -> dict[str, Any]:
     methods[method] = {
         "num_seeds": len(ok),
         "seeds": [r["seed"] for r in ok],
-        **{key: _stats([r[key] for r in ok]) for key in ("accuracy", "mf_pqd", "mf_dp")},
-        "pqd": {
-            a: _stats(
-                [r["attributes"][a]["pqd"] for r in ok if "pqd" in r["attributes"].get(a, {})]
-            )
-            for a in method_attributes
+        **{
+            key: _stats([r[key] for r in ok if key in r])
+            for key in ("accuracy", "mf_pqd", "mf_dp", "experts_active", "gradient_cosine")
+        },
+        **{
+            metric: {
+                a: _stats(
+                    [r["attributes"][a][metric] for r in ok if metric in r["attributes"].get(a, {})]
+                )
+                for a in method_attributes
+            }
+            for metric in ("pqd", "dp")
         },
         "runs": runs,
     }
@@ -254,12 +322,14 @@ def format_markdown(summary: dict[str, Any]) -> str:
   ]
   lines += _table(["Method", *(label for _, label, _ in _COLUMNS), "Seeds"], rows)
   if summary["attributes"]:
-    lines += ["", "## PQD per attribute", ""]
+    lines += ["", "## PQD and DP per attribute", ""]
     rows = [
-        [m, *(_cell(s["pqd"].get(a), 1.0, 4) for a in summary["attributes"])]
+        [m, *(_cell(s[metric].get(a), 1.0, 4) for a in summary["attributes"]
+              for metric in ("pqd", "dp"))]
         for m, s in methods.items()
     ]
-    lines += _table(["Method", *summary["attributes"]], rows)
+    header = [f"{a} {metric.upper()}" for a in summary["attributes"] for metric in ("pqd", "dp")]
+    lines += _table(["Method", *header], rows)
   if summary["failed"]:
     lines += ["", "## Runs without a result", ""]
     for f in summary["failed"]:

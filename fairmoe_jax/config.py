@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import ml_collections
 
-from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS
-from fairmoe_jax.moe.expert_parallel import EP_ALGORITHMS
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS
+from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS
 from fairmoe_jax.fairness.surrogates import PSI_SURROGATES
 from fairmoe_jax.methods import METHODS
+from fairmoe_jax.methods.fairsmoe import FairSMoE
 from fairmoe_jax.models.backbones import BACKBONES
-from fairmoe_jax.moe.fair_router import ROUTE_BY
+from fairmoe_jax.moe.routers.fair import ROUTE_BY, SPECIALIZATIONS
 from fairmoe_jax.moe.layer import ROUTERS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
@@ -21,7 +22,7 @@ DATASETS = ("synthetic", "celeba", "celeba_tfds", "isic2019")
 def base_config() -> ml_collections.ConfigDict:
   """Every key a run reads, with defaults; config files override what they need."""
   config = ml_collections.ConfigDict()
-  config.method = "fairsmoe"  # fairmoe_jax/methods.py: METHODS
+  config.method = "fairsmoe"  # fairmoe_jax/methods/: METHODS
   config.seed = 0
   config.batch_size = 128  # Global, over all devices and processes.
   config.eval_batch_size = 256
@@ -93,23 +94,32 @@ def base_config() -> ml_collections.ConfigDict:
           dispatch="sort",  # dense | einsum | sort | dropless (fairmoe_jax/moe/algorithms.py)
           router="topk",  # topk | noisy_topk | expert_choice (fairmoe_jax/moe/layer.py)
           batch_priority=False,  # V-MoE batch-priority routing
-          aux_loss_weight=0.01,
+          # One auxiliary-loss recipe for every MoE method (vanilla SMoE, FairSMoE and its
+          # ablations): none by default, as the paper's vanilla SMoE ("excluding any auxiliary
+          # loss or noisy gating") and FairSMoE's total loss (Sec. 5.3) have none.
+          aux_loss_weight=0.0,
           z_loss_weight=0.0,
       )
   )
   config.fair = ml_collections.ConfigDict(
       dict(
           psi="pqd",  # Fairness surrogate L_Psi: pqd | dp.
-          lambda_psi=0.1,  # Paper Sec. 6.1.
+          lambda_psi=0.1,  # Paper Sec. 6.1; L_Psi sums over attributes (Eq. 3).
           alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
-          route_by="label",  # FGR attribute vector from the true class or the "predicted" one.
+          # Reading of Eq. 8 (fairmoe_jax/moe/routers/fair.py, docs/design.md):
+          # attribute_routing | expert_competence | class_routing.
+          specialization="attribute_routing",
+          # FGR's attribute vector from the SA classifiers ("predicted", Algorithm 1: no
+          # sensitive label at inference) or from the true class ("label", a training study).
+          route_by="predicted",
           feature_dim=0,  # Width of FGR's feature extractor phi; 0 = model width.
           confusion_weight=1.0,
           attribute_ce_weight=1.0,
           specialization_weight=1.0,
-          dynamic_allocation=True,  # FEM: grow/shrink expert sets at each evaluation.
-          patience=2,  # Evaluations SF_i must hold or improve before a growth.
-          tolerance=0.0,
+          dynamic_allocation=True,  # FEM: grow/shrink each attribute's experts at reviews.
+          review_every_steps=50,  # FEM reviews on the validation split; 0 disables them.
+          patience=2,  # Reviews SF_a must hold or improve before a growth (n, Sec. 5.3).
+          tolerance=0.01,  # A drop of SF_a up to this still counts as "stable".
       )
   )
   config.muffin = ml_collections.ConfigDict(
@@ -118,6 +128,9 @@ def base_config() -> ml_collections.ConfigDict:
   )
   config.multifair = ml_collections.ConfigDict(dict(mixup_alpha=1.0, weight=1.0))
   config.optimizer = default_optimizer_config()
+  # The paper's recipe (Sec. 6.1) has no gradient clipping, and a shared clip norm is not a
+  # shared recipe: it touches only the methods whose gradients are larger (FairSMoE's are).
+  config.optimizer.grad_clip_norm = 0.0
   return config
 
 
@@ -133,6 +146,9 @@ def validate(
   cfg.require_choice(config, "model.backbone", BACKBONES)
   cfg.require_choice(config, "fair.psi", PSI_SURROGATES)
   cfg.require_choice(config, "fair.route_by", ROUTE_BY)
+  cfg.require_choice(config, "fair.specialization", SPECIALIZATIONS)
+  cfg.require_int(config, "fair.review_every_steps", minimum=0)
+  cfg.require_float(config, "fair.tolerance", minimum=0.0)
   for key in ("fair.lambda_psi", "fair.confusion_weight", "fair.attribute_ce_weight"):
     cfg.require_float(config, key, minimum=0.0)
   cfg.require_float(config, "fair.specialization_weight", minimum=0.0)
@@ -189,7 +205,7 @@ def validate(
   router = cfg.require_choice(config, "moe.router", ROUTERS)
   if not isinstance(cfg.get(config, "moe.batch_priority"), bool):
     raise ConfigError("moe.batch_priority", "must be True or False")
-  if METHODS[config.method].fair_router and router != "topk":
+  if isinstance(METHODS[config.method], FairSMoE) and router != "topk":
     raise ConfigError(
         "moe.router",
         f"{router!r} cannot be used with method={config.method!r}, which routes with its "

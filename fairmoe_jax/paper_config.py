@@ -42,6 +42,7 @@ def paper_config(
     config.model.patch_size = _PATCH.get(backbone, 16)
     config.eval_every_steps = 2000
     config.checkpoint_every_steps = 2000
+    config.fair.review_every_steps = 2000
   elif size == "small":
     config.data.image_size = 64
     config.batch_size = 64
@@ -55,6 +56,7 @@ def paper_config(
     config.model.update(patch_size=8, dim=96, depth=4, num_heads=4, mlp_dim=192)
     config.eval_every_steps = 100
     config.checkpoint_every_steps = 200
+    config.fair.review_every_steps = 30  # Enough reviews for FEM to grow and shrink.
   else:
     raise ConfigError("size", f"must be 'full' or 'small', got {size!r}")
   return config

@@ -23,9 +23,9 @@ from jax.sharding import Mesh
 
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
-from fairmoe_jax import methods
+from fairmoe_jax.methods import METHODS, make_loss_fn as method_loss_fn
 from fairmoe_jax.analysis import write_plots
-from fairmoe_jax.fairness import experts as experts_lib
+from fairmoe_jax.fairness.experts import allocation_history
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
@@ -36,15 +36,9 @@ from trainkit.optim import learning_rate_schedule, make_optimizer
 from fairmoe_jax.metrics.gradients import gradient_cosines
 from fairmoe_jax.models.convert_timm import load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
-from fairmoe_jax.moe.fair_router import FairRouter
 from trainkit.mesh import replicated
-from trainkit.train_state import (
-    TrainState,
-    create_train_state,
-    jit_train_step,
-    make_train_step,
-    state_shardings,
-)
+from trainkit.metric_writers import read_metrics
+from trainkit.train_state import TrainState, create_train_state, jit_train_step, make_train_step
 from trainkit.workdir import save_config
 
 
@@ -61,7 +55,7 @@ def build_model(
     mesh: Mesh | None = None,
 ) -> nnx.Module:
   """The model of `config.method`, from a timm checkpoint when `model.pretrained` is set."""
-  model = methods.build_model(config, info, rngs, mesh)
+  model = METHODS[config.method].build_model(config, info, rngs, mesh)
   if config.model.pretrained:
     load_pretrained(config, model)
   return model
@@ -76,33 +70,44 @@ def load_pretrained(config: ml_collections.ConfigDict, model: nnx.Module) -> Non
 
 
 def make_loss_fn(config: ml_collections.ConfigDict, info: data_lib.DatasetInfo):
-  return methods.make_loss_fn(config, info)
+  return method_loss_fn(METHODS[config.method], config, info)
 
 
-def _moe_usage_keys(aux_metrics: dict[str, Any]) -> list[str]:
-  return sorted(k for k in aux_metrics if k.endswith("/example_expert_fraction"))
+# Per-example expert usage of each MoE block: the share of its (token, choice) pairs each expert
+# served, and the mean gate weight each expert received (paper Figs. 2 and 5).
+USAGE_METRICS = {"example_expert_fraction": "choices", "example_gate_weight": "gate_weight"}
 
 
-def make_eval_step(graphdef: nnx.GraphDef, info: data_lib.DatasetInfo):
+def make_eval_step(
+    graphdef: nnx.GraphDef, info: data_lib.DatasetInfo, config: ml_collections.ConfigDict
+):
   """Returns a jitted `eval_step(state, batch) -> counts`; counts add up over batches.
 
-  Besides the confusion counts, it sums each MoE block's per-example expert usage
-  over the examples of every group of every attribute (paper Figs. 2 and 5).
+  The model sees only what its method reads at inference (`Method.eval_context`): FairSMoE with
+  the default `route_by=predicted` never sees the sensitive attributes. They are used here only
+  to count, per group, the confusion matrices and each MoE block's expert usage.
   """
+  method = METHODS[config.method]
 
   @jax.jit
   def eval_step(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, Any]:
     model = nnx.merge(graphdef, state.params, state.model_state)
-    logits, aux = model(batch["image"], train=False, context=methods.context_of(batch))
+    logits, aux = model(batch["image"], train=False, context=method.eval_context(config, batch))
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     usage = {}
-    for key in _moe_usage_keys(aux.metrics):
-      fraction = aux.metrics[key] * batch["mask"][:, None]  # [B, E]
-      usage[key.split("/")[0]] = [
-          jax.nn.one_hot(batch["attributes"][:, i], size).T @ fraction  # [G_i, E]
-          for i, size in enumerate(info.group_sizes)
-      ]
+    for key, value in aux.metrics.items():
+      block, _, metric = key.rpartition("/")
+      if metric not in USAGE_METRICS:
+        continue
+      fraction = value * batch["mask"][:, None]  # [B, E]
+      usage.setdefault(USAGE_METRICS[metric], {})[block] = {
+          "total": fraction.sum(0),
+          "groups": [
+              jax.nn.one_hot(batch["attributes"][:, i], size).T @ fraction  # [G_i, E]
+              for i, size in enumerate(info.group_sizes)
+          ],
+      }
     return {
         "overall": overall_counts(
             batch["label"], predictions, batch["mask"], num_classes=info.num_classes
@@ -159,18 +164,33 @@ def evaluate(
       info.group_names,
   )
   report["loss"] = float(totals["loss_sum"]) / max(report["num_examples"], 1)
-  if totals["expert_usage"]:
-    report["expert_utilisation"] = {
+  for kind, key in (("choices", "expert_utilisation"), ("gate_weight", "expert_gate_weight")):
+    blocks = totals["expert_usage"].get(kind)
+    if not blocks:
+      continue
+    report[key] = {
         block: {
             attribute: {
                 group: (row / max(row.sum(), 1e-12)).round(6).tolist()
                 for group, row in zip(groups, np.asarray(per_group))
             }
-            for attribute, groups, per_group in zip(info.attribute_names, info.group_names, usage)
+            for attribute, groups, per_group in zip(
+                info.attribute_names, info.group_names, usage["groups"]
+            )
         }
-        for block, usage in totals["expert_usage"].items()
+        for block, usage in blocks.items()
+    }
+    report.setdefault("experts_active", {})[kind] = {
+        block: effective_experts(np.asarray(usage["total"])) for block, usage in blocks.items()
     }
   return report
+
+
+def effective_experts(usage: np.ndarray) -> float:
+  """exp(entropy) of an expert-usage distribution: 1 when one expert takes all, E when uniform."""
+  p = usage / max(usage.sum(), 1e-12)
+  p = p[p > 0]
+  return float(np.exp(-np.sum(p * np.log(p)))) if p.size else 0.0
 
 
 def _summary_scalars(report: dict[str, Any], prefix: str) -> dict[str, float]:
@@ -181,14 +201,32 @@ def _summary_scalars(report: dict[str, Any], prefix: str) -> dict[str, float]:
   return scalars
 
 
-def final_report(eval_step, graphdef, state, splits, info, config, mesh) -> dict[str, Any]:
+def final_report(
+    eval_step, graphdef, state, splits, info, config, mesh, workdir: str | None = None
+) -> dict[str, Any]:
   """The test report plus the method, the expert allocation and the gradient cosines."""
   report = evaluate(eval_step, state, splits["test"], info, config, mesh)
   report["step"] = int(state.step)
   report["method"] = config.method
+  if METHODS[config.method].eval_context(config, splits["test"]) is not None:
+    report["note"] = (
+        "route_by=label: the model read the true sensitive attributes of the test images "
+        "(a training-time study, not deployable inference)"
+    )
   if "fem" in state.extra:
     counts = np.asarray(jax.device_get(state.extra["fem"]["counts"]))
-    report["experts_per_class"] = dict(zip(info.attribute_names, counts.tolist()))
+    report["experts_per_attribute"] = dict(zip(info.attribute_names, counts.tolist()))
+    # Only process 0 writes metrics.jsonl; the report is written by it alone.
+    logged = workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    history = allocation_history(read_metrics(workdir), info.attribute_names) if logged else []
+    report["allocation_history"] = history
+    initial = {name: 1 for name in info.attribute_names}
+    if not any(entry["experts"] != initial for entry in history):
+      report["allocation_note"] = (
+          f"{len(history)} review(s) of the expert allocation "
+          f"(fair.review_every_steps={config.fair.review_every_steps}); no attribute changed its "
+          "experts: growth needs SF_a to hold for fair.patience reviews in a row"
+      )
   batches = itertools.islice(_eval_batches(splits["val"], config, mesh), config.analysis_batches)
   cosines = gradient_cosines(
       graphdef,
@@ -220,16 +258,15 @@ def create_state(
 ) -> tuple[nnx.GraphDef, TrainState]:
   """The initial train state of `config.method` on `mesh`."""
   graphdef, state = create_train_state(
-      lambda: methods.build_model(config, info, nnx.Rngs(params=config.seed), mesh),
+      lambda: METHODS[config.method].build_model(config, info, nnx.Rngs(params=config.seed), mesh),
       tx,
       mesh,
       config.seed,
       load_weights=functools.partial(load_pretrained, config) if config.model.pretrained else None,
   )
-  if methods.uses_expert_management(config):
-    # The allocator's state is checkpointed with the run (TrainState.extra).
-    fem = experts_lib.initial_state(info.num_attributes)
-    state = state.replace(extra={"fem": place(fem, replicated(mesh))})
+  extra = METHODS[config.method].initial_extra(config, info)
+  if extra:  # Checkpointed with the run (e.g. FEM's allocator state).
+    state = state.replace(extra=place(extra, replicated(mesh)))
   return graphdef, state
 
 
@@ -244,52 +281,6 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = Tru
       os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
   )
   return mesh, info, splits, tx, graphdef, state, checkpointer
-
-
-def make_expert_manager(
-    config: ml_collections.ConfigDict,
-    info: data_lib.DatasetInfo,
-    graphdef: nnx.GraphDef,
-    mesh: Mesh,
-):
-  """`after_evaluate(state, val_scalars) -> (state, scalars)`: FEM's dynamic allocation.
-
-  Writes the new assignment into every FairRouter of the model state (same shapes
-  and shardings, so the train step does not recompile) and logs the expert
-  counts per attribute, the allocation history.
-  """
-  allocator = experts_lib.ExpertAllocator(
-      info.group_sizes,
-      config.moe.num_experts,
-      patience=config.fair.patience,
-      tolerance=config.fair.tolerance,
-  )
-  psi = config.fair.psi
-
-  def after_evaluate(state: TrainState, scalars: dict[str, Any]):
-    sf = [
-        scalars[f"val/{name}/{psi}"] * (1 if psi == "pqd" else -1) for name in info.attribute_names
-    ]
-    fem = jax.tree.map(np.asarray, jax.device_get(state.extra["fem"]))
-    fem, events = allocator.update(fem, sf, scalars["val/loss"])
-    assignment = allocator.assignment(fem)
-    model = nnx.merge(graphdef, state.params, state.model_state)
-    for _, node in nnx.iter_graph(model):
-      if isinstance(node, FairRouter):
-        node.assignment.set_value(jnp.asarray(assignment))
-    _, _, model_state = nnx.split(model, nnx.Param, ...)
-    model_state = place(model_state, state_shardings(state.model_state, mesh))
-    state = state.replace(
-        model_state=model_state, extra=dict(state.extra, fem=place(fem, replicated(mesh)))
-    )
-    logged = {
-        f"fem/experts_per_class/{n}": int(c) for n, c in zip(info.attribute_names, fem["counts"])
-    }
-    for event in events:
-      logging.info("expert management: %s (%s)", event, info.attribute_names[int(event.split()[1])])
-    return state, logged
-
-  return after_evaluate
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
@@ -324,12 +315,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   train_step = jit_train_step(
       make_train_step(graphdef, make_loss_fn(config, info), tx, schedule), state, mesh
   )
-  eval_step = make_eval_step(graphdef, info)
+  eval_step = make_eval_step(graphdef, info, config)
 
-  def evaluate_val(state: TrainState) -> dict[str, float]:
-    return _summary_scalars(evaluate(eval_step, state, splits["val"], info, config, mesh), "val")
+  def validate(state: TrainState) -> dict[str, Any]:
+    return evaluate(eval_step, state, splits["val"], info, config, mesh)
 
-  manage_experts = methods.uses_expert_management(config) and config.eval_every_steps > 0
+  review = METHODS[config.method].review(
+      config, info, graphdef=graphdef, mesh=mesh, validate=validate
+  )
 
   state, preempted = train_loop(
       state=state,
@@ -341,15 +334,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       **loop_settings(config),
       # Patch tokens per image, the sequence the transformer (and the MoE) processes.
       tokens_per_example=(config.data.image_size // config.model.patch_size) ** 2,
-      evaluate=evaluate_val if config.eval_every_steps > 0 else None,
-      after_evaluate=make_expert_manager(config, info, graphdef, mesh) if manage_experts else None,
+      evaluate=(lambda s: _summary_scalars(validate(s), "val")) if config.eval_every_steps else None,
+      reviews=[review] if review else [],
       show_progress=is_main,
   )
   if preempted:
     stop_after_preemption(state, checkpointer, writer)
     return None
 
-  report = final_report(eval_step, graphdef, state, splits, info, config, mesh)
+  writer.flush()
+  report = final_report(eval_step, graphdef, state, splits, info, config, mesh, workdir)
   writer.write_scalars(int(state.step), _summary_scalars(report, "test"))
   writer.close()
   checkpointer.close()
@@ -366,7 +360,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   if restored is None:
     raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
   state, _, step = restored
-  report = final_report(make_eval_step(graphdef, info), graphdef, state, splits, info, config, mesh)
+  report = final_report(
+      make_eval_step(graphdef, info, config), graphdef, state, splits, info, config, mesh, workdir
+  )
   if jax.process_index() == 0:
     _write_report(report, workdir)
   return report

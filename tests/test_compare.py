@@ -32,6 +32,8 @@ def _write_report(directory, accuracy: float, pqd: float, dp: float, *, attribut
           for i, a in enumerate(attributes)
       },
       "mf": {"pqd": pqd, "dp": dp, "eopp": 0.0, "eodds": 0.0},
+      "experts_active": {"choices": {"moe_block3": 2.0 + pqd}},
+      "gradient_cosine": {"sex|age": [0.5, pqd - 0.5]},
   }
   (directory / "report.json").write_text(json.dumps(report))
   return str(directory)
@@ -90,12 +92,32 @@ def test_format_markdown_scales_and_lists_failures(runs):
   assert f"{100 * np.mean(acc):.2f} ± {100 * np.std(acc, ddof=1):.2f}" in fair_row
   assert f"{1e3 * np.mean(dp):.2f} ± {1e3 * np.std(dp, ddof=1):.2f}" in fair_row  # DP x 1e-3.
   assert fair_row.endswith("| 3 |")
+  # Experts active (Fig. 5) and the mean gradient cosine over pairs and batches (Fig. 6).
+  active, cosine = np.array([2.80, 2.85, 2.83]), np.array([0.40, 0.425, 0.415])
+  assert f"{active.mean():.2f} ± {active.std(ddof=1):.2f}" in fair_row
+  assert f"{cosine.mean():.3f} ± {cosine.std(ddof=1):.3f}" in fair_row
   # One seed: the value alone; an attribute the method lacks: a dash.
-  assert "| vanilla_smoe | 60.00 | 0.5000 | 30.00 | 1 |" in markdown
-  assert "| vanilla_smoe | 0.5000 | — |" in markdown
-  assert "| Method | sex | age |" in markdown
+  assert "| vanilla_smoe | 60.00 | 0.5000 | 30.00 | 2.50 | 0.250 | 1 |" in markdown
+  assert "| vanilla_smoe | 0.5000 | 0.0300 | — | — |" in markdown
+  assert "| Method | sex PQD | sex DP | age PQD | age DP |" in markdown
   assert "vanilla_smoe seed 1 (failed" in markdown and "out of memory" in markdown
   assert "vanilla_smoe seed 2 (missing" in markdown
+
+
+def test_a_method_entry_carries_config_overrides():
+  from fairmoe_jax import config as fairmoe_config
+
+  base = fairmoe_config.base_config()
+  config = compare.run_config(
+      base, "fairsmoe@fair.specialization=class_routing@fair.alpha=0.5@fair.dynamic_allocation=false", 3
+  )
+  assert (config.method, config.seed, config.fair.specialization) == ("fairsmoe", 3, "class_routing")
+  assert config.fair.alpha == 0.5 and config.fair.dynamic_allocation is False
+  assert base.fair.specialization == "attribute_routing"  # The shared config is not touched.
+  with pytest.raises(UserError, match="unknown config key 'fair.nope'"):
+    compare.run_config(base, "fairsmoe@fair.nope=1", 0)
+  with pytest.raises(UserError, match="fair.specialization"):  # Validated like any config.
+    compare.run_config(base, "fairsmoe@fair.specialization=other", 0)
 
 
 def test_bad_methods_and_seeds_are_user_errors():

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fairmoe_jax.moe.algorithms import ExpertWeights, moe_sort
-from fairmoe_jax.moe.expert_parallel import expert_parallel_moe
+from fairmoe_jax.moe.dispatch import ExpertWeights, moe_sort
+from fairmoe_jax.moe.dispatch.expert_parallel import expert_parallel_moe
 from trainkit.mesh import make_mesh
 
 G, S, D, H, E, K = 16, 8, 16, 32, 8, 2

@@ -1,4 +1,4 @@
-"""Tests for fairmoe_jax.moe.algorithms: every dispatch algorithm against the dense oracle,
+"""Tests for fairmoe_jax.moe.dispatch: every dispatch algorithm against the dense oracle,
 and the sort-based dispatch against the einsum reference under capacity overflow."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import scipy.special
 
 from fairmoe_jax.moe import route_from_logits
-from fairmoe_jax.moe.algorithms import (
+from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     ExpertWeights,
     moe_dense,

@@ -13,7 +13,7 @@ import scipy.special
 from flax import nnx
 
 from fairmoe_jax.moe import SparseMoE
-from fairmoe_jax.moe.routing import route_from_logits
+from fairmoe_jax.moe.routers import route_from_logits
 from trainkit.mesh import make_mesh
 
 DIM, HIDDEN, EXPERTS, TOP_K = 16, 32, 4, 2

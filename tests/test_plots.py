@@ -41,7 +41,7 @@ def _report(*, moe: bool = True, fem: bool = True) -> dict:
     }
     report["gradient_cosine"] = {"sex|site": [0.5, -0.2, 0.1, 0.9]}
   if fem:
-    report["experts_per_class"] = {"sex": 2, "site": 1}
+    report["experts_per_attribute"] = {"sex": 2, "site": 1}
   return report
 
 
@@ -52,7 +52,7 @@ def _metrics(*, val: bool = True, fem: bool = True) -> list[dict]:
     if val:
       record.update({"val/accuracy": 0.5 + step / 100, "val/mf_pqd": 0.7, "val/sex/pqd": 0.9})
     if fem:
-      record.update({"fem/experts_per_class/sex": step // 10, "fem/experts_per_class/site": 1})
+      record.update({"fem/experts/sex": step // 10, "fem/experts/site": 1})
     records.append(record)
   records.append({"step": 31, "val/mf_pqd": None})  # A non-finite value, as MetricWriter writes it.
   return records

@@ -1,4 +1,5 @@
-"""Tests for fairmoe_jax.moe.routers: noisy top-k, batch-priority routing, expert choice."""
+"""Tests for fairmoe_jax.moe.routers (noisy top-k, expert choice) and batch-priority routing
+(fairmoe_jax.moe.dispatch.batch_priority)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,23 @@ import scipy.special
 import scipy.stats
 from flax import nnx
 
-from fairmoe_jax.moe.dispatch import compute_capacity, dispatch_and_combine_masks
+from fairmoe_jax.moe.dispatch import (
+    batch_priority_order,
+    compute_capacity,
+    dispatch_and_combine_masks,
+    reorder_tokens,
+    restore_token_order,
+)
 from fairmoe_jax.moe.routers import (
     ExpertChoiceRouter,
     NoisyRouterOutput,
     NoisyTopKRouter,
+    RouterOutput,
     apply_expert_choice,
-    batch_priority_order,
     expert_choice_from_logits,
     noisy_top_k_from_logits,
-    reorder_tokens,
-    restore_token_order,
+    route_from_logits,
 )
-from fairmoe_jax.moe.routing import RouterOutput, route_from_logits
 
 DIM, EXPERTS, TOP_K = 8, 4, 2
 

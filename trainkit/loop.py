@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -69,9 +69,7 @@ def train_loop(
     tokens_per_example: int = 0,
     peak_flops: float = 0.0,
     evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
-    after_evaluate: (
-        Callable[[TrainState, Mapping[str, Any]], tuple[TrainState, Mapping[str, Any]]] | None
-    ) = None,
+    reviews: Sequence[tuple[int, Callable[[TrainState], tuple[TrainState, Mapping[str, Any]]]]] = (),
     show_progress: bool = True,
 ) -> tuple[TrainState, bool]:
   """Runs `train_step` from `state.step` to `num_train_steps`.
@@ -85,11 +83,12 @@ def train_loop(
   `trainkit.throughput`, or `peak_flops` > 0): FLOPs come from the compiled step's cost
   analysis.
 
-  `after_evaluate(state, eval_scalars) -> (state, scalars)` runs after each evaluation
-  and may change non-gradient state between steps (e.g. an expert assignment kept in
-  the model state); its state is the one checkpointed and trained on next, and its
-  scalars are logged. It must keep every array's shape, dtype and sharding, so the
-  train step is not recompiled.
+  `reviews` are `(every_steps, review)` pairs, on a cadence of their own: after step s
+  with s % every_steps == 0 (and never at the last step, where nothing trains after),
+  `review(state) -> (state, scalars)` may change non-gradient state between steps (e.g.
+  an expert assignment kept in the model state); its state is the one checkpointed and
+  trained on next, and its scalars are logged. It must keep every array's shape, dtype
+  and sharding, so the train step is not recompiled.
   """
   step = int(state.step)
   progress = ProgressBar(
@@ -145,10 +144,12 @@ def train_loop(
       if eval_due:
         eval_scalars = evaluate(state)
         writer.write_scalars(step, eval_scalars)
-        if after_evaluate is not None:
-          state, update_scalars = after_evaluate(state, eval_scalars)
-          writer.write_scalars(step, update_scalars)
         progress.rate(step)  # Evaluation time is not training throughput.
+      for every, review in reviews:
+        if every > 0 and step % every == 0 and step < num_train_steps:
+          state, review_scalars = review(state)
+          writer.write_scalars(step, review_scalars)
+          progress.rate(step)
       if checkpoint_due:
         writer.flush()
         checkpointer.save(step, state, train_iterator.get_state(), force=True)

@@ -26,9 +26,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from trainkit.errors import UserError
+from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX
 
-# metrics.jsonl keys of FairSMoE's expert management: `fem/experts_per_class/<ATTR>`.
-_ALLOCATION_PREFIX = "fem/experts_per_class/"
+# metrics.jsonl keys of FairSMoE's expert management: `fem/experts/<ATTR>`, one per review.
+_ALLOCATION_PREFIX = ALLOCATION_PREFIX
 _DPI = 120
 # Heatmap cells are annotated with their value only while the text stays legible.
 _MAX_ANNOTATED_CELLS = 160
@@ -195,7 +196,7 @@ def _allocation_attributes(report: dict[str, Any], metrics: Sequence[dict]) -> l
 
 
 def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], path: str) -> str:
-  """Experts per class of each attribute against step, as FairSMoE's expert management moved them.
+  """Experts of each attribute against step, as FairSMoE's expert management moved them.
 
   One panel per attribute on a shared step axis: the counts are small integers and often
   equal across attributes, so lines on one axis would hide each other.
@@ -209,10 +210,10 @@ def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], pat
     ax.plot(steps, values, drawstyle="steps-post", marker="o", color="tab:green")
     ax.set_ylim(0.0, max(values, default=1.0) + 1.0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel(f"{attribute}\nexperts/class")
+    ax.set_ylabel(f"{attribute}\nexperts")
     ax.grid(alpha=0.3)
   axes[-1].set_xlabel("step")
-  fig.suptitle(f"Experts per attribute class ({_title(report)})")
+  fig.suptitle(f"Experts per attribute at each review ({_title(report)})")
   return _save(fig, path)
 
 

@@ -1,6 +1,7 @@
-"""Training-time fairness machinery: differentiable fairness surrogates and expert management."""
+"""Training-time fairness machinery: differentiable fairness surrogates, cross-group mixup and
+FairSMoE's expert management."""
 
-from fairmoe_jax.fairness.experts import ExpertAllocator, initial_assignment
+from fairmoe_jax.fairness.experts import ExpertAllocator, attribute_assignment
 from fairmoe_jax.fairness.surrogates import PSI_SURROGATES, fairness_surrogate
 
-__all__ = ["ExpertAllocator", "PSI_SURROGATES", "fairness_surrogate", "initial_assignment"]
+__all__ = ["ExpertAllocator", "PSI_SURROGATES", "attribute_assignment", "fairness_surrogate"]

@@ -1,57 +1,80 @@
 """Fairness-driven expert management (FEM, paper Sec. 5.3): which experts serve which
-attribute class, and the dynamic allocation that grows or shrinks each attribute's
-share between evaluations.
+sensitive attribute, and the dynamic allocation that grows or shrinks each attribute's share.
 
-An assignment is a 0/1 float32 array [sum_i G_i, E]: row `offset_i + c` lists the
-experts assigned to class c of attribute i. Attribute i has `counts[i]` experts per
-class; class c of attribute i gets experts
+The paper assigns experts to *attributes*: "we strategically assign each expert to focus on
+unique sets of sensitive attributes"; S_e is "the set of attributes assigned to expert e".
+An assignment is therefore a 0/1 float32 array [m, E] (attribute x expert): row a lists the
+experts whose S_e contains a. Attribute a holds `counts[a]` experts, taken in the order
 
-    (offset_i + c * counts[i] + j) mod E,   j = 0 .. counts[i] - 1,
+    (a + j * m) mod E,   j = 0 .. counts[a] - 1,
 
-so with one expert per class consecutive classes (over all attributes) get
-consecutive experts, spreading the attributes over the experts ("each expert
-focuses on a unique set of attributes" as far as E allows), and growing an
-attribute gives each of its classes one more expert.
+so with one expert each the attributes start on distinct experts (where E >= m), and growing
+an attribute first takes experts no other attribute holds yet.
 
-Allocation (run on the host after each validation pass; the paper's Algorithm 2
-is not in the text we have, this is our reading, see docs/design.md):
+`class_assignment` derives a class-level [sum G_i, E] assignment from it for the
+`class_routing` reading of Eq. 8 (each class of attribute a gets the experts of a round-robin).
 
-* attribute i grows (counts[i] += 1, up to max(1, E // G_i)) when its validation
-  single-attribute fairness SF_i has held or improved (within `tolerance`) for
-  `patience` consecutive evaluations;
-* at the next evaluation after a growth, if the validation loss is worse than
-  when the growth was decided, the growth is undone.
+Allocation (Algorithm 2 is in the appendix we do not have; this is our reading of the text,
+see docs/design.md). At every review, on the validation split:
 
-The allocator state is a dict of small arrays kept in `TrainState.extra["fem"]`, so
-it is checkpointed with the run.
+* attribute a grows (counts[a] += 1, up to E) when its single-attribute fairness SF_a has held
+  or improved (within `tolerance`) for `patience` consecutive reviews ("if SF_i remains stable
+  or improves over n iterations, we consider increasing the number of experts");
+* at the next review after a growth, the growth is undone if the validation loss is worse than
+  when the growth was decided ("if adding more experts results in a worse validation loss than
+  previously observed ... a reduction").
+
+The allocator state is a dict of small arrays kept in `TrainState.extra["fem"]`, so it is
+checkpointed with the run. `make_expert_manager` is the review hook the training loop calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
+import logging
+from typing import Any, Callable
 
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from fairmoe_jax.moe.fair_router import class_offsets
+ALLOCATION_PREFIX = "fem/experts/"  # metrics.jsonl key of each attribute's expert count.
 
 
-def max_counts(group_sizes: Sequence[int], num_experts: int) -> np.ndarray:
-  """Largest experts-per-class of each attribute that keeps its classes on distinct experts."""
-  return np.maximum(1, num_experts // np.asarray(group_sizes)).astype(np.int32)
-
-
-def initial_assignment(
-    group_sizes: Sequence[int], num_experts: int, counts: Sequence[int] | None = None
+def attribute_assignment(
+    num_attributes: int, num_experts: int, counts: Sequence[int] | None = None
 ) -> np.ndarray:
-  """[sum G_i, E] 0/1 float32 assignment for `counts[i]` experts per class (default 1)."""
-  counts = np.ones(len(group_sizes), np.int32) if counts is None else np.asarray(counts)
-  assignment = np.zeros((sum(group_sizes), num_experts), np.float32)
-  for i, (offset, size) in enumerate(zip(class_offsets(group_sizes), group_sizes)):
-    for c in range(size):
-      for j in range(int(counts[i])):
-        assignment[offset + c, (offset + c * counts[i] + j) % num_experts] = 1.0
+  """[m, E] 0/1 float32: attribute a holds experts (a + j m) mod E for j < counts[a] (default 1)."""
+  counts = np.ones(num_attributes, np.int32) if counts is None else np.asarray(counts)
+  assignment = np.zeros((num_attributes, num_experts), np.float32)
+  for a in range(num_attributes):
+    for j in range(int(counts[a])):
+      assignment[a, (a + j * num_attributes) % num_experts] = 1.0
   return assignment
+
+
+def class_offsets(group_sizes: Sequence[int]) -> np.ndarray:
+  """Row of the first class of each attribute in a stacked [sum G_i, ...] array."""
+  return np.concatenate([[0], np.cumsum(group_sizes)[:-1]]).astype(np.int32)
+
+
+def class_assignment(attribute_rows: np.ndarray, group_sizes: Sequence[int]) -> np.ndarray:
+  """[sum G_i, E]: class c of attribute a gets the experts of a whose rank is c modulo their number.
+
+  With at least G_a experts, a's classes get disjoint subsets; with fewer they share.
+  Works on numpy or jax arrays (the router derives it from its attribute-level state).
+  """
+  xp = jnp if isinstance(attribute_rows, jax.Array) else np
+  rows = []
+  for a, size in enumerate(group_sizes):
+    held = attribute_rows[a]  # [E] 0/1
+    rank = xp.cumsum(held) - 1  # rank of each held expert among a's experts
+    count = xp.maximum(held.sum(), 1)
+    for c in range(size):
+      rows.append(held * ((rank % count) == (c % count)))
+  return xp.stack(rows).astype(xp.float32)
 
 
 def initial_state(num_attributes: int) -> dict[str, np.ndarray]:
@@ -68,47 +91,116 @@ class ExpertAllocator:
   """The dynamic allocation rule (module docstring) as a pure function of its state.
 
   Attributes:
-    group_sizes: G_i per attribute.
-    num_experts: E.
-    patience: n, evaluations SF_i must hold or improve before a growth.
-    tolerance: a drop of SF_i up to this much still counts as "held".
+    num_attributes: m.
+    num_experts: E, also the most experts an attribute can hold.
+    patience: n, reviews SF_a must hold or improve before a growth.
+    tolerance: a drop of SF_a up to this much still counts as "stable".
   """
 
-  group_sizes: tuple[int, ...]
+  num_attributes: int
   num_experts: int
   patience: int = 2
-  tolerance: float = 0.0
+  tolerance: float = 0.01
 
   def update(
       self, state: dict[str, np.ndarray], sf: Sequence[float], val_loss: float
-  ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """One evaluation: returns the new state and the events ("grow"/"shrink" attribute i).
+  ) -> tuple[dict[str, np.ndarray], list[tuple[str, int]]]:
+    """One review: returns the new state and the events, ("grow" | "shrink", attribute).
 
     Args:
       state: from `initial_state` or a previous update.
-      sf: validation SF_i per attribute, higher is fairer (e.g. PQD, or -DP).
+      sf: validation SF_a per attribute, higher is fairer (e.g. PQD, or -DP).
       val_loss: validation loss.
     """
     state = {k: np.array(v) for k, v in state.items()}
-    limits = max_counts(self.group_sizes, self.num_experts)
     events = []
-    for i, sf_i in enumerate(sf):
-      if np.isfinite(state["growth_loss"][i]):  # Judge the last growth.
-        if val_loss > state["growth_loss"][i]:
-          state["counts"][i] -= 1
-          state["streak"][i] = 0
-          events.append(f"shrink {i}")
-        state["growth_loss"][i] = np.nan
-      last = state["last_sf"][i]
-      held = np.isfinite(last) and sf_i >= last - self.tolerance
-      state["streak"][i] = state["streak"][i] + 1 if held else 0
-      state["last_sf"][i] = sf_i
-      if state["streak"][i] >= self.patience and state["counts"][i] < limits[i]:
-        state["counts"][i] += 1
-        state["streak"][i] = 0
-        state["growth_loss"][i] = val_loss
-        events.append(f"grow {i}")
+    for a, sf_a in enumerate(sf):
+      if np.isfinite(state["growth_loss"][a]):  # Judge the last growth.
+        if val_loss > state["growth_loss"][a]:
+          state["counts"][a] -= 1
+          state["streak"][a] = 0
+          events.append(("shrink", a))
+        state["growth_loss"][a] = np.nan
+      last = state["last_sf"][a]
+      held = np.isfinite(last) and sf_a >= last - self.tolerance
+      state["streak"][a] = state["streak"][a] + 1 if held else 0
+      state["last_sf"][a] = sf_a
+      if state["streak"][a] >= self.patience and state["counts"][a] < self.num_experts:
+        state["counts"][a] += 1
+        state["streak"][a] = 0
+        state["growth_loss"][a] = val_loss
+        events.append(("grow", a))
     return state, events
 
   def assignment(self, state: dict[str, np.ndarray]) -> np.ndarray:
-    return initial_assignment(self.group_sizes, self.num_experts, state["counts"])
+    return attribute_assignment(self.num_attributes, self.num_experts, state["counts"])
+
+
+def set_assignment(model: nnx.Module, assignment: np.ndarray) -> int:
+  """Writes an [m, E] assignment into every router that holds one; returns how many."""
+  # Imported here: the router module imports this one for the class-level derivation.
+  from fairmoe_jax.moe.routers.fair import ExpertAssignment
+
+  written = 0
+  for _, node in nnx.iter_graph(model):
+    if isinstance(getattr(node, "assignment", None), ExpertAssignment):
+      node.assignment.set_value(jnp.asarray(assignment))
+      written += 1
+  return written
+
+
+def make_expert_manager(
+    *,
+    attribute_names: Sequence[str],
+    num_experts: int,
+    patience: int,
+    tolerance: float,
+    psi: str,
+    validate: Callable[[Any], dict[str, Any]],
+    write_assignment: Callable[[Any, dict[str, np.ndarray], np.ndarray], Any],
+) -> Callable[[Any], tuple[Any, dict[str, float]]]:
+  """The FEM review hook, `review(state) -> (state, scalars)`.
+
+  Args:
+    attribute_names: the sensitive attributes, in the data's order.
+    num_experts: E.
+    patience, tolerance: of `ExpertAllocator`.
+    psi: "pqd" or "dp", the single-attribute fairness SF_a the review watches.
+    validate: state -> validation report (fairness_report layout plus "loss").
+    write_assignment: (state, allocator state, [m, E] assignment) -> state with the assignment
+      in every router and the allocator state in `extra["fem"]`; it must keep shapes and
+      shardings, so the train step is not recompiled.
+  """
+  allocator = ExpertAllocator(len(attribute_names), num_experts, patience, tolerance)
+  sign = 1.0 if psi == "pqd" else -1.0
+
+  def review(state):
+    report = validate(state)
+    sf = [sign * report["attributes"][name][psi] for name in attribute_names]
+    fem = jax.tree.map(np.asarray, jax.device_get(state.extra["fem"]))
+    fem, events = allocator.update(fem, sf, report["loss"])
+    state = write_assignment(state, fem, allocator.assignment(fem))
+    for kind, a in events:
+      logging.info("expert management: %s %s to %d experts", kind, attribute_names[a],
+                   fem["counts"][a])
+    scalars = {f"{ALLOCATION_PREFIX}{n}": float(c) for n, c in zip(attribute_names, fem["counts"])}
+    scalars["fem/review_loss"] = float(report["loss"])
+    scalars.update({f"fem/sf/{n}": float(s) for n, s in zip(attribute_names, sf)})
+    return state, scalars
+
+  return review
+
+
+def allocation_history(
+    metrics: Sequence[dict[str, Any]], attribute_names: Sequence[str]
+) -> list[dict[str, Any]]:
+  """`[{"step", "experts": {attribute: count}}]`, one entry per review logged in metrics.jsonl."""
+  history = []
+  for record in metrics:
+    keys = [f"{ALLOCATION_PREFIX}{n}" for n in attribute_names]
+    if all(k in record for k in keys):
+      history.append(
+          {"step": int(record["step"]),
+           "experts": {n: int(record[k]) for n, k in zip(attribute_names, keys)}}
+      )
+  return history

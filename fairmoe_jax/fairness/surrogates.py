@@ -2,7 +2,7 @@
 
 PQD and DP are computed from hard predictions, which have no gradient. On a
 batch we replace them by smooth spreads over the groups of each attribute,
-averaged over attributes (the multi-attribute mean, like MF):
+summed over attributes as Eq. 3 writes L_Psi = sum_i Psi(s_i):
 
 * "pqd": per group, the soft accuracy = mean over its examples of the predicted
   probability of the true class; the loss is max_g - min_g (0 when all groups
@@ -50,7 +50,7 @@ def fairness_surrogate(
     mask: jax.Array | None = None,
     attribute_indices: Sequence[int] | None = None,
 ) -> jax.Array:
-  """Mean over attributes of the group spread of `psi` (see module docstring).
+  """Sum over attributes of the group spread of `psi` (Eq. 3; see module docstring).
 
   Args:
     logits: [B, K] class logits.
@@ -74,4 +74,4 @@ def fairness_surrogate(
   for i in indices:
     means, present = _group_means(values, attributes[:, i], weights, group_sizes[i])
     spreads.append(jnp.max(_spread(means, present)))
-  return jnp.mean(jnp.stack(spreads))
+  return jnp.sum(jnp.stack(spreads))

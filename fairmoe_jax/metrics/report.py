@@ -109,9 +109,17 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  {_metric_line(attr)}")
   num_attributes = len(report["attributes"])
   lines += ["", f"MF (mean over {num_attributes} attributes)", f"  {_metric_line(report['mf'])}"]
-  if "experts_per_class" in report:
-    counts = ", ".join(f"{k} {v}" for k, v in report["experts_per_class"].items())
-    lines.append(f"Experts per attribute class at the end (expert management): {counts}")
+  if "experts_per_attribute" in report:
+    counts = ", ".join(f"{k} {v}" for k, v in report["experts_per_attribute"].items())
+    reviews = len(report.get("allocation_history", []))
+    lines.append(f"Experts per attribute after {reviews} expert-management reviews: {counts}")
+    if "allocation_note" in report:
+      lines.append(f"  {report['allocation_note']}")
+  for kind, blocks in report.get("experts_active", {}).items():
+    active = ", ".join(f"{block} {value:.2f}" for block, value in blocks.items())
+    lines.append(f"Experts active (exp entropy of the test-set {kind.replace('_', ' ')}): {active}")
+  if "note" in report:
+    lines.append(f"Note: {report['note']}")
   if report.get("method", "").startswith("fairsmoe"):
     lines += [
         "",

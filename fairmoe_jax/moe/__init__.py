@@ -1,16 +1,22 @@
 """Sparse mixture-of-experts: routing, dispatch and the MoE feed-forward layer."""
 
-from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights
 from fairmoe_jax.moe.dispatch import (
+    DISPATCH_ALGORITHMS,
     DispatchStats,
+    ExpertWeights,
     compute_capacity,
     dispatch_and_combine_masks,
     einsum_combine,
     einsum_dispatch,
 )
 from fairmoe_jax.moe.layer import EXPERT_AXIS, MoEAux, SparseMoE
-from fairmoe_jax.moe.routers import ExpertChoiceRouter, NoisyTopKRouter
-from fairmoe_jax.moe.routing import RouterOutput, TopKRouter, route_from_logits
+from fairmoe_jax.moe.routers import (
+    ExpertChoiceRouter,
+    NoisyTopKRouter,
+    RouterOutput,
+    TopKRouter,
+    route_from_logits,
+)
 
 __all__ = [
     "DISPATCH_ALGORITHMS",

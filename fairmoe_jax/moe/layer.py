@@ -4,8 +4,10 @@
 
 with E_i a GELU MLP of the same shape as a ViT block's MLP. The layer is
 composed of three interchangeable pieces: a router (`ROUTERS`, or any module
-following the router protocol of `fairmoe_jax.moe.routing`), a dispatch
-algorithm (`fairmoe_jax.moe.algorithms`) and the stacked expert weights.
+following the router protocol of `fairmoe_jax.moe.routers.base`), a dispatch
+algorithm (`fairmoe_jax.moe.dispatch`) and the stacked expert weights.
+Expert-choice routing, where experts pick tokens, is a separate path of the
+layer (see `SparseMoE`).
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from fairmoe_jax.moe import dispatch as dispatch_lib
-from fairmoe_jax.moe.algorithms import DISPATCH_ALGORITHMS, ExpertWeights
-from fairmoe_jax.moe.expert_parallel import EP_ALGORITHMS, expert_parallel_moe
-from fairmoe_jax.moe.routers import (
-    ExpertChoiceRouter,
-    NoisyTopKRouter,
-    apply_expert_choice,
+from fairmoe_jax.moe.dispatch import (
+    DISPATCH_ALGORITHMS,
+    EP_ALGORITHMS,
+    ExpertWeights,
     batch_priority_order,
-    expert_choice_from_logits,
+    compute_capacity,
+    expert_parallel_moe,
     reorder_tokens,
     restore_token_order,
 )
-from fairmoe_jax.moe.routing import RouterOutput, TopKRouter
+from fairmoe_jax.moe.routers import (
+    ExpertChoiceRouter,
+    NoisyTopKRouter,
+    RouterOutput,
+    TopKRouter,
+    apply_expert_choice,
+)
 
 # Logical axis name of the expert dimension. It is also the mesh axis name, so
 # `nnx.get_partition_spec` gives specs that can be used with the mesh directly.
@@ -100,11 +106,29 @@ def _expert_param(
 # passed directly.
 ROUTERS = ("topk", "noisy_topk", "expert_choice")
 
+# The two ways `SparseMoE` matches tokens with experts (`SparseMoE.routing`).
+TOKEN_CHOICE = "token_choice"
+EXPERT_CHOICE = "expert_choice"
+
 
 class SparseMoE(nnx.Module):
   """Top-k sparse MoE replacing a transformer block's MLP.
 
       y, aux = layer(x)            # x: [batch, tokens, dim]
+
+  The routing path is chosen once, at construction, from `router`
+  (`self.routing`):
+
+  * token choice (`TOKEN_CHOICE`, every router but "expert_choice"): the router
+    follows the router protocol of `fairmoe_jax.moe.routers.base` and picks k
+    experts per token; the dispatch algorithm serves those choices under the
+    capacity limit, optionally in batch-priority order or expert-parallel over
+    `mesh` (`_token_choice`).
+  * expert choice (`EXPERT_CHOICE`, router="expert_choice"): an
+    `ExpertChoiceRouter` lets every expert pick its C best tokens of each
+    example, and `apply_expert_choice` gathers and scatters them
+    (`_expert_choice`). `dispatch` is unused; `batch_priority` and `mesh` are
+    not available.
 
   Expert weights are stacked along a leading expert axis (one parameter per
   weight) and annotated ("expert", ...) so they can be sharded over an
@@ -119,7 +143,7 @@ class SparseMoE(nnx.Module):
     top_k: experts per token.
     dispatch: dispatch algorithm, a key of `DISPATCH_ALGORITHMS` ("dense",
       "einsum", "sort", "dropless"); all give the same output wherever capacity
-      suffices (see `fairmoe_jax.moe.algorithms`). Ignored by expert choice,
+      suffices (see `fairmoe_jax.moe.dispatch`). Ignored by expert choice,
       which gathers and scatters the tokens its experts pick.
     capacity_factor: capacity factor when training.
     eval_capacity_factor: capacity factor when evaluating; usually larger, so
@@ -128,14 +152,14 @@ class SparseMoE(nnx.Module):
       "noisy_topk" (Shazeer et al. 2017, importance and load losses),
       "expert_choice" (Zhou et al. 2022; experts pick C tokens each, with C the
       capacity the top-k dispatch would have, so the expert FLOPs match), a
-      router module following the protocol of `fairmoe_jax.moe.routing`, or a
+      router module following the protocol of `fairmoe_jax.moe.routers.base`, or a
       factory `router(dim, num_experts, top_k, rngs=rngs)` returning one.
     batch_priority: V-MoE batch-priority routing: within each example, tokens
       with the highest routing weight are served first, so capacity overflow
       drops the least confident choices instead of the last tokens.
     mesh: a mesh with an "expert" axis: experts are split over it and tokens
       travel to them by all_to_all inside `jax.shard_map`
-      (`fairmoe_jax.moe.expert_parallel`); capacity algorithms only.
+      (`fairmoe_jax.moe.dispatch.expert_parallel`); capacity algorithms only.
     dtype: compute dtype of the experts; routing is always float32.
     param_dtype: dtype of the parameters.
     rngs: parameter RNGs. Parameters are drawn in the same order with or
@@ -163,9 +187,9 @@ class SparseMoE(nnx.Module):
       raise ValueError(f"dispatch={dispatch!r}; known: {', '.join(DISPATCH_ALGORITHMS)}")
     if isinstance(router, str) and router not in ROUTERS:
       raise ValueError(f"router={router!r}; known: {', '.join(ROUTERS)} (or a router module)")
-    self.expert_choice = router == "expert_choice"
+    self.routing = EXPERT_CHOICE if router == "expert_choice" else TOKEN_CHOICE
     if mesh is not None:
-      if self.expert_choice:
+      if self.routing == EXPERT_CHOICE:
         raise ValueError("router='expert_choice' has no expert-parallel version; use mesh=None")
       if dispatch not in EP_ALGORITHMS:
         raise ValueError(
@@ -177,7 +201,7 @@ class SparseMoE(nnx.Module):
             f"num_experts={num_experts} is not divisible by the mesh's {EXPERT_AXIS!r} axis "
             f"of size {mesh.shape[EXPERT_AXIS]}"
         )
-    if batch_priority and self.expert_choice:
+    if batch_priority and self.routing == EXPERT_CHOICE:
       raise ValueError("batch_priority applies to token-choice routers, not 'expert_choice'")
     self.dispatch = dispatch
     self.mesh = mesh
@@ -194,7 +218,7 @@ class SparseMoE(nnx.Module):
       self.router = TopKRouter(dim, num_experts, top_k, rngs=rngs)
     elif router == "noisy_topk":
       self.router = NoisyTopKRouter(dim, num_experts, top_k, rngs=rngs)
-    elif self.expert_choice:
+    elif self.routing == EXPERT_CHOICE:
       self.router = ExpertChoiceRouter(dim, num_experts, capacity_factor=top_k, rngs=rngs)
     elif isinstance(router, nnx.Module):
       self.router = router
@@ -233,14 +257,26 @@ class SparseMoE(nnx.Module):
     """
     if train is None:
       train = not self.deterministic
-    batch, seq_len, dim = x.shape
     x = x.astype(self.dtype)
     capacity_factor = self.capacity_factor if train else self.eval_capacity_factor
-    capacity = dispatch_lib.compute_capacity(seq_len, self.num_experts, self.top_k, capacity_factor)
+    capacity = compute_capacity(x.shape[1], self.num_experts, self.top_k, capacity_factor)
     experts = ExpertWeights.from_module(self)
-    if self.expert_choice:
+    if self.routing == EXPERT_CHOICE:
       return self._expert_choice(x, experts, capacity)
+    return self._token_choice(x, experts, capacity, train=train, rngs=rngs, context=context)
 
+  def _token_choice(
+      self,
+      x: jax.Array,
+      experts: ExpertWeights,
+      capacity: int,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None,
+      context: Mapping[str, jax.Array] | None,
+  ) -> tuple[jax.Array, MoEAux]:
+    """Token choice: the router picks k experts per token, the dispatch algorithm serves them."""
+    batch, seq_len, dim = x.shape
     token_context = None
     if context is not None:  # [B, ...] -> [B * S, ...]: every token carries its example's.
       token_context = {k: jnp.repeat(v, seq_len, axis=0) for k, v in context.items()}
@@ -249,6 +285,14 @@ class SparseMoE(nnx.Module):
     )
     expert_index = route.expert_index.reshape(batch, seq_len, self.top_k)
     gates = route.gates.reshape(batch, seq_len, self.top_k)
+    extra_losses = dict(route.extra_losses())
+    if train and hasattr(self.router, "expert_losses"):  # Losses that need the experts' outputs.
+      extra_losses.update(self.router.expert_losses(x, experts, context))
+    # Mean gate weight each expert receives per example: unlike choice counts, it tells a router
+    # that spreads its weight from one that routes with a dominant expert and a token second pick.
+    gate_weight = jnp.einsum(
+        "bsk,bske->be", gates, jax.nn.one_hot(expert_index, self.num_experts, dtype=gates.dtype)
+    ) / seq_len
     order = None
     if self.batch_priority:  # Serve confident tokens first; undone on y and the stats below.
       order = batch_priority_order(gates)
@@ -273,11 +317,12 @@ class SparseMoE(nnx.Module):
       stats = stats.replace(kept=kept)
 
     metrics = _routing_metrics(route.probs, stats.fraction_dropped, stats.group_expert_fraction)
+    metrics["example_gate_weight"] = gate_weight
     aux = MoEAux(
         loss=route.load_balance_loss,
         z_loss=route.z_loss,
         metrics=metrics,
-        extra_losses=route.extra_losses(),
+        extra_losses=extra_losses,
     )
     return y, aux
 
@@ -286,7 +331,7 @@ class SparseMoE(nnx.Module):
   ) -> tuple[jax.Array, MoEAux]:
     """Expert choice: every expert takes its `capacity` best tokens of each example."""
     batch, seq_len, _ = x.shape
-    assignment = expert_choice_from_logits(self.router.logits(x), capacity)
+    assignment = self.router(x, capacity=capacity)
     y = apply_expert_choice(x, assignment, experts.apply)
     # Each expert serves `capacity` tokens of the S * k slots a top-k router would fill.
     served = jnp.full((batch, self.num_experts), capacity / (seq_len * self.top_k), jnp.float32)

@@ -2,7 +2,7 @@
 
     y, stats = expert_parallel_moe(x, expert_index, gates, experts, capacity=C, mesh=mesh)
 
-has the semantics of `algorithms.moe_sort` / `algorithms.moe_einsum` (groups =
+has the semantics of `moe_sort` / `moe_einsum` (groups =
 examples, C slots per group and expert, all top-1 choices of a group before any
 top-2 choice, earlier tokens first, dropped choices contribute 0) and returns the
 same `DispatchStats`, but runs under `jax.shard_map` over the mesh:
@@ -37,18 +37,12 @@ import math
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from fairmoe_jax.moe.algorithms import (
-    ExpertWeights,
-    check_inputs,
-    combine_slots,
-    gather_slots,
-    resolve_capacity,
-    sort_slot_plan,
-)
-from fairmoe_jax.moe.dispatch import DispatchStats
+from fairmoe_jax.moe.dispatch.base import check_inputs
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.sort import combine_slots, gather_slots, sort_slot_plan
 
 __all__ = ["EP_ALGORITHMS", "expert_parallel_moe"]
 
@@ -177,9 +171,4 @@ def expert_parallel_moe(
       in_specs=(batch_spec, batch_spec, batch_spec, expert_specs),
       out_specs=(batch_spec, batch_spec, batch_spec),
   )(x, expert_index, gates, experts)
-  stats = DispatchStats(
-      kept=kept,
-      fraction_dropped=jnp.mean(~kept, dtype=jnp.float32),
-      group_expert_fraction=group_expert_fraction,
-  )
-  return y, stats
+  return y, DispatchStats.from_kept(kept, group_expert_fraction)

@@ -1,25 +1,32 @@
-"""Token routing for sparse mixture-of-experts layers.
+"""The router protocol of sparse mixture-of-experts layers and its shared pieces.
 
 Routing is kept apart from dispatch (the V-MoE split): a router only decides
 *where* each token wants to go and *with what weight*; it knows nothing about
-expert capacity. `fairmoe_jax.moe.dispatch` then turns those decisions into
-capacity-limited dispatch/combine tensors.
+expert capacity. The dispatch algorithms of `fairmoe_jax.moe.dispatch` then
+serve those decisions under the capacity limit.
 
-Any module that maps tokens to gating logits can reuse `route_from_logits`, so a
-fairness-guided router (FairSMoE, Sec. 5.2) only has to produce logits.
-
-Router protocol (what `SparseMoE` calls):
+Router protocol (what `SparseMoE` calls for token-choice routing):
 
     route = router(x, train=..., rngs=..., context=...)   # x: [T, D] tokens
 
 returning a `RouterOutput` (or a subclass). `context` maps names to per-token
 arrays with leading dimension T (e.g. the sensitive attributes of each token's
 example); routers that need none ignore it.
+
+A router may also define
+
+    losses = router.expert_losses(x, experts, context)   # x: [B, S, D], context per example
+
+which `SparseMoE` calls in training with the layer's input and stacked `ExpertWeights`, for
+losses that need the experts' outputs (FairSMoE's `expert_competence` reading); its named
+scalars join `RouterOutput.extra_losses()`.
+
+Any module that maps tokens to gating logits can reuse `route_from_logits`, so a
+fairness-guided router (FairSMoE, Sec. 5.2) only has to produce logits;
+`float32_gate` is the bias-free float32 gate the built-in routers share.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +116,19 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
   return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
 
 
+def check_top_k(top_k: int, num_experts: int) -> None:
+  """Raises ValueError unless 1 <= top_k <= num_experts."""
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+
+
+def check_logits(logits: jax.Array, top_k: int) -> None:
+  """Raises ValueError unless logits are [T, E] and 1 <= top_k <= E."""
+  if logits.ndim != 2:
+    raise ValueError(f"logits must be [tokens, experts], got {logits.shape}")
+  check_top_k(top_k, logits.shape[-1])
+
+
 def route_from_logits(logits: jax.Array, top_k: int) -> RouterOutput:
   """Softmax over experts, then top-k; computes the auxiliary losses.
 
@@ -116,11 +136,7 @@ def route_from_logits(logits: jax.Array, top_k: int) -> RouterOutput:
     logits: [T, E] gating logits (cast to float32 here).
     top_k: number of experts per token.
   """
-  if logits.ndim != 2:
-    raise ValueError(f"logits must be [tokens, experts], got {logits.shape}")
-  num_experts = logits.shape[-1]
-  if not 1 <= top_k <= num_experts:
-    raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+  check_logits(logits, top_k)
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
   # lax.top_k breaks ties towards the lower expert index, deterministically.
@@ -133,39 +149,3 @@ def route_from_logits(logits: jax.Array, top_k: int) -> RouterOutput:
       load_balance_loss=load_balance_loss(probs, expert_index),
       z_loss=router_z_loss(logits),
   )
-
-
-class TopKRouter(nnx.Module):
-  """Linear top-k router: R(x) = Top-K(softmax(x W)) (paper Eq. 5).
-
-  The gate has no bias and is evaluated in float32 regardless of the compute
-  dtype of the surrounding layer: routing decisions and the z-loss are
-  sensitive to logit precision (ST-MoE, Sec. 3).
-  """
-
-  def __init__(self, dim: int, num_experts: int, top_k: int, *, rngs: nnx.Rngs):
-    if not 1 <= top_k <= num_experts:
-      raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-    self.num_experts = num_experts
-    self.top_k = top_k
-    self.gate = float32_gate(dim, num_experts, rngs=rngs)
-
-  def logits(self, x: jax.Array) -> jax.Array:
-    """[T, D] tokens -> [T, E] float32 logits."""
-    return self.gate(x.astype(jnp.float32))
-
-  def __call__(
-      self,
-      x: jax.Array,
-      *,
-      train: bool = False,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, jax.Array] | None = None,
-  ) -> RouterOutput:
-    """Routes a flat batch of tokens x: [T, D].
-
-    `train`, `rngs` and `context` are the router protocol of `SparseMoE`
-    (every router accepts them); this router is deterministic and context-free.
-    """
-    del train, rngs, context
-    return route_from_logits(self.logits(x), self.top_k)

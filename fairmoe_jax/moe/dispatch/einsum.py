@@ -1,56 +1,26 @@
-"""Capacity-limited einsum dispatch (GShard / V-MoE).
+"""`einsum` dispatch: capacity-limited one-hot dispatch and combine tensors (GShard / V-MoE).
 
-Tokens are processed in groups (here: one group per example, so G = batch and
-S = tokens per example). Every expert accepts at most `capacity` tokens per
-group; routing decisions beyond that are dropped. The dispatch is expressed as
-two dense one-hot tensors of shape [G, S, E, C]:
+The dispatch is expressed as two dense one-hot tensors of shape [G, S, E, C]:
 
   dispatch[g, s, e, c] = 1  iff token s of group g sits in slot c of expert e;
   combine[g, s, e, c]  = gate of that choice (0 where dispatch is 0).
 
 Expert inputs are einsum("gsec,gsd->gecd", dispatch, x) and the layer output is
-einsum("gsec,gecd->gsd", combine, expert_outputs). This costs O(G S E C) memory,
-which is fine for ViT-sized groups; the production layer swaps this module for
-sorting-based dispatch without touching the router.
+einsum("gsec,gecd->gsd", combine, expert_outputs). `dispatch_and_combine_masks`
+is the reference for the capacity semantics of all capacity algorithms. This
+costs O(G S E C) memory, quadratic in the group size since C ~ S k / E; fine for
+ViT-sized groups, while `sort` builds the same expert buffers without any
+[S, E, C] tensor.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-
-@struct.dataclass
-class DispatchStats:
-  """Bookkeeping of which routing decisions survived the capacity limit.
-
-  Attributes:
-    kept: [G, S, k] bool, whether choice j of token s was served.
-    fraction_dropped: scalar, fraction of all (token, choice) pairs dropped.
-    group_expert_fraction: [G, E], per group, the fraction of its S * k
-      (token, choice) pairs that were served by each expert. Rows sum to
-      1 - (fraction of that group's choices dropped).
-  """
-
-  kept: jax.Array
-  fraction_dropped: jax.Array
-  group_expert_fraction: jax.Array
-
-
-def compute_capacity(
-    tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float
-) -> int:
-  """C = ceil(capacity_factor * S * k / E), clipped to [1, S].
-
-  No expert can receive more than S tokens from a group (a token's k choices are
-  distinct experts), so a larger C would only add empty slots.
-  """
-  # The small epsilon keeps e.g. 1.1 * 10 = 11.000000000000002 from rounding up.
-  capacity = math.ceil(capacity_factor * tokens_per_group * top_k / num_experts - 1e-9)
-  return int(min(max(capacity, 1), tokens_per_group))
+from fairmoe_jax.moe.dispatch.base import check_inputs
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 
 
 def dispatch_and_combine_masks(
@@ -104,12 +74,7 @@ def dispatch_and_combine_masks(
   group_expert_fraction = (choice_one_hot * kept[..., None]).sum(axis=(1, 2)).astype(
       jnp.float32
   ) / (group_size * top_k)
-  stats = DispatchStats(
-      kept=kept,
-      fraction_dropped=jnp.mean(~kept, dtype=jnp.float32),
-      group_expert_fraction=group_expert_fraction,
-  )
-  return dispatch, combine, stats
+  return dispatch, combine, DispatchStats.from_kept(kept, group_expert_fraction)
 
 
 def einsum_dispatch(
@@ -149,3 +114,21 @@ def einsum_combine(combine: jax.Array, expert_outputs: jax.Array) -> jax.Array:
   gets 0 here and is carried only by the residual connection of its block.
   """
   return jnp.einsum("gsec,gecd->gsd", combine.astype(expert_outputs.dtype), expert_outputs)
+
+
+def moe_einsum(
+    x: jax.Array,
+    expert_index: jax.Array,
+    gates: jax.Array,
+    experts: ExpertWeights,
+    *,
+    capacity: int | None = None,
+) -> tuple[jax.Array, DispatchStats]:
+  """One-hot [G, S, E, C] dispatch / combine (`einsum_dispatch`)."""
+  check_inputs(x, expert_index, gates)
+  capacity = resolve_capacity(capacity, x.shape[1])
+  dispatched, combine, stats = einsum_dispatch(
+      x, expert_index, gates, capacity, num_experts=experts.num_experts
+  )
+  y = einsum_combine(combine, experts.apply(dispatched))
+  return y, stats

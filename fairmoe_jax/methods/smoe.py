@@ -1,0 +1,42 @@
+"""Vanilla SMoE (paper Table 1's baseline) and the plain MoE with any router.
+
+`vanilla_smoe`: a top-k router (Eq. 5-6) without noise; `smoe`: the router `moe.router`.
+Both minimise the cross-entropy plus the MoE auxiliary losses every MoE method shares
+(`moe.aux_loss_weight`, `moe.z_loss_weight`; 0 by default, as the paper's vanilla SMoE has
+no auxiliary loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.nnx as nnx
+import jax
+
+from fairmoe_jax.methods import base
+from fairmoe_jax.models.backbones import build_backbone
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainSMoE(base.MethodDefaults):
+  name: str
+  fixed_router: str | None  # None: config.moe.router
+  uses_moe: bool = True
+
+  def build_model(self, config, info, rngs, mesh):
+    router = self.fixed_router or config.moe.router
+    return build_backbone(config, info.num_classes, base.moe_kwargs(config, mesh, router), rngs)
+
+  def loss_terms(self, config, info):
+    del info
+
+    def terms(model, batch, rng, step, extra):
+      del step, extra
+      rngs = nnx.Rngs(dropout=rng, noise=jax.random.fold_in(rng, 1))
+      logits, aux = model(batch["image"], train=True, rngs=rngs)
+      terms = {"cross_entropy": base.cross_entropy(logits, batch["label"])}
+      terms.update(base.auxiliary_terms(config, aux))
+      metrics = {"accuracy": base.accuracy(logits, batch["label"]), **base.routing_metrics(aux)}
+      return terms, metrics
+
+    return terms

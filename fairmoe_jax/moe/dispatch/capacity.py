@@ -1,0 +1,78 @@
+"""Expert capacity and the bookkeeping of which routing decisions were served.
+
+Tokens are dispatched in groups (one group per example, so G = batch and S =
+tokens per example). Every expert accepts at most C = `compute_capacity(...)`
+(token, choice) pairs per group; the capacity algorithms serve all top-1 choices
+of a group before any top-2 choice, earlier tokens first within one priority
+level, and drop the rest. `DispatchStats` records the outcome, in the same form
+for every algorithm, so logging does not depend on which one runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class DispatchStats:
+  """Bookkeeping of which routing decisions survived the capacity limit.
+
+  Attributes:
+    kept: [G, S, k] bool, whether choice j of token s was served.
+    fraction_dropped: scalar, fraction of all (token, choice) pairs dropped.
+    group_expert_fraction: [G, E], per group, the fraction of its S * k
+      (token, choice) pairs that were served by each expert. Rows sum to
+      1 - (fraction of that group's choices dropped).
+  """
+
+  kept: jax.Array
+  fraction_dropped: jax.Array
+  group_expert_fraction: jax.Array
+
+  @classmethod
+  def from_kept(cls, kept: jax.Array, group_expert_fraction: jax.Array) -> "DispatchStats":
+    """Stats with `fraction_dropped` computed from the `kept` mask."""
+    return cls(
+        kept=kept,
+        fraction_dropped=jnp.mean(~kept, dtype=jnp.float32),
+        group_expert_fraction=group_expert_fraction,
+    )
+
+
+def compute_capacity(
+    tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float
+) -> int:
+  """C = ceil(capacity_factor * S * k / E), clipped to [1, S].
+
+  No expert can receive more than S tokens from a group (a token's k choices are
+  distinct experts), so a larger C would only add empty slots.
+  """
+  # The small epsilon keeps e.g. 1.1 * 10 = 11.000000000000002 from rounding up.
+  capacity = math.ceil(capacity_factor * tokens_per_group * top_k / num_experts - 1e-9)
+  return int(min(max(capacity, 1), tokens_per_group))
+
+
+def resolve_capacity(capacity: int | None, group_size: int) -> int:
+  """None means "enough": an expert never gets more than S choices of a group."""
+  if capacity is None:
+    return group_size
+  if capacity < 1:
+    raise ValueError(f"capacity must be >= 1, got {capacity}")
+  return int(capacity)
+
+
+def dropless_stats(expert_index: jax.Array, num_experts: int) -> DispatchStats:
+  """Stats of an algorithm that serves every choice."""
+  num_groups, group_size, top_k = expert_index.shape
+  groups = jnp.arange(num_groups)[:, None]
+  counts = jnp.zeros((num_groups, num_experts), jnp.float32)
+  counts = counts.at[groups, expert_index.reshape(num_groups, -1)].add(1.0)
+  return DispatchStats(
+      kept=jnp.ones(expert_index.shape, bool),
+      fraction_dropped=jnp.zeros((), jnp.float32),
+      group_expert_fraction=counts / (group_size * top_k),
+  )

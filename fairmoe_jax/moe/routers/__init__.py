@@ -1,0 +1,51 @@
+"""Routers of sparse MoE layers: which experts serve which tokens, with what weight.
+
+* `base`: the token-choice router protocol, `RouterOutput` and the shared
+  pieces (`route_from_logits`, the auxiliary losses, `float32_gate`).
+* `topk`: `TopKRouter`, softmax top-k (paper Eq. 5).
+* `noisy_topk`: `NoisyTopKRouter` (Shazeer et al. 2017).
+* `expert_choice`: `ExpertChoiceRouter` (Zhou et al. 2022), where experts pick
+  tokens; it has its own path through `SparseMoE`.
+
+Router logits are computed in float32 in all cases.
+"""
+
+from fairmoe_jax.moe.routers.base import (
+    RouterOutput,
+    float32_gate,
+    load_balance_loss,
+    route_from_logits,
+    router_z_loss,
+)
+from fairmoe_jax.moe.routers.expert_choice import (
+    ExpertChoiceAssignment,
+    ExpertChoiceRouter,
+    apply_expert_choice,
+    expert_choice_from_logits,
+)
+from fairmoe_jax.moe.routers.noisy_topk import (
+    NoisyRouterOutput,
+    NoisyTopKRouter,
+    cv_squared,
+    noisy_top_k_from_logits,
+    smooth_load,
+)
+from fairmoe_jax.moe.routers.topk import TopKRouter
+
+__all__ = [
+    "ExpertChoiceAssignment",
+    "ExpertChoiceRouter",
+    "NoisyRouterOutput",
+    "NoisyTopKRouter",
+    "RouterOutput",
+    "TopKRouter",
+    "apply_expert_choice",
+    "cv_squared",
+    "expert_choice_from_logits",
+    "float32_gate",
+    "load_balance_loss",
+    "noisy_top_k_from_logits",
+    "route_from_logits",
+    "router_z_loss",
+    "smooth_load",
+]

@@ -1,0 +1,155 @@
+"""Expert choice routing (Zhou et al. 2022, "Mixture of experts with expert choice routing").
+
+The selection is inverted: every expert picks its C best tokens of a group, so
+there is no capacity overflow to dispatch. `ExpertChoiceRouter` produces an
+expert-major `ExpertChoiceAssignment` rather than a `RouterOutput`, so it does
+not follow the token-choice router protocol of `fairmoe_jax.moe.routers.base`
+and does not feed the dispatch algorithms: `apply_expert_choice` gathers the
+picked tokens, runs the experts and scatters the gated outputs back.
+`SparseMoE(router="expert_choice")` takes this path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from fairmoe_jax.moe.dispatch.capacity import compute_capacity
+from fairmoe_jax.moe.routers.base import float32_gate, router_z_loss
+
+
+@struct.dataclass
+class ExpertChoiceAssignment:
+  """Expert-major routing decisions of expert choice routing.
+
+  Attributes:
+    token_index: [G, E, C] int32, the tokens (positions in the group) picked by
+      each expert, highest affinity first.
+    gates: [G, E, C] float32, the affinity softmax(x W_g)[token, expert] of those
+      tokens (softmax over experts, not renormalised).
+    logits: [G, S, E] float32 router logits.
+    probs: [G, S, E] float32 softmax over experts (the affinities).
+    experts_per_token: [G, S] int32, how many experts picked each token (0 for
+      tokens that get no expert and pass only through the residual).
+    fraction_unrouted: scalar, fraction of tokens that no expert picked.
+    z_loss: scalar ST-MoE router z-loss of the logits (unweighted; optional).
+  """
+
+  token_index: jax.Array
+  gates: jax.Array
+  logits: jax.Array
+  probs: jax.Array
+  experts_per_token: jax.Array
+  fraction_unrouted: jax.Array
+  z_loss: jax.Array
+
+
+def expert_choice_from_logits(logits: jax.Array, capacity: int) -> ExpertChoiceAssignment:
+  """Each expert picks its `capacity` highest-affinity tokens per group.
+
+  Args:
+    logits: [G, S, E] router logits (cast to float32).
+    capacity: C, tokens per expert and group, 1 <= C <= S.
+  """
+  if logits.ndim != 3:
+    raise ValueError(f"logits must be [groups, tokens, experts], got {logits.shape}")
+  _, group_size, num_experts = logits.shape
+  if not 1 <= capacity <= group_size:
+    raise ValueError(f"capacity={capacity} must be in [1, group_size={group_size}]")
+  logits = logits.astype(jnp.float32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  # [G, E, S] -> top-C tokens per expert; ties go to the earlier token.
+  gates, token_index = jax.lax.top_k(jnp.swapaxes(probs, 1, 2), capacity)
+  token_index = token_index.astype(jnp.int32)
+  picked = jax.nn.one_hot(token_index, group_size, dtype=jnp.int32)  # [G, E, C, S]
+  experts_per_token = picked.sum(axis=(1, 2))
+  return ExpertChoiceAssignment(
+      token_index=token_index,
+      gates=gates,
+      logits=logits,
+      probs=probs,
+      experts_per_token=experts_per_token,
+      fraction_unrouted=jnp.mean(experts_per_token == 0, dtype=jnp.float32),
+      z_loss=router_z_loss(logits.reshape(-1, num_experts)),
+  )
+
+
+class ExpertChoiceRouter(nnx.Module):
+  """Expert choice routing (Zhou et al. 2022): experts pick tokens.
+
+  Affinities S = softmax(x W_g) over experts (float32, bias-free gate with the
+  same init as `TopKRouter`); in every group each expert takes its top-C
+  tokens, C = compute_capacity(S, E, top_k=1, capacity_factor) =
+  ceil(capacity_factor * S / E), so capacity_factor is the average number of
+  experts per token. Every expert gets exactly C tokens (perfect balance, no
+  auxiliary loss needed), but a token may be picked by several experts or by
+  none; unpicked tokens get a zero MoE output (residual only).
+
+  Caveat: the selection compares all tokens of a group, so a token's routing
+  depends on the other tokens of its group, including later ones. It is
+  therefore not causal (unsuitable for autoregressive decoding as is), and the
+  output of an example depends on the group composition (here one group per
+  example, so not on the rest of the batch).
+  """
+
+  def __init__(self, dim: int, num_experts: int, *, capacity_factor: float, rngs: nnx.Rngs):
+    if capacity_factor <= 0:
+      raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+    self.num_experts = num_experts
+    self.capacity_factor = capacity_factor
+    self.gate = float32_gate(dim, num_experts, rngs=rngs)
+
+  def capacity(self, group_size: int) -> int:
+    """C for groups of `group_size` tokens."""
+    return compute_capacity(group_size, self.num_experts, 1, self.capacity_factor)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """[..., D] tokens -> [..., E] float32 logits."""
+    return self.gate(x.astype(jnp.float32))
+
+  def __call__(self, x: jax.Array, *, capacity: int | None = None) -> ExpertChoiceAssignment:
+    """x: [G, S, D] groups of tokens -> `ExpertChoiceAssignment`.
+
+    Args:
+      x: [G, S, D] tokens.
+      capacity: C, tokens per expert and group; None uses `self.capacity(S)`.
+    """
+    if x.ndim != 3:
+      raise ValueError(f"x must be [groups, tokens, dim], got {x.shape}")
+    if capacity is None:
+      capacity = self.capacity(x.shape[1])
+    return expert_choice_from_logits(self.logits(x), capacity)
+
+
+def apply_expert_choice(
+    x: jax.Array,
+    assignment: ExpertChoiceAssignment,
+    expert_fn: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+  """Gather -> experts -> gate-weighted scatter-add.
+
+      y[g, s] = sum over (e, c) with token_index[g, e, c] = s of
+                gates[g, e, c] * expert_fn(x[g, token_index])[g, e, c]
+
+  Args:
+    x: [G, S, D] tokens.
+    assignment: from `ExpertChoiceRouter`.
+    expert_fn: [G, E, C, D] -> [G, E, C, D'], e.g. `ExpertWeights.apply`.
+
+  Returns:
+    y: [G, S, D'] in expert_fn's output dtype; zero for tokens no expert picked.
+  """
+  index = assignment.token_index
+  expert_inputs = jax.vmap(lambda xg, ig: xg[ig])(x, index)  # [G, E, C, D]
+  outputs = expert_fn(expert_inputs)
+  weighted = outputs * assignment.gates.astype(outputs.dtype)[..., None]
+  group_size = x.shape[1]
+
+  def scatter(out_g: jax.Array, index_g: jax.Array) -> jax.Array:
+    flat = out_g.reshape(-1, out_g.shape[-1])
+    return jnp.zeros((group_size, flat.shape[-1]), flat.dtype).at[index_g.reshape(-1)].add(flat)
+
+  return jax.vmap(scatter)(weighted, index)
