@@ -67,6 +67,7 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
       *TINY,
       "--config.eval_every_steps=15",
       "--config.log_every_steps=10",
+      "--config.fair.review_every_steps=10",
       config="configs/quickstart.py:steps=30",
   )
   assert result.returncode == 0, result.stderr
@@ -80,10 +81,22 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   # Fig. 6's analysis: cosines between the attribute tasks' gradients at the MoE layer.
   cosines = [c for pair in report["gradient_cosine"].values() for c in pair]
   assert cosines and all(-1.0 - 1e-6 <= c <= 1.0 + 1e-6 for c in cosines)
+  # FEM reviews on its own cadence (steps 10 and 20; none after the last step).
+  history = report["allocation_history"]
+  assert [h["step"] for h in history] == [10, 20]
+  assert all(set(h["experts"]) == {"sex", "age", "site"} for h in history)
+  assert set(report["experts_per_attribute"]) == {"sex", "age", "site"}
+  # Expert usage by choices and by gate weight, each summarised as experts active.
+  assert set(report["experts_active"]) == {"choices", "gate_weight"}
+  assert set(report["expert_gate_weight"]["moe_block1"]) == {"sex", "age", "site"}
+  assert "Experts active" in result.stdout
   metrics = read_metrics(str(tmp_path))
-  assert [m["step"] for m in metrics] == [10, 15, 20, 30]
-  assert all("loss" in m for m in metrics)
-  assert "val/accuracy" in metrics[1] and "test/mf_pqd" in metrics[-1]
+  assert [m["step"] for m in metrics if "loss" in m] == [10, 15, 20, 30]
+  assert all("fem/experts/site" in m for m in metrics if m["step"] in (10, 20))
+  for m in (m for m in metrics if "loss" in m):  # The loss is the sum of its logged terms.
+    terms = [v for k, v in m.items() if k.startswith("loss/")]
+    assert len(terms) == 5 and abs(sum(terms) - m["loss"]) < 1e-4 * abs(m["loss"])
+  assert any("val/accuracy" in m for m in metrics) and "test/mf_pqd" in metrics[-1]
   # Throughput accounting: FLOPs from the compiled step (no MFU on CPU: no known peak).
   assert metrics[-1]["tokens_per_second"] == metrics[-1]["examples_per_second"] * 64
   assert metrics[-1]["model_tflops_per_second_per_device"] > 0 and "mfu" not in metrics[-1]

@@ -54,11 +54,16 @@ def test_shapes_and_default_moe_in_last_block():
           "fraction_dropped",
           "tokens_per_expert",
           "example_expert_fraction",
+          "example_gate_weight",
           "router_entropy",
           "importance",
       )
   }
   assert aux.metrics["moe_block1/example_expert_fraction"].shape == (2, 4)
+  # Per example, the gate weight given to each expert, summed over experts, is the mean total
+  # gate of a token (top-k probabilities are not renormalised): between 0 and 1.
+  weight = np.asarray(aux.metrics["moe_block1/example_gate_weight"])
+  assert weight.shape == (2, 4) and np.all(weight >= 0) and np.all(weight.sum(-1) <= 1 + 1e-5)
 
 
 def test_plain_vit_and_multiple_moe_blocks():
