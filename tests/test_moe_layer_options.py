@@ -172,6 +172,33 @@ def test_custom_router_receives_per_token_context():
   np.testing.assert_array_equal(usage.argmax(-1), [2, 0, 3])
 
 
+class _FixedRouter(nnx.Module):
+  """Routes every token with the same logits (a router-protocol module)."""
+
+  def __init__(self, logits):
+    self.fixed = jnp.asarray(logits, jnp.float32)
+
+  def __call__(self, x, *, train=False, rngs=None, context=None):
+    return route_from_logits(jnp.broadcast_to(self.fixed, (x.shape[0], EXPERTS)), 2)
+
+
+def test_gate_weight_tells_a_dominant_expert_from_an_even_split():
+  x = _normal(3, (2, 5, DIM))
+  # Both routers choose experts 0 and 1 for every token: identical choice counts.
+  dominant = SparseMoE(DIM, HIDDEN, EXPERTS, 2, router=_FixedRouter([8.0, 0.0, -9.0, -9.0]),
+                       capacity_factor=100.0, rngs=nnx.Rngs(0))
+  even = SparseMoE(DIM, HIDDEN, EXPERTS, 2, router=_FixedRouter([1.0, 1.0, -9.0, -9.0]),
+                   capacity_factor=100.0, rngs=nnx.Rngs(0))
+  (_, a), (_, b) = _apply(dominant, x), _apply(even, x)
+  np.testing.assert_allclose(
+      a.metrics["example_expert_fraction"], b.metrics["example_expert_fraction"])
+  for aux, logits in ((a, [8.0, 0.0, -9.0, -9.0]), (b, [1.0, 1.0, -9.0, -9.0])):
+    probs = scipy.special.softmax(np.asarray(logits, np.float64))
+    expected = np.where(np.arange(EXPERTS) < 2, probs, 0.0)  # Top-2 gates, not renormalised.
+    np.testing.assert_allclose(aux.metrics["example_gate_weight"], np.tile(expected, (2, 1)),
+                               rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("router", ["topk", "noisy_topk"])
 def test_same_seed_gives_same_parameters_whatever_the_mesh(router):
   def params(mesh):
