@@ -20,6 +20,11 @@ images, so the sensitive attribute is Male):
   python -m fairmoe_jax.main --config=configs/celeba.py:size=small \
       --config.data.root=../shared/data/celeba --config.data.sensitive=Male --workdir=/tmp/celeba
 
+FairSMoE's defaults route from the SA classifiers' predictions (no sensitive label at
+evaluation), read Eq. 8 as `fair.specialization=attribute_routing`, and review the expert
+allocation every 30 steps (`fair.review_every_steps`); other readings:
+`--config.fair.specialization=expert_competence` or `class_routing`.
+
 Expected result: docs/results.md records what these small runs give (the paper's 86.01%
 accuracy / 0.787 MF-PQD for FairSMoE DeiT-S is a full-data, full-scale number we have not
 reproduced).
