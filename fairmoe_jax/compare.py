@@ -39,7 +39,8 @@ from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax import train
 from fairmoe_jax.methods import METHODS
 from trainkit import cli
-from trainkit.errors import UserError, exit_on_user_error
+from trainkit import config as cfg
+from trainkit.errors import ConfigError, UserError, exit_on_user_error
 from trainkit.workdir import prepare_workdir
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -121,28 +122,16 @@ def split_method(entry: str) -> tuple[str, dict[str, str]]:
 
 def _override(config: ml_collections.ConfigDict, key: str, text: str, entry: str) -> None:
   """Sets `key` from `text`, parsed to the type the key already has."""
-  *parents, leaf = key.split(".")
-  node = config
   try:
-    for part in parents:
-      node = node[part]
-    current = node[leaf]
-  except (KeyError, AttributeError, TypeError):
+    current = cfg.get(config, key)
+  except ConfigError:
     raise UserError(f"--methods: unknown config key {key!r} in {entry!r}") from None
-  if isinstance(current, bool):
-    if text.lower() not in ("true", "false"):
-      raise UserError(f"--methods: {key} in {entry!r} must be true or false, got {text!r}")
-    value: Any = text.lower() == "true"
-  elif isinstance(current, (int, float)):
-    try:
-      value = type(current)(text)
-    except ValueError:
-      raise UserError(
-          f"--methods: {key} in {entry!r} must be a {type(current).__name__}, got {text!r}"
-      ) from None
-  else:
-    value = text
-  node[leaf] = value
+  try:
+    value = cfg.convert(key, text, current)
+  except ConfigError as e:
+    raise UserError(f"--methods: {e} (in {entry!r})") from None
+  parent, _, leaf = key.rpartition(".")
+  (cfg.get(config, parent) if parent else config)[leaf] = value
 
 
 def run_config(

@@ -25,7 +25,7 @@ from fairmoe_jax import data as data_lib
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
 from fairmoe_jax.methods import METHODS, make_loss_fn as method_loss_fn
 from fairmoe_jax.analysis import write_plots
-from fairmoe_jax.fairness.experts import allocation_history
+from fairmoe_jax.fairness import experts as experts_lib
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
@@ -218,10 +218,13 @@ def final_report(
     report["experts_per_attribute"] = dict(zip(info.attribute_names, counts.tolist()))
     # Only process 0 writes metrics.jsonl; the report is written by it alone.
     logged = workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-    history = allocation_history(read_metrics(workdir), info.attribute_names) if logged else []
+    history = (
+        experts_lib.allocation_history(read_metrics(workdir), info.attribute_names)
+        if logged else []
+    )
     report["allocation_history"] = history
-    initial = {name: 1 for name in info.attribute_names}
-    if not any(entry["experts"] != initial for entry in history):
+    initial = experts_lib.initial_state(info.num_attributes)["counts"].tolist()
+    if not any(list(entry["experts"].values()) != initial for entry in history):
       report["allocation_note"] = (
           f"{len(history)} review(s) of the expert allocation "
           f"(fair.review_every_steps={config.fair.review_every_steps}); no attribute changed its "
@@ -317,8 +320,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   )
   eval_step = make_eval_step(graphdef, info, config)
 
+  last_validation: dict[int, dict[str, Any]] = {}
+
   def validate(state: TrainState) -> dict[str, Any]:
-    return evaluate(eval_step, state, splits["val"], info, config, mesh)
+    # A step that is due for both evaluation and an expert review validates once.
+    step = int(state.step)
+    if step not in last_validation:
+      last_validation.clear()
+      last_validation[step] = evaluate(eval_step, state, splits["val"], info, config, mesh)
+    return last_validation[step]
 
   review = METHODS[config.method].review(
       config, info, graphdef=graphdef, mesh=mesh, validate=validate

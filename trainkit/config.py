@@ -26,7 +26,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     key = key.strip()
     if key not in defaults:
       raise ConfigError(key, f"unknown config argument; known: {', '.join(sorted(defaults))}")
-    parsed[key] = _convert(key, raw.strip() if sep else "true", defaults[key])
+    parsed[key] = convert(key, raw.strip() if sep else "true", defaults[key])
   return ml_collections.ConfigDict(parsed)
 
 
@@ -45,7 +45,8 @@ def _split_top_level(arg: str) -> list[str]:
   return [item.strip() for item in items]
 
 
-def _convert(key: str, raw: str, default: Any) -> Any:
+def convert(key: str, raw: str, default: Any) -> Any:
+  """`raw` as the type of `default` (the rules of `parse_arg`); ConfigError naming `key` if not."""
   if isinstance(default, bool):
     if raw.lower() in ("1", "true", "yes"):
       return True

@@ -43,6 +43,10 @@ import numpy as np
 ALLOCATION_PREFIX = "fem/experts/"  # metrics.jsonl key of each attribute's expert count.
 
 
+class ExpertAssignment(nnx.Variable):
+  """[m, E] float32 0/1 in a router's state: which experts hold which attribute (S_e by columns)."""
+
+
 def attribute_assignment(
     num_attributes: int, num_experts: int, counts: Sequence[int] | None = None
 ) -> np.ndarray:
@@ -138,9 +142,6 @@ class ExpertAllocator:
 
 def set_assignment(model: nnx.Module, assignment: np.ndarray) -> int:
   """Writes an [m, E] assignment into every router that holds one; returns how many."""
-  # Imported here: the router module imports this one for the class-level derivation.
-  from fairmoe_jax.moe.routers.fair import ExpertAssignment
-
   written = 0
   for _, node in nnx.iter_graph(model):
     if isinstance(getattr(node, "assignment", None), ExpertAssignment):

@@ -20,7 +20,6 @@ import dataclasses
 
 import flax.nnx as nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fairmoe_jax.fairness import experts as experts_lib

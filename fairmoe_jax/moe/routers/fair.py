@@ -45,20 +45,20 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
-from fairmoe_jax.fairness.experts import attribute_assignment, class_assignment, class_offsets
+from fairmoe_jax.fairness.experts import (
+    ExpertAssignment,
+    attribute_assignment,
+    class_assignment,
+    class_offsets,
+)
 from fairmoe_jax.moe.routers.base import RouterOutput, float32_gate, route_from_logits
 
 ROUTE_BY = ("predicted", "label")
 SPECIALIZATIONS = ("attribute_routing", "expert_competence", "class_routing")
 _INIT = nnx.initializers.normal(stddev=0.02)
 _EPS = 1e-6
-
-
-class ExpertAssignment(nnx.Variable):
-  """[m, E] float32 0/1: which experts hold which sensitive attribute (S_e by columns)."""
 
 
 @struct.dataclass
