@@ -16,14 +16,28 @@ K is finished (scored by log-prob / length_penalty), the K best others stay
 alive, and a sentence is done once it has K finished hypotheses. With K = 1
 this is exactly greedy decoding. The length penalty is GNMT's
 ((5 + length) / 6) ** alpha, with length counting the EOS.
+
+The searches know nothing of models. `decode_tokens` is the one place that ties them to
+`models.Seq2Seq` (its step function over the decoder's KV caches), and `make_translate_fn` /
+`translate_eval` are what training and the report call to turn the eval set into text.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import ml_collections
+from jax.sharding import Mesh
+
+from causal_attn_jax import models
+from causal_attn_jax.data import tokenizer as tokenizer_lib
+from causal_attn_jax.data.iterator import device_batches
+from causal_attn_jax.data.loading import TaskData
+from trainkit.mesh import to_host
+from trainkit.train_state import TrainState
 
 StepFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 _NEG_INF = -1e9
@@ -143,3 +157,90 @@ def beam_search(
   after_eos = jnp.cumsum(tokens == eos_id, axis=1) - (tokens == eos_id) > 0
   tokens = jnp.where(after_eos, pad_id, tokens)
   return tokens, jnp.where(use_alive, alive_score[:, 0], fin_score[:, 0])
+
+
+# --- Seq2Seq --------------------------------------------------------------------------------------
+
+# translate(params, model_state, src [B, S]) -> tokens [B, nmt.max_decode_len]
+TranslateFn = Callable[[Any, Any, jax.Array], jax.Array]
+
+
+def decode_tokens(
+    model: models.Seq2Seq,
+    src: jax.Array,
+    *,
+    beam_size: int,
+    max_len: int,
+    alpha: float = 0.6,
+    use_beam_search: bool | None = None,
+) -> jax.Array:
+  """Translations [B, max_len] of src [B, S] (traceable; call it under jit).
+
+  Encodes once, tiles the encoder output per beam, and decodes with the decoder's KV caches
+  (`Seq2Seq.init_cache`, `decode=True`); the scalar cache indices are kept out of the
+  per-hypothesis cache that beam search reorders and rebuilt from the step's position.
+  `use_beam_search` None = beam search when beam_size > 1, greedy otherwise.
+  """
+  batch = src.shape[0]
+  beam = beam_size
+  index_filter = nnx.All(nnx.Cache, nnx.PathContains("cache_index"))
+  memory, src_valid, _ = model.encode(src)
+  model.init_cache(batch * beam, max_len)
+  memory, src_valid = jnp.repeat(memory, beam, 0), jnp.repeat(src_valid, beam, 0)
+  cache_graph, indices, kv, rest = nnx.split(model, index_filter, nnx.Cache, ...)
+
+  def step_fn(cache, tokens, position):
+    kv, memory, src_valid = cache
+    # Fresh index Variables of this trace (the ones split above belong to the outer trace).
+    position_state = jax.tree.map(lambda _: jnp.asarray(position, jnp.int32), indices)
+    m = nnx.merge(cache_graph, position_state, kv, rest)
+    logits = m.decode_step(tokens, position, memory, src_valid)
+    _, _, kv, _ = nnx.split(m, index_filter, nnx.Cache, ...)
+    return jax.nn.log_softmax(logits.astype(jnp.float32)), (kv, memory, src_valid)
+
+  common = dict(
+      batch_size=batch, max_len=max_len, bos_id=tokenizer_lib.BOS_ID, eos_id=tokenizer_lib.EOS_ID
+  )
+  if use_beam_search is None:
+    use_beam_search = beam > 1
+  if not use_beam_search:
+    if beam != 1:
+      raise ValueError(f"greedy decoding needs beam_size=1, got {beam}")
+    tokens, _ = greedy_search(step_fn, (kv, memory, src_valid), **common)
+  else:
+    tokens, _ = beam_search(step_fn, (kv, memory, src_valid), beam_size=beam, alpha=alpha, **common)
+  return tokens
+
+
+def make_translate_fn(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict) -> TranslateFn:
+  """Jitted `translate(params, model_state, src [B, S]) -> tokens [B, nmt.max_decode_len]`."""
+
+  @jax.jit
+  def translate(params, model_state, src):
+    model = nnx.merge(graphdef, params, model_state)
+    return decode_tokens(
+        model,
+        src,
+        beam_size=config.nmt.beam_size,
+        max_len=config.nmt.max_decode_len,
+        alpha=config.nmt.alpha,
+    )
+
+  return translate
+
+
+def translate_eval(
+    translate: TranslateFn,
+    state: TrainState,
+    data: TaskData,
+    config: ml_collections.ConfigDict,
+    mesh: Mesh,
+) -> tuple[list[str], list[str]]:
+  """Hypotheses and references of the eval set (first nmt.max_eval_sentences if > 0)."""
+  limit = config.nmt.max_eval_sentences or len(data.eval_references)
+  arrays = {"src": data.eval["src"][:limit]}
+  hypotheses = []
+  for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
+    tokens = to_host(translate(state.params, state.model_state, batch["src"]))
+    hypotheses += data.tokenizer.decode_batch(tokens[host_batch["mask"]])
+  return hypotheses, data.eval_references[:limit]

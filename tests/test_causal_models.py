@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from causal_attn_jax import config as config_lib
-from causal_attn_jax import models, train
+from causal_attn_jax import decoding, models, train
 from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit.mesh import make_mesh
 from trainkit.train_state import create_train_state, make_train_step
@@ -138,11 +138,11 @@ def test_seq2seq_cached_decoding_and_beam_one_equals_greedy():
     memory, valid, _ = m.encode(src)
     m.init_cache(3, 6)
     cached = jnp.stack([m.decode_step(tgt[:, i], i, memory, valid) for i in range(6)], axis=1)
-    greedy = train.decode_tokens(nnx.merge(graphdef, state), src, beam_size=1, max_len=6)
-    beam1 = train.decode_tokens(
+    greedy = decoding.decode_tokens(nnx.merge(graphdef, state), src, beam_size=1, max_len=6)
+    beam1 = decoding.decode_tokens(
         nnx.merge(graphdef, state), src, beam_size=1, max_len=6, use_beam_search=True
     )
-    beam2 = train.decode_tokens(nnx.merge(graphdef, state), src, beam_size=2, max_len=6)
+    beam2 = decoding.decode_tokens(nnx.merge(graphdef, state), src, beam_size=2, max_len=6)
     return full, cached, greedy, beam1, beam2, records
 
   full, cached, greedy, beam1, beam2, records = run(state)

@@ -4,7 +4,9 @@
   labels in fixed vocabularies;
 * ``translation``: plain-text, WMT ``.sgm`` (``read_parallel``) and tfds WMT;
 * ``tokenizer``: SentencePiece trained in the workdir with fixed special ids;
-* ``batching``: fixed-shape numpy batches for jit.
+* ``batching``: fixed-shape numpy batches for jit;
+* ``loading``: a config's splits, tokenised, as ``TaskData`` (what the task objects load);
+* ``iterator``: the resumable ``TrainIterator`` and the eval pass's per-process device batches.
 """
 
 from causal_attn_jax.data.batching import (

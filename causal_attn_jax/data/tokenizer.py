@@ -271,6 +271,10 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._sp.get_piece_size()
 
+  def pieces(self) -> list[str]:
+    """Every piece, by id: what GloVe rows are matched to and heatmap axes are labelled with."""
+    return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
   def tokenize(self, texts: str | Sequence[str]) -> list[list[int]]:
     """Piece ids of each text, without specials, padding or truncation."""
     batch = [texts] if isinstance(texts, str) else list(texts)

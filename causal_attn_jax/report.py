@@ -1,0 +1,161 @@
+"""What a finished run reports: report.json, its one-line headline, eval scalars and heatmaps.
+
+The report is built from one eval pass (`train.run_eval`'s result) that this module asks for
+through an `evaluate` callable, so that it does not depend on the training module; the task
+object adds its own part (accuracy and HANS, or BLEU) and says which layers to draw. Schema of
+report.json: module docstring of `causal_attn_jax.main`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import flax.nnx as nnx
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from causal_attn_jax import plots
+from causal_attn_jax.data import batching, nli
+from causal_attn_jax.data.loading import TaskData
+from causal_attn_jax.metrics import accuracy
+from trainkit.train_state import TrainState
+
+if TYPE_CHECKING:  # tasks.py imports this module for challenge_report.
+  from causal_attn_jax.tasks import Task
+
+# evaluate(arrays, keep_attention=0) -> train.run_eval's result for the state being reported.
+Evaluate = Callable[..., dict[str, Any]]
+
+
+def _group_accuracy(labels: np.ndarray, predictions: np.ndarray, keep: np.ndarray) -> float | None:
+  return float(np.mean(labels[keep] == predictions[keep])) if keep.any() else None
+
+
+def challenge_report(data: TaskData, predictions: np.ndarray) -> dict[str, Any]:
+  """Challenge accuracy; for HANS, 3-way predictions collapsed and split by heuristic/label."""
+  labels = data.challenge["label"]
+  if data.challenge_hans:
+    predictions = nli.nli_to_hans(predictions)
+  report = {"accuracy": accuracy(labels, predictions), "by_heuristic": {}}
+  if data.challenge_heuristics:
+    heuristics = np.asarray(data.challenge_heuristics)
+    for heuristic in sorted(set(data.challenge_heuristics)):
+      in_group = heuristics == heuristic
+      report["by_heuristic"][heuristic] = {
+          name: _group_accuracy(labels, predictions, in_group & (labels == i))
+          for i, name in enumerate(nli.HANS_LABELS)
+      }
+  return report
+
+
+def _constraint_report(result: dict[str, Any], names: list[str]) -> dict[str, Any]:
+  return {
+      "rows_within": float(np.mean(result["rows_within"])),
+      "cols_within": float(np.mean(result["cols_within"])),
+      "per_layer": {
+          name: {"rows_within": float(r), "cols_within": float(c)}
+          for name, r, c in zip(names, result["rows_within"], result["cols_within"])
+      },
+  }
+
+
+def summary_scalars(result: dict[str, Any], data: TaskData, prefix: str) -> dict[str, float]:
+  """The scalars of an eval pass that metrics.jsonl logs under `prefix/`."""
+  scalars = {f"{prefix}/loss": result["loss"]}
+  if result["predictions"] is not None:
+    labels = data.eval["label"]
+    scalars[f"{prefix}/accuracy"] = accuracy(labels, result["predictions"])
+  scalars[f"{prefix}/rows_within"] = float(np.mean(result["rows_within"]))
+  scalars[f"{prefix}/cols_within"] = float(np.mean(result["cols_within"]))
+  return scalars
+
+
+def _heatmaps(
+    result: dict[str, Any],
+    data: TaskData,
+    config: ml_collections.ConfigDict,
+    task: Task,
+    workdir: str,
+) -> list[str]:
+  """PNG heatmaps of head 0 of the first encoder (and decoder) layer for a few eval examples."""
+  pieces = data.tokenizer.pieces()
+  names = task.layer_names(config)
+  paths = []
+  for i, (maps, inputs) in enumerate(zip(result["attention"], result["inputs"])):
+    for layer, key in task.heatmap_inputs(config):
+      ids = inputs[key]
+      n = int(batching.sequence_lengths(ids[None])[0])
+      labels = [pieces[t] for t in ids[:n]]
+      paths.append(
+          plots.save_attention_heatmap(
+              os.path.join(workdir, "plots", f"attention_{names[layer]}_head0_ex{i}.png"),
+              maps[layer][:n, :n],
+              labels,
+              title=f"{config.model.attention}: {names[layer]} head 0, eval example {i}",
+          )
+      )
+  return paths
+
+
+def final_report(
+    task: Task,
+    state: TrainState,
+    data: TaskData,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    evaluate: Evaluate,
+    graphdef: nnx.GraphDef,
+    mesh: Mesh,
+) -> dict[str, Any]:
+  """report.json's content (module docstring of main) and the heatmaps."""
+  result = evaluate(data.eval, keep_attention=config.plots.num_examples)
+  report: dict[str, Any] = {
+      "task": config.task,
+      "attention": config.model.attention,
+      "step": int(state.step),
+      "eval_loss": result["loss"],
+  }
+  report.update(
+      task.report(config, data, state, result, evaluate=evaluate, graphdef=graphdef, mesh=mesh)
+  )
+  if data.glove_matched is not None:
+    report["glove_matched_pieces"] = data.glove_matched
+  names = task.layer_names(config)
+  report["constraints"] = _constraint_report(result, names)
+  multipliers = np.asarray(jax.device_get(state.extra["multipliers"]))
+  report["constraints"]["mean_multiplier"] = {
+      name: float(multipliers[l].mean()) for l, name in enumerate(names)
+  }
+  if jax.process_index() == 0:
+    report["plots"] = [
+        os.path.relpath(p, workdir) for p in _heatmaps(result, data, config, task, workdir)
+    ]
+  return report
+
+
+def write_report(report: dict[str, Any], workdir: str) -> None:
+  """Writes report.json and prints its headline numbers on one line."""
+  with open(os.path.join(workdir, "report.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  headline = {
+      k: report[k] for k in ("accuracy", "macro_f1", "bleu", "num_sentences") if k in report
+  }
+  if "challenge" in report:
+    headline["challenge_accuracy"] = report["challenge"]["accuracy"]
+  headline.update(
+      {f"constraints_{k}": report["constraints"][k] for k in ("rows_within", "cols_within")}
+  )
+  print(
+      "report: "
+      + ", ".join(
+          f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in headline.items()
+      ),
+      flush=True,
+  )
+  print(f"Wrote {os.path.join(workdir, 'report.json')}", flush=True)

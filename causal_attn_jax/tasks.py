@@ -1,0 +1,229 @@
+"""The two kinds of run of paper 001, one object each: pair classification and translation.
+
+What differs between them (the data a run reads, the model, which self-attention layers carry
+multipliers, the objective, what the eval step returns and the task's part of report.json)
+lives on its task object, so `train` and `report` run one recipe for both, and a third task
+would be one more object in `TASKS` rather than a branch in every function. `config.task`
+picks the object (`get_task`); which config keys a task needs is still checked in
+`config.validate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from causal_attn_jax import decoding, models
+from causal_attn_jax import report as report_lib
+from causal_attn_jax.data import tokenizer as tokenizer_lib
+from causal_attn_jax.data.loading import TaskData, load_classification, load_translation
+from causal_attn_jax.metrics import accuracy, corpus_bleu, macro_f1
+from trainkit.train_state import TrainState, compute_dtype
+
+Batch = dict[str, jax.Array]
+# (mean loss, metrics, one record per self-attention layer, logits)
+LossOutput = tuple[jax.Array, dict[str, jax.Array], list[models.SelfAttentionRecord], jax.Array]
+
+
+class Task(Protocol):
+  """What `train` and `report` ask of a task (the concrete tasks take the types written here)."""
+
+  name: str
+  # Token-id arrays whose lengths bucket the training batches.
+  seq_keys: tuple[str, ...]
+
+  def load_data(self, config: ml_collections.ConfigDict, workdir: str) -> TaskData:
+    ...
+
+  def max_positions(self, config: ml_collections.ConfigDict) -> int:
+    """Length of the model's position table."""
+    ...
+
+  def build_model(
+      self, config: ml_collections.ConfigDict, data: TaskData, rngs: nnx.Rngs
+  ) -> nnx.Module:
+    ...
+
+  def layer_names(self, config: ml_collections.ConfigDict) -> list[str]:
+    """Names of the constrained self-attention layers, in the order of the multipliers."""
+    ...
+
+  def tokens_per_example(self, config: ml_collections.ConfigDict) -> int:
+    """Sequence positions per example as batched (fixed shapes, so padding included)."""
+    ...
+
+  def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
+    """(layer index, batch key of its tokens) of each layer drawn in the report's heatmaps."""
+    ...
+
+  def loss(
+      self,
+      config: ml_collections.ConfigDict,
+      model: nnx.Module,
+      batch: Batch,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None,
+  ) -> LossOutput:
+    """(mean loss, metrics, records, logits); examples with `mask` False weigh nothing."""
+    ...
+
+  def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
+    """What the eval step returns beside the loss and constraint statistics."""
+    ...
+
+  def report(
+      self,
+      config: ml_collections.ConfigDict,
+      data: TaskData,
+      state: TrainState,
+      result: dict[str, Any],
+      *,
+      evaluate: report_lib.Evaluate,
+      graphdef: nnx.GraphDef,
+      mesh: Mesh,
+  ) -> dict[str, Any]:
+    """The task's keys of report.json, from the eval pass `result` and whatever else it runs."""
+    ...
+
+
+def _encoder_names(config: ml_collections.ConfigDict) -> list[str]:
+  return [f"enc{l}" for l in range(config.model.num_layers)]
+
+
+def _weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
+  return (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+
+
+class PairClassification:
+  """Sentence-pair classification (NLI, paraphrase) with `models.PairClassifier`."""
+
+  name = "classification"
+  seq_keys = ("ids",)
+
+  def load_data(self, config: ml_collections.ConfigDict, workdir: str) -> TaskData:
+    return load_classification(config, workdir)
+
+  def max_positions(self, config: ml_collections.ConfigDict) -> int:
+    return config.data.max_len
+
+  def build_model(
+      self, config: ml_collections.ConfigDict, data: TaskData, rngs: nnx.Rngs
+  ) -> nnx.Module:
+    spec = models.TransformerSpec.from_config(config.model, self.max_positions(config))
+    dtype = compute_dtype(config.compute_dtype)
+    vocab = data.tokenizer.vocab_size
+    return models.PairClassifier(vocab, data.num_classes, spec, dtype=dtype, rngs=rngs)
+
+  def layer_names(self, config: ml_collections.ConfigDict) -> list[str]:
+    return _encoder_names(config)
+
+  def tokens_per_example(self, config: ml_collections.ConfigDict) -> int:
+    return config.data.max_len
+
+  def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
+    return [(0, "ids")]
+
+  def loss(self, config, model, batch, *, train, rngs) -> LossOutput:
+    del config
+    logits, records = model(batch["ids"], batch["segment_ids"], train=train, rngs=rngs)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+    weights = batch.get("mask", jnp.ones_like(ce, bool)).astype(jnp.float32)
+    metrics = {"accuracy": _weighted_mean(correct, weights)}
+    return _weighted_mean(ce, weights), metrics, records, logits
+
+  def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
+    return {"predictions": jnp.argmax(logits, -1)}
+
+  def report(self, config, data, state, result, *, evaluate, graphdef, mesh) -> dict[str, Any]:
+    del config, state, graphdef, mesh  # Everything comes from the eval passes.
+    labels, predictions = data.eval["label"], result["predictions"]
+    report = {
+        "accuracy": accuracy(labels, predictions),
+        "macro_f1": macro_f1(labels, predictions, data.num_classes),
+        "num_examples": int(len(labels)),
+    }
+    if data.challenge is not None:
+      challenge = evaluate(data.challenge)
+      report["challenge"] = report_lib.challenge_report(data, challenge["predictions"])
+      report["challenge"]["num_examples"] = int(len(data.challenge["label"]))
+    return report
+
+
+class Translation:
+  """Translation with `models.Seq2Seq`; its decoder self-attention layers are constrained too."""
+
+  name = "translation"
+  seq_keys = ("src", "tgt_in")
+
+  def load_data(self, config: ml_collections.ConfigDict, workdir: str) -> TaskData:
+    return load_translation(config, workdir)
+
+  def max_positions(self, config: ml_collections.ConfigDict) -> int:
+    # The position table covers the source, the training targets and beam-search decoding.
+    d = config.data
+    return max(d.max_source_len, d.max_target_len, config.nmt.max_decode_len) + 1
+
+  def build_model(
+      self, config: ml_collections.ConfigDict, data: TaskData, rngs: nnx.Rngs
+  ) -> nnx.Module:
+    spec = models.TransformerSpec.from_config(config.model, self.max_positions(config))
+    dtype = compute_dtype(config.compute_dtype)
+    return models.Seq2Seq(data.tokenizer.vocab_size, spec, dtype=dtype, rngs=rngs)
+
+  def layer_names(self, config: ml_collections.ConfigDict) -> list[str]:
+    return _encoder_names(config) + [f"dec{l}" for l in range(config.model.num_decoder_layers)]
+
+  def tokens_per_example(self, config: ml_collections.ConfigDict) -> int:
+    return config.data.max_source_len + config.data.max_target_len
+
+  def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
+    # The first decoder layer attends over the shifted targets.
+    return [(0, "src"), (config.model.num_layers, "tgt_in")]
+
+  def loss(self, config, model, batch, *, train, rngs) -> LossOutput:
+    logits, records = model(batch["src"], batch["tgt_in"], train=train, rngs=rngs)
+    targets = batch["tgt_out"]
+    weights = (targets != tokenizer_lib.PAD_ID).astype(jnp.float32)
+    if "mask" in batch:
+      weights = weights * batch["mask"][:, None]
+    vocab = logits.shape[-1]
+    smoothing = config.nmt.label_smoothing if train else 0.0
+    labels = optax.smooth_labels(jax.nn.one_hot(targets, vocab), smoothing)
+    ce = optax.softmax_cross_entropy(logits, labels)
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    metrics = {"token_accuracy": _weighted_mean(correct, weights)}
+    return _weighted_mean(ce, weights), metrics, records, logits
+
+  def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
+    del logits  # Token accuracy is in the metrics; the report decodes with `decoding` instead.
+    return {}
+
+  def report(self, config, data, state, result, *, evaluate, graphdef, mesh) -> dict[str, Any]:
+    del result, evaluate  # BLEU needs decoded text, not the teacher-forced pass.
+    translate = decoding.make_translate_fn(graphdef, config)
+    hypotheses, references = decoding.translate_eval(translate, state, data, config, mesh)
+    return {
+        "bleu": corpus_bleu(hypotheses, references),
+        "num_sentences": len(hypotheses),
+        "examples": [
+            {"hypothesis": h, "reference": r} for h, r in list(zip(hypotheses, references))[:3]
+        ],
+    }
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (PairClassification(), Translation())}
+
+
+def get_task(config: ml_collections.ConfigDict) -> Task:
+  """The task object of `config.task`."""
+  if config.task not in TASKS:
+    raise ValueError(f"unknown task {config.task!r}; known tasks: {sorted(TASKS)}")
+  return TASKS[config.task]
