@@ -27,6 +27,7 @@ setup(
         "matplotlib>=3.7",
         "sentencepiece>=0.2",
         "sacrebleu>=2.3",
+        "sacremoses>=0.1",  # Detokenising Moses-tokenised references before BLEU.
         "tensorboardX>=2.6",
     ],
     extras_require={

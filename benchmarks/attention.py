@@ -66,7 +66,7 @@ def _make_loss(
     value = jnp.sum((y * cotangent).astype(jnp.float32))
     if not constrained:
       return value, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    stats = constraints_lib.constraint_violations(probs, mask, self_attention=True, decoder=decoder)
+    stats = constraints_lib.constraint_violations(probs, mask, decoder=decoder)
     term = constraints_lib.lagrangian_term(stats.violations, multipliers, penalty=penalty)
     return value + term, (stats.rows_within, stats.cols_within)
 
@@ -100,7 +100,9 @@ def benchmark_case(
   keys = jax.random.split(jax.random.key(seed + 1), 2)
   x = jax.random.normal(keys[0], (batch, n, dim), jnp.float32).astype(dtype)
   cotangent = jax.random.normal(keys[1], (batch, n, dim), jnp.float32).astype(dtype)
-  multipliers = jnp.full((heads, len(constraints_lib.CONSTRAINT_NAMES)), multiplier, jnp.float32)
+  multipliers = jnp.full(
+      (heads, len(constraints_lib.DEFAULT_SPEC.names)), multiplier, jnp.float32
+  )
   loss = _make_loss(graphdef, kind, decoder, n, multipliers, penalty)
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 

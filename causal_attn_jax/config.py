@@ -13,9 +13,11 @@ Lagrangian of Eq. 6) or a baseline ("vanilla", "band", "dilated", "random", "blo
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import ml_collections
 
+from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
@@ -44,6 +46,23 @@ def base_config() -> ml_collections.ConfigDict:
 
   config.data = ml_collections.ConfigDict(
       dict(
+          # "spurious_pairs" = the built-in testbed (data/spurious.py, docs/dataset.md) instead
+          # of files or tfds; its sizes and cue strength are under data.spurious.
+          generator="",
+          spurious=ml_collections.ConfigDict(
+              dict(
+                  num_train=4000,
+                  num_eval=1000,
+                  num_challenge=1000,
+                  cue_agreement=0.9,  # P(lexical overlap agrees with the label), train and eval.
+                  num_nouns=24,
+                  num_verbs=8,
+                  num_adjectives=12,
+                  modifier_prob=0.5,
+                  distractor_prob=0.5,
+                  seed=0,  # The data's own seed: the same pairs whatever config.seed is.
+              )
+          ),
           # Sentence pairs (classification): files read by causal_attn_jax.data.nli.read_pairs.
           pair_task="nli",  # nli (3-way) | paraphrase (2-way)
           train_file="",
@@ -63,6 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
           tfds_eval_split="validation",
           source_lang="en",
           target_lang="de",
+          # Translate target -> source: the *_target files (tfds target_lang) become the
+          # inputs and the *_source files the references.
+          reverse=False,
           max_train_examples=0,  # > 0 truncates the train split (small runs).
           max_eval_examples=0,  # > 0 truncates the eval and challenge splits.
           max_len=128,  # Pair classification: tokens of <bos> premise <sep> hypothesis <eos>.
@@ -76,6 +98,9 @@ def base_config() -> ml_collections.ConfigDict:
       dict(
           attention="causal",  # One of ATTENTION_KINDS.
           gcn_hops=1,  # 1 = literal Eq. 4, 2 = Kipf & Welling two-hop GCN.
+          # > 0: encoder self-attention is Sinkhorn-normalised (columns ~ 1 as Definition 1
+          # assumes) with this many iterations; 0 = softmax (rows only).
+          sinkhorn_iters=0,
           dim=64,
           num_layers=2,  # Encoder layers.
           num_decoder_layers=2,  # Translation only.
@@ -97,6 +122,10 @@ def base_config() -> ml_collections.ConfigDict:
           # 1 adds the Lagrangian of Eq. 6 to the loss of attention="causal" runs, 0 disables it
           # (ablation). Baselines never add it; their statistics are still logged.
           weight=1.0,
+          # Reading of Eqs. 2-3 (constraints.py, docs/design.md "Markov-blanket constraint").
+          form="node",  # node (Eq. 2: row + column per token) | separate (rows, columns)
+          loss="hinge",  # hinge | linear (Eq. 3 as written: signed sums, slacks)
+          encoder_band="self_loop",  # self_loop (1/3 self-loop, derived) | paper_slack
           step_size=0.01,  # Dual ascent step on the multipliers (per train step).
           init_multiplier=0.0,
           multiplier_cap=10.0,  # Projection of every multiplier onto [0, cap]; 0 = no cap.
@@ -112,6 +141,9 @@ def base_config() -> ml_collections.ConfigDict:
           alpha=0.6,  # GNMT length penalty.
           max_decode_len=64,
           max_eval_sentences=0,  # > 0 decodes only the first this many eval sentences.
+          # BLEU on detokenised text: "moses" detokenises hypotheses and references, "none"
+          # scores them as they are, "auto" = moses when the references look Moses-tokenised.
+          detokenize="auto",
       )
   )
   config.plots = ml_collections.ConfigDict(dict(num_examples=3))  # Attention heatmaps (Fig. 8).
@@ -163,6 +195,13 @@ def validate(
   _optional_file(config, "model.glove_path")
 
   cfg.require_choice(config, "constraints.weight", (0, 1, 0.0, 1.0))
+  cfg.require_choice(config, "constraints.form", constraints_lib.FORMS)
+  cfg.require_choice(config, "constraints.loss", constraints_lib.LOSSES)
+  cfg.require_choice(config, "constraints.encoder_band", constraints_lib.ENCODER_BANDS)
+  if config.constraints.loss == "linear" and config.constraints.form != "node":
+    raise ConfigError("constraints.loss", "'linear' (Eq. 3) is written on node sums: needs "
+                      "constraints.form='node'")
+  cfg.require_int(config, "model.sinkhorn_iters", minimum=0)
   for key in ("step_size", "init_multiplier", "multiplier_cap", "penalty", "penalty_max"):
     cfg.require_float(config, f"constraints.{key}", minimum=0.0)
   cfg.require_float(config, "constraints.penalty_growth", minimum=1.0)
@@ -176,7 +215,18 @@ def validate(
     cfg.require_choice(config, "data.pair_task", PAIR_TASKS)
     cfg.require_int(config, "data.max_len", minimum=8)
     cfg.require_float(config, "data.eval_fraction", minimum=0.0, maximum=0.9)
-    if not tfds:
+    generator = cfg.require_choice(config, "data.generator", ("", "spurious_pairs"))
+    if generator:
+      for key in ("num_train", "num_eval", "num_challenge"):
+        cfg.require_int(config, f"data.spurious.{key}", minimum=1)
+      cfg.require_float(config, "data.spurious.cue_agreement", minimum=0.0, maximum=1.0)
+      cfg.require_int(config, "data.spurious.num_nouns", minimum=4)
+      cfg.require_int(config, "data.spurious.num_verbs", minimum=2)
+      cfg.require_int(config, "data.spurious.num_adjectives", minimum=1)
+      cfg.require_float(config, "data.spurious.modifier_prob", minimum=0.0, maximum=1.0)
+      cfg.require_float(config, "data.spurious.distractor_prob", minimum=0.0, maximum=1.0)
+      cfg.require_int(config, "data.spurious.seed", minimum=0)
+    elif not tfds:
       _require_file(config, "data.train_file", "the training sentence pairs")
       if config.data.eval_file:
         _optional_file(config, "data.eval_file")
@@ -198,6 +248,8 @@ def validate(
     cfg.require_float(config, "nmt.alpha", minimum=0.0)
     cfg.require_int(config, "nmt.max_decode_len", minimum=2)
     cfg.require_int(config, "nmt.max_eval_sentences", minimum=0)
+    cfg.require_choice(config, "nmt.detokenize", ("auto", "moses", "none"))
+    cfg.require_choice(config, "data.reverse", (False, True))
   cfg.require_int(config, "plots.num_examples", minimum=0)
 
   validate_optimizer_config(config)
@@ -311,3 +363,29 @@ def paper_config(
   if steps:
     config.num_train_steps = steps
   return config
+
+
+def paper_config_from_arg(
+    arg: str | None, *, task: str, size: str = "full", **extra: Any
+) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
+  """(paper_config, parsed arg) for a config file's `get_config(arg)`.
+
+  The arguments every config file takes: size, attention, gcn_hops, steps, seed; `extra` adds
+  the file's own (with their defaults).
+  """
+  arg = cfg.parse_arg(arg, size=size, attention="causal", gcn_hops=1, steps=0, seed=0, **extra)
+  config = paper_config(
+      task=task,
+      size=arg.size,
+      attention=arg.attention,
+      gcn_hops=arg.gcn_hops,
+      steps=arg.steps,
+      seed=arg.seed,
+  )
+  return config, arg
+
+
+def constraint_spec(config: ml_collections.ConfigDict) -> constraints_lib.ConstraintSpec:
+  """The reading of Eqs. 2-3 that `config.constraints` names."""
+  c = config.constraints
+  return constraints_lib.ConstraintSpec(form=c.form, loss=c.loss, encoder_band=c.encoder_band)

@@ -1,43 +1,61 @@
 """Markov-blanket constraint on attention heads and its Lagrangian (paper Sec. 3.1, Eqs. 2-3, 6).
 
-Definition 1 bounds, for every token i, tau(A_i.) = sum_j exp(A_ij) and tau(A_.i) by
-N - 2 + 2 e^(1/2) <= tau <= N - 1 + e: a row split evenly over two parents gives the lower
-bound, a one-hot row (one parent) the upper. We use tau - N instead,
+Definition 1 bounds tau(A_i.) = sum_j exp(A_ij) and tau(A_.i) by N - 2 + 2 e^(1/2) <= tau <=
+N - 1 + e. We use tau - N,
 
     r_i = sum_j expm1(A_ij),    c_j = sum_i expm1(A_ij),
 
-so that masked and padded entries (A_ij = 0) add exactly 0, the bounds no longer depend on the
-length N (lower 2(sqrt(e) - 1), upper e - 1), and nothing cancels catastrophically
-(tau is about N, the bounds differ from it by O(1)). Sums are taken in float32 (or float64 when
-the probabilities are float64) whatever the compute dtype.
+so that masked and padded entries (A_ij = 0) add exactly 0, the bounds do not depend on the length
+N and nothing cancels catastrophically (tau is about N; the bounds differ from it by O(1)). Sums
+are taken in float32 (float64 stays float64) whatever the compute dtype.
 
-Two facts that follow from the bounds and shape the constraint in practice:
-- A softmax row sums to 1 and expm1 is convex, so r <= e - 1 always (equality at one-hot): the
-  row-upper constraint can never be violated; it is kept so that the four constraints of the
-  spec stay uniform (and it matters for rows that do not sum to 1, e.g. with dropout on A).
-- min over rows of r is N expm1(1/N) -> 1 as N grows, so row-lower asks each row to concentrate
-  on about two keys; columns are unnormalised and can violate both bounds.
+Why the bounds bind (docs/design.md, "Markov-blanket constraint", has the derivation). A row that
+sums to 1 over k keys scores between k expm1(1/k) (uniform; -> 1 as k grows) and e - 1 (one-hot),
+so the band must sit inside [1, e - 1] to say anything. Each band below is read off a row shape of
+Definition 1 and Figure 5:
 
-Slack (Definition 2). The encoder tolerates self-loops: Eq. 2 writes the per-token constraints
-on the sum of row and column measures, with eps' next to the lower bound H' and eps'' next to the
-upper bound H''. We read eps'_max = 0.7045 as the relaxation of the lower bound and
-eps''_max = 0.5062 as that of the upper bound, and apply each in full to the row and to the
-column bound (r, c >= lower - eps'_max; r, c <= upper + eps''_max). Decoder self-attention has no
-self-loop and no slack. How the printed numbers relate to the "1/3 self-loop": 0.5062 is exactly
-2 (e^(1/2) - e^(1/3)) = lower - 2 expm1(1/3), the lower-bound shortfall of a row whose two parents
-keep 1/3 each next to a 1/3 self-loop when the self-loop entry is not counted. We found no
-configuration of 1/3, 1/2, 2/3 weights that gives 0.7045 and use the printed value. A
-self-loop row of thirds (r = 3 expm1(1/3) = 1.187 < lower = 1.297) is within the relaxed
-encoder bounds.
+* decoder (no self-loop, Definition 2): the diagonal is not a Markov-blanket edge and is left out
+  of r and c; the band is Definition 1's own, [2 expm1(1/2), expm1(1)]: two parents at 1/2 to one
+  parent. A row that has earlier tokens but attends only to itself scores 0 and violates it.
+* encoder, `encoder_band="self_loop"` (default): the self-loop holds 1/3 and the parents the rest,
+  so the band is [3 expm1(1/3), expm1(1/3) + expm1(2/3)] = [1.187, 1.343] with the diagonal
+  counted: two parents at 1/3 beside the self-loop to one parent at 2/3 beside it. Uniform rows
+  over k >= 4 keys (<= 1.137) and the self-loop-only graph A = I (1.718) both violate it.
+* encoder, `encoder_band="paper_slack"`: the printed slacks, read as what a 1/3 self-loop costs
+  Definition 1's band when the diagonal is not counted: 2 (e^(1/2) - e^(1/3)) = 0.5062 lowers the
+  lower bound (two parents at 1/3 instead of 1/2) and e - e^0.7 = 0.7045 lowers the upper (one
+  parent at 0.7 instead of 1); the paper names them the other way round (eps'_max = 0.7045 beside
+  the lower bound). Band [0.791, 1.014] on the off-diagonal sums. Uniform rows over k >= 3 keys
+  fall inside it (their off-diagonal sum is (k - 1) expm1(1/k), in [0.79, 1)), so this reading
+  cannot tell uniform attention from a Markov blanket; it is kept for comparison.
 
-Decoder columns (no self-loop). Under a causal mask column j can only be fed by rows i >= j; with
-no self-loop only by the later rows i > j. Each such entry adds at most expm1(1) = e - 1 to c_j,
-so a column with k_j admissible non-self rows has c_j <= k_j (e - 1). Since e - 1 > lower, the
-lower bound is reachable iff k_j >= 1: only columns with no later valid row are unsatisfiable,
-i.e. the last valid position of each sequence (and, with a sparse pattern ANDed in, any column
-that no later row may see). Those columns are excluded from the column constraints and from the
-within-bounds fraction instead of being penalised. We compute k_j from the mask itself, so the
-rule follows padding and sparse patterns without special cases.
+Form of the constraint:
+
+* `form="node"` (Eq. 2): per node i, tau of its row plus tau of its column, against twice the
+  band; we divide by 2 (the node's mean measure) so both forms are in the same units. Where one of
+  the two measures is unconstrainable (below), the node is held to the band by the other alone.
+* `form="separate"`: rows and columns each against the band (four constraints per head).
+
+Definition 1 assumes columns that sum to 1; softmax attention normalises rows only. The option
+`sinkhorn_iters` of the attention layer (layers/attention.py) makes encoder attention close to
+doubly stochastic; without it, a column's measure is whatever the rows put into it.
+
+A row (column) is unconstrainable, and left out, when no attention can put it in the band: a row
+with no admissible key (a padded query; a decoder's first token once its self-loop is discounted),
+an encoder row whose only key is itself (a one-hot self-loop exceeds the upper bound), a column
+that no admissible row may feed (a decoder's last token) or whose feeders cannot reach the lower
+bound. All of this is computed from the mask, so padding and sparse patterns need no special case.
+
+Loss (Definition 3):
+
+* `loss="hinge"`: the mean over constrained nodes (rows, columns) of relu(lower - m) and
+  relu(m - upper), one multiplier per (layer, head, constraint), projected dual ascent on them.
+* `loss="linear"` (Eq. 3 as written): sums over nodes of the signed terms gamma_3 (lower - m +
+  eps'_i) and gamma_4 (m - upper + eps''_i) plus gamma_1 (eps'_i - eps'_max) and gamma_2
+  (eps''_i - eps''_max), with the slacks eps_i in [0, eps_max] at the minimiser of h for the
+  current multipliers. With the signs as printed their coefficients (gamma_1 + gamma_3,
+  gamma_2 + gamma_4) are >= 0, so the minimising slacks are 0: the slack terms are constants and
+  the node terms are a linear Lagrangian whose multipliers rise and fall with the signed sums.
 """
 
 from __future__ import annotations
@@ -49,34 +67,73 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-# Order of the last axis of the violation / multiplier arrays.
-CONSTRAINT_NAMES = ("row_lower", "row_upper", "col_lower", "col_upper")
+FORMS = ("node", "separate")
+LOSSES = ("hinge", "linear")
+ENCODER_BANDS = ("self_loop", "paper_slack")
+
+# Definition 1: two parents at 1/2 (lower) to one parent (upper), in tau - N.
+DEFINITION1_LOWER = 2.0 * math.expm1(0.5)
+DEFINITION1_UPPER = math.expm1(1.0)
+# Definition 2's printed slack maxima of the encoder (eps'_max, eps''_max).
+PAPER_SLACK_LOWER = 0.7045
+PAPER_SLACK_UPPER = 0.5062
 
 
 @dataclasses.dataclass(frozen=True)
-class Bounds:
-  """Definition 1 bounds on r, c (tau - N) and Definition 2 slack maxima.
+class Band:
+  """Bounds on the measure of one row or column, and whether the self-loop A_ii is counted."""
 
-  Attributes:
-    lower: 2 (sqrt(e) - 1), r or c of a row split 1/2, 1/2 (paper's N - 2 + 2 e^(1/2)).
-    upper: e - 1, r or c of a one-hot row (paper's N - 1 + e).
-    slack_lower: eps'_max, relaxation of the lower bound in the encoder.
-    slack_upper: eps''_max, relaxation of the upper bound in the encoder.
-  """
-
-  lower: float = 2.0 * (math.sqrt(math.e) - 1.0)
-  upper: float = math.e - 1.0
-  slack_lower: float = 0.7045
-  slack_upper: float = 0.5062
-
-  def for_attention(self, *, self_attention: bool, decoder: bool) -> tuple[float, float]:
-    """(lower, upper) for one attention: slack only for encoder self-attention (self-loops)."""
-    if self_attention and not decoder:
-      return self.lower - self.slack_lower, self.upper + self.slack_upper
-    return self.lower, self.upper
+  lower: float
+  upper: float
+  count_diagonal: bool
 
 
-BOUNDS = Bounds()
+def band(*, decoder: bool, encoder_band: str = "self_loop") -> Band:
+  """The band of a self-attention layer (module docstring: one row shape per bound)."""
+  if decoder:
+    return Band(DEFINITION1_LOWER, DEFINITION1_UPPER, count_diagonal=False)
+  if encoder_band == "self_loop":
+    third = math.expm1(1.0 / 3.0)
+    return Band(3.0 * third, third + math.expm1(2.0 / 3.0), count_diagonal=True)
+  if encoder_band == "paper_slack":
+    return Band(
+        DEFINITION1_LOWER - 2.0 * (math.exp(0.5) - math.exp(1.0 / 3.0)),
+        DEFINITION1_UPPER - (math.e - math.exp(0.7)),
+        count_diagonal=False,
+    )
+  raise ValueError(f"unknown encoder_band {encoder_band!r}; expected one of {ENCODER_BANDS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSpec:
+  """Which reading of Eqs. 2-3 a run uses (module docstring)."""
+
+  form: str = "node"
+  loss: str = "hinge"
+  encoder_band: str = "self_loop"
+
+  def __post_init__(self):
+    for name, value, choices in (
+        ("form", self.form, FORMS),
+        ("loss", self.loss, LOSSES),
+        ("encoder_band", self.encoder_band, ENCODER_BANDS),
+    ):
+      if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {choices}")
+    if self.loss == "linear" and self.form != "node":
+      raise ValueError("loss='linear' is Eq. 3, which is written on node sums: needs form='node'")
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """Order of the last axis of the violation and multiplier arrays."""
+    if self.loss == "linear":
+      return ("slack_lower", "slack_upper", "node_lower", "node_upper")
+    if self.form == "node":
+      return ("node_lower", "node_upper")
+    return ("row_lower", "row_upper", "col_lower", "col_upper")
+
+
+DEFAULT_SPEC = ConstraintSpec()
 
 
 @struct.dataclass
@@ -84,15 +141,17 @@ class ConstraintStats:
   """Constraint measurements of one attention layer.
 
   Attributes:
-    violations: [H, 4] hinge violations, mean over valid rows / columns and batch, in the order
-      CONSTRAINT_NAMES; differentiable w.r.t. the attention probabilities.
-    rows_within: scalar fraction of valid (batch, head, row) with lower <= r <= upper.
-    cols_within: scalar fraction of constrained (batch, head, column) with lower <= c <= upper.
+    violations: [H, len(spec.names)]: hinge means (loss="hinge") or signed sums per example
+      (loss="linear"), differentiable w.r.t. the attention probabilities.
+    rows_within: fraction of constrained (batch, head, row) with lower <= r <= upper.
+    cols_within: the same for constrained columns.
+    nodes_within: the same for the node means (r + c) / 2 (one measure where the other is out).
   """
 
   violations: jax.Array
   rows_within: jax.Array
   cols_within: jax.Array
+  nodes_within: jax.Array
 
 
 def _sum_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -100,20 +159,20 @@ def _sum_dtype(dtype: jnp.dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def blanket_sums(probs: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def blanket_sums(probs: jax.Array, edges: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """Row and column Markov-blanket measures of attention probabilities.
 
   Args:
     probs: [B, H, Nq, Nk] attention probabilities.
-    mask: bool broadcastable to probs (True = allowed), or None; masked entries contribute 0
-      even if probs is not 0 there.
+    edges: bool broadcastable to probs (True = counted), or None; other entries contribute 0 even
+      if probs is not 0 there.
 
   Returns:
     (r [B, H, Nq], c [B, H, Nk]): r_i = sum_j expm1(A_ij), c_j = sum_i expm1(A_ij).
   """
   e = jnp.expm1(probs.astype(_sum_dtype(probs.dtype)))
-  if mask is not None:
-    e = jnp.where(mask, e, 0.0)
+  if edges is not None:
+    e = jnp.where(edges, e, 0.0)
   return e.sum(axis=-1), e.sum(axis=-2)
 
 
@@ -121,89 +180,130 @@ def _weighted_mean(values: jax.Array, weights: jax.Array, axes: tuple[int, ...])
   return (values * weights).sum(axes) / jnp.maximum(weights.sum(axes), 1.0)
 
 
+def _within(measure: jax.Array, b: Band) -> jax.Array:
+  # A measure exactly on a bound (two parents at exactly 1/2) is within it; float32 rounding of the
+  # expm1 sums must not decide that.
+  tol = 1e-5
+  return ((measure >= b.lower - tol) & (measure <= b.upper + tol)).astype(measure.dtype)
+
+
 def constraint_violations(
     probs: jax.Array,
     mask: jax.Array | None,
     *,
-    self_attention: bool,
     decoder: bool,
     valid_q: jax.Array | None = None,
     valid_k: jax.Array | None = None,
-    bounds: Bounds = BOUNDS,
+    spec: ConstraintSpec = DEFAULT_SPEC,
 ) -> ConstraintStats:
-  """Per-head hinge violations of the Markov-blanket bounds and within-bounds fractions.
+  """Violations of the Markov-blanket constraint by one self-attention layer, per head.
 
   Args:
-    probs: [B, H, Nq, Nk] attention probabilities.
-    mask: bool broadcastable to [B, H, Nq, Nk] (the mask the attention used), or None.
-    self_attention: encoder self-attention gets the slack; cross-attention does not (the
-      paper constrains self-attention only; this allows monitoring cross-attention).
-    decoder: causal self-attention: no slack, and columns that no later valid row may attend to
-      (k_j = 0 in the module docstring) are excluded from the column constraints.
-    valid_q: [B, Nq] bool (default all valid): padded rows are excluded.
-    valid_k: [B, Nk] bool (default all valid): padded columns are excluded.
-    bounds: the bounds and slacks.
+    probs: [B, H, N, N] self-attention probabilities.
+    mask: bool broadcastable to [B, H, N, N] (the mask the attention used), or None.
+    decoder: causal self-attention: no self-loop (module docstring).
+    valid_q: [B, N] bool (default all valid): padded rows are left out.
+    valid_k: [B, N] bool (default all valid): padded columns are left out.
+    spec: the reading of Eqs. 2-3.
 
   Returns:
-    ConstraintStats with violations [H, 4] = mean over valid rows (columns) and batch of
-    relu(lower - r), relu(r - upper), relu(lower - c), relu(c - upper).
+    ConstraintStats; violations [H, len(spec.names)].
   """
   batch, heads, n_q, n_k = probs.shape
-  lower, upper = bounds.for_attention(self_attention=self_attention, decoder=decoder)
+  if n_q != n_k:
+    raise ValueError(f"the constraint is on self-attention: got {n_q} queries and {n_k} keys")
+  b = band(decoder=decoder, encoder_band=spec.encoder_band)
   valid_q = jnp.ones((batch, n_q), bool) if valid_q is None else jnp.asarray(valid_q, bool)
   valid_k = jnp.ones((batch, n_k), bool) if valid_k is None else jnp.asarray(valid_k, bool)
   allowed = jnp.ones((1, 1, n_q, n_k), bool) if mask is None else jnp.asarray(mask, bool)
   allowed = allowed & valid_q[:, None, :, None] & valid_k[:, None, None, :]
-  r, c = blanket_sums(probs, allowed)
+  edges = allowed if b.count_diagonal else allowed & ~jnp.eye(n_q, dtype=bool)
+  r, c = blanket_sums(probs, edges)
 
-  # A row with no allowed key has r = 0 whatever the parameters: not a constraint.
-  row_w = allowed.any(axis=-1)
-  # Rows that may feed column j; without self-loops (decoder) the diagonal does not count.
-  feeders = allowed
-  if decoder:
-    if n_q != n_k:
-      raise ValueError("decoder=True needs square self-attention probabilities")
-    feeders = feeders & ~jnp.eye(n_q, dtype=bool)
-  num_feeders = feeders.sum(axis=-2)
-  col_w = num_feeders * (math.e - 1.0) >= lower
+  # Which rows and columns some attention could put in the band (module docstring).
+  row_keys = edges.sum(axis=-1)
+  if b.count_diagonal:
+    # A row whose every key is counted spends all its mass in r: uniform over k keys is the least.
+    k = jnp.maximum(row_keys, 1)
+    least = k * jnp.expm1(1.0 / k)
+    row_w = (row_keys >= 1) & (least <= b.upper + 1e-6)
+  else:
+    row_w = row_keys >= 1
+  col_w = edges.sum(axis=-2) * (math.e - 1.0) >= b.lower
   row_w = jnp.broadcast_to(row_w, r.shape).astype(r.dtype)
   col_w = jnp.broadcast_to(col_w, c.shape).astype(c.dtype)
+  sides = row_w + col_w
+  node = (r * row_w + c * col_w) / jnp.maximum(sides, 1.0)
+  node_w = (sides > 0).astype(r.dtype)
 
-  violations = jnp.stack(
-      [
-          _weighted_mean(jax.nn.relu(lower - r), row_w, (0, 2)),
-          _weighted_mean(jax.nn.relu(r - upper), row_w, (0, 2)),
-          _weighted_mean(jax.nn.relu(lower - c), col_w, (0, 2)),
-          _weighted_mean(jax.nn.relu(c - upper), col_w, (0, 2)),
-      ],
-      axis=-1,
-  )
-  rows_in = ((r >= lower) & (r <= upper)).astype(r.dtype)
-  cols_in = ((c >= lower) & (c <= upper)).astype(c.dtype)
+  if spec.form == "separate":
+    violations = jnp.stack(
+        [
+            _weighted_mean(jax.nn.relu(b.lower - r), row_w, (0, 2)),
+            _weighted_mean(jax.nn.relu(r - b.upper), row_w, (0, 2)),
+            _weighted_mean(jax.nn.relu(b.lower - c), col_w, (0, 2)),
+            _weighted_mean(jax.nn.relu(c - b.upper), col_w, (0, 2)),
+        ],
+        axis=-1,
+    )
+  elif spec.loss == "hinge":
+    violations = jnp.stack(
+        [
+            _weighted_mean(jax.nn.relu(b.lower - node), node_w, (0, 2)),
+            _weighted_mean(jax.nn.relu(node - b.upper), node_w, (0, 2)),
+        ],
+        axis=-1,
+    )
+  else:
+    violations = _linear_terms(node, node_w, b, decoder=decoder)
+
   everything = (0, 1, 2)
   return ConstraintStats(
       violations=violations,
-      rows_within=_weighted_mean(rows_in, row_w, everything),
-      cols_within=_weighted_mean(cols_in, col_w, everything),
+      rows_within=_weighted_mean(_within(r, b), row_w, everything),
+      cols_within=_weighted_mean(_within(c, b), col_w, everything),
+      nodes_within=_weighted_mean(_within(node, b), node_w, everything),
   )
 
 
-def init_multipliers(num_layers: int, num_heads: int, value: float = 0.0) -> jax.Array:
-  """[L, H, 4] float32 Lagrange multipliers gamma, for TrainState.extra (never parameters)."""
-  return jnp.full((num_layers, num_heads, len(CONSTRAINT_NAMES)), value, jnp.float32)
+def _linear_terms(node: jax.Array, node_w: jax.Array, b: Band, *, decoder: bool) -> jax.Array:
+  """[H, 4] Eq. 3 terms (gamma_1..gamma_4 order), summed over nodes, mean over the batch.
+
+  The slacks are at the minimiser of h over [0, eps_max] for multipliers >= 0, which is 0 with the
+  printed signs (module docstring); they are kept as explicit zeros so that each term is Eq. 3's.
+  Decoder slack maxima are 0 (Definition 2).
+  """
+  slack_max = (0.0, 0.0) if decoder else (PAPER_SLACK_LOWER, PAPER_SLACK_UPPER)
+  slack = jnp.zeros_like(node)
+  per_node = [
+      slack - slack_max[0],
+      slack - slack_max[1],
+      b.lower - node + slack,
+      node - b.upper + slack,
+  ]
+  batch = node.shape[0]
+  return jnp.stack([(t * node_w).sum((0, 2)) / batch for t in per_node], axis=-1)
+
+
+def init_multipliers(
+    num_layers: int, num_heads: int, value: float = 0.0, spec: ConstraintSpec = DEFAULT_SPEC
+) -> jax.Array:
+  """[L, H, len(spec.names)] float32 Lagrange multipliers gamma, for TrainState.extra."""
+  return jnp.full((num_layers, num_heads, len(spec.names)), value, jnp.float32)
 
 
 def lagrangian_term(
     violations: jax.Array, multipliers: jax.Array, *, penalty: float | jax.Array = 0.0
 ) -> jax.Array:
-  """sum(gamma * v) + (penalty / 2) * sum(v^2): the h(A) terms of Eq. 6, summed over layers.
+  """sum(gamma * v) + (penalty / 2) * sum(relu(v)^2): the h(A) terms of Eq. 6, summed over layers.
 
   The multipliers get no gradient (they are updated by `dual_update` between steps); the
-  quadratic term is the augmented-Lagrangian penalty (0 = plain Lagrangian).
+  quadratic term is the augmented-Lagrangian penalty (0 = plain Lagrangian). For the hinge loss
+  v >= 0; for the linear loss only the violated part of a signed term is penalised.
   """
   violations = violations.astype(_sum_dtype(violations.dtype))
   gamma = jax.lax.stop_gradient(multipliers).astype(violations.dtype)
-  return jnp.sum(gamma * violations) + 0.5 * penalty * jnp.sum(violations**2)
+  return jnp.sum(gamma * violations) + 0.5 * penalty * jnp.sum(jax.nn.relu(violations) ** 2)
 
 
 def dual_update(
@@ -215,11 +315,10 @@ def dual_update(
 ) -> jax.Array:
   """Projected dual ascent: gamma <- clip(gamma + step_size * v, 0, penalty_cap).
 
-  Violations are hinges (>= 0), so multipliers only grow while a constraint is violated and
-  stay put once it holds; the projection keeps gamma >= 0 for any input. `penalty_cap` bounds
-  each multiplier from above, so that the constraint's pull on the loss stays bounded (for the
-  augmented Lagrangian, use the current penalty as `step_size`, the method of multipliers'
-  dual step, with the penalty itself capped by `grow_penalty`).
+  Hinge violations are >= 0, so those multipliers only grow while a constraint is violated and
+  stay put once it holds; the signed terms of the linear loss also shrink them while the
+  constraint holds with room to spare. The projection keeps gamma >= 0 for any input;
+  `penalty_cap` bounds each multiplier from above so that the constraint's pull stays bounded.
   """
   violations = jax.lax.stop_gradient(violations).astype(multipliers.dtype)
   updated = multipliers + step_size * violations

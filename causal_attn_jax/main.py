@@ -6,8 +6,9 @@ r"""Command line of the Causal Transformer (paper 001): train then evaluate, or 
   python -m causal_attn_jax.main --config=configs/snli.py:size=small ... --mode=eval
 
 Writes <workdir>/report.json: classification {accuracy, macro_f1, challenge: {accuracy,
-by_heuristic}, constraints: {rows_within, cols_within, per_layer, mean_multiplier}}; translation
-{bleu, num_sentences, constraints}; plus metrics.jsonl, checkpoints/, plots/ (attention heatmaps).
+by_heuristic}}; translation {bleu, num_sentences}; both {attention: {kind, effective_keys,
+top1_mass} (per self-attention layer), constraints: {rows_within, cols_within, nodes_within,
+per_layer, mean_multiplier}}; plus metrics.jsonl, checkpoints/, plots/ (attention heatmaps).
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ class TransformerSpec:
   dropout_rate: float = 0.1
   attention: str = "causal"
   gcn_hops: int = 1
+  sinkhorn_iters: int = 0  # Encoder self-attention only (layers/attention.py: sinkhorn_softmax).
   mask_options: tuple[tuple[str, int], ...] = ()
   max_len: int = 512
 
@@ -86,6 +87,7 @@ class TransformerSpec:
         dropout_rate=model_config.dropout_rate,
         attention=model_config.attention,
         gcn_hops=model_config.gcn_hops,
+        sinkhorn_iters=model_config.sinkhorn_iters,
         mask_options=(
             ("band_width", model_config.band_width),
             ("dilation", model_config.dilation),
@@ -128,6 +130,7 @@ class EncoderLayer(nnx.Module):
         gcn_hops=spec.gcn_hops,
         head_dim=spec.head_dim,
         dropout_rate=0.0,
+        sinkhorn_iters=spec.sinkhorn_iters,
         dtype=dtype,
         rngs=rngs,
         **dict(spec.mask_options),

@@ -53,13 +53,27 @@ def challenge_report(data: TaskData, predictions: np.ndarray) -> dict[str, Any]:
   return report
 
 
+_WITHIN = ("rows_within", "cols_within", "nodes_within")
+
+
 def _constraint_report(result: dict[str, Any], names: list[str]) -> dict[str, Any]:
+  """Fractions of rows, columns and nodes inside the Markov-blanket band, overall and per layer."""
+  report: dict[str, Any] = {key: float(np.mean(result[key])) for key in _WITHIN}
+  report["per_layer"] = {
+      name: {key: float(result[key][l]) for key in _WITHIN} for l, name in enumerate(names)
+  }
+  return report
+
+
+def _attention_report(
+    result: dict[str, Any], names: list[str], kind: str
+) -> dict[str, Any]:
+  """The attention kind and, per self-attention layer, how concentrated it is (metrics.sparsity)."""
   return {
-      "rows_within": float(np.mean(result["rows_within"])),
-      "cols_within": float(np.mean(result["cols_within"])),
-      "per_layer": {
-          name: {"rows_within": float(r), "cols_within": float(c)}
-          for name, r, c in zip(names, result["rows_within"], result["cols_within"])
+      "kind": kind,
+      **{
+          key: {name: float(result[key][l]) for l, name in enumerate(names)}
+          for key in ("effective_keys", "top1_mass")
       },
   }
 
@@ -70,8 +84,8 @@ def summary_scalars(result: dict[str, Any], data: TaskData, prefix: str) -> dict
   if result["predictions"] is not None:
     labels = data.eval["label"]
     scalars[f"{prefix}/accuracy"] = accuracy(labels, result["predictions"])
-  scalars[f"{prefix}/rows_within"] = float(np.mean(result["rows_within"]))
-  scalars[f"{prefix}/cols_within"] = float(np.mean(result["cols_within"]))
+  for key in _WITHIN + ("effective_keys", "top1_mass"):
+    scalars[f"{prefix}/{key}"] = float(np.mean(result[key]))
   return scalars
 
 
@@ -82,7 +96,7 @@ def _heatmaps(
     task: Task,
     workdir: str,
 ) -> list[str]:
-  """PNG heatmaps of head 0 of the first encoder (and decoder) layer for a few eval examples."""
+  """PNG heatmaps of head 0 of every self-attention layer (those the report measures)."""
   pieces = data.tokenizer.pieces()
   names = task.layer_names(config)
   paths = []
@@ -117,7 +131,7 @@ def final_report(
   result = evaluate(data.eval, keep_attention=config.plots.num_examples)
   report: dict[str, Any] = {
       "task": config.task,
-      "attention": config.model.attention,
+      "attention": _attention_report(result, task.layer_names(config), config.model.attention),
       "step": int(state.step),
       "eval_loss": result["loss"],
   }
@@ -149,8 +163,9 @@ def write_report(report: dict[str, Any], workdir: str) -> None:
   if "challenge" in report:
     headline["challenge_accuracy"] = report["challenge"]["accuracy"]
   headline.update(
-      {f"constraints_{k}": report["constraints"][k] for k in ("rows_within", "cols_within")}
+      {f"constraints_{k}": report["constraints"][k] for k in _WITHIN}
   )
+  headline["effective_keys"] = float(np.mean(list(report["attention"]["effective_keys"].values())))
   print(
       "report: "
       + ", ".join(

@@ -23,7 +23,7 @@ from causal_attn_jax import decoding, models
 from causal_attn_jax import report as report_lib
 from causal_attn_jax.data import tokenizer as tokenizer_lib
 from causal_attn_jax.data.loading import TaskData, load_classification, load_translation
-from causal_attn_jax.metrics import accuracy, corpus_bleu, macro_f1
+from causal_attn_jax.metrics import accuracy, bleu, macro_f1
 from trainkit.train_state import TrainState, compute_dtype
 
 Batch = dict[str, jax.Array]
@@ -128,7 +128,7 @@ class PairClassification:
     return config.data.max_len
 
   def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
-    return [(0, "ids")]
+    return [(l, "ids") for l in range(config.model.num_layers)]
 
   def loss(self, config, model, batch, *, train, rngs) -> LossOutput:
     del config
@@ -185,8 +185,11 @@ class Translation:
     return config.data.max_source_len + config.data.max_target_len
 
   def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
-    # The first decoder layer attends over the shifted targets.
-    return [(0, "src"), (config.model.num_layers, "tgt_in")]
+    # Decoder self-attention is over the shifted targets.
+    encoder = config.model.num_layers
+    return [(l, "src") for l in range(encoder)] + [
+        (encoder + l, "tgt_in") for l in range(config.model.num_decoder_layers)
+    ]
 
   def loss(self, config, model, batch, *, train, rngs) -> LossOutput:
     logits, records = model(batch["src"], batch["tgt_in"], train=train, rngs=rngs)
@@ -210,8 +213,18 @@ class Translation:
     del result, evaluate  # BLEU needs decoded text, not the teacher-forced pass.
     translate = decoding.make_translate_fn(graphdef, config)
     hypotheses, references = decoding.translate_eval(translate, state, data, config, mesh)
+    detokenizer = config.nmt.detokenize
+    if detokenizer == "auto":
+      detokenizer = "moses" if bleu.looks_tokenized(references) else "none"
+    if detokenizer == "moses":
+      # The model learnt the references' tokenisation, so its output is tokenised the same way.
+      lang = config.data.source_lang if config.data.reverse else config.data.target_lang
+      hypotheses = bleu.detokenize(hypotheses, lang)
+      references = bleu.detokenize(references, lang)
     return {
-        "bleu": corpus_bleu(hypotheses, references),
+        "bleu": bleu.corpus_bleu(hypotheses, references),
+        "bleu_signature": bleu.bleu_signature(),
+        "detokenized": detokenizer,
         "num_sentences": len(hypotheses),
         "examples": [
             {"hypothesis": h, "reference": r} for h, r in list(zip(hypotheses, references))[:3]

@@ -9,7 +9,7 @@ loading and training iterator are in `data/`, beam search in `decoding.py` and t
 
 Loss (Eq. 6): task cross-entropy (label-smoothed for NMT) plus, for attention="causal", the
 Lagrangian `sum_l gamma_l . v_l + penalty/2 |v|^2` of the Markov-blanket violations v of every
-encoder and decoder self-attention layer. The multipliers gamma [L_total, H, 4] are updated by
+encoder and decoder self-attention layer. The multipliers gamma [L_total, H, terms] are updated by
 projected dual ascent inside the jitted step (`update_extra`). Baselines log the same
 constraint statistics but do not add the term.
 """
@@ -28,12 +28,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from causal_attn_jax import config as config_lib
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax import models
 from causal_attn_jax import report as report_lib
 from causal_attn_jax import tasks
 from causal_attn_jax.data.iterator import TrainIterator, device_batches
 from causal_attn_jax.data.loading import TaskData
+from causal_attn_jax.metrics import attention_sparsity
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
@@ -63,23 +65,25 @@ def constraint_applied(config: ml_collections.ConfigDict) -> bool:
 
 
 def attention_stats(
-    records: list[models.SelfAttentionRecord], example_mask: jax.Array | None = None
+    records: list[models.SelfAttentionRecord],
+    spec: constraints_lib.ConstraintSpec,
+    example_mask: jax.Array | None = None,
 ) -> list[constraints_lib.ConstraintStats]:
   """constraint_violations of every self-attention layer (examples with mask False ignored)."""
   stats = []
   for record in records:
-    valid = record.valid if example_mask is None else record.valid & example_mask[:, None]
+    valid = _valid_tokens(record, example_mask)
     stats.append(
         constraints_lib.constraint_violations(
-            record.probs,
-            record.mask,
-            self_attention=True,
-            decoder=record.decoder,
-            valid_q=valid,
-            valid_k=valid,
+            record.probs, record.mask, decoder=record.decoder, valid_q=valid, valid_k=valid,
+            spec=spec,
         )
     )
   return stats
+
+
+def _valid_tokens(record: models.SelfAttentionRecord, example_mask: jax.Array | None) -> jax.Array:
+  return record.valid if example_mask is None else record.valid & example_mask[:, None]
 
 
 def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
@@ -87,14 +91,15 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
   task = tasks.get_task(config)
   applied = constraint_applied(config)
   names = task.layer_names(config)
+  spec = config_lib.constraint_spec(config)
 
   def loss_fn(model, batch, rng, step, extra):
     del step
     task_loss, metrics, records, _ = task.loss(
         config, model, batch, train=True, rngs=nnx.Rngs(dropout=rng)
     )
-    stats = attention_stats(records)
-    violations = jnp.stack([s.violations for s in stats])  # [L_total, H, 4]
+    stats = attention_stats(records, spec)
+    violations = jnp.stack([s.violations for s in stats])  # [L_total, H, len(spec.names)]
     term = constraints_lib.lagrangian_term(
         violations, extra["multipliers"], penalty=extra["penalty"]
     )
@@ -105,6 +110,7 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
     for name, s in zip(names, stats):
       metrics[f"constraints/{name}/rows_within"] = s.rows_within
       metrics[f"constraints/{name}/cols_within"] = s.cols_within
+      metrics[f"constraints/{name}/nodes_within"] = s.nodes_within
     return loss, metrics
 
   return loss_fn
@@ -141,7 +147,10 @@ def initial_extra(config: ml_collections.ConfigDict) -> dict[str, jax.Array]:
   num_layers = len(tasks.get_task(config).layer_names(config))
   return {
       "multipliers": constraints_lib.init_multipliers(
-          num_layers, config.model.num_heads, config.constraints.init_multiplier
+          num_layers,
+          config.model.num_heads,
+          config.constraints.init_multiplier,
+          spec=config_lib.constraint_spec(config),
       ),
       "penalty": jnp.asarray(min(config.constraints.penalty, config.constraints.penalty_max)),
   }
@@ -179,22 +188,33 @@ def create_state(
 def make_eval_step(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict) -> EvalStep:
   """Jitted `eval_step(state, batch)`: predictions, loss sums and per-layer constraint stats."""
   task = tasks.get_task(config)
+  spec = config_lib.constraint_spec(config)
 
   @jax.jit
   def eval_step(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, Any]:
     model = nnx.merge(graphdef, state.params, state.model_state)
     loss, metrics, records, logits = task.loss(config, model, batch, train=False, rngs=None)
-    stats = attention_stats(records, batch["mask"])
+    stats = attention_stats(records, spec, batch["mask"])
+    sparsity = [
+        attention_sparsity(r.probs, _valid_tokens(r, batch["mask"])) for r in records
+    ]
     return {
         "loss": loss,
         "rows_within": jnp.stack([s.rows_within for s in stats]),
         "cols_within": jnp.stack([s.cols_within for s in stats]),
+        "nodes_within": jnp.stack([s.nodes_within for s in stats]),
+        "effective_keys": jnp.stack([k for k, _ in sparsity]),
+        "top1_mass": jnp.stack([m for _, m in sparsity]),
         "attention": [r.probs[:, 0] for r in records],  # Head 0 of every layer (Fig. 8).
         **metrics,
         **task.eval_outputs(logits),
     }
 
   return eval_step
+
+
+# Per-layer statistics of an eval pass, averaged over batches weighted by their examples.
+_LAYER_STATS = ("rows_within", "cols_within", "nodes_within", "effective_keys", "top1_mass")
 
 
 def run_eval(
@@ -207,14 +227,15 @@ def run_eval(
     keep_attention: int = 0,
 ) -> dict[str, Any]:
   """One pass: mean loss, per-layer constraint fractions, predictions, a few attention maps."""
-  totals: dict[str, Any] = {"loss": 0.0, "rows": 0.0, "cols": 0.0, "weight": 0.0}
+  totals: dict[str, Any] = {"loss": 0.0, "weight": 0.0}
+  totals.update({key: 0.0 for key in _LAYER_STATS})
   predictions, attention, inputs = [], [], []
   for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
     out = eval_step(state, batch)
     weight = float(host_batch["mask"].sum())
     totals["loss"] += float(out["loss"]) * weight
-    totals["rows"] += to_host(out["rows_within"]) * weight
-    totals["cols"] += to_host(out["cols_within"]) * weight
+    for key in _LAYER_STATS:
+      totals[key] += to_host(out[key]) * weight
     totals["weight"] += weight
     if "predictions" in out:
       predictions.append(to_host(out["predictions"])[host_batch["mask"]])
@@ -227,8 +248,7 @@ def run_eval(
   n = max(totals["weight"], 1.0)
   return {
       "loss": totals["loss"] / n,
-      "rows_within": np.asarray(totals["rows"]) / n,
-      "cols_within": np.asarray(totals["cols"]) / n,
+      **{key: np.asarray(totals[key]) / n for key in _LAYER_STATS},
       "predictions": np.concatenate(predictions) if predictions else None,
       "attention": attention,
       "inputs": inputs,

@@ -27,20 +27,11 @@ chance on the carved MNLI eval set (34%) and the 4-row HANS sample is too small 
 it only shows the pipeline end to end.
 """
 
-from causal_attn_jax.config import paper_config
-from trainkit.config import parse_arg
+from causal_attn_jax.config import paper_config_from_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, size="full", attention="causal", gcn_hops=1, steps=0, seed=0)
-  config = paper_config(
-      task="classification",
-      size=arg.size,
-      attention=arg.attention,
-      gcn_hops=arg.gcn_hops,
-      steps=arg.steps,
-      seed=arg.seed,
-  )
+  config, arg = paper_config_from_arg(arg, task="classification")
   config.data.pair_task = "nli"
   if arg.size == "full" and not arg.steps:  # The paper counts epochs; steps= overrides.
     config.num_epochs = 200.0

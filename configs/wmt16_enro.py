@@ -16,19 +16,11 @@ Expected result: BLEU of the beam-search translations in report.json; the paper'
 are full-scale results we have not reproduced (no En-Ro sample is in ../shared/data).
 """
 
-from causal_attn_jax.config import paper_config
-from trainkit.config import parse_arg
+from causal_attn_jax.config import paper_config_from_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, size="full", attention="causal", gcn_hops=1, steps=0, seed=0, reverse=False)
-  config = paper_config(
-      task="translation",
-      size=arg.size,
-      attention=arg.attention,
-      gcn_hops=arg.gcn_hops,
-      steps=arg.steps,
-      seed=arg.seed,
-  )
-  config.data.source_lang, config.data.target_lang = ("ro", "en") if arg.reverse else ("en", "ro")
+  config, arg = paper_config_from_arg(arg, task="translation", reverse=False)
+  config.data.source_lang, config.data.target_lang = ("en", "ro")
+  config.data.reverse = arg.reverse  # Both for files and tfds (config.data.reverse).
   return config

@@ -11,6 +11,8 @@ from flax import nnx
 from causal_attn_jax.layers import (
     ATTENTION_KINDS,
     MultiHeadAttention,
+    masked_softmax,
+    sinkhorn_softmax,
     causal_mask,
     padding_mask,
     sparse_mask,
@@ -182,3 +184,24 @@ def test_cross_attention_and_argument_checks():
     MultiHeadAttention(DIM, HEADS, rngs=nnx.Rngs(0), band=3)
   with pytest.raises(ValueError):
     MultiHeadAttention(DIM, HEADS, kind="sparse", rngs=nnx.Rngs(0))
+
+
+def test_sinkhorn_attention_normalises_columns_and_keeps_rows_exact():
+  rng = np.random.default_rng(0)
+  n = 7
+  logits = jnp.asarray(rng.normal(size=(2, 3, n, n)) * 2.0, jnp.float32)
+  valid = np.array([[True] * n, [True] * 5 + [False] * 2])
+  mask = padding_mask(valid, valid)
+  plain = masked_softmax(logits, mask)
+  doubly = sinkhorn_softmax(logits, mask, 200)
+  cols = np.asarray(doubly.sum(-2))
+  np.testing.assert_allclose(np.asarray(doubly.sum(-1))[0], 1.0, atol=1e-6)
+  np.testing.assert_allclose(cols[0], 1.0, atol=1e-2)
+  np.testing.assert_allclose(cols[1, :, :5], 1.0, atol=1e-2)
+  np.testing.assert_array_equal(np.asarray(doubly)[1, :, 5:], 0.0)  # padded rows stay empty
+  np.testing.assert_array_equal(np.asarray(doubly)[1, :, :, 5:], 0.0)
+  # A softmax's columns are far from 1; more iterations bring them closer.
+  err = lambda p: float(np.abs(np.asarray(p.sum(-2))[0] - 1.0).max())
+  assert err(plain) > 0.3 and err(sinkhorn_softmax(logits, mask, 3)) > err(doubly)
+  # Zero iterations is the softmax.
+  np.testing.assert_allclose(sinkhorn_softmax(logits, mask, 0), plain, atol=1e-7)

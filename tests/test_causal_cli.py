@@ -73,12 +73,16 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
   assert result.returncode == 0, result.stderr
   report = json.loads((tmp_path / "report.json").read_text())
   assert 0.0 <= report["accuracy"] <= 1.0 and 0.0 <= report["macro_f1"] <= 1.0
-  assert report["num_examples"] == 64 and report["attention"] == "causal"
+  assert report["num_examples"] == 64 and report["attention"]["kind"] == "causal"
+  # Sparsity per self-attention layer: a row over n real keys has 1 <= exp(entropy) <= n.
+  assert set(report["attention"]["effective_keys"]) == {"enc0"}
+  assert 1.0 <= report["attention"]["effective_keys"]["enc0"] <= 24.0
+  assert 1.0 / 24 <= report["attention"]["top1_mass"]["enc0"] <= 1.0
   challenge = report["challenge"]
   assert 0.0 <= challenge["accuracy"] <= 1.0
   assert set(challenge["by_heuristic"]) == {"lexical_overlap"}
   assert set(challenge["by_heuristic"]["lexical_overlap"]) == {"entailment", "non-entailment"}
-  assert set(report["constraints"]) >= {"rows_within", "cols_within", "per_layer"}
+  assert set(report["constraints"]) >= {"rows_within", "cols_within", "nodes_within", "per_layer"}
   assert 0.0 <= report["constraints"]["rows_within"] <= 1.0
   assert all((tmp_path / p).is_file() for p in report["plots"]) and report["plots"]
   assert (tmp_path / "spm.model").is_file()

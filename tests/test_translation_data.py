@@ -1,11 +1,12 @@
 """Parallel-text readers on the real WMT14 En-De / WMT16 En-Fi samples and malformed files; BLEU."""
 
+import importlib.util
 import pathlib
 
 import pytest
 
-from causal_attn_jax.data import translation
-from causal_attn_jax.metrics import corpus_bleu
+from causal_attn_jax.data import loading, translation
+from causal_attn_jax.metrics import bleu, corpus_bleu
 from conftest import SHARED_DATA
 from trainkit.errors import UserError
 
@@ -154,3 +155,44 @@ def test_bleu_matches_sacrebleu():
   assert 0 < expected < 100
   with pytest.raises(ValueError):
     corpus_bleu(hypotheses, references[:2])
+
+
+def test_bleu_detokenizes_moses_tokenized_references():
+  references = ["I don 't think it 's over , he said .", "We can 't ( and won 't ) stop ."]
+  untokenized = ["I don't think it's over, he said.", "We can't (and won't) stop."]
+  assert bleu.looks_tokenized(references) and not bleu.looks_tokenized(untokenized)
+  assert bleu.detokenize(references, "en") == untokenized
+  # sacrebleu's 13a splits punctuation but not clitics: scored against the tokenised references,
+  # the right (untokenised) translation loses BLEU; detokenised, it is 100.
+  assert corpus_bleu(untokenized, references) < 70.0
+  assert corpus_bleu(untokenized, bleu.detokenize(references, "en")) == pytest.approx(100.0)
+  assert "tok:13a" in bleu.bleu_signature()
+
+
+def test_shared_samples_tokenisation_is_detected():
+  ende = _real(WMT14)
+  assert bleu.looks_tokenized((ende / "tgt-val.txt").read_text().splitlines()[:200])
+  fi = _real(WMT16) / "newstest2016-enfi.fi"
+  assert not bleu.looks_tokenized(fi.read_text().splitlines()[:200])
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reverse_swaps_file_inputs(repo_root, reverse):
+  ENDE = _real(WMT14)
+  spec = importlib.util.spec_from_file_location("wmt14_ende", repo_root / "configs" / "wmt14_ende.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(f"size=small,reverse={reverse}")
+  config.data.update(
+      train_source=str(ENDE / "src-train.txt"),
+      train_target=str(ENDE / "tgt-train.txt"),
+      eval_source=str(ENDE / "src-val.txt"),
+      eval_target=str(ENDE / "tgt-val.txt"),
+      max_train_examples=5,
+      max_eval_examples=5,
+  )
+  (train_src, train_tgt), (eval_src, eval_tgt) = loading._load_parallel(config)
+  english = (ENDE / "src-val.txt").read_text().splitlines()[:5]
+  german = (ENDE / "tgt-val.txt").read_text().splitlines()[:5]
+  assert (eval_src, eval_tgt) == ((german, english) if reverse else (english, german))
+  assert len(train_src) == len(train_tgt) == 5

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from causal_attn_jax import config as config_lib
-from causal_attn_jax.data import nli, tokenizer as tokenizer_lib, translation
+from causal_attn_jax.data import nli, spurious, tokenizer as tokenizer_lib, translation
 from trainkit.distributed import main_process_first
 from trainkit.errors import UserError
 
@@ -76,6 +76,15 @@ def _load_pairs(
     config: ml_collections.ConfigDict,
 ) -> tuple[nli.PairData, nli.PairData, nli.PairData | None]:
   d = config.data
+  if d.generator == "spurious_pairs":
+    spec = spurious.SpuriousPairsSpec(**d.spurious.to_dict())
+    train, evaluation, challenge = spurious.generate(spec)
+    print(
+        f"spurious_pairs: {len(train)} train, {len(evaluation)} eval, {len(challenge)} challenge "
+        f"pairs (cue_agreement={spec.cue_agreement}, seed={spec.seed})",
+        flush=True,
+    )
+    return train, evaluation, challenge
   if config_lib.uses_tfds(config):
     train = nli.load_tfds_pairs(
         d.tfds_name,
@@ -152,6 +161,13 @@ Parallel = tuple[list[str], list[str]]  # (sources, targets)
 
 
 def _load_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Parallel]:
+  train, evaluation = _read_parallel(config)
+  if config.data.reverse:
+    return (train[1], train[0]), (evaluation[1], evaluation[0])
+  return train, evaluation
+
+
+def _read_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Parallel]:
   d = config.data
   if config_lib.uses_tfds(config):
     load = lambda split, limit: translation.load_tfds_translation(

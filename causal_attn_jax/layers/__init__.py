@@ -1,6 +1,6 @@
 """Attention layers and masks of the Causal Transformer (paper Sec. 3.2) and its baselines."""
 
-from causal_attn_jax.layers.attention import MultiHeadAttention, masked_softmax
+from causal_attn_jax.layers.attention import MultiHeadAttention, masked_softmax, sinkhorn_softmax
 from causal_attn_jax.layers.masks import (
     ATTENTION_KINDS,
     SPARSE_KINDS,
@@ -16,5 +16,6 @@ __all__ = [
     "causal_mask",
     "masked_softmax",
     "padding_mask",
+    "sinkhorn_softmax",
     "sparse_mask",
 ]

@@ -55,6 +55,29 @@ def masked_softmax(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
   return jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
 
 
+def sinkhorn_softmax(logits: jax.Array, mask: jax.Array | None, iters: int) -> jax.Array:
+  """Attention whose columns also sum to about 1: Sinkhorn in the log domain, rows last.
+
+  Definition 1 of paper 001 takes attention with unit rows and unit columns; a softmax gives only
+  the rows. `iters` alternations of column and row normalisation (Sinkformer's construction)
+  approach the doubly stochastic matrix with the same pattern; rows stay exactly normalised, so
+  the result is still a valid adjacency for the GCN. Only meaningful where a doubly stochastic
+  matrix exists: under a causal mask the only one is the identity, so decoders do not use it.
+  """
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  # A finite stand-in for -inf: masked entries are reset to it after every normalisation, so the
+  # log-sum-exp of a fully masked row or column stays finite.
+  neg = jnp.asarray(-1e9, logits.dtype)
+  if mask is not None:
+    logits = jnp.where(mask, logits, neg)
+  for _ in range(iters):
+    logits = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    logits = logits - jax.nn.logsumexp(logits, axis=-2, keepdims=True)
+    if mask is not None:
+      logits = jnp.where(mask, logits, neg)
+  return masked_softmax(logits, mask)
+
+
 def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
   if a is None:
     return b
@@ -78,6 +101,8 @@ class MultiHeadAttention(nnx.Module):
     dtype: compute dtype; logits, softmax and the returned probabilities stay float32.
     param_dtype: parameter dtype.
     gcn_activation: sigma of Eq. 4 (ReLU, as in Kipf & Welling).
+    sinkhorn_iters: > 0 replaces the softmax by `sinkhorn_softmax` with this many iterations
+      (columns about normalised, Definition 1); 0 = softmax. Not for causal masks.
     rngs: parameter RNGs.
     **mask_options: band_width, dilation, num_random, block_size, seed for the sparse kinds
       (see `masks.sparse_mask`); accepted and ignored by the other kinds so that one config can
@@ -96,6 +121,7 @@ class MultiHeadAttention(nnx.Module):
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
       gcn_activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
+      sinkhorn_iters: int = 0,
       rngs: nnx.Rngs,
       **mask_options: int,
   ):
@@ -117,6 +143,9 @@ class MultiHeadAttention(nnx.Module):
     self.gcn_hops = gcn_hops
     self.dtype = dtype
     self.gcn_activation = gcn_activation
+    if sinkhorn_iters < 0:
+      raise ValueError(f"sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
+    self.sinkhorn_iters = sinkhorn_iters
     self.mask_options = dict(mask_options)
     inner = num_heads * head_dim
 
@@ -229,7 +258,10 @@ class MultiHeadAttention(nnx.Module):
 
     # Logits and softmax in float32: the constraint sums expm1 of these probabilities.
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    probs = masked_softmax(logits * (head_dim**-0.5), mask)
+    if self.sinkhorn_iters and not decode:
+      probs = sinkhorn_softmax(logits * (head_dim**-0.5), mask, self.sinkhorn_iters)
+    else:
+      probs = masked_softmax(logits * (head_dim**-0.5), mask)
     adjacency = probs.astype(self.dtype)
 
     h = jnp.einsum("bhqk,bkhd->bqhd", adjacency, v)

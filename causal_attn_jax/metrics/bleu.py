@@ -3,15 +3,47 @@
 BLEU is sacrebleu's corpus BLEU on detokenised text with its default ``13a``
 tokenizer, the comparable-across-papers setting: computing it on text that is
 already tokenised (e.g. Moses-tokenised WMT14 files) inflates scores, so
-detokenise hypotheses and references first. sacrebleu is imported only when
-BLEU is computed, so classification runs do not need it.
+`detokenize` hypotheses and references first (`looks_tokenized` tells which
+texts need it). sacrebleu and sacremoses are imported only when BLEU is
+computed, so classification runs do not need them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import re
 
 import numpy as np
+
+
+def looks_tokenized(lines: Sequence[str], threshold: float = 0.5) -> bool:
+  """Whether most non-empty lines have punctuation split off from the word before it.
+
+  Moses writes "Parlament ." and "Antrag , im"; untokenised text attaches the punctuation to the
+  word before it.
+  """
+  lines = [line for line in lines if line.strip()]
+  if not lines:
+    return False
+  hits = sum(bool(re.search(r"\w [.,;:!?](?: |$)", line)) for line in lines)
+  return hits / len(lines) >= threshold
+
+
+def detokenize(lines: Sequence[str], lang: str) -> list[str]:
+  """Moses detokenisation (sacremoses) of each line, for the given language code."""
+  from sacremoses import MosesDetokenizer  # pylint: disable=g-import-not-at-top
+
+  detokenizer = MosesDetokenizer(lang=lang)
+  return [detokenizer.detokenize(line.split()) for line in lines]
+
+
+def bleu_signature() -> str:
+  """sacrebleu's signature of the setting `corpus_bleu` uses (report it beside the score)."""
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+
+  metric = sacrebleu.metrics.BLEU()
+  metric.corpus_score(["a"], [["a"]])  # The signature names the reference count once it is known.
+  return str(metric.get_signature())
 
 
 def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:

@@ -1,0 +1,206 @@
+"""A built-in spurious-correlation testbed for sentence-pair models (docs/dataset.md).
+
+Paper 001 claims that causal attention generalises better when a surface cue that predicts the
+label in training stops predicting it (HANS after MNLI, PAWS after QQP). Those datasets are large
+and their cues are not controlled; this generator makes the same situation from a seed, in about
+a second, with the strength of the cue as a config key.
+
+Every pair is a premise "the [adj] S V the [adj] O [while the S' V' ...]" and a hypothesis
+"the s v the o". The label is a sparse relation among six tokens:
+
+    entailment  iff  s ~ S, v ~ V and o ~ O,
+
+where `~` is "the same concept": every noun and verb concept has two surface forms (unrelated
+pseudo-words), both used in premises and hypotheses, so no single word marks a substitution. The surface cue is lexical overlap: whether every word of the hypothesis
+occurs in the premise. Four kinds of pair:
+
+    kind              label           overlap   how the hypothesis is made
+    same              entailment      full      the premise's own S, V, O
+    replaced          non-entailment  partial   one of S, V, O replaced by an unrelated word
+    synonym           entailment      partial   one of S, V, O replaced by its synonym
+    role_swap         non-entailment  full      S and O exchanged
+
+In "same" and "replaced" the cue agrees with the label; in "synonym" and "role_swap" it disagrees.
+Training and in-distribution evaluation draw cue-agreeing pairs with probability
+`cue_agreement` (so a bag-of-words model that has learnt "full overlap = entailment" scores
+`cue_agreement` there); the challenge split has only cue-disagreeing pairs, on which that model
+scores 0 and a model of the relation scores 1. Labels are balanced in every split. The challenge
+split uses the HANS schema: heuristic "lexical_overlap", subcases "synonym" and "role_swap".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from causal_attn_jax.data import nli
+
+KINDS = ("same", "replaced", "synonym", "role_swap")
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpuriousPairsSpec:
+  """Sizes and the cue strength of the generated task.
+
+  Attributes:
+    num_train, num_eval, num_challenge: pairs per split.
+    cue_agreement: probability that a train or eval pair's overlap agrees with its label.
+    num_nouns, num_verbs, num_adjectives: concepts (each noun and verb has two surface forms).
+    modifier_prob: probability that a premise noun gets an adjective.
+    distractor_prob: probability that the premise ends with a clause about other words.
+    seed: the generator's seed (the same seed always gives the same pairs).
+  """
+
+  num_train: int = 4000
+  num_eval: int = 1000
+  num_challenge: int = 1000
+  cue_agreement: float = 0.9
+  num_nouns: int = 24
+  num_verbs: int = 8
+  num_adjectives: int = 12
+  modifier_prob: float = 0.5
+  distractor_prob: float = 0.5
+  seed: int = 0
+
+  def __post_init__(self):
+    if not 0.0 <= self.cue_agreement <= 1.0:
+      raise ValueError(f"cue_agreement must be in [0, 1], got {self.cue_agreement}")
+    if self.num_nouns < 4 or self.num_verbs < 2:
+      raise ValueError("need num_nouns >= 4 and num_verbs >= 2 (replacements and distractors)")
+
+
+def _pseudo_words(rng: np.random.Generator, count: int, taken: set[str]) -> list[str]:
+  """`count` new two- or three-syllable pseudo-words: no shared morphology between synonyms."""
+  words = []
+  while len(words) < count:
+    syllables = rng.integers(2, 4)
+    word = "".join(rng.choice(list(_CONSONANTS)) + rng.choice(list(_VOWELS)) for _ in range(syllables))
+    if word not in taken:
+      taken.add(word)
+      words.append(word)
+  return words
+
+
+@dataclasses.dataclass
+class _Lexicon:
+  """Every noun and verb concept has two surface forms, both used in premises and hypotheses,
+  so that neither form identifies the pairs in which a synonym was substituted."""
+
+  nouns: list[tuple[str, str]]
+  verbs: list[tuple[str, str]]
+  adjectives: list[str]
+
+  @classmethod
+  def generate(cls, spec: SpuriousPairsSpec, rng: np.random.Generator) -> "_Lexicon":
+    taken = {"the", "while"}
+    forms = lambda n: list(zip(_pseudo_words(rng, n, taken), _pseudo_words(rng, n, taken)))
+    return cls(
+        nouns=forms(spec.num_nouns),
+        verbs=forms(spec.num_verbs),
+        adjectives=_pseudo_words(rng, spec.num_adjectives, taken),
+    )
+
+
+def _other(rng: np.random.Generator, size: int, exclude: set[int]) -> int:
+  choices = [i for i in range(size) if i not in exclude]
+  return int(rng.choice(choices))
+
+
+def _pair(lex: _Lexicon, spec: SpuriousPairsSpec, kind: str, rng: np.random.Generator):
+  """(premise, hypothesis, label) of one pair of the given kind."""
+  num_nouns, num_verbs = len(lex.nouns), len(lex.verbs)
+  s, o = (int(i) for i in rng.choice(num_nouns, size=2, replace=False))
+  v = int(rng.integers(num_verbs))
+  form = lambda forms: forms[int(rng.integers(2))]
+  # The premise's surface form of each role, and the concept table it came from.
+  concepts = [(lex.nouns, s), (lex.verbs, v), (lex.nouns, o)]
+  chosen = [int(rng.integers(2)) for _ in concepts]
+  words = [table[i][f] for (table, i), f in zip(concepts, chosen)]
+
+  def noun_phrase(word: str) -> str:
+    if rng.random() < spec.modifier_prob:
+      return f"the {rng.choice(lex.adjectives)} {word}"
+    return f"the {word}"
+
+  premise = f"{noun_phrase(words[0])} {words[1]} {noun_phrase(words[2])}"
+  used_nouns, used_verbs = {s, o}, {v}
+  if rng.random() < spec.distractor_prob:
+    s2 = _other(rng, num_nouns, used_nouns)
+    v2 = _other(rng, num_verbs, used_verbs)
+    used_nouns.add(s2)
+    used_verbs.add(v2)
+    premise += f" while the {form(lex.nouns[s2])} {form(lex.verbs[v2])}"
+
+  hyp = list(words)
+  role = int(rng.integers(3))  # which of S, V, O a replacement or synonym changes
+  if kind == "same":
+    label = "entailment"
+  elif kind == "role_swap":
+    hyp[0], hyp[2] = hyp[2], hyp[0]
+    label = "non-entailment"
+  elif kind == "synonym":
+    table, i = concepts[role]
+    hyp[role] = table[i][1 - chosen[role]]
+    label = "entailment"
+  elif kind == "replaced":
+    # An unrelated concept absent from the premise: partial overlap, like a synonym's.
+    if role == 1:
+      hyp[1] = form(lex.verbs[_other(rng, num_verbs, used_verbs)])
+    else:
+      hyp[role] = form(lex.nouns[_other(rng, num_nouns, used_nouns)])
+    label = "non-entailment"
+  else:
+    raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+  return premise, f"the {hyp[0]} {hyp[1]} the {hyp[2]}", label
+
+
+def _split(
+    lex: _Lexicon, spec: SpuriousPairsSpec, size: int, agreement: float, name: str, rng
+) -> nli.PairData:
+  entailed = rng.permutation(np.arange(size) % 2 == 0)
+  agrees = rng.random(size) < agreement
+  premises, hypotheses, labels, subcases = [], [], [], []
+  for is_entailed, agree in zip(entailed, agrees):
+    if is_entailed:
+      kind = "same" if agree else "synonym"
+    else:
+      kind = "replaced" if agree else "role_swap"
+    premise, hypothesis, label = _pair(lex, spec, kind, rng)
+    premises.append(premise)
+    hypotheses.append(hypothesis)
+    labels.append(nli.HANS_LABELS.index(label))
+    subcases.append(kind)
+  labels = np.asarray(labels, np.int32)
+  stats = {"rows": size, "examples": size}
+  stats.update({f"label_{n}": int((labels == i).sum()) for i, n in enumerate(nli.HANS_LABELS)})
+  stats.update({f"kind_{k}": subcases.count(k) for k in KINDS})
+  return nli.PairData(
+      premises=premises,
+      hypotheses=hypotheses,
+      labels=labels,
+      label_names=nli.HANS_LABELS,
+      source=f"spurious_pairs:{name}(seed={spec.seed})",
+      heuristics=["lexical_overlap"] * size,
+      subcases=subcases,
+      stats=stats,
+  )
+
+
+def generate(spec: SpuriousPairsSpec) -> tuple[nli.PairData, nli.PairData, nli.PairData]:
+  """(train, eval, challenge) pairs; eval is in-distribution, challenge reverses the cue."""
+  rng = np.random.default_rng(spec.seed)
+  lex = _Lexicon.generate(spec, rng)
+  train = _split(lex, spec, spec.num_train, spec.cue_agreement, "train", rng)
+  evaluation = _split(lex, spec, spec.num_eval, spec.cue_agreement, "eval", rng)
+  challenge = _split(lex, spec, spec.num_challenge, 0.0, "challenge", rng)
+  return train, evaluation, challenge
+
+
+def overlap_cue(pairs: nli.PairData) -> np.ndarray:
+  """bool [N]: every hypothesis word occurs in the premise (the cue a shortcut model learns)."""
+  return np.array(
+      [set(h.split()) <= set(p.split()) for p, h in zip(pairs.premises, pairs.hypotheses)]
+  )
