@@ -58,7 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
                   num_nouns=24,
                   num_verbs=8,
                   num_adjectives=12,
-                  modifier_prob=0.5,
+                  modifier_prob=0.0,
                   distractor_prob=0.5,
                   seed=0,  # The data's own seed: the same pairs whatever config.seed is.
               )
@@ -127,6 +127,7 @@ def base_config() -> ml_collections.ConfigDict:
           loss="hinge",  # hinge | linear (Eq. 3 as written: signed sums, slacks)
           encoder_band="self_loop",  # self_loop (1/3 self-loop, derived) | paper_slack
           step_size=0.01,  # Dual ascent step on the multipliers (per train step).
+          dual_start_step=0,  # Multipliers stay at init_multiplier before this step.
           init_multiplier=0.0,
           multiplier_cap=10.0,  # Projection of every multiplier onto [0, cap]; 0 = no cap.
           penalty=0.0,  # Augmented-Lagrangian quadratic penalty; 0 = plain Lagrangian.
@@ -202,6 +203,7 @@ def validate(
     raise ConfigError("constraints.loss", "'linear' (Eq. 3) is written on node sums: needs "
                       "constraints.form='node'")
   cfg.require_int(config, "model.sinkhorn_iters", minimum=0)
+  cfg.require_int(config, "constraints.dual_start_step", minimum=0)
   for key in ("step_size", "init_multiplier", "multiplier_cap", "penalty", "penalty_max"):
     cfg.require_float(config, f"constraints.{key}", minimum=0.0)
   cfg.require_float(config, "constraints.penalty_growth", minimum=1.0)
@@ -291,14 +293,19 @@ def paper_config(
             "model.dropout_rate": 0.1,
             "batch_size": 32,
             "eval_batch_size": 64,
-            "num_train_steps": 300,
-            "log_every_steps": 25,
-            "eval_every_steps": 100,
-            "checkpoint_every_steps": 100,
+            # 300 steps ended at chance on the MNLI sample (the cosine schedule reaches 0 before
+            # the models leave it); 1500 is where both attentions are past 0.40 (results.md).
+            "num_train_steps": 1500,
+            "log_every_steps": 50,
+            "eval_every_steps": 500,
+            "checkpoint_every_steps": 500,
             "optimizer.learning_rate": 1e-3,
-            "optimizer.warmup_steps": 30,
+            "optimizer.warmup_steps": 100,
             "optimizer.weight_decay": 0.01,
-            "constraints.step_size": 0.05,
+            # 0.05 and 0.02 kept the causal model at chance on the MNLI sample (the multipliers
+            # outgrow the task loss before it learns); 0.005 learns but stays as dense as
+            # vanilla; 0.01 does both (docs/results.md).
+            "constraints.step_size": 0.01,
         }
     )
   if task == "classification":

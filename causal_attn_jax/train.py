@@ -94,7 +94,6 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
   spec = config_lib.constraint_spec(config)
 
   def loss_fn(model, batch, rng, step, extra):
-    del step
     task_loss, metrics, records, _ = task.loss(
         config, model, batch, train=True, rngs=nnx.Rngs(dropout=rng)
     )
@@ -104,7 +103,7 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
         violations, extra["multipliers"], penalty=extra["penalty"]
     )
     loss = task_loss + term if applied else task_loss
-    metrics = dict(metrics, task_loss=task_loss, _violations=violations)
+    metrics = dict(metrics, task_loss=task_loss, _violations=violations, _step=step)
     metrics["constraints/lagrangian"] = term
     metrics["constraints/violation"] = violations.sum()
     for name, s in zip(names, stats):
@@ -125,10 +124,14 @@ def make_update_extra(config: ml_collections.ConfigDict) -> UpdateExtraFn:
   def update_extra(extra, metrics):
     multipliers, penalty = extra["multipliers"], extra["penalty"]
     if applied:
+      # No dual ascent before constraints.dual_start_step: the task learns features first
+      # (measured in docs/results.md: multipliers that grow from step 0 keep small models at
+      # chance on MNLI).
+      step_size = jnp.where(metrics["_step"] >= c.dual_start_step, c.step_size, 0.0)
       multipliers = constraints_lib.dual_update(
           multipliers,
           metrics["_violations"],
-          step_size=c.step_size,
+          step_size=step_size,
           penalty_cap=c.multiplier_cap or None,
       )
       penalty = constraints_lib.grow_penalty(penalty, factor=c.penalty_growth, cap=c.penalty_max)
@@ -299,7 +302,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   task = tasks.get_task(config)
   mesh, data, tx, graphdef, state, checkpointer = _setup(config, workdir)
-  save_config(config, workdir)
   is_main = jax.process_index() == 0
   writer = MetricWriter(workdir, enabled=is_main)
   train_iterator = TrainIterator(
@@ -311,6 +313,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_iterator.set_state(iterator_state)
     writer.truncate_after(step)
     print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
+  # Only now that the checkpoint accepted this config (a rejected resume leaves config.json).
+  save_config(config, workdir)
 
   schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
   train_step = jit_train_step(

@@ -22,9 +22,10 @@ Arguments: size (full | small), attention (causal | vanilla | band | dilated | r
 gcn_hops (1 | 2), steps, seed.
 
 Expected result: the paper reports 72.8% MNLI-m and 85.2% HANS (full data, full scale), which we
-have not reproduced. The small run (8.8k pairs, 300 steps, 43 s on 2 busy CPU cores) is still at
-chance on the carved MNLI eval set (34%) and the 4-row HANS sample is too small to mean anything;
-it only shows the pipeline end to end.
+have not reproduced. The small run (8.8k pairs, 1,500 steps, about 3.5 minutes on 2 CPU cores)
+reaches 0.42 eval accuracy with attention=causal and 0.43 with vanilla (one seed each; the
+4-row HANS sample is too small to mean anything), and the causal encoder is sparser: about 11
+effective keys per row against 25 for vanilla (docs/results.md).
 """
 
 from causal_attn_jax.config import paper_config_from_arg

@@ -292,7 +292,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns the test report, or None when the run was stopped by SIGTERM.
   """
   mesh, info, splits, tx, graphdef, state, checkpointer = _setup(config, workdir)
-  save_config(config, workdir)
   is_main = jax.process_index() == 0
   writer = MetricWriter(workdir, enabled=is_main)
 
@@ -313,6 +312,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_iterator.set_state(iterator_state)
     writer.truncate_after(step)
     print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
+  # Only now that the checkpoint accepted this config (a rejected resume leaves config.json).
+  save_config(config, workdir)
 
   schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
   train_step = jit_train_step(

@@ -190,3 +190,15 @@ def test_causal_config_files_validate_once_data_is_given(repo_root, name, tmp_pa
     assert (full.model.dim, full.model.num_layers, full.model.num_heads) == (512, 6, 8)
     assert full.model.head_dim == 64
   assert _load_config(repo_root, name, "attention=vanilla").constraints.weight == 0
+
+
+@pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
+def test_rejected_resume_leaves_config_json_as_trained(repo_root, tmp_path):
+  data = [f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}"]
+  assert _run(repo_root, tmp_path, *TINY, *data).returncode == 0
+  trained = (tmp_path / "config.json").read_text()
+  result = _run(repo_root, tmp_path, *TINY, *data, "--config.model.mlp_dim=32")
+  assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr
+  assert "config.json" in result.stderr
+  assert (tmp_path / "config.json").read_text() == trained
+  assert not (tmp_path / "config_history").exists()

@@ -160,3 +160,15 @@ def test_glove_init_matches_pieces(tmp_path):
   table, matched = models.glove_embedding(["<pad>", "▁the", "▁Cat", "s", "▁"], str(glove), 6)
   assert matched == 2 and table.shape == (5, 6)
   assert np.all(table[1, 4:] == 0) and table[1, 1] == 2 * table[1, 0]
+
+
+def test_dual_ascent_waits_for_dual_start_step():
+  config = _config("causal")
+  config.constraints.update(dual_start_step=10, step_size=0.5)
+  update = jax.jit(train.make_update_extra(config))
+  extra = train.initial_extra(config)
+  violations = jnp.ones_like(extra["multipliers"])
+  before, _ = update(extra, {"_violations": violations, "_step": jnp.asarray(9)})
+  np.testing.assert_array_equal(before["multipliers"], extra["multipliers"])
+  after, _ = update(extra, {"_violations": violations, "_step": jnp.asarray(10)})
+  np.testing.assert_allclose(after["multipliers"], 0.5)

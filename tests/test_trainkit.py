@@ -4,6 +4,9 @@ import io
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 
 import flax
 import jax
@@ -23,7 +26,7 @@ from trainkit.metric_writers import MetricWriter, read_metrics
 from trainkit.optim import default_optimizer_config, learning_rate_schedule, make_optimizer
 from trainkit.progress import ProgressBar
 from trainkit.train_state import TrainState
-from trainkit.workdir import prepare_workdir, save_config
+from trainkit.workdir import prepare_workdir, save_config, workdir_lock
 
 
 def test_eight_fake_devices_are_visible():
@@ -242,6 +245,14 @@ def test_changed_config_on_resume_is_reported(tmp_path, caplog):
     save_config(config, str(tmp_path))
   assert "mesh.data: 1 -> 2" in caplog.text and "batch_size" not in caplog.text
   assert json.loads((tmp_path / "config.json").read_text())["mesh"]["data"] == 2
+  # The earlier config is kept, numbered, not overwritten; an unchanged config adds nothing.
+  assert json.loads((tmp_path / "config_history" / "config.1.json").read_text())["mesh"]["data"] == 1
+  save_config(config, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / "config_history")) == ["config.1.json"]
+  config.batch_size = 16
+  save_config(config, str(tmp_path))
+  kept = json.loads((tmp_path / "config_history" / "config.2.json").read_text())
+  assert kept["batch_size"] == 8 and kept["mesh"]["data"] == 2
 
 
 def test_unwritable_workdir_is_a_user_error(tmp_path):
@@ -360,3 +371,32 @@ def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
   assert not leftover.exists()
   assert ckpt.all_steps() == [1] and ckpt.restore(state)[2] == 1
+
+
+def test_workdir_lock_refuses_a_second_run_and_takes_over_stale_locks(tmp_path, caplog):
+  with workdir_lock(str(tmp_path)):
+    owner = json.loads((tmp_path / ".run.lock").read_text())
+    assert owner["pid"] == os.getpid()
+    with pytest.raises(UserError, match=f"in use by another run \\(pid {os.getpid()}"):
+      with workdir_lock(str(tmp_path)):
+        pass
+  assert not (tmp_path / ".run.lock").exists()  # released on exit
+  # A lock left by a dead process on this host (kill -9) is stale.
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  (tmp_path / ".run.lock").write_text(json.dumps(
+      {"pid": int(dead.stdout), "host": socket.gethostname(), "started": 0}))
+  with caplog.at_level("WARNING"):
+    with workdir_lock(str(tmp_path)):
+      assert json.loads((tmp_path / ".run.lock").read_text())["pid"] == os.getpid()
+  assert "stale run lock" in caplog.text
+  # Released also when the run fails.
+  with pytest.raises(RuntimeError):
+    with workdir_lock(str(tmp_path)):
+      raise RuntimeError("boom")
+  assert not (tmp_path / ".run.lock").exists()
+  # Another host's lock cannot be checked: refused, with the way out.
+  (tmp_path / ".run.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": 0}))
+  with pytest.raises(UserError, match="remove .*run.lock"):
+    with workdir_lock(str(tmp_path)):
+      pass

@@ -15,7 +15,7 @@ from ml_collections import config_flags
 
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
-from trainkit.workdir import prepare_workdir
+from trainkit.workdir import prepare_workdir, workdir_lock
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -95,7 +95,8 @@ def train_eval_command(
     with exit_together(workdir):
       validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
       workdir = prepare_workdir(workdir)
-      (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
+      with workdir_lock(workdir):
+        (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
 
   def main(argv: list[str]) -> None:
     if len(argv) > 1:

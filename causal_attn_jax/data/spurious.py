@@ -61,7 +61,7 @@ class SpuriousPairsSpec:
   num_nouns: int = 24
   num_verbs: int = 8
   num_adjectives: int = 12
-  modifier_prob: float = 0.5
+  modifier_prob: float = 0.0
   distractor_prob: float = 0.5
   seed: int = 0
 
