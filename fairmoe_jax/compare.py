@@ -8,7 +8,9 @@ same method compare side by side, e.g.
 `--methods=fairsmoe@fair.specialization=class_routing,fairsmoe@fair.route_by=label`.
 
 Every (method, seed) trains in `<workdir>/<method>/seed<k>/` with `fairmoe_jax.main`'s
-recipe. A run whose report.json exists is not trained again, and an interrupted run
+recipe. A run that finished with the same config (its config.json) is not trained again (one
+trained with another config is an error, or with --retrain is moved aside and retrained), and
+an interrupted run
 resumes from its checkpoint, so rerunning the same command resumes the comparison. A run
 that raises is recorded (its message in `error.txt`, retried on the next invocation) and
 the others go on. The result, `<workdir>/comparison.md` and `comparison.json`, has one row
@@ -41,7 +43,12 @@ from fairmoe_jax.methods import METHODS
 from trainkit import cli
 from trainkit import config as cfg
 from trainkit.errors import ConfigError, UserError, exit_on_user_error
-from trainkit.workdir import prepare_workdir
+from trainkit.workdir import (
+    move_aside,
+    prepare_workdir,
+    stale_runs_error,
+    trained_config_differences,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally `file.py:key=value,...`; shared by every run."
@@ -56,6 +63,12 @@ _METHODS = flags.DEFINE_list(
     "overrides as METHOD@KEY=VALUE@KEY=VALUE.",
 )
 _SEEDS = flags.DEFINE_list("seeds", "0,1,2", "Comma-separated seeds (non-negative integers).")
+_RETRAIN = flags.DEFINE_bool(
+    "retrain",
+    False,
+    "Move finished runs trained with another config aside (<run>.stale-<n>) and train them "
+    "again; without it such runs are an error.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 REPORT = "report.json"
@@ -153,17 +166,26 @@ def run_config(
   return config
 
 
-def run_one(config: ml_collections.ConfigDict, directory: str) -> str:
-  """Trains one run unless its report exists; returns "done", "cached", "failed" or "stopped".
+def run_one(config: ml_collections.ConfigDict, directory: str, *, retrain: bool = False) -> str:
+  """Trains one run unless it finished with this config; returns "done", "cached", "failed" or
+  "stopped".
 
-  Any exception from training is written to `directory/error.txt` (message first, then
-  the traceback) rather than raised, so one method's crash does not cost the others.
+  A finished run trained with another config (config.json) is an error, or with `retrain` is
+  moved aside and trained again. Any exception from training is written to
+  `directory/error.txt` (message first, then the traceback) rather than raised, so one method's
+  crash does not cost the others.
   """
   directory = prepare_workdir(directory)
   report_path = os.path.join(directory, REPORT)
   error_path = os.path.join(directory, ERROR)
   if os.path.exists(report_path):
-    return "cached"
+    differences = trained_config_differences(directory, config)
+    if not differences:
+      return "cached"
+    if not retrain:
+      raise stale_runs_error([(directory, differences)], "--retrain")
+    print(f"  moved the stale run to {move_aside(directory)}", flush=True)
+    directory = prepare_workdir(directory)
   try:
     report = train.train_and_evaluate(config, directory)
   except Exception as e:  # noqa: BLE001 - any failure of one run is recorded, not fatal.
@@ -338,16 +360,27 @@ def write_comparison(workdir: str, summary: dict[str, Any]) -> str:
 
 
 @exit_on_user_error
-def run(config, workdir: str, methods: Sequence[str], seeds: Sequence[str]) -> None:
+def run(
+    config, workdir: str, methods: Sequence[str], seeds: Sequence[str], retrain: bool = False
+) -> None:
   methods, seeds = parse_methods(methods), parse_seeds(seeds)
   # Every config is checked before the first run trains, so a mistake costs seconds, not a run.
   configs = {(m, s): run_config(config, m, s) for m in methods for s in seeds}
   workdir = prepare_workdir(workdir)
+  # A finished run is reused only if it was trained with the config asked for now.
+  stale = [
+      (run_dir(workdir, m, s), diff)
+      for (m, s), run_cfg in configs.items()
+      if os.path.exists(os.path.join(run_dir(workdir, m, s), REPORT))
+      and (diff := trained_config_differences(run_dir(workdir, m, s), run_cfg))
+  ]
+  if stale and not retrain:
+    raise stale_runs_error(stale, "--retrain")
   is_main = jax.process_index() == 0
   for i, ((method, seed), run_cfg) in enumerate(configs.items()):
     directory = run_dir(workdir, method, seed)
     print(f"[{i + 1}/{len(configs)}] {method} seed {seed}: {directory}", flush=True)
-    status = run_one(run_cfg, directory)
+    status = run_one(run_cfg, directory, retrain=retrain)
     if status == "cached":
       print("  report.json exists; not retrained", flush=True)
     elif status == "failed":
@@ -370,7 +403,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   cli.quiet_logging()
-  run(cli.loaded_config(_CONFIG), _WORKDIR.value, _METHODS.value, _SEEDS.value)
+  run(cli.loaded_config(_CONFIG), _WORKDIR.value, _METHODS.value, _SEEDS.value, _RETRAIN.value)
 
 
 if __name__ == "__main__":

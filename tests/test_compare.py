@@ -180,6 +180,16 @@ def test_compare_end_to_end_then_resume_without_retraining(repo_root, tmp_path):
   assert result.stdout.count("not retrained") == 2
   assert [p.stat().st_mtime_ns for p in reports] == mtimes
 
+  # Asked for other settings, the finished runs are stale: an error before anything trains.
+  result = _compare(repo_root, tmp_path, *args, "--config.num_train_steps=3")
+  assert result.returncode == 2
+  assert "num_train_steps: 2 -> 3" in result.stderr and "--retrain" in result.stderr
+  assert [p.stat().st_mtime_ns for p in reports] == mtimes
+  result = _compare(repo_root, tmp_path, *args, "--config.num_train_steps=3", "--retrain")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads((tmp_path / "multifair" / "seed0" / "report.json").read_text())["step"] == 3
+  assert (tmp_path / "multifair" / "seed0.stale-1" / "report.json").is_file()
+
 
 def test_unknown_method_is_one_line_error(repo_root, tmp_path):
   result = _compare(repo_root, tmp_path, "--methods=vanilla_smoe,bogus")

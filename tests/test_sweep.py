@@ -176,6 +176,20 @@ def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 12 and sum(line.startswith("# skipped") for line in lines) == 8
 
+  # Other settings: the finished runs would be stale, so nothing runs and the error says why.
+  changed = sweep_lib.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
+  changed.overrides["lr"] = 1e-2
+  monkeypatch.setattr(sweep_lib, "load_sweep", lambda _: changed)
+  with pytest.raises(UserError, match=r"8 finished run\(s\) .*lr: '0.001' -> '0.01'.*--retrain"):
+    sweep_lib.execute(str(sweep_path), str(workdir), env=stub_env)
+  assert all((d / "calls.txt").read_text().count("call") <= 2 for d in runs.iterdir())
+  # --retrain moves them aside (kept) and runs them with the new settings.
+  assert sweep_lib.execute(str(sweep_path), str(workdir), retrain=True, env=stub_env) == 1
+  stale = sorted(d.name for d in runs.iterdir() if ".stale-" in d.name)
+  assert len(stale) == 8 and stale[0].endswith(".stale-1")
+  redone = json.loads((runs / "batch_size=16,moe.num_experts=2,seed=0" / "report.json").read_text())
+  assert redone["flags"]["lr"] == "0.01"
+
 
 def test_commands_mode_with_launcher(tmp_path):
   sweep = sweep_lib.validate_sweep(_sweep())

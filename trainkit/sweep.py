@@ -31,7 +31,9 @@ grid values (`batch_size=64,moe.num_experts=4,seed=0`), with
 
 Modes (`--mode`):
   run       (default) runs the runs one after the other as subprocesses of this machine, each
-            logging to `<run dir>/log.txt`. A run whose report.json exists is skipped and an
+            logging to `<run dir>/log.txt`. A run whose report.json exists is skipped if it was
+            started with the same settings (`sweep_run.json`; otherwise the sweep stops with
+            an error before running anything, or with `--retrain` moves it aside), and an
             interrupted one resumes from its checkpoint, so rerunning the command resumes the
             sweep; a failed run (non-zero exit or `timeout_s`) leaves `error.txt`, is retried
             next time and does not stop the others. Then collects. `--dry_run` only prints the
@@ -76,6 +78,7 @@ from absl import app, flags
 
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit.metric_writers import read_metrics
+from trainkit.workdir import config_differences, move_aside, stale_runs_error
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("run", "commands", "collect")
@@ -84,6 +87,7 @@ SWEEP_KEYS = ("module", "config", "grid", "overrides", "metrics", "throughput_ke
 # The repo's launchers take `--module M` before their `--`; without it they run fairmoe_jax.main.
 MODULE_LAUNCHERS = ("slurm.sh", "tpu_pod.sh", "local_multiprocess.sh")
 REPORT, ERROR, LOG = "report.json", "error.txt", "log.txt"
+RUN = "sweep_run.json"  # What a run was started with: module, config and every override.
 ERROR_LOG_LINES = 30
 # A timed-out or interrupted run gets SIGTERM first (the mains checkpoint on it), then SIGKILL.
 TERMINATE_GRACE_S = 60
@@ -326,15 +330,37 @@ def _run_one(
   return not why, why
 
 
+def run_record(sweep: ml_collections.ConfigDict, point: Mapping[str, Any]) -> dict[str, Any]:
+  """What decides a run's result, as written to its RUN file and compared on a rerun."""
+  settings = {**sweep.overrides, **point}
+  return {
+      "module": sweep.module,
+      "config": sweep.config,
+      "settings": {k: format_value(v) for k, v in settings.items()},
+  }
+
+
+def _recorded_run(directory: str) -> dict[str, Any]:
+  try:
+    with open(os.path.join(directory, RUN)) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return {"record": "missing"}  # Cannot be checked, so it is not reused.
+
+
 def run_sweep(
     sweep: ml_collections.ConfigDict,
     workdir: str,
     *,
     dry_run: bool = False,
+    retrain: bool = False,
     env: Mapping[str, str] | None = None,
     cwd: str = REPO_ROOT,
 ) -> dict[str, str]:
   """Runs every run without a report.json, in order; returns {name: ok|failed|skipped}.
+
+  A finished run started with another command (its RUN record) is an error before anything
+  runs, or with `retrain` is moved aside (`<run>.stale-<n>`) and run again.
 
   `env` adds to this process's environment (the runs inherit it, XLA_FLAGS included).
   """
@@ -344,6 +370,19 @@ def run_sweep(
   points = grid_points(sweep)
   _check_names(sweep, points)
   run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+  # A finished run is reused only if it ran the command asked for now (its RUN record).
+  stale = []
+  for point in points:
+    directory = run_dir(workdir, point)
+    if os.path.exists(os.path.join(directory, REPORT)):
+      differences = config_differences(_recorded_run(directory), run_record(sweep, point))
+      if differences:
+        stale.append((directory, differences))
+  if stale and not dry_run:
+    if not retrain:
+      raise stale_runs_error(stale, "--retrain")
+    for directory, _ in stale:
+      print(f"moved the stale run {directory} to {move_aside(directory)}", flush=True)
   statuses = {}
   for i, point in enumerate(points):
     name, directory = run_name(point), run_dir(workdir, point)
@@ -358,6 +397,9 @@ def run_sweep(
       print(f"{prefix} skipped (report.json exists)", flush=True)
       continue
     start = time.monotonic()
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, RUN), "w") as f:
+      json.dump(run_record(sweep, point), f, indent=2)
     try:
       ok, why = _run_one(command, directory, timeout_s=sweep.timeout_s, cwd=cwd, env=run_env)
     except KeyboardInterrupt:
@@ -563,6 +605,7 @@ def execute(
     mode: str = "run",
     launcher: str = "",
     dry_run: bool = False,
+    retrain: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> int:
   """The command line's work; returns the exit status (1 when a run has no report.json)."""
@@ -584,7 +627,7 @@ def execute(
     print(write_commands(sweep, workdir, launcher_words, sweep_path))
     return 0
   if mode == "run":
-    run_sweep(sweep, workdir, dry_run=dry_run, env=env)
+    run_sweep(sweep, workdir, dry_run=dry_run, retrain=retrain, env=env)
     if dry_run:
       return 0
   os.makedirs(workdir, exist_ok=True)
@@ -611,6 +654,12 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
           "launcher", "", 'commands mode: prefix of each line, e.g. "launch/slurm.sh --nodes 2 --".'
       ),
       dry_run=flags.DEFINE_bool("dry_run", False, "run mode: print the commands, run nothing."),
+      retrain=flags.DEFINE_bool(
+          "retrain",
+          False,
+          "run mode: move finished runs started with other settings aside and run them again "
+          "(without it they are an error).",
+      ),
   )
   flags.mark_flags_as_required(["sweep", "workdir"])
   return holders
@@ -633,6 +682,7 @@ def main(argv: list[str], holders: dict[str, flags.FlagHolder]) -> None:
         mode=holders["mode"].value,
         launcher=holders["launcher"].value,
         dry_run=holders["dry_run"].value,
+        retrain=holders["retrain"].value,
     )
   except KeyboardInterrupt:  # The running run got SIGTERM and checkpointed; rerun resumes.
     sys.exit(130)

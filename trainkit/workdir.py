@@ -154,3 +154,53 @@ def _keep_in_history(workdir: str, text: str) -> str:
   with open(kept, "w") as f:
     f.write(text)
   return kept
+
+
+def config_differences(
+    saved: Any, requested: Any, *, ignore: tuple[str, ...] = ()
+) -> list[str]:
+  """`key: saved -> requested` for every dotted key whose value differs (JSON-like trees)."""
+  before, after = _flatten(saved), _flatten(requested)
+  return [
+      f"{k}: {before.get(k)!r} -> {after.get(k)!r}"
+      for k in sorted(before.keys() | after.keys())
+      if k not in ignore and before.get(k) != after.get(k)
+  ]
+
+
+def trained_config_differences(directory: str, config: ml_collections.ConfigDict) -> list[str]:
+  """How `config` differs from the config.json a finished run in `directory` was trained with.
+
+  `num_train_steps` is left out when `num_epochs` sets it (training resolves it from the data).
+  A missing or unreadable config.json is one difference: such a run cannot be checked.
+  """
+  path = os.path.join(directory, "config.json")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    return [f"config.json unreadable ({e.__class__.__name__})"]
+  requested = json.loads(config.to_json_best_effort())
+  ignore = ("num_train_steps",) if requested.get("num_epochs", 0) > 0 else ()
+  return config_differences(saved, requested, ignore=ignore)
+
+
+def move_aside(directory: str) -> str:
+  """Renames a run directory to `<directory>.stale-<n>` (kept for inspection); returns the name."""
+  n = 1
+  while os.path.exists(f"{directory}.stale-{n}"):
+    n += 1
+  os.rename(directory, f"{directory}.stale-{n}")
+  return f"{directory}.stale-{n}"
+
+
+def stale_runs_error(stale: list[tuple[str, list[str]]], flag: str) -> UserError:
+  """One message for finished runs whose config is not the requested one."""
+  shown = "; ".join(f"{d} ({', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})"
+                    for d, diff in stale[:3])
+  more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
+  return UserError(
+      f"{len(stale)} finished run(s) were trained with another config, so their results would be "
+      f"stale: {shown}{more}. Rerun with {flag} to move them aside (to <run>.stale-<n>) and "
+      "train them again, or use a new --workdir"
+  )
