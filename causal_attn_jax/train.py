@@ -361,6 +361,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Evaluates the latest readable checkpoint in `workdir`; writes report.json."""
+  tokenizer_path = os.path.join(workdir, "spm.model")
+  if not os.path.isfile(tokenizer_path):
+    # Training a new one on the given text would silently change the checkpoint's vocabulary.
+    raise UserError(
+        f"{tokenizer_path} is missing, and the checkpoint's token ids mean nothing without it; "
+        "restore it, or train a new run (--mode=train in a new workdir)"
+    )
   mesh, data, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
   restored = checkpointer.restore(state)
   checkpointer.close()

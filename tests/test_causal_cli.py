@@ -202,3 +202,25 @@ def test_rejected_resume_leaves_config_json_as_trained(repo_root, tmp_path):
   assert "config.json" in result.stderr
   assert (tmp_path / "config.json").read_text() == trained
   assert not (tmp_path / "config_history").exists()
+
+  # --mode=eval never retrains a deleted tokenizer (it would change the vocabulary).
+  (tmp_path / "spm.model").unlink()
+  result = _run(repo_root, tmp_path, *TINY, *data, "--mode=eval")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "spm.model is missing" in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / "spm.model").exists()
+
+
+def test_eval_without_checkpoint_and_early_errors_leave_no_workdir(repo_root, tmp_path):
+  workdir = tmp_path / "never_trained"
+  result = _run(repo_root, workdir, *TINY, f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
+                "--mode=eval")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "no checkpoint in" in result.stderr and not workdir.exists()
+  # A data error found after the workdir was made (a malformed row) removes the empty workdir.
+  bad = tmp_path / "bad.tsv"
+  bad.write_text("not\ta\tvalid\theader\n1\t2\n")
+  result = _run(repo_root, workdir, *TINY, f"--config.data.train_file={bad}")
+  assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-2000:]
+  assert "bad.tsv" in result.stderr.strip().splitlines()[-1]
+  assert not workdir.exists()

@@ -15,7 +15,7 @@ from ml_collections import config_flags
 
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
-from trainkit.workdir import prepare_workdir, workdir_lock
+from trainkit.workdir import prepare_workdir, remove_if_empty, require_checkpoint, workdir_lock
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -94,9 +94,17 @@ def train_eval_command(
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
     with exit_together(workdir):
       validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
+      if mode == "eval":
+        require_checkpoint(workdir)  # Before seconds of data loading and model building.
+      created = not os.path.exists(workdir)
       workdir = prepare_workdir(workdir)
-      with workdir_lock(workdir):
-        (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
+      try:
+        with workdir_lock(workdir):
+          (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
+      except BaseException:
+        if created and jax.process_index() == 0:
+          remove_if_empty(workdir)  # An early error leaves no empty workdir behind.
+        raise
 
   def main(argv: list[str]) -> None:
     if len(argv) > 1:

@@ -38,6 +38,28 @@ def prepare_workdir(workdir: str | None) -> str:
 LOCK_NAME = ".run.lock"
 
 
+def require_checkpoint(workdir: str) -> None:
+  """Raises UserError unless `<workdir>/checkpoints` holds at least one step directory."""
+  directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), "checkpoints")
+  try:
+    steps = [name for name in os.listdir(directory) if name.isdigit()]
+  except OSError:
+    steps = []
+  if not steps:
+    raise UserError(f"no checkpoint in '{directory}': train first (--mode=train)")
+
+
+def remove_if_empty(workdir: str) -> None:
+  """Removes `workdir` if nothing but directories without files was left in it."""
+  for root, _, files in os.walk(workdir):
+    if files:
+      return
+  for root, dirs, _ in os.walk(workdir, topdown=False):
+    for d in dirs:
+      os.rmdir(os.path.join(root, d))
+  os.rmdir(workdir)
+
+
 def _process_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
