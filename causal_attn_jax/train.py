@@ -307,7 +307,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   train_iterator = TrainIterator(
       data.train, config.batch_size, seed=config.seed, seq_keys=task.seq_keys
   )
-  restored = checkpointer.restore(state)
+  restored = checkpointer.restore(state, check_iterator_state=train_iterator.set_state)
   if restored is not None:
     state, iterator_state, step = restored
     train_iterator.set_state(iterator_state)

@@ -306,7 +306,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       num_threads=config.data.num_threads,
       prefetch_buffer_size=config.data.prefetch_buffer_size,
   )
-  restored = checkpointer.restore(state)
+  restored = checkpointer.restore(state, check_iterator_state=train_iterator.set_state)
   if restored is not None:
     state, iterator_state, step = restored
     train_iterator.set_state(iterator_state)

@@ -200,6 +200,28 @@ def test_all_checkpoints_corrupt_is_a_user_error(tmp_path):
     Checkpointer(str(tmp_path / "ckpt")).restore(state)
 
 
+def test_unusable_iterator_state_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
+  """An iterator state of {} must not restart the data stream silently (nor be a traceback)."""
+  from causal_attn_jax.data.iterator import TrainIterator
+
+  data = {"ids": np.arange(40).reshape(20, 2)}
+  iterator = TrainIterator(data, 4, seed=0, seq_keys=("ids",))
+  state = _State(step=jnp.array(0), w=jnp.arange(4.0))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  ckpt.save(1, state, {"epoch": 0, "index": 8}, force=True)
+  ckpt.save(2, state, {}, force=True)
+  ckpt.close()
+  with caplog.at_level("WARNING"):
+    _, iterator_state, step = Checkpointer(str(tmp_path / "ckpt")).restore(
+        state, check_iterator_state=iterator.set_state
+    )
+  assert step == 1 and iterator_state == {"epoch": 0, "index": 8}
+  assert "step 2" in caplog.text and "lacks ['epoch', 'index']" in caplog.text
+  assert (iterator.epoch, iterator.index) == (0, 8)
+  with pytest.raises(ValueError, match="lacks"):
+    iterator.set_state({})
+
+
 def test_checkpoint_of_a_different_model_is_a_user_error_naming_the_array(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
   ckpt.save(1, _State(step=jnp.array(0), w=jnp.arange(4.0)), {}, force=True)

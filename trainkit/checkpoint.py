@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -148,8 +149,17 @@ class Checkpointer:
     )
     return self._manager.save(step, args=args, force=force)
 
-  def restore(self, template_state: Any) -> tuple[Any, dict, int] | None:
+  def restore(
+      self,
+      template_state: Any,
+      *,
+      check_iterator_state: Callable[[dict], Any] | None = None,
+  ) -> tuple[Any, dict, int] | None:
     """Restores the newest readable checkpoint onto `template_state`'s shapes and shardings.
+
+    `check_iterator_state(state)` (e.g. the train iterator's `set_state`) must raise on a data-
+    iterator state it cannot resume from; such a checkpoint is skipped like an unreadable one,
+    so a resume never silently restarts the data stream.
 
     Returns (state, data_iterator_state, step), or None when there is no checkpoint.
     """
@@ -196,11 +206,18 @@ class Checkpointer:
       except Exception as e:  # A corrupt step falls back to the previous one.
         skip(step, e)
         continue
+      iterator_state = dict(restored[DATA_ITERATOR] or {})
+      if check_iterator_state is not None:
+        try:
+          check_iterator_state(iterator_state)
+        except Exception as e:  # Any failure to resume the stream from it.
+          skip(step, ValueError(f"unusable data-iterator state {iterator_state!r}: {e!r}"))
+          continue
       if failures:
         _log.warning(
             "restored step %d after skipping unreadable checkpoints: %s", step, "; ".join(failures)
         )
-      return restored[STATE], dict(restored[DATA_ITERATOR] or {}), step
+      return restored[STATE], iterator_state, step
     raise UserError(f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures))
 
   def wait(self) -> None:

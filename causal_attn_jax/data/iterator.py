@@ -60,7 +60,11 @@ class TrainIterator:
     return {"epoch": self.epoch, "index": self.index}
 
   def set_state(self, state: dict) -> None:
-    self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+    """Resumes the stream; a state without its position is an error, never a silent restart."""
+    missing = {"epoch", "index"} - set(state)
+    if missing:
+      raise ValueError(f"data-iterator state lacks {sorted(missing)}")
+    self.epoch, self.index = int(state["epoch"]), int(state["index"])
     self._order = None
 
 
