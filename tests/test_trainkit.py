@@ -60,6 +60,8 @@ def test_mesh_minus_one_fills_remaining_devices():
         ({"data": -1, "expert": -1}, "mesh"),
         ({"data": 0, "expert": 1}, "mesh.data"),
         ({"data": 1, "expert": "2"}, "mesh.expert"),
+        ({"data": -1, "expert": 16}, "mesh.expert"),  # The key set too large, not the -1.
+        ({"data": 9, "expert": 1}, "mesh.data"),
     ],
 )
 def test_impossible_meshes_name_the_key(mesh_config, key):

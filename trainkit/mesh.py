@@ -30,6 +30,11 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, i
   unknown = [axis for axis, size in sizes.items() if size == -1]
   if len(unknown) > 1:
     raise ConfigError("mesh", "at most one of mesh.data and mesh.expert may be -1")
+  for axis, size in sizes.items():
+    if size > num_devices:  # Name the key that asks too much, not the -1 that cannot fill.
+      raise ConfigError(
+          f"mesh.{axis}", f"{size} needs {size} devices but only {num_devices} are available"
+      )
   known = math.prod(size for size in sizes.values() if size != -1)
   if unknown:
     if num_devices % known:
