@@ -269,6 +269,27 @@ def test_malformed_csv_values_name_file_line_and_column(tmp_path, file, row, rep
     isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
 
 
+def test_stray_quote_bom_and_encoding_are_errors_with_the_line(tmp_path):
+  """An unclosed quote must not swallow rows and shift values into other columns silently."""
+  write_layout(tmp_path)
+  metadata = tmp_path / isic.METADATA_FILE
+  lines = metadata.read_text().splitlines()
+  lines[1] = 'a,15,anterior torso,"l0,female'  # The quote closes rows later.
+  lines[3] = 'c,85.0,,l2",'
+  metadata.write_text("\n".join(lines) + "\n")
+  with pytest.raises(UserError, match=r"Metadata\.csv:2: a quoted field runs from line 2 to line 4"):
+    isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
+  # A byte-order mark before the header is not part of the first column's name.
+  write_layout(tmp_path)
+  truth = tmp_path / isic.GROUND_TRUTH_FILE
+  truth.write_bytes(b"\xef\xbb\xbf" + truth.read_bytes())
+  isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
+  # Not UTF-8: the line, not a byte offset.
+  truth.write_bytes(truth.read_bytes().replace(b"\nc,", b"\nc\xff,"))
+  with pytest.raises(UserError, match=r"GroundTruth\.csv:4: not UTF-8"):
+    isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
+
+
 def test_missing_columns_files_and_bad_arguments(tmp_path):
   write_layout(tmp_path)
   kwargs = dict(root=str(tmp_path), image_size=8, preload=False)

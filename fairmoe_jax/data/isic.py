@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import csv
+import io
 import math
 import os
 import pathlib
@@ -70,26 +71,46 @@ def age_group(age: float) -> int:
 
 
 def _read_csv(path: pathlib.Path, required: Sequence[str]):
-  """Yields (line number, row dict) of a CSV whose header has the ``required`` columns."""
+  """Yields (line number, row dict) of a CSV whose header has the ``required`` columns.
+
+  Strict where the csv module is lenient: a quoted field that runs over a line break (an
+  unclosed quote would otherwise swallow the following rows and shift their values into other
+  columns), a row with the wrong number of fields, a byte that is not UTF-8 and a field over
+  the csv size limit are errors naming the file and line. A UTF-8 byte-order mark is ignored.
+  """
   if not path.is_file():
     raise UserError(f"ISIC file {path} does not exist.")
   try:
-    with open(path, newline="") as f:
-      reader = csv.DictReader(f)
-      header = reader.fieldnames or []
-      missing = [c for c in required if c not in header]
-      if missing:
+    raw = path.read_bytes()
+  except OSError as e:
+    raise UserError(f"ISIC file {path} cannot be read: {e.strerror or e}") from e
+  raw = raw.removeprefix(b"\xef\xbb\xbf")  # A byte-order mark is not part of the header.
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw[: e.start].count(b"\n") + 1
+    raise UserError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}).") from None
+  reader = csv.DictReader(io.StringIO(text, newline=""))
+  try:
+    header = reader.fieldnames or []
+    missing = [c for c in required if c not in header]
+    if missing:
+      raise UserError(
+          f"{path}:1: missing column(s) {', '.join(missing)}; header is {','.join(header)}."
+      )
+    last = reader.line_num
+    for row in reader:
+      first, last = last + 1, reader.line_num
+      if last > first or any("\n" in v or "\r" in v for v in row.values() if v):
         raise UserError(
-            f"{path}:1: missing column(s) {', '.join(missing)}; header is {','.join(header)}."
+            f"{path}:{first}: a quoted field runs from line {first} to line {last}; "
+            "is a quote (\") left unclosed?"
         )
-      for row in reader:
-        if None in row or any(v is None for v in row.values()):
-          raise UserError(
-              f"{path}:{reader.line_num}: expected {len(header)} comma-separated fields."
-          )
-        yield reader.line_num, row
-  except (OSError, UnicodeDecodeError, csv.Error) as e:
-    raise UserError(f"ISIC file {path} cannot be read: {e}") from e
+      if None in row or any(v is None for v in row.values()):
+        raise UserError(f"{path}:{first}: expected {len(header)} comma-separated fields.")
+      yield first, row
+  except csv.Error as e:
+    raise UserError(f"{path}:{reader.line_num}: {e}.") from None
 
 
 def read_ground_truth(path: str | os.PathLike) -> dict[str, int]:
