@@ -44,6 +44,7 @@ def test_official_sample_counts_and_values():
       "rows_without_image": 0,
       "images_without_attributes": 0,
       "rows_without_partition": 0,
+      "partition_rows_unknown_image": 0,
       "train_examples": 2328,
       "val_examples": 480,
       "test_examples": 390,
@@ -149,11 +150,17 @@ def good_layout(root: pathlib.Path):
   write_layout(root, rows, partition, present)
 
 
-def test_tiny_layout_counts_unmatched_rows(tmp_path):
+def test_tiny_layout_counts_unmatched_rows(tmp_path, capsys):
   good_layout(tmp_path)
+  with open(tmp_path / "list_eval_partition.txt", "a") as f:
+    f.write("777777.jpg 0\n")  # A partition entry for an image no attribute row names.
   info, splits = celeba.load_celeba(
       root=str(tmp_path), sensitive=("Male", "Young"), image_size=8, preload=True
   )
+  printed = capsys.readouterr().out
+  assert "rows_without_image: 000004.jpg" in printed
+  assert "images_without_attributes: 000009.jpg" in printed
+  assert "partition_rows_unknown_image: 777777.jpg" in printed
   # 000004 has no image, 000005 no partition entry, 000009 no attribute row;
   # the header's row count (999) is ignored.
   assert info.load_stats == {
@@ -162,6 +169,7 @@ def test_tiny_layout_counts_unmatched_rows(tmp_path):
       "rows_without_image": 1,
       "images_without_attributes": 1,
       "rows_without_partition": 1,
+      "partition_rows_unknown_image": 1,
       "train_examples": 2,
       "val_examples": 1,
       "test_examples": 0,

@@ -215,7 +215,9 @@ def load_celeba(
     ``image_files``, ``rows_without_image`` (attribute rows whose image file is
     absent), ``images_without_attributes``, ``rows_without_partition``
     (attribute rows with an image but no partition entry) and
-    ``{train,val,test}_examples``.
+    ``partition_rows_unknown_image`` (partition entries for images not in the
+    attribute file) and ``{train,val,test}_examples``; the first few names of each
+    kind of unmatched row are printed with the counts.
 
   Raises:
     UserError: A file or directory is missing, an attribute is not in the
@@ -240,6 +242,14 @@ def load_celeba(
       "rows_without_image": int((~has_image).sum()),
       "images_without_attributes": len(image_files - set(names)),
       "rows_without_partition": int((has_image & (split_of < 0)).sum()),
+      "partition_rows_unknown_image": len(set(partition) - set(names)),
+  }
+  # Counts say how many; the first few names say which, so a user can look.
+  examples = {
+      "rows_without_image": [names[i] for i in np.flatnonzero(~has_image)[:5]],
+      "images_without_attributes": sorted(image_files - set(names))[:5],
+      "rows_without_partition": [names[i] for i in np.flatnonzero(has_image & (split_of < 0))[:5]],
+      "partition_rows_unknown_image": sorted(set(partition) - set(names))[:5],
   }
   image_dir_abs = image_dir.resolve()
   splits: Splits = {}
@@ -253,7 +263,7 @@ def load_celeba(
         "attributes": values[indices, 1:].astype(np.int32).reshape(len(indices), len(sensitive)),
     }
     stats[f"{split}_examples"] = len(indices)
-  images_lib.report_load_stats(f"celeba ({attr_path})", stats)
+  images_lib.report_load_stats(f"celeba ({attr_path})", stats, examples)
   if preload:
     splits = {k: images_lib.preload_images(v, image_size, num_threads) for k, v in splits.items()}
   return celeba_info(target, sensitive, image_size, stats), splits

@@ -107,12 +107,19 @@ def preload_images(
   return out
 
 
-def report_load_stats(dataset: str, stats: Mapping[str, int]) -> None:
+def report_load_stats(
+    dataset: str, stats: Mapping[str, int], examples: Mapping[str, Sequence[str]] | None = None
+) -> None:
   """Logs and prints what a loader counted (skipped rows, missing files) once.
 
   Printing as well as logging makes dropped rows visible in runs that do not
   configure logging, where a silently shrunken dataset would go unnoticed.
+  `examples` names the first few items behind a non-zero count.
   """
   message = f"{dataset}: " + ", ".join(f"{k}={v}" for k, v in stats.items())
+  for key, names in (examples or {}).items():
+    if names:
+      more = ", ..." if stats.get(key, 0) > len(names) else ""
+      message += f"\n  {key}: {', '.join(names)}{more}"
   logging.info(message)
   print(message, flush=True)
