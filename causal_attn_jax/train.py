@@ -36,7 +36,7 @@ from causal_attn_jax import tasks
 from causal_attn_jax.data.iterator import TrainIterator, device_batches
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import attention_sparsity
-from trainkit.checkpoint import Checkpointer
+from trainkit.checkpoint import Checkpointer, checkpoint_report
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
 from trainkit.loop import loop_settings, stop_after_preemption, train_loop
@@ -348,6 +348,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return None
 
   report = _final_report(config, graphdef, eval_step, state, data, mesh, workdir)
+  report.update(checkpoint_report(checkpointer))
   scalars = {f"final/{k}": report[k] for k in ("accuracy", "macro_f1", "bleu") if k in report}
   if "challenge" in report:
     scalars["final/challenge_accuracy"] = report["challenge"]["accuracy"]
@@ -376,6 +377,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   state, _, _ = restored
   eval_step = make_eval_step(graphdef, config)
   report = _final_report(config, graphdef, eval_step, state, data, mesh, workdir)
+  report.update(checkpoint_report(checkpointer))
   if jax.process_index() == 0:
     report_lib.write_report(report, workdir)
   return report

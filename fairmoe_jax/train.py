@@ -26,7 +26,7 @@ from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report
 from fairmoe_jax.methods import METHODS, make_loss_fn as method_loss_fn
 from fairmoe_jax.analysis import write_plots
 from fairmoe_jax.fairness import experts as experts_lib
-from trainkit.checkpoint import Checkpointer
+from trainkit.checkpoint import Checkpointer, checkpoint_report
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
 from trainkit.loop import loop_settings, stop_after_preemption, train_loop
@@ -355,6 +355,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   writer.flush()
   report = final_report(eval_step, graphdef, state, splits, info, config, mesh, workdir)
+  report.update(checkpoint_report(checkpointer))
   writer.write_scalars(int(state.step), _summary_scalars(report, "test"))
   writer.close()
   checkpointer.close()
@@ -374,6 +375,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   report = final_report(
       make_eval_step(graphdef, info, config), graphdef, state, splits, info, config, mesh, workdir
   )
+  report.update(checkpoint_report(checkpointer))
   if jax.process_index() == 0:
     _write_report(report, workdir)
   return report

@@ -224,3 +224,25 @@ def test_eval_without_checkpoint_and_early_errors_leave_no_workdir(repo_root, tm
   assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-2000:]
   assert "bad.tsv" in result.stderr.strip().splitlines()[-1]
   assert not workdir.exists()
+
+
+@pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
+def test_corrupt_final_checkpoint_is_moved_aside_rewritten_and_reported(repo_root, tmp_path):
+  args = [*TINY, f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
+          "--config.checkpoint_every_steps=2"]
+  assert _run(repo_root, tmp_path, *args).returncode == 0
+  for root, _, files in os.walk(tmp_path / "checkpoints" / "4"):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+  result = _run(repo_root, tmp_path, *args)
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["step"] == 4
+  assert report["checkpoint_fallback"]["skipped"][0].startswith("step 4:")
+  assert (tmp_path / "checkpoints" / "corrupt" / "4").is_dir()
+  # The final state was saved again: evaluation scores step 4, with nothing skipped.
+  result = _run(repo_root, tmp_path, *args, "--mode=eval")
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["step"] == 4 and "checkpoint_fallback" not in report

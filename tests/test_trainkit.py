@@ -190,6 +190,15 @@ def test_corrupt_latest_checkpoint_falls_back_with_warning(tmp_path, caplog):
     restored, data_state, step = ckpt.restore(state)
   assert step == 1 and data_state == {"pos": 1}
   assert any("step 2" in r.getMessage() for r in caplog.records)
+  assert ckpt.skipped and ckpt.skipped[0].startswith("step 2:")
+  # The corrupt step is kept aside, not left to block a new save of step 2.
+  assert (tmp_path / "ckpt" / "corrupt" / "2").is_dir()
+  assert ckpt.all_steps() == [1]
+  assert ckpt.save(2, state.replace(step=jnp.array(2)), {"pos": 2}, force=True)
+  ckpt.close()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  _, data_state, step = ckpt.restore(state)
+  assert (step, data_state, ckpt.skipped) == (2, {"pos": 2}, [])
 
 
 def test_all_checkpoints_corrupt_is_a_user_error(tmp_path):

@@ -108,6 +108,8 @@ class Checkpointer:
       async_save: bool = True,
   ):
     self.directory = os.path.abspath(directory)
+    # What the last restore skipped ("step N: why"), for the report; empty when nothing was.
+    self.skipped: list[str] = []
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     _remove_interrupted_saves(self.directory)
@@ -164,12 +166,15 @@ class Checkpointer:
     Returns (state, data_iterator_state, step), or None when there is no checkpoint.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
+    self.skipped = []
     if not steps:
       return None
     abstract = _abstract(template_state)
     failures = []
+    skipped_steps = []
 
     def skip(step: int, error: Exception) -> None:
+      skipped_steps.append(step)
       failures.append(f"step {step}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
       _log.warning(
           "checkpoint at step %d in %s is unreadable (%s); trying an older one",
@@ -214,11 +219,38 @@ class Checkpointer:
           skip(step, ValueError(f"unusable data-iterator state {iterator_state!r}: {e!r}"))
           continue
       if failures:
+        moved = self._move_aside(skipped_steps)
         _log.warning(
-            "restored step %d after skipping unreadable checkpoints: %s", step, "; ".join(failures)
+            "restored step %d after skipping unreadable checkpoints (moved to %s): %s",
+            step,
+            moved,
+            "; ".join(failures),
         )
+        self.skipped = failures
       return restored[STATE], iterator_state, step
     raise UserError(f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures))
+
+  def _move_aside(self, steps: list[int]) -> str:
+    """Moves unreadable step directories to `<directory>/corrupt/` (kept for inspection).
+
+    A corrupt step left in place would make `save` skip that step ("already saved") and a later
+    --mode=eval score an older one; moved aside, the step is written again when training
+    reaches it. Every process tries the rename; one succeeds.
+    """
+    corrupt = os.path.join(self.directory, "corrupt")
+    os.makedirs(corrupt, exist_ok=True)
+    for step in steps:
+      target = os.path.join(corrupt, str(step))
+      n = 1
+      while os.path.exists(target):
+        target = os.path.join(corrupt, f"{step}.{n}")
+        n += 1
+      try:
+        os.rename(os.path.join(self.directory, str(step)), target)
+      except FileNotFoundError:
+        pass  # Another process moved it.
+    self._manager.reload()
+    return corrupt
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
@@ -226,3 +258,13 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def checkpoint_report(checkpointer: Checkpointer) -> dict[str, Any]:
+  """report.json's statement of a fallback: the unreadable checkpoints the run skipped, if any.
+
+  A warning among thousands of log lines is easy to miss; the report is what people read.
+  """
+  if not checkpointer.skipped:
+    return {}
+  return {"checkpoint_fallback": {"skipped": list(checkpointer.skipped)}}
