@@ -393,6 +393,36 @@ def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))][-1] == (5, None)
 
 
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_exploding_loss_or_gradient_is_divergence_before_any_save(tmp_path, key):
+  """A finite but exploded loss (lr 1e6) must not be checkpointed as if it were healthy."""
+  mesh, state = make_mesh({"data": 8, "expert": 1}), _toy_train_state()
+
+  def train_step(state, batch):
+    exploded = jnp.where(state.step >= 3, 3.8e15, 1.0)  # From the 4th step on.
+    metrics = {"loss": jnp.asarray(2.0), "grad_norm": jnp.asarray(0.5)}
+    metrics[key] = metrics[key] * exploded
+    return state.replace(step=state.step + 1), metrics
+
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  with pytest.raises(TrainingDiverged, match=f"the {key} exploded to .* at step 4.*latest is at step 2"):
+    train_loop(
+        state=state,
+        train_step=jax.jit(train_step),
+        train_iterator=_SignallingIterator(-1),
+        mesh=mesh,
+        checkpointer=ckpt,
+        writer=MetricWriter(str(tmp_path), tensorboard=False),
+        num_train_steps=10,
+        log_every_steps=0,
+        eval_every_steps=0,
+        checkpoint_every_steps=2,
+        examples_per_step=8,
+        show_progress=False,
+    )
+  assert ckpt.all_steps() == [2]  # Step 4 was due but diverged: never saved.
+
+
 def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):
   state = _State(step=jnp.array(0), w=jnp.arange(4.0))
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)

@@ -22,7 +22,29 @@ _log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(UserError):
-  """The loss became NaN or infinite."""
+  """The loss or gradient norm became NaN or infinite, or exploded past the run's baseline."""
+
+
+# A loss or gradient norm this many times the first step's is divergence, not noise: the
+# baseline is a randomly initialised model, so a healthy run stays within a small factor of it.
+DIVERGENCE_FACTOR = 1e4
+
+
+def _divergence(scalars: Mapping[str, float], baseline: Mapping[str, float]) -> str:
+  """Why these scalars show divergence ("" when they do not)."""
+  for key in ("loss", "grad_norm"):
+    if key not in scalars:
+      continue
+    value = scalars[key]
+    if not math.isfinite(value):
+      return f"the {key} became {value}"
+    reference = baseline.get(key)
+    if reference is not None and abs(value) > DIVERGENCE_FACTOR * max(abs(reference), 1e-2):
+      return (
+          f"the {key} exploded to {value:.3g} (over {DIVERGENCE_FACTOR:g}x its first value, "
+          f"{reference:.3g})"
+      )
+  return ""
 
 
 class CheckpointableIterator(Protocol):
@@ -95,6 +117,7 @@ def train_loop(
       num_train_steps, initial=step, examples_per_step=examples_per_step, enabled=show_progress
   )
   preempted = False
+  baseline: dict[str, float] | None = None
   flops_per_step: float | None = None
   peak = peak_flops_per_device(jax.devices()[0], peak_flops)
   with PreemptionGuard() as guard:
@@ -104,6 +127,13 @@ def train_loop(
         flops_per_step = compiled_flops(train_step, state, batch) or 0.0
       state, metrics = train_step(state, batch)
       step += 1
+      if baseline is None:
+        # The first step of this segment sets the scale that divergence is measured against
+        # (fetched, not logged: metrics.jsonl keeps its cadence).
+        first = jax.device_get({k: v for k, v in metrics.items() if k in ("loss", "grad_norm")})
+        baseline = {k: float(v) for k, v in first.items()}
+        if _divergence(baseline, {}):
+          baseline = {}
       # Read once: a signal arriving later in this iteration is handled at the next step,
       # never between deciding to stop and deciding to save.
       stop_requested = guard.stop_requested(step)
@@ -113,18 +143,15 @@ def train_loop(
         # Fetching the metrics waits for the step to finish; only then is the clock read,
         # so throughput counts finished steps, not asynchronously dispatched ones.
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        # Checkpoint steps are always logged, so every saved state passed this check: a finite
-        # loss and gradient norm at step s imply finite parameters after update s.
-        diverged = [
-            k for k in ("loss", "grad_norm") if k in scalars and not math.isfinite(scalars[k])
-        ]
-        if diverged:
+        # Checkpoint steps are always logged, so every saved state passed this check: no
+        # checkpoint ever holds a state whose loss or gradient norm had already blown up.
+        why = _divergence(scalars, baseline)
+        if why:
           writer.write_scalars(step, scalars)
           writer.flush()
           checkpointer.wait()
           raise TrainingDiverged(
-              f"the {' and '.join(diverged)} became {scalars[diverged[0]]} at step {step}; "
-              "no checkpoint was written for it "
+              f"{why} at step {step}; no checkpoint was written for it "
               f"(the latest is at step {checkpointer.latest_step()}). Lower the learning rate, "
               "clip gradients or use float32 compute, then rerun to resume from that checkpoint"
           )
