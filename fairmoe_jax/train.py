@@ -276,6 +276,14 @@ def create_state(
 def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = True):
   mesh = make_mesh(config.mesh)
   info, splits = load_data(config)
+  # Validation drives checkpoint-worthy evaluation and the test split the report: found empty
+  # only after training, they would cost the whole run.
+  empty = [name for name in ("train", "val", "test") if not len(splits[name]["label"])]
+  if empty:
+    raise UserError(
+        f"data.name={config.data.name}: the {' and '.join(empty)} split(s) are empty "
+        f"(load statistics: {info.load_stats}); check the partition/split file"
+    )
   train_examples = len(splits["train"]["label"])
   resolve_train_steps(config, train_examples, training=training)
   tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)

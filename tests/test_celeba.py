@@ -265,3 +265,16 @@ def test_tfds_reads_a_mock_prepared_dataset(monkeypatch):
   with pytest.raises(UserError, match="no attribute.*Smile; available: 5_o_Clock_Shadow"):
     with tfds.testing.mock_data(num_examples=1, policy=tfds.testing.MockPolicy.USE_CODE):
       celeba.load_celeba_tfds(data_dir="unused", sensitive=("Smile",), image_size=8)
+
+
+def test_an_empty_split_is_an_error_before_training(tmp_path):
+  """A partition without test rows used to crash after training, with nothing checkpointed."""
+  from fairmoe_jax import config as fairmoe_config
+  from fairmoe_jax import train as fairmoe_train
+
+  good_layout(tmp_path)  # Its partition has no test rows.
+  config = fairmoe_config.base_config()
+  config.data.update(name="celeba", root=str(tmp_path), sensitive="Male", image_size=8,
+                     preload=False)
+  with pytest.raises(UserError, match=r"data.name=celeba: the test split\(s\) are empty"):
+    fairmoe_train._setup(config, str(tmp_path / "run"))
