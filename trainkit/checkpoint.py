@@ -8,6 +8,7 @@ UserError naming the directory.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -96,6 +97,26 @@ def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | N
   return "; ".join(problems[:limit]) + more
 
 
+def _describe(error: Exception, step_dir: str) -> str:
+  """One line saying what is wrong with a checkpoint: the file when it can be told, and the
+  first informative line of the error (TensorStore errors start with a pybind11 repr)."""
+  if isinstance(error, json.JSONDecodeError):
+    for root, _, files in os.walk(step_dir):
+      for name in sorted(files):
+        path = os.path.join(root, name)
+        if name.endswith(".json") or "METADATA" in name:
+          try:
+            with open(path) as f:
+              json.load(f)
+          except (OSError, ValueError):
+            return f"{os.path.relpath(path, step_dir)} is not valid JSON ({error.msg})"
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  informative = [line for line in lines if not line.startswith("<bound method")]
+  with_path = [line for line in informative if step_dir in line]
+  text = (with_path or informative or [""])[0]
+  return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
 class Checkpointer:
   """Saves and restores (train state, data-iterator state) pairs under `directory`."""
 
@@ -175,7 +196,7 @@ class Checkpointer:
 
     def skip(step: int, error: Exception) -> None:
       skipped_steps.append(step)
-      failures.append(f"step {step}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+      failures.append(f"step {step}: {_describe(error, os.path.join(self.directory, str(step)))}")
       _log.warning(
           "checkpoint at step %d in %s is unreadable (%s); trying an older one",
           step,
