@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from trainkit.errors import UserError
+from trainkit.textfiles import iter_lines
 
 NLI_LABELS = ("entailment", "neutral", "contradiction")
 HANS_LABELS = ("entailment", "non-entailment")
@@ -131,17 +132,8 @@ def _open_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
   Lines are split on '\\n' only: ``str.splitlines`` also splits on characters
   such as U+2028 and U+0085 that occur inside real sentences.
   """
-  if not path.is_file():
-    raise UserError(f"sentence-pair file {path} does not exist.")
-  try:
-    # newline="\n": a lone "\r" inside a sentence must not end the line.
-    with open(path, encoding="utf-8", newline="\n") as f:
-      for number, line in enumerate(f, start=1):
-        yield number, line.rstrip("\n").rstrip("\r")
-  except UnicodeDecodeError as e:
-    raise UserError(f"{path}: not valid UTF-8 ({e}).") from e
-  except OSError as e:
-    raise UserError(f"sentence-pair file {path} cannot be read: {e}") from e
+  # Split on "\n" only: a lone "\r" inside a sentence must not end the line.
+  yield from iter_lines(path, "sentence-pair")
 
 
 class _Builder:

@@ -33,6 +33,7 @@ import re
 
 from causal_attn_jax.data import nli
 from trainkit.errors import UserError
+from trainkit.textfiles import read_text
 
 SGM_SUFFIX = ".sgm"
 _TFDS_NAME = re.compile(r"^wmt\d\d_translate/([a-z]{2})-([a-z]{2})$")
@@ -66,22 +67,10 @@ def unescape_entities(text: str) -> str:
   return _ENTITY.sub(replace, text)
 
 
-def _read_text(path: pathlib.Path, what: str) -> str:
-  if not path.is_file():
-    raise UserError(f"{what} file {path} does not exist.")
-  try:
-    with open(path, encoding="utf-8", newline="") as f:
-      return f.read()
-  except UnicodeDecodeError as e:
-    raise UserError(f"{path}: not valid UTF-8 ({e}).") from e
-  except OSError as e:
-    raise UserError(f"{what} file {path} cannot be read: {e}") from e
-
-
 def read_lines(path: str | os.PathLike, *, unescape: bool = False) -> list[str]:
   """One stripped sentence per line (split on ``\\n`` only; ``\\r\\n`` accepted)."""
   path = pathlib.Path(path)
-  text = _read_text(path, "text")
+  text = read_text(path, "text")
   lines = text.split("\n")
   if lines and lines[-1] == "":
     lines.pop()  # The newline ending the last line.
@@ -105,7 +94,7 @@ def read_sgm(path: str | os.PathLike) -> dict[tuple[str, str], str]:
       message names file and line.
   """
   path = pathlib.Path(path)
-  text = _read_text(path, "sgm")
+  text = read_text(path, "sgm")
   newlines = [i for i, c in enumerate(text) if c == "\n"]
 
   def line_of(offset: int) -> int:

@@ -33,6 +33,7 @@ from PIL import Image
 from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data.types import DatasetInfo
 from trainkit.errors import UserError
+from trainkit.textfiles import read_text
 
 SPLITS = ("train", "val", "test")
 PARTITION_FILE = "list_eval_partition.txt"
@@ -73,12 +74,7 @@ def celeba_info(
 
 
 def _read_lines(path: pathlib.Path) -> list[str]:
-  if not path.is_file():
-    raise UserError(f"CelebA file {path} does not exist.")
-  try:
-    return path.read_text().splitlines()
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(f"CelebA file {path} cannot be read: {e}") from e
+  return read_text(path, "CelebA").splitlines()
 
 
 def read_attributes(

@@ -37,6 +37,7 @@ import numpy as np
 from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data.types import DatasetInfo
 from trainkit.errors import UserError
+from trainkit.textfiles import read_text
 
 SPLITS = ("train", "val", "test")
 IMAGE_DIR = "ISIC_2019_Training_Input"
@@ -78,18 +79,7 @@ def _read_csv(path: pathlib.Path, required: Sequence[str]):
   columns), a row with the wrong number of fields, a byte that is not UTF-8 and a field over
   the csv size limit are errors naming the file and line. A UTF-8 byte-order mark is ignored.
   """
-  if not path.is_file():
-    raise UserError(f"ISIC file {path} does not exist.")
-  try:
-    raw = path.read_bytes()
-  except OSError as e:
-    raise UserError(f"ISIC file {path} cannot be read: {e.strerror or e}") from e
-  raw = raw.removeprefix(b"\xef\xbb\xbf")  # A byte-order mark is not part of the header.
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    line = raw[: e.start].count(b"\n") + 1
-    raise UserError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}).") from None
+  text = read_text(path, "ISIC")
   reader = csv.DictReader(io.StringIO(text, newline=""))
   try:
     header = reader.fieldnames or []
