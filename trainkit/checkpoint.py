@@ -8,6 +8,7 @@ UserError naming the directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -97,9 +98,71 @@ def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | N
   return "; ".join(problems[:limit]) + more
 
 
+MANIFEST = "trainkit_manifest.json"  # sha256 and size of every file of a finished step.
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _step_files(step_dir: str) -> list[str]:
+  files = []
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.relpath(os.path.join(root, name), step_dir)
+      if path != MANIFEST:
+        files.append(path)
+  return sorted(files)
+
+
+def write_manifest(step_dir: str) -> None:
+  """Records every file of a finalised step (sha256, size), written atomically."""
+  entries = {
+      path: {"sha256": _sha256(os.path.join(step_dir, path)),
+             "size": os.path.getsize(os.path.join(step_dir, path))}
+      for path in _step_files(step_dir)
+  }
+  tmp = os.path.join(step_dir, f".{MANIFEST}.tmp{os.getpid()}")
+  with open(tmp, "w") as f:
+    json.dump({"files": entries}, f, indent=1)
+  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str) -> str:
+  """What does not match the step's manifest ("" when all does, or when there is none)."""
+  path = os.path.join(step_dir, MANIFEST)
+  if not os.path.exists(path):
+    return ""  # Saved before manifests existed, or cut off before it was written.
+  try:
+    with open(path) as f:
+      entries = json.load(f)["files"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    return f"{MANIFEST} is unreadable ({type(e).__name__})"
+  for name, entry in sorted(entries.items()):
+    file = os.path.join(step_dir, name)
+    if not os.path.isfile(file):
+      return f"{name} is missing"
+    if os.path.getsize(file) != entry.get("size") or _sha256(file) != entry.get("sha256"):
+      return f"{name} does not match its checksum in {MANIFEST} (changed since it was saved)"
+  extra = sorted(set(_step_files(step_dir)) - set(entries))
+  if extra:
+    return f"{extra[0]} was not part of the saved checkpoint"
+  return ""
+
+
+class _Unusable(ValueError):
+  """A reason of ours, already one readable line."""
+
+
 def _describe(error: Exception, step_dir: str) -> str:
   """One line saying what is wrong with a checkpoint: the file when it can be told, and the
   first informative line of the error (TensorStore errors start with a pybind11 repr)."""
+  if isinstance(error, _Unusable):
+    return str(error)
   if isinstance(error, json.JSONDecodeError):
     for root, _, files in os.walk(step_dir):
       for name in sorted(files):
@@ -131,6 +194,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     # What the last restore skipped ("step N: why"), for the report; empty when nothing was.
     self.skipped: list[str] = []
+    self._manifested: set[int] = set()  # Steps whose manifest exists (written or verified).
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     _remove_interrupted_saves(self.directory)
@@ -164,6 +228,7 @@ class Checkpointer:
     """Saves if `step` is due (or `force`); returns whether a save started."""
     if step in self._manager.all_steps():
       return False
+    self._write_manifests()
     args = ocp.args.Composite(
         **{
             STATE: ocp.args.StandardSave(state),
@@ -205,6 +270,10 @@ class Checkpointer:
       )
 
     for step in steps:
+      tampered = verify_manifest(os.path.join(self.directory, str(step)))
+      if tampered:
+        skip(step, _Unusable(tampered))
+        continue
       try:
         metadata = self._manager.item_metadata(step)[STATE]
         if metadata is None:
@@ -237,7 +306,7 @@ class Checkpointer:
         try:
           check_iterator_state(iterator_state)
         except Exception as e:  # Any failure to resume the stream from it.
-          skip(step, ValueError(f"unusable data-iterator state {iterator_state!r}: {e!r}"))
+          skip(step, _Unusable(f"unusable data-iterator state {iterator_state!r}: {e!r}"))
           continue
       if failures:
         moved = self._move_aside(skipped_steps)
@@ -273,11 +342,23 @@ class Checkpointer:
     self._manager.reload()
     return corrupt
 
-  def wait(self) -> None:
+  def _write_manifests(self) -> None:
+    """Writes the manifest of every finished step that lacks one (after Orbax finalised it)."""
     self._manager.wait_until_finished()
+    if jax.process_index() != 0:
+      return
+    for step in self._manager.all_steps():
+      step_dir = os.path.join(self.directory, str(step))
+      if os.path.isdir(step_dir) and step not in self._manifested:
+        if not os.path.exists(os.path.join(step_dir, MANIFEST)):
+          write_manifest(step_dir)
+        self._manifested.add(step)
+
+  def wait(self) -> None:
+    self._write_manifests()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self._write_manifests()
     self._manager.close()
 
 
