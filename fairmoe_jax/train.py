@@ -278,7 +278,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = Tru
   info, splits = load_data(config)
   # Validation drives checkpoint-worthy evaluation and the test split the report: found empty
   # only after training, they would cost the whole run.
-  empty = [name for name in ("train", "val", "test") if not len(splits[name]["label"])]
+  needed = ("train", "val", "test") if training else ("test",)  # --mode=eval scores test only.
+  empty = [name for name in needed if not len(splits[name]["label"])]
   if empty:
     raise UserError(
         f"data.name={config.data.name}: the {' and '.join(empty)} split(s) are empty "

@@ -56,7 +56,7 @@ def test_quickstart_arguments_reach_the_config():
         ),
         (lambda c: c.update(batch_size=100), "batch_size"),
         (lambda c: c.update(eval_batch_size=12), "eval_batch_size"),
-        (lambda c: c.mesh.update(data=16), "mesh"),
+        (lambda c: c.mesh.update(data=16), "mesh.data"),
         (lambda c: c.moe.update(blocks=(4,)), "moe.blocks"),
         (lambda c: c.moe.update(top_k=5), "moe.top_k"),
         (lambda c: c.moe.update(dispatch="scatter"), "moe.dispatch"),
