@@ -12,8 +12,10 @@ challenge split in the HANS schema (`challenge.accuracy`, `challenge.by_heuristi
 Arguments: size (small | full), attention (causal | vanilla | band | dilated | random | block),
 gcn_hops (1 | 2), steps, seed (the model's; the data's is data.spurious.seed).
 
-Expected result (docs/results.md, "Spurious-pairs testbed"): with size=small every attention kind
-fits the in-distribution split; what a model does on the challenge split is the measurement.
+Expected result (docs/results.md, "Spurious-pairs testbed", 3 seeds, about 2-3 minutes a run):
+vanilla 0.67 +- 0.13 in distribution and 0.49 on the challenge split; causal with the default
+constraint stays at chance (0.49); the causal GCN without the constraint 0.78 / 0.54; the
+sparse baselines at chance; causal with encoder_band=paper_slack 0.88 / 0.62.
 """
 
 from causal_attn_jax.config import paper_config_from_arg
