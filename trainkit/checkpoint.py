@@ -8,6 +8,7 @@ UserError naming the directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -154,6 +155,22 @@ def verify_manifest(step_dir: str) -> str:
   return ""
 
 
+@contextlib.contextmanager
+def _quiet_library_loggers():
+  """Silences Orbax's and TensorStore's own error logging while restores are attempted.
+
+  A corrupt step makes them log thousands of lines (spec dumps, parse errors) through absl;
+  the restore reports each skipped step itself, in one warning line.
+  """
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 class _Unusable(ValueError):
   """A reason of ours, already one readable line."""
 
@@ -205,14 +222,15 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
     )
     try:
-      self._manager = ocp.CheckpointManager(
-          self.directory,
-          options=options,
-          item_handlers={
-              STATE: ocp.StandardCheckpointHandler(),
-              DATA_ITERATOR: ocp.JsonCheckpointHandler(),
-          },
-      )
+      with _quiet_library_loggers():  # It reads every step's metadata; we report problems.
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                STATE: ocp.StandardCheckpointHandler(),
+                DATA_ITERATOR: ocp.JsonCheckpointHandler(),
+            },
+        )
     except Exception as e:  # Orbax reports unreadable directories in many ways.
       raise UserError(f"cannot open checkpoint directory '{self.directory}': {e}") from e
 
@@ -269,6 +287,33 @@ class Checkpointer:
           failures[-1],
       )
 
+    with _quiet_library_loggers():
+      restored = self._restore_newest_readable(
+          steps, abstract, skip, check_iterator_state
+      )
+    if restored is None:
+      raise UserError(
+          f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures)
+      )
+    if failures:
+      moved = self._move_aside(skipped_steps)
+      _log.warning(
+          "restored step %d after skipping unreadable checkpoints (moved to %s): %s",
+          restored[2],
+          moved,
+          "; ".join(failures),
+      )
+      self.skipped = failures
+    return restored
+
+  def _restore_newest_readable(
+      self,
+      steps: list[int],
+      abstract: Any,
+      skip: Callable[[int, Exception], None],
+      check_iterator_state: Callable[[dict], Any] | None,
+  ) -> tuple[Any, dict, int] | None:
+    """The first of `steps` that restores and passes the checks; `skip` records the others."""
     for step in steps:
       tampered = verify_manifest(os.path.join(self.directory, str(step)))
       if tampered:
@@ -308,17 +353,8 @@ class Checkpointer:
         except Exception as e:  # Any failure to resume the stream from it.
           skip(step, _Unusable(f"unusable data-iterator state {iterator_state!r}: {e!r}"))
           continue
-      if failures:
-        moved = self._move_aside(skipped_steps)
-        _log.warning(
-            "restored step %d after skipping unreadable checkpoints (moved to %s): %s",
-            step,
-            moved,
-            "; ".join(failures),
-        )
-        self.skipped = failures
       return restored[STATE], iterator_state, step
-    raise UserError(f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures))
+    return None
 
   def _move_aside(self, steps: list[int]) -> str:
     """Moves unreadable step directories to `<directory>/corrupt/` (kept for inspection).
