@@ -392,8 +392,25 @@ def test_progress_bar_reports_throughput_eta_and_scalars():
   assert "\r" not in stream.getvalue()
 
 
+def _train_ten_steps(tmp_path, train_step, ckpt, *, log_every_steps: int):
+  """train_loop over 10 steps of the toy state, checkpointing every 2 steps."""
+  return train_loop(
+      state=_toy_train_state(),
+      train_step=jax.jit(train_step),
+      train_iterator=_SignallingIterator(-1),
+      mesh=make_mesh({"data": 8, "expert": 1}),
+      checkpointer=ckpt,
+      writer=MetricWriter(str(tmp_path), tensorboard=False),
+      num_train_steps=10,
+      log_every_steps=log_every_steps,
+      eval_every_steps=0,
+      checkpoint_every_steps=2,
+      examples_per_step=8,
+      show_progress=False,
+  )
+
+
 def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
-  mesh, state = make_mesh({"data": 8, "expert": 1}), _toy_train_state()
 
   def train_step(state, batch):
     loss = jnp.where(state.step >= 4, jnp.nan, 1.0)  # Diverges at the 5th step.
@@ -401,20 +418,7 @@ def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
   with pytest.raises(TrainingDiverged, match="loss became nan at step 5.*latest is at step 4"):
-    train_loop(
-        state=state,
-        train_step=jax.jit(train_step),
-        train_iterator=_SignallingIterator(-1),
-        mesh=mesh,
-        checkpointer=ckpt,
-        writer=MetricWriter(str(tmp_path), tensorboard=False),
-        num_train_steps=10,
-        log_every_steps=1,
-        eval_every_steps=0,
-        checkpoint_every_steps=2,
-        examples_per_step=8,
-        show_progress=False,
-    )
+    _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=1)
   assert ckpt.all_steps() == [2, 4]
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))][-1] == (5, None)
 
@@ -422,7 +426,6 @@ def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_exploding_loss_or_gradient_is_divergence_before_any_save(tmp_path, key):
   """A finite but exploded loss (lr 1e6) must not be checkpointed as if it were healthy."""
-  mesh, state = make_mesh({"data": 8, "expert": 1}), _toy_train_state()
 
   def train_step(state, batch):
     exploded = jnp.where(state.step >= 3, 3.8e15, 1.0)  # From the 4th step on.
@@ -432,20 +435,7 @@ def test_exploding_loss_or_gradient_is_divergence_before_any_save(tmp_path, key)
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
   with pytest.raises(TrainingDiverged, match=f"the {key} exploded to .* at step 4.*latest is at step 2"):
-    train_loop(
-        state=state,
-        train_step=jax.jit(train_step),
-        train_iterator=_SignallingIterator(-1),
-        mesh=mesh,
-        checkpointer=ckpt,
-        writer=MetricWriter(str(tmp_path), tensorboard=False),
-        num_train_steps=10,
-        log_every_steps=0,
-        eval_every_steps=0,
-        checkpoint_every_steps=2,
-        examples_per_step=8,
-        show_progress=False,
-    )
+    _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=0)
   assert ckpt.all_steps() == [2]  # Step 4 was due but diverged: never saved.
 
 

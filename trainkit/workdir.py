@@ -146,19 +146,16 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     with open(path) as f:
       previous = f.read()
     try:
-      before = _flatten(json.loads(previous))
+      before = json.loads(previous)
     except json.JSONDecodeError:
       before = {}
-    after = _flatten(json.loads(text))
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if previous != text:
       kept = _keep_in_history(workdir, previous)
       _log.warning(
           "config differs from the previous run in this workdir (%s, kept as %s): %s",
           path,
           kept,
-          ", ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
-          or "unreadable before",
+          ", ".join(config_differences(before, json.loads(text))) or "unreadable before",
       )
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
