@@ -1,5 +1,7 @@
 """The shared training kit: mesh, config arguments, optimiser, checkpoints, metric writer."""
 
+import contextlib
+import errno
 import io
 import json
 import logging
@@ -19,8 +21,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from trainkit import config as cfg
+from trainkit import checkpoint as checkpoint_module
 from trainkit.checkpoint import Checkpointer
-from trainkit.errors import ConfigError, UserError
+from trainkit.errors import ConfigError, OutOfSpace, UserError, exit_on_user_error, is_out_of_space
 from trainkit.loop import TrainingDiverged, train_loop
 from trainkit.mesh import batch_sharding, make_mesh, mesh_shape, shard_batch
 from trainkit.metric_writers import MetricWriter, read_metrics
@@ -340,10 +343,10 @@ class _SignallingIterator:
     self.position = state["position"]
 
 
-def _toy_train_state() -> TrainState:
+def _toy_train_state(w: float = 0.0) -> TrainState:
   return TrainState(
       step=jnp.zeros((), jnp.int32),
-      params={"w": jnp.zeros(())},
+      params={"w": jnp.full((), w)},
       model_state={},
       opt_state=(),
       rng=jax.random.PRNGKey(0),
@@ -392,10 +395,10 @@ def test_progress_bar_reports_throughput_eta_and_scalars():
   assert "\r" not in stream.getvalue()
 
 
-def _train_ten_steps(tmp_path, train_step, ckpt, *, log_every_steps: int):
+def _train_ten_steps(tmp_path, train_step, ckpt, *, log_every_steps: int, w: float = 0.0):
   """train_loop over 10 steps of the toy state, checkpointing every 2 steps."""
   return train_loop(
-      state=_toy_train_state(),
+      state=_toy_train_state(w),
       train_step=jax.jit(train_step),
       train_iterator=_SignallingIterator(-1),
       mesh=make_mesh({"data": 8, "expert": 1}),
@@ -417,7 +420,7 @@ def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
     return state.replace(step=state.step + 1), {"loss": loss}
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  with pytest.raises(TrainingDiverged, match="loss became nan at step 5.*latest is at step 4"):
+  with pytest.raises(TrainingDiverged, match="loss became nan at step 5.*latest checkpoint, at step 4"):
     _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=1)
   assert ckpt.all_steps() == [2, 4]
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))][-1] == (5, None)
@@ -434,9 +437,26 @@ def test_exploding_loss_or_gradient_is_divergence_before_any_save(tmp_path, key)
     return state.replace(step=state.step + 1), metrics
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  with pytest.raises(TrainingDiverged, match=f"the {key} exploded to .* at step 4.*latest is at step 2"):
+  with pytest.raises(TrainingDiverged, match=f"the {key} exploded to .* at step 4.*latest checkpoint, at step 2"):
     _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=0)
   assert ckpt.all_steps() == [2]  # Step 4 was due but diverged: never saved.
+
+
+def test_exploding_parameters_are_divergence_even_when_the_loss_looks_healthy(tmp_path):
+  """A scale-invariant model (normalised layers) keeps a sane loss while a huge learning rate
+  blows its weights up; the parameter norm is measured against the starting parameters."""
+
+  def train_step(state, batch):
+    w = state.params["w"] * jnp.where(state.step >= 2, 1e3, 1.01)  # Explodes at the 3rd step.
+    metrics = {"loss": jnp.asarray(2.0), "grad_norm": jnp.asarray(0.5), "param_norm": jnp.abs(w)}
+    return state.replace(step=state.step + 1, params={"w": w}), metrics
+
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  with pytest.raises(TrainingDiverged, match="the param_norm exploded to .* at step 4.*latest checkpoint, at step 2"):
+    _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=0, w=3.0)
+  assert ckpt.all_steps() == [2]
+  restored, _, _ = ckpt.restore(_toy_train_state())
+  assert float(restored.params["w"]) == pytest.approx(3.0 * 1.01**2)
 
 
 def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):
@@ -450,6 +470,61 @@ def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
   assert not leftover.exists()
   assert ckpt.all_steps() == [1] and ckpt.restore(state)[2] == 1
+
+
+@contextlib.contextmanager
+def _small_disk(tmp_path, megabytes: int):
+  """A real filesystem of `megabytes` (a tmpfs), or a skip where mounting is not allowed."""
+  mount_point = tmp_path / "small_disk"
+  mount_point.mkdir()
+  mounted = subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", f"size={megabytes}M", "tmpfs", str(mount_point)],
+      capture_output=True,
+  )
+  if mounted.returncode != 0:
+    pytest.skip("mounting a small tmpfs needs root")
+  try:
+    yield mount_point
+  finally:
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path):
+  small = _State(step=jnp.array(0), w=jnp.zeros(1000))
+  big = _State(step=jnp.array(0), w=jnp.zeros(1 << 20))  # 4 MiB: cannot fit beside the margin.
+  with _small_disk(tmp_path, 6) as disk:
+    ckpt = Checkpointer(str(disk / "ckpt"), async_save=False)
+    ckpt.save(1, small, {}, force=True)
+    with pytest.raises(OutOfSpace, match=r"step 2 in '.*ckpt'.*resume from step 1"):
+      ckpt.save(2, big, {}, force=True)
+    assert sorted(os.listdir(disk / "ckpt")) == ["1"]
+    ckpt.close()
+
+
+def test_a_save_that_fills_the_disk_is_one_error_and_leaves_no_partial_step(
+    tmp_path, monkeypatch
+):
+  # The check before writing is disabled to reach the failure inside Orbax's writer threads.
+  monkeypatch.setattr(checkpoint_module, "_SAVE_MARGIN_BYTES", -(1 << 30))
+  big = _State(step=jnp.array(0), w=jax.random.normal(jax.random.key(0), (1 << 20,)))
+  with _small_disk(tmp_path, 2) as disk:
+    ckpt = Checkpointer(str(disk / "ckpt"))
+    with pytest.raises(OutOfSpace, match="no space left to save the checkpoint of step 1"):
+      ckpt.save(1, big, {}, force=True)
+      ckpt.wait()
+    assert os.listdir(disk / "ckpt") == []
+
+
+def test_a_full_disk_while_writing_metrics_is_a_user_error():
+  @exit_on_user_error
+  def write():
+    raise OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl")
+
+  with pytest.raises(SystemExit) as exit_info:
+    write()
+  assert exit_info.value.code == 2
+  assert is_out_of_space(ValueError("RESOURCE_EXHAUSTED: ...: No space left on device [os_error_code='28']"))
+  assert not is_out_of_space(OSError(errno.ENOENT, "No such file"))
 
 
 def test_workdir_lock_refuses_a_second_run_and_takes_over_stale_locks(tmp_path, caplog):

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from trainkit.errors import UserError
+from trainkit.errors import OutOfSpace, UserError, is_out_of_space
 
 _log = logging.getLogger(__name__)
 
@@ -32,6 +32,16 @@ _TMP_MARKER = ".orbax-checkpoint-tmp"
 # on 8 devices. Below this size per replica the parallel write gains nothing, so one replica
 # writes the array whole.
 MIN_REPLICA_PARALLEL_SLICE_BYTES = 8 << 20
+# Room kept free beyond a step's arrays: metadata, the manifest, the data-iterator state.
+_SAVE_MARGIN_BYTES = 4 << 20
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
+
+
+def _megabytes(n: int) -> str:
+  return f"{n / 2**20:.1f} MiB"
 
 
 def _register_array_handler() -> None:
@@ -212,6 +222,7 @@ class Checkpointer:
     # What the last restore skipped ("step N: why"), for the report; empty when nothing was.
     self.skipped: list[str] = []
     self._manifested: set[int] = set()  # Steps whose manifest exists (written or verified).
+    self._saving: tuple[int, int] | None = None  # (step, bytes) of the save in flight.
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     _remove_interrupted_saves(self.directory)
@@ -247,13 +258,40 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return False
     self._write_manifests()
+    # Checked before writing anything: a save that fills the disk fails in Orbax's background
+    # threads, half-written, with pages of tracebacks.
+    needed = _nbytes(state) + _SAVE_MARGIN_BYTES
+    free = shutil.disk_usage(self.directory).free
+    if free < needed:
+      raise self._out_of_space(step, needed, free)
     args = ocp.args.Composite(
         **{
             STATE: ocp.args.StandardSave(state),
             DATA_ITERATOR: ocp.args.JsonSave(data_iterator_state or {}),
         }
     )
-    return self._manager.save(step, args=args, force=force)
+    self._saving = (step, needed)
+    try:
+      return self._manager.save(step, args=args, force=force)
+    except Exception as e:
+      if is_out_of_space(e):
+        raise self._out_of_space(step, needed) from e
+      raise
+
+  def _out_of_space(self, step: int, needed: int, free: int | None = None) -> OutOfSpace:
+    """The error for a save that cannot fit; the half-written step is removed first."""
+    _remove_interrupted_saves(self.directory)
+    if free is None:
+      free = shutil.disk_usage(self.directory).free
+    latest = [s for s in self._manager.all_steps() if s != step]
+    resume = (
+        f"the run can resume from step {max(latest)}" if latest else "no earlier checkpoint exists"
+    )
+    return OutOfSpace(
+        f"no space left to save the checkpoint of step {step} in '{self.directory}': it needs "
+        f"about {_megabytes(needed)} and {_megabytes(free)} is free. Nothing of step {step} was "
+        f"kept and {resume}; free space and rerun"
+    )
 
   def restore(
       self,
@@ -378,9 +416,21 @@ class Checkpointer:
     self._manager.reload()
     return corrupt
 
+  def _wait_for_save(self) -> None:
+    """Waits for the asynchronous save in flight, turning a full disk into one message."""
+    try:
+      with _quiet_library_loggers():  # Its threads log each failed write at length.
+        self._manager.wait_until_finished()
+    except Exception as e:
+      if self._saving is not None and is_out_of_space(e):
+        step, needed = self._saving
+        raise self._out_of_space(step, needed) from e
+      raise
+    self._saving = None
+
   def _write_manifests(self) -> None:
     """Writes the manifest of every finished step that lacks one (after Orbax finalised it)."""
-    self._manager.wait_until_finished()
+    self._wait_for_save()
     if jax.process_index() != 0:
       return
     for step in self._manager.all_steps():

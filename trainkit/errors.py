@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 import sys
 from typing import Callable, NoReturn, TypeVar
 
@@ -18,6 +20,32 @@ class UserError(Exception):
   The message must name the offending key, file, row or field; `main` prints it
   and exits with USER_ERROR_EXIT_CODE.
   """
+
+
+class OutOfSpace(UserError):
+  """A write failed because the disk (or the user's quota) is full.
+
+  Background writers (asynchronous checkpoint threads) may still be failing when this is
+  raised; the entry point exits at once rather than letting them print at interpreter exit.
+  """
+
+
+_OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How TensorStore (Orbax's writer) words these errors: the errno is only in the text.
+_OUT_OF_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+def is_out_of_space(error: BaseException) -> bool:
+  """Whether `error`, or an error it was raised from, says the disk or quota is full."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _OUT_OF_SPACE_ERRNOS:
+      return True
+    if any(text in str(error) for text in _OUT_OF_SPACE_TEXT):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 class ConfigError(UserError):
@@ -41,7 +69,16 @@ def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
   def wrapper(*args, **kwargs):
     try:
       return fn(*args, **kwargs)
+    except OutOfSpace as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(USER_ERROR_EXIT_CODE)  # Skip the failing background writers' shutdown noise.
     except UserError as e:
       fail(str(e))
+    except OSError as e:
+      if not is_out_of_space(e):
+        raise
+      where = f" writing '{e.filename}'" if e.filename else ""
+      fail(f"no space left on the device{where}: free space and rerun to resume")
 
   return wrapper

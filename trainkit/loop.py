@@ -7,6 +7,7 @@ import math
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
+import optax
 from jax.sharding import Mesh
 
 from trainkit.checkpoint import Checkpointer
@@ -27,24 +28,35 @@ class TrainingDiverged(UserError):
 
 # A loss or gradient norm this many times the first step's is divergence, not noise: the
 # baseline is a randomly initialised model, so a healthy run stays within a small factor of it.
-DIVERGENCE_FACTOR = 1e4
+# Parameters move slowly in a healthy run (weight decay and small steps), so their norm gets a
+# tighter factor, measured against the parameters the segment started from.
+DIVERGENCE_FACTORS = {"loss": 1e4, "grad_norm": 1e4, "param_norm": 1e2}
 
 
 def _divergence(scalars: Mapping[str, float], baseline: Mapping[str, float]) -> str:
   """Why these scalars show divergence ("" when they do not)."""
-  for key in ("loss", "grad_norm"):
+  for key, factor in DIVERGENCE_FACTORS.items():
     if key not in scalars:
       continue
     value = scalars[key]
     if not math.isfinite(value):
       return f"the {key} became {value}"
     reference = baseline.get(key)
-    if reference is not None and abs(value) > DIVERGENCE_FACTOR * max(abs(reference), 1e-2):
+    if reference is not None and abs(value) > factor * max(abs(reference), 1e-2):
       return (
-          f"the {key} exploded to {value:.3g} (over {DIVERGENCE_FACTOR:g}x its first value, "
+          f"the {key} exploded to {value:.3g} (over {factor:g}x its starting value, "
           f"{reference:.3g})"
       )
   return ""
+
+
+def _starting_param_norm(state: Any) -> dict[str, float]:
+  """The parameter norm before this segment's first update (the first step's own metric is
+  taken after it, which at a diverging learning rate has already exploded)."""
+  params = getattr(state, "params", None)
+  if params is None or not jax.tree.leaves(params):
+    return {}
+  return {"param_norm": float(jax.device_get(optax.tree.norm(params)))}
 
 
 class CheckpointableIterator(Protocol):
@@ -118,6 +130,7 @@ def train_loop(
   )
   preempted = False
   baseline: dict[str, float] | None = None
+  starting_param_norm = _starting_param_norm(state)
   flops_per_step: float | None = None
   peak = peak_flops_per_device(jax.devices()[0], peak_flops)
   with PreemptionGuard() as guard:
@@ -134,6 +147,7 @@ def train_loop(
         baseline = {k: float(v) for k, v in first.items()}
         if _divergence(baseline, {}):
           baseline = {}
+        baseline.update(starting_param_norm)
       # Read once: a signal arriving later in this iteration is handled at the next step,
       # never between deciding to stop and deciding to save.
       stop_requested = guard.stop_requested(step)
@@ -150,10 +164,16 @@ def train_loop(
           writer.write_scalars(step, scalars)
           writer.flush()
           checkpointer.wait()
+          latest = checkpointer.latest_step()
+          resume = (
+              f"rerun to resume from the latest checkpoint, at step {latest}, which passed "
+              "this check"
+              if latest is not None
+              else "rerun (no checkpoint was written yet, so it starts afresh)"
+          )
           raise TrainingDiverged(
-              f"{why} at step {step}; no checkpoint was written for it "
-              f"(the latest is at step {checkpointer.latest_step()}). Lower the learning rate, "
-              "clip gradients or use float32 compute, then rerun to resume from that checkpoint"
+              f"{why} at step {step}; no checkpoint was written for it. Lower the learning "
+              f"rate, clip gradients or use float32 compute, then {resume}"
           )
         steps_per_second = progress.rate(step)
         if steps_per_second > 0:

@@ -145,7 +145,9 @@ def make_train_step(
       extra, extra_metrics = update_extra(extra, metrics)
       metrics = dict(metrics, **extra_metrics)
     metrics = {k: v for k, v in metrics.items() if not k.startswith("_")}
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+    metrics = dict(
+        metrics, loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params)
+    )
     if schedule is not None:
       metrics["learning_rate"] = schedule(state.step)
     new_state = state.replace(
