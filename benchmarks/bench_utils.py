@@ -26,14 +26,19 @@ def memory_analysis(compiled: Any) -> dict[str, int | None]:
   return {f: (int(getattr(analysis, f)) if analysis is not None else None) for f in fields}
 
 
-def flops(compiled: Any) -> float | None:
+def cost(compiled: Any, key: str) -> float | None:
+  """A figure of XLA's cost analysis of a compiled executable ("flops", "bytes accessed")."""
   try:
-    cost = compiled.cost_analysis()
+    analysis = compiled.cost_analysis()
   except Exception:  # pylint: disable=broad-except
     return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  return float(cost["flops"]) if cost and "flops" in cost else None
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  return float(analysis[key]) if analysis and key in analysis else None
+
+
+def flops(compiled: Any) -> float | None:
+  return cost(compiled, "flops")
 
 
 def write_results(path: str, args: Any, rows: list[dict], targets: list[dict]) -> None:

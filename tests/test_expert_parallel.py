@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from fairmoe_jax.moe import SparseMoE
 from fairmoe_jax.moe.dispatch import ExpertWeights, moe_sort
 from fairmoe_jax.moe.dispatch.expert_parallel import expert_parallel_moe
 from trainkit.mesh import make_mesh
@@ -155,3 +157,80 @@ def test_unknown_algorithm_raises():
   x, expert_index, gates, experts = _problem()
   with pytest.raises(ValueError, match="dense"):
     expert_parallel_moe(x, expert_index, gates, experts, capacity=2, mesh=mesh, algorithm="dense")
+
+
+def _layer(mesh):
+  # The same seed draws the same weights with or without a mesh.
+  return SparseMoE(D, H, E, K, capacity_factor=1.0, mesh=mesh, rngs=nnx.Rngs(0))
+
+
+def _layer_loss_and_grads(layer, x, cotangent, *, jit):
+  def loss(layer, x):
+    y, _ = layer(x)
+    return jnp.sum(y * cotangent), y
+
+  grad_fn = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  if jit:
+    grad_fn = nnx.jit(grad_fn)
+  (_, y), (layer_grads, x_grad) = grad_fn(layer, x)
+  grads = nnx.to_pure_dict(nnx.state(layer_grads, nnx.Param))
+  return np.asarray(y), jax.tree.map(np.asarray, grads), np.asarray(x_grad)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device_layer_results():
+  x, _, _, _ = _problem(seed=5)
+  cotangent = np.random.default_rng(8).standard_normal(x.shape, np.float32)
+  return x, cotangent, _layer_loss_and_grads(_layer(None), x, cotangent, jit=True)
+
+
+def _assert_layer_results_match(results, expected):
+  y, layer_grads, x_grad = results
+  np.testing.assert_allclose(y, expected[0], **TOL)
+  _assert_tree_close(layer_grads, expected[1])
+  np.testing.assert_allclose(x_grad, expected[2], **TOL)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"data{s[0]}xexpert{s[1]}")
+def test_layer_on_a_default_jax_make_mesh_matches_one_device(mesh_shape):
+  """`jax.make_mesh` gives Explicit axes; unsharded inputs, outside any mesh context."""
+  mesh = jax.make_mesh(mesh_shape, ("data", "expert"))
+  assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  x, cotangent, expected = _single_device_layer_results()
+  _assert_layer_results_match(_layer_loss_and_grads(_layer(mesh), x, cotangent, jit=True), expected)
+
+
+def test_layer_with_sharded_inputs_inside_set_mesh_keeps_their_layout():
+  """On Explicit axes, sharded inputs need the mesh set (as any JAX computation on them
+  does); the layer built there has its expert weights sharded too."""
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  x, cotangent, expected = _single_device_layer_results()
+  with jax.set_mesh(mesh):
+    layout = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    layer = _layer(mesh)
+    assert layer.w1[...].sharding.spec[0] == "expert"
+    y, _ = nnx.jit(lambda m, x: m(x))(layer, jax.device_put(x, layout))
+    assert y.sharding.spec[0] == "data"
+    results = _layer_loss_and_grads(layer, jax.device_put(x, layout), cotangent, jit=True)
+  _assert_layer_results_match(results, expected)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_layer_eagerly_matches_one_device(axis_type):
+  axis_types = (getattr(jax.sharding.AxisType, axis_type),) * 2
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=axis_types)
+  x, cotangent, expected = _single_device_layer_results()
+  _assert_layer_results_match(_layer_loss_and_grads(_layer(mesh), x, cotangent, jit=False), expected)
+
+
+def test_layer_on_an_auto_mesh_with_unsharded_inputs_matches_one_device():
+  mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x, cotangent, expected = _single_device_layer_results()
+  _assert_layer_results_match(_layer_loss_and_grads(_layer(mesh), x, cotangent, jit=True), expected)
+
+
+def test_an_impossible_layout_names_the_layer_the_mesh_and_the_shapes():
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  x, _, _, _ = _problem()
+  with pytest.raises(ValueError, match=r"SparseMoE.*mesh \{'data': 2, 'expert': 4\}.*\(6, 8, 16\)"):
+    _layer(mesh)(x[:6])

@@ -238,6 +238,33 @@ def test_sort_builds_no_token_by_expert_by_capacity_tensor():
   ), sizes
 
 
+def test_sort_moves_data_by_gathers_only_in_both_passes():
+  """Scatter-adds run serially on CPU and with atomics on GPU; sort's forward and backward
+  move every row by a gather, with the plan computed once (its custom VJP)."""
+  x, experts, cotangent = _normal(0, (G, S, D)), _experts(1), _normal(2, (G, S, D))
+  index, gates = _random_routing(3, G, S, E, K)
+  step = _gates_grad_fn("sort", 2).lower(x, gates, experts, index, cotangent)
+  hlo = step.compile().as_text()
+  scatters = [line for line in hlo.splitlines() if " scatter(" in line]
+  # The one scatter left is the plan's int32 inverse permutation (G S k elements), not data.
+  assert all("s32[" in line.split("=")[1].split("scatter(")[0] for line in scatters), scatters
+  assert len(scatters) <= 1, scatters
+
+
+def test_sort_gradients_in_bfloat16_stay_close_to_float32():
+  x32, experts, cotangent = _normal(0, (G, S, D)), _experts(1), _normal(2, (G, S, D))
+  index, gates = _random_routing(3, G, S, E, K)
+  _, grads32 = _gates_grad_fn("dense", S)(x32, gates, experts, index, cotangent)
+  (_, (y, _)), grads16 = _gates_grad_fn("sort", S)(
+      x32.astype(jnp.bfloat16), gates, experts, index, cotangent.astype(jnp.bfloat16)
+  )
+  assert y.dtype == jnp.bfloat16
+  assert grads16[1].dtype == jnp.float32  # The gates' gradient stays in the routing dtype.
+  for a, b in zip(jax.tree.leaves(grads16), jax.tree.leaves(grads32), strict=True):
+    scale = float(jnp.abs(b).max())
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0, atol=3e-2 * scale)
+
+
 # ---------------------------------------------------------------------------
 # dropless
 # ---------------------------------------------------------------------------

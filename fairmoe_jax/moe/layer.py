@@ -303,15 +303,21 @@ class SparseMoE(nnx.Module):
           x, expert_index, gates, experts, capacity=capacity
       )
     else:  # Each device routes its own examples; tokens reach their experts by all_to_all.
-      y, stats = expert_parallel_moe(
-          x,
-          expert_index,
-          gates,
-          experts,
-          capacity=capacity,
-          mesh=self.mesh,
-          algorithm=self.dispatch,
-      )
+      try:
+        y, stats = expert_parallel_moe(
+            x,
+            expert_index,
+            gates,
+            experts,
+            capacity=capacity,
+            mesh=self.mesh,
+            algorithm=self.dispatch,
+        )
+      except ValueError as e:
+        raise ValueError(
+            f"SparseMoE (dim {self.dim}, {self.num_experts} experts) on mesh "
+            f"{dict(self.mesh.shape)} cannot take input of shape {tuple(x.shape)}: {e}"
+        ) from e
     if order is not None:
       y, kept = restore_token_order((y, stats.kept), order)
       stats = stats.replace(kept=kept)

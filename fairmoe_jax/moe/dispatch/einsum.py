@@ -5,8 +5,9 @@ The dispatch is expressed as two dense one-hot tensors of shape [G, S, E, C]:
   dispatch[g, s, e, c] = 1  iff token s of group g sits in slot c of expert e;
   combine[g, s, e, c]  = gate of that choice (0 where dispatch is 0).
 
-Expert inputs are einsum("gsec,gsd->gecd", dispatch, x) and the layer output is
-einsum("gsec,gecd->gsd", combine, expert_outputs). `dispatch_and_combine_masks`
+Expert inputs are einsum("gsec,gsd->egcd", dispatch, x), expert-major like V-MoE's
+[E, G * C, D] buffers (so the expert matmuls need no transpose), and the layer output
+is einsum("gsec,egcd->gsd", combine, expert_outputs). `dispatch_and_combine_masks`
 is the reference for the capacity semantics of all capacity algorithms. This
 costs O(G S E C) memory, quadratic in the group size since C ~ S k / E; fine for
 ViT-sized groups, while `sort` builds the same expert buffers without any
@@ -95,7 +96,7 @@ def einsum_dispatch(
     num_experts: E.
 
   Returns:
-    dispatched: [G, E, C, D] expert inputs in x.dtype; empty slots are zero.
+    dispatched: [E, G * C, D] expert inputs in x.dtype, expert-major; empty slots are zero.
     combine: [G, S, E, C] combine weights, to be passed to `einsum_combine`.
     stats: `DispatchStats`.
   """
@@ -103,17 +104,20 @@ def einsum_dispatch(
       expert_index, gates, num_experts=num_experts, capacity=capacity
   )
   # 0/1 entries are exact in any float dtype, so the gather is lossless.
-  dispatched = jnp.einsum("gsec,gsd->gecd", dispatch.astype(x.dtype), x)
-  return dispatched, combine, stats
+  dispatched = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)
+  num_groups, dim = x.shape[0], x.shape[-1]
+  return dispatched.reshape(num_experts, num_groups * capacity, dim), combine, stats
 
 
 def einsum_combine(combine: jax.Array, expert_outputs: jax.Array) -> jax.Array:
-  """[G, S, E, C] weights x [G, E, C, D] expert outputs -> [G, S, D].
+  """[G, S, E, C] weights x [E, G * C, D] expert outputs -> [G, S, D].
 
   Dropped choices have zero weight, so a token whose every choice was dropped
   gets 0 here and is carried only by the residual connection of its block.
   """
-  return jnp.einsum("gsec,gecd->gsd", combine.astype(expert_outputs.dtype), expert_outputs)
+  num_groups, _, num_experts, capacity = combine.shape
+  outputs = expert_outputs.reshape(num_experts, num_groups, capacity, -1)
+  return jnp.einsum("gsec,egcd->gsd", combine.astype(expert_outputs.dtype), outputs)
 
 
 def moe_einsum(

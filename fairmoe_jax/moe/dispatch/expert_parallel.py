@@ -14,13 +14,14 @@ same `DispatchStats`, but runs under `jax.shard_map` over the mesh:
   as annotated by `SparseMoE`): each expert shard holds E_l = E / n_expert
   experts, replicated over the other axes.
 
-Per device: the capacity buffers [G_l, E, C, D] of the local groups are built
-with the sort construction of `moe_sort` (no [S, E, C] tensor); an all-to-all
-over the expert axis sends the buffers of experts [j E_l, (j + 1) E_l) to expert
-shard j, which thus receives [n_expert * G_l, E_l, C, D], the tokens of its own
-experts from every shard of its expert axis; it applies its local experts, a
-second all-to-all returns the outputs to the devices owning the groups, and
-they are combined with the gates there. Routing never crosses devices: since a
+Per device: the expert-major capacity buffers [E, G_l * C, D] of the local groups
+are built with the sort construction of `moe_sort` (no [S, E, C] tensor); an
+all-to-all over the expert axis sends the buffers of experts [j E_l, (j + 1) E_l)
+to expert shard j, which thus receives [E_l, n_expert * G_l * C, D], the tokens of
+its own experts from every shard of its expert axis, in the layout its expert
+matmuls take; it applies its local experts, a second all-to-all returns the
+outputs to the devices owning the groups, and they are combined with the gates
+there. Routing never crosses devices: since a
 group is one example and lives on one device, the capacity decisions (and so the
 stats) are exactly those of the single-device algorithms.
 
@@ -37,7 +38,7 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
@@ -62,16 +63,44 @@ def _local_moe(
     expert_axis: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-device body: local groups [G_l, S, ...], local experts [E_l, ...]."""
-  plan = sort_slot_plan(expert_index, gates, num_experts=num_experts, capacity=capacity)
-  buffers = gather_slots(x, plan, num_experts=num_experts, capacity=capacity)
-  # [G_l, E, C, D] -> [n_expert * G_l, E_l, C, D]: expert shard j gets the slots of
-  # its experts [j E_l, (j + 1) E_l) from every shard of its expert axis.
-  received = jax.lax.all_to_all(buffers, expert_axis, split_axis=1, concat_axis=0, tiled=True)
+  num_groups, group_size, dim = x.shape
+  plan = sort_slot_plan(expert_index, num_experts=num_experts, capacity=capacity)
+  buffers = gather_slots(x.reshape(num_groups * group_size, dim), plan)
+  # [E, G_l C, D] -> [E_l, n_expert G_l C, D]: expert shard j gets the slots of its experts
+  # [j E_l, (j + 1) E_l) from every shard of its expert axis, already expert-major.
+  received = jax.lax.all_to_all(buffers, expert_axis, split_axis=0, concat_axis=1, tiled=True)
   outputs = experts.apply(received)
-  # And back: [n_expert * G_l, E_l, C, D] -> [G_l, E, C, D].
-  outputs = jax.lax.all_to_all(outputs, expert_axis, split_axis=0, concat_axis=1, tiled=True)
-  y = combine_slots(outputs, plan, x.shape)
-  return y, plan.stats.kept, plan.stats.group_expert_fraction
+  # And back: [E_l, n_expert G_l C, D] -> [E, G_l C, D].
+  outputs = jax.lax.all_to_all(outputs, expert_axis, split_axis=1, concat_axis=0, tiled=True)
+  y = combine_slots(outputs, gates.reshape(num_groups * group_size, -1), plan)
+  return y.reshape(x.shape), plan.stats.kept, plan.stats.group_expert_fraction
+
+
+def _typed_by(mesh: Mesh) -> bool:
+  """Whether arrays here carry their layout on `mesh` in their type: the mesh has Explicit
+  axes and is the one set by `jax.set_mesh` (outside it, arrays are not typed by any mesh)."""
+  if not any(t == AxisType.Explicit for t in mesh.axis_types):
+    return False
+  context = jax.sharding.get_abstract_mesh()
+  return not context.empty and context == mesh.abstract_mesh
+
+
+def _auto(mesh: Mesh) -> Mesh:
+  """The same devices and axis names, with every axis Auto."""
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _place(value: jax.Array, mesh: Mesh, spec: P, typed: bool) -> jax.Array:
+  """`value` laid out as `spec` on `mesh`: moved if it is not already (eagerly or under jit).
+
+  Where the layout is part of the array's type, shard_map requires it to match `in_specs`
+  exactly, so the array is resharded; elsewhere a sharding constraint lets the compiler move
+  it (a no-op for inputs already laid out so, as in the training kit).
+  """
+  sharding = NamedSharding(mesh, spec)
+  if typed:
+    return jax.sharding.reshard(value, sharding)
+  return jax.lax.with_sharding_constraint(value, sharding)
 
 
 def expert_parallel_moe(
@@ -165,10 +194,22 @@ def expert_parallel_moe(
         expert_axis=expert_axis,
     )
 
-  y, kept, group_expert_fraction = jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(batch_spec, batch_spec, batch_spec, expert_specs),
-      out_specs=(batch_spec, batch_spec, batch_spec),
-  )(x, expert_index, gates, experts)
+  # A mesh with Explicit axes (`jax.make_mesh`'s default) types every array with its layout
+  # inside `jax.set_mesh`; outside it the inputs carry no mesh, and the same devices are used
+  # as Auto axes so that the outputs come back untyped, like the inputs.
+  typed = _typed_by(mesh)
+  if not typed:
+    mesh = _auto(mesh)
+  inputs = (x, expert_index, gates, experts)
+  in_specs = (batch_spec, batch_spec, batch_spec, expert_specs)
+  # Whatever the inputs' layout (unsharded, or sharded for another mesh axis), each device
+  # gets its groups and its experts.
+  placed = jax.tree.map(lambda v, spec: _place(v, mesh, spec, typed), inputs, in_specs)
+  outputs = jax.shard_map(
+      body, mesh=mesh, in_specs=in_specs, out_specs=(batch_spec, batch_spec, batch_spec)
+  )(*placed)
+  if typed:  # The caller's next operations expect the layout of the input.
+    group_spec = P(*jax.typeof(x).sharding.spec[:1])
+    outputs = tuple(jax.sharding.reshard(o, NamedSharding(mesh, group_spec)) for o in outputs)
+  y, kept, group_expert_fraction = outputs
   return y, DispatchStats.from_kept(kept, group_expert_fraction)
