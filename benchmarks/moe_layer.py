@@ -33,6 +33,10 @@ benchmarks/results/moe_layer.json).
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import os
 import statistics
 import time
@@ -192,6 +196,50 @@ def dispatch_plan_bytes(
   if memory is None:
     return None
   return int(memory.output_size_in_bytes + memory.temp_size_in_bytes)
+
+
+def profile(compiled: Any, args: tuple[Any, ...], directory: str, calls: int = 5) -> list[dict]:
+  """Writes a `jax.profiler` trace of `calls` calls to `directory` (open it in Perfetto or
+  TensorBoard's profile plugin) and returns XLA's operations by total time per call, with the
+  HLO instruction each one runs (`compiled.as_text()` names them)."""
+  jax.block_until_ready(compiled(*args))
+  jax.profiler.start_trace(directory)
+  for _ in range(calls):
+    jax.block_until_ready(compiled(*args))
+  jax.profiler.stop_trace()
+  [trace] = glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True)[-1:]
+  with gzip.open(trace) as f:
+    events = json.load(f)["traceEvents"]
+  hlo = {}
+  for line in compiled.as_text().splitlines():
+    name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+    if rest:
+      hlo[name.lstrip("%")] = rest
+  per_op = collections.Counter()
+  for event in events:
+    if event.get("ph") == "X" and event.get("name") in hlo:
+      per_op[event["name"]] += event.get("dur", 0)
+  total = sum(per_op.values())
+  return [
+      dict(
+          op=name,
+          ms_per_call=us / calls / 1e3,
+          share=us / total,
+          shape=hlo[name].split(" ")[0],
+          source=_op_source(hlo[name]),
+      )
+      for name, us in per_op.most_common()
+  ]
+
+
+def _op_source(instruction: str) -> str:
+  """The JAX operation an HLO instruction came from (its metadata op_name)."""
+  marker = 'op_name="'
+  start = instruction.find(marker)
+  if start < 0:
+    return ""
+  start += len(marker)
+  return instruction[start : instruction.find('"', start)]
 
 
 def compile_case(
@@ -406,6 +454,13 @@ def main() -> None:
   )
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument(
+      "--profile",
+      default="",
+      metavar="DIR",
+      help="also write a jax.profiler trace of every case under DIR and print where its time "
+      "goes (XLA operations by share of the traced time)",
+  )
+  parser.add_argument(
       "--output", default=os.path.join(os.path.dirname(__file__), "results", "moe_layer.json")
   )
   args = parser.parse_args()
@@ -422,6 +477,15 @@ def main() -> None:
   else:
     for row in rows:
       row.update(time_ms=None, time_min_ms=None, fraction_dropped=None)
+  if args.profile:
+    for row, (compiled, call_args) in zip(rows, runs):
+      case = f"{row['shape']}_E{row['num_experts']}_k{row['top_k']}_{row['dispatch']}"
+      row["profile"] = profile(compiled, call_args, os.path.join(args.profile, case))
+      print(f"\n{case}: where the time goes (trace in {os.path.join(args.profile, case)})")
+      for op in row["profile"][:8]:
+        print(
+            f"  {op['share']:6.1%} {op['ms_per_call']:8.2f} ms  {op['shape']:<22} {op['source']}"
+        )
   add_ratios(rows)
   device = jax.devices()[0]
   print(

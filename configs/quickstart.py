@@ -16,7 +16,7 @@ Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
 The baselines on the same data: `--config.method=vanilla_smoe` (or muffin, multifair), or all
 at once with `python -m fairmoe_jax.compare --config=configs/quickstart.py --workdir=DIR`.
 
-Expected result (docs/results.md): test accuracy 73.7% (chance is 25%) and MF-PQD 0.664, with
+Expected result (docs/results.md): test accuracy 73.5% (chance is 25%) and MF-PQD 0.671, with
 site the least fair attribute; FairSMoE's expert management reviews the allocation every 50
 steps and grows sex, age and site to 3, 2 and 2 experts (report.json "allocation_history",
 plots/allocation_history.png). At this scale FairSMoE does not beat vanilla SMoE on accuracy or
