@@ -1,16 +1,52 @@
 """Installable package for fairmoe_jax, causal_attn_jax and their shared training kit."""
 
+import pathlib
+import re
+
 from setuptools import find_packages, setup
+
+HERE = pathlib.Path(__file__).resolve().parent
+# The one definition of the version (the packages' `__version__` imports it).
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"$', (HERE / "trainkit" / "_version.py").read_text(), re.M
+).group(1)
+
+CODE_PACKAGES = ["fairmoe_jax", "causal_attn_jax", "trainkit"]
+# The repository's configs/ (and configs/sweeps/) ship inside trainkit as
+# trainkit/bundled_configs, so that `--config=configs/quickstart.py` also works after a
+# non-editable install (trainkit.config_files.resolve_config_path finds them there).
+CONFIG_PACKAGE = "trainkit.bundled_configs"
+CONFIG_DIRS = {CONFIG_PACKAGE: "configs", f"{CONFIG_PACKAGE}.sweeps": "configs/sweeps"}
+
+PACKAGES = find_packages(include=[f"{p}*" for p in CODE_PACKAGES]) + sorted(CONFIG_DIRS)
+PACKAGE_DIR = dict(CONFIG_DIRS)
+# PEP 561 markers: the packages carry type hints.
+PACKAGE_DATA = {p: ["py.typed"] for p in CODE_PACKAGES}
 
 setup(
     name="fairmoe-jax",
-    version="0.1.0",
+    version=VERSION,
     description=(
         "JAX/Flax NNX reference implementations of FairSMoE (multi-attribute fair "
         "sparse mixture-of-experts) and the Causal Transformer."
     ),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Intended Audience :: Science/Research",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
     python_requires=">=3.11",
-    packages=find_packages(include=["fairmoe_jax*", "causal_attn_jax*", "trainkit*"]),
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    package_data=PACKAGE_DATA,
+    zip_safe=False,  # The configs are read as files.
     install_requires=[
         "jax>=0.7",  # jax.set_mesh
         "flax>=0.12.4",

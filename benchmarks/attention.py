@@ -25,7 +25,7 @@ temp_size_in_bytes (scratch besides arguments and outputs; available on CPU too)
 device has `memory_stats()` its peak_bytes_in_use is recorded as well; it cannot be reset
 between cases, so it is a running maximum over the cases run so far.
 
-Prints a table (vs_vanilla = time / vanilla's time at the same N) and the issue's target,
+Prints a table (vs_vanilla = time / vanilla's time at the same N) and the speed target,
 "causal at most 1.15x vanilla at N=256 on GPU", evaluated on the rows; CPU figures do not decide
 it. Writes JSON (default benchmarks/results/attention.json).
 """
@@ -155,7 +155,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def evaluate_targets(rows: list[dict]) -> list[dict]:
-  """The issue's target, on whichever rows are present."""
+  """The speed target (causal at most TARGET_RATIO x vanilla at N=TARGET_LENGTH), on the rows."""
   find = {(r["n"], r["kind"]): r for r in rows}
   causal = find.get((TARGET_LENGTH, "causal"))
   if causal is None or causal["vs_vanilla"] is None:

@@ -1,6 +1,6 @@
 """Default config of a causal_attn_jax run and its validation (before anything is compiled).
 
-One config drives both tasks of paper 001 (the Causal Transformer):
+One config drives both tasks of the Causal Transformers paper:
 
 * `task="classification"`: sentence-pair classification (SNLI, MNLI -> HANS, QQP -> PAWS) with
   `PairClassifier`;
@@ -261,7 +261,7 @@ def validate(
 def paper_config(
     *, task: str, size: str, attention: str, gcn_hops: int = 1, steps: int = 0, seed: int = 0
 ) -> ml_collections.ConfigDict:
-  """Paper 001 Sec. 4 settings (size="full") or a CPU-scale version (size="small").
+  """The Causal Transformers paper's Sec. 4 settings (size="full") or a CPU-scale one ("small").
 
   Classification "full" is BERT-base shaped (d 768, 12 layers, 12 heads, FFN 3072; the paper
   trains "with the hyper-parameters same with BERT-base", dropout 0.1 outside the attention,

@@ -1,4 +1,4 @@
-r"""Command line of the Causal Transformer (paper 001): train then evaluate, or evaluate.
+r"""Command line of the Causal Transformer: train then evaluate, or evaluate (`--mode=eval`).
 
   python -m causal_attn_jax.main --config=configs/snli.py:size=small,attention=causal \
       --config.data.train_file=../shared/data/nli/snli_1.0_dev.jsonl \

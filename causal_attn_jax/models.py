@@ -1,4 +1,4 @@
-"""The Causal Transformer models (paper 001, Sec. 3.2, Fig. 6) and their baselines, in Flax NNX.
+"""The Causal Transformer models (Causal Transformers paper, Sec. 3.2, Fig. 6) and baselines, NNX.
 
 * `PairClassifier`: a pre-norm Transformer encoder over `<bos> premise <sep> hypothesis <eos>`
   (token + segment embeddings, sinusoidal positions), pooled at the BOS token, then a linear

@@ -1,4 +1,5 @@
-"""The two kinds of run of paper 001, one object each: pair classification and translation.
+"""The Causal Transformers paper's two kinds of run, one object each: pair classification and
+translation.
 
 What differs between them (the data a run reads, the model, which self-attention layers carry
 multipliers, the objective, what the eval step returns and the task's part of report.json)

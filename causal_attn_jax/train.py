@@ -1,4 +1,4 @@
-"""Training and evaluation of the Causal Transformer (paper 001) and its attention baselines.
+"""Training and evaluation of the Causal Transformer and its attention baselines.
 
 `train_and_evaluate` is the whole recipe, top to bottom, on the shared kit (`trainkit`): data
 and tokenizer, model, state (with the Lagrange multipliers in `TrainState.extra`), resume, the

@@ -1,7 +1,10 @@
 r"""CelebA (paper Table 1, right): target Attractive, sensitive Male, Chubby, Goatee.
 
-Official layout under --config.data.root (img_align_celeba/, list_attr_celeba.txt,
-list_eval_partition.txt); the official partition is used.
+--config.data.root=DIR is required: DIR holds the official layout (img_align_celeba/,
+list_attr_celeba.txt, list_eval_partition.txt; README.md, "Data"), and the official partition is
+used. tfds celeb_a, prepared beforehand, is the alternative: --config.data.name=celeba_tfds
+--config.data.tfds_data_dir=DIR. The default size=full is the paper's run (DeiT-S at 224 px for
+500 epochs, an accelerator job); size=small below runs on a CPU.
 
 One command per table cell:
   python -m fairmoe_jax.main --config=configs/celeba.py:method=fairsmoe,backbone=deit_s \

@@ -1,4 +1,4 @@
-r"""MNLI -> HANS (paper 001 Sec. 4.1, Table 1): train on MNLI, score HANS without fine-tuning.
+r"""MNLI -> HANS (Causal Transformers, Sec. 4.1, Table 1): train on MNLI, score HANS (no fine-tuning).
 
 HANS is scored by collapsing the 3-way predictions (neutral, contradiction -> non-entailment);
 report.json has challenge.accuracy and, per heuristic, the accuracy on entailment and

@@ -1,4 +1,4 @@
-r"""QQP -> PAWS-QQP (paper 001 Sec. 4.1, Table 1): train on QQP, score PAWS-QQP, no fine-tuning.
+r"""QQP -> PAWS-QQP (Causal Transformers, Sec. 4.1, Table 1): train on QQP, score PAWS-QQP, no fine-tuning.
 
 Full run (200 epochs, warm-up 12800 steps, dropout 0.1, 300-d GloVe init as in the paper):
   python -m causal_attn_jax.main --config=configs/qqp_paws.py:attention=causal \

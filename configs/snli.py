@@ -1,4 +1,4 @@
-r"""SNLI with the Causal Transformer or a baseline attention (paper 001 Sec. 4.3, Table 3).
+r"""SNLI with the Causal Transformer or a baseline attention (Causal Transformers, Sec. 4.3, Table 3).
 
 Data: the official SNLI jsonl (or tfds `snli` with --config.data.tfds_name=snli
 --config.data.tfds_data_dir=DIR). Paths have no default: a missing one is an error naming the key.

@@ -1,4 +1,4 @@
-r"""WMT14 English-German NMT (paper 001 Sec. 4.2, Table 2): d_model 512, 6 layers, 8 heads, d_k 64.
+r"""WMT14 En-De NMT (Causal Transformers, Sec. 4.2, Table 2): d_model 512, 6 layers, 8 heads, d_k 64.
 
 Full run on the Vaswani et al. preprocessed data (plain text, one sentence per line), or tfds
 `wmt14_translate/de-en` (--config.data.tfds_name=wmt14_translate/de-en

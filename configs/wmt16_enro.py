@@ -1,4 +1,4 @@
-r"""WMT16 English-Romanian NMT (paper 001 Sec. 4.2, Table 2): d_model 512, 6 layers, 8 heads.
+r"""WMT16 English-Romanian NMT (Causal Transformers, Sec. 4.2, Table 2): d_model 512, 6 layers, 8 heads.
 
 Full run on the Lee et al. (2018) preprocessed data (plain text), or tfds
 `wmt16_translate/ro-en` (--config.data.tfds_name=wmt16_translate/ro-en

@@ -9,6 +9,7 @@ from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS
 from fairmoe_jax.fairness.surrogates import PSI_SURROGATES
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax.methods.fairsmoe import FairSMoE
+from fairmoe_jax.metrics.intersections import parse_intersections
 from fairmoe_jax.models.backbones import BACKBONES
 from fairmoe_jax.moe.routers.fair import ROUTE_BY, SPECIALIZATIONS
 from fairmoe_jax.moe.layer import ROUTERS
@@ -36,6 +37,17 @@ def base_config() -> ml_collections.ConfigDict:
   config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
   config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
+  # The test report (report.json, README "Reading the fairness report").
+  config.eval = ml_collections.ConfigDict(
+      dict(
+          # Intersections of sensitive attributes to score as well, e.g. "sex*age,age*site";
+          # "" = none.
+          intersections="",
+          # Intersection groups with fewer test examples are listed as small_groups, and the
+          # metrics are also given without them.
+          min_group_size=30,
+      )
+  )
 
   config.data = ml_collections.ConfigDict(
       dict(
@@ -134,6 +146,41 @@ def base_config() -> ml_collections.ConfigDict:
   return config
 
 
+def _missing_root_message(config: ml_collections.ConfigDict) -> str:
+  """How to name the data directory, what it holds, and what the run would cost.
+
+  The design card's `--config=configs/celeba.py` command has no data.root: the message is the
+  user's guide to the layout, the tfds alternative and the CPU-scale config.
+  """
+  # Imported here, on this error path only: the readers pull in the input pipeline.
+  from fairmoe_jax.data import celeba, isic  # pylint: disable=g-import-not-at-top
+
+  name = config.data.name
+  if name == "celeba":
+    files = f"{celeba.IMAGE_DIR}/, {config.data.attr_file} and {celeba.PARTITION_FILE}"
+    alternative = (
+        "; or read tfds celeb_a (prepared beforehand, never downloaded) with "
+        "--config.data.name=celeba_tfds --config.data.tfds_data_dir=DIR"
+    )
+  else:
+    files = f"{isic.IMAGE_DIR}/, {isic.GROUND_TRUTH_FILE} and {isic.METADATA_FILE}"
+    alternative = ""
+  message = (
+      f"{name} reads the official layout from a directory: add --config.data.root=DIR, where "
+      f"DIR holds {files} (README.md, \"Data\"){alternative}."
+  )
+  if config.data.image_size > 64:  # The paper's scale, not the CPU-scale size=small.
+    length = (
+        f"{config.num_epochs} epochs" if config.num_epochs else f"{config.num_train_steps} steps"
+    )
+    message += (
+        f" This config trains {config.model.backbone} at {config.data.image_size} px for "
+        f"{length}, an accelerator job; configs/{name}.py:size=small is the CPU-scale run "
+        "(64 px, a tiny backbone)."
+    )
+  return message
+
+
 def validate(
     config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
 ) -> None:
@@ -141,6 +188,13 @@ def validate(
   _, expert_size = cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
   cfg.require_int(config, "analysis_batches", minimum=0)
   cfg.require_float(config, "peak_flops_per_device", minimum=0.0)
+  intersections = cfg.get(config, "eval.intersections")
+  try:
+    parse_intersections(intersections)
+  except (ValueError, AttributeError, TypeError) as e:
+    # Names are checked against the dataset's attributes once it is loaded (train._setup).
+    raise ConfigError("eval.intersections", f"{e} (expected e.g. 'sex*age,age*site')") from None
+  cfg.require_int(config, "eval.min_group_size", minimum=0)
 
   cfg.require_choice(config, "method", METHODS)
   cfg.require_choice(config, "model.backbone", BACKBONES)
@@ -160,7 +214,7 @@ def validate(
   cfg.require_float(config, "multifair.weight", minimum=0.0)
   cfg.require_choice(config, "data.name", DATASETS)
   if config.data.name in ("celeba", "isic2019") and not config.data.root:
-    raise ConfigError("data.root", f"{config.data.name} needs the directory of its official layout")
+    raise ConfigError("data.root", _missing_root_message(config))
   if config.data.name == "celeba_tfds" and not config.data.tfds_data_dir:
     raise ConfigError("data.tfds_data_dir", "celeba_tfds needs the tfds data_dir of celeb_a")
   cfg.require_choice(config, "data.missing", ("unknown", "exclude"))

@@ -23,14 +23,16 @@ from jax.sharding import Mesh
 
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
+from fairmoe_jax.metrics import intersections as intersections_lib
+from fairmoe_jax.metrics import predictions as predictions_lib
 from fairmoe_jax.methods import METHODS, make_loss_fn as method_loss_fn
 from fairmoe_jax.analysis import write_plots
 from fairmoe_jax.fairness import experts as experts_lib
 from trainkit.checkpoint import Checkpointer, checkpoint_report
 from trainkit.config import resolve_train_steps
-from trainkit.errors import UserError
+from trainkit.errors import ConfigError, UserError
 from trainkit.loop import loop_settings, stop_after_preemption, train_loop
-from trainkit.mesh import make_mesh, place, shard_batch
+from trainkit.mesh import make_mesh, place, shard_batch, to_host
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from fairmoe_jax.metrics.gradients import gradient_cosines
@@ -83,6 +85,9 @@ def make_eval_step(
 ):
   """Returns a jitted `eval_step(state, batch) -> counts`; counts add up over batches.
 
+  For a batch with an `index` (the eval pipeline's), the output also has "examples": per-example
+  index, prediction, class probabilities and each MoE block's expert fractions, which do not add.
+
   The model sees only what its method reads at inference (`Method.eval_context`): FairSMoE with
   the default `route_by=predicted` never sees the sensitive attributes. They are used here only
   to count, per group, the confusion matrices and each MoE block's expert usage.
@@ -95,11 +100,13 @@ def make_eval_step(
     logits, aux = model(batch["image"], train=False, context=method.eval_context(config, batch))
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    usage = {}
+    usage, example_experts = {}, {}
     for key, value in aux.metrics.items():
       block, _, metric = key.rpartition("/")
       if metric not in USAGE_METRICS:
         continue
+      if metric == "example_expert_fraction":
+        example_experts[block] = value
       fraction = value * batch["mask"][:, None]  # [B, E]
       usage.setdefault(USAGE_METRICS[metric], {})[block] = {
           "total": fraction.sum(0),
@@ -108,7 +115,7 @@ def make_eval_step(
               for i, size in enumerate(info.group_sizes)
           ],
       }
-    return {
+    counts = {
         "overall": overall_counts(
             batch["label"], predictions, batch["mask"], num_classes=info.num_classes
         ),
@@ -123,6 +130,14 @@ def make_eval_step(
         "loss_sum": jnp.sum(ce * batch["mask"]),
         "expert_usage": usage,
     }
+    if "index" in batch:
+      counts["examples"] = {
+          "index": batch["index"],
+          "prediction": predictions,
+          "probabilities": jax.nn.softmax(logits.astype(jnp.float32), -1),
+          "experts": example_experts,
+      }
+    return counts
 
   return eval_step
 
@@ -152,11 +167,35 @@ def evaluate(
   group, the fraction of the group's routed (token, choice) pairs that each expert
   served.
   """
+  return _evaluate(eval_step, state, arrays, info, config, mesh, keep_examples=False)[0]
+
+
+def _evaluate(
+    eval_step,
+    state: TrainState,
+    arrays: dict[str, np.ndarray],
+    info: data_lib.DatasetInfo,
+    config: ml_collections.ConfigDict,
+    mesh: Mesh,
+    *,
+    keep_examples: bool,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+  """`evaluate`, and with `keep_examples` the per-example outputs (`gather_examples`)."""
   totals = None
+  kept = []
   for batch in _eval_batches(arrays, config, mesh):
     counts = eval_step(state, batch)
+    examples = counts.pop("examples", None)
+    if keep_examples:
+      kept.append(examples)  # Still on device: fetching now would stall the loop every batch.
     totals = counts if totals is None else jax.tree.map(jnp.add, totals, counts)
   totals = jax.device_get(totals)
+  examples = None
+  if keep_examples:
+    # to_host gathers the other processes' rows (a collective, run by every process alike).
+    examples = predictions_lib.gather_examples(
+        [jax.tree.map(to_host, e) for e in kept], len(arrays["label"])
+    )
   report = fairness_report(
       np.asarray(totals["overall"]),
       [np.asarray(c) for c in totals["attributes"]],
@@ -183,7 +222,7 @@ def evaluate(
     report.setdefault("experts_active", {})[kind] = {
         block: effective_experts(np.asarray(usage["total"])) for block, usage in blocks.items()
     }
-  return report
+  return report, examples
 
 
 def effective_experts(usage: np.ndarray) -> float:
@@ -203,9 +242,28 @@ def _summary_scalars(report: dict[str, Any], prefix: str) -> dict[str, float]:
 
 def final_report(
     eval_step, graphdef, state, splits, info, config, mesh, workdir: str | None = None
-) -> dict[str, Any]:
-  """The test report plus the method, the expert allocation and the gradient cosines."""
-  report = evaluate(eval_step, state, splits["test"], info, config, mesh)
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """The test report and the columns of predictions.csv (`metrics/predictions.py`).
+
+  The report has the method, the intersections of `eval.intersections`, the expert allocation
+  and the gradient cosines besides `evaluate`'s.
+  """
+  test = splits["test"]
+  report, examples = _evaluate(eval_step, state, test, info, config, mesh, keep_examples=True)
+  columns = predictions_lib.prediction_columns(examples, test, info)
+  report["class_names"] = list(info.class_names)
+  intersections = intersections_lib.parse_intersections(config.eval.intersections)
+  if intersections:
+    report["intersections"] = intersections_lib.intersection_report(
+        columns["label"],
+        columns["prediction"],
+        np.asarray(test["attributes"])[examples["index"]],
+        attribute_names=info.attribute_names,
+        group_names=info.group_names,
+        intersections=intersections,
+        num_classes=info.num_classes,
+        min_group_size=config.eval.min_group_size,
+    )
   report["step"] = int(state.step)
   report["method"] = config.method
   if METHODS[config.method].eval_context(config, splits["test"]) is not None:
@@ -242,12 +300,15 @@ def final_report(
   )
   if cosines:
     report["gradient_cosine"] = cosines
-  return report
+  return report, columns
 
 
-def _write_report(report: dict[str, Any], workdir: str) -> None:
+def _write_report(
+    report: dict[str, Any], predictions: dict[str, np.ndarray], workdir: str
+) -> None:
   with open(os.path.join(workdir, "report.json"), "w") as f:
     json.dump(report, f, indent=2)
+  predictions_lib.write_csv(os.path.join(workdir, "predictions.csv"), predictions)
   print(format_report(report), flush=True)
   plots = write_plots(workdir)
   print(f"Plots: {', '.join(os.path.relpath(p, workdir) for p in plots)} in {workdir}", flush=True)
@@ -285,6 +346,12 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = Tru
         f"data.name={config.data.name}: the {' and '.join(empty)} split(s) are empty "
         f"(load statistics: {info.load_stats}); check the partition/split file"
     )
+  try:  # Checked before training: a wrong name would otherwise cost the whole run.
+    intersections_lib.check_attributes(
+        intersections_lib.parse_intersections(config.eval.intersections), info.attribute_names
+    )
+  except ValueError as e:
+    raise ConfigError("eval.intersections", str(e)) from None
   train_examples = len(splits["train"]["label"])
   resolve_train_steps(config, train_examples, training=training)
   tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)
@@ -363,13 +430,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return None
 
   writer.flush()
-  report = final_report(eval_step, graphdef, state, splits, info, config, mesh, workdir)
+  report, predictions = final_report(
+      eval_step, graphdef, state, splits, info, config, mesh, workdir
+  )
   report.update(checkpoint_report(checkpointer))
   writer.write_scalars(int(state.step), _summary_scalars(report, "test"))
   writer.close()
   checkpointer.close()
   if is_main:
-    _write_report(report, workdir)
+    _write_report(report, predictions, workdir)
   return report
 
 
@@ -381,10 +450,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   if restored is None:
     raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
   state, _, step = restored
-  report = final_report(
+  report, predictions = final_report(
       make_eval_step(graphdef, info, config), graphdef, state, splits, info, config, mesh, workdir
   )
   report.update(checkpoint_report(checkpointer))
   if jax.process_index() == 0:
-    _write_report(report, workdir)
+    _write_report(report, predictions, workdir)
   return report

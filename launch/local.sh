@@ -2,6 +2,13 @@
 # Runs a config on this machine. Usage: launch/local.sh [--dry-run] CONFIG WORKDIR [extra flags...]
 # Multi-host launchers (TPU pods, SLURM) come with the scale-out issue.
 set -euo pipefail
+# Prints the comment at the top of this file (what it does, its usage and an example).
+show_help() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' \
+    "${BASH_SOURCE[0]}"
+  exit 0
+}
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then show_help; fi
 dry_run=0
 if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
 if [[ $# -lt 2 ]]; then

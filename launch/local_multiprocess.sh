@@ -12,6 +12,13 @@
 # The python interpreter is $PYTHON (default: python). --dry-run only prints the commands.
 set -euo pipefail
 
+# Prints the comment at the top of this file (what it does, its usage and an example).
+show_help() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' \
+    "${BASH_SOURCE[0]}"
+  exit 0
+}
+
 usage() {
   echo "usage: $0 [--dry-run] --processes N [--port PORT] [--module MODULE] -- [main args...]" >&2
   exit 2
@@ -20,6 +27,7 @@ usage() {
 dry_run=0 processes="" port=12345 module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    -h | --help) show_help ;;
     --dry-run) dry_run=1 ;;
     --processes | --port | --module)
       [[ $# -ge 2 && -n "$2" ]] || usage

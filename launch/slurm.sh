@@ -8,6 +8,13 @@
 # Prints the sbatch command ("+ sbatch ...") and runs it unless --dry-run.
 set -euo pipefail
 
+# Prints the comment at the top of this file (what it does, its usage and an example).
+show_help() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' \
+    "${BASH_SOURCE[0]}"
+  exit 0
+}
+
 usage() {
   echo "usage: $0 [--dry-run] --nodes N --gpus-per-node G [--partition P] [--time HH:MM:SS]" \
     "[--module MODULE] -- [main args...]" >&2
@@ -17,6 +24,7 @@ usage() {
 dry_run=0 nodes="" gpus="" partition="" time_limit="" module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    -h | --help) show_help ;;
     --dry-run) dry_run=1 ;;
     --nodes | --gpus-per-node | --partition | --time | --module)
       [[ $# -ge 2 && -n "$2" ]] || usage

@@ -13,6 +13,13 @@
 # trainkit.distributed reads TRAINKIT_DISTRIBUTED=auto and lets JAX detect the pod.
 set -euo pipefail
 
+# Prints the comment at the top of this file (what it does, its usage and an example).
+show_help() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' \
+    "${BASH_SOURCE[0]}"
+  exit 0
+}
+
 usage() {
   echo "usage: $0 [--dry-run] --name NAME --zone ZONE --accelerator TYPE [--version VERSION]" \
     "[--project PROJECT] [--module MODULE] [--delete-after] [--no-create] -- [main args...]" >&2
@@ -24,6 +31,7 @@ name="" zone="" accelerator="" project=""
 version="tpu-ubuntu2204-base" module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    -h | --help) show_help ;;
     --dry-run) dry_run=1 ;;
     --delete-after) delete_after=1 ;;
     --no-create) create=0 ;;

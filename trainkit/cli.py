@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import logging
 import os
+import re
 import sys
-from typing import Any, Callable
+import textwrap
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
@@ -13,22 +17,180 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit.workdir import prepare_workdir, remove_if_empty, require_checkpoint, workdir_lock
 
+# absl's --help lists only the flags defined in the `__main__` file (none here: they are defined
+# in this module) and exits 1; these print the package's own help instead and exit 0.
+_HELP_ARGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+_HELPFULL_ARGS = ("--helpfull", "-helpfull")
+_WIDTH = 100
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing where a bad `--config...` flag is one line, not a traceback."""
+
+@dataclasses.dataclass(frozen=True)
+class CommandHelp:
+  """What `--help` prints besides the `__main__` docstring.
+
+  Attributes:
+    usage: the arguments after `python -m MODULE` in the usage line.
+    flag_names: the flags to describe; None = those defined in the `__main__` file.
+    config_module: the module whose base_config holds the config keys (`config_help`); None
+      when the command has no `--config`.
+  """
+
+  usage: str = "[flags]"
+  flag_names: Sequence[str] | None = None
+  config_module: str | None = None
+
+
+def _wrap(text: str, indent: str = "", firstline_indent: str | None = None) -> str:
+  # Never inside a word: names such as PAWS-QQP or --config.data.root stay whole.
+  return textwrap.fill(
+      text,
+      width=_WIDTH,
+      initial_indent=indent if firstline_indent is None else firstline_indent,
+      subsequent_indent=indent,
+      break_on_hyphens=False,
+      break_long_words=False,
+  )
+
+
+def _program() -> str:
+  """`python -m package.module` as the user typed it, or the script's name."""
+  spec = getattr(sys.modules["__main__"], "__spec__", None)
+  if spec is not None and spec.name not in ("__main__", None):
+    return f"python -m {spec.name}"
+  return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def _describe_flag(flag: flags.Flag) -> str:
+  text = flag.help or ""
+  if flag.default is not None:
+    text += f" (default: {flag.default_as_str})"
+  return _wrap(f"--{flag.name}: {text}", indent="      ", firstline_indent="  ")
+
+
+def help_text(command: CommandHelp) -> str:
+  """The text of `--help`: usage, the `__main__` docstring, its flags and where to read more."""
+  parts = [_wrap(f"usage: {_program()} {command.usage}", indent="         ", firstline_indent="")]
+  doc = (sys.modules["__main__"].__doc__ or "").strip("\n")
+  if doc:
+    parts.append(textwrap.dedent(doc).rstrip())
+  names = command.flag_names
+  if names is None:
+    names = [f.name for f in flags.FLAGS.flags_by_module_dict().get(sys.argv[0], [])]
+  described = [_describe_flag(flags.FLAGS[name]) for name in names if name in flags.FLAGS]
+  if described:
+    parts.append("flags:\n" + "\n".join(described))
+  if command.config_module:
+    parts.append(config_help(command.config_module))
+  parts.append(
+      "other flags:\n"
+      + "\n".join(
+          _wrap(line, indent="      ", firstline_indent="  ")
+          for line in (
+              "--helpfull: every flag, absl's, JAX's, Grain's and Orbax's included.",
+              "--jax_debug_nans, --jax_log_compiles, ...: JAX's configuration flags (the "
+              "`jax_*` names of jax.config; --helpfull lists them).",
+              "--verbosity=N, -v N: log level; without it only warnings and errors are logged "
+              "(0 = info, 1 = debug).",
+          )
+      )
+  )
+  parts.append(
+      _wrap(
+          "exit status: 0 on success, 2 for a usage or config error (one line on stderr naming "
+          "the flag, key or file)."
+      )
+  )
+  return "\n\n".join(parts) + "\n"
+
+
+def _requested_help(argv: Sequence[str]) -> str | None:
+  """`short` or `full` when argv asks for help before any `--`; None otherwise."""
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    if arg in _HELP_ARGS:
+      return "short"
+    if arg in _HELPFULL_ARGS:
+      return "full"
+  return None
+
+
+def _first_line(text: str) -> str:
+  return " ".join(text.strip().splitlines()[:1])
+
+
+def _unknown_key_message(error: Exception, argv: Sequence[str]) -> str | None:
+  """One line for an override naming a key the config lacks; None when it is something else.
+
+  ml_collections raises KeyError("'key'\\nDid you mean \"other\" instead of \"key\"?") for the
+  missing part of the dotted name (wrapped in an AttributeError for the last part), whose
+  str() is the repr of that two-line message; and KeyError("Attribute <class 'int'>.foo does
+  not exist ... Attempting to lookup: batch_size.foo") below a key that is not a group.
+  """
+  inner = error.args[0] if error.args and isinstance(error.args[0], KeyError) else error
+  text = str(inner.args[0]) if inner.args else ""
+  below_leaf = re.search(r"Attribute <class '(\w+)'>.*Attempting to lookup: (\S+)", text, re.S)
+  if below_leaf:
+    full_key = below_leaf.group(2)
+    parent = full_key.rpartition(".")[0]
+    for arg in argv[1:]:
+      if arg.startswith(f"--config.{full_key}=") or arg == f"--config.{full_key}":
+        return (
+            f"unknown config key '{full_key}' in {arg}: '{parent}' holds a value of type "
+            f"{below_leaf.group(1)}, not a group of keys"
+        )
+    return None
+  missing = re.match(r"'([^'\n]+)'", text)
+  if not missing:
+    return None
+  key = missing.group(1)
+  suggestion = re.search(r'Did you mean "([^"]+)"', text)
+  for arg in argv[1:]:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--config.") :].partition("=")[0].split(".")
+    if key not in path:
+      continue
+    prefix = path[: path.index(key)]
+    message = f"unknown config key '{'.'.join([*prefix, key])}' in {arg}"
+    if suggestion:
+      message += f'. Did you mean "{".".join([*prefix, suggestion.group(1)])}"?'
+    return message
+  return None
+
+
+def parse_flags(argv: list[str], command: CommandHelp | None = None) -> list[str]:
+  """absl flag parsing where a bad `--config...` flag is one line, not a traceback.
+
+  `--help` (and `-h`) print `help_text(command)` and `--helpfull` absl's list of every flag,
+  both on stdout with exit status 0, before any flag (a config file to load) is parsed.
+  """
+  requested = _requested_help(argv)
+  if requested == "short":
+    sys.stdout.write(help_text(command or CommandHelp()))
+    sys.exit(0)
+  if requested == "full":
+    app.usage(shorthelp=False, writeto_stdout=True, exitcode=0)
   try:
-    return flags.FLAGS(argv)
+    # `--config=configs/x.py` also finds the configs shipped with an installed package.
+    return flags.FLAGS(resolve_config_args(argv))
+  except flags.UnrecognizedFlagError as e:
+    fail(f"{e} (--help lists the flags)")
   except flags.Error as e:
     fail(str(e))
   except UserError as e:  # Raised by a config file's get_config(arg).
     fail(str(e))
   except (KeyError, AttributeError) as e:  # An override names a key the config lacks.
-    overrides = [a for a in argv[1:] if a.startswith("--config.")]
-    fail(f"unknown config key {str(e).strip(chr(34))} in {' '.join(overrides) or 'the overrides'}")
+    message = _unknown_key_message(e, argv)
+    if message is None:  # Raised inside the config file, not by an override.
+      text = str(e.args[0]) if e.args else str(e)
+      fail(f"cannot load the config: {type(e).__name__}: {_first_line(text)}")
+    fail(message)
   except Exception as e:  # A config file that fails to load.
     fail(f"cannot load the config: {type(e).__name__}: {e}")
 
@@ -51,13 +213,80 @@ def loaded_config(flag: flags.FlagHolder) -> ml_collections.ConfigDict:
 
 
 def quiet_logging() -> None:
-  """JAX and Orbax log at INFO (backends tried, every checkpoint step); users see warnings."""
+  """JAX and Orbax log at INFO (backends tried, every checkpoint step); users see warnings.
+
+  A `--verbosity` / `-v` on the command line is the user's choice and is left as given.
+  """
+  if "verbosity" in flags.FLAGS and flags.FLAGS["verbosity"].present:
+    return
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger().setLevel(logging.WARNING)
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-  app.run(main, flags_parser=parse_flags)
+def _accept_jax_flags() -> None:
+  """Defines JAX's config options (`--jax_debug_nans`, ...) as absl flags, as big_vision does.
+
+  JAX copies the values given on the command line into jax.config once the flags are parsed
+  (app.run's after-init callbacks), before `main` runs. Defaults are the current values, so
+  JAX_* environment variables still apply when the flag is not given.
+  """
+  if "jax_debug_nans" not in flags.FLAGS:  # Idempotent: run() may be called more than once.
+    jax.config.config_with_absl()
+
+
+def run(main: Callable[[list[str]], Any], command: CommandHelp | None = None) -> None:
+  """app.run with one-line user errors (exit status 2), JAX's flags and the package's --help."""
+
+  def guarded_main(argv: list[str]) -> Any:
+    try:
+      return main(argv)
+    except app.UsageError as e:  # absl would print the docstring and exit 1.
+      fail(f"{e} (--help shows the usage)")
+
+  _accept_jax_flags()
+  app.run(guarded_main, flags_parser=lambda argv: parse_flags(argv, command))
+
+
+def _config_files(package: str) -> list[tuple[str, str]]:
+  """(configs/NAME.py, first paragraph of its docstring) for each shipped config of `package`."""
+  found: dict[str, str] = {}
+  imports = re.compile(rf"^\s*(from|import)\s+{re.escape(package)}\b", re.M)
+  for root in config_roots():
+    for path in sorted(root.glob("*.py")):
+      name = f"configs/{path.name}"
+      if name in found or path.name.startswith("_"):
+        continue
+      try:
+        source = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(source)) or ""
+      except (OSError, SyntaxError, ValueError):
+        continue  # Help must not fail because of one unreadable config.
+      if imports.search(source):
+        found[name] = " ".join(doc.split("\n\n")[0].split())
+  return sorted(found.items())
+
+
+def config_help(config_module: str) -> str:
+  """The `--help` paragraph on config keys: the overrides, the defaults' module, the configs."""
+  package = config_module.split(".")[0]
+  lines = [
+      "config keys:",
+      _wrap(
+          "--config=FILE[:ARGS] loads FILE's get_config(ARGS); then --config.KEY=VALUE sets any "
+          "key, nested ones by dots (--config.batch_size=64 "
+          "--config.optimizer.learning_rate=1e-3). "
+          f"{config_module.replace('.', '/')}.py (base_config) holds every key with its default "
+          "and what it means. An unknown key, a wrong type or an impossible value stops the run "
+          "before anything is compiled.",
+          indent="  ",
+      ),
+  ]
+  configs = _config_files(package)
+  if configs:
+    lines.append("  config files (each docstring gives ARGS, a command and the expected result):")
+    for name, summary in configs:
+      lines.append(_wrap(f"{name}: {summary}", indent="        ", firstline_indent="    "))
+  return "\n".join(lines)
 
 
 def train_eval_command(
@@ -70,12 +299,13 @@ def train_eval_command(
   """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
 
   `validate(config, num_devices=, num_processes=)` runs before anything is compiled; every
-  UserError (a bad config key, a missing file, ...) becomes one line and exit code 2.
+  UserError (a bad config key, a missing file, ...) becomes one line and exit code 2. `--help`
+  documents the flags and points to the keys of `validate`'s module (the package's config).
   """
   config_flag = config_flags.DEFINE_config_file(
-      "config", None, "Config file, optionally `file.py:key=value,...`."
+      "config", None, "(required) Config file, optionally `file.py:key=value,...`."
   )
-  workdir_flag = flags.DEFINE_string("workdir", None, workdir_help)
+  workdir_flag = flags.DEFINE_string("workdir", None, f"(required) {workdir_help}")
   mode_flag = flags.DEFINE_enum(
       "mode",
       "train",
@@ -83,6 +313,11 @@ def train_eval_command(
       "train: train (resuming if possible) then evaluate; eval: evaluate the latest checkpoint.",
   )
   flags.mark_flags_as_required(["config", "workdir"])
+  command = CommandHelp(
+      usage="--config=FILE[:ARGS] --workdir=DIR [--mode=train|eval] [--config.KEY=VALUE ...]",
+      flag_names=("config", "workdir", "mode"),
+      config_module=validate.__module__,
+  )
 
   @exit_on_user_error
   def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
@@ -108,8 +343,8 @@ def train_eval_command(
 
   def main(argv: list[str]) -> None:
     if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+      fail(f"unexpected arguments: {' '.join(argv[1:])} (--help shows the usage)")
     quiet_logging()
     execute(loaded_config(config_flag), workdir_flag.value, mode_flag.value)
 
-  return lambda: run(main)
+  return lambda: run(main, command)

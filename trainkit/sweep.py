@@ -76,6 +76,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
+from trainkit.config_files import resolve_config_args
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit.metric_writers import read_metrics
 from trainkit.workdir import config_differences, move_aside, stale_runs_error
@@ -667,7 +668,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   try:
-    return flags.FLAGS(argv)
+    return flags.FLAGS(resolve_config_args(argv))
   except flags.Error as e:
     fail(str(e))
 

@@ -1,4 +1,5 @@
-"""From a config's `data` section to tokenised numpy splits, for either task of paper 001.
+"""From a config's `data` section to tokenised numpy splits, for either task of the
+Causal Transformers paper.
 
 The readers (`nli`, `translation`) return text; this module decides which files or tfds splits
 a run reads, carves an eval set when none is given, trains (or reloads) the workdir's

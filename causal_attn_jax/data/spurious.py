@@ -1,9 +1,9 @@
 """A built-in spurious-correlation testbed for sentence-pair models (docs/dataset.md).
 
-Paper 001 claims that causal attention generalises better when a surface cue that predicts the
-label in training stops predicting it (HANS after MNLI, PAWS after QQP). Those datasets are large
-and their cues are not controlled; this generator makes the same situation from a seed, in about
-a second, with the strength of the cue as a config key.
+The Causal Transformers paper claims that causal attention generalises better when a surface cue
+that predicts the label in training stops predicting it (HANS after MNLI, PAWS after QQP). Those
+datasets are large and their cues are not controlled; this generator makes the same situation from a
+seed, in about a second, with the strength of the cue as a config key.
 
 Every pair is a premise "the [adj] S V the [adj] O [while the S' V' ...]" and a hypothesis
 "the s v the o". The label is a sparse relation among six tokens:

@@ -58,11 +58,12 @@ def masked_softmax(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
 def sinkhorn_softmax(logits: jax.Array, mask: jax.Array | None, iters: int) -> jax.Array:
   """Attention whose columns also sum to about 1: Sinkhorn in the log domain, rows last.
 
-  Definition 1 of paper 001 takes attention with unit rows and unit columns; a softmax gives only
-  the rows. `iters` alternations of column and row normalisation (Sinkformer's construction)
-  approach the doubly stochastic matrix with the same pattern; rows stay exactly normalised, so
-  the result is still a valid adjacency for the GCN. Only meaningful where a doubly stochastic
-  matrix exists: under a causal mask the only one is the identity, so decoders do not use it.
+  Definition 1 of the Causal Transformers paper takes attention with unit rows and unit columns; a
+  softmax gives only the rows. `iters` alternations of column and row normalisation (Sinkformer's
+  construction) approach the doubly stochastic matrix with the same pattern; rows stay exactly
+  normalised, so the result is still a valid adjacency for the GCN. Only meaningful where a doubly
+  stochastic matrix exists: under a causal mask the only one is the identity, so decoders do not use
+  it.
   """
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   # A finite stand-in for -inf: masked entries are reset to it after every normalisation, so the

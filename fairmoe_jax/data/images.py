@@ -96,6 +96,7 @@ def preload_images(
 ) -> dict[str, np.ndarray]:
   """Returns ``split`` with ``path`` replaced by decoded ``image`` uint8 [N, size, size, 3].
 
+  The file names are kept as ``id``, which names each example in predictions.csv.
   A split that already has ``image`` (and no ``path``) is returned as a shallow
   copy, so loaders can call this unconditionally.
   """
@@ -103,6 +104,7 @@ def preload_images(
   if "path" not in out:
     return out
   paths = out.pop("path")
+  out.setdefault("id", np.array([os.path.basename(str(p)) for p in paths], dtype=object))
   out["image"] = load_images(paths, size, num_threads)
   return out
 

@@ -6,7 +6,9 @@ Both yield dicts of numpy arrays for the local process:
 * ``image``: float32 [b, S, S, 3], normalised to [-1, 1];
 * ``label``: int32 [b];
 * ``attributes``: int32 [b, m], ``-1`` for a missing attribute value;
-* ``mask``: float32 [b], 1 for real examples and 0 for padding.
+* ``mask``: float32 [b], 1 for real examples and 0 for padding;
+* ``index`` (evaluation only): int32 [b], the example's row in its split, -1 for
+  padding, so that per-example outputs can be matched to the split's rows.
 
 A split may hold ``path`` (image file paths) instead of ``image``; its images
 are then decoded when an example is read (see ``images.py``), so datasets
@@ -223,8 +225,8 @@ def eval_batches(
 
   Process ``i`` evaluates examples ``i, i + process_count, ...``. The last
   batches are padded to ``batch_size`` (zero image, label 0, attributes -1,
-  mask 0) so that all processes yield ``num_eval_batches(...)`` full batches
-  and together cover every example exactly once.
+  mask 0, index -1) so that all processes yield ``num_eval_batches(...)``
+  full batches and together cover every example exactly once.
 
   Args:
     arrays: Split dict as for ``train_iterator``.
@@ -236,7 +238,7 @@ def eval_batches(
     num_threads: Threads decoding image files (``path`` splits only).
 
   Yields:
-    Batches with ``image``, ``label``, ``attributes`` and ``mask``.
+    Batches with ``image``, ``label``, ``attributes``, ``mask`` and ``index``.
   """
   source = ArraySource(arrays, decode_size=image_size)
   indices = np.arange(process_index, len(source), process_count)
@@ -249,6 +251,7 @@ def eval_batches(
         "label": np.zeros((batch_size,), np.int32),
         "attributes": np.full((batch_size, num_attributes), -1, np.int32),
         "mask": np.zeros((batch_size,), np.float32),
+        "index": np.full((batch_size,), -1, np.int32),
     }
     if n:
       if "image" in arrays:
@@ -261,4 +264,5 @@ def eval_batches(
       batch["label"][:n] = arrays["label"][batch_indices]
       batch["attributes"][:n] = arrays["attributes"][batch_indices]
       batch["mask"][:n] = 1.0
+      batch["index"][:n] = batch_indices
     yield batch

@@ -9,7 +9,8 @@ Schema of ``fairness_report`` (python scalars only, so ``json.dumps`` works)::
      "mf": {"pqd": float, "dp": float, "eopp": float, "eodds": float}}
 
 ``groups`` holds the non-empty groups only; empty ones are listed in ``empty_groups``
-(their accuracy is undefined and JSON has no portable NaN).
+(their accuracy is undefined and JSON has no portable NaN). ``format_report`` also prints the
+``"intersections"`` entry that ``intersections.intersection_report`` adds to a run's report.
 """
 
 from __future__ import annotations
@@ -89,6 +90,35 @@ def _metric_line(metrics: dict[str, Any]) -> str:
   return "   ".join(f"{_METRIC_LABELS[m]} {metrics[m]:.4f}" for m in METRIC_NAMES)
 
 
+def _intersection_lines(name: str, entry: dict[str, Any]) -> list[str]:
+  """Table of one entry of ``intersections.intersection_report``."""
+  groups = entry["groups"]
+  small = set(entry["small_groups"])
+  with_all = sum(v["n"] for v in groups.values())
+  lines = [f"[{name}]  (intersection; {with_all} examples with all of its attributes)"]
+  if not groups:
+    return lines + ["  no example has all of these attributes"]
+  width = max(len(g) for g in ["group", *groups])
+  n_width = max([len("n"), *(len(str(v["n"])) for v in groups.values())])
+  lines.append(f"  {'group':<{width}}  {'n':>{n_width}}  {'accuracy':>8}")
+  for g, v in groups.items():
+    flag = f"  small (n < {entry['min_group_size']})" if g in small else ""
+    lines.append(f"  {g:<{width}}  {v['n']:>{n_width}}  {100.0 * v['accuracy']:>7.2f}%{flag}")
+  if entry["empty_groups"]:
+    lines.append(f"  {len(entry['empty_groups'])} empty group(s) (excluded)")
+  lines.append(f"  all {len(groups)} groups:  {_metric_line(entry)}")
+  if small:
+    kept = entry["without_small_groups"]
+    if kept["num_groups"] < 2:
+      left = kept["num_groups"]
+      lines.append(f"  without the {len(small)} small: {left} group(s) left, nothing to compare")
+    else:
+      lines.append(
+          f"  without the {len(small)} small:  {_metric_line(kept)}   ({kept['num_groups']} groups)"
+      )
+  return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
   """Plain-text table of a ``fairness_report`` dict."""
   lines = [
@@ -109,6 +139,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  {_metric_line(attr)}")
   num_attributes = len(report["attributes"])
   lines += ["", f"MF (mean over {num_attributes} attributes)", f"  {_metric_line(report['mf'])}"]
+  for name, entry in report.get("intersections", {}).items():
+    lines += ["", *_intersection_lines(name, entry)]
   if "experts_per_attribute" in report:
     counts = ", ".join(f"{k} {v}" for k, v in report["experts_per_attribute"].items())
     reviews = len(report.get("allocation_history", []))

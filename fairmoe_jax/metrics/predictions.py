@@ -1,0 +1,102 @@
+"""Per-example predictions of an evaluation, as the columns of a run's ``predictions.csv``.
+
+Columns, in order:
+
+* ``example_id``: the image file name for datasets read from files (the split's ``id``, or the
+  base name of its ``path``), otherwise the example's row in the split;
+* ``label``, ``prediction``: class indices (``report.json`` ``class_names`` names them);
+* ``prob_0 .. prob_{C-1}``: the softmax class probabilities;
+* one column per sensitive attribute, named as in ``report.json``, holding the group name
+  (empty when the value is missing);
+* ``<block>/expert_<e>`` per MoE block and expert: the share of the example's (token, choice)
+  pairs that expert served (a row sums to 1 minus the share dropped for capacity).
+
+Every row is a test example, in split order.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Mapping
+import os
+from typing import Any
+
+import numpy as np
+
+from fairmoe_jax.data.types import DatasetInfo
+
+
+def gather_examples(batches: list[Mapping[str, Any]], num_examples: int) -> dict[str, Any]:
+  """Host per-example outputs of an eval loop, padding dropped and rows in split order.
+
+  ``batches`` (at least one) hold numpy ``index`` [B] (-1 for padding), ``prediction`` [B],
+  ``probabilities`` [B, C] and ``experts`` ``{block: [B, E]}``.
+  """
+  index = np.concatenate([b["index"] for b in batches]).astype(np.int64)
+  keep = index >= 0
+  order = np.argsort(index[keep], kind="stable")
+
+  def rows(key: str, block: str | None = None) -> np.ndarray:
+    parts = [b[key] if block is None else b[key][block] for b in batches]
+    return np.concatenate(parts)[keep][order]
+
+  index = index[keep][order]
+  # Every process contributes its share; a hole or a repeat would misalign the file.
+  if not np.array_equal(index, np.arange(num_examples)):
+    raise RuntimeError(
+        f"evaluation returned {len(index)} rows for a split of {num_examples} examples"
+    )
+  return {
+      "index": index,
+      "prediction": rows("prediction"),
+      "probabilities": rows("probabilities"),
+      "experts": {block: rows("experts", block) for block in batches[0]["experts"]},
+  }
+
+
+def example_ids(split: Mapping[str, np.ndarray]) -> np.ndarray:
+  """What names each example of ``split``: its file name where known, else its row."""
+  if "id" in split:
+    return np.asarray(split["id"])
+  if "path" in split:
+    return np.array([os.path.basename(str(p)) for p in split["path"]], dtype=object)
+  return np.arange(len(split["label"]))
+
+
+def prediction_columns(
+    examples: Mapping[str, Any], split: Mapping[str, np.ndarray], info: DatasetInfo
+) -> dict[str, np.ndarray]:
+  """The columns of predictions.csv (module docstring) from ``gather_examples``'s output."""
+  index = examples["index"]
+  columns: dict[str, np.ndarray] = {
+      "example_id": example_ids(split)[index],
+      "label": np.asarray(split["label"])[index],
+      "prediction": examples["prediction"],
+  }
+  for c in range(info.num_classes):
+    columns[f"prob_{c}"] = examples["probabilities"][:, c]
+  attributes = np.asarray(split["attributes"])[index]
+  for j, (name, groups) in enumerate(zip(info.attribute_names, info.group_names)):
+    if name in columns:
+      raise ValueError(f"sensitive attribute {name!r} clashes with a predictions.csv column")
+    names = np.array([*groups, ""], dtype=object)
+    columns[name] = names[attributes[:, j]]  # -1 (missing) picks the trailing "".
+  for block, fraction in examples["experts"].items():
+    for e in range(fraction.shape[1]):
+      columns[f"{block}/expert_{e}"] = fraction[:, e]
+  return columns
+
+
+def write_csv(path: str, columns: Mapping[str, np.ndarray]) -> None:
+  """Writes equal-length ``columns`` as a CSV with a header row."""
+
+  def cell(value: Any) -> Any:
+    # Six significant digits keep the file small while probabilities still sum to 1 to ~1e-6.
+    return f"{value:.6g}" if isinstance(value, (float, np.floating)) else value
+
+  names = list(columns)
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(names)
+    for row in zip(*(columns[name] for name in names)):
+      writer.writerow([cell(v) for v in row])

@@ -1,0 +1,290 @@
+"""predictions.csv and intersectional groups: the file reproduces report.json through fairlearn,
+and intersection metrics match a direct numpy computation."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from fairmoe_jax import config as config_lib
+from fairmoe_jax.data import images as images_lib
+from fairmoe_jax.data import pipeline
+from fairmoe_jax.metrics import intersections
+from fairmoe_jax.metrics.report import format_report
+from test_cli import TINY, _env
+from trainkit.errors import ConfigError
+
+METRICS = ("pqd", "dp", "eopp", "eodds")
+
+
+# ---------------------------------------------------------------------------
+# A reference written from the definitions (README, docs/design.md), straight from
+# per-example arrays: no count tensors, nothing shared with fairmoe_jax.metrics.
+# ---------------------------------------------------------------------------
+
+
+def reference_metrics(labels, preds, groups, num_classes):
+  """PQD, DP, EOpp, EOdds over the distinct values of `groups` (every one non-empty)."""
+  members = [groups == g for g in np.unique(groups)]
+  acc = [np.mean(labels[m] == preds[m]) for m in members]
+  dp, eopp, eodds = [], [], []
+  for c in range(num_classes):
+    dp.append(np.ptp([np.mean(preds[m] == c) for m in members]))
+    tpr = [np.mean(preds[m & (labels == c)] == c) for m in members if np.any(m & (labels == c))]
+    fpr = [np.mean(preds[m & (labels != c)] == c) for m in members if np.any(m & (labels != c))]
+    spreads = [np.ptp(r) for r in (tpr, fpr) if len(r) >= 2]
+    if len(tpr) >= 2:
+      eopp.append(np.ptp(tpr))
+    if spreads:
+      eodds.append(max(spreads))
+  return {
+      "pqd": min(acc) / max(acc),
+      "dp": np.mean(dp),
+      "eopp": np.mean(eopp) if eopp else 0.0,
+      "eodds": np.mean(eodds) if eodds else 0.0,
+  }
+
+
+def _hand_made():
+  """sex (2 groups) x age (3 groups), 3 classes; one empty and two small intersection groups."""
+  rng = np.random.default_rng(7)
+  sizes = {(0, 0): 40, (0, 1): 35, (0, 2): 5, (1, 0): 50, (1, 1): 3}  # (1, 2) is empty.
+  error_rate = {(0, 0): 0.1, (0, 1): 0.3, (0, 2): 0.8, (1, 0): 0.2, (1, 1): 0.0}
+  rows, labels, preds = [], [], []
+  for key, n in sizes.items():
+    y = rng.integers(0, 3, n)
+    wrong = rng.random(n) < error_rate[key]
+    rows += [key] * n
+    labels.append(y)
+    preds.append(np.where(wrong, (y + rng.integers(1, 3, n)) % 3, y))
+  # Missing values: such examples belong to no sex*age group.
+  rows += [(-1, 0), (0, -1), (-1, -1)]
+  labels.append(np.array([0, 1, 2]))
+  preds.append(np.array([1, 2, 0]))
+  return np.concatenate(labels), np.concatenate(preds), np.array(rows, np.int32)
+
+
+GROUP_NAMES = (("male", "female"), ("young", "middle", "old"))
+
+
+def _intersection(labels, preds, attributes, min_group_size):
+  return intersections.intersection_report(
+      labels,
+      preds,
+      attributes,
+      attribute_names=("sex", "age"),
+      group_names=GROUP_NAMES,
+      intersections=[("sex", "age")],
+      num_classes=3,
+      min_group_size=min_group_size,
+  )["sex*age"]
+
+
+def test_intersection_metrics_match_a_numpy_reference():
+  labels, preds, attributes = _hand_made()
+  entry = _intersection(labels, preds, attributes, min_group_size=30)
+
+  complete = np.all(attributes >= 0, axis=1)
+  y, p, a = labels[complete], preds[complete], attributes[complete]
+  names = np.array([f"{GROUP_NAMES[0][s]}*{GROUP_NAMES[1][g]}" for s, g in a])
+  ref = reference_metrics(y, p, names, 3)
+  for m in METRICS:
+    assert entry[m] == pytest.approx(ref[m], abs=1e-12), m
+  assert entry["groups"] == {
+      g: {"n": int(np.sum(m)), "accuracy": pytest.approx(np.mean(y[m] == p[m]), abs=1e-12)}
+      for g, m in ((g, names == g) for g in np.unique(names))
+  }
+  assert entry["empty_groups"] == ["female*old"]
+  assert sorted(entry["small_groups"]) == ["female*middle", "male*old"]
+
+  large = ~np.isin(names, entry["small_groups"])
+  ref_large = reference_metrics(y[large], p[large], names[large], 3)
+  without = entry["without_small_groups"]
+  assert without["num_groups"] == 3
+  for m in METRICS:
+    assert without[m] == pytest.approx(ref_large[m], abs=1e-12), m
+  # The case is built so that the small groups move the scores: they are not averaged in unseen.
+  assert entry["pqd"] < without["pqd"] and entry["dp"] != without["dp"]
+
+  text = format_report(
+      {"accuracy": 0.5, "num_examples": 1, "attributes": {}, "mf": dict.fromkeys(METRICS, 0.0),
+       "intersections": {"sex*age": entry}}
+  )
+  assert "[sex*age]" in text and "without the 2 small" in text
+  assert re.search(r"male\*old +5 .*small \(n < 30\)", text)
+
+
+def test_without_small_groups_is_null_when_fewer_than_two_groups_are_left():
+  labels, preds, attributes = _hand_made()
+  entry = _intersection(labels, preds, attributes, min_group_size=45)
+  assert entry["small_groups"] == ["male*young", "male*middle", "male*old", "female*middle"]
+  assert entry["without_small_groups"] == {**dict.fromkeys(METRICS), "num_groups": 1}
+  # With no threshold nothing is flagged and both readings agree.
+  entry = _intersection(labels, preds, attributes, min_group_size=0)
+  assert entry["small_groups"] == []
+  assert {m: entry["without_small_groups"][m] for m in METRICS} == {m: entry[m] for m in METRICS}
+
+
+def test_intersections_config_is_checked_and_names_the_key():
+  assert intersections.parse_intersections("") == []
+  assert intersections.parse_intersections(" sex*age , age * site*sex") == [
+      ("sex", "age"), ("age", "site", "sex")
+  ]
+  config = config_lib.base_config()
+  for bad in ("sex", "sex*sex", "sex*age,sex*age", "sex*"):
+    config.eval.intersections = bad
+    with pytest.raises(ConfigError, match="eval.intersections"):
+      config_lib.validate(config, num_devices=1)
+  config.eval.intersections = "sex*age"
+  config.eval.min_group_size = -1
+  with pytest.raises(ConfigError, match="eval.min_group_size"):
+    config_lib.validate(config, num_devices=1)
+  with pytest.raises(ValueError, match="'height'.*the dataset has sex, age"):
+    intersections.check_attributes([("sex", "height")], ("sex", "age"))
+
+
+def test_eval_batches_index_every_example_once_over_processes():
+  n = 23
+  arrays = {
+      "image": np.zeros((n, 8, 8, 3), np.uint8),
+      "label": np.arange(n, dtype=np.int32) % 3,
+      "attributes": np.zeros((n, 1), np.int32),
+  }
+  seen = []
+  for process in range(3):
+    for batch in pipeline.eval_batches(
+        arrays, batch_size=4, image_size=8, process_index=process, process_count=3
+    ):
+      real = batch["index"][batch["mask"] > 0]
+      np.testing.assert_array_equal(batch["label"][batch["mask"] > 0], arrays["label"][real])
+      assert np.all(batch["index"][batch["mask"] == 0] == -1)
+      seen.extend(real)
+  assert sorted(seen) == list(range(n))
+
+
+def test_preloaded_split_keeps_the_file_names(tmp_path):
+  from PIL import Image
+
+  paths = []
+  for name in ("a.jpg", "b.jpg"):
+    Image.new("RGB", (10, 10), (200, 10, 10)).save(tmp_path / name)
+    paths.append(str(tmp_path / name))
+  split = {"path": np.array(paths, dtype=object), "label": np.zeros(2, np.int32),
+           "attributes": np.zeros((2, 1), np.int32)}
+  assert list(images_lib.preload_images(split, 8)["id"]) == ["a.jpg", "b.jpg"]
+
+
+# ---------------------------------------------------------------------------
+# End to end: a tiny training run, then --mode=eval on its checkpoint.
+# ---------------------------------------------------------------------------
+
+
+def _main(workdir, *args):
+  command = [
+      sys.executable, "-m", "fairmoe_jax.main",
+      f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=20",
+      f"--workdir={workdir}",
+      *TINY,
+      "--config.eval_every_steps=0",
+      "--config.fair.review_every_steps=10",
+      "--config.eval.intersections=sex*age",
+      "--config.eval.min_group_size=10",
+      *args,
+  ]
+  result = subprocess.run(
+      command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("predictions_run")
+  stdout = _main(workdir)
+  return workdir, stdout
+
+
+def _read(workdir):
+  pd = pytest.importorskip("pandas")
+  return pd.read_csv(workdir / "predictions.csv", keep_default_na=False,
+                     dtype={"sex": str, "age": str, "site": str})
+
+
+def test_fairlearn_on_predictions_csv_reproduces_the_report(run):
+  from fairlearn.metrics import MetricFrame, count, demographic_parity_difference
+  from sklearn.metrics import accuracy_score
+
+  workdir, stdout = run
+  report = json.loads((workdir / "report.json").read_text())
+  df = _read(workdir)
+  num_classes = len(report["class_names"])
+
+  assert len(df) == report["num_examples"] == 128
+  assert df.example_id.tolist() == list(range(128))  # Synthetic data: the index in the split.
+  probs = df[[f"prob_{c}" for c in range(num_classes)]].to_numpy()
+  np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-4)
+  top_two = np.sort(probs, 1)[:, -2:]
+  clear = top_two[:, 1] - top_two[:, 0] > 1e-5  # Rounded ties may pick either class.
+  np.testing.assert_array_equal(probs.argmax(1)[clear], df.prediction.to_numpy()[clear])
+  expert_columns = [c for c in df if re.fullmatch(r"moe_block\d+/expert_\d+", c)]
+  assert expert_columns
+  shares = df[expert_columns].to_numpy()
+  assert np.all(shares >= 0) and np.all(shares.sum(1) <= 1 + 1e-4) and np.all(shares.sum(1) > 0)
+
+  def frame(features):
+    return MetricFrame(
+        metrics={"accuracy": accuracy_score, "n": count},
+        y_true=df.label,
+        y_pred=df.prediction,
+        sensitive_features=features,
+    )
+
+  def one_vs_rest_dp(features):
+    return np.mean([
+        demographic_parity_difference(df.label == c, df.prediction == c,
+                                      sensitive_features=features)
+        for c in range(num_classes)
+    ])
+
+  assert frame(df["sex"]).overall["accuracy"] == pytest.approx(report["accuracy"], abs=1e-12)
+  for name, attribute in report["attributes"].items():
+    by_group = frame(df[name]).by_group
+    assert {
+        g: {"n": int(row.n), "accuracy": pytest.approx(row.accuracy, abs=1e-12)}
+        for g, row in by_group.iterrows()
+    } == attribute["groups"]
+    assert one_vs_rest_dp(df[name]) == pytest.approx(attribute["dp"], abs=1e-12), name
+
+  entry = report["intersections"]["sex*age"]
+  by_group = frame(df[["sex", "age"]]).by_group
+  assert {
+      f"{sex}*{age}": {"n": int(row.n), "accuracy": pytest.approx(row.accuracy, abs=1e-12)}
+      for (sex, age), row in by_group.iterrows()
+  } == entry["groups"]
+  assert one_vs_rest_dp(df[["sex", "age"]]) == pytest.approx(entry["dp"], abs=1e-12)
+  names = (df.sex + "*" + df.age).to_numpy()
+  y, p = df.label.to_numpy(), df.prediction.to_numpy()
+  ref = reference_metrics(y, p, names, num_classes)
+  for m in METRICS:
+    assert entry[m] == pytest.approx(ref[m], abs=1e-12), m
+  small = {g for g, v in entry["groups"].items() if v["n"] < 10}
+  assert set(entry["small_groups"]) == small
+  if len(entry["groups"]) - len(small) >= 2:
+    large = ~np.isin(names, list(small))
+    ref = reference_metrics(y[large], p[large], names[large], num_classes)
+    for m in METRICS:
+      assert entry["without_small_groups"][m] == pytest.approx(ref[m], abs=1e-12), m
+  assert "[sex*age]" in stdout
+
+
+def test_eval_mode_writes_the_same_predictions(run):
+  workdir, _ = run
+  trained = (workdir / "predictions.csv").read_text()
+  (workdir / "predictions.csv").unlink()
+  _main(workdir, "--mode=eval")
+  assert (workdir / "predictions.csv").read_text() == trained

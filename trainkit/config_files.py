@@ -1,0 +1,95 @@
+"""Finds the config files named on the command line, from a checkout or from an installed package.
+
+Commands name configs by their path in the repository, `--config=configs/quickstart.py`. From
+the repository root that path exists as given. Anywhere else it does not, so a path whose first
+part is `configs/` is looked up in the configs shipped with the package:
+
+* a regular (wheel) install: setup.py copies the repository's configs/ into
+  `trainkit/bundled_configs/`;
+* an editable install or a checkout on `PYTHONPATH`: the repository's own configs/, beside the
+  `trainkit` package.
+
+A path that exists as given always wins (a local edit of a config, or a config of one's own), and
+a path that is found nowhere is returned unchanged, so the error that follows names the path the
+user typed.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+CONFIGS_DIR = "configs"
+BUNDLED_CONFIGS = "bundled_configs"
+# Flags whose value is a config file, optionally followed by `:arguments`.
+CONFIG_FLAGS = ("config", "sweep")
+
+
+def config_roots() -> list[pathlib.Path]:
+  """The directories holding the shipped configs, in the order they are searched."""
+  package = pathlib.Path(__file__).resolve().parent
+  roots = [package / BUNDLED_CONFIGS]
+  checkout = package.parent
+  # Only a checkout: in site-packages, a `configs` beside trainkit belongs to someone else.
+  if (checkout / "setup.py").is_file():
+    roots.append(checkout / CONFIGS_DIR)
+  return [root for root in roots if root.is_dir()]
+
+
+def _split_arguments(value: str) -> tuple[str, str]:
+  """`file.py:key=value` -> ("file.py", ":key=value"), the split ml_collections makes."""
+  path, sep, arguments = value.partition(":")
+  return path, sep + arguments
+
+
+def resolve_config_path(path: str) -> str:
+  """The file a config path names, from the working directory or else the shipped configs.
+
+  Args:
+    path: a config file as given to `--config` or `--sweep`, optionally with `:arguments`
+      (`configs/quickstart.py:steps=100`).
+
+  Returns:
+    `path` itself when it names an existing file or is not under `configs/`; otherwise the
+    absolute path of the shipped copy (with the same `:arguments`), or `path` unchanged when
+    there is none.
+  """
+  file, arguments = _split_arguments(path)
+  if not file or pathlib.Path(file).expanduser().exists():
+    return path
+  parts = pathlib.PurePath(file).parts
+  if parts[:1] == (".",):
+    parts = parts[1:]
+  if len(parts) < 2 or parts[0] != CONFIGS_DIR:
+    return path
+  for root in config_roots():
+    candidate = root.joinpath(*parts[1:])
+    if candidate.is_file():
+      return str(candidate) + arguments
+  return path
+
+
+def resolve_config_args(argv: Sequence[str], flag_names: Sequence[str] = CONFIG_FLAGS) -> list[str]:
+  """`argv` with the value of every `--config`/`--sweep` flag passed through `resolve_config_path`.
+
+  Handles `--config=PATH` and `--config PATH` (one or two dashes); overrides such as
+  `--config.batch_size=8` are left alone. argv[0], the program, is never touched.
+  """
+  names = {f"{dashes}{name}" for name in flag_names for dashes in ("-", "--")}
+  out = list(argv[:1])
+  i = 1
+  while i < len(argv):
+    arg = argv[i]
+    flag, eq, value = arg.partition("=")
+    if eq and flag in names:
+      out.append(f"{flag}={resolve_config_path(value)}")
+    elif arg in names and i + 1 < len(argv):
+      out.extend([arg, resolve_config_path(argv[i + 1])])
+      i += 1
+    else:
+      out.append(arg)
+    if arg == "--":  # Everything after `--` is a positional argument.
+      out.extend(argv[i + 1 :])
+      break
+    i += 1
+  return out
