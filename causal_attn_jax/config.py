@@ -42,6 +42,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
   config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
+  # "START:END" writes a jax.profiler trace of steps START+1..END to <workdir>/profile (open it
+  # with Perfetto or TensorBoard's profile plugin, README); "" = no trace.
+  config.profile_steps = ""
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
 
   config.data = ml_collections.ConfigDict(

@@ -35,6 +35,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
   config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
+  # "START:END" writes a jax.profiler trace of steps START+1..END to <workdir>/profile (open it
+  # with Perfetto or TensorBoard's profile plugin, README); "" = no trace.
+  config.profile_steps = ""
   config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
   # The test report (report.json, README "Reading the fairness report").

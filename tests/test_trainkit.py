@@ -2,6 +2,8 @@
 
 import contextlib
 import errno
+import glob
+import gzip
 import io
 import json
 import logging
@@ -457,6 +459,52 @@ def test_exploding_parameters_are_divergence_even_when_the_loss_looks_healthy(tm
   assert ckpt.all_steps() == [2]
   restored, _, _ = ckpt.restore(_toy_train_state())
   assert float(restored.params["w"]) == pytest.approx(3.0 * 1.01**2)
+
+
+def test_profile_steps_config_is_parsed_and_checked():
+  config = ml_collections.ConfigDict(dict(profile_steps=""))
+  assert cfg.parse_profile_steps(config) is None
+  config.profile_steps = "3:5"
+  assert cfg.parse_profile_steps(config) == (3, 5)
+  for bad in ("5", "5:3", "a:b", "-1:2", "2:2"):
+    config.profile_steps = bad
+    with pytest.raises(ConfigError, match="profile_steps"):
+      cfg.parse_profile_steps(config)
+
+
+def test_profile_steps_trace_exactly_those_steps(tmp_path):
+  def train_step(state, batch):
+    return state.replace(step=state.step + 1), {"loss": jnp.asarray(1.0)}
+
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  train_loop(
+      state=_toy_train_state(),
+      train_step=jax.jit(train_step),
+      train_iterator=_SignallingIterator(-1),
+      mesh=make_mesh({"data": 8, "expert": 1}),
+      checkpointer=ckpt,
+      writer=MetricWriter(str(tmp_path), tensorboard=False),
+      num_train_steps=8,
+      log_every_steps=0,
+      eval_every_steps=0,
+      checkpoint_every_steps=0,
+      examples_per_step=8,
+      show_progress=False,
+      profile_steps=(3, 5),
+  )
+  [trace] = glob.glob(str(tmp_path / "profile" / "**" / "*.trace.json.gz"), recursive=True)
+  with gzip.open(trace) as f:
+    events = json.load(f)["traceEvents"]
+  spans = sorted(
+      (e["ts"], e["ts"] + e["dur"])
+      for e in events
+      if e.get("ph") == "X" and e.get("name") == "PjitFunction(train_step)"
+  )
+  calls, end = 0, -1.0
+  for start, stop in spans:  # JAX nests one such event inside another per call.
+    if start >= end:
+      calls, end = calls + 1, stop
+  assert calls == 2  # Steps 4 and 5.
 
 
 def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):

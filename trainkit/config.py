@@ -110,6 +110,25 @@ def require_choice(config: ml_collections.ConfigDict, key: str, choices: Iterabl
   return value
 
 
+def parse_profile_steps(config: ml_collections.ConfigDict) -> tuple[int, int] | None:
+  """`profile_steps` = "START:END" as (START, END): trace steps START+1 .. END; "" = None."""
+  value = get(config, "profile_steps") if "profile_steps" in config else ""
+  if value in ("", None):
+    return None
+  start, sep, end = str(value).partition(":")
+  try:
+    bounds = (int(start), int(end))
+  except ValueError:
+    bounds = None
+  if not sep or bounds is None or not 0 <= bounds[0] < bounds[1]:
+    raise ConfigError(
+        "profile_steps",
+        f"must be 'START:END' with 0 <= START < END (trace the steps after START up to END), "
+        f"got {value!r}",
+    )
+  return bounds
+
+
 def validate_run(
     config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
 ) -> tuple[int, int]:
@@ -124,6 +143,7 @@ def validate_run(
   require_int(config, "keep_checkpoints", minimum=1)
   require_float(config, "num_epochs", minimum=0.0)
   require_choice(config, "compute_dtype", COMPUTE_DTYPES)
+  parse_profile_steps(config)
   data_size, expert_size = mesh_shape(get(config, "mesh"), num_devices)
   shards = data_size * expert_size
   for key in ("batch_size", "eval_batch_size"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
@@ -11,6 +12,7 @@ import optax
 from jax.sharding import Mesh
 
 from trainkit.checkpoint import Checkpointer
+from trainkit.config import parse_profile_steps
 from trainkit.errors import UserError
 from trainkit.mesh import shard_batch
 from trainkit.metric_writers import MetricWriter
@@ -75,9 +77,40 @@ def _due(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
 
+class _StepTrace:
+  """A `jax.profiler` trace of a range of training steps (`train_loop`'s `profile_steps`)."""
+
+  def __init__(self, steps: tuple[int, int] | None, directory: str):
+    self.steps = steps
+    # Each process traces its own host; one folder each, so their files never collide.
+    if jax.process_count() > 1:
+      directory = os.path.join(directory, f"process_{jax.process_index()}")
+    self.directory = directory
+    self.active = False
+
+  def before_step(self, step: int, state: Any) -> None:
+    if self.steps is None or self.active or not self.steps[0] <= step < self.steps[1]:
+      return
+    jax.block_until_ready(state)  # Earlier steps' asynchronous work stays out of the trace.
+    jax.profiler.start_trace(self.directory)
+    self.active = True
+    _log.warning("profiling steps %d-%d into %s", step + 1, self.steps[1], self.directory)
+
+  def after_step(self, step: int, state: Any) -> None:
+    if self.active and step >= self.steps[1]:
+      self.stop(state)
+
+  def stop(self, state: Any) -> None:
+    if self.active:
+      jax.block_until_ready(state)
+      jax.profiler.stop_trace()
+      self.active = False
+
+
 def loop_settings(config: Any) -> dict[str, Any]:
   """`train_loop`'s keyword arguments that every run config holds under the same keys."""
   return dict(
+      profile_steps=parse_profile_steps(config),
       num_train_steps=config.num_train_steps,
       log_every_steps=config.log_every_steps,
       eval_every_steps=config.eval_every_steps,
@@ -105,6 +138,7 @@ def train_loop(
     evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
     reviews: Sequence[tuple[int, Callable[[TrainState], tuple[TrainState, Mapping[str, Any]]]]] = (),
     show_progress: bool = True,
+    profile_steps: tuple[int, int] | None = None,
 ) -> tuple[TrainState, bool]:
   """Runs `train_step` from `state.step` to `num_train_steps`.
 
@@ -123,6 +157,11 @@ def train_loop(
   an expert assignment kept in the model state); its state is the one checkpointed and
   trained on next, and its scalars are logged. It must keep every array's shape, dtype
   and sharding, so the train step is not recompiled.
+
+  `profile_steps` = (start, end) writes a `jax.profiler` trace of steps start+1 .. end to
+  `<workdir>/profile` (the directory of the writer's metrics.jsonl); the trace covers whole
+  steps (it waits for step `start` to finish before starting and for step `end` before
+  stopping). A segment resumed inside the range traces from where it resumed.
   """
   step = int(state.step)
   progress = ProgressBar(
@@ -133,13 +172,16 @@ def train_loop(
   starting_param_norm = _starting_param_norm(state)
   flops_per_step: float | None = None
   peak = peak_flops_per_device(jax.devices()[0], peak_flops)
+  trace = _StepTrace(profile_steps, os.path.join(os.path.dirname(writer.path), "profile"))
   with PreemptionGuard() as guard:
     while step < num_train_steps:
+      trace.before_step(step, state)
       batch = shard_batch(next(train_iterator), mesh)
       if flops_per_step is None and hasattr(train_step, "lower"):
         flops_per_step = compiled_flops(train_step, state, batch) or 0.0
       state, metrics = train_step(state, batch)
       step += 1
+      trace.after_step(step, state)
       if baseline is None:
         # The first step of this segment sets the scale that divergence is measured against
         # (fetched, not logged: metrics.jsonl keeps its cadence).
@@ -206,6 +248,7 @@ def train_loop(
             "%s received: saved a checkpoint at step %d; stopping", guard.signal_name, step
         )
         break
+  trace.stop(state)
   progress.close()
   writer.flush()
   checkpointer.wait()
