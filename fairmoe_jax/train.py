@@ -36,7 +36,7 @@ from trainkit.mesh import make_mesh, place, shard_batch, to_host
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from fairmoe_jax.metrics.gradients import gradient_cosines
-from fairmoe_jax.models.convert_timm import load_timm_checkpoint
+from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
 from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics
@@ -457,3 +457,50 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   if jax.process_index() == 0:
     _write_report(report, predictions, workdir)
   return report
+
+
+def load_model(
+    config: ml_collections.ConfigDict, workdir: str, *, restore: bool = True
+) -> tuple[nnx.Module, int | None]:
+  """The model of the latest readable checkpoint in `workdir` and its step, or with
+  `restore=False` the model as initialised from `config` (step None)."""
+  _, _, _, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
+  step = None
+  if restore:
+    restored = checkpointer.restore(state)
+    if restored is None:
+      raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
+    state, _, step = restored
+  checkpointer.close()
+  return nnx.merge(graphdef, state.params, state.model_state), step
+
+
+EXPORT_FILE = os.path.join("export", "model.safetensors")
+
+
+def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Writes the latest checkpoint's parameters as a timm-named safetensors state dict.
+
+  The file is `<workdir>/export/model.safetensors`: PyTorch layouts and timm names
+  (`fairmoe_jax.models.convert_timm`; MoE experts stacked as `<block>.mlp.experts.*`, the
+  router and FairSMoE's attribute branches under their own names), with the step, backbone
+  and class names in its metadata. `load_timm_checkpoint(model, path, skip=())` loads it back.
+  """
+  from safetensors.numpy import save_file  # Only this mode needs it.
+
+  model, step = load_model(config, workdir)
+  state = export_timm_state_dict(model)
+  path = os.path.join(workdir, EXPORT_FILE)
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    metadata = {
+        "format": "timm",
+        "step": str(step),
+        "method": config.method,
+        "backbone": str(config.model.get("backbone", "")),
+        "config": config.to_json(),
+    }
+    save_file(state, path, metadata=metadata)
+    size = sum(v.nbytes for v in state.values())
+    print(f"Exported step {step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
+  return path

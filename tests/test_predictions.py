@@ -288,3 +288,41 @@ def test_eval_mode_writes_the_same_predictions(run):
   (workdir / "predictions.csv").unlink()
   _main(workdir, "--mode=eval")
   assert (workdir / "predictions.csv").read_text() == trained
+
+
+def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
+  """--mode=export, then the file loads into a freshly initialised model of the same config
+  and gives back the trained parameters (FairSMoE's router and attribute branches included)."""
+  safetensors_numpy = pytest.importorskip("safetensors.numpy")
+  from flax import nnx
+  import ml_collections
+
+  from fairmoe_jax import train
+  from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
+
+  workdir, _ = run
+  stdout = _main(workdir, "--mode=export")
+  path = workdir / "export" / "model.safetensors"
+  assert f"to {path}" in stdout
+  exported = safetensors_numpy.load_file(str(path))
+  assert "head.weight" in exported and "blocks.1.mlp.experts.fc1.weight" in exported
+  assert "blocks.1.mlp.router.attribute_heads.0.weight" in exported  # FairSMoE's SA branch.
+
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  trained, step = train.load_model(config, str(workdir))
+  assert step == 20
+  expected = export_timm_state_dict(trained)
+  assert sorted(exported) == sorted(expected)
+  for name, value in expected.items():
+    np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+  fresh, _ = train.load_model(config, str(workdir), restore=False)
+  assert any(  # Initialised, not trained: the load below has work to do.
+      not np.array_equal(value, expected[name])
+      for name, value in export_timm_state_dict(fresh).items()
+  )
+  assert load_timm_checkpoint(fresh, str(path), skip=()) == []
+  for (name, a), (_, b) in zip(
+      nnx.to_flat_state(nnx.state(fresh, nnx.Param)), nnx.to_flat_state(nnx.state(trained, nnx.Param))
+  ):
+    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(name))

@@ -295,13 +295,22 @@ def train_eval_command(
     train_and_evaluate: Callable[[ml_collections.ConfigDict, str], Any],
     evaluate_checkpoint: Callable[[ml_collections.ConfigDict, str], Any],
     workdir_help: str = "Directory for checkpoints, metrics and report.json.",
+    checkpoint_modes: dict[str, tuple[Callable[[ml_collections.ConfigDict, str], Any], str]]
+    | None = None,
 ) -> Callable[[], None]:
   """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
 
   `validate(config, num_devices=, num_processes=)` runs before anything is compiled; every
   UserError (a bad config key, a missing file, ...) becomes one line and exit code 2. `--help`
   documents the flags and points to the keys of `validate`'s module (the package's config).
+  `checkpoint_modes` adds modes beside train and eval, `{name: (function, help)}`, that work
+  on the latest checkpoint of a trained workdir (e.g. export).
   """
+  modes = {
+      "train": (train_and_evaluate, "train (resuming if possible) then evaluate"),
+      "eval": (evaluate_checkpoint, "evaluate the latest checkpoint"),
+      **(checkpoint_modes or {}),
+  }
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "(required) Config file, optionally `file.py:key=value,...`."
   )
@@ -309,12 +318,13 @@ def train_eval_command(
   mode_flag = flags.DEFINE_enum(
       "mode",
       "train",
-      ["train", "eval"],
-      "train: train (resuming if possible) then evaluate; eval: evaluate the latest checkpoint.",
+      list(modes),
+      "; ".join(f"{name}: {text}" for name, (_, text) in modes.items()) + ".",
   )
   flags.mark_flags_as_required(["config", "workdir"])
   command = CommandHelp(
-      usage="--config=FILE[:ARGS] --workdir=DIR [--mode=train|eval] [--config.KEY=VALUE ...]",
+      usage=f"--config=FILE[:ARGS] --workdir=DIR [--mode={'|'.join(modes)}] "
+      "[--config.KEY=VALUE ...]",
       flag_names=("config", "workdir", "mode"),
       config_module=validate.__module__,
   )
@@ -329,13 +339,13 @@ def train_eval_command(
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
     with exit_together(workdir):
       validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
-      if mode == "eval":
+      if mode != "train":
         require_checkpoint(workdir)  # Before seconds of data loading and model building.
       created = not os.path.exists(workdir)
       workdir = prepare_workdir(workdir)
       try:
         with workdir_lock(workdir):
-          (train_and_evaluate if mode == "train" else evaluate_checkpoint)(config, workdir)
+          modes[mode][0](config, workdir)
       except BaseException:
         if created and jax.process_index() == 0:
           remove_if_empty(workdir)  # An early error leaves no empty workdir behind.
