@@ -51,6 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
           min_group_size=30,
       )
   )
+  # --mode=predict: a folder of images, or a text file with one image path per line (relative
+  # paths are read from the file's folder); predictions go to <workdir>/predict/.
+  config.predict = ml_collections.ConfigDict(dict(input=""))
 
   config.data = ml_collections.ConfigDict(
       dict(

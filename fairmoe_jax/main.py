@@ -1,8 +1,10 @@
-r"""Command line: train then evaluate, evaluate the latest checkpoint, or export it.
+r"""Command line: train then evaluate; evaluate, predict with or export the latest checkpoint.
 
   python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart
   python -m fairmoe_jax.main --config=configs/quickstart.py:steps=50 --workdir=/tmp/q \
       --config.batch_size=64 --mode=eval
+  python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart \
+      --mode=predict --config.predict.input=DIR
   python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart --mode=export
 """
 
@@ -17,6 +19,11 @@ main = cli.train_eval_command(
     train_and_evaluate=train.train_and_evaluate,
     evaluate_checkpoint=train.evaluate_checkpoint,
     checkpoint_modes={
+        "predict": (
+            train.predict_checkpoint,
+            "classify the images of --config.predict.input (a folder or a list file) with the "
+            "latest checkpoint, into <workdir>/predict/predictions.csv",
+        ),
         "export": (
             train.export_checkpoint,
             "write the latest checkpoint as a timm-named safetensors file, "

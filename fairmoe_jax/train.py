@@ -41,6 +41,7 @@ from fairmoe_jax.models.muffin import Muffin
 from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics
 from trainkit.train_state import TrainState, create_train_state, jit_train_step, make_train_step
+from trainkit.textfiles import iter_lines
 from trainkit.workdir import save_config
 
 
@@ -503,4 +504,84 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
     save_file(state, path, metadata=metadata)
     size = sum(v.nbytes for v in state.values())
     print(f"Exported step {step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
+  return path
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+PREDICT_FILE = os.path.join("predict", "predictions.csv")
+
+
+def predict_inputs(source: str) -> list[str]:
+  """The image paths `predict.input` names: a folder's images (sorted), or a list file's lines."""
+  if not source:
+    raise ConfigError(
+        "predict.input", "--mode=predict needs --config.predict.input=FOLDER_OR_LIST_FILE"
+    )
+  if os.path.isdir(source):
+    paths = sorted(
+        os.path.join(source, name)
+        for name in os.listdir(source)
+        if name.lower().endswith(IMAGE_SUFFIXES)
+    )
+    if not paths:
+      raise ConfigError(
+          "predict.input", f"folder {source} holds no image ({', '.join(IMAGE_SUFFIXES)})"
+      )
+    return paths
+  folder = os.path.dirname(os.path.abspath(source))
+  paths = []
+  for _, line in iter_lines(source, "predict.input list"):
+    if line.strip() and not line.lstrip().startswith("#"):
+      paths.append(os.path.join(folder, line.strip()))  # Absolute paths stay as they are.
+  if not paths:
+    raise ConfigError("predict.input", f"list file {source} names no image")
+  return paths
+
+
+def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Classifies `predict.input`'s images with the latest checkpoint.
+
+  Writes `<workdir>/predict/predictions.csv`: per image its path, the predicted class (index and
+  name), the class probabilities and, per MoE block and expert, the share of the image's
+  (token, choice) pairs that expert served. No label or sensitive attribute is read.
+  """
+  if METHODS[config.method].eval_context(config, {"attributes": None}) is not None:
+    raise ConfigError(
+        "fair.route_by",
+        "'label' routes by the sensitive labels, which unlabelled images do not have; "
+        "predict with a model trained with route_by=predicted",
+    )
+  paths = predict_inputs(config.predict.input)
+  mesh, info, _, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
+  restored = checkpointer.restore(state)
+  checkpointer.close()
+  if restored is None:
+    raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
+  state, _, step = restored
+  # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
+  split = {
+      "path": np.array(paths, dtype=object),
+      "label": np.zeros(len(paths), np.int32),
+      "attributes": np.full((len(paths), len(info.attribute_names)), -1, np.int32),
+  }
+  _, examples = _evaluate(
+      make_eval_step(graphdef, info, config), state, split, info, config, mesh,
+      keep_examples=True,
+  )
+  prediction = examples["prediction"]
+  columns: dict[str, np.ndarray] = {
+      "path": np.array(paths, dtype=object)[examples["index"]],
+      "prediction": prediction,
+      "class_name": np.array(info.class_names, dtype=object)[prediction],
+  }
+  for c in range(info.num_classes):
+    columns[f"prob_{c}"] = examples["probabilities"][:, c]
+  for block, fraction in examples["experts"].items():
+    for e in range(fraction.shape[1]):
+      columns[f"{block}/expert_{e}"] = fraction[:, e]
+  path = os.path.join(workdir, PREDICT_FILE)
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    predictions_lib.write_csv(path, columns)
+    print(f"Predicted {len(paths)} images with the checkpoint of step {step}: {path}")
   return path

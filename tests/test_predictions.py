@@ -326,3 +326,57 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
       nnx.to_flat_state(nnx.state(fresh, nnx.Param)), nnx.to_flat_state(nnx.state(trained, nnx.Param))
   ):
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(name))
+
+
+def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path):
+  """Test images saved as PNG files (lossless) and classified with --mode=predict, from a
+  folder and from a list file, get the probabilities evaluation gave them, with no label or
+  sensitive attribute read."""
+  from PIL import Image
+  import ml_collections
+
+  from fairmoe_jax import train
+
+  workdir, _ = run
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  _, splits = train.load_data(config)
+  chosen = [3, 0, 17, 42, 5]
+  folder = tmp_path / "images"
+  folder.mkdir()
+  for i in chosen:
+    Image.fromarray(splits["test"]["image"][i]).save(folder / f"test_{i:03d}.png")
+  (folder / "notes.txt").write_text("not an image")
+  evaluated = _read(workdir).set_index("example_id")
+
+  listing = tmp_path / "list.txt"
+  listing.write_text("# a comment\n" + "".join(f"images/test_{i:03d}.png\n" for i in chosen[:2]))
+  for source, expected in ((folder, sorted(chosen)), (listing, chosen[:2])):
+    stdout = _main(workdir, "--mode=predict", f"--config.predict.input={source}")
+    assert f"Predicted {len(expected)} images" in stdout
+    pd = pytest.importorskip("pandas")
+    predicted = pd.read_csv(workdir / "predict" / "predictions.csv", keep_default_na=False)
+    assert [int(p[-7:-4]) for p in predicted["path"]] == expected
+    probabilities = [c for c in predicted.columns if c.startswith("prob_")]
+    np.testing.assert_allclose(
+        predicted[probabilities].to_numpy(), evaluated.loc[expected, probabilities].to_numpy(),
+        atol=2e-5,
+    )
+    np.testing.assert_array_equal(predicted["prediction"], evaluated.loc[expected, "prediction"])
+    assert any(c.endswith("/expert_0") for c in predicted.columns)
+
+
+def test_predict_refuses_routing_by_labels_and_empty_inputs(run, tmp_path):
+  workdir, _ = run
+  for args, key in (
+      (["--config.fair.route_by=label", f"--config.predict.input={tmp_path}"], "fair.route_by"),
+      ([f"--config.predict.input={tmp_path}"], "predict.input"),
+      ([], "predict.input"),
+  ):
+    command = [
+        sys.executable, "-m", "fairmoe_jax.main",
+        f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=20", f"--workdir={workdir}",
+        *TINY, "--mode=predict", *args,
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True)
+    assert result.returncode == 2 and f"config key '{key}'" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
