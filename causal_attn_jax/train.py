@@ -36,7 +36,7 @@ from causal_attn_jax import tasks
 from causal_attn_jax.data.iterator import TrainIterator, device_batches
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import attention_sparsity
-from trainkit.checkpoint import Checkpointer, checkpoint_report
+from trainkit.checkpoint import Checkpointer, checkpoint_report, restore_trained
 from trainkit.config import resolve_train_steps
 from trainkit.errors import UserError
 from trainkit.loop import loop_settings, stop_after_preemption, train_loop
@@ -370,11 +370,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         "restore it, or train a new run (--mode=train in a new workdir)"
     )
   mesh, data, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  restored = checkpointer.restore(state)
-  checkpointer.close()
-  if restored is None:
-    raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
-  state, _, _ = restored
+  state, _ = restore_trained(checkpointer, state)
   eval_step = make_eval_step(graphdef, config)
   report = _final_report(config, graphdef, eval_step, state, data, mesh, workdir)
   report.update(checkpoint_report(checkpointer))

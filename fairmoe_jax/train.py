@@ -28,7 +28,7 @@ from fairmoe_jax.metrics import predictions as predictions_lib
 from fairmoe_jax.methods import METHODS, make_loss_fn as method_loss_fn
 from fairmoe_jax.analysis import write_plots
 from fairmoe_jax.fairness import experts as experts_lib
-from trainkit.checkpoint import Checkpointer, checkpoint_report
+from trainkit.checkpoint import Checkpointer, checkpoint_report, restore_trained
 from trainkit.config import resolve_train_steps
 from trainkit.errors import ConfigError, UserError
 from trainkit.loop import loop_settings, stop_after_preemption, train_loop
@@ -446,11 +446,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Evaluates the latest readable checkpoint in `workdir` on the test split."""
   mesh, info, splits, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  restored = checkpointer.restore(state)
-  checkpointer.close()
-  if restored is None:
-    raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
-  state, _, step = restored
+  state, step = restore_trained(checkpointer, state)
   report, predictions = final_report(
       make_eval_step(graphdef, info, config), graphdef, state, splits, info, config, mesh, workdir
   )
@@ -468,11 +464,9 @@ def load_model(
   _, _, _, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
   step = None
   if restore:
-    restored = checkpointer.restore(state)
-    if restored is None:
-      raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
-    state, _, step = restored
-  checkpointer.close()
+    state, step = restore_trained(checkpointer, state)
+  else:
+    checkpointer.close()
   return nnx.merge(graphdef, state.params, state.model_state), step
 
 
@@ -553,11 +547,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
     )
   paths = predict_inputs(config.predict.input)
   mesh, info, _, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  restored = checkpointer.restore(state)
-  checkpointer.close()
-  if restored is None:
-    raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
-  state, _, step = restored
+  state, step = restore_trained(checkpointer, state)
   # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
   split = {
       "path": np.array(paths, dtype=object),

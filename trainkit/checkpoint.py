@@ -448,6 +448,17 @@ class Checkpointer:
     self._manager.close()
 
 
+def restore_trained(checkpointer: Checkpointer, template_state: Any) -> tuple[Any, int]:
+  """(state, step) of the latest readable checkpoint, for a mode that needs a trained run
+  (eval, predict, export); closes the checkpointer. No checkpoint is a UserError."""
+  restored = checkpointer.restore(template_state)
+  checkpointer.close()
+  if restored is None:
+    raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
+  state, _, step = restored
+  return state, step
+
+
 def checkpoint_report(checkpointer: Checkpointer) -> dict[str, Any]:
   """report.json's statement of a fallback: the unreadable checkpoints the run skipped, if any.
 
