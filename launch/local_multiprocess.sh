@@ -12,49 +12,27 @@
 # The python interpreter is $PYTHON (default: python). --dry-run only prints the commands.
 set -euo pipefail
 
-# Prints the comment at the top of this file (what it does, its usage and an example).
-show_help() {
-  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' \
-    "${BASH_SOURCE[0]}"
-  exit 0
-}
-
-usage() {
-  echo "usage: $0 [--dry-run] --processes N [--port PORT] [--module MODULE] -- [main args...]" >&2
-  exit 2
-}
+# common.sh sits beside this file (a symlink to this file is followed).
+# shellcheck source=common.sh
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH_SOURCE[0]}")")/common.sh"
+usage_args="[--dry-run] --processes N [--port PORT] [--module MODULE] -- [main args...]"
 
 dry_run=0 processes="" port=12345 module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h | --help) show_help ;;
     --dry-run) dry_run=1 ;;
-    --processes | --port | --module)
-      [[ $# -ge 2 && -n "$2" ]] || usage
-      case "$1" in
-        --processes) processes=$2 ;;
-        --port) port=$2 ;;
-        --module) module=$2 ;;
-      esac
-      shift
-      ;;
+    --processes) option_value processes "$@"; shift ;;
+    --port) option_value port "$@"; shift ;;
+    --module) option_value module "$@"; shift ;;
     --) shift; break ;;
-    *) echo "unknown argument: $1" >&2; usage ;;
+    *) usage_error "unknown argument: $1" ;;
   esac
   shift
 done
-[[ "$processes" =~ ^[1-9][0-9]*$ ]] || { echo "--processes must be a positive integer" >&2; usage; }
-[[ "$port" =~ ^[1-9][0-9]*$ && "$port" -le 65535 ]] || { echo "bad --port: $port" >&2; usage; }
-[[ "$module" =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || { echo "bad --module: $module" >&2; usage; }
-
-# Quotes one word for a shell, only when needed.
-quote() {
-  if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
-    printf '%s' "$1"
-  else
-    printf "'%s'" "${1//\'/\'\\\'\'}"
-  fi
-}
+require_positive_int --processes "$processes"
+is_positive_int "$port" && [[ "$port" -le 65535 ]] || usage_error "bad --port: $port"
+require_module "$module"
 
 pids=()
 kill_all() {
@@ -66,9 +44,7 @@ trap 'kill_all; exit 130' INT TERM
 for ((i = 0; i < processes; i++)); do
   cmd=(env "JAX_COORDINATOR_ADDRESS=localhost:$port" "JAX_NUM_PROCESSES=$processes"
     "JAX_PROCESS_ID=$i" "JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}" "${PYTHON:-python}" -m "$module" "$@")
-  line="+"
-  for word in "${cmd[@]}"; do line+=" $(quote "$word")"; done
-  echo "$line"
+  print_cmd "${cmd[@]}"
   if [[ $dry_run == 0 ]]; then
     "${cmd[@]}" > >(sed "s/^/[$i] /") 2>&1 &
     pids+=("$!")

@@ -13,18 +13,12 @@
 # trainkit.distributed reads TRAINKIT_DISTRIBUTED=auto and lets JAX detect the pod.
 set -euo pipefail
 
-# Prints the comment at the top of this file (what it does, its usage and an example).
-show_help() {
-  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' \
-    "${BASH_SOURCE[0]}"
-  exit 0
-}
-
-usage() {
-  echo "usage: $0 [--dry-run] --name NAME --zone ZONE --accelerator TYPE [--version VERSION]" \
-    "[--project PROJECT] [--module MODULE] [--delete-after] [--no-create] -- [main args...]" >&2
-  exit 2
-}
+# common.sh sits beside this file (a symlink to this file is followed).
+# shellcheck source=common.sh
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH_SOURCE[0]}")")/common.sh"
+usage_args="[--dry-run] --name NAME --zone ZONE --accelerator TYPE [--version VERSION]"
+usage_args+=" [--project PROJECT] [--module MODULE] [--delete-after] [--no-create]"
+usage_args+=" -- [main args...]"
 
 dry_run=0 delete_after=0 create=1
 name="" zone="" accelerator="" project=""
@@ -35,25 +29,19 @@ while [[ $# -gt 0 ]]; do
     --dry-run) dry_run=1 ;;
     --delete-after) delete_after=1 ;;
     --no-create) create=0 ;;
-    --name | --zone | --accelerator | --version | --project | --module)
-      [[ $# -ge 2 && -n "$2" ]] || usage
-      case "$1" in
-        --name) name=$2 ;;
-        --zone) zone=$2 ;;
-        --accelerator) accelerator=$2 ;;
-        --version) version=$2 ;;
-        --project) project=$2 ;;
-        --module) module=$2 ;;
-      esac
-      shift
-      ;;
+    --name) option_value name "$@"; shift ;;
+    --zone) option_value zone "$@"; shift ;;
+    --accelerator) option_value accelerator "$@"; shift ;;
+    --version) option_value version "$@"; shift ;;
+    --project) option_value project "$@"; shift ;;
+    --module) option_value module "$@"; shift ;;
     --) shift; break ;;
-    *) echo "unknown argument: $1" >&2; usage ;;
+    *) usage_error "unknown argument: $1" ;;
   esac
   shift
 done
 [[ -n "$name" && -n "$zone" && -n "$accelerator" ]] || usage
-[[ "$module" =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || { echo "bad --module: $module" >&2; usage; }
+require_module "$module"
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 remote_dir="fairmoe"
@@ -61,25 +49,7 @@ archive="/tmp/${name}-repo.tar.gz"
 common=(--zone="$zone")
 if [[ -n "$project" ]]; then common+=(--project="$project"); fi
 
-# Quotes one word for a shell, only when needed.
-quote() {
-  if [[ "$1" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
-    printf '%s' "$1"
-  else
-    printf "'%s'" "${1//\'/\'\\\'\'}"
-  fi
-}
-
-# Prints a command ("+ cmd args"), then runs it unless --dry-run.
-run() {
-  local line="+" word
-  for word in "$@"; do line+=" $(quote "$word")"; done
-  echo "$line"
-  if [[ $dry_run == 0 ]]; then "$@"; fi
-}
-
-main_args=""
-for word in "$@"; do main_args+=" $(quote "$word")"; done
+main_args=$(quote_words "$@")
 
 cleanup() {
   local status=$?

@@ -49,7 +49,8 @@ def test_help_shows_the_flags_the_config_keys_and_examples(
   assert out.startswith(f"usage: python -m {package}.main --config=FILE")
   assert re.search(r"^  --config: \(required\) Config file", out, re.M)
   assert re.search(r"^  --workdir: \(required\) Directory for", out, re.M)
-  assert re.search(r"^  --mode: <train\|eval>: train: .*\(default: 'train'\)", out, re.M | re.S)
+  modes = r"train\|eval\|predict\|export" if package == "fairmoe_jax" else r"train\|eval"
+  assert re.search(rf"^  --mode: <{modes}>: train: .*\(default: 'train'\)", out, re.M | re.S)
   assert f"{package}/config.py (base_config) holds every key" in " ".join(out.split())
   for name in own_configs:
     assert re.search(rf"^    {re.escape(name)}: \S", out, re.M)
