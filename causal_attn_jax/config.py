@@ -131,6 +131,9 @@ def base_config() -> ml_collections.ConfigDict:
           encoder_band="self_loop",  # self_loop (1/3 self-loop, derived) | paper_slack
           step_size=0.01,  # Dual ascent step on the multipliers (per train step).
           dual_start_step=0,  # Multipliers stay at init_multiplier before this step.
+          # The dual step grows linearly from 0 to step_size over this many steps after
+          # dual_start_step, so the constraint tightens gradually; 0 = full step at once.
+          dual_ramp_steps=0,
           init_multiplier=0.0,
           multiplier_cap=10.0,  # Projection of every multiplier onto [0, cap]; 0 = no cap.
           penalty=0.0,  # Augmented-Lagrangian quadratic penalty; 0 = plain Lagrangian.
@@ -207,6 +210,7 @@ def validate(
                       "constraints.form='node'")
   cfg.require_int(config, "model.sinkhorn_iters", minimum=0)
   cfg.require_int(config, "constraints.dual_start_step", minimum=0)
+  cfg.require_int(config, "constraints.dual_ramp_steps", minimum=0)
   for key in ("step_size", "init_multiplier", "multiplier_cap", "penalty", "penalty_max"):
     cfg.require_float(config, f"constraints.{key}", minimum=0.0)
   cfg.require_float(config, "constraints.penalty_growth", minimum=1.0)

@@ -127,7 +127,9 @@ def make_update_extra(config: ml_collections.ConfigDict) -> UpdateExtraFn:
       # No dual ascent before constraints.dual_start_step: the task learns features first
       # (measured in docs/results.md: multipliers that grow from step 0 keep small models at
       # chance on MNLI).
-      step_size = jnp.where(metrics["_step"] >= c.dual_start_step, c.step_size, 0.0)
+      # Then the step grows linearly over constraints.dual_ramp_steps.
+      ramp = (metrics["_step"] - c.dual_start_step + 1) / max(c.dual_ramp_steps, 1)
+      step_size = c.step_size * jnp.clip(ramp, 0.0, 1.0)
       multipliers = constraints_lib.dual_update(
           multipliers,
           metrics["_violations"],

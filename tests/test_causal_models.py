@@ -172,3 +172,16 @@ def test_dual_ascent_waits_for_dual_start_step():
   np.testing.assert_array_equal(before["multipliers"], extra["multipliers"])
   after, _ = update(extra, {"_violations": violations, "_step": jnp.asarray(10)})
   np.testing.assert_allclose(after["multipliers"], 0.5)
+
+
+def test_dual_step_ramps_linearly_after_dual_start_step():
+  config = _config("causal")
+  config.constraints.update(dual_start_step=10, dual_ramp_steps=4, step_size=0.5)
+  update = jax.jit(train.make_update_extra(config))
+  extra = train.initial_extra(config)
+  violations = jnp.ones_like(extra["multipliers"])
+  steps = {}
+  for step in (9, 10, 11, 13, 20):
+    updated, _ = update(extra, {"_violations": violations, "_step": jnp.asarray(step)})
+    steps[step] = float(updated["multipliers"].max())
+  assert steps == pytest.approx({9: 0.0, 10: 0.125, 11: 0.25, 13: 0.5, 20: 0.5})
