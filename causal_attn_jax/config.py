@@ -46,6 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
   # with Perfetto or TensorBoard's profile plugin, README); "" = no trace.
   config.profile_steps = ""
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
+  # --mode=predict: a TSV of premise<TAB>hypothesis lines (pair classification) or a text file
+  # of source sentences (translation); the output is <workdir>/predict/predictions.tsv.
+  config.predict = ml_collections.ConfigDict(dict(input=""))
 
   config.data = ml_collections.ConfigDict(
       dict(

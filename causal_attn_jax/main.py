@@ -1,9 +1,12 @@
-r"""Command line of the Causal Transformer: train then evaluate, or evaluate (`--mode=eval`).
+r"""Command line of the Causal Transformer: train then evaluate, evaluate (`--mode=eval`), or
+run the latest checkpoint on new inputs (`--mode=predict`).
 
   python -m causal_attn_jax.main --config=configs/snli.py:size=small,attention=causal \
       --config.data.train_file=../shared/data/nli/snli_1.0_dev.jsonl \
       --config.data.eval_file=../shared/data/nli/snli_1.0_test.jsonl --workdir=/tmp/snli
   python -m causal_attn_jax.main --config=configs/snli.py:size=small ... --mode=eval
+  python -m causal_attn_jax.main --config=configs/snli.py:size=small ... --mode=predict \
+      --config.predict.input=pairs.tsv   # premise<TAB>hypothesis lines; or sentences to translate
 
 Writes <workdir>/report.json: classification {accuracy, macro_f1, challenge: {accuracy,
 by_heuristic}}; translation {bleu, num_sentences}; both {attention: {kind, effective_keys,
@@ -22,6 +25,14 @@ main = cli.train_eval_command(
     train_and_evaluate=train.train_and_evaluate,
     evaluate_checkpoint=train.evaluate_checkpoint,
     workdir_help="Directory for the tokenizer, checkpoints, metrics and report.json.",
+    checkpoint_modes={
+        "predict": (
+            train.predict_checkpoint,
+            "classify the sentence pairs (TSV) or translate the sentences of "
+            "--config.predict.input with the latest checkpoint, into "
+            "<workdir>/predict/predictions.tsv",
+        )
+    },
 )
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -25,6 +26,10 @@ from causal_attn_jax import report as report_lib
 from causal_attn_jax.data import tokenizer as tokenizer_lib
 from causal_attn_jax.data.loading import TaskData, load_classification, load_translation
 from causal_attn_jax.metrics import accuracy, bleu, macro_f1
+from causal_attn_jax.data.iterator import device_batches
+from trainkit.errors import UserError
+from trainkit.mesh import to_host
+from trainkit.textfiles import iter_lines
 from trainkit.train_state import TrainState, compute_dtype
 
 Batch = dict[str, jax.Array]
@@ -77,6 +82,13 @@ class Task(Protocol):
 
   def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
     """What the eval step returns beside the loss and constraint statistics."""
+    ...
+
+  def predict(
+      self, config: ml_collections.ConfigDict, data: TaskData, state: TrainState, *,
+      graphdef: nnx.GraphDef, mesh: Mesh, path: str,
+  ) -> dict[str, list[Any]]:
+    """The columns of predict/predictions.tsv for the inputs in `path` (`predict.input`)."""
     ...
 
   def report(
@@ -158,6 +170,45 @@ class PairClassification:
     return report
 
 
+  def predict(self, config, data, state, *, graphdef, mesh, path) -> dict[str, list[Any]]:
+    premises, hypotheses = [], []
+    for number, line in iter_lines(path, "predict.input"):
+      if not line.strip() or line.startswith("#"):
+        continue
+      fields = line.split("\t")
+      if len(fields) != 2:
+        raise UserError(
+            f"{path}:{number}: expected 2 tab-separated fields (premise, hypothesis), "
+            f"got {len(fields)}"
+        )
+      premises.append(fields[0])
+      hypotheses.append(fields[1])
+    if not premises:
+      raise UserError(f"{path}: no sentence pair to classify")
+    ids, segments = data.tokenizer.encode_pair(premises, hypotheses, config.data.max_len)
+
+    @jax.jit
+    def probabilities(state, batch):
+      model = nnx.merge(graphdef, state.params, state.model_state)
+      logits, _ = model(batch["ids"], batch["segment_ids"], train=False)
+      return jax.nn.softmax(logits.astype(jnp.float32), -1)
+
+    rows = []
+    arrays = {"ids": ids, "segment_ids": segments}
+    for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
+      rows.append(to_host(probabilities(state, batch))[host_batch["mask"]])
+    probs = np.concatenate(rows)
+    prediction = probs.argmax(-1)
+    columns: dict[str, list[Any]] = {
+        "premise": premises,
+        "hypothesis": hypotheses,
+        "prediction": [data.label_names[c] for c in prediction],
+    }
+    for c, name in enumerate(data.label_names):
+      columns[f"prob_{name}"] = [f"{p:.6g}" for p in probs[:, c]]
+    return columns
+
+
 class Translation:
   """Translation with `models.Seq2Seq`; its decoder self-attention layers are constrained too."""
 
@@ -209,6 +260,18 @@ class Translation:
   def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
     del logits  # Token accuracy is in the metrics; the report decodes with `decoding` instead.
     return {}
+
+  def predict(self, config, data, state, *, graphdef, mesh, path) -> dict[str, list[Any]]:
+    sources = [line for _, line in iter_lines(path, "predict.input") if line.strip()]
+    if not sources:
+      raise UserError(f"{path}: no sentence to translate")
+    src = data.tokenizer.encode(sources, config.data.max_source_len, add_bos=False, add_eos=True)
+    translate = decoding.make_translate_fn(graphdef, config)
+    translations = []
+    for host_batch, batch in device_batches({"src": src}, config.eval_batch_size, mesh):
+      tokens = to_host(translate(state.params, state.model_state, batch["src"]))
+      translations += data.tokenizer.decode_batch(tokens[host_batch["mask"]])
+    return {"source": sources, "translation": translations}
 
   def report(self, config, data, state, result, *, evaluate, graphdef, mesh) -> dict[str, Any]:
     del result, evaluate  # BLEU needs decoded text, not the teacher-forced pass.

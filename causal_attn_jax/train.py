@@ -17,6 +17,7 @@ constraint statistics but do not add the term.
 from __future__ import annotations
 
 import functools
+import csv
 import os
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import attention_sparsity
 from trainkit.checkpoint import Checkpointer, checkpoint_report, restore_trained
 from trainkit.config import resolve_train_steps
-from trainkit.errors import UserError
+from trainkit.errors import ConfigError, UserError
 from trainkit.loop import loop_settings, stop_after_preemption, train_loop
 from trainkit.mesh import make_mesh, place, replicated, to_host
 from trainkit.metric_writers import MetricWriter
@@ -362,8 +363,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return report
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Evaluates the latest readable checkpoint in `workdir`; writes report.json."""
+def _require_tokenizer(workdir: str) -> None:
   tokenizer_path = os.path.join(workdir, "spm.model")
   if not os.path.isfile(tokenizer_path):
     # Training a new one on the given text would silently change the checkpoint's vocabulary.
@@ -371,6 +371,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         f"{tokenizer_path} is missing, and the checkpoint's token ids mean nothing without it; "
         "restore it, or train a new run (--mode=train in a new workdir)"
     )
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Evaluates the latest readable checkpoint in `workdir`; writes report.json."""
+  _require_tokenizer(workdir)
   mesh, data, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
   state, _ = restore_trained(checkpointer, state)
   eval_step = make_eval_step(graphdef, config)
@@ -379,3 +384,35 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   if jax.process_index() == 0:
     report_lib.write_report(report, workdir)
   return report
+
+
+PREDICT_FILE = os.path.join("predict", "predictions.tsv")
+
+
+def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Runs the latest checkpoint on `predict.input` and writes `<workdir>/predict/predictions.tsv`.
+
+  Pair classification reads a TSV of `premise<TAB>hypothesis` lines and writes the predicted
+  label and each label's probability; translation reads one source sentence per line and
+  writes its beam-search translation (config.nmt). Blank lines and, for pairs, lines starting
+  with # are skipped.
+  """
+  if not config.predict.input:
+    raise ConfigError("predict.input", "--mode=predict needs --config.predict.input=FILE")
+  _require_tokenizer(workdir)
+  mesh, data, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
+  state, step = restore_trained(checkpointer, state)
+  columns = tasks.get_task(config).predict(
+      config, data, state, graphdef=graphdef, mesh=mesh, path=config.predict.input
+  )
+  path = os.path.join(workdir, PREDICT_FILE)
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    names = list(columns)
+    with open(path, "w", newline="") as f:
+      writer = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
+      writer.writerow(names)
+      writer.writerows(zip(*(columns[name] for name in names)))
+    rows = len(columns[names[0]])
+    print(f"Predicted {rows} inputs with the checkpoint of step {step}: {path}")
+  return path

@@ -1,6 +1,7 @@
 """Causal Transformer end to end: `python -m causal_attn_jax.main` on the MNLI/HANS samples, a bad
 data path, and a tiny translation run through `train_and_evaluate` (BLEU in the report)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -63,13 +64,11 @@ def _run(repo_root, workdir, *args, config="configs/mnli_hans.py:size=small,step
 
 @pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
 def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
-  result = _run(
-      repo_root,
-      tmp_path,
-      *TINY,
+  data_args = [
       f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
       f"--config.data.challenge_file={NLI / 'hans_format_sample.txt'}",
-  )
+  ]
+  result = _run(repo_root, tmp_path, *TINY, *data_args)
   assert result.returncode == 0, result.stderr
   report = json.loads((tmp_path / "report.json").read_text())
   assert 0.0 <= report["accuracy"] <= 1.0 and 0.0 <= report["macro_f1"] <= 1.0
@@ -95,6 +94,30 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
   assert metrics[-1]["tokens_per_second"] == pytest.approx(metrics[-1]["examples_per_second"] * 24)
   assert metrics[-1]["model_tflops_per_second_per_device"] > 0
   assert "report:" in result.stdout
+
+  # --mode=predict on sentence pairs: one row per pair, in order; the same pair in two batches
+  # (eval_batch_size=32) gets the same probabilities, so padding and batching do not leak.
+  pairs = [("A man is sleeping.", "Nobody sleeps."), ("The cat sat.", "A cat sat down.")]
+  pairs = pairs + [(f"Sentence {i}.", f"Other {i}.") for i in range(38)] + pairs[:1]
+  tsv = tmp_path / "pairs.tsv"
+  tsv.write_text("# premise\thypothesis\n" + "".join(f"{p}\t{h}\n" for p, h in pairs))
+  result = _run(repo_root, tmp_path, *TINY, *data_args, "--mode=predict",
+                f"--config.predict.input={tsv}")
+  assert result.returncode == 0, result.stderr
+  with open(tmp_path / "predict" / "predictions.tsv", newline="") as f:
+    rows = list(csv.DictReader(f, delimiter="\t"))
+  assert [(r["premise"], r["hypothesis"]) for r in rows] == pairs
+  labels = ("entailment", "neutral", "contradiction")
+  for row in rows:
+    probs = {label: float(row[f"prob_{label}"]) for label in labels}
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-5)
+    assert row["prediction"] == max(probs, key=probs.get)
+  assert {k: v for k, v in rows[0].items()} == {k: v for k, v in rows[-1].items()}
+  tsv.write_text("only one field\n")
+  result = _run(repo_root, tmp_path, *TINY, *data_args, "--mode=predict",
+                f"--config.predict.input={tsv}")
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert result.stderr.strip() == f"error: {tsv}:1: expected 2 tab-separated fields (premise, hypothesis), got 1"
 
 
 def test_bad_data_path_is_one_line_error(repo_root, tmp_path):
@@ -155,6 +178,27 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
   # The decoder (no slack) starts out of bounds: its multipliers grow step after step.
   multipliers = [m["constraints/dec0/multiplier"] for m in read_metrics(str(tmp_path))]
   assert multipliers[0] > 0 and all(b > a for a, b in zip(multipliers, multipliers[1:]))
+
+  # --mode=predict on eval sentences (the escape-free ones, as the file reader leaves them)
+  # translates them as the evaluation's beam search did.
+  from causal_attn_jax import decoding
+  from trainkit.checkpoint import restore_trained
+
+  mesh, data, _, graphdef, state, checkpointer = train._setup(config, str(tmp_path), training=False)
+  state, _ = restore_trained(checkpointer, state)
+  hypotheses, _ = decoding.translate_eval(
+      decoding.make_translate_fn(graphdef, config), state, data, config, mesh
+  )
+  lines = (ENDE / "src-val.txt").read_text().splitlines()[:16]
+  chosen = [i for i, line in enumerate(lines) if "&" not in line and line.strip()][:3]
+  sources = tmp_path / "sources.txt"
+  sources.write_text("".join(lines[i] + "\n" for i in chosen))
+  config.predict.input = str(sources)
+  path = train.predict_checkpoint(config, str(tmp_path))
+  with open(path, newline="") as f:
+    rows = list(csv.DictReader(f, delimiter="\t"))
+  assert [r["source"] for r in rows] == [lines[i] for i in chosen]
+  assert [r["translation"] for r in rows] == [hypotheses[i] for i in chosen]
 
 
 CAUSAL_CONFIGS = ["snli.py", "mnli_hans.py", "qqp_paws.py", "wmt14_ende.py", "wmt16_enro.py"]

@@ -49,7 +49,7 @@ def test_help_shows_the_flags_the_config_keys_and_examples(
   assert out.startswith(f"usage: python -m {package}.main --config=FILE")
   assert re.search(r"^  --config: \(required\) Config file", out, re.M)
   assert re.search(r"^  --workdir: \(required\) Directory for", out, re.M)
-  modes = r"train\|eval\|predict\|export" if package == "fairmoe_jax" else r"train\|eval"
+  modes = r"train\|eval\|predict\|export" if package == "fairmoe_jax" else r"train\|eval\|predict"
   assert re.search(rf"^  --mode: <{modes}>: train: .*\(default: 'train'\)", out, re.M | re.S)
   assert f"{package}/config.py (base_config) holds every key" in " ".join(out.split())
   for name in own_configs:
