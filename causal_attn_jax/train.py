@@ -40,7 +40,7 @@ from causal_attn_jax.metrics import attention_sparsity
 from trainkit.checkpoint import Checkpointer, checkpoint_report, restore_trained
 from trainkit.config import resolve_train_steps
 from trainkit.errors import ConfigError, UserError
-from trainkit.loop import loop_settings, stop_after_preemption, train_loop
+from trainkit.loop import loop_settings, resume_training, stop_after_preemption, train_loop
 from trainkit.mesh import make_mesh, place, replicated, to_host
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
@@ -52,7 +52,6 @@ from trainkit.train_state import (
     jit_train_step,
     make_train_step,
 )
-from trainkit.workdir import save_config
 
 # eval_step(state, batch) -> loss, constraint fractions, attention maps and the task's outputs.
 EvalStep = Callable[[TrainState, dict[str, jax.Array]], dict[str, Any]]
@@ -310,14 +309,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   train_iterator = TrainIterator(
       data.train, config.batch_size, seed=config.seed, seq_keys=task.seq_keys
   )
-  restored = checkpointer.restore(state, check_iterator_state=train_iterator.set_state)
-  if restored is not None:
-    state, iterator_state, step = restored
-    train_iterator.set_state(iterator_state)
-    writer.truncate_after(step)
-    print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
-  # Only now that the checkpoint accepted this config (a rejected resume leaves config.json).
-  save_config(config, workdir)
+  state = resume_training(config, workdir, state, checkpointer, train_iterator, writer)
 
   schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
   train_step = jit_train_step(

@@ -31,7 +31,7 @@ from fairmoe_jax.fairness import experts as experts_lib
 from trainkit.checkpoint import Checkpointer, checkpoint_report, restore_trained
 from trainkit.config import resolve_train_steps
 from trainkit.errors import ConfigError, UserError
-from trainkit.loop import loop_settings, stop_after_preemption, train_loop
+from trainkit.loop import loop_settings, resume_training, stop_after_preemption, train_loop
 from trainkit.mesh import make_mesh, place, shard_batch, to_host
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
@@ -42,7 +42,6 @@ from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics
 from trainkit.train_state import TrainState, create_train_state, jit_train_step, make_train_step
 from trainkit.textfiles import iter_lines
-from trainkit.workdir import save_config
 
 
 def load_data(
@@ -383,14 +382,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       num_threads=config.data.num_threads,
       prefetch_buffer_size=config.data.prefetch_buffer_size,
   )
-  restored = checkpointer.restore(state, check_iterator_state=train_iterator.set_state)
-  if restored is not None:
-    state, iterator_state, step = restored
-    train_iterator.set_state(iterator_state)
-    writer.truncate_after(step)
-    print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
-  # Only now that the checkpoint accepted this config (a rejected resume leaves config.json).
-  save_config(config, workdir)
+  state = resume_training(config, workdir, state, checkpointer, train_iterator, writer)
 
   schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
   train_step = jit_train_step(

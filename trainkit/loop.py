@@ -20,6 +20,7 @@ from trainkit.preemption import PreemptionGuard
 from trainkit.progress import ProgressBar
 from trainkit.throughput import compiled_flops, peak_flops_per_device, throughput_scalars
 from trainkit.train_state import TrainState
+from trainkit.workdir import save_config
 
 _log = logging.getLogger(__name__)
 
@@ -253,6 +254,30 @@ def train_loop(
   writer.flush()
   checkpointer.wait()
   return state, preempted
+
+
+def resume_training(
+    config: Any,
+    workdir: str,
+    state: TrainState,
+    checkpointer: Checkpointer,
+    train_iterator: CheckpointableIterator,
+    writer: MetricWriter,
+) -> TrainState:
+  """The state to train from: the latest readable checkpoint's, with the data iterator and the
+  metrics log put back to its step, or `state` for a fresh run; then saves `config.json`.
+
+  The config is written only once the checkpoint accepted it, so a rejected resume leaves
+  config.json as the run was trained with.
+  """
+  restored = checkpointer.restore(state, check_iterator_state=train_iterator.set_state)
+  if restored is not None:
+    state, iterator_state, step = restored
+    train_iterator.set_state(iterator_state)
+    writer.truncate_after(step)
+    print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
+  save_config(config, workdir)
+  return state
 
 
 def stop_after_preemption(
