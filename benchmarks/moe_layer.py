@@ -232,6 +232,30 @@ def profile(compiled: Any, args: tuple[Any, ...], directory: str, calls: int = 5
   ]
 
 
+# What each traced XLA operation does, from the JAX operation it came from (its op_name).
+def op_kind(source: str) -> str:
+  """expert matmul | elementwise (GELU and friends) | scatter | gather | transpose | other."""
+  if "dot_general" in source and ("end" in source or "enh" in source):
+    return "expert matmul"
+  if any(name in source for name in ("erfc", "erf", "jvp()/mul")):
+    return "elementwise"
+  if "scatter" in source:
+    return "scatter"
+  if any(name in source for name in ("gather", "take", "dynamic_slice")):
+    return "gather"
+  if "transpose" in source and "dot_general" not in source:
+    return "transpose"
+  return "other"
+
+
+def time_by_kind(ops: list[dict]) -> dict[str, float]:
+  """Milliseconds per call of a `profile` listing, summed by `op_kind`."""
+  totals: dict[str, float] = collections.Counter()
+  for op in ops:
+    totals[op_kind(op["source"])] += op["ms_per_call"]
+  return dict(totals)
+
+
 def _op_source(instruction: str) -> str:
   """The JAX operation an HLO instruction came from (its metadata op_name)."""
   marker = 'op_name="'
@@ -488,6 +512,12 @@ def main() -> None:
         print(
             f"  {op['share']:6.1%} {op['ms_per_call']:8.2f} ms  {op['shape']:<22} {op['source']}"
         )
+      by_kind = time_by_kind(row["profile"])
+      row["profile_ms_by_kind"] = by_kind
+      print(
+          f"  traced {sum(by_kind.values()):.1f} ms per call; by kind: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+      )
   add_ratios(rows)
   device = jax.devices()[0]
   print(

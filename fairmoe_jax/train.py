@@ -556,11 +556,8 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
       "prediction": prediction,
       "class_name": np.array(info.class_names, dtype=object)[prediction],
   }
-  for c in range(info.num_classes):
-    columns[f"prob_{c}"] = examples["probabilities"][:, c]
-  for block, fraction in examples["experts"].items():
-    for e in range(fraction.shape[1]):
-      columns[f"{block}/expert_{e}"] = fraction[:, e]
+  columns.update(predictions_lib.probability_columns(examples))
+  columns.update(predictions_lib.expert_columns(examples))
   path = os.path.join(workdir, PREDICT_FILE)
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -397,7 +397,9 @@ def test_progress_bar_reports_throughput_eta_and_scalars():
   assert "\r" not in stream.getvalue()
 
 
-def _train_ten_steps(tmp_path, train_step, ckpt, *, log_every_steps: int, w: float = 0.0):
+def _train_ten_steps(
+    tmp_path, train_step, ckpt, *, log_every_steps: int, w: float = 0.0, **loop_kwargs
+):
   """train_loop over 10 steps of the toy state, checkpointing every 2 steps."""
   return train_loop(
       state=_toy_train_state(w),
@@ -412,6 +414,7 @@ def _train_ten_steps(tmp_path, train_step, ckpt, *, log_every_steps: int, w: flo
       checkpoint_every_steps=2,
       examples_per_step=8,
       show_progress=False,
+      **loop_kwargs,
   )
 
 
@@ -477,21 +480,7 @@ def test_profile_steps_trace_exactly_those_steps(tmp_path):
     return state.replace(step=state.step + 1), {"loss": jnp.asarray(1.0)}
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  train_loop(
-      state=_toy_train_state(),
-      train_step=jax.jit(train_step),
-      train_iterator=_SignallingIterator(-1),
-      mesh=make_mesh({"data": 8, "expert": 1}),
-      checkpointer=ckpt,
-      writer=MetricWriter(str(tmp_path), tensorboard=False),
-      num_train_steps=8,
-      log_every_steps=0,
-      eval_every_steps=0,
-      checkpoint_every_steps=0,
-      examples_per_step=8,
-      show_progress=False,
-      profile_steps=(3, 5),
-  )
+  _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=0, profile_steps=(3, 5))
   [trace] = glob.glob(str(tmp_path / "profile" / "**" / "*.trace.json.gz"), recursive=True)
   with gzip.open(trace) as f:
     events = json.load(f)["traceEvents"]

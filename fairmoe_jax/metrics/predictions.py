@@ -73,18 +73,30 @@ def prediction_columns(
       "label": np.asarray(split["label"])[index],
       "prediction": examples["prediction"],
   }
-  for c in range(info.num_classes):
-    columns[f"prob_{c}"] = examples["probabilities"][:, c]
+  columns.update(probability_columns(examples))
   attributes = np.asarray(split["attributes"])[index]
   for j, (name, groups) in enumerate(zip(info.attribute_names, info.group_names)):
     if name in columns:
       raise ValueError(f"sensitive attribute {name!r} clashes with a predictions.csv column")
     names = np.array([*groups, ""], dtype=object)
     columns[name] = names[attributes[:, j]]  # -1 (missing) picks the trailing "".
-  for block, fraction in examples["experts"].items():
-    for e in range(fraction.shape[1]):
-      columns[f"{block}/expert_{e}"] = fraction[:, e]
+  columns.update(expert_columns(examples))
   return columns
+
+
+def probability_columns(examples: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  """`prob_<c>` per class from ``gather_examples``'s output."""
+  probabilities = examples["probabilities"]
+  return {f"prob_{c}": probabilities[:, c] for c in range(probabilities.shape[1])}
+
+
+def expert_columns(examples: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  """`<block>/expert_<e>`: per example, the share of its (token, choice) pairs each expert served."""
+  return {
+      f"{block}/expert_{e}": fraction[:, e]
+      for block, fraction in examples["experts"].items()
+      for e in range(fraction.shape[1])
+  }
 
 
 def write_csv(path: str, columns: Mapping[str, np.ndarray]) -> None:
