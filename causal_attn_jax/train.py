@@ -1,8 +1,8 @@
 """Training and evaluation of the Causal Transformer and its attention baselines.
 
-`train_and_evaluate` is the whole recipe, top to bottom, on the shared kit (`trainkit`): data
-and tokenizer, model, state (with the Lagrange multipliers in `TrainState.extra`), resume, the
-loop, then the report (`report.json`) and the attention heatmaps (paper Fig. 8). What differs
+`train_and_evaluate` is the whole recipe, top to bottom, on the shared kit (`trainkit.recipe`
+holds the skeleton both packages share): data and tokenizer, model, state (with the Lagrange
+multipliers in `TrainState.extra`), resume, the loop, then the report (`report.json`) and the attention heatmaps (paper Fig. 8). What differs
 between pair classification and translation is the task object's (`tasks.py`); the data
 loading and training iterator are in `data/`, beam search in `decoding.py` and the report in
 `report.py`, so this module reads as the recipe and the constrained objective only.
@@ -37,21 +37,11 @@ from causal_attn_jax import tasks
 from causal_attn_jax.data.iterator import TrainIterator, device_batches
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import attention_sparsity
-from trainkit.checkpoint import Checkpointer, checkpoint_report, restore_trained
-from trainkit.config import resolve_train_steps
+from trainkit import recipe
+from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
-from trainkit.loop import loop_settings, resume_training, stop_after_preemption, train_loop
-from trainkit.mesh import make_mesh, place, replicated, to_host
-from trainkit.metric_writers import MetricWriter
-from trainkit.optim import learning_rate_schedule, make_optimizer
-from trainkit.train_state import (
-    LossFn,
-    TrainState,
-    UpdateExtraFn,
-    create_train_state,
-    jit_train_step,
-    make_train_step,
-)
+from trainkit.mesh import place, replicated, to_host
+from trainkit.train_state import LossFn, TrainState, UpdateExtraFn, create_train_state
 
 # eval_step(state, batch) -> loss, constraint fractions, attention maps and the task's outputs.
 EvalStep = Callable[[TrainState, dict[str, jax.Array]], dict[str, Any]]
@@ -284,17 +274,18 @@ def _final_report(
 # --- Recipe ---------------------------------------------------------------------------------------
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = True):
-  mesh = make_mesh(config.mesh)
+def _setup(
+    config: ml_collections.ConfigDict, workdir: str, training: bool = True
+) -> tuple[TaskData, recipe.Run]:
   data = tasks.get_task(config).load_data(config, workdir)
-  train_examples = len(next(iter(data.train.values())))
-  resolve_train_steps(config, train_examples, training=training)
-  tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)
-  graphdef, state = create_state(config, data, tx, mesh)
-  checkpointer = Checkpointer(
-      os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+  run = recipe.setup(
+      config,
+      workdir,
+      train_examples=len(next(iter(data.train.values()))),
+      create_state=lambda tx, mesh: create_state(config, data, tx, mesh),
+      training=training,
   )
-  return mesh, data, tx, graphdef, state, checkpointer
+  return data, run
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
@@ -303,56 +294,38 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns the report, or None when the run was stopped by SIGTERM.
   """
   task = tasks.get_task(config)
-  mesh, data, tx, graphdef, state, checkpointer = _setup(config, workdir)
-  is_main = jax.process_index() == 0
-  writer = MetricWriter(workdir, enabled=is_main)
-  train_iterator = TrainIterator(
-      data.train, config.batch_size, seed=config.seed, seq_keys=task.seq_keys
-  )
-  state = resume_training(config, workdir, state, checkpointer, train_iterator, writer)
-
-  schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
-  train_step = jit_train_step(
-      make_train_step(
-          graphdef, make_loss_fn(config), tx, schedule, update_extra=make_update_extra(config)
-      ),
-      state,
-      mesh,
-  )
-  eval_step = make_eval_step(graphdef, config)
+  data, run = _setup(config, workdir)
+  eval_step = make_eval_step(run.graphdef, config)
 
   def evaluate(state: TrainState) -> dict[str, float]:
     return report_lib.summary_scalars(
-        run_eval(eval_step, state, data.eval, config, mesh), data, "eval"
+        run_eval(eval_step, state, data.eval, config, run.mesh), data, "eval"
     )
 
-  state, preempted = train_loop(
-      state=state,
-      train_step=train_step,
-      train_iterator=train_iterator,
-      mesh=mesh,
-      checkpointer=checkpointer,
-      writer=writer,
-      **loop_settings(config),
+  trained = recipe.train(
+      run,
+      train_iterator=TrainIterator(
+          data.train, config.batch_size, seed=config.seed, seq_keys=task.seq_keys
+      ),
+      loss_fn=make_loss_fn(config),
+      update_extra=make_update_extra(config),
       tokens_per_example=task.tokens_per_example(config),
-      evaluate=evaluate if config.eval_every_steps > 0 else None,
-      show_progress=is_main,
+      evaluate=evaluate,
   )
-  if preempted:
-    stop_after_preemption(state, checkpointer, writer)
+  if trained is None:
     return None
-
-  report = _final_report(config, graphdef, eval_step, state, data, mesh, workdir)
-  report.update(checkpoint_report(checkpointer))
+  report = _final_report(config, run.graphdef, eval_step, trained.state, data, run.mesh, workdir)
   scalars = {f"final/{k}": report[k] for k in ("accuracy", "macro_f1", "bleu") if k in report}
   if "challenge" in report:
     scalars["final/challenge_accuracy"] = report["challenge"]["accuracy"]
-  writer.write_scalars(int(state.step), scalars)
-  writer.close()
-  checkpointer.close()
-  if is_main:
-    report_lib.write_report(report, workdir)
-  return report
+  return recipe.finish(
+      run,
+      trained.state,
+      report,
+      writer=trained.writer,
+      scalars=scalars,
+      write_report=lambda report: report_lib.write_report(report, workdir),
+  )
 
 
 def _require_tokenizer(workdir: str) -> None:
@@ -368,14 +341,13 @@ def _require_tokenizer(workdir: str) -> None:
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Evaluates the latest readable checkpoint in `workdir`; writes report.json."""
   _require_tokenizer(workdir)
-  mesh, data, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  state, _ = restore_trained(checkpointer, state)
-  eval_step = make_eval_step(graphdef, config)
-  report = _final_report(config, graphdef, eval_step, state, data, mesh, workdir)
-  report.update(checkpoint_report(checkpointer))
-  if jax.process_index() == 0:
-    report_lib.write_report(report, workdir)
-  return report
+  data, run = _setup(config, workdir, training=False)
+  state, _ = restore_trained(run.checkpointer, run.state)
+  eval_step = make_eval_step(run.graphdef, config)
+  report = _final_report(config, run.graphdef, eval_step, state, data, run.mesh, workdir)
+  return recipe.finish(
+      run, state, report, write_report=lambda report: report_lib.write_report(report, workdir)
+  )
 
 
 PREDICT_FILE = os.path.join("predict", "predictions.tsv")
@@ -392,10 +364,10 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   if not config.predict.input:
     raise ConfigError("predict.input", "--mode=predict needs --config.predict.input=FILE")
   _require_tokenizer(workdir)
-  mesh, data, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  state, step = restore_trained(checkpointer, state)
+  data, run = _setup(config, workdir, training=False)
+  state, step = restore_trained(run.checkpointer, run.state)
   columns = tasks.get_task(config).predict(
-      config, data, state, graphdef=graphdef, mesh=mesh, path=config.predict.input
+      config, data, state, graphdef=run.graphdef, mesh=run.mesh, path=config.predict.input
   )
   path = os.path.join(workdir, PREDICT_FILE)
   if jax.process_index() == 0:

@@ -1,7 +1,8 @@
 """Training and evaluation of a fair sparse-MoE image classifier.
 
-`train_and_evaluate` is the whole recipe, top to bottom: data, model, state,
-resume, the loop (trainkit), then the fairness report on the test split.
+`train_and_evaluate` is the whole recipe, top to bottom: data, model, state, then
+`trainkit.recipe`'s resume and loop (the skeleton both packages share), then the fairness
+report on the test split.
 """
 
 from __future__ import annotations
@@ -28,19 +29,16 @@ from fairmoe_jax.metrics import predictions as predictions_lib
 from fairmoe_jax.methods import METHODS, make_loss_fn as method_loss_fn
 from fairmoe_jax.analysis import write_plots
 from fairmoe_jax.fairness import experts as experts_lib
-from trainkit.checkpoint import Checkpointer, checkpoint_report, restore_trained
-from trainkit.config import resolve_train_steps
+from trainkit import recipe
+from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
-from trainkit.loop import loop_settings, resume_training, stop_after_preemption, train_loop
-from trainkit.mesh import make_mesh, place, shard_batch, to_host
-from trainkit.metric_writers import MetricWriter
-from trainkit.optim import learning_rate_schedule, make_optimizer
+from trainkit.mesh import place, shard_batch, to_host
 from fairmoe_jax.metrics.gradients import gradient_cosines
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
 from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics
-from trainkit.train_state import TrainState, create_train_state, jit_train_step, make_train_step
+from trainkit.train_state import TrainState, create_train_state
 from trainkit.textfiles import iter_lines
 
 
@@ -334,8 +332,9 @@ def create_state(
   return graphdef, state
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = True):
-  mesh = make_mesh(config.mesh)
+def _setup(
+    config: ml_collections.ConfigDict, workdir: str, training: bool = True
+) -> tuple[data_lib.DatasetInfo, dict[str, dict[str, np.ndarray]], recipe.Run]:
   info, splits = load_data(config)
   # Validation drives checkpoint-worthy evaluation and the test split the report: found empty
   # only after training, they would cost the whole run.
@@ -352,14 +351,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, training: bool = Tru
     )
   except ValueError as e:
     raise ConfigError("eval.intersections", str(e)) from None
-  train_examples = len(splits["train"]["label"])
-  resolve_train_steps(config, train_examples, training=training)
-  tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)
-  graphdef, state = create_state(config, info, tx, mesh)
-  checkpointer = Checkpointer(
-      os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+  run = recipe.setup(
+      config,
+      workdir,
+      train_examples=len(splits["train"]["label"]),
+      create_state=lambda tx, mesh: create_state(config, info, tx, mesh),
+      training=training,
   )
-  return mesh, info, splits, tx, graphdef, state, checkpointer
+  return info, splits, run
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
@@ -367,10 +366,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   Returns the test report, or None when the run was stopped by SIGTERM.
   """
-  mesh, info, splits, tx, graphdef, state, checkpointer = _setup(config, workdir)
-  is_main = jax.process_index() == 0
-  writer = MetricWriter(workdir, enabled=is_main)
-
+  info, splits, run = _setup(config, workdir)
+  mesh = run.mesh
   train_iterator = data_lib.train_iterator(
       splits["train"],
       global_batch_size=config.batch_size,
@@ -382,14 +379,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       num_threads=config.data.num_threads,
       prefetch_buffer_size=config.data.prefetch_buffer_size,
   )
-  state = resume_training(config, workdir, state, checkpointer, train_iterator, writer)
-
-  schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
-  train_step = jit_train_step(
-      make_train_step(graphdef, make_loss_fn(config, info), tx, schedule), state, mesh
-  )
-  eval_step = make_eval_step(graphdef, info, config)
-
+  eval_step = make_eval_step(run.graphdef, info, config)
   last_validation: dict[int, dict[str, Any]] = {}
 
   def validate(state: TrainState) -> dict[str, Any]:
@@ -401,51 +391,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return last_validation[step]
 
   review = METHODS[config.method].review(
-      config, info, graphdef=graphdef, mesh=mesh, validate=validate
+      config, info, graphdef=run.graphdef, mesh=mesh, validate=validate
   )
-
-  state, preempted = train_loop(
-      state=state,
-      train_step=train_step,
+  trained = recipe.train(
+      run,
       train_iterator=train_iterator,
-      mesh=mesh,
-      checkpointer=checkpointer,
-      writer=writer,
-      **loop_settings(config),
+      loss_fn=make_loss_fn(config, info),
       # Patch tokens per image, the sequence the transformer (and the MoE) processes.
       tokens_per_example=(config.data.image_size // config.model.patch_size) ** 2,
-      evaluate=(lambda s: _summary_scalars(validate(s), "val")) if config.eval_every_steps else None,
+      evaluate=lambda state: _summary_scalars(validate(state), "val"),
       reviews=[review] if review else [],
-      show_progress=is_main,
   )
-  if preempted:
-    stop_after_preemption(state, checkpointer, writer)
+  if trained is None:
     return None
-
-  writer.flush()
   report, predictions = final_report(
-      eval_step, graphdef, state, splits, info, config, mesh, workdir
+      eval_step, run.graphdef, trained.state, splits, info, config, mesh, workdir
   )
-  report.update(checkpoint_report(checkpointer))
-  writer.write_scalars(int(state.step), _summary_scalars(report, "test"))
-  writer.close()
-  checkpointer.close()
-  if is_main:
-    _write_report(report, predictions, workdir)
-  return report
+  return recipe.finish(
+      run,
+      trained.state,
+      report,
+      writer=trained.writer,
+      scalars=_summary_scalars(report, "test"),
+      write_report=lambda report: _write_report(report, predictions, workdir),
+  )
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Evaluates the latest readable checkpoint in `workdir` on the test split."""
-  mesh, info, splits, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  state, step = restore_trained(checkpointer, state)
+  info, splits, run = _setup(config, workdir, training=False)
+  state, _ = restore_trained(run.checkpointer, run.state)
   report, predictions = final_report(
-      make_eval_step(graphdef, info, config), graphdef, state, splits, info, config, mesh, workdir
+      make_eval_step(run.graphdef, info, config), run.graphdef, state, splits, info, config,
+      run.mesh, workdir,
   )
-  report.update(checkpoint_report(checkpointer))
-  if jax.process_index() == 0:
-    _write_report(report, predictions, workdir)
-  return report
+  return recipe.finish(
+      run, state, report, write_report=lambda report: _write_report(report, predictions, workdir)
+  )
 
 
 def load_model(
@@ -453,13 +435,13 @@ def load_model(
 ) -> tuple[nnx.Module, int | None]:
   """The model of the latest readable checkpoint in `workdir` and its step, or with
   `restore=False` the model as initialised from `config` (step None)."""
-  _, _, _, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  step = None
+  _, _, run = _setup(config, workdir, training=False)
+  state, step = run.state, None
   if restore:
-    state, step = restore_trained(checkpointer, state)
+    state, step = restore_trained(run.checkpointer, state)
   else:
-    checkpointer.close()
-  return nnx.merge(graphdef, state.params, state.model_state), step
+    run.checkpointer.close()
+  return nnx.merge(run.graphdef, state.params, state.model_state), step
 
 
 EXPORT_FILE = os.path.join("export", "model.safetensors")
@@ -538,8 +520,8 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
         "predict with a model trained with route_by=predicted",
     )
   paths = predict_inputs(config.predict.input)
-  mesh, info, _, _, graphdef, state, checkpointer = _setup(config, workdir, training=False)
-  state, step = restore_trained(checkpointer, state)
+  info, _, run = _setup(config, workdir, training=False)
+  state, step = restore_trained(run.checkpointer, run.state)
   # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
   split = {
       "path": np.array(paths, dtype=object),
@@ -547,7 +529,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
       "attributes": np.full((len(paths), len(info.attribute_names)), -1, np.int32),
   }
   _, examples = _evaluate(
-      make_eval_step(graphdef, info, config), state, split, info, config, mesh,
+      make_eval_step(run.graphdef, info, config), state, split, info, config, run.mesh,
       keep_examples=True,
   )
   prediction = examples["prediction"]

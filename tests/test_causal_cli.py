@@ -184,10 +184,10 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
   from causal_attn_jax import decoding
   from trainkit.checkpoint import restore_trained
 
-  mesh, data, _, graphdef, state, checkpointer = train._setup(config, str(tmp_path), training=False)
-  state, _ = restore_trained(checkpointer, state)
+  data, run = train._setup(config, str(tmp_path), training=False)
+  state, _ = restore_trained(run.checkpointer, run.state)
   hypotheses, _ = decoding.translate_eval(
-      decoding.make_translate_fn(graphdef, config), state, data, config, mesh
+      decoding.make_translate_fn(run.graphdef, config), state, data, config, run.mesh
   )
   lines = (ENDE / "src-val.txt").read_text().splitlines()[:16]
   chosen = [i for i, line in enumerate(lines) if "&" not in line and line.strip()][:3]

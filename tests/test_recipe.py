@@ -1,0 +1,150 @@
+"""`trainkit.recipe`, the skeleton both packages' train.py share, on a toy regression recipe:
+training learns and writes the report once; a rerun resumes instead of retraining; a trained
+workdir restores the same parameters; SIGTERM leaves a checkpoint and no report."""
+
+import json
+import os
+import signal
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from trainkit import recipe
+from trainkit.checkpoint import restore_trained
+from trainkit.metric_writers import read_metrics
+from trainkit.optim import default_optimizer_config
+from trainkit.train_state import create_train_state
+
+TRUE_W = np.array([[2.0], [-3.0]], np.float32)
+
+
+class _Regression:
+  """Batches of y = x @ TRUE_W; sends SIGTERM while producing batch `signal_at` (1-based)."""
+
+  def __init__(self, signal_at: int = -1):
+    self.position, self.signal_at = 0, signal_at
+
+  def __next__(self):
+    self.position += 1
+    if self.position == self.signal_at:
+      os.kill(os.getpid(), signal.SIGTERM)
+    x = np.random.default_rng(self.position).normal(size=(8, 2)).astype(np.float32)
+    return {"x": x, "y": x @ TRUE_W}
+
+  def get_state(self):
+    return {"position": self.position}
+
+  def set_state(self, state):
+    self.position = int(state["position"])
+
+
+def _config(steps: int = 60) -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict(
+      dict(
+          seed=0,
+          mesh=dict(data=-1, expert=1),
+          batch_size=8,
+          num_epochs=0.0,
+          num_train_steps=steps,
+          log_every_steps=10,
+          eval_every_steps=20,
+          checkpoint_every_steps=20,
+          keep_checkpoints=2,
+          peak_flops_per_device=0.0,
+          optimizer=default_optimizer_config(),
+      )
+  )
+  config.optimizer.update(learning_rate=0.1, warmup_steps=0, weight_decay=0.0)
+  return config
+
+
+def _loss_fn(model, batch, rng, step, extra):
+  del rng, step, extra
+  loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+  return loss, {"mse": loss}
+
+
+def _setup(config, workdir, training=True) -> recipe.Run:
+  return recipe.setup(
+      config,
+      str(workdir),
+      train_examples=1000,
+      create_state=lambda tx, mesh: create_train_state(
+          lambda: nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(params=0)), tx, mesh, 0
+      ),
+      training=training,
+  )
+
+
+def _weights(run: recipe.Run, state) -> np.ndarray:
+  return np.asarray(nnx.merge(run.graphdef, state.params, state.model_state).kernel[...])
+
+
+def _train_and_finish(workdir, config):
+  run = _setup(config, workdir)
+  evaluations = []
+  trained = recipe.train(
+      run,
+      train_iterator=_Regression(),
+      loss_fn=_loss_fn,
+      evaluate=lambda state: evaluations.append(int(state.step)) or {"val/seen": 1.0},
+  )
+  report = {"w": _weights(run, trained.state).tolist(), "step": int(trained.state.step)}
+  recipe.finish(
+      run,
+      trained.state,
+      report,
+      writer=trained.writer,
+      scalars={"final/w0": report["w"][0][0]},
+      write_report=lambda r: (workdir / "report.json").write_text(json.dumps(r)),
+  )
+  return run, trained, evaluations
+
+
+def test_a_recipe_trains_evaluates_and_writes_one_report(tmp_path):
+  run, trained, evaluations = _train_and_finish(tmp_path, _config())
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["step"] == 60 and int(trained.state.step) == 60
+  np.testing.assert_allclose(report["w"], TRUE_W, atol=0.25)  # It learnt the regression.
+  assert evaluations == [20, 40, 60]
+  metrics = read_metrics(str(tmp_path))
+  mse = [m["mse"] for m in metrics if "mse" in m]
+  assert mse[-1] < mse[0] / 5  # Logged at steps 10..60; y's variance is 13.
+  assert metrics[-1]["step"] == 60 and metrics[-1]["final/w0"] == pytest.approx(report["w"][0][0])
+  assert os.path.exists(tmp_path / "config.json")  # resume_training saved the run's config.
+  assert sorted(os.listdir(tmp_path / "checkpoints"))[-1].endswith("60")
+
+
+def test_a_rerun_resumes_the_finished_run_and_a_trained_workdir_restores_it(tmp_path):
+  first, trained, _ = _train_and_finish(tmp_path, _config())
+  trained_w = _weights(first, trained.state)
+
+  rerun, retrained, evaluations = _train_and_finish(tmp_path, _config())
+  assert evaluations == []  # Nothing left to train: resumed at step 60.
+  np.testing.assert_array_equal(_weights(rerun, retrained.state), trained_w)
+
+  evaluation = _setup(_config(), tmp_path, training=False)
+  state, step = restore_trained(evaluation.checkpointer, evaluation.state)
+  assert step == 60
+  np.testing.assert_array_equal(_weights(evaluation, state), trained_w)
+  # finish after restore_trained (which closed the checkpointer) closes it again harmlessly.
+  report = recipe.finish(evaluation, state, {}, write_report=lambda r: None)
+  assert report == {}
+
+
+def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path):
+  config = _config()
+  run = _setup(config, tmp_path)
+  trained = recipe.train(run, train_iterator=_Regression(signal_at=7), loss_fn=_loss_fn)
+  assert trained is None
+  assert run.checkpointer.all_steps() == [7]
+  assert not (tmp_path / "report.json").exists()
+
+  _, resumed, evaluations = _train_and_finish(tmp_path, config)
+  assert int(resumed.state.step) == 60 and evaluations == [20, 40, 60]
+  steps = [m["step"] for m in read_metrics(str(tmp_path)) if "mse" in m]
+  assert steps == sorted(set(steps))  # The log was rewound to step 7, not duplicated.
