@@ -11,7 +11,7 @@ VERSION = re.search(
     r'^__version__ = "([^"]+)"$', (HERE / "trainkit" / "_version.py").read_text(), re.M
 ).group(1)
 
-CODE_PACKAGES = ["fairmoe_jax", "causal_attn_jax", "trainkit"]
+CODE_PACKAGES = ["fairmoe_jax", "causal_attn_jax", "trainkit", "experiments"]
 # The repository's configs/ (and configs/sweeps/) ship inside trainkit as
 # trainkit/bundled_configs, so that `--config=configs/quickstart.py` also works after a
 # non-editable install (trainkit.config_files.resolve_config_path finds them there).

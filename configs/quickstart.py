@@ -14,7 +14,8 @@ Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
   top_k    experts per token (default 2)
 
 The baselines on the same data: `--config.method=vanilla_smoe` (or muffin, multifair), or all
-at once with `python -m fairmoe_jax.compare --config=configs/quickstart.py --workdir=DIR`.
+at once with `python -m fairmoe_jax.compare --config=configs/quickstart.py --workdir=DIR` (each
+run in DIR/runs/, the paper-style table in DIR/comparison.md).
 
 Expected result (docs/results.md): test accuracy 73.5% (chance is 25%) and MF-PQD 0.671, with
 site the least fair attribute; FairSMoE's expert management reviews the allocation every 50

@@ -6,55 +6,55 @@ r"""Command line: train several methods over several seeds, then tabulate them a
 A method may carry config overrides, `METHOD@KEY=VALUE[@KEY=VALUE...]`, so readings of the
 same method compare side by side, e.g.
 `--methods=fairsmoe@fair.specialization=class_routing,fairsmoe@fair.route_by=label`.
+`--config.KEY=VALUE` flags apply to every run.
 
-Every (method, seed) trains in `<workdir>/<method>/seed<k>/` with `fairmoe_jax.main`'s
-recipe. A run that finished with the same config (its config.json) is not trained again (one
-trained with another config is an error, or with --retrain is moved aside and retrained), and
-an interrupted run
-resumes from its checkpoint, so rerunning the same command resumes the comparison. A run
-that raises is recorded (its message in `error.txt`, retried on the next invocation) and
-the others go on. The result, `<workdir>/comparison.md` and `comparison.json`, has one row
-per method with mean ± sample std over the seeds that succeeded: Acc. (%), MF-PQD and
+A front end of the experiment runner (`python -m experiments.sweep`): the comparison is the
+sweep of `fairmoe_jax.main` over the grid methods x seeds. Every run's config is built and
+validated here first, so a mistake (an unknown method or key, an impossible value) stops the
+comparison before anything trains. Each (method, seed) then trains as a subprocess, started in
+the current directory, in `<workdir>/runs/method=<method>,seed=<k>/`, logging to its `log.txt`.
+A run that finished with the same config (its config.json) is not trained again (one trained
+with another config is an error, or with --retrain is moved aside and retrained), and an
+interrupted run resumes from its checkpoint, so rerunning the same command resumes the
+comparison. A run that fails is recorded (`error.txt`, retried on the next invocation) and the
+others go on.
+
+The result, `<workdir>/comparison.md` and `comparison.json` (fairmoe_jax/paper_table.py), has
+one row per method with mean ± sample std over the seeds that succeeded: Acc. (%), MF-PQD and
 MF-DP (x 1e-3, as the paper's Tables 1-2 print it), the effective number of experts the MoE
 block uses (exp of the entropy of its test-set choices, paper Fig. 5) and the mean gradient
-cosine between attribute tasks (Fig. 6), then each attribute's PQD and DP.
-The exit status is 1 when any run has no result (the tables are still written).
+cosine between attribute tasks (Fig. 6), then each attribute's PQD and DP. The runner's own
+`sweep.csv`, `sweep.md`, `sweep.json` and `plots/` are written beside it.
+The exit status is 1 when any run has no result (the tables are still written), 2 for a bad
+flag or config, 130 when interrupted.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
-import re
 import sys
-import traceback
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import ml_collections
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.spec import dotted, split_value, validate_sweep
+from experiments.sweep import execute_sweep
 from fairmoe_jax import config as fairmoe_config
-from fairmoe_jax import train
 from fairmoe_jax.methods import METHODS
 from trainkit import cli
 from trainkit import config as cfg
 from trainkit.errors import ConfigError, UserError, exit_on_user_error
-from trainkit.workdir import (
-    move_aside,
-    prepare_workdir,
-    stale_runs_error,
-    trained_config_differences,
-)
+from trainkit.workdir import prepare_workdir, trained_config_differences
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally `file.py:key=value,...`; shared by every run."
 )
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Directory of the comparison: one sub-directory per method and seed."
+    "workdir", None, "Directory of the comparison: runs/ (one per method and seed) and tables."
 )
 _METHODS = flags.DEFINE_list(
     "methods",
@@ -71,22 +71,12 @@ _RETRAIN = flags.DEFINE_bool(
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
-REPORT = "report.json"
-ERROR = "error.txt"
-# Display scale of the markdown table: accuracy in %, MF-DP in units of 1e-3 (the paper's).
-TABLE_SCALE = {"accuracy": 100.0, "mf_pqd": 1.0, "mf_dp": 1e3}
-TABLE_SCALE.update(experts_active=1.0, gradient_cosine=1.0)
-_COLUMNS = (
-    ("accuracy", "Acc. (%)", 2),
-    ("mf_pqd", "MF-PQD", 4),
-    ("mf_dp", "MF-DP (×10⁻³)", 2),
-    ("experts_active", "Experts active", 2),
-    ("gradient_cosine", "Grad. cos", 3),
-)
-
-
-def run_dir(workdir: str, method: str, seed: int) -> str:
-  return os.path.join(workdir, method, f"seed{seed}")
+MAIN_MODULE = "fairmoe_jax.main"
+PAPER_TABLE = "fairmoe_jax.paper_table:write_comparison"
+# The runner's generic sweep table beside the paper's: the headline numbers of each run.
+METRICS = ("accuracy", "mf.pqd", "mf.dp")
+# Set per run from --methods and --seeds; a --config flag for them would be silently replaced.
+GRID_KEYS = ("method", "seed")
 
 
 def parse_methods(names: Sequence[str]) -> list[str]:
@@ -122,15 +112,11 @@ def parse_seeds(values: Sequence[str]) -> list[int]:
 
 
 def split_method(entry: str) -> tuple[str, dict[str, str]]:
-  """`METHOD@KEY=VALUE@...` -> (METHOD, {KEY: VALUE})."""
-  name, *overrides = entry.split("@")
-  pairs = {}
-  for override in overrides:
-    key, sep, value = override.partition("=")
-    if not sep or not key:
-      raise UserError(f"--methods: {override!r} in {entry!r} is not KEY=VALUE")
-    pairs[key.strip()] = value.strip()
-  return name.strip(), pairs
+  """`METHOD@KEY=VALUE@...` -> (METHOD, {KEY: VALUE}), the runner's reading of a grid value."""
+  try:
+    return split_value(entry)
+  except ValueError as e:
+    raise UserError(f"--methods: {e} in {entry!r}") from None
 
 
 def _override(config: ml_collections.ConfigDict, key: str, text: str, entry: str) -> None:
@@ -150,7 +136,12 @@ def _override(config: ml_collections.ConfigDict, key: str, text: str, entry: str
 def run_config(
     config: ml_collections.ConfigDict, method: str, seed: int
 ) -> ml_collections.ConfigDict:
-  """A copy of the shared config for one run, validated (its error names the method and seed)."""
+  """A copy of the shared config for one run, validated (its error names the method and seed).
+
+  The run itself is built by `fairmoe_jax.main` from flags; this in-process copy is what those
+  flags must give, so that a mistake shows before anything trains and a finished run can be
+  checked against the config.json it was trained with.
+  """
   config = copy.deepcopy(config)
   name, overrides = split_method(method)
   config.method = name
@@ -166,244 +157,99 @@ def run_config(
   return config
 
 
-def run_one(config: ml_collections.ConfigDict, directory: str, *, retrain: bool = False) -> str:
-  """Trains one run unless it finished with this config; returns "done", "cached", "failed" or
-  "stopped".
+def comparison_sweep(
+    config_file: str,
+    overrides: Mapping[str, Any],
+    methods: Sequence[str],
+    seeds: Sequence[int],
+) -> ml_collections.ConfigDict:
+  """The runner's spec of the comparison: `fairmoe_jax.main` over methods x seeds.
 
-  A finished run trained with another config (config.json) is an error, or with `retrain` is
-  moved aside and trained again. Any exception from training is written to
-  `directory/error.txt` (message first, then the traceback) rather than raised, so one method's
-  crash does not cost the others.
+  `config_file` is `--config`'s value (`file.py[:args]`); its file is made absolute so the runs,
+  started from the repository root, find a config given relative to the current directory.
+  `overrides` are the `--config.KEY` values given to this command, forwarded to every run.
   """
-  directory = prepare_workdir(directory)
-  report_path = os.path.join(directory, REPORT)
-  error_path = os.path.join(directory, ERROR)
-  if os.path.exists(report_path):
-    differences = trained_config_differences(directory, config)
-    if not differences:
-      return "cached"
-    if not retrain:
-      raise stale_runs_error([(directory, differences)], "--retrain")
-    print(f"  moved the stale run to {move_aside(directory)}", flush=True)
-    directory = prepare_workdir(directory)
-  try:
-    report = train.train_and_evaluate(config, directory)
-  except Exception as e:  # noqa: BLE001 - any failure of one run is recorded, not fatal.
-    with open(error_path, "w") as f:
-      f.write(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
-    return "failed"
-  if report is None:  # SIGTERM or Ctrl-C: the run checkpointed; the comparison stops too.
-    return "stopped"
-  if os.path.exists(error_path):  # A retry that succeeded: the old error no longer applies.
-    os.remove(error_path)
-  return "done"
-
-
-def _seed_of(directory: str) -> int | None:
-  """The run's seed, from the config.json training wrote, else from the `seed<k>` name."""
-  try:
-    with open(os.path.join(directory, "config.json")) as f:
-      return int(json.load(f)["seed"])
-  except (OSError, ValueError, KeyError, TypeError):
-    match = re.fullmatch(r"seed(\d+)", os.path.basename(os.path.normpath(directory)))
-    return int(match.group(1)) if match else None
-
-
-def _read_run(directory: str) -> dict[str, Any]:
-  """One run's entry of the summary: its metrics when it succeeded, else why not."""
-  entry: dict[str, Any] = {"run_dir": directory, "seed": _seed_of(directory)}
-  report_path = os.path.join(directory, REPORT)
-  if os.path.exists(report_path):
-    try:
-      with open(report_path) as f:
-        report = json.load(f)
-      entry.update(
-          status="ok",
-          step=report.get("step"),
-          accuracy=float(report["accuracy"]),
-          mf={k: float(v) for k, v in report["mf"].items()},
-          attributes={
-              name: {k: float(a[k]) for k in ("pqd", "dp", "eopp", "eodds") if k in a}
-              for name, a in report["attributes"].items()
-          },
+  path, sep, args = config_file.partition(":")
+  clash = [k for k in GRID_KEYS if k in overrides]
+  if clash:
+    raise UserError(
+        f"--config.{clash[0]} is set per run by --{clash[0]}s; leave it out of the --config flags"
+    )
+  return validate_sweep(
+      dict(
+          module=MAIN_MODULE,
+          config=os.path.abspath(os.path.expanduser(path)) + sep + args,
+          grid=dotted({"method": tuple(methods), "seed": tuple(seeds)}),
+          overrides=dotted(overrides),
+          metrics=METRICS,
+          tables=(PAPER_TABLE,),
       )
-      entry["mf_pqd"], entry["mf_dp"] = entry["mf"]["pqd"], entry["mf"]["dp"]
-      active = report.get("experts_active", {}).get("choices", {})
-      if active:
-        entry["experts_active"] = float(np.mean(list(active.values())))
-      # {"a|b": [cosine per validation batch]} for every pair of attributes.
-      cosines = [v for values in report.get("gradient_cosine", {}).values() for v in values]
-      if cosines:
-        entry["gradient_cosine"] = float(np.mean(cosines))
-      return entry
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-      return {**entry, "status": "failed", "error": f"unreadable {report_path}: {e}"}
-  error_path = os.path.join(directory, ERROR)
-  if os.path.exists(error_path):
-    with open(error_path) as f:
-      message = f.read().split("\n\n", 1)[0].strip()
-    return {**entry, "status": "failed", "error": message or "failed"}
-  return {**entry, "status": "missing", "error": "no report.json (not run, or interrupted)"}
-
-
-def _stats(values: Sequence[float]) -> dict[str, Any]:
-  """Mean and sample std (ddof=1; None for fewer than two values) of `values`."""
-  values = [float(v) for v in values]
-  if not values:
-    return {"mean": None, "std": None, "values": []}
-  std = float(np.std(values, ddof=1)) if len(values) > 1 else None
-  return {"mean": float(np.mean(values)), "std": std, "values": values}
-
-
-def summarise(run_dirs_by_method: dict[str, list[str]]) -> dict[str, Any]:
-  """Reads each run's report.json (or error.txt) and aggregates per method over seeds.
-
-  Returns {"methods": {METHOD: {"num_seeds", "accuracy", "mf_pqd", "mf_dp",
-  "pqd": {ATTR: stats}, "runs": [per-run entry]}}, "attributes": [ATTR, ...],
-  "failed": [{"method", "seed", "run_dir", "status", "error"}], "table_scale": {...}}, where
-  stats is {"mean", "std", "values"} in raw units (accuracy a fraction, DP a rate); only
-  runs with a report count. Pure: reads files, writes nothing.
-  """
-  methods: dict[str, Any] = {}
-  attributes: list[str] = []
-  failed: list[dict[str, Any]] = []
-  for method, directories in run_dirs_by_method.items():
-    runs = [_read_run(d) for d in directories]
-    ok = [r for r in runs if r["status"] == "ok"]
-    for r in runs:
-      if r["status"] != "ok":
-        failed.append(
-            {"method": method, **{k: r[k] for k in ("seed", "run_dir", "status", "error")}}
-        )
-    method_attributes = list(dict.fromkeys(a for r in ok for a in r["attributes"]))
-    attributes += [a for a in method_attributes if a not in attributes]
-    methods[method] = {
-        "num_seeds": len(ok),
-        "seeds": [r["seed"] for r in ok],
-        **{
-            key: _stats([r[key] for r in ok if key in r])
-            for key in ("accuracy", "mf_pqd", "mf_dp", "experts_active", "gradient_cosine")
-        },
-        **{
-            metric: {
-                a: _stats(
-                    [r["attributes"][a][metric] for r in ok if metric in r["attributes"].get(a, {})]
-                )
-                for a in method_attributes
-            }
-            for metric in ("pqd", "dp")
-        },
-        "runs": runs,
-    }
-  return {
-      "methods": methods,
-      "attributes": attributes,
-      "failed": failed,
-      "table_scale": TABLE_SCALE,
-  }
-
-
-def _cell(stats: dict[str, Any] | None, scale: float, decimals: int) -> str:
-  if not stats or stats["mean"] is None:
-    return "—"
-  text = f"{scale * stats['mean']:.{decimals}f}"
-  if stats["std"] is not None:
-    text += f" ± {scale * stats['std']:.{decimals}f}"
-  return text
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-  lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-  return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
-def format_markdown(summary: dict[str, Any]) -> str:
-  """The summary as markdown: the main table, per-attribute PQD, then runs that did not finish."""
-  methods = summary["methods"]
-  lines = [
-      "# Method comparison",
-      "",
-      "Mean ± sample std (ddof=1) over the seeds that succeeded; a single value when one did.",
-      "MF-DP is scaled by 10³ as in the paper's Tables 1-2 (comparison.json keeps raw values).",
-      "",
-  ]
-  rows = [
-      [m, *(_cell(s[key], TABLE_SCALE[key], d) for key, _, d in _COLUMNS), str(s["num_seeds"])]
-      for m, s in methods.items()
-  ]
-  lines += _table(["Method", *(label for _, label, _ in _COLUMNS), "Seeds"], rows)
-  if summary["attributes"]:
-    lines += ["", "## PQD and DP per attribute", ""]
-    rows = [
-        [m, *(_cell(s[metric].get(a), 1.0, 4) for a in summary["attributes"]
-              for metric in ("pqd", "dp"))]
-        for m, s in methods.items()
-    ]
-    header = [f"{a} {metric.upper()}" for a in summary["attributes"] for metric in ("pqd", "dp")]
-    lines += _table(["Method", *header], rows)
-  if summary["failed"]:
-    lines += ["", "## Runs without a result", ""]
-    for f in summary["failed"]:
-      seed = "?" if f["seed"] is None else f["seed"]
-      lines.append(f"- {f['method']} seed {seed} ({f['status']}, `{f['run_dir']}`): {f['error']}")
-  return "\n".join(lines) + "\n"
-
-
-def write_comparison(workdir: str, summary: dict[str, Any]) -> str:
-  """Writes comparison.json and comparison.md into `workdir`; returns the markdown."""
-  markdown = format_markdown(summary)
-  with open(os.path.join(workdir, "comparison.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  with open(os.path.join(workdir, "comparison.md"), "w") as f:
-    f.write(markdown)
-  return markdown
+  )
 
 
 @exit_on_user_error
 def run(
-    config, workdir: str, methods: Sequence[str], seeds: Sequence[str], retrain: bool = False
-) -> None:
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    methods: Sequence[str],
+    seeds: Sequence[str],
+    retrain: bool = False,
+    *,
+    config_file: str,
+    overrides: Mapping[str, Any] | None = None,
+) -> int:
+  """Trains what is missing, then writes the tables; returns the exit status (1: runs missing).
+
+  `config` is the shared config as loaded (with `overrides`, the `--config.KEY` values, applied);
+  `config_file` and `overrides` are what every run's own `--config` flags repeat.
+  """
   methods, seeds = parse_methods(methods), parse_seeds(seeds)
+  sweep = comparison_sweep(config_file, overrides or {}, methods, seeds)
   # Every config is checked before the first run trains, so a mistake costs seconds, not a run.
   configs = {(m, s): run_config(config, m, s) for m in methods for s in seeds}
   workdir = prepare_workdir(workdir)
-  # A finished run is reused only if it was trained with the config asked for now.
-  stale = [
-      (run_dir(workdir, m, s), diff)
-      for (m, s), run_cfg in configs.items()
-      if os.path.exists(os.path.join(run_dir(workdir, m, s), REPORT))
-      and (diff := trained_config_differences(run_dir(workdir, m, s), run_cfg))
-  ]
-  if stale and not retrain:
-    raise stale_runs_error(stale, "--retrain")
-  is_main = jax.process_index() == 0
-  for i, ((method, seed), run_cfg) in enumerate(configs.items()):
-    directory = run_dir(workdir, method, seed)
-    print(f"[{i + 1}/{len(configs)}] {method} seed {seed}: {directory}", flush=True)
-    status = run_one(run_cfg, directory, retrain=retrain)
-    if status == "cached":
-      print("  report.json exists; not retrained", flush=True)
-    elif status == "failed":
-      with open(os.path.join(directory, ERROR)) as f:
-        print(f"  FAILED: {f.readline().strip()} (see {directory}/{ERROR})", flush=True)
-    elif status == "stopped":
-      print("Comparison stopped; rerun the same command to resume.", flush=True)
-      return
-  summary = summarise({m: [run_dir(workdir, m, s) for s in seeds] for m in methods})
-  if is_main:
-    markdown = write_comparison(workdir, summary)
-    print(f"\n{markdown}\nWrote {workdir}/comparison.md and comparison.json", flush=True)
-  if summary["failed"]:
+
+  def differences(point: Mapping[str, Any], directory: str) -> list[str]:
+    # The whole trained config, not only the flags: an edited config file makes runs stale too.
+    return trained_config_differences(directory, configs[(point["method"], point["seed"])])
+
+  status = execute_sweep(
+      sweep,
+      workdir,
+      mode="run",
+      retrain=retrain,
+      sweep_path=f"fairmoe_jax.compare --config={config_file}",
+      differences=differences,
+      # Here, not the repository root: a relative path in a flag (--config.data.root=../data)
+      # means what it meant when this command was typed.
+      cwd=os.getcwd(),
+  )
+  with open(os.path.join(workdir, "comparison.md")) as f:
+    print(f"\n{f.read()}", flush=True)
+  if status:
     # The table is written, but a script driving the comparison must notice the gaps.
-    print(f"{len(summary['failed'])} run(s) without a result; see the list above.", flush=True)
-    sys.exit(1)
+    print("Run(s) without a result are listed above; rerun the same command to retry them.")
+  return status
 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   cli.quiet_logging()
-  run(cli.loaded_config(_CONFIG), _WORKDIR.value, _METHODS.value, _SEEDS.value, _RETRAIN.value)
+  config = cli.loaded_config(_CONFIG)
+  try:
+    status = run(
+        config,
+        _WORKDIR.value,
+        _METHODS.value,
+        _SEEDS.value,
+        _RETRAIN.value,
+        config_file=config_flags.get_config_filename(flags.FLAGS["config"]),
+        overrides=config_flags.get_override_values(flags.FLAGS["config"]),
+    )
+  except KeyboardInterrupt:  # The running run got SIGTERM and checkpointed; rerun resumes.
+    sys.exit(130)
+  sys.exit(status)
 
 
 if __name__ == "__main__":

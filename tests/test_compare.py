@@ -1,25 +1,29 @@
-"""`fairmoe_jax.compare`: the summary and markdown on hand-made runs, then once end to end."""
+"""`fairmoe_jax.compare` and its table collector `fairmoe_jax.paper_table`: the summary and
+markdown on hand-made runs, early errors, then once end to end through the experiment runner."""
 
 import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
 
-from fairmoe_jax import compare
+from experiments import spec
+from experiments.collect import RunResult
+from fairmoe_jax import compare, paper_table
+from fairmoe_jax.config import base_config
 from trainkit.errors import UserError
 
 
-def _write_report(directory, accuracy: float, pqd: float, dp: float, *, attributes=("sex", "age")):
-  directory.mkdir(parents=True)
-  report = {
+def _report(method: str, accuracy: float, pqd: float, dp: float, *, attributes=("sex", "age")):
+  return {
       "accuracy": accuracy,
       "num_examples": 100,
       "loss": 1.0,
       "step": 10,
-      "method": directory.parent.name,
+      "method": method,
       "attributes": {
           a: {
               "pqd": pqd + 0.01 * i,
@@ -35,34 +39,32 @@ def _write_report(directory, accuracy: float, pqd: float, dp: float, *, attribut
       "experts_active": {"choices": {"moe_block3": 2.0 + pqd}},
       "gradient_cosine": {"sex|age": [0.5, pqd - 0.5]},
   }
-  (directory / "report.json").write_text(json.dumps(report))
-  return str(directory)
+
+
+def _run(method, seed, status="ok", report=None, error=None):
+  point = {"method": method, "seed": seed}
+  return RunResult(point, f"/w/runs/method={method},seed={seed}", status, report, error)
 
 
 @pytest.fixture
-def runs(tmp_path):
-  """fairsmoe: three seeds; vanilla_smoe: one seed, one failed, one never run."""
+def runs():
+  """fairsmoe: three seeds; vanilla_smoe: one seed, one failed, one never run (grid order)."""
   fairsmoe = [
-      _write_report(tmp_path / "fairsmoe" / f"seed{s}", acc, pqd, dp)
+      _run("fairsmoe", s, report=_report("fairsmoe", acc, pqd, dp))
       for s, (acc, pqd, dp) in enumerate(
           [(0.70, 0.80, 0.010), (0.74, 0.85, 0.012), (0.75, 0.83, 0.020)]
       )
   ]
-  failed = tmp_path / "vanilla_smoe" / "seed1"
-  failed.mkdir(parents=True)
-  (failed / "error.txt").write_text(
-      "RuntimeError: out of memory\n\nTraceback (most recent call last): ..."
-  )
   vanilla = [
-      _write_report(tmp_path / "vanilla_smoe" / "seed0", 0.60, 0.50, 0.030, attributes=("sex",)),
-      str(failed),
-      str(tmp_path / "vanilla_smoe" / "seed2"),
+      _run("vanilla_smoe", 0, report=_report("vanilla_smoe", 0.6, 0.5, 0.03, attributes=("sex",))),
+      _run("vanilla_smoe", 1, "failed", error="exit code 1: RuntimeError: out of memory"),
+      _run("vanilla_smoe", 2, "missing", error="no report.json (not run, or interrupted)"),
   ]
-  return {"fairsmoe": fairsmoe, "vanilla_smoe": vanilla}
+  return fairsmoe + vanilla
 
 
 def test_summarise_mean_and_sample_std_over_successful_seeds(runs):
-  summary = compare.summarise(runs)
+  summary = paper_table.summarise(runs)
   fair = summary["methods"]["fairsmoe"]
   assert fair["num_seeds"] == 3 and fair["seeds"] == [0, 1, 2]
   for key, values in {
@@ -80,13 +82,13 @@ def test_summarise_mean_and_sample_std_over_successful_seeds(runs):
   assert vanilla["accuracy"] == {"mean": 0.60, "std": None, "values": [0.60]}
   assert summary["attributes"] == ["sex", "age"]
   assert [(f["seed"], f["status"]) for f in summary["failed"]] == [(1, "failed"), (2, "missing")]
-  assert summary["failed"][0]["error"] == "RuntimeError: out of memory"
+  assert summary["failed"][0]["error"] == "exit code 1: RuntimeError: out of memory"
   assert {r["status"] for r in vanilla["runs"]} == {"ok", "failed", "missing"}
   json.dumps(summary)  # comparison.json must be writable as is.
 
 
 def test_format_markdown_scales_and_lists_failures(runs):
-  markdown = compare.format_markdown(compare.summarise(runs))
+  markdown = paper_table.format_markdown(paper_table.summarise(runs))
   acc, dp = [0.70, 0.74, 0.75], [0.010, 0.012, 0.020]
   fair_row = next(line for line in markdown.splitlines() if line.startswith("| fairsmoe | "))
   assert f"{100 * np.mean(acc):.2f} ± {100 * np.std(acc, ddof=1):.2f}" in fair_row
@@ -105,9 +107,7 @@ def test_format_markdown_scales_and_lists_failures(runs):
 
 
 def test_a_method_entry_carries_config_overrides():
-  from fairmoe_jax import config as fairmoe_config
-
-  base = fairmoe_config.base_config()
+  base = base_config()
   config = compare.run_config(
       base, "fairsmoe@fair.specialization=class_routing@fair.alpha=0.5@fair.dynamic_allocation=false", 3
   )
@@ -127,6 +127,115 @@ def test_bad_methods_and_seeds_are_user_errors():
     compare.parse_seeds(["0", "x"])
   assert compare.parse_methods(["muffin", "muffin", "fairsmoe"]) == ["muffin", "fairsmoe"]
   assert compare.parse_seeds(["2", "0", "2"]) == [2, 0]
+  bad_part = r"--methods: 'fair\.alpha' is not KEY=VALUE.*in 'fairsmoe@fair\.alpha'"
+  with pytest.raises(UserError, match=bad_part):
+    compare.parse_methods(["fairsmoe@fair.alpha"])
+  with pytest.raises(UserError, match="--methods is empty"):
+    compare.parse_methods([" ", ""])
+  with pytest.raises(UserError, match="--seeds: -1 is negative"):
+    compare.parse_seeds(["-1"])
+  with pytest.raises(UserError, match="--seeds is empty"):
+    compare.parse_seeds([])
+
+
+def test_the_comparison_is_a_methods_by_seeds_sweep_with_the_paper_table(repo_root):
+  methods = ["vanilla_smoe", "fairsmoe@fair.specialization=class_routing"]
+  sweep = compare.comparison_sweep(
+      "configs/quickstart.py:steps=2", {"batch_size": 32}, methods, [0, 1]
+  )
+  assert sweep.module == "fairmoe_jax.main"
+  assert sweep.tables == ("fairmoe_jax.paper_table:write_comparison",)
+  assert list(sweep.grid.items()) == [("method", methods), ("seed", [0, 1])]
+  point = spec.grid_points(sweep)[3]
+  assert spec.run_name(point) == "method=fairsmoe@fair.specialization=class_routing,seed=1"
+  command = spec.run_command(sweep, point, "/w/r")
+  # The config file is absolute: the runs start in the repository root, not here.
+  assert command[3] == f"--config={os.path.abspath('configs/quickstart.py')}:steps=2"
+  assert command[5:] == [
+      "--config.batch_size=32",
+      "--config.method=fairsmoe",
+      "--config.fair.specialization=class_routing",
+      "--config.seed=1",
+  ]
+
+
+def test_a_wrong_method_key_stops_the_comparison_before_anything_runs(tmp_path, capsys):
+  workdir = tmp_path / "cmp"
+  cases = [
+      (
+          ["vanilla_smoe", "fairsmoe@fair.nonexistent=1"],
+          {},
+          "--methods: unknown config key 'fair.nonexistent' in 'fairsmoe@fair.nonexistent=1'",
+      ),
+      (["fairsmoe@fair.alpha=2"], {}, "fair.alpha"),
+      (["vanilla_smoe"], {"seed": 3}, "--config.seed is set per run by --seeds"),
+  ]
+  for methods, overrides, message in cases:
+    with pytest.raises(SystemExit) as exit_info:
+      compare.run(
+          base_config(), str(workdir), methods, ["0"],
+          config_file="configs/quickstart.py", overrides=overrides,
+      )
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not workdir.exists()
+
+
+def test_write_comparison_is_a_table_collector(runs, tmp_path):
+  paths = paper_table.write_comparison(str(tmp_path), runs)
+  assert paths == [str(tmp_path / "comparison.md"), str(tmp_path / "comparison.json")]
+  summary = json.loads((tmp_path / "comparison.json").read_text())
+  assert summary == json.loads(json.dumps(paper_table.summarise(runs)))
+  assert (tmp_path / "comparison.md").read_text() == paper_table.format_markdown(summary)
+  # A report without the fairness fields is a run without a result, not a crash.
+  odd = _run("muffin", 0, report={"accuracy": 0.5})
+  summary = paper_table.summarise([odd])
+  assert summary["methods"]["muffin"]["num_seeds"] == 0
+  assert "lacks what the table needs" in summary["failed"][0]["error"]
+  # Other varied grid keys than the seed make rows of their own.
+  wide = RunResult({"batch_size": 64, "method": "fairsmoe", "seed": 0}, "/w", "missing")
+  assert paper_table.summarise([wide])["failed"][0]["method"] == "batch_size=64,method=fairsmoe"
+
+
+# Stands in for fairmoe_jax.main in the runs of an in-process comparison: a report the paper
+# table can read, whose step is the --config.num_train_steps the run was given.
+STUB_MAIN = textwrap.dedent("""
+    import json, os, sys
+
+    flags = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+    os.makedirs(flags["workdir"], exist_ok=True)
+    report = {"accuracy": 0.5, "step": int(flags.get("config.num_train_steps", 0)),
+              "mf": {"pqd": 0.9, "dp": 0.1}, "attributes": {"sex": {"pqd": 0.9, "dp": 0.1}}}
+    with open(os.path.join(flags["workdir"], "report.json"), "w") as f:
+      json.dump(report, f)
+    """)
+
+
+def test_a_run_trained_with_another_config_is_stale_then_retrained(tmp_path, monkeypatch, capsys):
+  """Finished runs are checked against the whole config they were trained with (config.json)."""
+  (tmp_path / "stub_fairmoe_main.py").write_text(STUB_MAIN)
+  path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+  monkeypatch.setenv("PYTHONPATH", path)
+  monkeypatch.setattr(compare, "MAIN_MODULE", "stub_fairmoe_main")
+  workdir = tmp_path / "cmp"
+  run = workdir / "runs" / "method=vanilla_smoe,seed=0"
+  run.mkdir(parents=True)
+  trained = compare.run_config(base_config(), "vanilla_smoe", 0)
+  trained.num_train_steps = 2
+  (run / "config.json").write_text(trained.to_json_best_effort())
+  (run / "report.json").write_text(json.dumps(_report("vanilla_smoe", 0.6, 0.5, 0.03)))
+  config = base_config()
+  config.num_train_steps = 3
+  kwargs = dict(config_file="configs/quickstart.py", overrides={"num_train_steps": 3})
+  with pytest.raises(SystemExit) as exit_info:
+    compare.run(config, str(workdir), ["vanilla_smoe"], ["0"], **kwargs)
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err
+  assert "num_train_steps: 2 -> 3" in error and "--retrain" in error
+  assert compare.run(config, str(workdir), ["vanilla_smoe"], ["0"], retrain=True, **kwargs) == 0
+  assert json.loads((run / "report.json").read_text())["step"] == 3
+  assert (run.parent / f"{run.name}.stale-1" / "report.json").is_file()
+  assert "| vanilla_smoe | 50.00 | 0.9000 | 100.00 | — | — | 1 |" in capsys.readouterr().out
 
 
 TINY = [
@@ -159,36 +268,41 @@ def _compare(repo_root, workdir, *args):
 
 
 def test_compare_end_to_end_then_resume_without_retraining(repo_root, tmp_path):
-  args = ["--methods=vanilla_smoe,multifair", "--seeds=0"]
+  variant = "multifair@multifair.weight=0.5"  # A method with an @ setting, end to end.
+  args = [f"--methods=vanilla_smoe,{variant}", "--seeds=0"]
   result = _compare(repo_root, tmp_path, *args)
   assert result.returncode == 0, result.stderr[-3000:]
   markdown = (tmp_path / "comparison.md").read_text()
   summary = json.loads((tmp_path / "comparison.json").read_text())
-  assert "| vanilla_smoe | " in markdown and "| multifair | " in markdown
+  assert "| vanilla_smoe | " in markdown and f"| {variant} | " in markdown
   assert markdown in result.stdout
-  assert list(summary["methods"]) == ["vanilla_smoe", "multifair"]
+  assert list(summary["methods"]) == ["vanilla_smoe", variant]
   assert summary["failed"] == []
-  for method in ("vanilla_smoe", "multifair"):
-    assert summary["methods"][method]["num_seeds"] == 1
-    report = json.loads((tmp_path / method / "seed0" / "report.json").read_text())
-    assert report["method"] == method
+  runs = tmp_path / "runs"
+  for method, name in (("vanilla_smoe", "vanilla_smoe"), ("multifair", variant)):
+    assert summary["methods"][name]["num_seeds"] == 1
+    run = runs / f"method={name},seed=0"
+    assert json.loads((run / "report.json").read_text())["method"] == method
+    # The runs' own flags give the config that compare built and checked.
+    assert json.loads((run / "config.json").read_text())["data"]["train_size"] == 128
+  assert json.loads((runs / f"method={variant},seed=0" / "config.json").read_text())[
+      "multifair"
+  ]["weight"] == 0.5
+  assert (tmp_path / "sweep.md").is_file()  # The runner's generic table, beside the paper's.
 
-  reports = sorted(tmp_path.glob("*/seed0/report.json"))
+  reports = sorted(runs.glob("*/report.json"))
   mtimes = [p.stat().st_mtime_ns for p in reports]
   result = _compare(repo_root, tmp_path, *args)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.count("not retrained") == 2
+  assert result.stdout.count("skipped (report.json exists)") == 2
   assert [p.stat().st_mtime_ns for p in reports] == mtimes
+  assert (tmp_path / "comparison.md").read_text() == markdown
 
   # Asked for other settings, the finished runs are stale: an error before anything trains.
   result = _compare(repo_root, tmp_path, *args, "--config.num_train_steps=3")
   assert result.returncode == 2
   assert "num_train_steps: 2 -> 3" in result.stderr and "--retrain" in result.stderr
   assert [p.stat().st_mtime_ns for p in reports] == mtimes
-  result = _compare(repo_root, tmp_path, *args, "--config.num_train_steps=3", "--retrain")
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert json.loads((tmp_path / "multifair" / "seed0" / "report.json").read_text())["step"] == 3
-  assert (tmp_path / "multifair" / "seed0.stale-1" / "report.json").is_file()
 
 
 def test_unknown_method_is_one_line_error(repo_root, tmp_path):
@@ -197,4 +311,4 @@ def test_unknown_method_is_one_line_error(repo_root, tmp_path):
   assert (
       result.stderr.strip().splitlines()[-1].startswith("error: --methods: unknown method(s) bogus")
   )
-  assert not (tmp_path / "vanilla_smoe").exists()
+  assert not (tmp_path / "runs").exists()

@@ -1,18 +1,23 @@
-"""`trainkit.sweep` with a stub training module: grid, commands, run/resume, tables, plots, errors."""
+"""The experiment runner (`experiments`) with a stub training module: grid, `@` values, commands,
+run/resume, tables and table collectors, plots, errors."""
 
 import csv
 import json
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import ml_collections
 import numpy as np
 import pytest
 
-from trainkit import sweep as sweep_lib
+from experiments import commands, spec
+from experiments import sweep as sweep_cli
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 
 # A stand-in for a package's main: parses the flags, counts its invocations, writes
@@ -57,10 +62,10 @@ def _sweep(batch_sizes=(16, 32), **extra):
       dict(
           module="stub_main",
           config="configs/quickstart.py",
-          grid=sweep_lib.dotted(
+          grid=spec.dotted(
               {"batch_size": batch_sizes, "moe.num_experts": (2, 4), "seed": (0, 1)}
           ),
-          overrides=sweep_lib.dotted({"use_flag": True, "data.name": "synthetic", "lr": 1e-3}),
+          overrides=spec.dotted({"use_flag": True, "data.name": "synthetic", "lr": 1e-3}),
           metrics=("accuracy", "mf.pqd", "mf.missing"),
           **extra,
       )
@@ -74,22 +79,22 @@ def stub_env(tmp_path):
 
 
 def test_grid_points_names_and_order():
-  sweep = sweep_lib.validate_sweep(_sweep())
-  points = sweep_lib.grid_points(sweep)
+  sweep = spec.validate_sweep(_sweep())
+  points = spec.grid_points(sweep)
   assert len(points) == 8
   assert points[0] == {"batch_size": 16, "moe.num_experts": 2, "seed": 0}
   assert points[1] == {"batch_size": 16, "moe.num_experts": 2, "seed": 1}
   assert points[-1] == {"batch_size": 32, "moe.num_experts": 4, "seed": 1}
-  assert sweep_lib.run_name(points[0]) == "batch_size=16,moe.num_experts=2,seed=0"
-  assert sweep_lib.run_name({"method": "a b/c", "x": (1, 2)}) == "method=a_b_c,x=_1,_2_"
+  assert spec.run_name(points[0]) == "batch_size=16,moe.num_experts=2,seed=0"
+  assert spec.run_name({"method": "a b/c", "x": (1, 2)}) == "method=a_b_c,x=_1,_2_"
 
 
 def test_command_formats_values(tmp_path):
   raw = _sweep()
-  raw.overrides = sweep_lib.dotted({"flag": False, "name": "fair smoe", "lr": 0.0003, "t": (1, 2)})
-  sweep = sweep_lib.validate_sweep(raw)
+  raw.overrides = spec.dotted({"flag": False, "name": "fair smoe", "lr": 0.0003, "t": (1, 2)})
+  sweep = spec.validate_sweep(raw)
   point = {"batch_size": 16, "moe.num_experts": 2, "seed": 0}
-  command = sweep_lib.run_command(sweep, point, "/w/r")
+  command = spec.run_command(sweep, point, "/w/r")
   assert command == [
       sys.executable,
       "-m",
@@ -107,11 +112,11 @@ def test_command_formats_values(tmp_path):
 
 
 def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
-  sweep = sweep_lib.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
+  sweep = spec.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
   sweep_path = tmp_path / "sweep.py"
   workdir = tmp_path / "sweep"
-  monkeypatch.setattr(sweep_lib, "load_sweep", lambda _: sweep)  # No file: this definition.
-  status = sweep_lib.execute(str(sweep_path), str(workdir), env=stub_env)
+  monkeypatch.setattr(sweep_cli, "load_sweep", lambda _: sweep)  # No file: this definition.
+  status = sweep_cli.execute(str(sweep_path), str(workdir), env=stub_env)
   assert status == 1
   out = capsys.readouterr().out
   assert "[1/12] batch_size=16,moe.num_experts=2,seed=0: ok" in out
@@ -164,7 +169,7 @@ def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
   # Rerun: finished runs are skipped (their stub is not called again), the failed one retried.
   calls = {d.name: (d / "calls.txt").read_text().count("call") for d in runs.iterdir()}
   assert set(calls.values()) == {1}
-  assert sweep_lib.execute(str(sweep_path), str(workdir), env=stub_env) == 1
+  assert sweep_cli.execute(str(sweep_path), str(workdir), env=stub_env) == 1
   out = capsys.readouterr().out
   assert out.count("skipped (report.json exists)") == 8
   for d in runs.iterdir():
@@ -172,37 +177,222 @@ def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
     assert (d / "calls.txt").read_text().count("call") == expected
 
   # Dry run prints commands only.
-  assert sweep_lib.execute(str(sweep_path), str(workdir), dry_run=True) == 0
+  assert sweep_cli.execute(str(sweep_path), str(workdir), dry_run=True) == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 12 and sum(line.startswith("# skipped") for line in lines) == 8
 
   # Other settings: the finished runs would be stale, so nothing runs and the error says why.
-  changed = sweep_lib.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
+  changed = spec.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
   changed.overrides["lr"] = 1e-2
-  monkeypatch.setattr(sweep_lib, "load_sweep", lambda _: changed)
+  monkeypatch.setattr(sweep_cli, "load_sweep", lambda _: changed)
   with pytest.raises(UserError, match=r"8 finished run\(s\) .*lr: '0.001' -> '0.01'.*--retrain"):
-    sweep_lib.execute(str(sweep_path), str(workdir), env=stub_env)
+    sweep_cli.execute(str(sweep_path), str(workdir), env=stub_env)
   assert all((d / "calls.txt").read_text().count("call") <= 2 for d in runs.iterdir())
   # --retrain moves them aside (kept) and runs them with the new settings.
-  assert sweep_lib.execute(str(sweep_path), str(workdir), retrain=True, env=stub_env) == 1
+  assert sweep_cli.execute(str(sweep_path), str(workdir), retrain=True, env=stub_env) == 1
   stale = sorted(d.name for d in runs.iterdir() if ".stale-" in d.name)
   assert len(stale) == 8 and stale[0].endswith(".stale-1")
   redone = json.loads((runs / "batch_size=16,moe.num_experts=2,seed=0" / "report.json").read_text())
   assert redone["flags"]["lr"] == "0.01"
 
 
+def test_at_values_set_config_keys_and_name_the_run():
+  raw = _sweep()
+  raw.grid = spec.dotted({"method": ("plain", "fair @ fair.alpha=0.5@lr=0.1"), "seed": (0,)})
+  raw.overrides = spec.dotted({"use_flag": True, "lr": 1e-3})
+  sweep = spec.validate_sweep(raw)
+  plain, fair = spec.grid_points(sweep)
+  assert fair == {"method": "fair @ fair.alpha=0.5@lr=0.1", "seed": 0}
+  assert spec.run_name(fair) == "method=fair_@_fair.alpha=0.5@lr=0.1,seed=0"
+  command = spec.run_command(sweep, fair, "/w/r")
+  # The value sets its key, its settings follow; an @ setting replaces the override of its key.
+  assert command[5:] == [
+      "--config.use_flag=True",
+      "--config.lr=0.1",
+      "--config.method=fair",
+      "--config.fair.alpha=0.5",
+      "--config.seed=0",
+  ]
+  assert spec.run_command(sweep, plain, "/w/r")[5:] == [
+      "--config.use_flag=True",
+      "--config.lr=0.001",
+      "--config.method=plain",
+      "--config.seed=0",
+  ]
+  record = spec.run_record(sweep, fair)["settings"]
+  assert record == {
+      "use_flag": "True", "lr": "0.1", "method": "fair", "fair.alpha": "0.5", "seed": "0"
+  }
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("fair@alpha", "'alpha' is not KEY=VALUE"),
+        ("fair@=1", "'=1' is not KEY=VALUE"),
+        ("fair@a b=1", "'a b=1' is not KEY=VALUE"),
+        ("@a=1", "nothing before the first '@'"),
+        ("fair@a=1@a=2", "'a' is set twice"),
+        ("fair@seed=1", "sets 'seed', a grid key"),
+    ],
+)
+def test_bad_at_values_name_the_grid_key_and_value(value, message):
+  raw = _sweep()
+  raw.grid = spec.dotted({"method": ("plain", value), "seed": (0,)})
+  with pytest.raises(spec.SweepError, match=f"sweep key 'grid.method': value '{value}'.*{message}"):
+    spec.validate_sweep(raw)
+
+
+COLLECTOR = textwrap.dedent("""
+    import json, os
+
+    def write(workdir, runs):
+      path = os.path.join(workdir, "collected.json")
+      with open(path, "w") as f:
+        json.dump([dict(name=r.name, point=r.point, status=r.status, report=r.report,
+                        error=r.error, run_dir=r.run_dir) for r in runs], f)
+      return [path]
+
+    not_callable = 3
+    """)
+
+
+def test_spec_tables_collector_gets_the_run_results(tmp_path, stub_env, capsys, monkeypatch):
+  (tmp_path / "stub_collector.py").write_text(COLLECTOR)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  raw = _sweep(batch_sizes=(16, 13), tables=("stub_collector:write",))
+  # An @ value through the stub: the key's value and its setting reach the run as flags.
+  raw.grid["moe.num_experts"] = ("2@lr=0.5",)
+  raw.grid["seed"] = (0,)
+  sweep = spec.validate_sweep(raw)
+  workdir = tmp_path / "sweep"
+  monkeypatch.setattr(sweep_cli, "load_sweep", lambda _: sweep)
+  assert sweep_cli.execute("s.py", str(workdir), env=stub_env) == 1
+  collected = json.loads((workdir / "collected.json").read_text())
+  assert f"Wrote {workdir / 'collected.json'}" in capsys.readouterr().out
+  ok, failed = collected
+  assert ok["point"] == {"batch_size": 16, "moe.num_experts": "2@lr=0.5", "seed": 0}
+  assert ok["name"] == "batch_size=16,moe.num_experts=2@lr=0.5,seed=0"
+  assert ok["run_dir"] == str(workdir / "runs" / ok["name"])
+  assert ok["status"] == "ok" and ok["error"] is None
+  assert ok["report"]["flags"]["moe.num_experts"] == "2" and ok["report"]["flags"]["lr"] == "0.5"
+  assert ok["report"]["accuracy"] == pytest.approx(_accuracy(16, 2, 0))
+  assert failed["status"] == "failed" and failed["report"] is None
+  # error.txt's first line: the exit code and the main's last words.
+  assert failed["error"] == "exit code 1: stub: batch_size 13 is unlucky"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("no_such_module_xyz:write", "cannot import 'no_such_module_xyz'"),
+        ("os:no_such_function", "'os' has no 'no_such_function'"),
+        ("os:sep", "'os:sep' is not callable"),
+        ("os.path.join", "'os.path.join' is not 'module:function'"),
+    ],
+)
+def test_bad_table_collectors_are_sweep_errors(name, message):
+  with pytest.raises(spec.SweepError, match=f"sweep key 'tables': {message}"):
+    spec.validate_sweep(_sweep(tables=(name,)))
+
+
+# A run that trains until stopped: it records a SIGTERM (as the mains checkpoint on it) and exits,
+# or with `stubborn` ignores it and must be killed.
+SLOW_STUB = textwrap.dedent("""
+    import os, signal, sys, time
+
+    flags = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+    workdir = flags["workdir"]
+    os.makedirs(workdir, exist_ok=True)
+
+    def on_sigterm(signum, frame):
+      open(os.path.join(workdir, "sigterm.txt"), "w").close()
+      sys.exit(0)
+
+    if flags["config.mode"] == "stubborn":
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+      signal.signal(signal.SIGTERM, on_sigterm)
+    print("training", flush=True)
+    open(os.path.join(workdir, "started.txt"), "w").close()
+    time.sleep(120)
+    """)
+
+
+@pytest.fixture
+def slow_env(tmp_path):
+  (tmp_path / "slow_main.py").write_text(SLOW_STUB)
+  return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+
+def _slow_sweep(**extra):
+  return dict(
+      module="slow_main",
+      config="configs/quickstart.py",
+      grid=spec.dotted({"mode": ("checkpoint", "stubborn")}),
+      **extra,
+  )
+
+
+def test_timeouts_terminate_then_kill_and_leave_error_txt(tmp_path, slow_env, monkeypatch, capsys):
+  from experiments import supervise
+
+  monkeypatch.setattr(supervise, "TERMINATE_GRACE_S", 1)
+  sweep = spec.validate_sweep(_slow_sweep(timeout_s=2))
+  statuses = supervise.run_sweep(sweep, str(tmp_path / "w"), env=slow_env)
+  assert statuses == {"mode=checkpoint": "failed", "mode=stubborn": "failed"}
+  runs = tmp_path / "w" / "runs"
+  assert (runs / "mode=checkpoint" / "sigterm.txt").exists()  # SIGTERM first: it checkpoints.
+  assert not (runs / "mode=stubborn" / "sigterm.txt").exists()
+  for name, code in (("mode=checkpoint", 0), ("mode=stubborn", -9)):  # -9: SIGKILL after grace.
+    error = (runs / name / "error.txt").read_text()
+    assert error.startswith(f"timeout after 2 s (exit code {code})"), error
+    assert "training" in error  # The log's tail.
+  assert "failed (timeout after 2 s" in capsys.readouterr().out
+
+
+def test_sigterm_to_the_runner_stops_the_running_run(tmp_path, slow_env, repo_root):
+  sweep_file = tmp_path / "slow_sweep.py"
+  sweep_file.write_text(
+      "from experiments.spec import dotted\n"
+      "def get_config(arg=None):\n"
+      "  return dict(module='slow_main', config='configs/quickstart.py',\n"
+      "              grid=dotted({'mode': ('checkpoint', 'stubborn')}))\n"
+  )
+  workdir = tmp_path / "w"
+  runner = subprocess.Popen(
+      [sys.executable, "-m", "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"],
+      cwd=repo_root,
+      env={**os.environ, **slow_env},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+  )
+  started = workdir / "runs" / "mode=checkpoint" / "started.txt"
+  deadline = time.monotonic() + 60
+  while not started.exists() and time.monotonic() < deadline and runner.poll() is None:
+    time.sleep(0.1)
+  assert started.exists()
+  runner.send_signal(signal.SIGTERM)
+  out, _ = runner.communicate(timeout=60)
+  assert runner.returncode == 130, out
+  assert (started.parent / "sigterm.txt").exists()  # The run was told, and checkpointed.
+  assert "interrupted; rerun the same command to resume the sweep" in out
+  assert not (workdir / "runs" / "mode=stubborn").exists()  # Nothing more was started.
+
+
 def test_commands_mode_with_launcher(tmp_path):
-  sweep = sweep_lib.validate_sweep(_sweep())
+  sweep = spec.validate_sweep(_sweep())
   workdir = tmp_path / "w d"  # A space, so quoting matters.
   launcher = "launch/slurm.sh --nodes 2 --gpus-per-node 8 --"
-  path = sweep_lib.write_commands(sweep, str(workdir), shlex.split(launcher), "s.py")
+  path = commands.write_commands(sweep, str(workdir), shlex.split(launcher), "s.py")
   assert path == str(workdir / "commands.sh") and os.access(path, os.X_OK)
   lines = open(path).read().splitlines()
   assert lines[0] == "#!/usr/bin/env bash" and "set -euo pipefail" in lines
   runs = lines[lines.index("set -euo pipefail") + 2 :]
   assert len(runs) == 8
-  for line, point in zip(runs, sweep_lib.grid_points(sweep)):
-    run_dir = workdir / "runs" / sweep_lib.run_name(point)
+  for line, point in zip(runs, spec.grid_points(sweep)):
+    run_dir = workdir / "runs" / spec.run_name(point)
     assert shlex.split(line) == [
         "launch/slurm.sh",
         "--nodes",
@@ -221,7 +411,7 @@ def test_commands_mode_with_launcher(tmp_path):
         f"--config.moe.num_experts={point['moe.num_experts']}",
         f"--config.seed={point['seed']}",
     ]
-  plain = sweep_lib.write_commands(sweep, str(workdir))
+  plain = commands.write_commands(sweep, str(workdir))
   first = shlex.split(open(plain).read().splitlines()[-8])
   assert first[:3] == ["python", "-m", "stub_main"]
 
@@ -238,6 +428,7 @@ def test_commands_mode_with_launcher(tmp_path):
         ({"gird": {"a": (1,)}}, "gird"),
         ({"overrides": {"seed": 3}}, "overrides.seed"),
         ({"timeout_s": -1}, "timeout_s"),
+        ({"tables": "m:f"}, "tables"),
     ],
 )
 def test_bad_sweeps_name_the_key(changes, key):
@@ -245,7 +436,7 @@ def test_bad_sweeps_name_the_key(changes, key):
   if raw["module"] is None:
     del raw["module"]
   with pytest.raises(UserError, match=f"sweep key '{key}'"):
-    sweep_lib.validate_sweep(raw)
+    spec.validate_sweep(raw)
 
 
 def test_cli_errors_are_one_line(tmp_path, repo_root):
@@ -261,7 +452,7 @@ def test_cli_errors_are_one_line(tmp_path, repo_root):
   ]
   for args, message in cases:
     result = subprocess.run(
-        [sys.executable, "-m", "trainkit.sweep", f"--workdir={tmp_path / 'w'}", *args],
+        [sys.executable, "-m", "experiments.sweep", f"--workdir={tmp_path / 'w'}", *args],
         cwd=repo_root,
         capture_output=True,
         text=True,
@@ -272,14 +463,21 @@ def test_cli_errors_are_one_line(tmp_path, repo_root):
 
 
 def test_shipped_sweeps():
-  batch = sweep_lib.load_sweep("configs/sweeps/batch_experts.py")
-  assert len(sweep_lib.grid_points(batch)) == 12
+  batch = spec.load_sweep("configs/sweeps/batch_experts.py")
+  assert len(spec.grid_points(batch)) == 12
   assert list(batch.grid) == ["batch_size", "moe.num_experts", "method", "seed"]
   assert batch.overrides["optimizer.lr_scaling"] == "sqrt"
-  scaling = sweep_lib.load_sweep("configs/sweeps/scaling_cpu8.py")
-  assert len(sweep_lib.grid_points(scaling)) == 8
+  scaling = spec.load_sweep("configs/sweeps/scaling_cpu8.py")
+  assert len(spec.grid_points(scaling)) == 8
   assert scaling.overrides["moe.num_experts"] == 8 and scaling.overrides["mesh.data"] == -1
   assert "optimizer.lr_scaling" not in scaling.overrides
-  wider = sweep_lib.load_sweep("configs/sweeps/batch_experts.py:steps=5,seeds=2")
-  assert len(sweep_lib.grid_points(wider)) == 24
+  wider = spec.load_sweep("configs/sweeps/batch_experts.py:steps=5,seeds=2")
+  assert len(spec.grid_points(wider)) == 24
   assert wider.overrides["num_train_steps"] == 5
+
+
+def test_the_runner_is_a_typed_package_of_its_own(repo_root):
+  setup = (repo_root / "setup.py").read_text()
+  assert re.search(r"^CODE_PACKAGES = \[.*\"experiments\".*\]$", setup, re.M)
+  assert (repo_root / "experiments" / "py.typed").is_file()
+  assert not (repo_root / "trainkit" / "sweep.py").exists()  # One runner, outside the kit.

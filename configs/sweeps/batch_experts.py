@@ -1,7 +1,7 @@
 r"""Sweep: batch size x number of experts x method on the quickstart (synthetic data).
 
 Command:
-  python -m trainkit.sweep --sweep=configs/sweeps/batch_experts.py --workdir=/tmp/batch_experts
+  python -m experiments.sweep --sweep=configs/sweeps/batch_experts.py --workdir=/tmp/batch_experts
 
 Trains FairSMoE and vanilla SMoE for every batch size (64, 128, 256) and expert count (4, 8),
 one seed: 12 runs of 350 steps. The learning rate follows the batch size by the square-root
@@ -16,8 +16,8 @@ Arguments, e.g. `--sweep=configs/sweeps/batch_experts.py:steps=50,seeds=2`:
 
 import ml_collections
 
+from experiments.spec import dotted
 from trainkit.config import parse_arg
-from trainkit.sweep import dotted
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

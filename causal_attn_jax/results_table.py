@@ -1,0 +1,71 @@
+"""Markdown table of causal_attn_jax runs: mean ± std over seeds of what report.json holds.
+
+Columns: in-distribution accuracy, challenge accuracy and its two halves (HANS schema), mean
+effective keys and top-1 mass over the self-attention layers, fraction of nodes in the
+Markov-blanket band, number of seeds. The std is the population std (ddof=0), as the tables in
+docs/results.md were made.
+
+Two ways in: `scripts/tabulate_causal.py` on workdirs named `<row>_s<seed>`, and as a table
+collector of the experiment runner, `tables=("causal_attn_jax.results_table:write_table",)`,
+whose rows are the runs' grid values but the seed (`<workdir>/causal_table.md`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from experiments.collect import RunResult, row_label
+
+TABLE = "causal_table.md"
+
+
+def report_values(reports: list[dict[str, Any]]) -> dict[str, list[float]]:
+  """Per column, the value of each report that has it (in the order of `reports`)."""
+  values = collections.defaultdict(list)
+  for r in reports:
+    values["accuracy"].append(r["accuracy"])
+    if "challenge" in r:
+      values["challenge"].append(r["challenge"]["accuracy"])
+      for heuristic in r["challenge"]["by_heuristic"].values():
+        for label, acc in heuristic.items():
+          if acc is not None:
+            values[f"challenge {label}"].append(acc)
+    values["effective keys"].append(np.mean(list(r["attention"]["effective_keys"].values())))
+    values["top-1 mass"].append(np.mean(list(r["attention"]["top1_mass"].values())))
+    values["nodes within"].append(r["constraints"]["nodes_within"])
+  return values
+
+
+def format_table(groups: Mapping[str, list[dict[str, Any]]]) -> str:
+  """The markdown table of {row name: [report of each seed]}, one row per name in order."""
+  rows = {name: report_values(reports) for name, reports in groups.items()}
+  columns = list(dict.fromkeys(c for values in rows.values() for c in values))
+  lines = ["| run | " + " | ".join(columns) + " | seeds |", "|---" * (len(columns) + 2) + "|"]
+  for name, values in rows.items():
+    cells = []
+    for c in columns:
+      v = values.get(c, [])
+      cells.append(f"{np.mean(v):.3f} ± {np.std(v):.3f}" if v else "-")
+    lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(groups[name])} |")
+  return "\n".join(lines) + "\n"
+
+
+def write_table(workdir: str, runs: list[RunResult]) -> list[str]:
+  """The table collector: `<workdir>/causal_table.md` from the finished runs, then the others."""
+  groups: dict[str, list[dict[str, Any]]] = {}
+  for run in runs:
+    if run.status == "ok":
+      groups.setdefault(row_label(run.point), []).append(run.report)
+  text = format_table(groups) if groups else "No run has finished.\n"
+  missing = [run for run in runs if run.status != "ok"]
+  if missing:
+    text += "\nRuns without a result:\n\n"
+    text += "".join(f"- {run.name} ({run.status}): {run.error}\n" for run in missing)
+  path = os.path.join(workdir, TABLE)
+  with open(path, "w") as f:
+    f.write(text)
+  return [path]

@@ -1,0 +1,10 @@
+"""Experiment runner: a grid of trainings of any package's main, then its tables and plots.
+
+One concept per module: `spec` (the sweep file and what each run is), `supervise` (running the
+runs as subprocesses), `commands` (a launcher script instead), `collect` (reading the runs back
+and the generic tables), `plots`, and `sweep` (the command line, `python -m experiments.sweep`).
+"""
+
+from trainkit._version import __version__
+
+__all__ = ["__version__"]

@@ -1,0 +1,42 @@
+"""A sweep as a shell script, one launcher command per run, for a cluster to run."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Sequence
+
+import ml_collections
+
+from experiments.spec import REPO_ROOT, check_run_names, grid_points, run_command, run_dir
+
+
+def write_commands(
+    sweep: ml_collections.ConfigDict,
+    workdir: str,
+    launcher: Sequence[str] = (),
+    sweep_path: str = "",
+) -> str:
+  """Writes `<workdir>/commands.sh`, one shell line per run; returns its path.
+
+  Each line is `python -m module ...`, or the launcher's words followed by the main's flags
+  (`spec.run_command`); the runs then go to the same directories as `--mode=run` would use, so
+  `--mode=collect` on the shared workdir tabulates them.
+  """
+  points = grid_points(sweep)
+  check_run_names(points)
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "commands.sh")
+  lines = [
+      "#!/usr/bin/env bash",
+      f"# Sweep {sweep_path or '?'}: {len(points)} runs, written by `python -m experiments.sweep`.",
+      "set -euo pipefail",
+      f"cd {shlex.quote(REPO_ROOT)}  # Config and launcher paths are relative to the repo.",
+  ]
+  for point in points:
+    command = run_command(sweep, point, run_dir(workdir, point), launcher, python="python")
+    lines.append(" ".join(shlex.quote(word) for word in command))
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  os.chmod(path, 0o755)
+  return path

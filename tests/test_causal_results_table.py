@@ -1,0 +1,56 @@
+"""The causal_attn_jax results table: as the runner's table collector and through its script."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from causal_attn_jax import results_table
+from experiments.collect import RunResult
+
+
+def _report(accuracy: float, keys: float) -> dict:
+  return {
+      "accuracy": accuracy,
+      "challenge": {
+          "accuracy": accuracy / 2,
+          "by_heuristic": {"lexical_overlap": {"entailment": 0.25, "non-entailment": None}},
+      },
+      "attention": {"effective_keys": {"l0": keys, "l1": keys + 2}, "top1_mass": {"l0": 0.5}},
+      "constraints": {"nodes_within": 0.9},
+  }
+
+
+def test_collector_rows_are_the_grid_values_but_the_seed(tmp_path):
+  runs = [
+      RunResult({"attention": "vanilla", "seed": 0}, "/w/a", "ok", _report(0.6, 3.0)),
+      RunResult({"attention": "vanilla", "seed": 1}, "/w/b", "ok", _report(0.8, 5.0)),
+      RunResult({"attention": "causal", "seed": 0}, "/w/c", "failed", error="exit code 1: boom"),
+  ]
+  assert results_table.write_table(str(tmp_path), runs) == [str(tmp_path / "causal_table.md")]
+  text = (tmp_path / "causal_table.md").read_text()
+  header, _, vanilla, *rest = text.splitlines()
+  assert header == (
+      "| run | accuracy | challenge | challenge entailment | effective keys | top-1 mass |"
+      " nodes within | seeds |"
+  )
+  accuracy = f"{np.mean([0.6, 0.8]):.3f} ± {np.std([0.6, 0.8]):.3f}"  # Population std.
+  cells = f"| vanilla | {accuracy} | 0.350 ± 0.050 | 0.250 ± 0.000 | 5.000 ± 1.000 |"
+  assert vanilla.startswith(cells)
+  assert vanilla.endswith("| 2 |")
+  assert "- attention=causal,seed=0 (failed): exit code 1: boom" in rest
+
+
+def test_script_prints_the_same_table(tmp_path, repo_root):
+  for name, report in (("vanilla_s0", _report(0.6, 3.0)), ("vanilla_s1", _report(0.8, 5.0))):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "report.json").write_text(json.dumps(report))
+  result = subprocess.run(
+      [sys.executable, "scripts/tabulate_causal.py", str(tmp_path / "vanilla_s0"),
+       str(tmp_path / "vanilla_s1"), str(tmp_path / "absent_s0")],
+      cwd=repo_root, capture_output=True, text=True, check=True,
+  )
+  groups = {"vanilla": [_report(0.6, 3.0), _report(0.8, 5.0)]}
+  assert result.stdout == results_table.format_table(groups)
+  assert "skipping" in result.stderr and "absent_s0" in result.stderr
