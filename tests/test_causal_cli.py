@@ -165,6 +165,9 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
           "checkpoint_every_steps": 4,
           "plots.num_examples": 0,
           "mesh.data": 1,
+          # Dual ascent from step 0 (the small default waits until step 500).
+          "constraints.dual_start_step": 0,
+          "constraints.dual_ramp_steps": 0,
       }
   )
   from causal_attn_jax import config as config_lib

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 # Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity).
 PEAK_FLOPS_BY_KIND = {
     "NVIDIA H100": 989e12,  # SXM; the PCIe card is lower: set the peak in the config.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from fairmoe_jax.moe import MoEAux
