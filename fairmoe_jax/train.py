@@ -158,27 +158,16 @@ def evaluate(
     info: data_lib.DatasetInfo,
     config: ml_collections.ConfigDict,
     mesh: Mesh,
-) -> dict[str, Any]:
-  """Runs one pass over a split; returns the fairness report plus the mean loss.
+    *,
+    keep_examples: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+  """Runs one pass over a split: (the fairness report plus the mean loss, and with
+  `keep_examples` the per-example outputs (`gather_examples`), else None).
 
   With MoE blocks the report has "expert_utilisation": per block, attribute and
   group, the fraction of the group's routed (token, choice) pairs that each expert
   served.
   """
-  return _evaluate(eval_step, state, arrays, info, config, mesh, keep_examples=False)[0]
-
-
-def _evaluate(
-    eval_step,
-    state: TrainState,
-    arrays: dict[str, np.ndarray],
-    info: data_lib.DatasetInfo,
-    config: ml_collections.ConfigDict,
-    mesh: Mesh,
-    *,
-    keep_examples: bool,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-  """`evaluate`, and with `keep_examples` the per-example outputs (`gather_examples`)."""
   totals = None
   kept = []
   for batch in _eval_batches(arrays, config, mesh):
@@ -247,7 +236,7 @@ def final_report(
   and the gradient cosines besides `evaluate`'s.
   """
   test = splits["test"]
-  report, examples = _evaluate(eval_step, state, test, info, config, mesh, keep_examples=True)
+  report, examples = evaluate(eval_step, state, test, info, config, mesh, keep_examples=True)
   columns = predictions_lib.prediction_columns(examples, test, info)
   report["class_names"] = list(info.class_names)
   intersections = intersections_lib.parse_intersections(config.eval.intersections)
@@ -387,7 +376,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     step = int(state.step)
     if step not in last_validation:
       last_validation.clear()
-      last_validation[step] = evaluate(eval_step, state, splits["val"], info, config, mesh)
+      last_validation[step], _ = evaluate(eval_step, state, splits["val"], info, config, mesh)
     return last_validation[step]
 
   review = METHODS[config.method].review(
@@ -528,7 +517,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
       "label": np.zeros(len(paths), np.int32),
       "attributes": np.full((len(paths), len(info.attribute_names)), -1, np.int32),
   }
-  _, examples = _evaluate(
+  _, examples = evaluate(
       make_eval_step(run.graphdef, info, config), state, split, info, config, run.mesh,
       keep_examples=True,
   )

@@ -131,12 +131,12 @@ def test_a_rerun_resumes_the_finished_run_and_a_trained_workdir_restores_it(tmp_
   state, step = restore_trained(evaluation.checkpointer, evaluation.state)
   assert step == 60
   np.testing.assert_array_equal(_weights(evaluation, state), trained_w)
-  # finish after restore_trained (which closed the checkpointer) closes it again harmlessly.
+  # finish after restore_trained (which closed the checkpointer) may close it again.
   report = recipe.finish(evaluation, state, {}, write_report=lambda r: None)
   assert report == {}
 
 
-def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path):
+def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path, capsys):
   config = _config()
   run = _setup(config, tmp_path)
   trained = recipe.train(run, train_iterator=_Regression(signal_at=7), loss_fn=_loss_fn)
@@ -144,7 +144,9 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path)
   assert run.checkpointer.all_steps() == [7]
   assert not (tmp_path / "report.json").exists()
 
+  capsys.readouterr()
   _, resumed, evaluations = _train_and_finish(tmp_path, config)
+  assert "Resumed from the checkpoint at step 7" in capsys.readouterr().out
   assert int(resumed.state.step) == 60 and evaluations == [20, 40, 60]
   steps = [m["step"] for m in read_metrics(str(tmp_path)) if "mse" in m]
   assert steps == sorted(set(steps))  # The log was rewound to step 7, not duplicated.

@@ -444,11 +444,6 @@ class Checkpointer:
     self._write_manifests()
 
   def close(self) -> None:
-    """Writes the manifests and closes the manager; closing again does nothing (a mode may
-    restore, which closes, then finish the run, which closes too)."""
-    if getattr(self, "_closed", False):
-      return
-    self._closed = True
     self._write_manifests()
     self._manager.close()
 
