@@ -65,6 +65,7 @@ setup(
         "sacrebleu>=2.3",
         "sacremoses>=0.1",  # Detokenising Moses-tokenised references before BLEU.
         "tensorboardX>=2.6",
+        "scipy>=1.10",  # Student-t intervals of the results tables (experiments/stats.py).
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.5", "fairlearn>=0.10", "scipy>=1.10"],

@@ -125,8 +125,10 @@ def base_config() -> ml_collections.ConfigDict:
           lambda_psi=0.1,  # Paper Sec. 6.1; L_Psi sums over attributes (Eq. 3).
           alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
           # Reading of Eq. 8 (fairmoe_jax/moe/routers/fair.py, docs/design.md):
-          # attribute_routing | expert_competence | class_routing.
-          specialization="attribute_routing",
+          # expert_competence (the literal reading: a task loss of each expert) |
+          # attribute_routing | class_routing. No validation measurement has chosen between
+          # them (docs/protocol.md), so the literal one is the default.
+          specialization="expert_competence",
           # FGR's attribute vector from the SA classifiers ("predicted", Algorithm 1: no
           # sensitive label at inference) or from the true class ("label", a training study).
           route_by="predicted",

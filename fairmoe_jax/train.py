@@ -98,9 +98,11 @@ def make_eval_step(
     logits, aux = model(batch["image"], train=False, context=method.eval_context(config, batch))
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    usage, example_experts = {}, {}
+    usage, example_experts, dropped = {}, {}, {}
     for key, value in aux.metrics.items():
       block, _, metric = key.rpartition("/")
+      if metric == "fraction_dropped":
+        dropped[block] = value
       if metric not in USAGE_METRICS:
         continue
       if metric == "example_expert_fraction":
@@ -127,6 +129,9 @@ def make_eval_step(
         ),
         "loss_sum": jnp.sum(ce * batch["mask"]),
         "expert_usage": usage,
+        # Summed over batches, then divided by their count: the mean per-batch fraction.
+        "fraction_dropped": dropped,
+        "batches": jnp.ones((), jnp.int32),
     }
     if "index" in batch:
       counts["examples"] = {
@@ -209,6 +214,11 @@ def evaluate(
     report.setdefault("experts_active", {})[kind] = {
         block: effective_experts(np.asarray(usage["total"])) for block, usage in blocks.items()
     }
+  if totals["fraction_dropped"]:
+    report["fraction_dropped"] = {
+        block: float(value) / int(totals["batches"])
+        for block, value in totals["fraction_dropped"].items()
+    }
   return report, examples
 
 
@@ -225,6 +235,27 @@ def _summary_scalars(report: dict[str, Any], prefix: str) -> dict[str, float]:
   for name, attr in report["attributes"].items():
     scalars.update({f"{prefix}/{name}/{k}": attr[k] for k in ("pqd", "dp")})
   return scalars
+
+
+def dropped_summary(report: dict[str, Any], workdir: str | None) -> dict[str, float | None]:
+  """The fraction of (token, choice) pairs the MoE blocks dropped, averaged over blocks.
+
+  "train": over the logged training steps (metrics.jsonl; None when nothing was logged);
+  "test": over the test batches at `moe.eval_capacity_factor`. Both are 0.0 for a model without
+  MoE blocks, so that a comparison of methods shows which of them lost tokens.
+  """
+  test = list(report.get("fraction_dropped", {}).values())
+  train = None
+  if workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    logged = [
+        value
+        for record in read_metrics(workdir)
+        for key, value in record.items()
+        if key.endswith("/fraction_dropped") and not key.startswith(("val/", "test/"))
+        and isinstance(value, (int, float))
+    ]
+    train = float(np.mean(logged)) if logged else (0.0 if not test else None)
+  return {"train": train, "test": float(np.mean(test)) if test else 0.0}
 
 
 def final_report(
@@ -275,6 +306,15 @@ def final_report(
           f"(fair.review_every_steps={config.fair.review_every_steps}); no attribute changed its "
           "experts: growth needs SF_a to hold for fair.patience reviews in a row"
       )
+  # The validation split's headline numbers beside the test's: what a protocol that chooses on
+  # validation reads (docs/protocol.md); the test numbers are for reporting only.
+  validation, _ = evaluate(eval_step, state, splits["val"], info, config, mesh)
+  report["validation"] = {
+      "accuracy": validation["accuracy"],
+      "num_examples": validation["num_examples"],
+      "mf": validation["mf"],
+  }
+  report["dropped"] = dropped_summary(report, workdir)
   batches = itertools.islice(_eval_batches(splits["val"], config, mesh), config.analysis_batches)
   cosines = gradient_cosines(
       graphdef,

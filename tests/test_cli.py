@@ -265,3 +265,33 @@ def test_celeba_sample_trains_fairsmoe_and_evaluates_on_another_copy(repo_root, 
   report_copy = json.loads((workdir / "report.json").read_text())
   assert report_copy["step"] == report["step"]
   assert report_copy["num_examples"] == 50  # The copy's test split, not the original's.
+
+
+def test_the_report_says_how_many_tokens_the_moe_dropped_and_what_validation_gave(
+    repo_root, tmp_path
+):
+  """`dropped` (train and test) is what a comparison of methods checks for equal treatment;
+  `validation` is what a protocol that chooses on validation reads."""
+  fractions = {}
+  for factor in ("0.5", "2.0"):  # 4 experts, top-2: 0.5 must drop, 2.0 cannot.
+    workdir = tmp_path / factor
+    result = _run(
+        repo_root,
+        workdir,
+        *TINY,
+        "--config.method=vanilla_smoe_psi",
+        "--config.eval_every_steps=0",
+        "--config.log_every_steps=2",
+        f"--config.moe.capacity_factor={factor}",
+        f"--config.moe.eval_capacity_factor={factor}",
+        config="configs/quickstart.py:steps=6",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((workdir / "report.json").read_text())
+    fractions[factor] = report["dropped"]
+    assert report["validation"]["num_examples"] == 64
+    assert 0.0 <= report["validation"]["accuracy"] <= 1.0 and "pqd" in report["validation"]["mf"]
+    logged = [m["loss/fairness"] for m in read_metrics(str(workdir)) if "loss/fairness" in m]
+    assert logged and all(v >= 0 for v in logged)  # vanilla_smoe_psi trains lambda * L_Psi.
+  assert fractions["0.5"]["train"] > 0.2 and fractions["0.5"]["test"] > 0.2
+  assert fractions["2.0"] == {"train": 0.0, "test": 0.0}

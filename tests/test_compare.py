@@ -113,7 +113,7 @@ def test_a_method_entry_carries_config_overrides():
   )
   assert (config.method, config.seed, config.fair.specialization) == ("fairsmoe", 3, "class_routing")
   assert config.fair.alpha == 0.5 and config.fair.dynamic_allocation is False
-  assert base.fair.specialization == "attribute_routing"  # The shared config is not touched.
+  assert base.fair.specialization == "expert_competence"  # The shared config is not touched.
   with pytest.raises(UserError, match="unknown config key 'fair.nope'"):
     compare.run_config(base, "fairsmoe@fair.nope=1", 0)
   with pytest.raises(UserError, match="fair.specialization"):  # Validated like any config.

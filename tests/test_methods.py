@@ -55,6 +55,7 @@ TERMS = {
     "fairsmoe_no_fgr": {"cross_entropy", "fairness", "specialization"},
     "fairsmoe_no_fem": {"cross_entropy", "fairness", "confusion", "attribute_ce"},
     "vanilla_smoe": {"cross_entropy"},
+    "vanilla_smoe_psi": {"cross_entropy", "fairness"},
     "smoe": {"cross_entropy"},
     "muffin": {"branch_cross_entropy", "branch_fairness", "cross_entropy", "fairness"},
     "multifair": {"cross_entropy", "mixup_cross_entropy"},

@@ -6,6 +6,7 @@
 | fairsmoe_no_fgr   | fairsmoe.py   | plain gate + FEM (Table 2)    |
 | fairsmoe_no_fem   | fairsmoe.py   | FGR only (Table 2)            |
 | vanilla_smoe      | smoe.py       | backbone + MoE, top-k router  |
+| vanilla_smoe_psi  | smoe.py       | vanilla_smoe + lambda L_Psi   |
 | smoe              | smoe.py       | backbone + MoE, `moe.router`  |
 | muffin            | muffin.py     | 2+ backbones, fusion head     |
 | multifair         | multifair.py  | backbone, cross-group mixup   |
@@ -28,6 +29,7 @@ METHODS: dict[str, Method] = {
         FairSMoE("fairsmoe_no_fgr", guided=False, managed=True),
         FairSMoE("fairsmoe_no_fem", guided=True, managed=False),
         PlainSMoE("vanilla_smoe", fixed_router="topk"),
+        PlainSMoE("vanilla_smoe_psi", fixed_router="topk", fairness_loss=True),
         PlainSMoE("smoe", fixed_router=None),
         MuffinMethod(),
         MultiFair(),

@@ -180,7 +180,7 @@ class FairRouter(nnx.Module):
       *,
       num_classes: int = 2,
       guided: bool = True,
-      specialization: str | None = "attribute_routing",
+      specialization: str | None = "expert_competence",
       route_by: str = "predicted",
       feature_dim: int | None = None,
       alpha: float = 0.6,

@@ -1,0 +1,645 @@
+r"""Results tables generated from specs: record a sweep's runs, write and check the tables, rerun one.
+
+  python -m experiments.sweep  --sweep=results/NAME.py --workdir=DIR   # train the runs
+  python -m experiments.tables --record=NAME --workdir=DIR             # results/records/NAME.json
+  python -m experiments.tables --write=docs/results.md                 # every marked table
+  python -m experiments.tables --check=docs/results.md                 # exit 1 if one differs
+  python -m experiments.tables --reproduce=NAME [--workdir=DIR] [--tolerance=X]
+  python -m experiments.tables --list
+
+A table spec is a sweep file under `results/` (`results/NAME.py`: its `get_config()` is the
+sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabulate its runs:
+
+  TABLE = dict(
+      title="...",
+      rows="method",                  # The grid key whose values are the rows ("seed" pools).
+      row_names={"a@k=v": "a'"},      # Optional display names of row values.
+      split="test",                   # The split the table reports (named in its caption).
+      examples="num_examples",        # Path to that split's number of examples in report.json.
+      groups="attributes",            # Optional: path to {attribute: {"groups": {g: {"n"}}}}.
+      columns=(("accuracy", "Acc. (%)", 100.0, 1), ...),   # (path, label, scale, decimals)
+      claims=(dict(row="a", baseline="b", metric="accuracy", better="higher"), ...),
+      tolerance=0.02,                 # Optional: |difference| --reproduce accepts on another
+  )                                   # machine (on the recording machine: exactly 0).
+
+A path is dotted into report.json; a path that ends at a mapping of numbers (per layer, per
+block) is the mean of its values. The record (`results/records/NAME.json`, under version
+control) holds every run's values of every column and claim, its sample sizes and command, and
+the provenance (commit, date, machine, JAX version, seeds, commands), so a table is rendered
+from the record alone: `--write` replaces what lies between `<!-- table:NAME -->` and
+`<!-- /table:NAME -->` in a markdown file, and `--check` renders again and compares. Each
+table has, per row, the mean and 95% Student-t interval of every column over the seeds, then per
+claim the mean paired difference (same seed) with its interval and the verdict
+(experiments/stats.py), then the flags (too few seeds, a split or group too small), then the
+provenance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any, Mapping, Sequence
+
+from absl import app, flags
+
+from experiments import stats
+from experiments.collect import collect
+from experiments.spec import (
+    REPO_ROOT,
+    REPORT,
+    SweepError,
+    format_value,
+    grid_points,
+    load_sweep,
+    run_command,
+    run_record,
+)
+from trainkit.errors import UserError, exit_on_user_error
+
+RESULTS_DIR = os.path.join(REPO_ROOT, "results")
+RECORDS_DIR = os.path.join(RESULTS_DIR, "records")
+SEED_KEY = "seed"
+DEFAULT_TOLERANCE = 0.02
+_MARKER = re.compile(
+    r"(<!-- table:(?P<name>[A-Za-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+  path: str
+  label: str
+  scale: float
+  decimals: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  row: str
+  baseline: str
+  metric: str
+  better: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+  """A results table: the sweep that makes its runs and how they are tabulated."""
+
+  name: str
+  path: str
+  sweep: Any  # The validated sweep ConfigDict.
+  title: str
+  rows: str
+  row_values: list[Any]
+  row_names: dict[str, str]
+  split: str
+  examples: str
+  groups: str | None
+  columns: list[Column]
+  claims: list[Claim]
+  tolerance: float
+
+  def label(self, row: Any) -> str:
+    text = format_value(row)
+    return self.row_names.get(text, text)
+
+  def metrics(self) -> list[str]:
+    """Every path the record keeps: the columns', then the claims' not among them."""
+    paths = [c.path for c in self.columns]
+    return paths + [m for m in dict.fromkeys(c.metric for c in self.claims) if m not in paths]
+
+
+def _spec_error(name: str, key: str, message: str) -> UserError:
+  return UserError(f"results/{name}.py: TABLE['{key}']: {message}")
+
+
+def spec_path(name: str) -> str:
+  return os.path.join(RESULTS_DIR, f"{name}.py")
+
+
+def record_path(name: str) -> str:
+  return os.path.join(RECORDS_DIR, f"{name}.json")
+
+
+def table_names() -> list[str]:
+  """Every table spec under results/."""
+  return sorted(f[:-3] for f in os.listdir(RESULTS_DIR) if f.endswith(".py") and f[0] != "_")
+
+
+def load_table(name: str) -> TableSpec:
+  """`results/NAME.py` as a TableSpec; a UserError names the file and key that is wrong."""
+  path = spec_path(name)
+  if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not os.path.isfile(path):
+    raise UserError(f"no table spec results/{name}.py; known: {', '.join(table_names())}")
+  sweep = load_sweep(path)
+  namespace: dict[str, Any] = {}
+  with open(path) as f:
+    exec(compile(f.read(), path, "exec"), namespace)  # The sweep loader already ran it once.
+  table = namespace.get("TABLE")
+  if not isinstance(table, Mapping):
+    raise UserError(f"results/{name}.py has no TABLE dict (experiments/tables.py says what)")
+  known = {
+      "title", "rows", "row_names", "split", "examples", "groups", "columns", "claims", "tolerance"
+  }
+  unknown = sorted(set(table) - known)
+  if unknown:
+    raise _spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
+  rows = table.get("rows")
+  if rows not in sweep.grid or rows == SEED_KEY:
+    raise _spec_error(name, "rows", f"{rows!r} is not a grid key other than {SEED_KEY!r}")
+  if SEED_KEY not in sweep.grid:
+    raise _spec_error(name, "rows", f"the grid has no {SEED_KEY!r} key to pair runs by")
+  others = [k for k, v in sweep.grid.items() if k not in (rows, SEED_KEY) and len(v) > 1]
+  if others:
+    raise _spec_error(name, "rows", f"grid key {others[0]!r} also varies; a table has one")
+  row_values = list(sweep.grid[rows])
+  texts = [format_value(v) for v in row_values]
+  columns = []
+  for i, column in enumerate(table.get("columns") or ()):
+    if (
+        not isinstance(column, (tuple, list))
+        or len(column) != 4
+        or not all(isinstance(c, str) for c in column[:2])
+        or not isinstance(column[2], (int, float))
+        or not isinstance(column[3], int)
+    ):
+      raise _spec_error(name, f"columns[{i}]", f"{column!r} is not (path, label, scale, decimals)")
+    columns.append(Column(column[0], column[1], float(column[2]), column[3]))
+  if not columns:
+    raise _spec_error(name, "columns", "at least one column is needed")
+  claims = []
+  for i, claim in enumerate(table.get("claims") or ()):
+    if not isinstance(claim, Mapping) or set(claim) != {"row", "baseline", "metric", "better"}:
+      raise _spec_error(name, f"claims[{i}]", "must be dict(row=, baseline=, metric=, better=)")
+    for key in ("row", "baseline"):
+      if claim[key] not in texts:
+        raise _spec_error(name, f"claims[{i}]", f"{key} {claim[key]!r} is not a row: {texts}")
+    if claim["better"] not in stats.DIRECTIONS:
+      raise _spec_error(name, f"claims[{i}]", f"better must be one of {stats.DIRECTIONS}")
+    claims.append(Claim(claim["row"], claim["baseline"], claim["metric"], claim["better"]))
+  return TableSpec(
+      name=name,
+      path=os.path.relpath(path, REPO_ROOT),
+      sweep=sweep,
+      title=str(table.get("title") or name),
+      rows=rows,
+      row_values=row_values,
+      row_names=dict(table.get("row_names") or {}),
+      split=str(table.get("split") or "test"),
+      examples=str(table.get("examples") or "num_examples"),
+      groups=table.get("groups"),
+      columns=columns,
+      claims=claims,
+      tolerance=float(table.get("tolerance", DEFAULT_TOLERANCE)),
+  )
+
+
+def metric_value(report: Any, path: str) -> float | None:
+  """The number at a dotted path; a mapping of numbers there gives their mean; else None."""
+  value = report
+  for part in path.split("."):
+    if not isinstance(value, Mapping) or part not in value:
+      return None
+    value = value[part]
+  if isinstance(value, Mapping):
+    numbers = [v for v in value.values() if _is_number(v)]
+    return math.fsum(numbers) / len(numbers) if numbers and len(numbers) == len(value) else None
+  return float(value) if _is_number(value) else None
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
+  """The reported split's example count and, with `groups`, each group's ("attribute=group")."""
+  examples = metric_value(report, spec.examples)
+  groups = {}
+  if spec.groups:
+    attributes = report
+    for part in spec.groups.split("."):
+      attributes = attributes.get(part, {}) if isinstance(attributes, Mapping) else {}
+    for attribute, entry in attributes.items():
+      for group, values in (entry.get("groups") or {}).items():
+        groups[f"{attribute}={group}"] = int(values["n"])
+  return {"examples": None if examples is None else int(examples), "groups": groups}
+
+
+def _git(*args: str) -> str:
+  try:
+    return subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return ""
+
+
+def machine() -> dict[str, Any]:
+  """What a run's numbers depend on beyond the code: device kind, cores, JAX version."""
+  import jax  # Lazily: only recording and reproducing need it, not --write or --check.
+
+  devices = jax.devices()
+  kind = devices[0].device_kind
+  return {
+      "device": devices[0].platform.upper() + (f" ({kind})" if kind != devices[0].platform else ""),
+      "devices": len(devices),
+      "cpu_cores": os.cpu_count(),
+      "arch": platform.machine(),
+      "jax": importlib.metadata.version("jax"),
+  }
+
+
+def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
+  """The record of a finished (or partly finished) sweep of `spec` in `workdir`."""
+  runs = []
+  dates = []
+  for result in collect(spec.sweep, workdir):
+    point = result.point
+    entry: dict[str, Any] = {
+        "row": format_value(point[spec.rows]),
+        "seed": point[SEED_KEY],
+        "status": result.status,
+        "settings": run_record(spec.sweep, point)["settings"],
+    }
+    if result.status == "ok":
+      entry["metrics"] = {p: metric_value(result.report, p) for p in spec.metrics()}
+      entry.update(sample_sizes(result.report, spec))
+      dates.append(os.path.getmtime(os.path.join(result.run_dir, REPORT)))
+    else:
+      entry["error"] = result.error
+    runs.append(entry)
+  changed = [
+      line[3:]
+      for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
+      if not line[3:].startswith(("docs/", "results/records/"))
+  ]
+  provenance = {
+      "commit": _git("rev-parse", "--short=10", "HEAD").strip() or "unknown",
+      "uncommitted_changes": changed,
+      "date": (
+          datetime.datetime.fromtimestamp(max(dates), datetime.timezone.utc).strftime("%Y-%m-%d")
+          if dates else None
+      ),
+      "machine": machine(),
+      "seeds": list(spec.sweep.grid[SEED_KEY]),
+      "commands": [
+          f"python -m experiments.sweep --sweep={spec.path} --workdir=WORKDIR",
+          f"python -m experiments.tables --record={spec.name} --workdir=WORKDIR",
+      ],
+  }
+  return {"table": spec.name, "spec": spec.path, "provenance": provenance, "runs": runs}
+
+
+def write_record(spec: TableSpec, workdir: str) -> str:
+  record = make_record(spec, workdir)
+  os.makedirs(RECORDS_DIR, exist_ok=True)
+  path = record_path(spec.name)
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+    f.write("\n")
+  return path
+
+
+def read_record(name: str) -> dict[str, Any]:
+  path = record_path(name)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise UserError(
+        f"table {name!r} has no record {os.path.relpath(path, REPO_ROOT)}; make it with "
+        f"`python -m experiments.tables --record={name} --workdir=DIR` after its sweep"
+    ) from None
+  except ValueError as e:
+    raise UserError(f"{os.path.relpath(path, REPO_ROOT)}: not JSON ({e})") from None
+
+
+def stale_runs(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
+  """Why the record no longer describes the spec's runs (another grid or other settings)."""
+  expected = {
+      (format_value(p[spec.rows]), p[SEED_KEY]): run_record(spec.sweep, p)["settings"]
+      for p in grid_points(spec.sweep)
+  }
+  recorded = {(r["row"], r["seed"]): r.get("settings") for r in record["runs"]}
+  problems = [f"run {k[0]} seed {k[1]} is not in the record" for k in expected if k not in recorded]
+  problems += [f"run {k[0]} seed {k[1]} is no longer in the spec" for k in recorded if k not in expected]
+  problems += [
+      f"run {k[0]} seed {k[1]} was recorded with settings {recorded[k]}, the spec now gives "
+      f"{expected[k]}"
+      for k in expected
+      if k in recorded and recorded[k] != expected[k]
+  ]
+  return problems
+
+
+def _values(record: Mapping[str, Any], row: str, path: str) -> dict[int, float]:
+  return {
+      r["seed"]: r["metrics"][path]
+      for r in record["runs"]
+      if r["row"] == row and r["status"] == "ok" and r["metrics"].get(path) is not None
+  }
+
+
+def _number(value: float, scale: float, decimals: int, sign: bool = False) -> str:
+  return f"{scale * value:{'+' if sign else ''}.{decimals}f}".replace("-", "−")
+
+
+def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=False) -> str:
+  text = _number(interval.mean, scale, decimals, sign)
+  if interval.low is None:
+    return text
+  low, high = (_number(v, scale, decimals) for v in (interval.low, interval.high))
+  return f"{text} [{low}, {high}]"
+
+
+def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
+  """Per row and column the interval over seeds, per claim its decision, and the flags."""
+  rows = {}
+  for value in spec.row_values:
+    row = format_value(value)
+    rows[row] = {
+        "seeds": sorted({r["seed"] for r in record["runs"] if r["row"] == row and r["status"] == "ok"}),
+        "cells": {
+            c.path: (stats.t_interval(list(v.values())) if (v := _values(record, row, c.path)) else None)
+            for c in spec.columns
+        },
+    }
+  claims = [
+      (claim, stats.decide(
+          _values(record, claim.row, claim.metric),
+          _values(record, claim.baseline, claim.metric),
+          claim.better,
+      ))
+      for claim in spec.claims
+  ]
+  flags = []
+  ok = [r for r in record["runs"] if r["status"] == "ok"]
+  examples = sorted({r["examples"] for r in ok if r.get("examples") is not None})
+  if examples and examples[0] < stats.MIN_SPLIT_EXAMPLES:
+    flags.append(
+        f"small sample: the {spec.split} split has {examples[0]} examples "
+        f"(< {stats.MIN_SPLIT_EXAMPLES})"
+    )
+  small_groups = {}
+  for r in ok:
+    for group, n in (r.get("groups") or {}).items():
+      if n < stats.MIN_GROUP_EXAMPLES:
+        small_groups[group] = min(n, small_groups.get(group, n))
+  if small_groups:
+    listed = ", ".join(f"{g} (n={n})" for g, n in sorted(small_groups.items()))
+    flags.append(
+        f"small groups in the {spec.split} split (< {stats.MIN_GROUP_EXAMPLES} examples): {listed}"
+    )
+  few = sorted({len(result.seeds) for _, result in claims if not result.enough_seeds})
+  if few:
+    flags.append(
+        f"{'/'.join(map(str, few))} paired seeds where a verdict needs {stats.MIN_VERDICT_SEEDS}: "
+        "those verdicts are for context only"
+    )
+  missing: dict[str, list[str]] = {}
+  for r in record["runs"]:
+    if r["status"] != "ok":
+      missing.setdefault(spec.label(r["row"]), []).append(f"{r['seed']} ({r['status']})")
+  if missing:
+    listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
+    flags.append(f"runs without a result: {listed}")
+  return {"rows": rows, "claims": claims, "flags": flags}
+
+
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
+  """The table's markdown, from its record alone (deterministic: `--check` compares it)."""
+  summary = summarise(spec, record)
+  confidence = round(100 * stats.CONFIDENCE)
+  lines = [
+      f"**{spec.title}** ({spec.split} split; mean [{confidence}% Student-t interval] over seeds)",
+      "",
+  ]
+  body = []
+  for row, entry in summary["rows"].items():
+    cells = [
+        _interval_text(entry["cells"][c.path], c.scale, c.decimals)
+        if entry["cells"][c.path] else "—"
+        for c in spec.columns
+    ]
+    body.append([spec.label(row), *cells, str(len(entry["seeds"]))])
+  lines += _markdown_table(["", *(c.label for c in spec.columns), "seeds"], body)
+  if summary["claims"]:
+    scales = {c.path: (c.scale, c.decimals, c.label) for c in spec.columns}
+    body = []
+    for claim, result in summary["claims"]:
+      scale, decimals, label = scales.get(claim.metric, (1.0, 3, claim.metric))
+      difference = (
+          _interval_text(result.difference, scale, decimals, sign=True)
+          if result.difference else "—"
+      )
+      verdict = result.verdict if result.enough_seeds else f"{result.verdict} (too few seeds)"
+      body.append([
+          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
+          label,
+          difference,
+          str(len(result.seeds)),
+          f"**{verdict}**",
+      ])
+    lines += [""]
+    lines += _markdown_table(
+        ["claim", "on", f"paired difference [{confidence}% interval]", "pairs", "verdict"], body
+    )
+  if summary["flags"]:
+    lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
+  p = record["provenance"]
+  m = p["machine"]
+  changes = p.get("uncommitted_changes") or []
+  commit = p["commit"] + (f" with uncommitted changes to {', '.join(changes)}" if changes else "")
+  seeds = ", ".join(str(s) for s in p["seeds"])
+  lines += [
+      "",
+      f"<sub>Provenance: commit {commit}; runs of {p['date']}; {m['device']}, "
+      f"{m['cpu_cores']} CPU cores ({m['arch']}), {m['devices']} device(s), JAX {m['jax']}; "
+      f"seeds {seeds}; spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`; "
+      + "; ".join(f"`{c}`" for c in p["commands"])
+      + ".</sub>",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def _sections(text: str) -> list[re.Match]:
+  return list(_MARKER.finditer(text))
+
+
+def write_doc(path: str) -> list[str]:
+  """Renders every marked table of the markdown file `path` in place; returns their names."""
+  with open(path) as f:
+    text = f.read()
+  names = []
+
+  def replace(match: re.Match) -> str:
+    name = match["name"]
+    names.append(name)
+    spec = load_table(name)
+    return match.group(1) + render(spec, read_record(name)) + match.group(4)
+
+  text = _MARKER.sub(replace, text)
+  with open(path, "w") as f:
+    f.write(text)
+  return names
+
+
+def check_doc(path: str) -> list[str]:
+  """Problems with the marked tables of `path`: a table that differs from its record's
+  rendering (with the diff), a record that no longer matches its spec, an unmarked table name."""
+  with open(path) as f:
+    text = f.read()
+  problems = []
+  sections = _sections(text)
+  if not sections:
+    problems.append(f"{path}: no marked table (<!-- table:NAME --> ... <!-- /table:NAME -->)")
+  for match in sections:
+    name = match["name"]
+    try:
+      spec = load_table(name)
+      record = read_record(name)
+    except UserError as e:
+      problems.append(f"{path}: table {name}: {e}")
+      continue
+    for why in stale_runs(spec, record):
+      problems.append(f"{path}: table {name}: the record is stale: {why}")
+    expected = render(spec, record)
+    if match["body"] != expected:
+      diff = "".join(
+          difflib.unified_diff(
+              match["body"].splitlines(True), expected.splitlines(True), "in the file", "rendered"
+          )
+      )
+      problems.append(f"{path}: table {name} differs from its record:\n{diff}")
+  return problems
+
+
+def compare(
+    recorded: Mapping[str, float | None], report: Mapping[str, Any], tolerance: float
+) -> tuple[bool, list[str]]:
+  """Each recorded value against the same path in a new report: (all within `tolerance`,
+  one line per value)."""
+  ok = True
+  lines = [f"  {'value':<32} {'recorded':>22} {'reproduced':>22}  equal"]
+  for path, value in recorded.items():
+    again = metric_value(report, path)
+    if value is None or again is None:
+      equal = value is None and again is None
+    else:
+      equal = abs(again - value) <= tolerance
+    ok &= equal
+    lines.append(f"  {path:<32} {value!r:>22} {again!r:>22}  {'yes' if equal else 'NO'}")
+  return ok, lines
+
+
+def reproduce(
+    spec: TableSpec,
+    record: Mapping[str, Any],
+    workdir: str | None = None,
+    tolerance: float | None = None,
+) -> tuple[bool, list[str]]:
+  """Reruns the record's run of the first row and the first seed, and compares every recorded
+  value (`compare`): exactly on the recording machine (same device, cores and JAX), else within
+  the spec's `tolerance` unless one is given. Returns (reproduced, the lines to print)."""
+  row, seed = format_value(spec.row_values[0]), spec.sweep.grid[SEED_KEY][0]
+  recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
+  if not recorded or recorded[0]["status"] != "ok":
+    raise UserError(f"table {spec.name}: the record has no result for {row} seed {seed}")
+  same_machine = machine() == record["provenance"]["machine"]
+  if tolerance is None:
+    tolerance = 0.0 if same_machine else spec.tolerance
+  point = next(
+      p for p in grid_points(spec.sweep)
+      if format_value(p[spec.rows]) == row and p[SEED_KEY] == seed
+  )
+  workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
+  run_dir = os.path.join(workdir, "run")
+  command = run_command(spec.sweep, point, run_dir)
+  where = "the recording machine" if same_machine else "not the recording machine"
+  lines = [
+      f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance "
+      f"{tolerance:g})",
+      "  python " + " ".join(command[1:]),
+  ]
+  os.makedirs(run_dir, exist_ok=True)
+  log_path = os.path.join(workdir, "log.txt")
+  with open(log_path, "w") as log:
+    status = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+  try:
+    with open(os.path.join(run_dir, REPORT)) as f:
+      report = json.load(f)
+  except (OSError, ValueError):
+    return False, lines + [f"  the run failed (exit {status}); its log: {log_path}"]
+  ok, compared = compare(recorded[0]["metrics"], report, tolerance)
+  verdict = "Reproduced." if ok else "NOT reproduced."
+  return ok, lines + compared + [f"{verdict} Run directory: {run_dir}"]
+
+
+_RECORD = flags.DEFINE_string("record", None, "Table name: record its sweep in --workdir.")
+_WRITE = flags.DEFINE_string("write", None, "Markdown file whose marked tables to render.")
+_CHECK = flags.DEFINE_string("check", None, "Markdown file whose marked tables to check.")
+_REPRODUCE = flags.DEFINE_string("reproduce", None, "Table name: rerun its first row's seed.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "--record: the sweep's workdir; --reproduce: "
+                               "where to rerun (default: a temporary directory).")
+_TOLERANCE = flags.DEFINE_float("tolerance", None, "--reproduce: accepted |difference| "
+                                "(default: 0 on the recording machine, else the spec's).")
+_LIST = flags.DEFINE_bool("list", False, "List the table specs and their records.")
+
+
+@exit_on_user_error
+def run(argv: Sequence[str]) -> int:
+  if len(argv) > 1:
+    raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+  chosen = [f for f in (_RECORD, _WRITE, _CHECK, _REPRODUCE) if f.value] + ([1] if _LIST.value else [])
+  if len(chosen) != 1:
+    raise UserError("give exactly one of --record, --write, --check, --reproduce, --list")
+  if _LIST.value:
+    for name in table_names():
+      has = "recorded" if os.path.exists(record_path(name)) else "no record"
+      print(f"{name:<24} results/{name}.py  ({has})")
+    return 0
+  if _RECORD.value:
+    if not _WORKDIR.value:
+      raise UserError("--record needs --workdir, the directory the sweep ran in")
+    spec = load_table(_RECORD.value)
+    print(f"Wrote {os.path.relpath(write_record(spec, _WORKDIR.value), REPO_ROOT)}")
+    print(render(spec, read_record(spec.name)))
+    return 0
+  if _WRITE.value:
+    names = write_doc(_WRITE.value)
+    print(f"Rendered {len(names)} table(s) in {_WRITE.value}: {', '.join(names)}")
+    return 0
+  if _CHECK.value:
+    problems = check_doc(_CHECK.value)
+    for problem in problems:
+      print(problem)
+    if not problems:
+      print(f"Every marked table of {_CHECK.value} matches its record.")
+    return 1 if problems else 0
+  spec = load_table(_REPRODUCE.value)
+  ok, lines = reproduce(spec, read_record(spec.name), _WORKDIR.value, _TOLERANCE.value)
+  print("\n".join(lines))
+  return 0 if ok else 1
+
+
+def main(argv: Sequence[str]) -> None:
+  sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,58 @@
+r"""Tuning table (validation only): the dual-ascent schedule of causal attention on the testbed.
+
+  python -m experiments.sweep --sweep=results/spurious_tuning_causal.py --workdir=/tmp/results/spurious_tuning_causal
+  python -m experiments.tables --record=spurious_tuning_causal --workdir=/tmp/results/spurious_tuning_causal
+
+Four schedules of the Lagrange multipliers' step (configs/spurious_pairs.py, size=small), three
+seeds each, scored on the in-distribution validation split only; the challenge split is not
+read. The shipped schedule (dual ascent from step 500, the step ramped to 0.02 over 1,000
+steps) against the same ramp to 0.01, a 1,500-step ramp from step 0 and the paper's plain
+step (0.02 from step 0). The setting with the highest mean validation accuracy is the default;
+the claims say whether its lead over each other setting is decided. Vanilla attention and the
+unconstrained GCN get the same budget, four learning rates each
+(results/spurious_tuning_vanilla.py, results/spurious_tuning_gcn.py).
+"""
+
+from experiments.spec import dotted
+
+# The rows key is the dual step; each value also sets when dual ascent starts and its ramp.
+SCHEDULES = {
+    "0.02@constraints.dual_start_step=500@constraints.dual_ramp_steps=1000": (
+        "from step 500, ramped over 1,000 to 0.02 (shipped)"
+    ),
+    "0.01@constraints.dual_start_step=500@constraints.dual_ramp_steps=1000": (
+        "from step 500, ramped over 1,000 to 0.01"
+    ),
+    "0.02@constraints.dual_start_step=0@constraints.dual_ramp_steps=1500": (
+        "from step 0, ramped over 1,500 to 0.02"
+    ),
+    "0.02@constraints.dual_start_step=0@constraints.dual_ramp_steps=0": (
+        "from step 0, 0.02 throughout (no schedule)"
+    ),
+}
+SHIPPED, *OTHERS = SCHEDULES
+
+TABLE = dict(
+    title="Causal attention's dual-ascent schedule on the testbed, validation split",
+    rows="constraints.step_size",
+    row_names=SCHEDULES,
+    split="validation",
+    examples="num_examples",
+    columns=(
+        ("accuracy", "Val. acc.", 1.0, 3),
+        ("attention.effective_keys", "Effective keys", 1.0, 1),
+        ("constraints.nodes_within", "Nodes within", 1.0, 2),
+    ),
+    claims=tuple(
+        dict(row=SHIPPED, baseline=other, metric="accuracy", better="higher") for other in OTHERS
+    ),
+)
+
+
+def get_config(arg=None):
+  del arg
+  return dict(
+      module="causal_attn_jax.main",
+      config="configs/spurious_pairs.py:size=small",
+      grid=dotted({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)}),
+  )

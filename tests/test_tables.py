@@ -1,0 +1,262 @@
+"""Results tables from specs: the statistics decide what synthetic runs were built to show, the
+rendered tables are checked against their records, and a recorded run is reproduced exactly."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import stats, tables
+from trainkit.errors import UserError
+
+
+# ---------------------------------------------------------------- statistics on known answers
+
+
+def test_the_95_percent_interval_covers_the_true_mean_95_percent_of_the_time():
+  rng = np.random.default_rng(0)
+  true_mean, trials = 1.3, 4000
+  for n in (2, 5, 12):
+    covered = sum(
+        stats.t_interval(rng.normal(true_mean, 2.0, size=n)).contains(true_mean)
+        for _ in range(trials)
+    )
+    # A normal quantile instead of Student's t would cover about 0.88 at n=5, 0.70 at n=2.
+    assert abs(covered / trials - 0.95) < 0.015, (n, covered / trials)
+
+
+def test_a_single_value_has_no_interval_and_decides_nothing():
+  interval = stats.t_interval([0.7])
+  assert (interval.mean, interval.low, interval.high, interval.n) == (0.7, None, None, 1)
+  assert stats.verdict(interval, "higher") == stats.UNDECIDED
+
+
+def _seeded(rng, n, seed_spread, effect, noise):
+  """Two methods' values per seed: a large effect every seed shares, then the method's effect."""
+  shared = rng.normal(0.0, seed_spread, size=n)
+  baseline = {s: 70.0 + shared[s] + rng.normal(0, noise) for s in range(n)}
+  row = {s: 70.0 + shared[s] + effect + rng.normal(0, noise) for s in range(n)}
+  return row, baseline
+
+
+def test_pairing_by_seed_finds_an_effect_that_overlapping_spreads_hide():
+  rng = np.random.default_rng(1)
+  row, baseline = _seeded(rng, n=5, seed_spread=5.0, effect=1.0, noise=0.1)
+  unpaired_row = stats.t_interval(list(row.values()))
+  unpaired_base = stats.t_interval(list(baseline.values()))
+  assert unpaired_row.low < unpaired_base.high  # The per-row intervals overlap ...
+  result = stats.decide(row, baseline, "higher")
+  assert result.verdict == stats.HOLDS  # ... yet every seed is better by about 1.
+  assert result.enough_seeds and result.seeds == [0, 1, 2, 3, 4]
+  assert 0.5 < result.difference.mean < 1.5
+  # The same numbers, claimed the other way.
+  assert stats.decide(row, baseline, "lower").verdict == stats.DOES_NOT_HOLD
+  assert stats.decide(baseline, row, "lower").verdict == stats.HOLDS
+
+
+def test_no_effect_is_undecided_and_few_seeds_are_flagged():
+  rng = np.random.default_rng(2)
+  undecided = 0
+  for _ in range(200):
+    row, baseline = _seeded(rng, n=5, seed_spread=5.0, effect=0.0, noise=1.0)
+    undecided += stats.decide(row, baseline, "higher").verdict == stats.UNDECIDED
+  assert undecided >= 180  # About 97.5% (a false "holds" has probability 2.5%).
+  row, baseline = _seeded(rng, n=3, seed_spread=1.0, effect=5.0, noise=0.1)
+  result = stats.decide(row, baseline, "higher")
+  assert result.verdict == stats.HOLDS and not result.enough_seeds
+
+
+def test_only_seeds_both_rows_have_are_paired():
+  result = stats.decide({0: 2.0, 1: 3.0, 2: 9.0}, {1: 1.0, 2: 8.0, 3: 0.0}, "higher")
+  assert result.seeds == [1, 2]
+  assert result.difference.mean == pytest.approx(1.5)  # (3 - 1 + 9 - 8) / 2
+  assert stats.decide({0: 1.0}, {1: 0.0}, "higher").verdict == stats.UNDECIDED
+
+
+# ---------------------------------------------------------------- tables from a stored example
+
+_SPEC = '''
+from experiments.spec import dotted
+
+TABLE = dict(
+    title="Toy table",
+    rows="method",
+    row_names={"b@fair.alpha=0.5": "b (alpha 0.5)"},
+    split="test",
+    groups="attributes",
+    columns=(("accuracy", "Acc. (%)", 100.0, 1), ("mf.pqd", "MF-PQD", 1.0, 3)),
+    claims=(
+        dict(row="a", baseline="b@fair.alpha=0.5", metric="accuracy", better="higher"),
+        dict(row="a", baseline="b@fair.alpha=0.5", metric="mf.pqd", better="higher"),
+    ),
+)
+
+
+def get_config(arg=None):
+  return dict(
+      module="fairmoe_jax.main",
+      config="configs/quickstart.py",
+      grid=dotted({"seed": (0, 1, 2, 3, 4), "method": ("a", "b@fair.alpha=0.5")}),
+      overrides=dotted({"num_train_steps": 5}),
+  )
+'''
+
+
+def _report(accuracy, pqd, n_test=400, smallest_group=30):
+  return {
+      "accuracy": accuracy,
+      "num_examples": n_test,
+      "mf": {"pqd": pqd},
+      "attributes": {"sex": {"groups": {"f": {"n": n_test - smallest_group},
+                                        "m": {"n": smallest_group}}}},
+  }
+
+
+@pytest.fixture
+def toy_tables(tmp_path, monkeypatch):
+  """A results/ directory with the toy spec and its sweep's run directories."""
+  results = tmp_path / "results"
+  (results / "records").mkdir(parents=True)
+  (results / "toy.py").write_text(_SPEC)
+  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
+  workdir = tmp_path / "sweep"
+  rng = np.random.default_rng(3)
+  for seed in range(5):
+    shared = rng.normal(0, 0.05)
+    for method, accuracy, pqd in (
+        ("a", 0.80 + shared + 0.02, 0.7 + rng.normal(0, 0.05)),
+        ("b@fair.alpha=0.5", 0.80 + shared, 0.7 + rng.normal(0, 0.05)),
+    ):
+      run = workdir / "runs" / f"seed={seed},method={method}"
+      run.mkdir(parents=True)
+      (run / "report.json").write_text(json.dumps(_report(accuracy, pqd)))
+  return workdir
+
+
+def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  record = tables.read_record("toy")
+  assert [r["row"] for r in record["runs"][:2]] == ["a", "b@fair.alpha=0.5"]
+  text = tables.render(spec, record)
+  # Accuracy: +2 points on every seed despite a seed spread of 5; PQD: no effect.
+  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | **holds** |" in text
+  assert "| a higher than b (alpha 0.5) | MF-PQD |" in text
+  assert "**undecided** |" in text
+  assert "the test split has 400 examples (< 500)" in text
+  assert "sex=m (n=30)" in text
+  assert "commit " in text and "JAX " in text and "seeds 0, 1, 2, 3, 4" in text
+
+
+def test_check_passes_on_the_written_file_and_names_what_changed(toy_tables, tmp_path):
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  doc = tmp_path / "results.md"
+  doc.write_text("# Results\n\nProse.\n\n<!-- table:toy -->\nstale\n<!-- /table:toy -->\n\nEnd.\n")
+  assert tables.check_doc(str(doc))  # Not yet written.
+  assert tables.write_doc(str(doc)) == ["toy"]
+  assert tables.check_doc(str(doc)) == []
+  assert doc.read_text().startswith("# Results\n\nProse.\n") and doc.read_text().endswith("End.\n")
+  # A hand-edited number fails the check, with the diff.
+  edited = doc.read_text().replace("**holds**", "**does not hold**")
+  doc.write_text(edited)
+  (problem,) = tables.check_doc(str(doc))
+  assert "table toy differs from its record" in problem and "+| a higher" in problem
+  tables.write_doc(str(doc))
+  # A record made with other settings than the spec now gives is stale.
+  record = tables.read_record("toy")
+  record["runs"][0]["settings"]["num_train_steps"] = "6"
+  with open(tables.record_path("toy"), "w") as f:
+    json.dump(record, f)
+  assert any("the record is stale" in p for p in tables.check_doc(str(doc)))
+
+
+def test_a_table_spec_mistake_names_the_key(toy_tables):
+  spec_file = os.path.join(tables.RESULTS_DIR, "toy.py")
+  with open(spec_file) as f:
+    text = f.read()
+  with open(spec_file, "w") as f:
+    f.write(text.replace('baseline="b@fair.alpha=0.5", metric="mf.pqd"', 'baseline="c", metric="mf.pqd"'))
+  with pytest.raises(UserError, match=r"TABLE\['claims\[1\]'\]: baseline 'c' is not a row"):
+    tables.load_table("toy")
+  with pytest.raises(UserError, match="no table spec results/nope.py"):
+    tables.load_table("nope")
+
+
+def test_values_are_read_by_path_and_mappings_averaged():
+  report = {"a": {"b": 1.5}, "layers": {"enc0": 2.0, "enc1": 4.0}, "flag": True}
+  assert tables.metric_value(report, "a.b") == 1.5
+  assert tables.metric_value(report, "layers") == 3.0
+  assert tables.metric_value(report, "a.c") is None
+  assert tables.metric_value(report, "flag") is None
+
+
+def test_compare_is_exact_unless_a_tolerance_is_given():
+  recorded = {"accuracy": 0.75, "mf.pqd": 0.5}
+  report = {"accuracy": 0.75, "mf": {"pqd": 0.5 + 1e-7}}
+  assert tables.compare(recorded, report, 0.0)[0] is False
+  assert tables.compare(recorded, report, 1e-6)[0] is True
+  assert tables.compare(recorded, {"accuracy": 0.75}, 1.0)[0] is False
+
+
+# ---------------------------------------------------------------- the repository's own tables
+
+
+def test_every_table_in_the_results_doc_matches_its_stored_record(repo_root):
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.tables", "--check=docs/results.md"],
+      cwd=repo_root, capture_output=True, text=True,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  with open(repo_root / "docs" / "results.md") as f:
+    text = f.read()
+  # Every table of the file is a generated one: no markdown table outside the markers.
+  outside = tables._MARKER.sub("", text)
+  assert "\n|---" not in outside and "\n| ---" not in outside
+
+
+def test_every_spec_loads_and_its_record_describes_its_runs():
+  for name in tables.table_names():
+    spec = tables.load_table(name)
+    assert tables.stale_runs(spec, tables.read_record(name)) == [], name
+
+
+def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
+  """The whole path on a real (tiny) run: sweep, record, rerun seed 0 of the first row."""
+  results = tmp_path / "results"
+  (results / "records").mkdir(parents=True)
+  tiny = {
+      "num_train_steps": 3, "eval_every_steps": 0, "data.train_size": 256, "data.val_size": 64,
+      "data.test_size": 64, "model.dim": 16, "model.depth": 1, "model.num_heads": 2,
+      "model.mlp_dim": 32, "batch_size": 32, "eval_batch_size": 64, "fair.review_every_steps": 0,
+  }
+  (results / "tiny.py").write_text(
+      "from experiments.spec import dotted\n"
+      "TABLE = dict(rows='method', columns=(('accuracy', 'Acc.', 1.0, 3),), claims=())\n"
+      "def get_config(arg=None):\n"
+      "  return dict(module='fairmoe_jax.main', config='configs/quickstart.py',\n"
+      "              grid=dotted({'seed': (0,), 'method': ('vanilla_smoe_psi',)}),\n"
+      f"              overrides=dotted({tiny!r}))\n"
+  )
+  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
+  spec = tables.load_table("tiny")
+  from experiments.sweep import execute_sweep
+
+  assert execute_sweep(spec.sweep, str(tmp_path / "sweep")) == 0
+  tables.write_record(spec, str(tmp_path / "sweep"))
+  record = tables.read_record("tiny")
+  (run,) = record["runs"]
+  assert run["status"] == "ok" and set(run["metrics"]) == {"accuracy"}
+  ok, lines = tables.reproduce(spec, record, str(tmp_path / "again"))
+  assert ok, "\n".join(lines)
+  assert "the recording machine; tolerance 0" in lines[0]
+  # A record one ulp away from what the run gives is not reproduced at tolerance 0.
+  with open(tmp_path / "again" / "run" / "report.json") as f:
+    report = json.load(f)
+  nudged = {"accuracy": float(np.nextafter(run["metrics"]["accuracy"], 2.0))}
+  assert tables.compare(nudged, report, 0.0)[0] is False
