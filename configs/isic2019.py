@@ -18,8 +18,9 @@ enough to exercise the pipeline, not to measure anything:
   python -m fairmoe_jax.main --config=configs/isic2019.py:size=small \
       --config.data.root=../shared/data/isic2019 --workdir=/tmp/isic
 
-Expected result: not measured here (no full ISIC 2019 copy); the paper reports 77.25% accuracy
-and 0.801 MF-PQD for FairSMoE with DeiT-S.
+Expected result: no generated table (no full ISIC 2019 copy here, and the sample measures
+nothing); the paper reports 77.25% accuracy and 0.801 MF-PQD for FairSMoE with DeiT-S, which we
+have not reached.
 """
 
 from fairmoe_jax.paper_config import paper_config

@@ -12,8 +12,8 @@ Full run (200 epochs, warm-up 12800 steps, dropout 0.1, 300-d GloVe init as in t
 Arguments: size (full | small), attention (causal | vanilla | band | dilated | random | block),
 gcn_hops (1 | 2), steps, seed.
 
-Expected result: the paper reports 87.8% QQP and 78.1% PAWS-QQP (not reproduced here; no QQP or
-PAWS sample is in ../shared/data).
+Expected result: no generated table (no QQP or PAWS sample is in ../shared/data); the paper
+reports 87.8% QQP and 78.1% PAWS-QQP, which we have not reached.
 """
 
 from causal_attn_jax.config import paper_config_from_arg

@@ -22,10 +22,10 @@ Arguments (`--config=configs/snli.py:key=value,...`):
   steps      number of training steps (overrides the size's default and epochs)
   seed       run seed (also the data order)
 
-Expected result: the paper's 86.7% accuracy / 85.2 macro-F1 is a full-data number we have not
-reproduced. The small run trains on 1273 pairs only, so it mainly shows the pipeline and the
-constraint's effect on the attention (report.json: attention.effective_keys per layer); it was
-last measured before the constraint was rederived (docs/results.md has the current MNLI runs).
+Expected result: no generated table covers SNLI. The small run trains on the dev sample's pairs
+only, so it mainly shows the pipeline and the constraint's effect on the attention (report.json:
+attention.effective_keys per layer). The paper reports 86.7% accuracy / 85.2 macro-F1 (full
+data), which we have not reached.
 """
 
 from causal_attn_jax.config import paper_config_from_arg

@@ -22,8 +22,9 @@ gcn_hops (1 | 2), steps, seed, reverse (True: De->En).
 
 Expected result: BLEU (sacrebleu, on Moses-detokenised hypotheses and references when the
 references are tokenised, nmt.detokenize=auto; report.json records the signature) of the
-beam-search translations of the eval set; the paper's En-De number is a full-scale result we
-have not reproduced. The small run (10k training pairs, 1,500 steps) is in docs/results.md.
+beam-search translations of the eval set. No generated table covers the small run (10k
+training pairs, 1,500 steps); the paper's En-De number is a full-scale result we have not
+reached.
 """
 
 from causal_attn_jax.config import paper_config_from_arg

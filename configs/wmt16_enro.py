@@ -12,8 +12,9 @@ Full run on the Lee et al. (2018) preprocessed data (plain text), or tfds
 Arguments: size (full | small), attention (causal | vanilla | band | dilated | random | block),
 gcn_hops (1 | 2), steps, seed, reverse (True: Ro->En).
 
-Expected result: BLEU of the beam-search translations in report.json; the paper's En-Ro numbers
-are full-scale results we have not reproduced (no En-Ro sample is in ../shared/data).
+Expected result: BLEU of the beam-search translations in report.json. No generated table covers
+En-Ro (no En-Ro sample is in ../shared/data); the paper's En-Ro numbers are full-scale results
+we have not reached.
 """
 
 from causal_attn_jax.config import paper_config_from_arg

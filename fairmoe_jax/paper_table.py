@@ -3,11 +3,14 @@
 Named in a sweep spec as `tables=("fairmoe_jax.paper_table:write_comparison",)` (as
 `fairmoe_jax.compare` does), it writes `comparison.md` and `comparison.json`: one row per method
 (each distinct grid value of `method`, its `@` settings included, in grid order; with other
-varied grid keys, per combination of them) with mean ± sample std over the seeds that succeeded:
+varied grid keys, per combination of them) with the mean and its 95% Student-t interval over
+the seeds that succeeded (`experiments.stats`):
 Acc. (%), MF-PQD and MF-DP (× 1e-3, as the paper's Tables 1-2 print it), the effective number of
 experts the MoE block uses (exp of the entropy of its test-set choices, paper Fig. 5) and the
 mean gradient cosine between attribute tasks (Fig. 6), then each attribute's PQD and DP, then
-the runs without a result and why.
+each method's paired differences (same seed) from vanilla SMoE on accuracy, MF-PQD and MF-DP
+with their intervals and verdicts (holds / does not hold / undecided), then the runs without a
+result and why.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from experiments import stats as stats_lib
 from experiments.collect import RunResult, row_label
 
 # Display scale of the markdown table: accuracy in %, MF-DP in units of 1e-3 (the paper's).
@@ -32,6 +36,9 @@ _COLUMNS = (
 )
 _SUMMARY_KEYS = tuple(key for key, _, _ in _COLUMNS)
 _ATTRIBUTE_METRICS = ("pqd", "dp")
+# The paper's claims against vanilla SMoE (Sec. 6.2): more accurate, higher PQD, lower DP.
+BASELINE = "vanilla_smoe"
+_CLAIMS = (("accuracy", "higher"), ("mf_pqd", "higher"), ("mf_dp", "lower"))
 
 
 def _entry(run: RunResult) -> dict[str, Any]:
@@ -67,12 +74,40 @@ def _entry(run: RunResult) -> dict[str, Any]:
 
 
 def _stats(values: Sequence[float]) -> dict[str, Any]:
-  """Mean and sample std (ddof=1; None for fewer than two values) of `values`."""
+  """Mean, sample std (ddof=1) and 95% interval (None for fewer than two values) of `values`."""
   values = [float(v) for v in values]
   if not values:
-    return {"mean": None, "std": None, "values": []}
+    return {"mean": None, "std": None, "low": None, "high": None, "values": []}
   std = float(np.std(values, ddof=1)) if len(values) > 1 else None
-  return {"mean": float(np.mean(values)), "std": std, "values": values}
+  interval = stats_lib.t_interval(values)
+  return {
+      "mean": float(np.mean(values)), "std": std, "low": interval.low, "high": interval.high,
+      "values": values,
+  }
+
+
+def paired_claims(methods: dict[str, Any], baseline: str = BASELINE) -> list[dict[str, Any]]:
+  """Per method and claim, the paired difference from `baseline` (same seeds) and its verdict."""
+  if baseline not in methods:
+    return []
+
+  def by_seed(entry: dict[str, Any], key: str) -> dict[int, float]:
+    return {r["seed"]: r[key] for r in entry["runs"] if r["status"] == "ok" and key in r}
+
+  claims = []
+  for method, entry in methods.items():
+    if method == baseline:
+      continue
+    for key, better in _CLAIMS:
+      result = stats_lib.decide(by_seed(entry, key), by_seed(methods[baseline], key), better)
+      d = result.difference
+      claims.append({
+          "method": method, "baseline": baseline, "metric": key, "better": better,
+          "seeds": result.seeds, "mean": d.mean if d else None, "low": d.low if d else None,
+          "high": d.high if d else None, "verdict": result.verdict,
+          "enough_seeds": result.enough_seeds,
+      })
+  return claims
 
 
 def summarise(runs: Sequence[RunResult]) -> dict[str, Any]:
@@ -118,17 +153,18 @@ def summarise(runs: Sequence[RunResult]) -> dict[str, Any]:
   return {
       "methods": methods,
       "attributes": attributes,
+      "claims": paired_claims(methods),
       "failed": failed,
       "table_scale": TABLE_SCALE,
   }
 
 
-def _cell(stats: dict[str, Any] | None, scale: float, decimals: int) -> str:
+def _cell(stats: dict[str, Any] | None, scale: float, decimals: int, sign: str = "") -> str:
   if not stats or stats["mean"] is None:
     return "—"
-  text = f"{scale * stats['mean']:.{decimals}f}"
-  if stats["std"] is not None:
-    text += f" ± {scale * stats['std']:.{decimals}f}"
+  text = f"{scale * stats['mean']:{sign}.{decimals}f}"
+  if stats["low"] is not None:
+    text += f" [{scale * stats['low']:.{decimals}f}, {scale * stats['high']:.{decimals}f}]"
   return text
 
 
@@ -143,7 +179,7 @@ def format_markdown(summary: dict[str, Any]) -> str:
   lines = [
       "# Method comparison",
       "",
-      "Mean ± sample std (ddof=1) over the seeds that succeeded; a single value when one did.",
+      "Mean [95% Student-t interval] over the seeds that succeeded; a single value when one did.",
       "MF-DP is scaled by 10³ as in the paper's Tables 1-2 (comparison.json keeps raw values).",
       "",
   ]
@@ -163,6 +199,25 @@ def format_markdown(summary: dict[str, Any]) -> str:
         f"{a} {metric.upper()}" for a in summary["attributes"] for metric in _ATTRIBUTE_METRICS
     ]
     lines += _table(["Method", *header], rows)
+  if summary["claims"]:
+    lines += ["", f"## Paired differences from {BASELINE} (same seeds)", ""]
+    labels = {key: label for key, label, _ in _COLUMNS}
+    decimals = {key: d for key, _, d in _COLUMNS}
+    rows = []
+    for c in summary["claims"]:
+      verdict = c["verdict"] if c["enough_seeds"] else f"{c['verdict']} (too few seeds)"
+      rows.append([
+          c["method"], f"{c['better']} {labels[c['metric']]}",
+          _cell(c, TABLE_SCALE[c["metric"]], decimals[c["metric"]], sign="+"),
+          str(len(c["seeds"])), verdict,
+      ])
+    lines += _table(["Method", "claim", "difference [95% interval]", "pairs", "verdict"], rows)
+    lines += [
+        "",
+        f"Verdicts need {stats_lib.MIN_VERDICT_SEEDS} paired seeds (docs/protocol.md); holds: the"
+        " interval lies on the claimed side of 0, does not hold: on the other, undecided: it "
+        "contains 0.",
+    ]
   if summary["failed"]:
     lines += ["", "## Runs without a result", ""]
     for f in summary["failed"]:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import scipy.stats
 import pytest
 
 from experiments import spec
@@ -79,7 +80,9 @@ def test_summarise_mean_and_sample_std_over_successful_seeds(runs):
 
   vanilla = summary["methods"]["vanilla_smoe"]
   assert vanilla["num_seeds"] == 1
-  assert vanilla["accuracy"] == {"mean": 0.60, "std": None, "values": [0.60]}
+  assert vanilla["accuracy"] == {
+      "mean": 0.60, "std": None, "low": None, "high": None, "values": [0.60]
+  }
   assert summary["attributes"] == ["sex", "age"]
   assert [(f["seed"], f["status"]) for f in summary["failed"]] == [(1, "failed"), (2, "missing")]
   assert summary["failed"][0]["error"] == "exit code 1: RuntimeError: out of memory"
@@ -91,13 +94,20 @@ def test_format_markdown_scales_and_lists_failures(runs):
   markdown = paper_table.format_markdown(paper_table.summarise(runs))
   acc, dp = [0.70, 0.74, 0.75], [0.010, 0.012, 0.020]
   fair_row = next(line for line in markdown.splitlines() if line.startswith("| fairsmoe | "))
-  assert f"{100 * np.mean(acc):.2f} ± {100 * np.std(acc, ddof=1):.2f}" in fair_row
-  assert f"{1e3 * np.mean(dp):.2f} ± {1e3 * np.std(dp, ddof=1):.2f}" in fair_row  # DP x 1e-3.
+  t = scipy.stats.t.ppf(0.975, 2)  # 95% Student-t interval over 3 seeds.
+
+  def cell(values, scale, decimals):
+    values = scale * np.asarray(values)
+    half = t * values.std(ddof=1) / np.sqrt(len(values))
+    mean = values.mean()
+    return f"{mean:.{decimals}f} [{mean - half:.{decimals}f}, {mean + half:.{decimals}f}]"
+
+  assert cell(acc, 100, 2) in fair_row
+  assert cell(dp, 1e3, 2) in fair_row  # DP x 1e-3.
   assert fair_row.endswith("| 3 |")
   # Experts active (Fig. 5) and the mean gradient cosine over pairs and batches (Fig. 6).
-  active, cosine = np.array([2.80, 2.85, 2.83]), np.array([0.40, 0.425, 0.415])
-  assert f"{active.mean():.2f} ± {active.std(ddof=1):.2f}" in fair_row
-  assert f"{cosine.mean():.3f} ± {cosine.std(ddof=1):.3f}" in fair_row
+  assert cell([2.80, 2.85, 2.83], 1, 2) in fair_row
+  assert cell([0.40, 0.425, 0.415], 1, 3) in fair_row
   # One seed: the value alone; an attribute the method lacks: a dash.
   assert "| vanilla_smoe | 60.00 | 0.5000 | 30.00 | 2.50 | 0.250 | 1 |" in markdown
   assert "| vanilla_smoe | 0.5000 | 0.0300 | — | — |" in markdown
