@@ -1,9 +1,11 @@
-"""Markdown table of causal_attn_jax runs: mean ± std over seeds of what report.json holds.
+"""Markdown table of causal_attn_jax runs: mean [95% interval] over seeds of what report.json holds.
 
 Columns: in-distribution accuracy, challenge accuracy and its two halves (HANS schema), mean
 effective keys and top-1 mass over the self-attention layers, fraction of nodes in the
-Markov-blanket band, number of seeds. The std is the population std (ddof=0), as the tables in
-docs/results.md were made.
+Markov-blanket band, number of seeds. Each cell is the mean and its 95% Student-t interval over
+the seeds (`experiments.stats`; a single value for one seed). The tables of docs/results.md are
+made by `experiments.tables` from specs under results/, with paired verdicts; this one is for a
+quick look at any set of runs.
 
 Two ways in: `scripts/tabulate_causal.py` on workdirs named `<row>_s<seed>`, and as a table
 collector of the experiment runner, `tables=("causal_attn_jax.results_table:write_table",)`,
@@ -18,6 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from experiments import stats
 from experiments.collect import RunResult, row_label
 
 TABLE = "causal_table.md"
@@ -40,6 +43,13 @@ def report_values(reports: list[dict[str, Any]]) -> dict[str, list[float]]:
   return values
 
 
+def _cell(values: list[float]) -> str:
+  interval = stats.t_interval(values)
+  if interval.low is None:
+    return f"{interval.mean:.3f}"
+  return f"{interval.mean:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+
+
 def format_table(groups: Mapping[str, list[dict[str, Any]]]) -> str:
   """The markdown table of {row name: [report of each seed]}, one row per name in order."""
   rows = {name: report_values(reports) for name, reports in groups.items()}
@@ -49,7 +59,7 @@ def format_table(groups: Mapping[str, list[dict[str, Any]]]) -> str:
     cells = []
     for c in columns:
       v = values.get(c, [])
-      cells.append(f"{np.mean(v):.3f} ± {np.std(v):.3f}" if v else "-")
+      cells.append(_cell(v) if v else "-")
     lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(groups[name])} |")
   return "\n".join(lines) + "\n"
 

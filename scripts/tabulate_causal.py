@@ -1,4 +1,4 @@
-r"""Markdown table of causal_attn_jax runs: mean +- std over seeds of what report.json holds.
+r"""Markdown table of causal_attn_jax runs: mean [95% interval] over seeds of what report.json holds.
 
   python scripts/tabulate_causal.py ROOT/{vanilla,causal,band}_s{0,1,2}
 

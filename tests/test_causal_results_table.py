@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import scipy.stats
 
 from causal_attn_jax import results_table
 from experiments.collect import RunResult
@@ -35,8 +36,11 @@ def test_collector_rows_are_the_grid_values_but_the_seed(tmp_path):
       "| run | accuracy | challenge | challenge entailment | effective keys | top-1 mass |"
       " nodes within | seeds |"
   )
-  accuracy = f"{np.mean([0.6, 0.8]):.3f} ± {np.std([0.6, 0.8]):.3f}"  # Population std.
-  cells = f"| vanilla | {accuracy} | 0.350 ± 0.050 | 0.250 ± 0.000 | 5.000 ± 1.000 |"
+  # Mean and 95% Student-t interval over the two seeds: mean ± t(0.975, 1) * std / sqrt(2).
+  half = scipy.stats.t.ppf(0.975, 1) * np.std([0.6, 0.8], ddof=1) / np.sqrt(2)
+  accuracy = f"{0.7:.3f} [{0.7 - half:.3f}, {0.7 + half:.3f}]"
+  challenge = f"{0.35:.3f} [{0.35 - half / 2:.3f}, {0.35 + half / 2:.3f}]"
+  cells = f"| vanilla | {accuracy} | {challenge} | 0.250 [0.250, 0.250] |"
   assert vanilla.startswith(cells)
   assert vanilla.endswith("| 2 |")
   assert "- attention=causal,seed=0 (failed): exit code 1: boom" in rest
