@@ -303,8 +303,9 @@ def paper_config(
             "model.dropout_rate": 0.1,
             "batch_size": 32,
             "eval_batch_size": 64,
-            # 300 steps ended at chance on the MNLI sample (the cosine schedule reaches 0 before
-            # the models leave it); 1500 is where both attentions are past 0.40 (results.md).
+            # 300 steps ended at chance on the MNLI sample's validation split (the cosine
+            # schedule reaches 0 before the models leave it); by 1500 both attentions learn
+            # (docs/design.md, "Defaults and the split that chose them").
             "num_train_steps": 1500,
             "log_every_steps": 50,
             "eval_every_steps": 500,
@@ -312,9 +313,9 @@ def paper_config(
             "optimizer.learning_rate": 1e-3,
             "optimizer.warmup_steps": 100,
             "optimizer.weight_decay": 0.01,
-            # 0.05 and 0.02 kept the causal model at chance on the MNLI sample (the multipliers
-            # outgrow the task loss before it learns); 0.005 learns but stays as dense as
-            # vanilla; 0.01 does both (docs/results.md).
+            # Unramped, 0.05 and 0.02 kept the causal model at chance on the MNLI sample's
+            # validation split (the multipliers outgrow the task loss before it learns); 0.005
+            # learns but stays as dense as vanilla; 0.01 does both (docs/design.md).
             "constraints.step_size": 0.01,
         }
     )
@@ -351,9 +352,10 @@ def paper_config(
               "nmt.beam_size": 2,
               "nmt.max_eval_sentences": 64,
               # With dual ascent from step 0 the decoder's attention collapsed onto one earlier
-              # token before the model learnt anything (En-De sample: BLEU 0.07, eval loss stuck
-              # at 5.8); from step 500, ramped over 1,000 steps, it learns as well as vanilla
-              # (docs/results.md). No En-Ro sample was at hand; the model is the same.
+              # token before the model learnt anything (En-De sample: BLEU near 0, the
+              # validation loss stalled); from step 500, ramped over 1,000 steps, it learns as well as vanilla
+              # (validation split; docs/design.md). No En-Ro sample was at hand; the model is
+              # the same.
               "constraints.dual_start_step": 500,
               "constraints.dual_ramp_steps": 1000,
           }

@@ -115,8 +115,8 @@ def make_update_extra(config: ml_collections.ConfigDict) -> UpdateExtraFn:
     multipliers, penalty = extra["multipliers"], extra["penalty"]
     if applied:
       # No dual ascent before constraints.dual_start_step: the task learns features first
-      # (measured in docs/results.md: multipliers that grow from step 0 keep small models at
-      # chance on MNLI).
+      # (measured on the MNLI sample's validation split, docs/design.md: multipliers that grow
+      # from step 0 keep small models at chance).
       # Then the step grows linearly over constraints.dual_ramp_steps.
       ramp = (metrics["_step"] - c.dual_start_step + 1) / max(c.dual_ramp_steps, 1)
       step_size = c.step_size * jnp.clip(ramp, 0.0, 1.0)

@@ -22,8 +22,8 @@ sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabul
       tolerance=0.02,                 # Optional: |difference| --reproduce accepts on another
   )                                   # machine (on the recording machine: exactly 0).
 
-A path is dotted into report.json; a path that ends at a mapping of numbers (per layer, per
-block) is the mean of its values. The record (`results/records/NAME.json`, under version
+A path is dotted into report.json; a path that ends at numbers nested in mappings or lists (per
+layer, per block, per batch) is the mean of them all. The record (`results/records/NAME.json`, under version
 control) holds every run's values of every column and claim, its sample sizes and command, and
 the provenance (commit, date, machine, JAX version, seeds, commands), so a table is rendered
 from the record alone: `--write` replaces what lies between `<!-- table:NAME -->` and
@@ -205,16 +205,27 @@ def load_table(name: str) -> TableSpec:
 
 
 def metric_value(report: Any, path: str) -> float | None:
-  """The number at a dotted path; a mapping of numbers there gives their mean; else None."""
+  """The number at a dotted path; numbers nested in mappings or lists there (per layer, per
+  block, per batch) give their mean; None where the path or a number is missing."""
   value = report
   for part in path.split("."):
     if not isinstance(value, Mapping) or part not in value:
       return None
     value = value[part]
-  if isinstance(value, Mapping):
-    numbers = [v for v in value.values() if _is_number(v)]
-    return math.fsum(numbers) / len(numbers) if numbers and len(numbers) == len(value) else None
+  if isinstance(value, (Mapping, list, tuple)):
+    numbers = _leaves(value)
+    if not numbers or any(not _is_number(v) for v in numbers):
+      return None
+    return math.fsum(numbers) / len(numbers)
   return float(value) if _is_number(value) else None
+
+
+def _leaves(value: Any) -> list[Any]:
+  if isinstance(value, Mapping):
+    value = list(value.values())
+  if isinstance(value, (list, tuple)):
+    return [leaf for v in value for leaf in _leaves(v)]
+  return [value]
 
 
 def _is_number(value: Any) -> bool:

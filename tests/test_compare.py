@@ -322,3 +322,24 @@ def test_unknown_method_is_one_line_error(repo_root, tmp_path):
       result.stderr.strip().splitlines()[-1].startswith("error: --methods: unknown method(s) bogus")
   )
   assert not (tmp_path / "runs").exists()
+
+
+def test_paired_claims_against_vanilla_smoe_decide_on_same_seed_differences():
+  """Five seeds whose accuracies share a large seed effect: FairSMoE is 2 points above vanilla
+  SMoE on every seed (holds) while its PQD is the same up to noise (undecided)."""
+  shared = [0.0, 0.10, -0.08, 0.05, -0.04]
+  noise = [0.01, -0.02, 0.015, -0.005, 0.0]
+  runs = []
+  for seed, (s, n) in enumerate(zip(shared, noise)):
+    runs.append(_run("fairsmoe", seed, report=_report("fairsmoe", 0.72 + s, 0.8 + n, 0.02)))
+    runs.append(_run("vanilla_smoe", seed, report=_report("vanilla_smoe", 0.70 + s, 0.8, 0.03)))
+  summary = paper_table.summarise(runs)
+  claims = {c["metric"]: c for c in summary["claims"]}
+  assert set(claims) == {"accuracy", "mf_pqd", "mf_dp"}
+  assert claims["accuracy"]["verdict"] == "holds" and claims["accuracy"]["enough_seeds"]
+  np.testing.assert_allclose(claims["accuracy"]["mean"], 0.02)
+  assert claims["mf_pqd"]["verdict"] == "undecided"
+  assert claims["mf_dp"]["verdict"] == "holds"  # Lower DP, by 0.01 on every seed.
+  markdown = paper_table.format_markdown(summary)
+  assert "## Paired differences from vanilla_smoe (same seeds)" in markdown
+  assert "| fairsmoe | higher Acc. (%) | +2.00 [2.00, 2.00] | 5 | holds |" in markdown

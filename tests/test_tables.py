@@ -188,9 +188,14 @@ def test_a_table_spec_mistake_names_the_key(toy_tables):
 
 
 def test_values_are_read_by_path_and_mappings_averaged():
-  report = {"a": {"b": 1.5}, "layers": {"enc0": 2.0, "enc1": 4.0}, "flag": True}
+  report = {
+      "a": {"b": 1.5}, "layers": {"enc0": 2.0, "enc1": 4.0}, "flag": True,
+      "cosines": {"x|y": [0.5, 0.7], "x|z": [0.0]}, "gaps": {"x": [1.0, None]},
+  }
   assert tables.metric_value(report, "a.b") == 1.5
   assert tables.metric_value(report, "layers") == 3.0
+  assert tables.metric_value(report, "cosines") == pytest.approx(0.4)  # Every batch counts.
+  assert tables.metric_value(report, "gaps") is None
   assert tables.metric_value(report, "a.c") is None
   assert tables.metric_value(report, "flag") is None
 
