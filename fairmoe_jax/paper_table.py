@@ -59,6 +59,9 @@ def _entry(run: RunResult) -> dict[str, Any]:
         },
     )
     entry["mf_pqd"], entry["mf_dp"] = entry["mf"]["pqd"], entry["mf"]["dp"]
+    dropped = (report.get("dropped") or {}).get("train")
+    if dropped is not None:
+      entry["dropped_train"] = float(dropped)
     active = report.get("experts_active", {}).get("choices", {})
     if active:
       entry["experts_active"] = float(np.mean(list(active.values())))
@@ -139,6 +142,7 @@ def summarise(runs: Sequence[RunResult]) -> dict[str, Any]:
         "num_seeds": len(ok),
         "seeds": [e["seed"] for e in ok],
         **{key: _stats([e[key] for e in ok if key in e]) for key in _SUMMARY_KEYS},
+        "dropped_train": _stats([e["dropped_train"] for e in ok if "dropped_train" in e]),
         **{
             metric: {
                 a: _stats(
@@ -199,6 +203,18 @@ def format_markdown(summary: dict[str, Any]) -> str:
         f"{a} {metric.upper()}" for a in summary["attributes"] for metric in _ATTRIBUTE_METRICS
     ]
     lines += _table(["Method", *header], rows)
+  dropped = {
+      m: s["dropped_train"]["mean"] for m, s in methods.items()
+      if s.get("dropped_train", {}).get("mean") is not None
+  }
+  if any(v > 0 for v in dropped.values()):
+    listed = ", ".join(f"{m} {v:.3f}" for m, v in dropped.items())
+    lines += [
+        "",
+        f"Fraction of (token, choice) pairs dropped in training: {listed}. A method that drops "
+        "more loses tokens the others keep; compare at a capacity factor of at least experts / "
+        "top-k, which drops nothing (docs/protocol.md).",
+    ]
   if summary["claims"]:
     lines += ["", f"## Paired differences from {BASELINE} (same seeds)", ""]
     labels = {key: label for key, label, _ in _COLUMNS}

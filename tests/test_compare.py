@@ -39,6 +39,7 @@ def _report(method: str, accuracy: float, pqd: float, dp: float, *, attributes=(
       "mf": {"pqd": pqd, "dp": dp, "eopp": 0.0, "eodds": 0.0},
       "experts_active": {"choices": {"moe_block3": 2.0 + pqd}},
       "gradient_cosine": {"sex|age": [0.5, pqd - 0.5]},
+      "dropped": {"train": 0.3 if method == "fairsmoe" else 0.1, "test": 0.0},
   }
 
 
@@ -343,3 +344,5 @@ def test_paired_claims_against_vanilla_smoe_decide_on_same_seed_differences():
   markdown = paper_table.format_markdown(summary)
   assert "## Paired differences from vanilla_smoe (same seeds)" in markdown
   assert "| fairsmoe | higher Acc. (%) | +2.00 [2.00, 2.00] | 5 | holds |" in markdown
+  # Unequal token drops are named, so a reader knows one method lost tokens the other kept.
+  assert "dropped in training: fairsmoe 0.300, vanilla_smoe 0.100" in markdown
