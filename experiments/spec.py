@@ -221,6 +221,12 @@ def _resolve(path: str) -> str:
 
 def load_sweep(path_with_args: str) -> ml_collections.ConfigDict:
   """Loads `file.py[:arg]`, calls its `get_config(arg)` and validates the result."""
+  return load_sweep_file(path_with_args)[0]
+
+
+def load_sweep_file(path_with_args: str) -> tuple[ml_collections.ConfigDict, Any]:
+  """(the validated sweep, the loaded module) of `file.py[:arg]`: a module may define more than
+  its sweep (a results spec's `TABLE`, experiments/tables.py)."""
   path, sep, arg = path_with_args.partition(":")
   resolved = _resolve(path)
   if not path or not os.path.isfile(resolved):
@@ -234,7 +240,7 @@ def load_sweep(path_with_args: str) -> ml_collections.ConfigDict:
     raise
   except Exception as e:  # Any mistake inside the sweep file is the user's; say where.
     raise UserError(f"cannot load sweep {path_with_args}: {type(e).__name__}: {e}") from None
-  return validate_sweep(raw)
+  return validate_sweep(raw), module
 
 
 def grid_points(sweep: ml_collections.ConfigDict) -> list[dict[str, Any]]:

@@ -60,7 +60,7 @@ from experiments.spec import (
     SweepError,
     format_value,
     grid_points,
-    load_sweep,
+    load_sweep_file,
     run_command,
     run_record,
 )
@@ -141,11 +141,8 @@ def load_table(name: str) -> TableSpec:
   path = spec_path(name)
   if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not os.path.isfile(path):
     raise UserError(f"no table spec results/{name}.py; known: {', '.join(table_names())}")
-  sweep = load_sweep(path)
-  namespace: dict[str, Any] = {}
-  with open(path) as f:
-    exec(compile(f.read(), path, "exec"), namespace)  # The sweep loader already ran it once.
-  table = namespace.get("TABLE")
+  sweep, module = load_sweep_file(path)
+  table = getattr(module, "TABLE", None)
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (experiments/tables.py says what)")
   known = {
