@@ -2,7 +2,10 @@
 
 One concept per module: `spec` (the sweep file and what each run is), `supervise` (running the
 runs as subprocesses), `commands` (a launcher script instead), `collect` (reading the runs back
-and the generic tables), `plots`, and `sweep` (the command line, `python -m experiments.sweep`).
+and the generic tables), `plots`, `sweep` (the command line, `python -m experiments.sweep`),
+`stats` (intervals, paired differences and verdicts) and `tables` (the results tables of
+docs/results.md from specs under results/ and their stored records,
+`python -m experiments.tables`).
 """
 
 from trainkit._version import __version__
