@@ -20,7 +20,9 @@ sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabul
       columns=(("accuracy", "Acc. (%)", 100.0, 1), ...),   # (path, label, scale, decimals)
       claims=(dict(row="a", baseline="b", metric="accuracy", better="higher"), ...),
       tolerance=0.02,                 # Optional: |difference| --reproduce accepts on another
-  )                                   # machine (on the recording machine: exactly 0).
+                                      # machine (on the recording machine: exactly 0).
+      select="accuracy",              # Optional (tuning tables): the path whose highest mean
+  )                                   # chooses a row; the table names that row.
 
 A path is dotted into report.json; a path that ends at numbers nested in mappings or lists (per
 layer, per block, per batch) is the mean of them all. The record (`results/records/NAME.json`, under version
@@ -108,6 +110,7 @@ class TableSpec:
   columns: list[Column]
   claims: list[Claim]
   tolerance: float
+  select: str | None = None
 
   def label(self, row: Any) -> str:
     text = format_value(row)
@@ -146,7 +149,8 @@ def load_table(name: str) -> TableSpec:
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (experiments/tables.py says what)")
   known = {
-      "title", "rows", "row_names", "split", "examples", "groups", "columns", "claims", "tolerance"
+      "title", "rows", "row_names", "split", "examples", "groups", "columns", "claims",
+      "tolerance", "select",
   }
   unknown = sorted(set(table) - known)
   if unknown:
@@ -198,7 +202,14 @@ def load_table(name: str) -> TableSpec:
       columns=columns,
       claims=claims,
       tolerance=float(table.get("tolerance", DEFAULT_TOLERANCE)),
+      select=_check_select(name, table.get("select"), columns),
   )
+
+
+def _check_select(name: str, select: Any, columns: list[Column]) -> str | None:
+  if select is not None and select not in [c.path for c in columns]:
+    raise _spec_error(name, "select", f"{select!r} is not the path of a column")
+  return select
 
 
 def metric_value(report: Any, path: str) -> float | None:
@@ -467,6 +478,15 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     lines += _markdown_table(
         ["claim", "on", f"paired difference [{confidence}% interval]", "pairs", "verdict"], body
     )
+  if spec.select:
+    means = {
+        row: entry["cells"][spec.select].mean
+        for row, entry in summary["rows"].items() if entry["cells"][spec.select]
+    }
+    if means:
+      label = next(c.label for c in spec.columns if c.path == spec.select)
+      best = max(means, key=means.get)
+      lines += ["", f"Chosen by the highest mean {label}: **{spec.label(best)}**."]
   if summary["flags"]:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
   p = record["provenance"]

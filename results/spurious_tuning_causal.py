@@ -38,6 +38,7 @@ TABLE = dict(
     row_names=SCHEDULES,
     split="validation",
     examples="num_examples",
+    select="accuracy",
     columns=(
         ("accuracy", "Val. acc.", 1.0, 3),
         ("attention.effective_keys", "Effective keys", 1.0, 1),

@@ -18,6 +18,7 @@ TABLE = dict(
     rows="optimizer.learning_rate",
     split="validation",
     examples="num_examples",
+    select="accuracy",
     columns=(
         ("accuracy", "Val. acc.", 1.0, 3),
         ("attention.effective_keys", "Effective keys", 1.0, 1),

@@ -87,6 +87,7 @@ TABLE = dict(
     row_names={"b@fair.alpha=0.5": "b (alpha 0.5)"},
     split="test",
     groups="attributes",
+    select="accuracy",
     columns=(("accuracy", "Acc. (%)", 100.0, 1), ("mf.pqd", "MF-PQD", 1.0, 3)),
     claims=(
         dict(row="a", baseline="b@fair.alpha=0.5", metric="accuracy", better="higher"),
@@ -149,6 +150,7 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   assert "**undecided** |" in text
   assert "the test split has 400 examples (< 500)" in text
   assert "sex=m (n=30)" in text
+  assert "Chosen by the highest mean Acc. (%): **a**." in text
   assert "commit " in text and "JAX " in text and "seeds 0, 1, 2, 3, 4" in text
 
 
