@@ -185,3 +185,38 @@ def test_dual_step_ramps_linearly_after_dual_start_step():
     updated, _ = update(extra, {"_violations": violations, "_step": jnp.asarray(step)})
     steps[step] = float(updated["multipliers"].max())
   assert steps == pytest.approx({9: 0.0, 10: 0.125, 11: 0.25, 13: 0.5, 20: 0.5})
+
+
+def test_training_with_the_constraint_term_moves_attention_into_the_band():
+  """The same model, data and steps, with and without the Lagrangian term in the loss: only
+  the run that minimises it ends with fewer violations (fails if the term leaves the loss)."""
+  mesh = make_mesh({"data": 1, "expert": 1})
+  batch = {k: jnp.asarray(v) for k, v in _pair_batch(batch=16).items()}
+  final = {}
+  for weight in (1.0, 0.0):
+    config = _config("causal")
+    config.constraints.update(weight=weight, step_size=0.5)
+    spec = models.TransformerSpec.from_config(config.model, max_len=10)
+
+    def make_model():
+      model = models.PairClassifier(VOCAB, 3, spec, rngs=nnx.Rngs(params=0))
+      for layer in model.layers:  # Sharper attention starts outside the band.
+        layer.attention.query.kernel[...] *= 10.0
+        layer.attention.key.kernel[...] *= 10.0
+      return model
+
+    tx = optax.sgd(0.1)
+    graphdef, state = create_train_state(make_model, tx, mesh, seed=0)
+    state = state.replace(extra=train.initial_extra(config))
+    step = jax.jit(make_train_step(
+        graphdef, train.make_loss_fn(config), tx, update_extra=train.make_update_extra(config)
+    ))
+    for i in range(60):
+      state, metrics = step(state, batch)
+      if i == 0:
+        first = float(metrics["constraints/violation"])
+    final[weight] = float(metrics["constraints/violation"])
+    if weight == 0.0:
+      np.testing.assert_allclose(metrics["loss"], metrics["task_loss"], rtol=1e-6)
+      assert final[weight] > 0.9 * first  # The task alone does not remove the violations.
+  assert final[1.0] < 0.7 * final[0.0], final
