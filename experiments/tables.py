@@ -149,8 +149,16 @@ def load_table(name: str) -> TableSpec:
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (experiments/tables.py says what)")
   known = {
-      "title", "rows", "row_names", "split", "examples", "groups", "columns", "claims",
-      "tolerance", "select",
+      "title",
+      "rows",
+      "row_names",
+      "split",
+      "examples",
+      "groups",
+      "columns",
+      "claims",
+      "tolerance",
+      "select",
   }
   unknown = sorted(set(table) - known)
   if unknown:
@@ -307,7 +315,8 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
       "uncommitted_changes": changed,
       "date": (
           datetime.datetime.fromtimestamp(max(dates), datetime.timezone.utc).strftime("%Y-%m-%d")
-          if dates else None
+          if dates
+          else None
       ),
       "machine": machine(),
       "seeds": list(spec.sweep.grid[SEED_KEY]),
@@ -351,7 +360,9 @@ def stale_runs(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   }
   recorded = {(r["row"], r["seed"]): r.get("settings") for r in record["runs"]}
   problems = [f"run {k[0]} seed {k[1]} is not in the record" for k in expected if k not in recorded]
-  problems += [f"run {k[0]} seed {k[1]} is no longer in the spec" for k in recorded if k not in expected]
+  problems += [
+      f"run {k[0]} seed {k[1]} is no longer in the spec" for k in recorded if k not in expected
+  ]
   problems += [
       f"run {k[0]} seed {k[1]} was recorded with settings {recorded[k]}, the spec now gives "
       f"{expected[k]}"
@@ -387,18 +398,25 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   for value in spec.row_values:
     row = format_value(value)
     rows[row] = {
-        "seeds": sorted({r["seed"] for r in record["runs"] if r["row"] == row and r["status"] == "ok"}),
+        "seeds": sorted(
+            {r["seed"] for r in record["runs"] if r["row"] == row and r["status"] == "ok"}
+        ),
         "cells": {
-            c.path: (stats.t_interval(list(v.values())) if (v := _values(record, row, c.path)) else None)
+            c.path: (
+                stats.t_interval(list(v.values())) if (v := _values(record, row, c.path)) else None
+            )
             for c in spec.columns
         },
     }
   claims = [
-      (claim, stats.decide(
-          _values(record, claim.row, claim.metric),
-          _values(record, claim.baseline, claim.metric),
-          claim.better,
-      ))
+      (
+          claim,
+          stats.decide(
+              _values(record, claim.row, claim.metric),
+              _values(record, claim.baseline, claim.metric),
+              claim.better,
+          ),
+      )
       for claim in spec.claims
   ]
   flags = []
@@ -452,7 +470,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   for row, entry in summary["rows"].items():
     cells = [
         _interval_text(entry["cells"][c.path], c.scale, c.decimals)
-        if entry["cells"][c.path] else "—"
+        if entry["cells"][c.path]
+        else "—"
         for c in spec.columns
     ]
     body.append([spec.label(row), *cells, str(len(entry["seeds"]))])
@@ -464,16 +483,19 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       scale, decimals, label = scales.get(claim.metric, (1.0, 3, claim.metric))
       difference = (
           _interval_text(result.difference, scale, decimals, sign=True)
-          if result.difference else "—"
+          if result.difference
+          else "—"
       )
       verdict = result.verdict if result.enough_seeds else f"{result.verdict} (too few seeds)"
-      body.append([
-          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
-          label,
-          difference,
-          str(len(result.seeds)),
-          f"**{verdict}**",
-      ])
+      body.append(
+          [
+              f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
+              label,
+              difference,
+              str(len(result.seeds)),
+              f"**{verdict}**",
+          ]
+      )
     lines += [""]
     lines += _markdown_table(
         ["claim", "on", f"paired difference [{confidence}% interval]", "pairs", "verdict"], body
@@ -481,7 +503,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   if spec.select:
     means = {
         row: entry["cells"][spec.select].mean
-        for row, entry in summary["rows"].items() if entry["cells"][spec.select]
+        for row, entry in summary["rows"].items()
+        if entry["cells"][spec.select]
     }
     if means:
       label = next(c.label for c in spec.columns if c.path == spec.select)
@@ -592,7 +615,8 @@ def reproduce(
   if tolerance is None:
     tolerance = 0.0 if same_machine else spec.tolerance
   point = next(
-      p for p in grid_points(spec.sweep)
+      p
+      for p in grid_points(spec.sweep)
       if format_value(p[spec.rows]) == row and p[SEED_KEY] == seed
   )
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
@@ -618,56 +642,69 @@ def reproduce(
   return ok, lines + compared + [f"{verdict} Run directory: {run_dir}"]
 
 
-_RECORD = flags.DEFINE_string("record", None, "Table name: record its sweep in --workdir.")
-_WRITE = flags.DEFINE_string("write", None, "Markdown file whose marked tables to render.")
-_CHECK = flags.DEFINE_string("check", None, "Markdown file whose marked tables to check.")
-_REPRODUCE = flags.DEFINE_string("reproduce", None, "Table name: rerun its first row's seed.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "--record: the sweep's workdir; --reproduce: "
-                               "where to rerun (default: a temporary directory).")
-_TOLERANCE = flags.DEFINE_float("tolerance", None, "--reproduce: accepted |difference| "
-                                "(default: 0 on the recording machine, else the spec's).")
-_LIST = flags.DEFINE_bool("list", False, "List the table specs and their records.")
+def _define_flags() -> dict[str, flags.FlagHolder]:
+  """The command line's flags, defined only when run as a script (other front ends that import
+  this module define flags of the same names, e.g. --workdir)."""
+  return dict(
+      record=flags.DEFINE_string("record", None, "Table name: record its sweep in --workdir."),
+      write=flags.DEFINE_string("write", None, "Markdown file whose marked tables to render."),
+      check=flags.DEFINE_string("check", None, "Markdown file whose marked tables to check."),
+      reproduce=flags.DEFINE_string(
+          "reproduce", None, "Table name: rerun the first seed of its first row."
+      ),
+      workdir=flags.DEFINE_string(
+          "workdir",
+          None,
+          "--record: the sweep's workdir; --reproduce: where to rerun (default: a temporary "
+          "directory).",
+      ),
+      tolerance=flags.DEFINE_float(
+          "tolerance",
+          None,
+          "--reproduce: accepted |difference| (default: 0 on the recording machine, else the "
+          "spec's).",
+      ),
+      list=flags.DEFINE_bool("list", False, "List the table specs and their records."),
+  )
 
 
 @exit_on_user_error
-def run(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
+  """The command line's work on the parsed flag values `f`; returns the exit status."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-  chosen = [f for f in (_RECORD, _WRITE, _CHECK, _REPRODUCE) if f.value] + ([1] if _LIST.value else [])
-  if len(chosen) != 1:
+  modes = [m for m in ("record", "write", "check", "reproduce", "list") if f[m]]
+  if len(modes) != 1:
     raise UserError("give exactly one of --record, --write, --check, --reproduce, --list")
-  if _LIST.value:
+  if f["list"]:
     for name in table_names():
       has = "recorded" if os.path.exists(record_path(name)) else "no record"
       print(f"{name:<24} results/{name}.py  ({has})")
     return 0
-  if _RECORD.value:
-    if not _WORKDIR.value:
+  if f["record"]:
+    if not f["workdir"]:
       raise UserError("--record needs --workdir, the directory the sweep ran in")
-    spec = load_table(_RECORD.value)
-    print(f"Wrote {os.path.relpath(write_record(spec, _WORKDIR.value), REPO_ROOT)}")
+    spec = load_table(f["record"])
+    print(f"Wrote {os.path.relpath(write_record(spec, f['workdir']), REPO_ROOT)}")
     print(render(spec, read_record(spec.name)))
     return 0
-  if _WRITE.value:
-    names = write_doc(_WRITE.value)
-    print(f"Rendered {len(names)} table(s) in {_WRITE.value}: {', '.join(names)}")
+  if f["write"]:
+    names = write_doc(f["write"])
+    print(f"Rendered {len(names)} table(s) in {f['write']}: {', '.join(names)}")
     return 0
-  if _CHECK.value:
-    problems = check_doc(_CHECK.value)
+  if f["check"]:
+    problems = check_doc(f["check"])
     for problem in problems:
       print(problem)
     if not problems:
-      print(f"Every marked table of {_CHECK.value} matches its record.")
+      print(f"Every marked table of {f['check']} matches its record.")
     return 1 if problems else 0
-  spec = load_table(_REPRODUCE.value)
-  ok, lines = reproduce(spec, read_record(spec.name), _WORKDIR.value, _TOLERANCE.value)
+  spec = load_table(f["reproduce"])
+  ok, lines = reproduce(spec, read_record(spec.name), f["workdir"], f["tolerance"])
   print("\n".join(lines))
   return 0 if ok else 1
 
 
-def main(argv: Sequence[str]) -> None:
-  sys.exit(run(argv))
-
-
 if __name__ == "__main__":
-  app.run(main)
+  _FLAGS = _define_flags()
+  app.run(lambda argv: sys.exit(run(argv, {k: v.value for k, v in _FLAGS.items()})))

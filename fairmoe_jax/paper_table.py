@@ -84,7 +84,10 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
   std = float(np.std(values, ddof=1)) if len(values) > 1 else None
   interval = stats_lib.t_interval(values)
   return {
-      "mean": float(np.mean(values)), "std": std, "low": interval.low, "high": interval.high,
+      "mean": float(np.mean(values)),
+      "std": std,
+      "low": interval.low,
+      "high": interval.high,
       "values": values,
   }
 
@@ -104,12 +107,20 @@ def paired_claims(methods: dict[str, Any], baseline: str = BASELINE) -> list[dic
     for key, better in _CLAIMS:
       result = stats_lib.decide(by_seed(entry, key), by_seed(methods[baseline], key), better)
       d = result.difference
-      claims.append({
-          "method": method, "baseline": baseline, "metric": key, "better": better,
-          "seeds": result.seeds, "mean": d.mean if d else None, "low": d.low if d else None,
-          "high": d.high if d else None, "verdict": result.verdict,
-          "enough_seeds": result.enough_seeds,
-      })
+      claims.append(
+          {
+              "method": method,
+              "baseline": baseline,
+              "metric": key,
+              "better": better,
+              "seeds": result.seeds,
+              "mean": d.mean if d else None,
+              "low": d.low if d else None,
+              "high": d.high if d else None,
+              "verdict": result.verdict,
+              "enough_seeds": result.enough_seeds,
+          }
+      )
   return claims
 
 
@@ -195,8 +206,14 @@ def format_markdown(summary: dict[str, Any]) -> str:
   if summary["attributes"]:
     lines += ["", "## PQD and DP per attribute", ""]
     rows = [
-        [m, *(_cell(s[metric].get(a), 1.0, 4) for a in summary["attributes"]
-              for metric in _ATTRIBUTE_METRICS)]
+        [
+            m,
+            *(
+                _cell(s[metric].get(a), 1.0, 4)
+                for a in summary["attributes"]
+                for metric in _ATTRIBUTE_METRICS
+            ),
+        ]
         for m, s in methods.items()
     ]
     header = [
@@ -204,7 +221,8 @@ def format_markdown(summary: dict[str, Any]) -> str:
     ]
     lines += _table(["Method", *header], rows)
   dropped = {
-      m: s["dropped_train"]["mean"] for m, s in methods.items()
+      m: s["dropped_train"]["mean"]
+      for m, s in methods.items()
       if s.get("dropped_train", {}).get("mean") is not None
   }
   if any(v > 0 for v in dropped.values()):
@@ -222,11 +240,15 @@ def format_markdown(summary: dict[str, Any]) -> str:
     rows = []
     for c in summary["claims"]:
       verdict = c["verdict"] if c["enough_seeds"] else f"{c['verdict']} (too few seeds)"
-      rows.append([
-          c["method"], f"{c['better']} {labels[c['metric']]}",
-          _cell(c, TABLE_SCALE[c["metric"]], decimals[c["metric"]], sign="+"),
-          str(len(c["seeds"])), verdict,
-      ])
+      rows.append(
+          [
+              c["method"],
+              f"{c['better']} {labels[c['metric']]}",
+              _cell(c, TABLE_SCALE[c["metric"]], decimals[c["metric"]], sign="+"),
+              str(len(c["seeds"])),
+              verdict,
+          ]
+      )
     lines += _table(["Method", "claim", "difference [95% interval]", "pairs", "verdict"], rows)
     lines += [
         "",

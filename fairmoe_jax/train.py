@@ -251,7 +251,8 @@ def dropped_summary(report: dict[str, Any], workdir: str | None) -> dict[str, fl
         value
         for record in read_metrics(workdir)
         for key, value in record.items()
-        if key.endswith("/fraction_dropped") and not key.startswith(("val/", "test/"))
+        if key.endswith("/fraction_dropped")
+        and not key.startswith(("val/", "test/"))
         and isinstance(value, (int, float))
     ]
     train = float(np.mean(logged)) if logged else (0.0 if not test else None)
@@ -296,7 +297,8 @@ def final_report(
     logged = workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl"))
     history = (
         experts_lib.allocation_history(read_metrics(workdir), info.attribute_names)
-        if logged else []
+        if logged
+        else []
     )
     report["allocation_history"] = history
     initial = experts_lib.initial_state(info.num_attributes)["counts"].tolist()
@@ -330,9 +332,7 @@ def final_report(
   return report, columns
 
 
-def _write_report(
-    report: dict[str, Any], predictions: dict[str, np.ndarray], workdir: str
-) -> None:
+def _write_report(report: dict[str, Any], predictions: dict[str, np.ndarray], workdir: str) -> None:
   with open(os.path.join(workdir, "report.json"), "w") as f:
     json.dump(report, f, indent=2)
   predictions_lib.write_csv(os.path.join(workdir, "predictions.csv"), predictions)
@@ -451,8 +451,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   info, splits, run = _setup(config, workdir, training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
   report, predictions = final_report(
-      make_eval_step(run.graphdef, info, config), run.graphdef, state, splits, info, config,
-      run.mesh, workdir,
+      make_eval_step(run.graphdef, info, config),
+      run.graphdef,
+      state,
+      splits,
+      info,
+      config,
+      run.mesh,
+      workdir,
   )
   return recipe.finish(
       run, state, report, write_report=lambda report: _write_report(report, predictions, workdir)
@@ -558,7 +564,12 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
       "attributes": np.full((len(paths), len(info.attribute_names)), -1, np.int32),
   }
   _, examples = evaluate(
-      make_eval_step(run.graphdef, info, config), state, split, info, config, run.mesh,
+      make_eval_step(run.graphdef, info, config),
+      state,
+      split,
+      info,
+      config,
+      run.mesh,
       keep_examples=True,
   )
   prediction = examples["prediction"]

@@ -30,9 +30,7 @@ TABLE = dict(
         ("attention.effective_keys", "Effective keys", 1.0, 1),
         ("constraints.nodes_within", "Nodes within", 1.0, 2),
     ),
-    claims=(
-        dict(row=CAUSAL, baseline=VANILLA, metric="challenge.accuracy", better="higher"),
-    ),
+    claims=(dict(row=CAUSAL, baseline=VANILLA, metric="challenge.accuracy", better="higher"),),
 )
 
 

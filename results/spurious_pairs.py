@@ -40,9 +40,7 @@ TABLE = dict(
     ),
     claims=(
         dict(row=CAUSAL, baseline=VANILLA, metric="challenge.accuracy", better="higher"),
-        dict(
-            row=CAUSAL, baseline=UNCONSTRAINED, metric="challenge.accuracy", better="higher"
-        ),
+        dict(row=CAUSAL, baseline=UNCONSTRAINED, metric="challenge.accuracy", better="higher"),
     ),
 )
 

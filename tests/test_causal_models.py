@@ -208,9 +208,11 @@ def test_training_with_the_constraint_term_moves_attention_into_the_band():
     tx = optax.sgd(0.1)
     graphdef, state = create_train_state(make_model, tx, mesh, seed=0)
     state = state.replace(extra=train.initial_extra(config))
-    step = jax.jit(make_train_step(
-        graphdef, train.make_loss_fn(config), tx, update_extra=train.make_update_extra(config)
-    ))
+    step = jax.jit(
+        make_train_step(
+            graphdef, train.make_loss_fn(config), tx, update_extra=train.make_update_extra(config)
+        )
+    )
     for i in range(60):
       state, metrics = step(state, batch)
       if i == 0:

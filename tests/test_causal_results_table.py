@@ -51,9 +51,17 @@ def test_script_prints_the_same_table(tmp_path, repo_root):
     (tmp_path / name).mkdir()
     (tmp_path / name / "report.json").write_text(json.dumps(report))
   result = subprocess.run(
-      [sys.executable, "scripts/tabulate_causal.py", str(tmp_path / "vanilla_s0"),
-       str(tmp_path / "vanilla_s1"), str(tmp_path / "absent_s0")],
-      cwd=repo_root, capture_output=True, text=True, check=True,
+      [
+          sys.executable,
+          "scripts/tabulate_causal.py",
+          str(tmp_path / "vanilla_s0"),
+          str(tmp_path / "vanilla_s1"),
+          str(tmp_path / "absent_s0"),
+      ],
+      cwd=repo_root,
+      capture_output=True,
+      text=True,
+      check=True,
   )
   groups = {"vanilla": [_report(0.6, 3.0), _report(0.8, 5.0)]}
   assert result.stdout == results_table.format_table(groups)

@@ -82,7 +82,11 @@ def test_summarise_mean_and_sample_std_over_successful_seeds(runs):
   vanilla = summary["methods"]["vanilla_smoe"]
   assert vanilla["num_seeds"] == 1
   assert vanilla["accuracy"] == {
-      "mean": 0.60, "std": None, "low": None, "high": None, "values": [0.60]
+      "mean": 0.60,
+      "std": None,
+      "low": None,
+      "high": None,
+      "values": [0.60],
   }
   assert summary["attributes"] == ["sex", "age"]
   assert [(f["seed"], f["status"]) for f in summary["failed"]] == [(1, "failed"), (2, "missing")]
@@ -120,9 +124,15 @@ def test_format_markdown_scales_and_lists_failures(runs):
 def test_a_method_entry_carries_config_overrides():
   base = base_config()
   config = compare.run_config(
-      base, "fairsmoe@fair.specialization=class_routing@fair.alpha=0.5@fair.dynamic_allocation=false", 3
+      base,
+      "fairsmoe@fair.specialization=class_routing@fair.alpha=0.5@fair.dynamic_allocation=false",
+      3,
   )
-  assert (config.method, config.seed, config.fair.specialization) == ("fairsmoe", 3, "class_routing")
+  assert (config.method, config.seed, config.fair.specialization) == (
+      "fairsmoe",
+      3,
+      "class_routing",
+  )
   assert config.fair.alpha == 0.5 and config.fair.dynamic_allocation is False
   assert base.fair.specialization == "expert_competence"  # The shared config is not touched.
   with pytest.raises(UserError, match="unknown config key 'fair.nope'"):
@@ -184,8 +194,12 @@ def test_a_wrong_method_key_stops_the_comparison_before_anything_runs(tmp_path, 
   for methods, overrides, message in cases:
     with pytest.raises(SystemExit) as exit_info:
       compare.run(
-          base_config(), str(workdir), methods, ["0"],
-          config_file="configs/quickstart.py", overrides=overrides,
+          base_config(),
+          str(workdir),
+          methods,
+          ["0"],
+          config_file="configs/quickstart.py",
+          overrides=overrides,
       )
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
@@ -296,9 +310,12 @@ def test_compare_end_to_end_then_resume_without_retraining(repo_root, tmp_path):
     assert json.loads((run / "report.json").read_text())["method"] == method
     # The runs' own flags give the config that compare built and checked.
     assert json.loads((run / "config.json").read_text())["data"]["train_size"] == 128
-  assert json.loads((runs / f"method={variant},seed=0" / "config.json").read_text())[
-      "multifair"
-  ]["weight"] == 0.5
+  assert (
+      json.loads((runs / f"method={variant},seed=0" / "config.json").read_text())["multifair"][
+          "weight"
+      ]
+      == 0.5
+  )
   assert (tmp_path / "sweep.md").is_file()  # The runner's generic table, beside the paper's.
 
   reports = sorted(runs.glob("*/report.json"))

@@ -12,7 +12,6 @@ import pytest
 from experiments import stats, tables
 from trainkit.errors import UserError
 
-
 # ---------------------------------------------------------------- statistics on known answers
 
 
@@ -78,7 +77,7 @@ def test_only_seeds_both_rows_have_are_paired():
 
 # ---------------------------------------------------------------- tables from a stored example
 
-_SPEC = '''
+_SPEC = """
 from experiments.spec import dotted
 
 TABLE = dict(
@@ -103,7 +102,7 @@ def get_config(arg=None):
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": ("a", "b@fair.alpha=0.5")}),
       overrides=dotted({"num_train_steps": 5}),
   )
-'''
+"""
 
 
 def _report(accuracy, pqd, n_test=400, smallest_group=30):
@@ -111,8 +110,9 @@ def _report(accuracy, pqd, n_test=400, smallest_group=30):
       "accuracy": accuracy,
       "num_examples": n_test,
       "mf": {"pqd": pqd},
-      "attributes": {"sex": {"groups": {"f": {"n": n_test - smallest_group},
-                                        "m": {"n": smallest_group}}}},
+      "attributes": {
+          "sex": {"groups": {"f": {"n": n_test - smallest_group}, "m": {"n": smallest_group}}}
+      },
   }
 
 
@@ -182,7 +182,11 @@ def test_a_table_spec_mistake_names_the_key(toy_tables):
   with open(spec_file) as f:
     text = f.read()
   with open(spec_file, "w") as f:
-    f.write(text.replace('baseline="b@fair.alpha=0.5", metric="mf.pqd"', 'baseline="c", metric="mf.pqd"'))
+    f.write(
+        text.replace(
+            'baseline="b@fair.alpha=0.5", metric="mf.pqd"', 'baseline="c", metric="mf.pqd"'
+        )
+    )
   with pytest.raises(UserError, match=r"TABLE\['claims\[1\]'\]: baseline 'c' is not a row"):
     tables.load_table("toy")
   with pytest.raises(UserError, match="no table spec results/nope.py"):
@@ -191,8 +195,11 @@ def test_a_table_spec_mistake_names_the_key(toy_tables):
 
 def test_values_are_read_by_path_and_mappings_averaged():
   report = {
-      "a": {"b": 1.5}, "layers": {"enc0": 2.0, "enc1": 4.0}, "flag": True,
-      "cosines": {"x|y": [0.5, 0.7], "x|z": [0.0]}, "gaps": {"x": [1.0, None]},
+      "a": {"b": 1.5},
+      "layers": {"enc0": 2.0, "enc1": 4.0},
+      "flag": True,
+      "cosines": {"x|y": [0.5, 0.7], "x|z": [0.0]},
+      "gaps": {"x": [1.0, None]},
   }
   assert tables.metric_value(report, "a.b") == 1.5
   assert tables.metric_value(report, "layers") == 3.0
@@ -216,7 +223,9 @@ def test_compare_is_exact_unless_a_tolerance_is_given():
 def test_every_table_in_the_results_doc_matches_its_stored_record(repo_root):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.tables", "--check=docs/results.md"],
-      cwd=repo_root, capture_output=True, text=True,
+      cwd=repo_root,
+      capture_output=True,
+      text=True,
   )
   assert result.returncode == 0, result.stdout + result.stderr
   with open(repo_root / "docs" / "results.md") as f:
@@ -237,9 +246,18 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   results = tmp_path / "results"
   (results / "records").mkdir(parents=True)
   tiny = {
-      "num_train_steps": 3, "eval_every_steps": 0, "data.train_size": 256, "data.val_size": 64,
-      "data.test_size": 64, "model.dim": 16, "model.depth": 1, "model.num_heads": 2,
-      "model.mlp_dim": 32, "batch_size": 32, "eval_batch_size": 64, "fair.review_every_steps": 0,
+      "num_train_steps": 3,
+      "eval_every_steps": 0,
+      "data.train_size": 256,
+      "data.val_size": 64,
+      "data.test_size": 64,
+      "model.dim": 16,
+      "model.depth": 1,
+      "model.num_heads": 2,
+      "model.mlp_dim": 32,
+      "batch_size": 32,
+      "eval_batch_size": 64,
+      "fair.review_every_steps": 0,
   }
   (results / "tiny.py").write_text(
       "from experiments.spec import dotted\n"
