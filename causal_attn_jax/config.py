@@ -209,8 +209,10 @@ def validate(
   cfg.require_choice(config, "constraints.loss", constraints_lib.LOSSES)
   cfg.require_choice(config, "constraints.encoder_band", constraints_lib.ENCODER_BANDS)
   if config.constraints.loss == "linear" and config.constraints.form != "node":
-    raise ConfigError("constraints.loss", "'linear' (Eq. 3) is written on node sums: needs "
-                      "constraints.form='node'")
+    raise ConfigError(
+        "constraints.loss",
+        "'linear' (Eq. 3) is written on node sums: needs " "constraints.form='node'",
+    )
   cfg.require_int(config, "model.sinkhorn_iters", minimum=0)
   cfg.require_int(config, "constraints.dual_start_step", minimum=0)
   cfg.require_int(config, "constraints.dual_ramp_steps", minimum=0)
@@ -408,6 +410,11 @@ def paper_config_from_arg(
       seed=arg.seed,
   )
   return config, arg
+
+
+def constraint_applied(config: ml_collections.ConfigDict) -> bool:
+  """Eq. 6's Lagrangian is added only to causal runs (and constraints.weight > 0)."""
+  return config.model.attention == "causal" and float(config.constraints.weight) > 0
 
 
 def constraint_spec(config: ml_collections.ConfigDict) -> constraints_lib.ConstraintSpec:

@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
+from causal_attn_jax import config as config_lib
 from causal_attn_jax import plots
 from causal_attn_jax.data import batching, nli
 from causal_attn_jax.data.loading import TaskData
@@ -54,20 +55,53 @@ def challenge_report(data: TaskData, predictions: np.ndarray) -> dict[str, Any]:
 
 
 _WITHIN = ("rows_within", "cols_within", "nodes_within")
+# A layer meets the Markov-blanket constraint when at least this fraction of its nodes (tokens,
+# over heads and evaluation examples) ends inside the band.
+MET_FRACTION = 0.9
 
 
-def _constraint_report(result: dict[str, Any], names: list[str]) -> dict[str, Any]:
-  """Fractions of rows, columns and nodes inside the Markov-blanket band, overall and per layer."""
+def _constraint_report(
+    result: dict[str, Any], names: list[str], multipliers: np.ndarray, trained: bool
+) -> dict[str, Any]:
+  """Whether the constraint is met, per layer and overall, and the numbers that say so.
+
+  Per layer: the fractions of rows, columns and nodes inside the band, `violation` (the mean of
+  the Lagrangian's terms over heads: with loss="hinge" the mean distance outside the band, 0
+  when every node is inside) and the mean final multiplier; `met` is nodes_within >=
+  MET_FRACTION in every layer, and `summary` says it in words (also for a run that did not train
+  with the constraint, where it only measures).
+  """
   report: dict[str, Any] = {key: float(np.mean(result[key])) for key in _WITHIN}
   report["per_layer"] = {
-      name: {key: float(result[key][l]) for key in _WITHIN} for l, name in enumerate(names)
+      name: {
+          **{key: float(result[key][l]) for key in _WITHIN},
+          "violation": float(result["violation"][l]),
+          "multiplier": float(multipliers[l].mean()),
+          "met": bool(result["nodes_within"][l] >= MET_FRACTION),
+      }
+      for l, name in enumerate(names)
   }
+  report["mean_multiplier"] = {name: float(multipliers[l].mean()) for l, name in enumerate(names)}
+  missed = [name for name, layer in report["per_layer"].items() if not layer["met"]]
+  report["met"] = not missed
+  if not trained:
+    how = "not trained with the constraint (measured only)"
+  elif missed:
+    how = "NOT met"
+  else:
+    how = "met"
+  layers = ", ".join(
+      f"{name} {layer['nodes_within']:.2f}" for name, layer in report["per_layer"].items()
+  )
+  report["summary"] = (
+      f"Markov-blanket constraint {how}: fraction of nodes inside the band per layer {layers} "
+      f"(met: >= {MET_FRACTION} in every layer)"
+      + (f"; not met in {', '.join(missed)}" if trained and missed else "")
+  )
   return report
 
 
-def _attention_report(
-    result: dict[str, Any], names: list[str], kind: str
-) -> dict[str, Any]:
+def _attention_report(result: dict[str, Any], names: list[str], kind: str) -> dict[str, Any]:
   """The attention kind and, per self-attention layer, how concentrated it is (metrics.sparsity)."""
   return {
       "kind": kind,
@@ -141,11 +175,10 @@ def final_report(
   if data.glove_matched is not None:
     report["glove_matched_pieces"] = data.glove_matched
   names = task.layer_names(config)
-  report["constraints"] = _constraint_report(result, names)
   multipliers = np.asarray(jax.device_get(state.extra["multipliers"]))
-  report["constraints"]["mean_multiplier"] = {
-      name: float(multipliers[l].mean()) for l, name in enumerate(names)
-  }
+  report["constraints"] = _constraint_report(
+      result, names, multipliers, config_lib.constraint_applied(config)
+  )
   if jax.process_index() == 0:
     report["plots"] = [
         os.path.relpath(p, workdir) for p in _heatmaps(result, data, config, task, workdir)
@@ -162,9 +195,7 @@ def write_report(report: dict[str, Any], workdir: str) -> None:
   }
   if "challenge" in report:
     headline["challenge_accuracy"] = report["challenge"]["accuracy"]
-  headline.update(
-      {f"constraints_{k}": report["constraints"][k] for k in _WITHIN}
-  )
+  headline.update({f"constraints_{k}": report["constraints"][k] for k in _WITHIN})
   headline["effective_keys"] = float(np.mean(list(report["attention"]["effective_keys"].values())))
   print(
       "report: "
@@ -173,4 +204,5 @@ def write_report(report: dict[str, Any], workdir: str) -> None:
       ),
       flush=True,
   )
+  print(report["constraints"]["summary"], flush=True)
   print(f"Wrote {os.path.join(workdir, 'report.json')}", flush=True)

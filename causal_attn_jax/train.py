@@ -49,11 +49,6 @@ EvalStep = Callable[[TrainState, dict[str, jax.Array]], dict[str, Any]]
 # --- Model and loss -------------------------------------------------------------------------------
 
 
-def constraint_applied(config: ml_collections.ConfigDict) -> bool:
-  """Eq. 6's Lagrangian is added only to causal runs (and constraints.weight = 1)."""
-  return config.model.attention == "causal" and float(config.constraints.weight) > 0
-
-
 def attention_stats(
     records: list[models.SelfAttentionRecord],
     spec: constraints_lib.ConstraintSpec,
@@ -65,7 +60,11 @@ def attention_stats(
     valid = _valid_tokens(record, example_mask)
     stats.append(
         constraints_lib.constraint_violations(
-            record.probs, record.mask, decoder=record.decoder, valid_q=valid, valid_k=valid,
+            record.probs,
+            record.mask,
+            decoder=record.decoder,
+            valid_q=valid,
+            valid_k=valid,
             spec=spec,
         )
     )
@@ -79,7 +78,7 @@ def _valid_tokens(record: models.SelfAttentionRecord, example_mask: jax.Array | 
 def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
   """loss_fn(model, batch, rng, step, extra) -> (loss, metrics) of Eq. 6."""
   task = tasks.get_task(config)
-  applied = constraint_applied(config)
+  applied = config_lib.constraint_applied(config)
   names = task.layer_names(config)
   spec = config_lib.constraint_spec(config)
 
@@ -107,7 +106,7 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
 
 def make_update_extra(config: ml_collections.ConfigDict) -> UpdateExtraFn:
   """Projected dual ascent on the multipliers (and the augmented penalty's growth)."""
-  applied = constraint_applied(config)
+  applied = config_lib.constraint_applied(config)
   c = config.constraints
   names = tasks.get_task(config).layer_names(config)
 
@@ -190,14 +189,13 @@ def make_eval_step(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict) ->
     model = nnx.merge(graphdef, state.params, state.model_state)
     loss, metrics, records, logits = task.loss(config, model, batch, train=False, rngs=None)
     stats = attention_stats(records, spec, batch["mask"])
-    sparsity = [
-        attention_sparsity(r.probs, _valid_tokens(r, batch["mask"])) for r in records
-    ]
+    sparsity = [attention_sparsity(r.probs, _valid_tokens(r, batch["mask"])) for r in records]
     return {
         "loss": loss,
         "rows_within": jnp.stack([s.rows_within for s in stats]),
         "cols_within": jnp.stack([s.cols_within for s in stats]),
         "nodes_within": jnp.stack([s.nodes_within for s in stats]),
+        "violation": jnp.stack([s.violations.mean() for s in stats]),
         "effective_keys": jnp.stack([k for k, _ in sparsity]),
         "top1_mass": jnp.stack([m for _, m in sparsity]),
         "attention": [r.probs[:, 0] for r in records],  # Head 0 of every layer (Fig. 8).
@@ -209,7 +207,14 @@ def make_eval_step(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict) ->
 
 
 # Per-layer statistics of an eval pass, averaged over batches weighted by their examples.
-_LAYER_STATS = ("rows_within", "cols_within", "nodes_within", "effective_keys", "top1_mass")
+_LAYER_STATS = (
+    "rows_within",
+    "cols_within",
+    "nodes_within",
+    "violation",
+    "effective_keys",
+    "top1_mass",
+)
 
 
 def run_eval(

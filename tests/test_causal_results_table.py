@@ -66,3 +66,26 @@ def test_script_prints_the_same_table(tmp_path, repo_root):
   groups = {"vanilla": [_report(0.6, 3.0), _report(0.8, 5.0)]}
   assert result.stdout == results_table.format_table(groups)
   assert "skipping" in result.stderr and "absent_s0" in result.stderr
+
+
+def test_the_constraint_report_says_whether_the_constraint_is_met():
+  from causal_attn_jax import report
+
+  result = {
+      "rows_within": np.array([0.97, 0.40]),
+      "cols_within": np.array([0.93, 0.60]),
+      "nodes_within": np.array([0.95, 0.50]),
+      "violation": np.array([0.001, 0.2]),
+  }
+  multipliers = np.array([[[0.5, 0.1]], [[2.0, 3.0]]])  # [layers, heads, terms]
+  r = report._constraint_report(result, ["enc0", "enc1"], multipliers, trained=True)
+  assert r["per_layer"]["enc0"]["met"] and not r["per_layer"]["enc1"]["met"]
+  assert r["met"] is False
+  assert r["per_layer"]["enc1"]["violation"] == 0.2
+  assert r["per_layer"]["enc1"]["multiplier"] == r["mean_multiplier"]["enc1"] == 2.5
+  assert r["summary"].startswith("Markov-blanket constraint NOT met")
+  assert "not met in enc1" in r["summary"]
+  result["nodes_within"] = np.array([0.95, 0.91])
+  assert report._constraint_report(result, ["enc0", "enc1"], multipliers, True)["met"] is True
+  measured = report._constraint_report(result, ["enc0", "enc1"], multipliers, trained=False)
+  assert "not trained with the constraint (measured only)" in measured["summary"]
