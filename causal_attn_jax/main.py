@@ -11,7 +11,9 @@ run the latest checkpoint on new inputs (`--mode=predict`).
 Writes <workdir>/report.json: classification {accuracy, macro_f1, challenge: {accuracy,
 by_heuristic}}; translation {bleu, num_sentences}; both {attention: {kind, effective_keys,
 top1_mass} (per self-attention layer), constraints: {rows_within, cols_within, nodes_within,
-per_layer, mean_multiplier}}; plus metrics.jsonl, checkpoints/, plots/ (attention heatmaps).
+per_layer: {the fractions, violation, multiplier, met}, mean_multiplier, met, summary}}; plus
+metrics.jsonl, checkpoints/, plots/ (attention heatmaps). `accuracy` and the constraint numbers
+are measured on the eval split, which is the validation split (docs/protocol.md).
 """
 
 from __future__ import annotations
