@@ -310,12 +310,13 @@ def final_report(
       )
   # The validation split's headline numbers beside the test's: what a protocol that chooses on
   # validation reads (docs/protocol.md); the test numbers are for reporting only.
-  validation, _ = evaluate(eval_step, state, splits["val"], info, config, mesh)
-  report["validation"] = {
-      "accuracy": validation["accuracy"],
-      "num_examples": validation["num_examples"],
-      "mf": validation["mf"],
-  }
+  if len(splits["val"]["label"]):  # An evaluation on another copy may have no validation rows.
+    validation, _ = evaluate(eval_step, state, splits["val"], info, config, mesh)
+    report["validation"] = {
+        "accuracy": validation["accuracy"],
+        "num_examples": validation["num_examples"],
+        "mf": validation["mf"],
+    }
   report["dropped"] = dropped_summary(report, workdir)
   batches = itertools.islice(_eval_batches(splits["val"], config, mesh), config.analysis_batches)
   cosines = gradient_cosines(

@@ -265,6 +265,7 @@ def test_celeba_sample_trains_fairsmoe_and_evaluates_on_another_copy(repo_root, 
   report_copy = json.loads((workdir / "report.json").read_text())
   assert report_copy["step"] == report["step"]
   assert report_copy["num_examples"] == 50  # The copy's test split, not the original's.
+  assert "validation" not in report_copy  # The copy has no validation rows.
 
 
 def test_the_report_says_how_many_tokens_the_moe_dropped_and_what_validation_gave(
