@@ -36,6 +36,7 @@ from trainkit.mesh import place, shard_batch, to_host
 from fairmoe_jax.metrics.gradients import gradient_cosines
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
+from fairmoe_jax.moe.layer import ATTRIBUTE_PROBS
 from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics
 from trainkit.train_state import TrainState, create_train_state
@@ -75,6 +76,8 @@ def make_loss_fn(config: ml_collections.ConfigDict, info: data_lib.DatasetInfo):
 
 # Per-example expert usage of each MoE block: the share of its (token, choice) pairs each expert
 # served, and the mean gate weight each expert received (paper Figs. 2 and 5).
+# An SA classifier "beats the majority rate" when its accuracy exceeds it by more than this.
+SA_MARGIN = 0.01
 USAGE_METRICS = {"example_expert_fraction": "choices", "example_gate_weight": "gate_weight"}
 
 
@@ -98,11 +101,18 @@ def make_eval_step(
     logits, aux = model(batch["image"], train=False, context=method.eval_context(config, batch))
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    usage, example_experts, dropped = {}, {}, {}
+    usage, example_experts, dropped, sa_correct = {}, {}, {}, {}
     for key, value in aux.metrics.items():
       block, _, metric = key.rpartition("/")
       if metric == "fraction_dropped":
         dropped[block] = value
+      if metric.startswith(ATTRIBUTE_PROBS):
+        # FGR's SA classifier of one attribute: is its per-example prediction the true group?
+        a = int(metric[len(ATTRIBUTE_PROBS) :])
+        truth = batch["attributes"][:, a]
+        known = (truth >= 0) & (batch["mask"] > 0)
+        hit = (jnp.argmax(value, -1) == truth) & known
+        sa_correct.setdefault(block, {})[a] = jnp.stack([hit.sum(), known.sum()])
       if metric not in USAGE_METRICS:
         continue
       if metric == "example_expert_fraction":
@@ -132,6 +142,7 @@ def make_eval_step(
         # Summed over batches, then divided by their count: the mean per-batch fraction.
         "fraction_dropped": dropped,
         "batches": jnp.ones((), jnp.int32),
+        "sa_correct": sa_correct,
     }
     if "index" in batch:
       counts["examples"] = {
@@ -214,6 +225,23 @@ def evaluate(
     report.setdefault("experts_active", {})[kind] = {
         block: effective_experts(np.asarray(usage["total"])) for block, usage in blocks.items()
     }
+    # The same per group: a router whose groups each use one expert but different ones has
+    # many experts active overall and one per group.
+    report.setdefault("experts_active_by_group", {})[kind] = {
+        block: {
+            attribute: {
+                group: effective_experts(np.asarray(row))
+                for group, row in zip(groups, np.asarray(per_group))
+                if np.asarray(row).sum() > 0
+            }
+            for attribute, groups, per_group in zip(
+                info.attribute_names, info.group_names, usage["groups"]
+            )
+        }
+        for block, usage in blocks.items()
+    }
+  if totals["sa_correct"]:
+    report["sa_classifiers"] = sa_classifier_report(totals["sa_correct"], report, info)
   if totals["fraction_dropped"]:
     report["fraction_dropped"] = {
         block: float(value) / int(totals["batches"])
@@ -235,6 +263,30 @@ def _summary_scalars(report: dict[str, Any], prefix: str) -> dict[str, float]:
   for name, attr in report["attributes"].items():
     scalars.update({f"{prefix}/{name}/{k}": attr[k] for k in ("pqd", "dp")})
   return scalars
+
+
+def sa_classifier_report(
+    correct: dict[str, dict[int, np.ndarray]], report: dict[str, Any], info: data_lib.DatasetInfo
+) -> dict[str, dict[str, dict[str, Any]]]:
+  """Per MoE block and attribute: FGR's SA classifier's accuracy on the split, the majority
+  rate (always answering the largest group) and whether the classifier beats it.
+
+  A classifier at the majority rate gives every token the same routing vote whatever its
+  group, so fairness-guided routing is then a learned constant bias (docs/design.md).
+  """
+  result: dict[str, dict[str, dict[str, Any]]] = {}
+  for block, per_attribute in correct.items():
+    for a, (hits, known) in per_attribute.items():
+      name = info.attribute_names[a]
+      sizes = [g["n"] for g in report["attributes"][name]["groups"].values()]
+      accuracy = float(hits) / max(float(known), 1.0)
+      majority = max(sizes) / max(sum(sizes), 1)
+      result.setdefault(block, {})[name] = {
+          "accuracy": accuracy,
+          "majority_rate": majority,
+          "above_majority": bool(accuracy > majority + SA_MARGIN),
+      }
+  return result
 
 
 def dropped_summary(report: dict[str, Any], workdir: str | None) -> dict[str, float | None]:

@@ -90,6 +90,15 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   assert set(report["experts_active"]) == {"choices", "gate_weight"}
   assert set(report["expert_gate_weight"]["moe_block1"]) == {"sex", "age", "site"}
   assert "Experts active" in result.stdout
+  # Whether FGR's SA classifiers beat the majority rate of the test split's groups.
+  for name, classifier in report["sa_classifiers"]["moe_block1"].items():
+    sizes = [g["n"] for g in report["attributes"][name]["groups"].values()]
+    assert classifier["majority_rate"] == max(sizes) / sum(sizes)
+    assert 0.0 <= classifier["accuracy"] <= 1.0
+  assert "FGR's sensitive-attribute classifiers (moe_block1)" in result.stdout
+  by_group = report["experts_active_by_group"]["choices"]["moe_block1"]["age"]
+  assert set(by_group) <= set(report["attributes"]["age"]["groups"]) and by_group
+  assert all(1.0 - 1e-6 <= v <= 4.0 + 1e-6 for v in by_group.values())
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics if "loss" in m] == [10, 15, 20, 30]
   assert all("fem/experts/site" in m for m in metrics if m["step"] in (10, 20))

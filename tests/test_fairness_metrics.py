@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -432,3 +433,31 @@ def test_report_rejects_mismatched_names():
     fairness_report(overall, per_attribute, names, [["male", "female"], ["young", "old"]])
   with pytest.raises(ValueError):
     fairness_report(overall, per_attribute, names, [["a", "a"], ["x", "y", "z"]])
+
+
+def test_the_report_says_whether_the_sa_classifiers_beat_the_majority_rate():
+  from fairmoe_jax.metrics.report import format_report
+  from fairmoe_jax.train import sa_classifier_report
+
+  info = types.SimpleNamespace(attribute_names=("sex", "age"))
+  report = {
+      "attributes": {
+          "sex": {"groups": {"f": {"n": 60}, "m": {"n": 40}}},
+          "age": {"groups": {"<30": {"n": 50}, "30+": {"n": 50}}},
+      }
+  }
+  counts = {"moe_block3": {0: np.array([90, 100]), 1: np.array([50, 100])}}
+  result = sa_classifier_report(counts, report, info)["moe_block3"]
+  assert result["sex"] == {"accuracy": 0.9, "majority_rate": 0.6, "above_majority": True}
+  assert result["age"] == {"accuracy": 0.5, "majority_rate": 0.5, "above_majority": False}
+  base = {
+      "accuracy": 0.5,
+      "num_examples": 100,
+      "attributes": {},
+      "mf": dict.fromkeys(("pqd", "dp", "eopp", "eodds"), 0.0),
+  }
+  text = format_report({**base, "sa_classifiers": {"moe_block3": result}})
+  assert "sex 90.0% (majority 60.0%)" in text and "Warning" not in text
+  result["sex"]["above_majority"] = False
+  text = format_report({**base, "sa_classifiers": {"moe_block3": result}})
+  assert "routing is the same for every group" in text

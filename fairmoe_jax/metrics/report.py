@@ -150,6 +150,18 @@ def format_report(report: dict[str, Any]) -> str:
   for kind, blocks in report.get("experts_active", {}).items():
     active = ", ".join(f"{block} {value:.2f}" for block, value in blocks.items())
     lines.append(f"Experts active (exp entropy of the test-set {kind.replace('_', ' ')}): {active}")
+  for block, classifiers in report.get("sa_classifiers", {}).items():
+    scores = ", ".join(
+        f"{name} {100 * c['accuracy']:.1f}% (majority {100 * c['majority_rate']:.1f}%)"
+        for name, c in classifiers.items()
+    )
+    lines.append(f"FGR's sensitive-attribute classifiers ({block}): {scores}")
+  classifiers = [c for b in report.get("sa_classifiers", {}).values() for c in b.values()]
+  if classifiers and not any(c["above_majority"] for c in classifiers):
+    lines.append(
+        "Warning: FGR's sensitive-attribute classifiers do not beat the majority rate, so "
+        "routing is the same for every group (the SA branch adds a constant vote)."
+    )
   if "note" in report:
     lines.append(f"Note: {report['note']}")
   if report.get("method", "").startswith("fairsmoe"):

@@ -46,6 +46,10 @@ _KERNEL_INIT = nnx.initializers.normal(stddev=0.02)
 _BIAS_INIT = nnx.initializers.zeros_init()
 
 
+# Per-example metric name prefix of attribute a's SA-classifier probabilities (FGR routers).
+ATTRIBUTE_PROBS = "example_attribute_probs_"
+
+
 @struct.dataclass
 class MoEAux:
   """Auxiliary outputs of one or more MoE layers.
@@ -290,9 +294,12 @@ class SparseMoE(nnx.Module):
       extra_losses.update(self.router.expert_losses(x, experts, context))
     # Mean gate weight each expert receives per example: unlike choice counts, it tells a router
     # that spreads its weight from one that routes with a dominant expert and a token second pick.
-    gate_weight = jnp.einsum(
-        "bsk,bske->be", gates, jax.nn.one_hot(expert_index, self.num_experts, dtype=gates.dtype)
-    ) / seq_len
+    gate_weight = (
+        jnp.einsum(
+            "bsk,bske->be", gates, jax.nn.one_hot(expert_index, self.num_experts, dtype=gates.dtype)
+        )
+        / seq_len
+    )
     order = None
     if self.batch_priority:  # Serve confident tokens first; undone on y and the stats below.
       order = batch_priority_order(gates)
@@ -324,6 +331,11 @@ class SparseMoE(nnx.Module):
 
     metrics = _routing_metrics(route.probs, stats.fraction_dropped, stats.group_expert_fraction)
     metrics["example_gate_weight"] = gate_weight
+    # FGR's sensitive-attribute classifiers, per example ([B, G_a], the mean over its tokens),
+    # so an evaluation can say whether they beat the majority rate. Not scalars: never logged
+    # in training, where they are dead code.
+    for a, probs in enumerate(getattr(route, "attribute_probs", ())):
+      metrics[f"{ATTRIBUTE_PROBS}{a}"] = probs.reshape(batch, seq_len, -1).mean(axis=1)
     aux = MoEAux(
         loss=route.load_balance_loss,
         z_loss=route.z_loss,
