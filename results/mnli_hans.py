@@ -29,6 +29,16 @@ TABLE = dict(
         ("accuracy", "Val. acc. (MNLI)", 1.0, 3),
         ("attention.effective_keys", "Effective keys", 1.0, 1),
         ("constraints.nodes_within", "Nodes within", 1.0, 2),
+        # HANS by heuristic and gold label (500 pairs each): E entailment, N non-entailment.
+        *(
+            (f"challenge.by_heuristic.{h}.{label}", f"{short} {label[0].upper()}", 1.0, 2)
+            for h, short in (
+                ("lexical_overlap", "lex."),
+                ("subsequence", "sub."),
+                ("constituent", "const."),
+            )
+            for label in ("entailment", "non-entailment")
+        ),
     ),
     claims=(dict(row=CAUSAL, baseline=VANILLA, metric="challenge.accuracy", better="higher"),),
 )
