@@ -279,7 +279,9 @@ def sa_classifier_report(
     for a, (hits, known) in per_attribute.items():
       name = info.attribute_names[a]
       sizes = [g["n"] for g in report["attributes"][name]["groups"].values()]
-      accuracy = float(hits) / max(float(known), 1.0)
+      if not sizes or not known:  # No example with this attribute known (e.g. predict mode).
+        continue
+      accuracy = float(hits) / float(known)
       majority = max(sizes) / max(sum(sizes), 1)
       result.setdefault(block, {})[name] = {
           "accuracy": accuracy,

@@ -446,6 +446,8 @@ def test_the_report_says_whether_the_sa_classifiers_beat_the_majority_rate():
           "age": {"groups": {"<30": {"n": 50}, "30+": {"n": 50}}},
       }
   }
+  unknown = {"attributes": {"sex": {"groups": {}}, "age": {"groups": {}}}}  # E.g. predict mode.
+  assert sa_classifier_report({"b": {0: np.array([0, 0])}}, unknown, info) == {}
   counts = {"moe_block3": {0: np.array([90, 100]), 1: np.array([50, 100])}}
   result = sa_classifier_report(counts, report, info)["moe_block3"]
   assert result["sex"] == {"accuracy": 0.9, "majority_rate": 0.6, "above_majority": True}
