@@ -211,7 +211,7 @@ def validate(
   if config.constraints.loss == "linear" and config.constraints.form != "node":
     raise ConfigError(
         "constraints.loss",
-        "'linear' (Eq. 3) is written on node sums: needs " "constraints.form='node'",
+        "'linear' (Eq. 3) is written on node sums: needs constraints.form='node'",
     )
   cfg.require_int(config, "model.sinkhorn_iters", minimum=0)
   cfg.require_int(config, "constraints.dual_start_step", minimum=0)
@@ -355,9 +355,9 @@ def paper_config(
               "nmt.max_eval_sentences": 64,
               # With dual ascent from step 0 the decoder's attention collapsed onto one earlier
               # token before the model learnt anything (En-De sample: BLEU near 0, the
-              # validation loss stalled); from step 500, ramped over 1,000 steps, it learns as well as vanilla
-              # (validation split; docs/design.md). No En-Ro sample was at hand; the model is
-              # the same.
+              # validation loss stalled); from step 500, ramped over 1,000 steps, it learns as
+              # well as vanilla (validation split; docs/design.md). No En-Ro sample was at
+              # hand; the model is the same.
               "constraints.dual_start_step": 500,
               "constraints.dual_ramp_steps": 1000,
           }

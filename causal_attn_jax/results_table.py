@@ -45,9 +45,7 @@ def report_values(reports: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 def _cell(values: list[float]) -> str:
   interval = stats.t_interval(values)
-  if interval.low is None:
-    return f"{interval.mean:.3f}"
-  return f"{interval.mean:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+  return stats.format_interval(interval.mean, interval.low, interval.high)
 
 
 def format_table(groups: Mapping[str, list[dict[str, Any]]]) -> str:

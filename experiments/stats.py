@@ -57,6 +57,23 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
   return Interval(mean, mean - half, mean + half, n)
 
 
+def format_interval(
+    mean: float,
+    low: float | None,
+    high: float | None,
+    *,
+    scale: float = 1.0,
+    decimals: int = 3,
+    sign: bool = False,
+) -> str:
+  """`mean [low, high]` scaled and rounded (`mean` alone without an interval); `sign` writes
+  the mean's sign always (for differences)."""
+  text = f"{scale * mean:{'+' if sign else ''}.{decimals}f}"
+  if low is None:
+    return text
+  return f"{text} [{scale * low:.{decimals}f}, {scale * high:.{decimals}f}]"
+
+
 def paired(
     row: Mapping[int, float], baseline: Mapping[int, float]
 ) -> tuple[list[int], list[float]]:

@@ -55,11 +55,10 @@ from typing import Any, Mapping, Sequence
 from absl import app, flags
 
 from experiments import stats
-from experiments.collect import collect
+from experiments.collect import collect, is_number, lookup
 from experiments.spec import (
     REPO_ROOT,
     REPORT,
-    SweepError,
     format_value,
     grid_points,
     load_sweep_file,
@@ -223,17 +222,13 @@ def _check_select(name: str, select: Any, columns: list[Column]) -> str | None:
 def metric_value(report: Any, path: str) -> float | None:
   """The number at a dotted path; numbers nested in mappings or lists there (per layer, per
   block, per batch) give their mean; None where the path or a number is missing."""
-  value = report
-  for part in path.split("."):
-    if not isinstance(value, Mapping) or part not in value:
-      return None
-    value = value[part]
+  value = lookup(report, path)
   if isinstance(value, (Mapping, list, tuple)):
     numbers = _leaves(value)
-    if not numbers or any(not _is_number(v) for v in numbers):
+    if not numbers or not all(is_number(v) for v in numbers):
       return None
     return math.fsum(numbers) / len(numbers)
-  return float(value) if _is_number(value) else None
+  return float(value) if is_number(value) else None
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -244,19 +239,13 @@ def _leaves(value: Any) -> list[Any]:
   return [value]
 
 
-def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
   """The reported split's example count and, with `groups`, each group's ("attribute=group")."""
   examples = metric_value(report, spec.examples)
   groups = {}
   if spec.groups:
-    attributes = report
-    for part in spec.groups.split("."):
-      attributes = attributes.get(part, {}) if isinstance(attributes, Mapping) else {}
-    for attribute, entry in attributes.items():
+    attributes = lookup(report, spec.groups)
+    for attribute, entry in (attributes if isinstance(attributes, Mapping) else {}).items():
       for group, values in (entry.get("groups") or {}).items():
         groups[f"{attribute}={group}"] = int(values["n"])
   return {"examples": None if examples is None else int(examples), "groups": groups}
@@ -380,16 +369,11 @@ def _values(record: Mapping[str, Any], row: str, path: str) -> dict[int, float]:
   }
 
 
-def _number(value: float, scale: float, decimals: int, sign: bool = False) -> str:
-  return f"{scale * value:{'+' if sign else ''}.{decimals}f}".replace("-", "−")
-
-
 def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=False) -> str:
-  text = _number(interval.mean, scale, decimals, sign)
-  if interval.low is None:
-    return text
-  low, high = (_number(v, scale, decimals) for v in (interval.low, interval.high))
-  return f"{text} [{low}, {high}]"
+  text = stats.format_interval(
+      interval.mean, interval.low, interval.high, scale=scale, decimals=decimals, sign=sign
+  )
+  return text.replace("-", "−")  # Typographic minus in the markdown tables.
 
 
 def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:

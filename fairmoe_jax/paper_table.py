@@ -174,13 +174,12 @@ def summarise(runs: Sequence[RunResult]) -> dict[str, Any]:
   }
 
 
-def _cell(stats: dict[str, Any] | None, scale: float, decimals: int, sign: str = "") -> str:
+def _cell(stats: dict[str, Any] | None, scale: float, decimals: int, sign: bool = False) -> str:
   if not stats or stats["mean"] is None:
     return "—"
-  text = f"{scale * stats['mean']:{sign}.{decimals}f}"
-  if stats["low"] is not None:
-    text += f" [{scale * stats['low']:.{decimals}f}, {scale * stats['high']:.{decimals}f}]"
-  return text
+  return stats_lib.format_interval(
+      stats["mean"], stats["low"], stats["high"], scale=scale, decimals=decimals, sign=sign
+  )
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -244,7 +243,7 @@ def format_markdown(summary: dict[str, Any]) -> str:
           [
               c["method"],
               f"{c['better']} {labels[c['metric']]}",
-              _cell(c, TABLE_SCALE[c["metric"]], decimals[c["metric"]], sign="+"),
+              _cell(c, TABLE_SCALE[c["metric"]], decimals[c["metric"]], sign=True),
               str(len(c["seeds"])),
               verdict,
           ]

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import flax.nnx as nnx
@@ -291,19 +292,21 @@ def sa_classifier_report(
   return result
 
 
-def dropped_summary(report: dict[str, Any], workdir: str | None) -> dict[str, float | None]:
+def dropped_summary(
+    report: dict[str, Any], records: list[dict[str, Any]] | None
+) -> dict[str, float | None]:
   """The fraction of (token, choice) pairs the MoE blocks dropped, averaged over blocks.
 
-  "train": over the logged training steps (metrics.jsonl; None when nothing was logged);
-  "test": over the test batches at `moe.eval_capacity_factor`. Both are 0.0 for a model without
-  MoE blocks, so that a comparison of methods shows which of them lost tokens.
+  "train": over the logged training steps (`records`, metrics.jsonl; None when nothing was
+  logged); "test": over the test batches at `moe.eval_capacity_factor`. Both are 0.0 for a model
+  without MoE blocks, so that a comparison of methods shows which of them lost tokens.
   """
   test = list(report.get("fraction_dropped", {}).values())
   train = None
-  if workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+  if records is not None:
     logged = [
         value
-        for record in read_metrics(workdir)
+        for record in records
         for key, value in record.items()
         if key.endswith("/fraction_dropped")
         and not key.startswith(("val/", "test/"))
@@ -314,12 +317,22 @@ def dropped_summary(report: dict[str, Any], workdir: str | None) -> dict[str, fl
 
 
 def final_report(
-    eval_step, graphdef, state, splits, info, config, mesh, workdir: str | None = None
+    eval_step,
+    graphdef,
+    state,
+    splits,
+    info,
+    config,
+    mesh,
+    workdir: str | None = None,
+    validate: Callable[[TrainState], dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """The test report and the columns of predictions.csv (`metrics/predictions.py`).
 
-  The report has the method, the intersections of `eval.intersections`, the expert allocation
-  and the gradient cosines besides `evaluate`'s.
+  The report has the method, the intersections of `eval.intersections`, the expert allocation,
+  the validation split's headline numbers and the gradient cosines besides `evaluate`'s.
+  `validate(state)`, when given, is the training loop's validation pass (which may already have
+  evaluated this step); otherwise the validation split is evaluated here.
   """
   test = splits["test"]
   report, examples = evaluate(eval_step, state, test, info, config, mesh, keep_examples=True)
@@ -344,16 +357,13 @@ def final_report(
         "route_by=label: the model read the true sensitive attributes of the test images "
         "(a training-time study, not deployable inference)"
     )
+  # Only process 0 writes metrics.jsonl; the report is written by it alone.
+  logged = workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+  records = read_metrics(workdir) if logged else None
   if "fem" in state.extra:
     counts = np.asarray(jax.device_get(state.extra["fem"]["counts"]))
     report["experts_per_attribute"] = dict(zip(info.attribute_names, counts.tolist()))
-    # Only process 0 writes metrics.jsonl; the report is written by it alone.
-    logged = workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-    history = (
-        experts_lib.allocation_history(read_metrics(workdir), info.attribute_names)
-        if logged
-        else []
-    )
+    history = experts_lib.allocation_history(records, info.attribute_names) if records else []
     report["allocation_history"] = history
     initial = experts_lib.initial_state(info.num_attributes)["counts"].tolist()
     if not any(list(entry["experts"].values()) != initial for entry in history):
@@ -365,13 +375,16 @@ def final_report(
   # The validation split's headline numbers beside the test's: what a protocol that chooses on
   # validation reads (docs/protocol.md); the test numbers are for reporting only.
   if len(splits["val"]["label"]):  # An evaluation on another copy may have no validation rows.
-    validation, _ = evaluate(eval_step, state, splits["val"], info, config, mesh)
+    if validate is None:
+      validation, _ = evaluate(eval_step, state, splits["val"], info, config, mesh)
+    else:
+      validation = validate(state)
     report["validation"] = {
         "accuracy": validation["accuracy"],
         "num_examples": validation["num_examples"],
         "mf": validation["mf"],
     }
-  report["dropped"] = dropped_summary(report, workdir)
+  report["dropped"] = dropped_summary(report, records)
   batches = itertools.islice(_eval_batches(splits["val"], config, mesh), config.analysis_batches)
   cosines = gradient_cosines(
       graphdef,
@@ -489,7 +502,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if trained is None:
     return None
   report, predictions = final_report(
-      eval_step, run.graphdef, trained.state, splits, info, config, mesh, workdir
+      eval_step, run.graphdef, trained.state, splits, info, config, mesh, workdir, validate
   )
   return recipe.finish(
       run,
