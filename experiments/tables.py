@@ -22,7 +22,9 @@ sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabul
       tolerance=0.02,                 # Optional: |difference| --reproduce accepts on another
                                       # machine (on the recording machine: exactly 0).
       select="accuracy",              # Optional (tuning tables): the path whose highest mean
-  )                                   # chooses a row; the table names that row.
+                                      # chooses a row; the table names that row.
+      select_within=("validation.accuracy", 0.01),  # Optional: only rows whose mean of this
+  )                                   # path is within this of the best row's compete.
 
 A path is dotted into report.json; a path that ends at numbers nested in mappings or lists (per
 layer, per block, per batch) is the mean of them all. The record (`results/records/NAME.json`, under version
@@ -110,6 +112,7 @@ class TableSpec:
   claims: list[Claim]
   tolerance: float
   select: str | None = None
+  select_within: tuple[str, float] | None = None
 
   def label(self, row: Any) -> str:
     text = format_value(row)
@@ -158,6 +161,7 @@ def load_table(name: str) -> TableSpec:
       "claims",
       "tolerance",
       "select",
+      "select_within",
   }
   unknown = sorted(set(table) - known)
   if unknown:
@@ -210,6 +214,7 @@ def load_table(name: str) -> TableSpec:
       claims=claims,
       tolerance=float(table.get("tolerance", DEFAULT_TOLERANCE)),
       select=_check_select(name, table.get("select"), columns),
+      select_within=_check_select_within(name, table, columns),
   )
 
 
@@ -217,6 +222,48 @@ def _check_select(name: str, select: Any, columns: list[Column]) -> str | None:
   if select is not None and select not in [c.path for c in columns]:
     raise _spec_error(name, "select", f"{select!r} is not the path of a column")
   return select
+
+
+def _check_select_within(
+    name: str, table: Mapping[str, Any], columns: list[Column]
+) -> tuple[str, float] | None:
+  within = table.get("select_within")
+  if within is None:
+    return None
+  if not table.get("select"):
+    raise _spec_error(name, "select_within", "needs a select path")
+  if (
+      not isinstance(within, (tuple, list))
+      or len(within) != 2
+      or within[0] not in [c.path for c in columns]
+      or not isinstance(within[1], (int, float))
+      or within[1] < 0
+  ):
+    raise _spec_error(
+        name, "select_within", f"{within!r} is not (path of a column, non-negative margin)"
+    )
+  return str(within[0]), float(within[1])
+
+
+def chosen_row(spec: TableSpec, summary: dict[str, Any]) -> str | None:
+  """The row a tuning table chooses: the highest mean of `select` among the rows whose mean of
+  the `select_within` path is within its margin of the best row's (all rows without a guard)."""
+
+  def means(path):
+    return {
+        row: entry["cells"][path].mean
+        for row, entry in summary["rows"].items()
+        if entry["cells"].get(path)
+    }
+
+  scores = means(spec.select)
+  if spec.select_within:
+    path, margin = spec.select_within
+    guard = means(path)
+    if guard:
+      best = max(guard.values())
+      scores = {row: v for row, v in scores.items() if guard.get(row, -math.inf) >= best - margin}
+  return max(scores, key=scores.get) if scores else None
 
 
 def metric_value(report: Any, path: str) -> float | None:
@@ -484,16 +531,18 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     lines += _markdown_table(
         ["claim", "on", f"paired difference [{confidence}% interval]", "pairs", "verdict"], body
     )
-  if spec.select:
-    means = {
-        row: entry["cells"][spec.select].mean
-        for row, entry in summary["rows"].items()
-        if entry["cells"][spec.select]
-    }
-    if means:
-      label = next(c.label for c in spec.columns if c.path == spec.select)
-      best = max(means, key=means.get)
-      lines += ["", f"Chosen by the highest mean {label}: **{spec.label(best)}**."]
+  best = chosen_row(spec, summary) if spec.select else None
+  if best is not None:
+    label = next(c.label for c in spec.columns if c.path == spec.select)
+    rule = f"the highest mean {label}"
+    if spec.select_within:
+      path, margin = spec.select_within
+      guard = next(c for c in spec.columns if c.path == path)
+      rule += (
+          f" among the settings whose mean {guard.label} is within "
+          f"{format_value(margin * guard.scale)} of the best"
+      )
+    lines += ["", f"Chosen by {rule}: **{spec.label(best)}**."]
   if summary["flags"]:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
   p = record["provenance"]

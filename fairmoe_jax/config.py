@@ -6,7 +6,7 @@ import ml_collections
 
 from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS
 from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS
-from fairmoe_jax.fairness.surrogates import PSI_SURROGATES
+from fairmoe_jax.fairness.surrogates import PSI_RULES
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax.methods.fairsmoe import FairSMoE
 from fairmoe_jax.metrics.intersections import parse_intersections
@@ -121,8 +121,13 @@ def base_config() -> ml_collections.ConfigDict:
   )
   config.fair = ml_collections.ConfigDict(
       dict(
-          psi="pqd",  # Fairness surrogate L_Psi: pqd | dp.
-          lambda_psi=0.1,  # Paper Sec. 6.1; L_Psi sums over attributes (Eq. 3).
+          # L_Psi (Eq. 3-4), one rule for every dataset and every method that has the term:
+          # PQD and DP trained together, each with its own lambda (docs/design.md, "One L_Psi
+          # rule"); pqd | dp | pqd+dp. The lambdas were chosen on the validation split
+          # (results/lambda_tuning.py). Each term sums over attributes (Eq. 3).
+          psi="pqd+dp",
+          lambda_pqd=0.1,
+          lambda_dp=0.1,
           alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
           # Reading of Eq. 8 (fairmoe_jax/moe/routers/fair.py, docs/design.md):
           # expert_competence (the literal reading: a task loss of each expert) |
@@ -175,7 +180,7 @@ def _missing_root_message(config: ml_collections.ConfigDict) -> str:
     alternative = ""
   message = (
       f"{name} reads the official layout from a directory: add --config.data.root=DIR, where "
-      f"DIR holds {files} (README.md, \"Data\"){alternative}."
+      f'DIR holds {files} (README.md, "Data"){alternative}.'
   )
   if config.data.image_size > 64:  # The paper's scale, not the CPU-scale size=small.
     length = (
@@ -206,12 +211,17 @@ def validate(
 
   cfg.require_choice(config, "method", METHODS)
   cfg.require_choice(config, "model.backbone", BACKBONES)
-  cfg.require_choice(config, "fair.psi", PSI_SURROGATES)
+  cfg.require_choice(config, "fair.psi", PSI_RULES)
   cfg.require_choice(config, "fair.route_by", ROUTE_BY)
   cfg.require_choice(config, "fair.specialization", SPECIALIZATIONS)
   cfg.require_int(config, "fair.review_every_steps", minimum=0)
   cfg.require_float(config, "fair.tolerance", minimum=0.0)
-  for key in ("fair.lambda_psi", "fair.confusion_weight", "fair.attribute_ce_weight"):
+  for key in (
+      "fair.lambda_pqd",
+      "fair.lambda_dp",
+      "fair.confusion_weight",
+      "fair.attribute_ce_weight",
+  ):
     cfg.require_float(config, key, minimum=0.0)
   cfg.require_float(config, "fair.specialization_weight", minimum=0.0)
   cfg.require_float(config, "fair.alpha", minimum=0.0, maximum=1.0)

@@ -35,6 +35,7 @@ from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import place, shard_batch, to_host
 from fairmoe_jax.metrics.gradients import gradient_cosines
+from fairmoe_jax.fairness.surrogates import review_metric
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
 from fairmoe_jax.moe.layer import ATTRIBUTE_PROBS
@@ -393,7 +394,8 @@ def final_report(
       batches,
       attribute_names=info.attribute_names,
       group_sizes=info.group_sizes,
-      psi=config.fair.psi,
+      # Each attribute's task is its surrogate of the metric FEM watches (PQD under pqd+dp).
+      psi=review_metric(config.fair.psi),
   )
   if cosines:
     report["gradient_cosine"] = cosines

@@ -4,9 +4,12 @@ mixup."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ml_collections
 import pytest
 from flax import nnx
 
@@ -18,6 +21,7 @@ from fairmoe_jax.fairness.experts import (
 )
 from fairmoe_jax.fairness.mixup import cross_group_partners
 from fairmoe_jax.fairness.surrogates import fairness_surrogate
+from fairmoe_jax.methods.base import psi_term
 from fairmoe_jax.moe.routers.fair import FairRouter
 
 GROUP_SIZES = (2, 3)
@@ -69,6 +73,37 @@ def test_surrogate_matches_numpy_reference(psi):
   np.testing.assert_allclose(got, _surrogate_reference(logits, labels, attributes, mask, psi), 1e-5)
 
 
+def _minimise_psi_term(rule, steps=300):
+  """Free logits of 8 examples trained by `psi_term` alone under a `fair.psi` rule.
+
+  Group 0's examples are all of class 0 and group 1's all of class 1, so equal accuracy across
+  groups (PQD) and equal prediction rates (DP) pull apart: PQD alone is content with a perfect
+  classifier, whose prediction rates differ by 1 between the groups.
+  """
+  config = ml_collections.ConfigDict(dict(fair=dict(psi=rule, lambda_pqd=1.0, lambda_dp=1.0)))
+  info = types.SimpleNamespace(group_sizes=(2,))
+  groups = jnp.array([0, 0, 0, 0, 1, 1, 1, 1])
+  batch = {"label": groups, "attributes": groups[:, None]}
+  logits = jnp.stack([2.0 - 4.0 * groups, 4.0 * groups - 2.0], axis=1).astype(jnp.float32)
+  grad = jax.jit(jax.grad(lambda l: psi_term(config, info, l, batch)))
+  for _ in range(steps):
+    logits = logits - 0.5 * grad(logits)
+  return logits, batch
+
+
+@pytest.mark.parametrize("rule", ["pqd", "pqd+dp"])
+def test_the_psi_rule_trains_each_term_it_names(rule):
+  logits, batch = _minimise_psi_term(rule)
+  probs = jax.nn.softmax(logits)
+  rate_gap = float(jnp.abs(probs[:4, 1].mean() - probs[4:, 1].mean()))
+  pqd_spread = fairness_surrogate(logits, batch["label"], batch["attributes"], (2,), "pqd")
+  assert float(pqd_spread) < 0.05  # Both rules equalise the groups' soft accuracies ...
+  if rule == "pqd":
+    assert rate_gap > 0.9  # ... PQD alone keeps the classifier, and its rate gap of ~1 ...
+  else:
+    assert rate_gap < 0.1  # ... while the DP term closes it.
+
+
 def test_surrogate_is_zero_for_identical_groups_and_has_gradient():
   logits = jnp.tile(jnp.array([[2.0, 0.0, -1.0]]), (4, 1))
   attributes = jnp.array([[0, 0], [1, 1], [0, 2], [1, 0]])
@@ -116,8 +151,14 @@ def test_class_assignment_splits_an_attributes_experts_among_its_classes():
 
 def _router(route_by="label", specialization="attribute_routing", random_projections=True, **kw):
   router = FairRouter(
-      8, 4, 2, GROUP_SIZES, route_by=route_by, specialization=specialization,
-      rngs=nnx.Rngs(0), **kw,
+      8,
+      4,
+      2,
+      GROUP_SIZES,
+      route_by=route_by,
+      specialization=specialization,
+      rngs=nnx.Rngs(0),
+      **kw,
   )
   if random_projections:
     rng = np.random.default_rng(1)
@@ -203,8 +244,9 @@ def _minimise_specialization(router, x, attributes, steps=300, lr=0.1):
   @jax.jit
   def step(params, opt):
     loss, g = jax.value_and_grad(
-        lambda p: nnx.merge(graphdef, p, rest)(x, train=True, context=context)
-        .losses["specialization"]
+        lambda p: nnx.merge(graphdef, p, rest)(x, train=True, context=context).losses[
+            "specialization"
+        ]
     )(params)
     updates, opt = tx.update(g, opt)
     return optax.apply_updates(params, updates), opt, loss
@@ -239,8 +281,7 @@ def test_attribute_routing_sends_each_attributes_vote_to_its_experts_whatever_th
 
 
 def test_class_routing_is_minimised_by_routing_on_the_sensitive_label():
-  router = FairRouter(8, 4, 2, (2,), guided=False, specialization="class_routing",
-                      rngs=nnx.Rngs(0))
+  router = FairRouter(8, 4, 2, (2,), guided=False, specialization="class_routing", rngs=nnx.Rngs(0))
   router.assignment.set_value(jnp.asarray(attribute_assignment(1, 4, counts=(2,))))
   x = _tokens(64)
   # Classes that the tokens carry linearly (so a linear gate can follow them).
@@ -260,7 +301,9 @@ def test_competence_rewards_held_attributes_and_caps_the_avoided_ones_at_chance(
   attributes = jnp.array([[0, 0], [0, 1], [1, 2], [1, 0]])
   assignment = jnp.array([[1.0, 0.0], [0.0, 0.0]])  # Expert 0 holds attribute 0 only.
   alpha, groups = 0.6, (2, 3)
-  loss = lambda logits: float(competence_loss(logits, labels, attributes, assignment, groups, alpha))
+  loss = lambda logits: float(
+      competence_loss(logits, labels, attributes, assignment, groups, alpha)
+  )
   right = jax.nn.one_hot(labels, 2) * 50.0  # [B, K]
   chance = jnp.zeros((4, 2, 2))
   # An expert is rewarded for being right on an attribute it holds.
@@ -282,7 +325,8 @@ def test_routing_supervision_is_bounded_below_by_zero():
   assert float(routing_supervision(probs, assigned, 0.6)) >= 0.0
   perfect = jnp.broadcast_to(assigned / assigned.sum(-1, keepdims=True), (5, 2, 4))
   assert float(routing_supervision(perfect, assigned, 1.0)) < float(
-      routing_supervision(probs, assigned, 1.0))
+      routing_supervision(probs, assigned, 1.0)
+  )
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Results tables from specs: the statistics decide what synthetic runs were built to show, the
 rendered tables are checked against their records, and a recorded run is reproduced exactly."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -152,6 +153,27 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   assert "sex=m (n=30)" in text
   assert "Chosen by the highest mean Acc. (%): **a**." in text
   assert "commit " in text and "JAX " in text and "seeds 0, 1, 2, 3, 4" in text
+
+
+def test_a_guarded_choice_skips_settings_that_lose_accuracy(toy_tables):
+  # The toy's "a" is 2 points more accurate on every seed; with the guard at 1 point only "a"
+  # may be chosen on MF-PQD, and with a 5-point guard the higher mean MF-PQD wins.
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  summary = tables.summarise(spec, tables.read_record("toy"))
+  pqd = {row: e["cells"]["mf.pqd"].mean for row, e in summary["rows"].items()}
+  assert max(pqd, key=pqd.get) == "b@fair.alpha=0.5"
+  for margin, expected in ((0.01, "a"), (0.05, "b@fair.alpha=0.5")):
+    guarded = dataclasses.replace(spec, select="mf.pqd", select_within=("accuracy", margin))
+    assert tables.chosen_row(guarded, summary) == expected
+  text = tables.render(
+      dataclasses.replace(spec, select="mf.pqd", select_within=("accuracy", 0.01)),
+      tables.read_record("toy"),
+  )
+  assert (
+      "Chosen by the highest mean MF-PQD among the settings whose mean Acc. (%) is within 1.0 of the best: **a**."
+      in text
+  )
 
 
 def test_check_passes_on_the_written_file_and_names_what_changed(toy_tables, tmp_path):

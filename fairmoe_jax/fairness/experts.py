@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fairmoe_jax.fairness.surrogates import review_metric
+
 ALLOCATION_PREFIX = "fem/experts/"  # metrics.jsonl key of each attribute's expert count.
 
 
@@ -166,24 +168,27 @@ def make_expert_manager(
     attribute_names: the sensitive attributes, in the data's order.
     num_experts: E.
     patience, tolerance: of `ExpertAllocator`.
-    psi: "pqd" or "dp", the single-attribute fairness SF_a the review watches.
+    psi: the `fair.psi` rule; the review watches its `review_metric` (PQD when the rule
+      trains PQD) as the single-attribute fairness SF_a.
     validate: state -> validation report (fairness_report layout plus "loss").
     write_assignment: (state, allocator state, [m, E] assignment) -> state with the assignment
       in every router and the allocator state in `extra["fem"]`; it must keep shapes and
       shardings, so the train step is not recompiled.
   """
   allocator = ExpertAllocator(len(attribute_names), num_experts, patience, tolerance)
-  sign = 1.0 if psi == "pqd" else -1.0
+  metric = review_metric(psi)
+  sign = 1.0 if metric == "pqd" else -1.0
 
   def review(state):
     report = validate(state)
-    sf = [sign * report["attributes"][name][psi] for name in attribute_names]
+    sf = [sign * report["attributes"][name][metric] for name in attribute_names]
     fem = jax.tree.map(np.asarray, jax.device_get(state.extra["fem"]))
     fem, events = allocator.update(fem, sf, report["loss"])
     state = write_assignment(state, fem, allocator.assignment(fem))
     for kind, a in events:
-      logging.info("expert management: %s %s to %d experts", kind, attribute_names[a],
-                   fem["counts"][a])
+      logging.info(
+          "expert management: %s %s to %d experts", kind, attribute_names[a], fem["counts"][a]
+      )
     scalars = {f"{ALLOCATION_PREFIX}{n}": float(c) for n, c in zip(attribute_names, fem["counts"])}
     scalars["fem/review_loss"] = float(report["loss"])
     scalars.update({f"fem/sf/{n}": float(s) for n, s in zip(attribute_names, sf)})
@@ -201,7 +206,9 @@ def allocation_history(
     keys = [f"{ALLOCATION_PREFIX}{n}" for n in attribute_names]
     if all(k in record for k in keys):
       history.append(
-          {"step": int(record["step"]),
-           "experts": {n: int(record[k]) for n, k in zip(attribute_names, keys)}}
+          {
+              "step": int(record["step"]),
+              "experts": {n: int(record[k]) for n, k in zip(attribute_names, keys)},
+          }
       )
   return history

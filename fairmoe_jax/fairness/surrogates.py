@@ -22,6 +22,22 @@ import jax
 import jax.numpy as jnp
 
 PSI_SURROGATES = ("pqd", "dp")
+# What `fair.psi` may name: one surrogate, or both trained together ("pqd+dp", the default
+# rule: docs/design.md, "One L_Psi rule"), each term with its own lambda.
+PSI_RULES = ("pqd", "dp", "pqd+dp")
+
+
+def psi_terms(rule: str) -> tuple[str, ...]:
+  """The surrogates a `fair.psi` rule trains: "pqd+dp" -> ("pqd", "dp")."""
+  if rule not in PSI_RULES:
+    raise ValueError(f"psi={rule!r}; known: {', '.join(PSI_RULES)}")
+  return tuple(rule.split("+"))
+
+
+def review_metric(rule: str) -> str:
+  """The single-attribute fairness SF_a that FEM watches under a rule: PQD, the paper's
+  headline metric, whenever the rule trains it; DP otherwise."""
+  return "pqd" if "pqd" in psi_terms(rule) else "dp"
 
 
 def _group_means(

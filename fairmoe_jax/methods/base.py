@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from fairmoe_jax.data.types import DatasetInfo
-from fairmoe_jax.fairness.surrogates import fairness_surrogate
+from fairmoe_jax.fairness.surrogates import fairness_surrogate, psi_terms
 from fairmoe_jax.moe import MoEAux
 
 Batch = dict[str, jax.Array]
@@ -35,7 +35,10 @@ class Method(Protocol):
   uses_moe: bool
 
   def build_model(
-      self, config: ml_collections.ConfigDict, info: DatasetInfo, rngs: nnx.Rngs,
+      self,
+      config: ml_collections.ConfigDict,
+      info: DatasetInfo,
+      rngs: nnx.Rngs,
       mesh: Mesh | None,
   ) -> nnx.Module:
     ...
@@ -52,8 +55,13 @@ class Method(Protocol):
     ...
 
   def review(
-      self, config: ml_collections.ConfigDict, info: DatasetInfo, *, graphdef: nnx.GraphDef,
-      mesh: Mesh, validate: Callable[[Any], dict[str, Any]],
+      self,
+      config: ml_collections.ConfigDict,
+      info: DatasetInfo,
+      *,
+      graphdef: nnx.GraphDef,
+      mesh: Mesh,
+      validate: Callable[[Any], dict[str, Any]],
   ) -> tuple[int, Review] | None:
     """(every_steps, review) for a method that revises itself during training, else None."""
     ...
@@ -94,10 +102,19 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def psi_term(config, info: DatasetInfo, logits, batch: Batch, attributes=None) -> jax.Array:
-  """lambda * L_Psi (Eq. 3-4): the fairness surrogate summed over attributes."""
-  return config.fair.lambda_psi * fairness_surrogate(
-      logits, batch["label"], batch["attributes"], info.group_sizes, config.fair.psi,
-      attribute_indices=attributes,
+  """lambda * L_Psi (Eq. 3-4): each surrogate the `fair.psi` rule names, summed over attributes,
+  times its own lambda (`fair.lambda_pqd`, `fair.lambda_dp`)."""
+  return sum(
+      config.fair[f"lambda_{psi}"]
+      * fairness_surrogate(
+          logits,
+          batch["label"],
+          batch["attributes"],
+          info.group_sizes,
+          psi,
+          attribute_indices=attributes,
+      )
+      for psi in psi_terms(config.fair.psi)
   )
 
 

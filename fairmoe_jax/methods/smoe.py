@@ -2,7 +2,7 @@
 
 `vanilla_smoe`: a top-k router (Eq. 5-6) without noise; `smoe`: the router `moe.router`;
 `vanilla_smoe_psi`: vanilla SMoE plus FairSMoE's fairness loss lambda * L_Psi (Eq. 3-4, the same
-`fair.psi` and `fair.lambda_psi`), the control that tells what FGR and FEM add beyond the loss.
+`fair.psi` and its lambdas), the control that tells what FGR and FEM add beyond the loss.
 All minimise the cross-entropy plus the MoE auxiliary losses every MoE method shares
 (`moe.aux_loss_weight`, `moe.z_loss_weight`; 0 by default, as the paper's vanilla SMoE has
 no auxiliary loss).
