@@ -38,7 +38,7 @@ from fairmoe_jax.metrics.gradients import gradient_cosines
 from fairmoe_jax.fairness.surrogates import review_metric
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
-from fairmoe_jax.moe.layer import ATTRIBUTE_PROBS
+from fairmoe_jax.moe.layer import ATTRIBUTE_PROBS, SA_CHOICE_CHANGE, SA_LOGIT_MOMENTS
 from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics
 from trainkit.train_state import TrainState, create_train_state
@@ -103,11 +103,17 @@ def make_eval_step(
     logits, aux = model(batch["image"], train=False, context=method.eval_context(config, batch))
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    usage, example_experts, dropped, sa_correct = {}, {}, {}, {}
+    usage, example_experts, dropped, sa_correct, sa_branch = {}, {}, {}, {}, {}
+    weight = batch["mask"].astype(jnp.float32)
     for key, value in aux.metrics.items():
       block, _, metric = key.rpartition("/")
       if metric == "fraction_dropped":
         dropped[block] = value
+      if metric == SA_LOGIT_MOMENTS:  # Summed over examples: token moments of the split.
+        sa_branch.setdefault(block, {})["moments"] = jnp.einsum("b,bme->me", weight, value)
+        sa_branch[block]["examples"] = weight.sum()
+      if metric == SA_CHOICE_CHANGE:
+        sa_branch.setdefault(block, {})["changed"] = jnp.sum(value * weight)
       if metric.startswith(ATTRIBUTE_PROBS):
         # FGR's SA classifier of one attribute: is its per-example prediction the true group?
         a = int(metric[len(ATTRIBUTE_PROBS) :])
@@ -145,6 +151,7 @@ def make_eval_step(
         "fraction_dropped": dropped,
         "batches": jnp.ones((), jnp.int32),
         "sa_correct": sa_correct,
+        "sa_branch": sa_branch,
     }
     if "index" in batch:
       counts["examples"] = {
@@ -244,6 +251,15 @@ def evaluate(
     }
   if totals["sa_correct"]:
     report["sa_classifiers"] = sa_classifier_report(totals["sa_correct"], report, info)
+  if totals["sa_branch"]:
+    report["sa_branch"] = sa_branch_report(totals["sa_branch"])
+  for kind, blocks in totals["expert_usage"].items():
+    # Each expert's share of the split's routing (choices or gate weight): what FEM's changes
+    # are judged by (fem_changes).
+    report.setdefault("expert_share", {})[kind] = {
+        block: (np.asarray(u["total"]) / max(float(np.sum(u["total"])), 1e-12)).round(6).tolist()
+        for block, u in blocks.items()
+    }
   if totals["fraction_dropped"]:
     report["fraction_dropped"] = {
         block: float(value) / int(totals["batches"])
@@ -290,6 +306,29 @@ def sa_classifier_report(
           "majority_rate": majority,
           "above_majority": bool(accuracy > majority + SA_MARGIN),
       }
+  return result
+
+
+def sa_branch_report(totals: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+  """Per MoE block: how much of FGR's routing the SA branch decides.
+
+  "variance_share": Var_tokens(sa) / (Var_tokens(sa) + Var_tokens(gate)), summed over experts,
+  where the routing logits are gate + sa: 0 when the SA branch adds the same vote to every
+  token (a constant bias), 1 when only it varies. "choices_changed": the fraction of tokens whose
+  top-k set changes when sa is replaced by its batch mean.
+  """
+  result = {}
+  for block, t in totals.items():
+    examples = max(float(t["examples"]), 1.0)
+    mean_sa, mean_sa2, mean_gate, mean_gate2 = np.asarray(t["moments"], np.float64) / examples
+    var_sa = float(np.sum(np.maximum(mean_sa2 - mean_sa**2, 0.0)))
+    var_gate = float(np.sum(np.maximum(mean_gate2 - mean_gate**2, 0.0)))
+    result[block] = {
+        "variance_share": var_sa / max(var_sa + var_gate, 1e-30),
+        "sa_logit_std": float(np.sqrt(var_sa / len(mean_sa))),
+        "gate_logit_std": float(np.sqrt(var_gate / len(mean_gate))),
+        "choices_changed": float(t.get("changed", 0.0)) / examples,
+    }
   return result
 
 
@@ -375,6 +414,7 @@ def final_report(
       )
   # The validation split's headline numbers beside the test's: what a protocol that chooses on
   # validation reads (docs/protocol.md); the test numbers are for reporting only.
+  validation = None
   if len(splits["val"]["label"]):  # An evaluation on another copy may have no validation rows.
     if validate is None:
       validation, _ = evaluate(eval_step, state, splits["val"], info, config, mesh)
@@ -385,6 +425,16 @@ def final_report(
         "num_examples": validation["num_examples"],
         "mf": validation["mf"],
     }
+  if "fem" in state.extra and records:
+    # Did each FEM change reach routing? Its experts' share of the validation choices at the
+    # review that decided it against the next review's (or this final validation pass's).
+    shares = list((validation or {}).get("expert_share", {}).get("choices", {}).values())
+    report["fem_changes"] = experts_lib.allocation_changes(
+        records,
+        info.attribute_names,
+        config.moe.num_experts,
+        final_share=np.mean(shares, axis=0).tolist() if shares else None,
+    )
   report["dropped"] = dropped_summary(report, records)
   batches = itertools.islice(_eval_batches(splits["val"], config, mesh), config.analysis_batches)
   cosines = gradient_cosines(

@@ -280,6 +280,26 @@ def test_attribute_routing_sends_each_attributes_vote_to_its_experts_whatever_th
   assert set(top[groups == 0]) == set(top[groups == 1])
 
 
+def _choice_share(router, x, attributes, expert):
+  out = router(x, train=True, context={"attributes": attributes})
+  return float(jnp.mean(jnp.any(out.expert_index == expert, axis=-1)))
+
+
+def test_growing_an_attributes_experts_moves_routing_onto_them_under_attribute_routing():
+  # Under attribute_routing, FEM's allocation reaches routing directly: Eq. 8 pushes each
+  # attribute's vote onto the experts it holds. (Under expert_competence it cannot: see
+  # tests/test_methods.py, the allocation reaches routing only through what the experts learn.)
+  router = _router("predicted", "attribute_routing", random_projections=False)
+  x, attributes = _tokens(64), _groups(64)
+  router, _ = _minimise_specialization(router, x, attributes, steps=200)
+  before = _choice_share(router, x, attributes, expert=2)
+  # Attribute 0 grows from expert 0 to experts {0, 2} (attribute_assignment's order).
+  router.assignment.set_value(jnp.asarray(attribute_assignment(2, 4, counts=(2, 1))))
+  router, _ = _minimise_specialization(router, x, attributes, steps=200)
+  after = _choice_share(router, x, attributes, expert=2)
+  assert before < 0.05 and after > 0.3, (before, after)
+
+
 def test_class_routing_is_minimised_by_routing_on_the_sensitive_label():
   router = FairRouter(8, 4, 2, (2,), guided=False, specialization="class_routing", rngs=nnx.Rngs(0))
   router.assignment.set_value(jnp.asarray(attribute_assignment(1, 4, counts=(2,))))
@@ -355,6 +375,34 @@ def test_a_multi_class_attribute_can_grow_to_every_expert():
   for review in range(8):
     state, _ = allocator.update(state, (0.5,), 1.0 - 0.1 * review)
   assert int(state["counts"][0]) == 4  # Capped at E, whatever the number of classes.
+
+
+def test_each_fem_change_is_reported_with_its_experts_share_before_and_after():
+  from fairmoe_jax.fairness.experts import allocation_changes
+
+  def review(step, counts, share):
+    record = {"step": step, "fem/experts/sex": counts[0], "fem/experts/age": counts[1]}
+    record.update({f"fem/share/{e}": v for e, v in enumerate(share)})
+    return record
+
+  records = [
+      {"step": 5, "loss": 1.0},  # Not a review.
+      review(10, (1, 1), (0.5, 0.5, 0.0, 0.0)),
+      review(20, (2, 1), (0.5, 0.5, 0.0, 0.0)),  # sex grows onto expert 2 (a + j m = 0 + 2).
+      review(30, (2, 1), (0.4, 0.4, 0.2, 0.0)),  # ... and expert 2 is used afterwards.
+      review(40, (1, 2), (0.4, 0.4, 0.2, 0.0)),  # sex shrinks, age grows onto expert 3 ...
+  ]
+  changes = allocation_changes(records, ("sex", "age"), 4, final_share=(0.4, 0.4, 0.2, 0.0))
+  assert [(c["step"], c["attribute"], c["change"], c["experts"]) for c in changes] == [
+      (20, "sex", "grow", [2]),
+      (40, "sex", "shrink", [2]),
+      (40, "age", "grow", [3]),
+  ]
+  assert changes[0]["share_before"] == 0.0 and changes[0]["share_after"] == pytest.approx(0.2)
+  assert changes[0]["usage_changed"]
+  assert not changes[2]["usage_changed"]  # ... which the last validation pass never uses.
+  no_final = allocation_changes(records, ("sex", "age"), 4)
+  assert no_final[2]["share_after"] is None and "usage_changed" not in no_final[2]
 
 
 def test_tolerance_counts_a_small_drop_as_stable():

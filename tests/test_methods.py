@@ -78,7 +78,7 @@ def test_every_method_trains_and_its_loss_is_the_sum_of_its_named_terms(method, 
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
     phases.append(float(metrics.get("muffin_phase", 0)))
-    terms = {k[len("loss/"):]: float(v) for k, v in metrics.items() if k.startswith("loss/")}
+    terms = {k[len("loss/") :]: float(v) for k, v in metrics.items() if k.startswith("loss/")}
     assert set(terms) == TERMS[method]
     np.testing.assert_allclose(sum(terms.values()), float(metrics["loss"]), rtol=1e-5)
   assert np.all(np.isfinite(losses)), losses
@@ -109,6 +109,61 @@ def test_every_reading_of_the_specialization_loss_trains(reading):
   assert float(metrics["loss/specialization"]) != first  # It moves: the term has a gradient.
 
 
+def test_under_expert_competence_the_allocation_reaches_routing_only_through_the_experts():
+  # The literal Eq. 8 is a task loss of each expert: its gradient trains the experts and their
+  # competence head, never the router. So a FEM growth cannot move the routing by itself; it
+  # changes what the experts it assigns learn, and the gate follows only through the task loss
+  # (report.json's fem_changes says whether it did). docs/design.md, "FEM and routing".
+  config = _config("fairsmoe")
+  assert config.fair.specialization == "expert_competence"
+  _, info, graphdef, state, _, batch = _setup(config)
+  terms = methods.METHODS["fairsmoe"].loss_terms(config, info)
+
+  def specialization(params):
+    model = nnx.merge(graphdef, params, state.model_state)
+    return terms(model, batch, jax.random.key(0), 0, {})[0]["specialization"]
+
+  grads = nnx.to_flat_state(jax.grad(specialization)(state.params))
+  norms = {}
+  for path, leaf in grads:
+    value = getattr(leaf, "get_value", lambda: leaf)()
+    norms[".".join(str(p) for p in path)] = float(jnp.linalg.norm(value))
+  routing = {k: v for k, v in norms.items() if "router" in k and "competence_head" not in k}
+  experts = {k: v for k, v in norms.items() if ".mlp.w" in k or ".mlp.b" in k}
+  assert routing and all(v == 0.0 for v in routing.values()), routing
+  assert any(v > 0 for v in experts.values()), experts
+  assert any(v > 0 for k, v in norms.items() if "competence_head" in k)
+
+
+def _sa_branch(scale: float) -> dict:
+  """`report["sa_branch"]` of one evaluation batch after the projections W_a and the SA
+  classifiers' kernels are set to scale * N(0, 1) (0 = an SA branch that adds nothing; large =
+  confident classifiers whose votes differ between tokens)."""
+  config = _config("fairsmoe")
+  _, info, graphdef, state, step, batch = _setup(config)
+  for _ in range(3):  # The SA classifiers leave their initial point, so p_a varies over tokens.
+    state, _ = step(state, batch)
+  model = nnx.merge(graphdef, state.params, state.model_state)
+  rng = np.random.default_rng(0)
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, FairRouter):
+      for p in [*node.projections, *(h.kernel for h in node.attribute_heads)]:
+        p.set_value(jnp.asarray(rng.normal(size=p.shape) * scale, jnp.float32))
+  _, params, model_state = nnx.split(model, nnx.Param, ...)
+  state = state.replace(params=params, model_state=model_state)
+  batch = dict(batch, mask=jnp.ones(len(batch["label"])))
+  counts = train.make_eval_step(graphdef, info, config)(state, batch)
+  return train.sa_branch_report(jax.device_get(counts["sa_branch"]))
+
+
+def test_the_report_says_how_much_of_the_routing_the_sa_branch_decides():
+  (silent,) = _sa_branch(0.0).values()
+  assert silent["variance_share"] == 0.0 and silent["choices_changed"] == 0.0
+  (loud,) = _sa_branch(30.0).values()
+  assert loud["variance_share"] > 0.5 and loud["choices_changed"] > 0.1, loud
+  assert loud["sa_logit_std"] > loud["gate_logit_std"]
+
+
 def _eval_predictions(config, scramble: bool):
   mesh, info, graphdef, state, step, batch = _setup(config)
   for _ in range(3):  # Train a little so that the attribute projections are not zero.
@@ -131,8 +186,11 @@ def _eval_predictions(config, scramble: bool):
   counts = train.make_eval_step(graphdef, info, config)(state, batch)
   overall = np.asarray(counts["overall"])
   model = nnx.merge(graphdef, state.params, state.model_state)
-  logits, _ = model(batch["image"], train=False,
-                    context=methods.METHODS[config.method].eval_context(config, batch))
+  logits, _ = model(
+      batch["image"],
+      train=False,
+      context=methods.METHODS[config.method].eval_context(config, batch),
+  )
   return overall, np.asarray(logits)
 
 

@@ -26,10 +26,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from trainkit.errors import UserError
-from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX
+from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX, SHARE_PREFIX
 
-# metrics.jsonl keys of FairSMoE's expert management: `fem/experts/<ATTR>`, one per review.
+# metrics.jsonl keys of FairSMoE's expert management, one per review: `fem/experts/<ATTR>` and
+# `fem/share/<EXPERT>`.
 _ALLOCATION_PREFIX = ALLOCATION_PREFIX
+_SHARE_PREFIX = SHARE_PREFIX
 _DPI = 120
 # Heatmap cells are annotated with their value only while the text stays legible.
 _MAX_ANNOTATED_CELLS = 160
@@ -196,15 +198,20 @@ def _allocation_attributes(report: dict[str, Any], metrics: Sequence[dict]) -> l
 
 
 def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], path: str) -> str:
-  """Experts of each attribute against step, as FairSMoE's expert management moved them.
+  """Experts of each attribute against step, as FairSMoE's expert management moved them, and
+  each expert's share of the validation routing choices at the same reviews.
 
   One panel per attribute on a shared step axis: the counts are small integers and often
   equal across attributes, so lines on one axis would hide each other.
   """
   attributes = _allocation_attributes(report, metrics)
-  fig = Figure(figsize=(6.4, 1.2 + 1.6 * len(attributes)), layout="constrained")
+  experts = sorted(
+      {int(k[len(_SHARE_PREFIX) :]) for r in metrics for k in r if k.startswith(_SHARE_PREFIX)}
+  )
+  panels = len(attributes) + bool(experts)
+  fig = Figure(figsize=(6.4, 1.2 + 1.6 * panels), layout="constrained")
   FigureCanvasAgg(fig)
-  axes = fig.subplots(len(attributes), 1, sharex=True, squeeze=False).ravel()
+  axes = fig.subplots(panels, 1, sharex=True, squeeze=False).ravel()
   for ax, attribute in zip(axes, attributes):
     steps, values = _series(metrics, _ALLOCATION_PREFIX + attribute)
     ax.plot(steps, values, drawstyle="steps-post", marker="o", color="tab:green")
@@ -212,7 +219,19 @@ def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], pat
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"{attribute}\nexperts")
     ax.grid(alpha=0.3)
-  axes[-1].set_xlabel("step")
+  if experts:
+    # Did routing follow? Each expert's share of the validation choices at each review, with
+    # the reviews that changed the allocation marked.
+    ax = axes[-1]
+    for e in experts:
+      ax.plot(*_series(metrics, f"{_SHARE_PREFIX}{e}"), marker=".", label=f"expert {e}")
+    for change in report.get("fem_changes", []):
+      ax.axvline(change["step"], color="0.6", lw=0.8, ls=":")
+    ax.set_ylim(0.0, 1.0)
+    ax.set_ylabel("share of\nval. choices")
+    ax.legend(fontsize="x-small", ncol=min(len(experts), 4), loc="upper right")
+    ax.grid(alpha=0.3)
+  axes[-1].set_xlabel("step (dotted: a FEM change)")
   fig.suptitle(f"Experts per attribute at each review ({_title(report)})")
   return _save(fig, path)
 

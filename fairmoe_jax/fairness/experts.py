@@ -43,6 +43,10 @@ import numpy as np
 from fairmoe_jax.fairness.surrogates import review_metric
 
 ALLOCATION_PREFIX = "fem/experts/"  # metrics.jsonl key of each attribute's expert count.
+SHARE_PREFIX = "fem/share/"  # metrics.jsonl key of each expert's share of validation choices.
+# A change of an expert's share of the routing choices larger than this (one point) counts as
+# "usage changed" after a FEM change.
+USAGE_CHANGE = 0.01
 
 
 class ExpertAssignment(nnx.Variable):
@@ -191,6 +195,13 @@ def make_expert_manager(
       )
     scalars = {f"{ALLOCATION_PREFIX}{n}": float(c) for n, c in zip(attribute_names, fem["counts"])}
     scalars["fem/review_loss"] = float(report["loss"])
+    # Each expert's share of the validation choices (mean over MoE blocks), measured before
+    # this review's change: the next review's shares say whether the change reached routing.
+    shares = list(report.get("expert_share", {}).get("choices", {}).values())
+    if shares:
+      scalars.update(
+          {f"{SHARE_PREFIX}{e}": float(v) for e, v in enumerate(np.mean(shares, axis=0))}
+      )
     scalars.update({f"fem/sf/{n}": float(s) for n, s in zip(attribute_names, sf)})
     return state, scalars
 
@@ -212,3 +223,56 @@ def allocation_history(
           }
       )
   return history
+
+
+def allocation_changes(
+    metrics: Sequence[dict[str, Any]],
+    attribute_names: Sequence[str],
+    num_experts: int,
+    final_share: Sequence[float] | None = None,
+) -> list[dict[str, Any]]:
+  """Every FEM change logged in metrics.jsonl, and whether routing followed it.
+
+  Returns one entry per (review, attribute) whose expert count changed: the step, the
+  attribute, "grow" or "shrink", the experts it gained or lost, their share of the validation
+  routing choices when the change was decided ("share_before") and at the next review (or in
+  `final_share`, the run's last validation pass, after the last review): "share_after" (None
+  when neither exists), and "usage_changed" (|after - before| > USAGE_CHANGE).
+  """
+  reviews = [r for r in metrics if all(f"{ALLOCATION_PREFIX}{n}" in r for n in attribute_names)]
+
+  def share(record):
+    values = [record.get(f"{SHARE_PREFIX}{e}") for e in range(num_experts)]
+    return None if any(v is None for v in values) else np.asarray(values, np.float64)
+
+  m = len(attribute_names)
+  previous = np.ones(m, np.int32)
+  changes = []
+  for i, record in enumerate(reviews):
+    counts = np.asarray([int(record[f"{ALLOCATION_PREFIX}{n}"]) for n in attribute_names])
+    before = share(record)
+    if i + 1 < len(reviews):
+      after = share(reviews[i + 1])
+    else:
+      after = None if final_share is None else np.asarray(final_share, np.float64)
+    old_rows = attribute_assignment(m, num_experts, previous)
+    new_rows = attribute_assignment(m, num_experts, counts)
+    for a, name in enumerate(attribute_names):
+      if counts[a] == previous[a]:
+        continue
+      experts = np.flatnonzero(old_rows[a] != new_rows[a]).tolist()
+      entry = {
+          "step": int(record["step"]),
+          "attribute": name,
+          "change": "grow" if counts[a] > previous[a] else "shrink",
+          "experts": experts,
+          "share_before": None if before is None else float(before[experts].sum()),
+          "share_after": None if after is None else float(after[experts].sum()),
+      }
+      if entry["share_before"] is not None and entry["share_after"] is not None:
+        entry["usage_changed"] = bool(
+            abs(entry["share_after"] - entry["share_before"]) > USAGE_CHANGE
+        )
+      changes.append(entry)
+    previous = counts
+  return changes

@@ -156,12 +156,31 @@ def format_report(report: dict[str, Any]) -> str:
         for name, c in classifiers.items()
     )
     lines.append(f"FGR's sensitive-attribute classifiers ({block}): {scores}")
+  for block, branch in report.get("sa_branch", {}).items():
+    lines.append(
+        f"FGR's SA branch ({block}): {100 * branch['variance_share']:.2f}% of the routing "
+        f"logits' variance over tokens; replacing it by its mean changes "
+        f"{100 * branch['choices_changed']:.2f}% of the tokens' top-k choices"
+    )
   classifiers = [c for b in report.get("sa_classifiers", {}).values() for c in b.values()]
   if classifiers and not any(c["above_majority"] for c in classifiers):
     lines.append(
         "Warning: FGR's sensitive-attribute classifiers do not beat the majority rate, so "
         "routing is the same for every group (the SA branch adds a constant vote)."
     )
+  for change in report.get("fem_changes", []):
+    # Training moves the shares too: "moved" is necessary for a change to matter, not proof.
+    experts = ", ".join(str(e) for e in change["experts"])
+    line = (
+        f"FEM at step {change['step']}: {change['change']} {change['attribute']} (expert {experts})"
+    )
+    if change.get("usage_changed") is not None:
+      moved = "moved" if change["usage_changed"] else "did not move: routing ignored the change"
+      line += (
+          f"; its share of the validation choices {100 * change['share_before']:.1f}% -> "
+          f"{100 * change['share_after']:.1f}% ({moved})"
+      )
+    lines.append(line)
   if "note" in report:
     lines.append(f"Note: {report['note']}")
   if report.get("method", "").startswith("fairsmoe"):

@@ -48,6 +48,11 @@ _BIAS_INIT = nnx.initializers.zeros_init()
 
 # Per-example metric name prefix of attribute a's SA-classifier probabilities (FGR routers).
 ATTRIBUTE_PROBS = "example_attribute_probs_"
+# FGR's SA branch, per example: token means of (sa, sa^2, gate, gate^2) per expert [B, 4, E], where
+# the routing logits are gate + sa; and the fraction of its tokens whose top-k set changes when
+# sa is replaced by its mean over the batch's tokens [B].
+SA_LOGIT_MOMENTS = "example_sa_logit_moments"
+SA_CHOICE_CHANGE = "example_sa_choice_change"
 
 
 @struct.dataclass
@@ -113,6 +118,26 @@ ROUTERS = ("topk", "noisy_topk", "expert_choice")
 # The two ways `SparseMoE` matches tokens with experts (`SparseMoE.routing`).
 TOKEN_CHOICE = "token_choice"
 EXPERT_CHOICE = "expert_choice"
+
+
+def _sa_branch_metrics(route, batch: int, seq_len: int, top_k: int) -> dict[str, jax.Array]:
+  """How much of FGR's routing the SA branch decides (SA_LOGIT_MOMENTS, SA_CHOICE_CHANGE).
+
+  A branch whose vote is the same for every token is a learned constant bias: its variance over
+  tokens is 0, and replacing it by its mean changes no choice.
+  """
+  sa = route.attribute_logits.astype(jnp.float32)
+  gate = route.logits - sa
+  moments = jnp.stack([sa, sa**2, gate, gate**2], axis=1)  # [T, 4, E]
+  constant = gate + jnp.mean(sa, axis=0, keepdims=True)
+  _, without = jax.lax.top_k(constant, top_k)
+  chosen = jax.nn.one_hot(route.expert_index, sa.shape[-1]).sum(1)  # [T, E] 0/1
+  kept = jax.nn.one_hot(without, sa.shape[-1]).sum(1)
+  changed = jnp.any(chosen != kept, axis=-1).astype(jnp.float32)  # [T]
+  return {
+      SA_LOGIT_MOMENTS: moments.reshape(batch, seq_len, 4, -1).mean(axis=1),
+      SA_CHOICE_CHANGE: changed.reshape(batch, seq_len).mean(axis=1),
+  }
 
 
 class SparseMoE(nnx.Module):
@@ -336,6 +361,8 @@ class SparseMoE(nnx.Module):
     # in training, where they are dead code.
     for a, probs in enumerate(getattr(route, "attribute_probs", ())):
       metrics[f"{ATTRIBUTE_PROBS}{a}"] = probs.reshape(batch, seq_len, -1).mean(axis=1)
+    if getattr(route, "attribute_logits", None) is not None:
+      metrics.update(_sa_branch_metrics(route, batch, seq_len, self.top_k))
     aux = MoEAux(
         loss=route.load_balance_loss,
         z_loss=route.z_loss,

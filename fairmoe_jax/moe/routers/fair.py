@@ -67,12 +67,15 @@ class FairRouterOutput(RouterOutput):
 
   Attributes:
     attribute_probs: per attribute, [T, G_a] softmax of the SA classifier (() without FGR).
+    attribute_logits: [T, E] the SA branch's share of `logits`, sum_a e_a (None without FGR),
+      so an evaluation can say how much of the routing decision it makes.
     losses: the unweighted "confusion", "attribute_ce" and "specialization" scalars this
       router computes (only those its configuration has, and only in training).
   """
 
   attribute_probs: tuple[jax.Array, ...]
   losses: dict[str, jax.Array]
+  attribute_logits: jax.Array | None = None
 
   def extra_losses(self) -> dict[str, jax.Array]:
     return dict(self.losses)
@@ -102,9 +105,7 @@ def routing_supervision(
   return jnp.sum(per_row * weight) / tokens
 
 
-def group_balanced_cross_entropy(
-    nll: jax.Array, groups: jax.Array, num_groups: int
-) -> jax.Array:
+def group_balanced_cross_entropy(nll: jax.Array, groups: jax.Array, num_groups: int) -> jax.Array:
   """Mean over the groups present of each group's mean loss.
 
   Args:
@@ -285,7 +286,9 @@ class FairRouter(nnx.Module):
       logits = self.gate(x)
     route = route_from_logits(logits, self.top_k)
     if train and self.specialization in ("attribute_routing", "class_routing"):
-      losses["specialization"] = self._routing_specialization(route.probs, contributions, attributes)
+      losses["specialization"] = self._routing_specialization(
+          route.probs, contributions, attributes
+      )
     return FairRouterOutput(
         logits=route.logits,
         probs=route.probs,
@@ -295,6 +298,7 @@ class FairRouter(nnx.Module):
         z_loss=route.z_loss,
         attribute_probs=attribute_probs,
         losses=losses,
+        attribute_logits=sum(contributions) if contributions else None,
     )
 
   def _routing_specialization(
