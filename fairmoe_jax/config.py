@@ -126,7 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
           # rule"); pqd | dp | pqd+dp. The lambdas were chosen on the validation split
           # (results/lambda_tuning.py). Each term sums over attributes (Eq. 3).
           psi="pqd+dp",
-          lambda_pqd=0.1,
+          lambda_pqd=0.5,
           lambda_dp=0.1,
           alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
           # Reading of Eq. 8 (fairmoe_jax/moe/routers/fair.py, docs/design.md):

@@ -332,6 +332,31 @@ def sa_branch_report(totals: dict[str, dict[str, Any]]) -> dict[str, dict[str, f
   return result
 
 
+def mechanism_summary(report: dict[str, Any]) -> dict[str, float | None]:
+  """One number per FairSMoE mechanism, for tables across runs (None where a method lacks it).
+
+  "sa_above_majority": the fraction of SA classifiers that beat their majority rate;
+  "sa_variance_share", "sa_choices_changed": `sa_branch_report`'s, averaged over MoE blocks;
+  "fem_changes": how many allocation changes the run made; "fem_changes_moved": the fraction of
+  them after which their experts' share of the validation choices moved (`fem_changes`).
+  """
+  classifiers = [c for b in report.get("sa_classifiers", {}).values() for c in b.values()]
+  branches = list(report.get("sa_branch", {}).values())
+  changes = report.get("fem_changes")
+  judged = [c["usage_changed"] for c in changes or () if "usage_changed" in c]
+
+  def mean(values):
+    return float(np.mean(values)) if len(values) else None
+
+  return {
+      "sa_above_majority": mean([c["above_majority"] for c in classifiers]),
+      "sa_variance_share": mean([b["variance_share"] for b in branches]),
+      "sa_choices_changed": mean([b["choices_changed"] for b in branches]),
+      "fem_changes": None if changes is None else len(changes),
+      "fem_changes_moved": mean(judged),
+  }
+
+
 def dropped_summary(
     report: dict[str, Any], records: list[dict[str, Any]] | None
 ) -> dict[str, float | None]:
@@ -436,6 +461,7 @@ def final_report(
         final_share=np.mean(shares, axis=0).tolist() if shares else None,
     )
   report["dropped"] = dropped_summary(report, records)
+  report["mechanisms"] = mechanism_summary(report)
   batches = itertools.islice(_eval_batches(splits["val"], config, mesh), config.analysis_batches)
   cosines = gradient_cosines(
       graphdef,
