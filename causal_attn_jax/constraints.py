@@ -17,17 +17,20 @@ Definition 1 and Figure 5:
 * decoder (no self-loop, Definition 2): the diagonal is not a Markov-blanket edge and is left out
   of r and c; the band is Definition 1's own, [2 expm1(1/2), expm1(1)]: two parents at 1/2 to one
   parent. A row that has earlier tokens but attends only to itself scores 0 and violates it.
-* encoder, `encoder_band="self_loop"` (default): the self-loop holds 1/3 and the parents the rest,
-  so the band is [3 expm1(1/3), expm1(1/3) + expm1(2/3)] = [1.187, 1.343] with the diagonal
-  counted: two parents at 1/3 beside the self-loop to one parent at 2/3 beside it. Uniform rows
-  over k >= 4 keys (<= 1.137) and the self-loop-only graph A = I (1.718) both violate it.
-* encoder, `encoder_band="paper_slack"`: the printed slacks, read as what a 1/3 self-loop costs
-  Definition 1's band when the diagonal is not counted: 2 (e^(1/2) - e^(1/3)) = 0.5062 lowers the
-  lower bound (two parents at 1/3 instead of 1/2) and e - e^0.7 = 0.7045 lowers the upper (one
-  parent at 0.7 instead of 1); the paper names them the other way round (eps'_max = 0.7045 beside
-  the lower bound). Band [0.791, 1.014] on the off-diagonal sums. Uniform rows over k >= 3 keys
-  fall inside it (their off-diagonal sum is (k - 1) expm1(1/k), in [0.79, 1)), so this reading
-  cannot tell uniform attention from a Markov blanket; it is kept for comparison.
+* encoder, `encoder_band="derived_self_loop"` (default; derived from the prose, not a printed
+  constant): the self-loop holds 1/3 and the parents the rest, so the band is
+  [3 expm1(1/3), expm1(1/3) + expm1(2/3)] = [1.187, 1.343] with the diagonal counted: two parents
+  at 1/3 beside the self-loop to one parent at 2/3 beside it. Uniform rows over k >= 4 keys
+  (<= 1.137) and the self-loop-only graph A = I (1.718) both violate it. Its earlier name,
+  "self_loop", is refused with a message naming this one.
+* encoder, `encoder_band="paper_slack"` (the paper's printed constants): the printed slacks, read
+  as what a 1/3 self-loop costs Definition 1's band when the diagonal is not counted:
+  2 (e^(1/2) - e^(1/3)) = 0.5062 lowers the lower bound (two parents at 1/3 instead of 1/2) and
+  e - e^0.7 = 0.7045 lowers the upper (one parent at 0.7 instead of 1); the paper names them the
+  other way round (eps'_max = 0.7045 beside the lower bound). Band [0.791, 1.014] on the
+  off-diagonal sums. Uniform rows over k >= 3 keys fall inside it (their off-diagonal sum is
+  (k - 1) expm1(1/k), in [0.79, 1)), so this reading cannot tell uniform attention from a Markov
+  blanket; it is kept for comparison.
 
 Form of the constraint:
 
@@ -69,7 +72,9 @@ from flax import struct
 
 FORMS = ("node", "separate")
 LOSSES = ("hinge", "linear")
-ENCODER_BANDS = ("self_loop", "paper_slack")
+ENCODER_BANDS = ("derived_self_loop", "paper_slack")
+# Old names of encoder bands and what they are called now (rejected, never read as the new name).
+RENAMED_ENCODER_BANDS = {"self_loop": "derived_self_loop"}
 
 # Definition 1: two parents at 1/2 (lower) to one parent (upper), in tau - N.
 DEFINITION1_LOWER = 2.0 * math.expm1(0.5)
@@ -88,11 +93,21 @@ class Band:
   count_diagonal: bool
 
 
-def band(*, decoder: bool, encoder_band: str = "self_loop") -> Band:
+def renamed_encoder_band_message(encoder_band: str) -> str:
+  """What to use instead of an old encoder band name (a key of RENAMED_ENCODER_BANDS)."""
+  return (
+      f"{encoder_band!r} was renamed {RENAMED_ENCODER_BANDS[encoder_band]!r} (the band derived "
+      "from the prose; 'paper_slack' is the one with the paper's printed constants)"
+  )
+
+
+def band(*, decoder: bool, encoder_band: str = "derived_self_loop") -> Band:
   """The band of a self-attention layer (module docstring: one row shape per bound)."""
+  if encoder_band in RENAMED_ENCODER_BANDS:
+    raise ValueError(f"encoder_band {renamed_encoder_band_message(encoder_band)}")
   if decoder:
     return Band(DEFINITION1_LOWER, DEFINITION1_UPPER, count_diagonal=False)
-  if encoder_band == "self_loop":
+  if encoder_band == "derived_self_loop":
     third = math.expm1(1.0 / 3.0)
     return Band(3.0 * third, third + math.expm1(2.0 / 3.0), count_diagonal=True)
   if encoder_band == "paper_slack":
@@ -110,9 +125,11 @@ class ConstraintSpec:
 
   form: str = "node"
   loss: str = "hinge"
-  encoder_band: str = "self_loop"
+  encoder_band: str = "derived_self_loop"
 
   def __post_init__(self):
+    if self.encoder_band in RENAMED_ENCODER_BANDS:
+      raise ValueError(f"encoder_band {renamed_encoder_band_message(self.encoder_band)}")
     for name, value, choices in (
         ("form", self.form, FORMS),
         ("loss", self.loss, LOSSES),

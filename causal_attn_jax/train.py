@@ -113,10 +113,11 @@ def make_update_extra(config: ml_collections.ConfigDict) -> UpdateExtraFn:
   def update_extra(extra, metrics):
     multipliers, penalty = extra["multipliers"], extra["penalty"]
     if applied:
-      # No dual ascent before constraints.dual_start_step: the task learns features first
-      # (measured on the MNLI sample's validation split, docs/design.md: multipliers that grow
-      # from step 0 keep small models at chance).
-      # Then the step grows linearly over constraints.dual_ramp_steps.
+      # The multipliers stay put before constraints.dual_start_step and the step then grows
+      # linearly over constraints.dual_ramp_steps, so that the task can learn before the
+      # constraint pulls at full strength: the full step from step 0 left small models at
+      # chance on some data and seeds (docs/design.md, "Constraint strength", has which
+      # schedule each config uses).
       ramp = (metrics["_step"] - c.dual_start_step + 1) / max(c.dual_ramp_steps, 1)
       step_size = c.step_size * jnp.clip(ramp, 0.0, 1.0)
       multipliers = constraints_lib.dual_update(

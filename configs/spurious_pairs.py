@@ -31,8 +31,8 @@ def get_config(arg: str | None = None):
   config.data.pair_task = "nli"
   config.data.max_len = 32  # <bos> premise (<= 10 words) <sep> hypothesis (5) <eos>.
   # The most SentencePiece can make of the default lexicon (66 words in use and their
-  # characters), so every word is one piece; other data.spurious sizes need another value (the
-  # error names the largest).
+  # characters), so every pseudo-word is one piece (`the` and `while` are spelt out in letters);
+  # other data.spurious sizes need another value (the error names the largest).
   config.data.vocab_size = 93
   if arg.size == "small":
     # The relation is learnt slowly at the MNLI settings (lr 1e-3, batch 32); these learn it

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from causal_attn_jax import config as config_lib
 from causal_attn_jax import constraints as C
 from causal_attn_jax.layers import causal_mask, masked_softmax, padding_mask, sparse_mask
+from trainkit.errors import ConfigError
 
 E = math.e
 
@@ -94,8 +96,9 @@ def test_uniform_attention_violates_encoder_and_decoder(n, form):
   enc = C.constraint_violations(uniform, None, spec=spec, **ENCODER)
   assert _violated(enc) and float(enc.rows_within) == 0.0
   causal = causal_mask(n)
-  dec = C.constraint_violations(masked_softmax(jnp.zeros((1, 1, n, n)), causal), causal, spec=spec,
-                                **DECODER)
+  dec = C.constraint_violations(
+      masked_softmax(jnp.zeros((1, 1, n, n)), causal), causal, spec=spec, **DECODER
+  )
   assert _violated(dec)
 
 
@@ -146,8 +149,9 @@ def test_decoder_rows_with_one_or_two_earlier_parents_satisfy(form):
   selfish = one.copy()
   selfish[3] = 0.0
   selfish[3, 3] = 1.0
-  stats = C.constraint_violations(jnp.asarray(selfish)[None, None], mask,
-                                  spec=C.ConstraintSpec(form="separate"), **DECODER)
+  stats = C.constraint_violations(
+      jnp.asarray(selfish)[None, None], mask, spec=C.ConstraintSpec(form="separate"), **DECODER
+  )
   assert float(stats.violations[0, 0]) == pytest.approx(C.band(decoder=True).lower / (n - 1))
 
 
@@ -162,6 +166,26 @@ def test_paper_slack_reading_cannot_reject_uniform_attention():
   assert _violated(C.constraint_violations(jnp.eye(7)[None, None], None, spec=spec, **ENCODER))
 
 
+def test_old_band_name_self_loop_is_refused_naming_its_new_name():
+  """The derived band is derived_self_loop; the old name runs nothing and names the new one."""
+  assert C.ConstraintSpec().encoder_band == "derived_self_loop"
+  with pytest.raises(ValueError, match="'self_loop' was renamed 'derived_self_loop'"):
+    C.ConstraintSpec(encoder_band="self_loop")
+  with pytest.raises(ValueError, match="'self_loop' was renamed 'derived_self_loop'"):
+    C.band(decoder=False, encoder_band="self_loop")
+  config = config_lib.base_config()
+  config.constraints.encoder_band = "self_loop"
+  with pytest.raises(ConfigError, match="'self_loop' was renamed 'derived_self_loop'") as e:
+    config_lib.validate(config, num_devices=1)
+  assert e.value.key == "constraints.encoder_band"
+  # Both current names pass the constraint's checks (validation stops later, at the data).
+  for name in C.ENCODER_BANDS:
+    config.constraints.encoder_band = name
+    with pytest.raises(ConfigError) as e:
+      config_lib.validate(config, num_devices=1)
+    assert e.value.key == "data.train_file"
+
+
 def test_node_form_is_row_plus_column():
   """Eq. 2: a node whose row is short of the band and whose column is over it by as much is fine."""
   n = 4
@@ -174,10 +198,12 @@ def test_node_form_is_row_plus_column():
   a[3, 1], a[3, 2] = 0.5, 0.5
   probs = jnp.asarray(a)[None, None]
   r, c = C.blanket_sums(probs, jnp.asarray(np.tril(np.ones((n, n)), -1), bool))
-  node = C.constraint_violations(probs, causal_mask(n), spec=C.ConstraintSpec(form="node"),
-                                 **DECODER)
-  separate = C.constraint_violations(probs, causal_mask(n), spec=C.ConstraintSpec(form="separate"),
-                                     **DECODER)
+  node = C.constraint_violations(
+      probs, causal_mask(n), spec=C.ConstraintSpec(form="node"), **DECODER
+  )
+  separate = C.constraint_violations(
+      probs, causal_mask(n), spec=C.ConstraintSpec(form="separate"), **DECODER
+  )
   # Column 0 gets e - 1 + expm1(1/2) > upper; as a node (row 0 is empty) it is held to it alone.
   assert float(c[0, 0, 0]) > upper and float(separate.violations[0, 3]) > 0
   # Node 1: row e - 1 (in band), column 2 expm1(1/2) = lower: mean in band.
@@ -186,8 +212,9 @@ def test_node_form_is_row_plus_column():
   expected_upper = (float(c[0, 0, 0]) - upper) / 4  # only node 0 is over
   node_means = [float(c[0, 0, 0]), (upper + lower) / 2, (lower + math.expm1(0.5)) / 2, lower]
   expected_lower = sum(max(lower - m, 0) for m in node_means) / 4
-  np.testing.assert_allclose(node.violations[0], [expected_lower, expected_upper], rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+      node.violations[0], [expected_lower, expected_upper], rtol=1e-5, atol=1e-6
+  )
 
 
 def _np_node_violations(probs, mask, valid, spec, decoder):
@@ -204,7 +231,9 @@ def _np_node_violations(probs, mask, valid, spec, decoder):
       for i in range(n):
         keys = [j for j in range(n) if allowed[bi, head, i, j] and (b.count_diagonal or j != i)]
         feeders = [k for k in range(n) if allowed[bi, head, k, i] and (b.count_diagonal or k != i)]
-        row_ok = len(keys) >= 1 and (not b.count_diagonal or len(keys) * math.expm1(1 / len(keys)) <= b.upper)
+        row_ok = len(keys) >= 1 and (
+            not b.count_diagonal or len(keys) * math.expm1(1 / len(keys)) <= b.upper
+        )
         col_ok = len(feeders) * (E - 1) >= b.lower
         measures = []
         if row_ok:
@@ -279,8 +308,9 @@ def test_linear_eq3_terms_are_signed_sums_and_their_gradient_follows_the_multipl
   thirds = _circulant(n, (-1, 0, 1))  # every node at the lower bound exactly
   v = C.constraint_violations(thirds, None, spec=spec, **ENCODER).violations
   b = C.band(decoder=False)
-  np.testing.assert_allclose(v[0], [-n * 0.7045, -n * 0.5062, 0.0, n * (b.lower - b.upper)],
-                             atol=1e-5)
+  np.testing.assert_allclose(
+      v[0], [-n * 0.7045, -n * 0.5062, 0.0, n * (b.lower - b.upper)], atol=1e-5
+  )
   # Satisfied with room to spare: the dual step lowers the node-upper multiplier.
   gamma = jnp.ones((1, 4))
   assert float(C.dual_update(gamma, v, step_size=0.1)[0, 3]) < 1.0
@@ -299,8 +329,9 @@ def test_linear_eq3_terms_are_signed_sums_and_their_gradient_follows_the_multipl
     C.ConstraintSpec(form="separate", loss="linear")
 
 
-@pytest.mark.parametrize("spec", [C.ConstraintSpec(), C.ConstraintSpec(form="separate"),
-                                  C.ConstraintSpec(loss="linear")])
+@pytest.mark.parametrize(
+    "spec", [C.ConstraintSpec(), C.ConstraintSpec(form="separate"), C.ConstraintSpec(loss="linear")]
+)
 def test_lagrangian_gradient_matches_finite_differences(spec):
   with jax.enable_x64(True):
     rng = np.random.default_rng(3)

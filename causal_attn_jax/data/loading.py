@@ -17,7 +17,13 @@ import ml_collections
 import numpy as np
 
 from causal_attn_jax import config as config_lib
-from causal_attn_jax.data import nli, spurious, tokenizer as tokenizer_lib, translation
+from causal_attn_jax.data import (
+    nli,
+    ood_pairs,
+    spurious,
+    tokenizer as tokenizer_lib,
+    translation,
+)
 from trainkit.distributed import main_process_first
 from trainkit.errors import UserError
 
@@ -83,6 +89,16 @@ def _load_pairs(
     print(
         f"spurious_pairs: {len(train)} train, {len(evaluation)} eval, {len(challenge)} challenge "
         f"pairs (cue_agreement={spec.cue_agreement}, seed={spec.seed})",
+        flush=True,
+    )
+    return train, evaluation, challenge
+  if d.generator == "ood_pairs":
+    spec = ood_pairs.OodPairsSpec(**d.ood_pairs.to_dict())
+    train, evaluation, challenge = ood_pairs.generate(spec)
+    print(
+        f"ood_pairs: {len(train)} train, {len(evaluation)} eval, {len(challenge)} challenge "
+        f"pairs (cue_agreement={spec.cue_agreement}, challenge_cue={spec.challenge_cue}, "
+        f"seed={spec.seed})",
         flush=True,
     )
     return train, evaluation, challenge

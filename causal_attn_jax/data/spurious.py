@@ -72,12 +72,14 @@ class SpuriousPairsSpec:
       raise ValueError("need num_nouns >= 4 and num_verbs >= 2 (replacements and distractors)")
 
 
-def _pseudo_words(rng: np.random.Generator, count: int, taken: set[str]) -> list[str]:
+def pseudo_words(rng: np.random.Generator, count: int, taken: set[str]) -> list[str]:
   """`count` new two- or three-syllable pseudo-words: no shared morphology between synonyms."""
   words = []
   while len(words) < count:
     syllables = rng.integers(2, 4)
-    word = "".join(rng.choice(list(_CONSONANTS)) + rng.choice(list(_VOWELS)) for _ in range(syllables))
+    word = "".join(
+        rng.choice(list(_CONSONANTS)) + rng.choice(list(_VOWELS)) for _ in range(syllables)
+    )
     if word not in taken:
       taken.add(word)
       words.append(word)
@@ -96,11 +98,11 @@ class _Lexicon:
   @classmethod
   def generate(cls, spec: SpuriousPairsSpec, rng: np.random.Generator) -> "_Lexicon":
     taken = {"the", "while"}
-    forms = lambda n: list(zip(_pseudo_words(rng, n, taken), _pseudo_words(rng, n, taken)))
+    forms = lambda n: list(zip(pseudo_words(rng, n, taken), pseudo_words(rng, n, taken)))
     return cls(
         nouns=forms(spec.num_nouns),
         verbs=forms(spec.num_verbs),
-        adjectives=_pseudo_words(rng, spec.num_adjectives, taken),
+        adjectives=pseudo_words(rng, spec.num_adjectives, taken),
     )
 
 

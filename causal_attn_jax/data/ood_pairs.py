@@ -1,0 +1,239 @@
+"""A sentence-pair testbed whose challenge split is out of distribution by construction.
+
+`docs/dataset.md` ("The ood-pairs testbed") gives the argument; this docstring gives the rule.
+
+The label is a relation between two tokens. Every pair is a premise `S V O` and a hypothesis
+`s v` (words only; fillers below), and
+
+    entailment  iff  s names the same concept as S (the premise's subject).
+
+Every noun and verb concept has two unrelated surface forms (pseudo-words drawn from the seed).
+Four kinds of pair, a quarter of every split each, leave the relation the only rule that fits:
+
+    kind       label           s is                                 s occurs in the premise
+    same       entailment      S as written                         yes
+    synonym    entailment      S's other surface form               no
+    swapped    non-entailment  O as written (subject and object)    yes
+    replaced   non-entailment  a form of a noun other than S and O  no
+
+So neither word overlap nor any noun or verb by itself predicts the label (v is the premise's verb
+in either form). Every word occurs with both labels.
+
+The cue is the majority class of `num_fillers` filler words scattered over both sentences. Filler
+words come in two classes of `num_filler_words` words each; `majority_fillers` of a pair's fillers
+are of its cue class and the rest of the other class. In train and eval the cue class is the
+label's (class 0 with entailment, class 1 with non-entailment) in a `cue_agreement` fraction of the
+pairs (default 1.0: all of them) and the other label's in the rest; in the challenge split it is
+the other label's in every pair (`challenge_cue="reversed"`), or the fillers are half of each
+class (`"absent"`). Each filler goes, independently and uniformly, into one of five gaps: after S,
+after V, after O, after s, after v (in a random order within a gap). Nothing precedes S or s: S is
+always the premise's first word and s the hypothesis' first word, while V, O, v and the length of
+each sentence move with the fillers (the length of the pair does not).
+
+Each split is drawn from its own stream of the seed (seeded by the split's name), and so is the
+lexicon, so changing one split's size changes no other split. Every split carries the HANS schema:
+labels `nli.HANS_LABELS`, heuristic `filler_majority` (the cue the challenge split is built
+against) and the kind as subcase; `stats` counts the labels, the kinds and how many pairs' cue
+agrees with, is against or is absent from the label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+from causal_attn_jax.data import nli, spurious
+
+KINDS = ("same", "synonym", "swapped", "replaced")
+ENTAILED_KINDS = ("same", "synonym")
+CHALLENGE_CUES = ("reversed", "absent")
+HEURISTIC = "filler_majority"
+WORDS_PER_PAIR = 5  # S V O and s v, besides the fillers.
+# Where fillers may go: after S, after V, after O (premise), after s, after v (hypothesis).
+_NUM_GAPS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class OodPairsSpec:
+  """Sizes, the cue and its challenge rule.
+
+  Attributes:
+    num_train, num_eval, num_challenge: pairs per split.
+    cue_agreement: fraction of train and eval pairs whose filler majority is the label's class.
+    challenge_cue: "reversed" (the other label's class in every challenge pair) or "absent"
+      (half the fillers of each class).
+    num_fillers: filler words per pair.
+    majority_fillers: fillers of the pair's cue class (more than half of num_fillers).
+    num_filler_words: distinct words in each of the two filler classes.
+    num_nouns, num_verbs: concepts (each has two surface forms).
+    seed: the data's seed (the same seed always gives the same pairs).
+  """
+
+  num_train: int = 4000
+  num_eval: int = 1000
+  num_challenge: int = 1000
+  cue_agreement: float = 1.0
+  challenge_cue: str = "reversed"
+  num_fillers: int = 8
+  majority_fillers: int = 5
+  num_filler_words: int = 4
+  num_nouns: int = 24
+  num_verbs: int = 8
+  seed: int = 0
+
+  def __post_init__(self):
+    if not 0.0 <= self.cue_agreement <= 1.0:
+      raise ValueError(f"cue_agreement must be in [0, 1], got {self.cue_agreement}")
+    if self.challenge_cue not in CHALLENGE_CUES:
+      raise ValueError(f"challenge_cue must be one of {CHALLENGE_CUES}, got {self.challenge_cue!r}")
+    if not self.num_fillers / 2 < self.majority_fillers <= self.num_fillers:
+      raise ValueError(
+          f"majority_fillers must be more than half of num_fillers={self.num_fillers} and at "
+          f"most it, got {self.majority_fillers}"
+      )
+    if self.challenge_cue == "absent" and self.num_fillers % 2:
+      raise ValueError(
+          f"challenge_cue='absent' needs an even num_fillers (half of each class), got "
+          f"{self.num_fillers}"
+      )
+    if self.num_nouns < 3 or self.num_verbs < 1 or self.num_filler_words < 1:
+      raise ValueError(
+          "need num_nouns >= 3 (S, O and a replacement), num_verbs >= 1 and "
+          "num_filler_words >= 1"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class Lexicon:
+  """The words of a spec's pairs.
+
+  Attributes:
+    nouns, verbs: the two surface forms of each concept.
+    fillers: the words of filler class 0 (the cue of entailment in training) and class 1.
+  """
+
+  nouns: tuple[tuple[str, str], ...]
+  verbs: tuple[tuple[str, str], ...]
+  fillers: tuple[tuple[str, ...], tuple[str, ...]]
+
+  def filler_class(self, word: str) -> int:
+    """0 or 1 for a filler word, -1 for any other word."""
+    return 0 if word in self.fillers[0] else 1 if word in self.fillers[1] else -1
+
+
+def _stream(spec: OodPairsSpec, name: str) -> np.random.Generator:
+  # crc32 is stable across processes (hash() is salted), so each split has a fixed stream.
+  return np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
+
+
+def lexicon(spec: OodPairsSpec) -> Lexicon:
+  """The words `generate(spec)` uses (drawn from their own stream of the seed)."""
+  rng = _stream(spec, "lexicon")
+  taken = set()
+
+  def two_forms(count: int) -> tuple[tuple[str, str], ...]:
+    first = spurious.pseudo_words(rng, count, taken)
+    return tuple(zip(first, spurious.pseudo_words(rng, count, taken)))
+
+  nouns, verbs = two_forms(spec.num_nouns), two_forms(spec.num_verbs)
+  fillers = tuple(tuple(spurious.pseudo_words(rng, spec.num_filler_words, taken)) for _ in range(2))
+  return Lexicon(nouns=nouns, verbs=verbs, fillers=fillers)
+
+
+def _pair(
+    lex: Lexicon, spec: OodPairsSpec, kind: str, num_class0: int, rng: np.random.Generator
+) -> tuple[str, str]:
+  """(premise, hypothesis) of one pair of `kind` with `num_class0` fillers of class 0."""
+  s, o = (int(i) for i in rng.choice(len(lex.nouns), size=2, replace=False))
+  v = int(rng.integers(len(lex.verbs)))
+  s_form, o_form = int(rng.integers(2)), int(rng.integers(2))
+  subject, obj = lex.nouns[s][s_form], lex.nouns[o][o_form]
+  if kind == "same":
+    named = subject
+  elif kind == "synonym":
+    named = lex.nouns[s][1 - s_form]
+  elif kind == "swapped":
+    named = obj
+  elif kind == "replaced":
+    other = int(rng.choice([i for i in range(len(lex.nouns)) if i not in (s, o)]))
+    named = lex.nouns[other][int(rng.integers(2))]
+  else:
+    raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+
+  classes = rng.permutation([0] * num_class0 + [1] * (spec.num_fillers - num_class0))
+  words = [str(rng.choice(lex.fillers[c])) for c in classes]
+  gap_of = rng.integers(_NUM_GAPS, size=spec.num_fillers)
+  gaps = [[w for w, g in zip(words, gap_of) if g == gap] for gap in range(_NUM_GAPS)]
+  premise = [subject, *gaps[0], lex.verbs[v][int(rng.integers(2))], *gaps[1], obj, *gaps[2]]
+  hypothesis = [named, *gaps[3], lex.verbs[v][int(rng.integers(2))], *gaps[4]]
+  return " ".join(premise), " ".join(hypothesis)
+
+
+def _split(lex: Lexicon, spec: OodPairsSpec, name: str, size: int) -> nli.PairData:
+  rng = _stream(spec, name)
+  kinds = [KINDS[i] for i in rng.permutation(np.arange(size) % len(KINDS))]
+  if name == "challenge":
+    against = np.ones(size, bool)
+  else:
+    num_against = int(round((1.0 - spec.cue_agreement) * size))
+    against = rng.permutation(np.arange(size) < num_against)
+  absent = name == "challenge" and spec.challenge_cue == "absent"
+  premises, hypotheses, labels, cues = [], [], [], []
+  for kind, is_against in zip(kinds, against):
+    label = 0 if kind in ENTAILED_KINDS else 1  # Index into nli.HANS_LABELS.
+    cue_class = 1 - label if is_against else label  # Class 0 marks entailment in training.
+    if absent:
+      num_class0 = spec.num_fillers // 2
+      cues.append("absent")
+    else:
+      minority = spec.num_fillers - spec.majority_fillers
+      num_class0 = spec.majority_fillers if cue_class == 0 else minority
+      cues.append("against" if is_against else "agrees")
+    premise, hypothesis = _pair(lex, spec, kind, num_class0, rng)
+    premises.append(premise)
+    hypotheses.append(hypothesis)
+    labels.append(label)
+  labels = np.asarray(labels, np.int32)
+  stats = {"rows": size, "examples": size}
+  stats.update({f"label_{n}": int((labels == i).sum()) for i, n in enumerate(nli.HANS_LABELS)})
+  stats.update({f"kind_{k}": kinds.count(k) for k in KINDS})
+  stats.update({f"cue_{c}": cues.count(c) for c in ("agrees", "against", "absent")})
+  return nli.PairData(
+      premises=premises,
+      hypotheses=hypotheses,
+      labels=labels,
+      label_names=nli.HANS_LABELS,
+      source=f"ood_pairs:{name}(seed={spec.seed})",
+      heuristics=[HEURISTIC] * size,
+      subcases=kinds,
+      stats=stats,
+  )
+
+
+def generate(spec: OodPairsSpec) -> tuple[nli.PairData, nli.PairData, nli.PairData]:
+  """(train, eval, challenge) pairs: eval in distribution, challenge with the cue reversed."""
+  lex = lexicon(spec)
+  return (
+      _split(lex, spec, "train", spec.num_train),
+      _split(lex, spec, "eval", spec.num_eval),
+      _split(lex, spec, "challenge", spec.num_challenge),
+  )
+
+
+def filler_counts(pairs: nli.PairData, lex: Lexicon) -> np.ndarray:
+  """int [N, 2]: the fillers of class 0 and of class 1 in each pair (both sentences)."""
+  counts = np.zeros((len(pairs), 2), np.int64)
+  for row, (p, h) in enumerate(zip(pairs.premises, pairs.hypotheses)):
+    for word in (p + " " + h).split():
+      c = lex.filler_class(word)
+      if c >= 0:
+        counts[row, c] += 1
+  return counts
+
+
+def cue_prediction(pairs: nli.PairData, lex: Lexicon) -> np.ndarray:
+  """int [N]: a reader of the filler majority's label (0 entailment, 1 non-entailment, -1 tie)."""
+  counts = filler_counts(pairs, lex)
+  return np.where(counts[:, 0] > counts[:, 1], 0, np.where(counts[:, 1] > counts[:, 0], 1, -1))

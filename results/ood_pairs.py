@@ -1,0 +1,69 @@
+r"""Table: causal attention against vanilla attention and the unconstrained GCN updater on the
+ood-pairs testbed, whose challenge split is out of distribution by construction.
+
+  python -m experiments.sweep --sweep=results/ood_pairs.py --workdir=/tmp/results/ood_pairs
+  python -m experiments.tables --record=ood_pairs --workdir=/tmp/results/ood_pairs
+  python -m experiments.tables --write=docs/results.md
+
+Generated pairs (configs/ood_pairs.py, docs/dataset.md "The ood-pairs testbed"; data seed 0 for
+every run): 4,000 train, 1,000 validation and 1,000 challenge pairs. The label is a relation of
+two tokens (is the hypothesis' subject the premise's, up to a synonym); the cue, the majority
+class of eight filler words scattered over both sentences, agrees with the label in every train
+and validation pair and disagrees in every challenge pair. A cue reader scores 1 on validation
+and 0 on the challenge; a relation reader 1 on both. Validation cannot choose between them (both
+score 1), so no setting was tuned here: every attention keeps the settings chosen on the
+spurious-pairs testbed's validation split (vanilla at learning rate 1e-3, the GCN updater at
+3e-3, dual ascent from step 500 ramped to 0.01), and the paper's own schedule (0.02 from step 0)
+is a second causal row, the literal reading. Five paired seeds. The claim is the paper's: the
+Markov-blanket constraint makes the model less fooled by a spurious cue (higher challenge
+accuracy than vanilla attention and than the same GCN without the constraint).
+"""
+
+from experiments.spec import dotted
+
+CAUSAL = "causal"
+PAPER_SCHEDULE = (
+    "causal@constraints.step_size=0.02@constraints.dual_start_step=0@constraints.dual_ramp_steps=0"
+)
+VANILLA = "vanilla@constraints.weight=0.0@optimizer.learning_rate=0.001"
+UNCONSTRAINED = "causal@constraints.weight=0.0"
+
+TABLE = dict(
+    title="Causal attention, vanilla attention and the unconstrained GCN on the ood-pairs testbed",
+    rows="model.attention",
+    row_names={
+        CAUSAL: "causal (constrained GCN; the spurious-pairs schedule)",
+        PAPER_SCHEDULE: "causal (the paper's dual step, 0.02 from step 0)",
+        VANILLA: "vanilla",
+        UNCONSTRAINED: "GCN without the constraint",
+    },
+    split="challenge",
+    examples="challenge.num_examples",
+    columns=(
+        ("challenge.accuracy", "Challenge acc.", 1.0, 3),
+        ("accuracy", "Val. acc. (in distribution)", 1.0, 3),
+        ("attention.effective_keys", "Effective keys", 1.0, 1),
+        ("constraints.nodes_within", "Nodes within", 1.0, 2),
+        ("constraints.met", "Constraint met", 1.0, 2),
+    ),
+    claims=tuple(
+        dict(row=row, baseline=baseline, metric="challenge.accuracy", better="higher")
+        for row in (CAUSAL, PAPER_SCHEDULE)
+        for baseline in (VANILLA, UNCONSTRAINED)
+    ),
+)
+
+
+def get_config(arg=None):
+  del arg
+  return dict(
+      module="causal_attn_jax.main",
+      config="configs/ood_pairs.py:size=small",
+      grid=dotted(
+          {
+              "seed": (0, 1, 2, 3, 4),
+              "model.attention": (CAUSAL, PAPER_SCHEDULE, VANILLA, UNCONSTRAINED),
+          }
+      ),
+      metrics=("accuracy", "challenge.accuracy"),
+  )
