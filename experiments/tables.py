@@ -268,8 +268,11 @@ def chosen_row(spec: TableSpec, summary: dict[str, Any]) -> str | None:
 
 def metric_value(report: Any, path: str) -> float | None:
   """The number at a dotted path; numbers nested in mappings or lists there (per layer, per
-  block, per batch) give their mean; None where the path or a number is missing."""
+  block, per batch) give their mean; a bool counts as 0 or 1 (a column of "met" flags is the
+  fraction of runs that met it); None where the path or a number is missing."""
   value = lookup(report, path)
+  if isinstance(value, bool):
+    return float(value)
   if isinstance(value, (Mapping, list, tuple)):
     numbers = _leaves(value)
     if not numbers or not all(is_number(v) for v in numbers):

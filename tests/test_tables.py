@@ -228,7 +228,7 @@ def test_values_are_read_by_path_and_mappings_averaged():
   assert tables.metric_value(report, "cosines") == pytest.approx(0.4)  # Every batch counts.
   assert tables.metric_value(report, "gaps") is None
   assert tables.metric_value(report, "a.c") is None
-  assert tables.metric_value(report, "flag") is None
+  assert tables.metric_value(report, "flag") == 1.0  # A "met" flag: the fraction of runs.
 
 
 def test_compare_is_exact_unless_a_tolerance_is_given():
