@@ -68,7 +68,19 @@ setup(
         "scipy>=1.10",  # Student-t intervals of the results tables (experiments/stats.py).
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "fairlearn>=0.10", "scipy>=1.10"],
+        # Everything the tests and the README's snippets import beyond install_requires
+        # (tests/test_packaging.py checks that the declarations cover every import).
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "fairlearn>=0.10",
+            "pandas>=2.0",
+            "scikit-learn>=1.3",
+            "pyyaml>=6.0",
+            "setuptools>=65",
+        ],
+        # `tensorboard --logdir WORKDIR` shows every scalar a run logs (README, "Outputs").
+        "tensorboard": ["tensorboard>=2.15"],
         "dev": ["pyink>=24"],
     },
 )

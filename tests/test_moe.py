@@ -306,3 +306,11 @@ def test_moe_aux_merge_prefixes_and_sums():
   assert set(merged.metrics) == {"moe_block1/m", "moe_block3/m"}
   empty = MoEAux.merge({})
   assert float(empty.loss) == 0.0 and empty.metrics == {}
+
+
+def test_a_wrong_token_width_fails_at_the_layer_not_in_dispatch():
+  layer = _make_layer()
+  with pytest.raises(AssertionError, match="axis"):
+    layer(jnp.zeros((2, 5, DIM + 1)))
+  with pytest.raises(AssertionError, match="rank"):
+    layer(jnp.zeros((5, DIM)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -60,18 +61,6 @@ def _random_routing(seed: int, groups: int, tokens: int, num_experts: int, top_k
 @functools.lru_cache(maxsize=None)
 def _jitted(name: str):
   return jax.jit(DISPATCH_ALGORITHMS[name], static_argnames="capacity")
-
-
-def _assert_tree_allclose(actual, expected, **kw):
-  for (path, a), b in zip(
-      jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
-  ):
-    np.testing.assert_allclose(
-        np.asarray(a, np.float32),
-        np.asarray(b, np.float32),
-        err_msg=jax.tree_util.keystr(path),
-        **kw,
-    )
 
 
 def _assert_stats_equal(a, b):
@@ -134,7 +123,7 @@ def test_matches_dense_with_enough_capacity(name):
   _assert_stats_equal(stats, stats_ref)
   assert float(stats.fraction_dropped) == 0.0
   # Gradients w.r.t. x, the router logits (through the gates) and every expert weight.
-  _assert_tree_allclose(grads, grads_ref, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-5)
   assert float(jnp.abs(grads[1]).max()) > 0  # The logits gradient is exercised.
 
 
@@ -180,7 +169,7 @@ def test_sort_equals_einsum_under_overflow(groups, tokens, num_experts, top_k, c
   assert float(stats_ref.fraction_dropped) > 0.0  # The test must exercise drops.
   _assert_stats_equal(stats, stats_ref)
   np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
-  _assert_tree_allclose(grads, grads_ref, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-6)
   # Dropped choices contribute nothing: a (dense) oracle on the kept gates agrees.
   y_kept, _ = _jitted("dense")(x, index, gates * stats.kept, experts)
   np.testing.assert_allclose(y, y_kept, rtol=1e-5, atol=1e-5)
@@ -284,7 +273,7 @@ def test_dropless_never_drops():
   _assert_stats_equal(stats, stats_ref)
   np.testing.assert_allclose(stats.group_expert_fraction, [[0.5, 0.5, 0, 0]] * G)
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-  _assert_tree_allclose(grads, grads_ref, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-5)
   # Unused experts get zero gradient.
   np.testing.assert_array_equal(grads[2].w1[2:], 0.0)
 

@@ -1,5 +1,7 @@
 """Packaging: version, license, citation, shipped configs and type markers, and the README's API."""
 
+import ast
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -245,3 +247,77 @@ def test_readme_python_api_snippet_runs(index, capsys):
   code = compile(_python_api_blocks()[index], f"README.md, Python API block {index + 1}", "exec")
   exec(code, namespace)  # pylint: disable=exec-used
   assert capsys.readouterr().out.strip()  # Every snippet prints what it shows.
+
+
+_FIRST_PARTY = {"fairmoe_jax", "causal_attn_jax", "trainkit", "experiments"}
+
+
+def _third_party_imports(paths) -> dict[str, set[str]]:
+  """Top-level third-party modules imported anywhere in `paths` (function-local imports too)."""
+  found: dict[str, set[str]] = {}
+  for path in paths:
+    for node in ast.walk(ast.parse(pathlib.Path(path).read_text())):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+      else:
+        continue
+      for name in names:
+        top = name.split(".")[0]
+        local = (REPO_ROOT / "tests" / f"{top}.py").exists()
+        if top not in sys.stdlib_module_names and top not in _FIRST_PARTY and not local:
+          found.setdefault(top, set()).add(str(path))
+  return found
+
+
+def _requirement_names(requirements) -> set[str]:
+  return {
+      re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group(0)).lower() for r in requirements
+  }
+
+
+def _undeclared(imports: dict[str, set[str]], declared: set[str]) -> dict[str, set[str]]:
+  distributions = importlib.metadata.packages_distributions()
+  missing = {}
+  for module, files in imports.items():
+    names = {re.sub(r"[-_.]+", "-", d).lower() for d in distributions.get(module, [module])}
+    if not names & declared:
+      missing[module] = files
+  return missing
+
+
+def test_declared_dependencies_cover_every_import(setup_args):
+  install = _requirement_names(setup_args["install_requires"])
+  code = [p for package in _FIRST_PARTY for p in (REPO_ROOT / package).rglob("*.py")]
+  assert _undeclared(_third_party_imports(code), install) == {}
+  # Tests and the README's Python snippets may also use the test extra.
+  test = install | _requirement_names(setup_args["extras_require"]["test"])
+  assert _undeclared(_third_party_imports((REPO_ROOT / "tests").rglob("*.py")), test) == {}
+  readme = (REPO_ROOT / "README.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+  found = {}
+  for i, block in enumerate(blocks):
+    for node in ast.walk(ast.parse(block)):
+      if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "level", 0) == 0:
+        for name in [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]:
+          top = name.split(".")[0]
+          if top not in sys.stdlib_module_names and top not in _FIRST_PARTY:
+            found.setdefault(top, set()).add(f"README.md python block {i}")
+  assert _undeclared(found, test) == {}
+  # A deliberate gap is caught: an import of a module nothing declares.
+  assert _undeclared({"pandas": {"x.py"}}, install) == {"pandas": {"x.py"}}
+
+
+def test_constraints_pin_every_declared_dependency(setup_args):
+  pinned = {}
+  for line in (REPO_ROOT / "constraints.txt").read_text().splitlines():
+    line = line.split("#")[0].strip()
+    if line:
+      name, _, version = line.partition("==")
+      pinned[re.sub(r"[-_.]+", "-", name).lower()] = version
+  declared = _requirement_names(setup_args["install_requires"]) | _requirement_names(
+      setup_args["extras_require"]["test"]
+  )
+  assert declared - set(pinned) == set()
+  assert all(re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", v) for v in pinned.values()), pinned

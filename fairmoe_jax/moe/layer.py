@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -286,6 +287,12 @@ class SparseMoE(nnx.Module):
     """
     if train is None:
       train = not self.deterministic
+    # Trace-time checks (free under jit): a wrong rank or width fails here, naming the layer's
+    # expectation, not deep inside a dispatch einsum.
+    chex.assert_rank(x, 3)
+    chex.assert_axis_dimension(x, 2, self.dim)
+    if context is not None:
+      chex.assert_equal_shape_prefix([x, *context.values()], 1)
     x = x.astype(self.dtype)
     capacity_factor = self.capacity_factor if train else self.eval_capacity_factor
     capacity = compute_capacity(x.shape[1], self.num_experts, self.top_k, capacity_factor)
