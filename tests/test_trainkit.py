@@ -216,7 +216,9 @@ def test_all_checkpoints_corrupt_is_a_user_error(tmp_path):
   ckpt.close()
   _corrupt(tmp_path / "ckpt" / "1")
   # Each step says what is wrong with it (a file that does not parse), not a pybind11 repr.
-  with pytest.raises(UserError, match=r"no readable checkpoint.*\n  step 1: \S+ is (not valid JSON|unreadable)"):
+  with pytest.raises(
+      UserError, match=r"no readable checkpoint.*\n  step 1: \S+ is (not valid JSON|unreadable)"
+  ):
     Checkpointer(str(tmp_path / "ckpt")).restore(state)
 
 
@@ -229,8 +231,11 @@ def test_checksum_manifest_catches_a_flipped_byte_that_orbax_would_restore(tmp_p
   for step in (1, 2):
     assert (tmp_path / "ckpt" / str(step) / "trainkit_manifest.json").is_file()
   # Flip one byte in the largest file of step 2 (array data): the structure still parses.
-  files = [p for p in (tmp_path / "ckpt" / "2").rglob("*") if p.is_file()
-           and p.name != "trainkit_manifest.json"]
+  files = [
+      p
+      for p in (tmp_path / "ckpt" / "2").rglob("*")
+      if p.is_file() and p.name != "trainkit_manifest.json"
+  ]
   largest = max(files, key=lambda p: p.stat().st_size)
   data = bytearray(largest.read_bytes())
   data[len(data) // 2] ^= 0x01
@@ -310,7 +315,9 @@ def test_changed_config_on_resume_is_reported(tmp_path, caplog):
   assert "mesh.data: 1 -> 2" in caplog.text and "batch_size" not in caplog.text
   assert json.loads((tmp_path / "config.json").read_text())["mesh"]["data"] == 2
   # The earlier config is kept, numbered, not overwritten; an unchanged config adds nothing.
-  assert json.loads((tmp_path / "config_history" / "config.1.json").read_text())["mesh"]["data"] == 1
+  assert (
+      json.loads((tmp_path / "config_history" / "config.1.json").read_text())["mesh"]["data"] == 1
+  )
   save_config(config, str(tmp_path))
   assert sorted(os.listdir(tmp_path / "config_history")) == ["config.1.json"]
   config.batch_size = 16
@@ -425,7 +432,9 @@ def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):
     return state.replace(step=state.step + 1), {"loss": loss}
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  with pytest.raises(TrainingDiverged, match="loss became nan at step 5.*latest checkpoint, at step 4"):
+  with pytest.raises(
+      TrainingDiverged, match="loss became nan at step 5.*latest checkpoint, at step 4"
+  ):
     _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=1)
   assert ckpt.all_steps() == [2, 4]
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))][-1] == (5, None)
@@ -442,7 +451,9 @@ def test_exploding_loss_or_gradient_is_divergence_before_any_save(tmp_path, key)
     return state.replace(step=state.step + 1), metrics
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  with pytest.raises(TrainingDiverged, match=f"the {key} exploded to .* at step 4.*latest checkpoint, at step 2"):
+  with pytest.raises(
+      TrainingDiverged, match=f"the {key} exploded to .* at step 4.*latest checkpoint, at step 2"
+  ):
     _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=0)
   assert ckpt.all_steps() == [2]  # Step 4 was due but diverged: never saved.
 
@@ -457,7 +468,10 @@ def test_exploding_parameters_are_divergence_even_when_the_loss_looks_healthy(tm
     return state.replace(step=state.step + 1, params={"w": w}), metrics
 
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  with pytest.raises(TrainingDiverged, match="the param_norm exploded to .* at step 4.*latest checkpoint, at step 2"):
+  with pytest.raises(
+      TrainingDiverged,
+      match="the param_norm exploded to .* at step 4.*latest checkpoint, at step 2",
+  ):
     _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=0, w=3.0)
   assert ckpt.all_steps() == [2]
   restored, _, _ = ckpt.restore(_toy_train_state())
@@ -538,9 +552,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path):
     ckpt.close()
 
 
-def test_a_save_that_fills_the_disk_is_one_error_and_leaves_no_partial_step(
-    tmp_path, monkeypatch
-):
+def test_a_save_that_fills_the_disk_is_one_error_and_leaves_no_partial_step(tmp_path, monkeypatch):
   # The check before writing is disabled to reach the failure inside Orbax's writer threads.
   monkeypatch.setattr(checkpoint_module, "_SAVE_MARGIN_BYTES", -(1 << 30))
   big = _State(step=jnp.array(0), w=jax.random.normal(jax.random.key(0), (1 << 20,)))
@@ -560,7 +572,9 @@ def test_a_full_disk_while_writing_metrics_is_a_user_error():
   with pytest.raises(SystemExit) as exit_info:
     write()
   assert exit_info.value.code == 2
-  assert is_out_of_space(ValueError("RESOURCE_EXHAUSTED: ...: No space left on device [os_error_code='28']"))
+  assert is_out_of_space(
+      ValueError("RESOURCE_EXHAUSTED: ...: No space left on device [os_error_code='28']")
+  )
   assert not is_out_of_space(OSError(errno.ENOENT, "No such file"))
 
 
@@ -573,10 +587,15 @@ def test_workdir_lock_refuses_a_second_run_and_takes_over_stale_locks(tmp_path, 
         pass
   assert not (tmp_path / ".run.lock").exists()  # released on exit
   # A lock left by a dead process on this host (kill -9) is stale.
-  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                        capture_output=True, text=True, check=True)
-  (tmp_path / ".run.lock").write_text(json.dumps(
-      {"pid": int(dead.stdout), "host": socket.gethostname(), "started": 0}))
+  dead = subprocess.run(
+      [sys.executable, "-c", "import os; print(os.getpid())"],
+      capture_output=True,
+      text=True,
+      check=True,
+  )
+  (tmp_path / ".run.lock").write_text(
+      json.dumps({"pid": int(dead.stdout), "host": socket.gethostname(), "started": 0})
+  )
   with caplog.at_level("WARNING"):
     with workdir_lock(str(tmp_path)):
       assert json.loads((tmp_path / ".run.lock").read_text())["pid"] == os.getpid()
@@ -591,3 +610,21 @@ def test_workdir_lock_refuses_a_second_run_and_takes_over_stale_locks(tmp_path, 
   with pytest.raises(UserError, match="remove .*run.lock"):
     with workdir_lock(str(tmp_path)):
       pass
+
+
+def test_the_progress_line_shows_the_task_loss_and_learning_rate_beside_the_total():
+  from trainkit.loop import evaluation_summary, progress_scalars
+
+  logged = {
+      "loss": 9.6,
+      "loss/cross_entropy": 0.59,
+      "loss/specialization": 9.0,
+      "learning_rate": 1e-3,
+      "grad_norm": 2.0,
+  }
+  assert progress_scalars(logged) == {"loss": 9.6, "task loss": 0.59, "lr": 1e-3}
+  assert progress_scalars({"loss": 1.0, "task_loss": 0.7}) == {"loss": 1.0, "task loss": 0.7}
+  line = evaluation_summary(
+      40, {"val/accuracy": 0.5, "val/mf_pqd": 0.8, "val/sex/pqd": 0.7, "val/loss": 1.25}
+  )
+  assert line == "step 40 val: accuracy 0.5, mf_pqd 0.8, loss 1.25"

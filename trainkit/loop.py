@@ -121,6 +121,31 @@ def loop_settings(config: Any) -> dict[str, Any]:
   )
 
 
+# What the progress line shows beside the total loss, when a run logs it: the task's own loss
+# (a total can rise while it falls, e.g. when a regulariser's weight or target changes) and the
+# learning rate.
+PROGRESS_KEYS = {
+    "loss": "loss",
+    "loss/cross_entropy": "task loss",
+    "task_loss": "task loss",
+    "learning_rate": "lr",
+}
+
+
+def progress_scalars(scalars: Mapping[str, float]) -> dict[str, float]:
+  """The logged scalars the progress line shows, under their short names."""
+  return {label: scalars[key] for key, label in PROGRESS_KEYS.items() if key in scalars}
+
+
+def evaluation_summary(step: int, scalars: Mapping[str, float]) -> str:
+  """One console line per evaluation: its split-level scalars ("val/accuracy", "eval/loss"),
+  not the per-attribute or per-layer ones, which stay in metrics.jsonl."""
+  top = {k: v for k, v in scalars.items() if k.count("/") == 1 and isinstance(v, (int, float))}
+  prefix = next(iter(top), "eval/").split("/")[0]
+  values = ", ".join(f"{k.split('/')[1]} {v:.4g}" for k, v in top.items())
+  return f"step {step} {prefix}: {values}"
+
+
 def train_loop(
     *,
     state: TrainState,
@@ -137,7 +162,9 @@ def train_loop(
     tokens_per_example: int = 0,
     peak_flops: float = 0.0,
     evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
-    reviews: Sequence[tuple[int, Callable[[TrainState], tuple[TrainState, Mapping[str, Any]]]]] = (),
+    reviews: Sequence[
+        tuple[int, Callable[[TrainState], tuple[TrainState, Mapping[str, Any]]]]
+    ] = (),
     show_progress: bool = True,
     profile_steps: tuple[int, int] | None = None,
 ) -> tuple[TrainState, bool]:
@@ -230,10 +257,11 @@ def train_loop(
               )
           )
         writer.write_scalars(step, scalars)
-        progress.update(step, steps_per_second, {"loss": scalars["loss"]})
+        progress.update(step, steps_per_second, progress_scalars(scalars))
       if eval_due:
         eval_scalars = evaluate(state)
         writer.write_scalars(step, eval_scalars)
+        progress.note(evaluation_summary(step, eval_scalars))
         progress.rate(step)  # Evaluation time is not training throughput.
       for every, review in reviews:
         if every > 0 and step % every == 0 and step < num_train_steps:

@@ -62,6 +62,13 @@ class ProgressBar:
       self.stream.write(line + "\n")
     self.stream.flush()
 
+  def note(self, line: str) -> None:
+    """A line of its own (an evaluation summary, say) that the progress line does not erase."""
+    if not self.enabled:
+      return
+    self.stream.write(("\r\033[K" if self._interactive else "") + line + "\n")
+    self.stream.flush()
+
   def close(self) -> None:
     if self.enabled and self._interactive:
       self.stream.write("\n")
