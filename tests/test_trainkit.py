@@ -628,3 +628,30 @@ def test_the_progress_line_shows_the_task_loss_and_learning_rate_beside_the_tota
       40, {"val/accuracy": 0.5, "val/mf_pqd": 0.8, "val/sex/pqd": 0.7, "val/loss": 1.25}
   )
   assert line == "step 40 val: accuracy 0.5, mf_pqd 0.8, loss 1.25"
+
+
+def test_a_torn_last_line_of_metrics_jsonl_is_dropped_and_a_resume_goes_on(tmp_path, caplog):
+  # A kill or a full disk mid-append leaves a partial last line (`truncate -s -50`).
+  from trainkit.metric_writers import MetricWriter, read_metrics
+
+  writer = MetricWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3):
+    writer.write_scalars(step, {"loss": 1.0 / step, "note": "x" * 40})
+  writer.flush()
+  path = tmp_path / "metrics.jsonl"
+  path.write_bytes(path.read_bytes()[:-50])
+  with caplog.at_level("WARNING"):
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+  assert "torn write" in caplog.text
+  MetricWriter(str(tmp_path), tensorboard=False).truncate_after(2)  # What a resume does.
+  assert path.read_text().endswith("\n")
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+
+
+def test_a_corrupt_line_inside_metrics_jsonl_names_the_file_and_line(tmp_path):
+  from trainkit.errors import UserError
+  from trainkit.metric_writers import read_metrics
+
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, oops\n{"step": 3}\n')
+  with pytest.raises(UserError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+    read_metrics(str(tmp_path))

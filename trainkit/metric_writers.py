@@ -3,11 +3,49 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import tempfile
 from typing import Any, Mapping
 
 import numpy as np
+
+from trainkit.errors import UserError
+
+_log = logging.getLogger(__name__)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  """The records of an append-only JSON-lines log, tolerating a torn last line.
+
+  A process killed (or a disk filled) mid-append leaves a partial last line: it is dropped with
+  one warning, since the run it belongs to rewrites it on resume. A bad line anywhere else is a
+  UserError naming the file and line: the log was edited or corrupted, not torn.
+  """
+  with open(path) as f:
+    lines = f.read().split("\n")
+  records = []
+  numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+  for position, (number, line) in enumerate(numbered):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if position == len(numbered) - 1:
+        _log.warning("%s: line %d is a torn write (%s); it is dropped", path, number, e.msg)
+        break
+      raise UserError(f"{path}: line {number} is not a JSON record ({e.msg})") from None
+  return records
+
+
+def write_atomically(path: str, text: str) -> None:
+  """Replaces `path` with `text` through a temporary file and a rename: never half-written."""
+  directory = os.path.dirname(path) or "."
+  with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
+    f.write(text)
+    temporary = f.name
+  os.chmod(temporary, 0o644)
+  os.replace(temporary, path)
 
 
 def _to_python(value: Any) -> Any:
@@ -38,13 +76,12 @@ class MetricWriter:
       self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
 
   def truncate_after(self, step: int) -> None:
-    """Drops lines logged after `step`: a resumed run rewrites them, so none are duplicated."""
+    """Drops lines logged after `step` (and a torn last line): a resumed run rewrites them, so
+    none are duplicated."""
     if not self.enabled or not os.path.exists(self.path):
       return
-    with open(self.path) as f:
-      lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(self.path, "w") as f:
-      f.writelines(lines)
+    kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
+    write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -68,8 +105,7 @@ class MetricWriter:
       record = {**self._last_flushed, **self._pending}
       with open(self.path) as f:
         lines = f.readlines()[:-1]
-      with open(self.path, "w") as f:
-        f.writelines(lines)
+      write_atomically(self.path, "".join(lines))
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     self._last_flushed = record
@@ -84,6 +120,5 @@ class MetricWriter:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """Reads `metrics.jsonl` back (for tests and notebooks)."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """Reads `metrics.jsonl` back (a torn last line is dropped, `read_jsonl`)."""
+  return read_jsonl(os.path.join(workdir, "metrics.jsonl"))
