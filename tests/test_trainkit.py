@@ -655,3 +655,27 @@ def test_a_corrupt_line_inside_metrics_jsonl_names_the_file_and_line(tmp_path):
   (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, oops\n{"step": 3}\n')
   with pytest.raises(UserError, match=r"metrics.jsonl: line 2 is not a JSON record"):
     read_metrics(str(tmp_path))
+
+
+def test_a_fresh_restart_after_an_attempt_that_saved_nothing_does_not_duplicate_metrics(tmp_path):
+  # An attempt that diverged (or was killed) before its first checkpoint logged steps 1-5; the
+  # rerun starts from step 0 again, so those lines must go, not be followed by a second step 5.
+  import ml_collections
+
+  from trainkit.loop import resume_training
+
+  writer = MetricWriter(str(tmp_path), tensorboard=False)
+  for step in range(1, 6):
+    writer.write_scalars(step, {"loss": 1.0})
+  writer.flush()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  state = resume_training(
+      ml_collections.ConfigDict({"seed": 0}),
+      str(tmp_path),
+      _toy_train_state(0.0),
+      ckpt,
+      _SignallingIterator(-1),
+      MetricWriter(str(tmp_path), tensorboard=False),
+  )
+  assert int(state.step) == 0
+  assert read_metrics(str(tmp_path)) == []

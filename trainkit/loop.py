@@ -304,6 +304,10 @@ def resume_training(
     train_iterator.set_state(iterator_state)
     writer.truncate_after(step)
     print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
+  else:
+    # A fresh start (nothing saved yet: an earlier attempt diverged or was killed before its
+    # first checkpoint) retrains from step 0, so that attempt's lines would be duplicated.
+    writer.truncate_after(int(state.step))
   save_config(config, workdir)
   return state
 
