@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import flax
 import jax
@@ -679,3 +680,17 @@ def test_a_fresh_restart_after_an_attempt_that_saved_nothing_does_not_duplicate_
   )
   assert int(state.step) == 0
   assert read_metrics(str(tmp_path)) == []
+
+
+def test_an_empty_run_lock_is_stale_once_old_and_held_while_fresh(tmp_path, caplog):
+  lock = tmp_path / ".run.lock"
+  lock.write_text("")  # Its writer died between creating the file and naming itself.
+  with pytest.raises(UserError, match="has not named itself"):  # Fresh: maybe being written.
+    with workdir_lock(str(tmp_path)):
+      pass
+  old = time.time() - 60
+  os.utime(lock, (old, old))
+  with caplog.at_level("WARNING"):
+    with workdir_lock(str(tmp_path)):
+      assert json.loads(lock.read_text())["pid"] == os.getpid()
+  assert "names no owner" in caplog.text

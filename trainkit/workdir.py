@@ -78,6 +78,18 @@ def _read_lock(path: str) -> dict[str, Any]:
     return {}  # Being written, or truncated by a crash: treated as unknown owner.
 
 
+# A lock is written within microseconds of its creation; one still empty after this long never
+# will be.
+_UNWRITTEN_LOCK_SECONDS = 5.0
+
+
+def _age_seconds(path: str) -> float:
+  try:
+    return time.time() - os.path.getmtime(path)
+  except OSError:
+    return 0.0
+
+
 @contextlib.contextmanager
 def workdir_lock(workdir: str) -> Iterator[None]:
   """Holds `<workdir>/.run.lock` for the life of a run, so that two runs never share a workdir.
@@ -105,6 +117,17 @@ def workdir_lock(workdir: str) -> Iterator[None]:
         _log.warning("removing the stale run lock %s of pid %d, which no longer runs", path, pid)
         os.remove(path)
         continue
+      if not owner and _age_seconds(path) > _UNWRITTEN_LOCK_SECONDS:
+        # Empty or unreadable well after its creation: its writer died between creating the
+        # file and naming itself in it (a kill, a full disk). Nobody can hold it.
+        _log.warning("removing the run lock %s, which names no owner (a torn write)", path)
+        os.remove(path)
+        continue
+      if not owner:
+        raise UserError(
+            f"workdir '{workdir}' is being claimed by another run that has not named itself in "
+            f"{path} yet; use another --workdir, or retry in a few seconds"
+        ) from None
       since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("started", 0)))
       raise UserError(
           f"workdir '{workdir}' is in use by another run (pid {pid} on {host}, since {since}); "
@@ -175,9 +198,7 @@ def _keep_in_history(workdir: str, text: str) -> str:
   return kept
 
 
-def config_differences(
-    saved: Any, requested: Any, *, ignore: tuple[str, ...] = ()
-) -> list[str]:
+def config_differences(saved: Any, requested: Any, *, ignore: tuple[str, ...] = ()) -> list[str]:
   """`key: saved -> requested` for every dotted key whose value differs (JSON-like trees)."""
   before, after = _flatten(saved), _flatten(requested)
   return [
@@ -215,8 +236,9 @@ def move_aside(directory: str) -> str:
 
 def stale_runs_error(stale: list[tuple[str, list[str]]], flag: str) -> UserError:
   """One message for finished runs whose config is not the requested one."""
-  shown = "; ".join(f"{d} ({', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})"
-                    for d, diff in stale[:3])
+  shown = "; ".join(
+      f"{d} ({', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})" for d, diff in stale[:3]
+  )
   more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
   return UserError(
       f"{len(stale)} finished run(s) were trained with another config, so their results would be "
