@@ -74,9 +74,7 @@ def read_run(point: Mapping[str, Any], directory: str) -> RunResult:
       message = f.read().split("\n\n", 1)[0].strip()
     return RunResult(point, directory, "failed", error=message or "failed")
   except OSError:
-    return RunResult(
-        point, directory, "missing", error="no report.json (not run, or interrupted)"
-    )
+    return RunResult(point, directory, "missing", error="no report.json (not run, or interrupted)")
 
 
 def collect(sweep: ml_collections.ConfigDict, workdir: str) -> list[RunResult]:
@@ -201,7 +199,17 @@ def write_spec_tables(
   """Calls each of the spec's `tables` collectors, in order; returns the paths they wrote."""
   paths: list[str] = []
   for name in sweep.tables:
-    written = import_collector(name)(workdir, list(results))
+    try:
+      written = import_collector(name)(workdir, list(results))
+    except SweepError:
+      raise
+    except Exception as e:  # A collector's bug must not look like the runs failed.
+      raise SweepError(
+          "tables",
+          f"{name} failed: {type(e).__name__}: {e}. The runs are kept in {workdir}/runs; fix "
+          "the collector and rerun the same sweep command to tabulate them (finished runs are "
+          "not retrained)",
+      ) from None
     if not isinstance(written, (list, tuple)) or not all(isinstance(p, str) for p in written):
       raise SweepError("tables", f"{name} returned {written!r}, not a list of the paths it wrote")
     paths += written

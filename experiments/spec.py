@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import importlib.util
 import itertools
 import os
@@ -151,6 +152,16 @@ def import_collector(name: str) -> TableCollector:
     target = getattr(target, part)
   if not callable(target):
     raise SweepError("tables", f"{name!r} is not callable")
+  # A collector is called as collector(workdir, results): check that it can be, before any run
+  # trains (os:system, say, takes one argument).
+  try:
+    inspect.signature(target).bind("workdir", [])
+  except TypeError as e:
+    raise SweepError(
+        "tables", f"{name!r} cannot be called as {attribute}(workdir, results): {e}"
+    ) from None
+  except ValueError:  # A builtin without a signature: it cannot be checked here.
+    pass
   return target
 
 

@@ -62,9 +62,7 @@ def _sweep(batch_sizes=(16, 32), **extra):
       dict(
           module="stub_main",
           config="configs/quickstart.py",
-          grid=spec.dotted(
-              {"batch_size": batch_sizes, "moe.num_experts": (2, 4), "seed": (0, 1)}
-          ),
+          grid=spec.dotted({"batch_size": batch_sizes, "moe.num_experts": (2, 4), "seed": (0, 1)}),
           overrides=spec.dotted({"use_flag": True, "data.name": "synthetic", "lr": 1e-3}),
           metrics=("accuracy", "mf.pqd", "mf.missing"),
           **extra,
@@ -221,7 +219,11 @@ def test_at_values_set_config_keys_and_name_the_run():
   ]
   record = spec.run_record(sweep, fair)["settings"]
   assert record == {
-      "use_flag": "True", "lr": "0.1", "method": "fair", "fair.alpha": "0.5", "seed": "0"
+      "use_flag": "True",
+      "lr": "0.1",
+      "method": "fair",
+      "fair.alpha": "0.5",
+      "seed": "0",
   }
 
 
@@ -289,11 +291,25 @@ def test_spec_tables_collector_gets_the_run_results(tmp_path, stub_env, capsys, 
         ("os:no_such_function", "'os' has no 'no_such_function'"),
         ("os:sep", "'os:sep' is not callable"),
         ("os.path.join", "'os.path.join' is not 'module:function'"),
+        ("os:system", r"'os:system' cannot be called as system\(workdir, results\)"),
     ],
 )
 def test_bad_table_collectors_are_sweep_errors(name, message):
   with pytest.raises(spec.SweepError, match=f"sweep key 'tables': {message}"):
     spec.validate_sweep(_sweep(tables=(name,)))
+
+
+def test_a_collector_that_raises_is_one_error_that_keeps_the_runs(tmp_path, monkeypatch):
+  from experiments import collect
+
+  (tmp_path / "buggy_collector.py").write_text(
+      "def write(workdir, results):\n  return sorted(results)[0]['missing']\n"
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  sweep = spec.validate_sweep(_sweep(tables=("buggy_collector:write",)))
+  with pytest.raises(spec.SweepError, match="buggy_collector:write failed: .*Error") as e:
+    collect.write_spec_tables(sweep, str(tmp_path), [{"a": 1}, {"b": 2}])
+  assert "rerun the same sweep command" in str(e.value)
 
 
 # A run that trains until stopped: it records a SIGTERM (as the mains checkpoint on it) and exits,
