@@ -131,8 +131,8 @@ def base_config() -> ml_collections.ConfigDict:
           alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
           # Reading of Eq. 8 (fairmoe_jax/moe/routers/fair.py, docs/design.md):
           # expert_competence (the literal reading: a task loss of each expert) |
-          # attribute_routing | class_routing. No validation measurement has chosen between
-          # them (docs/protocol.md), so the literal one is the default.
+          # attribute_routing | class_routing. Their validation comparison is undecided
+          # (results/fair_comparison_*.py), so the literal one is the default.
           specialization="expert_competence",
           # FGR's attribute vector from the SA classifiers ("predicted", Algorithm 1: no
           # sensitive label at inference) or from the true class ("label", a training study).
