@@ -187,13 +187,18 @@ def _require_file(config: ml_collections.ConfigDict, key: str, what: str) -> Non
   if not isinstance(path, str) or not path:
     raise ConfigError(key, f"is required ({what})")
   if not os.path.isfile(path):
-    raise ConfigError(key, f"file {path!r} does not exist")
+    raise ConfigError(key, _missing_file_message(key, path))
 
 
 def _optional_file(config: ml_collections.ConfigDict, key: str) -> None:
   path = cfg.get(config, key)
   if path and not os.path.isfile(path):
-    raise ConfigError(key, f"file {path!r} does not exist")
+    raise ConfigError(key, _missing_file_message(key, path))
+
+
+def _missing_file_message(key: str, path: str) -> str:
+  # A config.json reused from a trained workdir names the files where they were then.
+  return f"file {path!r} does not exist (--config.{key}=FILE says where it is)"
 
 
 def uses_tfds(config: ml_collections.ConfigDict) -> bool:
@@ -237,9 +242,26 @@ def _validate_ood_pairs(config: ml_collections.ConfigDict) -> None:
 
 
 def validate(
-    config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
+    config: ml_collections.ConfigDict,
+    *,
+    num_devices: int,
+    num_processes: int = 1,
+    check_data: bool = True,
 ) -> None:
-  """Raises ConfigError naming the first key with a wrong type, impossible value or missing file."""
+  """Raises ConfigError naming the first key with a wrong type, impossible value or missing file.
+
+  `check_data=False` skips the data files (and `model.glove_path`): the modes that read only a
+  trained workdir (predict: its tokenizer, run_info.json and checkpoint) need none of them.
+  """
+
+  def require_file(config: ml_collections.ConfigDict, key: str, what: str) -> None:
+    if check_data:
+      _require_file(config, key, what)
+
+  def optional_file(config: ml_collections.ConfigDict, key: str) -> None:
+    if check_data:
+      _optional_file(config, key)
+
   task = cfg.require_choice(config, "task", TASKS)
   cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
 
@@ -259,7 +281,7 @@ def validate(
   cfg.require_int(config, "model.num_random", minimum=0)
   cfg.require_int(config, "model.block_size", minimum=1)
   cfg.require_int(config, "model.mask_seed", minimum=0)
-  _optional_file(config, "model.glove_path")
+  optional_file(config, "model.glove_path")
 
   cfg.require_choice(config, "constraints.weight", (0, 1, 0.0, 1.0))
   cfg.require_choice(config, "constraints.form", constraints_lib.FORMS)
@@ -305,22 +327,22 @@ def validate(
       cfg.require_float(config, "data.spurious.distractor_prob", minimum=0.0, maximum=1.0)
       cfg.require_int(config, "data.spurious.seed", minimum=0)
     elif not tfds:
-      _require_file(config, "data.train_file", "the training sentence pairs")
+      require_file(config, "data.train_file", "the training sentence pairs")
       if config.data.eval_file:
-        _optional_file(config, "data.eval_file")
+        optional_file(config, "data.eval_file")
       elif config.data.eval_fraction <= 0:
         raise ConfigError(
             "data.eval_fraction", "must be > 0 when data.eval_file is empty (no eval set)"
         )
-    _optional_file(config, "data.challenge_file")
+    optional_file(config, "data.challenge_file")
   else:
     cfg.require_int(config, "data.max_source_len", minimum=4)
     cfg.require_int(config, "data.max_target_len", minimum=4)
     if not tfds:
-      _require_file(config, "data.train_source", "source side of the training text")
-      _require_file(config, "data.train_target", "target side of the training text")
-      _require_file(config, "data.eval_source", "source side of the evaluation text")
-      _require_file(config, "data.eval_target", "target side of the evaluation text")
+      require_file(config, "data.train_source", "source side of the training text")
+      require_file(config, "data.train_target", "target side of the training text")
+      require_file(config, "data.eval_source", "source side of the evaluation text")
+      require_file(config, "data.eval_target", "target side of the evaluation text")
     cfg.require_float(config, "nmt.label_smoothing", minimum=0.0, maximum=0.99)
     cfg.require_int(config, "nmt.beam_size", minimum=1)
     cfg.require_float(config, "nmt.alpha", minimum=0.0)

@@ -5,8 +5,12 @@ run the latest checkpoint on new inputs (`--mode=predict`).
       --config.data.train_file=../shared/data/nli/snli_1.0_dev.jsonl \
       --config.data.eval_file=../shared/data/nli/snli_1.0_test.jsonl --workdir=/tmp/snli
   python -m causal_attn_jax.main --config=configs/snli.py:size=small ... --mode=eval
-  python -m causal_attn_jax.main --config=configs/snli.py:size=small ... --mode=predict \
+  python -m causal_attn_jax.main --workdir=/tmp/snli --mode=predict \
       --config.predict.input=pairs.tsv   # premise<TAB>hypothesis lines; or sentences to translate
+
+Without --config, eval and predict read the trained run's <workdir>/config.json
+(--config.KEY=VALUE overrides still apply); predict needs no data file (the tokenizer and the
+label names are in the workdir: spm.model, run_info.json).
 
 Writes <workdir>/report.json: classification {accuracy, macro_f1, challenge: {accuracy,
 by_heuristic}}; translation {bleu, num_sentences}; both {attention: {kind, effective_keys,

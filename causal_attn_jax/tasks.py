@@ -11,6 +11,7 @@ picks the object (`get_task`); which config keys a task needs is still checked i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import flax.nnx as nnx
@@ -85,8 +86,14 @@ class Task(Protocol):
     ...
 
   def predict(
-      self, config: ml_collections.ConfigDict, data: TaskData, state: TrainState, *,
-      graphdef: nnx.GraphDef, mesh: Mesh, path: str,
+      self,
+      config: ml_collections.ConfigDict,
+      data: TaskData,
+      state: TrainState,
+      *,
+      graphdef: nnx.GraphDef,
+      mesh: Mesh,
+      path: str,
   ) -> dict[str, list[Any]]:
     """The columns of predict/predictions.tsv for the inputs in `path` (`predict.input`)."""
     ...
@@ -169,7 +176,6 @@ class PairClassification:
       report["challenge"]["num_examples"] = int(len(data.challenge["label"]))
     return report
 
-
   def predict(self, config, data, state, *, graphdef, mesh, path) -> dict[str, list[Any]]:
     premises, hypotheses = [], []
     for number, line in iter_lines(path, "predict.input"):
@@ -185,19 +191,9 @@ class PairClassification:
       hypotheses.append(fields[1])
     if not premises:
       raise UserError(f"{path}: no sentence pair to classify")
-    ids, segments = data.tokenizer.encode_pair(premises, hypotheses, config.data.max_len)
-
-    @jax.jit
-    def probabilities(state, batch):
-      model = nnx.merge(graphdef, state.params, state.model_state)
-      logits, _ = model(batch["ids"], batch["segment_ids"], train=False)
-      return jax.nn.softmax(logits.astype(jnp.float32), -1)
-
-    rows = []
-    arrays = {"ids": ids, "segment_ids": segments}
-    for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
-      rows.append(to_host(probabilities(state, batch))[host_batch["mask"]])
-    probs = np.concatenate(rows)
+    probs = pair_probabilities(
+        config, data, state, make_pair_probabilities(graphdef), mesh, premises, hypotheses
+    )
     prediction = probs.argmax(-1)
     columns: dict[str, list[Any]] = {
         "premise": premises,
@@ -265,12 +261,8 @@ class Translation:
     sources = [line for _, line in iter_lines(path, "predict.input") if line.strip()]
     if not sources:
       raise UserError(f"{path}: no sentence to translate")
-    src = data.tokenizer.encode(sources, config.data.max_source_len, add_bos=False, add_eos=True)
     translate = decoding.make_translate_fn(graphdef, config)
-    translations = []
-    for host_batch, batch in device_batches({"src": src}, config.eval_batch_size, mesh):
-      tokens = to_host(translate(state.params, state.model_state, batch["src"]))
-      translations += data.tokenizer.decode_batch(tokens[host_batch["mask"]])
+    translations = translate_sentences(config, data, state, translate, mesh, sources)
     return {"source": sources, "translation": translations}
 
   def report(self, config, data, state, result, *, evaluate, graphdef, mesh) -> dict[str, Any]:
@@ -294,6 +286,60 @@ class Translation:
             {"hypothesis": h, "reference": r} for h, r in list(zip(hypotheses, references))[:3]
         ],
     }
+
+
+# --- Inference on new inputs (--mode=predict and causal_attn_jax.load_run) -----------------------
+
+PairProbabilities = Callable[[TrainState, Batch], jax.Array]
+
+
+def make_pair_probabilities(graphdef: nnx.GraphDef) -> PairProbabilities:
+  """Jitted `probabilities(state, batch) -> [B, C]`: a pair classifier's softmax."""
+
+  @jax.jit
+  def probabilities(state: TrainState, batch: Batch) -> jax.Array:
+    model = nnx.merge(graphdef, state.params, state.model_state)
+    logits, _ = model(batch["ids"], batch["segment_ids"], train=False)
+    return jax.nn.softmax(logits.astype(jnp.float32), -1)
+
+  return probabilities
+
+
+def pair_probabilities(
+    config: ml_collections.ConfigDict,
+    data: TaskData,
+    state: TrainState,
+    probabilities: PairProbabilities,
+    mesh: Mesh,
+    premises: Sequence[str],
+    hypotheses: Sequence[str],
+) -> np.ndarray:
+  """float32 [N, C]: each pair's label probabilities, in padded batches of eval_batch_size."""
+  ids, segments = data.tokenizer.encode_pair(list(premises), list(hypotheses), config.data.max_len)
+  rows = []
+  arrays = {"ids": ids, "segment_ids": segments}
+  for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
+    rows.append(to_host(probabilities(state, batch))[host_batch["mask"]])
+  return np.concatenate(rows)
+
+
+def translate_sentences(
+    config: ml_collections.ConfigDict,
+    data: TaskData,
+    state: TrainState,
+    translate: decoding.TranslateFn,
+    mesh: Mesh,
+    sources: Sequence[str],
+) -> list[str]:
+  """The beam-search translation (config.nmt) of each source sentence, detokenised pieces."""
+  src = data.tokenizer.encode(
+      list(sources), config.data.max_source_len, add_bos=False, add_eos=True
+  )
+  translations = []
+  for host_batch, batch in device_batches({"src": src}, config.eval_batch_size, mesh):
+    tokens = to_host(translate(state.params, state.model_state, batch["src"]))
+    translations += data.tokenizer.decode_batch(tokens[host_batch["mask"]])
+  return translations
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (PairClassification(), Translation())}

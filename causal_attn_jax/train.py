@@ -16,6 +16,7 @@ constraint statistics but do not add the term.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import csv
 import os
@@ -33,7 +34,9 @@ from causal_attn_jax import config as config_lib
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax import models
 from causal_attn_jax import report as report_lib
+from causal_attn_jax import run_info as run_info_lib
 from causal_attn_jax import tasks
+from causal_attn_jax.data import tokenizer as tokenizer_lib
 from causal_attn_jax.data.iterator import TrainIterator, device_batches
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import attention_sparsity
@@ -152,9 +155,18 @@ def initial_extra(config: ml_collections.ConfigDict) -> dict[str, jax.Array]:
 
 
 def create_state(
-    config: ml_collections.ConfigDict, data: TaskData, tx: optax.GradientTransformation, mesh: Mesh
+    config: ml_collections.ConfigDict,
+    data: TaskData,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    pretrained: bool = True,
 ) -> tuple[nnx.GraphDef, TrainState]:
-  """The initial train state; the multipliers live in `extra`, replicated."""
+  """The initial train state; the multipliers live in `extra`, replicated.
+
+  `pretrained=False` skips the GloVe init of `model.glove_path`, for a state that a
+  checkpoint's restore overwrites anyway (predict: the GloVe file need not be there).
+  """
 
   def load_glove(model: nnx.Module) -> None:
     matched = models.init_from_glove(model, data.tokenizer.pieces(), config.model.glove_path)
@@ -171,7 +183,7 @@ def create_state(
       tx,
       mesh,
       config.seed,
-      load_weights=load_glove if config.model.glove_path else None,
+      load_weights=load_glove if pretrained and config.model.glove_path else None,
   )
   state = state.replace(extra=place(initial_extra(config), replicated(mesh)))
   return graphdef, state
@@ -317,6 +329,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       update_extra=make_update_extra(config),
       tokens_per_example=task.tokens_per_example(config),
       evaluate=evaluate,
+      # Label names beside the tokenizer: predict then needs the workdir alone.
+      run_info=run_info_lib.RunMetadata.from_data(config, data).to_json(),
   )
   if trained is None:
     return None
@@ -349,11 +363,97 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   _require_tokenizer(workdir)
   data, run = _setup(config, workdir, training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
+  if run_info_lib.load(workdir) is None:  # A run trained before run_info.json was written.
+    run_info_lib.RunMetadata.from_data(config, data).save(workdir)
   eval_step = make_eval_step(run.graphdef, config)
   report = _final_report(config, run.graphdef, eval_step, state, data, run.mesh, workdir)
   return recipe.finish(
       run, state, report, write_report=lambda report: report_lib.write_report(report, workdir)
   )
+
+
+@dataclasses.dataclass
+class Restored:
+  """A trained run's latest checkpoint, ready for inference (`restore_run`).
+
+  Attributes:
+    metadata: The run's task and label names (run_info.json).
+    data: The tokenizer and label names as TaskData, with no examples.
+    graphdef: The model's graph.
+    state: The restored train state (params, model state, optimizer state, multipliers).
+    mesh: The device mesh of `config.mesh` the state is placed on.
+    step: The checkpoint's step.
+  """
+
+  metadata: run_info_lib.RunMetadata
+  data: TaskData
+  graphdef: nnx.GraphDef
+  state: TrainState
+  mesh: Mesh
+  step: int
+
+  @property
+  def model(self) -> nnx.Module:
+    """The model with the restored parameters."""
+    return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
+
+
+def inference_data(
+    config: ml_collections.ConfigDict, workdir: str
+) -> tuple[run_info_lib.RunMetadata, TaskData]:
+  """The run's metadata and its tokenizer and label names, from the workdir alone.
+
+  A run trained before run_info.json was written reads its label names from the data (which
+  must then be where `data.*` says).
+  """
+  _require_tokenizer(workdir)
+  metadata = run_info_lib.load(workdir)
+  if metadata is None:
+    try:
+      data = tasks.get_task(config).load_data(config, workdir)
+    except UserError as e:
+      raise UserError(
+          f"{workdir} has no {run_info_lib.RUN_INFO_FILE} (trained before it was written), so "
+          f"the label names are read from the data, which failed: {e}"
+      ) from None
+    return run_info_lib.RunMetadata.from_data(config, data), data
+  if metadata.task != config.task:
+    raise UserError(
+        f"{workdir}/{run_info_lib.RUN_INFO_FILE} is a {metadata.task} run's, but the config "
+        f"says task={config.task!r}"
+    )
+  # The saved vocabulary; load_or_train checks it has the config's settings and never retrains.
+  tokenizer = tokenizer_lib.load_or_train(
+      workdir,
+      (),
+      config.data.vocab_size,
+      model_type=config.data.tokenizer_type,
+      name=os.path.splitext(metadata.tokenizer)[0],
+      seed=config.seed,
+  )
+  data = TaskData(
+      tokenizer=tokenizer,
+      train={},
+      eval={},
+      num_classes=len(metadata.label_names),
+      label_names=metadata.label_names,
+  )
+  return metadata, data
+
+
+def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
+  """The latest readable checkpoint of `workdir`, from the workdir alone: config, tokenizer,
+  run_info.json and checkpoints (no data file). No readable checkpoint is a UserError."""
+  metadata, data = inference_data(config, workdir)
+  run = recipe.setup(
+      config,
+      workdir,
+      train_examples=0,  # num_train_steps is config.json's, resolved at training time.
+      create_state=lambda tx, mesh: create_state(config, data, tx, mesh, pretrained=False),
+      training=False,
+  )
+  state, step = restore_trained(run.checkpointer, run.state)
+  return Restored(metadata, data, run.graphdef, state, run.mesh, step)
 
 
 PREDICT_FILE = os.path.join("predict", "predictions.tsv")
@@ -365,15 +465,19 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   Pair classification reads a TSV of `premise<TAB>hypothesis` lines and writes the predicted
   label and each label's probability; translation reads one source sentence per line and
   writes its beam-search translation (config.nmt). Blank lines and, for pairs, lines starting
-  with # are skipped.
+  with # are skipped. Reads the workdir alone (config, tokenizer, run_info.json, checkpoint),
+  not the data files.
   """
   if not config.predict.input:
     raise ConfigError("predict.input", "--mode=predict needs --config.predict.input=FILE")
-  _require_tokenizer(workdir)
-  data, run = _setup(config, workdir, training=False)
-  state, step = restore_trained(run.checkpointer, run.state)
+  restored = restore_run(config, workdir)
   columns = tasks.get_task(config).predict(
-      config, data, state, graphdef=run.graphdef, mesh=run.mesh, path=config.predict.input
+      config,
+      restored.data,
+      restored.state,
+      graphdef=restored.graphdef,
+      mesh=restored.mesh,
+      path=config.predict.input,
   )
   path = os.path.join(workdir, PREDICT_FILE)
   if jax.process_index() == 0:
@@ -384,5 +488,5 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
       writer.writerow(names)
       writer.writerows(zip(*(columns[name] for name in names)))
     rows = len(columns[names[0]])
-    print(f"Predicted {rows} inputs with the checkpoint of step {step}: {path}")
+    print(f"Predicted {rows} inputs with the checkpoint of step {restored.step}: {path}")
   return path

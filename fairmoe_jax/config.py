@@ -195,9 +195,17 @@ def _missing_root_message(config: ml_collections.ConfigDict) -> str:
 
 
 def validate(
-    config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
+    config: ml_collections.ConfigDict,
+    *,
+    num_devices: int,
+    num_processes: int = 1,
+    check_data: bool = True,
 ) -> None:
-  """Raises ConfigError naming the first key with a wrong type or an impossible value."""
+  """Raises ConfigError naming the first key with a wrong type or an impossible value.
+
+  `check_data=False` skips the keys that locate the dataset (`data.root`,
+  `data.tfds_data_dir`): the modes that read only a trained workdir (predict, export) need none.
+  """
   _, expert_size = cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
   cfg.require_int(config, "analysis_batches", minimum=0)
   cfg.require_float(config, "peak_flops_per_device", minimum=0.0)
@@ -231,9 +239,9 @@ def validate(
   cfg.require_float(config, "multifair.mixup_alpha", minimum=1e-6)
   cfg.require_float(config, "multifair.weight", minimum=0.0)
   cfg.require_choice(config, "data.name", DATASETS)
-  if config.data.name in ("celeba", "isic2019") and not config.data.root:
+  if check_data and config.data.name in ("celeba", "isic2019") and not config.data.root:
     raise ConfigError("data.root", _missing_root_message(config))
-  if config.data.name == "celeba_tfds" and not config.data.tfds_data_dir:
+  if check_data and config.data.name == "celeba_tfds" and not config.data.tfds_data_dir:
     raise ConfigError("data.tfds_data_dir", "celeba_tfds needs the tfds data_dir of celeb_a")
   cfg.require_choice(config, "data.missing", ("unknown", "exclude"))
   cfg.require_int(config, "data.max_examples_per_split", minimum=0)

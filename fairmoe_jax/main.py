@@ -3,9 +3,13 @@ r"""Command line: train then evaluate; evaluate, predict with or export the late
   python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart
   python -m fairmoe_jax.main --config=configs/quickstart.py:steps=50 --workdir=/tmp/q \
       --config.batch_size=64 --mode=eval
-  python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart \
-      --mode=predict --config.predict.input=DIR
-  python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/quickstart --mode=export
+  python -m fairmoe_jax.main --workdir=/tmp/quickstart --mode=predict --config.predict.input=DIR
+  python -m fairmoe_jax.main --workdir=/tmp/quickstart --mode=export
+
+Without --config, eval, predict and export read the trained run's <workdir>/config.json
+(--config.KEY=VALUE overrides still apply); predict and export need no dataset (the class names
+and preprocessing are in <workdir>/run_info.json), eval reads the test split from
+--config.data.root (config.json's unless overridden).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ main = cli.train_eval_command(
             train.export_checkpoint,
             "write the latest checkpoint as a timm-named safetensors file, "
             "<workdir>/export/model.safetensors",
-        )
+        ),
     },
 )
 

@@ -7,6 +7,7 @@ report on the test split.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -24,6 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from fairmoe_jax import data as data_lib
+from fairmoe_jax import run_info as run_info_lib
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
 from fairmoe_jax.metrics import intersections as intersections_lib
 from fairmoe_jax.metrics import predictions as predictions_lib
@@ -43,11 +45,28 @@ from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics
 from trainkit.train_state import TrainState, create_train_state
 from trainkit.textfiles import iter_lines
+from trainkit.workdir import RUN_INFO_FILE
+
+# The key that locates each dataset read from disk.
+_DATA_LOCATION_KEYS = {"celeba": "root", "isic2019": "root", "celeba_tfds": "tfds_data_dir"}
 
 
 def load_data(
     config: ml_collections.ConfigDict,
 ) -> tuple[data_lib.DatasetInfo, dict[str, dict[str, np.ndarray]]]:
+  """The dataset of `config.data`: its DatasetInfo and its splits.
+
+  A data directory that is not there is a ConfigError naming the key to set: a trained
+  workdir's config.json names the data where it was at training time, and it may have moved.
+  """
+  key = _DATA_LOCATION_KEYS.get(config.data.name)
+  location = config.data[key] if key else ""
+  if location and "://" not in location and not os.path.isdir(location):
+    raise ConfigError(
+        f"data.{key}",
+        f"directory {location!r} does not exist; set --config.data.{key}=DIR to where the "
+        f"{config.data.name} data is",
+    )
   return data_lib.dataset_from_config(config.data)
 
 
@@ -492,14 +511,23 @@ def create_state(
     info: data_lib.DatasetInfo,
     tx: optax.GradientTransformation,
     mesh: Mesh,
+    *,
+    pretrained: bool = True,
 ) -> tuple[nnx.GraphDef, TrainState]:
-  """The initial train state of `config.method` on `mesh`."""
+  """The initial train state of `config.method` on `mesh`.
+
+  `pretrained=False` skips loading `model.pretrained`, for a state that a checkpoint's
+  restore overwrites anyway (predict, export: the timm file need not be there).
+  """
+  load_weights = None
+  if pretrained and config.model.pretrained:
+    load_weights = functools.partial(load_pretrained, config)
   graphdef, state = create_train_state(
       lambda: METHODS[config.method].build_model(config, info, nnx.Rngs(params=config.seed), mesh),
       tx,
       mesh,
       config.seed,
-      load_weights=functools.partial(load_pretrained, config) if config.model.pretrained else None,
+      load_weights=load_weights,
   )
   extra = METHODS[config.method].initial_extra(config, info)
   if extra:  # Checkpointed with the run (e.g. FEM's allocator state).
@@ -576,6 +604,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       tokens_per_example=(config.data.image_size // config.model.patch_size) ** 2,
       evaluate=lambda state: _summary_scalars(validate(state), "val"),
       reviews=[review] if review else [],
+      # Class names and preprocessing: predict and export then need the workdir alone.
+      run_info=run_info_lib.RunMetadata.from_dataset(info, config).to_json(),
   )
   if trained is None:
     return None
@@ -596,6 +626,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   """Evaluates the latest readable checkpoint in `workdir` on the test split."""
   info, splits, run = _setup(config, workdir, training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
+  if run_info_lib.load(workdir) is None:  # A run trained before run_info.json was written.
+    run_info_lib.RunMetadata.from_dataset(info, config).save(workdir)
   report, predictions = final_report(
       make_eval_step(run.graphdef, info, config),
       run.graphdef,
@@ -611,18 +643,82 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   )
 
 
+@dataclasses.dataclass
+class Restored:
+  """A trained run's latest checkpoint, ready for inference (`restore_run`).
+
+  Attributes:
+    metadata: The run's class and attribute names and preprocessing (run_info.json).
+    info: The same names as the DatasetInfo the model was built from.
+    graphdef: The model's graph.
+    state: The restored train state (params, model state, optimizer state, extras).
+    mesh: The device mesh of `config.mesh` the state is placed on.
+    step: The checkpoint's step; None when nothing was restored (`from_checkpoint=False`).
+  """
+
+  metadata: run_info_lib.RunMetadata
+  info: data_lib.DatasetInfo
+  graphdef: nnx.GraphDef
+  state: TrainState
+  mesh: Mesh
+  step: int | None
+
+  @property
+  def model(self) -> nnx.Module:
+    """The model with the restored parameters."""
+    return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
+
+
+def run_metadata(config: ml_collections.ConfigDict, workdir: str) -> run_info_lib.RunMetadata:
+  """The run's metadata from `<workdir>/run_info.json`; for a run trained before that file was
+  written, from its dataset (which must then be where `data.*` says)."""
+  metadata = run_info_lib.load(workdir)
+  if metadata is None:
+    try:
+      info, _ = load_data(config)
+    except UserError as e:
+      raise UserError(
+          f"{workdir} has no {RUN_INFO_FILE} (trained before it was written), so the class "
+          f"names are read from the dataset, which failed: {e}"
+      ) from None
+    metadata = run_info_lib.RunMetadata.from_dataset(info, config)
+  return metadata
+
+
+def restore_run(
+    config: ml_collections.ConfigDict, workdir: str, *, from_checkpoint: bool = True
+) -> Restored:
+  """The latest readable checkpoint of `workdir`, from the workdir alone (no dataset).
+
+  With `from_checkpoint=False`, the state as initialised from `config` (from
+  `model.pretrained` when set) instead. Raises UserError when there is no readable checkpoint.
+  """
+  metadata = run_metadata(config, workdir)
+  info = metadata.dataset_info()
+  run = recipe.setup(
+      config,
+      workdir,
+      train_examples=0,  # num_train_steps is config.json's, resolved at training time.
+      create_state=lambda tx, mesh: create_state(
+          config, info, tx, mesh, pretrained=not from_checkpoint
+      ),
+      training=False,
+  )
+  state, step = run.state, None
+  if from_checkpoint:
+    state, step = restore_trained(run.checkpointer, state)
+  else:
+    run.checkpointer.close()
+  return Restored(metadata, info, run.graphdef, state, run.mesh, step)
+
+
 def load_model(
     config: ml_collections.ConfigDict, workdir: str, *, restore: bool = True
 ) -> tuple[nnx.Module, int | None]:
   """The model of the latest readable checkpoint in `workdir` and its step, or with
   `restore=False` the model as initialised from `config` (step None)."""
-  _, _, run = _setup(config, workdir, training=False)
-  state, step = run.state, None
-  if restore:
-    state, step = restore_trained(run.checkpointer, state)
-  else:
-    run.checkpointer.close()
-  return nnx.merge(run.graphdef, state.params, state.model_state), step
+  restored = restore_run(config, workdir, from_checkpoint=restore)
+  return restored.model, restored.step
 
 
 EXPORT_FILE = os.path.join("export", "model.safetensors")
@@ -635,24 +731,26 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   (`fairmoe_jax.models.convert_timm`; MoE experts stacked as `<block>.mlp.experts.*`, the
   router and FairSMoE's attribute branches under their own names), with the step, backbone
   and class names in its metadata. `load_timm_checkpoint(model, path, skip=())` loads it back.
+  Reads the workdir alone (config, run_info.json, checkpoint), not the dataset.
   """
   from safetensors.numpy import save_file  # Only this mode needs it.
 
-  model, step = load_model(config, workdir)
-  state = export_timm_state_dict(model)
+  restored = restore_run(config, workdir)
+  state = export_timm_state_dict(restored.model)
   path = os.path.join(workdir, EXPORT_FILE)
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     metadata = {
         "format": "timm",
-        "step": str(step),
+        "step": str(restored.step),
         "method": config.method,
         "backbone": str(config.model.get("backbone", "")),
+        "class_names": json.dumps(list(restored.metadata.class_names)),
         "config": config.to_json(),
     }
     save_file(state, path, metadata=metadata)
     size = sum(v.nbytes for v in state.values())
-    print(f"Exported step {step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
+    print(f"Exported step {restored.step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
   return path
 
 
@@ -687,42 +785,71 @@ def predict_inputs(source: str) -> list[str]:
   return paths
 
 
-def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """Classifies `predict.input`'s images with the latest checkpoint.
-
-  Writes `<workdir>/predict/predictions.csv`: per image its path, the predicted class (index and
-  name), the class probabilities and, per MoE block and expert, the share of the image's
-  (token, choice) pairs that expert served. No label or sensitive attribute is read.
-  """
+def check_predictable(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError when the method needs what unlabelled images lack (route_by=label)."""
   if METHODS[config.method].eval_context(config, {"attributes": None}) is not None:
     raise ConfigError(
         "fair.route_by",
         "'label' routes by the sensitive labels, which unlabelled images do not have; "
         "predict with a model trained with route_by=predicted",
     )
-  paths = predict_inputs(config.predict.input)
-  info, _, run = _setup(config, workdir, training=False)
-  state, step = restore_trained(run.checkpointer, run.state)
+
+
+def predict_examples(
+    restored: Restored,
+    config: ml_collections.ConfigDict,
+    images: np.ndarray,
+    eval_step: Callable[..., Any] | None = None,
+) -> dict[str, Any]:
+  """Classifies unlabelled images as evaluation does (same batches, padding and eval step).
+
+  Args:
+    restored: The trained run (`restore_run`).
+    config: Its config (eval_batch_size, image size, method).
+    images: Image file paths (an object array [N]), or uint8 images [N, S, S, 3].
+    eval_step: `make_eval_step(restored.graphdef, restored.info, config)`, to reuse its
+      compilation over calls; None makes one.
+
+  Returns:
+    `gather_examples`' per-example outputs, in the order of `images`: `prediction` [N],
+    `probabilities` [N, C] and `experts` {block: [N, E]}.
+  """
+  info = restored.info
   # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
   split = {
-      "path": np.array(paths, dtype=object),
-      "label": np.zeros(len(paths), np.int32),
-      "attributes": np.full((len(paths), len(info.attribute_names)), -1, np.int32),
+      "path" if images.dtype == object else "image": images,
+      "label": np.zeros(len(images), np.int32),
+      "attributes": np.full((len(images), len(info.attribute_names)), -1, np.int32),
   }
   _, examples = evaluate(
-      make_eval_step(run.graphdef, info, config),
-      state,
+      eval_step or make_eval_step(restored.graphdef, info, config),
+      restored.state,
       split,
       info,
       config,
-      run.mesh,
+      restored.mesh,
       keep_examples=True,
   )
+  return examples
+
+
+def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Classifies `predict.input`'s images with the latest checkpoint.
+
+  Writes `<workdir>/predict/predictions.csv`: per image its path, the predicted class (index and
+  name), the class probabilities and, per MoE block and expert, the share of the image's
+  (token, choice) pairs that expert served. No label or sensitive attribute is read, and
+  neither is the dataset: the class names come from the workdir's run_info.json.
+  """
+  check_predictable(config)
+  paths = predict_inputs(config.predict.input)
+  restored = restore_run(config, workdir)
+  examples = predict_examples(restored, config, np.array(paths, dtype=object))
   prediction = examples["prediction"]
   columns: dict[str, np.ndarray] = {
       "path": np.array(paths, dtype=object)[examples["index"]],
       "prediction": prediction,
-      "class_name": np.array(info.class_names, dtype=object)[prediction],
+      "class_name": np.array(restored.metadata.class_names, dtype=object)[prediction],
   }
   columns.update(predictions_lib.probability_columns(examples))
   columns.update(predictions_lib.expert_columns(examples))
@@ -730,5 +857,5 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     predictions_lib.write_csv(path, columns)
-    print(f"Predicted {len(paths)} images with the checkpoint of step {step}: {path}")
+    print(f"Predicted {len(paths)} images with the checkpoint of step {restored.step}: {path}")
   return path

@@ -20,7 +20,14 @@ from ml_collections import config_flags
 from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
-from trainkit.workdir import prepare_workdir, remove_if_empty, require_checkpoint, workdir_lock
+from trainkit import saved_config
+from trainkit.workdir import (
+    CONFIG_FILE,
+    prepare_workdir,
+    remove_if_empty,
+    require_checkpoint,
+    workdir_lock,
+)
 
 # absl's --help lists only the flags defined in the `__main__` file (none here: they are defined
 # in this module) and exits 1; these print the package's own help instead and exit 0.
@@ -164,11 +171,42 @@ def _unknown_key_message(error: Exception, argv: Sequence[str]) -> str | None:
   return None
 
 
-def parse_flags(argv: list[str], command: CommandHelp | None = None) -> list[str]:
+def flag_value(argv: Sequence[str], name: str) -> str | None:
+  """The value argv gives flag `name` (`--name=V`, `--name V`, one dash or two), the last one
+  wins as in absl; None when absent. Only arguments before a `--` are flags."""
+  value = None
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      break
+    for dashes in ("--", "-"):
+      if arg.startswith(f"{dashes}{name}="):
+        value = arg[len(dashes) + len(name) + 1 :]
+      elif arg == f"{dashes}{name}" and i + 1 < len(argv):
+        value = argv[i + 1]
+  return value
+
+
+def has_flag(argv: Sequence[str], name: str) -> bool:
+  """Whether argv sets flag `name` itself (`--config=F`, `--config F`; not `--config.KEY=V`)."""
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    if any(arg == f"{d}{name}" or arg.startswith(f"{d}{name}=") for d in ("--", "-")):
+      return True
+  return False
+
+
+def parse_flags(
+    argv: list[str],
+    command: CommandHelp | None = None,
+    prepare_argv: Callable[[list[str]], list[str]] | None = None,
+) -> list[str]:
   """absl flag parsing where a bad `--config...` flag is one line, not a traceback.
 
   `--help` (and `-h`) print `help_text(command)` and `--helpfull` absl's list of every flag,
   both on stdout with exit status 0, before any flag (a config file to load) is parsed.
+  `prepare_argv(argv)`, when given, may rewrite the arguments before they are parsed (or stop
+  with `fail`).
   """
   requested = _requested_help(argv)
   if requested == "short":
@@ -176,6 +214,8 @@ def parse_flags(argv: list[str], command: CommandHelp | None = None) -> list[str
     sys.exit(0)
   if requested == "full":
     app.usage(shorthelp=False, writeto_stdout=True, exitcode=0)
+  if prepare_argv is not None:
+    argv = prepare_argv(list(argv))
   try:
     # `--config=configs/x.py` also finds the configs shipped with an installed package.
     return flags.FLAGS(resolve_config_args(argv))
@@ -234,8 +274,15 @@ def _accept_jax_flags() -> None:
     jax.config.config_with_absl()
 
 
-def run(main: Callable[[list[str]], Any], command: CommandHelp | None = None) -> None:
-  """app.run with one-line user errors (exit status 2), JAX's flags and the package's --help."""
+def run(
+    main: Callable[[list[str]], Any],
+    command: CommandHelp | None = None,
+    prepare_argv: Callable[[list[str]], list[str]] | None = None,
+) -> None:
+  """app.run with one-line user errors (exit status 2), JAX's flags and the package's --help.
+
+  `prepare_argv` rewrites the command line before its flags are parsed (`parse_flags`).
+  """
 
   def guarded_main(argv: list[str]) -> Any:
     try:
@@ -244,7 +291,7 @@ def run(main: Callable[[list[str]], Any], command: CommandHelp | None = None) ->
       fail(f"{e} (--help shows the usage)")
 
   _accept_jax_flags()
-  app.run(guarded_main, flags_parser=lambda argv: parse_flags(argv, command))
+  app.run(guarded_main, flags_parser=lambda argv: parse_flags(argv, command, prepare_argv))
 
 
 def _config_files(package: str) -> list[tuple[str, str]]:
@@ -295,24 +342,37 @@ def train_eval_command(
     train_and_evaluate: Callable[[ml_collections.ConfigDict, str], Any],
     evaluate_checkpoint: Callable[[ml_collections.ConfigDict, str], Any],
     workdir_help: str = "Directory for checkpoints, metrics and report.json.",
-    checkpoint_modes: dict[str, tuple[Callable[[ml_collections.ConfigDict, str], Any], str]]
-    | None = None,
+    checkpoint_modes: (
+        dict[str, tuple[Callable[[ml_collections.ConfigDict, str], Any], str]] | None
+    ) = None,
 ) -> Callable[[], None]:
   """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
 
-  `validate(config, num_devices=, num_processes=)` runs before anything is compiled; every
-  UserError (a bad config key, a missing file, ...) becomes one line and exit code 2. `--help`
-  documents the flags and points to the keys of `validate`'s module (the package's config).
-  `checkpoint_modes` adds modes beside train and eval, `{name: (function, help)}`, that work
-  on the latest checkpoint of a trained workdir (e.g. export).
+  `validate(config, num_devices=, num_processes=, check_data=)` runs before anything is
+  compiled; every UserError (a bad config key, a missing file, ...) becomes one line and exit
+  code 2. `--help` documents the flags and points to the keys of `validate`'s module (the
+  package's config, whose `base_config()` gives every key's type). `checkpoint_modes` adds
+  modes beside train and eval, `{name: (function, help)}`, that work on the latest checkpoint
+  of a trained workdir alone (e.g. predict, export): they are validated with
+  `check_data=False`, since they never read the dataset.
+
+  Every mode but train may leave `--config` out: the trained run's `<workdir>/config.json` is
+  then the config (loaded through `trainkit.saved_config`), and `--config.KEY=VALUE` overrides
+  apply on top of it as they do on a config file. A `--config` that is given always wins.
   """
   modes = {
       "train": (train_and_evaluate, "train (resuming if possible) then evaluate"),
       "eval": (evaluate_checkpoint, "evaluate the latest checkpoint"),
       **(checkpoint_modes or {}),
   }
+  data_modes = ("train", "eval")
+  config_module = validate.__module__
   config_flag = config_flags.DEFINE_config_file(
-      "config", None, "(required) Config file, optionally `file.py:key=value,...`."
+      "config",
+      None,
+      "(required for --mode=train) Config file, optionally `file.py:key=value,...`. Without "
+      "it, the other modes read the trained run's <workdir>/config.json; --config.KEY=VALUE "
+      "overrides apply to either.",
   )
   workdir_flag = flags.DEFINE_string("workdir", None, f"(required) {workdir_help}")
   mode_flag = flags.DEFINE_enum(
@@ -321,13 +381,38 @@ def train_eval_command(
       list(modes),
       "; ".join(f"{name}: {text}" for name, (_, text) in modes.items()) + ".",
   )
-  flags.mark_flags_as_required(["config", "workdir"])
+  flags.mark_flags_as_required(["workdir"])
   command = CommandHelp(
       usage=f"--config=FILE[:ARGS] --workdir=DIR [--mode={'|'.join(modes)}] "
       "[--config.KEY=VALUE ...]",
       flag_names=("config", "workdir", "mode"),
-      config_module=validate.__module__,
+      config_module=config_module,
   )
+  without_config = "|".join(name for name in modes if name != "train")
+  config_required = (
+      "--config is required with --mode=train (a new run, or the same --config to resume "
+      f"one); --mode={without_config} can read a trained run's <workdir>/{CONFIG_FILE} instead"
+  )
+
+  def use_saved_config(argv: list[str]) -> list[str]:
+    """argv with `--config` set to the workdir's config.json when a mode other than train is
+    run without one."""
+    if has_flag(argv, "config") or has_flag(argv, "flagfile"):
+      return argv  # A flag file may set --config and --mode: main checks the parsed flags.
+    mode = flag_value(argv, "mode") or "train"
+    if mode == "train":
+      fail(config_required)
+    workdir = flag_value(argv, "workdir")
+    if mode not in modes or not workdir:
+      return argv  # absl names the unknown --mode or the missing --workdir.
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+      fail(
+          f"--mode={mode} without --config reads the trained run's config, {path}, which does "
+          "not exist: give the --workdir of a trained run, or --config=FILE"
+      )
+    return [argv[0], f"--config={saved_config.config_argument(config_module, workdir)}", *argv[1:]]
 
   @exit_on_user_error
   def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
@@ -338,7 +423,12 @@ def train_eval_command(
       # Reports, progress and summaries come from process 0; the others keep stderr only.
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
     with exit_together(workdir):
-      validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
+      validate(
+          config,
+          num_devices=jax.device_count(),
+          num_processes=jax.process_count(),
+          check_data=mode in data_modes,
+      )
       if mode != "train":
         require_checkpoint(workdir)  # Before seconds of data loading and model building.
       created = not os.path.exists(workdir)
@@ -355,6 +445,8 @@ def train_eval_command(
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])} (--help shows the usage)")
     quiet_logging()
+    if config_flag.value is None:
+      fail(config_required)
     execute(loaded_config(config_flag), workdir_flag.value, mode_flag.value)
 
-  return lambda: run(main, command)
+  return lambda: run(main, command, use_saved_config)

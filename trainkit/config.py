@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import ml_collections
 
@@ -74,6 +74,31 @@ def get(config: ml_collections.ConfigDict, key: str) -> Any:
       raise ConfigError(key, "missing from the config")
     node = node[part]
   return node
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
+  """Sets each dotted key of `overrides` in `config`, as `--config.KEY=VALUE` does.
+
+  Args:
+    config: The config to change in place.
+    overrides: `{dotted key: value}`, e.g. `{"eval_batch_size": 16, "mesh.data": 1}`.
+
+  Raises:
+    ConfigError: A key the config lacks, or a value of another type than the key's.
+  """
+  for key, value in overrides.items():
+    *parents, name = key.split(".")
+    node = config
+    for part in parents:
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        raise ConfigError(key, "unknown config key")
+      node = node[part]
+    if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+      raise ConfigError(key, "unknown config key")
+    try:
+      node[name] = value
+    except TypeError as e:  # ConfigDict keeps each key's type.
+      raise ConfigError(key, str(e).splitlines()[0]) from None
 
 
 def require_int(config: ml_collections.ConfigDict, key: str, *, minimum: int | None = None) -> int:

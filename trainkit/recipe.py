@@ -46,6 +46,7 @@ from trainkit.train_state import (
     jit_train_step,
     make_train_step,
 )
+from trainkit.workdir import save_run_info
 
 # create_state(tx, mesh) -> (graphdef, initial state placed on the mesh).
 CreateState = Callable[[optax.GradientTransformation, Mesh], tuple[nnx.GraphDef, TrainState]]
@@ -103,8 +104,13 @@ def train(
     tokens_per_example: int = 0,
     evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
     reviews: Sequence[Review] = (),
+    run_info: Mapping[str, Any] | None = None,
 ) -> Trained | None:
   """Trains `run` to `config.num_train_steps`, resuming from its latest checkpoint.
+
+  `run_info`, what inference needs besides config.json and the checkpoints (class names,
+  preprocessing, ...), is written to `<workdir>/run_info.json` beside config.json once the
+  checkpoints accepted the config, so that a trained workdir predicts without its dataset.
 
   Returns None when SIGTERM stopped the run (its checkpoint is saved and the writers closed;
   the same command resumes it). Otherwise the metrics log is flushed, so the final report may
@@ -114,6 +120,8 @@ def train(
   is_main = jax.process_index() == 0
   writer = MetricWriter(run.workdir, enabled=is_main)
   state = resume_training(config, run.workdir, run.state, run.checkpointer, train_iterator, writer)
+  if run_info is not None:
+    save_run_info(dict(run_info), run.workdir)
   schedule = learning_rate_schedule(config.optimizer, config.num_train_steps, config.batch_size)
   train_step = jit_train_step(
       make_train_step(run.graphdef, loss_fn, run.tx, schedule, update_extra=update_extra),

@@ -152,6 +152,12 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   return flat
 
 
+CONFIG_FILE = "config.json"
+# What inference needs besides the config and the checkpoint (class names, preprocessing, ...);
+# each package writes its own content (fairmoe_jax/run_info.py, causal_attn_jax/run_info.py).
+RUN_INFO_FILE = "run_info.json"
+
+
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Writes `config.json`, keeping the previous one if this run's config differs from it.
 
@@ -163,7 +169,7 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """
   if jax.process_index() != 0:
     return
-  path = os.path.join(workdir, "config.json")
+  path = os.path.join(workdir, CONFIG_FILE)
   text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
   if os.path.exists(path):
     with open(path) as f:
@@ -184,6 +190,82 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   with open(tmp, "w") as f:
     f.write(text)
   os.replace(tmp, path)
+
+
+def _as_typed(saved: Any, default: Any) -> Any:
+  """`saved` (parsed JSON) with the tuples of `default` back: JSON writes tuples as lists."""
+  if isinstance(saved, dict) and isinstance(default, (dict, ml_collections.ConfigDict)):
+    return {k: _as_typed(v, default[k]) if k in default else v for k, v in saved.items()}
+  if isinstance(saved, list) and isinstance(default, tuple):
+    return tuple(saved)
+  return saved
+
+
+def load_saved_config(
+    workdir: str, defaults: ml_collections.ConfigDict | None = None
+) -> ml_collections.ConfigDict:
+  """The config a run saved in `<workdir>/config.json` (`save_config`), as a ConfigDict.
+
+  Args:
+    workdir: The run's working directory.
+    defaults: The package's base config; a key whose default is a tuple is read back as a
+      tuple (JSON holds it as a list), so that overrides and checks see the type they expect.
+
+  Returns:
+    The config the run was trained with.
+
+  Raises:
+    UserError: config.json is missing or is not a JSON object; the message names the file.
+  """
+  path = os.path.join(os.path.abspath(os.path.expanduser(workdir)), CONFIG_FILE)
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    raise UserError(
+        f"{path} does not exist: {workdir} is not the workdir of a trained run (training "
+        f"writes {CONFIG_FILE} there)"
+    ) from None
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f"cannot read the run's config {path}: {e}") from None
+  if not isinstance(saved, dict):
+    raise UserError(f"cannot read the run's config {path}: not a JSON object")
+  if defaults is not None:
+    saved = _as_typed(saved, defaults)
+  return ml_collections.ConfigDict(saved)
+
+
+def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
+  """Writes `<workdir>/run_info.json` (process 0 only), replacing it atomically.
+
+  Args:
+    run_info: JSON-serialisable metadata that inference reads instead of the dataset.
+    workdir: The run's working directory.
+  """
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(workdir, RUN_INFO_FILE)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(run_info, f, indent=2)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def load_run_info(workdir: str) -> dict[str, Any] | None:
+  """`<workdir>/run_info.json` as a dict, or None when the run has none (trained before it was
+  written). An unreadable file is a UserError naming it."""
+  path = os.path.join(workdir, RUN_INFO_FILE)
+  try:
+    with open(path) as f:
+      info = json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f"cannot read {path}: {e}") from None
+  if not isinstance(info, dict):
+    raise UserError(f"cannot read {path}: not a JSON object")
+  return info
 
 
 def _keep_in_history(workdir: str, text: str) -> str:

@@ -1,0 +1,188 @@
+"""A trained run from Python: `load_run(workdir)`, then `run.predict_pairs(pairs)` (sentence-pair
+classification) or `run.translate(sentences)` (translation).
+
+    import causal_attn_jax
+
+    run = causal_attn_jax.load_run("/tmp/mnli_small")
+    result = run.predict_pairs([("A man is sleeping.", "Nobody sleeps.")])
+    result.labels, result.probabilities
+
+The workdir alone is read: its config.json, tokenizer (spm.model), run_info.json (label names)
+and latest checkpoint. Predictions are made exactly as `--mode=predict` makes them: same
+tokenisation, batches (`eval_batch_size`) and jitted model (beam search, `nmt.*`, for
+translation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import functools
+import os
+from typing import Any, NamedTuple
+
+import flax.nnx as nnx
+import ml_collections
+import numpy as np
+
+from causal_attn_jax import config as config_lib
+from causal_attn_jax import decoding, tasks, train
+from causal_attn_jax.data.tokenizer import Tokenizer
+from causal_attn_jax.run_info import RunMetadata
+from trainkit.saved_config import restore_saved_run
+
+
+class PairPredictions(NamedTuple):
+  """What `TrainedRun.predict_pairs` returns for N sentence pairs, in their order.
+
+  Attributes:
+    probabilities: float32 [N, C]: each label's probability (`RunMetadata.label_names` names
+      the columns).
+    classes: int [N]: the index of the most probable label.
+    labels: The name of each pair's most probable label.
+  """
+
+  probabilities: np.ndarray
+  classes: np.ndarray
+  labels: list[str]
+
+
+class TrainedRun:
+  """A trained run loaded by `load_run`: its model, config, metadata and tokenizer.
+
+  Attributes:
+    workdir: The run's working directory (absolute).
+    config: The config the run was trained with (with `load_run`'s overrides).
+    metadata: The task and the label names.
+    tokenizer: The SentencePiece tokenizer the run trained in its workdir.
+    step: The training step of the restored checkpoint.
+  """
+
+  def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: train.Restored):
+    """Wraps a restored checkpoint (`train.restore_run`); `load_run` is the way to make one."""
+    self.workdir = workdir
+    self.config = config
+    self.metadata: RunMetadata = restored.metadata
+    self.tokenizer: Tokenizer = restored.data.tokenizer
+    self.step: int = restored.step
+    self._restored = restored
+
+  @functools.cached_property
+  def model(self) -> nnx.Module:
+    """The Flax NNX model with the checkpoint's parameters (`PairClassifier` or `Seq2Seq`).
+
+    `predict_pairs` and `translate` always use the checkpoint's parameters, whatever is later
+    done to this module.
+    """
+    return self._restored.model
+
+  @functools.cached_property
+  def _pair_probabilities(self) -> tasks.PairProbabilities:
+    return tasks.make_pair_probabilities(self._restored.graphdef)
+
+  @functools.cached_property
+  def _translate(self) -> decoding.TranslateFn:
+    return decoding.make_translate_fn(self._restored.graphdef, self.config)
+
+  def predict_pairs(self, pairs: Sequence[tuple[str, str]]) -> PairPredictions:
+    """Classifies sentence pairs as `--mode=predict` does (a pair classification run only).
+
+    Args:
+      pairs: (premise, hypothesis) pairs of strings (question pairs for paraphrase runs).
+
+    Returns:
+      The label probabilities, the predicted classes and their labels, one row per pair in the
+      order given.
+
+    Raises:
+      TypeError: The run is a translation run, or a pair is not two strings.
+      ValueError: `pairs` is empty.
+    """
+    self._require_task("classification", "predict_pairs", "translate")
+    pairs = list(pairs)
+    if not pairs:
+      raise ValueError("predict_pairs needs at least one (premise, hypothesis) pair")
+    for i, pair in enumerate(pairs):
+      if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+        raise TypeError(f"pair {i}: expected (premise, hypothesis) strings, got {pair!r}")
+    restored = self._restored
+    probabilities = tasks.pair_probabilities(
+        self.config,
+        restored.data,
+        restored.state,
+        self._pair_probabilities,
+        restored.mesh,
+        [premise for premise, _ in pairs],
+        [hypothesis for _, hypothesis in pairs],
+    )
+    classes = probabilities.argmax(-1)
+    return PairPredictions(
+        probabilities=probabilities,
+        classes=classes,
+        labels=[self.metadata.label_names[c] for c in classes],
+    )
+
+  def translate(self, sentences: Sequence[str]) -> list[str]:
+    """Translates sentences as `--mode=predict` does (a translation run only): beam search
+    with the config's `nmt.beam_size`, `nmt.alpha` and `nmt.max_decode_len`.
+
+    Args:
+      sentences: Source sentences, one string each.
+
+    Returns:
+      The translation of each sentence, in the order given.
+
+    Raises:
+      TypeError: The run is a pair classification run, or a sentence is not a string.
+      ValueError: `sentences` is empty.
+    """
+    self._require_task("translation", "translate", "predict_pairs")
+    if isinstance(sentences, str):
+      raise TypeError(f"translate takes a list of sentences; for one, pass [{sentences!r}]")
+    sentences = list(sentences)
+    if not sentences:
+      raise ValueError("translate needs at least one sentence")
+    for i, sentence in enumerate(sentences):
+      if not isinstance(sentence, str):
+        raise TypeError(f"sentence {i}: expected a string, got {sentence!r}")
+    restored = self._restored
+    return tasks.translate_sentences(
+        self.config, restored.data, restored.state, self._translate, restored.mesh, sentences
+    )
+
+  def _require_task(self, task: str, method: str, other: str) -> None:
+    if self.metadata.task != task:
+      raise TypeError(
+          f"{method} needs a {task} run; {self.workdir} is a {self.metadata.task} run "
+          f"(use {other})"
+      )
+
+  def __repr__(self) -> str:
+    labels = f", labels={list(self.metadata.label_names)}" if self.metadata.label_names else ""
+    return (
+        f"TrainedRun(workdir={self.workdir!r}, task={self.metadata.task!r}, "
+        f"attention={self.config.model.attention!r}, step={self.step}{labels})"
+    )
+
+
+def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> TrainedRun:
+  """Loads a trained run from its workdir alone: config.json, the tokenizer, run_info.json and
+  the latest checkpoint (no data file is read).
+
+  Args:
+    workdir: The working directory a training run (`python -m causal_attn_jax.main`) wrote.
+    overrides: Config keys to change, by dotted name, e.g. `{"eval_batch_size": 16,
+      "nmt.beam_size": 1}`; the same as `--config.KEY=VALUE` on the command line.
+
+  Returns:
+    The run: `model`, `config`, `metadata`, `tokenizer`, `step`, and `predict_pairs` or
+    `translate`.
+
+  Raises:
+    trainkit.errors.UserError: The workdir has no config.json, tokenizer or readable
+      checkpoint, or another run holds it; a ConfigError names an override with a wrong key or
+      value.
+  """
+  workdir, config, restored = restore_saved_run(
+      workdir, config_lib.base_config(), config_lib.validate, train.restore_run, overrides
+  )
+  return TrainedRun(workdir, config, restored)

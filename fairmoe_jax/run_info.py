@@ -1,0 +1,141 @@
+"""What a trained fairmoe_jax run needs at inference besides its config and checkpoint.
+
+Training writes it to `<workdir>/run_info.json` (`trainkit.recipe.train`), so that predict,
+export and `fairmoe_jax.load_run` work from the workdir alone, without the dataset:
+
+```json
+{"package": "fairmoe_jax", "dataset": "celeba",
+ "class_names": ["not_Attractive", "Attractive"],
+ "attribute_names": ["Male"], "group_names": [["not_Male", "Male"]],
+ "preprocessing": {"image_size": 64, "resize": "...", "mean": [0.5, 0.5, 0.5],
+                   "std": [0.5, 0.5, 0.5]}}
+```
+
+`preprocessing` says how the evaluation pipeline turns an image into the model's input: image
+files are decoded, their short side resized to `image_size` and a centred square cropped
+(`data/images.py`), and pixels p in [0, 255] become (p / 255 - mean) / std per channel
+(`data/augment.py`, `normalize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from fairmoe_jax.data.types import DatasetInfo
+from trainkit.errors import UserError
+from trainkit.workdir import RUN_INFO_FILE, load_run_info, save_run_info
+
+PACKAGE = "fairmoe_jax"
+# augment.normalize: p / 127.5 - 1 = (p / 255 - 0.5) / 0.5 for every channel.
+NORMALIZE_MEAN = (0.5, 0.5, 0.5)
+NORMALIZE_STD = (0.5, 0.5, 0.5)
+RESIZE = "short side to image_size (bicubic), centred square crop"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+  """How an image becomes the model's input (the evaluation pipeline's steps).
+
+  Attributes:
+    image_size: Side of the square images the model reads.
+    resize: How an image of another size is brought to `image_size`.
+    mean: Per-channel mean subtracted from pixels scaled to [0, 1].
+    std: Per-channel standard deviation they are divided by after that.
+  """
+
+  image_size: int
+  resize: str = RESIZE
+  mean: tuple[float, ...] = NORMALIZE_MEAN
+  std: tuple[float, ...] = NORMALIZE_STD
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMetadata:
+  """The dataset's names and the preprocessing a trained run was trained with.
+
+  Attributes:
+    dataset: The dataset's name (`data.name`).
+    class_names: One name per target class, in the order of the model's outputs.
+    attribute_names: The sensitive attributes, in the order of FairSMoE's attribute branches.
+    group_names: For each attribute, the names of its groups.
+    preprocessing: How images become the model's input.
+  """
+
+  dataset: str
+  class_names: tuple[str, ...]
+  attribute_names: tuple[str, ...]
+  group_names: tuple[tuple[str, ...], ...]
+  preprocessing: Preprocessing
+
+  @classmethod
+  def from_dataset(cls, info: DatasetInfo, config: ml_collections.ConfigDict) -> RunMetadata:
+    """The metadata of a run of `config` on the dataset `info` describes."""
+    return cls(
+        dataset=info.name,
+        class_names=tuple(info.class_names),
+        attribute_names=tuple(info.attribute_names),
+        group_names=tuple(tuple(g) for g in info.group_names),
+        preprocessing=Preprocessing(image_size=int(config.data.image_size)),
+    )
+
+  def dataset_info(self) -> DatasetInfo:
+    """A DatasetInfo with the run's names: what building the model needs of the dataset."""
+    return DatasetInfo(
+        name=self.dataset,
+        num_classes=len(self.class_names),
+        class_names=self.class_names,
+        attribute_names=self.attribute_names,
+        group_names=self.group_names,
+        image_size=self.preprocessing.image_size,
+    )
+
+  def to_json(self) -> dict[str, Any]:
+    """The content of run_info.json."""
+    return {"package": PACKAGE, **dataclasses.asdict(self)}
+
+  @classmethod
+  def from_json(cls, saved: dict[str, Any], source: str) -> RunMetadata:
+    """Reads `to_json`'s dict; a missing or malformed field is a UserError naming `source`."""
+    if saved.get("package", PACKAGE) != PACKAGE:
+      raise UserError(f"{source} is a {saved['package']} run's, not a {PACKAGE} run's")
+    try:
+      preprocessing = dict(saved["preprocessing"])
+      metadata = cls(
+          dataset=str(saved["dataset"]),
+          class_names=tuple(saved["class_names"]),
+          attribute_names=tuple(saved["attribute_names"]),
+          group_names=tuple(tuple(g) for g in saved["group_names"]),
+          preprocessing=Preprocessing(
+              image_size=int(preprocessing["image_size"]),
+              resize=str(preprocessing["resize"]),
+              mean=tuple(preprocessing["mean"]),
+              std=tuple(preprocessing["std"]),
+          ),
+      )
+    except (KeyError, TypeError, ValueError) as e:
+      raise UserError(
+          f"{source}: not a fairmoe_jax run's metadata ({type(e).__name__}: {e})"
+      ) from None
+    ours = Preprocessing(image_size=metadata.preprocessing.image_size)
+    if metadata.preprocessing != ours:
+      # This version's pipeline can only reproduce its own normalisation and resizing.
+      raise UserError(
+          f"{source}: the run's preprocessing {metadata.preprocessing} is not this version's "
+          f"({ours})"
+      )
+    return metadata
+
+  def save(self, workdir: str) -> None:
+    """Writes `<workdir>/run_info.json` (process 0 only)."""
+    save_run_info(self.to_json(), workdir)
+
+
+def load(workdir: str) -> RunMetadata | None:
+  """The metadata in `<workdir>/run_info.json`; None for a run trained before it was written."""
+  saved = load_run_info(workdir)
+  if saved is None:
+    return None
+  return RunMetadata.from_json(saved, f"{workdir}/{RUN_INFO_FILE}")
