@@ -45,6 +45,7 @@ from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import place, replicated, to_host
 from trainkit.train_state import LossFn, TrainState, UpdateExtraFn, create_train_state
+from trainkit.workdir import require_checkpoint
 
 # eval_step(state, batch) -> loss, constraint fractions, attention maps and the task's outputs.
 EvalStep = Callable[[TrainState, dict[str, jax.Array]], dict[str, Any]]
@@ -312,6 +313,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns the report, or None when the run was stopped by SIGTERM.
   """
   task = tasks.get_task(config)
+  if _has_checkpoint(workdir):
+    # A resume: the checkpoint's token ids need the tokenizer it was trained with; building a
+    # new one from the (maybe other) training text would silently change the vocabulary.
+    _require_tokenizer(workdir)
   data, run = _setup(config, workdir)
   eval_step = make_eval_step(run.graphdef, config)
 
@@ -346,6 +351,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       scalars=scalars,
       write_report=lambda report: report_lib.write_report(report, workdir),
   )
+
+
+def _has_checkpoint(workdir: str) -> bool:
+  try:
+    require_checkpoint(workdir)
+  except UserError:
+    return False
+  return True
 
 
 def _require_tokenizer(workdir: str) -> None:

@@ -256,6 +256,11 @@ def test_rejected_resume_leaves_config_json_as_trained(repo_root, tmp_path):
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert "spm.model is missing" in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / "spm.model").exists()
+  # Nor does a resumed training run (it would train on with another vocabulary).
+  result = _run(repo_root, tmp_path, *TINY, *data)
+  assert result.returncode == USER_ERROR_EXIT_CODE
+  assert "spm.model is missing" in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / "spm.model").exists()
 
 
 def test_eval_without_checkpoint_and_early_errors_leave_no_workdir(repo_root, tmp_path):
