@@ -150,3 +150,28 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path,
   assert int(resumed.state.step) == 60 and evaluations == [20, 40, 60]
   steps = [m["step"] for m in read_metrics(str(tmp_path)) if "mse" in m]
   assert steps == sorted(set(steps))  # The log was rewound to step 7, not duplicated.
+
+
+def test_an_evaluation_that_falls_back_keeps_the_record_of_the_step_it_could_not_read(tmp_path):
+  _train_and_finish(tmp_path, _config())
+  (tmp_path / "predictions.csv").write_text("index,prediction\n0,1\n")
+  finished = json.loads((tmp_path / "report.json").read_text())
+  assert finished["step"] == 60
+  for root, _, files in os.walk(tmp_path / "checkpoints" / "60"):  # A corrupt newest step.
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+  evaluation = _setup(_config(), tmp_path, training=False)
+  state, step = restore_trained(evaluation.checkpointer, evaluation.state)
+  assert step == 40  # Fell back.
+  report = recipe.finish(
+      evaluation,
+      state,
+      {"step": step},
+      write_report=lambda r: (tmp_path / "report.json").write_text(json.dumps(r)),
+  )
+  assert json.loads((tmp_path / "report.json").read_text())["step"] == 40
+  assert report["earlier_report"] == "report.step-60.json"
+  assert json.loads((tmp_path / "report.step-60.json").read_text()) == finished
+  assert (tmp_path / "predictions.step-60.csv").read_text() == "index,prediction\n0,1\n"
+  assert not (tmp_path / "predictions.csv").exists()  # This evaluation writes its own.

@@ -18,6 +18,7 @@ and for a trained workdir (`--mode=eval`, `predict`, `export`):
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -148,6 +149,35 @@ def train(
   return Trained(state, writer)
 
 
+# What a run's final evaluation writes in its workdir: one record of one step.
+RECORD_FILES = ("report.json", "predictions.csv")
+
+
+def keep_earlier_record(workdir: str, step: int) -> str | None:
+  """Moves a report of another step (and its predictions) aside before a new one is written.
+
+  An evaluation that fell back to an older checkpoint (the newest was corrupt) must not
+  destroy the record of the step it could not read: `report.json` of step N becomes
+  `report.step-N.json` (likewise `predictions.csv`). Returns the kept report's name, or None
+  when there was none or it was of the same step (a rerun of the same evaluation).
+  """
+  path = os.path.join(workdir, RECORD_FILES[0])
+  try:
+    with open(path) as f:
+      earlier = json.load(f).get("step")
+  except (OSError, ValueError, AttributeError):
+    return None
+  if not isinstance(earlier, int) or earlier == step:
+    return None
+  for name in RECORD_FILES:
+    stem, suffix = os.path.splitext(name)
+    if os.path.exists(os.path.join(workdir, name)):
+      os.replace(
+          os.path.join(workdir, name), os.path.join(workdir, f"{stem}.step-{earlier}{suffix}")
+      )
+  return f"report.step-{earlier}.json"
+
+
 def finish(
     run: Run,
     state: TrainState,
@@ -160,6 +190,10 @@ def finish(
   """Adds the checkpoints' provenance to `report`, logs `scalars` at the final step, closes the
   writer and the checkpointer, and has process 0 write the report (`write_report(report)`)."""
   report.update(checkpoint_report(run.checkpointer))
+  if jax.process_index() == 0:
+    kept = keep_earlier_record(run.workdir, int(report.get("step", state.step)))
+    if kept:
+      report["earlier_report"] = kept
   if writer is not None:
     if scalars:
       writer.write_scalars(int(state.step), dict(scalars))
