@@ -10,9 +10,9 @@ stronger schedules, three seeds each, on the in-distribution validation split on
 challenge split is not read): a step ten times larger from step 0; the augmented Lagrangian
 (quadratic penalty 1.0) with the paper's step 0.02; and the large step with no cap on the
 multipliers. "Constraint met" is the fraction of runs in which at least 90% of the nodes of
-every layer end inside the band (causal_attn_jax/report.py). The choice is the highest mean
-validation accuracy among the schedules that meet the constraint most often; when none meets it,
-the table says so in that column.
+every layer end inside the band (causal_attn_jax/report.py). The table answers whether a
+schedule meets the constraint and what that costs in validation accuracy; it chooses no default
+(results/spurious_tuning_causal.py chose the shipped schedule on validation accuracy).
 """
 
 from experiments.spec import dotted
@@ -39,8 +39,6 @@ TABLE = dict(
         ("constraints.met", "Constraint met", 1.0, 2),
         ("attention.effective_keys", "Effective keys", 1.0, 1),
     ),
-    select="accuracy",
-    select_within=("constraints.met", 0.0),
     claims=tuple(
         dict(row=other, baseline=SHIPPED, metric="constraints.nodes_within", better="higher")
         for other in OTHERS
