@@ -78,7 +78,11 @@ setup(
             "scikit-learn>=1.3",
             "pyyaml>=6.0",
             "setuptools>=65",
+            "pdoc>=14",  # tests/test_api_docs.py builds the API reference (docs/build_api.py).
         ],
+        # The README's recipe for loading a dense export into timm (tested with timm 1.0.31);
+        # the project itself never imports them.
+        "timm": ["timm>=1.0", "torch>=2.0"],
         # `tensorboard --logdir WORKDIR` shows every scalar a run logs (README, "Outputs").
         "tensorboard": ["tensorboard>=2.15"],
         "dev": ["pyink>=24"],

@@ -1,4 +1,4 @@
-"""What a finished run reports: report.json, its one-line headline, eval scalars and heatmaps.
+"""What a finished run reports: report.json, its printed summary, eval scalars and heatmaps.
 
 The report is built from one eval pass (`train.run_eval`'s result) that this module asks for
 through an `evaluate` callable, so that it does not depend on the training module; the task
@@ -130,7 +130,8 @@ def _heatmaps(
     task: Task,
     workdir: str,
 ) -> list[str]:
-  """PNG heatmaps of head 0 of every self-attention layer (those the report measures)."""
+  """Per kept eval example and self-attention layer (those the report measures), a PNG with a
+  heatmap of every head (`plots.attention_heads_figure`)."""
   pieces = data.tokenizer.pieces()
   names = task.layer_names(config)
   paths = []
@@ -139,12 +140,16 @@ def _heatmaps(
       ids = inputs[key]
       n = int(batching.sequence_lengths(ids[None])[0])
       labels = [pieces[t] for t in ids[:n]]
+      heads = maps[layer][:, :n, :n]  # [H, N, N]: the real tokens, padding cut off.
       paths.append(
-          plots.save_attention_heatmap(
-              os.path.join(workdir, "plots", f"attention_{names[layer]}_head0_ex{i}.png"),
-              maps[layer][:n, :n],
+          plots.save_attention_heads(
+              os.path.join(workdir, "plots", f"attention_{names[layer]}_ex{i}.png"),
+              heads,
               labels,
-              title=f"{config.model.attention}: {names[layer]} head 0, eval example {i}",
+              title=(
+                  f"{config.model.attention} attention: {names[layer]}, its {len(heads)} heads, "
+                  f"eval example {i}"
+              ),
           )
       )
   return paths
@@ -186,23 +191,102 @@ def final_report(
   return report
 
 
+def _percent(value: float | None) -> str:
+  return "-" if value is None else f"{100.0 * value:.2f}%"
+
+
+def _number(value: Any, spec: str) -> str:
+  return "-" if value is None else format(value, spec)
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+  """Lines of a text table: the first column left-aligned, the others right-aligned."""
+  widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+  return [
+      indent
+      + "  ".join(
+          cell.ljust(widths[c]) if c == 0 else cell.rjust(widths[c]) for c, cell in enumerate(row)
+      ).rstrip()
+      for row in [header, *rows]
+  ]
+
+
+def format_summary(report: dict[str, Any]) -> str:
+  """Plain-text summary of a report.json dict: what a finished run prints.
+
+  The task's numbers (accuracy and macro-F1, or BLEU), the challenge split with its accuracy per
+  heuristic and gold label when there is one, a table of the self-attention layers (how many
+  keys a query attends to, and where the Markov-blanket constraint stands: the fractions of
+  nodes, rows and columns inside the band, the violation, the multiplier and whether it is
+  met), then the constraint's summary line. Absent entries (reports of older runs) are left
+  out or shown as "-".
+  """
+  attention = report.get("attention", {})
+  lines = [
+      f"Causal Transformer report: {report.get('task', '?')}, {attention.get('kind', '?')} "
+      f"attention, step {report.get('step', '?')} (eval split)"
+  ]
+  if "accuracy" in report:
+    lines.append(
+        f"  accuracy {_percent(report['accuracy'])}   macro-F1 "
+        f"{_number(report.get('macro_f1'), '.4f')}   examples {report.get('num_examples', '-')}"
+        f"   loss {_number(report.get('eval_loss'), '.4f')}"
+    )
+  if "bleu" in report:
+    lines.append(
+        f"  BLEU {report['bleu']:.2f}   sentences {report.get('num_sentences', '-')}   "
+        f"detokenized {report.get('detokenized', '-')}   loss "
+        f"{_number(report.get('eval_loss'), '.4f')}"
+    )
+    if report.get("bleu_signature"):
+      lines.append(f"  sacrebleu {report['bleu_signature']}")
+  challenge = report.get("challenge")
+  if challenge:
+    lines += [
+        "",
+        f"Challenge split: accuracy {_percent(challenge.get('accuracy'))}   examples "
+        f"{challenge.get('num_examples', '-')}",
+    ]
+    by_heuristic = challenge.get("by_heuristic") or {}
+    if by_heuristic:
+      labels = list(dict.fromkeys(k for v in by_heuristic.values() for k in v))
+      rows = [[h, *(_percent(v.get(label)) for label in labels)] for h, v in by_heuristic.items()]
+      lines += _table(["heuristic", *labels], rows)
+  constraints = report.get("constraints", {})
+  per_layer = constraints.get("per_layer", {})
+  layers = list(dict.fromkeys([*attention.get("effective_keys", {}), *per_layer]))
+  if layers:
+    lines += ["", "Self-attention layers (eval split)"]
+    header = ["layer", "effective keys", "top-1 mass", "nodes in band", "rows in band"]
+    header += ["cols in band", "violation", "multiplier", "met"]
+    rows = []
+    for name in layers:
+      layer = per_layer.get(name, {})
+      met = layer.get("met")
+      rows.append(
+          [
+              name,
+              _number(attention.get("effective_keys", {}).get(name), ".2f"),
+              _number(attention.get("top1_mass", {}).get(name), ".3f"),
+              _number(layer.get("nodes_within"), ".3f"),
+              _number(layer.get("rows_within"), ".3f"),
+              _number(layer.get("cols_within"), ".3f"),
+              _number(layer.get("violation"), ".4f"),
+              _number(
+                  layer.get("multiplier", constraints.get("mean_multiplier", {}).get(name)), ".4f"
+              ),
+              "-" if met is None else ("yes" if met else "no"),
+          ]
+      )
+    lines += _table(header, rows)
+  if constraints.get("summary"):
+    lines.append(constraints["summary"])
+  return "\n".join(lines)
+
+
 def write_report(report: dict[str, Any], workdir: str) -> None:
-  """Writes report.json and prints its headline numbers on one line."""
+  """Writes report.json and prints its summary (`format_summary`)."""
   with open(os.path.join(workdir, "report.json"), "w") as f:
     json.dump(report, f, indent=2)
-  headline = {
-      k: report[k] for k in ("accuracy", "macro_f1", "bleu", "num_sentences") if k in report
-  }
-  if "challenge" in report:
-    headline["challenge_accuracy"] = report["challenge"]["accuracy"]
-  headline.update({f"constraints_{k}": report["constraints"][k] for k in _WITHIN})
-  headline["effective_keys"] = float(np.mean(list(report["attention"]["effective_keys"].values())))
-  print(
-      "report: "
-      + ", ".join(
-          f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in headline.items()
-      ),
-      flush=True,
-  )
-  print(report["constraints"]["summary"], flush=True)
+  print(format_summary(report), flush=True)
   print(f"Wrote {os.path.join(workdir, 'report.json')}", flush=True)

@@ -212,7 +212,7 @@ def make_eval_step(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict) ->
         "violation": jnp.stack([s.violations.mean() for s in stats]),
         "effective_keys": jnp.stack([k for k, _ in sparsity]),
         "top1_mass": jnp.stack([m for _, m in sparsity]),
-        "attention": [r.probs[:, 0] for r in records],  # Head 0 of every layer (Fig. 8).
+        "attention": [r.probs for r in records],  # Every head of every layer (Fig. 8).
         **metrics,
         **task.eval_outputs(logits),
     }

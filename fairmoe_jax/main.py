@@ -31,7 +31,8 @@ main = cli.train_eval_command(
         "export": (
             train.export_checkpoint,
             "write the latest checkpoint as a timm-named safetensors file, "
-            "<workdir>/export/model.safetensors",
+            "<workdir>/export/model.safetensors, and timm's config.json beside it (the timm "
+            "model, its arguments and preprocessing, or why timm cannot load it)",
         ),
     },
 )

@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from fairmoe_jax import data as data_lib
+from fairmoe_jax import export as export_lib
 from fairmoe_jax import run_info as run_info_lib
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
 from fairmoe_jax.metrics import intersections as intersections_lib
@@ -721,7 +722,8 @@ def load_model(
   return restored.model, restored.step
 
 
-EXPORT_FILE = os.path.join("export", "model.safetensors")
+EXPORT_FILE = os.path.join("export", export_lib.WEIGHTS_FILE)
+EXPORT_CONFIG_FILE = os.path.join("export", export_lib.CONFIG_FILE)
 
 
 def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -731,12 +733,16 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   (`fairmoe_jax.models.convert_timm`; MoE experts stacked as `<block>.mlp.experts.*`, the
   router and FairSMoE's attribute branches under their own names), with the step, backbone
   and class names in its metadata. `load_timm_checkpoint(model, path, skip=())` loads it back.
-  Reads the workdir alone (config, run_info.json, checkpoint), not the dataset.
+  Beside it, `<workdir>/export/config.json` says which timm model it is, with what arguments
+  and preprocessing, or why timm cannot load it (`fairmoe_jax.export`). Reads the workdir
+  alone (config, run_info.json, checkpoint), not the dataset.
   """
   from safetensors.numpy import save_file  # Only this mode needs it.
 
   restored = restore_run(config, workdir)
-  state = export_timm_state_dict(restored.model)
+  model = restored.model
+  state = export_timm_state_dict(model)
+  timm_config = export_lib.timm_config(model, state, config, restored.metadata, restored.step)
   path = os.path.join(workdir, EXPORT_FILE)
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -749,8 +755,20 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
         "config": config.to_json(),
     }
     save_file(state, path, metadata=metadata)
+    with open(os.path.join(workdir, EXPORT_CONFIG_FILE), "w") as f:
+      json.dump(timm_config, f, indent=2)
     size = sum(v.nbytes for v in state.values())
     print(f"Exported step {restored.step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
+    if timm_config["timm_loadable"]:
+      print(
+          f"timm: {timm_config['architecture']} with the model_args of "
+          f"{os.path.join(workdir, EXPORT_CONFIG_FILE)} (README, 'Loading an export into timm')"
+      )
+    else:
+      print(
+          f"Not loadable by timm: {timm_config['why_not_timm']}. Load it with "
+          f"{export_lib.LOAD_OURS}."
+      )
   return path
 
 

@@ -93,7 +93,11 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
   # Throughput: tokens are the max_len=24 positions of every pair; FLOPs from the compiled step.
   assert metrics[-1]["tokens_per_second"] == pytest.approx(metrics[-1]["examples_per_second"] * 24)
   assert metrics[-1]["model_tflops_per_second_per_device"] > 0
-  assert "report:" in result.stdout
+  # The run ends with its summary table (report.format_summary); one PNG per layer and example.
+  assert "Causal Transformer report: classification, causal attention" in result.stdout
+  assert "Challenge split: accuracy" in result.stdout and "lexical_overlap" in result.stdout
+  assert report["constraints"]["summary"] in result.stdout
+  assert report["plots"] == ["plots/attention_enc0_ex0.png"]
 
   # --mode=predict on sentence pairs: one row per pair, in order; the same pair in two batches
   # (eval_batch_size=32) gets the same probabilities, so padding and batching do not leak.
@@ -101,8 +105,9 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
   pairs = pairs + [(f"Sentence {i}.", f"Other {i}.") for i in range(38)] + pairs[:1]
   tsv = tmp_path / "pairs.tsv"
   tsv.write_text("# premise\thypothesis\n" + "".join(f"{p}\t{h}\n" for p, h in pairs))
-  result = _run(repo_root, tmp_path, *TINY, *data_args, "--mode=predict",
-                f"--config.predict.input={tsv}")
+  result = _run(
+      repo_root, tmp_path, *TINY, *data_args, "--mode=predict", f"--config.predict.input={tsv}"
+  )
   assert result.returncode == 0, result.stderr
   with open(tmp_path / "predict" / "predictions.tsv", newline="") as f:
     rows = list(csv.DictReader(f, delimiter="\t"))
@@ -114,10 +119,14 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
     assert row["prediction"] == max(probs, key=probs.get)
   assert {k: v for k, v in rows[0].items()} == {k: v for k, v in rows[-1].items()}
   tsv.write_text("only one field\n")
-  result = _run(repo_root, tmp_path, *TINY, *data_args, "--mode=predict",
-                f"--config.predict.input={tsv}")
+  result = _run(
+      repo_root, tmp_path, *TINY, *data_args, "--mode=predict", f"--config.predict.input={tsv}"
+  )
   assert result.returncode == USER_ERROR_EXIT_CODE
-  assert result.stderr.strip() == f"error: {tsv}:1: expected 2 tab-separated fields (premise, hypothesis), got 1"
+  assert (
+      result.stderr.strip()
+      == f"error: {tsv}:1: expected 2 tab-separated fields (premise, hypothesis), got 1"
+  )
 
 
 def test_bad_data_path_is_one_line_error(repo_root, tmp_path):
@@ -265,8 +274,13 @@ def test_rejected_resume_leaves_config_json_as_trained(repo_root, tmp_path):
 
 def test_eval_without_checkpoint_and_early_errors_leave_no_workdir(repo_root, tmp_path):
   workdir = tmp_path / "never_trained"
-  result = _run(repo_root, workdir, *TINY, f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
-                "--mode=eval")
+  result = _run(
+      repo_root,
+      workdir,
+      *TINY,
+      f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
+      "--mode=eval",
+  )
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert "no checkpoint in" in result.stderr and not workdir.exists()
   # A data error found after the workdir was made (a malformed row) removes the empty workdir.
@@ -280,8 +294,11 @@ def test_eval_without_checkpoint_and_early_errors_leave_no_workdir(repo_root, tm
 
 @pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
 def test_corrupt_final_checkpoint_is_moved_aside_rewritten_and_reported(repo_root, tmp_path):
-  args = [*TINY, f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
-          "--config.checkpoint_every_steps=2"]
+  args = [
+      *TINY,
+      f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
+      "--config.checkpoint_every_steps=2",
+  ]
   assert _run(repo_root, tmp_path, *args).returncode == 0
   for root, _, files in os.walk(tmp_path / "checkpoints" / "4"):
     for name in files:

@@ -6,6 +6,7 @@ import pytest
 from PIL import Image
 
 from fairmoe_jax.analysis import write_plots
+from fairmoe_jax.analysis.plots import validation_curves_figure
 from trainkit.errors import UserError
 
 ATTRIBUTES = {"sex": ["male", "female"], "site": ["head/neck", "torso", "palms_soles"]}
@@ -45,10 +46,12 @@ def _report(*, moe: bool = True, fem: bool = True) -> dict:
   return report
 
 
-def _metrics(*, val: bool = True, fem: bool = True) -> list[dict]:
+def _metrics(*, val: bool = True, fem: bool = True, loss: bool = True) -> list[dict]:
   records = []
   for step in (10, 20, 30):
-    record = {"step": step, "loss": 1.0 / step}
+    record = {"step": step}
+    if loss:
+      record.update({"loss": 1.0 / step, "loss/cross_entropy": 0.5 / step, "accuracy": 0.4})
     if val:
       record.update({"val/accuracy": 0.5 + step / 100, "val/mf_pqd": 0.7, "val/sex/pqd": 0.9})
     if fem:
@@ -90,14 +93,44 @@ def test_all_plots_for_a_fairsmoe_run(tmp_path):
 
 
 def test_absent_data_skips_its_plot(tmp_path):
-  # A dense method without validation: no experts, no allocation, no cosines, no curves.
+  # A dense method that logged nothing: no experts, no allocation, no cosines, no curves.
   workdir = _write_run(
-      tmp_path / "run", _report(moe=False, fem=False), _metrics(val=False, fem=False)
+      tmp_path / "run", _report(moe=False, fem=False), _metrics(val=False, fem=False, loss=False)
   )
   paths = write_plots(workdir)
   assert [p.split("/")[-1] for p in paths] == ["group_accuracy.png"]
   _assert_pngs(paths)
   assert sorted(p.name for p in (tmp_path / "run" / "plots").iterdir()) == ["group_accuracy.png"]
+  # Without validation, the training loss alone is still worth its curves.
+  workdir = _write_run(
+      tmp_path / "run2", _report(moe=False, fem=False), _metrics(val=False, fem=False)
+  )
+  names = sorted(p.split("/")[-1] for p in write_plots(workdir))
+  assert names == ["group_accuracy.png", "validation_curves.png"]
+
+
+def _lines(ax) -> dict[str, tuple[list, list]]:
+  return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+
+
+def test_curves_show_training_loss_beside_validation():
+  """Loss panel: the training loss and its task term at every logged step, the validation
+  cross-entropy at the evaluations; then accuracy (training and validation) and PQD panels."""
+  metrics = _metrics()
+  metrics[1]["val/loss"] = 0.7  # An evaluation at step 20 only.
+  fig = validation_curves_figure(_report(), metrics)
+  loss_ax, acc_ax, pqd_ax = fig.axes
+  assert loss_ax.get_shared_x_axes().joined(loss_ax, pqd_ax)
+  lines = _lines(loss_ax)
+  assert lines["training loss (all terms)"] == ([10, 20, 30], [1 / 10, 1 / 20, 1 / 30])
+  assert lines["training task loss (cross-entropy)"] == ([10, 20, 30], [0.05, 0.025, 0.5 / 30])
+  assert lines["validation cross-entropy"] == ([20], [0.7])
+  lines = _lines(acc_ax)
+  assert lines["training batches"][1] == pytest.approx([40.0, 40.0, 40.0])
+  assert lines["validation"] == ([10, 20, 30], pytest.approx([60.0, 70.0, 80.0]))
+  lines = _lines(pqd_ax)
+  assert lines["MF-PQD"] == ([10, 20, 30], [0.7, 0.7, 0.7])  # Step 31's null is skipped.
+  assert lines["sex"] == ([10, 20, 30], [0.9, 0.9, 0.9])
 
 
 def test_without_metrics_file_plots_the_report_only(tmp_path):

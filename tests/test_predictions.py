@@ -111,8 +111,13 @@ def test_intersection_metrics_match_a_numpy_reference():
   assert entry["pqd"] < without["pqd"] and entry["dp"] != without["dp"]
 
   text = format_report(
-      {"accuracy": 0.5, "num_examples": 1, "attributes": {}, "mf": dict.fromkeys(METRICS, 0.0),
-       "intersections": {"sex*age": entry}}
+      {
+          "accuracy": 0.5,
+          "num_examples": 1,
+          "attributes": {},
+          "mf": dict.fromkeys(METRICS, 0.0),
+          "intersections": {"sex*age": entry},
+      }
   )
   assert "[sex*age]" in text and "without the 2 small" in text
   assert re.search(r"male\*old +5 .*small \(n < 30\)", text)
@@ -132,7 +137,8 @@ def test_without_small_groups_is_null_when_fewer_than_two_groups_are_left():
 def test_intersections_config_is_checked_and_names_the_key():
   assert intersections.parse_intersections("") == []
   assert intersections.parse_intersections(" sex*age , age * site*sex") == [
-      ("sex", "age"), ("age", "site", "sex")
+      ("sex", "age"),
+      ("age", "site", "sex"),
   ]
   config = config_lib.base_config()
   for bad in ("sex", "sex*sex", "sex*age,sex*age", "sex*"):
@@ -173,8 +179,11 @@ def test_preloaded_split_keeps_the_file_names(tmp_path):
   for name in ("a.jpg", "b.jpg"):
     Image.new("RGB", (10, 10), (200, 10, 10)).save(tmp_path / name)
     paths.append(str(tmp_path / name))
-  split = {"path": np.array(paths, dtype=object), "label": np.zeros(2, np.int32),
-           "attributes": np.zeros((2, 1), np.int32)}
+  split = {
+      "path": np.array(paths, dtype=object),
+      "label": np.zeros(2, np.int32),
+      "attributes": np.zeros((2, 1), np.int32),
+  }
   assert list(images_lib.preload_images(split, 8)["id"]) == ["a.jpg", "b.jpg"]
 
 
@@ -185,7 +194,9 @@ def test_preloaded_split_keeps_the_file_names(tmp_path):
 
 def _main(workdir, *args):
   command = [
-      sys.executable, "-m", "fairmoe_jax.main",
+      sys.executable,
+      "-m",
+      "fairmoe_jax.main",
       f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=20",
       f"--workdir={workdir}",
       *TINY,
@@ -211,8 +222,11 @@ def run(tmp_path_factory):
 
 def _read(workdir):
   pd = pytest.importorskip("pandas")
-  return pd.read_csv(workdir / "predictions.csv", keep_default_na=False,
-                     dtype={"sex": str, "age": str, "site": str})
+  return pd.read_csv(
+      workdir / "predictions.csv",
+      keep_default_na=False,
+      dtype={"sex": str, "age": str, "site": str},
+  )
 
 
 def test_fairlearn_on_predictions_csv_reproduces_the_report(run):
@@ -245,11 +259,14 @@ def test_fairlearn_on_predictions_csv_reproduces_the_report(run):
     )
 
   def one_vs_rest_dp(features):
-    return np.mean([
-        demographic_parity_difference(df.label == c, df.prediction == c,
-                                      sensitive_features=features)
-        for c in range(num_classes)
-    ])
+    return np.mean(
+        [
+            demographic_parity_difference(
+                df.label == c, df.prediction == c, sensitive_features=features
+            )
+            for c in range(num_classes)
+        ]
+    )
 
   assert frame(df["sex"]).overall["accuracy"] == pytest.approx(report["accuracy"], abs=1e-12)
   for name, attribute in report["attributes"].items():
@@ -307,6 +324,11 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   exported = safetensors_numpy.load_file(str(path))
   assert "head.weight" in exported and "blocks.1.mlp.experts.fc1.weight" in exported
   assert "blocks.1.mlp.router.attribute_heads.0.weight" in exported  # FairSMoE's SA branch.
+  # timm has no MoE block: one line says so and what loads the file, and so does config.json.
+  [line] = [l for l in stdout.splitlines() if "timm" in l and "MoE" in l]
+  assert "blocks.1" in line and "load_timm_checkpoint" in line and "load_run" in line
+  timm_config = json.loads((workdir / "export" / "config.json").read_text())
+  assert timm_config["timm_loadable"] is False and "no MoE block" in timm_config["why_not_timm"]
 
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
   trained, step = train.load_model(config, str(workdir))
@@ -323,7 +345,8 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   )
   assert load_timm_checkpoint(fresh, str(path), skip=()) == []
   for (name, a), (_, b) in zip(
-      nnx.to_flat_state(nnx.state(fresh, nnx.Param)), nnx.to_flat_state(nnx.state(trained, nnx.Param))
+      nnx.to_flat_state(nnx.state(fresh, nnx.Param)),
+      nnx.to_flat_state(nnx.state(trained, nnx.Param)),
   ):
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(name))
 
@@ -358,7 +381,8 @@ def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path
     assert [int(p[-7:-4]) for p in predicted["path"]] == expected
     probabilities = [c for c in predicted.columns if c.startswith("prob_")]
     np.testing.assert_allclose(
-        predicted[probabilities].to_numpy(), evaluated.loc[expected, probabilities].to_numpy(),
+        predicted[probabilities].to_numpy(),
+        evaluated.loc[expected, probabilities].to_numpy(),
         atol=2e-5,
     )
     np.testing.assert_array_equal(predicted["prediction"], evaluated.loc[expected, "prediction"])
@@ -373,9 +397,14 @@ def test_predict_refuses_routing_by_labels_and_empty_inputs(run, tmp_path):
       ([], "predict.input"),
   ):
     command = [
-        sys.executable, "-m", "fairmoe_jax.main",
-        f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=20", f"--workdir={workdir}",
-        *TINY, "--mode=predict", *args,
+        sys.executable,
+        "-m",
+        "fairmoe_jax.main",
+        f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=20",
+        f"--workdir={workdir}",
+        *TINY,
+        "--mode=predict",
+        *args,
     ]
     result = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True)
     assert result.returncode == 2 and f"config key '{key}'" in result.stderr, result.stderr

@@ -497,3 +497,44 @@ def test_the_runner_is_a_typed_package_of_its_own(repo_root):
   assert re.search(r"^CODE_PACKAGES = \[.*\"experiments\".*\]$", setup, re.M)
   assert (repo_root / "experiments" / "py.typed").is_file()
   assert not (repo_root / "trainkit" / "sweep.py").exists()  # One runner, outside the kit.
+
+
+def test_sweep_plot_draws_categories_as_points_and_numbers_as_lines():
+  """Methods (categories) are points with error bars and nothing joining them, each series moved
+  aside so its bars stay visible; a numeric key keeps its lines."""
+  from experiments import plots
+
+  methods = ("fairsmoe", "vanilla_smoe@moe.top_k=1")
+  sweep = spec.validate_sweep(
+      ml_collections.ConfigDict(
+          dict(
+              module="stub_main",
+              config="configs/quickstart.py",
+              grid=spec.dotted({"method": methods, "batch_size": (16, 64), "seed": (0, 1)}),
+              metrics=("accuracy",),
+          )
+      )
+  )
+  rows = [
+      {"method": m, "batch_size": b, "seed": s, "status": "ok", "accuracy": i / 10 + b / 1000 + s}
+      for i, m in enumerate(methods)
+      for b in (16, 64)
+      for s in (0, 1)
+  ]
+  ax = plots.sweep_figure(sweep, rows, "accuracy", "method").axes[0]
+  # One errorbar per series: its label and its data line (caps and bars are separate artists).
+  series = {bars.get_label(): bars.lines[0] for bars in ax.containers}
+  assert set(series) == {"batch_size=16", "batch_size=64"}
+  assert all(line.get_linestyle() == "None" for line in ax.lines)  # No line anywhere.
+  assert [t.get_text() for t in ax.get_xticklabels()] == list(methods)
+  x16, y16 = series["batch_size=16"].get_data()
+  x64, y64 = series["batch_size=64"].get_data()
+  assert list(y16) == pytest.approx([0.516, 0.616]) and list(y64) == pytest.approx([0.564, 0.664])
+  # Around their category's position (0, 1), and apart from each other.
+  assert all(abs(a - i) < 0.5 and abs(b - i) < 0.5 for i, (a, b) in enumerate(zip(x16, x64)))
+  assert all(a < b for a, b in zip(x16, x64))
+  ax = plots.sweep_figure(sweep, rows, "accuracy", "batch_size").axes[0]
+  series = {bars.get_label(): bars.lines[0] for bars in ax.containers}
+  assert set(series) == {f"method={m}" for m in methods}
+  for line in series.values():
+    assert line.get_linestyle() == "-" and list(line.get_xdata()) == [16, 64]

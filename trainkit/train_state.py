@@ -41,7 +41,9 @@ class TrainState:
   step: jax.Array
   params: nnx.State
   model_state: nnx.State
-  opt_state: optax.OptState
+  # An optax.OptState; typed Any because that alias is recursive (ArrayTree names itself) and the
+  # API reference cannot resolve it.
+  opt_state: Any
   rng: jax.Array
   extra: dict[str, Any] = flax.struct.field(default_factory=dict)
 

@@ -260,37 +260,78 @@ def plot_gradient_cosine(report: dict[str, Any], path: str) -> str:
   return _save(fig, path)
 
 
-def plot_validation_curves(report: dict[str, Any], metrics: Sequence[dict], path: str) -> str:
-  """Validation accuracy and MF-PQD (with each attribute's PQD, thin) against step."""
+def validation_curves_figure(report: dict[str, Any], metrics: Sequence[dict]) -> Figure:
+  """The run's curves against step, in three panels sharing the step axis.
+
+  Loss: the training loss (all terms) and its task term (`loss/cross_entropy`) at the logging
+  cadence, with the validation loss at each evaluation. Accuracy: the training batches'
+  accuracy at the logging cadence (thin) and validation accuracy (points). PQD: validation
+  MF-PQD with each attribute's PQD (thin). Training curves show whether and when the run
+  learnt; the few validation points alone do not.
+  """
   attributes = list(report.get("attributes", {}))
-  fig = Figure(figsize=(10.0, 3.8), layout="constrained")
+  fig = Figure(figsize=(14.0, 3.8), layout="constrained")
   FigureCanvasAgg(fig)
-  acc_ax, pqd_ax = fig.subplots(1, 2)
+  loss_ax, acc_ax, pqd_ax = fig.subplots(1, 3, sharex=True)
+  loss_ax.plot(
+      *_series(metrics, "loss"), color="tab:blue", linewidth=1, label="training loss (all terms)"
+  )
+  steps, values = _series(metrics, "loss/cross_entropy")
+  if steps:
+    loss_ax.plot(
+        steps,
+        values,
+        color="tab:orange",
+        linewidth=1,
+        linestyle="--",
+        label="training task loss (cross-entropy)",
+    )
+  steps, values = _series(metrics, "val/loss")
+  if steps:
+    loss_ax.plot(steps, values, marker="o", color="black", label="validation cross-entropy")
+  loss_ax.set_ylabel("loss")
+  steps, values = _series(metrics, "accuracy")
+  if steps:
+    acc_ax.plot(
+        steps,
+        [100.0 * v for v in values],
+        color="tab:blue",
+        linewidth=1,
+        alpha=0.6,
+        label="training batches",
+    )
   steps, values = _series(metrics, "val/accuracy")
-  acc_ax.plot(steps, [100.0 * v for v in values], marker="o", color="tab:blue")
-  acc_ax.set_ylabel("validation accuracy (%)")
-  steps, values = _series(metrics, "val/mf_pqd")
-  pqd_ax.plot(steps, values, marker="o", color="black", linewidth=2, label="MF-PQD")
+  acc_ax.plot(steps, [100.0 * v for v in values], marker="o", color="black", label="validation")
+  acc_ax.set_ylabel("accuracy (%)")
+  mf_steps, mf_values = _series(metrics, "val/mf_pqd")
+  pqd_ax.plot(mf_steps, mf_values, marker="o", color="black", linewidth=2, label="MF-PQD")
   for attribute in attributes:
     steps, values = _series(metrics, f"val/{attribute}/pqd")
     if steps:
       pqd_ax.plot(steps, values, linewidth=1, alpha=0.7, label=attribute)
+  if not mf_steps:
+    pqd_ax.text(0.5, 0.5, "no evaluation logged", transform=pqd_ax.transAxes, ha="center")
   pqd_ax.set_ylabel("validation PQD (1 = fair)")
   pqd_ax.set_ylim(0.0, 1.05)
-  if pqd_ax.get_legend_handles_labels()[0]:
-    pqd_ax.legend(fontsize=8)
-  for ax in (acc_ax, pqd_ax):
+  for ax in (loss_ax, acc_ax, pqd_ax):
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  fig.suptitle(f"Validation curves ({_title(report)})")
-  return _save(fig, path)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=8)
+  fig.suptitle(f"Training and validation curves ({_title(report)})")
+  return fig
+
+
+def plot_validation_curves(report: dict[str, Any], metrics: Sequence[dict], path: str) -> str:
+  """Writes `validation_curves_figure(report, metrics)` to `path`; returns it."""
+  return _save(validation_curves_figure(report, metrics), path)
 
 
 def write_plots(workdir: str) -> list[str]:
   """Writes every plot the run has data for into `workdir/plots/`; returns their paths.
 
   Raises UserError when `workdir/report.json` is missing or unreadable. metrics.jsonl
-  is optional (only the allocation history and validation curves need it).
+  is optional (only the allocation history and the training and validation curves need it).
   """
   report = load_report(workdir)
   metrics = load_metrics(workdir)
@@ -312,7 +353,7 @@ def write_plots(workdir: str) -> list[str]:
     jobs.append(("allocation_history.png", lambda p: plot_allocation_history(report, metrics, p)))
   if report.get("gradient_cosine"):
     jobs.append(("gradient_cosine.png", lambda p: plot_gradient_cosine(report, p)))
-  if _series(metrics, "val/accuracy")[0] or _series(metrics, "val/mf_pqd")[0]:
+  if any(_series(metrics, key)[0] for key in ("loss", "val/accuracy", "val/mf_pqd")):
     jobs.append(("validation_curves.png", lambda p: plot_validation_curves(report, metrics, p)))
 
   return [draw(os.path.join(out_dir, name)) for name, draw in jobs]
