@@ -726,6 +726,12 @@ EXPORT_FILE = os.path.join("export", export_lib.WEIGHTS_FILE)
 EXPORT_CONFIG_FILE = os.path.join("export", export_lib.CONFIG_FILE)
 
 
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Writes the latest checkpoint's parameters as a timm-named safetensors state dict.
 
@@ -755,6 +761,9 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
         "config": config.to_json(),
     }
     save_file(state, path, metadata=metadata)
+    # safetensors writes through a private temporary file (mode 0600); the export is meant to be
+    # shared like every other output of the run.
+    os.chmod(path, 0o644 & ~_umask())
     with open(os.path.join(workdir, EXPORT_CONFIG_FILE), "w") as f:
       json.dump(timm_config, f, indent=2)
     size = sum(v.nbytes for v in state.values())

@@ -321,6 +321,8 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   stdout = _main(workdir, "--mode=export")
   path = workdir / "export" / "model.safetensors"
   assert f"to {path}" in stdout
+  # Readable by others like every other output (safetensors alone leaves its temp file's 0600).
+  assert path.stat().st_mode & 0o044 == (workdir / "report.json").stat().st_mode & 0o044
   exported = safetensors_numpy.load_file(str(path))
   assert "head.weight" in exported and "blocks.1.mlp.experts.fc1.weight" in exported
   assert "blocks.1.mlp.router.attribute_heads.0.weight" in exported  # FairSMoE's SA branch.
