@@ -232,8 +232,10 @@ def test_expert_review_changes_the_assignment_without_recompiling():
     )
 
   before = assignment(state)
-  state, _ = review(state)  # Baseline.
-  state, logged = review(state)  # Improved: every attribute grows.
+  state, _, lines = review(state)  # Baseline.
+  assert lines == []
+  state, logged, lines = review(state)  # Improved: every attribute grows, and says so.
+  assert "expert management: grow sex to 2 experts" in lines and len(lines) == 3
   after = assignment(state)
   assert logged["fem/experts/sex"] == 2 and logged["fem/experts/site"] == 2  # site has 8 groups.
   assert after.sum() == before.sum() + info.num_attributes

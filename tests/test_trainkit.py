@@ -694,3 +694,30 @@ def test_an_empty_run_lock_is_stale_once_old_and_held_while_fresh(tmp_path, capl
     with workdir_lock(str(tmp_path)):
       assert json.loads(lock.read_text())["pid"] == os.getpid()
   assert "names no owner" in caplog.text
+
+
+def test_a_review_that_changes_something_prints_one_line_per_change(tmp_path, capsys):
+  def train_step(state, batch):
+    return state.replace(step=state.step + 1), {"loss": jnp.asarray(1.0)}
+
+  def review(state):
+    return state, {"review/n": 1.0}, [f"grew at {int(state.step)}"]
+
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  train_loop(
+      state=_toy_train_state(0.0),
+      train_step=jax.jit(train_step),
+      train_iterator=_SignallingIterator(-1),
+      mesh=make_mesh({"data": 8, "expert": 1}),
+      checkpointer=ckpt,
+      writer=MetricWriter(str(tmp_path), tensorboard=False),
+      num_train_steps=10,
+      log_every_steps=5,
+      eval_every_steps=0,
+      checkpoint_every_steps=10,
+      examples_per_step=8,
+      reviews=[(4, review)],
+  )
+  captured = capsys.readouterr()
+  console = captured.out + captured.err  # The progress stream.
+  assert "step 4: grew at 4" in console and "step 8: grew at 8" in console

@@ -183,7 +183,8 @@ def train_loop(
   with s % every_steps == 0 (and never at the last step, where nothing trains after),
   `review(state) -> (state, scalars)` may change non-gradient state between steps (e.g.
   an expert assignment kept in the model state); its state is the one checkpointed and
-  trained on next, and its scalars are logged. It must keep every array's shape, dtype
+  trained on next, and its scalars are logged. A review may return a third element, lines
+  saying what it changed, which the console prints. It must keep every array's shape, dtype
   and sharding, so the train step is not recompiled.
 
   `profile_steps` = (start, end) writes a `jax.profiler` trace of steps start+1 .. end to
@@ -265,8 +266,10 @@ def train_loop(
         progress.rate(step)  # Evaluation time is not training throughput.
       for every, review in reviews:
         if every > 0 and step % every == 0 and step < num_train_steps:
-          state, review_scalars = review(state)
+          state, review_scalars, *notes = review(state)
           writer.write_scalars(step, review_scalars)
+          for line in notes[0] if notes else ():  # What the review changed, in words.
+            progress.note(f"step {step}: {line}")
           progress.rate(step)
       if checkpoint_due:
         writer.flush()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
-import logging
 from typing import Any, Callable
 
 import flax.nnx as nnx
@@ -166,7 +165,7 @@ def make_expert_manager(
     validate: Callable[[Any], dict[str, Any]],
     write_assignment: Callable[[Any, dict[str, np.ndarray], np.ndarray], Any],
 ) -> Callable[[Any], tuple[Any, dict[str, float]]]:
-  """The FEM review hook, `review(state) -> (state, scalars)`.
+  """The FEM review hook, `review(state) -> (state, scalars, lines)`: the lines say what changed.
 
   Args:
     attribute_names: the sensitive attributes, in the data's order.
@@ -189,10 +188,10 @@ def make_expert_manager(
     fem = jax.tree.map(np.asarray, jax.device_get(state.extra["fem"]))
     fem, events = allocator.update(fem, sf, report["loss"])
     state = write_assignment(state, fem, allocator.assignment(fem))
-    for kind, a in events:
-      logging.info(
-          "expert management: %s %s to %d experts", kind, attribute_names[a], fem["counts"][a]
-      )
+    changes = [
+        f"expert management: {kind} {attribute_names[a]} to {fem['counts'][a]} experts"
+        for kind, a in events
+    ]
     scalars = {f"{ALLOCATION_PREFIX}{n}": float(c) for n, c in zip(attribute_names, fem["counts"])}
     scalars["fem/review_loss"] = float(report["loss"])
     # Each expert's share of the validation choices (mean over MoE blocks), measured before
@@ -203,7 +202,7 @@ def make_expert_manager(
           {f"{SHARE_PREFIX}{e}": float(v) for e, v in enumerate(np.mean(shares, axis=0))}
       )
     scalars.update({f"fem/sf/{n}": float(s) for n, s in zip(attribute_names, sf)})
-    return state, scalars
+    return state, scalars, changes
 
   return review
 

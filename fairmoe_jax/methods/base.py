@@ -24,7 +24,7 @@ from fairmoe_jax.moe import MoEAux
 Batch = dict[str, jax.Array]
 # (model, batch, rng, step, extra) -> ({term: weighted scalar}, {metric: scalar})
 LossTerms = Callable[..., tuple[dict[str, jax.Array], dict[str, jax.Array]]]
-# review(state) -> (state, scalars); runs every `every_steps` training steps.
+# review(state) -> (state, scalars[, lines]); runs every `every_steps` training steps.
 Review = Callable[[Any], tuple[Any, dict[str, float]]]
 
 
