@@ -118,7 +118,13 @@ def test_two_processes_train_like_one_through_sigterm_a_dead_process_and_resumes
   assert code not in (0, None)
   # Gloo notices the closed connection at once; the heartbeat timeout (15 s) is the bound.
   assert elapsed < 40, f"the surviving process took {elapsed:.0f} s to stop"
-  assert "Another process has most likely died" in log_text(logs, 1)
+  # Either our message (a collective failed first) or JAX's own (its coordination service,
+  # hosted by the killed process 0, noticed first and aborted the process): both say why.
+  survivor = log_text(logs, 1)
+  assert (
+      "Another process has most likely died" in survivor
+      or "This most likely indicates that another task died" in survivor
+  ), survivor[-2000:]
 
   # 3. Resumed again from the last complete checkpoint, to the end: the one-process losses.
   logs = tmp_path / "resumed"
