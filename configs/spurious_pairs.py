@@ -22,7 +22,7 @@ results/records/spurious_pairs.json by results/spurious_pairs.py;
 `python -m experiments.tables --reproduce=spurious_pairs` reruns its first row).
 """
 
-from causal_attn_jax.config import paper_config_from_arg
+from causal_attn_jax.config import paper_config_from_arg, testbed_small_settings
 
 
 def get_config(arg: str | None = None):
@@ -35,25 +35,8 @@ def get_config(arg: str | None = None):
   # other data.spurious sizes need another value (the error names the largest).
   config.data.vocab_size = 93
   if arg.size == "small":
-    # The relation is learnt slowly at the MNLI settings (lr 1e-3, batch 32); these learn it
-    # within the steps below, chosen on the validation split (in distribution); see
-    # docs/design.md, 'Defaults and the split that chose them'.
-    config.batch_size = 64
-    # Each attention's learning rate is its own, chosen on validation with the same budget
-    # (results/spurious_tuning_{vanilla,gcn}.py): vanilla attention 1e-3, the GCN updater
-    # (constrained or not) 3e-3; the fixed sparse patterns were not tuned and keep 3e-3.
-    config.optimizer.learning_rate = 1e-3 if arg.attention == "vanilla" else 3e-3
-    config.model.dropout_rate = 0.0
-    if not arg.steps:
-      config.num_train_steps = 2000
-    # With the full dual step from step 0 the constraint makes attention sparse before the
-    # relation is learnt and the model stays at chance on the validation split; of the four
-    # schedules of results/spurious_tuning_causal.py (validation only), this one has the
-    # highest mean validation accuracy (docs/design.md, 'Defaults and the split that chose
-    # them').
-    config.constraints.dual_start_step = 500
-    config.constraints.dual_ramp_steps = 1000
-    config.constraints.step_size = 0.01
+    # Chosen on this testbed's validation split (the function's docstring gives the reasons).
+    testbed_small_settings(config, arg.attention, arg.steps)
   config.eval_every_steps = 500
   config.checkpoint_every_steps = 500
   return config

@@ -17,6 +17,7 @@ import jax
 import ml_collections
 
 from trainkit.errors import UserError
+from trainkit.metric_writers import write_atomically
 
 _log = logging.getLogger(__name__)
 
@@ -244,12 +245,7 @@ def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
   """
   if jax.process_index() != 0:
     return
-  path = os.path.join(workdir, RUN_INFO_FILE)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(run_info, f, indent=2)
-    f.write("\n")
-  os.replace(tmp, path)
+  write_atomically(os.path.join(workdir, RUN_INFO_FILE), json.dumps(run_info, indent=2) + "\n")
 
 
 def load_run_info(workdir: str) -> dict[str, Any] | None:
