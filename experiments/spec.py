@@ -17,10 +17,14 @@ import itertools
 import os
 import re
 import sys
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
+from trainkit.config_files import resolve_config_path
 from trainkit.errors import UserError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -342,3 +346,46 @@ def run_record(sweep: ml_collections.ConfigDict, point: Mapping[str, Any]) -> di
       "config": sweep.config,
       "settings": {k: format_value(v) for k, v in run_settings(sweep, point).items()},
   }
+
+
+def resolved_config(
+    sweep: ml_collections.ConfigDict, point: Mapping[str, Any], cwd: str = REPO_ROOT
+) -> ml_collections.ConfigDict:
+  """The config the run of `point` trains with, built as its main builds it, without training.
+
+  The mains (`trainkit.cli.train_eval_command`) load `--config=FILE[:ARGS]` with ml_collections
+  and apply every `--config.KEY=VALUE` flag on top; this parses the run's own flags
+  (`run_command`) the same way, in a flag set of its own. `cwd` is the directory the runs start
+  in (a relative config path is read from there). The result is what the run's `config.json`
+  holds once trained, so a rerun can tell a run trained from an edited config file.
+
+  Raises:
+    SweepError: the config file cannot be loaded or a setting names a key it lacks.
+  """
+  path, sep, args = sweep.config.partition(":")
+  path = os.path.expanduser(path)
+  if os.path.isfile(os.path.join(cwd, path)):
+    path = os.path.join(cwd, path)
+  else:  # As the mains find it: a `configs/` path in the installed package's configs.
+    path = resolve_config_path(path)
+  argv = ["sweep", f"--config={path}{sep}{args}"]
+  argv += [f"--config.{k}={format_value(v)}" for k, v in run_settings(sweep, point).items()]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
+  try:
+    with warnings.catch_warnings():  # ml_collections loads the file with the deprecated
+      warnings.simplefilter("ignore", DeprecationWarning)  # load_module(); not the user's.
+      values(argv)
+    config = holder.value
+    config.to_dict()  # ml_collections defers some load failures until the config is touched.
+  except Exception as e:  # Whatever the config file or a setting got wrong: name the run.
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):
+      reason = lines[-1]  # ml_collections wraps get_config's exception in its traceback.
+    else:
+      reason = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    raise SweepError(
+        "config", f"cannot build the config of run {run_name(point)} from {sweep.config}: {reason}"
+    ) from None
+  return config

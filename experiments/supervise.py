@@ -2,22 +2,27 @@
 
 The rules that make rerunning the same command safe:
 * a run whose report.json exists is skipped, but only if it was started with the settings asked
-  for now (its RUN record, or what `differences` says); otherwise the sweep stops before running
+  for now (its RUN record and the config.json it trained with against the config file and
+  flags of now, or what `differences` says); otherwise the sweep stops before running
   anything, or with `retrain` moves the run aside and runs it again;
 * a run without report.json is (re)started; the mains resume from their checkpoints;
 * a failed run (non-zero exit, timeout, no report.json) leaves error.txt, is retried next time
   and does not stop the others;
-* a timeout, Ctrl-C or SIGTERM gives the run SIGTERM (the mains checkpoint on it), then SIGKILL.
+* a timeout, Ctrl-C or SIGTERM gives the run SIGTERM (the mains checkpoint on it), then SIGKILL;
+  a runner killed outright (SIGKILL) takes its run with it: the run gets SIGTERM (Linux).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
@@ -36,9 +41,16 @@ from experiments.spec import (
     run_command,
     run_dir,
     run_name,
+    resolved_config,
     run_record,
 )
-from trainkit.workdir import config_differences, move_aside, stale_runs_error
+from trainkit.workdir import (
+    CONFIG_FILE,
+    config_differences,
+    move_aside,
+    stale_runs_error,
+    trained_config_differences,
+)
 
 ERROR_LOG_LINES = 30
 # A timed-out or interrupted run gets SIGTERM first (the mains checkpoint on it), then SIGKILL.
@@ -84,6 +96,60 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     signal.signal(signal.SIGTERM, previous)
 
 
+# PR_SET_PDEATHSIG from <linux/prctl.h>: the signal a process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+# A traceback's last line (`ValueError: ...`, `jaxlib...XlaRuntimeError: ...`, `KeyboardInterrupt`)
+# or a crash the interpreter reports itself.
+_EXCEPTION_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b|Fatal Python error\b)"
+)
+# The progress bar's line in a log (trainkit/progress.py): `[####....] 20/40 | ...`.
+_PROGRESS_LINE = re.compile(r"^\[[#.]*\] \d+/\d+")
+
+
+def _die_with_the_runner(runner_pid: int) -> Callable[[], None]:
+  """The run's preexec_fn: it gets SIGTERM (the mains checkpoint on it) when the runner dies.
+
+  A run has a session of its own, so a SIGKILL to the runner (or its terminal closing) would
+  otherwise leave it training unsupervised, writing to the log a rerun appends to. Linux only
+  (prctl); elsewhere a run outlives a killed runner as before.
+  """
+
+  # Looked up here, before the fork: the child runs as little as it can before its exec.
+  prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+  def preexec() -> None:
+    if prctl is not None:
+      prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != runner_pid:  # The runner died before prctl took effect.
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  return preexec
+
+
+def failure_line(output: list[str]) -> str:
+  """The line of a failed run's output that says why: its last `error: ...` line or exception.
+
+  A main's last words are its `error: ...` line or the exception that ended it, but other lines
+  may follow them in the log (a progress line, a background thread's message), so the last such
+  line wins over the last line. Without one: the exception line of the last traceback, else the
+  last line that is not a progress line, else "".
+  """
+  for line in reversed(output):
+    line = line.rstrip()
+    if line.lower().startswith("error:") or _EXCEPTION_LINE.match(line):
+      return line
+  tracebacks = [i for i, line in enumerate(output) if line.startswith("Traceback (")]
+  if tracebacks:  # An exception of another name (`trainkit.errors.OutOfSpace: ...`).
+    for line in output[tracebacks[-1] + 1 :]:
+      if line.strip() and not line[0].isspace():
+        return line.strip()
+  return next(
+      (l.strip() for l in reversed(output) if l.strip() and not _PROGRESS_LINE.match(l.strip())),
+      "",
+  )
+
+
 def _output_since(log_path: str, offset: int) -> list[str]:
   """The lines this attempt wrote to the log (earlier attempts' lines come before `offset`)."""
   try:
@@ -104,9 +170,16 @@ def _run_one(
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(command)}\n")
     log.flush()
     offset = log.tell()
-    # A session of its own, so a timeout can stop the run's whole process tree.
+    # A session of its own, so a timeout can stop the run's whole process tree; and SIGTERM
+    # when this runner dies, so a killed runner leaves no run training on unsupervised.
     process = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_the_runner(os.getpid()),
     )
     try:
       code = process.wait(timeout=timeout_s or None)
@@ -122,9 +195,8 @@ def _run_one(
   error_path = os.path.join(directory, ERROR)
   if why:
     output = _output_since(log_path, offset)
-    last = next((line.strip() for line in reversed(output) if line.strip()), "")
+    last = failure_line(output)
     if last and why.startswith("exit code"):
-      # A main's last line is its `error: ...` or the exception that ended it: the reason.
       why = f"{why}: {last}"
     with open(error_path, "w") as f:
       f.write(f"{why}\n\nlast {ERROR_LOG_LINES} lines of {log_path}:\n")
@@ -143,10 +215,22 @@ def _recorded_run(directory: str) -> dict[str, Any]:
 
 
 def record_differences(
-    sweep: ml_collections.ConfigDict, point: Mapping[str, Any], directory: str
+    sweep: ml_collections.ConfigDict,
+    point: Mapping[str, Any],
+    directory: str,
+    cwd: str = REPO_ROOT,
 ) -> list[str]:
-  """How the RUN record in `directory` differs from what `point` asks for now."""
-  return config_differences(_recorded_run(directory), run_record(sweep, point))
+  """How the finished run in `directory` differs from what `point` asks for now.
+
+  First its RUN record (module, config file, every flag); then, when the run saved the config
+  it trained with (`config.json`, as the mains do), that config against the one the same flags
+  give now (`spec.resolved_config`), so an edited config file (a learning rate, a top_k) makes
+  the run stale too and the difference names the key.
+  """
+  changed = config_differences(_recorded_run(directory), run_record(sweep, point))
+  if changed or not os.path.exists(os.path.join(directory, CONFIG_FILE)):
+    return changed
+  return trained_config_differences(directory, resolved_config(sweep, point, cwd))
 
 
 def run_sweep(
@@ -163,8 +247,9 @@ def run_sweep(
 
   A finished run started with other settings is an error before anything runs, or with
   `retrain` is moved aside (`<run>.stale-<n>`) and run again. `differences(point, directory)`
-  decides what "other settings" means; by default the run's RUN record against `run_record`
-  (a front end that can build each run's whole config checks that instead).
+  decides what "other settings" means; by default `record_differences` (the RUN record, then
+  the saved config.json against the config the flags give now, so an edited config file
+  counts).
 
   `env` adds to this process's environment (the runs inherit it, XLA_FLAGS included).
   """
@@ -174,7 +259,7 @@ def run_sweep(
   points = grid_points(sweep)
   check_run_names(points)
   if differences is None:
-    differences = lambda point, directory: record_differences(sweep, point, directory)
+    differences = lambda point, directory: record_differences(sweep, point, directory, cwd)
   run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
   stale = []
   for point in points:
@@ -188,6 +273,7 @@ def run_sweep(
       raise stale_runs_error(stale, "--retrain")
     for directory, _ in stale:
       print(f"moved the stale run {directory} to {move_aside(directory)}", flush=True)
+  stale_changes = dict(stale)
   statuses = {}
   with _sigterm_as_interrupt():
     for i, point in enumerate(points):
@@ -195,8 +281,12 @@ def run_sweep(
       command = run_command(sweep, point, directory)
       done = os.path.exists(os.path.join(directory, REPORT))
       if dry_run:
-        skipped = "# skipped (report.json exists): " if done else ""
-        print(skipped + shlex.join(command), flush=True)
+        changed = stale_changes.get(directory)
+        if changed:
+          note = f"# stale, trained with another config ({', '.join(changed[:3])}): "
+        else:
+          note = "# skipped (report.json exists): " if done else ""
+        print(note + shlex.join(command), flush=True)
         continue
       prefix = f"[{i + 1}/{len(points)}] {name}:"
       if done:

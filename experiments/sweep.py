@@ -43,12 +43,16 @@ per run in grid order (its point, run_dir, status ok/failed/missing, report and 
 Modes (`--mode`):
   run       (default) runs the runs one after the other as subprocesses of this machine, each
             logging to `<run dir>/log.txt`. A run whose report.json exists is skipped if it was
-            started with the same settings (`sweep_run.json`; otherwise the sweep stops with
-            an error before running anything, or with `--retrain` moves it aside), and an
-            interrupted one resumes from its checkpoint, so rerunning the command resumes the
-            sweep; a failed run (non-zero exit or `timeout_s`) leaves `error.txt`, is retried
-            next time and does not stop the others. A timeout, Ctrl-C or SIGTERM sends the
-            running run SIGTERM (the mains checkpoint on it), then SIGKILL after a minute.
+            started with the same settings (`sweep_run.json`) and trained with the config the
+            config file and those settings give now (its `config.json`, so an edited config
+            file counts); otherwise the sweep stops with an error naming the changed keys
+            before running anything, or with `--retrain` moves it aside. An interrupted run
+            resumes from its checkpoint, so rerunning the command resumes the sweep; a failed
+            run (non-zero exit or `timeout_s`) leaves `error.txt` (the reason: the run's last
+            `error:` or exception line), is retried next time and does not stop the others.
+            A timeout, Ctrl-C or SIGTERM sends the running run SIGTERM (the mains checkpoint
+            on it), then SIGKILL after a minute; a runner killed with SIGKILL takes its run
+            with it (SIGTERM, on Linux).
             Then collects. `--dry_run` only prints the commands.
   commands  writes `<workdir>/commands.sh`, one line per run, for a cluster. With
             `--launcher="launch/slurm.sh --nodes 2 --gpus-per-node 8 --"` each line is

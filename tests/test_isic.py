@@ -3,6 +3,7 @@
 import csv
 import os
 import pathlib
+import re
 
 from conftest import SHARED_DATA
 import numpy as np
@@ -277,7 +278,9 @@ def test_stray_quote_bom_and_encoding_are_errors_with_the_line(tmp_path):
   lines[1] = 'a,15,anterior torso,"l0,female'  # The quote closes rows later.
   lines[3] = 'c,85.0,,l2",'
   metadata.write_text("\n".join(lines) + "\n")
-  with pytest.raises(UserError, match=r"Metadata\.csv:2: a quoted field runs from line 2 to line 4"):
+  with pytest.raises(
+      UserError, match=r"Metadata\.csv:2: a quoted field runs from line 2 to line 4"
+  ):
     isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
   # A byte-order mark before the header is not part of the first column's name.
   write_layout(tmp_path)
@@ -287,6 +290,41 @@ def test_stray_quote_bom_and_encoding_are_errors_with_the_line(tmp_path):
   # Not UTF-8: the line, not a byte offset.
   truth.write_bytes(truth.read_bytes().replace(b"\nc,", b"\nc\xff,"))
   with pytest.raises(UserError, match=r"GroundTruth\.csv:4: not UTF-8"):
+    isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        # A blank line before the stray quote: the rows before it were miscounted (line 2).
+        (["", 'b,20,"head/neck,l1,male', "c,85.0,,l2,"], "a quoted field runs from line 3 to"),
+        (["", 'b,20,"head/neck,l1,male'], "a quoted field runs from line 3 to the end of the file"),
+        # A quote inside a value or after a closing quote was read as part of the value.
+        (["a,15,anterior torso,,female", 'b",20,head/neck,l1,male'], "column image has value 'b\""),
+        (["a,15,anterior torso,,female", 'b,20,head/neck,l"1,male'], "column lesion_id has value"),
+        (["a,15,anterior torso,,female", 'b,"20"x,head/neck,l1,male'], "',' expected after"),
+    ],
+)
+def test_a_stray_quote_on_line_3_names_line_3(tmp_path, rows, message):
+  """A stray quote on line 3 names line 3 (a blank line before it once shifted the count to line
+  2), and a quote inside a value is an error, not part of an image name or lesion id."""
+  write_layout(tmp_path)
+  metadata = tmp_path / isic.METADATA_FILE
+  header = metadata.read_text().splitlines()[0]
+  metadata.write_text("\n".join([header, *rows]) + "\n")
+  with pytest.raises(UserError, match=rf"Metadata\.csv:3: {re.escape(message)}"):
+    isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
+
+
+def test_blank_lines_are_skipped_and_do_not_shift_line_numbers(tmp_path):
+  write_layout(tmp_path)
+  metadata = tmp_path / isic.METADATA_FILE
+  lines = metadata.read_text().splitlines()
+  metadata.write_text("\n".join([lines[0], "", lines[1], "", "", lines[2], *lines[3:]]) + "\n")
+  isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)  # Was a quote error.
+  lines[2] = lines[2].replace("20", "twenty")
+  metadata.write_text("\n".join([lines[0], "", lines[1], "", "", *lines[2:]]) + "\n")
+  with pytest.raises(UserError, match=r"Metadata\.csv:6: column age_approx has value 'twenty'"):
     isic.load_isic2019(root=str(tmp_path), image_size=8, preload=False)
 
 

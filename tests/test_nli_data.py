@@ -202,3 +202,30 @@ def test_macro_f1_matches_sklearn():
     for n in (3, 4):
       expected = metrics.f1_score(labels, predictions, average="macro", labels=list(range(n)))
       assert macro_f1(labels, predictions, n) == pytest.approx(expected)
+
+
+def test_a_file_without_rows_is_one_error_naming_it(tmp_path, capsys):
+  """A file without rows is one error naming it, not 0 pairs read, '1 pairs carved' from them and
+  an error that blames the tokenizer."""
+  header_only = _write(tmp_path / "train.tsv", ["premise\thypothesis\tgold_label"])
+  assert _error(nli.read_pairs, header_only, task="nli") == (
+      f"{header_only}: the file has no rows below its header, so there are no pairs to read."
+  )
+  blank = _write(tmp_path / "train.jsonl", ["", "  "])
+  assert _error(nli.read_pairs, blank, task="nli") == (
+      f"{blank}: the file has no JSON lines, so there are no pairs to read."
+  )
+  no_consensus = _write(tmp_path / "dev.tsv", ["premise\thypothesis\tgold_label", "a\tb\t-"])
+  assert "none of its 1 rows is an example (1 have label '-'" in _error(
+      nli.read_pairs, no_consensus, task="nli"
+  )
+  # Through the loader: the error comes before an eval set is carved or a tokenizer trained.
+  from causal_attn_jax import config as causal_config
+  from causal_attn_jax.data import loading
+
+  config = causal_config.base_config()
+  config.data.train_file = str(header_only)
+  capsys.readouterr()
+  with pytest.raises(UserError, match=re.escape(f"{header_only}: the file has no rows")):
+    loading.load_classification(config, str(tmp_path / "w"))
+  assert "carved" not in capsys.readouterr().out

@@ -330,7 +330,8 @@ SLOW_STUB = textwrap.dedent("""
     else:
       signal.signal(signal.SIGTERM, on_sigterm)
     print("training", flush=True)
-    open(os.path.join(workdir, "started.txt"), "w").close()
+    with open(os.path.join(workdir, "started.txt"), "w") as f:
+      f.write(str(os.getpid()))
     time.sleep(120)
     """)
 
@@ -395,6 +396,89 @@ def test_sigterm_to_the_runner_stops_the_running_run(tmp_path, slow_env, repo_ro
   assert (started.parent / "sigterm.txt").exists()  # The run was told, and checkpointed.
   assert "interrupted; rerun the same command to resume the sweep" in out
   assert not (workdir / "runs" / "mode=stubborn").exists()  # Nothing more was started.
+
+
+def _running(pid):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # Not a zombie.
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_run_dies_with_a_killed_runner(tmp_path, slow_env, repo_root):
+  """A SIGKILL to the runner would leave its run (a session of its own) training on; instead it
+  gets SIGTERM, so it checkpoints and stops."""
+  sweep_file = tmp_path / "slow_sweep.py"
+  sweep_file.write_text(
+      "from experiments.spec import dotted\n"
+      "def get_config(arg=None):\n"
+      "  return dict(module='slow_main', config='configs/quickstart.py',\n"
+      "              grid=dotted({'mode': ('checkpoint',)}))\n"
+  )
+  workdir = tmp_path / "w"
+  runner = subprocess.Popen(
+      [sys.executable, "-m", "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"],
+      cwd=repo_root,
+      env={**os.environ, **slow_env},
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+  )
+  started = workdir / "runs" / "mode=checkpoint" / "started.txt"
+  deadline = time.monotonic() + 60
+  while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  run_pid = int(started.read_text())
+  try:
+    runner.kill()
+    runner.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while _running(run_pid) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not _running(run_pid)
+    assert (started.parent / "sigterm.txt").exists()  # SIGTERM: the mains checkpoint on it.
+  finally:
+    if _running(run_pid):
+      os.kill(run_pid, signal.SIGKILL)
+
+
+def test_the_failure_reason_is_the_error_line_not_what_followed_it(tmp_path):
+  """A progress line written after the run's error (by a run left over from a killed
+  runner, or a background thread) is not the reason: the error or exception line is."""
+  from experiments import supervise
+
+  progress = "[######..................] 10/40 | 120.5 ex/s | ETA 0m03s | loss 1.2"
+  error = "error: the workdir is in use by pid 123 on host h since 12:00"
+  traceback = [
+      "Traceback (most recent call last):",
+      '  File "m.py", line 1, in <module>',
+      "    raise ValueError('boom')",
+      "ValueError: boom",
+  ]
+  # Through the runner: error.txt's first line names the exception.
+  stub = tmp_path / "failing_main.py"
+  lines = [progress, *traceback, progress]
+  stub.write_text(
+      "import sys\n"
+      f"print({chr(10).join(lines[:-1])!r}, file=sys.stderr, flush=True)\n"
+      f"print({progress!r}, flush=True)\n"
+      "sys.exit(1)\n"
+  )
+  env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+  sweep = spec.validate_sweep(
+      dict(module="failing_main", config="configs/quickstart.py", grid=spec.dotted({"seed": (0,)}))
+  )
+  assert supervise.run_sweep(sweep, str(tmp_path / "w"), env=env) == {"seed=0": "failed"}
+  error_txt = (tmp_path / "w" / "runs" / "seed=0" / "error.txt").read_text()
+  assert error_txt.splitlines()[0] == "exit code 1: ValueError: boom"
+  # The choice, line by line.
+  assert supervise.failure_line(["step", error, progress, progress]) == error
+  assert supervise.failure_line([progress, *traceback, progress, ""]) == "ValueError: boom"
+  custom = [*traceback[:3], "trainkit.errors.OutOfSpace: the disk is full", progress]
+  assert supervise.failure_line(custom) == "trainkit.errors.OutOfSpace: the disk is full"
+  assert supervise.failure_line(["loading", progress]) == "loading"
+  assert supervise.failure_line([progress]) == ""
 
 
 def test_commands_mode_with_launcher(tmp_path):
@@ -538,3 +622,102 @@ def test_sweep_plot_draws_categories_as_points_and_numbers_as_lines():
   assert set(series) == {f"method={m}" for m in methods}
   for line in series.values():
     assert line.get_linestyle() == "-" and list(line.get_xdata()) == [16, 64]
+
+
+# Each package's tiny run for a real sweep: the config file the sweep points to (a shipped one,
+# with the learning rate set where an edit can change it), then the flags that keep it small.
+REAL_RUNS = {
+    "fairmoe_jax.main": (
+        "configs/quickstart.py",
+        "steps=2",
+        dict(
+            batch_size=32,
+            eval_batch_size=64,
+            eval_every_steps=0,
+            analysis_batches=0,
+            **{
+                "data.train_size": 128,
+                "data.val_size": 64,
+                "data.test_size": 64,
+                "model.depth": 1,
+                "model.dim": 32,
+                "model.num_heads": 2,
+                "model.mlp_dim": 64,
+            },
+        ),
+    ),
+    "causal_attn_jax.main": (
+        "configs/ood_pairs.py",
+        "size=small,steps=2,attention=vanilla",
+        dict(
+            batch_size=16,
+            eval_batch_size=32,
+            eval_every_steps=0,
+            **{
+                "model.dim": 16,
+                "model.num_layers": 1,
+                "model.num_heads": 2,
+                "model.mlp_dim": 16,
+                "data.max_train_examples": 64,
+                "data.max_eval_examples": 32,
+                "plots.num_examples": 1,
+            },
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("module", list(REAL_RUNS))
+def test_an_edited_config_file_makes_finished_runs_stale(module, repo_root, tmp_path, capsys):
+  """The flags alone (sweep_run.json) do not see an edit of the config file the
+  sweep points to; the run's config.json against the config the same flags give now does."""
+  shipped, arg, overrides = REAL_RUNS[module]
+  config_file = tmp_path / "base.py"
+
+  def write_config(learning_rate):
+    config_file.write_text(
+        "import importlib.util\n"
+        f"_spec = importlib.util.spec_from_file_location('shipped', {str(repo_root / shipped)!r})\n"
+        "_shipped = importlib.util.module_from_spec(_spec)\n"
+        "_spec.loader.exec_module(_shipped)\n"
+        "def get_config(arg=None):\n"
+        "  config = _shipped.get_config(arg)\n"
+        f"  config.optimizer.learning_rate = {learning_rate!r}\n"
+        "  return config\n"
+    )
+
+  write_config(0.001)
+  sweep = spec.validate_sweep(
+      dict(
+          module=module,
+          config=f"{config_file}:{arg}",
+          grid=spec.dotted({"seed": (0,)}),
+          overrides=spec.dotted(overrides),
+      )
+  )
+  workdir = tmp_path / "sweep"
+  env = {"XLA_FLAGS": ""}  # One CPU device, not conftest's eight: faster.
+  assert sweep_cli.execute_sweep(sweep, str(workdir), env=env) == 0, capsys.readouterr().out
+  run = workdir / "runs" / "seed=0"
+  assert json.loads((run / "config.json").read_text())["optimizer"]["learning_rate"] == 0.001
+  report = (run / "report.json").stat().st_mtime_ns
+
+  # Nothing changed: the finished run is reused.
+  capsys.readouterr()
+  assert sweep_cli.execute_sweep(sweep, str(workdir), env=env) == 0
+  assert "[1/1] seed=0: skipped (report.json exists)" in capsys.readouterr().out
+
+  # The config file's learning rate changed, the flags did not: stale, and the key is named.
+  write_config(0.002)
+  with pytest.raises(
+      UserError,
+      match=r"1 finished run\(s\) .*optimizer\.learning_rate: 0\.001 -> 0\.002.*--retrain",
+  ):
+    sweep_cli.execute_sweep(sweep, str(workdir), env=env)
+  assert (run / "report.json").stat().st_mtime_ns == report
+  assert sweep_cli.execute_sweep(sweep, str(workdir), dry_run=True) == 0
+  assert "# stale, trained with another config (optimizer.learning_rate" in capsys.readouterr().out
+  # A config file that no longer loads is one sweep error naming the run, not a traceback.
+  config_file.write_text("def get_config(arg=None):\n  raise ValueError('half-edited')\n")
+  with pytest.raises(UserError, match=r"sweep key 'config': .*seed=0.*ValueError: half-edited"):
+    sweep_cli.execute_sweep(sweep, str(workdir), env=env)

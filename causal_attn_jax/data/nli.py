@@ -187,6 +187,20 @@ class _Builder:
       self.heuristics.append(heuristic.strip())
       self.subcases.append(subcase.strip())
 
+  def require_examples(self, rows: str) -> None:
+    """UserError naming the file when it gave no example (read nothing, or skipped every row).
+
+    `rows` says what a row is in this format ("rows below the header", "JSON lines").
+    """
+    if self.labels:
+      return
+    if not self.stats["rows"]:
+      raise UserError(f"{self.source}: the file has no {rows}, so there are no pairs to read.")
+    raise UserError(
+        f"{self.source}: none of its {self.stats['rows']} rows is an example "
+        f"({self.stats['skipped_no_consensus']} have label {NO_CONSENSUS!r}, no consensus)."
+    )
+
   def build(self, report: bool = True) -> PairData:
     labels = np.asarray(self.labels, np.int32)
     self.stats["examples"] = len(labels)
@@ -215,6 +229,7 @@ def read_nli_jsonl(path: str | os.PathLike, *, report: bool = True) -> PairData:
   Raises:
     UserError: A line is not a JSON object, lacks a field, or has a label
       outside ``NLI_LABELS`` and ``-``; the message names file, line and field.
+      A file without an example (no line, or every row ``-``) names the file.
   """
   path = pathlib.Path(path)
   builder = _Builder(str(path), NLI_LABELS)
@@ -232,6 +247,7 @@ def read_nli_jsonl(path: str | os.PathLike, *, report: bool = True) -> PairData:
       if not isinstance(row.get(field), str):
         raise UserError(f"{where}: field {field} is missing or not a string.")
     builder.add(where, "gold_label", row["sentence1"], row["sentence2"], row["gold_label"])
+  builder.require_examples("JSON lines")
   return builder.build(report)
 
 
@@ -286,7 +302,8 @@ def read_pairs_tsv(path: str | os.PathLike, *, task: str, report: bool = True) -
   Raises:
     UserError: A required column is missing (the header is listed), a row has
       the wrong field count, or a label is outside the vocabulary (file, line
-      and field are named).
+      and field are named); the file has no example (only a header, or every
+      row ``-``).
   """
   _check_task(task)
   path = pathlib.Path(path)
@@ -323,6 +340,7 @@ def read_pairs_tsv(path: str | os.PathLike, *, task: str, report: bool = True) -
         heuristic=fields[col["heuristic"]] if kind == "hans" else "",
         subcase=fields[col["subcase"]] if kind == "hans" else "",
     )
+  builder.require_examples("rows below its header")
   return builder.build(report)
 
 

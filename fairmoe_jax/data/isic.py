@@ -76,30 +76,52 @@ def _read_csv(path: pathlib.Path, required: Sequence[str]):
 
   Strict where the csv module is lenient: a quoted field that runs over a line break (an
   unclosed quote would otherwise swallow the following rows and shift their values into other
-  columns), a row with the wrong number of fields, a byte that is not UTF-8 and a field over
-  the csv size limit are errors naming the file and line. A UTF-8 byte-order mark is ignored.
+  columns), a quote inside a value (no ISIC value has one: a stray quote would silently become
+  part of an image name or a lesion id) or after a closing quote, a row with the wrong number of
+  fields, a byte that is not UTF-8 and a field over the csv size limit are errors naming the
+  file and the line the row starts on. Blank lines are skipped; a UTF-8 byte-order mark is
+  ignored.
   """
   text = read_text(path, "ISIC")
-  reader = csv.DictReader(io.StringIO(text, newline=""))
+  # csv.reader, not DictReader: DictReader skips blank lines, so the line a row starts on could
+  # not be told from the line number of the row before it.
+  reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+  first = 1
   try:
-    header = reader.fieldnames or []
+    header = next(reader, [])
     missing = [c for c in required if c not in header]
     if missing:
       raise UserError(
           f"{path}:1: missing column(s) {', '.join(missing)}; header is {','.join(header)}."
       )
-    last = reader.line_num
-    for row in reader:
-      first, last = last + 1, reader.line_num
-      if last > first or any("\n" in v or "\r" in v for v in row.values() if v):
+    while True:
+      first = reader.line_num + 1
+      fields = next(reader, None)
+      if fields is None:
+        return
+      if not fields:
+        continue  # A blank line.
+      last = reader.line_num
+      if last > first or any("\n" in v or "\r" in v for v in fields):
         raise UserError(
             f"{path}:{first}: a quoted field runs from line {first} to line {last}; "
-            "is a quote (\") left unclosed?"
+            'is a quote (") left unclosed?'
         )
-      if None in row or any(v is None for v in row.values()):
+      if len(fields) != len(header):
         raise UserError(f"{path}:{first}: expected {len(header)} comma-separated fields.")
-      yield first, row
+      quoted = [(c, v) for c, v in zip(header, fields) if '"' in v]
+      if quoted:
+        raise UserError(
+            f"{path}:{first}: column {quoted[0][0]} has value {quoted[0][1]!r}, with a quote "
+            '(") inside; is it a stray quote?'
+        )
+      yield first, dict(zip(header, fields))
   except csv.Error as e:
+    if "unexpected end of data" in str(e):  # A quote opened on `first` and never closed.
+      raise UserError(
+          f"{path}:{first}: a quoted field runs from line {first} to the end of the file; "
+          'is a quote (") left unclosed?'
+      ) from None
     raise UserError(f"{path}:{reader.line_num}: {e}.") from None
 
 
