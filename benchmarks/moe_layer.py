@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -60,6 +62,7 @@ SHAPES = {  # images (groups), tokens per image, dim, expert hidden width
     "deit_s": (256, 197, 384, 1536),
     "cpu": (32, 65, 128, 512),
     "cpu_deit": (16, 197, 384, 1536),  # DeiT-S widths and tokens, 16 images.
+    "tiny": (3, 10, 8, 16),  # For tests.
 }
 BASELINE = "dense_mlp"
 REFERENCE = "vmoe_ref"
@@ -89,8 +92,9 @@ def vmoe_reference(
   position = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1).reshape(groups, top_k, tokens)
   slot = jax.nn.one_hot(jnp.swapaxes(position, 1, 2), capacity, dtype=x.dtype)  # >= C: dropped.
   dispatch = jnp.einsum("gske,gskc->gsec", jnp.swapaxes(choice, 1, 2).astype(x.dtype), slot)
-  combine = dispatch * jnp.einsum("gsk,gske->gse", gates, jax.nn.one_hot(
-      expert_index, num_experts, dtype=gates.dtype))[..., None].astype(x.dtype)
+  combine = dispatch * jnp.einsum(
+      "gsk,gske->gse", gates, jax.nn.one_hot(expert_index, num_experts, dtype=gates.dtype)
+  )[..., None].astype(x.dtype)
   buffers = jnp.einsum("gsec,gsd->gecd", dispatch, x)
   buffers = jnp.swapaxes(buffers, 0, 1).reshape(num_experts, groups * capacity, dim)
   outputs = experts.apply(buffers).reshape(num_experts, groups, capacity, dim)
@@ -119,6 +123,42 @@ def _moe_loss(dispatch: str, capacity: int, top_k: int) -> Callable[..., Any]:
         capacity=capacity,
     )
     return jnp.sum((y * cotangent).astype(jnp.float32)), stats.fraction_dropped
+
+  return loss
+
+
+# google-research/vmoe's own dispatchers, from a checkout named by `--peer-vmoe` (never copied
+# here): rows "vmoe_einsum" and "vmoe_indices".
+PEER_ROWS = {"vmoe_einsum": "einsum", "vmoe_indices": "indices"}
+
+
+def import_peer_vmoe(path: str) -> Any:
+  """`vmoe.moe` imported from the checkout at `path` (the folder that holds `vmoe/`)."""
+  root = os.path.abspath(path)
+  if not os.path.isfile(os.path.join(root, "vmoe", "moe.py")):
+    raise SystemExit(f"--peer-vmoe {path}: no vmoe/moe.py there (give the folder holding vmoe/)")
+  sys.path.insert(0, root)
+  import vmoe.moe  # pylint: disable=g-import-not-at-top
+
+  return vmoe.moe
+
+
+def _peer_loss(vmoe_moe: Any, name: str, capacity: int, top_k: int) -> Callable[..., Any]:
+  """The layer with vmoe's top-k-per-item router and its `name` dispatcher, our expert MLP."""
+  get_dispatcher = functools.partial(
+      vmoe_moe.get_top_experts_per_item_dispatcher,
+      name=name,
+      num_selected_experts=top_k,
+      batch_priority=False,
+      capacity=capacity,
+  )
+
+  def loss(x, router, experts, cotangent):
+    logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32), router)
+    dispatcher = jax.vmap(get_dispatcher)(jax.nn.softmax(logits))  # One group per image.
+    outputs = experts.apply(dispatcher.dispatch(x))  # (E, G * C, D), vmoe's layout.
+    y = dispatcher.combine(outputs)
+    return jnp.sum((y * cotangent).astype(jnp.float32)), jnp.zeros((), jnp.float32)
 
   return loss
 
@@ -274,11 +314,12 @@ def compile_case(
     dtype: str,
     capacity_factor: float,
     seed: int = 0,
+    peer: Any = None,
 ) -> tuple[dict, Any, tuple[Any, ...]]:
   """One row's compile-time figures, its compiled step and arguments.
 
-  `dispatch` is a key of DISPATCH_ALGORITHMS, REFERENCE, or BASELINE (then num_experts is
-  unused).
+  `dispatch` is a key of DISPATCH_ALGORITHMS, REFERENCE, BASELINE (then num_experts is
+  unused) or PEER_ROWS (then `peer` is `import_peer_vmoe`'s module).
   """
   groups, tokens, dim, hidden = SHAPES[shape]
   keys = jax.random.split(jax.random.key(seed), 8)
@@ -321,7 +362,11 @@ def compile_case(
       dispatch, groups, tokens, num_experts, top_k, capacity
   )
   args = (x, router, experts, cotangent)
-  compiled, figures = _compile(_moe_loss(dispatch, capacity, top_k), args)
+  if dispatch in PEER_ROWS:
+    loss = _peer_loss(peer, PEER_ROWS[dispatch], capacity, top_k)
+  else:
+    loss = _moe_loss(dispatch, capacity, top_k)
+  compiled, figures = _compile(loss, args)
   return dict(row, **figures), compiled, args
 
 
@@ -330,12 +375,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def add_ratios(rows: list[dict]) -> None:
-  """Each row against the equal-FLOPs dense MLP (time) and the V-MoE reference (time, memory)."""
+  """Each row against the equal-FLOPs dense MLP (time), the V-MoE reference (time, memory)
+  and vmoe's own fastest dispatcher in the same case (time, `vs_peer`)."""
   dense = {(r["shape"], r["top_k"]): r for r in rows if r["dispatch"] == BASELINE}
   reference = {
       (r["shape"], r["num_experts"], r["top_k"]): r for r in rows if r["dispatch"] == REFERENCE
   }
+  peer_best: dict[tuple, dict] = {}
   for r in rows:
+    case = (r["shape"], r["num_experts"], r["top_k"])
+    if r["dispatch"] in PEER_ROWS and r["time_ms"] is not None:
+      if case not in peer_best or r["time_ms"] < peer_best[case]["time_ms"]:
+        peer_best[case] = r
+  for r in rows:
+    peer = peer_best.get((r["shape"], r["num_experts"], r["top_k"]))
+    r["peer_best"] = peer["dispatch"] if peer else None
+    r["vs_peer"] = _ratio(r["time_ms"], peer["time_ms"]) if peer else None
     d = dense.get((r["shape"], r["top_k"]))
     ref = reference.get((r["shape"], r["num_experts"], r["top_k"]))
     moe = r["dispatch"] != BASELINE
@@ -356,8 +411,22 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
     targets.append(dict(target=target, case=case, passed=passed, detail=detail))
 
   for (shape, num_experts, top_k, dispatch), row in find.items():
+    if dispatch == "blocksparse" and (num_experts, top_k) == (64, 2) and row["vs_dense"]:
+      add(
+          "blocksparse (dropless) at most 1.15x the equal-FLOPs dense MLP at E=64, k=2",
+          row,
+          row["vs_dense"] <= 1.15,
+          f"blocksparse/dense_mlp time = {row['vs_dense']:.2f}x",
+      )
     if dispatch != "sort":
       continue
+    if row["vs_peer"] is not None:
+      add(
+          "sort fwd+bwd at most 0.8x vmoe's own fastest dispatcher",
+          row,
+          row["vs_peer"] <= 0.8,
+          f"sort/{row['peer_best']} time = {row['vs_peer']:.2f}x",
+      )
     if row["vs_reference"] is not None:
       add(
           "sort fwd+bwd at most 0.8x the V-MoE reference's time",
@@ -406,6 +475,7 @@ def print_table(rows: list[dict]) -> None:
       "time_ms",
       "vs_dense",
       "vs_ref",
+      "vs_vmoe_best",
       "GB_accessed",
       "temp_MB",
       "vs_ref_memory",
@@ -415,7 +485,9 @@ def print_table(rows: list[dict]) -> None:
   print("|" + "---|" * len(header))
   for r in rows:
     temp, accessed, plan = (
-        r.get("temp_size_in_bytes"), r.get("bytes_accessed"), r.get("dispatch_plan_bytes")
+        r.get("temp_size_in_bytes"),
+        r.get("bytes_accessed"),
+        r.get("dispatch_plan_bytes"),
     )
     cells = [
         r["shape"],
@@ -426,6 +498,7 @@ def print_table(rows: list[dict]) -> None:
         _fmt(r["time_ms"], 2),
         _fmt(r["vs_dense"], 2),
         _fmt(r["vs_reference"], 2),
+        _fmt(r["vs_peer"], 2),
         _fmt(accessed / 1e9 if accessed else None, 3),
         _fmt(temp / 2**20 if temp is not None else None, 2),
         _fmt(r["vs_reference_memory"], 2),
@@ -443,8 +516,9 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, int | None, int, str]]:
   cases = []
   for shape, k in dict.fromkeys((shape, k) for shape, _, k in moe):
     cases.append((shape, None, k, BASELINE))
+  peers = list(PEER_ROWS) if args.peer_vmoe else []
   for shape, e, k in moe:
-    cases.extend((shape, e, k, d) for d in args.dispatch)
+    cases.extend((shape, e, k, d) for d in [*peers, *args.dispatch])
   return cases
 
 
@@ -471,6 +545,14 @@ def main() -> None:
       choices=[REFERENCE, *DISPATCH_ALGORITHMS],
       help="algorithms to time; the equal-FLOPs dense MLP baseline always runs",
   )
+  parser.add_argument(
+      "--peer-vmoe",
+      default="",
+      metavar="PATH",
+      help="a google-research/vmoe checkout (the folder holding vmoe/, e.g. ../shared/peers/vmoe"
+      " or a `fetch`ed snapshot): adds rows for vmoe's own router and dispatchers (vmoe_einsum, "
+      "vmoe_indices) to every case, and vs_vmoe_best, each row's time over the faster of them",
+  )
   parser.add_argument("--capacity_factor", type=float, default=1.25)
   parser.add_argument(
       "--repeats",
@@ -491,9 +573,12 @@ def main() -> None:
   )
   args = parser.parse_args()
 
+  peer = import_peer_vmoe(args.peer_vmoe) if args.peer_vmoe else None
   rows, runs = [], []
   for shape, e, k, dispatch in _cases(args):
-    row, compiled, call_args = compile_case(shape, e, k, dispatch, args.dtype, args.capacity_factor)
+    row, compiled, call_args = compile_case(
+        shape, e, k, dispatch, args.dtype, args.capacity_factor, peer=peer
+    )
     print(f"  {shape} E={e} k={k} {dispatch}: compiled in {row['compile_s']:.1f} s", flush=True)
     rows.append(row)
     runs.append((compiled, call_args))
@@ -509,9 +594,7 @@ def main() -> None:
       row["profile"] = profile(compiled, call_args, os.path.join(args.profile, case))
       print(f"\n{case}: where the time goes (trace in {os.path.join(args.profile, case)})")
       for op in row["profile"][:8]:
-        print(
-            f"  {op['share']:6.1%} {op['ms_per_call']:8.2f} ms  {op['shape']:<22} {op['source']}"
-        )
+        print(f"  {op['share']:6.1%} {op['ms_per_call']:8.2f} ms  {op['shape']:<22} {op['source']}")
       by_kind = time_by_kind(row["profile"])
       row["profile_ms_by_kind"] = by_kind
       print(

@@ -1,7 +1,20 @@
-r"""Throughput of the fairmoe_jax train step (ViT with a sparse-MoE last block) on this machine.
+r"""The fairmoe_jax train step against the same ViT with a dense MLP, on this machine.
 
-  python benchmarks/train_step.py                       # CPU-sized shapes
-  python benchmarks/train_step.py --preset=deit_small --image_size=224 --batch_size=256   # accelerator
+  python benchmarks/train_step.py                                   # quickstart + CelebA small
+  python benchmarks/train_step.py --configs quickstart --experts 4 32 --dispatch sort dropless
+  python benchmarks/train_step.py --configs deit_small --batch_size 256 --compute_dtype bfloat16
+
+Each row times the jitted train step (forward, backward, AdamW update, state donated) of a run
+config's model on random inputs of its image size and batch size, median of `--steps` steps
+after compilation. Beside every MoE row:
+  * `dense`: the same ViT with each MoE block's layer replaced by a plain GELU MLP of hidden width
+    top_k * mlp_dim, i.e. the same active FLOPs per token, no routing and no dispatch;
+    `vs_dense` is the MoE step's time over it (target: at most 1.2x at E=4 and E=32);
+  * model FLOPs per second: the dense step's FLOPs (XLA's cost analysis: the MoE step's active
+    FLOPs) over the step time, and that as a share of this machine's float32 matmul peak (a
+    2048 x 2048 matmul, `--peak_size`);
+  * `--methods` adds other methods' steps (default: FairSMoE, whose extra cost is the FGR
+    branch and its losses; FEM's reviews run outside the step, docs/benchmarks.md).
 
 Prints a table and writes JSON (default benchmarks/results/train_step.json).
 """
@@ -9,167 +22,313 @@ Prints a table and writes JSON (default benchmarks/results/train_step.json).
 from __future__ import annotations
 
 import argparse
-import json
+import functools
+import importlib.util
 import os
-import platform
-import resource
+import statistics
 import time
+from typing import Any
 
 import flax.nnx as nnx
 import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax.data.types import DatasetInfo
+from fairmoe_jax.models.vit import Mlp
 from fairmoe_jax.train import build_model, make_loss_fn
 from trainkit.mesh import make_mesh, shard_batch
 from trainkit.optim import make_optimizer
-from trainkit.train_state import create_train_state, jit_train_step, make_train_step
+from trainkit.train_state import (
+    compute_dtype,
+    create_train_state,
+    jit_train_step,
+    make_train_step,
+)
 
-SIZES = {  # dim, depth, heads, mlp
-    "quickstart": (64, 4, 4, 128),
-    "deit_tiny": (192, 12, 3, 768),
-    "deit_small": (384, 12, 6, 1536),
-}
+from bench_utils import flops, write_results
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def benchmark(
-    preset: str,
-    image_size: int,
-    patch_size: int,
-    batch_size: int,
-    num_experts: int,
-    top_k: int,
-    dispatch: str,
-    compute_dtype: str,
-    steps: int,
-    method: str = "smoe",
-) -> dict:
-  config = fairmoe_config.base_config()
-  config.method = method
-  dim, depth, heads, mlp = SIZES[preset]
-  config.model.update(dim=dim, depth=depth, num_heads=heads, mlp_dim=mlp, patch_size=patch_size)
-  config.data.image_size = image_size
-  config.moe.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch)
-  config.batch_size, config.compute_dtype = batch_size, compute_dtype
-  fairmoe_config.validate(config, num_devices=jax.device_count())
-  info = DatasetInfo(
-      name="benchmark",
-      num_classes=4,
-      class_names=tuple("abcd"),
-      attribute_names=("a",),
+def _celeba(image_size: int) -> DatasetInfo:
+  """CelebA's description as the benchmark needs it: Attractive, sensitive attribute Male."""
+  return DatasetInfo(
+      name="celeba",
+      num_classes=2,
+      class_names=("no", "yes"),
+      attribute_names=("Male",),
       group_names=(("0", "1"),),
       image_size=image_size,
   )
+
+
+# The run configs whose step is measured, with the dataset description their model needs.
+CONFIGS = {
+    "quickstart": (
+        "configs/quickstart.py",
+        DatasetInfo(
+            name="synthetic",
+            num_classes=4,
+            class_names=tuple("abcd"),
+            attribute_names=("sex", "age", "site"),
+            group_names=(("0", "1"), tuple("01234"), tuple("01234567")),
+            image_size=32,
+        ),
+    ),
+    "celeba_small": ("configs/celeba.py:size=small", _celeba(64)),
+    "deit_small": ("configs/celeba.py:size=full", _celeba(224)),
+}
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """`FILE[:ARG]` (relative to the project root) -> its `get_config(ARG)`."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("bench_config", os.path.join(_ROOT, path))
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def matmul_peak(size: int = 2048, repeats: int = 10) -> float:
+  """FLOP/s of a float32 [size, size] @ [size, size] matmul here (best of `repeats`)."""
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), jnp.float32)
+  matmul = jax.jit(lambda x: x @ x).lower(a).compile()
+  jax.block_until_ready(matmul(a))
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(matmul(a))
+    best = min(best, time.perf_counter() - t0)
+  return 2 * size**3 / best
+
+
+def _dense_equivalent(build: Any, hidden: int, config: ml_collections.ConfigDict) -> nnx.Module:
+  """The model of `build()` with every MoE block's layer replaced by a dense MLP of `hidden`."""
+  model = build()
+  for block in model.blocks:
+    if block.is_moe:
+      block.mlp = Mlp(
+          config.model.dim,
+          hidden,
+          dropout_rate=config.model.dropout_rate,
+          dtype=compute_dtype(config.compute_dtype),
+          param_dtype=jnp.float32,
+          rngs=nnx.Rngs(1),
+      )
+      block.is_moe = False
+  return model
+
+
+def benchmark(
+    config_name: str,
+    *,
+    num_experts: int,
+    top_k: int,
+    dispatch: str,
+    method: str,
+    dense: bool,
+    steps: int,
+    batch_size: int | None = None,
+    compute_dtype: str | None = None,
+) -> tuple[dict, "_Step"]:
+  """One row's compile-time figures and its compiled step, ready to time."""
+  spec, info = CONFIGS[config_name]
+  config = load_config(spec)
+  config.method = method
+  config.moe.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch)
+  if batch_size:
+    config.batch_size = batch_size
+  if compute_dtype:
+    config.compute_dtype = compute_dtype
+  config.mesh.data = 1  # One device; the benchmark measures the step, not the mesh.
+  fairmoe_config.validate(config, num_devices=jax.device_count())
+  image_size, batch = config.data.image_size, config.batch_size
   mesh = make_mesh(config.mesh)
   tx = make_optimizer(config.optimizer, 1000)
-  graphdef, state = create_train_state(lambda: build_model(config, info, nnx.Rngs(0)), tx, mesh, 0)
+
+  def build():  # The Rngs are made inside: create_train_state traces this function.
+    return build_model(config, info, nnx.Rngs(0))
+
+  if dense:
+    build = functools.partial(_dense_equivalent, build, top_k * config.model.mlp_dim, config)
+  graphdef, state = create_train_state(build, tx, mesh, 0)
   step_fn = jit_train_step(make_train_step(graphdef, make_loss_fn(config, info), tx), state, mesh)
   rng = np.random.default_rng(0)
-  batch = shard_batch(
+  inputs = shard_batch(
       {
-          "image": rng.normal(size=(batch_size, image_size, image_size, 3)).astype(np.float32),
-          "label": rng.integers(0, 4, batch_size).astype(np.int32),
-          "attributes": rng.integers(0, 2, (batch_size, 1)).astype(np.int32),
-          "mask": np.ones(batch_size, np.float32),
+          "image": rng.normal(size=(batch, image_size, image_size, 3)).astype(np.float32),
+          "label": rng.integers(0, info.num_classes, batch).astype(np.int32),
+          "attributes": np.stack(
+              [rng.integers(0, len(g), batch) for g in info.group_names], axis=1
+          ).astype(np.int32),
+          "mask": np.ones(batch, np.float32),
       },
       mesh,
   )
   t0 = time.perf_counter()
-  state, metrics = step_fn(state, batch)
-  jax.block_until_ready(metrics)
+  compiled = step_fn.lower(state, inputs).compile()
   compile_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = step_fn(state, batch)
-  jax.block_until_ready(metrics)
-  step_s = (time.perf_counter() - t0) / steps
-  memory = jax.devices()[0].memory_stats() or {}
-  return dict(
-      preset=preset,
+  row = dict(
+      config=config_name,
+      method="dense" if dense else method,
       image_size=image_size,
-      patch_size=patch_size,
-      batch_size=batch_size,
-      num_experts=num_experts,
+      batch_size=batch,
+      num_experts=None if dense else num_experts,
       top_k=top_k,
-      dispatch=dispatch,
-      compute_dtype=compute_dtype,
+      dispatch="-" if dense else dispatch,
+      compute_dtype=config.compute_dtype,
       compile_s=round(compile_s, 2),
-      step_ms=round(1e3 * step_s, 2),
-      images_per_s=round(batch_size / step_s, 1),
-      peak_device_bytes=memory.get("peak_bytes_in_use"),
-      peak_host_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+      xla_flops=flops(compiled),
   )
+  return row, _Step(compiled, state, inputs)
+
+
+class _Step:
+  """A compiled train step with its (donated, so replaced every call) state."""
+
+  def __init__(self, compiled: Any, state: Any, inputs: Any):
+    self.compiled, self.state, self.inputs = compiled, state, inputs
+
+  def __call__(self) -> float:
+    t0 = time.perf_counter()
+    self.state, metrics = self.compiled(self.state, self.inputs)
+    jax.block_until_ready(metrics)
+    return time.perf_counter() - t0
+
+
+def time_interleaved(rows: list[dict], steps: list[_Step], repeats: int) -> None:
+  """Median step time of every row, the steps alternated round by round (after a warm-up), so
+  a slow phase of a shared machine does not fall on one row only."""
+  for step in steps:
+    step()
+  times: list[list[float]] = [[] for _ in steps]
+  for _ in range(repeats):
+    for i, step in enumerate(steps):
+      times[i].append(step())
+  for row, t in zip(rows, times):
+    step_s = statistics.median(t)
+    row.update(
+        step_ms=round(1e3 * step_s, 2),
+        step_min_ms=round(1e3 * min(t), 2),
+        images_per_s=round(row["batch_size"] / step_s, 1),
+    )
+
+
+def add_ratios(rows: list[dict], peak: float) -> None:
+  """vs_dense, and model FLOP/s (the dense step's FLOPs over each step's time) vs the peak."""
+  dense = {(r["config"], r["top_k"]): r for r in rows if r["method"] == "dense"}
+  for r in rows:
+    d = dense.get((r["config"], r["top_k"]))
+    r["vs_dense"] = round(r["step_ms"] / d["step_ms"], 3) if d else None
+    model_flops = d["xla_flops"] if d else None
+    r["model_gflops_per_s"] = (
+        round(model_flops / r["step_ms"] * 1e3 / 1e9, 2) if model_flops else None
+    )
+    r["share_of_peak"] = round(model_flops / r["step_ms"] * 1e3 / peak, 3) if model_flops else None
+
+
+def evaluate_targets(rows: list[dict]) -> list[dict]:
+  targets = []
+  for r in rows:
+    if r["method"] in ("smoe", "vanilla_smoe") and r["num_experts"] in (4, 32) and r["vs_dense"]:
+      targets.append(
+          dict(
+              target="vanilla SMoE train step at most 1.2x the dense model's at E=4 and E=32",
+              case=f"{r['config']} E={r['num_experts']} {r['dispatch']}",
+              passed=r["vs_dense"] <= 1.2,
+              detail=f"step/dense = {r['vs_dense']:.2f}x",
+          )
+      )
+  return targets
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument("--preset", default="quickstart", choices=sorted(SIZES))
-  parser.add_argument("--image_size", type=int, default=32)
-  parser.add_argument("--patch_size", type=int, default=4)
-  parser.add_argument("--batch_size", type=int, default=128)
-  parser.add_argument("--experts", type=int, nargs="+", default=[4, 8])
+  parser.add_argument(
+      "--configs", nargs="+", default=["quickstart", "celeba_small"], choices=sorted(CONFIGS)
+  )
+  parser.add_argument("--experts", type=int, nargs="+", default=[4, 32])
   parser.add_argument("--top_k", type=int, default=2)
   parser.add_argument(
-      "--dispatch", nargs="+", default=["einsum"], choices=["dense", "einsum", "sort", "dropless"]
+      "--dispatch",
+      nargs="+",
+      default=["sort"],
+      choices=["dense", "einsum", "sort", "dropless", "blocksparse"],
   )
-  parser.add_argument("--compute_dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument(
+      "--methods",
+      nargs="+",
+      default=["fairsmoe"],
+      help="methods timed besides vanilla SMoE (first --dispatch only); fairmoe_jax.methods keys",
+  )
+  parser.add_argument("--batch_size", type=int, default=0, help="0: the config's")
+  parser.add_argument("--compute_dtype", default="", choices=["", "float32", "bfloat16"])
   parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--method", default="smoe", help="fairmoe_jax.methods.METHODS key")
+  parser.add_argument("--peak_size", type=int, default=2048)
   parser.add_argument(
       "--output", default=os.path.join(os.path.dirname(__file__), "results", "train_step.json")
   )
   args = parser.parse_args()
 
-  rows = [
-      benchmark(
-          args.preset,
-          args.image_size,
-          args.patch_size,
-          args.batch_size,
-          e,
-          args.top_k,
-          dispatch,
-          args.compute_dtype,
-          args.steps,
-          args.method,
-      )
-      for dispatch in args.dispatch
-      for e in args.experts
-  ]
+  run = functools.partial(
+      benchmark,
+      top_k=args.top_k,
+      steps=args.steps,
+      batch_size=args.batch_size or None,
+      compute_dtype=args.compute_dtype or None,
+  )
+  rows = []
+  for name in args.configs:
+    cases = [dict(num_experts=args.experts[0], dispatch="sort", method="vanilla_smoe", dense=True)]
+    for e in args.experts:
+      cases += [
+          dict(num_experts=e, dispatch=d, method="vanilla_smoe", dense=False) for d in args.dispatch
+      ]
+      cases += [
+          dict(num_experts=e, dispatch=args.dispatch[0], method=m, dense=False)
+          for m in args.methods
+      ]
+    # One config at a time, so only its states are held.
+    compiled = [run(name, **case) for case in cases]
+    print(f"  {name}: {len(cases)} steps compiled, timing", flush=True)
+    time_interleaved([r for r, _ in compiled], [s for _, s in compiled], args.steps)
+    rows += [r for r, _ in compiled]
+    del compiled
+  peak = matmul_peak(args.peak_size)
+  add_ratios(rows, peak)
+  device = jax.devices()[0]
+  print(
+      f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}; float32 "
+      f"matmul peak ({args.peak_size}^2): {peak / 1e9:.1f} GFLOP/s; median of {args.steps} "
+      "alternated steps"
+  )
   columns = [
-      "preset",
-      "image_size",
-      "batch_size",
+      "config",
+      "method",
       "num_experts",
-      "top_k",
       "dispatch",
-      "compute_dtype",
+      "batch_size",
       "compile_s",
       "step_ms",
+      "vs_dense",
       "images_per_s",
-      "peak_device_bytes",
-      "peak_host_rss_mb",
+      "model_gflops_per_s",
+      "share_of_peak",
   ]
-  print(" | ".join(columns))
+  print("| " + " | ".join(columns) + " |")
+  print("|" + "---|" * len(columns))
   for row in rows:
-    print(" | ".join(str(row[c]) for c in columns))
-  os.makedirs(os.path.dirname(args.output), exist_ok=True)
-  with open(args.output, "w") as f:
-    json.dump(
-        {
-            "device": str(jax.devices()[0].device_kind),
-            "num_devices": jax.device_count(),
-            "jax": jax.__version__,
-            "host": platform.node(),
-            "rows": rows,
-        },
-        f,
-        indent=2,
-    )
-  print(f"wrote {args.output}")
+    print("| " + " | ".join("-" if row[c] is None else str(row[c]) for c in columns) + " |")
+  targets = evaluate_targets(rows)
+  for t in targets:
+    print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']} ({t['case']}): {t['detail']}")
+  args.peak_flops_per_s = peak
+  write_results(args.output, args, rows, targets)
 
 
 if __name__ == "__main__":

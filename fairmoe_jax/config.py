@@ -109,7 +109,7 @@ def base_config() -> ml_collections.ConfigDict:
           top_k=2,
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
-          dispatch="sort",  # dense | einsum | sort | dropless (fairmoe_jax/moe/algorithms.py)
+          dispatch="sort",  # dense | einsum | sort | sort_blocks | dropless | blocksparse (moe/dispatch)
           router="topk",  # topk | noisy_topk | expert_choice (fairmoe_jax/moe/layer.py)
           batch_priority=False,  # V-MoE batch-priority routing
           # One auxiliary-loss recipe for every MoE method (vanilla SMoE, FairSMoE and its

@@ -17,15 +17,34 @@ from fairmoe_jax.moe import route_from_logits
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     ExpertWeights,
+    block_mlp,
+    block_plan,
+    moe_blocksparse,
     moe_dense,
     moe_dropless,
     moe_einsum,
     moe_sort,
+    moe_sort_blocks,
 )
 from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
 G, S, D, H, E, K = 2, 6, 8, 16, 4, 2
-SPARSE = ("einsum", "sort", "dropless")
+# Besides the registered algorithms: blocksparse with tiny blocks (many blocks per expert).
+ALGORITHMS = {
+    **DISPATCH_ALGORITHMS,
+    "blocksparse_b1": functools.partial(moe_blocksparse, block_size=1),
+    "blocksparse_b3": functools.partial(moe_blocksparse, block_size=3),
+}
+SPARSE = (
+    "einsum",
+    "sort",
+    "sort_blocks",
+    "dropless",
+    "blocksparse",
+    "blocksparse_b1",
+    "blocksparse_b3",
+)
+SORT_LAYOUTS = ("sort", "sort_blocks")  # moe_sort(layout="buffers"), (layout="blocks")
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -60,7 +79,7 @@ def _random_routing(seed: int, groups: int, tokens: int, num_experts: int, top_k
 
 @functools.lru_cache(maxsize=None)
 def _jitted(name: str):
-  return jax.jit(DISPATCH_ALGORITHMS[name], static_argnames="capacity")
+  return jax.jit(ALGORITHMS[name], static_argnames="capacity")
 
 
 def _assert_stats_equal(a, b):
@@ -100,7 +119,7 @@ def test_dense_matches_numpy_reference():
 
 @functools.lru_cache(maxsize=None)
 def _loss_fn(name: str):
-  algorithm = DISPATCH_ALGORITHMS[name]
+  algorithm = ALGORITHMS[name]
 
   def loss(x, logits, experts, cotangent):
     route = route_from_logits(logits, K)
@@ -144,7 +163,7 @@ def test_capacity_none_means_no_drops(name):
 
 @functools.lru_cache(maxsize=None)
 def _gates_grad_fn(name: str, capacity: int):
-  algorithm = DISPATCH_ALGORITHMS[name]
+  algorithm = ALGORITHMS[name]
 
   def loss(x, gates, experts, index, cotangent):
     y, stats = algorithm(x, index, gates, experts, capacity=capacity)
@@ -153,17 +172,18 @@ def _gates_grad_fn(name: str, capacity: int):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
+@pytest.mark.parametrize("sort", SORT_LAYOUTS)
 @pytest.mark.parametrize(
     "groups, tokens, num_experts, top_k, capacity",
     [(3, 10, 4, 2, 2), (2, 12, 4, 1, 2), (2, 9, 5, 3, 4), (1, 16, 8, 2, 1)],
 )
-def test_sort_equals_einsum_under_overflow(groups, tokens, num_experts, top_k, capacity):
+def test_sort_equals_einsum_under_overflow(groups, tokens, num_experts, top_k, capacity, sort):
   x, experts = _normal(0, (groups, tokens, D)), _experts(1, num_experts=num_experts)
   skew = np.arange(num_experts, 0, -1) ** 2  # Low experts are oversubscribed.
   index, gates = _random_routing(7, groups, tokens, num_experts, top_k, skew=skew)
   cotangent = _normal(8, (groups, tokens, D))
   args = (x, gates, experts, index, cotangent)
-  (_, (y, stats)), grads = _gates_grad_fn("sort", capacity)(*args)
+  (_, (y, stats)), grads = _gates_grad_fn(sort, capacity)(*args)
   (_, (y_ref, stats_ref)), grads_ref = _gates_grad_fn("einsum", capacity)(*args)
 
   assert float(stats_ref.fraction_dropped) > 0.0  # The test must exercise drops.
@@ -175,7 +195,7 @@ def test_sort_equals_einsum_under_overflow(groups, tokens, num_experts, top_k, c
   np.testing.assert_allclose(y, y_kept, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["einsum", "sort"])
+@pytest.mark.parametrize("name", ["einsum", *SORT_LAYOUTS])
 def test_hand_built_overflow(name):
   index = jnp.asarray(HAND_BUILT_PREFERENCES, jnp.int32)
   gates = jnp.asarray(_rng(4).uniform(0.1, 1.0, size=index.shape), jnp.float32)
@@ -191,7 +211,7 @@ def test_hand_built_overflow(name):
   np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
   # Tokens that lost both choices get exactly 0 (the residual carries them).
   np.testing.assert_array_equal(np.asarray(y)[1, 3:], 0.0)
-  if name == "sort":
+  if name != "einsum":
     y_ref, stats_ref = _jitted("einsum")(x, index, gates, experts, capacity=3)
     np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-7)
     _assert_stats_equal(stats, stats_ref)
@@ -208,36 +228,41 @@ def _max_intermediate_size(jaxpr) -> int:
   return best
 
 
-def test_sort_builds_no_token_by_expert_by_capacity_tensor():
+@pytest.mark.parametrize("sort", SORT_LAYOUTS)
+def test_sort_builds_no_token_by_expert_by_capacity_tensor(sort):
   groups, tokens, num_experts, top_k, capacity, dim, hidden = 1, 64, 8, 2, 16, 4, 4
   x = _normal(0, (groups, tokens, dim))
   experts = _experts(1, num_experts=num_experts, dim=dim, hidden=hidden)
   index, gates = _random_routing(2, groups, tokens, num_experts, top_k)
   sizes = {}
-  for name in ("einsum", "sort"):
-    fn = functools.partial(DISPATCH_ALGORITHMS[name], capacity=capacity)
+  for name in ("einsum", sort):
+    fn = functools.partial(ALGORITHMS[name], capacity=capacity)
     sizes[name] = _max_intermediate_size(jax.make_jaxpr(fn)(x, index, gates, experts).jaxpr)
-  # The [G, S, E, C] one-hot is 8192 elements here; sort's largest values are the
-  # [G, E, C, D] buffers (512), the G S D input and the G S k choices.
+  # The [G, S, E, C] one-hot is 8192 elements here. sort's largest values are the
+  # [G, E, C, D] buffers (512) or, in blocks, the T k + (E + 1)(B - 1) rows of width H (block
+  # size 16 here), the G S D input and the G S k choices.
+  rows = groups * num_experts * capacity
+  if sort == "sort_blocks":
+    rows = groups * tokens * top_k + (num_experts + 1) * 15
   assert sizes["einsum"] >= groups * tokens * num_experts * capacity
-  assert sizes["sort"] <= max(
-      groups * num_experts * capacity * max(dim, hidden),
-      groups * tokens * dim,
-      groups * tokens * top_k,
+  assert sizes[sort] <= max(
+      rows * max(dim, hidden), groups * tokens * dim, groups * tokens * top_k
   ), sizes
+  assert sizes[sort] < sizes["einsum"] / 4
 
 
-def test_sort_moves_data_by_gathers_only_in_both_passes():
+@pytest.mark.parametrize("name", [*SORT_LAYOUTS, "blocksparse"])
+def test_moves_data_by_gathers_only_in_both_passes(name):
   """Scatter-adds run serially on CPU and with atomics on GPU; sort's forward and backward
   move every row by a gather, with the plan computed once (its custom VJP)."""
   x, experts, cotangent = _normal(0, (G, S, D)), _experts(1), _normal(2, (G, S, D))
   index, gates = _random_routing(3, G, S, E, K)
-  step = _gates_grad_fn("sort", 2).lower(x, gates, experts, index, cotangent)
+  step = _gates_grad_fn(name, 2).lower(x, gates, experts, index, cotangent)
   hlo = step.compile().as_text()
   scatters = [line for line in hlo.splitlines() if " scatter(" in line]
-  # The one scatter left is the plan's int32 inverse permutation (G S k elements), not data.
+  # The scatters left are the plans' int32 inverse permutations (G S k elements), not data.
   assert all("s32[" in line.split("=")[1].split("scatter(")[0] for line in scatters), scatters
-  assert len(scatters) <= 1, scatters
+  assert len(scatters) <= {"sort": 1, "sort_blocks": 2, "blocksparse": 1}[name], scatters
 
 
 def test_sort_gradients_in_bfloat16_stay_close_to_float32():
@@ -281,6 +306,57 @@ def test_dropless_never_drops():
   assert float(einsum_stats.fraction_dropped) > 0.5
 
 
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_blocksparse_never_drops_and_matches_dense(block_size):
+  # Everyone wants experts 0 and 1, so experts 2 and 3 have no block at all.
+  index = jnp.asarray(np.broadcast_to(np.array([0, 1], np.int32), (G, S, K)))
+  gates = jnp.asarray(_rng(3).uniform(0.1, 1.0, size=(G, S, K)), jnp.float32)
+  x, experts, cotangent = _normal(0, (G, S, D)), _experts(1), _normal(2, (G, S, D))
+  algorithm = functools.partial(moe_blocksparse, block_size=block_size)
+
+  def loss(fn):
+    return jax.jit(
+        jax.value_and_grad(
+            lambda x, g, w: jnp.sum(fn(x, index, g, w)[0] * cotangent), argnums=(0, 1, 2)
+        )
+    )
+
+  value, grads = loss(algorithm)(x, gates, experts)
+  value_ref, grads_ref = loss(moe_dense)(x, gates, experts)
+  np.testing.assert_allclose(value, value_ref, rtol=1e-5)
+  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(grads[2].w1[2:], 0.0)
+  _, stats = algorithm(x, index, gates, experts)
+  assert bool(np.all(stats.kept))
+
+
+def test_blocksparse_computes_only_the_blocks_of_real_rows():
+  groups, tokens, num_experts, top_k, block_size = 2, 24, 8, 2, 4
+  skew = np.arange(num_experts, 0, -1) ** 2
+  index, _ = _random_routing(5, groups, tokens, num_experts, top_k, skew=skew)
+  plan = block_plan(index, num_experts=num_experts, block_size=block_size)
+  counts = np.bincount(np.asarray(index).ravel(), minlength=num_experts)
+  blocks = -(-counts // block_size)
+  np.testing.assert_array_equal(plan.block_bounds, np.concatenate([[0], np.cumsum(blocks)]))
+  # Every choice sits in its expert's blocks, each row holds at most one choice.
+  row_choice = np.asarray(plan.slots.slot_choice).ravel()
+  choice_row = np.asarray(plan.slots.choice_slot).ravel()
+  np.testing.assert_array_equal(row_choice[choice_row], np.arange(index.size))
+  row_expert = np.repeat(np.repeat(np.arange(num_experts), blocks), block_size)
+  np.testing.assert_array_equal(row_expert[choice_row], np.asarray(index).ravel())
+  # The work: T k rows rounded up to a block per expert, far below E * C capacity slots.
+  assert int(plan.block_bounds[-1]) * block_size < index.size + num_experts * block_size
+  # Rows past the used blocks are never computed: NaNs there change nothing.
+  dim, experts = D, _experts(1, num_experts=num_experts)
+  rows = _normal(2, (len(row_choice) // block_size, block_size, dim))
+  used = int(plan.block_bounds[-1])
+  out = block_mlp(rows, plan.block_bounds, experts)
+  poisoned = rows.at[used:].set(jnp.nan)
+  out_poisoned = block_mlp(poisoned, plan.block_bounds, experts)
+  np.testing.assert_array_equal(out, out_poisoned)
+  np.testing.assert_array_equal(out[used:], 0.0)
+
+
 # ---------------------------------------------------------------------------
 # jit + bfloat16
 # ---------------------------------------------------------------------------
@@ -303,7 +379,9 @@ def test_registry_and_interface():
       "dense": moe_dense,
       "einsum": moe_einsum,
       "sort": moe_sort,
+      "sort_blocks": moe_sort_blocks,
       "dropless": moe_dropless,
+      "blocksparse": moe_blocksparse,
   }
   experts = _experts(0)
   assert experts.num_experts == E

@@ -265,7 +265,8 @@ def _third_party_imports(paths) -> dict[str, set[str]]:
         continue
       for name in names:
         top = name.split(".")[0]
-        local = (REPO_ROOT / "tests" / f"{top}.py").exists()
+        # Modules of tests/ and of benchmarks/ (the benchmark tests import those).
+        local = any((REPO_ROOT / d / f"{top}.py").exists() for d in ("tests", "benchmarks"))
         if top not in sys.stdlib_module_names and top not in _FIRST_PARTY and not local:
           found.setdefault(top, set()).add(str(path))
   return found

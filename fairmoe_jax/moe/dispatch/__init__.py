@@ -10,8 +10,13 @@ module of its name:
   tensors; the reference for the capacity semantics.
 * `sort`: the same capacity semantics and expert buffers as `einsum`,
   built by sorting, with no [S, E, C] tensor.
+* `sort_blocks`: `sort`'s capacity semantics, the expert MLP on blocks of
+  the served choices only (no empty capacity slot computed).
 * `dropless`: `jax.lax.ragged_dot` grouped matmuls; nothing is
   ever dropped.
+* `blocksparse`: dropless too, the expert MLP on fixed-size blocks of
+  expert-sorted rows with a block-to-expert map (MegaBlocks); computes only
+  the real rows, rounded up to a block per expert.
 
 Beside them: `capacity` (expert capacity and `DispatchStats`), `experts` (the
 stacked expert weights `ExpertWeights`), `expert_parallel` (the capacity
@@ -33,6 +38,7 @@ from fairmoe_jax.moe.dispatch.capacity import (
     dropless_stats,
     resolve_capacity,
 )
+from fairmoe_jax.moe.dispatch.blocksparse import BlockPlan, block_mlp, block_plan, moe_blocksparse
 from fairmoe_jax.moe.dispatch.dense import moe_dense
 from fairmoe_jax.moe.dispatch.dropless import moe_dropless
 from fairmoe_jax.moe.dispatch.einsum import (
@@ -48,6 +54,7 @@ from fairmoe_jax.moe.dispatch.sort import (
     combine_slots,
     gather_slots,
     moe_sort,
+    moe_sort_blocks,
     sort_slot_plan,
 )
 
@@ -56,10 +63,13 @@ DISPATCH_ALGORITHMS: dict[str, DispatchAlgorithm] = {
     "dense": moe_dense,
     "einsum": moe_einsum,
     "sort": moe_sort,
+    "sort_blocks": moe_sort_blocks,
     "dropless": moe_dropless,
+    "blocksparse": moe_blocksparse,
 }
 
 __all__ = [
+    "BlockPlan",
     "DISPATCH_ALGORITHMS",
     "DispatchAlgorithm",
     "DispatchStats",
@@ -67,6 +77,8 @@ __all__ = [
     "ExpertWeights",
     "SlotPlan",
     "batch_priority_order",
+    "block_mlp",
+    "block_plan",
     "check_inputs",
     "combine_slots",
     "compute_capacity",
@@ -76,10 +88,12 @@ __all__ = [
     "einsum_dispatch",
     "expert_parallel_moe",
     "gather_slots",
+    "moe_blocksparse",
     "moe_dense",
     "moe_dropless",
     "moe_einsum",
     "moe_sort",
+    "moe_sort_blocks",
     "priority_scores",
     "reorder_tokens",
     "resolve_capacity",

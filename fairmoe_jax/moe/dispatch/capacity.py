@@ -68,9 +68,9 @@ def resolve_capacity(capacity: int | None, group_size: int) -> int:
 def dropless_stats(expert_index: jax.Array, num_experts: int) -> DispatchStats:
   """Stats of an algorithm that serves every choice."""
   num_groups, group_size, top_k = expert_index.shape
-  groups = jnp.arange(num_groups)[:, None]
-  counts = jnp.zeros((num_groups, num_experts), jnp.float32)
-  counts = counts.at[groups, expert_index.reshape(num_groups, -1)].add(1.0)
+  # A one-hot sum rather than a scatter-add (a serial loop on CPU): [G, S k, E] is small.
+  choices = expert_index.reshape(num_groups, group_size * top_k)
+  counts = jax.nn.one_hot(choices, num_experts, dtype=jnp.float32).sum(axis=1)
   return DispatchStats(
       kept=jnp.ones(expert_index.shape, bool),
       fraction_dropped=jnp.zeros((), jnp.float32),

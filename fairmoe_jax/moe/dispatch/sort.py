@@ -23,46 +23,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
+from fairmoe_jax.moe.dispatch.blocksparse import apply_on_blocks, block_plan, choose_block_size
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_slots
 
 
 def _batched_searchsorted(sorted_values: jax.Array, queries: jax.Array) -> jax.Array:
   """searchsorted (side="left") of queries [Q] in every row of sorted_values [G, N]."""
   return jax.vmap(lambda row: jnp.searchsorted(row, queries, side="left"))(sorted_values)
-
-
-@struct.dataclass
-class SlotPlan:
-  """Which choice sits in which expert-major capacity slot, both ways.
-
-  With T = G * S tokens (group-major), choice (t, j) is numbered t * k + j, and slot (e, g, c)
-  is row e * G * C + g * C + c of the [E * G * C, D] buffers.
-
-  Attributes:
-    slot_choice: [E, G * C] int32 choice held by each slot; T * k where the slot is empty.
-    choice_slot: [T, k] int32 slot of each choice; E * G * C where the choice was dropped.
-    stats: the `DispatchStats` of these decisions.
-  """
-
-  slot_choice: jax.Array
-  choice_slot: jax.Array
-  stats: DispatchStats
-
-  @property
-  def top_k(self) -> int:
-    return self.choice_slot.shape[1]
-
-  @property
-  def num_slots(self) -> int:
-    return self.slot_choice.size
-
-  def slot_token(self) -> jax.Array:
-    """[E * G * C] token of each slot; T (out of range) where the slot is empty."""
-    return self.slot_choice.reshape(-1) // self.top_k
 
 
 def sort_slot_plan(expert_index: jax.Array, *, num_experts: int, capacity: int) -> SlotPlan:
@@ -128,74 +99,15 @@ def sort_slot_plan(expert_index: jax.Array, *, num_experts: int, capacity: int) 
   )
 
 
-def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
-  """rows[index] along the first axis; out-of-range indices give zero rows."""
-  return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
-
-
-@jax.custom_vjp
-def _dispatch(tokens: jax.Array, slot_token: jax.Array, choice_slot: jax.Array) -> jax.Array:
-  """[T, D] tokens -> [N, D] slot rows; empty slots are zero."""
-  return _take_rows(tokens, slot_token)
-
-
-def _dispatch_fwd(tokens, slot_token, choice_slot):
-  return _dispatch(tokens, slot_token, choice_slot), (slot_token, choice_slot)
-
-
-def _dispatch_bwd(residuals, d_buffers):
-  slot_token, choice_slot = residuals
-  # Each token's gradient is the sum over its served choices of their slots' gradients.
-  d_tokens = _take_rows(d_buffers, choice_slot).sum(axis=1)
-  return d_tokens, None, None
-
-
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@jax.custom_vjp
-def _combine(
-    outputs: jax.Array, weights: jax.Array, slot_choice: jax.Array, choice_slot: jax.Array
-) -> jax.Array:
-  """[N, D] slot outputs, [T, k] float32 choice weights -> [T, D] in the outputs' dtype."""
-  gathered = _take_rows(outputs, choice_slot)  # [T, k, D]
-  return jnp.einsum("tkd,tk->td", gathered, weights.astype(outputs.dtype))
-
-
-def _combine_fwd(outputs, weights, slot_choice, choice_slot):
-  y = _combine(outputs, weights, slot_choice, choice_slot)
-  return y, (outputs, weights, slot_choice, choice_slot)
-
-
-def _combine_bwd(residuals, d_y):
-  outputs, weights, slot_choice, choice_slot = residuals
-  top_k = choice_slot.shape[1]
-  slot_weight = _take_rows(weights.reshape(-1), slot_choice)  # 0 for empty slots.
-  d_outputs = _take_rows(d_y, slot_choice // top_k) * slot_weight[:, None].astype(d_y.dtype)
-  # The gates' gradient in float32, like the routing that produced them.
-  d_weights = jnp.einsum(
-      "tkd,td->tk", _take_rows(outputs, choice_slot), d_y, preferred_element_type=jnp.float32
-  )
-  return d_outputs, d_weights.astype(weights.dtype), None, None
-
-
-_combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-def gather_slots(tokens: jax.Array, plan: SlotPlan) -> jax.Array:
-  """Expert-major buffers [E, G * C, D] of tokens [T, D] (T = G * S, group-major)."""
-  buffers = _dispatch(tokens, plan.slot_token(), plan.choice_slot)
-  return buffers.reshape(*plan.slot_choice.shape, tokens.shape[-1])
-
-
-def combine_slots(outputs: jax.Array, gates: jax.Array, plan: SlotPlan) -> jax.Array:
-  """Expert outputs [E, G * C, D] weighted by the gates [T, k] of their choices -> [T, D].
-
-  A dropped choice contributes 0, so a token whose every choice was dropped gets 0 here and
-  is carried only by the residual connection of its block.
-  """
-  flat = outputs.reshape(-1, outputs.shape[-1])
-  return _combine(flat, gates, plan.slot_choice.reshape(-1), plan.choice_slot)
+# Where `moe_sort` runs the expert MLP on the served choices (`layout=`):
+#   buffers: on the [E, G * C, D] capacity buffers, empty slots included: fixed shapes, the
+#     layout of the expert-parallel all-to-all and of batched matmuls on accelerators;
+#   blocks: on blocks of expert-sorted served choices (`blocksparse.block_plan(kept=...)`),
+#     skipping empty slots: a loop over experts and blocks, the faster on CPU
+#     (docs/benchmarks.md). Registered as the dispatch algorithm `sort_blocks`.
+# Both give the same output up to float rounding; `buffers` stays the default so that recorded
+# runs reproduce exactly.
+SORT_LAYOUTS = ("buffers", "blocks")
 
 
 def moe_sort(
@@ -205,13 +117,41 @@ def moe_sort(
     experts: ExpertWeights,
     *,
     capacity: int | None = None,
+    layout: str = "buffers",
 ) -> tuple[jax.Array, DispatchStats]:
-  """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`."""
+  """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`.
+
+  `layout` says where the expert MLP runs (`SORT_LAYOUTS`); both give the same output.
+  """
   check_inputs(x, expert_index, gates)
+  if layout not in SORT_LAYOUTS:
+    raise ValueError(f"layout={layout!r}; known: {', '.join(SORT_LAYOUTS)}")
   num_groups, group_size, dim = x.shape
+  num_experts = experts.num_experts
   capacity = resolve_capacity(capacity, group_size)
-  plan = sort_slot_plan(expert_index, num_experts=experts.num_experts, capacity=capacity)
+  plan = sort_slot_plan(expert_index, num_experts=num_experts, capacity=capacity)
   tokens = x.reshape(num_groups * group_size, dim)
-  outputs = experts.apply(gather_slots(tokens, plan))
-  y = combine_slots(outputs, gates.reshape(num_groups * group_size, -1), plan)
+  gates = gates.reshape(num_groups * group_size, -1)
+  if layout == "blocks":
+    blocks = block_plan(
+        expert_index,
+        num_experts=num_experts,
+        block_size=choose_block_size(expert_index.size, num_experts),
+        kept=plan.stats.kept,
+    )
+    y = apply_on_blocks(tokens, gates, experts, blocks)
+  else:
+    y = combine_slots(experts.apply(gather_slots(tokens, plan)), gates, plan)
   return y.reshape(x.shape), plan.stats
+
+
+def moe_sort_blocks(
+    x: jax.Array,
+    expert_index: jax.Array,
+    gates: jax.Array,
+    experts: ExpertWeights,
+    *,
+    capacity: int | None = None,
+) -> tuple[jax.Array, DispatchStats]:
+  """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed)."""
+  return moe_sort(x, expert_index, gates, experts, capacity=capacity, layout="blocks")

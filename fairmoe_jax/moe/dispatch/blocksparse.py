@@ -1,0 +1,230 @@
+"""`blocksparse` dispatch: dropless, the expert MLP on fixed-size blocks of expert-sorted rows.
+
+The MegaBlocks idea (Gale et al. 2023) in JAX. All T * k choices are sorted by expert; each
+expert's rows are padded up to a multiple of the block size B, so its rows fill whole blocks,
+and a block-to-expert map says which expert's weights every block uses. The expert MLP then
+runs block by block (a loop whose trip count is the number of blocks in use, known only at run
+time), so the work is T * k rows rounded up to a block per expert, at most
+T * k + E * (B - 1) rows, never the E * C slots of a capacity buffer, and never the E-fold work
+of a grouped matmul lowered densely (`jax.lax.ragged_dot` on XLA's CPU backend, `dropless`).
+
+Nothing is dropped; the results equal `moe_dense`'s. Data movement reuses `sort`'s row
+gathers in both passes (`gather_slots` / `combine_slots` with a `SlotPlan` whose slots are the
+block rows). The block MLP has a custom VJP that accumulates each block's weight gradient into
+its expert's slice, so no [blocks, D, H] copy of the weights is ever made.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from fairmoe_jax.moe.dispatch.base import check_inputs
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_slots
+
+# Block sizes the automatic choice picks from (`choose_block_size`).
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 128
+
+
+def choose_block_size(num_choices: int, num_experts: int) -> int:
+  """Rows per block: the power of two nearest half an expert's average load, in [16, 128].
+
+  Each expert wastes B/2 rows on average (its last block is part-full), while larger blocks
+  run the per-block matmuls more efficiently; half the average load keeps the waste near a
+  quarter of a block per row-block and was the fastest measured on CPU (docs/benchmarks.md).
+  """
+  half_load = max(num_choices / num_experts / 2, 1.0)
+  return int(min(max(2 ** round(math.log2(half_load)), MIN_BLOCK_SIZE), MAX_BLOCK_SIZE))
+
+
+@struct.dataclass
+class BlockPlan:
+  """Expert-sorted rows in blocks of B, and which expert each block belongs to.
+
+  Attributes:
+    slots: the row <-> choice maps as a `SlotPlan` over the [num_rows] block rows (one
+      "expert" axis of size 1 in `slot_choice`, so `sort`'s gathers apply unchanged).
+    block_bounds: [E + 1] int32, expert e's blocks are [block_bounds[e], block_bounds[e + 1]);
+      blocks from block_bounds[E] on are computed by no expert (empty rows, and with `kept`,
+      the dropped choices; then block_bounds has one more entry).
+    block_size: rows per block.
+  """
+
+  slots: SlotPlan
+  block_bounds: jax.Array
+  block_size: int = struct.field(pytree_node=False)
+
+
+def max_blocks(num_choices: int, num_experts: int, block_size: int) -> int:
+  """Blocks needed in the worst case: sum_e ceil(n_e / B) <= (N + E (B - 1)) / B."""
+  return (num_choices + num_experts * (block_size - 1)) // block_size
+
+
+def block_plan(
+    expert_index: jax.Array,
+    *,
+    num_experts: int,
+    block_size: int,
+    kept: jax.Array | None = None,
+) -> BlockPlan:
+  """Sorts the [G, S, k] choices by expert into blocks of `block_size` rows.
+
+  With `kept` ([G, S, k] bool, e.g. a capacity plan's), only the kept choices get rows of
+  their experts' blocks: the others are sorted behind every expert, into blocks that no
+  expert computes, so their outputs are zero, as a dropped choice's are.
+  """
+  num_groups, group_size, top_k = expert_index.shape
+  stats = dropless_stats(expert_index, num_experts) if kept is None else None
+  if kept is not None:
+    expert_index = jnp.where(kept, expert_index, num_experts)
+    num_experts += 1
+  num_choices = num_groups * group_size * top_k
+  num_rows = max_blocks(num_choices, num_experts, block_size) * block_size
+
+  flat_expert = expert_index.reshape(num_choices).astype(jnp.int32)
+  choice = jnp.arange(num_choices, dtype=jnp.int32)  # Choice t * k + j, as in `SlotPlan`.
+  sorted_expert, sorted_choice = jax.lax.sort(
+      (flat_expert, choice), dimension=0, is_stable=True, num_keys=1
+  )
+  bounds = jnp.searchsorted(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32))
+  start, count = bounds[:-1], bounds[1:] - bounds[:-1]
+  blocks = -(-count // block_size)
+  block_bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks)])
+  num_blocks = block_bounds[-1]
+
+  # Each sorted choice goes to its expert's first block + its rank within the expert.
+  rank = jnp.arange(num_choices, dtype=jnp.int32) - start[sorted_expert]
+  sorted_row = block_bounds[sorted_expert] * block_size + rank
+  choice_row = (
+      jnp.zeros((num_choices,), jnp.int32).at[sorted_choice].set(sorted_row, unique_indices=True)
+  )
+
+  # Each row: its block's expert, and the sorted choice it holds unless it is padding.
+  row = jnp.arange(num_rows, dtype=jnp.int32)
+  block = row // block_size
+  row_expert = jnp.clip(
+      jnp.searchsorted(block_bounds, block, side="right") - 1, 0, num_experts - 1
+  ).astype(jnp.int32)
+  offset = row - block_bounds[row_expert] * block_size
+  held = (offset < count[row_expert]) & (block < num_blocks)
+  row_choice = jnp.where(
+      held, sorted_choice[jnp.clip(start[row_expert] + offset, 0, num_choices - 1)], num_choices
+  )
+  slots = SlotPlan(
+      slot_choice=row_choice[None, :],
+      choice_slot=choice_row.reshape(num_groups * group_size, top_k),
+      stats=stats,
+  )
+  return BlockPlan(slots=slots, block_bounds=block_bounds, block_size=block_size)
+
+
+def _gelu(h: jax.Array) -> jax.Array:
+  return jax.nn.gelu(h, approximate=False)
+
+
+@jax.custom_vjp
+def block_mlp(rows: jax.Array, block_bounds: jax.Array, experts: ExpertWeights) -> jax.Array:
+  """Expert e's MLP on blocks [block_bounds[e], block_bounds[e + 1]) of rows [NB, B, D].
+
+  Blocks from `block_bounds[-1]` on are not computed: their outputs are zero. The loops run
+  expert by expert, so each expert's weights are sliced (and, backwards, its gradients
+  written) once, however many blocks it has.
+  """
+  return _block_mlp_fwd(rows, block_bounds, experts)[0]
+
+
+def _block_mlp_fwd(rows, block_bounds, experts):
+  w = experts.cast(rows.dtype)
+  nb, bs, _ = rows.shape
+
+  def expert_body(e, carry):
+    w1, b1, w2, b2 = w.w1[e], w.b1[e], w.w2[e], w.b2[e]
+
+    def block_body(b, carry):
+      out, pre = carry
+      p = rows[b] @ w1 + b1
+      return out.at[b].set(_gelu(p) @ w2 + b2), pre.at[b].set(p)
+
+    return jax.lax.fori_loop(block_bounds[e], block_bounds[e + 1], block_body, carry)
+
+  zeros = (jnp.zeros_like(rows), jnp.zeros((nb, bs, w.w1.shape[-1]), rows.dtype))
+  out, pre = jax.lax.fori_loop(0, w.num_experts, expert_body, zeros)
+  return out, (rows, block_bounds, experts, pre)
+
+
+def _block_mlp_bwd(residuals, d_out):
+  rows, block_bounds, experts, pre = residuals
+  w = experts.cast(rows.dtype)
+
+  def expert_body(e, carry):
+    d_rows, grads = carry
+    w1, w2 = w.w1[e], w.w2[e]
+
+    def block_body(b, carry):
+      d_rows, g = carry
+      h, gelu_vjp = jax.vjp(_gelu, pre[b])
+      d_o = d_out[b]
+      (d_pre,) = gelu_vjp(d_o @ w2.T)
+      g = ExpertWeights(
+          w1=g.w1 + rows[b].T @ d_pre,
+          b1=g.b1 + d_pre.sum(0),
+          w2=g.w2 + h.T @ d_o,
+          b2=g.b2 + d_o.sum(0),
+      )
+      return d_rows.at[b].set(d_pre @ w1.T), g
+
+    local = jax.tree.map(lambda a: jnp.zeros_like(a[0]), w)
+    d_rows, g = jax.lax.fori_loop(block_bounds[e], block_bounds[e + 1], block_body, (d_rows, local))
+    return d_rows, jax.tree.map(lambda all_, one: all_.at[e].set(one), grads, g)
+
+  zeros = jax.tree.map(jnp.zeros_like, w)
+  d_rows, grads = jax.lax.fori_loop(0, w.num_experts, expert_body, (jnp.zeros_like(rows), zeros))
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, experts)
+  return d_rows, None, grads
+
+
+block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
+
+
+def apply_on_blocks(
+    tokens: jax.Array, gates: jax.Array, experts: ExpertWeights, plan: BlockPlan
+) -> jax.Array:
+  """The layer output [T, D] of tokens [T, D] with gates [T, k], computed on the plan's blocks."""
+  dim = tokens.shape[-1]
+  rows = gather_slots(tokens, plan.slots).reshape(-1, plan.block_size, dim)
+  outputs = block_mlp(rows, plan.block_bounds, experts)
+  return combine_slots(outputs.reshape(1, -1, dim), gates, plan.slots)
+
+
+def moe_blocksparse(
+    x: jax.Array,
+    expert_index: jax.Array,
+    gates: jax.Array,
+    experts: ExpertWeights,
+    *,
+    capacity: int | None = None,
+    block_size: int | None = None,
+) -> tuple[jax.Array, DispatchStats]:
+  """Dropless dispatch on blocks of expert-sorted rows; `capacity` is ignored.
+
+  `block_size` None chooses it from the average load (`choose_block_size`).
+  """
+  del capacity
+  check_inputs(x, expert_index, gates)
+  num_groups, group_size, dim = x.shape
+  num_experts = experts.num_experts
+  if block_size is None:
+    block_size = choose_block_size(expert_index.size, num_experts)
+  plan = block_plan(expert_index, num_experts=num_experts, block_size=block_size)
+  y = apply_on_blocks(
+      x.reshape(num_groups * group_size, dim),
+      gates.reshape(num_groups * group_size, -1),
+      experts,
+      plan,
+  )
+  return y.reshape(x.shape), plan.slots.stats

@@ -1,0 +1,121 @@
+"""Expert-major slots and the row gathers that move tokens into and out of them.
+
+A `SlotPlan` maps the T * k routing choices to rows ("slots") of an expert-major buffer and
+back. With both maps, every data movement is a row gather, in the forward pass and in the
+backward pass (a custom VJP):
+
+  dispatch  buffers[slot] = x[token(slot)]        its VJP  dx[t] = sum_j dbuffers[slot(t, j)]
+  combine   y[t] = sum_j w[t, j] out[slot(t, j)]   its VJP  dout[slot] = w dy[token(slot)]
+
+so no scatter-add (a serial loop on CPU, atomics on GPU) and no transpose of [G, E, C, D]
+buffers is ever run. `sort` fills the slots under a capacity (`sort_slot_plan`), `blocksparse`
+with expert-sorted blocks (`block_plan`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats
+
+
+@struct.dataclass
+class SlotPlan:
+  """Which choice sits in which expert-major capacity slot, both ways.
+
+  With T = G * S tokens (group-major), choice (t, j) is numbered t * k + j, and slot (e, g, c)
+  is row e * G * C + g * C + c of the [E * G * C, D] buffers.
+
+  Attributes:
+    slot_choice: [E, G * C] int32 choice held by each slot; T * k where the slot is empty.
+    choice_slot: [T, k] int32 slot of each choice; E * G * C where the choice was dropped.
+    stats: the `DispatchStats` of these decisions.
+  """
+
+  slot_choice: jax.Array
+  choice_slot: jax.Array
+  stats: DispatchStats
+
+  @property
+  def top_k(self) -> int:
+    return self.choice_slot.shape[1]
+
+  @property
+  def num_slots(self) -> int:
+    return self.slot_choice.size
+
+  def slot_token(self) -> jax.Array:
+    """[E * G * C] token of each slot; T (out of range) where the slot is empty."""
+    return self.slot_choice.reshape(-1) // self.top_k
+
+
+def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
+  """rows[index] along the first axis; out-of-range indices give zero rows."""
+  return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def _dispatch(tokens: jax.Array, slot_token: jax.Array, choice_slot: jax.Array) -> jax.Array:
+  """[T, D] tokens -> [N, D] slot rows; empty slots are zero."""
+  return _take_rows(tokens, slot_token)
+
+
+def _dispatch_fwd(tokens, slot_token, choice_slot):
+  return _dispatch(tokens, slot_token, choice_slot), (slot_token, choice_slot)
+
+
+def _dispatch_bwd(residuals, d_buffers):
+  slot_token, choice_slot = residuals
+  # Each token's gradient is the sum over its served choices of their slots' gradients.
+  d_tokens = _take_rows(d_buffers, choice_slot).sum(axis=1)
+  return d_tokens, None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _combine(
+    outputs: jax.Array, weights: jax.Array, slot_choice: jax.Array, choice_slot: jax.Array
+) -> jax.Array:
+  """[N, D] slot outputs, [T, k] float32 choice weights -> [T, D] in the outputs' dtype."""
+  gathered = _take_rows(outputs, choice_slot)  # [T, k, D]
+  return jnp.einsum("tkd,tk->td", gathered, weights.astype(outputs.dtype))
+
+
+def _combine_fwd(outputs, weights, slot_choice, choice_slot):
+  y = _combine(outputs, weights, slot_choice, choice_slot)
+  return y, (outputs, weights, slot_choice, choice_slot)
+
+
+def _combine_bwd(residuals, d_y):
+  outputs, weights, slot_choice, choice_slot = residuals
+  top_k = choice_slot.shape[1]
+  slot_weight = _take_rows(weights.reshape(-1), slot_choice)  # 0 for empty slots.
+  d_outputs = _take_rows(d_y, slot_choice // top_k) * slot_weight[:, None].astype(d_y.dtype)
+  # The gates' gradient in float32, like the routing that produced them.
+  d_weights = jnp.einsum(
+      "tkd,td->tk", _take_rows(outputs, choice_slot), d_y, preferred_element_type=jnp.float32
+  )
+  return d_outputs, d_weights.astype(weights.dtype), None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def gather_slots(tokens: jax.Array, plan: SlotPlan) -> jax.Array:
+  """Expert-major buffers [E, G * C, D] of tokens [T, D] (T = G * S, group-major)."""
+  buffers = _dispatch(tokens, plan.slot_token(), plan.choice_slot)
+  return buffers.reshape(*plan.slot_choice.shape, tokens.shape[-1])
+
+
+def combine_slots(outputs: jax.Array, gates: jax.Array, plan: SlotPlan) -> jax.Array:
+  """Expert outputs [E, G * C, D] weighted by the gates [T, k] of their choices -> [T, D].
+
+  A dropped choice contributes 0, so a token whose every choice was dropped gets 0 here and
+  is carried only by the residual connection of its block.
+  """
+  flat = outputs.reshape(-1, outputs.shape[-1])
+  return _combine(flat, gates, plan.slot_choice.reshape(-1), plan.choice_slot)
