@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -721,3 +723,243 @@ def test_a_review_that_changes_something_prints_one_line_per_change(tmp_path, ca
   captured = capsys.readouterr()
   console = captured.out + captured.err  # The progress stream.
   assert "step 4: grew at 4" in console and "step 8: grew at 8" in console
+
+
+class _WaitingIterator:
+  """Constant batches; before producing batch `at`, runs `before(position)` (e.g. waits for a
+  save to finish, then crashes as a SIGKILL would: nothing after it runs)."""
+
+  def __init__(self, at: set[int], before):
+    self.position, self.at, self.before = 0, at, before
+
+  def __next__(self):
+    self.position += 1
+    if self.position in self.at:
+      self.before(self.position)
+    return {"x": np.ones((8, 1), np.float32)}
+
+  def get_state(self):
+    return {"position": self.position}
+
+  def set_state(self, state):
+    self.position = state["position"]
+
+
+def _wait_until(condition, what: str, timeout: float = 60.0) -> None:
+  deadline = time.time() + timeout
+  while not condition():
+    if time.time() > deadline:
+      raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+    time.sleep(0.01)
+
+
+def _flip_a_byte(step_dir) -> None:
+  """Flips one byte in the middle of the largest file (array data: the structure still parses)."""
+  files = [p for p in step_dir.rglob("*") if p.is_file() and p.name != "trainkit_manifest.json"]
+  largest = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(largest.read_bytes())
+  data[len(data) // 2] ^= 0x01
+  largest.write_bytes(bytes(data))
+
+
+def _toy_loop(tmp_path, checkpointer, iterator, *, steps=40, writer=None):
+  def train_step(state, batch):
+    params = {"w": state.params["w"] + jnp.sum(batch["x"])}
+    return state.replace(step=state.step + 1, params=params), {"loss": jnp.asarray(1.0)}
+
+  return train_loop(
+      state=_toy_train_state(0.0),
+      train_step=jax.jit(train_step),
+      train_iterator=iterator,
+      mesh=make_mesh({"data": 8, "expert": 1}),
+      checkpointer=checkpointer,
+      writer=writer or MetricWriter(str(tmp_path), tensorboard=False),
+      num_train_steps=steps,
+      log_every_steps=5,
+      eval_every_steps=0,
+      checkpoint_every_steps=10,
+      examples_per_step=8,
+      show_progress=False,
+  )
+
+
+def test_a_step_has_its_manifest_as_soon_as_it_is_finalised_so_a_kill_leaves_none_unverified(
+    tmp_path,
+):
+  # SIGKILL at step 15 of a run that checkpoints every 10 steps. Step 10 was
+  # finalised long before; its manifest must not wait for the save of step 20.
+  steps = tmp_path / "ckpt"
+  ckpt = Checkpointer(str(steps))
+
+  def crash(position):
+    _wait_until(lambda: (steps / "10").is_dir(), "the commit of step 10")
+    raise KeyboardInterrupt("killed at step 15")  # Nothing of the loop runs after it.
+
+  with pytest.raises(KeyboardInterrupt):
+    _toy_loop(tmp_path, ckpt, _WaitingIterator({16}, crash))
+  assert sorted(os.listdir(steps)) == ["10"]
+  assert (steps / "10" / "trainkit_manifest.json").is_file()
+  assert checkpoint_module.verify_manifest(str(steps / "10")) == ""
+  # The rerun (a new process) verifies it: a flipped byte is caught, never restored.
+  _flip_a_byte(steps / "10")
+  with pytest.raises(UserError, match=r"step 10: \S+ does not match its checksum"):
+    Checkpointer(str(steps)).restore(_toy_train_state(0.0))
+
+  # The manifest is written before Orbax's commit, so the commit's own two files are named
+  # without a checksum; the first check after the commit adds theirs (`poll`, between steps).
+  state = _State(step=jnp.array(0), w=jnp.arange(64.0))
+  ckpt = Checkpointer(str(tmp_path / "polled"))
+  ckpt.save(1, state, {"pos": 1}, force=True)
+  _wait_until(lambda: (tmp_path / "polled" / "1").is_dir(), "the commit of step 1")
+  manifest = json.loads((tmp_path / "polled" / "1" / "trainkit_manifest.json").read_text())
+  assert manifest["files"]["_CHECKPOINT_METADATA"] == {"at_commit": True}
+  assert checkpoint_module.verify_manifest(str(tmp_path / "polled" / "1")) == ""
+  _wait_until(lambda: not ckpt._manager.is_saving_in_progress(), "the end of the save")
+  ckpt.poll()
+  manifest = json.loads((tmp_path / "polled" / "1" / "trainkit_manifest.json").read_text())
+  assert all("sha256" in entry for entry in manifest["files"].values()), manifest
+  assert checkpoint_module.verify_manifest(str(tmp_path / "polled" / "1")) == ""
+  ckpt.close()
+
+
+def test_a_step_without_a_manifest_is_never_restored_unverified(tmp_path, caplog, capsys):
+  # A deleted manifest (or a step saved before checksums) must not turn the check
+  # off. Policy: such a step is skipped like a corrupt one (fallback, with the reason); with no
+  # verified step left, one error naming the steps and the command that vouches for them.
+  from trainkit.checkpoint import restore_trained
+
+  state = _State(step=jnp.array(0), w=jnp.arange(256.0))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  for step in (1, 2):
+    ckpt.save(
+        step, state.replace(step=jnp.array(step), w=state.w * step), {"pos": step}, force=True
+    )
+  ckpt.close()
+  (tmp_path / "ckpt" / "2" / "trainkit_manifest.json").unlink()
+  _flip_a_byte(tmp_path / "ckpt" / "2")
+  # What --mode=eval restores (and a resumed training, through the same restore).
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  with caplog.at_level("WARNING"):
+    restored, step = restore_trained(ckpt, state)
+  assert step == 1
+  np.testing.assert_array_equal(restored.w, np.arange(256.0))
+  assert "no trainkit_manifest.json" in ckpt.skipped[0] and ckpt.skipped[0].startswith("step 2")
+  assert "step 2" in caplog.text and "cannot be verified" in caplog.text
+  assert (tmp_path / "ckpt" / "corrupt" / "2").is_dir()  # Kept, and retrained past.
+
+  # A workdir whose every step lacks a manifest (e.g. saved before checksums): one error naming
+  # the steps and how to vouch for them; nothing is moved.
+  (tmp_path / "ckpt" / "1" / "trainkit_manifest.json").unlink()
+  with pytest.raises(UserError) as error:
+    Checkpointer(str(tmp_path / "ckpt")).restore(state)
+  message = str(error.value)
+  assert "step 1: it has no trainkit_manifest.json" in message
+  assert f"python -m trainkit.checkpoint --trust {tmp_path / 'ckpt' / '1'}" in message
+  assert (tmp_path / "ckpt" / "1").is_dir()
+  assert checkpoint_module.main(["--trust", str(tmp_path / "ckpt" / "1")]) == 0
+  assert "manifest written" in capsys.readouterr().out
+  _, iterator_state, step = Checkpointer(str(tmp_path / "ckpt")).restore(state)
+  assert (step, iterator_state) == (1, {"pos": 1})
+  # Vouching never overrides a manifest that the files do not match.
+  _flip_a_byte(tmp_path / "ckpt" / "1")
+  with pytest.raises(UserError, match="already has a manifest and .* does not match"):
+    checkpoint_module.trust(str(tmp_path / "ckpt" / "1"))
+
+
+def _fail_data_iterator_saves_of(step: int, monkeypatch) -> None:
+  """Orbax's background write of step `step`'s data-iterator state meets a full disk."""
+  original = ocp.JsonCheckpointHandler._save_fn
+
+  async def save_fn(self, x, directory):
+    if f"/{step}.orbax-checkpoint-tmp" in str(directory):
+      raise OSError(errno.ENOSPC, "No space left on device", str(directory / "metadata"))
+    return await original(self, x, directory)
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", save_fn)
+
+
+def test_a_disk_that_fills_during_an_async_save_stops_the_run_at_once_with_one_error(
+    tmp_path, monkeypatch, caplog
+):
+  # The disk fills while step 20 is written in Orbax's background threads. The run
+  # stops at the next step boundary (not at the next save, after pages of writer tracebacks)
+  # with one error naming the space problem and the step to resume from; no tmp step is left.
+  _fail_data_iterator_saves_of(20, monkeypatch)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  wait_for_the_save = lambda position: _wait_until(
+      lambda: not ckpt._manager.is_saving_in_progress(), "the end of the save of step 20"
+  )
+  iterator = _WaitingIterator({22}, wait_for_the_save)
+  with caplog.at_level("WARNING"):
+    with pytest.raises(OutOfSpace) as error:
+      _toy_loop(tmp_path, ckpt, iterator)
+  assert iterator.position <= 22  # Stopped at the first step boundary after the failure.
+  assert re.search(
+      r"no space left to save the checkpoint of step 20 .*resume from step 10", str(error.value)
+  ), error.value
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["10"]
+  # Orbax's threads logged nothing of it: the error above is the one report.
+  assert not [r for r in caplog.records if "No space left" in r.getMessage()], caplog.text
+  # The hundreds of 'Event loop is closed' errors of the writes still pending are dropped.
+  seen = []
+  hook = checkpoint_module._drop_closed_loop_callbacks(seen.append)
+  for error in (RuntimeError("Event loop is closed"), RuntimeError("other")):
+    hook(type("Args", (), {"exc_value": error})())
+  assert [str(args.exc_value) for args in seen] == ["other"]
+
+
+class _FullDiskFile:
+  """A file whose next write stores half its data, then fails as on a full disk."""
+
+  def __init__(self, file):
+    self._file = file
+
+  def write(self, data):
+    self._file.write(data[: len(data) // 2])
+    self._file.flush()
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  def __getattr__(self, name):
+    return getattr(self._file, name)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return self._file.__exit__(*exc)
+
+
+def test_a_full_disk_while_appending_metrics_leaves_no_partial_line_and_names_the_resume_step(
+    tmp_path, monkeypatch, caplog
+):
+  # The metrics append of a live run meets a full disk. The line is all or nothing,
+  # and the error is the out-of-space one naming the step to resume from.
+  from trainkit import metric_writers
+
+  def full_after_step_20(path, mode="r", *args, **kwargs):
+    file = open(path, mode, *args, **kwargs)
+    full = os.path.exists(path) and '"step": 20' in open(path).read()
+    if str(path).endswith("metrics.jsonl") and mode.startswith("a") and full:
+      return _FullDiskFile(file)
+    return file
+
+  monkeypatch.setattr(metric_writers, "open", full_after_step_20, raising=False)
+  before = None
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+
+  def remember(position):
+    nonlocal before
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+  with pytest.raises(OutOfSpace) as error:
+    _toy_loop(tmp_path, ckpt, _WaitingIterator({26}, remember))
+  assert re.search(
+      r"no space left on the device writing '.*metrics.jsonl'.*resume from step 20",
+      str(error.value),
+  ), error.value
+  monkeypatch.undo()
+  assert (tmp_path / "metrics.jsonl").read_text() == before  # No partial line.
+  with caplog.at_level("WARNING"):
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [5, 10, 15, 20]
+  assert "torn" not in caplog.text
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["10", "20"]

@@ -1,19 +1,24 @@
 """Orbax checkpoints of the train state and the data-iterator position.
 
-Periodic saves keep the newest `max_to_keep`; the final step is always saved.
-Restoring walks back from the newest step: a corrupt checkpoint is skipped with a
-warning, and only when every checkpoint is unreadable does the run stop with a
-UserError naming the directory.
+Periodic saves keep the newest `max_to_keep`; the final step is always saved. Each step
+carries a manifest (sha256 and size of its files) from the moment it is published.
+Restoring walks back from the newest step: a corrupt checkpoint, or one without a
+manifest, is skipped with a warning, and only when no checkpoint is usable does the run
+stop with a UserError naming the directory (and, for steps without a manifest, the
+command that vouches for them: `python -m trainkit.checkpoint --trust STEP_DIR`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +78,23 @@ def _abstract(tree: Any) -> Any:
   )
 
 
-def _remove_interrupted_saves(directory: str) -> None:
+def _remove_failed_save(directory: str, *, quiet_for: float = 0.2, at_most: float = 5.0) -> None:
+  """Removes the temporary directory of a save that failed (e.g. on a full disk). Its writes
+  still in flight (TensorStore's: a failed save does not wait for them) may recreate files for a
+  moment, so it is removed until nothing reappears for `quiet_for` seconds."""
+  if jax.process_index() != 0 or not os.path.isdir(directory):
+    return
+  start = quiet = time.monotonic()
+  while time.monotonic() - start < at_most:
+    if any(_TMP_MARKER in name for name in os.listdir(directory)):
+      _remove_interrupted_saves(directory, say=False)
+      quiet = time.monotonic()
+    elif time.monotonic() - quiet >= quiet_for:
+      return
+    time.sleep(0.01)
+
+
+def _remove_interrupted_saves(directory: str, *, say: bool = True) -> None:
   """Deletes the temporary directories of saves cut short (e.g. by SIGKILL).
 
   Done here, synchronously, rather than by Orbax's option of the same purpose, which
@@ -83,7 +104,8 @@ def _remove_interrupted_saves(directory: str) -> None:
     return
   for name in os.listdir(directory):
     if _TMP_MARKER in name:
-      _log.warning("removing an interrupted checkpoint save: %s", name)
+      if say:
+        _log.warning("removing an interrupted checkpoint save: %s", name)
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
@@ -110,6 +132,12 @@ def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | N
 
 
 MANIFEST = "trainkit_manifest.json"  # sha256 and size of every file of a finished step.
+# The files of a step that Orbax's commit writes after the manifest (the commit timestamp in the
+# step's metadata, the commit marker): the manifest names them and the first check of the
+# finished step adds their checksums (`complete_manifest`).
+_WRITTEN_AT_COMMIT = ("_CHECKPOINT_METADATA", "commit_success.txt")
+# How to vouch for a step that has no manifest (`main` below).
+TRUST_COMMAND = "python -m trainkit.checkpoint --trust"
 
 
 def _sha256(path: str) -> str:
@@ -125,36 +153,85 @@ def _step_files(step_dir: str) -> list[str]:
   for root, _, names in os.walk(step_dir):
     for name in names:
       path = os.path.relpath(os.path.join(root, name), step_dir)
-      if path != MANIFEST:
+      if path != MANIFEST and not (name.startswith(f".{MANIFEST}.tmp") and root == step_dir):
         files.append(path)
   return sorted(files)
 
 
-def write_manifest(step_dir: str) -> None:
-  """Records every file of a finalised step (sha256, size), written atomically."""
+def _file_entry(path: str) -> dict[str, Any]:
+  return {"sha256": _sha256(path), "size": os.path.getsize(path)}
+
+
+def _save_manifest(step_dir: str, entries: dict[str, Any]) -> None:
+  tmp = os.path.join(step_dir, f".{MANIFEST}.tmp{os.getpid()}")
+  try:
+    with open(tmp, "w") as f:
+      json.dump({"files": entries}, f, indent=1)
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+  except BaseException as e:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    if isinstance(e, OSError):
+      e.filename = e.filename or os.path.join(step_dir, MANIFEST)  # A write's error names none.
+    raise
+
+
+def write_manifest(step_dir: str, *, at_commit: tuple[str, ...] = ()) -> None:
+  """Records every file of a finalised step (sha256, size), written atomically.
+
+  `at_commit` names files that are still to be written or changed (Orbax's commit, after the
+  manifest is written in the temporary directory): they are listed without a checksum until
+  `complete_manifest` adds it.
+  """
   entries = {
-      path: {"sha256": _sha256(os.path.join(step_dir, path)),
-             "size": os.path.getsize(os.path.join(step_dir, path))}
+      path: {"at_commit": True} if path in at_commit else _file_entry(os.path.join(step_dir, path))
       for path in _step_files(step_dir)
   }
-  tmp = os.path.join(step_dir, f".{MANIFEST}.tmp{os.getpid()}")
-  with open(tmp, "w") as f:
-    json.dump({"files": entries}, f, indent=1)
-  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+  entries.update({name: {"at_commit": True} for name in at_commit})
+  _save_manifest(step_dir, entries)
+
+
+def _read_manifest(step_dir: str) -> dict[str, Any]:
+  with open(os.path.join(step_dir, MANIFEST)) as f:
+    entries = json.load(f)["files"]
+  if not isinstance(entries, dict):
+    raise TypeError("files is not a mapping")
+  return entries
+
+
+def complete_manifest(step_dir: str) -> None:
+  """Adds the checksums of the files written at the commit to a committed step's manifest."""
+  entries = _read_manifest(step_dir)
+  pending = [name for name, entry in entries.items() if entry.get("at_commit")]
+  if not pending:
+    return
+  for name in pending:
+    path = os.path.join(step_dir, name)
+    if os.path.isfile(path):
+      entries[name] = _file_entry(path)
+    else:
+      del entries[name]  # Not written by this Orbax version's commit.
+  _save_manifest(step_dir, entries)
 
 
 def verify_manifest(step_dir: str) -> str:
-  """What does not match the step's manifest ("" when all does, or when there is none)."""
+  """What does not match the step's manifest ("" when all does); a missing manifest is named."""
   path = os.path.join(step_dir, MANIFEST)
   if not os.path.exists(path):
-    return ""  # Saved before manifests existed, or cut off before it was written.
+    return (
+        f"it has no {MANIFEST}, so its files cannot be verified (the manifest was deleted, or "
+        "the step was saved by a version of trainkit without checksums)"
+    )
   try:
-    with open(path) as f:
-      entries = json.load(f)["files"]
+    entries = _read_manifest(step_dir)
   except (OSError, ValueError, KeyError, TypeError) as e:
     return f"{MANIFEST} is unreadable ({type(e).__name__})"
   for name, entry in sorted(entries.items()):
     file = os.path.join(step_dir, name)
+    if not isinstance(entry, dict):
+      return f"{MANIFEST} is unreadable (the entry of {name})"
+    if entry.get("at_commit"):
+      continue  # Written by Orbax after the manifest; checked once complete_manifest ran.
     if not os.path.isfile(file):
       return f"{name} is missing"
     if os.path.getsize(file) != entry.get("size") or _sha256(file) != entry.get("sha256"):
@@ -179,6 +256,43 @@ def _quiet_library_loggers():
     yield
   finally:
     logger.setLevel(level)
+
+
+class _OutOfSpaceNoise(logging.Filter):
+  """Drops Orbax's own error logs of a full disk (one per writer thread, each with a traceback
+  and TensorStore's spec): the run reports it once, as an OutOfSpace naming the resume step."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if "orbax" not in record.pathname:
+      return True
+    error = record.exc_info[1] if record.exc_info else None
+    return not (
+        (error is not None and is_out_of_space(error))
+        or is_out_of_space(Exception(record.getMessage()))
+    )
+
+
+def _drop_closed_loop_callbacks(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+  """An unraisable-exception hook that drops the 'Event loop is closed' errors of an Orbax save
+  cut short (e.g. by a full disk): the writes still pending then try to report to the save's
+  event loop, already closed, by the hundred. Everything else goes on to `hook`."""
+
+  def unraisable(args: Any) -> None:
+    if isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == "Event loop is closed":
+      return
+    hook(args)
+
+  unraisable.drops_closed_loop_callbacks = True
+  return unraisable
+
+
+def _silence_out_of_space_noise() -> None:
+  """Installs (once) the two filters above; a failed save is still raised by `wait`/`poll`."""
+  absl_logger = logging.getLogger("absl")
+  if not any(isinstance(f, _OutOfSpaceNoise) for f in absl_logger.filters):
+    absl_logger.addFilter(_OutOfSpaceNoise())
+  if not getattr(sys.unraisablehook, "drops_closed_loop_callbacks", False):
+    sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
 
 
 class _Unusable(ValueError):
@@ -221,16 +335,25 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     # What the last restore skipped ("step N: why"), for the report; empty when nothing was.
     self.skipped: list[str] = []
-    self._manifested: set[int] = set()  # Steps whose manifest exists (written or verified).
+    # Steps this checkpointer saved whose manifest is not complete yet. Only these get a manifest
+    # written here: a step found on disk without one is never vouched for (`verify_manifest`).
+    self._unmanifested: set[int] = set()
     self._saving: tuple[int, int] | None = None  # (step, bytes) of the save in flight.
+    self._async = async_save
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     _remove_interrupted_saves(self.directory)
+    _silence_out_of_space_noise()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         save_interval_steps=save_interval_steps,
         create=True,
         enable_async_checkpointing=async_save,
+        # The manifest is written as soon as a step is complete, inside its temporary directory,
+        # so the commit (a rename) publishes the step and its manifest together.
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit)
+        if async_save
+        else None,
     )
     try:
       with _quiet_library_loggers():  # It reads every step's metadata; we report problems.
@@ -272,15 +395,56 @@ class Checkpointer:
     )
     self._saving = (step, needed)
     try:
-      return self._manager.save(step, args=args, force=force)
+      started = self._manager.save(step, args=args, force=force)
     except Exception as e:
       if is_out_of_space(e):
         raise self._out_of_space(step, needed) from e
       raise
+    if started:
+      self._unmanifested.add(step)
+      if not self._async:  # Finalised already: its manifest at once.
+        self._write_manifests()
+    return started
+
+  def _manifest_before_commit(self) -> None:
+    """Orbax's callback once every file of the step in flight is written, before the rename that
+    publishes it (primary host, a background thread): writes the step's manifest in the
+    temporary directory, so that no finished step is ever without one."""
+    if self._saving is None or jax.process_index() != 0:
+      return
+    step = self._saving[0]
+    pending = glob.glob(os.path.join(glob.escape(self.directory), f"{step}{_TMP_MARKER}*"))
+    if len(pending) == 1 and os.path.isdir(pending[0]):
+      write_manifest(pending[0], at_commit=_WRITTEN_AT_COMMIT)
+    # Otherwise (another atomicity mode) the manifest is written once the step is finalised.
+
+  def poll(self) -> None:
+    """Non-blocking, at a step boundary: once the save in flight has finished, completes its
+    manifest, or raises its failure (a full disk as one OutOfSpace naming the resume step)."""
+    if self._saving is not None and not self._manager.is_saving_in_progress():
+      self._write_manifests()
+
+  def out_of_space(self, what: str) -> OutOfSpace:
+    """The error for a write other than a checkpoint's (e.g. `metrics.jsonl`) that found the disk
+    full: waits for the save in flight (kept if it finished, removed if the disk stopped it too)
+    and names the step the run resumes from."""
+    try:
+      self._write_manifests()
+    except Exception as e:  # The disk is full: the save in flight most likely failed too.
+      _log.debug("the save in flight failed: %r", e)
+    _remove_failed_save(self.directory)
+    latest = self._manager.latest_step()
+    resume = (
+        f"the run can resume from step {latest}, its latest checkpoint"
+        if latest is not None
+        else "no checkpoint was written yet, so a rerun starts afresh"
+    )
+    where = f" {what}" if what else ""
+    return OutOfSpace(f"no space left on the device{where}: {resume}; free space and rerun")
 
   def _out_of_space(self, step: int, needed: int, free: int | None = None) -> OutOfSpace:
     """The error for a save that cannot fit; the half-written step is removed first."""
-    _remove_interrupted_saves(self.directory)
+    _remove_failed_save(self.directory)  # The error says so.
     if free is None:
       free = shutil.disk_usage(self.directory).free
     latest = [s for s in self._manager.all_steps() if s != step]
@@ -319,24 +483,30 @@ class Checkpointer:
       skipped_steps.append(step)
       failures.append(f"step {step}: {_describe(error, os.path.join(self.directory, str(step)))}")
       _log.warning(
-          "checkpoint at step %d in %s is unreadable (%s); trying an older one",
+          "checkpoint at step %d in %s cannot be used (%s); trying an older one",
           step,
           self.directory,
           failures[-1],
       )
 
     with _quiet_library_loggers():
-      restored = self._restore_newest_readable(
-          steps, abstract, skip, check_iterator_state
-      )
+      restored = self._restore_newest_readable(steps, abstract, skip, check_iterator_state)
     if restored is None:
+      unverified = [step for step, why in zip(skipped_steps, failures) if f"no {MANIFEST}" in why]
+      hint = (
+          f"\nA step without a manifest is not restored unverified. If you know its files are as "
+          f"saved (e.g. a workdir from before checksums), vouch for it with\n  {TRUST_COMMAND} "
+          + " ".join(os.path.join(self.directory, str(step)) for step in unverified)
+          if unverified
+          else ""
+      )
       raise UserError(
-          f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures)
+          f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures) + hint
       )
     if failures:
       moved = self._move_aside(skipped_steps)
       _log.warning(
-          "restored step %d after skipping unreadable checkpoints (moved to %s): %s",
+          "restored step %d after skipping checkpoints that cannot be used (moved to %s): %s",
           restored[2],
           moved,
           "; ".join(failures),
@@ -429,16 +599,20 @@ class Checkpointer:
     self._saving = None
 
   def _write_manifests(self) -> None:
-    """Writes the manifest of every finished step that lacks one (after Orbax finalised it)."""
+    """Waits for the save in flight, then completes the manifest of each step this checkpointer
+    saved (written before the commit; written whole here after a synchronous save)."""
     self._wait_for_save()
     if jax.process_index() != 0:
+      self._unmanifested.clear()
       return
-    for step in self._manager.all_steps():
+    for step in sorted(self._unmanifested):
       step_dir = os.path.join(self.directory, str(step))
-      if os.path.isdir(step_dir) and step not in self._manifested:
-        if not os.path.exists(os.path.join(step_dir, MANIFEST)):
+      if os.path.isdir(step_dir):
+        if os.path.exists(os.path.join(step_dir, MANIFEST)):
+          complete_manifest(step_dir)
+        else:
           write_manifest(step_dir)
-        self._manifested.add(step)
+      self._unmanifested.discard(step)
 
   def wait(self) -> None:
     self._write_manifests()
@@ -467,3 +641,53 @@ def checkpoint_report(checkpointer: Checkpointer) -> dict[str, Any]:
   if not checkpointer.skipped:
     return {}
   return {"checkpoint_fallback": {"skipped": list(checkpointer.skipped)}}
+
+
+def trust(step_dir: str) -> str:
+  """Writes the manifest of a step that has none, vouching for its files as they are now (what
+  `TRUST_COMMAND` does); returns what was done, in words."""
+  step_dir = os.path.abspath(step_dir)
+  name = os.path.basename(step_dir)
+  if not name.isdigit() or not os.path.isdir(step_dir):
+    raise UserError(f"'{step_dir}' is not a checkpoint step directory (checkpoints/<step>)")
+  if not os.path.exists(os.path.join(step_dir, "_CHECKPOINT_METADATA")):
+    raise UserError(f"'{step_dir}' is not a finished Orbax checkpoint (no _CHECKPOINT_METADATA)")
+  if os.path.exists(os.path.join(step_dir, MANIFEST)):
+    problem = verify_manifest(step_dir)
+    if problem:
+      raise UserError(
+          f"'{step_dir}' already has a manifest and {problem}: it is not replaced; delete "
+          f"{MANIFEST} first if you trust the files as they are now"
+      )
+    return f"{step_dir}: its manifest is already there and matches"
+  write_manifest(step_dir)
+  return f"{step_dir}: manifest written; the step will be restored as it is now"
+
+
+def main(argv: list[str] | None = None) -> int:
+  import argparse
+
+  from trainkit.errors import exit_on_user_error
+
+  parser = argparse.ArgumentParser(
+      prog="python -m trainkit.checkpoint",
+      description=(
+          "Vouch for checkpoint steps that have no checksum manifest (saved before checksums, or "
+          "whose manifest was lost), so that a run restores them. Only for files you know are "
+          "as they were saved: the manifest records them as they are now."
+      ),
+  )
+  parser.add_argument("--trust", nargs="+", metavar="STEP_DIR", required=True)
+  args = parser.parse_args(argv)
+
+  @exit_on_user_error
+  def run() -> None:
+    for step_dir in args.trust:
+      print(trust(step_dir))
+
+  run()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

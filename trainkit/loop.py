@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -13,7 +14,7 @@ from jax.sharding import Mesh
 
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import parse_profile_steps
-from trainkit.errors import UserError
+from trainkit.errors import UserError, is_out_of_space
 from trainkit.mesh import shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.preemption import PreemptionGuard
@@ -53,13 +54,18 @@ def _divergence(scalars: Mapping[str, float], baseline: Mapping[str, float]) -> 
   return ""
 
 
+# One program for the whole tree: run eagerly, optax.tree.norm compiles a few small ops for every
+# parameter shape (some 150 compilations for the quickstart's ViT, seconds before the first step).
+_tree_norm = jax.jit(optax.tree.norm)
+
+
 def _starting_param_norm(state: Any) -> dict[str, float]:
   """The parameter norm before this segment's first update (the first step's own metric is
   taken after it, which at a diverging learning rate has already exploded)."""
   params = getattr(state, "params", None)
   if params is None or not jax.tree.leaves(params):
     return {}
-  return {"param_norm": float(jax.device_get(optax.tree.norm(params)))}
+  return {"param_norm": float(jax.device_get(_tree_norm(params)))}
 
 
 class CheckpointableIterator(Protocol):
@@ -146,6 +152,18 @@ def evaluation_summary(step: int, scalars: Mapping[str, float]) -> str:
   return f"step {step} {prefix}: {values}"
 
 
+@contextlib.contextmanager
+def _full_disk_names_the_resume_step(checkpointer: Checkpointer):
+  """Turns a full disk met by the loop's own writes (metrics, an evaluation's output) into one
+  OutOfSpace naming the step to resume from, once the save in flight is settled."""
+  try:
+    yield
+  except OSError as e:
+    if not is_out_of_space(e):
+      raise
+    raise checkpointer.out_of_space(f"writing '{e.filename}'" if e.filename else "") from e
+
+
 def train_loop(
     *,
     state: TrainState,
@@ -202,8 +220,9 @@ def train_loop(
   flops_per_step: float | None = None
   peak = peak_flops_per_device(jax.devices()[0], peak_flops)
   trace = _StepTrace(profile_steps, os.path.join(os.path.dirname(writer.path), "profile"))
-  with PreemptionGuard() as guard:
+  with _full_disk_names_the_resume_step(checkpointer), PreemptionGuard() as guard:
     while step < num_train_steps:
+      checkpointer.poll()  # The save in flight: its manifest once finished, or its failure.
       trace.before_step(step, state)
       batch = shard_batch(next(train_iterator), mesh)
       if flops_per_step is None and hasattr(train_step, "lower"):
@@ -282,7 +301,8 @@ def train_loop(
         break
   trace.stop(state)
   progress.close()
-  writer.flush()
+  with _full_disk_names_the_resume_step(checkpointer):
+    writer.flush()
   checkpointer.wait()
   return state, preempted
 

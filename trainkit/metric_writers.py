@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -39,13 +40,36 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 def write_atomically(path: str, text: str) -> None:
-  """Replaces `path` with `text` through a temporary file and a rename: never half-written."""
-  directory = os.path.dirname(path) or "."
-  with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
-    f.write(text)
-    temporary = f.name
-  os.chmod(temporary, 0o644)
-  os.replace(temporary, path)
+  """Replaces `path` with `text` through a temporary file and a rename: never half-written (a
+  write that fails, e.g. on a full disk, leaves `path` as it was and no temporary file)."""
+  fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path)
+  except BaseException as e:
+    with contextlib.suppress(OSError):
+      os.remove(temporary)
+    if isinstance(e, OSError):
+      e.filename = e.filename or path  # A write's error names no file.
+    raise
+
+
+def append_line(path: str, line: str) -> None:
+  """Appends `line` (and a newline) to an append-only log, all or nothing: a write that fails
+  (a full disk) is cut back, so the log never keeps a partial line of a run still alive."""
+  data = (line + "\n").encode()
+  with open(path, "ab", buffering=0) as f:
+    start = f.seek(0, os.SEEK_END)
+    try:
+      written = 0
+      while written < len(data):
+        written += f.write(data[written:])
+    except OSError as e:
+      os.ftruncate(f.fileno(), start)  # Frees what the failed write took; needs no space.
+      e.filename = e.filename or path  # A write's error names no file.
+      raise
 
 
 def _to_python(value: Any) -> Any:
@@ -105,9 +129,9 @@ class MetricWriter:
       record = {**self._last_flushed, **self._pending}
       with open(self.path) as f:
         lines = f.readlines()[:-1]
-      write_atomically(self.path, "".join(lines))
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+      write_atomically(self.path, "".join(lines) + json.dumps(record) + "\n")
+    else:
+      append_line(self.path, json.dumps(record))
     self._last_flushed = record
     self._pending_step, self._pending = None, {}
     if self._tb is not None:
