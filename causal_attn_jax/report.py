@@ -24,6 +24,7 @@ from causal_attn_jax import plots
 from causal_attn_jax.data import batching, nli
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import accuracy
+from trainkit.metric_writers import write_atomically
 from trainkit.train_state import TrainState
 
 if TYPE_CHECKING:  # tasks.py imports this module for challenge_report.
@@ -286,7 +287,7 @@ def format_summary(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], workdir: str) -> None:
   """Writes report.json and prints its summary (`format_summary`)."""
-  with open(os.path.join(workdir, "report.json"), "w") as f:
-    json.dump(report, f, indent=2)
+  # Written whole or not at all: a crash mid-write must not leave a torn report.
+  write_atomically(os.path.join(workdir, "report.json"), json.dumps(report, indent=2))
   print(format_summary(report), flush=True)
   print(f"Wrote {os.path.join(workdir, 'report.json')}", flush=True)

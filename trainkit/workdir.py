@@ -187,10 +187,7 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
           kept,
           ", ".join(config_differences(before, json.loads(text))) or "unreadable before",
       )
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  write_atomically(path, text)
 
 
 def _as_typed(saved: Any, default: Any) -> Any:

@@ -17,6 +17,7 @@ Every row is a test example, in split order.
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Mapping
 import os
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fairmoe_jax.data.types import DatasetInfo
+from trainkit.metric_writers import write_atomically
 
 
 def gather_examples(batches: list[Mapping[str, Any]], num_examples: int) -> dict[str, Any]:
@@ -107,8 +109,10 @@ def write_csv(path: str, columns: Mapping[str, np.ndarray]) -> None:
     return f"{value:.6g}" if isinstance(value, (float, np.floating)) else value
 
   names = list(columns)
-  with open(path, "w", newline="") as f:
-    writer = csv.writer(f)
-    writer.writerow(names)
-    for row in zip(*(columns[name] for name in names)):
-      writer.writerow([cell(v) for v in row])
+  text = io.StringIO(newline="")
+  writer = csv.writer(text)
+  writer.writerow(names)
+  for row in zip(*(columns[name] for name in names)):
+    writer.writerow([cell(v) for v in row])
+  # Whole or not at all: a rerun's crash must not leave a torn file in place of a good one.
+  write_atomically(path, text.getvalue())
