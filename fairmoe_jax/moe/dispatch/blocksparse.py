@@ -140,34 +140,32 @@ def block_mlp(rows: jax.Array, block_bounds: jax.Array, experts: ExpertWeights) 
 
 def _block_mlp_fwd(rows, block_bounds, experts):
   w = experts.cast(rows.dtype)
-  nb, bs, _ = rows.shape
 
-  def expert_body(e, carry):
+  def expert_body(e, out):
     w1, b1, w2, b2 = w.w1[e], w.b1[e], w.w2[e], w.b2[e]
 
-    def block_body(b, carry):
-      out, pre = carry
-      p = rows[b] @ w1 + b1
-      return out.at[b].set(_gelu(p) @ w2 + b2), pre.at[b].set(p)
+    def block_body(b, out):
+      return out.at[b].set(_gelu(rows[b] @ w1 + b1) @ w2 + b2)
 
-    return jax.lax.fori_loop(block_bounds[e], block_bounds[e + 1], block_body, carry)
+    return jax.lax.fori_loop(block_bounds[e], block_bounds[e + 1], block_body, out)
 
-  zeros = (jnp.zeros_like(rows), jnp.zeros((nb, bs, w.w1.shape[-1]), rows.dtype))
-  out, pre = jax.lax.fori_loop(0, w.num_experts, expert_body, zeros)
-  return out, (rows, block_bounds, experts, pre)
+  out = jax.lax.fori_loop(0, w.num_experts, expert_body, jnp.zeros_like(rows))
+  # The hidden pre-activations are recomputed backwards (one more matmul per block) rather than
+  # kept: a [blocks, B, H] buffer sized for the worst case costs more to fill than to redo.
+  return out, (rows, block_bounds, experts)
 
 
 def _block_mlp_bwd(residuals, d_out):
-  rows, block_bounds, experts, pre = residuals
+  rows, block_bounds, experts = residuals
   w = experts.cast(rows.dtype)
 
   def expert_body(e, carry):
     d_rows, grads = carry
-    w1, w2 = w.w1[e], w.w2[e]
+    w1, b1, w2 = w.w1[e], w.b1[e], w.w2[e]
 
     def block_body(b, carry):
       d_rows, g = carry
-      h, gelu_vjp = jax.vjp(_gelu, pre[b])
+      h, gelu_vjp = jax.vjp(_gelu, rows[b] @ w1 + b1)
       d_o = d_out[b]
       (d_pre,) = gelu_vjp(d_o @ w2.T)
       g = ExpertWeights(
