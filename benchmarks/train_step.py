@@ -144,7 +144,7 @@ def benchmark(
   if compute_dtype:
     config.compute_dtype = compute_dtype
   config.mesh.data = 1  # One device; the benchmark measures the step, not the mesh.
-  fairmoe_config.validate(config, num_devices=jax.device_count())
+  fairmoe_config.validate(config, num_devices=jax.device_count(), check_data=False)
   image_size, batch = config.data.image_size, config.batch_size
   mesh = make_mesh(config.mesh)
   tx = make_optimizer(config.optimizer, 1000)
@@ -258,13 +258,15 @@ def main() -> None:
       "--dispatch",
       nargs="+",
       default=["sort"],
-      choices=["dense", "einsum", "sort", "dropless", "blocksparse"],
+      choices=["dense", "einsum", "sort", "sort_blocks", "dropless", "blocksparse"],
   )
   parser.add_argument(
       "--methods",
       nargs="+",
-      default=["fairsmoe"],
-      help="methods timed besides vanilla SMoE (first --dispatch only); fairmoe_jax.methods keys",
+      default=["fairsmoe", "fairsmoe_no_fem"],
+      help="methods timed besides vanilla SMoE (first --dispatch only); fairmoe_jax.methods "
+      "keys. fairsmoe_no_fem isolates FGR: without FEM there is no specialization loss, whose "
+      "default reading (expert_competence) runs every expert on every token",
   )
   parser.add_argument("--batch_size", type=int, default=0, help="0: the config's")
   parser.add_argument("--compute_dtype", default="", choices=["", "float32", "bfloat16"])

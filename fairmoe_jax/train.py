@@ -43,7 +43,7 @@ from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_ch
 from fairmoe_jax.models.muffin import Muffin
 from fairmoe_jax.moe.layer import ATTRIBUTE_PROBS, SA_CHOICE_CHANGE, SA_LOGIT_MOMENTS
 from trainkit.mesh import replicated
-from trainkit.metric_writers import read_metrics
+from trainkit.metric_writers import read_metrics, write_atomically
 from trainkit.train_state import TrainState, create_train_state
 from trainkit.textfiles import iter_lines
 from trainkit.workdir import RUN_INFO_FILE
@@ -185,6 +185,13 @@ def make_eval_step(
   return eval_step
 
 
+@jax.jit
+def _add_counts(totals: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
+  """The running sum of an evaluation's counts, one program for the whole tree (added leaf by
+  leaf, each count's shape compiles an `add` of its own and every batch dispatches dozens)."""
+  return jax.tree.map(jnp.add, totals, counts)
+
+
 def _eval_batches(arrays, config, mesh):
   for batch in data_lib.eval_batches(
       arrays,
@@ -220,7 +227,7 @@ def evaluate(
     examples = counts.pop("examples", None)
     if keep_examples:
       kept.append(examples)  # Still on device: fetching now would stall the loop every batch.
-    totals = counts if totals is None else jax.tree.map(jnp.add, totals, counts)
+    totals = counts if totals is None else _add_counts(totals, counts)
   totals = jax.device_get(totals)
   examples = None
   if keep_examples:
@@ -499,8 +506,8 @@ def final_report(
 
 
 def _write_report(report: dict[str, Any], predictions: dict[str, np.ndarray], workdir: str) -> None:
-  with open(os.path.join(workdir, "report.json"), "w") as f:
-    json.dump(report, f, indent=2)
+  # Each file is replaced whole or not at all: a crash mid-write never tears the earlier one.
+  write_atomically(os.path.join(workdir, "report.json"), json.dumps(report, indent=2))
   predictions_lib.write_csv(os.path.join(workdir, "predictions.csv"), predictions)
   print(format_report(report), flush=True)
   plots = write_plots(workdir)
