@@ -2,16 +2,17 @@
 
 The MegaBlocks idea (Gale et al. 2023) in JAX. All T * k choices are sorted by expert; each
 expert's rows are padded up to a multiple of the block size B, so its rows fill whole blocks,
-and a block-to-expert map says which expert's weights every block uses. The expert MLP then
-runs block by block (a loop whose trip count is the number of blocks in use, known only at run
-time), so the work is T * k rows rounded up to a block per expert, at most
+and the block bounds of every expert say which expert's weights each block uses. The expert MLP
+then runs expert by expert and, inside, block by block (loops whose trip counts are known only
+at run time), so the work is T * k rows rounded up to a block per expert, at most
 T * k + E * (B - 1) rows, never the E * C slots of a capacity buffer, and never the E-fold work
 of a grouped matmul lowered densely (`jax.lax.ragged_dot` on XLA's CPU backend, `dropless`).
 
 Nothing is dropped; the results equal `moe_dense`'s. Data movement reuses `sort`'s row
 gathers in both passes (`gather_slots` / `combine_slots` with a `SlotPlan` whose slots are the
-block rows). The block MLP has a custom VJP that accumulates each block's weight gradient into
-its expert's slice, so no [blocks, D, H] copy of the weights is ever made.
+block rows). The block MLP has a custom VJP with the same loops, which accumulates each
+expert's weight gradient over its blocks and writes it once, so no [blocks, D, H] copy of the
+weights is ever made.
 """
 
 from __future__ import annotations
