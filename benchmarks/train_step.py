@@ -201,13 +201,14 @@ class _Step:
 
 def time_interleaved(rows: list[dict], steps: list[_Step], repeats: int) -> None:
   """Median step time of every row, the steps alternated round by round (after a warm-up), so
-  a slow phase of a shared machine does not fall on one row only."""
+  a slow phase of a shared machine does not fall on one row only, and the order rotated."""
   for step in steps:
     step()
   times: list[list[float]] = [[] for _ in steps]
-  for _ in range(repeats):
-    for i, step in enumerate(steps):
-      times[i].append(step())
+  for r in range(repeats):
+    # Each round starts one case later, so no case always follows the same (e.g. the largest).
+    for i in [(r + j) % len(steps) for j in range(len(steps))]:
+      times[i].append(steps[i]())
   for row, t in zip(rows, times):
     step_s = statistics.median(t)
     row.update(
