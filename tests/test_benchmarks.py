@@ -96,4 +96,17 @@ def test_the_train_step_benchmark_times_moe_against_its_dense_equivalent():
   # Equal active FLOPs: the MoE step's XLA FLOPs are within a few percent of the dense step's
   # plus the router (E = 4 capacity slots at factor 1.25 add padding rows).
   assert 0.9 < moe["xla_flops"] / dense["xla_flops"] < 1.5
-  assert jax.tree.leaves(steps[0].state)  # The state is kept between calls (donated).
+
+  # The dense model's last block is a plain MLP of width k * mlp_dim (the quickstart: 2 x 128),
+  # where the MoE model's holds the router and the experts.
+  def last_block_shapes(step):
+    return {
+        jax.tree_util.keystr(path): leaf.shape
+        for path, leaf in jax.tree_util.tree_flatten_with_path(step.state.params)[0]
+        if jax.tree_util.keystr(path).startswith("['blocks'][3]['mlp']")
+    }
+
+  dense_shapes = last_block_shapes(steps[0])
+  assert dense_shapes["['blocks'][3]['mlp']['fc1']['kernel'].value"] == (64, 256)
+  assert not any("router" in k for k in dense_shapes)
+  assert any("router" in k for k in last_block_shapes(steps[1]))

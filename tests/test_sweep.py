@@ -368,24 +368,37 @@ def test_timeouts_terminate_then_kill_and_leave_error_txt(tmp_path, slow_env, mo
   assert "failed (timeout after 2 s" in capsys.readouterr().out
 
 
-def test_sigterm_to_the_runner_stops_the_running_run(tmp_path, slow_env, repo_root):
+def _start_slow_sweep(tmp_path, slow_env, repo_root, modes, **popen):
+  """Starts a sweep of `slow_main` runs over `modes`; returns the runner and the first run's
+  started.txt (it holds the run's pid once the run is training)."""
   sweep_file = tmp_path / "slow_sweep.py"
   sweep_file.write_text(
       "from experiments.spec import dotted\n"
       "def get_config(arg=None):\n"
       "  return dict(module='slow_main', config='configs/quickstart.py',\n"
-      "              grid=dotted({'mode': ('checkpoint', 'stubborn')}))\n"
+      f"              grid=dotted({{'mode': {tuple(modes)!r}}}))\n"
   )
   workdir = tmp_path / "w"
   runner = subprocess.Popen(
       [sys.executable, "-m", "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"],
       cwd=repo_root,
       env={**os.environ, **slow_env},
+      **popen,
+  )
+  return runner, workdir / "runs" / f"mode={modes[0]}" / "started.txt"
+
+
+def test_sigterm_to_the_runner_stops_the_running_run(tmp_path, slow_env, repo_root):
+  runner, started = _start_slow_sweep(
+      tmp_path,
+      slow_env,
+      repo_root,
+      ("checkpoint", "stubborn"),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
   )
-  started = workdir / "runs" / "mode=checkpoint" / "started.txt"
+  workdir = tmp_path / "w"
   deadline = time.monotonic() + 60
   while not started.exists() and time.monotonic() < deadline and runner.poll() is None:
     time.sleep(0.1)
@@ -410,22 +423,14 @@ def _running(pid):
 def test_a_run_dies_with_a_killed_runner(tmp_path, slow_env, repo_root):
   """A SIGKILL to the runner would leave its run (a session of its own) training on; instead it
   gets SIGTERM, so it checkpoints and stops."""
-  sweep_file = tmp_path / "slow_sweep.py"
-  sweep_file.write_text(
-      "from experiments.spec import dotted\n"
-      "def get_config(arg=None):\n"
-      "  return dict(module='slow_main', config='configs/quickstart.py',\n"
-      "              grid=dotted({'mode': ('checkpoint',)}))\n"
-  )
-  workdir = tmp_path / "w"
-  runner = subprocess.Popen(
-      [sys.executable, "-m", "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"],
-      cwd=repo_root,
-      env={**os.environ, **slow_env},
+  runner, started = _start_slow_sweep(
+      tmp_path,
+      slow_env,
+      repo_root,
+      ("checkpoint",),
       stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL,
   )
-  started = workdir / "runs" / "mode=checkpoint" / "started.txt"
   deadline = time.monotonic() + 60
   while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
     time.sleep(0.1)

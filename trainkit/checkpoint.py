@@ -26,6 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from trainkit.errors import OutOfSpace, UserError, is_out_of_space
+from trainkit.metric_writers import write_atomically
 
 _log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def _step_files(step_dir: str) -> list[str]:
   for root, _, names in os.walk(step_dir):
     for name in names:
       path = os.path.relpath(os.path.join(root, name), step_dir)
-      if path != MANIFEST and not (name.startswith(f".{MANIFEST}.tmp") and root == step_dir):
+      if path != MANIFEST:
         files.append(path)
   return sorted(files)
 
@@ -163,17 +164,7 @@ def _file_entry(path: str) -> dict[str, Any]:
 
 
 def _save_manifest(step_dir: str, entries: dict[str, Any]) -> None:
-  tmp = os.path.join(step_dir, f".{MANIFEST}.tmp{os.getpid()}")
-  try:
-    with open(tmp, "w") as f:
-      json.dump({"files": entries}, f, indent=1)
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
-  except BaseException as e:
-    with contextlib.suppress(OSError):
-      os.remove(tmp)
-    if isinstance(e, OSError):
-      e.filename = e.filename or os.path.join(step_dir, MANIFEST)  # A write's error names none.
-    raise
+  write_atomically(os.path.join(step_dir, MANIFEST), json.dumps({"files": entries}, indent=1))
 
 
 def write_manifest(step_dir: str, *, at_commit: tuple[str, ...] = ()) -> None:
