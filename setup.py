@@ -85,6 +85,10 @@ setup(
         "timm": ["timm>=1.0", "torch>=2.0"],
         # `tensorboard --logdir WORKDIR` shows every scalar a run logs (README, "Outputs").
         "tensorboard": ["tensorboard>=2.15"],
+        # `--mode=compile` (trainkit/preflight): libtpu and the CUDA plugin without CUDA, to
+        # compile for a TPU slice or GPU node on a machine without one; pinned to the jax they
+        # were tested with (the plugins must match jaxlib exactly).
+        "preflight": ["jax[tpu,cuda12-local]==0.10.2", "libtpu==0.0.42.1"],
         "dev": ["pyink>=24"],
     },
 )

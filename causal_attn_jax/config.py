@@ -23,6 +23,7 @@ from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
+from trainkit.preflight.compile import preflight_config, validate_preflight
 
 TASKS = ("classification", "translation")
 PAIR_TASKS = ("nli", "paraphrase")
@@ -51,6 +52,8 @@ def base_config() -> ml_collections.ConfigDict:
   # --mode=predict: a TSV of premise<TAB>hypothesis lines (pair classification) or a text file
   # of source sentences (translation); the output is <workdir>/predict/predictions.tsv.
   config.predict = ml_collections.ConfigDict(dict(input=""))
+  # --mode=compile: the accelerator to compile the run for, without it (README, "Preflight").
+  config.preflight = preflight_config()
 
   config.data = ml_collections.ConfigDict(
       dict(
@@ -264,6 +267,7 @@ def validate(
 
   task = cfg.require_choice(config, "task", TASKS)
   cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
+  validate_preflight(config)
 
   cfg.require_choice(config, "model.attention", ATTENTION_KINDS)
   cfg.require_choice(config, "model.gcn_hops", (1, 2))

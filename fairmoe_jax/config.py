@@ -16,6 +16,7 @@ from fairmoe_jax.moe.layer import ROUTERS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
+from trainkit.preflight.compile import preflight_config, validate_preflight
 
 DATASETS = ("synthetic", "celeba", "celeba_tfds", "isic2019")
 
@@ -54,6 +55,8 @@ def base_config() -> ml_collections.ConfigDict:
   # --mode=predict: a folder of images, or a text file with one image path per line (relative
   # paths are read from the file's folder); predictions go to <workdir>/predict/.
   config.predict = ml_collections.ConfigDict(dict(input=""))
+  # --mode=compile: the accelerator to compile the run for, without it (README, "Preflight").
+  config.preflight = preflight_config()
 
   config.data = ml_collections.ConfigDict(
       dict(
@@ -207,6 +210,7 @@ def validate(
   `data.tfds_data_dir`): the modes that read only a trained workdir (predict, export) need none.
   """
   _, expert_size = cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
+  validate_preflight(config)
   cfg.require_int(config, "analysis_batches", minimum=0)
   cfg.require_float(config, "peak_flops_per_device", minimum=0.0)
   intersections = cfg.get(config, "eval.intersections")

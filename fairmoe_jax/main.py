@@ -5,17 +5,23 @@ r"""Command line: train then evaluate; evaluate, predict with or export the late
       --config.batch_size=64 --mode=eval
   python -m fairmoe_jax.main --workdir=/tmp/quickstart --mode=predict --config.predict.input=DIR
   python -m fairmoe_jax.main --workdir=/tmp/quickstart --mode=export
+  python -m fairmoe_jax.main --config=configs/celeba.py:backbone=deit_s --mode=compile \
+      --config.preflight.target=h100x8 --workdir=/tmp/preflight
 
 Without --config, eval, predict and export read the trained run's <workdir>/config.json
 (--config.KEY=VALUE overrides still apply); predict and export need no dataset (the class names
 and preprocessing are in <workdir>/run_info.json), eval reads the test split from
---config.data.root (config.json's unless overridden).
+--config.data.root (config.json's unless overridden). compile needs --config and no data or
+accelerator: it compiles the run for --config.preflight.target (v4-8, v4-32, v4-64, v5e-8,
+v5e-16, v5e-64, v5e-256, v5p-8, v5p-32, h100x1, h100x8, h100x16, a100x8; pip install -e
+".[preflight]") and writes <workdir>/preflight.json.
 """
 
 from __future__ import annotations
 
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax import train
+from fairmoe_jax.preflight import preflight_program
 from trainkit import cli
 
 main = cli.train_eval_command(
@@ -35,6 +41,7 @@ main = cli.train_eval_command(
             "model, its arguments and preprocessing, or why timm cannot load it)",
         ),
     },
+    preflight_program=preflight_program,
 )
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# With the preflight extra installed (CI installs it), the CUDA plugin logs at INFO from C++ on
+# every import of JAX on a machine without a GPU; the tests read stderr.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 # Many tests compile the same programs (a run, then its resume; one device, then a mesh), in
 # this process and in the `python -m ...` subprocesses they start, which inherit these
 # variables: JAX's persistent compilation cache makes the repeats cheap.

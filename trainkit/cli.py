@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -21,6 +23,7 @@ from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit import saved_config
+from trainkit.preflight.compile import compile_run, validate_preflight
 from trainkit.workdir import (
     CONFIG_FILE,
     prepare_workdir,
@@ -345,6 +348,7 @@ def train_eval_command(
     checkpoint_modes: (
         dict[str, tuple[Callable[[ml_collections.ConfigDict, str], Any], str]] | None
     ) = None,
+    preflight_program: Callable[..., Any] | None = None,
 ) -> Callable[[], None]:
   """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
 
@@ -354,7 +358,9 @@ def train_eval_command(
   package's config, whose `base_config()` gives every key's type). `checkpoint_modes` adds
   modes beside train and eval, `{name: (function, help)}`, that work on the latest checkpoint
   of a trained workdir alone (e.g. predict, export): they are validated with
-  `check_data=False`, since they never read the dataset.
+  `check_data=False`, since they never read the dataset. `preflight_program(config, mesh)`
+  (a `trainkit.preflight.compile.Program`) adds `--mode=compile`: the run compiled for
+  `--config.preflight.target` without its hardware and without data.
 
   Every mode but train may leave `--config` out: the trained run's `<workdir>/config.json` is
   then the config (loaded through `trainkit.saved_config`), and `--config.KEY=VALUE` overrides
@@ -365,7 +371,17 @@ def train_eval_command(
       "eval": (evaluate_checkpoint, "evaluate the latest checkpoint"),
       **(checkpoint_modes or {}),
   }
+  if preflight_program is not None:
+    modes["compile"] = (
+        functools.partial(compile_run, build_program=preflight_program),
+        "compile the train and eval steps for --config.preflight.target (a TPU slice or GPU "
+        "node, e.g. v5e-16, h100x8) without its hardware or data; print and write "
+        "<workdir>/preflight.json (memory per device and the fit, FLOPs, collectives, step "
+        "time, device-hours)",
+    )
   data_modes = ("train", "eval")
+  # Modes that need --config, as training does (they describe a run, not a trained workdir).
+  config_modes = ("train", "compile")
   config_module = validate.__module__
   config_flag = config_flags.DEFINE_config_file(
       "config",
@@ -388,10 +404,11 @@ def train_eval_command(
       flag_names=("config", "workdir", "mode"),
       config_module=config_module,
   )
-  without_config = "|".join(name for name in modes if name != "train")
+  without_config = "|".join(name for name in modes if name not in ("train", "compile"))
   config_required = (
       "--config is required with --mode=train (a new run, or the same --config to resume "
-      f"one); --mode={without_config} can read a trained run's <workdir>/{CONFIG_FILE} instead"
+      f"one) and --mode=compile; --mode={without_config} can read a trained run's "
+      f"<workdir>/{CONFIG_FILE} instead"
   )
 
   def use_saved_config(argv: list[str]) -> list[str]:
@@ -400,7 +417,7 @@ def train_eval_command(
     if has_flag(argv, "config") or has_flag(argv, "flagfile"):
       return argv  # A flag file may set --config and --mode: main checks the parsed flags.
     mode = flag_value(argv, "mode") or "train"
-    if mode == "train":
+    if mode in config_modes:
       fail(config_required)
     workdir = flag_value(argv, "workdir")
     if mode not in modes or not workdir:
@@ -416,6 +433,28 @@ def train_eval_command(
 
   @exit_on_user_error
   def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
+    if mode == "compile":
+      # The preflight describes the target's devices itself; this host's own backend stays
+      # the CPU (no CUDA or TPU runtime is started, even where one is installed).
+      with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_platforms", "cpu")
+      target = validate_preflight(config)
+      validate(
+          config,
+          num_devices=target.num_devices if target else jax.device_count(),
+          num_processes=target.num_hosts if target else 1,
+          check_data=False,
+      )
+      created = not os.path.exists(workdir)
+      workdir = prepare_workdir(workdir)
+      try:
+        with workdir_lock(workdir):
+          modes[mode][0](config, workdir)
+      except BaseException:
+        if created:
+          remove_if_empty(workdir)
+        raise
+      return
     # Multi-process runs (TPU pod, SLURM, launch/local_multiprocess.sh) join JAX's
     # multi-controller runtime before any device is touched; single runs do nothing here.
     initialize_from_env()

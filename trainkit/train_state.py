@@ -95,6 +95,51 @@ def create_train_state(
   return graphdef, state
 
 
+def abstract_train_state(
+    make_model: Callable[[], nnx.Module],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> tuple[nnx.GraphDef, TrainState]:
+  """The state `create_train_state` would build, as ShapeDtypeStructs with its shardings.
+
+  Nothing is materialised: the model is traced (`nnx.eval_shape`), so a full-size model costs
+  no memory on this host, and `mesh` may be made of devices this host does not have (a TPU
+  slice or GPU node described by `jax.experimental.topologies`). Every leaf carries the
+  sharding the real state has: annotated parameters their mesh axes, the optimiser moments
+  their parameter's, everything else replicated. `extra` (host values) is replicated.
+  """
+  with jax.set_mesh(mesh):
+    model = nnx.eval_shape(make_model)
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+
+  def annotate(state: Any) -> Any:
+    specs = nnx.get_partition_spec(state)
+    return jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+        state,
+        specs,
+    )
+
+  params, model_state = annotate(params), annotate(model_state)
+  opt_state = jax.tree.map(
+      lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+      jax.eval_shape(tx.init, params),
+      _optimizer_shardings(tx, params, mesh),
+  )
+  replicate = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated(mesh))
+  state = TrainState(
+      step=replicate(np.zeros((), np.int32)),
+      params=params,
+      model_state=model_state,
+      opt_state=opt_state,
+      rng=jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated(mesh)),
+      extra=jax.tree.map(replicate, dict(extra or {})),
+  )
+  return graphdef, state
+
+
 def _optimizer_shardings(tx: optax.GradientTransformation, params: nnx.State, mesh: Mesh) -> Any:
   """Optimizer moments take their parameter's sharding; counts and scalars are replicated."""
   return optax.tree_map_params(

@@ -1,0 +1,291 @@
+r"""The paper's configurations compiled for GPU nodes and TPU slices: the table of docs/scaling.md.
+
+  python -m experiments.preflight_table --compile              # compile the missing cells
+  python -m experiments.preflight_table --compile --only=deit_s   # cells whose name matches
+  python -m experiments.preflight_table --write=docs/scaling.md   # render the table
+  python -m experiments.preflight_table --check=docs/scaling.md   # exit 1 if it differs
+
+Each cell is one `--mode=compile` of a main (`trainkit/preflight`), run as a user would run it,
+in a subprocess: FairSMoE, vanilla SMoE, Muffin and MultiFair with DeiT-S, DeiT-B, Swin-S and
+Swin-B at 224 px, batch 256, 4 experts (paper Table 1; `configs/celeba.py`), and the Causal
+Transformer's WMT14 En-De base model and its MNLI classifier, on `h100x1`, `h100x8` (data
+parallel, and with `mesh.expert=4` for the MoE runs), `v5e-16` and `v4-32`. A cell's record
+(fit, peak bytes per device, FLOPs, the roofline step time, compile time, or the error) goes to
+`results/records/preflight_paper.json` as soon as it is compiled, so `--compile` resumes where
+it stopped; the table is rendered from the record alone, with its provenance.
+
+The table compiles the train step only (`--config.preflight.eval_step=False`): the eval step
+has no gradients and the same batch, so it needs less; `--mode=compile` itself checks both.
+CelebA and ISIC 2019 runs have the same shapes (224 px images, 2 or 8 classes, 3 sensitive
+attributes), so one compile gives both datasets' device-hours: the paper's 500 epochs of
+CelebA's 162,770 training images and 300 epochs of ISIC 2019's 19,245 (the random split).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from absl import app, flags
+
+
+NAME = "preflight_paper"
+RECORD = os.path.join("results", "records", f"{NAME}.json")
+BATCH = 256
+CELEBA = dict(epochs=500, examples=162_770)
+ISIC = dict(epochs=300, examples=19_245)
+TARGETS = (
+    ("h100x1", {}),
+    ("h100x8", {}),
+    ("h100x8", {"mesh.expert": 4}),
+    ("v5e-16", {}),
+    ("v4-32", {}),
+)
+METHODS = ("fairsmoe", "vanilla_smoe", "muffin", "multifair")
+BACKBONES = ("deit_s", "deit_b", "swin_s", "swin_b")
+
+
+def cells() -> list[dict[str, Any]]:
+  """Every cell, in the order `--compile` runs them (DeiT-S first, then by backbone)."""
+  found = []
+  for backbone in BACKBONES:
+    for method in METHODS:
+      for target, overrides in TARGETS:
+        if overrides.get("mesh.expert") and method == "muffin":
+          continue  # Muffin has no MoE block: nothing to spread over an expert axis.
+        found.append(
+            dict(
+                name=_name(f"{method}/{backbone}", target, overrides),
+                module="fairmoe_jax.main",
+                config=f"configs/celeba.py:method={method},backbone={backbone}",
+                target=target,
+                overrides=overrides,
+                epochs=True,
+            )
+        )
+  for label, config in (
+      ("causal/wmt14_base", "configs/wmt14_ende.py:attention=causal"),
+      ("causal/mnli", "configs/mnli_hans.py"),
+  ):
+    for target, overrides in TARGETS:
+      if not overrides:
+        found.append(
+            dict(
+                name=_name(label, target, {}),
+                module="causal_attn_jax.main",
+                config=config,
+                target=target,
+                overrides={},
+                epochs=False,
+            )
+        )
+  return found
+
+
+def _name(label: str, target: str, overrides: dict[str, Any]) -> str:
+  suffix = "".join(f",{k.split('.')[-1]}={v}" for k, v in overrides.items())
+  return f"{label}@{target}{suffix}"
+
+
+def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
+  """Runs `--mode=compile` for one cell; the summary of its preflight.json, or its error."""
+  with tempfile.TemporaryDirectory() as workdir:
+    command = [
+        sys.executable, "-m", cell["module"], f"--config={cell['config']}", "--mode=compile",
+        f"--config.preflight.target={cell['target']}", "--config.preflight.eval_step=False",
+        f"--workdir={workdir}/run",
+    ]
+    if cell["epochs"]:
+      command.append(f"--config.batch_size={BATCH}")
+    command += [f"--config.{k}={v}" for k, v in cell["overrides"].items()]
+    start = time.perf_counter()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    path = os.path.join(workdir, "run", "preflight.json")
+    shown = " ".join(c if " " not in c else repr(c) for c in command[1:] if not c.startswith("--workdir"))
+    if not os.path.exists(path):
+      errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+      message = errors[-1] if errors else result.stderr.strip().splitlines()[-1:]
+      return dict(command=f"python {shown}", error=str(message)[:400], seconds=round(seconds))
+    with open(path) as f:
+      record = json.load(f)
+  train, run = record["train_step"], record["run"]
+  memory = train["memory"]
+  return dict(
+      command=f"python {shown}",
+      fits=record["fits"],
+      peak=memory.get("peak"),
+      parameters=memory.get("parameters"),
+      optimizer_state=memory.get("optimizer_state"),
+      usable=record["target"]["usable_bytes"],
+      refused_by_compiler=train.get("refused_by_compiler"),
+      flops_per_device=train.get("flops_per_device"),
+      flops_source=train.get("flops_source"),
+      matmul_flops_per_example=train.get("matmul_flops_per_example"),
+      bytes_accessed_source=train.get("bytes_accessed_source"),
+      roofline_s=(train.get("roofline") or {}).get("bound_s"),
+      bound_by=(train.get("roofline") or {}).get("bound_by"),
+      xla_estimate_s=train.get("xla_estimate_seconds"),
+      step_s=run.get("step_seconds"),
+      utilization=run.get("utilization"),
+      num_train_steps=run.get("num_train_steps"),
+      device_hours=run.get("device_hours"),
+      devices=record["target"]["devices"],
+      mesh=record["mesh"],
+      collectives={k: v["count"] for k, v in (train.get("collectives") or {}).items()},
+      compiler_options=train.get("compiler_options"),
+      compile_seconds=train.get("compile_seconds"),
+      seconds=round(seconds),
+      provenance=record["provenance"],
+  )
+
+
+def _load() -> dict[str, Any]:
+  if os.path.exists(RECORD):
+    with open(RECORD) as f:
+      return json.load(f)
+  return {"cells": {}}
+
+
+def _save(record: dict[str, Any]) -> None:
+  tmp = RECORD + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, RECORD)
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def compile_missing(pattern: str) -> None:
+  record = _load()
+  for cell in cells():
+    if cell["name"] in record["cells"] or not fnmatch.fnmatch(cell["name"], f"*{pattern}*"):
+      continue
+    print(f"compiling {cell['name']} ...", flush=True)
+    result = compile_cell(cell)
+    result.update(commit=_commit(), date=datetime.date.today().isoformat(), host=platform.processor() or platform.machine())
+    record["cells"][cell["name"]] = result
+    _save(record)
+    print(f"  {_row(cell, result)}", flush=True)
+
+
+def _gib(n: float | None) -> str:
+  return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+def _hours(result: dict[str, Any], dataset: dict[str, int] | None) -> str:
+  step = result.get("step_s")
+  if not step:
+    return "-"
+  steps = result["num_train_steps"] if dataset is None else math.ceil(dataset["epochs"] * dataset["examples"] / BATCH)
+  return f"{steps * step * result['devices'] / 3600:,.0f}"
+
+
+def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
+  label, _, where = cell["name"].partition("@")
+  if result is None:
+    return f"| {label} | {where} | not compiled yet | | | | | | |"
+  if "error" in result:
+    return f"| {label} | {where} | error: {result['error'].replace('|', '/')} | | | | | | |"
+  fits = "yes" if result["fits"] else "**no**"
+  step = f"{result['step_s'] * 1e3:.0f}" if result.get("step_s") else "-"
+  bound = f"{result['roofline_s'] * 1e3:.1f} ({result['bound_by']})" if result.get("roofline_s") else "-"
+  if cell["epochs"]:
+    hours = f"{_hours(result, CELEBA)} / {_hours(result, ISIC)}"
+  else:
+    hours = f"{_hours(result, None)} ({result['num_train_steps']:,} steps)"
+  return (
+      f"| {label} | {where} | {fits} | {_gib(result['peak'])} / {_gib(result['usable'])} | "
+      f"{(result.get('matmul_flops_per_example') or 0) / 1e9:.1f} | {bound} | {step} | {hours} | "
+      f"{result['compile_seconds']} |"
+  )
+
+
+def render() -> str:
+  record = _load()
+  results = record["cells"]
+  lines = [
+      "| Run | Target | Fits | Peak / usable GiB per device | Matmul GFLOPs per example | "
+      "Roofline ms per step (bound) | Est. ms per step | Device-hours (CelebA 500 ep. / ISIC 300 ep.; causal: its steps) | Compile s |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  lines += [_row(cell, results.get(cell["name"])) for cell in cells()]
+  done = [r for r in results.values() if "provenance" in r]
+  versions = sorted({json.dumps(r["provenance"], sort_keys=True) for r in done})
+  commits = sorted({r.get("commit", "?") for r in results.values()})
+  dates = sorted({r.get("date", "?") for r in results.values()})
+  utilization = sorted({r["utilization"] for r in done if r.get("utilization")})
+  lines += [
+      "",
+      f"{len(results)} of {len(cells())} cells compiled. Est. = the roofline bound at "
+      f"{', '.join(f'{u:.0%}' for u in utilization) or '40%'} of it (`preflight.utilization`); "
+      "GPU rows have no XLA cost analysis, so their FLOPs are the jaxpr's matmul count and their "
+      "bytes a lower bound (the estimate is optimistic); TPU rows use XLA's cost analysis. "
+      f"Provenance: commits {', '.join(commits)}, {', '.join(dates)}, compiled on a 2-core x86_64 "
+      f"CPU; {'; '.join(versions)}. Each cell's command is in `{RECORD}`.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def _marked(text: str, path: str) -> tuple[int, int]:
+  """The span between this table's start and end markers; an error naming the file otherwise."""
+  start, end = f"<!-- table:{NAME} -->\n", f"<!-- /table:{NAME} -->"
+  if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+    sys.exit(f"error: {path}: expected one '{start.strip()}' line before one '{end}'")
+  return text.index(start) + len(start), text.index(end)
+
+
+def text_between_markers(path: str) -> str:
+  with open(path) as f:
+    text = f.read()
+  begin, end = _marked(text, path)
+  return text[begin:end]
+
+
+def replace_between_markers(path: str, table: str) -> None:
+  with open(path) as f:
+    text = f.read()
+  begin, end = _marked(text, path)
+  with open(path, "w") as f:
+    f.write(text[:begin] + table + text[end:])
+
+
+_COMPILE = flags.DEFINE_bool("compile", False, "compile the cells missing from the record")
+_ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
+_WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
+_CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  if _COMPILE.value:
+    compile_missing(_ONLY.value)
+  if _WRITE.value:
+    replace_between_markers(_WRITE.value, render())
+  if _CHECK.value:
+    if text_between_markers(_CHECK.value) != render():
+      print(f"{_CHECK.value}: the {NAME} table differs from {RECORD}; rerun --write", file=sys.stderr)
+      sys.exit(1)
+    print(f"{_CHECK.value}: the {NAME} table matches {RECORD}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,88 @@
+"""What a fairmoe_jax run is made of, for `--mode=compile` (`trainkit.preflight`).
+
+The model, loss and eval step are those of `train.py`; the dataset is described from the
+config alone (classes, sensitive attributes and their groups, image size), never read, so a
+run can be compiled for a TPU slice or GPU node on a machine without the data.
+"""
+
+from __future__ import annotations
+
+import flax.nnx as nnx
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from fairmoe_jax import data as data_lib
+from fairmoe_jax.data.celeba import celeba_info
+from fairmoe_jax.data.isic import isic2019_info
+from fairmoe_jax.data.synthetic import synthetic_info
+from fairmoe_jax.methods import METHODS
+from fairmoe_jax.train import make_eval_step, make_loss_fn
+from trainkit.preflight.compile import Program
+
+# Training examples of each dataset at full size: CelebA's official train partition
+# (list_eval_partition.txt, 162,770 images); ISIC 2019's 25,331 training images less the
+# random split's test and validation parts (fairmoe_jax/data/isic.py, random_split).
+CELEBA_TRAIN_EXAMPLES = 162_770
+ISIC2019_IMAGES = 25_331
+
+
+def dataset_info(config: ml_collections.ConfigDict) -> data_lib.DatasetInfo:
+  """The DatasetInfo a run of `config` would load, from the config alone."""
+  d = config.data
+  if d.name == "synthetic":
+    return synthetic_info(d.image_size, d.num_classes)
+  sensitive = tuple(s.strip() for s in d.sensitive.split(",") if s.strip())
+  sensitive = sensitive or data_lib.DEFAULT_SENSITIVE[d.name]
+  if d.name in ("celeba", "celeba_tfds"):
+    return celeba_info(d.target, sensitive, d.image_size)
+  return isic2019_info(sensitive, d.missing, d.image_size)
+
+
+def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
+  """(training examples per epoch at full size, where the number comes from)."""
+  d = config.data
+  if d.name == "synthetic":
+    return d.train_size, "data.train_size"
+  if d.name in ("celeba", "celeba_tfds"):
+    return CELEBA_TRAIN_EXAMPLES, "CelebA's official train partition"
+  if d.split != "random":
+    return 0, ""
+  n_test = round(d.test_fraction * ISIC2019_IMAGES)
+  n_val = round(d.val_fraction * (ISIC2019_IMAGES - n_test))
+  return ISIC2019_IMAGES - n_test - n_val, "ISIC 2019's training images less the random split's test and val"
+
+
+def batch_spec(
+    config: ml_collections.ConfigDict, info: data_lib.DatasetInfo, batch_size: int, *, eval: bool
+) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch the input pipeline yields (`data.train_iterator`, `data.eval_batches`)."""
+  size = config.data.image_size
+  spec = {
+      "image": jax.ShapeDtypeStruct((batch_size, size, size, 3), np.float32),
+      "label": jax.ShapeDtypeStruct((batch_size,), np.int32),
+      "attributes": jax.ShapeDtypeStruct((batch_size, info.num_attributes), np.int32),
+      "mask": jax.ShapeDtypeStruct((batch_size,), np.float32),
+  }
+  if eval:
+    spec["index"] = jax.ShapeDtypeStruct((batch_size,), np.int32)
+  return spec
+
+
+def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
+  """The run of `config` as `trainkit.preflight` compiles it."""
+  info = dataset_info(config)
+  method = METHODS[config.method]
+  examples, source = train_examples(config)
+  return Program(
+      make_model=lambda: method.build_model(config, info, nnx.Rngs(params=config.seed), mesh),
+      loss_fn=make_loss_fn(config, info),
+      train_batch=batch_spec(config, info, config.batch_size, eval=False),
+      make_eval_step=lambda graphdef: make_eval_step(graphdef, info, config),
+      eval_batch=batch_spec(config, info, config.eval_batch_size, eval=True),
+      train_examples=examples,
+      train_examples_source=source,
+      initial_extra=method.initial_extra(config, info),
+  )
+

@@ -1,0 +1,193 @@
+"""The preflight (`--mode=compile`): a run compiled for a TPU slice or GPU node without one.
+
+The TPU and GPU devices come from libtpu and the CUDA plugin (the `preflight` extra), described
+on this CPU; nothing runs on them. What is checked: the memory accounting against a hand count,
+the refusal of a run that does not fit (by the TPU compiler, and by our own check on a GPU,
+whose compiler does not refuse), the collectives of expert parallelism, the FLOP count and the
+HLO reading against simple references.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from conftest import REPO_ROOT
+from fairmoe_jax.preflight import dataset_info, preflight_program
+from fairmoe_jax.methods import METHODS
+from trainkit.errors import USER_ERROR_EXIT_CODE
+from trainkit.preflight import analysis
+from trainkit.preflight.compile import does_not_fit_message, preflight
+from trainkit.preflight.targets import TARGETS, devices, get_target
+
+pytest.importorskip("libtpu", reason="the preflight extra is not installed")
+pytest.importorskip("jax_cuda12_plugin", reason="the preflight extra is not installed")
+
+
+def quickstart(**overrides):
+  path = REPO_ROOT / "configs" / "quickstart.py"
+  spec = importlib.util.spec_from_file_location("quickstart", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("steps=10")
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def param_bytes_by_hand(config) -> tuple[int, int]:
+  """(bytes of all parameters, of the experts' stacked weights), from a real model."""
+  info = dataset_info(config)
+  model = METHODS[config.method].build_model(config, info, nnx.Rngs(params=0), None)
+  total = expert = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+    size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    total += size
+    names = "/".join(str(getattr(k, "key", k)) for k in path)
+    if re.search(r"/mlp/(w1|w2|b1|b2)/", names) and leaf.shape[0] == config.moe.num_experts:
+      expert += size
+  return total, expert
+
+
+def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
+  config = quickstart(**{"preflight.target": "v5e-8", "mesh.expert": 2, "moe.dispatch": "sort"})
+  record = preflight(config, preflight_program)
+  assert record["fits"] and record["mesh"] == {"data": 4, "expert": 2}
+  assert record["batch"] == {"global": 128, "per_host": 128, "per_device": 16, "eval_global": 256}
+  train = record["train_step"]
+  # Experts over two devices: tokens travel to their experts and back.
+  assert "all-to-all" in train["collectives"] and train["collectives"]["all-to-all"]["count"] >= 2
+  # Parameters: each device holds the replicated ones and half of the experts'.
+  total, expert = param_bytes_by_hand(config)
+  assert expert > 0
+  memory = train["memory"]
+  assert memory["parameters"] == total - expert + expert // 2
+  # AdamW: two moments per parameter, plus its step counters (int32 scalars).
+  assert 0 <= memory["optimizer_state"] - 2 * memory["parameters"] <= 16
+  assert memory["peak"] >= memory["parameters"] + memory["optimizer_state"] + memory["batch"]
+  assert train["xla_cost"]["flops"] > 0 and train["roofline"]["bound_s"] > 0
+  # Our matmul count is of the whole step on all devices; XLA's of one device's program, with
+  # elementwise work and the optimiser besides: the same order of magnitude.
+  per_device = train["matmul_flops_per_step"] / 8
+  assert 0.2 < per_device / train["xla_cost"]["flops"] < 1.0
+  assert record["run"]["device_hours"] > 0 and record["eval_step"]["fits"]
+
+
+def test_quickstart_on_an_h100_node():
+  config = quickstart(**{"preflight.target": "h100x8"})
+  record = preflight(config, preflight_program)
+  assert record["fits"] and record["target"]["devices"] == 8
+  train = record["train_step"]
+  assert train["flops_source"] == "matmul count of the jaxpr"  # GPU: no XLA cost analysis.
+  assert "all-reduce" in train["collectives"]  # Data parallel: gradients are summed.
+  total, _ = param_bytes_by_hand(config)
+  assert train["memory"]["parameters"] == total
+
+
+def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
+  # 64k images of 64 px on 8 chips of 16 GiB: the activations alone are ~3x the HBM.
+  config = quickstart(
+      **{"preflight.target": "v5e-8", "batch_size": 65536, "eval_batch_size": 64, "data.image_size": 64}
+  )
+  record = preflight(config, preflight_program)
+  assert not record["fits"] and not record["train_step"]["fits"] and record["eval_step"]["fits"]
+  assert "RESOURCE_EXHAUSTED" in record["train_step"]["refused_by_compiler"] or (
+      "memory" in record["train_step"]["refused_by_compiler"]
+  )
+  message = does_not_fit_message(record)
+  assert message.startswith("does not fit on v5e-8 (16.00 GiB usable per device)")
+  assert "batch_size" in message and "mesh.data" in message and "short" in message
+
+
+def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
+  # The GPU compiler compiles it anyway; our check against 75% of 80 GiB refuses it.
+  workdir = tmp_path / "w"
+  result = subprocess.run(
+      [
+          sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py:steps=10",
+          "--mode=compile", "--config.preflight.target=h100x1", "--config.batch_size=32768",
+          "--config.data.image_size=64", f"--workdir={workdir}",
+      ],
+      capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+  )
+  assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
+  error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(error) == 1 and "Traceback" not in result.stderr
+  assert error[0].startswith("error: does not fit on h100x1 (59.33 GiB usable per device)")
+  assert "short" in error[0] and "batch_size" in error[0]
+  record = json.loads((workdir / "preflight.json").read_text())
+  peak = record["train_step"]["memory"]["peak"]
+  assert peak > record["target"]["usable_bytes"] and not record["fits"]
+  assert "fits: NO" in result.stdout
+
+
+def test_the_targets_describe_their_hosts():
+  v5e16, h100x16 = get_target("v5e-16"), get_target("h100x16")
+  assert [d.process_index for d in devices(v5e16)].count(0) == 4 and v5e16.num_hosts == 4
+  assert sorted({d.process_index for d in devices(h100x16)}) == [0, 1]
+  for target in TARGETS.values():
+    assert target.num_devices % target.num_hosts == 0
+
+
+# --- Reading programs, against simple references ------------------------------------------------
+
+
+def test_matmul_flops_counts_dots_convolutions_scans_and_shard_map():
+  x, w = jnp.ones((8, 64)), jnp.ones((64, 32))
+  dense = jax.make_jaxpr(lambda w: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w))(w)
+  # Forward x @ w, backward x.T @ g: 2 x 2 x 8 x 64 x 32.
+  assert analysis.matmul_flops(dense)["flops"] == 4 * 8 * 64 * 32
+  image, kernel = jnp.ones((2, 16, 16, 3)), jnp.ones((4, 4, 3, 8))
+  conv = jax.make_jaxpr(
+      lambda i, k: jax.lax.conv_general_dilated(i, k, (4, 4), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  )(image, kernel)
+  assert analysis.matmul_flops(conv)["flops"] == 2 * (2 * 4 * 4 * 8) * (4 * 4 * 3)
+  scan = jax.make_jaxpr(lambda w: jax.lax.scan(lambda c, _: (c @ w, None), jnp.ones((8, 32)), None, length=5)[0])(jnp.ones((32, 32)))
+  assert analysis.matmul_flops(scan)["flops"] == 5 * 2 * 8 * 32 * 32
+  mesh = Mesh(np.array(jax.devices()[:4]), ("expert",))
+  sharded = jax.make_jaxpr(
+      jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("expert"), P()), out_specs=P("expert"))
+  )(jnp.ones((16, 64)), jnp.ones((64, 32)))
+  # Each of the 4 devices multiplies its 4 rows: the whole product, once.
+  assert analysis.matmul_flops(sharded)["flops"] == 2 * 16 * 64 * 32
+  loop = jax.make_jaxpr(lambda w: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ w, c[1] + 1), (jnp.ones((2, 4)), 0))[0])(jnp.ones((4, 4)))
+  assert analysis.matmul_flops(loop) == {"flops": 2 * 2 * 4 * 4, "uncounted_loops": 1}
+
+
+def test_collectives_are_read_from_hlo_text():
+  hlo = "\n".join([
+      "  %all-reduce-start = (f32[1024,1024]{1,0}, bf16[16]{0}) all-reduce-start(%a, %b), channel_id=1",
+      "  %all-reduce-done = (f32[1024,1024]{1,0}, bf16[16]{0}) all-reduce-done(%all-reduce-start)",
+      "  %all-gather-start = (f32[8,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%c), dimensions={0}",
+      "  ROOT %all-to-all.3 = s32[4,2,6]{2,1,0} all-to-all(%d), dimensions={0}",
+      "  %fusion = f32[4]{0} fusion(%all-to-all.3), kind=kLoop",
+  ])
+  assert analysis.collectives(hlo) == {
+      "all-gather": {"count": 1, "bytes": 64 * 4 * 4},
+      "all-reduce": {"count": 1, "bytes": 1024 * 1024 * 4 + 16 * 2},
+      "all-to-all": {"count": 1, "bytes": 4 * 2 * 6 * 4},
+  }
+
+
+def test_bytes_per_device_follow_the_sharding():
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "expert"))
+  tree = {
+      "split": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "expert"))),
+      "whole": jax.ShapeDtypeStruct((3,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+  }
+  assert analysis.bytes_per_device(tree) == 2 * 3 * 4 + 3 * 2

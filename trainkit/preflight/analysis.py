@@ -1,0 +1,214 @@
+"""What a compiled program needs: memory per device, FLOPs, collectives, a step-time bound.
+
+Everything here reads a program, never runs it: `compiled.memory_analysis()` and
+`cost_analysis()` (XLA's, where the backend gives one: TPU yes, GPU no), the optimised HLO text
+for the collectives, and the jaxpr for the project's own FLOP count (`matmul_flops`), which
+needs no backend at all and so is the same for every target.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from typing import Any
+
+import jax
+import jax.extend
+import numpy as np
+
+# --- Bytes of abstract values --------------------------------------------------------------
+
+
+def bytes_per_device(tree: Any) -> int:
+  """Bytes of one device's shard of every leaf of `tree` (ShapeDtypeStructs or arrays with a
+  sharding; a leaf without one counts whole)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = tuple(leaf.shape)
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      shape = sharding.shard_shape(shape)
+    total += math.prod(shape) * _itemsize(leaf.dtype)
+  return total
+
+
+def _itemsize(dtype: Any) -> int:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return 8  # A threefry key: two uint32.
+  return np.dtype(dtype).itemsize
+
+
+# --- Memory of a compiled program -----------------------------------------------------------
+
+
+def memory(compiled: Any) -> dict[str, int]:
+  """Per-device bytes of a compiled program: arguments, outputs, the donated part both share,
+  temporaries, generated code, and the peak (arguments + outputs - aliased + temporaries)."""
+  stats = compiled.memory_analysis()
+  if isinstance(stats, (list, tuple)):
+    stats = stats[0]
+  argument = int(stats.argument_size_in_bytes)
+  output = int(stats.output_size_in_bytes)
+  alias = int(stats.alias_size_in_bytes)
+  temp = int(stats.temp_size_in_bytes)
+  peak = getattr(stats, "peak_memory_in_bytes", None)
+  return {
+      "arguments": argument,
+      "outputs": output,
+      "aliased": alias,
+      "temporaries": temp,
+      "generated_code": int(stats.generated_code_size_in_bytes),
+      "peak": int(peak) if peak else argument + output - alias + temp,
+  }
+
+
+def cost(compiled: Any) -> dict[str, float] | None:
+  """XLA's cost analysis of a compiled program (per device), or None where the backend has
+  none (GPU)."""
+  try:
+    result = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # Unsupported on some backends.
+    return None
+  if isinstance(result, (list, tuple)):
+    result = result[0] if result else None
+  return dict(result) if result else None
+
+
+# --- Collectives in the optimised HLO --------------------------------------------------------
+
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1,
+}
+_INSTRUCTION = re.compile(
+    r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(sorted(COLLECTIVES, key=len, reverse=True))
+    + r")(?P<start>-start)?\("
+)
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+
+
+def _array_bytes(shape_text: str) -> list[int]:
+  sizes = []
+  for dtype, dims in _ARRAY.findall(shape_text):
+    if dtype in _DTYPE_BYTES:
+      count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+      sizes.append(count * _DTYPE_BYTES[dtype])
+  return sizes
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """The collectives of an optimised HLO module: per kind, how many instructions and the bytes
+  of their results (per device).
+
+  A synchronous op, or the `-start` half of an asynchronous one, counts once (`-done` never).
+  An async all-gather or collective-permute returns (operand, result, ...): only its result
+  counts; an all-reduce or all-to-all over several arrays returns all of them.
+  """
+  found: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.search(line)
+    if not match:
+      continue
+    op, sizes = match.group("op"), _array_bytes(match.group("shape"))
+    if match.group("start") and op in ("all-gather", "collective-permute") and len(sizes) > 1:
+      sizes = [max(sizes)]
+    found[op]["count"] += 1
+    found[op]["bytes"] += sum(sizes)
+  return dict(sorted(found.items()))
+
+
+# --- The project's own FLOP count ---------------------------------------------------------
+
+
+def matmul_flops(closed_jaxpr: Any) -> dict[str, Any]:
+  """FLOPs of the matrix products of a traced program, over all devices: 2 x multiply-adds of
+  every dot_general, convolution and ragged_dot.
+
+  Elementwise work is not counted (it is memory-bound; the byte count covers it). A shard_map
+  body runs on every device of its manual axes, a scan body `length` times, a cond the branch
+  with the most FLOPs. A while loop's trip count is not known before it runs: its body counts
+  once, and `uncounted_loops` says how many such loops there were.
+  """
+  loops = [0]
+
+  def count(jaxpr: Any) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+      total += _eqn_flops(eqn, count, loops)
+    return total
+
+  flops = count(closed_jaxpr.jaxpr)
+  return {"flops": flops, "uncounted_loops": loops[0]}
+
+
+def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
+  found = []
+  for value in params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(item, jax.extend.core.ClosedJaxpr):
+        found.append(item.jaxpr)
+      elif isinstance(item, jax.extend.core.Jaxpr):
+        found.append(item)
+  return found
+
+
+def _eqn_flops(eqn: Any, count: Any, loops: list[int]) -> float:
+  name = eqn.primitive.name
+  params = eqn.params
+  if name == "dot_general":
+    (contracting, _), _ = params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    out = eqn.outvars[0].aval.shape
+    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+  if name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval.shape
+    out = eqn.outvars[0].aval.shape
+    spec = params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
+    kernel = math.prod(rhs[d] for d in spec[1:])
+    return 2.0 * math.prod(out) * kernel
+  if name == "ragged_dot" or name == "ragged_dot_general":
+    lhs = eqn.invars[0].aval.shape
+    out = eqn.outvars[0].aval.shape
+    return 2.0 * math.prod(out) * lhs[-1]
+  subs = _sub_jaxprs(params)
+  if not subs:
+    return 0.0
+  if name == "cond":
+    return max(count(j) for j in subs)
+  inner = sum(count(j) for j in subs)
+  if name == "scan":
+    return inner * params["length"]
+  if name == "while":
+    loops[0] += 1
+    return inner
+  if name == "shard_map":
+    mesh = params["mesh"]
+    axes = params.get("manual_axes") or params.get("axis_names") or mesh.axis_names
+    return inner * math.prod(mesh.shape[a] for a in axes)
+  return inner
+
+
+# --- Step time ------------------------------------------------------------------------------
+
+
+def roofline_seconds(flops: float, bytes_accessed: float, peak_flops: float, bandwidth: float):
+  """The step's lower bound on one device: compute time or memory time, whichever is longer."""
+  compute = flops / peak_flops
+  memory_time = bytes_accessed / bandwidth
+  return {
+      "compute_s": compute,
+      "memory_s": memory_time,
+      "bound_s": max(compute, memory_time),
+      "bound_by": "compute" if compute >= memory_time else "memory",
+  }

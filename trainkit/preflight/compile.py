@@ -1,0 +1,395 @@
+"""`--mode=compile`: compile a run's train and eval steps for an accelerator it does not have.
+
+The package says what its run is made of (`Program`: the model, loss, batch layout, eval step);
+everything else is what `--mode=train` does (`trainkit.recipe`): the optimiser and schedule of
+the config, the mesh of `config.mesh` laid over the target's devices, the state with its
+shardings, the step jitted with the state donated. No data is read and no parameter is
+materialised: the state and the global batch are ShapeDtypeStructs, and the program is
+lowered and compiled for the target's devices as MaxText's `train_compile.py` does.
+
+The result, printed and written to `<workdir>/preflight.json`: memory per device against the
+device's (the fit), FLOPs, bytes, collectives, a roofline step time and the device-hours of
+the config's `num_train_steps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import time
+from typing import Any, Callable, Mapping
+
+import flax.nnx as nnx
+import jax
+import ml_collections
+from jax.sharding import Mesh, NamedSharding
+
+from trainkit.config import require_float, require_int
+from trainkit.errors import ConfigError, UserError
+from trainkit.mesh import batch_sharding, make_mesh
+from trainkit.metric_writers import write_atomically
+from trainkit.optim import learning_rate_schedule, make_optimizer
+from trainkit.preflight import analysis
+from trainkit.preflight.targets import GIB, TARGETS, Target, devices, get_target
+from trainkit.train_state import (
+    LossFn,
+    UpdateExtraFn,
+    abstract_train_state,
+    jit_train_step,
+    make_train_step,
+)
+
+PREFLIGHT_FILE = "preflight.json"
+_GPU_TILING_ERROR = "Couldn't find output tile sizes"
+# The share of the roofline bound a real step reaches, for the device-hours: 40% is a typical
+# model-FLOPs utilisation of a well-fed transformer step; set preflight.utilization to taste.
+DEFAULT_UTILIZATION = 0.4
+# What changes a step's memory per device, for the message of a run that does not fit.
+MEMORY_KEYS = "batch_size, mesh.data / mesh.expert (more devices per copy of the experts), compute_dtype"
+
+
+def preflight_config() -> ml_collections.ConfigDict:
+  """The `preflight` keys of both packages' configs."""
+  return ml_collections.ConfigDict(
+      dict(
+          # --mode=compile: the accelerator to compile for (trainkit/preflight/targets.py).
+          target="",
+          # Share of the roofline bound a real step reaches, for the time estimate.
+          utilization=DEFAULT_UTILIZATION,
+          # Training examples per epoch when num_epochs > 0; 0 = the dataset's known size.
+          train_examples=0,
+          # Compile the eval step too (False: the train step only, e.g. for a table of runs).
+          eval_step=True,
+      )
+  )
+
+
+def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
+  """Checks the preflight keys; returns the target (None when none is named)."""
+  require_float(config, "preflight.utilization", minimum=1e-6, maximum=1.0)
+  require_int(config, "preflight.train_examples", minimum=0)
+  if not isinstance(config.preflight.eval_step, bool):
+    raise ConfigError("preflight.eval_step", f"must be True or False, got {config.preflight.eval_step!r}")
+  name = config.preflight.target
+  if not name:
+    return None
+  if name not in TARGETS:
+    raise ConfigError("preflight.target", f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+  return get_target(name)
+
+
+@dataclasses.dataclass
+class Program:
+  """What a package's run is made of, for the preflight.
+
+  Attributes:
+    make_model: builds the model (traced, never materialised).
+    loss_fn: the train step's loss (`trainkit.train_state.LossFn`).
+    train_batch: the global train batch, one ShapeDtypeStruct per key (unsharded).
+    make_eval_step: `make_eval_step(graphdef)` -> the jitted eval step of `--mode=train`.
+    eval_batch: the global eval batch.
+    train_examples: examples per epoch of the dataset at full size (0 = unknown).
+    train_examples_source: where that number comes from (printed beside it).
+    update_extra: the step's update of `TrainState.extra`, if any.
+    initial_extra: `TrainState.extra` of a fresh run (host values).
+  """
+
+  make_model: Callable[[], nnx.Module]
+  loss_fn: LossFn
+  train_batch: Mapping[str, jax.ShapeDtypeStruct]
+  make_eval_step: Callable[[nnx.GraphDef], Any]
+  eval_batch: Mapping[str, jax.ShapeDtypeStruct]
+  train_examples: int = 0
+  train_examples_source: str = ""
+  update_extra: UpdateExtraFn | None = None
+  initial_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+BuildProgram = Callable[[ml_collections.ConfigDict, Mesh], Program]
+
+
+def _sharded_batch(batch: Mapping[str, jax.ShapeDtypeStruct], mesh: Mesh) -> dict[str, Any]:
+  sharding = batch_sharding(mesh)
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
+
+
+def _out_of_memory(error: Exception) -> dict[str, Any] | None:
+  """What a TPU compiler's RESOURCE_EXHAUSTED says (bytes used, capacity); None otherwise."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+    return None
+  found: dict[str, Any] = {"message": text.strip().splitlines()[0][:500]}
+  used = re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", text)
+  if used:
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    found["peak"] = int(float(used.group(1)) * scale[used.group(2)])
+    found["capacity"] = int(float(used.group(3)) * scale[used.group(4)])
+  return found
+
+
+def compile_step(
+    jitted: Any, args: tuple[Any, ...], mesh: Mesh, target: Target
+) -> tuple[Any | None, dict[str, Any]]:
+  """Lowers and compiles `jitted(*args)` for `target`: (compiled or None, what was learnt).
+
+  A program the compiler refuses for memory (TPU) is reported, not raised: the record says
+  `fits: false` and the bytes the compiler named.
+  """
+  start = time.perf_counter()
+  options: dict[str, Any] = {}
+  with jax.set_mesh(mesh):
+    lowered = jitted.lower(*args)
+    try:
+      try:
+        compiled = lowered.compile()
+      except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError and kin.
+        if target.platform != "gpu" or _GPU_TILING_ERROR not in str(e):
+          raise
+        # Without the GPU, XLA cannot autotune and its default Triton GEMM tiling fails on
+        # some dots (jax 0.10.2); cuBLAS GEMMs compile, as a real run may also choose.
+        options = {"xla_gpu_enable_triton_gemm": False}
+        compiled = lowered.compile(options)
+    except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError and kin.
+      refused = _out_of_memory(e)
+      if refused is None:
+        raise
+      record = {
+          "compile_seconds": round(time.perf_counter() - start, 1),
+          "fits": False,
+          "refused_by_compiler": refused["message"],
+          "memory": {"peak": refused.get("peak")},
+      }
+      return None, record
+  record: dict[str, Any] = {"compile_seconds": round(time.perf_counter() - start, 1)}
+  if options:
+    record["compiler_options"] = options
+  record["memory"] = analysis.memory(compiled)
+  record["fits"] = record["memory"]["peak"] <= target.usable_bytes
+  record["collectives"] = analysis.collectives(compiled.as_text())
+  cost = analysis.cost(compiled)
+  if cost:
+    # A negative optimal_seconds is XLA's "no estimate" (seen with collectives in the program).
+    record["xla_cost"] = {
+        k: float(cost[k])
+        for k in ("flops", "bytes accessed", "optimal_seconds")
+        if k in cost and float(cost[k]) > 0
+    }
+  return compiled, record
+
+
+def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
+  """Compiles the run of `config` for `config.preflight.target`; returns the preflight record."""
+  target = validate_preflight(config)
+  if target is None:
+    raise ConfigError("preflight.target", f"name the target to compile for; known: {', '.join(TARGETS)}")
+  mesh = make_mesh(config.mesh, list(devices(target)))
+  program = build_program(config, mesh)
+  train_examples = config.preflight.train_examples or program.train_examples
+  steps = config.num_train_steps
+  if config.num_epochs > 0:
+    if not train_examples:
+      raise ConfigError(
+          "preflight.train_examples",
+          "num_epochs is set but the dataset's size is not known without reading it; give "
+          "the number of training examples",
+      )
+    steps = max(1, math.ceil(config.num_epochs * train_examples / config.batch_size))
+  tx = make_optimizer(config.optimizer, steps, config.batch_size)
+  schedule = learning_rate_schedule(config.optimizer, steps, config.batch_size)
+  graphdef, state = abstract_train_state(
+      program.make_model, tx, mesh, extra=dict(program.initial_extra)
+  )
+  step_fn = make_train_step(graphdef, program.loss_fn, tx, schedule, program.update_extra)
+  batch = _sharded_batch(program.train_batch, mesh)
+  _, train = compile_step(jit_train_step(step_fn, state, mesh), (state, batch), mesh, target)
+  with jax.set_mesh(mesh):
+    counted = analysis.matmul_flops(jax.make_jaxpr(step_fn)(state, batch))
+  if config.preflight.eval_step:
+    eval_batch = _sharded_batch(program.eval_batch, mesh)
+    _, evaluation = compile_step(
+        program.make_eval_step(graphdef), (state, eval_batch), mesh, target
+    )
+  else:
+    evaluation = {"skipped": True, "fits": True, "memory": {}, "compile_seconds": 0.0}
+
+  params = analysis.bytes_per_device(state.params)
+  optimizer = analysis.bytes_per_device(state.opt_state)
+  train["memory"].update(
+      parameters=params,
+      optimizer_state=optimizer,
+      model_state=analysis.bytes_per_device(state.model_state),
+      batch=analysis.bytes_per_device(batch),
+  )
+  n = target.num_devices
+  xla = train.get("xla_cost", {})
+  matmul_per_device = counted["flops"] / n
+  flops = xla.get("flops") or matmul_per_device
+  if "bytes accessed" in xla:
+    bytes_accessed, bytes_source = xla["bytes accessed"], "xla cost analysis"
+  elif train["memory"].get("arguments") is not None:
+    m = train["memory"]
+    bytes_accessed = m["arguments"] + m["outputs"] + 2 * m["temporaries"]
+    bytes_source = "lower bound: arguments read, outputs written, temporaries written and read once"
+  else:
+    bytes_accessed, bytes_source = None, "unknown (the compiler refused the program)"
+  peak_flops = target.peak_flops(config.compute_dtype)
+  roofline = None
+  if bytes_accessed is not None:
+    roofline = analysis.roofline_seconds(flops, bytes_accessed, peak_flops, target.memory_bandwidth)
+  train.update(
+      flops_per_device=flops,
+      flops_source="xla cost analysis" if "flops" in xla else "matmul count of the jaxpr",
+      matmul_flops_per_step=counted["flops"],
+      matmul_flops_per_example=counted["flops"] / config.batch_size,
+      uncounted_loops=counted["uncounted_loops"],
+      bytes_accessed_per_device=bytes_accessed,
+      bytes_accessed_source=bytes_source,
+      roofline=roofline,
+      xla_estimate_seconds=xla.get("optimal_seconds"),
+  )
+  utilization = config.preflight.utilization
+  step_seconds = roofline["bound_s"] / utilization if roofline else None
+  fits = bool(train["fits"] and evaluation["fits"])
+  record = {
+      "target": {
+          "name": target.name,
+          "platform": target.platform,
+          "device_kind": target.device_kind,
+          "devices": n,
+          "hosts": target.num_hosts,
+          "memory_bytes": target.memory_bytes,
+          "usable_bytes": target.usable_bytes,
+          "peak_flops_per_s": peak_flops,
+          "memory_bandwidth": target.memory_bandwidth,
+      },
+      "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))),
+      "compute_dtype": config.compute_dtype,
+      "batch": {
+          "global": config.batch_size,
+          "per_host": config.batch_size // target.num_hosts,
+          "per_device": config.batch_size // n,
+          "eval_global": config.eval_batch_size,
+      },
+      "fits": fits,
+      "train_step": train,
+      "eval_step": evaluation,
+      "run": {
+          "num_train_steps": steps,
+          "num_epochs": config.num_epochs,
+          "train_examples": train_examples,
+          "train_examples_source": (
+              "preflight.train_examples" if config.preflight.train_examples
+              else program.train_examples_source
+          ),
+          "utilization": utilization,
+          "step_seconds": step_seconds,
+          "wall_hours": steps * step_seconds / 3600 if step_seconds else None,
+          "device_hours": steps * step_seconds * n / 3600 if step_seconds else None,
+      },
+      "provenance": {
+          "date": datetime.date.today().isoformat(),
+          "jax": jax.__version__,
+          "libtpu": _version("libtpu"),
+          "jax_cuda12_plugin": _version("jax-cuda12-plugin"),
+      },
+  }
+  return record
+
+
+def _version(package: str) -> str | None:
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+
+  try:
+    return metadata.version(package)
+  except metadata.PackageNotFoundError:
+    return None
+
+
+def _gib(n: float | None) -> str:
+  return "?" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def summary(record: Mapping[str, Any]) -> str:
+  """The record as a few readable lines."""
+  t, train, ev, run = record["target"], record["train_step"], record["eval_step"], record["run"]
+  m = train["memory"]
+  lines = [
+      f"preflight for {t['name']}: {t['devices']} x {t['device_kind']} on {t['hosts']} host(s), "
+      f"mesh {record['mesh']}, batch {record['batch']['global']} "
+      f"({record['batch']['per_host']} per host, {record['batch']['per_device']} per device)",
+      f"  fits: {'yes' if record['fits'] else 'NO'} (usable {_gib(t['usable_bytes'])} per device)",
+      f"  train step per device: peak {_gib(m.get('peak'))}"
+      + (
+          f" = parameters {_gib(m['parameters'])}, optimiser state {_gib(m['optimizer_state'])}, "
+          f"batch {_gib(m['batch'])}, other arguments and outputs, temporaries "
+          f"{_gib(m.get('temporaries'))}"
+          if m.get("temporaries") is not None
+          else f" (refused by the compiler: {train.get('refused_by_compiler')})"
+      ),
+      "  eval step: not compiled (preflight.eval_step=False)"
+      if ev.get("skipped")
+      else f"  eval step per device: peak {_gib(ev['memory'].get('peak'))}",
+      f"  FLOPs per step per device: {train['flops_per_device']:.3e} ({train['flops_source']}); "
+      f"matmul FLOPs per example {train['matmul_flops_per_example']:.3e}",
+  ]
+  if train.get("bytes_accessed_per_device") is not None:
+    lines.append(
+        f"  bytes accessed per device: {train['bytes_accessed_per_device']:.3e} "
+        f"({train['bytes_accessed_source']})"
+    )
+  collectives = train.get("collectives") or {}
+  lines.append(
+      "  collectives: "
+      + (", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in collectives.items()) or "none")
+  )
+  if train.get("roofline"):
+    r = train["roofline"]
+    xla = train.get("xla_estimate_seconds")
+    lines.append(
+        f"  step time: roofline {r['bound_s'] * 1e3:.2f} ms ({r['bound_by']}-bound)"
+        + (f", XLA's estimate {xla * 1e3:.2f} ms" if xla else "")
+        + f"; at {run['utilization']:.0%} of the bound {run['step_seconds'] * 1e3:.2f} ms"
+    )
+    lines.append(
+        f"  {run['num_train_steps']} steps: {run['wall_hours']:.2f} h wall, "
+        f"{run['device_hours']:.1f} device-hours"
+    )
+  lines.append(
+      f"  compile time here: train {train['compile_seconds']} s, eval {ev['compile_seconds']} s"
+  )
+  return "\n".join(lines)
+
+
+def does_not_fit_message(record: Mapping[str, Any]) -> str:
+  """One line: which step does not fit, by how much per device, and the keys that change it."""
+  t = record["target"]
+  parts = []
+  for name in ("train_step", "eval_step"):
+    step = record[name]
+    if not step["fits"]:
+      peak = step["memory"].get("peak")
+      short = f", {_gib(peak - t['usable_bytes'])} short" if peak else ""
+      parts.append(f"the {name.replace('_', ' ')} needs {_gib(peak)} per device{short}")
+  return (
+      f"does not fit on {t['name']} ({_gib(t['usable_bytes'])} usable per device): "
+      f"{'; '.join(parts)}. Change {MEMORY_KEYS}"
+      + (" (eval_batch_size for the eval step)" if not record["eval_step"]["fits"] else "")
+  )
+
+
+def compile_run(
+    config: ml_collections.ConfigDict, workdir: str, build_program: BuildProgram
+) -> dict[str, Any]:
+  """`--mode=compile`: prints the preflight, writes `<workdir>/preflight.json`, and raises a
+  UserError when the run does not fit (after writing the record)."""
+  record = preflight(config, build_program)
+  write_atomically(os.path.join(workdir, PREFLIGHT_FILE), json.dumps(record, indent=2) + "\n")
+  print(summary(record), flush=True)
+  print(f"  written to {os.path.join(workdir, PREFLIGHT_FILE)}", flush=True)
+  if not record["fits"]:
+    raise UserError(does_not_fit_message(record))
+  return record
