@@ -1,5 +1,6 @@
-r"""Command line of the Causal Transformer: train then evaluate, evaluate (`--mode=eval`), or
-run the latest checkpoint on new inputs (`--mode=predict`).
+r"""Command line of the Causal Transformer: train then evaluate, evaluate (`--mode=eval`), run
+the latest checkpoint on new inputs (`--mode=predict`), or compile the run for an accelerator
+this machine does not have (`--mode=compile`).
 
   python -m causal_attn_jax.main --config=configs/snli.py:size=small,attention=causal \
       --config.data.train_file=../shared/data/nli/snli_1.0_dev.jsonl \
@@ -7,10 +8,17 @@ run the latest checkpoint on new inputs (`--mode=predict`).
   python -m causal_attn_jax.main --config=configs/snli.py:size=small ... --mode=eval
   python -m causal_attn_jax.main --workdir=/tmp/snli --mode=predict \
       --config.predict.input=pairs.tsv   # premise<TAB>hypothesis lines; or sentences to translate
+  python -m causal_attn_jax.main --config=configs/wmt14_ende.py --mode=compile \
+      --config.preflight.target=h100x8 --workdir=/tmp/preflight
 
 Without --config, eval and predict read the trained run's <workdir>/config.json
 (--config.KEY=VALUE overrides still apply); predict needs no data file (the tokenizer and the
-label names are in the workdir: spm.model, run_info.json).
+label names are in the workdir: spm.model, run_info.json). compile needs --config and no data,
+tokenizer or accelerator: it compiles the run's train and eval steps for
+--config.preflight.target (v4-8, v4-32, v4-64, v5e-8, v5e-16, v5e-64, v5e-256, v5p-8, v5p-32,
+h100x1, h100x8, h100x16, a100x8; pip install -e ".[preflight]") and writes
+<workdir>/preflight.json; the vocabulary is data.vocab_size and the classes follow
+data.pair_task (or the tfds dataset or testbed).
 
 Writes <workdir>/report.json: classification {accuracy, macro_f1, challenge: {accuracy,
 by_heuristic}}; translation {bleu, num_sentences}; both {attention: {kind, effective_keys,
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 from causal_attn_jax import config as causal_config
 from causal_attn_jax import train
+from causal_attn_jax.preflight import preflight_program
 from trainkit import cli
 
 main = cli.train_eval_command(
@@ -39,6 +48,7 @@ main = cli.train_eval_command(
             "<workdir>/predict/predictions.tsv",
         )
     },
+    preflight_program=preflight_program,
 )
 
 if __name__ == "__main__":

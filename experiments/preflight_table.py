@@ -2,6 +2,7 @@ r"""The paper's configurations compiled for GPU nodes and TPU slices: the table 
 
   python -m experiments.preflight_table --compile              # compile the missing cells
   python -m experiments.preflight_table --compile --only=deit_s   # cells whose name matches
+  python -m experiments.preflight_table --compile --only=@h100 --skip=deit_s   # ... and not
   python -m experiments.preflight_table --write=docs/scaling.md   # render the table
   python -m experiments.preflight_table --check=docs/scaling.md   # exit 1 if it differs
 
@@ -37,7 +38,6 @@ from typing import Any
 
 from absl import app, flags
 
-
 NAME = "preflight_paper"
 RECORD = os.path.join("results", "records", f"{NAME}.json")
 BATCH = 256
@@ -72,9 +72,10 @@ def cells() -> list[dict[str, Any]]:
                 epochs=True,
             )
         )
-  for label, config in (
-      ("causal/wmt14_base", "configs/wmt14_ende.py:attention=causal"),
-      ("causal/mnli", "configs/mnli_hans.py"),
+  # MNLI's config names no dataset size (its data is files): MNLI's 392,702 training pairs.
+  for label, config, extra in (
+      ("causal/wmt14_base", "configs/wmt14_ende.py:attention=causal", {}),
+      ("causal/mnli", "configs/mnli_hans.py", {"preflight.train_examples": 392_702}),
   ):
     for target, overrides in TARGETS:
       if not overrides:
@@ -85,6 +86,7 @@ def cells() -> list[dict[str, Any]]:
                 config=config,
                 target=target,
                 overrides={},
+                flags=extra,
                 epochs=False,
             )
         )
@@ -106,7 +108,8 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
     ]
     if cell["epochs"]:
       command.append(f"--config.batch_size={BATCH}")
-    command += [f"--config.{k}={v}" for k, v in cell["overrides"].items()]
+    settings = {**cell["overrides"], **cell.get("flags", {})}
+    command += [f"--config.{k}={v}" for k, v in settings.items()]
     start = time.perf_counter()
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
     result = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -157,8 +160,11 @@ def _load() -> dict[str, Any]:
   return {"cells": {}}
 
 
-def _save(record: dict[str, Any]) -> None:
-  tmp = RECORD + ".tmp"
+def _save(record: dict[str, Any], name: str, result: dict[str, Any]) -> None:
+  """Adds one cell to the record on disk (read again first: two --compile may run at once)."""
+  record.update(_load())
+  record["cells"][name] = result
+  tmp = f"{RECORD}.{os.getpid()}.tmp"
   with open(tmp, "w") as f:
     json.dump(record, f, indent=1, sort_keys=True)
     f.write("\n")
@@ -174,16 +180,17 @@ def _commit() -> str:
     return "unknown"
 
 
-def compile_missing(pattern: str) -> None:
+def compile_missing(pattern: str, skip: str) -> None:
   record = _load()
   for cell in cells():
-    if cell["name"] in record["cells"] or not fnmatch.fnmatch(cell["name"], f"*{pattern}*"):
+    if not fnmatch.fnmatch(cell["name"], f"*{pattern}*") or (skip and skip in cell["name"]):
+      continue
+    if cell["name"] in _load()["cells"]:
       continue
     print(f"compiling {cell['name']} ...", flush=True)
     result = compile_cell(cell)
     result.update(commit=_commit(), date=datetime.date.today().isoformat(), host=platform.processor() or platform.machine())
-    record["cells"][cell["name"]] = result
-    _save(record)
+    _save(record, cell["name"], result)
     print(f"  {_row(cell, result)}", flush=True)
 
 
@@ -196,7 +203,7 @@ def _hours(result: dict[str, Any], dataset: dict[str, int] | None) -> str:
   if not step:
     return "-"
   steps = result["num_train_steps"] if dataset is None else math.ceil(dataset["epochs"] * dataset["examples"] / BATCH)
-  return f"{steps * step * result['devices'] / 3600:,.0f}"
+  return f"{steps * step * result['devices'] / 3600:,.1f}"
 
 
 def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
@@ -270,6 +277,7 @@ def replace_between_markers(path: str, table: str) -> None:
 
 _COMPILE = flags.DEFINE_bool("compile", False, "compile the cells missing from the record")
 _ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
+_SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
 _WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
 _CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
 
@@ -277,7 +285,7 @@ _CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs
 def main(argv: list[str]) -> None:
   del argv
   if _COMPILE.value:
-    compile_missing(_ONLY.value)
+    compile_missing(_ONLY.value, _SKIP.value)
   if _WRITE.value:
     replace_between_markers(_WRITE.value, render())
   if _CHECK.value:

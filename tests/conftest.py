@@ -7,8 +7,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# With the preflight extra installed (CI installs it), the CUDA plugin logs at INFO from C++ on
-# every import of JAX on a machine without a GPU; the tests read stderr.
+# With the preflight extra installed (CI installs it), XLA logs at INFO from C++; the tests read
+# stderr.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 # Many tests compile the same programs (a run, then its resume; one device, then a mesh), in
 # this process and in the `python -m ...` subprocesses they start, which inherit these
@@ -21,13 +21,62 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pathlib  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+ENDE = SHARED_DATA / "translation" / "wmt14_ende_opennmt"
+# The OpenNMT En-De sample cut to a few seconds of work: the data keys of a tiny translation run.
+ENDE_TINY_DATA = {
+    "data.train_source": str(ENDE / "src-train.txt"),
+    "data.train_target": str(ENDE / "tgt-train.txt"),
+    "data.eval_source": str(ENDE / "src-val.txt"),
+    "data.eval_target": str(ENDE / "tgt-val.txt"),
+    "data.unescape": True,
+    "data.max_train_examples": 128,
+    "data.max_eval_examples": 16,
+    "data.vocab_size": 200,
+}
 
 
 @pytest.fixture
 def repo_root() -> pathlib.Path:
   return REPO_ROOT
+
+
+# The CUDA plugin of the preflight extra (CI installs it) logs these lines from C++, before any
+# log set-up, whenever a process imports JAX on a machine without a GPU; no setting silences
+# them. They are not the program's output: the tests that read a subprocess's stderr (one error
+# line, no traceback) read it without them.
+_CUDA_PLUGIN_LOG = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+    r"STDERR|I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your "
+    r"machine, GPU will not be used\.)$"
+)
+
+
+def without_cuda_plugin_log(text):
+  if not isinstance(text, str):
+    return text
+  lines = text.splitlines(keepends=True)
+  return "".join(line for line in lines if not _CUDA_PLUGIN_LOG.match(line.rstrip("\n")))
+
+
+_run = subprocess.run
+
+
+def _run_without_cuda_plugin_log(*args, **kwargs):
+  result = _run(*args, **kwargs)
+  if isinstance(result.stderr, str):
+    result.stderr = without_cuda_plugin_log(result.stderr)
+  if isinstance(result.stdout, str) and kwargs.get("stderr") == subprocess.STDOUT:
+    result.stdout = without_cuda_plugin_log(result.stdout)
+  return result
+
+
+@pytest.fixture(autouse=True)
+def _cuda_plugin_log_removed(monkeypatch):
+  monkeypatch.setattr(subprocess, "run", _run_without_cuda_plugin_log)

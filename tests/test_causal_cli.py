@@ -10,13 +10,12 @@ import sys
 import jax
 import pytest
 
-from conftest import SHARED_DATA
+from conftest import ENDE, ENDE_TINY_DATA, SHARED_DATA
 from causal_attn_jax import train
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
 NLI = SHARED_DATA / "nli"
-ENDE = SHARED_DATA / "translation" / "wmt14_ende_opennmt"
 
 # A tiny model, vocabulary and data so a run takes seconds.
 TINY = [
@@ -150,14 +149,7 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
   config = module.get_config("size=small,steps=4")
   config.update_from_flattened_dict(
       {
-          "data.train_source": str(ENDE / "src-train.txt"),
-          "data.train_target": str(ENDE / "tgt-train.txt"),
-          "data.eval_source": str(ENDE / "src-val.txt"),
-          "data.eval_target": str(ENDE / "tgt-val.txt"),
-          "data.unescape": True,
-          "data.max_train_examples": 128,
-          "data.max_eval_examples": 16,
-          "data.vocab_size": 200,
+          **ENDE_TINY_DATA,
           "data.max_source_len": 12,
           "data.max_target_len": 12,
           "nmt.max_decode_len": 8,

@@ -48,9 +48,15 @@ def test_help_shows_the_flags_the_config_keys_and_examples(
   out = result.stdout
   assert out.startswith(f"usage: python -m {package}.main --config=FILE")
   # Training needs a config file; the other modes can read the trained workdir's config.json.
-  assert re.search(r"^  --config: \(required for --mode=train\) Config file", out, re.M)
+  assert re.search(
+      r"^  --config: \(required for --mode=train and --mode=compile\) Config file", out, re.M
+  )
   assert re.search(r"^  --workdir: \(required\) Directory for", out, re.M)
-  modes = r"train\|eval\|predict\|export" if package == "fairmoe_jax" else r"train\|eval\|predict"
+  modes = (
+      r"train\|eval\|predict\|export\|compile"
+      if package == "fairmoe_jax"
+      else r"train\|eval\|predict\|compile"
+  )
   assert re.search(rf"^  --mode: <{modes}>: train: .*\(default: 'train'\)", out, re.M | re.S)
   assert f"{package}/config.py (base_config) holds every key" in " ".join(out.split())
   for name in own_configs:

@@ -21,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 from conftest import REPO_ROOT
-from fairmoe_jax.preflight import dataset_info, preflight_program
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from fairmoe_jax.methods import METHODS
+from fairmoe_jax import data as data_lib
+from fairmoe_jax.preflight import batch_spec, dataset_info, preflight_program
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.preflight import analysis
 from trainkit.preflight.compile import does_not_fit_message, preflight
@@ -64,6 +66,22 @@ def param_bytes_by_hand(config) -> tuple[int, int]:
   return total, expert
 
 
+def _shapes(batch):
+  return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in batch.items()}
+
+
+def test_the_declared_batches_are_the_pipelines():
+  config = quickstart(batch_size=16, eval_batch_size=8)
+  info, splits = data_lib.load_synthetic(
+      image_size=32, num_classes=4, seed=0, sizes={"train": 32, "val": 16, "test": 16}
+  )
+  assert dataset_info(config) == info  # From the config alone, the loader's own description.
+  train = next(data_lib.train_iterator(splits["train"], global_batch_size=16, image_size=32, seed=0))
+  assert _shapes(batch_spec(config, info, 16, eval=False)) == _shapes(train)
+  evaluation = next(iter(data_lib.eval_batches(splits["val"], batch_size=8, image_size=32)))
+  assert _shapes(batch_spec(config, info, 8, eval=True)) == _shapes(evaluation)
+
+
 def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   config = quickstart(**{"preflight.target": "v5e-8", "mesh.expert": 2, "moe.dispatch": "sort"})
   record = preflight(config, preflight_program)
@@ -77,8 +95,8 @@ def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   assert expert > 0
   memory = train["memory"]
   assert memory["parameters"] == total - expert + expert // 2
-  # AdamW: two moments per parameter, plus its step counters (int32 scalars).
-  assert 0 <= memory["optimizer_state"] - 2 * memory["parameters"] <= 16
+  # AdamW: two moments per parameter, plus two int32 step counters (Adam's, the schedule's).
+  assert memory["optimizer_state"] == 2 * memory["parameters"] + 2 * 4
   assert memory["peak"] >= memory["parameters"] + memory["optimizer_state"] + memory["batch"]
   assert train["xla_cost"]["flops"] > 0 and train["roofline"]["bound_s"] > 0
   # Our matmul count is of the whole step on all devices; XLA's of one device's program, with
@@ -102,13 +120,21 @@ def test_quickstart_on_an_h100_node():
 def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
   # 64k images of 64 px on 8 chips of 16 GiB: the activations alone are ~3x the HBM.
   config = quickstart(
-      **{"preflight.target": "v5e-8", "batch_size": 65536, "eval_batch_size": 64, "data.image_size": 64}
+      **{
+          "preflight.target": "v5e-8",
+          "batch_size": 65536,
+          "eval_batch_size": 64,
+          "data.image_size": 64,
+          "data.train_size": 65536,
+      }
   )
   record = preflight(config, preflight_program)
   assert not record["fits"] and not record["train_step"]["fits"] and record["eval_step"]["fits"]
   assert "RESOURCE_EXHAUSTED" in record["train_step"]["refused_by_compiler"] or (
       "memory" in record["train_step"]["refused_by_compiler"]
   )
+  # The compiler said how much the temporaries alone need: far over 16 GiB.
+  assert record["train_step"]["memory"]["peak"] > 100 * 2**30
   message = does_not_fit_message(record)
   assert message.startswith("does not fit on v5e-8 (16.00 GiB usable per device)")
   assert "batch_size" in message and "mesh.data" in message and "short" in message
@@ -121,6 +147,7 @@ def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
       [
           sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py:steps=10",
           "--mode=compile", "--config.preflight.target=h100x1", "--config.batch_size=32768",
+          "--config.data.train_size=32768",
           "--config.data.image_size=64", f"--workdir={workdir}",
       ],
       capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,

@@ -16,7 +16,7 @@ def test_readme_has_exactly_two_commands():
   commands = _quickstart_commands()
   assert len(commands) == 2
   assert "python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=" in commands[0]
-  assert 'pip install -e ".[test]"' in commands[1] and "pytest" in commands[1]
+  assert 'pip install -e ".[test,preflight]"' in commands[1] and "pytest" in commands[1]
 
 
 def test_ci_runs_the_readme_test_command():

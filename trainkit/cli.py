@@ -386,9 +386,9 @@ def train_eval_command(
   config_flag = config_flags.DEFINE_config_file(
       "config",
       None,
-      "(required for --mode=train) Config file, optionally `file.py:key=value,...`. Without "
-      "it, the other modes read the trained run's <workdir>/config.json; --config.KEY=VALUE "
-      "overrides apply to either.",
+      "(required for --mode=train and --mode=compile) Config file, optionally "
+      "`file.py:key=value,...`. Without it, the other modes read the trained run's "
+      "<workdir>/config.json; --config.KEY=VALUE overrides apply to either.",
   )
   workdir_flag = flags.DEFINE_string("workdir", None, f"(required) {workdir_help}")
   mode_flag = flags.DEFINE_enum(
@@ -431,6 +431,17 @@ def train_eval_command(
       )
     return [argv[0], f"--config={saved_config.config_argument(config_module, workdir)}", *argv[1:]]
 
+  def run_in_workdir(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
+    created = not os.path.exists(workdir)
+    workdir = prepare_workdir(workdir)
+    try:
+      with workdir_lock(workdir):
+        modes[mode][0](config, workdir)
+    except BaseException:
+      if created and jax.process_index() == 0:
+        remove_if_empty(workdir)  # An early error leaves no empty workdir behind.
+      raise
+
   @exit_on_user_error
   def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
     if mode == "compile":
@@ -445,15 +456,7 @@ def train_eval_command(
           num_processes=target.num_hosts if target else 1,
           check_data=False,
       )
-      created = not os.path.exists(workdir)
-      workdir = prepare_workdir(workdir)
-      try:
-        with workdir_lock(workdir):
-          modes[mode][0](config, workdir)
-      except BaseException:
-        if created:
-          remove_if_empty(workdir)
-        raise
+      run_in_workdir(config, workdir, mode)
       return
     # Multi-process runs (TPU pod, SLURM, launch/local_multiprocess.sh) join JAX's
     # multi-controller runtime before any device is touched; single runs do nothing here.
@@ -470,15 +473,7 @@ def train_eval_command(
       )
       if mode != "train":
         require_checkpoint(workdir)  # Before seconds of data loading and model building.
-      created = not os.path.exists(workdir)
-      workdir = prepare_workdir(workdir)
-      try:
-        with workdir_lock(workdir):
-          modes[mode][0](config, workdir)
-      except BaseException:
-        if created and jax.process_index() == 0:
-          remove_if_empty(workdir)  # An early error leaves no empty workdir behind.
-        raise
+      run_in_workdir(config, workdir, mode)
 
   def main(argv: list[str]) -> None:
     if len(argv) > 1:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import flax.nnx as nnx
 import jax
 import ml_collections
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from trainkit.config import require_float, require_int
 from trainkit.errors import ConfigError, UserError
@@ -123,11 +123,19 @@ def _out_of_memory(error: Exception) -> dict[str, Any] | None:
   if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
     return None
   found: dict[str, Any] = {"message": text.strip().splitlines()[0][:500]}
-  used = re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", text)
-  if used:
-    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    found["peak"] = int(float(used.group(1)) * scale[used.group(2)])
-    found["capacity"] = int(float(used.group(3)) * scale[used.group(4)])
+  # Two forms seen from libtpu 0.0.42: "Used 20.5G of 15.75G hbm" and "the total memory
+  # required for HLO temporaries (148.76G) exceeds available HBM (15.75G)" (XLA's units are
+  # binary). The second counts temporaries only: the peak is at least that.
+  scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  for pattern in (
+      r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm",
+      r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)",
+  ):
+    used = re.search(pattern, text)
+    if used:
+      found["peak"] = int(float(used.group(1)) * scale[used.group(2)])
+      found["capacity"] = int(float(used.group(3)) * scale[used.group(4)])
+      break
   return found
 
 
@@ -183,6 +191,17 @@ def compile_step(
 
 def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
   """Compiles the run of `config` for `config.preflight.target`; returns the preflight record."""
+  # A deviceless executable cannot be loaded back from JAX's persistent cache (there is no
+  # client to load it into): reading and writing it would only cost time and warnings.
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    return _preflight(config, build_program)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
   target = validate_preflight(config)
   if target is None:
     raise ConfigError("preflight.target", f"name the target to compile for; known: {', '.join(TARGETS)}")
@@ -373,7 +392,9 @@ def does_not_fit_message(record: Mapping[str, Any]) -> str:
     if not step["fits"]:
       peak = step["memory"].get("peak")
       short = f", {_gib(peak - t['usable_bytes'])} short" if peak else ""
-      parts.append(f"the {name.replace('_', ' ')} needs {_gib(peak)} per device{short}")
+      # The TPU compiler's refusal counts the temporaries alone: the peak is at least that.
+      at_least = "at least " if step.get("refused_by_compiler") else ""
+      parts.append(f"the {name.replace('_', ' ')} needs {at_least}{_gib(peak)} per device{short}")
   return (
       f"does not fit on {t['name']} ({_gib(t['usable_bytes'])} usable per device): "
       f"{'; '.join(parts)}. Change {MEMORY_KEYS}"

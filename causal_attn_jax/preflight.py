@@ -1,0 +1,159 @@
+"""What a causal_attn_jax run is made of, for `--mode=compile` (`trainkit.preflight`).
+
+The model, loss, multiplier update and eval step are those of `train.py`; the data is described
+from the config alone (vocabulary size, number of classes, sequence lengths), never read, and no
+tokenizer is trained, so a run can be compiled for a TPU slice or GPU node on a machine without
+the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import flax.nnx as nnx
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from causal_attn_jax import config as config_lib
+from causal_attn_jax import tasks
+from causal_attn_jax.data import nli
+from causal_attn_jax.data.batching import MASK_KEY
+from causal_attn_jax.data.loading import TaskData
+from causal_attn_jax.train import (
+    initial_extra,
+    make_eval_step,
+    make_loss_fn,
+    make_update_extra,
+)
+from trainkit.preflight.compile import Program
+
+# The config section of each built-in testbed (data.generator).
+GENERATOR_KEYS = {"spurious_pairs": "spurious", "ood_pairs": "ood_pairs"}
+# Training examples of the full-size datasets whose config counts epochs (mnli_hans.py,
+# qqp_paws.py, snli.py), as the loader keeps them (rows without a gold label skipped); keyed by
+# tfds name and by the official file names.
+MNLI_TRAIN = (392_702, "MNLI's train split")
+SNLI_TRAIN = (549_367, "SNLI's train split less its 785 pairs without a gold label")
+QQP_TRAIN = (363_846, "GLUE QQP's train split (tfds glue/qqp)")
+# Translation configs count steps; this is for a run that sets num_epochs, and is known by its
+# tfds name only (the preprocessed text files have no one name).
+WMT14_ENDE_TRAIN = (4_508_785, "WMT14 En-De's train split (the Vaswani et al. data)")
+KNOWN_TFDS_TRAIN = {
+    "glue/mnli": MNLI_TRAIN,
+    "snli": SNLI_TRAIN,
+    "glue/qqp": QQP_TRAIN,
+    "wmt14_translate/de-en": WMT14_ENDE_TRAIN,
+}
+KNOWN_TRAIN_FILES = {
+    "multinli_1.0_train.jsonl": MNLI_TRAIN,
+    "multinli_1.0_train.txt": MNLI_TRAIN,
+    "mnli/train.tsv": MNLI_TRAIN,
+    "snli_1.0_train.jsonl": SNLI_TRAIN,
+    "snli_1.0_train.txt": SNLI_TRAIN,
+    "qqp/train.tsv": QQP_TRAIN,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabularySize:
+  """The one fact of the tokenizer the model needs (`TaskData.tokenizer.vocab_size`)."""
+
+  vocab_size: int
+
+
+def num_classes(config: ml_collections.ConfigDict) -> int:
+  """Labels of a pair-classification run, as `data.loading._load_pairs` would find them.
+
+  The generated testbeds are 2-way (`nli.HANS_LABELS`); a tfds dataset's task is its name's
+  (`nli.TFDS_PAIR_DATASETS`); files are read with `data.pair_task`: "nli" 3-way, "paraphrase"
+  2-way. (A HANS-format training file, known only from its header, would be 2-way.)
+  """
+  d = config.data
+  if d.generator:
+    return len(nli.HANS_LABELS)
+  task = d.pair_task
+  if config_lib.uses_tfds(config) and d.tfds_name in nli.TFDS_PAIR_DATASETS:
+    task = nli.TFDS_PAIR_DATASETS[d.tfds_name][0]
+  return len(nli.NLI_LABELS if task == "nli" else nli.PARAPHRASE_LABELS)
+
+
+def task_data(config: ml_collections.ConfigDict) -> TaskData:
+  """A TaskData with no examples: what `build_model` reads of the data, from the config."""
+  # The tokenizer is trained on the training text, so its size is the config's: SentencePiece
+  # makes data.vocab_size pieces or refuses the corpus; were the real one ever a few pieces
+  # short, this is the upper bound (the embeddings and logits as large as they can be).
+  tokenizer = VocabularySize(config.data.vocab_size)  # Stands in for the Tokenizer.
+  classes = num_classes(config) if config.task == "classification" else 0
+  return TaskData(tokenizer=tokenizer, train={}, eval={}, num_classes=classes)
+
+
+def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
+  """(training examples per epoch at full size, where the number comes from); (0, "") when the
+  config does not say which dataset it reads."""
+  d = config.data
+  if d.generator:  # Generated in full, never truncated.
+    key = GENERATOR_KEYS[d.generator]
+    return d[key].num_train, f"data.{key}.num_train"
+  if config_lib.uses_tfds(config):
+    known = KNOWN_TFDS_TRAIN.get(d.tfds_name) if d.tfds_train_split == "train" else None
+  else:
+    path = d.train_file if config.task == "classification" else ""
+    name = os.path.basename(path).lower()
+    folder = os.path.basename(os.path.dirname(path)).lower()
+    known = KNOWN_TRAIN_FILES.get(name) or KNOWN_TRAIN_FILES.get(f"{folder}/{name}")
+  if known is None:
+    return 0, ""
+  examples, source = known
+  if not config_lib.uses_tfds(config) and config.task == "classification" and not d.eval_file:
+    # The loader carves the eval set out of the train file (data.eval_fraction).
+    examples -= max(1, int(round(d.eval_fraction * examples)))
+    source += ", less the data.eval_fraction carved for eval"
+  if 0 < d.max_train_examples < examples:
+    return d.max_train_examples, "data.max_train_examples"
+  return examples, source
+
+
+def batch_spec(
+    config: ml_collections.ConfigDict, batch_size: int, *, eval: bool
+) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch `TrainIterator` (train) or `device_batches` (eval, with `mask`) yields:
+  the int32 arrays of `data.loading` (`_encode_pairs`, `_encode_parallel`)."""
+  d = config.data
+  ids = lambda length: jax.ShapeDtypeStruct((batch_size, length), np.int32)
+  if config.task == "classification":
+    spec = {
+        "ids": ids(d.max_len),
+        "segment_ids": ids(d.max_len),
+        "label": jax.ShapeDtypeStruct((batch_size,), np.int32),
+    }
+  else:
+    spec = {
+        "src": ids(d.max_source_len),
+        "tgt_in": ids(d.max_target_len),
+        "tgt_out": ids(d.max_target_len),
+    }
+  if eval:
+    spec[MASK_KEY] = jax.ShapeDtypeStruct((batch_size,), np.bool_)
+  return spec
+
+
+def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
+  """The run of `config` as `trainkit.preflight` compiles it."""
+  del mesh  # build_model takes none: the recipe's shardings are abstract_train_state's.
+  task = tasks.get_task(config)
+  data = task_data(config)
+  examples, source = train_examples(config)
+  return Program(
+      make_model=lambda: task.build_model(config, data, nnx.Rngs(params=config.seed)),
+      loss_fn=make_loss_fn(config),
+      train_batch=batch_spec(config, config.batch_size, eval=False),
+      make_eval_step=lambda graphdef: make_eval_step(graphdef, config),
+      eval_batch=batch_spec(config, config.eval_batch_size, eval=True),
+      train_examples=examples,
+      train_examples_source=source,
+      update_extra=make_update_extra(config),
+      initial_extra=initial_extra(config),
+  )
