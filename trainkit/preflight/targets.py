@@ -14,10 +14,13 @@ estimate says which peak it used (`peak_flops_per_s`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import os
 from typing import Any
+
+from trainkit.errors import UserError
 
 GIB = 1024**3
 
@@ -237,15 +240,42 @@ def target_table() -> str:
   return "\n".join(t.describe() for t in TARGETS.values())
 
 
+def _c_environment() -> dict[str, str]:
+  """The process's environment as the C library holds it (os.environ is Python's copy)."""
+  environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+  found = {}
+  i = 0
+  while environ[i] is not None:
+    name, _, value = environ[i].decode(errors="replace").partition("=")
+    found[name] = value
+    i += 1
+  return found
+
+
+def _forget_variables_set_behind_pythons_back(before: dict[str, str]) -> None:
+  """Unsets what libtpu wrote into the C environment when it described a slice.
+
+  Loading libtpu outside a TPU VM sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID and others to
+  "WARNING: could not determine ..." with setenv, unseen by os.environ but inherited by every
+  subprocess started later: a run started from this process would take itself for a Cloud TPU
+  pod worker (trainkit/distributed.py) and fail to join one.
+  """
+  libc = ctypes.CDLL(None)
+  for name in _c_environment():
+    if name not in before and name not in os.environ:
+      libc.unsetenv(name.encode())
+
+
 @functools.cache
 def devices(target: Target) -> tuple[Any, ...]:
   """The target's devices, described without the hardware (each with its host's process index).
 
   TPU: libtpu's topology of the slice. GPU: the CUDA plugin with the target's description.
-  Raises a RuntimeError saying what to install when the plugin is missing.
+  Raises a UserError saying what to install when the plugin is missing.
   """
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
+  environment = _c_environment()
   try:
     if target.platform == "tpu":
       # Two processes that load libtpu at once (tests in parallel) need this.
@@ -264,11 +294,13 @@ def devices(target: Target) -> tuple[Any, ...]:
       )
   except Exception as e:  # pylint: disable=broad-except  # The plugin's own error types.
     extra = "libtpu" if target.platform == "tpu" else "the CUDA plugin (jax[cuda12-local])"
-    raise RuntimeError(
+    raise UserError(
         f"cannot describe the devices of {target.name} ({type(e).__name__}: "
         f"{str(e).splitlines()[0] if str(e) else ''}); the preflight needs {extra}: "
         'pip install -e ".[preflight]"'
     ) from e
+  finally:
+    _forget_variables_set_behind_pythons_back(environment)
   found = tuple(topology.devices)
   if len(found) != target.num_devices:
     raise RuntimeError(f"{target.name}: expected {target.num_devices} devices, got {len(found)}")
