@@ -147,6 +147,7 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
       mesh=record["mesh"],
       collectives={k: v["count"] for k, v in (train.get("collectives") or {}).items()},
       compiler_options=train.get("compiler_options"),
+      settings=record.get("settings", {}),
       compile_seconds=train.get("compile_seconds"),
       seconds=round(seconds),
       provenance=record["provenance"],
@@ -208,6 +209,9 @@ def _hours(result: dict[str, Any], dataset: dict[str, int] | None) -> str:
 
 def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
   label, _, where = cell["name"].partition("@")
+  dispatch = (result or {}).get("settings", {}).get("moe.dispatch")
+  if dispatch and not label.startswith("muffin") and not label.startswith("multifair"):
+    where += f" ({dispatch})"
   if result is None:
     return f"| {label} | {where} | not compiled yet | | | | | | |"
   if "error" in result:

@@ -112,7 +112,10 @@ def base_config() -> ml_collections.ConfigDict:
           top_k=2,
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
-          dispatch="sort",  # dense | einsum | sort | sort_blocks | dropless | blocksparse (moe/dispatch)
+          # auto | dense | einsum | sort | sort_blocks | dropless | blocksparse (moe/dispatch); auto:
+          # sort on CPU and GPU, einsum on TPU, from the platform of the mesh's devices
+          # (methods/base.py AUTO_DISPATCH, docs/benchmarks.md "Which dispatch on an accelerator").
+          dispatch="auto",
           router="topk",  # topk | noisy_topk | expert_choice (fairmoe_jax/moe/layer.py)
           batch_priority=False,  # V-MoE batch-priority routing
           # One auxiliary-loss recipe for every MoE method (vanilla SMoE, FairSMoE and its
@@ -285,7 +288,7 @@ def validate(
   for block in cfg.get(config, "moe.blocks"):
     if isinstance(block, bool) or not isinstance(block, int) or not -depth <= block < depth:
       raise ConfigError("moe.blocks", f"block index {block!r} is outside a model of depth {depth}")
-  cfg.require_choice(config, "moe.dispatch", DISPATCH_ALGORITHMS)
+  cfg.require_choice(config, "moe.dispatch", ("auto", *DISPATCH_ALGORITHMS))
   router = cfg.require_choice(config, "moe.router", ROUTERS)
   if not isinstance(cfg.get(config, "moe.batch_priority"), bool):
     raise ConfigError("moe.batch_priority", "must be True or False")
@@ -301,7 +304,8 @@ def validate(
     raise ConfigError(
         "moe.router", f"expert_choice has no expert-parallel version (mesh.expert={expert_size})"
     )
-  if expert_size > 1 and config.moe.dispatch not in EP_ALGORITHMS:
+  # "auto" resolves to an algorithm with an expert-parallel version on every platform.
+  if expert_size > 1 and config.moe.dispatch not in ("auto", *EP_ALGORITHMS):
     raise ConfigError(
         "moe.dispatch",
         f"{config.moe.dispatch!r} has no expert-parallel version (mesh.expert={expert_size}); "

@@ -18,6 +18,7 @@ from fairmoe_jax.data.celeba import celeba_info
 from fairmoe_jax.data.isic import isic2019_info
 from fairmoe_jax.data.synthetic import synthetic_info
 from fairmoe_jax.methods import METHODS
+from fairmoe_jax.methods.base import resolve_dispatch
 from fairmoe_jax.train import make_eval_step, make_loss_fn
 from trainkit.preflight.compile import Program
 
@@ -84,5 +85,6 @@ def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
       train_examples=examples,
       train_examples_source=source,
       initial_extra=method.initial_extra(config, info),
+      settings={"moe.dispatch": resolve_dispatch(config.moe.dispatch, mesh)},
   )
 

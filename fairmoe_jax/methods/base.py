@@ -118,6 +118,27 @@ def psi_term(config, info: DatasetInfo, logits, batch: Batch, attributes=None) -
   )
 
 
+# `moe.dispatch="auto"` (the config's default): the dispatch algorithm of the platform the model
+# is built for (docs/benchmarks.md, "Which dispatch on an accelerator"; docs/design.md). cpu:
+# `sort`, the fastest capacity algorithm timed on CPU. tpu: `einsum`, the fewest bytes accessed
+# and the smallest roofline time of every capacity algorithm XLA's TPU compiler was given (one
+# v5e device, float32 and bfloat16). gpu: `sort`, undecided by the compiler (XLA's GPU compiler
+# gives no cost analysis) but the least scratch memory of the two. Each is a capacity algorithm
+# with `sort`'s served choices and an expert-parallel version (`EP_ALGORITHMS`), so the platform
+# changes results only by float rounding.
+AUTO_DISPATCH = {"cpu": "sort", "tpu": "einsum", "gpu": "sort"}
+
+
+def resolve_dispatch(dispatch: str, mesh: Mesh | None) -> str:
+  """`dispatch`, or for "auto" `AUTO_DISPATCH` of the platform of the mesh's devices (so that a
+  run compiled on a CPU host for a TPU, `--mode=compile`, gets the TPU's choice), else of JAX's
+  default backend; `sort` on a platform not listed."""
+  if dispatch != "auto":
+    return dispatch
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return AUTO_DISPATCH.get(platform, "sort")
+
+
 def moe_kwargs(config: ml_collections.ConfigDict, mesh: Mesh | None, router: Any) -> dict:
   """`SparseMoE` keyword arguments from `config.moe`; expert-parallel on a mesh with experts > 1."""
   c = config.moe
@@ -125,7 +146,7 @@ def moe_kwargs(config: ml_collections.ConfigDict, mesh: Mesh | None, router: Any
   return dict(
       num_experts=c.num_experts,
       top_k=c.top_k,
-      dispatch=c.dispatch,
+      dispatch=resolve_dispatch(c.dispatch, mesh),
       capacity_factor=c.capacity_factor,
       eval_capacity_factor=c.eval_capacity_factor,
       router=router,

@@ -96,6 +96,8 @@ class Program:
     train_examples_source: where that number comes from (printed beside it).
     update_extra: the step's update of `TrainState.extra`, if any.
     initial_extra: `TrainState.extra` of a fresh run (host values).
+    settings: choices the package made for this target that the config leaves open (e.g. the
+      MoE dispatch of `moe.dispatch="auto"`), recorded in preflight.json.
   """
 
   make_model: Callable[[], nnx.Module]
@@ -107,6 +109,7 @@ class Program:
   train_examples_source: str = ""
   update_extra: UpdateExtraFn | None = None
   initial_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 BuildProgram = Callable[[ml_collections.ConfigDict, Mesh], Program]
@@ -287,6 +290,7 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
       },
       "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))),
       "compute_dtype": config.compute_dtype,
+      "settings": dict(program.settings),
       "batch": {
           "global": config.batch_size,
           "per_host": config.batch_size // target.num_hosts,

@@ -1,0 +1,444 @@
+r"""Which MoE dispatch on an accelerator, decided by the compiler: one MoE layer compiled, not run.
+
+  python benchmarks/dispatch_compile.py                                  # v5e-8 and h100x1, float32
+  python benchmarks/dispatch_compile.py --peer-vmoe ../shared/peers/vmoe --dtype float32 bfloat16
+  python benchmarks/dispatch_compile.py --targets v5e-8 --dtype bfloat16 --merge   # add rows
+
+The same step as `benchmarks/moe_layer.py` (its loss functions, imported): `jax.value_and_grad`
+of sum(y * cotangent) with respect to the tokens, the router kernel and the four expert weights,
+y the output of one MoE layer (float32 router -> top-k -> the dispatch algorithm, capacity
+`compute_capacity(S, E, k, capacity_factor)` per image), for each of `--dispatch`, the
+equal-FLOPs `dense_mlp` and, with `--peer-vmoe PATH`, V-MoE's own einsum and indices dispatchers.
+Cases: moe_layer.py's `--cases vmoe` (32 x 65 tokens, width 128, MLP 512, E = 8 and 64; 16 x 197
+tokens at DeiT-S widths, E = 8) and DeiT-S scale (`deit_s32`: 32 images of 197 tokens, width
+384, MLP 1536, top-2 of 4 and of 64 experts).
+
+Nothing runs and no accelerator is needed: each step is lowered with ShapeDtypeStructs placed on
+ONE device of the target (`trainkit.preflight.targets.devices`: libtpu describes a TPU slice, the
+CUDA plugin a GPU) and compiled by that target's XLA compiler. One device, because this compares
+the layer's dispatch algorithms with each other, not a sharded run (the preflight,
+`--mode=compile`, does that). Per row: XLA's cost analysis (flops, bytes accessed, and
+`optimal_seconds`, XLA's own time estimate, where it gives a positive one), the memory analysis
+(`trainkit.preflight.analysis.memory`: peak = the compiler's peak where it reports one, else
+arguments + outputs - aliased + temporaries; `scratch` = peak - arguments - outputs + aliased,
+what the step needs besides its inputs and results), a roofline time from the target's peak
+FLOP/s and memory bandwidth (`analysis.roofline_seconds`), and the compile time on this host.
+XLA's GPU compiler gives no cost analysis: GPU rows have memory figures only.
+
+Caveat: XLA's cost analysis counts a while loop's body once. `sort_blocks` and `blocksparse` run
+the expert MLP in loops over experts and blocks whose trip counts are known only at run time,
+so their flops and bytes are undercounted (about one block's MLP is counted); `flops_est` adds
+the matmuls of the blocks a perfectly balanced routing would fill (`balanced_blocks`), and their
+roofline uses it. `while_loops` counts the loops of the optimised HLO of every row (a
+searchsorted's small fixed loop is one too).
+
+If a row fails to compile for its target, its `error` says why and the run goes on. Prints a
+markdown table and writes JSON (default benchmarks/results/dispatch_compile.json) with the
+provenance of `bench_utils.write_results` plus the targets, libtpu's version and, per target,
+dtype and case, the dispatch with the smallest roofline time and the one with the least scratch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import io
+import json
+import os
+import re
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fairmoe_jax.moe.dispatch import ExpertWeights, compute_capacity
+from fairmoe_jax.moe.dispatch.blocksparse import choose_block_size
+from trainkit.preflight import analysis
+from trainkit.preflight.targets import Target, devices, get_target
+
+import moe_layer
+from bench_utils import write_results
+
+# (images, tokens per image, width, expert MLP hidden width): moe_layer.py's, and DeiT-S scale.
+SHAPES = {
+    **moe_layer.SHAPES,
+    "deit_s32": (32, 197, 384, 1536),
+    "test": (2, 16, 32, 64),  # tests/test_dispatch_compile.py
+}
+CASES = {
+    "vmoe": moe_layer.VMOE_CASES,  # ("cpu", 8, 2), ("cpu", 64, 2), ("cpu_deit", 8, 2)
+    "deit_s": (("deit_s32", 4, 2), ("deit_s32", 64, 2)),
+}
+DISPATCHES = ("sort", "einsum", "sort_blocks", "blocksparse", "dropless")
+BASELINE = moe_layer.BASELINE
+# Dispatches whose expert MLP runs in loops with run-time trip counts (see the caveat above).
+LOOPED = ("sort_blocks", "blocksparse")
+# Matmuls per row of a block's expert MLP, forward and backward (`blocksparse.block_mlp`): two
+# forward, and backward the recomputed first one plus four.
+_BLOCK_MATMULS = 7
+
+
+def libtpu_version() -> str | None:
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def one_device_mesh(target: Target) -> Mesh:
+  """A 1-device mesh on the first device of `target` (a per-layer comparison, no sharding)."""
+  return Mesh(np.array(devices(target)[:1]).reshape(1), ("data",))
+
+
+def abstract_args(
+    mesh: Mesh, shape: str, num_experts: int | None, top_k: int, dispatch: str, dtype: str
+) -> tuple[Any, ...]:
+  """moe_layer.compile_case's arguments as ShapeDtypeStructs on `mesh`: weights float32, the
+  tokens and cotangent in `dtype`."""
+  groups, tokens, dim, hidden = SHAPES[shape]
+  sharding = NamedSharding(mesh, PartitionSpec())
+
+  def spec(*dims: int, dt: Any = jnp.float32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(dims, jnp.dtype(dt), sharding=sharding)
+
+  x, cotangent = spec(groups, tokens, dim, dt=dtype), spec(groups, tokens, dim, dt=dtype)
+  if dispatch == BASELINE:
+    width = top_k * hidden
+    return x, (spec(dim, width), spec(width), spec(width, dim), spec(dim)), cotangent
+  experts = ExpertWeights(
+      w1=spec(num_experts, dim, hidden),
+      b1=spec(num_experts, hidden),
+      w2=spec(num_experts, hidden, dim),
+      b2=spec(num_experts, dim),
+  )
+  return x, spec(dim, num_experts), experts, cotangent
+
+
+def loss_fn(dispatch: str, capacity: int | None, top_k: int, peer: Any) -> Callable[..., Any]:
+  """moe_layer.py's loss of the row (imported, not copied)."""
+  if dispatch == BASELINE:
+    return moe_layer._dense_loss  # pylint: disable=protected-access
+  if dispatch in moe_layer.PEER_ROWS:
+    return moe_layer._peer_loss(peer, moe_layer.PEER_ROWS[dispatch], capacity, top_k)  # pylint: disable=protected-access
+  return moe_layer._moe_loss(dispatch, capacity, top_k)  # pylint: disable=protected-access
+
+
+def compile_step(loss: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float]:
+  """moe_layer.py's step (grad w.r.t. all but the cotangent), compiled; and the seconds it took."""
+  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args) - 1)), has_aux=True))
+  # A deviceless executable cannot be loaded back from JAX's persistent cache (as in
+  # trainkit.preflight.compile): off, so the compile time is the compiler's and nothing is written.
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    t0 = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def balanced_blocks(
+    dispatch: str, groups: int, tokens: int, num_experts: int, top_k: int, capacity: int
+) -> tuple[int, int]:
+  """(blocks, block size) a looped dispatch fills when every expert gets the same load."""
+  choices = groups * tokens * top_k
+  block = choose_block_size(choices, num_experts)
+  per_expert = choices / num_experts
+  if dispatch == "sort_blocks":  # Only the kept choices: at most C per expert and image.
+    per_expert = min(per_expert, groups * capacity)
+  return num_experts * int(-(-per_expert // block)), block
+
+
+def _while_loops(compiled: Any) -> int | None:
+  try:
+    return len(re.findall(r"\swhile\(", compiled.as_text()))
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _error(e: Exception) -> str:
+  lines = [line for line in str(e).splitlines() if line.strip()]
+  return f"{type(e).__name__}: {' / '.join(lines[:3])[:600]}"
+
+
+def compile_row(
+    target: Target,
+    mesh: Mesh,
+    shape: str,
+    num_experts: int | None,
+    top_k: int,
+    dispatch: str,
+    dtype: str,
+    capacity_factor: float,
+    peer: Any = None,
+) -> dict:
+  """One row: the step of `dispatch` compiled for one device of `target`, its figures."""
+  groups, tokens, dim, hidden = SHAPES[shape]
+  capacity = (
+      None
+      if dispatch == BASELINE
+      else compute_capacity(tokens, num_experts, top_k, capacity_factor)
+  )
+  row = dict(
+      target=target.name,
+      platform=target.platform,
+      device_kind=target.device_kind,
+      shape=shape,
+      groups=groups,
+      tokens=tokens,
+      dim=dim,
+      hidden=hidden,
+      num_experts=num_experts,
+      top_k=top_k,
+      capacity=capacity,
+      dispatch=dispatch,
+      dtype=dtype,
+      capacity_factor=capacity_factor,
+      error=None,
+  )
+  try:
+    args = abstract_args(mesh, shape, num_experts, top_k, dispatch, dtype)
+    compiled, seconds = compile_step(loss_fn(dispatch, capacity, top_k, peer), args)
+  except Exception as e:  # pylint: disable=broad-except  # The target compiler's own errors.
+    return dict(row, error=_error(e))
+  costs = analysis.cost(compiled) or {}
+  optimal = costs.get("optimal_seconds")
+  row.update(
+      compile_s=seconds,
+      flops=costs.get("flops"),
+      bytes_accessed=costs.get("bytes accessed"),
+      optimal_seconds=optimal if optimal is not None and optimal > 0 else None,
+      while_loops=_while_loops(compiled),
+  )
+  memory = analysis.memory(compiled)
+  row.update(memory)
+  row["scratch"] = memory["peak"] - memory["arguments"] - memory["outputs"] + memory["aliased"]
+  row["flops_est"] = row["flops"]
+  if dispatch in LOOPED and row["flops"] is not None:
+    blocks, block = balanced_blocks(dispatch, groups, tokens, num_experts, top_k, capacity)
+    one_block = 2.0 * _BLOCK_MATMULS * block * dim * hidden
+    row.update(balanced_blocks=blocks, block_size=block)
+    row["flops_est"] = row["flops"] + (blocks - 1) * one_block
+  if row["flops_est"] is not None and row["bytes_accessed"] is not None:
+    roofline = analysis.roofline_seconds(
+        row["flops_est"], row["bytes_accessed"], target.peak_flops(dtype), target.memory_bandwidth
+    )
+    row.update(roofline_s=roofline["bound_s"], bound_by=roofline["bound_by"])
+  else:
+    row.update(roofline_s=None, bound_by=None)
+  return row
+
+
+def cases(names: list[str], dispatches: list[str], peers: bool) -> list[tuple]:
+  """(shape, E, k, dispatch) of every row, the dense MLP of each (shape, k) first."""
+  moe = [case for name in names for case in CASES[name]]
+  rows = [(shape, None, k, BASELINE) for shape, k in dict.fromkeys((s, k) for s, _, k in moe)]
+  extra = list(moe_layer.PEER_ROWS) if peers else []
+  for shape, e, k in moe:
+    rows.extend((shape, e, k, d) for d in [*dispatches, *extra])
+  return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+  """flops_est and scratch of each row over those of the dense MLP of its target, dtype, shape."""
+  dense = {
+      (r["target"], r["dtype"], r["shape"], r["top_k"]): r
+      for r in rows
+      if r["dispatch"] == BASELINE and not r["error"]
+  }
+  for r in rows:
+    d = dense.get((r["target"], r["dtype"], r["shape"], r["top_k"]))
+    for key in ("flops_est", "scratch"):
+      ok = d is not None and not r["error"] and r.get(key) is not None and d.get(key)
+      r[f"{key}_vs_dense"] = r[key] / d[key] if ok else None
+
+
+def best_per_case(rows: list[dict]) -> list[dict]:
+  """Per target, dtype and MoE case: the dispatch with the smallest roofline time (TPU) and
+  the one with the least scratch memory, among those that compiled."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in rows:
+    if r["dispatch"] != BASELINE and not r["error"]:
+      key = (r["target"], r["dtype"], r["shape"], r["num_experts"], r["top_k"])
+      groups.setdefault(key, []).append(r)
+  best = []
+  for (target, dtype, shape, e, k), members in groups.items():
+    timed = [r for r in members if r.get("roofline_s")]
+    best.append(
+        dict(
+            target=target,
+            dtype=dtype,
+            case=f"{shape} E={e} k={k}",
+            least_roofline=min(timed, key=lambda r: r["roofline_s"])["dispatch"] if timed else None,
+            least_scratch=min(members, key=lambda r: r["scratch"])["dispatch"],
+        )
+    )
+  return best
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+  if value is None:
+    return "-"
+  return f"{value / scale:.{digits}f}"
+
+
+def print_table(rows: list[dict]) -> None:
+  header = [
+      "target", "dtype", "case", "C", "dispatch", "GFLOP", "vs dense", "GB accessed",
+      "roofline us", "peak MB", "scratch MB", "temp MB", "compile s",
+  ]
+  print("| " + " | ".join(header) + " |")
+  print("|" + "---|" * len(header))
+  for r in rows:
+    case = f"{r['shape']} E={r['num_experts'] or '-'} k={r['top_k']}"
+    head = [r["target"], r["dtype"], case, str(r["capacity"] or "-"), r["dispatch"]]
+    if r["error"]:
+      print("| " + " | ".join(head + [f"error: {r['error'][:120]}"] + [""] * 7) + " |")
+      continue
+    flops = _fmt(r["flops_est"], 1e9)
+    if r["dispatch"] in LOOPED and r["flops"] is not None:
+      flops = f"{flops}* ({_fmt(r['flops'], 1e9)})"
+    cells = [
+        flops,
+        _fmt(r["flops_est_vs_dense"]),
+        _fmt(r["bytes_accessed"], 1e9, 3) + ("*" if r["dispatch"] in LOOPED and r["bytes_accessed"] else ""),
+        _fmt(r["roofline_s"], 1e-6, 0),
+        _fmt(r["peak"], 2**20, 1),
+        _fmt(r["scratch"], 2**20, 1),
+        _fmt(r["temporaries"], 2**20, 1),
+        _fmt(r["compile_s"], 1.0, 1),
+    ]
+    print("| " + " | ".join(head + cells) + " |")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+      "--targets",
+      nargs="+",
+      default=["v5e-8", "h100x1"],
+      help="trainkit.preflight targets to compile for (one device of each); GPU targets give "
+      "memory figures only",
+  )
+  parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+  parser.add_argument("--dispatch", nargs="+", default=list(DISPATCHES), choices=list(DISPATCHES))
+  parser.add_argument(
+      "--peer-vmoe",
+      default="",
+      metavar="PATH",
+      help="a google-research/vmoe checkout (the folder holding vmoe/): adds vmoe_einsum and "
+      "vmoe_indices rows, as in moe_layer.py",
+  )
+  parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+  parser.add_argument("--capacity_factor", type=float, default=1.25)
+  parser.add_argument(
+      "--output",
+      default=os.path.join(os.path.dirname(__file__), "results", "dispatch_compile.json"),
+  )
+  parser.add_argument(
+      "--merge",
+      action="store_true",
+      help="keep the rows of an existing --output that this run does not compile (same target, "
+      "dtype, case and dispatch), so a long run can be done in parts (e.g. one --dtype each)",
+  )
+  args = parser.parse_args()
+
+  peer = moe_layer.import_peer_vmoe(args.peer_vmoe) if args.peer_vmoe else None
+  targets = [get_target(name) for name in args.targets]
+  kept, parts = _earlier_run(args.output) if args.merge else ([], [])
+  parts = [*parts, dict(vars(args), date=datetime.date.today().isoformat())]
+  rows: list[dict] = []
+  for target in targets:
+    mesh = one_device_mesh(target)
+    for dtype in args.dtype:
+      for shape, e, k, dispatch in cases(args.cases, args.dispatch, peer is not None):
+        row = compile_row(target, mesh, shape, e, k, dispatch, dtype, args.capacity_factor, peer)
+        status = row["error"] or f"compiled in {row['compile_s']:.1f} s"
+        print(f"  {target.name} {dtype} {shape} E={e} k={k} {dispatch}: {status}", flush=True)
+        rows.append(row)
+        _write(args, parts, merged(kept, rows), targets, quiet=True)  # A partial file if interrupted.
+  rows = merged(kept, rows)
+  add_ratios(rows)
+  best = best_per_case(rows)
+  compiled_for = sorted({r["target"] for r in rows})
+  print(
+      f"\ncompiled on {jax.devices()[0].device_kind} for one device of "
+      f"{', '.join(get_target(t).describe() for t in compiled_for)}; JAX {jax.__version__}, "
+      f"libtpu {libtpu_version()}, capacity factor {args.capacity_factor}. * = loops counted "
+      "once (GFLOP: balanced-routing estimate, XLA's count in brackets)\n"
+  )
+  print_table(rows)
+  print()
+  for b in best:
+    print(
+        f"{b['target']} {b['dtype']} {b['case']}: least roofline {b['least_roofline']}, "
+        f"least scratch {b['least_scratch']}"
+    )
+  _write(args, parts, rows, [get_target(t) for t in compiled_for], best=best)
+
+
+def _key(row: dict) -> tuple:
+  return (row["target"], row["dtype"], row["shape"], row["num_experts"], row["top_k"], row["dispatch"])
+
+
+def merged(kept: list[dict], rows: list[dict]) -> list[dict]:
+  """`kept` rows not recompiled in `rows`, then `rows`."""
+  new = {_key(r) for r in rows}
+  return [r for r in kept if _key(r) not in new] + rows
+
+
+def _earlier_run(path: str) -> tuple[list[dict], list[dict]]:
+  """The rows of an earlier output and the arguments of the runs that made them."""
+  if not os.path.exists(path):
+    return [], []
+  with open(path) as f:
+    results = json.load(f)
+  return results["rows"], results.get("parts") or [dict(results["args"], date=results["date"])]
+
+
+def _write(
+    args: argparse.Namespace,
+    parts: list[dict],
+    rows: list[dict],
+    targets: list[Target],
+    best: list[dict] | None = None,
+    quiet: bool = False,
+) -> None:
+  """`bench_utils.write_results`'s provenance, plus the targets, libtpu and the best rows."""
+  if quiet:
+    with contextlib.redirect_stdout(io.StringIO()):
+      write_results(args.output, args, rows, [])
+  else:
+    write_results(args.output, args, rows, [])
+  with open(args.output) as f:
+    results = json.load(f)
+  results.update(
+      compiled_for=[dict(vars_of(t), devices_used=1) for t in targets],
+      libtpu=libtpu_version(),
+      best_per_case=best,
+      complete=best is not None,
+      parts=parts,  # With --merge: each run's arguments and date, the earlier ones first.
+  )
+  with open(args.output, "w") as f:
+    json.dump(results, f, indent=2)
+
+
+def vars_of(target: Target) -> dict:
+  return {
+      k: v
+      for k, v in vars(target).items()
+      if k in ("name", "platform", "device_kind", "num_devices", "peak_bf16_flops",
+               "peak_tf32_flops", "memory_bandwidth", "topology")
+  }
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,139 @@
+"""`benchmarks/dispatch_compile.py`: one MoE layer compiled for a TPU it does not have.
+
+XLA's cost analysis is deterministic for one jax + libtpu pair, so the FLOPs of a small layer's
+forward and backward pass compiled for one device of a v5e-8 are pinned to the values recorded
+with that pair; with another libtpu or jax the test is skipped (record the new values then).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import dispatch_compile  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Recorded 2026-11-25: `dispatch_compile.compile_row(v5e-8, "test" = 2 images x 16 tokens,
+# width 32, MLP 64, E=4, k=2, float32, capacity factor 1.25)`, XLA's "flops".
+RECORDED = {
+    "jax": "0.10.2",
+    "libtpu": "0.0.42.1",
+    "flops": {"sort": 3215972.0, "einsum": 3623551.0},
+}
+
+
+def _versions_or_skip() -> None:
+  try:
+    libtpu = importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip("libtpu is not installed (pip install -e '.[preflight]'): no TPU compiler")
+  jax_version = importlib.metadata.version("jax")
+  if (libtpu, jax_version) != (RECORDED["libtpu"], RECORDED["jax"]):
+    pytest.skip(
+        f"cost analysis recorded with libtpu {RECORDED['libtpu']} and jax {RECORDED['jax']}, "
+        f"installed are libtpu {libtpu} and jax {jax_version}: record RECORDED['flops'] anew"
+    )
+
+
+@pytest.fixture(scope="module")
+def tpu():
+  _versions_or_skip()
+  from trainkit.preflight.targets import get_target  # pylint: disable=import-outside-toplevel
+
+  target = get_target("v5e-8")
+  return target, dispatch_compile.one_device_mesh(target)
+
+
+@pytest.mark.parametrize("dispatch", ["sort", "einsum"])
+def test_flops_on_one_v5e_device_are_the_recorded_ones(tpu, dispatch):
+  target, mesh = tpu
+  row = dispatch_compile.compile_row(target, mesh, "test", 4, 2, dispatch, "float32", 1.25)
+  assert row["error"] is None
+  assert (row["platform"], row["device_kind"], row["capacity"]) == ("tpu", "TPU v5 lite", 10)
+  assert row["flops"] == RECORDED["flops"][dispatch]
+  # What every row carries: memory from the compiler, a roofline time from the target's peaks.
+  assert row["peak"] >= row["arguments"] + row["outputs"] - row["aliased"]
+  assert row["roofline_s"] > 0 and row["bound_by"] in ("compute", "memory")
+
+
+def test_a_row_that_fails_records_its_error_instead_of_raising():
+  pytest.importorskip("libtpu", reason="libtpu is not installed: no TPU devices to describe")
+  from trainkit.preflight.targets import get_target  # pylint: disable=import-outside-toplevel
+
+  target = get_target("v5e-8")
+  mesh = dispatch_compile.one_device_mesh(target)
+  # V-MoE's rows without `--peer-vmoe` (peer None) fail while the step is built; the row says
+  # why and has no figures, and the run goes on.
+  row = dispatch_compile.compile_row(target, mesh, "test", 4, 2, "vmoe_einsum", "float32", 1.25)
+  assert row["error"].startswith("AttributeError")
+  assert "flops" not in row
+
+
+# --- moe.dispatch="auto": sort on CPU, the compiler's choice for a TPU mesh -------------------
+
+
+def _sparse_moe_dispatches(config, mesh) -> set[str]:
+  """The `dispatch` of every SparseMoE of the model `config` builds for `mesh` (shapes only)."""
+  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
+
+  from fairmoe_jax.methods import METHODS  # pylint: disable=import-outside-toplevel
+  from fairmoe_jax.moe import SparseMoE  # pylint: disable=import-outside-toplevel
+  from fairmoe_jax.preflight import dataset_info  # pylint: disable=import-outside-toplevel
+
+  info = dataset_info(config)
+  model = nnx.eval_shape(
+      lambda: METHODS[config.method].build_model(config, info, nnx.Rngs(params=0), mesh)
+  )
+  return {m.dispatch for _, m in nnx.iter_graph(model) if isinstance(m, SparseMoE)}
+
+
+def _small_config(method="vanilla_smoe"):
+  from fairmoe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.base_config()
+  config.method = method
+  config.model.update(dim=32, depth=2, num_heads=2, mlp_dim=64)
+  return config
+
+
+def test_auto_is_the_default_and_every_platform_choice_has_an_expert_parallel_version():
+  from fairmoe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from fairmoe_jax.methods.base import AUTO_DISPATCH  # pylint: disable=import-outside-toplevel
+  from fairmoe_jax.moe.dispatch import EP_ALGORITHMS  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.base_config()
+  assert config.moe.dispatch == "auto"
+  assert AUTO_DISPATCH == {"cpu": "sort", "tpu": "einsum", "gpu": "sort"}
+  assert set(AUTO_DISPATCH.values()) <= set(EP_ALGORITHMS)
+  config.mesh.update(data=4, expert=2)
+  config_lib.validate(config, num_devices=8)  # "auto" passes the expert-parallel check.
+
+
+@pytest.mark.parametrize("method", ["vanilla_smoe", "fairsmoe"])
+def test_auto_resolves_to_sort_on_cpu(method):
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from trainkit.mesh import make_mesh  # pylint: disable=import-outside-toplevel
+
+  config = _small_config(method)
+  assert _sparse_moe_dispatches(config, None) == {"sort"}  # JAX's default backend: cpu.
+  assert _sparse_moe_dispatches(config, make_mesh({"data": 8, "expert": 1})) == {"sort"}
+  assert jax.default_backend() == "cpu"
+  config.moe.dispatch = "einsum"  # A named algorithm is kept whatever the platform.
+  assert _sparse_moe_dispatches(config, None) == {"einsum"}
+
+
+@pytest.mark.parametrize("mesh_shape", [{"data": 8, "expert": 1}, {"data": 4, "expert": 2}])
+def test_auto_resolves_to_einsum_for_a_tpu_mesh_on_this_cpu_host(mesh_shape):
+  pytest.importorskip("libtpu", reason="libtpu is not installed: no TPU devices to describe")
+  from trainkit.mesh import make_mesh  # pylint: disable=import-outside-toplevel
+  from trainkit.preflight.targets import devices, get_target  # pylint: disable=import-outside-toplevel
+
+  mesh = make_mesh(mesh_shape, list(devices(get_target("v5e-8"))))
+  assert mesh.devices.flat[0].platform == "tpu"
+  assert _sparse_moe_dispatches(_small_config(), mesh) == {"einsum"}
