@@ -9,6 +9,10 @@ used. tfds celeb_a, prepared beforehand, is the alternative: --config.data.name=
 One command per table cell:
   python -m fairmoe_jax.main --config=configs/celeba.py:method=fairsmoe,backbone=deit_s \
       --config.data.root=/data/celeba --workdir=/tmp/celeba_fairsmoe_deit_s
+Whether it fits an accelerator, and what it costs, compiled here without one or the data
+(README, "Before paying for an accelerator"; docs/scaling.md has every backbone and method):
+  python -m fairmoe_jax.main --config=configs/celeba.py:method=fairsmoe,backbone=deit_s \
+      --mode=compile --config.preflight.target=h100x8 --workdir=/tmp/preflight_h100x8
 
 Arguments (`--config=configs/celeba.py:key=value,...`):
   method    fairsmoe | vanilla_smoe | vanilla_smoe_psi | muffin | multifair | fairsmoe_no_fgr |

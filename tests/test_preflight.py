@@ -29,9 +29,9 @@ from jax.sharding import PartitionSpec as P
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.preflight import batch_spec, dataset_info, preflight_program
-from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
+from trainkit.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
 from trainkit.preflight import analysis
-from trainkit.preflight.compile import does_not_fit_message, preflight
+from trainkit.preflight.compile import does_not_fit_message, preflight, validate_preflight
 from trainkit.preflight.targets import TARGETS, devices, get_target
 
 pytest.importorskip("libtpu", reason="the preflight extra is not installed")
@@ -248,3 +248,24 @@ def test_describing_a_slice_leaves_no_tpu_pod_variables_to_subprocesses():
   assert result.returncode == 0, result.stderr[-2000:]
   inherited = {line.partition("=")[0] for line in result.stdout.splitlines()}
   assert not inherited & {"TPU_WORKER_ID", "CLOUD_TPU_TASK_ID", "TPU_WORKER_HOSTNAMES"}
+
+
+@pytest.mark.parametrize(
+    "key, value, pattern",
+    [
+        ("preflight.target", "v9-1024", r"preflight.target.*unknown target 'v9-1024'; known: v4-8"),
+        ("preflight.utilization", 0.0, r"preflight.utilization"),
+        ("preflight.utilization", float("nan"), r"preflight.utilization"),
+        ("preflight.train_examples", -1, r"preflight.train_examples"),
+    ],
+)
+def test_bad_preflight_keys_are_errors_naming_the_key(key, value, pattern):
+  config = quickstart(**{key: value})
+  with pytest.raises(ConfigError, match=pattern):
+    validate_preflight(config)
+
+
+def test_compile_without_a_target_names_the_key():
+  config = quickstart()
+  with pytest.raises(ConfigError, match=r"preflight.target.*name the target to compile for; known: v4-8"):
+    preflight(config, preflight_program)

@@ -70,7 +70,9 @@ def preflight_config() -> ml_collections.ConfigDict:
 
 def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
   """Checks the preflight keys; returns the target (None when none is named)."""
-  require_float(config, "preflight.utilization", minimum=1e-6, maximum=1.0)
+  utilization = require_float(config, "preflight.utilization", minimum=1e-6, maximum=1.0)
+  if not math.isfinite(utilization):  # NaN passes every comparison.
+    raise ConfigError("preflight.utilization", f"must be in (0, 1], got {utilization!r}")
   require_int(config, "preflight.train_examples", minimum=0)
   if not isinstance(config.preflight.eval_step, bool):
     raise ConfigError("preflight.eval_step", f"must be True or False, got {config.preflight.eval_step!r}")
@@ -264,6 +266,7 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
     roofline = analysis.roofline_seconds(flops, bytes_accessed, peak_flops, target.memory_bandwidth)
   train.update(
       flops_per_device=flops,
+      flops_per_example=flops * n / config.batch_size,
       flops_source="xla cost analysis" if "flops" in xla else "matmul count of the jaxpr",
       matmul_flops_per_step=counted["flops"],
       matmul_flops_per_example=counted["flops"] / config.batch_size,
@@ -356,8 +359,9 @@ def summary(record: Mapping[str, Any]) -> str:
       "  eval step: not compiled (preflight.eval_step=False)"
       if ev.get("skipped")
       else f"  eval step per device: peak {_gib(ev['memory'].get('peak'))}",
-      f"  FLOPs per step per device: {train['flops_per_device']:.3e} ({train['flops_source']}); "
-      f"matmul FLOPs per example {train['matmul_flops_per_example']:.3e}",
+      f"  FLOPs per step per device: {train['flops_per_device']:.3e}, per example "
+      f"{train['flops_per_example']:.3e} ({train['flops_source']}); matmul FLOPs per example "
+      f"{train['matmul_flops_per_example']:.3e}",
   ]
   if train.get("bytes_accessed_per_device") is not None:
     lines.append(
