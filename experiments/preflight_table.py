@@ -248,8 +248,8 @@ def render() -> str:
       "",
       f"{len(results)} of {len(cells())} cells compiled. Est. = the roofline bound at "
       f"{', '.join(f'{u:.0%}' for u in utilization) or '40%'} of it (`preflight.utilization`); "
-      "GPU rows have no XLA cost analysis, so their FLOPs are the jaxpr's matmul count and their "
-      "bytes a lower bound (the estimate is optimistic); TPU rows use XLA's cost analysis. "
+      "TPU rows use XLA's cost analysis; GPU rows, which have none, the HLO cost analysis of the "
+      "GPU-optimised program read on this host (docs/scaling.md, what the figures can tell). "
       f"Provenance: commits {', '.join(commits)}, {', '.join(dates)}, compiled on a 2-core x86_64 "
       f"CPU; {'; '.join(versions)}. Each cell's command is in `{RECORD}`.",
   ]

@@ -112,7 +112,10 @@ def test_quickstart_on_an_h100_node():
   record = preflight(config, preflight_program)
   assert record["fits"] and record["target"]["devices"] == 8
   train = record["train_step"]
-  assert train["flops_source"] == "matmul count of the jaxpr"  # GPU: no XLA cost analysis.
+  # GPU: no cost analysis of the compiled program; the optimised HLO's, read on this host.
+  assert "xla_cost" not in train and train["optimized_hlo_cost"]["bytes accessed"] > 0
+  assert train["bytes_accessed_source"].startswith("hlo cost analysis of the optimised program")
+  assert train["flops_source"] != "xla cost analysis"
   assert "all-reduce" in train["collectives"]  # Data parallel: gradients are summed.
   total, _ = param_bytes_by_hand(config)
   assert train["memory"]["parameters"] == total
@@ -269,3 +272,18 @@ def test_compile_without_a_target_names_the_key():
   config = quickstart()
   with pytest.raises(ConfigError, match=r"preflight.target.*name the target to compile for; known: v4-8"):
     preflight(config, preflight_program)
+
+
+def test_the_optimised_gpu_program_is_costed_on_this_host():
+  target = get_target("h100x1")
+  mesh = Mesh(np.array(devices(target)).reshape(1, 1), ("data", "expert"))
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))
+  x, w = spec((512, 256)), spec((256, 1024))
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(lambda x, w: jnp.tanh(x @ w)).lower(x, w).compile()
+  assert analysis.cost(compiled) is None  # XLA's GPU compiler gives none.
+  hlo = analysis.optimized_hlo_cost(compiled)
+  # One product and a tanh: 2MNK FLOPs (and the tanh's), and at least the operands read and
+  # the result written.
+  assert 2 * 512 * 256 * 1024 <= hlo["flops"] <= 1.01 * 2 * 512 * 256 * 1024 + 512 * 1024
+  assert hlo["bytes accessed"] >= 4 * (512 * 256 + 256 * 1024 + 512 * 1024)

@@ -75,6 +75,27 @@ def cost(compiled: Any) -> dict[str, float] | None:
   return dict(result) if result else None
 
 
+def optimized_hlo_cost(compiled: Any) -> dict[str, float] | None:
+  """XLA's HLO cost analysis of the program as the target's compiler optimised it (its
+  fusions, its GEMM calls), evaluated with this host's CPU client; None where that fails.
+
+  For a GPU, whose compiled program has no cost analysis of its own: the bytes it counts are
+  each fusion's and kernel's operands and results, i.e. the traffic of the optimised program,
+  where `memory` alone gives only a lower bound. It uses jaxlib's HLO bindings, which are not
+  a public API, hence the fallback.
+  """
+  try:
+    from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
+    from jaxlib import _hlo  # pylint: disable=import-outside-toplevel
+
+    module = _hlo.hlo_module_from_text(compiled.as_text())
+    client = jax.devices("cpu")[0].client
+    result = xla_client._xla.hlo_module_cost_analysis(client, module)  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except  # Private bindings: best effort.
+    return None
+  return {k: float(v) for k, v in result.items() if k in ("flops", "bytes accessed")} or None
+
+
 # --- Collectives in the optimised HLO --------------------------------------------------------
 
 COLLECTIVES = (

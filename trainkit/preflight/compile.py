@@ -184,6 +184,10 @@ def compile_step(
   record["fits"] = record["memory"]["peak"] <= target.usable_bytes
   record["collectives"] = analysis.collectives(compiled.as_text())
   cost = analysis.cost(compiled)
+  if not cost and target.platform == "gpu":
+    hlo = analysis.optimized_hlo_cost(compiled)
+    if hlo:
+      record["optimized_hlo_cost"] = hlo
   if cost:
     # A negative optimal_seconds is XLA's "no estimate" (seen with collectives in the program).
     record["xla_cost"] = {
@@ -250,10 +254,20 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
   )
   n = target.num_devices
   xla = train.get("xla_cost", {})
+  hlo = train.get("optimized_hlo_cost", {})
   matmul_per_device = counted["flops"] / n
-  flops = xla.get("flops") or matmul_per_device
+  flops = xla.get("flops") or max(hlo.get("flops", 0.0), matmul_per_device)
+  if "flops" in xla:
+    flops_source = "xla cost analysis"
+  elif hlo.get("flops", 0.0) > matmul_per_device:
+    flops_source = "hlo cost analysis of the optimised program"
+  else:
+    flops_source = "matmul count of the jaxpr"
   if "bytes accessed" in xla:
     bytes_accessed, bytes_source = xla["bytes accessed"], "xla cost analysis"
+  elif hlo.get("bytes accessed"):
+    bytes_accessed = hlo["bytes accessed"]
+    bytes_source = "hlo cost analysis of the optimised program (this host's cpu client)"
   elif train["memory"].get("arguments") is not None:
     m = train["memory"]
     bytes_accessed = m["arguments"] + m["outputs"] + 2 * m["temporaries"]
@@ -267,7 +281,7 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
   train.update(
       flops_per_device=flops,
       flops_per_example=flops * n / config.batch_size,
-      flops_source="xla cost analysis" if "flops" in xla else "matmul count of the jaxpr",
+      flops_source=flops_source,
       matmul_flops_per_step=counted["flops"],
       matmul_flops_per_example=counted["flops"] / config.batch_size,
       uncounted_loops=counted["uncounted_loops"],
