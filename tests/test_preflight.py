@@ -31,7 +31,8 @@ from fairmoe_jax import data as data_lib
 from fairmoe_jax.preflight import batch_spec, dataset_info, preflight_program
 from trainkit.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
 from trainkit.preflight import analysis
-from trainkit.preflight.compile import does_not_fit_message, preflight, validate_preflight
+from trainkit.mesh import make_mesh
+from trainkit.preflight.compile import does_not_fit_message, host_rows, preflight, validate_preflight
 from trainkit.preflight.targets import TARGETS, devices, get_target
 
 pytest.importorskip("libtpu", reason="the preflight extra is not installed")
@@ -87,7 +88,9 @@ def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   config = quickstart(**{"preflight.target": "v5e-8", "mesh.expert": 2, "moe.dispatch": "sort"})
   record = preflight(config, preflight_program)
   assert record["fits"] and record["mesh"] == {"data": 4, "expert": 2}
-  assert record["batch"] == {"global": 128, "per_host": 128, "per_device": 16, "eval_global": 256}
+  assert record["batch"] == {
+      "global": 128, "per_host": 128, "per_device": 16, "eval_global": 256, "host_rows": [[0, 128]]
+  }
   train = record["train_step"]
   # Experts over two devices: tokens travel to their experts and back.
   assert "all-to-all" in train["collectives"] and train["collectives"]["all-to-all"]["count"] >= 2
@@ -165,6 +168,15 @@ def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
   peak = record["train_step"]["memory"]["peak"]
   assert peak > record["target"]["usable_bytes"] and not record["fits"]
   assert "fits: NO" in result.stdout
+
+
+def test_each_host_of_a_slice_holds_the_rows_its_input_pipeline_reads():
+  mesh = make_mesh({"data": -1, "expert": 4}, list(devices(get_target("v5e-16"))))
+  assert host_rows(mesh, 256) == [[0, 64], [64, 128], [128, 192], [192, 256]]
+  # Devices laid out host-interleaved: host 0 would hold rows another host's pipeline reads.
+  shuffled = Mesh(np.asarray(devices(get_target("v5e-16")))[[0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]].reshape(4, 4), ("data", "expert"))
+  with pytest.raises(RuntimeError, match=r"host 0's devices hold batch rows other than its block \[0, 64\)"):
+    host_rows(shuffled, 256)
 
 
 def test_the_targets_describe_their_hosts():

@@ -117,6 +117,31 @@ class Program:
 BuildProgram = Callable[[ml_collections.ConfigDict, Mesh], Program]
 
 
+def host_rows(mesh: Mesh, batch_size: int) -> list[list[int]]:
+  """[first, end) of the global batch rows each host's devices hold, host by host.
+
+  A multi-process run feeds host i the rows [i * B/n, (i + 1) * B/n) of every global batch
+  (`trainkit.mesh.process_block`, the input pipelines): the mesh must give each host's devices
+  exactly that block. Raises a RuntimeError naming the host whose rows are not its block.
+  """
+  rows: dict[int, set[int]] = {}
+  for device, index in batch_sharding(mesh).devices_indices_map((batch_size,)).items():
+    start, stop, _ = index[0].indices(batch_size)
+    rows.setdefault(device.process_index, set()).update(range(start, stop))
+  hosts = sorted(rows)
+  block = batch_size // len(hosts)
+  blocks = []
+  for i, host in enumerate(hosts):
+    expected = set(range(i * block, (i + 1) * block))
+    if rows[host] != expected:
+      raise RuntimeError(
+          f"host {host}'s devices hold batch rows other than its block [{i * block}, "
+          f"{(i + 1) * block}): the mesh does not match the multi-process input pipeline"
+      )
+    blocks.append([i * block, (i + 1) * block])
+  return blocks
+
+
 def _sharded_batch(batch: Mapping[str, jax.ShapeDtypeStruct], mesh: Mesh) -> dict[str, Any]:
   sharding = batch_sharding(mesh)
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
@@ -313,6 +338,7 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
           "per_host": config.batch_size // target.num_hosts,
           "per_device": config.batch_size // n,
           "eval_global": config.eval_batch_size,
+          "host_rows": host_rows(mesh, config.batch_size),
       },
       "fits": fits,
       "train_step": train,
