@@ -26,13 +26,18 @@ from conftest import REPO_ROOT
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fairmoe_jax.methods import METHODS
 from fairmoe_jax import data as data_lib
+from fairmoe_jax.methods import METHODS
 from fairmoe_jax.preflight import batch_spec, dataset_info, preflight_program
 from trainkit.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
-from trainkit.preflight import analysis
 from trainkit.mesh import make_mesh
-from trainkit.preflight.compile import does_not_fit_message, host_rows, preflight, validate_preflight
+from trainkit.preflight import analysis
+from trainkit.preflight.compile import (
+  does_not_fit_message,
+  host_rows,
+  preflight,
+  validate_preflight,
+)
 from trainkit.preflight.targets import TARGETS, devices, get_target
 
 pytest.importorskip("libtpu", reason="the preflight extra is not installed")
