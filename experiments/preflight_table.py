@@ -10,7 +10,8 @@ Each cell is one `--mode=compile` of a main (`trainkit/preflight`), run as a use
 in a subprocess: FairSMoE, vanilla SMoE, Muffin and MultiFair with DeiT-S, DeiT-B, Swin-S and
 Swin-B at 224 px, batch 256, 4 experts (paper Table 1; `configs/celeba.py`), and the Causal
 Transformer's WMT14 En-De base model and its MNLI classifier, on `h100x1`, `h100x8` (data
-parallel, and with `mesh.expert=4` for the MoE runs), `v5e-16` and `v4-32`. A cell's record
+parallel, and with `mesh.expert=4` for FairSMoE and vanilla SMoE, the methods with an MoE
+block), `v5e-16` and `v4-32`. A cell's record
 (fit, peak bytes per device, FLOPs, the roofline step time, compile time, or the error) goes to
 `results/records/preflight_paper.json` as soon as it is compiled, so `--compile` resumes where
 it stopped; the table is rendered from the record alone, with its provenance.
@@ -60,8 +61,8 @@ def cells() -> list[dict[str, Any]]:
   for backbone in BACKBONES:
     for method in METHODS:
       for target, overrides in TARGETS:
-        if overrides.get("mesh.expert") and method == "muffin":
-          continue  # Muffin has no MoE block: nothing to spread over an expert axis.
+        if overrides.get("mesh.expert") and method in ("muffin", "multifair"):
+          continue  # No MoE block (dense backbones): nothing to spread over an expert axis.
         found.append(
             dict(
                 name=_name(f"{method}/{backbone}", target, overrides),
@@ -181,9 +182,9 @@ def _commit() -> str:
     return "unknown"
 
 
-def compile_missing(pattern: str, skip: str) -> None:
+def compile_missing(pattern: str, skip: str, reverse: bool = False) -> None:
   record = _load()
-  for cell in cells():
+  for cell in reversed(cells()) if reverse else cells():
     if not fnmatch.fnmatch(cell["name"], f"*{pattern}*") or (skip and skip in cell["name"]):
       continue
     if cell["name"] in _load()["cells"]:
@@ -282,6 +283,7 @@ def replace_between_markers(path: str, table: str) -> None:
 _COMPILE = flags.DEFINE_bool("compile", False, "compile the cells missing from the record")
 _ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
 _SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
+_REVERSE = flags.DEFINE_bool("reverse", False, "with --compile: last cell first (a second worker)")
 _WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
 _CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
 
@@ -289,7 +291,7 @@ _CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs
 def main(argv: list[str]) -> None:
   del argv
   if _COMPILE.value:
-    compile_missing(_ONLY.value, _SKIP.value)
+    compile_missing(_ONLY.value, _SKIP.value, _REVERSE.value)
   if _WRITE.value:
     replace_between_markers(_WRITE.value, render())
   if _CHECK.value:
