@@ -241,11 +241,27 @@ def render() -> str:
   ]
   lines += [_row(cell, results.get(cell["name"])) for cell in cells()]
   done = [r for r in results.values() if "provenance" in r]
+  misfits = [
+      f"{name} needs {_gib(r['peak'])} GiB per device"
+      + (" at least (the TPU compiler's count of its temporaries)" if r.get("refused_by_compiler") else "")
+      + f" of {_gib(r['usable'])} usable"
+      for name, r in sorted(results.items())
+      if "provenance" in r and not r["fits"]
+  ]
+  lines_fit = (
+      "Do not fit: " + "; ".join(misfits) + ". Each is the whole global batch of 256 (its "
+      "activations for the backward pass) on too few devices: more devices (`mesh.data`), a "
+      "smaller `batch_size` or `compute_dtype=bfloat16` changes that."
+      if misfits
+      else "Every compiled cell fits."
+  )
   versions = sorted({json.dumps(r["provenance"], sort_keys=True) for r in done})
   commits = sorted({r.get("commit", "?") for r in results.values()})
   dates = sorted({r.get("date", "?") for r in results.values()})
   utilization = sorted({r["utilization"] for r in done if r.get("utilization")})
   lines += [
+      "",
+      lines_fit,
       "",
       f"{len(results)} of {len(cells())} cells compiled. Est. = the roofline bound at "
       f"{', '.join(f'{u:.0%}' for u in utilization) or '40%'} of it (`preflight.utilization`); "
