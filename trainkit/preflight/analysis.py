@@ -85,10 +85,9 @@ def optimized_hlo_cost(compiled: Any) -> dict[str, float] | None:
   a public API, hence the fallback.
   """
   try:
-    from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
-    from jaxlib import _hlo  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import hlo, xla_client  # pylint: disable=import-outside-toplevel
 
-    module = _hlo.hlo_module_from_text(compiled.as_text())
+    module = hlo.hlo_module_from_text(compiled.as_text())
     client = jax.devices("cpu")[0].client
     result = xla_client._xla.hlo_module_cost_analysis(client, module)  # pylint: disable=protected-access
   except Exception:  # pylint: disable=broad-except  # Private bindings: best effort.
