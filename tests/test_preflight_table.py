@@ -1,0 +1,42 @@
+"""docs/scaling.md's table of the paper's configurations is rendered from its record alone."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from experiments import preflight_table
+
+
+def test_the_table_in_the_docs_is_the_record(monkeypatch):
+  monkeypatch.chdir(REPO_ROOT)
+  shown = preflight_table.text_between_markers("docs/scaling.md")
+  assert shown == preflight_table.render()
+  record = preflight_table._load()
+  # Every cell of the record is a cell of the table, with its command and provenance.
+  names = {cell["name"] for cell in preflight_table.cells()}
+  assert set(record["cells"]) <= names
+  for result in record["cells"].values():
+    assert result["command"].startswith("python -m ") and "--mode=compile" in result["command"]
+    assert "error" in result or (result["peak"] and result["provenance"]["jax"])
+
+
+def test_check_fails_on_a_changed_table(tmp_path):
+  text = (REPO_ROOT / "docs" / "scaling.md").read_text()
+  start = text.index("<!-- table:preflight_paper -->")
+  changed = tmp_path / "scaling.md"
+  changed.write_text(text[: start + 40] + "| a changed row |\n" + text[start + 40 :])
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.preflight_table", f"--check={changed}"],
+      cwd=REPO_ROOT, capture_output=True, text=True,
+  )
+  assert result.returncode == 1 and "differs" in result.stderr
+
+
+@pytest.mark.parametrize("markers", ["", "<!-- /table:preflight_paper -->\n<!-- table:preflight_paper -->\n"])
+def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, markers):
+  path = tmp_path / "doc.md"
+  path.write_text("# Doc\n" + markers)
+  with pytest.raises(SystemExit, match=r"doc\.md: expected one"):
+    preflight_table.text_between_markers(str(path))
