@@ -39,6 +39,8 @@ from typing import Any
 
 from absl import app, flags
 
+from trainkit.metric_writers import write_atomically
+
 NAME = "preflight_paper"
 RECORD = os.path.join("results", "records", f"{NAME}.json")
 BATCH = 256
@@ -166,11 +168,7 @@ def _save(record: dict[str, Any], name: str, result: dict[str, Any]) -> None:
   """Adds one cell to the record on disk (read again first: two --compile may run at once)."""
   record.update(_load())
   record["cells"][name] = result
-  tmp = f"{RECORD}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(record, f, indent=1, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, RECORD)
+  write_atomically(RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def _commit() -> str:

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from trainkit.errors import UserError
+from trainkit.throughput import PEAK_FLOPS_BY_KIND
 
 GIB = 1024**3
 
@@ -127,7 +128,7 @@ device_description_str: "{name}"
 _H100 = dict(
     device_kind="NVIDIA H100 80GB HBM3",
     memory_bytes=84_942_979_072,
-    peak_bf16_flops=989e12,
+    peak_bf16_flops=PEAK_FLOPS_BY_KIND["NVIDIA H100"],
     peak_tf32_flops=494e12,
     memory_bandwidth=3.35e12,
 )
@@ -146,7 +147,7 @@ _H100_DESCRIPTION = _gpu_description(
 _A100 = dict(
     device_kind="NVIDIA A100-SXM4-80GB",
     memory_bytes=85_100_068_864,
-    peak_bf16_flops=312e12,
+    peak_bf16_flops=PEAK_FLOPS_BY_KIND["NVIDIA A100"],
     peak_tf32_flops=156e12,
     memory_bandwidth=2.039e12,
 )
@@ -180,12 +181,13 @@ def _gpu(name: str, facts: dict[str, Any], description: str, hosts: int, per_hos
 
 
 # TPU chips (Google Cloud's system architecture pages): HBM, bf16 peak, HBM bandwidth.
-_V4 = dict(device_kind="TPU v4", memory_bytes=32 * GIB, memory_bandwidth=1.2e12,
-           peak_bf16_flops=275e12, peak_tf32_flops=275e12)
-_V5E = dict(device_kind="TPU v5 lite", memory_bytes=16 * GIB, memory_bandwidth=8.19e11,
-            peak_bf16_flops=197e12, peak_tf32_flops=197e12)
-_V5P = dict(device_kind="TPU v5", memory_bytes=95 * GIB, memory_bandwidth=2.765e12,
-            peak_bf16_flops=459e12, peak_tf32_flops=459e12)
+# float32 matmuls run as bf16 passes on a TPU: one peak for both (the bf16 peaks are
+# trainkit.throughput's, which MFU uses too).
+_V4 = dict(device_kind="TPU v4", memory_bytes=32 * GIB, memory_bandwidth=1.2e12)
+_V5E = dict(device_kind="TPU v5 lite", memory_bytes=16 * GIB, memory_bandwidth=8.19e11)
+_V5P = dict(device_kind="TPU v5", memory_bytes=95 * GIB, memory_bandwidth=2.765e12)
+for _chip in (_V4, _V5E, _V5P):
+  _chip["peak_bf16_flops"] = _chip["peak_tf32_flops"] = PEAK_FLOPS_BY_KIND[_chip["device_kind"]]
 
 
 def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: Any) -> Target:
