@@ -25,7 +25,7 @@ from flax import struct
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
-from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights, gelu_exact
 from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_slots
 
 # Block sizes the automatic choice picks from (`choose_block_size`).
@@ -124,10 +124,6 @@ def block_plan(
   return BlockPlan(slots=slots, block_bounds=block_bounds, block_size=block_size)
 
 
-def _gelu(h: jax.Array) -> jax.Array:
-  return jax.nn.gelu(h, approximate=False)
-
-
 @jax.custom_vjp
 def block_mlp(rows: jax.Array, block_bounds: jax.Array, experts: ExpertWeights) -> jax.Array:
   """Expert e's MLP on blocks [block_bounds[e], block_bounds[e + 1]) of rows [NB, B, D].
@@ -146,7 +142,7 @@ def _block_mlp_fwd(rows, block_bounds, experts):
     w1, b1, w2, b2 = w.w1[e], w.b1[e], w.w2[e], w.b2[e]
 
     def block_body(b, out):
-      return out.at[b].set(_gelu(rows[b] @ w1 + b1) @ w2 + b2)
+      return out.at[b].set(gelu_exact(rows[b] @ w1 + b1) @ w2 + b2)
 
     return jax.lax.fori_loop(block_bounds[e], block_bounds[e + 1], block_body, out)
 
@@ -166,7 +162,7 @@ def _block_mlp_bwd(residuals, d_out):
 
     def block_body(b, carry):
       d_rows, g = carry
-      h, gelu_vjp = jax.vjp(_gelu, rows[b] @ w1 + b1)
+      h, gelu_vjp = jax.vjp(gelu_exact, rows[b] @ w1 + b1)
       d_o = d_out[b]
       (d_pre,) = gelu_vjp(d_o @ w2.T)
       g = ExpertWeights(

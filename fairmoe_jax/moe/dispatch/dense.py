@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
-from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights, gelu_exact
 
 
 def moe_dense(
@@ -32,7 +32,7 @@ def moe_dense(
   num_experts = experts.num_experts
   w = experts.cast(x.dtype)
   h = jnp.einsum("gsd,edh->gesh", x, w.w1) + w.b1[:, None, :]
-  h = jax.nn.gelu(h, approximate=False)
+  h = gelu_exact(h)
   out = jnp.einsum("gesh,ehd->gesd", h, w.w2) + w.b2[:, None, :]
   # [G, S, E] gate of each expert, 0 where not chosen (a token's k experts differ).
   weights = jnp.einsum(

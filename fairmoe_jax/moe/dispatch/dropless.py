@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
-from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights, gelu_exact
 
 
 def moe_dropless(
@@ -50,7 +50,7 @@ def moe_dropless(
   w = experts.cast(x.dtype)
   x_sorted = x.reshape(num_groups * group_size, dim)[token]
   h = jax.lax.ragged_dot(x_sorted, w.w1, group_sizes) + w.b1[sorted_expert]
-  h = jax.nn.gelu(h, approximate=False)
+  h = gelu_exact(h)
   out = jax.lax.ragged_dot(h, w.w2, group_sizes) + w.b2[sorted_expert]
   weighted = out * gates.reshape(num_choices)[sorted_choice].astype(x.dtype)[:, None]
   y = jnp.zeros((num_groups * group_size, dim), x.dtype).at[token].add(weighted)

@@ -6,7 +6,40 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+
+@jax.custom_jvp
+def gelu_exact(x: jax.Array) -> jax.Array:
+  """The exact (erf) GELU, `jax.nn.gelu(x, approximate=False)`, with its derivative spelled out.
+
+  The values are jax's own. The derivative is the one jax <= 0.10 derives for that function,
+  op for op, so the gradients are bit-identical there. jax 0.11+ differentiates `erfc`
+  through `lax.polynomial` with literal coefficients, which `jax.shard_map(check_vma=True)`
+  rejects ("Primitive polynomial requires varying manual axes to match") when `x` varies
+  over a mesh axis, as the expert-parallel layer's tokens do (docs/design.md, "The exact
+  GELU under shard_map").
+  """
+  return jax.nn.gelu(x, approximate=False)
+
+
+@gelu_exact.defjvp
+def _gelu_exact_jvp(primals, tangents):
+  # gelu(x) = 0.5 x erfc(u), u = -x / sqrt(2), and erfc'(u) = -2 / sqrt(pi) exp(-u^2). The
+  # ops and their order are those of jax's own JVP of `jax.nn.gelu` (jax 0.10), so that the
+  # transposed (reverse-mode) rule is too.
+  (x,), (x_dot,) = primals, tangents
+  sqrt_half = np.sqrt(0.5).astype(x.dtype)
+  u = -x * sqrt_half
+  u_dot = -x_dot * sqrt_half
+  erfc_u = jax.lax.erfc(u)
+  half_x = 0.5 * x
+  erfc_slope = np.array(-2.0 / np.sqrt(np.pi), x.dtype)
+  erfc_dot = erfc_slope * (u_dot * jnp.exp(-jnp.square(u)))
+  y = (half_x * erfc_u).astype(x.dtype)
+  y_dot = ((0.5 * x_dot) * erfc_u + half_x * erfc_dot).astype(x.dtype)
+  return y, y_dot
 
 
 @struct.dataclass
@@ -45,5 +78,5 @@ class ExpertWeights:
     """
     w = self.cast(x.dtype)
     h = jnp.einsum("...end,edh->...enh", x, w.w1) + w.b1[:, None, :]
-    h = jax.nn.gelu(h, approximate=False)
+    h = gelu_exact(h)
     return jnp.einsum("...enh,ehd->...end", h, w.w2) + w.b2[:, None, :]
