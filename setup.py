@@ -86,9 +86,9 @@ setup(
         # `tensorboard --logdir WORKDIR` shows every scalar a run logs (README, "Outputs").
         "tensorboard": ["tensorboard>=2.15"],
         # `--mode=compile` (trainkit/preflight): libtpu and the CUDA plugin without CUDA, to
-        # compile for a TPU slice or GPU node on a machine without one; pinned to the jax they
-        # were tested with (the plugins must match jaxlib exactly).
-        "preflight": ["jax[tpu,cuda12-local]==0.10.2", "libtpu==0.0.42.1"],
+        # compile for a TPU slice or GPU node on a machine without one. jax's own extras pin
+        # the libtpu and plugin that match its jaxlib; constraints.txt pins the tested ones.
+        "preflight": ["jax[tpu,cuda12-local]"],
         "dev": ["pyink>=24"],
     },
 )

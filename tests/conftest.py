@@ -41,6 +41,16 @@ ENDE_TINY_DATA = {
     "data.vocab_size": 200,
 }
 
+# This project's modules, as a regex over a warning's module (tests/test_deprecations.py).
+OWN_MODULES = r"(fairmoe_jax|causal_attn_jax|trainkit|experiments)(\.|$)"
+
+
+def pytest_configure(config):
+  # A deprecated call from our own code is an error in every test, on either stack (README,
+  # "Tested versions").
+  for category in ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"):
+    config.addinivalue_line("filterwarnings", f"error::{category}:{OWN_MODULES}")
+
 
 @pytest.fixture
 def repo_root() -> pathlib.Path:

@@ -19,6 +19,24 @@ def test_readme_has_exactly_two_commands():
   assert 'pip install -e ".[test,preflight]"' in commands[1] and "pytest" in commands[1]
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_test_command_on_both_stacks():
   ci_lines = (REPO_ROOT / ".ci/run").read_text().splitlines()
-  assert _quickstart_commands()[1] in ci_lines
+  command = _quickstart_commands()[1]
+  # The newest stack: the README's command verbatim (with python3 being Python 3.13).
+  assert command in ci_lines
+  # The pinned stack: the same command with every package pinned by constraints.txt.
+  install, tests = command.split(" && pytest ")
+  assert f"{install} -c constraints.txt && pytest {tests}" in ci_lines
+  assert ci_lines.index(f"{install} -c constraints.txt && pytest {tests}") < ci_lines.index(command)
+
+
+def test_readme_names_the_tested_versions():
+  readme = (REPO_ROOT / "README.md").read_text()
+  section = readme.split("### Tested versions", 1)[1].split("\n#", 1)[0]
+  pins = dict(
+      line.split("==") for line in (REPO_ROOT / "constraints.txt").read_text().splitlines()
+      if "==" in line and not line.startswith("#")
+  )
+  for package in ("jax", "jaxlib", "flax", "orbax-checkpoint", "grain", "optax", "numpy"):
+    assert f"{package} {pins[package]}" in section, package
+  assert "Python 3.11" in section and "Python 3.13" in section
