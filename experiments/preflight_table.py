@@ -39,6 +39,8 @@ from typing import Any
 
 from absl import app, flags
 
+from experiments.markers import MarkedTable, marked_tables
+from trainkit.errors import UserError, exit_on_user_error
 from trainkit.metric_writers import write_atomically
 
 NAME = "preflight_paper"
@@ -271,27 +273,26 @@ def render() -> str:
   return "\n".join(lines) + "\n"
 
 
-def _marked(text: str, path: str) -> tuple[int, int]:
-  """The span between this table's start and end markers; an error naming the file otherwise."""
-  start, end = f"<!-- table:{NAME} -->\n", f"<!-- /table:{NAME} -->"
-  if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
-    sys.exit(f"error: {path}: expected one '{start.strip()}' line before one '{end}'")
-  return text.index(start) + len(start), text.index(end)
+def _marked(text: str, path: str) -> MarkedTable:
+  """This table's place in the document; an error naming the file and line otherwise."""
+  ours = [table for table in marked_tables(text, path) if table.name == NAME]
+  if not ours:
+    raise UserError(f"{path}: no '<!-- table:{NAME} -->' ... '<!-- /table:{NAME} -->' lines")
+  return ours[0]
 
 
 def text_between_markers(path: str) -> str:
-  with open(path) as f:
+  with open(path, encoding="utf-8") as f:
     text = f.read()
-  begin, end = _marked(text, path)
-  return text[begin:end]
+  table = _marked(text, path)
+  return text[table.body_start : table.body_end]
 
 
 def replace_between_markers(path: str, table: str) -> None:
-  with open(path) as f:
+  with open(path, encoding="utf-8") as f:
     text = f.read()
-  begin, end = _marked(text, path)
-  with open(path, "w") as f:
-    f.write(text[:begin] + table + text[end:])
+  ours = _marked(text, path)
+  write_atomically(path, text[: ours.body_start] + table + text[ours.body_end :])
 
 
 _COMPILE = flags.DEFINE_bool("compile", False, "compile the cells missing from the record")
@@ -302,6 +303,7 @@ _WRITE = flags.DEFINE_string("write", None, "render the table into this markdown
 _CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
 
 
+@exit_on_user_error
 def main(argv: list[str]) -> None:
   del argv
   if _COMPILE.value:

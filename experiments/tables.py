@@ -58,6 +58,7 @@ from absl import app, flags
 
 from experiments import stats
 from experiments.collect import collect, is_number, lookup
+from experiments.markers import marked_tables, replace_tables
 from experiments.spec import (
     REPO_ROOT,
     REPORT,
@@ -68,15 +69,12 @@ from experiments.spec import (
     run_record,
 )
 from trainkit.errors import UserError, exit_on_user_error
+from trainkit.metric_writers import write_atomically
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "results")
 RECORDS_DIR = os.path.join(RESULTS_DIR, "records")
 SEED_KEY = "seed"
 DEFAULT_TOLERANCE = 0.02
-_MARKER = re.compile(
-    r"(<!-- table:(?P<name>[A-Za-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Column:
@@ -377,11 +375,16 @@ def write_record(spec: TableSpec, workdir: str) -> str:
   return path
 
 
+# What `render` and `stale_runs` read of a record.
+_RECORD_KEYS = ("provenance", "runs")
+_PROVENANCE_KEYS = ("commit", "date", "machine", "seeds", "commands")
+
+
 def read_record(name: str) -> dict[str, Any]:
   path = record_path(name)
   try:
     with open(path) as f:
-      return json.load(f)
+      record = json.load(f)
   except FileNotFoundError:
     raise UserError(
         f"table {name!r} has no record {os.path.relpath(path, REPO_ROOT)}; make it with "
@@ -389,6 +392,16 @@ def read_record(name: str) -> dict[str, Any]:
     ) from None
   except ValueError as e:
     raise UserError(f"{os.path.relpath(path, REPO_ROOT)}: not JSON ({e})") from None
+  where = os.path.relpath(path, REPO_ROOT)
+  if not isinstance(record, dict):
+    raise UserError(f"{where}: not a table record (a JSON object with {', '.join(_RECORD_KEYS)})")
+  for key in _RECORD_KEYS:
+    if key not in record:
+      raise UserError(f"{where}: the record has no {key!r} (remake it with --record={name})")
+  for key in _PROVENANCE_KEYS:
+    if not isinstance(record["provenance"], dict) or key not in record["provenance"]:
+      raise UserError(f"{where}: the record's provenance has no {key!r} (remake it with --record={name})")
+  return record
 
 
 def stale_runs(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
@@ -564,39 +577,38 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _sections(text: str) -> list[re.Match]:
-  return list(_MARKER.finditer(text))
+def _read_doc(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"{path}: cannot read the document ({e})") from None
 
 
 def write_doc(path: str) -> list[str]:
   """Renders every marked table of the markdown file `path` in place; returns their names."""
-  with open(path) as f:
-    text = f.read()
+  text = _read_doc(path)
   names = []
 
-  def replace(match: re.Match) -> str:
-    name = match["name"]
+  def rendered(name: str) -> str:
     names.append(name)
-    spec = load_table(name)
-    return match.group(1) + render(spec, read_record(name)) + match.group(4)
+    return render(load_table(name), read_record(name))
 
-  text = _MARKER.sub(replace, text)
-  with open(path, "w") as f:
-    f.write(text)
+  text = replace_tables(text, path, rendered)
+  write_atomically(path, text)
   return names
 
 
 def check_doc(path: str) -> list[str]:
   """Problems with the marked tables of `path`: a table that differs from its record's
   rendering (with the diff), a record that no longer matches its spec, an unmarked table name."""
-  with open(path) as f:
-    text = f.read()
+  text = _read_doc(path)
   problems = []
-  sections = _sections(text)
-  if not sections:
+  tables = marked_tables(text, path)
+  if not tables:
     problems.append(f"{path}: no marked table (<!-- table:NAME --> ... <!-- /table:NAME -->)")
-  for match in sections:
-    name = match["name"]
+  for table in tables:
+    name, body = table.name, text[table.body_start : table.body_end]
     try:
       spec = load_table(name)
       record = read_record(name)
@@ -606,10 +618,10 @@ def check_doc(path: str) -> list[str]:
     for why in stale_runs(spec, record):
       problems.append(f"{path}: table {name}: the record is stale: {why}")
     expected = render(spec, record)
-    if match["body"] != expected:
+    if body != expected:
       diff = "".join(
           difflib.unified_diff(
-              match["body"].splitlines(True), expected.splitlines(True), "in the file", "rendered"
+              body.splitlines(True), expected.splitlines(True), "in the file", "rendered"
           )
       )
       problems.append(f"{path}: table {name} differs from its record:\n{diff}")

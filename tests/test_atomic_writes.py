@@ -11,6 +11,7 @@ import pytest
 
 from causal_attn_jax import report as causal_report
 from fairmoe_jax.metrics import predictions
+from trainkit.metric_writers import write_atomically
 
 
 class _Unprintable(float):
@@ -38,3 +39,15 @@ def test_causal_report_is_kept_when_a_rewrite_fails(tmp_path):
   with pytest.raises(TypeError):
     causal_report.write_report({"accuracy": 0.7, "bad": object()}, str(tmp_path))
   assert json.loads(path.read_text()) == {"accuracy": 0.5}
+
+
+def test_write_atomically_itself_keeps_the_old_file_when_the_write_fails(tmp_path):
+  # The failure happens inside the helper, while the bytes are written (the tests above fail
+  # before it is called): a helper that wrote in place would leave a truncated file.
+  path = tmp_path / "notes.txt"
+  write_atomically(str(path), "old text\n")
+  unencodable = "new text " * 1000 + "\ud800"  # A lone surrogate: not valid UTF-8.
+  with pytest.raises(UnicodeEncodeError):
+    write_atomically(str(path), unencodable)
+  assert path.read_text() == "old text\n"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # No temporary left.

@@ -1,12 +1,13 @@
 """Config files load and validate; impossible values are rejected naming the key."""
 
+import importlib
 import importlib.util
 
 import pytest
+from conftest import REPO_ROOT
 
 from fairmoe_jax import config as fairmoe_config
 from trainkit.errors import ConfigError
-from conftest import REPO_ROOT
 
 # The fairmoe configs; the causal_attn_jax ones (their docstrings run causal_attn_jax.main) are
 # checked by tests/test_causal_cli.py with that package's validator.
@@ -97,3 +98,32 @@ def test_base_config_is_valid_on_eight_devices():
 def test_every_config_file_documents_its_command(path):
   text = path.read_text()
   assert "python -m fairmoe_jax.main" in text or "python -m causal_attn_jax.main" in text
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(
+    "package, config_file, key",
+    [
+        ("fairmoe_jax", "quickstart.py", "moe.capacity_factor"),
+        ("fairmoe_jax", "quickstart.py", "moe.eval_capacity_factor"),
+        ("fairmoe_jax", "quickstart.py", "fair.alpha"),
+        ("fairmoe_jax", "quickstart.py", "optimizer.learning_rate"),
+        ("causal_attn_jax", "spurious_pairs.py", "data.spurious.distractor_prob"),
+        ("causal_attn_jax", "spurious_pairs.py", "data.spurious.cue_agreement"),
+        ("causal_attn_jax", "mnli_hans.py", "data.eval_fraction"),
+        ("causal_attn_jax", "mnli_hans.py", "num_epochs"),
+    ],
+)
+def test_a_non_finite_number_is_rejected_naming_the_key(package, config_file, key, value):
+  # NaN passes every range check (each comparison with it is false); no key gives inf a meaning.
+  validate = importlib.import_module(f"{package}.config").validate
+  config = _load(REPO_ROOT / "configs" / config_file)
+  node = config
+  *parents, name = key.split(".")
+  for part in parents:
+    node = node[part]
+  assert isinstance(node[name], (int, float)), key
+  node[name] = value
+  with pytest.raises(ConfigError) as e:
+    validate(config, num_devices=8, check_data=False)
+  assert e.value.key == key and "finite" in str(e.value)

@@ -4,9 +4,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
+
 from experiments import preflight_table
+from trainkit.errors import UserError
 
 
 def test_the_table_in_the_docs_is_the_record(monkeypatch):
@@ -34,9 +35,17 @@ def test_check_fails_on_a_changed_table(tmp_path):
   assert result.returncode == 1 and "differs" in result.stderr
 
 
-@pytest.mark.parametrize("markers", ["", "<!-- /table:preflight_paper -->\n<!-- table:preflight_paper -->\n"])
-def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, markers):
+@pytest.mark.parametrize("markers, error", [
+    ("", r"doc\.md: no '<!-- table:preflight_paper -->'"),
+    ("<!-- /table:preflight_paper -->\n<!-- table:preflight_paper -->\n",
+     r"doc\.md:2: '<!-- /table:preflight_paper -->' ends a table that was not started"),
+    ("<!-- table:preflight_paper -->\nx\n", r"doc\.md:2: table preflight_paper has no end marker"),
+])
+def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, markers, error):
   path = tmp_path / "doc.md"
   path.write_text("# Doc\n" + markers)
-  with pytest.raises(SystemExit, match=r"doc\.md: expected one"):
+  with pytest.raises(UserError, match=error):
     preflight_table.text_between_markers(str(path))
+  with pytest.raises(UserError, match=error):
+    preflight_table.replace_between_markers(str(path), "table\n")
+  assert path.read_text() == "# Doc\n" + markers

@@ -4,6 +4,7 @@ rendered tables are checked against their records, and a recorded run is reprodu
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import stats, tables
+from experiments.markers import replace_tables
 from trainkit.errors import UserError
 
 # ---------------------------------------------------------------- statistics on known answers
@@ -199,6 +201,79 @@ def test_check_passes_on_the_written_file_and_names_what_changed(toy_tables, tmp
   assert any("the record is stale" in p for p in tables.check_doc(str(doc)))
 
 
+def _two_table_doc(toy_tables, tmp_path):
+  """A document with two recorded tables (the toy spec under two names), written."""
+  shutil.copy(os.path.join(tables.RESULTS_DIR, "toy.py"), os.path.join(tables.RESULTS_DIR, "toy2.py"))
+  for name in ("toy", "toy2"):
+    tables.write_record(tables.load_table(name), str(toy_tables))
+  doc = tmp_path / "results.md"
+  doc.write_text(
+      "# Results\n\n<!-- table:toy -->\n<!-- /table:toy -->\n\nBetween.\n\n"
+      "<!-- table:toy2 -->\n<!-- /table:toy2 -->\n\nEnd.\n"
+  )
+  assert tables.write_doc(str(doc)) == ["toy", "toy2"]
+  assert tables.check_doc(str(doc)) == []
+  return doc
+
+
+def test_check_reads_every_table_of_a_document(toy_tables, tmp_path):
+  doc = _two_table_doc(toy_tables, tmp_path)
+  # Edit the second table only: the check must name it (not stop at the first).
+  text = doc.read_text()
+  second = text.index("<!-- table:toy2 -->")
+  doc.write_text(text[:second] + text[second:].replace("**holds**", "**does not hold**"))
+  (problem,) = tables.check_doc(str(doc))
+  assert "table toy2 differs from its record" in problem
+
+
+def test_a_start_marker_without_its_end_is_an_error_naming_its_line(toy_tables, tmp_path):
+  doc = _two_table_doc(toy_tables, tmp_path)
+  text = doc.read_text().replace("<!-- /table:toy -->\n", "")
+  # A stale number in the unterminated table: neither --check nor --write may pass over it.
+  text = text.replace("**holds**", "**does not hold**", 1)
+  doc.write_text(text)
+  line = text.splitlines().index("<!-- table:toy -->") + 1
+  with pytest.raises(UserError, match=rf"results.md:{line + 0}: table toy has no end marker|"
+                                      rf"table toy2 starts inside table toy"):
+    tables.check_doc(str(doc))
+  with pytest.raises(UserError, match="inside table toy"):
+    tables.write_doc(str(doc))
+  assert doc.read_text() == text
+
+
+def test_a_repeated_marker_after_a_missing_end_leaves_the_document_whole(toy_tables, tmp_path):
+  doc = _two_table_doc(toy_tables, tmp_path)
+  text = doc.read_text()
+  text = text.replace("<!-- /table:toy -->\n", "", 1) + "\n<!-- table:toy -->\nagain\n<!-- /table:toy -->\n"
+  doc.write_text(text)
+  with pytest.raises(UserError, match=r"results.md:\d+: "):
+    tables.write_doc(str(doc))
+  assert doc.read_text() == text  # Nothing deleted.
+  # Marked twice, each properly closed: an error too, naming both lines.
+  doc.write_text(_two_table_doc(toy_tables, tmp_path).read_text() + "\n<!-- table:toy -->\nx\n<!-- /table:toy -->\n")
+  with pytest.raises(UserError, match=r"table toy is marked a second time \(first at line 3\)"):
+    tables.check_doc(str(doc))
+
+
+def test_an_end_marker_without_its_start_is_an_error(tmp_path):
+  doc = tmp_path / "results.md"
+  doc.write_text("# R\n\n<!-- /table:toy -->\n")
+  with pytest.raises(UserError, match=r"results.md:3: '<!-- /table:toy -->' ends a table that was not started"):
+    tables.write_doc(str(doc))
+
+
+def test_a_record_without_provenance_names_the_file_and_the_key(toy_tables, tmp_path):
+  doc = _two_table_doc(toy_tables, tmp_path)
+  record = tables.read_record("toy2")
+  del record["provenance"]
+  with open(tables.record_path("toy2"), "w") as f:
+    json.dump(record, f)
+  (problem,) = tables.check_doc(str(doc))
+  assert "toy2.json: the record has no 'provenance'" in problem
+  with pytest.raises(UserError, match="toy2.json: the record has no 'provenance'"):
+    tables.write_doc(str(doc))
+
+
 def test_a_table_spec_mistake_names_the_key(toy_tables):
   spec_file = os.path.join(tables.RESULTS_DIR, "toy.py")
   with open(spec_file) as f:
@@ -253,7 +328,7 @@ def test_every_table_in_the_results_doc_matches_its_stored_record(repo_root):
   with open(repo_root / "docs" / "results.md") as f:
     text = f.read()
   # Every table of the file is a generated one: no markdown table outside the markers.
-  outside = tables._MARKER.sub("", text)
+  outside = replace_tables(text, "docs/results.md", lambda name: "")
   assert "\n|---" not in outside and "\n| ---" not in outside
 
 

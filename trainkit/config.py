@@ -120,6 +120,8 @@ def require_float(
   value = get(config, key)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     raise ConfigError(key, f"expected a number, got {value!r}")
+  if not math.isfinite(value):  # Every comparison with NaN is false: check it first.
+    raise ConfigError(key, f"expected a finite number, got {value}")
   if minimum is not None and value < minimum:
     raise ConfigError(key, f"must be >= {minimum}, got {value}")
   if maximum is not None and value > maximum:
@@ -154,6 +156,20 @@ def parse_profile_steps(config: ml_collections.ConfigDict) -> tuple[int, int] | 
   return bounds
 
 
+def require_finite_numbers(config: ml_collections.ConfigDict, prefix: str = "") -> None:
+  """No NaN or infinity anywhere in the config: no key gives either a meaning, and NaN passes
+  every range check (each comparison with it is false)."""
+  for name, value in config.items():
+    key = f"{prefix}{name}"
+    if isinstance(value, ml_collections.ConfigDict):
+      require_finite_numbers(value, f"{key}.")
+      continue
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for item in values:
+      if isinstance(item, float) and not math.isfinite(item):
+        raise ConfigError(key, f"expected a finite number, got {value}")
+
+
 def validate_run(
     config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
 ) -> tuple[int, int]:
@@ -161,6 +177,7 @@ def validate_run(
 
   Returns the (data, expert) mesh shape. Raises ConfigError naming the first bad key.
   """
+  require_finite_numbers(config)
   for key in ("num_train_steps", "batch_size", "eval_batch_size", "log_every_steps"):
     require_int(config, key, minimum=1)
   for key in ("seed", "eval_every_steps", "checkpoint_every_steps"):
