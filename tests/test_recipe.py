@@ -133,7 +133,7 @@ def test_a_rerun_resumes_the_finished_run_and_a_trained_workdir_restores_it(tmp_
   np.testing.assert_array_equal(_weights(evaluation, state), trained_w)
   # finish after restore_trained (which closed the checkpointer) may close it again.
   report = recipe.finish(evaluation, state, {}, write_report=lambda r: None)
-  assert report == {}
+  assert list(report) == ["evaluated"] and report["evaluated"]["step"] == 60
 
 
 def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path, capsys):
@@ -175,3 +175,35 @@ def test_an_evaluation_that_falls_back_keeps_the_record_of_the_step_it_could_not
   assert json.loads((tmp_path / "report.step-60.json").read_text()) == finished
   assert (tmp_path / "predictions.step-60.csv").read_text() == "index,prediction\n0,1\n"
   assert not (tmp_path / "predictions.csv").exists()  # This evaluation writes its own.
+
+
+def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(tmp_path):
+  _train_and_finish(tmp_path, _config())
+  (tmp_path / "predictions.csv").write_text("index,prediction\n0,1\n")
+  finished = json.loads((tmp_path / "report.json").read_text())
+  assert finished["evaluated"]["step"] == 60
+
+  def evaluate(config):
+    evaluation = _setup(config, tmp_path, training=False)
+    state, _ = restore_trained(evaluation.checkpointer, evaluation.state)
+    return recipe.finish(evaluation, state, {"step": 60},
+                         write_report=lambda r: (tmp_path / "report.json").write_text(json.dumps(r)))
+
+  # The same evaluation again replaces the record (a rerun, nothing kept).
+  assert "earlier_report" not in evaluate(_config())
+  assert json.loads((tmp_path / "report.json").read_text())["evaluated"] == finished["evaluated"]
+  # Other data at the same step: the earlier record is kept under its config's fingerprint.
+  other = _config()
+  other.seed = 7
+  report = evaluate(other)
+  kept = f"report.step-60.config-{finished['evaluated']['config_sha256'][:12]}.json"
+  assert report["earlier_report"] == kept
+  assert json.loads((tmp_path / kept).read_text())["evaluated"] == finished["evaluated"]
+  assert (tmp_path / kept.replace("report", "predictions").replace(".json", ".csv")).exists()
+  assert report["evaluated"]["config_sha256"] != finished["evaluated"]["config_sha256"]
+  # Back to the first config: the seed-7 record is kept too, and nothing is overwritten.
+  seed_7 = report["evaluated"]["config_sha256"][:12]
+  report = evaluate(_config())
+  assert report["earlier_report"] == f"report.step-60.config-{seed_7}.json"
+  assert sorted(p.name for p in tmp_path.glob("report*.json")) == sorted(
+      ["report.json", kept, f"report.step-60.config-{seed_7}.json"])

@@ -18,6 +18,7 @@ and for a trained workdir (`--mode=eval`, `predict`, `export`):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any, Callable, Mapping, Sequence
@@ -153,29 +154,57 @@ def train(
 RECORD_FILES = ("report.json", "predictions.csv")
 
 
-def keep_earlier_record(workdir: str, step: int) -> str | None:
-  """Moves a report of another step (and its predictions) aside before a new one is written.
+def evaluated(config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
+  """What an evaluation evaluated: the checkpoint's step, the data it read, and a fingerprint
+  of the whole config (a report of the same step but other data or settings is another record)."""
+  settings = json.dumps(config.to_dict(), sort_keys=True, default=str)
+  return {
+      "step": step,
+      "data": json.loads(json.dumps(config.data.to_dict(), default=str)) if "data" in config else {},
+      "config_sha256": hashlib.sha256(settings.encode()).hexdigest(),
+  }
+
+
+def keep_earlier_record(workdir: str, evaluation: Mapping[str, Any]) -> str | None:
+  """Moves an earlier report (and its predictions) aside before a new one is written, unless it
+  records the same evaluation: the same step of the same config and data (a rerun).
 
   An evaluation that fell back to an older checkpoint (the newest was corrupt) must not
-  destroy the record of the step it could not read: `report.json` of step N becomes
-  `report.step-N.json` (likewise `predictions.csv`). Returns the kept report's name, or None
-  when there was none or it was of the same step (a rerun of the same evaluation).
+  destroy the record of the step it could not read, and an evaluation of other data at the
+  same step must not destroy the record of the data the run was evaluated on: `report.json` of
+  step N becomes `report.step-N.json`, or `report.step-N.config-SHA.json` for the same step
+  under another config (likewise `predictions.csv`; a numbered suffix never overwrites an
+  earlier kept record). Returns the kept report's name, or None when nothing was kept.
   """
   path = os.path.join(workdir, RECORD_FILES[0])
   try:
     with open(path) as f:
-      earlier = json.load(f).get("step")
+      earlier = json.load(f)
+    earlier_step = earlier.get("step")
   except (OSError, ValueError, AttributeError):
     return None
-  if not isinstance(earlier, int) or earlier == step:
+  if not isinstance(earlier_step, int):
     return None
+  # A report from before reports named their config counts as another config: keep it.
+  earlier_sha = (earlier.get("evaluated") or {}).get("config_sha256", "unknown")
+  if earlier_step == evaluation["step"] and earlier_sha == evaluation["config_sha256"]:
+    return None
+  tag = f"step-{earlier_step}"
+  if earlier_step == evaluation["step"]:
+    tag += f".config-{earlier_sha[:12]}"
+  taken = set(os.listdir(workdir))
+  suffix, number = "", 1
+  while any(f"{os.path.splitext(n)[0]}.{tag}{suffix}{os.path.splitext(n)[1]}" in taken
+            for n in RECORD_FILES):
+    number += 1
+    suffix = f".{number}"
   for name in RECORD_FILES:
-    stem, suffix = os.path.splitext(name)
+    stem, extension = os.path.splitext(name)
     if os.path.exists(os.path.join(workdir, name)):
       os.replace(
-          os.path.join(workdir, name), os.path.join(workdir, f"{stem}.step-{earlier}{suffix}")
+          os.path.join(workdir, name), os.path.join(workdir, f"{stem}.{tag}{suffix}{extension}")
       )
-  return f"report.step-{earlier}.json"
+  return f"report.{tag}{suffix}.json"
 
 
 def finish(
@@ -190,8 +219,9 @@ def finish(
   """Adds the checkpoints' provenance to `report`, logs `scalars` at the final step, closes the
   writer and the checkpointer, and has process 0 write the report (`write_report(report)`)."""
   report.update(checkpoint_report(run.checkpointer))
+  report["evaluated"] = evaluated(run.config, int(report.get("step", state.step)))
   if jax.process_index() == 0:
-    kept = keep_earlier_record(run.workdir, int(report.get("step", state.step)))
+    kept = keep_earlier_record(run.workdir, report["evaluated"])
     if kept:
       report["earlier_report"] = kept
   if writer is not None:
