@@ -208,10 +208,26 @@ def uses_tfds(config: ml_collections.ConfigDict) -> bool:
   return bool(config.data.tfds_name and config.data.tfds_data_dir)
 
 
+# Memory of one generated pair: two sentences as Python strings and words (generously), and
+# their token ids.
+_GENERATED_PAIR_BYTES = 2048
+
+
+def _require_generated_pairs_fit(config: ml_collections.ConfigDict, generator: str) -> None:
+  sizes = {k: config.data[generator][k] for k in ("num_train", "num_eval", "num_challenge")}
+  largest = max(sizes, key=sizes.get)
+  cfg.require_fits_in_host_memory(
+      f"data.{generator}.{largest}",
+      sum(sizes.values()) * (_GENERATED_PAIR_BYTES + 8 * config.data.max_len),
+      f"the generated testbed ({sum(sizes.values())} sentence pairs)",
+  )
+
+
 def _validate_ood_pairs(config: ml_collections.ConfigDict) -> None:
   """data.ood_pairs.* (data/ood_pairs.py), and data.max_len long enough for its pairs."""
   for key in ("num_train", "num_eval", "num_challenge"):
     cfg.require_int(config, f"data.ood_pairs.{key}", minimum=2)
+  _require_generated_pairs_fit(config, "ood_pairs")
   cfg.require_float(config, "data.ood_pairs.cue_agreement", minimum=0.0, maximum=1.0)
   challenge_cue = cfg.require_choice(
       config, "data.ood_pairs.challenge_cue", ood_pairs.CHALLENGE_CUES
@@ -323,6 +339,7 @@ def validate(
     elif generator == "spurious_pairs":
       for key in ("num_train", "num_eval", "num_challenge"):
         cfg.require_int(config, f"data.spurious.{key}", minimum=1)
+      _require_generated_pairs_fit(config, "spurious")
       cfg.require_float(config, "data.spurious.cue_agreement", minimum=0.0, maximum=1.0)
       cfg.require_int(config, "data.spurious.num_nouns", minimum=4)
       cfg.require_int(config, "data.spurious.num_verbs", minimum=2)

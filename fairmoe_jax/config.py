@@ -256,6 +256,13 @@ def validate(
   cfg.require_int(config, "data.num_classes", minimum=2)
   for key in ("data.train_size", "data.val_size", "data.test_size"):
     cfg.require_int(config, key, minimum=1)
+  if config.data.name == "synthetic":  # Generated in memory as uint8 images, all splits at once.
+    sizes = {k: config.data[k] for k in ("train_size", "val_size", "test_size")}
+    cfg.require_fits_in_host_memory(
+        f"data.{max(sizes, key=sizes.get)}",
+        sum(sizes.values()) * image_size * image_size * 3,
+        f"the synthetic dataset ({sum(sizes.values())} images of {image_size}x{image_size})",
+    )
   if config.data.name == "synthetic" and config.data.train_size < config.batch_size:
     raise ConfigError(
         "data.train_size",

@@ -127,3 +127,29 @@ def test_a_non_finite_number_is_rejected_naming_the_key(package, config_file, ke
   with pytest.raises(ConfigError) as e:
     validate(config, num_devices=8, check_data=False)
   assert e.value.key == key and "finite" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "package, config_file, key",
+    [
+        ("fairmoe_jax", "quickstart.py", "data.train_size"),
+        ("fairmoe_jax", "quickstart.py", "data.test_size"),
+        ("causal_attn_jax", "spurious_pairs.py", "data.spurious.num_train"),
+        ("causal_attn_jax", "ood_pairs.py", "data.ood_pairs.num_challenge"),
+    ],
+)
+def test_generated_data_larger_than_the_host_s_memory_is_refused_naming_the_key(
+    package, config_file, key
+):
+  # It used to be generated for minutes with growing memory and no output.
+  validate = importlib.import_module(f"{package}.config").validate
+  config = _load(REPO_ROOT / "configs" / config_file)
+  validate(config, num_devices=8, check_data=False)  # The file's own sizes fit.
+  *parents, name = key.split(".")
+  node = config
+  for part in parents:
+    node = node[part]
+  node[name] = 1_000_000_000
+  with pytest.raises(ConfigError, match="more than half of this host's") as e:
+    validate(config, num_devices=8, check_data=False)
+  assert e.value.key == key

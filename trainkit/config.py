@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import math
+import os
 from typing import Any, Iterable, Mapping
 
 import ml_collections
@@ -101,13 +102,41 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
       raise ConfigError(key, str(e).splitlines()[0]) from None
 
 
-def require_int(config: ml_collections.ConfigDict, key: str, *, minimum: int | None = None) -> int:
+def require_int(
+    config: ml_collections.ConfigDict,
+    key: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int:
   value = get(config, key)
   if isinstance(value, bool) or not isinstance(value, int):
     raise ConfigError(key, f"expected an integer, got {value!r}")
   if minimum is not None and value < minimum:
     raise ConfigError(key, f"must be >= {minimum}, got {value}")
+  if maximum is not None and value > maximum:
+    raise ConfigError(key, f"must be <= {maximum}, got {value}")
   return value
+
+
+def host_memory_bytes() -> int | None:
+  """This host's physical memory, or None where the OS does not say."""
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def require_fits_in_host_memory(key: str, nbytes: int, what: str) -> None:
+  """Refuses generated data that would take more than half this host's memory, naming `key`
+  (it would otherwise be generated for minutes, then fail or swap)."""
+  memory = host_memory_bytes()
+  if memory is not None and nbytes > memory // 2:
+    raise ConfigError(
+        key,
+        f"{what} would take {nbytes / 2**30:.1f} GiB, more than half of this host's "
+        f"{memory / 2**30:.1f} GiB of memory; lower it",
+    )
 
 
 def require_float(

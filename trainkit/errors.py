@@ -48,6 +48,33 @@ def is_out_of_space(error: BaseException) -> bool:
   return False
 
 
+# How XLA (RESOURCE_EXHAUSTED, on every backend) and the host word an allocation that failed.
+_OUT_OF_MEMORY_TEXT = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error`, or an error it was raised from, is a failed memory allocation."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, MemoryError) or any(t in str(error) for t in _OUT_OF_MEMORY_TEXT):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def out_of_memory_message(error: BaseException) -> str:
+  """One line for a run that does not fit: what failed, and the keys that change it."""
+  first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  if len(first_line) > 240:
+    first_line = first_line[:240] + "..."
+  return (
+      f"the run does not fit in memory ({first_line}); lower batch_size or eval_batch_size, or "
+      "the model's size (its model.* keys, moe.num_experts); "
+      "--mode=compile --config.preflight.target=... estimates a run's memory without running it"
+  )
+
+
 class ConfigError(UserError):
   """A config key has an unknown name, a wrong type or an impossible value."""
 
@@ -75,10 +102,14 @@ def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
       os._exit(USER_ERROR_EXIT_CODE)  # Skip the failing background writers' shutdown noise.
     except UserError as e:
       fail(str(e))
-    except OSError as e:
-      if not is_out_of_space(e):
-        raise
-      where = f" writing '{e.filename}'" if e.filename else ""
-      fail(f"no space left on the device{where}: free space and rerun to resume")
+    except Exception as e:  # pylint: disable=broad-except  # Re-raised unless recognised.
+      # Not only OSError: safetensors, TensorStore and XLA word these in their own errors.
+      if is_out_of_space(e):
+        filename = getattr(e, "filename", None)
+        where = f" writing '{filename}'" if filename else ""
+        fail(f"no space left on the device{where}: free space and rerun to resume")
+      if is_out_of_memory(e):
+        fail(out_of_memory_message(e))
+      raise
 
   return wrapper
