@@ -63,6 +63,28 @@ def test_load_image_converts_grey_and_rgba_to_rgb(tmp_path):
   assert out.shape == (8, 8, 3) and np.all(out[..., 0] == 200) and np.all(out[..., 1:] == 0)
 
 
+def test_a_16_bit_image_reads_as_its_8_bit_copy(tmp_path):
+  # convert("RGB") clips 16-bit grey at 255: such a file used to read as (nearly) white.
+  grey8 = np.random.RandomState(0).randint(0, 256, (40, 48)).astype(np.uint8)
+  Image.fromarray(grey8).save(tmp_path / "grey8.png")
+  Image.fromarray(grey8.astype(np.uint16) * 257).save(tmp_path / "grey16.png")
+  assert Image.open(tmp_path / "grey16.png").mode.startswith("I;16")
+  for size in (40, 24):
+    np.testing.assert_array_equal(
+        images.load_image(tmp_path / "grey16.png", size), images.load_image(tmp_path / "grey8.png", size)
+    )
+  # Values between the 8-bit levels round to the nearest one.
+  Image.fromarray(np.full((8, 8), 257 * 100 + 120, np.uint16)).save(tmp_path / "between.png")
+  assert (images.load_image(tmp_path / "between.png", 8) == 100).all()
+
+
+def test_an_image_of_32_bit_or_float_pixels_is_refused_naming_the_file(tmp_path):
+  path = tmp_path / "depth.tiff"
+  Image.fromarray(np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)).save(path)
+  with pytest.raises(UserError, match=r"depth\.tiff is not a readable image: its pixels are 32-bit floats"):
+    images.load_image(path, 8)
+
+
 def test_load_image_of_a_jpeg_decodes_at_reduced_scale_close_to_full_decode(tmp_path):
   y, x = np.mgrid[0:218, 0:178].astype(np.float32)
   array = np.stack([x, y, 255 - y], axis=-1).clip(0, 255).astype(np.uint8)

@@ -22,6 +22,29 @@ from trainkit.errors import UserError
 DEFAULT_NUM_THREADS = min(16, os.cpu_count() or 1)
 
 
+# Pillow's modes of 16-bit grey pixels (PNG, TIFF); `convert("RGB")` clips them at 255.
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def to_rgb8(image: Image.Image) -> Image.Image:
+  """The image in 8-bit RGB, with 16-bit grey scaled to 8 bits (v / 257, rounded).
+
+  Raises:
+    ValueError: 32-bit integer or float pixels ("I", "F"), whose range no file states.
+  """
+  if image.mode == "RGB":
+    return image
+  if image.mode in _SIXTEEN_BIT_MODES:
+    grey = np.asarray(image).astype(np.uint32)
+    return Image.fromarray(((grey + 128) // 257).astype(np.uint8), "L").convert("RGB")
+  if image.mode in ("I", "F"):
+    raise ValueError(
+        f"its pixels are 32-bit {'integers' if image.mode == 'I' else 'floats'} with no stated "
+        "range; convert it to an 8-bit (or 16-bit) image"
+    )
+  return image.convert("RGB")
+
+
 def square_resize(image: Image.Image, size: int) -> np.ndarray:
   """Resizes the short side of a PIL image to ``size`` and centre-crops a square.
 
@@ -32,8 +55,7 @@ def square_resize(image: Image.Image, size: int) -> np.ndarray:
   Returns:
     uint8 [size, size, 3].
   """
-  if image.mode != "RGB":
-    image = image.convert("RGB")
+  image = to_rgb8(image)
   width, height = image.size
   side = min(width, height)
   left = (width - side) / 2
