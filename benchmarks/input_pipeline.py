@@ -30,6 +30,7 @@ import os
 import sys
 import time
 
+from absl import flags
 import grain
 import numpy as np
 
@@ -136,6 +137,7 @@ def main() -> None:
   parser.add_argument("--preflight_cell", default="fairsmoe/deit_s@h100x8")
   parser.add_argument("--output", default="benchmarks/results/input_pipeline.json")
   args = parser.parse_args()
+  flags.FLAGS.mark_as_parsed()  # grain hands its absl flags to worker processes.
 
   paths = sorted(glob.glob(os.path.join(args.data_root, "img_align_celeba", "*.jpg")))
   if len(paths) < args.batch_size:
