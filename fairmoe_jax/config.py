@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from fairmoe_jax.data.pipeline import TRAIN_RESAMPLING
 from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS
 from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS
 from fairmoe_jax.fairness.surrogates import PSI_RULES
@@ -69,6 +70,16 @@ def base_config() -> ml_collections.ConfigDict:
           test_size=2000,
           num_threads=2,
           prefetch_buffer_size=4,
+          # Worker processes preparing training batches (grain's mp_prefetch); 0 prepares them
+          # in the training process. Decoding image files (preload=False) needs about one core
+          # per 500 images/s (docs/benchmarks.md, "Input pipeline").
+          num_workers=0,
+          # Image files (preload=False): "one_pass" resamples the random crop straight from the
+          # file, "two_pass" resizes to the decode square first (the earlier stream).
+          train_resampling="one_pass",
+          # Decode the validation split's image files once, into memory, rather than at every
+          # evaluation (preload=False; uint8 at image_size: 3 GB for CelebA's 19,867 at 224 px).
+          cache_eval_images=True,
           # Real datasets (celeba, celeba_tfds, isic2019): see fairmoe_jax/data/.
           root="",  # Directory of the official layout.
           tfds_data_dir="",  # celeba_tfds: where tfds prepared celeb_a.
@@ -270,6 +281,8 @@ def validate(
         f"than one batch (batch_size={config.batch_size})",
     )
   cfg.require_int(config, "data.num_threads", minimum=0)
+  cfg.require_int(config, "data.num_workers", minimum=0)
+  cfg.require_choice(config, "data.train_resampling", TRAIN_RESAMPLING)
 
   patch = cfg.require_int(config, "model.patch_size", minimum=1)
   if image_size % patch:

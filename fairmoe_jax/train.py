@@ -27,6 +27,8 @@ from jax.sharding import Mesh
 from fairmoe_jax import data as data_lib
 from fairmoe_jax import export as export_lib
 from fairmoe_jax import run_info as run_info_lib
+from fairmoe_jax.data import images as images_lib
+from fairmoe_jax.data.augment import normalize_on_device
 from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
 from fairmoe_jax.metrics import intersections as intersections_lib
 from fairmoe_jax.metrics import predictions as predictions_lib
@@ -120,7 +122,8 @@ def make_eval_step(
   @jax.jit
   def eval_step(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, Any]:
     model = nnx.merge(graphdef, state.params, state.model_state)
-    logits, aux = model(batch["image"], train=False, context=method.eval_context(config, batch))
+    images = normalize_on_device(batch["image"], batch["mask"])
+    logits, aux = model(images, train=False, context=method.eval_context(config, batch))
     predictions = jnp.argmax(logits, -1)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     usage, example_experts, dropped, sa_correct, sa_branch = {}, {}, {}, {}, {}
@@ -589,7 +592,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       process_count=jax.process_count(),
       num_threads=config.data.num_threads,
       prefetch_buffer_size=config.data.prefetch_buffer_size,
+      num_workers=config.data.num_workers,
+      resampling=config.data.train_resampling,
   )
+  if config.data.cache_eval_images:
+    # Validated every eval_every_steps (and at each FEM review): decoded once here, not each time.
+    splits["val"] = images_lib.preload_images(
+        splits["val"], config.data.image_size, max(1, config.data.num_threads)
+    )
   eval_step = make_eval_step(run.graphdef, info, config)
   last_validation: dict[int, dict[str, Any]] = {}
 

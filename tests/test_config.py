@@ -70,6 +70,8 @@ def test_quickstart_arguments_reach_the_config():
         (lambda c: c.update(num_train_steps=0), "num_train_steps"),
         (lambda c: c.data.update(name="imagenet"), "data.name"),
         (lambda c: c.data.update(train_size=100), "data.train_size"),
+        (lambda c: c.data.update(num_workers=-1), "data.num_workers"),
+        (lambda c: c.data.update(train_resampling="bicubic"), "data.train_resampling"),
         (lambda c: c.optimizer.update(final_lr_fraction=2.0), "optimizer.final_lr_fraction"),
         (lambda c: c.fair.update(psi="eodds"), "fair.psi"),
         (lambda c: c.fair.update(lambda_dp=-0.1), "fair.lambda_dp"),

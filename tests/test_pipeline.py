@@ -41,11 +41,10 @@ def test_train_batch_shapes_and_dtypes():
   arrays = make_arrays(40)
   it = pipeline.train_iterator(arrays, global_batch_size=8, image_size=12, seed=0)
   batch = next(it)
-  assert batch["image"].shape == (8, 12, 12, 3) and batch["image"].dtype == np.float32
+  assert batch["image"].shape == (8, 12, 12, 3) and batch["image"].dtype == np.uint8
   assert batch["label"].shape == (8,) and batch["label"].dtype == np.int32
   assert batch["attributes"].shape == (8, 3) and batch["attributes"].dtype == np.int32
   assert batch["mask"].dtype == np.float32 and np.all(batch["mask"] == 1)
-  assert -1 <= batch["image"].min() and batch["image"].max() <= 1
   # Labels and attributes (including the -1 "missing" values) pass untouched.
   np.testing.assert_array_equal(batch["label"], arrays["label"][ids_of([batch])])
   np.testing.assert_array_equal(batch["attributes"], arrays["attributes"][ids_of([batch])])
@@ -148,7 +147,7 @@ def test_augment_config_as_mapping_and_no_augmentation():
           arrays, global_batch_size=8, image_size=16, seed=0, augment=NO_AUGMENT
       )
   )
-  np.testing.assert_array_equal(batch["image"], augment.normalize(arrays["image"][ids_of([batch])]))
+  np.testing.assert_array_equal(batch["image"], arrays["image"][ids_of([batch])])
   with pytest.raises(TypeError):
     pipeline.train_iterator(
         arrays, global_batch_size=8, image_size=16, seed=0, augment={"colour_jitter": True}
@@ -169,7 +168,7 @@ def test_eval_batches_pad_the_last_batch():
   batches = list(pipeline.eval_batches(arrays, batch_size=16, image_size=16))
   assert len(batches) == pipeline.num_eval_batches(77, 16) == 5
   for b in batches:
-    assert b["image"].shape == (16, 16, 16, 3) and b["image"].dtype == np.float32
+    assert b["image"].shape == (16, 16, 16, 3) and b["image"].dtype == np.uint8
   last = batches[-1]
   np.testing.assert_array_equal(last["mask"], np.r_[np.ones(13), np.zeros(3)])
   assert np.all(last["image"][13:] == 0) and np.all(last["label"][13:] == 0)
@@ -177,7 +176,7 @@ def test_eval_batches_pad_the_last_batch():
   # Deterministic order and no augmentation.
   np.testing.assert_array_equal(ids_of(batches)[:77], np.arange(77))
   images = np.concatenate([b["image"] for b in batches])[:77]
-  np.testing.assert_array_equal(images, augment.normalize(arrays["image"]))
+  np.testing.assert_array_equal(images, arrays["image"])
 
 
 def test_eval_batches_shard_evenly_over_processes():
@@ -231,8 +230,8 @@ def test_flip_happens_about_half_the_time():
   image = np.random.default_rng(1).integers(0, 256, (8, 8, 3), dtype=np.uint8)
   config = augment.AugmentConfig(random_resized_crop=False, horizontal_flip=True)
   outputs = [augment.augment_image(image, np.random.default_rng(s), 8, config) for s in range(200)]
-  flips = [np.array_equal(o, augment.normalize(image[:, ::-1])) for o in outputs]
-  assert all(f or np.array_equal(o, augment.normalize(image)) for f, o in zip(flips, outputs))
+  flips = [np.array_equal(o, image[:, ::-1]) for o in outputs]
+  assert all(f or np.array_equal(o, image) for f, o in zip(flips, outputs))
   assert 70 < sum(flips) < 130
 
 

@@ -365,8 +365,10 @@ def _toy_train_state(w: float = 0.0) -> TrainState:
   )
 
 
-def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
+@pytest.mark.parametrize("device_prefetch", [0, 2])
+def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path, device_prefetch):
   mesh, state = make_mesh({"data": 8, "expert": 1}), _toy_train_state()
+  iterator = _SignallingIterator(4)
 
   def train_step(state, batch):
     return state.replace(step=state.step + 1), {"loss": jnp.sum(batch["x"])}
@@ -376,7 +378,7 @@ def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
   state, preempted = train_loop(
       state=state,
       train_step=jax.jit(train_step),
-      train_iterator=_SignallingIterator(4),
+      train_iterator=iterator,
       mesh=mesh,
       checkpointer=ckpt,
       writer=MetricWriter(str(tmp_path), tensorboard=False),
@@ -386,12 +388,18 @@ def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path):
       checkpoint_every_steps=0,
       examples_per_step=8,
       show_progress=False,
+      device_prefetch=device_prefetch,
   )
-  assert preempted and int(state.step) == 4
-  assert ckpt.all_steps() == [4]
-  _, data_state, step = ckpt.restore(state)
-  assert (step, data_state) == (4, {"position": 4})
-  assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))] == [(4, 8.0)]
+  step = int(state.step)
+  # Read synchronously, batch 4 is read by step 4; read ahead, the signal comes earlier.
+  assert preempted and (step == 4 if device_prefetch == 0 else 1 <= step <= 4)
+  assert ckpt.all_steps() == [step]
+  _, data_state, restored_step = ckpt.restore(state)
+  # The saved data state is that of the batches the steps consumed, not of those read ahead.
+  assert (restored_step, data_state) == (step, {"position": step})
+  if device_prefetch:
+    assert iterator.position > step
+  assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))] == [(step, 8.0)]
   assert signal.getsignal(signal.SIGTERM) == previous_handler  # The guard restores the handler.
   ckpt.close()
 
@@ -793,7 +801,7 @@ def _flip_a_byte(step_dir) -> None:
   largest.write_bytes(bytes(data))
 
 
-def _toy_loop(tmp_path, checkpointer, iterator, *, steps=40, writer=None):
+def _toy_loop(tmp_path, checkpointer, iterator, *, steps=40, writer=None, device_prefetch=2):
   def train_step(state, batch):
     params = {"w": state.params["w"] + jnp.sum(batch["x"])}
     return state.replace(step=state.step + 1, params=params), {"loss": jnp.asarray(1.0)}
@@ -811,6 +819,7 @@ def _toy_loop(tmp_path, checkpointer, iterator, *, steps=40, writer=None):
       checkpoint_every_steps=10,
       examples_per_step=8,
       show_progress=False,
+      device_prefetch=device_prefetch,
   )
 
 
@@ -923,7 +932,8 @@ def test_a_disk_that_fills_during_an_async_save_stops_the_run_at_once_with_one_e
   iterator = _WaitingIterator({22}, wait_for_the_save)
   with caplog.at_level("WARNING"):
     with pytest.raises(OutOfSpace) as error:
-      _toy_loop(tmp_path, ckpt, iterator)
+      # Read synchronously, the iterator's position is the step the loop reached.
+      _toy_loop(tmp_path, ckpt, iterator, device_prefetch=0)
   assert iterator.position <= 22  # Stopped at the first step boundary after the failure.
   assert re.search(
       r"no space left to save the checkpoint of step 20 .*resume from step 10", str(error.value)

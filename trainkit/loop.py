@@ -18,6 +18,7 @@ from trainkit.errors import UserError, is_out_of_space
 from trainkit.mesh import shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.preemption import PreemptionGuard
+from trainkit.prefetch import DEFAULT_PREFETCH, DevicePrefetch
 from trainkit.progress import ProgressBar
 from trainkit.throughput import compiled_flops, peak_flops_per_device, throughput_scalars
 from trainkit.train_state import TrainState
@@ -78,6 +79,23 @@ class CheckpointableIterator(Protocol):
 
   def set_state(self, state: dict) -> None:
     ...
+
+
+class _Unprefetched:
+  """`DevicePrefetch`'s interface without the read-ahead: each batch is read and transferred
+  when its step asks for it."""
+
+  def __init__(self, iterator: CheckpointableIterator, put: Callable):
+    self._iterator, self._put = iterator, put
+
+  def __next__(self) -> Any:
+    return self._put(next(self._iterator))
+
+  def get_state(self) -> dict:
+    return self._iterator.get_state()
+
+  def close(self) -> None:
+    pass
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -185,6 +203,7 @@ def train_loop(
     ] = (),
     show_progress: bool = True,
     profile_steps: tuple[int, int] | None = None,
+    device_prefetch: int = DEFAULT_PREFETCH,
 ) -> tuple[TrainState, bool]:
   """Runs `train_step` from `state.step` to `num_train_steps`.
 
@@ -209,6 +228,10 @@ def train_loop(
   `<workdir>/profile` (the directory of the writer's metrics.jsonl); the trace covers whole
   steps (it waits for step `start` to finish before starting and for step `end` before
   stopping). A segment resumed inside the range traces from where it resumed.
+
+  `device_prefetch` batches are read and put on the devices ahead of the step, in a
+  background thread (`trainkit.prefetch`); checkpoints save the iterator state of the
+  batches the steps consumed, so resuming is exact. 0 reads each batch when its step starts.
   """
   step = int(state.step)
   progress = ProgressBar(
@@ -220,11 +243,20 @@ def train_loop(
   flops_per_step: float | None = None
   peak = peak_flops_per_device(jax.devices()[0], peak_flops)
   trace = _StepTrace(profile_steps, os.path.join(os.path.dirname(writer.path), "profile"))
-  with _full_disk_names_the_resume_step(checkpointer), PreemptionGuard() as guard:
+  put = lambda batch: shard_batch(batch, mesh)  # noqa: E731
+  if device_prefetch > 0:
+    batches = DevicePrefetch(train_iterator, put, device_prefetch)
+  else:
+    batches = _Unprefetched(train_iterator, put)
+  with (
+      contextlib.closing(batches),
+      _full_disk_names_the_resume_step(checkpointer),
+      PreemptionGuard() as guard,
+  ):
     while step < num_train_steps:
       checkpointer.poll()  # The save in flight: its manifest once finished, or its failure.
       trace.before_step(step, state)
-      batch = shard_batch(next(train_iterator), mesh)
+      batch = next(batches)
       if flops_per_step is None and hasattr(train_step, "lower"):
         flops_per_step = compiled_flops(train_step, state, batch) or 0.0
       state, metrics = train_step(state, batch)
@@ -292,7 +324,7 @@ def train_loop(
           progress.rate(step)
       if checkpoint_due:
         writer.flush()
-        checkpointer.save(step, state, train_iterator.get_state(), force=True)
+        checkpointer.save(step, state, batches.get_state(), force=True)
       if stop_requested:
         preempted = True
         _log.warning(

@@ -2,7 +2,11 @@
 
 All random functions take an explicit ``np.random.Generator`` so that the grain
 pipeline can seed them per example, which makes augmentation reproducible and
-independent of the number of reader threads.
+independent of the number of reader threads and worker processes.
+
+Augmented images stay uint8: they travel to the accelerator at a quarter of
+float32's bytes, and ``normalize_on_device`` turns them into the model's input
+inside the jitted train, evaluation and predict steps.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
@@ -107,8 +113,26 @@ def horizontal_flip(image: np.ndarray) -> np.ndarray:
 
 
 def normalize(image: np.ndarray) -> np.ndarray:
-  """Maps uint8 pixels [0, 255] to float32 [-1, 1] (works on any shape)."""
+  """Maps uint8 pixels [0, 255] to float32 [-1, 1] (works on any shape); the host-side
+  reference of ``normalize_on_device``."""
   return np.asarray(image, np.float32) * np.float32(1 / 127.5) - np.float32(1)
+
+
+def normalize_on_device(images: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """The model's input from a batch's ``image``: uint8 pixels become float32 [-1, 1] as
+  ``normalize`` computes them (p / 127.5 - 1, i.e. mean 0.5 and std 0.5 of p / 255, the
+  ``run_info`` preprocessing); floating-point images are taken as already normalised.
+
+  Called inside the jitted steps (training loss, evaluation, predict, gradient analysis),
+  so the host ships uint8 and the cast runs on the accelerator. With ``mask`` [b], the
+  padding examples (mask 0) are zeros, the input they have always had: padded tokens still
+  take MoE capacity, so their content must not change with the pixel format.
+  """
+  if not jnp.issubdtype(images.dtype, jnp.floating):
+    images = images.astype(jnp.float32) * jnp.float32(1 / 127.5) - jnp.float32(1)
+  if mask is not None:
+    images = jnp.where(mask.reshape(-1, *(1,) * (images.ndim - 1)) > 0, images, 0)
+  return images
 
 
 def augment_image(
@@ -117,11 +141,58 @@ def augment_image(
     size: int,
     config: AugmentConfig,
 ) -> np.ndarray:
-  """Training augmentation of one uint8 image; returns normalised float32."""
+  """Training augmentation of one uint8 image; returns uint8 [size, size, 3]."""
   if config.random_resized_crop:
     image = random_resized_crop(image, rng, size, config.crop_scale, config.crop_ratio)
   else:
     image = resize(image, size)
   if config.horizontal_flip and rng.random() < 0.5:
     image = horizontal_flip(image)
-  return normalize(image)
+  return image
+
+
+def source_crop_box(
+    box: CropBox, decode_size: int, width: int, height: int
+) -> tuple[float, float, float, float]:
+  """``box`` of the ``decode_size`` square that ``images.square_resize`` would make of a
+  ``width`` x ``height`` image, as (left, top, right, bottom) in the image's own pixels.
+
+  The square is the image's centred ``min(width, height)`` square scaled by
+  ``side / decode_size``; sub-pixel coordinates are kept (PIL resamples them exactly).
+  """
+  top, left, h, w = box
+  side = min(width, height)
+  scale = side / decode_size
+  x0, y0 = (width - side) / 2, (height - side) / 2
+  return (x0 + left * scale, y0 + top * scale, x0 + (left + w) * scale, y0 + (top + h) * scale)
+
+
+def augment_decoded(
+    image: Image.Image,
+    rng: np.random.Generator,
+    size: int,
+    decode_size: int,
+    config: AugmentConfig,
+) -> np.ndarray:
+  """Training augmentation of a decoded image file in one resampling pass; uint8 [size, size, 3].
+
+  Draws the same crop box (in the coordinates of the ``decode_size`` square) and flip from
+  ``rng`` as ``augment_image(images.square_resize(image, decode_size), ...)``, but resamples
+  the box straight from the file's pixels to ``size``: one bilinear pass instead of a bicubic
+  resize of the whole square followed by a bilinear one of the crop. The two differ only by
+  interpolation (docs/design.md, "Training images in one resampling pass").
+  """
+  if image.mode != "RGB":
+    image = image.convert("RGB")
+  if config.random_resized_crop:
+    box = random_resized_crop_box(
+        rng, decode_size, decode_size, config.crop_scale, config.crop_ratio
+    )
+  else:
+    box = (0, 0, decode_size, decode_size)
+  resized = image.resize(
+      (size, size), Image.BILINEAR, box=source_crop_box(box, decode_size, *image.size)
+  )
+  if config.horizontal_flip and rng.random() < 0.5:
+    resized = resized.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+  return np.asarray(resized)

@@ -9,10 +9,11 @@ it reads the example (see ``pipeline.ArraySource``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import concurrent.futures
 import logging
 import os
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image
@@ -20,6 +21,7 @@ from PIL import Image
 from trainkit.errors import UserError
 
 DEFAULT_NUM_THREADS = min(16, os.cpu_count() or 1)
+T = TypeVar("T")
 
 
 # Pillow's modes of 16-bit grey pixels (PNG, TIFF); `convert("RGB")` clips them at 255.
@@ -68,8 +70,12 @@ def square_resize(image: Image.Image, size: int) -> np.ndarray:
   return np.asarray(resized)
 
 
-def load_image(path: str | os.PathLike, size: int) -> np.ndarray:
-  """Decodes an image file to uint8 [size, size, 3] (RGB, short side resized, centre crop).
+def read_image(path: str | os.PathLike, size: int, convert: Callable[[Image.Image], T]) -> T:
+  """``convert(image)`` of an image file opened for a ``size`` output.
+
+  JPEG can decode at 1/2, 1/4 or 1/8 scale directly, which is much faster for small model
+  inputs; PIL's draft mode keeps both sides >= ``size``, so ``convert`` still resamples from
+  at least as many pixels as it emits.
 
   Raises:
     UserError: The file is missing or is not a readable image; the message
@@ -78,14 +84,21 @@ def load_image(path: str | os.PathLike, size: int) -> np.ndarray:
   """
   try:
     with Image.open(path) as image:
-      # JPEG can decode at 1/2, 1/4 or 1/8 scale directly, which is much faster
-      # for small model inputs; draft keeps both sides >= the requested ones.
       image.draft("RGB", (size, size))
-      return square_resize(image, size)
+      return convert(image)
   except FileNotFoundError as e:
     raise UserError(f"image file {os.fspath(path)} does not exist.") from e
   except (OSError, ValueError, Image.DecompressionBombError) as e:
     raise UserError(f"image file {os.fspath(path)} is not a readable image: {e}") from e
+
+
+def load_image(path: str | os.PathLike, size: int) -> np.ndarray:
+  """Decodes an image file to uint8 [size, size, 3] (RGB, short side resized, centre crop).
+
+  Raises:
+    UserError: as ``read_image``.
+  """
+  return read_image(path, size, lambda image: square_resize(image, size))
 
 
 def load_images(

@@ -3,7 +3,9 @@ a padded, deterministic single pass for evaluation.
 
 Both yield dicts of numpy arrays for the local process:
 
-* ``image``: float32 [b, S, S, 3], normalised to [-1, 1];
+* ``image``: uint8 [b, S, S, 3] pixels; the jitted steps normalise them on the
+  accelerator (``augment.normalize_on_device``), so a batch crosses to the device at a
+  quarter of float32's bytes;
 * ``label``: int32 [b];
 * ``attributes``: int32 [b, m], ``-1`` for a missing attribute value;
 * ``mask``: float32 [b], 1 for real examples and 0 for padding;
@@ -12,15 +14,18 @@ Both yield dicts of numpy arrays for the local process:
 
 A split may hold ``path`` (image file paths) instead of ``image``; its images
 are then decoded when an example is read (see ``images.py``), so datasets
-larger than memory stream from disk.
+larger than memory stream from disk. ``num_workers`` > 0 reads training batches
+in that many worker processes (grain's ``mp_prefetch``), so decoding scales with
+cores rather than with threads under one interpreter lock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 import math
-from typing import Any
+from typing import Any, Literal
 
+from absl import flags
 import grain
 import numpy as np
 
@@ -34,16 +39,13 @@ Batch = dict[str, np.ndarray]
 class ArraySource:
   """Random-access grain source over parallel in-memory arrays.
 
-  With ``path`` instead of ``image`` in ``arrays``, each access decodes its
-  image file to ``decode_size`` (see ``images.load_image``) in the reading
-  thread, so only the batches in flight are held in memory.
+  With ``path`` instead of ``image`` in ``arrays``, an example holds its file's path and
+  the pipeline's transform decodes it (``train_iterator``), so only the batches in flight
+  are held in memory.
   """
 
-  def __init__(self, arrays: Mapping[str, np.ndarray], *, decode_size: int | None = None):
+  def __init__(self, arrays: Mapping[str, np.ndarray]):
     self._image_key = "image" if "image" in arrays else "path"
-    if self._image_key == "path" and decode_size is None:
-      raise ValueError("A split with image paths needs decode_size.")
-    self._decode_size = decode_size
     self._arrays = {k: arrays[k] for k in (self._image_key, "label", "attributes")}
     self._len = len(self._arrays["label"])
     if any(len(v) != self._len for v in self._arrays.values()):
@@ -53,10 +55,7 @@ class ArraySource:
     return self._len
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    example = {k: v[index] for k, v in self._arrays.items()}
-    if self._image_key == "path":
-      example["image"] = images_lib.load_image(example.pop("path"), self._decode_size)
-    return example
+    return {k: v[index] for k, v in self._arrays.items()}
 
   def __repr__(self) -> str:
     return f"ArraySource(len={self._len}, image_key={self._image_key!r})"
@@ -106,6 +105,14 @@ class ProcessBlocks(grain.MapDataset):
     return f"ProcessBlocks(global={self._global}, local={self._local}, offset={self._offset})"
 
 
+# How training resamples an image file (a split with ``path``): "one_pass" resamples the random
+# crop straight from the file's pixels; "two_pass" resizes the file to the decode square first
+# (bicubic), then the crop (bilinear), as the pipeline did before 2026-12 (docs/design.md,
+# "Training images in one resampling pass").
+TRAIN_RESAMPLING = ("one_pass", "two_pass")
+Resampling = Literal["one_pass", "two_pass"]
+
+
 def train_decode_size(image_size: int) -> int:
   """Side at which training decodes image files before the random crop.
 
@@ -136,6 +143,8 @@ def train_iterator(
     num_threads: int = 2,
     prefetch_buffer_size: int = 4,
     decode_size: int | None = None,
+    num_workers: int = 0,
+    resampling: Resampling = "one_pass",
 ) -> grain.DatasetIterator:
   """Infinite iterator of augmented training batches for this process.
 
@@ -143,7 +152,8 @@ def train_iterator(
   (dropping the remainder); process ``i`` reads the ``i``-th ``1/process_count`` block of
   each global batch (``ProcessBlocks``). Augmentation randomness is derived from ``seed``
   and the example's position in the global stream. So the global batches, augmentation
-  included, are the same whatever the number of processes or ``num_threads``.
+  included, are the same whatever the number of processes, ``num_threads`` or
+  ``num_workers``.
 
   Args:
     arrays: Split dict with ``image`` uint8 [N, H, W, 3] (or ``path`` [N],
@@ -155,31 +165,55 @@ def train_iterator(
       the ``AugmentConfig`` defaults.
     process_index: Index of this process.
     process_count: Number of processes sharing the data.
-    num_threads: Threads preparing batches (0 prepares them on ``next``).
-    prefetch_buffer_size: Number of batches prepared ahead.
-    decode_size: For a split with ``path``: the square side image files are
-      decoded to before augmentation; ``None`` means
+    num_threads: Threads preparing batches (0 prepares them on ``next``), in
+      each worker process when ``num_workers`` > 0.
+    prefetch_buffer_size: Number of batches prepared ahead (per worker).
+    decode_size: For a split with ``path``: the square (of the file's centred
+      square) the random crop is drawn in; ``None`` means
       ``train_decode_size(image_size)``. Ignored for ``image`` splits.
+    num_workers: Worker processes preparing whole batches (grain's
+      ``mp_prefetch``, spawned); 0 prepares them in this process.
+    resampling: For a split with ``path``: ``"one_pass"`` resamples the crop
+      straight from the file (``augment.augment_decoded``), ``"two_pass"``
+      resizes the file to ``decode_size`` first, then crops (the earlier stream).
 
   Returns:
-    A ``grain.DatasetIterator``; ``get_state()`` is a JSON-serialisable dict
-    and ``set_state`` on a freshly built iterator resumes the exact stream.
+    A ``grain.DatasetIterator`` of batches with uint8 ``image``; ``get_state()``
+    is a JSON-serialisable dict and ``set_state`` on a freshly built iterator
+    resumes the exact stream.
   """
   if not isinstance(augment, AugmentConfig):
     augment = AugmentConfig(**(augment or {}))
+  if resampling not in TRAIN_RESAMPLING:
+    raise ValueError(f"resampling must be one of {TRAIN_RESAMPLING}, got {resampling!r}.")
+  if num_workers < 0:
+    raise ValueError(f"num_workers must be >= 0, got {num_workers}.")
   batch_size = local_batch_size(global_batch_size, process_count)
-  source = ArraySource(arrays, decode_size=decode_size or train_decode_size(image_size))
+  source = ArraySource(arrays)
   if len(source) < global_batch_size:
     raise ValueError(
         f"{len(source)} examples are fewer than one global batch of {global_batch_size}."
     )
+  decode_size = decode_size or train_decode_size(image_size)
   # Independent of the process, so that the stream is too (the `0` keeps the single-process
   # stream of earlier versions).
   augment_seed = int(np.random.SeedSequence([seed, 0]).generate_state(1)[0])
 
+  def augmented(example: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    if "image" in example:
+      return augment_lib.augment_image(example["image"], rng, image_size, augment)
+    if resampling == "one_pass":
+      return images_lib.read_image(
+          example["path"],
+          decode_size,
+          lambda image: augment_lib.augment_decoded(image, rng, image_size, decode_size, augment),
+      )
+    image = images_lib.load_image(example["path"], decode_size)
+    return augment_lib.augment_image(image, rng, image_size, augment)
+
   def transform(example: dict[str, np.ndarray], rng: np.random.Generator) -> Batch:
     return {
-        "image": augment_lib.augment_image(example["image"], rng, image_size, augment),
+        "image": augmented(example, rng),
         "label": np.int32(example["label"]),
         "attributes": example["attributes"].astype(np.int32),
         "mask": np.float32(1.0),
@@ -204,7 +238,16 @@ def train_iterator(
   read_options = grain.ReadOptions(
       num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size
   )
-  return iter(dataset.to_iter_dataset(read_options))
+  batches = dataset.to_iter_dataset(read_options)
+  if num_workers:
+    # grain passes its absl flags to the workers; a program that never parsed flags (a notebook,
+    # a test, a script without absl.app) takes their defaults rather than failing at `next`.
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    # Worker w prepares batches w, w + num_workers, ... and grain interleaves them back in
+    # order, so the stream (and the iterator state) is the one of num_workers=0.
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return iter(batches)
 
 
 def num_eval_batches(num_examples: int, batch_size: int, process_count: int = 1) -> int:
@@ -223,7 +266,8 @@ def eval_batches(
 ) -> Iterator[Batch]:
   """One deterministic, unaugmented pass over a split for this process.
 
-  Process ``i`` evaluates examples ``i, i + process_count, ...``. The last
+  Process ``i`` evaluates examples ``i, i + process_count, ...``. Images are uint8
+  (normalised on the device, as in training). The last
   batches are padded to ``batch_size`` (zero image, label 0, attributes -1,
   mask 0, index -1) so that all processes yield ``num_eval_batches(...)``
   full batches and together cover every example exactly once.
@@ -240,14 +284,14 @@ def eval_batches(
   Yields:
     Batches with ``image``, ``label``, ``attributes``, ``mask`` and ``index``.
   """
-  source = ArraySource(arrays, decode_size=image_size)
+  source = ArraySource(arrays)
   indices = np.arange(process_index, len(source), process_count)
   num_attributes = arrays["attributes"].shape[1]
   for b in range(num_eval_batches(len(source), batch_size, process_count)):
     batch_indices = indices[b * batch_size : (b + 1) * batch_size]
     n = len(batch_indices)
     batch = {
-        "image": np.zeros((batch_size, image_size, image_size, 3), np.float32),
+        "image": np.zeros((batch_size, image_size, image_size, 3), np.uint8),
         "label": np.zeros((batch_size,), np.int32),
         "attributes": np.full((batch_size, num_attributes), -1, np.int32),
         "mask": np.zeros((batch_size,), np.float32),
@@ -260,7 +304,7 @@ def eval_batches(
         images = images_lib.load_images(arrays["path"][batch_indices], image_size, num_threads)
       if images.shape[1:3] != (image_size, image_size):
         images = np.stack([augment_lib.resize(im, image_size) for im in images])
-      batch["image"][:n] = augment_lib.normalize(images)
+      batch["image"][:n] = images
       batch["label"][:n] = arrays["label"][batch_indices]
       batch["attributes"][:n] = arrays["attributes"][batch_indices]
       batch["mask"][:n] = 1.0

@@ -17,6 +17,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
+from fairmoe_jax.data.augment import normalize_on_device
 from fairmoe_jax.data.types import DatasetInfo
 from fairmoe_jax.fairness.surrogates import fairness_surrogate, psi_terms
 from fairmoe_jax.moe import MoEAux
@@ -85,6 +86,7 @@ def make_loss_fn(method: Method, config: ml_collections.ConfigDict, info: Datase
   terms_fn = method.loss_terms(config, info)
 
   def loss_fn(model, batch, rng, step, extra):
+    batch = dict(batch, image=normalize_on_device(batch["image"]))  # uint8 from the host.
     terms, metrics = terms_fn(model, batch, rng, step, extra)
     loss = sum(terms.values(), jnp.zeros((), jnp.float32))
     metrics = dict(metrics, **{f"loss/{name}": value for name, value in terms.items()})

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fairmoe_jax.data.augment import normalize_on_device
 from fairmoe_jax.fairness.surrogates import fairness_surrogate
 from fairmoe_jax.moe.layer import SparseMoE
 
@@ -57,7 +58,8 @@ def gradient_cosines(
   def batch_cosines(params, batch):
     def task_loss(p, i):
       model = nnx.merge(graphdef, p, model_state)
-      logits, _ = model(batch["image"], train=False, context={"attributes": batch["attributes"]})
+      images = normalize_on_device(batch["image"], batch["mask"])
+      logits, _ = model(images, train=False, context={"attributes": batch["attributes"]})
       return fairness_surrogate(
           logits,
           batch["label"],

@@ -1,0 +1,183 @@
+"""Training input pipeline throughput at 224 px on real CelebA files: images/s per core, over
+worker processes, host-to-device bytes per batch, and cores needed per accelerator.
+
+Rows (all on the paper's augmentation, `configs/celeba.py`: RandomResizedCrop scale 0.08-1, flip,
+decode square `train_decode_size(224)` = 258):
+
+* `float32_two_pass` is the pipeline before 2026-12 rebuilt from the same parts: the file
+  decoded (draft) and resized bicubically to the 258 square, the crop resized bilinearly to 224,
+  normalised to float32 per example on the host;
+* `uint8_two_pass` is the same resampling, kept uint8 (normalised on the device);
+* `uint8_one_pass` is today's default (`data.train_resampling=one_pass`): the crop resampled
+  straight from the file's pixels, uint8.
+
+Each row reads `--batches` batches of `--batch_size` after one warm-up batch (worker start-up is
+not counted) with `num_threads=0` per process, so `--workers=0` is one core in the training
+process and `--workers=n` is n worker processes of one core each (grain's `mp_prefetch`).
+The cores needed per accelerator divide the images/s one accelerator consumes at the preflight's
+step-time estimate (`results/records/preflight_paper.json`, `--preflight_cell`) by the per-core
+rate. Writes JSON (default benchmarks/results/input_pipeline.json).
+
+  python benchmarks/input_pipeline.py --workers=0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+from absl import flags
+import grain
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_utils import write_results  # noqa: E402
+from fairmoe_jax.data import augment, images, pipeline  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# configs/celeba.py at size=full (fairmoe_jax/paper_config.py).
+PAPER_AUGMENT = augment.AugmentConfig(crop_scale=(0.08, 1.0))
+GOAL_IMAGES_PER_CORE = 400.0
+GOAL_BYTES_RATIO = 4.0
+
+
+def float32_two_pass_iterator(split, *, batch_size: int, image_size: int, seed: int, workers: int):
+  """The pipeline before 2026-12: two resamplings and float32 per example on the host."""
+  decode = pipeline.train_decode_size(image_size)
+
+  def transform(example, rng):
+    image = images.load_image(example["path"], decode)
+    image = augment.augment_image(image, rng, image_size, PAPER_AUGMENT)
+    return {
+        "image": augment.normalize(image),
+        "label": np.int32(example["label"]),
+        "attributes": example["attributes"].astype(np.int32),
+        "mask": np.float32(1.0),
+    }
+
+  dataset = (
+      grain.MapDataset.source(pipeline.ArraySource(split))
+      .shuffle(seed=seed)
+      .random_map(transform, seed=seed)
+      .batch(batch_size, drop_remainder=True)
+      .repeat(None)
+      .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=2))
+  )
+  if workers:
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return iter(dataset)
+
+
+def make_iterator(row: str, split, *, batch_size: int, image_size: int, seed: int, workers: int):
+  if row == "float32_two_pass":
+    return float32_two_pass_iterator(
+        split, batch_size=batch_size, image_size=image_size, seed=seed, workers=workers
+    )
+  return pipeline.train_iterator(
+      split,
+      global_batch_size=batch_size,
+      image_size=image_size,
+      seed=seed,
+      augment=PAPER_AUGMENT,
+      num_threads=0,
+      prefetch_buffer_size=2,
+      num_workers=workers,
+      resampling=row.split("_", 1)[1],
+  )
+
+
+def measure(row: str, split, args, workers: int) -> dict:
+  iterator = make_iterator(
+      row, split, batch_size=args.batch_size, image_size=args.image_size, seed=0, workers=workers
+  )
+  first = next(iterator)  # Warm-up: worker start-up and first decodes.
+  start = time.perf_counter()
+  for _ in range(args.batches):
+    next(iterator)
+  seconds = time.perf_counter() - start
+  if hasattr(iterator, "close"):
+    iterator.close()
+  images_per_s = args.batches * args.batch_size / seconds
+  return {
+      "row": row,
+      "workers": workers,
+      "cores": max(1, workers),
+      "images_per_s": round(images_per_s, 1),
+      "images_per_s_per_core": round(images_per_s / max(1, workers), 1),
+      "image_dtype": str(first["image"].dtype),
+      "bytes_per_batch": int(sum(v.nbytes for v in first.values())),
+      "image_bytes_per_batch": int(first["image"].nbytes),
+  }
+
+
+def accelerator_images_per_s(cell: str) -> tuple[float, dict]:
+  """Images/s one accelerator consumes at the preflight's step time of `cell`."""
+  record = json.load(open(os.path.join(ROOT, "results", "records", "preflight_paper.json")))
+  entry = record["cells"][cell]
+  batch = 256  # The paper's batch (the record's command sets --config.batch_size=256).
+  per_accelerator = batch / entry["step_s"] / entry["devices"]
+  return per_accelerator, {"cell": cell, "step_s": entry["step_s"], "devices": entry["devices"]}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--data_root", default=os.path.join(os.path.dirname(ROOT), "shared", "data", "celeba"))
+  parser.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
+  parser.add_argument("--rows", default="float32_two_pass,uint8_two_pass,uint8_one_pass")
+  parser.add_argument("--batch_size", type=int, default=256)
+  parser.add_argument("--batches", type=int, default=6)
+  parser.add_argument("--image_size", type=int, default=224)
+  parser.add_argument("--preflight_cell", default="fairsmoe/deit_s@h100x8")
+  parser.add_argument("--output", default="benchmarks/results/input_pipeline.json")
+  args = parser.parse_args()
+  flags.FLAGS.mark_as_parsed()  # grain hands its absl flags to worker processes.
+
+  paths = sorted(glob.glob(os.path.join(args.data_root, "img_align_celeba", "*.jpg")))
+  if len(paths) < args.batch_size:
+    sys.exit(f"{args.data_root}/img_align_celeba holds {len(paths)} JPEG files, fewer than a batch")
+  n = len(paths)
+  split = {
+      "path": np.array(paths, dtype=object),
+      "label": np.zeros(n, np.int32),
+      "attributes": np.zeros((n, 1), np.int32),
+  }
+  per_accelerator, source = accelerator_images_per_s(args.preflight_cell)
+  rows = []
+  for row in args.rows.split(","):
+    for workers in (int(w) for w in args.workers.split(",")):
+      result = measure(row, split, args, workers)
+      result["cores_per_accelerator"] = round(per_accelerator / result["images_per_s_per_core"], 1)
+      rows.append(result)
+      print(json.dumps(result), flush=True)
+  by = {(r["row"], r["workers"]): r for r in rows}
+  targets = []
+  new = [r for r in rows if r["row"] == "uint8_one_pass"]
+  if new:
+    best = max(r["images_per_s_per_core"] for r in new)
+    targets.append({
+        "target": f">= {GOAL_IMAGES_PER_CORE:g} images/s per core",
+        "value": best,
+        "reached": best >= GOAL_IMAGES_PER_CORE,
+    })
+    one = by.get(("uint8_one_pass", 1))
+    two = by.get(("uint8_one_pass", 2))
+    if one and two:
+      scaling = two["images_per_s"] / one["images_per_s"]
+      targets.append({"target": "linear in workers (2 workers / 1 worker = 2)", "value": round(scaling, 2), "reached": scaling >= 1.8})
+  old = [r for r in rows if r["row"] == "float32_two_pass"]
+  if new and old:
+    ratio = old[0]["image_bytes_per_batch"] / new[0]["image_bytes_per_batch"]
+    targets.append({"target": f">= {GOAL_BYTES_RATIO:g}x fewer host-to-device image bytes", "value": ratio, "reached": ratio >= GOAL_BYTES_RATIO})
+  args.accelerator = {**source, "images_per_s": round(per_accelerator, 1)}
+  write_results(args.output, args, rows, targets)
+
+
+if __name__ == "__main__":
+  main()
