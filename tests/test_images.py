@@ -188,3 +188,17 @@ def test_a_missing_file_surfaces_from_the_train_iterator_as_a_user_error(tmp_pat
   it = pipeline.train_iterator(split, global_batch_size=4, image_size=8, seed=0, num_threads=2)
   with pytest.raises(UserError, match="gone.png"):
     next(it)
+
+
+def test_a_16_bit_image_trains_as_its_8_bit_copy(tmp_path):
+  # The training decode (one resampling pass from the file) reads 16-bit grey the same way.
+  grey8 = np.random.RandomState(1).randint(0, 256, (50, 60)).astype(np.uint8)
+  Image.fromarray(grey8).save(tmp_path / "grey8.png")
+  Image.fromarray(grey8.astype(np.uint16) * 257).save(tmp_path / "grey16.png")
+  config = augment.AugmentConfig(random_resized_crop=True, horizontal_flip=True)
+  decoded = [
+      images.read_image(tmp_path / name, 40, lambda image: augment.augment_decoded(
+          image, np.random.default_rng(0), 32, 40, config))
+      for name in ("grey16.png", "grey8.png")
+  ]
+  np.testing.assert_array_equal(*decoded)

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
+from fairmoe_jax.data.images import to_rgb8
+
 # (top, left, height, width) of a crop, in pixels of the source image.
 CropBox = tuple[int, int, int, int]
 
@@ -182,8 +184,7 @@ def augment_decoded(
   resize of the whole square followed by a bilinear one of the crop. The two differ only by
   interpolation (docs/design.md, "Training images in one resampling pass").
   """
-  if image.mode != "RGB":
-    image = image.convert("RGB")
+  image = to_rgb8(image)
   if config.random_resized_crop:
     box = random_resized_crop_box(
         rng, decode_size, decode_size, config.crop_scale, config.crop_ratio
