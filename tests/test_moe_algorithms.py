@@ -265,18 +265,34 @@ def test_moves_data_by_gathers_only_in_both_passes(name):
   assert len(scatters) <= {"sort": 1, "sort_blocks": 2, "blocksparse": 1}[name], scatters
 
 
-def test_sort_gradients_in_bfloat16_stay_close_to_float32():
-  x32, experts, cotangent = _normal(0, (G, S, D)), _experts(1), _normal(2, (G, S, D))
-  index, gates = _random_routing(3, G, S, E, K)
-  _, grads32 = _gates_grad_fn("dense", S)(x32, gates, experts, index, cotangent)
-  (_, (y, _)), grads16 = _gates_grad_fn("sort", S)(
+# Relative error norm |g16 - g32| / |g32| of each gradient leaf, bfloat16 tokens against the
+# float32 oracle: `sort`'s (measured 0.45-0.6% per leaf here, from rounding the inputs, weights
+# and intermediates to bfloat16 alone). A sum over the 512 choices (or the blocks of one
+# expert) accumulated in bfloat16 rounds at every term and adds 0.2-1% here, more with more
+# tokens (4% for `dropless`'s bias scatter-add at 4096 choices).
+BFLOAT16_GRADIENT_TOLERANCE = 7e-3
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_gradients_in_bfloat16_stay_close_to_float32(name):
+  groups, tokens, dim, hidden = 4, 64, 32, 64
+  x32, cotangent = _normal(0, (groups, tokens, dim)), _normal(2, (groups, tokens, dim))
+  experts = _experts(1, dim=dim, hidden=hidden)
+  index, gates = _random_routing(3, groups, tokens, E, K)
+  _, grads32 = _gates_grad_fn("dense", tokens)(x32, gates, experts, index, cotangent)
+  (_, (y, _)), grads16 = _gates_grad_fn(name, tokens)(
       x32.astype(jnp.bfloat16), gates, experts, index, cotangent.astype(jnp.bfloat16)
   )
   assert y.dtype == jnp.bfloat16
   assert grads16[1].dtype == jnp.float32  # The gates' gradient stays in the routing dtype.
-  for a, b in zip(jax.tree.leaves(grads16), jax.tree.leaves(grads32), strict=True):
-    scale = float(jnp.abs(b).max())
-    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0, atol=3e-2 * scale)
+  assert jax.tree.map(lambda g: g.dtype, grads16[2]) == jax.tree.map(lambda w: w.dtype, experts)
+  names = ["x", "gates", *(f"experts.{k}" for k in ("w1", "b1", "w2", "b2"))]
+  leaves16, leaves32 = jax.tree.leaves(grads16), jax.tree.leaves(grads32)
+  errors = {
+      leaf: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+      for leaf, a, b in zip(names, leaves16, leaves32, strict=True)
+  }
+  assert max(errors.values()) < BFLOAT16_GRADIENT_TOLERANCE, errors
 
 
 # ---------------------------------------------------------------------------

@@ -160,6 +160,9 @@ def _block_mlp_bwd(residuals, d_out):
   rows, block_bounds, experts = residuals
   w = experts.cast(rows.dtype)
 
+  def matmul(a, b):
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
   def expert_body(e, carry):
     d_rows, grads = carry
     w1, b1, w2 = w.w1[e], w.b1[e], w.w2[e]
@@ -169,19 +172,21 @@ def _block_mlp_bwd(residuals, d_out):
       h, gelu_vjp = jax.vjp(_gelu, rows[b] @ w1 + b1)
       d_o = d_out[b]
       (d_pre,) = gelu_vjp(d_o @ w2.T)
+      # The weight gradients are sums over every block of the expert: accumulated in float32
+      # whatever the compute dtype (a bfloat16 accumulator rounds at every block).
       g = ExpertWeights(
-          w1=g.w1 + rows[b].T @ d_pre,
-          b1=g.b1 + d_pre.sum(0),
-          w2=g.w2 + h.T @ d_o,
-          b2=g.b2 + d_o.sum(0),
+          w1=g.w1 + matmul(rows[b].T, d_pre),
+          b1=g.b1 + d_pre.astype(jnp.float32).sum(0),
+          w2=g.w2 + matmul(h.T, d_o),
+          b2=g.b2 + d_o.astype(jnp.float32).sum(0),
       )
       return d_rows.at[b].set(d_pre @ w1.T), g
 
-    local = jax.tree.map(lambda a: jnp.zeros_like(a[0]), w)
+    local = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), w)
     d_rows, g = jax.lax.fori_loop(block_bounds[e], block_bounds[e + 1], block_body, (d_rows, local))
     return d_rows, jax.tree.map(lambda all_, one: all_.at[e].set(one), grads, g)
 
-  zeros = jax.tree.map(jnp.zeros_like, w)
+  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), w)
   d_rows, grads = jax.lax.fori_loop(0, w.num_experts, expert_body, (jnp.zeros_like(rows), zeros))
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, experts)
   return d_rows, None, grads

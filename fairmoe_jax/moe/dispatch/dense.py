@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
-from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias
 
 
 def moe_dense(
@@ -31,9 +31,9 @@ def moe_dense(
   check_inputs(x, expert_index, gates)
   num_experts = experts.num_experts
   w = experts.cast(x.dtype)
-  h = jnp.einsum("gsd,edh->gesh", x, w.w1) + w.b1[:, None, :]
+  h = add_bias(jnp.einsum("gsd,edh->gesh", x, w.w1), experts.b1[:, None, :])
   h = jax.nn.gelu(h, approximate=False)
-  out = jnp.einsum("gesh,ehd->gesd", h, w.w2) + w.b2[:, None, :]
+  out = add_bias(jnp.einsum("gesh,ehd->gesd", h, w.w2), experts.b2[:, None, :])
   # [G, S, E] gate of each expert, 0 where not chosen (a token's k experts differ).
   weights = jnp.einsum(
       "gske,gsk->gse", jax.nn.one_hot(expert_index, num_experts, dtype=gates.dtype), gates
