@@ -232,14 +232,14 @@ def ragged_block_mlp(
 
 # How `apply_on_blocks` runs the expert MLP on the blocks (`matmul=`):
 #   loop: `block_mlp`, loops over the experts and their blocks with one B x D x H matmul at a
-#     time: the work is the real blocks only, the fastest on CPU (docs/benchmarks.md), where
-#     XLA lowers `jax.lax.ragged_dot` as E dense matmuls;
-#   ragged_dot: `ragged_block_mlp`, XLA's grouped matmul over all blocks at once, which GPU
-#     and TPU compilers lower as one op rather than a loop of small matmuls;
-#   auto: loop on CPU and ragged_dot elsewhere, picked for the platform the step is lowered for
-#     (`jax.lax.platform_dependent`), so a step compiled on a CPU host for a TPU gets the TPU's.
+#     time: the work and memory are the real blocks' only. The default on every platform.
+#   ragged_dot: `ragged_block_mlp`, XLA's grouped matmul over all blocks at once. XLA's CPU
+#     backend lowers it as E dense matmuls, and the H100 compiler (jax 0.10.2) needs 10 to 170
+#     times the loops' scratch for it (23.5 GB against 0.22 GB at DeiT-S, 32 images, E=64,
+#     bfloat16; docs/benchmarks.md), as for `dropless`: an option for a compiler with a
+#     grouped-matmul kernel, not a default.
 # The two give the same results up to float rounding.
-BLOCK_MATMULS = ("auto", "loop", "ragged_dot")
+BLOCK_MATMULS = ("loop", "ragged_dot")
 
 
 def _check_block_matmul(matmul: str) -> None:
@@ -252,20 +252,15 @@ def apply_on_blocks(
     gates: jax.Array,
     experts: ExpertWeights,
     plan: BlockPlan,
-    matmul: str = "auto",
+    matmul: str = "loop",
 ) -> jax.Array:
   """The layer output [T, D] of tokens [T, D] with gates [T, k], computed on the plan's blocks
   by `matmul` (`BLOCK_MATMULS`)."""
   _check_block_matmul(matmul)
   dim = tokens.shape[-1]
   rows = gather_slots(tokens, plan.slots).reshape(-1, plan.block_size, dim)
-  mlps = {"loop": block_mlp, "ragged_dot": ragged_block_mlp}
-  if matmul == "auto":
-    outputs = jax.lax.platform_dependent(
-        rows, plan.block_bounds, experts, cpu=block_mlp, default=ragged_block_mlp
-    )
-  else:
-    outputs = mlps[matmul](rows, plan.block_bounds, experts)
+  mlp = {"loop": block_mlp, "ragged_dot": ragged_block_mlp}[matmul]
+  outputs = mlp(rows, plan.block_bounds, experts)
   return combine_slots(outputs.reshape(1, -1, dim), gates, plan.slots)
 
 
@@ -277,13 +272,12 @@ def moe_blocksparse(
     *,
     capacity: int | None = None,
     block_size: int | None = None,
-    matmul: str = "auto",
+    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
   """Dropless dispatch on blocks of expert-sorted rows; `capacity` is ignored.
 
   `block_size` None chooses it from the average load (`choose_block_size`); `matmul` says how
-  the expert MLP runs on the blocks (`BLOCK_MATMULS`: by default loops on CPU, `ragged_dot`
-  grouped matmuls on GPU and TPU).
+  the expert MLP runs on the blocks (`BLOCK_MATMULS`).
   """
   del capacity
   check_inputs(x, expert_index, gates)

@@ -118,13 +118,12 @@ def moe_sort(
     *,
     capacity: int | None = None,
     layout: str = "buffers",
-    matmul: str = "auto",
+    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
   """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`.
 
   `layout` says where the expert MLP runs (`SORT_LAYOUTS`); both give the same output. With
-  `layout="blocks"`, `matmul` says how (`blocksparse.BLOCK_MATMULS`: by default loops on CPU,
-  `ragged_dot` grouped matmuls on GPU and TPU).
+  `layout="blocks"`, `matmul` says how (`blocksparse.BLOCK_MATMULS`).
   """
   check_inputs(x, expert_index, gates)
   if layout not in SORT_LAYOUTS:
@@ -155,7 +154,7 @@ def moe_sort_blocks(
     experts: ExpertWeights,
     *,
     capacity: int | None = None,
-    matmul: str = "auto",
+    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
   """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed),
   run by `matmul` (`blocksparse.BLOCK_MATMULS`)."""
