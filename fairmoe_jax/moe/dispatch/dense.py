@@ -30,13 +30,19 @@ def moe_dense(
   del capacity
   check_inputs(x, expert_index, gates)
   num_experts = experts.num_experts
-  w = experts.cast(x.dtype)
-  h = jnp.einsum("gsd,edh->gesh", x, w.w1) + w.b1[:, None, :]
-  h = gelu_exact(h)
-  out = jnp.einsum("gesh,ehd->gesd", h, w.w2) + w.b2[:, None, :]
+  # The oracle's matmuls run in float32 on operands rounded to x.dtype, so that their
+  # transposes, the weight and gate gradients (sums over tokens), accumulate in float32
+  # whatever the backend does with a bfloat16 dot (jax 0.12's CPU backend sums some layouts in
+  # bfloat16, and jax 0.10's has no bfloat16 dot with a float32 result).
+  w = jax.tree.map(lambda a: a.astype(jnp.float32), experts.cast(x.dtype))
+  x32 = x.astype(jnp.float32)
+  h = jnp.einsum("gsd,edh->gesh", x32, w.w1) + experts.b1[:, None, :]
+  h = gelu_exact(h.astype(x.dtype)).astype(jnp.float32)
+  out = (jnp.einsum("gesh,ehd->gesd", h, w.w2) + experts.b2[:, None, :]).astype(x.dtype)
   # [G, S, E] gate of each expert, 0 where not chosen (a token's k experts differ).
   weights = jnp.einsum(
       "gske,gsk->gse", jax.nn.one_hot(expert_index, num_experts, dtype=gates.dtype), gates
   )
-  y = jnp.einsum("gse,gesd->gsd", weights.astype(x.dtype), out)
+  weights = weights.astype(x.dtype).astype(jnp.float32)
+  y = jnp.einsum("gse,gesd->gsd", weights, out.astype(jnp.float32)).astype(x.dtype)
   return y, dropless_stats(expert_index, num_experts)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
-from fairmoe_jax.moe.dispatch.experts import ExpertWeights, gelu_exact
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
 
 
 def moe_dropless(
@@ -49,9 +49,12 @@ def moe_dropless(
 
   w = experts.cast(x.dtype)
   x_sorted = x.reshape(num_groups * group_size, dim)[token]
-  h = jax.lax.ragged_dot(x_sorted, w.w1, group_sizes) + w.b1[sorted_expert]
+  # The biases are gathered in float32 and the choices weighted and summed in float32, so that
+  # the gradients of the biases and gates (scatter-adds over tokens, backwards) accumulate in
+  # float32 in a bfloat16 compute dtype.
+  h = add_bias(jax.lax.ragged_dot(x_sorted, w.w1, group_sizes), experts.b1[sorted_expert])
   h = gelu_exact(h)
-  out = jax.lax.ragged_dot(h, w.w2, group_sizes) + w.b2[sorted_expert]
-  weighted = out * gates.reshape(num_choices)[sorted_choice].astype(x.dtype)[:, None]
-  y = jnp.zeros((num_groups * group_size, dim), x.dtype).at[token].add(weighted)
-  return y.reshape(x.shape), dropless_stats(expert_index, num_experts)
+  out = add_bias(jax.lax.ragged_dot(h, w.w2, group_sizes), experts.b2[sorted_expert])
+  weighted = out.astype(jnp.float32) * gates.reshape(num_choices)[sorted_choice][:, None]
+  y = jnp.zeros((num_groups * group_size, dim), jnp.float32).at[token].add(weighted)
+  return y.astype(x.dtype).reshape(x.shape), dropless_stats(expert_index, num_experts)

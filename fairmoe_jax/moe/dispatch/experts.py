@@ -77,6 +77,16 @@ class ExpertWeights:
     Computed in x.dtype, with the exact (erf) GELU of timm's ViT MLP.
     """
     w = self.cast(x.dtype)
-    h = jnp.einsum("...end,edh->...enh", x, w.w1) + w.b1[:, None, :]
+    h = add_bias(jnp.einsum("...end,edh->...enh", x, w.w1), self.b1[:, None, :])
     h = gelu_exact(h)
-    return jnp.einsum("...enh,ehd->...end", h, w.w2) + w.b2[:, None, :]
+    return add_bias(jnp.einsum("...enh,ehd->...end", h, w.w2), self.b2[:, None, :])
+
+
+def add_bias(h: jax.Array, bias: jax.Array) -> jax.Array:
+  """h + bias in h.dtype, the bias (broadcastable to h) given in its own dtype (float32).
+
+  The bias is broadcast (or gathered, by the caller) before the cast to h.dtype, so that its
+  gradient, a sum over every token, accumulates in the bias' dtype and not in a bfloat16
+  compute dtype; the values are those of `h + bias.astype(h.dtype)`.
+  """
+  return h + jnp.broadcast_to(bias, h.shape).astype(h.dtype)

@@ -118,10 +118,12 @@ def moe_sort(
     *,
     capacity: int | None = None,
     layout: str = "buffers",
+    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
   """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`.
 
-  `layout` says where the expert MLP runs (`SORT_LAYOUTS`); both give the same output.
+  `layout` says where the expert MLP runs (`SORT_LAYOUTS`); both give the same output. With
+  `layout="blocks"`, `matmul` says how (`blocksparse.BLOCK_MATMULS`).
   """
   check_inputs(x, expert_index, gates)
   if layout not in SORT_LAYOUTS:
@@ -139,7 +141,7 @@ def moe_sort(
         block_size=choose_block_size(expert_index.size, num_experts),
         kept=plan.stats.kept,
     )
-    y = apply_on_blocks(tokens, gates, experts, blocks)
+    y = apply_on_blocks(tokens, gates, experts, blocks, matmul)
   else:
     y = combine_slots(experts.apply(gather_slots(tokens, plan)), gates, plan)
   return y.reshape(x.shape), plan.stats
@@ -152,6 +154,10 @@ def moe_sort_blocks(
     experts: ExpertWeights,
     *,
     capacity: int | None = None,
+    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
-  """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed)."""
-  return moe_sort(x, expert_index, gates, experts, capacity=capacity, layout="blocks")
+  """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed),
+  run by `matmul` (`blocksparse.BLOCK_MATMULS`)."""
+  return moe_sort(
+      x, expert_index, gates, experts, capacity=capacity, layout="blocks", matmul=matmul
+  )
