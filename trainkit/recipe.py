@@ -28,6 +28,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
+from trainkit import storage
 from trainkit.checkpoint import Checkpointer, checkpoint_report
 from trainkit.config import resolve_train_steps
 from trainkit.loop import (
@@ -91,7 +92,7 @@ def setup(
   tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)
   graphdef, state = create_state(tx, mesh)
   checkpointer = Checkpointer(
-      os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+      storage.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
   )
   return Run(config, workdir, mesh, tx, graphdef, state, checkpointer)
 
@@ -161,20 +162,18 @@ def keep_earlier_record(workdir: str, step: int) -> str | None:
   `report.step-N.json` (likewise `predictions.csv`). Returns the kept report's name, or None
   when there was none or it was of the same step (a rerun of the same evaluation).
   """
-  path = os.path.join(workdir, RECORD_FILES[0])
+  path = storage.join(workdir, RECORD_FILES[0])
   try:
-    with open(path) as f:
-      earlier = json.load(f).get("step")
+    earlier = json.loads(storage.read_text(path)).get("step")
   except (OSError, ValueError, AttributeError):
     return None
   if not isinstance(earlier, int) or earlier == step:
     return None
   for name in RECORD_FILES:
     stem, suffix = os.path.splitext(name)
-    if os.path.exists(os.path.join(workdir, name)):
-      os.replace(
-          os.path.join(workdir, name), os.path.join(workdir, f"{stem}.step-{earlier}{suffix}")
-      )
+    record = storage.path(storage.join(workdir, name))
+    if record.exists():
+      record.replace(storage.join(workdir, f"{stem}.step-{earlier}{suffix}"))
   return f"report.step-{earlier}.json"
 
 
