@@ -70,7 +70,7 @@ run bash -c "cd $(quote "$repo_root") && git ls-files -z --cached --others --exc
 run gcloud compute tpus tpu-vm scp "$archive" "${name}:${remote_dir}.tar.gz" "${common[@]}" \
   --worker=all
 run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
-  --command="rm -rf ${remote_dir} && mkdir -p ${remote_dir} && tar -xzf ${remote_dir}.tar.gz -C ${remote_dir} && cd ${remote_dir} && pip install -q -e . 'jax[tpu]'"
+  --command="rm -rf ${remote_dir} && mkdir -p ${remote_dir} && tar -xzf ${remote_dir}.tar.gz -C ${remote_dir} && cd ${remote_dir} && pip install -q -e . 'jax[tpu]' gcsfs"
 # Runs on every worker at once; their output streams here.
 run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
   --command="cd ${remote_dir} && TRAINKIT_DISTRIBUTED=auto python3 -m ${module}${main_args}"
