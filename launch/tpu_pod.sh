@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs a training on a Cloud TPU pod slice from a workstation: creates the slice, copies this
-# repository to every worker, installs it, runs the main on all workers (their output streams
-# here through ssh) and, with --delete-after, deletes the slice.
+# repository to every worker, installs it (with gcsfs, for a gs:// workdir), runs the main on
+# all workers (their output streams here through ssh) and, with --delete-after, deletes the
+# slice.
 #
 # Usage: launch/tpu_pod.sh [--dry-run] --name NAME --zone ZONE --accelerator TYPE
 #            [--version VERSION] [--project PROJECT] [--module MODULE] [--delete-after]

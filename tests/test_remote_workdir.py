@@ -14,9 +14,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT, SHARED_DATA
-from trainkit.errors import USER_ERROR_EXIT_CODE
+
+from trainkit import storage
+from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 
 CELEBA = SHARED_DATA / "celeba"
 NLI = SHARED_DATA / "nli"
@@ -209,3 +210,23 @@ def test_a_file_system_that_is_not_installed_is_one_error_before_any_write(
   assert workdir in lines[0]
   places.assert_nothing_local()
   assert sorted(places.bucket.rglob("*")) == []
+
+
+def test_uris_keep_their_scheme_and_local_paths_become_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert storage.scheme("gs://bucket/run") == "gs" and storage.scheme("run/gs://x") is None
+  assert storage.resolve("run") == str(tmp_path / "run")
+  assert storage.join("gs://bucket/run", "checkpoints", "3") == "gs://bucket/run/checkpoints/3"
+  assert storage.relpath("gs://bucket/run/plots/a.png", "gs://bucket/run") == "plots/a.png"
+  (tmp_path / "run" / "a" / "b").mkdir(parents=True)
+  (tmp_path / "run" / "a" / "b" / "f").write_text("x")
+  (tmp_path / "run" / "g").write_text("y")
+  assert sorted(storage.walk_files(str(tmp_path / "run"))) == ["a/b/f", "g"]
+  assert list(storage.walk_files(str(tmp_path / "absent"))) == []
+
+
+def test_a_sweep_workdir_on_gs_is_one_error():
+  from experiments import sweep
+
+  with pytest.raises(UserError, match="a sweep's workdir is a local directory"):
+    sweep.execute("configs/sweeps/batch_experts.py", "gs://bucket/sweep")
