@@ -155,12 +155,8 @@ def _step_files(step_dir: str) -> list[str]:
   return sorted(path for path in storage.walk_files(step_dir) if path != MANIFEST)
 
 
-def _size(path: str) -> int:
-  return storage.path(path).stat().length
-
-
 def _file_entry(path: str) -> dict[str, Any]:
-  return {"sha256": _sha256(path), "size": _size(path)}
+  return {"sha256": _sha256(path), "size": storage.size(path)}
 
 
 def _save_manifest(step_dir: str, entries: dict[str, Any]) -> None:
@@ -224,7 +220,7 @@ def verify_manifest(step_dir: str) -> str:
       continue  # Written by Orbax after the manifest; checked once complete_manifest ran.
     if not storage.path(file).is_file():
       return f"{name} is missing"
-    if _size(file) != entry.get("size") or _sha256(file) != entry.get("sha256"):
+    if storage.size(file) != entry.get("size") or _sha256(file) != entry.get("sha256"):
       return f"{name} does not match its checksum in {MANIFEST} (changed since it was saved)"
   extra = sorted(set(_step_files(step_dir)) - set(entries))
   if extra:
@@ -580,8 +576,8 @@ class Checkpointer:
       try:
         # On an object store a rename is a copy of each object, then a delete.
         storage.path(storage.join(self.directory, str(step))).rename(target)
-      except FileNotFoundError:
-        pass  # Another process moved it.
+      except (FileNotFoundError, FileExistsError):
+        pass  # Another process moved it (to the same target: epath checks it first).
     self._manager.reload()
     return corrupt
 

@@ -148,3 +148,15 @@ def save_figure(figure: Any, location: str, *, dpi: int) -> None:
   parent = posixpath.dirname(location) if is_remote(location) else os.path.dirname(location)
   makedirs(parent or ".")
   write_atomically(location, buffer.getvalue())
+
+
+def size(location: str) -> int:
+  """The file's size in bytes."""
+  # os.stat for local files: epath's stat also looks up the owner's name, which fails for a uid
+  # that has none (containers).
+  return path(location).stat().length if is_remote(location) else os.path.getsize(location)
+
+
+def mtime(location: str) -> float:
+  """The file's modification time (seconds since the epoch)."""
+  return path(location).stat().mtime if is_remote(location) else os.path.getmtime(location)

@@ -99,7 +99,7 @@ _UNWRITTEN_LOCK_SECONDS = 5.0
 
 def _age_seconds(path: str) -> float:
   try:
-    return time.time() - storage.path(path).stat().mtime
+    return time.time() - storage.mtime(path)
   except OSError:
     return 0.0
 
