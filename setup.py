@@ -52,6 +52,10 @@ setup(
         "flax>=0.12.4",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
+        # Every file of a workdir is read and written through etils.epath (local or gs://,
+        # trainkit/storage.py); both come with Orbax, declared here because trainkit imports them.
+        "etils[epath]>=1.7",
+        "fsspec>=2023.1",
         "tensorflow-datasets>=4.9",
         "grain>=0.2.10",
         "ml-collections>=1.0",

@@ -7,10 +7,11 @@ threads, headless machines and tests.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Sequence
 
 import numpy as np
+
+from trainkit import storage
 
 # Token labels on the axes while they stay legible; longer sequences get every k-th one.
 _MAX_TICK_LABELS = 48
@@ -47,8 +48,7 @@ def save_attention_heatmap(
     axes.set_title(title, fontsize=9)
   figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
   figure.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  figure.savefig(path, dpi=100)
+  storage.save_figure(figure, path, dpi=100)
   return path
 
 
@@ -119,6 +119,5 @@ def save_attention_heads(
 ) -> str:
   """Writes `attention_heads_figure(maps, labels, ...)` as a PNG; returns the path."""
   figure = attention_heads_figure(maps, labels, title=title, column_labels=column_labels)
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  figure.savefig(path, dpi=100)
+  storage.save_figure(figure, path, dpi=100)
   return path

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import json
-import os
 from typing import TYPE_CHECKING, Any
 
 import flax.nnx as nnx
@@ -24,6 +23,7 @@ from causal_attn_jax import plots
 from causal_attn_jax.data import batching, nli
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import accuracy
+from trainkit import storage
 from trainkit.metric_writers import write_atomically
 from trainkit.train_state import TrainState
 
@@ -144,7 +144,7 @@ def _heatmaps(
       heads = maps[layer][:, :n, :n]  # [H, N, N]: the real tokens, padding cut off.
       paths.append(
           plots.save_attention_heads(
-              os.path.join(workdir, "plots", f"attention_{names[layer]}_ex{i}.png"),
+              storage.join(workdir, "plots", f"attention_{names[layer]}_ex{i}.png"),
               heads,
               labels,
               title=(
@@ -187,7 +187,7 @@ def final_report(
   )
   if jax.process_index() == 0:
     report["plots"] = [
-        os.path.relpath(p, workdir) for p in _heatmaps(result, data, config, task, workdir)
+        storage.relpath(p, workdir) for p in _heatmaps(result, data, config, task, workdir)
     ]
   return report
 
@@ -288,6 +288,6 @@ def format_summary(report: dict[str, Any]) -> str:
 def write_report(report: dict[str, Any], workdir: str) -> None:
   """Writes report.json and prints its summary (`format_summary`)."""
   # Written whole or not at all: a crash mid-write must not leave a torn report.
-  write_atomically(os.path.join(workdir, "report.json"), json.dumps(report, indent=2))
+  write_atomically(storage.join(workdir, "report.json"), json.dumps(report, indent=2))
   print(format_summary(report), flush=True)
-  print(f"Wrote {os.path.join(workdir, 'report.json')}", flush=True)
+  print(f"Wrote {storage.join(workdir, 'report.json')}", flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import csv
+import io
 import os
 from typing import Any, Callable
 
@@ -40,10 +41,11 @@ from causal_attn_jax.data import tokenizer as tokenizer_lib
 from causal_attn_jax.data.iterator import TrainIterator, device_batches
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import attention_sparsity
-from trainkit import recipe
+from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import place, replicated, to_host
+from trainkit.metric_writers import write_atomically
 from trainkit.train_state import LossFn, TrainState, UpdateExtraFn, create_train_state
 from trainkit.workdir import require_checkpoint
 
@@ -362,8 +364,8 @@ def _has_checkpoint(workdir: str) -> bool:
 
 
 def _require_tokenizer(workdir: str) -> None:
-  tokenizer_path = os.path.join(workdir, "spm.model")
-  if not os.path.isfile(tokenizer_path):
+  tokenizer_path = storage.join(workdir, "spm.model")
+  if not storage.path(tokenizer_path).is_file():
     # Training a new one on the given text would silently change the checkpoint's vocabulary.
     raise UserError(
         f"{tokenizer_path} is missing, and the checkpoint's token ids mean nothing without it; "
@@ -492,14 +494,15 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
       mesh=restored.mesh,
       path=config.predict.input,
   )
-  path = os.path.join(workdir, PREDICT_FILE)
+  path = storage.join(workdir, PREDICT_FILE)
   if jax.process_index() == 0:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    storage.makedirs(storage.join(workdir, os.path.dirname(PREDICT_FILE)))
     names = list(columns)
-    with open(path, "w", newline="") as f:
-      writer = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
-      writer.writerow(names)
-      writer.writerows(zip(*(columns[name] for name in names)))
+    text = io.StringIO(newline="")
+    writer = csv.writer(text, delimiter="\t", quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
+    writer.writerow(names)
+    writer.writerows(zip(*(columns[name] for name in names)))
+    write_atomically(path, text.getvalue())
     rows = len(columns[names[0]])
     print(f"Predicted {rows} inputs with the checkpoint of step {restored.step}: {path}")
   return path

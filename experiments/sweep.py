@@ -87,6 +87,7 @@ from experiments.plots import write_plots
 from experiments.spec import REPO_ROOT, load_sweep
 from experiments.supervise import Differences, run_sweep
 from trainkit.config_files import resolve_config_args
+from trainkit import storage
 from trainkit.errors import UserError, exit_on_user_error, fail
 
 MODES = ("run", "commands", "collect")
@@ -157,6 +158,13 @@ def execute(
     raise UserError(f"--mode: unknown mode {mode!r}; choose from {', '.join(MODES)}")
   if not workdir:
     raise UserError("--workdir is required")
+  if storage.is_remote(workdir):
+    # The supervisor gives each run's output a local log file, keeps its state beside it and
+    # moves stale runs aside by renaming them: none of it is written through the path library.
+    raise UserError(
+        f"--workdir={workdir}: a sweep's workdir is a local directory (its runs' logs and state "
+        "are local files); a single run's --workdir may be on gs://"
+    )
   if dry_run and mode != "run":
     raise UserError("--dry_run only applies to --mode=run")
   try:

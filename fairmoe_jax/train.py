@@ -44,6 +44,7 @@ from fairmoe_jax.fairness.surrogates import review_metric
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
 from fairmoe_jax.moe.layer import ATTRIBUTE_PROBS, SA_CHOICE_CHANGE, SA_LOGIT_MOMENTS
+from trainkit import storage
 from trainkit.mesh import replicated
 from trainkit.metric_writers import read_metrics, write_atomically
 from trainkit.train_state import TrainState, create_train_state
@@ -64,7 +65,13 @@ def load_data(
   """
   key = _DATA_LOCATION_KEYS.get(config.data.name)
   location = config.data[key] if key else ""
-  if location and "://" not in location and not os.path.isdir(location):
+  if location and storage.is_remote(location) and config.data.name != "celeba_tfds":
+    raise ConfigError(
+        f"data.{key}",
+        f"{location!r} is not on the local disk; the {config.data.name} reader reads a local "
+        "directory (the workdir may be on gs://, the data is copied to each host)",
+    )
+  if location and not storage.is_remote(location) and not os.path.isdir(location):
     raise ConfigError(
         f"data.{key}",
         f"directory {location!r} does not exist; set --config.data.{key}=DIR to where the "
@@ -453,7 +460,7 @@ def final_report(
         "(a training-time study, not deployable inference)"
     )
   # Only process 0 writes metrics.jsonl; the report is written by it alone.
-  logged = workdir and os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+  logged = workdir and storage.path(storage.join(workdir, "metrics.jsonl")).exists()
   records = read_metrics(workdir) if logged else None
   if "fem" in state.extra:
     counts = np.asarray(jax.device_get(state.extra["fem"]["counts"]))
@@ -510,11 +517,12 @@ def final_report(
 
 def _write_report(report: dict[str, Any], predictions: dict[str, np.ndarray], workdir: str) -> None:
   # Each file is replaced whole or not at all: a crash mid-write never tears the earlier one.
-  write_atomically(os.path.join(workdir, "report.json"), json.dumps(report, indent=2))
-  predictions_lib.write_csv(os.path.join(workdir, "predictions.csv"), predictions)
+  write_atomically(storage.join(workdir, "report.json"), json.dumps(report, indent=2))
+  predictions_lib.write_csv(storage.join(workdir, "predictions.csv"), predictions)
   print(format_report(report), flush=True)
   plots = write_plots(workdir)
-  print(f"Plots: {', '.join(os.path.relpath(p, workdir) for p in plots)} in {workdir}", flush=True)
+  shown = ", ".join(storage.relpath(p, workdir) for p in plots)
+  print(f"Plots: {shown} in {workdir}", flush=True)
 
 
 def create_state(
@@ -760,15 +768,15 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   and preprocessing, or why timm cannot load it (`fairmoe_jax.export`). Reads the workdir
   alone (config, run_info.json, checkpoint), not the dataset.
   """
-  from safetensors.numpy import save_file  # Only this mode needs it.
+  from safetensors.numpy import save  # Only this mode needs it.
 
   restored = restore_run(config, workdir)
   model = restored.model
   state = export_timm_state_dict(model)
   timm_config = export_lib.timm_config(model, state, config, restored.metadata, restored.step)
-  path = os.path.join(workdir, EXPORT_FILE)
+  path = storage.join(workdir, EXPORT_FILE)
   if jax.process_index() == 0:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    storage.makedirs(storage.join(workdir, os.path.dirname(EXPORT_FILE)))
     metadata = {
         "format": "timm",
         "step": str(restored.step),
@@ -777,18 +785,20 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
         "class_names": json.dumps(list(restored.metadata.class_names)),
         "config": config.to_json(),
     }
-    save_file(state, path, metadata=metadata)
-    # safetensors writes through a private temporary file (mode 0600); the export is meant to be
-    # shared like every other output of the run.
-    os.chmod(path, 0o644 & ~_umask())
-    with open(os.path.join(workdir, EXPORT_CONFIG_FILE), "w") as f:
-      json.dump(timm_config, f, indent=2)
+    write_atomically(path, save(state, metadata=metadata))
+    if not storage.is_remote(path):
+      # The temporary file behind an atomic write is private (mode 0600); the export is meant
+      # to be shared like every other output of the run.
+      os.chmod(path, 0o644 & ~_umask())
+    storage.path(storage.join(workdir, EXPORT_CONFIG_FILE)).write_text(
+        json.dumps(timm_config, indent=2)
+    )
     size = sum(v.nbytes for v in state.values())
     print(f"Exported step {restored.step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
     if timm_config["timm_loadable"]:
       print(
           f"timm: {timm_config['architecture']} with the model_args of "
-          f"{os.path.join(workdir, EXPORT_CONFIG_FILE)} (README, 'Loading an export into timm')"
+          f"{storage.join(workdir, EXPORT_CONFIG_FILE)} (README, 'Loading an export into timm')"
       )
     else:
       print(
@@ -897,9 +907,9 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   }
   columns.update(predictions_lib.probability_columns(examples))
   columns.update(predictions_lib.expert_columns(examples))
-  path = os.path.join(workdir, PREDICT_FILE)
+  path = storage.join(workdir, PREDICT_FILE)
   if jax.process_index() == 0:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    storage.makedirs(storage.join(workdir, os.path.dirname(PREDICT_FILE)))
     predictions_lib.write_csv(path, columns)
     print(f"Predicted {len(paths)} images with the checkpoint of step {restored.step}: {path}")
   return path

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs a training on a Cloud TPU pod slice from a workstation: creates the slice, copies this
-# repository to every worker, installs it, runs the main on all workers (their output streams
-# here through ssh) and, with --delete-after, deletes the slice.
+# repository to every worker, installs it (with gcsfs, for a gs:// workdir), runs the main on
+# all workers (their output streams here through ssh) and, with --delete-after, deletes the
+# slice.
 #
 # Usage: launch/tpu_pod.sh [--dry-run] --name NAME --zone ZONE --accelerator TYPE
 #            [--version VERSION] [--project PROJECT] [--module MODULE] [--delete-after]
@@ -70,7 +71,7 @@ run bash -c "cd $(quote "$repo_root") && git ls-files -z --cached --others --exc
 run gcloud compute tpus tpu-vm scp "$archive" "${name}:${remote_dir}.tar.gz" "${common[@]}" \
   --worker=all
 run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
-  --command="rm -rf ${remote_dir} && mkdir -p ${remote_dir} && tar -xzf ${remote_dir}.tar.gz -C ${remote_dir} && cd ${remote_dir} && pip install -q -e . 'jax[tpu]'"
+  --command="rm -rf ${remote_dir} && mkdir -p ${remote_dir} && tar -xzf ${remote_dir}.tar.gz -C ${remote_dir} && cd ${remote_dir} && pip install -q -e . 'jax[tpu]' gcsfs"
 # Runs on every worker at once; their output streams here.
 run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
   --command="cd ${remote_dir} && TRAINKIT_DISTRIBUTED=auto python3 -m ${module}${main_args}"

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from trainkit import storage
 from trainkit.errors import OutOfSpace, UserError, is_out_of_space
 from trainkit.metric_writers import write_atomically
 
@@ -83,11 +84,11 @@ def _remove_failed_save(directory: str, *, quiet_for: float = 0.2, at_most: floa
   """Removes the temporary directory of a save that failed (e.g. on a full disk). Its writes
   still in flight (TensorStore's: a failed save does not wait for them) may recreate files for a
   moment, so it is removed until nothing reappears for `quiet_for` seconds."""
-  if jax.process_index() != 0 or not os.path.isdir(directory):
+  if jax.process_index() != 0 or not storage.path(directory).is_dir():
     return
   start = quiet = time.monotonic()
   while time.monotonic() - start < at_most:
-    if any(_TMP_MARKER in name for name in os.listdir(directory)):
+    if any(_TMP_MARKER in p.name for p in storage.path(directory).iterdir()):
       _remove_interrupted_saves(directory, say=False)
       quiet = time.monotonic()
     elif time.monotonic() - quiet >= quiet_for:
@@ -101,13 +102,14 @@ def _remove_interrupted_saves(directory: str, *, say: bool = True) -> None:
   Done here, synchronously, rather than by Orbax's option of the same purpose, which
   cleans up in a background thread that can race with a short run's exit.
   """
-  if jax.process_index() != 0 or not os.path.isdir(directory):
+  if jax.process_index() != 0 or not storage.path(directory).is_dir():
     return
-  for name in os.listdir(directory):
-    if _TMP_MARKER in name:
+  for child in storage.path(directory).iterdir():
+    if _TMP_MARKER in child.name:
       if say:
-        _log.warning("removing an interrupted checkpoint save: %s", name)
-      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        _log.warning("removing an interrupted checkpoint save: %s", child.name)
+      with contextlib.suppress(OSError):
+        child.rmtree()
 
 
 def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | None:
@@ -143,28 +145,22 @@ TRUST_COMMAND = "python -m trainkit.checkpoint --trust"
 
 def _sha256(path: str) -> str:
   digest = hashlib.sha256()
-  with open(path, "rb") as f:
+  with storage.path(path).open("rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
   return digest.hexdigest()
 
 
 def _step_files(step_dir: str) -> list[str]:
-  files = []
-  for root, _, names in os.walk(step_dir):
-    for name in names:
-      path = os.path.relpath(os.path.join(root, name), step_dir)
-      if path != MANIFEST:
-        files.append(path)
-  return sorted(files)
+  return sorted(path for path in storage.walk_files(step_dir) if path != MANIFEST)
 
 
 def _file_entry(path: str) -> dict[str, Any]:
-  return {"sha256": _sha256(path), "size": os.path.getsize(path)}
+  return {"sha256": _sha256(path), "size": storage.size(path)}
 
 
 def _save_manifest(step_dir: str, entries: dict[str, Any]) -> None:
-  write_atomically(os.path.join(step_dir, MANIFEST), json.dumps({"files": entries}, indent=1))
+  write_atomically(storage.join(step_dir, MANIFEST), json.dumps({"files": entries}, indent=1))
 
 
 def write_manifest(step_dir: str, *, at_commit: tuple[str, ...] = ()) -> None:
@@ -175,7 +171,7 @@ def write_manifest(step_dir: str, *, at_commit: tuple[str, ...] = ()) -> None:
   `complete_manifest` adds it.
   """
   entries = {
-      path: {"at_commit": True} if path in at_commit else _file_entry(os.path.join(step_dir, path))
+      path: {"at_commit": True} if path in at_commit else _file_entry(storage.join(step_dir, path))
       for path in _step_files(step_dir)
   }
   entries.update({name: {"at_commit": True} for name in at_commit})
@@ -183,8 +179,7 @@ def write_manifest(step_dir: str, *, at_commit: tuple[str, ...] = ()) -> None:
 
 
 def _read_manifest(step_dir: str) -> dict[str, Any]:
-  with open(os.path.join(step_dir, MANIFEST)) as f:
-    entries = json.load(f)["files"]
+  entries = json.loads(storage.read_text(storage.join(step_dir, MANIFEST)))["files"]
   if not isinstance(entries, dict):
     raise TypeError("files is not a mapping")
   return entries
@@ -197,8 +192,8 @@ def complete_manifest(step_dir: str) -> None:
   if not pending:
     return
   for name in pending:
-    path = os.path.join(step_dir, name)
-    if os.path.isfile(path):
+    path = storage.join(step_dir, name)
+    if storage.path(path).is_file():
       entries[name] = _file_entry(path)
     else:
       del entries[name]  # Not written by this Orbax version's commit.
@@ -207,8 +202,8 @@ def complete_manifest(step_dir: str) -> None:
 
 def verify_manifest(step_dir: str) -> str:
   """What does not match the step's manifest ("" when all does); a missing manifest is named."""
-  path = os.path.join(step_dir, MANIFEST)
-  if not os.path.exists(path):
+  path = storage.join(step_dir, MANIFEST)
+  if not storage.path(path).exists():
     return (
         f"it has no {MANIFEST}, so its files cannot be verified (the manifest was deleted, or "
         "the step was saved by a version of trainkit without checksums)"
@@ -218,14 +213,14 @@ def verify_manifest(step_dir: str) -> str:
   except (OSError, ValueError, KeyError, TypeError) as e:
     return f"{MANIFEST} is unreadable ({type(e).__name__})"
   for name, entry in sorted(entries.items()):
-    file = os.path.join(step_dir, name)
+    file = storage.join(step_dir, name)
     if not isinstance(entry, dict):
       return f"{MANIFEST} is unreadable (the entry of {name})"
     if entry.get("at_commit"):
       continue  # Written by Orbax after the manifest; checked once complete_manifest ran.
-    if not os.path.isfile(file):
+    if not storage.path(file).is_file():
       return f"{name} is missing"
-    if os.path.getsize(file) != entry.get("size") or _sha256(file) != entry.get("sha256"):
+    if storage.size(file) != entry.get("size") or _sha256(file) != entry.get("sha256"):
       return f"{name} does not match its checksum in {MANIFEST} (changed since it was saved)"
   extra = sorted(set(_step_files(step_dir)) - set(entries))
   if extra:
@@ -296,15 +291,13 @@ def _describe(error: Exception, step_dir: str) -> str:
   if isinstance(error, _Unusable):
     return str(error)
   if isinstance(error, json.JSONDecodeError):
-    for root, _, files in os.walk(step_dir):
-      for name in sorted(files):
-        path = os.path.join(root, name)
-        if name.endswith(".json") or "METADATA" in name:
-          try:
-            with open(path) as f:
-              json.load(f)
-          except (OSError, ValueError):
-            return f"{os.path.relpath(path, step_dir)} is not valid JSON ({error.msg})"
+    for relative in sorted(storage.walk_files(step_dir)):
+      name = relative.rsplit("/", 1)[-1]
+      if name.endswith(".json") or "METADATA" in name:
+        try:
+          json.loads(storage.read_text(storage.join(step_dir, relative)))
+        except (OSError, ValueError):
+          return f"{relative} is not valid JSON ({error.msg})"
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
   informative = [line for line in lines if not line.startswith("<bound method")]
   with_path = [line for line in informative if step_dir in line]
@@ -323,7 +316,7 @@ class Checkpointer:
       save_interval_steps: int = 1,
       async_save: bool = True,
   ):
-    self.directory = os.path.abspath(directory)
+    self.directory = storage.resolve(directory)
     # What the last restore skipped ("step N: why"), for the report; empty when nothing was.
     self.skipped: list[str] = []
     # Steps this checkpointer saved whose manifest is not complete yet. Only these get a manifest
@@ -331,7 +324,8 @@ class Checkpointer:
     self._unmanifested: set[int] = set()
     self._saving: tuple[int, int] | None = None  # (step, bytes) of the save in flight.
     self._async = async_save
-    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+    location = storage.path(self.directory)
+    if location.exists() and not location.is_dir():
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     _remove_interrupted_saves(self.directory)
     _silence_out_of_space_noise()
@@ -375,8 +369,9 @@ class Checkpointer:
     # Checked before writing anything: a save that fills the disk fails in Orbax's background
     # threads, half-written, with pages of tracebacks.
     needed = _nbytes(state) + _SAVE_MARGIN_BYTES
-    free = shutil.disk_usage(self.directory).free
-    if free < needed:
+    # An object store has no free space to measure (a full quota fails the upload itself).
+    free = None if storage.is_remote(self.directory) else shutil.disk_usage(self.directory).free
+    if free is not None and free < needed:
       raise self._out_of_space(step, needed, free)
     args = ocp.args.Composite(
         **{
@@ -404,6 +399,13 @@ class Checkpointer:
     if self._saving is None or jax.process_index() != 0:
       return
     step = self._saving[0]
+    if storage.is_remote(self.directory):
+      # On gs:// Orbax writes the step in place and commits it with commit_success.txt, written
+      # after this callback: the manifest goes in the step's own directory.
+      step_dir = storage.join(self.directory, str(step))
+      if storage.path(step_dir).is_dir():
+        write_manifest(step_dir, at_commit=_WRITTEN_AT_COMMIT)
+      return
     pending = glob.glob(os.path.join(glob.escape(self.directory), f"{step}{_TMP_MARKER}*"))
     if len(pending) == 1 and os.path.isdir(pending[0]):
       write_manifest(pending[0], at_commit=_WRITTEN_AT_COMMIT)
@@ -436,15 +438,16 @@ class Checkpointer:
   def _out_of_space(self, step: int, needed: int, free: int | None = None) -> OutOfSpace:
     """The error for a save that cannot fit; the half-written step is removed first."""
     _remove_failed_save(self.directory)  # The error says so.
-    if free is None:
+    if free is None and not storage.is_remote(self.directory):
       free = shutil.disk_usage(self.directory).free
+    available = f"{_megabytes(free)} is free" if free is not None else "the store refused it"
     latest = [s for s in self._manager.all_steps() if s != step]
     resume = (
         f"the run can resume from step {max(latest)}" if latest else "no earlier checkpoint exists"
     )
     return OutOfSpace(
         f"no space left to save the checkpoint of step {step} in '{self.directory}': it needs "
-        f"about {_megabytes(needed)} and {_megabytes(free)} is free. Nothing of step {step} was "
+        f"about {_megabytes(needed)} and {available}. Nothing of step {step} was "
         f"kept and {resume}; free space and rerun"
     )
 
@@ -472,7 +475,7 @@ class Checkpointer:
 
     def skip(step: int, error: Exception) -> None:
       skipped_steps.append(step)
-      failures.append(f"step {step}: {_describe(error, os.path.join(self.directory, str(step)))}")
+      failures.append(f"step {step}: {_describe(error, storage.join(self.directory, str(step)))}")
       _log.warning(
           "checkpoint at step %d in %s cannot be used (%s); trying an older one",
           step,
@@ -487,7 +490,7 @@ class Checkpointer:
       hint = (
           f"\nA step without a manifest is not restored unverified. If you know its files are as "
           f"saved (e.g. a workdir from before checksums), vouch for it with\n  {TRUST_COMMAND} "
-          + " ".join(os.path.join(self.directory, str(step)) for step in unverified)
+          + " ".join(storage.join(self.directory, str(step)) for step in unverified)
           if unverified
           else ""
       )
@@ -514,7 +517,7 @@ class Checkpointer:
   ) -> tuple[Any, dict, int] | None:
     """The first of `steps` that restores and passes the checks; `skip` records the others."""
     for step in steps:
-      tampered = verify_manifest(os.path.join(self.directory, str(step)))
+      tampered = verify_manifest(storage.join(self.directory, str(step)))
       if tampered:
         skip(step, _Unusable(tampered))
         continue
@@ -562,18 +565,19 @@ class Checkpointer:
     --mode=eval score an older one; moved aside, the step is written again when training
     reaches it. Every process tries the rename; one succeeds.
     """
-    corrupt = os.path.join(self.directory, "corrupt")
-    os.makedirs(corrupt, exist_ok=True)
+    corrupt = storage.join(self.directory, "corrupt")
+    storage.makedirs(corrupt)
     for step in steps:
-      target = os.path.join(corrupt, str(step))
+      target = storage.join(corrupt, str(step))
       n = 1
-      while os.path.exists(target):
-        target = os.path.join(corrupt, f"{step}.{n}")
+      while storage.path(target).exists():
+        target = storage.join(corrupt, f"{step}.{n}")
         n += 1
       try:
-        os.rename(os.path.join(self.directory, str(step)), target)
-      except FileNotFoundError:
-        pass  # Another process moved it.
+        # On an object store a rename is a copy of each object, then a delete.
+        storage.path(storage.join(self.directory, str(step))).rename(target)
+      except (FileNotFoundError, FileExistsError):
+        pass  # Another process moved it (to the same target: epath checks it first).
     self._manager.reload()
     return corrupt
 
@@ -597,9 +601,9 @@ class Checkpointer:
       self._unmanifested.clear()
       return
     for step in sorted(self._unmanifested):
-      step_dir = os.path.join(self.directory, str(step))
-      if os.path.isdir(step_dir):
-        if os.path.exists(os.path.join(step_dir, MANIFEST)):
+      step_dir = storage.join(self.directory, str(step))
+      if storage.path(step_dir).is_dir():
+        if storage.path(storage.join(step_dir, MANIFEST)).exists():
           complete_manifest(step_dir)
         else:
           write_manifest(step_dir)
@@ -637,13 +641,13 @@ def checkpoint_report(checkpointer: Checkpointer) -> dict[str, Any]:
 def trust(step_dir: str) -> str:
   """Writes the manifest of a step that has none, vouching for its files as they are now (what
   `TRUST_COMMAND` does); returns what was done, in words."""
-  step_dir = os.path.abspath(step_dir)
-  name = os.path.basename(step_dir)
-  if not name.isdigit() or not os.path.isdir(step_dir):
+  step_dir = storage.resolve(step_dir)
+  name = storage.path(step_dir).name
+  if not name.isdigit() or not storage.path(step_dir).is_dir():
     raise UserError(f"'{step_dir}' is not a checkpoint step directory (checkpoints/<step>)")
-  if not os.path.exists(os.path.join(step_dir, "_CHECKPOINT_METADATA")):
+  if not storage.path(storage.join(step_dir, "_CHECKPOINT_METADATA")).exists():
     raise UserError(f"'{step_dir}' is not a finished Orbax checkpoint (no _CHECKPOINT_METADATA)")
-  if os.path.exists(os.path.join(step_dir, MANIFEST)):
+  if storage.path(storage.join(step_dir, MANIFEST)).exists():
     problem = verify_manifest(step_dir)
     if problem:
       raise UserError(

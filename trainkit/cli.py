@@ -22,13 +22,14 @@ from ml_collections import config_flags
 from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
-from trainkit import saved_config
+from trainkit import saved_config, storage
 from trainkit.preflight.compile import compile_run, validate_preflight
 from trainkit.workdir import (
     CONFIG_FILE,
     prepare_workdir,
     remove_if_empty,
     require_checkpoint,
+    workdir_exists,
     workdir_lock,
 )
 
@@ -422,9 +423,12 @@ def train_eval_command(
     workdir = flag_value(argv, "workdir")
     if mode not in modes or not workdir:
       return argv  # absl names the unknown --mode or the missing --workdir.
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.isfile(path):
+    try:
+      workdir = storage.resolve(workdir)
+    except UserError as e:
+      fail(str(e))
+    path = storage.join(workdir, CONFIG_FILE)
+    if not storage.path(path).is_file():
       fail(
           f"--mode={mode} without --config reads the trained run's config, {path}, which does "
           "not exist: give the --workdir of a trained run, or --config=FILE"
@@ -432,7 +436,7 @@ def train_eval_command(
     return [argv[0], f"--config={saved_config.config_argument(config_module, workdir)}", *argv[1:]]
 
   def run_in_workdir(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
-    created = not os.path.exists(workdir)
+    created = not workdir_exists(workdir)
     workdir = prepare_workdir(workdir)
     try:
       with workdir_lock(workdir):
@@ -444,6 +448,8 @@ def train_eval_command(
 
   @exit_on_user_error
   def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
+    if workdir:
+      storage.check_filesystem(workdir)  # Before anything is loaded, built or written.
     if mode == "compile":
       # The preflight describes the target's devices itself; this host's own backend stays
       # the CPU (no CUDA or TPU runtime is started, even where one is installed).

@@ -6,12 +6,16 @@ import contextlib
 import logging
 import math
 import os
+import posixpath
+import shutil
+import tempfile
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 import optax
 from jax.sharding import Mesh
 
+from trainkit import storage
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import parse_profile_steps
 from trainkit.errors import UserError, is_out_of_space
@@ -109,15 +113,20 @@ class _StepTrace:
     self.steps = steps
     # Each process traces its own host; one folder each, so their files never collide.
     if jax.process_count() > 1:
-      directory = os.path.join(directory, f"process_{jax.process_index()}")
+      directory = storage.join(directory, f"process_{jax.process_index()}")
     self.directory = directory
+    # XLA's profiler writes through its own file layer, which has no gs://: a remote workdir's
+    # trace is written to a local temporary directory and copied there when it stops.
+    self._local: str | None = None
     self.active = False
 
   def before_step(self, step: int, state: Any) -> None:
     if self.steps is None or self.active or not self.steps[0] <= step < self.steps[1]:
       return
     jax.block_until_ready(state)  # Earlier steps' asynchronous work stays out of the trace.
-    jax.profiler.start_trace(self.directory)
+    if storage.is_remote(self.directory):
+      self._local = tempfile.mkdtemp(prefix="trainkit_profile_")
+    jax.profiler.start_trace(self._local or self.directory)
     self.active = True
     _log.warning("profiling steps %d-%d into %s", step + 1, self.steps[1], self.directory)
 
@@ -130,6 +139,13 @@ class _StepTrace:
       jax.block_until_ready(state)
       jax.profiler.stop_trace()
       self.active = False
+      if self._local is not None:
+        for name in storage.walk_files(self._local):
+          data = storage.path(os.path.join(self._local, name)).read_bytes()
+          storage.makedirs(storage.join(self.directory, posixpath.dirname(name)))
+          storage.path(storage.join(self.directory, name)).write_bytes(data)
+        shutil.rmtree(self._local, ignore_errors=True)
+        self._local = None
 
 
 def loop_settings(config: Any) -> dict[str, Any]:
@@ -242,7 +258,8 @@ def train_loop(
   starting_param_norm = _starting_param_norm(state)
   flops_per_step: float | None = None
   peak = peak_flops_per_device(jax.devices()[0], peak_flops)
-  trace = _StepTrace(profile_steps, os.path.join(os.path.dirname(writer.path), "profile"))
+  workdir = posixpath.dirname(writer.path)  # metrics.jsonl's directory, local or a URI.
+  trace = _StepTrace(profile_steps, storage.join(workdir, "profile"))
   put = lambda batch: shard_batch(batch, mesh)  # noqa: E731
   if device_prefetch > 0:
     batches = DevicePrefetch(train_iterator, put, device_prefetch)

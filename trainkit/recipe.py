@@ -29,6 +29,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
+from trainkit import storage
 from trainkit.checkpoint import Checkpointer, checkpoint_report
 from trainkit.config import resolve_train_steps
 from trainkit.loop import (
@@ -92,7 +93,7 @@ def setup(
   tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)
   graphdef, state = create_state(tx, mesh)
   checkpointer = Checkpointer(
-      os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+      storage.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
   )
   return Run(config, workdir, mesh, tx, graphdef, state, checkpointer)
 
@@ -176,10 +177,9 @@ def keep_earlier_record(workdir: str, evaluation: Mapping[str, Any]) -> str | No
   under another config (likewise `predictions.csv`; a numbered suffix never overwrites an
   earlier kept record). Returns the kept report's name, or None when nothing was kept.
   """
-  path = os.path.join(workdir, RECORD_FILES[0])
+  path = storage.join(workdir, RECORD_FILES[0])
   try:
-    with open(path) as f:
-      earlier = json.load(f)
+    earlier = json.loads(storage.read_text(path))
     earlier_step = earlier.get("step")
   except (OSError, ValueError, AttributeError):
     return None
@@ -192,7 +192,7 @@ def keep_earlier_record(workdir: str, evaluation: Mapping[str, Any]) -> str | No
   tag = f"step-{earlier_step}"
   if earlier_step == evaluation["step"]:
     tag += f".config-{earlier_sha[:12]}"
-  taken = set(os.listdir(workdir))
+  taken = {entry.name for entry in storage.path(workdir).iterdir()}
   suffix, number = "", 1
   while any(f"{os.path.splitext(n)[0]}.{tag}{suffix}{os.path.splitext(n)[1]}" in taken
             for n in RECORD_FILES):
@@ -200,10 +200,9 @@ def keep_earlier_record(workdir: str, evaluation: Mapping[str, Any]) -> str | No
     suffix = f".{number}"
   for name in RECORD_FILES:
     stem, extension = os.path.splitext(name)
-    if os.path.exists(os.path.join(workdir, name)):
-      os.replace(
-          os.path.join(workdir, name), os.path.join(workdir, f"{stem}.{tag}{suffix}{extension}")
-      )
+    record = storage.path(storage.join(workdir, name))
+    if record.exists():
+      record.replace(storage.join(workdir, f"{stem}.{tag}{suffix}{extension}"))
   return f"report.{tag}{suffix}.json"
 
 

@@ -16,6 +16,7 @@ import jax
 import ml_collections
 
 from trainkit import config as cfg
+from trainkit import storage
 from trainkit.workdir import load_saved_config, workdir_lock
 
 
@@ -53,7 +54,7 @@ def restore_saved_run(
   and calls `restore(config, workdir)` while holding the workdir's lock, so that it never races
   a training run's in-flight save. Returns (absolute workdir, config, what `restore` returned).
   """
-  workdir = os.path.abspath(os.path.expanduser(os.fspath(workdir)))
+  workdir = storage.resolve(workdir)
   config = load_saved_config(workdir, base_config)
   cfg.apply_overrides(config, overrides or {})
   validate(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from trainkit import storage
 from trainkit.errors import UserError
 from trainkit.metric_writers import write_atomically
 
@@ -23,17 +23,29 @@ _log = logging.getLogger(__name__)
 
 
 def prepare_workdir(workdir: str | None) -> str:
-  """Creates `workdir` if needed and checks it is writable; returns its absolute path."""
+  """Creates `workdir` if needed and checks it is writable; returns its absolute path (a URI
+  such as `gs://bucket/run` as given, once its file system is known to be installed)."""
   if not workdir:
     raise UserError("--workdir is required")
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  workdir = storage.resolve(workdir)
   try:
-    os.makedirs(workdir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
-      pass
+    if storage.is_remote(workdir):
+      # An object store has no directories to create; writing an object checks the access.
+      probe = storage.path(storage.join(workdir, f".write_test_{os.getpid()}"))
+      probe.write_text("")
+      probe.unlink()
+    else:
+      os.makedirs(workdir, exist_ok=True)
+      with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
+        pass
   except OSError as e:
     raise UserError(f"workdir '{workdir}' is not writable: {e.strerror or e}") from None
   return workdir
+
+
+def workdir_exists(workdir: str) -> bool:
+  """Whether `workdir` (local or a URI) exists already."""
+  return storage.path(storage.resolve(workdir)).exists()
 
 
 LOCK_NAME = ".run.lock"
@@ -41,9 +53,9 @@ LOCK_NAME = ".run.lock"
 
 def require_checkpoint(workdir: str) -> None:
   """Raises UserError unless `<workdir>/checkpoints` holds at least one step directory."""
-  directory = os.path.join(os.path.abspath(os.path.expanduser(workdir)), "checkpoints")
+  directory = storage.join(storage.resolve(workdir), "checkpoints")
   try:
-    steps = [name for name in os.listdir(directory) if name.isdigit()]
+    steps = [p.name for p in storage.path(directory).iterdir() if p.name.isdigit()]
   except OSError:
     steps = []
   if not steps:
@@ -52,6 +64,8 @@ def require_checkpoint(workdir: str) -> None:
 
 def remove_if_empty(workdir: str) -> None:
   """Removes `workdir` if nothing but directories without files was left in it."""
+  if storage.is_remote(workdir):
+    return  # An object store keeps no empty directories.
   for root, _, files in os.walk(workdir):
     if files:
       return
@@ -73,8 +87,7 @@ def _process_alive(pid: int) -> bool:
 
 def _read_lock(path: str) -> dict[str, Any]:
   try:
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(storage.read_text(path))
   except (OSError, json.JSONDecodeError):
     return {}  # Being written, or truncated by a crash: treated as unknown owner.
 
@@ -86,9 +99,30 @@ _UNWRITTEN_LOCK_SECONDS = 5.0
 
 def _age_seconds(path: str) -> float:
   try:
-    return time.time() - os.path.getmtime(path)
+    return time.time() - storage.mtime(path)
   except OSError:
     return 0.0
+
+
+def _create_lock(path: str, owner: dict[str, Any]) -> bool:
+  """Creates the lock file naming `owner`; False when it exists already.
+
+  Exclusive on a local disk (O_EXCL). An object store has no exclusive create: the lock is
+  checked, then written, so two runs started within that moment both take it.
+  """
+  if storage.is_remote(path):
+    lock = storage.path(path)
+    if lock.exists():
+      return False
+    lock.write_text(json.dumps(owner))
+    return True
+  try:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+  except FileExistsError:
+    return False
+  with os.fdopen(fd, "w") as f:
+    json.dump(owner, f)
+  return True
 
 
 @contextlib.contextmanager
@@ -104,25 +138,25 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   if jax.process_index() != 0:
     yield
     return
-  path = os.path.join(workdir, LOCK_NAME)
+  path = storage.join(workdir, LOCK_NAME)
   me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
   for _ in range(2):
     try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      created = _create_lock(path, me)
     except OSError as e:
-      if e.errno != errno.EEXIST:
-        raise UserError(f"cannot create the run lock {path}: {e.strerror or e}") from None
+      raise UserError(f"cannot create the run lock {path}: {e.strerror or e}") from None
+    if not created:
       owner = _read_lock(path)
       pid, host = owner.get("pid"), owner.get("host")
       if host == me["host"] and isinstance(pid, int) and not _process_alive(pid):
         _log.warning("removing the stale run lock %s of pid %d, which no longer runs", path, pid)
-        os.remove(path)
+        storage.path(path).unlink(missing_ok=True)
         continue
       if not owner and _age_seconds(path) > _UNWRITTEN_LOCK_SECONDS:
         # Empty or unreadable well after its creation: its writer died between creating the
         # file and naming itself in it (a kill, a full disk). Nobody can hold it.
         _log.warning("removing the run lock %s, which names no owner (a torn write)", path)
-        os.remove(path)
+        storage.path(path).unlink(missing_ok=True)
         continue
       if not owner:
         raise UserError(
@@ -134,14 +168,12 @@ def workdir_lock(workdir: str) -> Iterator[None]:
           f"workdir '{workdir}' is in use by another run (pid {pid} on {host}, since {since}); "
           f"use another --workdir, or if that run is gone, remove {path}"
       ) from None
-    with os.fdopen(fd, "w") as f:
-      json.dump(me, f)
     break
   try:
     yield
   finally:
     if _read_lock(path).get("pid") == me["pid"]:
-      os.remove(path)
+      storage.path(path).unlink(missing_ok=True)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -170,11 +202,10 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """
   if jax.process_index() != 0:
     return
-  path = os.path.join(workdir, CONFIG_FILE)
+  path = storage.join(workdir, CONFIG_FILE)
   text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
-  if os.path.exists(path):
-    with open(path) as f:
-      previous = f.read()
+  if storage.path(path).exists():
+    previous = storage.read_text(path)
     try:
       before = json.loads(previous)
     except json.JSONDecodeError:
@@ -215,10 +246,9 @@ def load_saved_config(
   Raises:
     UserError: config.json is missing or is not a JSON object; the message names the file.
   """
-  path = os.path.join(os.path.abspath(os.path.expanduser(workdir)), CONFIG_FILE)
+  path = storage.join(storage.resolve(workdir), CONFIG_FILE)
   try:
-    with open(path) as f:
-      saved = json.load(f)
+    saved = json.loads(storage.read_text(path))
   except FileNotFoundError:
     raise UserError(
         f"{path} does not exist: {workdir} is not the workdir of a trained run (training "
@@ -242,16 +272,15 @@ def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
   """
   if jax.process_index() != 0:
     return
-  write_atomically(os.path.join(workdir, RUN_INFO_FILE), json.dumps(run_info, indent=2) + "\n")
+  write_atomically(storage.join(workdir, RUN_INFO_FILE), json.dumps(run_info, indent=2) + "\n")
 
 
 def load_run_info(workdir: str) -> dict[str, Any] | None:
   """`<workdir>/run_info.json` as a dict, or None when the run has none (trained before it was
   written). An unreadable file is a UserError naming it."""
-  path = os.path.join(workdir, RUN_INFO_FILE)
+  path = storage.join(workdir, RUN_INFO_FILE)
   try:
-    with open(path) as f:
-      info = json.load(f)
+    info = json.loads(storage.read_text(path))
   except FileNotFoundError:
     return None
   except (OSError, json.JSONDecodeError) as e:
@@ -262,14 +291,13 @@ def load_run_info(workdir: str) -> dict[str, Any] | None:
 
 
 def _keep_in_history(workdir: str, text: str) -> str:
-  history = os.path.join(workdir, "config_history")
-  os.makedirs(history, exist_ok=True)
+  history = storage.join(workdir, "config_history")
+  storage.makedirs(history)
   n = 1
-  while os.path.exists(os.path.join(history, f"config.{n}.json")):
+  while storage.path(storage.join(history, f"config.{n}.json")).exists():
     n += 1
-  kept = os.path.join(history, f"config.{n}.json")
-  with open(kept, "w") as f:
-    f.write(text)
+  kept = storage.join(history, f"config.{n}.json")
+  storage.path(kept).write_text(text)
   return kept
 
 
@@ -289,10 +317,9 @@ def trained_config_differences(directory: str, config: ml_collections.ConfigDict
   `num_train_steps` is left out when `num_epochs` sets it (training resolves it from the data).
   A missing or unreadable config.json is one difference: such a run cannot be checked.
   """
-  path = os.path.join(directory, "config.json")
+  path = storage.join(directory, "config.json")
   try:
-    with open(path) as f:
-      saved = json.load(f)
+    saved = json.loads(storage.read_text(path))
   except (OSError, json.JSONDecodeError) as e:
     return [f"config.json unreadable ({e.__class__.__name__})"]
   requested = json.loads(config.to_json_best_effort())

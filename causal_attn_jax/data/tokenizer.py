@@ -19,6 +19,7 @@ although each writer replaces the model file atomically.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+import io
 import json
 import os
 import pathlib
@@ -26,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from trainkit import storage
 from trainkit.errors import UserError
+from trainkit.metric_writers import write_atomically
 
 PAD_ID = 0
 UNK_ID = 1
@@ -99,9 +102,15 @@ def train_sentencepiece(
         f"tokenizer vocab_size {vocab_size} must exceed the {NUM_RESERVED_PIECES} reserved pieces."
     )
   spm = _spm()
-  prefix = pathlib.Path(model_prefix)
-  prefix.parent.mkdir(parents=True, exist_ok=True)
-  tmp_prefix = prefix.parent / f".{prefix.name}.tmp{os.getpid()}"
+  prefix = os.fspath(model_prefix)
+  remote = storage.is_remote(prefix)
+  if remote:
+    # Returned in memory and uploaded: nothing of a remote workdir's tokenizer touches the disk.
+    output: dict[str, Any] = {"model_writer": io.BytesIO()}
+  else:
+    pathlib.Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = pathlib.Path(prefix).parent / f".{pathlib.Path(prefix).name}.tmp{os.getpid()}"
+    output = {"model_prefix": str(tmp_prefix)}
   sentences = (t for t in (texts() if callable(texts) else texts) if t and t.strip())
   counted = _Counting(sentences)
   spm.set_random_generator_seed(seed)
@@ -109,7 +118,7 @@ def train_sentencepiece(
     with open(os.devnull, "w") as devnull:
       spm.SentencePieceTrainer.train(
           sentence_iterator=counted,
-          model_prefix=str(tmp_prefix),
+          **output,
           vocab_size=vocab_size,
           model_type=model_type,
           character_coverage=character_coverage,
@@ -129,17 +138,32 @@ def train_sentencepiece(
           logstream=devnull,
       )
   except RuntimeError as e:
-    for suffix in (".model", ".vocab"):
-      pathlib.Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
+    if not remote:
+      for suffix in (".model", ".vocab"):
+        pathlib.Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
     if not counted.count:
       raise UserError(f"tokenizer {prefix}.model: no non-empty training text was given.") from e
     raise UserError(
         f"tokenizer {prefix}.model: SentencePiece training on {counted.count} sentences "
         f"failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
     ) from e
+  if remote:
+    proto = output["model_writer"].getvalue()
+    storage.path(f"{prefix}.vocab").write_text(_vocab_text(proto))
+    storage.path(f"{prefix}.model").write_bytes(proto)  # Last: the model means it is complete.
+    return storage.path(f"{prefix}.model")
   os.replace(f"{tmp_prefix}.vocab", f"{prefix}.vocab")
   os.replace(f"{tmp_prefix}.model", f"{prefix}.model")
   return pathlib.Path(f"{prefix}.model")
+
+
+def _vocab_text(model_proto: bytes) -> str:
+  """The `.vocab` file SentencePiece writes beside a model (piece, tab, score per line)."""
+  processor = _spm().SentencePieceProcessor(model_proto=model_proto)
+  return "".join(
+      f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n"
+      for i in range(processor.get_piece_size())
+  )
 
 
 class _Counting:
@@ -180,16 +204,16 @@ def load_or_train(
       ``<name>.json``, differs from the requested one (the message names the
       file and both values), or training failed.
   """
-  workdir = pathlib.Path(workdir)
-  model_path = workdir / f"{name}.model"
-  settings_path = workdir / f"{name}.json"
+  workdir = os.fspath(workdir)
+  model_path = storage.join(workdir, f"{name}.model")
+  settings_path = storage.join(workdir, f"{name}.json")
   settings = {
       "vocab_size": vocab_size,
       "model_type": model_type,
       "character_coverage": character_coverage,
       "byte_fallback": byte_fallback,
   }
-  if model_path.is_file():
+  if storage.path(model_path).is_file():
     tokenizer = Tokenizer(model_path)
     if tokenizer.vocab_size != vocab_size:
       raise UserError(
@@ -197,9 +221,9 @@ def load_or_train(
           "requested; use the same vocab_size to resume, or a new workdir (or delete the "
           "model) to train another."
       )
-    if settings_path.is_file():
+    if storage.path(settings_path).is_file():
       try:
-        saved = json.loads(settings_path.read_text())
+        saved = json.loads(storage.read_text(settings_path))
       except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"tokenizer settings {settings_path} cannot be read: {e}") from e
       for key, value in settings.items():
@@ -211,7 +235,7 @@ def load_or_train(
     return tokenizer
   train_sentencepiece(
       texts,
-      workdir / name,
+      storage.join(workdir, name),
       vocab_size=vocab_size,
       model_type=model_type,
       character_coverage=character_coverage,
@@ -219,9 +243,7 @@ def load_or_train(
       byte_fallback=byte_fallback,
       seed=seed,
   )
-  tmp = settings_path.with_name(f".{settings_path.name}.tmp{os.getpid()}")
-  tmp.write_text(json.dumps(settings, indent=2) + "\n")
-  os.replace(tmp, settings_path)
+  write_atomically(settings_path, json.dumps(settings, indent=2) + "\n")
   return Tokenizer(model_path)
 
 
@@ -248,12 +270,16 @@ class Tokenizer:
   def __init__(self, model_path: str | os.PathLike):
     """Loads ``model_path``; its special ids must be the fixed ones (module doc)."""
     spm = _spm()
-    self.path = pathlib.Path(model_path)
+    remote = storage.is_remote(model_path)
+    self.path = storage.path(model_path) if remote else pathlib.Path(model_path)
     if not self.path.is_file():
       raise UserError(f"tokenizer model {self.path} does not exist.")
     self._sp = spm.SentencePieceProcessor()
     try:
-      self._sp.Load(str(self.path))
+      if remote:
+        self._sp.LoadFromSerializedProto(self.path.read_bytes())
+      else:
+        self._sp.Load(str(self.path))
     except (OSError, RuntimeError) as e:
       raise UserError(f"tokenizer model {self.path} cannot be loaded: {e}") from e
     found = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())

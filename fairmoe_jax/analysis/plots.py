@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from typing import Any, Callable, Sequence
 
@@ -25,6 +24,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from trainkit import storage
 from trainkit.errors import UserError
 from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX, SHARE_PREFIX
 
@@ -39,14 +39,13 @@ _MAX_ANNOTATED_CELLS = 160
 
 def load_report(workdir: str) -> dict[str, Any]:
   """The run's `report.json`; a missing or unreadable one is a UserError naming the file."""
-  path = os.path.join(workdir, "report.json")
-  if not os.path.exists(path):
+  path = storage.join(workdir, "report.json")
+  if not storage.path(path).exists():
     raise UserError(
         f"no report '{path}': train the run first (python -m fairmoe_jax.main ... --workdir={workdir})"
     )
   try:
-    with open(path) as f:
-      report = json.load(f)
+    report = json.loads(storage.read_text(path))
   except (OSError, json.JSONDecodeError) as e:
     raise UserError(f"cannot read report '{path}': {e}") from None
   if not isinstance(report, dict):
@@ -60,18 +59,17 @@ def load_metrics(workdir: str) -> list[dict[str, Any]]:
   Unlike `trainkit.metric_writers.read_metrics`, a line cut short (a run killed while
   writing) is skipped rather than fatal, since plots are best-effort analysis.
   """
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  path = storage.join(workdir, "metrics.jsonl")
+  if not storage.path(path).exists():
     return []
   records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
-        records.append(record)
+  for line in storage.read_text(path).splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+      records.append(record)
   return sorted(records, key=lambda r: r["step"])
 
 
@@ -109,7 +107,7 @@ def _title(report: dict[str, Any]) -> str:
 
 
 def _save(fig: Figure, path: str) -> str:
-  fig.savefig(path, dpi=_DPI)
+  storage.save_figure(fig, path, dpi=_DPI)
   return path
 
 
@@ -335,8 +333,8 @@ def write_plots(workdir: str) -> list[str]:
   """
   report = load_report(workdir)
   metrics = load_metrics(workdir)
-  out_dir = os.path.join(workdir, "plots")
-  os.makedirs(out_dir, exist_ok=True)
+  out_dir = storage.join(workdir, "plots")
+  storage.makedirs(out_dir)
 
   jobs: list[tuple[str, Callable[[str], str]]] = []
   for block in report.get("expert_utilisation") or {}:
@@ -356,4 +354,4 @@ def write_plots(workdir: str) -> list[str]:
   if any(_series(metrics, key)[0] for key in ("loss", "val/accuracy", "val/mf_pqd")):
     jobs.append(("validation_curves.png", lambda p: plot_validation_curves(report, metrics, p)))
 
-  return [draw(os.path.join(out_dir, name)) for name, draw in jobs]
+  return [draw(storage.join(out_dir, name)) for name, draw in jobs]
