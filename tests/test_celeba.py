@@ -103,7 +103,8 @@ def test_preload_and_pipelines_on_a_real_split():
   it = pipeline.train_iterator(lazy["train"], global_batch_size=8, image_size=24, seed=0)
   batch = next(it)
   assert batch["image"].shape == (8, 24, 24, 3) and batch["attributes"].shape == (8, 1)
-  assert -1 <= batch["image"].min() and batch["image"].max() <= 1
+  # uint8 on the host (normalised on the device); a real photo spans most of the range.
+  assert batch["image"].dtype == np.uint8 and batch["image"].max() - batch["image"].min() > 128
   lazy_eval = list(pipeline.eval_batches(lazy["test"], batch_size=5, image_size=24))
   eager_eval = list(pipeline.eval_batches(eager["test"], batch_size=5, image_size=24))
   assert len(lazy_eval) == 4 and lazy_eval[-1]["mask"].sum() == 1
