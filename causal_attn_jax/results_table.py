@@ -22,6 +22,7 @@ import numpy as np
 
 from experiments import stats
 from experiments.collect import RunResult, row_label
+from trainkit.metric_writers import write_atomically
 
 TABLE = "causal_table.md"
 
@@ -74,6 +75,5 @@ def write_table(workdir: str, runs: list[RunResult]) -> list[str]:
     text += "\nRuns without a result:\n\n"
     text += "".join(f"- {run.name} ({run.status}): {run.error}\n" for run in missing)
   path = os.path.join(workdir, TABLE)
-  with open(path, "w") as f:
-    f.write(text)
+  write_atomically(path, text)
   return [path]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from experiments.spec import (
     run_dir,
     run_name,
 )
-from trainkit.metric_writers import read_metrics
+from trainkit.metric_writers import read_metrics, write_atomically
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +170,13 @@ def write_tables(
 ) -> str:
   """Writes sweep.csv, sweep.md and sweep.json into `workdir`; returns the markdown."""
   columns = table_columns(sweep, rows)
-  with open(os.path.join(workdir, "sweep.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows({k: "" if r.get(k) is None else r[k] for k in columns} for r in rows)
+  # Every file through write_atomically: a rename replaces a symlink planted in the workdir
+  # instead of writing through it to a file outside.
+  table = io.StringIO(newline="")
+  writer = csv.DictWriter(table, fieldnames=columns, extrasaction="ignore")
+  writer.writeheader()
+  writer.writerows({k: "" if r.get(k) is None else r[k] for k in columns} for r in rows)
+  write_atomically(os.path.join(workdir, "sweep.csv"), table.getvalue())
   ok = sum(r["status"] == "ok" for r in rows)
   lines = [
       f"# Sweep `{sweep_path or '?'}`",
@@ -185,11 +189,12 @@ def write_tables(
   ]
   lines += ["| " + " | ".join(_cell(r.get(k)) for k in columns) + " |" for r in rows]
   markdown = "\n".join(lines) + "\n"
-  with open(os.path.join(workdir, "sweep.md"), "w") as f:
-    f.write(markdown)
+  write_atomically(os.path.join(workdir, "sweep.md"), markdown)
   definition = {**sweep.to_dict(), "grid": dict(sweep.grid), "overrides": dict(sweep.overrides)}
-  with open(os.path.join(workdir, "sweep.json"), "w") as f:
-    json.dump({"sweep": sweep_path, "definition": definition, "rows": list(rows)}, f, indent=2)
+  write_atomically(
+      os.path.join(workdir, "sweep.json"),
+      json.dumps({"sweep": sweep_path, "definition": definition, "rows": list(rows)}, indent=2),
+  )
   return markdown
 
 

@@ -9,6 +9,7 @@ from typing import Sequence
 import ml_collections
 
 from experiments.spec import REPO_ROOT, check_run_names, grid_points, run_command, run_dir
+from trainkit.metric_writers import write_atomically
 
 
 def write_commands(
@@ -36,7 +37,6 @@ def write_commands(
   for point in points:
     command = run_command(sweep, point, run_dir(workdir, point), launcher, python="python")
     lines.append(" ".join(shlex.quote(word) for word in command))
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
+  write_atomically(path, "\n".join(lines) + "\n")
   os.chmod(path, 0o755)
   return path

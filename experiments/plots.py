@@ -15,6 +15,7 @@ import numpy as np
 
 from experiments.collect import is_number, table_columns
 from experiments.spec import format_value, safe_name
+from trainkit import storage
 
 # Categorical x: the series of one category are spread over this fraction of the gap between
 # two categories, so that their error bars do not hide each other.
@@ -104,6 +105,6 @@ def write_plots(
   paths = []
   for column, key in itertools.product(columns, varied):
     path = os.path.join(plots_dir, f"{safe_name(f'{column}_vs_{key}')}.png")
-    sweep_figure(sweep, rows, column, key).savefig(path, dpi=100)
+    storage.save_figure(sweep_figure(sweep, rows, column, key), path, dpi=100)
     paths.append(path)
   return paths

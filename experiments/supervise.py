@@ -44,6 +44,7 @@ from experiments.spec import (
     resolved_config,
     run_record,
 )
+from trainkit.metric_writers import write_atomically
 from trainkit.workdir import (
     CONFIG_FILE,
     config_differences,
@@ -198,9 +199,11 @@ def _run_one(
     last = failure_line(output)
     if last and why.startswith("exit code"):
       why = f"{why}: {last}"
-    with open(error_path, "w") as f:
-      f.write(f"{why}\n\nlast {ERROR_LOG_LINES} lines of {log_path}:\n")
-      f.write("".join(f"{line}\n" for line in output[-ERROR_LOG_LINES:]))
+    write_atomically(
+        error_path,
+        f"{why}\n\nlast {ERROR_LOG_LINES} lines of {log_path}:\n"
+        + "".join(f"{line}\n" for line in output[-ERROR_LOG_LINES:]),
+    )
   elif os.path.exists(error_path):  # A retry that succeeded: the old error no longer applies.
     os.remove(error_path)
   return not why, why
@@ -295,8 +298,7 @@ def run_sweep(
         continue
       start = time.monotonic()
       os.makedirs(directory, exist_ok=True)
-      with open(os.path.join(directory, RUN), "w") as f:
-        json.dump(run_record(sweep, point), f, indent=2)
+      write_atomically(os.path.join(directory, RUN), json.dumps(run_record(sweep, point), indent=2))
       try:
         ok, why = _run_one(command, directory, timeout_s=sweep.timeout_s, cwd=cwd, env=run_env)
       except KeyboardInterrupt:

@@ -369,9 +369,7 @@ def write_record(spec: TableSpec, workdir: str) -> str:
   record = make_record(spec, workdir)
   os.makedirs(RECORDS_DIR, exist_ok=True)
   path = record_path(spec.name)
-  with open(path, "w") as f:
-    json.dump(record, f, indent=1)
-    f.write("\n")
+  write_atomically(path, json.dumps(record, indent=1) + "\n")
   return path
 
 

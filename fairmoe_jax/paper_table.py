@@ -23,6 +23,7 @@ import numpy as np
 
 from experiments import stats as stats_lib
 from experiments.collect import RunResult, row_label
+from trainkit.metric_writers import write_atomically
 
 # Display scale of the markdown table: accuracy in %, MF-DP in units of 1e-3 (the paper's).
 TABLE_SCALE = {"accuracy": 100.0, "mf_pqd": 1.0, "mf_dp": 1e3}
@@ -267,8 +268,6 @@ def write_comparison(workdir: str, runs: list[RunResult]) -> list[str]:
   """The table collector: writes comparison.md and comparison.json into `workdir`."""
   summary = summarise(runs)
   paths = [os.path.join(workdir, "comparison.md"), os.path.join(workdir, "comparison.json")]
-  with open(paths[0], "w") as f:
-    f.write(format_markdown(summary))
-  with open(paths[1], "w") as f:
-    json.dump(summary, f, indent=2)
+  write_atomically(paths[0], format_markdown(summary))
+  write_atomically(paths[1], json.dumps(summary, indent=2))
   return paths

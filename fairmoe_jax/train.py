@@ -790,9 +790,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
       # The temporary file behind an atomic write is private (mode 0600); the export is meant
       # to be shared like every other output of the run.
       os.chmod(path, 0o644 & ~_umask())
-    storage.path(storage.join(workdir, EXPORT_CONFIG_FILE)).write_text(
-        json.dumps(timm_config, indent=2)
-    )
+    write_atomically(storage.join(workdir, EXPORT_CONFIG_FILE), json.dumps(timm_config, indent=2))
     size = sum(v.nbytes for v in state.values())
     print(f"Exported step {restored.step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
     if timm_config["timm_loadable"]:

@@ -20,6 +20,7 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import contextlib  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -90,3 +91,20 @@ def _run_without_cuda_plugin_log(*args, **kwargs):
 @pytest.fixture(autouse=True)
 def _cuda_plugin_log_removed(monkeypatch):
   monkeypatch.setattr(subprocess, "run", _run_without_cuda_plugin_log)
+
+
+@contextlib.contextmanager
+def small_disk(tmp_path, megabytes: int):
+  """A real filesystem of `megabytes` (a tmpfs), or a skip where mounting is not allowed."""
+  mount_point = tmp_path / "small_disk"
+  mount_point.mkdir()
+  mounted = subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", f"size={megabytes}M", "tmpfs", str(mount_point)],
+      capture_output=True,
+  )
+  if mounted.returncode != 0:
+    pytest.skip("mounting a small tmpfs needs root")
+  try:
+    yield mount_point
+  finally:
+    subprocess.run(["umount", str(mount_point)], check=False)

@@ -1,6 +1,7 @@
 """End to end through `python -m fairmoe_jax.main`: training, reports, resume, SIGTERM, bad input."""
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -305,3 +306,26 @@ def test_the_report_says_how_many_tokens_the_moe_dropped_and_what_validation_gav
     assert logged and all(v >= 0 for v in logged)  # vanilla_smoe_psi trains lambda * L_Psi.
   assert fractions["0.5"]["train"] > 0.2 and fractions["0.5"]["test"] > 0.2
   assert fractions["2.0"] == {"train": 0.0, "test": 0.0}
+
+
+def test_a_workdir_deleted_while_training_is_one_line(repo_root, tmp_path):
+  # It used to end in two chained tracebacks (the metrics log, then the empty-workdir clean-up).
+  workdir = tmp_path / "run"
+  process = subprocess.Popen(
+      _command(repo_root, workdir, *RESUME,
+               config="configs/quickstart.py:steps=100000"),
+      cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and process.poll() is None:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+      shutil.rmtree(workdir)
+      break
+    time.sleep(0.01)
+  _, stderr = process.communicate(timeout=300)
+  assert process.returncode == USER_ERROR_EXIT_CODE, stderr[-3000:]
+  (line,) = stderr.strip().splitlines()[-1:]
+  assert line.startswith(f"error: the workdir {workdir} vanished while the run was using it")
+  assert "Traceback" not in stderr, stderr[-3000:]
+  assert not workdir.exists()  # Nothing recreated.

@@ -9,6 +9,7 @@ out from its definition (short side to size / crop_pct, bicubic, centre crop).
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -27,6 +28,7 @@ from fairmoe_jax.models.backbones import build_backbone
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.run_info import Preprocessing, RunMetadata
 from test_cli import TINY, _env
+from trainkit.errors import USER_ERROR_EXIT_CODE
 
 # The timm constructor arguments the rebuilders below interpret; any other is a failure, so a
 # new argument in the export cannot be silently ignored here.
@@ -282,3 +284,33 @@ def test_stated_preprocessing_is_the_pipeline_s(tmp_path):
   default = np.abs(timm_input(0.875) - ours).mean()
   assert stated < 0.01, stated  # 1.3 levels of 255 (0.4 measured): sub-pixel rounding.
   assert default > 5 * stated, (default, stated)
+
+
+def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run, tmp_path):
+  workdir = tmp_path / "copy"
+  shutil.copytree(dense_run[0], workdir, symlinks=True)
+  shutil.rmtree(workdir / "export")
+
+  def export():
+    return subprocess.run(
+        [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", "--mode=export"],
+        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+
+  # export/ is a file: one line naming it (it was a FileExistsError traceback).
+  (workdir / "export").write_text("not a folder")
+  result = export()
+  assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith(f"error: '{workdir / 'export'}' (or a folder above it) is a file"), line
+  # export/config.json is a link to a file outside the workdir: replaced, never written through.
+  (workdir / "export").unlink()
+  (workdir / "export").mkdir()
+  outside = tmp_path / "outside.json"
+  outside.write_text("precious")
+  (workdir / "export" / "config.json").symlink_to(outside)
+  result = export()
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert outside.read_text() == "precious"
+  assert not (workdir / "export" / "config.json").is_symlink()
+  assert json.loads((workdir / "export" / "config.json").read_text())["timm_loadable"] is True

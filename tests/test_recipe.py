@@ -7,7 +7,6 @@ import os
 import signal
 
 import flax.nnx as nnx
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np

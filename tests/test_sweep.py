@@ -12,12 +12,14 @@ import sys
 import textwrap
 import time
 
+import matplotlib.pyplot as plt
 import ml_collections
 import numpy as np
 import pytest
 
-from experiments import commands, spec
+from experiments import collect, commands, spec
 from experiments import sweep as sweep_cli
+from trainkit import storage
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 
 # A stand-in for a package's main: parses the flags, counts its invocations, writes
@@ -726,3 +728,21 @@ def test_an_edited_config_file_makes_finished_runs_stale(module, repo_root, tmp_
   config_file.write_text("def get_config(arg=None):\n  raise ValueError('half-edited')\n")
   with pytest.raises(UserError, match=r"sweep key 'config': .*seed=0.*ValueError: half-edited"):
     sweep_cli.execute_sweep(sweep, str(workdir), env=env)
+
+
+def test_planted_links_in_a_sweep_workdir_are_replaced_not_written_through(tmp_path):
+  sweep = spec.validate_sweep(_sweep(batch_sizes=(16,)))
+  workdir = tmp_path / "sweep"
+  (workdir / "plots").mkdir(parents=True)
+  outside = tmp_path / "outside.txt"
+  outside.write_text("precious")
+  names = ["sweep.md", "sweep.csv", "sweep.json", "plots/accuracy_vs_seed.png"]
+  for name in names:
+    (workdir / name).symlink_to(outside)
+  collect.write_tables(sweep, str(workdir), [])
+  figure = plt.figure()
+  storage.save_figure(figure, str(workdir / "plots/accuracy_vs_seed.png"), dpi=10)
+  plt.close(figure)
+  assert outside.read_text() == "precious"
+  for name in names:
+    assert not (workdir / name).is_symlink() and (workdir / name).stat().st_size > 0, name

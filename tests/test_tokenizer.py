@@ -6,8 +6,8 @@ import pytest
 from causal_attn_jax.data import batching
 from causal_attn_jax.data import tokenizer as tok_lib
 from causal_attn_jax.data import translation
-from conftest import SHARED_DATA
-from trainkit.errors import UserError
+from conftest import SHARED_DATA, small_disk
+from trainkit.errors import UserError, is_out_of_space
 
 pytest.importorskip("sentencepiece")
 
@@ -181,3 +181,21 @@ def test_eval_batches_fixed_shape_with_mask():
   assert (batches[-1]["ids"][2:] == 0).all()
   labels = np.concatenate([b["label"][b["mask"]] for b in batches])
   assert labels.tolist() == list(range(10))
+
+
+def test_a_full_disk_while_the_tokenizer_is_written_leaves_no_partial_files(sentences, tmp_path):
+  # The model (about 240 kB at VOCAB pieces) cannot fit a 200 kB disk beside its vocabulary.
+  with small_disk(tmp_path, 1) as disk:
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * (1024 * 1024 - 200 * 1024))
+    workdir = disk / "run"
+    with pytest.raises(OSError) as error:
+      tok_lib.load_or_train(workdir, sentences, VOCAB, character_coverage=1.0)
+    assert is_out_of_space(error.value) and error.value.filename.startswith(str(workdir / "spm."))
+    # Nothing half-written for the rerun to trip over: no model, vocabulary or temporary.
+    assert sorted(p.name for p in workdir.iterdir()) in ([], ["spm.vocab"])
+    if (workdir / "spm.vocab").exists():  # Written whole before the model failed.
+      assert len((workdir / "spm.vocab").read_text().splitlines()) == VOCAB
+    filler.unlink()
+    tokenizer = tok_lib.load_or_train(workdir, sentences, VOCAB, character_coverage=1.0)
+    assert tokenizer.vocab_size == VOCAB

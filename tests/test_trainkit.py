@@ -1,6 +1,5 @@
 """The shared training kit: mesh, config arguments, optimiser, checkpoints, metric writer."""
 
-import contextlib
 import errno
 import glob
 import gzip
@@ -36,6 +35,7 @@ from trainkit.optim import default_optimizer_config, learning_rate_schedule, mak
 from trainkit.progress import ProgressBar
 from trainkit.train_state import TrainState
 from trainkit.workdir import prepare_workdir, save_config, workdir_lock
+from conftest import small_disk
 
 
 def test_eight_fake_devices_are_visible():
@@ -521,6 +521,27 @@ def test_profile_steps_trace_exactly_those_steps(tmp_path):
   assert calls == 2  # Steps 4 and 5.
 
 
+def test_a_symlinked_step_is_set_aside_and_what_it_points_to_is_untouched(tmp_path, capsys):
+  # `ln -s /outside/dir W/checkpoints/5`: Orbax's clean-up of old steps refused to rmtree the
+  # link, so every save failed ("Cannot call rmtree on a symbolic link").
+  outside = tmp_path / "outside"
+  (outside / "state").mkdir(parents=True)
+  (outside / "state" / "precious.txt").write_text("keep me")
+  directory = tmp_path / "ckpt"
+  directory.mkdir()
+  (directory / "5").symlink_to(outside, target_is_directory=True)
+  ckpt = Checkpointer(str(directory), max_to_keep=1, async_save=False)
+  assert "is a symbolic link (to " in capsys.readouterr().out
+  state = _State(step=jnp.array(0), w=jnp.arange(4.0))
+  for step in (10, 20):
+    ckpt.save(step, state, {}, force=True)
+  ckpt.close()
+  assert ckpt.all_steps() == [20]
+  assert (outside / "state" / "precious.txt").read_text() == "keep me"
+  assert os.path.islink(directory / "set-aside" / "5")
+  assert sorted(os.listdir(directory)) == ["20", "set-aside"]
+
+
 def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):
   state = _State(step=jnp.array(0), w=jnp.arange(4.0))
   ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
@@ -534,27 +555,10 @@ def test_leftover_temporary_checkpoint_is_removed_on_start(tmp_path):
   assert ckpt.all_steps() == [1] and ckpt.restore(state)[2] == 1
 
 
-@contextlib.contextmanager
-def _small_disk(tmp_path, megabytes: int):
-  """A real filesystem of `megabytes` (a tmpfs), or a skip where mounting is not allowed."""
-  mount_point = tmp_path / "small_disk"
-  mount_point.mkdir()
-  mounted = subprocess.run(
-      ["mount", "-t", "tmpfs", "-o", f"size={megabytes}M", "tmpfs", str(mount_point)],
-      capture_output=True,
-  )
-  if mounted.returncode != 0:
-    pytest.skip("mounting a small tmpfs needs root")
-  try:
-    yield mount_point
-  finally:
-    subprocess.run(["umount", str(mount_point)], check=False)
-
-
 def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path):
   small = _State(step=jnp.array(0), w=jnp.zeros(1000))
   big = _State(step=jnp.array(0), w=jnp.zeros(1 << 20))  # 4 MiB: cannot fit beside the margin.
-  with _small_disk(tmp_path, 6) as disk:
+  with small_disk(tmp_path, 6) as disk:
     ckpt = Checkpointer(str(disk / "ckpt"), async_save=False)
     ckpt.save(1, small, {}, force=True)
     with pytest.raises(OutOfSpace, match=r"step 2 in '.*ckpt'.*resume from step 1"):
@@ -567,7 +571,7 @@ def test_a_save_that_fills_the_disk_is_one_error_and_leaves_no_partial_step(tmp_
   # The check before writing is disabled to reach the failure inside Orbax's writer threads.
   monkeypatch.setattr(checkpoint_module, "_SAVE_MARGIN_BYTES", -(1 << 30))
   big = _State(step=jnp.array(0), w=jax.random.normal(jax.random.key(0), (1 << 20,)))
-  with _small_disk(tmp_path, 2) as disk:
+  with small_disk(tmp_path, 2) as disk:
     ckpt = Checkpointer(str(disk / "ckpt"))
     with pytest.raises(OutOfSpace, match="no space left to save the checkpoint of step 1"):
       ckpt.save(1, big, {}, force=True)
@@ -607,7 +611,7 @@ def test_a_full_disk_in_a_library_s_own_error_is_a_user_error(tmp_path, capsys):
   # safetensors reports a full disk as its own SafetensorError, not an OSError.
   from safetensors.numpy import save_file
 
-  with _small_disk(tmp_path, 1) as disk:
+  with small_disk(tmp_path, 1) as disk:
 
     @exit_on_user_error
     def export():

@@ -112,6 +112,39 @@ def _remove_interrupted_saves(directory: str, *, say: bool = True) -> None:
         child.rmtree()
 
 
+# Where entries of a checkpoint directory that the checkpointer did not write are moved.
+SET_ASIDE = "set-aside"
+
+
+def _set_aside_links(directory: str) -> None:
+  """Moves symbolic links among the steps to `<directory>/set-aside/`, with a warning.
+
+  Every step is a directory the checkpointer wrote. A link planted there (`ln -s /elsewhere
+  ckpt/5`) would be restored as a step, and Orbax's clean-up of old steps refuses to rmtree a
+  link, so every save would fail; deleting it would instead reach outside the workdir. Moving
+  the link moves only the link: what it points to is never touched.
+  """
+  if jax.process_index() != 0 or storage.is_remote(directory) or not os.path.isdir(directory):
+    return  # An object store has no symbolic links.
+  for name in sorted(os.listdir(directory)):
+    entry = os.path.join(directory, name)
+    if not os.path.islink(entry):
+      continue
+    aside = os.path.join(directory, SET_ASIDE)
+    os.makedirs(aside, exist_ok=True)
+    target, n = os.path.join(aside, name), 1
+    while os.path.lexists(target):
+      target, n = os.path.join(aside, f"{name}.{n}"), n + 1
+    pointed_to = os.readlink(entry)
+    os.rename(entry, target)
+    message = (
+        f"'{entry}' is a symbolic link (to {pointed_to}), not a checkpoint this run wrote: "
+        f"moved aside to '{target}'; what it points to is untouched"
+    )
+    _log.warning(message)
+    print(f"warning: {message}", flush=True)
+
+
 def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | None:
   """Describes how a checkpoint's stored tree differs from the template, or None."""
   expected = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract, keep_empty_nodes=True))
@@ -328,6 +361,7 @@ class Checkpointer:
     if location.exists() and not location.is_dir():
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     _remove_interrupted_saves(self.directory)
+    _set_aside_links(self.directory)
     _silence_out_of_space_noise()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,

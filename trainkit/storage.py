@@ -107,8 +107,18 @@ def relpath(location: str, start: str) -> str:
 
 def makedirs(location: str) -> None:
   """Creates the directory `location` and its parents (an object store needs none: a no-op
-  there beyond what the path library does)."""
-  path(location).mkdir(parents=True, exist_ok=True)
+  there beyond what the path library does).
+
+  Raises:
+    UserError: `location`, or a directory above it, exists as a file.
+  """
+  try:
+    path(location).mkdir(parents=True, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    raise UserError(
+        f"'{location}' (or a folder above it) is a file where a folder is written; move the "
+        "file aside"
+    ) from None
 
 
 def walk_files(directory: str) -> Iterator[str]:

@@ -64,8 +64,8 @@ def require_checkpoint(workdir: str) -> None:
 
 def remove_if_empty(workdir: str) -> None:
   """Removes `workdir` if nothing but directories without files was left in it."""
-  if storage.is_remote(workdir):
-    return  # An object store keeps no empty directories.
+  if storage.is_remote(workdir) or not os.path.isdir(workdir):
+    return  # An object store keeps no empty directories; a vanished workdir has nothing.
   for root, _, files in os.walk(workdir):
     if files:
       return

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 import io
 import json
 import os
+import posixpath
 import pathlib
 from typing import Any
 
@@ -103,14 +104,10 @@ def train_sentencepiece(
     )
   spm = _spm()
   prefix = os.fspath(model_prefix)
-  remote = storage.is_remote(prefix)
-  if remote:
-    # Returned in memory and uploaded: nothing of a remote workdir's tokenizer touches the disk.
-    output: dict[str, Any] = {"model_writer": io.BytesIO()}
-  else:
-    pathlib.Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = pathlib.Path(prefix).parent / f".{pathlib.Path(prefix).name}.tmp{os.getpid()}"
-    output = {"model_prefix": str(tmp_prefix)}
+  # Trained in memory, checked, then written through `write_atomically` (a temporary file and a
+  # rename on a local disk, a whole upload to an object store): a full disk or a kill leaves
+  # either the complete files or none, never a truncated model that every rerun would fail on.
+  output: dict[str, Any] = {"model_writer": io.BytesIO()}
   sentences = (t for t in (texts() if callable(texts) else texts) if t and t.strip())
   counted = _Counting(sentences)
   spm.set_random_generator_seed(seed)
@@ -138,23 +135,21 @@ def train_sentencepiece(
           logstream=devnull,
       )
   except RuntimeError as e:
-    if not remote:
-      for suffix in (".model", ".vocab"):
-        pathlib.Path(f"{tmp_prefix}{suffix}").unlink(missing_ok=True)
     if not counted.count:
       raise UserError(f"tokenizer {prefix}.model: no non-empty training text was given.") from e
     raise UserError(
         f"tokenizer {prefix}.model: SentencePiece training on {counted.count} sentences "
         f"failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
     ) from e
-  if remote:
-    proto = output["model_writer"].getvalue()
-    storage.path(f"{prefix}.vocab").write_text(_vocab_text(proto))
-    storage.path(f"{prefix}.model").write_bytes(proto)  # Last: the model means it is complete.
-    return storage.path(f"{prefix}.model")
-  os.replace(f"{tmp_prefix}.vocab", f"{prefix}.vocab")
-  os.replace(f"{tmp_prefix}.model", f"{prefix}.model")
-  return pathlib.Path(f"{prefix}.model")
+  proto = output["model_writer"].getvalue()
+  vocab = _vocab_text(proto)  # Parses the model: a proto that does not load is never written.
+  parent = posixpath.dirname(prefix) if storage.is_remote(prefix) else os.path.dirname(prefix)
+  if parent:
+    storage.makedirs(parent)
+  write_atomically(f"{prefix}.vocab", vocab)
+  write_atomically(f"{prefix}.model", proto)  # Last: the model means the tokenizer is complete.
+  model = f"{prefix}.model"
+  return storage.path(model) if storage.is_remote(model) else pathlib.Path(model)
 
 
 def _vocab_text(model_proto: bytes) -> str:
