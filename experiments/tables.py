@@ -43,11 +43,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -59,6 +57,7 @@ from absl import app, flags
 from experiments import stats
 from experiments.collect import collect, is_number, lookup
 from experiments.markers import marked_tables, replace_tables
+from experiments.provenance import data_hash, data_hashes, differences, machine
 from experiments.spec import (
     REPO_ROOT,
     REPORT,
@@ -308,25 +307,11 @@ def _git(*args: str) -> str:
     return ""
 
 
-def machine() -> dict[str, Any]:
-  """What a run's numbers depend on beyond the code: device kind, cores, JAX version."""
-  import jax  # Lazily: only recording and reproducing need it, not --write or --check.
-
-  devices = jax.devices()
-  kind = devices[0].device_kind
-  return {
-      "device": devices[0].platform.upper() + (f" ({kind})" if kind != devices[0].platform else ""),
-      "devices": len(devices),
-      "cpu_cores": os.cpu_count(),
-      "arch": platform.machine(),
-      "jax": importlib.metadata.version("jax"),
-  }
-
-
 def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   """The record of a finished (or partly finished) sweep of `spec` in `workdir`."""
   runs = []
   dates = []
+  configs = []
   for result in collect(spec.sweep, workdir):
     point = result.point
     entry: dict[str, Any] = {
@@ -335,6 +320,10 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
         "status": result.status,
         "settings": run_record(spec.sweep, point)["settings"],
     }
+    config_path = os.path.join(result.run_dir, "config.json")
+    if os.path.isfile(config_path):
+      with open(config_path) as f:
+        configs.append(json.load(f))
     if result.status == "ok":
       entry["metrics"] = {p: metric_value(result.report, p) for p in spec.metrics()}
       entry.update(sample_sizes(result.report, spec))
@@ -356,6 +345,8 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
           else None
       ),
       "machine": machine(),
+      # Every input file or directory the runs read (their config.json's data keys).
+      "data": data_hashes(configs),
       "seeds": list(spec.sweep.grid[SEED_KEY]),
       "commands": [
           f"python -m experiments.sweep --sweep={spec.path} --workdir=WORKDIR",
@@ -564,10 +555,16 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   changes = p.get("uncommitted_changes") or []
   commit = p["commit"] + (f" with uncommitted changes to {', '.join(changes)}" if changes else "")
   seeds = ", ".join(str(s) for s in p["seeds"])
+  # Older records name neither the processor nor their input data.
+  processor = f", {m['processor']['model']}" if "processor" in m else ""
+  data = (
+      f"{len(p['data'])} input file(s) or folder(s) hashed in the record; " if p.get("data") else ""
+  )
   lines += [
       "",
       f"<sub>Provenance: commit {commit}; runs of {p['date']}; {m['device']}, "
-      f"{m['cpu_cores']} CPU cores ({m['arch']}), {m['devices']} device(s), JAX {m['jax']}; "
+      f"{m['cpu_cores']} CPU cores ({m['arch']}{processor}), {m['devices']} device(s), "
+      f"JAX {m['jax']}; {data}"
       f"seeds {seeds}; spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`; "
       + "; ".join(f"`{c}`" for c in p["commands"])
       + ".</sub>",
@@ -651,13 +648,26 @@ def reproduce(
     tolerance: float | None = None,
 ) -> tuple[bool, list[str]]:
   """Reruns the record's run of the first row and the first seed, and compares every recorded
-  value (`compare`): exactly on the recording machine (same device, cores and JAX), else within
+  value (`compare`): exactly where the machine, software and data match the record
+  (`experiments.provenance.differences`: processor and its instruction set, device, cores,
+  package versions, XLA_FLAGS, input-data hashes), else within
   the spec's `tolerance` unless one is given. Returns (reproduced, the lines to print)."""
   row, seed = format_value(spec.row_values[0]), spec.sweep.grid[SEED_KEY][0]
   recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
   if not recorded or recorded[0]["status"] != "ok":
     raise UserError(f"table {spec.name}: the record has no result for {row} seed {seed}")
-  same_machine = machine() == record["provenance"]["machine"]
+  provenance = record["provenance"]
+  why_not_exact = differences(provenance["machine"], machine(), "machine.")
+  recorded_data = provenance.get("data")
+  if recorded_data is None:
+    why_not_exact.append("data: the record has no hashes of its input files")
+  else:
+    why_not_exact += differences(
+        recorded_data,
+        {path: data_hash(path) if os.path.exists(path) else "<missing>" for path in recorded_data},
+        "data ",
+    )
+  same_machine = not why_not_exact
   if tolerance is None:
     tolerance = 0.0 if same_machine else spec.tolerance
   point = next(
@@ -668,12 +678,24 @@ def reproduce(
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
   run_dir = os.path.join(workdir, "run")
   command = run_command(spec.sweep, point, run_dir)
-  where = "the recording machine" if same_machine else "not the recording machine"
+  where = (
+      "the recording machine, software and data"
+      if same_machine
+      else "not the recording machine, software or data"
+  )
   lines = [
       f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance "
       f"{tolerance:g})",
-      "  python " + " ".join(command[1:]),
   ]
+  if not same_machine:
+    lines += [f"  differs: {why}" for why in why_not_exact]
+    lines.append(
+        "  so the rerun is compared within "
+        + (f"the spec's tolerance ({spec.tolerance:g})" if tolerance == spec.tolerance
+           else f"the given tolerance ({tolerance:g})")
+        + ", not exactly"
+    )
+  lines.append("  python " + " ".join(command[1:]))
   os.makedirs(run_dir, exist_ok=True)
   log_path = os.path.join(workdir, "log.txt")
   with open(log_path, "w") as log:

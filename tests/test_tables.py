@@ -374,11 +374,47 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   record = tables.read_record("tiny")
   (run,) = record["runs"]
   assert run["status"] == "ok" and set(run["metrics"]) == {"accuracy"}
+  provenance = record["provenance"]
+  assert provenance["machine"]["processor"]["model"] and provenance["machine"]["versions"]["jaxlib"]
+  assert provenance["data"] == {}  # The synthetic data reads no file.
   ok, lines = tables.reproduce(spec, record, str(tmp_path / "again"))
   assert ok, "\n".join(lines)
-  assert "the recording machine; tolerance 0" in lines[0]
+  assert "the recording machine, software and data; tolerance 0" in lines[0]
+  # Made under another processor description: compared within the spec's tolerance, saying why.
+  other = json.loads(json.dumps(record))
+  other["provenance"]["machine"]["processor"]["model"] = "Another CPU"
+  other["provenance"]["machine"]["processor"]["features"] = ["sse4_2"]
+  ok, lines = tables.reproduce(spec, other, str(tmp_path / "elsewhere"))
+  assert ok, "\n".join(lines)
+  assert f"not the recording machine, software or data; tolerance {spec.tolerance:g}" in lines[0]
+  assert any("differs: machine.processor.model: Another CPU != " in line for line in lines)
+  assert any("so the rerun is compared within the spec's tolerance" in line for line in lines)
+  # A record without data hashes (made before they were recorded) cannot vouch for its data.
+  del other["provenance"]["data"]
+  other["provenance"]["machine"] = record["provenance"]["machine"]
+  ok, lines = tables.reproduce(spec, other, str(tmp_path / "olddata"))
+  assert "differs: data: the record has no hashes of its input files" in "\n".join(lines)
   # A record one ulp away from what the run gives is not reproduced at tolerance 0.
   with open(tmp_path / "again" / "run" / "report.json") as f:
     report = json.load(f)
   nudged = {"accuracy": float(np.nextafter(run["metrics"]["accuracy"], 2.0))}
   assert tables.compare(nudged, report, 0.0)[0] is False
+
+
+def test_data_hashes_name_every_input_file_and_change_with_its_bytes(tmp_path):
+  from experiments import provenance
+
+  (tmp_path / "images").mkdir()
+  (tmp_path / "images" / "a.jpg").write_bytes(b"a")
+  (tmp_path / "list.txt").write_text("rows\n")
+  config = {"data": {"root": str(tmp_path / "images"), "train_file": str(tmp_path / "list.txt"),
+                     "eval_file": "", "name": "celeba"}, "model": {"dim": 4}}
+  before = provenance.data_hashes([config])
+  assert sorted(before) == [str(tmp_path / "images"), str(tmp_path / "list.txt")]
+  (tmp_path / "images" / "a.jpg").write_bytes(b"b")
+  after = provenance.data_hashes([config])
+  assert after[str(tmp_path / "images")] != before[str(tmp_path / "images")]
+  assert after[str(tmp_path / "list.txt")] == before[str(tmp_path / "list.txt")]
+  assert provenance.differences(before, after) == [
+      f"{tmp_path / 'images'}: {before[str(tmp_path / 'images')]} != {after[str(tmp_path / 'images')]}"
+  ]
