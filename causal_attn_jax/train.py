@@ -44,6 +44,7 @@ from causal_attn_jax.metrics import attention_sparsity
 from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
+from trainkit.fits import check_eval_step
 from trainkit.mesh import place, replicated, to_host
 from trainkit.metric_writers import write_atomically
 from trainkit.train_state import LossFn, TrainState, UpdateExtraFn, create_train_state
@@ -247,6 +248,8 @@ def run_eval(
   totals.update({key: 0.0 for key in _LAYER_STATS})
   predictions, attention, inputs = [], [], []
   for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
+    if not totals["weight"]:  # Before the first batch runs: refuse a step that cannot fit.
+      check_eval_step(eval_step, state, batch, config.eval_batch_size)
     out = eval_step(state, batch)
     weight = float(host_batch["mask"].sum())
     totals["loss"] += float(out["loss"]) * weight

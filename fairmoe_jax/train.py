@@ -38,6 +38,7 @@ from fairmoe_jax.fairness import experts as experts_lib
 from trainkit import recipe
 from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
+from trainkit.fits import check_eval_step
 from trainkit.mesh import place, shard_batch, to_host
 from fairmoe_jax.metrics.gradients import gradient_cosines
 from fairmoe_jax.fairness.surrogates import review_metric
@@ -233,6 +234,8 @@ def evaluate(
   totals = None
   kept = []
   for batch in _eval_batches(arrays, config, mesh):
+    if totals is None:  # Before the first batch runs: refuse a step that cannot fit.
+      check_eval_step(eval_step, state, batch, config.eval_batch_size)
     counts = eval_step(state, batch)
     examples = counts.pop("examples", None)
     if keep_examples:

@@ -28,7 +28,7 @@ from fairmoe_jax.models.backbones import build_backbone
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.run_info import Preprocessing, RunMetadata
 from test_cli import TINY, _env
-from trainkit.errors import USER_ERROR_EXIT_CODE
+from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 
 # The timm constructor arguments the rebuilders below interpret; any other is a failure, so a
 # new argument in the export cannot be silently ignored here.
@@ -314,3 +314,18 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
   assert outside.read_text() == "precious"
   assert not (workdir / "export" / "config.json").is_symlink()
   assert json.loads((workdir / "export" / "config.json").read_text())["timm_loadable"] is True
+
+
+def test_an_evaluation_step_that_cannot_fit_is_refused_naming_eval_batch_size(dense_run, monkeypatch):
+  import fairmoe_jax
+  from trainkit import fits
+
+  run = fairmoe_jax.load_run(dense_run[0])
+  images = (np.random.default_rng(0).uniform(0, 1, (3, 32, 32, 3))).astype(np.float32)
+  assert run.predict(images) is not None  # It fits as it is.
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 16)  # A 16-byte device.
+  with pytest.raises(UserError, match=r"the evaluation step needs .* make the model smaller"):
+    run.predict(images)  # 3 images in a small batch: the parameters are most of the memory.
+  large = fairmoe_jax.load_run(dense_run[0], overrides={"eval_batch_size": 4096})
+  with pytest.raises(UserError, match=r"the evaluation step needs .* lower eval_batch_size \(now 4096\)"):
+    large.predict(images)  # Padded to 4096 rows: the activations are.

@@ -1008,3 +1008,36 @@ def test_a_full_disk_while_appending_metrics_leaves_no_partial_line_and_names_th
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [5, 10, 15, 20]
   assert "torn" not in caplog.text
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["10", "20"]
+
+
+def test_a_step_that_cannot_fit_is_refused_before_it_runs_naming_the_key(tmp_path, monkeypatch):
+  from trainkit import fits
+
+  big = jnp.ones((2048,))
+  batch_heavy = jax.jit(lambda x: jnp.outer(x, x)).lower(big).compile()  # A 16 MiB output
+  weight_heavy = jax.jit(lambda w: w[:4] * 2).lower(jnp.ones((1 << 22,))).compile()  # 16 MiB arg
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 1 << 20)  # A 1 MiB device.
+  with pytest.raises(UserError, match=r"the train step needs .* but a device here has 0\.0 GiB: "
+                                      r"lower batch_size \(now 2048\); --mode=compile"):
+    fits.require_fits(batch_heavy, what="train step", batch_key="batch_size", batch_size=2048)
+  with pytest.raises(UserError, match=r"make the model smaller \(its model\.\* keys, moe\.num_experts\)"):
+    fits.require_fits(weight_heavy, what="train step", batch_key="batch_size", batch_size=8)
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 1 << 30)
+  fits.require_fits(batch_heavy, what="train step", batch_key="batch_size", batch_size=2048)
+  # The loop checks its step before the first one runs: nothing trained, nothing saved.
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 16)
+  def train_step(state, batch):
+    return state.replace(step=state.step + 1), {"loss": jnp.asarray(1.0)}
+
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  with pytest.raises(UserError, match="the train step needs .* lower batch_size \\(now 8\\)"):
+    _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=1)
+  assert ckpt.all_steps() == [] and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_cpu_device_s_memory_is_its_share_of_the_host_s():
+  from trainkit import fits
+  from trainkit.config import host_memory_bytes
+
+  cpu = jax.local_devices(backend="cpu")
+  assert fits.device_memory_bytes(cpu[0]) == host_memory_bytes() // len(cpu)

@@ -24,7 +24,8 @@ from trainkit.metric_writers import MetricWriter
 from trainkit.preemption import PreemptionGuard
 from trainkit.prefetch import DEFAULT_PREFETCH, DevicePrefetch
 from trainkit.progress import ProgressBar
-from trainkit.throughput import compiled_flops, peak_flops_per_device, throughput_scalars
+from trainkit.fits import require_fits
+from trainkit.throughput import compile_ahead, flops_of, peak_flops_per_device, throughput_scalars
 from trainkit.train_state import TrainState
 from trainkit.workdir import save_config
 
@@ -275,7 +276,15 @@ def train_loop(
       trace.before_step(step, state)
       batch = next(batches)
       if flops_per_step is None and hasattr(train_step, "lower"):
-        flops_per_step = compiled_flops(train_step, state, batch) or 0.0
+        compiled = compile_ahead(train_step, state, batch)
+        require_fits(
+            compiled,
+            what="train step",
+            batch_key="batch_size",
+            batch_size=examples_per_step,
+            batch=batch,
+        )
+        flops_per_step = flops_of(compiled) or 0.0
       state, metrics = train_step(state, batch)
       step += 1
       trace.after_step(step, state)

@@ -33,14 +33,26 @@ def peak_flops_per_device(device: Any, override: float = 0.0) -> float | None:
   return PEAK_FLOPS_BY_KIND[max(matches, key=len)] if matches else None
 
 
-def compiled_flops(jitted: Any, *args: Any) -> float | None:
-  """FLOPs per call of `jitted(*args)` from XLA's cost analysis, or None where unavailable.
-
-  Lowering and compiling here reuses JAX's compilation cache, so the step that runs next
-  does not compile again.
-  """
+def compile_ahead(jitted: Any, *args: Any) -> Any | None:
+  """`jitted` compiled for `args`, or None where lowering fails. The call of `jitted(*args)`
+  that follows reuses this executable: it does not compile again."""
   try:
-    cost = jitted.lower(*args).compile().cost_analysis()
+    return jitted.lower(*args).compile()
+  except Exception:  # pylint: disable=broad-except  # Best effort: the call reports errors.
+    return None
+
+
+def compiled_flops(jitted: Any, *args: Any) -> float | None:
+  """FLOPs per call of `jitted(*args)` from XLA's cost analysis, or None where unavailable."""
+  return flops_of(compile_ahead(jitted, *args))
+
+
+def flops_of(compiled: Any | None) -> float | None:
+  """FLOPs per call of a compiled program from XLA's cost analysis, or None."""
+  if compiled is None:
+    return None
+  try:
+    cost = compiled.cost_analysis()
   except Exception:  # pylint: disable=broad-except  # Cost analysis is best effort.
     return None
   if isinstance(cost, (list, tuple)):
