@@ -720,11 +720,17 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
       reproduce=flags.DEFINE_string(
           "reproduce", None, "Table name: rerun the first seed of its first row."
       ),
+      preview=flags.DEFINE_string(
+          "preview",
+          None,
+          "Table name: render the table of its sweep in --workdir without recording it (e.g. a "
+          "rerun of the sweep on another machine, to compare with the recorded table).",
+      ),
       workdir=flags.DEFINE_string(
           "workdir",
           None,
-          "--record: the sweep's workdir; --reproduce: where to rerun (default: a temporary "
-          "directory).",
+          "--record, --preview: the sweep's workdir; --reproduce: where to rerun (default: a "
+          "temporary directory).",
       ),
       tolerance=flags.DEFINE_float(
           "tolerance",
@@ -741,9 +747,11 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
   """The command line's work on the parsed flag values `f`; returns the exit status."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-  modes = [m for m in ("record", "write", "check", "reproduce", "list") if f[m]]
+  modes = [m for m in ("record", "preview", "write", "check", "reproduce", "list") if f.get(m)]
   if len(modes) != 1:
-    raise UserError("give exactly one of --record, --write, --check, --reproduce, --list")
+    raise UserError(
+        "give exactly one of --record, --preview, --write, --check, --reproduce, --list"
+    )
   if f["list"]:
     for name in table_names():
       has = "recorded" if os.path.exists(record_path(name)) else "no record"
@@ -755,6 +763,12 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
     spec = load_table(f["record"])
     print(f"Wrote {os.path.relpath(write_record(spec, f['workdir']), REPO_ROOT)}")
     print(render(spec, read_record(spec.name)))
+    return 0
+  if f.get("preview"):
+    if not f["workdir"]:
+      raise UserError("--preview needs --workdir, the directory the sweep ran in")
+    spec = load_table(f["preview"])
+    print(render(spec, make_record(spec, f["workdir"])))
     return 0
   if f["write"]:
     names = write_doc(f["write"])

@@ -157,6 +157,15 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   assert "commit " in text and "JAX " in text and "seeds 0, 1, 2, 3, 4" in text
 
 
+def test_preview_renders_a_sweep_s_table_without_recording_it(toy_tables, capsys):
+  flags = dict(record=None, write=None, check=None, reproduce=None, list=False, tolerance=None,
+               preview="toy", workdir=str(toy_tables))
+  assert tables.run(["tables"], flags) == 0
+  out = capsys.readouterr().out
+  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | **holds** |" in out
+  assert not os.path.exists(tables.record_path("toy"))  # Nothing recorded.
+
+
 def test_a_guarded_choice_skips_settings_that_lose_accuracy(toy_tables):
   # The toy's "a" is 2 points more accurate on every seed; with the guard at 1 point only "a"
   # may be chosen on MF-PQD, and with a 5-point guard the higher mean MF-PQD wins.
