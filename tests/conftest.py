@@ -53,6 +53,36 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", f"error::{category}:{OWN_MODULES}")
 
 
+# CPU-scale FairSMoE on the CelebA sample (with --config.data.root): seconds of training.
+FAIR_TINY_ARGS = [
+    "--config.data.sensitive=Male",
+    "--config.data.image_size=32",
+    "--config.data.max_examples_per_split=96",
+    "--config.model.dim=32",
+    "--config.model.depth=1",
+    "--config.model.patch_size=8",
+    "--config.batch_size=32",
+    "--config.eval_batch_size=32",
+]
+# A tiny Causal Transformer (model, vocabulary and data) so a run takes seconds.
+CAUSAL_TINY_ARGS = [
+    "--config.model.dim=16",
+    "--config.model.num_layers=1",
+    "--config.model.num_heads=2",
+    "--config.model.mlp_dim=16",
+    "--config.data.vocab_size=200",
+    "--config.data.max_len=24",
+    "--config.data.max_train_examples=256",
+    "--config.data.max_eval_examples=64",
+    "--config.batch_size=16",
+    "--config.eval_batch_size=32",
+    "--config.log_every_steps=2",
+    "--config.eval_every_steps=0",
+    "--config.checkpoint_every_steps=4",
+    "--config.plots.num_examples=1",
+]
+
+
 @pytest.fixture
 def repo_root() -> pathlib.Path:
   return REPO_ROOT

@@ -10,30 +10,14 @@ import sys
 import jax
 import pytest
 
-from conftest import ENDE, ENDE_TINY_DATA, SHARED_DATA
+from conftest import CAUSAL_TINY_ARGS, ENDE, ENDE_TINY_DATA, SHARED_DATA
 from causal_attn_jax import train
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
 NLI = SHARED_DATA / "nli"
 
-# A tiny model, vocabulary and data so a run takes seconds.
-TINY = [
-    "--config.model.dim=16",
-    "--config.model.num_layers=1",
-    "--config.model.num_heads=2",
-    "--config.model.mlp_dim=16",
-    "--config.data.vocab_size=200",
-    "--config.data.max_len=24",
-    "--config.data.max_train_examples=256",
-    "--config.data.max_eval_examples=64",
-    "--config.batch_size=16",
-    "--config.eval_batch_size=32",
-    "--config.log_every_steps=2",
-    "--config.eval_every_steps=0",
-    "--config.checkpoint_every_steps=4",
-    "--config.plots.num_examples=1",
-]
+TINY = CAUSAL_TINY_ARGS
 
 
 def _env():

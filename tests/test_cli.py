@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import SHARED_DATA
+from conftest import FAIR_TINY_ARGS, SHARED_DATA
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
@@ -237,17 +237,7 @@ def test_missing_config_file_is_one_clear_message(repo_root, tmp_path):
 
 @pytest.mark.skipif(not (SHARED_DATA / "celeba").is_dir(), reason="../shared/data/celeba absent")
 def test_celeba_sample_trains_fairsmoe_and_evaluates_on_another_copy(repo_root, tmp_path):
-  small = [
-      f"--config.data.root={SHARED_DATA / 'celeba'}",
-      "--config.data.sensitive=Male",
-      "--config.data.image_size=32",
-      "--config.data.max_examples_per_split=96",
-      "--config.model.dim=32",
-      "--config.model.depth=1",
-      "--config.model.patch_size=8",
-      "--config.batch_size=32",
-      "--config.eval_batch_size=32",
-  ]
+  small = [f"--config.data.root={SHARED_DATA / 'celeba'}", *FAIR_TINY_ARGS]
   workdir = tmp_path / "run"
   config = "configs/celeba.py:size=small,epochs=1"
   result = _run(repo_root, workdir, *small, config=config)

@@ -10,8 +10,7 @@ import os
 import subprocess
 import sys
 
-from conftest import OWN_MODULES, REPO_ROOT, SHARED_DATA
-from test_causal_cli import TINY as CAUSAL_TINY
+from conftest import CAUSAL_TINY_ARGS, OWN_MODULES, REPO_ROOT, SHARED_DATA
 
 NLI = SHARED_DATA / "nli"
 DEPRECATIONS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")
@@ -60,7 +59,7 @@ def test_a_fairsmoe_run_trains_evaluates_and_predicts_without_deprecations(tmp_p
 def test_a_causal_run_trains_and_evaluates_without_deprecations(tmp_path):
   _assert_no_deprecation(_run_strictly(
       "causal_attn_jax.main", f"--config={REPO_ROOT / 'configs/mnli_hans.py'}:size=small,steps=4",
-      f"--workdir={tmp_path / 'causal'}", *CAUSAL_TINY,
+      f"--workdir={tmp_path / 'causal'}", *CAUSAL_TINY_ARGS,
       f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
       f"--config.data.challenge_file={NLI / 'hans_format_sample.txt'}"))
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, SHARED_DATA
+from conftest import CAUSAL_TINY_ARGS, FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
 
 from trainkit import storage
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
@@ -24,34 +24,8 @@ NLI = SHARED_DATA / "nli"
 FAKE_GCS = REPO_ROOT / "tests" / "fake_gcs.py"
 WORKDIR = "gs://bucket/run"
 
-# test_workdir_modes.py's tiny FairSMoE run: 3 steps an epoch on the CelebA sample.
-FAIR_ARGS = [
-    f"--config.data.root={CELEBA}",
-    "--config.data.sensitive=Male",
-    "--config.data.image_size=32",
-    "--config.data.max_examples_per_split=96",
-    "--config.model.dim=32",
-    "--config.model.depth=1",
-    "--config.model.patch_size=8",
-    "--config.batch_size=32",
-    "--config.eval_batch_size=32",
-]
-# test_causal_cli.py's tiny Causal Transformer on the MNLI sample.
-CAUSAL_ARGS = [
-    "--config.model.dim=16",
-    "--config.model.num_layers=1",
-    "--config.model.num_heads=2",
-    "--config.model.mlp_dim=16",
-    "--config.data.vocab_size=200",
-    "--config.data.max_len=24",
-    "--config.data.max_train_examples=256",
-    "--config.data.max_eval_examples=64",
-    "--config.batch_size=16",
-    "--config.eval_batch_size=32",
-    "--config.eval_every_steps=0",
-    "--config.checkpoint_every_steps=4",
-    "--config.plots.num_examples=1",
-]
+FAIR_ARGS = [f"--config.data.root={CELEBA}", *FAIR_TINY_ARGS]
+CAUSAL_ARGS = CAUSAL_TINY_ARGS
 
 
 class Places:

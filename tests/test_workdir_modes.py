@@ -20,38 +20,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO_ROOT, SHARED_DATA
+from conftest import CAUSAL_TINY_ARGS, FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
 CELEBA = SHARED_DATA / "celeba"
 NLI = SHARED_DATA / "nli"
 ENDE = SHARED_DATA / "translation" / "wmt14_ende_opennmt"
 
-# CPU-scale FairSMoE on the CelebA sample: seconds of training.
-FAIR_ARGS = [
-    "--config.data.sensitive=Male",
-    "--config.data.image_size=32",
-    "--config.data.max_examples_per_split=96",
-    "--config.model.dim=32",
-    "--config.model.depth=1",
-    "--config.model.patch_size=8",
-    "--config.batch_size=32",
-    "--config.eval_batch_size=32",
-]
-# A tiny Causal Transformer on the MNLI sample (test_causal_cli.py's).
+FAIR_ARGS = FAIR_TINY_ARGS
+# A tiny Causal Transformer on the MNLI sample (test_causal_cli.py's), without plots.
 CAUSAL_ARGS = [
-    "--config.model.dim=16",
-    "--config.model.num_layers=1",
-    "--config.model.num_heads=2",
-    "--config.model.mlp_dim=16",
-    "--config.data.vocab_size=200",
-    "--config.data.max_len=24",
-    "--config.data.max_train_examples=256",
-    "--config.data.max_eval_examples=64",
-    "--config.batch_size=16",
-    "--config.eval_batch_size=32",
-    "--config.eval_every_steps=0",
-    "--config.checkpoint_every_steps=4",
+    *(a for a in CAUSAL_TINY_ARGS if not a.startswith(("--config.log_every_steps=",
+                                                        "--config.plots.num_examples="))),
     "--config.plots.num_examples=0",
 ]
 PAIRS = [

@@ -441,8 +441,8 @@ def train_eval_command(
     try:
       with workdir_lock(workdir):
         modes[mode][0](config, workdir)
-    except Exception as e:
-      if not storage.is_remote(workdir) and not os.path.isdir(workdir):
+    except BaseException as e:
+      if isinstance(e, Exception) and not storage.is_remote(workdir) and not os.path.isdir(workdir):
         # Deleted, moved or unmounted under the run: whatever failed first, this is the cause.
         raise UserError(
             f"the workdir {workdir} vanished while the run was using it (deleted, moved or "
@@ -450,10 +450,6 @@ def train_eval_command(
         ) from e
       if created and jax.process_index() == 0:
         remove_if_empty(workdir)  # An early error leaves no empty workdir behind.
-      raise
-    except BaseException:
-      if created and jax.process_index() == 0:
-        remove_if_empty(workdir)
       raise
 
   @exit_on_user_error
