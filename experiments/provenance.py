@@ -13,6 +13,7 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import subprocess
 from typing import Any, Iterable, Mapping
 
 # The instruction-set extensions LLVM may use when XLA compiles for this CPU (vector widths,
@@ -62,6 +63,22 @@ def _version(package: str) -> str | None:
     return None
 
 
+def host(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+  """Processor, cores, software versions and the numerics environment (`environ`, default this
+  process's): everything of `machine()` but the devices, so a sweep's supervisor can describe
+  the host its runs start on without initialising a backend the runs need."""
+  environ = os.environ if environ is None else environ
+  return {
+      "cpu_cores": os.cpu_count(),
+      "arch": platform.machine(),
+      "processor": processor(),
+      "python": platform.python_version(),
+      "jax": _version("jax"),
+      "versions": {package: _version(package) for package in _PACKAGES},
+      "environment": {name: environ.get(name, "") for name in _ENVIRONMENT},
+  }
+
+
 def machine() -> dict[str, Any]:
   """Device kind and count, processor, cores, software versions and the numerics environment."""
   import jax  # Lazily: only recording and reproducing need it, not --write or --check.
@@ -71,14 +88,29 @@ def machine() -> dict[str, Any]:
   return {
       "device": devices[0].platform.upper() + (f" ({kind})" if kind != devices[0].platform else ""),
       "devices": len(devices),
-      "cpu_cores": os.cpu_count(),
-      "arch": platform.machine(),
-      "processor": processor(),
-      "python": platform.python_version(),
-      "jax": _version("jax"),
-      "versions": {package: _version(package) for package in _PACKAGES},
-      "environment": {name: os.environ.get(name, "") for name in _ENVIRONMENT},
+      **host(),
   }
+
+
+def _git(repo: str, *args: str) -> str:
+  try:
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return ""
+
+
+def source_state(repo: str) -> dict[str, Any]:
+  """The commit checked out in `repo` and its tracked files with uncommitted changes (results
+  documents and records aside: recording a table changes them)."""
+  changed = [
+      line[3:]
+      for line in _git(repo, "status", "--porcelain", "--untracked-files=no").splitlines()
+      if not line[3:].startswith(("docs/", "results/records/"))
+  ]
+  commit = _git(repo, "rev-parse", "--short=10", "HEAD").strip() or "unknown"
+  return {"commit": commit, "uncommitted_changes": changed}
 
 
 def _file_hash(path: str) -> str:

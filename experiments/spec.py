@@ -44,6 +44,8 @@ MODULE_LAUNCHERS = ("slurm.sh", "tpu_pod.sh", "local_multiprocess.sh")
 # The files of a run directory that the runner reads or writes (the main writes REPORT).
 REPORT, ERROR, LOG = "report.json", "error.txt", "log.txt"
 RUN = "sweep_run.json"  # What a run was started with: module, config and every setting.
+# The commit and host a run was started on (experiments.provenance), for its table's record.
+RUN_PROVENANCE = "provenance.json"
 # A grid value `VALUE@KEY=X@KEY2=Y` also sets config keys for the runs that take it.
 VALUE_SETTINGS_SEPARATOR = "@"
 _DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

@@ -29,7 +29,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import ml_collections
 
+from experiments.provenance import host, source_state
 from experiments.spec import (
+    RUN_PROVENANCE,
     ERROR,
     LOG,
     REPO_ROOT,
@@ -277,6 +279,7 @@ def run_sweep(
     for directory, _ in stale:
       print(f"moved the stale run {directory} to {move_aside(directory)}", flush=True)
   stale_changes = dict(stale)
+  source = source_state(REPO_ROOT)  # The code the runs import.
   statuses = {}
   with _sigterm_as_interrupt():
     for i, point in enumerate(points):
@@ -299,6 +302,10 @@ def run_sweep(
       start = time.monotonic()
       os.makedirs(directory, exist_ok=True)
       write_atomically(os.path.join(directory, RUN), json.dumps(run_record(sweep, point), indent=2))
+      write_atomically(
+          os.path.join(directory, RUN_PROVENANCE),
+          json.dumps({**source, "host": host(run_env)}, indent=2),
+      )
       try:
         ok, why = _run_one(command, directory, timeout_s=sweep.timeout_s, cwd=cwd, env=run_env)
       except KeyboardInterrupt:

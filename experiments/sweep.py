@@ -67,6 +67,11 @@ Modes (`--mode`):
             `<workdir>/plots/<metric>_vs_<key>.png` (mean ± std over seeds, one line per
             combination of the other keys), then the `tables` collectors' files.
 
+`--only=KEY=VALUE` (repeatable) keeps the runs whose grid value of KEY is one of the VALUEs
+given for it (written as the run names write them), e.g. the rows a results table's claims
+compare: `--only=method=fairsmoe --only=method=vanilla_smoe`. The runs keep their names, so a
+later full sweep in the same workdir reuses them.
+
 The exit status is 1 when a run has no report.json (the tables are still written), 2 for a bad
 sweep or flag, 130 when interrupted (rerun the same command to resume).
 """
@@ -84,13 +89,31 @@ from absl import app, flags
 from experiments.collect import collect, table_rows, write_spec_tables, write_tables
 from experiments.commands import write_commands
 from experiments.plots import write_plots
-from experiments.spec import REPO_ROOT, load_sweep
+from experiments.spec import REPO_ROOT, format_value, load_sweep
 from experiments.supervise import Differences, run_sweep
 from trainkit.config_files import resolve_config_args
 from trainkit import storage
 from trainkit.errors import UserError, exit_on_user_error, fail
 
 MODES = ("run", "commands", "collect")
+
+
+def restrict_grid(sweep: ml_collections.ConfigDict, only: Sequence[str]) -> None:
+  """Keeps, per grid key named in `only` ("KEY=VALUE" each), the values given for it, in the
+  grid's order; a UserError names an unknown key or value."""
+  wanted: dict[str, list[str]] = {}
+  for item in only:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise UserError(f"--only={item}: not KEY=VALUE")
+    if key not in sweep.grid:
+      raise UserError(f"--only={item}: {key!r} is not a grid key; grid keys: {', '.join(sweep.grid)}")
+    values = [format_value(v) for v in sweep.grid[key]]
+    if value not in values:
+      raise UserError(f"--only={item}: {value!r} is not a value of {key}; values: {', '.join(values)}")
+    wanted.setdefault(key, []).append(value)
+  for key, values in wanted.items():
+    sweep.grid[key] = tuple(v for v in sweep.grid[key] if format_value(v) in values)
 
 
 def execute_sweep(
@@ -152,6 +175,7 @@ def execute(
     dry_run: bool = False,
     retrain: bool = False,
     env: Mapping[str, str] | None = None,
+    only: Sequence[str] = (),
 ) -> int:
   """The command line's work; returns the exit status (1 when a run has no report.json)."""
   if mode not in MODES:
@@ -174,6 +198,7 @@ def execute(
   if launcher_words and mode != "commands":
     raise UserError("--launcher only applies to --mode=commands")
   sweep = load_sweep(sweep_path)
+  restrict_grid(sweep, only)
   return execute_sweep(
       sweep,
       workdir,
@@ -205,6 +230,9 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
           "run mode: move finished runs started with other settings aside and run them again "
           "(without it they are an error).",
       ),
+      only=flags.DEFINE_multi_string(
+          "only", [], "KEY=VALUE: run only the grid points with one of these values of KEY."
+      ),
   )
   flags.mark_flags_as_required(["sweep", "workdir"])
   return holders
@@ -228,6 +256,7 @@ def main(argv: list[str], holders: dict[str, flags.FlagHolder]) -> None:
         launcher=holders["launcher"].value,
         dry_run=holders["dry_run"].value,
         retrain=holders["retrain"].value,
+        only=holders["only"].value,
     )
   except KeyboardInterrupt:  # The running run got SIGTERM and checkpointed; rerun resumes.
     sys.exit(130)

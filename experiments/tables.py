@@ -5,6 +5,7 @@ r"""Results tables generated from specs: record a sweep's runs, write and check 
   python -m experiments.tables --write=docs/results.md                 # every marked table
   python -m experiments.tables --check=docs/results.md                 # exit 1 if one differs
   python -m experiments.tables --reproduce=NAME [--workdir=DIR] [--tolerance=X]
+  python -m experiments.tables --rerun=NAME --workdir=DIR              # add a rerun to the record
   python -m experiments.tables --list
 
 A table spec is a sweep file under `results/` (`results/NAME.py`: its `get_config()` is the
@@ -36,6 +37,14 @@ table has, per row, the mean and 95% Student-t interval of every column over the
 claim the mean paired difference (same seed) with its interval and the verdict
 (experiments/stats.py), then the flags (too few seeds, a split or group too small), then the
 provenance.
+
+A verdict is only worth printing if another machine reaches it too. `--rerun=NAME --workdir=DIR`
+adds the finished runs of a second sweep of the spec (on another machine, or here with
+`XLA_FLAGS=--xla_cpu_max_isa=AVX2`, which makes XLA compile for another instruction set; all
+runs, or the rows its claims compare with `experiments.sweep --only`) to the record's `reruns`,
+with that sweep's own provenance; the table then says under its claims, per rerun, which
+verdicts (and which tuning choice) the rerun keeps and the largest change of a mean paired
+difference.
 """
 
 from __future__ import annotations
@@ -57,10 +66,11 @@ from absl import app, flags
 from experiments import stats
 from experiments.collect import collect, is_number, lookup
 from experiments.markers import marked_tables, replace_tables
-from experiments.provenance import data_hash, data_hashes, differences, machine
+from experiments.provenance import data_hash, data_hashes, differences, machine, source_state
 from experiments.spec import (
     REPO_ROOT,
     REPORT,
+    RUN_PROVENANCE,
     format_value,
     grid_points,
     load_sweep_file,
@@ -298,15 +308,6 @@ def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
   return {"examples": None if examples is None else int(examples), "groups": groups}
 
 
-def _git(*args: str) -> str:
-  try:
-    return subprocess.run(
-        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout
-  except (OSError, subprocess.CalledProcessError):
-    return ""
-
-
 def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   """The record of a finished (or partly finished) sweep of `spec` in `workdir`."""
   runs = []
@@ -331,20 +332,13 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
     else:
       entry["error"] = result.error
     runs.append(entry)
-  changed = [
-      line[3:]
-      for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
-      if not line[3:].startswith(("docs/", "results/records/"))
-  ]
   provenance = {
-      "commit": _git("rev-parse", "--short=10", "HEAD").strip() or "unknown",
-      "uncommitted_changes": changed,
+      **_runs_source_and_host(spec, workdir),
       "date": (
           datetime.datetime.fromtimestamp(max(dates), datetime.timezone.utc).strftime("%Y-%m-%d")
           if dates
           else None
       ),
-      "machine": machine(),
       # Every input file or directory the runs read (their config.json's data keys).
       "data": data_hashes(configs),
       "seeds": list(spec.sweep.grid[SEED_KEY]),
@@ -356,12 +350,151 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   return {"table": spec.name, "spec": spec.path, "provenance": provenance, "runs": runs}
 
 
+def _runs_source_and_host(spec: TableSpec, workdir: str) -> dict[str, Any]:
+  """The commit and machine of the finished runs, from the `provenance.json` the sweep wrote
+  beside each when it started it (`experiments.supervise`); the device kind and count, which
+  the supervisor does not query, are this process's. Runs older than that file are described
+  by this checkout and this process's machine."""
+  here = machine()
+  device = {"device": here["device"], "devices": here["devices"]}
+  written = []
+  for result in collect(spec.sweep, workdir):
+    try:
+      with open(os.path.join(result.run_dir, RUN_PROVENANCE)) as f:
+        written.append(json.load(f))
+    except (OSError, ValueError):
+      if result.status == "ok":
+        return {**source_state(REPO_ROOT), "machine": here}
+  if not written:
+    return {**source_state(REPO_ROOT), "machine": here}
+  first = written[0]
+  found = {
+      "commit": first["commit"],
+      "uncommitted_changes": first["uncommitted_changes"],
+      "machine": {**device, **first["host"]},
+  }
+  others = sorted(
+      {w["commit"] for w in written} - {first["commit"]}
+  ) + sorted({why for w in written for why in differences(first["host"], w["host"], "host.")})
+  if others:  # A sweep resumed on another checkout or machine: say so in the record.
+    found["mixed_runs"] = others
+  return found
+
+
 def write_record(spec: TableSpec, workdir: str) -> str:
   record = make_record(spec, workdir)
   os.makedirs(RECORDS_DIR, exist_ok=True)
   path = record_path(spec.name)
   write_atomically(path, json.dumps(record, indent=1) + "\n")
   return path
+
+
+def add_rerun(spec: TableSpec, workdir: str) -> str:
+  """Adds the finished runs of a rerun of `spec`'s sweep in `workdir`, with their provenance, to
+  the record's `reruns` (replacing an earlier rerun made with the same machine description)."""
+  record = read_record(spec.name)
+  rerun = make_record(spec, workdir)
+  finished = [r for r in rerun["runs"] if r["status"] == "ok"]
+  if not finished:
+    raise UserError(f"--rerun={spec.name}: no finished run of its sweep in {workdir}")
+  entry = {"provenance": rerun["provenance"], "runs": finished}
+  machine_of = lambda r: r["provenance"]["machine"]  # noqa: E731
+  record["reruns"] = [r for r in record.get("reruns", []) if machine_of(r) != machine_of(entry)]
+  record["reruns"].append(entry)
+  path = record_path(spec.name)
+  write_atomically(path, json.dumps(record, indent=1) + "\n")
+  return path
+
+
+@dataclasses.dataclass(frozen=True)
+class RerunComparison:
+  """What a rerun of a table's runs changes: per claim both rows have in the rerun, the two
+  verdicts and the change of the mean paired difference (in the claim's column's scale)."""
+
+  runs: int
+  rows: list[str]
+  seeds: list[int]
+  claims: list[tuple[Claim, str, str, float]]  # (claim, recorded, rerun verdict, |change|)
+  chosen: tuple[str, str] | None  # A tuning table's (recorded, rerun) choice.
+
+
+def compare_rerun(
+    spec: TableSpec, record: Mapping[str, Any], rerun: Mapping[str, Any]
+) -> RerunComparison:
+  recorded = summarise(spec, record)
+  again = summarise(spec, {"runs": rerun["runs"]})
+  scales = {c.path: c.scale for c in spec.columns}
+  claims = []
+  for (claim, before), (_, after) in zip(recorded["claims"], again["claims"]):
+    if before.difference is None or after.difference is None:
+      continue  # A row of the claim was not rerun.
+    change = abs(after.difference.mean - before.difference.mean) * scales.get(claim.metric, 1.0)
+    claims.append((claim, before.verdict, after.verdict, change))
+  rows = [r for r in (format_value(v) for v in spec.row_values) if again["rows"][r]["seeds"]]
+  chosen = None
+  if spec.select and len(rows) == len(spec.row_values):
+    chosen = (chosen_row(spec, recorded), chosen_row(spec, again))
+  return RerunComparison(
+      runs=len(rerun["runs"]),
+      rows=rows,
+      seeds=sorted({r["seed"] for r in rerun["runs"]}),
+      claims=claims,
+      chosen=chosen,
+  )
+
+
+def _machine_text(m: Mapping[str, Any]) -> str:
+  processor = f", {m['processor']['model']}" if "processor" in m else ""
+  flags = (m.get("environment") or {}).get("XLA_FLAGS")
+  return (
+      f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), JAX {m['jax']}"
+      + (f", `XLA_FLAGS={flags}`" if flags else "")
+  )
+
+
+def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
+  """One paragraph per rerun in the record: what it ran and which verdicts it keeps."""
+  lines = []
+  labels = {c.path: (c.label, c.decimals) for c in spec.columns}
+  total = len(record["runs"])
+  for rerun in record.get("reruns", ()):
+    result = compare_rerun(spec, record, rerun)
+    p = rerun["provenance"]
+    which = (
+        "every run"
+        if result.runs == total
+        else f"{result.runs} of {total} runs: the rows "
+        + ", ".join(spec.label(r) for r in result.rows)
+        + f"; seeds {', '.join(map(str, result.seeds))}"
+    )
+    text = f"**Rerun** ({which}; runs of {p['date']}, commit {p['commit']}; {_machine_text(p['machine'])}): "
+    changed = [(c, a, b) for c, a, b, _ in result.claims if a != b]
+    if not result.claims:
+      text += "no claim has both its rows in the rerun"
+    elif not changed:
+      text += f"every verdict the same ({len(result.claims)} of {len(spec.claims)} claims rerun)"
+    else:
+      text += f"{len(changed)} of {len(result.claims)} verdicts rerun change: " + "; ".join(
+          f"{spec.label(c.row)} {c.better} than {spec.label(c.baseline)} on "
+          f"{labels.get(c.metric, (c.metric, 3))[0]}: {a} -> {b}"
+          for c, a, b in changed
+      )
+    if result.claims:
+      claim, _, _, change = max(result.claims, key=lambda entry: entry[3])
+      label, decimals = labels.get(claim.metric, (claim.metric, 3))
+      text += (
+          f"; the largest change of a mean paired difference is {change:.{decimals}f} "
+          f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label})"
+      )
+    if result.chosen:
+      before, after = result.chosen
+      text += (
+          f"; it chooses the same setting, {spec.label(after)}"
+          if before == after
+          else f"; it chooses {spec.label(after)} instead of {spec.label(before)}"
+      )
+    lines.append(text + ".")
+  return lines
 
 
 # What `render` and `stale_runs` read of a record.
@@ -550,6 +683,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     lines += ["", f"Chosen by {rule}: **{spec.label(best)}**."]
   if summary["flags"]:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
+  for text in _rerun_lines(spec, record):
+    lines += ["", text]
   p = record["provenance"]
   m = p["machine"]
   changes = p.get("uncommitted_changes") or []
@@ -726,11 +861,17 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
           "Table name: render the table of its sweep in --workdir without recording it (e.g. a "
           "rerun of the sweep on another machine, to compare with the recorded table).",
       ),
+      rerun=flags.DEFINE_string(
+          "rerun",
+          None,
+          "Table name: add the finished runs of its sweep in --workdir (a rerun on another "
+          "machine or instruction set) to its record's reruns.",
+      ),
       workdir=flags.DEFINE_string(
           "workdir",
           None,
-          "--record, --preview: the sweep's workdir; --reproduce: where to rerun (default: a "
-          "temporary directory).",
+          "--record, --preview, --rerun: the sweep's workdir; --reproduce: where to rerun "
+          "(default: a temporary directory).",
       ),
       tolerance=flags.DEFINE_float(
           "tolerance",
@@ -747,11 +888,9 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
   """The command line's work on the parsed flag values `f`; returns the exit status."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-  modes = [m for m in ("record", "preview", "write", "check", "reproduce", "list") if f.get(m)]
-  if len(modes) != 1:
-    raise UserError(
-        "give exactly one of --record, --preview, --write, --check, --reproduce, --list"
-    )
+  modes = ("record", "preview", "rerun", "write", "check", "reproduce", "list")
+  if len([m for m in modes if f.get(m)]) != 1:
+    raise UserError("give exactly one of " + ", ".join(f"--{m}" for m in modes))
   if f["list"]:
     for name in table_names():
       has = "recorded" if os.path.exists(record_path(name)) else "no record"
@@ -769,6 +908,13 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
       raise UserError("--preview needs --workdir, the directory the sweep ran in")
     spec = load_table(f["preview"])
     print(render(spec, make_record(spec, f["workdir"])))
+    return 0
+  if f.get("rerun"):
+    if not f["workdir"]:
+      raise UserError("--rerun needs --workdir, the directory the rerun's sweep ran in")
+    spec = load_table(f["rerun"])
+    print(f"Wrote {os.path.relpath(add_rerun(spec, f['workdir']), REPO_ROOT)}")
+    print(render(spec, read_record(spec.name)))
     return 0
   if f["write"]:
     names = write_doc(f["write"])

@@ -116,7 +116,9 @@ def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
   sweep_path = tmp_path / "sweep.py"
   workdir = tmp_path / "sweep"
   monkeypatch.setattr(sweep_cli, "load_sweep", lambda _: sweep)  # No file: this definition.
-  status = sweep_cli.execute(str(sweep_path), str(workdir), env=stub_env)
+  # An environment variable of the runs' numerics, which their provenance must name.
+  env = {**stub_env, "JAX_DEFAULT_MATMUL_PRECISION": "float32"}
+  status = sweep_cli.execute(str(sweep_path), str(workdir), env=env)
   assert status == 1
   out = capsys.readouterr().out
   assert "[1/12] batch_size=16,moe.num_experts=2,seed=0: ok" in out
@@ -129,6 +131,11 @@ def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
   assert not (failed / "report.json").exists()
   report = json.loads((runs / "batch_size=16,moe.num_experts=2,seed=0" / "report.json").read_text())
   assert report["flags"]["use_flag"] == "True" and report["flags"]["lr"] == "0.001"
+  # Each run's commit and host, for its table's record (the runs' own XLA_FLAGS included).
+  started = json.loads((runs / "batch_size=16,moe.num_experts=2,seed=0" / "provenance.json").read_text())
+  assert started["commit"] and started["host"]["environment"]["JAX_DEFAULT_MATMUL_PRECISION"] == (
+      "float32"
+  )
 
   with open(workdir / "sweep.csv") as f:
     rows = list(csv.DictReader(f))
@@ -746,3 +753,29 @@ def test_planted_links_in_a_sweep_workdir_are_replaced_not_written_through(tmp_p
   assert outside.read_text() == "precious"
   for name in names:
     assert not (workdir / name).is_symlink() and (workdir / name).stat().st_size > 0, name
+
+
+def test_only_keeps_the_named_values_and_the_run_names(tmp_path):
+  sweep = spec.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
+  names = {spec.run_name(p) for p in spec.grid_points(sweep)}
+  sweep_cli.restrict_grid(sweep, ["batch_size=32", "batch_size=16", "seed=1"])
+  kept = spec.grid_points(sweep)
+  # The grid's order, not the flags'; the other keys untouched.
+  assert [(p["batch_size"], p["seed"]) for p in kept] == [(16, 1), (16, 1), (32, 1), (32, 1)]
+  assert {p["moe.num_experts"] for p in kept} == {2, 4}
+  # The same run directories as the full sweep's: a later full sweep reuses them.
+  assert {spec.run_name(p) for p in kept} <= names
+
+
+@pytest.mark.parametrize(
+    "only, message",
+    [
+        ("batch_size", "not KEY=VALUE"),
+        ("lr=0.1", "'lr' is not a grid key; grid keys: batch_size, moe.num_experts, seed"),
+        ("batch_size=64", "'64' is not a value of batch_size; values: 16, 32"),
+    ],
+)
+def test_only_names_an_unknown_key_or_value(only, message):
+  sweep = spec.validate_sweep(_sweep())
+  with pytest.raises(UserError, match=re.escape(f"--only={only}: {message}")):
+    sweep_cli.restrict_grid(sweep, [only])

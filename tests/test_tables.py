@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import stats, tables
+from experiments import provenance, stats, tables
 from experiments.markers import replace_tables
 from trainkit.errors import UserError
 
@@ -427,3 +427,75 @@ def test_data_hashes_name_every_input_file_and_change_with_its_bytes(tmp_path):
   assert provenance.differences(before, after) == [
       f"{tmp_path / 'images'}: {before[str(tmp_path / 'images')]} != {after[str(tmp_path / 'images')]}"
   ]
+
+
+# ---------------------------------------------------------------- a rerun beside the record
+
+
+def _rerun_workdir(toy_tables, tmp_path, accuracy_gain, methods=("a", "b@fair.alpha=0.5")):
+  """The toy sweep again, as another machine would give it: "a" now gains `accuracy_gain`."""
+  workdir = tmp_path / "rerun"
+  for seed in range(5):
+    for method in methods:
+      source = toy_tables / "runs" / f"seed={seed},method={method}"
+      report = json.loads((source / "report.json").read_text())
+      if method == "a":
+        report["accuracy"] += accuracy_gain - 0.02 + 0.003 * seed  # Not the same every seed.
+      run = workdir / "runs" / source.name
+      run.mkdir(parents=True)
+      (run / "report.json").write_text(json.dumps(report))
+      # As the sweep's supervisor writes it: the commit and host the run started on.
+      host = {
+          **provenance.host(),
+          "processor": {"model": "Other CPU", "features": ["avx2"]},
+          "environment": {"XLA_FLAGS": "--isa=x"},
+      }
+      (run / "provenance.json").write_text(
+          json.dumps({"commit": "abc", "uncommitted_changes": [], "host": host})
+      )
+  return workdir
+
+
+def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables, tmp_path):
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  # A rerun in which "a" is no longer more accurate on every seed: the accuracy verdict flips.
+  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=-0.02)))
+  record = tables.read_record("toy")
+  (rerun,) = record["reruns"]
+  assert rerun["provenance"]["commit"] == "abc"  # The runs' commit, not this checkout's.
+  assert rerun["provenance"]["machine"]["environment"]["XLA_FLAGS"] == "--isa=x"
+  text = tables.render(spec, record)
+  (line,) = [line for line in text.splitlines() if line.startswith("**Rerun**")]
+  assert "every run;" in line and "commit abc" in line and "Other CPU" in line
+  assert "`XLA_FLAGS=--isa=x`" in line
+  assert "1 of 2 verdicts rerun change: a higher than b (alpha 0.5) on Acc. (%): holds -> does not hold" in line
+  # Mean paired accuracy difference +2.0 points recorded, -2.0 + 0.3 * mean(seed) = -1.4 rerun.
+  assert "the largest change of a mean paired difference is 3.4 (a against b (alpha 0.5), Acc. (%))" in line
+  assert "it chooses b (alpha 0.5) instead of a" in line
+  # The same rerun again replaces it; a rerun that keeps every verdict says so.
+  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02)))
+  record = tables.read_record("toy")
+  assert len(record["reruns"]) == 1
+  (line,) = [l for l in tables.render(spec, record).splitlines() if l.startswith("**Rerun**")]
+  assert "every verdict the same (2 of 2 claims rerun)" in line
+  assert "it chooses the same setting, a" in line
+
+
+def test_a_partial_rerun_names_its_rows_and_the_cli_needs_a_workdir(toy_tables, tmp_path):
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  partial = _rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02, methods=("a",))
+  tables.add_rerun(spec, str(partial))
+  (line,) = [
+      l for l in tables.render(spec, tables.read_record("toy")).splitlines()
+      if l.startswith("**Rerun**")
+  ]
+  assert "5 of 10 runs: the rows a; seeds 0, 1, 2, 3, 4" in line
+  assert "no claim has both its rows in the rerun" in line
+  flags = dict(record=None, write=None, check=None, reproduce=None, list=False, tolerance=None,
+               preview=None, rerun="toy", workdir=None)
+  with pytest.raises(SystemExit):
+    tables.run(["tables"], flags)
+  with pytest.raises(UserError, match="no finished run"):
+    tables.add_rerun(spec, str(tmp_path / "empty"))
