@@ -65,7 +65,7 @@ class VocabularySize:
 
 
 def num_classes(config: ml_collections.ConfigDict) -> int:
-  """Labels of a pair-classification run, as `data.loading._load_pairs` would find them.
+  """Labels of a pair-classification run, as `data.loading.load_pairs` would find them.
 
   The generated testbeds are 2-way (`nli.HANS_LABELS`); a tfds dataset's task is its name's
   (`nli.TFDS_PAIR_DATASETS`); files are read with `data.pair_task`: "nli" 3-way, "paraphrase"

@@ -6,6 +6,7 @@ r"""Results tables generated from specs: record a sweep's runs, write and check 
   python -m experiments.tables --check=docs/results.md                 # exit 1 if one differs
   python -m experiments.tables --reproduce=NAME [--workdir=DIR] [--tolerance=X]
   python -m experiments.tables --rerun=NAME --workdir=DIR              # add a rerun to the record
+  python -m experiments.tables --references=NAME                       # score the reference rows
   python -m experiments.tables --list
 
 A table spec is a sweep file under `results/` (`results/NAME.py`: its `get_config()` is the
@@ -25,7 +26,10 @@ sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabul
       select="accuracy",              # Optional (tuning tables): the path whose highest mean
                                       # chooses a row; the table names that row.
       select_within=("validation.accuracy", 0.01),  # Optional: only rows whose mean of this
-  )                                   # path is within this of the best row's compete.
+                                      # path is within this of the best row's compete.
+      references="pkg.module:function",  # Optional: readers without a model (majority class,
+  )                                   # a shortcut's reader, chance), `function(config, base_dir)`
+                                      # -> {name: report-shaped dict} from a run's config.json.
 
 A path is dotted into report.json; a path that ends at numbers nested in mappings or lists (per
 layer, per block, per batch) is the mean of them all. The record (`results/records/NAME.json`, under version
@@ -36,7 +40,8 @@ from the record alone: `--write` replaces what lies between `<!-- table:NAME -->
 table has, per row, the mean and 95% Student-t interval of every column over the seeds, then per
 claim the mean paired difference (same seed) with its interval and the verdict
 (experiments/stats.py), then the flags (too few seeds, a split or group too small), then the
-provenance.
+provenance. The spec's reference readers are scored when the record is made, from the data the
+runs read, and printed as rows in italics below the models' (one value each: no seeds).
 
 A verdict is only worth printing if another machine reaches it too. `--rerun=NAME --workdir=DIR`
 adds the finished runs of a second sweep of the spec (on another machine, or here with
@@ -52,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import importlib
 import json
 import math
 import os
@@ -74,6 +80,7 @@ from experiments.spec import (
     format_value,
     grid_points,
     load_sweep_file,
+    resolved_config,
     run_command,
     run_record,
 )
@@ -120,6 +127,7 @@ class TableSpec:
   tolerance: float
   select: str | None = None
   select_within: tuple[str, float] | None = None
+  references: str | None = None
 
   def label(self, row: Any) -> str:
     text = format_value(row)
@@ -169,6 +177,7 @@ def load_table(name: str) -> TableSpec:
       "tolerance",
       "select",
       "select_within",
+      "references",
   }
   unknown = sorted(set(table) - known)
   if unknown:
@@ -222,7 +231,53 @@ def load_table(name: str) -> TableSpec:
       tolerance=float(table.get("tolerance", DEFAULT_TOLERANCE)),
       select=_check_select(name, table.get("select"), columns),
       select_within=_check_select_within(name, table, columns),
+      references=_check_references(name, table.get("references")),
   )
+
+
+def _check_references(name: str, references: Any) -> str | None:
+  if references is None:
+    return None
+  if not isinstance(references, str) or not re.fullmatch(r"[\w.]+:\w+", references):
+    raise _spec_error(name, "references", f"{references!r} is not 'package.module:function'")
+  return references
+
+
+def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
+  """The spec's reference readers scored on the data its runs read (the config the sweep gives
+  each row's first run, as `experiments.spec.resolved_config` builds it): [{"name", "metrics":
+  {path: value}}] for the paths the record keeps."""
+  module_name, function = spec.references.split(":")
+  try:
+    read = getattr(importlib.import_module(module_name), function)
+  except (ImportError, AttributeError) as e:
+    raise _spec_error(spec.name, "references", f"cannot import {spec.references}: {e}") from None
+  firsts = {}
+  for point in grid_points(spec.sweep):
+    firsts.setdefault(format_value(point[spec.rows]), point)
+  data = {}
+  for point in firsts.values():
+    config = resolved_config(spec.sweep, point).to_dict()
+    data.setdefault(json.dumps(config["data"], sort_keys=True), config)
+  if len(data) > 1:
+    raise _spec_error(
+        spec.name, "references", f"its rows read {len(data)} different data configs; one needed"
+    )
+  (config,) = data.values()
+  return [
+      {"name": name, "metrics": {p: metric_value(report, p) for p in spec.metrics()}}
+      for name, report in read(config, REPO_ROOT).items()
+  ]
+
+
+def add_references(spec: TableSpec) -> str:
+  """Scores the spec's reference readers into its existing record (whose runs need not exist
+  any more: the readers read only the data)."""
+  record = read_record(spec.name)
+  record["references"] = reference_rows(spec)
+  path = record_path(spec.name)
+  write_atomically(path, json.dumps(record, indent=1) + "\n")
+  return path
 
 
 def _check_select(name: str, select: Any, columns: list[Column]) -> str | None:
@@ -332,6 +387,9 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
     else:
       entry["error"] = result.error
     runs.append(entry)
+  record: dict[str, Any] = {"table": spec.name, "spec": spec.path}
+  if spec.references:
+    record["references"] = reference_rows(spec)
   provenance = {
       **_runs_source_and_host(spec, workdir),
       "date": (
@@ -347,7 +405,7 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
           f"python -m experiments.tables --record={spec.name} --workdir=WORKDIR",
       ],
   }
-  return {"table": spec.name, "spec": spec.path, "provenance": provenance, "runs": runs}
+  return {**record, "provenance": provenance, "runs": runs}
 
 
 def _runs_source_and_host(spec: TableSpec, workdir: str) -> dict[str, Any]:
@@ -644,6 +702,14 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         for c in spec.columns
     ]
     body.append([spec.label(row), *cells, str(len(entry["seeds"]))])
+  for reference in record.get("references", ()):
+    cells = [
+        "—"
+        if (value := reference["metrics"].get(c.path)) is None
+        else f"{c.scale * value:.{c.decimals}f}".replace("-", "−")
+        for c in spec.columns
+    ]
+    body.append([f"*reference: {reference['name']}*", *cells, "—"])
   lines += _markdown_table(["", *(c.label for c in spec.columns), "seeds"], body)
   if summary["claims"]:
     scales = {c.path: (c.scale, c.decimals, c.label) for c in spec.columns}
@@ -861,6 +927,11 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
           "Table name: render the table of its sweep in --workdir without recording it (e.g. a "
           "rerun of the sweep on another machine, to compare with the recorded table).",
       ),
+      references=flags.DEFINE_string(
+          "references",
+          None,
+          "Table name: score its spec's reference readers into its record (from the data alone).",
+      ),
       rerun=flags.DEFINE_string(
           "rerun",
           None,
@@ -888,7 +959,7 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
   """The command line's work on the parsed flag values `f`; returns the exit status."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-  modes = ("record", "preview", "rerun", "write", "check", "reproduce", "list")
+  modes = ("record", "preview", "rerun", "references", "write", "check", "reproduce", "list")
   if len([m for m in modes if f.get(m)]) != 1:
     raise UserError("give exactly one of " + ", ".join(f"--{m}" for m in modes))
   if f["list"]:
@@ -908,6 +979,13 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
       raise UserError("--preview needs --workdir, the directory the sweep ran in")
     spec = load_table(f["preview"])
     print(render(spec, make_record(spec, f["workdir"])))
+    return 0
+  if f.get("references"):
+    spec = load_table(f["references"])
+    if not spec.references:
+      raise UserError(f"results/{spec.name}.py: TABLE has no 'references' to score")
+    print(f"Wrote {os.path.relpath(add_references(spec), REPO_ROOT)}")
+    print(render(spec, read_record(spec.name)))
     return 0
   if f.get("rerun"):
     if not f["workdir"]:

@@ -28,6 +28,7 @@ SCHEDULES = {
 SHIPPED, *OTHERS = SCHEDULES
 
 TABLE = dict(
+    references="causal_attn_jax.references:reference_reports",
     title="Dual schedules against the constraint on the spurious-pairs testbed, validation split",
     rows="constraints.step_size",
     row_names=SCHEDULES,

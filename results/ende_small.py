@@ -21,6 +21,7 @@ CAUSAL = "causal"
 VANILLA = "vanilla@constraints.weight=0.0"
 
 TABLE = dict(
+    references="causal_attn_jax.references:reference_reports",
     title="Causal and vanilla attention, En-De sample (validation split)",
     rows="model.attention",
     row_names={CAUSAL: "causal (constrained GCN)", VANILLA: "vanilla"},

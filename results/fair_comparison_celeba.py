@@ -44,6 +44,7 @@ READING_CLAIMS = tuple(
 )
 
 TABLE = dict(
+    references="fairmoe_jax.references:reference_reports",
     title="FairSMoE (three readings of Eq. 8, two ablations) against four baselines, CelebA sample",
     rows="method",
     row_names=METHODS,

@@ -43,6 +43,7 @@ PAPER_CLAIMS = (
 )
 
 TABLE = dict(
+    references="fairmoe_jax.references:reference_reports",
     title="FairSMoE (three readings of Eq. 8, two ablations) against four baselines, synthetic data",
     rows="method",
     row_names=METHODS,

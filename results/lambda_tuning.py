@@ -25,6 +25,7 @@ SETTINGS = {
 PAPER, *OTHERS = SETTINGS
 
 TABLE = dict(
+    references="fairmoe_jax.references:reference_reports",
     title="The lambdas of L_Psi = lambda_pqd L_PQD + lambda_dp L_DP, FairSMoE, CelebA sample, validation split",
     rows="fair.lambda_pqd",
     row_names=SETTINGS,

@@ -19,6 +19,7 @@ VANILLA = "vanilla@constraints.weight=0.0"
 
 # How experiments.tables tabulates the runs (the rows, columns and claims of the table).
 TABLE = dict(
+    references="causal_attn_jax.references:reference_reports",
     title="Causal and vanilla attention, MNLI sample to HANS",
     rows="model.attention",
     row_names={CAUSAL: "causal", VANILLA: "vanilla"},

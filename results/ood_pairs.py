@@ -29,6 +29,7 @@ VANILLA = "vanilla@constraints.weight=0.0@optimizer.learning_rate=0.001"
 UNCONSTRAINED = "causal@constraints.weight=0.0"
 
 TABLE = dict(
+    references="causal_attn_jax.references:reference_reports",
     title="Causal attention, vanilla attention and the unconstrained GCN on the ood-pairs testbed",
     rows="model.attention",
     row_names={

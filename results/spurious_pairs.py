@@ -25,6 +25,7 @@ UNCONSTRAINED = "causal@constraints.weight=0.0"
 
 # How experiments.tables tabulates the runs (the rows, columns and claims of the table).
 TABLE = dict(
+    references="causal_attn_jax.references:reference_reports",
     title="Causal attention, vanilla attention and the unconstrained GCN on the testbed",
     rows="model.attention",
     row_names={

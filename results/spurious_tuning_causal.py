@@ -33,6 +33,7 @@ SCHEDULES = {
 SHIPPED, *OTHERS = SCHEDULES
 
 TABLE = dict(
+    references="causal_attn_jax.references:reference_reports",
     title="Causal attention's dual-ascent schedule on the testbed, validation split",
     rows="constraints.step_size",
     row_names=SCHEDULES,

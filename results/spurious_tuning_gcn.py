@@ -14,6 +14,7 @@ from experiments.spec import dotted
 SHIPPED, *OTHERS = (0.003, 0.001, 0.002, 0.005)
 
 TABLE = dict(
+    references="causal_attn_jax.references:reference_reports",
     title="The unconstrained GCN's learning rate on the testbed, validation split",
     rows="optimizer.learning_rate",
     split="validation",

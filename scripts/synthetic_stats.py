@@ -45,7 +45,7 @@ import numpy as np
 
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.data import synthetic
-from fairmoe_jax.metrics import attribute_counts, fairness_report, format_report, overall_counts
+from fairmoe_jax.metrics import format_report, report_of_predictions
 
 Split = dict[str, np.ndarray]
 
@@ -104,41 +104,11 @@ def label_frequencies(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any
 # ---------------------------------------------------------------------------
 
 
-def marker_distances(images: np.ndarray, num_classes: int) -> np.ndarray:
-  """Distance of each image's marker colour to each palette colour, float64 [N, K].
-
-  The marker colour is the mean of the marker square's interior. The square covers rows and
-  columns ``1 .. m`` (as drawn by ``_generate_chunk``); its interior ``2 .. m - 1`` is untouched
-  by the 3x3 blur, so only the per-pixel noise remains, which the mean averages out.
-  """
-  size = images.shape[1]
-  m = max(2, round(synthetic.MARKER_PX * size / 32.0))  # the marker side, as in the generator
-  lo, hi = (2, m) if m > 2 else (1, m + 1)  # a 2 px marker has no interior: use all of it
-  colour = images[:, lo:hi, lo:hi].astype(np.float64).mean(axis=(1, 2))  # [N, 3]
-  palette = synthetic.marker_palette(num_classes).astype(np.float64)  # [K, 3]
-  return np.sqrt(((colour[:, None, :] - palette[None]) ** 2).sum(-1))
-
-
-def decode_marker(images: np.ndarray, num_classes: int) -> np.ndarray:
-  """The palette class shown by each image's corner marker (nearest palette colour), int32 [N]."""
-  return np.argmin(marker_distances(images, num_classes), axis=1).astype(np.int32)
-
-
 def _report(
     labels: np.ndarray, predictions: np.ndarray, attributes: np.ndarray, info: data_lib.DatasetInfo
 ) -> dict[str, Any]:
-  """``fairness_report`` of ``predictions`` (numpy in, via the repository's count functions)."""
-  mask = np.ones(len(labels), np.float32)
-  k = info.num_classes
-  overall = overall_counts(labels, predictions, mask, num_classes=k)
-  per_attribute = attribute_counts(
-      labels, predictions, attributes, mask, group_sizes=info.group_sizes, num_classes=k
-  )
-  return fairness_report(
-      np.asarray(overall),
-      [np.asarray(c) for c in per_attribute],
-      info.attribute_names,
-      info.group_names,
+  return report_of_predictions(
+      labels, predictions, attributes, info.attribute_names, info.group_names, info.num_classes
   )
 
 
@@ -158,8 +128,8 @@ def _expected_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, A
 
 def marker_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
   """Measured (from the images) and expected rate at which the marker shows the true class."""
-  distances = np.sort(marker_distances(split["image"], info.num_classes), axis=1)
-  marker = decode_marker(split["image"], info.num_classes)
+  distances = np.sort(synthetic.marker_distances(split["image"], info.num_classes), axis=1)
+  marker = synthetic.read_marker(split["image"], info.num_classes)
   return {
       # The decoding is unambiguous when every marker is much closer to its nearest palette
       # colour than any marker is to its second nearest.
@@ -257,7 +227,7 @@ def logistic_regression_baseline(
   w = fit_logistic_regression(x_train, train["label"], info.num_classes, l2=l2)
   predict = lambda x: np.argmax(np.concatenate([x, np.ones((len(x), 1))], 1) @ w, axis=1)
   test_predictions = predict(x_test).astype(np.int32)
-  marker = decode_marker(test["image"], info.num_classes)
+  marker = synthetic.read_marker(test["image"], info.num_classes)
   return {
       "features": f"8x8 mean-pooled pixels, {x_train.shape[1]} standardised features",
       "l2": l2,
@@ -333,7 +303,7 @@ def model_predictions(
 def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict[str, float]:
   """Accuracy split by whether the marker agrees with the label, and marker-following errors."""
   labels = test["label"]
-  marker = decode_marker(test["image"], num_classes)
+  marker = synthetic.read_marker(test["image"], num_classes)
   agrees, correct = marker == labels, predictions == labels
   wrong_on_disagreeing = ~agrees & ~correct
   return {

@@ -499,3 +499,40 @@ def test_a_partial_rerun_names_its_rows_and_the_cli_needs_a_workdir(toy_tables, 
     tables.run(["tables"], flags)
   with pytest.raises(UserError, match="no finished run"):
     tables.add_rerun(spec, str(tmp_path / "empty"))
+
+
+def test_reference_rows_are_scored_from_the_runs_data_and_printed_below_the_models(
+    toy_tables, tmp_path, monkeypatch
+):
+  (tmp_path / "toy_readers.py").write_text(
+      "def readers(config, base_dir):\n"
+      "  # What a reader of the runs' data scores: here it reports the data it was given.\n"
+      "  return {'majority class': {'accuracy': config['num_train_steps'] / 20},\n"
+      "          'chance': {'accuracy': 0.5, 'mf': {'pqd': None}}}\n"
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  spec_file = os.path.join(tables.RESULTS_DIR, "toy.py")
+  with open(spec_file) as f:
+    text = f.read()
+  with open(spec_file, "w") as f:
+    f.write(text.replace("TABLE = dict(", "TABLE = dict(\n    references='toy_readers:readers',"))
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  rendered = tables.render(spec, tables.read_record("toy"))
+  # The resolved config of the runs (num_train_steps=5) reached the reader.
+  assert "| *reference: majority class* | 25.0 | — | — |" in rendered
+  assert "| *reference: chance* | 50.0 | — | — |" in rendered
+  # The rows come after the models' and before the claims.
+  assert rendered.index("| b (alpha 0.5) |") < rendered.index("*reference: majority")
+  assert rendered.index("*reference: chance*") < rendered.index("| claim |")
+  # A record without references can get them later, from the data alone.
+  record = tables.read_record("toy")
+  del record["references"]
+  with open(tables.record_path("toy"), "w") as f:
+    json.dump(record, f)
+  tables.add_references(spec)
+  assert tables.render(spec, tables.read_record("toy")) == rendered
+  with open(spec_file, "w") as f:
+    f.write(text.replace("TABLE = dict(", "TABLE = dict(\n    references='no module',"))
+  with pytest.raises(UserError, match=r"TABLE\['references'\]: 'no module' is not"):
+    tables.load_table("toy")

@@ -191,7 +191,7 @@ def test_reverse_swaps_file_inputs(repo_root, reverse):
       max_train_examples=5,
       max_eval_examples=5,
   )
-  (train_src, train_tgt), (eval_src, eval_tgt) = loading._load_parallel(config)
+  (train_src, train_tgt), (eval_src, eval_tgt) = loading.load_parallel(config)
   english = (ENDE / "src-val.txt").read_text().splitlines()[:5]
   german = (ENDE / "tgt-val.txt").read_text().splitlines()[:5]
   assert (eval_src, eval_tgt) == ((german, english) if reverse else (english, german))

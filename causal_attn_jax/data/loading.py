@@ -79,9 +79,10 @@ def _truncate(pairs: nli.PairData, limit: int) -> nli.PairData:
   return _subset(pairs, np.arange(min(limit, len(pairs)))) if limit > 0 else pairs
 
 
-def _load_pairs(
+def load_pairs(
     config: ml_collections.ConfigDict,
 ) -> tuple[nli.PairData, nli.PairData, nli.PairData | None]:
+  """The (train, eval, challenge or None) sentence pairs a classification config reads."""
   d = config.data
   if d.generator == "spurious_pairs":
     spec = spurious.SpuriousPairsSpec(**d.spurious.to_dict())
@@ -153,7 +154,7 @@ def _encode_pairs(
 
 def load_classification(config: ml_collections.ConfigDict, workdir: str) -> TaskData:
   """Train/eval (and challenge) pairs as {"ids", "segment_ids", "label"} arrays."""
-  train, evaluation, challenge = _load_pairs(config)
+  train, evaluation, challenge = load_pairs(config)
   tok = _tokenizer(config, workdir, lambda: train.premises + train.hypotheses)
   max_len = config.data.max_len
   data = TaskData(
@@ -177,7 +178,8 @@ def load_classification(config: ml_collections.ConfigDict, workdir: str) -> Task
 Parallel = tuple[list[str], list[str]]  # (sources, targets)
 
 
-def _load_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Parallel]:
+def load_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Parallel]:
+  """The (train, eval) (sources, targets) a translation config reads, reversed if it says so."""
   train, evaluation = _read_parallel(config)
   if config.data.reverse:
     return (train[1], train[0]), (evaluation[1], evaluation[0])
@@ -217,7 +219,7 @@ def _encode_parallel(
 
 def load_translation(config: ml_collections.ConfigDict, workdir: str) -> TaskData:
   """Train/eval sentence pairs as {"src", "tgt_in", "tgt_out"} arrays, eval references as text."""
-  (train_src, train_tgt), (eval_src, eval_tgt) = _load_parallel(config)
+  (train_src, train_tgt), (eval_src, eval_tgt) = load_parallel(config)
   keep = [i for i, (s, t) in enumerate(zip(train_src, train_tgt)) if s.strip() and t.strip()]
   train_src, train_tgt = [train_src[i] for i in keep], [train_tgt[i] for i in keep]
   # A joint vocabulary: the embeddings are tied.

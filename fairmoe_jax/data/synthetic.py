@@ -101,6 +101,27 @@ def marker_palette(num_classes: int) -> np.ndarray:
   return (40 + 190 * rgb).astype(np.float32)
 
 
+def marker_distances(images: np.ndarray, num_classes: int) -> np.ndarray:
+  """Distance of each image's marker colour to each palette colour, float64 [N, K].
+
+  The marker colour is the mean of the marker square's interior. The square covers rows and
+  columns ``1 .. m`` (as drawn by ``_generate_chunk``); its interior ``2 .. m - 1`` is untouched
+  by the 3x3 blur, so only the per-pixel noise remains, which the mean averages out.
+  """
+  size = images.shape[1]
+  m = max(2, round(MARKER_PX * size / 32.0))  # The marker side, as in the generator.
+  lo, hi = (2, m) if m > 2 else (1, m + 1)  # A 2 px marker has no interior: use all of it.
+  colour = images[:, lo:hi, lo:hi].astype(np.float64).mean(axis=(1, 2))  # [N, 3]
+  palette = marker_palette(num_classes).astype(np.float64)  # [K, 3]
+  return np.sqrt(((colour[:, None, :] - palette[None]) ** 2).sum(-1))
+
+
+def read_marker(images: np.ndarray, num_classes: int) -> np.ndarray:
+  """The class each image's corner marker shows (the nearest palette colour), int32 [N]: the
+  shortcut a model can learn instead of the texture, read from the pixels alone."""
+  return np.argmin(marker_distances(images, num_classes), axis=1).astype(np.int32)
+
+
 def label_probs(num_classes: int) -> np.ndarray:
   """P(label | age, site) as float64 [5, 8, K]: the attribute-label correlation."""
   classes = np.arange(num_classes)

@@ -14,7 +14,7 @@ from fairmoe_jax.metrics.fairness import (
     overall_counts,
     predictive_quality_disparity,
 )
-from fairmoe_jax.metrics.report import fairness_report, format_report
+from fairmoe_jax.metrics.report import fairness_report, format_report, report_of_predictions
 
 __all__ = [
     "METRIC_NAMES",
@@ -31,4 +31,5 @@ __all__ = [
     "overall_accuracy",
     "overall_counts",
     "predictive_quality_disparity",
+    "report_of_predictions",
 ]
