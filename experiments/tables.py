@@ -761,11 +761,17 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   data = (
       f"{len(p['data'])} input file(s) or folder(s) hashed in the record; " if p.get("data") else ""
   )
+  reproduced = "".join(
+      f"first run reproduced {'exactly' if r['exact'] else 'within ' + format(r['tolerance'], 'g')}"
+      f" on {r['date']} (commit {r['commit']}; {_machine_text(r['machine'])}; "
+      f"{len(r['data'])} input file(s) or folder(s) hashed); "
+      for r in p.get("reproduced", ())
+  )
   lines += [
       "",
       f"<sub>Provenance: commit {commit}; runs of {p['date']}; {m['device']}, "
       f"{m['cpu_cores']} CPU cores ({m['arch']}{processor}), {m['devices']} device(s), "
-      f"JAX {m['jax']}; {data}"
+      f"JAX {m['jax']}; {data}{reproduced}"
       f"seeds {seeds}; spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`; "
       + "; ".join(f"`{c}`" for c in p["commands"])
       + ".</sub>",
@@ -847,27 +853,27 @@ def reproduce(
     record: Mapping[str, Any],
     workdir: str | None = None,
     tolerance: float | None = None,
+    stamp: bool = False,
 ) -> tuple[bool, list[str]]:
   """Reruns the record's run of the first row and the first seed, and compares every recorded
   value (`compare`): exactly where the machine, software and data match the record
   (`experiments.provenance.differences`: processor and its instruction set, device, cores,
-  package versions, XLA_FLAGS, input-data hashes), else within
-  the spec's `tolerance` unless one is given. Returns (reproduced, the lines to print)."""
+  package versions, XLA_FLAGS, input-data hashes) or match an exact reproduction stored in it,
+  else within the spec's `tolerance` unless one is given. Returns (reproduced, the lines to
+  print). With `stamp`, a reproduction is added to the record's `provenance.reproduced` (its
+  date, commit, machine, input-data hashes, whether every value was exact): for a record older
+  than its machine's full description, the evidence of where its numbers come back exactly."""
   row, seed = format_value(spec.row_values[0]), spec.sweep.grid[SEED_KEY][0]
   recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
   if not recorded or recorded[0]["status"] != "ok":
     raise UserError(f"table {spec.name}: the record has no result for {row} seed {seed}")
   provenance = record["provenance"]
-  why_not_exact = differences(provenance["machine"], machine(), "machine.")
-  recorded_data = provenance.get("data")
-  if recorded_data is None:
-    why_not_exact.append("data: the record has no hashes of its input files")
-  else:
-    why_not_exact += differences(
-        recorded_data,
-        {path: data_hash(path) if os.path.exists(path) else "<missing>" for path in recorded_data},
-        "data ",
-    )
+  why_not_exact = _why_not_exact(provenance)
+  vouched = [
+      r for r in provenance.get("reproduced", ()) if r["exact"] and not _why_not_exact(r)
+  ]
+  if why_not_exact and vouched:  # An exact reproduction here vouches for an older record.
+    why_not_exact = []
   same_machine = not why_not_exact
   if tolerance is None:
     tolerance = 0.0 if same_machine else spec.tolerance
@@ -907,8 +913,42 @@ def reproduce(
   except (OSError, ValueError):
     return False, lines + [f"  the run failed (exit {status}); its log: {log_path}"]
   ok, compared = compare(recorded[0]["metrics"], report, tolerance)
-  verdict = "Reproduced." if ok else "NOT reproduced."
-  return ok, lines + compared + [f"{verdict} Run directory: {run_dir}"]
+  exact = compare(recorded[0]["metrics"], report, 0.0)[0]
+  verdict = "Reproduced" + (" (every value exact)." if exact else ".") if ok else "NOT reproduced."
+  lines += compared + [f"{verdict} Run directory: {run_dir}"]
+  if ok and stamp:
+    with open(os.path.join(run_dir, "config.json")) as f:
+      config = json.load(f)
+    entry = {
+        "date": datetime.date.today().isoformat(),
+        **source_state(REPO_ROOT),
+        "machine": machine(),
+        "data": data_hashes([config]),
+        "exact": exact,
+        "tolerance": tolerance,
+    }
+    stamped = read_record(spec.name)
+    kept = [
+        r for r in stamped["provenance"].get("reproduced", ()) if r["machine"] != entry["machine"]
+    ]
+    stamped["provenance"]["reproduced"] = kept + [entry]
+    write_atomically(record_path(spec.name), json.dumps(stamped, indent=1) + "\n")
+    lines.append(f"Added the reproduction to {os.path.relpath(record_path(spec.name), REPO_ROOT)}.")
+  return ok, lines
+
+
+def _why_not_exact(provenance: Mapping[str, Any]) -> list[str]:
+  """How this machine, its software and the input data differ from a record's (or a recorded
+  reproduction's) `machine` and `data` (nothing: a rerun must give every value exactly)."""
+  why = differences(provenance["machine"], machine(), "machine.")
+  recorded_data = provenance.get("data")
+  if recorded_data is None:
+    return why + ["data: the record has no hashes of its input files"]
+  return why + differences(
+      recorded_data,
+      {path: data_hash(path) if os.path.exists(path) else "<missing>" for path in recorded_data},
+      "data ",
+  )
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:
@@ -943,6 +983,12 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
           None,
           "--record, --preview, --rerun: the sweep's workdir; --reproduce: where to rerun "
           "(default: a temporary directory).",
+      ),
+      stamp=flags.DEFINE_bool(
+          "stamp",
+          False,
+          "--reproduce: add a passing reproduction (date, commit, machine, data hashes, exact or "
+          "not) to the record's provenance.",
       ),
       tolerance=flags.DEFINE_float(
           "tolerance",
@@ -1006,7 +1052,9 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
       print(f"Every marked table of {f['check']} matches its record.")
     return 1 if problems else 0
   spec = load_table(f["reproduce"])
-  ok, lines = reproduce(spec, read_record(spec.name), f["workdir"], f["tolerance"])
+  ok, lines = reproduce(
+      spec, read_record(spec.name), f["workdir"], f["tolerance"], stamp=bool(f.get("stamp"))
+  )
   print("\n".join(lines))
   return 0 if ok else 1
 

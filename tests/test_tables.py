@@ -401,8 +401,19 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   # A record without data hashes (made before they were recorded) cannot vouch for its data.
   del other["provenance"]["data"]
   other["provenance"]["machine"] = record["provenance"]["machine"]
-  ok, lines = tables.reproduce(spec, other, str(tmp_path / "olddata"))
+  with open(tables.record_path("tiny"), "w") as f:
+    json.dump(other, f)
+  ok, lines = tables.reproduce(spec, other, str(tmp_path / "olddata"), stamp=True)
   assert "differs: data: the record has no hashes of its input files" in "\n".join(lines)
+  assert ok and "Reproduced (every value exact)." in lines[-2]
+  # The stamp names where the old record's numbers came back exactly, and vouches for it: the
+  # next reproduction here compares exactly.
+  stamped = tables.read_record("tiny")
+  (entry,) = stamped["provenance"]["reproduced"]
+  assert entry["exact"] and entry["data"] == {} and entry["machine"] == provenance["machine"]
+  assert "first run reproduced exactly on " in tables.render(spec, stamped)
+  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "vouched"))
+  assert ok and "the recording machine, software and data; tolerance 0" in lines[0]
   # A record one ulp away from what the run gives is not reproduced at tolerance 0.
   with open(tmp_path / "again" / "run" / "report.json") as f:
     report = json.load(f)
