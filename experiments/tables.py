@@ -712,6 +712,11 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     body.append([f"*reference: {reference['name']}*", *cells, "—"])
   lines += _markdown_table(["", *(c.label for c in spec.columns), "seeds"], body)
   if summary["claims"]:
+    rerun_claims = [
+        entry
+        for rerun in record.get("reruns", ())
+        for entry in compare_rerun(spec, record, rerun).claims
+    ]
     scales = {c.path: (c.scale, c.decimals, c.label) for c in spec.columns}
     body = []
     for claim, result in summary["claims"]:
@@ -722,13 +727,16 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
           else "—"
       )
       verdict = result.verdict if result.enough_seeds else f"{result.verdict} (too few seeds)"
+      # A verdict a rerun does not reach is marked where it is read, not only below the table.
+      moved = [after for c, before, after, _ in rerun_claims if c == claim and after != before]
+      rerun_note = f" (a rerun: {', '.join(moved)})" if moved else ""
       body.append(
           [
               f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
               label,
               difference,
               str(len(result.seeds)),
-              f"**{verdict}**",
+              f"**{verdict}**{rerun_note}",
           ]
       )
     lines += [""]

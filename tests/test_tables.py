@@ -484,6 +484,8 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
   # Mean paired accuracy difference +2.0 points recorded, -2.0 + 0.3 * mean(seed) = -1.4 rerun.
   assert "the largest change of a mean paired difference is 3.4 (a against b (alpha 0.5), Acc. (%))" in line
   assert "it chooses b (alpha 0.5) instead of a" in line
+  # And beside the verdict it moves.
+  assert "| 5 | **holds** (a rerun: does not hold) |" in text
   # The same rerun again replaces it; a rerun that keeps every verdict says so.
   tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02)))
   record = tables.read_record("toy")
