@@ -25,6 +25,8 @@ sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabul
                                       # machine (on the recording machine: exactly 0).
       select="accuracy",              # Optional (tuning tables): the path whose highest mean
                                       # chooses a row; the table names that row.
+      pair_by=("data.fold", "seed"),  # Optional: the grid keys a run is paired by across rows
+                                      # (default ("seed",); cross-validation pairs (fold, seed)).
       select_within=("validation.accuracy", 0.01),  # Optional: only rows whose mean of this
                                       # path is within this of the best row's compete.
       references="pkg.module:function",  # Optional: readers without a model (majority class,
@@ -128,6 +130,14 @@ class TableSpec:
   select: str | None = None
   select_within: tuple[str, float] | None = None
   references: str | None = None
+  pair_by: tuple[str, ...] = (SEED_KEY,)
+
+  def pair(self, point: Mapping[str, Any]) -> Any:
+    """The unit a run is paired by across rows: its seed, or "key=value,..." of `pair_by`
+    (cross-validation pairs runs by fold and seed)."""
+    if self.pair_by == (SEED_KEY,):
+      return point[SEED_KEY]
+    return ",".join(f"{k}={format_value(point[k])}" for k in self.pair_by)
 
   def label(self, row: Any) -> str:
     text = format_value(row)
@@ -178,16 +188,21 @@ def load_table(name: str) -> TableSpec:
       "select",
       "select_within",
       "references",
+      "pair_by",
   }
   unknown = sorted(set(table) - known)
   if unknown:
     raise _spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
   rows = table.get("rows")
-  if rows not in sweep.grid or rows == SEED_KEY:
-    raise _spec_error(name, "rows", f"{rows!r} is not a grid key other than {SEED_KEY!r}")
-  if SEED_KEY not in sweep.grid:
-    raise _spec_error(name, "rows", f"the grid has no {SEED_KEY!r} key to pair runs by")
-  others = [k for k, v in sweep.grid.items() if k not in (rows, SEED_KEY) and len(v) > 1]
+  pair_by = tuple(table.get("pair_by") or (SEED_KEY,))
+  if rows not in sweep.grid or rows in pair_by:
+    raise _spec_error(name, "rows", f"{rows!r} is not a grid key other than {pair_by}")
+  if SEED_KEY not in pair_by:
+    raise _spec_error(name, "pair_by", f"{pair_by} must include {SEED_KEY!r}")
+  for key in pair_by:
+    if key not in sweep.grid:
+      raise _spec_error(name, "pair_by", f"the grid has no {key!r} key to pair runs by")
+  others = [k for k, v in sweep.grid.items() if k not in (rows, *pair_by) and len(v) > 1]
   if others:
     raise _spec_error(name, "rows", f"grid key {others[0]!r} also varies; a table has one")
   row_values = list(sweep.grid[rows])
@@ -232,6 +247,7 @@ def load_table(name: str) -> TableSpec:
       select=_check_select(name, table.get("select"), columns),
       select_within=_check_select_within(name, table, columns),
       references=_check_references(name, table.get("references")),
+      pair_by=pair_by,
   )
 
 
@@ -372,7 +388,7 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
     point = result.point
     entry: dict[str, Any] = {
         "row": format_value(point[spec.rows]),
-        "seed": point[SEED_KEY],
+        "seed": spec.pair(point),
         "status": result.status,
         "settings": run_record(spec.sweep, point)["settings"],
     }
@@ -587,7 +603,7 @@ def read_record(name: str) -> dict[str, Any]:
 def stale_runs(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   """Why the record no longer describes the spec's runs (another grid or other settings)."""
   expected = {
-      (format_value(p[spec.rows]), p[SEED_KEY]): run_record(spec.sweep, p)["settings"]
+      (format_value(p[spec.rows]), spec.pair(p)): run_record(spec.sweep, p)["settings"]
       for p in grid_points(spec.sweep)
   }
   recorded = {(r["row"], r["seed"]): r.get("settings") for r in record["runs"]}
@@ -710,7 +726,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         for c in spec.columns
     ]
     body.append([f"*reference: {reference['name']}*", *cells, "—"])
-  lines += _markdown_table(["", *(c.label for c in spec.columns), "seeds"], body)
+  units = "seeds" if spec.pair_by == (SEED_KEY,) else " × ".join(k.split(".")[-1] + "s" for k in spec.pair_by)
+  lines += _markdown_table(["", *(c.label for c in spec.columns), units], body)
   if summary["claims"]:
     rerun_claims = [
         entry
@@ -871,7 +888,8 @@ def reproduce(
   print). With `stamp`, a reproduction is added to the record's `provenance.reproduced` (its
   date, commit, machine, input-data hashes, whether every value was exact): for a record older
   than its machine's full description, the evidence of where its numbers come back exactly."""
-  row, seed = format_value(spec.row_values[0]), spec.sweep.grid[SEED_KEY][0]
+  first = grid_points(spec.sweep)[0]
+  row, seed = format_value(first[spec.rows]), spec.pair(first)
   recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
   if not recorded or recorded[0]["status"] != "ok":
     raise UserError(f"table {spec.name}: the record has no result for {row} seed {seed}")
@@ -888,7 +906,7 @@ def reproduce(
   point = next(
       p
       for p in grid_points(spec.sweep)
-      if format_value(p[spec.rows]) == row and p[SEED_KEY] == seed
+      if format_value(p[spec.rows]) == row and spec.pair(p) == seed
   )
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
   run_dir = os.path.join(workdir, "run")

@@ -549,3 +549,38 @@ def test_reference_rows_are_scored_from_the_runs_data_and_printed_below_the_mode
     f.write(text.replace("TABLE = dict(", "TABLE = dict(\n    references='no module',"))
   with pytest.raises(UserError, match=r"TABLE\['references'\]: 'no module' is not"):
     tables.load_table("toy")
+
+
+def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
+  """A table whose runs vary in fold and seed pairs them by both: fold 3 of method a is compared
+  with fold 3 of method b, and the folds' shared difficulty cancels."""
+  results = tmp_path / "results"
+  (results / "records").mkdir(parents=True)
+  spec_text = _SPEC.replace(
+      '"seed": (0, 1, 2, 3, 4), "method"', '"data.fold": (0, 1, 2, 3, 4), "seed": (0,), "method"'
+  ).replace("TABLE = dict(", "TABLE = dict(\n    pair_by=('data.fold', 'seed'),")
+  (results / "cv.py").write_text(spec_text)
+  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
+  workdir = tmp_path / "sweep"
+  for fold in range(5):
+    hard = 0.2 * fold  # Folds differ far more than the methods do.
+    for method, accuracy in (("a", 0.9 - hard + 0.01), ("b@fair.alpha=0.5", 0.9 - hard)):
+      run = workdir / "runs" / f"data.fold={fold},seed=0,method={method}"
+      run.mkdir(parents=True)
+      (run / "report.json").write_text(json.dumps(_report(accuracy, 0.7)))
+  spec = tables.load_table("cv")
+  tables.write_record(spec, str(workdir))
+  record = tables.read_record("cv")
+  assert record["runs"][0]["seed"] == "data.fold=0,seed=0"
+  assert tables.stale_runs(spec, record) == []
+  text = tables.render(spec, record)
+  assert "| a higher than b (alpha 0.5) | Acc. (%) | +1.0 [1.0, 1.0] | 5 | **holds** |" in text
+  assert "| folds × seeds |" in text
+  # Pairing needs the seed key; another varying key that pairs nothing is an error.
+  (results / "bad.py").write_text(spec_text.replace("pair_by=('data.fold', 'seed')", "pair_by=('data.fold',)"))
+  with pytest.raises(UserError, match="must include 'seed'"):
+    tables.load_table("bad")
+  (results / "bad.py").write_text(spec_text.replace("    pair_by=('data.fold', 'seed'),\n", ""))
+  with pytest.raises(UserError, match="'data.fold' also varies"):
+    tables.load_table("bad")
