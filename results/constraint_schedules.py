@@ -15,7 +15,15 @@ schedule meets the constraint and what that costs in validation accuracy; it cho
 (results/spurious_tuning_causal.py chose the shipped schedule on validation accuracy).
 """
 
-from experiments.spec import dotted
+from experiments.table_parts import (
+    CAUSAL_REFERENCES,
+    CONSTRAINT_MET,
+    EFFECTIVE_KEYS,
+    NODES_WITHIN,
+    VALIDATION_ACCURACY,
+    against_first,
+    spurious_sweep,
+)
 
 SCHEDULES = {
     "0.01@constraints.dual_start_step=500@constraints.dual_ramp_steps=1000": (
@@ -25,32 +33,24 @@ SCHEDULES = {
     "0.02@constraints.penalty=1.0": "0.02 from step 0 with quadratic penalty 1.0",
     "0.1@constraints.multiplier_cap=0.0": "0.1 from step 0, multipliers uncapped",
 }
-SHIPPED, *OTHERS = SCHEDULES
 
 TABLE = dict(
-    references="causal_attn_jax.references:reference_reports",
+    references=CAUSAL_REFERENCES,
     title="Dual schedules against the constraint on the spurious-pairs testbed, validation split",
     rows="constraints.step_size",
     row_names=SCHEDULES,
     split="validation",
     examples="num_examples",
     columns=(
-        ("accuracy", "Val. acc.", 1.0, 3),
-        ("constraints.nodes_within", "Nodes within", 1.0, 2),
-        ("constraints.met", "Constraint met", 1.0, 2),
-        ("attention.effective_keys", "Effective keys", 1.0, 1),
+        VALIDATION_ACCURACY,
+        NODES_WITHIN,
+        CONSTRAINT_MET,
+        EFFECTIVE_KEYS,
     ),
-    claims=tuple(
-        dict(row=other, baseline=SHIPPED, metric="constraints.nodes_within", better="higher")
-        for other in OTHERS
-    ),
+    claims=against_first(SCHEDULES, "constraints.nodes_within"),
 )
 
 
 def get_config(arg=None):
   del arg
-  return dict(
-      module="causal_attn_jax.main",
-      config="configs/spurious_pairs.py:size=small",
-      grid=dotted({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)}),
-  )
+  return spurious_sweep({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)})

@@ -15,13 +15,20 @@ causal model translates at least as well as vanilla attention.
 """
 
 from experiments.spec import dotted
+from experiments.table_parts import (
+    CAUSAL,
+    CAUSAL_REFERENCES,
+    CONSTRAINT_MET,
+    EFFECTIVE_KEYS,
+    NODES_WITHIN,
+    VANILLA,
+    claims,
+)
 
 _DATA = "../shared/data/translation/wmt14_ende_opennmt"
-CAUSAL = "causal"
-VANILLA = "vanilla@constraints.weight=0.0"
 
 TABLE = dict(
-    references="causal_attn_jax.references:reference_reports",
+    references=CAUSAL_REFERENCES,
     title="Causal and vanilla attention, En-De sample (validation split)",
     rows="model.attention",
     row_names={CAUSAL: "causal (constrained GCN)", VANILLA: "vanilla"},
@@ -30,14 +37,11 @@ TABLE = dict(
     columns=(
         ("bleu", "BLEU", 1.0, 2),
         ("eval_loss", "Val. loss", 1.0, 3),
-        ("attention.effective_keys", "Effective keys", 1.0, 1),
-        ("constraints.nodes_within", "Nodes within", 1.0, 2),
-        ("constraints.met", "Constraint met", 1.0, 2),
+        EFFECTIVE_KEYS,
+        NODES_WITHIN,
+        CONSTRAINT_MET,
     ),
-    claims=(
-        dict(row=CAUSAL, baseline=VANILLA, metric="bleu", better="higher"),
-        dict(row=CAUSAL, baseline=VANILLA, metric="eval_loss", better="lower"),
-    ),
+    claims=claims(CAUSAL, (VANILLA,), (("bleu", "higher"), ("eval_loss", "lower"))),
 )
 
 

@@ -20,21 +20,37 @@ SMoE + L_Psi; and the readings compared on the validation split.
 """
 
 from experiments.spec import dotted
+from experiments.table_parts import (
+    ACCURACY,
+    ATTRIBUTE_ROUTING,
+    CLASS_ROUTING,
+    EXPERTS_ACTIVE,
+    FAIRSMOE,
+    FEM_MOVED,
+    GRADIENT_COSINE,
+    MF_DP,
+    MF_PQD,
+    SA_ABOVE_MAJORITY,
+    SA_VARIANCE_SHARE,
+    VAL_ACCURACY,
+    VAL_MF_PQD,
+    fair_comparison_table,
+    fair_methods,
+)
 
-EC = "fairsmoe"
-AR = "fairsmoe@fair.specialization=attribute_routing"
-CR = "fairsmoe@fair.specialization=class_routing"
-METHODS = {
-    EC: "FairSMoE (Eq. 8 expert_competence, the default)",
-    AR: "FairSMoE (Eq. 8 attribute_routing)",
-    "vanilla_smoe_psi": "vanilla SMoE + L_Psi",
-    "vanilla_smoe": "vanilla SMoE",
-    CR: "FairSMoE (Eq. 8 class_routing)",
-    "fairsmoe_no_fgr": "FairSMoE without FGR",
-    "fairsmoe_no_fem": "FairSMoE without FEM",
-    "muffin": "Muffin",
-    "multifair": "MultiFair",
-}
+METHODS = fair_methods(
+    (
+        FAIRSMOE,
+        ATTRIBUTE_ROUTING,
+        "vanilla_smoe_psi",
+        "vanilla_smoe",
+        CLASS_ROUTING,
+        "fairsmoe_no_fgr",
+        "fairsmoe_no_fem",
+        "muffin",
+        "multifair",
+    )
+)
 PAPER_CLAIMS = (
     ("mf.pqd", "higher"),
     ("accuracy", "higher"),
@@ -42,36 +58,22 @@ PAPER_CLAIMS = (
     ("gradient_cosine", "higher"),
 )
 
-TABLE = dict(
-    references="fairmoe_jax.references:reference_reports",
-    title="FairSMoE (three readings of Eq. 8, two ablations) against four baselines, synthetic data",
-    rows="method",
-    row_names=METHODS,
-    split="test",
-    examples="num_examples",
-    groups="attributes",
-    columns=(
-        ("accuracy", "Acc. (%)", 100.0, 1),
-        ("mf.pqd", "MF-PQD", 1.0, 3),
-        ("mf.dp", "MF-DP", 1.0, 3),
-        ("experts_active.choices", "Experts active", 1.0, 2),
-        ("gradient_cosine", "Grad. cos", 1.0, 3),
-        ("validation.accuracy", "Val. acc. (%)", 100.0, 1),
-        ("validation.mf.pqd", "Val. MF-PQD", 1.0, 3),
-        ("mechanisms.sa_above_majority", "SA classifiers above majority", 1.0, 2),
-        ("mechanisms.sa_variance_share", "SA share of routing variance", 1.0, 4),
-        ("mechanisms.fem_changes_moved", "FEM changes that moved routing", 1.0, 2),
+TABLE = fair_comparison_table(
+    "FairSMoE (three readings of Eq. 8, two ablations) against four baselines, synthetic data",
+    METHODS,
+    (
+        ACCURACY,
+        MF_PQD,
+        MF_DP,
+        EXPERTS_ACTIVE,
+        GRADIENT_COSINE,
+        VAL_ACCURACY,
+        VAL_MF_PQD,
+        SA_ABOVE_MAJORITY,
+        SA_VARIANCE_SHARE,
+        FEM_MOVED,
     ),
-    claims=tuple(
-        dict(row=EC, baseline=baseline, metric=metric, better=better)
-        for baseline in ("vanilla_smoe", "vanilla_smoe_psi")
-        for metric, better in PAPER_CLAIMS
-    )
-    + tuple(
-        dict(row=reading, baseline=EC, metric=metric, better="higher")
-        for reading in (AR, CR)
-        for metric in ("validation.mf.pqd", "validation.accuracy")
-    ),
+    PAPER_CLAIMS,
 )
 
 

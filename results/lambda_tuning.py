@@ -14,6 +14,7 @@ The test split is not read by this table.
 """
 
 from experiments.spec import dotted
+from experiments.table_parts import FAIR_REFERENCES, against_first
 
 # Rows: lambda_pqd, each value also setting lambda_dp.
 SETTINGS = {
@@ -22,10 +23,9 @@ SETTINGS = {
     "0.5@fair.lambda_dp=0.1": "lambda_pqd 0.5, lambda_dp 0.1",
     "0.5@fair.lambda_dp=0.5": "lambda_pqd 0.5, lambda_dp 0.5",
 }
-PAPER, *OTHERS = SETTINGS
 
 TABLE = dict(
-    references="fairmoe_jax.references:reference_reports",
+    references=FAIR_REFERENCES,
     title="The lambdas of L_Psi = lambda_pqd L_PQD + lambda_dp L_DP, FairSMoE, CelebA sample, validation split",
     rows="fair.lambda_pqd",
     row_names=SETTINGS,
@@ -38,10 +38,7 @@ TABLE = dict(
     ),
     select="validation.mf.pqd",
     select_within=("validation.accuracy", 0.01),
-    claims=tuple(
-        dict(row=other, baseline=PAPER, metric="validation.mf.pqd", better="higher")
-        for other in OTHERS
-    ),
+    claims=against_first(SETTINGS, "validation.mf.pqd"),
 )
 
 

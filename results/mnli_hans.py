@@ -12,24 +12,30 @@ attention trained the same way.
 """
 
 from experiments.spec import dotted
-
-CAUSAL = "causal"
-VANILLA = "vanilla@constraints.weight=0.0"
+from experiments.table_parts import (
+    CAUSAL,
+    CAUSAL_REFERENCES,
+    EFFECTIVE_KEYS,
+    NODES_WITHIN,
+    VANILLA,
+    causal_rows,
+    claims,
+)
 
 
 # How experiments.tables tabulates the runs (the rows, columns and claims of the table).
 TABLE = dict(
-    references="causal_attn_jax.references:reference_reports",
+    references=CAUSAL_REFERENCES,
     title="Causal and vanilla attention, MNLI sample to HANS",
     rows="model.attention",
-    row_names={CAUSAL: "causal", VANILLA: "vanilla"},
+    row_names=causal_rows(),
     split="challenge",
     examples="challenge.num_examples",
     columns=(
         ("challenge.accuracy", "HANS acc.", 1.0, 3),
         ("accuracy", "Val. acc. (MNLI)", 1.0, 3),
-        ("attention.effective_keys", "Effective keys", 1.0, 1),
-        ("constraints.nodes_within", "Nodes within", 1.0, 2),
+        EFFECTIVE_KEYS,
+        NODES_WITHIN,
         # HANS by heuristic and gold label (500 pairs each): E entailment, N non-entailment.
         *(
             (f"challenge.by_heuristic.{h}.{label}", f"{short} {label[0].upper()}", 1.0, 2)
@@ -41,7 +47,7 @@ TABLE = dict(
             for label in ("entailment", "non-entailment")
         ),
     ),
-    claims=(dict(row=CAUSAL, baseline=VANILLA, metric="challenge.accuracy", better="higher"),),
+    claims=claims(CAUSAL, (VANILLA,), (("challenge.accuracy", "higher"),)),
 )
 
 

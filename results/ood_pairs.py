@@ -20,16 +20,22 @@ accuracy than vanilla attention and than the same GCN without the constraint).
 """
 
 from experiments.spec import dotted
-
-CAUSAL = "causal"
+from experiments.table_parts import (
+    CAUSAL,
+    CAUSAL_REFERENCES,
+    CONSTRAINT_MET,
+    EFFECTIVE_KEYS,
+    NODES_WITHIN,
+    UNCONSTRAINED,
+    claims,
+)
+from experiments.table_parts import VANILLA_TUNED as VANILLA
 PAPER_SCHEDULE = (
     "causal@constraints.step_size=0.02@constraints.dual_start_step=0@constraints.dual_ramp_steps=0"
 )
-VANILLA = "vanilla@constraints.weight=0.0@optimizer.learning_rate=0.001"
-UNCONSTRAINED = "causal@constraints.weight=0.0"
 
 TABLE = dict(
-    references="causal_attn_jax.references:reference_reports",
+    references=CAUSAL_REFERENCES,
     title="Causal attention, vanilla attention and the unconstrained GCN on the ood-pairs testbed",
     rows="model.attention",
     row_names={
@@ -43,14 +49,14 @@ TABLE = dict(
     columns=(
         ("challenge.accuracy", "Challenge acc.", 1.0, 3),
         ("accuracy", "Val. acc. (in distribution)", 1.0, 3),
-        ("attention.effective_keys", "Effective keys", 1.0, 1),
-        ("constraints.nodes_within", "Nodes within", 1.0, 2),
-        ("constraints.met", "Constraint met", 1.0, 2),
+        EFFECTIVE_KEYS,
+        NODES_WITHIN,
+        CONSTRAINT_MET,
     ),
     claims=tuple(
-        dict(row=row, baseline=baseline, metric="challenge.accuracy", better="higher")
+        claim
         for row in (CAUSAL, PAPER_SCHEDULE)
-        for baseline in (VANILLA, UNCONSTRAINED)
+        for claim in claims(row, (VANILLA, UNCONSTRAINED), (("challenge.accuracy", "higher"),))
     ),
 )
 

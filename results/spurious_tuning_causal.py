@@ -13,7 +13,14 @@ unconstrained GCN get the same budget, four learning rates each
 (results/spurious_tuning_vanilla.py, results/spurious_tuning_gcn.py).
 """
 
-from experiments.spec import dotted
+from experiments.table_parts import (
+    CAUSAL_REFERENCES,
+    EFFECTIVE_KEYS,
+    NODES_WITHIN,
+    VALIDATION_ACCURACY,
+    spurious_sweep,
+    tuning_claims,
+)
 
 # The rows key is the dual step; each value also sets when dual ascent starts and its ramp.
 SCHEDULES = {
@@ -30,10 +37,8 @@ SCHEDULES = {
         "from step 0, 0.02 throughout (no schedule)"
     ),
 }
-SHIPPED, *OTHERS = SCHEDULES
-
 TABLE = dict(
-    references="causal_attn_jax.references:reference_reports",
+    references=CAUSAL_REFERENCES,
     title="Causal attention's dual-ascent schedule on the testbed, validation split",
     rows="constraints.step_size",
     row_names=SCHEDULES,
@@ -41,20 +46,14 @@ TABLE = dict(
     examples="num_examples",
     select="accuracy",
     columns=(
-        ("accuracy", "Val. acc.", 1.0, 3),
-        ("attention.effective_keys", "Effective keys", 1.0, 1),
-        ("constraints.nodes_within", "Nodes within", 1.0, 2),
+        VALIDATION_ACCURACY,
+        EFFECTIVE_KEYS,
+        NODES_WITHIN,
     ),
-    claims=tuple(
-        dict(row=SHIPPED, baseline=other, metric="accuracy", better="higher") for other in OTHERS
-    ),
+    claims=tuning_claims(SCHEDULES, "accuracy"),
 )
 
 
 def get_config(arg=None):
   del arg
-  return dict(
-      module="causal_attn_jax.main",
-      config="configs/spurious_pairs.py:size=small",
-      grid=dotted({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)}),
-  )
+  return spurious_sweep({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)})

@@ -9,33 +9,13 @@ settings, three seeds, the in-distribution validation split only. The shipped le
 highest mean validation accuracy is the one the comparison uses.
 """
 
-from experiments.spec import dotted
+from experiments.table_parts import LEARNING_RATES, learning_rate_table, spurious_sweep
 
-SHIPPED, *OTHERS = (0.003, 0.001, 0.002, 0.005)
-
-TABLE = dict(
-    references="causal_attn_jax.references:reference_reports",
-    title="The unconstrained GCN's learning rate on the testbed, validation split",
-    rows="optimizer.learning_rate",
-    split="validation",
-    examples="num_examples",
-    select="accuracy",
-    columns=(
-        ("accuracy", "Val. acc.", 1.0, 3),
-        ("attention.effective_keys", "Effective keys", 1.0, 1),
-    ),
-    claims=tuple(
-        dict(row=repr(SHIPPED), baseline=repr(other), metric="accuracy", better="higher")
-        for other in OTHERS
-    ),
-)
+TABLE = learning_rate_table("The unconstrained GCN's learning rate on the testbed, validation split")
 
 
 def get_config(arg=None):
   del arg
-  return dict(
-      module="causal_attn_jax.main",
-      config="configs/spurious_pairs.py:size=small",
-      grid=dotted({"seed": (0, 1, 2), "optimizer.learning_rate": (SHIPPED, *OTHERS)}),
-      overrides=dotted({"constraints.weight": 0.0}),
+  return spurious_sweep(
+      {"seed": (0, 1, 2), "optimizer.learning_rate": LEARNING_RATES}, {"constraints.weight": 0.0}
   )
