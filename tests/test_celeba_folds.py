@@ -270,6 +270,10 @@ def test_pooled_score_equals_the_score_of_all_rows(tmp_path):
     assert male[metric] == pytest.approx(expected[metric], abs=1e-12), metric
     assert report["mf"][metric] == pytest.approx(expected[metric], abs=1e-12)
   assert male["groups"]["Male"]["n"] == int(groups.sum())
+  assert male["small_groups"] == ["Male"]  # 90 rows, a third of them Male: under 50.
+  assert pooling.pooled_report([str(tmp_path / "f1")], min_group_size=3)["attributes"]["Male"][
+      "small_groups"
+  ] == []
 
 
 def test_pooling_refuses_runs_that_share_an_image_or_a_task(tmp_path):
@@ -346,3 +350,33 @@ def test_one_fold_trains_reports_three_attributes_and_pools(tmp_path):
   )
   assert bad.returncode != 0 and "Traceback" not in bad.stderr
   assert "does not exist: is" in bad.stderr
+
+
+def test_second_target_rule_helpers():
+  from experiments import celeba_target
+
+  labels = np.array([0, 0, 0, 1, 1, 1, 1, 1])
+  assert celeba_target.balanced_accuracy(labels, np.ones(8, int)) == 0.5  # A constant guess.
+  assert celeba_target.balanced_accuracy(labels, np.array([0, 0, 1, 1, 1, 1, 1, 0])) == (
+      pytest.approx((2 / 3 + 4 / 5) / 2)
+  )
+  assert celeba_target.phi(labels, labels) == pytest.approx(1.0)
+  assert celeba_target.phi(labels, 1 - labels) == pytest.approx(-1.0)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(400, 5))
+  y = (x[:, 2] - 0.5 * x[:, 4] > 0.3).astype(np.int64)  # Linear in the features, off-centre.
+  predictions = celeba_target.ridge_probe(x[:300], y[:300], x[300:], lam=1.0)
+  assert np.mean(predictions == y[300:]) > 0.9
+
+
+@needs_celeba
+def test_second_target_rule_on_the_sample():
+  from experiments import celeba_target
+
+  ranked = celeba_target.rank_targets(str(CELEBA))
+  assert ranked[0]["attribute"] == "Smiling"  # The choice docs/protocol.md records.
+  assert len(ranked) == 36  # 40 less Attractive and the three sensitive attributes.
+  for entry in ranked:
+    eligible = 0.2 <= entry["positive_rate"] <= 0.8 and entry["max_phi"] <= 0.5
+    assert (entry["excluded"] == "") == eligible
+    assert ("validation_balanced_accuracy" in entry) == eligible

@@ -90,6 +90,27 @@ def _read_lines(path: pathlib.Path) -> list[str]:
   return read_text(path, "CelebA").splitlines()
 
 
+def _header_index(path: pathlib.Path, lines: Sequence[str]) -> int:
+  """The index of the attribute-names line (after the optional row-count line)."""
+  header_index = 0
+  while header_index < len(lines) and not lines[header_index].split():
+    header_index += 1
+  if header_index < len(lines):
+    first = lines[header_index].split()
+    if len(first) == 1 and first[0].isdigit():
+      header_index += 1
+  if header_index >= len(lines) or not lines[header_index].split():
+    raise UserError(f"{path}: no line with attribute names (expected on line 2).")
+  return header_index
+
+
+def read_attribute_names(path: str | os.PathLike) -> list[str]:
+  """The attribute names of a ``list_attr_celeba.txt``, in file order."""
+  path = pathlib.Path(path)
+  lines = _read_lines(path)
+  return lines[_header_index(path, lines)].split()
+
+
 def read_attributes(
     path: str | os.PathLike, columns: Sequence[str]
 ) -> tuple[list[str], np.ndarray]:
@@ -113,15 +134,7 @@ def read_attributes(
   """
   path = pathlib.Path(path)
   lines = _read_lines(path)
-  header_index = 0
-  while header_index < len(lines) and not lines[header_index].split():
-    header_index += 1
-  if header_index < len(lines):
-    first = lines[header_index].split()
-    if len(first) == 1 and first[0].isdigit():
-      header_index += 1
-  if header_index >= len(lines) or not lines[header_index].split():
-    raise UserError(f"{path}: no line with attribute names (expected on line 2).")
+  header_index = _header_index(path, lines)
   names = lines[header_index].split()
   missing = [c for c in columns if c not in names]
   if missing:

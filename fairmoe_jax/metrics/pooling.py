@@ -29,6 +29,8 @@ from trainkit.errors import UserError, exit_on_user_error
 from trainkit.metric_writers import write_atomically
 
 PREDICTIONS_FILE = "predictions.csv"
+# docs/protocol.md, section 3: a group under 50 examples in a reported split is flagged.
+MIN_GROUP_SIZE = 50
 REPORT_FILE = "report.json"
 
 
@@ -51,12 +53,15 @@ def _group_names(report: dict[str, Any], name: str) -> list[str]:
   return [*attribute["groups"], *attribute.get("empty_groups", [])]
 
 
-def pooled_report(run_dirs: Sequence[str]) -> dict[str, Any]:
+def pooled_report(
+    run_dirs: Sequence[str], min_group_size: int = MIN_GROUP_SIZE
+) -> dict[str, Any]:
   """The fairness report of the union of the runs' test predictions.
 
   Returns:
     `fairness_report`'s dict (accuracy, num_examples, attributes with their groups and
-    metrics, mf) plus `runs` (the directories) and `run_examples` (test rows of each).
+    metrics, mf) plus `runs` (the directories), `run_examples` (test rows of each) and, per
+    attribute, `small_groups`: its non-empty groups with fewer than `min_group_size` rows.
 
   Raises:
     UserError: no runs, a run without report.json or predictions.csv, runs with other class
@@ -103,6 +108,8 @@ def pooled_report(run_dirs: Sequence[str]) -> dict[str, Any]:
     np.add.at(counts, (group, labels[known], predictions[known]), 1)
     per_attribute.append(counts)
   report = fairness_report(overall, per_attribute, attribute_names, list(groups.values()))
+  for entry in report["attributes"].values():
+    entry["small_groups"] = [g for g, v in entry["groups"].items() if v["n"] < min_group_size]
   report["runs"] = [str(d) for d in run_dirs]
   report["run_examples"] = [len(table) for table in tables]
   return report
@@ -121,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   examples = ", ".join(map(str, report["run_examples"]))
   print(f"Pooled over {len(report['runs'])} runs ({examples} test examples)")
   print(format_report(report))
+  for name, entry in report["attributes"].items():
+    if entry["small_groups"]:
+      print(f"Small groups of {name} (< {MIN_GROUP_SIZE} examples): {', '.join(entry['small_groups'])}")
   if args.output:
     write_atomically(os.path.abspath(args.output), json.dumps(report, indent=2) + "\n")
 
