@@ -5,15 +5,15 @@ from __future__ import annotations
 import ml_collections
 
 from fairmoe_jax.data.pipeline import TRAIN_RESAMPLING
-from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS
-from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS
 from fairmoe_jax.fairness.surrogates import PSI_RULES
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax.methods.fairsmoe import FairSMoE
 from fairmoe_jax.metrics.intersections import parse_intersections
 from fairmoe_jax.models.backbones import BACKBONES
-from fairmoe_jax.moe.routers.fair import ROUTE_BY, SPECIALIZATIONS
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS
+from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS
 from fairmoe_jax.moe.layer import ROUTERS
+from fairmoe_jax.moe.routers.fair import ROUTE_BY, SPECIALIZATIONS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
@@ -261,6 +261,16 @@ def validate(
     raise ConfigError("data.root", _missing_root_message(config))
   if check_data and config.data.name == "celeba_tfds" and not config.data.tfds_data_dir:
     raise ConfigError("data.tfds_data_dir", "celeba_tfds needs the tfds data_dir of celeb_a")
+  if "identity_folds" in config.data:  # configs/celeba.py:split=identity_folds adds the section.
+    if config.data.name != "celeba":
+      raise ConfigError(
+          "data.identity_folds",
+          "identity folds read identity_CelebA.txt of the official layout: data.name must be "
+          f"celeba, not {config.data.name}",
+      )
+    # A training, a validation and a test fold at least (fairmoe_jax/data/celeba.py).
+    num_folds = cfg.require_int(config, "data.identity_folds.num_folds", minimum=3)
+    cfg.require_int(config, "data.identity_folds.fold", minimum=0, maximum=num_folds - 1)
   cfg.require_choice(config, "data.missing", ("unknown", "exclude"))
   cfg.require_int(config, "data.max_examples_per_split", minimum=0)
   image_size = cfg.require_int(config, "data.image_size", minimum=8)

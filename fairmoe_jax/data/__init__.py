@@ -50,8 +50,17 @@ def dataset_from_config(d: Any) -> tuple[DatasetInfo, Splits]:
       image_size=d.image_size, sensitive=sensitive, max_examples_per_split=d.max_examples_per_split
   )
   if d.name == "celeba":
+    # Present only in configs that ask for identity folds (configs/celeba.py:split=identity_folds),
+    # so the configs of official-partition runs, and their config.json, stay as they were.
+    folds = d.get("identity_folds")
     return load_celeba(
-        root=d.root, target=d.target, attr_file=d.attr_file, preload=d.preload, **common
+        root=d.root,
+        target=d.target,
+        attr_file=d.attr_file,
+        preload=d.preload,
+        num_folds=folds.num_folds if folds else 0,
+        fold=folds.fold if folds else 0,
+        **common,
     )
   if d.name == "celeba_tfds":
     return load_celeba_tfds(data_dir=d.tfds_data_dir, target=d.target, **common)

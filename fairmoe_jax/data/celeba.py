@@ -3,15 +3,25 @@
 One binary CelebA attribute is the target (``Attractive`` by default) and
 others are the sensitive attributes (``Male``, ``Chubby``, ``Goatee``), each a
 binary attribute with groups ``not_<name>`` (file value -1) and ``<name>``
-(file value 1). The official partition (``list_eval_partition.txt``) is used
-because it keeps identities apart; a random split by image would leak them
-(about 25 photos per person).
+(file value 1). Splits keep identities apart (a random split by image would leak
+them: about 25 photos per person), in one of two ways:
+
+* the official partition (``list_eval_partition.txt``), the default and what runs
+  on the full dataset use;
+* identity-grouped k-fold cross-validation (``num_folds`` > 0, from
+  ``identity_CelebA.txt``): for a small copy whose official test split holds too
+  few images of a sensitive group to score it (the sample's test split has 2 Chubby
+  faces). ``identity_folds`` deals the identities into k folds; fold f is the test
+  split, fold f+1 (mod k) the validation split and the other k-2 folds the
+  training split, so the k runs predict every image once, each by a model that
+  never saw that person (docs/protocol.md, "CelebA sample: identity folds").
 
 Official layout under ``root``::
 
   img_align_celeba/NNNNNN.jpg
   list_attr_celeba.txt      # row count, attribute names, "image v1 v2 ..." (-1/1)
   list_eval_partition.txt   # "image split", 0/1/2 = train/val/test
+  identity_CelebA.txt       # "image identity" (read only for identity folds)
 
 Partial copies are common (a subset of images, of rows, of attribute
 columns), so rows are matched by image name and what could not be matched is
@@ -20,11 +30,13 @@ counted in ``DatasetInfo.load_stats`` rather than trusted from the header.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import collections
 import concurrent.futures
+import hashlib
 import importlib.util
 import os
 import pathlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +49,7 @@ from trainkit.textfiles import read_text
 
 SPLITS = ("train", "val", "test")
 PARTITION_FILE = "list_eval_partition.txt"
+IDENTITY_FILE = "identity_CelebA.txt"
 IMAGE_DIR = "img_align_celeba"
 # tfds names the validation split "validation".
 _TFDS_SPLITS = {"train": "train", "val": "validation", "test": "test"}
@@ -77,6 +90,27 @@ def _read_lines(path: pathlib.Path) -> list[str]:
   return read_text(path, "CelebA").splitlines()
 
 
+def _header_index(path: pathlib.Path, lines: Sequence[str]) -> int:
+  """The index of the attribute-names line (after the optional row-count line)."""
+  header_index = 0
+  while header_index < len(lines) and not lines[header_index].split():
+    header_index += 1
+  if header_index < len(lines):
+    first = lines[header_index].split()
+    if len(first) == 1 and first[0].isdigit():
+      header_index += 1
+  if header_index >= len(lines) or not lines[header_index].split():
+    raise UserError(f"{path}: no line with attribute names (expected on line 2).")
+  return header_index
+
+
+def read_attribute_names(path: str | os.PathLike) -> list[str]:
+  """The attribute names of a ``list_attr_celeba.txt``, in file order."""
+  path = pathlib.Path(path)
+  lines = _read_lines(path)
+  return lines[_header_index(path, lines)].split()
+
+
 def read_attributes(
     path: str | os.PathLike, columns: Sequence[str]
 ) -> tuple[list[str], np.ndarray]:
@@ -100,15 +134,7 @@ def read_attributes(
   """
   path = pathlib.Path(path)
   lines = _read_lines(path)
-  header_index = 0
-  while header_index < len(lines) and not lines[header_index].split():
-    header_index += 1
-  if header_index < len(lines):
-    first = lines[header_index].split()
-    if len(first) == 1 and first[0].isdigit():
-      header_index += 1
-  if header_index >= len(lines) or not lines[header_index].split():
-    raise UserError(f"{path}: no line with attribute names (expected on line 2).")
+  header_index = _header_index(path, lines)
   names = lines[header_index].split()
   missing = [c for c in columns if c not in names]
   if missing:
@@ -168,6 +194,70 @@ def read_partition(path: str | os.PathLike) -> dict[str, int]:
   return partition
 
 
+def read_identities(path: str | os.PathLike) -> dict[str, str]:
+  """Reads ``identity_CelebA.txt`` into {image name: identity}."""
+  path = pathlib.Path(path)
+  identity: dict[str, str] = {}
+  for i, line in enumerate(_read_lines(path)):
+    row = line.split()
+    if not row:
+      continue
+    if len(row) != 2:
+      raise UserError(f"{path}:{i + 1}: expected 'image identity', got {line.strip()!r}.")
+    if row[0] in identity:
+      raise UserError(f"{path}:{i + 1}: image {row[0]} is listed twice.")
+    identity[row[0]] = row[1]
+  return identity
+
+
+def identity_folds(identities: Sequence[str], num_folds: int) -> dict[str, int]:
+  """Deals the identities of ``identities`` (one entry per image) into ``num_folds`` folds.
+
+  Largest identity first (ties in a fixed pseudo-random order, a hash of the identity), each
+  to the fold with the fewest images so far (ties to the lowest fold): folds never split an
+  identity, differ in images by at most one identity's count, and depend only on the images'
+  identities, never on a run's seed.
+
+  Returns:
+    {identity: fold in [0, num_folds)}.
+
+  Raises:
+    UserError: fewer distinct identities than folds.
+  """
+  counts = collections.Counter(identities)
+  if num_folds < 1 or len(counts) < num_folds:
+    raise UserError(
+        f"{num_folds} identity folds need at least {num_folds} identities; the images have "
+        f"{len(counts)}."
+    )
+  order = sorted(
+      counts, key=lambda name: (-counts[name], hashlib.sha256(name.encode()).hexdigest(), name)
+  )
+  images_in = [0] * num_folds
+  fold_of: dict[str, int] = {}
+  for name in order:
+    fold = min(range(num_folds), key=lambda f: (images_in[f], f))
+    fold_of[name] = fold
+    images_in[fold] += counts[name]
+  return fold_of
+
+
+def fold_roles(num_folds: int, fold: int) -> dict[int, int]:
+  """{fold: split id} of run ``fold``: it is the test split (2), the next fold (mod k) the
+  validation split (1) and every other fold the training split (0)."""
+  if num_folds < 3:
+    raise UserError(
+        f"identity folds need num_folds >= 3 (a training, a validation and a test fold), got "
+        f"{num_folds}."
+    )
+  if not 0 <= fold < num_folds:
+    raise UserError(f"fold {fold} is outside 0..{num_folds - 1} ({num_folds} identity folds).")
+  roles = {f: 0 for f in range(num_folds)}
+  roles[fold] = 2
+  roles[(fold + 1) % num_folds] = 1
+  return roles
+
+
 def _image_dir(root: pathlib.Path) -> pathlib.Path:
   image_dir = root / IMAGE_DIR
   if not image_dir.is_dir():
@@ -187,11 +277,14 @@ def load_celeba(
     preload: bool = True,
     max_examples_per_split: int = 0,
     num_threads: int = images_lib.DEFAULT_NUM_THREADS,
+    num_folds: int = 0,
+    fold: int = 0,
 ) -> tuple[DatasetInfo, Splits]:
   """Loads CelebA from its official files under ``root``.
 
   An example is an attribute row whose image file exists and which has a
-  partition entry; examples keep the attribute file's order.
+  partition entry (identity folds: an identity); examples keep the attribute
+  file's order.
 
   Args:
     root: Directory with ``img_align_celeba/``, ``attr_file`` and
@@ -205,6 +298,9 @@ def load_celeba(
     max_examples_per_split: If > 0, keep only the first this many examples of
       each split (for small runs).
     num_threads: Threads decoding images when ``preload``.
+    num_folds: 0 reads the official partition; k >= 3 splits by identity folds
+      (``identity_CelebA.txt``, module docstring) instead.
+    fold: With ``num_folds`` > 0, the fold that is the test split.
 
   Returns:
     ``(info, splits)``; ``info.load_stats`` holds ``attribute_rows``,
@@ -212,12 +308,16 @@ def load_celeba(
     absent), ``images_without_attributes``, ``rows_without_partition``
     (attribute rows with an image but no partition entry) and
     ``partition_rows_unknown_image`` (partition entries for images not in the
-    attribute file) and ``{train,val,test}_examples``; the first few names of each
-    kind of unmatched row are printed with the counts.
+    attribute file) and ``{train,val,test}_examples``; with identity folds,
+    ``identities``, ``identity_rows_unknown_image`` and ``{train,val,test}_identities``
+    in place of the two partition counts. The first few names of each kind of
+    unmatched row are printed with the counts.
 
   Raises:
     UserError: A file or directory is missing, an attribute is not in the
-      attribute file, or a line of a file is malformed.
+      attribute file, a line of a file is malformed, or (identity folds) an
+      image has no identity, there are fewer identities than folds or ``fold``
+      is out of range.
   """
   sensitive = _check_names(target, sensitive)
   root_path = pathlib.Path(root)
@@ -225,28 +325,36 @@ def load_celeba(
     raise UserError(f"CelebA root directory {root_path} does not exist.")
   image_dir = _image_dir(root_path)
   attr_path = root_path / attr_file
+  roles = fold_roles(num_folds, fold) if num_folds else {}  # Bad folds fail before any reading.
   names, values = read_attributes(attr_path, (target, *sensitive))
-  partition = read_partition(root_path / PARTITION_FILE)
   image_files = {
       entry.name for entry in os.scandir(image_dir) if entry.name.lower().endswith(".jpg")
   }
   has_image = np.array([name in image_files for name in names], bool)
-  split_of = np.array([partition.get(name, -1) for name in names], np.int64)
   stats = {
       "attribute_rows": len(names),
       "image_files": len(image_files),
       "rows_without_image": int((~has_image).sum()),
       "images_without_attributes": len(image_files - set(names)),
-      "rows_without_partition": int((has_image & (split_of < 0)).sum()),
-      "partition_rows_unknown_image": len(set(partition) - set(names)),
   }
   # Counts say how many; the first few names say which, so a user can look.
   examples = {
       "rows_without_image": [names[i] for i in np.flatnonzero(~has_image)[:5]],
       "images_without_attributes": sorted(image_files - set(names))[:5],
-      "rows_without_partition": [names[i] for i in np.flatnonzero(has_image & (split_of < 0))[:5]],
-      "partition_rows_unknown_image": sorted(set(partition) - set(names))[:5],
   }
+  if num_folds:
+    split_of = _identity_fold_splits(
+        root_path / IDENTITY_FILE, names, has_image, num_folds, roles, stats, examples
+    )
+  else:
+    partition = read_partition(root_path / PARTITION_FILE)
+    split_of = np.array([partition.get(name, -1) for name in names], np.int64)
+    stats["rows_without_partition"] = int((has_image & (split_of < 0)).sum())
+    stats["partition_rows_unknown_image"] = len(set(partition) - set(names))
+    examples["rows_without_partition"] = [
+        names[i] for i in np.flatnonzero(has_image & (split_of < 0))[:5]
+    ]
+    examples["partition_rows_unknown_image"] = sorted(set(partition) - set(names))[:5]
   image_dir_abs = image_dir.resolve()
   splits: Splits = {}
   for split_id, split in enumerate(SPLITS):
@@ -263,6 +371,41 @@ def load_celeba(
   if preload:
     splits = {k: images_lib.preload_images(v, image_size, num_threads) for k, v in splits.items()}
   return celeba_info(target, sensitive, image_size, stats), splits
+
+
+def _identity_fold_splits(
+    path: pathlib.Path,
+    names: Sequence[str],
+    has_image: np.ndarray,
+    num_folds: int,
+    roles: Mapping[int, int],
+    stats: dict[str, int],
+    examples: dict[str, list[str]],
+) -> np.ndarray:
+  """Per attribute row, its split id under identity folds (-1 for a row without an image);
+  adds the identity counts to ``stats`` and ``examples``."""
+  identity = read_identities(path)
+  kept = [names[i] for i in np.flatnonzero(has_image)]
+  unknown = [name for name in kept if name not in identity]
+  if unknown:
+    listed = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+    raise UserError(
+        f"{path}: {len(unknown)} image(s) with attributes and an image file have no identity "
+        f"({listed}); identity folds need every image's identity."
+    )
+  fold_of = identity_folds([identity[name] for name in kept], num_folds)
+  split_of = np.array(
+      [roles[fold_of[identity[name]]] if ok else -1 for name, ok in zip(names, has_image)],
+      np.int64,
+  )
+  name_set = set(names)
+  stats["identities"] = len(fold_of)
+  unmatched = sorted(name for name in identity if name not in name_set)
+  stats["identity_rows_unknown_image"] = len(unmatched)
+  examples["identity_rows_unknown_image"] = unmatched[:5]
+  for split_id, split in enumerate(SPLITS):
+    stats[f"{split}_identities"] = sum(roles[f] == split_id for f in fold_of.values())
+  return split_of
 
 
 def load_celeba_tfds(

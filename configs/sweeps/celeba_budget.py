@@ -1,0 +1,46 @@
+r"""Sweep: the training budget of the CelebA sample, chosen on validation (docs/protocol.md, 6).
+
+Command:
+  python -m experiments.sweep --sweep=configs/sweeps/celeba_budget.py --workdir=/tmp/celeba_budget
+
+The learning curve of vanilla SMoE at size=small over epochs (3, 6, 12 by default) on identity
+fold 0 (configs/celeba.py:split=identity_folds,fold=0: training on folds 2-4, validation on
+fold 1), target Attractive (or `target=`), sensitive Male, Chubby and Goatee, capacity factor
+2.0 as in the comparisons. Only the validation numbers are read (`validation.*` in each run's
+report.json); the test fold is the comparison's and is not looked at. The rule that reads the
+curve is in docs/protocol.md ("The training budget"), stated before these runs.
+
+Arguments, e.g. `--sweep=configs/sweeps/celeba_budget.py:epochs=(3, 6),seeds=2`:
+  epochs  the budgets (default (3, 6, 12))
+  seeds   seeds 0..seeds-1 per budget (default 1)
+  target  the target attribute (default Attractive)
+"""
+
+import ml_collections
+
+from experiments.spec import dotted
+from trainkit.config import parse_arg
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = parse_arg(arg, epochs=(3, 6, 12), seeds=1, target="Attractive")
+  return ml_collections.ConfigDict(
+      dict(
+          module="fairmoe_jax.main",
+          config="configs/celeba.py:size=small,split=identity_folds,fold=0,method=vanilla_smoe",
+          grid=dotted({"num_epochs": tuple(arg.epochs), "seed": tuple(range(arg.seeds))}),
+          overrides=dotted(
+              {
+                  "data.root": "../shared/data/celeba",
+                  "data.target": arg.target,
+                  "moe.capacity_factor": 2.0,
+              }
+          ),
+          metrics=(
+              "validation.accuracy",
+              "validation.mf.pqd",
+              "validation.mf.dp",
+              "validation.num_examples",
+          ),
+      )
+  )

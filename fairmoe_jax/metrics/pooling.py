@@ -1,0 +1,139 @@
+r"""One fairness report over the test predictions of several runs: the folds of a cross-validation.
+
+  python -m fairmoe_jax.metrics.pooling /tmp/celeba_fold0 /tmp/celeba_fold1 ... [--output=FILE]
+
+Under identity folds (configs/celeba.py:split=identity_folds, docs/protocol.md) the k runs of
+one seed each predict the images of one fold, so their `predictions.csv` files together predict
+every image once. Pooling them scores each sensitive group on all its images, where one fold's
+test split may hold a handful (the CelebA sample's 133 Chubby faces, 9 to 64 a fold): the
+confusion counts of all rows are added, and accuracy, PQD, DP, EOpp and EOdds per attribute and
+their MF means are computed from them by `fairness_report`, as a run's own test report is.
+Runs are pooled only when they name the same classes and sensitive attributes and no image
+twice (folds never share an image).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fairmoe_jax.metrics.report import fairness_report, format_report
+from trainkit import storage
+from trainkit.errors import UserError, exit_on_user_error
+from trainkit.metric_writers import write_atomically
+
+PREDICTIONS_FILE = "predictions.csv"
+# docs/protocol.md, section 3: a group under 50 examples in a reported split is flagged.
+MIN_GROUP_SIZE = 50
+REPORT_FILE = "report.json"
+
+
+def _read_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
+  """A run's report.json and the rows of its predictions.csv."""
+  paths = {name: storage.join(run_dir, name) for name in (REPORT_FILE, PREDICTIONS_FILE)}
+  for path in paths.values():
+    if not storage.path(path).exists():
+      raise UserError(f"{path} does not exist: is {run_dir} a finished run?")
+  try:
+    report = json.loads(storage.read_text(paths[REPORT_FILE]))
+  except json.JSONDecodeError as e:
+    raise UserError(f"{paths[REPORT_FILE]}: not JSON ({e})") from None
+  rows = list(csv.DictReader(storage.read_text(paths[PREDICTIONS_FILE]).splitlines()))
+  return report, rows
+
+
+def _group_names(report: dict[str, Any], name: str) -> list[str]:
+  attribute = report["attributes"][name]
+  return [*attribute["groups"], *attribute.get("empty_groups", [])]
+
+
+def pooled_report(
+    run_dirs: Sequence[str], min_group_size: int = MIN_GROUP_SIZE
+) -> dict[str, Any]:
+  """The fairness report of the union of the runs' test predictions.
+
+  Returns:
+    `fairness_report`'s dict (accuracy, num_examples, attributes with their groups and
+    metrics, mf) plus `runs` (the directories), `run_examples` (test rows of each) and, per
+    attribute, `small_groups`: its non-empty groups with fewer than `min_group_size` rows.
+
+  Raises:
+    UserError: no runs, a run without report.json or predictions.csv, runs with other class
+      or attribute names, or an image predicted by two runs.
+  """
+  if not run_dirs:
+    raise UserError("pooling needs at least one run directory")
+  reports, tables = zip(*(_read_run(d) for d in run_dirs))
+  class_names = reports[0]["class_names"]
+  attribute_names = list(reports[0]["attributes"])
+  for run_dir, report in zip(run_dirs, reports):
+    if report["class_names"] != class_names or list(report["attributes"]) != attribute_names:
+      raise UserError(
+          f"{run_dir} predicts classes {report['class_names']} with attributes "
+          f"{list(report['attributes'])}, {run_dirs[0]} classes {class_names} with attributes "
+          f"{attribute_names}: only runs of one task pool"
+      )
+  # Groups in first-seen order over the runs: a group empty in one fold may be filled in another.
+  groups = {
+      name: list(dict.fromkeys(g for report in reports for g in _group_names(report, name)))
+      for name in attribute_names
+  }
+  seen: dict[str, str] = {}
+  for run_dir, rows in zip(run_dirs, tables):
+    for row in rows:
+      if row["example_id"] in seen:
+        raise UserError(
+            f"image {row['example_id']} is predicted by both {seen[row['example_id']]} and "
+            f"{run_dir}: pooled runs must be disjoint folds"
+        )
+      seen[row["example_id"]] = run_dir
+  rows = [row for table in tables for row in table]
+  num_classes = len(class_names)
+  labels = np.array([int(row["label"]) for row in rows], np.int64)
+  predictions = np.array([int(row["prediction"]) for row in rows], np.int64)
+  overall = np.zeros((num_classes, num_classes), np.int64)
+  np.add.at(overall, (labels, predictions), 1)
+  per_attribute = []
+  for name in attribute_names:
+    counts = np.zeros((len(groups[name]), num_classes, num_classes), np.int64)
+    index = {g: i for i, g in enumerate(groups[name])}
+    known = np.array([row[name] != "" for row in rows], bool)  # "" = attribute missing.
+    group = np.array([index[row[name]] for row in rows if row[name] != ""], np.int64)
+    np.add.at(counts, (group, labels[known], predictions[known]), 1)
+    per_attribute.append(counts)
+  report = fairness_report(overall, per_attribute, attribute_names, list(groups.values()))
+  for entry in report["attributes"].values():
+    entry["small_groups"] = [g for g, v in entry["groups"].items() if v["n"] < min_group_size]
+  report["runs"] = [str(d) for d in run_dirs]
+  report["run_examples"] = [len(table) for table in tables]
+  return report
+
+
+@exit_on_user_error
+def main(argv: Sequence[str] | None = None) -> None:
+  """The command line (module docstring): prints the pooled report, and writes it with --output."""
+  parser = argparse.ArgumentParser(
+      prog="python -m fairmoe_jax.metrics.pooling", description=__doc__.split("\n\n")[0]
+  )
+  parser.add_argument("run_dirs", nargs="+", help="finished runs (report.json, predictions.csv)")
+  parser.add_argument("--output", help="also write the pooled report as JSON here")
+  args = parser.parse_args(argv)
+  report = pooled_report(args.run_dirs)
+  examples = ", ".join(map(str, report["run_examples"]))
+  print(f"Pooled over {len(report['runs'])} runs ({examples} test examples)")
+  print(format_report(report))
+  for name, entry in report["attributes"].items():
+    if entry["small_groups"]:
+      print(f"Small groups of {name} (< {MIN_GROUP_SIZE} examples): {', '.join(entry['small_groups'])}")
+  if args.output:
+    write_atomically(os.path.abspath(args.output), json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+  main()
