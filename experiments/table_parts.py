@@ -79,11 +79,11 @@ def fair_comparison_table(
     title: str,
     methods: Mapping[str, str],
     columns: Sequence[Column],
-    paper_metrics: Sequence[tuple[str, str]],
+    table_claims: Sequence[Claim],
     **extra: object,
 ) -> dict:
   """The TABLE of a FairSMoE comparison on the test split: one row per method, per-attribute
-  group sizes flagged, the paper's claims (`fair_claims`) and the reference readers."""
+  group sizes flagged, its claims (e.g. `fair_claims`) and the reference readers."""
   return dict(
       references=FAIR_REFERENCES,
       title=title,
@@ -93,7 +93,7 @@ def fair_comparison_table(
       examples="num_examples",
       groups="attributes",
       columns=tuple(columns),
-      claims=fair_claims(paper_metrics),
+      claims=tuple(table_claims),
       **extra,
   )
 
