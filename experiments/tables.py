@@ -27,6 +27,9 @@ sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabul
                                       # chooses a row; the table names that row.
       pair_by=("data.fold", "seed"),  # Optional: the grid keys a run is paired by across rows
                                       # (default ("seed",); cross-validation pairs (fold, seed)).
+      pool=("pkg.module:function", "data.fold"),  # Optional: `function(run_dirs)` -> one
+                                      # report of the runs that differ only in that key (the
+                                      # folds of a seed), tabulated after the per-run rows.
       select_within=("validation.accuracy", 0.01),  # Optional: only rows whose mean of this
                                       # path is within this of the best row's compete.
       references="pkg.module:function",  # Optional: readers without a model (majority class,
@@ -131,6 +134,7 @@ class TableSpec:
   select_within: tuple[str, float] | None = None
   references: str | None = None
   pair_by: tuple[str, ...] = (SEED_KEY,)
+  pool: tuple[str, str] | None = None
 
   def pair(self, point: Mapping[str, Any]) -> Any:
     """The unit a run is paired by across rows: its seed, or "key=value,..." of `pair_by`
@@ -189,6 +193,7 @@ def load_table(name: str) -> TableSpec:
       "select_within",
       "references",
       "pair_by",
+      "pool",
   }
   unknown = sorted(set(table) - known)
   if unknown:
@@ -248,7 +253,61 @@ def load_table(name: str) -> TableSpec:
       select_within=_check_select_within(name, table, columns),
       references=_check_references(name, table.get("references")),
       pair_by=pair_by,
+      pool=_check_pool(name, table.get("pool"), pair_by),
   )
+
+
+def _check_pool(name: str, pool: Any, pair_by: tuple[str, ...]) -> tuple[str, str] | None:
+  if pool is None:
+    return None
+  if (
+      not isinstance(pool, (tuple, list))
+      or len(pool) != 2
+      or not re.fullmatch(r"[\w.]+:\w+", str(pool[0]))
+      or pool[1] not in pair_by
+      or pool[1] == SEED_KEY
+  ):
+    raise _spec_error(
+        name, "pool", f"{pool!r} is not ('package.module:function', a pair_by key other than seed)"
+    )
+  return str(pool[0]), str(pool[1])
+
+
+def _import(spec: TableSpec, key: str, target: str) -> Any:
+  module_name, function = target.split(":")
+  try:
+    return getattr(importlib.import_module(module_name), function)
+  except (ImportError, AttributeError) as e:
+    raise _spec_error(spec.name, key, f"cannot import {target}: {e}") from None
+
+
+def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]:
+  """Per row and per value of the pair keys but the pooled one (the seed), the spec's pool
+  function's report of the finished runs that differ only in the pooled key (the folds):
+  [{"row", "seed", "runs", "metrics", "groups"}]; a unit with an unfinished run is left out."""
+  target, over = spec.pool
+  pool = _import(spec, "pool", target)
+  units: dict[tuple[str, Any], list[Any]] = {}
+  rest = [k for k in spec.pair_by if k != over]
+  for result in results:
+    p = result.point
+    unit = p[SEED_KEY] if rest == [SEED_KEY] else ",".join(f"{k}={format_value(p[k])}" for k in rest)
+    units.setdefault((format_value(p[spec.rows]), unit), []).append(result)
+  pooled = []
+  for (row, unit), members in units.items():
+    if any(m.status != "ok" for m in members):
+      continue
+    report = pool([m.run_dir for m in members])
+    pooled.append(
+        {
+            "row": row,
+            "seed": unit,
+            "runs": len(members),
+            "metrics": {p: metric_value(report, p) for p in spec.metrics()},
+            **sample_sizes(report, spec),
+        }
+    )
+  return pooled
 
 
 def _check_references(name: str, references: Any) -> str | None:
@@ -262,28 +321,33 @@ def _check_references(name: str, references: Any) -> str | None:
 def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
   """The spec's reference readers scored on the data its runs read (the config the sweep gives
   each row's first run, as `experiments.spec.resolved_config` builds it): [{"name", "metrics":
-  {path: value}}] for the paths the record keeps."""
-  module_name, function = spec.references.split(":")
-  try:
-    read = getattr(importlib.import_module(module_name), function)
-  except (ImportError, AttributeError) as e:
-    raise _spec_error(spec.name, "references", f"cannot import {spec.references}: {e}") from None
+  {path: value}}] for the paths the record keeps. A pooled table's readers are scored on each
+  value of the pooled key (each fold's data) and their values averaged, as its runs' rows are."""
+  read = _import(spec, "references", spec.references)
+  over = spec.pool[1] if spec.pool else None
   firsts = {}
   for point in grid_points(spec.sweep):
-    firsts.setdefault(format_value(point[spec.rows]), point)
-  data = {}
-  for point in firsts.values():
+    firsts.setdefault((format_value(point[spec.rows]), point.get(over)), point)
+  data: dict[Any, dict[str, str]] = {}
+  for (_, part), point in firsts.items():
     config = resolved_config(spec.sweep, point).to_dict()
-    data.setdefault(json.dumps(config["data"], sort_keys=True), config)
-  if len(data) > 1:
-    raise _spec_error(
-        spec.name, "references", f"its rows read {len(data)} different data configs; one needed"
-    )
-  (config,) = data.values()
-  return [
-      {"name": name, "metrics": {p: metric_value(report, p) for p in spec.metrics()}}
-      for name, report in read(config, REPO_ROOT).items()
-  ]
+    data.setdefault(part, {}).setdefault(json.dumps(config["data"], sort_keys=True), config)
+  if any(len(configs) > 1 for configs in data.values()):
+    raise _spec_error(spec.name, "references", "its rows read different data; one is needed")
+  scored: dict[str, list[dict[str, Any]]] = {}
+  for configs in data.values():
+    (config,) = configs.values()
+    for name, report in read(config, REPO_ROOT).items():
+      scored.setdefault(name, []).append({p: metric_value(report, p) for p in spec.metrics()})
+  rows = []
+  for name, parts in scored.items():
+    metrics = {}
+    for path in spec.metrics():
+      values = [m[path] for m in parts if m[path] is not None]
+      metrics[path] = math.fsum(values) / len(values) if len(values) == len(parts) else None
+    suffix = f" (mean over {len(parts)} {over.split('.')[-1]}s)" if len(parts) > 1 else ""
+    rows.append({"name": name + suffix, "metrics": metrics})
+  return rows
 
 
 def add_references(spec: TableSpec) -> str:
@@ -406,6 +470,8 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   record: dict[str, Any] = {"table": spec.name, "spec": spec.path}
   if spec.references:
     record["references"] = reference_rows(spec)
+  if spec.pool:
+    record["pooled"] = pooled_rows(spec, collect(spec.sweep, workdir))
   provenance = {
       **_runs_source_and_host(spec, workdir),
       "date": (
@@ -696,6 +762,43 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   return {"rows": rows, "claims": claims, "flags": flags}
 
 
+def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
+  """The pooled reports (e.g. the folds of each seed together): per row the mean over the
+  pooled units of every column the reports hold, and the smallest group size they score."""
+  over = spec.pool[1]
+  columns = [
+      c for c in spec.columns if any(p["metrics"].get(c.path) is not None for p in record["pooled"])
+  ]
+  body = []
+  for value in spec.row_values:
+    row = format_value(value)
+    units = [p for p in record["pooled"] if p["row"] == row]
+    if not units:
+      continue
+    cells = []
+    for c in columns:
+      values = [p["metrics"][c.path] for p in units if p["metrics"].get(c.path) is not None]
+      cells.append(_interval_text(stats.t_interval(values), c.scale, c.decimals) if values else "—")
+    body.append([spec.label(row), *cells, str(len(units))])
+  sizes = {}
+  for p in record["pooled"]:
+    for group, n in (p.get("groups") or {}).items():
+      sizes[group] = min(n, sizes.get(group, n))
+  runs = sorted({p["runs"] for p in record["pooled"]})
+  title = (
+      f"**Pooled over {'/'.join(map(str, runs))} {over.split('.')[-1]}s**: one report of each "
+      f"unit's runs together (every example scored once; `{spec.pool[0]}`)"
+  )
+  smallest = (
+      "; smallest groups: " + ", ".join(f"{g} (n={n})" for g, n in sorted(sizes.items(), key=lambda x: x[1])[:3])
+      if sizes
+      else ""
+  )
+  return [title + smallest, ""] + _markdown_table(
+      ["", *(c.label for c in columns), "pooled units"], body
+  )
+
+
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
   return lines + ["| " + " | ".join(row) + " |" for row in rows]
@@ -728,6 +831,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     body.append([f"*reference: {reference['name']}*", *cells, "—"])
   units = "seeds" if spec.pair_by == (SEED_KEY,) else " × ".join(k.split(".")[-1] + "s" for k in spec.pair_by)
   lines += _markdown_table(["", *(c.label for c in spec.columns), units], body)
+  if record.get("pooled"):
+    lines += ["", *_pooled_table(spec, record)]
   if summary["claims"]:
     rerun_claims = [
         entry

@@ -81,6 +81,7 @@ TABLE = fair_comparison_table(
     # validation); the ablations are.
     claims(FAIRSMOE, FAIR_CONTROLS, PAPER_CLAIMS) + ABLATION_CLAIMS,
     pair_by=(FOLD, "seed"),
+    pool=("fairmoe_jax.metrics.pooling:pooled_report", FOLD),
 )
 
 

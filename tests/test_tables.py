@@ -584,3 +584,51 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
   (results / "bad.py").write_text(spec_text.replace("    pair_by=('data.fold', 'seed'),\n", ""))
   with pytest.raises(UserError, match="'data.fold' also varies"):
     tables.load_table("bad")
+
+
+def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch):
+  """The pool function gets the run directories of one seed's folds, and its report is
+  tabulated per row after the per-run rows."""
+  results = tmp_path / "results"
+  (results / "records").mkdir(parents=True)
+  (tmp_path / "toy_pool.py").write_text(
+      "import json, os\n"
+      "def pool(run_dirs):\n"
+      "  # Pooled accuracy: the folds' correct answers over their examples.\n"
+      "  reports = [json.load(open(os.path.join(d, 'report.json'))) for d in run_dirs]\n"
+      "  n = sum(r['num_examples'] for r in reports)\n"
+      "  right = sum(r['accuracy'] * r['num_examples'] for r in reports)\n"
+      "  return {'accuracy': right / n, 'num_examples': n, 'folds': len(run_dirs),\n"
+      "          'attributes': {'sex': {'groups': {'m': {'n': 3 * len(run_dirs)}}}}}\n"
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  spec_text = _SPEC.replace(
+      '"seed": (0, 1, 2, 3, 4), "method"', '"data.fold": (0, 1, 2), "seed": (0, 1), "method"'
+  ).replace(
+      "TABLE = dict(",
+      "TABLE = dict(\n    pair_by=('data.fold', 'seed'),\n    pool=('toy_pool:pool', 'data.fold'),",
+  )
+  (results / "cv.py").write_text(spec_text)
+  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
+  workdir = tmp_path / "sweep"
+  for fold, n in enumerate((100, 200, 700)):  # Unequal folds: pooling weighs by examples.
+    for seed in (0, 1):
+      for method, accuracy in (("a", 0.5 + 0.1 * fold), ("b@fair.alpha=0.5", 0.9)):
+        run = workdir / "runs" / f"data.fold={fold},seed={seed},method={method}"
+        run.mkdir(parents=True)
+        (run / "report.json").write_text(json.dumps(_report(accuracy, 0.7, n_test=n)))
+  spec = tables.load_table("cv")
+  tables.write_record(spec, str(workdir))
+  record = tables.read_record("cv")
+  pooled = {(p["row"], p["seed"]): p for p in record["pooled"]}
+  assert set(pooled) == {(r, s) for r in ("a", "b@fair.alpha=0.5") for s in (0, 1)}
+  # (0.5 * 100 + 0.6 * 200 + 0.7 * 700) / 1000, not the folds' plain mean 0.6.
+  assert pooled[("a", 0)]["metrics"]["accuracy"] == pytest.approx(0.66)
+  assert pooled[("a", 0)]["runs"] == 3 and pooled[("a", 0)]["groups"] == {"sex=m": 9}
+  text = tables.render(spec, tables.read_record("cv"))
+  assert "**Pooled over 3 folds**" in text and "smallest groups: sex=m (n=9)" in text
+  assert "| a | 66.0 [66.0, 66.0] | 2 |" in text  # Only the columns the reports hold.
+  with pytest.raises(UserError, match=r"TABLE\['pool'\]"):
+    (results / "bad.py").write_text(spec_text.replace("'data.fold'),", "'seed'),"))
+    tables.load_table("bad")
