@@ -98,6 +98,32 @@ def fair_comparison_table(
   )
 
 
+def fair_ablation_claims() -> tuple[Claim, ...]:
+  """The paper's Table 2: each mechanism adds, FairSMoE higher on MF-PQD than without FGR and
+  than without FEM."""
+  return claims(FAIRSMOE, ("fairsmoe_no_fgr", "fairsmoe_no_fem"), (("mf.pqd", "higher"),))
+
+
+# The rows of a comparison that decides the paper's claims: FairSMoE at its default reading,
+# its two ablations, both controls and the two multi-attribute baselines.
+FAIR_COMPARISON = (
+    FAIRSMOE,
+    "fairsmoe_no_fgr",
+    "fairsmoe_no_fem",
+    "vanilla_smoe_psi",
+    "vanilla_smoe",
+    "muffin",
+    "multifair",
+)
+# What the paper claims against both controls (Table 1, Fig. 5, Fig. 6).
+FAIR_PAPER_CLAIMS = (
+    ("mf.pqd", "higher"),
+    ("accuracy", "higher"),
+    ("experts_active.choices", "higher"),
+    ("gradient_cosine", "higher"),
+)
+
+
 def fair_methods(order: Iterable[str] = tuple(FAIR_METHOD_NAMES)) -> dict[str, str]:
   """{method grid value: display name} in the given row order."""
   return {method: FAIR_METHOD_NAMES[method] for method in order}

@@ -342,9 +342,12 @@ def test_every_table_in_the_results_doc_matches_its_stored_record(repo_root):
 
 
 def test_every_spec_loads_and_its_record_describes_its_runs():
+  # A spec whose sweep has not run yet has no record (and no table in docs/results.md, which
+  # the check above would fail); every recorded one must still describe its spec's runs.
   for name in tables.table_names():
     spec = tables.load_table(name)
-    assert tables.stale_runs(spec, tables.read_record(name)) == [], name
+    if os.path.exists(tables.record_path(name)):
+      assert tables.stale_runs(spec, tables.read_record(name)) == [], name
 
 
 def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
