@@ -556,6 +556,8 @@ class RerunComparison:
   seeds: list[int]
   claims: list[tuple[Claim, str, str, float]]  # (claim, recorded, rerun verdict, |change|)
   chosen: tuple[str, str] | None  # A tuning table's (recorded, rerun) choice.
+  # The largest change of one seed's paired difference: (|change|, claim, seed), or None.
+  largest_seed_change: tuple[float, Claim, Any] | None = None
 
 
 def compare_rerun(
@@ -565,11 +567,21 @@ def compare_rerun(
   again = summarise(spec, {"runs": rerun["runs"]})
   scales = {c.path: c.scale for c in spec.columns}
   claims = []
+  seed_changes: list[tuple[float, Claim, Any]] = []
   for (claim, before), (_, after) in zip(recorded["claims"], again["claims"]):
     if before.difference is None or after.difference is None:
       continue  # A row of the claim was not rerun.
-    change = abs(after.difference.mean - before.difference.mean) * scales.get(claim.metric, 1.0)
+    scale = scales.get(claim.metric, 1.0)
+    change = abs(after.difference.mean - before.difference.mean) * scale
     claims.append((claim, before.verdict, after.verdict, change))
+    old, new = (
+        stats.paired(_values(r, claim.row, claim.metric), _values(r, claim.baseline, claim.metric))
+        for r in (record, rerun)
+    )
+    new_by_seed = dict(zip(*new))
+    for seed, difference in zip(*old):
+      if seed in new_by_seed:
+        seed_changes.append((abs(new_by_seed[seed] - difference) * scale, claim, seed))
   rows = [r for r in (format_value(v) for v in spec.row_values) if again["rows"][r]["seeds"]]
   chosen = None
   if spec.select and len(rows) == len(spec.row_values):
@@ -580,6 +592,7 @@ def compare_rerun(
       seeds=sorted({r["seed"] for r in rerun["runs"]}),
       claims=claims,
       chosen=chosen,
+      largest_seed_change=max(seed_changes, key=lambda entry: entry[0]) if seed_changes else None,
   )
 
 
@@ -625,6 +638,13 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
       text += (
           f"; the largest change of a mean paired difference is {change:.{decimals}f} "
           f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label})"
+      )
+    if result.largest_seed_change:
+      change, claim, seed = result.largest_seed_change
+      label, decimals = labels.get(claim.metric, (claim.metric, 3))
+      text += (
+          f", of one seed's {change:.{decimals}f} ({spec.label(claim.row)} against "
+          f"{spec.label(claim.baseline)}, {label}, seed {seed})"
       )
     if result.chosen:
       before, after = result.chosen

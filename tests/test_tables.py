@@ -486,6 +486,8 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
   assert "1 of 2 verdicts rerun change: a higher than b (alpha 0.5) on Acc. (%): holds -> does not hold" in line
   # Mean paired accuracy difference +2.0 points recorded, -2.0 + 0.3 * mean(seed) = -1.4 rerun.
   assert "the largest change of a mean paired difference is 3.4 (a against b (alpha 0.5), Acc. (%))" in line
+  # Seed 0's difference moves most: from +2.0 to -2.0 points (seed s: to -2.0 + 0.3 s).
+  assert ", of one seed's 4.0 (a against b (alpha 0.5), Acc. (%), seed 0)" in line
   assert "it chooses b (alpha 0.5) instead of a" in line
   # And beside the verdict it moves.
   assert "| 5 | **holds** (a rerun: does not hold) |" in text
