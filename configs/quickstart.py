@@ -23,24 +23,8 @@ report.json. FairSMoE's expert management reviews the allocation every 50 steps 
 validation split (report.json "allocation_history", plots/allocation_history.png).
 """
 
-from fairmoe_jax.config import base_config
-from trainkit.config import parse_arg
+from fairmoe_jax.config import quickstart_config
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, steps=350, experts=4, top_k=2)
-  config = base_config()
-  config.num_train_steps = arg.steps
-  config.log_every_steps = 20
-  config.eval_every_steps = 200
-  config.checkpoint_every_steps = 200
-  config.fair.review_every_steps = 50  # FEM reviews the allocation 6 times.
-  config.batch_size = 128
-
-  config.moe.num_experts = arg.experts
-  config.moe.top_k = arg.top_k
-
-  config.optimizer.learning_rate = 1e-3
-  config.optimizer.warmup_steps = 40
-  config.optimizer.weight_decay = 0.05
-  return config
+  return quickstart_config(arg)

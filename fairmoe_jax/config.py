@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from fairmoe_jax.data import GENERATED_INFO
 from fairmoe_jax.data.pipeline import TRAIN_RESAMPLING
 from fairmoe_jax.fairness.surrogates import PSI_RULES
 from fairmoe_jax.methods import METHODS
@@ -15,11 +16,12 @@ from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS
 from fairmoe_jax.moe.layer import ROUTERS
 from fairmoe_jax.moe.routers.fair import ROUTE_BY, SPECIALIZATIONS
 from trainkit import config as cfg
+from trainkit.config import parse_arg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
 from trainkit.preflight.compile import preflight_config, validate_preflight
 
-DATASETS = ("synthetic", "celeba", "celeba_tfds", "isic2019")
+DATASETS = (*GENERATED_INFO, "celeba", "celeba_tfds", "isic2019")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -176,6 +178,28 @@ def base_config() -> ml_collections.ConfigDict:
   return config
 
 
+def quickstart_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The quickstart's run (configs/quickstart.py): the default ViT with a 4-expert top-2 MoE last
+  block, 350 steps of batch 128 on a generated dataset. `arg` as configs/quickstart.py's
+  (steps, experts, top_k); configs/synthetic_testbed.py is the same run on another dataset."""
+  arg = parse_arg(arg, steps=350, experts=4, top_k=2)
+  config = base_config()
+  config.num_train_steps = arg.steps
+  config.log_every_steps = 20
+  config.eval_every_steps = 200
+  config.checkpoint_every_steps = 200
+  config.fair.review_every_steps = 50  # FEM reviews the allocation 6 times.
+  config.batch_size = 128
+
+  config.moe.num_experts = arg.experts
+  config.moe.top_k = arg.top_k
+
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.warmup_steps = 40
+  config.optimizer.weight_decay = 0.05
+  return config
+
+
 def _missing_root_message(config: ml_collections.ConfigDict) -> str:
   """How to name the data directory, what it holds, and what the run would cost.
 
@@ -277,14 +301,14 @@ def validate(
   cfg.require_int(config, "data.num_classes", minimum=2)
   for key in ("data.train_size", "data.val_size", "data.test_size"):
     cfg.require_int(config, key, minimum=1)
-  if config.data.name == "synthetic":  # Generated in memory as uint8 images, all splits at once.
+  if config.data.name in GENERATED_INFO:  # uint8 images in memory, all splits at once.
     sizes = {k: config.data[k] for k in ("train_size", "val_size", "test_size")}
     cfg.require_fits_in_host_memory(
         f"data.{max(sizes, key=sizes.get)}",
         sum(sizes.values()) * image_size * image_size * 3,
-        f"the synthetic dataset ({sum(sizes.values())} images of {image_size}x{image_size})",
+        f"the {config.data.name} dataset ({sum(sizes.values())} images of {image_size}x{image_size})",
     )
-  if config.data.name == "synthetic" and config.data.train_size < config.batch_size:
+  if config.data.name in GENERATED_INFO and config.data.train_size < config.batch_size:
     raise ConfigError(
         "data.train_size",
         f"{config.data.train_size} training examples are fewer "

@@ -16,7 +16,6 @@ from jax.sharding import Mesh
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.data.celeba import celeba_info
 from fairmoe_jax.data.isic import isic2019_info
-from fairmoe_jax.data.synthetic import synthetic_info
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax.methods.base import resolve_dispatch
 from fairmoe_jax.train import make_eval_step, make_loss_fn
@@ -32,8 +31,8 @@ ISIC2019_IMAGES = 25_331
 def dataset_info(config: ml_collections.ConfigDict) -> data_lib.DatasetInfo:
   """The DatasetInfo a run of `config` would load, from the config alone."""
   d = config.data
-  if d.name == "synthetic":
-    return synthetic_info(d.image_size, d.num_classes)
+  if d.name in data_lib.GENERATED_INFO:
+    return data_lib.GENERATED_INFO[d.name](d.image_size, d.num_classes)
   sensitive = tuple(s.strip() for s in d.sensitive.split(",") if s.strip())
   sensitive = sensitive or data_lib.DEFAULT_SENSITIVE[d.name]
   if d.name in ("celeba", "celeba_tfds"):
@@ -44,7 +43,7 @@ def dataset_info(config: ml_collections.ConfigDict) -> data_lib.DatasetInfo:
 def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
   """(training examples per epoch at full size, where the number comes from)."""
   d = config.data
-  if d.name == "synthetic":
+  if d.name in data_lib.GENERATED_INFO:
     return d.train_size, "data.train_size"
   if d.name in ("celeba", "celeba_tfds"):
     return CELEBA_TRAIN_EXAMPLES, "CelebA's official train partition"

@@ -10,7 +10,11 @@ scored by the evaluation's own count code (`metrics.report_of_predictions`) on t
   majority class  the training split's most frequent label, for every example (its PQD is 1
                   when every group has the same accuracy, which a constant answer need not
                   give: the groups' label mixes differ);
-  marker reader   (synthetic data) the class the corner marker shows (`synthetic.read_marker`);
+  marker reader   (synthetic data, both kinds) the class the corner marker shows
+                  (`synthetic.read_marker`);
+  tint reader     (the testbed) the class its signal shows, read with the generator's own
+                  parameters (`synthetic_testbed.read_lesion_tint`): what learning the task
+                  can reach, the bar a model is read against;
   chance          a uniform guess: accuracy 1 / classes in expectation; no fairness numbers.
 """
 
@@ -22,7 +26,7 @@ from typing import Any, Mapping
 import ml_collections
 import numpy as np
 
-from fairmoe_jax.data import dataset_from_config, synthetic
+from fairmoe_jax.data import dataset_from_config, synthetic, synthetic_testbed
 from fairmoe_jax.data.types import DatasetInfo
 from fairmoe_jax.metrics import report_of_predictions
 
@@ -56,8 +60,12 @@ def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[st
           lambda split: np.full(len(split["label"]), majority)
       ),
   }
-  if info.name == "synthetic":
+  if info.name in ("synthetic", synthetic_testbed.NAME):  # Both carry the corner marker.
     readers["corner-marker reader"] = lambda split: synthetic.read_marker(split["image"], k)
+  if info.name == synthetic_testbed.NAME:
+    readers["tint reader (the signal, read with the generator's own directions)"] = (
+        lambda split: synthetic_testbed.read_lesion_tint(split["image"], k)
+    )
   reports = {}
   for name, read in readers.items():
     reports[name] = {

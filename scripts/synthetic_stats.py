@@ -1,9 +1,13 @@
-r"""Statistics of the built-in synthetic dataset: the numbers in docs/dataset.md.
+r"""Statistics of the built-in generated datasets: the numbers in docs/dataset.md.
 
 Command (under 10 s on 2 CPU cores for the default sizes; about 25 s with ``--workdir``):
 
   python scripts/synthetic_stats.py --seed=0
   python scripts/synthetic_stats.py --seed=0 --output=/tmp/synthetic_stats_seed0.json
+  python scripts/synthetic_stats.py --dataset=synthetic_testbed --seed=0
+
+``--dataset`` is ``synthetic`` (the default) or ``synthetic_testbed``; both share the attributes,
+label priors and corner marker, so every section below applies to both.
 
 With ``--workdir`` pointing at a finished training run on the same dataset (e.g. the quickstart,
 ``python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/qs_seed0``), it also
@@ -25,6 +29,9 @@ What it reports, for dataset seed ``--seed`` and the split sizes given:
   ``p + (1 - p) / K`` with ``p = site reliability x sex factor`` is printed beside it. Agreement
   is computed with the repository's metric code, treating "predict the marker's class" as a
   classifier, so it is also the per-group accuracy of that shortcut (and its PQD).
+* **Oracle reader** (``synthetic_testbed`` only): the class read from the lesion's tint with the
+  generator's own parameters (``synthetic_testbed.read_lesion_tint``), per group, on train and
+  test: what a model that learns the signal can reach, against the marker's rate.
 * **Logistic regression baseline**: multinomial logistic regression (numpy, Newton's method,
   deterministic) on 8x8-downsampled pixels (mean pooling; 192 standardised features), trained on
   the train split and evaluated on the test split with ``fairness_report``.
@@ -44,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from fairmoe_jax import data as data_lib
-from fairmoe_jax.data import synthetic
+from fairmoe_jax.data import synthetic, synthetic_testbed
 from fairmoe_jax.metrics import format_report, report_of_predictions
 
 Split = dict[str, np.ndarray]
@@ -242,6 +249,18 @@ def logistic_regression_baseline(
 # ---------------------------------------------------------------------------
 
 
+def accuracy_gap(attribute_report: dict[str, Any]) -> float:
+  """Largest minus smallest group accuracy of one attribute of a fairness report."""
+  accuracies = [g["accuracy"] for g in attribute_report["groups"].values()]
+  return max(accuracies) - min(accuracies)
+
+
+def oracle_reader(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
+  """The fairness report of reading the class from the lesion's tint (synthetic_testbed)."""
+  tint = synthetic_testbed.read_lesion_tint(split["image"], info.num_classes)
+  return _report(split["label"], tint, split["attributes"], info)
+
+
 def model_predictions(
     workdir: str, test: Split, expected_data: dict[str, Any]
 ) -> tuple[np.ndarray, int]:
@@ -267,7 +286,7 @@ def model_predictions(
         f"{workdir} was trained on data {config.data.to_dict()}, not on {expected_data}: "
         "pass the matching --seed and split sizes"
     )
-  info = synthetic.synthetic_info(config.data.image_size, config.data.num_classes)
+  info = data_lib.GENERATED_INFO[config.data.name](config.data.image_size, config.data.num_classes)
   mesh = make_mesh(config.mesh)
   tx = make_optimizer(config.optimizer, config.num_train_steps)
   graphdef, state = create_train_state(
@@ -327,6 +346,7 @@ def compute(
     *,
     seed: int,
     sizes: dict[str, int],
+    dataset: str = "synthetic",
     image_size: int = 32,
     num_classes: int = 4,
     split: str = "train",
@@ -338,12 +358,15 @@ def compute(
     if needed not in sizes:
       raise ValueError(f"sizes must include a {needed!r} split, got {sorted(sizes)}")
   start = time.perf_counter()
+  if dataset not in data_lib.GENERATED_INFO:
+    raise ValueError(f"dataset must be one of {sorted(data_lib.GENERATED_INFO)}, got {dataset!r}")
   info, splits = data_lib.get_dataset(
-      "synthetic", image_size=image_size, num_classes=num_classes, sizes=sizes, seed=seed
+      dataset, image_size=image_size, num_classes=num_classes, sizes=sizes, seed=seed
   )
   generation_seconds = time.perf_counter() - start
   stats: dict[str, Any] = {
       "dataset": {
+          "name": dataset,
           "seed": seed,
           "image_size": image_size,
           "num_classes": num_classes,
@@ -358,6 +381,8 @@ def compute(
           name: marker_agreement(splits[name], info) for name in ("train", "test")
       },
   }
+  if dataset == synthetic_testbed.NAME:
+    stats["oracle_reader"] = {name: oracle_reader(splits[name], info) for name in ("train", "test")}
   start = time.perf_counter()
   stats["logistic_regression"] = logistic_regression_baseline(
       splits["train"], splits["test"], info, l2=l2
@@ -365,7 +390,7 @@ def compute(
   stats["logistic_regression"]["seconds"] = time.perf_counter() - start
   if workdir is not None:
     expected_data = {
-        "name": "synthetic",
+        "name": dataset,
         "seed": seed,
         "image_size": image_size,
         "num_classes": num_classes,
@@ -388,7 +413,7 @@ def format_stats(stats: dict[str, Any]) -> str:
   """Plain-text rendering of ``compute``'s result."""
   d = stats["dataset"]
   lines = [
-      f"Synthetic dataset, seed {d['seed']}, {d['image_size']}x{d['image_size']}, "
+      f"Dataset {d['name']}, seed {d['seed']}, {d['image_size']}x{d['image_size']}, "
       f"{d['num_classes']} classes, sizes {d['sizes']} "
       f"(generated in {stats['generation_seconds']:.2f} s)",
       "",
@@ -411,6 +436,11 @@ def format_stats(stats: dict[str, Any]) -> str:
   lines.append(
       f"  {'all':<16} {_fmt_probs(lf['all']['measured'])}  "
       f"[{_fmt_probs(lf['all']['expected'])}]"
+  )
+  majority = int(np.argmax(lf["all"]["measured"]))
+  lines.append(
+      f"  majority class {d['class_names'][majority]}: {lf['all']['measured'][majority]:.3f} "
+      f"of {lf['split']} (the accuracy of always answering it)"
   )
   for attr in stats["nominal_frequencies"]:
     lines.append(f"[{attr}]")
@@ -436,6 +466,12 @@ def format_stats(stats: dict[str, Any]) -> str:
         lines.append(f"  {g:<16} {v['accuracy']:.3f}  [{expected[attr][g]:.3f}]  n={v['n']}")
     lines.append("")
 
+  for split, report in stats.get("oracle_reader", {}).items():
+    gaps = ", ".join(f"{name} {accuracy_gap(a):.3f}" for name, a in report["attributes"].items())
+    lines.append(f"== Oracle reader ({split}): the class read from the lesion's tint")
+    lines.append(f"  accuracy gap across groups (max - min): {gaps}")
+    lines.append(format_report(report))
+    lines.append("")
   lr = stats["logistic_regression"]
   lines.append(
       f"== Logistic regression on {lr['features']}, l2 {lr['l2']:g} "
@@ -466,6 +502,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
   )
+  parser.add_argument(
+      "--dataset",
+      default="synthetic",
+      choices=sorted(data_lib.GENERATED_INFO),
+      help="the generated dataset (default synthetic)",
+  )
   parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
   parser.add_argument("--image-size", type=int, default=32)
   parser.add_argument("--num-classes", type=int, default=4)
@@ -486,6 +528,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   sizes = {name: getattr(args, f"{name}_size") for name in synthetic.DEFAULT_SIZES}
   stats = compute(
       seed=args.seed,
+      dataset=args.dataset,
       sizes=sizes,
       image_size=args.image_size,
       num_classes=args.num_classes,

@@ -77,3 +77,17 @@ def test_logistic_regression_fits_separable_data(stats_module):
   w = stats_module.fit_logistic_regression(x, y, 3, l2=1e-3)
   predictions = np.argmax(np.concatenate([x, np.ones((300, 1))], 1) @ w, axis=1)
   assert np.mean(predictions == y) == 1.0
+
+
+def test_testbed_stats_have_the_oracle_reader(stats_module):
+  stats = stats_module.compute(
+      seed=0, sizes={"train": 600, "test": 300}, dataset="synthetic_testbed"
+  )
+  assert stats["dataset"]["name"] == "synthetic_testbed"
+  oracle = stats["oracle_reader"]["test"]
+  marker = stats["marker_agreement"]["test"]["measured"]
+  assert oracle["num_examples"] == 300
+  assert oracle["accuracy"] > marker["accuracy"] + 0.1
+  assert "Oracle reader (test)" in stats_module.format_stats(stats)
+  with pytest.raises(ValueError, match="dataset"):
+    stats_module.compute(seed=0, sizes={"train": 10, "test": 10}, dataset="celeba")

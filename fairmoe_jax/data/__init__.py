@@ -17,16 +17,25 @@ from fairmoe_jax.data.augment import AugmentConfig
 from fairmoe_jax.data.celeba import load_celeba, load_celeba_tfds
 from fairmoe_jax.data.isic import load_isic2019
 from fairmoe_jax.data.pipeline import eval_batches, num_eval_batches, train_iterator
-from fairmoe_jax.data.synthetic import load_synthetic
+from fairmoe_jax.data.synthetic import load_synthetic, synthetic_info
+from fairmoe_jax.data.synthetic_testbed import load_synthetic_testbed, testbed_info
 from fairmoe_jax.data.types import DatasetInfo
 
 Splits = dict[str, dict[str, np.ndarray]]
 
 _LOADERS: dict[str, Callable[..., tuple[DatasetInfo, Splits]]] = {
     "synthetic": load_synthetic,
+    "synthetic_testbed": load_synthetic_testbed,
     "celeba": load_celeba,
     "celeba_tfds": load_celeba_tfds,
     "isic2019": load_isic2019,
+}
+
+# The datasets generated in memory from `data.seed` (no files): their DatasetInfo from the
+# image size and the number of classes.
+GENERATED_INFO: dict[str, Callable[[int, int], DatasetInfo]] = {
+    "synthetic": synthetic_info,
+    "synthetic_testbed": testbed_info,
 }
 
 # The paper's sensitive attributes (Sec. 6.1) when `data.sensitive` is empty.
@@ -39,9 +48,9 @@ DEFAULT_SENSITIVE = {
 
 def dataset_from_config(d: Any) -> tuple[DatasetInfo, Splits]:
   """Loads the dataset described by a config's `data` section (fairmoe_jax/config.py)."""
-  if d.name == "synthetic":
+  if d.name in GENERATED_INFO:
     sizes = {"train": d.train_size, "val": d.val_size, "test": d.test_size}
-    return load_synthetic(
+    return _LOADERS[d.name](
         image_size=d.image_size, num_classes=d.num_classes, seed=d.seed, sizes=sizes
     )
   sensitive = tuple(s.strip() for s in d.sensitive.split(",") if s.strip())
@@ -89,8 +98,10 @@ __all__ = [
     "Splits",
     "eval_batches",
     "dataset_from_config",
+    "GENERATED_INFO",
     "get_dataset",
     "load_synthetic",
+    "load_synthetic_testbed",
     "num_eval_batches",
     "train_iterator",
 ]

@@ -18,7 +18,7 @@ the image in ways that make a plain classifier unfair:
   that works for common groups and misleads on rare ones.
 
 Generation is vectorised numpy and fully determined by ``seed``. Every split
-(and every chunk of ``_CHUNK`` images within a split) has its own derived seed,
+(and every chunk of ``CHUNK_SIZE`` images within a split) has its own derived seed,
 so changing one split's size changes neither the other splits nor the
 examples already in that split. See ``docs/dataset.md`` for the rationale.
 """
@@ -26,6 +26,7 @@ examples already in that split. See ``docs/dataset.md`` for the rationale.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -77,7 +78,7 @@ NUM_HAIRS = 3
 HAIR_WIDTH_PX = 0.8
 MARKER_PX = 6
 
-_CHUNK = 1024
+CHUNK_SIZE = 1024
 
 
 def class_angles(num_classes: int) -> np.ndarray:
@@ -108,8 +109,7 @@ def marker_distances(images: np.ndarray, num_classes: int) -> np.ndarray:
   columns ``1 .. m`` (as drawn by ``_generate_chunk``); its interior ``2 .. m - 1`` is untouched
   by the 3x3 blur, so only the per-pixel noise remains, which the mean averages out.
   """
-  size = images.shape[1]
-  m = max(2, round(MARKER_PX * size / 32.0))  # The marker side, as in the generator.
+  m = marker_side(images.shape[1])
   lo, hi = (2, m) if m > 2 else (1, m + 1)  # A 2 px marker has no interior: use all of it.
   colour = images[:, lo:hi, lo:hi].astype(np.float64).mean(axis=(1, 2))  # [N, 3]
   palette = marker_palette(num_classes).astype(np.float64)  # [K, 3]
@@ -134,56 +134,93 @@ def label_probs(num_classes: int) -> np.ndarray:
 
 
 def synthetic_info(image_size: int = 32, num_classes: int = 4) -> DatasetInfo:
+  return generated_info("synthetic", class_names(num_classes), image_size)
+
+
+def generated_info(name: str, classes: tuple[str, ...], image_size: int) -> DatasetInfo:
+  """The DatasetInfo of a generated dataset with this module's sensitive attributes."""
   return DatasetInfo(
-      name="synthetic",
-      num_classes=num_classes,
-      class_names=class_names(num_classes),
+      name=name,
+      num_classes=len(classes),
+      class_names=classes,
       attribute_names=ATTRIBUTE_NAMES,
       group_names=(SEX_GROUPS, AGE_GROUPS, SITE_GROUPS),
       image_size=image_size,
   )
 
 
-def load_synthetic(
-    *,
-    image_size: int = 32,
-    num_classes: int = 4,
-    sizes: dict[str, int] | None = None,
-    seed: int = 0,
-    missing_rate: float = 0.0,
-) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
-  """Generates the synthetic benchmark.
+# A generator of CHUNK_SIZE examples: (chunk seed, image size, classes, missing rate) -> arrays.
+ChunkGenerator = Callable[[np.random.SeedSequence, int, int, float], dict[str, np.ndarray]]
 
-  Args:
-    image_size: Side of the square images.
-    num_classes: Number of stripe orientations (classes), at least 2.
-    sizes: Splits to generate and their sizes; defaults to
-      ``{"train": 8000, "val": 1000, "test": 2000}``. All splits are i.i.d.
-      draws from the same distribution.
-    seed: Master seed; each split derives its own seed from it and its name.
-    missing_rate: Probability that each attribute value is replaced by ``-1``
-      ("missing", as in ISIC 2019). Drawn from a separate random stream, so
-      images, labels and present attributes do not depend on it.
 
-  Returns:
-    ``(info, splits)`` with ``splits[name] = {"image": uint8 [N, S, S, 3],
-    "label": int32 [N], "attributes": int32 [N, 3]}``.
+Loader = Callable[..., tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]]
+
+
+def generated_loader(
+    name: str, classes: Callable[[int], tuple[str, ...]], generate_chunk: ChunkGenerator
+) -> Loader:
+  """The loader of a generated dataset ``name`` with this module's attributes and seeding:
+  ``generate_chunk`` renders the examples, ``classes(num_classes)`` names the classes."""
+
+  def load(
+      *,
+      image_size: int = 32,
+      num_classes: int = 4,
+      sizes: dict[str, int] | None = None,
+      seed: int = 0,
+      missing_rate: float = 0.0,
+  ) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
+    """Generates the dataset.
+
+    Args:
+      image_size: Side of the square images.
+      num_classes: Number of classes, at least 2.
+      sizes: Splits to generate and their sizes; defaults to
+        ``{"train": 8000, "val": 1000, "test": 2000}``. All splits are i.i.d.
+        draws from the same distribution.
+      seed: Master seed; each split derives its own seed from it and its name.
+      missing_rate: Probability that each attribute value is replaced by ``-1``
+        ("missing", as in ISIC 2019). Drawn from a separate random stream, so
+        images, labels and present attributes do not depend on it.
+
+    Returns:
+      ``(info, splits)`` with ``splits[name] = {"image": uint8 [N, S, S, 3],
+      "label": int32 [N], "attributes": int32 [N, 3]}``.
+    """
+    splits = generate_splits(generate_chunk, image_size, num_classes, sizes, seed, missing_rate)
+    return generated_info(name, classes(num_classes), image_size), splits
+
+  load.__name__ = load.__qualname__ = f"load_{name}"
+  return load
+
+
+def generate_splits(
+    generate_chunk: ChunkGenerator,
+    image_size: int,
+    num_classes: int,
+    sizes: dict[str, int] | None,
+    seed: int,
+    missing_rate: float,
+) -> dict[str, dict[str, np.ndarray]]:
+  """Each split of ``sizes`` (default ``DEFAULT_SIZES``) from chunks of ``CHUNK_SIZE`` examples.
+
+  Every chunk has its own seed, from ``seed``, the split's name and the chunk's index only, so
+  resizing one split changes no other split and growing a split keeps its examples as a prefix.
   """
   if num_classes < 2:
     raise ValueError(f"num_classes must be >= 2, got {num_classes}.")
   if not 0.0 <= missing_rate < 1.0:
     raise ValueError(f"missing_rate must be in [0, 1), got {missing_rate}.")
-  sizes = DEFAULT_SIZES if sizes is None else sizes
   splits = {}
-  for split, size in sizes.items():
+  for split, size in (DEFAULT_SIZES if sizes is None else sizes).items():
     chunks = [
-        _generate_chunk(_chunk_seed(seed, split, c), image_size, num_classes, missing_rate)
-        for c in range(-(-size // _CHUNK))
+        generate_chunk(_chunk_seed(seed, split, c), image_size, num_classes, missing_rate)
+        for c in range(-(-size // CHUNK_SIZE))
     ] or [_empty_split(image_size)]
     splits[split] = {
         key: np.concatenate([chunk[key] for chunk in chunks])[:size] for key in chunks[0]
     }
-  return synthetic_info(image_size, num_classes), splits
+  return splits
 
 
 def _chunk_seed(seed: int, split: str, chunk: int) -> np.random.SeedSequence:
@@ -205,23 +242,115 @@ def _categorical(rng: np.random.Generator, probs: np.ndarray) -> np.ndarray:
   return np.minimum((u > np.cumsum(probs, axis=-1)).sum(-1), probs.shape[-1] - 1)
 
 
+def draw_groups_and_label(
+    rng: np.random.Generator, n: int, num_classes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """``sex, age, site, label`` of ``n`` examples: the attributes independent, with the
+  nominal frequencies, and the label from ``label_probs`` (always drawn in this order)."""
+  sex = rng.choice(len(SEX_GROUPS), n, p=SEX_FREQ)
+  age = rng.choice(len(AGE_GROUPS), n, p=AGE_FREQ)
+  site = rng.choice(len(SITE_GROUPS), n, p=SITE_FREQ)
+  label = _categorical(rng, label_probs(num_classes)[age, site])
+  return sex, age, site, label
+
+
+def marker_side(image_size: int) -> int:
+  """Side of the corner marker in pixels; it covers rows and columns ``1 .. side``."""
+  return max(2, round(MARKER_PX * image_size / 32.0))
+
+
+def per_image(values: np.ndarray) -> np.ndarray:
+  """Per-image values [n] as float32 [n, 1, 1], to broadcast against [n, H, W] maps."""
+  return np.asarray(values, np.float32)[:, None, None]
+
+
+def pixel_grid(size: int) -> tuple[np.ndarray, np.ndarray]:
+  """``y`` [1, S, 1] and ``x`` [1, 1, S]: pixel centres in normalised [-1, 1] coordinates."""
+  coords = (np.arange(size, dtype=np.float32) + 0.5) * (2.0 / size) - 1
+  return coords[None, :, None], coords[None, None, :]
+
+
+def lesion_weight(
+    y: np.ndarray, x: np.ndarray, centre: np.ndarray, radius: np.ndarray, tilt: np.ndarray
+) -> np.ndarray:
+  """A soft, tilted ellipse per image (about 1 inside, 0 outside), float32 [n, H, W].
+
+  ``centre`` and ``radius`` are [2, n] (x and y; the two semi-axes), ``tilt`` [n] radians.
+  """
+  dx, dy = x - per_image(centre[0]), y - per_image(centre[1])
+  cos_t, sin_t = per_image(np.cos(tilt)), per_image(np.sin(tilt))
+  r = np.hypot(
+      (dx * cos_t + dy * sin_t) / per_image(radius[0]),
+      (dy * cos_t - dx * sin_t) / per_image(radius[1]),
+  )
+  return 1 / (1 + np.exp(-8 * (1 - r)))
+
+
+def hair_weight(
+    y: np.ndarray,
+    x: np.ndarray,
+    hair_on: np.ndarray,
+    hair_angle: np.ndarray,
+    hair_offset: np.ndarray,
+    width: float,
+) -> np.ndarray:
+  """Coverage by thin straight hairs (lines of ``width`` in normalised units), float32
+  [n, H, W]; ``hair_on``, ``hair_angle`` and ``hair_offset`` are [n, hairs]."""
+  per_hair = lambda a: np.asarray(a, np.float32)[:, :, None, None]
+  hair_dist = np.abs(
+      x[:, None] * per_hair(np.cos(hair_angle))
+      + y[:, None] * per_hair(np.sin(hair_angle))
+      - per_hair(hair_offset)
+  )
+  hair_w = np.clip(1 - hair_dist / width, 0, 1)
+  return (hair_w * per_hair(hair_on)).max(axis=1)
+
+
+def photograph(
+    img: np.ndarray, blur: np.ndarray, noise: np.ndarray, noise_std: np.ndarray
+) -> np.ndarray:
+  """The scene ``img`` (float32 [n, H, W, 3], uint8 units; changed in place) mixed with its 3x3
+  box blur by the per-image weight ``blur`` [n], plus ``noise`` (standard normal, [n, H, W, 3],
+  scaled in place by ``noise_std`` [n]), rounded and clipped to uint8."""
+  blurred = np.flatnonzero(blur > 0)
+  sharp = img[blurred]
+  padded = np.pad(sharp, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
+  box = padded[:, :-2] + padded[:, 1:-1] + padded[:, 2:]  # separable 3x3 box
+  box = (box[:, :, :-2] + box[:, :, 1:-1] + box[:, :, 2:]) / np.float32(9)
+  blur_w = per_image(blur[blurred])[..., None]
+  img[blurred] = sharp + blur_w * (box - sharp)
+
+  noise *= per_image(noise_std)[..., None]
+  img += noise
+  return np.clip(np.rint(img, out=img), 0, 255, out=img).astype(np.uint8)
+
+
+def attribute_array(
+    seed: np.random.SeedSequence, columns: list[np.ndarray], missing_rate: float
+) -> np.ndarray:
+  """The attribute columns as int32 [n, m], each value ``-1`` with probability
+  ``missing_rate``, drawn from a stream of its own (so nothing else depends on it)."""
+  attributes = np.stack(columns, axis=1).astype(np.int32)
+  if missing_rate > 0:
+    missing_rng = np.random.default_rng(seed.spawn(1)[0])
+    attributes[missing_rng.random(attributes.shape) < missing_rate] = -1
+  return attributes
+
+
 def _generate_chunk(
     seed: np.random.SeedSequence,
     size: int,
     num_classes: int,
     missing_rate: float,
 ) -> dict[str, np.ndarray]:
-  """Renders ``_CHUNK`` examples from one seed."""
+  """Renders ``CHUNK_SIZE`` examples from one seed."""
   rng = np.random.default_rng(seed)
-  n, k = _CHUNK, num_classes
+  n, k = CHUNK_SIZE, num_classes
   pixel = 2.0 / size  # one pixel in normalised [-1, 1] coordinates
   scale = size / 32.0
 
   # --- Latent variables, always drawn in this order for reproducibility.
-  sex = rng.choice(len(SEX_GROUPS), n, p=SEX_FREQ)
-  age = rng.choice(len(AGE_GROUPS), n, p=AGE_FREQ)
-  site = rng.choice(len(SITE_GROUPS), n, p=SITE_FREQ)
-  label = _categorical(rng, label_probs(k)[age, site])
+  sex, age, site, label = draw_groups_and_label(rng, n, k)
 
   spacing = np.pi / 2 / (k - 1)
   angle = spacing * (label + ORIENTATION_JITTER * rng.standard_normal(n))
@@ -247,60 +376,32 @@ def _generate_chunk(
   # --- Rendering, in float32 uint8 units. The scene is linear in the skin,
   # lesion and hair colours, so their per-pixel weights are built on [n, H, W]
   # arrays and the colour images [n, H, W, 3] are formed once.
-  f32 = lambda a: np.asarray(a, np.float32)[:, None, None]  # per image
-  per_hair = lambda a: np.asarray(a, np.float32)[:, :, None, None]
-  coords = (np.arange(size, dtype=np.float32) + 0.5) * pixel - 1
-  y, x = coords[None, :, None], coords[None, None, :]
-
-  # Lesion: a soft, randomly tilted ellipse.
-  dx, dy = x - f32(centre[0]), y - f32(centre[1])
-  cos_t, sin_t = f32(np.cos(tilt)), f32(np.sin(tilt))
-  r = np.hypot(
-      (dx * cos_t + dy * sin_t) / f32(radius[0]),
-      (dy * cos_t - dx * sin_t) / f32(radius[1]),
-  )
-  lesion_w = 1 / (1 + np.exp(-8 * (1 - r)))
+  y, x = pixel_grid(size)
+  lesion_w = lesion_weight(y, x, centre, radius, tilt)
   # Stripes run along ``angle``: the wave vector is perpendicular to it.
-  along_wave = y * f32(np.cos(angle)) - x * f32(np.sin(angle))
-  stripes = np.cos(f32(wavenumber) * along_wave + f32(phase))
-  shade = 1 - f32(vignette) * (x * x + y * y) / 2
+  along_wave = y * per_image(np.cos(angle)) - x * per_image(np.sin(angle))
+  stripes = np.cos(per_image(wavenumber) * along_wave + per_image(phase))
+  shade = 1 - per_image(vignette) * (x * x + y * y) / 2
   skin_w = (1 - lesion_w) * shade
-  lesion_w *= shade * (1 + f32(contrast) * stripes)
+  lesion_w *= shade * (1 + per_image(contrast) * stripes)
 
   # Hair: up to NUM_HAIRS thin dark straight lines across the image.
-  hair_dist = np.abs(
-      x[:, None] * per_hair(np.cos(hair_angle))
-      + y[:, None] * per_hair(np.sin(hair_angle))
-      - per_hair(hair_offset)
-  )
-  hair_w = np.clip(1 - hair_dist / (HAIR_WIDTH_PX * scale * pixel), 0, 1)
-  hair_w = (hair_w * per_hair(hair_on)).max(axis=1)
+  hair_w = hair_weight(y, x, hair_on, hair_angle, hair_offset, HAIR_WIDTH_PX * scale * pixel)
   skin_w *= 1 - hair_w
   lesion_w *= 1 - hair_w
 
   img = skin_w[..., None] * skin[:, None, None].astype(np.float32)
   img += lesion_w[..., None] * lesion[:, None, None].astype(np.float32)
-  img += (hair_w * f32(hair_colour))[..., None]
+  img += (hair_w * per_image(hair_colour))[..., None]
 
   # The marker sits over the hair but is blurred and noised like the rest of
   # the photographed scene.
-  m = max(2, round(MARKER_PX * scale))
+  m = marker_side(size)
   img[:, 1 : 1 + m, 1 : 1 + m] = marker_palette(k)[cue_class][:, None, None]
-
-  blurred = np.flatnonzero(np.take(SITE_BLUR, site) > 0)
-  sharp = img[blurred]
-  padded = np.pad(sharp, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
-  box = padded[:, :-2] + padded[:, 1:-1] + padded[:, 2:]  # separable 3x3 box
-  box = (box[:, :, :-2] + box[:, :, 1:-1] + box[:, :, 2:]) / np.float32(9)
-  blur_w = f32(np.take(SITE_BLUR, site[blurred]))[..., None]
-  img[blurred] = sharp + blur_w * (box - sharp)
-
-  noise *= f32(noise_std)[..., None]
-  img += noise
-  image = np.clip(np.rint(img, out=img), 0, 255, out=img).astype(np.uint8)
-
-  attributes = np.stack([sex, age, site], axis=1).astype(np.int32)
-  if missing_rate > 0:
-    missing_rng = np.random.default_rng(seed.spawn(1)[0])
-    attributes[missing_rng.random(attributes.shape) < missing_rate] = -1
+  image = photograph(img, np.take(SITE_BLUR, site), noise, noise_std)
+  attributes = attribute_array(seed, [sex, age, site], missing_rate)
   return {"image": image, "label": label.astype(np.int32), "attributes": attributes}
+
+
+# The synthetic benchmark: stripe orientations (see the module docstring).
+load_synthetic = generated_loader("synthetic", class_names, _generate_chunk)
