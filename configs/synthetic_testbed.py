@@ -14,8 +14,10 @@ multifair), or all at once with `python -m fairmoe_jax.compare
 --config=configs/synthetic_testbed.py --workdir=DIR`. `python scripts/synthetic_stats.py
 --dataset=synthetic_testbed` prints the data's statistics, with the marker and oracle readers.
 
-Expected result: no generated table covers the testbed; docs/dataset.md records vanilla SMoE's
-accuracy, fairness and routing on it (seeds 0 and 1, 4 and 8 experts) beside the two readers'.
+Expected result: docs/results.md, table `fair_comparison_testbed` (every method at 200 steps, 5
+paired seeds; results/fair_comparison_testbed.py), and docs/dataset.md records vanilla SMoE's
+accuracy, fairness and routing at 350 steps (seeds 0 and 1, 4 and 8 experts) beside the two
+readers'.
 """
 
 from fairmoe_jax.config import quickstart_config
