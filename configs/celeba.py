@@ -51,11 +51,12 @@ expert allocation on the validation split every 30 steps at size=small, 2,000 at
 (`fair.review_every_steps`); other readings: `--config.fair.specialization=attribute_routing`
 or `class_routing` (docs/design.md).
 
-Expected result: docs/results.md, table `fair_comparison_celeba` (FairSMoE under three readings
-of Eq. 8, its two ablations, vanilla SMoE with and without L_Psi, Muffin and MultiFair at
-size=small on the sample, 3 epochs, 5 paired seeds; generated from
-results/records/fair_comparison_celeba.json by results/fair_comparison_celeba.py;
-`python -m experiments.tables --reproduce=fair_comparison_celeba` reruns its first row). The paper
+Expected result: docs/results.md, table `fair_cv_celeba` (FairSMoE, its two ablations, vanilla
+SMoE with and without L_Psi, Muffin and MultiFair at size=small, 3 epochs, on the sample's Male,
+Chubby and Goatee over the 5 identity folds, paired by fold; results/fair_cv_celeba.py), and
+table `fair_comparison_celeba` (the official partition, sensitive Male only, 5 paired seeds;
+results/fair_comparison_celeba.py; `python -m experiments.tables
+--reproduce=fair_comparison_celeba` reruns its first row). The paper
 reports 86.01% accuracy / 0.787 MF-PQD for FairSMoE DeiT-S, a full-data, full-scale number we
 have not reached.
 """
