@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fairmoe_jax import config as fairmoe_config
-from fairmoe_jax import methods, train
+from fairmoe_jax import evaluation, methods, train
 from fairmoe_jax.models.muffin import Muffin
 from fairmoe_jax.moe.routers.fair import FairRouter
 from trainkit.mesh import make_mesh, shard_batch
@@ -152,8 +152,8 @@ def _sa_branch(scale: float) -> dict:
   _, params, model_state = nnx.split(model, nnx.Param, ...)
   state = state.replace(params=params, model_state=model_state)
   batch = dict(batch, mask=jnp.ones(len(batch["label"])))
-  counts = train.make_eval_step(graphdef, info, config)(state, batch)
-  return train.sa_branch_report(jax.device_get(counts["sa_branch"]))
+  counts = evaluation.make_eval_step(graphdef, info, config)(state, batch)
+  return evaluation.sa_branch_report(jax.device_get(counts["sa_branch"]))
 
 
 def test_the_report_says_how_much_of_the_routing_the_sa_branch_decides():
@@ -183,7 +183,7 @@ def _eval_predictions(config, scramble: bool):
         np.stack([(attributes[:, i] + 1) % g for i, g in enumerate(info.group_sizes)], 1)
     )
   batch["mask"] = jnp.ones(len(batch["label"]))
-  counts = train.make_eval_step(graphdef, info, config)(state, batch)
+  counts = evaluation.make_eval_step(graphdef, info, config)(state, batch)
   overall = np.asarray(counts["overall"])
   model = nnx.merge(graphdef, state.params, state.model_state)
   logits, _ = model(
