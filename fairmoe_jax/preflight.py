@@ -2,7 +2,8 @@
 
 The model and loss are those of `train.py`, the eval step that of `evaluation.py`; the dataset
 is described from the config alone (classes, sensitive attributes and their groups, image
-size), never read, so a run can be compiled for a TPU slice or GPU node on a machine without the data.
+size), never read, so a run can be compiled for a TPU slice or GPU node on a machine without
+the data.
 """
 
 from __future__ import annotations

@@ -104,7 +104,9 @@ def final_report(
   evaluated this step); otherwise the validation split is evaluated here.
   """
   test = splits["test"]
-  report, examples = evaluation.evaluate(eval_step, state, test, info, config, mesh, keep_examples=True)
+  report, examples = evaluation.evaluate(
+      eval_step, state, test, info, config, mesh, keep_examples=True
+  )
   columns = predictions_lib.prediction_columns(examples, test, info)
   report["class_names"] = list(info.class_names)
   intersections = intersections_lib.parse_intersections(config.eval.intersections)
@@ -166,7 +168,9 @@ def final_report(
     )
   report["dropped"] = dropped_summary(report, records)
   report["mechanisms"] = mechanism_summary(report)
-  batches = itertools.islice(evaluation.eval_batches(splits["val"], config, mesh), config.analysis_batches)
+  batches = itertools.islice(
+      evaluation.eval_batches(splits["val"], config, mesh), config.analysis_batches
+  )
   cosines = gradient_cosines(
       graphdef,
       state.params,

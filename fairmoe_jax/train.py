@@ -180,7 +180,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     step = int(state.step)
     if step not in last_validation:
       last_validation.clear()
-      last_validation[step], _ = evaluation.evaluate(eval_step, state, splits["val"], info, config, mesh)
+      last_validation[step], _ = evaluation.evaluate(
+          eval_step, state, splits["val"], info, config, mesh
+      )
     return last_validation[step]
 
   review = METHODS[config.method].review(
@@ -229,5 +231,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
       workdir,
   )
   return recipe.finish(
-      run, state, report, write_report=lambda report: report_lib.write_report(report, predictions, workdir)
+      run,
+      state,
+      report,
+      write_report=lambda report: report_lib.write_report(report, predictions, workdir),
   )

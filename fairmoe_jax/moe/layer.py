@@ -390,7 +390,9 @@ class SparseMoE(nnx.Module):
     served = jnp.full((batch, self.num_experts), capacity / (seq_len * self.top_k), jnp.float32)
     probs = assignment.probs.reshape(-1, self.num_experts)
     metrics = _routing_metrics(probs, assignment.fraction_unrouted, served)
-    readings = RoutingReadings(fraction_dropped=assignment.fraction_unrouted, expert_fraction=served)
+    readings = RoutingReadings(
+        fraction_dropped=assignment.fraction_unrouted, expert_fraction=served
+    )
     # Perfectly balanced by construction: no load-balancing loss.
     return y, MoEAux(
         loss=jnp.zeros((), jnp.float32),
