@@ -4,6 +4,8 @@ ruff.toml): a module that imports one name twice or out of order fails here, nam
 import subprocess
 import sys
 
+import ruff  # noqa: F401  The checks run it in a subprocess; a missing ruff should fail here.
+
 from conftest import REPO_ROOT
 
 # Every folder of Python code in the repository.
