@@ -83,6 +83,7 @@ setup(
             "pyyaml>=6.0",
             "setuptools>=65",
             "pdoc>=14",  # tests/test_api_docs.py builds the API reference (docs/build_api.py).
+            "ruff>=0.5",  # tests/test_lint.py: imports sorted (ruff check --select I).
         ],
         # The README's recipe for loading a dense export into timm (tested with timm 1.0.31);
         # the project itself never imports them.

@@ -6,6 +6,8 @@ import datetime
 import json
 import os
 import platform
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -62,3 +64,26 @@ def write_results(path: str, args: Any, rows: list[dict], targets: list[dict]) -
         indent=2,
     )
   print(f"wrote {path}")
+
+
+def time_interleaved(
+    calls: Sequence[Callable[[], Any]], repeats: int
+) -> tuple[list[Any], list[list[float]]]:
+  """Seconds of each call (to `block_until_ready` on its output), the calls alternated.
+
+  Each call runs once first, as a warm-up whose time is left out (its output is returned); then
+  `repeats` rounds run every call once, each round starting one call later, so that a slow phase
+  of a shared machine does not fall on one case only and no case always follows the same one
+  (e.g. the largest).
+
+  Returns:
+    The warm-up outputs, and each call's `repeats` times in seconds.
+  """
+  warm_up = [jax.block_until_ready(call()) for call in calls]
+  times: list[list[float]] = [[] for _ in calls]
+  for r in range(repeats):
+    for i in [(r + j) % len(calls) for j in range(len(calls))]:
+      t0 = time.perf_counter()
+      jax.block_until_ready(calls[i]())
+      times[i].append(time.perf_counter() - t0)
+  return warm_up, times

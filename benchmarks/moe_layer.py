@@ -56,6 +56,7 @@ from fairmoe_jax.moe.dispatch import (
 )
 from fairmoe_jax.moe.routers import route_from_logits
 
+import bench_utils
 from bench_utils import cost, memory_analysis, write_results
 
 SHAPES = {  # images (groups), tokens per image, dim, expert hidden width
@@ -185,20 +186,12 @@ def _compile(loss: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, dict
 
 
 def time_interleaved(runs: list[tuple[Any, tuple[Any, ...]]], repeats: int) -> list[dict]:
-  """Median time of each compiled call, the calls alternated round by round.
-
-  Alternating keeps a slow phase of a shared machine from landing on one case only.
-  """
-  times: list[list[float]] = [[] for _ in runs]
-  dropped = []
-  for compiled, args in runs:  # Warm-up, excluded.
-    (_, fraction), _ = jax.block_until_ready(compiled(*args))
-    dropped.append(float(fraction))
-  for _ in range(repeats):
-    for i, (compiled, args) in enumerate(runs):
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      times[i].append(time.perf_counter() - t0)
+  """Median time of each compiled call, the calls alternated round by round
+  (`bench_utils.time_interleaved`); the fraction dropped is the warm-up call's."""
+  outputs, times = bench_utils.time_interleaved(
+      [functools.partial(compiled, *args) for compiled, args in runs], repeats
+  )
+  dropped = [float(fraction) for (_, fraction), _ in outputs]
   return [
       dict(
           time_ms=1e3 * statistics.median(t) if t else None,

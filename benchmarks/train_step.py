@@ -48,6 +48,7 @@ from trainkit.train_state import (
     make_train_step,
 )
 
+import bench_utils
 from bench_utils import flops, write_results
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,23 +193,16 @@ class _Step:
   def __init__(self, compiled: Any, state: Any, inputs: Any):
     self.compiled, self.state, self.inputs = compiled, state, inputs
 
-  def __call__(self) -> float:
-    t0 = time.perf_counter()
+  def __call__(self) -> Any:
+    """Runs one step; returns its metrics (to wait for)."""
     self.state, metrics = self.compiled(self.state, self.inputs)
-    jax.block_until_ready(metrics)
-    return time.perf_counter() - t0
+    return metrics
 
 
 def time_interleaved(rows: list[dict], steps: list[_Step], repeats: int) -> None:
-  """Median step time of every row, the steps alternated round by round (after a warm-up), so
-  a slow phase of a shared machine does not fall on one row only, and the order rotated."""
-  for step in steps:
-    step()
-  times: list[list[float]] = [[] for _ in steps]
-  for r in range(repeats):
-    # Each round starts one case later, so no case always follows the same (e.g. the largest).
-    for i in [(r + j) % len(steps) for j in range(len(steps))]:
-      times[i].append(steps[i]())
+  """Median step time of every row, the steps alternated round by round after a warm-up
+  (`bench_utils.time_interleaved`)."""
+  _, times = bench_utils.time_interleaved(steps, repeats)
   for row, t in zip(rows, times):
     step_s = statistics.median(t)
     row.update(

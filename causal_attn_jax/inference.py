@@ -1,5 +1,6 @@
-"""A trained run from Python: `load_run(workdir)`, then `run.predict_pairs(pairs)` (sentence-pair
-classification) or `run.translate(sentences)` (translation).
+"""A trained run: restoring it from its workdir and predicting, from the command line
+(`--mode=predict`) and from Python (`load_run`, then `run.predict_pairs(pairs)` for sentence-pair
+classification or `run.translate(sentences)` for translation), which share this code.
 
     import causal_attn_jax
 
@@ -13,22 +14,158 @@ tokenisation, batches (`eval_batch_size`) and jitted model (beam search, `nmt.*`
 translation).
 """
 
+
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import csv
+import dataclasses
 import functools
+import io
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.nnx as nnx
+import jax
 import ml_collections
 import numpy as np
+from jax.sharding import Mesh
 
 from causal_attn_jax import config as config_lib
 from causal_attn_jax import decoding, tasks, train
+from causal_attn_jax import run_info as run_info_lib
+from causal_attn_jax.data import tokenizer as tokenizer_lib
+from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.data.tokenizer import Tokenizer
 from causal_attn_jax.run_info import RunMetadata
+from trainkit import recipe, storage
+from trainkit.checkpoint import restore_trained
+from trainkit.errors import ConfigError, UserError
+from trainkit.metric_writers import write_atomically
 from trainkit.saved_config import restore_saved_run
+from trainkit.train_state import TrainState
+from trainkit.workdir import RUN_INFO_FILE
+
+
+@dataclasses.dataclass
+class Restored:
+  """A trained run's latest checkpoint, ready for inference (`restore_run`).
+
+  Attributes:
+    metadata: The run's task and label names (run_info.json).
+    data: The tokenizer and label names as TaskData, with no examples.
+    graphdef: The model's graph.
+    state: The restored train state (params, model state, optimizer state, multipliers).
+    mesh: The device mesh of `config.mesh` the state is placed on.
+    step: The checkpoint's step.
+  """
+
+  metadata: run_info_lib.RunMetadata
+  data: TaskData
+  graphdef: nnx.GraphDef
+  state: TrainState
+  mesh: Mesh
+  step: int
+
+  @property
+  def model(self) -> nnx.Module:
+    """The model with the restored parameters."""
+    return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
+
+
+def inference_data(
+    config: ml_collections.ConfigDict, workdir: str
+) -> tuple[run_info_lib.RunMetadata, TaskData]:
+  """The run's metadata and its tokenizer and label names, from the workdir alone.
+
+  A run trained before run_info.json was written reads its label names from the data (which
+  must then be where `data.*` says).
+  """
+  train.require_tokenizer(workdir)
+  metadata = run_info_lib.load(workdir)
+  if metadata is None:
+    try:
+      data = tasks.get_task(config).load_data(config, workdir)
+    except UserError as e:
+      raise UserError(
+          f"{workdir} has no {RUN_INFO_FILE} (trained before it was written), so "
+          f"the label names are read from the data, which failed: {e}"
+      ) from None
+    return run_info_lib.RunMetadata.from_data(config, data), data
+  if metadata.task != config.task:
+    raise UserError(
+        f"{workdir}/{RUN_INFO_FILE} is a {metadata.task} run's, but the config "
+        f"says task={config.task!r}"
+    )
+  # The saved vocabulary; load_or_train checks it has the config's settings and never retrains.
+  tokenizer = tokenizer_lib.load_or_train(
+      workdir,
+      (),
+      config.data.vocab_size,
+      model_type=config.data.tokenizer_type,
+      name=os.path.splitext(metadata.tokenizer)[0],
+      seed=config.seed,
+  )
+  data = TaskData(
+      tokenizer=tokenizer,
+      train={},
+      eval={},
+      num_classes=len(metadata.label_names),
+      label_names=metadata.label_names,
+  )
+  return metadata, data
+
+
+def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
+  """The latest readable checkpoint of `workdir`, from the workdir alone: config, tokenizer,
+  run_info.json and checkpoints (no data file). No readable checkpoint is a UserError."""
+  metadata, data = inference_data(config, workdir)
+  run = recipe.setup(
+      config,
+      workdir,
+      train_examples=0,  # num_train_steps is config.json's, resolved at training time.
+      create_state=lambda tx, mesh: train.create_state(config, data, tx, mesh, pretrained=False),
+      training=False,
+  )
+  state, step = restore_trained(run.checkpointer, run.state)
+  return Restored(metadata, data, run.graphdef, state, run.mesh, step)
+
+
+PREDICT_FILE = os.path.join("predict", "predictions.tsv")
+
+
+def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Runs the latest checkpoint on `predict.input` and writes `<workdir>/predict/predictions.tsv`.
+
+  Pair classification reads a TSV of `premise<TAB>hypothesis` lines and writes the predicted
+  label and each label's probability; translation reads one source sentence per line and
+  writes its beam-search translation (config.nmt). Blank lines and, for pairs, lines starting
+  with # are skipped. Reads the workdir alone (config, tokenizer, run_info.json, checkpoint),
+  not the data files.
+  """
+  if not config.predict.input:
+    raise ConfigError("predict.input", "--mode=predict needs --config.predict.input=FILE")
+  restored = restore_run(config, workdir)
+  columns = tasks.get_task(config).predict(
+      config,
+      restored.data,
+      restored.state,
+      graphdef=restored.graphdef,
+      mesh=restored.mesh,
+      path=config.predict.input,
+  )
+  path = storage.join(workdir, PREDICT_FILE)
+  if jax.process_index() == 0:
+    storage.makedirs(storage.join(workdir, os.path.dirname(PREDICT_FILE)))
+    names = list(columns)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text, delimiter="\t", quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
+    writer.writerow(names)
+    writer.writerows(zip(*(columns[name] for name in names)))
+    write_atomically(path, text.getvalue())
+    rows = len(columns[names[0]])
+    print(f"Predicted {rows} inputs with the checkpoint of step {restored.step}: {path}")
+  return path
 
 
 class PairPredictions(NamedTuple):
@@ -57,8 +194,8 @@ class TrainedRun:
     step: The training step of the restored checkpoint.
   """
 
-  def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: train.Restored):
-    """Wraps a restored checkpoint (`train.restore_run`); `load_run` is the way to make one."""
+  def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: Restored):
+    """Wraps a restored checkpoint (`restore_run`); `load_run` is the way to make one."""
     self.workdir = workdir
     self.config = config
     self.metadata: RunMetadata = restored.metadata
@@ -183,6 +320,6 @@ def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = N
       value.
   """
   workdir, config, restored = restore_saved_run(
-      workdir, config_lib.base_config(), config_lib.validate, train.restore_run, overrides
+      workdir, config_lib.base_config(), config_lib.validate, restore_run, overrides
   )
   return TrainedRun(workdir, config, restored)

@@ -31,7 +31,7 @@ are measured on the eval split, which is the validation split (docs/protocol.md)
 from __future__ import annotations
 
 from causal_attn_jax import config as causal_config
-from causal_attn_jax import train
+from causal_attn_jax import inference, train
 from causal_attn_jax.preflight import preflight_program
 from trainkit import cli
 
@@ -42,7 +42,7 @@ main = cli.train_eval_command(
     workdir_help="Directory for the tokenizer, checkpoints, metrics and report.json.",
     checkpoint_modes={
         "predict": (
-            train.predict_checkpoint,
+            inference.predict_checkpoint,
             "classify the sentence pairs (TSV) or translate the sentences of "
             "--config.predict.input with the latest checkpoint, into "
             "<workdir>/predict/predictions.tsv",

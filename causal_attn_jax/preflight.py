@@ -1,9 +1,9 @@
 """What a causal_attn_jax run is made of, for `--mode=compile` (`trainkit.preflight`).
 
-The model, loss, multiplier update and eval step are those of `train.py`; the data is described
-from the config alone (vocabulary size, number of classes, sequence lengths), never read, and no
-tokenizer is trained, so a run can be compiled for a TPU slice or GPU node on a machine without
-the data.
+The model, loss and multiplier update are those of `train.py`, the eval step `evaluation.py`'s;
+the data is described from the config alone (vocabulary size, number of classes, sequence
+lengths), never read, and no tokenizer is trained, so a run can be compiled for a TPU slice or
+GPU node on a machine without the data.
 """
 
 from __future__ import annotations
@@ -22,12 +22,8 @@ from causal_attn_jax import tasks
 from causal_attn_jax.data import nli
 from causal_attn_jax.data.batching import MASK_KEY
 from causal_attn_jax.data.loading import TaskData
-from causal_attn_jax.train import (
-    initial_extra,
-    make_eval_step,
-    make_loss_fn,
-    make_update_extra,
-)
+from causal_attn_jax.evaluation import make_eval_step
+from causal_attn_jax.train import initial_extra, make_loss_fn, make_update_extra
 from trainkit.preflight.compile import Program
 
 # The config section of each built-in testbed (data.generator).

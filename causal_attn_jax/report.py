@@ -1,6 +1,6 @@
 """What a finished run reports: report.json, its printed summary, eval scalars and heatmaps.
 
-The report is built from one eval pass (`train.run_eval`'s result) that this module asks for
+The report is built from one eval pass (`evaluation.run_eval`'s result) that this module asks for
 through an `evaluate` callable, so that it does not depend on the training module; the task
 object adds its own part (accuracy and HANS, or BLEU) and says which layers to draw. Schema of
 report.json: module docstring of `causal_attn_jax.main`.
@@ -30,7 +30,7 @@ from trainkit.train_state import TrainState
 if TYPE_CHECKING:  # tasks.py imports this module for challenge_report.
   from causal_attn_jax.tasks import Task
 
-# evaluate(arrays, keep_attention=0) -> train.run_eval's result for the state being reported.
+# evaluate(arrays, keep_attention=0) -> evaluation.run_eval's result for the state being reported.
 Evaluate = Callable[..., dict[str, Any]]
 
 

@@ -15,20 +15,19 @@ SentencePiece model it trained there (`spm.model`, `spm.vocab`, `spm.json`), so 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
 
 from causal_attn_jax.data.loading import TaskData
-from trainkit.errors import UserError
-from trainkit.workdir import RUN_INFO_FILE, load_run_info, save_run_info
+from trainkit.run_info import RunMetadataFile
 
 PACKAGE = "causal_attn_jax"
 TOKENIZER_FILE = "spm.model"  # data/tokenizer.py: load_or_train's <workdir>/<name>.model.
 
 
 @dataclasses.dataclass(frozen=True)
-class RunMetadata:
+class RunMetadata(RunMetadataFile):
   """The task, label names and tokenizer file of a trained run.
 
   Attributes:
@@ -36,6 +35,8 @@ class RunMetadata:
     label_names: The classifier's labels, in the order of its outputs; () for translation.
     tokenizer: The SentencePiece model's file name in the workdir.
   """
+
+  PACKAGE: ClassVar[str] = PACKAGE
 
   task: str
   label_names: tuple[str, ...] = ()
@@ -46,34 +47,15 @@ class RunMetadata:
     """The metadata of a run of `config` on `data` (its label names)."""
     return cls(task=config.task, label_names=tuple(data.label_names))
 
-  def to_json(self) -> dict[str, Any]:
-    """The content of run_info.json."""
-    return {"package": PACKAGE, **dataclasses.asdict(self)}
-
   @classmethod
-  def from_json(cls, saved: dict[str, Any], source: str) -> RunMetadata:
-    """Reads `to_json`'s dict; a missing or malformed field is a UserError naming `source`."""
-    if saved.get("package", PACKAGE) != PACKAGE:
-      raise UserError(f"{source} is a {saved['package']} run's, not a {PACKAGE} run's")
-    try:
-      return cls(
-          task=str(saved["task"]),
-          label_names=tuple(str(name) for name in saved["label_names"]),
-          tokenizer=str(saved["tokenizer"]),
-      )
-    except (KeyError, TypeError, ValueError) as e:
-      raise UserError(
-          f"{source}: not a causal_attn_jax run's metadata ({type(e).__name__}: {e})"
-      ) from None
-
-  def save(self, workdir: str) -> None:
-    """Writes `<workdir>/run_info.json` (process 0 only)."""
-    save_run_info(self.to_json(), workdir)
+  def from_fields(cls, saved: dict[str, Any]) -> RunMetadata:
+    """The metadata of `to_json`'s dict (`RunMetadataFile.from_json` names the file on error)."""
+    return cls(
+        task=str(saved["task"]),
+        label_names=tuple(str(name) for name in saved["label_names"]),
+        tokenizer=str(saved["tokenizer"]),
+    )
 
 
-def load(workdir: str) -> RunMetadata | None:
-  """The metadata in `<workdir>/run_info.json`; None for a run trained before it was written."""
-  saved = load_run_info(workdir)
-  if saved is None:
-    return None
-  return RunMetadata.from_json(saved, f"{workdir}/{RUN_INFO_FILE}")
+# The metadata in `<workdir>/run_info.json`; None for a run trained before it was written.
+load = RunMetadata.load

@@ -166,7 +166,7 @@ def timm_config(
   """The export's `config.json` (module docstring) for `model` and its exported `state`.
 
   Args:
-    model: The trained model (`train.Restored.model`).
+    model: The trained model (`inference.Restored.model`).
     state: `export_timm_state_dict(model)`, the content of model.safetensors.
     config: The run's config.
     metadata: The run's class names and preprocessing (run_info.json).

@@ -1,4 +1,5 @@
-"""A trained run from Python: `load_run(workdir)`, then `run.predict(images)`.
+"""A trained run: restoring it from its workdir, predicting and exporting, from the command
+line (`--mode=predict`, `--mode=export`) and from Python (`load_run`), which share this code.
 
     import fairmoe_jax
 
@@ -8,27 +9,289 @@
 
 The workdir alone is read: its config.json, run_info.json (class names, attribute names,
 preprocessing) and latest checkpoint. Predictions are made exactly as `--mode=predict` makes
-them: same batches (`eval_batch_size`), same preprocessing, same jitted evaluation step.
+them: same batches (`eval_batch_size`), same preprocessing, same jitted evaluation step
+(`evaluation.make_eval_step`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
 import functools
+import json
 import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.nnx as nnx
 import jax
 import ml_collections
 import numpy as np
+from jax.sharding import Mesh
 from PIL import Image
 
 from fairmoe_jax import config as config_lib
-from fairmoe_jax import train
+from fairmoe_jax import data as data_lib
+from fairmoe_jax import evaluation, train
+from fairmoe_jax import export as export_lib
+from fairmoe_jax import run_info as run_info_lib
 from fairmoe_jax.data import images as images_lib
+from fairmoe_jax.methods import METHODS
+from fairmoe_jax.metrics import predictions as predictions_lib
+from fairmoe_jax.models.convert_timm import export_timm_state_dict
 from fairmoe_jax.run_info import RunMetadata
+from trainkit import recipe, storage
+from trainkit.checkpoint import restore_trained
+from trainkit.errors import ConfigError, UserError
+from trainkit.metric_writers import write_atomically
 from trainkit.saved_config import restore_saved_run
+from trainkit.textfiles import iter_lines
+from trainkit.train_state import TrainState
+from trainkit.workdir import RUN_INFO_FILE
+
+
+@dataclasses.dataclass
+class Restored:
+  """A trained run's latest checkpoint, ready for inference (`restore_run`).
+
+  Attributes:
+    metadata: The run's class and attribute names and preprocessing (run_info.json).
+    info: The same names as the DatasetInfo the model was built from.
+    graphdef: The model's graph.
+    state: The restored train state (params, model state, optimizer state, extras).
+    mesh: The device mesh of `config.mesh` the state is placed on.
+    step: The checkpoint's step; None when nothing was restored (`from_checkpoint=False`).
+  """
+
+  metadata: run_info_lib.RunMetadata
+  info: data_lib.DatasetInfo
+  graphdef: nnx.GraphDef
+  state: TrainState
+  mesh: Mesh
+  step: int | None
+
+  @property
+  def model(self) -> nnx.Module:
+    """The model with the restored parameters."""
+    return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
+
+
+def run_metadata(config: ml_collections.ConfigDict, workdir: str) -> run_info_lib.RunMetadata:
+  """The run's metadata from `<workdir>/run_info.json`; for a run trained before that file was
+  written, from its dataset (which must then be where `data.*` says)."""
+  metadata = run_info_lib.load(workdir)
+  if metadata is None:
+    try:
+      info, _ = train.load_data(config)
+    except UserError as e:
+      raise UserError(
+          f"{workdir} has no {RUN_INFO_FILE} (trained before it was written), so the class "
+          f"names are read from the dataset, which failed: {e}"
+      ) from None
+    metadata = run_info_lib.RunMetadata.from_dataset(info, config)
+  return metadata
+
+
+def restore_run(
+    config: ml_collections.ConfigDict, workdir: str, *, from_checkpoint: bool = True
+) -> Restored:
+  """The latest readable checkpoint of `workdir`, from the workdir alone (no dataset).
+
+  With `from_checkpoint=False`, the state as initialised from `config` (from
+  `model.pretrained` when set) instead. Raises UserError when there is no readable checkpoint.
+  """
+  metadata = run_metadata(config, workdir)
+  info = metadata.dataset_info()
+  run = recipe.setup(
+      config,
+      workdir,
+      train_examples=0,  # num_train_steps is config.json's, resolved at training time.
+      create_state=lambda tx, mesh: train.create_state(
+          config, info, tx, mesh, pretrained=not from_checkpoint
+      ),
+      training=False,
+  )
+  state, step = run.state, None
+  if from_checkpoint:
+    state, step = restore_trained(run.checkpointer, state)
+  else:
+    run.checkpointer.close()
+  return Restored(metadata, info, run.graphdef, state, run.mesh, step)
+
+
+def load_model(
+    config: ml_collections.ConfigDict, workdir: str, *, restore: bool = True
+) -> tuple[nnx.Module, int | None]:
+  """The model of the latest readable checkpoint in `workdir` and its step, or with
+  `restore=False` the model as initialised from `config` (step None)."""
+  restored = restore_run(config, workdir, from_checkpoint=restore)
+  return restored.model, restored.step
+
+
+EXPORT_FILE = os.path.join("export", export_lib.WEIGHTS_FILE)
+EXPORT_CONFIG_FILE = os.path.join("export", export_lib.CONFIG_FILE)
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Writes the latest checkpoint's parameters as a timm-named safetensors state dict.
+
+  The file is `<workdir>/export/model.safetensors`: PyTorch layouts and timm names
+  (`fairmoe_jax.models.convert_timm`; MoE experts stacked as `<block>.mlp.experts.*`, the
+  router and FairSMoE's attribute branches under their own names), with the step, backbone
+  and class names in its metadata. `load_timm_checkpoint(model, path, skip=())` loads it back.
+  Beside it, `<workdir>/export/config.json` says which timm model it is, with what arguments
+  and preprocessing, or why timm cannot load it (`fairmoe_jax.export`). Reads the workdir
+  alone (config, run_info.json, checkpoint), not the dataset.
+  """
+  from safetensors.numpy import save  # Only this mode needs it.
+
+  restored = restore_run(config, workdir)
+  model = restored.model
+  state = export_timm_state_dict(model)
+  timm_config = export_lib.timm_config(model, state, config, restored.metadata, restored.step)
+  path = storage.join(workdir, EXPORT_FILE)
+  if jax.process_index() == 0:
+    storage.makedirs(storage.join(workdir, os.path.dirname(EXPORT_FILE)))
+    metadata = {
+        "format": "timm",
+        "step": str(restored.step),
+        "method": config.method,
+        "backbone": str(config.model.get("backbone", "")),
+        "class_names": json.dumps(list(restored.metadata.class_names)),
+        "config": config.to_json(),
+    }
+    write_atomically(path, save(state, metadata=metadata))
+    if not storage.is_remote(path):
+      # The temporary file behind an atomic write is private (mode 0600); the export is meant
+      # to be shared like every other output of the run.
+      os.chmod(path, 0o644 & ~_umask())
+    write_atomically(storage.join(workdir, EXPORT_CONFIG_FILE), json.dumps(timm_config, indent=2))
+    size = sum(v.nbytes for v in state.values())
+    print(f"Exported step {restored.step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")
+    if timm_config["timm_loadable"]:
+      print(
+          f"timm: {timm_config['architecture']} with the model_args of "
+          f"{storage.join(workdir, EXPORT_CONFIG_FILE)} (README, 'Loading an export into timm')"
+      )
+    else:
+      print(
+          f"Not loadable by timm: {timm_config['why_not_timm']}. Load it with "
+          f"{export_lib.LOAD_OURS}."
+      )
+  return path
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+PREDICT_FILE = os.path.join("predict", "predictions.csv")
+
+
+def predict_inputs(source: str) -> list[str]:
+  """The image paths `predict.input` names: a folder's images (sorted), or a list file's lines."""
+  if not source:
+    raise ConfigError(
+        "predict.input", "--mode=predict needs --config.predict.input=FOLDER_OR_LIST_FILE"
+    )
+  if os.path.isdir(source):
+    paths = sorted(
+        os.path.join(source, name)
+        for name in os.listdir(source)
+        if name.lower().endswith(IMAGE_SUFFIXES)
+    )
+    if not paths:
+      raise ConfigError(
+          "predict.input", f"folder {source} holds no image ({', '.join(IMAGE_SUFFIXES)})"
+      )
+    return paths
+  folder = os.path.dirname(os.path.abspath(source))
+  paths = []
+  for _, line in iter_lines(source, "predict.input list"):
+    if line.strip() and not line.lstrip().startswith("#"):
+      paths.append(os.path.join(folder, line.strip()))  # Absolute paths stay as they are.
+  if not paths:
+    raise ConfigError("predict.input", f"list file {source} names no image")
+  return paths
+
+
+def check_predictable(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError when the method needs what unlabelled images lack (route_by=label)."""
+  if METHODS[config.method].eval_context(config, {"attributes": None}) is not None:
+    raise ConfigError(
+        "fair.route_by",
+        "'label' routes by the sensitive labels, which unlabelled images do not have; "
+        "predict with a model trained with route_by=predicted",
+    )
+
+
+def predict_examples(
+    restored: Restored,
+    config: ml_collections.ConfigDict,
+    images: np.ndarray,
+    eval_step: Callable[..., Any] | None = None,
+) -> dict[str, Any]:
+  """Classifies unlabelled images as evaluation does (same batches, padding and eval step).
+
+  Args:
+    restored: The trained run (`restore_run`).
+    config: Its config (eval_batch_size, image size, method).
+    images: Image file paths (an object array [N]), or uint8 images [N, S, S, 3].
+    eval_step: `evaluation.make_eval_step(restored.graphdef, restored.info, config)`, to reuse its
+      compilation over calls; None makes one.
+
+  Returns:
+    `gather_examples`' per-example outputs, in the order of `images`: `prediction` [N],
+    `probabilities` [N, C] and `experts` {block: [N, E]}.
+  """
+  info = restored.info
+  # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
+  split = {
+      "path" if images.dtype == object else "image": images,
+      "label": np.zeros(len(images), np.int32),
+      "attributes": np.full((len(images), len(info.attribute_names)), -1, np.int32),
+  }
+  _, examples = evaluation.evaluate(
+      eval_step or evaluation.make_eval_step(restored.graphdef, info, config),
+      restored.state,
+      split,
+      info,
+      config,
+      restored.mesh,
+      keep_examples=True,
+  )
+  return examples
+
+
+def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Classifies `predict.input`'s images with the latest checkpoint.
+
+  Writes `<workdir>/predict/predictions.csv`: per image its path, the predicted class (index and
+  name), the class probabilities and, per MoE block and expert, the share of the image's
+  (token, choice) pairs that expert served. No label or sensitive attribute is read, and
+  neither is the dataset: the class names come from the workdir's run_info.json.
+  """
+  check_predictable(config)
+  paths = predict_inputs(config.predict.input)
+  restored = restore_run(config, workdir)
+  examples = predict_examples(restored, config, np.array(paths, dtype=object))
+  prediction = examples["prediction"]
+  columns: dict[str, np.ndarray] = {
+      "path": np.array(paths, dtype=object)[examples["index"]],
+      "prediction": prediction,
+      "class_name": np.array(restored.metadata.class_names, dtype=object)[prediction],
+  }
+  columns.update(predictions_lib.probability_columns(examples))
+  columns.update(predictions_lib.expert_columns(examples))
+  path = storage.join(workdir, PREDICT_FILE)
+  if jax.process_index() == 0:
+    storage.makedirs(storage.join(workdir, os.path.dirname(PREDICT_FILE)))
+    predictions_lib.write_csv(path, columns)
+    print(f"Predicted {len(paths)} images with the checkpoint of step {restored.step}: {path}")
+  return path
+
 
 ImageBatch = Sequence[str | os.PathLike] | Sequence[np.ndarray] | np.ndarray | jax.Array
 
@@ -61,14 +324,14 @@ class TrainedRun:
     step: The training step of the restored checkpoint.
   """
 
-  def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: train.Restored):
-    """Wraps a restored checkpoint (`train.restore_run`); `load_run` is the way to make one."""
+  def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: Restored):
+    """Wraps a restored checkpoint (`restore_run`); `load_run` is the way to make one."""
     self.workdir = workdir
     self.config = config
     self.metadata: RunMetadata = restored.metadata
     self.step: int | None = restored.step
     self._restored = restored
-    self._eval_step = train.make_eval_step(restored.graphdef, restored.info, config)
+    self._eval_step = evaluation.make_eval_step(restored.graphdef, restored.info, config)
 
   @functools.cached_property
   def model(self) -> nnx.Module:
@@ -102,9 +365,9 @@ class TrainedRun:
       ValueError: An image has another shape than [H, W, 3], or pixel values out of range.
       trainkit.errors.UserError: An image file is missing or unreadable (the message names it).
     """
-    train.check_predictable(self.config)
+    check_predictable(self.config)
     inputs = _model_inputs(images, self.metadata.preprocessing.image_size)
-    examples = train.predict_examples(self._restored, self.config, inputs, self._eval_step)
+    examples = predict_examples(self._restored, self.config, inputs, self._eval_step)
     classes = examples["prediction"]
     return Predictions(
         probabilities=examples["probabilities"],
@@ -136,7 +399,7 @@ def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = N
       another run holds it; a ConfigError names an override with a wrong key or value.
   """
   workdir, config, restored = restore_saved_run(
-      workdir, config_lib.base_config(), config_lib.validate, train.restore_run, overrides
+      workdir, config_lib.base_config(), config_lib.validate, restore_run, overrides
   )
   return TrainedRun(workdir, config, restored)
 

@@ -20,7 +20,7 @@ v5e-16, v5e-64, v5e-256, v5p-8, v5p-32, h100x1, h100x8, h100x16, a100x8; pip ins
 from __future__ import annotations
 
 from fairmoe_jax import config as fairmoe_config
-from fairmoe_jax import train
+from fairmoe_jax import inference, train
 from fairmoe_jax.preflight import preflight_program
 from trainkit import cli
 
@@ -30,12 +30,12 @@ main = cli.train_eval_command(
     evaluate_checkpoint=train.evaluate_checkpoint,
     checkpoint_modes={
         "predict": (
-            train.predict_checkpoint,
+            inference.predict_checkpoint,
             "classify the images of --config.predict.input (a folder or a list file) with the "
             "latest checkpoint, into <workdir>/predict/predictions.csv",
         ),
         "export": (
-            train.export_checkpoint,
+            inference.export_checkpoint,
             "write the latest checkpoint as a timm-named safetensors file, "
             "<workdir>/export/model.safetensors, and timm's config.json beside it (the timm "
             "model, its arguments and preprocessing, or why timm cannot load it)",

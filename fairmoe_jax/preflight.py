@@ -1,8 +1,9 @@
 """What a fairmoe_jax run is made of, for `--mode=compile` (`trainkit.preflight`).
 
-The model, loss and eval step are those of `train.py`; the dataset is described from the
-config alone (classes, sensitive attributes and their groups, image size), never read, so a
-run can be compiled for a TPU slice or GPU node on a machine without the data.
+The model and loss are those of `train.py`, the eval step that of `evaluation.py`; the dataset
+is described from the config alone (classes, sensitive attributes and their groups, image
+size), never read, so a run can be compiled for a TPU slice or GPU node on a machine without
+the data.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from jax.sharding import Mesh
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.data.celeba import celeba_info
 from fairmoe_jax.data.isic import isic2019_info
+from fairmoe_jax.evaluation import make_eval_step
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax.methods.base import resolve_dispatch
-from fairmoe_jax.train import make_eval_step, make_loss_fn
+from fairmoe_jax.train import make_loss_fn
 from trainkit.preflight.compile import Program
 
 # Training examples of each dataset at full size: CelebA's official train partition

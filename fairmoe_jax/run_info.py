@@ -20,13 +20,13 @@ files are decoded, their short side resized to `image_size` and a centred square
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
 
 from fairmoe_jax.data.types import DatasetInfo
 from trainkit.errors import UserError
-from trainkit.workdir import RUN_INFO_FILE, load_run_info, save_run_info
+from trainkit.run_info import RunMetadataFile
 
 PACKAGE = "fairmoe_jax"
 # augment.normalize: p / 127.5 - 1 = (p / 255 - 0.5) / 0.5 for every channel.
@@ -53,7 +53,7 @@ class Preprocessing:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunMetadata:
+class RunMetadata(RunMetadataFile):
   """The dataset's names and the preprocessing a trained run was trained with.
 
   Attributes:
@@ -63,6 +63,8 @@ class RunMetadata:
     group_names: For each attribute, the names of its groups.
     preprocessing: How images become the model's input.
   """
+
+  PACKAGE: ClassVar[str] = PACKAGE
 
   dataset: str
   class_names: tuple[str, ...]
@@ -92,50 +94,33 @@ class RunMetadata:
         image_size=self.preprocessing.image_size,
     )
 
-  def to_json(self) -> dict[str, Any]:
-    """The content of run_info.json."""
-    return {"package": PACKAGE, **dataclasses.asdict(self)}
-
   @classmethod
-  def from_json(cls, saved: dict[str, Any], source: str) -> RunMetadata:
-    """Reads `to_json`'s dict; a missing or malformed field is a UserError naming `source`."""
-    if saved.get("package", PACKAGE) != PACKAGE:
-      raise UserError(f"{source} is a {saved['package']} run's, not a {PACKAGE} run's")
-    try:
-      preprocessing = dict(saved["preprocessing"])
-      metadata = cls(
-          dataset=str(saved["dataset"]),
-          class_names=tuple(saved["class_names"]),
-          attribute_names=tuple(saved["attribute_names"]),
-          group_names=tuple(tuple(g) for g in saved["group_names"]),
-          preprocessing=Preprocessing(
-              image_size=int(preprocessing["image_size"]),
-              resize=str(preprocessing["resize"]),
-              mean=tuple(preprocessing["mean"]),
-              std=tuple(preprocessing["std"]),
-          ),
-      )
-    except (KeyError, TypeError, ValueError) as e:
-      raise UserError(
-          f"{source}: not a fairmoe_jax run's metadata ({type(e).__name__}: {e})"
-      ) from None
-    ours = Preprocessing(image_size=metadata.preprocessing.image_size)
-    if metadata.preprocessing != ours:
+  def from_fields(cls, saved: dict[str, Any]) -> RunMetadata:
+    """The metadata of `to_json`'s dict (`RunMetadataFile.from_json` names the file on error)."""
+    preprocessing = dict(saved["preprocessing"])
+    return cls(
+        dataset=str(saved["dataset"]),
+        class_names=tuple(saved["class_names"]),
+        attribute_names=tuple(saved["attribute_names"]),
+        group_names=tuple(tuple(g) for g in saved["group_names"]),
+        preprocessing=Preprocessing(
+            image_size=int(preprocessing["image_size"]),
+            resize=str(preprocessing["resize"]),
+            mean=tuple(preprocessing["mean"]),
+            std=tuple(preprocessing["std"]),
+        ),
+    )
+
+  def check(self, source: str) -> None:
+    """Raises UserError when the run's preprocessing is not what this version's pipeline does."""
+    ours = Preprocessing(image_size=self.preprocessing.image_size)
+    if self.preprocessing != ours:
       # This version's pipeline can only reproduce its own normalisation and resizing.
       raise UserError(
-          f"{source}: the run's preprocessing {metadata.preprocessing} is not this version's "
+          f"{source}: the run's preprocessing {self.preprocessing} is not this version's "
           f"({ours})"
       )
-    return metadata
-
-  def save(self, workdir: str) -> None:
-    """Writes `<workdir>/run_info.json` (process 0 only)."""
-    save_run_info(self.to_json(), workdir)
 
 
-def load(workdir: str) -> RunMetadata | None:
-  """The metadata in `<workdir>/run_info.json`; None for a run trained before it was written."""
-  saved = load_run_info(workdir)
-  if saved is None:
-    return None
-  return RunMetadata.from_json(saved, f"{workdir}/{RUN_INFO_FILE}")
+# The metadata in `<workdir>/run_info.json`; None for a run trained before it was written.
+load = RunMetadata.load

@@ -41,6 +41,20 @@ ENDE_TINY_DATA = {
     "data.max_eval_examples": 16,
     "data.vocab_size": 200,
 }
+# A translation model and beam search of a few seconds' work (with ENDE_TINY_DATA or a copy).
+ENDE_TINY_MODEL = {
+    "data.max_source_len": 12,
+    "data.max_target_len": 12,
+    "nmt.max_decode_len": 8,
+    "nmt.beam_size": 2,
+    "model.dim": 16,
+    "model.num_layers": 1,
+    "model.num_decoder_layers": 1,
+    "model.num_heads": 2,
+    "model.mlp_dim": 16,
+    "batch_size": 8,
+    "eval_batch_size": 8,
+}
 
 # This project's modules, as a regex over a warning's module (tests/test_deprecations.py).
 OWN_MODULES = r"(fairmoe_jax|causal_attn_jax|trainkit|experiments)(\.|$)"

@@ -10,8 +10,8 @@ import sys
 import jax
 import pytest
 
-from conftest import CAUSAL_TINY_ARGS, ENDE, ENDE_TINY_DATA, SHARED_DATA
-from causal_attn_jax import train
+from conftest import CAUSAL_TINY_ARGS, ENDE, ENDE_TINY_DATA, ENDE_TINY_MODEL, SHARED_DATA
+from causal_attn_jax import inference, train
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
@@ -134,17 +134,7 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
   config.update_from_flattened_dict(
       {
           **ENDE_TINY_DATA,
-          "data.max_source_len": 12,
-          "data.max_target_len": 12,
-          "nmt.max_decode_len": 8,
-          "nmt.beam_size": 2,
-          "model.dim": 16,
-          "model.num_layers": 1,
-          "model.num_decoder_layers": 1,
-          "model.num_heads": 2,
-          "model.mlp_dim": 16,
-          "batch_size": 8,
-          "eval_batch_size": 8,
+          **ENDE_TINY_MODEL,
           "log_every_steps": 1,
           "eval_every_steps": 0,
           "checkpoint_every_steps": 4,
@@ -182,7 +172,7 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
   sources = tmp_path / "sources.txt"
   sources.write_text("".join(lines[i] + "\n" for i in chosen))
   config.predict.input = str(sources)
-  path = train.predict_checkpoint(config, str(tmp_path))
+  path = inference.predict_checkpoint(config, str(tmp_path))
   with open(path, newline="") as f:
     rows = list(csv.DictReader(f, delimiter="\t"))
   assert [r["source"] for r in rows] == [lines[i] for i in chosen]

@@ -14,7 +14,7 @@ import types
 import jax
 import numpy as np
 
-from fairmoe_jax import methods, train
+from fairmoe_jax import evaluation, methods, train
 from trainkit import loop
 from test_methods import _config, _setup
 
@@ -63,11 +63,11 @@ def test_validation_compiles_once_across_fem_reviews():
   config.data.val_size = 40  # Batches of 16: the third is padded.
   mesh, info, graphdef, state, step, batch = _setup(config)
   _, splits = train.load_data(config)
-  eval_step = train.make_eval_step(graphdef, info, config)
+  eval_step = evaluation.make_eval_step(graphdef, info, config)
   reports = []
 
   def validate(state):
-    report, _ = train.evaluate(eval_step, state, splits["val"], info, config, mesh)
+    report, _ = evaluation.evaluate(eval_step, state, splits["val"], info, config, mesh)
     reports.append(report)
     return report
 

@@ -436,8 +436,8 @@ def test_report_rejects_mismatched_names():
 
 
 def test_the_report_says_whether_the_sa_classifiers_beat_the_majority_rate():
+  from fairmoe_jax.evaluation import sa_classifier_report
   from fairmoe_jax.metrics.report import format_report
-  from fairmoe_jax.train import sa_classifier_report
 
   info = types.SimpleNamespace(attribute_names=("sex", "age"))
   report = {

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fairmoe_jax import config as fairmoe_config
-from fairmoe_jax import methods, train
+from fairmoe_jax import evaluation, methods, train
 from fairmoe_jax.models.muffin import Muffin
 from fairmoe_jax.moe.routers.fair import FairRouter
 from trainkit.mesh import make_mesh, shard_batch
@@ -152,8 +152,8 @@ def _sa_branch(scale: float) -> dict:
   _, params, model_state = nnx.split(model, nnx.Param, ...)
   state = state.replace(params=params, model_state=model_state)
   batch = dict(batch, mask=jnp.ones(len(batch["label"])))
-  counts = train.make_eval_step(graphdef, info, config)(state, batch)
-  return train.sa_branch_report(jax.device_get(counts["sa_branch"]))
+  counts = evaluation.make_eval_step(graphdef, info, config)(state, batch)
+  return evaluation.sa_branch_report(jax.device_get(counts["sa_branch"]))
 
 
 def test_the_report_says_how_much_of_the_routing_the_sa_branch_decides():
@@ -183,7 +183,7 @@ def _eval_predictions(config, scramble: bool):
         np.stack([(attributes[:, i] + 1) % g for i, g in enumerate(info.group_sizes)], 1)
     )
   batch["mask"] = jnp.ones(len(batch["label"]))
-  counts = train.make_eval_step(graphdef, info, config)(state, batch)
+  counts = evaluation.make_eval_step(graphdef, info, config)(state, batch)
   overall = np.asarray(counts["overall"])
   model = nnx.merge(graphdef, state.params, state.model_state)
   logits, _ = model(
@@ -270,3 +270,41 @@ def test_pretrained_checkpoint_initialises_every_backbone(tmp_path, method):
     moe = model.blocks[-1].mlp
     for e in range(moe.num_experts):
       np.testing.assert_array_equal(moe.w1[...][e], source.blocks[-1].mlp.fc1.kernel[...])
+
+
+def test_the_eval_step_reads_routing_readings_not_metric_names(monkeypatch):
+  """Each MoE block's expert usage is the masked sum of its `RoutingReadings` (numpy), and
+  renaming every logged metric changes none of the eval step's counts."""
+  from fairmoe_jax.data.augment import normalize_on_device
+  from fairmoe_jax.moe import MoEAux
+
+  config = _config("fairsmoe")
+  _, info, graphdef, state, step, batch = _setup(config)
+  state, _ = step(state, batch)
+  mask = np.r_[np.ones(12), np.zeros(4)].astype(np.float32)
+  batch = dict(batch, mask=jnp.asarray(mask))
+  counts = jax.device_get(evaluation.make_eval_step(graphdef, info, config)(state, batch))
+
+  model = nnx.merge(graphdef, state.params, state.model_state)
+  _, aux = model(normalize_on_device(batch["image"], batch["mask"]), train=False)
+  assert set(counts["expert_usage"]["choices"]) == set(aux.routing) == {"moe_block1"}
+  assert set(counts["sa_correct"]) == set(counts["sa_branch"]) == set(aux.routing)
+  for block, readings in aux.routing.items():
+    per_example_usage = {"choices": readings.expert_fraction, "gate_weight": readings.gate_weight}
+    for kind, per_example in per_example_usage.items():
+      np.testing.assert_allclose(
+          counts["expert_usage"][kind][block]["total"],
+          (np.asarray(per_example, np.float64) * mask[:, None]).sum(0),
+          rtol=1e-5,
+      )
+
+  merge = MoEAux.merge.__func__
+
+  def renamed(cls, named):
+    merged = merge(cls, named)
+    return merged.replace(metrics={f"renamed/{k}": v for k, v in merged.metrics.items()})
+
+  monkeypatch.setattr(MoEAux, "merge", classmethod(renamed))
+  again = jax.device_get(evaluation.make_eval_step(graphdef, info, config)(state, batch))
+  assert jax.tree.structure(again) == jax.tree.structure(counts)
+  jax.tree.map(np.testing.assert_array_equal, again, counts)

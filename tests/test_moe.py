@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import fields
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from fairmoe_jax.moe import (
@@ -20,6 +21,7 @@ from fairmoe_jax.moe import (
     dispatch_and_combine_masks,
     route_from_logits,
 )
+from fairmoe_jax.moe.routers.base import RouterOutput, float32_gate
 from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
 PARAM_NAMES = ("gate", "w1", "b1", "w2", "b2")
@@ -314,3 +316,58 @@ def test_a_wrong_token_width_fails_at_the_layer_not_in_dispatch():
     layer(jnp.zeros((2, 5, DIM + 1)))
   with pytest.raises(AssertionError, match="rank"):
     layer(jnp.zeros((5, DIM)))
+
+
+@struct.dataclass
+class _ReadingRouterOutput(RouterOutput):
+  """A router's output that adds a loss needing the experts and a per-example reading."""
+
+  def expert_losses(self, x, experts, context):
+    served = experts.apply(jnp.broadcast_to(x[:, None], (x.shape[0], EXPERTS, *x.shape[1:])))
+    return {"expert_output_mean": jnp.mean(served), "context_examples": context["n"].sum()}
+
+  def example_readings(self, batch, seq_len):
+    return {"top_gate": self.gates[:, 0].reshape(batch, seq_len).mean(axis=1)}
+
+
+class _ReadingRouter(nnx.Module):
+  """A router module with `__call__` alone: whatever the layer needs comes in its output."""
+
+  def __init__(self, dim, num_experts, top_k, *, rngs):
+    self.gate = float32_gate(dim, num_experts, rngs=rngs)
+    self.top_k = top_k
+
+  def __call__(self, x, *, train=False, rngs=None, context=None):
+    route = route_from_logits(self.gate(x), self.top_k)
+    return _ReadingRouterOutput(**{f.name: getattr(route, f.name) for f in fields(route)})
+
+
+def test_the_layer_takes_a_router_s_extras_from_its_output_alone():
+  """The router protocol: losses that need the experts (in training only) and per-example
+  readings come back through the router's output, and `MoEAux.merge` names them by block."""
+  layer = SparseMoE(DIM, HIDDEN, EXPERTS, TOP_K, router=_ReadingRouter, rngs=nnx.Rngs(0))
+  _randomise(layer)
+  x = _normal(1, (3, 5, DIM))
+  context = {"n": jnp.ones((3,))}
+  _, trained = layer(x, train=True, context=context)
+  p = {k: np.asarray(v, np.float64) for k, v in _params(layer).items()}
+  pre = np.einsum("gsd,edh->gseh", np.asarray(x, np.float64), p["w1"]) + p["b1"]
+  h = 0.5 * pre * (1.0 + scipy.special.erf(pre / np.sqrt(2.0)))  # exact GELU
+  served = np.einsum("gseh,ehd->gsed", h, p["w2"]) + p["b2"]  # Every expert on every token.
+  np.testing.assert_allclose(trained.extra_losses["expert_output_mean"], served.mean(), rtol=1e-4)
+  assert float(trained.extra_losses["context_examples"]) == 3.0
+  _, evaluated = layer(x, train=False, context=context)
+  assert evaluated.extra_losses == {}  # Expert losses are training's.
+  (readings,) = evaluated.routing.values()
+  route = layer.router(x.reshape(15, DIM))
+  np.testing.assert_allclose(
+      readings.router["top_gate"], np.asarray(route.gates[:, 0]).reshape(3, 5).mean(1), rtol=1e-6
+  )
+  np.testing.assert_array_equal(
+      readings.expert_fraction, evaluated.metrics["example_expert_fraction"]
+  )
+  np.testing.assert_array_equal(readings.gate_weight, evaluated.metrics["example_gate_weight"])
+  assert float(readings.fraction_dropped) == float(evaluated.metrics["fraction_dropped"])
+  merged = MoEAux.merge({"moe_block1": evaluated, "moe_block3": evaluated})
+  assert set(merged.routing) == {"moe_block1", "moe_block3"}
+

@@ -314,7 +314,7 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   from flax import nnx
   import ml_collections
 
-  from fairmoe_jax import train
+  from fairmoe_jax import inference
   from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 
   workdir, _ = run
@@ -333,14 +333,14 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   assert timm_config["timm_loadable"] is False and "no MoE block" in timm_config["why_not_timm"]
 
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-  trained, step = train.load_model(config, str(workdir))
+  trained, step = inference.load_model(config, str(workdir))
   assert step == 20
   expected = export_timm_state_dict(trained)
   assert sorted(exported) == sorted(expected)
   for name, value in expected.items():
     np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
-  fresh, _ = train.load_model(config, str(workdir), restore=False)
+  fresh, _ = inference.load_model(config, str(workdir), restore=False)
   assert any(  # Initialised, not trained: the load below has work to do.
       not np.array_equal(value, expected[name])
       for name, value in export_timm_state_dict(fresh).items()

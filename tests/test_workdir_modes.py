@@ -20,12 +20,19 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import CAUSAL_TINY_ARGS, FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
+from conftest import (
+    CAUSAL_TINY_ARGS,
+    ENDE,
+    ENDE_TINY_DATA,
+    ENDE_TINY_MODEL,
+    FAIR_TINY_ARGS,
+    REPO_ROOT,
+    SHARED_DATA,
+)
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
 CELEBA = SHARED_DATA / "celeba"
 NLI = SHARED_DATA / "nli"
-ENDE = SHARED_DATA / "translation" / "wmt14_ende_opennmt"
 
 FAIR_ARGS = FAIR_TINY_ARGS
 # A tiny Causal Transformer on the MNLI sample (test_causal_cli.py's), without plots.
@@ -368,36 +375,22 @@ def test_causal_load_run_reproduces_predict_mode(causal_run, capsys):
 @pytest.mark.skipif(not ENDE.is_dir(), reason="needs ../shared/data/translation")
 def test_causal_load_run_translates_as_predict_mode(tmp_path):
   import causal_attn_jax
-  from causal_attn_jax import train
+  from causal_attn_jax import inference, train
 
   from causal_attn_jax import config as config_lib
 
   data = tmp_path / "data"
   data.mkdir()
-  for name in ("src-train.txt", "tgt-train.txt", "src-val.txt", "tgt-val.txt"):
-    shutil.copy(ENDE / name, data / name)
+  copies = {}  # The tiny run's data files, copied: removed after training.
+  for key in ("data.train_source", "data.train_target", "data.eval_source", "data.eval_target"):
+    copies[key] = str(shutil.copy(ENDE_TINY_DATA[key], data))
   config = config_lib.paper_config(task="translation", size="small", attention="causal", steps=4)
   config.update_from_flattened_dict(
       {
-          "data.train_source": str(data / "src-train.txt"),
-          "data.train_target": str(data / "tgt-train.txt"),
-          "data.eval_source": str(data / "src-val.txt"),
-          "data.eval_target": str(data / "tgt-val.txt"),
-          "data.unescape": True,
-          "data.max_train_examples": 128,
+          **ENDE_TINY_DATA,
+          **copies,
           "data.max_eval_examples": 8,
-          "data.vocab_size": 200,
-          "data.max_source_len": 12,
-          "data.max_target_len": 12,
-          "nmt.max_decode_len": 8,
-          "nmt.beam_size": 2,
-          "model.dim": 16,
-          "model.num_layers": 1,
-          "model.num_decoder_layers": 1,
-          "model.num_heads": 2,
-          "model.mlp_dim": 16,
-          "batch_size": 8,
-          "eval_batch_size": 8,
+          **ENDE_TINY_MODEL,
           "eval_every_steps": 0,
           "checkpoint_every_steps": 4,
           "plots.num_examples": 0,
@@ -414,7 +407,7 @@ def test_causal_load_run_translates_as_predict_mode(tmp_path):
   assert run.metadata.task == "translation" and run.metadata.label_names == ()
   translations = run.translate(sources)
   config.predict.input = str(tmp_path / "sources.txt")
-  with open(train.predict_checkpoint(config, str(workdir)), newline="") as f:
+  with open(inference.predict_checkpoint(config, str(workdir)), newline="") as f:
     rows = list(csv.DictReader(f, delimiter="\t"))
   assert translations == [r["translation"] for r in rows]
   with pytest.raises(TypeError, match="predict_pairs needs a classification run"):

@@ -47,13 +47,28 @@ _KERNEL_INIT = nnx.initializers.normal(stddev=0.02)
 _BIAS_INIT = nnx.initializers.zeros_init()
 
 
-# Per-example metric name prefix of attribute a's SA-classifier probabilities (FGR routers).
-ATTRIBUTE_PROBS = "example_attribute_probs_"
-# FGR's SA branch, per example: token means of (sa, sa^2, gate, gate^2) per expert [B, 4, E], where
-# the routing logits are gate + sa; and the fraction of its tokens whose top-k set changes when
-# sa is replaced by its mean over the batch's tokens [B].
-SA_LOGIT_MOMENTS = "example_sa_logit_moments"
-SA_CHOICE_CHANGE = "example_sa_choice_change"
+@struct.dataclass
+class RoutingReadings:
+  """What an evaluation reads of one MoE layer's routing (never logged in training).
+
+  Named fields, not metric names: the evaluation step reads these (`fairmoe_jax.evaluation`),
+  so renaming a logged metric cannot change what it computes.
+
+  Attributes:
+    fraction_dropped: scalar, the layer's dropped (token, choice) pairs (expert choice: the
+      tokens no expert took).
+    expert_fraction: [B, E] the share of each example's (token, choice) pairs each expert
+      served (paper Figs. 2 and 5).
+    gate_weight: [B, E] the mean gate weight each expert received per example; None for
+      expert choice, which has no gates.
+    router: the router's own per-example readings (`RouterOutput.example_readings`, e.g. FGR's
+      `FairRoutingReadings`), None for the plain routers.
+  """
+
+  fraction_dropped: jax.Array
+  expert_fraction: jax.Array
+  gate_weight: jax.Array | None = None
+  router: Any = None
 
 
 @struct.dataclass
@@ -66,12 +81,15 @@ class MoEAux:
     metrics: named arrays for logging, e.g. "fraction_dropped".
     extra_losses: further named scalar losses from the router (e.g. the
       fairness-guided router's "confusion"), unweighted; summed over layers.
+    routing: each layer's `RoutingReadings`, by block name: a layer's own is under "",
+      `merge` names it by its block as it names the metrics.
   """
 
   loss: jax.Array
   z_loss: jax.Array
   metrics: dict[str, jax.Array] = struct.field(default_factory=dict)
   extra_losses: dict[str, jax.Array] = struct.field(default_factory=dict)
+  routing: dict[str, RoutingReadings] = struct.field(default_factory=dict)
 
   @classmethod
   def zeros(cls) -> "MoEAux":
@@ -84,12 +102,14 @@ class MoEAux:
     loss, z_loss = cls.zeros().loss, cls.zeros().z_loss
     metrics: dict[str, jax.Array] = {}
     extra: dict[str, jax.Array] = {}
+    routing: dict[str, RoutingReadings] = {}
     for name, aux in named.items():
       loss, z_loss = loss + aux.loss, z_loss + aux.z_loss
       metrics.update({f"{name}/{k}": v for k, v in aux.metrics.items()})
       for k, v in aux.extra_losses.items():
         extra[k] = extra.get(k, 0.0) + v
-    return cls(loss=loss, z_loss=z_loss, metrics=metrics, extra_losses=extra)
+      routing.update({f"{name}/{k}" if k else name: v for k, v in aux.routing.items()})
+    return cls(loss=loss, z_loss=z_loss, metrics=metrics, extra_losses=extra, routing=routing)
 
 
 def _expert_param(
@@ -119,26 +139,6 @@ ROUTERS = ("topk", "noisy_topk", "expert_choice")
 # The two ways `SparseMoE` matches tokens with experts (`SparseMoE.routing`).
 TOKEN_CHOICE = "token_choice"
 EXPERT_CHOICE = "expert_choice"
-
-
-def _sa_branch_metrics(route, batch: int, seq_len: int, top_k: int) -> dict[str, jax.Array]:
-  """How much of FGR's routing the SA branch decides (SA_LOGIT_MOMENTS, SA_CHOICE_CHANGE).
-
-  A branch whose vote is the same for every token is a learned constant bias: its variance over
-  tokens is 0, and replacing it by its mean changes no choice.
-  """
-  sa = route.attribute_logits.astype(jnp.float32)
-  gate = route.logits - sa
-  moments = jnp.stack([sa, sa**2, gate, gate**2], axis=1)  # [T, 4, E]
-  constant = gate + jnp.mean(sa, axis=0, keepdims=True)
-  _, without = jax.lax.top_k(constant, top_k)
-  chosen = jax.nn.one_hot(route.expert_index, sa.shape[-1]).sum(1)  # [T, E] 0/1
-  kept = jax.nn.one_hot(without, sa.shape[-1]).sum(1)
-  changed = jnp.any(chosen != kept, axis=-1).astype(jnp.float32)  # [T]
-  return {
-      SA_LOGIT_MOMENTS: moments.reshape(batch, seq_len, 4, -1).mean(axis=1),
-      SA_CHOICE_CHANGE: changed.reshape(batch, seq_len).mean(axis=1),
-  }
 
 
 class SparseMoE(nnx.Module):
@@ -322,8 +322,8 @@ class SparseMoE(nnx.Module):
     expert_index = route.expert_index.reshape(batch, seq_len, self.top_k)
     gates = route.gates.reshape(batch, seq_len, self.top_k)
     extra_losses = dict(route.extra_losses())
-    if train and hasattr(self.router, "expert_losses"):  # Losses that need the experts' outputs.
-      extra_losses.update(self.router.expert_losses(x, experts, context))
+    if train:  # Losses that need the experts' outputs (the router protocol, routers/base.py).
+      extra_losses.update(route.expert_losses(x, experts, context))
     # Mean gate weight each expert receives per example: unlike choice counts, it tells a router
     # that spreads its weight from one that routes with a dominant expert and a token second pick.
     gate_weight = (
@@ -363,18 +363,19 @@ class SparseMoE(nnx.Module):
 
     metrics = _routing_metrics(route.probs, stats.fraction_dropped, stats.group_expert_fraction)
     metrics["example_gate_weight"] = gate_weight
-    # FGR's sensitive-attribute classifiers, per example ([B, G_a], the mean over its tokens),
-    # so an evaluation can say whether they beat the majority rate. Not scalars: never logged
-    # in training, where they are dead code.
-    for a, probs in enumerate(getattr(route, "attribute_probs", ())):
-      metrics[f"{ATTRIBUTE_PROBS}{a}"] = probs.reshape(batch, seq_len, -1).mean(axis=1)
-    if getattr(route, "attribute_logits", None) is not None:
-      metrics.update(_sa_branch_metrics(route, batch, seq_len, self.top_k))
+    # Per example, for an evaluation; dead code in training, which never reads them.
+    readings = RoutingReadings(
+        fraction_dropped=stats.fraction_dropped,
+        expert_fraction=stats.group_expert_fraction,
+        gate_weight=gate_weight,
+        router=route.example_readings(batch, seq_len),
+    )
     aux = MoEAux(
         loss=route.load_balance_loss,
         z_loss=route.z_loss,
         metrics=metrics,
         extra_losses=extra_losses,
+        routing={"": readings},
     )
     return y, aux
 
@@ -389,8 +390,16 @@ class SparseMoE(nnx.Module):
     served = jnp.full((batch, self.num_experts), capacity / (seq_len * self.top_k), jnp.float32)
     probs = assignment.probs.reshape(-1, self.num_experts)
     metrics = _routing_metrics(probs, assignment.fraction_unrouted, served)
+    readings = RoutingReadings(
+        fraction_dropped=assignment.fraction_unrouted, expert_fraction=served
+    )
     # Perfectly balanced by construction: no load-balancing loss.
-    return y, MoEAux(loss=jnp.zeros((), jnp.float32), z_loss=assignment.z_loss, metrics=metrics)
+    return y, MoEAux(
+        loss=jnp.zeros((), jnp.float32),
+        z_loss=assignment.z_loss,
+        metrics=metrics,
+        routing={"": readings},
+    )
 
 
 def _routing_metrics(

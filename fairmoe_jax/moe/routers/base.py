@@ -13,13 +13,19 @@ returning a `RouterOutput` (or a subclass). `context` maps names to per-token
 arrays with leading dimension T (e.g. the sensitive attributes of each token's
 example); routers that need none ignore it.
 
-A router may also define
+Everything else the layer needs of a router comes back through that output (as
+V-MoE's routers return their dispatcher and metrics), so the layer calls no
+method of the router itself; a subclass overrides what its router adds:
 
-    losses = router.expert_losses(x, experts, context)   # x: [B, S, D], context per example
+    route.extra_losses()                       # named scalar losses (unweighted)
+    route.expert_losses(x, experts, context)   # in training, x: [B, S, D], context per example
+    route.example_readings(batch, seq_len)     # per-example readings for evaluation
 
-which `SparseMoE` calls in training with the layer's input and stacked `ExpertWeights`, for
-losses that need the experts' outputs (FairSMoE's `expert_competence` reading); its named
-scalars join `RouterOutput.extra_losses()`.
+`expert_losses` is for losses that need the experts' outputs (FairSMoE's
+`expert_competence` reading): `SparseMoE` calls it in training with the layer's
+input and stacked `ExpertWeights`, and its named scalars join `extra_losses()`.
+`example_readings` is a pytree of [B, ...] arrays (or None) that `SparseMoE`
+passes on in `MoEAux.routing` for an evaluation to read (FGR's SA classifiers).
 
 Any module that maps tokens to gating logits can reuse `route_from_logits`, so a
 fairness-guided router (FairSMoE, Sec. 5.2) only has to produce logits;
@@ -27,6 +33,9 @@ fairness-guided router (FairSMoE, Sec. 5.2) only has to produce logits;
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +96,28 @@ class RouterOutput:
     `SparseMoE` can pass them on without knowing the router.
     """
     return {}
+
+  def expert_losses(
+      self, x: jax.Array, experts: Any, context: Mapping[str, jax.Array] | None
+  ) -> dict[str, jax.Array]:
+    """Named scalar losses that need the experts' outputs (unweighted), in training.
+
+    Args:
+      x: [B, S, D] the layer's input.
+      experts: the layer's stacked `ExpertWeights` (`experts.apply`).
+      context: the layer's per-example context ([B, ...] arrays), or None.
+
+    Empty for the plain routers; FairSMoE's `expert_competence` reading returns its
+    specialization loss here.
+    """
+    del x, experts, context
+    return {}
+
+  def example_readings(self, batch: int, seq_len: int) -> Any:
+    """Per-example readings of the routing for evaluation, from the flat [B * S] tokens: a pytree
+    of [B, ...] arrays, or None (the plain routers). FGR returns its `FairRoutingReadings`."""
+    del batch, seq_len
+    return None
 
 
 def load_balance_loss(probs: jax.Array, expert_index: jax.Array) -> jax.Array:

@@ -62,6 +62,44 @@ _EPS = 1e-6
 
 
 @struct.dataclass
+class FairRoutingReadings:
+  """What an evaluation reads of FGR's routing, per example (the mean over its tokens).
+
+  A branch whose vote is the same for every token is a learned constant bias: its variance over
+  tokens is 0, and replacing it by its mean changes no choice.
+
+  Attributes:
+    attribute_probs: per attribute, [B, G_a] the SA classifier's probabilities (() without
+      FGR), so an evaluation can say whether it beats the majority rate.
+    sa_logit_moments: [B, 4, E] token means of (sa, sa^2, gate, gate^2) per expert, where the
+      routing logits are gate + sa (None without FGR).
+    sa_choice_change: [B] the fraction of the example's tokens whose top-k set changes when sa
+      is replaced by its mean over the batch's tokens (None without FGR).
+  """
+
+  attribute_probs: tuple[jax.Array, ...] = ()
+  sa_logit_moments: jax.Array | None = None
+  sa_choice_change: jax.Array | None = None
+
+
+@struct.dataclass
+class CompetenceHead:
+  """What FEM's `expert_competence` reading needs besides the experts: the router's competence
+  head (a linear layer [D, K]), its expert assignment and its settings (`competence_loss`)."""
+
+  kernel: jax.Array
+  bias: jax.Array
+  assignment: jax.Array
+  group_sizes: tuple[int, ...] = struct.field(pytree_node=False)
+  alpha: float = struct.field(pytree_node=False)
+
+  def __call__(self, pooled: jax.Array) -> jax.Array:
+    """The head on [..., D] features, computed as `nnx.Linear` computes it (same program)."""
+    logits = jax.lax.dot_general(pooled, self.kernel, (((pooled.ndim - 1,), (0,)), ((), ())))
+    return logits + jnp.reshape(self.bias, (1,) * (logits.ndim - 1) + (-1,))
+
+
+@struct.dataclass
 class FairRouterOutput(RouterOutput):
   """`RouterOutput` plus the FGR / FEM losses and the attribute predictions.
 
@@ -71,14 +109,68 @@ class FairRouterOutput(RouterOutput):
       so an evaluation can say how much of the routing decision it makes.
     losses: the unweighted "confusion", "attribute_ce" and "specialization" scalars this
       router computes (only those its configuration has, and only in training).
+    competence: with `specialization="expert_competence"`, the head that `expert_losses`
+      reads the experts' outputs with (None otherwise).
   """
 
   attribute_probs: tuple[jax.Array, ...]
   losses: dict[str, jax.Array]
   attribute_logits: jax.Array | None = None
+  competence: CompetenceHead | None = None
 
   def extra_losses(self) -> dict[str, jax.Array]:
     return dict(self.losses)
+
+  def expert_losses(
+      self, x: jax.Array, experts, context: Mapping[str, jax.Array] | None
+  ) -> dict[str, jax.Array]:
+    """Losses that need the experts' outputs: `expert_competence`'s specialization.
+
+    Called by `SparseMoE` in training with the block's input x [B, S, D], its stacked
+    `ExpertWeights` and the per-example context ("label" [B], "attributes" [B, m]). Runs
+    every expert on every token (E times the layer's expert FLOPs).
+    """
+    if self.competence is None:
+      return {}
+    if context is None or "label" not in context or "attributes" not in context:
+      raise ValueError(
+          "specialization='expert_competence' needs context['label'] and context['attributes']"
+      )
+    head = self.competence
+    batch, seq_len, dim = x.shape
+    num_experts = head.assignment.shape[-1]
+    tokens = jnp.broadcast_to(x[:, None], (batch, num_experts, seq_len, dim))
+    pooled = experts.apply(tokens).mean(axis=2).astype(jnp.float32)  # [B, E, D]
+    loss = competence_loss(
+        head(pooled),  # [B, E, K]
+        context["label"].astype(jnp.int32),
+        context["attributes"].astype(jnp.int32),
+        head.assignment,
+        head.group_sizes,
+        head.alpha,
+    )
+    return {"specialization": loss}
+
+  def example_readings(self, batch: int, seq_len: int) -> FairRoutingReadings:
+    """The SA classifiers' per-example probabilities and how much of the routing the SA branch
+    decides (`FairRoutingReadings`), from the flat [B * S] tokens."""
+    probs = tuple(p.reshape(batch, seq_len, -1).mean(axis=1) for p in self.attribute_probs)
+    if self.attribute_logits is None:
+      return FairRoutingReadings(attribute_probs=probs)
+    sa = self.attribute_logits.astype(jnp.float32)
+    gate = self.logits - sa
+    moments = jnp.stack([sa, sa**2, gate, gate**2], axis=1)  # [T, 4, E]
+    constant = gate + jnp.mean(sa, axis=0, keepdims=True)
+    top_k = self.expert_index.shape[-1]
+    _, without = jax.lax.top_k(constant, top_k)
+    chosen = jax.nn.one_hot(self.expert_index, sa.shape[-1]).sum(1)  # [T, E] 0/1
+    kept = jax.nn.one_hot(without, sa.shape[-1]).sum(1)
+    changed = jnp.any(chosen != kept, axis=-1).astype(jnp.float32)  # [T]
+    return FairRoutingReadings(
+        attribute_probs=probs,
+        sa_logit_moments=moments.reshape(batch, seq_len, 4, -1).mean(axis=1),
+        sa_choice_change=changed.reshape(batch, seq_len).mean(axis=1),
+    )
 
 
 def routing_supervision(
@@ -299,6 +391,18 @@ class FairRouter(nnx.Module):
         attribute_probs=attribute_probs,
         losses=losses,
         attribute_logits=sum(contributions) if contributions else None,
+        competence=self._competence_head(),
+    )
+
+  def _competence_head(self) -> CompetenceHead | None:
+    if self.specialization != "expert_competence":
+      return None
+    return CompetenceHead(
+        kernel=self.competence_head.kernel[...],
+        bias=self.competence_head.bias[...],
+        assignment=self.assignment[...],
+        group_sizes=self.group_sizes,
+        alpha=self.alpha,
     )
 
   def _routing_specialization(
@@ -318,32 +422,3 @@ class FairRouter(nnx.Module):
     rows = jnp.where(known, attributes, 0) + jnp.asarray(class_offsets(self.group_sizes))
     judged = jnp.repeat(probs[:, None, :], num_attributes, axis=1)
     return routing_supervision(judged, classes[rows], self.alpha, known.astype(jnp.float32))
-
-  def expert_losses(
-      self, x: jax.Array, experts, context: Mapping[str, jax.Array] | None
-  ) -> dict[str, jax.Array]:
-    """Losses that need the experts' outputs: `expert_competence`'s specialization.
-
-    Called by `SparseMoE` in training with the block's input x [B, S, D], its stacked
-    `ExpertWeights` and the per-example context ("label" [B], "attributes" [B, m]). Runs
-    every expert on every token (E times the layer's expert FLOPs).
-    """
-    if self.specialization != "expert_competence":
-      return {}
-    if context is None or "label" not in context or "attributes" not in context:
-      raise ValueError(
-          "specialization='expert_competence' needs context['label'] and context['attributes']"
-      )
-    batch, seq_len, dim = x.shape
-    tokens = jnp.broadcast_to(x[:, None], (batch, self.num_experts, seq_len, dim))
-    pooled = experts.apply(tokens).mean(axis=2).astype(jnp.float32)  # [B, E, D]
-    logits = self.competence_head(pooled)  # [B, E, K]
-    loss = competence_loss(
-        logits,
-        context["label"].astype(jnp.int32),
-        context["attributes"].astype(jnp.int32),
-        self.assignment[...],
-        self.group_sizes,
-        self.alpha,
-    )
-    return {"specialization": loss}

@@ -1,0 +1,75 @@
+"""The part of `<workdir>/run_info.json` both packages share: a run's metadata as a frozen
+dataclass that writes itself to the workdir and reads itself back, naming the file and the
+package when what it finds is not its own.
+
+A package's metadata (`fairmoe_jax.run_info`, `causal_attn_jax.run_info`) subclasses
+`RunMetadataFile` with its fields, its `PACKAGE` and `from_fields`, which reads them:
+
+    @dataclasses.dataclass(frozen=True)
+    class RunMetadata(RunMetadataFile):
+      PACKAGE: ClassVar[str] = "my_package"
+      task: str
+
+      @classmethod
+      def from_fields(cls, saved):
+        return cls(task=str(saved["task"]))
+
+The file is `{"package": PACKAGE, <the dataclass's fields>}` (`trainkit.workdir`'s
+`save_run_info`, written by `trainkit.recipe.train`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, TypeVar
+
+from trainkit.errors import UserError
+from trainkit.workdir import RUN_INFO_FILE, load_run_info, save_run_info
+
+_Metadata = TypeVar("_Metadata", bound="RunMetadataFile")
+
+
+class RunMetadataFile:
+  """A run's metadata (a frozen dataclass subclass) as run_info.json reads and writes it."""
+
+  PACKAGE: ClassVar[str]
+
+  @classmethod
+  def from_fields(cls: type[_Metadata], saved: dict[str, Any]) -> _Metadata:
+    """The metadata of `to_json`'s dict; a missing or malformed field raises KeyError,
+    TypeError or ValueError (`from_json` names the file)."""
+    raise NotImplementedError
+
+  def check(self, source: str) -> None:
+    """Raises UserError naming `source` when this version cannot use the metadata read."""
+    del source
+
+  def to_json(self) -> dict[str, Any]:
+    """The content of run_info.json."""
+    return {"package": self.PACKAGE, **dataclasses.asdict(self)}
+
+  @classmethod
+  def from_json(cls: type[_Metadata], saved: dict[str, Any], source: str) -> _Metadata:
+    """Reads `to_json`'s dict; a missing or malformed field is a UserError naming `source`."""
+    if saved.get("package", cls.PACKAGE) != cls.PACKAGE:
+      raise UserError(f"{source} is a {saved['package']} run's, not a {cls.PACKAGE} run's")
+    try:
+      metadata = cls.from_fields(saved)
+    except (KeyError, TypeError, ValueError) as e:
+      raise UserError(
+          f"{source}: not a {cls.PACKAGE} run's metadata ({type(e).__name__}: {e})"
+      ) from None
+    metadata.check(source)
+    return metadata
+
+  def save(self, workdir: str) -> None:
+    """Writes `<workdir>/run_info.json` (process 0 only)."""
+    save_run_info(self.to_json(), workdir)
+
+  @classmethod
+  def load(cls: type[_Metadata], workdir: str) -> _Metadata | None:
+    """The metadata in `<workdir>/run_info.json`; None for a run trained before it was written."""
+    saved = load_run_info(workdir)
+    if saved is None:
+      return None
+    return cls.from_json(saved, f"{workdir}/{RUN_INFO_FILE}")
