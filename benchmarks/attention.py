@@ -42,10 +42,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bench_utils import flops, memory_analysis, write_results
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.attention import MultiHeadAttention
-
-from bench_utils import flops, memory_analysis, write_results
 
 KINDS = ("vanilla", "causal", "causal_unconstrained")
 BASELINE = "vanilla"

@@ -56,13 +56,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import moe_layer
+from bench_utils import write_results
 from fairmoe_jax.moe.dispatch import ExpertWeights, compute_capacity
 from fairmoe_jax.moe.dispatch.blocksparse import choose_block_size
 from trainkit.preflight import analysis
 from trainkit.preflight.targets import Target, devices, get_target
-
-import moe_layer
-from bench_utils import write_results
 
 # (images, tokens per image, width, expert MLP hidden width): moe_layer.py's, and DeiT-S scale.
 SHAPES = {

@@ -30,9 +30,9 @@ import os
 import sys
 import time
 
-from absl import flags
 import grain
 import numpy as np
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

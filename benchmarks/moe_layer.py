@@ -47,6 +47,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+import bench_utils
+from bench_utils import cost, memory_analysis, write_results
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     ExpertWeights,
@@ -55,9 +57,6 @@ from fairmoe_jax.moe.dispatch import (
     sort_slot_plan,
 )
 from fairmoe_jax.moe.routers import route_from_logits
-
-import bench_utils
-from bench_utils import cost, memory_analysis, write_results
 
 SHAPES = {  # images (groups), tokens per image, dim, expert hidden width
     "deit_s": (256, 197, 384, 1536),

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+import bench_utils
+from bench_utils import flops, write_results
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax.data.types import DatasetInfo
 from fairmoe_jax.models.vit import Mlp
@@ -47,9 +49,6 @@ from trainkit.train_state import (
     jit_train_step,
     make_train_step,
 )
-
-import bench_utils
-from bench_utils import flops, write_results
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from causal_attn_jax.data.tokenizer import NUM_SEGMENT_IDS, PAD_ID
 from causal_attn_jax.layers.attention import MultiHeadAttention
 from causal_attn_jax.layers.masks import SPARSE_KINDS, causal_mask, padding_mask, sparse_mask
-from causal_attn_jax.data.tokenizer import NUM_SEGMENT_IDS, PAD_ID
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 _LINEAR_INIT = nnx.initializers.normal(stddev=0.02)

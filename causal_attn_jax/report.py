@@ -8,8 +8,8 @@ report.json: module docstring of `causal_attn_jax.main`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import flax.nnx as nnx

@@ -25,9 +25,9 @@ from jax.sharding import Mesh
 from causal_attn_jax import decoding, models
 from causal_attn_jax import report as report_lib
 from causal_attn_jax.data import tokenizer as tokenizer_lib
+from causal_attn_jax.data.iterator import device_batches
 from causal_attn_jax.data.loading import TaskData, load_classification, load_translation
 from causal_attn_jax.metrics import accuracy, bleu, macro_f1
-from causal_attn_jax.data.iterator import device_batches
 from trainkit.errors import UserError
 from trainkit.mesh import to_host
 from trainkit.textfiles import iter_lines

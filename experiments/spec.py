@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import importlib.util
+import inspect
 import itertools
 import os
 import re

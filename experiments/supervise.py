@@ -31,19 +31,19 @@ import ml_collections
 
 from experiments.provenance import host, source_state
 from experiments.spec import (
-    RUN_PROVENANCE,
     ERROR,
     LOG,
     REPO_ROOT,
     REPORT,
     RUN,
+    RUN_PROVENANCE,
     SweepError,
     check_run_names,
     grid_points,
+    resolved_config,
     run_command,
     run_dir,
     run_name,
-    resolved_config,
     run_record,
 )
 from trainkit.metric_writers import write_atomically

@@ -91,8 +91,8 @@ from experiments.commands import write_commands
 from experiments.plots import write_plots
 from experiments.spec import REPO_ROOT, format_value, load_sweep
 from experiments.supervise import Differences, run_sweep
-from trainkit.config_files import resolve_config_args
 from trainkit import storage
+from trainkit.config_files import resolve_config_args
 from trainkit.errors import UserError, exit_on_user_error, fail
 
 MODES = ("run", "commands", "collect")

@@ -22,7 +22,6 @@ from experiments.table_parts import (
     claims,
 )
 
-
 # How experiments.tables tabulates the runs (the rows, columns and claims of the table).
 TABLE = dict(
     references=CAUSAL_REFERENCES,

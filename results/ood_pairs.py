@@ -30,6 +30,7 @@ from experiments.table_parts import (
     claims,
 )
 from experiments.table_parts import VANILLA_TUNED as VANILLA
+
 PAPER_SCHEDULE = (
     "causal@constraints.step_size=0.02@constraints.dual_start_step=0@constraints.dual_ramp_steps=0"
 )

@@ -25,7 +25,6 @@ from experiments.table_parts import (
 )
 from experiments.table_parts import VANILLA_TUNED as VANILLA  # Its rate: spurious_tuning_vanilla.
 
-
 # How experiments.tables tabulates the runs (the rows, columns and claims of the table).
 TABLE = dict(
     references=CAUSAL_REFERENCES,

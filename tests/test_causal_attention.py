@@ -11,10 +11,10 @@ from flax import nnx
 from causal_attn_jax.layers import (
     ATTENTION_KINDS,
     MultiHeadAttention,
-    masked_softmax,
-    sinkhorn_softmax,
     causal_mask,
+    masked_softmax,
     padding_mask,
+    sinkhorn_softmax,
     sparse_mask,
 )
 

@@ -10,8 +10,8 @@ import sys
 import jax
 import pytest
 
-from conftest import CAUSAL_TINY_ARGS, ENDE, ENDE_TINY_DATA, ENDE_TINY_MODEL, SHARED_DATA
 from causal_attn_jax import inference, train
+from conftest import CAUSAL_TINY_ARGS, ENDE, ENDE_TINY_DATA, ENDE_TINY_MODEL, SHARED_DATA
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 

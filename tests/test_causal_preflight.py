@@ -8,14 +8,13 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 import pytest
-from conftest import ENDE, ENDE_TINY_DATA, REPO_ROOT
 
 from causal_attn_jax import tasks
 from causal_attn_jax.data.iterator import TrainIterator, device_batches
 from causal_attn_jax.preflight import preflight_program
+from conftest import ENDE, ENDE_TINY_DATA, REPO_ROOT
 from trainkit.mesh import make_mesh
 from trainkit.preflight.compile import preflight
-
 
 # A tiny model: the compile for the TPU slice takes seconds.
 TINY_MODEL = {

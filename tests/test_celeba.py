@@ -3,11 +3,11 @@
 import os
 import pathlib
 
-from conftest import SHARED_DATA
 import numpy as np
-from PIL import Image
 import pytest
+from PIL import Image
 
+from conftest import SHARED_DATA
 from fairmoe_jax.data import celeba, images, pipeline
 from trainkit.errors import UserError
 

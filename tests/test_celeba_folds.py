@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
 from PIL import Image
 
+from conftest import FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
 from fairmoe_jax import config as config_lib
 from fairmoe_jax.data import celeba, dataset_from_config
 from fairmoe_jax.metrics import pooling

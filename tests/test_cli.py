@@ -1,8 +1,8 @@
 """End to end through `python -m fairmoe_jax.main`: training, reports, resume, SIGTERM, bad input."""
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys

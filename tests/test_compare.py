@@ -8,8 +8,8 @@ import sys
 import textwrap
 
 import numpy as np
-import scipy.stats
 import pytest
+import scipy.stats
 
 from experiments import spec
 from experiments.collect import RunResult

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from fairmoe_jax import evaluation, methods, train
-from trainkit import loop
 from test_methods import _config, _setup
+from trainkit import loop
 
 
 @contextlib.contextmanager

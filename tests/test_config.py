@@ -4,8 +4,8 @@ import importlib
 import importlib.util
 
 import pytest
-from conftest import REPO_ROOT
 
+from conftest import REPO_ROOT
 from fairmoe_jax import config as fairmoe_config
 from trainkit.errors import ConfigError
 

@@ -8,8 +8,8 @@ import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import ml_collections
+import numpy as np
 import pytest
 from flax import nnx
 

@@ -1,8 +1,8 @@
 """Tests of image-file decoding and of the pipeline on splits of image paths (data/images.py)."""
 
 import numpy as np
-from PIL import Image
 import pytest
+from PIL import Image
 
 from fairmoe_jax.data import augment, images, pipeline
 from trainkit.errors import UserError

@@ -4,11 +4,11 @@ real CelebA files, worker processes, normalisation on the device and the device 
 
 import glob
 
-from conftest import SHARED_DATA
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import SHARED_DATA
 from fairmoe_jax.data import augment, pipeline
 from trainkit.errors import UserError
 from trainkit.prefetch import DevicePrefetch

@@ -5,11 +5,11 @@ import os
 import pathlib
 import re
 
-from conftest import SHARED_DATA
 import numpy as np
-from PIL import Image
 import pytest
+from PIL import Image
 
+from conftest import SHARED_DATA
 from fairmoe_jax.data import isic, pipeline
 from trainkit.errors import UserError
 

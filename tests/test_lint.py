@@ -15,6 +15,7 @@ LINTED = (
     "trainkit",
     "tests",
     "experiments",
+    "results",
     "benchmarks",
     "scripts",
     "configs",

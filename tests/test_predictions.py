@@ -311,8 +311,8 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   """--mode=export, then the file loads into a freshly initialised model of the same config
   and gives back the trained parameters (FairSMoE's router and attribute branches included)."""
   safetensors_numpy = pytest.importorskip("safetensors.numpy")
-  from flax import nnx
   import ml_collections
+  from flax import nnx
 
   from fairmoe_jax import inference
   from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
@@ -357,8 +357,8 @@ def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path
   """Test images saved as PNG files (lossless) and classified with --mode=predict, from a
   folder and from a list file, get the probabilities evaluation gave them, with no label or
   sensitive attribute read."""
-  from PIL import Image
   import ml_collections
+  from PIL import Image
 
   from fairmoe_jax import train
 

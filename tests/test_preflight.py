@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import REPO_ROOT
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax.preflight import batch_spec, dataset_info, preflight_program
@@ -33,10 +33,10 @@ from trainkit.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
 from trainkit.mesh import make_mesh
 from trainkit.preflight import analysis
 from trainkit.preflight.compile import (
-  does_not_fit_message,
-  host_rows,
-  preflight,
-  validate_preflight,
+    does_not_fit_message,
+    host_rows,
+    preflight,
+    validate_preflight,
 )
 from trainkit.preflight.targets import TARGETS, devices, get_target
 

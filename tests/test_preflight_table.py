@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
 
+from conftest import REPO_ROOT
 from experiments import preflight_table
 from trainkit.errors import UserError
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CAUSAL_TINY_ARGS, FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
 
+from conftest import CAUSAL_TINY_ARGS, FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
 from trainkit import storage
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 

@@ -6,7 +6,8 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax import train

@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from causal_attn_jax.data import batching
+from causal_attn_jax.data import batching, translation
 from causal_attn_jax.data import tokenizer as tok_lib
-from causal_attn_jax.data import translation
 from conftest import SHARED_DATA, small_disk
 from trainkit.errors import UserError, is_out_of_space
 

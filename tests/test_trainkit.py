@@ -24,8 +24,9 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from trainkit import config as cfg
+from conftest import small_disk
 from trainkit import checkpoint as checkpoint_module
+from trainkit import config as cfg
 from trainkit.checkpoint import Checkpointer
 from trainkit.errors import ConfigError, OutOfSpace, UserError, exit_on_user_error, is_out_of_space
 from trainkit.loop import TrainingDiverged, train_loop
@@ -35,7 +36,6 @@ from trainkit.optim import default_optimizer_config, learning_rate_schedule, mak
 from trainkit.progress import ProgressBar
 from trainkit.train_state import TrainState
 from trainkit.workdir import prepare_workdir, save_config, workdir_lock
-from conftest import small_disk
 
 
 def test_eight_fake_devices_are_visible():

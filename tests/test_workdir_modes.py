@@ -375,9 +375,8 @@ def test_causal_load_run_reproduces_predict_mode(causal_run, capsys):
 @pytest.mark.skipif(not ENDE.is_dir(), reason="needs ../shared/data/translation")
 def test_causal_load_run_translates_as_predict_mode(tmp_path):
   import causal_attn_jax
-  from causal_attn_jax import inference, train
-
   from causal_attn_jax import config as config_lib
+  from causal_attn_jax import inference, train
 
   data = tmp_path / "data"
   data.mkdir()

@@ -19,10 +19,10 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from trainkit import saved_config, storage
 from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
-from trainkit import saved_config, storage
 from trainkit.preflight.compile import compile_run, validate_preflight
 from trainkit.workdir import (
     CONFIG_FILE,

@@ -19,12 +19,12 @@ from trainkit import storage
 from trainkit.checkpoint import Checkpointer
 from trainkit.config import parse_profile_steps
 from trainkit.errors import UserError, is_out_of_space
+from trainkit.fits import require_fits
 from trainkit.mesh import shard_batch
 from trainkit.metric_writers import MetricWriter
 from trainkit.preemption import PreemptionGuard
 from trainkit.prefetch import DEFAULT_PREFETCH, DevicePrefetch
 from trainkit.progress import ProgressBar
-from trainkit.fits import require_fits
 from trainkit.throughput import compile_ahead, flops_of, peak_flops_per_device, throughput_scalars
 from trainkit.train_state import TrainState
 from trainkit.workdir import save_config

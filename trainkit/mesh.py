@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trainkit.errors import ConfigError
 

@@ -9,9 +9,9 @@ resumes at batch n + 1 exactly as without prefetching.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import queue
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # Batches transferred ahead of the step: one in flight while the step runs, one ready.

@@ -10,8 +10,8 @@ references for BLEU) travels with the arrays in `TaskData`, so nothing re-reads 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import dataclasses
+from collections.abc import Callable
 
 import ml_collections
 import numpy as np
@@ -21,8 +21,10 @@ from causal_attn_jax.data import (
     nli,
     ood_pairs,
     spurious,
-    tokenizer as tokenizer_lib,
     translation,
+)
+from causal_attn_jax.data import (
+    tokenizer as tokenizer_lib,
 )
 from trainkit.distributed import main_process_first
 from trainkit.errors import UserError

@@ -38,13 +38,13 @@ unbalanced ``"`` that a CSV reader would merge across lines.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
 import dataclasses
 import importlib.util
 import json
 import logging
 import os
 import pathlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np

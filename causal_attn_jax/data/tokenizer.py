@@ -18,12 +18,12 @@ although each writer replaces the model file atomically.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
 import io
 import json
 import os
-import posixpath
 import pathlib
+import posixpath
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np

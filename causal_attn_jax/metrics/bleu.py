@@ -10,8 +10,8 @@ computed, so classification runs do not need them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import re
+from collections.abc import Sequence
 
 import numpy as np
 

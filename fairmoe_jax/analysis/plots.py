@@ -24,9 +24,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX, SHARE_PREFIX
 from trainkit import storage
 from trainkit.errors import UserError
-from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX, SHARE_PREFIX
 
 # metrics.jsonl keys of FairSMoE's expert management, one per review: `fem/experts/<ATTR>` and
 # `fem/share/<EXPERT>`.

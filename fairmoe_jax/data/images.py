@@ -9,10 +9,10 @@ it reads the example (see ``pipeline.ArraySource``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 import concurrent.futures
 import logging
 import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np

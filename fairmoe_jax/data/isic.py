@@ -25,12 +25,12 @@ Rows whose image file is absent are dropped and counted in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import csv
 import io
 import math
 import os
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 

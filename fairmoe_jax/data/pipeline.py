@@ -21,13 +21,13 @@ cores rather than with threads under one interpreter lock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
-from absl import flags
 import grain
 import numpy as np
+from absl import flags
 
 from fairmoe_jax.data import augment as augment_lib
 from fairmoe_jax.data import images as images_lib

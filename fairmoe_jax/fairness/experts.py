@@ -30,8 +30,8 @@ checkpointed with the run. `make_expert_manager` is the review hook the training
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import flax.nnx as nnx

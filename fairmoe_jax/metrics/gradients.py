@@ -8,8 +8,8 @@ Values near 1 mean the attribute tasks pull the MoE the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 import itertools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import flax.nnx as nnx

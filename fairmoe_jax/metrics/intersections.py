@@ -12,8 +12,8 @@ and under ``without_small_groups`` over the others only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np

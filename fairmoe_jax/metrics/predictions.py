@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Mapping
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np

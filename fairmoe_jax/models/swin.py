@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fairmoe_jax.models.vit import Mlp, layer_norm, linear, patch_conv
 from fairmoe_jax.models.classifier import BackboneClassifier
+from fairmoe_jax.models.vit import Mlp, layer_norm, linear, patch_conv
 from fairmoe_jax.moe import MoEAux, SparseMoE
 
 # timm initialises Swin like its ViT: N(0, 0.02) linear kernels and relative

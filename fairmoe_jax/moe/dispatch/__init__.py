@@ -32,13 +32,13 @@ from fairmoe_jax.moe.dispatch.batch_priority import (
     reorder_tokens,
     restore_token_order,
 )
+from fairmoe_jax.moe.dispatch.blocksparse import BlockPlan, block_mlp, block_plan, moe_blocksparse
 from fairmoe_jax.moe.dispatch.capacity import (
     DispatchStats,
     compute_capacity,
     dropless_stats,
     resolve_capacity,
 )
-from fairmoe_jax.moe.dispatch.blocksparse import BlockPlan, block_mlp, block_plan, moe_blocksparse
 from fairmoe_jax.moe.dispatch.dense import moe_dense
 from fairmoe_jax.moe.dispatch.dropless import moe_dropless
 from fairmoe_jax.moe.dispatch.einsum import (
