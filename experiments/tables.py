@@ -345,7 +345,7 @@ def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
     for path in spec.metrics():
       values = [m[path] for m in parts if m[path] is not None]
       metrics[path] = math.fsum(values) / len(values) if len(values) == len(parts) else None
-    suffix = f" (mean over {len(parts)} {over.split('.')[-1]}s)" if len(parts) > 1 else ""
+    suffix = f", mean over {len(parts)} {over.split('.')[-1]}s" if len(parts) > 1 else ""
     rows.append({"name": name + suffix, "metrics": metrics})
   return rows
 
@@ -819,6 +819,11 @@ def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   )
 
 
+def _units(spec: TableSpec) -> str:
+  """What a table's runs are paired by: "seeds", or e.g. "folds × seeds"."""
+  return " × ".join(k.split(".")[-1] + "s" for k in spec.pair_by)
+
+
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
   return lines + ["| " + " | ".join(row) + " |" for row in rows]
@@ -829,7 +834,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   summary = summarise(spec, record)
   confidence = round(100 * stats.CONFIDENCE)
   lines = [
-      f"**{spec.title}** ({spec.split} split; mean [{confidence}% Student-t interval] over seeds)",
+      f"**{spec.title}** ({spec.split} split; mean [{confidence}% Student-t interval] over "
+      f"{_units(spec)})",
       "",
   ]
   body = []
@@ -849,8 +855,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         for c in spec.columns
     ]
     body.append([f"*reference: {reference['name']}*", *cells, "—"])
-  units = "seeds" if spec.pair_by == (SEED_KEY,) else " × ".join(k.split(".")[-1] + "s" for k in spec.pair_by)
-  lines += _markdown_table(["", *(c.label for c in spec.columns), units], body)
+  lines += _markdown_table(["", *(c.label for c in spec.columns), _units(spec)], body)
   if record.get("pooled"):
     lines += ["", *_pooled_table(spec, record)]
   if summary["claims"]:
