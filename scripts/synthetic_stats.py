@@ -263,60 +263,32 @@ def oracle_reader(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
 
 def model_predictions(
     workdir: str, test: Split, expected_data: dict[str, Any]
-) -> tuple[np.ndarray, int]:
-  """Test-split predictions and step of the final checkpoint in ``workdir`` (a main.py run).
+) -> tuple[np.ndarray, int, np.ndarray]:
+  """Test-split predictions, the step and the class probabilities of the final checkpoint in
+  ``workdir`` (a main.py run).
 
   Exits with a message if the run's ``config.data`` differs from ``expected_data`` in a key the
   latter has (the predictions would then be for other images).
   """
-  import flax.nnx as nnx
-  import jax
-  import ml_collections
-
-  from fairmoe_jax import train as train_lib
-  from trainkit.checkpoint import Checkpointer
-  from trainkit.mesh import make_mesh
-  from trainkit.optim import make_optimizer
-  from trainkit.train_state import create_train_state
+  import fairmoe_jax
 
   with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  if any(config.data.get(k) != v for k, v in expected_data.items()):
+    trained_data = json.load(f)["data"]
+  if any(trained_data.get(k) != v for k, v in expected_data.items()):
     raise SystemExit(
-        f"{workdir} was trained on data {config.data.to_dict()}, not on {expected_data}: "
+        f"{workdir} was trained on data {trained_data}, not on {expected_data}: "
         "pass the matching --seed and split sizes"
     )
-  info = data_lib.GENERATED_INFO[config.data.name](config.data.image_size, config.data.num_classes)
-  mesh = make_mesh(config.mesh)
-  tx = make_optimizer(config.optimizer, config.num_train_steps)
-  graphdef, state = create_train_state(
-      lambda: train_lib.build_model(config, info, nnx.Rngs(params=config.seed)),
-      tx,
-      mesh,
-      config.seed,
+  # The run's own predictor: it normalises the uint8 images inside its jitted step, as the
+  # evaluation does (feeding the model raw pixels gave wrong accuracies).
+  run = fairmoe_jax.load_run(workdir)
+  probabilities = np.concatenate(
+      [
+          run.predict(test["image"][i : i + run.config.eval_batch_size]).probabilities
+          for i in range(0, len(test["image"]), run.config.eval_batch_size)
+      ]
   )
-  checkpointer = Checkpointer(
-      os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
-  )
-  restored = checkpointer.restore(state)
-  checkpointer.close()
-  if restored is None:
-    raise SystemExit(f"no checkpoint in {workdir}/checkpoints")
-  state, _, step = restored
-
-  @jax.jit
-  def predict(params, model_state, images):
-    logits, _ = nnx.merge(graphdef, params, model_state)(images, train=False)
-    return jax.numpy.argmax(logits, -1)
-
-  predictions = []
-  with jax.set_mesh(mesh):
-    for batch in data_lib.eval_batches(
-        test, batch_size=config.eval_batch_size, image_size=config.data.image_size
-    ):
-      pred = np.asarray(predict(state.params, state.model_state, batch["image"]))
-      predictions.append(pred[batch["mask"] > 0])
-  return np.concatenate(predictions).astype(np.int32), int(step)
+  return probabilities.argmax(-1).astype(np.int32), int(run.step), probabilities
 
 
 def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict[str, float]:
@@ -396,7 +368,7 @@ def compute(
         "num_classes": num_classes,
         "test_size": sizes["test"],
     }
-    predictions, step = model_predictions(workdir, splits["test"], expected_data)
+    predictions, step, _ = model_predictions(workdir, splits["test"], expected_data)
     stats["model"] = {
         "workdir": workdir,
         "step": step,
