@@ -73,6 +73,10 @@ SA_ABOVE_MAJORITY: Column = ("mechanisms.sa_above_majority", "SA classifiers abo
 SA_VARIANCE_SHARE: Column = ("mechanisms.sa_variance_share", "SA share of routing variance", 1.0, 4)
 FEM_MOVED: Column = ("mechanisms.fem_changes_moved", "FEM changes that moved routing", 1.0, 2)
 DROPPED_TRAIN: Column = ("dropped.train", "Dropped (train)", 1.0, 3)
+# Groups of them: the test numbers every comparison leads with, the validation numbers that may
+# choose, and what FGR and FEM did.
+VALIDATION: tuple[Column, ...] = (VAL_ACCURACY, VAL_MF_PQD)
+MECHANISMS: tuple[Column, ...] = (SA_VARIANCE_SHARE, FEM_MOVED)
 
 
 def fair_comparison_table(
@@ -122,6 +126,31 @@ FAIR_PAPER_CLAIMS = (
     ("experts_active.choices", "higher"),
     ("gradient_cosine", "higher"),
 )
+
+
+def paper_claims_table(
+    title: str, attributes: Sequence[str], mechanism_column: Column, **extra: object
+) -> dict:
+  """The TABLE of a comparison that decides the paper's claims (`FAIR_COMPARISON` rows): test
+  accuracy, MF-PQD and each attribute's PQD, MF-DP, experts active, the gradient cosine, the
+  validation numbers and one column of what a mechanism did; FairSMoE against both controls on
+  `FAIR_PAPER_CLAIMS`, then the Table 2 ablations."""
+  return fair_comparison_table(
+      title,
+      fair_methods(FAIR_COMPARISON),
+      (
+          ACCURACY,
+          MF_PQD,
+          *((f"attributes.{a}.pqd", f"PQD {a}", 1.0, 3) for a in attributes),
+          MF_DP,
+          EXPERTS_ACTIVE,
+          GRADIENT_COSINE,
+          *VALIDATION,
+          mechanism_column,
+      ),
+      claims(FAIRSMOE, FAIR_CONTROLS, FAIR_PAPER_CLAIMS) + fair_ablation_claims(),
+      **extra,
+  )
 
 
 def fair_methods(order: Iterable[str] = tuple(FAIR_METHOD_NAMES)) -> dict[str, str]:
