@@ -16,7 +16,9 @@ Claim = dict[str, str]
 Column = tuple[str, str, float, int]
 
 
-def claims(row: str, baselines: Iterable[str], metrics: Sequence[tuple[str, str]]) -> tuple[Claim, ...]:
+def claims(
+    row: str, baselines: Iterable[str], metrics: Sequence[tuple[str, str]]
+) -> tuple[Claim, ...]:
   """`row` against each baseline on each (metric, "higher" | "lower"), baseline by baseline."""
   return tuple(
       dict(row=row, baseline=baseline, metric=metric, better=better)
@@ -28,7 +30,9 @@ def claims(row: str, baselines: Iterable[str], metrics: Sequence[tuple[str, str]
 def tuning_claims(settings: Iterable[str], metric: str) -> tuple[Claim, ...]:
   """A tuning table's claims: the first (shipped) setting higher than each other on `metric`."""
   shipped, *others = settings
-  return tuple(dict(row=shipped, baseline=other, metric=metric, better="higher") for other in others)
+  return tuple(
+      dict(row=shipped, baseline=other, metric=metric, better="higher") for other in others
+  )
 
 
 def against_first(settings: Iterable[str], metric: str) -> tuple[Claim, ...]:
@@ -69,7 +73,9 @@ EXPERTS_ACTIVE: Column = ("experts_active.choices", "Experts active", 1.0, 2)
 GRADIENT_COSINE: Column = ("gradient_cosine", "Grad. cos", 1.0, 3)
 VAL_ACCURACY: Column = ("validation.accuracy", "Val. acc. (%)", 100.0, 1)
 VAL_MF_PQD: Column = ("validation.mf.pqd", "Val. MF-PQD", 1.0, 3)
-SA_ABOVE_MAJORITY: Column = ("mechanisms.sa_above_majority", "SA classifiers above majority", 1.0, 2)
+SA_ABOVE_MAJORITY: Column = (
+    "mechanisms.sa_above_majority", "SA classifiers above majority", 1.0, 2
+)
 SA_VARIANCE_SHARE: Column = ("mechanisms.sa_variance_share", "SA share of routing variance", 1.0, 4)
 FEM_MOVED: Column = ("mechanisms.fem_changes_moved", "FEM changes that moved routing", 1.0, 2)
 DROPPED_TRAIN: Column = ("dropped.train", "Dropped (train)", 1.0, 3)
@@ -209,7 +215,9 @@ def learning_rate_table(title: str) -> dict:
   )
 
 
-def spurious_sweep(grid: Mapping[str, Sequence], overrides: Mapping[str, object] | None = None) -> dict:
+def spurious_sweep(
+    grid: Mapping[str, Sequence], overrides: Mapping[str, object] | None = None
+) -> dict:
   """A sweep of the Causal Transformer on the spurious-pairs testbed (size=small)."""
   sweep = dict(module="causal_attn_jax.main", config=SPURIOUS_CONFIG, grid=dotted(grid))
   if overrides:

@@ -291,7 +291,10 @@ def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]
   rest = [k for k in spec.pair_by if k != over]
   for result in results:
     p = result.point
-    unit = p[SEED_KEY] if rest == [SEED_KEY] else ",".join(f"{k}={format_value(p[k])}" for k in rest)
+    if rest == [SEED_KEY]:
+      unit = p[SEED_KEY]
+    else:
+      unit = ",".join(f"{k}={format_value(p[k])}" for k in rest)
     units.setdefault((format_value(p[spec.rows]), unit), []).append(result)
   pooled = []
   for (row, unit), members in units.items():
@@ -620,7 +623,10 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
         + ", ".join(spec.label(r) for r in result.rows)
         + f"; seeds {', '.join(map(str, result.seeds))}"
     )
-    text = f"**Rerun** ({which}; runs of {p['date']}, commit {p['commit']}; {_machine_text(p['machine'])}): "
+    text = (
+        f"**Rerun** ({which}; runs of {p['date']}, commit {p['commit']}; "
+        f"{_machine_text(p['machine'])}): "
+    )
     changed = [(c, a, b) for c, a, b, _ in result.claims if a != b]
     if not result.claims:
       text += "no claim has both its rows in the rerun"
@@ -810,7 +816,8 @@ def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
       f"unit's runs together (every example scored once; `{spec.pool[0]}`)"
   )
   smallest = (
-      "; smallest groups: " + ", ".join(f"{g} (n={n})" for g, n in sorted(sizes.items(), key=lambda x: x[1])[:3])
+      "; smallest groups: "
+      + ", ".join(f"{g} (n={n})" for g, n in sorted(sizes.items(), key=lambda x: x[1])[:3])
       if sizes
       else ""
   )
