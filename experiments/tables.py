@@ -451,7 +451,8 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   runs = []
   dates = []
   configs = []
-  for result in collect(spec.sweep, workdir):
+  results = collect(spec.sweep, workdir)  # Read once: the rows, the pooling and the provenance.
+  for result in results:
     point = result.point
     entry: dict[str, Any] = {
         "row": format_value(point[spec.rows]),
@@ -474,9 +475,9 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   if spec.references:
     record["references"] = reference_rows(spec)
   if spec.pool:
-    record["pooled"] = pooled_rows(spec, collect(spec.sweep, workdir))
+    record["pooled"] = pooled_rows(spec, results)
   provenance = {
-      **_runs_source_and_host(spec, workdir),
+      **_runs_source_and_host(results),
       "date": (
           datetime.datetime.fromtimestamp(max(dates), datetime.timezone.utc).strftime("%Y-%m-%d")
           if dates
@@ -493,7 +494,7 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   return {**record, "provenance": provenance, "runs": runs}
 
 
-def _runs_source_and_host(spec: TableSpec, workdir: str) -> dict[str, Any]:
+def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
   """The commit and machine of the finished runs, from the `provenance.json` the sweep wrote
   beside each when it started it (`experiments.supervise`); the device kind and count, which
   the supervisor does not query, are this process's. Runs older than that file are described
@@ -501,7 +502,7 @@ def _runs_source_and_host(spec: TableSpec, workdir: str) -> dict[str, Any]:
   here = machine()
   device = {"device": here["device"], "devices": here["devices"]}
   written = []
-  for result in collect(spec.sweep, workdir):
+  for result in results:
     try:
       with open(os.path.join(result.run_dir, RUN_PROVENANCE)) as f:
         written.append(json.load(f))
