@@ -44,7 +44,12 @@ def test_the_marker_reader_reads_the_class_a_painted_marker_shows():
   palette = synthetic.marker_palette(4).astype(np.uint8)
   side = synthetic.MARKER_PX
   for i, c in enumerate(painted):
-    images[i, 1 : 1 + side, 1 : 1 + side] = palette[c]
+    # The reader reads the interior (rows and columns 2 .. side - 1) of the square the
+    # generator draws at 1 .. side, which the blur leaves alone: paint it class c's colour and
+    # everything around it, the square's own edge included, the next class's, so a reader that
+    # strays onto the edge misreads it.
+    images[i, : side + 2, : side + 2] = palette[(c + 1) % 4]
+    images[i, 2:side, 2:side] = palette[c]
   np.testing.assert_array_equal(synthetic.read_marker(images, 4), painted)
   # On the generated images it agrees with the label about as often as the generator's
   # reliabilities make it (docs/dataset.md: 0.634 on seed 0's test split), far above chance.
