@@ -54,7 +54,8 @@ adds the finished runs of a second sweep of the spec (on another machine, or her
 runs, or the rows its claims compare with `experiments.sweep --only`) to the record's `reruns`,
 with that sweep's own provenance; the table then says under its claims, per rerun, which
 verdicts (and which tuning choice) the rerun keeps and the largest change of a mean paired
-difference.
+difference. `<!-- table:reruns -->` in a document marks the summary of every table's reruns
+(`rerun_summary`), rendered and checked with the tables.
 """
 
 from __future__ import annotations
@@ -173,6 +174,11 @@ def table_names() -> list[str]:
 def load_table(name: str) -> TableSpec:
   """`results/NAME.py` as a TableSpec; a UserError names the file and key that is wrong."""
   path = spec_path(name)
+  if name == RERUN_SUMMARY:
+    raise UserError(
+        f"results/{name}.py: '{name}' is the name of the generated summary of every table's "
+        "reruns (<!-- table:reruns -->); give the table another name"
+    )
   if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not os.path.isfile(path):
     raise UserError(f"no table spec results/{name}.py; known: {', '.join(table_names())}")
   sweep, module = load_sweep_file(path)
@@ -664,6 +670,88 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   return lines
 
 
+# The reserved name of the generated summary of every table's reruns
+# (`<!-- table:reruns -->` in a document); no spec may take it.
+RERUN_SUMMARY = "reruns"
+
+
+def _rerun_machine(provenance: Mapping[str, Any]) -> str:
+  """What tells a rerun's machine apart, briefly: its XLA_FLAGS, else its processor."""
+  m = provenance["machine"]
+  flags = (m.get("environment") or {}).get("XLA_FLAGS")
+  if flags:
+    return f"`XLA_FLAGS={flags}`"
+  return m.get("processor", {}).get("model") or m["device"]
+
+
+def rerun_summary() -> str:
+  """One row per rerun of every table that decides claims (or "not rerun"): how much of the
+  table it reran, on what, which verdicts and tuning choice it keeps and which it changes, and
+  the largest change of a mean paired difference. Rendered from the records alone."""
+  header = (
+      "table",
+      "rerun",
+      "verdicts kept",
+      "verdicts that change (recorded -> rerun)",
+      "largest change of a mean paired difference",
+  )
+  rows = []
+  for name in table_names():
+    if name == RERUN_SUMMARY or not os.path.exists(record_path(name)):
+      continue
+    spec = load_table(name)
+    if not spec.claims:
+      continue
+    record = read_record(name)
+    if not record.get("reruns"):
+      rows.append((f"`{name}`", "not rerun", "—", "—", "—"))
+      continue
+    labels = {c.path: (c.label, c.decimals) for c in spec.columns}
+    total = len(record["runs"])
+    for rerun in record["reruns"]:
+      result = compare_rerun(spec, record, rerun)
+      how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
+      kept = sum(before == after for _, before, after, _ in result.claims)
+      if not result.claims:
+        kept_text = "— (no claim has both its rows rerun)"
+      else:
+        kept_text = f"{kept} of {len(result.claims)}" + (
+            f" ({len(result.claims)} of {len(spec.claims)} claims rerun)"
+            if len(result.claims) < len(spec.claims)
+            else ""
+        )
+      if result.chosen:
+        kept_text += "; same choice" if result.chosen[0] == result.chosen[1] else "; another choice"
+      changed = "; ".join(
+          f"{spec.label(c.row)} against {spec.label(c.baseline)}, "
+          f"{labels.get(c.metric, (c.metric, 3))[0]}: {before} -> {after}"
+          for c, before, after, _ in result.claims
+          if before != after
+      )
+      largest = "—"
+      if result.claims:
+        claim, _, _, change = max(result.claims, key=lambda entry: entry[3])
+        label, decimals = labels.get(claim.metric, (claim.metric, 3))
+        largest = f"{change:.{decimals}f} ({label})"
+      rows.append(
+          (
+              f"`{name}`",
+              f"{how_much}, {_rerun_machine(rerun['provenance'])}",
+              kept_text,
+              changed or "none",
+              largest,
+          )
+      )
+  return "\n".join(_markdown_table(header, rows)) + "\n"
+
+
+def _render_marked(name: str) -> str:
+  """A marked table of a document: the rerun summary, or the table `name` from its record."""
+  if name == RERUN_SUMMARY:
+    return rerun_summary()
+  return render(load_table(name), read_record(name))
+
+
 # What `render` and `stale_runs` read of a record.
 _RECORD_KEYS = ("provenance", "runs")
 _PROVENANCE_KEYS = ("commit", "date", "machine", "seeds", "commands")
@@ -957,7 +1045,7 @@ def write_doc(path: str) -> list[str]:
 
   def rendered(name: str) -> str:
     names.append(name)
-    return render(load_table(name), read_record(name))
+    return _render_marked(name)
 
   text = replace_tables(text, path, rendered)
   write_atomically(path, text)
@@ -975,14 +1063,13 @@ def check_doc(path: str) -> list[str]:
   for table in tables:
     name, body = table.name, text[table.body_start : table.body_end]
     try:
-      spec = load_table(name)
-      record = read_record(name)
+      if name != RERUN_SUMMARY:
+        for why in stale_runs(load_table(name), read_record(name)):
+          problems.append(f"{path}: table {name}: the record is stale: {why}")
+      expected = _render_marked(name)
     except UserError as e:
       problems.append(f"{path}: table {name}: {e}")
       continue
-    for why in stale_runs(spec, record):
-      problems.append(f"{path}: table {name}: the record is stale: {why}")
-    expected = render(spec, record)
     if body != expected:
       diff = "".join(
           difflib.unified_diff(

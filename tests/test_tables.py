@@ -519,6 +519,43 @@ def test_a_partial_rerun_names_its_rows_and_the_cli_needs_a_workdir(toy_tables, 
     tables.add_rerun(spec, str(tmp_path / "empty"))
 
 
+def test_the_rerun_summary_lists_every_claims_table_and_what_its_rerun_changed(
+    toy_tables, tmp_path
+):
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  doc = tmp_path / "results.md"
+  doc.write_text("<!-- table:reruns -->\n<!-- /table:reruns -->\n")
+  assert tables.write_doc(str(doc)) == ["reruns"]
+  assert "| `toy` | not rerun | — | — | — |" in doc.read_text()
+  assert tables.check_doc(str(doc)) == []
+  # A rerun in which "a" loses its accuracy lead: the summary (now stale) names the flip.
+  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=-0.02)))
+  (problem,) = tables.check_doc(str(doc))
+  assert "table reruns differs from its record" in problem
+  tables.write_doc(str(doc))
+  assert (
+      "| `toy` | every run, `XLA_FLAGS=--isa=x` | 1 of 2; another choice | "
+      "a against b (alpha 0.5), Acc. (%): holds -> does not hold | 3.4 (Acc. (%)) |"
+  ) in doc.read_text()
+  # A partial rerun counts the claims it could not decide.
+  partial = _rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02, methods=("a",))
+  record = tables.read_record("toy")
+  record["reruns"] = []
+  with open(tables.record_path("toy"), "w") as f:
+    json.dump(record, f)
+  tables.add_rerun(spec, str(partial))
+  assert (
+      "| `toy` | 5 of 10 runs, `XLA_FLAGS=--isa=x` | — (no claim has both its rows rerun) | none | — |"
+      in tables.rerun_summary()
+  )
+  # The summary's name is reserved: no spec may take it.
+  with open(os.path.join(tables.RESULTS_DIR, "reruns.py"), "w") as f:
+    f.write(_SPEC)
+  with pytest.raises(UserError, match="reserved|name of the generated summary"):
+    tables.load_table("reruns")
+
+
 def test_reference_rows_are_scored_from_the_runs_data_and_printed_below_the_models(
     toy_tables, tmp_path, monkeypatch
 ):
