@@ -1,0 +1,62 @@
+r"""Sweep: the augmentation strength of the CelebA sample at the chosen budget, on validation.
+
+Command:
+  python -m experiments.sweep --sweep=configs/sweeps/celeba_augment.py --workdir=/tmp/celeba_augment
+
+The second axis of the training budget (docs/protocol.md, section 7): vanilla SMoE at size=small
+for 3 epochs (the budget configs/sweeps/celeba_budget.py chose) on identity fold 0 (training on
+folds 2-4, validation on fold 1), target Attractive (or `target=`), sensitive Male, Chubby and
+Goatee, capacity factor 2.0 as in the comparisons, under four augmentation strengths:
+
+  none     no crop and no flip: the image is only resized
+  weak     random resized crop of 0.7 to 1 of the area, horizontal flips
+  shipped  random resized crop of 0.35 to 1 of the area, horizontal flips (size=small's)
+  strong   random resized crop of 0.08 to 1 of the area (torchvision's default), flips
+
+Only the validation numbers are read; the rule that reads them is in docs/protocol.md section 7,
+stated before these runs.
+
+Arguments, e.g. `--sweep=configs/sweeps/celeba_augment.py:seeds=2`:
+  epochs  the budget (default 3)
+  seeds   seeds 0..seeds-1 per strength (default 1)
+  target  the target attribute (default Attractive)
+"""
+
+import ml_collections
+
+from experiments.spec import dotted
+from trainkit.config import parse_arg
+
+_CROP = "data.augment.crop_scale"
+# Each strength is a value of the crop scale; "none" also turns the crop and the flip off.
+STRENGTHS = {
+    "none": "(1.0, 1.0)@data.augment.random_resized_crop=False@data.augment.horizontal_flip=False",
+    "weak": "(0.7, 1.0)",
+    "shipped": "(0.35, 1.0)",
+    "strong": "(0.08, 1.0)",
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = parse_arg(arg, epochs=3, seeds=1, target="Attractive")
+  return ml_collections.ConfigDict(
+      dict(
+          module="fairmoe_jax.main",
+          config="configs/celeba.py:size=small,split=identity_folds,fold=0,method=vanilla_smoe",
+          grid=dotted({_CROP: tuple(STRENGTHS.values()), "seed": tuple(range(arg.seeds))}),
+          overrides=dotted(
+              {
+                  "data.root": "../shared/data/celeba",
+                  "data.target": arg.target,
+                  "num_epochs": arg.epochs,
+                  "moe.capacity_factor": 2.0,
+              }
+          ),
+          metrics=(
+              "validation.accuracy",
+              "validation.mf.pqd",
+              "validation.mf.dp",
+              "validation.num_examples",
+          ),
+      )
+  )
