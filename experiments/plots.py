@@ -75,9 +75,10 @@ def sweep_figure(
     ax.set_xscale("log", base=2)
   if not numeric:
     ax.set_xlim(-0.5, len(xs) - 0.5)
-  labels = [format_value(x) for x in xs]
-  # Long values (a method with `@` settings) would overlap their neighbours when level.
-  slant = {"rotation": 20, "ha": "right"} if max(map(len, labels)) > 12 else {}
+  labels = [tick_label(x) for x in xs]
+  # Long values would overlap their neighbours when level.
+  longest = max(len(line) for label in labels for line in label.split("\n"))
+  slant = {"rotation": 20, "ha": "right"} if longest > 12 else {}
   ax.set_xticks(positions, labels, **slant)
   ax.set_xlabel(key)
   ax.set_ylabel(column)
@@ -85,6 +86,19 @@ def sweep_figure(
   if others:
     ax.legend(fontsize="small")
   return fig
+
+
+def tick_label(value: Any) -> str:
+  """A grid value as a category's tick label: a value with `@` settings puts each setting on a
+  line of its own under the value, its key shortened to the last part (`VALUE@a.b.c=X` ->
+  `VALUE` and `c=X`), so a long value neither runs off the figure nor hides the values after it."""
+  text = format_value(value)
+  value_text, *settings = text.split("@")
+  short = []
+  for setting in settings:
+    key, _, setting_value = setting.partition("=")
+    short.append(f"{key.rpartition('.')[2]}={setting_value}")
+  return "\n".join([value_text, *short])
 
 
 def write_plots(

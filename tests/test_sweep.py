@@ -624,7 +624,11 @@ def test_sweep_plot_draws_categories_as_points_and_numbers_as_lines():
   series = {bars.get_label(): bars.lines[0] for bars in ax.containers}
   assert set(series) == {"batch_size=16", "batch_size=64"}
   assert all(line.get_linestyle() == "None" for line in ax.lines)  # No line anywhere.
-  assert [t.get_text() for t in ax.get_xticklabels()] == list(methods)
+  # A value's `@` settings go on lines of their own, keyed by the key's last part.
+  assert [t.get_text() for t in ax.get_xticklabels()] == ["fairsmoe", "vanilla_smoe\ntop_k=1"]
+  assert plots.tick_label("0.02@constraints.dual_start_step=0@optimizer.lr=0.001") == (
+      "0.02\ndual_start_step=0\nlr=0.001"
+  )
   x16, y16 = series["batch_size=16"].get_data()
   x64, y64 = series["batch_size=64"].get_data()
   assert list(y16) == pytest.approx([0.516, 0.616]) and list(y64) == pytest.approx([0.564, 0.664])
