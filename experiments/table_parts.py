@@ -8,9 +8,23 @@ paper's claims about them, and the Causal Transformer's two attentions and diagn
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import types
 from typing import Iterable, Mapping, Sequence
 
 from experiments.spec import dotted
+
+def sibling_spec(this_file: str, name: str) -> types.ModuleType:
+  """The results spec `name`.py that lies beside `this_file`, loaded as a module: a variant of
+  a table (another target or budget) takes its runs and claims from it (results/ is a folder
+  of specs, not a package)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"_results_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
 
 Claim = dict[str, str]
 Column = tuple[str, str, float, int]
