@@ -15,6 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 from experiments.spec import dotted
 
+
 def sibling_spec(this_file: str, name: str) -> types.ModuleType:
   """The results spec `name`.py that lies beside `this_file`, loaded as a module: a variant of
   a table (another target or budget) takes its runs and claims from it (results/ is a folder
