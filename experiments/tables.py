@@ -566,8 +566,26 @@ class RerunComparison:
   seeds: list[int]
   claims: list[tuple[Claim, str, str, float]]  # (claim, recorded, rerun verdict, |change|)
   chosen: tuple[str, str] | None  # A tuning table's (recorded, rerun) choice.
-  # The largest change of one seed's paired difference: (|change|, claim, seed), or None.
-  largest_seed_change: tuple[float, Claim, Any] | None = None
+  # Changes are compared across claims in units of the recorded interval's half-width (a
+  # change of 0.01 means little on accuracy in percent and much on a fairness gap), and printed
+  # in the claim's column's scale: (|change|, |change| / half-width or None, claim[, seed]).
+  largest_change: tuple[float, float | None, Claim] | None = None
+  largest_seed_change: tuple[float, float | None, Claim, Any] | None = None
+
+
+def _relative_change(change: float, interval: stats.Interval, scale: float) -> float | None:
+  """`change` (in the column's scale) in half-widths of the recorded interval, or None."""
+  if interval.low is None:
+    return None
+  half_width = (interval.high - interval.low) / 2 * scale
+  if half_width <= 0:  # Every seed the same difference: any change is beyond the interval.
+    return math.inf if change > 0 else 0.0
+  return change / half_width
+
+
+def _by_relative_change(entry: tuple) -> tuple[float, float]:
+  """Sort key: the change in half-widths (where known), then the change itself."""
+  return (entry[1] if entry[1] is not None else -1.0, entry[0])
 
 
 def compare_rerun(
@@ -577,13 +595,15 @@ def compare_rerun(
   again = summarise(spec, {"runs": rerun["runs"]})
   scales = {c.path: c.scale for c in spec.columns}
   claims = []
-  seed_changes: list[tuple[float, Claim, Any]] = []
+  changes: list[tuple[float, float | None, Claim]] = []
+  seed_changes: list[tuple[float, float | None, Claim, Any]] = []
   for (claim, before), (_, after) in zip(recorded["claims"], again["claims"]):
     if before.difference is None or after.difference is None:
       continue  # A row of the claim was not rerun.
     scale = scales.get(claim.metric, 1.0)
     change = abs(after.difference.mean - before.difference.mean) * scale
     claims.append((claim, before.verdict, after.verdict, change))
+    changes.append((change, _relative_change(change, before.difference, scale), claim))
     old, new = (
         stats.paired(_values(r, claim.row, claim.metric), _values(r, claim.baseline, claim.metric))
         for r in (record, rerun)
@@ -591,7 +611,10 @@ def compare_rerun(
     new_by_seed = dict(zip(*new))
     for seed, difference in zip(*old):
       if seed in new_by_seed:
-        seed_changes.append((abs(new_by_seed[seed] - difference) * scale, claim, seed))
+        seed_change = abs(new_by_seed[seed] - difference) * scale
+        seed_changes.append(
+            (seed_change, _relative_change(seed_change, before.difference, scale), claim, seed)
+        )
   rows = [r for r in (format_value(v) for v in spec.row_values) if again["rows"][r]["seeds"]]
   chosen = None
   if spec.select and len(rows) == len(spec.row_values):
@@ -602,7 +625,8 @@ def compare_rerun(
       seeds=sorted({r["seed"] for r in rerun["runs"]}),
       claims=claims,
       chosen=chosen,
-      largest_seed_change=max(seed_changes, key=lambda entry: entry[0]) if seed_changes else None,
+      largest_change=max(changes, key=_by_relative_change) if changes else None,
+      largest_seed_change=max(seed_changes, key=_by_relative_change) if seed_changes else None,
   )
 
 
@@ -613,6 +637,17 @@ def _machine_text(m: Mapping[str, Any]) -> str:
       f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), JAX {m['jax']}"
       + (f", `XLA_FLAGS={flags}`" if flags else "")
   )
+
+
+def _change_text(change: float, relative: float | None, decimals: int) -> str:
+  """A change as `0.4 (0.0061)`: half-widths of the recorded interval, then the change in the
+  column's scale, one decimal finer than the column (a change is smaller than the values)."""
+  absolute = f"{change:.{decimals + 1}f}"
+  if relative is None:
+    return absolute
+  if math.isinf(relative):
+    return f"beyond a zero-width interval ({absolute})"
+  return f"{relative:.1f} ({absolute})"
 
 
 def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
@@ -645,19 +680,20 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
           f"{labels.get(c.metric, (c.metric, 3))[0]}: {a} -> {b}"
           for c, a, b in changed
       )
-    if result.claims:
-      claim, _, _, change = max(result.claims, key=lambda entry: entry[3])
+    if result.largest_change:
+      change, relative, claim = result.largest_change
       label, decimals = labels.get(claim.metric, (claim.metric, 3))
       text += (
-          f"; the largest change of a mean paired difference is {change:.{decimals}f} "
+          "; the largest change of a mean paired difference, in half-widths of its recorded "
+          f"interval, is {_change_text(change, relative, decimals)} "
           f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label})"
       )
     if result.largest_seed_change:
-      change, claim, seed = result.largest_seed_change
+      change, relative, claim, seed = result.largest_seed_change
       label, decimals = labels.get(claim.metric, (claim.metric, 3))
       text += (
-          f", of one seed's {change:.{decimals}f} ({spec.label(claim.row)} against "
-          f"{spec.label(claim.baseline)}, {label}, seed {seed})"
+          f", of one seed's {_change_text(change, relative, decimals)} "
+          f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label}, seed {seed})"
       )
     if result.chosen:
       before, after = result.chosen
@@ -693,7 +729,7 @@ def rerun_summary() -> str:
       "rerun",
       "verdicts kept",
       "verdicts that change (recorded -> rerun)",
-      "largest change of a mean paired difference",
+      "largest change of a mean paired difference, in half-widths of its interval (change)",
   )
   rows = []
   for name in table_names():
@@ -729,10 +765,11 @@ def rerun_summary() -> str:
           if before != after
       )
       largest = "—"
-      if result.claims:
-        claim, _, _, change = max(result.claims, key=lambda entry: entry[3])
+      if result.largest_change:
+        change, relative, claim = result.largest_change
         label, decimals = labels.get(claim.metric, (claim.metric, 3))
-        largest = f"{change:.{decimals}f} ({label})"
+        text = _change_text(change, relative, decimals)
+        largest = f"{text[:-1]}, {label})" if text.endswith(")") else f"{text} ({label})"
       rows.append(
           (
               f"`{name}`",

@@ -484,10 +484,14 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
   assert "every run;" in line and "commit abc" in line and "Other CPU" in line
   assert "`XLA_FLAGS=--isa=x`" in line
   assert "1 of 2 verdicts rerun change: a higher than b (alpha 0.5) on Acc. (%): holds -> does not hold" in line
-  # Mean paired accuracy difference +2.0 points recorded, -2.0 + 0.3 * mean(seed) = -1.4 rerun.
-  assert "the largest change of a mean paired difference is 3.4 (a against b (alpha 0.5), Acc. (%))" in line
+  # Mean paired accuracy difference +2.0 points recorded on every seed (an interval of zero
+  # width), -2.0 + 0.3 * mean(seed) = -1.4 rerun.
+  assert (
+      "the largest change of a mean paired difference, in half-widths of its recorded interval, "
+      "is beyond a zero-width interval (3.40) (a against b (alpha 0.5), Acc. (%))"
+  ) in line
   # Seed 0's difference moves most: from +2.0 to -2.0 points (seed s: to -2.0 + 0.3 s).
-  assert ", of one seed's 4.0 (a against b (alpha 0.5), Acc. (%), seed 0)" in line
+  assert ", of one seed's beyond a zero-width interval (4.00) (a against b (alpha 0.5), Acc. (%), seed 0)" in line
   assert "it chooses b (alpha 0.5) instead of a" in line
   # And beside the verdict it moves.
   assert "| 5 | **holds** (a rerun: does not hold) |" in text
@@ -519,6 +523,35 @@ def test_a_partial_rerun_names_its_rows_and_the_cli_needs_a_workdir(toy_tables, 
     tables.add_rerun(spec, str(tmp_path / "empty"))
 
 
+def test_the_largest_rerun_change_is_measured_against_each_claim_s_own_interval(toy_tables):
+  """A change of 1 accuracy point on seeds that spread by 10 matters less than a change of
+  0.02 in MF-PQD on seeds that agree to 0.01: the rerun line names the MF-PQD claim."""
+  spec = tables.load_table("toy")
+
+  def record(accuracy_shift, pqd_shift):
+    runs = []
+    for seed, (accuracy_gap, pqd_gap) in enumerate(
+        zip((0.0, 0.1, 0.2, 0.05, 0.15), (0.03, 0.04, 0.05, 0.04, 0.04))
+    ):
+      for row, accuracy, pqd in (
+          ("a", 0.5 + accuracy_gap + accuracy_shift, 0.7 + pqd_gap + pqd_shift),
+          ("b@fair.alpha=0.5", 0.5, 0.7),
+      ):
+        runs.append(
+            dict(row=row, seed=seed, status="ok", metrics={"accuracy": accuracy, "mf.pqd": pqd})
+        )
+    return {"runs": runs}
+
+  result = tables.compare_rerun(spec, record(0, 0), record(0.01, 0.02))
+  change, relative, claim = result.largest_change
+  assert claim.metric == "mf.pqd"
+  # The MF-PQD gaps' interval: mean 0.04, half-width t(0.975, 4) * s / sqrt(5) with s = 0.00707.
+  half_width = 2.7764 * np.std([0.03, 0.04, 0.05, 0.04, 0.04], ddof=1) / np.sqrt(5)
+  assert change == pytest.approx(0.02) and relative == pytest.approx(0.02 / half_width, rel=1e-3)
+  accuracy = [c for c in result.claims if c[0].metric == "accuracy"][0]
+  assert accuracy[3] == pytest.approx(1.0)  # One point, in the column's scale, yet not the largest.
+
+
 def test_the_rerun_summary_lists_every_claims_table_and_what_its_rerun_changed(
     toy_tables, tmp_path
 ):
@@ -536,7 +569,8 @@ def test_the_rerun_summary_lists_every_claims_table_and_what_its_rerun_changed(
   tables.write_doc(str(doc))
   assert (
       "| `toy` | every run, `XLA_FLAGS=--isa=x` | 1 of 2; another choice | "
-      "a against b (alpha 0.5), Acc. (%): holds -> does not hold | 3.4 (Acc. (%)) |"
+      "a against b (alpha 0.5), Acc. (%): holds -> does not hold | "
+      "beyond a zero-width interval (3.40, Acc. (%)) |"
   ) in doc.read_text()
   # A partial rerun counts the claims it could not decide.
   partial = _rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02, methods=("a",))
