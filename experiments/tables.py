@@ -663,7 +663,7 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
         if result.runs == total
         else f"{result.runs} of {total} runs: the rows "
         + ", ".join(spec.label(r) for r in result.rows)
-        + f"; seeds {', '.join(map(str, result.seeds))}"
+        + f"; {_units(spec)} {', '.join(_unit_text(u) for u in result.seeds)}"
     )
     text = (
         f"**Rerun** ({which}; runs of {p['date']}, commit {p['commit']}; "
@@ -692,8 +692,9 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
       change, relative, claim, seed = result.largest_seed_change
       label, decimals = labels.get(claim.metric, (claim.metric, 3))
       text += (
-          f", of one seed's {_change_text(change, relative, decimals)} "
-          f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label}, seed {seed})"
+          f", of one pair's {_change_text(change, relative, decimals)} "
+          f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label}, "
+          f"{' × '.join(k.split('.')[-1] for k in spec.pair_by)} {_unit_text(seed)})"
       )
     if result.chosen:
       before, after = result.chosen
@@ -949,6 +950,17 @@ def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   )
   return [title + smallest, ""] + _markdown_table(
       ["", *(c.label for c in columns), "pooled units"], body
+  )
+
+
+def _unit_text(unit: Any) -> str:
+  """A pairing unit as a reader names it: a seed, or `fold=0,seed=0` for a pair_by unit (the
+  keys shortened to their last part)."""
+  if not isinstance(unit, str):
+    return str(unit)
+  return ",".join(
+      f"{key.rpartition('.')[2]}={value}"
+      for key, _, value in (part.partition("=") for part in unit.split(","))
   )
 
 

@@ -491,7 +491,7 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
       "is beyond a zero-width interval (3.40) (a against b (alpha 0.5), Acc. (%))"
   ) in line
   # Seed 0's difference moves most: from +2.0 to -2.0 points (seed s: to -2.0 + 0.3 s).
-  assert ", of one seed's beyond a zero-width interval (4.00) (a against b (alpha 0.5), Acc. (%), seed 0)" in line
+  assert ", of one pair's beyond a zero-width interval (4.00) (a against b (alpha 0.5), Acc. (%), seed 0)" in line
   assert "it chooses b (alpha 0.5) instead of a" in line
   # And beside the verdict it moves.
   assert "| 5 | **holds** (a rerun: does not hold) |" in text
