@@ -708,3 +708,8 @@ def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch)
   with pytest.raises(UserError, match=r"TABLE\['pool'\]"):
     (results / "bad.py").write_text(spec_text.replace("'data.fold'),", "'seed'),"))
     tables.load_table("bad")
+
+
+def test_a_rerun_names_a_cross_validated_pair_by_its_short_keys():
+  assert tables._unit_text("data.identity_folds.fold=0,seed=0") == "fold=0,seed=0"
+  assert tables._unit_text(3) == "3"
