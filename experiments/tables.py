@@ -908,7 +908,9 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   missing: dict[str, list[str]] = {}
   for r in record["runs"]:
     if r["status"] != "ok":
-      missing.setdefault(spec.label(r["row"]), []).append(f"{r['seed']} ({r['status']})")
+      missing.setdefault(spec.label(r["row"]), []).append(
+          f"{_unit_text(r['seed'])} ({r['status']})"
+      )
   if missing:
     listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
     flags.append(f"runs without a result: {listed}")
