@@ -22,10 +22,19 @@ Arguments, e.g. `--sweep=configs/sweeps/celeba_augment.py:seeds=2`:
   target  the target attribute (default Attractive)
 """
 
+import importlib.util
+import os
+
 import ml_collections
 
-from experiments.spec import dotted
 from trainkit.config import parse_arg
+
+# The budget curve's sweep file, beside this one (configs/sweeps is a folder of files, not a
+# package): both curves are its fold-0 setting, varied along one axis each.
+_BUDGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "celeba_budget.py")
+_spec = importlib.util.spec_from_file_location("_celeba_budget", _BUDGET)
+celeba_budget = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(celeba_budget)
 
 _CROP = "data.augment.crop_scale"
 # Each strength is a value of the crop scale; "none" also turns the crop and the flip off.
@@ -39,24 +48,8 @@ STRENGTHS = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = parse_arg(arg, epochs=3, seeds=1, target="Attractive")
-  return ml_collections.ConfigDict(
-      dict(
-          module="fairmoe_jax.main",
-          config="configs/celeba.py:size=small,split=identity_folds,fold=0,method=vanilla_smoe",
-          grid=dotted({_CROP: tuple(STRENGTHS.values()), "seed": tuple(range(arg.seeds))}),
-          overrides=dotted(
-              {
-                  "data.root": "../shared/data/celeba",
-                  "data.target": arg.target,
-                  "num_epochs": arg.epochs,
-                  "moe.capacity_factor": 2.0,
-              }
-          ),
-          metrics=(
-              "validation.accuracy",
-              "validation.mf.pqd",
-              "validation.mf.dp",
-              "validation.num_examples",
-          ),
-      )
+  return celeba_budget.fold0_curve(
+      {_CROP: tuple(STRENGTHS.values()), "seed": tuple(range(arg.seeds))},
+      arg.target,
+      num_epochs=arg.epochs,
   )

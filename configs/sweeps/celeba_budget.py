@@ -16,24 +16,31 @@ Arguments, e.g. `--sweep=configs/sweeps/celeba_budget.py:epochs=(3, 6),seeds=2`:
   target  the target attribute (default Attractive)
 """
 
+from typing import Any, Mapping
+
 import ml_collections
 
 from experiments.spec import dotted
 from trainkit.config import parse_arg
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, epochs=(3, 6, 12), seeds=1, target="Attractive")
+def fold0_curve(
+    grid: Mapping[str, Any], target: str, **overrides: Any
+) -> ml_collections.ConfigDict:
+  """Vanilla SMoE at size=small on identity fold 0, capacity factor 2.0 as in the comparisons,
+  read on the validation fold only: the setting of every budget curve (the epochs here, the
+  augmentation strength in configs/sweeps/celeba_augment.py), `grid` varying over it."""
   return ml_collections.ConfigDict(
       dict(
           module="fairmoe_jax.main",
           config="configs/celeba.py:size=small,split=identity_folds,fold=0,method=vanilla_smoe",
-          grid=dotted({"num_epochs": tuple(arg.epochs), "seed": tuple(range(arg.seeds))}),
+          grid=dotted(grid),
           overrides=dotted(
               {
                   "data.root": "../shared/data/celeba",
-                  "data.target": arg.target,
+                  "data.target": target,
                   "moe.capacity_factor": 2.0,
+                  **overrides,
               }
           ),
           metrics=(
@@ -43,4 +50,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
               "validation.num_examples",
           ),
       )
+  )
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = parse_arg(arg, epochs=(3, 6, 12), seeds=1, target="Attractive")
+  return fold0_curve(
+      {"num_epochs": tuple(arg.epochs), "seed": tuple(range(arg.seeds))}, arg.target
   )
