@@ -639,15 +639,17 @@ def _machine_text(m: Mapping[str, Any]) -> str:
   )
 
 
-def _change_text(change: float, relative: float | None, decimals: int) -> str:
-  """A change as `0.4 (0.0061)`: half-widths of the recorded interval, then the change in the
-  column's scale, one decimal finer than the column (a change is smaller than the values)."""
+def _change_text(change: float, relative: float | None, decimals: int, label: str = "") -> str:
+  """A change as `0.4 (0.0061)`, or `0.4 (0.0061, MF-PQD)` with a label: half-widths of the
+  recorded interval, then the change in the column's scale, one decimal finer than the column
+  (a change is smaller than the values)."""
   absolute = f"{change:.{decimals + 1}f}"
   if relative is None:
-    return absolute
+    return f"{absolute} ({label})" if label else absolute
+  detail = f"{absolute}, {label}" if label else absolute
   if math.isinf(relative):
-    return f"beyond a zero-width interval ({absolute})"
-  return f"{relative:.1f} ({absolute})"
+    return f"beyond a zero-width interval ({detail})"
+  return f"{relative:.1f} ({detail})"
 
 
 def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
@@ -769,8 +771,7 @@ def rerun_summary() -> str:
       if result.largest_change:
         change, relative, claim = result.largest_change
         label, decimals = labels.get(claim.metric, (claim.metric, 3))
-        text = _change_text(change, relative, decimals)
-        largest = f"{text[:-1]}, {label})" if text.endswith(")") else f"{text} ({label})"
+        largest = _change_text(change, relative, decimals, label)
       rows.append(
           (
               f"`{name}`",
