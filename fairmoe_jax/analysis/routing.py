@@ -1,0 +1,197 @@
+"""How few experts a finished run's router uses: the paper's Sec. 3.2 and Figure 2, measured.
+
+Sec. 3.2 finds that vanilla SMoE's router sends similar inputs, whatever their attribute, to the
+same few experts, "intensified with increased experts or earlier SMoE layer integration"; Figure
+2 reads it as a utilisation rate that falls as the experts increase and one routing pattern for
+every attribute group. Per MoE block, on the split a run's report describes (the test split):
+
+* `utilisation`: experts active (exp entropy of the split's expert choices, the report's
+  `experts_active`) over the number of experts E: 1 when every expert serves alike, 1/E when one
+  serves all.
+* `top_k_share`: the share of the split's choices that its k most used experts serve, k the
+  router's top_k: k/E when routing is uniform, 1 when every token picks the same k experts.
+* `image_utilisation`, `image_top_k_share`: the same per image (its own choices, from the run's
+  `predictions.csv`), averaged over images: concentration within an image, which a split can
+  hide when different images use different experts.
+* `group_divergence`: the largest total-variation distance between one attribute group's expert
+  distribution and the split's (and that group): 0 when every group routes alike.
+* `dropped`: the share of the split's (token, choice) pairs over capacity.
+
+`write_routing_table` is a sweep table collector (`tables=("fairmoe_jax.analysis.routing:
+write_routing_table",)`): `<workdir>/routing.md` and `routing.json`, a row per run and block.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fairmoe_jax.evaluation import effective_experts
+from trainkit.metric_writers import write_atomically
+
+PREDICTIONS_FILE = "predictions.csv"
+CONFIG_FILE = "config.json"
+
+
+def top_share(usage: np.ndarray, k: int) -> float:
+  """The share of `usage` (counts or shares per expert) held by its k largest entries."""
+  total = float(np.sum(usage))
+  return float(np.sort(usage)[::-1][:k].sum() / total) if total > 0 else math.nan
+
+
+def per_image(shares: np.ndarray, k: int) -> tuple[float, float]:
+  """(mean utilisation, mean top-k share) over images of `shares` [N, E]: each row an image's
+  share of its (token, choice) pairs per expert. Rows with nothing served (every choice dropped)
+  are left out; each row is renormalised, so a drop does not count as concentration."""
+  shares = np.asarray(shares, np.float64)
+  shares = shares[shares.sum(axis=1) > 0]  # effective_experts renormalises each row.
+  if not len(shares):
+    return math.nan, math.nan
+  num_experts = shares.shape[1]
+  active = [effective_experts(row) / num_experts for row in shares]
+  top = [top_share(row, k) for row in shares]
+  return float(np.mean(active)), float(np.mean(top))
+
+
+def group_divergence(
+    split_share: Sequence[float], groups: Mapping[str, Mapping[str, Sequence[float]]]
+) -> tuple[float, str]:
+  """(the largest total-variation distance between a group's expert distribution and the
+  split's, "attribute=group" of that group); `groups` is report["expert_utilisation"][block]."""
+  split = np.asarray(split_share, np.float64)
+  split = split / split.sum()
+  largest, where = 0.0, ""
+  for attribute, by_group in groups.items():
+    for group, share in by_group.items():
+      share = np.asarray(share, np.float64)
+      if share.sum() <= 0:
+        continue
+      distance = 0.5 * float(np.abs(share / share.sum() - split).sum())
+      if distance > largest or not where:
+        largest, where = distance, f"{attribute}={group}"
+  return largest, where
+
+
+def read_expert_columns(path: str) -> dict[str, np.ndarray]:
+  """{block: [N, E] shares} from a run's predictions.csv (its `<block>/expert_<e>` columns)."""
+  with open(path, newline="") as f:
+    reader = csv.reader(f)
+    header = next(reader)
+    rows = list(reader)
+  columns: dict[str, list[tuple[int, int]]] = {}
+  for index, name in enumerate(header):
+    block, sep, expert = name.partition("/expert_")
+    if sep and expert.isdigit():
+      columns.setdefault(block, []).append((int(expert), index))
+  shares = {}
+  for block, pairs in columns.items():
+    order = [index for _, index in sorted(pairs)]
+    shares[block] = np.array([[float(row[i] or 0.0) for i in order] for row in rows], np.float64)
+  return shares
+
+
+def routing_concentration(
+    report: Mapping[str, Any], top_k: int, image_shares: Mapping[str, np.ndarray] | None = None
+) -> dict[str, dict[str, Any]]:
+  """{block: the measures of the module docstring} from a run's report (and its per-image
+  expert shares, `read_expert_columns`; without them the per-image measures are NaN)."""
+  measures = {}
+  for block, share in report.get("expert_share", {}).get("choices", {}).items():
+    share = np.asarray(share, np.float64)
+    num_experts = len(share)
+    divergence, group = group_divergence(share, report["expert_utilisation"][block])
+    image = (
+        per_image(image_shares[block], top_k)
+        if image_shares and block in image_shares
+        else (math.nan, math.nan)
+    )
+    measures[block] = dict(
+        num_experts=num_experts,
+        top_k=top_k,
+        utilisation=effective_experts(share) / num_experts,
+        top_k_share=top_share(share, top_k),
+        uniform_top_k_share=min(top_k, num_experts) / num_experts,
+        image_utilisation=image[0],
+        image_top_k_share=image[1],
+        group_divergence=divergence,
+        most_divergent_group=group,
+        dropped=float(report.get("fraction_dropped", {}).get(block, 0.0)),
+    )
+  return measures
+
+
+def run_concentration(run_dir: str, report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+  """routing_concentration of the run in `run_dir`: its top_k from config.json, its per-image
+  shares from predictions.csv when the run wrote one."""
+  with open(os.path.join(run_dir, CONFIG_FILE)) as f:
+    top_k = int(json.load(f)["moe"]["top_k"])
+  path = os.path.join(run_dir, PREDICTIONS_FILE)
+  image_shares = read_expert_columns(path) if os.path.exists(path) else None
+  return routing_concentration(report, top_k, image_shares)
+
+
+_COLUMNS = (
+    ("utilisation", "utilisation (experts active / E)"),
+    ("top_k_share", "top-k share (uniform)"),
+    ("image_utilisation", "per image: utilisation"),
+    ("image_top_k_share", "per image: top-k share"),
+    ("group_divergence", "largest group divergence (group)"),
+    ("dropped", "dropped"),
+)
+
+
+def _cell(key: str, measures: Mapping[str, Any]) -> str:
+  value = f"{measures[key]:.3f}"
+  if key == "top_k_share":
+    return f"{value} ({measures['uniform_top_k_share']:.3f})"
+  if key == "group_divergence":
+    return f"{value} ({measures['most_divergent_group']})"
+  return value
+
+
+def format_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+  """The routing table: a row per run and block."""
+  lines = [
+      "| run | block | E | " + " | ".join(title for _, title in _COLUMNS) + " |",
+      "|---|---|---|" + "---|" * len(_COLUMNS),
+  ]
+  for row in rows:
+    if row["status"] != "ok":
+      lines.append(f"| {row['run']} | {row['status']} |" + " |" * (len(_COLUMNS) + 1))
+      continue
+    for block, measures in row["blocks"].items():
+      cells = " | ".join(_cell(key, measures) for key, _ in _COLUMNS)
+      lines.append(f"| {row['run']} | {block} | {measures['num_experts']} | {cells} |")
+  return "\n".join(lines) + "\n"
+
+
+def _without_nan(value: Any) -> Any:
+  """`value` with NaN (a measure the run cannot give) as None, which JSON can hold."""
+  if isinstance(value, float) and math.isnan(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _without_nan(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_without_nan(v) for v in value]
+  return value
+
+
+def write_routing_table(workdir: str, runs: Sequence[Any]) -> list[str]:
+  """The sweep table collector: `<workdir>/routing.md` and `routing.json`, a row per run (an
+  `experiments.collect.RunResult`) and MoE block."""
+  rows = []
+  for run in runs:
+    row: dict[str, Any] = dict(run=run.name, point=dict(run.point), status=run.status)
+    if run.status == "ok":
+      row["blocks"] = run_concentration(run.run_dir, run.report)
+    rows.append(row)
+  paths = [os.path.join(workdir, "routing.md"), os.path.join(workdir, "routing.json")]
+  write_atomically(paths[0], format_markdown(rows))
+  write_atomically(paths[1], json.dumps(_without_nan(rows), indent=2))
+  return paths
