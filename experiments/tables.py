@@ -630,9 +630,14 @@ def compare_rerun(
   )
 
 
+def _xla_flags(m: Mapping[str, Any]) -> str | None:
+  """The XLA_FLAGS a record's machine ran under (what an instruction-set rerun changes)."""
+  return (m.get("environment") or {}).get("XLA_FLAGS")
+
+
 def _machine_text(m: Mapping[str, Any]) -> str:
   processor = f", {m['processor']['model']}" if "processor" in m else ""
-  flags = (m.get("environment") or {}).get("XLA_FLAGS")
+  flags = _xla_flags(m)
   return (
       f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), JAX {m['jax']}"
       + (f", `XLA_FLAGS={flags}`" if flags else "")
@@ -717,7 +722,7 @@ RERUN_SUMMARY = "reruns"
 def _rerun_machine(provenance: Mapping[str, Any]) -> str:
   """What tells a rerun's machine apart, briefly: its XLA_FLAGS, else its processor."""
   m = provenance["machine"]
-  flags = (m.get("environment") or {}).get("XLA_FLAGS")
+  flags = _xla_flags(m)
   if flags:
     return f"`XLA_FLAGS={flags}`"
   return m.get("processor", {}).get("model") or m["device"]
