@@ -17,7 +17,8 @@ multifair), or all at once with `python -m fairmoe_jax.compare
 Expected result: docs/results.md, table `fair_comparison_testbed` (every method at 200 steps, 5
 paired seeds; results/fair_comparison_testbed.py), and docs/dataset.md records vanilla SMoE's
 accuracy, fairness and routing at 350 steps (seeds 0 and 1, 4 and 8 experts) beside the two
-readers'.
+readers', and its routing with 4, 8 and 16 experts in the last or the first block
+(configs/sweeps/testbed_routing.py).
 """
 
 from fairmoe_jax.config import quickstart_config
