@@ -299,6 +299,28 @@ def test_fairlearn_on_predictions_csv_reproduces_the_report(run):
   assert "[sex*age]" in stdout
 
 
+def test_routing_measures_read_a_real_run_consistently(run):
+  """fairmoe_jax/analysis/routing.py on a trained run: the split's expert shares in report.json
+  are the mean of predictions.csv's per-image shares (every image has as many choices), and the
+  utilisation is the report's experts active over E."""
+  from fairmoe_jax.analysis import routing
+
+  workdir, _ = run
+  report = json.loads((workdir / "report.json").read_text())
+  shares = routing.read_expert_columns(str(workdir / "predictions.csv"))
+  measures = routing.run_concentration(str(workdir), report)
+  assert set(measures) == set(shares) == set(report["experts_active"]["choices"])
+  for block, m in measures.items():
+    mean = shares[block].mean(axis=0)
+    np.testing.assert_allclose(
+        mean / mean.sum(), report["expert_share"]["choices"][block], atol=1e-4
+    )
+    active = report["experts_active"]["choices"][block]
+    assert m["utilisation"] == pytest.approx(active / m["num_experts"], rel=1e-4)
+    assert m["top_k"] == 2 and 0 < m["image_utilisation"] <= 1
+    assert m["uniform_top_k_share"] <= m["top_k_share"] <= 1
+
+
 def test_eval_mode_writes_the_same_predictions(run):
   workdir, _ = run
   trained = (workdir / "predictions.csv").read_text()
