@@ -7,7 +7,8 @@ scored by the evaluation's own count code (`metrics.report_of_predictions`) on t
 (report.json's top level) and the validation split (its `validation` entry), so a results table
 (`experiments.tables`, a spec's `TABLE["references"]`) prints its rows beside the models':
 
-  majority class  the training split's most frequent label, for every example (its PQD is 1
+  majority class  the training split's most frequent label (on a tie, the lowest class index),
+                  for every example (its PQD is 1
                   when every group has the same accuracy, which a constant answer need not
                   give: the groups' label mixes differ);
   marker reader   (synthetic data, both kinds) the class the corner marker shows
