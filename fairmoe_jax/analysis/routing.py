@@ -26,17 +26,16 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from fairmoe_jax.evaluation import effective_experts
+from fairmoe_jax.metrics.pooling import PREDICTIONS_FILE
+from trainkit import storage
 from trainkit.metric_writers import write_atomically
-
-PREDICTIONS_FILE = "predictions.csv"
-CONFIG_FILE = "config.json"
+from trainkit.workdir import CONFIG_FILE
 
 
 def top_share(usage: np.ndarray, k: int) -> float:
@@ -80,10 +79,9 @@ def group_divergence(
 
 def read_expert_columns(path: str) -> dict[str, np.ndarray]:
   """{block: [N, E] shares} from a run's predictions.csv (its `<block>/expert_<e>` columns)."""
-  with open(path, newline="") as f:
-    reader = csv.reader(f)
-    header = next(reader)
-    rows = list(reader)
+  reader = csv.reader(storage.read_text(path).splitlines())
+  header = next(reader)
+  rows = list(reader)
   columns: dict[str, list[tuple[int, int]]] = {}
   for index, name in enumerate(header):
     block, sep, expert = name.partition("/expert_")
@@ -129,10 +127,9 @@ def routing_concentration(
 def run_concentration(run_dir: str, report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
   """routing_concentration of the run in `run_dir`: its top_k from config.json, its per-image
   shares from predictions.csv when the run wrote one."""
-  with open(os.path.join(run_dir, CONFIG_FILE)) as f:
-    top_k = int(json.load(f)["moe"]["top_k"])
-  path = os.path.join(run_dir, PREDICTIONS_FILE)
-  image_shares = read_expert_columns(path) if os.path.exists(path) else None
+  top_k = int(json.loads(storage.read_text(storage.join(run_dir, CONFIG_FILE)))["moe"]["top_k"])
+  path = storage.join(run_dir, PREDICTIONS_FILE)
+  image_shares = read_expert_columns(path) if storage.path(path).exists() else None
   return routing_concentration(report, top_k, image_shares)
 
 
@@ -191,7 +188,7 @@ def write_routing_table(workdir: str, runs: Sequence[Any]) -> list[str]:
     if run.status == "ok":
       row["blocks"] = run_concentration(run.run_dir, run.report)
     rows.append(row)
-  paths = [os.path.join(workdir, "routing.md"), os.path.join(workdir, "routing.json")]
+  paths = [storage.join(workdir, "routing.md"), storage.join(workdir, "routing.json")]
   write_atomically(paths[0], format_markdown(rows))
   write_atomically(paths[1], json.dumps(_without_nan(rows), indent=2))
   return paths
