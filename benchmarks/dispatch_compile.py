@@ -61,6 +61,7 @@ from bench_utils import write_results
 from fairmoe_jax.moe.dispatch import ExpertWeights, compute_capacity
 from fairmoe_jax.moe.dispatch.blocksparse import choose_block_size
 from trainkit.preflight import analysis
+from trainkit.preflight.compile import persistent_cache_off
 from trainkit.preflight.targets import Target, devices, get_target
 
 # (images, tokens per image, width, expert MLP hidden width): moe_layer.py's, and DeiT-S scale.
@@ -130,16 +131,10 @@ def loss_fn(dispatch: str, capacity: int | None, top_k: int, peer: Any) -> Calla
 def compile_step(loss: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float]:
   """moe_layer.py's step (grad w.r.t. all but the cotangent), compiled; and the seconds it took."""
   step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args) - 1)), has_aux=True))
-  # A deviceless executable cannot be loaded back from JAX's persistent cache (as in
-  # trainkit.preflight.compile): off, so the compile time is the compiler's and nothing is written.
-  cache = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
+  with persistent_cache_off():  # The compile time is the compiler's, and nothing is written.
     t0 = time.perf_counter()
     compiled = step.lower(*args).compile()
     return compiled, time.perf_counter() - t0
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache)
 
 
 def balanced_blocks(

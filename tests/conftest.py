@@ -102,6 +102,34 @@ def repo_root() -> pathlib.Path:
   return REPO_ROOT
 
 
+@pytest.fixture
+def private_compilation_cache(tmp_path):
+  """JAX's persistent compilation cache in a folder of this test's own (the suite's is shared by
+  every worker), used in this process before the test begins and keeping every entry; the
+  suite's cache settings come back afterwards."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  keys = (
+      "jax_compilation_cache_dir",
+      "jax_enable_compilation_cache",
+      "jax_persistent_cache_min_compile_time_secs",
+      "jax_persistent_cache_min_entry_size_bytes",
+  )
+  saved = {key: getattr(jax.config, key) for key in keys}
+  folder = tmp_path / "xla_cache"
+  for key, value in zip(keys, (str(folder), True, 0, 0)):
+    jax.config.update(key, value)
+  compilation_cache.reset_cache()
+  jax.jit(lambda x: x + 1)(jax.numpy.ones(3)).block_until_ready()  # The cache is now in use.
+  try:
+    yield folder
+  finally:
+    for key, value in saved.items():
+      jax.config.update(key, value)
+    compilation_cache.reset_cache()
+
+
 # The CUDA plugin of the preflight extra (CI installs it) logs these lines from C++, before any
 # log set-up, whenever a process imports JAX on a machine without a GPU; no setting silences
 # them. They are not the program's output: the tests that read a subprocess's stderr (one error

@@ -35,6 +35,7 @@ from trainkit.preflight import analysis
 from trainkit.preflight.compile import (
     does_not_fit_message,
     host_rows,
+    persistent_cache_off,
     preflight,
     validate_preflight,
 )
@@ -127,6 +128,15 @@ def test_quickstart_on_an_h100_node():
   assert "all-reduce" in train["collectives"]  # Data parallel: gradients are summed.
   total, _ = param_bytes_by_hand(config)
   assert train["memory"]["parameters"] == total
+
+
+def test_a_preflight_leaves_the_persistent_cache_as_it_was(private_compilation_cache):
+  # A deviceless executable cannot be read back (no client to load it into): writing one would
+  # only leave an entry that warns on every later preflight of the same run.
+  before = sorted(private_compilation_cache.iterdir())
+  record = preflight(quickstart(**{"preflight.target": "h100x1"}), preflight_program)
+  assert record["fits"]
+  assert sorted(private_compilation_cache.iterdir()) == before
 
 
 def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
@@ -296,7 +306,7 @@ def test_the_optimised_gpu_program_is_costed_on_this_host():
   mesh = Mesh(np.array(devices(target)).reshape(1, 1), ("data", "expert"))
   spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))
   x, w = spec((512, 256)), spec((256, 1024))
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), persistent_cache_off():  # A deviceless program: as the preflight.
     compiled = jax.jit(lambda x, w: jnp.tanh(x @ w)).lower(x, w).compile()
   assert analysis.cost(compiled) is None  # XLA's GPU compiler gives none.
   hlo = analysis.optimized_hlo_cost(compiled)

@@ -14,6 +14,7 @@ the config's `num_train_steps`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -21,11 +22,13 @@ import math
 import os
 import re
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, Mapping
 
 import flax.nnx as nnx
 import jax
 import ml_collections
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
 from trainkit.config import require_float, require_int
@@ -223,16 +226,31 @@ def compile_step(
   return compiled, record
 
 
+@contextlib.contextmanager
+def persistent_cache_off() -> Iterator[None]:
+  """JAX's persistent compilation cache neither read nor written inside the block.
+
+  A deviceless executable (compiled for a TPU topology or a GPU target description) cannot be
+  loaded back from the cache, as there is no client to load it into: reading one costs a
+  warning, writing one costs disk, and a compile time measured through the cache is not the
+  compiler's. JAX decides once per process whether the cache is used, at its first compile, so
+  turning `jax_enable_compilation_cache` off does nothing after anything has compiled: the
+  cache's state is reset on entry, and again on exit, so that the next compile decides afresh.
+  """
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
 def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
   """Compiles the run of `config` for `config.preflight.target`; returns the preflight record."""
-  # A deviceless executable cannot be loaded back from JAX's persistent cache (there is no
-  # client to load it into): reading and writing it would only cost time and warnings.
-  cache = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
+  with persistent_cache_off():
     return _preflight(config, build_program)
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache)
 
 
 def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
