@@ -85,6 +85,15 @@ def dropped_summary(
   return {"train": train, "test": float(np.mean(test)) if test else 0.0}
 
 
+# The validation pass's routing measures that the report keeps beside the test split's.
+VALIDATION_ROUTING_KEYS = (
+    "expert_share",
+    "expert_utilisation",
+    "experts_active",
+    "fraction_dropped",
+)
+
+
 def final_report(
     eval_step,
     graphdef,
@@ -155,6 +164,9 @@ def final_report(
         "accuracy": validation["accuracy"],
         "num_examples": validation["num_examples"],
         "mf": validation["mf"],
+        # Routing too: a routing measurement that chooses a setting reads validation, not test
+        # (fairmoe_jax/analysis/routing.py, split="validation").
+        **{key: validation[key] for key in VALIDATION_ROUTING_KEYS if key in validation},
     }
   if "fem" in state.extra and records:
     # Did each FEM change reach routing? Its experts' share of the validation choices at the

@@ -2,6 +2,7 @@
 and intersection metrics match a direct numpy computation."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -319,6 +320,15 @@ def test_routing_measures_read_a_real_run_consistently(run):
     assert m["utilisation"] == pytest.approx(active / m["num_experts"], rel=1e-4)
     assert m["top_k"] == 2 and 0 < m["image_utilisation"] <= 1
     assert m["uniform_top_k_share"] <= m["top_k_share"] <= 1
+  # The validation split's routing, kept in the report, read the same way.
+  validation = routing.run_concentration(str(workdir), report, "validation")
+  assert set(validation) == set(measures)
+  for block, m in validation.items():
+    active = report["validation"]["experts_active"]["choices"][block]
+    assert m["utilisation"] == pytest.approx(active / m["num_experts"], rel=1e-4)
+    assert math.isnan(m["image_utilisation"])
+    shares = report["validation"]["expert_share"]["choices"][block]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-4)  # Each share rounded to 6 decimals.
 
 
 def test_eval_mode_writes_the_same_predictions(run):

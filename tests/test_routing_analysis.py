@@ -119,12 +119,42 @@ def test_routing_table_collector_writes_a_row_per_run_and_block(tmp_path):
   assert "| failed | failed |" in table
 
 
+def test_the_validation_table_reads_the_validation_split_s_routing(tmp_path):
+  (tmp_path / "runs").mkdir()
+  header = ["example_id", "moe_block3/expert_0", "moe_block3/expert_1"]
+  both = tmp_path / "runs" / "both"
+  report = dict(_report([0.5, 0.5]), validation=dict(_report([0.8, 0.2]), accuracy=0.5))
+  _write_run(both, report, top_k=1, rows=[header, ["a", "1", "0"]])
+  old = tmp_path / "runs" / "old"
+  _write_run(old, dict(_report([0.5, 0.5]), validation={"accuracy": 0.5}), top_k=1)
+  runs = [
+      types.SimpleNamespace(name=path.name, point={"seed": 0}, run_dir=str(path), status="ok",
+                            report=json.loads((path / "report.json").read_text()))
+      for path in (both, old)
+  ]
+  md, js = routing.write_validation_routing_table(str(tmp_path), runs)
+  assert md.endswith("routing_validation.md")
+  rows = json.loads(open(js).read())
+  block = rows[0]["blocks"]["moe_block3"]
+  assert block["top_k_share"] == pytest.approx(0.8)  # Validation's 0.8, not test's 0.5.
+  assert block["image_utilisation"] is None  # predictions.csv holds test images only.
+  assert rows[1]["status"] == routing.NO_VALIDATION_ROUTING and "blocks" not in rows[1]
+  assert f"| old | {routing.NO_VALIDATION_ROUTING} |" in open(md).read()
+  test_rows = json.loads(open(routing.write_routing_table(str(tmp_path), runs)[1]).read())
+  assert test_rows[0]["blocks"]["moe_block3"]["top_k_share"] == pytest.approx(0.5)
+  with pytest.raises(ValueError, match="split='train'"):
+    routing.run_concentration(str(both), report, "train")
+
+
 def test_testbed_routing_sweep_evaluates_every_choice():
   sweep = spec.load_sweep("configs/sweeps/testbed_routing.py")
   points = spec.grid_points(sweep)
   assert len(points) == 12 and sweep.overrides["method"] == "vanilla_smoe"
   assert {p["moe.blocks"] for p in points} == {(-1,), (0,)}
-  assert list(sweep.tables) == ["fairmoe_jax.analysis.routing:write_routing_table"]
+  assert list(sweep.tables) == [
+      "fairmoe_jax.analysis.routing:write_routing_table",
+      "fairmoe_jax.analysis.routing:write_validation_routing_table",
+  ]
   # The evaluation capacity fits every token of a 32x32 image in 4x4 patches at any E: the
   # test split shows the router's choices, none dropped.
   for experts in {p["moe.num_experts"] for p in points}:

@@ -10,7 +10,9 @@ in the last block or the first, two seeds; it trains at the config's capacity fa
 is evaluated at 8.0, which clips to every token, so no choice is dropped and the test split shows
 what the router prefers. `<workdir>/routing.md` (fairmoe_jax/analysis/routing.py) tabulates
 the measures the rule of docs/protocol.md section 8 reads: utilisation (experts active / E) and
-top-2 share over the split and per image, and how far the groups' routing differs.
+top-2 share over the split and per image, and how far the groups' routing differs;
+`<workdir>/routing_validation.md` the same on the validation split (without the per-image
+measures), the one to read where the measurement chooses a setting.
 
 Arguments, e.g. `--sweep=configs/sweeps/testbed_routing.py:experts=(4, 8),seeds=1`:
   experts  the numbers of experts (default (4, 8, 16))
@@ -41,6 +43,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
           ),
           overrides=dotted({"method": "vanilla_smoe", "moe.eval_capacity_factor": 8.0}),
           metrics=("accuracy", "mf.pqd", "validation.accuracy"),
-          tables=("fairmoe_jax.analysis.routing:write_routing_table",),
+          tables=(
+              "fairmoe_jax.analysis.routing:write_routing_table",
+              "fairmoe_jax.analysis.routing:write_validation_routing_table",
+          ),
       )
   )

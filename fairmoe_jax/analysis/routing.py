@@ -3,7 +3,8 @@
 Sec. 3.2 finds that vanilla SMoE's router sends similar inputs, whatever their attribute, to the
 same few experts, "intensified with increased experts or earlier SMoE layer integration"; Figure
 2 reads it as a utilisation rate that falls as the experts increase and one routing pattern for
-every attribute group. Per MoE block, on the split a run's report describes (the test split):
+every attribute group. Per MoE block, on a split the run's report describes (the test split, or
+the validation split, whose routing the report keeps beside it):
 
 * `utilisation`: experts active (exp entropy of the split's expert choices, the report's
   `experts_active`) over the number of experts E: 1 when every expert serves alike, 1/E when one
@@ -18,7 +19,11 @@ every attribute group. Per MoE block, on the split a run's report describes (the
 * `dropped`: the share of the split's (token, choice) pairs over capacity.
 
 `write_routing_table` is a sweep table collector (`tables=("fairmoe_jax.analysis.routing:
-write_routing_table",)`): `<workdir>/routing.md` and `routing.json`, a row per run and block.
+write_routing_table",)`): `<workdir>/routing.md` and `routing.json`, a row per run and block, on
+the test split. `write_validation_routing_table` is the same on the validation split
+(`routing_validation.md`, `.json`), without the per-image measures (predictions.csv holds the
+test images): the one to read where the measurement chooses a setting (docs/protocol.md). A run
+trained before the report kept validation routing gets it from `--mode=eval`.
 """
 
 from __future__ import annotations
@@ -124,10 +129,23 @@ def routing_concentration(
   return measures
 
 
-def run_concentration(run_dir: str, report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-  """routing_concentration of the run in `run_dir`: its top_k from config.json, its per-image
-  shares from predictions.csv when the run wrote one."""
+SPLITS = ("test", "validation")
+
+
+def run_concentration(
+    run_dir: str, report: Mapping[str, Any], split: str = "test"
+) -> dict[str, dict[str, Any]] | None:
+  """routing_concentration of the run in `run_dir` on `split`: its top_k from config.json; on
+  the test split, its per-image shares from predictions.csv when the run wrote one. None when
+  the report has no routing of the validation split (a run evaluated before it kept one)."""
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r}: one of {', '.join(SPLITS)}")
   top_k = int(json.loads(storage.read_text(storage.join(run_dir, CONFIG_FILE)))["moe"]["top_k"])
+  if split == "validation":
+    validation = report.get("validation") or {}
+    if "expert_share" not in validation:
+      return None
+    return routing_concentration(validation, top_k)
   path = storage.join(run_dir, PREDICTIONS_FILE)
   image_shares = read_expert_columns(path) if storage.path(path).exists() else None
   return routing_concentration(report, top_k, image_shares)
@@ -179,16 +197,33 @@ def _without_nan(value: Any) -> Any:
   return value
 
 
-def write_routing_table(workdir: str, runs: Sequence[Any]) -> list[str]:
-  """The sweep table collector: `<workdir>/routing.md` and `routing.json`, a row per run (an
-  `experiments.collect.RunResult`) and MoE block."""
+# A finished run whose report has no routing of the validation split.
+NO_VALIDATION_ROUTING = "no validation routing (evaluate again: --mode=eval)"
+
+
+def _write_table(workdir: str, runs: Sequence[Any], split: str, name: str) -> list[str]:
   rows = []
   for run in runs:
     row: dict[str, Any] = dict(run=run.name, point=dict(run.point), status=run.status)
     if run.status == "ok":
-      row["blocks"] = run_concentration(run.run_dir, run.report)
+      blocks = run_concentration(run.run_dir, run.report, split)
+      if blocks is None:
+        row["status"] = NO_VALIDATION_ROUTING
+      else:
+        row["blocks"] = blocks
     rows.append(row)
-  paths = [storage.join(workdir, "routing.md"), storage.join(workdir, "routing.json")]
+  paths = [storage.join(workdir, f"{name}.md"), storage.join(workdir, f"{name}.json")]
   write_atomically(paths[0], format_markdown(rows))
   write_atomically(paths[1], json.dumps(_without_nan(rows), indent=2))
   return paths
+
+
+def write_routing_table(workdir: str, runs: Sequence[Any]) -> list[str]:
+  """The sweep table collector: `<workdir>/routing.md` and `routing.json`, a row per run (an
+  `experiments.collect.RunResult`) and MoE block, on the test split."""
+  return _write_table(workdir, runs, "test", "routing")
+
+
+def write_validation_routing_table(workdir: str, runs: Sequence[Any]) -> list[str]:
+  """The same on the validation split: `<workdir>/routing_validation.md` and `.json`."""
+  return _write_table(workdir, runs, "validation", "routing_validation")
