@@ -139,7 +139,9 @@ def test_the_validation_table_reads_the_validation_split_s_routing(tmp_path):
   assert block["top_k_share"] == pytest.approx(0.8)  # Validation's 0.8, not test's 0.5.
   assert block["image_utilisation"] is None  # predictions.csv holds test images only.
   assert rows[1]["status"] == routing.NO_VALIDATION_ROUTING and "blocks" not in rows[1]
-  assert f"| old | {routing.NO_VALIDATION_ROUTING} |" in open(md).read()
+  table = open(md).read()
+  assert f"| old | {routing.NO_VALIDATION_ROUTING} |" in table
+  assert "| both | moe_block3 | 2 | 0.825 | 0.800 (0.500) | — | — |" in table
   test_rows = json.loads(open(routing.write_routing_table(str(tmp_path), runs)[1]).read())
   assert test_rows[0]["blocks"]["moe_block3"]["top_k_share"] == pytest.approx(0.5)
   with pytest.raises(ValueError, match="split='train'"):

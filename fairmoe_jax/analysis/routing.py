@@ -162,6 +162,8 @@ _COLUMNS = (
 
 
 def _cell(key: str, measures: Mapping[str, Any]) -> str:
+  if math.isnan(measures[key]):
+    return "—"  # A measure the run cannot give (per image without predictions.csv).
   value = f"{measures[key]:.3f}"
   if key == "top_k_share":
     return f"{value} ({measures['uniform_top_k_share']:.3f})"
