@@ -11,8 +11,10 @@ docs/protocol.md section 8 found the paper's over-utilisation at 16 experts (uti
 failure to fix that they are for. This table is the testbed comparison with 16 experts (top-2),
 everything else the same, except the capacity factor: 8.0 in training and evaluation, which
 every token fits at 16 experts, as 2.0 does at 4 (no method drops a token). Written before its
-runs; nothing here is chosen on the test split. Only the five rows the claims compare run
-(Muffin and MultiFair decide no claim; CPU time).
+runs. The 16 experts come from that routing measurement, which read the test split; repeated on
+the validation split, its rule reads the same (docs/protocol.md section 8), so the setting is
+one a validation reading chooses. Only the five rows the claims compare run (Muffin and
+MultiFair decide no claim; CPU time).
 """
 
 from experiments.table_parts import FAIR_CONTROLS, FAIRSMOE, sibling_spec
