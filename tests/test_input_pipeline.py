@@ -3,6 +3,8 @@ real CelebA files, worker processes, normalisation on the device and the device 
 (fairmoe_jax/data/{pipeline,augment}.py, trainkit/prefetch.py)."""
 
 import glob
+import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from conftest import SHARED_DATA
 from fairmoe_jax.data import augment, pipeline
 from trainkit.errors import UserError
-from trainkit.prefetch import DevicePrefetch
+from trainkit.prefetch import DEFAULT_PREFETCH, DevicePrefetch, resident_batches
 
 CELEBA_IMAGES = sorted(glob.glob(str(SHARED_DATA / "celeba" / "img_align_celeba" / "*.jpg")))
 needs_celeba = pytest.mark.skipif(
@@ -144,7 +146,12 @@ def test_device_prefetch_saves_the_state_of_the_batches_consumed_not_read_ahead(
   for k in range(1, 6):
     assert int(next(batches)[0]) == 10 + k
     assert batches.get_state() == {"position": 10 + k}
-  assert host.position > 15  # It did read ahead.
+  # It reads ahead, `size` batches past the one `next` returned last and no further.
+  deadline = time.monotonic() + 10
+  while host.position < 17 and time.monotonic() < deadline:
+    time.sleep(0.002)
+  time.sleep(0.05)
+  assert host.position == 17
   with pytest.raises(RuntimeError, match="read ahead"):
     batches.set_state({"position": 0})
   batches.close()
@@ -155,3 +162,38 @@ def test_device_prefetch_raises_the_host_iterators_error_in_order():
   assert [int(next(batches)["x"][0]) for _ in range(3)] == [1, 2, 3]
   with pytest.raises(UserError, match="7.jpg"):
     next(batches)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, None])
+def test_device_prefetch_keeps_size_batches_on_the_device_ahead_of_the_one_the_caller_holds(size):
+  # `put` counts the batches it placed that the caller has not released: the caller releases
+  # each before asking for the next, as a training loop drops its step's batch, and is slower
+  # than the thread, which so places all it may.
+  lock, alive, most = threading.Lock(), set(), [0]
+
+  def put(batch):
+    with lock:
+      alive.add(int(batch["x"][0]))
+      most[0] = max(most[0], len(alive))
+    return batch
+
+  expected = resident_batches(DEFAULT_PREFETCH if size is None else size)
+  batches = DevicePrefetch(_Counting(), put, **({} if size is None else {"size": size}))
+  held = None
+  for k in range(1, 7):
+    if held is not None:
+      with lock:
+        alive.remove(int(held["x"][0]))
+    held = next(batches)
+    assert int(held["x"][0]) == k
+    deadline = time.monotonic() + 10
+    while len(alive) < expected and time.monotonic() < deadline:
+      time.sleep(0.002)
+    time.sleep(0.05)  # Time to place one more batch, were the thread allowed to.
+    with lock:
+      assert len(alive) == expected, (k, sorted(alive))
+  start = time.monotonic()
+  batches.close()  # Its thread waits for a slot: it stops at once.
+  assert time.monotonic() - start < 5
+  # The caller's batch and `size` ahead of it: never more, and the prefetch fills up to it.
+  assert most[0] == expected == (DEFAULT_PREFETCH if size is None else size) + 1

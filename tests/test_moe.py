@@ -322,9 +322,12 @@ def test_a_wrong_token_width_fails_at_the_layer_not_in_dispatch():
 class _ReadingRouterOutput(RouterOutput):
   """A router's output that adds a loss needing the experts and a per-example reading."""
 
-  def expert_losses(self, x, experts, context):
-    served = experts.apply(jnp.broadcast_to(x[:, None], (x.shape[0], EXPERTS, *x.shape[1:])))
-    return {"expert_output_mean": jnp.mean(served), "context_examples": context["n"].sum()}
+  def expert_features(self, x, experts):
+    tokens = jnp.broadcast_to(x[:, None], (x.shape[0], experts.num_experts, *x.shape[1:]))
+    return experts.apply(tokens).mean(axis=2)
+
+  def expert_losses(self, features, context):
+    return {"expert_output_mean": jnp.mean(features), "context_examples": context["n"].sum()}
 
   def example_readings(self, batch, seq_len):
     return {"top_gate": self.gates[:, 0].reshape(batch, seq_len).mean(axis=1)}

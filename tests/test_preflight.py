@@ -31,12 +31,14 @@ from fairmoe_jax.methods import METHODS
 from fairmoe_jax.preflight import batch_spec, dataset_info, preflight_program
 from trainkit.errors import USER_ERROR_EXIT_CODE, ConfigError, UserError
 from trainkit.mesh import make_mesh
+from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
 from trainkit.preflight import analysis
 from trainkit.preflight.compile import (
     does_not_fit_message,
     host_rows,
     persistent_cache_off,
     preflight,
+    summary,
     validate_preflight,
 )
 from trainkit.preflight.targets import TARGETS, devices, get_target
@@ -128,6 +130,15 @@ def test_quickstart_on_an_h100_node():
   assert "all-reduce" in train["collectives"]  # Data parallel: gradients are summed.
   total, _ = param_bytes_by_hand(config)
   assert train["memory"]["parameters"] == total
+  # The fit counts the training batches a run keeps on each device, as trainkit.fits does: the
+  # step's own (an argument of the program) and the DEFAULT_PREFETCH DevicePrefetch places
+  # ahead of it.
+  memory = train["memory"]
+  assert memory["resident_batches"] == resident_batches(DEFAULT_PREFETCH) == DEFAULT_PREFETCH + 1
+  assert memory["prefetched"] == DEFAULT_PREFETCH * memory["batch"] > 0
+  assert memory["peak"] == memory["program_peak"] + memory["prefetched"]
+  assert train["fits"] == (memory["peak"] <= record["target"]["usable_bytes"])
+  assert f"and {DEFAULT_PREFETCH} prefetched ahead of it" in summary(record)
 
 
 def test_a_preflight_leaves_the_persistent_cache_as_it_was(private_compilation_cache):

@@ -1035,6 +1035,32 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs_naming_the_key(tmp_pat
   assert ckpt.all_steps() == [] and not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_the_fit_counts_the_batches_device_prefetch_keeps_beside_the_step(monkeypatch):
+  # The step's own batch is an argument of its program; DevicePrefetch places
+  # DEFAULT_PREFETCH more on the device ahead of it (trainkit.prefetch.resident_batches, which
+  # the preflight counts too).
+  from trainkit import fits
+  from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
+  from trainkit.preflight.analysis import memory
+
+  batch = jnp.ones((1 << 18,))  # 1 MiB
+  compiled = jax.jit(jnp.sum).lower(batch).compile()
+  peak = memory(compiled)["peak"]
+  ahead = resident_batches() - 1
+  assert ahead == DEFAULT_PREFETCH and batch.nbytes * ahead > 0
+  kwargs = {"what": "train step", "batch_key": "batch_size", "batch_size": 8, "batch": batch}
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: peak + ahead * batch.nbytes)
+  fits.require_fits(compiled, **kwargs)
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: peak + ahead * batch.nbytes - 1)
+  with pytest.raises(
+      UserError, match=rf"the train step needs .*; 0\.0 GiB of the {ahead} batches prefetched ahead"
+  ):
+    fits.require_fits(compiled, **kwargs)
+  # A step whose batches are not prefetched (an evaluation's) counts its own only.
+  fits.require_fits(compiled, **kwargs, prefetch=0)
+  fits.require_fits(compiled, **{**kwargs, "batch": None})  # Without the batch: the program's.
+
+
 def test_a_cpu_device_s_memory_is_its_share_of_the_host_s():
   from trainkit import fits
   from trainkit.config import host_memory_bytes

@@ -4,6 +4,8 @@ The training loop and the evaluations compile their step ahead of time anyway (f
 `trainkit.throughput`), and the call that follows reuses that executable; its memory analysis is
 therefore free. A step that cannot fit is refused with one line naming the key that makes it too
 large, instead of an allocation failing inside XLA (RESOURCE_EXHAUSTED) or the host swapping.
+The training step's need counts the batches `trainkit.prefetch.DevicePrefetch` keeps on the
+devices beside it (`resident_batches`), as the preflight does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax
 
 from trainkit.config import host_memory_bytes
 from trainkit.errors import UserError
+from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
 from trainkit.preflight.analysis import memory
 from trainkit.throughput import compile_ahead
 
@@ -47,13 +50,24 @@ def _bytes_per_device(tree: Any) -> int:
 
 
 def require_fits(
-    compiled: Any, *, what: str, batch_key: str, batch_size: int, batch: Any = None
+    compiled: Any,
+    *,
+    what: str,
+    batch_key: str,
+    batch_size: int,
+    batch: Any = None,
+    prefetch: int = DEFAULT_PREFETCH,
 ) -> None:
   """Raises UserError if the compiled step's peak memory per device exceeds a device's.
 
-  The message names `batch_key` when what grows with the batch (the batch itself, the
-  temporaries and outputs) outweighs the rest of the arguments (parameters, optimiser state),
-  else the model's size keys.
+  The compiled program's arguments hold the step's own `batch`; the `prefetch` batches like it
+  that `DevicePrefetch(..., size=prefetch)` places ahead of the step are on the devices too,
+  `resident_batches(prefetch)` in all (`trainkit.prefetch`; `prefetch` = 0 for a step whose
+  batches are not prefetched). Without `batch`, the program's peak alone is counted.
+
+  The message names `batch_key` when what grows with the batch (the batches, the temporaries
+  and outputs) outweighs the rest of the arguments (parameters, optimiser state), else the
+  model's size keys.
   """
   if compiled is None:
     return
@@ -61,26 +75,32 @@ def require_fits(
     needed = memory(compiled)
   except Exception:  # pylint: disable=broad-except  # Memory analysis is best effort.
     return
+  batch_bytes = min(_bytes_per_device(batch), needed["arguments"]) if batch is not None else 0
+  ahead = resident_batches(prefetch) - 1
+  prefetched = ahead * batch_bytes
+  peak = needed["peak"] + prefetched
   capacity = device_memory_bytes(jax.local_devices()[0])
-  if capacity is None or needed["peak"] <= capacity:
+  if capacity is None or peak <= capacity:
     return
   working = needed["peak"] - needed["arguments"]
-  batch_bytes = min(_bytes_per_device(batch), needed["arguments"]) if batch is not None else 0
-  if working + batch_bytes >= needed["arguments"] - batch_bytes:
+  if working + batch_bytes + prefetched >= needed["arguments"] - batch_bytes:
     change = f"lower {batch_key} (now {batch_size})"
   else:
     change = "make the model smaller (its model.* keys, moe.num_experts)"
+  beside = (
+      f"{_gib(prefetched)} of the {ahead} batches prefetched ahead of it; " if prefetched else ""
+  )
   raise UserError(
-      f"the {what} needs {_gib(needed['peak'])} per device ({_gib(needed['arguments'])} of "
-      f"parameters, optimiser state and batch; {_gib(working)} of temporaries and outputs) but a "
-      f"device here has {_gib(capacity)}: {change}; --mode=compile estimates a run's memory "
-      "without running it"
+      f"the {what} needs {_gib(peak)} per device ({_gib(needed['arguments'])} of "
+      f"parameters, optimiser state and batch; {beside}{_gib(working)} of temporaries and "
+      f"outputs) but a device here has {_gib(capacity)}: {change}; --mode=compile estimates a "
+      "run's memory without running it"
   )
 
 
 def check_eval_step(eval_step: Any, state: Any, batch: Any, eval_batch_size: int) -> None:
   """`require_fits` for an evaluation's first batch (the step compiled here is the one its
-  call then runs)."""
+  call then runs; evaluation batches are not prefetched)."""
   if hasattr(eval_step, "lower"):
     require_fits(
         compile_ahead(eval_step, state, batch),
@@ -88,4 +108,5 @@ def check_eval_step(eval_step: Any, state: Any, batch: Any, eval_batch_size: int
         batch_key="eval_batch_size",
         batch_size=eval_batch_size,
         batch=batch,
+        prefetch=0,
     )

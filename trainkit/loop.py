@@ -283,6 +283,7 @@ def train_loop(
             batch_key="batch_size",
             batch_size=examples_per_step,
             batch=batch,
+            prefetch=device_prefetch,
         )
         flops_per_step = flops_of(compiled) or 0.0
       state, metrics = train_step(state, batch)

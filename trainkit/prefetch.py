@@ -1,10 +1,15 @@
 """Training batches put on the device ahead of the step that reads them.
 
 `DevicePrefetch` reads the host iterator and transfers its batches (`shard_batch`) in a
-background thread, `size` batches ahead, so that the host-to-device copy of batch n + 1
-overlaps step n instead of preceding it. Its `get_state()` is the host iterator's state after
-the last batch handed out, not after the last one read ahead: a checkpoint saved after step n
-resumes at batch n + 1 exactly as without prefetching.
+background thread, `size` batches ahead of the one the step is using, so that the host-to-device
+copy of batch n + 1 overlaps step n instead of preceding it. Its `get_state()` is the host
+iterator's state after the last batch handed out, not after the last one read ahead: a
+checkpoint saved after step n resumes at batch n + 1 exactly as without prefetching.
+
+The training batches this keeps on the devices are `resident_batches(size)`: the step's own
+and `size` ahead of it. The memory checks count the same (`trainkit.fits` before the first
+step, `trainkit.preflight` for a target): the compiled step's arguments hold its own batch, and
+`size` more (`DEFAULT_PREFETCH`, the training loop's) lie beside it.
 """
 
 from __future__ import annotations
@@ -14,13 +19,33 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-# Batches transferred ahead of the step: one in flight while the step runs, one ready.
+# Batches placed on the devices ahead of the one the step is using: one can be in flight while
+# the step runs and one ready, so a transfer as slow as a step still never makes it wait.
 DEFAULT_PREFETCH = 2
 _POLL_SECONDS = 0.1
 
 
+def resident_batches(size: int = DEFAULT_PREFETCH) -> int:
+  """Training batches on the devices at once while a loop reading `DevicePrefetch(..., size)`
+  runs a step: the step's own and the `size` placed ahead of it (`size` = 0: no prefetch, the
+  step's own only).
+
+  A step dispatched asynchronously keeps its batch on the devices until it has run: a loop
+  whose dispatches run ahead of the devices holds those steps' batches too.
+  """
+  if size < 0:
+    raise ValueError(f"size must be >= 0, got {size}.")
+  return size + 1
+
+
 class DevicePrefetch:
   """An iterator of device batches with the checkpointable state of the host iterator it reads.
+
+  `size` counts the batches placed on the devices (`put`) that `next` has not returned yet:
+  there are never more than `size` of them. The background thread takes one of `size` slots
+  before it reads and places a batch, and `next` frees it as it hands that batch out, so a
+  caller that holds one batch at a time (a training step's, dropped before the next `next`)
+  has at most `size` more on the devices ahead of it: `resident_batches(size)` in all.
 
   The background thread starts at the first `next`, so `set_state` (a resumed run) must come
   before it; the thread stops at `close()` (and at the end or an error of the host iterator,
@@ -37,23 +62,23 @@ class DevicePrefetch:
       raise ValueError(f"size must be >= 1, got {size}.")
     self._iterator = iterator
     self._put = put
-    self._queue: queue.Queue = queue.Queue(maxsize=size)
+    # A free slot per batch the thread may still place; the queue never holds more than `size`.
+    self._slots = threading.Semaphore(size)
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._state: dict | None = None
 
   def _fill(self) -> None:
     while not self._stop.is_set():
+      # The slot comes first: a batch is placed on the devices only where it may wait there.
+      if not self._slots.acquire(timeout=_POLL_SECONDS):
+        continue
       try:
         item = (self._put(next(self._iterator)), self._iterator.get_state(), None)
       except BaseException as e:  # pylint: disable=broad-except
         item = (None, None, e)  # Raised by `next` in the training thread.
-      while not self._stop.is_set():
-        try:
-          self._queue.put(item, timeout=_POLL_SECONDS)
-          break
-        except queue.Full:
-          continue
+      self._queue.put(item)
       if item[2] is not None:
         return
 
@@ -66,6 +91,7 @@ class DevicePrefetch:
       self._thread = threading.Thread(target=self._fill, name="device_prefetch", daemon=True)
       self._thread.start()
     batch, state, error = self._queue.get()
+    self._slots.release()  # The caller holds this batch now: the thread may place the next.
     if error is not None:
       self.close()
       raise error
@@ -82,7 +108,13 @@ class DevicePrefetch:
     self._iterator.set_state(state)
 
   def close(self) -> None:
-    """Stops the background thread (batches read ahead are dropped)."""
+    """Stops the background thread and drops the batches read ahead (their device memory is
+    freed once nothing else holds them)."""
     self._stop.set()
     if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join()
+    while True:
+      try:
+        self._queue.get_nowait()
+      except queue.Empty:
+        break

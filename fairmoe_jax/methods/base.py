@@ -142,9 +142,10 @@ def resolve_dispatch(dispatch: str, mesh: Mesh | None) -> str:
 
 
 def moe_kwargs(config: ml_collections.ConfigDict, mesh: Mesh | None, router: Any) -> dict:
-  """`SparseMoE` keyword arguments from `config.moe`; expert-parallel on a mesh with experts > 1."""
+  """`SparseMoE` keyword arguments from `config.moe`: on a mesh of several devices the layer
+  dispatches each device's own examples, expert-parallel where `mesh.expert` > 1."""
   c = config.moe
-  expert_parallel = mesh is not None and mesh.shape["expert"] > 1
+  sharded = mesh is not None and mesh.size > 1
   return dict(
       num_experts=c.num_experts,
       top_k=c.top_k,
@@ -153,7 +154,7 @@ def moe_kwargs(config: ml_collections.ConfigDict, mesh: Mesh | None, router: Any
       eval_capacity_factor=c.eval_capacity_factor,
       router=router,
       batch_priority=c.batch_priority,
-      mesh=mesh if expert_parallel else None,
+      mesh=mesh if sharded else None,
   )
 
 

@@ -12,6 +12,7 @@ layer (see `SparseMoE`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -23,10 +24,13 @@ from flax import nnx, struct
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     EP_ALGORITHMS,
+    DispatchStats,
     ExpertWeights,
     batch_priority_order,
     compute_capacity,
+    data_parallel_moe,
     expert_parallel_moe,
+    per_device,
     reorder_tokens,
     restore_token_order,
 )
@@ -37,6 +41,7 @@ from fairmoe_jax.moe.routers import (
     TopKRouter,
     apply_expert_choice,
 )
+from fairmoe_jax.moe.routers.expert_choice import apply_expert_picks
 
 # Logical axis name of the expert dimension. It is also the mesh axis name, so
 # `nnx.get_partition_spec` gives specs that can be used with the mesh directly.
@@ -187,9 +192,14 @@ class SparseMoE(nnx.Module):
     batch_priority: V-MoE batch-priority routing: within each example, tokens
       with the highest routing weight are served first, so capacity overflow
       drops the least confident choices instead of the last tokens.
-    mesh: a mesh with an "expert" axis: experts are split over it and tokens
-      travel to them by all_to_all inside `jax.shard_map`
-      (`fairmoe_jax.moe.dispatch.expert_parallel`); capacity algorithms only.
+    mesh: the device mesh the batch is split over (every axis), or None (one
+      device). With an "expert" axis of size > 1, the experts are split over it
+      and tokens travel to them by all_to_all inside `jax.shard_map`
+      (`fairmoe_jax.moe.dispatch.expert_parallel`; capacity algorithms and
+      token-choice routers only). Otherwise every device runs the dispatch on
+      its own examples with its copy of the experts, inside `jax.shard_map`
+      (`fairmoe_jax.moe.dispatch.data_parallel`), so no device computes another
+      device's tokens.
     dtype: compute dtype of the experts; routing is always float32.
     param_dtype: dtype of the parameters.
     rngs: parameter RNGs. Parameters are drawn in the same order with or
@@ -218,7 +228,7 @@ class SparseMoE(nnx.Module):
     if isinstance(router, str) and router not in ROUTERS:
       raise ValueError(f"router={router!r}; known: {', '.join(ROUTERS)} (or a router module)")
     self.routing = EXPERT_CHOICE if router == "expert_choice" else TOKEN_CHOICE
-    if mesh is not None:
+    if mesh is not None and mesh.shape.get(EXPERT_AXIS, 1) > 1:
       if self.routing == EXPERT_CHOICE:
         raise ValueError("router='expert_choice' has no expert-parallel version; use mesh=None")
       if dispatch not in EP_ALGORITHMS:
@@ -322,8 +332,11 @@ class SparseMoE(nnx.Module):
     expert_index = route.expert_index.reshape(batch, seq_len, self.top_k)
     gates = route.gates.reshape(batch, seq_len, self.top_k)
     extra_losses = dict(route.extra_losses())
-    if train:  # Losses that need the experts' outputs (the router protocol, routers/base.py).
-      extra_losses.update(route.expert_losses(x, experts, context))
+    # What the router's training losses need of the experts (the router protocol,
+    # routers/base.py): computed where the dispatch runs the experts, beside it.
+    expert_features = None
+    if train and jax.eval_shape(route.expert_features, x, experts) is not None:
+      expert_features = route.expert_features
     # Mean gate weight each expert receives per example: unlike choice counts, it tells a router
     # that spreads its weight from one that routes with a dominant expert and a token second pick.
     gate_weight = (
@@ -337,26 +350,9 @@ class SparseMoE(nnx.Module):
       order = batch_priority_order(gates)
       x, expert_index, gates = reorder_tokens((x, expert_index, gates), order)
 
-    if self.mesh is None:
-      y, stats = DISPATCH_ALGORITHMS[self.dispatch](
-          x, expert_index, gates, experts, capacity=capacity
-      )
-    else:  # Each device routes its own examples; tokens reach their experts by all_to_all.
-      try:
-        y, stats = expert_parallel_moe(
-            x,
-            expert_index,
-            gates,
-            experts,
-            capacity=capacity,
-            mesh=self.mesh,
-            algorithm=self.dispatch,
-        )
-      except ValueError as e:
-        raise ValueError(
-            f"SparseMoE (dim {self.dim}, {self.num_experts} experts) on mesh "
-            f"{dict(self.mesh.shape)} cannot take input of shape {tuple(x.shape)}: {e}"
-        ) from e
+    y, stats, features = self._dispatch(x, expert_index, gates, experts, capacity, expert_features)
+    if expert_features is not None:
+      extra_losses.update(route.expert_losses(features, context))
     if order is not None:
       y, kept = restore_token_order((y, stats.kept), order)
       stats = stats.replace(kept=kept)
@@ -379,13 +375,65 @@ class SparseMoE(nnx.Module):
     )
     return y, aux
 
+  def _dispatch(
+      self,
+      x: jax.Array,
+      expert_index: jax.Array,
+      gates: jax.Array,
+      experts: ExpertWeights,
+      capacity: int,
+      expert_features: Callable[[jax.Array, ExpertWeights], jax.Array] | None,
+  ) -> tuple[jax.Array, DispatchStats, jax.Array | None]:
+    """The dispatch algorithm on one device, or on each device's own examples of the mesh
+    (expert-parallel where the mesh has an expert axis); and `expert_features` beside it."""
+    algorithm = DISPATCH_ALGORITHMS[self.dispatch]
+    if self.mesh is None or self.mesh.size == 1:
+      y, stats = algorithm(x, expert_index, gates, experts, capacity=capacity)
+      features = None if expert_features is None else expert_features(x, experts)
+      return y, stats, features
+    if self.mesh.shape.get(EXPERT_AXIS, 1) == 1:  # Each device dispatches its own examples.
+      sharded = functools.partial(data_parallel_moe, algorithm)
+    else:  # Each device routes its own examples; tokens reach their experts by all_to_all.
+      sharded = functools.partial(expert_parallel_moe, algorithm=self.dispatch)
+    try:
+      outputs = sharded(
+          x,
+          expert_index,
+          gates,
+          experts,
+          capacity=capacity,
+          mesh=self.mesh,
+          expert_features=expert_features,
+      )
+    except ValueError as e:
+      raise ValueError(self._mesh_error(x, e)) from e
+    y, stats = outputs[:2]
+    return y, stats, (outputs[2] if expert_features is not None else None)
+
+  def _mesh_error(self, x: jax.Array, error: ValueError) -> str:
+    return (
+        f"SparseMoE (dim {self.dim}, {self.num_experts} experts) on mesh "
+        f"{dict(self.mesh.shape)} cannot take input of shape {tuple(x.shape)}: {error}"
+    )
+
   def _expert_choice(
       self, x: jax.Array, experts: ExpertWeights, capacity: int
   ) -> tuple[jax.Array, MoEAux]:
     """Expert choice: every expert takes its `capacity` best tokens of each example."""
     batch, seq_len, _ = x.shape
     assignment = self.router(x, capacity=capacity)
-    y = apply_expert_choice(x, assignment, experts.apply)
+    if self.mesh is None or self.mesh.size == 1:
+      y = apply_expert_choice(x, assignment, experts.apply)
+    else:  # Each device gathers, runs and scatters its own examples' picks.
+      try:
+        y = per_device(
+            lambda x, index, gates, experts: apply_expert_picks(x, index, gates, experts.apply),
+            (x, assignment.token_index, assignment.gates),
+            experts,
+            mesh=self.mesh,
+        )
+      except ValueError as e:
+        raise ValueError(self._mesh_error(x, e)) from e
     # Each expert serves `capacity` tokens of the S * k slots a top-k router would fill.
     served = jnp.full((batch, self.num_experts), capacity / (seq_len * self.top_k), jnp.float32)
     probs = assignment.probs.reshape(-1, self.num_experts)

@@ -17,6 +17,8 @@ import jax
 import jax.extend
 import numpy as np
 
+from trainkit.preflight import hlo
+
 # --- Bytes of abstract values --------------------------------------------------------------
 
 
@@ -132,54 +134,14 @@ def _without_attribute(text: str, name: str) -> str:
 
 # --- Collectives in the optimised HLO --------------------------------------------------------
 
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-)
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1,
-}
-_INSTRUCTION = re.compile(
-    r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(sorted(COLLECTIVES, key=len, reverse=True))
-    + r")(?P<start>-start)?\("
-)
-_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-
-
-def _array_bytes(shape_text: str) -> list[int]:
-  sizes = []
-  for dtype, dims in _ARRAY.findall(shape_text):
-    if dtype in _DTYPE_BYTES:
-      count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-      sizes.append(count * _DTYPE_BYTES[dtype])
-  return sizes
-
-
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   """The collectives of an optimised HLO module: per kind, how many instructions and the bytes
-  of their results (per device).
-
-  A synchronous op, or the `-start` half of an asynchronous one, counts once (`-done` never).
-  An async all-gather or collective-permute returns (operand, result, ...): only its result
-  counts; an all-reduce or all-to-all over several arrays returns all of them.
-  """
+  of their results, per device (`hlo.collective_instructions`: an async op counts once, by its
+  results only)."""
   found: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.search(line)
-    if not match:
-      continue
-    op, sizes = match.group("op"), _array_bytes(match.group("shape"))
-    if match.group("start") and op in ("all-gather", "collective-permute") and len(sizes) > 1:
-      sizes = [max(sizes)]
-    found[op]["count"] += 1
-    found[op]["bytes"] += sum(sizes)
+  for kind, arrays in hlo.collective_instructions(hlo_text):
+    found[kind]["count"] += 1
+    found[kind]["bytes"] += sum(a.bytes for a in arrays)
   return dict(sorted(found.items()))
 
 

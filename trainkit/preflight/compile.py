@@ -8,8 +8,10 @@ materialised: the state and the global batch are ShapeDtypeStructs, and the prog
 lowered and compiled for the target's devices as MaxText's `train_compile.py` does.
 
 The result, printed and written to `<workdir>/preflight.json`: memory per device against the
-device's (the fit), FLOPs, bytes, collectives, a roofline step time and the device-hours of
-the config's `num_train_steps`.
+device's (the fit: the train step's peak and the `DEFAULT_PREFETCH` training batches placed
+ahead of it, `trainkit.prefetch.resident_batches`, as `trainkit.fits` counts them in a run),
+FLOPs, bytes, collectives, a roofline step time and the device-hours of the config's
+`num_train_steps`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import batch_sharding, make_mesh
 from trainkit.metric_writers import write_atomically
 from trainkit.optim import learning_rate_schedule, make_optimizer
+from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
 from trainkit.preflight import analysis
 from trainkit.preflight.targets import GIB, TARGETS, Target, devices, get_target
 from trainkit.train_state import (
@@ -173,10 +176,12 @@ def _out_of_memory(error: Exception) -> dict[str, Any] | None:
 
 
 def compile_step(
-    jitted: Any, args: tuple[Any, ...], mesh: Mesh, target: Target
+    jitted: Any, args: tuple[Any, ...], mesh: Mesh, target: Target, beside: int = 0
 ) -> tuple[Any | None, dict[str, Any]]:
   """Lowers and compiles `jitted(*args)` for `target`: (compiled or None, what was learnt).
 
+  `beside`: bytes per device the run holds beside the program's own (the training batches
+  placed ahead of the step): the memory's `peak` counts them, `program_peak` is the program's.
   A program the compiler refuses for memory (TPU) is reported, not raised: the record says
   `fits: false` and the bytes the compiler named.
   """
@@ -202,14 +207,19 @@ def compile_step(
           "compile_seconds": round(time.perf_counter() - start, 1),
           "fits": False,
           "refused_by_compiler": refused["message"],
-          "memory": {"peak": refused.get("peak")},
+          "memory": {
+              "peak": None if refused.get("peak") is None else refused["peak"] + beside,
+              "program_peak": refused.get("peak"),
+          },
       }
       return None, record
   record: dict[str, Any] = {"compile_seconds": round(time.perf_counter() - start, 1)}
   if options:
     record["compiler_options"] = options
-  record["memory"] = analysis.memory(compiled)
-  record["fits"] = record["memory"]["peak"] <= target.usable_bytes
+  memory = analysis.memory(compiled)
+  memory.update(program_peak=memory["peak"], peak=memory["peak"] + beside)
+  record["memory"] = memory
+  record["fits"] = memory["peak"] <= target.usable_bytes
   record["collectives"] = analysis.collectives(compiled.as_text())
   cost = analysis.cost(compiled)
   if not cost and target.platform == "gpu":
@@ -276,7 +286,14 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
   )
   step_fn = make_train_step(graphdef, program.loss_fn, tx, schedule, program.update_extra)
   batch = _sharded_batch(program.train_batch, mesh)
-  _, train = compile_step(jit_train_step(step_fn, state, mesh), (state, batch), mesh, target)
+  batch_bytes = analysis.bytes_per_device(batch)
+  # The run's training batches on each device: the step's own (an argument of the program) and
+  # those `DevicePrefetch` places ahead of it, beside the program.
+  resident = resident_batches(DEFAULT_PREFETCH)
+  prefetched = (resident - 1) * batch_bytes
+  _, train = compile_step(
+      jit_train_step(step_fn, state, mesh), (state, batch), mesh, target, beside=prefetched
+  )
   with jax.set_mesh(mesh):
     counted = analysis.matmul_flops(jax.make_jaxpr(step_fn)(state, batch))
   if config.preflight.eval_step:
@@ -293,7 +310,9 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
       parameters=params,
       optimizer_state=optimizer,
       model_state=analysis.bytes_per_device(state.model_state),
-      batch=analysis.bytes_per_device(batch),
+      batch=batch_bytes,
+      resident_batches=resident,
+      prefetched=prefetched,
   )
   n = target.num_devices
   xla = train.get("xla_cost", {})
@@ -409,7 +428,8 @@ def summary(record: Mapping[str, Any]) -> str:
       f"  train step per device: peak {_gib(m.get('peak'))}"
       + (
           f" = parameters {_gib(m['parameters'])}, optimiser state {_gib(m['optimizer_state'])}, "
-          f"batch {_gib(m['batch'])}, other arguments and outputs, temporaries "
+          f"batch {_gib(m['batch'])} and {m['resident_batches'] - 1} prefetched ahead of it "
+          f"{_gib(m['prefetched'])}, other arguments and outputs, temporaries "
           f"{_gib(m.get('temporaries'))}"
           if m.get("temporaries") is not None
           else f" (refused by the compiler: {train.get('refused_by_compiler')})"

@@ -19,10 +19,11 @@ module of its name:
   the real rows, rounded up to a block per expert.
 
 Beside them: `capacity` (expert capacity and `DispatchStats`), `experts` (the
-stacked expert weights `ExpertWeights`), `expert_parallel` (the capacity
-algorithms under `jax.shard_map` with all-to-all over an "expert" mesh axis) and
-`batch_priority` (V-MoE batch-priority ordering of the tokens of each group
-around a capacity dispatch).
+stacked expert weights `ExpertWeights`), `data_parallel` (any algorithm under
+`jax.shard_map`, each device on its own groups), `expert_parallel` (the capacity
+algorithms under `jax.shard_map` with all-to-all over an "expert" mesh axis), `spmd`
+(what those two share) and `batch_priority` (V-MoE batch-priority ordering of the
+tokens of each group around a capacity dispatch).
 """
 
 from fairmoe_jax.moe.dispatch.base import DispatchAlgorithm, check_inputs
@@ -39,6 +40,7 @@ from fairmoe_jax.moe.dispatch.capacity import (
     dropless_stats,
     resolve_capacity,
 )
+from fairmoe_jax.moe.dispatch.data_parallel import data_parallel_moe, per_device
 from fairmoe_jax.moe.dispatch.dense import moe_dense
 from fairmoe_jax.moe.dispatch.dropless import moe_dropless
 from fairmoe_jax.moe.dispatch.einsum import (
@@ -82,6 +84,7 @@ __all__ = [
     "check_inputs",
     "combine_slots",
     "compute_capacity",
+    "data_parallel_moe",
     "dispatch_and_combine_masks",
     "dropless_stats",
     "einsum_combine",
@@ -94,6 +97,7 @@ __all__ = [
     "moe_einsum",
     "moe_sort",
     "moe_sort_blocks",
+    "per_device",
     "priority_scores",
     "reorder_tokens",
     "resolve_capacity",

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from fairmoe_jax.moe.dispatch import spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
@@ -157,6 +158,13 @@ def _block_mlp_fwd(rows, block_bounds, experts):
   return out, (rows, block_bounds, experts)
 
 
+def _zeros(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
+  """float32 zeros of `shape` that vary over the mesh axes any of `like` varies over (inside
+  `shard_map`), so that a loop may accumulate gradients of varying weights in them."""
+  axes = set().union(*(spmd.varying_axes(a) for a in like))
+  return spmd.vary_over(jnp.zeros(shape, jnp.float32), tuple(sorted(axes)))
+
+
 def _block_mlp_bwd(residuals, d_out):
   rows, block_bounds, experts = residuals
   w = experts.cast(rows.dtype)
@@ -183,11 +191,11 @@ def _block_mlp_bwd(residuals, d_out):
       )
       return d_rows.at[b].set(d_pre @ w1.T), g
 
-    local = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), w)
+    local = jax.tree.map(lambda a: _zeros(a.shape[1:], a, rows), w)
     d_rows, g = jax.lax.fori_loop(block_bounds[e], block_bounds[e + 1], block_body, (d_rows, local))
     return d_rows, jax.tree.map(lambda all_, one: all_.at[e].set(one), grads, g)
 
-  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), w)
+  zeros = jax.tree.map(lambda a: _zeros(a.shape, a, rows), w)
   d_rows, grads = jax.lax.fori_loop(0, w.num_experts, expert_body, (jnp.zeros_like(rows), zeros))
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, experts)
   return d_rows, None, grads

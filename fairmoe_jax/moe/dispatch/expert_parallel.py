@@ -34,17 +34,19 @@ Dropless (capacity-free) expert parallelism would need variable-size exchanges
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from fairmoe_jax.moe.dispatch import spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 from fairmoe_jax.moe.dispatch.sort import combine_slots, gather_slots, sort_slot_plan
+from fairmoe_jax.moe.dispatch.spmd import ExpertFeatures
 
 __all__ = ["EP_ALGORITHMS", "expert_parallel_moe"]
 
@@ -62,7 +64,8 @@ def _local_moe(
     num_experts: int,
     capacity: int,
     expert_axis: str,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    expert_features: ExpertFeatures | None = None,
+) -> tuple[jax.Array, ...]:
   """Per-device body: local groups [G_l, S, ...], local experts [E_l, ...]."""
   num_groups, group_size, dim = x.shape
   plan = sort_slot_plan(expert_index, num_experts=num_experts, capacity=capacity)
@@ -74,34 +77,25 @@ def _local_moe(
   # And back: [E_l, n_expert G_l C, D] -> [E, G_l C, D].
   outputs = jax.lax.all_to_all(outputs, expert_axis, split_axis=1, concat_axis=0, tiled=True)
   y = combine_slots(outputs, gates.reshape(num_groups * group_size, -1), plan)
-  return y.reshape(x.shape), plan.stats.kept, plan.stats.group_expert_fraction
+  results = (y.reshape(x.shape), plan.stats.kept, plan.stats.group_expert_fraction)
+  if expert_features is not None:
+    results += (_features_of_every_expert(x, experts, expert_features, expert_axis),)
+  return results
 
 
-def _typed_by(mesh: Mesh) -> bool:
-  """Whether arrays here carry their layout on `mesh` in their type: the mesh has Explicit
-  axes and is the one set by `jax.set_mesh` (outside it, arrays are not typed by any mesh)."""
-  if not any(t == AxisType.Explicit for t in mesh.axis_types):
-    return False
-  context = jax.sharding.get_abstract_mesh()
-  return not context.empty and context == mesh.abstract_mesh
+def _features_of_every_expert(
+    x: jax.Array, experts: ExpertWeights, expert_features: ExpertFeatures, expert_axis: str
+) -> jax.Array:
+  """[G_l, E, ...] features of the local groups from every expert, each shard computing its own.
 
-
-def _auto(mesh: Mesh) -> Mesh:
-  """The same devices and axis names, with every axis Auto."""
-  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-
-
-def _place(value: jax.Array, mesh: Mesh, spec: P, typed: bool) -> jax.Array:
-  """`value` laid out as `spec` on `mesh`: moved if it is not already (eagerly or under jit).
-
-  Where the layout is part of the array's type, shard_map requires it to match `in_specs`
-  exactly, so the array is resharded; elsewhere a sharding constraint lets the compiler move
-  it (a no-op for inputs already laid out so, as in the training kit).
+  The groups of the expert axis are gathered (in float32, so that the transpose, a
+  reduce-scatter of their gradients, sums in float32 too), every shard computes its E_l
+  experts' features of all of them, and an all-to-all returns each group's row of every expert
+  to the device that owns the group: the tokens travel, not the weights.
   """
-  sharding = NamedSharding(mesh, spec)
-  if typed:
-    return jax.sharding.reshard(value, sharding)
-  return jax.lax.with_sharding_constraint(value, sharding)
+  gathered = jax.lax.all_gather(x.astype(jnp.float32), expert_axis, axis=0, tiled=True)
+  local = expert_features(gathered.astype(x.dtype), experts)  # [n_expert G_l, E_l, ...]
+  return jax.lax.all_to_all(local, expert_axis, split_axis=0, concat_axis=1, tiled=True)
 
 
 def expert_parallel_moe(
@@ -115,7 +109,8 @@ def expert_parallel_moe(
     algorithm: str = "sort",
     expert_axis: str = "expert",
     batch_axes: Sequence[str] | None = None,
-) -> tuple[jax.Array, DispatchStats]:
+    expert_features: ExpertFeatures | None = None,
+) -> tuple[jax.Array, DispatchStats] | tuple[jax.Array, DispatchStats, jax.Array]:
   """Capacity-limited expert-parallel MoE; the same results as `moe_sort`.
 
   Args:
@@ -132,11 +127,15 @@ def expert_parallel_moe(
     batch_axes: mesh axes the group axis is split over; default all mesh axes in
       mesh order (("data", "expert") for `trainkit.mesh`). Must include
       `expert_axis`. G must be divisible by the product of their sizes.
+    expert_features: `features(x, experts) -> [G, E, ...]`, per group and expert (a
+      router's `expert_features`): each expert shard computes its experts' features of the
+      groups of its expert axis, returned to the groups' devices by all-to-all.
 
   Returns:
     y: [G, S, D] in x.dtype, sharded like x.
     stats: `DispatchStats` (kept [G, S, k] and group_expert_fraction [G, E]
       sharded on the group axis).
+    features: with `expert_features`, its [G, E, ...] result, sharded on the group axis.
   """
   if algorithm == "dropless":
     raise NotImplementedError(
@@ -157,10 +156,7 @@ def expert_parallel_moe(
 
   if expert_axis not in mesh.shape:
     raise ValueError(f"mesh axes {tuple(mesh.axis_names)} lack the expert axis {expert_axis!r}")
-  batch_axes = tuple(mesh.axis_names if batch_axes is None else batch_axes)
-  unknown = [a for a in batch_axes if a not in mesh.shape]
-  if unknown:
-    raise ValueError(f"batch_axes {unknown} are not axes of the mesh {tuple(mesh.axis_names)}")
+  batch_axes = spmd.batch_axes_of(mesh, batch_axes)
   if expert_axis not in batch_axes:
     raise ValueError(f"batch_axes {batch_axes} must include the expert axis {expert_axis!r}")
   num_expert_shards = mesh.shape[expert_axis]
@@ -169,12 +165,7 @@ def expert_parallel_moe(
         f"num_experts={num_experts} is not divisible by the size {num_expert_shards} of the "
         f"mesh axis {expert_axis!r}"
     )
-  num_batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
-  if num_groups % num_batch_shards:
-    raise ValueError(
-        f"the number of groups (batch size) {num_groups} is not divisible by the "
-        f"{num_batch_shards} devices of the mesh axes {batch_axes}"
-    )
+  spmd.check_groups(num_groups, mesh, batch_axes)
 
   batch_spec = P(batch_axes)
   expert_specs = ExpertWeights(
@@ -184,33 +175,29 @@ def expert_parallel_moe(
       b2=P(expert_axis, None),
   )
 
+  # The expert weights are split over the expert axis and replicated over the other batch axes
+  # ("data"): their gradients are summed over those, once, in float32 (`spmd.vary_over`).
+  replica_axes = tuple(a for a in batch_axes if a != expert_axis)
+
   def body(x, expert_index, gates, experts):
     return _local_moe(
         x,
         expert_index,
         gates,
-        experts,
+        spmd.vary_over(experts, replica_axes),
         num_experts=num_experts,
         capacity=capacity,
         expert_axis=expert_axis,
+        expert_features=expert_features,
     )
 
-  # A mesh with Explicit axes (`jax.make_mesh`'s default) types every array with its layout
-  # inside `jax.set_mesh`; outside it the inputs carry no mesh, and the same devices are used
-  # as Auto axes so that the outputs come back untyped, like the inputs.
-  typed = _typed_by(mesh)
-  if not typed:
-    mesh = _auto(mesh)
-  inputs = (x, expert_index, gates, experts)
-  in_specs = (batch_spec, batch_spec, batch_spec, expert_specs)
-  # Whatever the inputs' layout (unsharded, or sharded for another mesh axis), each device
-  # gets its groups and its experts.
-  placed = jax.tree.map(lambda v, spec: _place(v, mesh, spec, typed), inputs, in_specs)
-  outputs = jax.shard_map(
-      body, mesh=mesh, in_specs=in_specs, out_specs=(batch_spec, batch_spec, batch_spec)
-  )(*placed)
-  if typed:  # The caller's next operations expect the layout of the input.
-    group_spec = P(*jax.typeof(x).sharding.spec[:1])
-    outputs = tuple(jax.sharding.reshard(o, NamedSharding(mesh, group_spec)) for o in outputs)
-  y, kept, group_expert_fraction = outputs
-  return y, DispatchStats.from_kept(kept, group_expert_fraction)
+  outputs = spmd.run_sharded(
+      body,
+      mesh,
+      (x, expert_index, gates, experts),
+      (batch_spec, batch_spec, batch_spec, expert_specs),
+      (batch_spec,) * (3 if expert_features is None else 4),
+      group_like=x,
+  )
+  y, kept, group_expert_fraction = outputs[:3]
+  return (y, DispatchStats.from_kept(kept, group_expert_fraction), *outputs[3:])

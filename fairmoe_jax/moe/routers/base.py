@@ -18,12 +18,19 @@ V-MoE's routers return their dispatcher and metrics), so the layer calls no
 method of the router itself; a subclass overrides what its router adds:
 
     route.extra_losses()                       # named scalar losses (unweighted)
-    route.expert_losses(x, experts, context)   # in training, x: [B, S, D], context per example
+    route.expert_features(x, experts)          # in training, x: [B, S, D] -> [B, E, ...] or None
+    route.expert_losses(features, context)     # in training, context per example
     route.example_readings(batch, seq_len)     # per-example readings for evaluation
 
-`expert_losses` is for losses that need the experts' outputs (FairSMoE's
-`expert_competence` reading): `SparseMoE` calls it in training with the layer's
-input and stacked `ExpertWeights`, and its named scalars join `extra_losses()`.
+`expert_features` and `expert_losses` are for losses that need the experts' outputs
+(FairSMoE's `expert_competence` reading), in two halves so that the experts run where the
+dispatch runs them: on a device mesh `SparseMoE` calls `expert_features` inside its sharded
+region, on each device's examples with the same copy (or, expert-parallel, the same shard) of
+the `ExpertWeights` as the dispatch, so each device computes only its share and the weights'
+gradients cross devices once. It must therefore treat every example and every expert apart:
+entry [b, e] depends only on example b and expert e's weights (`experts.num_experts` may be a
+shard's E_l). `expert_losses` then gets the gathered [B, E, ...] features and the per-example
+context, and its named scalars join `extra_losses()`.
 `example_readings` is a pytree of [B, ...] arrays (or None) that `SparseMoE`
 passes on in `MoEAux.routing` for an evaluation to read (FGR's SA classifiers).
 
@@ -97,20 +104,34 @@ class RouterOutput:
     """
     return {}
 
+  def expert_features(self, x: jax.Array, experts: Any) -> jax.Array | None:
+    """What `expert_losses` needs of the experts' outputs, per example and expert, in training.
+
+    Args:
+      x: [B, S, D] the layer's input (a device's examples, on a mesh).
+      experts: stacked `ExpertWeights` (`experts.apply`) of E experts (a shard's, under
+        expert parallelism).
+
+    Returns [B, E, ...], entry [b, e] a function of example b and expert e alone; or None (the
+    plain routers), and then the experts are not run for it.
+    """
+    del x, experts
+    return None
+
   def expert_losses(
-      self, x: jax.Array, experts: Any, context: Mapping[str, jax.Array] | None
+      self, features: jax.Array | None, context: Mapping[str, jax.Array] | None
   ) -> dict[str, jax.Array]:
     """Named scalar losses that need the experts' outputs (unweighted), in training.
 
     Args:
-      x: [B, S, D] the layer's input.
-      experts: the layer's stacked `ExpertWeights` (`experts.apply`).
+      features: `expert_features`' [B, E, ...] result for the whole batch (None where it
+        returned None).
       context: the layer's per-example context ([B, ...] arrays), or None.
 
     Empty for the plain routers; FairSMoE's `expert_competence` reading returns its
     specialization loss here.
     """
-    del x, experts, context
+    del features, context
     return {}
 
   def example_readings(self, batch: int, seq_len: int) -> Any:

@@ -142,10 +142,21 @@ def apply_expert_choice(
   Returns:
     y: [G, S, D'] in expert_fn's output dtype; zero for tokens no expert picked.
   """
-  index = assignment.token_index
+  return apply_expert_picks(x, assignment.token_index, assignment.gates, expert_fn)
+
+
+def apply_expert_picks(
+    x: jax.Array,
+    token_index: jax.Array,
+    gates: jax.Array,
+    expert_fn: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+  """`apply_expert_choice` from the picks alone: token_index and gates [G, E, C]. Each group is
+  computed apart, so it runs as it is on a device's own groups (`data_parallel.per_device`)."""
+  index = token_index
   expert_inputs = jax.vmap(lambda xg, ig: xg[ig])(x, index)  # [G, E, C, D]
   outputs = expert_fn(expert_inputs)
-  weighted = outputs * assignment.gates.astype(outputs.dtype)[..., None]
+  weighted = outputs * gates.astype(outputs.dtype)[..., None]
   group_size = x.shape[1]
 
   def scatter(out_g: jax.Array, index_g: jax.Array) -> jax.Array:

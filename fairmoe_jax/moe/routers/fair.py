@@ -121,14 +121,25 @@ class FairRouterOutput(RouterOutput):
   def extra_losses(self) -> dict[str, jax.Array]:
     return dict(self.losses)
 
+  def expert_features(self, x: jax.Array, experts) -> jax.Array | None:
+    """`expert_competence`'s reading of the experts: each expert's output on each example's
+    tokens, pooled over the tokens, [B, E, D] float32 (None without it).
+
+    Runs every expert on every token (E times the layer's expert FLOPs).
+    """
+    if self.competence is None:
+      return None
+    batch, seq_len, dim = x.shape
+    tokens = jnp.broadcast_to(x[:, None], (batch, experts.num_experts, seq_len, dim))
+    return experts.apply(tokens).mean(axis=2).astype(jnp.float32)
+
   def expert_losses(
-      self, x: jax.Array, experts, context: Mapping[str, jax.Array] | None
+      self, features: jax.Array | None, context: Mapping[str, jax.Array] | None
   ) -> dict[str, jax.Array]:
     """Losses that need the experts' outputs: `expert_competence`'s specialization.
 
-    Called by `SparseMoE` in training with the block's input x [B, S, D], its stacked
-    `ExpertWeights` and the per-example context ("label" [B], "attributes" [B, m]). Runs
-    every expert on every token (E times the layer's expert FLOPs).
+    Called by `SparseMoE` in training with `expert_features`' pooled outputs [B, E, D] and the
+    per-example context ("label" [B], "attributes" [B, m]).
     """
     if self.competence is None:
       return {}
@@ -137,12 +148,8 @@ class FairRouterOutput(RouterOutput):
           "specialization='expert_competence' needs context['label'] and context['attributes']"
       )
     head = self.competence
-    batch, seq_len, dim = x.shape
-    num_experts = head.assignment.shape[-1]
-    tokens = jnp.broadcast_to(x[:, None], (batch, num_experts, seq_len, dim))
-    pooled = experts.apply(tokens).mean(axis=2).astype(jnp.float32)  # [B, E, D]
     loss = competence_loss(
-        head(pooled),  # [B, E, K]
+        head(features),  # [B, E, K]
         context["label"].astype(jnp.int32),
         context["attributes"].astype(jnp.int32),
         head.assignment,
