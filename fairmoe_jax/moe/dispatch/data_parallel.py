@@ -83,18 +83,11 @@ def data_parallel_moe(
       outputs += (expert_features(x, experts),)
     return outputs
 
-  batch_spec = P(batch_axes)
   replicated = jax.tree.map(lambda _: P(), experts)
-  outputs = spmd.run_sharded(
-      body,
-      mesh,
-      (x, expert_index, gates, experts),
-      (batch_spec, batch_spec, batch_spec, replicated),
-      (batch_spec,) * (3 if expert_features is None else 4),
-      group_like=x,
+  inputs = (x, expert_index, gates, experts)
+  return spmd.run_dispatch(
+      body, mesh, inputs, replicated, batch_axes, with_features=expert_features is not None
   )
-  y, kept, group_expert_fraction = outputs[:3]
-  return (y, DispatchStats.from_kept(kept, group_expert_fraction), *outputs[3:])
 
 
 def per_device(

@@ -167,7 +167,6 @@ def expert_parallel_moe(
     )
   spmd.check_groups(num_groups, mesh, batch_axes)
 
-  batch_spec = P(batch_axes)
   expert_specs = ExpertWeights(
       w1=P(expert_axis, None, None),
       b1=P(expert_axis, None),
@@ -191,13 +190,7 @@ def expert_parallel_moe(
         expert_features=expert_features,
     )
 
-  outputs = spmd.run_sharded(
-      body,
-      mesh,
-      (x, expert_index, gates, experts),
-      (batch_spec, batch_spec, batch_spec, expert_specs),
-      (batch_spec,) * (3 if expert_features is None else 4),
-      group_like=x,
+  inputs = (x, expert_index, gates, experts)
+  return spmd.run_dispatch(
+      body, mesh, inputs, expert_specs, batch_axes, with_features=expert_features is not None
   )
-  y, kept, group_expert_fraction = outputs[:3]
-  return (y, DispatchStats.from_kept(kept, group_expert_fraction), *outputs[3:])

@@ -25,6 +25,8 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats
+
 # `features(x [G, S, D], experts) -> [G, E, ...]`: something every expert computes of every
 # group, each (group, expert) entry depending on that group and that expert's weights only
 # (`RouterOutput.expert_features`); run inside the sharded region, beside the dispatch.
@@ -134,3 +136,27 @@ def run_sharded(
         lambda o: jax.sharding.reshard(o, NamedSharding(mesh, group_spec)), outputs
     )
   return outputs
+
+
+def run_dispatch(
+    body: Callable[..., tuple[jax.Array, ...]],
+    mesh: Mesh,
+    inputs: tuple[jax.Array, jax.Array, jax.Array, Any],
+    expert_specs: Any,
+    batch_axes: Sequence[str],
+    with_features: bool,
+) -> tuple[Any, ...]:
+  """A sharded dispatch: `body(x, expert_index, gates, experts)` returning (y, kept,
+  group_expert_fraction[, features]) per device, run on `mesh` with the groups split over
+  `batch_axes` and the experts laid out as `expert_specs`; (y, `DispatchStats`[, features])."""
+  batch_spec = P(tuple(batch_axes))
+  outputs = run_sharded(
+      body,
+      mesh,
+      inputs,
+      (batch_spec, batch_spec, batch_spec, expert_specs),
+      (batch_spec,) * (4 if with_features else 3),
+      group_like=inputs[0],
+  )
+  y, kept, group_expert_fraction = outputs[:3]
+  return (y, DispatchStats.from_kept(kept, group_expert_fraction), *outputs[3:])
