@@ -32,6 +32,13 @@ the matmuls of the blocks a perfectly balanced routing would fill (`balanced_blo
 roofline uses it. `while_loops` counts the loops of the optimised HLO of every row (a
 searchsorted's small fixed loop is one too).
 
+`dropless` runs megablox's Pallas grouped-matmul kernels when compiled for a TPU and
+`ragged_dot` elsewhere; the rows `dropless_ragged_dot` and `dropless_megablox` force one
+(`VARIANTS`). A Pallas kernel is a custom call: XLA's TPU cost analysis counts the cost
+estimate the kernel passes to `pallas_call` (megablox's: 2 M K N FLOPs for the rows, the
+weights read once per visited row tile), so those rows' figures include the kernels' own
+estimates (docs/design.md, "Dropless on TPU: megablox").
+
 If a row fails to compile for its target, its `error` says why and the run goes on. Prints a
 markdown table and writes JSON (default benchmarks/results/dispatch_compile.json) with the
 provenance of `bench_utils.write_results` plus the targets, libtpu's version and, per target,
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import io
 import json
@@ -50,6 +58,7 @@ import os
 import re
 import time
 from typing import Any, Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +67,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import moe_layer
 from bench_utils import write_results
-from fairmoe_jax.moe.dispatch import ExpertWeights, compute_capacity
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, ExpertWeights, compute_capacity
 from fairmoe_jax.moe.dispatch.blocksparse import choose_block_size
 from trainkit.preflight import analysis
 from trainkit.preflight.compile import persistent_cache_off
@@ -74,7 +83,15 @@ CASES = {
     "vmoe": moe_layer.VMOE_CASES,  # ("cpu", 8, 2), ("cpu", 64, 2), ("cpu_deit", 8, 2)
     "deit_s": (("deit_s32", 4, 2), ("deit_s32", 64, 2)),
 }
-DISPATCHES = ("sort", "einsum", "sort_blocks", "blocksparse", "dropless")
+DISPATCHES = ("sort", "einsum", "sort_blocks", "blocksparse", "dropless", "dropless_ragged_dot")
+# Rows that run a registered dispatch with one option set: `dropless` picks its grouped matmuls
+# by the platform it is compiled for (megablox's Pallas kernels on TPU, `ragged_dot` elsewhere);
+# these force one. Megablox's kernels are custom calls, whose FLOPs and bytes in XLA's cost
+# analysis are the estimates the kernels pass to `pallas_call` (`cost_estimate`).
+VARIANTS = {
+    "dropless_ragged_dot": ("dropless", {"matmul": "ragged_dot"}),
+    "dropless_megablox": ("dropless", {"matmul": "megablox"}),
+}
 BASELINE = moe_layer.BASELINE
 # Dispatches whose expert MLP runs in loops with run-time trip counts (see the caveat above).
 LOOPED = ("sort_blocks", "blocksparse")
@@ -125,6 +142,11 @@ def loss_fn(dispatch: str, capacity: int | None, top_k: int, peer: Any) -> Calla
     return moe_layer._dense_loss  # pylint: disable=protected-access
   if dispatch in moe_layer.PEER_ROWS:
     return moe_layer._peer_loss(peer, moe_layer.PEER_ROWS[dispatch], capacity, top_k)  # pylint: disable=protected-access
+  if dispatch in VARIANTS:  # moe_layer's loss reads the registry when it is made.
+    name, options = VARIANTS[dispatch]
+    algorithm = functools.partial(DISPATCH_ALGORITHMS[name], **options)
+    with mock.patch.dict(DISPATCH_ALGORITHMS, {dispatch: algorithm}):
+      return moe_layer._moe_loss(dispatch, capacity, top_k)  # pylint: disable=protected-access
   return moe_layer._moe_loss(dispatch, capacity, top_k)  # pylint: disable=protected-access
 
 
@@ -323,7 +345,12 @@ def main() -> None:
       "memory figures only",
   )
   parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-  parser.add_argument("--dispatch", nargs="+", default=list(DISPATCHES), choices=list(DISPATCHES))
+  parser.add_argument(
+      "--dispatch",
+      nargs="+",
+      default=list(DISPATCHES),
+      choices=list(dict.fromkeys([*DISPATCHES, *VARIANTS])),
+  )
   parser.add_argument(
       "--peer-vmoe",
       default="",

@@ -1,19 +1,302 @@
 """`dropless` dispatch: grouped matmuls over all choices sorted by expert (MegaBlocks-style).
 
-All G S k choices are sorted by expert and the experts are applied with
-`jax.lax.ragged_dot` grouped matmuls; capacity is ignored and nothing is ever
-dropped. O(G S k D) memory (O(G S k H) for the hidden activations), no padding;
-compute is proportional to the real load.
+All G S k choices are sorted by expert and the experts are applied with two grouped matmuls;
+capacity is ignored and nothing is ever dropped. O(G S k D) memory (O(G S k H) for the hidden
+activations), no padding beyond one tile; compute is proportional to the real load.
+
+The grouped matmuls (`matmul=`, `DROPLESS_MATMULS`):
+
+* `ragged_dot`: `jax.lax.ragged_dot`. XLA has no grouped-matmul kernel for it on CPU or TPU:
+  both lower it densely over the experts (1.9-21x the dense MLP's FLOPs on the TPU compiler,
+  `docs/benchmarks.md`). What runs on CPU and GPU.
+* `megablox`: the Pallas TPU kernels of `jax.experimental.pallas.ops.tpu.megablox` (`gmm`
+  forward, `gmm` and `tgmm` backward, as MaxText's dropless MoE), which visit only the row
+  tiles of each expert. TPU only (`interpret=True` runs them anywhere, slowly: for tests).
+* `auto` (the default): `megablox` where the step is lowered for a TPU and the kernels fit the
+  shapes (`megablox_fits`), else `ragged_dot`. The choice is made when the step is lowered, for
+  the platform it is lowered for (`jax.lax.platform_dependent`), not where Python runs, so a
+  deviceless compile for a TPU on a CPU host (`--mode=compile`, `benchmarks/dispatch_compile.py`)
+  compiles the TPU's kernels, and a GPU keeps `ragged_dot`. docs/design.md, "Dropless on TPU:
+  megablox".
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import math
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
+from fairmoe_jax.moe.dispatch import spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
+
+DROPLESS_MATMULS = ("auto", "ragged_dot", "megablox")
+
+# The TPU's lane width: a block's last dimension is a multiple of it or the array's own. Also
+# megablox's default tile (`tiling=(128, 128, 128)`) and the side of TPU v5e's MXU.
+MEGABLOX_TILE = 128
+# Row tiles (`row_tile`) range over [128, 512] rows.
+MAX_ROW_TILE = 512
+# VMEM the blocks of one kernel call may take (`width_tiles`, by `_vmem_bytes`): below the 16
+# MiB that Mosaic grants a kernel by default on TPU v5e, with room for its own scratch (compiled
+# for a v5e, a float32 `gmm` with blocks of 15 MiB by `_vmem_bytes` compiles, one of 17 MiB
+# fails with CompileTimeScopedVmemOom).
+VMEM_BUDGET = 12 * 2**20
+MEGABLOX_MODULE = "jax.experimental.pallas.ops.tpu.megablox.gmm"
+
+
+def _megablox_kernels() -> Any:
+  """The module with megablox's `gmm` and `tgmm`, or None where this jax has none.
+
+  Imported on first use: it pulls in Pallas' TPU backend. Its path, `MEGABLOX_MODULE`, is the
+  same from jax 0.4.28 to 0.12; with a jax that lacks it (or cannot import it), `auto` falls back
+  to `ragged_dot` and `megablox` raises.
+  """
+  try:
+    # The module, not the package's attribute `gmm` (megablox.ops' custom-VJP function).
+    kernels = importlib.import_module(MEGABLOX_MODULE)
+  except Exception:  # noqa: BLE001  # ImportError, or a Pallas backend that fails to load.
+    return None
+  return kernels if hasattr(kernels, "gmm") and hasattr(kernels, "tgmm") else None
+
+
+def row_tile(num_rows: int, num_experts: int = 1) -> int:
+  """Rows per tile, tm: the power of two at most an expert's average load, clipped to
+  [128, 512]; the rows rounded up to 16 (a bfloat16 sublane tile) if there are fewer.
+
+  The kernels visit M / tm row tiles plus one more for each expert that starts inside a tile
+  (up to E - 1), and each visit reads the expert's whole [K, N] weights. Larger tiles read the
+  weights fewer times; tiles larger than an expert's load compute up to E - 1 extra tiles.
+  """
+  load = max(num_rows / num_experts, 1.0)
+  tm = min(max(2 ** int(math.log2(load)), MEGABLOX_TILE), MAX_ROW_TILE)
+  return min(tm, -(-num_rows // 16) * 16)
+
+
+def _width_tile_candidates(width: int) -> list[int]:
+  """Tiles of a feature width, largest first: the whole width, then the multiples of 128 that
+  divide it. A width over 128 that is no multiple of 128 gets its largest divisor of 128 (a
+  block the TPU does not take, for interpret mode)."""
+  if width <= MEGABLOX_TILE:
+    return [width]
+  if width % MEGABLOX_TILE:
+    return [math.gcd(width, MEGABLOX_TILE)]
+  return [t for t in range(width, 0, -MEGABLOX_TILE) if width % t == 0]
+
+
+def _vmem_bytes(tm: int, tk: int, tn: int) -> int:
+  """VMEM of one call's blocks, every array counted as float32 (the widest): the row, weight
+  and output blocks double-buffered, and the float32 accumulator."""
+  return 4 * (2 * (tm * tk + tk * tn + tm * tn) + max(tm, tk) * tn)
+
+
+def width_tiles(tm: int, k: int, n: int) -> tuple[int, int]:
+  """(tk, tn) of an [M, k] x [k, n] call: as wide as `VMEM_BUDGET` allows.
+
+  `gmm` reads all its rows once per column tile (N / tn times) and the weights once per row
+  tile, whatever tk: so the reduction tile tk shrinks first, then tn.
+  """
+  ks, ns = _width_tile_candidates(k), _width_tile_candidates(n)
+  while _vmem_bytes(tm, ks[0], ns[0]) > VMEM_BUDGET and (len(ks) > 1 or len(ns) > 1):
+    if len(ks) > 1:
+      ks = ks[1:]
+    else:
+      ns = ns[1:]
+  return ks[0], ns[0]
+
+
+def megablox_fits(dtype: Any, dim: int, hidden: int) -> bool:
+  """Whether `auto` uses megablox on a TPU: float32 or bfloat16 tokens (the kernels' dtypes)
+  and blocks the TPU takes (each width at most 128 or a multiple of 128)."""
+  return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and all(
+      w <= MEGABLOX_TILE or w % MEGABLOX_TILE == 0 for w in (dim, hidden)
+  )
+
+
+def _tiling(tm: int, k: int, n: int, tiling: tuple[int, int, int] | None) -> tuple[int, int, int]:
+  """One kernel call's (tm, tk, tn) for an [M, k] x [k, n] product: `tiling` if given."""
+  return tuple(tiling) if tiling is not None else (tm, *width_tiles(tm, k, n))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def megablox_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    tm: int,
+    tiling: tuple[int, int, int] | None,
+    interpret: bool,
+) -> jax.Array:
+  """lhs [M, K] rows grouped by `group_sizes` [E] times rhs [E, K, N] -> [M, N] in lhs.dtype.
+
+  Megablox's `gmm` (float32 accumulation), M a multiple of the row tile `tm`; rows past
+  sum(group_sizes) belong to no group and their outputs are undefined. `tiling` None gives each
+  kernel call its own tiles (`_tiling`: the widths swap roles backwards). `rhs` is cast to
+  lhs.dtype for the kernel; its gradient, `tgmm`, accumulates each group's rows in float32 and
+  is returned in rhs' own dtype (float32 weights: never rounded to bfloat16). Empty groups get
+  zero weight gradient. The VJP is megablox.ops.gmm's, with that float32 output.
+  """
+  return _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret)[0]
+
+
+def _vma_check_off() -> Any:
+  """A context without shard_map's varying-axes check, or None where this jax has no switch."""
+  try:
+    from jax._src import config as jax_config  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover
+    return None
+  state = getattr(jax_config, "_check_vma", None)
+  return state(False) if state is not None else None
+
+
+def _can_run_kernels(*values: jax.Array) -> bool:
+  """Whether megablox can run on `values`: outside shard_map, or where `_kernel` can type it."""
+  return not any(spmd.varying_axes(v) for v in values) or _vma_check_off() is not None
+
+
+def _kernel(fn: Any, *args: jax.Array, **kwargs: Any) -> jax.Array:
+  """`fn(*args, **kwargs)`, a megablox kernel, also inside `jax.shard_map(check_vma=True)`.
+
+  Megablox gives `pallas_call` an output shape without the mesh axes it varies over, which
+  shard_map's check rejects. The kernel is per device, so its output varies over the axes its
+  inputs vary over: it is traced without the check and typed so (`pcast`). Only `megablox_matmul`
+  calls this, whose custom VJP never differentiates through that cast.
+  """
+  axes = frozenset().union(*(spmd.varying_axes(a) for a in args))
+  check_off = _vma_check_off()
+  if check_off is None:  # Outside shard_map no check applies.
+    if axes:
+      raise NotImplementedError(
+          f"megablox inside shard_map needs jax's check_vma switch, which jax {jax.__version__} "
+          "lacks; use matmul='ragged_dot' (or 'auto', which does)"
+      )
+    return fn(*args, **kwargs)
+  with check_off:  # Also for inputs that vary over no axis inside shard_map (all replicated).
+    out = fn(*args, **kwargs)
+  return spmd.vary_over(out, tuple(sorted(axes)))
+
+
+def _like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+  """A cotangent typed as its primal inside shard_map: summed over the axes the primal does not
+  vary over (a replicated input's gradient is the sum of every device's), cast to vary where
+  the primal does."""
+  extra = tuple(sorted(spmd.varying_axes(cotangent) - spmd.varying_axes(primal)))
+  if extra:
+    cotangent = jax.lax.psum(cotangent, extra)
+  return spmd.vary_over(cotangent, tuple(sorted(spmd.varying_axes(primal))))
+
+
+def _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret):
+  kernels = _megablox_kernels()
+  w = rhs.astype(lhs.dtype)
+  out = _kernel(
+      kernels.gmm,
+      lhs,
+      w,
+      group_sizes,
+      preferred_element_type=lhs.dtype,
+      tiling=_tiling(tm, *w.shape[1:], tiling),
+      interpret=interpret,
+  )
+  # rhs itself is kept for its dtype and mesh axes only (no copy: it is an input).
+  return out, (lhs, w, group_sizes, rhs)
+
+
+def _megablox_matmul_bwd(tm, tiling, interpret, residuals, d_out):
+  lhs, w, group_sizes, rhs = residuals
+  _, k, n = w.shape
+  kernels = _megablox_kernels()
+  d_lhs = _kernel(
+      kernels.gmm,
+      d_out,
+      w,
+      group_sizes,
+      preferred_element_type=lhs.dtype,
+      tiling=_tiling(tm, n, k, tiling),
+      transpose_rhs=True,
+      interpret=interpret,
+  )
+  d_rhs = _kernel(
+      kernels.tgmm,
+      lhs.swapaxes(0, 1),
+      d_out,
+      group_sizes,
+      preferred_element_type=jnp.float32,
+      tiling=_tiling(tm, k, n, tiling),
+      num_actual_groups=w.shape[0],
+      interpret=interpret,
+  )
+  return _like(d_lhs, lhs), _like(d_rhs.astype(rhs.dtype), rhs), None
+
+
+megablox_matmul.defvjp(_megablox_matmul_fwd, _megablox_matmul_bwd)
+
+
+def _ragged_dot_mlp(
+    rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array, experts: ExpertWeights
+) -> jax.Array:
+  """The expert MLP of expert-sorted rows [N, D] with `jax.lax.ragged_dot`, in rows.dtype."""
+  w = experts.cast(rows.dtype)
+  # The biases are gathered in float32 (`add_bias`), so that their gradients (scatter-adds over
+  # the rows, backwards) accumulate in float32 in a bfloat16 compute dtype.
+  h = add_bias(jax.lax.ragged_dot(rows, w.w1, group_sizes), experts.b1[row_expert])
+  h = gelu_exact(h)
+  return add_bias(jax.lax.ragged_dot(h, w.w2, group_sizes), experts.b2[row_expert])
+
+
+def _megablox_mlp(
+    rows: jax.Array,
+    group_sizes: jax.Array,
+    row_expert: jax.Array,
+    experts: ExpertWeights,
+    tiling: tuple[int, int, int] | None,
+    interpret: bool,
+) -> jax.Array:
+  """`_ragged_dot_mlp` with megablox's kernels; the rows padded to a whole number of row tiles.
+
+  The kernels need M divisible by the row tile tm. The up to tm - 1 padding rows are zeros that
+  join the last expert's group: they lie in the tile of the last real row (one more visit of it
+  at most, where the last expert has no rows of its own), and every output row is defined.
+  Their outputs are sliced off before the combine, so their cotangents are zero and they add
+  nothing to any gradient: the results are the real rows' exactly.
+  """
+  num_rows = rows.shape[0]
+  tm = tiling[0] if tiling is not None else row_tile(num_rows, experts.num_experts)
+  pad = -num_rows % tm
+  sizes = group_sizes.at[-1].add(pad)
+  rows = jnp.pad(rows, ((0, pad), (0, 0)))
+  row_expert = jnp.pad(row_expert, (0, pad), constant_values=experts.num_experts - 1)
+  tiling = tuple(tiling) if tiling is not None else None
+
+  def matmul(lhs, rhs):
+    return megablox_matmul(lhs, rhs, sizes, tm, tiling, interpret)
+
+  h = gelu_exact(add_bias(matmul(rows, experts.w1), experts.b1[row_expert]))
+  out = add_bias(matmul(h, experts.w2), experts.b2[row_expert])
+  return out[:num_rows]
+
+
+def _auto_mlp(rows, group_sizes, row_expert, experts, tiling, interpret):
+  """megablox when lowered for a TPU (and it fits), `ragged_dot` on every other platform."""
+  # An explicit `tiling` is the caller's promise that the widths fit it: only the dtype is read.
+  widths = (MEGABLOX_TILE, MEGABLOX_TILE) if tiling is not None else experts.w1.shape[1:]
+  usable = _megablox_kernels() is not None and _can_run_kernels(rows, experts.w1)
+  if not megablox_fits(rows.dtype, *widths) or not usable:
+    return _ragged_dot_mlp(rows, group_sizes, row_expert, experts)
+  megablox = functools.partial(_megablox_mlp, tiling=tiling, interpret=interpret)
+  platform_dependent = getattr(jax.lax, "platform_dependent", None)
+  if platform_dependent is None:  # A jax without it: the platform JAX runs on.
+    mlp = megablox if jax.default_backend() == "tpu" else _ragged_dot_mlp
+    return mlp(rows, group_sizes, row_expert, experts)
+  # Both branches are traced; only the lowering platform's is lowered and compiled.
+  return platform_dependent(
+      rows, group_sizes, row_expert, experts, tpu=megablox, default=_ragged_dot_mlp
+  )
 
 
 def moe_dropless(
@@ -23,14 +306,26 @@ def moe_dropless(
     experts: ExpertWeights,
     *,
     capacity: int | None = None,
+    matmul: str = "auto",
+    tiling: tuple[int, int, int] | None = None,
+    interpret: bool = False,
 ) -> tuple[jax.Array, DispatchStats]:
   """Sort all choices by expert and run grouped matmuls; nothing is dropped.
 
-  `capacity` is ignored. Groups only matter for the stats: all G * S * k choices
-  are sorted together and each expert processes exactly its own tokens with
-  `jax.lax.ragged_dot`.
+  `capacity` is ignored. Groups only matter for the stats: all G * S * k choices are sorted
+  together and each expert processes exactly its own tokens with two grouped matmuls, run by
+  `matmul` (`DROPLESS_MATMULS`: "auto", "ragged_dot" or "megablox"). `tiling` (tm, tk, tn) and
+  `interpret` (Pallas' interpret mode, for CPU tests) apply to megablox only; `tiling` None is
+  `row_tile` rows by `width_tile` widths, per kernel call.
   """
   del capacity
+  if matmul not in DROPLESS_MATMULS:
+    raise ValueError(f"matmul={matmul!r}; known: {', '.join(DROPLESS_MATMULS)}")
+  if matmul == "megablox" and _megablox_kernels() is None:
+    raise ImportError(
+        "matmul='megablox' needs jax.experimental.pallas.ops.tpu.megablox, which this jax "
+        f"({jax.__version__}) does not provide; use matmul='ragged_dot'"
+    )
   check_inputs(x, expert_index, gates)
   num_groups, group_size, top_k = expert_index.shape
   num_experts = experts.num_experts
@@ -47,14 +342,15 @@ def moe_dropless(
   group_sizes = (bounds[1:] - bounds[:-1]).astype(jnp.int32)
   token = sorted_choice // top_k
 
-  w = experts.cast(x.dtype)
   x_sorted = x.reshape(num_groups * group_size, dim)[token]
-  # The biases are gathered in float32 and the choices weighted and summed in float32, so that
-  # the gradients of the biases and gates (scatter-adds over tokens, backwards) accumulate in
+  if matmul == "ragged_dot":
+    out = _ragged_dot_mlp(x_sorted, group_sizes, sorted_expert, experts)
+  elif matmul == "megablox":
+    out = _megablox_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
+  else:
+    out = _auto_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
+  # The choices are weighted and summed in float32, so that the gates' gradients accumulate in
   # float32 in a bfloat16 compute dtype.
-  h = add_bias(jax.lax.ragged_dot(x_sorted, w.w1, group_sizes), experts.b1[sorted_expert])
-  h = gelu_exact(h)
-  out = add_bias(jax.lax.ragged_dot(h, w.w2, group_sizes), experts.b2[sorted_expert])
   weighted = out.astype(jnp.float32) * gates.reshape(num_choices)[sorted_choice][:, None]
   y = jnp.zeros((num_groups * group_size, dim), jnp.float32).at[token].add(weighted)
   return y.astype(x.dtype).reshape(x.shape), dropless_stats(expert_index, num_experts)
