@@ -151,6 +151,7 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
       devices=record["target"]["devices"],
       mesh=record["mesh"],
       collectives={k: v["count"] for k, v in (train.get("collectives") or {}).items()},
+      collective_bytes={k: v["bytes"] for k, v in (train.get("collectives") or {}).items()},
       compiler_options=train.get("compiler_options"),
       settings=record.get("settings", {}),
       compile_seconds=train.get("compile_seconds"),
@@ -214,9 +215,9 @@ def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
   if dispatch and not label.startswith("muffin") and not label.startswith("multifair"):
     where += f" ({dispatch})"
   if result is None:
-    return f"| {label} | {where} | not compiled yet | | | | | | |"
+    return f"| {label} | {where} | not compiled yet | | | | | | | |"
   if "error" in result:
-    return f"| {label} | {where} | error: {result['error'].replace('|', '/')} | | | | | | |"
+    return f"| {label} | {where} | error: {result['error'].replace('|', '/')} | | | | | | | |"
   fits = "yes" if result["fits"] else "**no**"
   step = f"{result['step_s'] * 1e3:.0f}" if result.get("step_s") else "-"
   bound = f"{result['roofline_s'] * 1e3:.1f} ({result['bound_by']})" if result.get("roofline_s") else "-"
@@ -226,9 +227,22 @@ def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
     hours = f"{_hours(result, None)} ({result['num_train_steps']:,} steps)"
   return (
       f"| {label} | {where} | {fits} | {_gib(result['peak'])} / {_gib(result['usable'])} | "
-      f"{(result.get('matmul_flops_per_example') or 0) / 1e9:.1f} | {bound} | {step} | {hours} | "
-      f"{result['compile_seconds']} |"
+      f"{(result.get('matmul_flops_per_example') or 0) / 1e9:.1f} | {bound} | {step} | "
+      f"{_collectives(result)} | {hours} | {result['compile_seconds']} |"
   )
+
+
+def _collectives(result: dict[str, Any]) -> str:
+  """MiB per device per step the train step's collectives produce, by kind (largest first);
+  "not recorded" for a cell compiled before the record kept bytes."""
+  found = result.get("collective_bytes")
+  if found is None:
+    return "not recorded"
+  if not found:
+    return "none"
+  kinds = sorted(found.items(), key=lambda kv: -kv[1])
+  total = sum(found.values()) / 2**20
+  return f"{total:.1f} (" + ", ".join(f"{k} {b / 2**20:.1f}" for k, b in kinds) + ")"
 
 
 def render() -> str:
@@ -236,8 +250,9 @@ def render() -> str:
   results = record["cells"]
   lines = [
       "| Run | Target | Fits | Peak / usable GiB per device | Matmul GFLOPs per example | "
-      "Roofline ms per step (bound) | Est. ms per step | Device-hours (CelebA 500 ep. / ISIC 300 ep.; causal: its steps) | Compile s |",
-      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+      "Roofline ms per step (bound) | Est. ms per step | Collective MiB per step per device (by kind) | "
+      "Device-hours (CelebA 500 ep. / ISIC 300 ep.; causal: its steps) | Compile s |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   lines += [_row(cell, results.get(cell["name"])) for cell in cells()]
   done = [r for r in results.values() if "provenance" in r]

@@ -129,17 +129,17 @@ def _parameter_floor(params, mesh) -> int:
 
 
 def _expert_rows(text: str, local_experts: int) -> set[int]:
-  """N of every expert matmul result [E_l, N, H] (any order; weight gradients [E_l, D, H] left
-  out)."""
+  """N of every expert matmul result [E_l, N, H] (any order, N possibly split, as [E_l, G, C, H];
+  the weight gradients [E_l, D, H] left out)."""
   rows = set()
   for array in hlo.matmul_results(text):
     dims = [d for d in array.dims if d != 1]
-    if len(dims) == 3 and local_experts in dims and H in dims:
+    if local_experts in dims and H in dims and len(dims) >= 3:
       rest = list(dims)
       rest.remove(local_experts)
       rest.remove(H)
-      if rest[0] != D:
-        rows.add(rest[0])
+      if rest != [D]:
+        rows.add(math.prod(rest))
   return rows
 
 
