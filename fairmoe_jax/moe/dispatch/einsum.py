@@ -1,17 +1,29 @@
 """`einsum` dispatch: capacity-limited one-hot dispatch and combine tensors (GShard / V-MoE).
 
-The dispatch is expressed as two dense one-hot tensors of shape [G, S, E, C]:
+The dispatch is expressed as two one-hot tensors of shape [G, S, E, C]:
 
   dispatch[g, s, e, c] = 1  iff token s of group g sits in slot c of expert e;
   combine[g, s, e, c]  = gate of that choice (0 where dispatch is 0).
 
 Expert inputs are einsum("gsec,gsd->egcd", dispatch, x), expert-major like V-MoE's
-[E, G * C, D] buffers (so the expert matmuls need no transpose), and the layer output
-is einsum("gsec,egcd->gsd", combine, expert_outputs). `dispatch_and_combine_masks`
-is the reference for the capacity semantics of all capacity algorithms. This
-costs O(G S E C) memory, quadratic in the group size since C ~ S k / E; fine for
-ViT-sized groups, while `sort` builds the same expert buffers without any
-[S, E, C] tensor.
+buffers, and the layer output is einsum("gsec,egcd->gsd", combine, expert_outputs).
+`dispatch_and_combine_masks` is the reference for the capacity semantics of all capacity
+algorithms. This costs O(G S E C) memory, quadratic in the group size since C ~ S k / E; fine
+for ViT-sized groups, while `sort` builds the same expert buffers without any [S, E, C] tensor.
+
+How `moe_einsum` keeps the bytes it moves low (XLA's TPU compiler; docs/benchmarks.md, "Which
+dispatch on an accelerator"):
+
+* The plan is one slot index per (token, expert), [G, S, E] (`_slot_plan`), and the gate of
+  each (token, expert); the [G, S, E, C] tensors are one-hot comparisons of that index that the
+  compiler builds inside the einsums that read them, not float tensors written to memory, and
+  the gates' gradient is reduced over C inside the combine's backward fusion.
+* The expert MLP runs on the [E, G, C, D] buffers as the einsum leaves them
+  (`ExpertWeights.apply_expert_major`), not on [E, G * C, D]: with C not a multiple of the
+  TPU's 8- or 16-row tile, merging G and C is a physical relayout in both passes.
+* A choice's place in its expert's queue is an exclusive prefix count computed as a matmul
+  with a strictly lower-triangular 0/1 matrix (exact: 0/1 operands, sums of at most S ones in
+  float32), not a cumulative sum, which XLA's TPU compiler lowers to a multi-pass scan.
 """
 
 from __future__ import annotations
@@ -22,6 +34,43 @@ import jax.numpy as jnp
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+
+
+def _slot_plan(
+    expert_index: jax.Array, gates: jax.Array, *, num_experts: int, capacity: int
+) -> tuple[jax.Array, jax.Array, DispatchStats]:
+  """Each (token, expert) pair's capacity slot and gate.
+
+  Priority: all top-1 choices of a group are served before any top-2 choice (and so on);
+  within one priority level, earlier tokens come first (the GShard / V-MoE order).
+
+  Returns:
+    slot: [G, S, E] int32, the slot of expert e that token s takes; C (no slot) where the
+      token did not choose e or its choice was dropped.
+    gate: [G, S, E] gates.dtype, the gate of the choice of e, 0 where e was not chosen.
+    stats: `DispatchStats`.
+  """
+  _, group_size, top_k = expert_index.shape
+  choice = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)  # [G, S, k, E]
+  # Choices of expert e made earlier in the same priority level j: an exclusive prefix count
+  # over the tokens, as a matmul with earlier[t, s] = 1 iff s < t.
+  tokens = jnp.arange(group_size)
+  earlier = (tokens[:, None] > tokens[None, :]).astype(jnp.float32)
+  before = jnp.einsum("ts,gske->gtke", earlier, choice)
+  # ... plus every choice of e at the levels j' < j.
+  per_level = choice.sum(axis=1)  # [G, k, E]
+  before = before + (jnp.cumsum(per_level, axis=1) - per_level)[:, None]
+  # A token's k experts differ, so each (s, j) has one nonzero term over e.
+  slot = jnp.einsum("gske,gske->gsk", before, choice).astype(jnp.int32)  # [G, S, k]
+  kept = slot < capacity
+
+  served = choice * kept[..., None]  # [G, S, k, E]
+  served_slot = jnp.where(kept, slot, 0).astype(jnp.float32)
+  slot_of_expert = jnp.einsum("gske,gsk->gse", served, served_slot).astype(jnp.int32)
+  slot_of_expert = jnp.where(served.sum(axis=2) > 0, slot_of_expert, capacity)
+  gate = jnp.einsum("gske,gsk->gse", choice.astype(gates.dtype), gates)
+  group_expert_fraction = served.sum(axis=(1, 2)) / (group_size * top_k)
+  return slot_of_expert, gate, DispatchStats.from_kept(kept, group_expert_fraction)
 
 
 def dispatch_and_combine_masks(
@@ -49,33 +98,11 @@ def dispatch_and_combine_masks(
     combine: [G, S, E, C] gates.dtype tensor.
     stats: `DispatchStats`.
   """
-  num_groups, group_size, top_k = expert_index.shape
-  # [G, S, k, E]
-  choice_one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.int32)
-
-  # Order the (token, choice) pairs priority-major: [G, k * S, E], where row
-  # j * S + s is choice j of token s. A cumulative sum along that axis then
-  # gives each pair its 1-based arrival position in its expert's queue.
-  priority_major = jnp.swapaxes(choice_one_hot, 1, 2).reshape(
-      num_groups, top_k * group_size, num_experts
-  )
-  arrival = jnp.cumsum(priority_major, axis=1) * priority_major
-  # Back to [G, S, k]: the 0-based slot each choice would take.
-  arrival = jnp.swapaxes(arrival.reshape(num_groups, top_k, group_size, num_experts), 1, 2)
-  slot = arrival.sum(axis=-1) - 1
-  kept = slot < capacity
-
-  # A dropped choice gets an all-zero slot one-hot (one_hot of index C is 0).
-  slot_one_hot = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity, dtype=jnp.float32)
-  # [G, S, k, E, C]; summing over k is safe because a token's k experts differ.
-  per_choice = choice_one_hot.astype(jnp.float32)[..., None] * slot_one_hot[..., None, :]
-  dispatch = per_choice.sum(axis=2)
-  combine = jnp.einsum("gskec,gsk->gsec", per_choice.astype(gates.dtype), gates)
-
-  group_expert_fraction = (choice_one_hot * kept[..., None]).sum(axis=(1, 2)).astype(
-      jnp.float32
-  ) / (group_size * top_k)
-  return dispatch, combine, DispatchStats.from_kept(kept, group_expert_fraction)
+  slot, gate, stats = _slot_plan(expert_index, gates, num_experts=num_experts, capacity=capacity)
+  # A slot index of C (no slot) gives an all-zero one-hot.
+  dispatch = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)
+  combine = dispatch.astype(gates.dtype) * gate[..., None]
+  return dispatch, combine, stats
 
 
 def einsum_dispatch(
@@ -96,7 +123,8 @@ def einsum_dispatch(
     num_experts: E.
 
   Returns:
-    dispatched: [E, G * C, D] expert inputs in x.dtype, expert-major; empty slots are zero.
+    dispatched: [E, G * C, D] expert inputs in x.dtype, expert-major (V-MoE's layout);
+      empty slots are zero.
     combine: [G, S, E, C] combine weights, to be passed to `einsum_combine`.
     stats: `DispatchStats`.
   """
@@ -128,11 +156,18 @@ def moe_einsum(
     *,
     capacity: int | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
-  """One-hot [G, S, E, C] dispatch / combine (`einsum_dispatch`)."""
+  """One-hot [G, S, E, C] dispatch / combine: `einsum_dispatch` and `einsum_combine`'s values,
+  with the expert MLP on [E, G, C, D] buffers and no float [G, S, E, C] tensor in memory
+  (the module docstring says why)."""
   check_inputs(x, expert_index, gates)
   capacity = resolve_capacity(capacity, x.shape[1])
-  dispatched, combine, stats = einsum_dispatch(
-      x, expert_index, gates, capacity, num_experts=experts.num_experts
+  slot, gate, stats = _slot_plan(
+      expert_index, gates, num_experts=experts.num_experts, capacity=capacity
   )
-  y = einsum_combine(combine, experts.apply(dispatched))
-  return y, stats
+  mask = jax.nn.one_hot(slot, capacity, dtype=jnp.bool_)  # [G, S, E, C]
+  # 0/1 entries are exact in any float dtype, so the gather is lossless.
+  buffers = jnp.einsum("gsec,gsd->egcd", mask.astype(x.dtype), x)  # [E, G, C, D]
+  outputs = experts.apply_expert_major(buffers)
+  # The gates in float32 until they weight the outputs, as `einsum_combine` does.
+  combine = jnp.where(mask, gate[..., None], 0).astype(outputs.dtype)
+  return jnp.einsum("gsec,egcd->gsd", combine, outputs), stats

@@ -81,6 +81,20 @@ class ExpertWeights:
     h = gelu_exact(h)
     return add_bias(jnp.einsum("...enh,ehd->...end", h, w.w2), self.b2[:, None, :])
 
+  def apply_expert_major(self, x: jax.Array) -> jax.Array:
+    """Applies expert e to x[e]: [E, *rows, D] -> [E, *rows, D], any number of row axes.
+
+    `apply`'s values on rows laid out as the caller has them, e.g. `moe_einsum`'s
+    [E, G, C, D] buffers, which would need a relayout to become [E, G * C, D] on a TPU when C
+    is not a multiple of its row tile.
+    """
+    w = self.cast(x.dtype)
+    rows = (1,) * (x.ndim - 2)  # The biases broadcast over the row axes.
+    h = jnp.einsum("e...d,edh->e...h", x, w.w1)
+    h = gelu_exact(add_bias(h, self.b1.reshape(self.num_experts, *rows, -1)))
+    y = jnp.einsum("e...h,ehd->e...d", h, w.w2)
+    return add_bias(y, self.b2.reshape(self.num_experts, *rows, -1))
+
 
 def add_bias(h: jax.Array, bias: jax.Array) -> jax.Array:
   """h + bias in h.dtype, the bias (broadcastable to h) given in its own dtype (float32).
