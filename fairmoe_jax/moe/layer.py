@@ -387,7 +387,7 @@ class SparseMoE(nnx.Module):
     """The dispatch algorithm on one device, or on each device's own examples of the mesh
     (expert-parallel where the mesh has an expert axis); and `expert_features` beside it."""
     algorithm = DISPATCH_ALGORITHMS[self.dispatch]
-    if self.mesh is None or self.mesh.size == 1:
+    if not self._sharded(x):
       y, stats = algorithm(x, expert_index, gates, experts, capacity=capacity)
       features = None if expert_features is None else expert_features(x, experts)
       return y, stats, features
@@ -410,6 +410,15 @@ class SparseMoE(nnx.Module):
     y, stats = outputs[:2]
     return y, stats, (outputs[2] if expert_features is not None else None)
 
+  def _sharded(self, x: jax.Array) -> bool:
+    """Whether to run per device: on a mesh of several devices, unless a data-parallel batch
+    does not divide over them (a user's odd-sized predict batch: then as one program, which
+    the partitioner lays out; expert parallelism needs the split and says so)."""
+    if self.mesh is None or self.mesh.size == 1:
+      return False
+    expert_parallel = self.mesh.shape.get(EXPERT_AXIS, 1) > 1
+    return expert_parallel or x.shape[0] % self.mesh.size == 0
+
   def _mesh_error(self, x: jax.Array, error: ValueError) -> str:
     return (
         f"SparseMoE (dim {self.dim}, {self.num_experts} experts) on mesh "
@@ -422,7 +431,7 @@ class SparseMoE(nnx.Module):
     """Expert choice: every expert takes its `capacity` best tokens of each example."""
     batch, seq_len, _ = x.shape
     assignment = self.router(x, capacity=capacity)
-    if self.mesh is None or self.mesh.size == 1:
+    if not self._sharded(x):
       y = apply_expert_choice(x, assignment, experts.apply)
     else:  # Each device gathers, runs and scatters its own examples' picks.
       try:
