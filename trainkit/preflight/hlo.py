@@ -71,18 +71,22 @@ def _arrays(shape_text: str) -> list[Array]:
   ]
 
 
+def _instructions(hlo_text: str):
+  """(line, op, result shape text) of every instruction of the module."""
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.match(line)
+    if match:
+      yield line, match.group("op"), match.group("shape")
+
+
 def matmul_results(hlo_text: str) -> list[Array]:
   """The result of every matrix product of the module (in fused computations too): `dot`,
   `convolution` (TPU lowers dots to it) and cuBLAS GEMM custom calls (GPU; their first result,
   the workspace left out)."""
   results = []
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    op = match.group("op")
+  for line, op, shape in _instructions(hlo_text):
     if op in ("dot", "convolution") or (op == "custom-call" and _GEMM_TARGET.search(line)):
-      arrays = _arrays(match.group("shape"))
+      arrays = _arrays(shape)
       if arrays:
         results.append(arrays[0])
   return results
@@ -113,16 +117,11 @@ def collective_instructions(hlo_text: str) -> list[tuple[str, list[Array]]]:
   arrays returns all of them.
   """
   found = []
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    op = match.group("op")
+  for _, op, shape in _instructions(hlo_text):
     start = op.endswith("-start")
     kind = op.removesuffix("-start")
     if kind not in COLLECTIVES:
       continue
-    shape = match.group("shape")
     if start:
       shape = _without_operands(shape)
     arrays = _arrays(shape)
