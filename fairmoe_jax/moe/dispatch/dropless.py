@@ -241,12 +241,45 @@ def _ragged_dot_mlp(
     rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array, experts: ExpertWeights
 ) -> jax.Array:
   """The expert MLP of expert-sorted rows [N, D] with `jax.lax.ragged_dot`, in rows.dtype."""
-  w = experts.cast(rows.dtype)
   # The biases are gathered in float32 (`add_bias`), so that their gradients (scatter-adds over
   # the rows, backwards) accumulate in float32 in a bfloat16 compute dtype.
-  h = add_bias(jax.lax.ragged_dot(rows, w.w1, group_sizes), experts.b1[row_expert])
+  h = add_bias(ragged_matmul(rows, experts.w1, group_sizes), experts.b1[row_expert])
   h = gelu_exact(h)
-  return add_bias(jax.lax.ragged_dot(h, w.w2, group_sizes), experts.b2[row_expert])
+  return add_bias(ragged_matmul(h, experts.w2, group_sizes), experts.b2[row_expert])
+
+
+# The weight gradient of a ragged_dot: rows [N, K] and output cotangents [N, M], contracted over
+# N, which is ragged (split into the experts' groups): [E, K, M].
+_RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+@jax.custom_vjp
+def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """`jax.lax.ragged_dot(rows, w, group_sizes)` in rows.dtype, the weight gradient in float32.
+
+  As `experts.expert_matmul` does for the capacity dispatches: autodiff would transpose to a
+  bfloat16 ragged_dot whose sum over an expert's rows is accumulated as the backend likes;
+  this asks for a float32 result and returns it in w.dtype.
+  """
+  return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
+
+
+def _ragged_matmul_fwd(rows, w, group_sizes):
+  return ragged_matmul(rows, w, group_sizes), (rows, w, group_sizes)
+
+
+def _ragged_matmul_bwd(residuals, d_out):
+  rows, w, group_sizes = residuals
+  d_rows = jax.lax.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
+  d_w = jax.lax.ragged_dot_general(
+      rows, d_out, group_sizes, _RAGGED_WEIGHT_GRADIENT, preferred_element_type=jnp.float32
+  )
+  return d_rows.astype(rows.dtype), d_w.astype(w.dtype), None
+
+
+ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
 
 
 def _megablox_mlp(

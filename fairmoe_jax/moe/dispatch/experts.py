@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -74,12 +75,12 @@ class ExpertWeights:
   def apply(self, x: jax.Array) -> jax.Array:
     """Applies expert e to row e of x: [..., E, N, D] -> [..., E, N, D].
 
-    Computed in x.dtype, with the exact (erf) GELU of timm's ViT MLP.
+    Computed in x.dtype, with the exact (erf) GELU of timm's ViT MLP; the weights' gradients
+    are float32 (`expert_matmul`).
     """
-    w = self.cast(x.dtype)
-    h = add_bias(jnp.einsum("...end,edh->...enh", x, w.w1), self.b1[:, None, :])
-    h = gelu_exact(h)
-    return add_bias(jnp.einsum("...enh,ehd->...end", h, w.w2), self.b2[:, None, :])
+    h = expert_matmul("rows_last", x, self.w1)
+    h = gelu_exact(add_bias(h, self.b1[:, None, :]))
+    return add_bias(expert_matmul("rows_last", h, self.w2), self.b2[:, None, :])
 
   def apply_expert_major(self, x: jax.Array) -> jax.Array:
     """Applies expert e to x[e]: [E, *rows, D] -> [E, *rows, D], any number of row axes.
@@ -88,12 +89,50 @@ class ExpertWeights:
     [E, G, C, D] buffers, which would need a relayout to become [E, G * C, D] on a TPU when C
     is not a multiple of its row tile.
     """
-    w = self.cast(x.dtype)
     rows = (1,) * (x.ndim - 2)  # The biases broadcast over the row axes.
-    h = jnp.einsum("e...d,edh->e...h", x, w.w1)
+    h = expert_matmul("expert_major", x, self.w1)
     h = gelu_exact(add_bias(h, self.b1.reshape(self.num_experts, *rows, -1)))
-    y = jnp.einsum("e...h,ehd->e...d", h, w.w2)
+    y = expert_matmul("expert_major", h, self.w2)
     return add_bias(y, self.b2.reshape(self.num_experts, *rows, -1))
+
+
+# (forward, input gradient, weight gradient) of x @ w[e] per expert e, for the two layouts of
+# the rows: "rows_last" [..., E, N, K] and "expert_major" [E, *rows, K]; w is [E, K, M].
+_MATMUL_SPECS = {
+    "rows_last": ("...enk,ekm->...enm", "...enm,ekm->...enk", "...enk,...enm->ekm"),
+    "expert_major": ("e...k,ekm->e...m", "e...m,ekm->e...k", "e...k,e...m->ekm"),
+}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def expert_matmul(layout: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w[e] for each expert e, in x.dtype, with the weight gradient summed into float32.
+
+  The product runs in the compute dtype (x.dtype, bfloat16 in the paper configs), the weights
+  cast to it. Left to autodiff, the weight gradient would be a bfloat16 matmul: how it
+  accumulates a sum over every token is then the backend's choice, and XLA's CPU compiler in
+  jax 0.11+ splits a contraction over several row axes (`moe_einsum`'s [E, G, C, D] buffers)
+  into bfloat16 partial sums, twice the error of a float32 sum (tests/test_moe_algorithms.py).
+  This VJP asks for a float32 result (`preferred_element_type`), so every backend sums in
+  float32, and returns it in the weights' own dtype.
+  """
+  forward, _, _ = _MATMUL_SPECS[layout]
+  return jnp.einsum(forward, x, w.astype(x.dtype))
+
+
+def _expert_matmul_forward(layout, x, w):
+  return expert_matmul(layout, x, w), (x, w)
+
+
+def _expert_matmul_backward(layout, residuals, d_y):
+  x, w = residuals
+  _, input_spec, weight_spec = _MATMUL_SPECS[layout]
+  d_x = jnp.einsum(input_spec, d_y, w.astype(x.dtype))
+  d_w = jnp.einsum(weight_spec, x, d_y, preferred_element_type=jnp.float32)
+  return d_x.astype(x.dtype), d_w.astype(w.dtype)
+
+
+expert_matmul.defvjp(_expert_matmul_forward, _expert_matmul_backward)
 
 
 def add_bias(h: jax.Array, bias: jax.Array) -> jax.Array:
