@@ -109,6 +109,12 @@ def test_both_attentions_fit_64_training_pairs(kind):
           graphdef, train.make_loss_fn(config), tx, update_extra=train.make_update_extra(config)
       )
   )
+  # The causal model's multipliers keep pushing on the fitted model, so one step's accuracy
+  # wobbles by a pair or two (60 of 64 at step 150 on one processor, 64 on another): the mean
+  # over the last 50 steps is what the claim "fits" rests on.
+  accuracies = []
   for _ in range(150):
     state, metrics = step(state, batch)
-  assert float(metrics["accuracy"]) >= 0.95, (kind, float(metrics["accuracy"]))
+    accuracies.append(metrics["accuracy"])
+  late = float(np.mean(accuracies[-50:]))
+  assert late >= 0.95, (kind, late)
