@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Submits launch/slurm_gpu.sbatch: NODES nodes, one task per GPU (GPUS_PER_NODE tasks per node).
+# `--gpus-per-node 0 --tasks-per-node T` submits a CPU job instead: T tasks per node, no GPUs,
+# JAX_PLATFORMS=cpu (tests/test_slurm.py runs it on a one-node test cluster).
 #
-# Usage: launch/slurm.sh [--dry-run] --nodes N --gpus-per-node G [--partition P]
-#            [--time HH:MM:SS] [--module MODULE] -- [main args...]
+# Usage: launch/slurm.sh [--dry-run] --nodes N --gpus-per-node G [--tasks-per-node T]
+#            [--partition P] [--time HH:MM:SS] [--module MODULE] -- [main args...]
 # Example: launch/slurm.sh --nodes 2 --gpus-per-node 8 --time 04:00:00 -- \
 #            --config=configs/quickstart.py --workdir=/shared/run
 # Prints the sbatch command ("+ sbatch ...") and runs it unless --dry-run.
@@ -11,16 +13,17 @@ set -euo pipefail
 # common.sh sits beside this file (a symlink to this file is followed).
 # shellcheck source=common.sh
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH_SOURCE[0]}")")/common.sh"
-usage_args="[--dry-run] --nodes N --gpus-per-node G [--partition P] [--time HH:MM:SS]"
-usage_args+=" [--module MODULE] -- [main args...]"
+usage_args="[--dry-run] --nodes N --gpus-per-node G [--tasks-per-node T] [--partition P]"
+usage_args+=" [--time HH:MM:SS] [--module MODULE] -- [main args...]"
 
-dry_run=0 nodes="" gpus="" partition="" time_limit="" module="fairmoe_jax.main"
+dry_run=0 nodes="" gpus="" tasks="" partition="" time_limit="" module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h | --help) show_help ;;
     --dry-run) dry_run=1 ;;
     --nodes) option_value nodes "$@"; shift ;;
     --gpus-per-node) option_value gpus "$@"; shift ;;
+    --tasks-per-node) option_value tasks "$@"; shift ;;
     --partition) option_value partition "$@"; shift ;;
     --time) option_value time_limit "$@"; shift ;;
     --module) option_value module "$@"; shift ;;
@@ -30,14 +33,27 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 require_positive_int --nodes "$nodes"
-require_positive_int --gpus-per-node "$gpus"
+[[ "$gpus" == 0 ]] || require_positive_int --gpus-per-node "$gpus"
+if [[ "$gpus" == 0 ]]; then
+  [[ -n "$tasks" ]] || usage_error "--gpus-per-node 0 (a CPU job) needs --tasks-per-node"
+  require_positive_int --tasks-per-node "$tasks"
+elif [[ -n "$tasks" ]]; then
+  usage_error "--tasks-per-node is for CPU jobs (--gpus-per-node 0): a GPU job runs one task per GPU"
+fi
 [[ -z "$time_limit" || "$time_limit" =~ ^([0-9]+-)?[0-9]+(:[0-9]{2}){0,2}$ ]] ||
   usage_error "bad --time: $time_limit"
 require_module "$module"
 
 script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/slurm_gpu.sbatch"
-cmd=(sbatch "--nodes=$nodes" "--ntasks-per-node=$gpus" --gpus-per-task=1
-  "--export=ALL,MODULE=$module")
+if [[ "$gpus" == 0 ]]; then
+  # --gpus-per-task=0 overrides the batch script's `#SBATCH --gpus-per-task=1`; JAX_PLATFORMS
+  # keeps an installed CUDA plugin from looking for GPUs.
+  cmd=(sbatch "--nodes=$nodes" "--ntasks-per-node=$tasks" --gpus-per-task=0
+    "--export=ALL,MODULE=$module,JAX_PLATFORMS=cpu")
+else
+  cmd=(sbatch "--nodes=$nodes" "--ntasks-per-node=$gpus" --gpus-per-task=1
+    "--export=ALL,MODULE=$module")
+fi
 if [[ -n "$partition" ]]; then cmd+=("--partition=$partition"); fi
 if [[ -n "$time_limit" ]]; then cmd+=("--time=$time_limit"); fi
 cmd+=("$script" "$@")

@@ -65,6 +65,11 @@ def pytest_configure(config):
   # "Tested versions").
   for category in ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"):
     config.addinivalue_line("filterwarnings", f"error::{category}:{OWN_MODULES}")
+  # Tests that submit jobs to a SLURM cluster (tests/test_slurm.py; `-m "not slurm"` leaves
+  # them out); they skip with the reason where none answers.
+  config.addinivalue_line(
+      "markers", "slurm: submits jobs to a SLURM cluster (launch/testing/local_slurm.sh)"
+  )
 
 
 # CPU-scale FairSMoE on the CelebA sample (with --config.data.root): seconds of training.

@@ -13,7 +13,16 @@ from fairmoe_jax.config import base_config
 from trainkit import cli
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
-LAUNCH_SCRIPTS = ["local.sh", "local_multiprocess.sh", "slurm.sh", "tpu_pod.sh", "slurm_gpu.sbatch"]
+LAUNCH_SCRIPTS = [
+    "local.sh",
+    "local_multiprocess.sh",
+    "slurm.sh",
+    "tpu_pod.sh",
+    "slurm_gpu.sbatch",
+    "slurm_array.sh",
+    "slurm_array.sbatch",
+    "testing/local_slurm.sh",
+]
 
 
 def _env():

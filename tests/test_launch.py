@@ -23,7 +23,16 @@ def _run(script, *args, env=None):
 
 
 @pytest.mark.parametrize(
-    "script", ["tpu_pod.sh", "slurm.sh", "local_multiprocess.sh", "slurm_gpu.sbatch"]
+    "script",
+    [
+        "tpu_pod.sh",
+        "slurm.sh",
+        "local_multiprocess.sh",
+        "slurm_gpu.sbatch",
+        "slurm_array.sh",
+        "slurm_array.sbatch",
+        "testing/local_slurm.sh",
+    ],
 )
 def test_scripts_parse(script):
   assert subprocess.run(["bash", "-n", str(REPO / "launch" / script)]).returncode == 0
@@ -135,6 +144,28 @@ def test_sbatch_script_runs_the_module_under_srun():
   assert 'srun --label python -m "${module_name}" "$@"' in text
 
 
+def test_slurm_cpu_job_dry_run_asks_for_no_gpu():
+  result = _run(
+      "slurm.sh",
+      "--dry-run",
+      "--nodes",
+      "1",
+      "--gpus-per-node",
+      "0",
+      "--tasks-per-node",
+      "2",
+      "--",
+      "--workdir=/shared/run",
+  )
+  assert result.returncode == 0, result.stderr
+  # --gpus-per-task=0 overrides the batch script's `#SBATCH --gpus-per-task=1`.
+  assert result.stdout == (
+      "+ sbatch --nodes=1 --ntasks-per-node=2 --gpus-per-task=0 "
+      "--export=ALL,MODULE=fairmoe_jax.main,JAX_PLATFORMS=cpu "
+      f"{REPO}/launch/slurm_gpu.sbatch --workdir=/shared/run\n"
+  )
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -144,10 +175,91 @@ def test_sbatch_script_runs_the_module_under_srun():
         ["--nodes", "2", "--gpus-per-node", "x"],
         ["--nodes", "2", "--gpus-per-node", "8", "--time", "soon"],
         ["--nodes", "2", "--gpus-per-node", "8", "extra"],
+        ["--nodes", "1", "--gpus-per-node", "0"],  # A CPU job needs --tasks-per-node.
+        ["--nodes", "1", "--gpus-per-node", "8", "--tasks-per-node", "2"],  # One task per GPU.
     ],
 )
 def test_slurm_bad_args(args):
   result = _run("slurm.sh", "--dry-run", *args)
+  assert result.returncode == 2
+  assert "usage: " in result.stderr and result.stdout == ""
+
+
+def _commands_file(tmp_path, done=()):
+  """A commands.sh as `experiments.sweep --mode=commands` writes it: three runs, those in
+  `done` with a report.json."""
+  lines = ["#!/usr/bin/env bash", "# Sweep s.py: 3 runs.", "set -euo pipefail", "cd /repo  # Why."]
+  for i in range(3):
+    run_dir = tmp_path / "sweep" / "runs" / f"batch_size={i},x=a b"  # Quoted on the line.
+    lines.append(f"python -m fairmoe_jax.main '--workdir={run_dir}' --config.batch_size={i}")
+    if i in done:
+      run_dir.mkdir(parents=True)
+      (run_dir / "report.json").write_text("{}")
+  path = tmp_path / "sweep" / "commands.sh"
+  path.parent.mkdir(exist_ok=True)
+  path.write_text("\n".join(lines) + "\n")
+  return path
+
+
+def test_slurm_array_submits_the_runs_without_a_report(tmp_path):
+  commands = _commands_file(tmp_path, done=(1,))
+  result = _run("slurm_array.sh", "--dry-run", "--parallel", "2", "--time", "1:00:00", str(commands))
+  assert result.returncode == 0, result.stderr
+  assert result.stdout == (
+      f"+ sbatch --array=0,2%2 --output={tmp_path}/sweep/slurm/%A_%a.out --ntasks=1 "
+      "--cpus-per-task=1 --export=ALL,JAX_PLATFORMS=cpu --time=1:00:00 "
+      f"{REPO}/launch/slurm_array.sbatch {commands}\n"
+  )
+  assert "3 runs: 2 without report.json, 1 done" in result.stderr
+  assert f"done, skipped: {tmp_path}/sweep/runs/batch_size=1,x=a b" in result.stderr
+  gpus = _run("slurm_array.sh", "--dry-run", "--gpus-per-run", "4", str(commands))
+  assert " --nodes=1 --ntasks=4 --gpus-per-task=1 --cpus-per-task=1 --export=ALL " in gpus.stdout
+  _commands_file(tmp_path, done=(0, 2))
+  finished = _run("slurm_array.sh", "--dry-run", str(commands))
+  assert finished.returncode == 0 and "nothing to submit" in finished.stdout
+  assert "sbatch" not in finished.stdout
+
+
+def test_slurm_array_task_runs_its_line_and_skips_a_done_run(tmp_path):
+  commands = _commands_file(tmp_path, done=(0,))
+  env = {"PATH": "/usr/bin:/bin", "SLURM_ARRAY_JOB_ID": "7"}
+  script = ["bash", str(REPO / "launch" / "slurm_array.sbatch"), str(commands)]
+  done = subprocess.run(
+      script, env={**env, "SLURM_ARRAY_TASK_ID": "0"}, capture_output=True, text=True, timeout=30
+  )
+  assert done.returncode == 0 and "run 0 (7_0): done, skipped" in done.stdout, done.stderr
+  # Run 1 starts: `cd /repo` fails here, after its directory and log were set up.
+  started = subprocess.run(
+      script, env={**env, "SLURM_ARRAY_TASK_ID": "1"}, capture_output=True, text=True, timeout=30
+  )
+  assert started.returncode != 0 and "/repo" in started.stderr
+  assert (tmp_path / "sweep" / "runs" / "batch_size=1,x=a b").is_dir()
+  beyond = subprocess.run(
+      script, env={**env, "SLURM_ARRAY_TASK_ID": "3"}, capture_output=True, text=True, timeout=30
+  )
+  assert beyond.returncode == 2 and "has 3 runs" in beyond.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--parallel", "0", "commands.sh"],
+        ["--gpus-per-run", "x", "commands.sh"],
+        ["--bogus", "commands.sh"],
+        ["commands.sh", "other.sh"],
+        ["missing.sh"],
+    ],
+)
+def test_slurm_array_bad_args(tmp_path, args):
+  (tmp_path / "commands.sh").write_text("cd /\npython -m m --workdir=/w\n")
+  result = subprocess.run(
+      ["bash", str(REPO / "launch" / "slurm_array.sh"), "--dry-run", *args],
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      timeout=30,
+  )
   assert result.returncode == 2
   assert "usage: " in result.stderr and result.stdout == ""
 

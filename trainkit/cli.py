@@ -476,6 +476,14 @@ def train_eval_command(
     if jax.process_index() != 0:
       # Reports, progress and summaries come from process 0; the others keep stderr only.
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
+    elif jax.process_count() > 1:
+      # What the runtime was joined as, in the log: N processes started unconnected (each a
+      # process 0 of 1) print no such line (tests/test_slurm.py checks for it).
+      print(
+          f"Process 0 of {jax.process_count()} (jax.distributed), "
+          f"{jax.device_count()} devices in all",
+          flush=True,
+      )
     with exit_together(workdir):
       validate(
           config,
