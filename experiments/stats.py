@@ -10,6 +10,15 @@ seed (same initialisation and data order), so that what the seeds share cancels:
 
 The verdict is the statistics' alone; `MIN_VERDICT_SEEDS` is the protocol's number of pairs a
 verdict must rest on (docs/protocol.md), and a claim with fewer is flagged, not re-decided.
+
+Pairs that share training data (the folds of a cross-validation: every two training sets
+overlap) are not independent, and the Student-t interval is then too narrow. For them
+`corrected_interval` is Nadeau and Bengio's corrected resampled t-interval (Machine Learning
+52, 2003): the variance of the mean is (1/J + n_test/n_train) s^2 instead of s^2 / J, with
+the folds' test-to-train size ratio. `p_value` is the two-sided test that goes with either
+interval (p < 1 - confidence exactly when the interval excludes 0), and `holm` adjusts a
+family's p-values (Holm 1979) so that the chance of any false verdict in the family stays at
+most 1 - confidence.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ MIN_SPLIT_EXAMPLES = 500
 MIN_GROUP_EXAMPLES = 50
 
 HOLDS, DOES_NOT_HOLD, UNDECIDED = "holds", "does not hold", "undecided"
+# A fairness claim between rows whose accuracy does not lie above what a reader without a model
+# scores: a constant or random answer is "fair" by PQD (docs/protocol.md, section 3).
+UNTESTABLE = "untestable: at reference accuracy"
 DIRECTIONS = ("higher", "lower")
 
 
@@ -55,6 +67,83 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
   sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
   half = float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
   return Interval(mean, mean - half, mean + half, n)
+
+
+def corrected_interval(
+    values: Sequence[float], test_to_train: float, confidence: float = CONFIDENCE
+) -> Interval:
+  """Mean and `confidence` interval of the mean of `values` measured on J resampled train/test
+  splits whose training sets overlap (cross-validation folds): Nadeau and Bengio's corrected
+  resampled t-interval, mean ± t_{J-1} · sqrt(1/J + n_test/n_train) · s (s: ddof=1), with
+  `test_to_train` = n_test / n_train. The plain interval's 1/J assumes independent values; the
+  overlap of the training sets makes them positively correlated, which the second term
+  accounts for."""
+  if test_to_train <= 0:
+    raise ValueError(f"test_to_train must be positive, got {test_to_train}")
+  values = [float(v) for v in values]
+  n = len(values)
+  if n == 0:
+    raise ValueError("no values to summarise")
+  mean = math.fsum(values) / n
+  if n < 2:
+    return Interval(mean, None, None, n)
+  sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+  t = float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
+  half = t * sd * math.sqrt(1.0 / n + test_to_train)
+  return Interval(mean, mean - half, mean + half, n)
+
+
+def interval(
+    values: Sequence[float], test_to_train: float | None = None, confidence: float = CONFIDENCE
+) -> Interval:
+  """`corrected_interval` for values that share training data (a `test_to_train` ratio is
+  given), else `t_interval`."""
+  if test_to_train is None:
+    return t_interval(values, confidence)
+  return corrected_interval(values, test_to_train, confidence)
+
+
+def p_value(values: Sequence[float], test_to_train: float | None = None) -> float:
+  """Two-sided p-value of "the mean of `values` is 0" for the interval `interval` gives: the
+  same t statistic, so p < 1 - confidence exactly when that interval excludes 0. Fewer than
+  two values, or values that are all 0, give 1; values all equal and not 0 give 0 (an interval
+  of zero width away from 0)."""
+  values = [float(v) for v in values]
+  n = len(values)
+  if n < 2:
+    return 1.0
+  mean = math.fsum(values) / n
+  sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+  scale = 1.0 / n if test_to_train is None else 1.0 / n + test_to_train
+  se = sd * math.sqrt(scale)
+  if se == 0.0:
+    return 1.0 if mean == 0.0 else 0.0
+  return float(2.0 * scipy_stats.t.sf(abs(mean) / se, n - 1))
+
+
+def holm(p_values: Sequence[float | None]) -> list[float | None]:
+  """Holm's step-down adjusted p-values of one family: sorted ascending, the i-th (from 0) of
+  m is multiplied by m - i, and each is at least the one before it (capped at 1). A None (a
+  claim in the family that was not tested) counts in m and stays None, so declaring a claim
+  untestable never makes the others' correction smaller."""
+  m = len(p_values)
+  tested = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+  adjusted: list[float | None] = [None] * m
+  running = 0.0
+  for rank, (p, i) in enumerate(tested):
+    running = max(running, min(1.0, (m - rank) * p))
+    adjusted[i] = running
+  return adjusted
+
+
+def verdict_at(mean: float, p: float, better: str, confidence: float = CONFIDENCE) -> str:
+  """The verdict a (possibly adjusted) p-value gives a mean difference: decided where p is
+  below 1 - confidence, in the direction of the mean."""
+  if better not in DIRECTIONS:
+    raise ValueError(f"better must be one of {DIRECTIONS}, got {better!r}")
+  if p >= 1.0 - confidence or mean == 0.0:
+    return UNDECIDED
+  return HOLDS if (mean > 0.0) == (better == "higher") else DOES_NOT_HOLD
 
 
 def format_interval(
@@ -95,12 +184,14 @@ def verdict(difference: Interval, better: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ClaimResult:
-  """A claim decided: the paired seeds, the interval of the mean difference and the verdict."""
+  """A claim decided: the paired seeds, the interval of the mean difference, the verdict and
+  the two-sided p-value that goes with the interval (1.0 without pairs)."""
 
   seeds: list[int]
   difference: Interval | None
   verdict: str
   enough_seeds: bool
+  p: float = 1.0
 
 
 def decide(
@@ -110,10 +201,18 @@ def decide(
     *,
     confidence: float = CONFIDENCE,
     min_seeds: int = MIN_VERDICT_SEEDS,
+    test_to_train: float | None = None,
 ) -> ClaimResult:
-  """Decides one claim from each row's value per seed (only seeds both rows have count)."""
+  """Decides one claim from each row's value per seed (only seeds both rows have count); with
+  `test_to_train`, the pairs are cross-validation folds and the interval is the corrected one."""
   seeds, differences = paired(row, baseline)
   if not differences:
     return ClaimResult([], None, UNDECIDED, False)
-  interval = t_interval(differences, confidence)
-  return ClaimResult(seeds, interval, verdict(interval, better), len(seeds) >= min_seeds)
+  difference = interval(differences, test_to_train, confidence)
+  return ClaimResult(
+      seeds,
+      difference,
+      verdict(difference, better),
+      len(seeds) >= min_seeds,
+      p_value(differences, test_to_train),
+  )

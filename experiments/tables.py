@@ -33,8 +33,20 @@ sweep, see experiments/sweep.py) with a module-level `TABLE` saying how to tabul
       select_within=("validation.accuracy", 0.01),  # Optional: only rows whose mean of this
                                       # path is within this of the best row's compete.
       references="pkg.module:function",  # Optional: readers without a model (majority class,
-  )                                   # a shortcut's reader, chance), `function(config, base_dir)`
+                                      # a shortcut's reader, chance), `function(config, base_dir)`
                                       # -> {name: report-shaped dict} from a run's config.json.
+      cross_validation=("data.fold", "pkg.module:function"),  # Optional: a pair_by key whose
+                                      # values are folds sharing training data, and
+                                      # `function(config, base_dir)` -> {"train", "validation",
+                                      # "test": examples} of a fold: the corrected interval's
+                                      # test-to-train ratio (stats.corrected_interval).
+      tuning=(("a", 4, "what was searched, where"), ("*", 3, "...")),  # Optional: per row (or
+                                      # "*", every row) the settings tried on validation before
+                                      # these runs; printed under the table.
+      selection_leaks=(dict(rows=("a",), why="..."),),  # Optional: a choice behind the runs
+                                      # of these rows (rows=None: every row) that read data the
+                                      # table reports on; every verdict on them is marked.
+  )
 
 A path is dotted into report.json; a path that ends at numbers nested in mappings or lists (per
 layer, per block, per batch) is the mean of them all. The record (`results/records/NAME.json`, under version
@@ -47,6 +59,16 @@ claim the mean paired difference (same seed) with its interval and the verdict
 (experiments/stats.py), then the flags (too few seeds, a split or group too small), then the
 provenance. The spec's reference readers are scored when the record is made, from the data the
 runs read, and printed as rows in italics below the models' (one value each: no seeds).
+
+A claim on a fairness metric (PQD, DP, EOpp, EOdds of an attribute, their MF means, an
+intersection's) is decided only where both rows' accuracy interval on the same split lies above
+the best accuracy of the reference rows that read no signal (the upper end of chance's 95%
+range, the majority class, a shortcut's reader): otherwise it is `stats.UNTESTABLE`, since a
+model that has learnt nothing is fair by PQD. A table's claims are one family: each verdict is
+printed beside its Holm-adjusted one (`stats.holm`). A fairness claim's difference is also
+given at matched accuracy (`matched_accuracy`). Runs paired by cross-validation folds
+(`cross_validation`) get the corrected resampled t-interval, in cells and claims alike; the
+caption names the interval used.
 
 A verdict is only worth printing if another machine reaches it too. `--rerun=NAME --workdir=DIR`
 adds the finished runs of a second sweep of the spec (on another machine, or here with
@@ -73,6 +95,7 @@ import sys
 import tempfile
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 from absl import app, flags
 
 from experiments import stats
@@ -97,6 +120,15 @@ RESULTS_DIR = os.path.join(REPO_ROOT, "results")
 RECORDS_DIR = os.path.join(RESULTS_DIR, "records")
 SEED_KEY = "seed"
 DEFAULT_TOLERANCE = 0.02
+# The last part of a fairness metric's path (fairmoe_jax.metrics.METRIC_NAMES), and of a path
+# whose value the predictions alone decide (with a split's counts): what a rerun must change
+# to be evidence of anything (`compare_rerun`).
+FAIRNESS_KEYS = ("pqd", "dp", "eopp", "eodds")
+PREDICTION_KEYS = ("accuracy", *FAIRNESS_KEYS, "bleu")
+# A reference row whose reader reads the task's signal (the testbed's tint reader): what
+# learning reaches, not what a model that learnt nothing scores, so it sets no accuracy bar.
+SIGNAL_ROLE = "signal"
+EVERY_ROW = "*"
 
 @dataclasses.dataclass(frozen=True)
 class Column:
@@ -112,6 +144,28 @@ class Claim:
   baseline: str
   metric: str
   better: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """What was searched on validation before a table's runs: `settings` tried for `row` (a row
+  value, or EVERY_ROW for a setting all rows share), and what and where."""
+
+  row: str
+  settings: int
+  what: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionLeak:
+  """A choice behind a table's runs that read data the table reports on: every verdict on a
+  claim that compares one of `rows` (None: every row) is marked."""
+
+  rows: tuple[str, ...] | None
+  why: str
+
+  def affects(self, claim: Claim) -> bool:
+    return self.rows is None or claim.row in self.rows or claim.baseline in self.rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +190,9 @@ class TableSpec:
   references: str | None = None
   pair_by: tuple[str, ...] = (SEED_KEY,)
   pool: tuple[str, str] | None = None
+  cross_validation: tuple[str, str] | None = None
+  tuning: tuple[Tuning, ...] = ()
+  selection_leaks: tuple[SelectionLeak, ...] = ()
 
   def pair(self, point: Mapping[str, Any]) -> Any:
     """The unit a run is paired by across rows: its seed, or "key=value,..." of `pair_by`
@@ -174,10 +231,10 @@ def table_names() -> list[str]:
 def load_table(name: str) -> TableSpec:
   """`results/NAME.py` as a TableSpec; a UserError names the file and key that is wrong."""
   path = spec_path(name)
-  if name == RERUN_SUMMARY:
+  if name in SUMMARIES:
     raise UserError(
-        f"results/{name}.py: '{name}' is the name of the generated summary of every table's "
-        "reruns (<!-- table:reruns -->); give the table another name"
+        f"results/{name}.py: '{name}' is reserved, the name of a generated summary "
+        f"(<!-- table:{name} -->); give the table another name"
     )
   if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not os.path.isfile(path):
     raise UserError(f"no table spec results/{name}.py; known: {', '.join(table_names())}")
@@ -200,6 +257,9 @@ def load_table(name: str) -> TableSpec:
       "references",
       "pair_by",
       "pool",
+      "cross_validation",
+      "tuning",
+      "selection_leaks",
   }
   unknown = sorted(set(table) - known)
   if unknown:
@@ -241,6 +301,16 @@ def load_table(name: str) -> TableSpec:
     if claim["better"] not in stats.DIRECTIONS:
       raise _spec_error(name, f"claims[{i}]", f"better must be one of {stats.DIRECTIONS}")
     claims.append(Claim(claim["row"], claim["baseline"], claim["metric"], claim["better"]))
+  paths = [c.path for c in columns] + [c.metric for c in claims]
+  for i, claim in enumerate(claims):
+    accuracy = accuracy_path(claim.metric)
+    if accuracy is not None and accuracy not in paths:
+      raise _spec_error(
+          name,
+          f"claims[{i}]",
+          f"{claim.metric!r} is a fairness metric; deciding it needs the accuracy on its split, "
+          f"{accuracy!r}, as a column or a claim",
+      )
   return TableSpec(
       name=name,
       path=os.path.relpath(path, REPO_ROOT),
@@ -260,7 +330,77 @@ def load_table(name: str) -> TableSpec:
       references=_check_references(name, table.get("references")),
       pair_by=pair_by,
       pool=_check_pool(name, table.get("pool"), pair_by),
+      cross_validation=_check_cross_validation(name, table.get("cross_validation"), pair_by),
+      tuning=_check_tuning(name, table.get("tuning"), texts),
+      selection_leaks=_check_leaks(name, table.get("selection_leaks"), texts),
   )
+
+
+def accuracy_path(metric: str) -> str | None:
+  """The accuracy a claim on `metric` must be read against when `metric` is a fairness metric
+  (its last part one of FAIRNESS_KEYS): the same split's, `validation.accuracy` for a
+  validation metric, else `accuracy`; None for any other metric."""
+  parts = metric.split(".")
+  if parts[-1] not in FAIRNESS_KEYS:
+    return None
+  return "validation.accuracy" if parts[0] == "validation" else "accuracy"
+
+
+def _check_cross_validation(
+    name: str, value: Any, pair_by: tuple[str, ...]
+) -> tuple[str, str] | None:
+  if value is None:
+    return None
+  if (
+      not isinstance(value, (tuple, list))
+      or len(value) != 2
+      or value[0] not in pair_by
+      or value[0] == SEED_KEY
+      or not re.fullmatch(r"[\w.]+:\w+", str(value[1]))
+  ):
+    raise _spec_error(
+        name,
+        "cross_validation",
+        f"{value!r} is not (a pair_by key other than seed, 'package.module:function')",
+    )
+  return str(value[0]), str(value[1])
+
+
+def _check_tuning(name: str, value: Any, rows: list[str]) -> tuple[Tuning, ...]:
+  tuning = []
+  for i, entry in enumerate(value or ()):
+    if (
+        not isinstance(entry, (tuple, list))
+        or len(entry) != 3
+        or entry[0] not in (*rows, EVERY_ROW)
+        or isinstance(entry[1], bool)
+        or not isinstance(entry[1], int)
+        or entry[1] < 0
+        or not isinstance(entry[2], str)
+    ):
+      raise _spec_error(
+          name,
+          f"tuning[{i}]",
+          f"{entry!r} is not (a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
+      )
+    tuning.append(Tuning(entry[0], entry[1], entry[2]))
+  return tuple(tuning)
+
+
+def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak, ...]:
+  leaks = []
+  for i, entry in enumerate(value or ()):
+    if not isinstance(entry, Mapping) or set(entry) != {"rows", "why"}:
+      raise _spec_error(name, f"selection_leaks[{i}]", "must be dict(rows=, why=)")
+    affected = entry["rows"]
+    if affected is not None and (
+        isinstance(affected, str) or not all(r in rows for r in affected)
+    ):
+      raise _spec_error(
+          name, f"selection_leaks[{i}]", f"rows {affected!r} must be None or rows of {rows}"
+      )
+    leaks.append(SelectionLeak(None if affected is None else tuple(affected), str(entry["why"])))
+  return tuple(leaks)
 
 
 def _check_pool(name: str, pool: Any, pair_by: tuple[str, ...]) -> tuple[str, str] | None:
@@ -327,43 +467,116 @@ def _check_references(name: str, references: Any) -> str | None:
   return references
 
 
-def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
-  """The spec's reference readers scored on the data its runs read (the config the sweep gives
-  each row's first run, as `experiments.spec.resolved_config` builds it): [{"name", "metrics":
-  {path: value}}] for the paths the record keeps. A pooled table's readers are scored on each
-  value of the pooled key (each fold's data) and their values averaged, as its runs' rows are."""
-  read = _import(spec, "references", spec.references)
-  over = spec.pool[1] if spec.pool else None
+def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]]:
+  """The config of the data each value of `over` (a fold key; None: the one data) gives the
+  runs, from the first run of each row (`experiments.spec.resolved_config`): {value: config}."""
   firsts = {}
   for point in grid_points(spec.sweep):
     firsts.setdefault((format_value(point[spec.rows]), point.get(over)), point)
-  data: dict[Any, dict[str, str]] = {}
+  data: dict[Any, dict[str, Any]] = {}
   for (_, part), point in firsts.items():
     config = resolved_config(spec.sweep, point).to_dict()
     data.setdefault(part, {}).setdefault(json.dumps(config["data"], sort_keys=True), config)
   if any(len(configs) > 1 for configs in data.values()):
     raise _spec_error(spec.name, "references", "its rows read different data; one is needed")
+  return {part: next(iter(configs.values())) for part, configs in data.items()}
+
+
+def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
+  """The spec's reference readers scored on the data its runs read (the config the sweep gives
+  each row's first run, as `experiments.spec.resolved_config` builds it): [{"name", "metrics":
+  {path: value}}] for the paths the record keeps. A pooled table's readers are scored on each
+  value of the pooled key (each fold's data) and their values averaged, as its runs' rows are.
+
+  A reader whose report has `"draws"` (chance: one report per seeded draw) also gets "ranges":
+  {path: [2.5%, 97.5%] quantiles} of its draws, each draw first averaged over the folds as the
+  rows' cells are, and "draws", their number; a reader that reads the task's signal keeps its
+  `"role"` (it sets no accuracy bar, `accuracy_bar`)."""
+  read = _import(spec, "references", spec.references)
+  over = spec.pool[1] if spec.pool else None
+  paths = spec.metrics()
   scored: dict[str, list[dict[str, Any]]] = {}
-  for configs in data.values():
-    (config,) = configs.values()
+  for config in _data_by_part(spec, over).values():
     for name, report in read(config, REPO_ROOT).items():
-      scored.setdefault(name, []).append({p: metric_value(report, p) for p in spec.metrics()})
+      entry: dict[str, Any] = {
+          "metrics": {p: metric_value(report, p) for p in paths},
+          "role": report.get("role"),
+      }
+      if report.get("draws"):
+        entry["draws"] = [[metric_value(d, p) for p in paths] for d in report["draws"]]
+      scored.setdefault(name, []).append(entry)
   rows = []
   for name, parts in scored.items():
     metrics = {}
-    for path in spec.metrics():
-      values = [m[path] for m in parts if m[path] is not None]
+    for path in paths:
+      values = [m["metrics"][path] for m in parts if m["metrics"][path] is not None]
       metrics[path] = math.fsum(values) / len(values) if len(values) == len(parts) else None
     suffix = f", mean over {len(parts)} {over.split('.')[-1]}s" if len(parts) > 1 else ""
-    rows.append({"name": name + suffix, "metrics": metrics})
+    row: dict[str, Any] = {"name": name + suffix, "metrics": metrics}
+    if parts[0]["role"]:
+      row["role"] = parts[0]["role"]
+    if all("draws" in m for m in parts):
+      row.update(_simulated(paths, [m["draws"] for m in parts]))
+    rows.append(row)
   return rows
+
+
+def _simulated(paths: Sequence[str], parts: Sequence[Sequence[Sequence[Any]]]) -> dict[str, Any]:
+  """The mean and 95% range over draws of each path, each draw's value the mean over the parts
+  (folds) of that draw, as a row's cell is the mean over its folds: {"metrics", "ranges",
+  "draws"}. A path some draw lacks has neither."""
+  draws = min(len(p) for p in parts)
+  metrics: dict[str, float | None] = {}
+  ranges: dict[str, list[float]] = {}
+  for j, path in enumerate(paths):
+    values = []
+    for i in range(draws):
+      per_part = [p[i][j] for p in parts]
+      if any(v is None for v in per_part):
+        break
+      values.append(math.fsum(per_part) / len(per_part))
+    if len(values) < draws:
+      metrics[path] = None
+      continue
+    low, high = np.quantile(values, [(1 - stats.CONFIDENCE) / 2, (1 + stats.CONFIDENCE) / 2])
+    metrics[path] = math.fsum(values) / draws
+    ranges[path] = [float(low), float(high)]
+  return {"metrics": metrics, "ranges": ranges, "draws": draws}
+
+
+def split_sizes(spec: TableSpec) -> dict[str, dict[str, int]]:
+  """{fold value: {"train", "validation", "test": examples}} of a cross-validated spec's folds,
+  from the data alone (the spec's `cross_validation` function on each fold's config)."""
+  fold, target = spec.cross_validation
+  sizes = _import(spec, "cross_validation", target)
+  return {
+      format_value(part): dict(sizes(config, REPO_ROOT))
+      for part, config in _data_by_part(spec, fold).items()
+  }
+
+
+def fold_ratio(spec: TableSpec, record: Mapping[str, Any]) -> float | None:
+  """The folds' mean test-to-train size ratio of a cross-validated table (None for a table of
+  independent seeds): the corrected interval's n_test / n_train."""
+  if not spec.cross_validation:
+    return None
+  sizes = record.get("split_sizes")
+  if not sizes:
+    raise UserError(
+        f"table {spec.name}: its record has no split_sizes, which the corrected interval of its "
+        f"folds needs; add them with `python -m experiments.tables --references={spec.name}`"
+    )
+  ratios = [s["test"] / s["train"] for s in sizes.values()]
+  return math.fsum(ratios) / len(ratios)
 
 
 def add_references(spec: TableSpec) -> str:
   """Scores the spec's reference readers into its existing record (whose runs need not exist
-  any more: the readers read only the data)."""
+  any more: the readers read only the data), with a cross-validated table's split sizes."""
   record = read_record(spec.name)
   record["references"] = reference_rows(spec)
+  if spec.cross_validation:
+    record["split_sizes"] = split_sizes(spec)
   path = record_path(spec.name)
   write_atomically(path, json.dumps(record, indent=1) + "\n")
   return path
@@ -480,6 +693,8 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   record: dict[str, Any] = {"table": spec.name, "spec": spec.path}
   if spec.references:
     record["references"] = reference_rows(spec)
+  if spec.cross_validation:
+    record["split_sizes"] = split_sizes(spec)
   if spec.pool:
     record["pooled"] = pooled_rows(spec, results)
   provenance = {
@@ -571,6 +786,9 @@ class RerunComparison:
   # in the claim's column's scale: (|change|, |change| / half-width or None, claim[, seed]).
   largest_change: tuple[float, float | None, Claim] | None = None
   largest_seed_change: tuple[float, float | None, Claim, Any] | None = None
+  # Every value the predictions alone decide is the record's to the last bit, in every rerun
+  # run: the rerun cannot disagree with the record, so it is no evidence for its verdicts.
+  identical: bool = False
 
 
 def _relative_change(change: float, interval: stats.Interval, scale: float) -> float | None:
@@ -592,7 +810,8 @@ def compare_rerun(
     spec: TableSpec, record: Mapping[str, Any], rerun: Mapping[str, Any]
 ) -> RerunComparison:
   recorded = summarise(spec, record)
-  again = summarise(spec, {"runs": rerun["runs"]})
+  # The rerun is read as the record is: against its references and with its folds' sizes.
+  again = summarise(spec, {**record, "runs": rerun["runs"], "reruns": []})
   scales = {c.path: c.scale for c in spec.columns}
   claims = []
   changes: list[tuple[float, float | None, Claim]] = []
@@ -620,6 +839,7 @@ def compare_rerun(
   if spec.select and len(rows) == len(spec.row_values):
     chosen = (chosen_row(spec, recorded), chosen_row(spec, again))
   return RerunComparison(
+      identical=identical_predictions(spec, record, rerun),
       runs=len(rerun["runs"]),
       rows=rows,
       seeds=sorted({r["seed"] for r in rerun["runs"]}),
@@ -628,6 +848,39 @@ def compare_rerun(
       largest_change=max(changes, key=_by_relative_change) if changes else None,
       largest_seed_change=max(seed_changes, key=_by_relative_change) if seed_changes else None,
   )
+
+
+def prediction_paths(spec: TableSpec) -> list[str]:
+  """The record's paths whose values the predictions alone decide (accuracy, a fairness metric,
+  BLEU, a HANS heuristic's accuracy: counts of the predictions), not a loss or a routing or
+  attention statistic that moves with any change of the weights."""
+  return [
+      p
+      for p in spec.metrics()
+      if p.split(".")[-1] in PREDICTION_KEYS or ".by_heuristic." in f".{p}"
+  ]
+
+
+def identical_predictions(
+    spec: TableSpec, record: Mapping[str, Any], rerun: Mapping[str, Any]
+) -> bool:
+  """Whether every rerun run reproduces, to the last bit, every value its predictions decide
+  (`prediction_paths`) and the split and group sizes, of the recorded run of the same row and
+  pair. The record keeps no predictions, so this is the check a record allows; it holds when the
+  predictions are identical (docs/results.md gives the command that compares them)."""
+  paths = prediction_paths(spec)
+  if not paths or not rerun["runs"]:
+    return False
+  recorded = {(r["row"], r["seed"]): r for r in record["runs"] if r["status"] == "ok"}
+  for run in rerun["runs"]:
+    before = recorded.get((run["row"], run["seed"]))
+    if before is None:
+      return False
+    if any(before["metrics"].get(p) != run["metrics"].get(p) for p in paths):
+      return False
+    if before.get("examples") != run.get("examples") or before.get("groups") != run.get("groups"):
+      return False
+  return True
 
 
 def _xla_flags(m: Mapping[str, Any]) -> str | None:
@@ -677,7 +930,15 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
         f"{_machine_text(p['machine'])}): "
     )
     changed = [(c, a, b) for c, a, b, _ in result.claims if a != b]
-    if not result.claims:
+    if result.identical:
+      text += (
+          f"**{IDENTICAL}**: every value its predictions decide "
+          f"({', '.join(labels.get(p, (p, 3))[0] for p in prediction_paths(spec))}, and every "
+          f"split and group size) is the record's to the last bit in each of its {result.runs} "
+          "runs, so it cannot disagree with the record and is no evidence for its verdicts: "
+          "none is counted as kept"
+      )
+    elif not result.claims:
       text += "no claim has both its rows in the rerun"
     elif not changed:
       text += f"every verdict the same ({len(result.claims)} of {len(spec.claims)} claims rerun)"
@@ -714,9 +975,14 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   return lines
 
 
-# The reserved name of the generated summary of every table's reruns
-# (`<!-- table:reruns -->` in a document); no spec may take it.
+# The reserved names of the generated summaries (`<!-- table:NAME -->` in a document): every
+# table's reruns, every table's verdict counts, and every claim's verdicts across tables. No
+# spec may take them.
 RERUN_SUMMARY = "reruns"
+VERDICT_SUMMARY = "verdicts"
+CLAIM_SUMMARY = "claims"
+SUMMARIES = (RERUN_SUMMARY, VERDICT_SUMMARY, CLAIM_SUMMARY)
+IDENTICAL = "identical (not independent)"
 
 
 def _rerun_machine(provenance: Mapping[str, Any]) -> str:
@@ -728,10 +994,24 @@ def _rerun_machine(provenance: Mapping[str, Any]) -> str:
   return m.get("processor", {}).get("model") or m["device"]
 
 
+def _claims_tables() -> list[tuple[str, TableSpec, dict[str, Any]]]:
+  """(name, spec, record) of every recorded table that decides claims, in name order."""
+  found = []
+  for name in table_names():
+    if name in SUMMARIES or not os.path.exists(record_path(name)):
+      continue
+    spec = load_table(name)
+    if spec.claims:
+      found.append((name, spec, read_record(name)))
+  return found
+
+
 def rerun_summary() -> str:
   """One row per rerun of every table that decides claims (or "not rerun"): how much of the
   table it reran, on what, which verdicts and tuning choice it keeps and which it changes, and
-  the largest change of a mean paired difference. Rendered from the records alone."""
+  the largest change of a mean paired difference; a rerun whose predictions are the record's is
+  "identical (not independent)" and counts no verdict. The last row adds up the reruns that
+  could differ. Rendered from the records alone."""
   header = (
       "table",
       "rerun",
@@ -740,13 +1020,8 @@ def rerun_summary() -> str:
       "largest change of a mean paired difference, in half-widths of its interval (change)",
   )
   rows = []
-  for name in table_names():
-    if name == RERUN_SUMMARY or not os.path.exists(record_path(name)):
-      continue
-    spec = load_table(name)
-    if not spec.claims:
-      continue
-    record = read_record(name)
+  counted = identical = claims_rerun = claims_kept = 0
+  for name, spec, record in _claims_tables():
     if not record.get("reruns"):
       rows.append((f"`{name}`", "not rerun", "—", "—", "—"))
       continue
@@ -756,9 +1031,15 @@ def rerun_summary() -> str:
       result = compare_rerun(spec, record, rerun)
       how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
       kept = sum(before == after for _, before, after, _ in result.claims)
-      if not result.claims:
+      if result.identical:
+        identical += 1
+        kept_text = f"{IDENTICAL}: not counted"
+      elif not result.claims:
         kept_text = "— (no claim has both its rows rerun)"
       else:
+        counted += 1
+        claims_rerun += len(result.claims)
+        claims_kept += kept
         kept_text = f"{kept} of {len(result.claims)}" + (
             f" ({len(result.claims)} of {len(spec.claims)} claims rerun)"
             if len(result.claims) < len(spec.claims)
@@ -786,13 +1067,112 @@ def rerun_summary() -> str:
               largest,
           )
       )
+  rows.append(
+      (
+          "**every table**",
+          f"{counted + identical} reruns; {identical} {IDENTICAL}",
+          f"**{claims_kept} of {claims_rerun}** (the {counted} reruns that could differ)",
+          "—",
+          "—",
+      )
+  )
+  return "\n".join(_markdown_table(header, rows)) + "\n"
+
+
+_VERDICTS = (stats.HOLDS, stats.DOES_NOT_HOLD, stats.UNDECIDED, stats.UNTESTABLE)
+
+
+def _counts_text(verdicts: Sequence[str]) -> list[str]:
+  return [str(sum(v == word for v in verdicts)) for word in _VERDICTS]
+
+
+def verdict_summary() -> str:
+  """Per table that decides claims: the interval it uses, its family of claims, how many
+  verdicts are each word before and after Holm's adjustment, how many carry a selection leak;
+  then the totals. Rendered from the records alone."""
+  header = [
+      "table",
+      "interval",
+      "claims (one family)",
+      *(f"raw: {word}" for word in _VERDICTS),
+      *(f"Holm: {word}" for word in _VERDICTS),
+      "marked selection leak",
+  ]
+  rows = []
+  raw_all: list[str] = []
+  holm_all: list[str] = []
+  leaked_all = 0
+  for name, spec, record in _claims_tables():
+    summary = summarise(spec, record)
+    raw = [result.verdict for _, result in summary["claims"]]
+    holm = [verdict for _, verdict in summary["holm"]]
+    leaked = sum(1 for claim, _ in summary["claims"] if leaks_of(spec, claim))
+    raw_all += raw
+    holm_all += holm
+    leaked_all += leaked
+    kind = "Student-t" if summary["ratio"] is None else "corrected resampled t"
+    rows.append(
+        [f"`{name}`", kind, str(len(raw)), *_counts_text(raw), *_counts_text(holm), str(leaked)]
+    )
+  rows.append(
+      [
+          "**every table**",
+          "—",
+          f"**{len(raw_all)}**",
+          *(f"**{c}**" for c in _counts_text(raw_all)),
+          *(f"**{c}**" for c in _counts_text(holm_all)),
+          f"**{leaked_all}**",
+      ]
+  )
+  return "\n".join(_markdown_table(header, rows)) + "\n"
+
+
+def claim_summary() -> str:
+  """Claim by claim: each claim (the same rows, direction and metric) and, per Holm-adjusted
+  verdict, the tables that reach it; a raw verdict that differs, a rerun that moved it and a
+  selection leak are noted beside the table. Rendered from the records alone."""
+  found: dict[tuple[str, str], dict[str, list[str]]] = {}
+  for name, spec, record in _claims_tables():
+    summary = summarise(spec, record)
+    labels = {c.path: c.label for c in spec.columns}
+    moved = {}
+    for rerun in record.get("reruns", ()):
+      result = compare_rerun(spec, record, rerun)
+      for claim, before, after, _ in result.claims:
+        if before != after:
+          moved[claim] = after
+    for (claim, result), (_, holm) in zip(summary["claims"], summary["holm"]):
+      key = (
+          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
+          labels.get(claim.metric, claim.metric),
+      )
+      notes = []
+      if result.verdict != holm:
+        notes.append(f"raw: {result.verdict}")
+      if claim in moved:
+        notes.append(f"a rerun: {moved[claim]}")
+      if leaks_of(spec, claim):
+        notes.append("selection leak")
+      if not result.enough_seeds:
+        notes.append("too few seeds")
+      entry = f"`{name}`" + (f" ({'; '.join(notes)})" if notes else "")
+      found.setdefault(key, {}).setdefault(holm, []).append(entry)
+  header = ["claim", "on", *(f"Holm: {word}" for word in _VERDICTS)]
+  rows = [
+      [claim, metric, *(", ".join(by_verdict.get(word, [])) or "—" for word in _VERDICTS)]
+      for (claim, metric), by_verdict in found.items()
+  ]
   return "\n".join(_markdown_table(header, rows)) + "\n"
 
 
 def _render_marked(name: str) -> str:
-  """A marked table of a document: the rerun summary, or the table `name` from its record."""
+  """A marked table of a document: a generated summary, or the table `name` from its record."""
   if name == RERUN_SUMMARY:
     return rerun_summary()
+  if name == VERDICT_SUMMARY:
+    return verdict_summary()
+  if name == CLAIM_SUMMARY:
+    return claim_summary()
   return render(load_table(name), read_record(name))
 
 
@@ -860,8 +1240,90 @@ def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=F
   return text.replace("-", "−")  # Typographic minus in the markdown tables.
 
 
+def accuracy_bar(record: Mapping[str, Any], path: str) -> tuple[float, str] | None:
+  """The accuracy (at `path`) a fairness claim's rows must lie above, and the reference that
+  sets it: the highest over the record's reference rows that read no signal, each at the upper
+  end of its 95% range where it has one (chance) and at its value otherwise. None without one."""
+  bars = []
+  for reference in record.get("references", ()):
+    if reference.get("role") == SIGNAL_ROLE:
+      continue
+    value = (reference.get("ranges") or {}).get(path, [None, None])[1]
+    if value is None:
+      value = reference["metrics"].get(path)
+    if value is not None:
+      bars.append((value, reference["name"]))
+  return max(bars) if bars else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+  """Why a fairness claim was or was not decided: the accuracy path, the bar and its reference
+  (None: no reference has that accuracy), and whether both rows' intervals lie above it."""
+
+  accuracy: str
+  bar: tuple[float, str] | None
+  above: bool
+
+
+def _within(values: list[tuple[Any, Any, float]], sweeps: int = 50) -> list[float]:
+  """`values` [(row, unit, x)] with each row's and each pairing unit's mean removed (two-way
+  demeaning by alternating projections: exact after one sweep when every row has every unit,
+  converging otherwise)."""
+  x = [v for _, _, v in values]
+  for _ in range(sweeps):
+    for key in (0, 1):
+      groups: dict[Any, list[int]] = {}
+      for i, entry in enumerate(values):
+        groups.setdefault(entry[key], []).append(i)
+      for members in groups.values():
+        mean = math.fsum(x[i] for i in members) / len(members)
+        for i in members:
+          x[i] -= mean
+  return x
+
+
+def matched_accuracy(
+    spec: TableSpec, record: Mapping[str, Any], claim: Claim, ratio: float | None
+) -> tuple[stats.Interval, float] | None:
+  """A fairness claim's paired difference at matched accuracy, and the slope it uses: each
+  pair's difference minus beta times the pair's accuracy difference, beta the least-squares
+  slope of the metric on the accuracy (same split) over every run of the table with each row's
+  and each pairing unit's means removed. So beta is how the metric moves with the accuracy
+  when the same method lands higher or lower on the same seed's or fold's luck, not a
+  difference between methods, nor what a seed or fold does to every method. Under that linear
+  trade-off, it is the difference the two rows would show at the same accuracy. None where the
+  data do not allow it: fewer than two pairs, or no such spread of accuracy."""
+  accuracy = accuracy_path(claim.metric)
+  runs = [
+      (r["row"], r["seed"], r["metrics"].get(claim.metric), r["metrics"].get(accuracy))
+      for r in record["runs"]
+      if r["status"] == "ok"
+  ]
+  runs = [(row, unit, f, a) for row, unit, f, a in runs if f is not None and a is not None]
+  fairness = _within([(row, unit, f) for row, unit, f, _ in runs])
+  accuracies = _within([(row, unit, a) for row, unit, _, a in runs])
+  den = math.fsum(a * a for a in accuracies)
+  if den <= 1e-24:
+    return None
+  slope = math.fsum(f * a for f, a in zip(fairness, accuracies)) / den
+  units, differences = stats.paired(
+      _values(record, claim.row, claim.metric), _values(record, claim.baseline, claim.metric)
+  )
+  accuracy_units, accuracy_gaps = stats.paired(
+      _values(record, claim.row, accuracy), _values(record, claim.baseline, accuracy)
+  )
+  if units != accuracy_units or len(units) < 2:
+    return None
+  adjusted = [f - slope * a for f, a in zip(differences, accuracy_gaps)]
+  return stats.interval(adjusted, ratio), slope
+
+
 def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
-  """Per row and column the interval over seeds, per claim its decision, and the flags."""
+  """Per row and column the interval over seeds (or folds), per claim its decision (the
+  fairness claims gated by the reference accuracy), its Holm-adjusted verdict, a fairness
+  claim's difference at matched accuracy, and the flags."""
+  ratio = fold_ratio(spec, record)
   rows = {}
   for value in spec.row_values:
     row = format_value(value)
@@ -871,21 +1333,54 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
         ),
         "cells": {
             c.path: (
-                stats.t_interval(list(v.values())) if (v := _values(record, row, c.path)) else None
+                stats.interval(list(v.values()), ratio)
+                if (v := _values(record, row, c.path))
+                else None
             )
             for c in spec.columns
         },
     }
-  claims = [
-      (
-          claim,
-          stats.decide(
-              _values(record, claim.row, claim.metric),
-              _values(record, claim.baseline, claim.metric),
-              claim.better,
-          ),
+  claims = []
+  gates: list[Gate | None] = []
+  matched: list[tuple[stats.Interval, float] | None] = []
+  for claim in spec.claims:
+    result = stats.decide(
+        _values(record, claim.row, claim.metric),
+        _values(record, claim.baseline, claim.metric),
+        claim.better,
+        test_to_train=ratio,
+    )
+    accuracy = accuracy_path(claim.metric)
+    gate = None
+    if accuracy is not None:
+      bar = accuracy_bar(record, accuracy)
+      intervals = [
+          stats.interval(list(v.values()), ratio) if (v := _values(record, r, accuracy)) else None
+          for r in (claim.row, claim.baseline)
+      ]
+      above = bar is not None and all(
+          i is not None and i.low is not None and i.low > bar[0] for i in intervals
       )
-      for claim in spec.claims
+      gate = Gate(accuracy, bar, above)
+      if not above:  # Not decided, whatever its interval says: see the module docstring.
+        result = dataclasses.replace(result, verdict=stats.UNTESTABLE)
+    claims.append((claim, result))
+    gates.append(gate)
+    matched.append(matched_accuracy(spec, record, claim, ratio) if accuracy else None)
+  # The family is every claim of the table, an untested one included (stats.holm).
+  adjusted = stats.holm(
+      [None if result.verdict == stats.UNTESTABLE else result.p for _, result in claims]
+  )
+  holm = [
+      (
+          p,
+          stats.UNTESTABLE
+          if p is None
+          else stats.verdict_at(result.difference.mean, p, claim.better)
+          if result.difference
+          else stats.UNDECIDED,
+      )
+      for (claim, result), p in zip(claims, adjusted)
   ]
   flags = []
   ok = [r for r in record["runs"] if r["status"] == "ok"]
@@ -920,7 +1415,21 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   if missing:
     listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
     flags.append(f"runs without a result: {listed}")
-  return {"rows": rows, "claims": claims, "flags": flags}
+  if any(gate is not None and gate.bar is None for gate in gates):
+    flags.append(
+        "a fairness claim needs a reference accuracy to be decided against (a reference row "
+        "with the accuracy of its split); this table has none, so its fairness claims are "
+        "untestable"
+    )
+  return {
+      "rows": rows,
+      "claims": claims,
+      "holm": holm,
+      "gates": gates,
+      "matched": matched,
+      "ratio": ratio,
+      "flags": flags,
+  }
 
 
 def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
@@ -982,12 +1491,140 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> lis
   return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def interval_name(ratio: float | None) -> str:
+  """The interval a table's cells and claims use, as its caption names it."""
+  confidence = round(100 * stats.CONFIDENCE)
+  if ratio is None:
+    return f"{confidence}% Student-t interval"
+  return (
+      f"{confidence}% Nadeau–Bengio corrected resampled t-interval, test-to-train {ratio:.3f}"
+  )
+
+
+def _p_text(p: float) -> str:
+  return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _reference_cell(reference: Mapping[str, Any], c: Column) -> str:
+  """A reference's value, with its 95% range where it has one (chance, by simulation)."""
+  value = reference["metrics"].get(c.path)
+  if value is None:
+    return "—"
+  text = f"{c.scale * value:.{c.decimals}f}"
+  low_high = (reference.get("ranges") or {}).get(c.path)
+  if low_high:
+    low, high = low_high
+    text += f" [{c.scale * low:.{c.decimals}f}, {c.scale * high:.{c.decimals}f}]"
+  return text.replace("-", "−")
+
+
+def _reader(name: str) -> str:
+  """A reference row's reader without the folds it was averaged over."""
+  return re.sub(r", mean over \d+ \w+$", "", name)
+
+
+def leaks_of(spec: TableSpec, claim: Claim) -> list[int]:
+  """The indices of the spec's selection leaks that touch a claim's rows."""
+  return [i for i, leak in enumerate(spec.selection_leaks) if leak.affects(claim)]
+
+
+def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
+  """The paragraphs under a claims table: how a fairness claim was gated and matched, the
+  family, the intervals of folds, the tuning budgets and the selection leaks."""
+  columns = {c.path: c for c in spec.columns}
+
+  def column(path: str) -> Column:
+    return columns.get(path) or Column(path, path, 1.0, 3)
+
+  notes = []
+  gates = [(claim, gate) for (claim, _), gate in zip(summary["claims"], summary["gates"]) if gate]
+  if gates:
+    bars = {}
+    for _, gate in gates:
+      if gate.bar is not None:
+        bars[gate.accuracy] = gate.bar
+    bar_text = "; ".join(
+        f"{column(path).label} {column(path).scale * value:.{column(path).decimals}f} "
+        f"({_reader(name)})"
+        for path, (value, name) in bars.items()
+    )
+    untestable = sum(1 for _, gate in gates if not gate.above)
+    notes.append(
+        "**Fairness claims need a model that learnt** (docs/protocol.md, section 3): a claim "
+        "on a fairness metric is decided only where both rows' accuracy interval on its split "
+        "lies above the best accuracy of a reference that reads no signal (chance at the upper "
+        "end of its 95% range)"
+        + (f": {bar_text}" if bar_text else "")
+        + f". {untestable} of the table's {len(gates)} fairness claims are "
+        f"**{stats.UNTESTABLE}**."
+    )
+    slopes = {}
+    for (claim, _), found in zip(summary["claims"], summary["matched"]):
+      if found is not None:
+        slopes[(claim.metric, accuracy_path(claim.metric))] = found[1]
+    if slopes:
+      # Per unit of the accuracy as printed (a point where it is in percent).
+      slope_text = "; ".join(
+          f"{column(metric).label} on {column(accuracy).label}: "
+          + f"{slope / column(accuracy).scale * column(metric).scale:+.4f}".replace("-", "−")
+          + f" per unit of {column(accuracy).label}"
+          for (metric, accuracy), slope in slopes.items()
+      )
+      notes.append(
+          "**At matched accuracy**: each fairness claim's paired differences minus the slope "
+          "times the pair's accuracy difference on the same split, the slope that of the metric "
+          "on the accuracy over every run of the table with each row's and each pair's means "
+          "removed (" + slope_text + "): the difference the two rows would show at equal "
+          "accuracy under that one linear trade-off. The slope's own uncertainty is not in its "
+          "interval, so it is reported, not decided."
+      )
+  notes.append(
+      f"**One family**: the table's {len(summary['claims'])} claims (an untestable one counts "
+      "too); the Holm-adjusted verdict is decided where Holm's adjusted p is below "
+      f"{1 - stats.CONFIDENCE:.2f} (docs/protocol.md, section 3)."
+  )
+  if summary["ratio"] is not None:
+    notes.append(
+        f"**Intervals of folds**: the {_units(spec)} share training data, so every interval "
+        f"here is the {interval_name(summary['ratio'])} (the folds' mean n_test / n_train, "
+        "from the record's split sizes), not the Student-t interval of independent seeds."
+    )
+  if spec.tuning:
+    notes.append(
+        f"**Tuning budget** (settings tried on validation before these runs, `{spec.path}`): "
+        + "; ".join(
+            f"{'every row' if t.row == EVERY_ROW else spec.label(t.row)}: {t.settings}"
+            + (f" ({t.what})" if t.what else "")
+            for t in spec.tuning
+        )
+        + "."
+    )
+  elif spec.select:
+    notes.append(
+        f"**Tuning budget**: this table is the search, {len(spec.row_values)} settings on "
+        f"the {spec.split} split."
+    )
+  for i, leak in enumerate(spec.selection_leaks):
+    marked = sum(1 for claim, _ in summary["claims"] if i in leaks_of(spec, claim))
+    if leak.rows is None:
+      rows = "every row"
+    else:
+      rows = ("the row " if len(leak.rows) == 1 else "the rows ") + ", ".join(
+          spec.label(r) for r in leak.rows
+      )
+    notes.append(
+        f"**Selection leak {i + 1}** ({rows}; {marked} of the {len(summary['claims'])} verdicts "
+        f"above are marked): {leak.why}"
+    )
+  return notes
+
+
 def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   """The table's markdown, from its record alone (deterministic: `--check` compares it)."""
   summary = summarise(spec, record)
   confidence = round(100 * stats.CONFIDENCE)
   lines = [
-      f"**{spec.title}** ({spec.split} split; mean [{confidence}% Student-t interval] over "
+      f"**{spec.title}** ({spec.split} split; mean [{interval_name(summary['ratio'])}] over "
       f"{_units(spec)})",
       "",
   ]
@@ -1001,13 +1638,11 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     ]
     body.append([spec.label(row), *cells, str(len(entry["seeds"]))])
   for reference in record.get("references", ()):
-    cells = [
-        "—"
-        if (value := reference["metrics"].get(c.path)) is None
-        else f"{c.scale * value:.{c.decimals}f}".replace("-", "−")
-        for c in spec.columns
-    ]
-    body.append([f"*reference: {reference['name']}*", *cells, "—"])
+    cells = [_reference_cell(reference, c) for c in spec.columns]
+    drawn = (
+        f"; mean [95% range] of {reference['draws']} seeded draws" if reference.get("draws") else ""
+    )
+    body.append([f"*reference: {reference['name']}{drawn}*", *cells, "—"])
   lines += _markdown_table(["", *(c.label for c in spec.columns), _units(spec)], body)
   if record.get("pooled"):
     lines += ["", *_pooled_table(spec, record)]
@@ -1018,31 +1653,57 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         for entry in compare_rerun(spec, record, rerun).claims
     ]
     scales = {c.path: (c.scale, c.decimals, c.label) for c in spec.columns}
+    matched_column = any(summary["gates"])
     body = []
-    for claim, result in summary["claims"]:
+    for (claim, result), (holm_p, holm_verdict), found in zip(
+        summary["claims"], summary["holm"], summary["matched"]
+    ):
       scale, decimals, label = scales.get(claim.metric, (1.0, 3, claim.metric))
       difference = (
           _interval_text(result.difference, scale, decimals, sign=True)
           if result.difference
           else "—"
       )
-      verdict = result.verdict if result.enough_seeds else f"{result.verdict} (too few seeds)"
+      few = "" if result.enough_seeds else " (too few seeds)"
       # A verdict a rerun does not reach is marked where it is read, not only below the table.
       moved = [after for c, before, after, _ in rerun_claims if c == claim and after != before]
-      rerun_note = f" (a rerun: {', '.join(moved)})" if moved else ""
-      body.append(
-          [
-              f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
-              label,
-              difference,
-              str(len(result.seeds)),
-              f"**{verdict}**{rerun_note}",
-          ]
+      notes = [f"a rerun: {', '.join(moved)}"] if moved else []
+      leak = ["selection leak"] if leaks_of(spec, claim) else []
+      verdict = f"**{result.verdict}{few}**" + (
+          f" ({'; '.join(notes + leak)})" if notes + leak else ""
       )
+      adjusted = f"**{holm_verdict}{few}**" + (
+          f" ({'; '.join(([] if holm_p is None else [_p_text(holm_p)]) + leak)})"
+          if holm_p is not None or leak
+          else ""
+      )
+      cells = [
+          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
+          label,
+          difference,
+          str(len(result.seeds)),
+          _p_text(result.p) if result.difference else "—",
+          verdict,
+          adjusted,
+      ]
+      if matched_column:
+        cells.append(
+            "—" if found is None else _interval_text(found[0], scale, decimals, sign=True)
+        )
+      body.append(cells)
     lines += [""]
-    lines += _markdown_table(
-        ["claim", "on", f"paired difference [{confidence}% interval]", "pairs", "verdict"], body
-    )
+    header = [
+        "claim",
+        "on",
+        f"paired difference [{confidence}% interval]",
+        "pairs",
+        "p",
+        "verdict",
+        "Holm-adjusted verdict (adjusted p)",
+    ]
+    if matched_column:
+      header.append(f"at matched accuracy [{confidence}% interval]")
+    lines += _markdown_table(header, body)
   best = chosen_row(spec, summary) if spec.select else None
   if best is not None:
     label = next(c.label for c in spec.columns if c.path == spec.select)
@@ -1055,6 +1716,9 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
           f"{format_value(margin * guard.scale)} of the best"
       )
     lines += ["", f"Chosen by {rule}: **{spec.label(best)}**."]
+  if summary["claims"]:
+    for note in _claims_notes(spec, summary):
+      lines += ["", note]
   if summary["flags"]:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
   for text in _rerun_lines(spec, record):
@@ -1120,7 +1784,7 @@ def check_doc(path: str) -> list[str]:
   for table in tables:
     name, body = table.name, text[table.body_start : table.body_end]
     try:
-      if name != RERUN_SUMMARY:
+      if name not in SUMMARIES:
         for why in stale_runs(load_table(name), read_record(name)):
           problems.append(f"{path}: table {name}: the record is stale: {why}")
       expected = _render_marked(name)

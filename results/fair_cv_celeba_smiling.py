@@ -18,6 +18,8 @@ fair_cv_celeba = sibling_spec(__file__, "fair_cv_celeba")
 TABLE = dict(
     fair_cv_celeba.TABLE,
     title=fair_cv_celeba.TABLE["title"].replace("5 identity folds", "5 identity folds, Smiling"),
+    # Attractive's budget, read on fold 1, applied to Smiling (docs/protocol.md section 7).
+    **fair_cv_celeba.budget_and_leaks(3, "Attractive"),
 )
 
 

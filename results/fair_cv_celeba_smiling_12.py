@@ -19,6 +19,7 @@ TABLE = dict(
     title=fair_cv_celeba.TABLE["title"].replace(
         "5 identity folds", "5 identity folds, Smiling, 12 epochs"
     ),
+    **fair_cv_celeba.budget_and_leaks(12, "Smiling"),
 )
 
 

@@ -44,6 +44,11 @@ TABLE = dict(
         NODES_WITHIN,
     ),
     claims=claims(CAUSAL, (VANILLA, UNCONSTRAINED), (("challenge.accuracy", "higher"),)),
+    tuning=(
+        (CAUSAL, 4, "dual-ascent schedules: `results/spurious_tuning_causal.py`"),
+        (VANILLA, 4, "learning rates: `results/spurious_tuning_vanilla.py`"),
+        (UNCONSTRAINED, 4, "learning rates: `results/spurious_tuning_gcn.py`"),
+    ),
 )
 
 

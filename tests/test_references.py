@@ -33,8 +33,53 @@ def test_the_majority_reader_scores_the_test_share_of_the_training_majority():
   )
   # A constant answer predicts the positive rate 0 or 1 in every group: no parity gap.
   assert reports[name]["mf"]["dp"] == pytest.approx(0.0)
+  # Chance: the mean of its seeded draws, 1 / 4 in expectation, with every fairness number.
   chance = reports["chance (4 classes, a uniform guess)"]
-  assert chance == {"accuracy": 0.25, "validation": {"accuracy": 0.25}}
+  assert len(chance["draws"]) == fair_references.CHANCE_DRAWS
+  assert chance["accuracy"] == pytest.approx(0.25, abs=0.005)
+  assert chance["validation"]["accuracy"] == pytest.approx(0.25, abs=0.005)
+  for report in (chance, chance["validation"]):
+    assert set(report["mf"]) == {"pqd", "dp", "eopp", "eodds"}
+    assert all(0.0 <= value <= 1.0 for value in report["mf"].values())
+
+
+def test_chance_is_counted_by_the_evaluation_s_own_code_and_seeded_by_its_split():
+  """One draw of the chance reader, counted at once for many draws, is the report the
+  evaluation's own counting (`report_of_predictions`, jnp) gives the same predictions; the draws
+  depend on the split alone."""
+  from fairmoe_jax.data.types import DatasetInfo
+  from fairmoe_jax.metrics import report_of_predictions
+
+  rng = np.random.default_rng(7)
+  n, k = 300, 3
+  split = {
+      "label": rng.integers(0, k, n),
+      # A missing attribute (-1) is skipped, as the evaluation skips it.
+      "attributes": np.stack([rng.integers(0, 2, n), rng.integers(-1, 4, n)], axis=1),
+  }
+  info = DatasetInfo(
+      name="toy",
+      num_classes=k,
+      class_names=("a", "b", "c"),
+      attribute_names=("sex", "site"),
+      group_names=(("f", "m"), ("s0", "s1", "s2", "s3")),
+      image_size=8,
+  )
+  draws = fair_references.chance_draws(split, info, draws=5)
+  again = fair_references.chance_draws(split, info, draws=5)
+  assert draws == again  # Seeded: the same split gives the same draws.
+  labels = np.asarray(split["label"], np.int64)
+  attributes = np.asarray(split["attributes"], np.int64)
+  seed = fair_references.zlib.crc32(labels.tobytes() + attributes.tobytes())
+  predictions = np.random.default_rng([fair_references.CHANCE_SEED, seed]).integers(0, k, (5, n))
+  for d in range(5):
+    expected = report_of_predictions(
+        split["label"], predictions[d].astype(np.int32), split["attributes"],
+        info.attribute_names, info.group_names, k,
+    )
+    assert draws[d] == expected  # Counts are integers: the same numbers exactly.
+  other = {**split, "label": (split["label"] + 1) % k}
+  assert fair_references.chance_draws(other, info, draws=5) != draws
 
 
 def test_the_marker_reader_reads_the_class_a_painted_marker_shows():

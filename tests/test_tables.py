@@ -4,6 +4,7 @@ rendered tables are checked against their records, and a recorded run is reprodu
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -147,10 +148,13 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   record = tables.read_record("toy")
   assert [r["row"] for r in record["runs"][:2]] == ["a", "b@fair.alpha=0.5"]
   text = tables.render(spec, record)
-  # Accuracy: +2 points on every seed despite a seed spread of 5; PQD: no effect.
-  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | **holds** |" in text
+  # Accuracy: +2 points on every seed despite a seed spread of 5, p near 0 before and after
+  # Holm's adjustment (2 claims).
+  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |" in text
+  # MF-PQD is a fairness claim: without a reference accuracy to read it against, untestable.
   assert "| a higher than b (alpha 0.5) | MF-PQD |" in text
-  assert "**undecided** |" in text
+  assert "**untestable: at reference accuracy** | **untestable: at reference accuracy** |" in text
+  assert "this table has none, so its fairness claims are untestable" in text
   assert "the test split has 400 examples (< 500)" in text
   assert "sex=m (n=30)" in text
   assert "Chosen by the highest mean Acc. (%): **a**." in text
@@ -162,7 +166,7 @@ def test_preview_renders_a_sweep_s_table_without_recording_it(toy_tables, capsys
                preview="toy", workdir=str(toy_tables))
   assert tables.run(["tables"], flags) == 0
   out = capsys.readouterr().out
-  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | **holds** |" in out
+  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |" in out
   assert not os.path.exists(tables.record_path("toy"))  # Nothing recorded.
 
 
@@ -197,7 +201,7 @@ def test_check_passes_on_the_written_file_and_names_what_changed(toy_tables, tmp
   assert tables.check_doc(str(doc)) == []
   assert doc.read_text().startswith("# Results\n\nProse.\n") and doc.read_text().endswith("End.\n")
   # A hand-edited number fails the check, with the diff.
-  edited = doc.read_text().replace("**holds**", "**does not hold**")
+  edited = doc.read_text().replace("**holds**", "**does not hold**", 1)
   doc.write_text(edited)
   (problem,) = tables.check_doc(str(doc))
   assert "table toy differs from its record" in problem and "+| a higher" in problem
@@ -494,7 +498,7 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
   assert ", of one pair's beyond a zero-width interval (4.00) (a against b (alpha 0.5), Acc. (%), seed 0)" in line
   assert "it chooses b (alpha 0.5) instead of a" in line
   # And beside the verdict it moves.
-  assert "| 5 | **holds** (a rerun: does not hold) |" in text
+  assert "| 5 | <0.001 | **holds** (a rerun: does not hold) |" in text
   # The same rerun again replaces it; a rerun that keeps every verdict says so.
   tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02)))
   record = tables.read_record("toy")
@@ -651,7 +655,7 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
   assert record["runs"][0]["seed"] == "data.fold=0,seed=0"
   assert tables.stale_runs(spec, record) == []
   text = tables.render(spec, record)
-  assert "| a higher than b (alpha 0.5) | Acc. (%) | +1.0 [1.0, 1.0] | 5 | **holds** |" in text
+  assert "| a higher than b (alpha 0.5) | Acc. (%) | +1.0 [1.0, 1.0] | 5 | <0.001 | **holds** |" in text
   assert "| folds × seeds |" in text
   # Pairing needs the seed key; another varying key that pairs nothing is an error.
   (results / "bad.py").write_text(spec_text.replace("pair_by=('data.fold', 'seed')", "pair_by=('data.fold',)"))
@@ -713,3 +717,376 @@ def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch)
 def test_a_rerun_names_a_cross_validated_pair_by_its_short_keys():
   assert tables._unit_text("data.identity_folds.fold=0,seed=0") == "fold=0,seed=0"
   assert tables._unit_text(3) == "3"
+
+
+# ---------------------------------------------------------------- verdicts a reviewer accepts
+
+
+def test_the_corrected_interval_of_folds_is_nadeau_and_bengio_s_on_a_known_example():
+  """The corrected resampled t-interval against a direct numpy/scipy computation: five fold
+  differences, test-to-train 635/1928 (fold 1 of the CelebA sample)."""
+  from scipy import stats as scipy_stats
+
+  values = [0.30, -0.05, 0.42, 0.11, 0.29]
+  ratio = 635 / 1928
+  j = len(values)
+  mean, variance = np.mean(values), np.var(values, ddof=1)
+  half = scipy_stats.t.ppf(0.975, j - 1) * np.sqrt((1 / j + ratio) * variance)
+  interval = stats.corrected_interval(values, ratio)
+  assert (interval.mean, interval.low, interval.high) == pytest.approx(
+      (mean, mean - half, mean + half)
+  )
+  assert stats.interval(values, ratio) == interval
+  # Wider than the interval of independent values by sqrt(1 + J n_test / n_train).
+  plain = stats.t_interval(values)
+  assert stats.interval(values) == plain
+  assert (interval.high - interval.low) / (plain.high - plain.low) == pytest.approx(
+      np.sqrt(1 + j * ratio)
+  )
+  # The p-values go with the intervals: scipy's one-sample t-test for independent values, the
+  # corrected statistic for folds.
+  assert stats.p_value(values) == pytest.approx(scipy_stats.ttest_1samp(values, 0.0).pvalue)
+  corrected_t = mean / np.sqrt((1 / j + ratio) * variance)
+  assert stats.p_value(values, ratio) == pytest.approx(
+      2 * scipy_stats.t.sf(abs(corrected_t), j - 1)
+  )
+  assert stats.p_value([0.0, 0.0, 0.0]) == 1.0 and stats.p_value([0.1, 0.1, 0.1]) < 1e-12
+
+
+def test_holm_adjusts_a_family_as_its_definition_says():
+  p = [0.01, 0.04, 0.03, 0.005, None]  # None: an untestable claim, which still counts in m.
+  m = len(p)
+  tested = sorted((v, i) for i, v in enumerate(p) if v is not None)
+  expected: list = [None] * m
+  running = 0.0
+  for rank, (v, i) in enumerate(tested):
+    running = max(running, min(1.0, (m - rank) * v))
+    expected[i] = running
+  assert stats.holm(p) == pytest.approx(expected)
+  # By hand: 0.005 * 5, 0.01 * 4, 0.03 * 3, then max(0.04 * 2, 0.09).
+  assert stats.holm(p) == pytest.approx([0.04, 0.09, 0.09, 0.025, None])
+  assert stats.verdict_at(+0.2, 0.025, "higher") == stats.HOLDS
+  assert stats.verdict_at(+0.2, 0.09, "higher") == stats.UNDECIDED
+  assert stats.verdict_at(-0.2, 0.04, "higher") == stats.DOES_NOT_HOLD
+
+
+def test_the_fold_tables_decide_with_the_corrected_interval():
+  """fair_cv_celeba's MF-PQD claim against vanilla SMoE: its interval is the corrected one, from
+  the folds' own sizes in the record, not the Student-t interval of independent seeds."""
+  from scipy import stats as scipy_stats
+
+  spec = tables.load_table("fair_cv_celeba")
+  record = tables.read_record("fair_cv_celeba")
+  sizes = record["split_sizes"].values()
+  ratio = np.mean([s["test"] / s["train"] for s in sizes])
+  assert ratio == pytest.approx(1 / 3, abs=0.01)  # 1 test fold against 3 training folds.
+  _, differences = stats.paired(
+      tables._values(record, "fairsmoe", "mf.pqd"),
+      tables._values(record, "vanilla_smoe", "mf.pqd"),
+  )
+  mean, variance, j = np.mean(differences), np.var(differences, ddof=1), len(differences)
+  half = scipy_stats.t.ppf(0.975, j - 1) * np.sqrt((1 / j + ratio) * variance)
+  summary = tables.summarise(spec, record)
+  (result,) = [
+      r for c, r in summary["claims"] if c.baseline == "vanilla_smoe" and c.metric == "mf.pqd"
+  ]
+  assert (result.difference.low, result.difference.high) == pytest.approx(
+      (mean - half, mean + half)
+  )
+  assert round(result.difference.low, 3) == -0.128 and round(result.difference.high, 3) == 0.556
+  plain = stats.t_interval(differences)
+  assert result.difference.low < plain.low - 0.1  # The plain one: [0.005, 0.424].
+  # The cells are the folds' too, and the caption says which interval.
+  accuracy = tables._values(record, "fairsmoe", "accuracy")
+  cell = summary["rows"]["fairsmoe"]["cells"]["accuracy"]
+  assert cell == stats.corrected_interval(list(accuracy.values()), ratio)
+  assert "corrected resampled t-interval, test-to-train 0.333] over folds × seeds" in (
+      tables.render(spec, record)
+  )
+  # A table of independent seeds keeps Student's t.
+  testbed = tables.load_table("fair_comparison_testbed")
+  assert "[95% Student-t interval] over seeds" in tables.render(
+      testbed, tables.read_record("fair_comparison_testbed")
+  )
+
+
+def _gated_record(bar: float, signal: float = 0.0, chance_high: float | None = None) -> dict:
+  """The toy table's runs: row a's MF-PQD 0.1 above b's on every seed, both near 0.8 accuracy;
+  a majority-class reference at `bar`, a signal reader at `signal`, and chance with a 95% range
+  reaching `chance_high`."""
+  runs = []
+  for seed in range(5):
+    for row, accuracy, pqd in (
+        ("a", 0.80 + 0.002 * seed, 0.80 + 0.01 * seed),
+        ("b@fair.alpha=0.5", 0.79 + 0.003 * seed, 0.70 + 0.011 * seed),
+    ):
+      runs.append(
+          dict(row=row, seed=seed, status="ok", metrics={"accuracy": accuracy, "mf.pqd": pqd})
+      )
+  references = [
+      {"name": "majority class", "metrics": {"accuracy": bar, "mf.pqd": 0.3}},
+      {"name": "signal reader", "role": "signal", "metrics": {"accuracy": signal, "mf.pqd": 0.9}},
+      {
+          "name": "chance",
+          "metrics": {"accuracy": 0.5, "mf.pqd": 0.95},
+          "ranges": {"accuracy": [0.45, chance_high or 0.55], "mf.pqd": [0.9, 0.99]},
+          "draws": 2000,
+      },
+  ]
+  return {"runs": runs, "references": references}
+
+
+def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
+  spec = tables.load_table("toy")
+
+  def verdicts(record):
+    summary = tables.summarise(spec, record)
+    return {c.metric: (r.verdict, h) for (c, r), (_, h) in zip(summary["claims"], summary["holm"])}
+
+  # Both rows learnt (accuracy above every floor): the MF-PQD lead is decided, and holds.
+  assert verdicts(_gated_record(bar=0.5)) == {
+      "accuracy": (stats.HOLDS, stats.HOLDS),
+      "mf.pqd": (stats.HOLDS, stats.HOLDS),
+  }
+  # The majority class scores as much: untestable, raw and adjusted, whatever its interval.
+  found = verdicts(_gated_record(bar=0.795))
+  assert found["mf.pqd"] == (stats.UNTESTABLE, stats.UNTESTABLE)
+  assert found["accuracy"][0] == stats.HOLDS  # An accuracy claim keeps today's rule.
+  # Chance counts at the upper end of its 95% range, not at its mean.
+  assert verdicts(_gated_record(bar=0.5, chance_high=0.81))["mf.pqd"][0] == stats.UNTESTABLE
+  # A reader of the task's signal sets no bar: a model below it may have learnt.
+  assert verdicts(_gated_record(bar=0.5, signal=0.95))["mf.pqd"][0] == stats.HOLDS
+  # The untestable claim stays in the family: the accuracy p is doubled, not left alone.
+  summary = tables.summarise(spec, _gated_record(bar=0.795))
+  assert summary["claims"][0][0].metric == "accuracy"
+  p_holm, _ = summary["holm"][0]
+  assert p_holm == pytest.approx(min(1.0, 2 * summary["claims"][0][1].p))
+  # Rendered like the others, the chance row with its range, and counted by the summary.
+  machine = dict(device="CPU", devices=1, cpu_cores=2, arch="x86_64", jax="0.10.2")
+  provenance = dict(commit="abc", date="2026-11-27", machine=machine, seeds=[0], commands=[])
+  text = tables.render(spec, {**_gated_record(bar=0.795), "provenance": provenance})
+  assert "| **untestable: at reference accuracy** | **untestable: at reference accuracy** |" in text
+  assert (
+      "| *reference: chance; mean [95% range] of 2000 seeded draws* | 50.0 [45.0, 55.0] | "
+      "0.950 [0.900, 0.990] | — |"
+  ) in text
+  assert "1 of the table's 1 fairness claims are **untestable: at reference accuracy**" in text
+
+
+def test_the_attractive_folds_mf_pqd_claim_is_untestable_beside_chance_s_row():
+  spec = tables.load_table("fair_cv_celeba")
+  record = tables.read_record("fair_cv_celeba")
+  summary = tables.summarise(spec, record)
+  for (claim, result), (_, holm) in zip(summary["claims"], summary["holm"]):
+    if tables.accuracy_path(claim.metric):  # Every fairness claim: no model beats 59.4%.
+      assert result.verdict == holm == stats.UNTESTABLE, claim
+  (chance,) = [r for r in record["references"] if r["name"].startswith("chance")]
+  assert chance["metrics"]["mf.pqd"] == pytest.approx(0.88, abs=0.01)
+  assert chance["ranges"]["mf.pqd"][0] < 0.871 < chance["ranges"]["mf.pqd"][1]  # FairSMoE's.
+
+
+def test_every_reference_row_fills_every_fairness_column():
+  """A reference row's fairness column left empty hides how fair an answer that learnt nothing
+  is: every reader of every FairSMoE table fills them, chance with a 95% range."""
+  checked = 0
+  for name in tables.table_names():
+    spec = tables.load_table(name)
+    if not spec.references or not os.path.exists(tables.record_path(name)):
+      continue
+    fairness = [c.path for c in spec.columns if tables.accuracy_path(c.path)]
+    for reference in tables.read_record(name)["references"]:
+      for path in fairness:
+        assert reference["metrics"].get(path) is not None, (name, reference["name"], path)
+        checked += 1
+      if reference.get("draws"):
+        assert set(fairness) <= set(reference["ranges"]), (name, reference["name"])
+  assert checked > 100
+
+
+def test_matched_accuracy_removes_a_linear_trade_off(toy_tables):
+  """MF-PQD falls one for one with accuracy within each method; row a is 0.03 fairer at equal
+  accuracy but 0.05 more accurate: the raw difference is about -0.02, at matched accuracy +0.03."""
+  spec = tables.load_table("toy")
+  rng = np.random.default_rng(11)
+  runs = []
+  for seed in range(8):
+    for row, accuracy, bonus in (
+        ("a", 0.80 + rng.normal(0, 0.02), 0.03),
+        ("b@fair.alpha=0.5", 0.75 + rng.normal(0, 0.02), 0.0),
+    ):
+      pqd = 1.5 - accuracy + bonus + rng.normal(0, 0.001)
+      runs.append(
+          dict(row=row, seed=seed, status="ok", metrics={"accuracy": accuracy, "mf.pqd": pqd})
+      )
+  record = {"runs": runs}
+  (claim,) = [c for c in spec.claims if c.metric == "mf.pqd"]
+  interval, slope = tables.matched_accuracy(spec, record, claim, None)
+  assert slope == pytest.approx(-1.0, abs=0.05)
+  assert interval.mean == pytest.approx(0.03, abs=0.005)
+  raw = stats.decide(
+      tables._values(record, "a", "mf.pqd"),
+      tables._values(record, "b@fair.alpha=0.5", "mf.pqd"),
+      "higher",
+  )
+  assert raw.difference.mean < 0
+
+
+def test_a_rerun_that_predicts_as_recorded_is_identical_and_not_counted(toy_tables, tmp_path):
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  # The same reports again: every accuracy and fairness number to the last bit.
+  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02)))
+  record = tables.read_record("toy")
+  for run in record["reruns"][0]["runs"]:  # Undo the per-seed shift the helper adds to a.
+    (recorded,) = [r for r in record["runs"] if (r["row"], r["seed"]) == (run["row"], run["seed"])]
+    run["metrics"] = dict(recorded["metrics"])
+  with open(tables.record_path("toy"), "w") as f:
+    json.dump(record, f)
+  assert tables.compare_rerun(spec, record, record["reruns"][0]).identical
+  (line,) = [l for l in tables.render(spec, record).splitlines() if l.startswith("**Rerun**")]
+  assert "**identical (not independent)**" in line and "none is counted as kept" in line
+  summary = tables.rerun_summary()
+  assert "| identical (not independent): not counted" in summary
+  assert (
+      "| **every table** | 1 reruns; 1 identical (not independent) | "
+      "**0 of 0** (the 0 reruns that could differ) |"
+  ) in summary
+  # One accuracy that moves in its last digit makes it a rerun that could differ, and counted.
+  record["reruns"][0]["runs"][0]["metrics"]["accuracy"] += 1e-12
+  with open(tables.record_path("toy"), "w") as f:
+    json.dump(record, f)
+  assert not tables.compare_rerun(spec, record, record["reruns"][0]).identical
+  assert "**2 of 2** (the 1 reruns that could differ)" in tables.rerun_summary()
+
+
+def test_every_table_with_muffin_and_multifair_compares_fairsmoe_with_both_as_table_1_does():
+  found = 0
+  for name in tables.table_names():
+    spec = tables.load_table(name)
+    rows = {tables.format_value(r) for r in spec.row_values}
+    if not {"muffin", "multifair", "fairsmoe"} <= rows:
+      continue
+    claims = {(c.row, c.baseline, c.metric, c.better) for c in spec.claims}
+    for baseline in ("muffin", "multifair"):
+      for metric in ("mf.pqd", "accuracy"):
+        assert ("fairsmoe", baseline, metric, "higher") in claims, (name, baseline, metric)
+    found += 1
+  assert found == 6  # The four 7-method tables and the two with every reading.
+
+
+def test_every_comparison_prints_each_method_s_tuning_budget_and_its_selection_leaks():
+  for name in tables.table_names():
+    spec = tables.load_table(name)
+    if not spec.claims:
+      continue
+    text = tables.render(spec, tables.read_record(name))
+    assert "**Tuning budget**" in text, name
+    if not spec.select:  # A tuning table is its own search; every other row says its budget.
+      budgeted = {t.row for t in spec.tuning}
+      assert {tables.format_value(r) for r in spec.row_values} <= budgeted, name
+  # The fold tables: the budget read on fold 1 and the lambdas read on the official validation
+  # faces mark every verdict; ende_small's schedule was chosen on the split it reports.
+  leaky = ("fair_cv_celeba", "fair_cv_celeba_smiling", "fair_cv_celeba_smiling_12", "ende_small")
+  for name in leaky:
+    spec = tables.load_table(name)
+    summary = tables.summarise(spec, tables.read_record(name))
+    assert all(tables.leaks_of(spec, claim) for claim, _ in summary["claims"]), name
+    text = tables.render(spec, tables.read_record(name))
+    assert text.count("(selection leak)") + text.count("; selection leak)") == 2 * len(spec.claims)
+    assert "**Selection leak 1**" in text
+
+
+# Quoted from the paper (its Table 1, cited in configs/celeba.py and configs/mnli_hans.py), not
+# measured here: no record can drift from them.
+PAPER_NUMBERS = {"86.01%", "0.787", "72.8%", "85.2%"}
+_NUMBER = re.compile(r"(?<![\w.\-/])[+−-]?\d[\d,]*(?:\.\d+)?(?:e[+−-]?\d+)?%?(?![\w/])")
+# A number that names a part of the paper or of a document, not a quantity.
+_NAMES_A_PART = re.compile(r"(?:Fig\.|Figure|Table|Sec\.|[Ss]ection|Eq\.|issue|Algorithm)s? $")
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+_COMMAND = re.compile(r"`(?:\w+=\S+ )*(?:python|awk|wc|cd|tail|diff|for|grep|git)\b[^`]*`")
+_HEADING = re.compile(r"^#{1,3} ", re.M)
+
+
+def _token(number: str) -> str:
+  """A number as a table and prose may both write it: no sign, percent sign or thousands comma."""
+  return number.replace("−", "-").lstrip("+-").rstrip("%").replace(",", "")
+
+
+def _paragraphs(prose: str) -> list[str]:
+  """Paragraphs and list items; a code block belongs to the paragraph before it."""
+  blocks: list[list[str]] = []
+  current: list[str] = []
+  fence = False
+  for line in prose.split("\n"):
+    if line.strip().startswith("```"):
+      if not fence and not current and blocks:
+        current = blocks.pop()
+      fence = not fence
+      current.append(line)
+      continue
+    if fence:
+      current.append(line)
+      continue
+    if not line.strip() or line.startswith(("- ", "#", "<!--")):
+      if current:
+        blocks.append(current)
+      current = [line] if line.strip() and not line.startswith("<!--") else []
+      continue
+    current.append(line)
+  if current:
+    blocks.append(current)
+  return ["\n".join(block) for block in blocks]
+
+
+def unsourced_numbers(text: str, path: str = "docs/results.md") -> list[str]:
+  """The numbers in a document's prose (outside its generated tables and code) that neither sit
+  in a generated table of their own section (of any section, in the document's introduction and
+  in a section without a table of its own, such as a claim-by-claim summary) nor stand in a
+  paragraph or list item that carries its command (an inline `python ...`, `awk ...`, ... or a
+  code block after it). A number that names a figure, table or section is no quantity."""
+  from experiments.markers import marked_tables
+
+  marked = marked_tables(text, path)
+  starts = [m.start() for m in _HEADING.finditer(text)]
+  sections = list(zip([0, *starts], [*starts, len(text)]))
+  numbers = lambda t: {_token(m.group()) for m in _NUMBER.finditer(text[t.body_start : t.body_end])}  # noqa: E731
+  everywhere = set().union(*(numbers(t) for t in marked))
+  found = []
+  for begin, end in sections:
+    inside = [t for t in marked if begin <= t.body_start < end]
+    level_one = text.startswith("# ", begin) and not text.startswith("## ", begin)
+    allowed = everywhere if level_one or not inside else set().union(*map(numbers, inside))
+    prose, position = [], begin
+    for t in inside:
+      prose.append(text[position : t.body_start])
+      position = t.body_end
+    prose.append(text[position:end])
+    for paragraph in _paragraphs("".join(prose)):
+      if "```" in paragraph or _COMMAND.search(paragraph):
+        continue
+      plain = _CODE_SPAN.sub(" ", paragraph)
+      for match in _NUMBER.finditer(plain):
+        number = match.group()
+        if _NAMES_A_PART.search(plain[max(0, match.start() - 12) : match.start()]):
+          continue
+        if number not in PAPER_NUMBERS and _token(number) not in allowed:
+          found.append(f"{number!r} in: {paragraph[:120]!r}")
+  return found
+
+
+def test_every_number_in_the_results_prose_sits_in_a_table_or_comes_with_its_command(repo_root):
+  text = (repo_root / "docs" / "results.md").read_text()
+  assert unsourced_numbers(text) == []
+  # The prose this test was written against: a number derived by hand, with no table or
+  # command behind it, fails; the same number with its command passes.
+  # (52.1 is in another section's table, by chance: a number counts only in its own section's.)
+  drifted = text.replace(
+      "- **The models learn little here.**",
+      "- Every validation accuracy is a few points above 52.1%.\n- **The models learn little here.**",
+  )
+  (problem,) = unsourced_numbers(drifted)
+  assert "'52.1%'" in problem
+  sourced = drifted.replace(
+      "above 52.1%.", "above 52.1% (`python -m experiments.tables --preview=NAME --workdir=DIR`)."
+  )
+  assert unsourced_numbers(sourced) == []
