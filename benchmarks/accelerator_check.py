@@ -689,7 +689,10 @@ def run_process(
 
 
 def _environment(platform_name: str) -> dict[str, str]:
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  from trainkit.distributed import child_environment  # pylint: disable=import-outside-toplevel
+
+  # This process touched JAX (libtpu may have set placeholders a child would take for a pod).
+  env = child_environment({"PYTHONUNBUFFERED": "1"})
   if platform_name == "cpu":
     env["JAX_PLATFORMS"] = "cpu"
   return env

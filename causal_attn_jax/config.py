@@ -24,6 +24,7 @@ from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
 from trainkit.preflight.compile import preflight_config, validate_preflight
+from trainkit.remat import validate_remat
 
 TASKS = ("classification", "translation")
 PAIR_TASKS = ("nli", "paraphrase")
@@ -54,6 +55,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.predict = ml_collections.ConfigDict(dict(input=""))
   # --mode=compile: the accelerator to compile the run for, without it (README, "Preflight").
   config.preflight = preflight_config()
+  # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
+  config.distributed = cfg.distributed_config()
 
   config.data = ml_collections.ConfigDict(
       dict(
@@ -143,6 +146,12 @@ def base_config() -> ml_collections.ConfigDict:
           num_random=3,
           block_size=4,
           mask_seed=0,
+          # Rematerialisation of each encoder and decoder layer in training (trainkit/remat.py):
+          # none | dots (keep the linear layers' outputs, recompute the rest) | block (keep only
+          # each layer's input, rerun its forward in the backward pass). Less activation memory
+          # per step for more FLOPs (docs/design.md, "Rematerialisation"). The attention
+          # probabilities the constraint reads are layer outputs: kept whatever the policy.
+          remat="none",
       )
   )
   config.constraints = ml_collections.ConfigDict(
@@ -296,6 +305,7 @@ def validate(
   cfg.require_int(config, "model.num_decoder_layers", minimum=1)
   cfg.require_int(config, "model.mlp_dim", minimum=1)
   cfg.require_float(config, "model.dropout_rate", minimum=0.0, maximum=1.0)
+  validate_remat(config)
   cfg.require_int(config, "model.band_width", minimum=0)
   cfg.require_int(config, "model.dilation", minimum=1)
   cfg.require_int(config, "model.num_random", minimum=0)

@@ -44,7 +44,7 @@ from trainkit.errors import ConfigError, UserError
 from trainkit.metric_writers import write_atomically
 from trainkit.saved_config import restore_saved_run
 from trainkit.train_state import TrainState
-from trainkit.workdir import RUN_INFO_FILE
+from trainkit.workdir import RUN_INFO_FILE, output_folder
 
 
 @dataclasses.dataclass
@@ -145,6 +145,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """
   if not config.predict.input:
     raise ConfigError("predict.input", "--mode=predict needs --config.predict.input=FILE")
+  output_folder(workdir, os.path.dirname(PREDICT_FILE), create=False)  # Before the restore.
   restored = restore_run(config, workdir)
   columns = tasks.get_task(config).predict(
       config,
@@ -156,7 +157,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   )
   path = storage.join(workdir, PREDICT_FILE)
   if jax.process_index() == 0:
-    storage.makedirs(storage.join(workdir, os.path.dirname(PREDICT_FILE)))
+    output_folder(workdir, os.path.dirname(PREDICT_FILE))
     names = list(columns)
     text = io.StringIO(newline="")
     writer = csv.writer(text, delimiter="\t", quoting=csv.QUOTE_MINIMAL, lineterminator="\n")

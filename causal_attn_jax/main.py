@@ -15,7 +15,7 @@ Without --config, eval and predict read the trained run's <workdir>/config.json
 (--config.KEY=VALUE overrides still apply); predict needs no data file (the tokenizer and the
 label names are in the workdir: spm.model, run_info.json). compile needs --config and no data,
 tokenizer or accelerator: it compiles the run's train and eval steps for
---config.preflight.target (v4-8, v4-32, v4-64, v5e-8, v5e-16, v5e-64, v5e-256, v5p-8, v5p-32,
+--config.preflight.target (v3-8, v4-8, v4-32, v4-64, v5e-8, v5e-16, v5e-64, v5e-256, v5p-8, v5p-32,
 h100x1, h100x8, h100x16, a100x8; pip install -e ".[preflight]") and writes
 <workdir>/preflight.json; the vocabulary is data.vocab_size and the classes follow
 data.pair_task (or the tfds dataset or testbed).

@@ -28,6 +28,7 @@ from flax import nnx
 from causal_attn_jax.data.tokenizer import NUM_SEGMENT_IDS, PAD_ID
 from causal_attn_jax.layers.attention import MultiHeadAttention
 from causal_attn_jax.layers.masks import SPARSE_KINDS, causal_mask, padding_mask, sparse_mask
+from trainkit.remat import check_remat, checkpointed
 
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 _LINEAR_INIT = nnx.initializers.normal(stddev=0.02)
@@ -74,6 +75,11 @@ class TransformerSpec:
   sinkhorn_iters: int = 0  # Encoder self-attention only (layers/attention.py: sinkhorn_softmax).
   mask_options: tuple[tuple[str, int], ...] = ()
   max_len: int = 512
+  # Rematerialisation of each encoder and decoder layer in training (`trainkit.remat`).
+  remat: str = "none"
+
+  def __post_init__(self):
+    check_remat(self.remat)
 
   @classmethod
   def from_config(cls, model_config, max_len: int) -> "TransformerSpec":
@@ -96,6 +102,8 @@ class TransformerSpec:
             ("seed", model_config.mask_seed),
         ),
         max_len=max_len,
+        # Saved configs from before the key have none: their runs had no remat.
+        remat=model_config.get("remat", "none"),
     )
 
   def sparse_pattern(self, n: int) -> jax.Array | None:
@@ -138,8 +146,15 @@ class EncoderLayer(nnx.Module):
     self.norm2 = nnx.LayerNorm(spec.dim, dtype=dtype, rngs=rngs)
     self.mlp = MLP(spec.dim, spec.mlp_dim, spec.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(spec.dropout_rate)
+    self.remat = spec.remat
 
   def __call__(self, x, mask, *, train: bool, rngs: nnx.Rngs | None):
+    if train and self.remat != "none":  # An evaluation has no backward pass to save memory for.
+      return checkpointed(_train_encoder_layer, self.remat)(self, x, mask, rngs)
+    return self.forward(x, mask, train=train, rngs=rngs)
+
+  def forward(self, x, mask, *, train: bool, rngs: nnx.Rngs | None):
+    """The layer without rematerialisation (what `__call__` checkpoints)."""
     h, probs = self.attention(self.norm1(x), mask=mask, train=train, rngs=rngs)
     x = x + self.dropout(h, deterministic=not train, rngs=rngs)
     h = self.mlp(self.norm2(x), train=train, rngs=rngs)
@@ -168,8 +183,19 @@ class DecoderLayer(nnx.Module):
     self.norm3 = nnx.LayerNorm(spec.dim, dtype=dtype, rngs=rngs)
     self.mlp = MLP(spec.dim, spec.mlp_dim, spec.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(spec.dropout_rate)
+    self.remat = spec.remat
 
   def __call__(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
+    # Decoding updates the self-attention cache, which a checkpoint must not replay; it is never
+    # in training.
+    if train and not decode and self.remat != "none":
+      return checkpointed(_train_decoder_layer, self.remat)(
+          self, y, memory, self_mask, cross_mask, rngs
+      )
+    return self.forward(y, memory, self_mask, cross_mask, train=train, rngs=rngs, decode=decode)
+
+  def forward(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
+    """The layer without rematerialisation (what `__call__` checkpoints)."""
     drop = lambda h: self.dropout(h, deterministic=not train, rngs=rngs)
     h, probs = self.self_attention(
         self.norm1(y), mask=self_mask, train=train, rngs=rngs, decode=decode
@@ -179,6 +205,16 @@ class DecoderLayer(nnx.Module):
     y = y + drop(h)
     y = y + drop(self.mlp(self.norm3(y), train=train, rngs=rngs))
     return y, probs
+
+
+def _train_encoder_layer(layer: EncoderLayer, x, mask, rngs):
+  """An encoder layer's training forward pass, as `trainkit.remat.checkpointed` takes it."""
+  return layer.forward(x, mask, train=True, rngs=rngs)
+
+
+def _train_decoder_layer(layer: DecoderLayer, y, memory, self_mask, cross_mask, rngs):
+  """A decoder layer's training forward pass, as `trainkit.remat.checkpointed` takes it."""
+  return layer.forward(y, memory, self_mask, cross_mask, train=True, rngs=rngs)
 
 
 class Embedder(nnx.Module):

@@ -13,7 +13,6 @@ import dataclasses
 import io
 import json
 import math
-import os
 from typing import Any, Mapping, Sequence
 
 import ml_collections
@@ -29,6 +28,7 @@ from experiments.spec import (
     run_dir,
     run_name,
 )
+from trainkit import storage
 from trainkit.metric_writers import read_metrics, write_atomically
 
 
@@ -59,10 +59,9 @@ class RunResult:
 def read_run(point: Mapping[str, Any], directory: str) -> RunResult:
   """The RunResult of the run of `point` in `directory`."""
   point = dict(point)
-  report_path = os.path.join(directory, REPORT)
+  report_path = storage.join(directory, REPORT)  # The run's directory may be on gs://.
   try:
-    with open(report_path) as f:
-      report = json.load(f)
+    report = json.loads(storage.read_text(report_path))
     if not isinstance(report, dict):
       raise ValueError(f"a JSON {type(report).__name__}, not an object")
     return RunResult(point, directory, "ok", report=report)
@@ -71,8 +70,8 @@ def read_run(point: Mapping[str, Any], directory: str) -> RunResult:
   except (OSError, ValueError) as e:  # An unreadable report: the run must be redone.
     return RunResult(point, directory, "failed", error=f"unreadable {report_path}: {e}")
   try:
-    with open(os.path.join(directory, ERROR), errors="replace") as f:
-      message = f.read().split("\n\n", 1)[0].strip()
+    text = storage.path(storage.join(directory, ERROR)).read_bytes().decode(errors="replace")
+    message = text.split("\n\n", 1)[0].strip()
     return RunResult(point, directory, "failed", error=message or "failed")
   except OSError:
     return RunResult(point, directory, "missing", error="no report.json (not run, or interrupted)")
@@ -176,7 +175,7 @@ def write_tables(
   writer = csv.DictWriter(table, fieldnames=columns, extrasaction="ignore")
   writer.writeheader()
   writer.writerows({k: "" if r.get(k) is None else r[k] for k in columns} for r in rows)
-  write_atomically(os.path.join(workdir, "sweep.csv"), table.getvalue())
+  write_atomically(storage.join(workdir, "sweep.csv"), table.getvalue())
   ok = sum(r["status"] == "ok" for r in rows)
   lines = [
       f"# Sweep `{sweep_path or '?'}`",
@@ -189,10 +188,10 @@ def write_tables(
   ]
   lines += ["| " + " | ".join(_cell(r.get(k)) for k in columns) + " |" for r in rows]
   markdown = "\n".join(lines) + "\n"
-  write_atomically(os.path.join(workdir, "sweep.md"), markdown)
+  write_atomically(storage.join(workdir, "sweep.md"), markdown)
   definition = {**sweep.to_dict(), "grid": dict(sweep.grid), "overrides": dict(sweep.overrides)}
   write_atomically(
-      os.path.join(workdir, "sweep.json"),
+      storage.join(workdir, "sweep.json"),
       json.dumps({"sweep": sweep_path, "definition": definition, "rows": list(rows)}, indent=2),
   )
   return markdown

@@ -9,6 +9,7 @@ from typing import Sequence
 import ml_collections
 
 from experiments.spec import REPO_ROOT, check_run_names, grid_points, run_command, run_dir
+from trainkit import storage
 from trainkit.metric_writers import write_atomically
 
 
@@ -22,12 +23,16 @@ def write_commands(
 
   Each line is `python -m module ...`, or the launcher's words followed by the main's flags
   (`spec.run_command`); the runs then go to the same directories as `--mode=run` would use, so
-  `--mode=collect` on the shared workdir tabulates them.
+  `--mode=collect` on the shared workdir tabulates them. A gs:// workdir gets commands.sh as an
+  object beside the runs (their workdirs are under it): `gcloud storage cat` it, or give it to
+  `launch/tpu_pod.sh --commands`, which runs the whole grid on one slice.
   """
   points = grid_points(sweep)
   check_run_names(points)
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "commands.sh")
+  storage.makedirs(workdir)
+  path = storage.join(workdir, "commands.sh")
+  # launch/slurm_array.sbatch reads this layout: the lines after the `cd` line are the runs, in
+  # grid order, one per array task.
   lines = [
       "#!/usr/bin/env bash",
       f"# Sweep {sweep_path or '?'}: {len(points)} runs, written by `python -m experiments.sweep`.",
@@ -38,5 +43,6 @@ def write_commands(
     command = run_command(sweep, point, run_dir(workdir, point), launcher, python="python")
     lines.append(" ".join(shlex.quote(word) for word in command))
   write_atomically(path, "\n".join(lines) + "\n")
-  os.chmod(path, 0o755)
+  if not storage.is_remote(path):  # An object has no mode: `gcloud storage cat PATH | bash`.
+    os.chmod(path, 0o755)
   return path

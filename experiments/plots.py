@@ -7,7 +7,6 @@ them neither needs a display nor changes the backend of a notebook that imports 
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any, Mapping, Sequence
 
 import ml_collections
@@ -114,11 +113,11 @@ def write_plots(
   columns = [c for c in columns if any(is_number(r.get(c)) for r in ok)]
   if not varied or not columns:
     return []
-  plots_dir = os.path.join(workdir, "plots")
-  os.makedirs(plots_dir, exist_ok=True)
+  plots_dir = storage.join(workdir, "plots")
+  storage.makedirs(plots_dir)
   paths = []
   for column, key in itertools.product(columns, varied):
-    path = os.path.join(plots_dir, f"{safe_name(f'{column}_vs_{key}')}.png")
+    path = storage.join(plots_dir, f"{safe_name(f'{column}_vs_{key}')}.png")
     storage.save_figure(sweep_figure(sweep, rows, column, key), path, dpi=100)
     paths.append(path)
   return paths

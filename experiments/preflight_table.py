@@ -40,6 +40,7 @@ from typing import Any
 from absl import app, flags
 
 from experiments.markers import MarkedTable, marked_tables
+from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.metric_writers import write_atomically
 
@@ -116,7 +117,7 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
     settings = {**cell["overrides"], **cell.get("flags", {})}
     command += [f"--config.{k}={v}" for k, v in settings.items()]
     start = time.perf_counter()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
+    env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "1"})  # Without libtpu's placeholders.
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     path = os.path.join(workdir, "run", "preflight.json")
@@ -265,8 +266,10 @@ def render() -> str:
   ]
   lines_fit = (
       "Do not fit: " + "; ".join(misfits) + ". Each is the whole global batch of 256 (its "
-      "activations for the backward pass) on too few devices: more devices (`mesh.data`), a "
-      "smaller `batch_size` or `compute_dtype=bfloat16` changes that."
+      "activations for the backward pass) on too few devices: more devices, a smaller "
+      "`batch_size` or `model.remat` changes that. These h100x1 refusals were compiled with "
+      "the old GPU description (XLA given all 80 GB, so its rematerialisation limit and our 75% "
+      "check disagreed): told the real memory, they fit (\"One H100 and `model.remat`\")."
       if misfits
       else "Every compiled cell fits."
   )

@@ -24,6 +24,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from trainkit import storage
 from trainkit.config_files import resolve_config_path
 from trainkit.errors import UserError
 
@@ -289,8 +290,8 @@ def run_name(point: Mapping[str, Any]) -> str:
 
 
 def run_dir(workdir: str, point: Mapping[str, Any]) -> str:
-  """Where the run of `point` trains: `<workdir>/runs/<run_name>`."""
-  return os.path.join(os.path.abspath(workdir), "runs", run_name(point))
+  """Where the run of `point` trains: `<workdir>/runs/<run_name>` (under a gs:// workdir too)."""
+  return storage.join(storage.resolve(workdir), "runs", run_name(point))
 
 
 def check_run_names(points: Sequence[Mapping[str, Any]]) -> None:

@@ -46,6 +46,7 @@ from experiments.spec import (
     run_name,
     run_record,
 )
+from trainkit.distributed import child_environment
 from trainkit.metric_writers import write_atomically
 from trainkit.workdir import (
     CONFIG_FILE,
@@ -265,7 +266,8 @@ def run_sweep(
   check_run_names(points)
   if differences is None:
     differences = lambda point, directory: record_differences(sweep, point, directory, cwd)
-  run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+  # Without libtpu's placeholders, which would make a run take itself for a TPU pod worker.
+  run_env = child_environment({"PYTHONUNBUFFERED": "1", **(env or {})})
   stale = []
   for point in points:
     directory = run_dir(workdir, point)

@@ -60,17 +60,26 @@ Modes (`--mode`):
                   --config=configs/quickstart.py --workdir=<workdir>/runs/<name> --config.k=v ...
             (`--module` is added for the repo's launchers when the launcher string lacks it;
             `launch/tpu_pod.sh --name pod --zone Z --accelerator v5litepod-16 --` works alike).
-            Without a launcher each line is `python -m module ...`.
-  collect   only collects: `<workdir>/sweep.csv`, `sweep.md` and `sweep.json` (one row per run:
-            grid values, status ok/failed/missing, the metrics, and per throughput key the
-            median over the second half of the logged steps, after compilation),
+            Without a launcher each line is `python -m module ...`, and
+            `launch/slurm_array.sh <workdir>/commands.sh` submits the runs as one SLURM job
+            array (resubmitting it submits only the runs without report.json).
+            The workdir may be on gs:// (a TPU pod's shared workdir): each run's workdir is
+            under it and commands.sh is an object there, and `gcloud storage cat
+            gs://.../commands.sh | launch/tpu_pod.sh --name pod --zone Z --accelerator T
+            --delete-after --commands -` runs the whole grid on one slice. `run` mode needs a
+            local workdir.
+  collect   only collects, from a local or gs:// workdir: `<workdir>/sweep.csv`, `sweep.md`
+            and `sweep.json` (one row per run: grid values, status ok/failed/missing, the
+            metrics, and per throughput key the median over the second half of the logged
+            steps, after compilation),
             `<workdir>/plots/<metric>_vs_<key>.png` (mean ± std over seeds, one line per
             combination of the other keys), then the `tables` collectors' files.
 
 `--only=KEY=VALUE` (repeatable) keeps the runs whose grid value of KEY is one of the VALUEs
 given for it (written as the run names write them), e.g. the rows a results table's claims
 compare: `--only=method=fairsmoe --only=method=vanilla_smoe`. The runs keep their names, so a
-later full sweep in the same workdir reuses them.
+later full sweep in the same workdir reuses them. Their tables, plots and collectors' files go
+to `<workdir>/only-KEY=VALUE,.../`, never over the full sweep's `sweep.md/.csv/.json`.
 
 The exit status is 1 when a run has no report.json (the tables are still written), 2 for a bad
 sweep or flag, 130 when interrupted (rerun the same command to resume).
@@ -78,7 +87,7 @@ sweep or flag, 130 when interrupted (rerun the same command to resume).
 
 from __future__ import annotations
 
-import os
+import hashlib
 import shlex
 import sys
 from typing import Mapping, Sequence
@@ -89,7 +98,7 @@ from absl import app, flags
 from experiments.collect import collect, table_rows, write_spec_tables, write_tables
 from experiments.commands import write_commands
 from experiments.plots import write_plots
-from experiments.spec import REPO_ROOT, format_value, load_sweep
+from experiments.spec import REPO_ROOT, format_value, load_sweep, safe_name
 from experiments.supervise import Differences, run_sweep
 from trainkit import storage
 from trainkit.config_files import resolve_config_args
@@ -128,6 +137,7 @@ def execute_sweep(
     sweep_path: str = "",
     differences: Differences | None = None,
     cwd: str = REPO_ROOT,
+    subset_dir: str = "",
 ) -> int:
   """Runs, writes the commands of, or collects a validated sweep; returns the exit status.
 
@@ -135,8 +145,19 @@ def execute_sweep(
   command line's way in. `sweep_path` names the sweep in the tables' titles; `differences`
   is `supervise.run_sweep`'s test of whether a finished run is stale, and `cwd` the directory
   the runs start in (relative paths in the config and its flags are read from there).
+  `subset_dir`, for a sweep restricted to some of its runs (`--only`), is the folder under the
+  workdir its tables, plots and collectors' files go to, so the full sweep's are kept.
   """
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  if mode == "run" and storage.is_remote(workdir):
+    # The runner gives each run's output a local log file, keeps its state beside it and moves
+    # stale runs aside by renaming them: none of it goes through the path library.
+    raise UserError(
+        f"--workdir={workdir}: --mode=run runs the sweep on this machine, in a local directory; "
+        "for a sweep on gs:// (a TPU pod's shared workdir) write its commands with "
+        "--mode=commands (then `gcloud storage cat WORKDIR/commands.sh | launch/tpu_pod.sh ... "
+        "--commands -`), and tabulate the runs with --mode=collect"
+    )
+  workdir = storage.resolve(workdir)  # A local directory, or gs:// for commands and collect.
   if mode == "commands":
     print(write_commands(sweep, workdir, launcher, sweep_path))
     return 0
@@ -152,13 +173,22 @@ def execute_sweep(
     )
     if dry_run:
       return 0
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   results = collect(sweep, workdir)
   rows = table_rows(sweep, results)
-  print("\n" + write_tables(sweep, workdir, rows, sweep_path))
-  plots = write_plots(sweep, workdir, rows)
-  print(f"Wrote {workdir}/sweep.csv, sweep.md, sweep.json and {len(plots)} plot(s) in plots/")
-  for path in write_spec_tables(sweep, workdir, results):
+  # The runs are read from the workdir; a subset's tables are written beside, not over, the
+  # full sweep's.
+  tables_dir = storage.join(workdir, subset_dir) if subset_dir else workdir
+  storage.makedirs(tables_dir)
+  print("\n" + write_tables(sweep, tables_dir, rows, sweep_path))
+  plots = write_plots(sweep, tables_dir, rows)
+  print(f"Wrote {tables_dir}/sweep.csv, sweep.md, sweep.json and {len(plots)} plot(s) in plots/")
+  if subset_dir:
+    print(
+        f"--only: these are the tables of {len(results)} of the sweep's runs, in {tables_dir}; "
+        f"{workdir}/sweep.md, sweep.csv, sweep.json and plots/ are left as they were"
+    )
+  for path in write_spec_tables(sweep, tables_dir, results):
     print(f"Wrote {path}")
   missing = [r for r in results if r.status != "ok"]
   if missing:
@@ -182,13 +212,6 @@ def execute(
     raise UserError(f"--mode: unknown mode {mode!r}; choose from {', '.join(MODES)}")
   if not workdir:
     raise UserError("--workdir is required")
-  if storage.is_remote(workdir):
-    # The supervisor gives each run's output a local log file, keeps its state beside it and
-    # moves stale runs aside by renaming them: none of it is written through the path library.
-    raise UserError(
-        f"--workdir={workdir}: a sweep's workdir is a local directory (its runs' logs and state "
-        "are local files); a single run's --workdir may be on gs://"
-    )
   if dry_run and mode != "run":
     raise UserError("--dry_run only applies to --mode=run")
   try:
@@ -208,7 +231,19 @@ def execute(
       retrain=retrain,
       env=env,
       sweep_path=sweep_path,
+      subset_dir=subset_dir_name(only),
   )
+
+
+def subset_dir_name(only: Sequence[str]) -> str:
+  """The folder under the workdir for the tables of the runs `--only` keeps: `only-KEY=VALUE`
+  (several joined by commas, in the order given); "" without --only."""
+  if not only:
+    return ""
+  name = safe_name("only-" + ",".join(only))
+  if len(name) > 200:  # Below the usual 255-byte file-name limit, unique by the hash.
+    name = f"{name[:189]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+  return name
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:

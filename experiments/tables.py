@@ -52,8 +52,12 @@ A path is dotted into report.json; a path that ends at numbers nested in mapping
 layer, per block, per batch) is the mean of them all. The record (`results/records/NAME.json`, under version
 control) holds every run's values of every column and claim, its sample sizes and command, and
 the provenance (commit, date, machine, JAX version, seeds, commands), so a table is rendered
-from the record alone: `--write` replaces what lies between `<!-- table:NAME -->` and
-`<!-- /table:NAME -->` in a markdown file, and `--check` renders again and compares. Each
+from the record alone (a record value that is not a finite number or null, a run without its
+row or metrics, a row and seed twice: one error naming the run). Specs share run names, so
+`--record`, `--rerun` and `--preview` take a finished run only where its own `sweep_run.json`
+(else `config.json`) holds what the spec gives it. `--write` replaces what lies between
+`<!-- table:NAME -->` and `<!-- /table:NAME -->` in a markdown file (the document a symbolic
+link points to, keeping the link), and `--check` renders again and compares. Each
 table has, per row, the mean and 95% Student-t interval of every column over the seeds, then per
 claim the mean paired difference (same seed) with its interval and the verdict
 (experiments/stats.py), then the flags (too few seeds, a split or group too small), then the
@@ -99,12 +103,14 @@ import numpy as np
 from absl import app, flags
 
 from experiments import stats
-from experiments.collect import collect, is_number, lookup
+from experiments.collect import RunResult, collect, is_number, lookup
 from experiments.markers import marked_tables, replace_tables
 from experiments.provenance import data_hash, data_hashes, differences, machine, source_state
 from experiments.spec import (
+    LOG,
     REPO_ROOT,
     REPORT,
+    RUN,
     RUN_PROVENANCE,
     format_value,
     grid_points,
@@ -113,8 +119,11 @@ from experiments.spec import (
     run_command,
     run_record,
 )
+from experiments.supervise import _sigterm_as_interrupt, _terminate, failure_line
+from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.metric_writers import write_atomically
+from trainkit.workdir import CONFIG_FILE, config_differences, move_aside, trained_config_differences
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "results")
 RECORDS_DIR = os.path.join(RESULTS_DIR, "records")
@@ -324,7 +333,7 @@ def load_table(name: str) -> TableSpec:
       groups=table.get("groups"),
       columns=columns,
       claims=claims,
-      tolerance=float(table.get("tolerance", DEFAULT_TOLERANCE)),
+      tolerance=_check_tolerance(name, table.get("tolerance", DEFAULT_TOLERANCE)),
       select=_check_select(name, table.get("select"), columns),
       select_within=_check_select_within(name, table, columns),
       references=_check_references(name, table.get("references")),
@@ -334,6 +343,14 @@ def load_table(name: str) -> TableSpec:
       tuning=_check_tuning(name, table.get("tuning"), texts),
       selection_leaks=_check_leaks(name, table.get("selection_leaks"), texts),
   )
+
+
+def _check_tolerance(name: str, value: Any) -> float:
+  # NaN would fail every comparison (identical values "do not reproduce") and inf would pass
+  # every one: neither is a tolerance.
+  if isinstance(value, bool) or not is_number(value) or value < 0:
+    raise _spec_error(name, "tolerance", f"{value!r} is not a finite number >= 0")
+  return float(value)
 
 
 def accuracy_path(metric: str) -> str | None:
@@ -665,12 +682,51 @@ def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
   return {"examples": None if examples is None else int(examples), "groups": groups}
 
 
+def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> None:
+  """A UserError unless the finished run `result` is the run of `spec`'s sweep of that name.
+
+  Specs share run names (the GCN and vanilla-attention tuning tables; `fair_cv_celeba` and
+  `_smiling`), so a directory's name says nothing about which sweep trained it: what the run
+  was started with (`sweep_run.json`) and the config it trained with (`config.json`) are
+  compared with what the spec gives that run, as a sweep compares a finished run before
+  reusing it (`experiments.supervise.record_differences`)."""
+  directory = result.run_dir
+  started, trained = os.path.join(directory, RUN), os.path.join(directory, CONFIG_FILE)
+  if not os.path.isfile(started) and not os.path.isfile(trained):
+    raise UserError(
+        f"{workdir}: run {result.name} has neither {RUN} nor {CONFIG_FILE}, so nothing shows it "
+        f"was started by the sweep of {spec.path}; record only a workdir that sweep ran in"
+    )
+  changed: list[str] = []
+  if os.path.isfile(started):
+    try:
+      with open(started) as f:
+        changed = config_differences(json.load(f), run_record(spec.sweep, result.point))
+    except (OSError, ValueError) as e:
+      changed = [f"{RUN} unreadable ({type(e).__name__})"]
+  if not changed and os.path.isfile(trained):
+    changed = trained_config_differences(directory, resolved_config(spec.sweep, result.point))
+  if changed:
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    raise UserError(
+        f"{workdir}: run {result.name} is not the run of table {spec.name}'s sweep "
+        f"({spec.path}) of that name: {changed[0]}{more} (what the run was started or trained "
+        "with -> what the spec gives it). Is this the workdir of another sweep? Its numbers "
+        "would become this table's"
+    )
+
+
 def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
-  """The record of a finished (or partly finished) sweep of `spec` in `workdir`."""
+  """The record of a finished (or partly finished) sweep of `spec` in `workdir`; a UserError
+  when a finished run there was started or trained with other settings than the spec gives it
+  (`_check_started_by_spec`)."""
   runs = []
   dates = []
   configs = []
   results = collect(spec.sweep, workdir)  # Read once: the rows, the pooling and the provenance.
+  for result in results:
+    if result.status == "ok":
+      _check_started_by_spec(spec, workdir, result)
   for result in results:
     point = result.point
     entry: dict[str, Any] = {
@@ -914,7 +970,8 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   """One paragraph per rerun in the record: what it ran and which verdicts it keeps."""
   lines = []
   labels = {c.path: (c.label, c.decimals) for c in spec.columns}
-  total = len(record["runs"])
+  # The spec's runs, not the record's: a record that lost a run would read "12 of 11 runs".
+  total = len(grid_points(spec.sweep))
   for rerun in record.get("reruns", ()):
     result = compare_rerun(spec, record, rerun)
     p = rerun["provenance"]
@@ -1026,7 +1083,7 @@ def rerun_summary() -> str:
       rows.append((f"`{name}`", "not rerun", "—", "—", "—"))
       continue
     labels = {c.path: (c.label, c.decimals) for c in spec.columns}
-    total = len(record["runs"])
+    total = len(grid_points(spec.sweep))  # The spec's runs (as in `_rerun_lines`).
     for rerun in record["reruns"]:
       result = compare_rerun(spec, record, rerun)
       how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
@@ -1202,7 +1259,66 @@ def read_record(name: str) -> dict[str, Any]:
   for key in _PROVENANCE_KEYS:
     if not isinstance(record["provenance"], dict) or key not in record["provenance"]:
       raise UserError(f"{where}: the record's provenance has no {key!r} (remake it with --record={name})")
+  _check_runs(f"{where}: table {name}", record["runs"], "runs", name)
+  for i, rerun in enumerate(record.get("reruns") or ()):
+    runs = rerun.get("runs") if isinstance(rerun, dict) else None
+    _check_runs(f"{where}: table {name}", runs, f"reruns[{i}].runs", name)
+  if record.get("pooled") is not None:
+    _check_runs(f"{where}: table {name}", record["pooled"], "pooled", name, status=False)
+  for reference in record.get("references") or ():
+    for path, value in ((reference or {}).get("metrics") or {}).items():
+      if value is not None and not is_number(value):
+        raise UserError(
+            f"{where}: table {name}: reference {reference.get('name')!r}: {path} is {value!r}, "
+            "not a finite number or null (remake it with --references=" + name + ")"
+        )
   return record
+
+
+def _run_text(index_name: str, run: Mapping[str, Any]) -> str:
+  """A record's run as an error names it: `runs[3] (row a, seed 0)`, with what it has."""
+  known = [f"row {run['row']}"] if "row" in run else []
+  known += [f"seed {_unit_text(run['seed'])}"] if "seed" in run else []
+  return index_name + (f" ({', '.join(known)})" if known else "")
+
+
+def _check_runs(where: str, runs: Any, what: str, name: str, status: bool = True) -> None:
+  """A UserError naming the run, unless every run of a record's list `what` names its row and
+  pair (and status), a finished one has `metrics` of finite numbers or null, and no (row, pair)
+  comes twice. Rendering reads each of these without looking: a missing key was a KeyError
+  traceback, a duplicate silently replaced the other's value (and could flip a tuning choice),
+  and a NaN turned every claim on it into "does not hold"."""
+  remake = f"(remake the record with --record={name})"
+  if not isinstance(runs, list):
+    raise UserError(f"{where}: {what} is not a list of runs {remake}")
+  seen: dict[str, str] = {}
+  for i, run in enumerate(runs):
+    index_name = f"{what}[{i}]"
+    if not isinstance(run, dict):
+      raise UserError(f"{where}: {index_name} is not a run (a JSON object) {remake}")
+    text = _run_text(index_name, run)
+    for key in ("row", "seed", "status") if status else ("row", "seed"):
+      if key not in run:
+        raise UserError(f"{where}: {text} has no {key!r} {remake}")
+    if not status or run["status"] == "ok":
+      metrics = run.get("metrics")
+      if not isinstance(metrics, dict):
+        raise UserError(f"{where}: {text} has a result but no 'metrics' {remake}")
+      for path, value in metrics.items():
+        if value is not None and not is_number(value):
+          # Not rendered as "nan": a claim on it cannot be decided, and the record holds
+          # only what a report gave as a finite number (`metric_value`), so it was edited.
+          raise UserError(
+              f"{where}: {text}: {path} is {value!r}, not a finite number or null, so no cell "
+              f"or claim on it can be computed {remake}"
+          )
+    key = json.dumps([run["row"], run["seed"]])
+    if key in seen:
+      raise UserError(
+          f"{where}: {seen[key]} and {text} are the same run (the same row and seed): one "
+          f"value would silently replace the other {remake}"
+      )
+    seen[key] = text
 
 
 def stale_runs(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
@@ -1415,6 +1531,16 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   if missing:
     listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
     flags.append(f"runs without a result: {listed}")
+  recorded = {(r["row"], r["seed"]) for r in record["runs"]}
+  absent: dict[str, list[str]] = {}
+  for point in grid_points(spec.sweep):
+    if (format_value(point[spec.rows]), spec.pair(point)) not in recorded:
+      absent.setdefault(spec.label(format_value(point[spec.rows])), []).append(
+          _unit_text(spec.pair(point))
+      )
+  if absent:  # Named, not counted away: `--check` says the record is stale too.
+    listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in absent.items())
+    flags.append(f"runs of the spec not in the record: {listed}")
   if any(gate is not None and gate.bar is None for gate in gates):
     flags.append(
         "a fairness claim needs a reference accuracy to be decided against (a reference row "
@@ -1735,8 +1861,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   )
   reproduced = "".join(
       f"first run reproduced {'exactly' if r['exact'] else 'within ' + format(r['tolerance'], 'g')}"
-      f" on {r['date']} (commit {r['commit']}; {_machine_text(r['machine'])}; "
-      f"{len(r['data'])} input file(s) or folder(s) hashed); "
+      f"{_stamp_machine_text(r)} on {r['date']} (commit {r['commit']}; "
+      f"{_machine_text(r['machine'])}; {len(r['data'])} input file(s) or folder(s) hashed); "
       for r in p.get("reproduced", ())
   )
   lines += [
@@ -1751,6 +1877,19 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _stamp_machine_text(stamp: Mapping[str, Any]) -> str:
+  """Whether a stamped reproduction ran on the recording machine or on another (and what
+  differs): an exact rerun elsewhere is evidence of another kind. Nothing for stamps made
+  before they said."""
+  if "differs_from_record" not in stamp:
+    return ""
+  differs = stamp["differs_from_record"]
+  if not differs:
+    return " on the recording machine, software and data"
+  keys = list(dict.fromkeys(why.split(":", 1)[0] for why in differs))
+  return f" on another machine, software or data (differs in {', '.join(keys)})"
+
+
 def _read_doc(path: str) -> str:
   try:
     with open(path, encoding="utf-8") as f:
@@ -1760,7 +1899,11 @@ def _read_doc(path: str) -> str:
 
 
 def write_doc(path: str) -> list[str]:
-  """Renders every marked table of the markdown file `path` in place; returns their names."""
+  """Renders every marked table of the markdown file `path` in place; returns their names.
+
+  A `path` that is a symbolic link is followed: the document it points to is rewritten and the
+  link kept (the atomic write's rename would otherwise replace the link with a file and leave
+  the real document as it was)."""
   text = _read_doc(path)
   names = []
 
@@ -1769,7 +1912,7 @@ def write_doc(path: str) -> list[str]:
     return _render_marked(name)
 
   text = replace_tables(text, path, rendered)
-  write_atomically(path, text)
+  write_atomically(os.path.realpath(path), text)  # Messages above name the path as given.
   return names
 
 
@@ -1832,20 +1975,23 @@ def reproduce(
   package versions, XLA_FLAGS, input-data hashes) or match an exact reproduction stored in it,
   else within the spec's `tolerance` unless one is given. Returns (reproduced, the lines to
   print). With `stamp`, a reproduction is added to the record's `provenance.reproduced` (its
-  date, commit, machine, input-data hashes, whether every value was exact): for a record older
-  than its machine's full description, the evidence of where its numbers come back exactly."""
+  date, commit, machine, input-data hashes, whether every value was exact, and how its machine
+  differs from the record's): for a record older than its machine's full description, the
+  evidence of where its numbers come back exactly.
+
+  The rerun trains in `workdir/run`, which must be its own: an earlier run directory there is
+  moved aside first, so no report.json or config.json it left can pass for this rerun's. A
+  rerun that fails (non-zero exit, no report) is a UserError and nothing is compared or
+  stamped. SIGTERM (or Ctrl-C) stops the rerun's process group before this returns, with
+  KeyboardInterrupt."""
   first = grid_points(spec.sweep)[0]
   row, seed = format_value(first[spec.rows]), spec.pair(first)
   recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
   if not recorded or recorded[0]["status"] != "ok":
     raise UserError(f"table {spec.name}: the record has no result for {row} seed {seed}")
   provenance = record["provenance"]
-  why_not_exact = _why_not_exact(provenance)
-  vouched = [
-      r for r in provenance.get("reproduced", ()) if r["exact"] and not _why_not_exact(r)
-  ]
-  if why_not_exact and vouched:  # An exact reproduction here vouches for an older record.
-    why_not_exact = []
+  differs_from_record, voucher = comparison_basis(provenance)
+  why_not_exact = [] if voucher is not None else differs_from_record
   same_machine = not why_not_exact
   if tolerance is None:
     tolerance = 0.0 if same_machine else spec.tolerance
@@ -1857,11 +2003,12 @@ def reproduce(
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
   run_dir = os.path.join(workdir, "run")
   command = run_command(spec.sweep, point, run_dir)
-  where = (
-      "the recording machine, software and data"
-      if same_machine
-      else "not the recording machine, software or data"
-  )
+  if voucher is not None:  # Not the recording machine: one an exact reproduction ran on.
+    where = f"the machine, software and data of the exact reproduction of {voucher['date']}"
+  elif same_machine:
+    where = "the recording machine, software and data"
+  else:
+    where = "not the recording machine, software or data"
   lines = [
       f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance "
       f"{tolerance:g})",
@@ -1875,29 +2022,58 @@ def reproduce(
         + ", not exactly"
     )
   lines.append("  python " + " ".join(command[1:]))
-  os.makedirs(run_dir, exist_ok=True)
-  log_path = os.path.join(workdir, "log.txt")
-  with open(log_path, "w") as log:
-    status = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+  if os.path.lexists(run_dir):
+    # An earlier rerun's report.json and config.json would pass for this rerun's, and the main
+    # would resume its checkpoints instead of training: kept aside, never reused.
+    lines.append(f"  moved the earlier run directory {run_dir} aside to {move_aside(run_dir)}")
+  os.makedirs(run_dir)
+  log_path = os.path.join(run_dir, LOG)
+  not_done = "nothing was compared" + (" or stamped" if stamp else "")
+  status = _run_rerun(command, log_path)
+  why = "" if status == 0 else f"exit code {status}"
+  if not why and not os.path.isfile(os.path.join(run_dir, REPORT)):
+    why = f"exit code 0 but no {REPORT}"
+  if why:
+    with open(log_path, errors="replace") as f:
+      last = failure_line(f.read().splitlines())
+    raise UserError(
+        f"--reproduce={spec.name}: the rerun failed ({why}{': ' + last if last else ''}); "
+        f"its log: {log_path}; {not_done}"
+    )
   try:
     with open(os.path.join(run_dir, REPORT)) as f:
       report = json.load(f)
-  except (OSError, ValueError):
-    return False, lines + [f"  the run failed (exit {status}); its log: {log_path}"]
+    config = None
+    if stamp:  # What the rerun read, for the stamp's data hashes: this rerun's own config.
+      with open(os.path.join(run_dir, CONFIG_FILE)) as f:
+        config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(
+        f"--reproduce={spec.name}: the rerun exited 0 but left no readable "
+        f"{os.path.basename(getattr(e, 'filename', None) or REPORT)} in {run_dir} ({e}); "
+        f"its log: {log_path}; {not_done}"
+    ) from None
+  if not isinstance(report, dict):
+    raise UserError(f"--reproduce={spec.name}: {run_dir}/{REPORT} is not a JSON object; {not_done}")
   ok, compared = compare(recorded[0]["metrics"], report, tolerance)
   exact = compare(recorded[0]["metrics"], report, 0.0)[0]
   verdict = "Reproduced" + (" (every value exact)." if exact else ".") if ok else "NOT reproduced."
   lines += compared + [f"{verdict} Run directory: {run_dir}"]
   if ok and stamp:
-    with open(os.path.join(run_dir, "config.json")) as f:
-      config = json.load(f)
     entry = {
         "date": datetime.date.today().isoformat(),
         **source_state(REPO_ROOT),
+        # Who vouches: the processor's model and instruction-set features among the rest. A
+        # later reproduction compares exactly on the strength of this stamp only where its own
+        # machine is this one (`comparison_basis`).
         "machine": machine(),
         "data": data_hashes([config]),
         "exact": exact,
         "tolerance": tolerance,
+        # How this machine differs from the recording one (empty: the same): values that come
+        # back exactly on another processor or instruction set are evidence for that machine,
+        # not a rerun of the recording one, and the table says which.
+        "differs_from_record": differs_from_record,
     }
     stamped = read_record(spec.name)
     kept = [
@@ -1907,6 +2083,53 @@ def reproduce(
     write_atomically(record_path(spec.name), json.dumps(stamped, indent=1) + "\n")
     lines.append(f"Added the reproduction to {os.path.relpath(record_path(spec.name), REPO_ROOT)}.")
   return ok, lines
+
+
+def _run_rerun(command: Sequence[str], log_path: str) -> int:
+  """Runs a reproduction's training to its end; returns its exit status.
+
+  The run gets a session of its own, so that SIGTERM or Ctrl-C to this process (turned into
+  KeyboardInterrupt) terminates the run's whole process group, data workers included: SIGTERM
+  (the mains checkpoint on it), SIGKILL after a grace period, and a wait, before the interrupt
+  goes on (`experiments.supervise._terminate`). No preexec_fn, unlike a sweep's runs: this
+  process has initialised JAX (`machine()`), and a fork that runs Python in a multithreaded
+  process may deadlock (JAX warns so). The explicit environment keeps libtpu's placeholders,
+  which `machine()` may have set, from the run (`child_environment`)."""
+  process = None
+  with open(log_path, "w") as log, _sigterm_as_interrupt():
+    try:
+      process = subprocess.Popen(
+          list(command),
+          cwd=REPO_ROOT,
+          env=child_environment({"PYTHONUNBUFFERED": "1"}),
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,
+      )
+      return process.wait()
+    except BaseException:
+      if process is not None:
+        _terminate(process)
+      raise
+
+
+def comparison_basis(
+    provenance: Mapping[str, Any],
+) -> tuple[list[str], Mapping[str, Any] | None]:
+  """How this machine, its software and the input data differ from a record's `provenance`
+  (`_why_not_exact`; empty: the recording machine), and the stamped exact reproduction that
+  vouches for comparing exactly here anyway (None where there is none or none is needed).
+
+  Only a reproduction whose every value came back exactly and whose own machine (processor
+  model and instruction-set features included) and data are this one's vouches: an exact
+  reproduction on another processor says nothing about the rounding of this one."""
+  differs = _why_not_exact(provenance)
+  if not differs:
+    return [], None
+  for stamp in provenance.get("reproduced", ()):
+    if stamp.get("exact") and not _why_not_exact(stamp):
+      return differs, stamp
+  return differs, None
 
 
 def _why_not_exact(provenance: Mapping[str, Any]) -> list[str]:
@@ -1980,6 +2203,19 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
   modes = ("record", "preview", "rerun", "references", "write", "check", "reproduce", "list")
   if len([m for m in modes if f.get(m)]) != 1:
     raise UserError("give exactly one of " + ", ".join(f"--{m}" for m in modes))
+  given = next(m for m in modes if f.get(m))
+  # Flags of --reproduce alone: given with another mode they would be ignored without a word
+  # (`--check ... --stamp` stamps nothing).
+  for name in ("stamp", "tolerance"):
+    if f.get(name) not in (None, False) and given != "reproduce":
+      raise UserError(f"--{name} only applies to --reproduce, not --{given}")
+  tolerance = f.get("tolerance")
+  if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
+    # NaN fails every comparison (identical values would "not reproduce"); inf passes every one.
+    raise UserError(
+        f"--tolerance={tolerance}: not a finite number >= 0 (the largest |difference| "
+        "--reproduce accepts)"
+    )
   if f["list"]:
     for name in table_names():
       has = "recorded" if os.path.exists(record_path(name)) else "no record"
@@ -2024,9 +2260,17 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
       print(f"Every marked table of {f['check']} matches its record.")
     return 1 if problems else 0
   spec = load_table(f["reproduce"])
-  ok, lines = reproduce(
-      spec, read_record(spec.name), f["workdir"], f["tolerance"], stamp=bool(f.get("stamp"))
-  )
+  try:
+    ok, lines = reproduce(
+        spec, read_record(spec.name), f["workdir"], tolerance, stamp=bool(f.get("stamp"))
+    )
+  except KeyboardInterrupt:  # SIGTERM or Ctrl-C: `reproduce` has stopped the rerun.
+    print(
+        f"error: --reproduce={spec.name}: interrupted; the rerun was stopped, nothing was "
+        "compared or stamped",
+        file=sys.stderr,
+    )
+    return 130
   print("\n".join(lines))
   return 0 if ok else 1
 

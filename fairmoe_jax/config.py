@@ -20,6 +20,7 @@ from trainkit.config import parse_arg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
 from trainkit.preflight.compile import preflight_config, validate_preflight
+from trainkit.remat import validate_remat
 
 DATASETS = (*GENERATED_INFO, "celeba", "celeba_tfds", "isic2019")
 
@@ -60,6 +61,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.predict = ml_collections.ConfigDict(dict(input=""))
   # --mode=compile: the accelerator to compile the run for, without it (README, "Preflight").
   config.preflight = preflight_config()
+  # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
+  config.distributed = cfg.distributed_config()
 
   config.data = ml_collections.ConfigDict(
       dict(
@@ -116,6 +119,11 @@ def base_config() -> ml_collections.ConfigDict:
           num_heads=4,
           mlp_dim=128,
           dropout_rate=0.0,
+          # Rematerialisation of each transformer block in training (trainkit/remat.py): none |
+          # dots (keep the linear layers' outputs, recompute the rest) | block (keep only each
+          # block's input, rerun its forward in the backward pass). Less activation memory
+          # per step for more FLOPs (docs/design.md, "Rematerialisation").
+          remat="none",
       )
   )
   config.moe = ml_collections.ConfigDict(
@@ -328,6 +336,7 @@ def validate(
   depth = cfg.require_int(config, "model.depth", minimum=1)
   cfg.require_int(config, "model.mlp_dim", minimum=1)
   cfg.require_float(config, "model.dropout_rate", minimum=0.0, maximum=1.0)
+  validate_remat(config)
 
   num_experts = cfg.require_int(config, "moe.num_experts", minimum=1)
   top_k = cfg.require_int(config, "moe.top_k", minimum=1)

@@ -44,9 +44,9 @@ from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
 from trainkit.metric_writers import write_atomically
 from trainkit.saved_config import restore_saved_run
-from trainkit.textfiles import iter_lines
+from trainkit.textfiles import is_stream, iter_lines, special_file_kind
 from trainkit.train_state import TrainState
-from trainkit.workdir import RUN_INFO_FILE
+from trainkit.workdir import RUN_INFO_FILE, output_folder
 
 
 @dataclasses.dataclass
@@ -150,13 +150,14 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """
   from safetensors.numpy import save  # Only this mode needs it.
 
+  output_folder(workdir, os.path.dirname(EXPORT_FILE), create=False)  # Before the restore.
   restored = restore_run(config, workdir)
   model = restored.model
   state = export_timm_state_dict(model)
   timm_config = export_lib.timm_config(model, state, config, restored.metadata, restored.step)
   path = storage.join(workdir, EXPORT_FILE)
   if jax.process_index() == 0:
-    storage.makedirs(storage.join(workdir, os.path.dirname(EXPORT_FILE)))
+    output_folder(workdir, os.path.dirname(EXPORT_FILE))
     metadata = {
         "format": "timm",
         "step": str(restored.step),
@@ -191,7 +192,8 @@ PREDICT_FILE = os.path.join("predict", "predictions.csv")
 
 
 def predict_inputs(source: str) -> list[str]:
-  """The image paths `predict.input` names: a folder's images (sorted), or a list file's lines."""
+  """The image paths `predict.input` names: a folder's images (sorted), or a list file's lines
+  (relative to its folder; from a pipe such as /dev/stdin, relative to the current folder)."""
   if not source:
     raise ConfigError(
         "predict.input", "--mode=predict needs --config.predict.input=FOLDER_OR_LIST_FILE"
@@ -206,8 +208,21 @@ def predict_inputs(source: str) -> list[str]:
       raise ConfigError(
           "predict.input", f"folder {source} holds no image ({', '.join(IMAGE_SUFFIXES)})"
       )
+    # Before anything is restored: reading a FIFO blocked predict for good (a stale lock left
+    # when it was killed), a device would be read forever.
+    special = [(p, kind) for p in paths if (kind := special_file_kind(p))]
+    if special:
+      path, kind = special[0]
+      more = f" (and {len(special) - 1} more)" if len(special) > 1 else ""
+      raise ConfigError(
+          "predict.input",
+          f"{path} is {kind}, not an image file{more}: predict reads regular files; move it out "
+          f"of {source}",
+      )
     return paths
-  folder = os.path.dirname(os.path.abspath(source))
+  # A list on a pipe (`--config.predict.input=/dev/stdin`) names paths relative to the current
+  # folder; a list file, relative to its own folder.
+  folder = os.getcwd() if is_stream(source) else os.path.dirname(os.path.abspath(source))
   paths = []
   for _, line in iter_lines(source, "predict.input list"):
     if line.strip() and not line.lstrip().startswith("#"):
@@ -274,6 +289,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   neither is the dataset: the class names come from the workdir's run_info.json.
   """
   check_predictable(config)
+  output_folder(workdir, os.path.dirname(PREDICT_FILE), create=False)  # Before the restore.
   paths = predict_inputs(config.predict.input)
   restored = restore_run(config, workdir)
   examples = predict_examples(restored, config, np.array(paths, dtype=object))
@@ -287,7 +303,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   columns.update(predictions_lib.expert_columns(examples))
   path = storage.join(workdir, PREDICT_FILE)
   if jax.process_index() == 0:
-    storage.makedirs(storage.join(workdir, os.path.dirname(PREDICT_FILE)))
+    output_folder(workdir, os.path.dirname(PREDICT_FILE))
     predictions_lib.write_csv(path, columns)
     print(f"Predicted {len(paths)} images with the checkpoint of step {restored.step}: {path}")
   return path

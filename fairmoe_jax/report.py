@@ -23,7 +23,7 @@ from fairmoe_jax.metrics import intersections as intersections_lib
 from fairmoe_jax.metrics import predictions as predictions_lib
 from fairmoe_jax.metrics.gradients import gradient_cosines
 from trainkit import storage
-from trainkit.metric_writers import read_metrics, write_atomically
+from trainkit.metric_writers import log_exists, read_metrics, write_atomically
 from trainkit.train_state import TrainState
 
 
@@ -138,7 +138,7 @@ def final_report(
         "(a training-time study, not deployable inference)"
     )
   # Only process 0 writes metrics.jsonl; the report is written by it alone.
-  logged = workdir and storage.path(storage.join(workdir, "metrics.jsonl")).exists()
+  logged = workdir and log_exists(storage.join(workdir, "metrics.jsonl"))
   records = read_metrics(workdir) if logged else None
   if "fem" in state.extra:
     counts = np.asarray(jax.device_get(state.extra["fem"]["counts"]))

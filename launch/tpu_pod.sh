@@ -6,9 +6,21 @@
 #
 # Usage: launch/tpu_pod.sh [--dry-run] --name NAME --zone ZONE --accelerator TYPE
 #            [--version VERSION] [--project PROJECT] [--module MODULE] [--delete-after]
-#            [--no-create] -- [main args...]
+#            [--no-create] (-- [main args...] | --commands FILE)
 # Example: launch/tpu_pod.sh --name moe-16 --zone us-west4-a --accelerator v5litepod-16 \
 #            --delete-after -- --config=configs/quickstart.py --workdir=gs://bucket/run
+# A sweep's whole grid on one slice: --commands FILE ("-": standard input) takes the commands
+# that `python -m experiments.sweep --mode=commands` wrote without --launcher (one
+# `python -m MODULE ARGS` line per run). The slice is created and set up once, runs them one
+# after the other on all workers, and with --delete-after is deleted after the last. A run
+# whose gs:// workdir holds its report.json is skipped; a failed run does not stop the others
+# (the script then exits 1 naming it, and the same command resumes it). Example:
+#   python -m experiments.sweep --sweep=configs/sweeps/batch_experts.py \
+#       --workdir=gs://bucket/sweep --mode=commands
+#   gcloud storage cat gs://bucket/sweep/commands.sh | launch/tpu_pod.sh --name moe-16 \
+#       --zone us-west4-a --accelerator v5litepod-16 --delete-after --commands -
+#   python -m experiments.sweep --sweep=configs/sweeps/batch_experts.py \
+#       --workdir=gs://bucket/sweep --mode=collect
 # Every command is printed (prefixed with "+ ") before it runs; --dry-run only prints them.
 # The workdir should be a gs:// path (or another directory shared by all workers).
 # trainkit.distributed reads TRAINKIT_DISTRIBUTED=auto and lets JAX detect the pod.
@@ -19,10 +31,10 @@ set -euo pipefail
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH_SOURCE[0]}")")/common.sh"
 usage_args="[--dry-run] --name NAME --zone ZONE --accelerator TYPE [--version VERSION]"
 usage_args+=" [--project PROJECT] [--module MODULE] [--delete-after] [--no-create]"
-usage_args+=" -- [main args...]"
+usage_args+=" (-- [main args...] | --commands FILE)"
 
 dry_run=0 delete_after=0 create=1
-name="" zone="" accelerator="" project=""
+name="" zone="" accelerator="" project="" commands=""
 version="tpu-ubuntu2204-base" module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -36,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     --version) option_value version "$@"; shift ;;
     --project) option_value project "$@"; shift ;;
     --module) option_value module "$@"; shift ;;
+    --commands) option_value commands "$@"; shift ;;
     --) shift; break ;;
     *) usage_error "unknown argument: $1" ;;
   esac
@@ -44,13 +57,35 @@ done
 [[ -n "$name" && -n "$zone" && -n "$accelerator" ]] || usage
 require_module "$module"
 
+# The runs, as (module, quoted main args) pairs: the one of the command line, or one per line of
+# --commands, all read before the slice is created (a bad line costs nothing).
+run_modules=() run_args=()
+if [[ -z "$commands" ]]; then
+  run_modules+=("$module") run_args+=("$(quote_words "$@")")
+else
+  [[ $# -eq 0 ]] || usage_error "--commands takes the runs from FILE: no main args after --"
+  [[ "$commands" == "-" || -r "$commands" ]] || usage_error "--commands: cannot read $commands"
+  number=0
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    number=$((number + 1))
+    line="${line#"${line%%[![:space:]]*}"}"  # Leading blanks off.
+    # The script's own lines (#!, comments, set -euo pipefail, cd REPO) are not runs.
+    [[ -z "$line" || "$line" == "#"* || "$line" == "set "* || "$line" == "cd "* ]] && continue
+    # The sweep quoted each word for a shell: the arguments go to the workers' shell as written.
+    pattern='^python3?[[:space:]]+-m[[:space:]]+([A-Za-z_][A-Za-z0-9_.]*)(([[:space:]].*)?)$'
+    [[ "$line" =~ $pattern ]] || usage_error "--commands: line $number is not 'python -m MODULE \
+ARGS' (write the sweep's commands without --launcher): $line"
+    args="${BASH_REMATCH[2]}"
+    run_modules+=("${BASH_REMATCH[1]}") run_args+=("${args%"${args##*[![:space:]]}"}")
+  done < <(if [[ "$commands" == "-" ]]; then cat; else cat -- "$commands"; fi)
+  [[ ${#run_modules[@]} -gt 0 ]] || usage_error "--commands: no 'python -m MODULE ARGS' line"
+fi
+
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 remote_dir="fairmoe"
 archive="/tmp/${name}-repo.tar.gz"
 common=(--zone="$zone")
 if [[ -n "$project" ]]; then common+=(--project="$project"); fi
-
-main_args=$(quote_words "$@")
 
 cleanup() {
   local status=$?
@@ -72,6 +107,32 @@ run gcloud compute tpus tpu-vm scp "$archive" "${name}:${remote_dir}.tar.gz" "${
   --worker=all
 run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
   --command="rm -rf ${remote_dir} && mkdir -p ${remote_dir} && tar -xzf ${remote_dir}.tar.gz -C ${remote_dir} && cd ${remote_dir} && pip install -q -e . 'jax[tpu]' gcsfs"
-# Runs on every worker at once; their output streams here.
-run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
-  --command="cd ${remote_dir} && TRAINKIT_DISTRIBUTED=auto python3 -m ${module}${main_args}"
+# `run_on_workers MODULE ARGS`: the main on every worker at once; their output streams here.
+run_on_workers() {
+  run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
+    --command="cd ${remote_dir} && TRAINKIT_DISTRIBUTED=auto python3 -m $1$2"
+}
+if [[ -z "$commands" ]]; then
+  run_on_workers "${run_modules[0]}" "${run_args[0]}"  # Its failure is the script's.
+  exit 0
+fi
+# `finished ARGS`: whether the run's gs:// workdir holds its report.json (not asked in a dry run).
+finished() {
+  [[ $dry_run == 0 && "$1" =~ --workdir=(gs://[^[:space:]\']+) ]] || return 1
+  gcloud storage ls "${BASH_REMATCH[1]}/report.json" >/dev/null 2>&1
+}
+# The grid: one run after the other; a failed run does not stop the rest.
+failed=()
+for i in "${!run_modules[@]}"; do
+  if finished "${run_args[$i]}"; then
+    echo "== run $((i + 1)) of ${#run_modules[@]}: finished already (report.json), skipped" >&2
+    continue
+  fi
+  echo "== run $((i + 1)) of ${#run_modules[@]}:${run_args[$i]}" >&2
+  run_on_workers "${run_modules[$i]}" "${run_args[$i]}" || failed+=("$((i + 1))")
+done
+if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "${#failed[@]} of ${#run_modules[@]} runs failed (run ${failed[*]}); the same command" \
+    "reruns them, each from its checkpoint, and skips the finished ones" >&2
+  exit 1
+fi

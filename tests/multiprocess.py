@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+HEARTBEAT_TIMEOUT_S = 60
+
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -25,7 +27,9 @@ def cpu_env(devices: int = 1, **extra: str) -> dict[str, str]:
 def start(
     module: str, args: list[str], *, processes: int, cwd: pathlib.Path, logs: pathlib.Path, **extra
 ) -> list[subprocess.Popen]:
-  """Process i logs to `logs`.i.log; a short heartbeat timeout bounds any hang."""
+  """Process i logs to `logs`.i.log; a heartbeat timeout bounds any hang: a minute, not less,
+  so that a process starved of CPU on a loaded machine (two cores shared by a test run) is not
+  taken for a dead one."""
   port = free_port()
   started = []
   for i in range(processes):
@@ -33,7 +37,7 @@ def start(
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
         JAX_NUM_PROCESSES=str(processes),
         JAX_PROCESS_ID=str(i),
-        TRAINKIT_HEARTBEAT_TIMEOUT="15",
+        TRAINKIT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S),
         **extra,
     )
     with open(f"{logs}.{i}.log", "w") as log:

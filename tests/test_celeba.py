@@ -185,6 +185,28 @@ def test_unknown_attribute_lists_the_available_ones(tmp_path):
   assert "available: Attractive Male Young" in message
 
 
+def test_a_data_file_pointed_at_another_kind_of_file_is_named_without_echoing_its_content(
+    tmp_path,
+):
+  # A config.json edited to point data.attr_file at a system file: the error printed that
+  # file's first line ("available: root:x:0:0:root:/root:/bin/bash").
+  good_layout(tmp_path)
+  secret = tmp_path / "passwd"
+  secret.write_text("root:x:0:0:s3cret-hash:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/bin/sh\n")
+  with pytest.raises(UserError) as e:
+    celeba.load_celeba(root=str(tmp_path), attr_file=str(secret), image_size=8, preload=False)
+  message = str(e.value)
+  assert message.startswith(f"{secret}:1: expected the attribute names"), message
+  assert "check data.attr_file" in message
+  for content in ("root", "s3cret", "bash", "daemon"):
+    assert content not in message.replace(str(tmp_path), ""), message
+  # The same for the partition and identity readers, which repeated the offending line.
+  for reader in (celeba.read_partition, celeba.read_identities):
+    with pytest.raises(UserError) as e:
+      reader(secret)
+    assert "s3cret" not in str(e.value) and str(e.value).startswith(f"{secret}:1: expected")
+
+
 @pytest.mark.parametrize(
     "edit, pattern",
     [

@@ -1,5 +1,6 @@
 """End to end through `python -m fairmoe_jax.main`: training, reports, resume, SIGTERM, bad input."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -319,3 +320,52 @@ def test_a_workdir_deleted_while_training_is_one_line(repo_root, tmp_path):
   assert line.startswith(f"error: the workdir {workdir} vanished while the run was using it")
   assert "Traceback" not in stderr, stderr[-3000:]
   assert not workdir.exists()  # Nothing recreated.
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiles for a TPU target: needs libtpu (the preflight extra)",
+)
+def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_path):
+  # SIGTERM killed `--mode=compile` without any clean-up: a stale .run.lock (a new workdir
+  # held nothing else) and, for a TPU target, libtpu's native stack dump.
+  workdir = tmp_path / "compile"
+  process = subprocess.Popen(
+      _command(repo_root, workdir, "--mode=compile", "--config.preflight.target=v5e-8"),
+      cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  try:
+    deadline = time.time() + 120
+    while not (workdir / ".run.lock").exists():
+      assert process.poll() is None and time.time() < deadline, process.communicate()
+      time.sleep(0.05)
+    time.sleep(1.0)  # Into the compilation.
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=30)  # At once, not after the compilation.
+  finally:
+    if process.poll() is None:
+      process.kill()
+  assert process.returncode == 128 + signal.SIGTERM, err
+  assert err.strip().splitlines()[-1] == (
+      "stopped by SIGTERM during --mode=compile; nothing was written"
+  ), err
+  assert "RAW:" not in err and "SIGTERM received" not in err, err  # libtpu's crash report.
+  assert not workdir.exists()  # Created by this run, and left with nothing.
+  # In a workdir that existed, only the lock goes.
+  workdir.mkdir()
+  (workdir / "notes.txt").write_text("mine")
+  process = subprocess.Popen(
+      _command(repo_root, workdir, "--mode=compile", "--config.preflight.target=v5e-8"),
+      cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  try:
+    while not (workdir / ".run.lock").exists():
+      assert process.poll() is None, process.communicate()
+      time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=30)
+  finally:
+    if process.poll() is None:
+      process.kill()
+  assert process.returncode == 128 + signal.SIGTERM
+  assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]

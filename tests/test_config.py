@@ -155,3 +155,47 @@ def test_generated_data_larger_than_the_host_s_memory_is_refused_naming_the_key(
   with pytest.raises(ConfigError, match="more than half of this host's") as e:
     validate(config, num_devices=8, check_data=False)
   assert e.value.key == key
+
+
+def test_a_run_of_one_process_may_leave_devices_idle_with_a_warning(caplog):
+  # On purpose, e.g. a one-device reference run on a host of 8 (tests/test_sharded_training.py):
+  # it runs, and says what it leaves idle and which key fills the devices.
+  from trainkit.mesh import make_mesh  # pylint: disable=import-outside-toplevel
+
+  with caplog.at_level("WARNING"):
+    mesh = make_mesh({"data": 2, "expert": 1})
+  assert mesh.devices.size == 2
+  assert "mesh.data=2 x mesh.expert=1 uses 2 of the 8 devices of this run, leaving 6 idle" in (
+      caplog.text
+  )
+  assert "set mesh.data=-1" in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    make_mesh({"data": -1, "expert": 2})
+  assert not caplog.text
+
+
+def test_a_run_of_several_processes_must_use_all_their_devices(monkeypatch):
+  # Each process feeds its devices its block of the batch: a mesh over some of them would leave
+  # a process without devices to feed, or hold rows another process reads.
+  from trainkit import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(mesh_lib.jax, "process_count", lambda: 2)
+  pattern = r"uses 4 of the 8 devices of this run \(2 processes\), leaving 4 idle"
+  with pytest.raises(ConfigError, match=pattern) as e:
+    mesh_lib.make_mesh({"data": 4, "expert": 1})
+  assert e.value.key == "mesh.data"
+  assert mesh_lib.make_mesh({"data": -1, "expert": 4}).devices.size == 8
+
+
+@pytest.mark.parametrize(
+    "mesh, key",
+    [({"data": 2, "expert": 1}, "mesh.data"), ({"data": 1, "expert": 3}, "mesh.expert")],
+)
+def test_the_idle_devices_error_names_the_key_that_fills_them(mesh, key):
+  from trainkit.mesh import require_all_devices  # pylint: disable=import-outside-toplevel
+
+  with pytest.raises(ConfigError) as e:
+    require_all_devices(mesh, 8, "the 8 devices of h100x8")
+  assert e.value.key == key
+  assert require_all_devices({"data": -1, "expert": 2}, 8, "the 8 devices of h100x8") == (4, 2)

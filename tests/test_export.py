@@ -316,6 +316,91 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
   assert json.loads((workdir / "export" / "config.json").read_text())["timm_loadable"] is True
 
 
+def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(dense_run, tmp_path):
+  # Round three kept single files from being written through a planted link; a link in place
+  # of the export/ or predict/ folder still had model.safetensors, config.json and
+  # predictions.csv written to the folder it points to.
+  workdir = tmp_path / "copy"
+  shutil.copytree(dense_run[0], workdir, symlinks=True)
+  shutil.rmtree(workdir / "export")
+  images = tmp_path / "images"
+  images.mkdir()
+  Image.new("RGB", (32, 32)).save(images / "a.png")
+  for folder, mode in (("export", ["--mode=export"]),
+                       ("predict", ["--mode=predict", f"--config.predict.input={images}"])):
+    outside = tmp_path / f"outside_{folder}"
+    outside.mkdir()
+    (workdir / folder).symlink_to(outside)
+    result = subprocess.run(
+        [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", *mode],
+        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(
+        f"error: '{workdir / folder}' is a symbolic link to {outside}, outside the workdir"
+    ), line
+    assert list(outside.iterdir()) == []  # Nothing written there.
+  # A link to a folder inside the workdir stays allowed.
+  (workdir / "export").unlink()
+  (workdir / "exports").mkdir()
+  (workdir / "export").symlink_to(workdir / "exports")
+  from trainkit.workdir import output_folder
+
+  assert output_folder(str(workdir), "export") == str(workdir / "export")
+
+
+def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_stdin(
+    dense_run, tmp_path
+):
+  # A FIFO among the images hung --mode=predict until killed (a stale lock left);
+  # `--config.predict.input=/dev/stdin` (a pipe) said "list file does not exist".
+  import os
+  import socket
+
+  workdir = tmp_path / "copy"
+  shutil.copytree(dense_run[0], workdir, symlinks=True)
+  images = tmp_path / "images"
+  images.mkdir()
+  Image.new("RGB", (32, 32), (200, 10, 10)).save(images / "a.png")
+
+  def predict(source, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", "--mode=predict",
+         f"--config.predict.input={source}"],
+        cwd=kwargs.pop("cwd", REPO_ROOT), env=_env(), capture_output=True, text=True,
+        timeout=120, **kwargs,
+    )
+
+  # A list on stdin: its relative paths are read from the current folder.
+  result = predict("/dev/stdin", input="a.png\n", cwd=images)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = (workdir / "predict" / "predictions.csv").read_text().splitlines()
+  assert len(rows) == 2 and rows[1].startswith(f"{images / 'a.png'},"), rows
+  # Special files with an image's name: one line naming the file and its kind, before the run
+  # restores anything; and the image reader refuses them too (a list file may name one).
+  os.mkfifo(images / "b.jpg")
+  result = predict(images)
+  assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
+  (line,) = result.stderr.strip().splitlines()
+  assert line == (
+      f"error: config key 'predict.input': {images / 'b.jpg'} is a named pipe (FIFO), not an "
+      f"image file: predict reads regular files; move it out of {images}"
+  ), line
+  assert not (workdir / ".run.lock").exists()
+  os.remove(images / "b.jpg")
+  with socket.socket(socket.AF_UNIX) as server:
+    server.bind(str(images / "c.png"))
+    (images / "d.jpg").mkdir()
+    from fairmoe_jax.inference import predict_inputs
+
+    with pytest.raises(UserError, match=r"c\.png is a socket, not an image file \(and 1 more\)"):
+      predict_inputs(str(images))
+  os.mkfifo(tmp_path / "e.jpg")
+  with pytest.raises(UserError, match=r"e\.jpg is a named pipe \(FIFO\), not an image file"):
+    images_lib.load_image(tmp_path / "e.jpg", 32)  # Not opened: that would block.
+
+
 def test_an_evaluation_step_that_cannot_fit_is_refused_naming_eval_batch_size(dense_run, monkeypatch):
   import fairmoe_jax
   from trainkit import fits

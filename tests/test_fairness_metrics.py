@@ -392,7 +392,8 @@ def test_report_schema_and_values():
 
   for name, counts in zip(names, per_attribute):
     attr = report["attributes"][name]
-    assert set(attr) == {*METRIC_NAMES, "groups", "empty_groups"}
+    assert set(attr) == {*METRIC_NAMES, "groups", "empty_groups", "single_group"}
+    assert attr["single_group"] is False
     assert all(type(attr[m]) is float for m in METRIC_NAMES)
     ref = attribute_fairness(counts)
     for m in METRIC_NAMES:
@@ -423,6 +424,42 @@ def test_format_report_lists_groups_and_mf():
   assert f"PQD {report['mf']['pqd']:.4f}" in mf_lines
   assert f"EOdds {report['mf']['eodds']:.4f}" in mf_lines
   assert f"{100 * report['accuracy']:.2f}%" in text
+
+
+def test_an_attribute_with_one_group_in_the_split_is_left_out_of_mf_and_flagged():
+  # `data.sensitive=Male,Bald` on an identity fold without a Bald person: Bald scored
+  # PQD 1.0 / DP 0.0 by definition and MF-PQD averaged it in (0.849 against Male's 0.698),
+  # with no word of it.
+  rng = np.random.default_rng(3)
+  n, num_classes = 200, 2
+  labels, preds, _, mask = _random_batch(rng, n, 1, num_classes)
+  male = rng.integers(0, 2, n)
+  bald = np.zeros(n, np.int64)  # Everyone "not_Bald".
+  overall = np.asarray(overall_counts(labels, preds, mask, num_classes=num_classes))
+  per_attribute = [
+      np.asarray(c)
+      for c in attribute_counts(
+          labels, preds, np.stack([male, bald], 1), mask, group_sizes=(2, 2),
+          num_classes=num_classes,
+      )
+  ]
+  names, groups = ["Male", "Bald"], [["not_Male", "Male"], ["not_Bald", "Bald"]]
+  report = fairness_report(overall, per_attribute, names, groups)
+  json.dumps(report, allow_nan=False)
+  for m in METRIC_NAMES:  # The mean over the measurable attribute alone.
+    assert report["mf"][m] == report["attributes"]["Male"][m]
+  assert report["mf"]["pqd"] < 1.0
+  assert attribute_fairness(per_attribute[1]).measurable is False
+  assert report["attributes"]["Bald"]["single_group"] is True
+  assert report["attributes"]["Male"]["single_group"] is False
+  assert report["mf_excluded"] == ["Bald"]
+  text = format_report(report)
+  assert "MF (mean over 1 of 2 attributes; left out, one group only: Bald)" in text
+  bald_section = text.split("[Bald]")[1].split("\n\n")[0]
+  assert "Warning: one group only in this split" in bald_section
+  # Every attribute measurable: no key, the heading as before.
+  full = fairness_report(overall, per_attribute[:1], names[:1], groups[:1])
+  assert "mf_excluded" not in full and "MF (mean over 1 attributes)" in format_report(full)
 
 
 def test_report_rejects_mismatched_names():

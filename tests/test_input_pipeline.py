@@ -3,6 +3,11 @@ real CelebA files, worker processes, normalisation on the device and the device 
 (fairmoe_jax/data/{pipeline,augment}.py, trainkit/prefetch.py)."""
 
 import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -90,6 +95,144 @@ def test_worker_processes_give_the_in_process_batches_and_resume_exactly():
   for batch in expected[3:]:  # Crosses the epoch boundary (5 batches per epoch).
     np.testing.assert_array_equal(next(resumed)["attributes"], batch["attributes"])
   resumed.close()
+
+
+def test_a_run_resumes_exactly_with_another_number_of_workers():
+  # The iterator state was grain's, one entry per worker: saved with 2 and resumed with
+  # 0, 3 or 4 (and the reverse), set_state raised IndexError/KeyError, so every checkpoint was
+  # set aside as unreadable ("no readable checkpoint"), or, 2 -> 3, resumed elsewhere silently.
+  rng = np.random.default_rng(0)
+  n = 40
+  arrays = {
+      "image": rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8),
+      "label": np.arange(n, dtype=np.int32) % 4,
+      "attributes": np.arange(n, dtype=np.int32)[:, None],
+  }
+  kwargs = dict(global_batch_size=8, image_size=12, seed=2, num_threads=0)
+  in_process = pipeline.train_iterator(arrays, **kwargs)
+  expected = [next(in_process)["attributes"] for _ in range(7)]
+  saved = pipeline.train_iterator(arrays, num_workers=2, **kwargs)
+  for _ in range(3):
+    next(saved)
+  state = saved.get_state()
+  saved.close()
+  assert state == {"next_index": 3}  # What 0 workers save too.
+  # grain's own state of 2 workers after 3 batches (checkpoints of earlier versions).
+  grain_state = {
+      "next_index_in_cycle": 1, "next_index_in_datasets": 2, "iterators_in_use_indices": [0, 1],
+      "iterators_in_use_states": [{"next_index": 2}, {"next_index": 1}], "exhausted": [0, 0],
+      "future_states": {},
+  }
+  for workers, resume_from in ((0, state), (3, state), (0, grain_state)):
+    resumed = pipeline.train_iterator(arrays, num_workers=workers, **kwargs)
+    resumed.set_state(resume_from)
+    for batch in expected[3:]:  # Crosses the epoch boundary (5 batches per epoch).
+      np.testing.assert_array_equal(next(resumed)["attributes"], batch)
+    resumed.close()
+  # A state that is no position of the stream is refused (the checkpoint is skipped).
+  for bad in ({}, {"next_index": -1}, {"next_index": "3"},
+              {**grain_state, "iterators_in_use_states": [{"next_index": 0}, {"next_index": 3}]}):
+    with pytest.raises(ValueError):
+      pipeline.train_iterator(arrays, **kwargs).set_state(bad)
+
+
+# Reads batches with 2 worker processes until it is stopped; says when both are under way.
+_WORKERS_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from fairmoe_jax.data import pipeline
+    from trainkit.errors import UserError
+
+    if __name__ == "__main__":
+      n = 64
+      arrays = {"image": np.zeros((n, 8, 8, 3), np.uint8), "label": np.zeros(n, np.int32),
+                "attributes": np.zeros((n, 1), np.int32)}
+      batches = pipeline.train_iterator(arrays, global_batch_size=8, image_size=8, seed=0,
+                                        num_threads=0, num_workers=2)
+      for _ in range(4):  # Both workers have started and produced batches.
+        next(batches)
+      print("ready", flush=True)
+      try:
+        while True:
+          next(batches)
+      except KeyboardInterrupt:
+        print("interrupted", flush=True)
+      except UserError as e:
+        print(f"error: {e}", flush=True)
+      batches.close()
+""")
+
+
+def _children(pid: int) -> list[int]:
+  found = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+      continue
+    if entry.isdigit() and int(fields[1]) == pid:
+      found.append(int(entry))
+  return found
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _until(condition, what: str, timeout: float = 30.0) -> None:
+  deadline = time.time() + timeout
+  while not condition():
+    assert time.time() < deadline, f"{what} did not happen within {timeout:.0f} s"
+    time.sleep(0.05)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc (Linux)")
+@pytest.mark.parametrize("fault", ["kill_main", "kill_worker", "ctrl_c"])
+def test_worker_processes_end_with_the_run_and_their_faults_are_one_line(tmp_path, fault):
+  # With data.num_workers=2: a SIGKILL of the main process (a preemption, the OOM killer)
+  # left the workers and the resource tracker running, re-parented to PID 1, for good; a SIGKILL
+  # of one worker was a RuntimeError traceback; Ctrl-C printed a KeyboardInterrupt traceback
+  # from each worker.
+  script = tmp_path / "read.py"
+  script.write_text(_WORKERS_SCRIPT)
+  process = subprocess.Popen(
+      [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      start_new_session=True,  # Its own process group, as a terminal's foreground job.
+  )
+  descendants: list[int] = []
+  try:
+    assert process.stdout.readline() == "ready\n", process.stderr.read()
+    # The workers (multiprocessing's spawn_main) and the resource tracker.
+    descendants = _children(process.pid)
+    workers = [p for p in descendants if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(workers) == 2, descendants
+    if fault == "kill_main":
+      process.kill()
+      process.wait()
+      _until(lambda: not any(_alive(p) for p in descendants), "the end of the workers")
+      return
+    if fault == "kill_worker":
+      os.kill(workers[0], signal.SIGKILL)
+    else:
+      os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+  finally:
+    if process.poll() is None:
+      process.kill()
+    for pid in descendants:  # Whatever outlived the test (the faults this test is about).
+      if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+  assert process.returncode == 0, err
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+  if fault == "kill_worker":
+    assert "error: a data worker process (data.num_workers=2) died with exit code -9" in out, out
+  else:
+    assert out.splitlines()[-1] == "interrupted", out
 
 
 def test_bad_num_workers_and_resampling_are_refused():

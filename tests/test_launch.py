@@ -457,3 +457,44 @@ def test_tpu_pod_is_auto_detected_by_jax(env):
 def test_malformed_values_name_the_variable(env, variable):
   with pytest.raises(UserError, match=variable):
     distributed_args(env)
+
+
+def test_a_late_process_is_named_as_the_cause_not_the_checkpoint_directory(tmp_path, monkeypatch):
+  # On a busy host Gloo gave up on the first collective after its fixed 30 s, inside Orbax's
+  # synchronisation when the checkpointer opened, and the run said "process 0 of 2: cannot open
+  # checkpoint directory ...: Gloo context initialization failed".
+  import orbax.checkpoint as ocp
+
+  from trainkit import checkpoint
+  from trainkit.distributed import STARTUP_TIMEOUT_KEY, describe_failure
+
+  gloo = RuntimeError(
+      "INTERNAL: Gloo context initialization failed: [gloo/rendezvous/context.cc:74] Timed out "
+      "waiting for peer 1"
+  )
+
+  def failing_manager(*args, **kwargs):
+    raise gloo
+
+  monkeypatch.setattr(ocp, "CheckpointManager", failing_manager)
+  monkeypatch.setattr(checkpoint.jax, "process_count", lambda: 2)
+  with pytest.raises(RuntimeError) as raised:
+    checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
+  assert not isinstance(raised.value, UserError)  # Not blamed on the directory.
+  monkeypatch.undo()
+  message, code, with_traceback = describe_failure(raised.value, "process 0 of 2", "Restart.")
+  assert message.startswith("error: process 0 of 2: the processes' CPU collectives could not "
+                            "connect (INTERNAL: Gloo context initialization failed")
+  assert "reached its first collective more than 30 s (Gloo's limit) after this one" in message
+  assert STARTUP_TIMEOUT_KEY in message and (code, with_traceback) == (1, False)
+  # The wait that keeps the processes together is a config key with a generous default.
+  from causal_attn_jax.config import base_config as causal_base
+  from fairmoe_jax.config import base_config as fair_base
+  from trainkit import config as cfg
+  from trainkit.errors import ConfigError
+
+  for base in (fair_base(), causal_base()):
+    assert base.distributed.startup_timeout_s == 600 and cfg.startup_timeout_s(base) == 600
+    base.distributed.startup_timeout_s = 0.0
+    with pytest.raises(ConfigError, match=STARTUP_TIMEOUT_KEY):
+      cfg.validate_run(base, num_devices=1)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from conftest import SHARED_DATA
-from multiprocess import cpu_env, log_text, start
+from multiprocess import HEARTBEAT_TIMEOUT_S, cpu_env, log_text, start
 from test_causal_cli import TINY as CAUSAL_TINY
 from trainkit.metric_writers import read_metrics
 
@@ -116,8 +116,9 @@ def test_two_processes_train_like_one_through_sigterm_a_dead_process_and_resumes
   code = processes[1].wait(timeout=120)
   elapsed = time.time() - killed_at
   assert code not in (0, None)
-  # Gloo notices the closed connection at once; the heartbeat timeout (15 s) is the bound.
-  assert elapsed < 40, f"the surviving process took {elapsed:.0f} s to stop"
+  # Gloo notices the closed connection at once; the heartbeat timeout is the bound (with room
+  # for a loaded machine: a hang would last until the test's own timeout).
+  assert elapsed < HEARTBEAT_TIMEOUT_S + 30, f"the surviving process took {elapsed:.0f} s to stop"
   # Either our message (a collective failed first) or JAX's own (its coordination service,
   # hosted by the killed process 0, noticed first and aborted the process): both say why.
   survivor = log_text(logs, 1)

@@ -34,8 +34,10 @@ from trainkit.mesh import make_mesh
 from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
 from trainkit.preflight import analysis
 from trainkit.preflight.compile import (
+    MEMORY_KEYS,
     does_not_fit_message,
     host_rows,
+    memory_keys,
     persistent_cache_off,
     preflight,
     summary,
@@ -128,6 +130,19 @@ def test_quickstart_on_an_h100_node():
   assert train["bytes_accessed_source"].startswith("hlo cost analysis of the optimised program")
   assert train["flops_source"] != "xla cost analysis"
   assert "all-reduce" in train["collectives"]  # Data parallel: gradients are summed.
+  # The bytes and FLOPs count the cuBLAS/cuDNN calls the cost analysis skips; the gradients'
+  # all-reduce is priced on NVLink and lengthens the no-overlap step beyond the roofline's.
+  split = train["cost_split"]
+  assert split["library_calls"]["bytes accessed"] > 0 and split["library_calls"]["flops"] > 0
+  assert train["bytes_accessed_per_device"] == pytest.approx(
+      split["fusions"]["bytes accessed"] + split["library_calls"]["bytes accessed"]
+  )
+  run = record["run"]
+  assert train["collective_seconds"] > 0 and run["collective_seconds"] == train["collective_seconds"]
+  assert run["step_seconds"] == run["step_seconds_no_overlap"] > run["compute_step_seconds"]
+  assert run["step_seconds_full_overlap"] == max(run["compute_step_seconds"], train["collective_seconds"])
+  assert run["device_hours"] > run["device_hours_full_overlap"] > 0
+  assert "without overlap" in summary(record) and "with full overlap" in summary(record)
   total, _ = param_bytes_by_hand(config)
   assert train["memory"]["parameters"] == total
   # The fit counts the training batches a run keeps on each device, as trainkit.fits does: the
@@ -170,7 +185,9 @@ def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
   assert record["train_step"]["memory"]["peak"] > 2 * 16 * 2**30
   message = does_not_fit_message(record)
   assert message.startswith("does not fit on v5e-8 (16.00 GiB usable per device)")
-  assert "batch_size" in message and "mesh.data" in message and "short" in message
+  assert "batch_size" in message and "short" in message
+  # 8 chips: the experts can be split over more of them (the mesh already covers all 8).
+  assert "mesh.expert" in message and "mesh.data" not in message
 
 
 def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
@@ -190,6 +207,9 @@ def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
   assert len(error) == 1 and "Traceback" not in result.stderr
   assert error[0].startswith("error: does not fit on h100x1 (59.33 GiB usable per device)")
   assert "short" in error[0] and "batch_size" in error[0]
+  # One GPU: no mesh key can help; the quickstart computes in float32 without remat.
+  assert "mesh." not in error[0]
+  assert "model.remat (now 'none'" in error[0] and "compute_dtype=bfloat16" in error[0]
   record = json.loads((workdir / "preflight.json").read_text())
   peak = record["train_step"]["memory"]["peak"]
   assert peak > record["target"]["usable_bytes"] and not record["fits"]
@@ -294,8 +314,8 @@ def test_describing_a_slice_leaves_no_tpu_pod_variables_to_subprocesses():
 @pytest.mark.parametrize(
     "key, value, pattern",
     [
-        ("preflight.target", "v9-1024", r"preflight.target.*unknown target 'v9-1024'; known: v4-8"),
-        ("preflight.utilization", 0.0, r"preflight.utilization"),
+        ("preflight.target", "v9-1024", r"preflight.target.*unknown target 'v9-1024'; known: v3-8, v4-8"),
+        ("preflight.utilization", -0.1, r"preflight.utilization"),
         ("preflight.utilization", float("nan"), r"preflight.utilization"),
         ("preflight.train_examples", -1, r"preflight.train_examples"),
     ],
@@ -308,7 +328,7 @@ def test_bad_preflight_keys_are_errors_naming_the_key(key, value, pattern):
 
 def test_compile_without_a_target_names_the_key():
   config = quickstart()
-  with pytest.raises(ConfigError, match=r"preflight.target.*name the target to compile for; known: v4-8"):
+  with pytest.raises(ConfigError, match=r"preflight.target.*name the target to compile for; known: v3-8, v4-8"):
     preflight(config, preflight_program)
 
 
@@ -335,3 +355,119 @@ def test_an_attribute_xla_cannot_read_back_is_dropped_with_its_nested_braces():
       "%a = f32[4] all-reduce-start(%x), channel_id=9, to_apply=%add, "
       "frontend_attributes={is_spmd=\"true\"}")
   assert analysis._without_attribute(line, "absent") == line
+
+
+def _refused(target: str, *, compute_dtype: str, remat: str, train: bool, eval: bool):
+  """A record of a run that does not fit (the fields `does_not_fit_message` reads)."""
+  t = get_target(target)
+  step = lambda fits: {"fits": fits, "memory": {"peak": 2 * t.usable_bytes}}
+  return {
+      "target": {"name": t.name, "devices": t.num_devices, "usable_bytes": t.usable_bytes},
+      "compute_dtype": compute_dtype,
+      "remat": remat,
+      "train_step": step(not train),
+      "eval_step": step(not eval),
+  }
+
+
+@pytest.mark.parametrize(
+    "record, named, not_named",
+    [
+        # One H100 in bfloat16 without remat: the batch or remat can help; no mesh key, no dtype.
+        (
+            _refused("h100x1", compute_dtype="bfloat16", remat="none", train=True, eval=False),
+            ["batch_size", "model.remat (now 'none'; 'dots' or 'block'"],
+            ["compute_dtype", "mesh.", "eval_batch_size"],
+        ),
+        # At the strongest remat in float32: the batch or bfloat16.
+        (
+            _refused("h100x1", compute_dtype="float32", remat="block", train=True, eval=False),
+            ["batch_size", "compute_dtype=bfloat16"],
+            ["model.remat", "mesh."],
+        ),
+        # Eight GPUs: the experts may be split over more of them.
+        (
+            _refused("h100x8", compute_dtype="bfloat16", remat="dots", train=True, eval=False),
+            ["batch_size", "model.remat (now 'dots'; 'block'", "mesh.expert", "of the 8 devices"],
+            ["compute_dtype", "mesh.data"],
+        ),
+        # The eval step alone: remat (training only) and batch_size cannot help it.
+        (
+            _refused("h100x1", compute_dtype="bfloat16", remat="none", train=False, eval=True),
+            ["eval_batch_size"],
+            ["model.remat", "Change batch_size", "compute_dtype", "mesh."],
+        ),
+    ],
+    ids=["h100x1-bf16", "h100x1-f32-block", "h100x8", "eval-only"],
+)
+def test_a_refusal_names_only_the_keys_that_can_help_on_its_target(record, named, not_named):
+  message = does_not_fit_message(record)
+  assert message.startswith(f"does not fit on {record['target']['name']}")
+  keys = [re.split(r"[ =]", item)[0] for item in memory_keys(record)]
+  assert keys and set(keys) <= set(MEMORY_KEYS)
+  for text in named:
+    assert text in message, (text, message)
+  for text in not_named:
+    assert text not in message, (text, message)
+
+
+def test_the_gpu_compiler_is_given_the_memory_jax_gives_a_program(capfd):
+  # XLA's GPU compiler takes 80% of the described memory as its base limit when no client
+  # passes its allocator's size (targets.py's docstring), and says so when a program's
+  # arguments and outputs alone exceed it: the base it logs is the fit's usable bytes.
+  target = get_target("h100x1")
+  sharding = jax.sharding.SingleDeviceSharding(devices(target)[0])
+  n = target.usable_bytes // 8 + 1024  # float32 argument and output: just over the usable bytes.
+  x = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding)
+  with persistent_cache_off():
+    jax.jit(lambda x: x * 2).lower(x).compile()
+  found = re.findall(r"exceeds the base limit \((\d+)\)", capfd.readouterr().err)
+  assert found and {int(b) for b in found} == {target.usable_bytes}, found
+  assert target.usable_bytes == int(target.memory_bytes * 0.75)
+
+
+def test_xla_python_client_mem_fraction_sets_the_usable_memory_and_the_compilers(monkeypatch):
+  from trainkit.preflight import targets  # pylint: disable=import-outside-toplevel
+
+  def target_with(value):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", value)
+    targets.gpu_memory_fraction.cache_clear()
+    return get_target("h100x1")
+
+  try:
+    half = target_with("0.5")
+    assert half.usable_fraction == 0.5 and half.usable_bytes == half.memory_bytes // 2
+    described = int(re.search(r"device_memory_size: (\d+)", half.gpu_description).group(1))
+    assert described * 80 // 100 == half.usable_bytes  # XLA's base limit.
+    assert get_target("v5e-8").usable_fraction == 1.0  # TPUs: the compiler checks the fit.
+    for bad in ("abc", "0", "1.5", "nan"):
+      with pytest.raises(UserError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION=.*number in \(0, 1\]"):
+        target_with(bad)
+  finally:
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    targets.gpu_memory_fraction.cache_clear()
+  assert get_target("h100x1") == TARGETS["h100x1"]
+
+
+@pytest.mark.parametrize(
+    "mesh, key, pattern",
+    [
+        # Compiling for 2 of the 8 GPUs would print another run's per-device figures.
+        (
+            {"data": 2},
+            "mesh.data",
+            r"mesh.data=2 x mesh.expert=1 uses 2 of the 8 devices of h100x8, leaving 6 idle; "
+            r"set mesh.data=-1, which fills them \(data=8 x expert=1\)",
+        ),
+        ({"data": 1, "expert": 4}, "mesh.data", r"uses 4 of the 8 devices.*data=2 x expert=4"),
+        # The key the user set, not the -1 of mesh.data's default that cannot fill.
+        ({"expert": 3}, "mesh.expert", r"3 does not divide the 8 devices.*one of 1, 2, 4, 8"),
+    ],
+)
+def test_a_mesh_that_does_not_cover_the_target_is_refused_naming_the_key(mesh, key, pattern):
+  # 12 experts divide over any of these expert axes: the mesh is refused for its coverage only.
+  config = quickstart(**{"preflight.target": "h100x8", "moe.num_experts": 12})
+  config.mesh.update(mesh)
+  with pytest.raises(ConfigError, match=pattern) as e:
+    preflight(config, preflight_program)
+  assert e.value.key == key

@@ -38,9 +38,18 @@ class Places:
     for directory in (self.bucket, self.cwd, self.tmp):
       directory.mkdir()
 
-  def run(self, module, *args, fake=True):
+  def run(self, module, *args, fake=True, hide_gcsfs=False):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # One device.
     env.update(PYTHONPATH=str(REPO_ROOT), TMPDIR=str(self.tmp), FAKE_GCS_ROOT=str(self.bucket))
+    if hide_gcsfs:
+      # gcsfs is installed with the test extra: a package of the same name that cannot be
+      # imported, first on the path, is what a user without gcsfs has.
+      hidden = self.cwd.parent / "without_gcsfs"
+      (hidden / "gcsfs").mkdir(parents=True, exist_ok=True)
+      (hidden / "gcsfs" / "__init__.py").write_text(
+          "raise ImportError(\"No module named 'gcsfs'\", name='gcsfs')\n"
+      )
+      env["PYTHONPATH"] = os.pathsep.join([str(hidden), str(REPO_ROOT)])
     command = [sys.executable, str(FAKE_GCS), module] if fake else [sys.executable, "-m", module]
     return subprocess.run(
         [*command, *map(str, args)],
@@ -177,6 +186,7 @@ def test_a_file_system_that_is_not_installed_is_one_error_before_any_write(
       f"--config={REPO_ROOT / 'configs/quickstart.py'}",
       f"--workdir={workdir}",
       fake=False,
+      hide_gcsfs=True,
   )
   assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
   lines = result.stderr.strip().splitlines()
@@ -199,8 +209,9 @@ def test_uris_keep_their_scheme_and_local_paths_become_absolute(tmp_path, monkey
   assert list(storage.walk_files(str(tmp_path / "absent"))) == []
 
 
-def test_a_sweep_workdir_on_gs_is_one_error():
+def test_a_sweep_run_on_gs_is_one_error_pointing_to_commands():
   from experiments import sweep
 
-  with pytest.raises(UserError, match="a sweep's workdir is a local directory"):
+  # --mode=commands and --mode=collect take a gs:// workdir (tests/test_gcs_server.py).
+  with pytest.raises(UserError, match="--mode=run runs the sweep on this machine.*--mode=commands"):
     sweep.execute("configs/sweeps/batch_experts.py", "gs://bucket/sweep")

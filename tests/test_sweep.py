@@ -783,3 +783,31 @@ def test_only_names_an_unknown_key_or_value(only, message):
   sweep = spec.validate_sweep(_sweep())
   with pytest.raises(UserError, match=re.escape(f"--only={only}: {message}")):
     sweep_cli.restrict_grid(sweep, [only])
+
+
+def test_collect_of_a_subset_writes_its_tables_beside_the_full_sweep_s(
+    tmp_path, stub_env, monkeypatch, capsys
+):
+  """`--mode=collect --only=KEY=VALUE` on a finished sweep overwrote its
+  sweep.md/.csv/.json (and plots) with the subset's, without a word."""
+  # restrict_grid edits the sweep it is given: a fresh one per command, as from the file.
+  monkeypatch.setattr(
+      sweep_cli, "load_sweep", lambda _: spec.validate_sweep(_sweep(batch_sizes=(16,)))
+  )
+  workdir = tmp_path / "sweep"
+  assert sweep_cli.execute(str(tmp_path / "sweep.py"), str(workdir), env=stub_env) == 0
+  names = ("sweep.md", "sweep.csv", "sweep.json")
+  full = {name: (workdir / name).read_bytes() for name in names}
+  plots = {p: (workdir / "plots" / p).read_bytes() for p in os.listdir(workdir / "plots")}
+  capsys.readouterr()
+  assert sweep_cli.execute(
+      str(tmp_path / "sweep.py"), str(workdir), mode="collect", only=["seed=0"]
+  ) == 0
+  out = capsys.readouterr().out
+  assert {name: (workdir / name).read_bytes() for name in names} == full
+  assert {p: (workdir / "plots" / p).read_bytes() for p in os.listdir(workdir / "plots")} == plots
+  subset = workdir / "only-seed=0"
+  assert "2 of 2 runs finished" in (subset / "sweep.md").read_text()
+  assert "4 of 4 runs finished" in full["sweep.md"].decode()
+  assert f"--only: these are the tables of 2 of the sweep's runs, in {subset}; " in out
+  assert "sweep.md, sweep.csv, sweep.json and plots/ are left as they were" in out

@@ -6,13 +6,16 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from experiments import provenance, stats, tables
+from experiments import spec as sweep_spec
 from experiments.markers import replace_tables
 from trainkit.errors import UserError
 
@@ -120,6 +123,17 @@ def _report(accuracy, pqd, n_test=400, smallest_group=30):
   }
 
 
+def _started_by_the_sweep(name, workdir):
+  """Each run directory's sweep_run.json, as the sweep of table `name` writes it before
+  starting the run (what `--record` compares with the spec)."""
+  sweep = tables.load_table(name).sweep
+  for point in sweep_spec.grid_points(sweep):
+    directory = sweep_spec.run_dir(str(workdir), point)
+    if os.path.isdir(directory):
+      with open(os.path.join(directory, sweep_spec.RUN), "w") as f:
+        json.dump(sweep_spec.run_record(sweep, point), f)
+
+
 @pytest.fixture
 def toy_tables(tmp_path, monkeypatch):
   """A results/ directory with the toy spec and its sweep's run directories."""
@@ -139,6 +153,7 @@ def toy_tables(tmp_path, monkeypatch):
       run = workdir / "runs" / f"seed={seed},method={method}"
       run.mkdir(parents=True)
       (run / "report.json").write_text(json.dumps(_report(accuracy, pqd)))
+  _started_by_the_sweep("toy", workdir)
   return workdir
 
 
@@ -418,9 +433,14 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   stamped = tables.read_record("tiny")
   (entry,) = stamped["provenance"]["reproduced"]
   assert entry["exact"] and entry["data"] == {} and entry["machine"] == provenance["machine"]
-  assert "first run reproduced exactly on " in tables.render(spec, stamped)
+  assert entry["differs_from_record"] == ["data: the record has no hashes of its input files"]
+  assert (
+      "first run reproduced exactly on another machine, software or data (differs in data) on "
+      in tables.render(spec, stamped)
+  )
   ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "vouched"))
-  assert ok and "the recording machine, software and data; tolerance 0" in lines[0]
+  assert ok and "the machine, software and data of the exact reproduction of " in lines[0]
+  assert "; tolerance 0)" in lines[0]
   # A record one ulp away from what the run gives is not reproduced at tolerance 0.
   with open(tmp_path / "again" / "run" / "report.json") as f:
     report = json.load(f)
@@ -462,6 +482,7 @@ def _rerun_workdir(toy_tables, tmp_path, accuracy_gain, methods=("a", "b@fair.al
       run = workdir / "runs" / source.name
       run.mkdir(parents=True)
       (run / "report.json").write_text(json.dumps(report))
+      shutil.copy(source / sweep_spec.RUN, run / sweep_spec.RUN)  # The same spec's run.
       # As the sweep's supervisor writes it: the commit and host the run started on.
       host = {
           **provenance.host(),
@@ -649,6 +670,7 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
       run = workdir / "runs" / f"data.fold={fold},seed=0,method={method}"
       run.mkdir(parents=True)
       (run / "report.json").write_text(json.dumps(_report(accuracy, 0.7)))
+  _started_by_the_sweep("cv", workdir)
   spec = tables.load_table("cv")
   tables.write_record(spec, str(workdir))
   record = tables.read_record("cv")
@@ -698,6 +720,7 @@ def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch)
         run = workdir / "runs" / f"data.fold={fold},seed={seed},method={method}"
         run.mkdir(parents=True)
         (run / "report.json").write_text(json.dumps(_report(accuracy, 0.7, n_test=n)))
+  _started_by_the_sweep("cv", workdir)
   spec = tables.load_table("cv")
   tables.write_record(spec, str(workdir))
   record = tables.read_record("cv")
@@ -1090,3 +1113,384 @@ def test_every_number_in_the_results_prose_sits_in_a_table_or_comes_with_its_com
       "above 52.1%.", "above 52.1% (`python -m experiments.tables --preview=NAME --workdir=DIR`)."
   )
   assert unsourced_numbers(sourced) == []
+
+
+# ---------------------------------------------------------------- nothing silently wrong, round four
+
+# A stand-in for a reproduction's training run: `fail` exits 3 after an error line, `silent`
+# exits 0 having written nothing, `ok` writes the given report and a config.json, `sleep`
+# writes its pid and waits (a SIGTERM writes sigterm.txt, as the mains checkpoint on it).
+_FAKE_RERUN = """
+import json, os, shutil, signal, sys, time
+run_dir, mode = sys.argv[1], sys.argv[2]
+if mode == "fail":
+  print("error: the rerun ran out of luck", file=sys.stderr)
+  sys.exit(3)
+if mode == "ok":
+  shutil.copy(sys.argv[3], os.path.join(run_dir, "report.json"))
+  with open(os.path.join(run_dir, "config.json"), "w") as f:
+    json.dump({"data": {}}, f)
+if mode == "sleep":
+  def stop(signum, frame):
+    open(os.path.join(run_dir, "sigterm.txt"), "w").close()
+    sys.exit(143)
+  signal.signal(signal.SIGTERM, stop)
+  with open(os.path.join(run_dir, "started.txt"), "w") as f:
+    f.write(str(os.getpid()))
+  time.sleep(600)
+"""
+
+
+def _fake_rerun(monkeypatch, toy_tables, mode):
+  """Makes `--reproduce` of the toy table run `_FAKE_RERUN` in `mode` (see there); its `ok`
+  report is the recorded run's own (seed 0 of row a), so it reproduces exactly."""
+  source = str(toy_tables / "runs" / "seed=0,method=a" / "report.json")
+  monkeypatch.setattr(
+      tables,
+      "run_command",
+      lambda sweep, point, run_dir: [sys.executable, "-c", _FAKE_RERUN, run_dir, mode, source],
+  )
+
+
+def _cli_flags(**given):
+  return {**dict(record=None, write=None, check=None, reproduce=None, preview=None,
+                references=None, rerun=None, workdir=None, tolerance=None, stamp=False,
+                list=False), **given}
+
+
+def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_stamped(
+    toy_tables, tmp_path, monkeypatch, capsys
+):
+  """a stale report.json and config.json in the rerun's directory never pass
+  for the rerun's own: the failed rerun is one error, exit 2, and the record is not stamped."""
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  before = tables.read_record("toy")
+  workdir = tmp_path / "again"
+  (workdir / "run").mkdir(parents=True)
+  shutil.copy(toy_tables / "runs" / "seed=0,method=a" / "report.json", workdir / "run")
+  (workdir / "run" / "config.json").write_text('{"data": {}}')
+  _fake_rerun(monkeypatch, toy_tables, "fail")
+  with pytest.raises(
+      UserError,
+      match=r"--reproduce=toy: the rerun failed \(exit code 3: error: the rerun ran out of "
+      r"luck\); its log: .*; nothing was compared or stamped",
+  ):
+    tables.reproduce(spec, before, str(workdir), stamp=True)
+  assert tables.read_record("toy") == before  # Not stamped.
+  # The earlier directory is kept aside, whole.
+  assert (workdir / "run.stale-1" / "report.json").exists()
+  # A run that exits 0 without a report failed too.
+  _fake_rerun(monkeypatch, toy_tables, "silent")
+  with pytest.raises(UserError, match=r"the rerun failed \(exit code 0 but no report.json"):
+    tables.reproduce(spec, before, str(workdir), stamp=True)
+  # From the command line: one line, exit 2, no "Reproduced".
+  _fake_rerun(monkeypatch, toy_tables, "fail")
+  with pytest.raises(SystemExit) as exit_info:
+    tables.run(["tables"], _cli_flags(reproduce="toy", workdir=str(workdir), stamp=True))
+  assert exit_info.value.code == 2
+  out, err = capsys.readouterr()
+  assert "Reproduced" not in out + err and err.count("\n") == 1 and "the rerun failed" in err
+  assert tables.read_record("toy") == before
+  # A rerun that finishes is compared and stamped as before.
+  _fake_rerun(monkeypatch, toy_tables, "ok")
+  ok, lines = tables.reproduce(spec, before, str(workdir), stamp=True)
+  assert ok and "Reproduced (every value exact)." in lines[-2], "\n".join(lines)
+  assert tables.read_record("toy")["provenance"]["reproduced"][0]["exact"] is True
+
+
+def _another_sweep(name, steps):
+  """The toy spec as another table whose runs have the same names but other settings."""
+  text = open(os.path.join(tables.RESULTS_DIR, "toy.py")).read()
+  with open(os.path.join(tables.RESULTS_DIR, f"{name}.py"), "w") as f:
+    f.write(text.replace('"num_train_steps": 5', f'"num_train_steps": {steps}'))
+  return tables.load_table(name)
+
+
+def test_a_workdir_of_another_sweep_is_refused_naming_the_run_and_the_key(toy_tables, tmp_path):
+  """specs share run names, so --record and --rerun compare each finished
+  run's sweep_run.json (else its config.json) with what the spec gives that run."""
+  other = _another_sweep("other", 6)
+  with pytest.raises(
+      UserError,
+      match=r"run seed=0,method=a is not the run of table other's sweep \(.*results/other.py\) "
+      r"of that name: settings.num_train_steps: '5' -> '6'",
+  ):
+    tables.write_record(other, str(toy_tables))
+  assert not os.path.exists(tables.record_path("other"))
+  # --rerun: the other sweep's runs are not a rerun of this table; the record is unchanged.
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  recorded = tables.read_record("toy")
+  foreign = tmp_path / "foreign"
+  shutil.copytree(toy_tables, foreign)
+  _started_by_the_sweep("other", foreign)
+  with pytest.raises(UserError, match=r"settings.num_train_steps: '6' -> '5'"):
+    tables.add_rerun(spec, str(foreign))
+  assert tables.read_record("toy") == recorded
+  # A run with only the config.json it trained with (a cluster's run): that is compared.
+  run = foreign / "runs" / "seed=0,method=a"
+  os.remove(run / sweep_spec.RUN)
+  point = sweep_spec.grid_points(other.sweep)[0]
+  trained = sweep_spec.resolved_config(other.sweep, point).to_json_best_effort()
+  (run / "config.json").write_text(trained)
+  with pytest.raises(UserError, match=r"run seed=0,method=a .*num_train_steps: 6 -> 5"):
+    tables.add_rerun(spec, str(foreign))
+  # A run with neither cannot show whose it is.
+  os.remove(run / "config.json")
+  with pytest.raises(UserError, match=r"run seed=0,method=a has neither sweep_run.json nor"):
+    tables.add_rerun(spec, str(foreign))
+
+
+def _edit_record(name, edit, record=None):
+  """The record `name` (or `record`, a copy) edited by `edit`, written as it is."""
+  record = json.loads(json.dumps(record or tables.read_record(name)))
+  edit(record)
+  with open(tables.record_path(name), "w") as f:
+    json.dump(record, f)  # NaN is written as NaN, as Python's json writes it.
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_record_value_is_one_error_naming_the_table_row_and_seed(
+    toy_tables, tmp_path, value
+):
+  """a NaN in a record rendered as `nan [nan, nan]` and made its claims
+  "does not hold"; no claim on it can be decided, so --check and --write refuse it."""
+  doc = _two_table_doc(toy_tables, tmp_path)
+  text = doc.read_text()
+  _edit_record("toy2", lambda r: r["runs"][2]["metrics"].update(accuracy=value))
+  message = f"table toy2: runs[2] (row a, seed 1): accuracy is {value!r}, not a finite number"
+  (problem,) = tables.check_doc(str(doc))
+  assert message in problem
+  with pytest.raises(UserError, match=re.escape(message)):
+    tables.write_doc(str(doc))
+  assert doc.read_text() == text
+  assert tables.run(["tables"], _cli_flags(check=str(doc))) == 1
+
+
+def test_a_duplicated_or_incomplete_run_in_a_record_is_one_error_naming_it(toy_tables, tmp_path):
+  """a duplicated (row, seed) names both entries (the last used to win and
+  could flip the tuning choice); a run without `metrics` or `row` names the run, not a
+  KeyError; a record that lost a run names it and counts the spec's runs."""
+  spec = tables.load_table("toy")
+  tables.write_record(spec, str(toy_tables))
+  good = tables.read_record("toy")
+
+  def duplicate(record):
+    again = json.loads(json.dumps(record["runs"][0]))
+    again["metrics"]["accuracy"] = 0.1
+    record["runs"].append(again)
+
+  cases = [
+      (duplicate, r"runs\[0\] \(row a, seed 0\) and runs\[10\] \(row a, seed 0\) are the same run"),
+      (lambda r: r["runs"][3].pop("metrics"),
+       r"runs\[3\] \(row b@fair.alpha=0.5, seed 1\) has a result but no 'metrics'"),
+      (lambda r: r["runs"][3].pop("row"), r"runs\[3\] \(seed 1\) has no 'row'"),
+  ]
+  for edit, message in cases:
+    _edit_record("toy", edit, good)
+    with pytest.raises(UserError, match=r"toy.json: table toy: " + message):
+      tables.read_record("toy")
+  # A record without seed 4 of row b, and a full rerun: every run of the spec, not "10 of 9".
+  _edit_record("toy", lambda r: r["runs"].pop(), good)
+  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02)))
+  text = tables.render(spec, tables.read_record("toy"))
+  (line,) = [l for l in text.splitlines() if l.startswith("**Rerun**")]
+  assert "(every run;" in line and "of 9 runs" not in text
+  assert "- Flag: runs of the spec not in the record: b (alpha 0.5) seeds 4." in text
+  assert "| `toy` | every run," in tables.rerun_summary()
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf", "-0.01"])
+def test_a_tolerance_that_is_not_a_finite_number_at_least_zero_is_refused(
+    toy_tables, tolerance, capsys
+):
+  """with --tolerance=nan identical values "did not reproduce"."""
+  with pytest.raises(SystemExit) as exit_info:
+    tables.run(["tables"], _cli_flags(reproduce="toy", tolerance=float(tolerance)))
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err == f"error: --tolerance={float(tolerance)}: not a finite number >= 0 (the largest |difference| --reproduce accepts)\n"
+  spec_file = os.path.join(tables.RESULTS_DIR, "toy.py")
+  text = open(spec_file).read()
+  with open(spec_file, "w") as f:
+    f.write(text.replace("TABLE = dict(", f"TABLE = dict(\n    tolerance=float('{tolerance}'),"))
+  with pytest.raises(UserError, match=r"TABLE\['tolerance'\]: .* is not a finite number >= 0"):
+    tables.load_table("toy")
+
+
+def test_reproduce_s_flags_with_another_mode_are_refused_naming_both(toy_tables, tmp_path, capsys):
+  """`--check ... --stamp` ignored --stamp without a word."""
+  for given, message in (
+      (dict(check="doc.md", stamp=True), "--stamp only applies to --reproduce, not --check"),
+      (dict(write="doc.md", tolerance=0.1), "--tolerance only applies to --reproduce, not --write"),
+  ):
+    with pytest.raises(SystemExit) as exit_info:
+      tables.run(["tables"], _cli_flags(**given))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_write_through_a_symbolic_link_rewrites_the_document_and_keeps_the_link(
+    toy_tables, tmp_path
+):
+  """the atomic write's rename replaced the link with a file."""
+  tables.write_record(tables.load_table("toy"), str(toy_tables))
+  (tmp_path / "real").mkdir()
+  real = tmp_path / "real" / "results.md"
+  real.write_text("# R\n\n<!-- table:toy -->\nstale\n<!-- /table:toy -->\n")
+  link = tmp_path / "results.md"
+  link.symlink_to(real)
+  assert tables.write_doc(str(link)) == ["toy"]
+  assert link.is_symlink() and os.readlink(link) == str(real)
+  assert "stale" not in real.read_text() and "| a higher than b (alpha 0.5) |" in real.read_text()
+  assert tables.check_doc(str(link)) == []
+  assert sorted(os.listdir(tmp_path / "real")) == ["results.md"]  # No temporary left.
+
+
+def _running(pid):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # Not a zombie.
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_a_reproduction_stops_its_training_run(toy_tables, tmp_path, repo_root):
+  """a --reproduce killed by SIGTERM left its training subprocess running.
+  Now the run gets SIGTERM (the mains checkpoint on it) and is waited for; exit 130."""
+  tables.write_record(tables.load_table("toy"), str(toy_tables))
+  workdir = tmp_path / "again"
+  driver = (
+      "import sys\n"
+      "from experiments import tables\n"
+      f"tables.RESULTS_DIR, tables.RECORDS_DIR = {tables.RESULTS_DIR!r}, {tables.RECORDS_DIR!r}\n"
+      f"script = {_FAKE_RERUN!r}\n"
+      "tables.run_command = lambda sweep, point, run_dir: "
+      "[sys.executable, '-c', script, run_dir, 'sleep']\n"
+      f"flags = dict(record=None, write=None, check=None, preview=None, references=None, "
+      f"rerun=None, tolerance=None, stamp=False, list=False, reproduce='toy', workdir={str(workdir)!r})\n"
+      "sys.exit(tables.run(['tables'], flags))\n"
+  )
+  process = subprocess.Popen(
+      [sys.executable, "-c", driver], cwd=repo_root, stderr=subprocess.PIPE, text=True
+  )
+  started = workdir / "run" / "started.txt"
+  deadline = time.monotonic() + 120
+  while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+    assert process.poll() is None, process.stderr.read()
+    time.sleep(0.1)
+  run_pid = int(started.read_text())
+  try:
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert "interrupted; the rerun was stopped, nothing was compared or stamped" in err
+    assert not _running(run_pid)
+    assert (workdir / "run" / "sigterm.txt").exists()  # Told first: the mains checkpoint.
+  finally:
+    if _running(run_pid):
+      os.kill(run_pid, signal.SIGKILL)
+    if process.poll() is None:
+      process.kill()
+
+
+_CPUINFO = {
+    "processor": "0",
+    "vendor_id": "GenuineTest",
+    "cpu family": "6",
+    "model": "143",
+    "stepping": "8",
+    "model name": "Test CPU 9000",
+    "flags": "fpu sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512_fp16",
+}
+
+
+def _on_cpu(monkeypatch, **changed):
+  """This process's /proc/cpuinfo, as provenance reads it, made `_CPUINFO` with `changed`."""
+  info = {**_CPUINFO, **{k.replace("_", " "): v for k, v in changed.items()}}
+  monkeypatch.setattr(provenance, "_cpuinfo", lambda: dict(info))
+
+
+def test_provenance_names_the_processor_model_and_its_instruction_set_each_on_its_own(
+    monkeypatch,
+):
+  """the one test of the processor changed its model and features together,
+  so dropping the features from the description passed it. Each field alone must tell two
+  machines apart, in the description and in what --reproduce compares."""
+  _on_cpu(monkeypatch)
+  recorded = provenance.host()
+  assert recorded["processor"] == {
+      "model": "Test CPU 9000",
+      "vendor": "GenuineTest",
+      "family": "6/143/8",
+      "features": ["avx", "avx2", "avx512_fp16", "avx512bw", "avx512f", "f16c", "fma", "sse4_1",
+                   "sse4_2"],
+  }
+  record = {"machine": provenance.machine(), "data": {}}
+  assert tables._why_not_exact(record) == []
+  flags = _CPUINFO["flags"].replace(" avx512_fp16", "")  # Another Xeon: no AVX-512 FP16.
+  for changed, key in (
+      (dict(model_name="Another CPU"), "processor.model"),
+      (dict(flags=flags), "processor.features"),
+      (dict(cpu_family="25"), "processor.family"),
+  ):
+    _on_cpu(monkeypatch, **changed)
+    assert [d.split(":")[0] for d in provenance.differences(recorded, provenance.host())] == [key]
+    assert [d.split(":")[0] for d in tables._why_not_exact(record)] == [f"machine.{key}"]
+  # An Arm processor names its features in another field.
+  monkeypatch.setattr(
+      provenance, "_cpuinfo", lambda: {"CPU implementer": "0x41", "Features": "fp asimd sve bf16"}
+  )
+  assert provenance.processor()["features"] == ["asimd", "bf16", "sve"]
+
+
+def test_an_exact_reproduction_vouches_only_for_its_own_processor_one_field_at_a_time(
+    toy_tables, tmp_path, monkeypatch
+):
+  """an exact reproduction's stamp names its machine (processor model and
+  features), says how it differs from the recording one, and lets a later reproduction compare
+  exactly only on that same machine: another model, or the same model with other features, is
+  compared within the spec's tolerance."""
+  spec = tables.load_table("toy")
+  _on_cpu(monkeypatch, model_name="Recording CPU")
+  tables.write_record(spec, str(toy_tables))
+  record = tables.read_record("toy")
+  assert record["provenance"]["machine"]["processor"]["model"] == "Recording CPU"
+  # A reproduction on another processor whose values all come back exactly: stamped as such.
+  _on_cpu(monkeypatch)
+  _fake_rerun(monkeypatch, toy_tables, "ok")
+  ok, lines = tables.reproduce(spec, record, str(tmp_path / "a"), stamp=True)
+  assert ok and "not the recording machine" in lines[0] and f"tolerance {spec.tolerance:g}" in lines[0]
+  stamped = tables.read_record("toy")
+  (stamp,) = stamped["provenance"]["reproduced"]
+  assert stamp["exact"] and stamp["machine"]["processor"]["model"] == "Test CPU 9000"
+  assert "avx512_fp16" in stamp["machine"]["processor"]["features"]
+  assert [d.split(":")[0] for d in stamp["differs_from_record"]] == ["machine.processor.model"]
+  assert (
+      "first run reproduced exactly on another machine, software or data (differs in "
+      "machine.processor.model) on " in tables.render(spec, stamped)
+  )
+  # On the stamp's machine it vouches: exact comparison.
+  differs, voucher = tables.comparison_basis(stamped["provenance"])
+  assert voucher == stamp and differs
+  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "b"))
+  assert ok and "of the exact reproduction of " in lines[0] and "tolerance 0)" in lines[0]
+  # One field changed at a time: no longer the stamp's machine, so no exact comparison.
+  for changed in (
+      dict(model_name="Test CPU 9001"),
+      dict(flags=_CPUINFO["flags"].replace(" avx512_fp16", "")),
+  ):
+    _on_cpu(monkeypatch, **changed)
+    differs, voucher = tables.comparison_basis(stamped["provenance"])
+    assert voucher is None and differs, changed
+  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "c"))
+  assert ok and "not the recording machine" in lines[0]
+  assert f"tolerance {spec.tolerance:g}" in lines[0]
+  assert any("differs: machine.processor.features" in line for line in lines)
+  # On the recording processor: exact on the record's own strength, and stamped as such.
+  _on_cpu(monkeypatch, model_name="Recording CPU")
+  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "d"), stamp=True)
+  assert ok and "(the recording machine, software and data; tolerance 0)" in lines[0]
+  kinds = [r["differs_from_record"] for r in tables.read_record("toy")["provenance"]["reproduced"]]
+  assert kinds[-1] == []

@@ -1,6 +1,8 @@
 """The shared training kit: mesh, config arguments, optimiser, checkpoints, metric writer."""
 
+import contextlib
 import errno
+import gc
 import glob
 import gzip
 import io
@@ -12,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import warnings
 
 import flax
 import jax
@@ -65,7 +69,8 @@ def test_mesh_minus_one_fills_remaining_devices():
     "mesh_config,key",
     [
         ({"data": 4, "expert": 4}, "mesh"),
-        ({"data": -1, "expert": 3}, "mesh.data"),
+        # The key set to a number that does not divide 8, not mesh.data's default -1.
+        ({"data": -1, "expert": 3}, "mesh.expert"),
         ({"data": -1, "expert": -1}, "mesh"),
         ({"data": 0, "expert": 1}, "mesh.data"),
         ({"data": 1, "expert": "2"}, "mesh.expert"),
@@ -1024,15 +1029,69 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs_naming_the_key(tmp_pat
     fits.require_fits(weight_heavy, what="train step", batch_key="batch_size", batch_size=8)
   monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 1 << 30)
   fits.require_fits(batch_heavy, what="train step", batch_key="batch_size", batch_size=2048)
-  # The loop checks its step before the first one runs: nothing trained, nothing saved.
-  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 16)
-  def train_step(state, batch):
-    return state.replace(step=state.step + 1), {"loss": jnp.asarray(1.0)}
 
-  ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  with pytest.raises(UserError, match="the train step needs .* lower batch_size \\(now 8\\)"):
-    _train_ten_steps(tmp_path, train_step, ckpt, log_every_steps=1)
-  assert ckpt.all_steps() == [] and not (tmp_path / "metrics.jsonl").exists()
+
+class _Rows:
+  """Constant batches of `rows` examples of 64 KiB each (what the step's memory grows with)."""
+
+  def __init__(self, rows: int):
+    self.rows, self.position = rows, 0
+
+  def __next__(self):
+    self.position += 1
+    return {"x": np.ones((self.rows, 1 << 14), np.float32)}
+
+  def get_state(self):
+    return {"position": self.position}
+
+  def set_state(self, state):
+    self.position = state["position"]
+
+
+def test_the_loop_checks_the_executable_of_its_own_batch_before_the_first_step(
+    tmp_path, monkeypatch
+):
+  # The loop's check used to be tested on a 16-byte device, where every executable fails,
+  # so a loop that checked a 1-example batch's executable instead of the step's passed too.
+  # Here the device's memory lies between the two executables' needs, and one thing changes
+  # between the runs below: the batch (device_prefetch=0, so no prefetched batch counts).
+  from trainkit import fits
+  from trainkit.preflight.analysis import memory
+
+  mesh = make_mesh({"data": 8, "expert": 1})
+
+  def train_step(state, batch):
+    activations = jnp.tanh(batch["x"]) * 2.0  # A temporary the size of the batch.
+    params = {"w": state.params["w"] + jnp.mean(activations)}
+    return state.replace(step=state.step + 1, params=params), {"loss": jnp.mean(activations)}
+
+  step = jax.jit(train_step)
+  full = shard_batch(next(_Rows(64)), mesh)
+  one = jax.tree.map(lambda x: x[:1], full)
+  need_full = memory(step.lower(_toy_train_state(), full).compile())["peak"]
+  need_one = memory(step.lower(_toy_train_state(), one).compile())["peak"]
+  assert need_one * 2 < need_full, (need_one, need_full)
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: (need_one + need_full) // 2)
+
+  def run(rows: int, workdir):
+    return train_loop(
+        state=_toy_train_state(), train_step=step, train_iterator=_Rows(rows), mesh=mesh,
+        checkpointer=Checkpointer(str(workdir / "ckpt"), async_save=False),
+        writer=MetricWriter(str(workdir), tensorboard=False), num_train_steps=2,
+        log_every_steps=1, eval_every_steps=0, checkpoint_every_steps=2,
+        examples_per_step=rows, show_progress=False, device_prefetch=0,
+    )
+
+  # 64 examples (8 a device) do not fit: refused before the first step, nothing trained.
+  (tmp_path / "big").mkdir()
+  with pytest.raises(UserError, match=r"the train step needs .* lower batch_size \(now 64\)"):
+    run(64, tmp_path / "big")
+  assert not (tmp_path / "big" / "metrics.jsonl").exists()
+  assert not (tmp_path / "big" / "ckpt").exists() or not os.listdir(tmp_path / "big" / "ckpt")
+  # 8 examples (1 a device) fit the same device: the check does not refuse every step.
+  (tmp_path / "small").mkdir()
+  run(8, tmp_path / "small")
+  assert [r["step"] for r in read_metrics(str(tmp_path / "small"))] == [1, 2]
 
 
 def test_the_fit_counts_the_batches_device_prefetch_keeps_beside_the_step(monkeypatch):
@@ -1100,3 +1159,84 @@ def test_the_persistent_cache_is_neither_read_nor_written_while_off(private_comp
     assert len(entries()) > len(before)
   finally:
     jax.monitoring.unregister_event_listener(listen)
+
+
+@contextlib.contextmanager
+def _a_folder_that_becomes_unwritable(tmp_path):
+  """(folder, make_unwritable): a permission change, or for root (whom permissions do not stop)
+  a small tmpfs remounted read-only (skipped where mounting is not allowed)."""
+  if os.geteuid() != 0:
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    try:
+      yield folder, lambda: os.chmod(folder / "ckpt", 0o555)
+    finally:
+      if (folder / "ckpt").exists():
+        os.chmod(folder / "ckpt", 0o755)
+    return
+  with small_disk(tmp_path, 8) as disk:
+    yield disk, lambda: subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+
+
+def _orbax_threads():
+  return [t for t in threading.enumerate() if "orbax" in type(t).__module__ and t.is_alive()]
+
+
+def test_a_checkpoint_folder_made_unwritable_mid_run_is_one_error_at_the_next_save(
+    tmp_path, caplog
+):
+  # The checkpoint folder becomes unwritable after step 10's save. The save of step 20
+  # failed in Orbax's threads with pages of PermissionError tracebacks, and its later stages
+  # waited forever for the failed one's signal: not daemon threads, so the process never exited
+  # (rerunning the same command is what resumes it, so the run must end).
+  with _a_folder_that_becomes_unwritable(tmp_path) as (disk, make_unwritable):
+    ckpt = Checkpointer(str(disk / "ckpt"))
+
+    def before(position):
+      if position == 16:  # Step 10's save finished (its manifest completes at the next step).
+        _wait_until(lambda: not ckpt._manager.is_saving_in_progress(), "the save of step 10")
+      else:
+        make_unwritable()
+
+    with caplog.at_level("WARNING"):
+      with pytest.raises(UserError) as error:
+        _toy_loop(tmp_path, ckpt, _WaitingIterator({16, 18}, before), device_prefetch=0)
+    assert re.search(
+        r"cannot write the checkpoint of step 20 in '.*ckpt': (Permission denied|Read-only file "
+        r"system).*the run can resume from step 10; make the folder writable and rerun",
+        str(error.value),
+    ), error.value
+    # Nothing of Orbax's threads is left to hold up the exit, and none of them logged it.
+    _wait_until(lambda: not _orbax_threads(), "the end of Orbax's threads", timeout=10)
+    assert not [r for r in caplog.records if "orbax" in r.pathname], caplog.text
+    assert sorted(os.listdir(disk / "ckpt")) == ["10"]
+    assert checkpoint_module.verify_manifest(str(disk / "ckpt" / "10")) == ""
+    # The stages that never ran leave their coroutines unawaited: collected here, quietly,
+    # rather than warned about during a later test.
+    del ckpt, before, error
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)
+      gc.collect()
+
+
+def test_keys_that_change_nothing_trained_do_not_make_a_finished_run_stale(tmp_path):
+  """A finished run trained before `model.remat` existed, or with another preflight setting,
+  trained what the config asks for now; a changed learning rate still makes it stale."""
+  import json
+
+  import ml_collections
+
+  from trainkit.workdir import trained_config_differences
+
+  saved = {"optimizer": {"learning_rate": 0.1}, "model": {}, "preflight": {"utilization": 0.4}}
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config = ml_collections.ConfigDict(
+      {"optimizer": {"learning_rate": 0.1}, "model": {"remat": "none"},
+       "preflight": {"utilization": 0.0}, "distributed": {"startup_timeout_s": 600}}
+  )
+  assert trained_config_differences(str(tmp_path), config) == []
+  config.model.remat = "block"
+  config.optimizer.learning_rate = 0.2
+  assert trained_config_differences(str(tmp_path), config) == [
+      "model.remat: None -> 'block'", "optimizer.learning_rate: 0.1 -> 0.2"
+  ]

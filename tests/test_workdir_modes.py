@@ -411,3 +411,37 @@ def test_causal_load_run_translates_as_predict_mode(tmp_path):
   assert translations == [r["translation"] for r in rows]
   with pytest.raises(TypeError, match="predict_pairs needs a classification run"):
     run.predict_pairs(PAIRS)
+
+
+def test_a_one_slash_uri_workdir_is_refused_up_front(tmp_path):
+  # `gs:/bucket/run` is a local path to the system: the run trained until its first
+  # checkpoint, crashed there in TensorStore, and left a `gs:` tree in the current directory.
+  from trainkit import storage
+  from trainkit.errors import UserError
+
+  for typo, meant in (("gs:/bucket/run", "gs://bucket/run"), ("gs:bucket/run", "gs://bucket/run"),
+                      ("s3:/bucket/run", "s3://bucket/run")):
+    with pytest.raises(UserError, match=f"did you mean {meant}"):
+      storage.resolve(typo)
+  assert storage.resolve("gsx:/run") == os.path.abspath("gsx:/run")  # Not a URI scheme of ours.
+  result = subprocess.run(
+      [sys.executable, "-m", "fairmoe_jax.main", f"--config={REPO_ROOT / 'configs/quickstart.py'}",
+       "--workdir=gs:/bucket/run"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+  )
+  _one_line_error(result, "'gs:/bucket/run' is not a gs:// URI", "did you mean gs://bucket/run?")
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_workdir_through_a_link_and_dot_dot_is_where_the_system_resolves_it(tmp_path):
+  # `link/../run` with `link` -> `a/b`: the system's `run` is `a/run`; abspath made it
+  # `./run`, a folder the user never named.
+  from trainkit.workdir import prepare_workdir
+
+  tmp_path = tmp_path.resolve()  # Itself free of links, so the expected path is exact.
+  (tmp_path / "a" / "b").mkdir(parents=True)
+  (tmp_path / "link").symlink_to(tmp_path / "a" / "b")
+  given = str(tmp_path / "link" / ".." / "run")
+  assert prepare_workdir(given) == str(tmp_path / "a" / "run")
+  assert (tmp_path / "a" / "run").is_dir() and not (tmp_path / "run").exists()
+  assert os.path.samefile(given, tmp_path / "a" / "run")

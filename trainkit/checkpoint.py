@@ -16,8 +16,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from trainkit import storage
-from trainkit.errors import OutOfSpace, UserError, is_out_of_space
+from trainkit.errors import OutOfSpace, Unwritable, UserError, is_out_of_space, unwritable_reason
 from trainkit.metric_writers import write_atomically
 
 _log = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ _log = logging.getLogger(__name__)
 STATE = "state"
 DATA_ITERATOR = "data_iterator"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+# How a failed synchronisation of the processes (Orbax's, at the manager's creation) reads.
+_COLLECTIVE_FAILURE = re.compile(r"gloo|nccl|collective|DEADLINE_EXCEEDED|barrier", re.I)
 # Orbax splits a replicated array across its replicas so that they write it in parallel, and
 # each split shape costs a compilation (of a slice) at the first save: 6 s for a small model
 # on 8 devices. Below this size per replica the parallel write gains nothing, so one replica
@@ -278,16 +282,18 @@ def _quiet_library_loggers():
 
 
 class _OutOfSpaceNoise(logging.Filter):
-  """Drops Orbax's own error logs of a full disk (one per writer thread, each with a traceback
-  and TensorStore's spec): the run reports it once, as an OutOfSpace naming the resume step."""
+  """Drops Orbax's own error logs of a full disk or an unwritable folder (one per writer thread,
+  each with a traceback and TensorStore's spec): the run reports it once, as an OutOfSpace or
+  Unwritable naming the resume step."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if "orbax" not in record.pathname:
       return True
     error = record.exc_info[1] if record.exc_info else None
-    return not (
-        (error is not None and is_out_of_space(error))
-        or is_out_of_space(Exception(record.getMessage()))
+    message = Exception(record.getMessage())
+    return not any(
+        (error is not None and is_write_failure(error)) or is_write_failure(message)
+        for is_write_failure in (is_out_of_space, unwritable_reason)
     )
 
 
@@ -312,6 +318,39 @@ def _silence_out_of_space_noise() -> None:
     absl_logger.addFilter(_OutOfSpaceNoise())
   if not getattr(sys.unraisablehook, "drops_closed_loop_callbacks", False):
     sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
+
+
+def _release_orbax_waiters() -> None:
+  """Lets the writer threads of a failed asynchronous save end.
+
+  Orbax runs a save's stages in threads that each wait for the previous stage's signal. When an
+  early stage fails (the step's temporary folder cannot be created in a folder that became
+  unwritable), the later ones wait for a signal that never comes, up to Orbax's timeout (10
+  minutes or more), and they are not daemon threads: the interpreter's exit waits for them, so
+  the run neither trained nor exited. Each is marked cancelled and given its signal, on which it
+  returns without running. Orbax's internals (orbax-checkpoint 0.12): where they differ this
+  does nothing, and the entry point's immediate exit (`exit_on_user_error`) still ends the run.
+  Single-process only: in a multi-process run the signals live in the coordination service, and
+  `trainkit.distributed.exit_together` ends the process at once.
+  """
+  if jax.process_count() != 1:
+    return
+  try:
+    from orbax.checkpoint._src.futures import future as orbax_future
+  except ImportError:
+    return
+  thread_class = getattr(orbax_future, "_SignalingThread", None)
+  set_signals = getattr(orbax_future, "set_signals", None)
+  if thread_class is None or set_signals is None:
+    return
+  for thread in threading.enumerate():
+    if isinstance(thread, thread_class) and thread.is_alive():
+      thread._cancelled = True  # pylint: disable=protected-access
+      with contextlib.suppress(Exception):
+        set_signals(
+            getattr(thread, "_receive_signals", ()),
+            operation_id=getattr(thread, "_operation_id", ""),
+        )
 
 
 class _Unusable(ValueError):
@@ -385,6 +424,10 @@ class Checkpointer:
             },
         )
     except Exception as e:  # Orbax reports unreadable directories in many ways.
+      if jax.process_count() > 1 and _COLLECTIVE_FAILURE.search(str(e)):
+        # Its synchronisation of the processes failed, not the directory: the caller's
+        # `exit_together` says what that means (trainkit.distributed.describe_failure).
+        raise
       raise UserError(f"cannot open checkpoint directory '{self.directory}': {e}") from e
 
   def all_steps(self) -> list[int]:
@@ -419,6 +462,8 @@ class Checkpointer:
     except Exception as e:
       if is_out_of_space(e):
         raise self._out_of_space(step, needed) from e
+      if unwritable_reason(e):
+        raise self._unwritable(step, e) from e
       raise
     if started:
       self._unmanifested.add(step)
@@ -468,6 +513,28 @@ class Checkpointer:
     )
     where = f" {what}" if what else ""
     return OutOfSpace(f"no space left on the device{where}: {resume}; free space and rerun")
+
+  def _unwritable(
+      self, step: int, error: BaseException, *, manifest_kept: bool | None = None
+  ) -> Unwritable:
+    """The error for a checkpoint folder that became unwritable: at the save of `step` (what was
+    written of it is removed where that is still possible), or, when `manifest_kept` is given,
+    at the writing of step `step`'s manifest (the step is restorable if the manifest was kept)."""
+    _release_orbax_waiters()
+    at_manifest = manifest_kept is not None
+    if not at_manifest:
+      _remove_failed_save(self.directory, at_most=1.0)  # May not be removable any more.
+    latest = [s for s in self._manager.all_steps() if s != step or manifest_kept]
+    resume = (
+        f"the run can resume from step {max(latest)}"
+        if latest
+        else "no earlier checkpoint exists, so a rerun starts afresh"
+    )
+    what = f"the manifest of step {step}" if at_manifest else f"the checkpoint of step {step}"
+    return Unwritable(
+        f"cannot write {what} in '{self.directory}': {unwritable_reason(error)} (the folder is "
+        f"not writable); {resume}; make the folder writable and rerun"
+    )
 
   def _out_of_space(self, step: int, needed: int, free: int | None = None) -> OutOfSpace:
     """The error for a save that cannot fit; the half-written step is removed first."""
@@ -621,9 +688,12 @@ class Checkpointer:
       with _quiet_library_loggers():  # Its threads log each failed write at length.
         self._manager.wait_until_finished()
     except Exception as e:
+      _release_orbax_waiters()  # Whatever stopped the save: its later stages wait no more.
       if self._saving is not None and is_out_of_space(e):
         step, needed = self._saving
         raise self._out_of_space(step, needed) from e
+      if self._saving is not None and unwritable_reason(e):
+        raise self._unwritable(self._saving[0], e) from e
       raise
     self._saving = None
 
@@ -636,11 +706,19 @@ class Checkpointer:
       return
     for step in sorted(self._unmanifested):
       step_dir = storage.join(self.directory, str(step))
-      if storage.path(step_dir).is_dir():
-        if storage.path(storage.join(step_dir, MANIFEST)).exists():
-          complete_manifest(step_dir)
-        else:
-          write_manifest(step_dir)
+      try:
+        if storage.path(step_dir).is_dir():
+          if storage.path(storage.join(step_dir, MANIFEST)).exists():
+            complete_manifest(step_dir)
+          else:
+            write_manifest(step_dir)
+      except OSError as e:
+        if unwritable_reason(e):
+          # Written before the commit (asynchronous saves), the manifest verifies the step
+          # without the commit's checksums; without one the step is not restorable.
+          kept = storage.path(storage.join(step_dir, MANIFEST)).exists()
+          raise self._unwritable(step, e, manifest_kept=kept) from e
+        raise
       self._unmanifested.discard(step)
 
   def wait(self) -> None:

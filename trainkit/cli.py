@@ -20,13 +20,17 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from trainkit import saved_config, storage
+from trainkit.config import startup_timeout_s
 from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
+from trainkit.preemption import sigterm_ends_cleanly
 from trainkit.preflight.compile import compile_run, validate_preflight
+from trainkit.preflight.targets import devices as preflight_devices
 from trainkit.workdir import (
     CONFIG_FILE,
     prepare_workdir,
+    release_lock,
     remove_if_empty,
     require_checkpoint,
     workdir_exists,
@@ -438,8 +442,21 @@ def train_eval_command(
   def run_in_workdir(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
     created = not workdir_exists(workdir)
     workdir = prepare_workdir(workdir)
+
+    def abandon() -> None:  # What a SIGTERM during --mode=compile leaves: nothing.
+      release_lock(workdir)
+      if created:
+        remove_if_empty(workdir)
+
+    # Nothing of a compilation is worth keeping: SIGTERM ends it at once, without a stale lock.
+    # (Training checkpoints on SIGTERM instead: trainkit.preemption.PreemptionGuard.)
+    guard = (
+        sigterm_ends_cleanly(abandon, "during --mode=compile; nothing was written")
+        if mode == "compile"
+        else contextlib.nullcontext()
+    )
     try:
-      with workdir_lock(workdir):
+      with guard, workdir_lock(workdir):
         modes[mode][0](config, workdir)
     except BaseException as e:
       if isinstance(e, Exception) and not storage.is_remote(workdir) and not os.path.isdir(workdir):
@@ -462,6 +479,10 @@ def train_eval_command(
       with contextlib.suppress(RuntimeError):
         jax.config.update("jax_platforms", "cpu")
       target = validate_preflight(config)
+      if target is not None and target.platform == "tpu":
+        # libtpu installs a SIGTERM handler of its own when it loads (a native stack dump, then
+        # death by the signal); loaded here, before `sigterm_ends_cleanly` takes the signal.
+        preflight_devices(target)
       validate(
           config,
           num_devices=target.num_devices if target else jax.device_count(),
@@ -472,7 +493,7 @@ def train_eval_command(
       return
     # Multi-process runs (TPU pod, SLURM, launch/local_multiprocess.sh) join JAX's
     # multi-controller runtime before any device is touched; single runs do nothing here.
-    initialize_from_env()
+    initialize_from_env(startup_timeout_s=startup_timeout_s(config))
     if jax.process_index() != 0:
       # Reports, progress and summaries come from process 0; the others keep stderr only.
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with

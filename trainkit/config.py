@@ -9,6 +9,7 @@ from typing import Any, Iterable, Mapping
 
 import ml_collections
 
+from trainkit.distributed import DEFAULT_STARTUP_TIMEOUT_S
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import mesh_shape
 
@@ -199,6 +200,18 @@ def require_finite_numbers(config: ml_collections.ConfigDict, prefix: str = "") 
         raise ConfigError(key, f"expected a finite number, got {value}")
 
 
+def distributed_config() -> ml_collections.ConfigDict:
+  """The `distributed` keys of every package's config (`trainkit.distributed`)."""
+  return ml_collections.ConfigDict(dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S))
+
+
+def startup_timeout_s(config: ml_collections.ConfigDict) -> float:
+  """`distributed.startup_timeout_s`, or its default for a config saved before the key."""
+  if "distributed" not in config:
+    return DEFAULT_STARTUP_TIMEOUT_S
+  return require_float(config, "distributed.startup_timeout_s", minimum=1.0)
+
+
 def validate_run(
     config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
 ) -> tuple[int, int]:
@@ -214,6 +227,7 @@ def validate_run(
   require_int(config, "keep_checkpoints", minimum=1)
   require_float(config, "num_epochs", minimum=0.0)
   require_choice(config, "compute_dtype", COMPUTE_DTYPES)
+  startup_timeout_s(config)
   parse_profile_steps(config)
   data_size, expert_size = mesh_shape(get(config, "mesh"), num_devices)
   shards = data_size * expert_size

@@ -20,13 +20,24 @@ calls `jax.distributed.initialize` with them. The launchers in `launch/` set the
   `MEGASCALE_SLICE_ID`. A TPU VM's shell environment does not necessarily hold any of these (the
   values live in the metadata server), so the TPU launcher also sets `TRAINKIT_DISTRIBUTED=auto`,
   which asks for the same auto-detection explicitly. `CLOUD_TPU_TASK_ID` (set by some TPU
-  runtimes) is also taken as a sign of a TPU pod.
+  runtimes) is also taken as a sign of a TPU pod. A value that libtpu wrote itself when it could
+  not describe a slice ("WARNING: could not determine TPU worker number, ...": it does so in any
+  process that loads it outside a TPU VM, and subprocesses inherit it) is no such sign: it is
+  ignored, and `child_environment` leaves it out of the environment of the processes a sweep,
+  `compare` or `experiments.tables --reproduce` starts.
 * Otherwise: `None`, a single process; `jax.distributed.initialize` is not called.
 
 `TRAINKIT_HEARTBEAT_TIMEOUT` (seconds, JAX's default 100 when unset) bounds how long the
 survivors of a dead process wait: the coordination service then ends every process. Collectives
 that notice the dead peer sooner (gloo on CPU does at once) raise at once, and `exit_together`
 turns that into one message and an immediate exit.
+
+Processes drift apart before their first collective (data loading, a tokenizer that process 0
+trains alone), and CPU collectives (Gloo) give up when a peer is more than Gloo's fixed 30 s late
+to the first one ("Gloo context initialization failed"), which a loaded machine reaches easily.
+So `wait_for_all_processes` holds every process at the points where they drift (a run's set-up,
+`main_process_first`) on the coordination service's barrier, whose timeout is the config key
+`distributed.startup_timeout_s` (default 600 s), and they reach the collectives together.
 
 When the coordinator, the process count and the process id are all known, the arguments also
 hold `cluster_detection_method="deactivate"`, so that JAX's own SLURM detection does not
@@ -47,6 +58,13 @@ from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 T = TypeVar("T")
 
 DEFAULT_COORDINATOR_PORT = 12345
+# How long a process waits at `wait_for_all_processes` for the slowest (config key
+# `distributed.startup_timeout_s`): generous, as a loaded machine or a large data set can take
+# minutes to reach the same point.
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_KEY = "distributed.startup_timeout_s"
+_startup_timeout_s = DEFAULT_STARTUP_TIMEOUT_S
+_barriers_passed = 0
 
 # Variables whose presence means "a Cloud TPU pod: let JAX auto-detect everything".
 TPU_VARIABLES = (
@@ -68,6 +86,36 @@ _PEER_FAILURE = re.compile(
 )
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+# What libtpu sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID, CLOUD_TPU_ACCELERATOR_TYPE (and others) to
+# when it is loaded outside a TPU VM (JAX loads it at backend initialisation whenever it is
+# installed, e.g. by the preflight extra): "WARNING: could not determine TPU worker number,
+# please set env var `TPU_WORKER_ID` manually, ...". It writes them with setenv, behind
+# os.environ's back, so every subprocess started afterwards without an explicit environment
+# inherits them.
+_LIBTPU_PLACEHOLDER = re.compile(r"^\s*WARNING: could not determine\b", re.IGNORECASE)
+
+
+def is_libtpu_placeholder(value: str) -> bool:
+  """Whether an environment value is libtpu's "WARNING: could not determine ..." placeholder."""
+  return bool(_LIBTPU_PLACEHOLDER.match(value))
+
+
+def child_environment(
+    extra: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+  """The environment to start a subprocess with: `env` (default os.environ) and `extra`, without
+  the placeholders libtpu writes (`is_libtpu_placeholder`).
+
+  Pass it as `env=` to every subprocess started after this process touched JAX. An explicit
+  environment is what keeps what libtpu set with setenv out of the child (os.environ never saw
+  it, but `subprocess` without `env=` hands the C library's environment on); the filter drops
+  placeholders this process itself inherited from such a parent. Either would make a training
+  subprocess take itself for a Cloud TPU pod worker (`distributed_args`) and fail to join one
+  ("coordinator_address should be defined").
+  """
+  merged = {**(os.environ if env is None else env), **(extra or {})}
+  return {name: value for name, value in merged.items() if not is_libtpu_placeholder(value)}
 
 
 def expand_nodelist(nodelist: str, variable: str = "SLURM_JOB_NODELIST") -> list[str]:
@@ -212,7 +260,11 @@ def distributed_args(env: Mapping[str, str]) -> dict[str, Any] | None:
     raise _bad(AUTO_VARIABLE, env[AUTO_VARIABLE], "expected 'auto' or 'off'")
 
   base = _slurm_args(env)
-  if base is None and (auto == "auto" or any(env.get(v, "").strip() for v in TPU_VARIABLES)):
+  # libtpu's own "could not determine" placeholder says the opposite of a pod: ignored.
+  tpu_signs = [
+      v for v in TPU_VARIABLES if env.get(v, "").strip() and not is_libtpu_placeholder(env[v])
+  ]
+  if base is None and (auto == "auto" or tpu_signs):
     base = {}
   if base is None and not explicit:
     return None
@@ -236,17 +288,95 @@ def distributed_args(env: Mapping[str, str]) -> dict[str, Any] | None:
   return args
 
 
-def initialize_from_env(env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+def initialize_from_env(
+    env: Mapping[str, str] = os.environ,
+    *,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+) -> dict[str, Any] | None:
   """Calls `jax.distributed.initialize(**distributed_args(env))` unless single-process.
 
-  Returns the arguments (None when it did not initialize). Call it before any other JAX call.
+  `startup_timeout_s` (the config key `distributed.startup_timeout_s`) bounds each later
+  `wait_for_all_processes`. Returns the arguments (None when it did not initialize). Call it
+  before any other JAX call.
   """
+  global _startup_timeout_s
+  _startup_timeout_s = float(startup_timeout_s)
   args = distributed_args(env)
   if args is not None:
     import jax  # pylint: disable=import-outside-toplevel
 
     jax.distributed.initialize(**args)
   return args
+
+
+def wait_for_all_processes(name: str) -> None:
+  """Holds this process until every process got here (multi-process runs; else nothing).
+
+  On the coordination service's barrier, which waits up to `distributed.startup_timeout_s`, so
+  that the collectives after it start together rather than failing after Gloo's 30 s. A process
+  that does not arrive in time is one UserError naming the key.
+  """
+  global _barriers_passed
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+
+  client = jax_distributed.global_state.client
+  if client is None:
+    return
+  _barriers_passed += 1  # A barrier's id is used once.
+  try:
+    client.wait_at_barrier(
+        f"trainkit:{name}:{_barriers_passed}", int(_startup_timeout_s * 1000)
+    )
+  except Exception as e:  # pylint: disable=broad-except  # jaxlib's own error type.
+    if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+      raise
+    raise UserError(
+        f"not every process reached {name} within {_startup_timeout_s:g} s "
+        f"({STARTUP_TIMEOUT_KEY}): one is much slower (a loaded machine, a large data set: "
+        f"raise --config.{STARTUP_TIMEOUT_KEY}) or has died or hangs (see its log)"
+    ) from None
+
+
+# What Gloo says when a peer did not join the first collective within its fixed 30 s.
+_GLOO_LATE_PEER = "Gloo context initialization failed"
+
+
+def describe_failure(error: BaseException, where: str, resume: str) -> tuple[str, int, bool]:
+  """(message, exit status, whether to print the traceback) for `exit_together`."""
+  first_line = (str(error).strip().splitlines() or [""])[0][:300]
+  if isinstance(error, UserError):
+    return f"error: {where}: {error}", USER_ERROR_EXIT_CODE, False
+  if isinstance(error, SystemExit):
+    code = error.code if isinstance(error.code, int) else 1
+    return f"error: {where} exited with status {error.code}", code, False
+  if _GLOO_LATE_PEER in str(error):
+    return (
+        f"error: {where}: the processes' CPU collectives could not connect ({first_line}): "
+        "another process reached its first collective more than 30 s (Gloo's limit) after this "
+        "one, because the machine is heavily loaded or that process died or hangs: see its "
+        f"log. {STARTUP_TIMEOUT_KEY} bounds the wait that keeps them together. {resume}",
+        1,
+        False,
+    )
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if isinstance(error, jax.errors.JaxRuntimeError) or _PEER_FAILURE.search(str(error)):
+    return (
+        f"error: {where}: a collective or device operation failed ({first_line}). Another "
+        f"process has most likely died or been preempted: see its log. {resume}",
+        1,
+        True,
+    )
+  return (
+      f"error: {where}: {type(error).__name__}: {first_line}. If another process failed first, "
+      f"its log has the cause. {resume}",
+      1,
+      True,
+  )
 
 
 @contextlib.contextmanager
@@ -269,32 +399,14 @@ def exit_together(workdir_hint: str = "") -> Iterator[None]:
     if jax.process_count() == 1 or (isinstance(e, SystemExit) and e.code in (0, None)):
       raise
     where = f"process {jax.process_index()} of {jax.process_count()}"
-    first_line = (str(e).strip().splitlines() or [""])[0][:300]
     resume = (
         "Restart all processes with the same command to resume from the latest checkpoint"
         + (f" in {workdir_hint}" if workdir_hint else "")
         + "."
     )
-    if isinstance(e, UserError):
-      message, code = f"error: {where}: {e}", USER_ERROR_EXIT_CODE
-    elif isinstance(e, SystemExit):
-      message, code = f"error: {where} exited with status {e.code}", (
-          e.code if isinstance(e.code, int) else 1
-      )
-    elif isinstance(e, jax.errors.JaxRuntimeError) or _PEER_FAILURE.search(str(e)):
+    message, code, with_traceback = describe_failure(e, where, resume)
+    if with_traceback:
       traceback.print_exc()
-      message, code = (
-          f"error: {where}: a collective or device operation failed ({first_line}). Another "
-          f"process has most likely died or been preempted: see its log. {resume}",
-          1,
-      )
-    else:
-      traceback.print_exc()
-      message, code = (
-          f"error: {where}: {type(e).__name__}: {first_line}. If another process failed first, "
-          f"its log has the cause. {resume}",
-          1,
-      )
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)  # pylint: disable=protected-access
@@ -312,9 +424,13 @@ def main_process_first(name: str, fn: Callable[[], T]) -> T:
     return fn()
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
+  # The others wait for process 0's `fn` on the barrier (as long as the startup timeout), not in
+  # a collective, which Gloo abandons after 30 s; the collective then only confirms it.
   if jax.process_index() == 0:
     result = fn()
+    wait_for_all_processes(name)
     multihost_utils.sync_global_devices(name)
     return result
+  wait_for_all_processes(name)
   multihost_utils.sync_global_devices(name)
   return fn()

@@ -30,6 +30,12 @@ class OutOfSpace(UserError):
   """
 
 
+class Unwritable(UserError):
+  """A write failed because its folder is not writable (any more): permissions, a read-only
+  file system. Raised for a checkpoint save, whose background writers may still be waiting on
+  the failed save; the entry point exits at once, as for OutOfSpace."""
+
+
 _OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # How TensorStore (Orbax's writer) words these errors: the errno is only in the text.
 _OUT_OF_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
@@ -46,6 +52,27 @@ def is_out_of_space(error: BaseException) -> bool:
       return True
     error = error.__cause__ or error.__context__
   return False
+
+
+_UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+# How TensorStore words them (the errno is only in the text).
+_UNWRITABLE_TEXT = ("Permission denied", "Read-only file system", "Operation not permitted")
+
+
+def unwritable_reason(error: BaseException) -> str | None:
+  """`Permission denied: 'PATH'` (or the like) when `error`, or an error it was raised from, says
+  a file or folder cannot be written; None otherwise."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _UNWRITABLE_ERRNOS:
+      where = f": '{error.filename}'" if error.filename else ""
+      return f"{error.strerror or os.strerror(error.errno)}{where}"
+    text = next((t for t in _UNWRITABLE_TEXT if t in str(error)), None)
+    if text:
+      return text
+    error = error.__cause__ or error.__context__
+  return None
 
 
 # How XLA (RESOURCE_EXHAUSTED, on every backend) and the host word an allocation that failed.
@@ -96,7 +123,7 @@ def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
   def wrapper(*args, **kwargs):
     try:
       return fn(*args, **kwargs)
-    except OutOfSpace as e:
+    except (OutOfSpace, Unwritable) as e:
       print(f"error: {e}", file=sys.stderr, flush=True)
       sys.stdout.flush()
       os._exit(USER_ERROR_EXIT_CODE)  # Skip the failing background writers' shutdown noise.

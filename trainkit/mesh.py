@@ -4,10 +4,15 @@ The batch is split over every device (both axes): expert parallelism in a sparse
 MoE is also data parallelism for the rest of the network. Parameters are
 replicated unless their variable carries a sharding annotation naming mesh axes
 (the MoE experts use `("expert", ...)`).
+
+A mesh covers the devices it is for: the preflight refuses one smaller than its target, and a
+run of several processes one smaller than all their devices (`require_all_devices`); a run of
+one process may leave devices idle, with a warning (`make_mesh`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Mapping
 
@@ -39,9 +44,12 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, i
   known = math.prod(size for size in sizes.values() if size != -1)
   if unknown:
     if num_devices % known:
+      # Name the key set to a number (-1 is mesh.data's default, rarely the user's choice).
+      (axis,) = [axis for axis in MESH_AXES if axis not in unknown]
       raise ConfigError(
-          f"mesh.{unknown[0]}",
-          f"-1 cannot fill {num_devices} devices with the other axis of size {known}",
+          f"mesh.{axis}",
+          f"{known} does not divide the {num_devices} devices, so mesh.{unknown[0]}=-1 cannot "
+          f"fill the rest; use one of {', '.join(map(str, _divisors(num_devices)))}",
       )
     sizes[unknown[0]] = num_devices // known
   total = math.prod(sizes.values())
@@ -54,10 +62,61 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, i
   return sizes["data"], sizes["expert"]
 
 
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def idle_devices_message(mesh_config: Mapping[str, int], num_devices: int, where: str) -> str:
+  """What a mesh that leaves devices idle is told (`require_all_devices`), or "" for one that
+  uses all `num_devices`. `where` names the devices, e.g. "the 8 GPUs of h100x8"."""
+  data, expert = mesh_shape(mesh_config, num_devices)
+  used = data * expert
+  if used == num_devices:
+    return ""
+  if num_devices % expert == 0:
+    fix = f"set mesh.data=-1, which fills them (data={num_devices // expert} x expert={expert})"
+  else:
+    divisors = ", ".join(map(str, _divisors(num_devices)))
+    fix = f"set mesh.data=-1 and mesh.expert to one of {divisors}"
+  return (
+      f"mesh.data={data} x mesh.expert={expert} uses {used} of {where}, leaving "
+      f"{num_devices - used} idle; {fix}"
+  )
+
+
+def require_all_devices(
+    mesh_config: Mapping[str, int], num_devices: int, where: str
+) -> tuple[int, int]:
+  """`mesh_shape`, refusing a mesh that uses fewer than `num_devices` devices.
+
+  A preflight compiles for the target it names, and a run of several processes feeds every
+  process's devices its block of the batch (`process_block`): a smaller mesh would compile for,
+  or feed, only some of them. Raises a ConfigError naming `mesh.data` (the key whose -1 fills
+  the devices) or, when the expert axis cannot divide them, `mesh.expert`.
+  """
+  message = idle_devices_message(mesh_config, num_devices, where)
+  if message:
+    expert = mesh_shape(mesh_config, num_devices)[1]
+    raise ConfigError("mesh.data" if num_devices % expert == 0 else "mesh.expert", message)
+  return mesh_shape(mesh_config, num_devices)
+
+
 def make_mesh(mesh_config: Mapping[str, int], devices: list[Any] | None = None) -> Mesh:
-  """Builds the (data, expert) mesh; a mesh smaller than the device count uses the first devices."""
+  """Builds the (data, expert) mesh over `devices` (default: every device of the run).
+
+  A mesh smaller than the devices uses the first ones. For the run's own devices (`devices`
+  None) that is refused when they span several processes (`require_all_devices`), and logged as
+  a warning on one: a single process may leave devices idle on purpose (a one-device reference
+  run on a host of several, as tests/test_sharded_training.py does), but it pays for them.
+  """
+  run_devices = devices is None
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_config, len(devices))
+  if run_devices and math.prod(shape) < len(devices):
+    where = f"the {len(devices)} devices of this run"
+    if jax.process_count() > 1:
+      require_all_devices(mesh_config, len(devices), f"{where} ({jax.process_count()} processes)")
+    logging.warning("%s", idle_devices_message(mesh_config, len(devices), where))
   device_grid = np.asarray(devices[: math.prod(shape)]).reshape(shape)
   return Mesh(device_grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 

@@ -26,7 +26,12 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
   one warning, since the run it belongs to rewrites it on resume. A bad line anywhere else is a
   UserError naming the file and line: the log was edited or corrupted, not torn.
   """
-  lines = storage.read_text(path).split("\n")
+  return parse_jsonl(read_log(path), path)
+
+
+def parse_jsonl(text: str, path: str) -> list[dict[str, Any]]:
+  """The records of the JSON-lines `text` read from `path`, as `read_jsonl` reads them."""
+  lines = text.split("\n")
   records = []
   numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
   for position, (number, line) in enumerate(numbered):
@@ -64,15 +69,145 @@ def write_atomically(path: str, text: str | bytes) -> None:
     raise
 
 
+# An object store has no append, and rewriting a log object whole at each flush costs a download
+# and an upload of everything logged so far: quadratic over a run. There, each flush of a log
+# `<name>` is an object of its own, `<name>.parts/<n>` (n = 0, 1, ... zero-padded, so names sort
+# in order); a reader concatenates `<name>` and its parts (`read_log`), and the writer folds the
+# parts into `<name>` when it closes or truncates the log (`RemoteLog.fold`).
+PARTS_SUFFIX = ".parts"
+_PART_DIGITS = 9
+
+
+def _part_names(path: str) -> list[str]:
+  """The parts of the remote log `path`, in order (none when it has no parts folder)."""
+  try:
+    names = [child.name for child in storage.path(path + PARTS_SUFFIX).iterdir()]
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+  return sorted((n for n in names if n.isdigit()), key=int)
+
+
+def _step_of(line: str) -> float | None:
+  try:
+    step = json.loads(line).get("step")
+  except (ValueError, AttributeError):
+    return None
+  return step if isinstance(step, (int, float)) else None
+
+
+def _remote_log_lines(path: str) -> tuple[list[str], list[str]]:
+  """(the lines of the remote log `path`: the object, then its parts; the parts' names).
+
+  A part whose steps are already in the object is skipped: a writer stopped between folding
+  the parts into the object and deleting them leaves them behind (each step has one line, and
+  steps increase along the log).
+  """
+  try:
+    lines = storage.read_text(path).splitlines()
+  except FileNotFoundError:
+    lines = []
+  names = _part_names(path)
+  last = max((s for s in map(_step_of, lines) if s is not None), default=None)
+  for name in names:
+    for line in storage.read_text(storage.join(path + PARTS_SUFFIX, name)).splitlines():
+      step = _step_of(line)
+      if last is not None and step is not None and step <= last:
+        continue
+      lines.append(line)
+      last = step if step is not None else last
+  return lines, names
+
+
+def read_log(path: str) -> str:
+  """The text of an append-only log: the file, or on an object store the object and its parts.
+
+  Raises FileNotFoundError when there is neither."""
+  if not storage.is_remote(path):
+    return storage.read_text(path)
+  lines, names = _remote_log_lines(path)
+  if not lines and not names and not storage.path(path).exists():
+    raise FileNotFoundError(path)
+  return "".join(line + "\n" for line in lines)
+
+
+def log_exists(path: str) -> bool:
+  """Whether the append-only log `path` has been written (its file, object or parts)."""
+  if storage.path(path).exists():
+    return True
+  return storage.is_remote(path) and bool(_part_names(path))
+
+
+class RemoteLog:
+  """An append-only log on an object store, one object per appended line (see PARTS_SUFFIX).
+
+  Keeps the whole log in memory (read once, at the first call), so that folding it into one
+  object at the end costs one upload, not one download per part.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self._lines: list[str] | None = None
+    self._parts: list[str] = []  # Every part in the store, this writer's and earlier ones.
+    self._next = 0
+    self._last_part: str | None = None  # The part holding the last line, while it does.
+
+  def _load(self) -> list[str]:
+    if self._lines is None:
+      self._lines, self._parts = _remote_log_lines(self.path)
+      self._next = int(self._parts[-1]) + 1 if self._parts else 0
+    return self._lines
+
+  def text(self) -> str:
+    """The whole log."""
+    return "".join(line + "\n" for line in self._load())
+
+  @property
+  def has_parts(self) -> bool:
+    """Whether parts are in the store (as far as this writer read or wrote them)."""
+    return bool(self._parts)
+
+  def append(self, line: str) -> None:
+    """Uploads `line` as the log's next part."""
+    lines = self._load()
+    name = f"{self._next:0{_PART_DIGITS}d}"
+    part = storage.join(self.path + PARTS_SUFFIX, name)
+    storage.path(part).write_text(line + "\n")
+    lines.append(line)
+    self._parts.append(name)
+    self._next += 1
+    self._last_part = part
+
+  def replace_last(self, line: str) -> None:
+    """Replaces the log's last line (its part's object, or the log whole if it is folded)."""
+    lines = self._load()
+    lines[-1] = line
+    if self._last_part is not None:
+      storage.path(self._last_part).write_text(line + "\n")
+    else:
+      self.fold()
+
+  def fold(self, lines: list[str] | None = None) -> None:
+    """Writes the log (or `lines` in its place) as one object, then deletes its parts: the
+    parts' objects go once the object holds their lines."""
+    self._load()
+    if lines is not None:
+      self._lines = list(lines)
+    write_atomically(self.path, self.text())
+    if self._parts:
+      # The parts' folder whole: gcsfs deletes its objects in batches of 100 requests, where
+      # one by one a long log's thousands of parts cost minutes on GCS.
+      storage.path(self.path + PARTS_SUFFIX).rmtree(missing_ok=True)
+    self._parts, self._last_part = [], None
+
+
 def append_line(path: str, line: str) -> None:
   """Appends `line` (and a newline) to an append-only log, all or nothing: a write that fails
   (a full disk) is cut back, so the log never keeps a partial line of a run still alive.
 
-  On an object store, which has no append, the object is rewritten whole with the line added."""
+  On an object store, which has no append, the line is an object of its own (`RemoteLog`; a
+  writer that appends often keeps one `RemoteLog` instead)."""
   if storage.is_remote(path):
-    target = storage.path(path)
-    earlier = target.read_text() if target.exists() else ""
-    target.write_text(earlier + line + "\n")
+    RemoteLog(path).append(line)
     return
   data = (line + "\n").encode()
   with open(path, "ab", buffering=0) as f:
@@ -143,6 +278,8 @@ class MetricWriter:
   def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
     self.enabled = enabled
     self.path = storage.join(workdir, "metrics.jsonl")
+    # On an object store the log is written as parts (RemoteLog); None on a local disk.
+    self._remote = RemoteLog(self.path) if storage.is_remote(self.path) else None
     self._pending_step: int | None = None
     self._pending: dict[str, Any] = {}
     self._last_flushed: dict[str, Any] | None = None
@@ -158,10 +295,14 @@ class MetricWriter:
   def truncate_after(self, step: int) -> None:
     """Drops lines logged after `step` (and a torn last line): a resumed run rewrites them, so
     none are duplicated."""
-    if not self.enabled or not storage.path(self.path).exists():
+    if not self.enabled or not log_exists(self.path):
       return
-    kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
-    write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+    text = self._remote.text() if self._remote is not None else read_log(self.path)
+    kept = [json.dumps(r) for r in parse_jsonl(text, self.path) if r.get("step", 0) <= step]
+    if self._remote is not None:
+      self._remote.fold(kept)  # Its parts folded in: the run goes on with none.
+    else:
+      write_atomically(self.path, "".join(line + "\n" for line in kept))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -183,8 +324,13 @@ class MetricWriter:
       # More scalars for a step already on disk (e.g. the final test evaluation after
       # the final checkpoint): rewrite its line, so each step keeps exactly one line.
       record = {**self._last_flushed, **self._pending}
-      lines = storage.read_text(self.path).splitlines(keepends=True)[:-1]
-      write_atomically(self.path, "".join(lines) + json.dumps(record) + "\n")
+      if self._remote is not None:
+        self._remote.replace_last(json.dumps(record))
+      else:
+        lines = storage.read_text(self.path).splitlines(keepends=True)[:-1]
+        write_atomically(self.path, "".join(lines) + json.dumps(record) + "\n")
+    elif self._remote is not None:
+      self._remote.append(json.dumps(record))
     else:
       append_line(self.path, json.dumps(record))
     self._last_flushed = record
@@ -193,11 +339,15 @@ class MetricWriter:
       self._tb.flush()
 
   def close(self) -> None:
+    """Flushes; on an object store also folds the log's parts into `metrics.jsonl`."""
     self.flush()
+    if self.enabled and self._remote is not None and self._remote.has_parts:
+      self._remote.fold()
     if self._tb is not None:
       self._tb.close()
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """Reads `metrics.jsonl` back (a torn last line is dropped, `read_jsonl`)."""
+  """Reads `metrics.jsonl` back (a torn last line is dropped, `read_jsonl`; on an object store
+  with the parts not folded into it yet, `read_log`)."""
   return read_jsonl(storage.join(workdir, "metrics.jsonl"))

@@ -14,8 +14,13 @@ makes the other processes stop at once (nothing since the last checkpoint is kep
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
+import threading
 import types
+from collections.abc import Callable, Iterator
 
 
 def _multi_process() -> bool:
@@ -64,3 +69,60 @@ class PreemptionGuard:
   def __exit__(self, *exc) -> None:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
+
+
+# The exit status of a process ended by SIGTERM (128 + 15), as the shell reports one.
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_ends_cleanly(cleanup: Callable[[], None], what: str) -> Iterator[None]:
+  """While active, SIGTERM runs `cleanup()`, says so in one line and ends the process at once
+  (exit status 143), even while the main thread is inside a long native call (an XLA compile).
+
+  For work that has nothing to checkpoint (`--mode=compile`): the default action killed the
+  process without running a `finally`, so its `.run.lock` was left behind, and a workdir the run
+  had just created held nothing but that lock. A Python signal handler runs only when the main
+  thread is back in Python, possibly minutes later; the signal's wake-up byte
+  (`signal.set_wakeup_fd`) reaches a watcher thread at once. A handler that something else
+  installed meanwhile (the training loop's `PreemptionGuard`) takes precedence: the watcher acts
+  only while this one's is current. Install it after anything that sets its own SIGTERM handler
+  (libtpu's crash reporter dumps a native stack trace, then dies of the signal). Main thread only.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield  # Signal handlers belong to the main thread: elsewhere, SIGTERM keeps its default.
+    return
+
+  def handler(signum: int, frame: types.FrameType | None) -> None:
+    del signum, frame  # The watcher thread acts; the main thread may not run this for minutes.
+
+  read_end, write_end = os.pipe()
+  os.set_blocking(write_end, False)
+
+  def watch() -> None:
+    while True:
+      try:
+        received = os.read(read_end, 64)
+      except OSError:
+        return
+      if not received:
+        return  # The block ended: the write end is closed.
+      if signal.SIGTERM in received and signal.getsignal(signal.SIGTERM) is handler:
+        try:
+          cleanup()
+        finally:
+          print(f"stopped by SIGTERM {what}", file=sys.stderr, flush=True)
+          os._exit(SIGTERM_EXIT_CODE)  # pylint: disable=protected-access
+
+  previous_handler = signal.signal(signal.SIGTERM, handler)
+  previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+  watcher = threading.Thread(target=watch, name="sigterm-watcher", daemon=True)
+  watcher.start()
+  try:
+    yield
+  finally:
+    signal.set_wakeup_fd(previous_fd)
+    signal.signal(signal.SIGTERM, previous_handler)
+    os.close(write_end)
+    watcher.join(timeout=5)
+    os.close(read_end)

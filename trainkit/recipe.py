@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from trainkit import storage
 from trainkit.checkpoint import Checkpointer, checkpoint_report
 from trainkit.config import resolve_train_steps
+from trainkit.distributed import wait_for_all_processes
 from trainkit.loop import (
     CheckpointableIterator,
     loop_settings,
@@ -88,6 +89,9 @@ def setup(
 ) -> Run:
   """Resolves the step count (epochs need the train split's size), builds the optimizer and
   the initial state on the config's mesh, and opens `<workdir>/checkpoints`."""
+  # Processes drift apart while they load data; their first collectives (the state's, the
+  # checkpointer's) must start together (trainkit.distributed, `distributed.startup_timeout_s`).
+  wait_for_all_processes("the run's set-up")
   mesh = make_mesh(config.mesh)
   resolve_train_steps(config, train_examples, training=training)
   tx = make_optimizer(config.optimizer, config.num_train_steps, config.batch_size)

@@ -11,19 +11,30 @@ nor an exclusive create:
 - `write_atomically` writes a local file through a temporary file and a rename; a remote object
   is uploaded whole, which an object store publishes atomically too (a reader sees the old object
   or the new one, never a part), but a failed upload is not retried here.
-- `append_line` appends to a local file in place; a remote object is rewritten whole (read, then
-  uploaded with the line added), which costs one download and one upload per call.
+- An append-only log (`metrics.jsonl`) is appended to in place on a local disk; on an object
+  store each flush is an object of its own, concatenated on read and folded into the log when
+  the writer closes (`trainkit.metric_writers`), so a flush costs one small upload however long
+  the log is.
 
 The run lock (`trainkit.workdir.workdir_lock`) is created exclusively on a local disk; on an
 object store it is checked, then written, so two runs started at the same moment on one remote
 workdir are not told apart (docs/design.md, "Remote workdirs").
+
+gs:// is read and written with gcsfs, on the credentials Google's libraries find (`gcloud auth
+application-default login`, `GOOGLE_APPLICATION_CREDENTIALS`, a VM's service account); a
+workdir whose credentials cannot be found is one error before anything is written. Where
+`STORAGE_EMULATOR_HOST` names a GCS API server (an emulator, as google-cloud-storage and gcsfs
+read it), no credentials are used, and Orbax's arrays (TensorStore) go to the same server
+unless `TENSORSTORE_GCS_HTTP_URL` says otherwise (`configure_gcs`).
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import posixpath
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +70,7 @@ def check_filesystem(location: str) -> None:
   """
   name = scheme(location)
   if name is None:
+    _refuse_mistyped_uri(location)
     return
   if name not in REMOTE_SCHEMES:
     supported = ", ".join(f"{s}://" for s in REMOTE_SCHEMES)
@@ -76,21 +88,181 @@ def check_filesystem(location: str) -> None:
         f"'{location}' is on {name}://, whose file system needs the {package} package, which is "
         f"not installed: pip install {package}"
     ) from None
+  if name == "gs":
+    configure_gcs(location)
+
+
+# The environment variables of a GCS API emulator: gcsfs and google-cloud-storage read the first,
+# TensorStore (Orbax's arrays) the second.
+EMULATOR_VARIABLE = "STORAGE_EMULATOR_HOST"
+TENSORSTORE_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
+TENSORSTORE_TOKEN_VARIABLE = "GOOGLE_AUTH_TOKEN_FOR_TESTING"  # TensorStore's fixed bearer token.
+_gcs_lock = threading.Lock()
+_gcs_configured: str | None = None  # The emulator's URL ("" for GCS itself) once configured.
+
+
+def emulator_url() -> str:
+  """The GCS API server that `STORAGE_EMULATOR_HOST` names (`http://host:port`), or ""."""
+  host = os.environ.get(EMULATOR_VARIABLE, "")
+  if host in ("", "default"):  # gcsfs's own reading: "default" is GCS itself.
+    return ""
+  return host if host.startswith(("http://", "https://")) else f"http://{host}"
+
+
+def configure_gcs(location: str = "gs://") -> None:
+  """Sets gcsfs up for this process's gs:// paths, once (again if the emulator changed).
+
+  - With an emulator (`STORAGE_EMULATOR_HOST`): gcsfs's plain GCSFileSystem, without
+    credentials. gcsfs's default class asks the Storage Control API (gRPC) for the bucket's
+    layout before each open; an emulator of the JSON API does not serve it, so every open logged
+    "Could not determine bucket type ... Your default credentials were not found" (356 lines in
+    a quickstart run), or, with anonymous credentials, retried the gRPC call for 60 s. Orbax's
+    arrays are pointed at the same server (`TENSORSTORE_GCS_HTTP_URL`, when not set already):
+    otherwise they would go to GCS itself while every other file went to the emulator; and
+    TensorStore is given a placeholder token for it instead of searching for credentials.
+  - Without one: the credentials are looked up now, as gcsfs will (google-auth's default). gcsfs
+    falls back to anonymous access when there are none, which cannot write to a bucket and
+    logs a credential warning at every open; the run instead stops here with one error that
+    names the problem (UserError). gcsfs's repeated "Could not determine bucket type" warnings
+    (a bucket whose layout these credentials may not read) are logged once per bucket.
+
+  Does nothing when another file system is registered for gs:// (tests/fake_gcs.py).
+  """
+  global _gcs_configured, _gcsfs_default
+  import fsspec.config
+  from etils.epath import backend
+
+  emulator = emulator_url()
+  with _gcs_lock:
+    if _gcs_configured == emulator:
+      return
+    registered = fsspec.get_filesystem_class("gcs")
+    if not registered.__module__.startswith("gcsfs"):
+      _gcs_configured = emulator
+      return
+    _gcsfs_default = _gcsfs_default or registered
+    implementation = _plain_gcsfs(_gcsfs_default) if emulator else _gcsfs_default
+    for protocol in ("gs", "gcs"):
+      # A class, not an import path: fsspec keeps a class it imported over an import path.
+      fsspec.register_implementation(protocol, implementation, clobber=True)
+      options = fsspec.config.conf.setdefault(protocol, {})
+      if emulator:
+        options["token"] = "anon"
+      else:
+        options.pop("token", None)
+    backend.fsspec_backend._get_filesystem.cache_clear()  # Any instance made before this.
+    if emulator:
+      os.environ.setdefault(TENSORSTORE_URL_VARIABLE, emulator)
+      if os.environ[TENSORSTORE_URL_VARIABLE].rstrip("/") == emulator.rstrip("/"):
+        # TensorStore has no anonymous mode: without a token it searches for credentials and,
+        # finding none, logs an error line; with real ones it would send them to the emulator.
+        # This placeholder token is sent to the emulator only, which ignores it.
+        os.environ.setdefault(TENSORSTORE_TOKEN_VARIABLE, "emulator")
+    else:
+      _check_credentials(location)
+      gcsfs_logger = logging.getLogger("gcsfs")
+      if not any(isinstance(f, _OncePerBucket) for f in gcsfs_logger.filters):
+        gcsfs_logger.addFilter(_OncePerBucket())
+    _gcs_configured = emulator
+
+
+_gcsfs_default: type | None = None  # The class gcsfs registers for gs://, kept before any change.
+
+
+def _plain_gcsfs(cls: type) -> type:
+  """gcsfs's plain GCSFileSystem: the class recent gcsfs versions register,
+  ExtendedGcsFileSystem, subclasses it to add the bucket-layout lookups; older ones register
+  it."""
+  for base in cls.__mro__:
+    if base.__name__ == "GCSFileSystem" and base.__module__ == "gcsfs.core":
+      return base
+  return cls
+
+
+def _check_credentials(location: str) -> None:
+  """Raises UserError when gcsfs finds no credentials for `location` (Google's application
+  default credentials, which google-auth looks up: the variable GOOGLE_APPLICATION_CREDENTIALS,
+  gcloud's login, a Cloud VM's service account)."""
+  import fsspec
+
+  try:
+    # skip_instance_cache: this instance is for the check only; runs use gcsfs's default.
+    fsspec.filesystem("gcs", token="google_default", skip_instance_cache=True)
+  except Exception as e:  # google.auth's DefaultCredentialsError: not imported here (gcsfs's).
+    if not any(c.__name__ == "GoogleAuthError" for c in type(e).__mro__):
+      raise
+    reason = " ".join(str(e).split()) or type(e).__name__
+    raise UserError(
+        f"'{location}' is on gs://, and no Google Cloud credentials were found for it ({reason}); "
+        "on a workstation run `gcloud auth application-default login` or set "
+        "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file (a Cloud TPU VM uses its "
+        "service account)"
+    ) from None
+
+
+class _OncePerBucket(logging.Filter):
+  """Lets gcsfs's "Could not determine bucket type for bucket name B" warning through once per
+  bucket: gcsfs does not remember the failed lookup and repeats it at every open."""
+
+  _MESSAGE = "Could not determine bucket type for bucket name "
+
+  def __init__(self) -> None:
+    super().__init__()
+    self._seen: set[str] = set()
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if not message.startswith(self._MESSAGE):
+      return True
+    bucket = message[len(self._MESSAGE) :].partition(":")[0]
+    if bucket in self._seen:
+      return False
+    self._seen.add(bucket)
+    return True
+
+
+# URI schemes a one-slash typo of which (`gs:/bucket/run`) is refused rather than taken for a
+# local folder named `gs:`: the schemes of workdirs and of etils.epath / fsspec.
+_URI_SCHEMES = frozenset({*REMOTE_SCHEMES, "gcs", "s3", "az", "abfs", "hdfs", "http", "https"})
+
+
+def _refuse_mistyped_uri(location: str | os.PathLike) -> None:
+  """Raises UserError for `gs:/bucket/run` or `gs:bucket/run`: a local path to the system, so a
+  run would train until its first checkpoint, fail there in TensorStore, and leave a `gs:` tree
+  in the current directory."""
+  text = os.fspath(location)
+  head, colon, rest = text.partition(":")
+  if colon and head.lower() in _URI_SCHEMES and not rest.startswith("//"):
+    raise UserError(
+        f"'{text}' is not a {head}:// URI (a URI has two slashes after '{head}:') and would be a "
+        f"local folder named '{head}:'; did you mean {head}://{rest.lstrip('/')}?"
+    )
 
 
 def resolve(location: str | os.PathLike) -> str:
-  """`location` as the run uses it: an absolute local path (`~` expanded), or a URI as given
+  """`location` as the run uses it: an absolute local path (`~` expanded, `..` taken as the system
+  takes it, through any symbolic link before it), or a URI as given
   (without a trailing slash) once `check_filesystem` accepted it."""
   text = os.fspath(location)
   if not is_remote(text):
-    return os.path.abspath(os.path.expanduser(text))
+    _refuse_mistyped_uri(text)
+    text = os.path.expanduser(text)
+    if ".." in text.split(os.sep):
+      # `link/../run` is where the system goes (the parent of what `link` points to), not
+      # where dropping `link/..` as abspath does leads: resolved as the system resolves it.
+      return os.path.realpath(text)
+    return os.path.abspath(text)
   check_filesystem(text)
   return text.rstrip("/")
 
 
 def path(location: str | os.PathLike) -> epath.Path:
   """The `epath.Path` of a local path or a URI, to read or write with."""
-  return epath.Path(os.fspath(location))
+  text = os.fspath(location)
+  if _gcs_configured is None and text.startswith("gs://"):
+    # A gs:// path reached without `resolve` (a sweep's runs, a test): gcsfs set up first.
+    check_filesystem(text)
+  return epath.Path(text)
 
 
 def join(location: str, *names: str) -> str:

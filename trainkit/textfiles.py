@@ -9,10 +9,46 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 
 from trainkit.errors import UserError
 
 _BOM = b"\xef\xbb\xbf"
+
+
+def special_file_kind(path: str | os.PathLike) -> str | None:
+  """What `path` is when it is neither a regular file nor missing ("a folder", "a named pipe
+  (FIFO)", "a socket", "a character device", "a block device"), following links; None for a
+  regular file or a path that does not exist. Opening a FIFO without a writer blocks forever."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return None
+  for test, kind in (
+      (stat.S_ISREG, None),
+      (stat.S_ISDIR, "a folder"),
+      (stat.S_ISFIFO, "a named pipe (FIFO)"),
+      (stat.S_ISSOCK, "a socket"),
+      (stat.S_ISCHR, "a character device"),
+      (stat.S_ISBLK, "a block device"),
+  ):
+    if test(mode):
+      return kind
+  return "not a regular file"
+
+
+def is_stream(path: str | os.PathLike) -> bool:
+  """Whether `path` is a pipe or a terminal (e.g. /dev/stdin): text read once, front to back."""
+  return special_file_kind(path) in ("a named pipe (FIFO)", "a character device")
+
+
+def _require_readable_file(path: pathlib.Path, what: str) -> None:
+  """A regular file, or a stream (`is_stream`: `--config.predict.input=/dev/stdin`)."""
+  kind = special_file_kind(path)
+  if kind is None and not path.is_file():
+    raise UserError(f"{what} file {path} does not exist.")
+  if kind is not None and not is_stream(path):
+    raise UserError(f"{what} file {path} is {kind}, not a file.")
 
 
 def read_text(path: str | os.PathLike, what: str) -> str:
@@ -22,8 +58,7 @@ def read_text(path: str | os.PathLike, what: str) -> str:
     UserError: `what` names the kind of file in the message ("CelebA", "ISIC", ...).
   """
   path = pathlib.Path(path)
-  if not path.is_file():
-    raise UserError(f"{what} file {path} does not exist.")
+  _require_readable_file(path, what)
   try:
     raw = path.read_bytes()
   except OSError as e:
@@ -42,8 +77,7 @@ def iter_lines(path: str | os.PathLike, what: str):
   For files too large to hold twice in memory; errors as `read_text`'s.
   """
   path = pathlib.Path(path)
-  if not path.is_file():
-    raise UserError(f"{what} file {path} does not exist.")
+  _require_readable_file(path, what)
   try:
     with open(path, "rb") as f:
       for number, raw in enumerate(f, start=1):

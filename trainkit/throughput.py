@@ -16,6 +16,7 @@ PEAK_FLOPS_BY_KIND = {
     "NVIDIA H100": 989e12,  # SXM; the PCIe card is lower: set the peak in the config.
     "NVIDIA H200": 989e12,
     "NVIDIA A100": 312e12,
+    "TPU v3": 61.5e12,  # Per TensorCore, JAX's device on a v3 (123 TFLOP/s per 2-core chip).
     "TPU v4": 275e12,
     "TPU v5 lite": 197e12,  # v5e
     "TPU v5": 459e12,  # v5p

@@ -43,6 +43,34 @@ def prepare_workdir(workdir: str | None) -> str:
   return workdir
 
 
+def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
+  """`<workdir>/<name>` (e.g. `export`, `predict`), created unless `create` is False.
+
+  A folder there that is a symbolic link to somewhere outside the workdir (planted, or left by
+  hand) is refused: the run's files would be written there (`write_atomically` replaces a link
+  to a file, not a link to a folder above it), and every file a run writes stays in its workdir.
+
+  Raises:
+    UserError: the folder leads outside the workdir, or is a file (`storage.makedirs`).
+  """
+  folder = storage.join(workdir, name)
+  if not storage.is_remote(folder) and os.path.lexists(folder):
+    inside = os.path.realpath(workdir)
+    resolved = os.path.realpath(folder)
+    if os.path.commonpath([inside, resolved]) != inside:
+      shown = f"a symbolic link to {os.readlink(folder)}" if os.path.islink(folder) else (
+          f"reached through a symbolic link, at {resolved}"
+      )
+      raise UserError(
+          f"'{folder}' is {shown}, outside the workdir: a run writes only inside its workdir; "
+          "remove the link (move what it points to into the workdir if you want it kept there) "
+          "and rerun"
+      )
+  if create:
+    storage.makedirs(folder)
+  return folder
+
+
 def workdir_exists(workdir: str) -> bool:
   """Whether `workdir` (local or a URI) exists already."""
   return storage.path(storage.resolve(workdir)).exists()
@@ -172,8 +200,14 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   try:
     yield
   finally:
-    if _read_lock(path).get("pid") == me["pid"]:
-      storage.path(path).unlink(missing_ok=True)
+    release_lock(workdir)
+
+
+def release_lock(workdir: str) -> None:
+  """Removes `<workdir>/.run.lock` if this process holds it (`workdir_lock`)."""
+  path = storage.join(workdir, LOCK_NAME)
+  if _read_lock(path).get("pid") == os.getpid():
+    storage.path(path).unlink(missing_ok=True)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -324,7 +358,27 @@ def trained_config_differences(directory: str, config: ml_collections.ConfigDict
     return [f"config.json unreadable ({e.__class__.__name__})"]
   requested = json.loads(config.to_json_best_effort())
   ignore = ("num_train_steps",) if requested.get("num_epochs", 0) > 0 else ()
-  return config_differences(saved, requested, ignore=ignore)
+  return [
+      difference
+      for difference in config_differences(saved, requested, ignore=ignore)
+      if not _changes_nothing_trained(difference, saved)
+  ]
+
+
+# Keys that do not change what a run trains: the preflight's (it only compiles) and the
+# multi-process start-up's timeout.
+_UNTRAINED_PREFIXES = ("preflight.", "distributed.")
+# Keys added after runs were trained without them, with the value that reproduces those runs.
+_ADDED_KEYS = {"model.remat": "none"}
+
+
+def _changes_nothing_trained(difference: str, saved: Any) -> bool:
+  key = difference.split(":", 1)[0]
+  if key.startswith(_UNTRAINED_PREFIXES):
+    return True
+  if key in _ADDED_KEYS and key not in _flatten(saved):
+    return difference.endswith(f"-> {_ADDED_KEYS[key]!r}")
+  return False
 
 
 def move_aside(directory: str) -> str:

@@ -27,6 +27,7 @@ from matplotlib.ticker import MaxNLocator
 from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX, SHARE_PREFIX
 from trainkit import storage
 from trainkit.errors import UserError
+from trainkit.metric_writers import log_exists, read_log
 
 # metrics.jsonl keys of FairSMoE's expert management, one per review: `fem/experts/<ATTR>` and
 # `fem/share/<EXPERT>`.
@@ -60,10 +61,10 @@ def load_metrics(workdir: str) -> list[dict[str, Any]]:
   writing) is skipped rather than fatal, since plots are best-effort analysis.
   """
   path = storage.join(workdir, "metrics.jsonl")
-  if not storage.path(path).exists():
+  if not log_exists(path):
     return []
   records = []
-  for line in storage.read_text(path).splitlines():
+  for line in read_log(path).splitlines():  # On gs://, with the parts not folded in yet.
     try:
       record = json.loads(line)
     except json.JSONDecodeError:

@@ -36,6 +36,7 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -104,11 +105,28 @@ def _header_index(path: pathlib.Path, lines: Sequence[str]) -> int:
   return header_index
 
 
+# What an attribute name looks like (CelebA's: 5_o_Clock_Shadow, Male, ...). A header line of
+# anything else means the file is not an attribute file (a config.json edited to point
+# data.attr_file at /etc/passwd, say): its content is then never repeated in an error.
+_ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _attribute_names(path: pathlib.Path, lines: Sequence[str], header_index: int) -> list[str]:
+  names = lines[header_index].split()
+  if not all(_ATTRIBUTE_NAME.fullmatch(name) for name in names):
+    raise UserError(
+        f"{path}:{header_index + 1}: expected the attribute names (words such as Male Young, "
+        "separated by spaces) on this line; the file is not a CelebA attribute file "
+        "(list_attr_celeba.txt) and its content is not repeated here: check data.attr_file"
+    )
+  return names
+
+
 def read_attribute_names(path: str | os.PathLike) -> list[str]:
   """The attribute names of a ``list_attr_celeba.txt``, in file order."""
   path = pathlib.Path(path)
   lines = _read_lines(path)
-  return lines[_header_index(path, lines)].split()
+  return _attribute_names(path, lines, _header_index(path, lines))
 
 
 def read_attributes(
@@ -135,7 +153,7 @@ def read_attributes(
   path = pathlib.Path(path)
   lines = _read_lines(path)
   header_index = _header_index(path, lines)
-  names = lines[header_index].split()
+  names = _attribute_names(path, lines, header_index)
   missing = [c for c in columns if c not in names]
   if missing:
     raise UserError(
@@ -185,8 +203,10 @@ def read_partition(path: str | os.PathLike) -> dict[str, int]:
     if not row:
       continue
     if len(row) != 2 or row[1] not in ("0", "1", "2"):
+      # The line itself is not repeated: the file may be anything a path was pointed at.
       raise UserError(
-          f"{path}:{i + 1}: expected 'image split' with split 0, 1 or 2, got {line.strip()!r}."
+          f"{path}:{i + 1}: expected 'image split' with split 0, 1 or 2 (got {len(row)} "
+          "field(s) of another form): is it CelebA's list_eval_partition.txt?"
       )
     if row[0] in partition:
       raise UserError(f"{path}:{i + 1}: image {row[0]} is listed twice.")
@@ -203,7 +223,10 @@ def read_identities(path: str | os.PathLike) -> dict[str, str]:
     if not row:
       continue
     if len(row) != 2:
-      raise UserError(f"{path}:{i + 1}: expected 'image identity', got {line.strip()!r}.")
+      raise UserError(
+          f"{path}:{i + 1}: expected 'image identity' (got {len(row)} field(s)): is it CelebA's "
+          "identity_CelebA.txt?"
+      )
     if row[0] in identity:
       raise UserError(f"{path}:{i + 1}: image {row[0]} is listed twice.")
     identity[row[0]] = row[1]

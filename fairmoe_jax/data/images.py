@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from trainkit.errors import UserError
+from trainkit.textfiles import special_file_kind
 
 DEFAULT_NUM_THREADS = min(16, os.cpu_count() or 1)
 T = TypeVar("T")
@@ -82,6 +83,9 @@ def read_image(path: str | os.PathLike, size: int, convert: Callable[[Image.Imag
       names the file, so one corrupt image in a 200k-image dataset is easy to
       find.
   """
+  kind = special_file_kind(path)
+  if kind is not None:  # A FIFO would block the read for good; a device, read forever.
+    raise UserError(f"image file {os.fspath(path)} is {kind}, not an image file.")
   try:
     with Image.open(path) as image:
       image.draft("RGB", (size, size))

@@ -21,7 +21,12 @@ cores rather than with threads under one interpreter lock.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -32,6 +37,7 @@ from absl import flags
 from fairmoe_jax.data import augment as augment_lib
 from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data.augment import AugmentConfig
+from trainkit.errors import UserError
 
 Batch = dict[str, np.ndarray]
 
@@ -131,6 +137,147 @@ def local_batch_size(global_batch_size: int, process_count: int) -> int:
   return global_batch_size // process_count
 
 
+# How often a worker process checks that the process that started it is still there.
+_PARENT_CHECK_S = 0.25
+
+
+def _watch_parent(parent: int) -> None:
+  while os.getppid() == parent:
+    time.sleep(_PARENT_CHECK_S)
+  os._exit(0)  # pylint: disable=protected-access  # Nothing of a worker is worth a clean exit.
+
+
+def _worker_init(parent: int, worker_index: int, num_workers: int) -> None:
+  """Runs first in each grain worker process (`mp_prefetch`'s `worker_init_fn`).
+
+  - Ctrl-C reaches every process of the terminal's process group: the workers ignore it, so
+    only the main process reacts (it closes the iterator, which stops them), instead of each
+    worker printing a KeyboardInterrupt traceback.
+  - A main process killed outright (SIGKILL: a preemption, the OOM killer) runs no clean-up: its
+    workers were re-parented to PID 1 and kept running, holding hundreds of MB each and the
+    multiprocessing resource tracker (which waits for every holder of its pipe). Each worker
+    ends once its parent is gone. A thread that polls, rather than PR_SET_PDEATHSIG, which
+    fires when the thread that started the worker ends (here the read-ahead thread, which may
+    end while the iterator lives on).
+  """
+  del worker_index, num_workers
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+class TrainBatches:
+  """The training batches of `train_iterator`, with a state that does not depend on
+  `num_workers`: ``{"next_index": N}``, the number of batches of this process's stream read so
+  far (the state of grain's in-process iterator, which earlier checkpoints hold).
+
+  grain's state with worker processes is one entry per worker, so a run saved with 2 workers
+  could not resume with 0, 3 or 4 (nor the reverse); `set_state` also reads such a state, saved
+  before this class, by summing the workers' positions. The stream itself is the same whatever
+  the number of workers: resuming at N reads `dataset[N:]`.
+  """
+
+  def __init__(
+      self, dataset: grain.MapDataset, read_options: grain.ReadOptions, num_workers: int
+  ):
+    self._dataset, self._read_options, self._num_workers = dataset, read_options, num_workers
+    self._start = 0  # The batch the underlying iterator starts at.
+    self._read = 0  # Batches read from it.
+    self._iterator: Iterator[Batch] | None = None  # Made at the first `next`.
+
+  def _open(self) -> Iterator[Batch]:
+    dataset = self._dataset[self._start :] if self._start else self._dataset
+    batches = dataset.to_iter_dataset(self._read_options)
+    if self._num_workers:
+      # grain passes its absl flags to the workers; a program that never parsed flags (a
+      # notebook, a test, a script without absl.app) takes their defaults rather than failing.
+      if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+      # Worker w prepares batches w, w + num_workers, ... and grain interleaves them back in
+      # order, so the stream is the one of num_workers=0.
+      batches = batches.mp_prefetch(
+          grain.MultiprocessingOptions(num_workers=self._num_workers),
+          worker_init_fn=functools.partial(_worker_init, os.getpid()),
+      )
+    return iter(batches)
+
+  def __iter__(self) -> TrainBatches:
+    return self
+
+  def __next__(self) -> Batch:
+    if self._iterator is None:
+      self._iterator = self._open()
+    try:
+      batch = next(self._iterator)
+    except RuntimeError as e:
+      if "Worker process was terminated unexpectedly" not in str(e):
+        raise
+      code = str(e).split("exit code", 1)[-1].strip().split(".")[0]
+      raise UserError(
+          f"a data worker process (data.num_workers={self._num_workers}) died with exit code "
+          f"{code} (negative: killed by that signal, e.g. 9 by the out-of-memory killer); rerun "
+          "the same command to resume from the latest checkpoint, with a lower "
+          "data.num_workers if memory is short"
+      ) from None
+    self._read += 1
+    return batch
+
+  def get_state(self) -> dict[str, int]:
+    return {"next_index": self._start + self._read}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    """Resumes at a state of `get_state` (or of grain's iterator, with or without workers).
+
+    Raises:
+      ValueError: `state` is not a position of the stream (the checkpoint is then skipped).
+    """
+    start = _stream_position(state)
+    self.close()
+    self._start, self._read = start, 0
+
+  def close(self) -> None:
+    """Stops the worker processes, if any (a later `next` starts them again)."""
+    if self._iterator is not None:
+      close = getattr(self._iterator, "close", None)
+      if close is not None:
+        close()
+      self._iterator = None
+
+  def __del__(self) -> None:
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except  # At interpreter exit, modules may be gone.
+      pass
+
+
+def _stream_position(state: Mapping[str, Any]) -> int:
+  """The number of batches read, from `TrainBatches.get_state()` or a state grain's iterator
+  saved: in-process ``{"next_index": N}``; with W workers one ``{"next_index": n_w}`` per worker,
+  worker w having read batches w, w + W, ... (so N is their sum, and each n_w follows from N)."""
+  if not isinstance(state, Mapping):
+    raise ValueError(f"not a data-iterator state: {state!r}")
+  if set(state) == {"next_index"}:
+    index = state["next_index"]
+    if isinstance(index, int) and not isinstance(index, bool) and index >= 0:
+      return index
+    raise ValueError(f"next_index must be an integer >= 0, got {index!r}")
+  workers = state.get("iterators_in_use_states")
+  if (
+      isinstance(workers, list)
+      and workers
+      and all(isinstance(w, Mapping) and set(w) == {"next_index"} for w in workers)
+      and all(isinstance(w["next_index"], int) and w["next_index"] >= 0 for w in workers)
+      and not state.get("future_states")
+  ):
+    total = sum(w["next_index"] for w in workers)
+    count = len(workers)
+    expected = [total // count + (w < total % count) for w in range(count)]
+    if [w["next_index"] for w in workers] == expected:
+      return total
+  raise ValueError(
+      f"not a position of the training stream (a state of another data pipeline?): {state!r}"
+  )
+
+
 def train_iterator(
     arrays: Mapping[str, np.ndarray],
     *,
@@ -145,7 +292,7 @@ def train_iterator(
     decode_size: int | None = None,
     num_workers: int = 0,
     resampling: Resampling = "one_pass",
-) -> grain.DatasetIterator:
+) -> TrainBatches:
   """Infinite iterator of augmented training batches for this process.
 
   Every epoch is a fresh seeded shuffle of the whole split, cut into global batches
@@ -178,9 +325,10 @@ def train_iterator(
       resizes the file to ``decode_size`` first, then crops (the earlier stream).
 
   Returns:
-    A ``grain.DatasetIterator`` of batches with uint8 ``image``; ``get_state()``
-    is a JSON-serialisable dict and ``set_state`` on a freshly built iterator
-    resumes the exact stream.
+    A ``TrainBatches`` iterator of batches with uint8 ``image``; ``get_state()``
+    is a JSON-serialisable dict, the same whatever ``num_workers``, and
+    ``set_state`` on a freshly built iterator (with any ``num_workers``) resumes
+    the exact stream.
   """
   if not isinstance(augment, AugmentConfig):
     augment = AugmentConfig(**(augment or {}))
@@ -238,16 +386,7 @@ def train_iterator(
   read_options = grain.ReadOptions(
       num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size
   )
-  batches = dataset.to_iter_dataset(read_options)
-  if num_workers:
-    # grain passes its absl flags to the workers; a program that never parsed flags (a notebook,
-    # a test, a script without absl.app) takes their defaults rather than failing at `next`.
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-    # Worker w prepares batches w, w + num_workers, ... and grain interleaves them back in
-    # order, so the stream (and the iterator state) is the one of num_workers=0.
-    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-  return iter(batches)
+  return TrainBatches(dataset, read_options, num_workers)
 
 
 def num_eval_batches(num_examples: int, batch_size: int, process_count: int = 1) -> int:

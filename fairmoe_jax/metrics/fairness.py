@@ -133,6 +133,12 @@ class AttributeFairness:
   group_accuracy: np.ndarray  # float64 [G]
   empty_groups: list[int]
 
+  @property
+  def measurable(self) -> bool:
+    """Whether two or more groups have examples: with one, every disparity is 0 by definition
+    (PQD 1.0, DP 0.0), which says nothing about fairness."""
+    return int(np.count_nonzero(self.group_n)) >= 2
+
 
 def _spread(values: np.ndarray, defined: np.ndarray) -> float | None:
   """``max - min`` of ``values`` over ``defined`` entries; None if fewer than 2."""
@@ -249,10 +255,15 @@ def attribute_fairness(counts: np.ndarray) -> AttributeFairness:
 
 
 def multi_attribute_fairness(per_attribute: Sequence[AttributeFairness]) -> dict[str, float]:
-  """``MF_Psi = (1/m) sum_i Psi(s_i)`` (paper Eq. 1) for every Psi in ``METRIC_NAMES``."""
+  """``MF_Psi = (1/m) sum_i Psi(s_i)`` (paper Eq. 1) for every Psi in ``METRIC_NAMES``, over the
+  ``measurable`` attributes: one with a single group in the split (e.g. an identity fold without
+  a Bald person) has PQD 1.0 and DP 0.0 by definition, which averaged in would make the MF
+  figures look fairer than any attribute measured. When none is measurable, the mean of all
+  (the report flags every one of them)."""
   if not per_attribute:
     raise ValueError("multi-attribute fairness needs at least one attribute")
-  return {name: float(np.mean([getattr(a, name) for a in per_attribute])) for name in METRIC_NAMES}
+  measured = [a for a in per_attribute if a.measurable] or list(per_attribute)
+  return {name: float(np.mean([getattr(a, name) for a in measured])) for name in METRIC_NAMES}
 
 
 def overall_accuracy(overall: np.ndarray) -> tuple[float, int]:

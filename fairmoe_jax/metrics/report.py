@@ -5,11 +5,15 @@ Schema of ``fairness_report`` (python scalars only, so ``json.dumps`` works)::
     {"accuracy": float, "num_examples": int,
      "attributes": {NAME: {"pqd": float, "dp": float, "eopp": float, "eodds": float,
                            "groups": {GROUP: {"n": int, "accuracy": float}},
-                           "empty_groups": [GROUP, ...]}},
-     "mf": {"pqd": float, "dp": float, "eopp": float, "eodds": float}}
+                           "empty_groups": [GROUP, ...],
+                           "single_group": bool}},
+     "mf": {"pqd": float, "dp": float, "eopp": float, "eodds": float},
+     "mf_excluded": [NAME, ...]}  # only when an attribute has a single group
 
 ``groups`` holds the non-empty groups only; empty ones are listed in ``empty_groups``
-(their accuracy is undefined and JSON has no portable NaN). ``format_report`` also prints the
+(their accuracy is undefined and JSON has no portable NaN). An attribute with examples in a
+single group (``single_group``) has no disparity to measure: it is left out of the ``mf`` means
+and named in ``mf_excluded`` (``fairness.multi_attribute_fairness``). ``format_report`` also prints the
 ``"intersections"`` entry that ``intersections.intersection_report`` adds to a run's report.
 """
 
@@ -78,14 +82,19 @@ def fairness_report(
         if n > 0
     }
     entry["empty_groups"] = [str(groups[i]) for i in res.empty_groups]
+    entry["single_group"] = not res.measurable
     attributes[str(name)] = entry
 
-  return {
+  report = {
       "accuracy": float(accuracy),
       "num_examples": int(num_examples),
       "attributes": attributes,
       "mf": multi_attribute_fairness(results),
   }
+  excluded = [str(name) for name, res in zip(attribute_names, results) if not res.measurable]
+  if excluded:
+    report["mf_excluded"] = excluded
+  return report
 
 
 def report_of_predictions(
@@ -159,9 +168,28 @@ def format_report(report: dict[str, Any]) -> str:
       lines.append(f"  {g:<{width}}  {v['n']:>{n_width}}  {100.0 * v['accuracy']:>7.2f}%")
     if attr["empty_groups"]:
       lines.append(f"  empty groups (excluded): {', '.join(attr['empty_groups'])}")
+    if attr.get("single_group"):
+      lines.append(
+          "  Warning: one group only in this split, so no disparity can be measured (PQD 1, DP 0 "
+          "by definition); left out of the MF averages"
+      )
     lines.append(f"  {_metric_line(attr)}")
   num_attributes = len(report["attributes"])
-  lines += ["", f"MF (mean over {num_attributes} attributes)", f"  {_metric_line(report['mf'])}"]
+  excluded = report.get("mf_excluded", [])
+  measured = num_attributes - len(excluded)
+  if not excluded:
+    heading = f"MF (mean over {num_attributes} attributes)"
+  elif measured:
+    heading = (
+        f"MF (mean over {measured} of {num_attributes} attributes; left out, one group only: "
+        f"{', '.join(excluded)})"
+    )
+  else:
+    heading = (
+        f"MF (mean over {num_attributes} attributes, none of which has two groups here: no "
+        "disparity is measured)"
+    )
+  lines += ["", heading, f"  {_metric_line(report['mf'])}"]
   for name, entry in report.get("intersections", {}).items():
     lines += ["", *_intersection_lines(name, entry)]
   if "experts_per_attribute" in report:

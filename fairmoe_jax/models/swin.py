@@ -27,8 +27,9 @@ import numpy as np
 from flax import nnx
 
 from fairmoe_jax.models.classifier import BackboneClassifier
-from fairmoe_jax.models.vit import Mlp, layer_norm, linear, patch_conv
+from fairmoe_jax.models.vit import CheckpointedBlock, Mlp, layer_norm, linear, patch_conv
 from fairmoe_jax.moe import MoEAux, SparseMoE
+from trainkit.remat import check_remat
 
 # timm initialises Swin like its ViT: N(0, 0.02) linear kernels and relative
 # position bias tables (trunc_normal_ with an absolute cut-off of +-2, i.e. a
@@ -200,7 +201,7 @@ class WindowAttention(nnx.Module):
     return self.proj_drop(self.proj(out), deterministic=not train, rngs=rngs)
 
 
-class SwinBlock(nnx.Module):
+class SwinBlock(CheckpointedBlock, nnx.Module):
   """(Shifted-)window attention block on a [B, H, W, C] map; the MLP is dense or a `SparseMoE`.
 
   Following timm, a stage whose resolution is at most `window_size` uses one
@@ -221,6 +222,7 @@ class SwinBlock(nnx.Module):
       dtype: Any,
       param_dtype: Any,
       rngs: nnx.Rngs,
+      remat: str = "none",
   ):
     if resolution <= window_size:
       window_size, shift = resolution, False
@@ -228,6 +230,7 @@ class SwinBlock(nnx.Module):
     self.window = window_size
     self.shift = window_size // 2 if shift else 0
     self.is_moe = moe is not None
+    self.remat = check_remat(remat)
     self.norm1 = _layer_norm(dim, dtype, param_dtype, rngs)
     self.attn = WindowAttention(
         dim,
@@ -267,7 +270,7 @@ class SwinBlock(nnx.Module):
       x = jnp.roll(x, (shift, shift), axis=(1, 2))
     return x
 
-  def __call__(
+  def forward(
       self,
       x: jax.Array,
       *,
@@ -275,6 +278,7 @@ class SwinBlock(nnx.Module):
       rngs: nnx.Rngs | None,
       context: Mapping[str, jax.Array] | None = None,
   ) -> tuple[jax.Array, MoEAux | None]:
+    """The block without rematerialisation (what `__call__` checkpoints)."""
     b, h, w, c = x.shape
     x = x + self.attention(self.norm1(x), train=train, rngs=rngs)
     tokens = self.norm2(x).reshape(b, h * w, c)
@@ -285,6 +289,8 @@ class SwinBlock(nnx.Module):
       y, aux = self.mlp(tokens, train=train, rngs=rngs), None
     # Tokens dropped by the MoE get y = 0 and pass through on the residual.
     return x + y.reshape(b, h, w, c).astype(x.dtype), aux
+
+
 
 
 class SwinStage(nnx.Module):
@@ -307,6 +313,7 @@ class SwinStage(nnx.Module):
       dtype: Any,
       param_dtype: Any,
       rngs: nnx.Rngs,
+      remat: str = "none",
   ):
     self.downsample = (
         PatchMerging(in_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -327,6 +334,7 @@ class SwinStage(nnx.Module):
                 dtype=dtype,
                 param_dtype=param_dtype,
                 rngs=rngs,
+                remat=remat,
             )
             for j in range(depth)
         ]
@@ -356,6 +364,8 @@ class SwinTransformer(BackboneClassifier):
     dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
     param_dtype: parameter dtype.
     rngs: parameter RNGs.
+    remat: rematerialisation of each block in training, a `trainkit.remat.REMAT_POLICIES`
+      name ("none", "dots", "block"); patch merging and the head are not checkpointed.
   """
 
   def __init__(
@@ -375,6 +385,7 @@ class SwinTransformer(BackboneClassifier):
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
       rngs: nnx.Rngs,
+      remat: str = "none",
   ):
     if image_size % patch_size:
       raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
@@ -419,6 +430,7 @@ class SwinTransformer(BackboneClassifier):
               dtype=dtype,
               param_dtype=param_dtype,
               rngs=rngs,
+              remat=remat,
           )
       )
       start += depth

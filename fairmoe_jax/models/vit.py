@@ -20,6 +20,7 @@ from flax import nnx
 
 from fairmoe_jax.models.classifier import BackboneClassifier
 from fairmoe_jax.moe import MoEAux, SparseMoE
+from trainkit.remat import check_remat, checkpointed
 
 # timm's ViT/DeiT initialisation: N(0, 0.02) linear kernels and position
 # embedding, zero biases, LayerNorm (1, 0), N(0, 1e-6) class token. timm calls
@@ -152,7 +153,36 @@ class Mlp(nnx.Module):
     return self.drop(self.fc2(h), deterministic=not train, rngs=rngs)
 
 
-class Block(nnx.Module):
+class CheckpointedBlock:
+  """`__call__` of a transformer block that `model.remat` may checkpoint: the block's `forward`
+  as is in evaluation and without remat, under `trainkit.remat.checkpointed` in training (an
+  evaluation has no backward pass to save memory for). The block sets `remat`."""
+
+  remat: str
+
+  def __call__(
+      self,
+      x: jax.Array,
+      *,
+      train: bool,
+      rngs: nnx.Rngs | None,
+      context: Mapping[str, jax.Array] | None = None,
+  ) -> tuple[jax.Array, MoEAux | None]:
+    if train and self.remat != "none":  # An evaluation has no backward pass to save memory for.
+      return checkpointed(_train_forward, self.remat)(self, x, rngs, context)
+    return self.forward(x, train=train, rngs=rngs, context=context)
+
+
+
+def _train_forward(
+    block: nnx.Module, x: jax.Array, rngs: nnx.Rngs | None, context: Any
+) -> tuple[jax.Array, MoEAux | None]:
+  """A block's training forward pass, as `trainkit.remat.checkpointed` takes it (the module and
+  the traced arguments positional, `train` fixed)."""
+  return block.forward(x, train=True, rngs=rngs, context=context)
+
+
+class Block(CheckpointedBlock, nnx.Module):
   """Pre-norm transformer block; the MLP is dense or a `SparseMoE`."""
 
   def __init__(
@@ -166,8 +196,10 @@ class Block(nnx.Module):
       dtype: Any,
       param_dtype: Any,
       rngs: nnx.Rngs,
+      remat: str = "none",
   ):
     self.is_moe = moe is not None
+    self.remat = check_remat(remat)
     self.norm1 = layer_norm(dim, dtype, param_dtype, rngs)
     self.attn = Attention(
         dim, num_heads, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
@@ -182,7 +214,7 @@ class Block(nnx.Module):
     # The MoE has no internal dropout; the block applies it to the MoE output.
     self.mlp_drop = nnx.Dropout(dropout_rate)
 
-  def __call__(
+  def forward(
       self,
       x: jax.Array,
       *,
@@ -190,6 +222,7 @@ class Block(nnx.Module):
       rngs: nnx.Rngs | None,
       context: Mapping[str, jax.Array] | None = None,
   ) -> tuple[jax.Array, MoEAux | None]:
+    """The block without rematerialisation (what `__call__` checkpoints)."""
     x = x + self.attn(self.norm1(x), train=train, rngs=rngs)
     if self.is_moe:
       y, aux = self.mlp(self.norm2(x), train=train, rngs=rngs, context=context)
@@ -198,6 +231,8 @@ class Block(nnx.Module):
       y, aux = self.mlp(self.norm2(x), train=train, rngs=rngs), None
     # Tokens dropped by the MoE get y = 0 and pass through on the residual.
     return x + y.astype(x.dtype), aux
+
+
 
 
 class VisionTransformer(BackboneClassifier):
@@ -222,6 +257,8 @@ class VisionTransformer(BackboneClassifier):
     dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
     param_dtype: parameter dtype.
     rngs: parameter RNGs.
+    remat: rematerialisation of each block in training, a `trainkit.remat.REMAT_POLICIES`
+      name ("none", "dots", "block").
   """
 
   def __init__(
@@ -240,6 +277,7 @@ class VisionTransformer(BackboneClassifier):
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
       rngs: nnx.Rngs,
+      remat: str = "none",
   ):
     if image_size % patch_size:
       raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
@@ -275,6 +313,7 @@ class VisionTransformer(BackboneClassifier):
                 dtype=dtype,
                 param_dtype=param_dtype,
                 rngs=rngs,
+                remat=remat,
             )
             for i in range(depth)
         ]

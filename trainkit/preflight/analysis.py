@@ -2,8 +2,9 @@
 
 Everything here reads a program, never runs it: `compiled.memory_analysis()` and
 `cost_analysis()` (XLA's, where the backend gives one: TPU yes, GPU no), the optimised HLO text
-for the collectives, and the jaxpr for the project's own FLOP count (`matmul_flops`), which
-needs no backend at all and so is the same for every target.
+for the collectives (priced with a ring model) and a GPU's library calls (cuBLAS, cuDNN), and
+the jaxpr for the project's own FLOP count (`matmul_flops`), which needs no backend at all and
+so is the same for every target.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -77,19 +79,24 @@ def cost(compiled: Any) -> dict[str, float] | None:
   return dict(result) if result else None
 
 
-def optimized_hlo_cost(compiled: Any) -> dict[str, float] | None:
-  """XLA's HLO cost analysis of the program as the target's compiler optimised it (its
-  fusions, its GEMM calls), evaluated with this host's CPU client; None where that fails.
+def optimized_hlo_cost(compiled: Any, hlo_text: str | None = None) -> dict[str, float] | None:
+  """XLA's HLO cost analysis of the program as the target's compiler optimised it, evaluated
+  with this host's CPU client; None where that fails. `hlo_text`: `compiled.as_text()`, where
+  the caller has it already.
 
   For a GPU, whose compiled program has no cost analysis of its own: the bytes it counts are
-  each fusion's and kernel's operands and results, i.e. the traffic of the optimised program,
-  where `memory` alone gives only a lower bound. It uses jaxlib's HLO bindings, which are not
-  a public API, hence the fallback.
+  each fusion's operands and results, i.e. the traffic of the XLA-generated kernels (Triton
+  GEMM fusions included), where `memory` alone gives only a lower bound. It does not count the
+  library calls (cuBLAS GEMMs, cuDNN convolutions: `custom-call`s), each of which it marks -1
+  FLOPs and -1 bytes ("unknown") and sums so: `with_library_calls` adds them. It uses jaxlib's
+  HLO bindings, which are not a public API, hence the fallback.
   """
   try:
-    from jax._src.lib import hlo, xla_client  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import hlo as hlo_bindings  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
 
-    module = _parse_hlo(hlo, compiled.as_text())
+    text = compiled.as_text() if hlo_text is None else hlo_text
+    module = _parse_hlo(hlo_bindings, text)
     client = jax.devices("cpu")[0].client
     result = xla_client._xla.hlo_module_cost_analysis(client, module)  # pylint: disable=protected-access
   except Exception:  # pylint: disable=broad-except  # Private bindings: best effort.
@@ -132,6 +139,59 @@ def _without_attribute(text: str, name: str) -> str:
   return "".join(pieces) + text[position:]
 
 
+# --- Library calls of a GPU program ----------------------------------------------------------
+
+
+def library_call_cost(hlo_text: str) -> dict[str, Any]:
+  """What the library calls of an optimised GPU module read, write and compute, per device and
+  per execution of the module (`hlo.library_calls`: cuBLAS GEMMs, cuDNN convolutions, any
+  other `custom-call`), which XLA's HLO cost analysis leaves out.
+
+  bytes: operands read and results written, the scratch workspace of a cuBLAS/cuDNN call left
+  out (reported as `workspace_bytes`: the library may use any part of it). flops: GEMMs and
+  convolutions (2 x multiply-adds); `without_flops` counts the calls whose FLOPs are not known
+  (other custom calls: their bytes still count). A call in a while loop counts its known trip
+  count times; `in_loops_of_unknown_trip_count` says how many counted once for lack of one.
+  """
+  calls = hlo.library_calls(hlo_text)
+  by_target: dict[str, dict[str, Any]] = {}
+  for call in calls:
+    entry = by_target.setdefault(call.target, {"count": 0, "executions": 0, "bytes": 0, "flops": 0.0})
+    entry["count"] += 1
+    entry["executions"] += call.executions
+    entry["bytes"] += call.bytes * call.executions
+    entry["flops"] += (call.flops or 0.0) * call.executions
+  return {
+      "count": len(calls),
+      "executions": sum(c.executions for c in calls),
+      "bytes": sum(c.bytes * c.executions for c in calls),
+      "flops": sum((c.flops or 0.0) * c.executions for c in calls),
+      "workspace_bytes": sum(c.workspace * c.executions for c in calls),
+      "without_flops": sum(c.flops is None for c in calls),
+      "in_loops_of_unknown_trip_count": sum(c.in_unknown_loop for c in calls),
+      "by_target": dict(sorted(by_target.items())),
+  }
+
+
+def with_library_calls(hlo_cost: dict[str, float], library: dict[str, Any]) -> dict[str, Any]:
+  """A GPU program's FLOPs and bytes: the HLO cost analysis' (`optimized_hlo_cost`: the
+  fusions) plus its library calls' (`library_call_cost`), and the two parts.
+
+  The cost analysis sums -1 FLOPs and -1 bytes for each custom call it cannot cost: one per
+  custom-call instruction (a while body's counted once, as it counts the body itself), added
+  back here so that the fusions' part is theirs alone. It counts a while loop's body once;
+  the library calls are counted per known trip.
+  """
+  fusions = {k: hlo_cost.get(k, 0.0) + library["count"] for k in ("flops", "bytes accessed")}
+  calls = {"flops": float(library["flops"]), "bytes accessed": float(library["bytes"])}
+  return {
+      "flops": fusions["flops"] + calls["flops"],
+      "bytes accessed": fusions["bytes accessed"] + calls["bytes accessed"],
+      "fusions": fusions,
+      "library_calls": calls,
+  }
+
+
 # --- Collectives in the optimised HLO --------------------------------------------------------
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -143,6 +203,79 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     found[kind]["count"] += 1
     found[kind]["bytes"] += sum(a.bytes for a in arrays)
   return dict(sorted(found.items()))
+
+
+def ring_factor(kind: str, n: int) -> float:
+  """Bytes one device sends in a ring algorithm over n devices, per byte of the collective's
+  result on that device: all-reduce 2(n-1)/n (reduce-scatter then all-gather of the result);
+  all-gather (n-1)/n of the gathered result; reduce-scatter (n-1)/n of its input, which is n
+  results, so n-1; all-to-all (n-1)/n (each device keeps 1/n of its data); collective-permute
+  and collective-broadcast the result once."""
+  if n <= 1:
+    return 0.0
+  return {
+      "all-reduce": 2 * (n - 1) / n,
+      "all-gather": (n - 1) / n,
+      "reduce-scatter": float(n - 1),
+      "all-to-all": (n - 1) / n,
+      "ragged-all-to-all": (n - 1) / n,  # Priced on its output buffer, an upper bound.
+      "collective-permute": 1.0,
+      "collective-broadcast": 1.0,
+  }[kind]
+
+
+def collective_seconds(
+    hlo_text: str, hosts: Sequence[int], bandwidth: float, inter_host_bandwidth: float
+) -> dict[str, Any] | None:
+  """The collectives of an optimised module priced with a ring model: per collective, the
+  bytes each device sends (`ring_factor` x its result bytes x the times it runs) over the
+  bandwidth one device sends at (`Target.interconnect_bandwidth`; the inter-host one where the
+  group spans hosts). None where the target has no interconnect figure.
+
+  n is the size of the instruction's device group, read from its `replica_groups` (all the
+  program's devices where it names none); a collective-permute is one hop, across hosts where
+  any of its pairs is. `hosts[i]`: the host of the device the HLO calls i (SPMD: the i-th
+  device of the program's device assignment, i.e. of the mesh in row-major order). Latency,
+  the algorithms' choice (tree, one-shot) and a torus collective using fewer links than the
+  chip has are left out: like the roofline, a lower bound.
+  """
+  if bandwidth <= 0:
+    return None
+  one_host = len(set(hosts)) <= 1
+
+  def spans(ids: Sequence[int]) -> bool:
+    if one_host:
+      return False
+    if any(not 0 <= i < len(hosts) for i in ids):
+      return True  # An id outside the assignment: assume the slower network.
+    return len({hosts[i] for i in ids}) > 1
+
+  by_kind: dict[str, dict[str, Any]] = {}
+  total = 0.0
+  for op in hlo.collectives_with_groups(hlo_text):
+    if op.kind == "collective-permute":
+      moving = [p for p in op.pairs if p[0] != p[1]]
+      n, across = (2 if moving else 1), any(spans(p) for p in moving)
+    else:
+      groups = op.groups or (tuple(range(len(hosts))),)
+      n, across = max(len(g) for g in groups), any(spans(g) for g in groups)
+    sent = ring_factor(op.kind, n) * sum(a.bytes for a in op.arrays) * op.executions
+    seconds = sent / (inter_host_bandwidth if across else bandwidth)
+    total += seconds
+    entry = by_kind.setdefault(op.kind, {"seconds": 0.0, "bytes_sent": 0.0, "group_sizes": [], "across_hosts": 0})
+    entry["seconds"] += seconds
+    entry["bytes_sent"] += sent
+    entry["across_hosts"] += int(across)
+    if n not in entry["group_sizes"]:
+      entry["group_sizes"] = sorted(entry["group_sizes"] + [n])
+  return {
+      "seconds": total,
+      "bandwidth": bandwidth,
+      "inter_host_bandwidth": inter_host_bandwidth,
+      "model": "ring: all-reduce 2(n-1)/n, all-gather and all-to-all (n-1)/n of the result, "
+      "reduce-scatter (n-1) x the result, permute 1x; n from the HLO's replica_groups",
+      "by_kind": dict(sorted(by_kind.items())),
+  }
 
 
 # --- The project's own FLOP count ---------------------------------------------------------

@@ -10,8 +10,10 @@ lowered and compiled for the target's devices as MaxText's `train_compile.py` do
 The result, printed and written to `<workdir>/preflight.json`: memory per device against the
 device's (the fit: the train step's peak and the `DEFAULT_PREFETCH` training batches placed
 ahead of it, `trainkit.prefetch.resident_batches`, as `trainkit.fits` counts them in a run),
-FLOPs, bytes, collectives, a roofline step time and the device-hours of the config's
-`num_train_steps`.
+FLOPs, bytes (on a GPU, XLA's fusions and its cuBLAS/cuDNN calls), the collectives and their
+time on the target's interconnect, a step time (the roofline at a stated utilisation, plus the
+collectives without overlap, or the longer of the two with full overlap) and the device-hours
+of the config's `num_train_steps`.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from jax.sharding import Mesh
 
 from trainkit.config import require_float, require_int
 from trainkit.errors import ConfigError, UserError
-from trainkit.mesh import batch_sharding, make_mesh
+from trainkit.mesh import batch_sharding, make_mesh, require_all_devices
 from trainkit.metric_writers import write_atomically
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
 from trainkit.preflight import analysis
+from trainkit.preflight.calibration import calibration_for
 from trainkit.preflight.targets import GIB, TARGETS, Target, devices, get_target
+from trainkit.remat import MOST_AGGRESSIVE_REMAT, REMAT_CHOICES, validate_remat
 from trainkit.train_state import (
     LossFn,
     UpdateExtraFn,
@@ -52,10 +56,12 @@ from trainkit.train_state import (
 PREFLIGHT_FILE = "preflight.json"
 _GPU_TILING_ERROR = "Couldn't find output tile sizes"
 # The share of the roofline bound a real step reaches, for the device-hours: 40% is a typical
-# model-FLOPs utilisation of a well-fed transformer step; set preflight.utilization to taste.
-DEFAULT_UTILIZATION = 0.4
-# What changes a step's memory per device, for the message of a run that does not fit.
-MEMORY_KEYS = "batch_size, mesh.data / mesh.expert (more devices per copy of the experts), compute_dtype"
+# 0: the target platform's utilisation, calibrated against public training throughputs
+# (trainkit/preflight/calibration.py); a number in (0, 1] overrides it.
+DEFAULT_UTILIZATION = 0.0
+# What changes a step's memory per device, for the message of a run that does not fit; the
+# message names only those that can help the run on its target (`memory_keys`).
+MEMORY_KEYS = ("batch_size", "eval_batch_size", "model.remat", "compute_dtype", "mesh.expert")
 
 
 def preflight_config() -> ml_collections.ConfigDict:
@@ -64,7 +70,8 @@ def preflight_config() -> ml_collections.ConfigDict:
       dict(
           # --mode=compile: the accelerator to compile for (trainkit/preflight/targets.py).
           target="",
-          # Share of the roofline bound a real step reaches, for the time estimate.
+          # Share of the roofline bound a real step reaches, for the time estimate; 0 = the
+          # target platform's calibrated share (docs/scaling.md, "Calibration").
           utilization=DEFAULT_UTILIZATION,
           # Training examples per epoch when num_epochs > 0; 0 = the dataset's known size.
           train_examples=0,
@@ -76,9 +83,11 @@ def preflight_config() -> ml_collections.ConfigDict:
 
 def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
   """Checks the preflight keys; returns the target (None when none is named)."""
-  utilization = require_float(config, "preflight.utilization", minimum=1e-6, maximum=1.0)
+  utilization = require_float(config, "preflight.utilization", minimum=0.0, maximum=1.0)
   if not math.isfinite(utilization):  # NaN passes every comparison.
-    raise ConfigError("preflight.utilization", f"must be in (0, 1], got {utilization!r}")
+    raise ConfigError(
+        "preflight.utilization", f"must be in (0, 1], or 0 for the calibrated one, got {utilization!r}"
+    )
   require_int(config, "preflight.train_examples", minimum=0)
   if not isinstance(config.preflight.eval_step, bool):
     raise ConfigError("preflight.eval_step", f"must be True or False, got {config.preflight.eval_step!r}")
@@ -220,12 +229,24 @@ def compile_step(
   memory.update(program_peak=memory["peak"], peak=memory["peak"] + beside)
   record["memory"] = memory
   record["fits"] = memory["peak"] <= target.usable_bytes
-  record["collectives"] = analysis.collectives(compiled.as_text())
+  text = compiled.as_text()
+  record["collectives"] = analysis.collectives(text)
+  # The HLO's device ids are positions in the program's device assignment: the mesh's devices
+  # in row-major order, for a program whose shardings are all over `mesh`.
+  hosts = [d.process_index for d in mesh.devices.flat]
+  pricing = analysis.collective_seconds(
+      text, hosts, target.interconnect_bandwidth, target.inter_host_bandwidth
+  )
+  if pricing is not None:
+    record["collective_seconds"] = pricing.pop("seconds")
+    record["collective_pricing"] = pricing
   cost = analysis.cost(compiled)
   if not cost and target.platform == "gpu":
-    hlo = analysis.optimized_hlo_cost(compiled)
+    hlo = analysis.optimized_hlo_cost(compiled, text)
     if hlo:
       record["optimized_hlo_cost"] = hlo
+    # cuBLAS/cuDNN calls, which the HLO cost analysis does not count.
+    record["library_calls"] = analysis.library_call_cost(text)
   if cost:
     # A negative optimal_seconds is XLA's "no estimate" (seen with collectives in the program).
     record["xla_cost"] = {
@@ -257,6 +278,29 @@ def persistent_cache_off() -> Iterator[None]:
     compilation_cache.reset_cache()
 
 
+def step_estimate(
+    bound_seconds: float | None, utilization: float, collective_seconds: float | None
+) -> dict[str, float | None]:
+  """A step's time from its roofline bound and its collectives' time (seconds; None: unknown).
+
+  compute_step_seconds: the roofline at the stated utilisation. collective_seconds: the ring
+  model's time at the interconnect's rate (`analysis.collective_seconds`), not derated by the
+  utilisation, which is a compute-side figure. step_seconds_no_overlap: their sum, the
+  conservative figure (the run's `step_seconds` and device-hours); step_seconds_full_overlap:
+  the longer of the two, as if every collective ran under compute (XLA's GPU and TPU
+  schedulers overlap async collectives with independent work; how much depends on the
+  program).
+  """
+  collectives = collective_seconds or 0.0
+  compute = None if bound_seconds is None else bound_seconds / utilization
+  return {
+      "compute_step_seconds": compute,
+      "collective_seconds": collective_seconds,
+      "step_seconds_no_overlap": None if compute is None else compute + collectives,
+      "step_seconds_full_overlap": None if compute is None else max(compute, collectives),
+  }
+
+
 def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
   """Compiles the run of `config` for `config.preflight.target`; returns the preflight record."""
   with persistent_cache_off():
@@ -267,6 +311,11 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
   target = validate_preflight(config)
   if target is None:
     raise ConfigError("preflight.target", f"name the target to compile for; known: {', '.join(TARGETS)}")
+  # The preflight compiles for the target it names: a mesh over some of its devices would give
+  # another run's per-device figures and bill the idle devices.
+  require_all_devices(
+      config.mesh, target.num_devices, f"the {target.num_devices} devices of {target.name}"
+  )
   mesh = make_mesh(config.mesh, list(devices(target)))
   program = build_program(config, mesh)
   train_examples = config.preflight.train_examples or program.train_examples
@@ -317,19 +366,28 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
   n = target.num_devices
   xla = train.get("xla_cost", {})
   hlo = train.get("optimized_hlo_cost", {})
+  library = train.get("library_calls")
+  with_calls = ""
+  if hlo and library is not None:
+    # A GPU program: XLA's fusions (the cost analysis) and the cuBLAS/cuDNN calls it skips.
+    hlo = analysis.with_library_calls(hlo, library)
+    train["cost_split"] = {"fusions": hlo["fusions"], "library_calls": hlo["library_calls"]}
+    with_calls = " + its library calls (cuBLAS/cuDNN custom calls)"
   matmul_per_device = counted["flops"] / n
   flops = xla.get("flops") or max(hlo.get("flops", 0.0), matmul_per_device)
   if "flops" in xla:
     flops_source = "xla cost analysis"
   elif hlo.get("flops", 0.0) > matmul_per_device:
-    flops_source = "hlo cost analysis of the optimised program"
+    flops_source = "hlo cost analysis of the optimised program" + with_calls
   else:
     flops_source = "matmul count of the jaxpr"
   if "bytes accessed" in xla:
     bytes_accessed, bytes_source = xla["bytes accessed"], "xla cost analysis"
   elif hlo.get("bytes accessed"):
     bytes_accessed = hlo["bytes accessed"]
-    bytes_source = "hlo cost analysis of the optimised program (this host's cpu client)"
+    bytes_source = "hlo cost analysis of the optimised program (this host's cpu client)" + (
+        with_calls and with_calls + ": operands and results, workspace not counted"
+    )
   elif train["memory"].get("arguments") is not None:
     m = train["memory"]
     bytes_accessed = m["arguments"] + m["outputs"] + 2 * m["temporaries"]
@@ -352,8 +410,21 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
       roofline=roofline,
       xla_estimate_seconds=xla.get("optimal_seconds"),
   )
-  utilization = config.preflight.utilization
-  step_seconds = roofline["bound_s"] / utilization if roofline else None
+  utilization, utilization_source, utilization_range = _utilization(config, target)
+  estimate = step_estimate(
+      roofline["bound_s"] if roofline else None, utilization, train.get("collective_seconds")
+  )
+  # The calibration's range carried through: the step at its highest and lowest utilisation.
+  step_range = None
+  if roofline and utilization_range:
+    step_range = [
+        step_estimate(roofline["bound_s"], u, train.get("collective_seconds"))[
+            "step_seconds_no_overlap"
+        ]
+        for u in reversed(utilization_range)
+    ]
+  step_seconds = estimate["step_seconds_no_overlap"]
+  full_overlap = estimate["step_seconds_full_overlap"]
   fits = bool(train["fits"] and evaluation["fits"])
   record = {
       "target": {
@@ -366,9 +437,13 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
           "usable_bytes": target.usable_bytes,
           "peak_flops_per_s": peak_flops,
           "memory_bandwidth": target.memory_bandwidth,
+          "interconnect": target.interconnect,
+          "interconnect_bandwidth": target.interconnect_bandwidth,
+          "inter_host_bandwidth": target.inter_host_bandwidth,
       },
       "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape))),
       "compute_dtype": config.compute_dtype,
+      "remat": validate_remat(config),
       "settings": dict(program.settings),
       "batch": {
           "global": config.batch_size,
@@ -389,9 +464,15 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
               else program.train_examples_source
           ),
           "utilization": utilization,
+          "utilization_source": utilization_source,
+          "utilization_range": utilization_range,
+          **estimate,
+          "step_seconds_range": step_range,
           "step_seconds": step_seconds,
           "wall_hours": steps * step_seconds / 3600 if step_seconds else None,
           "device_hours": steps * step_seconds * n / 3600 if step_seconds else None,
+          "wall_hours_full_overlap": steps * full_overlap / 3600 if full_overlap else None,
+          "device_hours_full_overlap": steps * full_overlap * n / 3600 if full_overlap else None,
       },
       "provenance": {
           "date": datetime.date.today().isoformat(),
@@ -401,6 +482,21 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
       },
   }
   return record
+
+
+def _utilization(
+    config: ml_collections.ConfigDict, target: Target
+) -> tuple[float, str, list[float] | None]:
+  """(utilisation, where it comes from, the range the calibration allows or None)."""
+  if config.preflight.utilization > 0:
+    return float(config.preflight.utilization), "preflight.utilization", None
+  calibrated = calibration_for(target.platform)
+  if calibrated is None:  # pragma: no cover  # Every platform with a target is calibrated.
+    raise ConfigError(
+        "preflight.utilization", f"no calibration for {target.platform}: give the share (0, 1]"
+    )
+  source = f"calibrated on {target.platform.upper()}: {calibrated.source} (experiments/calibration.py)"
+  return calibrated.utilization, source, [calibrated.low, calibrated.high]
 
 
 def _version(package: str) -> str | None:
@@ -422,7 +518,7 @@ def summary(record: Mapping[str, Any]) -> str:
   m = train["memory"]
   lines = [
       f"preflight for {t['name']}: {t['devices']} x {t['device_kind']} on {t['hosts']} host(s), "
-      f"mesh {record['mesh']}, batch {record['batch']['global']} "
+      f"mesh {record['mesh']}, model.remat={record.get('remat', 'none')}, batch {record['batch']['global']} "
       f"({record['batch']['per_host']} per host, {record['batch']['per_device']} per device)",
       f"  fits: {'yes' if record['fits'] else 'NO'} (usable {_gib(t['usable_bytes'])} per device)",
       f"  train step per device: peak {_gib(m.get('peak'))}"
@@ -442,26 +538,62 @@ def summary(record: Mapping[str, Any]) -> str:
       f"{train['matmul_flops_per_example']:.3e}",
   ]
   if train.get("bytes_accessed_per_device") is not None:
+    split = train.get("cost_split")
     lines.append(
-        f"  bytes accessed per device: {train['bytes_accessed_per_device']:.3e} "
-        f"({train['bytes_accessed_source']})"
+        f"  bytes accessed per device: {train['bytes_accessed_per_device']:.3e}"
+        + (
+            f" = fusions {split['fusions']['bytes accessed']:.3e} + library calls "
+            f"{split['library_calls']['bytes accessed']:.3e}"
+            if split
+            else ""
+        )
+        + f" ({train['bytes_accessed_source']})"
     )
   collectives = train.get("collectives") or {}
+  pricing = train.get("collective_pricing")
   lines.append(
       "  collectives: "
       + (", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in collectives.items()) or "none")
+      + (
+          f": {train['collective_seconds'] * 1e3:.3g} ms per step (ring model at "
+          f"{pricing['bandwidth'] / 1e9:.0f} GB/s per device"
+          + (
+              f", {pricing['inter_host_bandwidth'] / 1e9:.0f} GB/s across hosts"
+              if pricing["inter_host_bandwidth"] != pricing["bandwidth"]
+              and any(v["across_hosts"] for v in pricing["by_kind"].values())
+              else ""
+          )
+          + ")"
+          if collectives and pricing
+          else ""
+      )
   )
   if train.get("roofline"):
     r = train["roofline"]
     xla = train.get("xla_estimate_seconds")
+    compute = run.get("compute_step_seconds", run["step_seconds"])
     lines.append(
         f"  step time: roofline {r['bound_s'] * 1e3:.2f} ms ({r['bound_by']}-bound)"
         + (f", XLA's estimate {xla * 1e3:.2f} ms" if xla else "")
-        + f"; at {run['utilization']:.0%} of the bound {run['step_seconds'] * 1e3:.2f} ms"
+        + f"; at {run['utilization']:.0%} of the bound {compute * 1e3:.2f} ms"
+        + f" ({run.get('utilization_source', 'preflight.utilization')})"
+    )
+    full = run.get("step_seconds_full_overlap") or run["step_seconds"]
+    spread = run.get("step_seconds_range")
+    lines.append(
+        f"  step with collectives: {run['step_seconds'] * 1e3:.2f} ms without overlap"
+        + (
+            f" ({spread[0] * 1e3:.2f}-{spread[1] * 1e3:.2f} ms over the calibration's range)"
+            if spread
+            else ""
+        )
+        + f", {full * 1e3:.2f} ms with full overlap"
     )
     lines.append(
         f"  {run['num_train_steps']} steps: {run['wall_hours']:.2f} h wall, "
-        f"{run['device_hours']:.1f} device-hours"
+        f"{run['device_hours']:.1f} device-hours without overlap; "
+        f"{run.get('wall_hours_full_overlap') or run['wall_hours']:.2f} h, "
+        f"{run.get('device_hours_full_overlap') or run['device_hours']:.1f} device-hours with full overlap"
     )
   lines.append(
       f"  compile time here: train {train['compile_seconds']} s, eval {ev['compile_seconds']} s"
@@ -469,8 +601,36 @@ def summary(record: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def memory_keys(record: Mapping[str, Any]) -> list[str]:
+  """The `MEMORY_KEYS` that can lower the memory per device of the record's run on its target,
+  each with what it would do: only the steps that do not fit, a stronger `model.remat` where
+  one is left, `compute_dtype` where it is not already bfloat16, and the expert axis where the
+  target has several devices (the mesh covers them all: more devices per copy of the experts,
+  not more devices)."""
+  keys = []
+  train_short = not record["train_step"]["fits"]
+  if train_short:
+    keys.append("batch_size (activations scale with it)")
+    remat = record.get("remat", "none")
+    if remat in REMAT_CHOICES and remat != MOST_AGGRESSIVE_REMAT:
+      stronger = REMAT_CHOICES[REMAT_CHOICES.index(remat) + 1 :]
+      keys.append(
+          f"model.remat (now {remat!r}; {' or '.join(map(repr, stronger))} keeps fewer "
+          "activations for more FLOPs)"
+      )
+  if not record["eval_step"]["fits"]:
+    keys.append("eval_batch_size (for the eval step)")
+  if record.get("compute_dtype") != "bfloat16":
+    keys.append("compute_dtype=bfloat16 (half the activation bytes)")
+  devices = record["target"]["devices"]
+  if devices > 1:
+    keys.append(f"mesh.expert (the experts split over more of the {devices} devices)")
+  return keys
+
+
 def does_not_fit_message(record: Mapping[str, Any]) -> str:
-  """One line: which step does not fit, by how much per device, and the keys that change it."""
+  """One line: which step does not fit, by how much per device, and the keys that can change
+  that on this target (`memory_keys`)."""
   t = record["target"]
   parts = []
   for name in ("train_step", "eval_step"):
@@ -483,8 +643,7 @@ def does_not_fit_message(record: Mapping[str, Any]) -> str:
       parts.append(f"the {name.replace('_', ' ')} needs {at_least}{_gib(peak)} per device{short}")
   return (
       f"does not fit on {t['name']} ({_gib(t['usable_bytes'])} usable per device): "
-      f"{'; '.join(parts)}. Change {MEMORY_KEYS}"
-      + (" (eval_batch_size for the eval step)" if not record["eval_step"]["fits"] else "")
+      f"{'; '.join(parts)}. Change {', '.join(memory_keys(record))}"
   )
 
 

@@ -1,17 +1,24 @@
-"""Reading an optimised HLO module's text: its matrix products and its collectives, per device.
+"""Reading an optimised HLO module's text: its matrix products, its library calls and its
+collectives, per device.
 
 What a compiled program does on each device is decided by the SPMD partitioner and is only
 visible in the optimised HLO (`compiled.as_text()`): how many rows an expert matmul really
-has, which collectives move which arrays, in which dtype. These readers let tests and the
-preflight assert on that program, for any target XLA compiles for here (TPU: dots are often
-`convolution`s; GPU: library GEMMs are `custom-call`s to cuBLAS).
+has, which collectives move which arrays, in which dtype, over which device groups, and what
+the cuBLAS/cuDNN calls of a GPU program read, write and compute. These readers let tests and
+the preflight assert on that program, for any target XLA compiles for here (TPU: dots are
+often `convolution`s; GPU: library GEMMs are `custom-call`s to cuBLAS). An instruction inside a
+while loop counts the loop's known trip count (`_executions`) where the readers say so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+from typing import Any
+
+import numpy as np
 
 COLLECTIVES = (
     "all-reduce",
@@ -116,19 +123,7 @@ def collective_instructions(hlo_text: str) -> list[tuple[str, list[Array]]]:
   collective-permute) all but the largest array. An all-reduce or all-to-all over several
   arrays returns all of them.
   """
-  found = []
-  for _, op, shape in _instructions(hlo_text):
-    start = op.endswith("-start")
-    kind = op.removesuffix("-start")
-    if kind not in COLLECTIVES:
-      continue
-    if start:
-      shape = _without_operands(shape)
-    arrays = _arrays(shape)
-    if start and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
-      arrays = [max(arrays, key=lambda a: a.bytes)]
-    found.append((kind, arrays))
-  return found
+  return [(c.kind, list(c.arrays)) for c in collectives_with_groups(hlo_text)]
 
 
 def collective_results(hlo_text: str) -> dict[str, list[Array]]:
@@ -137,4 +132,369 @@ def collective_results(hlo_text: str) -> dict[str, list[Array]]:
   found: dict[str, list[Array]] = {}
   for kind, arrays in collective_instructions(hlo_text):
     found.setdefault(kind, []).extend(arrays)
+  return found
+
+
+# --- The module's computations and how often each runs ---------------------------------------
+
+# A computation's header: `%name (params...) -> shape {` (`ENTRY %name ...` for the entry).
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"\b(?P<attr>condition|body|calls|to_apply|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{(?P<names>[^}]*)\}")
+# `"known_trip_count":{"n":"3"}` in a while's backend_config (jaxlib 0.10 to 0.12).
+_TRIP_COUNT = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+  computation: str
+  line: str
+  op: str
+  shape: str
+  name: str
+  operands_at: int  # Where the operand list starts in `line` (after `op(`).
+
+
+def _module(hlo_text: str) -> tuple[list[_Instruction], str | None]:
+  """Every instruction of the module with its computation, and the entry computation's name."""
+  found, computation, entry = [], "", None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header["name"]
+      if header["entry"]:
+        entry = computation
+      continue
+    match = _INSTRUCTION.match(line)
+    if match:
+      name = line.split("=", 1)[0].split("%", 1)[1].strip()
+      found.append(_Instruction(computation, line, match["op"], match["shape"], name, match.end()))
+  return found, entry
+
+
+def _executions(instructions: list[_Instruction], entry: str | None) -> dict[str, tuple[int, bool]]:
+  """Per computation: how many times it runs per execution of the module, and whether a while
+  loop of unknown trip count encloses it (its body then counts once).
+
+  A while body (and condition) runs `known_trip_count` times where XLA knows it; every other
+  called computation (fusions, calls, async wrappers, both branches of a conditional: an upper
+  bound) runs as often as its caller.
+  """
+  callers: dict[str, list[tuple[str, int, bool]]] = {}
+  for ins in instructions:
+    attributes = ins.line[ins.operands_at :]
+    called = [(m["attr"], m["name"]) for m in _CALLED.finditer(attributes)]
+    for listed in _CALLED_LIST.finditer(attributes):
+      called += [("calls", n.strip().lstrip("%")) for n in listed["names"].split(",") if n.strip()]
+    trip = _TRIP_COUNT.search(attributes) if ins.op == "while" else None
+    for attribute, name in called:
+      loop = ins.op == "while" and attribute in ("body", "condition")
+      times = int(trip.group(1)) if loop and trip else 1
+      callers.setdefault(name, []).append((ins.computation, times, loop and trip is None))
+  memo: dict[str, tuple[int, bool]] = {}
+
+  def count(name: str) -> tuple[int, bool]:
+    if name == entry or entry is None or name not in callers:
+      return (1, False)  # The entry, or called through an attribute not read here: once.
+    if name not in memo:
+      memo[name] = (0, False)  # HLO has no recursion; this only guards malformed text.
+      total, unknown = 0, False
+      for caller, times, unknown_here in callers.get(name, []):
+        n, u = count(caller)
+        total += n * times
+        unknown = unknown or u or (unknown_here and n > 0)
+      memo[name] = (total, unknown)
+    return memo[name]
+
+  return {ins.computation: count(ins.computation) for ins in instructions}
+
+
+def _operand_list(line: str, start: int) -> list[str]:
+  """The operands of an instruction (`%a, %b` or `f32[4]{0} %a, ...`), top-level commas only."""
+  depth, token, tokens = 0, [], []
+  for char in line[start:]:
+    if char in "([{":
+      depth += 1
+    elif char in ")]}":
+      if depth == 0:
+        break
+      depth -= 1
+    if char == "," and depth == 0:
+      tokens.append("".join(token))
+      token = []
+    else:
+      token.append(char)
+  tokens.append("".join(token))
+  return [t.strip() for t in tokens if t.strip()]
+
+
+def _operand_arrays(ins: _Instruction, shapes: dict[str, str]) -> list[Array]:
+  arrays = []
+  for token in _operand_list(ins.line, ins.operands_at):
+    name = re.search(r"%([\w.\-]+)\s*$", token)
+    written = token[: name.start()] if name else token
+    arrays += _arrays(written if _ARRAY.search(written) else shapes.get(name[1] if name else "", ""))
+  return arrays
+
+
+def _backend_config(line: str) -> dict[str, Any]:
+  """An instruction's backend_config: JSON, printed bare or as a quoted string."""
+  at = line.find("backend_config=")
+  if at < 0:
+    return {}
+  text = line[at + len("backend_config=") :]
+  try:
+    if text.startswith('"'):
+      text, _ = json.JSONDecoder().raw_decode(text)
+    value, _ = json.JSONDecoder().raw_decode(text)
+  except ValueError:
+    return {}
+  return value if isinstance(value, dict) else {}
+
+
+# --- Library calls (GPU: cuBLAS GEMMs, cuDNN convolutions, other custom calls) ----------------
+
+_TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
+_DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LibraryCall:
+  """One `custom-call` of an optimised (GPU) module: a kernel XLA did not generate, e.g. a
+  cuBLAS GEMM or a cuDNN convolution, which XLA's HLO cost analysis does not count.
+
+  Attributes:
+    target: the custom_call_target (`__cublas$lt$matmul`, `__cudnn$convForward`, ...).
+    kind: "gemm", "convolution" or "other".
+    operands: the arrays it reads.
+    results: the arrays it writes, the scratch workspace left out.
+    workspace: bytes of the scratch buffer it is given (the last result of a tuple, `u8`/`s8`
+      1-D): cuBLAS and cuDNN may use part of it or none, so it is not counted as traffic.
+    flops: 2 x multiply-adds, for a GEMM or convolution (None for other calls).
+    executions: times it runs per execution of the module (while loops' known trip counts).
+    in_unknown_loop: inside a while loop whose trip count XLA does not know (counted once).
+  """
+
+  target: str
+  kind: str
+  operands: tuple[Array, ...]
+  results: tuple[Array, ...]
+  workspace: int
+  flops: float | None
+  executions: int = 1
+  in_unknown_loop: bool = False
+
+  @property
+  def bytes(self) -> int:
+    """Bytes read and written by one execution: operands and results, workspace left out."""
+    return sum(a.bytes for a in self.operands) + sum(a.bytes for a in self.results)
+
+
+def _gemm_flops(line: str, operands: list[Array], results: list[Array]) -> float | None:
+  """2 x (result elements) x (contracted elements), from the dot dimension numbers of the
+  GEMM's backend_config: the result is [batch..., M, N], the lhs's contracting dims are K."""
+  config = _backend_config(line).get("gemm_backend_config", {})
+  contracting = config.get("dot_dimension_numbers", {}).get("lhs_contracting_dimensions")
+  if contracting is None or not operands or not results:
+    return None
+  lhs = operands[0]
+  return 2.0 * results[0].size * math.prod(lhs.dims[int(d)] for d in contracting)
+
+
+def _convolution_flops(line: str, target: str, operands: list[Array], results: list[Array]) -> float | None:
+  """2 x (forward output elements) x (kernel elements per output feature).
+
+  cuDNN's custom calls carry the dimension labels of the forward convolution whatever their
+  direction (XLA's GetCudnnConvParams): forward, input and kernel in, output out; backward
+  input, output gradient and kernel in, input gradient out; backward filter, input and output
+  gradient in, kernel gradient out. A grouped convolution's kernel already has in/groups input
+  features, so the formula holds for it too."""
+  labels = _DIM_LABELS.search(line)
+  if labels is None or len(operands) < 2 or not results:
+    return None
+  if "BackwardInput" in target:
+    kernel, output = operands[1], operands[0]
+  elif "BackwardFilter" in target:
+    kernel, output = results[0], operands[1]
+  else:
+    kernel, output = operands[1], results[0]
+  rhs = labels["rhs"]
+  if "o" not in rhs or len(rhs) != len(kernel.dims):
+    return None
+  return 2.0 * output.size * kernel.size / kernel.dims[rhs.index("o")]
+
+
+def library_calls(hlo_text: str) -> list[LibraryCall]:
+  """Every `custom-call` of an optimised module: its operands, results (workspace apart),
+  FLOPs (GEMMs and convolutions) and how often it runs (`_executions`).
+
+  Operand shapes are looked up by name (the optimised text prints `custom-call(%x, %w)`):
+  instruction names are unique across an HLO module.
+  """
+  instructions, entry = _module(hlo_text)
+  shapes = {ins.name: ins.shape for ins in instructions}
+  runs = _executions(instructions, entry)
+  found = []
+  for ins in instructions:
+    if ins.op != "custom-call":
+      continue
+    target_match = _TARGET.search(ins.line)
+    target = target_match["target"] if target_match else ""
+    results = _arrays(ins.shape)
+    workspace = 0
+    if ins.shape.lstrip().startswith("(") and len(results) > 1:
+      last = results[-1]
+      if last.dtype in ("u8", "s8") and len(last.dims) == 1:
+        workspace = last.bytes
+        results = results[:-1]
+    operands = _operand_arrays(ins, shapes)
+    if target.startswith("__cublas$"):
+      kind, flops = "gemm", _gemm_flops(ins.line, operands, results)
+    elif target.startswith("__cudnn$conv"):
+      kind, flops = "convolution", _convolution_flops(ins.line, target, operands, results)
+    else:
+      kind, flops = "other", None
+    executions, unknown = runs.get(ins.computation, (1, False))
+    found.append(
+        LibraryCall(target, kind, tuple(operands), tuple(results), workspace, flops, executions, unknown)
+    )
+  return found
+
+
+# --- Collectives with their groups ------------------------------------------------------------
+
+_REPLICA_GROUPS = re.compile(r"replica_groups=(?P<groups>\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?[^()]*)\))?"
+    r"\s*\{(?P<group>[^}]*)\}"
+)
+_PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>[{}\d,\s]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of an optimised module.
+
+  Attributes:
+    kind: the collective (`all-reduce`, ...; an async op by its `-start`).
+    arrays: what it produces on each device (`collective_instructions`).
+    groups: the device groups it runs over, as the ids in the HLO (SPMD: partition ids, i.e.
+      positions in the program's device assignment); None where the HLO names none (one group
+      of every device).
+    pairs: a collective-permute's (source, target) pairs.
+    executions: times it runs per execution of the module (known while-loop trip counts).
+  """
+
+  kind: str
+  arrays: tuple[Array, ...]
+  groups: tuple[tuple[int, ...], ...] | None
+  pairs: tuple[tuple[int, int], ...] = ()
+  executions: int = 1
+
+
+def _iota(text: str) -> np.ndarray:
+  """XLA's iota tile form `[shape]<=[dims]T(perm)`: iota over dims, transposed by perm,
+  reshaped to shape."""
+  shape_text, rest = text.split("<=")
+  dims_text, _, perm_text = rest.partition("T")
+  shape = [int(d) for d in shape_text.strip("[] ").split(",")]
+  dims = [int(d) for d in dims_text.strip("[] ").split(",")]
+  perm = [int(p) for p in perm_text.strip("() ").split(",")] if perm_text else list(range(len(dims)))
+  return np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(shape)
+
+
+def _mesh_axes_groups(match: re.Match) -> tuple[tuple[int, ...], ...] | None:
+  """XLA's mesh-axes form (jaxlib 0.12): `mesh['a'=2,'b'=8] {'b'}`, optionally with
+  `device_ids=(...)` after the axes and sub-axes `'b':(pre)size` in the group. A group is the
+  devices that differ only along the group's axes."""
+  axes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", match["axes"])]
+  if not axes:
+    return None
+  sizes = [size for _, size in axes]
+  ids_text = (match["ids"] or "").strip()
+  if "<=" in ids_text:
+    ids = _iota(ids_text)
+  elif re.fullmatch(r"\[[\d,\s]+\](?:T\([\d,\s]+\))?", ids_text):
+    # An iota's reshape dims and transpose without the shape (libtpu): `[4,2]T(1,0)`.
+    ids = _iota(f"[{math.prod(sizes)}]<={ids_text}")
+  elif ids_text:
+    ids = np.array([int(i) for i in re.findall(r"\d+", ids_text)])
+  else:
+    ids = np.arange(math.prod(sizes))
+  if ids.size != math.prod(sizes):
+    return None
+  ids = ids.reshape(sizes)
+  names = [name for name, _ in axes]
+  refs: dict[int, list[tuple[int, int]]] = {}
+  for name, pre, size in re.findall(r"'?([^',:\s(){}]+)'?(?::\((\d+)\)(\d+))?", match["group"]):
+    if name not in names:
+      return None
+    axis = names.index(name)
+    refs.setdefault(axis, []).append((int(pre), int(size)) if pre else (1, sizes[axis]))
+  # Each axis as factors, major to minor; a sub-axis (pre)size is the factor after `pre`.
+  factors, grouped = [], []
+  for axis, size in enumerate(sizes):
+    done = 1
+    for pre, part in sorted(refs.get(axis, [])):
+      if pre > done:
+        factors.append(pre // done)
+        grouped.append(False)
+      factors.append(part)
+      grouped.append(True)
+      done = pre * part
+    if size // done > 1 or not refs.get(axis):
+      factors.append(size // done)
+      grouped.append(False)
+  if math.prod(factors) != ids.size:
+    return None
+  order = [i for i, g in enumerate(grouped) if not g] + [i for i, g in enumerate(grouped) if g]
+  group_size = math.prod(f for f, g in zip(factors, grouped) if g)
+  rows = ids.reshape(factors).transpose(order).reshape(-1, group_size)
+  return tuple(tuple(int(i) for i in row) for row in rows)
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+  """The `replica_groups` of an instruction: the explicit form `{{0,1},{2,3}}`, XLA's iota
+  form `[G,S]<=[dims]T(perm)` (G groups of S: iota over dims, transposed by perm, reshaped) or
+  its mesh-axes form (`mesh['a'=2,'b'=8] {'b'}`, jaxlib 0.12); None where absent or empty
+  (`{}`: all devices) or not understood."""
+  mesh = _MESH_GROUPS.search(line)
+  if mesh is not None:
+    return _mesh_axes_groups(mesh)
+  match = _REPLICA_GROUPS.search(line)
+  if match is None:
+    return None
+  text = match["groups"]
+  if text.startswith("["):
+    return tuple(tuple(int(i) for i in row) for row in _iota(text))
+  groups = tuple(
+      tuple(int(i) for i in g.split(",") if i.strip()) for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])
+  )
+  groups = tuple(g for g in groups if g)
+  return groups or None
+
+
+def collectives_with_groups(hlo_text: str) -> list[Collective]:
+  """Every collective of the module, with its device groups and how often it runs: its
+  arrays as `collective_instructions` describes them."""
+  instructions, entry = _module(hlo_text)
+  runs = _executions(instructions, entry)
+  found = []
+  for ins in instructions:
+    start = ins.op.endswith("-start")
+    kind = ins.op.removesuffix("-start")
+    if kind not in COLLECTIVES:
+      continue
+    shape = _without_operands(ins.shape) if start else ins.shape
+    arrays = _arrays(shape)
+    if start and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
+      arrays = [max(arrays, key=lambda a: a.bytes)]
+    pairs = ()
+    pair_match = _PAIRS.search(ins.line)
+    if pair_match:
+      pairs = tuple(
+          (int(a), int(b)) for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", pair_match["pairs"])
+      )
+    executions, _ = runs.get(ins.computation, (1, False))
+    found.append(Collective(kind, tuple(arrays), replica_groups(ins.line), pairs, executions))
   return found

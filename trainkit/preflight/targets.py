@@ -1,15 +1,34 @@
 """The accelerators a run can be compiled for without them: TPU slices and NVIDIA GPU nodes.
 
-A target is hardware facts (devices, hosts, memory, peak FLOP/s, memory bandwidth) plus how
-JAX describes its devices without the hardware (`jax.experimental.topologies`): libtpu for a
-TPU slice, the CUDA plugin and a GPU description (`GpuTargetConfigProto`, in text form) for a
-GPU node. `devices(target)` returns the target's devices on this machine, with the process
-(host) index each has in a real multi-host run.
+A target is hardware facts (devices, hosts, memory, peak FLOP/s, memory and interconnect
+bandwidth) plus how JAX describes its devices without the hardware
+(`jax.experimental.topologies`): libtpu for a TPU slice, the CUDA plugin and a GPU description
+(`GpuTargetConfigProto`, in text form) for a GPU node. `devices(target)` returns the target's
+devices on this machine, with the process (host) index each has in a real multi-host run.
 
 Peak FLOP/s are the dense bf16 matrix figures of the vendors' data sheets. A float32 run is
 costed at the same peak: JAX's default matmul precision runs float32 matmuls as one bf16 pass
 on a TPU, and as TF32 on an A100 or H100, whose TF32 peak is half the bf16 one; the step-time
 estimate says which peak it used (`peak_flops_per_s`).
+
+GPU memory: the fit and the compiler's limit are one number, `Target.usable_bytes`. A JAX
+process gives its programs XLA_PYTHON_CLIENT_MEM_FRACTION of each GPU's memory (0.75 by
+default; `gpu_memory_fraction` reads the variable once): its allocator's size, what the fit is
+checked against. XLA's GPU compiler rematerialises a program toward a limit of its own
+(`GetSchedulerMemoryLimit`, xla/service/gpu/gpu_hlo_schedule.cc): 0.95
+(`xla_gpu_memory_limit_slop_factor`) x (base - the program's argument and output bytes). When
+a client compiles, jaxlib passes its allocator's size as the build option `device_memory_size`
+and the base is that size; when none does, as in this deviceless compile, the base is 80% of
+the description's `device_memory_size`. So the description carries usable / 0.8 (93.75% of the
+memory at the default fraction): the preflight's compile then rematerialises toward the limit a
+real run's compile applies, and a program XLA brings under it peaks below `usable_bytes`.
+Verified on the CUDA plugin (jax 0.10.2): a program whose arguments and outputs exceed the base
+makes XLA log "The byte size of input/output arguments (...) exceeds the base limit (N)", and N
+is `usable_bytes` exactly (tests/test_preflight.py); with a description of M bytes, the base it
+logged was 0.8 M and the rematerialisation target 0.95 x (0.8 M - arguments - outputs), plus the
+outputs, which that pass counts. Before, the description said the whole 80 GB: XLA aimed at
+0.95 x 0.8 x 79.1 = 60.2 GiB while the fit was checked at 59.3 GiB, and the Swin rows that "did
+not fit on one H100" peaked at 60.0 to 60.2 GiB, the compiler's limit, not the model's need.
 """
 
 from __future__ import annotations
@@ -18,6 +37,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import re
 from typing import Any
 
 from trainkit.errors import UserError
@@ -48,6 +68,12 @@ class Target:
     chips_per_host_bounds: TPU chips per host as (x, y, z).
     wrap: TPU torus wraparound per axis.
     gpu_description: the GpuTargetConfigProto text of the GPU (gpu only).
+    interconnect: what links the devices, in words (for the record).
+    interconnect_bandwidth: bytes per second one device sends into a collective over its
+      links to the others in its host (GPU: NVLink through NVSwitch) or slice (TPU: ICI), one
+      direction, all its links together.
+    inter_host_bandwidth: the same for a collective whose group spans hosts (GPU: the node's
+      network per GPU; TPU: the ICI again, which spans a slice's hosts).
   """
 
   name: str
@@ -65,6 +91,9 @@ class Target:
   chips_per_host_bounds: tuple[int, int, int] = (2, 2, 1)
   wrap: tuple[bool, bool, bool] = (False, False, False)
   gpu_description: str = ""
+  interconnect: str = ""
+  interconnect_bandwidth: float = 0.0
+  inter_host_bandwidth: float = 0.0
 
   @property
   def usable_bytes(self) -> int:
@@ -80,6 +109,42 @@ class Target:
     )
 
 
+# The share of a GPU's memory JAX takes by default, and the variable that changes it.
+GPU_DEFAULT_MEMORY_FRACTION = 0.75
+MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# XLA's GPU compiler takes this percentage of the described device memory as its base limit
+# when no client passes `device_memory_size` (the module docstring).
+_XLA_DEFAULT_BASE_PERCENT = 80
+
+
+@functools.cache
+def gpu_memory_fraction() -> float:
+  """XLA_PYTHON_CLIENT_MEM_FRACTION as JAX reads it (read once); its default when unset.
+
+  Raises a UserError naming the variable when it is not a number in (0, 1]: JAX would take
+  more than the GPU has only with unified memory, which the preflight does not model.
+  """
+  text = os.environ.get(MEMORY_FRACTION_VARIABLE, "").strip()
+  if not text:
+    return GPU_DEFAULT_MEMORY_FRACTION
+  try:
+    fraction = float(text)
+  except ValueError:
+    fraction = float("nan")
+  if not 0.0 < fraction <= 1.0:  # NaN fails too.
+    raise UserError(
+        f"{MEMORY_FRACTION_VARIABLE}={text!r}: the share of each GPU's memory JAX takes must be a "
+        f"number in (0, 1] (JAX's default is {GPU_DEFAULT_MEMORY_FRACTION}); unset it or fix it"
+    )
+  return fraction
+
+
+def described_memory_bytes(usable_bytes: int) -> int:
+  """The `device_memory_size` a GPU description carries so that XLA's base limit, 80% of it
+  (integer arithmetic), is `usable_bytes` exactly: ceil(usable / 0.8)."""
+  return -(-usable_bytes * 100 // _XLA_DEFAULT_BASE_PERCENT)
+
+
 def _gpu_description(
     *,
     name: str,
@@ -93,8 +158,13 @@ def _gpu_description(
     shared_memory_per_core: int,
     shared_memory_per_block_optin: int,
 ) -> str:
-  """A GpuTargetConfigProto in text form: the facts XLA's GPU compiler reads of a device."""
+  """A GpuTargetConfigProto in text form: the facts XLA's GPU compiler reads of a device.
+
+  `memory_bytes` is the device's memory; the description says the memory a JAX program gets of
+  it at the default fraction, as the compiler's base limit sees it (`described_memory_bytes`).
+  """
   major, minor = compute_capability
+  described = described_memory_bytes(int(memory_bytes * GPU_DEFAULT_MEMORY_FRACTION))
   return f"""gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -109,7 +179,7 @@ def _gpu_description(
   memory_bandwidth: {int(memory_bandwidth)}
   l2_cache_size: {l2_cache_bytes}
   clock_rate_ghz: {clock_ghz}
-  device_memory_size: {memory_bytes}
+  device_memory_size: {described}
   shared_memory_per_block_optin: {shared_memory_per_block_optin}
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536
@@ -125,12 +195,24 @@ device_description_str: "{name}"
 
 
 # H100 SXM5 80 GB and A100 SXM4 80 GB (NVIDIA data sheets; device memory as the driver reports it).
+# Interconnect, per GPU and per direction (the data sheets' NVLink figures count both directions):
+# - H100 SXM: "NVLink: 900GB/s" (NVIDIA H100 Tensor Core GPU data sheet; 18 NVLink 4 links),
+#   i.e. 450 GB/s each way, to every other GPU of an HGX/DGX H100 node through its NVSwitches.
+# - A100 SXM: "NVLink: 600GB/s" (NVIDIA A100 Tensor Core GPU data sheet; 12 NVLink 3 links),
+#   i.e. 300 GB/s each way, likewise through NVSwitch in an HGX/DGX A100 node.
+# - Between nodes: a DGX H100 has 8 single-port ConnectX-7 adapters at 400 Gb/s InfiniBand NDR
+#   for its compute fabric (NVIDIA DGX H100 data sheet / user guide), one per GPU: 50 GB/s per
+#   GPU each way; a DGX A100 has 8 ConnectX-6 at 200 Gb/s HDR (NVIDIA DGX A100 data sheet):
+#   25 GB/s per GPU each way. A multi-node target is taken to be such nodes.
 _H100 = dict(
     device_kind="NVIDIA H100 80GB HBM3",
     memory_bytes=84_942_979_072,
     peak_bf16_flops=PEAK_FLOPS_BY_KIND["NVIDIA H100"],
     peak_tf32_flops=494e12,
     memory_bandwidth=3.35e12,
+    interconnect="NVLink 4 via NVSwitch (450 GB/s per GPU each way); 400 Gb/s InfiniBand NDR per GPU between nodes",
+    interconnect_bandwidth=450e9,
+    inter_host_bandwidth=50e9,
 )
 _H100_DESCRIPTION = _gpu_description(
     name="NVIDIA H100 80GB HBM3",
@@ -150,6 +232,9 @@ _A100 = dict(
     peak_bf16_flops=PEAK_FLOPS_BY_KIND["NVIDIA A100"],
     peak_tf32_flops=156e12,
     memory_bandwidth=2.039e12,
+    interconnect="NVLink 3 via NVSwitch (300 GB/s per GPU each way); 200 Gb/s InfiniBand HDR per GPU between nodes",
+    interconnect_bandwidth=300e9,
+    inter_host_bandwidth=25e9,
 )
 _A100_DESCRIPTION = _gpu_description(
     name="NVIDIA A100-SXM4-80GB",
@@ -163,10 +248,6 @@ _A100_DESCRIPTION = _gpu_description(
     shared_memory_per_core=164 * 1024,
     shared_memory_per_block_optin=163 * 1024,
 )
-# The share of a GPU's memory JAX takes by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
-GPU_DEFAULT_MEMORY_FRACTION = 0.75
-
-
 def _gpu(name: str, facts: dict[str, Any], description: str, hosts: int, per_host: int) -> Target:
   return Target(
       name=name,
@@ -183,11 +264,45 @@ def _gpu(name: str, facts: dict[str, Any], description: str, hosts: int, per_hos
 # TPU chips (Google Cloud's system architecture pages): HBM, bf16 peak, HBM bandwidth.
 # float32 matmuls run as bf16 passes on a TPU: one peak for both (the bf16 peaks are
 # trainkit.throughput's, which MFU uses too).
-_V4 = dict(device_kind="TPU v4", memory_bytes=32 * GIB, memory_bandwidth=1.2e12)
-_V5E = dict(device_kind="TPU v5 lite", memory_bytes=16 * GIB, memory_bandwidth=8.19e11)
-_V5P = dict(device_kind="TPU v5", memory_bytes=95 * GIB, memory_bandwidth=2.765e12)
+# ICI per chip, per direction, all its links together:
+# - v5e: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip): 400 GBps", 4 ICI
+#   ports (Cloud TPU "TPU v5e" page; an older version of it says "Interchip Interconnect BW:
+#   1,600 Gbps", the same 200 GB/s one way): 200 GB/s each way.
+# - v5p: "Bidirectional inter-chip interconnect (ICI) bandwidth per chip: 1200 GBps" (Cloud TPU
+#   "TPU v5p" page; formerly "Interchip Interconnect BW: 4800 Gbps"): 600 GB/s each way, 6 links.
+# - v4: the Cloud TPU "TPU v4" page gives no per-chip figure; the TPU v4 paper (Jouppi et al.,
+#   ISCA 2023) gives 6 ICI links per chip at 50 GB/s (400 Gb/s) each way: 300 GB/s each way.
+# A slice's ICI spans its hosts (the data-centre network only joins slices), so a group across
+# hosts gets the same bandwidth. A collective over one axis of the torus uses 2 of the chip's
+# links, not all of them: the figure bounds the rate from above, as the roofline does.
+_V4 = dict(
+    device_kind="TPU v4", memory_bytes=32 * GIB, memory_bandwidth=1.2e12,
+    interconnect="ICI, 3D torus (6 links, 300 GB/s per chip each way)", interconnect_bandwidth=300e9,
+)
+_V5E = dict(
+    device_kind="TPU v5 lite", memory_bytes=16 * GIB, memory_bandwidth=8.19e11,
+    interconnect="ICI, 2D torus (4 links, 200 GB/s per chip each way)", interconnect_bandwidth=200e9,
+)
+_V5P = dict(
+    device_kind="TPU v5", memory_bytes=95 * GIB, memory_bandwidth=2.765e12,
+    interconnect="ICI, 3D torus (6 links, 600 GB/s per chip each way)", interconnect_bandwidth=600e9,
+)
 for _chip in (_V4, _V5E, _V5P):
   _chip["peak_bf16_flops"] = _chip["peak_tf32_flops"] = PEAK_FLOPS_BY_KIND[_chip["device_kind"]]
+  _chip["inter_host_bandwidth"] = _chip["interconnect_bandwidth"]
+
+
+# TPU v3 (Cloud TPU system architecture page, "TPU v3"): per chip 123 TFLOP/s bf16, 32 GiB HBM
+# at 900 GB/s, two TensorCores that JAX sees as two devices: each device gets half of each. The
+# page gives ICI only per pod ("All-reduce bandwidth per Pod: 340 TB/s", 1024 chips): 332 GB/s
+# per chip, 166 GB/s per core. A v3-8 is one host, 4 chips, 8 devices. It is here for the
+# calibration of the step time (experiments/calibration.py: big_vision's ViT-S/16 figure).
+_V3_CORE = dict(
+    device_kind="TPU v3", memory_bytes=16 * GIB, memory_bandwidth=450e9,
+    peak_bf16_flops=PEAK_FLOPS_BY_KIND["TPU v3"], peak_tf32_flops=PEAK_FLOPS_BY_KIND["TPU v3"],
+    interconnect="ICI, 2D torus (332 GB/s per chip all-reduce, half per core)",
+    interconnect_bandwidth=166e9, inter_host_bandwidth=166e9,
+)
 
 
 def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: Any) -> Target:
@@ -213,6 +328,8 @@ def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: 
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
+        Target(name="v3-8", platform="tpu", num_devices=8, num_hosts=1, usable_fraction=1.0,
+               topology="v3:2x2", **_V3_CORE),
         _tpu("v4-8", _V4, "v4:2x2x1", 4, chip_config="megacore"),
         _tpu("v4-32", _V4, "v4:2x2x4", 16, chip_config="megacore"),
         _tpu("v4-64", _V4, "v4:2x4x4", 32, chip_config="megacore"),
@@ -231,10 +348,28 @@ TARGETS: dict[str, Target] = {
 
 
 def get_target(name: str) -> Target:
-  """The target called `name`; a KeyError listing the known names otherwise."""
+  """The target called `name`; a KeyError listing the known names otherwise.
+
+  A GPU target's usable memory, and the memory its description gives the compiler, follow
+  XLA_PYTHON_CLIENT_MEM_FRACTION when it is set (`gpu_memory_fraction`).
+  """
   if name not in TARGETS:
     raise KeyError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
-  return TARGETS[name]
+  return _with_memory_fraction(TARGETS[name])
+
+
+def _with_memory_fraction(target: Target) -> Target:
+  if target.platform != "gpu":
+    return target
+  fraction = gpu_memory_fraction()
+  if fraction == target.usable_fraction:
+    return target
+  described = described_memory_bytes(int(target.memory_bytes * fraction))
+  description, count = re.subn(
+      r"device_memory_size: \d+", f"device_memory_size: {described}", target.gpu_description
+  )
+  assert count == 1, "a GPU description has one device_memory_size"
+  return dataclasses.replace(target, usable_fraction=fraction, gpu_description=description)
 
 
 def target_table() -> str:

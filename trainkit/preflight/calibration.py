@@ -1,0 +1,44 @@
+"""The share of the roofline bound a real training step reaches, per platform, from public runs.
+
+`--mode=compile` turns a compiled step into a time as roofline bound / utilisation. The flat
+40% it used before was a guess; these figures are measured against public training throughputs
+of the same models on the same hardware (`experiments/calibration.py`, docs/scaling.md,
+"Calibration"), as roofline bound / public step time. `range` is the lowest and highest value
+the public rows allow (a source that gives "6-7 h" gives a range); the step estimate carries it
+as its uncertainty. `preflight.utilization` set to a number in (0, 1] overrides the platform's
+figure.
+
+The values are the record's (`results/records/calibration.json`, compiled 2026-11-27 with jax
+0.10.2); `tests/test_preflight_calibration.py` checks they still are, so a recompiled
+calibration cannot drift from what the preflight uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """One platform's calibration: the utilisation and the range the public rows allow."""
+
+  utilization: float
+  low: float
+  high: float
+  rows: int
+  source: str
+
+
+CALIBRATION: dict[str, Calibration] = {
+    # big_vision's ViT-S/16 on a TPU v3-8 (90 ImageNet epochs in 6-7 h).
+    "tpu": Calibration(0.51, 0.47, 0.55, rows=1, source="ViT-S/16 on a TPU v3-8 (big_vision)"),
+    # NVIDIA JAX-Toolbox's ViT-B/16 pre-training on 8 A100s and on 8 H100s (t5x, bfloat16).
+    "gpu": Calibration(
+        0.38, 0.37, 0.40, rows=2, source="ViT-B/16 on 8 A100s and on 8 H100s (JAX-Toolbox t5x)"
+    ),
+}
+
+
+def calibration_for(platform: str) -> Calibration | None:
+  """The calibration of `platform` ("tpu", "gpu"), or None where no public run calibrates it."""
+  return CALIBRATION.get(platform)
