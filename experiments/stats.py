@@ -57,16 +57,7 @@ class Interval:
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
   """Mean and `confidence` interval of the mean, mean ± t_{n-1} · s / sqrt(n) (s: ddof=1)."""
-  values = [float(v) for v in values]
-  n = len(values)
-  if n == 0:
-    raise ValueError("no values to summarise")
-  mean = math.fsum(values) / n
-  if n < 2:
-    return Interval(mean, None, None, n)
-  sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-  half = float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-  return Interval(mean, mean - half, mean + half, n)
+  return _t_interval(values, confidence, extra_variance=0.0)
 
 
 def corrected_interval(
@@ -80,6 +71,11 @@ def corrected_interval(
   accounts for."""
   if test_to_train <= 0:
     raise ValueError(f"test_to_train must be positive, got {test_to_train}")
+  return _t_interval(values, confidence, extra_variance=test_to_train)
+
+
+def _t_interval(values: Sequence[float], confidence: float, extra_variance: float) -> Interval:
+  """mean ± t_{n-1} · s · sqrt(1/n + extra_variance) (s: ddof=1); no bounds for one value."""
   values = [float(v) for v in values]
   n = len(values)
   if n == 0:
@@ -89,7 +85,7 @@ def corrected_interval(
     return Interval(mean, None, None, n)
   sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
   t = float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
-  half = t * sd * math.sqrt(1.0 / n + test_to_train)
+  half = t * sd * math.sqrt(1.0 / n + extra_variance)
   return Interval(mean, mean - half, mean + half, n)
 
 
