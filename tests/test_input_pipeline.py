@@ -151,8 +151,9 @@ _WORKERS_SCRIPT = textwrap.dedent("""
                                         num_threads=0, num_workers=2)
       for _ in range(4):  # Both workers have started and produced batches.
         next(batches)
-      print("ready", flush=True)
       try:
+        # Inside the try: the test's Ctrl-C may arrive while print still returns.
+        print("ready", flush=True)
         while True:
           next(batches)
       except KeyboardInterrupt:
