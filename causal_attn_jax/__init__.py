@@ -1,7 +1,7 @@
 """The Causal Transformer in JAX/Flax NNX: attention as a GCN adjacency under a Markov-blanket
 constraint, for sentence-pair classification and translation.
 
-A trained run from Python (README, "Using a trained run from Python"):
+A trained run from Python (docs/api.md, "Using a trained run from Python"):
 
     run = causal_attn_jax.load_run(workdir)
     run.predict_pairs([("A man is sleeping.", "Nobody sleeps.")]).labels  # or run.translate([...])

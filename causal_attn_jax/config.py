@@ -39,7 +39,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.batch_size = 32  # Global, over all devices and processes.
   config.eval_batch_size = 64
   config.num_train_steps = 1000
-  config.num_epochs = 0.0  # > 0 overrides num_train_steps: epochs over the train split.
+  # > 0 overrides num_train_steps: epochs over the train split; a --config.num_train_steps on
+  # the command line wins over a config file's num_epochs.
+  config.num_epochs = 0.0
   config.log_every_steps = 50
   config.eval_every_steps = 500  # 0 disables evaluation during training.
   config.checkpoint_every_steps = 500
@@ -53,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
   # --mode=predict: a TSV of premise<TAB>hypothesis lines (pair classification) or a text file
   # of source sentences (translation); the output is <workdir>/predict/predictions.tsv.
   config.predict = ml_collections.ConfigDict(dict(input=""))
-  # --mode=compile: the accelerator to compile the run for, without it (README, "Preflight").
+  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md, "Before paying for an accelerator").
   config.preflight = preflight_config()
   # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
   config.distributed = cfg.distributed_config()

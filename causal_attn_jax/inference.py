@@ -41,8 +41,8 @@ from causal_attn_jax.run_info import RunMetadata
 from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
-from trainkit.metric_writers import write_atomically
 from trainkit.saved_config import restore_saved_run
+from trainkit.storage import write_atomically
 from trainkit.train_state import TrainState
 from trainkit.workdir import RUN_INFO_FILE, output_folder
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from causal_attn_jax.data import loading, nli, ood_pairs, spurious
 from causal_attn_jax.metrics import bleu
-from causal_attn_jax.report import challenge_report
+from causal_attn_jax.metrics.challenge import challenge_report
 
 Reader = Callable[[nli.PairData], np.ndarray]
 

@@ -9,7 +9,6 @@ report.json: module docstring of `causal_attn_jax.main`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import flax.nnx as nnx
@@ -20,39 +19,15 @@ from jax.sharding import Mesh
 
 from causal_attn_jax import config as config_lib
 from causal_attn_jax import plots
-from causal_attn_jax.data import batching, nli
+from causal_attn_jax.data import batching
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import accuracy
 from trainkit import storage
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 from trainkit.train_state import TrainState
 
-if TYPE_CHECKING:  # tasks.py imports this module for challenge_report.
-  from causal_attn_jax.tasks import Task
-
-# evaluate(arrays, keep_attention=0) -> evaluation.run_eval's result for the state being reported.
-Evaluate = Callable[..., dict[str, Any]]
-
-
-def _group_accuracy(labels: np.ndarray, predictions: np.ndarray, keep: np.ndarray) -> float | None:
-  return float(np.mean(labels[keep] == predictions[keep])) if keep.any() else None
-
-
-def challenge_report(data: TaskData, predictions: np.ndarray) -> dict[str, Any]:
-  """Challenge accuracy; for HANS, 3-way predictions collapsed and split by heuristic/label."""
-  labels = data.challenge["label"]
-  if data.challenge_hans:
-    predictions = nli.nli_to_hans(predictions)
-  report = {"accuracy": accuracy(labels, predictions), "by_heuristic": {}}
-  if data.challenge_heuristics:
-    heuristics = np.asarray(data.challenge_heuristics)
-    for heuristic in sorted(set(data.challenge_heuristics)):
-      in_group = heuristics == heuristic
-      report["by_heuristic"][heuristic] = {
-          name: _group_accuracy(labels, predictions, in_group & (labels == i))
-          for i, name in enumerate(nli.HANS_LABELS)
-      }
-  return report
+if TYPE_CHECKING:
+  from causal_attn_jax.tasks import Evaluate, Task
 
 
 _WITHIN = ("rows_within", "cols_within", "nodes_within")

@@ -21,8 +21,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from experiments import stats
-from experiments.collect import RunResult, row_label
-from trainkit.metric_writers import write_atomically
+from experiments.collect import RunResult, markdown_table, row_label
+from trainkit.storage import write_atomically
 
 TABLE = "causal_table.md"
 
@@ -53,14 +53,11 @@ def format_table(groups: Mapping[str, list[dict[str, Any]]]) -> str:
   """The markdown table of {row name: [report of each seed]}, one row per name in order."""
   rows = {name: report_values(reports) for name, reports in groups.items()}
   columns = list(dict.fromkeys(c for values in rows.values() for c in values))
-  lines = ["| run | " + " | ".join(columns) + " | seeds |", "|---" * (len(columns) + 2) + "|"]
-  for name, values in rows.items():
-    cells = []
-    for c in columns:
-      v = values.get(c, [])
-      cells.append(_cell(v) if v else "-")
-    lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(groups[name])} |")
-  return "\n".join(lines) + "\n"
+  body = [
+      [name, *(_cell(values[c]) if values.get(c) else "-" for c in columns), str(len(groups[name]))]
+      for name, values in rows.items()
+  ]
+  return "\n".join(markdown_table(["run", *columns, "seeds"], body)) + "\n"
 
 
 def write_table(workdir: str, runs: list[RunResult]) -> list[str]:

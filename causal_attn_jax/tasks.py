@@ -23,11 +23,11 @@ import optax
 from jax.sharding import Mesh
 
 from causal_attn_jax import decoding, models
-from causal_attn_jax import report as report_lib
 from causal_attn_jax.data import tokenizer as tokenizer_lib
 from causal_attn_jax.data.iterator import device_batches
 from causal_attn_jax.data.loading import TaskData, load_classification, load_translation
 from causal_attn_jax.metrics import accuracy, bleu, macro_f1
+from causal_attn_jax.metrics.challenge import challenge_report
 from trainkit.errors import UserError
 from trainkit.mesh import to_host
 from trainkit.textfiles import iter_lines
@@ -36,6 +36,8 @@ from trainkit.train_state import TrainState, compute_dtype
 Batch = dict[str, jax.Array]
 # (mean loss, metrics, one record per self-attention layer, logits)
 LossOutput = tuple[jax.Array, dict[str, jax.Array], list[models.SelfAttentionRecord], jax.Array]
+# evaluate(arrays, keep_attention=0) -> evaluation.run_eval's result for the state being reported.
+Evaluate = Callable[..., dict[str, Any]]
 
 
 class Task(Protocol):
@@ -105,7 +107,7 @@ class Task(Protocol):
       state: TrainState,
       result: dict[str, Any],
       *,
-      evaluate: report_lib.Evaluate,
+      evaluate: Evaluate,
       graphdef: nnx.GraphDef,
       mesh: Mesh,
   ) -> dict[str, Any]:
@@ -172,7 +174,7 @@ class PairClassification:
     }
     if data.challenge is not None:
       challenge = evaluate(data.challenge)
-      report["challenge"] = report_lib.challenge_report(data, challenge["predictions"])
+      report["challenge"] = challenge_report(data, challenge["predictions"])
       report["challenge"]["num_examples"] = int(len(data.challenge["label"]))
     return report
 

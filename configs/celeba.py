@@ -1,7 +1,7 @@
 r"""CelebA (paper Table 1, right): target Attractive, sensitive Male, Chubby, Goatee.
 
 --config.data.root=DIR is required: DIR holds the official layout (img_align_celeba/,
-list_attr_celeba.txt, list_eval_partition.txt; README.md, "Data"), and the official partition is
+list_attr_celeba.txt, list_eval_partition.txt; docs/running.md, "Datasets"), and the official partition is
 used (split=identity_folds below is for small copies). tfds celeb_a, prepared beforehand, is the alternative: --config.data.name=celeba_tfds
 --config.data.tfds_data_dir=DIR. The default size=full is the paper's run (DeiT-S at 224 px for
 500 epochs, an accelerator job); size=small below runs on a CPU.
@@ -10,7 +10,7 @@ One command per table cell:
   python -m fairmoe_jax.main --config=configs/celeba.py:method=fairsmoe,backbone=deit_s \
       --config.data.root=/data/celeba --workdir=/tmp/celeba_fairsmoe_deit_s
 Whether it fits an accelerator, and what it costs, compiled here without one or the data
-(README, "Before paying for an accelerator"; docs/scaling.md has every backbone and method):
+(docs/scaling.md, "Before paying for an accelerator", has every backbone and method):
   python -m fairmoe_jax.main --config=configs/celeba.py:method=fairsmoe,backbone=deit_s \
       --mode=compile --config.preflight.target=h100x8 --workdir=/tmp/preflight_h100x8
 

@@ -7,7 +7,7 @@ Command:
   python -m fairmoe_jax.main --config=configs/synthetic_testbed.py --workdir=/tmp/testbed
 
 Arguments, e.g. `--config=configs/synthetic_testbed.py:experts=8`: as configs/quickstart.py
-(steps 350, experts 4, top_k 2).
+(steps 350, experts 4, top_k 2; the testbed has no `cues`).
 
 The baselines on the same data: `--config.method=vanilla_smoe` (or vanilla_smoe_psi, muffin,
 multifair), or all at once with `python -m fairmoe_jax.compare
@@ -25,6 +25,4 @@ from fairmoe_jax.config import quickstart_config
 
 
 def get_config(arg: str | None = None):
-  config = quickstart_config(arg)
-  config.data.name = "synthetic_testbed"
-  return config
+  return quickstart_config(arg, data_name="synthetic_testbed")

@@ -10,8 +10,9 @@ the dense bf16 peak and bytes at the HBM bandwidth, `trainkit.preflight.analysis
 utilisation, the share of that bound a real step reaches. This script measures that share. Each
 row is a public training run with its source, and our backbone of the same shape (a plain
 ViT/DeiT: no MoE block, 1000 classes, 224 px, bfloat16, AdamW) compiled by the same preflight
-for the same target, global batch and data-parallel mesh. The public step time (global batch /
-images per second) against our roofline bound is the utilisation that platform reached:
+for the same target, global batch and data-parallel mesh (each row in a process of its own, by
+`python -m fairmoe_jax.calibration_row`). The public step time (global batch / images per
+second) against our roofline bound is the utilisation that platform reached:
 
   utilisation = roofline bound / public step time.
 
@@ -30,7 +31,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 from absl import app, flags
@@ -38,9 +38,11 @@ from absl import app, flags
 from experiments.markers import marked_tables
 from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 NAME = "calibration"
+# Compiles one row in a process of its own (our backbone is fairmoe_jax's, a layer above this one).
+ROW_MODULE = "fairmoe_jax.calibration_row"
 RECORD = os.path.join("results", "records", f"{NAME}.json")
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -94,100 +96,8 @@ def _define_flags() -> None:
   `experiments.preflight_table`, whose flags share names) must not define them twice."""
   flags.DEFINE_bool("compile", False, "compile the rows missing from the record")
   flags.DEFINE_string("only", "", "with --compile: only rows whose name contains this")
-  flags.DEFINE_string("row", "", "compile this one row in this process (internal)")
-  flags.DEFINE_string("out", "", "with --row: where to write the row's JSON")
   flags.DEFINE_string("write", "", "render the table into this document (between its markers)")
   flags.DEFINE_string("check", "", "exit 1 if this document's table differs from the record")
-
-
-def _run_named(name: str) -> dict[str, Any]:
-  for run in PUBLIC_RUNS:
-    if run["name"] == name:
-      return run
-  raise UserError(f"--row: no public run named {name!r}; known: {', '.join(r['name'] for r in PUBLIC_RUNS)}")
-
-
-def calibration_config(run: dict[str, Any]):
-  """The config of a row: the paper's CelebA config with its backbone, batch and target."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-
-  from trainkit.config_files import resolve_config_path  # pylint: disable=import-outside-toplevel
-
-  spec = importlib.util.spec_from_file_location("celeba_config", resolve_config_path("configs/celeba.py"))
-  celeba = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(celeba)
-  config = celeba.get_config(f"method=multifair,backbone={run['backbone']}")
-  config.batch_size = run["batch"]
-  config.compute_dtype = "bfloat16"
-  config.num_epochs = 0
-  config.num_train_steps = 1
-  config.preflight.target = run["target"]
-  config.preflight.eval_step = False
-  config.preflight.utilization = 1.0  # The bound itself: the utilisation is what we measure.
-  return config
-
-
-def plain_classifier_program(config, mesh):
-  """Our backbone as the public runs train it: a plain classifier, softmax cross-entropy on
-  1000 classes, no MoE block, no fairness term."""
-  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-
-  from fairmoe_jax.data.augment import normalize_on_device  # pylint: disable=import-outside-toplevel
-  from fairmoe_jax.models.backbones import build_backbone  # pylint: disable=import-outside-toplevel
-  from trainkit.preflight.compile import Program  # pylint: disable=import-outside-toplevel
-
-  del mesh
-  num_classes, size, batch = 1000, config.data.image_size, config.batch_size
-
-  def loss_fn(model, batch, rng, step, extra):
-    del step, extra
-    logits, _ = model(normalize_on_device(batch["image"]), train=True, rngs=nnx.Rngs(dropout=rng))
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
-
-  images = {
-      "image": jax.ShapeDtypeStruct((batch, size, size, 3), np.uint8),
-      "label": jax.ShapeDtypeStruct((batch,), np.int32),
-  }
-  return Program(
-      make_model=lambda: build_backbone(config, num_classes, None, nnx.Rngs(params=0)),
-      loss_fn=loss_fn,
-      train_batch=images,
-      make_eval_step=lambda graphdef: None,
-      eval_batch=images,
-  )
-
-
-def compile_row(name: str) -> dict[str, Any]:
-  """The preflight of one row, in this process."""
-  from trainkit.preflight.compile import preflight  # pylint: disable=import-outside-toplevel
-
-  run = _run_named(name)
-  start = time.perf_counter()
-  record = preflight(calibration_config(run), plain_classifier_program)
-  train, run_record = record["train_step"], record["run"]
-  roofline = train.get("roofline") or {}
-  return dict(
-      fits=record["fits"],
-      peak=train["memory"].get("peak"),
-      devices=record["target"]["devices"],
-      mesh=record["mesh"],
-      flops_per_device=train.get("flops_per_device"),
-      flops_source=train.get("flops_source"),
-      bytes_accessed_per_device=train.get("bytes_accessed_per_device"),
-      bytes_accessed_source=train.get("bytes_accessed_source"),
-      roofline_s=roofline.get("bound_s"),
-      bound_by=roofline.get("bound_by"),
-      collective_seconds=train.get("collective_seconds"),
-      collectives={k: v["bytes"] for k, v in (train.get("collectives") or {}).items()},
-      step_seconds=run_record.get("step_seconds"),
-      seconds=round(time.perf_counter() - start),
-      provenance=record["provenance"],
-  )
 
 
 def _load() -> dict[str, Any]:
@@ -202,7 +112,7 @@ def compile_missing(pattern: str) -> None:
     if pattern not in run["name"] or run["name"] in _load()["rows"]:
       continue
     print(f"compiling {run['name']} ...", flush=True)
-    command = [sys.executable, "-m", "experiments.calibration", f"--row={run['name']}"]
+    command = [sys.executable, "-m", ROW_MODULE, f"--row={run['name']}"]
     # Without what libtpu may have written into this process's environment (trainkit.distributed).
     env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "1", "JAX_PLATFORMS": "cpu"})
     with tempfile.TemporaryDirectory() as scratch:
@@ -213,7 +123,7 @@ def compile_missing(pattern: str) -> None:
       with open(out) as f:
         row = json.load(f)
     row.update(
-        command=f"python -m experiments.calibration --row={run['name']}",
+        command=f"python -m {ROW_MODULE} --row={run['name']}",
         date=datetime.date.today().isoformat(),
     )
     record = _load()
@@ -305,10 +215,6 @@ def _between_markers(path: str) -> tuple[str, int, int]:
 @exit_on_user_error
 def main(argv: list[str]) -> None:
   del argv
-  if FLAGS.row:
-    with open(FLAGS.out, "w") as f:
-      json.dump(compile_row(FLAGS.row), f)
-    return
   if FLAGS.compile:
     compile_missing(FLAGS.only)
   rendered = table() + "\n"

@@ -29,7 +29,8 @@ from experiments.spec import (
     run_name,
 )
 from trainkit import storage
-from trainkit.metric_writers import read_metrics, write_atomically
+from trainkit.metric_writers import read_metrics
+from trainkit.storage import write_atomically
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,14 @@ def table_columns(sweep: ml_collections.ConfigDict, rows: Sequence[Mapping[str, 
   return [*sweep.grid.keys(), "status", *sweep.metrics, *present]
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+  """The lines of a markdown table: its header, the rule under it and a line per row, the
+  cells as given. Every table of the runner and of `experiments.tables`, and the packages'
+  table collectors, print through it."""
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
 def _cell(value: Any) -> str:
   if value is None:
     return ""
@@ -183,10 +192,8 @@ def write_tables(
       f"{ok} of {len(rows)} runs finished. Throughput columns: median over the second half of"
       " the logged steps.",
       "",
-      "| " + " | ".join(columns) + " |",
-      "|" + "|".join("---" for _ in columns) + "|",
+      *markdown_table(columns, [[_cell(r.get(k)) for k in columns] for r in rows]),
   ]
-  lines += ["| " + " | ".join(_cell(r.get(k)) for k in columns) + " |" for r in rows]
   markdown = "\n".join(lines) + "\n"
   write_atomically(storage.join(workdir, "sweep.md"), markdown)
   definition = {**sweep.to_dict(), "grid": dict(sweep.grid), "overrides": dict(sweep.overrides)}

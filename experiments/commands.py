@@ -10,7 +10,7 @@ import ml_collections
 
 from experiments.spec import REPO_ROOT, check_run_names, grid_points, run_command, run_dir
 from trainkit import storage
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 
 def write_commands(

@@ -42,7 +42,7 @@ from absl import app, flags
 from experiments.markers import MarkedTable, marked_tables
 from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 NAME = "preflight_paper"
 RECORD = os.path.join("results", "records", f"{NAME}.json")

@@ -25,6 +25,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from trainkit import storage
+from trainkit.config import settle_run_length
 from trainkit.config_files import resolve_config_path
 from trainkit.errors import UserError
 
@@ -391,4 +392,8 @@ def resolved_config(
     raise SweepError(
         "config", f"cannot build the config of run {run_name(point)} from {sweep.config}: {reason}"
     ) from None
+  try:  # As the mains do: a num_train_steps given wins over the file's num_epochs.
+    settle_run_length(config, config_flags.get_override_values(values["config"]))
+  except UserError as e:
+    raise SweepError("config", f"run {run_name(point)}: {e}") from None
   return config

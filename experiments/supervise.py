@@ -46,8 +46,9 @@ from experiments.spec import (
     run_name,
     run_record,
 )
+from experiments.sweep_estimate import dry_run_summary
 from trainkit.distributed import child_environment
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 from trainkit.workdir import (
     CONFIG_FILE,
     config_differences,
@@ -283,6 +284,7 @@ def run_sweep(
   stale_changes = dict(stale)
   source = source_state(REPO_ROOT)  # The code the runs import.
   statuses = {}
+  finished = []  # Dry run: the runs it would skip.
   with _sigterm_as_interrupt():
     for i, point in enumerate(points):
       name, directory = run_name(point), run_dir(workdir, point)
@@ -295,6 +297,8 @@ def run_sweep(
         else:
           note = "# skipped (report.json exists): " if done else ""
         print(note + shlex.join(command), flush=True)
+        if done and not changed:
+          finished.append(point)
         continue
       prefix = f"[{i + 1}/{len(points)}] {name}:"
       if done:
@@ -317,4 +321,10 @@ def run_sweep(
       seconds = time.monotonic() - start
       detail = "" if ok else f" ({why}; see {os.path.join(directory, ERROR)})"
       print(f"{prefix} {statuses[name]}{detail} {seconds:.1f}s", flush=True)
+  if dry_run:
+    to_run = [point for point in points if point not in finished]
+    summary = dry_run_summary(
+        workdir, points, to_run, lambda point: resolved_config(sweep, point, cwd)
+    )
+    print("\n".join(summary), flush=True)
   return statuses

@@ -53,7 +53,9 @@ Modes (`--mode`):
             A timeout, Ctrl-C or SIGTERM sends the running run SIGTERM (the mains checkpoint
             on it), then SIGKILL after a minute; a runner killed with SIGKILL takes its run
             with it (SIGTERM, on Linux).
-            Then collects. `--dry_run` only prints the commands.
+            Then collects. `--dry_run` (or `--dry-run`, the launchers' spelling) only prints
+            the commands, the number of runs and an estimate of their time (from the runs of
+            the sweep that finished in the workdir: experiments/sweep_estimate.py).
   commands  writes `<workdir>/commands.sh`, one line per run, for a cluster. With
             `--launcher="launch/slurm.sh --nodes 2 --gpus-per-node 8 --"` each line is
               launch/slurm.sh --nodes 2 --gpus-per-node 8 --module fairmoe_jax.main -- \
@@ -258,7 +260,12 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
       launcher=flags.DEFINE_string(
           "launcher", "", 'commands mode: prefix of each line, e.g. "launch/slurm.sh --nodes 2 --".'
       ),
-      dry_run=flags.DEFINE_bool("dry_run", False, "run mode: print the commands, run nothing."),
+      dry_run=flags.DEFINE_bool(
+          "dry_run",
+          False,
+          "run mode: print the commands, the number of runs and an estimate of their time; run "
+          "nothing (--dry-run works too).",
+      ),
       retrain=flags.DEFINE_bool(
           "retrain",
           False,
@@ -273,9 +280,28 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
   return holders
 
 
+def dashed_flag_names(argv: Sequence[str], names: Sequence[str] = ("dry_run",)) -> list[str]:
+  """`argv` with `--dry-run` (the launchers' spelling; `--nodry-run`, `--dry-run=false` too)
+  written `--dry_run`, absl's, for each of `names`; arguments after `--` are left alone."""
+  out = list(argv[:1])
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      out.extend(argv[i:])
+      break
+    for name in names:
+      dashed = name.replace("_", "-")
+      for prefix in ("--", "-", "--no", "-no"):
+        flag = prefix + dashed
+        if arg == flag or arg.startswith(flag + "="):
+          arg = prefix + name + arg[len(flag) :]
+          break
+    out.append(arg)
+  return out
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   try:
-    return flags.FLAGS(resolve_config_args(argv))
+    return flags.FLAGS(resolve_config_args(dashed_flag_names(argv)))
   except flags.Error as e:
     fail(str(e))
 

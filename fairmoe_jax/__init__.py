@@ -1,6 +1,6 @@
 """FairSMoE in JAX/Flax NNX: multi-attribute fair image classification with sparse MoE.
 
-A trained run from Python (README, "Using a trained run from Python"):
+A trained run from Python (docs/api.md, "Using a trained run from Python"):
 
     run = fairmoe_jax.load_run(workdir)
     run.predict(["a.png", "b.jpg"]).class_names

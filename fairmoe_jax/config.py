@@ -33,7 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.batch_size = 128  # Global, over all devices and processes.
   config.eval_batch_size = 256
   config.num_train_steps = 1000
-  config.num_epochs = 0  # > 0 overrides num_train_steps: epochs over the loaded train split.
+  # > 0 overrides num_train_steps: epochs over the loaded train split; a
+  # --config.num_train_steps on the command line wins over a config file's num_epochs.
+  config.num_epochs = 0
   config.log_every_steps = 50
   config.eval_every_steps = 500  # On the validation split; 0 disables.
   config.checkpoint_every_steps = 500
@@ -59,7 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
   # --mode=predict: a folder of images, or a text file with one image path per line (relative
   # paths are read from the file's folder); predictions go to <workdir>/predict/.
   config.predict = ml_collections.ConfigDict(dict(input=""))
-  # --mode=compile: the accelerator to compile the run for, without it (README, "Preflight").
+  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md, "Before paying for an accelerator").
   config.preflight = preflight_config()
   # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
   config.distributed = cfg.distributed_config()
@@ -73,6 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
           train_size=8000,
           val_size=1000,
           test_size=2000,
+          # synthetic: each sensitive group also tints the photograph (fairmoe_jax/data/synthetic.py
+          # `cue_colours`), so that FGR's attribute classifiers can learn the groups; the
+          # quickstart's data. False: the original benchmark (the results tables' data).
+          attribute_cues=False,
           num_threads=2,
           prefetch_buffer_size=4,
           # Worker processes preparing training batches (grain's mp_prefetch); 0 prepares them
@@ -186,12 +192,21 @@ def base_config() -> ml_collections.ConfigDict:
   return config
 
 
-def quickstart_config(arg: str | None = None) -> ml_collections.ConfigDict:
+def quickstart_config(
+    arg: str | None = None, *, data_name: str = "synthetic"
+) -> ml_collections.ConfigDict:
   """The quickstart's run (configs/quickstart.py): the default ViT with a 4-expert top-2 MoE last
-  block, 350 steps of batch 128 on a generated dataset. `arg` as configs/quickstart.py's
-  (steps, experts, top_k); configs/synthetic_testbed.py is the same run on another dataset."""
-  arg = parse_arg(arg, steps=350, experts=4, top_k=2)
+  block, 350 steps of batch 128 on a generated dataset whose sensitive groups tint the images.
+  `arg` as configs/quickstart.py's (steps, experts, top_k, cues); configs/synthetic_testbed.py
+  is the same run on another dataset (`data_name`)."""
+  # `cues` (the synthetic data only): the sensitive groups visible in the images (docs/dataset.md,
+  # "Attribute cues"); cues=false is the original benchmark, the data of
+  # results/fair_comparison_synthetic.py's record.
+  cues = {"cues": True} if data_name == "synthetic" else {}
+  arg = parse_arg(arg, steps=350, experts=4, top_k=2, **cues)
   config = base_config()
+  config.data.name = data_name
+  config.data.attribute_cues = bool(arg.get("cues", False))
   config.num_train_steps = arg.steps
   config.log_every_steps = 20
   config.eval_every_steps = 200
@@ -229,7 +244,7 @@ def _missing_root_message(config: ml_collections.ConfigDict) -> str:
     alternative = ""
   message = (
       f"{name} reads the official layout from a directory: add --config.data.root=DIR, where "
-      f'DIR holds {files} (README.md, "Data"){alternative}.'
+      f'DIR holds {files} (docs/running.md, "Datasets"){alternative}.'
   )
   if config.data.image_size > 64:  # The paper's scale, not the CPU-scale size=small.
     length = (
@@ -305,6 +320,12 @@ def validate(
     cfg.require_int(config, "data.identity_folds.fold", minimum=0, maximum=num_folds - 1)
   cfg.require_choice(config, "data.missing", ("unknown", "exclude"))
   cfg.require_int(config, "data.max_examples_per_split", minimum=0)
+  if not isinstance(config.data.get("attribute_cues", False), bool):
+    raise ConfigError("data.attribute_cues", "must be True or False")
+  if config.data.get("attribute_cues", False) and config.data.name != "synthetic":
+    raise ConfigError(
+        "data.attribute_cues", f"only the synthetic data has them, not {config.data.name}"
+    )
   image_size = cfg.require_int(config, "data.image_size", minimum=8)
   cfg.require_int(config, "data.num_classes", minimum=2)
   for key in ("data.train_size", "data.val_size", "data.test_size"):

@@ -42,8 +42,8 @@ from fairmoe_jax.run_info import RunMetadata
 from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
-from trainkit.metric_writers import write_atomically
 from trainkit.saved_config import restore_saved_run
+from trainkit.storage import write_atomically
 from trainkit.textfiles import is_stream, iter_lines, special_file_kind
 from trainkit.train_state import TrainState
 from trainkit.workdir import RUN_INFO_FILE, output_folder
@@ -177,7 +177,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
     if timm_config["timm_loadable"]:
       print(
           f"timm: {timm_config['architecture']} with the model_args of "
-          f"{storage.join(workdir, EXPORT_CONFIG_FILE)} (README, 'Loading an export into timm')"
+          f"{storage.join(workdir, EXPORT_CONFIG_FILE)} (docs/api.md, 'Loading an export into timm')"
       )
     else:
       print(

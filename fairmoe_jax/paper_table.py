@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from experiments import stats as stats_lib
-from experiments.collect import RunResult, row_label
-from trainkit.metric_writers import write_atomically
+from experiments.collect import RunResult, markdown_table, row_label
+from trainkit.storage import write_atomically
 
 # Display scale of the markdown table: accuracy in %, MF-DP in units of 1e-3 (the paper's).
 TABLE_SCALE = {"accuracy": 100.0, "mf_pqd": 1.0, "mf_dp": 1e3}
@@ -183,11 +183,6 @@ def _cell(stats: dict[str, Any] | None, scale: float, decimals: int, sign: bool 
   )
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-  lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-  return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def format_markdown(summary: dict[str, Any]) -> str:
   """The summary as markdown: the main table, per-attribute PQD, then runs that did not finish."""
   methods = summary["methods"]
@@ -202,7 +197,7 @@ def format_markdown(summary: dict[str, Any]) -> str:
       [m, *(_cell(s[key], TABLE_SCALE[key], d) for key, _, d in _COLUMNS), str(s["num_seeds"])]
       for m, s in methods.items()
   ]
-  lines += _table(["Method", *(label for _, label, _ in _COLUMNS), "Seeds"], rows)
+  lines += markdown_table(["Method", *(label for _, label, _ in _COLUMNS), "Seeds"], rows)
   if summary["attributes"]:
     lines += ["", "## PQD and DP per attribute", ""]
     rows = [
@@ -219,7 +214,7 @@ def format_markdown(summary: dict[str, Any]) -> str:
     header = [
         f"{a} {metric.upper()}" for a in summary["attributes"] for metric in _ATTRIBUTE_METRICS
     ]
-    lines += _table(["Method", *header], rows)
+    lines += markdown_table(["Method", *header], rows)
   dropped = {
       m: s["dropped_train"]["mean"]
       for m, s in methods.items()
@@ -249,7 +244,9 @@ def format_markdown(summary: dict[str, Any]) -> str:
               verdict,
           ]
       )
-    lines += _table(["Method", "claim", "difference [95% interval]", "pairs", "verdict"], rows)
+    lines += markdown_table(
+        ["Method", "claim", "difference [95% interval]", "pairs", "verdict"], rows
+    )
     lines += [
         "",
         f"Verdicts need {stats_lib.MIN_VERDICT_SEEDS} paired seeds (docs/protocol.md); holds: the"

@@ -22,8 +22,10 @@ from fairmoe_jax.metrics import format_report
 from fairmoe_jax.metrics import intersections as intersections_lib
 from fairmoe_jax.metrics import predictions as predictions_lib
 from fairmoe_jax.metrics.gradients import gradient_cosines
+from fairmoe_jax.metrics.report import reference_check
 from trainkit import storage
-from trainkit.metric_writers import log_exists, read_metrics, write_atomically
+from trainkit.metric_writers import log_exists, read_metrics
+from trainkit.storage import write_atomically
 from trainkit.train_state import TrainState
 
 
@@ -118,6 +120,13 @@ def final_report(
   )
   columns = predictions_lib.prediction_columns(examples, test, info)
   report["class_names"] = list(info.class_names)
+  # Is the accuracy above answering without looking (the split's majority class, chance)? If
+  # not, the fairness figures say nothing, and the report and the console say so.
+  check = reference_check(
+      report["accuracy"], report["num_examples"], columns["label"], info.class_names
+  )
+  report["meaningful"] = check["meaningful"]
+  report["reference_check"] = check
   intersections = intersections_lib.parse_intersections(config.eval.intersections)
   if intersections:
     report["intersections"] = intersections_lib.intersection_report(

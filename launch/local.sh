@@ -8,7 +8,7 @@ source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH
 usage_args="[--dry-run] CONFIG WORKDIR [--config.key=value ...]"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then show_help; fi
 dry_run=0
-if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
+if [[ "${1:-}" == "--dry-run" || "${1:-}" == "--dry_run" ]]; then dry_run=1; shift; fi
 if [[ $# -lt 2 ]]; then usage; fi
 config=$1 workdir=$2
 shift 2

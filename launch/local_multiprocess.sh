@@ -21,7 +21,7 @@ dry_run=0 processes="" port=12345 module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h | --help) show_help ;;
-    --dry-run) dry_run=1 ;;
+    --dry-run | --dry_run) dry_run=1 ;;
     --processes) option_value processes "$@"; shift ;;
     --port) option_value port "$@"; shift ;;
     --module) option_value module "$@"; shift ;;

@@ -20,7 +20,7 @@ dry_run=0 nodes="" gpus="" tasks="" partition="" time_limit="" module="fairmoe_j
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h | --help) show_help ;;
-    --dry-run) dry_run=1 ;;
+    --dry-run | --dry_run) dry_run=1 ;;
     --nodes) option_value nodes "$@"; shift ;;
     --gpus-per-node) option_value gpus "$@"; shift ;;
     --tasks-per-node) option_value tasks "$@"; shift ;;

@@ -29,7 +29,7 @@ dry_run=0 parallel="" gpus=0 cpus=1 partition="" time_limit="" commands=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h | --help) show_help ;;
-    --dry-run) dry_run=1 ;;
+    --dry-run | --dry_run) dry_run=1 ;;
     --parallel) option_value parallel "$@"; shift ;;
     --gpus-per-run) option_value gpus "$@"; shift ;;
     --cpus-per-run) option_value cpus "$@"; shift ;;

@@ -39,7 +39,7 @@ version="tpu-ubuntu2204-base" module="fairmoe_jax.main"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h | --help) show_help ;;
-    --dry-run) dry_run=1 ;;
+    --dry-run | --dry_run) dry_run=1 ;;
     --delete-after) delete_after=1 ;;
     --no-create) create=0 ;;
     --name) option_value name "$@"; shift ;;

@@ -6,7 +6,9 @@ built-in synthetic dataset (three sensitive attributes).
   python -m experiments.tables --write=docs/results.md
 
 The quickstart model and data (configs/quickstart.py: 32-px generated images, 4 classes, sex 2,
-age 5 and site 8 groups; a 4-block ViT with a 4-expert top-2 MoE in its last block), 200 steps
+age 5 and site 8 groups; a 4-block ViT with a 4-expert top-2 MoE in its last block) without the
+quickstart's attribute cues (cues=false: the data this record was made on, where FGR's
+sensitive-attribute classifiers stay at the majority rate; docs/dataset.md), 200 steps
 of batch 128, FEM reviews every 25 steps on the validation split, capacity factor 2.0 (no token
 dropped). L_Psi is the one rule (PQD and DP, lambda_pqd 0.5, lambda_dp 0.1; results/lambda_tuning.py)
 for every method that has it. Five paired seeds (the seed changes the initialisation and the
@@ -74,7 +76,7 @@ def get_config(arg=None):
   del arg
   return dict(
       module="fairmoe_jax.main",
-      config="configs/quickstart.py:steps=200",
+      config="configs/quickstart.py:steps=200,cues=false",
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": tuple(METHODS)}),
       overrides=dotted(
           {"fair.review_every_steps": 25, "moe.capacity_factor": 2.0, "analysis_batches": 16}

@@ -11,7 +11,7 @@ import pytest
 
 from causal_attn_jax import report as causal_report
 from fairmoe_jax.metrics import predictions
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 
 class _Unprintable(float):

@@ -24,6 +24,19 @@ CELEBA = SHARED_DATA / "celeba"
 _SPEC = importlib.util.spec_from_file_location("celeba_config", REPO_ROOT / "configs" / "celeba.py")
 celeba_config = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(celeba_config)
+
+
+def _celeba_target():
+  """scripts/celeba_target.py as a module, loaded once (it defines absl flags)."""
+  if "celeba_target" not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        "celeba_target", REPO_ROOT / "scripts" / "celeba_target.py"
+    )
+    sys.modules["celeba_target"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["celeba_target"])
+  return sys.modules["celeba_target"]
+
+
 needs_celeba = pytest.mark.skipif(
     not (CELEBA / "identity_CelebA.txt").is_file(),
     reason=f"real CelebA sample with identity_CelebA.txt not found at {CELEBA}",
@@ -353,7 +366,7 @@ def test_one_fold_trains_reports_three_attributes_and_pools(tmp_path):
 
 
 def test_second_target_rule_helpers():
-  from experiments import celeba_target
+  celeba_target = _celeba_target()
 
   labels = np.array([0, 0, 0, 1, 1, 1, 1, 1])
   assert celeba_target.balanced_accuracy(labels, np.ones(8, int)) == 0.5  # A constant guess.
@@ -371,7 +384,7 @@ def test_second_target_rule_helpers():
 
 @needs_celeba
 def test_second_target_rule_on_the_sample():
-  from experiments import celeba_target
+  celeba_target = _celeba_target()
 
   ranked = celeba_target.rank_targets(str(CELEBA))
   assert ranked[0]["attribute"] == "Smiling"  # The choice docs/protocol.md records.

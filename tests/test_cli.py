@@ -98,6 +98,14 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
     assert classifier["majority_rate"] == max(sizes) / sum(sizes)
     assert 0.0 <= classifier["accuracy"] <= 1.0
   assert "FGR's sensitive-attribute classifiers (moe_block1)" in result.stdout
+  # Whether the accuracy means anything: above the test split's majority class and chance.
+  check = report["reference_check"]
+  assert report["meaningful"] is check["meaningful"] and check["num_examples"] == 128
+  assert check["meaningful"] == (check["accuracy_interval"][0] > check["majority_rate"])
+  assert ("Warning: accuracy" in result.stdout) is not check["meaningful"]
+  # The progress line's loss is the total, and a line says once what it sums.
+  assert "| total loss " in result.stderr and "| task loss " in result.stderr
+  assert result.stderr.count("total loss = cross_entropy (the task loss) + ") == 1
   by_group = report["experts_active_by_group"]["choices"]["moe_block1"]["age"]
   assert set(by_group) <= set(report["attributes"]["age"]["groups"]) and by_group
   assert all(1.0 - 1e-6 <= v <= 4.0 + 1e-6 for v in by_group.values())

@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -390,3 +391,40 @@ def test_metrics_log_on_gs_uploads_one_small_object_per_flush(gcs):  # noqa: F81
   # Parts left behind by a fold that stopped before deleting them are not read twice.
   metric_writers.RemoteLog(f"{workdir}/metrics.jsonl").append(lines[-1])
   assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 26))
+
+
+def _events(data: bytes) -> list[tuple[int, dict[str, float]]]:
+  """(step, scalars) of each scalar event in TFRecord-framed event bytes."""
+  from tensorboardX.proto import event_pb2
+
+  found, offset = [], 0
+  while offset < len(data):
+    (length,) = struct.unpack("<Q", data[offset : offset + 8])
+    event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+    offset += 12 + length + 4  # Length, its CRC, the record, its CRC.
+    if event.HasField("summary"):
+      found.append((event.step, {v.tag: v.simple_value for v in event.summary.value}))
+  assert offset == len(data)  # Whole records only.
+  return found
+
+
+def test_tensorboard_events_on_gs_upload_one_small_object_per_flush(gcs):  # noqa: F811
+  """TensorBoard's event file on an object store: a flush uploads the events since the last one
+  as an object of its own (the whole file at each flush grew with the square of the run);
+  TensorBoard reads the parts in name order, and a close folds them into one event file."""
+  from trainkit.metric_writers import MetricWriter
+
+  writer = MetricWriter(f"{gcs.uri}/tb")
+  for step in range(1, 31):
+    writer.write_scalars(step, {"loss": 1.0 / step})
+    writer.flush()
+  parts = {k: v for k, v in gcs.objects("tb/tensorboard/").items() if "tfevents" in k}
+  # Many objects of a few events each (a flush may find nothing new to upload).
+  assert len(parts) > 20 and max(parts.values()) < 200, parts
+  # Read in name order, as TensorBoard reads a folder, the parts are the run's events so far.
+  events = _events(b"".join(gcs.read(name) for name in sorted(parts)))
+  expected = [(step, {"loss": pytest.approx(1.0 / step)}) for step in range(1, 31)]
+  assert events == expected[: len(events)] and len(events) >= 29
+  writer.close()
+  (folded,) = [k for k in gcs.objects("tb/tensorboard/") if "tfevents" in k]
+  assert _events(gcs.read(folded)) == expected

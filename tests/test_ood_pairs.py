@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from causal_attn_jax import config as config_lib
-from causal_attn_jax import report as report_lib
 from causal_attn_jax.data import loading, nli, ood_pairs
+from causal_attn_jax.metrics.challenge import challenge_report
 from conftest import REPO_ROOT
 from trainkit.errors import ConfigError
 
@@ -226,10 +226,10 @@ def test_the_data_loading_path_tokenises_every_word_and_the_report_scores_the_ch
     assert ((split["ids"] != 0).sum(axis=1) == tokens_per_pair).all()  # One piece per word.
     assert not (split["ids"] == 1).any()  # No unknown piece.
   labels = data.challenge["label"]
-  right = report_lib.challenge_report(data, labels)
+  right = challenge_report(data, labels)
   assert right["accuracy"] == 1.0
   assert right["by_heuristic"][ood_pairs.HEURISTIC] == {"entailment": 1.0, "non-entailment": 1.0}
-  assert report_lib.challenge_report(data, 1 - labels)["accuracy"] == 0.0
+  assert challenge_report(data, 1 - labels)["accuracy"] == 0.0
 
 
 @pytest.mark.parametrize(

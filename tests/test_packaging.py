@@ -1,4 +1,4 @@
-"""Packaging: version, license, citation, shipped configs and type markers, and the README's API."""
+"""Packaging: version, license, citation, shipped configs and type markers, and the documented Python API."""
 
 import ast
 import importlib.metadata
@@ -227,8 +227,8 @@ def test_resolved_flags_load_the_config_from_another_directory(tmp_path, monkeyp
 
 
 def _python_api_blocks() -> list[str]:
-  readme = (REPO_ROOT / "README.md").read_text()
-  section = readme.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+  api = (REPO_ROOT / "docs" / "api.md").read_text()
+  section = api.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
   return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
@@ -244,7 +244,7 @@ def test_readme_python_api_has_the_three_snippets():
 @pytest.mark.parametrize("index", range(3))
 def test_readme_python_api_snippet_runs(index, capsys):
   namespace = {"__name__": f"readme_python_api_{index}"}
-  code = compile(_python_api_blocks()[index], f"README.md, Python API block {index + 1}", "exec")
+  code = compile(_python_api_blocks()[index], f"docs/api.md, Python API block {index + 1}", "exec")
   exec(code, namespace)  # pylint: disable=exec-used
   assert capsys.readouterr().out.strip()  # Every snippet prints what it shows.
 
@@ -292,19 +292,26 @@ def test_declared_dependencies_cover_every_import(setup_args):
   install = _requirement_names(setup_args["install_requires"])
   code = [p for package in _FIRST_PARTY for p in (REPO_ROOT / package).rglob("*.py")]
   assert _undeclared(_third_party_imports(code), install) == {}
-  # Tests and the README's Python snippets may also use the test extra.
+  # Tests and the Python snippets of the README and docs/ may also use the test extra.
   test = install | _requirement_names(setup_args["extras_require"]["test"])
   assert _undeclared(_third_party_imports((REPO_ROOT / "tests").rglob("*.py")), test) == {}
-  readme = (REPO_ROOT / "README.md").read_text()
-  blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+  documents = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+  blocks = [
+      (document.name, block)
+      for document in documents
+      for block in re.findall(r"```python\n(.*?)```", document.read_text(), re.S)
+  ]
+  assert any(name == "api.md" for name, _ in blocks)
   found = {}
-  for i, block in enumerate(blocks):
+  for i, (name, block) in enumerate(blocks):
     for node in ast.walk(ast.parse(block)):
       if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "level", 0) == 0:
         for name in [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]:
           top = name.split(".")[0]
-          if top not in sys.stdlib_module_names and top not in _FIRST_PARTY:
-            found.setdefault(top, set()).add(f"README.md python block {i}")
+          # A snippet may import the repository's scripts (docs/dataset.md: scripts/*.py).
+          local = (REPO_ROOT / "scripts" / f"{top}.py").exists()
+          if top not in sys.stdlib_module_names and top not in _FIRST_PARTY and not local:
+            found.setdefault(top, set()).add(f"{name} python block {i}")
   # The recipe for loading an export into timm imports what the timm extra declares.
   timm = _requirement_names(setup_args["extras_require"]["timm"])
   assert _undeclared(found, test | timm) == {}

@@ -143,6 +143,10 @@ def test_quickstart_on_an_h100_node():
   assert run["step_seconds_full_overlap"] == max(run["compute_step_seconds"], train["collective_seconds"])
   assert run["device_hours"] > run["device_hours_full_overlap"] > 0
   assert "without overlap" in summary(record) and "with full overlap" in summary(record)
+  # The dispatch compiled is named, with the config's "auto" it was chosen for.
+  dispatch = record["settings"]["moe.dispatch"]
+  assert config.moe.dispatch == "auto" and record["settings_given"] == {"moe.dispatch": "auto"}
+  assert f"moe.dispatch=auto (compiled: {dispatch})," in summary(record).splitlines()[0]
   total, _ = param_bytes_by_hand(config)
   assert train["memory"]["parameters"] == total
   # The fit counts the training batches a run keeps on each device, as trainkit.fits does: the

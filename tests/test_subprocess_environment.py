@@ -85,14 +85,14 @@ def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tm
   (results / "records" / "tiny.json").write_text(json.dumps(record))
   script = textwrap.dedent(f"""
       import os, sys
-      from experiments import tables
-      tables.RESULTS_DIR = {str(results)!r}
-      tables.RECORDS_DIR = {str(results / "records")!r}
+      from experiments import table_reproduce, table_spec
+      table_spec.RESULTS_DIR = {str(results)!r}
+      table_spec.RECORDS_DIR = {str(results / "records")!r}
       import json
       with open({str(results / "records" / "tiny.json")!r}) as f:
         record = json.load(f)
       try:
-        ok, lines = tables.reproduce(tables.load_table("tiny"), record, {str(tmp_path / "again")!r})
+        ok, lines = table_reproduce.reproduce(table_spec.load_table("tiny"), record, {str(tmp_path / "again")!r})
         print(*lines, sep=chr(10))
       except Exception as e:  # The verdict does not matter here, only that the run trained.
         print("reproduce:", e)

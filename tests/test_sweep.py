@@ -183,10 +183,12 @@ def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
     expected = 2 if d.name.startswith("batch_size=13") else 1
     assert (d / "calls.txt").read_text().count("call") == expected
 
-  # Dry run prints commands only.
+  # Dry run prints the commands, runs nothing, then counts the runs and estimates their time.
   assert sweep_cli.execute(str(sweep_path), str(workdir), dry_run=True) == 0
-  lines = capsys.readouterr().out.strip().splitlines()
+  *lines, count, estimate = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 12 and sum(line.startswith("# skipped") for line in lines) == 8
+  assert count == "dry run: 12 run(s) in the sweep, 4 to run, 8 finished (skipped)"
+  assert estimate.startswith("estimate: about "), estimate
 
   # Other settings: the finished runs would be stale, so nothing runs and the error says why.
   changed = spec.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))

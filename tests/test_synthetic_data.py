@@ -196,3 +196,63 @@ def test_data_are_those_the_recorded_tables_were_made_on(kwargs, digest):
   for key in ("image", "label", "attributes"):
     h.update(split[key].tobytes())
   assert h.hexdigest() == digest
+
+
+def _linear_probe_accuracy(train: dict, test: dict, attribute: int, num_groups: int) -> float:
+  """A ridge-regression linear probe (one-hot targets) on 8x8-downsampled pixels: trained on
+  `train`, its accuracy at reading `attribute` from `test`'s images alone."""
+
+  def features(images):
+    n, size = images.shape[:2]
+    pooled = images.astype(np.float64).reshape(n, 8, size // 8, 8, size // 8, 3).mean((2, 4))
+    return pooled.reshape(n, -1)
+
+  x = features(train["image"])
+  mean, std = x.mean(0), x.std(0) + 1e-6
+  design = lambda f: np.c_[(f - mean) / std, np.ones(len(f))]
+  x = design(x)
+  targets = np.eye(num_groups)[train["attributes"][:, attribute]]
+  weights = np.linalg.solve(x.T @ x + 0.1 * np.eye(x.shape[1]), x.T @ targets)
+  predicted = (design(features(test["image"])) @ weights).argmax(1)
+  return float((predicted == test["attributes"][:, attribute]).mean())
+
+
+def test_the_quickstart_s_sensitive_attributes_can_be_read_from_its_images(repo_root):
+  # FGR routes by group only if its classifiers can tell the groups apart: on the quickstart's
+  # data a linear probe reads every attribute well above the majority rate (always answering
+  # the largest group). The margin is three binomial standard errors of that rate over the test
+  # images, so a probe at the majority rate passes by chance with probability about 0.1%.
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("quickstart", repo_root / "configs/quickstart.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(None)
+  config.data.train_size, config.data.val_size, config.data.test_size = 3000, 10, 1000
+  info, splits = data_lib.dataset_from_config(config.data)
+  train, test = splits["train"], splits["test"]
+  for a, (name, groups) in enumerate(zip(info.attribute_names, info.group_names)):
+    counts = np.bincount(test["attributes"][:, a], minlength=len(groups))
+    majority = counts.max() / counts.sum()
+    margin = 3 * np.sqrt(majority * (1 - majority) / counts.sum())
+    accuracy = _linear_probe_accuracy(train, test, a, len(groups))
+    assert accuracy > majority + margin, (name, accuracy, majority, margin)
+  # Without the cues (the original benchmark, cues=false) only sex's hair says anything.
+  _, plain = synthetic.load_synthetic(sizes={"train": 3000, "test": 1000})
+  site = _linear_probe_accuracy(plain["train"], plain["test"], SITE, len(synthetic.SITE_GROUPS))
+  counts = np.bincount(plain["test"]["attributes"][:, SITE])
+  assert site < counts.max() / counts.sum() + 3 * np.sqrt(0.25 * 0.75 / 1000)
+
+
+def test_attribute_cues_change_only_the_colours():
+  # The cues draw no random numbers: labels, attributes and the corner marker are the
+  # original data's, and the images differ only by each group's colour cast.
+  plain = _small(seed=2)
+  cued = synthetic.load_synthetic(sizes={"train": 300, "val": 50}, seed=2, attribute_cues=True)[1]
+  for split in ("train", "val"):
+    np.testing.assert_array_equal(plain[split]["label"], cued[split]["label"])
+    np.testing.assert_array_equal(plain[split]["attributes"], cued[split]["attributes"])
+    np.testing.assert_array_equal(
+        synthetic.read_marker(plain[split]["image"], 4), synthetic.read_marker(cued[split]["image"], 4)
+    )
+    assert not np.array_equal(plain[split]["image"], cued[split]["image"])

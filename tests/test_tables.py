@@ -14,7 +14,18 @@ import time
 import numpy as np
 import pytest
 
-from experiments import provenance, stats, tables
+from experiments import (
+    provenance,
+    stats,
+    table_docs,
+    table_record,
+    table_render,
+    table_reproduce,
+    table_reruns,
+    table_spec,
+    table_summary,
+    tables,
+)
 from experiments import spec as sweep_spec
 from experiments.markers import replace_tables
 from trainkit.errors import UserError
@@ -126,7 +137,7 @@ def _report(accuracy, pqd, n_test=400, smallest_group=30):
 def _started_by_the_sweep(name, workdir):
   """Each run directory's sweep_run.json, as the sweep of table `name` writes it before
   starting the run (what `--record` compares with the spec)."""
-  sweep = tables.load_table(name).sweep
+  sweep = table_spec.load_table(name).sweep
   for point in sweep_spec.grid_points(sweep):
     directory = sweep_spec.run_dir(str(workdir), point)
     if os.path.isdir(directory):
@@ -140,8 +151,8 @@ def toy_tables(tmp_path, monkeypatch):
   results = tmp_path / "results"
   (results / "records").mkdir(parents=True)
   (results / "toy.py").write_text(_SPEC)
-  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
-  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
+  monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
   workdir = tmp_path / "sweep"
   rng = np.random.default_rng(3)
   for seed in range(5):
@@ -158,11 +169,11 @@ def toy_tables(tmp_path, monkeypatch):
 
 
 def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
-  record = tables.read_record("toy")
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  record = table_record.read_record("toy")
   assert [r["row"] for r in record["runs"][:2]] == ["a", "b@fair.alpha=0.5"]
-  text = tables.render(spec, record)
+  text = table_render.render(spec, record)
   # Accuracy: +2 points on every seed despite a seed spread of 5, p near 0 before and after
   # Holm's adjustment (2 claims).
   assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |" in text
@@ -182,23 +193,23 @@ def test_preview_renders_a_sweep_s_table_without_recording_it(toy_tables, capsys
   assert tables.run(["tables"], flags) == 0
   out = capsys.readouterr().out
   assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |" in out
-  assert not os.path.exists(tables.record_path("toy"))  # Nothing recorded.
+  assert not os.path.exists(table_spec.record_path("toy"))  # Nothing recorded.
 
 
 def test_a_guarded_choice_skips_settings_that_lose_accuracy(toy_tables):
   # The toy's "a" is 2 points more accurate on every seed; with the guard at 1 point only "a"
   # may be chosen on MF-PQD, and with a 5-point guard the higher mean MF-PQD wins.
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
-  summary = tables.summarise(spec, tables.read_record("toy"))
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  summary = table_summary.summarise(spec, table_record.read_record("toy"))
   pqd = {row: e["cells"]["mf.pqd"].mean for row, e in summary["rows"].items()}
   assert max(pqd, key=pqd.get) == "b@fair.alpha=0.5"
   for margin, expected in ((0.01, "a"), (0.05, "b@fair.alpha=0.5")):
     guarded = dataclasses.replace(spec, select="mf.pqd", select_within=("accuracy", margin))
-    assert tables.chosen_row(guarded, summary) == expected
-  text = tables.render(
+    assert table_summary.chosen_row(guarded, summary) == expected
+  text = table_render.render(
       dataclasses.replace(spec, select="mf.pqd", select_within=("accuracy", 0.01)),
-      tables.read_record("toy"),
+      table_record.read_record("toy"),
   )
   assert (
       "Chosen by the highest mean MF-PQD among the settings whose mean Acc. (%) is within 1.0 of the best: **a**."
@@ -207,40 +218,40 @@ def test_a_guarded_choice_skips_settings_that_lose_accuracy(toy_tables):
 
 
 def test_check_passes_on_the_written_file_and_names_what_changed(toy_tables, tmp_path):
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
   doc = tmp_path / "results.md"
   doc.write_text("# Results\n\nProse.\n\n<!-- table:toy -->\nstale\n<!-- /table:toy -->\n\nEnd.\n")
-  assert tables.check_doc(str(doc))  # Not yet written.
-  assert tables.write_doc(str(doc)) == ["toy"]
-  assert tables.check_doc(str(doc)) == []
+  assert table_docs.check_doc(str(doc))  # Not yet written.
+  assert table_docs.write_doc(str(doc)) == ["toy"]
+  assert table_docs.check_doc(str(doc)) == []
   assert doc.read_text().startswith("# Results\n\nProse.\n") and doc.read_text().endswith("End.\n")
   # A hand-edited number fails the check, with the diff.
   edited = doc.read_text().replace("**holds**", "**does not hold**", 1)
   doc.write_text(edited)
-  (problem,) = tables.check_doc(str(doc))
+  (problem,) = table_docs.check_doc(str(doc))
   assert "table toy differs from its record" in problem and "+| a higher" in problem
-  tables.write_doc(str(doc))
+  table_docs.write_doc(str(doc))
   # A record made with other settings than the spec now gives is stale.
-  record = tables.read_record("toy")
+  record = table_record.read_record("toy")
   record["runs"][0]["settings"]["num_train_steps"] = "6"
-  with open(tables.record_path("toy"), "w") as f:
+  with open(table_spec.record_path("toy"), "w") as f:
     json.dump(record, f)
-  assert any("the record is stale" in p for p in tables.check_doc(str(doc)))
+  assert any("the record is stale" in p for p in table_docs.check_doc(str(doc)))
 
 
 def _two_table_doc(toy_tables, tmp_path):
   """A document with two recorded tables (the toy spec under two names), written."""
-  shutil.copy(os.path.join(tables.RESULTS_DIR, "toy.py"), os.path.join(tables.RESULTS_DIR, "toy2.py"))
+  shutil.copy(os.path.join(table_spec.RESULTS_DIR, "toy.py"), os.path.join(table_spec.RESULTS_DIR, "toy2.py"))
   for name in ("toy", "toy2"):
-    tables.write_record(tables.load_table(name), str(toy_tables))
+    table_record.write_record(table_spec.load_table(name), str(toy_tables))
   doc = tmp_path / "results.md"
   doc.write_text(
       "# Results\n\n<!-- table:toy -->\n<!-- /table:toy -->\n\nBetween.\n\n"
       "<!-- table:toy2 -->\n<!-- /table:toy2 -->\n\nEnd.\n"
   )
-  assert tables.write_doc(str(doc)) == ["toy", "toy2"]
-  assert tables.check_doc(str(doc)) == []
+  assert table_docs.write_doc(str(doc)) == ["toy", "toy2"]
+  assert table_docs.check_doc(str(doc)) == []
   return doc
 
 
@@ -250,7 +261,7 @@ def test_check_reads_every_table_of_a_document(toy_tables, tmp_path):
   text = doc.read_text()
   second = text.index("<!-- table:toy2 -->")
   doc.write_text(text[:second] + text[second:].replace("**holds**", "**does not hold**"))
-  (problem,) = tables.check_doc(str(doc))
+  (problem,) = table_docs.check_doc(str(doc))
   assert "table toy2 differs from its record" in problem
 
 
@@ -263,9 +274,9 @@ def test_a_start_marker_without_its_end_is_an_error_naming_its_line(toy_tables, 
   line = text.splitlines().index("<!-- table:toy -->") + 1
   with pytest.raises(UserError, match=rf"results.md:{line + 0}: table toy has no end marker|"
                                       rf"table toy2 starts inside table toy"):
-    tables.check_doc(str(doc))
+    table_docs.check_doc(str(doc))
   with pytest.raises(UserError, match="inside table toy"):
-    tables.write_doc(str(doc))
+    table_docs.write_doc(str(doc))
   assert doc.read_text() == text
 
 
@@ -275,35 +286,35 @@ def test_a_repeated_marker_after_a_missing_end_leaves_the_document_whole(toy_tab
   text = text.replace("<!-- /table:toy -->\n", "", 1) + "\n<!-- table:toy -->\nagain\n<!-- /table:toy -->\n"
   doc.write_text(text)
   with pytest.raises(UserError, match=r"results.md:\d+: "):
-    tables.write_doc(str(doc))
+    table_docs.write_doc(str(doc))
   assert doc.read_text() == text  # Nothing deleted.
   # Marked twice, each properly closed: an error too, naming both lines.
   doc.write_text(_two_table_doc(toy_tables, tmp_path).read_text() + "\n<!-- table:toy -->\nx\n<!-- /table:toy -->\n")
   with pytest.raises(UserError, match=r"table toy is marked a second time \(first at line 3\)"):
-    tables.check_doc(str(doc))
+    table_docs.check_doc(str(doc))
 
 
 def test_an_end_marker_without_its_start_is_an_error(tmp_path):
   doc = tmp_path / "results.md"
   doc.write_text("# R\n\n<!-- /table:toy -->\n")
   with pytest.raises(UserError, match=r"results.md:3: '<!-- /table:toy -->' ends a table that was not started"):
-    tables.write_doc(str(doc))
+    table_docs.write_doc(str(doc))
 
 
 def test_a_record_without_provenance_names_the_file_and_the_key(toy_tables, tmp_path):
   doc = _two_table_doc(toy_tables, tmp_path)
-  record = tables.read_record("toy2")
+  record = table_record.read_record("toy2")
   del record["provenance"]
-  with open(tables.record_path("toy2"), "w") as f:
+  with open(table_spec.record_path("toy2"), "w") as f:
     json.dump(record, f)
-  (problem,) = tables.check_doc(str(doc))
+  (problem,) = table_docs.check_doc(str(doc))
   assert "toy2.json: the record has no 'provenance'" in problem
   with pytest.raises(UserError, match="toy2.json: the record has no 'provenance'"):
-    tables.write_doc(str(doc))
+    table_docs.write_doc(str(doc))
 
 
 def test_a_table_spec_mistake_names_the_key(toy_tables):
-  spec_file = os.path.join(tables.RESULTS_DIR, "toy.py")
+  spec_file = os.path.join(table_spec.RESULTS_DIR, "toy.py")
   with open(spec_file) as f:
     text = f.read()
   with open(spec_file, "w") as f:
@@ -313,9 +324,9 @@ def test_a_table_spec_mistake_names_the_key(toy_tables):
         )
     )
   with pytest.raises(UserError, match=r"TABLE\['claims\[1\]'\]: baseline 'c' is not a row"):
-    tables.load_table("toy")
+    table_spec.load_table("toy")
   with pytest.raises(UserError, match="no table spec results/nope.py"):
-    tables.load_table("nope")
+    table_spec.load_table("nope")
 
 
 def test_values_are_read_by_path_and_mappings_averaged():
@@ -326,20 +337,20 @@ def test_values_are_read_by_path_and_mappings_averaged():
       "cosines": {"x|y": [0.5, 0.7], "x|z": [0.0]},
       "gaps": {"x": [1.0, None]},
   }
-  assert tables.metric_value(report, "a.b") == 1.5
-  assert tables.metric_value(report, "layers") == 3.0
-  assert tables.metric_value(report, "cosines") == pytest.approx(0.4)  # Every batch counts.
-  assert tables.metric_value(report, "gaps") is None
-  assert tables.metric_value(report, "a.c") is None
-  assert tables.metric_value(report, "flag") == 1.0  # A "met" flag: the fraction of runs.
+  assert table_spec.metric_value(report, "a.b") == 1.5
+  assert table_spec.metric_value(report, "layers") == 3.0
+  assert table_spec.metric_value(report, "cosines") == pytest.approx(0.4)  # Every batch counts.
+  assert table_spec.metric_value(report, "gaps") is None
+  assert table_spec.metric_value(report, "a.c") is None
+  assert table_spec.metric_value(report, "flag") == 1.0  # A "met" flag: the fraction of runs.
 
 
 def test_compare_is_exact_unless_a_tolerance_is_given():
   recorded = {"accuracy": 0.75, "mf.pqd": 0.5}
   report = {"accuracy": 0.75, "mf": {"pqd": 0.5 + 1e-7}}
-  assert tables.compare(recorded, report, 0.0)[0] is False
-  assert tables.compare(recorded, report, 1e-6)[0] is True
-  assert tables.compare(recorded, {"accuracy": 0.75}, 1.0)[0] is False
+  assert table_reproduce.compare(recorded, report, 0.0)[0] is False
+  assert table_reproduce.compare(recorded, report, 1e-6)[0] is True
+  assert table_reproduce.compare(recorded, {"accuracy": 0.75}, 1.0)[0] is False
 
 
 # ---------------------------------------------------------------- the repository's own tables
@@ -363,10 +374,10 @@ def test_every_table_in_the_results_doc_matches_its_stored_record(repo_root):
 def test_every_spec_loads_and_its_record_describes_its_runs():
   # A spec whose sweep has not run yet has no record (and no table in docs/results.md, which
   # the check above would fail); every recorded one must still describe its spec's runs.
-  for name in tables.table_names():
-    spec = tables.load_table(name)
-    if os.path.exists(tables.record_path(name)):
-      assert tables.stale_runs(spec, tables.read_record(name)) == [], name
+  for name in table_spec.table_names():
+    spec = table_spec.load_table(name)
+    if os.path.exists(table_spec.record_path(name)):
+      assert table_record.stale_runs(spec, table_record.read_record(name)) == [], name
 
 
 def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
@@ -395,27 +406,27 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
       "              grid=dotted({'seed': (0,), 'method': ('vanilla_smoe_psi',)}),\n"
       f"              overrides=dotted({tiny!r}))\n"
   )
-  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
-  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
-  spec = tables.load_table("tiny")
+  monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
+  spec = table_spec.load_table("tiny")
   from experiments.sweep import execute_sweep
 
   assert execute_sweep(spec.sweep, str(tmp_path / "sweep")) == 0
-  tables.write_record(spec, str(tmp_path / "sweep"))
-  record = tables.read_record("tiny")
+  table_record.write_record(spec, str(tmp_path / "sweep"))
+  record = table_record.read_record("tiny")
   (run,) = record["runs"]
   assert run["status"] == "ok" and set(run["metrics"]) == {"accuracy"}
   provenance = record["provenance"]
   assert provenance["machine"]["processor"]["model"] and provenance["machine"]["versions"]["jaxlib"]
   assert provenance["data"] == {}  # The synthetic data reads no file.
-  ok, lines = tables.reproduce(spec, record, str(tmp_path / "again"))
+  ok, lines = table_reproduce.reproduce(spec, record, str(tmp_path / "again"))
   assert ok, "\n".join(lines)
   assert "the recording machine, software and data; tolerance 0" in lines[0]
   # Made under another processor description: compared within the spec's tolerance, saying why.
   other = json.loads(json.dumps(record))
   other["provenance"]["machine"]["processor"]["model"] = "Another CPU"
   other["provenance"]["machine"]["processor"]["features"] = ["sse4_2"]
-  ok, lines = tables.reproduce(spec, other, str(tmp_path / "elsewhere"))
+  ok, lines = table_reproduce.reproduce(spec, other, str(tmp_path / "elsewhere"))
   assert ok, "\n".join(lines)
   assert f"not the recording machine, software or data; tolerance {spec.tolerance:g}" in lines[0]
   assert any("differs: machine.processor.model: Another CPU != " in line for line in lines)
@@ -423,29 +434,29 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   # A record without data hashes (made before they were recorded) cannot vouch for its data.
   del other["provenance"]["data"]
   other["provenance"]["machine"] = record["provenance"]["machine"]
-  with open(tables.record_path("tiny"), "w") as f:
+  with open(table_spec.record_path("tiny"), "w") as f:
     json.dump(other, f)
-  ok, lines = tables.reproduce(spec, other, str(tmp_path / "olddata"), stamp=True)
+  ok, lines = table_reproduce.reproduce(spec, other, str(tmp_path / "olddata"), stamp=True)
   assert "differs: data: the record has no hashes of its input files" in "\n".join(lines)
   assert ok and "Reproduced (every value exact)." in lines[-2]
   # The stamp names where the old record's numbers came back exactly, and vouches for it: the
   # next reproduction here compares exactly.
-  stamped = tables.read_record("tiny")
+  stamped = table_record.read_record("tiny")
   (entry,) = stamped["provenance"]["reproduced"]
   assert entry["exact"] and entry["data"] == {} and entry["machine"] == provenance["machine"]
   assert entry["differs_from_record"] == ["data: the record has no hashes of its input files"]
   assert (
       "first run reproduced exactly on another machine, software or data (differs in data) on "
-      in tables.render(spec, stamped)
+      in table_render.render(spec, stamped)
   )
-  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "vouched"))
+  ok, lines = table_reproduce.reproduce(spec, stamped, str(tmp_path / "vouched"))
   assert ok and "the machine, software and data of the exact reproduction of " in lines[0]
   assert "; tolerance 0)" in lines[0]
   # A record one ulp away from what the run gives is not reproduced at tolerance 0.
   with open(tmp_path / "again" / "run" / "report.json") as f:
     report = json.load(f)
   nudged = {"accuracy": float(np.nextafter(run["metrics"]["accuracy"], 2.0))}
-  assert tables.compare(nudged, report, 0.0)[0] is False
+  assert table_reproduce.compare(nudged, report, 0.0)[0] is False
 
 
 def test_data_hashes_name_every_input_file_and_change_with_its_bytes(tmp_path):
@@ -496,15 +507,15 @@ def _rerun_workdir(toy_tables, tmp_path, accuracy_gain, methods=("a", "b@fair.al
 
 
 def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables, tmp_path):
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
   # A rerun in which "a" is no longer more accurate on every seed: the accuracy verdict flips.
-  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=-0.02)))
-  record = tables.read_record("toy")
+  table_record.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=-0.02)))
+  record = table_record.read_record("toy")
   (rerun,) = record["reruns"]
   assert rerun["provenance"]["commit"] == "abc"  # The runs' commit, not this checkout's.
   assert rerun["provenance"]["machine"]["environment"]["XLA_FLAGS"] == "--isa=x"
-  text = tables.render(spec, record)
+  text = table_render.render(spec, record)
   (line,) = [line for line in text.splitlines() if line.startswith("**Rerun**")]
   assert "every run;" in line and "commit abc" in line and "Other CPU" in line
   assert "`XLA_FLAGS=--isa=x`" in line
@@ -521,21 +532,21 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
   # And beside the verdict it moves.
   assert "| 5 | <0.001 | **holds** (a rerun: does not hold) |" in text
   # The same rerun again replaces it; a rerun that keeps every verdict says so.
-  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02)))
-  record = tables.read_record("toy")
+  table_record.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02)))
+  record = table_record.read_record("toy")
   assert len(record["reruns"]) == 1
-  (line,) = [l for l in tables.render(spec, record).splitlines() if l.startswith("**Rerun**")]
+  (line,) = [l for l in table_render.render(spec, record).splitlines() if l.startswith("**Rerun**")]
   assert "every verdict the same (2 of 2 claims rerun)" in line
   assert "it chooses the same setting, a" in line
 
 
 def test_a_partial_rerun_names_its_rows_and_the_cli_needs_a_workdir(toy_tables, tmp_path):
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
   partial = _rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02, methods=("a",))
-  tables.add_rerun(spec, str(partial))
+  table_record.add_rerun(spec, str(partial))
   (line,) = [
-      l for l in tables.render(spec, tables.read_record("toy")).splitlines()
+      l for l in table_render.render(spec, table_record.read_record("toy")).splitlines()
       if l.startswith("**Rerun**")
   ]
   assert "5 of 10 runs: the rows a; seeds 0, 1, 2, 3, 4" in line
@@ -545,13 +556,13 @@ def test_a_partial_rerun_names_its_rows_and_the_cli_needs_a_workdir(toy_tables, 
   with pytest.raises(SystemExit):
     tables.run(["tables"], flags)
   with pytest.raises(UserError, match="no finished run"):
-    tables.add_rerun(spec, str(tmp_path / "empty"))
+    table_record.add_rerun(spec, str(tmp_path / "empty"))
 
 
 def test_the_largest_rerun_change_is_measured_against_each_claim_s_own_interval(toy_tables):
   """A change of 1 accuracy point on seeds that spread by 10 matters less than a change of
   0.02 in MF-PQD on seeds that agree to 0.01: the rerun line names the MF-PQD claim."""
-  spec = tables.load_table("toy")
+  spec = table_spec.load_table("toy")
 
   def record(accuracy_shift, pqd_shift):
     runs = []
@@ -567,7 +578,7 @@ def test_the_largest_rerun_change_is_measured_against_each_claim_s_own_interval(
         )
     return {"runs": runs}
 
-  result = tables.compare_rerun(spec, record(0, 0), record(0.01, 0.02))
+  result = table_reruns.compare_rerun(spec, record(0, 0), record(0.01, 0.02))
   change, relative, claim = result.largest_change
   assert claim.metric == "mf.pqd"
   # The MF-PQD gaps' interval: mean 0.04, half-width t(0.975, 4) * s / sqrt(5) with s = 0.00707.
@@ -580,18 +591,18 @@ def test_the_largest_rerun_change_is_measured_against_each_claim_s_own_interval(
 def test_the_rerun_summary_lists_every_claims_table_and_what_its_rerun_changed(
     toy_tables, tmp_path
 ):
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
   doc = tmp_path / "results.md"
   doc.write_text("<!-- table:reruns -->\n<!-- /table:reruns -->\n")
-  assert tables.write_doc(str(doc)) == ["reruns"]
+  assert table_docs.write_doc(str(doc)) == ["reruns"]
   assert "| `toy` | not rerun | — | — | — |" in doc.read_text()
-  assert tables.check_doc(str(doc)) == []
+  assert table_docs.check_doc(str(doc)) == []
   # A rerun in which "a" loses its accuracy lead: the summary (now stale) names the flip.
-  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=-0.02)))
-  (problem,) = tables.check_doc(str(doc))
+  table_record.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=-0.02)))
+  (problem,) = table_docs.check_doc(str(doc))
   assert "table reruns differs from its record" in problem
-  tables.write_doc(str(doc))
+  table_docs.write_doc(str(doc))
   assert (
       "| `toy` | every run, `XLA_FLAGS=--isa=x` | 1 of 2; another choice | "
       "a against b (alpha 0.5), Acc. (%): holds -> does not hold | "
@@ -599,20 +610,49 @@ def test_the_rerun_summary_lists_every_claims_table_and_what_its_rerun_changed(
   ) in doc.read_text()
   # A partial rerun counts the claims it could not decide.
   partial = _rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02, methods=("a",))
-  record = tables.read_record("toy")
+  record = table_record.read_record("toy")
   record["reruns"] = []
-  with open(tables.record_path("toy"), "w") as f:
+  with open(table_spec.record_path("toy"), "w") as f:
     json.dump(record, f)
-  tables.add_rerun(spec, str(partial))
+  table_record.add_rerun(spec, str(partial))
   assert (
       "| `toy` | 5 of 10 runs, `XLA_FLAGS=--isa=x` | — (no claim has both its rows rerun) | none | — |"
-      in tables.rerun_summary()
+      in table_docs.rerun_summary()
   )
   # The summary's name is reserved: no spec may take it.
-  with open(os.path.join(tables.RESULTS_DIR, "reruns.py"), "w") as f:
+  with open(os.path.join(table_spec.RESULTS_DIR, "reruns.py"), "w") as f:
     f.write(_SPEC)
   with pytest.raises(UserError, match="reserved|name of the generated summary"):
-    tables.load_table("reruns")
+    table_spec.load_table("reruns")
+
+
+def test_the_machine_summary_lists_every_record_s_machine_and_its_stamped_reproductions(
+    toy_tables, tmp_path
+):
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  doc = tmp_path / "results.md"
+  doc.write_text("<!-- table:machines -->\n<!-- /table:machines -->\n")
+  assert table_docs.write_doc(str(doc)) == ["machines"]
+  record = table_record.read_record("toy")
+  date = record["provenance"]["date"]
+  assert f"| `toy` | {date} | " in doc.read_text()
+  assert "| **every table** | 1 records | — | — | **0 exactly, 0 within the tolerance** (0 stamped) |" in (
+      doc.read_text()
+  )
+  # A reproduction stamped within the tolerance: the summary (now stale) names it and counts it.
+  stamp = dict(date="2030-01-02", commit="abc", machine=record["provenance"]["machine"], data={})
+  record["provenance"]["reproduced"] = [dict(stamp, exact=False, tolerance=0.02)]
+  with open(table_spec.record_path("toy"), "w") as f:
+    json.dump(record, f)
+  (problem,) = table_docs.check_doc(str(doc))
+  assert "table machines differs from its record" in problem
+  assert "| within 0.02, not exactly on 2030-01-02 (" in table_docs.machine_summary()
+  assert "**0 exactly, 1 within the tolerance** (1 stamped)" in table_docs.machine_summary()
+  with open(os.path.join(table_spec.RESULTS_DIR, "machines.py"), "w") as f:
+    f.write(_SPEC)
+  with pytest.raises(UserError, match="reserved"):
+    table_spec.load_table("machines")
 
 
 def test_reference_rows_are_scored_from_the_runs_data_and_printed_below_the_models(
@@ -625,14 +665,14 @@ def test_reference_rows_are_scored_from_the_runs_data_and_printed_below_the_mode
       "          'chance': {'accuracy': 0.5, 'mf': {'pqd': None}}}\n"
   )
   monkeypatch.syspath_prepend(str(tmp_path))
-  spec_file = os.path.join(tables.RESULTS_DIR, "toy.py")
+  spec_file = os.path.join(table_spec.RESULTS_DIR, "toy.py")
   with open(spec_file) as f:
     text = f.read()
   with open(spec_file, "w") as f:
     f.write(text.replace("TABLE = dict(", "TABLE = dict(\n    references='toy_readers:readers',"))
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
-  rendered = tables.render(spec, tables.read_record("toy"))
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  rendered = table_render.render(spec, table_record.read_record("toy"))
   # The resolved config of the runs (num_train_steps=5) reached the reader.
   assert "| *reference: majority class* | 25.0 | — | — |" in rendered
   assert "| *reference: chance* | 50.0 | — | — |" in rendered
@@ -640,16 +680,16 @@ def test_reference_rows_are_scored_from_the_runs_data_and_printed_below_the_mode
   assert rendered.index("| b (alpha 0.5) |") < rendered.index("*reference: majority")
   assert rendered.index("*reference: chance*") < rendered.index("| claim |")
   # A record without references can get them later, from the data alone.
-  record = tables.read_record("toy")
+  record = table_record.read_record("toy")
   del record["references"]
-  with open(tables.record_path("toy"), "w") as f:
+  with open(table_spec.record_path("toy"), "w") as f:
     json.dump(record, f)
-  tables.add_references(spec)
-  assert tables.render(spec, tables.read_record("toy")) == rendered
+  table_record.add_references(spec)
+  assert table_render.render(spec, table_record.read_record("toy")) == rendered
   with open(spec_file, "w") as f:
     f.write(text.replace("TABLE = dict(", "TABLE = dict(\n    references='no module',"))
   with pytest.raises(UserError, match=r"TABLE\['references'\]: 'no module' is not"):
-    tables.load_table("toy")
+    table_spec.load_table("toy")
 
 
 def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
@@ -661,8 +701,8 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
       '"seed": (0, 1, 2, 3, 4), "method"', '"data.fold": (0, 1, 2, 3, 4), "seed": (0,), "method"'
   ).replace("TABLE = dict(", "TABLE = dict(\n    pair_by=('data.fold', 'seed'),")
   (results / "cv.py").write_text(spec_text)
-  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
-  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
+  monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
   workdir = tmp_path / "sweep"
   for fold in range(5):
     hard = 0.2 * fold  # Folds differ far more than the methods do.
@@ -671,21 +711,21 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
       run.mkdir(parents=True)
       (run / "report.json").write_text(json.dumps(_report(accuracy, 0.7)))
   _started_by_the_sweep("cv", workdir)
-  spec = tables.load_table("cv")
-  tables.write_record(spec, str(workdir))
-  record = tables.read_record("cv")
+  spec = table_spec.load_table("cv")
+  table_record.write_record(spec, str(workdir))
+  record = table_record.read_record("cv")
   assert record["runs"][0]["seed"] == "data.fold=0,seed=0"
-  assert tables.stale_runs(spec, record) == []
-  text = tables.render(spec, record)
+  assert table_record.stale_runs(spec, record) == []
+  text = table_render.render(spec, record)
   assert "| a higher than b (alpha 0.5) | Acc. (%) | +1.0 [1.0, 1.0] | 5 | <0.001 | **holds** |" in text
   assert "| folds × seeds |" in text
   # Pairing needs the seed key; another varying key that pairs nothing is an error.
   (results / "bad.py").write_text(spec_text.replace("pair_by=('data.fold', 'seed')", "pair_by=('data.fold',)"))
   with pytest.raises(UserError, match="must include 'seed'"):
-    tables.load_table("bad")
+    table_spec.load_table("bad")
   (results / "bad.py").write_text(spec_text.replace("    pair_by=('data.fold', 'seed'),\n", ""))
   with pytest.raises(UserError, match="'data.fold' also varies"):
-    tables.load_table("bad")
+    table_spec.load_table("bad")
 
 
 def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch):
@@ -711,8 +751,8 @@ def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch)
       "TABLE = dict(\n    pair_by=('data.fold', 'seed'),\n    pool=('toy_pool:pool', 'data.fold'),",
   )
   (results / "cv.py").write_text(spec_text)
-  monkeypatch.setattr(tables, "RESULTS_DIR", str(results))
-  monkeypatch.setattr(tables, "RECORDS_DIR", str(results / "records"))
+  monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
+  monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
   workdir = tmp_path / "sweep"
   for fold, n in enumerate((100, 200, 700)):  # Unequal folds: pooling weighs by examples.
     for seed in (0, 1):
@@ -721,25 +761,25 @@ def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch)
         run.mkdir(parents=True)
         (run / "report.json").write_text(json.dumps(_report(accuracy, 0.7, n_test=n)))
   _started_by_the_sweep("cv", workdir)
-  spec = tables.load_table("cv")
-  tables.write_record(spec, str(workdir))
-  record = tables.read_record("cv")
+  spec = table_spec.load_table("cv")
+  table_record.write_record(spec, str(workdir))
+  record = table_record.read_record("cv")
   pooled = {(p["row"], p["seed"]): p for p in record["pooled"]}
   assert set(pooled) == {(r, s) for r in ("a", "b@fair.alpha=0.5") for s in (0, 1)}
   # (0.5 * 100 + 0.6 * 200 + 0.7 * 700) / 1000, not the folds' plain mean 0.6.
   assert pooled[("a", 0)]["metrics"]["accuracy"] == pytest.approx(0.66)
   assert pooled[("a", 0)]["runs"] == 3 and pooled[("a", 0)]["groups"] == {"sex=m": 9}
-  text = tables.render(spec, tables.read_record("cv"))
+  text = table_render.render(spec, table_record.read_record("cv"))
   assert "**Pooled over 3 folds**" in text and "smallest groups: sex=m (n=9)" in text
   assert "| a | 66.0 [66.0, 66.0] | 2 |" in text  # Only the columns the reports hold.
   with pytest.raises(UserError, match=r"TABLE\['pool'\]"):
     (results / "bad.py").write_text(spec_text.replace("'data.fold'),", "'seed'),"))
-    tables.load_table("bad")
+    table_spec.load_table("bad")
 
 
 def test_a_rerun_names_a_cross_validated_pair_by_its_short_keys():
-  assert tables._unit_text("data.identity_folds.fold=0,seed=0") == "fold=0,seed=0"
-  assert tables._unit_text(3) == "3"
+  assert table_spec._unit_text("data.identity_folds.fold=0,seed=0") == "fold=0,seed=0"
+  assert table_spec._unit_text(3) == "3"
 
 
 # ---------------------------------------------------------------- verdicts a reviewer accepts
@@ -798,18 +838,18 @@ def test_the_fold_tables_decide_with_the_corrected_interval():
   the folds' own sizes in the record, not the Student-t interval of independent seeds."""
   from scipy import stats as scipy_stats
 
-  spec = tables.load_table("fair_cv_celeba")
-  record = tables.read_record("fair_cv_celeba")
+  spec = table_spec.load_table("fair_cv_celeba")
+  record = table_record.read_record("fair_cv_celeba")
   sizes = record["split_sizes"].values()
   ratio = np.mean([s["test"] / s["train"] for s in sizes])
   assert ratio == pytest.approx(1 / 3, abs=0.01)  # 1 test fold against 3 training folds.
   _, differences = stats.paired(
-      tables._values(record, "fairsmoe", "mf.pqd"),
-      tables._values(record, "vanilla_smoe", "mf.pqd"),
+      table_summary._values(record, "fairsmoe", "mf.pqd"),
+      table_summary._values(record, "vanilla_smoe", "mf.pqd"),
   )
   mean, variance, j = np.mean(differences), np.var(differences, ddof=1), len(differences)
   half = scipy_stats.t.ppf(0.975, j - 1) * np.sqrt((1 / j + ratio) * variance)
-  summary = tables.summarise(spec, record)
+  summary = table_summary.summarise(spec, record)
   (result,) = [
       r for c, r in summary["claims"] if c.baseline == "vanilla_smoe" and c.metric == "mf.pqd"
   ]
@@ -820,16 +860,16 @@ def test_the_fold_tables_decide_with_the_corrected_interval():
   plain = stats.t_interval(differences)
   assert result.difference.low < plain.low - 0.1  # The plain one: [0.005, 0.424].
   # The cells are the folds' too, and the caption says which interval.
-  accuracy = tables._values(record, "fairsmoe", "accuracy")
+  accuracy = table_summary._values(record, "fairsmoe", "accuracy")
   cell = summary["rows"]["fairsmoe"]["cells"]["accuracy"]
   assert cell == stats.corrected_interval(list(accuracy.values()), ratio)
   assert "corrected resampled t-interval, test-to-train 0.333] over folds × seeds" in (
-      tables.render(spec, record)
+      table_render.render(spec, record)
   )
   # A table of independent seeds keeps Student's t.
-  testbed = tables.load_table("fair_comparison_testbed")
-  assert "[95% Student-t interval] over seeds" in tables.render(
-      testbed, tables.read_record("fair_comparison_testbed")
+  testbed = table_spec.load_table("fair_comparison_testbed")
+  assert "[95% Student-t interval] over seeds" in table_render.render(
+      testbed, table_record.read_record("fair_comparison_testbed")
   )
 
 
@@ -860,10 +900,10 @@ def _gated_record(bar: float, signal: float = 0.0, chance_high: float | None = N
 
 
 def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
-  spec = tables.load_table("toy")
+  spec = table_spec.load_table("toy")
 
   def verdicts(record):
-    summary = tables.summarise(spec, record)
+    summary = table_summary.summarise(spec, record)
     return {c.metric: (r.verdict, h) for (c, r), (_, h) in zip(summary["claims"], summary["holm"])}
 
   # Both rows learnt (accuracy above every floor): the MF-PQD lead is decided, and holds.
@@ -880,14 +920,14 @@ def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
   # A reader of the task's signal sets no bar: a model below it may have learnt.
   assert verdicts(_gated_record(bar=0.5, signal=0.95))["mf.pqd"][0] == stats.HOLDS
   # The untestable claim stays in the family: the accuracy p is doubled, not left alone.
-  summary = tables.summarise(spec, _gated_record(bar=0.795))
+  summary = table_summary.summarise(spec, _gated_record(bar=0.795))
   assert summary["claims"][0][0].metric == "accuracy"
   p_holm, _ = summary["holm"][0]
   assert p_holm == pytest.approx(min(1.0, 2 * summary["claims"][0][1].p))
   # Rendered like the others, the chance row with its range, and counted by the summary.
   machine = dict(device="CPU", devices=1, cpu_cores=2, arch="x86_64", jax="0.10.2")
   provenance = dict(commit="abc", date="2026-11-27", machine=machine, seeds=[0], commands=[])
-  text = tables.render(spec, {**_gated_record(bar=0.795), "provenance": provenance})
+  text = table_render.render(spec, {**_gated_record(bar=0.795), "provenance": provenance})
   assert "| **untestable: at reference accuracy** | **untestable: at reference accuracy** |" in text
   assert (
       "| *reference: chance; mean [95% range] of 2000 seeded draws* | 50.0 [45.0, 55.0] | "
@@ -897,11 +937,11 @@ def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
 
 
 def test_the_attractive_folds_mf_pqd_claim_is_untestable_beside_chance_s_row():
-  spec = tables.load_table("fair_cv_celeba")
-  record = tables.read_record("fair_cv_celeba")
-  summary = tables.summarise(spec, record)
+  spec = table_spec.load_table("fair_cv_celeba")
+  record = table_record.read_record("fair_cv_celeba")
+  summary = table_summary.summarise(spec, record)
   for (claim, result), (_, holm) in zip(summary["claims"], summary["holm"]):
-    if tables.accuracy_path(claim.metric):  # Every fairness claim: no model beats 59.4%.
+    if table_spec.accuracy_path(claim.metric):  # Every fairness claim: no model beats 59.4%.
       assert result.verdict == holm == stats.UNTESTABLE, claim
   (chance,) = [r for r in record["references"] if r["name"].startswith("chance")]
   assert chance["metrics"]["mf.pqd"] == pytest.approx(0.88, abs=0.01)
@@ -912,12 +952,12 @@ def test_every_reference_row_fills_every_fairness_column():
   """A reference row's fairness column left empty hides how fair an answer that learnt nothing
   is: every reader of every FairSMoE table fills them, chance with a 95% range."""
   checked = 0
-  for name in tables.table_names():
-    spec = tables.load_table(name)
-    if not spec.references or not os.path.exists(tables.record_path(name)):
+  for name in table_spec.table_names():
+    spec = table_spec.load_table(name)
+    if not spec.references or not os.path.exists(table_spec.record_path(name)):
       continue
-    fairness = [c.path for c in spec.columns if tables.accuracy_path(c.path)]
-    for reference in tables.read_record(name)["references"]:
+    fairness = [c.path for c in spec.columns if table_spec.accuracy_path(c.path)]
+    for reference in table_record.read_record(name)["references"]:
       for path in fairness:
         assert reference["metrics"].get(path) is not None, (name, reference["name"], path)
         checked += 1
@@ -929,7 +969,7 @@ def test_every_reference_row_fills_every_fairness_column():
 def test_matched_accuracy_removes_a_linear_trade_off(toy_tables):
   """MF-PQD falls one for one with accuracy within each method; row a is 0.03 fairer at equal
   accuracy but 0.05 more accurate: the raw difference is about -0.02, at matched accuracy +0.03."""
-  spec = tables.load_table("toy")
+  spec = table_spec.load_table("toy")
   rng = np.random.default_rng(11)
   runs = []
   for seed in range(8):
@@ -943,32 +983,32 @@ def test_matched_accuracy_removes_a_linear_trade_off(toy_tables):
       )
   record = {"runs": runs}
   (claim,) = [c for c in spec.claims if c.metric == "mf.pqd"]
-  interval, slope = tables.matched_accuracy(spec, record, claim, None)
+  interval, slope = table_summary.matched_accuracy(spec, record, claim, None)
   assert slope == pytest.approx(-1.0, abs=0.05)
   assert interval.mean == pytest.approx(0.03, abs=0.005)
   raw = stats.decide(
-      tables._values(record, "a", "mf.pqd"),
-      tables._values(record, "b@fair.alpha=0.5", "mf.pqd"),
+      table_summary._values(record, "a", "mf.pqd"),
+      table_summary._values(record, "b@fair.alpha=0.5", "mf.pqd"),
       "higher",
   )
   assert raw.difference.mean < 0
 
 
 def test_a_rerun_that_predicts_as_recorded_is_identical_and_not_counted(toy_tables, tmp_path):
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
   # The same reports again: every accuracy and fairness number to the last bit.
-  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02)))
-  record = tables.read_record("toy")
+  table_record.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02)))
+  record = table_record.read_record("toy")
   for run in record["reruns"][0]["runs"]:  # Undo the per-seed shift the helper adds to a.
     (recorded,) = [r for r in record["runs"] if (r["row"], r["seed"]) == (run["row"], run["seed"])]
     run["metrics"] = dict(recorded["metrics"])
-  with open(tables.record_path("toy"), "w") as f:
+  with open(table_spec.record_path("toy"), "w") as f:
     json.dump(record, f)
-  assert tables.compare_rerun(spec, record, record["reruns"][0]).identical
-  (line,) = [l for l in tables.render(spec, record).splitlines() if l.startswith("**Rerun**")]
+  assert table_reruns.compare_rerun(spec, record, record["reruns"][0]).identical
+  (line,) = [l for l in table_render.render(spec, record).splitlines() if l.startswith("**Rerun**")]
   assert "**identical (not independent)**" in line and "none is counted as kept" in line
-  summary = tables.rerun_summary()
+  summary = table_docs.rerun_summary()
   assert "| identical (not independent): not counted" in summary
   assert (
       "| **every table** | 1 reruns; 1 identical (not independent) | "
@@ -976,17 +1016,17 @@ def test_a_rerun_that_predicts_as_recorded_is_identical_and_not_counted(toy_tabl
   ) in summary
   # One accuracy that moves in its last digit makes it a rerun that could differ, and counted.
   record["reruns"][0]["runs"][0]["metrics"]["accuracy"] += 1e-12
-  with open(tables.record_path("toy"), "w") as f:
+  with open(table_spec.record_path("toy"), "w") as f:
     json.dump(record, f)
-  assert not tables.compare_rerun(spec, record, record["reruns"][0]).identical
-  assert "**2 of 2** (the 1 reruns that could differ)" in tables.rerun_summary()
+  assert not table_reruns.compare_rerun(spec, record, record["reruns"][0]).identical
+  assert "**2 of 2** (the 1 reruns that could differ)" in table_docs.rerun_summary()
 
 
 def test_every_table_with_muffin_and_multifair_compares_fairsmoe_with_both_as_table_1_does():
   found = 0
-  for name in tables.table_names():
-    spec = tables.load_table(name)
-    rows = {tables.format_value(r) for r in spec.row_values}
+  for name in table_spec.table_names():
+    spec = table_spec.load_table(name)
+    rows = {sweep_spec.format_value(r) for r in spec.row_values}
     if not {"muffin", "multifair", "fairsmoe"} <= rows:
       continue
     claims = {(c.row, c.baseline, c.metric, c.better) for c in spec.claims}
@@ -998,23 +1038,23 @@ def test_every_table_with_muffin_and_multifair_compares_fairsmoe_with_both_as_ta
 
 
 def test_every_comparison_prints_each_method_s_tuning_budget_and_its_selection_leaks():
-  for name in tables.table_names():
-    spec = tables.load_table(name)
+  for name in table_spec.table_names():
+    spec = table_spec.load_table(name)
     if not spec.claims:
       continue
-    text = tables.render(spec, tables.read_record(name))
+    text = table_render.render(spec, table_record.read_record(name))
     assert "**Tuning budget**" in text, name
     if not spec.select:  # A tuning table is its own search; every other row says its budget.
       budgeted = {t.row for t in spec.tuning}
-      assert {tables.format_value(r) for r in spec.row_values} <= budgeted, name
+      assert {sweep_spec.format_value(r) for r in spec.row_values} <= budgeted, name
   # The fold tables: the budget read on fold 1 and the lambdas read on the official validation
   # faces mark every verdict; ende_small's schedule was chosen on the split it reports.
   leaky = ("fair_cv_celeba", "fair_cv_celeba_smiling", "fair_cv_celeba_smiling_12", "ende_small")
   for name in leaky:
-    spec = tables.load_table(name)
-    summary = tables.summarise(spec, tables.read_record(name))
-    assert all(tables.leaks_of(spec, claim) for claim, _ in summary["claims"]), name
-    text = tables.render(spec, tables.read_record(name))
+    spec = table_spec.load_table(name)
+    summary = table_summary.summarise(spec, table_record.read_record(name))
+    assert all(table_summary.leaks_of(spec, claim) for claim, _ in summary["claims"]), name
+    text = table_render.render(spec, table_record.read_record(name))
     assert text.count("(selection leak)") + text.count("; selection leak)") == 2 * len(spec.claims)
     assert "**Selection leak 1**" in text
 
@@ -1146,7 +1186,7 @@ def _fake_rerun(monkeypatch, toy_tables, mode):
   report is the recorded run's own (seed 0 of row a), so it reproduces exactly."""
   source = str(toy_tables / "runs" / "seed=0,method=a" / "report.json")
   monkeypatch.setattr(
-      tables,
+      table_reproduce,
       "run_command",
       lambda sweep, point, run_dir: [sys.executable, "-c", _FAKE_RERUN, run_dir, mode, source],
   )
@@ -1163,9 +1203,9 @@ def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_s
 ):
   """a stale report.json and config.json in the rerun's directory never pass
   for the rerun's own: the failed rerun is one error, exit 2, and the record is not stamped."""
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
-  before = tables.read_record("toy")
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  before = table_record.read_record("toy")
   workdir = tmp_path / "again"
   (workdir / "run").mkdir(parents=True)
   shutil.copy(toy_tables / "runs" / "seed=0,method=a" / "report.json", workdir / "run")
@@ -1176,14 +1216,14 @@ def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_s
       match=r"--reproduce=toy: the rerun failed \(exit code 3: error: the rerun ran out of "
       r"luck\); its log: .*; nothing was compared or stamped",
   ):
-    tables.reproduce(spec, before, str(workdir), stamp=True)
-  assert tables.read_record("toy") == before  # Not stamped.
+    table_reproduce.reproduce(spec, before, str(workdir), stamp=True)
+  assert table_record.read_record("toy") == before  # Not stamped.
   # The earlier directory is kept aside, whole.
   assert (workdir / "run.stale-1" / "report.json").exists()
   # A run that exits 0 without a report failed too.
   _fake_rerun(monkeypatch, toy_tables, "silent")
   with pytest.raises(UserError, match=r"the rerun failed \(exit code 0 but no report.json"):
-    tables.reproduce(spec, before, str(workdir), stamp=True)
+    table_reproduce.reproduce(spec, before, str(workdir), stamp=True)
   # From the command line: one line, exit 2, no "Reproduced".
   _fake_rerun(monkeypatch, toy_tables, "fail")
   with pytest.raises(SystemExit) as exit_info:
@@ -1191,20 +1231,20 @@ def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_s
   assert exit_info.value.code == 2
   out, err = capsys.readouterr()
   assert "Reproduced" not in out + err and err.count("\n") == 1 and "the rerun failed" in err
-  assert tables.read_record("toy") == before
+  assert table_record.read_record("toy") == before
   # A rerun that finishes is compared and stamped as before.
   _fake_rerun(monkeypatch, toy_tables, "ok")
-  ok, lines = tables.reproduce(spec, before, str(workdir), stamp=True)
+  ok, lines = table_reproduce.reproduce(spec, before, str(workdir), stamp=True)
   assert ok and "Reproduced (every value exact)." in lines[-2], "\n".join(lines)
-  assert tables.read_record("toy")["provenance"]["reproduced"][0]["exact"] is True
+  assert table_record.read_record("toy")["provenance"]["reproduced"][0]["exact"] is True
 
 
 def _another_sweep(name, steps):
   """The toy spec as another table whose runs have the same names but other settings."""
-  text = open(os.path.join(tables.RESULTS_DIR, "toy.py")).read()
-  with open(os.path.join(tables.RESULTS_DIR, f"{name}.py"), "w") as f:
+  text = open(os.path.join(table_spec.RESULTS_DIR, "toy.py")).read()
+  with open(os.path.join(table_spec.RESULTS_DIR, f"{name}.py"), "w") as f:
     f.write(text.replace('"num_train_steps": 5', f'"num_train_steps": {steps}'))
-  return tables.load_table(name)
+  return table_spec.load_table(name)
 
 
 def test_a_workdir_of_another_sweep_is_refused_naming_the_run_and_the_key(toy_tables, tmp_path):
@@ -1216,18 +1256,18 @@ def test_a_workdir_of_another_sweep_is_refused_naming_the_run_and_the_key(toy_ta
       match=r"run seed=0,method=a is not the run of table other's sweep \(.*results/other.py\) "
       r"of that name: settings.num_train_steps: '5' -> '6'",
   ):
-    tables.write_record(other, str(toy_tables))
-  assert not os.path.exists(tables.record_path("other"))
+    table_record.write_record(other, str(toy_tables))
+  assert not os.path.exists(table_spec.record_path("other"))
   # --rerun: the other sweep's runs are not a rerun of this table; the record is unchanged.
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
-  recorded = tables.read_record("toy")
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  recorded = table_record.read_record("toy")
   foreign = tmp_path / "foreign"
   shutil.copytree(toy_tables, foreign)
   _started_by_the_sweep("other", foreign)
   with pytest.raises(UserError, match=r"settings.num_train_steps: '6' -> '5'"):
-    tables.add_rerun(spec, str(foreign))
-  assert tables.read_record("toy") == recorded
+    table_record.add_rerun(spec, str(foreign))
+  assert table_record.read_record("toy") == recorded
   # A run with only the config.json it trained with (a cluster's run): that is compared.
   run = foreign / "runs" / "seed=0,method=a"
   os.remove(run / sweep_spec.RUN)
@@ -1235,18 +1275,18 @@ def test_a_workdir_of_another_sweep_is_refused_naming_the_run_and_the_key(toy_ta
   trained = sweep_spec.resolved_config(other.sweep, point).to_json_best_effort()
   (run / "config.json").write_text(trained)
   with pytest.raises(UserError, match=r"run seed=0,method=a .*num_train_steps: 6 -> 5"):
-    tables.add_rerun(spec, str(foreign))
+    table_record.add_rerun(spec, str(foreign))
   # A run with neither cannot show whose it is.
   os.remove(run / "config.json")
   with pytest.raises(UserError, match=r"run seed=0,method=a has neither sweep_run.json nor"):
-    tables.add_rerun(spec, str(foreign))
+    table_record.add_rerun(spec, str(foreign))
 
 
 def _edit_record(name, edit, record=None):
   """The record `name` (or `record`, a copy) edited by `edit`, written as it is."""
-  record = json.loads(json.dumps(record or tables.read_record(name)))
+  record = json.loads(json.dumps(record or table_record.read_record(name)))
   edit(record)
-  with open(tables.record_path(name), "w") as f:
+  with open(table_spec.record_path(name), "w") as f:
     json.dump(record, f)  # NaN is written as NaN, as Python's json writes it.
 
 
@@ -1260,10 +1300,10 @@ def test_a_non_finite_record_value_is_one_error_naming_the_table_row_and_seed(
   text = doc.read_text()
   _edit_record("toy2", lambda r: r["runs"][2]["metrics"].update(accuracy=value))
   message = f"table toy2: runs[2] (row a, seed 1): accuracy is {value!r}, not a finite number"
-  (problem,) = tables.check_doc(str(doc))
+  (problem,) = table_docs.check_doc(str(doc))
   assert message in problem
   with pytest.raises(UserError, match=re.escape(message)):
-    tables.write_doc(str(doc))
+    table_docs.write_doc(str(doc))
   assert doc.read_text() == text
   assert tables.run(["tables"], _cli_flags(check=str(doc))) == 1
 
@@ -1272,9 +1312,9 @@ def test_a_duplicated_or_incomplete_run_in_a_record_is_one_error_naming_it(toy_t
   """a duplicated (row, seed) names both entries (the last used to win and
   could flip the tuning choice); a run without `metrics` or `row` names the run, not a
   KeyError; a record that lost a run names it and counts the spec's runs."""
-  spec = tables.load_table("toy")
-  tables.write_record(spec, str(toy_tables))
-  good = tables.read_record("toy")
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  good = table_record.read_record("toy")
 
   def duplicate(record):
     again = json.loads(json.dumps(record["runs"][0]))
@@ -1290,15 +1330,15 @@ def test_a_duplicated_or_incomplete_run_in_a_record_is_one_error_naming_it(toy_t
   for edit, message in cases:
     _edit_record("toy", edit, good)
     with pytest.raises(UserError, match=r"toy.json: table toy: " + message):
-      tables.read_record("toy")
+      table_record.read_record("toy")
   # A record without seed 4 of row b, and a full rerun: every run of the spec, not "10 of 9".
   _edit_record("toy", lambda r: r["runs"].pop(), good)
-  tables.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02)))
-  text = tables.render(spec, tables.read_record("toy"))
+  table_record.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path, accuracy_gain=0.02)))
+  text = table_render.render(spec, table_record.read_record("toy"))
   (line,) = [l for l in text.splitlines() if l.startswith("**Rerun**")]
   assert "(every run;" in line and "of 9 runs" not in text
   assert "- Flag: runs of the spec not in the record: b (alpha 0.5) seeds 4." in text
-  assert "| `toy` | every run," in tables.rerun_summary()
+  assert "| `toy` | every run," in table_docs.rerun_summary()
 
 
 @pytest.mark.parametrize("tolerance", ["nan", "inf", "-0.01"])
@@ -1311,12 +1351,12 @@ def test_a_tolerance_that_is_not_a_finite_number_at_least_zero_is_refused(
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert err == f"error: --tolerance={float(tolerance)}: not a finite number >= 0 (the largest |difference| --reproduce accepts)\n"
-  spec_file = os.path.join(tables.RESULTS_DIR, "toy.py")
+  spec_file = os.path.join(table_spec.RESULTS_DIR, "toy.py")
   text = open(spec_file).read()
   with open(spec_file, "w") as f:
     f.write(text.replace("TABLE = dict(", f"TABLE = dict(\n    tolerance=float('{tolerance}'),"))
   with pytest.raises(UserError, match=r"TABLE\['tolerance'\]: .* is not a finite number >= 0"):
-    tables.load_table("toy")
+    table_spec.load_table("toy")
 
 
 def test_reproduce_s_flags_with_another_mode_are_refused_naming_both(toy_tables, tmp_path, capsys):
@@ -1334,16 +1374,16 @@ def test_write_through_a_symbolic_link_rewrites_the_document_and_keeps_the_link(
     toy_tables, tmp_path
 ):
   """the atomic write's rename replaced the link with a file."""
-  tables.write_record(tables.load_table("toy"), str(toy_tables))
+  table_record.write_record(table_spec.load_table("toy"), str(toy_tables))
   (tmp_path / "real").mkdir()
   real = tmp_path / "real" / "results.md"
   real.write_text("# R\n\n<!-- table:toy -->\nstale\n<!-- /table:toy -->\n")
   link = tmp_path / "results.md"
   link.symlink_to(real)
-  assert tables.write_doc(str(link)) == ["toy"]
+  assert table_docs.write_doc(str(link)) == ["toy"]
   assert link.is_symlink() and os.readlink(link) == str(real)
   assert "stale" not in real.read_text() and "| a higher than b (alpha 0.5) |" in real.read_text()
-  assert tables.check_doc(str(link)) == []
+  assert table_docs.check_doc(str(link)) == []
   assert sorted(os.listdir(tmp_path / "real")) == ["results.md"]  # No temporary left.
 
 
@@ -1359,14 +1399,15 @@ def _running(pid):
 def test_sigterm_to_a_reproduction_stops_its_training_run(toy_tables, tmp_path, repo_root):
   """a --reproduce killed by SIGTERM left its training subprocess running.
   Now the run gets SIGTERM (the mains checkpoint on it) and is waited for; exit 130."""
-  tables.write_record(tables.load_table("toy"), str(toy_tables))
+  table_record.write_record(table_spec.load_table("toy"), str(toy_tables))
   workdir = tmp_path / "again"
   driver = (
       "import sys\n"
-      "from experiments import tables\n"
-      f"tables.RESULTS_DIR, tables.RECORDS_DIR = {tables.RESULTS_DIR!r}, {tables.RECORDS_DIR!r}\n"
+      "from experiments import table_reproduce, table_spec, tables\n"
+      f"table_spec.RESULTS_DIR = {table_spec.RESULTS_DIR!r}\n"
+      f"table_spec.RECORDS_DIR = {table_spec.RECORDS_DIR!r}\n"
       f"script = {_FAKE_RERUN!r}\n"
-      "tables.run_command = lambda sweep, point, run_dir: "
+      "table_reproduce.run_command = lambda sweep, point, run_dir: "
       "[sys.executable, '-c', script, run_dir, 'sleep']\n"
       f"flags = dict(record=None, write=None, check=None, preview=None, references=None, "
       f"rerun=None, tolerance=None, stamp=False, list=False, reproduce='toy', workdir={str(workdir)!r})\n"
@@ -1428,7 +1469,7 @@ def test_provenance_names_the_processor_model_and_its_instruction_set_each_on_it
                    "sse4_2"],
   }
   record = {"machine": provenance.machine(), "data": {}}
-  assert tables._why_not_exact(record) == []
+  assert table_reproduce._why_not_exact(record) == []
   flags = _CPUINFO["flags"].replace(" avx512_fp16", "")  # Another Xeon: no AVX-512 FP16.
   for changed, key in (
       (dict(model_name="Another CPU"), "processor.model"),
@@ -1437,7 +1478,7 @@ def test_provenance_names_the_processor_model_and_its_instruction_set_each_on_it
   ):
     _on_cpu(monkeypatch, **changed)
     assert [d.split(":")[0] for d in provenance.differences(recorded, provenance.host())] == [key]
-    assert [d.split(":")[0] for d in tables._why_not_exact(record)] == [f"machine.{key}"]
+    assert [d.split(":")[0] for d in table_reproduce._why_not_exact(record)] == [f"machine.{key}"]
   # An Arm processor names its features in another field.
   monkeypatch.setattr(
       provenance, "_cpuinfo", lambda: {"CPU implementer": "0x41", "Features": "fp asimd sve bf16"}
@@ -1452,29 +1493,29 @@ def test_an_exact_reproduction_vouches_only_for_its_own_processor_one_field_at_a
   features), says how it differs from the recording one, and lets a later reproduction compare
   exactly only on that same machine: another model, or the same model with other features, is
   compared within the spec's tolerance."""
-  spec = tables.load_table("toy")
+  spec = table_spec.load_table("toy")
   _on_cpu(monkeypatch, model_name="Recording CPU")
-  tables.write_record(spec, str(toy_tables))
-  record = tables.read_record("toy")
+  table_record.write_record(spec, str(toy_tables))
+  record = table_record.read_record("toy")
   assert record["provenance"]["machine"]["processor"]["model"] == "Recording CPU"
   # A reproduction on another processor whose values all come back exactly: stamped as such.
   _on_cpu(monkeypatch)
   _fake_rerun(monkeypatch, toy_tables, "ok")
-  ok, lines = tables.reproduce(spec, record, str(tmp_path / "a"), stamp=True)
+  ok, lines = table_reproduce.reproduce(spec, record, str(tmp_path / "a"), stamp=True)
   assert ok and "not the recording machine" in lines[0] and f"tolerance {spec.tolerance:g}" in lines[0]
-  stamped = tables.read_record("toy")
+  stamped = table_record.read_record("toy")
   (stamp,) = stamped["provenance"]["reproduced"]
   assert stamp["exact"] and stamp["machine"]["processor"]["model"] == "Test CPU 9000"
   assert "avx512_fp16" in stamp["machine"]["processor"]["features"]
   assert [d.split(":")[0] for d in stamp["differs_from_record"]] == ["machine.processor.model"]
   assert (
       "first run reproduced exactly on another machine, software or data (differs in "
-      "machine.processor.model) on " in tables.render(spec, stamped)
+      "machine.processor.model) on " in table_render.render(spec, stamped)
   )
   # On the stamp's machine it vouches: exact comparison.
-  differs, voucher = tables.comparison_basis(stamped["provenance"])
+  differs, voucher = table_reproduce.comparison_basis(stamped["provenance"])
   assert voucher == stamp and differs
-  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "b"))
+  ok, lines = table_reproduce.reproduce(spec, stamped, str(tmp_path / "b"))
   assert ok and "of the exact reproduction of " in lines[0] and "tolerance 0)" in lines[0]
   # One field changed at a time: no longer the stamp's machine, so no exact comparison.
   for changed in (
@@ -1482,15 +1523,16 @@ def test_an_exact_reproduction_vouches_only_for_its_own_processor_one_field_at_a
       dict(flags=_CPUINFO["flags"].replace(" avx512_fp16", "")),
   ):
     _on_cpu(monkeypatch, **changed)
-    differs, voucher = tables.comparison_basis(stamped["provenance"])
+    differs, voucher = table_reproduce.comparison_basis(stamped["provenance"])
     assert voucher is None and differs, changed
-  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "c"))
+  ok, lines = table_reproduce.reproduce(spec, stamped, str(tmp_path / "c"))
   assert ok and "not the recording machine" in lines[0]
   assert f"tolerance {spec.tolerance:g}" in lines[0]
   assert any("differs: machine.processor.features" in line for line in lines)
   # On the recording processor: exact on the record's own strength, and stamped as such.
   _on_cpu(monkeypatch, model_name="Recording CPU")
-  ok, lines = tables.reproduce(spec, stamped, str(tmp_path / "d"), stamp=True)
+  ok, lines = table_reproduce.reproduce(spec, stamped, str(tmp_path / "d"), stamp=True)
   assert ok and "(the recording machine, software and data; tolerance 0)" in lines[0]
-  kinds = [r["differs_from_record"] for r in tables.read_record("toy")["provenance"]["reproduced"]]
+  reproduced = table_record.read_record("toy")["provenance"]["reproduced"]
+  kinds = [r["differs_from_record"] for r in reproduced]
   assert kinds[-1] == []

@@ -3,7 +3,7 @@
 Tiny runs are trained on private copies of the ../shared/data samples and predict once the
 usual way; then the workdir is copied elsewhere, the original and the data are deleted, and
 predict and export run from the copy alone (no --config, no data), eval takes the data's new
-location, and `load_run` (the Python API, and the README's snippets) reproduces --mode=predict.
+location, and `load_run` (the Python API, and the snippets of docs/api.md) reproduces --mode=predict.
 """
 
 import csv
@@ -46,7 +46,7 @@ PAIRS = [
     ("The cat sat on the mat.", "A cat sat down."),
     ("Two dogs run in the park.", "Animals are outside."),
 ]
-# The README snippets' placeholders, replaced by the tiny runs' paths.
+# The docs/api.md snippets' placeholders, replaced by the tiny runs' paths.
 README_FAIR_WORKDIR = '"/tmp/celeba"'
 README_IMAGES = '"/path/to/images/*.jpg"'
 README_CAUSAL_WORKDIR = '"/tmp/mnli_small"'
@@ -258,8 +258,8 @@ def test_fairmoe_load_run_reproduces_predict_mode(fair_run):
 
 
 def _readme_block(heading_text, index):
-  readme = (REPO_ROOT / "README.md").read_text()
-  section = readme.split("\n## Using a trained run from Python\n", 1)[1].split("\n## ", 1)[0]
+  api = (REPO_ROOT / "docs" / "api.md").read_text()
+  section = api.split("\n## Using a trained run from Python\n", 1)[1].split("\n## ", 1)[0]
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)
   assert len(blocks) == 2, "the section has the fairmoe_jax and the causal_attn_jax snippets"
   assert heading_text in blocks[index]
@@ -272,7 +272,7 @@ def test_readme_fairmoe_snippet_runs_on_a_trained_workdir(fair_run, capsys):
   code = block.replace(README_FAIR_WORKDIR, repr(str(fair_run.workdir))).replace(
       README_IMAGES, repr(str(fair_run.images / "*.jpg"))
   )
-  exec(compile(code, "README.md, Using a trained run from Python, block 1", "exec"), {})
+  exec(compile(code, "docs/api.md, Using a trained run from Python, block 1", "exec"), {})
   out = capsys.readouterr().out.splitlines()
   predicted = [r for r in _read_csv_text(fair_run.predicted) if r["path"].endswith(".jpg")]
   assert [line.split()[0] for line in out[1:]] == [r["class_name"] for r in predicted]
@@ -367,7 +367,7 @@ def test_causal_load_run_reproduces_predict_mode(causal_run, capsys):
   block = _readme_block("causal_attn_jax.load_run(", 1)
   assert README_CAUSAL_WORKDIR in block
   code = block.replace(README_CAUSAL_WORKDIR, repr(str(causal_run.workdir)))
-  exec(compile(code, "README.md, Using a trained run from Python, block 2", "exec"), {})
+  exec(compile(code, "docs/api.md, Using a trained run from Python, block 2", "exec"), {})
   out = capsys.readouterr().out
   assert str(run.predict_pairs([PAIRS[0]]).labels) in out
 

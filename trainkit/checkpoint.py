@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 
 from trainkit import storage
 from trainkit.errors import OutOfSpace, Unwritable, UserError, is_out_of_space, unwritable_reason
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 _log = logging.getLogger(__name__)
 

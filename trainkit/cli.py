@@ -20,10 +20,11 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from trainkit import saved_config, storage
-from trainkit.config import startup_timeout_s
+from trainkit.config import settle_run_length, startup_timeout_s
 from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
+from trainkit.platforms import skip_absent_accelerators
 from trainkit.preemption import sigterm_ends_cleanly
 from trainkit.preflight.compile import compile_run, validate_preflight
 from trainkit.preflight.targets import devices as preflight_devices
@@ -298,6 +299,9 @@ def run(
     except app.UsageError as e:  # absl would print the docstring and exit 1.
       fail(f"{e} (--help shows the usage)")
 
+  # Before any backend starts: on a host without a GPU or TPU, JAX's probe of the installed CUDA
+  # plugin or libtpu prints a traceback in every run (trainkit/platforms.py).
+  skip_absent_accelerators()
   _accept_jax_flags()
   app.run(guarded_main, flags_parser=lambda argv: parse_flags(argv, command, prepare_argv))
 
@@ -470,9 +474,21 @@ def train_eval_command(
       raise
 
   @exit_on_user_error
-  def execute(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
+  def execute(
+      config: ml_collections.ConfigDict,
+      workdir: str,
+      mode: str,
+      overrides: dict[str, Any] | None = None,
+  ) -> None:
     if workdir:
       storage.check_filesystem(workdir)  # Before anything is loaded, built or written.
+
+    def settle_length() -> None:
+      # A --config.num_train_steps given wins over the file's num_epochs, and says so.
+      line = settle_run_length(config, overrides or {})
+      if line:
+        print(line, flush=True)
+
     if mode == "compile":
       # The preflight describes the target's devices itself; this host's own backend stays
       # the CPU (no CUDA or TPU runtime is started, even where one is installed).
@@ -483,6 +499,7 @@ def train_eval_command(
         # libtpu installs a SIGTERM handler of its own when it loads (a native stack dump, then
         # death by the signal); loaded here, before `sigterm_ends_cleanly` takes the signal.
         preflight_devices(target)
+      settle_length()
       validate(
           config,
           num_devices=target.num_devices if target else jax.device_count(),
@@ -506,6 +523,7 @@ def train_eval_command(
           flush=True,
       )
     with exit_together(workdir):
+      settle_length()
       validate(
           config,
           num_devices=jax.device_count(),
@@ -522,6 +540,8 @@ def train_eval_command(
     quiet_logging()
     if config_flag.value is None:
       fail(config_required)
-    execute(loaded_config(config_flag), workdir_flag.value, mode_flag.value)
+    config = loaded_config(config_flag)
+    overrides = config_flags.get_override_values(flags.FLAGS[config_flag.name])
+    execute(config, workdir_flag.value, mode_flag.value, overrides)
 
   return lambda: run(main, command, use_saved_config)

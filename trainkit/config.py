@@ -241,6 +241,46 @@ def validate_run(
   return data_size, expert_size
 
 
+def settle_run_length(
+    config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
+) -> str | None:
+  """Makes the length the user gave on the command line the run's: returns a line to print, or
+  None when there is nothing to say.
+
+  `num_epochs` > 0 sets `num_train_steps` from the training set's size, so a
+  `--config.num_train_steps=N` on a config file that sets `num_epochs` was ignored without a
+  word. Now the key given on the command line wins over the file's: `num_epochs` is set to 0 and
+  the returned line says so. Both given on the command line (`num_epochs` > 0) contradict each
+  other: a UserError naming both. `--config.num_epochs=0` beside `num_train_steps` is consistent
+  (0 = the steps decide) and is accepted.
+
+  Args:
+    config: the loaded config, changed in place.
+    overrides: the `--config.KEY=VALUE` values given, by dotted key (ml_collections'
+      `get_override_values`).
+  """
+  if "num_train_steps" not in overrides or "num_epochs" not in config:
+    return None
+  steps = overrides["num_train_steps"]
+  if "num_epochs" in overrides:
+    epochs = overrides["num_epochs"]
+    if isinstance(epochs, (int, float)) and epochs > 0:
+      raise UserError(
+          f"--config.num_train_steps={steps} and --config.num_epochs={epochs:g} both set the "
+          "length of the run; give one of them (num_epochs > 0 sets num_train_steps from the "
+          "training set's size)"
+      )
+    return None
+  epochs = config.num_epochs
+  if not isinstance(epochs, (int, float)) or not epochs > 0:
+    return None
+  config.num_epochs = type(epochs)(0)
+  return (
+      f"--config.num_train_steps={steps} was given: the run trains {steps} steps, and "
+      f"num_epochs={epochs:g} from the config file is ignored"
+  )
+
+
 def resolve_train_steps(
     config: ml_collections.ConfigDict, train_examples: int, *, training: bool
 ) -> None:

@@ -162,11 +162,14 @@ def loop_settings(config: Any) -> dict[str, Any]:
   )
 
 
-# What the progress line shows beside the total loss, when a run logs it: the task's own loss
-# (a total can rise while it falls, e.g. when a regulariser's weight or target changes) and the
-# learning rate.
+# What the progress line shows: the total loss, the sum of every term the run minimises (each
+# logged as `loss/<term>`), beside the task's own loss and the learning rate. The two can move
+# apart: FairSMoE's total adds the fairness term, which grows as the groups' predictions come to
+# differ, and Eq. 8's specialization term, in which every (expert, attribute) pair that FEM
+# assigns turns a subtracted capped loss into an added one (about +ln K per pair at chance), so
+# the total steps up at each FEM change while the task loss falls (docs/report.md).
 PROGRESS_KEYS = {
-    "loss": "loss",
+    "loss": "total loss",
     "loss/cross_entropy": "task loss",
     "task_loss": "task loss",
     "learning_rate": "lr",
@@ -176,6 +179,20 @@ PROGRESS_KEYS = {
 def progress_scalars(scalars: Mapping[str, float]) -> dict[str, float]:
   """The logged scalars the progress line shows, under their short names."""
   return {label: scalars[key] for key, label in PROGRESS_KEYS.items() if key in scalars}
+
+
+def loss_terms_note(scalars: Mapping[str, float]) -> str | None:
+  """The line that says what the progress line's total loss sums, from the logged `loss/<term>`
+  scalars (None when the total has no named terms besides the task loss)."""
+  terms = [key.split("/", 1)[1] for key in scalars if key.startswith("loss/")]
+  terms.sort(key=lambda t: t != "cross_entropy")  # The task loss first, the rest as logged.
+  if not [t for t in terms if t != "cross_entropy"]:
+    return None
+  named = [f"{t} (the task loss)" if t == "cross_entropy" else t for t in terms]
+  return (
+      f"total loss = {' + '.join(named)}; each term is logged as loss/<term> in metrics.jsonl, "
+      "and the total can rise while the task loss falls (a term's weight or assignment changes)"
+  )
 
 
 def evaluation_summary(step: int, scalars: Mapping[str, float]) -> str:
@@ -255,6 +272,7 @@ def train_loop(
       num_train_steps, initial=step, examples_per_step=examples_per_step, enabled=show_progress
   )
   preempted = False
+  terms_named = False
   baseline: dict[str, float] | None = None
   starting_param_norm = _starting_param_norm(state)
   flops_per_step: float | None = None
@@ -336,6 +354,11 @@ def train_loop(
               )
           )
         writer.write_scalars(step, scalars)
+        if not terms_named:  # Once, before the first progress line: what its total sums.
+          terms_named = True
+          note = loss_terms_note(scalars)
+          if note:
+            progress.note(note)
         progress.update(step, steps_per_second, progress_scalars(scalars))
       if eval_due:
         eval_scalars = evaluate(state)

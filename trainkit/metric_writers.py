@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
 import math
 import os
-import tempfile
 from typing import Any, Mapping
 
 import numpy as np
 
 from trainkit import storage
 from trainkit.errors import UserError
+from trainkit.storage import write_atomically
 
 _log = logging.getLogger(__name__)
 
@@ -43,30 +42,6 @@ def parse_jsonl(text: str, path: str) -> list[dict[str, Any]]:
         break
       raise UserError(f"{path}: line {number} is not a JSON record ({e.msg})") from None
   return records
-
-
-def write_atomically(path: str, text: str | bytes) -> None:
-  """Replaces `path` with `text` through a temporary file and a rename: never half-written (a
-  write that fails, e.g. on a full disk, leaves `path` as it was and no temporary file).
-
-  On an object store (`gs://`) the object is uploaded whole, which publishes it atomically
-  (`trainkit.storage`)."""
-  if storage.is_remote(path):
-    target = storage.path(path)
-    target.write_bytes(text) if isinstance(text, bytes) else target.write_text(text)
-    return
-  fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-      f.write(text)
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, path)
-  except BaseException as e:
-    with contextlib.suppress(OSError):
-      os.remove(temporary)
-    if isinstance(e, OSError):
-      e.filename = e.filename or path  # A write's error names no file.
-    raise
 
 
 # An object store has no append, and rewriting a log object whole at each flush costs a download
@@ -223,22 +198,40 @@ def append_line(path: str, line: str) -> None:
 
 
 class _RemoteEventFile:
-  """A TensorBoard event file on an object store, written through etils.epath: the events are
-  kept in memory and the object is uploaded whole at each flush (an object cannot be appended
-  to), as tensorboardX's own gs:// writer does through google-cloud-storage."""
+  """A TensorBoard event file on an object store, written through etils.epath. An object cannot
+  be appended to, and uploading the file whole at each flush (as tensorboardX's own gs:// writer
+  does) makes a run's uploads grow with the square of its flushes. So each flush uploads only the
+  events written since the last one, as an object of its own, `<name>.NNNNNN`: TensorBoard reads
+  a folder's event files in name order, and each part holds whole records. `close` folds them
+  into the one object `<name>` and deletes the parts (a run killed before that leaves its parts,
+  which TensorBoard reads as they are)."""
 
   def __init__(self, location: str):
-    self._path = storage.path(location)
-    self._buffer = io.BytesIO()
+    self._location = location
+    self._buffer = io.BytesIO()  # Every event, for the fold at close.
+    self._uploaded = 0  # Bytes of the buffer already in parts.
+    self._parts: list[str] = []
 
   def write(self, data: bytes) -> None:
     self._buffer.write(data)
 
   def flush(self) -> None:
-    self._path.write_bytes(self._buffer.getvalue())
+    with self._buffer.getbuffer() as written:
+      new = bytes(written[self._uploaded :])
+    if not new:
+      return
+    part = f"{self._location}.{len(self._parts) + 1:06d}"
+    storage.path(part).write_bytes(new)
+    self._parts.append(part)
+    self._uploaded += len(new)
 
   def close(self) -> None:
-    self.flush()
+    with self._buffer.getbuffer() as written:
+      storage.path(self._location).write_bytes(bytes(written))
+    for part in self._parts:
+      storage.path(part).unlink(missing_ok=True)
+    self._parts = []
+    self._uploaded = len(self._buffer.getvalue())
 
 
 class _RemoteEventFiles:

@@ -30,10 +30,12 @@ unless `TENSORSTORE_GCS_HTTP_URL` says otherwise (`configure_gcs`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import posixpath
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -318,12 +320,32 @@ def read_text(location: str) -> str:
   return path(location).read_text()
 
 
+def write_atomically(location: str, text: str | bytes) -> None:
+  """Replaces `location` with `text` through a temporary file and a rename: never half-written
+  (a write that fails, e.g. on a full disk, leaves the file as it was and no temporary file).
+
+  On an object store (`gs://`) the object is uploaded whole, which publishes it atomically."""
+  if is_remote(location):
+    target = path(location)
+    target.write_bytes(text) if isinstance(text, bytes) else target.write_text(text)
+    return
+  fd, temporary = tempfile.mkstemp(dir=os.path.dirname(location) or ".", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
+      f.write(text)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, location)
+  except BaseException as e:
+    with contextlib.suppress(OSError):
+      os.remove(temporary)
+    if isinstance(e, OSError):
+      e.filename = e.filename or location  # A write's error names no file.
+    raise
+
 
 def save_figure(figure: Any, location: str, *, dpi: int) -> None:
   """Writes a matplotlib `figure` to `location` (local or a URI), in the format its suffix
   names (`.png`), creating the parent directory; replaced whole (`write_atomically`)."""
-  from trainkit.metric_writers import write_atomically  # It uses this module.
-
   image_format = os.path.splitext(location)[1].lstrip(".").lower() or "png"
   buffer = io.BytesIO()
   figure.savefig(buffer, format=image_format, dpi=dpi)

@@ -17,7 +17,7 @@ import ml_collections
 
 from trainkit import storage
 from trainkit.errors import UserError
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 _log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from trainkit import storage
 from trainkit.errors import UserError
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 PAD_ID = 0
 UNK_ID = 1

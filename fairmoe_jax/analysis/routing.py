@@ -39,7 +39,7 @@ import numpy as np
 from fairmoe_jax.evaluation import effective_experts
 from fairmoe_jax.metrics.pooling import PREDICTIONS_FILE
 from trainkit import storage
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 from trainkit.workdir import CONFIG_FILE
 
 

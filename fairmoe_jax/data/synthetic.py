@@ -17,6 +17,13 @@ the image in ways that make a plain classifier unfair:
   depends on ``site`` and ``sex`` and a random colour otherwise: a shortcut
   that works for common groups and misleads on rare ones.
 
+With ``attribute_cues=True`` (the quickstart's data, ``data.attribute_cues``) each group also
+tints the photograph (``cue_colours``), so that every attribute can be read from any patch of
+the image and FairSMoE's sensitive-attribute classifiers have something to learn: ``sex`` and
+``age`` tint the skin along the two chromatic directions, ``site`` tints the lesion with one of
+eight hues. The cues draw no random numbers: labels, attributes and everything else are those of
+the data without them.
+
 Generation is vectorised numpy and fully determined by ``seed``. Every split
 (and every chunk of ``CHUNK_SIZE`` images within a split) has its own derived seed,
 so changing one split's size changes neither the other splits nor the
@@ -25,6 +32,7 @@ examples already in that split. See ``docs/dataset.md`` for the rationale.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable
 
@@ -77,6 +85,15 @@ VIGNETTE = (0.0, 0.35)  # darkening at the corners
 NUM_HAIRS = 3
 HAIR_WIDTH_PX = 0.8
 MARKER_PX = 6
+
+# The attribute cues (``attribute_cues=True``): colour casts, in uint8 units, in the two
+# chromatic directions of RGB (orthogonal to brightness, along which the skin tone varies).
+CHROMA = np.array([[1.0, -1.0, 0.0], [1.0, 1.0, -2.0]], np.float32) / np.array(
+    [[np.sqrt(2.0)], [np.sqrt(6.0)]], np.float32
+)
+SEX_SKIN_CAST = (-12.0, 12.0)  # the skin, along CHROMA[0]
+AGE_SKIN_CAST = (-24.0, -12.0, 0.0, 12.0, 24.0)  # the skin, along CHROMA[1]
+SITE_LESION_CAST = 30.0  # the lesion, at hue angle 2 pi site / 8 in the chromatic plane
 
 CHUNK_SIZE = 1024
 
@@ -337,13 +354,31 @@ def attribute_array(
   return attributes
 
 
+def cue_colours(
+    skin: np.ndarray, lesion: np.ndarray, sex: np.ndarray, age: np.ndarray, site: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+  """The skin and lesion colours [n, 3] with the attribute cues: ``sex`` and ``age`` shift the
+  skin along the chromatic directions ``CHROMA[0]`` and ``CHROMA[1]``, ``site`` shifts the lesion
+  to one of eight hues (``SITE_LESION_CAST`` from its colour). Every attribute is then linearly
+  readable from the mean colour of a skin or a lesion patch, whatever the skin tone."""
+  skin = skin + np.take(SEX_SKIN_CAST, sex)[:, None] * CHROMA[0]
+  skin = skin + np.take(AGE_SKIN_CAST, age)[:, None] * CHROMA[1]
+  hue = 2 * np.pi * np.asarray(site, np.float32) / len(SITE_GROUPS)
+  lesion = lesion + SITE_LESION_CAST * (
+      np.cos(hue)[:, None] * CHROMA[0] + np.sin(hue)[:, None] * CHROMA[1]
+  )
+  return skin, lesion
+
+
 def _generate_chunk(
     seed: np.random.SeedSequence,
     size: int,
     num_classes: int,
     missing_rate: float,
+    attribute_cues: bool = False,
 ) -> dict[str, np.ndarray]:
-  """Renders ``CHUNK_SIZE`` examples from one seed."""
+  """Renders ``CHUNK_SIZE`` examples from one seed (with ``attribute_cues``, each group's colour
+  cast on top: ``cue_colours``)."""
   rng = np.random.default_rng(seed)
   n, k = CHUNK_SIZE, num_classes
   pixel = 2.0 / size  # one pixel in normalised [-1, 1] coordinates
@@ -372,6 +407,8 @@ def _generate_chunk(
   cue_class = np.where(cue_ok, label, rng.integers(0, k, n))
   noise_std = np.take(SITE_NOISE, site) * rng.uniform(0.8, 1.2, n)
   noise = rng.standard_normal((n, size, size, 3), dtype=np.float32)
+  if attribute_cues:  # After every draw: the cues change no random number.
+    skin, lesion = cue_colours(skin, lesion, sex, age, site)
 
   # --- Rendering, in float32 uint8 units. The scene is linear in the skin,
   # lesion and hair colours, so their per-pixel weights are built on [n, H, W]
@@ -403,5 +440,18 @@ def _generate_chunk(
   return {"image": image, "label": label.astype(np.int32), "attributes": attributes}
 
 
-# The synthetic benchmark: stripe orientations (see the module docstring).
-load_synthetic = generated_loader("synthetic", class_names, _generate_chunk)
+# The synthetic benchmark: stripe orientations (see the module docstring), without and with the
+# attribute cues.
+_load_without_cues = generated_loader("synthetic", class_names, _generate_chunk)
+_load_with_cues = generated_loader(
+    "synthetic", class_names, functools.partial(_generate_chunk, attribute_cues=True)
+)
+
+
+def load_synthetic(
+    *, attribute_cues: bool = False, **kwargs
+) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
+  """Generates the synthetic benchmark; ``kwargs`` as ``generated_loader``'s loader (image_size,
+  num_classes, sizes, seed, missing_rate). ``attribute_cues`` adds each group's colour cast
+  (``cue_colours``; the quickstart's data); without it the data are the original benchmark's."""
+  return (_load_with_cues if attribute_cues else _load_without_cues)(**kwargs)

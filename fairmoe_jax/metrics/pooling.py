@@ -26,7 +26,7 @@ import numpy as np
 from fairmoe_jax.metrics.report import fairness_report, format_report
 from trainkit import storage
 from trainkit.errors import UserError, exit_on_user_error
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 PREDICTIONS_FILE = "predictions.csv"
 # docs/protocol.md, section 3: a group under 50 examples in a reported split is flagged.

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from fairmoe_jax.data.types import DatasetInfo
-from trainkit.metric_writers import write_atomically
+from trainkit.storage import write_atomically
 
 
 def gather_examples(batches: list[Mapping[str, Any]], num_examples: int) -> dict[str, Any]:

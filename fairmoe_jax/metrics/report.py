@@ -10,6 +10,10 @@ Schema of ``fairness_report`` (python scalars only, so ``json.dumps`` works)::
      "mf": {"pqd": float, "dp": float, "eopp": float, "eodds": float},
      "mf_excluded": [NAME, ...]}  # only when an attribute has a single group
 
+A run's report adds ``"meaningful"`` and ``"reference_check"`` (``reference_check``): whether
+the accuracy is above the evaluated split's majority-class rate and chance, and if not why its
+fairness figures mean nothing.
+
 ``groups`` holds the non-empty groups only; empty ones are listed in ``empty_groups``
 (their accuracy is undefined and JSON has no portable NaN). An attribute with examples in a
 single group (``single_group``) has no disparity to measure: it is left out of the ``mf`` means
@@ -118,6 +122,57 @@ def report_of_predictions(
   )
 
 
+# The two-sided 95% normal quantile of `wilson_interval`.
+_Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: float, n: int, z: float = _Z95) -> tuple[float, float]:
+  """Wilson's score interval of a binomial proportion (95% by default): right at 0 and 1 and
+  for small n, where the normal interval is not."""
+  if n <= 0:
+    return 0.0, 1.0
+  p = successes / n
+  centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return float(max(centre - half, 0.0)), float(min(centre + half, 1.0))
+
+
+def reference_check(
+    accuracy: float, num_examples: int, labels: np.ndarray, class_names: Sequence[str]
+) -> dict[str, Any]:
+  """Whether an accuracy means anything: is it above what answering without looking scores?
+
+  The bar is the higher of the majority-class rate of the evaluated split's own `labels` (always
+  answering its most frequent class) and chance (1 / classes). The accuracy's 95% Wilson interval
+  over `num_examples` must lie above it; if the interval reaches the bar (or the accuracy is
+  below it), the model may have learnt nothing, and its fairness figures measure a constant
+  answer's group mix or sampling noise, not fairness: `"meaningful": False` with a `"reason"`.
+  """
+  counts = np.bincount(np.asarray(labels, np.int64), minlength=len(class_names))
+  majority = int(np.argmax(counts))
+  rate = float(counts[majority] / max(counts.sum(), 1))
+  chance = 1.0 / len(class_names)
+  low, high = wilson_interval(accuracy * num_examples, num_examples)
+  bar = max(rate, chance)
+  check = {
+      "meaningful": bool(low > bar),
+      "accuracy_interval": [low, high],
+      "num_examples": int(num_examples),
+      "majority_class": str(class_names[majority]),
+      "majority_rate": rate,
+      "chance": chance,
+  }
+  if not check["meaningful"]:
+    where = "below" if high < bar else "within the 95% interval of"
+    check["reason"] = (
+        f"accuracy {100 * accuracy:.2f}% (95% interval [{100 * low:.1f}%, {100 * high:.1f}%], "
+        f"n={num_examples}) is {where} the majority-class rate {100 * rate:.2f}% "
+        f"(always '{class_names[majority]}'; chance {100 * chance:.1f}%): the model may have "
+        "learnt nothing, so its fairness figures are not meaningful"
+    )
+  return check
+
+
 def _metric_line(metrics: dict[str, Any]) -> str:
   return "   ".join(f"{_METRIC_LABELS[m]} {metrics[m]:.4f}" for m in METRIC_NAMES)
 
@@ -157,6 +212,9 @@ def format_report(report: dict[str, Any]) -> str:
       "Fairness report",
       f"  accuracy {100.0 * report['accuracy']:.2f}%   examples {report['num_examples']}",
   ]
+  check = report.get("reference_check", {})
+  if check and not check["meaningful"]:
+    lines.append(f"  Warning: {check['reason']}")
   for name, attr in report["attributes"].items():
     groups = attr["groups"]
     width = max(len(g) for g in ["group", *groups])
@@ -189,6 +247,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"MF (mean over {num_attributes} attributes, none of which has two groups here: no "
         "disparity is measured)"
     )
+  if check and not check["meaningful"]:
+    heading += ": not meaningful, the accuracy is not above the majority class's (see above)"
   lines += ["", heading, f"  {_metric_line(report['mf'])}"]
   for name, entry in report.get("intersections", {}).items():
     lines += ["", *_intersection_lines(name, entry)]

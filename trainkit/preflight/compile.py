@@ -38,13 +38,13 @@ from jax.sharding import Mesh
 from trainkit.config import require_float, require_int
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import batch_sharding, make_mesh, require_all_devices
-from trainkit.metric_writers import write_atomically
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
 from trainkit.preflight import analysis
 from trainkit.preflight.calibration import calibration_for
 from trainkit.preflight.targets import GIB, TARGETS, Target, devices, get_target
 from trainkit.remat import MOST_AGGRESSIVE_REMAT, REMAT_CHOICES, validate_remat
+from trainkit.storage import write_atomically
 from trainkit.train_state import (
     LossFn,
     UpdateExtraFn,
@@ -55,8 +55,8 @@ from trainkit.train_state import (
 
 PREFLIGHT_FILE = "preflight.json"
 _GPU_TILING_ERROR = "Couldn't find output tile sizes"
-# The share of the roofline bound a real step reaches, for the device-hours: 40% is a typical
-# 0: the target platform's utilisation, calibrated against public training throughputs
+# The share of the roofline bound a real step reaches, for the device-hours. 0: the target
+# platform's utilisation, calibrated against public training throughputs
 # (trainkit/preflight/calibration.py); a number in (0, 1] overrides it.
 DEFAULT_UTILIZATION = 0.0
 # What changes a step's memory per device, for the message of a run that does not fit; the
@@ -445,6 +445,11 @@ def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -
       "compute_dtype": config.compute_dtype,
       "remat": validate_remat(config),
       "settings": dict(program.settings),
+      # What the config said of each (e.g. moe.dispatch "auto"), printed beside the choice.
+      "settings_given": {
+          key: _config_value(config, key) for key in program.settings
+          if _config_value(config, key) is not None
+      },
       "batch": {
           "global": config.batch_size,
           "per_host": config.batch_size // target.num_hosts,
@@ -512,13 +517,37 @@ def _gib(n: float | None) -> str:
   return "?" if n is None else f"{n / GIB:.2f} GiB"
 
 
+def _config_value(config: ml_collections.ConfigDict, key: str) -> Any:
+  """The value of dotted `key` in `config`, or None where it has none."""
+  node: Any = config
+  for part in key.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def settings_text(record: Mapping[str, Any]) -> str:
+  """The choices compiled for the target, as `key=value`, or `key=given (compiled: value)` where
+  the config left the choice open (`moe.dispatch=auto (compiled: sort)`); "" without any."""
+  given = record.get("settings_given") or {}
+  parts = []
+  for key, value in (record.get("settings") or {}).items():
+    asked = given.get(key, value)
+    parts.append(f"{key}={value}" if asked == value else f"{key}={asked} (compiled: {value})")
+  return ", ".join(parts)
+
+
 def summary(record: Mapping[str, Any]) -> str:
   """The record as a few readable lines."""
   t, train, ev, run = record["target"], record["train_step"], record["eval_step"], record["run"]
   m = train["memory"]
+  settings = settings_text(record)
   lines = [
       f"preflight for {t['name']}: {t['devices']} x {t['device_kind']} on {t['hosts']} host(s), "
-      f"mesh {record['mesh']}, model.remat={record.get('remat', 'none')}, batch {record['batch']['global']} "
+      f"mesh {record['mesh']}, model.remat={record.get('remat', 'none')}, "
+      + (f"{settings}, " if settings else "")
+      + f"batch {record['batch']['global']} "
       f"({record['batch']['per_host']} per host, {record['batch']['per_device']} per device)",
       f"  fits: {'yes' if record['fits'] else 'NO'} (usable {_gib(t['usable_bytes'])} per device)",
       f"  train step per device: peak {_gib(m.get('peak'))}"

@@ -41,6 +41,7 @@ import re
 from typing import Any
 
 from trainkit.errors import UserError
+from trainkit.platforms import deviceless_tpu_environment
 from trainkit.throughput import PEAK_FLOPS_BY_KIND
 
 GIB = 1024**3
@@ -413,10 +414,15 @@ def devices(target: Target) -> tuple[Any, ...]:
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
   environment = _c_environment()
+  # On a host without a TPU, libtpu would ask for the hostnames and host bounds of a slice this
+  # host is not part of and print errors (`E0000 ... unexpected worker hostname`): this host
+  # alone is the worker. Only while the slice is described; the user's own values are kept.
+  single_host = deviceless_tpu_environment(os.environ) if target.platform == "tpu" else {}
   try:
     if target.platform == "tpu":
       # Two processes that load libtpu at once (tests in parallel) need this.
       os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+      os.environ.update(single_host)
       topology = topologies.get_topology_desc(
           topology_name=target.topology,
           platform="tpu",
@@ -437,6 +443,8 @@ def devices(target: Target) -> tuple[Any, ...]:
         'pip install -e ".[preflight]"'
     ) from e
   finally:
+    for name in single_host:
+      os.environ.pop(name, None)
     _forget_variables_set_behind_pythons_back(environment)
   found = tuple(topology.devices)
   if len(found) != target.num_devices:

@@ -1,6 +1,6 @@
 r"""The rule that picks the CelebA sample's second target, before any comparison run on it.
 
-  python -m experiments.celeba_target --root=../shared/data/celeba
+  python scripts/celeba_target.py --root=../shared/data/celeba
 
 FairSMoE's comparison on the sample reports Attractive (the paper's target) and a second target
 that a small model can learn from the sample's faces (docs/protocol.md, section 7). The rule uses

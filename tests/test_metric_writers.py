@@ -1,0 +1,122 @@
+"""metrics.jsonl (`trainkit.metric_writers`): merged on resume, torn and corrupt lines, a full
+disk while appending."""
+
+import errno
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from toy_training import WaitingIterator, toy_loop
+from trainkit.checkpoint import Checkpointer
+from trainkit.errors import OutOfSpace
+from trainkit.metric_writers import MetricWriter, read_metrics
+
+
+class _FullDiskFile:
+  """A file whose next write stores half its data, then fails as on a full disk."""
+
+  def __init__(self, file):
+    self._file = file
+
+  def write(self, data):
+    self._file.write(data[: len(data) // 2])
+    self._file.flush()
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  def __getattr__(self, name):
+    return getattr(self._file, name)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return self._file.__exit__(*exc)
+
+
+def test_metric_writer_merges_steps_and_truncates_on_resume(tmp_path):
+  writer = MetricWriter(str(tmp_path))
+  writer.write_scalars(1, {"loss": np.float32(2.0)})
+  writer.write_scalars(1, {"val/accuracy": 0.5})
+  writer.write_scalars(2, {"loss": 1.0})
+  writer.write_scalars(3, {"loss": float("nan")})
+  writer.flush()
+  writer.write_scalars(3, {"test/accuracy": 0.25})  # After a flush: merged into step 3's line.
+  writer.close()
+  assert read_metrics(str(tmp_path)) == [
+      {"step": 1, "loss": 2.0, "val/accuracy": 0.5},
+      {"step": 2, "loss": 1.0},
+      {"step": 3, "loss": None, "test/accuracy": 0.25},
+  ]
+  assert any(
+      name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard")
+  )
+  MetricWriter(str(tmp_path), tensorboard=False).truncate_after(2)
+  assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
+  for line in open(tmp_path / "metrics.jsonl"):
+    json.loads(line)
+
+
+def test_a_torn_last_line_of_metrics_jsonl_is_dropped_and_a_resume_goes_on(tmp_path, caplog):
+  # A kill or a full disk mid-append leaves a partial last line (`truncate -s -50`).
+  from trainkit.metric_writers import MetricWriter, read_metrics
+
+  writer = MetricWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3):
+    writer.write_scalars(step, {"loss": 1.0 / step, "note": "x" * 40})
+  writer.flush()
+  path = tmp_path / "metrics.jsonl"
+  path.write_bytes(path.read_bytes()[:-50])
+  with caplog.at_level("WARNING"):
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+  assert "torn write" in caplog.text
+  MetricWriter(str(tmp_path), tensorboard=False).truncate_after(2)  # What a resume does.
+  assert path.read_text().endswith("\n")
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+
+
+def test_a_corrupt_line_inside_metrics_jsonl_names_the_file_and_line(tmp_path):
+  from trainkit.errors import UserError
+  from trainkit.metric_writers import read_metrics
+
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, oops\n{"step": 3}\n')
+  with pytest.raises(UserError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+    read_metrics(str(tmp_path))
+
+
+def test_a_full_disk_while_appending_metrics_leaves_no_partial_line_and_names_the_resume_step(
+    tmp_path, monkeypatch, caplog
+):
+  # The metrics append of a live run meets a full disk. The line is all or nothing,
+  # and the error is the out-of-space one naming the step to resume from.
+  from trainkit import metric_writers
+
+  def full_after_step_20(path, mode="r", *args, **kwargs):
+    file = open(path, mode, *args, **kwargs)
+    full = os.path.exists(path) and '"step": 20' in open(path).read()
+    if str(path).endswith("metrics.jsonl") and mode.startswith("a") and full:
+      return _FullDiskFile(file)
+    return file
+
+  monkeypatch.setattr(metric_writers, "open", full_after_step_20, raising=False)
+  before = None
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+
+  def remember(position):
+    nonlocal before
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+  with pytest.raises(OutOfSpace) as error:
+    toy_loop(tmp_path, ckpt, WaitingIterator({26}, remember))
+  assert re.search(
+      r"no space left on the device writing '.*metrics.jsonl'.*resume from step 20",
+      str(error.value),
+  ), error.value
+  monkeypatch.undo()
+  assert (tmp_path / "metrics.jsonl").read_text() == before  # No partial line.
+  with caplog.at_level("WARNING"):
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [5, 10, 15, 20]
+  assert "torn" not in caplog.text
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["10", "20"]

@@ -1,0 +1,111 @@
+"""On a host without a GPU or TPU, the preflight extra's CUDA plugin and libtpu stay silent.
+
+With the extra installed (libtpu and the CUDA plugin, for compiling without the hardware), JAX's
+probe of them printed a cuDNN traceback in every ordinary run, and libtpu printed `E0000 ...
+unexpected worker hostname` lines in every TPU compile (trainkit/platforms.py).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainkit import platforms
+from trainkit.platforms import Host, cpu_only_reason, deviceless_tpu_environment
+
+CUDA = ("jax_plugins.xla_cuda12",)
+BARE = Host(system="Linux", plugins=CUDA, libtpu=True, accelerator_signs=())
+EXTRA_INSTALLED = bool(platforms.installed_plugins()) or importlib.util.find_spec("libtpu")
+NO_ACCELERATOR = not platforms.accelerator_signs()
+
+
+def test_a_host_without_accelerators_uses_the_cpu_alone():
+  assert "no GPU or TPU" in cpu_only_reason({}, BARE)
+  assert cpu_only_reason({}, Host("Linux", (), True, ())) is not None  # libtpu alone.
+  assert cpu_only_reason({}, Host("Linux", CUDA, False, ())) is not None  # CUDA alone.
+
+
+@pytest.mark.parametrize(
+    "environ, host, jax_platforms",
+    [
+        ({"JAX_PLATFORMS": ""}, BARE, None),  # The user's choice, even empty (JAX's "any").
+        ({"JAX_PLATFORMS": "cuda"}, BARE, None),
+        ({}, BARE, "tpu"),  # Set in the process already (--jax_platforms, jax.config).
+        ({}, Host("Linux", CUDA, True, ("/dev/nvidia0",)), None),
+        ({}, Host("Linux", CUDA, True, ("/dev/kfd",)), None),
+        ({}, Host("Linux", CUDA, True, ("/dev/vfio/0",)), None),
+        ({}, Host("Linux", CUDA, True, ("/sys/bus/pci/devices/0000:00:04.0",)), None),
+        ({}, Host("Darwin", CUDA, True, ()), None),  # Metal, or what this module cannot see.
+        ({}, Host("Linux", (*CUDA, "jax_plugins.xla_rocm7"), True, ()), None),  # Unknown plugin.
+        ({}, Host("Linux", (), False, ()), None),  # Only the CPU backend: nothing to skip.
+    ],
+)
+def test_the_platforms_are_left_alone_unless_nothing_can_start(environ, host, jax_platforms):
+  assert cpu_only_reason(environ, host, jax_platforms) is None
+
+
+def test_a_deviceless_tpu_compile_describes_this_host_as_the_one_worker():
+  assert deviceless_tpu_environment({}, signs=[]) == {
+      "TPU_WORKER_HOSTNAMES": "localhost",
+      "TPU_HOST_BOUNDS": "1,1,1",
+  }
+  # The user's values, and a host with a TPU (libtpu reads the real ones), are left alone.
+  assert deviceless_tpu_environment({"TPU_WORKER_HOSTNAMES": "a"}, signs=[]) == {
+      "TPU_HOST_BOUNDS": "1,1,1"
+  }
+  assert deviceless_tpu_environment({}, signs=["/dev/accel0"]) == {}
+
+
+def _user_environment() -> dict[str, str]:
+  """The tests' environment as a user's shell has it: no JAX_PLATFORMS, C++ logs at INFO."""
+  drop = ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")
+  return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _assert_quiet(stderr: str) -> None:
+  for noise in ("Traceback", "Unable to load", "plugin configuration error", "E0000",
+                "unexpected worker hostname", "Failed to find host bounds"):
+    assert noise not in stderr, stderr
+
+
+@pytest.mark.skipif(not EXTRA_INSTALLED, reason="needs the preflight extra (CUDA plugin, libtpu)")
+@pytest.mark.skipif(not NO_ACCELERATOR, reason="this host has a GPU or TPU")
+def test_a_run_with_the_extra_on_a_cpu_host_prints_no_traceback(tmp_path, repo_root):
+  # A run that starts JAX's backends (joining the runtime, counting the devices) and then stops
+  # at a config check: one line on stderr, and nothing from the plugins.
+  result = subprocess.run(
+      [sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py",
+       f"--workdir={tmp_path / 'run'}", "--config.optimizer.learning_rate=-1"],
+      cwd=repo_root, env=_user_environment(), capture_output=True, text=True, timeout=300,
+  )
+  assert result.returncode == 2, result.stderr
+  assert "optimizer.learning_rate" in result.stderr
+  _assert_quiet(result.stderr)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+@pytest.mark.skipif(not NO_ACCELERATOR, reason="this host has a GPU or TPU")
+def test_describing_a_tpu_slice_without_a_tpu_prints_no_libtpu_errors(repo_root):
+  script = (
+      "import jax\n"
+      "jax.config.update('jax_platforms', 'cpu')\n"
+      "from trainkit.preflight.targets import TARGETS, devices\n"
+      "target = TARGETS['v5e-16']\n"
+      "found = devices(target)\n"
+      "hosts = sorted({d.process_index for d in found})\n"
+      "print('described:', len(found), hosts == list(range(target.num_hosts)), len(hosts))\n"
+      "import os\n"
+      "names = ('TPU_WORKER_HOSTNAMES', 'TPU_HOST_BOUNDS')\n"
+      "print('left:', [k for k in names if k in os.environ])\n"
+  )
+  result = subprocess.run(
+      [sys.executable, "-c", script], cwd=repo_root, env=_user_environment(),
+      capture_output=True, text=True, timeout=300,
+  )
+  assert result.returncode == 0, result.stderr
+  # The slice described is the one asked for (16 chips on 4 hosts), not this one host.
+  assert "described: 16 True 4" in result.stdout, result.stdout
+  assert "left: []" in result.stdout  # Nothing handed on to the processes started later.
+  _assert_quiet(result.stderr)

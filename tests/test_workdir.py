@@ -1,0 +1,112 @@
+"""The workdir (`trainkit.workdir`): its config on resume, the run lock, an unwritable folder."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import ml_collections
+import pytest
+
+from trainkit.errors import UserError
+from trainkit.workdir import prepare_workdir, save_config, workdir_lock
+
+
+def test_changed_config_on_resume_is_reported(tmp_path, caplog):
+  config = ml_collections.ConfigDict({"batch_size": 8, "mesh": {"data": 1}})
+  save_config(config, str(tmp_path))
+  config.mesh.data = 2
+  with caplog.at_level("WARNING"):
+    save_config(config, str(tmp_path))
+  assert "mesh.data: 1 -> 2" in caplog.text and "batch_size" not in caplog.text
+  assert json.loads((tmp_path / "config.json").read_text())["mesh"]["data"] == 2
+  # The earlier config is kept, numbered, not overwritten; an unchanged config adds nothing.
+  assert (
+      json.loads((tmp_path / "config_history" / "config.1.json").read_text())["mesh"]["data"] == 1
+  )
+  save_config(config, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / "config_history")) == ["config.1.json"]
+  config.batch_size = 16
+  save_config(config, str(tmp_path))
+  kept = json.loads((tmp_path / "config_history" / "config.2.json").read_text())
+  assert kept["batch_size"] == 8 and kept["mesh"]["data"] == 2
+
+
+def test_unwritable_workdir_is_a_user_error(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  with pytest.raises(UserError, match="not writable"):
+    prepare_workdir(str(blocker / "sub"))
+
+
+def test_workdir_lock_refuses_a_second_run_and_takes_over_stale_locks(tmp_path, caplog):
+  with workdir_lock(str(tmp_path)):
+    owner = json.loads((tmp_path / ".run.lock").read_text())
+    assert owner["pid"] == os.getpid()
+    with pytest.raises(UserError, match=f"in use by another run \\(pid {os.getpid()}"):
+      with workdir_lock(str(tmp_path)):
+        pass
+  assert not (tmp_path / ".run.lock").exists()  # released on exit
+  # A lock left by a dead process on this host (kill -9) is stale.
+  dead = subprocess.run(
+      [sys.executable, "-c", "import os; print(os.getpid())"],
+      capture_output=True,
+      text=True,
+      check=True,
+  )
+  (tmp_path / ".run.lock").write_text(
+      json.dumps({"pid": int(dead.stdout), "host": socket.gethostname(), "started": 0})
+  )
+  with caplog.at_level("WARNING"):
+    with workdir_lock(str(tmp_path)):
+      assert json.loads((tmp_path / ".run.lock").read_text())["pid"] == os.getpid()
+  assert "stale run lock" in caplog.text
+  # Released also when the run fails.
+  with pytest.raises(RuntimeError):
+    with workdir_lock(str(tmp_path)):
+      raise RuntimeError("boom")
+  assert not (tmp_path / ".run.lock").exists()
+  # Another host's lock cannot be checked: refused, with the way out.
+  (tmp_path / ".run.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": 0}))
+  with pytest.raises(UserError, match="remove .*run.lock"):
+    with workdir_lock(str(tmp_path)):
+      pass
+
+
+def test_an_empty_run_lock_is_stale_once_old_and_held_while_fresh(tmp_path, caplog):
+  lock = tmp_path / ".run.lock"
+  lock.write_text("")  # Its writer died between creating the file and naming itself.
+  with pytest.raises(UserError, match="has not named itself"):  # Fresh: maybe being written.
+    with workdir_lock(str(tmp_path)):
+      pass
+  old = time.time() - 60
+  os.utime(lock, (old, old))
+  with caplog.at_level("WARNING"):
+    with workdir_lock(str(tmp_path)):
+      assert json.loads(lock.read_text())["pid"] == os.getpid()
+  assert "names no owner" in caplog.text
+
+
+def test_keys_that_change_nothing_trained_do_not_make_a_finished_run_stale(tmp_path):
+  """A finished run trained before `model.remat` existed, or with another preflight setting,
+  trained what the config asks for now; a changed learning rate still makes it stale."""
+  import json
+
+  import ml_collections
+
+  from trainkit.workdir import trained_config_differences
+
+  saved = {"optimizer": {"learning_rate": 0.1}, "model": {}, "preflight": {"utilization": 0.4}}
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config = ml_collections.ConfigDict(
+      {"optimizer": {"learning_rate": 0.1}, "model": {"remat": "none"},
+       "preflight": {"utilization": 0.0}, "distributed": {"startup_timeout_s": 600}}
+  )
+  assert trained_config_differences(str(tmp_path), config) == []
+  config.model.remat = "block"
+  config.optimizer.learning_rate = 0.2
+  assert trained_config_differences(str(tmp_path), config) == [
+      "model.remat: None -> 'block'", "optimizer.learning_rate: 0.1 -> 0.2"
+  ]
