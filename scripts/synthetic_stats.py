@@ -9,8 +9,9 @@ Command (under 10 s on 2 CPU cores for the default sizes; about 25 s with ``--wo
 ``--dataset`` is ``synthetic`` (the default) or ``synthetic_testbed``; both share the attributes,
 label priors and corner marker, so every section below applies to both.
 
-With ``--workdir`` pointing at a finished training run on the same dataset (e.g. the quickstart,
-``python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=/tmp/qs_seed0``), it also
+With ``--workdir`` pointing at a finished training run on the same dataset (e.g. the quickstart
+on the data without the groups' tints,
+``python -m fairmoe_jax.main --config=configs/quickstart.py:cues=false --workdir=/tmp/qs_seed0``), it also
 restores that run's final checkpoint and measures how much the model follows the corner marker:
 
   python scripts/synthetic_stats.py --seed=0 --workdir=/tmp/qs_seed0
@@ -274,6 +275,14 @@ def model_predictions(
 
   with open(os.path.join(workdir, "config.json")) as f:
     trained_data = json.load(f)["data"]
+  if trained_data.get("attribute_cues", False):
+    # This script generates the images without the groups' tints: predicting them with a model
+    # trained on tinted images would give another model's accuracy.
+    raise SystemExit(
+        f"{workdir} was trained on the data with attribute cues (data.attribute_cues, the "
+        "quickstart's default); these statistics are of the data without them: train with "
+        "--config=configs/quickstart.py:cues=false"
+    )
   if any(trained_data.get(k) != v for k, v in expected_data.items()):
     raise SystemExit(
         f"{workdir} was trained on data {trained_data}, not on {expected_data}: "

@@ -103,7 +103,7 @@ def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
   workdir = tmp_path / "run"
   sizes = {"train_size": 128, "val_size": 32, "test_size": 64}
   subprocess.run(
-      [sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py:steps=3",
+      [sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py:steps=3,cues=false",
        f"--workdir={workdir}", "--config.model.dim=16", "--config.model.depth=1",
        "--config.model.patch_size=8", "--config.batch_size=32", "--config.eval_batch_size=32",
        "--config.fair.review_every_steps=0", "--config.eval_every_steps=0",
@@ -124,5 +124,11 @@ def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
   )
   assert step == 3
   np.testing.assert_array_equal(predictions, recorded)
+  # A run on the tinted images (the quickstart's default) is refused, not predicted untinted.
+  config = json.loads((workdir / "config.json").read_text())
+  config["data"]["attribute_cues"] = True
+  (workdir / "config.json").write_text(json.dumps(config))
+  with pytest.raises(SystemExit, match="attribute cues"):
+    stats_module.model_predictions(str(workdir), splits["test"], sizes)
   # A 3-step model may answer one class for every image; its probabilities still tell.
   np.testing.assert_allclose(probabilities, recorded_probabilities, atol=1e-5)
