@@ -163,11 +163,14 @@ def reference_check(
       "chance": chance,
   }
   if not check["meaningful"]:
-    where = "below" if high < bar else "within the 95% interval of"
+    where = "below" if high < bar else "not clearly above"
+    reference = (
+        f"the majority-class rate {100 * rate:.2f}% (always '{class_names[majority]}'; chance "
+        f"{100 * chance:.1f}%)" if rate >= chance else f"chance {100 * chance:.1f}%"
+    )
     check["reason"] = (
         f"accuracy {100 * accuracy:.2f}% (95% interval [{100 * low:.1f}%, {100 * high:.1f}%], "
-        f"n={num_examples}) is {where} the majority-class rate {100 * rate:.2f}% "
-        f"(always '{class_names[majority]}'; chance {100 * chance:.1f}%): the model may have "
+        f"n={num_examples}) is {where} {reference}: the model may have "
         "learnt nothing, so its fairness figures are not meaningful"
     )
   return check
