@@ -229,7 +229,7 @@ def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
   return (
       f"| {label} | {where} | {fits} | {_gib(result['peak'])} / {_gib(result['usable'])} | "
       f"{(result.get('matmul_flops_per_example') or 0) / 1e9:.1f} | {bound} | {step} | "
-      f"{_collectives(result)} | {hours} | {result['compile_seconds']} |"
+      f"{_collectives(result)} | {hours} | {result['compile_seconds']}, {result.get('commit', '?')} |"
   )
 
 
@@ -252,7 +252,7 @@ def render() -> str:
   lines = [
       "| Run | Target | Fits | Peak / usable GiB per device | Matmul GFLOPs per example | "
       "Roofline ms per step (bound) | Est. ms per step | Collective MiB per step per device (by kind) | "
-      "Device-hours (CelebA 500 ep. / ISIC 300 ep.; causal: its steps) | Compile s |",
+      "Device-hours (CelebA 500 ep. / ISIC 300 ep.; causal: its steps) | Compile s, commit |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   lines += [_row(cell, results.get(cell["name"])) for cell in cells()]
@@ -267,9 +267,14 @@ def render() -> str:
   lines_fit = (
       "Do not fit: " + "; ".join(misfits) + ". Each is the whole global batch of 256 (its "
       "activations for the backward pass) on too few devices: more devices, a smaller "
-      "`batch_size` or `model.remat` changes that. These h100x1 refusals were compiled with "
-      "the old GPU description (XLA given all 80 GB, so its rematerialisation limit and our 75% "
-      "check disagreed): told the real memory, they fit (\"One H100 and `model.remat`\")."
+      "`batch_size` or `model.remat` changes that."
+      + (
+          " The h100x1 refusals among them were compiled with the old GPU description (XLA "
+          "given all 80 GB, so its rematerialisation limit and our 75% check disagreed): told "
+          "the real memory, they fit (\"One H100 and `model.remat`\")."
+          if any("@h100x1" in m for m in misfits)
+          else ""
+      )
       if misfits
       else "Every compiled cell fits."
   )
