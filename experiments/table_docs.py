@@ -14,6 +14,7 @@ from experiments.markers import marked_tables, replace_tables
 from experiments.spec import grid_points
 from experiments.table_record import read_record, stale_runs
 from experiments.table_render import _stamp_machine_text, render
+from experiments.table_reproduce import NOT_REPRODUCED
 from experiments.table_reruns import (
     IDENTICAL,
     _change_text,
@@ -210,8 +211,9 @@ def claim_summary() -> str:
 
 def machine_summary() -> str:
   """Per recorded table: the date of its runs, the machine its record names (older records name
-  no processor and hash no input file), and each stamped reproduction of its first run (`--reproduce
-  --stamp`: exact or within the spec's tolerance, when, on what); the last row counts them.
+  no processor and hash no input file), each stamped reproduction of its first run (`--reproduce
+  --stamp`: exact or within the spec's tolerance, when, on what) and each stamped one that did
+  not come back (beyond which tolerance, the value that moved most); the last row counts them.
   Rendered from the records alone."""
   header = (
       "table",
@@ -219,9 +221,10 @@ def machine_summary() -> str:
       "machine the record names",
       "input files hashed",
       "first run reproduced (`--reproduce=NAME --stamp`)",
+      "first run not reproduced (the value that moved most)",
   )
   rows = []
-  recorded = exact = within = 0
+  recorded = exact = within = failed = 0
   for name in table_names():
     if name in SUMMARIES or not os.path.exists(record_path(name)):
       continue
@@ -236,6 +239,15 @@ def machine_summary() -> str:
           f"{how}{_stamp_machine_text(stamp)} on {stamp['date']} "
           f"({_machine_text(stamp['machine'])})"
       )
+    misses = []
+    for stamp in p.get(NOT_REPRODUCED, ()):
+      failed += 1
+      moved = stamp["largest_difference"]
+      misses.append(
+          f"beyond {format(stamp['tolerance'], 'g')}{_stamp_machine_text(stamp)} on "
+          f"{stamp['date']} ({_machine_text(stamp['machine'])}; `{moved['value']}` "
+          f"{_value_text(moved['recorded'])} recorded, {_value_text(moved['reproduced'])} again)"
+      )
     rows.append(
         (
             f"`{name}`",
@@ -243,6 +255,7 @@ def machine_summary() -> str:
             _machine_text(p["machine"]),
             str(len(p["data"])) if "data" in p else "— (not recorded)",
             "; ".join(stamps) or "—",
+            "; ".join(misses) or "—",
         )
     )
   rows.append(
@@ -252,9 +265,15 @@ def machine_summary() -> str:
           "—",
           "—",
           f"**{exact} exactly, {within} within the tolerance** ({exact + within} stamped)",
+          f"**{failed} not reproduced**",
       )
   )
   return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def _value_text(value: float | None) -> str:
+  """A recorded value as the record holds it, to 6 significant digits (None: no value)."""
+  return "no value" if value is None else format(value, ".6g")
 
 
 def _render_marked(name: str) -> str:

@@ -1,7 +1,8 @@
 """`--reproduce`: rerun a record's first run and compare every recorded value, exactly where the
 machine, software and data are the record's (or those of an exact reproduction stamped in it),
-else within the spec's tolerance; with `--stamp`, a passing reproduction is added to the
-record's provenance."""
+else within the spec's tolerance; with `--stamp`, the reproduction is added to the record's
+provenance: under `reproduced` where it passed, under `not_reproduced` (with the value that
+moved most) where the rerun finished but did not come back."""
 
 from __future__ import annotations
 
@@ -21,6 +22,28 @@ from trainkit.distributed import child_environment
 from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 from trainkit.workdir import CONFIG_FILE, move_aside
+
+# The provenance key of stamped reproductions whose values did not come back within their
+# tolerance (`reproduced` holds those that did).
+NOT_REPRODUCED = "not_reproduced"
+
+
+def largest_difference(
+    recorded: Mapping[str, float | None], report: Mapping[str, Any]
+) -> dict[str, Any]:
+  """The recorded value that moved most in `report`: its path, both values and the absolute
+  difference (None where one side has no value and the other has)."""
+  worst: dict[str, Any] = {}
+  for path, value in recorded.items():
+    again = metric_value(report, path)
+    if value is None and again is None:
+      continue
+    moved = None if value is None or again is None else abs(again - value)
+    if not worst or moved is None or (worst["difference"] is not None and moved > worst["difference"]):
+      worst = dict(value=path, recorded=value, reproduced=again, difference=moved)
+      if moved is None:
+        break
+  return worst
 
 
 def compare(
@@ -56,7 +79,9 @@ def reproduce(
   print). With `stamp`, a reproduction is added to the record's `provenance.reproduced` (its
   date, commit, machine, input-data hashes, whether every value was exact, and how its machine
   differs from the record's): for a record older than its machine's full description, the
-  evidence of where its numbers come back exactly.
+  evidence of where its numbers come back exactly. A rerun that finished but did not come back
+  within the tolerance goes to `provenance.not_reproduced` instead, with the value that moved
+  most: evidence of where they do not (it never vouches). Each machine keeps its latest stamp.
 
   The rerun trains in `workdir/run`, which must be its own: an earlier run directory there is
   moved aside first, so no report.json or config.json it left can pass for this rerun's. A
@@ -138,7 +163,7 @@ def reproduce(
   exact = compare(recorded[0]["metrics"], report, 0.0)[0]
   verdict = "Reproduced" + (" (every value exact)." if exact else ".") if ok else "NOT reproduced."
   lines += compared + [f"{verdict} Run directory: {run_dir}"]
-  if ok and stamp:
+  if stamp:
     entry = {
         "date": datetime.date.today().isoformat(),
         **source_state(REPO_ROOT),
@@ -154,13 +179,22 @@ def reproduce(
         # not a rerun of the recording one, and the table says which.
         "differs_from_record": differs_from_record,
     }
+    if not ok:  # A finished rerun that did not come back is a measurement too: kept, never a voucher.
+      entry["largest_difference"] = largest_difference(recorded[0]["metrics"], report)
+    key = "reproduced" if ok else NOT_REPRODUCED
     stamped = read_record(spec.name)
-    kept = [
-        r for r in stamped["provenance"].get("reproduced", ()) if r["machine"] != entry["machine"]
-    ]
-    stamped["provenance"]["reproduced"] = kept + [entry]
+    stamps = stamped["provenance"]
+    # One stamp per machine, the latest: a reproduction that fails where an earlier one passed
+    # withdraws that one's vouching, and the other way round.
+    for listed in ("reproduced", NOT_REPRODUCED):
+      if listed in stamps:
+        stamps[listed] = [r for r in stamps[listed] if r["machine"] != entry["machine"]]
+    stamps.setdefault(key, []).append(entry)
+    if not stamps.get(NOT_REPRODUCED, True):
+      del stamps[NOT_REPRODUCED]  # Records that never failed keep their shape.
     write_atomically(record_path(spec.name), json.dumps(stamped, indent=1) + "\n")
-    lines.append(f"Added the reproduction to {os.path.relpath(record_path(spec.name), REPO_ROOT)}.")
+    what = "reproduction" if ok else f"reproduction, under {NOT_REPRODUCED},"
+    lines.append(f"Added the {what} to {os.path.relpath(record_path(spec.name), REPO_ROOT)}.")
   return ok, lines
 
 

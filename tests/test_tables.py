@@ -637,8 +637,9 @@ def test_the_machine_summary_lists_every_record_s_machine_and_its_stamped_reprod
   record = table_record.read_record("toy")
   date = record["provenance"]["date"]
   assert f"| `toy` | {date} | " in doc.read_text()
-  assert "| **every table** | 1 records | — | — | **0 exactly, 0 within the tolerance** (0 stamped) |" in (
-      doc.read_text()
+  assert (
+      "| **every table** | 1 records | — | — | **0 exactly, 0 within the tolerance** (0 stamped) "
+      "| **0 not reproduced** |" in doc.read_text()
   )
   # A reproduction stamped within the tolerance: the summary (now stale) names it and counts it.
   stamp = dict(date="2030-01-02", commit="abc", machine=record["provenance"]["machine"], data={})
@@ -1166,10 +1167,16 @@ run_dir, mode = sys.argv[1], sys.argv[2]
 if mode == "fail":
   print("error: the rerun ran out of luck", file=sys.stderr)
   sys.exit(3)
-if mode == "ok":
+if mode in ("ok", "off"):
   shutil.copy(sys.argv[3], os.path.join(run_dir, "report.json"))
   with open(os.path.join(run_dir, "config.json"), "w") as f:
     json.dump({"data": {}}, f)
+if mode == "off":  # Finishes, but one value comes back 0.25 away: beyond any spec's tolerance.
+  with open(os.path.join(run_dir, "report.json")) as f:
+    report = json.load(f)
+  report["accuracy"] += 0.25
+  with open(os.path.join(run_dir, "report.json"), "w") as f:
+    json.dump(report, f)
 if mode == "sleep":
   def stop(signum, frame):
     open(os.path.join(run_dir, "sigterm.txt"), "w").close()
@@ -1237,6 +1244,48 @@ def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_s
   ok, lines = table_reproduce.reproduce(spec, before, str(workdir), stamp=True)
   assert ok and "Reproduced (every value exact)." in lines[-2], "\n".join(lines)
   assert table_record.read_record("toy")["provenance"]["reproduced"][0]["exact"] is True
+
+
+def test_a_reproduction_that_does_not_come_back_is_stamped_as_such_and_never_vouches(
+    toy_tables, tmp_path, monkeypatch
+):
+  """`--stamp` keeps a finished rerun whose values moved beyond the tolerance under
+  `not_reproduced`, with the value that moved most; the machine summary shows and counts it; it
+  never lets a later reproduction compare exactly; and a later passing reproduction on the same
+  machine replaces it (one stamp per machine, the latest)."""
+  spec = table_spec.load_table("toy")
+  table_record.write_record(spec, str(toy_tables))
+  record = table_record.read_record("toy")
+  _fake_rerun(monkeypatch, toy_tables, "off")
+  ok, lines = table_reproduce.reproduce(spec, record, str(tmp_path / "a"), stamp=True)
+  assert not ok and "NOT reproduced." in lines[-2] and "under not_reproduced" in lines[-1]
+  stamped = table_record.read_record("toy")
+  assert "reproduced" not in stamped["provenance"]
+  (miss,) = stamped["provenance"]["not_reproduced"]
+  recorded = next(r for r in record["runs"] if r["row"] == "a" and r["seed"] == 0)
+  moved = miss["largest_difference"]
+  assert moved["value"] == "accuracy" and moved["recorded"] == recorded["metrics"]["accuracy"]
+  assert moved["reproduced"] == pytest.approx(moved["recorded"] + 0.25, abs=1e-12)
+  assert moved["difference"] == pytest.approx(0.25, abs=1e-12)
+  assert miss["exact"] is False and miss["tolerance"] == 0.0
+  summary = table_docs.machine_summary()
+  assert "| beyond 0 on the recording machine, software and data on " in summary
+  assert f"`accuracy` {moved['recorded']:.6g} recorded, {moved['reproduced']:.6g} again)" in summary
+  assert "(0 stamped) | **1 not reproduced** |" in summary
+  # Never a voucher, even on its own machine, whatever it says of exactness.
+  vouching = json.loads(json.dumps(stamped))
+  vouching["provenance"]["machine"]["processor"]["model"] = "Another CPU"
+  vouching["provenance"]["not_reproduced"][0]["exact"] = True
+  assert table_reproduce.comparison_basis(vouching["provenance"])[1] is None
+  # A later pass on the same machine replaces the miss.
+  _fake_rerun(monkeypatch, toy_tables, "ok")
+  ok, lines = table_reproduce.reproduce(spec, stamped, str(tmp_path / "b"), stamp=True)
+  assert ok, "\n".join(lines)
+  again = table_record.read_record("toy")["provenance"]
+  assert "not_reproduced" not in again and [r["exact"] for r in again["reproduced"]] == [True]
+  assert "**1 exactly, 0 within the tolerance** (1 stamped) | **0 not reproduced** |" in (
+      table_docs.machine_summary()
+  )
 
 
 def _another_sweep(name, steps):
