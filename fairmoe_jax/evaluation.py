@@ -9,7 +9,7 @@ read by field. The run's report (test split, validation, FEM history, gradient c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.nnx as nnx
@@ -218,6 +218,15 @@ def evaluate(
         }
         for block, usage in blocks.items()
     }
+  if "expert_utilisation" in report:
+    # How far routing depends on the groups: the group whose choices are spread over the experts
+    # most unlike the split's. FGR's SA branch is what would make it large (`route_by`).
+    report["routing_by_group"] = {}
+    for block, by_attribute in report["expert_utilisation"].items():
+      divergence, group = group_divergence(
+          np.asarray(totals["expert_usage"]["choices"][block]["total"]), by_attribute
+      )
+      report["routing_by_group"][block] = {"divergence": divergence, "group": group}
   if totals["sa_correct"]:
     report["sa_classifiers"] = sa_classifier_report(totals["sa_correct"], report, info)
   if totals["sa_branch"]:
@@ -243,6 +252,24 @@ def effective_experts(usage: np.ndarray) -> float:
   p = p[p > 0]
   return float(np.exp(-np.sum(p * np.log(p)))) if p.size else 0.0
 
+
+def group_divergence(
+    split_share: Sequence[float], groups: Mapping[str, Mapping[str, Sequence[float]]]
+) -> tuple[float, str]:
+  """(the largest total-variation distance between a group's expert distribution and the
+  split's, "attribute=group" of that group); `groups` is report["expert_utilisation"][block]."""
+  split = np.asarray(split_share, np.float64)
+  split = split / split.sum()
+  largest, where = 0.0, ""
+  for attribute, by_group in groups.items():
+    for group, share in by_group.items():
+      share = np.asarray(share, np.float64)
+      if share.sum() <= 0:
+        continue
+      distance = 0.5 * float(np.abs(share / share.sum() - split).sum())
+      if distance > largest or not where:
+        largest, where = distance, f"{attribute}={group}"
+  return largest, where
 
 
 def sa_classifier_report(

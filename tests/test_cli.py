@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import FAIR_TINY_ARGS, SHARED_DATA
@@ -109,6 +110,18 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   by_group = report["experts_active_by_group"]["choices"]["moe_block1"]["age"]
   assert set(by_group) <= set(report["attributes"]["age"]["groups"]) and by_group
   assert all(1.0 - 1e-6 <= v <= 4.0 + 1e-6 for v in by_group.values())
+  # Routing by group, from the run's own per-group shares: the largest TV distance, named.
+  from fairmoe_jax.evaluation import group_divergence
+
+  shares = report["expert_utilisation"]["moe_block1"]
+  split = np.asarray(report["expert_share"]["choices"]["moe_block1"], np.float64)
+  (expected, group) = group_divergence(split, shares)
+  routed = report["routing_by_group"]["moe_block1"]
+  assert routed["group"] == group and 0.0 <= routed["divergence"] <= 1.0
+  assert routed["divergence"] == pytest.approx(expected, abs=1e-5)  # Shares rounded to 1e-6.
+  assert f"Routing by group (moe_block1): the group routed least like the split is {group}" in (
+      result.stdout
+  )
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics if "loss" in m] == [10, 15, 20, 30]
   assert all("fem/experts/site" in m for m in metrics if m["step"] in (10, 20))

@@ -499,4 +499,33 @@ def test_the_report_says_whether_the_sa_classifiers_beat_the_majority_rate():
   assert "sex 90.0% (majority 60.0%)" in text and "Warning" not in text
   result["sex"]["above_majority"] = False
   text = format_report({**base, "sa_classifiers": {"moe_block3": result}})
-  assert "routing is the same for every group" in text
+  assert "the SA branch adds the same vote for every group" in text
+
+
+def test_routing_by_group_names_the_group_routed_least_like_the_split():
+  """`routing_by_group`: the largest total-variation distance between a group's expert shares and
+  the split's, against a float64 reference; 0 when every group routes alike, and the console
+  prints it."""
+  from fairmoe_jax.evaluation import group_divergence
+  from fairmoe_jax.metrics.report import format_report
+
+  split = np.array([30.0, 30.0, 20.0, 20.0])  # Counts: normalised inside.
+  alike = {"sex": {"m": [0.3, 0.3, 0.2, 0.2], "f": [0.3, 0.3, 0.2, 0.2]}}
+  assert group_divergence(split, alike) == (0.0, "sex=m")
+  groups = {
+      "sex": {"m": [0.3, 0.3, 0.2, 0.2], "f": [0.3, 0.3, 0.2, 0.2]},
+      "site": {"head": [0.0, 0.0, 0.5, 0.5], "palm": [0.4, 0.4, 0.1, 0.1], "none": [0, 0, 0, 0]},
+  }
+  reference = {
+      f"{a}={g}": 0.5 * np.abs(np.float64(v) / np.sum(v) - split / split.sum()).sum()
+      for a, by in groups.items() for g, v in by.items() if np.sum(v) > 0
+  }
+  divergence, group = group_divergence(split, groups)
+  assert group == max(reference, key=reference.get) == "site=head"
+  assert divergence == pytest.approx(reference["site=head"], abs=1e-15) and divergence == 0.6
+  base = {"accuracy": 0.5, "num_examples": 100, "attributes": {},
+          "mf": dict.fromkeys(("pqd", "dp", "eopp", "eodds"), 0.0)}
+  text = format_report({**base, "routing_by_group": {"moe_block3": {"divergence": 0.6,
+                                                                    "group": "site=head"}}})
+  assert "Routing by group (moe_block3): the group routed least like the split is site=head, " \
+         "60.0% of its choices away" in text

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from fairmoe_jax.evaluation import effective_experts
+from fairmoe_jax.evaluation import effective_experts, group_divergence
 from fairmoe_jax.metrics.pooling import PREDICTIONS_FILE
 from trainkit import storage
 from trainkit.storage import write_atomically
@@ -61,25 +61,6 @@ def per_image(shares: np.ndarray, k: int) -> tuple[float, float]:
   active = [effective_experts(row) / num_experts for row in shares]
   top = [top_share(row, k) for row in shares]
   return float(np.mean(active)), float(np.mean(top))
-
-
-def group_divergence(
-    split_share: Sequence[float], groups: Mapping[str, Mapping[str, Sequence[float]]]
-) -> tuple[float, str]:
-  """(the largest total-variation distance between a group's expert distribution and the
-  split's, "attribute=group" of that group); `groups` is report["expert_utilisation"][block]."""
-  split = np.asarray(split_share, np.float64)
-  split = split / split.sum()
-  largest, where = 0.0, ""
-  for attribute, by_group in groups.items():
-    for group, share in by_group.items():
-      share = np.asarray(share, np.float64)
-      if share.sum() <= 0:
-        continue
-      distance = 0.5 * float(np.abs(share / share.sum() - split).sum())
-      if distance > largest or not where:
-        largest, where = distance, f"{attribute}={group}"
-  return largest, where
 
 
 def read_expert_columns(path: str) -> dict[str, np.ndarray]:

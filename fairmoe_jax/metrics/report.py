@@ -264,6 +264,12 @@ def format_report(report: dict[str, Any]) -> str:
   for kind, blocks in report.get("experts_active", {}).items():
     active = ", ".join(f"{block} {value:.2f}" for block, value in blocks.items())
     lines.append(f"Experts active (exp entropy of the test-set {kind.replace('_', ' ')}): {active}")
+  for block, by_group in report.get("routing_by_group", {}).items():
+    lines.append(
+        f"Routing by group ({block}): the group routed least like the split is "
+        f"{by_group['group']}, {100 * by_group['divergence']:.1f}% of its choices away "
+        "(total-variation distance; 0 = every group routed alike)"
+    )
   for block, classifiers in report.get("sa_classifiers", {}).items():
     scores = ", ".join(
         f"{name} {100 * c['accuracy']:.1f}% (majority {100 * c['majority_rate']:.1f}%)"
@@ -280,7 +286,7 @@ def format_report(report: dict[str, Any]) -> str:
   if classifiers and not any(c["above_majority"] for c in classifiers):
     lines.append(
         "Warning: FGR's sensitive-attribute classifiers do not beat the majority rate, so "
-        "routing is the same for every group (the SA branch adds a constant vote)."
+        "the SA branch adds the same vote for every group (a constant routing bias)."
     )
   for change in report.get("fem_changes", []):
     # Training moves the shares too: "moved" is necessary for a change to matter, not proof.
