@@ -64,7 +64,7 @@ TERMINATE_GRACE_S = 60
 Differences = Callable[[Mapping[str, Any], str], list[str]]
 
 
-def _terminate(process: subprocess.Popen) -> None:
+def terminate_group(process: subprocess.Popen) -> None:
   """SIGTERM to the run's process group (the main checkpoints), SIGKILL after a grace period."""
   for sig, wait_s in ((signal.SIGTERM, TERMINATE_GRACE_S), (signal.SIGKILL, 10)):
     try:
@@ -85,7 +85,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
   """SIGTERM to the runner (a preemption, `kill`) stops it like Ctrl-C.
 
   Without this the runner would die at once and leave the run it started (in a session of its
@@ -190,10 +190,10 @@ def _run_one(
       code = process.wait(timeout=timeout_s or None)
       why = "" if code == 0 else f"exit code {code}"
     except subprocess.TimeoutExpired:
-      _terminate(process)
+      terminate_group(process)
       why = f"timeout after {timeout_s:g} s (exit code {process.returncode})"
     except KeyboardInterrupt:
-      _terminate(process)  # The main checkpoints on SIGTERM, so a rerun resumes it.
+      terminate_group(process)  # The main checkpoints on SIGTERM, so a rerun resumes it.
       raise
   if not why and not os.path.exists(os.path.join(directory, REPORT)):
     why = "exit code 0 but no report.json"
@@ -285,7 +285,7 @@ def run_sweep(
   source = source_state(REPO_ROOT)  # The code the runs import.
   statuses = {}
   finished = []  # Dry run: the runs it would skip.
-  with _sigterm_as_interrupt():
+  with sigterm_as_interrupt():
     for i, point in enumerate(points):
       name, directory = run_name(point), run_dir(workdir, point)
       command = run_command(sweep, point, directory)

@@ -13,14 +13,14 @@ from experiments.collect import markdown_table
 from experiments.markers import marked_tables, replace_tables
 from experiments.spec import grid_points
 from experiments.table_record import read_record, stale_runs
-from experiments.table_render import _stamp_machine_text, render
+from experiments.table_render import render, stamp_machine_text
 from experiments.table_reproduce import NOT_REPRODUCED
 from experiments.table_reruns import (
     IDENTICAL,
-    _change_text,
-    _machine_text,
-    _rerun_machine,
+    change_text,
     compare_rerun,
+    machine_text,
+    rerun_machine,
 )
 from experiments.table_spec import (
     CLAIM_SUMMARY,
@@ -70,7 +70,7 @@ def rerun_summary() -> str:
       rows.append((f"`{name}`", "not rerun", "—", "—", "—"))
       continue
     labels = {c.path: (c.label, c.decimals) for c in spec.columns}
-    total = len(grid_points(spec.sweep))  # The spec's runs (as in `_rerun_lines`).
+    total = len(grid_points(spec.sweep))  # The spec's runs (as in `rerun_lines`).
     for rerun in record["reruns"]:
       result = compare_rerun(spec, record, rerun)
       how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
@@ -101,11 +101,11 @@ def rerun_summary() -> str:
       if result.largest_change:
         change, relative, claim = result.largest_change
         label, decimals = labels.get(claim.metric, (claim.metric, 3))
-        largest = _change_text(change, relative, decimals, label)
+        largest = change_text(change, relative, decimals, label)
       rows.append(
           (
               f"`{name}`",
-              f"{how_much}, {_rerun_machine(rerun['provenance'])}",
+              f"{how_much}, {rerun_machine(rerun['provenance'])}",
               kept_text,
               changed or "none",
               largest,
@@ -236,23 +236,23 @@ def machine_summary() -> str:
       within += not stamp["exact"]
       how = "exactly" if stamp["exact"] else f"within {format(stamp['tolerance'], 'g')}, not exactly"
       stamps.append(
-          f"{how}{_stamp_machine_text(stamp)} on {stamp['date']} "
-          f"({_machine_text(stamp['machine'])})"
+          f"{how}{stamp_machine_text(stamp)} on {stamp['date']} "
+          f"({machine_text(stamp['machine'])})"
       )
     misses = []
     for stamp in p.get(NOT_REPRODUCED, ()):
       failed += 1
       moved = stamp["largest_difference"]
       misses.append(
-          f"beyond {format(stamp['tolerance'], 'g')}{_stamp_machine_text(stamp)} on "
-          f"{stamp['date']} ({_machine_text(stamp['machine'])}; `{moved['value']}` "
+          f"beyond {format(stamp['tolerance'], 'g')}{stamp_machine_text(stamp)} on "
+          f"{stamp['date']} ({machine_text(stamp['machine'])}; `{moved['value']}` "
           f"{_value_text(moved['recorded'])} recorded, {_value_text(moved['reproduced'])} again)"
       )
     rows.append(
         (
             f"`{name}`",
             p["date"],
-            _machine_text(p["machine"]),
+            machine_text(p["machine"]),
             str(len(p["data"])) if "data" in p else "— (not recorded)",
             "; ".join(stamps) or "—",
             "; ".join(misses) or "—",

@@ -25,11 +25,11 @@ from experiments.table_references import reference_rows, split_sizes
 from experiments.table_spec import (
     SEED_KEY,
     TableSpec,
-    _import,
-    _unit_text,
+    import_spec_object,
     metric_value,
     record_path,
     sample_sizes,
+    unit_text,
 )
 from trainkit.errors import UserError
 from trainkit.storage import write_atomically
@@ -41,7 +41,7 @@ def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]
   function's report of the finished runs that differ only in the pooled key (the folds):
   [{"row", "seed", "runs", "metrics", "groups"}]; a unit with an unfinished run is left out."""
   target, over = spec.pool
-  pool = _import(spec, "pool", target)
+  pool = import_spec_object(spec, "pool", target)
   units: dict[tuple[str, Any], list[Any]] = {}
   rest = [k for k in spec.pair_by if k != over]
   for result in results:
@@ -270,7 +270,7 @@ def read_record(name: str) -> dict[str, Any]:
 def _run_text(index_name: str, run: Mapping[str, Any]) -> str:
   """A record's run as an error names it: `runs[3] (row a, seed 0)`, with what it has."""
   known = [f"row {run['row']}"] if "row" in run else []
-  known += [f"seed {_unit_text(run['seed'])}"] if "seed" in run else []
+  known += [f"seed {unit_text(run['seed'])}"] if "seed" in run else []
   return index_name + (f" ({', '.join(known)})" if known else "")
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from experiments import stats
 from experiments.spec import REPO_ROOT, format_value, grid_points, resolved_config
-from experiments.table_spec import TableSpec, _import, _spec_error, metric_value
+from experiments.table_spec import TableSpec, import_spec_object, metric_value, spec_error
 
 
 def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]]:
@@ -26,7 +26,7 @@ def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]
     config = resolved_config(spec.sweep, point).to_dict()
     data.setdefault(part, {}).setdefault(json.dumps(config["data"], sort_keys=True), config)
   if any(len(configs) > 1 for configs in data.values()):
-    raise _spec_error(spec.name, "references", "its rows read different data; one is needed")
+    raise spec_error(spec.name, "references", "its rows read different data; one is needed")
   return {part: next(iter(configs.values())) for part, configs in data.items()}
 
 
@@ -40,7 +40,7 @@ def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
   {path: [2.5%, 97.5%] quantiles} of its draws, each draw first averaged over the folds as the
   rows' cells are, and "draws", their number; a reader that reads the task's signal keeps its
   `"role"` (it sets no accuracy bar, `accuracy_bar`)."""
-  read = _import(spec, "references", spec.references)
+  read = import_spec_object(spec, "references", spec.references)
   over = spec.pool[1] if spec.pool else None
   paths = spec.metrics()
   scored: dict[str, list[dict[str, Any]]] = {}
@@ -96,7 +96,7 @@ def split_sizes(spec: TableSpec) -> dict[str, dict[str, int]]:
   """{fold value: {"train", "validation", "test": examples}} of a cross-validated spec's folds,
   from the data alone (the spec's `cross_validation` function on each fold's config)."""
   fold, target = spec.cross_validation
-  sizes = _import(spec, "cross_validation", target)
+  sizes = import_spec_object(spec, "cross_validation", target)
   return {
       format_value(part): dict(sizes(config, REPO_ROOT))
       for part, config in _data_by_part(spec, fold).items()

@@ -11,8 +11,15 @@ from typing import Any, Mapping
 from experiments import stats
 from experiments.collect import markdown_table
 from experiments.spec import REPO_ROOT, format_value
-from experiments.table_reruns import _machine_text, _rerun_lines, compare_rerun
-from experiments.table_spec import EVERY_ROW, Column, TableSpec, _units, accuracy_path, record_path
+from experiments.table_reruns import compare_rerun, machine_text, rerun_lines
+from experiments.table_spec import (
+    EVERY_ROW,
+    Column,
+    TableSpec,
+    accuracy_path,
+    pair_units,
+    record_path,
+)
 from experiments.table_summary import chosen_row, leaks_of, summarise
 
 
@@ -150,7 +157,7 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
   )
   if summary["ratio"] is not None:
     notes.append(
-        f"**Intervals of folds**: the {_units(spec)} share training data, so every interval "
+        f"**Intervals of folds**: the {pair_units(spec)} share training data, so every interval "
         f"here is the {interval_name(summary['ratio'])} (the folds' mean n_test / n_train, "
         "from the record's split sizes), not the Student-t interval of independent seeds."
     )
@@ -190,7 +197,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   confidence = round(100 * stats.CONFIDENCE)
   lines = [
       f"**{spec.title}** ({spec.split} split; mean [{interval_name(summary['ratio'])}] over "
-      f"{_units(spec)})",
+      f"{pair_units(spec)})",
       "",
   ]
   body = []
@@ -208,7 +215,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         f"; mean [95% range] of {reference['draws']} seeded draws" if reference.get("draws") else ""
     )
     body.append([f"*reference: {reference['name']}{drawn}*", *cells, "—"])
-  lines += markdown_table(["", *(c.label for c in spec.columns), _units(spec)], body)
+  lines += markdown_table(["", *(c.label for c in spec.columns), pair_units(spec)], body)
   if record.get("pooled"):
     lines += ["", *_pooled_table(spec, record)]
   if summary["claims"]:
@@ -286,7 +293,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       lines += ["", note]
   if summary["flags"]:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
-  for text in _rerun_lines(spec, record):
+  for text in rerun_lines(spec, record):
     lines += ["", text]
   p = record["provenance"]
   m = p["machine"]
@@ -300,8 +307,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   )
   reproduced = "".join(
       f"first run reproduced {'exactly' if r['exact'] else 'within ' + format(r['tolerance'], 'g')}"
-      f"{_stamp_machine_text(r)} on {r['date']} (commit {r['commit']}; "
-      f"{_machine_text(r['machine'])}; {len(r['data'])} input file(s) or folder(s) hashed); "
+      f"{stamp_machine_text(r)} on {r['date']} (commit {r['commit']}; "
+      f"{machine_text(r['machine'])}; {len(r['data'])} input file(s) or folder(s) hashed); "
       for r in p.get("reproduced", ())
   )
   lines += [
@@ -316,7 +323,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _stamp_machine_text(stamp: Mapping[str, Any]) -> str:
+def stamp_machine_text(stamp: Mapping[str, Any]) -> str:
   """Whether a stamped reproduction ran on the recording machine or on another (and what
   differs): an exact rerun elsewhere is evidence of another kind. Nothing for stamps made
   before they said."""

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from experiments.provenance import data_hash, data_hashes, differences, machine, source_state
 from experiments.spec import LOG, REPO_ROOT, REPORT, format_value, grid_points, run_command
-from experiments.supervise import _sigterm_as_interrupt, _terminate, failure_line
+from experiments.supervise import failure_line, sigterm_as_interrupt, terminate_group
 from experiments.table_record import read_record
 from experiments.table_spec import TableSpec, metric_value, record_path
 from trainkit.distributed import child_environment
@@ -204,12 +204,12 @@ def _run_rerun(command: Sequence[str], log_path: str) -> int:
   The run gets a session of its own, so that SIGTERM or Ctrl-C to this process (turned into
   KeyboardInterrupt) terminates the run's whole process group, data workers included: SIGTERM
   (the mains checkpoint on it), SIGKILL after a grace period, and a wait, before the interrupt
-  goes on (`experiments.supervise._terminate`). No preexec_fn, unlike a sweep's runs: this
+  goes on (`experiments.supervise.terminate_group`). No preexec_fn, unlike a sweep's runs: this
   process has initialised JAX (`machine()`), and a fork that runs Python in a multithreaded
   process may deadlock (JAX warns so). The explicit environment keeps libtpu's placeholders,
   which `machine()` may have set, from the run (`child_environment`)."""
   process = None
-  with open(log_path, "w") as log, _sigterm_as_interrupt():
+  with open(log_path, "w") as log, sigterm_as_interrupt():
     try:
       process = subprocess.Popen(
           list(command),
@@ -222,7 +222,7 @@ def _run_rerun(command: Sequence[str], log_path: str) -> int:
       return process.wait()
     except BaseException:
       if process is not None:
-        _terminate(process)
+        terminate_group(process)
       raise
 
 

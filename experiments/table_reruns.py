@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 from experiments import stats
 from experiments.spec import format_value, grid_points
-from experiments.table_spec import PREDICTION_KEYS, Claim, TableSpec, _unit_text, _units
-from experiments.table_summary import _values, chosen_row, summarise
+from experiments.table_spec import PREDICTION_KEYS, Claim, TableSpec, pair_units, unit_text
+from experiments.table_summary import chosen_row, claim_values, summarise
 
 IDENTICAL = "identical (not independent)"
 
@@ -69,7 +69,7 @@ def compare_rerun(
     claims.append((claim, before.verdict, after.verdict, change))
     changes.append((change, _relative_change(change, before.difference, scale), claim))
     old, new = (
-        stats.paired(_values(r, claim.row, claim.metric), _values(r, claim.baseline, claim.metric))
+        stats.paired(claim_values(r, claim.row, claim.metric), claim_values(r, claim.baseline, claim.metric))
         for r in (record, rerun)
     )
     new_by_seed = dict(zip(*new))
@@ -133,7 +133,7 @@ def _xla_flags(m: Mapping[str, Any]) -> str | None:
   return (m.get("environment") or {}).get("XLA_FLAGS")
 
 
-def _machine_text(m: Mapping[str, Any]) -> str:
+def machine_text(m: Mapping[str, Any]) -> str:
   processor = f", {m['processor']['model']}" if "processor" in m else ""
   flags = _xla_flags(m)
   return (
@@ -142,7 +142,7 @@ def _machine_text(m: Mapping[str, Any]) -> str:
   )
 
 
-def _change_text(change: float, relative: float | None, decimals: int, label: str = "") -> str:
+def change_text(change: float, relative: float | None, decimals: int, label: str = "") -> str:
   """A change as `0.4 (0.0061)`, or `0.4 (0.0061, MF-PQD)` with a label: half-widths of the
   recorded interval, then the change in the column's scale, one decimal finer than the column
   (a change is smaller than the values)."""
@@ -155,7 +155,7 @@ def _change_text(change: float, relative: float | None, decimals: int, label: st
   return f"{relative:.1f} ({detail})"
 
 
-def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
+def rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   """One paragraph per rerun in the record: what it ran and which verdicts it keeps."""
   lines = []
   labels = {c.path: (c.label, c.decimals) for c in spec.columns}
@@ -169,11 +169,11 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
         if result.runs == total
         else f"{result.runs} of {total} runs: the rows "
         + ", ".join(spec.label(r) for r in result.rows)
-        + f"; {_units(spec)} {', '.join(_unit_text(u) for u in result.seeds)}"
+        + f"; {pair_units(spec)} {', '.join(unit_text(u) for u in result.seeds)}"
     )
     text = (
         f"**Rerun** ({which}; runs of {p['date']}, commit {p['commit']}; "
-        f"{_machine_text(p['machine'])}): "
+        f"{machine_text(p['machine'])}): "
     )
     changed = [(c, a, b) for c, a, b, _ in result.claims if a != b]
     if result.identical:
@@ -199,16 +199,16 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
       label, decimals = labels.get(claim.metric, (claim.metric, 3))
       text += (
           "; the largest change of a mean paired difference, in half-widths of its recorded "
-          f"interval, is {_change_text(change, relative, decimals)} "
+          f"interval, is {change_text(change, relative, decimals)} "
           f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label})"
       )
     if result.largest_seed_change:
       change, relative, claim, seed = result.largest_seed_change
       label, decimals = labels.get(claim.metric, (claim.metric, 3))
       text += (
-          f", of one pair's {_change_text(change, relative, decimals)} "
+          f", of one pair's {change_text(change, relative, decimals)} "
           f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label}, "
-          f"{' × '.join(k.split('.')[-1] for k in spec.pair_by)} {_unit_text(seed)})"
+          f"{' × '.join(k.split('.')[-1] for k in spec.pair_by)} {unit_text(seed)})"
       )
     if result.chosen:
       before, after = result.chosen
@@ -221,7 +221,7 @@ def _rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   return lines
 
 
-def _rerun_machine(provenance: Mapping[str, Any]) -> str:
+def rerun_machine(provenance: Mapping[str, Any]) -> str:
   """What tells a rerun's machine apart, briefly: its XLA_FLAGS, else its processor."""
   m = provenance["machine"]
   flags = _xla_flags(m)

@@ -122,7 +122,7 @@ class TableSpec:
     return paths + [m for m in dict.fromkeys(c.metric for c in self.claims) if m not in paths]
 
 
-def _spec_error(name: str, key: str, message: str) -> UserError:
+def spec_error(name: str, key: str, message: str) -> UserError:
   return UserError(f"results/{name}.py: TABLE['{key}']: {message}")
 
 
@@ -174,19 +174,19 @@ def load_table(name: str) -> TableSpec:
   }
   unknown = sorted(set(table) - known)
   if unknown:
-    raise _spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
+    raise spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
   rows = table.get("rows")
   pair_by = tuple(table.get("pair_by") or (SEED_KEY,))
   if rows not in sweep.grid or rows in pair_by:
-    raise _spec_error(name, "rows", f"{rows!r} is not a grid key other than {pair_by}")
+    raise spec_error(name, "rows", f"{rows!r} is not a grid key other than {pair_by}")
   if SEED_KEY not in pair_by:
-    raise _spec_error(name, "pair_by", f"{pair_by} must include {SEED_KEY!r}")
+    raise spec_error(name, "pair_by", f"{pair_by} must include {SEED_KEY!r}")
   for key in pair_by:
     if key not in sweep.grid:
-      raise _spec_error(name, "pair_by", f"the grid has no {key!r} key to pair runs by")
+      raise spec_error(name, "pair_by", f"the grid has no {key!r} key to pair runs by")
   others = [k for k, v in sweep.grid.items() if k not in (rows, *pair_by) and len(v) > 1]
   if others:
-    raise _spec_error(name, "rows", f"grid key {others[0]!r} also varies; a table has one")
+    raise spec_error(name, "rows", f"grid key {others[0]!r} also varies; a table has one")
   row_values = list(sweep.grid[rows])
   texts = [format_value(v) for v in row_values]
   columns = []
@@ -198,25 +198,25 @@ def load_table(name: str) -> TableSpec:
         or not isinstance(column[2], (int, float))
         or not isinstance(column[3], int)
     ):
-      raise _spec_error(name, f"columns[{i}]", f"{column!r} is not (path, label, scale, decimals)")
+      raise spec_error(name, f"columns[{i}]", f"{column!r} is not (path, label, scale, decimals)")
     columns.append(Column(column[0], column[1], float(column[2]), column[3]))
   if not columns:
-    raise _spec_error(name, "columns", "at least one column is needed")
+    raise spec_error(name, "columns", "at least one column is needed")
   claims = []
   for i, claim in enumerate(table.get("claims") or ()):
     if not isinstance(claim, Mapping) or set(claim) != {"row", "baseline", "metric", "better"}:
-      raise _spec_error(name, f"claims[{i}]", "must be dict(row=, baseline=, metric=, better=)")
+      raise spec_error(name, f"claims[{i}]", "must be dict(row=, baseline=, metric=, better=)")
     for key in ("row", "baseline"):
       if claim[key] not in texts:
-        raise _spec_error(name, f"claims[{i}]", f"{key} {claim[key]!r} is not a row: {texts}")
+        raise spec_error(name, f"claims[{i}]", f"{key} {claim[key]!r} is not a row: {texts}")
     if claim["better"] not in stats.DIRECTIONS:
-      raise _spec_error(name, f"claims[{i}]", f"better must be one of {stats.DIRECTIONS}")
+      raise spec_error(name, f"claims[{i}]", f"better must be one of {stats.DIRECTIONS}")
     claims.append(Claim(claim["row"], claim["baseline"], claim["metric"], claim["better"]))
   paths = [c.path for c in columns] + [c.metric for c in claims]
   for i, claim in enumerate(claims):
     accuracy = accuracy_path(claim.metric)
     if accuracy is not None and accuracy not in paths:
-      raise _spec_error(
+      raise spec_error(
           name,
           f"claims[{i}]",
           f"{claim.metric!r} is a fairness metric; deciding it needs the accuracy on its split, "
@@ -251,7 +251,7 @@ def _check_tolerance(name: str, value: Any) -> float:
   # NaN would fail every comparison (identical values "do not reproduce") and inf would pass
   # every one: neither is a tolerance.
   if isinstance(value, bool) or not is_number(value) or value < 0:
-    raise _spec_error(name, "tolerance", f"{value!r} is not a finite number >= 0")
+    raise spec_error(name, "tolerance", f"{value!r} is not a finite number >= 0")
   return float(value)
 
 
@@ -277,7 +277,7 @@ def _check_cross_validation(
       or value[0] == SEED_KEY
       or not re.fullmatch(r"[\w.]+:\w+", str(value[1]))
   ):
-    raise _spec_error(
+    raise spec_error(
         name,
         "cross_validation",
         f"{value!r} is not (a pair_by key other than seed, 'package.module:function')",
@@ -297,7 +297,7 @@ def _check_tuning(name: str, value: Any, rows: list[str]) -> tuple[Tuning, ...]:
         or entry[1] < 0
         or not isinstance(entry[2], str)
     ):
-      raise _spec_error(
+      raise spec_error(
           name,
           f"tuning[{i}]",
           f"{entry!r} is not (a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
@@ -310,12 +310,12 @@ def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak,
   leaks = []
   for i, entry in enumerate(value or ()):
     if not isinstance(entry, Mapping) or set(entry) != {"rows", "why"}:
-      raise _spec_error(name, f"selection_leaks[{i}]", "must be dict(rows=, why=)")
+      raise spec_error(name, f"selection_leaks[{i}]", "must be dict(rows=, why=)")
     affected = entry["rows"]
     if affected is not None and (
         isinstance(affected, str) or not all(r in rows for r in affected)
     ):
-      raise _spec_error(
+      raise spec_error(
           name, f"selection_leaks[{i}]", f"rows {affected!r} must be None or rows of {rows}"
       )
     leaks.append(SelectionLeak(None if affected is None else tuple(affected), str(entry["why"])))
@@ -332,31 +332,31 @@ def _check_pool(name: str, pool: Any, pair_by: tuple[str, ...]) -> tuple[str, st
       or pool[1] not in pair_by
       or pool[1] == SEED_KEY
   ):
-    raise _spec_error(
+    raise spec_error(
         name, "pool", f"{pool!r} is not ('package.module:function', a pair_by key other than seed)"
     )
   return str(pool[0]), str(pool[1])
 
 
-def _import(spec: TableSpec, key: str, target: str) -> Any:
+def import_spec_object(spec: TableSpec, key: str, target: str) -> Any:
   module_name, function = target.split(":")
   try:
     return getattr(importlib.import_module(module_name), function)
   except (ImportError, AttributeError) as e:
-    raise _spec_error(spec.name, key, f"cannot import {target}: {e}") from None
+    raise spec_error(spec.name, key, f"cannot import {target}: {e}") from None
 
 
 def _check_references(name: str, references: Any) -> str | None:
   if references is None:
     return None
   if not isinstance(references, str) or not re.fullmatch(r"[\w.]+:\w+", references):
-    raise _spec_error(name, "references", f"{references!r} is not 'package.module:function'")
+    raise spec_error(name, "references", f"{references!r} is not 'package.module:function'")
   return references
 
 
 def _check_select(name: str, select: Any, columns: list[Column]) -> str | None:
   if select is not None and select not in [c.path for c in columns]:
-    raise _spec_error(name, "select", f"{select!r} is not the path of a column")
+    raise spec_error(name, "select", f"{select!r} is not the path of a column")
   return select
 
 
@@ -367,7 +367,7 @@ def _check_select_within(
   if within is None:
     return None
   if not table.get("select"):
-    raise _spec_error(name, "select_within", "needs a select path")
+    raise spec_error(name, "select_within", "needs a select path")
   if (
       not isinstance(within, (tuple, list))
       or len(within) != 2
@@ -375,7 +375,7 @@ def _check_select_within(
       or not isinstance(within[1], (int, float))
       or within[1] < 0
   ):
-    raise _spec_error(
+    raise spec_error(
         name, "select_within", f"{within!r} is not (path of a column, non-negative margin)"
     )
   return str(within[0]), float(within[1])
@@ -416,7 +416,7 @@ def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
   return {"examples": None if examples is None else int(examples), "groups": groups}
 
 
-def _unit_text(unit: Any) -> str:
+def unit_text(unit: Any) -> str:
   """A pairing unit as a reader names it: a seed, or `fold=0,seed=0` for a pair_by unit (the
   keys shortened to their last part)."""
   if not isinstance(unit, str):
@@ -427,6 +427,6 @@ def _unit_text(unit: Any) -> str:
   )
 
 
-def _units(spec: TableSpec) -> str:
+def pair_units(spec: TableSpec) -> str:
   """What a table's runs are paired by: "seeds", or e.g. "folds × seeds"."""
   return " × ".join(k.split(".")[-1] + "s" for k in spec.pair_by)

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from experiments import stats
 from experiments.spec import format_value, grid_points
-from experiments.table_spec import SIGNAL_ROLE, Claim, TableSpec, _unit_text, accuracy_path
+from experiments.table_spec import SIGNAL_ROLE, Claim, TableSpec, accuracy_path, unit_text
 from trainkit.errors import UserError
 
 
@@ -50,7 +50,7 @@ def chosen_row(spec: TableSpec, summary: dict[str, Any]) -> str | None:
   return max(scores, key=scores.get) if scores else None
 
 
-def _values(record: Mapping[str, Any], row: str, path: str) -> dict[int, float]:
+def claim_values(record: Mapping[str, Any], row: str, path: str) -> dict[int, float]:
   return {
       r["seed"]: r["metrics"][path]
       for r in record["runs"]
@@ -126,10 +126,10 @@ def matched_accuracy(
     return None
   slope = math.fsum(f * a for f, a in zip(fairness, accuracies)) / den
   units, differences = stats.paired(
-      _values(record, claim.row, claim.metric), _values(record, claim.baseline, claim.metric)
+      claim_values(record, claim.row, claim.metric), claim_values(record, claim.baseline, claim.metric)
   )
   accuracy_units, accuracy_gaps = stats.paired(
-      _values(record, claim.row, accuracy), _values(record, claim.baseline, accuracy)
+      claim_values(record, claim.row, accuracy), claim_values(record, claim.baseline, accuracy)
   )
   if units != accuracy_units or len(units) < 2:
     return None
@@ -152,7 +152,7 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
         "cells": {
             c.path: (
                 stats.interval(list(v.values()), ratio)
-                if (v := _values(record, row, c.path))
+                if (v := claim_values(record, row, c.path))
                 else None
             )
             for c in spec.columns
@@ -163,8 +163,8 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   matched: list[tuple[stats.Interval, float] | None] = []
   for claim in spec.claims:
     result = stats.decide(
-        _values(record, claim.row, claim.metric),
-        _values(record, claim.baseline, claim.metric),
+        claim_values(record, claim.row, claim.metric),
+        claim_values(record, claim.baseline, claim.metric),
         claim.better,
         test_to_train=ratio,
     )
@@ -173,7 +173,7 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
     if accuracy is not None:
       bar = accuracy_bar(record, accuracy)
       intervals = [
-          stats.interval(list(v.values()), ratio) if (v := _values(record, r, accuracy)) else None
+          stats.interval(list(v.values()), ratio) if (v := claim_values(record, r, accuracy)) else None
           for r in (claim.row, claim.baseline)
       ]
       above = bar is not None and all(
@@ -228,7 +228,7 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   for r in record["runs"]:
     if r["status"] != "ok":
       missing.setdefault(spec.label(r["row"]), []).append(
-          f"{_unit_text(r['seed'])} ({r['status']})"
+          f"{unit_text(r['seed'])} ({r['status']})"
       )
   if missing:
     listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
@@ -238,7 +238,7 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   for point in grid_points(spec.sweep):
     if (format_value(point[spec.rows]), spec.pair(point)) not in recorded:
       absent.setdefault(spec.label(format_value(point[spec.rows])), []).append(
-          _unit_text(spec.pair(point))
+          unit_text(spec.pair(point))
       )
   if absent:  # Named, not counted away: `--check` says the record is stale too.
     listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in absent.items())

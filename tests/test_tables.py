@@ -779,8 +779,8 @@ def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch)
 
 
 def test_a_rerun_names_a_cross_validated_pair_by_its_short_keys():
-  assert table_spec._unit_text("data.identity_folds.fold=0,seed=0") == "fold=0,seed=0"
-  assert table_spec._unit_text(3) == "3"
+  assert table_spec.unit_text("data.identity_folds.fold=0,seed=0") == "fold=0,seed=0"
+  assert table_spec.unit_text(3) == "3"
 
 
 # ---------------------------------------------------------------- verdicts a reviewer accepts
@@ -845,8 +845,8 @@ def test_the_fold_tables_decide_with_the_corrected_interval():
   ratio = np.mean([s["test"] / s["train"] for s in sizes])
   assert ratio == pytest.approx(1 / 3, abs=0.01)  # 1 test fold against 3 training folds.
   _, differences = stats.paired(
-      table_summary._values(record, "fairsmoe", "mf.pqd"),
-      table_summary._values(record, "vanilla_smoe", "mf.pqd"),
+      table_summary.claim_values(record, "fairsmoe", "mf.pqd"),
+      table_summary.claim_values(record, "vanilla_smoe", "mf.pqd"),
   )
   mean, variance, j = np.mean(differences), np.var(differences, ddof=1), len(differences)
   half = scipy_stats.t.ppf(0.975, j - 1) * np.sqrt((1 / j + ratio) * variance)
@@ -861,7 +861,7 @@ def test_the_fold_tables_decide_with_the_corrected_interval():
   plain = stats.t_interval(differences)
   assert result.difference.low < plain.low - 0.1  # The plain one: [0.005, 0.424].
   # The cells are the folds' too, and the caption says which interval.
-  accuracy = table_summary._values(record, "fairsmoe", "accuracy")
+  accuracy = table_summary.claim_values(record, "fairsmoe", "accuracy")
   cell = summary["rows"]["fairsmoe"]["cells"]["accuracy"]
   assert cell == stats.corrected_interval(list(accuracy.values()), ratio)
   assert "corrected resampled t-interval, test-to-train 0.333] over folds × seeds" in (
@@ -988,8 +988,8 @@ def test_matched_accuracy_removes_a_linear_trade_off(toy_tables):
   assert slope == pytest.approx(-1.0, abs=0.05)
   assert interval.mean == pytest.approx(0.03, abs=0.005)
   raw = stats.decide(
-      table_summary._values(record, "a", "mf.pqd"),
-      table_summary._values(record, "b@fair.alpha=0.5", "mf.pqd"),
+      table_summary.claim_values(record, "a", "mf.pqd"),
+      table_summary.claim_values(record, "b@fair.alpha=0.5", "mf.pqd"),
       "higher",
   )
   assert raw.difference.mean < 0
