@@ -142,6 +142,7 @@ _WORKERS_SCRIPT = textwrap.dedent("""
     import numpy as np
     from fairmoe_jax.data import pipeline
     from trainkit.errors import UserError
+    from trainkit.preemption import PreemptionGuard
 
     if __name__ == "__main__":
       n = 64
@@ -151,12 +152,13 @@ _WORKERS_SCRIPT = textwrap.dedent("""
                                         num_threads=0, num_workers=2)
       for _ in range(4):  # Both workers have started and produced batches.
         next(batches)
+      # The training loop's handling of Ctrl-C: the guard takes it, the loop stops after the
+      # batch in hand and closes the iterator (trainkit/loop.py).
       try:
-        # Inside the try: the test's Ctrl-C may arrive while print still returns.
-        print("ready", flush=True)
-        while True:
-          next(batches)
-      except KeyboardInterrupt:
+        with PreemptionGuard() as guard:
+          print("ready", flush=True)
+          while not guard.requested:
+            next(batches)
         print("interrupted", flush=True)
       except UserError as e:
         print(f"error: {e}", flush=True)
@@ -221,8 +223,7 @@ def test_worker_processes_end_with_the_run_and_their_faults_are_one_line(tmp_pat
       os.kill(workers[0], signal.SIGKILL)
     else:
       os.killpg(process.pid, signal.SIGINT)
-    # Generous for a loaded machine; a run that ignores Ctrl-C would still hang past it.
-    out, err = process.communicate(timeout=180)
+    out, err = process.communicate(timeout=120)
   finally:
     if process.poll() is None:
       process.kill()
