@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,11 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     path = os.path.join(workdir, "run", "preflight.json")
     shown = " ".join(c if " " not in c else repr(c) for c in command[1:] if not c.startswith("--workdir"))
+    if not os.path.exists(path) and result.returncode < 0:
+      # Killed from outside (SIGKILL is what the out-of-memory killer sends): a fact about this
+      # host at that moment, not about the configuration, so nothing is recorded for the cell.
+      name = signal.Signals(-result.returncode).name
+      return dict(command=f"python {shown}", killed=name, seconds=round(seconds))
     if not os.path.exists(path):
       errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
       message = errors[-1] if errors else result.stderr.strip().splitlines()[-1:]
@@ -193,6 +199,13 @@ def compile_missing(pattern: str, skip: str, reverse: bool = False) -> None:
       continue
     print(f"compiling {cell['name']} ...", flush=True)
     result = compile_cell(cell)
+    if "killed" in result:
+      print(
+          f"  killed by {result['killed']} after {result['seconds']} s (SIGKILL: most likely the "
+          "out-of-memory killer); not recorded, so the next --compile tries it again",
+          flush=True,
+      )
+      continue
     result.update(commit=_commit(), date=datetime.date.today().isoformat(), host=platform.processor() or platform.machine())
     _save(record, cell["name"], result)
     print(f"  {_row(cell, result)}", flush=True)

@@ -49,3 +49,27 @@ def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, mark
   with pytest.raises(UserError, match=error):
     preflight_table.replace_between_markers(str(path), "table\n")
   assert path.read_text() == "# Doc\n" + markers
+
+
+def test_a_compile_killed_from_outside_is_not_recorded_and_is_retried(monkeypatch, tmp_path, capsys):
+  """A cell whose compile is killed by a signal (the out-of-memory killer's SIGKILL) records
+  nothing, so the next `--compile` tries it again; a compile that fails on its own is recorded
+  with its error line."""
+  record = {"cells": {}}
+  monkeypatch.setattr(preflight_table, "_load", lambda: record)
+  monkeypatch.setattr(preflight_table, "_save", lambda r, name, result: r["cells"].update({name: result}))
+  outcomes = {"killed": -9, "refused": 2}
+
+  def fake_run(command, **kwargs):
+    code = outcomes["killed"] if "deit_s" in " ".join(command) else outcomes["refused"]
+    return subprocess.CompletedProcess(command, code, "", "I0000 a log line\nerror: does not fit\n")
+
+  monkeypatch.setattr(preflight_table.subprocess, "run", fake_run)
+  preflight_table.compile_missing("fairsmoe/deit_", "", False)
+  out = capsys.readouterr().out
+  assert "fairsmoe/deit_s@h100x1" not in record["cells"]
+  assert "killed by SIGKILL after" in out and "not recorded" in out
+  assert record["cells"]["fairsmoe/deit_b@h100x1"]["error"] == "error: does not fit"
+  # Retried: the killed cells are still missing, the failed ones are not.
+  preflight_table.compile_missing("fairsmoe/deit_", "", False)
+  assert capsys.readouterr().out.count("compiling fairsmoe/deit_s@") == 5
