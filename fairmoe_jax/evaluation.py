@@ -259,8 +259,10 @@ def group_divergence(
   """(the largest total-variation distance between a group's expert distribution and the
   split's, "attribute=group" of that group); `groups` is report["expert_utilisation"][block]."""
   split = np.asarray(split_share, np.float64)
-  split = split / split.sum()
   largest, where = 0.0, ""
+  if split.sum() <= 0:  # No routed choice in the split: nothing to compare.
+    return largest, where
+  split = split / split.sum()
   for attribute, by_group in groups.items():
     for group, share in by_group.items():
       share = np.asarray(share, np.float64)

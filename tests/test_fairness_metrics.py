@@ -512,6 +512,7 @@ def test_routing_by_group_names_the_group_routed_least_like_the_split():
   split = np.array([30.0, 30.0, 20.0, 20.0])  # Counts: normalised inside.
   alike = {"sex": {"m": [0.3, 0.3, 0.2, 0.2], "f": [0.3, 0.3, 0.2, 0.2]}}
   assert group_divergence(split, alike) == (0.0, "sex=m")
+  assert group_divergence(np.zeros(4), alike) == (0.0, "")  # No routed choice: no NaN.
   groups = {
       "sex": {"m": [0.3, 0.3, 0.2, 0.2], "f": [0.3, 0.3, 0.2, 0.2]},
       "site": {"head": [0.0, 0.0, 0.5, 0.5], "palm": [0.4, 0.4, 0.1, 0.1], "none": [0, 0, 0, 0]},

@@ -265,6 +265,8 @@ def format_report(report: dict[str, Any]) -> str:
     active = ", ".join(f"{block} {value:.2f}" for block, value in blocks.items())
     lines.append(f"Experts active (exp entropy of the test-set {kind.replace('_', ' ')}): {active}")
   for block, by_group in report.get("routing_by_group", {}).items():
+    if not by_group["group"]:  # No group had a routed choice.
+      continue
     lines.append(
         f"Routing by group ({block}): the group routed least like the split is "
         f"{by_group['group']}, {100 * by_group['divergence']:.1f}% of its choices away "
