@@ -12,7 +12,8 @@ check", says how to run it on a lent GPU):
   built for real and run for a few dozen steps. Measured peak memory
   (`memory_stats()["peak_bytes_in_use"]`; a CPU reports none) and step time (median of the timed
   steps after warm-up, each ended by `block_until_ready`) beside the preflight's prediction for
-  `--target` (default h100x1; compiled on this host's CPU, in a process of its own, as
+  `--target` (by default the one-device target of the chip the check finds, `h200x1` on an
+  H200, else `h100x1`; compiled on this host's CPU, in a process of its own, as
   `--mode=compile --config.preflight.target=h100x1` compiles it), and their ratios;
 * `moe_layer`: one MoE layer at DeiT-S scale (`benchmarks/moe_layer.py`'s cases: sort, einsum,
   dropless, V-MoE's own einsum and indices dispatchers where a google-research/vmoe checkout is
@@ -808,6 +809,8 @@ def derive(result: dict) -> None:
         # The share of the roofline bound this device reached: the preflight's `utilization`.
         "implied_utilization": _ratio(predicted.get("roofline_seconds"), step_s),
         "same_dispatch": measured.get("dispatch") == predicted.get("dispatch"),
+        # A prediction for another chip (an explicit --target) compares different hardware.
+        "same_chip": _same_chip(measured.get("device_kind"), predicted.get("target_device_kind")),
     }
   pipeline = result["parts"]["input_pipeline"]
   rows = (pipeline.get("throughput") or {}).get("rows") or []
@@ -821,6 +824,12 @@ def derive(result: dict) -> None:
         "pipeline_over_step": best["images_per_s"] / measured["images_per_s"],
         "cores_to_feed_step": measured["images_per_s"] / per_core,
     }
+
+
+def _same_chip(measured_kind: str | None, predicted_kind: str | None) -> bool | None:
+  if not measured_kind or not predicted_kind:
+    return None
+  return measured_kind.startswith(predicted_kind) or predicted_kind.startswith(measured_kind)
 
 
 def part_status(units: dict) -> str:
@@ -881,6 +890,12 @@ def _train_step_markdown(train: dict) -> list[str]:
         "",
         f"Share of the roofline bound reached: {ratios['implied_utilization']:.1%} (the "
         f"preflight assumes {_f(predicted.get('utilization'), 0, 100)}%).",
+    ]
+  if ratios.get("same_chip") is False:
+    lines += [
+        "",
+        f"**The prediction is for another chip** ({predicted.get('target_device_kind')}; "
+        f"measured on {measured.get('device_kind')}): the ratios compare different hardware.",
     ]
   return lines
 
@@ -988,6 +1003,7 @@ def markdown(result: dict) -> str:
       "",
       "```bash",
       result["command"],
+      *([result["compared_again"]] if result.get("compared_again") else []),
       "```",
   ]
   for part_lines in (
@@ -1044,21 +1060,46 @@ def _skip_or_reuse(unit: Unit, args: argparse.Namespace, result: dict, left: flo
     reason = f"time budget: {max(left, 0):.0f} of {budget:.0f} s left"
     return {"status": "skipped", "reason": reason}
   if unit.name == "prediction" and args.preflight_json:
-    record = prediction_summary(_read_json(args.preflight_json))
-    batch = (record["record"].get("batch") or {}).get("global")
-    if record["step_seconds"] and batch == size.batch_size:
-      record.update(status="ok", seconds=0.0, source=f"--preflight_json={args.preflight_json}")
-      return record
+    reasons = []
+    for path in _paths(args.preflight_json):
+      record = prediction_summary(_read_json(path))
+      batch = (record["record"].get("batch") or {}).get("global")
+      if record["target"] != args.target:
+        reasons.append(f"{path} is for {record['target']}, not {args.target}")
+      elif not record["step_seconds"] or batch != size.batch_size:
+        reasons.append(
+            f"{path} holds no preflight record with a step time of batch {size.batch_size} "
+            f"(batch {batch})"
+        )
+      else:
+        record.update(status="ok", seconds=0.0, source=f"--preflight_json={path}")
+        return record
     # Compiled here instead; the run says why.
-    result["parts"]["train_step"]["preflight_json_unusable"] = (
-        f"{args.preflight_json} holds no preflight record with a step time of batch "
-        f"{size.batch_size} (batch {batch})"
-    )
+    result["parts"]["train_step"]["preflight_json_unusable"] = "; ".join(reasons)
   if (unit.part, unit.name) == ("quickstart", "cpu") and (
       result["environment"].get("platform") == "cpu"
   ):  # The device is this CPU: the device's run was the CPU's.
     return dict(result["parts"]["quickstart"].get("device") or {}, same_as_device=True)
   return None
+
+
+def _paths(paths: str) -> list[str]:
+  return [p.strip() for p in paths.split(",") if p.strip()]
+
+
+def target_for_device(environment: dict) -> str:
+  """The one-device preflight target of the chip the environment probe found: the one whose
+  device kind starts the device's (or is started by it); `h100x1` where none is (a CPU, an
+  unknown chip)."""
+  from trainkit.preflight.targets import TARGETS
+
+  kind = str(environment.get("device_kind") or "")
+  for name, target in TARGETS.items():
+    if target.num_devices == 1 and kind and (
+        kind.startswith(target.device_kind) or target.device_kind.startswith(kind)
+    ):
+      return name
+  return "h100x1"
 
 
 def main_parent(args: argparse.Namespace) -> dict:
@@ -1111,6 +1152,10 @@ def main_parent(args: argparse.Namespace) -> dict:
         record = run(unit, args, scratch, timeout)
       if unit.part == "environment":
         result["environment"] = record
+        if args.target == "auto":  # The children are given the target this chip resolves to.
+          args.target = result["target"] = target_for_device(record)
+          args.forwarded = [a for a in args.forwarded if not a.startswith("--target")]
+          args.forwarded.append(f"--target={args.target}")
       else:
         result["parts"][unit.part][unit.name] = record
       if unit.name == "prediction" and record["status"] != "ok" and args.size == "full":
@@ -1145,13 +1190,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       "cannot start is skipped, the reason recorded",
   )
   parser.add_argument(
-      "--target", default="h100x1", help="the one-device preflight target of the prediction"
+      "--target",
+      default="auto",
+      help="the one-device preflight target of the prediction; auto: the one of the chip found "
+      "(h200x1 on an H200), h100x1 where no target has its device kind",
   )
   parser.add_argument(
       "--preflight_json",
       default="",
-      help="a preflight.json that the prediction's --mode=compile command wrote beforehand (on "
-      "any CPU host), used instead of compiling the prediction in this run",
+      help="comma-separated preflight.json files that the prediction's --mode=compile command "
+      "wrote beforehand (on any CPU host), one per target; the one for --target is used instead "
+      "of compiling the prediction in this run",
   )
   parser.add_argument(
       "--peer-vmoe",
@@ -1175,6 +1224,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="for the test: that part's units (train_step, moe_layer or input_pipeline) raise "
       "after saving their figures",
   )
+  parser.add_argument(
+      "--from_result",
+      default="",
+      metavar="JSON",
+      help="a check's JSON from a device: compare its measured step again with --preflight_json "
+      "(the one for the chip it ran on), here, without a device; writes --out and its markdown",
+  )
   parser.add_argument("--run_unit", default="", help=argparse.SUPPRESS)  # A child's unit.
   parser.add_argument("--unit_out", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -1188,10 +1244,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   return args
 
 
+def compare_again(args: argparse.Namespace) -> dict:
+  """A device's recorded check (`--from_result`) compared with the prediction of
+  `--preflight_json` for the chip it ran on (or `--target`): nothing is measured or compiled."""
+  result = _read_json(args.from_result)
+  if args.target == "auto":
+    args.target = target_for_device(result.get("environment") or {})
+  size = SIZES[result.get("size", "full")]
+  args.size = result.get("size", "full")
+  train = result["parts"]["train_step"]
+  train.pop("recorded_prediction", None)
+  train.pop("preflight_json_unusable", None)
+  [unit] = [u for u in UNITS if u.name == "prediction"]
+  record = _skip_or_reuse(unit, args, result, float("inf")) if args.preflight_json else None
+  if record is None:
+    raise SystemExit(
+        f"--from_result: no --preflight_json for {args.target} with batch {size.batch_size}: "
+        f"{train.get('preflight_json_unusable', 'none given')}"
+    )
+  train["prediction"] = record
+  result["target"] = args.target
+  result["compared_again"] = shlex.join(
+      ["python", "benchmarks/accelerator_check.py", *args.forwarded]
+  )
+  derive(result)
+  _write_json(args.out, result)
+  md_path = os.path.splitext(args.out)[0] + ".md"
+  with open(md_path, "w") as f:
+    f.write(markdown(result))
+  with open(md_path) as f:
+    print(f"wrote {args.out} and {md_path}\n\n{f.read()}", flush=True)
+  return result
+
+
 def main() -> None:
   args = parse_args()
   if args.run_unit:
     sys.exit(run_unit(args))
+  if args.from_result:
+    compare_again(args)
+    return
   main_parent(args)
 
 

@@ -139,7 +139,7 @@ def _preflight_record(batch):
 def test_a_preflight_made_beforehand_is_the_prediction_and_the_step_is_compared_with_it(tmp_path):
   made = tmp_path / "preflight.json"
   made.write_text(json.dumps(_preflight_record(batch=8)))
-  args = accelerator_check.parse_args(["--size=tiny", f"--preflight_json={made}"])
+  args = accelerator_check.parse_args(["--size=tiny", "--target=h100x1", f"--preflight_json={made}"])
   result = {"budget_s": 900.0, "environment": {}, "parts": {p: {} for p in accelerator_check.PARTS}}
   [unit] = [u for u in accelerator_check.UNITS if u.name == "prediction"]
   predicted = accelerator_check._skip_or_reuse(unit, args, result, 100.0)
@@ -162,6 +162,37 @@ def test_a_preflight_made_beforehand_is_the_prediction_and_the_step_is_compared_
   made.write_text(json.dumps(_preflight_record(batch=256)))
   assert accelerator_check._skip_or_reuse(unit, args, result, 100.0) is None
   assert "batch 256" in result["parts"]["train_step"]["preflight_json_unusable"]
+
+
+def test_the_prediction_is_for_the_chip_found_and_a_record_for_another_chip_is_not_used(tmp_path):
+  check = accelerator_check
+  assert check.target_for_device({"device_kind": "NVIDIA H200"}) == "h200x1"
+  assert check.target_for_device({"device_kind": "NVIDIA H100 80GB HBM3"}) == "h100x1"
+  assert check.target_for_device({"device_kind": "cpu"}) == "h100x1"  # No target: the default.
+  h100, h200 = tmp_path / "h100.json", tmp_path / "h200.json"
+  h100.write_text(json.dumps(_preflight_record(batch=8)))
+  h200.write_text(json.dumps(dict(
+      _preflight_record(batch=8), target={"name": "h200x1", "device_kind": "NVIDIA H200"}
+  )))
+  [unit] = [u for u in check.UNITS if u.name == "prediction"]
+  for target, wanted in (("h200x1", h200), ("h100x1", h100)):
+    args = check.parse_args(["--size=tiny", f"--target={target}", f"--preflight_json={h100},{h200}"])
+    result = {"budget_s": 900.0, "environment": {}, "parts": {p: {} for p in check.PARTS}}
+    predicted = check._skip_or_reuse(unit, args, result, 100.0)
+    assert predicted["target"] == target and str(wanted) in predicted["source"]
+  # Only another chip's record: compiled here instead, the reason named.
+  args = check.parse_args(["--size=tiny", "--target=h200x1", f"--preflight_json={h100}"])
+  result = {"budget_s": 900.0, "environment": {}, "parts": {p: {} for p in check.PARTS}}
+  assert check._skip_or_reuse(unit, args, result, 100.0) is None
+  assert "is for h100x1, not h200x1" in result["parts"]["train_step"]["preflight_json_unusable"]
+  # A comparison across chips says so.
+  train = result["parts"]["train_step"]
+  train["prediction"] = dict(check.prediction_summary(_preflight_record(batch=8)), status="ok")
+  train["measured"] = {"step_seconds": 0.05, "peak_bytes": 9 * 2**30, "device_kind": "NVIDIA H200"}
+  check.derive(result)
+  assert train["ratios"]["same_chip"] is False
+  result.update(command="python benchmarks/accelerator_check.py", date="2026-11-27", size="tiny")
+  assert "The prediction is for another chip" in check.markdown(result)
 
 
 def test_the_markdown_of_a_run_that_measured_nothing_still_names_where_and_how():

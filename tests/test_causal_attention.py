@@ -18,6 +18,9 @@ from causal_attn_jax.layers import (
     sparse_mask,
 )
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 DIM, HEADS = 8, 2
 
 

@@ -27,10 +27,14 @@ G, S, D, H, E, K = 2, 7, 8, 16, 4, 2
 # The largest |GELU'(x)| (at x = +-sqrt(2)): the factor by which GELU can grow an error.
 GELU_SLOPE = 1.13
 
-pytestmark = pytest.mark.skipif(
-    dropless_module._megablox_kernels() is None,  # pylint: disable=protected-access
-    reason="this jax has no jax.experimental.pallas.ops.tpu.megablox",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        dropless_module._megablox_kernels() is None,  # pylint: disable=protected-access
+        reason="this jax has no jax.experimental.pallas.ops.tpu.megablox",
+    ),
+    # Checked against float64 at float32's rounding (tests/conftest.py).
+    pytest.mark.float32_reference,
+]
 
 
 def _routing(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

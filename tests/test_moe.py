@@ -24,6 +24,9 @@ from fairmoe_jax.moe import (
 from fairmoe_jax.moe.routers.base import RouterOutput, float32_gate
 from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 PARAM_NAMES = ("gate", "w1", "b1", "w2", "b2")
 
 # Everything runs under jit: op-by-op execution compiles every primitive

@@ -28,6 +28,9 @@ from fairmoe_jax.moe.dispatch import (
 )
 from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 G, S, D, H, E, K = 2, 6, 8, 16, 4, 2
 # Besides the registered algorithms: blocksparse with tiny blocks (many blocks per expert), and
 # the block algorithms with `ragged_dot` grouped matmuls instead of loops.

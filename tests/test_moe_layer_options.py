@@ -16,6 +16,9 @@ from fairmoe_jax.moe import SparseMoE
 from fairmoe_jax.moe.routers import route_from_logits
 from trainkit.mesh import make_mesh
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 DIM, HIDDEN, EXPERTS, TOP_K = 16, 32, 4, 2
 
 

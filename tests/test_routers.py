@@ -31,6 +31,9 @@ from fairmoe_jax.moe.routers import (
     route_from_logits,
 )
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 DIM, EXPERTS, TOP_K = 8, 4, 2
 
 

@@ -23,6 +23,9 @@ from fairmoe_jax.models.swin import (
 from fairmoe_jax.models.vit import Mlp
 from fairmoe_jax.moe import SparseMoE
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 # 32 px, patch 4: stage 0 at 8x8 (four 4x4 windows, second block shifted),
 # stage 1 at 4x4 (a single window, no shift). Four blocks in all.
 TINY = dict(

@@ -124,8 +124,9 @@ def psi_term(config, info: DatasetInfo, logits, batch: Batch, attributes=None) -
 # is built for (docs/benchmarks.md, "Which dispatch on an accelerator"; docs/design.md). cpu:
 # `sort`, the fastest capacity algorithm timed on CPU. tpu: `einsum`, the fewest bytes accessed
 # and the smallest roofline time of every capacity algorithm XLA's TPU compiler was given (one
-# v5e device, float32 and bfloat16). gpu: `sort`, undecided by the compiler (XLA's GPU compiler
-# gives no cost analysis) but the least scratch memory of the two. Each is a capacity algorithm
+# v5e device, float32 and bfloat16). gpu: `sort`, timed on an H200 (benchmarks/accelerator_check.py,
+# bf16 DeiT-S layer forward and backward): the fastest of every dispatch, ours and V-MoE's, at 4
+# and at 64 experts, with the least scratch memory. Each is a capacity algorithm
 # with `sort`'s served choices and an expert-parallel version (`EP_ALGORITHMS`), so the platform
 # changes results only by float rounding.
 AUTO_DISPATCH = {"cpu": "sort", "tpu": "einsum", "gpu": "sort"}

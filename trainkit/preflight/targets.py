@@ -227,6 +227,31 @@ _H100_DESCRIPTION = _gpu_description(
     shared_memory_per_core=228 * 1024,
     shared_memory_per_block_optin=227 * 1024,
 )
+# H200 SXM 141 GB (NVIDIA H200 Tensor Core GPU data sheet): the H100's compute (the same GH100
+# die, 132 SMs: 989 TFLOP/s dense bf16, 494 TF32) with 141 GB of HBM3e at 4.8 TB/s, and the same
+# NVLink 4 (900 GB/s both ways). Device memory as nvidia-smi reported it on the H200 the
+# accelerator check ran on (143771 MiB; docs/benchmarks.md, "Accelerator check"); 60 MB of L2 as
+# PyTorch reported it on such a machine. Between nodes: taken to be a DGX H200, with the DGX
+# H100's eight 400 Gb/s ConnectX-7 adapters.
+_H200 = dict(
+    _H100,
+    device_kind="NVIDIA H200",
+    peak_bf16_flops=PEAK_FLOPS_BY_KIND["NVIDIA H200"],
+    memory_bytes=143_771 * 1024**2,
+    memory_bandwidth=4.8e12,
+)
+_H200_DESCRIPTION = _gpu_description(
+    name="NVIDIA H200",
+    compute_capability=(9, 0),
+    core_count=132,
+    fpus_per_core=128,
+    clock_ghz=1.98,
+    memory_bytes=_H200["memory_bytes"],
+    memory_bandwidth=_H200["memory_bandwidth"],
+    l2_cache_bytes=60 * 1024**2,
+    shared_memory_per_core=228 * 1024,
+    shared_memory_per_block_optin=227 * 1024,
+)
 _A100 = dict(
     device_kind="NVIDIA A100-SXM4-80GB",
     memory_bytes=85_100_068_864,
@@ -343,6 +368,8 @@ TARGETS: dict[str, Target] = {
         _gpu("h100x1", _H100, _H100_DESCRIPTION, hosts=1, per_host=1),
         _gpu("h100x8", _H100, _H100_DESCRIPTION, hosts=1, per_host=8),
         _gpu("h100x16", _H100, _H100_DESCRIPTION, hosts=2, per_host=8),
+        _gpu("h200x1", _H200, _H200_DESCRIPTION, hosts=1, per_host=1),
+        _gpu("h200x8", _H200, _H200_DESCRIPTION, hosts=1, per_host=8),
         _gpu("a100x8", _A100, _A100_DESCRIPTION, hosts=1, per_host=8),
     )
 }
