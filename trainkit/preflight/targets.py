@@ -215,17 +215,21 @@ _H100 = dict(
     interconnect_bandwidth=450e9,
     inter_host_bandwidth=50e9,
 )
-_H100_DESCRIPTION = _gpu_description(
-    name="NVIDIA H100 80GB HBM3",
+# The GH100 die of the H100 and H200 SXM: what XLA's GPU compiler is told besides memory and L2.
+_HOPPER_SXM = dict(
     compute_capability=(9, 0),
     core_count=132,
     fpus_per_core=128,
     clock_ghz=1.98,
+    shared_memory_per_core=228 * 1024,
+    shared_memory_per_block_optin=227 * 1024,
+)
+_H100_DESCRIPTION = _gpu_description(
+    name="NVIDIA H100 80GB HBM3",
     memory_bytes=_H100["memory_bytes"],
     memory_bandwidth=_H100["memory_bandwidth"],
     l2_cache_bytes=50 * 1024**2,
-    shared_memory_per_core=228 * 1024,
-    shared_memory_per_block_optin=227 * 1024,
+    **_HOPPER_SXM,
 )
 # H200 SXM 141 GB (NVIDIA H200 Tensor Core GPU data sheet): the H100's compute (the same GH100
 # die, 132 SMs: 989 TFLOP/s dense bf16, 494 TF32) with 141 GB of HBM3e at 4.8 TB/s, and the same
@@ -242,15 +246,10 @@ _H200 = dict(
 )
 _H200_DESCRIPTION = _gpu_description(
     name="NVIDIA H200",
-    compute_capability=(9, 0),
-    core_count=132,
-    fpus_per_core=128,
-    clock_ghz=1.98,
     memory_bytes=_H200["memory_bytes"],
     memory_bandwidth=_H200["memory_bandwidth"],
     l2_cache_bytes=60 * 1024**2,
-    shared_memory_per_core=228 * 1024,
-    shared_memory_per_block_optin=227 * 1024,
+    **_HOPPER_SXM,
 )
 _A100 = dict(
     device_kind="NVIDIA A100-SXM4-80GB",
