@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import ml_collections
 
+from experiments.die_with_parent import PR_SET_PDEATHSIG
 from experiments.provenance import host, source_state
 from experiments.spec import (
     ERROR,
@@ -101,8 +102,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
     signal.signal(signal.SIGTERM, previous)
 
 
-# PR_SET_PDEATHSIG from <linux/prctl.h>: the signal a process gets when its parent dies.
-_PR_SET_PDEATHSIG = 1
 # A traceback's last line (`ValueError: ...`, `jaxlib...XlaRuntimeError: ...`, `KeyboardInterrupt`)
 # or a crash the interpreter reports itself.
 _EXCEPTION_LINE = re.compile(
@@ -125,7 +124,7 @@ def _die_with_the_runner(runner_pid: int) -> Callable[[], None]:
 
   def preexec() -> None:
     if prctl is not None:
-      prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+      prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != runner_pid:  # The runner died before prctl took effect.
       os.kill(os.getpid(), signal.SIGTERM)
 

@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 from typing import Any, Mapping, Sequence
 
+from experiments import die_with_parent
 from experiments.provenance import data_hash, data_hashes, differences, machine, source_state
 from experiments.spec import LOG, REPO_ROOT, REPORT, format_value, grid_points, run_command
 from experiments.supervise import failure_line, sigterm_as_interrupt, terminate_group
@@ -204,15 +205,16 @@ def _run_rerun(command: Sequence[str], log_path: str) -> int:
   The run gets a session of its own, so that SIGTERM or Ctrl-C to this process (turned into
   KeyboardInterrupt) terminates the run's whole process group, data workers included: SIGTERM
   (the mains checkpoint on it), SIGKILL after a grace period, and a wait, before the interrupt
-  goes on (`experiments.supervise.terminate_group`). No preexec_fn, unlike a sweep's runs: this
-  process has initialised JAX (`machine()`), and a fork that runs Python in a multithreaded
-  process may deadlock (JAX warns so). The explicit environment keeps libtpu's placeholders,
-  which `machine()` may have set, from the run (`child_environment`)."""
+  goes on (`experiments.supervise.terminate_group`). A SIGKILL to this process, which no
+  handler sees, reaches the run as SIGTERM through `experiments.die_with_parent` (no preexec_fn,
+  unlike a sweep's runs: this process has initialised JAX (`machine()`), and a fork that runs
+  Python in a multithreaded process may deadlock). The explicit environment keeps libtpu's
+  placeholders, which `machine()` may have set, from the run (`child_environment`)."""
   process = None
   with open(log_path, "w") as log, sigterm_as_interrupt():
     try:
       process = subprocess.Popen(
-          list(command),
+          die_with_parent.wrapped(list(command)),
           cwd=REPO_ROOT,
           env=child_environment({"PYTHONUNBUFFERED": "1"}),
           stdout=log,

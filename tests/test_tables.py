@@ -1444,10 +1444,12 @@ def _running(pid):
     return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_sigterm_to_a_reproduction_stops_its_training_run(toy_tables, tmp_path, repo_root):
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_killed_reproduction_stops_its_training_run(toy_tables, tmp_path, repo_root, signum):
   """a --reproduce killed by SIGTERM left its training subprocess running.
-  Now the run gets SIGTERM (the mains checkpoint on it) and is waited for; exit 130."""
+  Now the run gets SIGTERM (the mains checkpoint on it) and is waited for; exit 130. Killed by
+  SIGKILL, which it cannot see, its run still gets SIGTERM (experiments.die_with_parent)."""
   table_record.write_record(table_spec.load_table("toy"), str(toy_tables))
   workdir = tmp_path / "again"
   driver = (
@@ -1472,10 +1474,16 @@ def test_sigterm_to_a_reproduction_stops_its_training_run(toy_tables, tmp_path, 
     time.sleep(0.1)
   run_pid = int(started.read_text())
   try:
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, err = process.communicate(timeout=60)
-    assert process.returncode == 130, err
-    assert "interrupted; the rerun was stopped, nothing was compared or stamped" in err
+    if signum == signal.SIGTERM:
+      assert process.returncode == 130, err
+      assert "interrupted; the rerun was stopped, nothing was compared or stamped" in err
+    else:
+      assert process.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _running(run_pid) and time.monotonic() < deadline:
+      time.sleep(0.1)
     assert not _running(run_pid)
     assert (workdir / "run" / "sigterm.txt").exists()  # Told first: the mains checkpoint.
   finally:
