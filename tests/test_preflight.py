@@ -158,6 +158,12 @@ def test_quickstart_on_an_h100_node():
   assert memory["peak"] == memory["program_peak"] + memory["prefetched"]
   assert train["fits"] == (memory["peak"] <= record["target"]["usable_bytes"])
   assert f"and {DEFAULT_PREFETCH} prefetched ahead of it" in summary(record)
+  # A GPU step compiled with the cuBLAS fallback says that a real run's program differs.
+  caveat = "compiled with Triton GEMMs off"
+  fallback = dict(record, train_step=dict(train, compiler_options={"xla_gpu_enable_triton_gemm": False}))
+  assert caveat in summary(fallback).splitlines()[3]
+  plain = dict(record, train_step={k: v for k, v in train.items() if k != "compiler_options"})
+  assert caveat not in summary(plain)
 
 
 def test_a_preflight_leaves_the_persistent_cache_as_it_was(private_compilation_cache):
