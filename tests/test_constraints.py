@@ -15,6 +15,9 @@ from causal_attn_jax import constraints as C
 from causal_attn_jax.layers import causal_mask, masked_softmax, padding_mask, sparse_mask
 from trainkit.errors import ConfigError
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 E = math.e
 
 

@@ -23,6 +23,9 @@ from fairmoe_jax.models.convert_timm import (
 )
 from trainkit.errors import UserError
 
+# Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
+pytestmark = pytest.mark.float32_reference
+
 VIT = dict(
     num_classes=3,
     image_size=8,
