@@ -109,3 +109,23 @@ def test_describing_a_tpu_slice_without_a_tpu_prints_no_libtpu_errors(repo_root)
   assert "described: 16 True 4" in result.stdout, result.stdout
   assert "left: []" in result.stdout  # Nothing handed on to the processes started later.
   _assert_quiet(result.stderr)
+
+
+def test_a_mesh_too_large_for_the_host_is_recognised_by_its_message():
+  """tests/conftest.py skips a test on an accelerator host with fewer devices than its mesh: the
+  two messages it recognises are the real ones, on this jax (CPU: 8 fake devices)."""
+  import jax
+
+  from conftest import devices_missing
+  from trainkit.errors import ConfigError
+  from trainkit.mesh import mesh_shape
+
+  with pytest.raises(ConfigError) as too_many:
+    mesh_shape({"data": 16, "expert": 1}, jax.device_count())
+  with pytest.raises(ConfigError) as product:
+    mesh_shape({"data": 4, "expert": 4}, jax.device_count())
+  with pytest.raises(ValueError) as make_mesh:
+    jax.make_mesh((2 * jax.device_count(),), ("data",))
+  for error in (too_many.value, product.value, make_mesh.value):
+    assert devices_missing(error), str(error)
+  assert not devices_missing(ConfigError("mesh.data", "must be a positive integer or -1, got 0"))
