@@ -756,6 +756,11 @@ def run_quickstart(unit: Unit, args: argparse.Namespace, scratch: str, timeout: 
         test_accuracy=report.get("accuracy"),
         test_examples=report.get("num_examples"),
         mf_pqd=(report.get("mf") or {}).get("pqd"),
+        # What docs/report.md's quickstart table lists for each run (FairSMoE's mechanisms).
+        mf_dp=(report.get("mf") or {}).get("dp"),
+        routing_by_group=report.get("routing_by_group"),
+        sa_classifiers=report.get("sa_classifiers"),
+        sa_branch=report.get("sa_branch"),
     )
   training = [m for m in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "loss" in m]
   if training:

@@ -98,6 +98,9 @@ def test_tiny_run_reports_every_part_and_a_failing_part_keeps_the_others(tmp_pat
   on_device = quickstart["device"]
   _positive(on_device["wall_seconds"], on_device["final_loss"], on_device["examples_per_second"])
   assert 0.0 <= on_device["test_accuracy"] <= 1.0 and on_device["test_examples"] == 32
+  # The report's routing figures come back too (docs/report.md's quickstart table lists them).
+  [block] = on_device["routing_by_group"].values()
+  assert 0.0 <= block["divergence"] <= 1.0 and "=" in block["group"]
   assert quickstart["cpu"]["same_as_device"]  # The device is this CPU: one run serves both.
 
   # The step's consumption beside the pipeline's rate, from two parts.
