@@ -198,6 +198,41 @@ def test_the_prediction_is_for_the_chip_found_and_a_record_for_another_chip_is_n
   assert "The prediction is for another chip" in check.markdown(result)
 
 
+def test_a_recorded_device_result_is_compared_again_with_the_prediction_for_its_chip(tmp_path):
+  """`--from_result`: a device's JSON and a prediction made later, compared without a device."""
+  check = accelerator_check
+  h100, h200 = tmp_path / "h100.json", tmp_path / "h200.json"
+  h100.write_text(json.dumps(_preflight_record(batch=8)))
+  h200.write_text(json.dumps(dict(
+      _preflight_record(batch=8), target={"name": "h200x1", "device_kind": "NVIDIA H200"}
+  )))
+  device = tmp_path / "device.json"
+  device.write_text(json.dumps({
+      "command": "python benchmarks/accelerator_check.py --size=tiny", "date": "2026-11-27",
+      "size": "tiny", "budget_s": 900.0, "target": "h100x1",
+      "environment": {"device_kind": "NVIDIA H200", "platform": "gpu"},
+      "parts": {
+          "train_step": {"status": "ok", "measured": {
+              "step_seconds": 0.05, "peak_bytes": 9 * 2**30, "device_kind": "NVIDIA H200",
+              "dispatch": "sort"}},
+          **{p: {"status": "skipped"} for p in ("moe_layer", "input_pipeline", "quickstart")},
+      },
+  }))
+  out = tmp_path / "again.json"
+  args = check.parse_args([f"--from_result={device}", f"--preflight_json={h100},{h200}", f"--out={out}"])
+  result = check.compare_again(args)
+  train = result["parts"]["train_step"]
+  assert result["target"] == "h200x1" and str(h200) in train["prediction"]["source"]
+  assert train["ratios"]["step_over_predicted_step"] == pytest.approx(2.0)
+  assert train["ratios"]["same_chip"] is True
+  assert json.loads(out.read_text())["compared_again"].startswith("python benchmarks/")
+  assert "--from_result=" in out.with_suffix(".md").read_text()
+  # No record for the chip: one line, not a wrong comparison.
+  args = check.parse_args([f"--from_result={device}", f"--preflight_json={h100}", f"--out={out}"])
+  with pytest.raises(SystemExit, match="no --preflight_json for h200x1"):
+    check.compare_again(args)
+
+
 def test_the_markdown_of_a_run_that_measured_nothing_still_names_where_and_how():
   result = {
       "command": "python benchmarks/accelerator_check.py --out=x.json",
