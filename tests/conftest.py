@@ -115,9 +115,11 @@ def pytest_runtest_call(item):
   try:
     return (yield)
   except Exception as error:
+    if not devices_missing(error):  # Checked first: most failures never touch jax here.
+      raise
     import jax
 
-    if jax.default_backend() == "cpu" or not devices_missing(error):
+    if jax.default_backend() == "cpu":
       raise
     pytest.skip(
         f"needs more devices than this {jax.default_backend()} host's {jax.device_count()}: "
