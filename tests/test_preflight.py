@@ -36,6 +36,7 @@ from trainkit.preflight import analysis
 from trainkit.preflight.compile import (
     MEMORY_KEYS,
     does_not_fit_message,
+    fallback_peak,
     host_rows,
     memory_keys,
     persistent_cache_off,
@@ -158,12 +159,19 @@ def test_quickstart_on_an_h100_node():
   assert memory["peak"] == memory["program_peak"] + memory["prefetched"]
   assert train["fits"] == (memory["peak"] <= record["target"]["usable_bytes"])
   assert f"and {DEFAULT_PREFETCH} prefetched ahead of it" in summary(record)
-  # A GPU step compiled with the cuBLAS fallback says that a real run's program differs.
+  # A GPU step compiled with the cuBLAS fallback says that a real run's program differs, and
+  # where its temporaries 10% larger would not fit, that the run may not.
   caveat = "compiled with Triton GEMMs off"
   fallback = dict(record, train_step=dict(train, compiler_options={"xla_gpu_enable_triton_gemm": False}))
-  assert caveat in summary(fallback).splitlines()[3]
+  line = summary(fallback).splitlines()[3]
+  assert caveat in line and "may not fit" not in line
+  scaled = memory["peak"] + 0.1078 * memory["temporaries"]
+  assert fallback_peak(fallback) == pytest.approx(scaled, rel=1e-3)
+  usable = (memory["peak"] + scaled) / 2  # Fits as compiled, not with the larger temporaries.
+  tight = dict(fallback, target=dict(record["target"], usable_bytes=usable), fits=True)
+  assert "a real run may not fit" in summary(tight).splitlines()[3]
   plain = dict(record, train_step={k: v for k, v in train.items() if k != "compiler_options"})
-  assert caveat not in summary(plain)
+  assert caveat not in summary(plain) and fallback_peak(plain) is None
 
 
 def test_a_preflight_leaves_the_persistent_cache_as_it_was(private_compilation_cache):

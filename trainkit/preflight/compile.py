@@ -538,6 +538,24 @@ def settings_text(record: Mapping[str, Any]) -> str:
   return ", ".join(parts)
 
 
+# A GPU step compiled with the cuBLAS fallback (Triton GEMMs off) against the program a device
+# compiles: the CelebA FairSMoE DeiT-S step on an H200 had 1.108x the fallback's temporaries
+# (19.63 GB on the device, jax 0.11.2, against 17.72 GB here, jax 0.10.2; docs/scaling.md).
+FALLBACK_TEMPORARIES_FACTOR = 19.63 / 17.72
+
+
+def fallback_peak(record: Mapping[str, Any]) -> float | None:
+  """The train step's peak with its temporaries scaled as a device's compile scaled them, where
+  it was compiled with the GPU fallback; None otherwise."""
+  train = record["train_step"]
+  memory = train.get("memory") or {}
+  if (train.get("compiler_options") or {}).get("xla_gpu_enable_triton_gemm") is not False:
+    return None
+  if memory.get("peak") is None or memory.get("temporaries") is None:
+    return None
+  return memory["peak"] + (FALLBACK_TEMPORARIES_FACTOR - 1) * memory["temporaries"]
+
+
 def summary(record: Mapping[str, Any]) -> str:
   """The record as a few readable lines."""
   t, train, ev, run = record["target"], record["train_step"], record["eval_step"], record["run"]
@@ -566,13 +584,22 @@ def summary(record: Mapping[str, Any]) -> str:
       f"{train['flops_per_example']:.3e} ({train['flops_source']}); matmul FLOPs per example "
       f"{train['matmul_flops_per_example']:.3e}",
   ]
-  if (train.get("compiler_options") or {}).get("xla_gpu_enable_triton_gemm") is False:
+  scaled = fallback_peak(record)
+  if scaled is not None:
     # Measured: this fallback's temporaries were 0.90x what an H200 compiled for the same step
     # with Triton GEMMs (jax 0.11.2, whose deviceless compile matched the device's to 0.6%).
+    tight = record["fits"] and scaled > t["usable_bytes"]
     lines.insert(
         3,
         "  compiled with Triton GEMMs off (this jax cannot tile them without the GPU): a real "
-        "run's program differs; its temporaries may be about 10% larger (docs/scaling.md)",
+        f"run's program differs; with its temporaries 10% larger, as measured once, the peak is "
+        f"{_gib(scaled)}"
+        + (
+            ", over the usable memory: a real run may not fit, or fit only as XLA rematerialises "
+            "(slower); compile with the jax the run will use (docs/scaling.md)"
+            if tight
+            else " (docs/scaling.md)"
+        ),
     )
   if train.get("bytes_accessed_per_device") is not None:
     split = train.get("cost_split")
