@@ -1,6 +1,6 @@
 r"""One command for a lent GPU: the figures the preflight and the dispatch choice rest on.
 
-  python benchmarks/accelerator_check.py --out=$OUT/accelerator_check.json    # a lent GPU, < 8 min
+  python benchmarks/accelerator_check.py --out=$OUT/accelerator_check.json    # a lent GPU, < 9 min
   python benchmarks/accelerator_check.py --size=tiny --out=/tmp/ac/check.json  # any CPU: the path
 
 Parts, each measured on this machine's default JAX device (docs/benchmarks.md, "Accelerator
@@ -23,12 +23,14 @@ check", says how to run it on a lent GPU):
 * `input_pipeline`: the training input pipeline's images/s on this host's cores
   (`benchmarks/input_pipeline.py`'s `uint8_one_pass` row, in-process and with one grain worker
   per core but one) beside the images/s the measured step consumes (batch / step time);
+* `tests`: the test files of `DEVICE_TESTS` run by pytest on the device (JAX_PLATFORMS set to
+  its platform): counts, and each failing test's line;
 * `quickstart`: the README's quickstart on the device and on this host's CPU
   (JAX_PLATFORMS=cpu): test accuracy, last training loss and wall time of each.
 
 Built for a lease of a few minutes: every unit (the prediction, the step, the layer, the
-pipeline, each quickstart) runs in a process of its own, stopped at its share of the time budget
-(`--budget_s`, 7 minutes by default at full size). The JSON (`--out`) and its markdown section
+pipeline, the tests, each quickstart) runs in a process of its own, stopped at its share of the time budget
+(`--budget_s`, 8 minutes by default at full size). The JSON (`--out`) and its markdown section
 (the same path with `.md`, printed at the end) are rewritten after every unit, so a unit that
 fails, hangs or crashes is recorded with its error, and with whatever it measured before
 failing, while the others still report; units the remaining budget cannot hold are skipped, the
@@ -95,7 +97,21 @@ PACKAGES = (
     "tensorboardX",
     "numpy",
 )
-PARTS = ("train_step", "moe_layer", "input_pipeline", "quickstart")
+PARTS = ("train_step", "moe_layer", "input_pipeline", "tests", "quickstart")
+# The test files a lent device runs (docs/benchmarks.md, "The tests on a lent GPU"): the layers,
+# routers, dispatches, attention and training steps against their references. Those that
+# compare float32 with float64 ask for full matmul precision there, and those that need the 8
+# fake CPU devices skip on a host with fewer (tests/conftest.py).
+DEVICE_TESTS = tuple(
+    f"tests/test_{name}.py"
+    for name in (
+        "moe_algorithms", "moe", "routers", "causal_attention", "gelu", "vit", "swin",
+        "fairness_metrics", "decoding", "moe_layer_options", "remat", "optim", "causal_models",
+        "dropless_tpu", "methods", "fairness_training", "constraints",
+    )
+)
+# A failing test's line kept in the record: enough to sort the failures by cause.
+FAILURE_CHARS = 240
 OURS = ("sort", "einsum", "dropless")  # What `moe.dispatch=auto` may choose on a GPU.
 # Lines of the units' output not worth echoing (XLA's start-up chatter where CUDA is absent).
 NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog()")
@@ -120,6 +136,7 @@ class Size:
   pipeline_workers: tuple[str, ...]  # Counts, or "cores": a worker per core of this host but one.
   quickstart_config: str
   quickstart_overrides: tuple[str, ...]
+  device_tests: tuple[str, ...]  # pytest arguments: files, or a file and -k.
   budget_s: float
   use_unit_minimum: bool  # Whether a unit needs its `min_s` of the budget left to start.
 
@@ -141,7 +158,8 @@ SIZES = {
         pipeline_workers=("0", "cores"),
         quickstart_config="configs/quickstart.py",
         quickstart_overrides=(),
-        budget_s=420.0,
+        device_tests=DEVICE_TESTS,
+        budget_s=480.0,
         use_unit_minimum=True,
     ),
     "tiny": Size(
@@ -174,6 +192,7 @@ SIZES = {
             "--config.log_every_steps=1",
             "--config.analysis_batches=0",  # No gradient-conflict analysis: one compile less.
         ),
+        device_tests=("tests/test_gelu.py", "-k", "float64_reference"),
         budget_s=900.0,
         use_unit_minimum=False,
     ),
@@ -193,13 +212,14 @@ class Unit:
 
 
 # In order of what the figures decide: the preflight's calibration first, then the dispatch,
-# the pipeline, and the quickstart, whose CPU run is the longest and the least needed.
+# the pipeline, the tests, and the quickstart, whose CPU run is the longest and the least needed.
 UNITS = (
     Unit("environment", "probe", 60, 10, "device"),
     Unit("train_step", "prediction", 150, 30, "cpu"),
     Unit("train_step", "measured", 200, 60, "device"),
     Unit("moe_layer", "layer", 180, 45, "device"),
     Unit("input_pipeline", "throughput", 90, 20, "cpu"),
+    Unit("tests", "device", 240, 60, "device"),
     Unit("quickstart", "device", 150, 30, "device"),
     Unit("quickstart", "cpu", 200, 45, "cpu"),
 )
@@ -732,6 +752,62 @@ def run_child(unit: Unit, args: argparse.Namespace, scratch: str, timeout: float
   return _outcome(_read_json(unit_out), code, tail, seconds, failed="")
 
 
+def run_device_tests(unit: Unit, args: argparse.Namespace, scratch: str, timeout: float) -> dict:
+  """The test files of `Size.device_tests` on the device: counts, and each failure's line."""
+  size = SIZES[args.size]
+  junit = os.path.join(scratch, "device_tests.xml")
+  platform_name = {"gpu": "cuda"}.get(args.device_platform, args.device_platform)
+  workers = max(1, min(12, _cores() - 1)) if args.size == "full" else 1
+  command = [
+      sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+      *(["-n", str(workers)] if workers > 1 else []), *size.device_tests,
+  ]
+  env = dict(_environment(unit.platform), JAX_PLATFORMS=platform_name)
+  if workers > 1:  # Several processes share the device: none may take most of its memory.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  shown = shlex.join(["python", *command[1:]]).replace(junit, "FILE")
+  record: dict[str, Any] = {"command": f"JAX_PLATFORMS={platform_name} {shown}"}
+  code, tail, seconds = run_process(command, env, timeout)
+  record.update(junit_summary(junit))
+  failed = "" if record.get("tests") else "no test report"
+  if code == 1 and record.get("tests"):  # Tests failed: recorded above, not a crash.
+    failed = f"{record['failed'] + record['errors']} of {record['tests']} tests failed"
+    code = 0
+  return _outcome(record, code, tail, seconds, failed=failed)
+
+
+def junit_summary(path: str) -> dict:
+  """pytest's JUnit XML as counts and one line per failing test; {} where there is none."""
+  import xml.etree.ElementTree as ElementTree  # pylint: disable=import-outside-toplevel
+
+  try:
+    root = ElementTree.parse(path).getroot()
+  except (OSError, ElementTree.ParseError):
+    return {}
+  counts = collections.Counter()
+  failures = []
+  for case in root.iter("testcase"):
+    counts["tests"] += 1
+    problem = case.find("failure")
+    if problem is None:
+      problem = case.find("error")
+    if case.find("skipped") is not None:
+      counts["skipped"] += 1
+    elif problem is not None:
+      counts["failed" if problem.tag == "failure" else "errors"] += 1
+      test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+      message = " ".join((problem.get("message") or "").split())[:FAILURE_CHARS]
+      failures.append({"test": test, "message": message})
+  return {
+      "tests": counts["tests"],
+      "passed": counts["tests"] - counts["skipped"] - counts["failed"] - counts["errors"],
+      "failed": counts["failed"],
+      "errors": counts["errors"],
+      "skipped": counts["skipped"],
+      "failures": failures,
+  }
+
+
 def run_quickstart(unit: Unit, args: argparse.Namespace, scratch: str, timeout: float) -> dict:
   """The README's quickstart command on `unit.platform`: its report's figures and wall time."""
   size = SIZES[args.size]
@@ -973,6 +1049,28 @@ def _input_pipeline_markdown(pipeline: dict) -> list[str]:
   return lines
 
 
+def _tests_markdown(tests: dict) -> list[str]:
+  run = tests.get("device") or {}
+  if not run.get("tests"):
+    return [f"**Tests on the device** ({tests.get('status')}): {run.get('error') or run.get('reason', 'not run')}"]
+  lines = [
+      f"**Tests on the device** ({tests.get('status')}): {run['passed']} passed, {run['failed']} "
+      f"failed, {run['errors']} errors, {run['skipped']} skipped, in {_f(run.get('seconds'), 0)} s.",
+      "",
+      "```bash",
+      run.get("command", "?"),
+      "```",
+  ]
+  if run["failures"]:
+    lines += ["", "| failing test | message |", "|---|---|"]
+    lines += [
+        f"| `{f['test']}` | {f['message'].replace('|', '/')[:160]} |" for f in run["failures"][:30]
+    ]
+    if len(run["failures"]) > 30:
+      lines.append(f"| ... {len(run['failures']) - 30} more in the JSON | |")
+  return lines
+
+
 def _quickstart_markdown(quick: dict) -> list[str]:
   on_device, on_cpu = quick.get("device") or {}, quick.get("cpu") or {}
   lines = [
@@ -1015,6 +1113,7 @@ def markdown(result: dict) -> str:
       _train_step_markdown(parts["train_step"]),
       _moe_layer_markdown(parts["moe_layer"]),
       _input_pipeline_markdown(parts["input_pipeline"]),
+      _tests_markdown(parts.get("tests") or {}),
       _quickstart_markdown(parts["quickstart"]),
   ):
     lines += ["", *part_lines]
@@ -1153,10 +1252,11 @@ def main_parent(args: argparse.Namespace) -> dict:
         timeout = min(unit.cap_s if args.size == "full" else budget, budget - elapsed)
         print(f"[{elapsed:4.0f} s] {unit.part}.{unit.name} on {unit.platform}, at most "
               f"{timeout:.0f} s", flush=True)
-        run = run_quickstart if unit.part == "quickstart" else run_child
+        run = {"quickstart": run_quickstart, "tests": run_device_tests}.get(unit.part, run_child)
         record = run(unit, args, scratch, timeout)
       if unit.part == "environment":
         result["environment"] = record
+        args.device_platform = record.get("platform") or "cpu"
         if args.target == "auto":  # The children are given the target this chip resolves to.
           args.target = result["target"] = target_for_device(record)
           args.forwarded = [a for a in args.forwarded if not a.startswith("--target")]
@@ -1191,7 +1291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       "--budget_s",
       type=float,
       default=None,
-      help="seconds for all units (default 420 at full size, 900 at tiny); a unit that the rest "
+      help="seconds for all units (default 480 at full size, 900 at tiny); a unit that the rest "
       "cannot start is skipped, the reason recorded",
   )
   parser.add_argument(
@@ -1240,6 +1340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--unit_out", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   args.part_list = [p.strip() for p in args.parts.split(",") if p.strip()]
+  args.device_platform = "cpu"  # The environment probe's, once it has run.
   unknown = sorted(set(args.part_list) - set(PARTS))
   if unknown:
     parser.error(f"--parts: unknown {', '.join(unknown)}; known: {', '.join(PARTS)}")

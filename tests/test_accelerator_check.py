@@ -59,7 +59,7 @@ def test_tiny_run_reports_every_part_and_a_failing_part_keeps_the_others(tmp_pat
   env = data["environment"]
   assert env["status"] == "ok" and env["platform"] == "cpu" and env["jax"] == jax.__version__
   assert env["packages"]["grain"] and env["packages"]["jax"] == jax.__version__
-  assert set(data["parts"]) == {"train_step", "moe_layer", "input_pipeline", "quickstart"}
+  assert set(data["parts"]) == {"train_step", "moe_layer", "input_pipeline", "tests", "quickstart"}
 
   # The failing part: its error recorded, what it measured before failing kept.
   pipeline = data["parts"]["input_pipeline"]
@@ -103,6 +103,13 @@ def test_tiny_run_reports_every_part_and_a_failing_part_keeps_the_others(tmp_pat
   assert 0.0 <= block["divergence"] <= 1.0 and "=" in block["group"]
   assert quickstart["cpu"]["same_as_device"]  # The device is this CPU: one run serves both.
 
+  # The tests on the device (here the CPU): run, counted, none failing.
+  tests = data["parts"]["tests"]
+  assert tests["status"] == "ok", tests
+  run = tests["device"]
+  assert run["tests"] == run["passed"] >= 1 and run["failed"] == run["errors"] == 0
+  assert run["command"].startswith("JAX_PLATFORMS=cpu python -m pytest")
+
   # The step's consumption beside the pipeline's rate, from two parts.
   _positive(pipeline["vs_step"]["cores_to_feed_step"], pipeline["vs_step"]["pipeline_over_step"])
 
@@ -125,6 +132,35 @@ def test_an_exhausted_budget_skips_every_unit_with_the_reason(tmp_path):
       wanted = "time budget" if name in ("train_step", "quickstart") else "not in --parts"
       assert wanted in unit["reason"], (name, unit)
   assert "Not measured" in out.with_suffix(".md").read_text()
+
+
+def test_failing_device_tests_are_counted_and_listed_by_cause(tmp_path):
+  junit = tmp_path / "junit.xml"
+  junit.write_text(
+      '<testsuites><testsuite name="pytest" tests="4">'
+      '<testcase classname="tests.test_moe" name="test_ok"/>'
+      '<testcase classname="tests.test_moe" name="test_close">'
+      '<failure message="AssertionError:\n Not equal to tolerance rtol=1e-05">trace</failure>'
+      "</testcase>"
+      '<testcase classname="tests.test_mesh" name="test_mesh">'
+      '<skipped message="needs more devices"/></testcase>'
+      '<testcase classname="tests.test_fair" name="test_import">'
+      '<error message="ModuleNotFoundError: No module named \'fairlearn\'">trace</error>'
+      "</testcase></testsuite></testsuites>"
+  )
+  summary = accelerator_check.junit_summary(str(junit))
+  assert {k: summary[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == {
+      "tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+  assert summary["failures"] == [
+      {"test": "test_moe::test_close", "message": "AssertionError: Not equal to tolerance rtol=1e-05"},
+      {"test": "test_fair::test_import", "message": "ModuleNotFoundError: No module named 'fairlearn'"},
+  ]
+  assert accelerator_check.junit_summary(str(tmp_path / "absent.xml")) == {}
+  lines = accelerator_check._tests_markdown(  # pylint: disable=protected-access
+      {"status": "error", "device": dict(summary, command="pytest", seconds=3.0)}
+  )
+  assert "1 passed, 1 failed, 1 errors, 1 skipped" in lines[0]
+  assert "| `test_moe::test_close` | AssertionError: Not equal to tolerance rtol=1e-05 |" in lines
 
 
 def _preflight_record(batch):
