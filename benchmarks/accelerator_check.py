@@ -908,6 +908,8 @@ def derive(result: dict) -> None:
 
 
 def _same_chip(measured_kind: str | None, predicted_kind: str | None) -> bool | None:
+  """Whether two device kinds name one chip (one may add to the other: "NVIDIA H100 80GB HBM3"
+  and "NVIDIA H100"); None where either is unknown."""
   if not measured_kind or not predicted_kind:
     return None
   return measured_kind.startswith(predicted_kind) or predicted_kind.startswith(measured_kind)
@@ -1197,11 +1199,9 @@ def target_for_device(environment: dict) -> str:
   unknown chip)."""
   from trainkit.preflight.targets import TARGETS
 
-  kind = str(environment.get("device_kind") or "")
+  kind = environment.get("device_kind")
   for name, target in TARGETS.items():
-    if target.num_devices == 1 and kind and (
-        kind.startswith(target.device_kind) or target.device_kind.startswith(kind)
-    ):
+    if target.num_devices == 1 and _same_chip(kind, target.device_kind):
       return name
   return "h100x1"
 
