@@ -29,8 +29,8 @@ check", says how to run it on a lent GPU):
   (JAX_PLATFORMS=cpu): test accuracy, last training loss and wall time of each.
 
 Built for a lease of a few minutes: every unit (the prediction, the step, the layer, the
-pipeline, the tests, each quickstart) runs in a process of its own, stopped at its share of the time budget
-(`--budget_s`, 8 minutes by default at full size). The JSON (`--out`) and its markdown section
+pipeline, the tests, each quickstart) runs in a process of its own, stopped at its share of the
+time budget (`--budget_s`, 8 minutes by default at full size). The JSON (`--out`) and its markdown section
 (the same path with `.md`, printed at the end) are rewritten after every unit, so a unit that
 fails, hangs or crashes is recorded with its error, and with whatever it measured before
 failing, while the others still report; units the remaining budget cannot hold are skipped, the
@@ -1054,10 +1054,12 @@ def _input_pipeline_markdown(pipeline: dict) -> list[str]:
 def _tests_markdown(tests: dict) -> list[str]:
   run = tests.get("device") or {}
   if not run.get("tests"):
-    return [f"**Tests on the device** ({tests.get('status')}): {run.get('error') or run.get('reason', 'not run')}"]
+    why = run.get("error") or run.get("reason", "not run")
+    return [f"**Tests on the device** ({tests.get('status')}): {why}"]
   lines = [
-      f"**Tests on the device** ({tests.get('status')}): {run['passed']} passed, {run['failed']} "
-      f"failed, {run['errors']} errors, {run['skipped']} skipped, in {_f(run.get('seconds'), 0)} s.",
+      f"**Tests on the device** ({tests.get('status')}): {run['passed']} passed, "
+      f"{run['failed']} failed, {run['errors']} errors, {run['skipped']} skipped, in "
+      f"{_f(run.get('seconds'), 0)} s.",
       "",
       "```bash",
       run.get("command", "?"),

@@ -107,13 +107,21 @@ class _Dropped(NamedTuple):
   fraction_dropped: jax.Array
 
 
-def _moe_loss(dispatch: str, capacity: int, top_k: int) -> Callable[..., Any]:
+def _moe_loss(
+    dispatch: str, capacity: int, top_k: int, router_on_groups: bool = False
+) -> Callable[..., Any]:
+  """The layer's loss. `router_on_groups`: the logits computed on the [G, S, D] tokens and
+  flattened afterwards, as the layer does not (benchmarks/dispatch_levers.py)."""
   algorithm = vmoe_reference if dispatch == REFERENCE else DISPATCH_ALGORITHMS[dispatch]
 
   def loss(x, router, experts, cotangent):
     groups, tokens, dim = x.shape
     # The router runs in float32 whatever the compute dtype (as `TopKRouter` does).
-    logits = x.reshape(groups * tokens, dim).astype(jnp.float32) @ router
+    if router_on_groups:
+      logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32), router)
+      logits = logits.reshape(groups * tokens, -1)
+    else:
+      logits = x.reshape(groups * tokens, dim).astype(jnp.float32) @ router
     routing = route_from_logits(logits, top_k)
     y, stats = algorithm(
         x,

@@ -1,0 +1,138 @@
+r"""Bytes accessed by `einsum` under two variants that were measured and not adopted.
+
+  python benchmarks/dispatch_levers.py                  # deit_s32 E=64 float32 on a v5e, ~3 min
+  python benchmarks/dispatch_levers.py --experts 4 --dtype bfloat16
+
+docs/benchmarks.md ("Which dispatch on an accelerator") gives `einsum` at 0.96x the bytes of
+V-MoE's best at `deit_s32` E=64 float32, against the 0.9x asked. This compiles, for one v5e chip
+and as `benchmarks/dispatch_compile.py` compiles its rows (`moe_layer.py`'s loss, forward and
+backward), the layer as committed and under each lever left, then both:
+
+* `router_gsd`: the router's logits computed on the [G, S, D] tokens and flattened afterwards,
+  instead of flattening the tokens (197 is not a multiple of the TPU's 8-row tile, so the
+  flattening is a relayout copy of x, forward and backward);
+* `bf16_residuals`: the expert MLP keeps bf16 GELU(h) and GELU'(h) for its backward pass (behind
+  `optimization_barrier`: without it XLA recomputes both from the float32 h and nothing
+  changes). It changes the float32 gradients, which is why it was not adopted.
+
+Nothing here is used by the library. The JSON (`--out`) holds each variant's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import dispatch_compile  # noqa: E402
+import moe_layer  # noqa: E402
+from fairmoe_jax.moe.dispatch import compute_capacity  # noqa: E402
+from fairmoe_jax.moe.dispatch import experts as experts_module  # noqa: E402
+from trainkit.preflight import analysis  # noqa: E402
+from trainkit.preflight.targets import get_target  # noqa: E402
+
+TOP_K = 2
+
+
+@jax.custom_vjp
+def _gelu_bf16_slope(h: jax.Array) -> jax.Array:
+  return jax.nn.gelu(h, approximate=False)
+
+
+def _gelu_forward(h):
+  y, slope = jax.jvp(lambda t: jax.nn.gelu(t, approximate=False), (h,), (jnp.ones_like(h),))
+  return y, jax.lax.optimization_barrier(slope.astype(jnp.bfloat16))
+
+
+def _gelu_backward(slope, d_y):
+  return (d_y * slope.astype(d_y.dtype),)
+
+
+_gelu_bf16_slope.defvjp(_gelu_forward, _gelu_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul_bf16_input(layout: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  forward, _, _ = experts_module._MATMUL_SPECS[layout]  # pylint: disable=protected-access
+  return jnp.einsum(forward, x, w.astype(x.dtype))
+
+
+def _matmul_forward(layout, x, w):
+  kept = jax.lax.optimization_barrier(x.astype(jnp.bfloat16))
+  return _matmul_bf16_input(layout, kept.astype(x.dtype), w), (kept, w)
+
+
+def _matmul_backward(layout, residuals, d_y):
+  kept, w = residuals
+  _, input_spec, weight_spec = experts_module._MATMUL_SPECS[layout]  # pylint: disable=protected-access
+  d_x = jnp.einsum(input_spec, d_y, w.astype(d_y.dtype))
+  d_w = jnp.einsum(weight_spec, kept.astype(d_y.dtype), d_y, preferred_element_type=jnp.float32)
+  return d_x, d_w.astype(w.dtype)
+
+
+_matmul_bf16_input.defvjp(_matmul_forward, _matmul_backward)
+
+
+def _apply_with_bf16_residuals(self, x):
+  """`ExpertWeights.apply_expert_major` keeping bf16 GELU(h) and GELU'(h) for the backward."""
+  rows = (1,) * (x.ndim - 2)
+  h = experts_module.expert_matmul("expert_major", x, self.w1)
+  h = _gelu_bf16_slope(experts_module.add_bias(h, self.b1.reshape(self.num_experts, *rows, -1)))
+  y = _matmul_bf16_input("expert_major", h, self.w2)
+  return experts_module.add_bias(y, self.b2.reshape(self.num_experts, *rows, -1))
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--shape", default="deit_s32")
+  parser.add_argument("--experts", type=int, default=64)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--target", default="v5e-8")
+  parser.add_argument("--out", default="")
+  args = parser.parse_args(argv)
+  target = get_target(args.target)
+  mesh = dispatch_compile.one_device_mesh(target)
+  _, tokens, _, _ = dispatch_compile.SHAPES[args.shape]
+  capacity = compute_capacity(tokens, args.experts, TOP_K, 1.25)
+  inputs = dispatch_compile.abstract_args(
+      mesh, args.shape, args.experts, TOP_K, "einsum", args.dtype
+  )
+  committed = experts_module.ExpertWeights.apply_expert_major
+  rows = {}
+  for name, router_gsd, bf16_residuals in (
+      ("as committed", False, False),
+      ("router_gsd", True, False),
+      ("bf16_residuals", False, True),
+      ("both", True, True),
+  ):
+    experts_module.ExpertWeights.apply_expert_major = (
+        _apply_with_bf16_residuals if bf16_residuals else committed
+    )
+    try:
+      loss = moe_layer._moe_loss(  # pylint: disable=protected-access
+          "einsum", capacity, TOP_K, router_on_groups=router_gsd
+      )
+      compiled, _ = dispatch_compile.compile_step(loss, inputs)
+    finally:
+      experts_module.ExpertWeights.apply_expert_major = committed
+    rows[name] = analysis.cost(compiled)["bytes accessed"]
+    print(f"{args.target} {args.shape} E={args.experts} {args.dtype} {name}: "
+          f"{rows[name] / 1e9:.3f} GB accessed", flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(vars(args), bytes_accessed=rows), f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
