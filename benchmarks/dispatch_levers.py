@@ -121,17 +121,27 @@ def _expert_mlp_loss(x: jax.Array, experts: experts_module.ExpertWeights, cotang
   return jnp.sum((y * cotangent).astype(jnp.float32)), jnp.zeros(())
 
 
+def expert_mlp_bytes(mesh: jax.sharding.Mesh, shape: str, num_experts: int, dtype: str) -> float:
+  """Bytes accessed by the expert MLP alone, forward and backward, compiled on `mesh` for the
+  [E, G, C, D] buffers `einsum` hands it at `shape` (weights float32, tokens in `dtype`)."""
+  groups, tokens, dim, _ = dispatch_compile.SHAPES[shape]
+  x, _, weights, _ = dispatch_compile.abstract_args(mesh, shape, num_experts, TOP_K, "einsum", dtype)
+  capacity = compute_capacity(tokens, num_experts, TOP_K, 1.25)
+  buffers = jax.ShapeDtypeStruct((num_experts, groups, capacity, dim), x.dtype, sharding=x.sharding)
+  compiled, _ = dispatch_compile.compile_step(_expert_mlp_loss, (buffers, weights, buffers))
+  return analysis.cost(compiled)["bytes accessed"]
+
+
 def _vmoe_best(shape: str, num_experts: int, dtype: str, target: str) -> float | None:
   """V-MoE's best bytes for the case in the committed dispatch table, or None."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dispatch_compile.json")
-  if not os.path.isfile(path):
+  if not os.path.isfile(dispatch_compile.TABLE_JSON):
     return None
-  with open(path) as f:
+  with open(dispatch_compile.TABLE_JSON) as f:
     rows = json.load(f)["rows"]
   peers = [
       r["bytes_accessed"] for r in rows
       if (r["shape"], r["num_experts"], r["dtype"], r["target"]) == (shape, num_experts, dtype, target)
-      and r["dispatch"] in ("vmoe_einsum", "vmoe_indices") and r.get("bytes_accessed")
+      and r["dispatch"] in moe_layer.PEER_ROWS and r.get("bytes_accessed")
   ]
   return min(peers) if peers else None
 
@@ -175,12 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.target} {args.shape} E={args.experts} {args.dtype} {name}: "
           f"{rows[name] / 1e9:.3f} GB accessed", flush=True)
   groups, _, dim, hidden = dispatch_compile.SHAPES[args.shape]
-  _, _, weights, _ = inputs
-  buffer = jax.ShapeDtypeStruct(
-      (args.experts, groups, capacity, dim), jnp.dtype(args.dtype), sharding=inputs[0].sharding
-  )
-  compiled, _ = dispatch_compile.compile_step(_expert_mlp_loss, (buffer, weights, buffer))
-  rows["expert MLP alone"] = analysis.cost(compiled)["bytes accessed"]
+  rows["expert MLP alone"] = expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype)
   # The floor counts every tensor in float32; a bfloat16 layer mixes float32 weights with
   # bfloat16 tokens and intermediates, and meets the 0.9x target already.
   floor = (

@@ -99,31 +99,13 @@ def test_the_expert_mlp_traffic_floor_bounds_the_compiled_mlp_tightly(tpu, num_e
   (within 5%: a floor missing one per-row tensor of width D, or one of the weights' three
   passes, is 6% and 26% below at E=64), on the [E, G, C, D] buffers `einsum` hands the MLP at
   DeiT-S's widths (multiples of the TPU's 128 lanes, so no padding)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
-
   import dispatch_levers  # pylint: disable=import-outside-toplevel
-  from fairmoe_jax.moe.dispatch import ExpertWeights, compute_capacity  # pylint: disable=import-outside-toplevel
-  from trainkit.preflight import analysis  # pylint: disable=import-outside-toplevel
+  from fairmoe_jax.moe.dispatch import compute_capacity  # pylint: disable=import-outside-toplevel
 
   _, mesh = tpu
   groups, tokens, dim, hidden = dispatch_compile.SHAPES["deit_s32"]
   capacity = compute_capacity(tokens, num_experts, 2, 1.25)
-  sharding = NamedSharding(mesh, PartitionSpec())
-
-  def spec(*dims):
-    return jax.ShapeDtypeStruct(dims, jnp.float32, sharding=sharding)
-
-  weights = ExpertWeights(
-      w1=spec(num_experts, dim, hidden), b1=spec(num_experts, hidden),
-      w2=spec(num_experts, hidden, dim), b2=spec(num_experts, dim),
-  )
-  buffers = spec(num_experts, groups, capacity, dim)
-  compiled, _ = dispatch_compile.compile_step(
-      dispatch_levers._expert_mlp_loss, (buffers, weights, buffers)  # pylint: disable=protected-access
-  )
-  accessed = analysis.cost(compiled)["bytes accessed"]
+  accessed = dispatch_levers.expert_mlp_bytes(mesh, "deit_s32", num_experts, "float32")
   floor = dispatch_levers.expert_mlp_traffic_floor(num_experts, groups * capacity, dim, hidden)
   assert floor <= accessed <= 1.05 * floor, (accessed, floor)
 
