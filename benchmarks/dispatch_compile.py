@@ -83,7 +83,9 @@ CASES = {
     "vmoe": moe_layer.VMOE_CASES,  # ("cpu", 8, 2), ("cpu", 64, 2), ("cpu_deit", 8, 2)
     "deit_s": (("deit_s32", 4, 2), ("deit_s32", 64, 2)),
 }
-DISPATCHES = ("sort", "einsum", "sort_blocks", "blocksparse", "dropless", "dropless_ragged_dot")
+DISPATCHES = (
+    "sort", "einsum", "einsum_fused", "sort_blocks", "blocksparse", "dropless", "dropless_ragged_dot"
+)
 # Rows that run a registered dispatch with one option set: `dropless` picks its grouped matmuls
 # by the platform it is compiled for (megablox's Pallas kernels on TPU, `ragged_dot` elsewhere);
 # these force one. Megablox's kernels are custom calls, whose FLOPs and bytes in XLA's cost

@@ -1,4 +1,5 @@
-r"""Bytes accessed by `einsum` under two variants that were measured and not adopted.
+r"""Bytes accessed by `einsum` under two variants that were measured and not adopted, and with
+the fused expert MLP (`einsum_fused`) that was.
 
   python benchmarks/dispatch_levers.py                  # deit_s32 E=64 float32 on a v5e, ~1 min
   python benchmarks/dispatch_levers.py --experts 4 --dtype bfloat16
@@ -20,9 +21,11 @@ no dispatch), and prints its traffic floor (`expert_mlp_traffic_floor`): the byt
 moves that runs the MLP as XLA's TPU compiler does, one matmul per fusion with each [E, G, C, H]
 intermediate written once and read by each matmul that needs it. At `deit_s32` E=64 float32 that
 floor is above 0.9x of V-MoE's best (`benchmarks/results/dispatch_compile.json`), which both
-share, since V-MoE's dispatchers feed the same MLP: the ratio printed last.
+share, since V-MoE's dispatchers feed the same MLP: the ratio printed last. Below it: the MLP
+in `fused_mlp`'s Pallas kernels, which keep the hidden activation out of memory, alone and as
+the dispatch `einsum_fused` (the kernels' bytes are the estimate they pass to `pallas_call`).
 
-Nothing here is used by the library. The JSON (`--out`) holds each variant's bytes.
+Nothing else here is used by the library. The JSON (`--out`) holds each variant's bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import dispatch_compile  # noqa: E402
 import moe_layer  # noqa: E402
 from fairmoe_jax.moe.dispatch import compute_capacity  # noqa: E402
 from fairmoe_jax.moe.dispatch import experts as experts_module  # noqa: E402
+from fairmoe_jax.moe.dispatch.fused_mlp import fused_expert_mlp  # noqa: E402
 from trainkit.preflight import analysis  # noqa: E402
 from trainkit.preflight.targets import get_target  # noqa: E402
 
@@ -116,19 +120,25 @@ def expert_mlp_traffic_floor(
   return itemsize * (3 * kernels + num_experts * rows * per_row)
 
 
-def _expert_mlp_loss(x: jax.Array, experts: experts_module.ExpertWeights, cotangent: jax.Array):
-  y = experts.apply_expert_major(x)
+def _expert_mlp_loss(
+    x: jax.Array, experts: experts_module.ExpertWeights, cotangent: jax.Array, *, mlp: str
+):
+  y = fused_expert_mlp(x, experts) if mlp == "fused" else experts.apply_expert_major(x)
   return jnp.sum((y * cotangent).astype(jnp.float32)), jnp.zeros(())
 
 
-def expert_mlp_bytes(mesh: jax.sharding.Mesh, shape: str, num_experts: int, dtype: str) -> float:
+def expert_mlp_bytes(
+    mesh: jax.sharding.Mesh, shape: str, num_experts: int, dtype: str, mlp: str = "xla"
+) -> float:
   """Bytes accessed by the expert MLP alone, forward and backward, compiled on `mesh` for the
-  [E, G, C, D] buffers `einsum` hands it at `shape` (weights float32, tokens in `dtype`)."""
+  [E, G, C, D] buffers `einsum` hands it at `shape` (weights float32, tokens in `dtype`); `mlp`
+  "xla" (`ExpertWeights.apply_expert_major`) or "fused" (`fused_mlp`'s kernels on a TPU)."""
   groups, tokens, dim, _ = dispatch_compile.SHAPES[shape]
   x, _, weights, _ = dispatch_compile.abstract_args(mesh, shape, num_experts, TOP_K, "einsum", dtype)
   capacity = compute_capacity(tokens, num_experts, TOP_K, 1.25)
   buffers = jax.ShapeDtypeStruct((num_experts, groups, capacity, dim), x.dtype, sharding=x.sharding)
-  compiled, _ = dispatch_compile.compile_step(_expert_mlp_loss, (buffers, weights, buffers))
+  loss = functools.partial(_expert_mlp_loss, mlp=mlp)
+  compiled, _ = dispatch_compile.compile_step(loss, (buffers, weights, buffers))
   return analysis.cost(compiled)["bytes accessed"]
 
 
@@ -196,6 +206,18 @@ def main(argv: list[str] | None = None) -> dict:
   print(f"{args.target} {args.shape} E={args.experts} {args.dtype} expert MLP alone: "
         f"{rows['expert MLP alone'] / 1e9:.3f} GB accessed"
         + (f"; its floor {floor / 1e9:.3f} GB" if floor else ""), flush=True)
+  # What goes below that floor: the MLP in one Pallas kernel per pass (`fused_mlp`), alone and
+  # in the layer (the dispatch `einsum_fused`). The kernels' share is their own cost estimate.
+  rows["fused expert MLP alone"] = expert_mlp_bytes(
+      mesh, args.shape, args.experts, args.dtype, mlp="fused"
+  )
+  compiled, _ = dispatch_compile.compile_step(
+      moe_layer._moe_loss("einsum_fused", capacity, TOP_K), inputs  # pylint: disable=protected-access
+  )
+  rows["einsum_fused"] = analysis.cost(compiled)["bytes accessed"]
+  for name in ("fused expert MLP alone", "einsum_fused"):
+    print(f"{args.target} {args.shape} E={args.experts} {args.dtype} {name}: "
+          f"{rows[name] / 1e9:.3f} GB accessed", flush=True)
   vmoe_best = _vmoe_best(args.shape, args.experts, args.dtype, args.target)
   if vmoe_best is not None:
     print(f"V-MoE's best (benchmarks/results/dispatch_compile.json): {vmoe_best / 1e9:.3f} GB; "

@@ -23,6 +23,7 @@ from fairmoe_jax.moe.dispatch import (
     moe_dense,
     moe_dropless,
     moe_einsum,
+    moe_einsum_fused,
     moe_sort,
     moe_sort_blocks,
 )
@@ -41,6 +42,8 @@ ALGORITHMS = {
     "sort_blocks_ragged": functools.partial(moe_sort_blocks, matmul="ragged_dot"),
     "blocksparse_ragged": functools.partial(moe_blocksparse, matmul="ragged_dot"),
     "blocksparse_b3_ragged": functools.partial(moe_blocksparse, block_size=3, matmul="ragged_dot"),
+    # The fused expert MLP's Pallas kernels, run by Pallas' interpreter (on a TPU, compiled).
+    "einsum_fused_kernels": functools.partial(moe_einsum, expert_mlp="fused", interpret=True),
 }
 SPARSE = (
     "einsum",
@@ -53,6 +56,7 @@ SPARSE = (
     "sort_blocks_ragged",
     "blocksparse_ragged",
     "blocksparse_b3_ragged",
+    "einsum_fused_kernels",
 )
 SORT_LAYOUTS = ("sort", "sort_blocks")  # moe_sort(layout="buffers"), (layout="blocks")
 
@@ -472,6 +476,7 @@ def test_registry_and_interface():
   assert DISPATCH_ALGORITHMS == {
       "dense": moe_dense,
       "einsum": moe_einsum,
+      "einsum_fused": moe_einsum_fused,
       "sort": moe_sort,
       "sort_blocks": moe_sort_blocks,
       "dropless": moe_dropless,

@@ -176,9 +176,18 @@ def test_each_device_runs_its_own_tokens_and_sends_the_floor(target, data, exper
   assert collectives == {}, f"unexpected collectives: {collectives}"
 
 
-@pytest.mark.parametrize("dispatch", ["sort_blocks", "blocksparse", "dropless", "dense"])
+@pytest.mark.parametrize(
+    "dispatch", ["sort_blocks", "blocksparse", "dropless", "dense", "einsum_fused"]
+)
 def test_data_parallel_every_dispatch_has_no_collective_but_the_gradient_sum(dispatch):
   text, params, mesh = _compile("v5e-8", 8, 1, dispatch)
+  if dispatch == "einsum_fused":
+    # The expert MLP's two Pallas kernels (forward, backward), each on this device's rows: its
+    # B / 8 images' capacity slots, padded to the kernels' 8-row tile.
+    kernels = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(kernels) == 2, kernels
+    local_rows = -(-(B // 8) * CAPACITY // 8) * 8
+    assert all(f"[{E},{local_rows},{D}]" in line for line in kernels), kernels
   collectives = hlo.collective_results(text)
   all_reduce = collectives.pop("all-reduce", [])
   assert {a.dtype for a in all_reduce} == {"f32"}

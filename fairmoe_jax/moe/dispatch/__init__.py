@@ -8,6 +8,9 @@ module of its name:
 * `dense`: every expert on every token; the test oracle.
 * `einsum`: GShard / V-MoE one-hot [G, S, E, C] dispatch and combine
   tensors; the reference for the capacity semantics.
+* `einsum_fused`: `einsum` with the expert MLP in one Pallas kernel per
+  pass on a TPU (`fused_mlp`: the hidden activation never in memory); on
+  every other platform, `einsum` itself.
 * `sort`: the same capacity semantics and expert buffers as `einsum`,
   built by sorting, with no [S, E, C] tensor.
 * `sort_blocks`: `sort`'s capacity semantics, the expert MLP on blocks of
@@ -48,9 +51,11 @@ from fairmoe_jax.moe.dispatch.einsum import (
     einsum_combine,
     einsum_dispatch,
     moe_einsum,
+    moe_einsum_fused,
 )
 from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS, expert_parallel_moe
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.fused_mlp import fused_expert_mlp
 from fairmoe_jax.moe.dispatch.sort import (
     SlotPlan,
     combine_slots,
@@ -64,6 +69,7 @@ from fairmoe_jax.moe.dispatch.sort import (
 DISPATCH_ALGORITHMS: dict[str, DispatchAlgorithm] = {
     "dense": moe_dense,
     "einsum": moe_einsum,
+    "einsum_fused": moe_einsum_fused,
     "sort": moe_sort,
     "sort_blocks": moe_sort_blocks,
     "dropless": moe_dropless,
@@ -90,11 +96,13 @@ __all__ = [
     "einsum_combine",
     "einsum_dispatch",
     "expert_parallel_moe",
+    "fused_expert_mlp",
     "gather_slots",
     "moe_blocksparse",
     "moe_dense",
     "moe_dropless",
     "moe_einsum",
+    "moe_einsum_fused",
     "moe_sort",
     "moe_sort_blocks",
     "per_device",

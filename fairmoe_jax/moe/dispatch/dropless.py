@@ -144,51 +144,21 @@ def megablox_matmul(
   return _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret)[0]
 
 
-def _vma_check_off() -> Any:
-  """A context without shard_map's varying-axes check, or None where this jax has no switch."""
-  try:
-    from jax._src import config as jax_config  # pylint: disable=import-outside-toplevel
-  except ImportError:  # pragma: no cover
-    return None
-  state = getattr(jax_config, "_check_vma", None)
-  return state(False) if state is not None else None
-
-
 def _can_run_kernels(*values: jax.Array) -> bool:
-  """Whether megablox can run on `values`: outside shard_map, or where `_kernel` can type it."""
-  return not any(spmd.varying_axes(v) for v in values) or _vma_check_off() is not None
+  """Whether megablox can run on `values` (`spmd.kernels_can_run`)."""
+  return spmd.kernels_can_run(*values)
 
 
 def _kernel(fn: Any, *args: jax.Array, **kwargs: Any) -> jax.Array:
-  """`fn(*args, **kwargs)`, a megablox kernel, also inside `jax.shard_map(check_vma=True)`.
-
-  Megablox gives `pallas_call` an output shape without the mesh axes it varies over, which
-  shard_map's check rejects. The kernel is per device, so its output varies over the axes its
-  inputs vary over: it is traced without the check and typed so (`pcast`). Only `megablox_matmul`
-  calls this, whose custom VJP never differentiates through that cast.
-  """
-  axes = frozenset().union(*(spmd.varying_axes(a) for a in args))
-  check_off = _vma_check_off()
-  if check_off is None:  # Outside shard_map no check applies.
-    if axes:
-      raise NotImplementedError(
-          f"megablox inside shard_map needs jax's check_vma switch, which jax {jax.__version__} "
-          "lacks; use matmul='ragged_dot' (or 'auto', which does)"
-      )
-    return fn(*args, **kwargs)
-  with check_off:  # Also for inputs that vary over no axis inside shard_map (all replicated).
-    out = fn(*args, **kwargs)
-  return spmd.vary_over(out, tuple(sorted(axes)))
+  """`fn(*args, **kwargs)`, a megablox kernel, also inside `jax.shard_map(check_vma=True)`
+  (`spmd.run_kernel`). Only `megablox_matmul` calls this, whose custom VJP never
+  differentiates through the cast of its output."""
+  return spmd.run_kernel(
+      fn, args, kwargs, fallback="use matmul='ragged_dot' (or 'auto', which does)"
+  )
 
 
-def _like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
-  """A cotangent typed as its primal inside shard_map: summed over the axes the primal does not
-  vary over (a replicated input's gradient is the sum of every device's), cast to vary where
-  the primal does."""
-  extra = tuple(sorted(spmd.varying_axes(cotangent) - spmd.varying_axes(primal)))
-  if extra:
-    cotangent = jax.lax.psum(cotangent, extra)
-  return spmd.vary_over(cotangent, tuple(sorted(spmd.varying_axes(primal))))
+_like = spmd.typed_like
 
 
 def _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret):

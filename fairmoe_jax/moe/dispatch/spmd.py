@@ -89,6 +89,61 @@ def varying_axes(value: jax.Array) -> frozenset[str]:
   return frozenset(getattr(aval, "vma", ()))
 
 
+def vma_check_off() -> Any:
+  """A context without shard_map's varying-axes check, or None where this jax has no switch."""
+  try:
+    from jax._src import config as jax_config  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover
+    return None
+  state = getattr(jax_config, "_check_vma", None)
+  return state(False) if state is not None else None
+
+
+def kernels_can_run(*values: jax.Array) -> bool:
+  """Whether a Pallas kernel can run on `values`: outside shard_map, or where `run_kernel` can
+  type its outputs."""
+  return not any(varying_axes(v) for v in values) or vma_check_off() is not None
+
+
+def run_kernel(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *, fallback: str
+) -> Any:
+  """`fn(*args, **kwargs)`, a Pallas kernel, also inside `jax.shard_map(check_vma=True)`.
+
+  `pallas_call` gives its outputs shapes without the mesh axes they vary over, which
+  shard_map's check rejects. A kernel is per device, so its outputs vary over the axes its
+  inputs vary over: it is traced without the check and typed so (`pcast`). Call it inside a
+  custom VJP only, which never differentiates through that cast; `typed_like` types the
+  cotangents. `fallback` says what to use instead where this jax has no switch for the check.
+  """
+  axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
+  check_off = vma_check_off()
+  if check_off is None:  # Outside shard_map no check applies.
+    if axes:
+      raise NotImplementedError(
+          f"a Pallas kernel inside shard_map needs jax's check_vma switch, which jax "
+          f"{jax.__version__} lacks; {fallback}"
+      )
+    return fn(*args, **kwargs)
+  with check_off:  # Also for inputs that vary over no axis inside shard_map (all replicated).
+    out = fn(*args, **kwargs)
+  return vary_over(out, tuple(sorted(axes)))
+
+
+def typed_like(cotangent: Any, primal: Any) -> Any:
+  """Cotangents typed as their primals inside shard_map (trees of the same structure): summed
+  over the axes a primal does not vary over (a replicated input's gradient is the sum of every
+  device's), cast to vary where the primal does."""
+
+  def like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
+    if extra:
+      cotangent = jax.lax.psum(cotangent, extra)
+    return vary_over(cotangent, tuple(sorted(varying_axes(primal))))
+
+  return jax.tree.map(like, cotangent, primal)
+
+
 def batch_axes_of(mesh: Mesh, batch_axes: Sequence[str] | None) -> tuple[str, ...]:
   """The mesh axes the group axis is split over: `batch_axes`, default every mesh axis."""
   axes = tuple(mesh.axis_names if batch_axes is None else batch_axes)
