@@ -88,15 +88,21 @@ def _assert_within_rounding(name, got, want, magnitude, dtype, n_terms):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "rows, max_row_block",
-    [((2, 8), 512), ((3, 5), 512), ((4, 6), 8)],
-    ids=["one_block", "padded", "three_blocks"],
+    "rows, max_row_block, budget",
+    [((2, 8), 512, None), ((3, 5), 512, None), ((4, 6), 8, None), ((4, 6), 8, 0)],
+    ids=["one_block", "padded", "three_blocks", "three_blocks_one_buffer"],
 )
-def test_kernels_match_the_float64_mlp_values_and_gradients(dtype, rows, max_row_block, monkeypatch):
+def test_kernels_match_the_float64_mlp_values_and_gradients(
+    dtype, rows, max_row_block, budget, monkeypatch
+):
   """[E, G, C, D] buffers, merged to E x G C rows: 16 (one block), 15 (padded to 16: the
   padding must add nothing to any gradient) and 24 in blocks of 8 (each expert's weight
-  gradients summed over three grid steps)."""
+  gradients summed over three grid steps), with the weights double-buffered and (no budget for
+  that) in one buffer each."""
   monkeypatch.setattr(fused_mlp, "MAX_ROW_BLOCK", max_row_block)
+  if budget is not None:
+    monkeypatch.setattr(fused_mlp, "DOUBLE_BUFFER_BUDGET", budget)
+    assert fused_mlp.weight_buffers(8, D, H, 4) == 1
   r = np.random.default_rng(1)
   x = jnp.asarray(r.normal(size=(E, *rows, D)), dtype)
   d_y = jnp.asarray(r.normal(size=(E, *rows, D)), dtype)
@@ -136,6 +142,21 @@ def test_kernels_agree_with_the_xla_mlp_they_replace():
   # Both round the same float64 values: twice one computation's bound.
   bound = 2 * (4 + D + H) * UNIT_ROUNDOFF[jnp.float32] * magnitude.reshape(x.shape)
   assert np.all(np.abs(np.asarray(kernels, np.float64) - np.asarray(xla)) <= bound)
+
+
+@pytest.mark.parametrize(
+    "dim, hidden, buffers",
+    [(384, 1536, 2), (768, 3072, 1), (1024, 4096, 1)],  # DeiT-S, ViT-B, Swin-B's last stage.
+)
+def test_wide_experts_get_one_weight_buffer_and_fit_a_v5e(dim, hidden, buffers):
+  """Double-buffered weights within DOUBLE_BUFFER_BUDGET, else one buffer each; either way the
+  paper's widths fit the 128 MiB of a v5e core (float32 tokens, the larger need)."""
+  block = fused_mlp.row_block(4096, hidden)
+  assert fused_mlp.weight_buffers(block, dim, hidden, 4) == buffers
+  need = fused_mlp.vmem_bytes(block, dim, hidden, 4, buffers)
+  assert need <= fused_mlp.VMEM_CAPACITY_MAX
+  if buffers == 1:
+    assert fused_mlp.vmem_bytes(block, dim, hidden, 4, 2) > fused_mlp.DOUBLE_BUFFER_BUDGET
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,13 @@ MAX_ROW_BLOCK = 512
 # Bytes of the float32 [rows, H] intermediates of a backward step (h, GELU(h), its slope, dh)
 # at most: the row block shrinks for wide experts so that they stay a few MiB each.
 HIDDEN_BLOCK_BYTES = 16 * 2**20
+# Vector memory up to which an expert's weight blocks are double-buffered: DeiT-S's (26 MiB in
+# float32) are, within a v5p's 64 MiB. Above it they get one buffer each: ViT-B's experts
+# (768 x 3072) then take about 55 MiB and Swin-B's last-stage ones (1024 x 4096) about 87 MiB
+# in float32, which a v5e's or v6e's 128 MiB holds, where two buffers (over 130 MiB) would not.
+DOUBLE_BUFFER_BUDGET = 48 * 2**20
+# The most vector memory any TPU core has (v5e, v6e): the scoped limit never asks for more.
+VMEM_CAPACITY_MAX = 128 * 2**20
 _SQRT_HALF = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -62,12 +69,23 @@ def row_block(rows: int, hidden: int) -> int:
   return min(cap, -(-rows // 8) * 8)
 
 
-def vmem_bytes(rows_block: int, dim: int, hidden: int, itemsize: int) -> int:
-  """Vector memory the backward step needs (the larger pass): its blocks, double-buffered by
-  the Pallas pipeline (x, dy, dx; W1, b1, W2 and the four float32 gradients), and the float32
-  intermediates of its body ([rows, H]: h, GELU(h), the slope, dh; [rows, D]: dx)."""
-  blocks = 3 * rows_block * dim * itemsize + 4 * (4 * dim * hidden + 2 * hidden + dim)
-  return 2 * blocks + 4 * rows_block * (4 * hidden + dim)
+def vmem_bytes(
+    rows_block: int, dim: int, hidden: int, itemsize: int, weight_buffers: int = 2
+) -> int:
+  """Vector memory the backward step needs (the larger pass): its row blocks, double-buffered
+  by the Pallas pipeline (x, dy, dx), its expert's blocks in `weight_buffers` buffers (W1, b1,
+  W2 and the four float32 gradients), and the float32 intermediates of its body ([rows, H]: h,
+  GELU(h), the slope, dh; [rows, D]: dx)."""
+  rows = 2 * 3 * rows_block * dim * itemsize
+  expert = weight_buffers * 4 * (4 * dim * hidden + 2 * hidden + dim)
+  return rows + expert + 4 * rows_block * (4 * hidden + dim)
+
+
+def weight_buffers(rows_block: int, dim: int, hidden: int, itemsize: int) -> int:
+  """2 (the next expert's weights load while this one's rows run) where the step then needs at
+  most DOUBLE_BUFFER_BUDGET of vector memory, else 1 (each expert's load waits)."""
+  double = vmem_bytes(rows_block, dim, hidden, itemsize, 2)
+  return 2 if double <= DOUBLE_BUFFER_BUDGET else 1
 
 
 def _squeezed():
@@ -118,14 +136,15 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1
   db2_ref[...] += jnp.sum(dy.astype(jnp.float32), axis=0, keepdims=True)
 
 
-def _specs(num_experts: int, rows: int, dim: int, hidden: int, block: int):
+def _specs(num_experts: int, rows: int, dim: int, block: int, buffers: int):
   """The grid and the blocks: rows of expert e's block r, and expert e's weights (kept across
-  its row blocks)."""
+  its row blocks) in `buffers` buffers."""
   squeezed = _squeezed()
   rows_spec = pl.BlockSpec((squeezed, block, dim), lambda e, r: (e, r, 0))
+  mode = {} if buffers == 2 else {"pipeline_mode": pl.Buffered(buffers)}
 
   def per_expert(*shape):
-    return pl.BlockSpec((squeezed, *shape), lambda e, r: (e,) + (0,) * len(shape))
+    return pl.BlockSpec((squeezed, *shape), lambda e, r: (e,) + (0,) * len(shape), **mode)
 
   return (num_experts, rows // block), rows_spec, per_expert
 
@@ -133,11 +152,11 @@ def _specs(num_experts: int, rows: int, dim: int, hidden: int, block: int):
 def _compiler_params(semantics: tuple[str, str], vmem: int):
   # The scoped limit the kernel asks Mosaic for: its need and a margin for Mosaic's own
   # temporaries. One expert's weights must fit in a core's vector memory (a v5e's 128 MiB
-  # holds ViT-B's, 4 x 9 MiB of float32 kernels double-buffered); where they do not, the
-  # TPU compile fails, in the preflight (`--mode=compile`) before any run.
-  return pltpu.CompilerParams(
-      dimension_semantics=semantics, vmem_limit_bytes=int(vmem * 1.25) + 8 * 2**20
-  )
+  # holds ViT-B's double-buffered and Swin-B's single-buffered; a v4's 16 MiB not DeiT-S's in
+  # float32); where they do not, the TPU compile fails, in the preflight (`--mode=compile`)
+  # before any run.
+  limit = min(int(vmem * 1.25) + 8 * 2**20, VMEM_CAPACITY_MAX)
+  return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
 
 
 def _weight_bytes(num_experts: int, dim: int, hidden: int) -> int:
@@ -170,7 +189,8 @@ def _forward(x: jax.Array, experts: ExpertWeights, interpret: bool) -> jax.Array
   num_experts, rows, dim = x.shape
   hidden = experts.w1.shape[-1]
   block = row_block(rows, hidden)
-  grid, rows_spec, per_expert = _specs(num_experts, rows, dim, hidden, block)
+  buffers = weight_buffers(block, dim, hidden, x.dtype.itemsize)
+  grid, rows_spec, per_expert = _specs(num_experts, rows, dim, block, buffers)
   call = pl.pallas_call(
       _forward_kernel,
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -179,7 +199,7 @@ def _forward(x: jax.Array, experts: ExpertWeights, interpret: bool) -> jax.Array
                 per_expert(hidden, dim), per_expert(1, dim)],
       out_specs=rows_spec,
       compiler_params=_compiler_params(
-          ("parallel", "parallel"), vmem_bytes(block, dim, hidden, x.dtype.itemsize)
+          ("parallel", "parallel"), vmem_bytes(block, dim, hidden, x.dtype.itemsize, buffers)
       ),
       cost_estimate=forward_cost(num_experts, rows, dim, hidden, x.dtype.itemsize),
       interpret=interpret,
@@ -193,7 +213,8 @@ def _backward(x, d_y, experts, interpret):
   num_experts, rows, dim = x.shape
   hidden = experts.w1.shape[-1]
   block = row_block(rows, hidden)
-  grid, rows_spec, per_expert = _specs(num_experts, rows, dim, hidden, block)
+  buffers = weight_buffers(block, dim, hidden, x.dtype.itemsize)
+  grid, rows_spec, per_expert = _specs(num_experts, rows, dim, block, buffers)
   f32 = jnp.float32
   call = pl.pallas_call(
       _backward_kernel,
@@ -211,7 +232,7 @@ def _backward(x, d_y, experts, interpret):
                  per_expert(hidden, dim), per_expert(1, dim)),
       # The row blocks of an expert accumulate into its gradient blocks: they run in order.
       compiler_params=_compiler_params(
-          ("parallel", "arbitrary"), vmem_bytes(block, dim, hidden, x.dtype.itemsize)
+          ("parallel", "arbitrary"), vmem_bytes(block, dim, hidden, x.dtype.itemsize, buffers)
       ),
       cost_estimate=backward_cost(num_experts, rows, dim, hidden, x.dtype.itemsize),
       interpret=interpret,
