@@ -45,10 +45,10 @@ MAX_ROW_BLOCK = 512
 # Bytes of the float32 [rows, H] intermediates of a backward step (h, GELU(h), its slope, dh)
 # at most: the row block shrinks for wide experts so that they stay a few MiB each.
 HIDDEN_BLOCK_BYTES = 16 * 2**20
-# Vector memory up to which an expert's weight blocks are double-buffered: DeiT-S's (26 MiB in
-# float32) are, within a v5p's 64 MiB. Above it they get one buffer each: ViT-B's experts
-# (768 x 3072) then take about 55 MiB and Swin-B's last-stage ones (1024 x 4096) about 87 MiB
-# in float32, which a v5e's or v6e's 128 MiB holds, where two buffers (over 130 MiB) would not.
+# Vector memory up to which an expert's weight blocks are double-buffered: DeiT-S's (27-35 MiB
+# in float32, by row block) are, within a v5p's 64 MiB. Above it they get one buffer each:
+# ViT-B's experts (768 x 3072) then take 53 MiB instead of 89, and Swin-B's last-stage ones
+# (1024 x 4096) 87 MiB instead of 151, which a v5e's or v6e's 128 MiB holds.
 DOUBLE_BUFFER_BUDGET = 48 * 2**20
 # The most vector memory any TPU core has (v5e, v6e): the scoped limit never asks for more.
 VMEM_CAPACITY_MAX = 128 * 2**20
