@@ -144,11 +144,6 @@ def megablox_matmul(
   return _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret)[0]
 
 
-def _can_run_kernels(*values: jax.Array) -> bool:
-  """Whether megablox can run on `values` (`spmd.kernels_can_run`)."""
-  return spmd.kernels_can_run(*values)
-
-
 def _kernel(fn: Any, *args: jax.Array, **kwargs: Any) -> jax.Array:
   """`fn(*args, **kwargs)`, a megablox kernel, also inside `jax.shard_map(check_vma=True)`
   (`spmd.run_kernel`). Only `megablox_matmul` calls this, whose custom VJP never
@@ -156,9 +151,6 @@ def _kernel(fn: Any, *args: jax.Array, **kwargs: Any) -> jax.Array:
   return spmd.run_kernel(
       fn, args, kwargs, fallback="use matmul='ragged_dot' (or 'auto', which does)"
   )
-
-
-_like = spmd.typed_like
 
 
 def _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret):
@@ -201,7 +193,7 @@ def _megablox_matmul_bwd(tm, tiling, interpret, residuals, d_out):
       num_actual_groups=w.shape[0],
       interpret=interpret,
   )
-  return _like(d_lhs, lhs), _like(d_rhs.astype(rhs.dtype), rhs), None
+  return spmd.typed_like(d_lhs, lhs), spmd.typed_like(d_rhs.astype(rhs.dtype), rhs), None
 
 
 megablox_matmul.defvjp(_megablox_matmul_fwd, _megablox_matmul_bwd)
@@ -288,7 +280,7 @@ def _auto_mlp(rows, group_sizes, row_expert, experts, tiling, interpret):
   """megablox when lowered for a TPU (and it fits), `ragged_dot` on every other platform."""
   # An explicit `tiling` is the caller's promise that the widths fit it: only the dtype is read.
   widths = (MEGABLOX_TILE, MEGABLOX_TILE) if tiling is not None else experts.w1.shape[1:]
-  usable = _megablox_kernels() is not None and _can_run_kernels(rows, experts.w1)
+  usable = _megablox_kernels() is not None and spmd.kernels_can_run(rows, experts.w1)
   if not megablox_fits(rows.dtype, *widths) or not usable:
     return _ragged_dot_mlp(rows, group_sizes, row_expert, experts)
   megablox = functools.partial(_megablox_mlp, tiling=tiling, interpret=interpret)

@@ -136,9 +136,12 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1
   db2_ref[...] += jnp.sum(dy.astype(jnp.float32), axis=0, keepdims=True)
 
 
-def _specs(num_experts: int, rows: int, dim: int, block: int, buffers: int):
-  """The grid and the blocks: rows of expert e's block r, and expert e's weights (kept across
-  its row blocks) in `buffers` buffers."""
+def _layout(x: jax.Array, hidden: int, semantics: tuple[str, str]):
+  """The grid (experts, row blocks), the row blocks' spec, a spec maker for expert e's blocks
+  (kept across its row blocks, in `weight_buffers` buffers) and the compiler parameters."""
+  num_experts, rows, dim = x.shape
+  block = row_block(rows, hidden)
+  buffers = weight_buffers(block, dim, hidden, x.dtype.itemsize)
   squeezed = _squeezed()
   rows_spec = pl.BlockSpec((squeezed, block, dim), lambda e, r: (e, r, 0))
   mode = {} if buffers == 2 else {"pipeline_mode": pl.Buffered(buffers)}
@@ -146,7 +149,8 @@ def _specs(num_experts: int, rows: int, dim: int, block: int, buffers: int):
   def per_expert(*shape):
     return pl.BlockSpec((squeezed, *shape), lambda e, r: (e,) + (0,) * len(shape), **mode)
 
-  return (num_experts, rows // block), rows_spec, per_expert
+  vmem = vmem_bytes(block, dim, hidden, x.dtype.itemsize, buffers)
+  return (num_experts, rows // block), rows_spec, per_expert, _compiler_params(semantics, vmem)
 
 
 def _compiler_params(semantics: tuple[str, str], vmem: int):
@@ -164,8 +168,8 @@ def _weight_bytes(num_experts: int, dim: int, hidden: int) -> int:
 
 
 def forward_cost(num_experts: int, rows: int, dim: int, hidden: int, itemsize: int):
-  """The forward kernel's FLOPs, erfc/exp count and HBM bytes (x read, y written, the weights
-  read once per expert)."""
+  """The forward kernel's FLOPs, transcendentals (erf) and HBM bytes (x read, y written, the
+  weights read once per expert)."""
   return pl.CostEstimate(
       flops=4 * num_experts * rows * dim * hidden,
       transcendentals=num_experts * rows * hidden,
@@ -174,8 +178,8 @@ def forward_cost(num_experts: int, rows: int, dim: int, hidden: int, itemsize: i
 
 
 def backward_cost(num_experts: int, rows: int, dim: int, hidden: int, itemsize: int):
-  """The backward kernel's: five matmuls (h recomputed, dh, dx, dW1, dW2); x and dy read and dx
-  written; W1, b1, W2 read and all four gradients written once per expert."""
+  """The backward kernel's: five matmuls (h recomputed, dh, dx, dW1, dW2), erf and exp; x and
+  dy read and dx written; W1, b1, W2 read and all four gradients written once per expert."""
   read = 4 * num_experts * (2 * dim * hidden + hidden)
   return pl.CostEstimate(
       flops=10 * num_experts * rows * dim * hidden,
@@ -188,9 +192,7 @@ def backward_cost(num_experts: int, rows: int, dim: int, hidden: int, itemsize: 
 def _forward(x: jax.Array, experts: ExpertWeights, interpret: bool) -> jax.Array:
   num_experts, rows, dim = x.shape
   hidden = experts.w1.shape[-1]
-  block = row_block(rows, hidden)
-  buffers = weight_buffers(block, dim, hidden, x.dtype.itemsize)
-  grid, rows_spec, per_expert = _specs(num_experts, rows, dim, block, buffers)
+  grid, rows_spec, per_expert, params = _layout(x, hidden, ("parallel", "parallel"))
   call = pl.pallas_call(
       _forward_kernel,
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -198,9 +200,7 @@ def _forward(x: jax.Array, experts: ExpertWeights, interpret: bool) -> jax.Array
       in_specs=[rows_spec, per_expert(dim, hidden), per_expert(1, hidden),
                 per_expert(hidden, dim), per_expert(1, dim)],
       out_specs=rows_spec,
-      compiler_params=_compiler_params(
-          ("parallel", "parallel"), vmem_bytes(block, dim, hidden, x.dtype.itemsize, buffers)
-      ),
+      compiler_params=params,
       cost_estimate=forward_cost(num_experts, rows, dim, hidden, x.dtype.itemsize),
       interpret=interpret,
       name="fused_expert_mlp_forward",
@@ -212,9 +212,8 @@ def _forward(x: jax.Array, experts: ExpertWeights, interpret: bool) -> jax.Array
 def _backward(x, d_y, experts, interpret):
   num_experts, rows, dim = x.shape
   hidden = experts.w1.shape[-1]
-  block = row_block(rows, hidden)
-  buffers = weight_buffers(block, dim, hidden, x.dtype.itemsize)
-  grid, rows_spec, per_expert = _specs(num_experts, rows, dim, block, buffers)
+  # The row blocks of an expert accumulate into its gradient blocks: they run in order.
+  grid, rows_spec, per_expert, params = _layout(x, hidden, ("parallel", "arbitrary"))
   f32 = jnp.float32
   call = pl.pallas_call(
       _backward_kernel,
@@ -230,10 +229,7 @@ def _backward(x, d_y, experts, interpret):
                 per_expert(hidden, dim)],
       out_specs=(rows_spec, per_expert(dim, hidden), per_expert(1, hidden),
                  per_expert(hidden, dim), per_expert(1, dim)),
-      # The row blocks of an expert accumulate into its gradient blocks: they run in order.
-      compiler_params=_compiler_params(
-          ("parallel", "arbitrary"), vmem_bytes(block, dim, hidden, x.dtype.itemsize, buffers)
-      ),
+      compiler_params=params,
       cost_estimate=backward_cost(num_experts, rows, dim, hidden, x.dtype.itemsize),
       interpret=interpret,
       name="fused_expert_mlp_backward",
