@@ -40,16 +40,21 @@ from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 # Where a jax cannot type the kernels' outputs inside shard_map (`spmd.run_kernel`).
 _FALLBACK = "use moe.dispatch=einsum"
 
-# Rows per grid step at most: a multiple of the TPU's 8-row tile.
-MAX_ROW_BLOCK = 512
+# The kernels' footprint in vector memory is kept small on purpose. Compiled deviceless for a
+# v5e-16 within FairSMoE's whole DeiT-S train step, the step's bytes accessed grow with the
+# scoped VMEM the kernels ask for (it is taken from what XLA's memory-space assignment has for
+# the rest of the program): 1.496e10 per device with 512-row blocks and double-buffered weights,
+# 1.486e10 with 128-row blocks, 1.474e10 with 128-row blocks and one buffer per weight (`einsum`:
+# 1.488e10). So: 128 rows per grid step at most (a multiple of the TPU's 8-row tile), and one
+# buffer for each expert's weight blocks, which also fits DeiT-S's experts in a v4's 16 MiB.
+# One buffer means an expert's weights load when its first row block starts, not during the
+# previous expert's (each load waits: 4.7 MB of float32 DeiT-S weights forward, about 6 us on a
+# v5e): a cost in time the compiler's cost analysis does not show; a TPU run would weigh it.
+MAX_ROW_BLOCK = 128
+WEIGHT_BUFFERS = 1
 # Bytes of the float32 [rows, H] intermediates of a backward step (h, GELU(h), its slope, dh)
-# at most: the row block shrinks for wide experts so that they stay a few MiB each.
+# at most: the row block shrinks for experts wider than any paper config's (H > 8192).
 HIDDEN_BLOCK_BYTES = 16 * 2**20
-# Vector memory up to which an expert's weight blocks are double-buffered: DeiT-S's (27-35 MiB
-# in float32, by row block) are, within a v5p's 64 MiB. Above it they get one buffer each:
-# ViT-B's experts (768 x 3072) then take 53 MiB instead of 89, and Swin-B's last-stage ones
-# (1024 x 4096) 87 MiB instead of 151, which a v5e's or v6e's 128 MiB holds.
-DOUBLE_BUFFER_BUDGET = 48 * 2**20
 # The most vector memory any TPU core has (v5e, v6e): the scoped limit never asks for more.
 VMEM_CAPACITY_MAX = 128 * 2**20
 _SQRT_HALF = math.sqrt(0.5)
@@ -70,7 +75,7 @@ def row_block(rows: int, hidden: int) -> int:
 
 
 def vmem_bytes(
-    rows_block: int, dim: int, hidden: int, itemsize: int, weight_buffers: int = 2
+    rows_block: int, dim: int, hidden: int, itemsize: int, weight_buffers: int = 1
 ) -> int:
   """Vector memory the backward step needs (the larger pass): its row blocks, double-buffered
   by the Pallas pipeline (x, dy, dx), its expert's blocks in `weight_buffers` buffers (W1, b1,
@@ -79,13 +84,6 @@ def vmem_bytes(
   rows = 2 * 3 * rows_block * dim * itemsize
   expert = weight_buffers * 4 * (4 * dim * hidden + 2 * hidden + dim)
   return rows + expert + 4 * rows_block * (4 * hidden + dim)
-
-
-def weight_buffers(rows_block: int, dim: int, hidden: int, itemsize: int) -> int:
-  """2 (the next expert's weights load while this one's rows run) where the step then needs at
-  most DOUBLE_BUFFER_BUDGET of vector memory, else 1 (each expert's load waits)."""
-  double = vmem_bytes(rows_block, dim, hidden, itemsize, 2)
-  return 2 if double <= DOUBLE_BUFFER_BUDGET else 1
 
 
 def _squeezed():
@@ -138,10 +136,10 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1
 
 def _layout(x: jax.Array, hidden: int, semantics: tuple[str, str]):
   """The grid (experts, row blocks), the row blocks' spec, a spec maker for expert e's blocks
-  (kept across its row blocks, in `weight_buffers` buffers) and the compiler parameters."""
+  (kept across its row blocks, in WEIGHT_BUFFERS buffers) and the compiler parameters."""
   num_experts, rows, dim = x.shape
   block = row_block(rows, hidden)
-  buffers = weight_buffers(block, dim, hidden, x.dtype.itemsize)
+  buffers = WEIGHT_BUFFERS
   squeezed = _squeezed()
   rows_spec = pl.BlockSpec((squeezed, block, dim), lambda e, r: (e, r, 0))
   mode = {} if buffers == 2 else {"pipeline_mode": pl.Buffered(buffers)}
@@ -155,10 +153,9 @@ def _layout(x: jax.Array, hidden: int, semantics: tuple[str, str]):
 
 def _compiler_params(semantics: tuple[str, str], vmem: int):
   # The scoped limit the kernel asks Mosaic for: its need and a margin for Mosaic's own
-  # temporaries. One expert's weights must fit in a core's vector memory (a v5e's 128 MiB
-  # holds ViT-B's double-buffered and Swin-B's single-buffered; a v4's 16 MiB not DeiT-S's in
-  # float32); where they do not, the TPU compile fails, in the preflight (`--mode=compile`)
-  # before any run.
+  # temporaries. One expert's weights must fit in a core's vector memory (a v5e's 128 MiB holds
+  # Swin-B's last stage, a v4's 16 MiB DeiT-S's); where they do not, the TPU compile fails, in
+  # the preflight (`--mode=compile`) before any run.
   limit = min(int(vmem * 1.25) + 8 * 2**20, VMEM_CAPACITY_MAX)
   return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
 

@@ -1,0 +1,103 @@
+r"""The fused expert MLP inside a whole train step: what `einsum_fused` changes in a paper config.
+
+  python benchmarks/fused_mlp_in_model.py --out benchmarks/results/fused_mlp_in_model.json  # ~8 min
+  python benchmarks/fused_mlp_in_model.py --backbone deit_b --target v5e-16
+
+`benchmarks/dispatch_compile.py` compares the MoE layer alone. This compiles the whole train
+step with the preflight (`--mode=compile`, deviceless), once with `moe.dispatch=einsum` and once
+with `einsum_fused` under each of a few kernel layouts (`fused_mlp.MAX_ROW_BLOCK`, rows per grid
+step, and `fused_mlp.WEIGHT_BUFFERS`, buffers per expert weight block), and prints the step's
+bytes accessed, FLOPs and peak per device (XLA's cost analysis; the kernels' share is their own
+estimate). The layouts differ in the scoped vector memory the kernels ask for, which XLA's TPU
+compiler then does not have for the rest of the program: that is what the comparison shows.
+
+Each compile runs `python -m fairmoe_jax.main` in a child process (this file with `--child`,
+which sets the two constants first), into a temporary workdir. The JSON (`--out`) holds every
+row. Nothing here is used by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+
+# (MAX_ROW_BLOCK, WEIGHT_BUFFERS): the committed layout first, then the ones it was chosen over.
+LAYOUTS = ((128, 1), (128, 2), (512, 2))
+
+
+def _child(argv: list[str]) -> None:
+  """`python -m fairmoe_jax.main ARGS` with the kernel layout set first."""
+  from fairmoe_jax.moe.dispatch import fused_mlp  # pylint: disable=import-outside-toplevel
+
+  fused_mlp.MAX_ROW_BLOCK, fused_mlp.WEIGHT_BUFFERS = int(argv[0]), int(argv[1])
+  sys.argv = ["fairmoe_jax.main", *argv[2:]]
+  runpy.run_module("fairmoe_jax.main", run_name="__main__")
+
+
+def _compile(backbone: str, target: str, dispatch: str, layout: tuple[int, int]) -> dict:
+  with tempfile.TemporaryDirectory() as workdir:
+    command = [
+        sys.executable, os.path.abspath(__file__), "--child", *map(str, layout),
+        f"--config=configs/celeba.py:backbone={backbone}", "--mode=compile",
+        f"--config.preflight.target={target}", f"--config.moe.dispatch={dispatch}",
+        f"--workdir={workdir}",
+    ]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode:
+      return dict(dispatch=dispatch, layout=layout, error=done.stderr.strip().splitlines()[-1])
+    with open(os.path.join(workdir, "preflight.json")) as f:
+      step = json.load(f)["train_step"]
+  return dict(
+      dispatch=dispatch,
+      layout=layout,
+      bytes_accessed=step["bytes_accessed_per_device"],
+      flops=step["flops_per_device"],
+      peak=step["memory"]["peak"],
+  )
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--backbone", default="deit_s")
+  parser.add_argument("--target", default="v5e-16")
+  parser.add_argument("--out", default="")
+  args = parser.parse_args(argv)
+  rows = [_compile(args.backbone, args.target, "einsum", LAYOUTS[0])]
+  rows += [_compile(args.backbone, args.target, "einsum_fused", layout) for layout in LAYOUTS]
+  base = rows[0].get("bytes_accessed")
+  print(f"FairSMoE {args.backbone} train step on {args.target}, per device:")
+  for row in rows:
+    name = row["dispatch"] + (
+        f" (rows {row['layout'][0]}, {row['layout'][1]} buffer(s))"
+        if row["dispatch"] == "einsum_fused" else ""
+    )
+    if "error" in row:
+      print(f"  {name}: {row['error']}")
+      continue
+    print(f"  {name}: {row['bytes_accessed']:.4g} bytes accessed"
+          + (f" ({row['bytes_accessed'] / base:.3f}x einsum)" if base else "")
+          + f", {row['flops']:.4g} FLOPs, peak {row['peak'] / 2**30:.2f} GiB", flush=True)
+  if args.out:
+    # Imported after every child has run: this process initialises jax only now (on the CPU).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_utils  # pylint: disable=import-outside-toplevel
+
+    bench_utils.write_results(args.out, args, rows, targets=[])
+  return rows
+
+
+if __name__ == "__main__":
+  if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    _child(sys.argv[2:])
+  else:
+    main()
