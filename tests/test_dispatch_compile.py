@@ -110,20 +110,20 @@ def test_the_expert_mlp_traffic_floor_bounds_the_compiled_mlp_tightly(tpu, num_e
   assert floor <= accessed <= 1.05 * floor, (accessed, floor)
 
 
-@pytest.mark.parametrize("num_experts", [4, 64])
-def test_the_fused_expert_mlp_goes_below_xlas_floor_and_takes_einsum_under_0_9x_vmoe(
-    tpu, num_experts
-):
+def test_the_fused_expert_mlp_goes_below_xlas_floor_and_takes_einsum_under_0_9x_vmoe(tpu):
   """docs/benchmarks.md, "The fused expert MLP": with the MLP in `fused_mlp`'s Pallas kernels
-  (the dispatch `einsum_fused`), the whole layer at `deit_s32` float32 accesses fewer bytes than
-  XLA's expert MLP alone must (`expert_mlp_traffic_floor`, 0.908x V-MoE's best at E=64), and the
-  MLP alone at least its kernels' own traffic: x and y, then x, dy and dx per row (5 D floats),
-  each expert's weights read once per pass and their gradients written once. With the
-  vmoe checkout, the layer at E=64 is also at most 0.9x V-MoE's best dispatcher, compiled here."""
+  (the dispatch `einsum_fused`), the whole layer at `deit_s32` E=64 float32, the case `einsum`
+  left at 0.96x V-MoE's best, accesses fewer bytes than XLA's expert MLP alone must
+  (`expert_mlp_traffic_floor`, 0.908x V-MoE's best), and the MLP alone at least its kernels'
+  own traffic: x and y, then x, dy and dx per row (5 D floats), each expert's weights read once
+  per pass and their gradients written once. With the vmoe checkout, the layer is also at most
+  0.9x `vmoe_einsum`, compiled here: V-MoE's best dispatcher at every `deit_s32` case of the
+  table (`vmoe_indices` takes 1.45x its bytes here, and twice its compile time)."""
   import dispatch_levers  # pylint: disable=import-outside-toplevel
   from fairmoe_jax.moe.dispatch import compute_capacity  # pylint: disable=import-outside-toplevel
 
   target, mesh = tpu
+  num_experts = 64
   groups, tokens, dim, hidden = dispatch_compile.SHAPES["deit_s32"]
   capacity = compute_capacity(tokens, num_experts, 2, 1.25)
   rows = num_experts * groups * capacity
@@ -136,20 +136,15 @@ def test_the_fused_expert_mlp_goes_below_xlas_floor_and_takes_einsum_under_0_9x_
   assert layer["error"] is None, layer["error"]
   floor = dispatch_levers.expert_mlp_traffic_floor(num_experts, groups * capacity, dim, hidden)
   assert layer["bytes_accessed"] < floor, (layer["bytes_accessed"], floor)
-  # V-MoE's own rows at E=64 only, the case `einsum` left above 0.9x (at E=4 it is at 0.63x, and
-  # vmoe_indices takes over a minute to compile there).
-  if num_experts != 64 or not os.path.isfile(os.path.join(PEER_VMOE, "vmoe", "moe.py")):
+  if not os.path.isfile(os.path.join(PEER_VMOE, "vmoe", "moe.py")):
     return
   import moe_layer  # pylint: disable=import-outside-toplevel
 
   peer = moe_layer.import_peer_vmoe(PEER_VMOE)
-  vmoe_best = min(
-      dispatch_compile.compile_row(
-          target, mesh, "deit_s32", num_experts, 2, name, "float32", 1.25, peer
-      )["bytes_accessed"]
-      for name in moe_layer.PEER_ROWS
+  vmoe = dispatch_compile.compile_row(
+      target, mesh, "deit_s32", num_experts, 2, "vmoe_einsum", "float32", 1.25, peer
   )
-  assert layer["bytes_accessed"] <= 0.9 * vmoe_best, (layer["bytes_accessed"], vmoe_best)
+  assert layer["bytes_accessed"] <= 0.9 * vmoe["bytes_accessed"], (layer, vmoe)
 
 
 def test_a_row_that_fails_records_its_error_instead_of_raising():

@@ -18,7 +18,12 @@ import numpy as np
 import pytest
 from scipy import special
 
-from fairmoe_jax.moe.dispatch import ExpertWeights, fused_mlp
+from fairmoe_jax.moe.dispatch import (
+    DISPATCH_ALGORITHMS,
+    ExpertWeights,
+    data_parallel_moe,
+    fused_mlp,
+)
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
 pytestmark = pytest.mark.float32_reference
@@ -270,3 +275,28 @@ def test_replicated_weights_get_every_devices_gradient_when_lowered_for_a_tpu():
   # The weights' gradients, and the loss: a sum over both devices' rows (one float32 scalar).
   assert sum(a.bytes for a in all_reduce) == 4 * E * (2 * dim * hidden + hidden + dim) + 4
   assert collectives == {}, collectives
+
+
+def test_einsum_fused_in_a_data_parallel_layer_on_the_cpu_is_einsum():
+  """`einsum_fused` as `data_parallel.py` runs it on 2 CPU devices (`shard_map` checking varying
+  axes, the weights marked varying): the Pallas kernels' branch is traced and the CPU's, XLA's
+  MLP, lowered, so values and gradients are `einsum`'s own."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  r = np.random.default_rng(7)
+  x = jnp.asarray(r.normal(size=(4, 6, D)), jnp.float32)
+  index = jnp.asarray(np.stack([r.permutation(E)[:2] for _ in range(24)]).reshape(4, 6, 2))
+  gates = jnp.asarray(r.uniform(0.1, 1.0, size=(4, 6, 2)), jnp.float32)
+  w = _weights(8)
+
+  def step(name):
+    def loss(x, gates, w):
+      y, _ = data_parallel_moe(
+          DISPATCH_ALGORITHMS[name], x, index, gates, w, capacity=4, mesh=mesh
+      )
+      return jnp.sum(y * y)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, gates, w)
+
+  fused, einsum = step("einsum_fused"), step("einsum")
+  for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(einsum), strict=True):
+    np.testing.assert_array_equal(got, want)

@@ -100,17 +100,6 @@ def test_every_dispatch_algorithm_trains_like_einsum(tmp_path, einsum_losses, di
   np.testing.assert_allclose(losses, einsum_losses, rtol=2e-5)
 
 
-def test_einsum_fused_trains_like_einsum_on_a_data_parallel_mesh(tmp_path):
-  """`moe.dispatch=einsum_fused` on 8 devices (data parallel, `shard_map` checking varying
-  axes): on the CPU it lowers `einsum`'s XLA MLP, with the Pallas kernels' branch traced too."""
-  losses = {}
-  for dispatch in ("einsum", "einsum_fused"):
-    config = _tiny_config(8, 1)
-    config.moe.dispatch = dispatch
-    losses[dispatch] = _train_losses(config, tmp_path / dispatch)
-  np.testing.assert_allclose(losses["einsum_fused"], losses["einsum"], rtol=2e-5)
-
-
 def test_bfloat16_compute_trains_with_float32_parameters(tmp_path):
   losses = _train_losses(_tiny_config(1, 1, "bfloat16"), tmp_path)
   assert np.all(np.isfinite(losses))
