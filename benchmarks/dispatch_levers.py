@@ -1,7 +1,7 @@
 r"""Bytes accessed by `einsum` under two variants that were measured and not adopted, and with
 the fused expert MLP (`einsum_fused`) that was.
 
-  python benchmarks/dispatch_levers.py                  # deit_s32 E=64 float32 on a v5e, ~1 min
+  python benchmarks/dispatch_levers.py                  # deit_s32 E=64 float32 on a v5e, ~2 min
   python benchmarks/dispatch_levers.py --experts 4 --dtype bfloat16
 
 docs/benchmarks.md ("Which dispatch on an accelerator") gives `einsum` at 0.96x the bytes of
