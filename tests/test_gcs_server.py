@@ -419,8 +419,11 @@ def test_tensorboard_events_on_gs_upload_one_small_object_per_flush(gcs):  # noq
     writer.write_scalars(step, {"loss": 1.0 / step})
     writer.flush()
   parts = {k: v for k, v in gcs.objects("tb/tensorboard/").items() if "tfevents" in k}
-  # Many objects of a few events each (a flush may find nothing new to upload).
-  assert len(parts) > 20 and max(parts.values()) < 200, parts
+  # Many objects, none holding much of the run. tensorboardX writes events from a thread of its
+  # own and its flush does not wait for it, so a flush may find nothing new, and the next one
+  # uploads two or more events: 20 parts for 30 flushes on a loaded 2-core host, 30 on an idle
+  # one. Uploading the whole file at each flush would leave one object, growing.
+  assert len(parts) >= 10 and max(parts.values()) < sum(parts.values()) / 3, parts
   # Read in name order, as TensorBoard reads a folder, the parts are the run's events so far.
   events = _events(b"".join(gcs.read(name) for name in sorted(parts)))
   expected = [(step, {"loss": pytest.approx(1.0 / step)}) for step in range(1, 31)]
