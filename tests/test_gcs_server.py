@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import pytest
 from PIL import Image
 
 from conftest import REPO_ROOT, without_cuda_plugin_log
+from event_files import scalar_events
 from gcs_server import Bucket, gcs, gcs_server, guard_variables, new_bucket  # noqa: F401
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
@@ -393,21 +393,6 @@ def test_metrics_log_on_gs_uploads_one_small_object_per_flush(gcs):  # noqa: F81
   assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 26))
 
 
-def _events(data: bytes) -> list[tuple[int, dict[str, float]]]:
-  """(step, scalars) of each scalar event in TFRecord-framed event bytes."""
-  from tensorboardX.proto import event_pb2
-
-  found, offset = [], 0
-  while offset < len(data):
-    (length,) = struct.unpack("<Q", data[offset : offset + 8])
-    event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
-    offset += 12 + length + 4  # Length, its CRC, the record, its CRC.
-    if event.HasField("summary"):
-      found.append((event.step, {v.tag: v.simple_value for v in event.summary.value}))
-  assert offset == len(data)  # Whole records only.
-  return found
-
-
 def test_tensorboard_events_on_gs_upload_one_small_object_per_flush(gcs):  # noqa: F811
   """TensorBoard's event file on an object store: a flush uploads the events since the last one
   as an object of its own (the whole file at each flush grew with the square of the run);
@@ -419,15 +404,15 @@ def test_tensorboard_events_on_gs_upload_one_small_object_per_flush(gcs):  # noq
     writer.write_scalars(step, {"loss": 1.0 / step})
     writer.flush()
   parts = {k: v for k, v in gcs.objects("tb/tensorboard/").items() if "tfevents" in k}
-  # Many objects, none holding much of the run. tensorboardX writes events from a thread of its
-  # own and its flush does not wait for it, so a flush may find nothing new, and the next one
-  # uploads two or more events: 20 parts for 30 flushes on a loaded 2-core host, 30 on an idle
-  # one. Uploading the whole file at each flush would leave one object, growing.
-  assert len(parts) >= 10 and max(parts.values()) < sum(parts.values()) / 3, parts
+  # One object per flush, each holding only the events since the one before: a flush writes
+  # every event logged before it (tensorboardX's SummaryWriter writes from a thread of its own,
+  # which a flush does not wait for), and uploading the whole file at each flush would leave one
+  # object, growing.
+  assert len(parts) == 30 and max(parts.values()) < 2 * min(parts.values()), parts
   # Read in name order, as TensorBoard reads a folder, the parts are the run's events so far.
-  events = _events(b"".join(gcs.read(name) for name in sorted(parts)))
+  events = scalar_events(b"".join(gcs.read(name) for name in sorted(parts)))
   expected = [(step, {"loss": pytest.approx(1.0 / step)}) for step in range(1, 31)]
-  assert events == expected[: len(events)] and len(events) >= 29
+  assert events == expected
   writer.close()
   (folded,) = [k for k in gcs.objects("tb/tensorboard/") if "tfevents" in k]
-  assert _events(gcs.read(folded)) == expected
+  assert scalar_events(gcs.read(folded)) == expected

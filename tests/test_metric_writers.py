@@ -9,10 +9,28 @@ import re
 import numpy as np
 import pytest
 
+from event_files import scalar_events
 from toy_training import WaitingIterator, toy_loop
 from trainkit.checkpoint import Checkpointer
 from trainkit.errors import OutOfSpace
 from trainkit.metric_writers import MetricWriter, read_metrics
+
+
+def test_a_flush_writes_every_tensorboard_scalar_logged_before_it(tmp_path):
+  """What a checkpoint's flush has written survives the process: tensorboardX's SummaryWriter
+  writes events from a thread of its own and its flush does not wait for it."""
+  writer = MetricWriter(str(tmp_path))
+  (events_file,) = (tmp_path / "tensorboard").iterdir()
+  for step in range(1, 51):
+    writer.write_scalars(step, {"loss": 1.0 / step, "val/accuracy": step / 100})
+    writer.flush()
+    # Read after each flush, before any close: every step so far, in order, and nothing else.
+    events = scalar_events(events_file.read_bytes())
+    assert [s for s, _ in events] == [s for s in range(1, step + 1) for _ in range(2)]
+  assert events[-2:] == [
+      (50, {"loss": pytest.approx(1.0 / 50)}), (50, {"val/accuracy": pytest.approx(0.5)})
+  ]
+  writer.close()
 
 
 class _FullDiskFile:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -253,6 +254,36 @@ def _register_remote_event_files(scheme: str) -> None:
   record_writer.register_writer_factory(scheme, _RemoteEventFiles())
 
 
+class _ScalarEvents:
+  """TensorBoard scalars written to an event file in the caller's thread. tensorboardX's
+  SummaryWriter hands each event to a thread of its own, and its `flush` does not wait for that
+  thread: a flush at a checkpoint could leave the last events unwritten, to be lost with the
+  process (on an object store, to come in a later part). Here `flush` writes every event added
+  before it."""
+
+  def __init__(self, logdir: str):
+    # tensorboardX's own event-file writer and protos, without its queue and thread.
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import directory_check
+    from tensorboardX.summary import scalar
+
+    directory_check(logdir)
+    self._event, self._scalar = event_pb2.Event, scalar
+    # The name TensorBoard looks for, events.out.tfevents.<time>.<host>, as SummaryWriter's.
+    self._writer = EventsWriter(os.path.join(logdir, "events"))
+
+  def add_scalar(self, name: str, value: float, step: int) -> None:
+    event = self._event(summary=self._scalar(name, value), step=step, wall_time=time.time())
+    self._writer.write_event(event)
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
 def _to_python(value: Any) -> Any:
   value = np.asarray(value)
   if value.ndim == 0:
@@ -276,14 +307,12 @@ class MetricWriter:
     self._pending_step: int | None = None
     self._pending: dict[str, Any] = {}
     self._last_flushed: dict[str, Any] | None = None
-    self._tb = None
+    self._tb: _ScalarEvents | None = None
     if enabled and tensorboard:
-      from tensorboardX import SummaryWriter  # Imported lazily: only process 0 needs it.
-
       logdir = storage.join(workdir, "tensorboard")
       if storage.is_remote(logdir):
         _register_remote_event_files(storage.scheme(logdir))
-      self._tb = SummaryWriter(logdir=logdir)
+      self._tb = _ScalarEvents(logdir)
 
   def truncate_after(self, step: int) -> None:
     """Drops lines logged after `step` (and a torn last line): a resumed run rewrites them, so
