@@ -496,10 +496,17 @@ def test_the_report_says_whether_the_sa_classifiers_beat_the_majority_rate():
       "mf": dict.fromkeys(("pqd", "dp", "eopp", "eodds"), 0.0),
   }
   text = format_report({**base, "sa_classifiers": {"moe_block3": result}})
-  assert "sex 90.0% (majority 60.0%)" in text and "Warning" not in text
+  assert "sex 90.0% (majority 60.0%)" in text and "same vote for every group" not in text
   result["sex"]["above_majority"] = False
   text = format_report({**base, "sa_classifiers": {"moe_block3": result}})
-  assert "the SA branch adds the same vote for every group" in text
+  # Not a fault of the run: Eq. 7's aim, and where to look for routing by group.
+  assert "the SA branch adds the same vote for every group" in text and "Warning" not in text
+  assert "--config.fair.route_by=label" in text
+  # A run that routed by the labels is not pointed to them again.
+  by_label = format_report(
+      {**base, "sa_classifiers": {"moe_block3": result}, "note": "route_by=label: ..."}
+  )
+  assert "same vote" in by_label and "--config.fair.route_by=label" not in by_label
 
 
 def test_routing_by_group_names_the_group_routed_least_like_the_split():

@@ -286,10 +286,19 @@ def format_report(report: dict[str, Any]) -> str:
     )
   classifiers = [c for b in report.get("sa_classifiers", {}).values() for c in b.values()]
   if classifiers and not any(c["above_majority"] for c in classifiers):
+    # Under the default route_by=predicted this is what Eq. 7 asks of the router's features;
+    # the label reading routes by group whatever the classifiers learn (docs/design.md).
     lines.append(
-        "Warning: FGR's sensitive-attribute classifiers do not beat the majority rate, so "
-        "the SA branch adds the same vote for every group (a constant routing bias)."
+        "Note: FGR's sensitive-attribute classifiers do not beat the majority rate, so the SA "
+        "branch adds the same vote for every group: Eq. 7's confusion loss has hidden the groups "
+        "from the router's features, as it intends."
     )
+    if "note" not in report:  # route_by=predicted: the model read no sensitive label.
+      lines.append(
+          "  FGR routes by each image's own group only when it is given the group: "
+          "--config.fair.route_by=label (reads the sensitive labels, also at test time; "
+          'docs/report.md, "What the quickstart shows").'
+      )
   for change in report.get("fem_changes", []):
     # Training moves the shares too: "moved" is necessary for a change to matter, not proof.
     experts = ", ".join(str(e) for e in change["experts"])
