@@ -123,7 +123,7 @@ def test_under_expert_competence_the_allocation_reaches_routing_only_through_the
     model = nnx.merge(graphdef, params, state.model_state)
     return terms(model, batch, jax.random.key(0), 0, {})[0]["specialization"]
 
-  grads = nnx.to_flat_state(jax.grad(specialization)(state.params))
+  grads = nnx.to_flat_state(jax.jit(jax.grad(specialization))(state.params))
   norms = {}
   for path, leaf in grads:
     value = getattr(leaf, "get_value", lambda: leaf)()
