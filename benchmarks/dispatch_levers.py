@@ -24,6 +24,8 @@ floor is above 0.9x of V-MoE's best (`benchmarks/results/dispatch_compile.json`)
 share, since V-MoE's dispatchers feed the same MLP: the ratio printed last. Below it: the MLP
 in `fused_mlp`'s Pallas kernels, which keep the hidden activation out of memory, alone and as
 the dispatch `einsum_fused` (the kernels' bytes are the estimate they pass to `pallas_call`).
+Last, for `einsum` and `einsum_fused`, the arrays of the dispatched buffers' shape each writes,
+by dtype (`buffer_writes`, read from the optimised HLO).
 
 Nothing else here is used by the library. The JSON (`--out`) holds each variant's bytes.
 """
@@ -34,7 +36,10 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -156,6 +161,32 @@ def _vmoe_best(shape: str, num_experts: int, dtype: str, target: str) -> float |
   return min(peers) if peers else None
 
 
+def buffer_writes(hlo_text: str, dims: Sequence[int]) -> dict[str, int]:
+  """{dtype: how many arrays of shape `dims` the optimised HLO's entry computation writes}: e.g.
+  the [E, G, C, D] buffers a dispatch writes, and in which precision. Instructions inside fusions
+  write nothing to memory, and parameters, bitcasts and tuple elements are no new array."""
+  entry = re.search(r"^ENTRY .*?^}", hlo_text, re.MULTILINE | re.DOTALL)
+  shape = re.escape("[" + ",".join(str(d) for d in dims) + "]")
+  counts: dict[str, int] = {}
+  for dtype, opcode in re.findall(
+      r"^\s*(?:ROOT )?%?[\w.-]+ = (\w+)" + shape + r"(?:\{[^}]*\})? ([\w-]+)\(",
+      entry.group(0) if entry else "",
+      re.MULTILINE,
+  ):
+    if opcode not in ("parameter", "bitcast", "get-tuple-element"):
+      counts[dtype] = counts.get(dtype, 0) + 1
+  return counts
+
+
+def _buffer_line(name: str, compiled: Any, experts: int, groups: int, capacity: int, dim: int):
+  text = compiled.as_text()
+  buffers = buffer_writes(text, (experts, groups, capacity, dim))
+  rows = buffer_writes(text, (experts, groups * capacity, dim))
+  return (f"{name}: arrays of the dispatched buffers' shape [E, G, C, D] = "
+          f"[{experts}, {groups}, {capacity}, {dim}] written, by dtype: {buffers or 'none'}; "
+          f"of the kernels' rows [E, G C, D]: {rows or 'none'}")
+
+
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows[name] = analysis.cost(compiled)["bytes accessed"]
     print(f"{args.target} {args.shape} E={args.experts} {args.dtype} {name}: "
           f"{rows[name] / 1e9:.3f} GB accessed", flush=True)
+    if name == "as committed":
+      committed_step = compiled
   groups, _, dim, hidden = dispatch_compile.SHAPES[args.shape]
   rows["expert MLP alone"] = expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype)
   # The floor counts every tensor in float32; a bfloat16 layer mixes float32 weights with
@@ -218,6 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
   for name in ("fused expert MLP alone", "einsum_fused"):
     print(f"{args.target} {args.shape} E={args.experts} {args.dtype} {name}: "
           f"{rows[name] / 1e9:.3f} GB accessed", flush=True)
+  # Where the layers' bytes beyond the MLP go: the precision of the buffers each writes, and
+  # einsum_fused's copies of them into the kernels' row layout (forward and backward).
+  for name, step in (("einsum", committed_step), ("einsum_fused", compiled)):
+    print(_buffer_line(name, step, args.experts, groups, capacity, dim), flush=True)
   vmoe_best = _vmoe_best(args.shape, args.experts, args.dtype, args.target)
   if vmoe_best is not None:
     print(f"V-MoE's best (benchmarks/results/dispatch_compile.json): {vmoe_best / 1e9:.3f} GB; "

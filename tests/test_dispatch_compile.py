@@ -110,6 +110,31 @@ def test_the_expert_mlp_traffic_floor_bounds_the_compiled_mlp_tightly(tpu, num_e
   assert floor <= accessed <= 1.05 * floor, (accessed, floor)
 
 
+def test_buffer_writes_counts_the_arrays_of_one_shape_by_dtype():
+  """dispatch_levers' reading of the optimised HLO: which precision a dispatch writes its
+  [E, G, C, D] buffers in (docs/benchmarks.md, "The fused expert MLP")."""
+  import dispatch_levers  # pylint: disable=import-outside-toplevel
+
+  hlo = "\n".join([
+      "%fused_computation (p: f32[64,32,8,384]) -> bf16[64,32,8,384] {",
+      "  %c = bf16[64,32,8,384]{3,2,1,0} convert(f32[64,32,8,384]{3,2,1,0} %p)",  # In a fusion.
+      "}",
+      "",
+      "ENTRY %main (p.2: f32[64,32,8,384]) -> f32[64,256,384] {",
+      "  %p.2 = f32[64,32,8,384]{3,2,1,0} parameter(2)",
+      "  %fusion.1 = bf16[64,32,8,384]{3,2,1,0:T(8,128)(2,1)} fusion(f32[2,3]{1,0} %p), kind=kLoop",
+      "  %b = f32[64,32,8,384]{3,2,1,0} fusion(%x), kind=kOutput",
+      "  %v = f32[64,32,8,384]{3,2,1,0} bitcast(%b)",
+      "  %t = (f32[64,32,8,384]{3,2,1,0}, f32[1]{0}) tuple(%b, %c)",  # Not an array.
+      "  %other = f32[64,32,8,3840]{3,2,1,0} fusion(%x)",
+      "  ROOT %copy_bitcast_fusion = f32[64,256,384]{2,1,0} fusion(f32[64,32,8,384]{3,2,1,0} %b)",
+      "}",
+  ])
+  assert dispatch_levers.buffer_writes(hlo, (64, 32, 8, 384)) == {"bf16": 1, "f32": 1}
+  assert dispatch_levers.buffer_writes(hlo, (64, 256, 384)) == {"f32": 1}
+  assert dispatch_levers.buffer_writes(hlo, (64, 32, 8)) == {}
+
+
 def test_the_fused_expert_mlp_goes_below_xlas_floor_and_takes_einsum_under_0_9x_vmoe(tpu):
   """docs/benchmarks.md, "The fused expert MLP": with the MLP in `fused_mlp`'s Pallas kernels
   (the dispatch `einsum_fused`), the whole layer at `deit_s32` E=64 float32, the case `einsum`
