@@ -104,6 +104,41 @@ def test_a_corrupt_line_inside_metrics_jsonl_names_the_file_and_line(tmp_path):
     read_metrics(str(tmp_path))
 
 
+def test_a_full_disk_under_the_tensorboard_events_is_the_out_of_space_error(tmp_path, monkeypatch):
+  """A full disk met while writing the TensorBoard event file is the loop's one out-of-space
+  error naming the step to resume from. (tensorboardX's SummaryWriter wrote events from a thread
+  of its own: there the error ended that thread, and this test never finished: a hang.)"""
+  from tensorboardX import record_writer
+
+  class FullAfterTwentySteps:
+    """An event file whose writes fail, as on a full disk, once step 20 has been flushed."""
+
+    def __init__(self, file):
+      self._file, self.flushes = file, 0
+
+    def write(self, data):
+      if self.flushes >= 4:  # The flushes of steps 5, 10 (twice: its checkpoint), 15 and 20.
+        raise OSError(errno.ENOSPC, "No space left on device")
+      return self._file.write(data)
+
+    def flush(self):
+      self.flushes += 1
+      self._file.flush()
+
+    def __getattr__(self, name):
+      return getattr(self._file, name)
+
+  monkeypatch.setattr(
+      record_writer, "open", lambda path, mode: FullAfterTwentySteps(open(path, mode)),
+      raising=False,
+  )
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  with pytest.raises(OutOfSpace) as error:
+    toy_loop(tmp_path, ckpt, WaitingIterator(set(), None), writer=MetricWriter(str(tmp_path)))
+  assert re.search(r"no space left on the device.*resume from step 20", str(error.value)), error
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["10", "20"]
+
+
 def test_a_full_disk_while_appending_metrics_leaves_no_partial_line_and_names_the_resume_step(
     tmp_path, monkeypatch, caplog
 ):
