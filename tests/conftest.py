@@ -3,9 +3,25 @@
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# The tests' programs are small and run a few steps, so compiling them is most of the suite's
+# time, and most of a compile is LLVM optimising the CPU code. The tests compile without those
+# passes: XLA's own (fusion, layout, sharding) still run, so the programs are what a user's run
+# computes; only the machine code is slower, and its rounding may differ as it does from one
+# processor to another, which every tolerance already allows (docs/reliability.md). A test that
+# starts a process on one device gives it ONE_DEVICE_XLA_FLAGS, so that the flags a user set
+# (`XLA_FLAGS=--xla_cpu_max_isa=AVX2 pytest`) reach it too.
+TEST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# The user's flags come after ours, so that theirs win (XLA takes a flag's last value).
+# pytest-xdist's workers inherit the XLA_FLAGS this file set in the main process: ours and the
+# device count are taken out of them again, so that they are not counted as the user's.
+_USER_XLA_FLAGS = [
+    flag
+    for flag in os.environ.get("XLA_FLAGS", "").split()
+    if flag not in TEST_COMPILE_FLAGS.split()
+    and not flag.startswith("--xla_force_host_platform_device_count=")
+]
+ONE_DEVICE_XLA_FLAGS = " ".join([TEST_COMPILE_FLAGS, *_USER_XLA_FLAGS])
+os.environ["XLA_FLAGS"] = f"{ONE_DEVICE_XLA_FLAGS} --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # With the preflight extra installed (CI installs it), XLA logs at INFO from C++; the tests read
 # stderr.

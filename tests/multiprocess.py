@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+from conftest import ONE_DEVICE_XLA_FLAGS
+
 HEARTBEAT_TIMEOUT_S = 60
 
 
@@ -20,7 +22,7 @@ def cpu_env(devices: int = 1, **extra: str) -> dict[str, str]:
   for variable in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(variable, None)
   env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = f"{ONE_DEVICE_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
   return env
 
 

@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 
 SCRIPT = REPO_ROOT / "benchmarks" / "accelerator_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -22,7 +22,7 @@ import accelerator_check  # noqa: E402  pylint: disable=g-import-not-at-top,wron
 
 def _run(out, *args):
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)  # One CPU device, as on the lent machine's one GPU.
+  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device, as on the lent machine's one GPU.
   return subprocess.run(
       [sys.executable, str(SCRIPT), "--size=tiny", f"--out={out}", *args],
       cwd=REPO_ROOT,

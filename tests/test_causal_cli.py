@@ -11,7 +11,14 @@ import jax
 import pytest
 
 from causal_attn_jax import inference, train
-from conftest import CAUSAL_TINY_ARGS, ENDE, ENDE_TINY_DATA, ENDE_TINY_MODEL, SHARED_DATA
+from conftest import (
+  CAUSAL_TINY_ARGS,
+  ENDE,
+  ENDE_TINY_DATA,
+  ENDE_TINY_MODEL,
+  ONE_DEVICE_XLA_FLAGS,
+  SHARED_DATA,
+)
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
@@ -22,7 +29,7 @@ TINY = CAUSAL_TINY_ARGS
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # One CPU device, as on a user's laptop.
+  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device, as on a user's laptop.
   env["PYTHONUNBUFFERED"] = "1"
   return env
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
+from conftest import FAIR_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, REPO_ROOT, SHARED_DATA
 from fairmoe_jax import config as config_lib
 from fairmoe_jax.data import celeba, dataset_from_config
 from fairmoe_jax.metrics import pooling
@@ -310,7 +310,7 @@ def test_one_fold_trains_reports_three_attributes_and_pools(tmp_path):
   args = [a for a in FAIR_TINY_ARGS if not a.startswith("--config.data.sensitive")]
   workdir = tmp_path / "fold3"
   env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-  env.pop("XLA_FLAGS", None)  # One CPU device.
+  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device.
   result = subprocess.run(
       [
           sys.executable,

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import FAIR_TINY_ARGS, SHARED_DATA
+from conftest import FAIR_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, SHARED_DATA
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
@@ -32,7 +32,7 @@ TINY = [
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # One CPU device, as on a user's laptop.
+  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device, as on a user's laptop.
   env["PYTHONUNBUFFERED"] = "1"
   return env
 

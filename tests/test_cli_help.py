@@ -9,6 +9,7 @@ import textwrap
 import pytest
 from ml_collections.config_flags import config_path
 
+from conftest import ONE_DEVICE_XLA_FLAGS
 from fairmoe_jax.config import base_config
 from trainkit import cli
 from trainkit.errors import USER_ERROR_EXIT_CODE
@@ -27,7 +28,7 @@ LAUNCH_SCRIPTS = [
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # One CPU device, as on a user's laptop.
+  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device, as on a user's laptop.
   return env
 
 

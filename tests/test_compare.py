@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
+from conftest import ONE_DEVICE_XLA_FLAGS
 from experiments import spec
 from experiments.collect import RunResult
 from fairmoe_jax import compare, paper_table
@@ -281,7 +282,7 @@ TINY = [
 
 def _compare(repo_root, workdir, *args):
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # One CPU device: faster than conftest's eight fake ones.
+  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device: faster than conftest's eight.
   return subprocess.run(
       [sys.executable, "-m", "fairmoe_jax.compare", *TINY, f"--workdir={workdir}", *args],
       cwd=repo_root,

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from conftest import CAUSAL_TINY_ARGS, OWN_MODULES, REPO_ROOT, SHARED_DATA
+from conftest import CAUSAL_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, OWN_MODULES, REPO_ROOT, SHARED_DATA
 
 NLI = SHARED_DATA / "nli"
 DEPRECATIONS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")
@@ -25,7 +25,7 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 
 
 def _run_strictly(module, *args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # One device.
+  env = dict(os.environ, XLA_FLAGS=ONE_DEVICE_XLA_FLAGS)  # One device.
   return subprocess.run(
       [sys.executable, "-c", RUNNER, module, *map(str, args)],
       cwd=REPO_ROOT,

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import REPO_ROOT, without_cuda_plugin_log
+from conftest import ONE_DEVICE_XLA_FLAGS, REPO_ROOT, without_cuda_plugin_log
 from event_files import scalar_events
 from gcs_server import Bucket, gcs, gcs_server, guard_variables, new_bucket  # noqa: F401
 from trainkit.errors import USER_ERROR_EXIT_CODE
@@ -94,7 +94,7 @@ class Places:
     self.tmp.mkdir()
 
   def env(self) -> dict[str, str]:
-    env = {k: v for k, v in self.bucket.env.items() if k != "XLA_FLAGS"}  # One device.
+    env = dict(self.bucket.env, XLA_FLAGS=ONE_DEVICE_XLA_FLAGS)  # One device.
     # The JAX compilation cache (conftest.py) stays where the suite keeps it: a cache we name.
     env.update(PYTHONPATH=str(REPO_ROOT), TMPDIR=str(self.tmp), PYTHONUNBUFFERED="1")
     return env
@@ -405,9 +405,9 @@ def test_tensorboard_events_on_gs_upload_one_small_object_per_flush(gcs):  # noq
     writer.flush()
   parts = {k: v for k, v in gcs.objects("tb/tensorboard/").items() if "tfevents" in k}
   # One object per flush, each holding only the events since the one before: a flush writes
-  # every event logged before it (tensorboardX's SummaryWriter writes from a thread of its own,
-  # which a flush does not wait for), and uploading the whole file at each flush would leave one
-  # object, growing.
+  # every event logged before it (a writer thread that a flush did not wait for, as
+  # tensorboardX's SummaryWriter has, would leave fewer parts), and uploading the whole file at
+  # each flush would leave one object, growing.
   assert len(parts) == 30 and max(parts.values()) < 2 * min(parts.values()), parts
   # Read in name order, as TensorBoard reads a folder, the parts are the run's events so far.
   events = scalar_events(b"".join(gcs.read(name) for name in sorted(parts)))

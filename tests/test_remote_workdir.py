@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import CAUSAL_TINY_ARGS, FAIR_TINY_ARGS, REPO_ROOT, SHARED_DATA
+from conftest import CAUSAL_TINY_ARGS, FAIR_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, REPO_ROOT, SHARED_DATA
 from trainkit import storage
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -39,7 +39,7 @@ class Places:
       directory.mkdir()
 
   def run(self, module, *args, fake=True, hide_gcsfs=False):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # One device.
+    env = dict(os.environ, XLA_FLAGS=ONE_DEVICE_XLA_FLAGS)  # One device.
     env.update(PYTHONPATH=str(REPO_ROOT), TMPDIR=str(self.tmp), FAKE_GCS_ROOT=str(self.bucket))
     if hide_gcsfs:
       # gcsfs is installed with the test extra: a package of the same name that cannot be

@@ -110,11 +110,13 @@ def test_both_attentions_fit_64_training_pairs(kind):
       )
   )
   # The causal model's multipliers keep pushing on the fitted model, so one step's accuracy
-  # wobbles by a pair or two (60 of 64 at step 150 on one processor, 64 on another): the mean
-  # over the last 50 steps is what the claim "fits" rests on.
+  # wobbles by a pair or two (60 of 64 at step 150 on one processor, 64 on another), and on some
+  # roundings it falls back for some steps after it first fits (down to 32 of 64 in steps 133-154 on
+  # jax 0.12 with tests/conftest.py's compile flags, 64 of 64 from step 155 to 300). The mean
+  # over the last 100 of 300 steps is what the claim "fits" rests on.
   accuracies = []
-  for _ in range(150):
+  for _ in range(300):
     state, metrics = step(state, batch)
     accuracies.append(metrics["accuracy"])
-  late = float(np.mean(accuracies[-50:]))
+  late = float(np.mean(accuracies[-100:]))
   assert late >= 0.95, (kind, late)

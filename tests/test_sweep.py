@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from conftest import ONE_DEVICE_XLA_FLAGS
 from experiments import collect, commands, spec
 from experiments import sweep as sweep_cli
 from trainkit import storage
@@ -716,7 +717,7 @@ def test_an_edited_config_file_makes_finished_runs_stale(module, repo_root, tmp_
       )
   )
   workdir = tmp_path / "sweep"
-  env = {"XLA_FLAGS": ""}  # One CPU device, not conftest's eight: faster.
+  env = {"XLA_FLAGS": ONE_DEVICE_XLA_FLAGS}  # One CPU device, not conftest's eight: faster.
   assert sweep_cli.execute_sweep(sweep, str(workdir), env=env) == 0, capsys.readouterr().out
   run = workdir / "runs" / "seed=0"
   assert json.loads((run / "config.json").read_text())["optimizer"]["learning_rate"] == 0.001

@@ -21,13 +21,14 @@ import pytest
 from PIL import Image
 
 from conftest import (
-    CAUSAL_TINY_ARGS,
-    ENDE,
-    ENDE_TINY_DATA,
-    ENDE_TINY_MODEL,
-    FAIR_TINY_ARGS,
-    REPO_ROOT,
-    SHARED_DATA,
+  CAUSAL_TINY_ARGS,
+  ENDE,
+  ENDE_TINY_DATA,
+  ENDE_TINY_MODEL,
+  FAIR_TINY_ARGS,
+  ONE_DEVICE_XLA_FLAGS,
+  REPO_ROOT,
+  SHARED_DATA,
 )
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
@@ -53,7 +54,7 @@ README_CAUSAL_WORKDIR = '"/tmp/mnli_small"'
 
 
 def _main(package, *args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # One device, as a laptop.
+  env = dict(os.environ, XLA_FLAGS=ONE_DEVICE_XLA_FLAGS)  # One device, as a laptop.
   return subprocess.run(
       [sys.executable, "-m", f"{package}.main", *map(str, args)],
       cwd=REPO_ROOT,
