@@ -110,10 +110,10 @@ def test_both_attentions_fit_64_training_pairs(kind):
       )
   )
   # The causal model's multipliers keep pushing on the fitted model, so one step's accuracy
-  # wobbles by a pair or two (60 of 64 at step 150 on one processor, 64 on another), and on some
-  # roundings it falls back for some steps after it first fits (down to 32 of 64 in steps 133-154 on
-  # jax 0.12 with tests/conftest.py's compile flags, 64 of 64 from step 155 to 300). The mean
-  # over the last 100 of 300 steps is what the claim "fits" rests on.
+  # wobbles by a pair or two (60 of 64 at step 150 on one processor, 64 on another), and on
+  # some roundings it falls back for some steps after it first fits (down to 32 of 64 in steps
+  # 133-154 on jax 0.12 with tests/conftest.py's compile flags, 64 of 64 from step 155 to 300).
+  # The mean over the last 100 of 300 steps is what the claim "fits" rests on.
   accuracies = []
   for _ in range(300):
     state, metrics = step(state, batch)
