@@ -163,6 +163,29 @@ def test_failing_device_tests_are_counted_and_listed_by_cause(tmp_path):
   assert "| `test_moe::test_close` | AssertionError: Not equal to tolerance rtol=1e-05 |" in lines
 
 
+def test_device_tests_stopped_before_their_report_say_how_far_they_got():
+  # The end of the output of the lent H200's run on 2026-11-28, stopped at its 240 s share.
+  output = (
+      "bringing up nodes...\n\n"
+      + "." * 72 + " [ 22%]\n"
+      + "." * 26 + "s" + "." * 45 + " [ 45%]\n"
+      + "." * 40 + "sss" + "." * 26 + "sss [ 68%]\n"
+      + "." * 72 + " [ 91%]\n"
+      + "." * 27
+  )
+  assert accelerator_check.progress_summary(output) == {
+      "ran_before_stop": 315, "failed_before_stop": 0}
+  failing = output.replace("." * 72 + " [ 22%]", ".F" + "." * 68 + "E." + " [ 22%]")
+  assert accelerator_check.progress_summary(failing)["failed_before_stop"] == 2
+  assert accelerator_check.progress_summary("collected 4 items\nTraceback ...") == {}
+  stopped = {"error": "stopped after 241 s, its share of the budget",
+             **accelerator_check.progress_summary(failing)}
+  lines = accelerator_check._tests_markdown(  # pylint: disable=protected-access
+      {"status": "timeout", "device": stopped})
+  assert lines == ["**Tests on the device** (timeout): stopped after 241 s, its share of the "
+                   "budget; 315 tests had run by then, 2 of them failing"]
+
+
 def _preflight_record(batch):
   return {
       "target": {"name": "h100x1", "device_kind": "NVIDIA H100 80GB HBM3"},
