@@ -1,10 +1,12 @@
 """metrics.jsonl (`trainkit.metric_writers`): merged on resume, torn and corrupt lines, a full
 disk while appending."""
 
+import contextlib
 import errno
 import json
 import os
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -104,6 +106,24 @@ def test_a_corrupt_line_inside_metrics_jsonl_names_the_file_and_line(tmp_path):
     read_metrics(str(tmp_path))
 
 
+@contextlib.contextmanager
+def _fails_after_seconds(seconds: int):
+  """A failure, not a hang, when the block runs past `seconds` (the suite has no per-test
+  timeout): SIGALRM interrupts the main thread even where it waits on a lock or a queue."""
+
+  def fail(signum, frame):
+    del signum, frame
+    pytest.fail(f"still running after {seconds} s: hung", pytrace=False)
+
+  previous = signal.signal(signal.SIGALRM, fail)
+  signal.alarm(seconds)
+  try:
+    yield
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
 def test_a_full_disk_under_the_tensorboard_events_is_the_out_of_space_error(tmp_path, monkeypatch):
   """A full disk met while writing the TensorBoard event file is the loop's one out-of-space
   error naming the step to resume from. (tensorboardX's SummaryWriter wrote events from a thread
@@ -133,7 +153,7 @@ def test_a_full_disk_under_the_tensorboard_events_is_the_out_of_space_error(tmp_
       raising=False,
   )
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
-  with pytest.raises(OutOfSpace) as error:
+  with pytest.raises(OutOfSpace) as error, _fails_after_seconds(120):
     toy_loop(tmp_path, ckpt, WaitingIterator(set(), None), writer=MetricWriter(str(tmp_path)))
   assert re.search(r"no space left on the device.*resume from step 20", str(error.value)), error
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["10", "20"]
