@@ -11,7 +11,7 @@ VERSION = re.search(
     r'^__version__ = "([^"]+)"$', (HERE / "trainkit" / "_version.py").read_text(), re.M
 ).group(1)
 
-CODE_PACKAGES = ["fairmoe_jax", "causal_attn_jax", "trainkit", "experiments"]
+CODE_PACKAGES = ["fairmoe_jax", "causal_attn_jax", "trainkit", "paper_runner"]
 # The repository's configs/ (and configs/sweeps/) ship inside trainkit as
 # trainkit/bundled_configs, so that `--config=configs/quickstart.py` also works after a
 # non-editable install (trainkit.config_files.resolve_config_path finds them there).
@@ -69,7 +69,7 @@ setup(
         "sacrebleu>=2.3",
         "sacremoses>=0.1",  # Detokenising Moses-tokenised references before BLEU.
         "tensorboardX>=2.6",
-        "scipy>=1.10",  # Student-t intervals of the results tables (experiments/stats.py).
+        "scipy>=1.10",  # Student-t intervals of the results tables (paper_runner/stats.py).
     ],
     extras_require={
         # Everything the tests and the docs' snippets import beyond install_requires

@@ -55,7 +55,7 @@ Expected result: docs/results.md, table `fair_cv_celeba` (FairSMoE, its two abla
 SMoE with and without L_Psi, Muffin and MultiFair at size=small, 3 epochs, on the sample's Male,
 Chubby and Goatee over the 5 identity folds, paired by fold; results/fair_cv_celeba.py), and
 table `fair_comparison_celeba` (the official partition, sensitive Male only, 5 paired seeds;
-results/fair_comparison_celeba.py; `python -m experiments.tables
+results/fair_comparison_celeba.py; `python -m paper_runner.tables
 --reproduce=fair_comparison_celeba` reruns its first row). The paper
 reports 86.01% accuracy / 0.787 MF-PQD for FairSMoE DeiT-S, a full-data, full-scale number we
 have not reached.

@@ -29,7 +29,7 @@ subcase) is the one to score on.
 Expected result: docs/results.md, table `mnli_hans` (causal against vanilla attention at
 size=small on the MNLI sample, scored on the 3,000 regenerated HANS pairs, 5 paired seeds;
 generated from results/records/mnli_hans.json by results/mnli_hans.py;
-`python -m experiments.tables --reproduce=mnli_hans` reruns its first row). The paper reports
+`python -m paper_runner.tables --reproduce=mnli_hans` reruns its first row). The paper reports
 72.8% MNLI-m and 85.2% HANS (full data, full scale), which we have not reached.
 """
 

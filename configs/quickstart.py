@@ -14,7 +14,7 @@ Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
   top_k    experts per token (default 2)
 
 The baselines on the same data: `--config.method=vanilla_smoe` (or vanilla_smoe_psi, muffin,
-multifair), or all at once with `python -m fairmoe_jax.compare --config=configs/quickstart.py
+multifair), or all at once with `python -m paper_runner.fairmoe.compare --config=configs/quickstart.py
 --workdir=DIR` (each run in DIR/runs/, the paper-style table in DIR/comparison.md).
 
 Expected result: no generated table covers the quickstart; the run prints the test accuracy

@@ -19,7 +19,7 @@ highest mean validation accuracy in results/spurious_tuning_causal.py.
 Expected result: docs/results.md, table `spurious_pairs` (causal against vanilla attention and
 the GCN updater without the constraint, 5 paired seeds; generated from
 results/records/spurious_pairs.json by results/spurious_pairs.py;
-`python -m experiments.tables --reproduce=spurious_pairs` reruns its first row).
+`python -m paper_runner.tables --reproduce=spurious_pairs` reruns its first row).
 """
 
 from causal_attn_jax.config import paper_config_from_arg, testbed_small_settings

@@ -10,7 +10,7 @@ Arguments, e.g. `--config=configs/synthetic_testbed.py:experts=8`: as configs/qu
 (steps 350, experts 4, top_k 2; the testbed has no `cues`).
 
 The baselines on the same data: `--config.method=vanilla_smoe` (or vanilla_smoe_psi, muffin,
-multifair), or all at once with `python -m fairmoe_jax.compare
+multifair), or all at once with `python -m paper_runner.fairmoe.compare
 --config=configs/synthetic_testbed.py --workdir=DIR`. `python scripts/synthetic_stats.py
 --dataset=synthetic_testbed` prints the data's statistics, with the marker and oracle readers.
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Submits a sweep's runs to SLURM as one job array: one array task per run of COMMANDS_FILE
-# (written by `python -m experiments.sweep --mode=commands`, without --launcher), each running
+# (written by `python -m paper_runner.sweep --mode=commands`, without --launcher), each running
 # launch/slurm_array.sbatch. Runs that have a report.json are done and are not submitted, so
 # the same command resubmits what a cancellation, a failure or a time limit left unfinished;
 # those runs resume from their checkpoints. Tasks write SWEEP/slurm/<job>_<task>.out, the runs
-# their own log.txt. Afterwards `python -m experiments.sweep --mode=collect` tabulates.
+# their own log.txt. Afterwards `python -m paper_runner.sweep --mode=collect` tabulates.
 #
 # Usage: launch/slurm_array.sh [--dry-run] [--parallel N] [--gpus-per-run G] [--cpus-per-run C]
 #            [--partition P] [--time HH:MM:SS] COMMANDS_FILE
@@ -12,7 +12,7 @@
 #   --gpus-per-run G  G GPUs per run, one SLURM task (process) per GPU on one node; default 0:
 #                     a CPU run, one task, JAX_PLATFORMS=cpu
 #   --cpus-per-run C  CPUs per task (default 1)
-# Example: python -m experiments.sweep --sweep=configs/sweeps/batch_experts.py \
+# Example: python -m paper_runner.sweep --sweep=configs/sweeps/batch_experts.py \
 #            --workdir=/shared/sweep --mode=commands
 #          launch/slurm_array.sh --gpus-per-run 1 --time 02:00:00 /shared/sweep/commands.sh
 # Prints the sbatch command ("+ sbatch ...") and runs it unless --dry-run.

@@ -10,16 +10,16 @@
 # Example: launch/tpu_pod.sh --name moe-16 --zone us-west4-a --accelerator v5litepod-16 \
 #            --delete-after -- --config=configs/quickstart.py --workdir=gs://bucket/run
 # A sweep's whole grid on one slice: --commands FILE ("-": standard input) takes the commands
-# that `python -m experiments.sweep --mode=commands` wrote without --launcher (one
+# that `python -m paper_runner.sweep --mode=commands` wrote without --launcher (one
 # `python -m MODULE ARGS` line per run). The slice is created and set up once, runs them one
 # after the other on all workers, and with --delete-after is deleted after the last. A run
 # whose gs:// workdir holds its report.json is skipped; a failed run does not stop the others
 # (the script then exits 1 naming it, and the same command resumes it). Example:
-#   python -m experiments.sweep --sweep=configs/sweeps/batch_experts.py \
+#   python -m paper_runner.sweep --sweep=configs/sweeps/batch_experts.py \
 #       --workdir=gs://bucket/sweep --mode=commands
 #   gcloud storage cat gs://bucket/sweep/commands.sh | launch/tpu_pod.sh --name moe-16 \
 #       --zone us-west4-a --accelerator v5litepod-16 --delete-after --commands -
-#   python -m experiments.sweep --sweep=configs/sweeps/batch_experts.py \
+#   python -m paper_runner.sweep --sweep=configs/sweeps/batch_experts.py \
 #       --workdir=gs://bucket/sweep --mode=collect
 # Every command is printed (prefixed with "+ ") before it runs; --dry-run only prints them.
 # The workdir should be a gs:// path (or another directory shared by all workers).

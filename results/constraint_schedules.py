@@ -1,8 +1,8 @@
 r"""Tuning table (validation only): is there a dual schedule that meets the Markov-blanket
 constraint on the spurious-pairs testbed?
 
-  python -m experiments.sweep --sweep=results/constraint_schedules.py --workdir=/tmp/results/constraint_schedules
-  python -m experiments.tables --record=constraint_schedules --workdir=/tmp/results/constraint_schedules
+  python -m paper_runner.sweep --sweep=results/constraint_schedules.py --workdir=/tmp/results/constraint_schedules
+  python -m paper_runner.tables --record=constraint_schedules --workdir=/tmp/results/constraint_schedules
 
 The shipped schedule (dual ascent from step 500, ramped over 1,000 to 0.01; chosen by
 results/spurious_tuning_causal.py) leaves most nodes outside the band when training ends. Three
@@ -15,7 +15,7 @@ schedule meets the constraint and what that costs in validation accuracy; it cho
 (results/spurious_tuning_causal.py chose the shipped schedule on validation accuracy).
 """
 
-from experiments.table_parts import (
+from paper_runner.table_parts import (
     CAUSAL_REFERENCES,
     CONSTRAINT_MET,
     EFFECTIVE_KEYS,

@@ -1,8 +1,8 @@
 r"""Table: causal against vanilla attention for En-De translation on the OpenNMT sample.
 
-  python -m experiments.sweep --sweep=results/ende_small.py --workdir=/tmp/results/ende_small
-  python -m experiments.tables --record=ende_small --workdir=/tmp/results/ende_small
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/ende_small.py --workdir=/tmp/results/ende_small
+  python -m paper_runner.tables --record=ende_small --workdir=/tmp/results/ende_small
+  python -m paper_runner.tables --write=docs/results.md
 
 The WMT14 En-De sample in ../shared/data/translation (10,000 training pairs, 3,000 validation
 pairs; Moses-escaped, hence data.unescape), configs/wmt14_ende.py:size=small (a small
@@ -14,8 +14,8 @@ learning rate was tuned (both 1e-3). Five paired seeds. The claim is the paper's
 causal model translates at least as well as vanilla attention.
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import (
+from paper_runner.spec import dotted
+from paper_runner.table_parts import (
     CAUSAL,
     CAUSAL_REFERENCES,
     CONSTRAINT_MET,

@@ -1,8 +1,8 @@
 r"""Table: every FairSMoE reading, its ablations and every baseline under one protocol, CelebA sample.
 
-  python -m experiments.sweep --sweep=results/fair_comparison_celeba.py --workdir=/tmp/results/fair_comparison_celeba
-  python -m experiments.tables --record=fair_comparison_celeba --workdir=/tmp/results/fair_comparison_celeba
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/fair_comparison_celeba.py --workdir=/tmp/results/fair_comparison_celeba
+  python -m paper_runner.tables --record=fair_comparison_celeba --workdir=/tmp/results/fair_comparison_celeba
+  python -m paper_runner.tables --write=docs/results.md
 
 The sample of ../shared/data/celeba (official partition: 2,328 train / 480 validation / 390
 test images; target Attractive, sensitive Male, the only attribute the sample knew for every image
@@ -20,8 +20,8 @@ and against vanilla SMoE + L_Psi, the control that separates what FGR and FEM ad
 fairness loss adds. (Fig. 6's gradient cosine needs two attributes: results/fair_comparison_synthetic.py.)
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import (
+from paper_runner.spec import dotted
+from paper_runner.table_parts import (
     ACCURACY,
     DROPPED_TRAIN,
     EXPERTS_ACTIVE,

@@ -1,9 +1,9 @@
 r"""Table: FairSMoE under three readings of Eq. 8, its two ablations and four baselines, on the
 built-in synthetic dataset (three sensitive attributes).
 
-  python -m experiments.sweep --sweep=results/fair_comparison_synthetic.py --workdir=/tmp/results/fair_comparison_synthetic
-  python -m experiments.tables --record=fair_comparison_synthetic --workdir=/tmp/results/fair_comparison_synthetic
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/fair_comparison_synthetic.py --workdir=/tmp/results/fair_comparison_synthetic
+  python -m paper_runner.tables --record=fair_comparison_synthetic --workdir=/tmp/results/fair_comparison_synthetic
+  python -m paper_runner.tables --write=docs/results.md
 
 The quickstart model and data (configs/quickstart.py: 32-px generated images, 4 classes, sex 2,
 age 5 and site 8 groups; a 4-block ViT with a 4-expert top-2 MoE in its last block) without the
@@ -21,8 +21,8 @@ active (Fig. 5), a higher gradient cosine (Fig. 6), each tested against vanilla 
 SMoE + L_Psi; and the readings compared on the validation split.
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import (
+from paper_runner.spec import dotted
+from paper_runner.table_parts import (
     ACCURACY,
     ATTRIBUTE_ROUTING,
     CLASS_ROUTING,

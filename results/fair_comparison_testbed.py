@@ -1,8 +1,8 @@
 r"""Table: FairSMoE, its ablations and the baselines on the synthetic testbed built for them.
 
-  python -m experiments.sweep --sweep=results/fair_comparison_testbed.py --workdir=/tmp/results/fair_comparison_testbed
-  python -m experiments.tables --record=fair_comparison_testbed --workdir=/tmp/results/fair_comparison_testbed
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/fair_comparison_testbed.py --workdir=/tmp/results/fair_comparison_testbed
+  python -m paper_runner.tables --record=fair_comparison_testbed --workdir=/tmp/results/fair_comparison_testbed
+  python -m paper_runner.tables --write=docs/results.md
 
 The built-in `synthetic_testbed` data (docs/dataset.md, "The FairSMoE testbed": the class must
 be read from the image, a marker reader scores clearly below a reader of the signal, and the
@@ -17,8 +17,8 @@ accuracy (Table 1), more experts active (Fig. 5), a higher gradient cosine betwe
 attributes' tasks (Fig. 6), and each of FGR and FEM adds (Table 2).
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import (
+from paper_runner.spec import dotted
+from paper_runner.table_parts import (
     FAIR_COMPARISON,
     SA_ABOVE_MAJORITY,
     fair_tuning,

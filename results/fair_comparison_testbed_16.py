@@ -1,8 +1,8 @@
 r"""Table: the testbed comparison with 16 experts, where vanilla SMoE's routing concentrates.
 
-  python -m experiments.sweep --sweep=results/fair_comparison_testbed_16.py --workdir=/tmp/results/fair_comparison_testbed_16
-  python -m experiments.tables --record=fair_comparison_testbed_16 --workdir=/tmp/results/fair_comparison_testbed_16
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/fair_comparison_testbed_16.py --workdir=/tmp/results/fair_comparison_testbed_16
+  python -m paper_runner.tables --record=fair_comparison_testbed_16 --workdir=/tmp/results/fair_comparison_testbed_16
+  python -m paper_runner.tables --write=docs/results.md
 
 results/fair_comparison_testbed.py runs 4 experts, where vanilla SMoE keeps nearly every expert
 busy over the test split (utilisation 0.965-0.995, docs/dataset.md). The routing measurement of
@@ -17,7 +17,7 @@ one a validation reading chooses. Only the five rows the claims compare run (Muf
 MultiFair decide no claim; CPU time).
 """
 
-from experiments.table_parts import FAIR_CONTROLS, FAIRSMOE, sibling_spec
+from paper_runner.table_parts import FAIR_CONTROLS, FAIRSMOE, sibling_spec
 
 fair_comparison_testbed = sibling_spec(__file__, "fair_comparison_testbed")
 

@@ -1,9 +1,9 @@
 r"""Table: FairSMoE, its ablations and the baselines on the CelebA sample's three paper attributes,
 scored by identity-grouped 5-fold cross-validation.
 
-  python -m experiments.sweep --sweep=results/fair_cv_celeba.py --workdir=/tmp/results/fair_cv_celeba
-  python -m experiments.tables --record=fair_cv_celeba --workdir=/tmp/results/fair_cv_celeba
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/fair_cv_celeba.py --workdir=/tmp/results/fair_cv_celeba
+  python -m paper_runner.tables --record=fair_cv_celeba --workdir=/tmp/results/fair_cv_celeba
+  python -m paper_runner.tables --write=docs/results.md
 
 `:target=` and `:epochs=` change the target and the budget. The second target, Smiling
 (docs/protocol.md section 7 chose it by a data-only rule before any run), has tables of its own
@@ -25,14 +25,14 @@ no worse accuracy (Table 1), and than Muffin and MultiFair (Table 1), keeps more
 and FEM adds to it (Table 2: FairSMoE higher than FairSMoE without FGR, and without FEM).
 
 The folds share training data, so the table's intervals are the corrected resampled ones
-(`cross_validation`, experiments/stats.py). Two choices behind these runs read faces that are
+(`cross_validation`, paper_runner/stats.py). Two choices behind these runs read faces that are
 test faces here (docs/protocol.md section 9): the budget, read on fold 1, and the lambdas,
 read on the official validation split; both are declared as selection leaks, and every verdict
 they touch is marked.
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import (
+from paper_runner.spec import dotted
+from paper_runner.table_parts import (
     FAIR_COMPARISON,
     SA_VARIANCE_SHARE,
     fair_tuning,
@@ -90,7 +90,7 @@ TABLE = paper_claims_table(
     SA_VARIANCE_SHARE,
     pair_by=(FOLD, "seed"),
     pool=("fairmoe_jax.metrics.pooling:pooled_report", FOLD),
-    cross_validation=(FOLD, "fairmoe_jax.references:split_sizes"),
+    cross_validation=(FOLD, "paper_runner.fairmoe.references:split_sizes"),
     **budget_and_leaks(3, "Attractive"),
 )
 

@@ -1,8 +1,8 @@
 r"""Table: the CelebA comparison of results/fair_cv_celeba.py with Smiling as the target, at 3 epochs.
 
-  python -m experiments.sweep --sweep=results/fair_cv_celeba_smiling.py --workdir=/tmp/results/fair_cv_celeba_smiling
-  python -m experiments.tables --record=fair_cv_celeba_smiling --workdir=/tmp/results/fair_cv_celeba_smiling
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/fair_cv_celeba_smiling.py --workdir=/tmp/results/fair_cv_celeba_smiling
+  python -m paper_runner.tables --record=fair_cv_celeba_smiling --workdir=/tmp/results/fair_cv_celeba_smiling
+  python -m paper_runner.tables --write=docs/results.md
 
 Smiling is the second target of issue 34: one that a small model can learn from 2.5k faces,
 chosen by the data-only rule of docs/protocol.md section 7 on fold 0's training and validation
@@ -11,7 +11,7 @@ pairing, claims) is results/fair_cv_celeba.py's, so the two tables differ only i
 Smiling's own budget curve chose 12 epochs afterwards: results/fair_cv_celeba_smiling_12.py.
 """
 
-from experiments.table_parts import sibling_spec
+from paper_runner.table_parts import sibling_spec
 
 fair_cv_celeba = sibling_spec(__file__, "fair_cv_celeba")
 

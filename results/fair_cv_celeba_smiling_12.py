@@ -1,8 +1,8 @@
 r"""Table: the CelebA comparison with Smiling as the target, at the 12 epochs its own curve chose.
 
-  python -m experiments.sweep --sweep=results/fair_cv_celeba_smiling_12.py --workdir=/tmp/results/fair_cv_celeba_smiling_12
-  python -m experiments.tables --record=fair_cv_celeba_smiling_12 --workdir=/tmp/results/fair_cv_celeba_smiling_12
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/fair_cv_celeba_smiling_12.py --workdir=/tmp/results/fair_cv_celeba_smiling_12
+  python -m paper_runner.tables --record=fair_cv_celeba_smiling_12 --workdir=/tmp/results/fair_cv_celeba_smiling_12
+  python -m paper_runner.tables --write=docs/results.md
 
 At 3 epochs (results/fair_cv_celeba_smiling.py) no model learns Smiling. The budget rule of
 docs/protocol.md section 7 applied to Smiling (`configs/sweeps/celeba_budget.py:target=Smiling`,
@@ -10,7 +10,7 @@ written before its runs) chose 12 epochs; this table is results/fair_cv_celeba.p
 and that budget, everything else the same.
 """
 
-from experiments.table_parts import sibling_spec
+from paper_runner.table_parts import sibling_spec
 
 fair_cv_celeba = sibling_spec(__file__, "fair_cv_celeba")
 

@@ -1,7 +1,7 @@
 r"""Tuning table (validation only): the lambdas of the L_Psi rule, FairSMoE on the CelebA sample.
 
-  python -m experiments.sweep --sweep=results/lambda_tuning.py --workdir=/tmp/results/lambda_tuning
-  python -m experiments.tables --record=lambda_tuning --workdir=/tmp/results/lambda_tuning
+  python -m paper_runner.sweep --sweep=results/lambda_tuning.py --workdir=/tmp/results/lambda_tuning
+  python -m paper_runner.tables --record=lambda_tuning --workdir=/tmp/results/lambda_tuning
 
 The rule was fixed before any run (docs/design.md, "One L_Psi rule"): PQD, the paper's headline
 metric, and DP are trained together, lambda_pqd * L_PQD + lambda_dp * L_DP, for every method
@@ -13,8 +13,8 @@ accuracy is within one point of the best (the paper's claim is fairness at no co
 The test split is not read by this table.
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import FAIR_REFERENCES, against_first
+from paper_runner.spec import dotted
+from paper_runner.table_parts import FAIR_REFERENCES, against_first
 
 # Rows: lambda_pqd, each value also setting lambda_dp.
 SETTINGS = {

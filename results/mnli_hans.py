@@ -1,8 +1,8 @@
 r"""Table: causal against vanilla attention, trained on the MNLI sample, scored on HANS.
 
-  python -m experiments.sweep --sweep=results/mnli_hans.py --workdir=/tmp/results/mnli_hans
-  python -m experiments.tables --record=mnli_hans --workdir=/tmp/results/mnli_hans
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/mnli_hans.py --workdir=/tmp/results/mnli_hans
+  python -m paper_runner.tables --record=mnli_hans --workdir=/tmp/results/mnli_hans
+  python -m paper_runner.tables --write=docs/results.md
 
 configs/mnli_hans.py at size=small: MultiNLI dev-matched (../shared/data/nli, 9,815 pairs)
 split 90/10 into train and validation (data.eval_fraction), 1,500 steps; HANS is the 3,000
@@ -11,8 +11,8 @@ seeds. The claim is the paper's Table 1: causal attention scores higher on HANS 
 attention trained the same way.
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import (
+from paper_runner.spec import dotted
+from paper_runner.table_parts import (
     CAUSAL,
     CAUSAL_REFERENCES,
     EFFECTIVE_KEYS,
@@ -22,7 +22,7 @@ from experiments.table_parts import (
     claims,
 )
 
-# How experiments.tables tabulates the runs (the rows, columns and claims of the table).
+# How paper_runner.tables tabulates the runs (the rows, columns and claims of the table).
 TABLE = dict(
     references=CAUSAL_REFERENCES,
     title="Causal and vanilla attention, MNLI sample to HANS",

@@ -1,9 +1,9 @@
 r"""Table: causal attention against vanilla attention and the unconstrained GCN updater on the
 ood-pairs testbed, whose challenge split is out of distribution by construction.
 
-  python -m experiments.sweep --sweep=results/ood_pairs.py --workdir=/tmp/results/ood_pairs
-  python -m experiments.tables --record=ood_pairs --workdir=/tmp/results/ood_pairs
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/ood_pairs.py --workdir=/tmp/results/ood_pairs
+  python -m paper_runner.tables --record=ood_pairs --workdir=/tmp/results/ood_pairs
+  python -m paper_runner.tables --write=docs/results.md
 
 Generated pairs (configs/ood_pairs.py, docs/dataset.md "The ood-pairs testbed"; data seed 0 for
 every run): 4,000 train, 1,000 validation and 1,000 challenge pairs. The label is a relation of
@@ -19,8 +19,8 @@ Markov-blanket constraint makes the model less fooled by a spurious cue (higher 
 accuracy than vanilla attention and than the same GCN without the constraint).
 """
 
-from experiments.spec import dotted
-from experiments.table_parts import (
+from paper_runner.spec import dotted
+from paper_runner.table_parts import (
     CAUSAL,
     CAUSAL_REFERENCES,
     CONSTRAINT_MET,
@@ -29,7 +29,7 @@ from experiments.table_parts import (
     UNCONSTRAINED,
     claims,
 )
-from experiments.table_parts import VANILLA_TUNED as VANILLA
+from paper_runner.table_parts import VANILLA_TUNED as VANILLA
 
 PAPER_SCHEDULE = (
     "causal@constraints.step_size=0.02@constraints.dual_start_step=0@constraints.dual_ramp_steps=0"

@@ -1,9 +1,9 @@
 r"""Table: causal attention against vanilla attention and the unconstrained GCN updater on the
 spurious-pairs testbed (configs/spurious_pairs.py, size=small).
 
-  python -m experiments.sweep --sweep=results/spurious_pairs.py --workdir=/tmp/results/spurious_pairs
-  python -m experiments.tables --record=spurious_pairs --workdir=/tmp/results/spurious_pairs
-  python -m experiments.tables --write=docs/results.md
+  python -m paper_runner.sweep --sweep=results/spurious_pairs.py --workdir=/tmp/results/spurious_pairs
+  python -m paper_runner.tables --record=spurious_pairs --workdir=/tmp/results/spurious_pairs
+  python -m paper_runner.tables --write=docs/results.md
 
 Generated pairs (data seed 0, the same for every run): 4,000 train, 1,000 validation (in
 distribution: lexical overlap agrees with the label in 90% of pairs) and 1,000 challenge pairs
@@ -14,7 +14,7 @@ model less fooled by a spurious cue, i.e. a higher challenge accuracy than vanil
 than the same GCN updater without the constraint.
 """
 
-from experiments.table_parts import (
+from paper_runner.table_parts import (
     CAUSAL,
     CAUSAL_REFERENCES,
     EFFECTIVE_KEYS,
@@ -23,9 +23,9 @@ from experiments.table_parts import (
     claims,
     spurious_sweep,
 )
-from experiments.table_parts import VANILLA_TUNED as VANILLA  # Its rate: spurious_tuning_vanilla.
+from paper_runner.table_parts import VANILLA_TUNED as VANILLA  # Its rate: spurious_tuning_vanilla.
 
-# How experiments.tables tabulates the runs (the rows, columns and claims of the table).
+# How paper_runner.tables tabulates the runs (the rows, columns and claims of the table).
 TABLE = dict(
     references=CAUSAL_REFERENCES,
     title="Causal attention, vanilla attention and the unconstrained GCN on the testbed",

@@ -1,7 +1,7 @@
 r"""Tuning table (validation only): the dual-ascent schedule of causal attention on the testbed.
 
-  python -m experiments.sweep --sweep=results/spurious_tuning_causal.py --workdir=/tmp/results/spurious_tuning_causal
-  python -m experiments.tables --record=spurious_tuning_causal --workdir=/tmp/results/spurious_tuning_causal
+  python -m paper_runner.sweep --sweep=results/spurious_tuning_causal.py --workdir=/tmp/results/spurious_tuning_causal
+  python -m paper_runner.tables --record=spurious_tuning_causal --workdir=/tmp/results/spurious_tuning_causal
 
 Four schedules of the Lagrange multipliers' step (configs/spurious_pairs.py, size=small), three
 seeds each, scored on the in-distribution validation split only; the challenge split is not
@@ -13,7 +13,7 @@ unconstrained GCN get the same budget, four learning rates each
 (results/spurious_tuning_vanilla.py, results/spurious_tuning_gcn.py).
 """
 
-from experiments.table_parts import (
+from paper_runner.table_parts import (
     CAUSAL_REFERENCES,
     EFFECTIVE_KEYS,
     NODES_WITHIN,

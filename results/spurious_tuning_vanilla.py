@@ -1,7 +1,7 @@
 r"""Tuning table (validation only): the learning rate of vanilla attention on the testbed.
 
-  python -m experiments.sweep --sweep=results/spurious_tuning_vanilla.py --workdir=/tmp/results/spurious_tuning_vanilla
-  python -m experiments.tables --record=spurious_tuning_vanilla --workdir=/tmp/results/spurious_tuning_vanilla
+  python -m paper_runner.sweep --sweep=results/spurious_tuning_vanilla.py --workdir=/tmp/results/spurious_tuning_vanilla
+  python -m paper_runner.tables --record=spurious_tuning_vanilla --workdir=/tmp/results/spurious_tuning_vanilla
 
 The same budget as causal attention's schedule search (results/spurious_tuning_causal.py): four
 settings, three seeds, the in-distribution validation split only. The shipped learning rate
@@ -9,7 +9,7 @@ settings, three seeds, the in-distribution validation split only. The shipped le
 highest mean validation accuracy is the one the comparison uses.
 """
 
-from experiments.table_parts import LEARNING_RATES, learning_rate_table, spurious_sweep
+from paper_runner.table_parts import LEARNING_RATES, learning_rate_table, spurious_sweep
 
 TABLE = learning_rate_table("Vanilla attention's learning rate on the testbed, validation split")
 

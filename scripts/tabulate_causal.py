@@ -5,8 +5,8 @@ r"""Markdown table of causal_attn_jax runs: mean [95% interval] over seeds of wh
 Workdirs are grouped by name with the trailing `_s<seed>` removed; each group is one row.
 Columns: in-distribution accuracy, challenge accuracy and its two halves (HANS schema), mean
 effective keys and top-1 mass over the self-attention layers, fraction of nodes in the
-Markov-blanket band, number of seeds. The table is `causal_attn_jax.results_table`'s, which a
-sweep can also ask for (`tables=("causal_attn_jax.results_table:write_table",)`).
+Markov-blanket band, number of seeds. The table is `paper_runner.causal.results_table`'s, which a
+sweep can also ask for (`tables=("paper_runner.causal.results_table:write_table",)`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from causal_attn_jax.results_table import format_table
+from paper_runner.causal.results_table import format_table
 
 
 def main(workdirs: list[str]) -> None:

@@ -73,7 +73,7 @@ ENDE_TINY_MODEL = {
 }
 
 # This project's modules, as a regex over a warning's module (tests/test_deprecations.py).
-OWN_MODULES = r"(fairmoe_jax|causal_attn_jax|trainkit|experiments)(\.|$)"
+OWN_MODULES = r"(fairmoe_jax|causal_attn_jax|trainkit|paper_runner)(\.|$)"
 
 
 def pytest_configure(config):

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import scipy.stats
 
-from causal_attn_jax import results_table
-from experiments.collect import RunResult
+from paper_runner.causal import results_table
+from paper_runner.collect import RunResult
 
 
 def _report(accuracy: float, keys: float) -> dict:

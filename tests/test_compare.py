@@ -1,4 +1,4 @@
-"""`fairmoe_jax.compare` and its table collector `fairmoe_jax.paper_table`: the summary and
+"""`paper_runner.fairmoe.compare` and its table collector `paper_runner.fairmoe.paper_table`: the summary and
 markdown on hand-made runs, early errors, then once end to end through the experiment runner."""
 
 import json
@@ -12,10 +12,10 @@ import pytest
 import scipy.stats
 
 from conftest import ONE_DEVICE_XLA_FLAGS
-from experiments import spec
-from experiments.collect import RunResult
-from fairmoe_jax import compare, paper_table
 from fairmoe_jax.config import base_config
+from paper_runner import spec
+from paper_runner.collect import RunResult
+from paper_runner.fairmoe import compare, paper_table
 from trainkit.errors import UserError
 
 
@@ -166,7 +166,7 @@ def test_the_comparison_is_a_methods_by_seeds_sweep_with_the_paper_table(repo_ro
       "configs/quickstart.py:steps=2", {"batch_size": 32}, methods, [0, 1]
   )
   assert sweep.module == "fairmoe_jax.main"
-  assert sweep.tables == ("fairmoe_jax.paper_table:write_comparison",)
+  assert sweep.tables == ("paper_runner.fairmoe.paper_table:write_comparison",)
   assert list(sweep.grid.items()) == [("method", methods), ("seed", [0, 1])]
   point = spec.grid_points(sweep)[3]
   assert spec.run_name(point) == "method=fairsmoe@fair.specialization=class_routing,seed=1"
@@ -284,7 +284,7 @@ def _compare(repo_root, workdir, *args):
   env = dict(os.environ)
   env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device: faster than conftest's eight.
   return subprocess.run(
-      [sys.executable, "-m", "fairmoe_jax.compare", *TINY, f"--workdir={workdir}", *args],
+      [sys.executable, "-m", "paper_runner.fairmoe.compare", *TINY, f"--workdir={workdir}", *args],
       cwd=repo_root,
       env=env,
       capture_output=True,

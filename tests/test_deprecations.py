@@ -42,7 +42,7 @@ def _assert_no_deprecation(result):
   own = [line for line in result.stderr.splitlines()
          if any(category in line for category in DEPRECATIONS)
          and any(f"/{package}/" in line for package in ("fairmoe_jax", "causal_attn_jax",
-                                                        "trainkit", "experiments"))]
+                                                        "trainkit", "paper_runner"))]
   assert not own, own
 
 

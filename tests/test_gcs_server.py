@@ -8,7 +8,7 @@ server's HTTP API, never through our code. tests/test_remote_workdir.py covers t
 against an in-process fake, faster, without the network clients.
 
 One module fixture trains the quickstart (tiny) as a user would sweep it, on a gs:// workdir:
-`experiments.sweep --mode=commands` writes the commands of two seeds, each is run, and
+`paper_runner.sweep --mode=commands` writes the commands of two seeds, each is run, and
 `--mode=collect` reads their reports back from the bucket. The seed-0 run is then trained again
 in another workdir, stopped by SIGTERM midway and resumed, and its losses are the sweep run's;
 eval, predict and export run from that workdir.
@@ -58,7 +58,7 @@ TINY = {
 }
 SWEEP = f'''
 import ml_collections
-from experiments.spec import dotted
+from paper_runner.spec import dotted
 
 def get_config(arg=None):
   return ml_collections.ConfigDict(dict(
@@ -166,7 +166,7 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
   # The sweep: its commands, written into the bucket, then each run as commands.sh has it.
   workdir = f"{bucket.uri}/sweep"
   written = places.run(
-      "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}", "--mode=commands"
+      "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}", "--mode=commands"
   )
   assert written.stdout.strip() == f"{workdir}/commands.sh"
   runs = _command_lines(bucket, "sweep")
@@ -174,7 +174,7 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
   for argv in runs:
     stderrs.append(places.run(*argv[2:]).stderr)
   collected = places.run(
-      "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}", "--mode=collect"
+      "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}", "--mode=collect"
   )
 
   # The seed-0 run again, in a workdir of its own: SIGTERM once SIGNAL_AFTER steps are logged
@@ -327,7 +327,7 @@ def test_a_sweep_run_mode_on_gs_is_refused_pointing_to_commands(trained):
   places = Places(trained.root / "refused", trained.bucket)
   result = subprocess.run(
       places.command(
-          "experiments.sweep", f"--sweep={trained.sweep_file}", f"--workdir={trained.bucket.uri}/x"
+          "paper_runner.sweep", f"--sweep={trained.sweep_file}", f"--workdir={trained.bucket.uri}/x"
       ),
       cwd=places.cwd, env=places.env(), capture_output=True, text=True, timeout=300,
   )  # fmt: skip

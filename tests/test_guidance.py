@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from experiments import spec
-from experiments import sweep as sweep_cli
-from experiments.sweep_estimate import dry_run_summary, format_duration
+from paper_runner import spec
+from paper_runner import sweep as sweep_cli
+from paper_runner.sweep_estimate import dry_run_summary, format_duration
 from trainkit.preflight.compile import settings_text
 
 SWEEP = "configs/sweeps/batch_experts.py:steps=30"  # 12 runs of 30 steps.
@@ -76,7 +76,7 @@ def test_runs_of_unknown_length_are_priced_per_run(tmp_path):
 @pytest.mark.parametrize("spelling", ["--dry-run", "--dry_run"])
 def test_the_sweep_takes_both_spellings_of_the_dry_run(tmp_path, repo_root, spelling):
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.sweep", f"--sweep={SWEEP}", f"--workdir={tmp_path}",
+      [sys.executable, "-m", "paper_runner.sweep", f"--sweep={SWEEP}", f"--workdir={tmp_path}",
        spelling],
       cwd=repo_root, capture_output=True, text=True, timeout=300,
   )

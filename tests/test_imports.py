@@ -1,9 +1,11 @@
 """The imports between the repository's modules: no circle, and no arrow from a layer up to a
 layer above it.
 
-The layers, bottom first: `trainkit` (training kit), `experiments` (sweeps and tables), the two
-packages (`fairmoe_jax`, `causal_attn_jax`), then what drives them (`configs`, the table specs
-of `results/`, `scripts`, `benchmarks`, `docs/build_api.py`), and `launch` on top. A module may
+The layers, bottom first: `trainkit` (training kit), the two research packages (`fairmoe_jax`,
+`causal_attn_jax`), `paper_runner` (sweeps, results tables, references, comparisons, calibration
+rows: the runner reads the research packages, never the other way round), then what drives them
+(`configs`, the table specs of `results/`, `scripts`, `benchmarks`, `docs/build_api.py`), and
+`launch` on top. A module may
 import from its own layer or one below. Every import statement counts, wherever it is: at the
 top, inside a function, under `if TYPE_CHECKING:`. A module named by a string
 (`importlib.import_module`, a `python -m` command line) is not read. `tests/` is outside the
@@ -22,9 +24,9 @@ from conftest import REPO_ROOT
 
 LAYERS = {
     "trainkit": 0,
-    "experiments": 1,
-    "fairmoe_jax": 2,
-    "causal_attn_jax": 2,
+    "fairmoe_jax": 1,
+    "causal_attn_jax": 1,
+    "paper_runner": 2,
     "configs": 3,
     "results": 3,
     "scripts": 3,
@@ -203,7 +205,7 @@ def test_the_imports_are_read(repository_imports):
   pairs = {(i.importer, i.imported) for i in repository_imports}
   assert ("trainkit.metric_writers", "trainkit.storage") in pairs
   assert ("causal_attn_jax.report", "causal_attn_jax.tasks") in pairs  # Under TYPE_CHECKING.
-  assert ("fairmoe_jax.calibration_row", "experiments.calibration") in pairs
+  assert ("paper_runner.fairmoe.calibration_row", "paper_runner.calibration") in pairs
   assert ("benchmarks.moe_layer", "benchmarks.bench_utils") in pairs  # A script's own folder.
   assert len(repository_imports) > 500
 
@@ -211,6 +213,22 @@ def test_the_imports_are_read(repository_imports):
 def test_no_module_imports_from_a_layer_above(repository_imports):
   found = upward_imports(repository_imports, REPO_ROOT)
   assert not found, "imports from a higher layer:\n" + "\n".join(found)
+
+
+RESEARCH_AND_KIT = ("trainkit", "fairmoe_jax", "causal_attn_jax")
+
+
+def test_the_research_packages_and_the_kit_import_no_runner(repository_imports):
+  # The rule by name, beside the layer numbers above: the runner (sweeps, tables, references,
+  # comparisons, calibration rows) is built on the papers' packages, so moving it below them
+  # again fails here even if someone renumbers LAYERS.
+  found = [
+      f"{i.path.relative_to(REPO_ROOT)}:{i.line}: imports {i.imported}"
+      for i in repository_imports
+      if i.importer.split(".")[0] in RESEARCH_AND_KIT and i.imported.split(".")[0] == "paper_runner"
+  ]
+  assert not found, "the research packages and trainkit import the runner:\n" + "\n".join(found)
+  assert LAYERS["paper_runner"] > max(LAYERS[p] for p in RESEARCH_AND_KIT)
 
 
 def test_no_import_circles(repository_imports):
@@ -228,15 +246,15 @@ def test_a_planted_circle_and_upward_import_are_caught(tmp_path):
   write("trainkit/a.py", "from trainkit import b\n")
   write("trainkit/b.py", "def f():\n  from . import c\n")
   write("trainkit/c.py", "import typing\nif typing.TYPE_CHECKING:\n  import trainkit.a\n")
-  write("trainkit/d.py", "def f():\n  from experiments.x import y\n")
-  write("experiments/__init__.py", "")
-  write("experiments/x.py", "y = 1\nimport trainkit.d\n")
-  found = imports(tmp_path, ("trainkit", "experiments"))
+  write("trainkit/d.py", "def f():\n  from paper_runner.x import y\n")
+  write("paper_runner/__init__.py", "")
+  write("paper_runner/x.py", "y = 1\nimport trainkit.d\n")
+  found = imports(tmp_path, ("trainkit", "paper_runner"))
   assert upward_imports(found, tmp_path) == [
-      "trainkit/d.py:2: imports experiments.x (experiments is above trainkit)"
+      "trainkit/d.py:2: imports paper_runner.x (paper_runner is above trainkit)"
   ]
   assert cycles(found, tmp_path) == [
-      "experiments.x (experiments/x.py:2) -> trainkit.d (trainkit/d.py:2) -> experiments.x",
+      "paper_runner.x (paper_runner/x.py:2) -> trainkit.d (trainkit/d.py:2) -> paper_runner.x",
       "trainkit.a (trainkit/a.py:1) -> trainkit.b (trainkit/b.py:2) -> "
       "trainkit.c (trainkit/c.py:3) -> trainkit.a",
   ]

@@ -186,7 +186,7 @@ def test_slurm_bad_args(args):
 
 
 def _commands_file(tmp_path, done=()):
-  """A commands.sh as `experiments.sweep --mode=commands` writes it: three runs, those in
+  """A commands.sh as `paper_runner.sweep --mode=commands` writes it: three runs, those in
   `done` with a report.json."""
   lines = ["#!/usr/bin/env bash", "# Sweep s.py: 3 runs.", "set -euo pipefail", "cd /repo  # Why."]
   for i in range(3):

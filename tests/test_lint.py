@@ -14,7 +14,7 @@ LINTED = (
     "causal_attn_jax",
     "trainkit",
     "tests",
-    "experiments",
+    "paper_runner",
     "results",
     "benchmarks",
     "scripts",

@@ -249,7 +249,7 @@ def test_readme_python_api_snippet_runs(index, capsys):
   assert capsys.readouterr().out.strip()  # Every snippet prints what it shows.
 
 
-_FIRST_PARTY = {"fairmoe_jax", "causal_attn_jax", "trainkit", "experiments"}
+_FIRST_PARTY = {"fairmoe_jax", "causal_attn_jax", "trainkit", "paper_runner"}
 
 
 def _third_party_imports(paths) -> dict[str, set[str]]:

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from experiments import calibration
+from paper_runner import calibration
 from trainkit.preflight.calibration import CALIBRATION, calibration_for
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
-from experiments import preflight_table
+from paper_runner import preflight_table
 from trainkit.errors import UserError
 
 
@@ -29,7 +29,7 @@ def test_check_fails_on_a_changed_table(tmp_path):
   changed = tmp_path / "scaling.md"
   changed.write_text(text[: start + 40] + "| a changed row |\n" + text[start + 40 :])
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.preflight_table", f"--check={changed}"],
+      [sys.executable, "-m", "paper_runner.preflight_table", f"--check={changed}"],
       cwd=REPO_ROOT, capture_output=True, text=True,
   )
   assert result.returncode == 1 and "differs" in result.stderr

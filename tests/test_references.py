@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from causal_attn_jax import config as causal_config
-from causal_attn_jax import references as causal_references
-from fairmoe_jax import references as fair_references
 from fairmoe_jax.config import base_config
 from fairmoe_jax.data import load_synthetic, synthetic
+from paper_runner.causal import references as causal_references
+from paper_runner.fairmoe import references as fair_references
 
 
 def _fair_config(**sizes):

@@ -9,9 +9,9 @@ import types
 import numpy as np
 import pytest
 
-from experiments import spec
 from fairmoe_jax.analysis import routing
 from fairmoe_jax.moe.dispatch.capacity import compute_capacity
+from paper_runner import spec
 
 
 def _report(split_share, groups=None, dropped=0.0, block="moe_block3"):

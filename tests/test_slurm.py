@@ -4,7 +4,7 @@
 - `launch/slurm.sh` runs a 2-task CPU training under `srun`: the two tasks join one JAX
   runtime from SLURM's variables alone (none of our JAX_* variables is set) and log the
   one-process run's losses;
-- a batch-size sweep is submitted as one job array (`experiments.sweep --mode=commands`, then
+- a batch-size sweep is submitted as one job array (`paper_runner.sweep --mode=commands`, then
   `launch/slurm_array.sh`); one array task is cancelled with `scancel` mid-run, the resubmission
   submits only that run, which resumes from its checkpoint; `--mode=collect` writes the table
   and the plots.
@@ -227,7 +227,7 @@ def _write_sweep(repo_root: pathlib.Path, path: pathlib.Path) -> None:
           f"""\
           import ml_collections
 
-          from experiments.spec import dotted
+          from paper_runner.spec import dotted
 
 
           def get_config(arg=None):
@@ -247,7 +247,7 @@ def test_array_sweep_survives_a_cancelled_task_resumes_it_and_collects(repo_root
   _require_cluster()
   sweep_file, workdir = tmp_path / "tiny_sweep.py", tmp_path / "sweep"
   _write_sweep(repo_root, sweep_file)
-  sweep = [sys.executable, "-m", "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"]
+  sweep = [sys.executable, "-m", "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"]
   written = subprocess.run(
       [*sweep, "--mode=commands"], cwd=repo_root, capture_output=True, text=True, timeout=300
   )

@@ -50,7 +50,7 @@ def test_libtpu_s_placeholders_are_not_a_tpu_pod():
     importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the preflight extra)"
 )
 def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tmp_path, repo_root):
-  # What `python -m experiments.tables --reproduce=NAME` does, with JAX_PLATFORMS unset as a
+  # What `python -m paper_runner.tables --reproduce=NAME` does, with JAX_PLATFORMS unset as a
   # user runs it: the parent's machine() loads libtpu before it starts the run. A tiny spec and a record of
   # its first run (the values do not matter: the run must train and report, not match).
   results = tmp_path / "results"
@@ -70,7 +70,7 @@ def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tm
       "fair.review_every_steps": 0,
   }
   (results / "tiny.py").write_text(
-      "from experiments.spec import dotted\n"
+      "from paper_runner.spec import dotted\n"
       "TABLE = dict(rows='method', columns=(('accuracy', 'Acc.', 1.0, 3),), claims=())\n"
       "def get_config(arg=None):\n"
       "  return dict(module='fairmoe_jax.main', config='configs/quickstart.py',\n"
@@ -85,7 +85,7 @@ def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tm
   (results / "records" / "tiny.json").write_text(json.dumps(record))
   script = textwrap.dedent(f"""
       import os, sys
-      from experiments import table_reproduce, table_spec
+      from paper_runner import table_reproduce, table_spec
       table_spec.RESULTS_DIR = {str(results)!r}
       table_spec.RECORDS_DIR = {str(results / "records")!r}
       import json

@@ -1,4 +1,4 @@
-"""The experiment runner (`experiments`) with a stub training module: grid, `@` values, commands,
+"""The experiment runner (`paper_runner`) with a stub training module: grid, `@` values, commands,
 run/resume, tables and table collectors, plots, errors."""
 
 import csv
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import ONE_DEVICE_XLA_FLAGS
-from experiments import collect, commands, spec
-from experiments import sweep as sweep_cli
+from paper_runner import collect, commands, spec
+from paper_runner import sweep as sweep_cli
 from trainkit import storage
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -312,7 +312,7 @@ def test_bad_table_collectors_are_sweep_errors(name, message):
 
 
 def test_a_collector_that_raises_is_one_error_that_keeps_the_runs(tmp_path, monkeypatch):
-  from experiments import collect
+  from paper_runner import collect
 
   (tmp_path / "buggy_collector.py").write_text(
       "def write(workdir, results):\n  return sorted(results)[0]['missing']\n"
@@ -364,7 +364,7 @@ def _slow_sweep(**extra):
 
 
 def test_timeouts_terminate_then_kill_and_leave_error_txt(tmp_path, slow_env, monkeypatch, capsys):
-  from experiments import supervise
+  from paper_runner import supervise
 
   monkeypatch.setattr(supervise, "TERMINATE_GRACE_S", 1)
   sweep = spec.validate_sweep(_slow_sweep(timeout_s=2))
@@ -385,14 +385,14 @@ def _start_slow_sweep(tmp_path, slow_env, repo_root, modes, **popen):
   started.txt (it holds the run's pid once the run is training)."""
   sweep_file = tmp_path / "slow_sweep.py"
   sweep_file.write_text(
-      "from experiments.spec import dotted\n"
+      "from paper_runner.spec import dotted\n"
       "def get_config(arg=None):\n"
       "  return dict(module='slow_main', config='configs/quickstart.py',\n"
       f"              grid=dotted({{'mode': {tuple(modes)!r}}}))\n"
   )
   workdir = tmp_path / "w"
   runner = subprocess.Popen(
-      [sys.executable, "-m", "experiments.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"],
+      [sys.executable, "-m", "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"],
       cwd=repo_root,
       env={**os.environ, **slow_env},
       **popen,
@@ -463,7 +463,7 @@ def test_a_run_dies_with_a_killed_runner(tmp_path, slow_env, repo_root):
 def test_the_failure_reason_is_the_error_line_not_what_followed_it(tmp_path):
   """A progress line written after the run's error (by a run left over from a killed
   runner, or a background thread) is not the reason: the error or exception line is."""
-  from experiments import supervise
+  from paper_runner import supervise
 
   progress = "[######..................] 10/40 | 120.5 ex/s | ETA 0m03s | loss 1.2"
   error = "error: the workdir is in use by pid 123 on host h since 12:00"
@@ -569,7 +569,7 @@ def test_cli_errors_are_one_line(tmp_path, repo_root):
   ]
   for args, message in cases:
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.sweep", f"--workdir={tmp_path / 'w'}", *args],
+        [sys.executable, "-m", "paper_runner.sweep", f"--workdir={tmp_path / 'w'}", *args],
         cwd=repo_root,
         capture_output=True,
         text=True,
@@ -595,15 +595,15 @@ def test_shipped_sweeps():
 
 def test_the_runner_is_a_typed_package_of_its_own(repo_root):
   setup = (repo_root / "setup.py").read_text()
-  assert re.search(r"^CODE_PACKAGES = \[.*\"experiments\".*\]$", setup, re.M)
-  assert (repo_root / "experiments" / "py.typed").is_file()
+  assert re.search(r"^CODE_PACKAGES = \[.*\"paper_runner\".*\]$", setup, re.M)
+  assert (repo_root / "paper_runner" / "py.typed").is_file()
   assert not (repo_root / "trainkit" / "sweep.py").exists()  # One runner, outside the kit.
 
 
 def test_sweep_plot_draws_categories_as_points_and_numbers_as_lines():
   """Methods (categories) are points with error bars and nothing joining them, each series moved
   aside so its bars stay visible; a numeric key keeps its lines."""
-  from experiments import plots
+  from paper_runner import plots
 
   methods = ("fairsmoe", "vanilla_smoe@moe.top_k=1")
   sweep = spec.validate_sweep(

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from experiments import (
+from paper_runner import (
     provenance,
     stats,
     table_docs,
@@ -26,8 +26,8 @@ from experiments import (
     table_summary,
     tables,
 )
-from experiments import spec as sweep_spec
-from experiments.markers import replace_tables
+from paper_runner import spec as sweep_spec
+from paper_runner.markers import replace_tables
 from trainkit.errors import UserError
 
 # ---------------------------------------------------------------- statistics on known answers
@@ -96,7 +96,7 @@ def test_only_seeds_both_rows_have_are_paired():
 # ---------------------------------------------------------------- tables from a stored example
 
 _SPEC = """
-from experiments.spec import dotted
+from paper_runner.spec import dotted
 
 TABLE = dict(
     title="Toy table",
@@ -358,7 +358,7 @@ def test_compare_is_exact_unless_a_tolerance_is_given():
 
 def test_every_table_in_the_results_doc_matches_its_stored_record(repo_root):
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.tables", "--check=docs/results.md"],
+      [sys.executable, "-m", "paper_runner.tables", "--check=docs/results.md"],
       cwd=repo_root,
       capture_output=True,
       text=True,
@@ -414,7 +414,7 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
       "analysis_batches": 0,
   }
   (results / "tiny.py").write_text(
-      "from experiments.spec import dotted\n"
+      "from paper_runner.spec import dotted\n"
       "TABLE = dict(rows='method', columns=(('accuracy', 'Acc.', 1.0, 3),), claims=())\n"
       "def get_config(arg=None):\n"
       "  return dict(module='fairmoe_jax.main', config='configs/quickstart.py',\n"
@@ -424,7 +424,7 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
   monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
   spec = table_spec.load_table("tiny")
-  from experiments.sweep import execute_sweep
+  from paper_runner.sweep import execute_sweep
 
   assert execute_sweep(spec.sweep, str(tmp_path / "sweep")) == 0
   table_record.write_record(spec, str(tmp_path / "sweep"))
@@ -478,7 +478,7 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
 
 
 def test_data_hashes_name_every_input_file_and_change_with_its_bytes(tmp_path):
-  from experiments import provenance
+  from paper_runner import provenance
 
   (tmp_path / "images").mkdir()
   (tmp_path / "images" / "a.jpg").write_bytes(b"a")
@@ -1126,7 +1126,7 @@ def unsourced_numbers(text: str, path: str = "docs/results.md") -> list[str]:
   in a section without a table of its own, such as a claim-by-claim summary) nor stand in a
   paragraph or list item that carries its command (an inline `python ...`, `awk ...`, ... or a
   code block after it). A number that names a figure, table or section is no quantity."""
-  from experiments.markers import marked_tables
+  from paper_runner.markers import marked_tables
 
   marked = marked_tables(text, path)
   starts = [m.start() for m in _HEADING.finditer(text)]
@@ -1169,7 +1169,7 @@ def test_every_number_in_the_results_prose_sits_in_a_table_or_comes_with_its_com
   (problem,) = unsourced_numbers(drifted)
   assert "'52.1%'" in problem
   sourced = drifted.replace(
-      "above 52.1%.", "above 52.1% (`python -m experiments.tables --preview=NAME --workdir=DIR`)."
+      "above 52.1%.", "above 52.1% (`python -m paper_runner.tables --preview=NAME --workdir=DIR`)."
   )
   assert unsourced_numbers(sourced) == []
 
@@ -1467,12 +1467,12 @@ def _running(pid):
 def test_a_killed_reproduction_stops_its_training_run(toy_tables, tmp_path, repo_root, signum):
   """a --reproduce killed by SIGTERM left its training subprocess running.
   Now the run gets SIGTERM (the mains checkpoint on it) and is waited for; exit 130. Killed by
-  SIGKILL, which it cannot see, its run still gets SIGTERM (experiments.die_with_parent)."""
+  SIGKILL, which it cannot see, its run still gets SIGTERM (paper_runner.die_with_parent)."""
   table_record.write_record(table_spec.load_table("toy"), str(toy_tables))
   workdir = tmp_path / "again"
   driver = (
       "import sys\n"
-      "from experiments import table_reproduce, table_spec, tables\n"
+      "from paper_runner import table_reproduce, table_spec, tables\n"
       f"table_spec.RESULTS_DIR = {table_spec.RESULTS_DIR!r}\n"
       f"table_spec.RECORDS_DIR = {table_spec.RECORDS_DIR!r}\n"
       f"script = {_FAKE_RERUN!r}\n"

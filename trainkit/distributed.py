@@ -24,7 +24,7 @@ calls `jax.distributed.initialize` with them. The launchers in `launch/` set the
   not describe a slice ("WARNING: could not determine TPU worker number, ...": it does so in any
   process that loads it outside a TPU VM, and subprocesses inherit it) is no such sign: it is
   ignored, and `child_environment` leaves it out of the environment of the processes a sweep,
-  `compare` or `experiments.tables --reproduce` starts.
+  `compare` or `paper_runner.tables --reproduce` starts.
 * Otherwise: `None`, a single process; `jax.distributed.initialize` is not called.
 
 `TRAINKIT_HEARTBEAT_TIMEOUT` (seconds, JAX's default 100 when unset) bounds how long the

@@ -1,7 +1,7 @@
 r"""Sweep: batch size x number of experts x method on the quickstart (synthetic data).
 
 Command:
-  python -m experiments.sweep --sweep=configs/sweeps/batch_experts.py --workdir=/tmp/batch_experts
+  python -m paper_runner.sweep --sweep=configs/sweeps/batch_experts.py --workdir=/tmp/batch_experts
 
 Trains FairSMoE and vanilla SMoE for every batch size (64, 128, 256) and expert count (4, 8),
 one seed: 12 runs of 350 steps. The learning rate follows the batch size by the square-root
@@ -16,7 +16,7 @@ Arguments, e.g. `--sweep=configs/sweeps/batch_experts.py:steps=50,seeds=2`:
 
 import ml_collections
 
-from experiments.spec import dotted
+from paper_runner.spec import dotted
 from trainkit.config import parse_arg
 
 

@@ -1,7 +1,7 @@
 r"""Sweep: the augmentation strength of the CelebA sample at the chosen budget, on validation.
 
 Command:
-  python -m experiments.sweep --sweep=configs/sweeps/celeba_augment.py --workdir=/tmp/celeba_augment
+  python -m paper_runner.sweep --sweep=configs/sweeps/celeba_augment.py --workdir=/tmp/celeba_augment
 
 The second axis of the training budget (docs/protocol.md, section 7): vanilla SMoE at size=small
 for 3 epochs (the budget configs/sweeps/celeba_budget.py chose) on identity fold 0 (training on

@@ -1,7 +1,7 @@
 r"""Sweep: the training budget of the CelebA sample, chosen on validation (docs/protocol.md, 6).
 
 Command:
-  python -m experiments.sweep --sweep=configs/sweeps/celeba_budget.py --workdir=/tmp/celeba_budget
+  python -m paper_runner.sweep --sweep=configs/sweeps/celeba_budget.py --workdir=/tmp/celeba_budget
 
 The learning curve of vanilla SMoE at size=small over epochs (3, 6, 12 by default) on identity
 fold 0 (configs/celeba.py:split=identity_folds,fold=0: training on folds 2-4, validation on
@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from experiments.spec import dotted
+from paper_runner.spec import dotted
 from trainkit.config import parse_arg
 
 

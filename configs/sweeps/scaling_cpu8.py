@@ -2,7 +2,7 @@ r"""Sweep: the expert-parallel scaling study on 8 fake CPU devices.
 
 Command (the runs inherit the environment, so XLA_FLAGS reaches every one):
   export XLA_FLAGS=--xla_force_host_platform_device_count=8
-  python -m experiments.sweep --sweep=configs/sweeps/scaling_cpu8.py --workdir=/tmp/scaling_cpu8
+  python -m paper_runner.sweep --sweep=configs/sweeps/scaling_cpu8.py --workdir=/tmp/scaling_cpu8
 
 Sparse MoE (`method=smoe`, 8 experts) on the quickstart for every mesh layout mesh.expert in
 (1, 2, 4, 8) (the data axis takes the remaining devices) and batch size (64, 256): 8 runs of 60
@@ -15,7 +15,7 @@ Arguments: `:steps=N` training steps per run (default 60).
 
 import ml_collections
 
-from experiments.spec import dotted
+from paper_runner.spec import dotted
 from trainkit.config import parse_arg
 
 

@@ -1,7 +1,7 @@
 r"""Sweep: does vanilla SMoE's routing concentrate on the synthetic testbed? (docs/protocol.md, 8)
 
 Command:
-  python -m experiments.sweep --sweep=configs/sweeps/testbed_routing.py --workdir=/tmp/testbed_routing
+  python -m paper_runner.sweep --sweep=configs/sweeps/testbed_routing.py --workdir=/tmp/testbed_routing
 
 The paper's Sec. 3.2 and Figure 2: vanilla SMoE routes similar inputs, whatever their attribute,
 to the same few experts, more so with more experts and with the MoE in an earlier block. Vanilla
@@ -22,7 +22,7 @@ Arguments, e.g. `--sweep=configs/sweeps/testbed_routing.py:experts=(4, 8),seeds=
 
 import ml_collections
 
-from experiments.spec import dotted
+from paper_runner.spec import dotted
 from trainkit.config import parse_arg
 
 LAST_BLOCK, FIRST_BLOCK = (-1,), (0,)

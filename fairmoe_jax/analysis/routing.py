@@ -203,7 +203,7 @@ def _write_table(workdir: str, runs: Sequence[Any], split: str, name: str) -> li
 
 def write_routing_table(workdir: str, runs: Sequence[Any]) -> list[str]:
   """The sweep table collector: `<workdir>/routing.md` and `routing.json`, a row per run (an
-  `experiments.collect.RunResult`) and MoE block, on the test split."""
+  `paper_runner.collect.RunResult`) and MoE block, on the test split."""
   return _write_table(workdir, runs, "test", "routing")
 
 

@@ -318,7 +318,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"Method {report['method']}. To see the baselines it improves on, run the same config with",
-        "  python -m fairmoe_jax.compare --methods=fairsmoe,vanilla_smoe,muffin,multifair "
+        "  python -m paper_runner.fairmoe.compare --methods=fairsmoe,vanilla_smoe,muffin,multifair "
         "--config=<config> --workdir=<dir>",
     ]
   return "\n".join(lines)

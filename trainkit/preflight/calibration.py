@@ -2,7 +2,7 @@
 
 `--mode=compile` turns a compiled step into a time as roofline bound / utilisation. The flat
 40% it used before was a guess; these figures are measured against public training throughputs
-of the same models on the same hardware (`experiments/calibration.py`, docs/scaling.md,
+of the same models on the same hardware (`paper_runner/calibration.py`, docs/scaling.md,
 "Calibration"), as roofline bound / public step time. `range` is the lowest and highest value
 the public rows allow (a source that gives "6-7 h" gives a range); the step estimate carries it
 as its uncertainty. `preflight.utilization` set to a number in (0, 1] overrides the platform's

@@ -500,7 +500,7 @@ def _utilization(
     raise ConfigError(
         "preflight.utilization", f"no calibration for {target.platform}: give the share (0, 1]"
     )
-  source = f"calibrated on {target.platform.upper()}: {calibrated.source} (experiments/calibration.py)"
+  source = f"calibrated on {target.platform.upper()}: {calibrated.source} (paper_runner/calibration.py)"
   return calibrated.utilization, source, [calibrated.low, calibrated.high]
 
 

@@ -321,7 +321,7 @@ for _chip in (_V4, _V5E, _V5P):
 # at 900 GB/s, two TensorCores that JAX sees as two devices: each device gets half of each. The
 # page gives ICI only per pod ("All-reduce bandwidth per Pod: 340 TB/s", 1024 chips): 332 GB/s
 # per chip, 166 GB/s per core. A v3-8 is one host, 4 chips, 8 devices. It is here for the
-# calibration of the step time (experiments/calibration.py: big_vision's ViT-S/16 figure).
+# calibration of the step time (paper_runner/calibration.py: big_vision's ViT-S/16 figure).
 _V3_CORE = dict(
     device_kind="TPU v3", memory_bytes=16 * GIB, memory_bandwidth=450e9,
     peak_bf16_flops=PEAK_FLOPS_BY_KIND["TPU v3"], peak_tf32_flops=PEAK_FLOPS_BY_KIND["TPU v3"],

@@ -1,0 +1,234 @@
+r"""The preflight's step time against public training throughputs: the calibration of docs/scaling.md.
+
+  python -m paper_runner.calibration --compile                # compile the missing rows (minutes)
+  python -m paper_runner.calibration --compile --only=h100    # rows whose name matches
+  python -m paper_runner.calibration --write=docs/scaling.md  # render the table
+  python -m paper_runner.calibration --check=docs/scaling.md  # exit 1 if it differs
+
+`--mode=compile` turns a compiled step into a time: the roofline bound (the larger of FLOPs at
+the dense bf16 peak and bytes at the HBM bandwidth, `trainkit.preflight.analysis`) divided by a
+utilisation, the share of that bound a real step reaches. This script measures that share. Each
+row is a public training run with its source, and our backbone of the same shape (a plain
+ViT/DeiT: no MoE block, 1000 classes, 224 px, bfloat16, AdamW) compiled by the same preflight
+for the same target, global batch and data-parallel mesh (each row in a process of its own, by
+`python -m paper_runner.fairmoe.calibration_row`). The public step time (global batch / images per
+second) against our roofline bound is the utilisation that platform reached:
+
+  utilisation = roofline bound / public step time.
+
+`trainkit.preflight.calibration` keeps the per-platform figure this gives, with the record's
+date; a test checks that it matches `results/records/calibration.json`. What the public figures
+are and are not (their own code, not ours; a different optimiser, head and input pipeline) is
+said under the table in docs/scaling.md: the calibration carries their uncertainty, shown as
+the range of the rows.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from absl import app, flags
+
+from paper_runner.markers import marked_tables
+from trainkit.distributed import child_environment
+from trainkit.errors import UserError, exit_on_user_error
+from trainkit.storage import write_atomically
+
+NAME = "calibration"
+# Compiles one row in a process of its own (our backbone is fairmoe_jax's, a layer above this one).
+ROW_MODULE = "paper_runner.fairmoe.calibration_row"
+RECORD = os.path.join("results", "records", f"{NAME}.json")
+IMAGENET_TRAIN_IMAGES = 1_281_167
+
+# Public training throughputs. images_per_s is a (low, high) range where the source gives one.
+PUBLIC_RUNS: tuple[dict[str, Any], ...] = (
+    dict(
+        name="vit_s16@v3-8",
+        model="ViT-S/16",
+        backbone="deit_s",
+        target="v3-8",
+        batch=1024,
+        # "This should take 6-7h to finish 90ep on a TPU-v3-8": 90 epochs of ImageNet-1k's
+        # training images in 7 h (low) to 6 h (high), evaluation and input included.
+        images_per_s=(
+            90 * IMAGENET_TRAIN_IMAGES / (7 * 3600),
+            90 * IMAGENET_TRAIN_IMAGES / (6 * 3600),
+        ),
+        framework="big_vision (JAX), bfloat16 activations",
+        source="google-research/big_vision, big_vision/configs/vit_s16_i1k.py (docstring: "
+        "90 epochs of ImageNet-1k in 6-7 h on a TPU v3-8, batch 1024)",
+    ),
+    dict(
+        name="vit_b16@a100x8",
+        model="ViT-B/16",
+        backbone="deit_b",
+        target="a100x8",
+        batch=4096,
+        images_per_s=(7200.38, 7200.38),
+        framework="t5x (JAX), bfloat16, pure data parallel, 512 per GPU",
+        source="NVIDIA/JAX-Toolbox, rosetta/rosetta/projects/vit/README.md (Pre-training "
+        "Performance Results, ViT-B/16, 8 GPUs: 7200.38 samples/s on A100)",
+    ),
+    dict(
+        name="vit_b16@h100x8",
+        model="ViT-B/16",
+        backbone="deit_b",
+        target="h100x8",
+        batch=4096,
+        images_per_s=(11669.52, 11669.52),
+        framework="t5x (JAX), bfloat16, pure data parallel, 512 per GPU",
+        source="NVIDIA/JAX-Toolbox, rosetta/rosetta/projects/vit/README.md (Pre-training "
+        "Performance Results, ViT-B/16, 8 GPUs: 11669.52 samples/s on H100)",
+    ),
+)
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  """The command's flags, defined when it runs: a module that imports this one (a test, beside
+  `paper_runner.preflight_table`, whose flags share names) must not define them twice."""
+  flags.DEFINE_bool("compile", False, "compile the rows missing from the record")
+  flags.DEFINE_string("only", "", "with --compile: only rows whose name contains this")
+  flags.DEFINE_string("write", "", "render the table into this document (between its markers)")
+  flags.DEFINE_string("check", "", "exit 1 if this document's table differs from the record")
+
+
+def _load() -> dict[str, Any]:
+  if os.path.exists(RECORD):
+    with open(RECORD) as f:
+      return json.load(f)
+  return {"rows": {}}
+
+
+def compile_missing(pattern: str) -> None:
+  for run in PUBLIC_RUNS:
+    if pattern not in run["name"] or run["name"] in _load()["rows"]:
+      continue
+    print(f"compiling {run['name']} ...", flush=True)
+    command = [sys.executable, "-m", ROW_MODULE, f"--row={run['name']}"]
+    # Without what libtpu may have written into this process's environment (trainkit.distributed).
+    env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "1", "JAX_PLATFORMS": "cpu"})
+    with tempfile.TemporaryDirectory() as scratch:
+      out = os.path.join(scratch, "row.json")
+      result = subprocess.run([*command, f"--out={out}"], capture_output=True, text=True, env=env)
+      if result.returncode or not os.path.exists(out):
+        raise UserError(f"{run['name']} failed:\n{result.stderr[-3000:]}")
+      with open(out) as f:
+        row = json.load(f)
+    row.update(
+        command=f"python -m {ROW_MODULE} --row={run['name']}",
+        date=datetime.date.today().isoformat(),
+    )
+    record = _load()
+    record["rows"][run["name"]] = row
+    write_atomically(RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(f"  roofline {row['roofline_s'] * 1e3:.1f} ms ({row['bound_by']}-bound)", flush=True)
+
+
+def utilisation(run: dict[str, Any], row: dict[str, Any]) -> tuple[float, float]:
+  """(low, high) roofline bound / public step time, from the public range of images/s."""
+  low, high = run["images_per_s"]
+  return row["roofline_s"] * low / run["batch"], row["roofline_s"] * high / run["batch"]
+
+
+def calibrated_utilisation(record: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+  """Per platform: the mid-point of each row's utilisation range, averaged over the platform's
+  rows, and the lowest and highest value any row allows."""
+  record = record if record is not None else _load()
+  found: dict[str, list[tuple[float, float]]] = {}
+  for run in PUBLIC_RUNS:
+    row = record["rows"].get(run["name"])
+    if row is None or not row.get("roofline_s"):
+      continue
+    platform = "tpu" if run["target"].startswith("v") else "gpu"
+    found.setdefault(platform, []).append(utilisation(run, row))
+  return {
+      platform: dict(
+          utilization=sum((lo + hi) / 2 for lo, hi in ranges) / len(ranges),
+          low=min(lo for lo, _ in ranges),
+          high=max(hi for _, hi in ranges),
+          rows=len(ranges),
+      )
+      for platform, ranges in found.items()
+  }
+
+
+def table(record: dict[str, Any] | None = None) -> str:
+  record = record if record is not None else _load()
+  lines = [
+      "| Public run | Target | Global batch | Public images/s | Public step (ms) "
+      "| Our roofline bound (ms) | Bound by | Utilisation (bound / public step) |",
+      "|---|---|---:|---:|---:|---:|---|---:|",
+  ]
+  for run in PUBLIC_RUNS:
+    row = record["rows"].get(run["name"])
+    low, high = run["images_per_s"]
+    shown = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
+    step = run["batch"] / high * 1e3, run["batch"] / low * 1e3
+    step_shown = f"{step[0]:.0f}" if low == high else f"{step[0]:.0f}-{step[1]:.0f}"
+    if row is None:
+      lines.append(f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} | {step_shown} | not compiled | | |")
+      continue
+    u = utilisation(run, row)
+    u_shown = f"{u[0]:.2f}" if low == high else f"{u[0]:.2f}-{u[1]:.2f}"
+    lines.append(
+        f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} "
+        f"| {step_shown} | {row['roofline_s'] * 1e3:.1f} | {row['bound_by']} | {u_shown} |"
+    )
+  lines.append("")
+  for platform, c in sorted(calibrated_utilisation(record).items()):
+    lines.append(
+        f"- **{platform.upper()}**: utilisation {c['utilization']:.2f} (rows allow "
+        f"{c['low']:.2f}-{c['high']:.2f}; {c['rows']} row(s))."
+    )
+  lines.append("")
+  lines.append("Sources:")
+  for run in PUBLIC_RUNS:
+    lines.append(f"- {run['name']}: {run['source']}.")
+  dates = sorted({row.get("date", "?") for row in record["rows"].values()})
+  versions = sorted({row["provenance"].get("jax", "?") for row in record["rows"].values()})
+  lines.append("")
+  lines.append(
+      f"Compiled {', '.join(dates)} with jax {', '.join(versions)} on this CPU (deviceless), by "
+      "`python -m paper_runner.calibration --compile`; record `results/records/calibration.json`."
+  )
+  return "\n".join(lines)
+
+
+def _between_markers(path: str) -> tuple[str, int, int]:
+  """(document, start, end) of this table's body in `path`; an error naming the file otherwise."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  ours = [t for t in marked_tables(text, path) if t.name == NAME]
+  if not ours:
+    raise UserError(f"{path}: no '<!-- table:{NAME} -->' ... '<!-- /table:{NAME} -->' lines")
+  return text, ours[0].body_start, ours[0].body_end
+
+
+@exit_on_user_error
+def main(argv: list[str]) -> None:
+  del argv
+  if FLAGS.compile:
+    compile_missing(FLAGS.only)
+  rendered = table() + "\n"
+  if FLAGS.write:
+    text, start, end = _between_markers(FLAGS.write)
+    write_atomically(FLAGS.write, text[:start] + rendered + text[end:])
+  if FLAGS.check:
+    text, start, end = _between_markers(FLAGS.check)
+    if text[start:end] != rendered:
+      print(f"{FLAGS.check}: the {NAME} table differs from {RECORD}; rerun --write", file=sys.stderr)
+      sys.exit(1)
+    print(f"{FLAGS.check}: the {NAME} table matches {RECORD}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)

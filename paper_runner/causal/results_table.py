@@ -1,0 +1,76 @@
+"""Markdown table of causal_attn_jax runs: mean [95% interval] over seeds of what report.json holds.
+
+Columns: in-distribution accuracy, challenge accuracy and its two halves (HANS schema), mean
+effective keys and top-1 mass over the self-attention layers, fraction of nodes in the
+Markov-blanket band, number of seeds. Each cell is the mean and its 95% Student-t interval over
+the seeds (`paper_runner.stats`; a single value for one seed). The tables of docs/results.md are
+made by `paper_runner.tables` from specs under results/, with paired verdicts; this one is for a
+quick look at any set of runs.
+
+Two ways in: `scripts/tabulate_causal.py` on workdirs named `<row>_s<seed>`, and as a table
+collector of the experiment runner, `tables=("paper_runner.causal.results_table:write_table",)`,
+whose rows are the runs' grid values but the seed (`<workdir>/causal_table.md`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from paper_runner import stats
+from paper_runner.collect import RunResult, markdown_table, row_label
+from trainkit.storage import write_atomically
+
+TABLE = "causal_table.md"
+
+
+def report_values(reports: list[dict[str, Any]]) -> dict[str, list[float]]:
+  """Per column, the value of each report that has it (in the order of `reports`)."""
+  values = collections.defaultdict(list)
+  for r in reports:
+    values["accuracy"].append(r["accuracy"])
+    if "challenge" in r:
+      values["challenge"].append(r["challenge"]["accuracy"])
+      for heuristic in r["challenge"]["by_heuristic"].values():
+        for label, acc in heuristic.items():
+          if acc is not None:
+            values[f"challenge {label}"].append(acc)
+    values["effective keys"].append(np.mean(list(r["attention"]["effective_keys"].values())))
+    values["top-1 mass"].append(np.mean(list(r["attention"]["top1_mass"].values())))
+    values["nodes within"].append(r["constraints"]["nodes_within"])
+  return values
+
+
+def _cell(values: list[float]) -> str:
+  interval = stats.t_interval(values)
+  return stats.format_interval(interval.mean, interval.low, interval.high)
+
+
+def format_table(groups: Mapping[str, list[dict[str, Any]]]) -> str:
+  """The markdown table of {row name: [report of each seed]}, one row per name in order."""
+  rows = {name: report_values(reports) for name, reports in groups.items()}
+  columns = list(dict.fromkeys(c for values in rows.values() for c in values))
+  body = [
+      [name, *(_cell(values[c]) if values.get(c) else "-" for c in columns), str(len(groups[name]))]
+      for name, values in rows.items()
+  ]
+  return "\n".join(markdown_table(["run", *columns, "seeds"], body)) + "\n"
+
+
+def write_table(workdir: str, runs: list[RunResult]) -> list[str]:
+  """The table collector: `<workdir>/causal_table.md` from the finished runs, then the others."""
+  groups: dict[str, list[dict[str, Any]]] = {}
+  for run in runs:
+    if run.status == "ok":
+      groups.setdefault(row_label(run.point), []).append(run.report)
+  text = format_table(groups) if groups else "No run has finished.\n"
+  missing = [run for run in runs if run.status != "ok"]
+  if missing:
+    text += "\nRuns without a result:\n\n"
+    text += "".join(f"- {run.name} ({run.status}): {run.error}\n" for run in missing)
+  path = os.path.join(workdir, TABLE)
+  write_atomically(path, text)
+  return [path]

@@ -1,0 +1,168 @@
+"""Reference readers: what a FairSMoE results table's numbers are read against.
+
+A test accuracy of 63% says nothing until one knows that always answering the training split's
+most frequent class scores 72% on that test split, or that reading only the synthetic images'
+corner marker scores 63%. Each reader here predicts from the data alone, without a model, and is
+scored by the evaluation's own count code (`metrics.report_of_predictions`) on the test split
+(report.json's top level) and the validation split (its `validation` entry), so a results table
+(`paper_runner.tables`, a spec's `TABLE["references"]`) prints its rows beside the models':
+
+  majority class  the training split's most frequent label (on a tie, the lowest class index),
+                  for every example (its PQD is 1
+                  when every group has the same accuracy, which a constant answer need not
+                  give: the groups' label mixes differ);
+  marker reader   (synthetic data, both kinds) the class the corner marker shows
+                  (`synthetic.read_marker`);
+  tint reader     (the testbed) the class its signal shows, read with the generator's own
+                  parameters (`synthetic_testbed.read_lesion_tint`): what learning the task
+                  can reach, the bar a model is read against (its report says
+                  `"role": "signal"`: it reads the task, so a model need not beat it to have
+                  learnt; the others are floors, what a model that learnt nothing scores);
+  chance          a uniform guess over the classes, independent of the image: `CHANCE_DRAWS`
+                  seeded draws of it on the split's own labels and groups, each scored by the
+                  same report code. Its report is the draws' mean of every number (accuracy 1 /
+                  classes in expectation), and `"draws"` keeps each draw's report so that a
+                  table can give a 95% range, and average draws over folds before taking it.
+
+A uniform guess is the fairest answer PQD knows: every group's accuracy is 1 / classes in
+expectation, so its PQD is near 1 on large groups (lower on small ones, by sampling alone). A
+fairness number means something only beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any, Mapping
+
+import ml_collections
+import numpy as np
+
+from fairmoe_jax.data import dataset_from_config, synthetic, synthetic_testbed
+from fairmoe_jax.data.types import DatasetInfo
+from fairmoe_jax.metrics import fairness_report, report_of_predictions
+
+TEST, VALIDATION, TRAIN = "test", "val", "train"
+# Draws of the chance reader: the 2.5% and 97.5% quantiles of 2,000 draws sit within about
+# 0.01 (in probability) of the true ones, finer than a table's last printed digit needs.
+CHANCE_DRAWS = 2000
+CHANCE_SEED = 0
+
+
+def _score(split: Mapping[str, np.ndarray], predictions: np.ndarray, info: DatasetInfo) -> dict:
+  return report_of_predictions(
+      split["label"],
+      predictions.astype(np.int32),
+      split["attributes"],
+      info.attribute_names,
+      info.group_names,
+      info.num_classes,
+  )
+
+
+def _counts(
+    labels: np.ndarray, predictions: np.ndarray, groups: np.ndarray, num_groups: int, k: int
+) -> np.ndarray:
+  """[D, num_groups, k, k] confusion counts of D rows of predictions at once: what
+  `metrics.attribute_counts` counts for one row (an example whose group is negative, a missing
+  attribute, is skipped as it skips it; tests/test_references.py checks they agree)."""
+  draws = predictions.shape[0]
+  keep = groups >= 0
+  cell = (groups * k + labels) * k  # Without the prediction: added per draw below.
+  index = cell[keep][None, :] + predictions[:, keep] + (np.arange(draws) * num_groups * k * k)[:, None]
+  counts = np.bincount(index.ravel(), minlength=draws * num_groups * k * k)
+  return counts.reshape(draws, num_groups, k, k).astype(np.float64)
+
+
+def chance_draws(
+    split: Mapping[str, np.ndarray], info: DatasetInfo, draws: int = CHANCE_DRAWS
+) -> list[dict[str, Any]]:
+  """`draws` reports of a uniform guess over the classes on `split`, each scored by the
+  evaluation's own `fairness_report` (the metrics of counts, docs/design.md "Fairness
+  metrics"). Seeded by `CHANCE_SEED` and the split's labels and attributes, so the same split
+  gives the same draws and two folds get independent ones."""
+  labels = np.asarray(split["label"], np.int64)
+  attributes = np.asarray(split["attributes"], np.int64)
+  k = info.num_classes
+  seed = zlib.crc32(labels.tobytes() + attributes.tobytes())
+  rng = np.random.default_rng([CHANCE_SEED, seed])
+  predictions = rng.integers(0, k, size=(draws, len(labels)))
+  overall = _counts(labels, predictions, np.zeros_like(labels), 1, k)
+  per_attribute = [
+      _counts(labels, predictions, attributes[:, i], len(groups), k)
+      for i, groups in enumerate(info.group_names)
+  ]
+  return [
+      fairness_report(
+          overall[d, 0], [c[d] for c in per_attribute], info.attribute_names, info.group_names
+      )
+      for d in range(draws)
+  ]
+
+
+def _mean_report(reports: list[Any]) -> Any:
+  """The leafwise mean of reports of one shape (numbers averaged, everything else from the
+  first; a leaf missing from some draw, a group empty by chance, is left out)."""
+  first = reports[0]
+  if isinstance(first, Mapping):
+    keys = [key for key in first if all(isinstance(r, Mapping) and key in r for r in reports)]
+    return {key: _mean_report([r[key] for r in reports]) for key in keys}
+  if isinstance(first, (int, float)) and not isinstance(first, bool):
+    return float(np.mean([float(r) for r in reports]))
+  return first
+
+
+def _load(config: Mapping[str, Any], base_dir: str) -> tuple[DatasetInfo, Any]:
+  data = ml_collections.ConfigDict(dict(config["data"]))
+  if data.get("root") and not os.path.isabs(os.path.expanduser(data.root)):
+    data.root = os.path.join(base_dir, data.root)
+  if "preload" in data and data.name != "synthetic":
+    data.preload = False  # Only the marker reader looks at pixels.
+  return dataset_from_config(data)
+
+
+def split_sizes(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, int]:
+  """{"train", "validation", "test": examples} of the data of a run's saved `config`: what the
+  corrected interval of a cross-validated table needs (its folds' test-to-train ratio)."""
+  _, splits = _load(config, base_dir)
+  return {
+      "train": len(splits[TRAIN]["label"]),
+      "validation": len(splits[VALIDATION]["label"]),
+      "test": len(splits[TEST]["label"]),
+  }
+
+
+def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, dict[str, Any]]:
+  """{reader name: a report.json-shaped dict} for the data of a run's saved `config`; relative
+  data paths are read from `base_dir` (the directory the runs started in)."""
+  info, splits = _load(config, base_dir)
+  k = info.num_classes
+  majority = int(np.bincount(splits[TRAIN]["label"], minlength=k).argmax())
+  readers = {
+      f"majority class of the training split ({info.class_names[majority]})": (
+          lambda split: np.full(len(split["label"]), majority)
+      ),
+  }
+  if info.name in ("synthetic", synthetic_testbed.NAME):  # Both carry the corner marker.
+    readers["corner-marker reader"] = lambda split: synthetic.read_marker(split["image"], k)
+  if info.name == synthetic_testbed.NAME:
+    readers["tint reader (the signal, read with the generator's own directions)"] = (
+        lambda split: synthetic_testbed.read_lesion_tint(split["image"], k)
+    )
+  signal = {name for name in readers if name.startswith("tint reader")}
+  reports = {}
+  for name, read in readers.items():
+    reports[name] = {
+        **_score(splits[TEST], read(splits[TEST]), info),
+        "validation": _score(splits[VALIDATION], read(splits[VALIDATION]), info),
+        **({"role": "signal"} if name in signal else {}),
+    }
+  # Each draw guesses on the test and the validation split; its report has both, as a run's.
+  draws = [
+      {**test, "validation": validation}
+      for test, validation in zip(
+          chance_draws(splits[TEST], info), chance_draws(splits[VALIDATION], info)
+      )
+  ]
+  reports[f"chance ({k} classes, a uniform guess)"] = {**_mean_report(draws), "draws": draws}
+  return reports

@@ -1,0 +1,357 @@
+r"""The paper's configurations compiled for GPU nodes and TPU slices: the table of docs/scaling.md.
+
+  python -m paper_runner.preflight_table --compile              # compile the missing cells
+  python -m paper_runner.preflight_table --compile --only=deit_s   # cells whose name matches
+  python -m paper_runner.preflight_table --compile --only=@h100 --skip=deit_s   # ... and not
+  python -m paper_runner.preflight_table --write=docs/scaling.md   # render the table
+  python -m paper_runner.preflight_table --check=docs/scaling.md   # exit 1 if it differs
+
+Each cell is one `--mode=compile` of a main (`trainkit/preflight`), run as a user would run it,
+in a subprocess: FairSMoE, vanilla SMoE, Muffin and MultiFair with DeiT-S, DeiT-B, Swin-S and
+Swin-B at 224 px, batch 256, 4 experts (paper Table 1; `configs/celeba.py`), and the Causal
+Transformer's WMT14 En-De base model and its MNLI classifier, on `h100x1`, `h100x8` (data
+parallel, and with `mesh.expert=4` for FairSMoE and vanilla SMoE, the methods with an MoE
+block), `v5e-16` and `v4-32`. A cell's record
+(fit, peak bytes per device, FLOPs, the roofline step time, compile time, or the error) goes to
+`results/records/preflight_paper.json` as soon as it is compiled, so `--compile` resumes where
+it stopped; the table is rendered from the record alone, with its provenance.
+
+The table compiles the train step only (`--config.preflight.eval_step=False`): the eval step
+has no gradients and the same batch, so it needs less; `--mode=compile` itself checks both.
+CelebA and ISIC 2019 runs have the same shapes (224 px images, 2 or 8 classes, 3 sensitive
+attributes), so one compile gives both datasets' device-hours: the paper's 500 epochs of
+CelebA's 162,770 training images and 300 epochs of ISIC 2019's 19,245 (the random split).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from absl import app, flags
+
+from paper_runner.markers import MarkedTable, marked_tables
+from trainkit.distributed import child_environment
+from trainkit.errors import UserError, exit_on_user_error
+from trainkit.storage import write_atomically
+
+NAME = "preflight_paper"
+RECORD = os.path.join("results", "records", f"{NAME}.json")
+BATCH = 256
+CELEBA = dict(epochs=500, examples=162_770)
+ISIC = dict(epochs=300, examples=19_245)
+TARGETS = (
+    ("h100x1", {}),
+    ("h100x8", {}),
+    ("h100x8", {"mesh.expert": 4}),
+    ("v5e-16", {}),
+    ("v4-32", {}),
+)
+METHODS = ("fairsmoe", "vanilla_smoe", "muffin", "multifair")
+BACKBONES = ("deit_s", "deit_b", "swin_s", "swin_b")
+
+
+def cells() -> list[dict[str, Any]]:
+  """Every cell, in the order `--compile` runs them (DeiT-S first, then by backbone)."""
+  found = []
+  for backbone in BACKBONES:
+    for method in METHODS:
+      for target, overrides in TARGETS:
+        if overrides.get("mesh.expert") and method in ("muffin", "multifair"):
+          continue  # No MoE block (dense backbones): nothing to spread over an expert axis.
+        found.append(
+            dict(
+                name=_name(f"{method}/{backbone}", target, overrides),
+                module="fairmoe_jax.main",
+                config=f"configs/celeba.py:method={method},backbone={backbone}",
+                target=target,
+                overrides=overrides,
+                epochs=True,
+            )
+        )
+  # MNLI's config names no dataset size (its data is files): MNLI's 392,702 training pairs.
+  for label, config, extra in (
+      ("causal/wmt14_base", "configs/wmt14_ende.py:attention=causal", {}),
+      ("causal/mnli", "configs/mnli_hans.py", {"preflight.train_examples": 392_702}),
+  ):
+    for target, overrides in TARGETS:
+      if not overrides:
+        found.append(
+            dict(
+                name=_name(label, target, {}),
+                module="causal_attn_jax.main",
+                config=config,
+                target=target,
+                overrides={},
+                flags=extra,
+                epochs=False,
+            )
+        )
+  return found
+
+
+def _name(label: str, target: str, overrides: dict[str, Any]) -> str:
+  suffix = "".join(f",{k.split('.')[-1]}={v}" for k, v in overrides.items())
+  return f"{label}@{target}{suffix}"
+
+
+def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
+  """Runs `--mode=compile` for one cell; the summary of its preflight.json, or its error."""
+  with tempfile.TemporaryDirectory() as workdir:
+    command = [
+        sys.executable, "-m", cell["module"], f"--config={cell['config']}", "--mode=compile",
+        f"--config.preflight.target={cell['target']}", "--config.preflight.eval_step=False",
+        f"--workdir={workdir}/run",
+    ]
+    if cell["epochs"]:
+      command.append(f"--config.batch_size={BATCH}")
+    settings = {**cell["overrides"], **cell.get("flags", {})}
+    command += [f"--config.{k}={v}" for k, v in settings.items()]
+    start = time.perf_counter()
+    env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "1"})  # Without libtpu's placeholders.
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    path = os.path.join(workdir, "run", "preflight.json")
+    shown = " ".join(c if " " not in c else repr(c) for c in command[1:] if not c.startswith("--workdir"))
+    if not os.path.exists(path) and result.returncode < 0:
+      # Killed from outside (SIGKILL is what the out-of-memory killer sends): a fact about this
+      # host at that moment, not about the configuration, so nothing is recorded for the cell.
+      name = signal.Signals(-result.returncode).name
+      return dict(command=f"python {shown}", killed=name, seconds=round(seconds))
+    if not os.path.exists(path):
+      errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+      message = errors[-1] if errors else result.stderr.strip().splitlines()[-1:]
+      return dict(command=f"python {shown}", error=str(message)[:400], seconds=round(seconds))
+    with open(path) as f:
+      record = json.load(f)
+  train, run = record["train_step"], record["run"]
+  memory = train["memory"]
+  return dict(
+      command=f"python {shown}",
+      fits=record["fits"],
+      peak=memory.get("peak"),
+      parameters=memory.get("parameters"),
+      optimizer_state=memory.get("optimizer_state"),
+      usable=record["target"]["usable_bytes"],
+      refused_by_compiler=train.get("refused_by_compiler"),
+      flops_per_device=train.get("flops_per_device"),
+      flops_source=train.get("flops_source"),
+      matmul_flops_per_example=train.get("matmul_flops_per_example"),
+      bytes_accessed_source=train.get("bytes_accessed_source"),
+      roofline_s=(train.get("roofline") or {}).get("bound_s"),
+      bound_by=(train.get("roofline") or {}).get("bound_by"),
+      xla_estimate_s=train.get("xla_estimate_seconds"),
+      step_s=run.get("step_seconds"),
+      utilization=run.get("utilization"),
+      num_train_steps=run.get("num_train_steps"),
+      device_hours=run.get("device_hours"),
+      devices=record["target"]["devices"],
+      mesh=record["mesh"],
+      collectives={k: v["count"] for k, v in (train.get("collectives") or {}).items()},
+      collective_bytes={k: v["bytes"] for k, v in (train.get("collectives") or {}).items()},
+      compiler_options=train.get("compiler_options"),
+      settings=record.get("settings", {}),
+      compile_seconds=train.get("compile_seconds"),
+      seconds=round(seconds),
+      provenance=record["provenance"],
+  )
+
+
+def _load() -> dict[str, Any]:
+  if os.path.exists(RECORD):
+    with open(RECORD) as f:
+      return json.load(f)
+  return {"cells": {}}
+
+
+def _save(record: dict[str, Any], name: str, result: dict[str, Any]) -> None:
+  """Adds one cell to the record on disk (read again first: two --compile may run at once)."""
+  record.update(_load())
+  record["cells"][name] = result
+  write_atomically(RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def compile_missing(pattern: str, skip: str, reverse: bool = False) -> None:
+  record = _load()
+  for cell in reversed(cells()) if reverse else cells():
+    if not fnmatch.fnmatch(cell["name"], f"*{pattern}*") or (skip and skip in cell["name"]):
+      continue
+    if cell["name"] in _load()["cells"]:
+      continue
+    print(f"compiling {cell['name']} ...", flush=True)
+    result = compile_cell(cell)
+    if "killed" in result:
+      print(
+          f"  killed by {result['killed']} after {result['seconds']} s (SIGKILL: most likely the "
+          "out-of-memory killer); not recorded, so the next --compile tries it again",
+          flush=True,
+      )
+      continue
+    result.update(commit=_commit(), date=datetime.date.today().isoformat(), host=platform.processor() or platform.machine())
+    _save(record, cell["name"], result)
+    print(f"  {_row(cell, result)}", flush=True)
+
+
+def _gib(n: float | None) -> str:
+  return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+def _hours(result: dict[str, Any], dataset: dict[str, int] | None) -> str:
+  step = result.get("step_s")
+  if not step:
+    return "-"
+  steps = result["num_train_steps"] if dataset is None else math.ceil(dataset["epochs"] * dataset["examples"] / BATCH)
+  return f"{steps * step * result['devices'] / 3600:,.1f}"
+
+
+def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
+  label, _, where = cell["name"].partition("@")
+  dispatch = (result or {}).get("settings", {}).get("moe.dispatch")
+  if dispatch and not label.startswith("muffin") and not label.startswith("multifair"):
+    where += f" ({dispatch})"
+  if result is None:
+    return f"| {label} | {where} | not compiled yet | | | | | | | |"
+  if "error" in result:
+    return f"| {label} | {where} | error: {result['error'].replace('|', '/')} | | | | | | | |"
+  fits = "yes" if result["fits"] else "**no**"
+  step = f"{result['step_s'] * 1e3:.0f}" if result.get("step_s") else "-"
+  bound = f"{result['roofline_s'] * 1e3:.1f} ({result['bound_by']})" if result.get("roofline_s") else "-"
+  if cell["epochs"]:
+    hours = f"{_hours(result, CELEBA)} / {_hours(result, ISIC)}"
+  else:
+    hours = f"{_hours(result, None)} ({result['num_train_steps']:,} steps)"
+  return (
+      f"| {label} | {where} | {fits} | {_gib(result['peak'])} / {_gib(result['usable'])} | "
+      f"{(result.get('matmul_flops_per_example') or 0) / 1e9:.1f} | {bound} | {step} | "
+      f"{_collectives(result)} | {hours} | {result['compile_seconds']}, {result.get('commit', '?')} |"
+  )
+
+
+def _collectives(result: dict[str, Any]) -> str:
+  """MiB per device per step the train step's collectives produce, by kind (largest first);
+  "not recorded" for a cell compiled before the record kept bytes."""
+  found = result.get("collective_bytes")
+  if found is None:
+    return "not recorded"
+  if not found:
+    return "none"
+  kinds = sorted(found.items(), key=lambda kv: -kv[1])
+  total = sum(found.values()) / 2**20
+  return f"{total:.1f} (" + ", ".join(f"{k} {b / 2**20:.1f}" for k, b in kinds) + ")"
+
+
+def render() -> str:
+  record = _load()
+  results = record["cells"]
+  lines = [
+      "| Run | Target | Fits | Peak / usable GiB per device | Matmul GFLOPs per example | "
+      "Roofline ms per step (bound) | Est. ms per step | Collective MiB per step per device (by kind) | "
+      "Device-hours (CelebA 500 ep. / ISIC 300 ep.; causal: its steps) | Compile s, commit |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  lines += [_row(cell, results.get(cell["name"])) for cell in cells()]
+  done = [r for r in results.values() if "provenance" in r]
+  misfits = [
+      f"{name} needs {_gib(r['peak'])} GiB per device"
+      + (" at least (the TPU compiler's count of its temporaries)" if r.get("refused_by_compiler") else "")
+      + f" of {_gib(r['usable'])} usable"
+      for name, r in sorted(results.items())
+      if "provenance" in r and not r["fits"]
+  ]
+  lines_fit = (
+      "Do not fit: " + "; ".join(misfits) + ". Each is the whole global batch of 256 (its "
+      "activations for the backward pass) on too few devices: more devices, a smaller "
+      "`batch_size` or `model.remat` changes that."
+      + (
+          " The h100x1 refusals among them were compiled with the old GPU description (XLA "
+          "given all 80 GB, so its rematerialisation limit and our 75% check disagreed): told "
+          "the real memory, they fit (\"One H100 and `model.remat`\")."
+          if any("@h100x1" in m for m in misfits)
+          else ""
+      )
+      if misfits
+      else "Every compiled cell fits."
+  )
+  versions = sorted({json.dumps(r["provenance"], sort_keys=True) for r in done})
+  commits = sorted({r.get("commit", "?") for r in results.values()})
+  dates = sorted({r.get("date", "?") for r in results.values()})
+  utilization = sorted({r["utilization"] for r in done if r.get("utilization")})
+  lines += [
+      "",
+      lines_fit,
+      "",
+      f"{len(results)} of {len(cells())} cells compiled. Est. = the roofline bound at "
+      f"{', '.join(f'{u:.0%}' for u in utilization) or '40%'} of it (`preflight.utilization`); "
+      "TPU rows use XLA's cost analysis; GPU rows, which have none, the HLO cost analysis of the "
+      "GPU-optimised program read on this host (docs/scaling.md, what the figures can tell). "
+      f"Provenance: commits {', '.join(commits)}, {', '.join(dates)}, compiled on a 2-core x86_64 "
+      f"CPU; {'; '.join(versions)}. Each cell's command is in `{RECORD}`.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def _marked(text: str, path: str) -> MarkedTable:
+  """This table's place in the document; an error naming the file and line otherwise."""
+  ours = [table for table in marked_tables(text, path) if table.name == NAME]
+  if not ours:
+    raise UserError(f"{path}: no '<!-- table:{NAME} -->' ... '<!-- /table:{NAME} -->' lines")
+  return ours[0]
+
+
+def text_between_markers(path: str) -> str:
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  table = _marked(text, path)
+  return text[table.body_start : table.body_end]
+
+
+def replace_between_markers(path: str, table: str) -> None:
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  ours = _marked(text, path)
+  write_atomically(path, text[: ours.body_start] + table + text[ours.body_end :])
+
+
+_COMPILE = flags.DEFINE_bool("compile", False, "compile the cells missing from the record")
+_ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
+_SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
+_REVERSE = flags.DEFINE_bool("reverse", False, "with --compile: last cell first (a second worker)")
+_WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
+_CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
+
+
+@exit_on_user_error
+def main(argv: list[str]) -> None:
+  del argv
+  if _COMPILE.value:
+    compile_missing(_ONLY.value, _SKIP.value, _REVERSE.value)
+  if _WRITE.value:
+    replace_between_markers(_WRITE.value, render())
+  if _CHECK.value:
+    if text_between_markers(_CHECK.value) != render():
+      print(f"{_CHECK.value}: the {NAME} table differs from {RECORD}; rerun --write", file=sys.stderr)
+      sys.exit(1)
+    print(f"{_CHECK.value}: the {NAME} table matches {RECORD}")
+
+
+if __name__ == "__main__":
+  app.run(main)

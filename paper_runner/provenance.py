@@ -1,0 +1,172 @@
+"""What a recorded number depends on beyond the code: the machine, the software, the input data.
+
+A results record (`paper_runner.tables`) stores `machine()` and the `data_hashes` of the files its
+runs read. `--reproduce` compares a rerun exactly only where `differences` finds none, because
+XLA:CPU compiles for the host's instruction set (the same program can round differently on
+another processor), the libraries change kernels between versions, and a changed data file
+changes everything after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import subprocess
+from typing import Any, Iterable, Mapping
+
+# The instruction-set extensions LLVM may use when XLA compiles for this CPU (vector widths,
+# fused multiply-add, bfloat16 and int8 dot products): two CPUs that differ in these may round
+# the same program differently.
+_CPU_FEATURES = (
+    "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw",
+    "avx512vl", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_bf16",
+    "amx_tile", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm",
+)
+# Packages whose version changes numbers (kernels, initialisers, optimiser updates).
+_PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
+# Environment variables that change what XLA compiles or how JAX computes.
+_ENVIRONMENT = ("XLA_FLAGS", "JAX_ENABLE_X64", "JAX_DEFAULT_MATMUL_PRECISION", "JAX_PLATFORMS")
+
+
+def _cpuinfo() -> dict[str, str]:
+  """The first processor's fields of /proc/cpuinfo (Linux), or {} elsewhere."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      text = f.read()
+  except OSError:
+    return {}
+  fields = {}
+  for line in text.split("\n\n", 1)[0].splitlines():
+    key, _, value = line.partition(":")
+    fields[key.strip()] = value.strip()
+  return fields
+
+
+def processor() -> dict[str, Any]:
+  """The CPU: its model, family and the instruction-set extensions XLA can compile for."""
+  info = _cpuinfo()
+  flags = set((info.get("flags") or info.get("Features") or "").split())
+  return {
+      "model": info.get("model name") or platform.processor() or platform.machine(),
+      "vendor": info.get("vendor_id") or info.get("CPU implementer", ""),
+      "family": "/".join(info.get(k, "") for k in ("cpu family", "model", "stepping")),
+      "features": sorted(flags.intersection(_CPU_FEATURES)),
+  }
+
+
+def _version(package: str) -> str | None:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def host(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+  """Processor, cores, software versions and the numerics environment (`environ`, default this
+  process's): everything of `machine()` but the devices, so a sweep's supervisor can describe
+  the host its runs start on without initialising a backend the runs need."""
+  environ = os.environ if environ is None else environ
+  return {
+      "cpu_cores": os.cpu_count(),
+      "arch": platform.machine(),
+      "processor": processor(),
+      "python": platform.python_version(),
+      "jax": _version("jax"),
+      "versions": {package: _version(package) for package in _PACKAGES},
+      "environment": {name: environ.get(name, "") for name in _ENVIRONMENT},
+  }
+
+
+def machine() -> dict[str, Any]:
+  """Device kind and count, processor, cores, software versions and the numerics environment."""
+  import jax  # Lazily: only recording and reproducing need it, not --write or --check.
+
+  devices = jax.devices()
+  kind = devices[0].device_kind
+  return {
+      "device": devices[0].platform.upper() + (f" ({kind})" if kind != devices[0].platform else ""),
+      "devices": len(devices),
+      **host(),
+  }
+
+
+def _git(repo: str, *args: str) -> str:
+  try:
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return ""
+
+
+def source_state(repo: str) -> dict[str, Any]:
+  """The commit checked out in `repo` and its tracked files with uncommitted changes (results
+  documents and records aside: recording a table changes them)."""
+  changed = [
+      line[3:]
+      for line in _git(repo, "status", "--porcelain", "--untracked-files=no").splitlines()
+      if not line[3:].startswith(("docs/", "results/records/"))
+  ]
+  commit = _git(repo, "rev-parse", "--short=10", "HEAD").strip() or "unknown"
+  return {"commit": commit, "uncommitted_changes": changed}
+
+
+def _file_hash(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def data_hash(path: str) -> str:
+  """sha256 of a file, or of a directory's files (their relative names and contents)."""
+  if os.path.isfile(path):
+    return _file_hash(path)
+  digest = hashlib.sha256()
+  for root, dirs, files in os.walk(path):
+    dirs.sort()
+    for name in sorted(files):
+      full = os.path.join(root, name)
+      digest.update(f"{os.path.relpath(full, path)}\0{_file_hash(full)}\n".encode())
+  return digest.hexdigest()
+
+
+def input_paths(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+  """The config keys under `data` (and `model.glove_path`) that name an existing file or
+  directory: what a run reads besides its workdir."""
+  found = {}
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      found.update(input_paths(value, f"{name}."))
+    elif (
+        isinstance(value, str)
+        and value
+        and (name.startswith("data.") or name == "model.glove_path")
+        and os.path.exists(value)
+    ):
+      found[name] = os.path.abspath(value)
+  return found
+
+
+def data_hashes(configs: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+  """{path: sha256} of every input file or directory the runs of `configs` read."""
+  paths = sorted({p for config in configs for p in input_paths(config).values()})
+  return {path: data_hash(path) for path in paths}
+
+
+def differences(recorded: Mapping[str, Any], current: Mapping[str, Any], path: str = "") -> list[str]:
+  """What differs between a recorded and a current description ("processor.model: A != B");
+  a value the record lacks counts as different (an older record cannot vouch for it)."""
+  found = []
+  for key in sorted(set(recorded) | set(current)):
+    name = f"{path}{key}"
+    old, new = recorded.get(key, "<not recorded>"), current.get(key, "<absent>")
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+      found += differences(old, new, f"{name}.")
+    elif old != new:
+      found.append(f"{name}: {old} != {new}")
+  return found

@@ -1,0 +1,329 @@
+"""Running a sweep's runs on this machine, one subprocess after the other.
+
+The rules that make rerunning the same command safe:
+* a run whose report.json exists is skipped, but only if it was started with the settings asked
+  for now (its RUN record and the config.json it trained with against the config file and
+  flags of now, or what `differences` says); otherwise the sweep stops before running
+  anything, or with `retrain` moves the run aside and runs it again;
+* a run without report.json is (re)started; the mains resume from their checkpoints;
+* a failed run (non-zero exit, timeout, no report.json) leaves error.txt, is retried next time
+  and does not stop the others;
+* a timeout, Ctrl-C or SIGTERM gives the run SIGTERM (the mains checkpoint on it), then SIGKILL;
+  a runner killed outright (SIGKILL) takes its run with it: the run gets SIGTERM (Linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+import ml_collections
+
+from paper_runner.die_with_parent import PR_SET_PDEATHSIG
+from paper_runner.provenance import host, source_state
+from paper_runner.spec import (
+    ERROR,
+    LOG,
+    REPO_ROOT,
+    REPORT,
+    RUN,
+    RUN_PROVENANCE,
+    SweepError,
+    check_run_names,
+    grid_points,
+    resolved_config,
+    run_command,
+    run_dir,
+    run_name,
+    run_record,
+)
+from paper_runner.sweep_estimate import dry_run_summary
+from trainkit.distributed import child_environment
+from trainkit.storage import write_atomically
+from trainkit.workdir import (
+    CONFIG_FILE,
+    config_differences,
+    move_aside,
+    stale_runs_error,
+    trained_config_differences,
+)
+
+ERROR_LOG_LINES = 30
+# A timed-out or interrupted run gets SIGTERM first (the mains checkpoint on it), then SIGKILL.
+TERMINATE_GRACE_S = 60
+# How a finished run in a directory differs from what a grid point asks for now.
+Differences = Callable[[Mapping[str, Any], str], list[str]]
+
+
+def terminate_group(process: subprocess.Popen) -> None:
+  """SIGTERM to the run's process group (the main checkpoints), SIGKILL after a grace period."""
+  for sig, wait_s in ((signal.SIGTERM, TERMINATE_GRACE_S), (signal.SIGKILL, 10)):
+    try:
+      os.killpg(process.pid, sig)
+    except ProcessLookupError:
+      return
+    try:
+      process.wait(timeout=wait_s)
+      return
+    except subprocess.TimeoutExpired:
+      continue
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+  # Once: a second SIGTERM must not cut short the termination of the run this one started.
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+  """SIGTERM to the runner (a preemption, `kill`) stops it like Ctrl-C.
+
+  Without this the runner would die at once and leave the run it started (in a session of its
+  own) training on unsupervised; as an interrupt, the run is terminated and checkpoints.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield  # Signal handlers can only be set from the main thread.
+    return
+  previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+# A traceback's last line (`ValueError: ...`, `jaxlib...XlaRuntimeError: ...`, `KeyboardInterrupt`)
+# or a crash the interpreter reports itself.
+_EXCEPTION_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b|Fatal Python error\b)"
+)
+# The progress bar's line in a log (trainkit/progress.py): `[####....] 20/40 | ...`.
+_PROGRESS_LINE = re.compile(r"^\[[#.]*\] \d+/\d+")
+
+
+def _die_with_the_runner(runner_pid: int) -> Callable[[], None]:
+  """The run's preexec_fn: it gets SIGTERM (the mains checkpoint on it) when the runner dies.
+
+  A run has a session of its own, so a SIGKILL to the runner (or its terminal closing) would
+  otherwise leave it training unsupervised, writing to the log a rerun appends to. Linux only
+  (prctl); elsewhere a run outlives a killed runner as before.
+  """
+
+  # Looked up here, before the fork: the child runs as little as it can before its exec.
+  prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+  def preexec() -> None:
+    if prctl is not None:
+      prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != runner_pid:  # The runner died before prctl took effect.
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  return preexec
+
+
+def failure_line(output: list[str]) -> str:
+  """The line of a failed run's output that says why: its last `error: ...` line or exception.
+
+  A main's last words are its `error: ...` line or the exception that ended it, but other lines
+  may follow them in the log (a progress line, a background thread's message), so the last such
+  line wins over the last line. Without one: the exception line of the last traceback, else the
+  last line that is not a progress line, else "".
+  """
+  for line in reversed(output):
+    line = line.rstrip()
+    if line.lower().startswith("error:") or _EXCEPTION_LINE.match(line):
+      return line
+  tracebacks = [i for i, line in enumerate(output) if line.startswith("Traceback (")]
+  if tracebacks:  # An exception of another name (`trainkit.errors.OutOfSpace: ...`).
+    for line in output[tracebacks[-1] + 1 :]:
+      if line.strip() and not line[0].isspace():
+        return line.strip()
+  return next(
+      (l.strip() for l in reversed(output) if l.strip() and not _PROGRESS_LINE.match(l.strip())),
+      "",
+  )
+
+
+def _output_since(log_path: str, offset: int) -> list[str]:
+  """The lines this attempt wrote to the log (earlier attempts' lines come before `offset`)."""
+  try:
+    with open(log_path, errors="replace") as f:
+      f.seek(offset)
+      return f.read().splitlines()
+  except OSError:
+    return []
+
+
+def _run_one(
+    command: list[str], directory: str, *, timeout_s: float, cwd: str, env: Mapping[str, str]
+) -> tuple[bool, str]:
+  """Runs one command, logging to log.txt; returns (ok, why not)."""
+  os.makedirs(directory, exist_ok=True)
+  log_path = os.path.join(directory, LOG)
+  with open(log_path, "a") as log:
+    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(command)}\n")
+    log.flush()
+    offset = log.tell()
+    # A session of its own, so a timeout can stop the run's whole process tree; and SIGTERM
+    # when this runner dies, so a killed runner leaves no run training on unsupervised.
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_the_runner(os.getpid()),
+    )
+    try:
+      code = process.wait(timeout=timeout_s or None)
+      why = "" if code == 0 else f"exit code {code}"
+    except subprocess.TimeoutExpired:
+      terminate_group(process)
+      why = f"timeout after {timeout_s:g} s (exit code {process.returncode})"
+    except KeyboardInterrupt:
+      terminate_group(process)  # The main checkpoints on SIGTERM, so a rerun resumes it.
+      raise
+  if not why and not os.path.exists(os.path.join(directory, REPORT)):
+    why = "exit code 0 but no report.json"
+  error_path = os.path.join(directory, ERROR)
+  if why:
+    output = _output_since(log_path, offset)
+    last = failure_line(output)
+    if last and why.startswith("exit code"):
+      why = f"{why}: {last}"
+    write_atomically(
+        error_path,
+        f"{why}\n\nlast {ERROR_LOG_LINES} lines of {log_path}:\n"
+        + "".join(f"{line}\n" for line in output[-ERROR_LOG_LINES:]),
+    )
+  elif os.path.exists(error_path):  # A retry that succeeded: the old error no longer applies.
+    os.remove(error_path)
+  return not why, why
+
+
+def _recorded_run(directory: str) -> dict[str, Any]:
+  try:
+    with open(os.path.join(directory, RUN)) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return {"record": "missing"}  # Cannot be checked, so it is not reused.
+
+
+def record_differences(
+    sweep: ml_collections.ConfigDict,
+    point: Mapping[str, Any],
+    directory: str,
+    cwd: str = REPO_ROOT,
+) -> list[str]:
+  """How the finished run in `directory` differs from what `point` asks for now.
+
+  First its RUN record (module, config file, every flag); then, when the run saved the config
+  it trained with (`config.json`, as the mains do), that config against the one the same flags
+  give now (`spec.resolved_config`), so an edited config file (a learning rate, a top_k) makes
+  the run stale too and the difference names the key.
+  """
+  changed = config_differences(_recorded_run(directory), run_record(sweep, point))
+  if changed or not os.path.exists(os.path.join(directory, CONFIG_FILE)):
+    return changed
+  return trained_config_differences(directory, resolved_config(sweep, point, cwd))
+
+
+def run_sweep(
+    sweep: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    dry_run: bool = False,
+    retrain: bool = False,
+    env: Mapping[str, str] | None = None,
+    cwd: str = REPO_ROOT,
+    differences: Differences | None = None,
+) -> dict[str, str]:
+  """Runs every run without a report.json, in order; returns {name: ok|failed|skipped}.
+
+  A finished run started with other settings is an error before anything runs, or with
+  `retrain` is moved aside (`<run>.stale-<n>`) and run again. `differences(point, directory)`
+  decides what "other settings" means; by default `record_differences` (the RUN record, then
+  the saved config.json against the config the flags give now, so an edited config file
+  counts).
+
+  `env` adds to this process's environment (the runs inherit it, XLA_FLAGS included).
+  """
+  base = sweep.config.partition(":")[0]
+  if not os.path.isfile(os.path.join(cwd, base)):
+    raise SweepError("config", f"no such file {base!r} (relative to {cwd})")
+  points = grid_points(sweep)
+  check_run_names(points)
+  if differences is None:
+    differences = lambda point, directory: record_differences(sweep, point, directory, cwd)
+  # Without libtpu's placeholders, which would make a run take itself for a TPU pod worker.
+  run_env = child_environment({"PYTHONUNBUFFERED": "1", **(env or {})})
+  stale = []
+  for point in points:
+    directory = run_dir(workdir, point)
+    if os.path.exists(os.path.join(directory, REPORT)):
+      changed = differences(point, directory)
+      if changed:
+        stale.append((directory, changed))
+  if stale and not dry_run:
+    if not retrain:
+      raise stale_runs_error(stale, "--retrain")
+    for directory, _ in stale:
+      print(f"moved the stale run {directory} to {move_aside(directory)}", flush=True)
+  stale_changes = dict(stale)
+  source = source_state(REPO_ROOT)  # The code the runs import.
+  statuses = {}
+  finished = []  # Dry run: the runs it would skip.
+  with sigterm_as_interrupt():
+    for i, point in enumerate(points):
+      name, directory = run_name(point), run_dir(workdir, point)
+      command = run_command(sweep, point, directory)
+      done = os.path.exists(os.path.join(directory, REPORT))
+      if dry_run:
+        changed = stale_changes.get(directory)
+        if changed:
+          note = f"# stale, trained with another config ({', '.join(changed[:3])}): "
+        else:
+          note = "# skipped (report.json exists): " if done else ""
+        print(note + shlex.join(command), flush=True)
+        if done and not changed:
+          finished.append(point)
+        continue
+      prefix = f"[{i + 1}/{len(points)}] {name}:"
+      if done:
+        statuses[name] = "skipped"
+        print(f"{prefix} skipped (report.json exists)", flush=True)
+        continue
+      start = time.monotonic()
+      os.makedirs(directory, exist_ok=True)
+      write_atomically(os.path.join(directory, RUN), json.dumps(run_record(sweep, point), indent=2))
+      write_atomically(
+          os.path.join(directory, RUN_PROVENANCE),
+          json.dumps({**source, "host": host(run_env)}, indent=2),
+      )
+      try:
+        ok, why = _run_one(command, directory, timeout_s=sweep.timeout_s, cwd=cwd, env=run_env)
+      except KeyboardInterrupt:
+        print(f"{prefix} interrupted; rerun the same command to resume the sweep", flush=True)
+        raise
+      statuses[name] = "ok" if ok else "failed"
+      seconds = time.monotonic() - start
+      detail = "" if ok else f" ({why}; see {os.path.join(directory, ERROR)})"
+      print(f"{prefix} {statuses[name]}{detail} {seconds:.1f}s", flush=True)
+  if dry_run:
+    to_run = [point for point in points if point not in finished]
+    summary = dry_run_summary(
+        workdir, points, to_run, lambda point: resolved_config(sweep, point, cwd)
+    )
+    print("\n".join(summary), flush=True)
+  return statuses

@@ -1,0 +1,329 @@
+r"""Command line: run a grid of trainings (any package's main) and tabulate and plot the results.
+
+  python -m paper_runner.sweep --sweep=configs/sweeps/batch_experts.py:steps=50 --workdir=/tmp/sweep
+
+A sweep file is a Python file whose `get_config(arg=None)` returns a ConfigDict (or a dict):
+
+  from paper_runner.spec import dotted
+  from trainkit.config import parse_arg
+
+  def get_config(arg=None):
+    arg = parse_arg(arg, steps=350)
+    return ml_collections.ConfigDict(dict(
+        module="fairmoe_jax.main",           # Run as `python -m module`.
+        config="configs/quickstart.py",      # Its --config (repo-relative or absolute; :args too).
+        grid=dotted({                        # Runs: the Cartesian product, in this key order.
+            "batch_size": (64, 128),
+            "method": ("vanilla_smoe", "fairsmoe@fair.specialization=class_routing"),
+            "seed": (0, 1),
+        }),
+        overrides=dotted({"num_train_steps": arg.steps}),  # Applied to every run.
+        metrics=("accuracy", "mf.pqd"),      # Dotted paths into each run's report.json.
+        throughput_keys=("examples_per_second", "tokens_per_second", "mfu"),  # Optional.
+        timeout_s=0,                         # Optional: seconds per run, 0 = none.
+        tables=("paper_runner.fairmoe.paper_table:write_comparison",),  # Optional: table collectors.
+    ))
+
+`dotted()` keeps dotted keys and their order, which a plain dict inside a ConfigDict does not
+(ml_collections sorts keys and rejects dots); nested dicts (`{"moe": {"num_experts": ...}}`) are
+flattened to dotted keys too. Each run trains in `<workdir>/runs/<name>`, its name made from its
+grid values (`batch_size=64,method=vanilla_smoe,seed=0`), with `--config.<key>=<value>` flags
+for the overrides and its grid values.
+
+A grid value written `VALUE@KEY=X@KEY2=Y` sets its grid key to VALUE and also passes
+`--config.KEY=X --config.KEY2=Y` to the runs that take it, so readings of one method compare
+side by side (`fairsmoe@fair.specialization=class_routing`); an `@` setting takes precedence
+over an override of the same key, and may not set a grid key.
+
+`tables` names table collectors, `"module:function"`, imported when the sweep is loaded (a bad
+name stops the sweep before anything runs). After collecting, each is called as
+`function(workdir, runs) -> [paths written]`, `runs` being one `paper_runner.collect.RunResult`
+per run in grid order (its point, run_dir, status ok/failed/missing, report and error).
+
+Modes (`--mode`):
+  run       (default) runs the runs one after the other as subprocesses of this machine, each
+            logging to `<run dir>/log.txt`. A run whose report.json exists is skipped if it was
+            started with the same settings (`sweep_run.json`) and trained with the config the
+            config file and those settings give now (its `config.json`, so an edited config
+            file counts); otherwise the sweep stops with an error naming the changed keys
+            before running anything, or with `--retrain` moves it aside. An interrupted run
+            resumes from its checkpoint, so rerunning the command resumes the sweep; a failed
+            run (non-zero exit or `timeout_s`) leaves `error.txt` (the reason: the run's last
+            `error:` or exception line), is retried next time and does not stop the others.
+            A timeout, Ctrl-C or SIGTERM sends the running run SIGTERM (the mains checkpoint
+            on it), then SIGKILL after a minute; a runner killed with SIGKILL takes its run
+            with it (SIGTERM, on Linux).
+            Then collects. `--dry_run` (or `--dry-run`, the launchers' spelling) only prints
+            the commands, the number of runs and an estimate of their time (from the runs of
+            the sweep that finished in the workdir: paper_runner/sweep_estimate.py).
+  commands  writes `<workdir>/commands.sh`, one line per run, for a cluster. With
+            `--launcher="launch/slurm.sh --nodes 2 --gpus-per-node 8 --"` each line is
+              launch/slurm.sh --nodes 2 --gpus-per-node 8 --module fairmoe_jax.main -- \
+                  --config=configs/quickstart.py --workdir=<workdir>/runs/<name> --config.k=v ...
+            (`--module` is added for the repo's launchers when the launcher string lacks it;
+            `launch/tpu_pod.sh --name pod --zone Z --accelerator v5litepod-16 --` works alike).
+            Without a launcher each line is `python -m module ...`, and
+            `launch/slurm_array.sh <workdir>/commands.sh` submits the runs as one SLURM job
+            array (resubmitting it submits only the runs without report.json).
+            The workdir may be on gs:// (a TPU pod's shared workdir): each run's workdir is
+            under it and commands.sh is an object there, and `gcloud storage cat
+            gs://.../commands.sh | launch/tpu_pod.sh --name pod --zone Z --accelerator T
+            --delete-after --commands -` runs the whole grid on one slice. `run` mode needs a
+            local workdir.
+  collect   only collects, from a local or gs:// workdir: `<workdir>/sweep.csv`, `sweep.md`
+            and `sweep.json` (one row per run: grid values, status ok/failed/missing, the
+            metrics, and per throughput key the median over the second half of the logged
+            steps, after compilation),
+            `<workdir>/plots/<metric>_vs_<key>.png` (mean ± std over seeds, one line per
+            combination of the other keys), then the `tables` collectors' files.
+
+`--only=KEY=VALUE` (repeatable) keeps the runs whose grid value of KEY is one of the VALUEs
+given for it (written as the run names write them), e.g. the rows a results table's claims
+compare: `--only=method=fairsmoe --only=method=vanilla_smoe`. The runs keep their names, so a
+later full sweep in the same workdir reuses them. Their tables, plots and collectors' files go
+to `<workdir>/only-KEY=VALUE,.../`, never over the full sweep's `sweep.md/.csv/.json`.
+
+The exit status is 1 when a run has no report.json (the tables are still written), 2 for a bad
+sweep or flag, 130 when interrupted (rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import sys
+from typing import Mapping, Sequence
+
+import ml_collections
+from absl import app, flags
+
+from paper_runner.collect import collect, table_rows, write_spec_tables, write_tables
+from paper_runner.commands import write_commands
+from paper_runner.plots import write_plots
+from paper_runner.spec import REPO_ROOT, format_value, load_sweep, safe_name
+from paper_runner.supervise import Differences, run_sweep
+from trainkit import storage
+from trainkit.config_files import resolve_config_args
+from trainkit.errors import UserError, exit_on_user_error, fail
+
+MODES = ("run", "commands", "collect")
+
+
+def restrict_grid(sweep: ml_collections.ConfigDict, only: Sequence[str]) -> None:
+  """Keeps, per grid key named in `only` ("KEY=VALUE" each), the values given for it, in the
+  grid's order; a UserError names an unknown key or value."""
+  wanted: dict[str, list[str]] = {}
+  for item in only:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise UserError(f"--only={item}: not KEY=VALUE")
+    if key not in sweep.grid:
+      raise UserError(f"--only={item}: {key!r} is not a grid key; grid keys: {', '.join(sweep.grid)}")
+    values = [format_value(v) for v in sweep.grid[key]]
+    if value not in values:
+      raise UserError(f"--only={item}: {value!r} is not a value of {key}; values: {', '.join(values)}")
+    wanted.setdefault(key, []).append(value)
+  for key, values in wanted.items():
+    sweep.grid[key] = tuple(v for v in sweep.grid[key] if format_value(v) in values)
+
+
+def execute_sweep(
+    sweep: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    mode: str = "run",
+    launcher: Sequence[str] = (),
+    dry_run: bool = False,
+    retrain: bool = False,
+    env: Mapping[str, str] | None = None,
+    sweep_path: str = "",
+    differences: Differences | None = None,
+    cwd: str = REPO_ROOT,
+    subset_dir: str = "",
+) -> int:
+  """Runs, writes the commands of, or collects a validated sweep; returns the exit status.
+
+  For front ends that build the spec themselves (`paper_runner.fairmoe.compare`); `execute` is the
+  command line's way in. `sweep_path` names the sweep in the tables' titles; `differences`
+  is `supervise.run_sweep`'s test of whether a finished run is stale, and `cwd` the directory
+  the runs start in (relative paths in the config and its flags are read from there).
+  `subset_dir`, for a sweep restricted to some of its runs (`--only`), is the folder under the
+  workdir its tables, plots and collectors' files go to, so the full sweep's are kept.
+  """
+  if mode == "run" and storage.is_remote(workdir):
+    # The runner gives each run's output a local log file, keeps its state beside it and moves
+    # stale runs aside by renaming them: none of it goes through the path library.
+    raise UserError(
+        f"--workdir={workdir}: --mode=run runs the sweep on this machine, in a local directory; "
+        "for a sweep on gs:// (a TPU pod's shared workdir) write its commands with "
+        "--mode=commands (then `gcloud storage cat WORKDIR/commands.sh | launch/tpu_pod.sh ... "
+        "--commands -`), and tabulate the runs with --mode=collect"
+    )
+  workdir = storage.resolve(workdir)  # A local directory, or gs:// for commands and collect.
+  if mode == "commands":
+    print(write_commands(sweep, workdir, launcher, sweep_path))
+    return 0
+  if mode == "run":
+    run_sweep(
+        sweep,
+        workdir,
+        dry_run=dry_run,
+        retrain=retrain,
+        env=env,
+        cwd=cwd,
+        differences=differences,
+    )
+    if dry_run:
+      return 0
+  storage.makedirs(workdir)
+  results = collect(sweep, workdir)
+  rows = table_rows(sweep, results)
+  # The runs are read from the workdir; a subset's tables are written beside, not over, the
+  # full sweep's.
+  tables_dir = storage.join(workdir, subset_dir) if subset_dir else workdir
+  storage.makedirs(tables_dir)
+  print("\n" + write_tables(sweep, tables_dir, rows, sweep_path))
+  plots = write_plots(sweep, tables_dir, rows)
+  print(f"Wrote {tables_dir}/sweep.csv, sweep.md, sweep.json and {len(plots)} plot(s) in plots/")
+  if subset_dir:
+    print(
+        f"--only: these are the tables of {len(results)} of the sweep's runs, in {tables_dir}; "
+        f"{workdir}/sweep.md, sweep.csv, sweep.json and plots/ are left as they were"
+    )
+  for path in write_spec_tables(sweep, tables_dir, results):
+    print(f"Wrote {path}")
+  missing = [r for r in results if r.status != "ok"]
+  if missing:
+    print(f"{len(missing)} run(s) without report.json; rerun --mode=run to retry them.")
+  return 1 if missing else 0
+
+
+def execute(
+    sweep_path: str,
+    workdir: str,
+    *,
+    mode: str = "run",
+    launcher: str = "",
+    dry_run: bool = False,
+    retrain: bool = False,
+    env: Mapping[str, str] | None = None,
+    only: Sequence[str] = (),
+) -> int:
+  """The command line's work; returns the exit status (1 when a run has no report.json)."""
+  if mode not in MODES:
+    raise UserError(f"--mode: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+  if not workdir:
+    raise UserError("--workdir is required")
+  if dry_run and mode != "run":
+    raise UserError("--dry_run only applies to --mode=run")
+  try:
+    launcher_words = shlex.split(launcher)
+  except ValueError as e:
+    raise UserError(f"--launcher: {e}") from None
+  if launcher_words and mode != "commands":
+    raise UserError("--launcher only applies to --mode=commands")
+  sweep = load_sweep(sweep_path)
+  restrict_grid(sweep, only)
+  return execute_sweep(
+      sweep,
+      workdir,
+      mode=mode,
+      launcher=launcher_words,
+      dry_run=dry_run,
+      retrain=retrain,
+      env=env,
+      sweep_path=sweep_path,
+      subset_dir=subset_dir_name(only),
+  )
+
+
+def subset_dir_name(only: Sequence[str]) -> str:
+  """The folder under the workdir for the tables of the runs `--only` keeps: `only-KEY=VALUE`
+  (several joined by commas, in the order given); "" without --only."""
+  if not only:
+    return ""
+  name = safe_name("only-" + ",".join(only))
+  if len(name) > 200:  # Below the usual 255-byte file-name limit, unique by the hash.
+    name = f"{name[:189]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+  return name
+
+
+def _define_flags() -> dict[str, flags.FlagHolder]:
+  """The command line's flags, defined only when run as a script: front ends such as
+  paper_runner.fairmoe.compare import this module and define flags of the same names (--workdir)."""
+  holders = dict(
+      sweep=flags.DEFINE_string("sweep", None, "Sweep file, optionally `file.py:arg`."),
+      workdir=flags.DEFINE_string(
+          "workdir", None, "Directory of the sweep: runs/, tables, plots/."
+      ),
+      mode=flags.DEFINE_string("mode", "run", f"One of {', '.join(MODES)}."),
+      launcher=flags.DEFINE_string(
+          "launcher", "", 'commands mode: prefix of each line, e.g. "launch/slurm.sh --nodes 2 --".'
+      ),
+      dry_run=flags.DEFINE_bool(
+          "dry_run",
+          False,
+          "run mode: print the commands, the number of runs and an estimate of their time; run "
+          "nothing (--dry-run works too).",
+      ),
+      retrain=flags.DEFINE_bool(
+          "retrain",
+          False,
+          "run mode: move finished runs started with other settings aside and run them again "
+          "(without it they are an error).",
+      ),
+      only=flags.DEFINE_multi_string(
+          "only", [], "KEY=VALUE: run only the grid points with one of these values of KEY."
+      ),
+  )
+  flags.mark_flags_as_required(["sweep", "workdir"])
+  return holders
+
+
+def dashed_flag_names(argv: Sequence[str], names: Sequence[str] = ("dry_run",)) -> list[str]:
+  """`argv` with `--dry-run` (the launchers' spelling; `--nodry-run`, `--dry-run=false` too)
+  written `--dry_run`, absl's, for each of `names`; arguments after `--` are left alone."""
+  out = list(argv[:1])
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      out.extend(argv[i:])
+      break
+    for name in names:
+      dashed = name.replace("_", "-")
+      for prefix in ("--", "-", "--no", "-no"):
+        flag = prefix + dashed
+        if arg == flag or arg.startswith(flag + "="):
+          arg = prefix + name + arg[len(flag) :]
+          break
+    out.append(arg)
+  return out
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(resolve_config_args(dashed_flag_names(argv)))
+  except flags.Error as e:
+    fail(str(e))
+
+
+def main(argv: list[str], holders: dict[str, flags.FlagHolder]) -> None:
+  if len(argv) > 1:
+    fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    status = exit_on_user_error(execute)(
+        holders["sweep"].value,
+        holders["workdir"].value,
+        mode=holders["mode"].value,
+        launcher=holders["launcher"].value,
+        dry_run=holders["dry_run"].value,
+        retrain=holders["retrain"].value,
+        only=holders["only"].value,
+    )
+  except KeyboardInterrupt:  # The running run got SIGTERM and checkpointed; rerun resumes.
+    sys.exit(130)
+  sys.exit(status)
+
+
+if __name__ == "__main__":
+  _HOLDERS = _define_flags()
+  app.run(lambda argv: main(argv, _HOLDERS), flags_parser=_parse_flags)

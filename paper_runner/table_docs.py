@@ -1,0 +1,343 @@
+"""The marked tables of a document (`<!-- table:NAME -->` ... `<!-- /table:NAME -->`): a
+table rendered from its record, or a summary across every recorded table (`reruns`, `verdicts`,
+`claims`, `machines`), written into the document (`--write`) or compared with it (`--check`)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any, Sequence
+
+from paper_runner import stats
+from paper_runner.collect import markdown_table
+from paper_runner.markers import marked_tables, replace_tables
+from paper_runner.spec import grid_points
+from paper_runner.table_record import read_record, stale_runs
+from paper_runner.table_render import render, stamp_machine_text
+from paper_runner.table_reproduce import NOT_REPRODUCED
+from paper_runner.table_reruns import (
+    IDENTICAL,
+    change_text,
+    compare_rerun,
+    machine_text,
+    rerun_machine,
+)
+from paper_runner.table_spec import (
+    CLAIM_SUMMARY,
+    MACHINE_SUMMARY,
+    RERUN_SUMMARY,
+    SUMMARIES,
+    VERDICT_SUMMARY,
+    TableSpec,
+    load_table,
+    record_path,
+    table_names,
+)
+from paper_runner.table_summary import leaks_of, summarise
+from trainkit.errors import UserError
+from trainkit.storage import write_atomically
+
+
+def _claims_tables() -> list[tuple[str, TableSpec, dict[str, Any]]]:
+  """(name, spec, record) of every recorded table that decides claims, in name order."""
+  found = []
+  for name in table_names():
+    if name in SUMMARIES or not os.path.exists(record_path(name)):
+      continue
+    spec = load_table(name)
+    if spec.claims:
+      found.append((name, spec, read_record(name)))
+  return found
+
+
+def rerun_summary() -> str:
+  """One row per rerun of every table that decides claims (or "not rerun"): how much of the
+  table it reran, on what, which verdicts and tuning choice it keeps and which it changes, and
+  the largest change of a mean paired difference; a rerun whose predictions are the record's is
+  "identical (not independent)" and counts no verdict. The last row adds up the reruns that
+  could differ. Rendered from the records alone."""
+  header = (
+      "table",
+      "rerun",
+      "verdicts kept",
+      "verdicts that change (recorded -> rerun)",
+      "largest change of a mean paired difference, in half-widths of its interval (change)",
+  )
+  rows = []
+  counted = identical = claims_rerun = claims_kept = 0
+  for name, spec, record in _claims_tables():
+    if not record.get("reruns"):
+      rows.append((f"`{name}`", "not rerun", "—", "—", "—"))
+      continue
+    labels = {c.path: (c.label, c.decimals) for c in spec.columns}
+    total = len(grid_points(spec.sweep))  # The spec's runs (as in `rerun_lines`).
+    for rerun in record["reruns"]:
+      result = compare_rerun(spec, record, rerun)
+      how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
+      kept = sum(before == after for _, before, after, _ in result.claims)
+      if result.identical:
+        identical += 1
+        kept_text = f"{IDENTICAL}: not counted"
+      elif not result.claims:
+        kept_text = "— (no claim has both its rows rerun)"
+      else:
+        counted += 1
+        claims_rerun += len(result.claims)
+        claims_kept += kept
+        kept_text = f"{kept} of {len(result.claims)}" + (
+            f" ({len(result.claims)} of {len(spec.claims)} claims rerun)"
+            if len(result.claims) < len(spec.claims)
+            else ""
+        )
+      if result.chosen:
+        kept_text += "; same choice" if result.chosen[0] == result.chosen[1] else "; another choice"
+      changed = "; ".join(
+          f"{spec.label(c.row)} against {spec.label(c.baseline)}, "
+          f"{labels.get(c.metric, (c.metric, 3))[0]}: {before} -> {after}"
+          for c, before, after, _ in result.claims
+          if before != after
+      )
+      largest = "—"
+      if result.largest_change:
+        change, relative, claim = result.largest_change
+        label, decimals = labels.get(claim.metric, (claim.metric, 3))
+        largest = change_text(change, relative, decimals, label)
+      rows.append(
+          (
+              f"`{name}`",
+              f"{how_much}, {rerun_machine(rerun['provenance'])}",
+              kept_text,
+              changed or "none",
+              largest,
+          )
+      )
+  rows.append(
+      (
+          "**every table**",
+          f"{counted + identical} reruns; {identical} {IDENTICAL}",
+          f"**{claims_kept} of {claims_rerun}** (the {counted} reruns that could differ)",
+          "—",
+          "—",
+      )
+  )
+  return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+_VERDICTS = (stats.HOLDS, stats.DOES_NOT_HOLD, stats.UNDECIDED, stats.UNTESTABLE)
+
+
+def _counts_text(verdicts: Sequence[str]) -> list[str]:
+  return [str(sum(v == word for v in verdicts)) for word in _VERDICTS]
+
+
+def verdict_summary() -> str:
+  """Per table that decides claims: the interval it uses, its family of claims, how many
+  verdicts are each word before and after Holm's adjustment, how many carry a selection leak;
+  then the totals. Rendered from the records alone."""
+  header = [
+      "table",
+      "interval",
+      "claims (one family)",
+      *(f"raw: {word}" for word in _VERDICTS),
+      *(f"Holm: {word}" for word in _VERDICTS),
+      "marked selection leak",
+  ]
+  rows = []
+  raw_all: list[str] = []
+  holm_all: list[str] = []
+  leaked_all = 0
+  for name, spec, record in _claims_tables():
+    summary = summarise(spec, record)
+    raw = [result.verdict for _, result in summary["claims"]]
+    holm = [verdict for _, verdict in summary["holm"]]
+    leaked = sum(1 for claim, _ in summary["claims"] if leaks_of(spec, claim))
+    raw_all += raw
+    holm_all += holm
+    leaked_all += leaked
+    kind = "Student-t" if summary["ratio"] is None else "corrected resampled t"
+    rows.append(
+        [f"`{name}`", kind, str(len(raw)), *_counts_text(raw), *_counts_text(holm), str(leaked)]
+    )
+  rows.append(
+      [
+          "**every table**",
+          "—",
+          f"**{len(raw_all)}**",
+          *(f"**{c}**" for c in _counts_text(raw_all)),
+          *(f"**{c}**" for c in _counts_text(holm_all)),
+          f"**{leaked_all}**",
+      ]
+  )
+  return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def claim_summary() -> str:
+  """Claim by claim: each claim (the same rows, direction and metric) and, per Holm-adjusted
+  verdict, the tables that reach it; a raw verdict that differs, a rerun that moved it and a
+  selection leak are noted beside the table. Rendered from the records alone."""
+  found: dict[tuple[str, str], dict[str, list[str]]] = {}
+  for name, spec, record in _claims_tables():
+    summary = summarise(spec, record)
+    labels = {c.path: c.label for c in spec.columns}
+    moved = {}
+    for rerun in record.get("reruns", ()):
+      result = compare_rerun(spec, record, rerun)
+      for claim, before, after, _ in result.claims:
+        if before != after:
+          moved[claim] = after
+    for (claim, result), (_, holm) in zip(summary["claims"], summary["holm"]):
+      key = (
+          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
+          labels.get(claim.metric, claim.metric),
+      )
+      notes = []
+      if result.verdict != holm:
+        notes.append(f"raw: {result.verdict}")
+      if claim in moved:
+        notes.append(f"a rerun: {moved[claim]}")
+      if leaks_of(spec, claim):
+        notes.append("selection leak")
+      if not result.enough_seeds:
+        notes.append("too few seeds")
+      entry = f"`{name}`" + (f" ({'; '.join(notes)})" if notes else "")
+      found.setdefault(key, {}).setdefault(holm, []).append(entry)
+  header = ["claim", "on", *(f"Holm: {word}" for word in _VERDICTS)]
+  rows = [
+      [claim, metric, *(", ".join(by_verdict.get(word, [])) or "—" for word in _VERDICTS)]
+      for (claim, metric), by_verdict in found.items()
+  ]
+  return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def machine_summary() -> str:
+  """Per recorded table: the date of its runs, the machine its record names (older records name
+  no processor and hash no input file), each stamped reproduction of its first run (`--reproduce
+  --stamp`: exact or within the spec's tolerance, when, on what) and each stamped one that did
+  not come back (beyond which tolerance, the value that moved most); the last row counts them.
+  Rendered from the records alone."""
+  header = (
+      "table",
+      "runs of",
+      "machine the record names",
+      "input files hashed",
+      "first run reproduced (`--reproduce=NAME --stamp`)",
+      "first run not reproduced (the value that moved most)",
+  )
+  rows = []
+  recorded = exact = within = failed = 0
+  for name in table_names():
+    if name in SUMMARIES or not os.path.exists(record_path(name)):
+      continue
+    p = read_record(name)["provenance"]
+    recorded += 1
+    stamps = []
+    for stamp in p.get("reproduced", ()):
+      exact += bool(stamp["exact"])
+      within += not stamp["exact"]
+      how = "exactly" if stamp["exact"] else f"within {format(stamp['tolerance'], 'g')}, not exactly"
+      stamps.append(
+          f"{how}{stamp_machine_text(stamp)} on {stamp['date']} "
+          f"({machine_text(stamp['machine'])})"
+      )
+    misses = []
+    for stamp in p.get(NOT_REPRODUCED, ()):
+      failed += 1
+      moved = stamp["largest_difference"]
+      misses.append(
+          f"beyond {format(stamp['tolerance'], 'g')}{stamp_machine_text(stamp)} on "
+          f"{stamp['date']} ({machine_text(stamp['machine'])}; `{moved['value']}` "
+          f"{_value_text(moved['recorded'])} recorded, {_value_text(moved['reproduced'])} again)"
+      )
+    rows.append(
+        (
+            f"`{name}`",
+            p["date"],
+            machine_text(p["machine"]),
+            str(len(p["data"])) if "data" in p else "— (not recorded)",
+            "; ".join(stamps) or "—",
+            "; ".join(misses) or "—",
+        )
+    )
+  rows.append(
+      (
+          "**every table**",
+          f"{recorded} records",
+          "—",
+          "—",
+          f"**{exact} exactly, {within} within the tolerance** ({exact + within} stamped)",
+          f"**{failed} not reproduced**",
+      )
+  )
+  return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def _value_text(value: float | None) -> str:
+  """A recorded value as the record holds it, to 6 significant digits (None: no value)."""
+  return "no value" if value is None else format(value, ".6g")
+
+
+def _render_marked(name: str) -> str:
+  """A marked table of a document: a generated summary, or the table `name` from its record."""
+  if name == RERUN_SUMMARY:
+    return rerun_summary()
+  if name == VERDICT_SUMMARY:
+    return verdict_summary()
+  if name == CLAIM_SUMMARY:
+    return claim_summary()
+  if name == MACHINE_SUMMARY:
+    return machine_summary()
+  return render(load_table(name), read_record(name))
+
+
+def _read_doc(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"{path}: cannot read the document ({e})") from None
+
+
+def write_doc(path: str) -> list[str]:
+  """Renders every marked table of the markdown file `path` in place; returns their names.
+
+  A `path` that is a symbolic link is followed: the document it points to is rewritten and the
+  link kept (the atomic write's rename would otherwise replace the link with a file and leave
+  the real document as it was)."""
+  text = _read_doc(path)
+  names = []
+
+  def rendered(name: str) -> str:
+    names.append(name)
+    return _render_marked(name)
+
+  text = replace_tables(text, path, rendered)
+  write_atomically(os.path.realpath(path), text)  # Messages above name the path as given.
+  return names
+
+
+def check_doc(path: str) -> list[str]:
+  """Problems with the marked tables of `path`: a table that differs from its record's
+  rendering (with the diff), a record that no longer matches its spec, an unmarked table name."""
+  text = _read_doc(path)
+  problems = []
+  tables = marked_tables(text, path)
+  if not tables:
+    problems.append(f"{path}: no marked table (<!-- table:NAME --> ... <!-- /table:NAME -->)")
+  for table in tables:
+    name, body = table.name, text[table.body_start : table.body_end]
+    try:
+      if name not in SUMMARIES:
+        for why in stale_runs(load_table(name), read_record(name)):
+          problems.append(f"{path}: table {name}: the record is stale: {why}")
+      expected = _render_marked(name)
+    except UserError as e:
+      problems.append(f"{path}: table {name}: {e}")
+      continue
+    if body != expected:
+      diff = "".join(
+          difflib.unified_diff(
+              body.splitlines(True), expected.splitlines(True), "in the file", "rendered"
+          )
+      )
+      problems.append(f"{path}: table {name} differs from its record:\n{diff}")
+  return problems

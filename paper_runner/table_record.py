@@ -1,0 +1,333 @@
+"""A table's record (`results/records/NAME.json`): made from a sweep's finished runs with their
+provenance, reruns and reference rows added to it, and read back checked, so that a table is
+rendered from its record alone."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+from paper_runner.collect import RunResult, collect, is_number
+from paper_runner.provenance import data_hashes, differences, machine, source_state
+from paper_runner.spec import (
+    REPO_ROOT,
+    REPORT,
+    RUN,
+    RUN_PROVENANCE,
+    format_value,
+    grid_points,
+    resolved_config,
+    run_record,
+)
+from paper_runner.table_references import reference_rows, split_sizes
+from paper_runner.table_spec import (
+    SEED_KEY,
+    TableSpec,
+    import_spec_object,
+    metric_value,
+    record_path,
+    sample_sizes,
+    unit_text,
+)
+from trainkit.errors import UserError
+from trainkit.storage import write_atomically
+from trainkit.workdir import CONFIG_FILE, config_differences, trained_config_differences
+
+
+def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]:
+  """Per row and per value of the pair keys but the pooled one (the seed), the spec's pool
+  function's report of the finished runs that differ only in the pooled key (the folds):
+  [{"row", "seed", "runs", "metrics", "groups"}]; a unit with an unfinished run is left out."""
+  target, over = spec.pool
+  pool = import_spec_object(spec, "pool", target)
+  units: dict[tuple[str, Any], list[Any]] = {}
+  rest = [k for k in spec.pair_by if k != over]
+  for result in results:
+    p = result.point
+    if rest == [SEED_KEY]:
+      unit = p[SEED_KEY]
+    else:
+      unit = ",".join(f"{k}={format_value(p[k])}" for k in rest)
+    units.setdefault((format_value(p[spec.rows]), unit), []).append(result)
+  pooled = []
+  for (row, unit), members in units.items():
+    if any(m.status != "ok" for m in members):
+      continue
+    report = pool([m.run_dir for m in members])
+    pooled.append(
+        {
+            "row": row,
+            "seed": unit,
+            "runs": len(members),
+            "metrics": {p: metric_value(report, p) for p in spec.metrics()},
+            **sample_sizes(report, spec),
+        }
+    )
+  return pooled
+
+
+def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> None:
+  """A UserError unless the finished run `result` is the run of `spec`'s sweep of that name.
+
+  Specs share run names (the GCN and vanilla-attention tuning tables; `fair_cv_celeba` and
+  `_smiling`), so a directory's name says nothing about which sweep trained it: what the run
+  was started with (`sweep_run.json`) and the config it trained with (`config.json`) are
+  compared with what the spec gives that run, as a sweep compares a finished run before
+  reusing it (`paper_runner.supervise.record_differences`)."""
+  directory = result.run_dir
+  started, trained = os.path.join(directory, RUN), os.path.join(directory, CONFIG_FILE)
+  if not os.path.isfile(started) and not os.path.isfile(trained):
+    raise UserError(
+        f"{workdir}: run {result.name} has neither {RUN} nor {CONFIG_FILE}, so nothing shows it "
+        f"was started by the sweep of {spec.path}; record only a workdir that sweep ran in"
+    )
+  changed: list[str] = []
+  if os.path.isfile(started):
+    try:
+      with open(started) as f:
+        changed = config_differences(json.load(f), run_record(spec.sweep, result.point))
+    except (OSError, ValueError) as e:
+      changed = [f"{RUN} unreadable ({type(e).__name__})"]
+  if not changed and os.path.isfile(trained):
+    changed = trained_config_differences(directory, resolved_config(spec.sweep, result.point))
+  if changed:
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    raise UserError(
+        f"{workdir}: run {result.name} is not the run of table {spec.name}'s sweep "
+        f"({spec.path}) of that name: {changed[0]}{more} (what the run was started or trained "
+        "with -> what the spec gives it). Is this the workdir of another sweep? Its numbers "
+        "would become this table's"
+    )
+
+
+def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
+  """The record of a finished (or partly finished) sweep of `spec` in `workdir`; a UserError
+  when a finished run there was started or trained with other settings than the spec gives it
+  (`_check_started_by_spec`)."""
+  runs = []
+  dates = []
+  configs = []
+  results = collect(spec.sweep, workdir)  # Read once: the rows, the pooling and the provenance.
+  for result in results:
+    if result.status == "ok":
+      _check_started_by_spec(spec, workdir, result)
+  for result in results:
+    point = result.point
+    entry: dict[str, Any] = {
+        "row": format_value(point[spec.rows]),
+        "seed": spec.pair(point),
+        "status": result.status,
+        "settings": run_record(spec.sweep, point)["settings"],
+    }
+    config_path = os.path.join(result.run_dir, "config.json")
+    if os.path.isfile(config_path):
+      with open(config_path) as f:
+        configs.append(json.load(f))
+    if result.status == "ok":
+      entry["metrics"] = {p: metric_value(result.report, p) for p in spec.metrics()}
+      entry.update(sample_sizes(result.report, spec))
+      dates.append(os.path.getmtime(os.path.join(result.run_dir, REPORT)))
+    else:
+      entry["error"] = result.error
+    runs.append(entry)
+  record: dict[str, Any] = {"table": spec.name, "spec": spec.path}
+  if spec.references:
+    record["references"] = reference_rows(spec)
+  if spec.cross_validation:
+    record["split_sizes"] = split_sizes(spec)
+  if spec.pool:
+    record["pooled"] = pooled_rows(spec, results)
+  provenance = {
+      **_runs_source_and_host(results),
+      "date": (
+          datetime.datetime.fromtimestamp(max(dates), datetime.timezone.utc).strftime("%Y-%m-%d")
+          if dates
+          else None
+      ),
+      # Every input file or directory the runs read (their config.json's data keys).
+      "data": data_hashes(configs),
+      "seeds": list(spec.sweep.grid[SEED_KEY]),
+      "commands": [
+          f"python -m paper_runner.sweep --sweep={spec.path} --workdir=WORKDIR",
+          f"python -m paper_runner.tables --record={spec.name} --workdir=WORKDIR",
+      ],
+  }
+  return {**record, "provenance": provenance, "runs": runs}
+
+
+def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
+  """The commit and machine of the finished runs, from the `provenance.json` the sweep wrote
+  beside each when it started it (`paper_runner.supervise`); the device kind and count, which
+  the supervisor does not query, are this process's. Runs older than that file are described
+  by this checkout and this process's machine."""
+  here = machine()
+  device = {"device": here["device"], "devices": here["devices"]}
+  written = []
+  for result in results:
+    try:
+      with open(os.path.join(result.run_dir, RUN_PROVENANCE)) as f:
+        written.append(json.load(f))
+    except (OSError, ValueError):
+      if result.status == "ok":
+        return {**source_state(REPO_ROOT), "machine": here}
+  if not written:
+    return {**source_state(REPO_ROOT), "machine": here}
+  first = written[0]
+  found = {
+      "commit": first["commit"],
+      "uncommitted_changes": first["uncommitted_changes"],
+      "machine": {**device, **first["host"]},
+  }
+  others = sorted(
+      {w["commit"] for w in written} - {first["commit"]}
+  ) + sorted({why for w in written for why in differences(first["host"], w["host"], "host.")})
+  if others:  # A sweep resumed on another checkout or machine: say so in the record.
+    found["mixed_runs"] = others
+  return found
+
+
+def write_record(spec: TableSpec, workdir: str) -> str:
+  record = make_record(spec, workdir)
+  path = record_path(spec.name)
+  os.makedirs(os.path.dirname(path), exist_ok=True)  # The records folder (`table_spec`).
+  write_atomically(path, json.dumps(record, indent=1) + "\n")
+  return path
+
+
+def add_rerun(spec: TableSpec, workdir: str) -> str:
+  """Adds the finished runs of a rerun of `spec`'s sweep in `workdir`, with their provenance, to
+  the record's `reruns` (replacing an earlier rerun made with the same machine description)."""
+  record = read_record(spec.name)
+  rerun = make_record(spec, workdir)
+  finished = [r for r in rerun["runs"] if r["status"] == "ok"]
+  if not finished:
+    raise UserError(f"--rerun={spec.name}: no finished run of its sweep in {workdir}")
+  entry = {"provenance": rerun["provenance"], "runs": finished}
+  machine_of = lambda r: r["provenance"]["machine"]  # noqa: E731
+  record["reruns"] = [r for r in record.get("reruns", []) if machine_of(r) != machine_of(entry)]
+  record["reruns"].append(entry)
+  path = record_path(spec.name)
+  write_atomically(path, json.dumps(record, indent=1) + "\n")
+  return path
+
+
+def add_references(spec: TableSpec) -> str:
+  """Scores the spec's reference readers into its existing record (whose runs need not exist
+  any more: the readers read only the data), with a cross-validated table's split sizes."""
+  record = read_record(spec.name)
+  record["references"] = reference_rows(spec)
+  if spec.cross_validation:
+    record["split_sizes"] = split_sizes(spec)
+  path = record_path(spec.name)
+  write_atomically(path, json.dumps(record, indent=1) + "\n")
+  return path
+
+
+# What `render` and `stale_runs` read of a record.
+_RECORD_KEYS = ("provenance", "runs")
+_PROVENANCE_KEYS = ("commit", "date", "machine", "seeds", "commands")
+
+
+def read_record(name: str) -> dict[str, Any]:
+  path = record_path(name)
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except FileNotFoundError:
+    raise UserError(
+        f"table {name!r} has no record {os.path.relpath(path, REPO_ROOT)}; make it with "
+        f"`python -m paper_runner.tables --record={name} --workdir=DIR` after its sweep"
+    ) from None
+  except ValueError as e:
+    raise UserError(f"{os.path.relpath(path, REPO_ROOT)}: not JSON ({e})") from None
+  where = os.path.relpath(path, REPO_ROOT)
+  if not isinstance(record, dict):
+    raise UserError(f"{where}: not a table record (a JSON object with {', '.join(_RECORD_KEYS)})")
+  for key in _RECORD_KEYS:
+    if key not in record:
+      raise UserError(f"{where}: the record has no {key!r} (remake it with --record={name})")
+  for key in _PROVENANCE_KEYS:
+    if not isinstance(record["provenance"], dict) or key not in record["provenance"]:
+      raise UserError(f"{where}: the record's provenance has no {key!r} (remake it with --record={name})")
+  _check_runs(f"{where}: table {name}", record["runs"], "runs", name)
+  for i, rerun in enumerate(record.get("reruns") or ()):
+    runs = rerun.get("runs") if isinstance(rerun, dict) else None
+    _check_runs(f"{where}: table {name}", runs, f"reruns[{i}].runs", name)
+  if record.get("pooled") is not None:
+    _check_runs(f"{where}: table {name}", record["pooled"], "pooled", name, status=False)
+  for reference in record.get("references") or ():
+    for path, value in ((reference or {}).get("metrics") or {}).items():
+      if value is not None and not is_number(value):
+        raise UserError(
+            f"{where}: table {name}: reference {reference.get('name')!r}: {path} is {value!r}, "
+            "not a finite number or null (remake it with --references=" + name + ")"
+        )
+  return record
+
+
+def _run_text(index_name: str, run: Mapping[str, Any]) -> str:
+  """A record's run as an error names it: `runs[3] (row a, seed 0)`, with what it has."""
+  known = [f"row {run['row']}"] if "row" in run else []
+  known += [f"seed {unit_text(run['seed'])}"] if "seed" in run else []
+  return index_name + (f" ({', '.join(known)})" if known else "")
+
+
+def _check_runs(where: str, runs: Any, what: str, name: str, status: bool = True) -> None:
+  """A UserError naming the run, unless every run of a record's list `what` names its row and
+  pair (and status), a finished one has `metrics` of finite numbers or null, and no (row, pair)
+  comes twice. Rendering reads each of these without looking: a missing key was a KeyError
+  traceback, a duplicate silently replaced the other's value (and could flip a tuning choice),
+  and a NaN turned every claim on it into "does not hold"."""
+  remake = f"(remake the record with --record={name})"
+  if not isinstance(runs, list):
+    raise UserError(f"{where}: {what} is not a list of runs {remake}")
+  seen: dict[str, str] = {}
+  for i, run in enumerate(runs):
+    index_name = f"{what}[{i}]"
+    if not isinstance(run, dict):
+      raise UserError(f"{where}: {index_name} is not a run (a JSON object) {remake}")
+    text = _run_text(index_name, run)
+    for key in ("row", "seed", "status") if status else ("row", "seed"):
+      if key not in run:
+        raise UserError(f"{where}: {text} has no {key!r} {remake}")
+    if not status or run["status"] == "ok":
+      metrics = run.get("metrics")
+      if not isinstance(metrics, dict):
+        raise UserError(f"{where}: {text} has a result but no 'metrics' {remake}")
+      for path, value in metrics.items():
+        if value is not None and not is_number(value):
+          # Not rendered as "nan": a claim on it cannot be decided, and the record holds
+          # only what a report gave as a finite number (`metric_value`), so it was edited.
+          raise UserError(
+              f"{where}: {text}: {path} is {value!r}, not a finite number or null, so no cell "
+              f"or claim on it can be computed {remake}"
+          )
+    key = json.dumps([run["row"], run["seed"]])
+    if key in seen:
+      raise UserError(
+          f"{where}: {seen[key]} and {text} are the same run (the same row and seed): one "
+          f"value would silently replace the other {remake}"
+      )
+    seen[key] = text
+
+
+def stale_runs(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
+  """Why the record no longer describes the spec's runs (another grid or other settings)."""
+  expected = {
+      (format_value(p[spec.rows]), spec.pair(p)): run_record(spec.sweep, p)["settings"]
+      for p in grid_points(spec.sweep)
+  }
+  recorded = {(r["row"], r["seed"]): r.get("settings") for r in record["runs"]}
+  problems = [f"run {k[0]} seed {k[1]} is not in the record" for k in expected if k not in recorded]
+  problems += [
+      f"run {k[0]} seed {k[1]} is no longer in the spec" for k in recorded if k not in expected
+  ]
+  problems += [
+      f"run {k[0]} seed {k[1]} was recorded with settings {recorded[k]}, the spec now gives "
+      f"{expected[k]}"
+      for k in expected
+      if k in recorded and recorded[k] != expected[k]
+  ]
+  return problems

@@ -1,0 +1,336 @@
+"""One table's markdown, rendered from its record alone (deterministic: `--check` compares it):
+the rows with their intervals and the reference rows, the pooled reports, the claims with their
+verdicts, the notes under them, the flags, the reruns and the provenance."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping
+
+from paper_runner import stats
+from paper_runner.collect import markdown_table
+from paper_runner.spec import REPO_ROOT, format_value
+from paper_runner.table_reruns import compare_rerun, machine_text, rerun_lines
+from paper_runner.table_spec import (
+    EVERY_ROW,
+    Column,
+    TableSpec,
+    accuracy_path,
+    pair_units,
+    record_path,
+)
+from paper_runner.table_summary import chosen_row, leaks_of, summarise
+
+
+def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=False) -> str:
+  text = stats.format_interval(
+      interval.mean, interval.low, interval.high, scale=scale, decimals=decimals, sign=sign
+  )
+  return text.replace("-", "−")  # Typographic minus in the markdown tables.
+
+
+def interval_name(ratio: float | None) -> str:
+  """The interval a table's cells and claims use, as its caption names it."""
+  confidence = round(100 * stats.CONFIDENCE)
+  if ratio is None:
+    return f"{confidence}% Student-t interval"
+  return (
+      f"{confidence}% Nadeau–Bengio corrected resampled t-interval, test-to-train {ratio:.3f}"
+  )
+
+
+def _p_text(p: float) -> str:
+  return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _reference_cell(reference: Mapping[str, Any], c: Column) -> str:
+  """A reference's value, with its 95% range where it has one (chance, by simulation)."""
+  value = reference["metrics"].get(c.path)
+  if value is None:
+    return "—"
+  text = f"{c.scale * value:.{c.decimals}f}"
+  low_high = (reference.get("ranges") or {}).get(c.path)
+  if low_high:
+    low, high = low_high
+    text += f" [{c.scale * low:.{c.decimals}f}, {c.scale * high:.{c.decimals}f}]"
+  return text.replace("-", "−")
+
+
+def _reader(name: str) -> str:
+  """A reference row's reader without the folds it was averaged over."""
+  return re.sub(r", mean over \d+ \w+$", "", name)
+
+
+def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
+  """The pooled reports (e.g. the folds of each seed together): per row the mean over the
+  pooled units of every column the reports hold, and the smallest group size they score."""
+  over = spec.pool[1]
+  columns = [
+      c for c in spec.columns if any(p["metrics"].get(c.path) is not None for p in record["pooled"])
+  ]
+  body = []
+  for value in spec.row_values:
+    row = format_value(value)
+    units = [p for p in record["pooled"] if p["row"] == row]
+    if not units:
+      continue
+    cells = []
+    for c in columns:
+      values = [p["metrics"][c.path] for p in units if p["metrics"].get(c.path) is not None]
+      cells.append(_interval_text(stats.t_interval(values), c.scale, c.decimals) if values else "—")
+    body.append([spec.label(row), *cells, str(len(units))])
+  sizes = {}
+  for p in record["pooled"]:
+    for group, n in (p.get("groups") or {}).items():
+      sizes[group] = min(n, sizes.get(group, n))
+  runs = sorted({p["runs"] for p in record["pooled"]})
+  title = (
+      f"**Pooled over {'/'.join(map(str, runs))} {over.split('.')[-1]}s**: one report of each "
+      f"unit's runs together (every example scored once; `{spec.pool[0]}`)"
+  )
+  smallest = (
+      "; smallest groups: "
+      + ", ".join(f"{g} (n={n})" for g, n in sorted(sizes.items(), key=lambda x: x[1])[:3])
+      if sizes
+      else ""
+  )
+  return [title + smallest, ""] + markdown_table(
+      ["", *(c.label for c in columns), "pooled units"], body
+  )
+
+
+def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
+  """The paragraphs under a claims table: how a fairness claim was gated and matched, the
+  family, the intervals of folds, the tuning budgets and the selection leaks."""
+  columns = {c.path: c for c in spec.columns}
+
+  def column(path: str) -> Column:
+    return columns.get(path) or Column(path, path, 1.0, 3)
+
+  notes = []
+  gates = [(claim, gate) for (claim, _), gate in zip(summary["claims"], summary["gates"]) if gate]
+  if gates:
+    bars = {}
+    for _, gate in gates:
+      if gate.bar is not None:
+        bars[gate.accuracy] = gate.bar
+    bar_text = "; ".join(
+        f"{column(path).label} {column(path).scale * value:.{column(path).decimals}f} "
+        f"({_reader(name)})"
+        for path, (value, name) in bars.items()
+    )
+    untestable = sum(1 for _, gate in gates if not gate.above)
+    notes.append(
+        "**Fairness claims need a model that learnt** (docs/protocol.md, section 3): a claim "
+        "on a fairness metric is decided only where both rows' accuracy interval on its split "
+        "lies above the best accuracy of a reference that reads no signal (chance at the upper "
+        "end of its 95% range)"
+        + (f": {bar_text}" if bar_text else "")
+        + f". {untestable} of the table's {len(gates)} fairness claims are "
+        f"**{stats.UNTESTABLE}**."
+    )
+    slopes = {}
+    for (claim, _), found in zip(summary["claims"], summary["matched"]):
+      if found is not None:
+        slopes[(claim.metric, accuracy_path(claim.metric))] = found[1]
+    if slopes:
+      # Per unit of the accuracy as printed (a point where it is in percent).
+      slope_text = "; ".join(
+          f"{column(metric).label} on {column(accuracy).label}: "
+          + f"{slope / column(accuracy).scale * column(metric).scale:+.4f}".replace("-", "−")
+          + f" per unit of {column(accuracy).label}"
+          for (metric, accuracy), slope in slopes.items()
+      )
+      notes.append(
+          "**At matched accuracy**: each fairness claim's paired differences minus the slope "
+          "times the pair's accuracy difference on the same split, the slope that of the metric "
+          "on the accuracy over every run of the table with each row's and each pair's means "
+          "removed (" + slope_text + "): the difference the two rows would show at equal "
+          "accuracy under that one linear trade-off. The slope's own uncertainty is not in its "
+          "interval, so it is reported, not decided."
+      )
+  notes.append(
+      f"**One family**: the table's {len(summary['claims'])} claims (an untestable one counts "
+      "too); the Holm-adjusted verdict is decided where Holm's adjusted p is below "
+      f"{1 - stats.CONFIDENCE:.2f} (docs/protocol.md, section 3)."
+  )
+  if summary["ratio"] is not None:
+    notes.append(
+        f"**Intervals of folds**: the {pair_units(spec)} share training data, so every interval "
+        f"here is the {interval_name(summary['ratio'])} (the folds' mean n_test / n_train, "
+        "from the record's split sizes), not the Student-t interval of independent seeds."
+    )
+  if spec.tuning:
+    notes.append(
+        f"**Tuning budget** (settings tried on validation before these runs, `{spec.path}`): "
+        + "; ".join(
+            f"{'every row' if t.row == EVERY_ROW else spec.label(t.row)}: {t.settings}"
+            + (f" ({t.what})" if t.what else "")
+            for t in spec.tuning
+        )
+        + "."
+    )
+  elif spec.select:
+    notes.append(
+        f"**Tuning budget**: this table is the search, {len(spec.row_values)} settings on "
+        f"the {spec.split} split."
+    )
+  for i, leak in enumerate(spec.selection_leaks):
+    marked = sum(1 for claim, _ in summary["claims"] if i in leaks_of(spec, claim))
+    if leak.rows is None:
+      rows = "every row"
+    else:
+      rows = ("the row " if len(leak.rows) == 1 else "the rows ") + ", ".join(
+          spec.label(r) for r in leak.rows
+      )
+    notes.append(
+        f"**Selection leak {i + 1}** ({rows}; {marked} of the {len(summary['claims'])} verdicts "
+        f"above are marked): {leak.why}"
+    )
+  return notes
+
+
+def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
+  """The table's markdown, from its record alone (deterministic: `--check` compares it)."""
+  summary = summarise(spec, record)
+  confidence = round(100 * stats.CONFIDENCE)
+  lines = [
+      f"**{spec.title}** ({spec.split} split; mean [{interval_name(summary['ratio'])}] over "
+      f"{pair_units(spec)})",
+      "",
+  ]
+  body = []
+  for row, entry in summary["rows"].items():
+    cells = [
+        _interval_text(entry["cells"][c.path], c.scale, c.decimals)
+        if entry["cells"][c.path]
+        else "—"
+        for c in spec.columns
+    ]
+    body.append([spec.label(row), *cells, str(len(entry["seeds"]))])
+  for reference in record.get("references", ()):
+    cells = [_reference_cell(reference, c) for c in spec.columns]
+    drawn = (
+        f"; mean [95% range] of {reference['draws']} seeded draws" if reference.get("draws") else ""
+    )
+    body.append([f"*reference: {reference['name']}{drawn}*", *cells, "—"])
+  lines += markdown_table(["", *(c.label for c in spec.columns), pair_units(spec)], body)
+  if record.get("pooled"):
+    lines += ["", *_pooled_table(spec, record)]
+  if summary["claims"]:
+    rerun_claims = [
+        entry
+        for rerun in record.get("reruns", ())
+        for entry in compare_rerun(spec, record, rerun).claims
+    ]
+    scales = {c.path: (c.scale, c.decimals, c.label) for c in spec.columns}
+    matched_column = any(summary["gates"])
+    body = []
+    for (claim, result), (holm_p, holm_verdict), found in zip(
+        summary["claims"], summary["holm"], summary["matched"]
+    ):
+      scale, decimals, label = scales.get(claim.metric, (1.0, 3, claim.metric))
+      difference = (
+          _interval_text(result.difference, scale, decimals, sign=True)
+          if result.difference
+          else "—"
+      )
+      few = "" if result.enough_seeds else " (too few seeds)"
+      # A verdict a rerun does not reach is marked where it is read, not only below the table.
+      moved = [after for c, before, after, _ in rerun_claims if c == claim and after != before]
+      notes = [f"a rerun: {', '.join(moved)}"] if moved else []
+      leak = ["selection leak"] if leaks_of(spec, claim) else []
+      verdict = f"**{result.verdict}{few}**" + (
+          f" ({'; '.join(notes + leak)})" if notes + leak else ""
+      )
+      adjusted = f"**{holm_verdict}{few}**" + (
+          f" ({'; '.join(([] if holm_p is None else [_p_text(holm_p)]) + leak)})"
+          if holm_p is not None or leak
+          else ""
+      )
+      cells = [
+          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
+          label,
+          difference,
+          str(len(result.seeds)),
+          _p_text(result.p) if result.difference else "—",
+          verdict,
+          adjusted,
+      ]
+      if matched_column:
+        cells.append(
+            "—" if found is None else _interval_text(found[0], scale, decimals, sign=True)
+        )
+      body.append(cells)
+    lines += [""]
+    header = [
+        "claim",
+        "on",
+        f"paired difference [{confidence}% interval]",
+        "pairs",
+        "p",
+        "verdict",
+        "Holm-adjusted verdict (adjusted p)",
+    ]
+    if matched_column:
+      header.append(f"at matched accuracy [{confidence}% interval]")
+    lines += markdown_table(header, body)
+  best = chosen_row(spec, summary) if spec.select else None
+  if best is not None:
+    label = next(c.label for c in spec.columns if c.path == spec.select)
+    rule = f"the highest mean {label}"
+    if spec.select_within:
+      path, margin = spec.select_within
+      guard = next(c for c in spec.columns if c.path == path)
+      rule += (
+          f" among the settings whose mean {guard.label} is within "
+          f"{format_value(margin * guard.scale)} of the best"
+      )
+    lines += ["", f"Chosen by {rule}: **{spec.label(best)}**."]
+  if summary["claims"]:
+    for note in _claims_notes(spec, summary):
+      lines += ["", note]
+  if summary["flags"]:
+    lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
+  for text in rerun_lines(spec, record):
+    lines += ["", text]
+  p = record["provenance"]
+  m = p["machine"]
+  changes = p.get("uncommitted_changes") or []
+  commit = p["commit"] + (f" with uncommitted changes to {', '.join(changes)}" if changes else "")
+  seeds = ", ".join(str(s) for s in p["seeds"])
+  # Older records name neither the processor nor their input data.
+  processor = f", {m['processor']['model']}" if "processor" in m else ""
+  data = (
+      f"{len(p['data'])} input file(s) or folder(s) hashed in the record; " if p.get("data") else ""
+  )
+  reproduced = "".join(
+      f"first run reproduced {'exactly' if r['exact'] else 'within ' + format(r['tolerance'], 'g')}"
+      f"{stamp_machine_text(r)} on {r['date']} (commit {r['commit']}; "
+      f"{machine_text(r['machine'])}; {len(r['data'])} input file(s) or folder(s) hashed); "
+      for r in p.get("reproduced", ())
+  )
+  lines += [
+      "",
+      f"<sub>Provenance: commit {commit}; runs of {p['date']}; {m['device']}, "
+      f"{m['cpu_cores']} CPU cores ({m['arch']}{processor}), {m['devices']} device(s), "
+      f"JAX {m['jax']}; {data}{reproduced}"
+      f"seeds {seeds}; spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`; "
+      + "; ".join(f"`{c}`" for c in p["commands"])
+      + ".</sub>",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def stamp_machine_text(stamp: Mapping[str, Any]) -> str:
+  """Whether a stamped reproduction ran on the recording machine or on another (and what
+  differs): an exact rerun elsewhere is evidence of another kind. Nothing for stamps made
+  before they said."""
+  if "differs_from_record" not in stamp:
+    return ""
+  differs = stamp["differs_from_record"]
+  if not differs:
+    return " on the recording machine, software and data"
+  keys = list(dict.fromkeys(why.split(":", 1)[0] for why in differs))
+  return f" on another machine, software or data (differs in {', '.join(keys)})"

@@ -1,0 +1,261 @@
+"""`--reproduce`: rerun a record's first run and compare every recorded value, exactly where the
+machine, software and data are the record's (or those of an exact reproduction stamped in it),
+else within the spec's tolerance; with `--stamp`, the reproduction is added to the record's
+provenance: under `reproduced` where it passed, under `not_reproduced` (with the value that
+moved most) where the rerun finished but did not come back."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import tempfile
+from typing import Any, Mapping, Sequence
+
+from paper_runner import die_with_parent
+from paper_runner.provenance import data_hash, data_hashes, differences, machine, source_state
+from paper_runner.spec import LOG, REPO_ROOT, REPORT, format_value, grid_points, run_command
+from paper_runner.supervise import failure_line, sigterm_as_interrupt, terminate_group
+from paper_runner.table_record import read_record
+from paper_runner.table_spec import TableSpec, metric_value, record_path
+from trainkit.distributed import child_environment
+from trainkit.errors import UserError
+from trainkit.storage import write_atomically
+from trainkit.workdir import CONFIG_FILE, move_aside
+
+# The provenance key of stamped reproductions whose values did not come back within their
+# tolerance (`reproduced` holds those that did).
+NOT_REPRODUCED = "not_reproduced"
+
+
+def largest_difference(
+    recorded: Mapping[str, float | None], report: Mapping[str, Any]
+) -> dict[str, Any]:
+  """The recorded value that moved most in `report`: its path, both values and the absolute
+  difference (None where one side has no value and the other has)."""
+  worst: dict[str, Any] = {}
+  for path, value in recorded.items():
+    again = metric_value(report, path)
+    if value is None and again is None:
+      continue
+    moved = None if value is None or again is None else abs(again - value)
+    if not worst or moved is None or (worst["difference"] is not None and moved > worst["difference"]):
+      worst = dict(value=path, recorded=value, reproduced=again, difference=moved)
+      if moved is None:
+        break
+  return worst
+
+
+def compare(
+    recorded: Mapping[str, float | None], report: Mapping[str, Any], tolerance: float
+) -> tuple[bool, list[str]]:
+  """Each recorded value against the same path in a new report: (all within `tolerance`,
+  one line per value)."""
+  ok = True
+  lines = [f"  {'value':<32} {'recorded':>22} {'reproduced':>22}  equal"]
+  for path, value in recorded.items():
+    again = metric_value(report, path)
+    if value is None or again is None:
+      equal = value is None and again is None
+    else:
+      equal = abs(again - value) <= tolerance
+    ok &= equal
+    lines.append(f"  {path:<32} {value!r:>22} {again!r:>22}  {'yes' if equal else 'NO'}")
+  return ok, lines
+
+
+def reproduce(
+    spec: TableSpec,
+    record: Mapping[str, Any],
+    workdir: str | None = None,
+    tolerance: float | None = None,
+    stamp: bool = False,
+) -> tuple[bool, list[str]]:
+  """Reruns the record's run of the first row and the first seed, and compares every recorded
+  value (`compare`): exactly where the machine, software and data match the record
+  (`paper_runner.provenance.differences`: processor and its instruction set, device, cores,
+  package versions, XLA_FLAGS, input-data hashes) or match an exact reproduction stored in it,
+  else within the spec's `tolerance` unless one is given. Returns (reproduced, the lines to
+  print). With `stamp`, a reproduction is added to the record's `provenance.reproduced` (its
+  date, commit, machine, input-data hashes, whether every value was exact, and how its machine
+  differs from the record's): for a record older than its machine's full description, the
+  evidence of where its numbers come back exactly. A rerun that finished but did not come back
+  within the tolerance goes to `provenance.not_reproduced` instead, with the value that moved
+  most: evidence of where they do not (it never vouches). Each machine keeps its latest stamp.
+
+  The rerun trains in `workdir/run`, which must be its own: an earlier run directory there is
+  moved aside first, so no report.json or config.json it left can pass for this rerun's. A
+  rerun that fails (non-zero exit, no report) is a UserError and nothing is compared or
+  stamped. SIGTERM (or Ctrl-C) stops the rerun's process group before this returns, with
+  KeyboardInterrupt."""
+  first = grid_points(spec.sweep)[0]
+  row, seed = format_value(first[spec.rows]), spec.pair(first)
+  recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
+  if not recorded or recorded[0]["status"] != "ok":
+    raise UserError(f"table {spec.name}: the record has no result for {row} seed {seed}")
+  provenance = record["provenance"]
+  differs_from_record, voucher = comparison_basis(provenance)
+  why_not_exact = [] if voucher is not None else differs_from_record
+  same_machine = not why_not_exact
+  if tolerance is None:
+    tolerance = 0.0 if same_machine else spec.tolerance
+  point = next(
+      p
+      for p in grid_points(spec.sweep)
+      if format_value(p[spec.rows]) == row and spec.pair(p) == seed
+  )
+  workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
+  run_dir = os.path.join(workdir, "run")
+  command = run_command(spec.sweep, point, run_dir)
+  if voucher is not None:  # Not the recording machine: one an exact reproduction ran on.
+    where = f"the machine, software and data of the exact reproduction of {voucher['date']}"
+  elif same_machine:
+    where = "the recording machine, software and data"
+  else:
+    where = "not the recording machine, software or data"
+  lines = [
+      f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance "
+      f"{tolerance:g})",
+  ]
+  if not same_machine:
+    lines += [f"  differs: {why}" for why in why_not_exact]
+    lines.append(
+        "  so the rerun is compared within "
+        + (f"the spec's tolerance ({spec.tolerance:g})" if tolerance == spec.tolerance
+           else f"the given tolerance ({tolerance:g})")
+        + ", not exactly"
+    )
+  lines.append("  python " + " ".join(command[1:]))
+  if os.path.lexists(run_dir):
+    # An earlier rerun's report.json and config.json would pass for this rerun's, and the main
+    # would resume its checkpoints instead of training: kept aside, never reused.
+    lines.append(f"  moved the earlier run directory {run_dir} aside to {move_aside(run_dir)}")
+  os.makedirs(run_dir)
+  log_path = os.path.join(run_dir, LOG)
+  not_done = "nothing was compared" + (" or stamped" if stamp else "")
+  status = _run_rerun(command, log_path)
+  why = "" if status == 0 else f"exit code {status}"
+  if not why and not os.path.isfile(os.path.join(run_dir, REPORT)):
+    why = f"exit code 0 but no {REPORT}"
+  if why:
+    with open(log_path, errors="replace") as f:
+      last = failure_line(f.read().splitlines())
+    raise UserError(
+        f"--reproduce={spec.name}: the rerun failed ({why}{': ' + last if last else ''}); "
+        f"its log: {log_path}; {not_done}"
+    )
+  try:
+    with open(os.path.join(run_dir, REPORT)) as f:
+      report = json.load(f)
+    config = None
+    if stamp:  # What the rerun read, for the stamp's data hashes: this rerun's own config.
+      with open(os.path.join(run_dir, CONFIG_FILE)) as f:
+        config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(
+        f"--reproduce={spec.name}: the rerun exited 0 but left no readable "
+        f"{os.path.basename(getattr(e, 'filename', None) or REPORT)} in {run_dir} ({e}); "
+        f"its log: {log_path}; {not_done}"
+    ) from None
+  if not isinstance(report, dict):
+    raise UserError(f"--reproduce={spec.name}: {run_dir}/{REPORT} is not a JSON object; {not_done}")
+  ok, compared = compare(recorded[0]["metrics"], report, tolerance)
+  exact = compare(recorded[0]["metrics"], report, 0.0)[0]
+  verdict = "Reproduced" + (" (every value exact)." if exact else ".") if ok else "NOT reproduced."
+  lines += compared + [f"{verdict} Run directory: {run_dir}"]
+  if stamp:
+    entry = {
+        "date": datetime.date.today().isoformat(),
+        **source_state(REPO_ROOT),
+        # Who vouches: the processor's model and instruction-set features among the rest. A
+        # later reproduction compares exactly on the strength of this stamp only where its own
+        # machine is this one (`comparison_basis`).
+        "machine": machine(),
+        "data": data_hashes([config]),
+        "exact": exact,
+        "tolerance": tolerance,
+        # How this machine differs from the recording one (empty: the same): values that come
+        # back exactly on another processor or instruction set are evidence for that machine,
+        # not a rerun of the recording one, and the table says which.
+        "differs_from_record": differs_from_record,
+    }
+    if not ok:  # A finished rerun that did not come back is a measurement too: kept, never a voucher.
+      entry["largest_difference"] = largest_difference(recorded[0]["metrics"], report)
+    key = "reproduced" if ok else NOT_REPRODUCED
+    stamped = read_record(spec.name)
+    stamps = stamped["provenance"]
+    # One stamp per machine, the latest: a reproduction that fails where an earlier one passed
+    # withdraws that one's vouching, and the other way round.
+    for listed in ("reproduced", NOT_REPRODUCED):
+      if listed in stamps:
+        stamps[listed] = [r for r in stamps[listed] if r["machine"] != entry["machine"]]
+    stamps.setdefault(key, []).append(entry)
+    if not stamps.get(NOT_REPRODUCED, True):
+      del stamps[NOT_REPRODUCED]  # Records that never failed keep their shape.
+    write_atomically(record_path(spec.name), json.dumps(stamped, indent=1) + "\n")
+    what = "reproduction" if ok else f"reproduction, under {NOT_REPRODUCED},"
+    lines.append(f"Added the {what} to {os.path.relpath(record_path(spec.name), REPO_ROOT)}.")
+  return ok, lines
+
+
+def _run_rerun(command: Sequence[str], log_path: str) -> int:
+  """Runs a reproduction's training to its end; returns its exit status.
+
+  The run gets a session of its own, so that SIGTERM or Ctrl-C to this process (turned into
+  KeyboardInterrupt) terminates the run's whole process group, data workers included: SIGTERM
+  (the mains checkpoint on it), SIGKILL after a grace period, and a wait, before the interrupt
+  goes on (`paper_runner.supervise.terminate_group`). A SIGKILL to this process, which no
+  handler sees, reaches the run as SIGTERM through `paper_runner.die_with_parent` (no preexec_fn,
+  unlike a sweep's runs: this process has initialised JAX (`machine()`), and a fork that runs
+  Python in a multithreaded process may deadlock). The explicit environment keeps libtpu's
+  placeholders, which `machine()` may have set, from the run (`child_environment`)."""
+  process = None
+  with open(log_path, "w") as log, sigterm_as_interrupt():
+    try:
+      process = subprocess.Popen(
+          die_with_parent.wrapped(list(command)),
+          cwd=REPO_ROOT,
+          env=child_environment({"PYTHONUNBUFFERED": "1"}),
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,
+      )
+      return process.wait()
+    except BaseException:
+      if process is not None:
+        terminate_group(process)
+      raise
+
+
+def comparison_basis(
+    provenance: Mapping[str, Any],
+) -> tuple[list[str], Mapping[str, Any] | None]:
+  """How this machine, its software and the input data differ from a record's `provenance`
+  (`_why_not_exact`; empty: the recording machine), and the stamped exact reproduction that
+  vouches for comparing exactly here anyway (None where there is none or none is needed).
+
+  Only a reproduction whose every value came back exactly and whose own machine (processor
+  model and instruction-set features included) and data are this one's vouches: an exact
+  reproduction on another processor says nothing about the rounding of this one."""
+  differs = _why_not_exact(provenance)
+  if not differs:
+    return [], None
+  for stamp in provenance.get("reproduced", ()):
+    if stamp.get("exact") and not _why_not_exact(stamp):
+      return differs, stamp
+  return differs, None
+
+
+def _why_not_exact(provenance: Mapping[str, Any]) -> list[str]:
+  """How this machine, its software and the input data differ from a record's (or a recorded
+  reproduction's) `machine` and `data` (nothing: a rerun must give every value exactly)."""
+  why = differences(provenance["machine"], machine(), "machine.")
+  recorded_data = provenance.get("data")
+  if recorded_data is None:
+    return why + ["data: the record has no hashes of its input files"]
+  return why + differences(
+      recorded_data,
+      {path: data_hash(path) if os.path.exists(path) else "<missing>" for path in recorded_data},
+      "data ",
+  )

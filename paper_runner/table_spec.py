@@ -1,0 +1,432 @@
+"""A results table's spec: the `TABLE` of `results/NAME.py` checked into a `TableSpec` (its keys
+are described in paper_runner/tables.py), where the table's record lies, and what a spec's dotted
+path reads of a run's report.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import re
+from typing import Any, Mapping
+
+from paper_runner import stats
+from paper_runner.collect import is_number, lookup
+from paper_runner.spec import REPO_ROOT, format_value, load_sweep_file
+from trainkit.errors import UserError
+
+RESULTS_DIR = os.path.join(REPO_ROOT, "results")
+RECORDS_DIR = os.path.join(RESULTS_DIR, "records")
+SEED_KEY = "seed"
+DEFAULT_TOLERANCE = 0.02
+# The last part of a fairness metric's path (fairmoe_jax.metrics.METRIC_NAMES), and of a path
+# whose value the predictions alone decide (with a split's counts): what a rerun must change
+# to be evidence of anything (`compare_rerun`).
+FAIRNESS_KEYS = ("pqd", "dp", "eopp", "eodds")
+PREDICTION_KEYS = ("accuracy", *FAIRNESS_KEYS, "bleu")
+# A reference row whose reader reads the task's signal (the testbed's tint reader): what
+# learning reaches, not what a model that learnt nothing scores, so it sets no accuracy bar.
+SIGNAL_ROLE = "signal"
+EVERY_ROW = "*"
+
+
+# The reserved names of the generated summaries (`<!-- table:NAME -->` in a document): every
+# table's reruns, every table's verdict counts, every claim's verdicts across tables, and every
+# record's machine and stamped reproductions. No spec may take them.
+RERUN_SUMMARY = "reruns"
+VERDICT_SUMMARY = "verdicts"
+CLAIM_SUMMARY = "claims"
+MACHINE_SUMMARY = "machines"
+SUMMARIES = (RERUN_SUMMARY, VERDICT_SUMMARY, CLAIM_SUMMARY, MACHINE_SUMMARY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+  path: str
+  label: str
+  scale: float
+  decimals: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  row: str
+  baseline: str
+  metric: str
+  better: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """What was searched on validation before a table's runs: `settings` tried for `row` (a row
+  value, or EVERY_ROW for a setting all rows share), and what and where."""
+
+  row: str
+  settings: int
+  what: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionLeak:
+  """A choice behind a table's runs that read data the table reports on: every verdict on a
+  claim that compares one of `rows` (None: every row) is marked."""
+
+  rows: tuple[str, ...] | None
+  why: str
+
+  def affects(self, claim: Claim) -> bool:
+    return self.rows is None or claim.row in self.rows or claim.baseline in self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+  """A results table: the sweep that makes its runs and how they are tabulated."""
+
+  name: str
+  path: str
+  sweep: Any  # The validated sweep ConfigDict.
+  title: str
+  rows: str
+  row_values: list[Any]
+  row_names: dict[str, str]
+  split: str
+  examples: str
+  groups: str | None
+  columns: list[Column]
+  claims: list[Claim]
+  tolerance: float
+  select: str | None = None
+  select_within: tuple[str, float] | None = None
+  references: str | None = None
+  pair_by: tuple[str, ...] = (SEED_KEY,)
+  pool: tuple[str, str] | None = None
+  cross_validation: tuple[str, str] | None = None
+  tuning: tuple[Tuning, ...] = ()
+  selection_leaks: tuple[SelectionLeak, ...] = ()
+
+  def pair(self, point: Mapping[str, Any]) -> Any:
+    """The unit a run is paired by across rows: its seed, or "key=value,..." of `pair_by`
+    (cross-validation pairs runs by fold and seed)."""
+    if self.pair_by == (SEED_KEY,):
+      return point[SEED_KEY]
+    return ",".join(f"{k}={format_value(point[k])}" for k in self.pair_by)
+
+  def label(self, row: Any) -> str:
+    text = format_value(row)
+    return self.row_names.get(text, text)
+
+  def metrics(self) -> list[str]:
+    """Every path the record keeps: the columns', then the claims' not among them."""
+    paths = [c.path for c in self.columns]
+    return paths + [m for m in dict.fromkeys(c.metric for c in self.claims) if m not in paths]
+
+
+def spec_error(name: str, key: str, message: str) -> UserError:
+  return UserError(f"results/{name}.py: TABLE['{key}']: {message}")
+
+
+def spec_path(name: str) -> str:
+  return os.path.join(RESULTS_DIR, f"{name}.py")
+
+
+def record_path(name: str) -> str:
+  return os.path.join(RECORDS_DIR, f"{name}.json")
+
+
+def table_names() -> list[str]:
+  """Every table spec under results/."""
+  return sorted(f[:-3] for f in os.listdir(RESULTS_DIR) if f.endswith(".py") and f[0] != "_")
+
+
+def load_table(name: str) -> TableSpec:
+  """`results/NAME.py` as a TableSpec; a UserError names the file and key that is wrong."""
+  path = spec_path(name)
+  if name in SUMMARIES:
+    raise UserError(
+        f"results/{name}.py: '{name}' is reserved, the name of a generated summary "
+        f"(<!-- table:{name} -->); give the table another name"
+    )
+  if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not os.path.isfile(path):
+    raise UserError(f"no table spec results/{name}.py; known: {', '.join(table_names())}")
+  sweep, module = load_sweep_file(path)
+  table = getattr(module, "TABLE", None)
+  if not isinstance(table, Mapping):
+    raise UserError(f"results/{name}.py has no TABLE dict (paper_runner/tables.py says what)")
+  known = {
+      "title",
+      "rows",
+      "row_names",
+      "split",
+      "examples",
+      "groups",
+      "columns",
+      "claims",
+      "tolerance",
+      "select",
+      "select_within",
+      "references",
+      "pair_by",
+      "pool",
+      "cross_validation",
+      "tuning",
+      "selection_leaks",
+  }
+  unknown = sorted(set(table) - known)
+  if unknown:
+    raise spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
+  rows = table.get("rows")
+  pair_by = tuple(table.get("pair_by") or (SEED_KEY,))
+  if rows not in sweep.grid or rows in pair_by:
+    raise spec_error(name, "rows", f"{rows!r} is not a grid key other than {pair_by}")
+  if SEED_KEY not in pair_by:
+    raise spec_error(name, "pair_by", f"{pair_by} must include {SEED_KEY!r}")
+  for key in pair_by:
+    if key not in sweep.grid:
+      raise spec_error(name, "pair_by", f"the grid has no {key!r} key to pair runs by")
+  others = [k for k, v in sweep.grid.items() if k not in (rows, *pair_by) and len(v) > 1]
+  if others:
+    raise spec_error(name, "rows", f"grid key {others[0]!r} also varies; a table has one")
+  row_values = list(sweep.grid[rows])
+  texts = [format_value(v) for v in row_values]
+  columns = []
+  for i, column in enumerate(table.get("columns") or ()):
+    if (
+        not isinstance(column, (tuple, list))
+        or len(column) != 4
+        or not all(isinstance(c, str) for c in column[:2])
+        or not isinstance(column[2], (int, float))
+        or not isinstance(column[3], int)
+    ):
+      raise spec_error(name, f"columns[{i}]", f"{column!r} is not (path, label, scale, decimals)")
+    columns.append(Column(column[0], column[1], float(column[2]), column[3]))
+  if not columns:
+    raise spec_error(name, "columns", "at least one column is needed")
+  claims = []
+  for i, claim in enumerate(table.get("claims") or ()):
+    if not isinstance(claim, Mapping) or set(claim) != {"row", "baseline", "metric", "better"}:
+      raise spec_error(name, f"claims[{i}]", "must be dict(row=, baseline=, metric=, better=)")
+    for key in ("row", "baseline"):
+      if claim[key] not in texts:
+        raise spec_error(name, f"claims[{i}]", f"{key} {claim[key]!r} is not a row: {texts}")
+    if claim["better"] not in stats.DIRECTIONS:
+      raise spec_error(name, f"claims[{i}]", f"better must be one of {stats.DIRECTIONS}")
+    claims.append(Claim(claim["row"], claim["baseline"], claim["metric"], claim["better"]))
+  paths = [c.path for c in columns] + [c.metric for c in claims]
+  for i, claim in enumerate(claims):
+    accuracy = accuracy_path(claim.metric)
+    if accuracy is not None and accuracy not in paths:
+      raise spec_error(
+          name,
+          f"claims[{i}]",
+          f"{claim.metric!r} is a fairness metric; deciding it needs the accuracy on its split, "
+          f"{accuracy!r}, as a column or a claim",
+      )
+  return TableSpec(
+      name=name,
+      path=os.path.relpath(path, REPO_ROOT),
+      sweep=sweep,
+      title=str(table.get("title") or name),
+      rows=rows,
+      row_values=row_values,
+      row_names=dict(table.get("row_names") or {}),
+      split=str(table.get("split") or "test"),
+      examples=str(table.get("examples") or "num_examples"),
+      groups=table.get("groups"),
+      columns=columns,
+      claims=claims,
+      tolerance=_check_tolerance(name, table.get("tolerance", DEFAULT_TOLERANCE)),
+      select=_check_select(name, table.get("select"), columns),
+      select_within=_check_select_within(name, table, columns),
+      references=_check_references(name, table.get("references")),
+      pair_by=pair_by,
+      pool=_check_pool(name, table.get("pool"), pair_by),
+      cross_validation=_check_cross_validation(name, table.get("cross_validation"), pair_by),
+      tuning=_check_tuning(name, table.get("tuning"), texts),
+      selection_leaks=_check_leaks(name, table.get("selection_leaks"), texts),
+  )
+
+
+def _check_tolerance(name: str, value: Any) -> float:
+  # NaN would fail every comparison (identical values "do not reproduce") and inf would pass
+  # every one: neither is a tolerance.
+  if isinstance(value, bool) or not is_number(value) or value < 0:
+    raise spec_error(name, "tolerance", f"{value!r} is not a finite number >= 0")
+  return float(value)
+
+
+def accuracy_path(metric: str) -> str | None:
+  """The accuracy a claim on `metric` must be read against when `metric` is a fairness metric
+  (its last part one of FAIRNESS_KEYS): the same split's, `validation.accuracy` for a
+  validation metric, else `accuracy`; None for any other metric."""
+  parts = metric.split(".")
+  if parts[-1] not in FAIRNESS_KEYS:
+    return None
+  return "validation.accuracy" if parts[0] == "validation" else "accuracy"
+
+
+def _check_cross_validation(
+    name: str, value: Any, pair_by: tuple[str, ...]
+) -> tuple[str, str] | None:
+  if value is None:
+    return None
+  if (
+      not isinstance(value, (tuple, list))
+      or len(value) != 2
+      or value[0] not in pair_by
+      or value[0] == SEED_KEY
+      or not re.fullmatch(r"[\w.]+:\w+", str(value[1]))
+  ):
+    raise spec_error(
+        name,
+        "cross_validation",
+        f"{value!r} is not (a pair_by key other than seed, 'package.module:function')",
+    )
+  return str(value[0]), str(value[1])
+
+
+def _check_tuning(name: str, value: Any, rows: list[str]) -> tuple[Tuning, ...]:
+  tuning = []
+  for i, entry in enumerate(value or ()):
+    if (
+        not isinstance(entry, (tuple, list))
+        or len(entry) != 3
+        or entry[0] not in (*rows, EVERY_ROW)
+        or isinstance(entry[1], bool)
+        or not isinstance(entry[1], int)
+        or entry[1] < 0
+        or not isinstance(entry[2], str)
+    ):
+      raise spec_error(
+          name,
+          f"tuning[{i}]",
+          f"{entry!r} is not (a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
+      )
+    tuning.append(Tuning(entry[0], entry[1], entry[2]))
+  return tuple(tuning)
+
+
+def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak, ...]:
+  leaks = []
+  for i, entry in enumerate(value or ()):
+    if not isinstance(entry, Mapping) or set(entry) != {"rows", "why"}:
+      raise spec_error(name, f"selection_leaks[{i}]", "must be dict(rows=, why=)")
+    affected = entry["rows"]
+    if affected is not None and (
+        isinstance(affected, str) or not all(r in rows for r in affected)
+    ):
+      raise spec_error(
+          name, f"selection_leaks[{i}]", f"rows {affected!r} must be None or rows of {rows}"
+      )
+    leaks.append(SelectionLeak(None if affected is None else tuple(affected), str(entry["why"])))
+  return tuple(leaks)
+
+
+def _check_pool(name: str, pool: Any, pair_by: tuple[str, ...]) -> tuple[str, str] | None:
+  if pool is None:
+    return None
+  if (
+      not isinstance(pool, (tuple, list))
+      or len(pool) != 2
+      or not re.fullmatch(r"[\w.]+:\w+", str(pool[0]))
+      or pool[1] not in pair_by
+      or pool[1] == SEED_KEY
+  ):
+    raise spec_error(
+        name, "pool", f"{pool!r} is not ('package.module:function', a pair_by key other than seed)"
+    )
+  return str(pool[0]), str(pool[1])
+
+
+def import_spec_object(spec: TableSpec, key: str, target: str) -> Any:
+  module_name, function = target.split(":")
+  try:
+    return getattr(importlib.import_module(module_name), function)
+  except (ImportError, AttributeError) as e:
+    raise spec_error(spec.name, key, f"cannot import {target}: {e}") from None
+
+
+def _check_references(name: str, references: Any) -> str | None:
+  if references is None:
+    return None
+  if not isinstance(references, str) or not re.fullmatch(r"[\w.]+:\w+", references):
+    raise spec_error(name, "references", f"{references!r} is not 'package.module:function'")
+  return references
+
+
+def _check_select(name: str, select: Any, columns: list[Column]) -> str | None:
+  if select is not None and select not in [c.path for c in columns]:
+    raise spec_error(name, "select", f"{select!r} is not the path of a column")
+  return select
+
+
+def _check_select_within(
+    name: str, table: Mapping[str, Any], columns: list[Column]
+) -> tuple[str, float] | None:
+  within = table.get("select_within")
+  if within is None:
+    return None
+  if not table.get("select"):
+    raise spec_error(name, "select_within", "needs a select path")
+  if (
+      not isinstance(within, (tuple, list))
+      or len(within) != 2
+      or within[0] not in [c.path for c in columns]
+      or not isinstance(within[1], (int, float))
+      or within[1] < 0
+  ):
+    raise spec_error(
+        name, "select_within", f"{within!r} is not (path of a column, non-negative margin)"
+    )
+  return str(within[0]), float(within[1])
+
+
+def metric_value(report: Any, path: str) -> float | None:
+  """The number at a dotted path; numbers nested in mappings or lists there (per layer, per
+  block, per batch) give their mean; a bool counts as 0 or 1 (a column of "met" flags is the
+  fraction of runs that met it); None where the path or a number is missing."""
+  value = lookup(report, path)
+  if isinstance(value, bool):
+    return float(value)
+  if isinstance(value, (Mapping, list, tuple)):
+    numbers = _leaves(value)
+    if not numbers or not all(is_number(v) for v in numbers):
+      return None
+    return math.fsum(numbers) / len(numbers)
+  return float(value) if is_number(value) else None
+
+
+def _leaves(value: Any) -> list[Any]:
+  if isinstance(value, Mapping):
+    value = list(value.values())
+  if isinstance(value, (list, tuple)):
+    return [leaf for v in value for leaf in _leaves(v)]
+  return [value]
+
+
+def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
+  """The reported split's example count and, with `groups`, each group's ("attribute=group")."""
+  examples = metric_value(report, spec.examples)
+  groups = {}
+  if spec.groups:
+    attributes = lookup(report, spec.groups)
+    for attribute, entry in (attributes if isinstance(attributes, Mapping) else {}).items():
+      for group, values in (entry.get("groups") or {}).items():
+        groups[f"{attribute}={group}"] = int(values["n"])
+  return {"examples": None if examples is None else int(examples), "groups": groups}
+
+
+def unit_text(unit: Any) -> str:
+  """A pairing unit as a reader names it: a seed, or `fold=0,seed=0` for a pair_by unit (the
+  keys shortened to their last part)."""
+  if not isinstance(unit, str):
+    return str(unit)
+  return ",".join(
+      f"{key.rpartition('.')[2]}={value}"
+      for key, _, value in (part.partition("=") for part in unit.split(","))
+  )
+
+
+def pair_units(spec: TableSpec) -> str:
+  """What a table's runs are paired by: "seeds", or e.g. "folds × seeds"."""
+  return " × ".join(k.split(".")[-1] + "s" for k in spec.pair_by)

@@ -1,0 +1,265 @@
+"""A table's statistics from its record: per row and column the interval over seeds (or folds),
+per claim the paired difference and verdict, a fairness claim gated by the reference accuracy
+and read at matched accuracy, the Holm-adjusted verdicts of the table's family, and the flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from paper_runner import stats
+from paper_runner.spec import format_value, grid_points
+from paper_runner.table_spec import SIGNAL_ROLE, Claim, TableSpec, accuracy_path, unit_text
+from trainkit.errors import UserError
+
+
+def fold_ratio(spec: TableSpec, record: Mapping[str, Any]) -> float | None:
+  """The folds' mean test-to-train size ratio of a cross-validated table (None for a table of
+  independent seeds): the corrected interval's n_test / n_train."""
+  if not spec.cross_validation:
+    return None
+  sizes = record.get("split_sizes")
+  if not sizes:
+    raise UserError(
+        f"table {spec.name}: its record has no split_sizes, which the corrected interval of its "
+        f"folds needs; add them with `python -m paper_runner.tables --references={spec.name}`"
+    )
+  ratios = [s["test"] / s["train"] for s in sizes.values()]
+  return math.fsum(ratios) / len(ratios)
+
+
+def chosen_row(spec: TableSpec, summary: dict[str, Any]) -> str | None:
+  """The row a tuning table chooses: the highest mean of `select` among the rows whose mean of
+  the `select_within` path is within its margin of the best row's (all rows without a guard)."""
+
+  def means(path):
+    return {
+        row: entry["cells"][path].mean
+        for row, entry in summary["rows"].items()
+        if entry["cells"].get(path)
+    }
+
+  scores = means(spec.select)
+  if spec.select_within:
+    path, margin = spec.select_within
+    guard = means(path)
+    if guard:
+      best = max(guard.values())
+      scores = {row: v for row, v in scores.items() if guard.get(row, -math.inf) >= best - margin}
+  return max(scores, key=scores.get) if scores else None
+
+
+def claim_values(record: Mapping[str, Any], row: str, path: str) -> dict[int, float]:
+  return {
+      r["seed"]: r["metrics"][path]
+      for r in record["runs"]
+      if r["row"] == row and r["status"] == "ok" and r["metrics"].get(path) is not None
+  }
+
+
+def accuracy_bar(record: Mapping[str, Any], path: str) -> tuple[float, str] | None:
+  """The accuracy (at `path`) a fairness claim's rows must lie above, and the reference that
+  sets it: the highest over the record's reference rows that read no signal, each at the upper
+  end of its 95% range where it has one (chance) and at its value otherwise. None without one."""
+  bars = []
+  for reference in record.get("references", ()):
+    if reference.get("role") == SIGNAL_ROLE:
+      continue
+    value = (reference.get("ranges") or {}).get(path, [None, None])[1]
+    if value is None:
+      value = reference["metrics"].get(path)
+    if value is not None:
+      bars.append((value, reference["name"]))
+  return max(bars) if bars else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+  """Why a fairness claim was or was not decided: the accuracy path, the bar and its reference
+  (None: no reference has that accuracy), and whether both rows' intervals lie above it."""
+
+  accuracy: str
+  bar: tuple[float, str] | None
+  above: bool
+
+
+def _within(values: list[tuple[Any, Any, float]], sweeps: int = 50) -> list[float]:
+  """`values` [(row, unit, x)] with each row's and each pairing unit's mean removed (two-way
+  demeaning by alternating projections: exact after one sweep when every row has every unit,
+  converging otherwise)."""
+  x = [v for _, _, v in values]
+  for _ in range(sweeps):
+    for key in (0, 1):
+      groups: dict[Any, list[int]] = {}
+      for i, entry in enumerate(values):
+        groups.setdefault(entry[key], []).append(i)
+      for members in groups.values():
+        mean = math.fsum(x[i] for i in members) / len(members)
+        for i in members:
+          x[i] -= mean
+  return x
+
+
+def matched_accuracy(
+    spec: TableSpec, record: Mapping[str, Any], claim: Claim, ratio: float | None
+) -> tuple[stats.Interval, float] | None:
+  """A fairness claim's paired difference at matched accuracy, and the slope it uses: each
+  pair's difference minus beta times the pair's accuracy difference, beta the least-squares
+  slope of the metric on the accuracy (same split) over every run of the table with each row's
+  and each pairing unit's means removed. So beta is how the metric moves with the accuracy
+  when the same method lands higher or lower on the same seed's or fold's luck, not a
+  difference between methods, nor what a seed or fold does to every method. Under that linear
+  trade-off, it is the difference the two rows would show at the same accuracy. None where the
+  data do not allow it: fewer than two pairs, or no such spread of accuracy."""
+  accuracy = accuracy_path(claim.metric)
+  runs = [
+      (r["row"], r["seed"], r["metrics"].get(claim.metric), r["metrics"].get(accuracy))
+      for r in record["runs"]
+      if r["status"] == "ok"
+  ]
+  runs = [(row, unit, f, a) for row, unit, f, a in runs if f is not None and a is not None]
+  fairness = _within([(row, unit, f) for row, unit, f, _ in runs])
+  accuracies = _within([(row, unit, a) for row, unit, _, a in runs])
+  den = math.fsum(a * a for a in accuracies)
+  if den <= 1e-24:
+    return None
+  slope = math.fsum(f * a for f, a in zip(fairness, accuracies)) / den
+  units, differences = stats.paired(
+      claim_values(record, claim.row, claim.metric), claim_values(record, claim.baseline, claim.metric)
+  )
+  accuracy_units, accuracy_gaps = stats.paired(
+      claim_values(record, claim.row, accuracy), claim_values(record, claim.baseline, accuracy)
+  )
+  if units != accuracy_units or len(units) < 2:
+    return None
+  adjusted = [f - slope * a for f, a in zip(differences, accuracy_gaps)]
+  return stats.interval(adjusted, ratio), slope
+
+
+def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
+  """Per row and column the interval over seeds (or folds), per claim its decision (the
+  fairness claims gated by the reference accuracy), its Holm-adjusted verdict, a fairness
+  claim's difference at matched accuracy, and the flags."""
+  ratio = fold_ratio(spec, record)
+  rows = {}
+  for value in spec.row_values:
+    row = format_value(value)
+    rows[row] = {
+        "seeds": sorted(
+            {r["seed"] for r in record["runs"] if r["row"] == row and r["status"] == "ok"}
+        ),
+        "cells": {
+            c.path: (
+                stats.interval(list(v.values()), ratio)
+                if (v := claim_values(record, row, c.path))
+                else None
+            )
+            for c in spec.columns
+        },
+    }
+  claims = []
+  gates: list[Gate | None] = []
+  matched: list[tuple[stats.Interval, float] | None] = []
+  for claim in spec.claims:
+    result = stats.decide(
+        claim_values(record, claim.row, claim.metric),
+        claim_values(record, claim.baseline, claim.metric),
+        claim.better,
+        test_to_train=ratio,
+    )
+    accuracy = accuracy_path(claim.metric)
+    gate = None
+    if accuracy is not None:
+      bar = accuracy_bar(record, accuracy)
+      intervals = [
+          stats.interval(list(v.values()), ratio) if (v := claim_values(record, r, accuracy)) else None
+          for r in (claim.row, claim.baseline)
+      ]
+      above = bar is not None and all(
+          i is not None and i.low is not None and i.low > bar[0] for i in intervals
+      )
+      gate = Gate(accuracy, bar, above)
+      if not above:  # Not decided, whatever its interval says: see paper_runner/tables.py.
+        result = dataclasses.replace(result, verdict=stats.UNTESTABLE)
+    claims.append((claim, result))
+    gates.append(gate)
+    matched.append(matched_accuracy(spec, record, claim, ratio) if accuracy else None)
+  # The family is every claim of the table, an untested one included (stats.holm).
+  adjusted = stats.holm(
+      [None if result.verdict == stats.UNTESTABLE else result.p for _, result in claims]
+  )
+  holm = [
+      (
+          p,
+          stats.UNTESTABLE
+          if p is None
+          else stats.verdict_at(result.difference.mean, p, claim.better)
+          if result.difference
+          else stats.UNDECIDED,
+      )
+      for (claim, result), p in zip(claims, adjusted)
+  ]
+  flags = []
+  ok = [r for r in record["runs"] if r["status"] == "ok"]
+  examples = sorted({r["examples"] for r in ok if r.get("examples") is not None})
+  if examples and examples[0] < stats.MIN_SPLIT_EXAMPLES:
+    flags.append(
+        f"small sample: the {spec.split} split has {examples[0]} examples "
+        f"(< {stats.MIN_SPLIT_EXAMPLES})"
+    )
+  small_groups = {}
+  for r in ok:
+    for group, n in (r.get("groups") or {}).items():
+      if n < stats.MIN_GROUP_EXAMPLES:
+        small_groups[group] = min(n, small_groups.get(group, n))
+  if small_groups:
+    listed = ", ".join(f"{g} (n={n})" for g, n in sorted(small_groups.items()))
+    flags.append(
+        f"small groups in the {spec.split} split (< {stats.MIN_GROUP_EXAMPLES} examples): {listed}"
+    )
+  few = sorted({len(result.seeds) for _, result in claims if not result.enough_seeds})
+  if few:
+    flags.append(
+        f"{'/'.join(map(str, few))} paired seeds where a verdict needs {stats.MIN_VERDICT_SEEDS}: "
+        "those verdicts are for context only"
+    )
+  missing: dict[str, list[str]] = {}
+  for r in record["runs"]:
+    if r["status"] != "ok":
+      missing.setdefault(spec.label(r["row"]), []).append(
+          f"{unit_text(r['seed'])} ({r['status']})"
+      )
+  if missing:
+    listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
+    flags.append(f"runs without a result: {listed}")
+  recorded = {(r["row"], r["seed"]) for r in record["runs"]}
+  absent: dict[str, list[str]] = {}
+  for point in grid_points(spec.sweep):
+    if (format_value(point[spec.rows]), spec.pair(point)) not in recorded:
+      absent.setdefault(spec.label(format_value(point[spec.rows])), []).append(
+          unit_text(spec.pair(point))
+      )
+  if absent:  # Named, not counted away: `--check` says the record is stale too.
+    listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in absent.items())
+    flags.append(f"runs of the spec not in the record: {listed}")
+  if any(gate is not None and gate.bar is None for gate in gates):
+    flags.append(
+        "a fairness claim needs a reference accuracy to be decided against (a reference row "
+        "with the accuracy of its split); this table has none, so its fairness claims are "
+        "untestable"
+    )
+  return {
+      "rows": rows,
+      "claims": claims,
+      "holm": holm,
+      "gates": gates,
+      "matched": matched,
+      "ratio": ratio,
+      "flags": flags,
+  }
+
+
+def leaks_of(spec: TableSpec, claim: Claim) -> list[int]:
+  """The indices of the spec's selection leaks that touch a claim's rows."""
+  return [i for i, leak in enumerate(spec.selection_leaks) if leak.affects(claim)]
