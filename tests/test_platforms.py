@@ -1,9 +1,5 @@
-"""On a host without a GPU or TPU, the preflight extra's CUDA plugin and libtpu stay silent.
-
-With the extra installed (libtpu and the CUDA plugin, for compiling without the hardware), JAX's
-probe of them printed a cuDNN traceback in every ordinary run, and libtpu printed `E0000 ...
-unexpected worker hostname` lines in every TPU compile (trainkit/platforms.py).
-"""
+"""On a host without a GPU or TPU, the preflight extra's CUDA plugin and libtpu stay silent
+(trainkit/platforms.py; a TPU compile: trainkit/preflight/targets.py)."""
 
 import importlib.util
 import os
@@ -13,7 +9,7 @@ import sys
 import pytest
 
 from trainkit import platforms
-from trainkit.platforms import Host, cpu_only_reason, deviceless_tpu_environment
+from trainkit.platforms import Host, cpu_only_reason
 
 CUDA = ("jax_plugins.xla_cuda12",)
 BARE = Host(system="Linux", plugins=CUDA, libtpu=True, accelerator_signs=())
@@ -44,18 +40,6 @@ def test_a_host_without_accelerators_uses_the_cpu_alone():
 )
 def test_the_platforms_are_left_alone_unless_nothing_can_start(environ, host, jax_platforms):
   assert cpu_only_reason(environ, host, jax_platforms) is None
-
-
-def test_a_deviceless_tpu_compile_describes_this_host_as_the_one_worker():
-  assert deviceless_tpu_environment({}, signs=[]) == {
-      "TPU_WORKER_HOSTNAMES": "localhost",
-      "TPU_HOST_BOUNDS": "1,1,1",
-  }
-  # The user's values, and a host with a TPU (libtpu reads the real ones), are left alone.
-  assert deviceless_tpu_environment({"TPU_WORKER_HOSTNAMES": "a"}, signs=[]) == {
-      "TPU_HOST_BOUNDS": "1,1,1"
-  }
-  assert deviceless_tpu_environment({}, signs=["/dev/accel0"]) == {}
 
 
 def _user_environment() -> dict[str, str]:

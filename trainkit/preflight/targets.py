@@ -22,13 +22,8 @@ and the base is that size; when none does, as in this deviceless compile, the ba
 the description's `device_memory_size`. So the description carries usable / 0.8 (93.75% of the
 memory at the default fraction): the preflight's compile then rematerialises toward the limit a
 real run's compile applies, and a program XLA brings under it peaks below `usable_bytes`.
-Verified on the CUDA plugin (jax 0.10.2): a program whose arguments and outputs exceed the base
-makes XLA log "The byte size of input/output arguments (...) exceeds the base limit (N)", and N
-is `usable_bytes` exactly (tests/test_preflight.py); with a description of M bytes, the base it
-logged was 0.8 M and the rematerialisation target 0.95 x (0.8 M - arguments - outputs), plus the
-outputs, which that pass counts. Before, the description said the whole 80 GB: XLA aimed at
-0.95 x 0.8 x 79.1 = 60.2 GiB while the fit was checked at 59.3 GiB, and the Swin rows that "did
-not fit on one H100" peaked at 60.0 to 60.2 GiB, the compiler's limit, not the model's need.
+Checked on the CUDA plugin (jax 0.10.2) by tests/test_preflight.py: the base limit XLA logs
+is `usable_bytes` exactly.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ import re
 from typing import Any
 
 from trainkit.errors import UserError
-from trainkit.platforms import deviceless_tpu_environment
+from trainkit.platforms import tpu_signs
 from trainkit.throughput import PEAK_FLOPS_BY_KIND
 
 GIB = 1024**3
@@ -399,11 +394,6 @@ def _with_memory_fraction(target: Target) -> Target:
   return dataclasses.replace(target, usable_fraction=fraction, gpu_description=description)
 
 
-def target_table() -> str:
-  """One line per target: its name, devices, hosts and memory (for --help and the docs)."""
-  return "\n".join(t.describe() for t in TARGETS.values())
-
-
 def _c_environment() -> dict[str, str]:
   """The process's environment as the C library holds it (os.environ is Python's copy)."""
   environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
@@ -430,6 +420,9 @@ def _forget_variables_set_behind_pythons_back(before: dict[str, str]) -> None:
       libc.unsetenv(name.encode())
 
 
+_ONE_WORKER = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
+
+
 @functools.cache
 def devices(target: Target) -> tuple[Any, ...]:
   """The target's devices, described without the hardware (each with its host's process index).
@@ -440,10 +433,12 @@ def devices(target: Target) -> tuple[Any, ...]:
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
   environment = _c_environment()
-  # On a host without a TPU, libtpu would ask for the hostnames and host bounds of a slice this
-  # host is not part of and print errors (`E0000 ... unexpected worker hostname`): this host
-  # alone is the worker. Only while the slice is described; the user's own values are kept.
-  single_host = deviceless_tpu_environment(os.environ) if target.platform == "tpu" else {}
+  # On a host without a TPU, libtpu asks for the hostnames and host bounds of a slice this host
+  # is not part of and prints `E0000 ... unexpected worker hostname`: this host alone is the
+  # worker, only while the slice is described; the user's own values are kept.
+  single_host = {}
+  if target.platform == "tpu" and not tpu_signs():
+    single_host = {k: v for k, v in _ONE_WORKER.items() if k not in os.environ}
   try:
     if target.platform == "tpu":
       # Two processes that load libtpu at once (tests in parallel) need this.
