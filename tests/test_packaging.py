@@ -288,10 +288,29 @@ def _undeclared(imports: dict[str, set[str]], declared: set[str]) -> dict[str, s
   return missing
 
 
+# The extras each package's code may import beyond install_requires (the runner drives both papers).
+_PACKAGE_EXTRAS = {
+    "trainkit": (),
+    "fairmoe_jax": ("fairsmoe",),
+    "causal_attn_jax": ("causal",),
+    "paper_runner": ("fairsmoe", "causal"),
+}
+
+
 def test_declared_dependencies_cover_every_import(setup_args):
   install = _requirement_names(setup_args["install_requires"])
-  code = [p for package in _FIRST_PARTY for p in (REPO_ROOT / package).rglob("*.py")]
-  assert _undeclared(_third_party_imports(code), install) == {}
+  assert set(_PACKAGE_EXTRAS) == _FIRST_PARTY
+  for package, extras in _PACKAGE_EXTRAS.items():
+    declared = install.union(
+        *(_requirement_names(setup_args["extras_require"][extra]) for extra in extras)
+    )
+    code = (REPO_ROOT / package).rglob("*.py")
+    assert _undeclared(_third_party_imports(code), declared) == {}, package
+  # One paper's extra is not the other's: FairSMoE's code imports no tokenizer or BLEU.
+  fairsmoe_only = install | _requirement_names(setup_args["extras_require"]["fairsmoe"])
+  fairsmoe_imports = _third_party_imports((REPO_ROOT / "fairmoe_jax").rglob("*.py"))
+  assert not {"sentencepiece", "sacrebleu", "sacremoses"} & set(fairsmoe_imports)
+  assert _undeclared({"sacrebleu": {"x.py"}}, fairsmoe_only) == {"sacrebleu": {"x.py"}}
   # Tests and the Python snippets of the README and docs/ may also use the test extra.
   test = install | _requirement_names(setup_args["extras_require"]["test"])
   assert _undeclared(_third_party_imports((REPO_ROOT / "tests").rglob("*.py")), test) == {}
@@ -330,5 +349,38 @@ def test_constraints_pin_every_declared_dependency(setup_args):
   declared = _requirement_names(setup_args["install_requires"]) | _requirement_names(
       setup_args["extras_require"]["test"]
   )
+  # The test extra holds every paper's extra, so CI's `.[test,preflight]` installs them all.
+  for extra in ("fairsmoe", "causal"):
+    assert _requirement_names(setup_args["extras_require"][extra]) <= declared, extra
   assert declared - set(pinned) == set()
   assert all(re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", v) for v in pinned.values()), pinned
+
+
+# What each extra installs, and what must not be imported on the quickstart's path.
+_EXTRA_ONLY = ("tensorflow_datasets", "safetensors", "sentencepiece", "sacrebleu", "sacremoses")
+
+
+def test_the_quickstart_imports_nothing_an_extra_installs():
+  # A base install (`pip install -e .`) serves the quickstart: its modules, imported in a process
+  # of their own, load none of the extras' packages.
+  code = (
+      "import sys\n"
+      "import fairmoe_jax.main, fairmoe_jax.train, fairmoe_jax.inference, fairmoe_jax.evaluation\n"
+      "import fairmoe_jax.report, fairmoe_jax.analysis.plots\n"
+      f"print(sorted(m for m in {_EXTRA_ONLY!r} if m in sys.modules))\n"
+  )
+  result = subprocess.run(
+      [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+  )
+  assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
+  from trainkit.errors import UserError, import_extra  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setitem(sys.modules, "sacrebleu", None)  # Importing it now raises ImportError.
+  with pytest.raises(UserError, match=r"BLEU needs sacrebleu, .*pip install 'fairmoe-jax\[causal\]'"):
+    from causal_attn_jax.metrics import bleu  # pylint: disable=import-outside-toplevel
+
+    bleu.corpus_bleu(["a"], ["a"])
+  assert import_extra("json", "causal", "x").dumps([]) == "[]"

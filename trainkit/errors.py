@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import errno
 import functools
+import importlib
 import os
 import sys
-from typing import Callable, NoReturn, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -108,6 +109,21 @@ class ConfigError(UserError):
   def __init__(self, key: str, message: str):
     self.key = key
     super().__init__(f"config key '{key}': {message}")
+
+
+def import_extra(module: str, extra: str, needed_for: str) -> Any:
+  """`module`, imported; where it is missing, a UserError naming the extra that installs it.
+
+  A base install serves the quickstart; what one paper's datasets, metrics or exports need
+  beyond it comes with that paper's extra (setup.py), imported only where it is used.
+  """
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise UserError(
+        f"{needed_for} needs {module.split('.')[0]}, which the '{extra}' extra installs: "
+        f"pip install 'fairmoe-jax[{extra}]' ({e})"
+    ) from e
 
 
 def fail(message: str) -> NoReturn:

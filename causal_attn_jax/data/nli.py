@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from trainkit.errors import UserError
+from trainkit.errors import UserError, import_extra
 from trainkit.textfiles import iter_lines
 
 NLI_LABELS = ("entailment", "neutral", "contradiction")
@@ -446,10 +446,7 @@ def tfds_builder(name: str, data_dir: str | os.PathLike) -> Any:
   Raises:
     UserError: tensorflow_datasets is missing or the dataset is not prepared there.
   """
-  try:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise UserError(f"tfds dataset {name} needs tensorflow_datasets installed: {e}") from e
+  tfds = import_extra("tensorflow_datasets", "causal", f"tfds dataset {name}")
   hint = (
       f"prepare it there first (e.g. `tfds build {name} --data_dir={data_dir} "
       "--file_format=array_record`); it is never downloaded here."

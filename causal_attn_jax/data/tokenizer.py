@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from trainkit import storage
-from trainkit.errors import UserError
+from trainkit.errors import UserError, import_extra
 from trainkit.storage import write_atomically
 
 PAD_ID = 0
@@ -49,11 +49,7 @@ Texts = Iterable[str] | Callable[[], Iterable[str]]
 
 
 def _spm() -> Any:
-  try:
-    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise UserError(f"the tokenizer needs sentencepiece installed: {e}") from e
-  return spm
+  return import_extra("sentencepiece", "causal", "the tokenizer")
 
 
 def train_sentencepiece(

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from trainkit.errors import import_extra
+
 
 def looks_tokenized(lines: Sequence[str], threshold: float = 0.5) -> bool:
   """Whether most non-empty lines have punctuation split off from the word before it.
@@ -31,17 +33,14 @@ def looks_tokenized(lines: Sequence[str], threshold: float = 0.5) -> bool:
 
 def detokenize(lines: Sequence[str], lang: str) -> list[str]:
   """Moses detokenisation (sacremoses) of each line, for the given language code."""
-  from sacremoses import MosesDetokenizer  # pylint: disable=g-import-not-at-top
-
-  detokenizer = MosesDetokenizer(lang=lang)
+  sacremoses = import_extra("sacremoses", "causal", "detokenising references")
+  detokenizer = sacremoses.MosesDetokenizer(lang=lang)
   return [detokenizer.detokenize(line.split()) for line in lines]
 
 
 def bleu_signature() -> str:
   """sacrebleu's signature of the setting `corpus_bleu` uses (report it beside the score)."""
-  import sacrebleu  # pylint: disable=g-import-not-at-top
-
-  metric = sacrebleu.metrics.BLEU()
+  metric = import_extra("sacrebleu", "causal", "BLEU").metrics.BLEU()
   metric.corpus_score(["a"], [["a"]])  # The signature names the reference count once it is known.
   return str(metric.get_signature())
 
@@ -55,8 +54,7 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
   """
   if len(hypotheses) != len(references):
     raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references.")
-  import sacrebleu  # pylint: disable=g-import-not-at-top
-
+  sacrebleu = import_extra("sacrebleu", "causal", "BLEU")
   return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
 
 

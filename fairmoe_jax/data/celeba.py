@@ -45,7 +45,7 @@ from PIL import Image
 
 from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data.types import DatasetInfo
-from trainkit.errors import UserError
+from trainkit.errors import UserError, import_extra
 from trainkit.textfiles import read_text
 
 SPLITS = ("train", "val", "test")
@@ -463,10 +463,7 @@ def load_celeba_tfds(
     ``{train,val,test}_examples``.
   """
   sensitive = _check_names(target, sensitive)
-  try:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise UserError(f"dataset celeba_tfds needs tensorflow_datasets installed: {e}") from e
+  tfds = import_extra("tensorflow_datasets", "fairsmoe", "dataset celeba_tfds")
   builder = tfds.builder("celeb_a", data_dir=data_dir)
   if not builder.is_prepared():
     raise UserError(

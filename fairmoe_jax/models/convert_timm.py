@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from fairmoe_jax.moe import SparseMoE
-from trainkit.errors import UserError
+from trainkit.errors import UserError, import_extra
 from trainkit.mesh import place
 
 # Non-persistent buffers some timm checkpoints still hold: recomputed by our models.
@@ -54,12 +54,7 @@ def read_state_dict(path: str) -> dict[str, np.ndarray]:
   if not os.path.isfile(path):
     raise UserError(f"timm checkpoint {path!r} does not exist")
   if path.endswith(".safetensors"):
-    try:
-      from safetensors.numpy import load_file
-    except ImportError as e:
-      raise UserError(
-          f"reading {path!r} needs the 'safetensors' package (pip install safetensors)"
-      ) from e
+    load_file = import_extra("safetensors.numpy", "fairsmoe", f"reading {path!r}").load_file
     try:
       return dict(load_file(path))
     except Exception as e:  # Corrupt file or an unsupported dtype such as bfloat16.
