@@ -84,12 +84,7 @@ def collect(sweep: ml_collections.ConfigDict, workdir: str) -> list[RunResult]:
 
 
 def row_label(point: Mapping[str, Any], pooled: Sequence[str] = ("seed",)) -> str:
-  """The row of a per-setting table that a run belongs to: its grid values but the pooled keys.
-
-  Table collectors average the runs that differ only in a pooled key (the seed) into one row.
-  A single remaining key is shown by its value alone (`fairsmoe@fair.alpha=0.5`), several as
-  `key=value,...`.
-  """
+  """The row of a per-setting table that a run belongs to: its grid values but the pooled keys."""
   others = {k: v for k, v in point.items() if k not in pooled}
   if len(others) == 1:
     return format_value(next(iter(others.values())))
@@ -111,10 +106,7 @@ def is_number(value: Any) -> bool:
 
 
 def throughput(directory: str, keys: Sequence[str]) -> dict[str, float]:
-  """Per key in metrics.jsonl: the median over the logged steps after half the run's steps.
-
-  The first steps include compilation, so they would drag a mean or a whole-run median down.
-  """
+  """Per key in metrics.jsonl: the median over the logged steps after half the run's steps."""
   try:
     records = read_metrics(directory)
   except (OSError, ValueError):

@@ -55,73 +55,60 @@ class Interval:
     return self.low is None or self.low <= value <= self.high
 
 
-def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
-  """Mean and `confidence` interval of the mean, mean ± t_{n-1} · s / sqrt(n) (s: ddof=1)."""
-  return _t_interval(values, confidence, extra_variance=0.0)
-
-
-def corrected_interval(
-    values: Sequence[float], test_to_train: float, confidence: float = CONFIDENCE
-) -> Interval:
-  """Mean and `confidence` interval of the mean of `values` measured on J resampled train/test
-  splits whose training sets overlap (cross-validation folds): Nadeau and Bengio's corrected
-  resampled t-interval, mean ± t_{J-1} · sqrt(1/J + n_test/n_train) · s (s: ddof=1), with
-  `test_to_train` = n_test / n_train. The plain interval's 1/J assumes independent values; the
-  overlap of the training sets makes them positively correlated, which the second term
-  accounts for."""
-  if test_to_train <= 0:
-    raise ValueError(f"test_to_train must be positive, got {test_to_train}")
-  return _t_interval(values, confidence, extra_variance=test_to_train)
-
-
-def _t_interval(values: Sequence[float], confidence: float, extra_variance: float) -> Interval:
-  """mean ± t_{n-1} · s · sqrt(1/n + extra_variance) (s: ddof=1); no bounds for one value."""
+def _mean_sd(values: Sequence[float]) -> tuple[float, float | None, int]:
   values = [float(v) for v in values]
   n = len(values)
   if n == 0:
     raise ValueError("no values to summarise")
   mean = math.fsum(values) / n
   if n < 2:
-    return Interval(mean, None, None, n)
-  sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-  t = float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
-  half = t * sd * math.sqrt(1.0 / n + extra_variance)
-  return Interval(mean, mean - half, mean + half, n)
+    return mean, None, n
+  return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)), n
 
 
 def interval(
     values: Sequence[float], test_to_train: float | None = None, confidence: float = CONFIDENCE
 ) -> Interval:
-  """`corrected_interval` for values that share training data (a `test_to_train` ratio is
-  given), else `t_interval`."""
-  if test_to_train is None:
-    return t_interval(values, confidence)
-  return corrected_interval(values, test_to_train, confidence)
+  """mean ± t_{n-1} · s · sqrt(1/n + test_to_train) (s: ddof=1; no bounds for one value): the
+  Student-t interval, or with `test_to_train` (n_test / n_train of folds whose training sets
+  overlap) Nadeau and Bengio's corrected resampled one."""
+  if test_to_train is not None and test_to_train <= 0:
+    raise ValueError(f"test_to_train must be positive, got {test_to_train}")
+  mean, sd, n = _mean_sd(values)
+  if sd is None:
+    return Interval(mean, None, None, n)
+  t = float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
+  half = t * sd * math.sqrt(1.0 / n + (test_to_train or 0.0))
+  return Interval(mean, mean - half, mean + half, n)
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
+  return interval(values, None, confidence)
+
+
+def corrected_interval(
+    values: Sequence[float], test_to_train: float, confidence: float = CONFIDENCE
+) -> Interval:
+  return interval(values, test_to_train, confidence)
 
 
 def p_value(values: Sequence[float], test_to_train: float | None = None) -> float:
-  """Two-sided p-value of "the mean of `values` is 0" for the interval `interval` gives: the
-  same t statistic, so p < 1 - confidence exactly when that interval excludes 0. Fewer than
-  two values, or values that are all 0, give 1; values all equal and not 0 give 0 (an interval
-  of zero width away from 0)."""
-  values = [float(v) for v in values]
-  n = len(values)
-  if n < 2:
+  """Two-sided p-value of "the mean of `values` is 0" for the interval `interval` gives: the same t
+  statistic, so p < 1 - confidence exactly when that interval excludes 0."""
+  if not values:
     return 1.0
-  mean = math.fsum(values) / n
-  sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-  scale = 1.0 / n if test_to_train is None else 1.0 / n + test_to_train
-  se = sd * math.sqrt(scale)
+  mean, sd, n = _mean_sd(values)
+  if sd is None:
+    return 1.0
+  se = sd * math.sqrt(1.0 / n + (test_to_train or 0.0))
   if se == 0.0:
     return 1.0 if mean == 0.0 else 0.0
   return float(2.0 * scipy_stats.t.sf(abs(mean) / se, n - 1))
 
 
 def holm(p_values: Sequence[float | None]) -> list[float | None]:
-  """Holm's step-down adjusted p-values of one family: sorted ascending, the i-th (from 0) of
-  m is multiplied by m - i, and each is at least the one before it (capped at 1). A None (a
-  claim in the family that was not tested) counts in m and stays None, so declaring a claim
-  untestable never makes the others' correction smaller."""
+  """Holm's step-down adjusted p-values of one family: sorted ascending, the i-th (from 0) of m is
+  multiplied by m - i, and each is at least the one before it (capped at 1)."""
   m = len(p_values)
   tested = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
   adjusted: list[float | None] = [None] * m

@@ -51,11 +51,9 @@ def _claims_tables() -> list[tuple[str, TableSpec, dict[str, Any]]]:
 
 
 def rerun_summary() -> str:
-  """One row per rerun of every table that decides claims (or "not rerun"): how much of the
-  table it reran, on what, which verdicts and tuning choice it keeps and which it changes, and
-  the largest change of a mean paired difference; a rerun whose predictions are the record's is
-  "identical (not independent)" and counts no verdict. The last row adds up the reruns that
-  could differ. Rendered from the records alone."""
+  """One row per rerun of every table that decides claims (or "not rerun"): how much of the table it
+  reran, on what, which verdicts and tuning choice it keeps and which it changes, and the largest
+  change of a mean paired difference."""
   header = (
       "table",
       "rerun",
@@ -298,11 +296,7 @@ def _read_doc(path: str) -> str:
 
 
 def write_doc(path: str) -> list[str]:
-  """Renders every marked table of the markdown file `path` in place; returns their names.
-
-  A `path` that is a symbolic link is followed: the document it points to is rewritten and the
-  link kept (the atomic write's rename would otherwise replace the link with a file and leave
-  the real document as it was)."""
+  """Renders every marked table of the markdown file `path` in place."""
   text = _read_doc(path)
   names = []
 

@@ -198,8 +198,7 @@ def paper_claims_table(
 ) -> dict:
   """The TABLE of a comparison that decides the paper's claims (`FAIR_COMPARISON` rows): test
   accuracy, MF-PQD and each attribute's PQD, MF-DP, experts active, the gradient cosine, the
-  validation numbers and one column of what a mechanism did; FairSMoE against both controls on
-  `FAIR_PAPER_CLAIMS`, then the Table 2 ablations."""
+  validation numbers and one column of what a mechanism did."""
   return fair_comparison_table(
       title,
       fair_methods(FAIR_COMPARISON),

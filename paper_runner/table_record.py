@@ -69,13 +69,7 @@ def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]
 
 
 def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> None:
-  """A UserError unless the finished run `result` is the run of `spec`'s sweep of that name.
-
-  Specs share run names (the GCN and vanilla-attention tuning tables; `fair_cv_celeba` and
-  `_smiling`), so a directory's name says nothing about which sweep trained it: what the run
-  was started with (`sweep_run.json`) and the config it trained with (`config.json`) are
-  compared with what the spec gives that run, as a sweep compares a finished run before
-  reusing it (`paper_runner.supervise.record_differences`)."""
+  """A UserError unless the finished run `result` is the run of `spec`'s sweep of that name."""
   directory = result.run_dir
   started, trained = os.path.join(directory, RUN), os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(started) and not os.path.isfile(trained):
@@ -158,10 +152,8 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
 
 
 def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
-  """The commit and machine of the finished runs, from the `provenance.json` the sweep wrote
-  beside each when it started it (`paper_runner.supervise`); the device kind and count, which
-  the supervisor does not query, are this process's. Runs older than that file are described
-  by this checkout and this process's machine."""
+  """The commit and machine of the finished runs, from the `provenance.json` the sweep wrote beside
+  each when it started it (`paper_runner.supervise`)."""
   here = machine()
   device = {"device": here["device"], "devices": here["devices"]}
   written = []
@@ -275,11 +267,9 @@ def _run_text(index_name: str, run: Mapping[str, Any]) -> str:
 
 
 def _check_runs(where: str, runs: Any, what: str, name: str, status: bool = True) -> None:
-  """A UserError naming the run, unless every run of a record's list `what` names its row and
-  pair (and status), a finished one has `metrics` of finite numbers or null, and no (row, pair)
-  comes twice. Rendering reads each of these without looking: a missing key was a KeyError
-  traceback, a duplicate silently replaced the other's value (and could flip a tuning choice),
-  and a NaN turned every claim on it into "does not hold"."""
+  """A UserError naming the run, unless every run of a record's list `what` names its row and pair
+  (and status), a finished one has `metrics` of finite numbers or null, and no (row, pair) comes
+  twice."""
   remake = f"(remake the record with --record={name})"
   if not isinstance(runs, list):
     raise UserError(f"{where}: {what} is not a list of runs {remake}")

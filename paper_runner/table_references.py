@@ -31,15 +31,9 @@ def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]
 
 
 def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
-  """The spec's reference readers scored on the data its runs read (the config the sweep gives
-  each row's first run, as `paper_runner.spec.resolved_config` builds it): [{"name", "metrics":
-  {path: value}}] for the paths the record keeps. A pooled table's readers are scored on each
-  value of the pooled key (each fold's data) and their values averaged, as its runs' rows are.
-
-  A reader whose report has `"draws"` (chance: one report per seeded draw) also gets "ranges":
-  {path: [2.5%, 97.5%] quantiles} of its draws, each draw first averaged over the folds as the
-  rows' cells are, and "draws", their number; a reader that reads the task's signal keeps its
-  `"role"` (it sets no accuracy bar, `accuracy_bar`)."""
+  """The spec's reference readers scored on the data its runs read (the config the sweep gives each
+  row's first run, as `paper_runner.spec.resolved_config` builds it): [{"name", "metrics": {path:
+  value}}] for the paths the record keeps."""
   read = import_spec_object(spec, "references", spec.references)
   over = spec.pool[1] if spec.pool else None
   paths = spec.metrics()

@@ -200,16 +200,9 @@ def reproduce(
 
 
 def _run_rerun(command: Sequence[str], log_path: str) -> int:
-  """Runs a reproduction's training to its end; returns its exit status.
-
-  The run gets a session of its own, so that SIGTERM or Ctrl-C to this process (turned into
-  KeyboardInterrupt) terminates the run's whole process group, data workers included: SIGTERM
-  (the mains checkpoint on it), SIGKILL after a grace period, and a wait, before the interrupt
-  goes on (`paper_runner.supervise.terminate_group`). A SIGKILL to this process, which no
-  handler sees, reaches the run as SIGTERM through `paper_runner.die_with_parent` (no preexec_fn,
-  unlike a sweep's runs: this process has initialised JAX (`machine()`), and a fork that runs
-  Python in a multithreaded process may deadlock). The explicit environment keeps libtpu's
-  placeholders, which `machine()` may have set, from the run (`child_environment`)."""
+  """Runs a reproduction's training to its end; returns its exit status. In a session of its own,
+  so that SIGTERM or Ctrl-C here terminates its whole process group; a SIGKILL here reaches it
+  through `die_with_parent` (no preexec_fn: this process has initialised JAX)."""
   process = None
   with open(log_path, "w") as log, sigterm_as_interrupt():
     try:
@@ -231,13 +224,10 @@ def _run_rerun(command: Sequence[str], log_path: str) -> int:
 def comparison_basis(
     provenance: Mapping[str, Any],
 ) -> tuple[list[str], Mapping[str, Any] | None]:
-  """How this machine, its software and the input data differ from a record's `provenance`
-  (`_why_not_exact`; empty: the recording machine), and the stamped exact reproduction that
-  vouches for comparing exactly here anyway (None where there is none or none is needed).
-
-  Only a reproduction whose every value came back exactly and whose own machine (processor
-  model and instruction-set features included) and data are this one's vouches: an exact
-  reproduction on another processor says nothing about the rounding of this one."""
+  """How this machine, its software and data differ from a record's `provenance` (empty: the
+  recording one), and the stamped exact reproduction that vouches for comparing exactly here
+  anyway: only one whose own machine (processor and instruction set included) and data are
+  this one's."""
   differs = _why_not_exact(provenance)
   if not differs:
     return [], None

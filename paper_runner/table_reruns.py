@@ -111,8 +111,7 @@ def identical_predictions(
 ) -> bool:
   """Whether every rerun run reproduces, to the last bit, every value its predictions decide
   (`prediction_paths`) and the split and group sizes, of the recorded run of the same row and
-  pair. The record keeps no predictions, so this is the check a record allows; it holds when the
-  predictions are identical (docs/results.md gives the command that compares them)."""
+  pair."""
   paths = prediction_paths(spec)
   if not paths or not rerun["runs"]:
     return False

@@ -153,25 +153,7 @@ def load_table(name: str) -> TableSpec:
   table = getattr(module, "TABLE", None)
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (paper_runner/tables.py says what)")
-  known = {
-      "title",
-      "rows",
-      "row_names",
-      "split",
-      "examples",
-      "groups",
-      "columns",
-      "claims",
-      "tolerance",
-      "select",
-      "select_within",
-      "references",
-      "pair_by",
-      "pool",
-      "cross_validation",
-      "tuning",
-      "selection_leaks",
-  }
+  known = {f.name for f in dataclasses.fields(TableSpec)} - {"name", "path", "sweep", "row_values"}
   unknown = sorted(set(table) - known)
   if unknown:
     raise spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
@@ -240,8 +222,10 @@ def load_table(name: str) -> TableSpec:
       select_within=_check_select_within(name, table, columns),
       references=_check_references(name, table.get("references")),
       pair_by=pair_by,
-      pool=_check_pool(name, table.get("pool"), pair_by),
-      cross_validation=_check_cross_validation(name, table.get("cross_validation"), pair_by),
+      pool=_check_pair_key(name, "pool", table.get("pool"), pair_by, True),
+      cross_validation=_check_pair_key(
+          name, "cross_validation", table.get("cross_validation"), pair_by, False
+      ),
       tuning=_check_tuning(name, table.get("tuning"), texts),
       selection_leaks=_check_leaks(name, table.get("selection_leaks"), texts),
   )
@@ -263,26 +247,6 @@ def accuracy_path(metric: str) -> str | None:
   if parts[-1] not in FAIRNESS_KEYS:
     return None
   return "validation.accuracy" if parts[0] == "validation" else "accuracy"
-
-
-def _check_cross_validation(
-    name: str, value: Any, pair_by: tuple[str, ...]
-) -> tuple[str, str] | None:
-  if value is None:
-    return None
-  if (
-      not isinstance(value, (tuple, list))
-      or len(value) != 2
-      or value[0] not in pair_by
-      or value[0] == SEED_KEY
-      or not re.fullmatch(r"[\w.]+:\w+", str(value[1]))
-  ):
-    raise spec_error(
-        name,
-        "cross_validation",
-        f"{value!r} is not (a pair_by key other than seed, 'package.module:function')",
-    )
-  return str(value[0]), str(value[1])
 
 
 def _check_tuning(name: str, value: Any, rows: list[str]) -> tuple[Tuning, ...]:
@@ -322,20 +286,25 @@ def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak,
   return tuple(leaks)
 
 
-def _check_pool(name: str, pool: Any, pair_by: tuple[str, ...]) -> tuple[str, str] | None:
-  if pool is None:
+def _check_pair_key(
+    name: str, key: str, value: Any, pair_by: tuple[str, ...], target_first: bool
+) -> tuple[str, str] | None:
+  """TABLE["pool"], ("pkg.module:function", a pair_by key), or TABLE["cross_validation"], the
+  other way round; the key may not be the seed."""
+  if value is None:
     return None
+  ok = isinstance(value, (tuple, list)) and len(value) == 2
+  target, pair_key = (value if target_first else value[::-1]) if ok else ("", None)
   if (
-      not isinstance(pool, (tuple, list))
-      or len(pool) != 2
-      or not re.fullmatch(r"[\w.]+:\w+", str(pool[0]))
-      or pool[1] not in pair_by
-      or pool[1] == SEED_KEY
+      not ok
+      or not re.fullmatch(r"[\w.]+:\w+", str(target))
+      or pair_key in (None, SEED_KEY)
+      or pair_key not in pair_by
   ):
-    raise spec_error(
-        name, "pool", f"{pool!r} is not ('package.module:function', a pair_by key other than seed)"
-    )
-  return str(pool[0]), str(pool[1])
+    what = ("'package.module:function'", "a pair_by key other than seed")
+    what = what if target_first else what[::-1]
+    raise spec_error(name, key, f"{value!r} is not ({', '.join(what)})")
+  return str(value[0]), str(value[1])
 
 
 def import_spec_object(spec: TableSpec, key: str, target: str) -> Any:

@@ -1,9 +1,6 @@
 r"""Tuning table (validation only): is there a dual schedule that meets the Markov-blanket
 constraint on the spurious-pairs testbed?
 
-  python -m paper_runner.sweep --sweep=results/constraint_schedules.py --workdir=/tmp/results/constraint_schedules
-  python -m paper_runner.tables --record=constraint_schedules --workdir=/tmp/results/constraint_schedules
-
 The shipped schedule (dual ascent from step 500, ramped over 1,000 to 0.01; chosen by
 results/spurious_tuning_causal.py) leaves most nodes outside the band when training ends. Three
 stronger schedules, three seeds each, on the in-distribution validation split only (the

@@ -1,9 +1,5 @@
 r"""Table: causal against vanilla attention for En-De translation on the OpenNMT sample.
 
-  python -m paper_runner.sweep --sweep=results/ende_small.py --workdir=/tmp/results/ende_small
-  python -m paper_runner.tables --record=ende_small --workdir=/tmp/results/ende_small
-  python -m paper_runner.tables --write=docs/results.md
-
 The WMT14 En-De sample in ../shared/data/translation (10,000 training pairs, 3,000 validation
 pairs; Moses-escaped, hence data.unescape), configs/wmt14_ende.py:size=small (a small
 encoder-decoder, BPE vocabulary 1,000, sentences up to 32 pieces, 1,000 steps), beam 2, BLEU on

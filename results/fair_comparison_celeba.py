@@ -1,9 +1,5 @@
 r"""Table: every FairSMoE reading, its ablations and every baseline under one protocol, CelebA sample.
 
-  python -m paper_runner.sweep --sweep=results/fair_comparison_celeba.py --workdir=/tmp/results/fair_comparison_celeba
-  python -m paper_runner.tables --record=fair_comparison_celeba --workdir=/tmp/results/fair_comparison_celeba
-  python -m paper_runner.tables --write=docs/results.md
-
 The sample of ../shared/data/celeba (official partition: 2,328 train / 480 validation / 390
 test images; target Attractive, sensitive Male, the only attribute the sample knew for every image
 when this table was made; results/fair_cv_celeba.py protects the paper's three), the

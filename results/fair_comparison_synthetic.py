@@ -1,10 +1,6 @@
 r"""Table: FairSMoE under three readings of Eq. 8, its two ablations and four baselines, on the
 built-in synthetic dataset (three sensitive attributes).
 
-  python -m paper_runner.sweep --sweep=results/fair_comparison_synthetic.py --workdir=/tmp/results/fair_comparison_synthetic
-  python -m paper_runner.tables --record=fair_comparison_synthetic --workdir=/tmp/results/fair_comparison_synthetic
-  python -m paper_runner.tables --write=docs/results.md
-
 The quickstart model and data (configs/quickstart.py: 32-px generated images, 4 classes, sex 2,
 age 5 and site 8 groups; a 4-block ViT with a 4-expert top-2 MoE in its last block) without the
 quickstart's attribute cues (cues=false: the data this record was made on, where FGR's

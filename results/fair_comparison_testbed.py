@@ -1,9 +1,5 @@
 r"""Table: FairSMoE, its ablations and the baselines on the synthetic testbed built for them.
 
-  python -m paper_runner.sweep --sweep=results/fair_comparison_testbed.py --workdir=/tmp/results/fair_comparison_testbed
-  python -m paper_runner.tables --record=fair_comparison_testbed --workdir=/tmp/results/fair_comparison_testbed
-  python -m paper_runner.tables --write=docs/results.md
-
 The built-in `synthetic_testbed` data (docs/dataset.md, "The FairSMoE testbed": the class must
 be read from the image, a marker reader scores clearly below a reader of the signal, and the
 three attributes sex, age and site make a classifier unequal by different amounts) with the

@@ -1,9 +1,5 @@
 r"""Table: the testbed comparison with 16 experts, where vanilla SMoE's routing concentrates.
 
-  python -m paper_runner.sweep --sweep=results/fair_comparison_testbed_16.py --workdir=/tmp/results/fair_comparison_testbed_16
-  python -m paper_runner.tables --record=fair_comparison_testbed_16 --workdir=/tmp/results/fair_comparison_testbed_16
-  python -m paper_runner.tables --write=docs/results.md
-
 results/fair_comparison_testbed.py runs 4 experts, where vanilla SMoE keeps nearly every expert
 busy over the test split (utilisation 0.965-0.995, docs/dataset.md). The routing measurement of
 docs/protocol.md section 8 found the paper's over-utilisation at 16 experts (utilisation

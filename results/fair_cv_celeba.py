@@ -1,10 +1,6 @@
 r"""Table: FairSMoE, its ablations and the baselines on the CelebA sample's three paper attributes,
 scored by identity-grouped 5-fold cross-validation.
 
-  python -m paper_runner.sweep --sweep=results/fair_cv_celeba.py --workdir=/tmp/results/fair_cv_celeba
-  python -m paper_runner.tables --record=fair_cv_celeba --workdir=/tmp/results/fair_cv_celeba
-  python -m paper_runner.tables --write=docs/results.md
-
 `:target=` and `:epochs=` change the target and the budget. The second target, Smiling
 (docs/protocol.md section 7 chose it by a data-only rule before any run), has tables of its own
 that take everything else from this one: results/fair_cv_celeba_smiling.py (3 epochs) and

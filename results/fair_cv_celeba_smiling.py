@@ -1,9 +1,5 @@
 r"""Table: the CelebA comparison of results/fair_cv_celeba.py with Smiling as the target, at 3 epochs.
 
-  python -m paper_runner.sweep --sweep=results/fair_cv_celeba_smiling.py --workdir=/tmp/results/fair_cv_celeba_smiling
-  python -m paper_runner.tables --record=fair_cv_celeba_smiling --workdir=/tmp/results/fair_cv_celeba_smiling
-  python -m paper_runner.tables --write=docs/results.md
-
 Smiling is the second target of issue 34: one that a small model can learn from 2.5k faces,
 chosen by the data-only rule of docs/protocol.md section 7 on fold 0's training and validation
 folds, before any run. Everything else (folds, the 3-epoch budget chosen on Attractive, methods,

@@ -1,9 +1,5 @@
 r"""Table: the CelebA comparison with Smiling as the target, at the 12 epochs its own curve chose.
 
-  python -m paper_runner.sweep --sweep=results/fair_cv_celeba_smiling_12.py --workdir=/tmp/results/fair_cv_celeba_smiling_12
-  python -m paper_runner.tables --record=fair_cv_celeba_smiling_12 --workdir=/tmp/results/fair_cv_celeba_smiling_12
-  python -m paper_runner.tables --write=docs/results.md
-
 At 3 epochs (results/fair_cv_celeba_smiling.py) no model learns Smiling. The budget rule of
 docs/protocol.md section 7 applied to Smiling (`configs/sweeps/celeba_budget.py:target=Smiling`,
 written before its runs) chose 12 epochs; this table is results/fair_cv_celeba.py with Smiling

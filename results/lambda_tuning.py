@@ -1,8 +1,5 @@
 r"""Tuning table (validation only): the lambdas of the L_Psi rule, FairSMoE on the CelebA sample.
 
-  python -m paper_runner.sweep --sweep=results/lambda_tuning.py --workdir=/tmp/results/lambda_tuning
-  python -m paper_runner.tables --record=lambda_tuning --workdir=/tmp/results/lambda_tuning
-
 The rule was fixed before any run (docs/design.md, "One L_Psi rule"): PQD, the paper's headline
 metric, and DP are trained together, lambda_pqd * L_PQD + lambda_dp * L_DP, for every method
 that has the term (FairSMoE, its ablations, vanilla SMoE + L_Psi, Muffin) and every dataset.

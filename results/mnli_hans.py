@@ -1,9 +1,5 @@
 r"""Table: causal against vanilla attention, trained on the MNLI sample, scored on HANS.
 
-  python -m paper_runner.sweep --sweep=results/mnli_hans.py --workdir=/tmp/results/mnli_hans
-  python -m paper_runner.tables --record=mnli_hans --workdir=/tmp/results/mnli_hans
-  python -m paper_runner.tables --write=docs/results.md
-
 configs/mnli_hans.py at size=small: MultiNLI dev-matched (../shared/data/nli, 9,815 pairs)
 split 90/10 into train and validation (data.eval_fraction), 1,500 steps; HANS is the 3,000
 regenerated pairs (100 per subcase), out of distribution and for reporting only. Five paired

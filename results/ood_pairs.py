@@ -1,10 +1,6 @@
 r"""Table: causal attention against vanilla attention and the unconstrained GCN updater on the
 ood-pairs testbed, whose challenge split is out of distribution by construction.
 
-  python -m paper_runner.sweep --sweep=results/ood_pairs.py --workdir=/tmp/results/ood_pairs
-  python -m paper_runner.tables --record=ood_pairs --workdir=/tmp/results/ood_pairs
-  python -m paper_runner.tables --write=docs/results.md
-
 Generated pairs (configs/ood_pairs.py, docs/dataset.md "The ood-pairs testbed"; data seed 0 for
 every run): 4,000 train, 1,000 validation and 1,000 challenge pairs. The label is a relation of
 two tokens (is the hypothesis' subject the premise's, up to a synonym); the cue, the majority

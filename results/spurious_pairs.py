@@ -1,10 +1,6 @@
 r"""Table: causal attention against vanilla attention and the unconstrained GCN updater on the
 spurious-pairs testbed (configs/spurious_pairs.py, size=small).
 
-  python -m paper_runner.sweep --sweep=results/spurious_pairs.py --workdir=/tmp/results/spurious_pairs
-  python -m paper_runner.tables --record=spurious_pairs --workdir=/tmp/results/spurious_pairs
-  python -m paper_runner.tables --write=docs/results.md
-
 Generated pairs (data seed 0, the same for every run): 4,000 train, 1,000 validation (in
 distribution: lexical overlap agrees with the label in 90% of pairs) and 1,000 challenge pairs
 (it never does). The validation split is the one defaults may be chosen on; the challenge split

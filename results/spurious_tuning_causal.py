@@ -1,8 +1,5 @@
 r"""Tuning table (validation only): the dual-ascent schedule of causal attention on the testbed.
 
-  python -m paper_runner.sweep --sweep=results/spurious_tuning_causal.py --workdir=/tmp/results/spurious_tuning_causal
-  python -m paper_runner.tables --record=spurious_tuning_causal --workdir=/tmp/results/spurious_tuning_causal
-
 Four schedules of the Lagrange multipliers' step (configs/spurious_pairs.py, size=small), three
 seeds each, scored on the in-distribution validation split only; the challenge split is not
 read. The schedule shipped before this table (dual ascent from step 500, the step ramped to 0.02

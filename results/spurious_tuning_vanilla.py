@@ -1,8 +1,5 @@
 r"""Tuning table (validation only): the learning rate of vanilla attention on the testbed.
 
-  python -m paper_runner.sweep --sweep=results/spurious_tuning_vanilla.py --workdir=/tmp/results/spurious_tuning_vanilla
-  python -m paper_runner.tables --record=spurious_tuning_vanilla --workdir=/tmp/results/spurious_tuning_vanilla
-
 The same budget as causal attention's schedule search (results/spurious_tuning_causal.py): four
 settings, three seeds, the in-distribution validation split only. The shipped learning rate
 (3e-3, configs/spurious_pairs.py size=small) against 1e-3, 2e-3 and 5e-3. The setting with the

@@ -126,15 +126,7 @@ def paired_claims(methods: dict[str, Any], baseline: str = BASELINE) -> list[dic
 
 
 def summarise(runs: Sequence[RunResult]) -> dict[str, Any]:
-  """Aggregates the runs per method (`row_label`) over seeds, in the order the runs come.
-
-  Returns {"methods": {METHOD: {"num_seeds", "seeds", "accuracy", "mf_pqd", "mf_dp",
-  "experts_active", "gradient_cosine", "pqd": {ATTR: stats}, "dp": {ATTR: stats},
-  "runs": [per-run entry]}}, "attributes": [ATTR, ...],
-  "failed": [{"method", "seed", "run_dir", "status", "error"}], "table_scale": {...}}, where
-  stats is {"mean", "std", "values"} in raw units (accuracy a fraction, DP a rate); only
-  runs with a report count. Pure: reads nothing, writes nothing.
-  """
+  """Aggregates the runs per method (`row_label`) over seeds, in the order the runs come."""
   grouped: dict[str, list[dict[str, Any]]] = {}
   for run in runs:
     grouped.setdefault(row_label(run.point), []).append(_entry(run))

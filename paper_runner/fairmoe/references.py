@@ -77,10 +77,8 @@ def _counts(
 def chance_draws(
     split: Mapping[str, np.ndarray], info: DatasetInfo, draws: int = CHANCE_DRAWS
 ) -> list[dict[str, Any]]:
-  """`draws` reports of a uniform guess over the classes on `split`, each scored by the
-  evaluation's own `fairness_report` (the metrics of counts, docs/design.md "Fairness
-  metrics"). Seeded by `CHANCE_SEED` and the split's labels and attributes, so the same split
-  gives the same draws and two folds get independent ones."""
+  """`draws` reports of a uniform guess over the classes on `split`, each scored by the evaluation's
+  own `fairness_report` (the metrics of counts, docs/design.md "Fairness metrics")."""
   labels = np.asarray(split["label"], np.int64)
   attributes = np.asarray(split["attributes"], np.int64)
   k = info.num_classes
