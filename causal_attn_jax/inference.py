@@ -76,22 +76,9 @@ class Restored:
 def inference_data(
     config: ml_collections.ConfigDict, workdir: str
 ) -> tuple[run_info_lib.RunMetadata, TaskData]:
-  """The run's metadata and its tokenizer and label names, from the workdir alone.
-
-  A run trained before run_info.json was written reads its label names from the data (which
-  must then be where `data.*` says).
-  """
+  """The run's metadata and its tokenizer and label names, from the workdir alone."""
   train.require_tokenizer(workdir)
   metadata = run_info_lib.load(workdir)
-  if metadata is None:
-    try:
-      data = tasks.get_task(config).load_data(config, workdir)
-    except UserError as e:
-      raise UserError(
-          f"{workdir} has no {RUN_INFO_FILE} (trained before it was written), so "
-          f"the label names are read from the data, which failed: {e}"
-      ) from None
-    return run_info_lib.RunMetadata.from_data(config, data), data
   if metadata.task != config.task:
     raise UserError(
         f"{workdir}/{RUN_INFO_FILE} is a {metadata.task} run's, but the config "

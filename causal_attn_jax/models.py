@@ -102,8 +102,7 @@ class TransformerSpec:
             ("seed", model_config.mask_seed),
         ),
         max_len=max_len,
-        # Saved configs from before the key have none: their runs had no remat.
-        remat=model_config.get("remat", "none"),
+        remat=model_config.remat,
     )
 
   def sparse_pattern(self, n: int) -> jax.Array | None:

@@ -259,8 +259,6 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   require_tokenizer(workdir)
   data, run = _setup(config, workdir, training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
-  if run_info_lib.load(workdir) is None:  # A run trained before run_info.json was written.
-    run_info_lib.RunMetadata.from_data(config, data).save(workdir)
   eval_step = evaluation.make_eval_step(run.graphdef, config)
   report = _final_report(config, run.graphdef, eval_step, state, data, run.mesh, workdir)
   return recipe.finish(

@@ -321,9 +321,9 @@ def validate(
     cfg.require_int(config, "data.identity_folds.fold", minimum=0, maximum=num_folds - 1)
   cfg.require_choice(config, "data.missing", ("unknown", "exclude"))
   cfg.require_int(config, "data.max_examples_per_split", minimum=0)
-  if not isinstance(config.data.get("attribute_cues", False), bool):
+  if not isinstance(config.data.attribute_cues, bool):
     raise ConfigError("data.attribute_cues", "must be True or False")
-  if config.data.get("attribute_cues", False) and config.data.name != "synthetic":
+  if config.data.attribute_cues and config.data.name != "synthetic":
     raise ConfigError(
         "data.attribute_cues", f"only the synthetic data has them, not {config.data.name}"
     )

@@ -41,12 +41,12 @@ from fairmoe_jax.models.convert_timm import export_timm_state_dict
 from fairmoe_jax.run_info import RunMetadata
 from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
-from trainkit.errors import ConfigError, UserError
+from trainkit.errors import ConfigError
 from trainkit.saved_config import restore_saved_run
 from trainkit.storage import write_atomically
 from trainkit.textfiles import is_stream, iter_lines, special_file_kind
 from trainkit.train_state import TrainState
-from trainkit.workdir import RUN_INFO_FILE, output_folder
+from trainkit.workdir import output_folder
 
 
 @dataclasses.dataclass
@@ -75,22 +75,6 @@ class Restored:
     return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
 
 
-def run_metadata(config: ml_collections.ConfigDict, workdir: str) -> run_info_lib.RunMetadata:
-  """The run's metadata from `<workdir>/run_info.json`; for a run trained before that file was
-  written, from its dataset (which must then be where `data.*` says)."""
-  metadata = run_info_lib.load(workdir)
-  if metadata is None:
-    try:
-      info, _ = train.load_data(config)
-    except UserError as e:
-      raise UserError(
-          f"{workdir} has no {RUN_INFO_FILE} (trained before it was written), so the class "
-          f"names are read from the dataset, which failed: {e}"
-      ) from None
-    metadata = run_info_lib.RunMetadata.from_dataset(info, config)
-  return metadata
-
-
 def restore_run(
     config: ml_collections.ConfigDict, workdir: str, *, from_checkpoint: bool = True
 ) -> Restored:
@@ -99,7 +83,7 @@ def restore_run(
   With `from_checkpoint=False`, the state as initialised from `config` (from
   `model.pretrained` when set) instead. Raises UserError when there is no readable checkpoint.
   """
-  metadata = run_metadata(config, workdir)
+  metadata = run_info_lib.load(workdir)
   info = metadata.dataset_info()
   run = recipe.setup(
       config,

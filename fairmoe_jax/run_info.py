@@ -122,5 +122,5 @@ class RunMetadata(RunMetadataFile):
       )
 
 
-# The metadata in `<workdir>/run_info.json`; None for a run trained before it was written.
+# The metadata in `<workdir>/run_info.json`; a UserError names the file when it is missing.
 load = RunMetadata.load

@@ -218,8 +218,6 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   """Evaluates the latest readable checkpoint in `workdir` on the test split."""
   info, splits, run = _setup(config, workdir, training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
-  if run_info_lib.load(workdir) is None:  # A run trained before run_info.json was written.
-    run_info_lib.RunMetadata.from_dataset(info, config).save(workdir)
   report, predictions = report_lib.final_report(
       evaluation.make_eval_step(run.graphdef, info, config),
       run.graphdef,

@@ -22,7 +22,9 @@ CAUSAL = causal_run_info.RunMetadata(task="classification", label_names=("yes", 
 
 @pytest.mark.parametrize("module, metadata", [(fair_run_info, FAIR), (causal_run_info, CAUSAL)])
 def test_metadata_round_trips_through_run_info_json(tmp_path, module, metadata):
-  assert module.load(str(tmp_path)) is None  # Trained before run_info.json was written.
+  # Missing (deleted, or a run trained before the file was written): one line naming it.
+  with pytest.raises(UserError, match=f"{tmp_path / 'run_info.json'} does not exist: training"):
+    module.load(str(tmp_path))
   metadata.save(str(tmp_path))
   saved = json.loads((tmp_path / "run_info.json").read_text())
   assert list(saved)[0] == "package" and saved["package"] == module.PACKAGE

@@ -90,8 +90,9 @@ def test_an_empty_run_lock_is_stale_once_old_and_held_while_fresh(tmp_path, capl
 
 
 def test_keys_that_change_nothing_trained_do_not_make_a_finished_run_stale(tmp_path):
-  """A finished run trained before `model.remat` existed, or with another preflight setting,
-  trained what the config asks for now; a changed learning rate still makes it stale."""
+  """A finished run trained before `model.remat` existed (format version 1, migrated), or with
+  another preflight setting, trained what the config asks for now; a changed learning rate
+  still makes it stale."""
   import json
 
   import ml_collections
@@ -108,5 +109,45 @@ def test_keys_that_change_nothing_trained_do_not_make_a_finished_run_stale(tmp_p
   config.model.remat = "block"
   config.optimizer.learning_rate = 0.2
   assert trained_config_differences(str(tmp_path), config) == [
-      "model.remat: None -> 'block'", "optimizer.learning_rate: 0.1 -> 0.2"
+      "model.remat: 'none' -> 'block'", "optimizer.learning_rate: 0.1 -> 0.2"
   ]
+
+
+def test_the_format_version_is_written_and_version_1_migrated_in_one_place(tmp_path):
+  """config.json carries the format version; a config.json without one (version 1) gets the
+  keys its earliest runs lacked, with the values they trained with, where the package has them
+  (data.attribute_cues is fairmoe_jax's alone)."""
+  from causal_attn_jax.config import base_config as causal_base
+  from fairmoe_jax.config import base_config as fair_base
+  from trainkit.workdir import FORMAT_VERSION, load_saved_config, trained_config_differences
+
+  config = fair_base()
+  config.model.remat = "block"
+  save_config(config, str(tmp_path))
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["format_version"] == FORMAT_VERSION == 2
+  assert load_saved_config(str(tmp_path), fair_base()).to_dict() == config.to_dict()
+  assert trained_config_differences(str(tmp_path), config) == []  # The version is no key.
+
+  for base in (fair_base, causal_base):
+    old = json.loads(base().to_json_best_effort())
+    del old["model"]["remat"], old["distributed"]
+    old["data"].pop("attribute_cues", None)
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    loaded = load_saved_config(str(tmp_path), base())
+    assert loaded.model.remat == "none" and loaded.distributed.startup_timeout_s == 600
+    assert loaded.data.get("attribute_cues") is (False if base is fair_base else None)
+    assert "format_version" not in loaded
+
+
+def test_a_newer_format_version_is_refused_in_one_line(tmp_path):
+  from fairmoe_jax.config import base_config
+  from trainkit.workdir import load_saved_config
+
+  (tmp_path / "config.json").write_text(json.dumps({"format_version": 3, "seed": 0}))
+  with pytest.raises(UserError) as e:
+    load_saved_config(str(tmp_path), base_config())
+  assert str(e.value) == (
+      f"{tmp_path / 'config.json'} is of workdir format version 3, and this code reads versions "
+      "1 to 2: use the version of the code that trained the run"
+  )

@@ -206,9 +206,7 @@ def distributed_config() -> ml_collections.ConfigDict:
 
 
 def startup_timeout_s(config: ml_collections.ConfigDict) -> float:
-  """`distributed.startup_timeout_s`, or its default for a config saved before the key."""
-  if "distributed" not in config:
-    return DEFAULT_STARTUP_TIMEOUT_S
+  """`distributed.startup_timeout_s` (a saved config without it is migrated: trainkit.workdir)."""
   return require_float(config, "distributed.startup_timeout_s", minimum=1.0)
 
 

@@ -54,13 +54,7 @@ def check_remat(policy: str) -> str:
 
 
 def validate_remat(config: ml_collections.ConfigDict, key: str = "model.remat") -> str:
-  """The config's remat policy; a ConfigError naming `key` and the choices otherwise.
-
-  A config without the key (a run saved before it existed) had no remat: "none".
-  """
-  section, _, name = key.rpartition(".")
-  if name not in config.get(section, {}):
-    return "none"
+  """The config's remat policy; a ConfigError naming `key` and the choices otherwise."""
   return require_choice(config, key, REMAT_CHOICES)
 
 

@@ -67,9 +67,7 @@ class RunMetadataFile:
     save_run_info(self.to_json(), workdir)
 
   @classmethod
-  def load(cls: type[_Metadata], workdir: str) -> _Metadata | None:
-    """The metadata in `<workdir>/run_info.json`; None for a run trained before it was written."""
-    saved = load_run_info(workdir)
-    if saved is None:
-      return None
-    return cls.from_json(saved, f"{workdir}/{RUN_INFO_FILE}")
+  def load(cls: type[_Metadata], workdir: str) -> _Metadata:
+    """The metadata in `<workdir>/run_info.json`; a UserError names the file when it is
+    missing (`load_run_info`) or not this package's."""
+    return cls.from_json(load_run_info(workdir), f"{workdir}/{RUN_INFO_FILE}")

@@ -36,8 +36,7 @@ def config_argument(config_module: str, workdir: str) -> str:
 def get_config(arg: str) -> ml_collections.ConfigDict:
   """The config saved in a workdir; `arg` is `<config module>:<workdir>` (`config_argument`)."""
   config_module, _, workdir = arg.partition(":")
-  defaults = importlib.import_module(config_module).base_config() if config_module else None
-  return load_saved_config(workdir, defaults)
+  return load_saved_config(workdir, importlib.import_module(config_module).base_config())
 
 
 def restore_saved_run(

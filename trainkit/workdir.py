@@ -9,13 +9,14 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import ml_collections
 
 from trainkit import storage
+from trainkit.distributed import DEFAULT_STARTUP_TIMEOUT_S
 from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 
@@ -220,6 +221,22 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 CONFIG_FILE = "config.json"
+# The format of a workdir: `save_config` writes it into config.json under FORMAT_VERSION_KEY,
+# beside the config's keys, and `read_saved_config` is the one place that reads a saved config.
+# Version 2 holds every key of version 1's last code, and its run wrote run_info.json.
+FORMAT_VERSION = 2
+FORMAT_VERSION_KEY = "format_version"
+# Version 1 is a config.json without the key: every workdir trained before the version was
+# written. It is migrated, not refused: it is every run trained until now (a refusal would make
+# each one train again), and migrating costs this table. Its keys were added during version 1, so
+# its earliest runs lack them; each gets the value those runs were trained with, where the
+# package's config has the key (data.attribute_cues is fairmoe_jax's alone). Its runs without
+# run_info.json are refused by `load_run_info`: inference would need their dataset to migrate.
+_ADDED_DURING_VERSION_1 = {
+    "model.remat": "none",
+    "data.attribute_cues": False,
+    "distributed.startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S,
+}
 # What inference needs besides the config and the checkpoint (class names, preprocessing, ...);
 # each package writes its own content (fairmoe_jax/run_info.py, causal_attn_jax/run_info.py).
 RUN_INFO_FILE = "run_info.json"
@@ -237,7 +254,8 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   if jax.process_index() != 0:
     return
   path = storage.join(workdir, CONFIG_FILE)
-  text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  saved = {FORMAT_VERSION_KEY: FORMAT_VERSION, **json.loads(config.to_json_best_effort())}
+  text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
   if storage.path(path).exists():
     previous = storage.read_text(path)
     try:
@@ -264,23 +282,20 @@ def _as_typed(saved: Any, default: Any) -> Any:
   return saved
 
 
-def load_saved_config(
-    workdir: str, defaults: ml_collections.ConfigDict | None = None
-) -> ml_collections.ConfigDict:
-  """The config a run saved in `<workdir>/config.json` (`save_config`), as a ConfigDict.
+def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, Any]:
+  """The config a run saved in `<workdir>/config.json` (`save_config`), migrated to this format
+  version.
 
   Args:
     workdir: The run's working directory.
-    defaults: The package's base config; a key whose default is a tuple is read back as a
-      tuple (JSON holds it as a list), so that overrides and checks see the type they expect.
-
-  Returns:
-    The config the run was trained with.
+    reference: A config of the same package (its base config, or a config asked for now): the
+      keys of version 1 that its earliest runs lack are filled in where `reference` has them.
 
   Raises:
-    UserError: config.json is missing or is not a JSON object; the message names the file.
+    UserError: config.json is missing, not a JSON object, or of a format version this code does
+      not read; the one-line message names the file (and the versions).
   """
-  path = storage.join(storage.resolve(workdir), CONFIG_FILE)
+  path = storage.join(workdir, CONFIG_FILE)
   try:
     saved = json.loads(storage.read_text(path))
   except FileNotFoundError:
@@ -292,9 +307,30 @@ def load_saved_config(
     raise UserError(f"cannot read the run's config {path}: {e}") from None
   if not isinstance(saved, dict):
     raise UserError(f"cannot read the run's config {path}: not a JSON object")
-  if defaults is not None:
-    saved = _as_typed(saved, defaults)
-  return ml_collections.ConfigDict(saved)
+  version = saved.pop(FORMAT_VERSION_KEY, 1)
+  if version == 1:
+    for key, value in _ADDED_DURING_VERSION_1.items():
+      section, name = key.split(".")
+      if name in reference.get(section, {}) and name not in saved.get(section, {}):
+        saved.setdefault(section, {})[name] = value
+  elif version != FORMAT_VERSION:
+    raise UserError(
+        f"{path} is of workdir format version {version!r}, and this code reads versions 1 to "
+        f"{FORMAT_VERSION}: use the version of the code that trained the run"
+    )
+  return saved
+
+
+def load_saved_config(
+    workdir: str, defaults: ml_collections.ConfigDict
+) -> ml_collections.ConfigDict:
+  """The config a run saved in `<workdir>/config.json` (`read_saved_config`), as a ConfigDict.
+
+  `defaults` is the package's base config; a key whose default is a tuple is read back as a
+  tuple (JSON holds it as a list), so that overrides and checks see the type they expect.
+  """
+  saved = read_saved_config(storage.resolve(workdir), defaults)
+  return ml_collections.ConfigDict(_as_typed(saved, defaults))
 
 
 def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
@@ -309,14 +345,20 @@ def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
   write_atomically(storage.join(workdir, RUN_INFO_FILE), json.dumps(run_info, indent=2) + "\n")
 
 
-def load_run_info(workdir: str) -> dict[str, Any] | None:
-  """`<workdir>/run_info.json` as a dict, or None when the run has none (trained before it was
-  written). An unreadable file is a UserError naming it."""
+def load_run_info(workdir: str) -> dict[str, Any]:
+  """`<workdir>/run_info.json` as a dict. A missing or unreadable file is a UserError naming it.
+
+  A run of format version 1 trained before the file was written has none: inference would need
+  its dataset (the class names), so such a run is refused rather than migrated.
+  """
   path = storage.join(workdir, RUN_INFO_FILE)
   try:
     info = json.loads(storage.read_text(path))
   except FileNotFoundError:
-    return None
+    raise UserError(
+        f"{path} does not exist: training writes it beside {CONFIG_FILE} with what inference "
+        "reads (class or label names); restore it from a copy of the workdir, or train again"
+    ) from None
   except (OSError, json.JSONDecodeError) as e:
     raise UserError(f"cannot read {path}: {e}") from None
   if not isinstance(info, dict):
@@ -349,36 +391,25 @@ def trained_config_differences(directory: str, config: ml_collections.ConfigDict
   """How `config` differs from the config.json a finished run in `directory` was trained with.
 
   `num_train_steps` is left out when `num_epochs` sets it (training resolves it from the data).
-  A missing or unreadable config.json is one difference: such a run cannot be checked.
+  A config.json that cannot be read (`read_saved_config`) is one difference: such a run cannot
+  be checked.
   """
-  path = storage.join(directory, "config.json")
-  try:
-    saved = json.loads(storage.read_text(path))
-  except (OSError, json.JSONDecodeError) as e:
-    return [f"config.json unreadable ({e.__class__.__name__})"]
   requested = json.loads(config.to_json_best_effort())
+  try:
+    saved = read_saved_config(directory, requested)
+  except UserError as e:
+    return [str(e)]
   ignore = ("num_train_steps",) if requested.get("num_epochs", 0) > 0 else ()
   return [
       difference
       for difference in config_differences(saved, requested, ignore=ignore)
-      if not _changes_nothing_trained(difference, saved)
+      if not difference.startswith(_UNTRAINED_PREFIXES)
   ]
 
 
 # Keys that do not change what a run trains: the preflight's (it only compiles) and the
 # multi-process start-up's timeout.
 _UNTRAINED_PREFIXES = ("preflight.", "distributed.")
-# Keys added after runs were trained without them, with the value that reproduces those runs.
-_ADDED_KEYS = {"model.remat": "none"}
-
-
-def _changes_nothing_trained(difference: str, saved: Any) -> bool:
-  key = difference.split(":", 1)[0]
-  if key.startswith(_UNTRAINED_PREFIXES):
-    return True
-  if key in _ADDED_KEYS and key not in _flatten(saved):
-    return difference.endswith(f"-> {_ADDED_KEYS[key]!r}")
-  return False
 
 
 def move_aside(directory: str) -> str:

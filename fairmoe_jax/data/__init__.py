@@ -50,8 +50,7 @@ def dataset_from_config(d: Any) -> tuple[DatasetInfo, Splits]:
   """Loads the dataset described by a config's `data` section (fairmoe_jax/config.py)."""
   if d.name in GENERATED_INFO:
     sizes = {"train": d.train_size, "val": d.val_size, "test": d.test_size}
-    # A config saved before `data.attribute_cues` existed has none: the data without them.
-    cues = {"attribute_cues": True} if d.get("attribute_cues", False) else {}
+    cues = {"attribute_cues": True} if d.attribute_cues else {}
     return _LOADERS[d.name](
         image_size=d.image_size, num_classes=d.num_classes, seed=d.seed, sizes=sizes, **cues
     )

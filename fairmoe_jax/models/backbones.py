@@ -40,8 +40,7 @@ def build_backbone(
       dropout_rate=m.dropout_rate,
       dtype=compute_dtype(config.compute_dtype),
       rngs=rngs,
-      # Saved configs from before the key have none: their runs had no remat.
-      remat=m.get("remat", "none"),
+      remat=m.remat,
   )
   if family == "swin":
     from fairmoe_jax.models.swin import SWIN_PRESETS, SwinTransformer
