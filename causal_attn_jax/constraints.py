@@ -21,8 +21,7 @@ Definition 1 and Figure 5:
   constant): the self-loop holds 1/3 and the parents the rest, so the band is
   [3 expm1(1/3), expm1(1/3) + expm1(2/3)] = [1.187, 1.343] with the diagonal counted: two parents
   at 1/3 beside the self-loop to one parent at 2/3 beside it. Uniform rows over k >= 4 keys
-  (<= 1.137) and the self-loop-only graph A = I (1.718) both violate it. Its earlier name,
-  "self_loop", is refused with a message naming this one.
+  (<= 1.137) and the self-loop-only graph A = I (1.718) both violate it.
 * encoder, `encoder_band="paper_slack"` (the paper's printed constants): the printed slacks, read
   as what a 1/3 self-loop costs Definition 1's band when the diagonal is not counted:
   2 (e^(1/2) - e^(1/3)) = 0.5062 lowers the lower bound (two parents at 1/3 instead of 1/2) and
@@ -221,10 +220,6 @@ def constraint_violations(
     decoder: causal self-attention: no self-loop (module docstring).
     valid_q: [B, N] bool (default all valid): padded rows are left out.
     valid_k: [B, N] bool (default all valid): padded columns are left out.
-    spec: the reading of Eqs. 2-3.
-
-  Returns:
-    ConstraintStats; violations [H, len(spec.names)].
   """
   batch, heads, n_q, n_k = probs.shape
   if n_q != n_k:

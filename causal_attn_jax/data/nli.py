@@ -1,39 +1,21 @@
 """Sentence-pair classification data (NLI and paraphrase) from official files or tfds.
 
-Every reader returns a ``PairData``: premises, hypotheses and int32 labels in a
-fixed label vocabulary, so a model trained on one file scores another with the
-same class indices:
+Labels use a fixed vocabulary, so a model trained on one file scores another with the same
+class indices: ``NLI_LABELS`` (the order of tfds ``snli``/``glue/mnli`` and the GLUE ids),
+``HANS_LABELS`` (a 3-way MNLI model is scored on HANS through ``nli_to_hans``, as in McCoy et
+al. 2019) and ``PARAPHRASE_LABELS`` (QQP ``is_duplicate`` and PAWS ``label`` are already 0/1).
 
-* task ``"nli"``: ``NLI_LABELS`` = entailment 0, neutral 1, contradiction 2 (the
-  order of tfds ``snli``/``glue/mnli`` and of the GLUE/HF label ids);
-* HANS (read with task ``"nli"``): ``HANS_LABELS`` = entailment 0,
-  non-entailment 1. A 3-way MNLI model is scored on HANS by collapsing its
-  predictions with ``nli_to_hans`` (neutral and contradiction are both
-  non-entailment), as in McCoy et al. (2019);
-* task ``"paraphrase"``: ``PARAPHRASE_LABELS`` = not_paraphrase 0, paraphrase 1
-  (QQP ``is_duplicate`` and PAWS ``label`` are already 0/1).
+SNLI/MNLI rows with ``gold_label`` ``-`` (no annotator majority) are dropped, as the SNLI and
+MNLI papers, GLUE and tfds do, and counted in ``stats["skipped_no_consensus"]``. Any other
+unknown label is an error naming file and line: a typo or a wrong column would otherwise
+shrink the data unnoticed.
 
-SNLI/MNLI rows whose ``gold_label`` is ``-`` had no majority among the five
-annotators; the standard practice (the SNLI and MNLI papers, GLUE, tfds) is to
-drop them from training and evaluation, so they are skipped and counted in
-``PairData.stats["skipped_no_consensus"]``. Any other label outside the
-vocabulary is an error naming file and line, never a silent drop: a typo or a
-wrong column would otherwise shrink the data unnoticed.
-
-Formats (``read_pairs`` picks one from the extension and the header row):
-
-* ``.jsonl``: SNLI/MNLI official jsonl (``sentence1``, ``sentence2``, ``gold_label``);
-* tab-separated with a header (``.tsv``/``.txt``), columns found by name:
-
-  - HANS ``heuristics_evaluation_set.txt``: ``gold_label``, ``sentence1``,
-    ``sentence2``, ``heuristic`` (kept per example), ``subcase``, ``template``;
-  - MNLI/SNLI/GLUE: ``sentence1``/``premise``, ``sentence2``/``hypothesis``,
-    ``gold_label`` (else ``label``);
-  - QQP (GLUE): ``question1``, ``question2``, ``is_duplicate``;
-  - PAWS: ``sentence1``, ``sentence2``, ``label``.
-
-TSV fields are split on tabs only, with no quote handling: GLUE files contain
-unbalanced ``"`` that a CSV reader would merge across lines.
+``read_pairs`` reads SNLI/MNLI ``.jsonl`` or a tab-separated file with a header, its columns
+found by name: HANS (``heuristic``, ``subcase``), MNLI/SNLI/GLUE (``sentence1``/``premise``,
+``sentence2``/``hypothesis``, ``gold_label``/``label``), QQP (``question1``, ``question2``,
+``is_duplicate``), PAWS (``sentence1``, ``sentence2``, ``label``). TSV fields are split on
+tabs only, without quote handling: GLUE files contain unbalanced ``"`` that a CSV reader
+would merge across lines.
 """
 
 from __future__ import annotations
@@ -71,20 +53,11 @@ TFDS_PAIR_DATASETS = {
 
 @dataclasses.dataclass
 class PairData:
-  """Sentence pairs with labels in a fixed vocabulary.
+  """Sentence pairs (whitespace-stripped) with int32 [N] ``labels`` indexing ``label_names``.
 
-  Attributes:
-    premises: First sentences (premise, question1), whitespace-stripped.
-    hypotheses: Second sentences (hypothesis, question2).
-    labels: int32 [N], indices into ``label_names``.
-    label_names: The label vocabulary (``NLI_LABELS``, ``HANS_LABELS`` or
-      ``PARAPHRASE_LABELS``).
-    source: File or tfds dataset the pairs came from (for messages).
-    heuristics: HANS only: the ``heuristic`` of each pair (lexical_overlap,
-      subsequence, constituent), for per-heuristic accuracy; else None.
-    subcases: HANS only: the ``subcase`` of each pair; else None.
-    stats: What the reader counted: ``rows``, ``examples``,
-      ``skipped_no_consensus``, ``empty_text`` and ``label_<name>``.
+  ``heuristics`` and ``subcases`` are HANS's per-pair columns (else None); ``stats`` holds the
+  reader's counts (``rows``, ``examples``, ``skipped_no_consensus``, ``empty_text``,
+  ``label_<name>``).
   """
 
   premises: list[str]
@@ -105,11 +78,7 @@ class PairData:
 
 
 def nli_to_hans(predictions: np.ndarray) -> np.ndarray:
-  """Maps 3-way NLI predictions (``NLI_LABELS``) to ``HANS_LABELS`` indices.
-
-  HANS has no neutral/contradiction distinction, so both become
-  non-entailment; this is how MNLI models are scored on HANS.
-  """
+  """Maps 3-way NLI predictions to ``HANS_LABELS``: neutral and contradiction are non-entailment."""
   predictions = np.asarray(predictions)
   return np.where(predictions == NLI_LABELS.index("entailment"), 0, 1).astype(np.int32)
 
@@ -127,21 +96,13 @@ def _check_task(task: str) -> None:
 
 
 def _open_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
-  """Yields (1-based line number, line without its newline).
-
-  Lines are split on '\\n' only: ``str.splitlines`` also splits on characters
-  such as U+2028 and U+0085 that occur inside real sentences.
-  """
-  # Split on "\n" only: a lone "\r" inside a sentence must not end the line.
+  """Yields (1-based line number, line); split on '\\n' only, as U+2028, U+0085 and a lone
+  '\\r' occur inside real sentences."""
   yield from iter_lines(path, "sentence-pair")
 
 
 class _Builder:
-  """Accumulates pairs and counts for one file.
-
-  ``NO_CONSENSUS`` rows are skipped only for the 3-way NLI vocabulary (SNLI,
-  MNLI); in HANS or paraphrase files a ``-`` is an unknown label.
-  """
+  """Accumulates pairs and counts for one file; ``-`` is skipped only with ``NLI_LABELS``."""
 
   def __init__(self, source: str, label_names: tuple[str, ...], keep_heuristics: bool = False):
     self.source = source
@@ -188,10 +149,7 @@ class _Builder:
       self.subcases.append(subcase.strip())
 
   def require_examples(self, rows: str) -> None:
-    """UserError naming the file when it gave no example (read nothing, or skipped every row).
-
-    `rows` says what a row is in this format ("rows below the header", "JSON lines").
-    """
+    """UserError naming the file when it gave no example; `rows` names a row in the format."""
     if self.labels:
       return
     if not self.stats["rows"]:
@@ -223,13 +181,8 @@ class _Builder:
 def read_nli_jsonl(path: str | os.PathLike, *, report: bool = True) -> PairData:
   """Reads SNLI/MNLI official jsonl (``sentence1``, ``sentence2``, ``gold_label``).
 
-  Rows with ``gold_label`` ``-`` (no annotator consensus) are skipped and
-  counted. Blank lines are ignored.
-
   Raises:
-    UserError: A line is not a JSON object, lacks a field, or has a label
-      outside ``NLI_LABELS`` and ``-``; the message names file, line and field.
-      A file without an example (no line, or every row ``-``) names the file.
+    UserError: A malformed line or unknown label (file, line and field named), or no example.
   """
   path = pathlib.Path(path)
   builder = _Builder(str(path), NLI_LABELS)
@@ -252,11 +205,7 @@ def read_nli_jsonl(path: str | os.PathLike, *, report: bool = True) -> PairData:
 
 
 def _read_tsv(path: pathlib.Path) -> Iterator[tuple[int, list[str]]]:
-  """Yields (line number, fields) of a tab-separated file; the header comes first.
-
-  Raises:
-    UserError: A row's field count differs from the header's (file and line).
-  """
+  """Yields (line number, fields) of a tab-separated file, header first; checks field counts."""
   width = None
   for number, line in _open_lines(path):
     if not line.strip():
@@ -295,15 +244,12 @@ def _tsv_format(header: Sequence[str], task: str) -> tuple[str, str, str, str]:
 def read_pairs_tsv(path: str | os.PathLike, *, task: str, report: bool = True) -> PairData:
   """Reads a tab-separated sentence-pair file with a header (see the module doc).
 
-  HANS is recognised by its ``heuristic`` column and read with ``HANS_LABELS``
-  (it needs ``task="nli"``). For ``task="paraphrase"`` a header with
-  ``question1`` is QQP, otherwise PAWS.
+  HANS is recognised by its ``heuristic`` column (it needs ``task="nli"``); for
+  ``task="paraphrase"`` a header with ``question1`` is QQP, otherwise PAWS.
 
   Raises:
-    UserError: A required column is missing (the header is listed), a row has
-      the wrong field count, or a label is outside the vocabulary (file, line
-      and field are named); the file has no example (only a header, or every
-      row ``-``).
+    UserError: A missing column, a malformed row or unknown label (file, line and field
+      named), or no example.
   """
   _check_task(task)
   path = pathlib.Path(path)
@@ -345,21 +291,9 @@ def read_pairs_tsv(path: str | os.PathLike, *, task: str, report: bool = True) -
 
 
 def read_pairs(path: str | os.PathLike, *, task: str, report: bool = True) -> PairData:
-  """Reads a sentence-pair file, choosing the format from its extension and header.
+  """Reads a ``.jsonl`` or header-led tab-separated pair file (module doc), in file order.
 
-  Args:
-    path: A ``.jsonl`` (SNLI/MNLI) file, or a tab-separated file with a header
-      (MNLI/GLUE ``.tsv``, MNLI ``.txt``, QQP, PAWS, HANS).
-    task: ``"nli"`` (``NLI_LABELS``; ``HANS_LABELS`` for HANS) or
-      ``"paraphrase"`` (``PARAPHRASE_LABELS``).
-    report: Print and log the counts (rows, skipped, per label).
-
-  Returns:
-    The pairs in file order, minus no-consensus (``-``) rows.
-
-  Raises:
-    UserError: The file is missing or unreadable, or a row is malformed or has
-      an unknown label (the message names file and line).
+  ``task`` is ``"nli"`` or ``"paraphrase"``; ``report`` prints and logs the counts.
   """
   _check_task(task)
   path = pathlib.Path(path)
@@ -378,21 +312,11 @@ def load_tfds_pairs(
     max_examples: int = 0,
     report: bool = True,
 ) -> PairData:
-  """Loads ``snli``, ``glue/mnli`` or ``glue/qqp`` already prepared in ``data_dir``.
+  """Loads one of ``TFDS_PAIR_DATASETS`` already prepared in ``data_dir``; never downloads.
 
-  Nothing is downloaded or prepared here (a missing dataset is a user error),
-  and tensorflow_datasets is imported only when this is called. A dataset in
-  ``array_record`` format is read without TensorFlow; ``tfrecord`` needs
-  TensorFlow, which this project does not depend on. Examples with label -1
-  (SNLI no-consensus, GLUE unlabeled test splits) are skipped and counted.
-
-  Args:
-    name: One of ``TFDS_PAIR_DATASETS``.
-    split: A tfds split, e.g. ``train``, ``validation`` (snli, qqp),
-      ``validation_matched`` (mnli).
-    data_dir: tfds data directory holding ``<name>/<version>/``.
-    max_examples: If > 0, read only the first this many examples.
-    report: Print and log the counts.
+  ``array_record`` data is read without TensorFlow (``tfrecord`` needs it, and this project
+  does not depend on it). Label -1 (SNLI no-consensus, GLUE unlabeled test) is skipped and
+  counted; ``max_examples`` > 0 reads only the first that many.
   """
   if name not in TFDS_PAIR_DATASETS:
     raise UserError(
@@ -439,13 +363,7 @@ def _text(value: Any) -> str:
 
 
 def tfds_builder(name: str, data_dir: str | os.PathLike) -> Any:
-  """The tfds builder of a dataset prepared in ``data_dir``; never downloads.
-
-  Shared with the translation loaders.
-
-  Raises:
-    UserError: tensorflow_datasets is missing or the dataset is not prepared there.
-  """
+  """The tfds builder of a dataset prepared in ``data_dir`` (UserError if not); never downloads."""
   tfds = import_extra("tensorflow_datasets", "causal", f"tfds dataset {name}")
   hint = (
       f"prepare it there first (e.g. `tfds build {name} --data_dir={data_dir} "

@@ -1,19 +1,13 @@
 """SentencePiece tokenizer trained in the run's workdir, with fixed special ids.
 
-The special ids are fixed (``PAD_ID`` 0, ``UNK_ID`` 1, ``BOS_ID`` 2,
-``EOS_ID`` 3, then ``SEP_PIECE`` ``[SEP]`` as a user-defined symbol) so that
-models, padding masks (``ids != PAD_ID``) and the loss can hard-code them
-whatever corpus the vocabulary was trained on.
+The special ids are fixed (``PAD_ID`` 0 ... ``EOS_ID`` 3, then ``[SEP]``) so that models,
+padding masks (``ids != PAD_ID``) and the loss can hard-code them whatever the corpus.
 
-``load_or_train`` trains ``<workdir>/<name>.model`` once and reuses it when a
-run resumes: retraining would give different ids (the training samples and
-threads vary) and silently invalidate the checkpointed embeddings. A reused
-model must match the requested settings, recorded beside it in
-``<name>.json``; a mismatch is an error rather than a silent switch.
-
-Multi-host runs should call ``load_or_train`` on one process first (or share a
-prepared workdir): concurrent training in one workdir is not coordinated here,
-although each writer replaces the model file atomically.
+``load_or_train`` trains ``<workdir>/<name>.model`` once and reuses it on resume: retraining
+would give different ids and silently invalidate the checkpointed embeddings. A reused model
+must match the settings recorded in ``<name>.json``. Multi-host runs should call it on one
+process first: concurrent training in one workdir is not coordinated (each writer replaces the
+model file atomically).
 """
 
 from __future__ import annotations
@@ -64,31 +58,18 @@ def train_sentencepiece(
     seed: int = 0,
     num_threads: int = 4,
 ) -> pathlib.Path:
-  """Trains a SentencePiece model and writes ``<model_prefix>.model`` and ``.vocab``.
-
-  The files appear atomically (trained under a temporary prefix, then
-  renamed), so an interrupted run never leaves a half-written model that a
-  resume would load.
+  """Trains a SentencePiece model; writes and returns ``<model_prefix>.model`` (and ``.vocab``).
 
   Args:
-    texts: Training sentences (or a callable returning them); empty ones are
-      skipped. Give source and target text together for a shared NMT vocabulary.
-    model_prefix: Path prefix of the output, normally inside the run's workdir.
+    texts: Training sentences (or a callable returning them); empty ones are skipped. Give
+      source and target text together for a shared NMT vocabulary.
     vocab_size: Pieces in the vocabulary, specials and ``[SEP]`` included.
-    model_type: ``"unigram"`` or ``"bpe"``.
-    character_coverage: Fraction of characters covered by single pieces; the
-      rarest rest map to ``<unk>`` (or bytes with ``byte_fallback``).
+    character_coverage: Fraction of characters covered by single pieces; the rarest rest map
+      to ``<unk>`` (or bytes with ``byte_fallback``).
     input_sentence_size: At most this many sentences are sampled for training.
-    byte_fallback: Encode unknown characters as UTF-8 bytes instead of ``<unk>``.
-    seed: Seed of SentencePiece's sentence sampling.
-    num_threads: Training threads.
-
-  Returns:
-    The path of the ``.model`` file.
 
   Raises:
-    UserError: Bad settings, no text, or SentencePiece refused the corpus
-      (e.g. a vocabulary larger than the corpus supports); the message says why.
+    UserError: Bad settings, no text, or SentencePiece refused the corpus.
   """
   if model_type not in MODEL_TYPES:
     raise UserError(
@@ -187,13 +168,8 @@ def load_or_train(
 ) -> Tokenizer:
   """Returns the tokenizer ``<workdir>/<name>.model``, training it only if absent.
 
-  On resume the existing model is reused; ``texts`` is then not read (pass a
-  generator or callable so the corpus is not loaded for nothing).
-
-  Raises:
-    UserError: The existing model's vocabulary size, or a setting recorded in
-      ``<name>.json``, differs from the requested one (the message names the
-      file and both values), or training failed.
+  A reused model leaves ``texts`` unread (pass a generator or callable); one whose vocabulary
+  size or recorded setting differs from the requested one is a UserError naming both values.
   """
   workdir = os.fspath(workdir)
   model_path = storage.join(workdir, f"{name}.model")
@@ -241,9 +217,8 @@ def load_or_train(
 def pair_lengths(premise_len: int, hypothesis_len: int, budget: int) -> tuple[int, int]:
   """Lengths kept when truncating a pair to ``budget`` tokens, longer sentence first.
 
-  Equivalent to removing one token at a time from the end of the longer
-  sentence (the hypothesis on ties), as BERT's "longest_first" does, so a
-  short hypothesis is not cut because the premise is long.
+  As removing one token at a time from the end of the longer sentence (the hypothesis on ties),
+  BERT's "longest_first": a short hypothesis is not cut because the premise is long.
   """
   if premise_len + hypothesis_len <= budget:
     return premise_len, hypothesis_len
@@ -327,15 +302,10 @@ class Tokenizer:
       hypothesis: str | Sequence[str],
       max_len: int,
   ) -> tuple[np.ndarray, np.ndarray]:
-    """Packs ``<bos> premise <sep> hypothesis <eos>`` into ``max_len`` tokens.
+    """Packs ``<bos> premise <sep> hypothesis <eos>`` into ``max_len`` tokens (``pair_lengths``).
 
-    If too long, the longer sentence is truncated first (``pair_lengths``).
-
-    Returns:
-      ``(ids, segment_ids)``, int32 [max_len] for one pair or [N, max_len] for
-      sequences. Segment ids are 1 for ``<bos> premise <sep>``, 2 for
-      ``hypothesis <eos>`` and 0 for padding (``NUM_SEGMENT_IDS`` values), so
-      ``segment_ids > 0`` is also the padding mask.
+    Returns ``(ids, segment_ids)``, int32 [max_len] for one pair or [N, max_len]; segment ids
+    as in the module constants, so ``segment_ids > 0`` is also the padding mask.
     """
     single = isinstance(premise, str)
     if single != isinstance(hypothesis, str):
@@ -362,11 +332,8 @@ class Tokenizer:
     return ids, segments
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-    """Text of one id sequence: stops at the first ``<eos>``, skips pad and bos.
-
-    Ids outside the vocabulary (a model whose output layer is padded beyond
-    ``vocab_size``) decode as ``<unk>`` rather than raising.
-    """
+    """Text of one id sequence: stops at the first ``<eos>``, skips pad and bos; ids beyond the
+    vocabulary (a padded output layer) decode as ``<unk>``."""
     kept: list[int] = []
     for token in np.asarray(ids).reshape(-1).tolist():
       if token == EOS_ID:

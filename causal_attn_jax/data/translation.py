@@ -1,26 +1,15 @@
 """Parallel text for NMT from plain text, WMT ``.sgm`` or tfds ``wmt*_translate``.
 
-``read_parallel(source_path, target_path)`` returns the source and target
-sentences, aligned by index:
+``read_parallel`` reads:
 
-* plain text (any extension but ``.sgm``): one sentence per line, line i of
-  the source translates line i of the target. Unequal line counts are an error
-  naming both files: dropping or padding lines would silently misalign every
-  later pair. Lines are split on ``\\n`` only (``str.splitlines`` would also
-  split on U+2028, U+0085, form feed ..., which occur inside real WMT
-  sentences and shift the alignment). Text is verbatim unless
-  ``unescape=True``, which undoes the XML escaping of Moses-tokenised corpora
-  (``&apos;``, ``&quot;``, ``&amp;``, ``&#91;`` ...), e.g. the OpenNMT WMT14
-  En-De files;
-* WMT SGML (both files ``.sgm``): ``<seg id="N">text</seg>`` inside
-  ``<doc docid="...">``. Source and reference are paired by (doc id, seg id),
-  not by position, and must hold the same segments. XML entities are
-  unescaped; a bare ``&`` (as in the official newstest files, "B&Q") is kept.
-  The files are not parsed as XML because the official ones are not valid XML.
-
-tfds ``wmt14_translate/de-en`` and ``wmt16_translate/ro-en`` (any
-``wmtNN_translate/xx-yy``) are read by ``load_tfds_translation`` when already
-prepared in a data_dir; nothing is downloaded.
+* plain text (any extension but ``.sgm``): line i of the source translates line i of the
+  target. Unequal line counts are an error (dropping or padding would misalign every later
+  pair). Lines are split on ``\\n`` only: U+2028, U+0085 or a form feed occur inside real WMT
+  sentences. ``unescape=True`` undoes the XML escaping of Moses-tokenised corpora (e.g. the
+  OpenNMT WMT14 En-De files);
+* WMT SGML (both ``.sgm``): segments paired by (doc id, seg id), not by position, and XML
+  entities unescaped; a bare ``&`` (newstest's "B&Q") is kept, as the official files are not
+  valid XML.
 """
 
 from __future__ import annotations
@@ -51,8 +40,7 @@ _ATTR = r"\b{}\s*=\s*(?:\"([^\"]*)\"|'([^']*)'|([^\s>]+))"
 def unescape_entities(text: str) -> str:
   """Replaces the XML entities (named and numeric) in ``text``; a bare ``&`` stays.
 
-  Only the five XML names are replaced, unlike ``html.unescape``, which also
-  rewrites HTML names without a ``;`` (``&copy`` in "&copyright") in real text.
+  Only the five XML names: ``html.unescape`` also rewrites ``&copy`` in "&copyright".
   """
 
   def replace(match: re.Match[str]) -> str:
@@ -86,13 +74,8 @@ def _attribute(attrs: str, name: str) -> str | None:
 
 
 def read_sgm(path: str | os.PathLike) -> dict[tuple[str, str], str]:
-  """Reads a WMT ``.sgm`` file into {(doc id, seg id): unescaped text} in file order.
-
-  Raises:
-    UserError: A ``<seg>`` is outside a ``<doc>`` or lacks an id, a ``<doc>``
-      lacks a ``docid`` or is not closed, or a (doc id, seg id) repeats; the
-      message names file and line.
-  """
+  """Reads a WMT ``.sgm`` file into {(doc id, seg id): unescaped text} in file order; a
+  malformed or repeated segment is a UserError naming file and line."""
   path = pathlib.Path(path)
   text = read_text(path, "sgm")
   newlines = [i for i, c in enumerate(text) if c == "\n"]
@@ -162,22 +145,10 @@ def read_parallel(
     unescape: bool = False,
     report: bool = True,
 ) -> tuple[list[str], list[str]]:
-  """Reads aligned source and target sentences (see the module doc for formats).
+  """``(sources, targets)``, aligned, from two files of one format (module doc).
 
-  Args:
-    source_path: Source-language file (plain text or ``.sgm``).
-    target_path: Target-language file, same format as the source.
-    unescape: Plain text only: undo XML entities (Moses-escaped corpora).
-      ``.sgm`` text is always unescaped.
-    report: Print and log the pair count and the empty-line count.
-
-  Returns:
-    ``(sources, targets)``, equally long; ``.sgm`` pairs are in source-file order.
-
-  Raises:
-    UserError: A file is missing, the formats differ, plain files have
-      different line counts (both files and counts are named), or ``.sgm``
-      files are malformed or hold different segments.
+  ``report`` prints and logs the pair and empty-line counts; a missing file, mixed formats or
+  misaligned files are a UserError naming both files.
   """
   source, target = pathlib.Path(source_path), pathlib.Path(target_path)
   is_sgm = (source.suffix.lower() == SGM_SUFFIX, target.suffix.lower() == SGM_SUFFIX)
@@ -214,20 +185,8 @@ def load_tfds_translation(
 ) -> tuple[list[str], list[str]]:
   """Reads ``wmt14_translate/de-en``, ``wmt16_translate/ro-en`` (any ``wmtNN_translate/xx-yy``).
 
-  The dataset must already be prepared in ``data_dir`` (never downloaded);
-  tensorflow_datasets is imported only here. The direction is explicit
-  because tfds names the config ``de-en`` whatever the direction trained.
-
-  Args:
-    name: tfds name with config, e.g. ``wmt14_translate/de-en``.
-    split: ``train``, ``validation`` or ``test``.
-    data_dir: tfds data directory.
-    source_lang: One of the config's two languages, e.g. ``en``.
-    target_lang: The other one.
-    max_examples: If > 0, read only the first this many pairs.
-
-  Returns:
-    ``(sources, targets)``, equally long.
+  Already prepared in ``data_dir`` (never downloaded). The direction (``source_lang``,
+  ``target_lang``) is explicit because tfds names the config ``de-en`` whatever the direction.
   """
   match = _TFDS_NAME.match(name)
   if not match:

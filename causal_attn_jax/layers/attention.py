@@ -61,9 +61,8 @@ def sinkhorn_softmax(logits: jax.Array, mask: jax.Array | None, iters: int) -> j
   Definition 1 of the Causal Transformers paper takes attention with unit rows and unit columns; a
   softmax gives only the rows. `iters` alternations of column and row normalisation (Sinkformer's
   construction) approach the doubly stochastic matrix with the same pattern; rows stay exactly
-  normalised, so the result is still a valid adjacency for the GCN. Only meaningful where a doubly
-  stochastic matrix exists: under a causal mask the only one is the identity, so decoders do not use
-  it.
+  normalised, so the result is still a valid adjacency for the GCN. Not for decoders: under a
+  causal mask the only doubly stochastic matrix is the identity.
   """
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   # A finite stand-in for -inf: masked entries are reset to it after every normalisation, so the
@@ -92,22 +91,17 @@ class MultiHeadAttention(nnx.Module):
 
   Args:
     dim: model width D of the inputs and of the output.
-    num_heads: number of heads H.
-    kind: one of ATTENTION_KINDS.
     gcn_hops: 1 = literal Eq. 4, 2 = Kipf two-layer GCN (propagates through A twice; needs
       self-attention). Only used by kind "causal".
     head_dim: per-head width d_k = d_v; default D // H.
     dropout_rate: dropout on the output (after W_O); never on A, which is the graph that the
       constraint acts on.
     dtype: compute dtype; logits, softmax and the returned probabilities stay float32.
-    param_dtype: parameter dtype.
     gcn_activation: sigma of Eq. 4 (ReLU, as in Kipf & Welling).
     sinkhorn_iters: > 0 replaces the softmax by `sinkhorn_softmax` with this many iterations
       (columns about normalised, Definition 1); 0 = softmax. Not for causal masks.
-    rngs: parameter RNGs.
-    **mask_options: band_width, dilation, num_random, block_size, seed for the sparse kinds
-      (see `masks.sparse_mask`); accepted and ignored by the other kinds so that one config can
-      drive all of them.
+    **mask_options: `masks.sparse_mask`'s options for the sparse kinds; ignored by the others,
+      so that one config can drive all of them.
   """
 
   def __init__(

@@ -1,20 +1,13 @@
 """CelebA from its official files, or from a prepared tfds ``celeb_a``.
 
-One binary CelebA attribute is the target (``Attractive`` by default) and
-others are the sensitive attributes (``Male``, ``Chubby``, ``Goatee``), each a
-binary attribute with groups ``not_<name>`` (file value -1) and ``<name>``
-(file value 1). Splits keep identities apart (a random split by image would leak
-them: about 25 photos per person), in one of two ways:
-
-* the official partition (``list_eval_partition.txt``), the default and what runs
-  on the full dataset use;
-* identity-grouped k-fold cross-validation (``num_folds`` > 0, from
-  ``identity_CelebA.txt``): for a small copy whose official test split holds too
-  few images of a sensitive group to score it (the sample's test split has 2 Chubby
-  faces). ``identity_folds`` deals the identities into k folds; fold f is the test
-  split, fold f+1 (mod k) the validation split and the other k-2 folds the
-  training split, so the k runs predict every image once, each by a model that
-  never saw that person (docs/protocol.md, "CelebA sample: identity folds").
+One binary attribute is the target (``Attractive`` by default), others the sensitive
+attributes (``Male``, ``Chubby``, ``Goatee``), with groups ``not_<name>`` (file value -1) and
+``<name>`` (1). Splits keep identities apart (about 25 photos per person would leak): the
+official partition by default, or identity-grouped k-fold cross-validation (``num_folds`` > 0)
+for a small copy whose official test split holds too few images of a group (the sample's has
+2 Chubby faces): fold f is the test split, f+1 (mod k) the validation split, the rest training,
+so the k runs predict every image once by a model that never saw that person
+(docs/protocol.md, "CelebA sample: identity folds").
 
 Official layout under ``root``::
 
@@ -23,8 +16,7 @@ Official layout under ``root``::
   list_eval_partition.txt   # "image split", 0/1/2 = train/val/test
   identity_CelebA.txt       # "image identity" (read only for identity folds)
 
-Partial copies are common (a subset of images, of rows, of attribute
-columns), so rows are matched by image name and what could not be matched is
+Partial copies are common, so rows are matched by image name and what could not be matched is
 counted in ``DatasetInfo.load_stats`` rather than trusted from the header.
 """
 
@@ -105,9 +97,8 @@ def _header_index(path: pathlib.Path, lines: Sequence[str]) -> int:
   return header_index
 
 
-# What an attribute name looks like (CelebA's: 5_o_Clock_Shadow, Male, ...). A header line of
-# anything else means the file is not an attribute file (a config.json edited to point
-# data.attr_file at /etc/passwd, say): its content is then never repeated in an error.
+# A header of anything else is not an attribute file (data.attr_file pointed at /etc/passwd,
+# say), and its content is never repeated in an error.
 _ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
@@ -132,23 +123,10 @@ def read_attribute_names(path: str | os.PathLike) -> list[str]:
 def read_attributes(
     path: str | os.PathLike, columns: Sequence[str]
 ) -> tuple[list[str], np.ndarray]:
-  """Reads the requested columns of an official ``list_attr_celeba.txt``.
+  """Image names in file order and int32 [rows, len(columns)] 0/1 (file -1/1) of ``columns``.
 
-  The first line (a row count) is ignored because partial copies keep the
-  count of the full file; a file without it (first line = names) is accepted.
-
-  Args:
-    path: The attribute file.
-    columns: Attribute names to return, in this order.
-
-  Returns:
-    Image names in file order and int32 [rows, len(columns)] with values 0
-    (file value -1) and 1 (file value 1).
-
-  Raises:
-    UserError: A column is not in the file (the message lists those that are),
-      or a row has the wrong number of fields, a value other than -1/1 in a
-      requested column, or a repeated image name (file and line are named).
+  The optional row-count line is ignored: partial copies keep the full file's count.
+  A missing column, malformed row, bad value or repeated image is a UserError naming the line.
   """
   path = pathlib.Path(path)
   lines = _read_lines(path)
@@ -234,18 +212,11 @@ def read_identities(path: str | os.PathLike) -> dict[str, str]:
 
 
 def identity_folds(identities: Sequence[str], num_folds: int) -> dict[str, int]:
-  """Deals the identities of ``identities`` (one entry per image) into ``num_folds`` folds.
+  """{identity: fold} for ``identities`` (one entry per image) dealt into ``num_folds`` folds.
 
-  Largest identity first (ties in a fixed pseudo-random order, a hash of the identity), each
-  to the fold with the fewest images so far (ties to the lowest fold): folds never split an
-  identity, differ in images by at most one identity's count, and depend only on the images'
-  identities, never on a run's seed.
-
-  Returns:
-    {identity: fold in [0, num_folds)}.
-
-  Raises:
-    UserError: fewer distinct identities than folds.
+  Largest identity first (ties by a hash of the identity), each to the fold with the fewest
+  images so far (ties to the lowest): folds never split an identity, differ by at most one
+  identity's count, and depend only on the identities, never on a run's seed.
   """
   counts = collections.Counter(identities)
   if num_folds < 1 or len(counts) < num_folds:
@@ -305,42 +276,22 @@ def load_celeba(
 ) -> tuple[DatasetInfo, Splits]:
   """Loads CelebA from its official files under ``root``.
 
-  An example is an attribute row whose image file exists and which has a
-  partition entry (identity folds: an identity); examples keep the attribute
-  file's order.
+  An example is an attribute row whose image file exists and which has a partition entry
+  (identity folds: an identity), in the attribute file's order.
 
   Args:
-    root: Directory with ``img_align_celeba/``, ``attr_file`` and
-      ``list_eval_partition.txt``.
-    target: Binary attribute predicted by the model.
-    sensitive: Binary attributes whose groups fairness is measured over.
+    root: Directory with ``img_align_celeba/``, ``attr_file`` and ``list_eval_partition.txt``.
     image_size: Side of the square images (short side resized, centre crop).
     attr_file: Attribute file name (relative to ``root``) or absolute path.
-    preload: Decode all images now (``image``); otherwise splits carry
-      ``path`` and the pipeline decodes on access (for the full 200k images).
-    max_examples_per_split: If > 0, keep only the first this many examples of
-      each split (for small runs).
-    num_threads: Threads decoding images when ``preload``.
-    num_folds: 0 reads the official partition; k >= 3 splits by identity folds
-      (``identity_CelebA.txt``, module docstring) instead.
+    preload: Decode all images now (``image``); otherwise splits carry ``path``.
+    max_examples_per_split: If > 0, keep only the first this many examples of each split.
+    num_folds: 0 reads the official partition; k >= 3 splits by identity folds (module doc).
     fold: With ``num_folds`` > 0, the fold that is the test split.
 
   Returns:
-    ``(info, splits)``; ``info.load_stats`` holds ``attribute_rows``,
-    ``image_files``, ``rows_without_image`` (attribute rows whose image file is
-    absent), ``images_without_attributes``, ``rows_without_partition``
-    (attribute rows with an image but no partition entry) and
-    ``partition_rows_unknown_image`` (partition entries for images not in the
-    attribute file) and ``{train,val,test}_examples``; with identity folds,
-    ``identities``, ``identity_rows_unknown_image`` and ``{train,val,test}_identities``
-    in place of the two partition counts. The first few names of each kind of
-    unmatched row are printed with the counts.
-
-  Raises:
-    UserError: A file or directory is missing, an attribute is not in the
-      attribute file, a line of a file is malformed, or (identity folds) an
-      image has no identity, there are fewer identities than folds or ``fold``
-      is out of range.
+    ``(info, splits)``; ``info.load_stats`` counts the rows, the image files, every kind of
+    unmatched row (the first few names of each are printed) and each split's examples (with
+    identity folds, also its identities).
   """
   sensitive = _check_names(target, sensitive)
   root_path = pathlib.Path(root)
@@ -440,27 +391,11 @@ def load_celeba_tfds(
     max_examples_per_split: int = 0,
     num_threads: int = images_lib.DEFAULT_NUM_THREADS,
 ) -> tuple[DatasetInfo, Splits]:
-  """Loads tfds ``celeb_a`` that has already been prepared in ``data_dir``.
+  """Loads tfds ``celeb_a`` already prepared in ``data_dir``; never downloads.
 
-  Nothing is downloaded or prepared here: a missing dataset is a user error.
-  tensorflow_datasets is imported only when this is called. A dataset in
-  ``array_record`` format is read without TensorFlow (tfds's random-access
-  data source); ``tfrecord`` needs TensorFlow installed. Images are always
-  decoded into memory (``image``) at ``image_size``, one at a time, so the
-  full-size images are never all held.
-
-  Args:
-    data_dir: tfds data directory holding ``celeb_a/<version>/``.
-    target: Binary attribute predicted by the model (tfds uses the official
-      attribute names).
-    sensitive: Binary sensitive attributes.
-    image_size: Side of the square images (short side resized, centre crop).
-    max_examples_per_split: If > 0, keep the first this many of each split.
-    num_threads: Threads decoding images.
-
-  Returns:
-    ``(info, splits)`` as ``load_celeba``; ``load_stats`` has
-    ``{train,val,test}_examples``.
+  ``array_record`` data is read without TensorFlow (``tfrecord`` needs it). Images are
+  decoded one at a time into memory at ``image_size``, so the full-size images are never all
+  held. Returns ``(info, splits)`` as ``load_celeba``.
   """
   sensitive = _check_names(target, sensitive)
   tfds = import_extra("tensorflow_datasets", "fairsmoe", "dataset celeba_tfds")

@@ -1,17 +1,11 @@
 """ISIC 2019 (training part) from its official files.
 
-The target is the diagnosis, one of the 8 classes MEL NV BCC AK BKL DF VASC
-SCC (the ground truth is one-hot; ``UNK`` never occurs in the training part
-and is rejected). The sensitive attributes come from the metadata CSV:
-
-* ``sex``: ``female``, ``male``;
-* ``age``: ``age_approx`` in 5 bins 0-19, 20-39, 40-59, 60-79, 80+;
-* ``site``: ``anatom_site_general``, the 8 categories of ISIC 2019.
-
-Metadata is really missing for some rows (sex 384, age 437, site 2,631 of
-25,331). ``missing="unknown"`` makes "unknown" an explicit last group of the
-attribute, so its members are measured as a group; ``missing="exclude"``
-stores -1, which the fairness metrics skip.
+The target is the one-hot diagnosis, one of ``CLASS_NAMES`` (``UNK`` never occurs in the
+training part and is rejected). The sensitive attributes come from the metadata CSV: ``sex``,
+``age`` (``age_approx`` in 20-year bins, 80+ last) and ``site`` (``anatom_site_general``).
+Metadata is missing for some rows (sex 384, age 437, site 2,631 of 25,331):
+``missing="unknown"`` makes "unknown" an explicit last group, measured as a group;
+``missing="exclude"`` stores -1, which the fairness metrics skip.
 
 Layout under ``root``::
 
@@ -74,13 +68,9 @@ def age_group(age: float) -> int:
 def _read_csv(path: pathlib.Path, required: Sequence[str]):
   """Yields (line number, row dict) of a CSV whose header has the ``required`` columns.
 
-  Strict where the csv module is lenient: a quoted field that runs over a line break (an
-  unclosed quote would otherwise swallow the following rows and shift their values into other
-  columns), a quote inside a value (no ISIC value has one: a stray quote would silently become
-  part of an image name or a lesion id) or after a closing quote, a row with the wrong number of
-  fields, a byte that is not UTF-8 and a field over the csv size limit are errors naming the
-  file and the line the row starts on. Blank lines are skipped; a UTF-8 byte-order mark is
-  ignored.
+  Strict where the csv module is lenient, naming the line a row starts on: a quoted field over
+  a line break (an unclosed quote would swallow the following rows), a quote inside a value (no
+  ISIC value has one), a wrong field count, a non-UTF-8 byte or an oversized field.
   """
   text = read_text(path, "ISIC")
   # csv.reader, not DictReader: DictReader skips blank lines, so the line a row starts on could
@@ -126,12 +116,7 @@ def _read_csv(path: pathlib.Path, required: Sequence[str]):
 
 
 def read_ground_truth(path: str | os.PathLike) -> dict[str, int]:
-  """Reads the one-hot ground truth into {image: class index into ``CLASS_NAMES``}.
-
-  Raises:
-    UserError: A value is not 0/1, a row is not one-hot, a row is ``UNK``, or
-      an image is repeated; the message names file, line and column.
-  """
+  """Reads the one-hot ground truth into {image: class index into ``CLASS_NAMES``}."""
   path = pathlib.Path(path)
   columns = (*CLASS_NAMES, UNKNOWN_CLASS)
   labels: dict[str, int] = {}
@@ -163,12 +148,7 @@ def read_ground_truth(path: str | os.PathLike) -> dict[str, int]:
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, tuple[int, int, int]]:
-  """Reads the metadata into {image: (sex, age, site)} group indices, -1 = missing.
-
-  Raises:
-    UserError: A value is not empty and not a known category (or, for age, not
-      a non-negative number); the message names file, line and column.
-  """
+  """Reads the metadata into {image: (sex, age, site)} group indices, -1 = missing."""
   path = pathlib.Path(path)
   metadata: dict[str, tuple[int, int, int]] = {}
   columns = ("image", "age_approx", "anatom_site_general", "sex")
@@ -230,9 +210,8 @@ def random_split(
 ) -> dict[str, int]:
   """Seeded random train/val/test assignment {image: 0 train / 1 val / 2 test}.
 
-  ``test_fraction`` of ``images`` is test and ``val_fraction`` of the rest is
-  val. Call it on all ground-truth rows, not only those with an image file, so
-  that an image's split does not depend on which other images are on disk.
+  Called on all ground-truth rows, not only those with an image file, so that an image's
+  split does not depend on which other images are on disk.
   """
   order = np.random.default_rng(seed).permutation(len(images))
   n_test = round(test_fraction * len(images))
@@ -246,10 +225,8 @@ def random_split(
 def read_split_files(split: str) -> tuple[dict[str, int], dict[str, str]]:
   """Reads a given split: {image: 0/1/2} and {image: file and line it came from}.
 
-  ``split`` is a directory with ``train.csv``, ``val.csv`` and ``test.csv``
-  (only their ``image`` column is used; other columns such as labels are
-  ignored in favour of the official ground truth), or one CSV with columns
-  ``image`` and ``split`` (``train``, ``val`` or ``test``).
+  ``split`` is a directory with ``{train,val,test}.csv`` (only their ``image`` column is read:
+  labels come from the official ground truth), or one CSV with ``image`` and ``split``.
   """
   path = pathlib.Path(split)
   assignment: dict[str, int] = {}
@@ -309,29 +286,15 @@ def load_isic2019(
     root: Directory with ``ISIC_2019_Training_Input/`` and the two CSVs.
     image_size: Side of the square images (short side resized, centre crop).
     sensitive: Any of ``sex``, ``age``, ``site``, in the column order wanted.
-    missing: ``"unknown"`` (missing metadata is an extra group ``unknown``) or
-      ``"exclude"`` (missing metadata is -1).
-    split: ``"random"`` (seeded ``test_fraction`` test, ``val_fraction`` of the
-      rest val, over all ground-truth rows) or a split directory / CSV (see
-      ``read_split_files``).
-    split_seed: Seed of the random split.
-    test_fraction: Fraction of rows in test (random split).
-    val_fraction: Fraction of the non-test rows in val (random split).
-    preload: Decode all images now (``image``); otherwise splits carry
-      ``path`` and the pipeline decodes on access.
-    max_examples_per_split: If > 0, keep the first this many of each split
-      (in ground-truth order).
-    num_threads: Threads decoding images when ``preload``.
+    missing: One of ``MISSING_MODES`` (module doc).
+    split: ``"random"`` (``random_split`` over all ground-truth rows) or a split directory or
+      CSV (``read_split_files``).
+    preload: Decode all images now (``image``); otherwise splits carry ``path``.
+    max_examples_per_split: If > 0, keep the first this many of each split.
 
   Returns:
-    ``(info, splits)``; examples keep the ground-truth file's order within a
-    split. ``info.load_stats`` holds ``label_rows``, ``image_files``,
-    ``rows_without_image`` (dropped), ``rows_without_metadata`` (kept, all
-    attributes missing), ``metadata_rows_without_label``, ``missing_sex``,
-    ``missing_age``, ``missing_site`` (over all label rows),
-    ``split_rows_unknown_image`` (split-file rows whose image has no label
-    row), ``unassigned_rows`` (rows with an image in no split file) and
-    ``{train,val,test}_examples``.
+    ``(info, splits)`` in ground-truth order; ``info.load_stats`` counts the rows, image files,
+    unmatched rows of each kind, missing values per attribute and each split's examples.
   """
   sensitive = tuple(sensitive)
   unknown = [name for name in sensitive if name not in GROUPS]

@@ -1,22 +1,15 @@
-"""Input pipelines: an infinite, checkpointable grain iterator for training and
-a padded, deterministic single pass for evaluation.
+"""Input pipelines: an infinite, checkpointable grain iterator for training and a padded,
+deterministic single pass for evaluation.
 
-Both yield dicts of numpy arrays for the local process:
+Both yield this process's dicts of numpy arrays: ``image`` uint8 [b, S, S, 3] (normalised on
+the accelerator by ``augment.normalize_on_device``, so a batch crosses at a quarter of
+float32's bytes), ``label`` int32 [b], ``attributes`` int32 [b, m] (-1 missing), ``mask``
+float32 [b] (0 for padding) and, in evaluation, ``index`` int32 [b] (the row in its split,
+-1 for padding).
 
-* ``image``: uint8 [b, S, S, 3] pixels; the jitted steps normalise them on the
-  accelerator (``augment.normalize_on_device``), so a batch crosses to the device at a
-  quarter of float32's bytes;
-* ``label``: int32 [b];
-* ``attributes``: int32 [b, m], ``-1`` for a missing attribute value;
-* ``mask``: float32 [b], 1 for real examples and 0 for padding;
-* ``index`` (evaluation only): int32 [b], the example's row in its split, -1 for
-  padding, so that per-example outputs can be matched to the split's rows.
-
-A split may hold ``path`` (image file paths) instead of ``image``; its images
-are then decoded when an example is read (see ``images.py``), so datasets
-larger than memory stream from disk. ``num_workers`` > 0 reads training batches
-in that many worker processes (grain's ``mp_prefetch``), so decoding scales with
-cores rather than with threads under one interpreter lock.
+A split may hold ``path`` (image files, decoded on read by ``images.py``) instead of
+``image``, so datasets larger than memory stream from disk; ``num_workers`` > 0 decodes in
+worker processes (grain's ``mp_prefetch``), scaling with cores rather than threads.
 """
 
 from __future__ import annotations
@@ -43,12 +36,7 @@ Batch = dict[str, np.ndarray]
 
 
 class ArraySource:
-  """Random-access grain source over parallel in-memory arrays.
-
-  With ``path`` instead of ``image`` in ``arrays``, an example holds its file's path and
-  the pipeline's transform decodes it (``train_iterator``), so only the batches in flight
-  are held in memory.
-  """
+  """Random-access grain source over parallel in-memory arrays (``image`` or ``path``)."""
 
   def __init__(self, arrays: Mapping[str, np.ndarray]):
     self._image_key = "image" if "image" in arrays else "path"
@@ -111,20 +99,16 @@ class ProcessBlocks(grain.MapDataset):
     return f"ProcessBlocks(global={self._global}, local={self._local}, offset={self._offset})"
 
 
-# How training resamples an image file (a split with ``path``): "one_pass" resamples the random
-# crop straight from the file's pixels; "two_pass" resizes the file to the decode square first
-# (bicubic), then the crop (bilinear), as the pipeline did before 2026-12 (docs/design.md,
-# "Training images in one resampling pass").
+# How training resamples an image file: "one_pass" crops straight from the file's pixels;
+# "two_pass" resizes to the decode square first (bicubic), then crops (bilinear)
+# (docs/design.md, "Training images in one resampling pass").
 TRAIN_RESAMPLING = ("one_pass", "two_pass")
 Resampling = Literal["one_pass", "two_pass"]
 
 
 def train_decode_size(image_size: int) -> int:
-  """Side at which training decodes image files before the random crop.
-
-  Slightly larger than the output so that ``RandomResizedCrop`` resamples from
-  more pixels than it emits, as it does on pre-decoded images.
-  """
+  """Side at which training decodes image files: larger than the output, so the random crop
+  resamples from more pixels than it emits, as on pre-decoded images."""
   return round(image_size * 1.15)
 
 
@@ -150,15 +134,10 @@ def _watch_parent(parent: int) -> None:
 def _worker_init(parent: int, worker_index: int, num_workers: int) -> None:
   """Runs first in each grain worker process (`mp_prefetch`'s `worker_init_fn`).
 
-  - Ctrl-C reaches every process of the terminal's process group: the workers ignore it, so
-    only the main process reacts (it closes the iterator, which stops them), instead of each
-    worker printing a KeyboardInterrupt traceback.
-  - A main process killed outright (SIGKILL: a preemption, the OOM killer) runs no clean-up: its
-    workers were re-parented to PID 1 and kept running, holding hundreds of MB each and the
-    multiprocessing resource tracker (which waits for every holder of its pipe). Each worker
-    ends once its parent is gone. A thread that polls, rather than PR_SET_PDEATHSIG, which
-    fires when the thread that started the worker ends (here the read-ahead thread, which may
-    end while the iterator lives on).
+  Workers ignore Ctrl-C, so only the main process reacts (closing the iterator stops them).
+  Each worker ends once its parent is gone: a SIGKILLed main process runs no clean-up, and
+  orphaned workers hold memory and the resource tracker. A polling thread rather than
+  PR_SET_PDEATHSIG, which fires when the starting thread (the read-ahead one) ends.
   """
   del worker_index, num_workers
   signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -166,14 +145,11 @@ def _worker_init(parent: int, worker_index: int, num_workers: int) -> None:
 
 
 class TrainBatches:
-  """The training batches of `train_iterator`, with a state that does not depend on
-  `num_workers`: ``{"next_index": N}``, the number of batches of this process's stream read so
-  far (the state of grain's in-process iterator, which earlier checkpoints hold).
+  """The training batches of `train_iterator`, with a state independent of `num_workers`.
 
-  grain's state with worker processes is one entry per worker, so a run saved with 2 workers
-  could not resume with 0, 3 or 4 (nor the reverse); `set_state` also reads such a state, saved
-  before this class, by summing the workers' positions. The stream itself is the same whatever
-  the number of workers: resuming at N reads `dataset[N:]`.
+  The state is ``{"next_index": N}``, the batches read so far (grain's in-process state);
+  grain's per-worker state would tie a checkpoint to its worker count. `set_state` also reads
+  a per-worker state by summing the positions. Resuming at N reads `dataset[N:]`.
   """
 
   def __init__(
@@ -225,11 +201,7 @@ class TrainBatches:
     return {"next_index": self._start + self._read}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
-    """Resumes at a state of `get_state` (or of grain's iterator, with or without workers).
-
-    Raises:
-      ValueError: `state` is not a position of the stream (the checkpoint is then skipped).
-    """
+    """Resumes at a state of `get_state` or grain's; ValueError (checkpoint skipped) if not."""
     start = _stream_position(state)
     self.close()
     self._start, self._read = start, 0
@@ -250,9 +222,8 @@ class TrainBatches:
 
 
 def _stream_position(state: Mapping[str, Any]) -> int:
-  """The number of batches read, from `TrainBatches.get_state()` or a state grain's iterator
-  saved: in-process ``{"next_index": N}``; with W workers one ``{"next_index": n_w}`` per worker,
-  worker w having read batches w, w + W, ... (so N is their sum, and each n_w follows from N)."""
+  """Batches read, from ``{"next_index": N}`` or grain's W-worker state (worker w read batches
+  w, w + W, ...: N is their sum, and each n_w follows from N)."""
   if not isinstance(state, Mapping):
     raise ValueError(f"not a data-iterator state: {state!r}")
   if set(state) == {"next_index"}:
@@ -295,40 +266,28 @@ def train_iterator(
 ) -> TrainBatches:
   """Infinite iterator of augmented training batches for this process.
 
-  Every epoch is a fresh seeded shuffle of the whole split, cut into global batches
-  (dropping the remainder); process ``i`` reads the ``i``-th ``1/process_count`` block of
-  each global batch (``ProcessBlocks``). Augmentation randomness is derived from ``seed``
-  and the example's position in the global stream. So the global batches, augmentation
-  included, are the same whatever the number of processes, ``num_threads`` or
-  ``num_workers``.
+  Every epoch is a fresh seeded shuffle of the whole split, cut into global batches (dropping
+  the remainder); process ``i`` reads the ``i``-th block of each (``ProcessBlocks``).
+  Augmentation randomness comes from ``seed`` and the position in the global stream, so the
+  global batches are the same whatever the number of processes, threads or workers.
 
   Args:
-    arrays: Split dict with ``image`` uint8 [N, H, W, 3] (or ``path`` [N],
-      image files decoded on access), ``label`` [N] and ``attributes`` [N, m].
+    arrays: Split dict with ``image`` uint8 [N, H, W, 3] (or ``path`` [N]), ``label`` [N]
+      and ``attributes`` [N, m].
     global_batch_size: Batch size summed over all processes.
     image_size: Output image side.
     seed: Seed of the shuffle and the augmentation.
-    augment: An ``AugmentConfig`` or its fields as a mapping; ``None`` means
-      the ``AugmentConfig`` defaults.
-    process_index: Index of this process.
-    process_count: Number of processes sharing the data.
-    num_threads: Threads preparing batches (0 prepares them on ``next``), in
-      each worker process when ``num_workers`` > 0.
-    prefetch_buffer_size: Number of batches prepared ahead (per worker).
-    decode_size: For a split with ``path``: the square (of the file's centred
-      square) the random crop is drawn in; ``None`` means
-      ``train_decode_size(image_size)``. Ignored for ``image`` splits.
-    num_workers: Worker processes preparing whole batches (grain's
-      ``mp_prefetch``, spawned); 0 prepares them in this process.
-    resampling: For a split with ``path``: ``"one_pass"`` resamples the crop
-      straight from the file (``augment.augment_decoded``), ``"two_pass"``
-      resizes the file to ``decode_size`` first, then crops (the earlier stream).
+    augment: An ``AugmentConfig`` or its fields; ``None`` means the defaults.
+    num_threads: Threads preparing batches (0 prepares them on ``next``), per worker.
+    prefetch_buffer_size: Batches prepared ahead (per worker).
+    decode_size: ``path`` splits only: the square the random crop is drawn in; ``None``
+      means ``train_decode_size(image_size)``.
+    num_workers: Worker processes preparing whole batches; 0 prepares them in this process.
+    resampling: ``path`` splits only: one of ``TRAIN_RESAMPLING``.
 
   Returns:
-    A ``TrainBatches`` iterator of batches with uint8 ``image``; ``get_state()``
-    is a JSON-serialisable dict, the same whatever ``num_workers``, and
-    ``set_state`` on a freshly built iterator (with any ``num_workers``) resumes
-    the exact stream.
+    A ``TrainBatches``; ``set_state`` on a fresh one (any ``num_workers``) resumes the
+    exact stream.
   """
   if not isinstance(augment, AugmentConfig):
     augment = AugmentConfig(**(augment or {}))
@@ -343,8 +302,7 @@ def train_iterator(
         f"{len(source)} examples are fewer than one global batch of {global_batch_size}."
     )
   decode_size = decode_size or train_decode_size(image_size)
-  # Independent of the process, so that the stream is too (the `0` keeps the single-process
-  # stream of earlier versions).
+  # Independent of the process, so that the stream is too (the `0` keeps existing streams).
   augment_seed = int(np.random.SeedSequence([seed, 0]).generate_state(1)[0])
 
   def augmented(example: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:
@@ -405,23 +363,10 @@ def eval_batches(
 ) -> Iterator[Batch]:
   """One deterministic, unaugmented pass over a split for this process.
 
-  Process ``i`` evaluates examples ``i, i + process_count, ...``. Images are uint8
-  (normalised on the device, as in training). The last
-  batches are padded to ``batch_size`` (zero image, label 0, attributes -1,
-  mask 0, index -1) so that all processes yield ``num_eval_batches(...)``
-  full batches and together cover every example exactly once.
-
-  Args:
-    arrays: Split dict as for ``train_iterator``.
-    batch_size: Per-process batch size.
-    image_size: Output image side; images of another size are resized, image
-      files (``path``) are decoded with ``images.load_image``.
-    process_index: Index of this process.
-    process_count: Number of processes sharing the data.
-    num_threads: Threads decoding image files (``path`` splits only).
-
-  Yields:
-    Batches with ``image``, ``label``, ``attributes``, ``mask`` and ``index``.
+  Process ``i`` evaluates examples ``i, i + process_count, ...``; images of another size
+  than ``image_size`` are resized. The last batches are padded to ``batch_size`` (zero image,
+  label 0, attributes -1, mask 0, index -1) so that all processes yield
+  ``num_eval_batches(...)`` full batches and together cover every example exactly once.
   """
   source = ArraySource(arrays)
   indices = np.arange(process_index, len(source), process_count)

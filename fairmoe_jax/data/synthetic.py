@@ -24,10 +24,8 @@ the image and FairSMoE's sensitive-attribute classifiers have something to learn
 eight hues. The cues draw no random numbers: labels, attributes and everything else are those of
 the data without them.
 
-Generation is vectorised numpy and fully determined by ``seed``. Every split
-(and every chunk of ``CHUNK_SIZE`` images within a split) has its own derived seed,
-so changing one split's size changes neither the other splits nor the
-examples already in that split. See ``docs/dataset.md`` for the rationale.
+Generation is vectorised numpy, determined by ``seed`` (seeding: ``generate_splits``;
+rationale: ``docs/dataset.md``).
 """
 
 from __future__ import annotations
@@ -187,22 +185,11 @@ def generated_loader(
       seed: int = 0,
       missing_rate: float = 0.0,
   ) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
-    """Generates the dataset.
+    """``(info, splits)``, each split i.i.d. ``{"image": uint8 [N, S, S, 3], "label": int32
+    [N], "attributes": int32 [N, 3]}``; ``sizes`` defaults to ``DEFAULT_SIZES``.
 
-    Args:
-      image_size: Side of the square images.
-      num_classes: Number of classes, at least 2.
-      sizes: Splits to generate and their sizes; defaults to
-        ``{"train": 8000, "val": 1000, "test": 2000}``. All splits are i.i.d.
-        draws from the same distribution.
-      seed: Master seed; each split derives its own seed from it and its name.
-      missing_rate: Probability that each attribute value is replaced by ``-1``
-        ("missing", as in ISIC 2019). Drawn from a separate random stream, so
-        images, labels and present attributes do not depend on it.
-
-    Returns:
-      ``(info, splits)`` with ``splits[name] = {"image": uint8 [N, S, S, 3],
-      "label": int32 [N], "attributes": int32 [N, 3]}``.
+    ``missing_rate`` is the probability that an attribute value is ``-1`` ("missing", as in
+    ISIC 2019), drawn from a stream of its own.
     """
     splits = generate_splits(generate_chunk, image_size, num_classes, sizes, seed, missing_rate)
     return generated_info(name, classes(num_classes), image_size), splits
@@ -440,8 +427,6 @@ def _generate_chunk(
   return {"image": image, "label": label.astype(np.int32), "attributes": attributes}
 
 
-# The synthetic benchmark: stripe orientations (see the module docstring), without and with the
-# attribute cues.
 _load_without_cues = generated_loader("synthetic", class_names, _generate_chunk)
 _load_with_cues = generated_loader(
     "synthetic", class_names, functools.partial(_generate_chunk, attribute_cues=True)
@@ -451,7 +436,5 @@ _load_with_cues = generated_loader(
 def load_synthetic(
     *, attribute_cues: bool = False, **kwargs
 ) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
-  """Generates the synthetic benchmark; ``kwargs`` as ``generated_loader``'s loader (image_size,
-  num_classes, sizes, seed, missing_rate). ``attribute_cues`` adds each group's colour cast
-  (``cue_colours``; the quickstart's data); without it the data are the original benchmark's."""
+  """Generates the synthetic benchmark (module doc); ``kwargs`` as ``generated_loader``'s."""
   return (_load_with_cues if attribute_cues else _load_without_cues)(**kwargs)

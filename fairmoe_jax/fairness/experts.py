@@ -72,8 +72,8 @@ def class_offsets(group_sizes: Sequence[int]) -> np.ndarray:
 def class_assignment(attribute_rows: np.ndarray, group_sizes: Sequence[int]) -> np.ndarray:
   """[sum G_i, E]: class c of attribute a gets the experts of a whose rank is c modulo their number.
 
-  With at least G_a experts, a's classes get disjoint subsets; with fewer they share.
-  Works on numpy or jax arrays (the router derives it from its attribute-level state).
+  With at least G_a experts, a's classes get disjoint subsets; with fewer they share. Works on
+  numpy or jax arrays.
   """
   xp = jnp if isinstance(attribute_rows, jax.Array) else np
   rows = []
@@ -116,10 +116,7 @@ class ExpertAllocator:
   ) -> tuple[dict[str, np.ndarray], list[tuple[str, int]]]:
     """One review: returns the new state and the events, ("grow" | "shrink", attribute).
 
-    Args:
-      state: from `initial_state` or a previous update.
-      sf: validation SF_a per attribute, higher is fairer (e.g. PQD, or -DP).
-      val_loss: validation loss.
+    `sf` is the validation SF_a per attribute, higher is fairer (e.g. PQD, or -DP).
     """
     state = {k: np.array(v) for k, v in state.items()}
     events = []
@@ -168,9 +165,6 @@ def make_expert_manager(
   """The FEM review hook, `review(state) -> (state, scalars, lines)`: the lines say what changed.
 
   Args:
-    attribute_names: the sensitive attributes, in the data's order.
-    num_experts: E.
-    patience, tolerance: of `ExpertAllocator`.
     psi: the `fair.psi` rule; the review watches its `review_metric` (PQD when the rule
       trains PQD) as the single-attribute fairness SF_a.
     validate: state -> validation report (fairness_report layout plus "loss").

@@ -1,16 +1,10 @@
 """Group-fairness metrics for multi-class classification with several sensitive attributes.
 
-Two halves:
-
-* Device side (pure ``jnp``, call inside a jitted eval step): per-batch count tensors
-  ``counts[g, y, p]`` = number of examples of group ``g`` with label ``y`` predicted as
-  ``p``. Count tensors add, so an evaluation loop accumulates them with
-  ``jax.tree.map(jnp.add, acc, batch_counts)``.
-* Host side (``numpy`` float64): metrics from a finished count tensor, and the
-  multi-attribute mean ``MF_Psi`` of the paper (Eq. 1).
-
-Formulas and the conventions for empty groups / undefined rates are in
-``docs/design.md`` ("Fairness metrics").
+Device side (pure ``jnp``, inside a jitted eval step): per-batch count tensors ``counts[g, y,
+p]``, which add (``jax.tree.map(jnp.add, acc, batch_counts)``). Host side (numpy float64):
+metrics from a finished count tensor and the paper's multi-attribute mean ``MF_Psi`` (Eq. 1).
+Formulas and the conventions for empty groups and undefined rates: ``docs/design.md``
+("Fairness metrics").
 """
 
 from __future__ import annotations
@@ -24,9 +18,7 @@ import numpy as np
 
 METRIC_NAMES: tuple[str, ...] = ("pqd", "dp", "eopp", "eodds")
 
-# ---------------------------------------------------------------------------
 # Device side: count tensors.
-# ---------------------------------------------------------------------------
 
 
 def confusion_counts(
@@ -40,10 +32,8 @@ def confusion_counts(
 ) -> jax.Array:
   """Per-group confusion matrices, float32 ``[num_groups, num_classes, num_classes]``.
 
-  ``counts[g, y, p]`` counts examples with group ``g``, label ``y``, prediction ``p``.
-  An example is skipped when ``mask`` is 0 (padding) or ``groups < 0`` (attribute
-  missing). Indices outside ``[0, num_groups)`` / ``[0, num_classes)`` match no
-  one-hot column and are skipped too (nothing can raise under ``jit``).
+  An example is skipped when ``mask`` is 0 (padding), ``groups < 0`` (attribute missing) or an
+  index is out of range (nothing can raise under ``jit``).
   """
   labels = jnp.asarray(labels, jnp.int32)
   predictions = jnp.asarray(predictions, jnp.int32)
@@ -78,8 +68,7 @@ def attribute_counts(
 ) -> tuple[jax.Array, ...]:
   """One ``confusion_counts`` tensor per attribute column of ``attributes`` ``[B, m]``.
 
-  ``group_sizes[i]`` is the number of groups of attribute ``i``. The returned tuple
-  is the evaluation accumulator: add two of them with ``jax.tree.map(jnp.add, a, b)``.
+  ``group_sizes[i]`` is the number of groups of attribute ``i``.
   """
   attributes = jnp.asarray(attributes)
   if attributes.ndim != 2 or attributes.shape[1] != len(group_sizes):
@@ -112,9 +101,7 @@ def overall_counts(
   )[0]
 
 
-# ---------------------------------------------------------------------------
 # Host side: metrics from counts.
-# ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,21 +1,14 @@
 """timm checkpoints <-> our ViT / DeiT and Swin models (names map one to one).
 
-Our modules carry timm's parameter names (see `vit.py`, `swin.py`), so a timm
-state dict converts tensor by tensor; only layouts differ:
+A timm state dict converts tensor by tensor; only layouts differ: Linear weight [out, in] <->
+kernel [in, out], Conv weight [out, in, kh, kw] <-> kernel [kh, kw, in, out], LayerNorm
+weight / bias <-> scale / bias; anything else is kept as is.
 
-  Linear   weight [out, in]          <-> kernel [in, out]
-  Conv     weight [out, in, kh, kw]  <-> kernel [kh, kw, in, out]
-  LayerNorm weight / bias            <-> scale / bias
-  anything else (cls_token, pos_embed, relative_position_bias_table, fused qkv
-  order) is kept as is.
-
-MoE blocks have no timm counterpart. Their experts are exported stacked as
-`<block>.mlp.experts.fc1.weight` [E, hidden, dim], `.fc1.bias` [E, hidden],
-`.fc2.weight` [E, dim, hidden], `.fc2.bias` [E, dim] (PyTorch Linear layout per
-expert) and the router under `<block>.mlp.router.*` with the rules above. When
-loading, those names are used if present; otherwise, with `upcycle_moe=True`,
-every expert starts from the block's dense `mlp.fc1` / `mlp.fc2` (sparse
-upcycling, Komatsuzaki et al. 2022) and the router keeps its initialisation.
+MoE blocks have no timm counterpart: their experts export stacked as
+`<block>.mlp.experts.fc{1,2}.{weight,bias}` (PyTorch Linear layout per expert, [E, out, in] /
+[E, out]) and the router as `<block>.mlp.router.*`. Loading without those names, with
+`upcycle_moe=True`, starts every expert from the block's dense `mlp.fc1` / `mlp.fc2` (sparse
+upcycling, Komatsuzaki et al. 2022) and keeps the router's initialisation.
 """
 
 from __future__ import annotations
@@ -86,9 +79,8 @@ def resample_pos_embed(
 ) -> np.ndarray:
   """Resamples a ViT position embedding [1, prefix + g*g, D] to [1, num_tokens, D].
 
-  The class (prefix) token embeddings are kept; the g x g grid part is resized
-  bilinearly to the new square grid (timm's `resample_abs_pos_embed` does the
-  same, bicubic by default). Identity when the grid already matches.
+  The prefix tokens are kept; the grid is resized bilinearly (timm's `resample_abs_pos_embed`
+  defaults to bicubic).
   """
   old_grid = pos_embed.shape[1] - num_prefix_tokens
   new_grid = num_tokens - num_prefix_tokens
@@ -106,9 +98,8 @@ def resample_pos_embed(
 def resample_relative_position_bias_table(table: np.ndarray, window: int) -> np.ndarray:
   """Resamples a Swin bias table [(2w-1)^2, heads] to window `window`, bilinearly.
 
-  Like timm's `resize_rel_pos_bias_table_simple`; timm's Swin loader uses a
-  geometric-progression interpolation instead, so resized tables differ
-  slightly from timm's.
+  Like timm's `resize_rel_pos_bias_table_simple`; timm's Swin loader interpolates along a
+  geometric progression instead, so resized tables differ slightly from timm's.
   """
   side = math.isqrt(table.shape[0])
   if side * side != table.shape[0] or side % 2 == 0:
@@ -181,12 +172,9 @@ def _rules(model: nnx.Module) -> list[tuple[Path, _Rule, Path | None, str | None
 
 
 def export_timm_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
-  """Our model's parameters as a timm-named state dict in PyTorch layouts (numpy).
+  """Our model's parameters as a timm-named state dict in PyTorch layouts (numpy; module doc).
 
-  Dense layers export under their timm names; MoE blocks export their stacked
-  experts as `<block>.mlp.experts.fc{1,2}.{weight,bias}` ([E, out, in] / [E, out])
-  and the router as `<block>.mlp.router.*` (module docstring). Arrays are
-  C-contiguous (as safetensors requires) and keep the parameter dtype.
+  Arrays are C-contiguous (as safetensors requires) and keep the parameter dtype.
   """
   state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   out = {}
@@ -255,26 +243,19 @@ def load_timm_checkpoint(
 
   Args:
     model: a `VisionTransformer` or `SwinTransformer` (any module with timm names).
-    path: `.safetensors` or `.npz` file holding a flat timm state dict
-      (PyTorch layouts, keys are timm parameter names).
-    skip: timm-name prefixes (matched at dot boundaries) of parameters to keep
-      at their initialisation, e.g. the classifier ("head") when fine-tuning on
-      new classes. Checkpoint tensors under them are ignored.
-    upcycle_moe: MoE blocks without `mlp.experts.*` entries in the checkpoint
-      start every expert from the block's dense `mlp.fc1` / `mlp.fc2`; the
-      router keeps its initialisation. With False such blocks need the expert
-      entries (or a `skip` prefix such as "blocks.11.mlp").
+    path: `.safetensors` or `.npz` file holding a flat timm state dict.
+    skip: timm-name prefixes (at dot boundaries) of parameters to keep at their initialisation,
+      e.g. "head" when fine-tuning on new classes.
+    upcycle_moe: module doc; with False, MoE blocks need the expert entries (or a `skip`
+      prefix such as "blocks.11.mlp").
 
-  ViT `pos_embed` of another grid and Swin `relative_position_bias_table` of
-  another window are resampled bilinearly.
+  ViT `pos_embed` of another grid and Swin bias tables of another window are resampled.
 
   Returns:
-    Human-readable notes: what was kept at init, upcycled, resampled or left
-    unused in the checkpoint.
+    Human-readable notes: what was kept at init, upcycled, resampled or left unused.
 
   Raises:
-    UserError: unreadable file, or parameters missing from the checkpoint or
-      of a shape that cannot be converted (all listed in one message).
+    UserError: unreadable file, or parameters missing or of an unconvertible shape (all listed).
   """
   ckpt = read_state_dict(path)
   rules = _rules(model)

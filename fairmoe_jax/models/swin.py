@@ -1,17 +1,12 @@
 """Swin Transformer backbone in Flax NNX with optional sparse-MoE blocks.
 
-Swin (Liu et al. 2021) attends within non-overlapping local windows and
-alternates plain and cyclically shifted windows so information crosses window
-borders; stages halve the resolution and double the width by patch merging.
-FairSMoE (Sec. 6.1) replaces the MLP of the last block with a sparse MoE;
-`moe_blocks` chooses which blocks do so, indexed over all stages' blocks in
-order.
+Swin (Liu et al. 2021) attends within local windows, alternating plain and cyclically shifted
+ones; stages halve the resolution and double the width by patch merging. FairSMoE (Sec. 6.1)
+replaces the MLP of the last block with a sparse MoE; `moe_blocks` indexes all stages' blocks
+in order.
 
-Submodule names follow timm (>= 0.9) `SwinTransformer`: patch_embed.proj /
-patch_embed.norm, layers[i].downsample (patch merging at the start of stages
-i > 0: norm, reduction), layers[i].blocks[j].norm1 / attn.qkv / attn.proj /
-attn.relative_position_bias_table / norm2 / mlp.fc1 / mlp.fc2, norm, head.fc;
-so timm checkpoints map one to one (`fairmoe_jax.models.convert_timm`), only
+Submodule names follow timm (>= 0.9) `SwinTransformer` (layers[i].downsample merges patches
+at the start of stages i > 0), so timm checkpoints map one to one (`convert_timm`); only
 layouts differ (Linear kernels [in, out], conv kernels HWIO, images NHWC).
 """
 
@@ -31,10 +26,7 @@ from fairmoe_jax.models.vit import CheckpointedBlock, Mlp, layer_norm, linear, p
 from fairmoe_jax.moe import MoEAux, SparseMoE
 from trainkit.remat import check_remat
 
-# timm initialises Swin like its ViT: N(0, 0.02) linear kernels and relative
-# position bias tables (trunc_normal_ with an absolute cut-off of +-2, i.e. a
-# plain normal), zero biases, LayerNorm (1, 0); the patch-embedding conv keeps
-# PyTorch's default U(+-1/sqrt(fan_in)).
+# timm initialises Swin like its ViT (vit.py), the relative position bias tables N(0, 0.02).
 _BIAS_TABLE_INIT = nnx.initializers.normal(stddev=0.02)
 _LAYER_NORM_EPS = 1e-5  # timm's Swin uses nn.LayerNorm's default, unlike its ViT (1e-6).
 # timm fills the shifted-window mask with -100 rather than -inf: exp(-100) is 0
@@ -57,10 +49,7 @@ def _layer_norm(dim: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.L
 
 
 def window_partition(x: jax.Array, window: int) -> jax.Array:
-  """[B, H, W, C] -> [B * nW, window, window, C], windows in row-major order per image.
-
-  H and W must be multiples of `window` (the block pads beforehand).
-  """
+  """[B, H, W, C] -> [B * nW, window, window, C], row-major per image; H, W multiples of window."""
   b, h, w, c = x.shape
   x = x.reshape(b, h // window, window, w // window, window, c)
   return x.transpose(0, 1, 3, 2, 4, 5).reshape(-1, window, window, c)
@@ -75,11 +64,8 @@ def window_reverse(windows: jax.Array, window: int, height: int, width: int) -> 
 
 @functools.lru_cache(maxsize=None)
 def relative_position_index(window: int) -> np.ndarray:
-  """[N, N] int index into the bias table, N = window**2 (timm's constant buffer).
-
-  Entry (i, j) is (dy + window - 1) * (2 * window - 1) + (dx + window - 1) with
-  (dy, dx) the offset of token i from token j inside the window.
-  """
+  """[N, N] int index into the bias table, N = window**2 (timm's constant buffer): entry (i, j)
+  is (dy + window - 1) * (2 * window - 1) + (dx + window - 1), (dy, dx) = token i - token j."""
   coords = np.stack(np.meshgrid(np.arange(window), np.arange(window), indexing="ij"))
   coords = coords.reshape(2, -1)  # [2, N], row-major
   rel = (coords[:, :, None] - coords[:, None, :]).transpose(1, 2, 0) + (window - 1)
@@ -92,11 +78,9 @@ def relative_position_index(window: int) -> np.ndarray:
 def shifted_window_mask(height: int, width: int, window: int, shift: int) -> np.ndarray:
   """Additive attention mask [nW, N, N] (0 or -100) for shifted windows, as timm builds it.
 
-  After the cyclic shift, a window at the bottom or right edge holds tokens
-  that were far apart in the image (wrapped around); the image is cut into
-  3 x 3 regions (rows [0, H - window), [H - window, H - shift), [H - shift, H),
-  likewise for columns) and tokens only attend to tokens of their own region.
-  `height` and `width` are the padded sizes (multiples of `window`).
+  After the cyclic shift, an edge window holds tokens that were far apart (wrapped around); the
+  padded image is cut into 3 x 3 regions (rows [0, H - window), [H - window, H - shift),
+  [H - shift, H), likewise columns) and tokens attend only within their region.
   """
   labels = np.zeros((height, width), np.int32)
   cuts = lambda n: (slice(0, n - window), slice(n - window, n - shift), slice(n - shift, n))
@@ -204,8 +188,7 @@ class WindowAttention(nnx.Module):
 class SwinBlock(CheckpointedBlock, nnx.Module):
   """(Shifted-)window attention block on a [B, H, W, C] map; the MLP is dense or a `SparseMoE`.
 
-  Following timm, a stage whose resolution is at most `window_size` uses one
-  window covering the whole map and no shift.
+  As in timm, at a resolution <= `window_size` one window covers the map, unshifted.
   """
 
   def __init__(
@@ -291,8 +274,6 @@ class SwinBlock(CheckpointedBlock, nnx.Module):
     return x + y.reshape(b, h, w, c).astype(x.dtype), aux
 
 
-
-
 class SwinStage(nnx.Module):
   """Optional patch merging (stages > 0), then blocks alternating plain / shifted windows."""
 
@@ -344,28 +325,10 @@ class SwinStage(nnx.Module):
 class SwinTransformer(BackboneClassifier):
   """Swin Transformer classifier whose `moe_blocks` use a sparse-MoE feed-forward.
 
-  Args:
-    num_classes: number of output logits.
-    image_size: input height = width (a multiple of patch_size).
-    patch_size: patch side length of the stem.
-    embed_dim: width of the first stage; stage i has embed_dim * 2**i.
-    depths: number of blocks per stage.
-    num_heads: attention heads per stage.
-    window_size: attention window side; a stage at resolution <= window_size
-      uses a single window of its resolution and no shift (timm's rule).
-    mlp_ratio: MLP (and expert) hidden width / stage width.
-    moe_blocks: indices into the flattened list of all blocks over all stages
-      (stage 0 first; negative indices count from the end) whose MLP is a
-      `SparseMoE`. Default: the very last block, as in FairSMoE.
-    moe: keyword arguments of `SparseMoE` after (dim, hidden_dim), shared by
-      all MoE blocks, e.g. dict(num_experts=4, top_k=2); None gives a plain Swin.
-    dropout_rate: dropout after the attention projection, in the MLPs and
-      before the head; only active with `train=True`.
-    dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
-    param_dtype: parameter dtype.
-    rngs: parameter RNGs.
-    remat: rematerialisation of each block in training, a `trainkit.remat.REMAT_POLICIES`
-      name ("none", "dots", "block"); patch merging and the head are not checkpointed.
+  Arguments as `VisionTransformer`'s, except: `embed_dim` is the first stage's width (stage i
+  has embed_dim * 2**i), `depths` and `num_heads` are per stage, `mlp_ratio` is the MLP (and
+  expert) hidden width / stage width, `moe_blocks` indexes all stages' blocks (stage 0 first),
+  and dropout also applies before the head. Patch merging and the head are not rematerialised.
   """
 
   def __init__(

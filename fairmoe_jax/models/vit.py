@@ -22,13 +22,11 @@ from fairmoe_jax.models.classifier import BackboneClassifier
 from fairmoe_jax.moe import MoEAux, SparseMoE
 from trainkit.remat import check_remat, checkpointed
 
-# timm's ViT/DeiT initialisation: N(0, 0.02) linear kernels and position
-# embedding, zero biases, LayerNorm (1, 0), N(0, 1e-6) class token. timm calls
-# trunc_normal_(std=.02), but its cut-off is at +-2 in absolute value (100 std),
-# so it is a plain normal; JAX's truncated_normal would cut at +-2 std instead.
+# timm's ViT/DeiT initialisation: N(0, 0.02) linear kernels and position embedding, zero
+# biases, LayerNorm (1, 0), N(0, 1e-6) class token. timm's trunc_normal_(std=.02) cuts at +-2 in
+# absolute value (100 std), so it is a plain normal (JAX's truncated_normal cuts at +-2 std).
 _LINEAR_INIT = nnx.initializers.normal(stddev=0.02)
-# The patch-embedding conv keeps PyTorch's default, kaiming_uniform(a=sqrt(5)),
-# i.e. U(+-1/sqrt(fan_in)).
+# PyTorch's default conv init, kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(fan_in)).
 _CONV_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 _LAYER_NORM_EPS = 1e-6  # timm uses 1e-6 for ViT/DeiT, not PyTorch's 1e-5.
 
@@ -154,9 +152,8 @@ class Mlp(nnx.Module):
 
 
 class CheckpointedBlock:
-  """`__call__` of a transformer block that `model.remat` may checkpoint: the block's `forward`
-  as is in evaluation and without remat, under `trainkit.remat.checkpointed` in training (an
-  evaluation has no backward pass to save memory for). The block sets `remat`."""
+  """`__call__` of a transformer block: its `forward`, under `trainkit.remat.checkpointed` in
+  training when the block's `remat` is set."""
 
   remat: str
 
@@ -173,12 +170,10 @@ class CheckpointedBlock:
     return self.forward(x, train=train, rngs=rngs, context=context)
 
 
-
 def _train_forward(
     block: nnx.Module, x: jax.Array, rngs: nnx.Rngs | None, context: Any
 ) -> tuple[jax.Array, MoEAux | None]:
-  """A block's training forward pass, as `trainkit.remat.checkpointed` takes it (the module and
-  the traced arguments positional, `train` fixed)."""
+  """A block's training forward pass, its arguments as `trainkit.remat.checkpointed` takes them."""
   return block.forward(x, train=True, rngs=rngs, context=context)
 
 
@@ -233,32 +228,19 @@ class Block(CheckpointedBlock, nnx.Module):
     return x + y.astype(x.dtype), aux
 
 
-
-
 class VisionTransformer(BackboneClassifier):
   """ViT / DeiT classifier whose `moe_blocks` use a sparse-MoE feed-forward.
 
   Args:
-    num_classes: number of output logits.
     image_size: input height = width (must be divisible by patch_size).
-    patch_size: patch side length.
-    dim: model width.
-    depth: number of blocks.
-    num_heads: attention heads.
     mlp_dim: hidden width of the MLP and of each expert.
-    moe_blocks: indices of blocks whose MLP is a `SparseMoE`; negative indices
-      count from the end; empty gives a plain ViT. Default: the last block,
-      as in FairSMoE.
-    moe: keyword arguments of `SparseMoE` after (dim, hidden_dim), shared by
-      all MoE blocks, e.g. dict(num_experts=4, top_k=2, dispatch="sort",
-      router="topk", mesh=None); None gives a plain ViT.
-    dropout_rate: dropout after the position embedding, the attention
-      projection and in the MLPs; only active with `train=True`.
+    moe_blocks: indices of blocks whose MLP is a `SparseMoE` (negative from the end; empty
+      gives a plain ViT). Default: the last block, as in FairSMoE.
+    moe: keyword arguments of `SparseMoE` after (dim, hidden_dim), shared by all MoE blocks,
+      e.g. dict(num_experts=4, top_k=2); None gives a plain ViT.
+    dropout_rate: after the position embedding, the attention projection and in the MLPs.
     dtype: compute dtype (e.g. jnp.bfloat16); logits are returned in float32.
-    param_dtype: parameter dtype.
-    rngs: parameter RNGs.
-    remat: rematerialisation of each block in training, a `trainkit.remat.REMAT_POLICIES`
-      name ("none", "dots", "block").
+    remat: a `trainkit.remat.REMAT_POLICIES` name for each block in training.
   """
 
   def __init__(
