@@ -1,11 +1,5 @@
-"""What a compiled program needs: memory per device, FLOPs, collectives, a step-time bound.
-
-Everything here reads a program, never runs it: `compiled.memory_analysis()` and
-`cost_analysis()` (XLA's, where the backend gives one: TPU yes, GPU no), the optimised HLO text
-for the collectives (priced with a ring model) and a GPU's library calls (cuBLAS, cuDNN), and
-the jaxpr for the project's own FLOP count (`matmul_flops`), which needs no backend at all and
-so is the same for every target.
-"""
+"""What a compiled program needs, read without running it: memory per device, XLA's cost
+analysis (TPU), the optimised HLO's collectives and library calls (GPU), the jaxpr's FLOPs."""
 
 from __future__ import annotations
 
@@ -80,16 +74,9 @@ def cost(compiled: Any) -> dict[str, float] | None:
 
 
 def optimized_hlo_cost(compiled: Any, hlo_text: str | None = None) -> dict[str, float] | None:
-  """XLA's HLO cost analysis of the program as the target's compiler optimised it, evaluated
-  with this host's CPU client; None where that fails. `hlo_text`: `compiled.as_text()`, where
-  the caller has it already.
-
-  For a GPU, whose compiled program has no cost analysis of its own: the bytes it counts are
-  each fusion's operands and results, i.e. the traffic of the XLA-generated kernels (Triton
-  GEMM fusions included), where `memory` alone gives only a lower bound. It does not count the
-  library calls (cuBLAS GEMMs, cuDNN convolutions: `custom-call`s), each of which it marks -1
-  FLOPs and -1 bytes ("unknown") and sums so: `with_library_calls` adds them. It uses jaxlib's
-  HLO bindings, which are not a public API, hence the fallback.
+  """XLA's HLO cost analysis of the optimised program (a GPU's has none of its own), run on
+  this host's CPU client: the fusions' FLOPs and bytes, each library call counted as -1
+  (`with_library_calls` adds them). jaxlib's HLO bindings are private: None where that fails.
   """
   try:
     from jax._src.lib import hlo as hlo_bindings  # pylint: disable=import-outside-toplevel
@@ -143,16 +130,9 @@ def _without_attribute(text: str, name: str) -> str:
 
 
 def library_call_cost(hlo_text: str) -> dict[str, Any]:
-  """What the library calls of an optimised GPU module read, write and compute, per device and
-  per execution of the module (`hlo.library_calls`: cuBLAS GEMMs, cuDNN convolutions, any
-  other `custom-call`), which XLA's HLO cost analysis leaves out.
-
-  bytes: operands read and results written, the scratch workspace of a cuBLAS/cuDNN call left
-  out (reported as `workspace_bytes`: the library may use any part of it). flops: GEMMs and
-  convolutions (2 x multiply-adds); `without_flops` counts the calls whose FLOPs are not known
-  (other custom calls: their bytes still count). A call in a while loop counts its known trip
-  count times; `in_loops_of_unknown_trip_count` says how many counted once for lack of one.
-  """
+  """What the library calls of an optimised GPU module (`hlo.library_calls`) read, write and
+  compute, per device and per execution of the module: bytes without the scratch workspace
+  (`workspace_bytes` apart), FLOPs of GEMMs and convolutions (`without_flops`: the others)."""
   calls = hlo.library_calls(hlo_text)
   by_target: dict[str, dict[str, Any]] = {}
   for call in calls:
@@ -174,14 +154,8 @@ def library_call_cost(hlo_text: str) -> dict[str, Any]:
 
 
 def with_library_calls(hlo_cost: dict[str, float], library: dict[str, Any]) -> dict[str, Any]:
-  """A GPU program's FLOPs and bytes: the HLO cost analysis' (`optimized_hlo_cost`: the
-  fusions) plus its library calls' (`library_call_cost`), and the two parts.
-
-  The cost analysis sums -1 FLOPs and -1 bytes for each custom call it cannot cost: one per
-  custom-call instruction (a while body's counted once, as it counts the body itself), added
-  back here so that the fusions' part is theirs alone. It counts a while loop's body once;
-  the library calls are counted per known trip.
-  """
+  """A GPU program's FLOPs and bytes: the fusions' (`optimized_hlo_cost`, its -1 per custom
+  call added back) plus the library calls' (`library_call_cost`), and the two parts."""
   fusions = {k: hlo_cost.get(k, 0.0) + library["count"] for k in ("flops", "bytes accessed")}
   calls = {"flops": float(library["flops"]), "bytes accessed": float(library["bytes"])}
   return {
@@ -195,13 +169,12 @@ def with_library_calls(hlo_cost: dict[str, float], library: dict[str, Any]) -> d
 # --- Collectives in the optimised HLO --------------------------------------------------------
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-  """The collectives of an optimised HLO module: per kind, how many instructions and the bytes
-  of their results, per device (`hlo.collective_instructions`: an async op counts once, by its
-  results only)."""
+  """Per collective kind of an optimised HLO module: how many instructions and the bytes of
+  their results, per device (an async op counts once, by its results)."""
   found: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-  for kind, arrays in hlo.collective_instructions(hlo_text):
-    found[kind]["count"] += 1
-    found[kind]["bytes"] += sum(a.bytes for a in arrays)
+  for op in hlo.collectives_with_groups(hlo_text):
+    found[op.kind]["count"] += 1
+    found[op.kind]["bytes"] += sum(a.bytes for a in op.arrays)
   return dict(sorted(found.items()))
 
 
@@ -227,18 +200,10 @@ def ring_factor(kind: str, n: int) -> float:
 def collective_seconds(
     hlo_text: str, hosts: Sequence[int], bandwidth: float, inter_host_bandwidth: float
 ) -> dict[str, Any] | None:
-  """The collectives of an optimised module priced with a ring model: per collective, the
-  bytes each device sends (`ring_factor` x its result bytes x the times it runs) over the
-  bandwidth one device sends at (`Target.interconnect_bandwidth`; the inter-host one where the
-  group spans hosts). None where the target has no interconnect figure.
-
-  n is the size of the instruction's device group, read from its `replica_groups` (all the
-  program's devices where it names none); a collective-permute is one hop, across hosts where
-  any of its pairs is. `hosts[i]`: the host of the device the HLO calls i (SPMD: the i-th
-  device of the program's device assignment, i.e. of the mesh in row-major order). Latency,
-  the algorithms' choice (tree, one-shot) and a torus collective using fewer links than the
-  chip has are left out: like the roofline, a lower bound.
-  """
+  """The collectives of an optimised module priced with a ring model: the bytes each device
+  sends (`ring_factor` over its group's size x result bytes x executions) at the interconnect's
+  rate, the inter-host one where a group spans hosts (`hosts[i]`: the host of HLO device i).
+  A lower bound (no latency, no algorithm choice); None without an interconnect figure."""
   if bandwidth <= 0:
     return None
   one_host = len(set(hosts)) <= 1
@@ -282,14 +247,9 @@ def collective_seconds(
 
 
 def matmul_flops(closed_jaxpr: Any) -> dict[str, Any]:
-  """FLOPs of the matrix products of a traced program, over all devices: 2 x multiply-adds of
-  every dot_general, convolution and ragged_dot.
-
-  Elementwise work is not counted (it is memory-bound; the byte count covers it). A shard_map
-  body runs on every device of its manual axes, a scan body `length` times, a cond the branch
-  with the most FLOPs. A while loop's trip count is not known before it runs: its body counts
-  once, and `uncounted_loops` says how many such loops there were.
-  """
+  """FLOPs (2 x multiply-adds) of every dot_general, convolution and ragged_dot of a traced
+  program, over all devices: a shard_map body on each device of its manual axes, a scan body
+  `length` times, a cond's costliest branch, a while body once (`uncounted_loops`)."""
   loops = [0]
 
   def count(jaxpr: Any) -> float:

@@ -1,16 +1,8 @@
-"""The share of the roofline bound a real training step reaches, per platform, from public runs.
-
-`--mode=compile` turns a compiled step into a time as roofline bound / utilisation. The flat
-40% it used before was a guess; these figures are measured against public training throughputs
-of the same models on the same hardware (`paper_runner/calibration.py`, docs/scaling.md,
-"Calibration"), as roofline bound / public step time. `range` is the lowest and highest value
-the public rows allow (a source that gives "6-7 h" gives a range); the step estimate carries it
-as its uncertainty. `preflight.utilization` set to a number in (0, 1] overrides the platform's
-figure.
-
-The values are the record's (`results/records/calibration.json`, compiled 2026-11-27 with jax
-0.10.2); `tests/test_preflight_calibration.py` checks they still are, so a recompiled
-calibration cannot drift from what the preflight uses.
+"""The share of the roofline bound a real training step reaches, per platform: roofline bound /
+public step time of the same models on the same hardware (`paper_runner/calibration.py`,
+docs/scaling.md, "Calibration"). `low`/`high` are the range the public rows allow, carried as
+the step estimate's uncertainty; `preflight.utilization` in (0, 1] overrides it. The values are
+`results/records/calibration.json`'s, as tests/test_preflight_calibration.py checks.
 """
 
 from __future__ import annotations

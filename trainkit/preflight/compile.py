@@ -1,19 +1,10 @@
-"""`--mode=compile`: compile a run's train and eval steps for an accelerator it does not have.
+"""`--mode=compile`: a run's train and eval steps compiled for an accelerator it does not have.
 
-The package says what its run is made of (`Program`: the model, loss, batch layout, eval step);
-everything else is what `--mode=train` does (`trainkit.recipe`): the optimiser and schedule of
-the config, the mesh of `config.mesh` laid over the target's devices, the state with its
-shardings, the step jitted with the state donated. No data is read and no parameter is
-materialised: the state and the global batch are ShapeDtypeStructs, and the program is
-lowered and compiled for the target's devices as MaxText's `train_compile.py` does.
-
-The result, printed and written to `<workdir>/preflight.json`: memory per device against the
-device's (the fit: the train step's peak and the `DEFAULT_PREFETCH` training batches placed
-ahead of it, `trainkit.prefetch.resident_batches`, as `trainkit.fits` counts them in a run),
-FLOPs, bytes (on a GPU, XLA's fusions and its cuBLAS/cuDNN calls), the collectives and their
-time on the target's interconnect, a step time (the roofline at a stated utilisation, plus the
-collectives without overlap, or the longer of the two with full overlap) and the device-hours
-of the config's `num_train_steps`.
+The package says what its run is made of (`Program`); the optimiser, mesh, sharded state and
+jitted step are `--mode=train`'s. The state and batch are ShapeDtypeStructs, lowered and
+compiled for the target's devices as MaxText's `train_compile.py` does. `<workdir>/preflight.json`
+holds the fit (the step's peak plus the batches prefetched ahead of it, as `trainkit.fits`
+counts them), FLOPs, bytes, collectives, a step time and the device-hours.
 """
 
 from __future__ import annotations
@@ -55,12 +46,7 @@ from trainkit.train_state import (
 
 PREFLIGHT_FILE = "preflight.json"
 _GPU_TILING_ERROR = "Couldn't find output tile sizes"
-# The share of the roofline bound a real step reaches, for the device-hours. 0: the target
-# platform's utilisation, calibrated against public training throughputs
-# (trainkit/preflight/calibration.py); a number in (0, 1] overrides it.
-DEFAULT_UTILIZATION = 0.0
-# What changes a step's memory per device, for the message of a run that does not fit; the
-# message names only those that can help the run on its target (`memory_keys`).
+# What can change a step's memory per device (`memory_keys` names those that help).
 MEMORY_KEYS = ("batch_size", "eval_batch_size", "model.remat", "compute_dtype", "mesh.expert")
 
 
@@ -72,7 +58,7 @@ def preflight_config() -> ml_collections.ConfigDict:
           target="",
           # Share of the roofline bound a real step reaches, for the time estimate; 0 = the
           # target platform's calibrated share (docs/scaling.md, "Calibration").
-          utilization=DEFAULT_UTILIZATION,
+          utilization=0.0,
           # Training examples per epoch when num_epochs > 0; 0 = the dataset's known size.
           train_examples=0,
           # Compile the eval step too (False: the train step only, e.g. for a table of runs).
@@ -101,21 +87,10 @@ def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
 
 @dataclasses.dataclass
 class Program:
-  """What a package's run is made of, for the preflight.
-
-  Attributes:
-    make_model: builds the model (traced, never materialised).
-    loss_fn: the train step's loss (`trainkit.train_state.LossFn`).
-    train_batch: the global train batch, one ShapeDtypeStruct per key (unsharded).
-    make_eval_step: `make_eval_step(graphdef)` -> the jitted eval step of `--mode=train`.
-    eval_batch: the global eval batch.
-    train_examples: examples per epoch of the dataset at full size (0 = unknown).
-    train_examples_source: where that number comes from (printed beside it).
-    update_extra: the step's update of `TrainState.extra`, if any.
-    initial_extra: `TrainState.extra` of a fresh run (host values).
-    settings: choices the package made for this target that the config leaves open (e.g. the
-      MoE dispatch of `moe.dispatch="auto"`), recorded in preflight.json.
-  """
+  """What a package's run is made of: the model (traced, never materialised), the loss, the
+  unsharded global batches, `make_eval_step(graphdef)`, the dataset's size at full size (0:
+  unknown) and where it comes from, `TrainState.extra`'s update and initial value, and the
+  choices made for this target that the config leaves open (`moe.dispatch="auto"`)."""
 
   make_model: Callable[[], nnx.Module]
   loss_fn: LossFn
@@ -133,12 +108,9 @@ BuildProgram = Callable[[ml_collections.ConfigDict, Mesh], Program]
 
 
 def host_rows(mesh: Mesh, batch_size: int) -> list[list[int]]:
-  """[first, end) of the global batch rows each host's devices hold, host by host.
-
-  A multi-process run feeds host i the rows [i * B/n, (i + 1) * B/n) of every global batch
-  (`trainkit.mesh.process_block`, the input pipelines): the mesh must give each host's devices
-  exactly that block. Raises a RuntimeError naming the host whose rows are not its block.
-  """
+  """[first, end) of the global batch rows each host's devices hold, host by host: host i's
+  block [i * B/n, (i + 1) * B/n), as the input pipelines feed it (`trainkit.mesh.process_block`);
+  a RuntimeError naming a host whose devices hold other rows."""
   rows: dict[int, set[int]] = {}
   for device, index in batch_sharding(mesh).devices_indices_map((batch_size,)).items():
     start, stop, _ = index[0].indices(batch_size)
@@ -188,12 +160,8 @@ def compile_step(
     jitted: Any, args: tuple[Any, ...], mesh: Mesh, target: Target, beside: int = 0
 ) -> tuple[Any | None, dict[str, Any]]:
   """Lowers and compiles `jitted(*args)` for `target`: (compiled or None, what was learnt).
-
-  `beside`: bytes per device the run holds beside the program's own (the training batches
-  placed ahead of the step): the memory's `peak` counts them, `program_peak` is the program's.
-  A program the compiler refuses for memory (TPU) is reported, not raised: the record says
-  `fits: false` and the bytes the compiler named.
-  """
+  `beside`: bytes per device held beside the program (prefetched batches), counted in `peak`.
+  A program the compiler refuses for memory is recorded (`fits: false`), not raised."""
   start = time.perf_counter()
   options: dict[str, Any] = {}
   with jax.set_mesh(mesh):
@@ -259,15 +227,9 @@ def compile_step(
 
 @contextlib.contextmanager
 def persistent_cache_off() -> Iterator[None]:
-  """JAX's persistent compilation cache neither read nor written inside the block.
-
-  A deviceless executable (compiled for a TPU topology or a GPU target description) cannot be
-  loaded back from the cache, as there is no client to load it into: reading one costs a
-  warning, writing one costs disk, and a compile time measured through the cache is not the
-  compiler's. JAX decides once per process whether the cache is used, at its first compile, so
-  turning `jax_enable_compilation_cache` off does nothing after anything has compiled: the
-  cache's state is reset on entry, and again on exit, so that the next compile decides afresh.
-  """
+  """JAX's persistent compilation cache off inside the block: a deviceless executable has no
+  client to load into, and a compile time read through the cache is not the compiler's. JAX
+  decides at its first compile whether to use the cache, hence the resets on entry and exit."""
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()
@@ -281,16 +243,9 @@ def persistent_cache_off() -> Iterator[None]:
 def step_estimate(
     bound_seconds: float | None, utilization: float, collective_seconds: float | None
 ) -> dict[str, float | None]:
-  """A step's time from its roofline bound and its collectives' time (seconds; None: unknown).
-
-  compute_step_seconds: the roofline at the stated utilisation. collective_seconds: the ring
-  model's time at the interconnect's rate (`analysis.collective_seconds`), not derated by the
-  utilisation, which is a compute-side figure. step_seconds_no_overlap: their sum, the
-  conservative figure (the run's `step_seconds` and device-hours); step_seconds_full_overlap:
-  the longer of the two, as if every collective ran under compute (XLA's GPU and TPU
-  schedulers overlap async collectives with independent work; how much depends on the
-  program).
-  """
+  """A step's time (seconds; None: unknown): the roofline at `utilization`, the collectives
+  (not derated: utilisation is compute-side), their sum (the run's figure) and the longer of
+  the two (every collective overlapped with compute)."""
   collectives = collective_seconds or 0.0
   compute = None if bound_seconds is None else bound_seconds / utilization
   return {
@@ -301,13 +256,9 @@ def step_estimate(
   }
 
 
+@persistent_cache_off()
 def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
   """Compiles the run of `config` for `config.preflight.target`; returns the preflight record."""
-  with persistent_cache_off():
-    return _preflight(config, build_program)
-
-
-def _preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) -> dict[str, Any]:
   target = validate_preflight(config)
   if target is None:
     raise ConfigError("preflight.target", f"name the target to compile for; known: {', '.join(TARGETS)}")
@@ -668,10 +619,7 @@ def summary(record: Mapping[str, Any]) -> str:
 
 def memory_keys(record: Mapping[str, Any]) -> list[str]:
   """The `MEMORY_KEYS` that can lower the memory per device of the record's run on its target,
-  each with what it would do: only the steps that do not fit, a stronger `model.remat` where
-  one is left, `compute_dtype` where it is not already bfloat16, and the expert axis where the
-  target has several devices (the mesh covers them all: more devices per copy of the experts,
-  not more devices)."""
+  each with what it would do."""
   keys = []
   train_short = not record["train_step"]["fits"]
   if train_short:

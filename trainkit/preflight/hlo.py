@@ -1,13 +1,7 @@
-"""Reading an optimised HLO module's text: its matrix products, its library calls and its
-collectives, per device.
-
-What a compiled program does on each device is decided by the SPMD partitioner and is only
-visible in the optimised HLO (`compiled.as_text()`): how many rows an expert matmul really
-has, which collectives move which arrays, in which dtype, over which device groups, and what
-the cuBLAS/cuDNN calls of a GPU program read, write and compute. These readers let tests and
-the preflight assert on that program, for any target XLA compiles for here (TPU: dots are
-often `convolution`s; GPU: library GEMMs are `custom-call`s to cuBLAS). An instruction inside a
-while loop counts the loop's known trip count (`_executions`) where the readers say so.
+"""Reading an optimised HLO module's text (`compiled.as_text()`), per device: its matrix
+products, library calls (GPU: cuBLAS/cuDNN `custom-call`s) and collectives with their device
+groups, which only the SPMD-partitioned program shows. Instructions in a while loop count its
+known trip count (`_executions`) where the readers say so.
 """
 
 from __future__ import annotations
@@ -20,32 +14,13 @@ from typing import Any
 
 import numpy as np
 
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
 _DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
+    **dict.fromkeys(("pred", "s8", "u8", "f8e4m3fn", "f8e5m2"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
     "c128": 16,
 }
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
@@ -113,25 +88,12 @@ def _without_operands(shape_text: str) -> str:
   return text
 
 
-def collective_instructions(hlo_text: str) -> list[tuple[str, list[Array]]]:
-  """Every collective instruction of the module: its kind and the arrays it produces on each
-  device.
-
-  A synchronous op, or the `-start` half of an asynchronous one, counts (`-done` never). An
-  async start's operands are left out: where its shape is `((operands), results)` (GPU's
-  all-to-all) the first group, and where it is `(operand, result)` (all-gather,
-  collective-permute) all but the largest array. An all-reduce or all-to-all over several
-  arrays returns all of them.
-  """
-  return [(c.kind, list(c.arrays)) for c in collectives_with_groups(hlo_text)]
-
-
 def collective_results(hlo_text: str) -> dict[str, list[Array]]:
   """Per collective kind, the arrays its instructions produce on each device
-  (`collective_instructions`)."""
+  (`collectives_with_groups`)."""
   found: dict[str, list[Array]] = {}
-  for kind, arrays in collective_instructions(hlo_text):
-    found.setdefault(kind, []).extend(arrays)
+  for c in collectives_with_groups(hlo_text):
+    found.setdefault(c.kind, []).extend(c.arrays)
   return found
 
 
@@ -260,19 +222,10 @@ _DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
 
 @dataclasses.dataclass(frozen=True)
 class LibraryCall:
-  """One `custom-call` of an optimised (GPU) module: a kernel XLA did not generate, e.g. a
-  cuBLAS GEMM or a cuDNN convolution, which XLA's HLO cost analysis does not count.
-
-  Attributes:
-    target: the custom_call_target (`__cublas$lt$matmul`, `__cudnn$convForward`, ...).
-    kind: "gemm", "convolution" or "other".
-    operands: the arrays it reads.
-    results: the arrays it writes, the scratch workspace left out.
-    workspace: bytes of the scratch buffer it is given (the last result of a tuple, `u8`/`s8`
-      1-D): cuBLAS and cuDNN may use part of it or none, so it is not counted as traffic.
-    flops: 2 x multiply-adds, for a GEMM or convolution (None for other calls).
-    executions: times it runs per execution of the module (while loops' known trip counts).
-    in_unknown_loop: inside a while loop whose trip count XLA does not know (counted once).
+  """One `custom-call` of an optimised (GPU) module (cuBLAS GEMM, cuDNN convolution, other),
+  which XLA's HLO cost analysis does not count. `workspace`: bytes of its scratch buffer (a
+  tuple's last `u8`/`s8` 1-D result), not counted as traffic. `flops`: None for other calls.
+  `executions`: per execution of the module; `in_unknown_loop`: counted once for lack of one.
   """
 
   target: str
@@ -373,17 +326,9 @@ _PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>[{}\d,\s]*)\}")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective instruction of an optimised module.
-
-  Attributes:
-    kind: the collective (`all-reduce`, ...; an async op by its `-start`).
-    arrays: what it produces on each device (`collective_instructions`).
-    groups: the device groups it runs over, as the ids in the HLO (SPMD: partition ids, i.e.
-      positions in the program's device assignment); None where the HLO names none (one group
-      of every device).
-    pairs: a collective-permute's (source, target) pairs.
-    executions: times it runs per execution of the module (known while-loop trip counts).
-  """
+  """One collective instruction (an async op by its `-start`): what it produces on each device,
+  its device groups as the HLO's ids (None: one group of every device), a collective-permute's
+  (source, target) pairs, and how often it runs per execution of the module."""
 
   kind: str
   arrays: tuple[Array, ...]
@@ -475,8 +420,9 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def collectives_with_groups(hlo_text: str) -> list[Collective]:
-  """Every collective of the module, with its device groups and how often it runs: its
-  arrays as `collective_instructions` describes them."""
+  """Every collective of the module, with its device groups and how often it runs. An async
+  `-start`'s operands are left out: the first group of a `((operands), results)` shape, all but
+  the largest array of an all-gather's or collective-permute's `(operand, result)`."""
   instructions, entry = _module(hlo_text)
   runs = _executions(instructions, entry)
   found = []
