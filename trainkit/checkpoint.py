@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -265,92 +265,15 @@ def verify_manifest(step_dir: str) -> str:
   return ""
 
 
-@contextlib.contextmanager
-def _quiet_library_loggers():
-  """Silences Orbax's and TensorStore's own error logging while restores are attempted.
-
-  A corrupt step makes them log thousands of lines (spec dumps, parse errors) through absl;
-  the restore reports each skipped step itself, in one warning line.
-  """
-  logger = logging.getLogger("absl")
-  level = logger.level
-  logger.setLevel(logging.CRITICAL)
-  try:
-    yield
-  finally:
-    logger.setLevel(level)
-
-
-class _OutOfSpaceNoise(logging.Filter):
-  """Drops Orbax's own error logs of a full disk or an unwritable folder (one per writer thread,
-  each with a traceback and TensorStore's spec): the run reports it once, as an OutOfSpace or
-  Unwritable naming the resume step."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if "orbax" not in record.pathname:
-      return True
-    error = record.exc_info[1] if record.exc_info else None
-    message = Exception(record.getMessage())
-    return not any(
-        (error is not None and is_write_failure(error)) or is_write_failure(message)
-        for is_write_failure in (is_out_of_space, unwritable_reason)
-    )
-
-
-def _drop_closed_loop_callbacks(hook: Callable[[Any], None]) -> Callable[[Any], None]:
-  """An unraisable-exception hook that drops the 'Event loop is closed' errors of an Orbax save
-  cut short (e.g. by a full disk): the writes still pending then try to report to the save's
-  event loop, already closed, by the hundred. Everything else goes on to `hook`."""
-
-  def unraisable(args: Any) -> None:
-    if isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == "Event loop is closed":
-      return
-    hook(args)
-
-  unraisable.drops_closed_loop_callbacks = True
-  return unraisable
-
-
-def _silence_out_of_space_noise() -> None:
-  """Installs (once) the two filters above; a failed save is still raised by `wait`/`poll`."""
-  absl_logger = logging.getLogger("absl")
-  if not any(isinstance(f, _OutOfSpaceNoise) for f in absl_logger.filters):
-    absl_logger.addFilter(_OutOfSpaceNoise())
-  if not getattr(sys.unraisablehook, "drops_closed_loop_callbacks", False):
-    sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
-
-
-def _release_orbax_waiters() -> None:
-  """Lets the writer threads of a failed asynchronous save end.
-
-  Orbax runs a save's stages in threads that each wait for the previous stage's signal. When an
-  early stage fails (the step's temporary folder cannot be created in a folder that became
-  unwritable), the later ones wait for a signal that never comes, up to Orbax's timeout (10
-  minutes or more), and they are not daemon threads: the interpreter's exit waits for them, so
-  the run neither trained nor exited. Each is marked cancelled and given its signal, on which it
-  returns without running. Orbax's internals (orbax-checkpoint 0.12): where they differ this
-  does nothing, and the entry point's immediate exit (`exit_on_user_error`) still ends the run.
-  Single-process only: in a multi-process run the signals live in the coordination service, and
-  `trainkit.distributed.exit_together` ends the process at once.
-  """
-  if jax.process_count() != 1:
-    return
-  try:
-    from orbax.checkpoint._src.futures import future as orbax_future
-  except ImportError:
-    return
-  thread_class = getattr(orbax_future, "_SignalingThread", None)
-  set_signals = getattr(orbax_future, "set_signals", None)
-  if thread_class is None or set_signals is None:
-    return
-  for thread in threading.enumerate():
-    if isinstance(thread, thread_class) and thread.is_alive():
-      thread._cancelled = True  # pylint: disable=protected-access
-      with contextlib.suppress(Exception):
-        set_signals(
-            getattr(thread, "_receive_signals", ()),
-            operation_id=getattr(thread, "_operation_id", ""),
-        )
+def _check_writable(directory: str) -> None:
+  """Raises the OSError of a local checkpoint folder that cannot take a new file (permissions, a
+  read-only remount), before a save starts. A save that Orbax started there fails in an early
+  stage of its threads while the later ones wait for that stage's signal, up to Orbax's
+  coordination timeout, in threads the interpreter's exit waits for. (A folder that turns
+  unwritable during a save is still raised by `wait`/`poll`; the entry point then exits at once,
+  `exit_on_user_error`, without waiting for those threads.)"""
+  if jax.process_index() == 0 and not storage.is_remote(directory):
+    tempfile.TemporaryFile(dir=directory).close()
 
 
 class _Unusable(ValueError):
@@ -401,7 +324,6 @@ class Checkpointer:
       raise UserError(f"checkpoint directory '{self.directory}' exists and is not a directory")
     _remove_interrupted_saves(self.directory)
     _set_aside_links(self.directory)
-    _silence_out_of_space_noise()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         save_interval_steps=save_interval_steps,
@@ -414,15 +336,14 @@ class Checkpointer:
         else None,
     )
     try:
-      with _quiet_library_loggers():  # It reads every step's metadata; we report problems.
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                STATE: ocp.StandardCheckpointHandler(),
-                DATA_ITERATOR: ocp.JsonCheckpointHandler(),
-            },
-        )
+      self._manager = ocp.CheckpointManager(
+          self.directory,
+          options=options,
+          item_handlers={
+              STATE: ocp.StandardCheckpointHandler(),
+              DATA_ITERATOR: ocp.JsonCheckpointHandler(),
+          },
+      )
     except Exception as e:  # Orbax reports unreadable directories in many ways.
       if jax.process_count() > 1 and _COLLECTIVE_FAILURE.search(str(e)):
         # Its synchronisation of the processes failed, not the directory: the caller's
@@ -450,6 +371,12 @@ class Checkpointer:
     free = None if storage.is_remote(self.directory) else shutil.disk_usage(self.directory).free
     if free is not None and free < needed:
       raise self._out_of_space(step, needed, free)
+    try:
+      _check_writable(self.directory)
+    except OSError as e:
+      if unwritable_reason(e):
+        raise self._unwritable(step, e) from e
+      raise
     args = ocp.args.Composite(
         **{
             STATE: ocp.args.StandardSave(state),
@@ -520,7 +447,6 @@ class Checkpointer:
     """The error for a checkpoint folder that became unwritable: at the save of `step` (what was
     written of it is removed where that is still possible), or, when `manifest_kept` is given,
     at the writing of step `step`'s manifest (the step is restorable if the manifest was kept)."""
-    _release_orbax_waiters()
     at_manifest = manifest_kept is not None
     if not at_manifest:
       _remove_failed_save(self.directory, at_most=1.0)  # May not be removable any more.
@@ -584,8 +510,7 @@ class Checkpointer:
           failures[-1],
       )
 
-    with _quiet_library_loggers():
-      restored = self._restore_newest_readable(steps, abstract, skip, check_iterator_state)
+    restored = self._restore_newest_readable(steps, abstract, skip, check_iterator_state)
     if restored is None:
       unverified = [step for step, why in zip(skipped_steps, failures) if f"no {MANIFEST}" in why]
       hint = (
@@ -685,10 +610,8 @@ class Checkpointer:
   def _wait_for_save(self) -> None:
     """Waits for the asynchronous save in flight, turning a full disk into one message."""
     try:
-      with _quiet_library_loggers():  # Its threads log each failed write at length.
-        self._manager.wait_until_finished()
+      self._manager.wait_until_finished()
     except Exception as e:
-      _release_orbax_waiters()  # Whatever stopped the save: its later stages wait no more.
       if self._saving is not None and is_out_of_space(e):
         step, needed = self._saving
         raise self._out_of_space(step, needed) from e

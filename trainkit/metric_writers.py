@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
 import os
+import shutil
+import socket
+import struct
+import tempfile
 import time
 from typing import Any, Mapping
 
 import numpy as np
+from tensorboardX import RecordWriter
 
 from trainkit import storage
 from trainkit.errors import UserError
@@ -198,90 +202,86 @@ def append_line(path: str, line: str) -> None:
       raise
 
 
-class _RemoteEventFile:
-  """A TensorBoard event file on an object store, written through etils.epath. An object cannot
-  be appended to, and uploading the file whole at each flush (as tensorboardX's own gs:// writer
-  does) makes a run's uploads grow with the square of its flushes. So each flush uploads only the
-  events written since the last one, as an object of its own, `<name>.NNNNNN`: TensorBoard reads
-  a folder's event files in name order, and each part holds whole records. `close` folds them
-  into the one object `<name>` and deletes the parts (a run killed before that leaves its parts,
-  which TensorBoard reads as they are)."""
-
-  def __init__(self, location: str):
-    self._location = location
-    self._buffer = io.BytesIO()  # Every event, for the fold at close.
-    self._uploaded = 0  # Bytes of the buffer already in parts.
-    self._parts: list[str] = []
-
-  def write(self, data: bytes) -> None:
-    self._buffer.write(data)
-
-  def flush(self) -> None:
-    with self._buffer.getbuffer() as written:
-      new = bytes(written[self._uploaded :])
-    if not new:
-      return
-    part = f"{self._location}.{len(self._parts) + 1:06d}"
-    storage.path(part).write_bytes(new)
-    self._parts.append(part)
-    self._uploaded += len(new)
-
-  def close(self) -> None:
-    with self._buffer.getbuffer() as written:
-      storage.path(self._location).write_bytes(bytes(written))
-    for part in self._parts:
-      storage.path(part).unlink(missing_ok=True)
-    self._parts = []
-    self._uploaded = len(self._buffer.getvalue())
+def _varint(n: int) -> bytes:
+  n &= (1 << 64) - 1  # An int64 field's encoding (two's complement).
+  out = bytearray()
+  while n > 0x7F:
+    out.append(n & 0x7F | 0x80)
+    n >>= 7
+  return bytes(out + bytes([n]))
 
 
-class _RemoteEventFiles:
-  """tensorboardX's writer factory (`register_writer_factory`) for a URI scheme."""
-
-  def open(self, location: str) -> _RemoteEventFile:
-    return _RemoteEventFile(location)
-
-  def directory_check(self, location: str) -> None:
-    storage.makedirs(location)
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+  if wire_type == 2:  # Length-delimited: a string or a message.
+    payload = _varint(len(payload)) + payload
+  return _varint(number << 3 | wire_type) + payload
 
 
-def _register_remote_event_files(scheme: str) -> None:
-  """Has tensorboardX write `scheme://` event files through etils.epath, the file system every
-  other file of the run goes through (its own gs:// writer needs google-cloud-storage and
-  bypasses it)."""
-  from tensorboardX import record_writer
-
-  record_writer.register_writer_factory(scheme, _RemoteEventFiles())
+def _event(step: int, *, file_version: str = "", tag: str = "", value: float = 0.0) -> bytes:
+  """A serialised TensorBoard `Event` (tensorboard/compat/proto/event.proto: wall_time = 1,
+  step = 2, file_version = 3, summary = 5; Summary.value = 1; Value.tag = 1, simple_value = 2):
+  the file's version record, or one scalar. Five fields of a stable file format, encoded here
+  rather than through tensorboardX's private protos."""
+  event = _field(1, 1, struct.pack("<d", time.time()))
+  event += _field(2, 0, _varint(step)) if step else b""  # proto3 leaves a default value out.
+  if file_version:
+    return event + _field(3, 2, file_version.encode())
+  scalar = _field(1, 2, tag.encode()) + _field(2, 5, struct.pack("<f", value))
+  return event + _field(5, 2, _field(1, 2, scalar))
 
 
 class _ScalarEvents:
-  """TensorBoard scalars written to an event file in the caller's thread. tensorboardX's
-  SummaryWriter hands each event to a thread of its own, and its `flush` does not wait for that
-  thread: a flush at a checkpoint could leave the last events unwritten, to be lost with the
-  process (on an object store, to come in a later part). Here `flush` writes every event added
-  before it."""
+  """TensorBoard scalars written to an event file in the caller's thread, framed by
+  tensorboardX's public `RecordWriter`. tensorboardX's SummaryWriter hands each event to a thread
+  of its own: its `flush` does not wait for that thread (a checkpoint's flush could leave the last
+  events unwritten, lost with the process), and a full disk ended that thread and then blocked
+  the run on its full queue. Here `flush` writes every event added before it, and a failed write
+  is raised to the loop.
+
+  On an object store, which has no append (and where uploading the file whole at each flush
+  grows with the square of the flushes), the file is written in a local temporary folder and
+  each flush uploads the events since the last one as an object of its own, `<name>.NNNNNN`:
+  TensorBoard reads a folder's event files in name order, and each part holds whole records.
+  `close` uploads the file whole as `<name>` and deletes the parts (a run killed before that
+  leaves its parts, which TensorBoard reads as they are)."""
 
   def __init__(self, logdir: str):
-    # tensorboardX's own event-file writer and protos, without its queue and thread.
-    from tensorboardX.event_file_writer import EventsWriter
-    from tensorboardX.proto import event_pb2
-    from tensorboardX.record_writer import directory_check
-    from tensorboardX.summary import scalar
-
-    directory_check(logdir)
-    self._event, self._scalar = event_pb2.Event, scalar
+    storage.makedirs(logdir)
     # The name TensorBoard looks for, events.out.tfevents.<time>.<host>, as SummaryWriter's.
-    self._writer = EventsWriter(os.path.join(logdir, "events"))
+    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+    self._remote = storage.is_remote(logdir)
+    local_dir = tempfile.mkdtemp(prefix="trainkit-events-") if self._remote else logdir
+    self._local, self._location = os.path.join(local_dir, name), storage.join(logdir, name)
+    self._writer = RecordWriter(self._local)
+    self._uploaded, self._parts = 0, []  # Bytes of the local file already in parts; the parts.
+    self._writer.write(_event(0, file_version="brain.Event:2"))
 
   def add_scalar(self, name: str, value: float, step: int) -> None:
-    event = self._event(summary=self._scalar(name, value), step=step, wall_time=time.time())
-    self._writer.write_event(event)
+    self._writer.write(_event(step, tag=name, value=value))
 
   def flush(self) -> None:
     self._writer.flush()
+    if not self._remote:
+      return
+    with open(self._local, "rb") as f:
+      f.seek(self._uploaded)
+      new = f.read()
+    if new:
+      part = f"{self._location}.{len(self._parts) + 1:06d}"
+      storage.path(part).write_bytes(new)
+      self._parts.append(part)
+      self._uploaded += len(new)
 
   def close(self) -> None:
     self._writer.close()
+    if not self._remote:
+      return
+    with open(self._local, "rb") as f:
+      storage.path(self._location).write_bytes(f.read())
+    for part in self._parts:
+      storage.path(part).unlink(missing_ok=True)
+    self._parts = []
+    shutil.rmtree(os.path.dirname(self._local), ignore_errors=True)
 
 
 def _to_python(value: Any) -> Any:
@@ -309,10 +309,7 @@ class MetricWriter:
     self._last_flushed: dict[str, Any] | None = None
     self._tb: _ScalarEvents | None = None
     if enabled and tensorboard:
-      logdir = storage.join(workdir, "tensorboard")
-      if storage.is_remote(logdir):
-        _register_remote_event_files(storage.scheme(logdir))
-      self._tb = _ScalarEvents(logdir)
+      self._tb = _ScalarEvents(storage.join(workdir, "tensorboard"))
 
   def truncate_after(self, step: int) -> None:
     """Drops lines logged after `step` (and a torn last line): a resumed run rewrites them, so
