@@ -1,25 +1,15 @@
 """Autoregressive decoding with a cache: greedy and beam search, jit-compatible.
 
-Both drive a step function
+Both drive `log_probs [N, V], cache = step_fn(cache, tokens [N], position)`, `cache` any pytree
+with leading dimension N; beam search keeps N = batch * beam rows and reorders them on
+re-ranking.
 
-    log_probs, cache = step_fn(cache, tokens, position)
+Beam search follows fairseq's rule: the 2K best extensions of the K alive beams are ranked; one
+ending in EOS among the first K is finished (scored by log-prob / length_penalty), the K best
+others stay alive, and a sentence is done with K finished hypotheses (K = 1 is greedy). The
+length penalty is GNMT's ((5 + length) / 6) ** alpha, length counting the EOS.
 
-with `tokens` [N] the last token of each of N hypotheses and `log_probs` [N, V]
-the next-token log-probabilities; `cache` is any pytree whose leaves have
-leading dimension N (e.g. the decoder's key/value caches and the tiled encoder
-output). Beam search keeps N = batch * beam rows and reorders the cache rows
-when beams are re-ranked.
-
-Beam search follows fairseq's rule: at every step the 2K best extensions of the
-K alive beams are ranked; an extension ending in EOS that ranks among the first
-K is finished (scored by log-prob / length_penalty), the K best others stay
-alive, and a sentence is done once it has K finished hypotheses. With K = 1
-this is exactly greedy decoding. The length penalty is GNMT's
-((5 + length) / 6) ** alpha, with length counting the EOS.
-
-The searches know nothing of models. `decode_tokens` is the one place that ties them to
-`models.Seq2Seq` (its step function over the decoder's KV caches), and `make_translate_fn` /
-`translate_eval` are what training and the report call to turn the eval set into text.
+`decode_tokens` is the one place that ties the searches to `models.Seq2Seq`.
 """
 
 from __future__ import annotations
@@ -100,9 +90,8 @@ def beam_search(
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search (module docstring). `cache` has B * K rows (each example tiled K times).
 
-  Returns:
-    tokens: [B, max_len], the best hypothesis after BOS, padded after its EOS.
-    score: [B], its log-prob divided by the length penalty.
+  Returns (tokens [B, max_len] of the best hypothesis after BOS, padded after its EOS; score [B],
+  its log-prob / length penalty).
   """
   b, k = batch_size, beam_size
 
@@ -176,10 +165,9 @@ def decode_tokens(
 ) -> jax.Array:
   """Translations [B, max_len] of src [B, S] (traceable; call it under jit).
 
-  Encodes once, tiles the encoder output per beam, and decodes with the decoder's KV caches
-  (`Seq2Seq.init_cache`, `decode=True`); the scalar cache indices are kept out of the
-  per-hypothesis cache that beam search reorders and rebuilt from the step's position.
-  `use_beam_search` None = beam search when beam_size > 1, greedy otherwise.
+  Encodes once, tiles the encoder output per beam and decodes with the KV caches; the scalar
+  cache indices stay out of the cache that beam search reorders, rebuilt from the position.
+  `use_beam_search` None = beam search when beam_size > 1.
   """
   batch = src.shape[0]
   beam = beam_size

@@ -1,9 +1,8 @@
 """What a finished run reports: report.json, its printed summary, eval scalars and heatmaps.
 
-The report is built from one eval pass (`evaluation.run_eval`'s result) that this module asks for
-through an `evaluate` callable, so that it does not depend on the training module; the task
-object adds its own part (accuracy and HANS, or BLEU) and says which layers to draw. Schema of
-report.json: module docstring of `causal_attn_jax.main`.
+Built from one eval pass through an `evaluate` callable (no dependence on the training module);
+the task adds its own part and says which layers to draw. Schema of report.json: module
+docstring of `causal_attn_jax.main`.
 """
 
 from __future__ import annotations
@@ -42,10 +41,8 @@ def _constraint_report(
   """Whether the constraint is met, per layer and overall, and the numbers that say so.
 
   Per layer: the fractions of rows, columns and nodes inside the band, `violation` (the mean of
-  the Lagrangian's terms over heads: with loss="hinge" the mean distance outside the band, 0
-  when every node is inside) and the mean final multiplier; `met` is nodes_within >=
-  MET_FRACTION in every layer, and `summary` says it in words (also for a run that did not train
-  with the constraint, where it only measures).
+  the Lagrangian's terms over heads) and the mean final multiplier; `met` is nodes_within >=
+  MET_FRACTION in every layer, and `summary` says it in words.
   """
   report: dict[str, Any] = {key: float(np.mean(result[key])) for key in _WITHIN}
   report["per_layer"] = {
@@ -190,12 +187,8 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list
 def format_summary(report: dict[str, Any]) -> str:
   """Plain-text summary of a report.json dict: what a finished run prints.
 
-  The task's numbers (accuracy and macro-F1, or BLEU), the challenge split with its accuracy per
-  heuristic and gold label when there is one, a table of the self-attention layers (how many
-  keys a query attends to, and where the Markov-blanket constraint stands: the fractions of
-  nodes, rows and columns inside the band, the violation, the multiplier and whether it is
-  met), then the constraint's summary line. Absent entries (reports of older runs) are left
-  out or shown as "-".
+  The task's numbers, the challenge split's when there is one, a table of the self-attention
+  layers' sparsity and constraint, then the constraint's summary; absent entries show as "-".
   """
   attention = report.get("attention", {})
   lines = [

@@ -1,12 +1,9 @@
 """The Causal Transformers paper's two kinds of run, one object each: pair classification and
 translation.
 
-What differs between them (the data a run reads, the model, which self-attention layers carry
-multipliers, the objective, what the eval step returns and the task's part of report.json)
-lives on its task object, so `train` and `report` run one recipe for both, and a third task
-would be one more object in `TASKS` rather than a branch in every function. `config.task`
-picks the object (`get_task`); which config keys a task needs is still checked in
-`config.validate`.
+What differs between them (data, model, constrained layers, objective, eval outputs, the task's
+part of report.json) lives on its task object, so `train` and `report` run one recipe for both.
+`config.task` picks the object (`get_task`).
 """
 
 from __future__ import annotations

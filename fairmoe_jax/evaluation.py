@@ -39,12 +39,9 @@ def make_eval_step(
 ):
   """Returns a jitted `eval_step(state, batch) -> counts`; counts add up over batches.
 
-  For a batch with an `index` (the eval pipeline's), the output also has "examples": per-example
-  index, prediction, class probabilities and each MoE block's expert fractions, which do not add.
-
-  The model sees only what its method reads at inference (`Method.eval_context`): FairSMoE with
-  the default `route_by=predicted` never sees the sensitive attributes. They are used here only
-  to count, per group, the confusion matrices and each MoE block's expert usage.
+  With an `index` in the batch, the output also has per-example "examples", which do not add.
+  The model sees only what its method reads at inference (`Method.eval_context`); the sensitive
+  attributes are used here only to count per group.
   """
   method = METHODS[config.method]
 
@@ -124,8 +121,8 @@ def make_eval_step(
 
 @jax.jit
 def _add_counts(totals: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
-  """The running sum of an evaluation's counts, one program for the whole tree (added leaf by
-  leaf, each count's shape compiles an `add` of its own and every batch dispatches dozens)."""
+  """The running sum of an evaluation's counts, one program for the whole tree (leaf by leaf,
+  every batch would dispatch dozens of adds)."""
   return jax.tree.map(jnp.add, totals, counts)
 
 
@@ -156,9 +153,8 @@ def evaluate(
   """Runs one pass over a split: (the fairness report plus the mean loss, and with
   `keep_examples` the per-example outputs (`gather_examples`), else None).
 
-  With MoE blocks the report has "expert_utilisation": per block, attribute and
-  group, the fraction of the group's routed (token, choice) pairs that each expert
-  served.
+  With MoE blocks the report has "expert_utilisation": per block, attribute and group, the
+  fraction of the group's routed (token, choice) pairs that each expert served.
   """
   totals = None
   kept = []

@@ -68,9 +68,8 @@ def dropped_summary(
 ) -> dict[str, float | None]:
   """The fraction of (token, choice) pairs the MoE blocks dropped, averaged over blocks.
 
-  "train": over the logged training steps (`records`, metrics.jsonl; None when nothing was
-  logged); "test": over the test batches at `moe.eval_capacity_factor`. Both are 0.0 for a model
-  without MoE blocks, so that a comparison of methods shows which of them lost tokens.
+  "train": over the logged training steps (None when nothing was logged); "test": over the test
+  batches at `moe.eval_capacity_factor`. Both 0.0 without MoE blocks.
   """
   test = list(report.get("fraction_dropped", {}).values())
   train = None
@@ -109,8 +108,6 @@ def final_report(
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """The test report and the columns of predictions.csv (`metrics/predictions.py`).
 
-  The report has the method, the intersections of `eval.intersections`, the expert allocation,
-  the validation split's headline numbers and the gradient cosines besides `evaluate`'s.
   `validate(state)`, when given, is the training loop's validation pass (which may already have
   evaluated this step); otherwise the validation split is evaluated here.
   """
@@ -120,8 +117,7 @@ def final_report(
   )
   columns = predictions_lib.prediction_columns(examples, test, info)
   report["class_names"] = list(info.class_names)
-  # Is the accuracy above answering without looking (the split's majority class, chance)? If
-  # not, the fairness figures say nothing, and the report and the console say so.
+  # Below answering without looking, the fairness figures say nothing (reference_check).
   check = reference_check(
       report["accuracy"], report["num_examples"], columns["label"], info.class_names
   )
@@ -173,8 +169,7 @@ def final_report(
         "accuracy": validation["accuracy"],
         "num_examples": validation["num_examples"],
         "mf": validation["mf"],
-        # Routing too: a routing measurement that chooses a setting reads validation, not test
-        # (fairmoe_jax/analysis/routing.py, split="validation").
+        # Routing too: a measurement that chooses a setting reads validation (analysis/routing.py).
         **{key: validation[key] for key in VALIDATION_ROUTING_KEYS if key in validation},
     }
   if "fem" in state.extra and records:

@@ -1,43 +1,16 @@
 r"""Statistics of the built-in generated datasets: the numbers in docs/dataset.md.
 
-Command (under 10 s on 2 CPU cores for the default sizes; about 25 s with ``--workdir``):
-
-  python scripts/synthetic_stats.py --seed=0
-  python scripts/synthetic_stats.py --seed=0 --output=/tmp/synthetic_stats_seed0.json
-  python scripts/synthetic_stats.py --dataset=synthetic_testbed --seed=0
-
-``--dataset`` is ``synthetic`` (the default) or ``synthetic_testbed``; both share the attributes,
-label priors and corner marker, so every section below applies to both.
-
-With ``--workdir`` pointing at a finished training run on the same dataset (e.g. the quickstart
-on the data without the groups' tints,
-``python -m fairmoe_jax.main --config=configs/quickstart.py:cues=false --workdir=/tmp/qs_seed0``), it also
-restores that run's final checkpoint and measures how much the model follows the corner marker:
-
+  python scripts/synthetic_stats.py --seed=0 [--dataset=synthetic_testbed] [--output=x.json]
   python scripts/synthetic_stats.py --seed=0 --workdir=/tmp/qs_seed0
 
-What it reports, for dataset seed ``--seed`` and the split sizes given:
-
-* **Group sizes** of every split, per attribute, with the generator's nominal frequencies.
-* **Label frequencies** P(y | group) per attribute on ``--split`` (default: train), measured on
-  the generated labels, next to the generator's expected values (from ``label_probs`` and the
-  attribute frequencies).
-* **Marker agreement**: how often the corner marker shows the true class, per group, on the
-  train and test splits. It is *measured from the images*: the marker colour is read as the mean
-  of the marker square's interior pixels (which the 3x3 blur does not mix with the background)
-  and matched to the nearest palette colour (the output shows the margin: how far the read
-  colours are from their palette colour, and from any other). The generator's expected value
-  ``p + (1 - p) / K`` with ``p = site reliability x sex factor`` is printed beside it. Agreement
-  is computed with the repository's metric code, treating "predict the marker's class" as a
-  classifier, so it is also the per-group accuracy of that shortcut (and its PQD).
-* **Oracle reader** (``synthetic_testbed`` only): the class read from the lesion's tint with the
-  generator's own parameters (``synthetic_testbed.read_lesion_tint``), per group, on train and
-  test: what a model that learns the signal can reach, against the marker's rate.
-* **Logistic regression baseline**: multinomial logistic regression (numpy, Newton's method,
-  deterministic) on 8x8-downsampled pixels (mean pooling; 192 standardised features), trained on
-  the train split and evaluated on the test split with ``fairness_report``.
-* With ``--workdir``: the trained model's test accuracy when the marker agrees and disagrees with
-  the label, and the share of its errors on disagreeing images that predict the marker's class.
+For dataset seed ``--seed``: group sizes and label frequencies P(y | group), measured beside the
+generator's expected values; how often the corner marker shows the true class, per group, read
+from the images (``synthetic.read_marker``) and scored with the repository's metric code as a
+classifier (so also that shortcut's per-group accuracy and PQD); for ``synthetic_testbed`` the
+oracle reader of the lesion's tint; a multinomial logistic regression baseline on 8x8 pixels.
+With ``--workdir`` (a finished run on the same data, e.g. the quickstart with
+``configs/quickstart.py:cues=false``) also that model's test accuracy when the marker agrees and
+disagrees with the label, and the share of its errors that follow the marker.
 """
 
 from __future__ import annotations
@@ -58,9 +31,7 @@ from fairmoe_jax.metrics import format_report, report_of_predictions
 Split = dict[str, np.ndarray]
 
 
-# ---------------------------------------------------------------------------
 # Group sizes and label frequencies.
-# ---------------------------------------------------------------------------
 
 
 def group_sizes(split: Split, info: data_lib.DatasetInfo) -> dict[str, dict[str, int]]:
@@ -107,9 +78,7 @@ def label_frequencies(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any
   return result
 
 
-# ---------------------------------------------------------------------------
 # The corner marker.
-# ---------------------------------------------------------------------------
 
 
 def _report(
@@ -150,9 +119,7 @@ def marker_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]
   }
 
 
-# ---------------------------------------------------------------------------
 # Logistic regression baseline.
-# ---------------------------------------------------------------------------
 
 
 def downsample(images: np.ndarray, side: int = 8) -> np.ndarray:
@@ -245,9 +212,7 @@ def logistic_regression_baseline(
   }
 
 
-# ---------------------------------------------------------------------------
 # Optional: how much a trained model follows the marker.
-# ---------------------------------------------------------------------------
 
 
 def accuracy_gap(attribute_report: dict[str, Any]) -> float:
@@ -276,8 +241,7 @@ def model_predictions(
   with open(os.path.join(workdir, "config.json")) as f:
     trained_data = json.load(f)["data"]
   if trained_data.get("attribute_cues", False):
-    # This script generates the images without the groups' tints: predicting them with a model
-    # trained on tinted images would give another model's accuracy.
+    # The images here have no tints: a model trained on tinted ones would be another model.
     raise SystemExit(
         f"{workdir} was trained on the data with attribute cues (data.attribute_cues, the "
         "quickstart's default); these statistics are of the data without them: train with "
@@ -288,8 +252,7 @@ def model_predictions(
         f"{workdir} was trained on data {trained_data}, not on {expected_data}: "
         "pass the matching --seed and split sizes"
     )
-  # The run's own predictor: it normalises the uint8 images inside its jitted step, as the
-  # evaluation does (feeding the model raw pixels gave wrong accuracies).
+  # The run's own predictor: it normalises the uint8 images inside its jitted step.
   run = fairmoe_jax.load_run(workdir)
   probabilities = np.concatenate(
       [
@@ -318,9 +281,7 @@ def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict
   }
 
 
-# ---------------------------------------------------------------------------
 # Command line.
-# ---------------------------------------------------------------------------
 
 
 def compute(

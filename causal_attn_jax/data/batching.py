@@ -1,14 +1,9 @@
 """Pure-numpy batching for token sequences, with few distinct shapes so jit rarely recompiles.
 
-Sequences are right-padded with ``pad_id`` (0, ``tokenizer.PAD_ID``) to a fixed
-``max_len``. Training batches are length-bucketed (examples of similar length
-share a batch, so little compute is spent on padding) and shuffled
-deterministically from ``(seed, epoch)``, so a resumed run sees the same
-batches. With ``boundaries`` a training batch's sequences are trimmed to the
-smallest boundary that fits its longest sequence: one compiled shape per
-boundary instead of one per batch. Eval batches keep one fixed shape and pad
-the last batch with masked-out examples (``mask`` False) so that every
-example is scored exactly once.
+Sequences are right-padded with ``pad_id`` to ``max_len``. Training batches are length-bucketed
+and shuffled from ``(seed, epoch)`` only, so a resumed run sees the same batches; with
+``boundaries`` each is trimmed to the smallest boundary that fits (one compiled shape per
+boundary). Eval batches keep one shape, the last padded with ``mask`` False.
 """
 
 from __future__ import annotations
@@ -60,23 +55,9 @@ def bucketed_batches(
 ) -> list[np.ndarray]:
   """Shuffled index batches whose examples have similar lengths.
 
-  The examples are shuffled, cut into pools of ``pool_batches * batch_size``,
-  each pool is sorted by length and cut into batches, and the batch order is
-  shuffled. Pools keep some randomness in which examples meet; sorting within
-  a pool puts similar lengths together. The result depends only on
-  ``(seed, epoch)`` and ``lengths``.
-
-  Args:
-    lengths: Length of each example (e.g. ``sequence_lengths``).
-    batch_size: Examples per batch.
-    seed: Base seed; ``epoch`` makes every epoch's order different.
-    epoch: Epoch number.
-    pool_batches: Batches per sorting pool (1 = no bucketing).
-    drop_remainder: Drop the last partial batch, so all batches have
-      ``batch_size`` examples (fixed shapes for training).
-
-  Returns:
-    int64 index arrays, one per batch.
+  The examples are shuffled, cut into pools of ``pool_batches * batch_size`` (1 = no
+  bucketing), each pool sorted by length and cut into batches, and the batch order shuffled.
+  Returns int64 index arrays, one per batch.
   """
   if batch_size <= 0 or pool_batches <= 0:
     raise ValueError(f"batch_size {batch_size} and pool_batches {pool_batches} must be > 0.")
@@ -116,18 +97,9 @@ def train_batches(
   """Yields one epoch of full, length-bucketed batches of ``arrays``.
 
   Args:
-    arrays: Same-length arrays, e.g. ``ids``, ``segment_ids``, ``label``.
-    batch_size: Examples per batch (the last partial batch is dropped).
-    seed: Shuffle seed.
-    epoch: Epoch number (a different order per epoch).
-    seq_keys: Keys of [N, max_len] right-padded sequences; their longest
-      length is the bucketing length unless ``lengths`` is given, and they are
-      trimmed when ``boundaries`` is given.
-    lengths: Per-example lengths to bucket by.
-    boundaries: Allowed sequence lengths, e.g. (32, 64, 128); each batch's
-      ``seq_keys`` are cut to the smallest one that fits. None keeps ``max_len``.
-    pool_batches: Batches per sorting pool.
-    pad_id: Padding id of ``seq_keys``.
+    seq_keys: Keys of [N, max_len] right-padded sequences; their longest length is the
+      bucketing length unless ``lengths`` is given, and they are trimmed to ``boundaries``.
+    boundaries: Allowed sequence lengths, e.g. (32, 64, 128); None keeps ``max_len``.
   """
   n = _common_length(arrays)
   if lengths is None:
@@ -153,9 +125,7 @@ def eval_batches(
 ) -> Iterator[dict[str, np.ndarray]]:
   """Yields fixed-shape batches in order, the last padded with zeros and ``mask`` False.
 
-  Every batch has ``batch_size`` rows and the arrays' other dimensions, so one
-  compiled eval step serves all batches. ``mask`` (bool [batch_size]) is True
-  for real examples; metrics must weight by it.
+  One compiled eval step serves all batches; metrics must weight by ``mask``.
   """
   if batch_size <= 0:
     raise ValueError(f"batch_size {batch_size} must be > 0.")

@@ -1,9 +1,8 @@
 """A built-in spurious-correlation testbed for sentence-pair models (docs/dataset.md).
 
 The Causal Transformers paper claims that causal attention generalises better when a surface cue
-that predicts the label in training stops predicting it (HANS after MNLI, PAWS after QQP). Those
-datasets are large and their cues are not controlled; this generator makes the same situation from a
-seed, in about a second, with the strength of the cue as a config key.
+that predicts the label in training stops predicting it (HANS after MNLI, PAWS after QQP); this
+generator makes that situation from a seed, with the cue's strength as a config key.
 
 Every pair is a premise "the [adj] S V the [adj] O [while the S' V' ...]" and a hypothesis
 "the s v the o". The label is a sparse relation among six tokens:
@@ -11,8 +10,8 @@ Every pair is a premise "the [adj] S V the [adj] O [while the S' V' ...]" and a 
     entailment  iff  s ~ S, v ~ V and o ~ O,
 
 where `~` is "the same concept": every noun and verb concept has two surface forms (unrelated
-pseudo-words), both used in premises and hypotheses, so no single word marks a substitution. The surface cue is lexical overlap: whether every word of the hypothesis
-occurs in the premise. Four kinds of pair:
+pseudo-words), both used in premises and hypotheses, so no single word marks a substitution. The
+surface cue is lexical overlap: whether every word of the hypothesis occurs in the premise:
 
     kind              label           overlap   how the hypothesis is made
     same              entailment      full      the premise's own S, V, O
@@ -88,8 +87,7 @@ def pseudo_words(rng: np.random.Generator, count: int, taken: set[str]) -> list[
 
 @dataclasses.dataclass
 class _Lexicon:
-  """Every noun and verb concept has two surface forms, both used in premises and hypotheses,
-  so that neither form identifies the pairs in which a synonym was substituted."""
+  """Two surface forms for every noun and verb concept (module docstring)."""
 
   nouns: list[tuple[str, str]]
   verbs: list[tuple[str, str]]

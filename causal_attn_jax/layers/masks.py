@@ -1,10 +1,8 @@
 """Boolean attention masks: padding, causal, and the sparse patterns of the paper's Fig. 2.
 
-Every mask is True where a query may attend to a key and has shape [B | 1, 1, Nq, Nk], so masks
-combine with `&` and broadcast over heads. The sparse patterns are the baselines the paper
-compares the Markov-blanket constraint against (band, dilated band, random, local block): they
-are built once, on the host, with numpy, so they are constants under `jax.jit` and the same
-`seed` always gives the same random pattern.
+Every mask is True where a query may attend to a key, shape [B | 1, 1, Nq, Nk], so masks combine
+with `&` and broadcast over heads. The sparse patterns are built once on the host with numpy:
+constants under `jax.jit`, the same `seed` giving the same random pattern.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ SPARSE_KINDS = ("band", "dilated", "random", "block")
 def padding_mask(valid_q: jax.Array, valid_k: jax.Array) -> jax.Array:
   """[B, Nq], [B, Nk] bool -> [B, 1, Nq, Nk]: both the query and the key are real tokens.
 
-  Padded query rows are masked too, so they end up with all-zero attention (see
-  `MultiHeadAttention`) and add nothing to the column sums of the constraint.
+  Padded query rows are masked too: all-zero attention, nothing in the constraint's column sums.
   """
   valid_q = jnp.asarray(valid_q, bool)
   valid_k = jnp.asarray(valid_k, bool)
@@ -51,12 +48,11 @@ def sparse_mask(
     "band": |i - j| <= band_width (sliding window).
     "dilated": |i - j| <= band_width * dilation and (i - j) % dilation == 0, i.e. a window of
       band_width taps on each side spaced `dilation` apart (Longformer's dilated window).
-    "random": each query attends to `num_random` distinct keys drawn uniformly without
-      replacement (a fixed draw from `seed`), plus itself, so that no row is empty even after
-      the mask is ANDed with a causal or padding mask.
+    "random": `num_random` distinct keys drawn uniformly (a fixed draw from `seed`).
     "block": local blocks, i // block_size == j // block_size.
 
-  Every pattern contains the diagonal, for the same reason as "random".
+  Every pattern contains the diagonal, so no row is empty once ANDed with a causal or padding
+  mask.
   """
   i = np.arange(n)[:, None]
   j = np.arange(n)[None, :]

@@ -1,11 +1,8 @@
 """BLEU (via sacrebleu), accuracy and macro-F1 for the paper's NMT and classification results.
 
-BLEU is sacrebleu's corpus BLEU on detokenised text with its default ``13a``
-tokenizer, the comparable-across-papers setting: computing it on text that is
-already tokenised (e.g. Moses-tokenised WMT14 files) inflates scores, so
-`detokenize` hypotheses and references first (`looks_tokenized` tells which
-texts need it). sacrebleu and sacremoses are imported only when BLEU is
-computed, so classification runs do not need them.
+BLEU is sacrebleu's corpus BLEU on detokenised text with its default ``13a`` tokenizer, the
+setting comparable across papers: already tokenised text (e.g. Moses-tokenised WMT14) inflates
+scores, so `detokenize` first (`looks_tokenized` tells which texts need it).
 """
 
 from __future__ import annotations
@@ -19,11 +16,8 @@ from trainkit.errors import import_extra
 
 
 def looks_tokenized(lines: Sequence[str], threshold: float = 0.5) -> bool:
-  """Whether most non-empty lines have punctuation split off from the word before it.
-
-  Moses writes "Parlament ." and "Antrag , im"; untokenised text attaches the punctuation to the
-  word before it.
-  """
+  """Whether most non-empty lines have punctuation split off (Moses's "Parlament ." and "Antrag ,
+  im")."""
   lines = [line for line in lines if line.strip()]
   if not lines:
     return False
@@ -46,12 +40,7 @@ def bleu_signature() -> str:
 
 
 def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-  """Corpus BLEU (0-100) of ``hypotheses`` against one reference each.
-
-  Raises:
-    ValueError: The two lists differ in length (a misaligned evaluation would
-      give a meaningless score).
-  """
+  """Corpus BLEU (0-100) of ``hypotheses`` against one reference each (ValueError if misaligned)."""
   if len(hypotheses) != len(references):
     raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references.")
   sacrebleu = import_extra("sacrebleu", "causal", "BLEU")
@@ -80,9 +69,8 @@ def accuracy(labels, predictions, mask=None) -> float:
 def macro_f1(labels, predictions, num_classes: int, mask=None) -> float:
   """Unweighted mean over ``num_classes`` classes of the per-class F1.
 
-  A class with no true and no predicted example has F1 0 and still counts,
-  as in ``sklearn.metrics.f1_score(average="macro", labels=range(num_classes))``,
-  so a model that never predicts a class is penalised for it.
+  A class with no true and no predicted example has F1 0 and still counts, as in
+  ``sklearn.metrics.f1_score(average="macro", labels=range(num_classes))``.
   """
   labels, predictions = _masked(labels, predictions, mask)
   classes = np.arange(num_classes)[:, None]

@@ -3,13 +3,9 @@
   from fairmoe_jax.analysis import write_plots
   write_plots("/tmp/quickstart")  # -> /tmp/quickstart/plots/*.png
 
-Each plot is drawn only when the run logged its data (a dense method has no expert
-activation, a run without FairSMoE's expert management no allocation history), so the
-same call works for every method.
-
-Figures are built with the object-oriented `matplotlib.figure.Figure` API on the Agg
-canvas rather than `pyplot`: no display is needed, no global figure state leaks between
-calls, and importing this module does not switch the backend of a user's notebook.
+Each plot is drawn only when the run logged its data, so the same call works for every method.
+Figures use `matplotlib.figure.Figure` on the Agg canvas rather than `pyplot`: no display, no
+global figure state, and importing this module leaves a notebook's backend alone.
 """
 
 from __future__ import annotations
@@ -55,11 +51,8 @@ def load_report(workdir: str) -> dict[str, Any]:
 
 
 def load_metrics(workdir: str) -> list[dict[str, Any]]:
-  """The lines of `metrics.jsonl`, or [] without one: the report alone still gives most plots.
-
-  Unlike `trainkit.metric_writers.read_metrics`, a line cut short (a run killed while
-  writing) is skipped rather than fatal, since plots are best-effort analysis.
-  """
+  """The lines of `metrics.jsonl`, or [] without one; unlike `trainkit.metric_writers.read_metrics`,
+  a line cut short is skipped, as plots are best-effort."""
   path = storage.join(workdir, "metrics.jsonl")
   if not log_exists(path):
     return []
@@ -115,8 +108,7 @@ def _save(fig: Figure, path: str) -> str:
 def plot_expert_activation(report: dict[str, Any], block: str, path: str) -> str:
   """Per attribute, the fraction of each group's routed tokens that each expert served.
 
-  Rows are the attribute's groups, columns the experts (the paper's Figs. 2 and 5):
-  rows that look alike mean the router treats the groups alike; a bright cell off the
+  Rows are the groups, columns the experts (the paper's Figs. 2 and 5): a bright cell off the
   common pattern is an expert that specialised on one group.
   """
   per_attribute = report["expert_utilisation"][block]
@@ -157,11 +149,8 @@ def plot_expert_activation(report: dict[str, Any], block: str, path: str) -> str
 
 
 def plot_group_accuracy(report: dict[str, Any], path: str) -> str:
-  """Per attribute, test accuracy of each group with its size; overall accuracy as a line.
-
-  The spread of the bars is what PQD summarises (worst group / best group), so the
-  attribute's PQD is in each title.
-  """
+  """Per attribute, test accuracy of each group with its size (PQD in the title); overall
+  accuracy as a line."""
   attributes = report["attributes"]
   most = max((len(a["groups"]) for a in attributes.values()), default=1)
   # Horizontal bars: group names as long as "posterior_torso" stay legible.
@@ -200,8 +189,7 @@ def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], pat
   """Experts of each attribute against step, as FairSMoE's expert management moved them, and
   each expert's share of the validation routing choices at the same reviews.
 
-  One panel per attribute on a shared step axis: the counts are small integers and often
-  equal across attributes, so lines on one axis would hide each other.
+  One panel per attribute: the counts are small, often equal integers that one axis would hide.
   """
   attributes = _allocation_attributes(report, metrics)
   experts = sorted(
@@ -238,8 +226,7 @@ def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], pat
 def plot_gradient_cosine(report: dict[str, Any], path: str) -> str:
   """Per attribute pair, the histogram of the cosine between their fairness-loss gradients.
 
-  The paper's Fig. 6: mass below 0 means improving one attribute's fairness works
-  against the other's, the conflict FairSMoE's routing is meant to resolve.
+  The paper's Fig. 6: mass below 0 means one attribute's fairness works against the other's.
   """
   pairs = report["gradient_cosine"]
   fig, axes = _subplots(len(pairs), width=3.8, height=3.0)
@@ -262,11 +249,8 @@ def plot_gradient_cosine(report: dict[str, Any], path: str) -> str:
 def validation_curves_figure(report: dict[str, Any], metrics: Sequence[dict]) -> Figure:
   """The run's curves against step, in three panels sharing the step axis.
 
-  Loss: the training loss (all terms) and its task term (`loss/cross_entropy`) at the logging
-  cadence, with the validation loss at each evaluation. Accuracy: the training batches'
-  accuracy at the logging cadence (thin) and validation accuracy (points). PQD: validation
-  MF-PQD with each attribute's PQD (thin). Training curves show whether and when the run
-  learnt; the few validation points alone do not.
+  Loss (training, its cross-entropy term, validation), accuracy (training batches thin,
+  validation points) and validation MF-PQD with each attribute's PQD (thin).
   """
   attributes = list(report.get("attributes", {}))
   fig = Figure(figsize=(14.0, 3.8), layout="constrained")
@@ -329,8 +313,7 @@ def plot_validation_curves(report: dict[str, Any], metrics: Sequence[dict], path
 def write_plots(workdir: str) -> list[str]:
   """Writes every plot the run has data for into `workdir/plots/`; returns their paths.
 
-  Raises UserError when `workdir/report.json` is missing or unreadable. metrics.jsonl
-  is optional (only the allocation history and the training and validation curves need it).
+  Needs `workdir/report.json` (UserError otherwise); metrics.jsonl is optional.
   """
   report = load_report(workdir)
   metrics = load_metrics(workdir)

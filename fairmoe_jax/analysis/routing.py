@@ -18,12 +18,10 @@ the validation split, whose routing the report keeps beside it):
   distribution and the split's (and that group): 0 when every group routes alike.
 * `dropped`: the share of the split's (token, choice) pairs over capacity.
 
-`write_routing_table` is a sweep table collector (`tables=("fairmoe_jax.analysis.routing:
-write_routing_table",)`): `<workdir>/routing.md` and `routing.json`, a row per run and block, on
-the test split. `write_validation_routing_table` is the same on the validation split
-(`routing_validation.md`, `.json`), without the per-image measures (predictions.csv holds the
-test images): the one to read where the measurement chooses a setting (docs/protocol.md). A run
-trained before the report kept validation routing gets it from `--mode=eval`.
+`write_routing_table` is a sweep table collector (`routing.md`, `routing.json`: a row per run
+and block, on the test split); `write_validation_routing_table` is the same on the validation
+split, without the per-image measures: the one to read where the measurement chooses a setting
+(docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -116,9 +114,8 @@ SPLITS = ("test", "validation")
 def run_concentration(
     run_dir: str, report: Mapping[str, Any], split: str = "test"
 ) -> dict[str, dict[str, Any]] | None:
-  """routing_concentration of the run in `run_dir` on `split`: its top_k from config.json; on
-  the test split, its per-image shares from predictions.csv when the run wrote one. None when
-  the report has no routing of the validation split (a run evaluated before it kept one)."""
+  """routing_concentration of the run in `run_dir` on `split` (per-image shares from
+  predictions.csv on the test split); None when the report has no validation routing."""
   if split not in SPLITS:
     raise ValueError(f"split={split!r}: one of {', '.join(SPLITS)}")
   top_k = int(json.loads(storage.read_text(storage.join(run_dir, CONFIG_FILE)))["moe"]["top_k"])

@@ -1,12 +1,8 @@
 """Per-example image augmentation in numpy (with PIL for resampling).
 
-All random functions take an explicit ``np.random.Generator`` so that the grain
-pipeline can seed them per example, which makes augmentation reproducible and
-independent of the number of reader threads and worker processes.
-
-Augmented images stay uint8: they travel to the accelerator at a quarter of
-float32's bytes, and ``normalize_on_device`` turns them into the model's input
-inside the jitted train, evaluation and predict steps.
+Random functions take an explicit ``np.random.Generator``, seeded per example by the pipeline.
+Augmented images stay uint8; ``normalize_on_device`` makes the model's input inside the jitted
+steps.
 """
 
 from __future__ import annotations
@@ -30,12 +26,8 @@ class AugmentConfig:
   """Training-time augmentation.
 
   Attributes:
-    random_resized_crop: Crop a random region (``crop_scale`` of the area,
-      aspect ratio in ``crop_ratio``) and resize it to the output size, as
-      torchvision's ``RandomResizedCrop``. If False, the image is only resized.
-    crop_scale: Range of the crop area as a fraction of the image area.
-    crop_ratio: Range of the crop aspect ratio (width / height), sampled
-      log-uniformly.
+    random_resized_crop: torchvision's ``RandomResizedCrop`` with ``crop_scale`` (area
+      fraction) and ``crop_ratio`` (width / height, log-uniform); if False, only a resize.
     horizontal_flip: Mirror the image left-right with probability 1/2.
   """
 
@@ -52,12 +44,8 @@ def random_resized_crop_box(
     scale: tuple[float, float],
     ratio: tuple[float, float],
 ) -> CropBox:
-  """Samples a crop with torchvision ``RandomResizedCrop.get_params`` semantics.
-
-  Up to 10 attempts draw an area fraction uniformly from ``scale`` and an
-  aspect ratio log-uniformly from ``ratio``; if none fits inside the image, the
-  largest centred crop with a ratio clamped to ``ratio`` is returned.
-  """
+  """Samples a crop with torchvision ``RandomResizedCrop.get_params`` semantics (10 attempts,
+  then the largest centred crop with a ratio clamped to ``ratio``)."""
   area = height * width
   log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
   for _ in range(10):
@@ -80,11 +68,8 @@ def random_resized_crop_box(
 
 
 def resized_crop(image: np.ndarray, box: CropBox, size: int) -> np.ndarray:
-  """Bilinearly resamples ``box`` of a uint8 [H, W, 3] image to [size, size, 3].
-
-  PIL resamples crop and resize in one pass (with antialiasing when the crop
-  is shrunk), which is several times faster than numpy on small images.
-  """
+  """Bilinearly resamples ``box`` of a uint8 [H, W, 3] image to [size, size, 3] in one PIL pass
+  (antialiased when shrinking; several times faster than numpy on small images)."""
   top, left, h, w = box
   if (top, left, h, w) == (0, 0, *image.shape[:2]) and h == w == size:
     return image
@@ -125,10 +110,9 @@ def normalize_on_device(images: jax.Array, mask: jax.Array | None = None) -> jax
   ``normalize`` computes them (p / 127.5 - 1, i.e. mean 0.5 and std 0.5 of p / 255, the
   ``run_info`` preprocessing); floating-point images are taken as already normalised.
 
-  Called inside the jitted steps (training loss, evaluation, predict, gradient analysis),
-  so the host ships uint8 and the cast runs on the accelerator. With ``mask`` [b], the
-  padding examples (mask 0) are zeros, the input they have always had: padded tokens still
-  take MoE capacity, so their content must not change with the pixel format.
+  Called inside the jitted steps, so the host ships uint8. With ``mask`` [b], padding examples
+  are zeros: padded tokens still take MoE capacity, so their content must not change with the
+  pixel format.
   """
   if not jnp.issubdtype(images.dtype, jnp.floating):
     images = images.astype(jnp.float32) * jnp.float32(1 / 127.5) - jnp.float32(1)
@@ -157,11 +141,8 @@ def source_crop_box(
     box: CropBox, decode_size: int, width: int, height: int
 ) -> tuple[float, float, float, float]:
   """``box`` of the ``decode_size`` square that ``images.square_resize`` would make of a
-  ``width`` x ``height`` image, as (left, top, right, bottom) in the image's own pixels.
-
-  The square is the image's centred ``min(width, height)`` square scaled by
-  ``side / decode_size``; sub-pixel coordinates are kept (PIL resamples them exactly).
-  """
+  ``width`` x ``height`` image, as (left, top, right, bottom) sub-pixel coordinates in the
+  image's own pixels."""
   top, left, h, w = box
   side = min(width, height)
   scale = side / decode_size
@@ -178,11 +159,9 @@ def augment_decoded(
 ) -> np.ndarray:
   """Training augmentation of a decoded image file in one resampling pass; uint8 [size, size, 3].
 
-  Draws the same crop box (in the coordinates of the ``decode_size`` square) and flip from
-  ``rng`` as ``augment_image(images.square_resize(image, decode_size), ...)``, but resamples
-  the box straight from the file's pixels to ``size``: one bilinear pass instead of a bicubic
-  resize of the whole square followed by a bilinear one of the crop. The two differ only by
-  interpolation (docs/design.md, "Training images in one resampling pass").
+  Draws the same crop box and flip from ``rng`` as ``augment_image(images.square_resize(image,
+  decode_size), ...)``, but resamples the box straight from the file's pixels: the two differ
+  only by interpolation (docs/design.md, "Training images in one resampling pass").
   """
   image = to_rgb8(image)
   if config.random_resized_crop:

@@ -1,10 +1,8 @@
 """Image files on disk: decoding to square uint8 arrays, eagerly or on access.
 
-Real datasets (CelebA has 200k images) are too large to decode into memory at
-full resolution, so a loader may return a split with ``path`` (absolute file
-paths) instead of ``image``. ``preload_images`` decodes such a split once at
-the model's image size; otherwise the input pipeline decodes each image when
-it reads the example (see ``pipeline.ArraySource``).
+A loader may return a split with ``path`` (absolute file paths) instead of ``image``:
+``preload_images`` decodes it once at the model's image size, or the input pipeline decodes on
+read (``pipeline.ArraySource``).
 """
 
 from __future__ import annotations
@@ -30,11 +28,8 @@ _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 def to_rgb8(image: Image.Image) -> Image.Image:
-  """The image in 8-bit RGB, with 16-bit grey scaled to 8 bits (v / 257, rounded).
-
-  Raises:
-    ValueError: 32-bit integer or float pixels ("I", "F"), whose range no file states.
-  """
+  """The image in 8-bit RGB, 16-bit grey scaled (v / 257, rounded); ValueError for 32-bit
+  integer or float pixels, whose range no file states."""
   if image.mode == "RGB":
     return image
   if image.mode in _SIXTEEN_BIT_MODES:
@@ -51,12 +46,8 @@ def to_rgb8(image: Image.Image) -> Image.Image:
 def square_resize(image: Image.Image, size: int) -> np.ndarray:
   """Resizes the short side of a PIL image to ``size`` and centre-crops a square.
 
-  Cropping and resampling happen in one bicubic, antialiased PIL pass over the
-  central square of the source, which equals resizing then cropping up to
-  sub-pixel rounding and avoids a second full-size copy.
-
-  Returns:
-    uint8 [size, size, 3].
+  One bicubic, antialiased PIL pass over the central square (resizing then cropping, up to
+  sub-pixel rounding, without a second full-size copy). Returns uint8 [size, size, 3].
   """
   image = to_rgb8(image)
   width, height = image.size
@@ -74,14 +65,8 @@ def square_resize(image: Image.Image, size: int) -> np.ndarray:
 def read_image(path: str | os.PathLike, size: int, convert: Callable[[Image.Image], T]) -> T:
   """``convert(image)`` of an image file opened for a ``size`` output.
 
-  JPEG can decode at 1/2, 1/4 or 1/8 scale directly, which is much faster for small model
-  inputs; PIL's draft mode keeps both sides >= ``size``, so ``convert`` still resamples from
-  at least as many pixels as it emits.
-
-  Raises:
-    UserError: The file is missing or is not a readable image; the message
-      names the file, so one corrupt image in a 200k-image dataset is easy to
-      find.
+  JPEG decodes at 1/2, 1/4 or 1/8 scale directly (PIL's draft mode keeps both sides >=
+  ``size``). A missing or unreadable file is a UserError naming it.
   """
   kind = special_file_kind(path)
   if kind is not None:  # A FIFO would block the read for good; a device, read forever.
@@ -97,11 +82,7 @@ def read_image(path: str | os.PathLike, size: int, convert: Callable[[Image.Imag
 
 
 def load_image(path: str | os.PathLike, size: int) -> np.ndarray:
-  """Decodes an image file to uint8 [size, size, 3] (RGB, short side resized, centre crop).
-
-  Raises:
-    UserError: as ``read_image``.
-  """
+  """Decodes an image file to uint8 [size, size, 3] (RGB, short side resized, centre crop)."""
   return read_image(path, size, lambda image: square_resize(image, size))
 
 
@@ -110,8 +91,7 @@ def load_images(
 ) -> np.ndarray:
   """Decodes ``paths`` to uint8 [len(paths), size, size, 3] with a thread pool.
 
-  PIL releases the GIL while decoding and resampling, so threads scale on
-  multi-core hosts without the memory cost of worker processes.
+  PIL releases the GIL while decoding, so threads scale without worker processes' memory.
   """
   images = np.empty((len(paths), size, size, 3), np.uint8)
   if not len(paths):
@@ -135,9 +115,8 @@ def preload_images(
 ) -> dict[str, np.ndarray]:
   """Returns ``split`` with ``path`` replaced by decoded ``image`` uint8 [N, size, size, 3].
 
-  The file names are kept as ``id``, which names each example in predictions.csv.
-  A split that already has ``image`` (and no ``path``) is returned as a shallow
-  copy, so loaders can call this unconditionally.
+  The file names are kept as ``id`` (predictions.csv); a split with ``image`` is returned as a
+  shallow copy.
   """
   out = dict(split)
   if "path" not in out:
@@ -151,12 +130,8 @@ def preload_images(
 def report_load_stats(
     dataset: str, stats: Mapping[str, int], examples: Mapping[str, Sequence[str]] | None = None
 ) -> None:
-  """Logs and prints what a loader counted (skipped rows, missing files) once.
-
-  Printing as well as logging makes dropped rows visible in runs that do not
-  configure logging, where a silently shrunken dataset would go unnoticed.
-  `examples` names the first few items behind a non-zero count.
-  """
+  """Logs and prints (visible without logging set up) what a loader counted; `examples` names
+  the first few items behind a non-zero count."""
   message = f"{dataset}: " + ", ".join(f"{k}={v}" for k, v in stats.items())
   for key, names in (examples or {}).items():
     if names:

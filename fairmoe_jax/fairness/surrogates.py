@@ -73,7 +73,6 @@ def fairness_surrogate(
     labels: [B] int target classes.
     attributes: [B, m] int groups, -1 = missing.
     group_sizes: G_i per attribute.
-    psi: "pqd" or "dp".
     mask: [B] example weights (0 for padding); default all ones.
     attribute_indices: attributes to include (default all).
   """

@@ -69,7 +69,7 @@ class Method(Protocol):
 
 
 class MethodDefaults:
-  """The protocol's answers for a method that reads nothing at inference and never revises itself."""
+  """The protocol's answers for a method that reads nothing at inference and never revises."""
 
   def eval_context(self, config, batch):
     return None
@@ -120,22 +120,16 @@ def psi_term(config, info: DatasetInfo, logits, batch: Batch, attributes=None) -
   )
 
 
-# `moe.dispatch="auto"` (the config's default): the dispatch algorithm of the platform the model
-# is built for (docs/benchmarks.md, "Which dispatch on an accelerator"; docs/design.md). cpu:
-# `sort`, the fastest capacity algorithm timed on CPU. tpu: `einsum`, the fewest bytes accessed
-# and the smallest roofline time of every capacity algorithm XLA's TPU compiler was given (one
-# v5e device, float32 and bfloat16). gpu: `sort`, timed on an H200 (benchmarks/accelerator_check.py,
-# bf16 DeiT-S layer forward and backward): the fastest of every dispatch, ours and V-MoE's, at 4
-# and at 64 experts, with the least scratch memory. Each is a capacity algorithm
-# with `sort`'s served choices and an expert-parallel version (`EP_ALGORITHMS`), so the platform
-# changes results only by float rounding.
+# `moe.dispatch="auto"` (the config's default): the dispatch measured fastest on the platform
+# the model is built for (docs/benchmarks.md, "Which dispatch on an accelerator"). Each serves
+# `sort`'s choices and has an expert-parallel version, so the platform changes results only by
+# float rounding.
 AUTO_DISPATCH = {"cpu": "sort", "tpu": "einsum", "gpu": "sort"}
 
 
 def resolve_dispatch(dispatch: str, mesh: Mesh | None) -> str:
-  """`dispatch`, or for "auto" `AUTO_DISPATCH` of the platform of the mesh's devices (so that a
-  run compiled on a CPU host for a TPU, `--mode=compile`, gets the TPU's choice), else of JAX's
-  default backend; `sort` on a platform not listed."""
+  """`dispatch`, or for "auto" `AUTO_DISPATCH` of the mesh's devices' platform (a TPU compile on
+  a CPU host gets the TPU's choice), else of JAX's default backend; `sort` if not listed."""
   if dispatch != "auto":
     return dispatch
   platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()

@@ -4,10 +4,9 @@ An intersection ``"sex*age"`` has one group per combination of the attributes' g
 joining the group names with ``*`` (``"female*<30"``). An example whose value is missing (``-1``)
 for any attribute of the intersection is not counted for it.
 
-Intersection groups are often small, and the spread metrics are driven by their extremes, so a
-handful of examples can decide DP or PQD. Groups with fewer than ``min_group_size`` examples are
-therefore listed as ``small_groups`` and every metric is given twice: over all non-empty groups,
-and under ``without_small_groups`` over the others only.
+Intersection groups are often small, and a handful of examples can decide a spread metric, so
+groups under ``min_group_size`` are listed as ``small_groups`` and every metric is also given
+over the others only (``without_small_groups``).
 """
 
 from __future__ import annotations
@@ -24,11 +23,7 @@ SEPARATOR = "*"
 
 
 def parse_intersections(spec: str | Sequence[str]) -> list[tuple[str, ...]]:
-  """``"sex*age,age*site"`` (or ``["sex*age", "age*site"]``) -> ``[("sex", "age"), ...]``.
-
-  Raises ValueError for a term with fewer than two attributes, a repeated attribute within a
-  term, or a term given twice.
-  """
+  """``"sex*age,age*site"`` (or ``["sex*age", "age*site"]``) -> ``[("sex", "age"), ...]``."""
   terms = spec.split(",") if isinstance(spec, str) else list(spec)
   parsed: list[tuple[str, ...]] = []
   for term in terms:
@@ -109,13 +104,9 @@ def intersection_report(
   """``{"sex*age": entry, ...}`` from per-example ``labels``, ``predictions`` and ``attributes``.
 
   ``labels`` and ``predictions`` are [N] class indices, ``attributes`` [N, m] group indices
-  (-1 = missing) in the order of ``attribute_names``.
-
-  Each entry holds PQD, DP, EOpp and EOdds over the non-empty intersection groups, ``groups``
-  (``n`` and ``accuracy`` of each non-empty group), ``empty_groups``, ``min_group_size``,
-  ``small_groups`` (non-empty groups with fewer than ``min_group_size`` examples) and
-  ``without_small_groups``: the four metrics over the other groups (None when fewer than two
-  are left), with their ``num_groups``.
+  (-1 = missing). Each entry holds the four metrics, ``groups``, ``empty_groups``,
+  ``min_group_size``, ``small_groups`` and ``without_small_groups`` (None when fewer than two
+  groups are left).
   """
   check_attributes(intersections, attribute_names)
   report: dict[str, Any] = {}

@@ -2,14 +2,10 @@ r"""One fairness report over the test predictions of several runs: the folds of 
 
   python -m fairmoe_jax.metrics.pooling /tmp/celeba_fold0 /tmp/celeba_fold1 ... [--output=FILE]
 
-Under identity folds (configs/celeba.py:split=identity_folds, docs/protocol.md) the k runs of
-one seed each predict the images of one fold, so their `predictions.csv` files together predict
-every image once. Pooling them scores each sensitive group on all its images, where one fold's
-test split may hold a handful (the CelebA sample's 133 Chubby faces, 9 to 64 a fold): the
-confusion counts of all rows are added, and accuracy, PQD, DP, EOpp and EOdds per attribute and
-their MF means are computed from them by `fairness_report`, as a run's own test report is.
-Runs are pooled only when they name the same classes and sensitive attributes and no image
-twice (folds never share an image).
+Under identity folds (docs/protocol.md) the k runs of one seed together predict every image
+once; pooling scores each group on all its images, where one fold may hold a handful. The
+confusion counts of all rows are added and scored by `fairness_report`, as a run's own test
+report is. Runs must name the same classes and attributes and no image twice.
 """
 
 from __future__ import annotations
@@ -58,14 +54,8 @@ def pooled_report(
 ) -> dict[str, Any]:
   """The fairness report of the union of the runs' test predictions.
 
-  Returns:
-    `fairness_report`'s dict (accuracy, num_examples, attributes with their groups and
-    metrics, mf) plus `runs` (the directories), `run_examples` (test rows of each) and, per
-    attribute, `small_groups`: its non-empty groups with fewer than `min_group_size` rows.
-
-  Raises:
-    UserError: no runs, a run without report.json or predictions.csv, runs with other class
-      or attribute names, or an image predicted by two runs.
+  Returns `fairness_report`'s dict plus `runs`, `run_examples` (test rows of each) and, per
+  attribute, `small_groups` (non-empty groups under `min_group_size` rows).
   """
   if not run_dirs:
     raise UserError("pooling needs at least one run directory")

@@ -10,15 +10,10 @@ Schema of ``fairness_report`` (python scalars only, so ``json.dumps`` works)::
      "mf": {"pqd": float, "dp": float, "eopp": float, "eodds": float},
      "mf_excluded": [NAME, ...]}  # only when an attribute has a single group
 
-A run's report adds ``"meaningful"`` and ``"reference_check"`` (``reference_check``): whether
-the accuracy is above the evaluated split's majority-class rate and chance, and if not why its
-fairness figures mean nothing.
-
-``groups`` holds the non-empty groups only; empty ones are listed in ``empty_groups``
-(their accuracy is undefined and JSON has no portable NaN). An attribute with examples in a
-single group (``single_group``) has no disparity to measure: it is left out of the ``mf`` means
-and named in ``mf_excluded`` (``fairness.multi_attribute_fairness``). ``format_report`` also prints the
-``"intersections"`` entry that ``intersections.intersection_report`` adds to a run's report.
+A run's report adds ``"meaningful"`` and ``"reference_check"`` (``reference_check``).
+``groups`` holds the non-empty groups only (JSON has no portable NaN). An attribute with a
+single group has no disparity to measure: it is left out of the ``mf`` means
+(``fairness.multi_attribute_fairness``).
 """
 
 from __future__ import annotations
@@ -69,9 +64,7 @@ def fairness_report(
 ) -> dict[str, Any]:
   """Report dict (schema in the module docstring) from accumulated count tensors.
 
-  ``overall`` is the ``[C, C]`` matrix of ``overall_counts``; ``per_attribute[i]`` the
-  ``[G_i, C, C]`` tensor of attribute ``attribute_names[i]`` with groups named
-  ``group_names[i]``.
+  ``overall`` is ``overall_counts``'s [C, C]; ``per_attribute[i]`` attribute i's [G_i, C, C].
   """
   _check_names(per_attribute, attribute_names, group_names)
   accuracy, num_examples = overall_accuracy(np.asarray(overall))
@@ -142,11 +135,9 @@ def reference_check(
 ) -> dict[str, Any]:
   """Whether an accuracy means anything: is it above what answering without looking scores?
 
-  The bar is the higher of the majority-class rate of the evaluated split's own `labels` (always
-  answering its most frequent class) and chance (1 / classes). The accuracy's 95% Wilson interval
-  over `num_examples` must lie above it; if the interval reaches the bar (or the accuracy is
-  below it), the model may have learnt nothing, and its fairness figures measure a constant
-  answer's group mix or sampling noise, not fairness: `"meaningful": False` with a `"reason"`.
+  The bar is the higher of the split's own majority-class rate and chance (1 / classes); the
+  accuracy's 95% Wilson interval must lie above it. Otherwise the fairness figures measure a
+  constant answer's group mix or noise: `"meaningful": False` with a `"reason"`.
   """
   counts = np.bincount(np.asarray(labels, np.int64), minlength=len(class_names))
   majority = int(np.argmax(counts))
