@@ -7,10 +7,8 @@
   masked) self-attention use the configured kind; cross-attention is plain softmax attention
   ("vanilla"), which the paper does not constrain. Source, target and output embeddings are tied.
 
-Every forward pass also returns `AttentionStats`-ready data: the float32 attention probabilities
-of each self-attention layer with the mask it used and the valid-token flags, so that the loss
-can apply `constraints.constraint_violations` per layer (encoder: self-attention with slack,
-decoder: no slack and no self-loops).
+Every forward pass also returns, per self-attention layer, a `SelfAttentionRecord` (float32
+probabilities, the mask used, valid-token flags) for `constraints.constraint_violations`.
 """
 
 from __future__ import annotations
@@ -185,8 +183,7 @@ class DecoderLayer(nnx.Module):
     self.remat = spec.remat
 
   def __call__(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
-    # Decoding updates the self-attention cache, which a checkpoint must not replay; it is never
-    # in training.
+    # Decoding (never in training) updates the cache, which a checkpoint must not replay.
     if train and not decode and self.remat != "none":
       return checkpointed(_train_decoder_layer, self.remat)(
           self, y, memory, self_mask, cross_mask, rngs
@@ -290,9 +287,8 @@ class PairClassifier(nnx.Module):
 class Seq2Seq(nnx.Module):
   """Encoder-decoder with tied embeddings; `__call__` is the teacher-forced forward.
 
-  `__call__(src, tgt_in, *, train, rngs) -> (logits [B, T, V], records)` with the encoder's
-  then the decoder's SelfAttentionRecords. For decoding: `encode`, `init_cache`,
-  `decode_step`.
+  `__call__(src, tgt_in, *, train, rngs) -> (logits [B, T, V], records)`, the encoder's records
+  then the decoder's. For decoding: `encode`, `init_cache`, `decode_step`.
   """
 
   def __init__(
@@ -342,8 +338,8 @@ class Seq2Seq(nnx.Module):
   def decode_step(self, tokens, position, memory, src_valid):
     """Next-token logits [N, V] for tokens [N] at `position`, with the caches of `init_cache`.
 
-    Sets every cache index to `position` first, so the caller can keep the (scalar) indices
-    out of the per-hypothesis cache that beam search reorders.
+    Sets every cache index to `position` first, so the scalar indices can stay out of the cache
+    that beam search reorders.
     """
     for layer in self.decoder:
       layer.self_attention.cache_index[...] = jnp.asarray(position, jnp.int32)
@@ -373,10 +369,9 @@ def glove_embedding(
 ) -> tuple[np.ndarray, int]:
   """An embedding table [V, dim] whose rows for pieces found in GloVe hold their vectors.
 
-  A piece matches when it equals a GloVe word after stripping SentencePiece's "▁" prefix (and
-  lower-casing, as the common GloVe files are uncased). Vectors are truncated or zero-padded to
-  `dim` and rescaled to the standard deviation `scale` of the random rows. Returns (table,
-  number of matched pieces).
+  A piece matches a GloVe word after stripping SentencePiece's "▁" and lower-casing (GloVe is
+  uncased). Vectors are truncated or zero-padded to `dim` and rescaled to std `scale`. Returns
+  (table, number of matched pieces).
   """
   words = {p.lstrip("▁").lower(): p for p in pieces}
   vectors = read_glove(glove_path, set(words) - {""})

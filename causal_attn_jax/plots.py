@@ -1,7 +1,6 @@
 """Attention heatmaps (paper Fig. 8): one matrix per PNG, or every head of a layer as a grid.
 
-Drawn with matplotlib's object API on an Agg canvas (no pyplot state), so it is safe in
-threads, headless machines and tests.
+Drawn with matplotlib's object API on an Agg canvas (no pyplot state).
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ def attention_heads_figure(
 ) -> Any:
   """Every head of one layer, `maps` [H, Nq, Nk], as a grid of heatmaps (a matplotlib Figure).
 
-  The heads share one colour scale, 0 to the largest probability of any of them, so that a
-  head that spreads its attention looks paler than one that concentrates it. Queries are rows
-  (tokens on the left column's axis), keys columns (tokens under the bottom row).
+  The heads share one colour scale, so a head that spreads its attention looks paler than one
+  that concentrates it. Queries are rows, keys columns.
   """
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top

@@ -2,21 +2,11 @@ r"""The rule that picks the CelebA sample's second target, before any comparison
 
   python scripts/celeba_target.py --root=../shared/data/celeba
 
-FairSMoE's comparison on the sample reports Attractive (the paper's target) and a second target
-that a small model can learn from the sample's faces (docs/protocol.md, section 7). The rule uses
-data only, so it cannot favour a method, and reads fold 0's training and validation folds only
-(configs/celeba.py:split=identity_folds,fold=0), never a test fold:
-
-1. Candidates: the 40 attributes except Attractive and the sensitive Male, Chubby and Goatee.
-2. Balanced enough to score: a positive rate in fold 0's training folds between 20% and 80%.
-3. Not a stand-in for a sensitive attribute: |phi| (the correlation of two binary variables) with
-   each sensitive attribute at most 0.5 in the training folds. A target nearly equal to Male
-   (No_Beard, Heavy_Makeup, ...) fixes DP by the data: no method can make it fair.
-4. Learnable: the highest balanced accuracy on the validation fold of a linear probe, ridge
-   regression (lambda 100) of the -1/1 label on the standardised 16x16 RGB pixels of the
-   training folds, thresholded at 0.
-
-Prints every candidate with its numbers, the excluded ones with the reason, and the choice.
+The rule (docs/protocol.md, section 7, "Second target rule") reads fold 0's training and
+validation folds only: candidates with a training positive rate in [20%, 80%] and |phi| <= 0.5
+with every sensitive attribute, then the best validation balanced accuracy of a ridge probe on
+16x16 pixels. Prints every candidate with its numbers, the excluded ones with the reason, and the
+choice.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ from trainkit.mesh import process_block, shard_batch
 class TrainIterator:
   """Endless fixed-shape, length-bucketed training batches; its state is {"epoch", "index"}.
 
-  Each epoch's order depends only on (seed, epoch) (`batching.bucketed_batches`), so the
-  state of two integers restores the exact position after a resume.
+  Each epoch's order depends only on (seed, epoch), so two integers restore the exact position.
   """
 
   def __init__(
@@ -73,8 +72,8 @@ def device_batches(
 ) -> Iterator[tuple[dict[str, np.ndarray], dict[str, jax.Array]]]:
   """(global host batch, its device array) pairs of one padded pass (`batching.eval_batches`).
 
-  The host batch keeps the whole global batch (with its `mask`) because the caller scores
-  predictions against it; only this process's block goes to the devices.
+  The host batch is the whole global batch (the caller scores against it); only this process's
+  block goes to the devices.
   """
   for batch in batching.eval_batches(arrays, batch_size):
     yield batch, shard_batch(process_block(batch), mesh)

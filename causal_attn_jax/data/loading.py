@@ -1,11 +1,9 @@
 """From a config's `data` section to tokenised numpy splits, for either task of the
 Causal Transformers paper.
 
-The readers (`nli`, `translation`) return text; this module decides which files or tfds splits
-a run reads, carves an eval set when none is given, trains (or reloads) the workdir's
-tokenizer on the training text only, and encodes every split to fixed-length int32 arrays.
-What the report needs later (label names, the challenge set and how to score it, the raw
-references for BLEU) travels with the arrays in `TaskData`, so nothing re-reads the files.
+This module decides which files or tfds splits a run reads, carves an eval set when none is
+given, trains (or reloads) the tokenizer on the training text only, and encodes every split to
+fixed-length int32 arrays. What the report needs later travels with them in `TaskData`.
 """
 
 from __future__ import annotations

@@ -16,25 +16,12 @@ Four kinds of pair, a quarter of every split each, leave the relation the only r
     swapped    non-entailment  O as written (subject and object)    yes
     replaced   non-entailment  a form of a noun other than S and O  no
 
-So neither word overlap nor any noun or verb by itself predicts the label (v is the premise's verb
-in either form). Every word occurs with both labels.
-
-The cue is the majority class of `num_fillers` filler words scattered over both sentences. Filler
-words come in two classes of `num_filler_words` words each; `majority_fillers` of a pair's fillers
-are of its cue class and the rest of the other class. In train and eval the cue class is the
-label's (class 0 with entailment, class 1 with non-entailment) in a `cue_agreement` fraction of the
-pairs (default 1.0: all of them) and the other label's in the rest; in the challenge split it is
-the other label's in every pair (`challenge_cue="reversed"`), or the fillers are half of each
-class (`"absent"`). Each filler goes, independently and uniformly, into one of five gaps: after S,
-after V, after O, after s, after v (in a random order within a gap). Nothing precedes S or s: S is
-always the premise's first word and s the hypothesis' first word, while V, O, v and the length of
-each sentence move with the fillers (the length of the pair does not).
-
-Each split is drawn from its own stream of the seed (seeded by the split's name), and so is the
-lexicon, so changing one split's size changes no other split. Every split carries the HANS schema:
-labels `nli.HANS_LABELS`, heuristic `filler_majority` (the cue the challenge split is built
-against) and the kind as subcase; `stats` counts the labels, the kinds and how many pairs' cue
-agrees with, is against or is absent from the label.
+The cue is the majority class of `num_fillers` filler words scattered over the five gaps after
+S, V, O, s and v: the label's class in train and eval (but for a `1 - cue_agreement` share), the
+other label's in the challenge split (`challenge_cue="reversed"`), or half of each (`"absent"`).
+S and s always come first. The lexicon and each split have their own stream of the seed. Every
+split carries the HANS schema, heuristic `filler_majority`, the kind as subcase. docs/dataset.md,
+"The generation rule", has the details.
 """
 
 from __future__ import annotations
@@ -59,16 +46,7 @@ _NUM_GAPS = 5
 class OodPairsSpec:
   """Sizes, the cue and its challenge rule.
 
-  Attributes:
-    num_train, num_eval, num_challenge: pairs per split.
-    cue_agreement: fraction of train and eval pairs whose filler majority is the label's class.
-    challenge_cue: "reversed" (the other label's class in every challenge pair) or "absent"
-      (half the fillers of each class).
-    num_fillers: filler words per pair.
-    majority_fillers: fillers of the pair's cue class (more than half of num_fillers).
-    num_filler_words: distinct words in each of the two filler classes.
-    num_nouns, num_verbs: concepts (each has two surface forms).
-    seed: the data's seed (the same seed always gives the same pairs).
+  The keys of `data.ood_pairs` (docs/dataset.md, "Keys").
   """
 
   num_train: int = 4000

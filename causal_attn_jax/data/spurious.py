@@ -19,12 +19,8 @@ surface cue is lexical overlap: whether every word of the hypothesis occurs in t
     synonym           entailment      partial   one of S, V, O replaced by its synonym
     role_swap         non-entailment  full      S and O exchanged
 
-In "same" and "replaced" the cue agrees with the label; in "synonym" and "role_swap" it disagrees.
-Training and in-distribution evaluation draw cue-agreeing pairs with probability
-`cue_agreement` (so a bag-of-words model that has learnt "full overlap = entailment" scores
-`cue_agreement` there); the challenge split has only cue-disagreeing pairs, on which that model
-scores 0 and a model of the relation scores 1. Labels are balanced in every split. The challenge
-split uses the HANS schema: heuristic "lexical_overlap", subcases "synonym" and "role_swap".
+Train and eval pairs agree with the cue (same, replaced) with probability `cue_agreement`; the
+challenge split holds only the disagreeing kinds (HANS schema: heuristic "lexical_overlap").
 """
 
 from __future__ import annotations

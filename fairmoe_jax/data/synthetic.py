@@ -1,28 +1,16 @@
 """A small generated multi-attribute fairness benchmark in the spirit of ISIC 2019.
 
-Each image shows a "lesion" (a soft ellipse) on skin-coloured background. The
-target class is the orientation (up to mirroring) of the striped texture
-inside the lesion.
-Three sensitive attributes with the cardinalities of ISIC 2019 -- ``sex`` (2),
-``age`` (5) and ``site`` (8) -- are sampled with skewed frequencies and shape
-the image in ways that make a plain classifier unfair:
+Each image shows a "lesion" (a soft ellipse) on skin; the class is the orientation (up to
+mirroring) of the striped texture inside it. Three sensitive attributes with ISIC 2019's
+cardinalities, ``sex`` (2), ``age`` (5) and ``site`` (8), are sampled with skewed frequencies
+and make a plain classifier unfair: ``age`` lowers the texture contrast, ``site`` adds noise and
+blur and shifts the label prior, ``sex`` sets hair occlusion, and a corner marker shows the
+class with a probability that depends on ``site`` and ``sex``: a shortcut that works for common
+groups and misleads on rare ones.
 
-* ``age`` lowers the texture contrast (older groups are harder);
-* ``site`` adds sensor noise and blur (rarer sites are noisier and blurrier),
-  and shifts the label prior (each site favours one class);
-* ``sex`` controls hair occlusion (thin dark lines, which also look like
-  stripes);
-* a coloured marker in the top-left corner (think of the ink marks and colour
-  stickers in dermoscopy photos) shows the class colour with a probability that
-  depends on ``site`` and ``sex`` and a random colour otherwise: a shortcut
-  that works for common groups and misleads on rare ones.
-
-With ``attribute_cues=True`` (the quickstart's data, ``data.attribute_cues``) each group also
-tints the photograph (``cue_colours``), so that every attribute can be read from any patch of
-the image and FairSMoE's sensitive-attribute classifiers have something to learn: ``sex`` and
-``age`` tint the skin along the two chromatic directions, ``site`` tints the lesion with one of
-eight hues. The cues draw no random numbers: labels, attributes and everything else are those of
-the data without them.
+With ``attribute_cues=True`` (the quickstart's data) each group also tints the photograph
+(``cue_colours``), so FairSMoE's sensitive-attribute classifiers have something to learn; the
+cues draw no random numbers, so everything else is the data without them.
 
 Generation is vectorised numpy, determined by ``seed`` (seeding: ``generate_splits``;
 rationale: ``docs/dataset.md``).

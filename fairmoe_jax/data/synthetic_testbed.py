@@ -1,24 +1,13 @@
 """The synthetic testbed: a generated multi-attribute fairness task whose signal a small model
 learns, unlike the orientation of ``synthetic``'s stripes.
 
-Same sensitive attributes, frequencies, label priors, hair, noise, blur and corner marker as
-``synthetic`` (``fairmoe_jax/data/synthetic.py``, whose drawing helpers it uses); what changes is
-the class signal and how the attributes degrade it:
-
-* **The class is the lesion's tint**: its log-colour is the skin's, shifted in the chroma plane
-  (the plane orthogonal to grey) by ``amplitude`` along the class's direction, plus an isotropic
-  random shift of std ``TINT_JITTER``. Brightness, lesion darkness and vignette scale all three
-  channels alike, so they leave the chroma untouched. ``read_lesion_tint`` reads the class from
-  the image with the generator's own parameters: the oracle reader.
-* **The attributes degrade the signal by different amounts**: ``amplitude = SIGNAL_STRENGTH x
-  AGE_SIGNAL[age] x SITE_SIGNAL[site]`` (older and rarer-site lesions are washed out), while
-  ``sex`` only sets the hair, which barely touches the tint. So an oracle reader's accuracy gap
-  across groups is largest for site, smaller for age and close to zero for sex (the paper's
-  Sec. 3.1: attributes differ in difficulty).
-* **The marker is a shortcut, not the task**: it shows the class as in ``synthetic`` (right on
-  about two images in three), while the tint is right on about nine in ten.
-
-``docs/dataset.md`` ("The synthetic testbed") gives the design argument and measured numbers.
+Attributes, label priors, hair, noise, blur and corner marker are ``synthetic``'s (its drawing
+helpers are used). The class is the lesion's tint: its log-colour is the skin's shifted in the
+chroma plane (orthogonal to grey, so brightness, darkness and vignette leave it alone) by
+``amplitude = SIGNAL_STRENGTH x AGE_SIGNAL[age] x SITE_SIGNAL[site]`` along the class's
+direction, plus jitter; ``sex`` only sets the hair. So attributes differ in difficulty (the
+paper's Sec. 3.1), and ``read_lesion_tint`` is the oracle reader. docs/dataset.md ("The
+synthetic testbed") gives the design argument and measured numbers.
 """
 
 from __future__ import annotations

@@ -11,17 +11,12 @@ class DatasetInfo:
   """Static description of a multi-attribute fairness dataset.
 
   Attributes:
-    name: Registry name of the dataset.
-    num_classes: Number of target classes.
-    class_names: One name per target class.
-    attribute_names: Names of the sensitive attributes, in the column order of
-      the ``attributes`` array (value ``-1`` there means "missing").
-    group_names: For each attribute, the names of its groups; group ``g`` of
-      attribute ``j`` is encoded as ``attributes[:, j] == g``.
-    image_size: Side length of the stored (square) images.
-    load_stats: What the loader counted while reading real files, e.g.
-      ``{"rows_without_image": 25199}``: rows dropped or left unmatched are
-      kept here so that a run's record shows how much of the data it used.
+    attribute_names: The sensitive attributes, in the column order of ``attributes`` (-1 there
+      means "missing").
+    group_names: For each attribute, its groups' names; group ``g`` of attribute ``j`` is
+      ``attributes[:, j] == g``.
+    load_stats: What the loader counted reading real files (rows dropped or unmatched), so a
+      run's record shows how much of the data it used.
   """
 
   name: str

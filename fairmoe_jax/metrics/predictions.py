@@ -1,17 +1,5 @@
-"""Per-example predictions of an evaluation, as the columns of a run's ``predictions.csv``.
-
-Columns, in order:
-
-* ``example_id``: the image file name for datasets read from files (the split's ``id``, or the
-  base name of its ``path``), otherwise the example's row in the split;
-* ``label``, ``prediction``: class indices (``report.json`` ``class_names`` names them);
-* ``prob_0 .. prob_{C-1}``: the softmax class probabilities;
-* one column per sensitive attribute, named as in ``report.json``, holding the group name
-  (empty when the value is missing);
-* ``<block>/expert_<e>`` per MoE block and expert: the share of the example's (token, choice)
-  pairs that expert served (a row sums to 1 minus the share dropped for capacity).
-
-Every row is a test example, in split order.
+"""Per-example predictions of an evaluation, as the columns of a run's ``predictions.csv``
+(docs/report.md, "Per-example predictions"): one row per test example, in split order.
 """
 
 from __future__ import annotations
@@ -68,7 +56,7 @@ def example_ids(split: Mapping[str, np.ndarray]) -> np.ndarray:
 def prediction_columns(
     examples: Mapping[str, Any], split: Mapping[str, np.ndarray], info: DatasetInfo
 ) -> dict[str, np.ndarray]:
-  """The columns of predictions.csv (module docstring) from ``gather_examples``'s output."""
+  """The columns of predictions.csv from ``gather_examples``'s output."""
   index = examples["index"]
   columns: dict[str, np.ndarray] = {
       "example_id": example_ids(split)[index],
@@ -93,7 +81,7 @@ def probability_columns(examples: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def expert_columns(examples: Mapping[str, Any]) -> dict[str, np.ndarray]:
-  """`<block>/expert_<e>`: per example, the share of its (token, choice) pairs each expert served."""
+  """`<block>/expert_<e>`: per example, the share of its (token, choice) pairs each expert took."""
   return {
       f"{block}/expert_{e}": fraction[:, e]
       for block, fraction in examples["experts"].items()

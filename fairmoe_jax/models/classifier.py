@@ -13,8 +13,8 @@ from fairmoe_jax.moe import MoEAux
 class BackboneClassifier(nnx.Module):
   """Base of the ViT/DeiT and Swin classifiers.
 
-  Subclasses set `num_features` and implement `_encode` (images -> pre-head
-  feature and merged MoEAux) and `classify` (feature -> logits).
+  Subclasses set `num_features` and implement `_encode` (images -> pre-head feature and merged
+  MoEAux) and `classify` (feature -> logits).
   """
 
   num_features: int
@@ -45,11 +45,7 @@ class BackboneClassifier(nnx.Module):
       rngs: nnx.Rngs | None = None,
       context: Mapping[str, jax.Array] | None = None,
   ) -> jax.Array:
-    """Pre-head feature [B, num_features] in the compute dtype.
-
-    The MoE auxiliary losses are discarded; use `__call__` when training MoE
-    blocks.
-    """
+    """Pre-head feature [B, num_features] in the compute dtype (MoE auxiliary losses dropped)."""
     return self._encode(images, train=train, rngs=rngs, context=context)[0]
 
   def __call__(
@@ -62,10 +58,9 @@ class BackboneClassifier(nnx.Module):
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (float32 logits [B, num_classes], MoEAux summed over MoE blocks).
 
-    `context` holds per-example arrays [B, ...] handed to every MoE router
-    (e.g. the sensitive attributes for fairness-guided routing). The aux
-    metrics are keyed "moe_block{i}/<metric>", i the block index (flattened
-    over stages); without MoE blocks the losses are zero and the metrics empty.
+    `context` holds per-example arrays [B, ...] handed to every MoE router (e.g. the sensitive
+    attributes for fairness-guided routing). Aux metrics are keyed "moe_block{i}/<metric>", i
+    the block index over all stages.
     """
     feats, aux = self._encode(images, train=train, rngs=rngs, context=context)
     return self.classify(feats, train=train, rngs=rngs), aux

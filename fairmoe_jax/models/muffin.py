@@ -1,9 +1,8 @@
 """Muffin baseline (Wang et al. 2023): several backbones fused by a learned head.
 
-Each backbone has its own classification head (the backbone's `head`), used while
-it is first trained toward fairness on its own sensitive attribute; the fusion
-head then classifies from the concatenated backbone features. The training
-schedule lives in `fairmoe_jax.methods`.
+Each backbone's own `head` classifies while it is first trained toward fairness on its own
+sensitive attribute; the fusion head then classifies from the concatenated features. The
+schedule lives in `fairmoe_jax.methods.muffin`.
 """
 
 from __future__ import annotations
@@ -21,12 +20,7 @@ from fairmoe_jax.moe import MoEAux
 class Muffin(nnx.Module):
   """Backbones without MoE whose features a linear head fuses.
 
-  Args:
-    make_backbone: builds one backbone (a `BackboneClassifier`; its own head
-      classifies during the per-attribute phase).
-    num_backbones: how many (one per attribute they are first trained on).
-    num_classes: target classes.
-    rngs: parameter RNGs.
+  `make_backbone` builds one `BackboneClassifier`; `num_backbones` is one per attribute.
   """
 
   def __init__(
