@@ -2,8 +2,6 @@
 (`run_eval`: mean loss, per-layer constraint fractions and attention sparsity, predictions and
 a few attention maps).
 
-The run's report (report.json, the printed summary, heatmaps) is `report.py`'s, which asks
-for a pass through an `evaluate` callable; restoring and predicting are `inference.py`'s.
 `attention_stats` is shared with training, whose loss (Eq. 6) adds the same violations.
 """
 

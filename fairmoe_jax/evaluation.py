@@ -2,9 +2,7 @@
 split (`evaluate`), with the split's fairness numbers, expert usage and FGR's SA readings.
 
 What the eval step computes is declared by the model's outputs: each MoE block's
-`RoutingReadings` (`fairmoe_jax.moe.layer`) and, for FGR routers, its `FairRoutingReadings`,
-read by field. The run's report (test split, validation, FEM history, gradient cosines) is
-`fairmoe_jax.report`'s; restoring and predicting are `fairmoe_jax.inference`'s.
+`RoutingReadings` and, for FGR routers, its `FairRoutingReadings`, read by field.
 """
 
 from __future__ import annotations
@@ -65,7 +63,6 @@ def make_eval_step(
           ],
       }
 
-    # Each MoE block's `RoutingReadings`: named fields, so what is computed is declared here.
     for block, readings in aux.routing.items():
       dropped[block] = readings.fraction_dropped
       example_experts[block] = readings.expert_fraction

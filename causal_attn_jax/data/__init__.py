@@ -1,13 +1,5 @@
-"""Data for the Causal Transformer: sentence pairs (NLI, paraphrase), parallel text, tokenizer.
-
-* ``nli``: SNLI/MNLI/HANS/QQP/PAWS readers (``read_pairs``) and tfds loaders,
-  labels in fixed vocabularies;
-* ``translation``: plain-text, WMT ``.sgm`` (``read_parallel``) and tfds WMT;
-* ``tokenizer``: SentencePiece trained in the workdir with fixed special ids;
-* ``batching``: fixed-shape numpy batches for jit;
-* ``loading``: a config's splits, tokenised, as ``TaskData`` (what the task objects load);
-* ``iterator``: the resumable ``TrainIterator`` and the eval pass's per-process device batches.
-"""
+"""Data for the Causal Transformer: sentence pairs (NLI, paraphrase), parallel text, tokenizer,
+fixed-shape batches."""
 
 from causal_attn_jax.data.batching import (
     bucketed_batches,
