@@ -24,7 +24,7 @@ from collections.abc import Sequence
 PACKAGES = ("fairmoe_jax", "causal_attn_jax", "trainkit")
 # Command-line modules define their absl flags (--config, --workdir, ...) when imported, so two
 # of them cannot be imported into one process as they are (DuplicateFlagError).
-ENTRY_POINTS = ("fairmoe_jax.main", "paper_runner.fairmoe.compare", "causal_attn_jax.main")
+ENTRY_POINTS = ("fairmoe_jax.main", "causal_attn_jax.main")
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "api")
 
 

@@ -40,7 +40,6 @@ def test_api_reference_builds_without_a_warning(tmp_path):
       "fairmoe_jax/export.html",
       "fairmoe_jax/models/convert_timm.html",
       "fairmoe_jax/main.html",
-      "paper_runner/fairmoe/compare.html",
       "causal_attn_jax/report.html",
       "causal_attn_jax/main.html",
       "trainkit/loop.html",
