@@ -41,7 +41,7 @@ from fairmoe_jax.models.convert_timm import export_timm_state_dict
 from fairmoe_jax.run_info import RunMetadata
 from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
-from trainkit.errors import ConfigError
+from trainkit.errors import ConfigError, import_extra
 from trainkit.saved_config import restore_saved_run
 from trainkit.storage import write_atomically
 from trainkit.textfiles import is_stream, iter_lines, special_file_kind
@@ -132,7 +132,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   and preprocessing, or why timm cannot load it (`fairmoe_jax.export`). Reads the workdir
   alone (config, run_info.json, checkpoint), not the dataset.
   """
-  from safetensors.numpy import save  # Only this mode needs it.
+  save = import_extra("safetensors.numpy", "fairsmoe", "--mode=export").save
 
   output_folder(workdir, os.path.dirname(EXPORT_FILE), create=False)  # Before the restore.
   restored = restore_run(config, workdir)
