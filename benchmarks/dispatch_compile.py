@@ -68,7 +68,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import moe_layer
 from bench_utils import write_results
 from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, ExpertWeights, compute_capacity
-from fairmoe_jax.moe.dispatch.blocksparse import choose_block_size
+from fairmoe_jax.moe.experimental.blocksparse import choose_block_size
 from trainkit.preflight import analysis
 from trainkit.preflight.compile import persistent_cache_off
 from trainkit.preflight.targets import Target, devices, get_target

@@ -51,7 +51,7 @@ import dispatch_compile  # noqa: E402
 import moe_layer  # noqa: E402
 from fairmoe_jax.moe.dispatch import compute_capacity  # noqa: E402
 from fairmoe_jax.moe.dispatch import experts as experts_module  # noqa: E402
-from fairmoe_jax.moe.dispatch.fused_mlp import fused_expert_mlp  # noqa: E402
+from fairmoe_jax.moe.experimental.fused_mlp import fused_expert_mlp  # noqa: E402
 from trainkit.preflight import analysis  # noqa: E402
 from trainkit.preflight.targets import get_target  # noqa: E402
 

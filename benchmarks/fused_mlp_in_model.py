@@ -32,7 +32,7 @@ LAYOUTS = ((128, 1), (128, 2), (512, 2))
 
 def _child(argv: list[str]) -> None:
   """`python -m fairmoe_jax.main ARGS` with the kernel layout set first."""
-  from fairmoe_jax.moe.dispatch import fused_mlp  # pylint: disable=import-outside-toplevel
+  from fairmoe_jax.moe.experimental import fused_mlp  # pylint: disable=import-outside-toplevel
 
   fused_mlp.MAX_ROW_BLOCK, fused_mlp.WEIGHT_BUFFERS = int(argv[0]), int(argv[1])
   sys.argv = ["fairmoe_jax.main", *argv[2:]]

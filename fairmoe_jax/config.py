@@ -139,10 +139,11 @@ def base_config() -> ml_collections.ConfigDict:
           top_k=2,
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
-          # auto | dense | einsum | einsum_fused | sort | sort_blocks | dropless | blocksparse
-          # (moe/dispatch); auto: sort on CPU and GPU, einsum on TPU, from the platform of the
-          # mesh's devices (methods/base.py AUTO_DISPATCH, docs/benchmarks.md "Which dispatch on
-          # an accelerator"). einsum_fused: einsum with Pallas expert-MLP kernels on a TPU.
+          # auto | dense | einsum | sort | dropless (moe/dispatch) | einsum_fused | sort_blocks |
+          # blocksparse (moe/experimental); auto: sort on CPU and GPU, einsum on TPU, from the
+          # platform of the mesh's devices (methods/base.py AUTO_DISPATCH, docs/benchmarks.md
+          # "Which dispatch on an accelerator"). einsum_fused: einsum with Pallas expert-MLP
+          # kernels on a TPU.
           dispatch="auto",
           router="topk",  # topk | noisy_topk | expert_choice (fairmoe_jax/moe/layer.py)
           batch_priority=False,  # V-MoE batch-priority routing

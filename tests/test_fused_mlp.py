@@ -1,4 +1,4 @@
-"""`fairmoe_jax.moe.dispatch.fused_mlp`: the expert MLP's Pallas kernels, run by Pallas'
+"""`fairmoe_jax.moe.experimental.fused_mlp`: the expert MLP's Pallas kernels, run by Pallas'
 interpreter on the CPU, against a float64 numpy MLP; values and every gradient.
 
 Tolerances come from the computation: a float sum of n terms carries a rounding error of at
@@ -18,12 +18,8 @@ import numpy as np
 import pytest
 from scipy import special
 
-from fairmoe_jax.moe.dispatch import (
-    DISPATCH_ALGORITHMS,
-    ExpertWeights,
-    data_parallel_moe,
-    fused_mlp,
-)
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, ExpertWeights, data_parallel_moe
+from fairmoe_jax.moe.experimental import fused_mlp
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
 pytestmark = pytest.mark.float32_reference

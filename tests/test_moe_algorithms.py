@@ -1,5 +1,6 @@
-"""Tests for fairmoe_jax.moe.dispatch: every dispatch algorithm against the dense oracle,
-and the sort-based dispatch against the einsum reference under capacity overflow."""
+"""Tests for fairmoe_jax.moe.dispatch and fairmoe_jax.moe.experimental: every dispatch
+algorithm against the dense oracle, and the sort-based dispatch against the einsum reference
+under capacity overflow."""
 
 from __future__ import annotations
 
@@ -17,16 +18,13 @@ from fairmoe_jax.moe import route_from_logits
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     ExpertWeights,
-    block_mlp,
-    block_plan,
-    moe_blocksparse,
     moe_dense,
     moe_dropless,
     moe_einsum,
-    moe_einsum_fused,
     moe_sort,
-    moe_sort_blocks,
 )
+from fairmoe_jax.moe.experimental import moe_blocksparse, moe_einsum_fused, moe_sort_blocks
+from fairmoe_jax.moe.experimental.blocksparse import block_mlp, block_plan
 from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
@@ -43,7 +41,7 @@ ALGORITHMS = {
     "blocksparse_ragged": functools.partial(moe_blocksparse, matmul="ragged_dot"),
     "blocksparse_b3_ragged": functools.partial(moe_blocksparse, block_size=3, matmul="ragged_dot"),
     # The fused expert MLP's Pallas kernels, run by Pallas' interpreter (on a TPU, compiled).
-    "einsum_fused_kernels": functools.partial(moe_einsum, expert_mlp="fused", interpret=True),
+    "einsum_fused_kernels": functools.partial(moe_einsum_fused, interpret=True),
 }
 SPARSE = (
     "einsum",
@@ -58,7 +56,7 @@ SPARSE = (
     "blocksparse_b3_ragged",
     "einsum_fused_kernels",
 )
-SORT_LAYOUTS = ("sort", "sort_blocks")  # moe_sort(layout="buffers"), (layout="blocks")
+SORT_LAYOUTS = ("sort", "sort_blocks")  # The capacity buffers, and blocks of the served choices.
 
 
 def _rng(seed: int) -> np.random.Generator:

@@ -1,5 +1,7 @@
 """Sparse mixture-of-experts: routing, dispatch and the MoE feed-forward layer."""
 
+# Registers the experimental dispatches in DISPATCH_ALGORITHMS.
+from fairmoe_jax.moe import experimental  # noqa: F401
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     DispatchStats,

@@ -5,28 +5,27 @@ module of its name:
 
     y, stats = DISPATCH_ALGORITHMS[name](x, expert_index, gates, experts, capacity=C)
 
+The main path (what `auto` picks from, and the dense oracle):
+
 * `dense`: every expert on every token; the test oracle.
 * `einsum`: GShard / V-MoE one-hot [G, S, E, C] dispatch and combine
   tensors; the reference for the capacity semantics.
-* `einsum_fused`: `einsum` with the expert MLP in one Pallas kernel per
-  pass on a TPU (`fused_mlp`: the hidden activation never in memory); on
-  every other platform, `einsum` itself.
 * `sort`: the same capacity semantics and expert buffers as `einsum`,
   built by sorting, with no [S, E, C] tensor.
-* `sort_blocks`: `sort`'s capacity semantics, the expert MLP on blocks of
-  the served choices only (no empty capacity slot computed).
 * `dropless`: `jax.lax.ragged_dot` grouped matmuls; nothing is
   ever dropped.
-* `blocksparse`: dropless too, the expert MLP on fixed-size blocks of
-  expert-sorted rows with a block-to-expert map (MegaBlocks); computes only
-  the real rows, rounded up to a block per expert.
+
+The experimental dispatches `einsum_fused`, `sort_blocks` and `blocksparse`
+live in `fairmoe_jax.moe.experimental`, which registers them here under those
+names when `fairmoe_jax.moe` is imported.
 
 Beside them: `capacity` (expert capacity and `DispatchStats`), `experts` (the
-stacked expert weights `ExpertWeights`), `data_parallel` (any algorithm under
-`jax.shard_map`, each device on its own groups), `expert_parallel` (the capacity
-algorithms under `jax.shard_map` with all-to-all over an "expert" mesh axis), `spmd`
-(what those two share) and `batch_priority` (V-MoE batch-priority ordering of the
-tokens of each group around a capacity dispatch).
+stacked expert weights `ExpertWeights`), `slots` (the row gathers `sort` moves
+data with), `data_parallel` (any algorithm under `jax.shard_map`, each device
+on its own groups), `expert_parallel` (the capacity algorithms under
+`jax.shard_map` with all-to-all over an "expert" mesh axis), `spmd` (what those
+two share) and `batch_priority` (V-MoE batch-priority ordering of the tokens of
+each group around a capacity dispatch).
 """
 
 from fairmoe_jax.moe.dispatch.base import DispatchAlgorithm, check_inputs
@@ -36,7 +35,6 @@ from fairmoe_jax.moe.dispatch.batch_priority import (
     reorder_tokens,
     restore_token_order,
 )
-from fairmoe_jax.moe.dispatch.blocksparse import BlockPlan, block_mlp, block_plan, moe_blocksparse
 from fairmoe_jax.moe.dispatch.capacity import (
     DispatchStats,
     compute_capacity,
@@ -51,33 +49,27 @@ from fairmoe_jax.moe.dispatch.einsum import (
     einsum_combine,
     einsum_dispatch,
     moe_einsum,
-    moe_einsum_fused,
 )
 from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS, expert_parallel_moe
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
-from fairmoe_jax.moe.dispatch.fused_mlp import fused_expert_mlp
 from fairmoe_jax.moe.dispatch.sort import (
     SlotPlan,
     combine_slots,
     gather_slots,
     moe_sort,
-    moe_sort_blocks,
     sort_slot_plan,
 )
 
-# Dispatch algorithms by name (`SparseMoE(dispatch=...)`, config key `moe.dispatch`).
+# Dispatch algorithms by name (`SparseMoE(dispatch=...)`, config key `moe.dispatch`);
+# `fairmoe_jax.moe.experimental` adds its own.
 DISPATCH_ALGORITHMS: dict[str, DispatchAlgorithm] = {
     "dense": moe_dense,
     "einsum": moe_einsum,
-    "einsum_fused": moe_einsum_fused,
     "sort": moe_sort,
-    "sort_blocks": moe_sort_blocks,
     "dropless": moe_dropless,
-    "blocksparse": moe_blocksparse,
 }
 
 __all__ = [
-    "BlockPlan",
     "DISPATCH_ALGORITHMS",
     "DispatchAlgorithm",
     "DispatchStats",
@@ -85,8 +77,6 @@ __all__ = [
     "ExpertWeights",
     "SlotPlan",
     "batch_priority_order",
-    "block_mlp",
-    "block_plan",
     "check_inputs",
     "combine_slots",
     "compute_capacity",
@@ -96,15 +86,11 @@ __all__ = [
     "einsum_combine",
     "einsum_dispatch",
     "expert_parallel_moe",
-    "fused_expert_mlp",
     "gather_slots",
-    "moe_blocksparse",
     "moe_dense",
     "moe_dropless",
     "moe_einsum",
-    "moe_einsum_fused",
     "moe_sort",
-    "moe_sort_blocks",
     "per_device",
     "priority_scores",
     "reorder_tokens",

@@ -28,17 +28,14 @@ dispatch on an accelerator"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
-from fairmoe_jax.moe.dispatch.fused_mlp import fused_expert_mlp
-
-# How `moe_einsum` runs the expert MLP (`expert_mlp=`): XLA's fusions, or the Pallas kernels of
-# `fused_mlp` on a TPU (XLA's elsewhere).
-EXPERT_MLPS = ("xla", "fused")
 
 
 def _slot_plan(
@@ -160,19 +157,15 @@ def moe_einsum(
     experts: ExpertWeights,
     *,
     capacity: int | None = None,
-    expert_mlp: str = "xla",
-    interpret: bool = False,
+    expert_mlp: Callable[[jax.Array, ExpertWeights], jax.Array] | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
   """One-hot [G, S, E, C] dispatch / combine: `einsum_dispatch` and `einsum_combine`'s values,
   with the expert MLP on [E, G, C, D] buffers and no float [G, S, E, C] tensor in memory
   (the module docstring says why).
 
-  `expert_mlp` (`EXPERT_MLPS`): "xla" runs the MLP as XLA fuses it; "fused" runs it with
-  `fused_mlp`'s Pallas kernels where the step is lowered for a TPU, which keep the hidden
-  activation out of memory (`interpret`: Pallas' interpret mode, for CPU tests).
+  `expert_mlp(buffers, experts)` runs the MLP on the buffers; None: as XLA fuses it
+  (`ExpertWeights.apply_expert_major`). The experimental `einsum_fused` passes Pallas kernels.
   """
-  if expert_mlp not in EXPERT_MLPS:
-    raise ValueError(f"expert_mlp={expert_mlp!r}; known: {', '.join(EXPERT_MLPS)}")
   check_inputs(x, expert_index, gates)
   capacity = resolve_capacity(capacity, x.shape[1])
   slot, gate, stats = _slot_plan(
@@ -181,23 +174,11 @@ def moe_einsum(
   mask = jax.nn.one_hot(slot, capacity, dtype=jnp.bool_)  # [G, S, E, C]
   # 0/1 entries are exact in any float dtype, so the gather is lossless.
   buffers = jnp.einsum("gsec,gsd->egcd", mask.astype(x.dtype), x)  # [E, G, C, D]
-  if expert_mlp == "fused":
-    outputs = fused_expert_mlp(buffers, experts, interpret=interpret)
-  else:
+  if expert_mlp is None:
     outputs = experts.apply_expert_major(buffers)
+  else:
+    outputs = expert_mlp(buffers, experts)
   # The gates in float32 until they weight the outputs, as `einsum_combine` does.
   combine = jnp.where(mask, gate[..., None], 0).astype(outputs.dtype)
   return jnp.einsum("gsec,egcd->gsd", combine, outputs), stats
 
-
-def moe_einsum_fused(
-    x: jax.Array,
-    expert_index: jax.Array,
-    gates: jax.Array,
-    experts: ExpertWeights,
-    *,
-    capacity: int | None = None,
-) -> tuple[jax.Array, DispatchStats]:
-  """`moe_einsum` with the expert MLP in `fused_mlp`'s Pallas kernels on a TPU (`moe_einsum`'s
-  XLA MLP on every other platform): the dispatch `moe.dispatch=einsum_fused`."""
-  return moe_einsum(x, expert_index, gates, experts, capacity=capacity, expert_mlp="fused")

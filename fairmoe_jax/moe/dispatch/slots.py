@@ -8,8 +8,8 @@ backward pass (a custom VJP):
   combine   y[t] = sum_j w[t, j] out[slot(t, j)]   its VJP  dout[slot] = w dy[token(slot)]
 
 so no scatter-add (a serial loop on CPU, atomics on GPU) and no transpose of [G, E, C, D]
-buffers is ever run. `sort` fills the slots under a capacity (`sort_slot_plan`), `blocksparse`
-with expert-sorted blocks (`block_plan`).
+buffers is ever run. `sort` fills the slots under a capacity (`sort_slot_plan`), the
+experimental `blocksparse` with expert-sorted blocks (`experimental.blocksparse.block_plan`).
 """
 
 from __future__ import annotations

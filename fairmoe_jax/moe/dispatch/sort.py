@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 
 from fairmoe_jax.moe.dispatch.base import check_inputs
-from fairmoe_jax.moe.dispatch.blocksparse import apply_on_blocks, block_plan, choose_block_size
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_slots
@@ -99,17 +98,6 @@ def sort_slot_plan(expert_index: jax.Array, *, num_experts: int, capacity: int) 
   )
 
 
-# Where `moe_sort` runs the expert MLP on the served choices (`layout=`):
-#   buffers: on the [E, G * C, D] capacity buffers, empty slots included: fixed shapes, the
-#     layout of the expert-parallel all-to-all and of batched matmuls on accelerators;
-#   blocks: on blocks of expert-sorted served choices (`blocksparse.block_plan(kept=...)`),
-#     skipping empty slots: a loop over experts and blocks, the faster on CPU
-#     (docs/benchmarks.md). Registered as the dispatch algorithm `sort_blocks`.
-# Both give the same output up to float rounding; `buffers` stays the default so that recorded
-# runs reproduce exactly.
-SORT_LAYOUTS = ("buffers", "blocks")
-
-
 def moe_sort(
     x: jax.Array,
     expert_index: jax.Array,
@@ -117,47 +105,14 @@ def moe_sort(
     experts: ExpertWeights,
     *,
     capacity: int | None = None,
-    layout: str = "buffers",
-    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
-  """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`.
-
-  `layout` says where the expert MLP runs (`SORT_LAYOUTS`); both give the same output. With
-  `layout="blocks"`, `matmul` says how (`blocksparse.BLOCK_MATMULS`).
-  """
+  """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`,
+  the expert MLP on the [E, G * C, D] capacity buffers."""
   check_inputs(x, expert_index, gates)
-  if layout not in SORT_LAYOUTS:
-    raise ValueError(f"layout={layout!r}; known: {', '.join(SORT_LAYOUTS)}")
   num_groups, group_size, dim = x.shape
-  num_experts = experts.num_experts
   capacity = resolve_capacity(capacity, group_size)
-  plan = sort_slot_plan(expert_index, num_experts=num_experts, capacity=capacity)
+  plan = sort_slot_plan(expert_index, num_experts=experts.num_experts, capacity=capacity)
   tokens = x.reshape(num_groups * group_size, dim)
   gates = gates.reshape(num_groups * group_size, -1)
-  if layout == "blocks":
-    blocks = block_plan(
-        expert_index,
-        num_experts=num_experts,
-        block_size=choose_block_size(expert_index.size, num_experts),
-        kept=plan.stats.kept,
-    )
-    y = apply_on_blocks(tokens, gates, experts, blocks, matmul)
-  else:
-    y = combine_slots(experts.apply(gather_slots(tokens, plan)), gates, plan)
+  y = combine_slots(experts.apply(gather_slots(tokens, plan)), gates, plan)
   return y.reshape(x.shape), plan.stats
-
-
-def moe_sort_blocks(
-    x: jax.Array,
-    expert_index: jax.Array,
-    gates: jax.Array,
-    experts: ExpertWeights,
-    *,
-    capacity: int | None = None,
-    matmul: str = "loop",
-) -> tuple[jax.Array, DispatchStats]:
-  """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed),
-  run by `matmul` (`blocksparse.BLOCK_MATMULS`)."""
-  return moe_sort(
-      x, expert_index, gates, experts, capacity=capacity, layout="blocks", matmul=matmul
-  )

@@ -252,20 +252,22 @@ def _check_block_matmul(matmul: str) -> None:
 
 
 def apply_on_blocks(
-    tokens: jax.Array,
+    x: jax.Array,
     gates: jax.Array,
     experts: ExpertWeights,
     plan: BlockPlan,
     matmul: str = "loop",
 ) -> jax.Array:
-  """The layer output [T, D] of tokens [T, D] with gates [T, k], computed on the plan's blocks
-  by `matmul` (`BLOCK_MATMULS`)."""
+  """The layer output [G, S, D] of tokens x [G, S, D] with gates [G, S, k], computed on the
+  plan's blocks by `matmul` (`BLOCK_MATMULS`)."""
   _check_block_matmul(matmul)
-  dim = tokens.shape[-1]
+  num_groups, group_size, dim = x.shape
+  tokens = x.reshape(num_groups * group_size, dim)
   rows = gather_slots(tokens, plan.slots).reshape(-1, plan.block_size, dim)
   mlp = {"loop": block_mlp, "ragged_dot": ragged_block_mlp}[matmul]
   outputs = mlp(rows, plan.block_bounds, experts)
-  return combine_slots(outputs.reshape(1, -1, dim), gates, plan.slots)
+  gates = gates.reshape(num_groups * group_size, -1)
+  return combine_slots(outputs.reshape(1, -1, dim), gates, plan.slots).reshape(x.shape)
 
 
 def moe_blocksparse(
@@ -285,16 +287,8 @@ def moe_blocksparse(
   """
   del capacity
   check_inputs(x, expert_index, gates)
-  num_groups, group_size, dim = x.shape
   num_experts = experts.num_experts
   if block_size is None:
     block_size = choose_block_size(expert_index.size, num_experts)
   plan = block_plan(expert_index, num_experts=num_experts, block_size=block_size)
-  y = apply_on_blocks(
-      x.reshape(num_groups * group_size, dim),
-      gates.reshape(num_groups * group_size, -1),
-      experts,
-      plan,
-      matmul,
-  )
-  return y.reshape(x.shape), plan.slots.stats
+  return apply_on_blocks(x, gates, experts, plan, matmul), plan.slots.stats

@@ -20,7 +20,8 @@ Values: the matmuls run in x.dtype with float32 accumulation, the biases, GELU a
 gradient sum in float32, results cast to x.dtype. So in float32 they are the XLA path's up to
 rounding, and in bfloat16 they round h and GELU(h) once less than it does. TPU only:
 `interpret=True` runs them anywhere, slowly (tests). `fused_expert_mlp` lowers the kernels for
-a TPU and the XLA path on every other platform.
+a TPU and the XLA path on every other platform; `moe_einsum_fused`, the dispatch `einsum_fused`,
+is `moe_einsum` with this MLP.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fairmoe_jax.moe.dispatch import spmd
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats
+from fairmoe_jax.moe.dispatch.einsum import moe_einsum
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 
 # Where a jax cannot type the kernels' outputs inside shard_map (`spmd.run_kernel`).
@@ -291,3 +294,19 @@ def fused_expert_mlp(x: jax.Array, experts: ExpertWeights, *, interpret: bool = 
   return platform_dependent(
       x, experts, tpu=fused_expert_mlp_kernels, default=lambda x, w: w.apply_expert_major(x)
   )
+
+
+def moe_einsum_fused(
+    x: jax.Array,
+    expert_index: jax.Array,
+    gates: jax.Array,
+    experts: ExpertWeights,
+    *,
+    capacity: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, DispatchStats]:
+  """`moe_einsum` with the expert MLP in the Pallas kernels on a TPU (`moe_einsum`'s XLA MLP on
+  every other platform; `interpret`: Pallas' interpret mode, for CPU tests): the dispatch
+  `moe.dispatch=einsum_fused`."""
+  mlp = functools.partial(fused_expert_mlp, interpret=interpret)
+  return moe_einsum(x, expert_index, gates, experts, capacity=capacity, expert_mlp=mlp)

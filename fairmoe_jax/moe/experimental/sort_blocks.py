@@ -1,0 +1,39 @@
+"""`sort_blocks` dispatch: `sort`'s capacity plan (`sort_slot_plan`, exactly `einsum`'s drops),
+then the served choices sorted into their experts' blocks (`blocksparse.block_plan(kept=...)`),
+so no empty capacity slot is computed. `sort`'s output up to float rounding (the weight
+gradients sum in another order), so `sort` stays the default and recorded runs reproduce.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from fairmoe_jax.moe.dispatch.base import check_inputs
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights
+from fairmoe_jax.moe.dispatch.sort import sort_slot_plan
+from fairmoe_jax.moe.experimental.blocksparse import apply_on_blocks, block_plan, choose_block_size
+
+
+def moe_sort_blocks(
+    x: jax.Array,
+    expert_index: jax.Array,
+    gates: jax.Array,
+    experts: ExpertWeights,
+    *,
+    capacity: int | None = None,
+    matmul: str = "loop",
+) -> tuple[jax.Array, DispatchStats]:
+  """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed),
+  run by `matmul` (`blocksparse.BLOCK_MATMULS`)."""
+  check_inputs(x, expert_index, gates)
+  num_experts = experts.num_experts
+  capacity = resolve_capacity(capacity, x.shape[1])
+  stats = sort_slot_plan(expert_index, num_experts=num_experts, capacity=capacity).stats
+  blocks = block_plan(
+      expert_index,
+      num_experts=num_experts,
+      block_size=choose_block_size(expert_index.size, num_experts),
+      kept=stats.kept,
+  )
+  return apply_on_blocks(x, gates, experts, blocks, matmul), stats
