@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,3 +92,43 @@ def time_interleaved(
       jax.block_until_ready(calls[i]())
       times[i].append(time.perf_counter() - t0)
   return warm_up, times
+
+
+def fmt(value: Any, digits: int = 2, scale: float = 1.0) -> str:
+  """A figure for a markdown table: `-` for None, ints as they are, floats scaled and rounded."""
+  if isinstance(value, (bool, int)) and scale == 1 or not isinstance(value, (int, float)):
+    return "-" if value is None else str(value)
+  return f"{value * scale:,.{digits}f}" if math.isfinite(value) else "-"
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[tuple]) -> list[str]:
+  """`rows` as the lines of a markdown table (after a blank line; none without rows), one column
+  per (heading, key, digits, scale), digits and scale optional (`fmt`'s)."""
+  lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|---" * len(columns) + "|"]
+  for row in rows:
+    lines.append("| " + " | ".join(fmt(row.get(key), *rest) for _, key, *rest in columns) + " |")
+  return ["", *lines] if rows else []
+
+
+def run_command(
+    command: Sequence[str], env: dict[str, str], timeout: float, cwd: str | None = None
+) -> tuple[int | None, str, float]:
+  """Runs `command` in a process group of its own, stopped with its children (grain's workers)
+  after `timeout` seconds or when this process gets SIGTERM: (exit code, None where stopped;
+  its output; seconds)."""
+  start = time.perf_counter()
+  with tempfile.TemporaryFile("w+", errors="replace") as log:
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0
+    )
+    stop = lambda *_: os.killpg(process.pid, signal.SIGKILL)  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(143)))
+    try:
+      code = process.wait(timeout=max(timeout, 1.0))
+    except subprocess.TimeoutExpired:
+      code = stop()  # None: stopped.
+      process.wait()
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+    log.seek(0)
+    return code, log.read(), time.perf_counter() - start

@@ -42,13 +42,14 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
 import bench_utils
 from bench_utils import cost, memory_analysis, write_results
+from fairmoe_jax.methods.base import AUTO_DISPATCH
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     ExpertWeights,
@@ -399,6 +400,30 @@ def add_ratios(rows: list[dict]) -> None:
     r["vs_reference_memory"] = (
         _ratio(r["temp_size_in_bytes"], ref["temp_size_in_bytes"]) if ref and moe else None
     )
+
+
+def fastest_dispatch(rows: list[dict], dispatches: Sequence[str], platform: str) -> dict:
+  """The fastest of `dispatches` at each E (and of all rows), and whether it is what
+  `moe.dispatch=auto` chooses on `platform` (`AUTO_DISPATCH`); "fastest" is None on a split."""
+  fastest = {}
+  for e in dict.fromkeys(r["num_experts"] for r in rows if r["num_experts"]):
+    timed = [r for r in rows if r["num_experts"] == e and r.get("time_ms")]
+    if ours := [r for r in timed if r["dispatch"] in dispatches]:
+      best, overall = (min(rs, key=lambda r: r["time_ms"]) for rs in (ours, timed))
+      fastest[str(e)] = dict(
+          ours=best["dispatch"],
+          ours_ms=best["time_ms"],
+          overall=overall["dispatch"],
+          overall_ms=overall["time_ms"],
+      )
+  winners, current = {f["ours"] for f in fastest.values()}, AUTO_DISPATCH.get(platform, "sort")
+  auto = dict(
+      platform=platform,
+      current=current,
+      agrees=winners == {current},
+      fastest=next(iter(winners)) if len(winners) == 1 else None,
+  )
+  return dict(fastest=fastest, auto=auto) if fastest else {}
 
 
 def evaluate_targets(rows: list[dict]) -> list[dict]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import json
 import os
 import statistics
 import time
@@ -40,9 +41,11 @@ from bench_utils import flops, write_results
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax.data.types import DatasetInfo
 from fairmoe_jax.models.vit import Mlp
-from fairmoe_jax.train import build_model, make_loss_fn
+from fairmoe_jax.preflight import dataset_info, preflight_program
+from fairmoe_jax.train import build_model, create_state, make_loss_fn
 from trainkit.mesh import make_mesh, shard_batch
-from trainkit.optim import make_optimizer
+from trainkit.optim import learning_rate_schedule, make_optimizer
+from trainkit.preflight.targets import TARGETS
 from trainkit.train_state import (
     compute_dtype,
     create_train_state,
@@ -224,6 +227,146 @@ def add_ratios(rows: list[dict], peak: float) -> None:
     r["share_of_peak"] = round(model_flops / r["step_ms"] * 1e3 / peak, 3) if model_flops else None
 
 
+def measure_program(config: ml_collections.ConfigDict, warmup_steps: int, timed_steps: int) -> dict:
+  """The preflight's train-step program (`fairmoe_jax.preflight`'s Program: same model, loss,
+  optimiser, schedule and uint8 batch) built for real on one device and run on random inputs:
+  compile time, median step time after `warmup_steps`, and the device's peak memory."""
+  config.mesh.data, config.mesh.expert = 1, 1
+  fairmoe_config.validate(config, num_devices=1, check_data=False)
+  device = jax.devices()[0]
+  mesh = make_mesh(config.mesh, [device])
+  info = dataset_info(config)
+  program = preflight_program(config, mesh)
+  # The step count sets the schedule's values only; counted as the preflight counts it.
+  steps = config.num_train_steps
+  examples = config.preflight.train_examples or program.train_examples
+  if config.num_epochs > 0 and examples:
+    steps = max(1, int(np.ceil(config.num_epochs * examples / config.batch_size)))
+  tx = make_optimizer(config.optimizer, steps, config.batch_size)
+  schedule = learning_rate_schedule(config.optimizer, steps, config.batch_size)
+  graphdef, state = create_state(config, info, tx, mesh, pretrained=False)
+  train = make_train_step(graphdef, program.loss_fn, tx, schedule, program.update_extra)
+  rng = np.random.default_rng(0)
+  batch = {}
+  for key, s in program.train_batch.items():
+    if key == "image":
+      batch[key] = rng.integers(0, 256, s.shape, dtype=np.uint8)
+    elif key == "label":
+      batch[key] = rng.integers(0, info.num_classes, s.shape[0]).astype(s.dtype)
+    elif key == "attributes":
+      columns = [rng.integers(0, len(groups), s.shape[0]) for groups in info.group_names]
+      batch[key] = np.stack(columns, axis=1).astype(s.dtype)
+    else:  # The mask: every example counts.
+      batch[key] = np.ones(s.shape, s.dtype)
+  inputs = shard_batch(batch, mesh)
+  t0 = time.perf_counter()
+  compiled = jit_train_step(train, state, mesh).lower(state, inputs).compile()
+  compile_s = time.perf_counter() - t0
+  step = _Step(compiled, state, inputs)
+  for _ in range(warmup_steps):
+    jax.block_until_ready(step())
+  # bench_utils' timing runs one more warm-up call, then times each step to its end.
+  _, [times] = bench_utils.time_interleaved([step], timed_steps)
+  step_s = statistics.median(times)
+  stats = device.memory_stats() or {}
+  return dict(
+      method=config.method,
+      backbone=config.model.backbone,
+      batch_size=config.batch_size,
+      compute_dtype=config.compute_dtype,
+      image_size=config.data.image_size,
+      dispatch=program.settings.get("moe.dispatch"),
+      device_kind=str(device.device_kind),
+      compile_seconds=compile_s,
+      compiled_memory=bench_utils.memory_analysis(compiled),
+      warmup_steps=warmup_steps + 1,
+      timed_steps=len(times),
+      step_seconds=step_s,
+      step_min_seconds=min(times),
+      step_max_seconds=max(times),
+      images_per_s=config.batch_size / step_s,
+      # The process's peak: the measurement's alone when it has a process of its own.
+      peak_bytes=stats.get("peak_bytes_in_use"),
+      bytes_limit=stats.get("bytes_limit"),
+  )
+
+
+def prediction_summary(record: dict) -> dict:
+  """A preflight record's (`--mode=compile`'s preflight.json) figures that `measure_program`'s
+  can check, and the record itself. The fit's peak adds the batches the input pipeline places
+  ahead of the step; the program's is the step's own, what one step on random inputs reaches."""
+  target, run, train = (record.get(k) or {} for k in ("target", "run", "train_step"))
+  memory, roofline = train.get("memory") or {}, train.get("roofline") or {}
+  return dict(
+      target=target.get("name"),
+      target_device_kind=target.get("device_kind"),
+      usable_bytes=target.get("usable_bytes"),
+      fits=record.get("fits"),
+      peak_bytes=memory.get("peak"),
+      program_peak_bytes=memory.get("program_peak"),
+      step_seconds=run.get("step_seconds"),
+      utilization=run.get("utilization"),
+      roofline_seconds=roofline.get("bound_s"),
+      bound_by=roofline.get("bound_by"),
+      flops_per_step=train.get("flops_per_device"),
+      bytes_accessed_per_step=train.get("bytes_accessed_per_device"),
+      dispatch=(record.get("settings") or {}).get("moe.dispatch"),
+      compile_seconds=train.get("compile_seconds"),
+      provenance=record.get("provenance"),
+      record=record,
+  )
+
+
+def same_chip(a: str | None, b: str | None) -> bool | None:
+  """Whether two device kinds name one chip ("NVIDIA H100 80GB HBM3", "NVIDIA H100")."""
+  return a.startswith(b) or b.startswith(a) if a and b else None
+
+
+def find_prediction(paths: list[str], target: str, batch_size: int) -> dict | None:
+  """`prediction_summary` of the first preflight.json of `paths` for `target` and `batch_size`
+  (a prediction made beforehand, on any host), with its path as `source`; None if none is."""
+  for path in paths:
+    with open(path) as f:
+      record = prediction_summary(json.load(f))
+    batch = (record["record"].get("batch") or {}).get("global")
+    if record["target"] == target and batch == batch_size:
+      return dict(record, source=f"--preflight_json={path}")
+  return None
+
+
+def one_device_target(device_kind: str | None) -> str:
+  """The one-device preflight target of a chip (`h200x1` for "NVIDIA H200"), `h100x1` if none."""
+  return next(
+      (
+          name
+          for name, t in TARGETS.items()
+          if t.num_devices == 1 and same_chip(device_kind, t.device_kind)
+      ),
+      "h100x1",
+  )
+
+
+def compare_with_prediction(measured: dict, predicted: dict) -> dict:
+  """`measure_program`'s figures over `prediction_summary`'s."""
+  step_s, peak = measured["step_seconds"], measured.get("peak_bytes")
+
+  def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+  return dict(
+      source=predicted.get("source"),
+      peak_over_program_peak=ratio(peak, predicted.get("program_peak_bytes")),
+      peak_over_fit_peak=ratio(peak, predicted.get("peak_bytes")),
+      step_over_predicted_step=ratio(step_s, predicted["step_seconds"]),
+      step_over_roofline=ratio(step_s, predicted.get("roofline_seconds")),
+      # The share of the roofline bound this device reached: the preflight's `utilization`.
+      implied_utilization=ratio(predicted.get("roofline_seconds"), step_s),
+      same_dispatch=measured.get("dispatch") == predicted.get("dispatch"),
+      # A prediction for another chip (an explicit --target) compares different hardware.
+      same_chip=same_chip(measured.get("device_kind"), predicted.get("target_device_kind")),
+  )
+
+
 def evaluate_targets(rows: list[dict]) -> list[dict]:
   targets = []
   for r in rows:
@@ -269,7 +412,22 @@ def main() -> None:
   parser.add_argument(
       "--output", default=os.path.join(os.path.dirname(__file__), "results", "train_step.json")
   )
+  parser.add_argument(
+      "--program",
+      default="",
+      metavar="FILE[:ARG]",
+      help="instead of the rows above: the preflight's train-step program of this run config, "
+      "timed on one device (measure_program) after --warmup steps, with --set's settings",
+  )
+  parser.add_argument("--set", default="{}", help='JSON settings of --program: {"batch_size": 8}')
+  parser.add_argument("--warmup", type=int, default=3)
   args = parser.parse_args()
+  if args.program:
+    config = load_config(args.program)
+    config.update_from_flattened_dict(json.loads(args.set))
+    row = dict(config=args.program, **measure_program(config, args.warmup, args.steps))
+    write_results(args.output, args, [row], [])
+    return
 
   run = functools.partial(
       benchmark,
