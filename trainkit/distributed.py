@@ -1,47 +1,15 @@
 """Arguments of `jax.distributed.initialize`, decided from the environment.
 
-`distributed_args(env)` is a pure function of the environment variables; `initialize_from_env`
-calls `jax.distributed.initialize` with them. The launchers in `launch/` set the variables:
+`distributed_args(env)` reads, in order of precedence: our `JAX_COORDINATOR_ADDRESS` /
+`JAX_NUM_PROCESSES` / `JAX_PROCESS_ID` (each also overrides SLURM's value); SLURM (coordinator:
+the first host of the step's node list, port `JAX_COORDINATOR_PORT`, one GPU per task when
+`SLURM_GPUS_PER_TASK=1`); a Cloud TPU pod's variables or `TRAINKIT_DISTRIBUTED=auto` (`{}`: JAX
+detects the pod itself). Otherwise None, a single process. docs/scaling.md, "Multi-host", has
+the launchers, `TRAINKIT_HEARTBEAT_TIMEOUT` and what happens when a process dies.
 
-* Our variables take precedence: `JAX_COORDINATOR_ADDRESS` (`host:port`), `JAX_NUM_PROCESSES`,
-  `JAX_PROCESS_ID` (`launch/local_multiprocess.sh` sets all three). Each one also overrides the
-  corresponding value read from SLURM.
-* SLURM (`launch/slurm_gpu.sbatch`, inside `srun`): `SLURM_NTASKS` processes, this one is
-  `SLURM_PROCID`, the coordinator is the first host of `SLURM_STEP_NODELIST` (else
-  `SLURM_JOB_NODELIST`) on port `JAX_COORDINATOR_PORT` (default 12345). With one GPU per task
-  (`SLURM_GPUS_PER_TASK=1`) the process uses only its own GPU: `local_device_ids` is
-  `[SLURM_LOCALID]`, or `[0]` when Slurm already restricted `CUDA_VISIBLE_DEVICES` to one GPU.
-  A single task (`SLURM_NTASKS=1`) is a single process.
-* Cloud TPU (`launch/tpu_pod.sh`): `{}`, i.e. `jax.distributed.initialize()` with no arguments,
-  because JAX detects TPU pods itself: on GKE from `TPU_WORKER_HOSTNAMES` /
-  `TPU_PROCESS_ADDRESSES` and `TPU_WORKER_ID`, on TPU VMs created with `gcloud compute tpus
-  tpu-vm create` from the GCE metadata server (`agent-worker-number`, `worker-network-endpoints`),
-  and for multislice from `MEGASCALE_COORDINATOR_ADDRESS` / `MEGASCALE_NUM_SLICES` /
-  `MEGASCALE_SLICE_ID`. A TPU VM's shell environment does not necessarily hold any of these (the
-  values live in the metadata server), so the TPU launcher also sets `TRAINKIT_DISTRIBUTED=auto`,
-  which asks for the same auto-detection explicitly. `CLOUD_TPU_TASK_ID` (set by some TPU
-  runtimes) is also taken as a sign of a TPU pod. A value that libtpu wrote itself when it could
-  not describe a slice ("WARNING: could not determine TPU worker number, ...": it does so in any
-  process that loads it outside a TPU VM, and subprocesses inherit it) is no such sign: it is
-  ignored, and `child_environment` leaves it out of the environment of the processes a sweep,
-  `compare` or `paper_runner.tables --reproduce` starts.
-* Otherwise: `None`, a single process; `jax.distributed.initialize` is not called.
-
-`TRAINKIT_HEARTBEAT_TIMEOUT` (seconds, JAX's default 100 when unset) bounds how long the
-survivors of a dead process wait: the coordination service then ends every process. Collectives
-that notice the dead peer sooner (gloo on CPU does at once) raise at once, and `exit_together`
-turns that into one message and an immediate exit.
-
-Processes drift apart before their first collective (data loading, a tokenizer that process 0
-trains alone), and CPU collectives (Gloo) give up when a peer is more than Gloo's fixed 30 s late
-to the first one ("Gloo context initialization failed"), which a loaded machine reaches easily.
-So `wait_for_all_processes` holds every process at the points where they drift (a run's set-up,
-`main_process_first`) on the coordination service's barrier, whose timeout is the config key
-`distributed.startup_timeout_s` (default 600 s), and they reach the collectives together.
-
-When the coordinator, the process count and the process id are all known, the arguments also
-hold `cluster_detection_method="deactivate"`, so that JAX's own SLURM detection does not
-override `local_device_ids` (it would set `[SLURM_LOCALID]` even when each task sees one GPU).
+Processes drift apart before their first collective, and Gloo gives up on a peer more than 30 s
+late, so `wait_for_all_processes` holds them on the coordination service's barrier instead
+(timeout `distributed.startup_timeout_s`).
 """
 
 from __future__ import annotations
@@ -58,9 +26,7 @@ from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 T = TypeVar("T")
 
 DEFAULT_COORDINATOR_PORT = 12345
-# How long a process waits at `wait_for_all_processes` for the slowest (config key
-# `distributed.startup_timeout_s`): generous, as a loaded machine or a large data set can take
-# minutes to reach the same point.
+# `distributed.startup_timeout_s`'s default: a loaded machine or large data set takes minutes.
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STARTUP_TIMEOUT_KEY = "distributed.startup_timeout_s"
 _startup_timeout_s = DEFAULT_STARTUP_TIMEOUT_S
@@ -87,12 +53,8 @@ _PEER_FAILURE = re.compile(
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
-# What libtpu sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID, CLOUD_TPU_ACCELERATOR_TYPE (and others) to
-# when it is loaded outside a TPU VM (JAX loads it at backend initialisation whenever it is
-# installed, e.g. by the preflight extra): "WARNING: could not determine TPU worker number,
-# please set env var `TPU_WORKER_ID` manually, ...". It writes them with setenv, behind
-# os.environ's back, so every subprocess started afterwards without an explicit environment
-# inherits them.
+# What libtpu, loaded outside a TPU VM, setenv's TPU_WORKER_ID and others to (unseen by
+# os.environ, inherited by later subprocesses).
 _LIBTPU_PLACEHOLDER = re.compile(r"^\s*WARNING: could not determine\b", re.IGNORECASE)
 
 
@@ -104,26 +66,15 @@ def is_libtpu_placeholder(value: str) -> bool:
 def child_environment(
     extra: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-  """The environment to start a subprocess with: `env` (default os.environ) and `extra`, without
-  the placeholders libtpu writes (`is_libtpu_placeholder`).
-
-  Pass it as `env=` to every subprocess started after this process touched JAX. An explicit
-  environment is what keeps what libtpu set with setenv out of the child (os.environ never saw
-  it, but `subprocess` without `env=` hands the C library's environment on); the filter drops
-  placeholders this process itself inherited from such a parent. Either would make a training
-  subprocess take itself for a Cloud TPU pod worker (`distributed_args`) and fail to join one
-  ("coordinator_address should be defined").
-  """
+  """`env` (default os.environ) and `extra` without libtpu's placeholders: pass it as `env=` to
+  every subprocess started after JAX loaded, or the child takes itself for a TPU pod worker."""
   merged = {**(os.environ if env is None else env), **(extra or {})}
   return {name: value for name, value in merged.items() if not is_libtpu_placeholder(value)}
 
 
 def expand_nodelist(nodelist: str, variable: str = "SLURM_JOB_NODELIST") -> list[str]:
-  """Expands a Slurm host list: `node[01-03,07]`, `a1,b2`, `rack[1-2]-n[1-2]`, ...
-
-  Zero padding of a range is kept (`node[08-10]` -> node08, node09, node10). A malformed list
-  raises UserError naming `variable`.
-  """
+  """Expands a Slurm host list (`node[08-10,12]`, `rack[1-2]-n[1-2]`), keeping zero padding;
+  a malformed list raises UserError naming `variable`."""
   hosts = []
   for item in _split_top_level(nodelist.strip(), variable):
     hosts.extend(_expand_host(item, variable, nodelist))
@@ -242,11 +193,7 @@ def _slurm_args(env: Mapping[str, str]) -> dict[str, Any] | None:
 
 
 def distributed_args(env: Mapping[str, str]) -> dict[str, Any] | None:
-  """The keyword arguments of `jax.distributed.initialize`, or None for a single process.
-
-  See the module docstring for the variables read. A malformed value raises UserError naming
-  the variable.
-  """
+  """`jax.distributed.initialize`'s arguments (module docstring), or None for one process."""
   explicit: dict[str, Any] = {}
   if "JAX_COORDINATOR_ADDRESS" in env:
     explicit["coordinator_address"] = _coordinator(env)
@@ -293,12 +240,8 @@ def initialize_from_env(
     *,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> dict[str, Any] | None:
-  """Calls `jax.distributed.initialize(**distributed_args(env))` unless single-process.
-
-  `startup_timeout_s` (the config key `distributed.startup_timeout_s`) bounds each later
-  `wait_for_all_processes`. Returns the arguments (None when it did not initialize). Call it
-  before any other JAX call.
-  """
+  """`jax.distributed.initialize(**distributed_args(env))` unless single-process, before any
+  other JAX call; returns the arguments. `startup_timeout_s` bounds `wait_for_all_processes`."""
   global _startup_timeout_s
   _startup_timeout_s = float(startup_timeout_s)
   args = distributed_args(env)
@@ -310,12 +253,8 @@ def initialize_from_env(
 
 
 def wait_for_all_processes(name: str) -> None:
-  """Holds this process until every process got here (multi-process runs; else nothing).
-
-  On the coordination service's barrier, which waits up to `distributed.startup_timeout_s`, so
-  that the collectives after it start together rather than failing after Gloo's 30 s. A process
-  that does not arrive in time is one UserError naming the key.
-  """
+  """Holds this process on the coordination service's barrier until every process got here; a
+  UserError naming `distributed.startup_timeout_s` when one does not arrive in time."""
   global _barriers_passed
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -381,15 +320,11 @@ def describe_failure(error: BaseException, where: str, resume: str) -> tuple[str
 
 @contextlib.contextmanager
 def exit_together(workdir_hint: str = "") -> Iterator[None]:
-  """In a multi-process run, an error ends this process at once with one clear message.
+  """In a multi-process run, an error ends this process at once (`os._exit`) with one message.
 
-  A process that raised and then exited normally would wait in JAX's shutdown barrier for
-  peers that are themselves blocked in a collective waiting for it. Ending it with `os._exit`
-  instead closes its connections, so the peers' collectives fail too and every process stops
-  within seconds (or, where a collective does not notice, within the heartbeat timeout). A
-  failed collective is reported as what it almost always is: another process died.
-
-  Single-process runs (or a clean exit) are not affected.
+  Exiting normally would wait in JAX's shutdown barrier for peers blocked in a collective on it;
+  `os._exit` closes the connections, so their collectives fail too. A failed collective is
+  reported as what it almost always is: another process died.
   """
   try:
     yield
@@ -413,19 +348,15 @@ def exit_together(workdir_hint: str = "") -> Iterator[None]:
 
 
 def main_process_first(name: str, fn: Callable[[], T]) -> T:
-  """`fn()` on process 0, then on the others once it returned: for files in a shared workdir.
-
-  E.g. a tokenizer trained and saved by process 0 is loaded, not trained again, by the rest.
-  `name` labels the barrier (every process must reach it).
-  """
+  """`fn()` on process 0, then on the others (e.g. a tokenizer process 0 trains and saves);
+  `name` labels the barrier every process must reach."""
   import jax  # pylint: disable=import-outside-toplevel
 
   if jax.process_count() == 1:
     return fn()
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
-  # The others wait for process 0's `fn` on the barrier (as long as the startup timeout), not in
-  # a collective, which Gloo abandons after 30 s; the collective then only confirms it.
+  # On the barrier, not in a collective, which Gloo abandons after 30 s.
   if jax.process_index() == 0:
     result = fn()
     wait_for_all_processes(name)

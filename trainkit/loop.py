@@ -36,10 +36,8 @@ class TrainingDiverged(UserError):
   """The loss or gradient norm became NaN or infinite, or exploded past the run's baseline."""
 
 
-# A loss or gradient norm this many times the first step's is divergence, not noise: the
-# baseline is a randomly initialised model, so a healthy run stays within a small factor of it.
-# Parameters move slowly in a healthy run (weight decay and small steps), so their norm gets a
-# tighter factor, measured against the parameters the segment started from.
+# Multiples of the first step's loss or gradient norm (a random model's) that are divergence;
+# the parameter norm, which moves slowly, gets a tighter factor.
 DIVERGENCE_FACTORS = {"loss": 1e4, "grad_norm": 1e4, "param_norm": 1e2}
 
 
@@ -60,14 +58,12 @@ def _divergence(scalars: Mapping[str, float], baseline: Mapping[str, float]) -> 
   return ""
 
 
-# One program for the whole tree: run eagerly, optax.tree.norm compiles a few small ops for every
-# parameter shape (some 150 compilations for the quickstart's ViT, seconds before the first step).
+# Jitted: eagerly, optax.tree.norm compiles small ops for every parameter shape (seconds).
 _tree_norm = jax.jit(optax.tree.norm)
 
 
 def _starting_param_norm(state: Any) -> dict[str, float]:
-  """The parameter norm before this segment's first update (the first step's own metric is
-  taken after it, which at a diverging learning rate has already exploded)."""
+  """The parameter norm before this segment's first update (the first step's is after it)."""
   params = getattr(state, "params", None)
   if params is None or not jax.tree.leaves(params):
     return {}
@@ -87,8 +83,7 @@ class CheckpointableIterator(Protocol):
 
 
 class _Unprefetched:
-  """`DevicePrefetch`'s interface without the read-ahead: each batch is read and transferred
-  when its step asks for it."""
+  """`DevicePrefetch`'s interface without the read-ahead."""
 
   def __init__(self, iterator: CheckpointableIterator, put: Callable):
     self._iterator, self._put = iterator, put
@@ -116,8 +111,7 @@ class _StepTrace:
     if jax.process_count() > 1:
       directory = storage.join(directory, f"process_{jax.process_index()}")
     self.directory = directory
-    # XLA's profiler writes through its own file layer, which has no gs://: a remote workdir's
-    # trace is written to a local temporary directory and copied there when it stops.
+    # XLA's profiler has no gs://: a remote workdir's trace is written locally, then copied.
     self._local: str | None = None
     self.active = False
 
@@ -162,12 +156,8 @@ def loop_settings(config: Any) -> dict[str, Any]:
   )
 
 
-# What the progress line shows: the total loss, the sum of every term the run minimises (each
-# logged as `loss/<term>`), beside the task's own loss and the learning rate. The two can move
-# apart: FairSMoE's total adds the fairness term, which grows as the groups' predictions come to
-# differ, and Eq. 8's specialization term, in which every (expert, attribute) pair that FEM
-# assigns turns a subtracted capped loss into an added one (about +ln K per pair at chance), so
-# the total steps up at each FEM change while the task loss falls (docs/report.md).
+# The progress line: the total loss (every `loss/<term>` summed) beside the task's own loss and
+# the learning rate; the two can move apart (FairSMoE's terms: docs/report.md).
 PROGRESS_KEYS = {
     "loss": "total loss",
     "loss/cross_entropy": "task loss",
@@ -182,8 +172,7 @@ def progress_scalars(scalars: Mapping[str, float]) -> dict[str, float]:
 
 
 def loss_terms_note(scalars: Mapping[str, float]) -> str | None:
-  """The line that says what the progress line's total loss sums, from the logged `loss/<term>`
-  scalars (None when the total has no named terms besides the task loss)."""
+  """What the progress line's total loss sums (`loss/<term>`); None without named terms."""
   terms = [key.split("/", 1)[1] for key in scalars if key.startswith("loss/")]
   terms.sort(key=lambda t: t != "cross_entropy")  # The task loss first, the rest as logged.
   if not [t for t in terms if t != "cross_entropy"]:
@@ -196,8 +185,8 @@ def loss_terms_note(scalars: Mapping[str, float]) -> str | None:
 
 
 def evaluation_summary(step: int, scalars: Mapping[str, float]) -> str:
-  """One console line per evaluation: its split-level scalars ("val/accuracy", "eval/loss"),
-  not the per-attribute or per-layer ones, which stay in metrics.jsonl."""
+  """One console line per evaluation: its split-level scalars ("val/accuracy"), not the
+  per-attribute or per-layer ones (metrics.jsonl)."""
   top = {k: v for k, v in scalars.items() if k.count("/") == 1 and isinstance(v, (int, float))}
   prefix = next(iter(top), "eval/").split("/")[0]
   values = ", ".join(f"{k.split('/')[1]} {v:.4g}" for k, v in top.items())
@@ -206,8 +195,7 @@ def evaluation_summary(step: int, scalars: Mapping[str, float]) -> str:
 
 @contextlib.contextmanager
 def _full_disk_names_the_resume_step(checkpointer: Checkpointer):
-  """Turns a full disk met by the loop's own writes (metrics, an evaluation's output) into one
-  OutOfSpace naming the step to resume from, once the save in flight is settled."""
+  """A full disk in the loop's own writes becomes one OutOfSpace naming the step to resume from."""
   try:
     yield
   except OSError as e:
@@ -239,33 +227,19 @@ def train_loop(
     profile_steps: tuple[int, int] | None = None,
     device_prefetch: int = DEFAULT_PREFETCH,
 ) -> tuple[TrainState, bool]:
-  """Runs `train_step` from `state.step` to `num_train_steps`.
+  """Runs `train_step` from `state.step` to `num_train_steps`; returns (state, preempted).
 
-  Training metrics are logged on every log, evaluation and checkpoint step, so every
-  line of metrics.jsonl carries the loss. On SIGTERM the loop saves a checkpoint at
-  the current step and returns early. Returns (state, preempted).
+  Metrics are logged on every log, evaluation and checkpoint step; on SIGTERM a checkpoint is
+  saved and the loop returns early. MFU needs the device's peak (`trainkit.throughput`, or
+  `peak_flops` > 0).
 
-  Throughput is logged as steps, examples and (with `tokens_per_example`) tokens per
-  second, and as model FLOPs utilisation when the device's peak is known (a table in
-  `trainkit.throughput`, or `peak_flops` > 0): FLOPs come from the compiled step's cost
-  analysis.
+  `reviews` are `(every_steps, review)` pairs: after step s with s % every_steps == 0 (not the
+  last), `review(state) -> (state, scalars[, lines])` may change non-gradient state (e.g. an
+  expert assignment), keeping every array's shape, dtype and sharding so nothing recompiles.
 
-  `reviews` are `(every_steps, review)` pairs, on a cadence of their own: after step s
-  with s % every_steps == 0 (and never at the last step, where nothing trains after),
-  `review(state) -> (state, scalars)` may change non-gradient state between steps (e.g.
-  an expert assignment kept in the model state); its state is the one checkpointed and
-  trained on next, and its scalars are logged. A review may return a third element, lines
-  saying what it changed, which the console prints. It must keep every array's shape, dtype
-  and sharding, so the train step is not recompiled.
-
-  `profile_steps` = (start, end) writes a `jax.profiler` trace of steps start+1 .. end to
-  `<workdir>/profile` (the directory of the writer's metrics.jsonl); the trace covers whole
-  steps (it waits for step `start` to finish before starting and for step `end` before
-  stopping). A segment resumed inside the range traces from where it resumed.
-
-  `device_prefetch` batches are read and put on the devices ahead of the step, in a
-  background thread (`trainkit.prefetch`); checkpoints save the iterator state of the
-  batches the steps consumed, so resuming is exact. 0 reads each batch when its step starts.
+  `profile_steps` = (start, end) traces whole steps start+1 .. end to `<workdir>/profile`.
+  `device_prefetch` batches are put on the devices ahead of the step (`trainkit.prefetch`; 0:
+  none); checkpoints save the iterator state of the batches consumed, so resuming is exact.
   """
   step = int(state.step)
   progress = ProgressBar(
@@ -308,8 +282,7 @@ def train_loop(
       step += 1
       trace.after_step(step, state)
       if baseline is None:
-        # The first step of this segment sets the scale that divergence is measured against
-        # (fetched, not logged: metrics.jsonl keeps its cadence).
+        # The segment's first step sets the divergence baseline (fetched, not logged).
         first = jax.device_get({k: v for k, v in metrics.items() if k in ("loss", "grad_norm")})
         baseline = {k: float(v) for k, v in first.items()}
         if _divergence(baseline, {}):
@@ -321,11 +294,9 @@ def train_loop(
       eval_due = evaluate is not None and _due(step, eval_every_steps, num_train_steps)
       checkpoint_due = _due(step, checkpoint_every_steps, num_train_steps) or stop_requested
       if _due(step, log_every_steps, num_train_steps) or eval_due or checkpoint_due:
-        # Fetching the metrics waits for the step to finish; only then is the clock read,
-        # so throughput counts finished steps, not asynchronously dispatched ones.
+        # The clock is read after the fetch: throughput counts finished steps, not dispatched.
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        # Checkpoint steps are always logged, so every saved state passed this check: no
-        # checkpoint ever holds a state whose loss or gradient norm had already blown up.
+        # Checkpoint steps are always logged: no checkpoint holds a diverged state.
         why = _divergence(scalars, baseline)
         if why:
           writer.write_scalars(step, scalars)
@@ -397,12 +368,8 @@ def resume_training(
     train_iterator: CheckpointableIterator,
     writer: MetricWriter,
 ) -> TrainState:
-  """The state to train from: the latest readable checkpoint's, with the data iterator and the
-  metrics log put back to its step, or `state` for a fresh run; then saves `config.json`.
-
-  The config is written only once the checkpoint accepted it, so a rejected resume leaves
-  config.json as the run was trained with.
-  """
+  """The latest readable checkpoint's state (data iterator and metrics log put back to its step),
+  or `state` for a fresh run; then saves `config.json`, once the checkpoint accepted it."""
   restored = checkpointer.restore(state, check_iterator_state=train_iterator.set_state)
   if restored is not None:
     state, iterator_state, step = restored
@@ -410,8 +377,7 @@ def resume_training(
     writer.truncate_after(step)
     print(f"Resumed from the checkpoint at step {step} in {checkpointer.directory}", flush=True)
   else:
-    # A fresh start (nothing saved yet: an earlier attempt diverged or was killed before its
-    # first checkpoint) retrains from step 0, so that attempt's lines would be duplicated.
+    # A fresh start retrains from step 0: an earlier attempt's lines would be duplicated.
     writer.truncate_after(int(state.step))
   save_config(config, workdir)
   return state

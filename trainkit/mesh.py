@@ -1,13 +1,7 @@
 """Device mesh with axes `data` and `expert`, and the shardings of batches and parameters.
 
-The batch is split over every device (both axes): expert parallelism in a sparse
-MoE is also data parallelism for the rest of the network. Parameters are
-replicated unless their variable carries a sharding annotation naming mesh axes
-(the MoE experts use `("expert", ...)`).
-
-A mesh covers the devices it is for: the preflight refuses one smaller than its target, and a
-run of several processes one smaller than all their devices (`require_all_devices`); a run of
-one process may leave devices idle, with a warning (`make_mesh`).
+The batch is split over both axes (expert parallelism is also data parallelism for the rest of
+the network); parameters are replicated unless annotated with mesh axes (`("expert", ...)`).
 """
 
 from __future__ import annotations
@@ -67,8 +61,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def idle_devices_message(mesh_config: Mapping[str, int], num_devices: int, where: str) -> str:
-  """What a mesh that leaves devices idle is told (`require_all_devices`), or "" for one that
-  uses all `num_devices`. `where` names the devices, e.g. "the 8 GPUs of h100x8"."""
+  """The error for a mesh that leaves some of `num_devices` (named by `where`) idle, or ""."""
   data, expert = mesh_shape(mesh_config, num_devices)
   used = data * expert
   if used == num_devices:
@@ -87,13 +80,8 @@ def idle_devices_message(mesh_config: Mapping[str, int], num_devices: int, where
 def require_all_devices(
     mesh_config: Mapping[str, int], num_devices: int, where: str
 ) -> tuple[int, int]:
-  """`mesh_shape`, refusing a mesh that uses fewer than `num_devices` devices.
-
-  A preflight compiles for the target it names, and a run of several processes feeds every
-  process's devices its block of the batch (`process_block`): a smaller mesh would compile for,
-  or feed, only some of them. Raises a ConfigError naming `mesh.data` (the key whose -1 fills
-  the devices) or, when the expert axis cannot divide them, `mesh.expert`.
-  """
+  """`mesh_shape`, with a ConfigError naming `mesh.data` or `mesh.expert` for a mesh over fewer
+  than `num_devices` (a preflight's target, or every process's devices, which each get a block)."""
   message = idle_devices_message(mesh_config, num_devices, where)
   if message:
     expert = mesh_shape(mesh_config, num_devices)[1]
@@ -102,13 +90,8 @@ def require_all_devices(
 
 
 def make_mesh(mesh_config: Mapping[str, int], devices: list[Any] | None = None) -> Mesh:
-  """Builds the (data, expert) mesh over `devices` (default: every device of the run).
-
-  A mesh smaller than the devices uses the first ones. For the run's own devices (`devices`
-  None) that is refused when they span several processes (`require_all_devices`), and logged as
-  a warning on one: a single process may leave devices idle on purpose (a one-device reference
-  run on a host of several, as tests/test_sharded_training.py does), but it pays for them.
-  """
+  """The (data, expert) mesh over the first of `devices` (default: the run's). Idle devices of
+  the run's own are refused over several processes, a warning in one (a reference run may)."""
   run_devices = devices is None
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_config, len(devices))
@@ -131,13 +114,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-  """Puts host values that are identical on every process onto (global) `shardings`.
+  """Puts host values identical on every process onto `shardings` (one, or a matching tree).
 
-  Each process fills only its own devices' shards from its copy, so nothing crosses
-  processes: unlike `jax.device_put`, which compares the value across processes first
-  (one collective per leaf, and a false mismatch on NaN). `shardings` is one sharding or
-  a tree of them matching `tree`. Arrays already spread over several processes are resharded
-  with `device_put`. PRNG key arrays keep their key type.
+  Each process fills its own devices' shards, so nothing crosses processes (`jax.device_put`
+  compares the value across them: a collective per leaf, and a false mismatch on NaN).
   """
   if isinstance(shardings, jax.sharding.Sharding):
     shardings = jax.tree.map(lambda _: shardings, tree)
@@ -157,12 +137,8 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 def process_block(tree: Any) -> Any:
-  """This process's block of a global batch every process holds (leading dimension).
-
-  Process i of n takes rows [i * B/n, (i + 1) * B/n): what `shard_batch` expects, so
-  `shard_batch(process_block(batch), mesh)` is the global `batch` on the mesh, whatever
-  the number of processes.
-  """
+  """Rows [i * B/n, (i + 1) * B/n) of a global batch for process i of n: what `shard_batch`
+  expects."""
   count, index = jax.process_count(), jax.process_index()
 
   def block(x: Any) -> Any:

@@ -24,12 +24,8 @@ _log = logging.getLogger(__name__)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-  """The records of an append-only JSON-lines log, tolerating a torn last line.
-
-  A process killed (or a disk filled) mid-append leaves a partial last line: it is dropped with
-  one warning, since the run it belongs to rewrites it on resume. A bad line anywhere else is a
-  UserError naming the file and line: the log was edited or corrupted, not torn.
-  """
+  """The records of an append-only JSON-lines log: a torn last line (a kill mid-append, which
+  the resumed run rewrites) is dropped with a warning; a bad line elsewhere is a UserError."""
   return parse_jsonl(read_log(path), path)
 
 
@@ -49,11 +45,8 @@ def parse_jsonl(text: str, path: str) -> list[dict[str, Any]]:
   return records
 
 
-# An object store has no append, and rewriting a log object whole at each flush costs a download
-# and an upload of everything logged so far: quadratic over a run. There, each flush of a log
-# `<name>` is an object of its own, `<name>.parts/<n>` (n = 0, 1, ... zero-padded, so names sort
-# in order); a reader concatenates `<name>` and its parts (`read_log`), and the writer folds the
-# parts into `<name>` when it closes or truncates the log (`RemoteLog.fold`).
+# An object store has no append (and rewriting the whole log per flush is quadratic): each flush
+# is an object `<name>.parts/<n>` (zero-padded), read after `<name>` and folded into it on close.
 PARTS_SUFFIX = ".parts"
 _PART_DIGITS = 9
 
@@ -76,12 +69,8 @@ def _step_of(line: str) -> float | None:
 
 
 def _remote_log_lines(path: str) -> tuple[list[str], list[str]]:
-  """(the lines of the remote log `path`: the object, then its parts; the parts' names).
-
-  A part whose steps are already in the object is skipped: a writer stopped between folding
-  the parts into the object and deleting them leaves them behind (each step has one line, and
-  steps increase along the log).
-  """
+  """(the object's lines then its parts', the parts' names); parts whose steps the object holds
+  already (left by a writer stopped between folding and deleting them) are skipped."""
   try:
     lines = storage.read_text(path).splitlines()
   except FileNotFoundError:
@@ -99,9 +88,7 @@ def _remote_log_lines(path: str) -> tuple[list[str], list[str]]:
 
 
 def read_log(path: str) -> str:
-  """The text of an append-only log: the file, or on an object store the object and its parts.
-
-  Raises FileNotFoundError when there is neither."""
+  """The text of an append-only log (on an object store, the object and its parts)."""
   if not storage.is_remote(path):
     return storage.read_text(path)
   lines, names = _remote_log_lines(path)
@@ -118,11 +105,8 @@ def log_exists(path: str) -> bool:
 
 
 class RemoteLog:
-  """An append-only log on an object store, one object per appended line (see PARTS_SUFFIX).
-
-  Keeps the whole log in memory (read once, at the first call), so that folding it into one
-  object at the end costs one upload, not one download per part.
-  """
+  """An append-only log on an object store, one object per appended line (PARTS_SUFFIX), held
+  in memory so that folding it costs one upload."""
 
   def __init__(self, path: str):
     self.path = path
@@ -167,25 +151,20 @@ class RemoteLog:
       self.fold()
 
   def fold(self, lines: list[str] | None = None) -> None:
-    """Writes the log (or `lines` in its place) as one object, then deletes its parts: the
-    parts' objects go once the object holds their lines."""
+    """Writes the log (or `lines` in its place) as one object, then deletes its parts."""
     self._load()
     if lines is not None:
       self._lines = list(lines)
     write_atomically(self.path, self.text())
     if self._parts:
-      # The parts' folder whole: gcsfs deletes its objects in batches of 100 requests, where
-      # one by one a long log's thousands of parts cost minutes on GCS.
+      # The folder whole: gcsfs batches the deletes (one by one, thousands take minutes).
       storage.path(self.path + PARTS_SUFFIX).rmtree(missing_ok=True)
     self._parts, self._last_part = [], None
 
 
 def append_line(path: str, line: str) -> None:
-  """Appends `line` (and a newline) to an append-only log, all or nothing: a write that fails
-  (a full disk) is cut back, so the log never keeps a partial line of a run still alive.
-
-  On an object store, which has no append, the line is an object of its own (`RemoteLog`; a
-  writer that appends often keeps one `RemoteLog` instead)."""
+  """Appends `line` and a newline, all or nothing (a failed write is cut back); on an object store
+  the line is an object of its own (`RemoteLog`)."""
   if storage.is_remote(path):
     RemoteLog(path).append(line)
     return
@@ -218,10 +197,9 @@ def _field(number: int, wire_type: int, payload: bytes) -> bytes:
 
 
 def _event(step: int, *, file_version: str = "", tag: str = "", value: float = 0.0) -> bytes:
-  """A serialised TensorBoard `Event` (tensorboard/compat/proto/event.proto: wall_time = 1,
-  step = 2, file_version = 3, summary = 5; Summary.value = 1; Value.tag = 1, simple_value = 2):
-  the file's version record, or one scalar. Five fields of a stable file format, encoded here
-  rather than through tensorboardX's private protos."""
+  """A serialised TensorBoard `Event` (event.proto: wall_time = 1, step = 2, file_version = 3,
+  summary = 5; Summary.value = 1; Value.tag = 1, simple_value = 2): the version record or one
+  scalar, encoded here rather than through tensorboardX's private protos."""
   event = _field(1, 1, struct.pack("<d", time.time()))
   event += _field(2, 0, _varint(step)) if step else b""  # proto3 leaves a default value out.
   if file_version:
@@ -231,19 +209,13 @@ def _event(step: int, *, file_version: str = "", tag: str = "", value: float = 0
 
 
 class _ScalarEvents:
-  """TensorBoard scalars written to an event file in the caller's thread, framed by
-  tensorboardX's public `RecordWriter`. tensorboardX's SummaryWriter hands each event to a thread
-  of its own: its `flush` does not wait for that thread (a checkpoint's flush could leave the last
-  events unwritten, lost with the process), and a full disk ended that thread and then blocked
-  the run on its full queue. Here `flush` writes every event added before it, and a failed write
-  is raised to the loop.
+  """TensorBoard scalars written in the caller's thread (tensorboardX's public `RecordWriter`):
+  unlike SummaryWriter's thread, `flush` writes every event added before it and a failed write
+  (a full disk) is raised to the loop.
 
-  On an object store, which has no append (and where uploading the file whole at each flush
-  grows with the square of the flushes), the file is written in a local temporary folder and
-  each flush uploads the events since the last one as an object of its own, `<name>.NNNNNN`:
-  TensorBoard reads a folder's event files in name order, and each part holds whole records.
-  `close` uploads the file whole as `<name>` and deletes the parts (a run killed before that
-  leaves its parts, which TensorBoard reads as they are)."""
+  On an object store the file is written locally and each flush uploads the new events as an
+  object `<name>.NNNNNN` (TensorBoard reads event files in name order); `close` uploads the file
+  whole as `<name>` and deletes the parts."""
 
   def __init__(self, logdir: str):
     storage.makedirs(logdir)
@@ -293,11 +265,8 @@ def _to_python(value: Any) -> Any:
 
 
 class MetricWriter:
-  """Writes one JSON object per step to `<workdir>/metrics.jsonl` and scalars to TensorBoard.
-
-  Scalars written for the same step (training, then evaluation) are merged into one
-  line, flushed when a later step arrives or on `flush()`. Only process 0 writes.
-  """
+  """One JSON line per step to `<workdir>/metrics.jsonl` (a step's scalars merged) and scalars
+  to TensorBoard; only process 0 writes."""
 
   def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
     self.enabled = enabled
@@ -340,8 +309,7 @@ class MetricWriter:
       return
     record = {"step": self._pending_step, **self._pending}
     if self._last_flushed is not None and self._last_flushed["step"] == record["step"]:
-      # More scalars for a step already on disk (e.g. the final test evaluation after
-      # the final checkpoint): rewrite its line, so each step keeps exactly one line.
+      # More scalars for a step already written (a final test evaluation): one line per step.
       record = {**self._last_flushed, **self._pending}
       if self._remote is not None:
         self._remote.replace_last(json.dumps(record))
@@ -367,6 +335,5 @@ class MetricWriter:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """Reads `metrics.jsonl` back (a torn last line is dropped, `read_jsonl`; on an object store
-  with the parts not folded into it yet, `read_log`)."""
+  """`metrics.jsonl`'s records (`read_jsonl`, `read_log`)."""
   return read_jsonl(storage.join(workdir, "metrics.jsonl"))

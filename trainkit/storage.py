@@ -1,31 +1,9 @@
 """Where a run's files live: the local disk or an object store (`gs://bucket/run`).
 
-Every file the project reads or writes in a workdir goes through `etils.epath` (the path library
-Orbax uses), so that a `gs://` workdir is written to the bucket, never to a local directory named
-`gs:` (what `os.path.abspath` makes of it). Paths stay plain strings in the code (a local
-absolute path, or a URI); `path(p)` gives the `epath.Path` to read or write with.
-
-Local and remote workdirs differ in two guarantees, because an object store has neither a rename
-nor an exclusive create:
-
-- `write_atomically` writes a local file through a temporary file and a rename; a remote object
-  is uploaded whole, which an object store publishes atomically too (a reader sees the old object
-  or the new one, never a part), but a failed upload is not retried here.
-- An append-only log (`metrics.jsonl`) is appended to in place on a local disk; on an object
-  store each flush is an object of its own, concatenated on read and folded into the log when
-  the writer closes (`trainkit.metric_writers`), so a flush costs one small upload however long
-  the log is.
-
-The run lock (`trainkit.workdir.workdir_lock`) is created exclusively on a local disk; on an
-object store it is checked, then written, so two runs started at the same moment on one remote
-workdir are not told apart (docs/design.md, "Remote workdirs").
-
-gs:// is read and written with gcsfs, on the credentials Google's libraries find (`gcloud auth
-application-default login`, `GOOGLE_APPLICATION_CREDENTIALS`, a VM's service account); a
-workdir whose credentials cannot be found is one error before anything is written. Where
-`STORAGE_EMULATOR_HOST` names a GCS API server (an emulator, as google-cloud-storage and gcsfs
-read it), no credentials are used, and Orbax's arrays (TensorStore) go to the same server
-unless `TENSORSTORE_GCS_HTTP_URL` says otherwise (`configure_gcs`).
+Every workdir file goes through `etils.epath`, so a `gs://` workdir is never a local folder named
+`gs:`; paths stay plain strings and `path(p)` gives the `epath.Path`. An object store has neither
+a rename nor an exclusive create: docs/design.md, "Remote workdirs", says what that changes
+(atomic writes, append-only logs, the run lock) and how gs:// finds its credentials or emulator.
 """
 
 from __future__ import annotations
@@ -44,10 +22,8 @@ from etils import epath
 
 from trainkit.errors import UserError
 
-# The URI schemes a workdir may have: the fsspec protocol that etils.epath reads and writes them
-# with, and the package that provides it. Orbax writes checkpoint arrays through TensorStore,
-# which it points at object stores for gs:// only (any other URI it treats as a local path), so
-# s3:// and the other schemes of epath are refused rather than half-supported.
+# Workdir schemes and the package providing each. Orbax's TensorStore knows gs:// only, so other
+# epath schemes are refused rather than half-supported.
 REMOTE_SCHEMES = {"gs": ("gcs", "gcsfs")}
 
 
@@ -64,12 +40,8 @@ def is_remote(location: str | os.PathLike) -> bool:
 
 
 def check_filesystem(location: str) -> None:
-  """Raises UserError unless `location` is local or its file system can be used here.
-
-  Checked before anything is written: a missing package would otherwise surface at the first
-  write (after data loading and compilation), and a scheme the path library does not know
-  would be written as a local directory.
-  """
+  """Raises UserError unless `location` is local or its file system can be used here (before
+  anything is loaded, rather than at the first write)."""
   name = scheme(location)
   if name is None:
     _refuse_mistyped_uri(location)
@@ -94,8 +66,7 @@ def check_filesystem(location: str) -> None:
     configure_gcs(location)
 
 
-# The environment variables of a GCS API emulator: gcsfs and google-cloud-storage read the first,
-# TensorStore (Orbax's arrays) the second.
+# A GCS API emulator: gcsfs reads the first, TensorStore (Orbax's arrays) the second.
 EMULATOR_VARIABLE = "STORAGE_EMULATOR_HOST"
 TENSORSTORE_URL_VARIABLE = "TENSORSTORE_GCS_HTTP_URL"
 TENSORSTORE_TOKEN_VARIABLE = "GOOGLE_AUTH_TOKEN_FOR_TESTING"  # TensorStore's fixed bearer token.
@@ -114,21 +85,10 @@ def emulator_url() -> str:
 def configure_gcs(location: str = "gs://") -> None:
   """Sets gcsfs up for this process's gs:// paths, once (again if the emulator changed).
 
-  - With an emulator (`STORAGE_EMULATOR_HOST`): gcsfs's plain GCSFileSystem, without
-    credentials. gcsfs's default class asks the Storage Control API (gRPC) for the bucket's
-    layout before each open; an emulator of the JSON API does not serve it, so every open logged
-    "Could not determine bucket type ... Your default credentials were not found" (356 lines in
-    a quickstart run), or, with anonymous credentials, retried the gRPC call for 60 s. Orbax's
-    arrays are pointed at the same server (`TENSORSTORE_GCS_HTTP_URL`, when not set already):
-    otherwise they would go to GCS itself while every other file went to the emulator; and
-    TensorStore is given a placeholder token for it instead of searching for credentials.
-  - Without one: the credentials are looked up now, as gcsfs will (google-auth's default). gcsfs
-    falls back to anonymous access when there are none, which cannot write to a bucket and
-    logs a credential warning at every open; the run instead stops here with one error that
-    names the problem (UserError). gcsfs's repeated "Could not determine bucket type" warnings
-    (a bucket whose layout these credentials may not read) are logged once per bucket.
-
-  Does nothing when another file system is registered for gs:// (tests/fake_gcs.py).
+  With an emulator: gcsfs's plain GCSFileSystem (the default class asks a gRPC API an emulator
+  lacks, at every open) and TensorStore pointed at the same server. Without one: missing
+  credentials are one UserError now, not anonymous access that cannot write. Nothing when another
+  file system is registered for gs:// (tests/fake_gcs.py).
   """
   global _gcs_configured, _gcsfs_default
   import fsspec.config
@@ -156,9 +116,7 @@ def configure_gcs(location: str = "gs://") -> None:
     if emulator:
       os.environ.setdefault(TENSORSTORE_URL_VARIABLE, emulator)
       if os.environ[TENSORSTORE_URL_VARIABLE].rstrip("/") == emulator.rstrip("/"):
-        # TensorStore has no anonymous mode: without a token it searches for credentials and,
-        # finding none, logs an error line; with real ones it would send them to the emulator.
-        # This placeholder token is sent to the emulator only, which ignores it.
+        # TensorStore has no anonymous mode; the emulator ignores this placeholder token.
         os.environ.setdefault(TENSORSTORE_TOKEN_VARIABLE, "emulator")
     else:
       _check_credentials(location)
@@ -172,9 +130,7 @@ _gcsfs_default: type | None = None  # The class gcsfs registers for gs://, kept 
 
 
 def _plain_gcsfs(cls: type) -> type:
-  """gcsfs's plain GCSFileSystem: the class recent gcsfs versions register,
-  ExtendedGcsFileSystem, subclasses it to add the bucket-layout lookups; older ones register
-  it."""
+  """gcsfs's plain GCSFileSystem (newer gcsfs registers a subclass with bucket-layout lookups)."""
   for base in cls.__mro__:
     if base.__name__ == "GCSFileSystem" and base.__module__ == "gcsfs.core":
       return base
@@ -182,9 +138,7 @@ def _plain_gcsfs(cls: type) -> type:
 
 
 def _check_credentials(location: str) -> None:
-  """Raises UserError when gcsfs finds no credentials for `location` (Google's application
-  default credentials, which google-auth looks up: the variable GOOGLE_APPLICATION_CREDENTIALS,
-  gcloud's login, a Cloud VM's service account)."""
+  """Raises UserError when gcsfs finds no application default credentials for `location`."""
   import fsspec
 
   try:
@@ -203,8 +157,7 @@ def _check_credentials(location: str) -> None:
 
 
 class _OncePerBucket(logging.Filter):
-  """Lets gcsfs's "Could not determine bucket type for bucket name B" warning through once per
-  bucket: gcsfs does not remember the failed lookup and repeats it at every open."""
+  """gcsfs's "Could not determine bucket type" warning once per bucket, not at every open."""
 
   _MESSAGE = "Could not determine bucket type for bucket name "
 
@@ -223,15 +176,12 @@ class _OncePerBucket(logging.Filter):
     return True
 
 
-# URI schemes a one-slash typo of which (`gs:/bucket/run`) is refused rather than taken for a
-# local folder named `gs:`: the schemes of workdirs and of etils.epath / fsspec.
+# Schemes whose one-slash typo (`gs:/bucket/run`) is refused, not taken for a local `gs:` folder.
 _URI_SCHEMES = frozenset({*REMOTE_SCHEMES, "gcs", "s3", "az", "abfs", "hdfs", "http", "https"})
 
 
 def _refuse_mistyped_uri(location: str | os.PathLike) -> None:
-  """Raises UserError for `gs:/bucket/run` or `gs:bucket/run`: a local path to the system, so a
-  run would train until its first checkpoint, fail there in TensorStore, and leave a `gs:` tree
-  in the current directory."""
+  """Raises UserError for `gs:/bucket/run` or `gs:bucket/run` (the system's local paths)."""
   text = os.fspath(location)
   head, colon, rest = text.partition(":")
   if colon and head.lower() in _URI_SCHEMES and not rest.startswith("//"):
@@ -242,16 +192,14 @@ def _refuse_mistyped_uri(location: str | os.PathLike) -> None:
 
 
 def resolve(location: str | os.PathLike) -> str:
-  """`location` as the run uses it: an absolute local path (`~` expanded, `..` taken as the system
-  takes it, through any symbolic link before it), or a URI as given
-  (without a trailing slash) once `check_filesystem` accepted it."""
+  """An absolute local path (`~` expanded, `..` as the system takes it), or a URI without its
+  trailing slash once `check_filesystem` accepted it."""
   text = os.fspath(location)
   if not is_remote(text):
     _refuse_mistyped_uri(text)
     text = os.path.expanduser(text)
     if ".." in text.split(os.sep):
-      # `link/../run` is where the system goes (the parent of what `link` points to), not
-      # where dropping `link/..` as abspath does leads: resolved as the system resolves it.
+      # `link/../run` is the parent of what `link` points to, not what abspath makes of it.
       return os.path.realpath(text)
     return os.path.abspath(text)
   check_filesystem(text)
@@ -280,12 +228,7 @@ def relpath(location: str, start: str) -> str:
 
 
 def makedirs(location: str) -> None:
-  """Creates the directory `location` and its parents (an object store needs none: a no-op
-  there beyond what the path library does).
-
-  Raises:
-    UserError: `location`, or a directory above it, exists as a file.
-  """
+  """Creates `location` and its parents; UserError when one of them is a file."""
   try:
     path(location).mkdir(parents=True, exist_ok=True)
   except (FileExistsError, NotADirectoryError):
@@ -296,11 +239,8 @@ def makedirs(location: str) -> None:
 
 
 def walk_files(directory: str) -> Iterator[str]:
-  """The files under `directory` as `/`-separated paths relative to it, at any depth.
-
-  Written with `iterdir` rather than `epath.Path.walk`, which gives the roots of an fsspec file
-  system without their scheme (a local path in place of the remote one).
-  """
+  """The files under `directory` as `/`-separated relative paths, at any depth (`iterdir`:
+  `epath.Path.walk` drops an fsspec root's scheme)."""
   pending = [(path(directory), "")]
   while pending:
     folder, prefix = pending.pop()
@@ -321,10 +261,8 @@ def read_text(location: str) -> str:
 
 
 def write_atomically(location: str, text: str | bytes) -> None:
-  """Replaces `location` with `text` through a temporary file and a rename: never half-written
-  (a write that fails, e.g. on a full disk, leaves the file as it was and no temporary file).
-
-  On an object store (`gs://`) the object is uploaded whole, which publishes it atomically."""
+  """Replaces `location` with `text` via a temporary file and a rename (a failed write leaves the
+  file as it was); an object store's whole upload is atomic itself."""
   if is_remote(location):
     target = path(location)
     target.write_bytes(text) if isinstance(text, bytes) else target.write_text(text)
@@ -344,8 +282,7 @@ def write_atomically(location: str, text: str | bytes) -> None:
 
 
 def save_figure(figure: Any, location: str, *, dpi: int) -> None:
-  """Writes a matplotlib `figure` to `location` (local or a URI), in the format its suffix
-  names (`.png`), creating the parent directory; replaced whole (`write_atomically`)."""
+  """Writes a matplotlib `figure` to `location` (its suffix names the format), atomically."""
   image_format = os.path.splitext(location)[1].lstrip(".").lower() or "png"
   buffer = io.BytesIO()
   figure.savefig(buffer, format=image_format, dpi=dpi)

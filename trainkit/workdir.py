@@ -24,8 +24,7 @@ _log = logging.getLogger(__name__)
 
 
 def prepare_workdir(workdir: str | None) -> str:
-  """Creates `workdir` if needed and checks it is writable; returns its absolute path (a URI
-  such as `gs://bucket/run` as given, once its file system is known to be installed)."""
+  """Creates `workdir` if needed and checks it is writable; returns its absolute path or URI."""
   if not workdir:
     raise UserError("--workdir is required")
   workdir = storage.resolve(workdir)
@@ -45,15 +44,8 @@ def prepare_workdir(workdir: str | None) -> str:
 
 
 def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
-  """`<workdir>/<name>` (e.g. `export`, `predict`), created unless `create` is False.
-
-  A folder there that is a symbolic link to somewhere outside the workdir (planted, or left by
-  hand) is refused: the run's files would be written there (`write_atomically` replaces a link
-  to a file, not a link to a folder above it), and every file a run writes stays in its workdir.
-
-  Raises:
-    UserError: the folder leads outside the workdir, or is a file (`storage.makedirs`).
-  """
+  """`<workdir>/<name>` (e.g. `export`), created unless `create` is False; a UserError when it is
+  a file or a symbolic link out of the workdir (every file a run writes stays in its workdir)."""
   folder = storage.join(workdir, name)
   if not storage.is_remote(folder) and os.path.lexists(folder):
     inside = os.path.realpath(workdir)
@@ -121,8 +113,7 @@ def _read_lock(path: str) -> dict[str, Any]:
     return {}  # Being written, or truncated by a crash: treated as unknown owner.
 
 
-# A lock is written within microseconds of its creation; one still empty after this long never
-# will be.
+# A lock still empty this long after its creation never will be named.
 _UNWRITTEN_LOCK_SECONDS = 5.0
 
 
@@ -134,11 +125,8 @@ def _age_seconds(path: str) -> float:
 
 
 def _create_lock(path: str, owner: dict[str, Any]) -> bool:
-  """Creates the lock file naming `owner`; False when it exists already.
-
-  Exclusive on a local disk (O_EXCL). An object store has no exclusive create: the lock is
-  checked, then written, so two runs started within that moment both take it.
-  """
+  """Creates the lock file naming `owner`; False when it exists already (O_EXCL locally; an
+  object store's is checked, then written)."""
   if storage.is_remote(path):
     lock = storage.path(path)
     if lock.exists():
@@ -156,13 +144,11 @@ def _create_lock(path: str, owner: dict[str, Any]) -> bool:
 
 @contextlib.contextmanager
 def workdir_lock(workdir: str) -> Iterator[None]:
-  """Holds `<workdir>/.run.lock` for the life of a run, so that two runs never share a workdir.
+  """Holds `<workdir>/.run.lock` (naming pid, host, start time) for the life of a run.
 
-  The lock file is created atomically (O_EXCL) and names its owner (pid, host, start time); a
-  second run is refused with a message that names them. A lock left by a process that no longer
-  exists on this host (a kill -9, a crash) is stale and taken over with a warning; a lock from
-  another host cannot be checked and is reported with the command to remove it. Released on any
-  exit from the block. In multi-process runs only process 0 takes it.
+  A second run is refused naming the owner; a lock whose process is gone from this host is taken
+  over with a warning; one from another host is reported with the command to remove it. Only
+  process 0 takes it.
   """
   if jax.process_index() != 0:
     yield
@@ -182,8 +168,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
         storage.path(path).unlink(missing_ok=True)
         continue
       if not owner and _age_seconds(path) > _UNWRITTEN_LOCK_SECONDS:
-        # Empty or unreadable well after its creation: its writer died between creating the
-        # file and naming itself in it (a kill, a full disk). Nobody can hold it.
+        # Still empty: its writer died between creating and naming itself. Nobody holds it.
         _log.warning("removing the run lock %s, which names no owner (a torn write)", path)
         storage.path(path).unlink(missing_ok=True)
         continue
@@ -243,13 +228,11 @@ RUN_INFO_FILE = "run_info.json"
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes `config.json`, keeping the previous one if this run's config differs from it.
+  """Writes `config.json` (process 0), a differing earlier one moved to
+  `config_history/config.<n>.json` and the changed keys logged.
 
-  Call it only once the run has been accepted (after the checkpoint restore, which rejects a
-  config that builds another model), so that a rejected resume leaves `config.json` as the
-  config the checkpoints were trained with. A differing earlier config is moved to
-  `config_history/config.<n>.json` (n = 1, 2, ...) and the changed keys are logged. Only process
-  0 writes (the workdir is shared in a multi-process run).
+  Call it only after the checkpoint restore accepted the config, so a rejected resume leaves
+  `config.json` as the checkpoints were trained with.
   """
   if jax.process_index() != 0:
     return
@@ -283,18 +266,9 @@ def _as_typed(saved: Any, default: Any) -> Any:
 
 
 def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, Any]:
-  """The config a run saved in `<workdir>/config.json` (`save_config`), migrated to this format
-  version.
-
-  Args:
-    workdir: The run's working directory.
-    reference: A config of the same package (its base config, or a config asked for now): the
-      keys of version 1 that its earliest runs lack are filled in where `reference` has them.
-
-  Raises:
-    UserError: config.json is missing, not a JSON object, or of a format version this code does
-      not read; the one-line message names the file (and the versions).
-  """
+  """`<workdir>/config.json` migrated to this format version; version 1's missing keys are
+  filled in where `reference` (a config of the same package) has them. A UserError naming the
+  file when it is missing, not a JSON object or of an unknown version."""
   path = storage.join(workdir, CONFIG_FILE)
   try:
     saved = json.loads(storage.read_text(path))
@@ -324,33 +298,21 @@ def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, A
 def load_saved_config(
     workdir: str, defaults: ml_collections.ConfigDict
 ) -> ml_collections.ConfigDict:
-  """The config a run saved in `<workdir>/config.json` (`read_saved_config`), as a ConfigDict.
-
-  `defaults` is the package's base config; a key whose default is a tuple is read back as a
-  tuple (JSON holds it as a list), so that overrides and checks see the type they expect.
-  """
+  """`read_saved_config` as a ConfigDict, tuples of `defaults` (JSON lists) read back as tuples."""
   saved = read_saved_config(storage.resolve(workdir), defaults)
   return ml_collections.ConfigDict(_as_typed(saved, defaults))
 
 
 def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
-  """Writes `<workdir>/run_info.json` (process 0 only), replacing it atomically.
-
-  Args:
-    run_info: JSON-serialisable metadata that inference reads instead of the dataset.
-    workdir: The run's working directory.
-  """
+  """Writes `<workdir>/run_info.json` (process 0), what inference reads instead of the dataset."""
   if jax.process_index() != 0:
     return
   write_atomically(storage.join(workdir, RUN_INFO_FILE), json.dumps(run_info, indent=2) + "\n")
 
 
 def load_run_info(workdir: str) -> dict[str, Any]:
-  """`<workdir>/run_info.json` as a dict. A missing or unreadable file is a UserError naming it.
-
-  A run of format version 1 trained before the file was written has none: inference would need
-  its dataset (the class names), so such a run is refused rather than migrated.
-  """
+  """`<workdir>/run_info.json`; a UserError naming it when missing (an early version-1 run's:
+  refused, as migrating would need its dataset) or unreadable."""
   path = storage.join(workdir, RUN_INFO_FILE)
   try:
     info = json.loads(storage.read_text(path))
@@ -388,12 +350,8 @@ def config_differences(saved: Any, requested: Any, *, ignore: tuple[str, ...] = 
 
 
 def trained_config_differences(directory: str, config: ml_collections.ConfigDict) -> list[str]:
-  """How `config` differs from the config.json a finished run in `directory` was trained with.
-
-  `num_train_steps` is left out when `num_epochs` sets it (training resolves it from the data).
-  A config.json that cannot be read (`read_saved_config`) is one difference: such a run cannot
-  be checked.
-  """
+  """How `config` differs from a finished run's config.json (an unreadable one is a difference;
+  `num_train_steps` is left out when `num_epochs` sets it)."""
   requested = json.loads(config.to_json_best_effort())
   try:
     saved = read_saved_config(directory, requested)

@@ -135,13 +135,9 @@ def _module(hlo_text: str) -> tuple[list[_Instruction], str | None]:
 
 
 def _executions(instructions: list[_Instruction], entry: str | None) -> dict[str, tuple[int, bool]]:
-  """Per computation: how many times it runs per execution of the module, and whether a while
-  loop of unknown trip count encloses it (its body then counts once).
-
-  A while body (and condition) runs `known_trip_count` times where XLA knows it; every other
-  called computation (fusions, calls, async wrappers, both branches of a conditional: an upper
-  bound) runs as often as its caller.
-  """
+  """Per computation: runs per execution of the module (a while body `known_trip_count` times,
+  others as often as their caller; both branches of a conditional), and whether a while loop of
+  unknown trip count encloses it (then counted once)."""
   callers: dict[str, list[tuple[str, int, bool]]] = {}
   for ins in instructions:
     attributes = ins.line[ins.operands_at :]
@@ -255,13 +251,10 @@ def _gemm_flops(line: str, operands: list[Array], results: list[Array]) -> float
 
 
 def _convolution_flops(line: str, target: str, operands: list[Array], results: list[Array]) -> float | None:
-  """2 x (forward output elements) x (kernel elements per output feature).
+  """2 x (forward output elements) x (kernel elements per output feature), grouped ones too.
 
-  cuDNN's custom calls carry the dimension labels of the forward convolution whatever their
-  direction (XLA's GetCudnnConvParams): forward, input and kernel in, output out; backward
-  input, output gradient and kernel in, input gradient out; backward filter, input and output
-  gradient in, kernel gradient out. A grouped convolution's kernel already has in/groups input
-  features, so the formula holds for it too."""
+  cuDNN's calls carry the forward convolution's dimension labels whatever their direction
+  (XLA's GetCudnnConvParams), so forward output is the result, or an operand going backward."""
   labels = _DIM_LABELS.search(line)
   if labels is None or len(operands) < 2 or not results:
     return None
@@ -278,12 +271,8 @@ def _convolution_flops(line: str, target: str, operands: list[Array], results: l
 
 
 def library_calls(hlo_text: str) -> list[LibraryCall]:
-  """Every `custom-call` of an optimised module: its operands, results (workspace apart),
-  FLOPs (GEMMs and convolutions) and how often it runs (`_executions`).
-
-  Operand shapes are looked up by name (the optimised text prints `custom-call(%x, %w)`):
-  instruction names are unique across an HLO module.
-  """
+  """Every `custom-call` of an optimised module: operands (looked up by their unique names),
+  results (workspace apart), FLOPs (GEMMs and convolutions) and runs (`_executions`)."""
   instructions, entry = _module(hlo_text)
   shapes = {ins.name: ins.shape for ins in instructions}
   runs = _executions(instructions, entry)

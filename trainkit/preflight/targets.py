@@ -1,29 +1,16 @@
 """The accelerators a run can be compiled for without them: TPU slices and NVIDIA GPU nodes.
 
-A target is hardware facts (devices, hosts, memory, peak FLOP/s, memory and interconnect
-bandwidth) plus how JAX describes its devices without the hardware
-(`jax.experimental.topologies`): libtpu for a TPU slice, the CUDA plugin and a GPU description
-(`GpuTargetConfigProto`, in text form) for a GPU node. `devices(target)` returns the target's
-devices on this machine, with the process (host) index each has in a real multi-host run.
+A target is hardware facts plus how `jax.experimental.topologies` describes its devices without
+the hardware (libtpu for a TPU slice; the CUDA plugin and a `GpuTargetConfigProto` for a GPU).
+Peaks are the data sheets' dense bf16 figures; float32 is costed at JAX's default matmul
+precision (one bf16 pass on a TPU, TF32 on a GPU).
 
-Peak FLOP/s are the dense bf16 matrix figures of the vendors' data sheets. A float32 run is
-costed at the same peak: JAX's default matmul precision runs float32 matmuls as one bf16 pass
-on a TPU, and as TF32 on an A100 or H100, whose TF32 peak is half the bf16 one; the step-time
-estimate says which peak it used (`peak_flops_per_s`).
-
-GPU memory: the fit and the compiler's limit are one number, `Target.usable_bytes`. A JAX
-process gives its programs XLA_PYTHON_CLIENT_MEM_FRACTION of each GPU's memory (0.75 by
-default; `gpu_memory_fraction` reads the variable once): its allocator's size, what the fit is
-checked against. XLA's GPU compiler rematerialises a program toward a limit of its own
-(`GetSchedulerMemoryLimit`, xla/service/gpu/gpu_hlo_schedule.cc): 0.95
-(`xla_gpu_memory_limit_slop_factor`) x (base - the program's argument and output bytes). When
-a client compiles, jaxlib passes its allocator's size as the build option `device_memory_size`
-and the base is that size; when none does, as in this deviceless compile, the base is 80% of
-the description's `device_memory_size`. So the description carries usable / 0.8 (93.75% of the
-memory at the default fraction): the preflight's compile then rematerialises toward the limit a
-real run's compile applies, and a program XLA brings under it peaks below `usable_bytes`.
-Checked on the CUDA plugin (jax 0.10.2) by tests/test_preflight.py: the base limit XLA logs
-is `usable_bytes` exactly.
+GPU memory: the fit and the compiler's limit are one number, `Target.usable_bytes`
+(XLA_PYTHON_CLIENT_MEM_FRACTION of the device). Without a client, XLA's GPU compiler takes 80%
+of the description's `device_memory_size` as the base of its rematerialisation limit
+(`GetSchedulerMemoryLimit`), so the description carries usable / 0.8 and the preflight's
+compile aims at the limit a real run's compile applies (tests/test_preflight.py checks the base
+limit XLA logs is `usable_bytes` exactly).
 """
 
 from __future__ import annotations
@@ -44,32 +31,11 @@ GIB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """One accelerator configuration.
+  """One accelerator configuration; memory in bytes and FLOP/s per device.
 
-  Attributes:
-    name: the name `--config.preflight.target` takes (e.g. `v5e-16`, `h100x8`).
-    platform: "tpu" or "gpu".
-    device_kind: what `jax.devices()[0].device_kind` says on the real hardware.
-    num_devices: devices JAX sees (TPU chips with megacore, GPUs).
-    num_hosts: processes of a real run (one per host).
-    memory_bytes: memory per device (HBM).
-    usable_fraction: the share of `memory_bytes` a JAX program may use (GPU: JAX preallocates
-      XLA_PYTHON_CLIENT_MEM_FRACTION = 0.75 by default; TPU: the compiler checks the fit).
-    peak_bf16_flops: dense bf16 FLOP/s per device.
-    peak_tf32_flops: dense float32 matmul FLOP/s per device under JAX's default precision.
-    memory_bandwidth: HBM bytes per second per device.
-    topology: the TPU topology name (`v5e:4x4`) or the GPU layout (`1x<hosts>x<devices per
-      host>`, slices x hosts x devices).
-    chip_config: libtpu's chip configuration ("default", or "megacore" for v4 and v5p).
-    chips_per_host_bounds: TPU chips per host as (x, y, z).
-    wrap: TPU torus wraparound per axis.
-    gpu_description: the GpuTargetConfigProto text of the GPU (gpu only).
-    interconnect: what links the devices, in words (for the record).
-    interconnect_bandwidth: bytes per second one device sends into a collective over its
-      links to the others in its host (GPU: NVLink through NVSwitch) or slice (TPU: ICI), one
-      direction, all its links together.
-    inter_host_bandwidth: the same for a collective whose group spans hosts (GPU: the node's
-      network per GPU; TPU: the ICI again, which spans a slice's hosts).
+  `topology` is libtpu's name (`v5e:4x4`) or the GPU layout `1x<hosts>x<devices per host>`.
+  `interconnect_bandwidth` is bytes/s one device sends into a collective within its host (GPU:
+  NVLink) or slice (TPU: ICI), one direction; `inter_host_bandwidth` the same across hosts.
   """
 
   name: str
@@ -105,21 +71,15 @@ class Target:
     )
 
 
-# The share of a GPU's memory JAX takes by default, and the variable that changes it.
 GPU_DEFAULT_MEMORY_FRACTION = 0.75
 MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-# XLA's GPU compiler takes this percentage of the described device memory as its base limit
-# when no client passes `device_memory_size` (the module docstring).
+# XLA's base limit without a client, in percent of the described memory (module docstring).
 _XLA_DEFAULT_BASE_PERCENT = 80
 
 
 @functools.cache
 def gpu_memory_fraction() -> float:
-  """XLA_PYTHON_CLIENT_MEM_FRACTION as JAX reads it (read once); its default when unset.
-
-  Raises a UserError naming the variable when it is not a number in (0, 1]: JAX would take
-  more than the GPU has only with unified memory, which the preflight does not model.
-  """
+  """XLA_PYTHON_CLIENT_MEM_FRACTION as JAX reads it; a UserError when not in (0, 1]."""
   text = os.environ.get(MEMORY_FRACTION_VARIABLE, "").strip()
   if not text:
     return GPU_DEFAULT_MEMORY_FRACTION
@@ -136,8 +96,7 @@ def gpu_memory_fraction() -> float:
 
 
 def described_memory_bytes(usable_bytes: int) -> int:
-  """The `device_memory_size` a GPU description carries so that XLA's base limit, 80% of it
-  (integer arithmetic), is `usable_bytes` exactly: ceil(usable / 0.8)."""
+  """ceil(usable / 0.8): the `device_memory_size` whose 80% is `usable_bytes` exactly."""
   return -(-usable_bytes * 100 // _XLA_DEFAULT_BASE_PERCENT)
 
 
@@ -154,11 +113,7 @@ def _gpu_description(
     shared_memory_per_core: int,
     shared_memory_per_block_optin: int,
 ) -> str:
-  """A GpuTargetConfigProto in text form: the facts XLA's GPU compiler reads of a device.
-
-  `memory_bytes` is the device's memory; the description says the memory a JAX program gets of
-  it at the default fraction, as the compiler's base limit sees it (`described_memory_bytes`).
-  """
+  """A GpuTargetConfigProto in text form, its memory as `described_memory_bytes` gives it."""
   major, minor = compute_capability
   described = described_memory_bytes(int(memory_bytes * GPU_DEFAULT_MEMORY_FRACTION))
   return f"""gpu_device_info {{
@@ -190,16 +145,8 @@ device_description_str: "{name}"
 """
 
 
-# H100 SXM5 80 GB and A100 SXM4 80 GB (NVIDIA data sheets; device memory as the driver reports it).
-# Interconnect, per GPU and per direction (the data sheets' NVLink figures count both directions):
-# - H100 SXM: "NVLink: 900GB/s" (NVIDIA H100 Tensor Core GPU data sheet; 18 NVLink 4 links),
-#   i.e. 450 GB/s each way, to every other GPU of an HGX/DGX H100 node through its NVSwitches.
-# - A100 SXM: "NVLink: 600GB/s" (NVIDIA A100 Tensor Core GPU data sheet; 12 NVLink 3 links),
-#   i.e. 300 GB/s each way, likewise through NVSwitch in an HGX/DGX A100 node.
-# - Between nodes: a DGX H100 has 8 single-port ConnectX-7 adapters at 400 Gb/s InfiniBand NDR
-#   for its compute fabric (NVIDIA DGX H100 data sheet / user guide), one per GPU: 50 GB/s per
-#   GPU each way; a DGX A100 has 8 ConnectX-6 at 200 Gb/s HDR (NVIDIA DGX A100 data sheet):
-#   25 GB/s per GPU each way. A multi-node target is taken to be such nodes.
+# NVIDIA data sheets (device memory as the driver reports it). NVLink figures there count both
+# directions (H100 900 GB/s, A100 600 GB/s); between nodes, one DGX InfiniBand port per GPU.
 _H100 = dict(
     device_kind="NVIDIA H100 80GB HBM3",
     memory_bytes=84_942_979_072,
@@ -210,7 +157,6 @@ _H100 = dict(
     interconnect_bandwidth=450e9,
     inter_host_bandwidth=50e9,
 )
-# The GH100 die of the H100 and H200 SXM: what XLA's GPU compiler is told besides memory and L2.
 _HOPPER_SXM = dict(
     compute_capability=(9, 0),
     core_count=132,
@@ -226,12 +172,7 @@ _H100_DESCRIPTION = _gpu_description(
     l2_cache_bytes=50 * 1024**2,
     **_HOPPER_SXM,
 )
-# H200 SXM 141 GB (NVIDIA H200 Tensor Core GPU data sheet): the H100's compute (the same GH100
-# die, 132 SMs: 989 TFLOP/s dense bf16, 494 TF32) with 141 GB of HBM3e at 4.8 TB/s, and the same
-# NVLink 4 (900 GB/s both ways). Device memory as nvidia-smi reported it on the H200 the
-# accelerator check ran on (143771 MiB; docs/benchmarks.md, "Accelerator check"); 60 MB of L2 as
-# PyTorch reported it on such a machine. Between nodes: taken to be a DGX H200, with the DGX
-# H100's eight 400 Gb/s ConnectX-7 adapters.
+# H200: the H100's die and links with 141 GB of HBM3e (memory as nvidia-smi reported it).
 _H200 = dict(
     _H100,
     device_kind="NVIDIA H200",
@@ -281,20 +222,8 @@ def _gpu(name: str, facts: dict[str, Any], description: str, hosts: int, per_hos
   )
 
 
-# TPU chips (Google Cloud's system architecture pages): HBM, bf16 peak, HBM bandwidth.
-# float32 matmuls run as bf16 passes on a TPU: one peak for both (the bf16 peaks are
-# trainkit.throughput's, which MFU uses too).
-# ICI per chip, per direction, all its links together:
-# - v5e: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip): 400 GBps", 4 ICI
-#   ports (Cloud TPU "TPU v5e" page; an older version of it says "Interchip Interconnect BW:
-#   1,600 Gbps", the same 200 GB/s one way): 200 GB/s each way.
-# - v5p: "Bidirectional inter-chip interconnect (ICI) bandwidth per chip: 1200 GBps" (Cloud TPU
-#   "TPU v5p" page; formerly "Interchip Interconnect BW: 4800 Gbps"): 600 GB/s each way, 6 links.
-# - v4: the Cloud TPU "TPU v4" page gives no per-chip figure; the TPU v4 paper (Jouppi et al.,
-#   ISCA 2023) gives 6 ICI links per chip at 50 GB/s (400 Gb/s) each way: 300 GB/s each way.
-# A slice's ICI spans its hosts (the data-centre network only joins slices), so a group across
-# hosts gets the same bandwidth. A collective over one axis of the torus uses 2 of the chip's
-# links, not all of them: the figure bounds the rate from above, as the roofline does.
+# TPU chips (Cloud TPU system architecture pages; v4's ICI from the TPU v4 paper). ICI per chip,
+# one direction, all links: an upper bound, as the roofline is. It spans a slice's hosts.
 _V4 = dict(
     device_kind="TPU v4", memory_bytes=32 * GIB, memory_bandwidth=1.2e12,
     interconnect="ICI, 3D torus (6 links, 300 GB/s per chip each way)", interconnect_bandwidth=300e9,
@@ -312,11 +241,8 @@ for _chip in (_V4, _V5E, _V5P):
   _chip["inter_host_bandwidth"] = _chip["interconnect_bandwidth"]
 
 
-# TPU v3 (Cloud TPU system architecture page, "TPU v3"): per chip 123 TFLOP/s bf16, 32 GiB HBM
-# at 900 GB/s, two TensorCores that JAX sees as two devices: each device gets half of each. The
-# page gives ICI only per pod ("All-reduce bandwidth per Pod: 340 TB/s", 1024 chips): 332 GB/s
-# per chip, 166 GB/s per core. A v3-8 is one host, 4 chips, 8 devices. It is here for the
-# calibration of the step time (paper_runner/calibration.py: big_vision's ViT-S/16 figure).
+# TPU v3: JAX sees each chip's two cores as two devices, each with half the chip. Here for the
+# step-time calibration (paper_runner/calibration.py).
 _V3_CORE = dict(
     device_kind="TPU v3", memory_bytes=16 * GIB, memory_bandwidth=450e9,
     peak_bf16_flops=PEAK_FLOPS_BY_KIND["TPU v3"], peak_tf32_flops=PEAK_FLOPS_BY_KIND["TPU v3"],
@@ -343,8 +269,7 @@ def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: 
   )
 
 
-# v4 and v5p names count TensorCores (two per chip, one device each with megacore); v5e names
-# count chips.
+# v4 and v5p names count TensorCores (two per chip, one megacore device); v5e names count chips.
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -370,11 +295,7 @@ TARGETS: dict[str, Target] = {
 
 
 def get_target(name: str) -> Target:
-  """The target called `name`; a KeyError listing the known names otherwise.
-
-  A GPU target's usable memory, and the memory its description gives the compiler, follow
-  XLA_PYTHON_CLIENT_MEM_FRACTION when it is set (`gpu_memory_fraction`).
-  """
+  """The target called `name`, its GPU memory at `gpu_memory_fraction`; a KeyError if unknown."""
   if name not in TARGETS:
     raise KeyError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
   return _with_memory_fraction(TARGETS[name])
@@ -407,13 +328,8 @@ def _c_environment() -> dict[str, str]:
 
 
 def _forget_variables_set_behind_pythons_back(before: dict[str, str]) -> None:
-  """Unsets what libtpu wrote into the C environment when it described a slice.
-
-  Loading libtpu outside a TPU VM sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID and others to
-  "WARNING: could not determine ..." with setenv, unseen by os.environ but inherited by every
-  subprocess started later: a run started from this process would take itself for a Cloud TPU
-  pod worker (trainkit/distributed.py) and fail to join one.
-  """
+  """Unsets what libtpu setenv'd (TPU_WORKER_ID="WARNING: ..."): children would take
+  themselves for a TPU pod worker (trainkit/distributed.py)."""
   libc = ctypes.CDLL(None)
   for name in _c_environment():
     if name not in before and name not in os.environ:
@@ -425,17 +341,12 @@ _ONE_WORKER = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
 
 @functools.cache
 def devices(target: Target) -> tuple[Any, ...]:
-  """The target's devices, described without the hardware (each with its host's process index).
-
-  TPU: libtpu's topology of the slice. GPU: the CUDA plugin with the target's description.
-  Raises a UserError saying what to install when the plugin is missing.
-  """
+  """The target's devices without the hardware; a UserError naming the missing plugin."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
   environment = _c_environment()
-  # On a host without a TPU, libtpu asks for the hostnames and host bounds of a slice this host
-  # is not part of and prints `E0000 ... unexpected worker hostname`: this host alone is the
-  # worker, only while the slice is described; the user's own values are kept.
+  # Without a TPU, libtpu prints `E0000 ... unexpected worker hostname` unless this host is the
+  # one worker (only meanwhile; the user's own values are kept).
   single_host = {}
   if target.platform == "tpu" and not tpu_signs():
     single_host = {k: v for k, v in _ONE_WORKER.items() if k not in os.environ}
