@@ -33,8 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.batch_size = 128  # Global, over all devices and processes.
   config.eval_batch_size = 256
   config.num_train_steps = 1000
-  # > 0 overrides num_train_steps: epochs over the loaded train split; a
-  # --config.num_train_steps on the command line wins over a config file's num_epochs.
+  # > 0: epochs over the train split instead of num_train_steps (a command-line one wins).
   config.num_epochs = 0
   config.log_every_steps = 50
   config.eval_every_steps = 500  # On the validation split; 0 disables.
@@ -42,26 +41,22 @@ def base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
   config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
-  # "START:END" writes a jax.profiler trace of steps START+1..END to <workdir>/profile (open it
-  # with Perfetto or TensorBoard's profile plugin, README); "" = no trace.
+  # "START:END": a jax.profiler trace of steps START+1..END in <workdir>/profile; "" = none.
   config.profile_steps = ""
   config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
   # The test report (report.json, README "Reading the fairness report").
   config.eval = ml_collections.ConfigDict(
       dict(
-          # Intersections of sensitive attributes to score as well, e.g. "sex*age,age*site";
-          # "" = none.
+          # Intersections of sensitive attributes to score too, e.g. "sex*age,age*site".
           intersections="",
-          # Intersection groups with fewer test examples are listed as small_groups, and the
-          # metrics are also given without them.
+          # Smaller intersection groups are listed as small_groups; metrics also without them.
           min_group_size=30,
       )
   )
-  # --mode=predict: a folder of images, or a text file with one image path per line (relative
-  # paths are read from the file's folder); predictions go to <workdir>/predict/.
+  # --mode=predict: a folder of images or a file of image paths (relative to its folder).
   config.predict = ml_collections.ConfigDict(dict(input=""))
-  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md, "Before paying for an accelerator").
+  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md).
   config.preflight = preflight_config()
   # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
   config.distributed = cfg.distributed_config()
@@ -75,18 +70,15 @@ def base_config() -> ml_collections.ConfigDict:
           train_size=8000,
           val_size=1000,
           test_size=2000,
-          # synthetic: each sensitive group also tints the photograph (fairmoe_jax/data/synthetic.py
-          # `cue_colours`), so that FGR's attribute classifiers can learn the groups; the
-          # quickstart's data. False: the original benchmark (the results tables' data).
+          # synthetic: each sensitive group also tints the image (data/synthetic.py `cue_colours`;
+          # the quickstart's data). False: the original benchmark (the results tables' data).
           attribute_cues=False,
           num_threads=2,
           prefetch_buffer_size=4,
-          # Worker processes preparing training batches (grain's mp_prefetch); 0 prepares them
-          # in the training process. Decoding image files (preload=False) needs about one core
-          # per 500 images/s (docs/benchmarks.md, "Input pipeline").
+          # Batch-preparing worker processes (grain's mp_prefetch; 0: in-process). Decoding
+          # files needs about one core per 500 images/s (docs/benchmarks.md, "Input pipeline").
           num_workers=0,
-          # Image files (preload=False): "one_pass" resamples the random crop straight from the
-          # file, "two_pass" resizes to the decode square first (the earlier stream).
+          # preload=False: "one_pass" resamples the crop from the file, "two_pass" via a square.
           train_resampling="one_pass",
           # Decode the validation split's image files once, into memory, rather than at every
           # evaluation (preload=False; uint8 at image_size: 3 GB for CelebA's 19,867 at 224 px).
@@ -125,10 +117,8 @@ def base_config() -> ml_collections.ConfigDict:
           num_heads=4,
           mlp_dim=128,
           dropout_rate=0.0,
-          # Rematerialisation of each transformer block in training (trainkit/remat.py): none |
-          # dots (keep the linear layers' outputs, recompute the rest) | block (keep only each
-          # block's input, rerun its forward in the backward pass). Less activation memory
-          # per step for more FLOPs (docs/design.md, "Rematerialisation").
+          # Block rematerialisation in training (trainkit/remat.py, docs/design.md): none |
+          # dots (keep the linear layers' outputs) | block (keep only each block's input).
           remat="none",
       )
   )
@@ -140,34 +130,28 @@ def base_config() -> ml_collections.ConfigDict:
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
           # auto | dense | einsum | sort | dropless (moe/dispatch) | einsum_fused | sort_blocks |
-          # blocksparse (moe/experimental); auto: sort on CPU and GPU, einsum on TPU, from the
-          # platform of the mesh's devices (methods/base.py AUTO_DISPATCH, docs/benchmarks.md
-          # "Which dispatch on an accelerator"). einsum_fused: einsum with Pallas expert-MLP
-          # kernels on a TPU.
+          # blocksparse (moe/experimental); auto: sort on CPU and GPU, einsum on TPU
+          # (methods/base.py AUTO_DISPATCH).
           dispatch="auto",
           router="topk",  # topk | noisy_topk | expert_choice (fairmoe_jax/moe/layer.py)
           batch_priority=False,  # V-MoE batch-priority routing
-          # One auxiliary-loss recipe for every MoE method (vanilla SMoE, FairSMoE and its
-          # ablations): none by default, as the paper's vanilla SMoE ("excluding any auxiliary
-          # loss or noisy gating") and FairSMoE's total loss (Sec. 5.3) have none.
+          # For every MoE method; none, as the paper's SMoE ("excluding any auxiliary loss or
+          # noisy gating") and FairSMoE's total loss (Sec. 5.3).
           aux_loss_weight=0.0,
           z_loss_weight=0.0,
       )
   )
   config.fair = ml_collections.ConfigDict(
       dict(
-          # L_Psi (Eq. 3-4), one rule for every dataset and every method that has the term:
-          # PQD and DP trained together, each with its own lambda (docs/design.md, "One L_Psi
-          # rule"); pqd | dp | pqd+dp. The lambdas were chosen on the validation split
-          # (results/lambda_tuning.py). Each term sums over attributes (Eq. 3).
+          # L_Psi (Eq. 3-4), one rule for every dataset and method (docs/design.md, "One L_Psi
+          # rule"): pqd | dp | pqd+dp, each with its lambda (results/lambda_tuning.py).
           psi="pqd+dp",
           lambda_pqd=0.5,
           lambda_dp=0.1,
           alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
-          # Reading of Eq. 8 (fairmoe_jax/moe/routers/fair.py, docs/design.md):
-          # expert_competence (the literal reading: a task loss of each expert) |
-          # attribute_routing | class_routing. Their validation comparison is undecided
-          # (results/fair_comparison_*.py), so the literal one is the default.
+          # Reading of Eq. 8 (moe/routers/fair.py): expert_competence (the literal one; their
+          # comparison is undecided, results/fair_comparison_*.py) | attribute_routing |
+          # class_routing.
           specialization="expert_competence",
           # FGR's attribute vector from the SA classifiers ("predicted", Algorithm 1: no
           # sensitive label at inference) or from the true class ("label", a training study).
@@ -188,8 +172,7 @@ def base_config() -> ml_collections.ConfigDict:
   )
   config.multifair = ml_collections.ConfigDict(dict(mixup_alpha=1.0, weight=1.0))
   config.optimizer = default_optimizer_config()
-  # The paper's recipe (Sec. 6.1) has no gradient clipping, and a shared clip norm is not a
-  # shared recipe: it touches only the methods whose gradients are larger (FairSMoE's are).
+  # None in the paper (Sec. 6.1); a shared clip norm would touch only FairSMoE's larger gradients.
   config.optimizer.grad_clip_norm = 0.0
   return config
 
@@ -201,9 +184,7 @@ def quickstart_config(
   block, 350 steps of batch 128 on a generated dataset whose sensitive groups tint the images.
   `arg` as configs/quickstart.py's (steps, experts, top_k, cues); configs/synthetic_testbed.py
   is the same run on another dataset (`data_name`)."""
-  # `cues` (the synthetic data only): the sensitive groups visible in the images (docs/dataset.md,
-  # "Attribute cues"); cues=false is the original benchmark, the data of
-  # results/fair_comparison_synthetic.py's record.
+  # `cues` (synthetic only): data.attribute_cues (docs/dataset.md, "Attribute cues").
   cues = {"cues": True} if data_name == "synthetic" else {}
   arg = parse_arg(arg, steps=350, experts=4, top_k=2, **cues)
   config = base_config()

@@ -1,5 +1,5 @@
-"""A trained run: restoring it from its workdir, predicting and exporting, from the command
-line (`--mode=predict`, `--mode=export`) and from Python (`load_run`), which share this code.
+"""A trained run: restoring it from its workdir, predicting and exporting, for the command line
+(`--mode=predict`, `--mode=export`) and Python (`load_run`).
 
     import fairmoe_jax
 
@@ -7,10 +7,8 @@ line (`--mode=predict`, `--mode=export`) and from Python (`load_run`), which sha
     result = run.predict(["a.png", "b.jpg"])  # or uint8 images [N, H, W, 3]
     result.probabilities, result.class_names
 
-The workdir alone is read: its config.json, run_info.json (class names, attribute names,
-preprocessing) and latest checkpoint. Predictions are made exactly as `--mode=predict` makes
-them: same batches (`eval_batch_size`), same preprocessing, same jitted evaluation step
-(`evaluation.make_eval_step`).
+Only the workdir is read (config.json, run_info.json, latest checkpoint); predictions use
+`--mode=predict`'s batches, preprocessing and eval step (`evaluation.make_eval_step`).
 """
 
 from __future__ import annotations
@@ -53,13 +51,13 @@ from trainkit.workdir import output_folder
 class Restored:
   """A trained run's latest checkpoint, ready for inference (`restore_run`).
 
-  Attributes:
-    metadata: The run's class and attribute names and preprocessing (run_info.json).
-    info: The same names as the DatasetInfo the model was built from.
-    graphdef: The model's graph.
-    state: The restored train state (params, model state, optimizer state, extras).
-    mesh: The device mesh of `config.mesh` the state is placed on.
-    step: The checkpoint's step; None when nothing was restored (`from_checkpoint=False`).
+    Attributes:
+      metadata: run_info.json's class and attribute names and preprocessing.
+      info: The same names as the model's DatasetInfo.
+      graphdef: The model's graph.
+      state: The restored train state.
+      mesh: The device mesh of `config.mesh` the state is placed on.
+      step: The checkpoint's step; None when nothing was restored (`from_checkpoint=False`).
   """
 
   metadata: run_info_lib.RunMetadata
@@ -78,10 +76,8 @@ class Restored:
 def restore_run(
     config: ml_collections.ConfigDict, workdir: str, *, from_checkpoint: bool = True
 ) -> Restored:
-  """The latest readable checkpoint of `workdir`, from the workdir alone (no dataset).
-
-  With `from_checkpoint=False`, the state as initialised from `config` (from
-  `model.pretrained` when set) instead. Raises UserError when there is no readable checkpoint.
+  """The latest readable checkpoint of `workdir` (UserError if none), from the workdir alone;
+    with `from_checkpoint=False`, the state initialised from `config`.
   """
   metadata = run_info_lib.load(workdir)
   info = metadata.dataset_info()
@@ -122,15 +118,13 @@ def _umask() -> int:
 
 
 def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """Writes the latest checkpoint's parameters as a timm-named safetensors state dict.
+  """Writes the latest checkpoint as a timm-named safetensors state dict.
 
-  The file is `<workdir>/export/model.safetensors`: PyTorch layouts and timm names
-  (`fairmoe_jax.models.convert_timm`; MoE experts stacked as `<block>.mlp.experts.*`, the
-  router and FairSMoE's attribute branches under their own names), with the step, backbone
-  and class names in its metadata. `load_timm_checkpoint(model, path, skip=())` loads it back.
-  Beside it, `<workdir>/export/config.json` says which timm model it is, with what arguments
-  and preprocessing, or why timm cannot load it (`fairmoe_jax.export`). Reads the workdir
-  alone (config, run_info.json, checkpoint), not the dataset.
+    `<workdir>/export/model.safetensors`: PyTorch layouts and timm names
+    (`fairmoe_jax.models.convert_timm`; experts stacked as `<block>.mlp.experts.*`), with step,
+    backbone and class names in its metadata; `load_timm_checkpoint(model, path, skip=())` loads
+    it back. Beside it, `config.json` says which timm model it is, or why timm cannot load it
+    (`fairmoe_jax.export`).
   """
   save = import_extra("safetensors.numpy", "fairsmoe", "--mode=export").save
 
@@ -192,8 +186,7 @@ def predict_inputs(source: str) -> list[str]:
       raise ConfigError(
           "predict.input", f"folder {source} holds no image ({', '.join(IMAGE_SUFFIXES)})"
       )
-    # Before anything is restored: reading a FIFO blocked predict for good (a stale lock left
-    # when it was killed), a device would be read forever.
+    # Before anything is restored: a FIFO or device would block predict for good.
     special = [(p, kind) for p in paths if (kind := special_file_kind(p))]
     if special:
       path, kind = special[0]
@@ -234,16 +227,15 @@ def predict_examples(
 ) -> dict[str, Any]:
   """Classifies unlabelled images as evaluation does (same batches, padding and eval step).
 
-  Args:
-    restored: The trained run (`restore_run`).
-    config: Its config (eval_batch_size, image size, method).
-    images: Image file paths (an object array [N]), or uint8 images [N, S, S, 3].
-    eval_step: `evaluation.make_eval_step(restored.graphdef, restored.info, config)`, to reuse its
-      compilation over calls; None makes one.
+    Args:
+      restored: The trained run (`restore_run`).
+      config: Its config.
+      images: Image file paths (an object array [N]), or uint8 images [N, S, S, 3].
+      eval_step: `evaluation.make_eval_step(...)` to reuse its compilation; None makes one.
 
-  Returns:
-    `gather_examples`' per-example outputs, in the order of `images`: `prediction` [N],
-    `probabilities` [N, C] and `experts` {block: [N, E]}.
+    Returns:
+      Per example, in `images`' order: `prediction` [N], `probabilities` [N, C] and
+      `experts` {block: [N, E]}.
   """
   info = restored.info
   # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
@@ -267,10 +259,9 @@ def predict_examples(
 def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Classifies `predict.input`'s images with the latest checkpoint.
 
-  Writes `<workdir>/predict/predictions.csv`: per image its path, the predicted class (index and
-  name), the class probabilities and, per MoE block and expert, the share of the image's
-  (token, choice) pairs that expert served. No label or sensitive attribute is read, and
-  neither is the dataset: the class names come from the workdir's run_info.json.
+    Writes `<workdir>/predict/predictions.csv`: per image its path, predicted class (index, name),
+    class probabilities and, per MoE block and expert, the share of its (token, choice) pairs that
+    expert served. Reads no label, attribute or dataset (class names from run_info.json).
   """
   check_predictable(config)
   output_folder(workdir, os.path.dirname(PREDICT_FILE), create=False)  # Before the restore.
@@ -299,13 +290,12 @@ ImageBatch = Sequence[str | os.PathLike] | Sequence[np.ndarray] | np.ndarray | j
 class Predictions(NamedTuple):
   """What `TrainedRun.predict` returns for a batch of N images, in their order.
 
-  Attributes:
-    probabilities: float32 [N, C]: the softmax probability of each class
-      (`RunMetadata.class_names` names the columns).
-    classes: int [N]: the index of the most probable class.
-    class_names: The name of each image's most probable class.
-    experts: Per MoE block, float32 [N, E]: the share of the image's (token, choice) pairs
-      that each expert served (predictions.csv's `<block>/expert_<e>` columns).
+    Attributes:
+      probabilities: float32 [N, C], columns named by `RunMetadata.class_names`.
+      classes: int [N], the most probable class.
+      class_names: The name of each image's most probable class.
+      experts: Per MoE block, float32 [N, E]: the share of the image's (token, choice) pairs
+        each expert served (predictions.csv's `<block>/expert_<e>` columns).
   """
 
   probabilities: np.ndarray
@@ -337,33 +327,27 @@ class TrainedRun:
   def model(self) -> nnx.Module:
     """The Flax NNX model with the checkpoint's parameters.
 
-    It is called as `logits, aux = model(images, train=False, context=None)` on images
-    normalised as `metadata.preprocessing` says (float32 [N, S, S, 3]). `predict` always uses
-    the checkpoint's parameters, whatever is later done to this module.
+        Called as `logits, aux = model(images, train=False, context=None)` on images normalised as
+        `metadata.preprocessing` says; `predict` always uses the checkpoint's parameters.
     """
     return self._restored.model
 
   def predict(self, images: ImageBatch) -> Predictions:
     """Classifies a batch of images as `--mode=predict` does.
 
-    Args:
-      images: Image file paths (a list of str or os.PathLike), or images as arrays: uint8
-        [N, H, W, 3] (or a list of [H, W, 3] arrays of any sizes), floats in [0, 1] (as
-        matplotlib reads a PNG), or one [H, W, 3] image. Files are decoded as
-        `--mode=predict` decodes them; an array of another size than the model's is brought
-        to it the same way (short side resized, centred square crop), and float pixels are
-        rounded to the uint8 values the model was trained on. So a PNG file and its pixels
-        give the same probabilities; a JPEG file is decoded at a reduced scale first when it
-        is much larger than the model's input, so its full-size pixels may differ slightly.
+        Args:
+          images: Image file paths, or arrays: uint8 [N, H, W, 3] (or a list of [H, W, 3] of any
+            sizes), floats in [0, 1], or one [H, W, 3] image. Arrays of another size are resized
+            and centre-cropped as files are, floats rounded to uint8, so a PNG and its pixels give
+            the same probabilities (a large JPEG is decoded at reduced scale first).
 
-    Returns:
-      The class probabilities, the predicted classes and their names, and the expert shares
-      per MoE block, one row per image in the order given.
+        Returns:
+          Probabilities, predicted classes and names, and expert shares, one row per image.
 
-    Raises:
-      TypeError: `images` is a single path, or mixes paths and arrays.
-      ValueError: An image has another shape than [H, W, 3], or pixel values out of range.
-      trainkit.errors.UserError: An image file is missing or unreadable (the message names it).
+        Raises:
+          TypeError: `images` is a single path, or mixes paths and arrays.
+          ValueError: An image is not [H, W, 3], or has pixel values out of range.
+          trainkit.errors.UserError: An image file is missing or unreadable.
     """
     check_predictable(self.config)
     inputs = _model_inputs(images, self.metadata.preprocessing.image_size)
@@ -386,17 +370,14 @@ class TrainedRun:
 def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> TrainedRun:
   """Loads a trained run from its workdir alone: config.json, run_info.json, latest checkpoint.
 
-  Args:
-    workdir: The working directory a training run (`python -m fairmoe_jax.main`) wrote.
-    overrides: Config keys to change, by dotted name, e.g. `{"eval_batch_size": 16,
-      "mesh.data": 1}`; the same as `--config.KEY=VALUE` on the command line.
+    Args:
+      workdir: The working directory a training run (`python -m fairmoe_jax.main`) wrote.
+      overrides: Config keys to change by dotted name, as `--config.KEY=VALUE`, e.g.
+        `{"eval_batch_size": 16}`.
 
-  Returns:
-    The run: `model`, `config`, `metadata`, `step` and `predict`.
-
-  Raises:
-    trainkit.errors.UserError: The workdir has no config.json or no readable checkpoint, or
-      another run holds it; a ConfigError names an override with a wrong key or value.
+    Raises:
+      trainkit.errors.UserError: No config.json or readable checkpoint, or another run holds
+        the workdir; a ConfigError names a wrong override.
   """
   workdir, config, restored = restore_saved_run(
       workdir, config_lib.base_config(), config_lib.validate, restore_run, overrides

@@ -2,12 +2,9 @@
 
     y = sum_{i in Top-K} softmax(g(x))_i * E_i(x)
 
-with E_i a GELU MLP of the same shape as a ViT block's MLP. The layer is
-composed of three interchangeable pieces: a router (`ROUTERS`, or any module
-following the router protocol of `fairmoe_jax.moe.routers.base`), a dispatch
-algorithm (`fairmoe_jax.moe.dispatch`) and the stacked expert weights.
-Expert-choice routing, where experts pick tokens, is a separate path of the
-layer (see `SparseMoE`).
+with E_i a GELU MLP of a ViT block's MLP shape. A router (`ROUTERS` or any module following
+`fairmoe_jax.moe.routers.base`), a dispatch algorithm (`fairmoe_jax.moe.dispatch`) and the
+stacked expert weights; expert choice is a separate path (`SparseMoE`).
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ from fairmoe_jax.moe.routers import (
 )
 from fairmoe_jax.moe.routers.expert_choice import apply_expert_picks
 
-# Logical axis name of the expert dimension. It is also the mesh axis name, so
-# `nnx.get_partition_spec` gives specs that can be used with the mesh directly.
+# Logical axis name of the expert dimension, also the mesh axis name.
 EXPERT_AXIS = "expert"
 
 # Each expert is initialised like the dense ViT MLP it replaces (timm: N(0, 0.02)).
@@ -56,18 +52,14 @@ _BIAS_INIT = nnx.initializers.zeros_init()
 class RoutingReadings:
   """What an evaluation reads of one MoE layer's routing (never logged in training).
 
-  Named fields, not metric names: the evaluation step reads these (`fairmoe_jax.evaluation`),
-  so renaming a logged metric cannot change what it computes.
+    Named fields, not metric names, so renaming a logged metric cannot change an evaluation.
 
-  Attributes:
-    fraction_dropped: scalar, the layer's dropped (token, choice) pairs (expert choice: the
-      tokens no expert took).
-    expert_fraction: [B, E] the share of each example's (token, choice) pairs each expert
-      served (paper Figs. 2 and 5).
-    gate_weight: [B, E] the mean gate weight each expert received per example; None for
-      expert choice, which has no gates.
-    router: the router's own per-example readings (`RouterOutput.example_readings`, e.g. FGR's
-      `FairRoutingReadings`), None for the plain routers.
+    Attributes:
+      fraction_dropped: scalar, dropped (token, choice) pairs (expert choice: untaken tokens).
+      expert_fraction: [B, E] share of each example's (token, choice) pairs each expert served
+        (paper Figs. 2 and 5).
+      gate_weight: [B, E] mean gate weight per expert and example; None for expert choice.
+      router: the router's `RouterOutput.example_readings` (e.g. FGR's), None for plain routers.
   """
 
   fraction_dropped: jax.Array
@@ -78,16 +70,14 @@ class RoutingReadings:
 
 @struct.dataclass
 class MoEAux:
-  """Auxiliary outputs of one or more MoE layers.
+  """Auxiliary outputs of one or more MoE layers (losses unweighted: the caller scales them).
 
-  Attributes:
-    loss: scalar load-balancing loss, unweighted (the caller scales it).
-    z_loss: scalar router z-loss, unweighted.
-    metrics: named arrays for logging, e.g. "fraction_dropped".
-    extra_losses: further named scalar losses from the router (e.g. the
-      fairness-guided router's "confusion"), unweighted; summed over layers.
-    routing: each layer's `RoutingReadings`, by block name: a layer's own is under "",
-      `merge` names it by its block as it names the metrics.
+    Attributes:
+      loss: scalar load-balancing loss.
+      z_loss: scalar router z-loss.
+      metrics: named arrays for logging, e.g. "fraction_dropped".
+      extra_losses: the router's further named losses (e.g. FGR's "confusion"), summed over layers.
+      routing: each layer's `RoutingReadings` by block name ("" for a layer's own).
   """
 
   loss: jax.Array
@@ -124,21 +114,14 @@ def _expert_param(
     dtype: Any,
     sharding: tuple[str | None, ...],
 ) -> nnx.Param:
-  """A Param annotated with logical axis names for expert parallelism.
-
-  Flax shards annotated variables eagerly at creation, which needs a mesh that
-  defines the named axes. We only ask for that when such a mesh is active, so
-  the same layer can be built on a single device; elsewhere the annotation is
-  kept as metadata for `nnx.get_partition_spec` / `nnx.get_named_sharding`.
-  """
+  """A Param with logical axis names, sharded eagerly only where the mesh has those axes."""
   mesh = jax.sharding.get_abstract_mesh()
   eager = not mesh.empty and all(a in mesh.axis_names for a in sharding if a is not None)
   annotated = nnx.with_partitioning(init, sharding, eager_sharding=eager)
   return nnx.Param(annotated(key, tuple(shape), dtype))
 
 
-# Built-in routers by name (`SparseMoE(router=...)`); a router module can also be
-# passed directly.
+# Built-in routers by name (`SparseMoE(router=...)`).
 ROUTERS = ("topk", "noisy_topk", "expert_choice")
 
 # The two ways `SparseMoE` matches tokens with experts (`SparseMoE.routing`).
@@ -147,63 +130,39 @@ EXPERT_CHOICE = "expert_choice"
 
 
 class SparseMoE(nnx.Module):
-  """Top-k sparse MoE replacing a transformer block's MLP.
+  """Top-k sparse MoE replacing a transformer block's MLP: `y, aux = layer(x)`, x [B, S, D].
 
-      y, aux = layer(x)            # x: [batch, tokens, dim]
+    The routing path (`self.routing`) is fixed at construction from `router`:
 
-  The routing path is chosen once, at construction, from `router`
-  (`self.routing`):
+    * token choice (`TOKEN_CHOICE`): the router picks k experts per token; the dispatch algorithm
+      serves them under the capacity limit, optionally in batch-priority order or
+      expert-parallel over `mesh`.
+    * expert choice (`EXPERT_CHOICE`, router="expert_choice"): every expert picks its C best tokens
+      of each example; `dispatch` is unused, `batch_priority` and expert parallelism unavailable.
 
-  * token choice (`TOKEN_CHOICE`, every router but "expert_choice"): the router
-    follows the router protocol of `fairmoe_jax.moe.routers.base` and picks k
-    experts per token; the dispatch algorithm serves those choices under the
-    capacity limit, optionally in batch-priority order or expert-parallel over
-    `mesh` (`_token_choice`).
-  * expert choice (`EXPERT_CHOICE`, router="expert_choice"): an
-    `ExpertChoiceRouter` lets every expert pick its C best tokens of each
-    example, and `apply_expert_choice` gathers and scatters them
-    (`_expert_choice`). `dispatch` is unused; `batch_priority` and `mesh` are
-    not available.
+    Expert weights are stacked along a leading axis annotated "expert". Capacity factor and router
+    noise follow `train=` when given, else `model.train()` / `model.eval()`.
 
-  Expert weights are stacked along a leading expert axis (one parameter per
-  weight) and annotated ("expert", ...) so they can be sharded over an
-  "expert" mesh axis. Training or evaluation behaviour (capacity factor,
-  router noise) follows `train=` when given, else the module's mode as set by
-  `model.train()` / `model.eval()` (the NNX `deterministic` attribute).
-
-  Args:
-    dim: model width D.
-    hidden_dim: hidden width of each expert MLP.
-    num_experts: E.
-    top_k: experts per token.
-    dispatch: dispatch algorithm, a key of `DISPATCH_ALGORITHMS` ("dense",
-      "einsum", "sort", "dropless"); all give the same output wherever capacity
-      suffices (see `fairmoe_jax.moe.dispatch`). Ignored by expert choice,
-      which gathers and scatters the tokens its experts pick.
-    capacity_factor: capacity factor when training.
-    eval_capacity_factor: capacity factor when evaluating; usually larger, so
-      evaluation drops (almost) nothing.
-    router: "topk" (softmax top-k, Switch load-balancing and z-losses),
-      "noisy_topk" (Shazeer et al. 2017, importance and load losses),
-      "expert_choice" (Zhou et al. 2022; experts pick C tokens each, with C the
-      capacity the top-k dispatch would have, so the expert FLOPs match), a
-      router module following the protocol of `fairmoe_jax.moe.routers.base`, or a
-      factory `router(dim, num_experts, top_k, rngs=rngs)` returning one.
-    batch_priority: V-MoE batch-priority routing: within each example, tokens
-      with the highest routing weight are served first, so capacity overflow
-      drops the least confident choices instead of the last tokens.
-    mesh: the device mesh the batch is split over (every axis), or None (one
-      device). With an "expert" axis of size > 1, the experts are split over it
-      and tokens travel to them by all_to_all inside `jax.shard_map`
-      (`fairmoe_jax.moe.dispatch.expert_parallel`; capacity algorithms and
-      token-choice routers only). Otherwise every device runs the dispatch on
-      its own examples with its copy of the experts, inside `jax.shard_map`
-      (`fairmoe_jax.moe.dispatch.data_parallel`), so no device computes another
-      device's tokens.
-    dtype: compute dtype of the experts; routing is always float32.
-    param_dtype: dtype of the parameters.
-    rngs: parameter RNGs. Parameters are drawn in the same order with or
-      without a mesh, so a seed gives the same weights whatever the mesh.
+    Args:
+      dim: model width D.
+      hidden_dim: hidden width of each expert MLP.
+      num_experts: E.
+      top_k: experts per token.
+      dispatch: a key of `DISPATCH_ALGORITHMS` ("dense", "einsum", "sort", "dropless", ...);
+      all agree wherever capacity suffices.
+      capacity_factor: capacity factor when training.
+      eval_capacity_factor: capacity factor when evaluating (usually larger: drops almost nothing).
+      router: "topk" (Switch losses), "noisy_topk" (Shazeer et al. 2017), "expert_choice" (Zhou
+        et al. 2022, C = the top-k capacity, so expert FLOPs match), a router module, or a factory
+        `router(dim, num_experts, top_k, rngs=rngs)`.
+      batch_priority: V-MoE batch-priority routing: the most confident tokens of each example are
+        served first, so overflow drops the least confident choices.
+      mesh: the device mesh (batch split over every axis) or None. With an "expert" axis > 1 the
+        experts are split over it (`dispatch.expert_parallel`); otherwise each device dispatches
+        its own examples (`dispatch.data_parallel`).
+      dtype: compute dtype of the experts; routing is always float32.
+      param_dtype: dtype of the parameters.
+      rngs: parameter RNGs; a seed gives the same weights whatever the mesh.
   """
 
   def __init__(
@@ -283,22 +242,17 @@ class SparseMoE(nnx.Module):
       rngs: nnx.Rngs | None = None,
       context: Mapping[str, jax.Array] | None = None,
   ) -> tuple[jax.Array, MoEAux]:
-    """x: [B, S, D] -> (y [B, S, D] in the compute dtype, MoEAux).
+    """x: [B, S, D] -> (y [B, S, D], MoEAux); capacity per example and expert.
 
-    Each example is one dispatch group, so capacity is per example and per
-    expert: C = ceil(capacity_factor * S * k / E).
-
-    Args:
-      x: tokens.
-      train: training behaviour; None follows the module's mode.
-      rngs: randomness for routers that need it (noisy top-k, `noise` stream).
-      context: per-example arrays [B, ...] for the router (e.g. sensitive
-        attributes); broadcast to every token of the example.
+        Args:
+          x: tokens.
+          train: training behaviour; None follows the module's mode.
+          rngs: randomness for routers that need it (noisy top-k, `noise` stream).
+          context: per-example arrays [B, ...] for the router (e.g. sensitive attributes).
     """
     if train is None:
       train = not self.deterministic
-    # Trace-time checks (free under jit): a wrong rank or width fails here, naming the layer's
-    # expectation, not deep inside a dispatch einsum.
+    # Trace-time checks: a wrong shape fails here, not deep inside a dispatch einsum.
     chex.assert_rank(x, 3)
     chex.assert_axis_dimension(x, 2, self.dim)
     if context is not None:
@@ -332,8 +286,7 @@ class SparseMoE(nnx.Module):
     expert_index = route.expert_index.reshape(batch, seq_len, self.top_k)
     gates = route.gates.reshape(batch, seq_len, self.top_k)
     extra_losses = dict(route.extra_losses())
-    # What the router's training losses need of the experts (the router protocol,
-    # routers/base.py): computed where the dispatch runs the experts, beside it.
+    # What the router's losses need of the experts, computed beside the dispatch (routers/base.py).
     expert_features = None
     if train and jax.eval_shape(route.expert_features, x, experts) is not None:
       expert_features = route.expert_features
@@ -384,8 +337,7 @@ class SparseMoE(nnx.Module):
       capacity: int,
       expert_features: Callable[[jax.Array, ExpertWeights], jax.Array] | None,
   ) -> tuple[jax.Array, DispatchStats, jax.Array | None]:
-    """The dispatch algorithm on one device, or on each device's own examples of the mesh
-    (expert-parallel where the mesh has an expert axis); and `expert_features` beside it."""
+    """The dispatch on one device or per device of the mesh, with `expert_features`."""
     algorithm = DISPATCH_ALGORITHMS[self.dispatch]
     if not self._sharded(x):
       y, stats = algorithm(x, expert_index, gates, experts, capacity=capacity)
@@ -411,9 +363,7 @@ class SparseMoE(nnx.Module):
     return y, stats, (outputs[2] if expert_features is not None else None)
 
   def _sharded(self, x: jax.Array) -> bool:
-    """Whether to run per device: on a mesh of several devices, unless a data-parallel batch
-    does not divide over them (a user's odd-sized predict batch: then as one program, which
-    the partitioner lays out; expert parallelism needs the split and says so)."""
+    """Per device on a multi-device mesh, unless a data-parallel batch does not divide."""
     if self.mesh is None or self.mesh.size == 1:
       return False
     expert_parallel = self.mesh.shape.get(EXPERT_AXIS, 1) > 1
@@ -466,8 +416,7 @@ def _routing_metrics(
   return {
       # Token-choice routers: dropped (token, choice) pairs; expert choice: tokens no expert took.
       "fraction_dropped": fraction_dropped,
-      # Served (token, choice) pairs per expert, as a fraction of all T * k;
-      # the batch mean of example_expert_fraction.
+      # Served (token, choice) pairs per expert, as a fraction of all T * k.
       "tokens_per_expert": example_expert_fraction.mean(axis=0),
       "example_expert_fraction": example_expert_fraction,
       "router_entropy": jnp.mean(jnp.sum(jax.scipy.special.entr(probs), axis=-1)),

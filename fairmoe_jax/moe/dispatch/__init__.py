@@ -1,31 +1,18 @@
 """Dispatch: serving routing decisions with the experts, under a capacity limit.
 
-Interchangeable dispatch algorithms with one interface (`base`), each in the
-module of its name:
-
     y, stats = DISPATCH_ALGORITHMS[name](x, expert_index, gates, experts, capacity=C)
 
-The main path (what `auto` picks from, and the dense oracle):
+The main path, one module each (interface in `base`):
 
 * `dense`: every expert on every token; the test oracle.
-* `einsum`: GShard / V-MoE one-hot [G, S, E, C] dispatch and combine
-  tensors; the reference for the capacity semantics.
-* `sort`: the same capacity semantics and expert buffers as `einsum`,
-  built by sorting, with no [S, E, C] tensor.
-* `dropless`: `jax.lax.ragged_dot` grouped matmuls; nothing is
-  ever dropped.
+* `einsum`: GShard / V-MoE one-hot [G, S, E, C] tensors; the reference capacity semantics.
+* `sort`: the same semantics and buffers, built by sorting, with no [S, E, C] tensor.
+* `dropless`: grouped matmuls (`jax.lax.ragged_dot`); nothing is dropped.
 
-The experimental dispatches `einsum_fused`, `sort_blocks` and `blocksparse`
-live in `fairmoe_jax.moe.experimental`, which registers them here under those
-names when `fairmoe_jax.moe` is imported.
-
-Beside them: `capacity` (expert capacity and `DispatchStats`), `experts` (the
-stacked expert weights `ExpertWeights`), `slots` (the row gathers `sort` moves
-data with), `data_parallel` (any algorithm under `jax.shard_map`, each device
-on its own groups), `expert_parallel` (the capacity algorithms under
-`jax.shard_map` with all-to-all over an "expert" mesh axis), `spmd` (what those
-two share) and `batch_priority` (V-MoE batch-priority ordering of the tokens of
-each group around a capacity dispatch).
+`fairmoe_jax.moe.experimental` registers `einsum_fused`, `sort_blocks` and `blocksparse` here
+when `fairmoe_jax.moe` is imported. Beside them: `capacity`, `experts` (`ExpertWeights`),
+`slots` (`sort`'s row gathers), `data_parallel` and `expert_parallel` (under `jax.shard_map`),
+`spmd` (what those two share) and `batch_priority` (V-MoE's token order).
 """
 
 from fairmoe_jax.moe.dispatch.base import DispatchAlgorithm, check_inputs

@@ -1,24 +1,16 @@
-"""The interface shared by the dispatch algorithms.
-
-Every algorithm maps routing decisions and the stacked expert weights straight
-to the layer output:
+"""The interface shared by the dispatch algorithms:
 
     y, stats = algorithm(x, expert_index, gates, experts, capacity=C)
 
-with x: [G, S, D] tokens (G groups = examples, S tokens per group),
-expert_index / gates: [G, S, k] routing decisions (best choice first),
-`experts` an `ExpertWeights` and `stats` a `DispatchStats`.
+x: [G, S, D] tokens (G groups = examples); expert_index / gates: [G, S, k] (best first);
+`experts` an `ExpertWeights`; `stats` a `DispatchStats`.
 
-The capacity algorithms (`einsum`, `sort` and the expert-parallel version of
-`sort`) share the semantics of `dispatch_and_combine_masks`: each expert accepts
-at most C choices per group; all top-1 choices of a group are served before any
-top-2 choice, and within one priority level earlier tokens come first; a dropped
-choice contributes 0 to the output. `dense` and `dropless` ignore the capacity
-and serve every choice.
+Capacity semantics (`einsum`, `sort`, expert-parallel `sort`; `dispatch_and_combine_masks` is
+the reference): each expert accepts at most C choices per group; all top-1 choices of a group
+are served before any top-2 choice, earlier tokens first within a level; a dropped choice
+contributes 0. `dense` and `dropless` serve every choice.
 
-All algorithms compute the expert matmuls in x.dtype (the weights are cast to it)
-and keep gates in float32 until they weight the expert outputs, which are
-returned in x.dtype.
+Expert matmuls run in x.dtype; gates stay float32 until they weight the outputs (in x.dtype).
 """
 
 from __future__ import annotations

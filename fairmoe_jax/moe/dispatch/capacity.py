@@ -1,11 +1,5 @@
-"""Expert capacity and the bookkeeping of which routing decisions were served.
-
-Tokens are dispatched in groups (one group per example, so G = batch and S =
-tokens per example). Every expert accepts at most C = `compute_capacity(...)`
-(token, choice) pairs per group; the capacity algorithms serve all top-1 choices
-of a group before any top-2 choice, earlier tokens first within one priority
-level, and drop the rest. `DispatchStats` records the outcome, in the same form
-for every algorithm, so logging does not depend on which one runs.
+"""Expert capacity (one group per example) and `DispatchStats`, the record of which choices
+were served, the same for every algorithm (semantics: `fairmoe_jax.moe.dispatch.base`).
 """
 
 from __future__ import annotations
@@ -19,14 +13,12 @@ from flax import struct
 
 @struct.dataclass
 class DispatchStats:
-  """Bookkeeping of which routing decisions survived the capacity limit.
+  """Which routing decisions survived the capacity limit.
 
-  Attributes:
-    kept: [G, S, k] bool, whether choice j of token s was served.
-    fraction_dropped: scalar, fraction of all (token, choice) pairs dropped.
-    group_expert_fraction: [G, E], per group, the fraction of its S * k
-      (token, choice) pairs that were served by each expert. Rows sum to
-      1 - (fraction of that group's choices dropped).
+    Attributes:
+      kept: [G, S, k] bool, whether choice j of token s was served.
+      fraction_dropped: scalar, fraction of all (token, choice) pairs dropped.
+      group_expert_fraction: [G, E], the fraction of each group's S * k pairs each expert served.
   """
 
   kept: jax.Array
@@ -46,11 +38,7 @@ class DispatchStats:
 def compute_capacity(
     tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float
 ) -> int:
-  """C = ceil(capacity_factor * S * k / E), clipped to [1, S].
-
-  No expert can receive more than S tokens from a group (a token's k choices are
-  distinct experts), so a larger C would only add empty slots.
-  """
+  """C = ceil(capacity_factor * S * k / E), clipped to [1, S] (an expert gets at most S)."""
   # The small epsilon keeps e.g. 1.1 * 10 = 11.000000000000002 from rounding up.
   capacity = math.ceil(capacity_factor * tokens_per_group * top_k / num_experts - 1e-9)
   return int(min(max(capacity, 1), tokens_per_group))

@@ -1,21 +1,12 @@
 """Data parallelism for any dispatch: each device dispatches its own groups to its own copy of
-the experts, under `jax.shard_map`.
+the experts, under `jax.shard_map` (`spmd` says why).
 
     y, stats = data_parallel_moe(moe_sort, x, expert_index, gates, experts, capacity=C,
                                  mesh=mesh)
 
-has exactly the semantics and results of `algorithm(x, expert_index, gates, experts,
-capacity=C)` (a group is one example and capacity is per group, so no routing decision depends
-on another device's groups), but per device it builds the capacity buffers (or sorted rows) of
-its G / n local groups only and runs the expert matmuls on them: [E, (G / n) C, D] for the
-capacity algorithms, its own tokens' rows for `dropless` and `blocksparse`, its own examples for
-`dense`. Left to the SPMD partitioner, the data-dependent gathers and sorts of a dispatch over
-the flattened batch are not split, and every device computes the whole batch's experts
-(docs/design.md, "The MoE layer on a device mesh").
-
-The experts are replicated over the batch axes. They are marked varying over those axes at the
-top of the body (`spmd.vary_over`), so the backward pass all-reduces each expert weight's float32
-gradient once, parameter-shaped, and nothing token-shaped or bfloat16 crosses devices.
+gives exactly `algorithm`'s results (capacity is per group, a group is one example), with each
+device building only its G / n groups' buffers. The replicated experts are marked varying at
+the top of the body (`spmd.vary_over`): one float32 all-reduce per weight gradient.
 """
 
 from __future__ import annotations
@@ -50,26 +41,22 @@ def data_parallel_moe(
 ) -> tuple[jax.Array, DispatchStats] | tuple[jax.Array, DispatchStats, jax.Array]:
   """`algorithm` run on every device's own groups; the same results as `algorithm` alone.
 
-  Args:
-    algorithm: a dispatch algorithm (`DISPATCH_ALGORITHMS[name]`).
-    x: [G, S, D] tokens (G groups = examples).
-    expert_index: [G, S, k] chosen experts, best first.
-    gates: [G, S, k] gates of those choices.
-    experts: `ExpertWeights`, replicated on every device.
-    capacity: C, slots per group and expert, as `algorithm` takes it.
-    mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
-    batch_axes: mesh axes the group axis is split over; default every mesh axis. G must be
-      divisible by the product of their sizes.
-    expert_features: `features(x, experts) -> [G, E, ...]`, per group and expert (a router's
-      `expert_features`, e.g. FairSMoE's competence pass); computed on each device's groups
-      with the same copy of the experts as the dispatch, so the weights' gradients of both
-      are summed over devices in one all-reduce.
+    Args:
+      algorithm: a dispatch algorithm (`DISPATCH_ALGORITHMS[name]`).
+      x: [G, S, D] tokens (G groups = examples).
+      expert_index: [G, S, k] chosen experts, best first.
+      gates: [G, S, k] gates of those choices.
+      experts: `ExpertWeights`, replicated on every device.
+      capacity: C, as `algorithm` takes it.
+      mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
+      batch_axes: mesh axes the groups are split over; default every mesh axis.
+      expert_features: a router's `features(x, experts) -> [G, E, ...]`, computed per device with
+        the dispatch's copy of the experts (one all-reduce for both gradients).
 
-  Returns:
-    y: [G, S, D] in x.dtype, laid out like x.
-    stats: `DispatchStats` (kept [G, S, k] and group_expert_fraction [G, E] laid out on the
-      group axis; fraction_dropped over the whole batch).
-    features: with `expert_features`, its [G, E, ...] result, laid out on the group axis.
+    Returns:
+      y: [G, S, D] in x.dtype, laid out like x.
+      stats: `DispatchStats`, laid out on the group axis.
+      features: with `expert_features`, its [G, E, ...] result, laid out on the group axis.
   """
   check_inputs(x, expert_index, gates)
   batch_axes = spmd.batch_axes_of(mesh, batch_axes)
@@ -98,12 +85,9 @@ def per_device(
     mesh: Mesh,
     batch_axes: Sequence[str] | None = None,
 ) -> Any:
-  """`fn(*batched, experts)` on each device's groups (the leading axis of every `batched`
-  array), with the replicated experts marked varying so their gradients are summed over devices
-  once, in float32; its outputs (a pytree of [G, ...] arrays) laid out on the group axis.
-
-  For a computation that treats every group apart, as `data_parallel_moe` runs a dispatch
-  (e.g. expert choice's gather, experts and scatter, `routers.expert_choice.apply_expert_picks`).
+  """`fn(*batched, experts)` on each device's groups (the leading axis), the replicated experts
+    marked varying (one float32 gradient sum); outputs [G, ...] laid out on the group axis. For
+    computations that treat groups apart (e.g. `routers.expert_choice.apply_expert_picks`).
   """
   batch_axes = spmd.batch_axes_of(mesh, batch_axes)
   spmd.check_groups(batched[0].shape[0], mesh, batch_axes)

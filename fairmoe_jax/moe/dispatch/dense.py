@@ -1,8 +1,5 @@
-"""`dense` dispatch: every expert on every token, the test oracle.
-
-Every expert runs on every token and the outputs are weighted by the gates of
-the chosen experts; capacity is ignored and nothing is dropped. O(G S E (D + H))
-memory and E / k times the FLOPs of a sparse layer, so it is not for training.
+"""`dense` dispatch: every expert on every token, weighted by the chosen gates; the test oracle.
+O(G S E (D + H)) memory and E / k times the FLOPs: not for training.
 """
 
 from __future__ import annotations
@@ -23,17 +20,12 @@ def moe_dense(
     *,
     capacity: int | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
-  """Every expert on every token; the oracle. `capacity` is ignored.
-
-  y[g, s] = sum_j gates[g, s, j] * E_{expert_index[g, s, j]}(x[g, s]).
-  """
+  """y[g, s] = sum_j gates[g, s, j] * E_{expert_index[g, s, j]}(x[g, s]); `capacity` ignored."""
   del capacity
   check_inputs(x, expert_index, gates)
   num_experts = experts.num_experts
-  # The oracle's matmuls run in float32 on operands rounded to x.dtype, so that their
-  # transposes, the weight and gate gradients (sums over tokens), accumulate in float32
-  # whatever the backend does with a bfloat16 dot (jax 0.12's CPU backend sums some layouts in
-  # bfloat16, and jax 0.10's has no bfloat16 dot with a float32 result).
+  # float32 matmuls on operands rounded to x.dtype, so the gradients (sums over tokens)
+  # accumulate in float32 whatever a backend does with a bfloat16 dot.
   w = jax.tree.map(lambda a: a.astype(jnp.float32), experts.cast(x.dtype))
   x32 = x.astype(jnp.float32)
   h = jnp.einsum("gsd,edh->gesh", x32, w.w1) + experts.b1[:, None, :]

@@ -1,23 +1,18 @@
 """`dropless` dispatch: grouped matmuls over all choices sorted by expert (MegaBlocks-style).
 
-All G S k choices are sorted by expert and the experts are applied with two grouped matmuls;
-capacity is ignored and nothing is ever dropped. O(G S k D) memory (O(G S k H) for the hidden
-activations), no padding beyond one tile; compute is proportional to the real load.
+All G S k choices are sorted by expert and run through two grouped matmuls; capacity is ignored
+and nothing is dropped. O(G S k D) memory, no padding beyond one tile.
 
 The grouped matmuls (`matmul=`, `DROPLESS_MATMULS`):
 
-* `ragged_dot`: `jax.lax.ragged_dot`. XLA has no grouped-matmul kernel for it on CPU or TPU:
-  both lower it densely over the experts (1.9-21x the dense MLP's FLOPs on the TPU compiler,
-  `docs/benchmarks.md`). What runs on CPU and GPU.
-* `megablox`: the Pallas TPU kernels of `jax.experimental.pallas.ops.tpu.megablox` (`gmm`
-  forward, `gmm` and `tgmm` backward, as MaxText's dropless MoE), which visit only the row
-  tiles of each expert. TPU only (`interpret=True` runs them anywhere, slowly: for tests).
-* `auto` (the default): `megablox` where the step is lowered for a TPU and the kernels fit the
-  shapes (`megablox_fits`), else `ragged_dot`. The choice is made when the step is lowered, for
-  the platform it is lowered for (`jax.lax.platform_dependent`), not where Python runs, so a
-  deviceless compile for a TPU on a CPU host (`--mode=compile`, `benchmarks/dispatch_compile.py`)
-  compiles the TPU's kernels, and a GPU keeps `ragged_dot`. docs/design.md, "Dropless on TPU:
-  megablox".
+* `ragged_dot`: `jax.lax.ragged_dot`, lowered densely over the experts on CPU and TPU
+  (docs/benchmarks.md). What runs on CPU and GPU.
+* `megablox`: the Pallas TPU kernels of `jax.experimental.pallas.ops.tpu.megablox` (`gmm`,
+  `tgmm`, as MaxText), visiting only each expert's row tiles. TPU only (`interpret=True` for tests).
+* `auto` (default): `megablox` where the step is lowered for a TPU and the kernels fit
+  (`megablox_fits`), else `ragged_dot`; chosen at lowering (`jax.lax.platform_dependent`), so a
+  deviceless TPU compile on a CPU host compiles the TPU's kernels (docs/design.md, "Dropless on
+  TPU: megablox").
 """
 
 from __future__ import annotations
@@ -37,28 +32,19 @@ from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
 
 DROPLESS_MATMULS = ("auto", "ragged_dot", "megablox")
 
-# The TPU's lane width: a block's last dimension is a multiple of it or the array's own. Also
-# megablox's default tile (`tiling=(128, 128, 128)`) and the side of TPU v5e's MXU.
+# The TPU's lane width (a block's last dimension is a multiple of it), megablox's default tile.
 MEGABLOX_TILE = 128
-# Row tiles (`row_tile`) range over [128, 512] rows.
 MAX_ROW_TILE = 512
-# VMEM the blocks of one kernel call may take (`width_tiles`, by `_vmem_bytes`): below the 16
-# MiB that Mosaic grants a kernel by default on TPU v5e, with room for its own scratch (compiled
-# for a v5e, a float32 `gmm` with blocks of 15 MiB by `_vmem_bytes` compiles, one of 17 MiB
-# fails with CompileTimeScopedVmemOom).
+# VMEM one kernel call's blocks may take: under Mosaic's default 16 MiB on v5e, with room for
+# its scratch (17 MiB of blocks fails with CompileTimeScopedVmemOom).
 VMEM_BUDGET = 12 * 2**20
 MEGABLOX_MODULE = "jax.experimental.pallas.ops.tpu.megablox.gmm"
 
 
 def _megablox_kernels() -> Any:
-  """The module with megablox's `gmm` and `tgmm`, or None where this jax has none.
-
-  Imported on first use: it pulls in Pallas' TPU backend. Its path, `MEGABLOX_MODULE`, is the
-  same from jax 0.4.28 to 0.12; with a jax that lacks it (or cannot import it), `auto` falls back
-  to `ragged_dot` and `megablox` raises.
+  """megablox's `gmm`/`tgmm` module, imported on first use (it loads Pallas' TPU backend), or None.
   """
   try:
-    # The module, not the package's attribute `gmm` (megablox.ops' custom-VJP function).
     kernels = importlib.import_module(MEGABLOX_MODULE)
   except Exception:  # noqa: BLE001  # ImportError, or a Pallas backend that fails to load.
     return None
@@ -66,12 +52,9 @@ def _megablox_kernels() -> Any:
 
 
 def row_tile(num_rows: int, num_experts: int = 1) -> int:
-  """Rows per tile, tm: the power of two at most an expert's average load, clipped to
-  [128, 512]; the rows rounded up to 16 (a bfloat16 sublane tile) if there are fewer.
-
-  The kernels visit M / tm row tiles plus one more for each expert that starts inside a tile
-  (up to E - 1), and each visit reads the expert's whole [K, N] weights. Larger tiles read the
-  weights fewer times; tiles larger than an expert's load compute up to E - 1 extra tiles.
+  """Rows per tile tm: the power of two at most an expert's mean load, clipped to [128, 512]
+    (rows rounded up to 16 if fewer). Larger tiles read the weights fewer times but may compute up
+    to E - 1 extra tiles.
   """
   load = max(num_rows / num_experts, 1.0)
   tm = min(max(2 ** int(math.log2(load)), MEGABLOX_TILE), MAX_ROW_TILE)
@@ -80,8 +63,8 @@ def row_tile(num_rows: int, num_experts: int = 1) -> int:
 
 def _width_tile_candidates(width: int) -> list[int]:
   """Tiles of a feature width, largest first: the whole width, then the multiples of 128 that
-  divide it. A width over 128 that is no multiple of 128 gets its largest divisor of 128 (a
-  block the TPU does not take, for interpret mode)."""
+    divide it (a width over 128 that no multiple of 128 divides: its gcd with 128, interpret only).
+  """
   if width <= MEGABLOX_TILE:
     return [width]
   if width % MEGABLOX_TILE:
@@ -90,16 +73,15 @@ def _width_tile_candidates(width: int) -> list[int]:
 
 
 def _vmem_bytes(tm: int, tk: int, tn: int) -> int:
-  """VMEM of one call's blocks, every array counted as float32 (the widest): the row, weight
-  and output blocks double-buffered, and the float32 accumulator."""
+  """VMEM of one call's blocks, as float32: row, weight and output blocks double-buffered,
+    plus the accumulator.
+  """
   return 4 * (2 * (tm * tk + tk * tn + tm * tn) + max(tm, tk) * tn)
 
 
 def width_tiles(tm: int, k: int, n: int) -> tuple[int, int]:
-  """(tk, tn) of an [M, k] x [k, n] call: as wide as `VMEM_BUDGET` allows.
-
-  `gmm` reads all its rows once per column tile (N / tn times) and the weights once per row
-  tile, whatever tk: so the reduction tile tk shrinks first, then tn.
+  """(tk, tn) of an [M, k] x [k, n] call, as wide as `VMEM_BUDGET` allows; tk shrinks first
+    (`gmm` reads its rows once per column tile, whatever tk).
   """
   ks, ns = _width_tile_candidates(k), _width_tile_candidates(n)
   while _vmem_bytes(tm, ks[0], ns[0]) > VMEM_BUDGET and (len(ks) > 1 or len(ns) > 1):
@@ -111,8 +93,7 @@ def width_tiles(tm: int, k: int, n: int) -> tuple[int, int]:
 
 
 def megablox_fits(dtype: Any, dim: int, hidden: int) -> bool:
-  """Whether `auto` uses megablox on a TPU: float32 or bfloat16 tokens (the kernels' dtypes)
-  and blocks the TPU takes (each width at most 128 or a multiple of 128)."""
+  """Whether `auto` uses megablox on a TPU: float32/bfloat16 tokens, widths <= 128 or k * 128."""
   return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and all(
       w <= MEGABLOX_TILE or w % MEGABLOX_TILE == 0 for w in (dim, hidden)
   )
@@ -134,20 +115,15 @@ def megablox_matmul(
 ) -> jax.Array:
   """lhs [M, K] rows grouped by `group_sizes` [E] times rhs [E, K, N] -> [M, N] in lhs.dtype.
 
-  Megablox's `gmm` (float32 accumulation), M a multiple of the row tile `tm`; rows past
-  sum(group_sizes) belong to no group and their outputs are undefined. `tiling` None gives each
-  kernel call its own tiles (`_tiling`: the widths swap roles backwards). `rhs` is cast to
-  lhs.dtype for the kernel; its gradient, `tgmm`, accumulates each group's rows in float32 and
-  is returned in rhs' own dtype (float32 weights: never rounded to bfloat16). Empty groups get
-  zero weight gradient. The VJP is megablox.ops.gmm's, with that float32 output.
+    Megablox's `gmm`, M a multiple of `tm`; rows past sum(group_sizes) have undefined outputs.
+    The weight gradient (`tgmm`) accumulates in float32 and returns in rhs' dtype; empty groups get
+    zero. `tiling` None gives each kernel call its own tiles (`_tiling`).
   """
   return _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret)[0]
 
 
 def _kernel(fn: Any, *args: jax.Array, **kwargs: Any) -> jax.Array:
-  """`fn(*args, **kwargs)`, a megablox kernel, also inside `jax.shard_map(check_vma=True)`
-  (`spmd.run_kernel`). Only `megablox_matmul` calls this, whose custom VJP never
-  differentiates through the cast of its output."""
+  """A megablox kernel call, also inside `jax.shard_map(check_vma=True)` (`spmd.run_kernel`)."""
   return spmd.run_kernel(
       fn, args, kwargs, fallback="use matmul='ragged_dot' (or 'auto', which does)"
   )
@@ -203,8 +179,7 @@ def _ragged_dot_mlp(
     rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array, experts: ExpertWeights
 ) -> jax.Array:
   """The expert MLP of expert-sorted rows [N, D] with `jax.lax.ragged_dot`, in rows.dtype."""
-  # The biases are gathered in float32 (`add_bias`), so that their gradients (scatter-adds over
-  # the rows, backwards) accumulate in float32 in a bfloat16 compute dtype.
+  # Biases gathered in float32 (`add_bias`): their gradients accumulate in float32.
   h = add_bias(ragged_matmul(rows, experts.w1, group_sizes), experts.b1[row_expert])
   h = gelu_exact(h)
   return add_bias(ragged_matmul(h, experts.w2, group_sizes), experts.b2[row_expert])
@@ -219,11 +194,8 @@ _RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 
 @jax.custom_vjp
 def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  """`jax.lax.ragged_dot(rows, w, group_sizes)` in rows.dtype, the weight gradient in float32.
-
-  As `experts.expert_matmul` does for the capacity dispatches: autodiff would transpose to a
-  bfloat16 ragged_dot whose sum over an expert's rows is accumulated as the backend likes;
-  this asks for a float32 result and returns it in w.dtype.
+  """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32
+    (as `experts.expert_matmul` does for the capacity dispatches).
   """
   return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
 
@@ -252,13 +224,10 @@ def _megablox_mlp(
     tiling: tuple[int, int, int] | None,
     interpret: bool,
 ) -> jax.Array:
-  """`_ragged_dot_mlp` with megablox's kernels; the rows padded to a whole number of row tiles.
+  """`_ragged_dot_mlp` with megablox's kernels, the rows padded to whole row tiles.
 
-  The kernels need M divisible by the row tile tm. The up to tm - 1 padding rows are zeros that
-  join the last expert's group: they lie in the tile of the last real row (one more visit of it
-  at most, where the last expert has no rows of its own), and every output row is defined.
-  Their outputs are sliced off before the combine, so their cotangents are zero and they add
-  nothing to any gradient: the results are the real rows' exactly.
+    The up to tm - 1 zero padding rows join the last expert's group and are sliced off before the
+    combine: zero cotangents, so results are the real rows' exactly.
   """
   num_rows = rows.shape[0]
   tm = tiling[0] if tiling is not None else row_tile(num_rows, experts.num_experts)
@@ -307,11 +276,9 @@ def moe_dropless(
 ) -> tuple[jax.Array, DispatchStats]:
   """Sort all choices by expert and run grouped matmuls; nothing is dropped.
 
-  `capacity` is ignored. Groups only matter for the stats: all G * S * k choices are sorted
-  together and each expert processes exactly its own tokens with two grouped matmuls, run by
-  `matmul` (`DROPLESS_MATMULS`: "auto", "ragged_dot" or "megablox"). `tiling` (tm, tk, tn) and
-  `interpret` (Pallas' interpret mode, for CPU tests) apply to megablox only; `tiling` None is
-  `row_tile` rows by `width_tile` widths, per kernel call.
+    `capacity` is ignored; groups only matter for the stats. `matmul` is one of
+    `DROPLESS_MATMULS`; `tiling` (tm, tk, tn, default `row_tile` by `width_tiles` per call) and
+    `interpret` (Pallas' interpret mode, for CPU tests) apply to megablox only.
   """
   del capacity
   if matmul not in DROPLESS_MATMULS:
@@ -344,8 +311,7 @@ def moe_dropless(
     out = _megablox_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
   else:
     out = _auto_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
-  # The choices are weighted and summed in float32, so that the gates' gradients accumulate in
-  # float32 in a bfloat16 compute dtype.
+  # Weighted and summed in float32, so the gates' gradients accumulate in float32.
   weighted = out.astype(jnp.float32) * gates.reshape(num_choices)[sorted_choice][:, None]
   y = jnp.zeros((num_groups * group_size, dim), jnp.float32).at[token].add(weighted)
   return y.astype(x.dtype).reshape(x.shape), dropless_stats(expert_index, num_experts)

@@ -1,29 +1,21 @@
 """`einsum` dispatch: capacity-limited one-hot dispatch and combine tensors (GShard / V-MoE).
 
-The dispatch is expressed as two one-hot tensors of shape [G, S, E, C]:
-
   dispatch[g, s, e, c] = 1  iff token s of group g sits in slot c of expert e;
   combine[g, s, e, c]  = gate of that choice (0 where dispatch is 0).
 
-Expert inputs are einsum("gsec,gsd->egcd", dispatch, x), expert-major like V-MoE's
-buffers, and the layer output is einsum("gsec,egcd->gsd", combine, expert_outputs).
-`dispatch_and_combine_masks` is the reference for the capacity semantics of all capacity
-algorithms. This costs O(G S E C) memory, quadratic in the group size since C ~ S k / E; fine
-for ViT-sized groups, while `sort` builds the same expert buffers without any [S, E, C] tensor.
+Expert inputs are einsum("gsec,gsd->egcd", dispatch, x), the output
+einsum("gsec,egcd->gsd", combine, expert_outputs). `dispatch_and_combine_masks` is the reference
+for the capacity semantics of all capacity algorithms. O(G S E C) memory, quadratic in the group
+size (C ~ S k / E); `sort` builds the same buffers without any [S, E, C] tensor.
 
-How `moe_einsum` keeps the bytes it moves low (XLA's TPU compiler; docs/benchmarks.md, "Which
-dispatch on an accelerator"):
+How `moe_einsum` keeps the bytes it moves low on XLA's TPU compiler (docs/benchmarks.md):
 
-* The plan is one slot index per (token, expert), [G, S, E] (`_slot_plan`), and the gate of
-  each (token, expert); the [G, S, E, C] tensors are one-hot comparisons of that index that the
-  compiler builds inside the einsums that read them, not float tensors written to memory, and
-  the gates' gradient is reduced over C inside the combine's backward fusion.
-* The expert MLP runs on the [E, G, C, D] buffers as the einsum leaves them
-  (`ExpertWeights.apply_expert_major`), not on [E, G * C, D]: with C not a multiple of the
-  TPU's 8- or 16-row tile, merging G and C is a physical relayout in both passes.
-* A choice's place in its expert's queue is an exclusive prefix count computed as a matmul
-  with a strictly lower-triangular 0/1 matrix (exact: 0/1 operands, sums of at most S ones in
-  float32), not a cumulative sum, which XLA's TPU compiler lowers to a multi-pass scan.
+* The plan is one slot index per (token, expert), [G, S, E] (`_slot_plan`); the [G, S, E, C]
+  one-hots are built by the compiler inside the einsums that read them, never written to memory.
+* The expert MLP runs on [E, G, C, D] buffers (`ExpertWeights.apply_expert_major`): merging G
+  and C, with C no multiple of the 8/16-row tile, would be a physical relayout.
+* A choice's queue position is an exclusive prefix count computed as a matmul with a strictly
+  lower-triangular 0/1 matrix (exact in float32), not a cumsum (a multi-pass scan on TPU).
 """
 
 from __future__ import annotations
@@ -41,16 +33,13 @@ from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 def _slot_plan(
     expert_index: jax.Array, gates: jax.Array, *, num_experts: int, capacity: int
 ) -> tuple[jax.Array, jax.Array, DispatchStats]:
-  """Each (token, expert) pair's capacity slot and gate.
+  """Each (token, expert) pair's capacity slot and gate, in `dispatch_and_combine_masks`' order.
 
-  Priority: all top-1 choices of a group are served before any top-2 choice (and so on);
-  within one priority level, earlier tokens come first (the GShard / V-MoE order).
-
-  Returns:
-    slot: [G, S, E] int32, the slot of expert e that token s takes; C (no slot) where the
-      token did not choose e or its choice was dropped.
-    gate: [G, S, E] gates.dtype, the gate of the choice of e, 0 where e was not chosen.
-    stats: `DispatchStats`.
+    Returns:
+      slot: [G, S, E] int32, the slot of expert e that token s takes; C where the token did not
+        choose e or its choice was dropped.
+      gate: [G, S, E] gates.dtype, the gate of the choice of e, 0 where e was not chosen.
+      stats: `DispatchStats`.
   """
   _, group_size, top_k = expert_index.shape
   choice = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)  # [G, S, k, E]
@@ -82,23 +71,16 @@ def dispatch_and_combine_masks(
     num_experts: int,
     capacity: int,
 ) -> tuple[jax.Array, jax.Array, DispatchStats]:
-  """Builds the [G, S, E, C] dispatch and combine tensors.
+  """Builds the [G, S, E, C] dispatch (float32 0/1) and combine (gates.dtype) tensors.
 
-  Priority: all top-1 choices of a group are served before any top-2 choice
-  (and so on); within one priority level, earlier tokens come first. This is the
-  GShard / V-MoE order; it makes the first choice of a token much less likely to
-  be dropped than its second one.
+    Priority: all top-1 choices of a group are served before any top-2 choice (and so on); within
+    a level, earlier tokens first (GShard / V-MoE), so a first choice is rarely dropped.
 
-  Args:
-    expert_index: [G, S, k] int chosen experts, best first.
-    gates: [G, S, k] float weights of those choices.
-    num_experts: E.
-    capacity: C, slots per expert and group.
-
-  Returns:
-    dispatch: [G, S, E, C] float32 0/1 tensor.
-    combine: [G, S, E, C] gates.dtype tensor.
-    stats: `DispatchStats`.
+    Args:
+      expert_index: [G, S, k] int chosen experts, best first.
+      gates: [G, S, k] float weights of those choices.
+      num_experts: E.
+      capacity: C, slots per expert and group.
   """
   slot, gate, stats = _slot_plan(expert_index, gates, num_experts=num_experts, capacity=capacity)
   # A slot index of C (no slot) gives an all-zero one-hot.
@@ -117,34 +99,20 @@ def einsum_dispatch(
 ) -> tuple[jax.Array, jax.Array, DispatchStats]:
   """Gathers each expert's tokens into fixed-size buffers.
 
-  Args:
-    x: [G, S, D] tokens.
-    expert_index: [G, S, k] chosen experts.
-    gates: [G, S, k] weights of the choices.
-    capacity: C, slots per expert and group (see `compute_capacity`).
-    num_experts: E.
-
-  Returns:
-    dispatched: [E, G * C, D] expert inputs in x.dtype, expert-major (V-MoE's layout);
-      empty slots are zero.
-    combine: [G, S, E, C] combine weights, to be passed to `einsum_combine`.
-    stats: `DispatchStats`.
+    x: [G, S, D]; expert_index, gates: [G, S, k]. Returns the expert inputs [E, G * C, D] in
+    x.dtype (empty slots zero), the combine weights [G, S, E, C] for `einsum_combine`, and
+    `DispatchStats`.
   """
   dispatch, combine, stats = dispatch_and_combine_masks(
       expert_index, gates, num_experts=num_experts, capacity=capacity
   )
-  # 0/1 entries are exact in any float dtype, so the gather is lossless.
   dispatched = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)
   num_groups, dim = x.shape[0], x.shape[-1]
   return dispatched.reshape(num_experts, num_groups * capacity, dim), combine, stats
 
 
 def einsum_combine(combine: jax.Array, expert_outputs: jax.Array) -> jax.Array:
-  """[G, S, E, C] weights x [E, G * C, D] expert outputs -> [G, S, D].
-
-  Dropped choices have zero weight, so a token whose every choice was dropped
-  gets 0 here and is carried only by the residual connection of its block.
-  """
+  """[G, S, E, C] weights x [E, G * C, D] outputs -> [G, S, D]; dropped choices weigh 0."""
   num_groups, _, num_experts, capacity = combine.shape
   outputs = expert_outputs.reshape(num_experts, num_groups, capacity, -1)
   return jnp.einsum("gsec,egcd->gsd", combine.astype(expert_outputs.dtype), outputs)
@@ -159,12 +127,10 @@ def moe_einsum(
     capacity: int | None = None,
     expert_mlp: Callable[[jax.Array, ExpertWeights], jax.Array] | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
-  """One-hot [G, S, E, C] dispatch / combine: `einsum_dispatch` and `einsum_combine`'s values,
-  with the expert MLP on [E, G, C, D] buffers and no float [G, S, E, C] tensor in memory
-  (the module docstring says why).
+  """`einsum_dispatch` then `einsum_combine`, without a float [G, S, E, C] tensor in memory.
 
-  `expert_mlp(buffers, experts)` runs the MLP on the buffers; None: as XLA fuses it
-  (`ExpertWeights.apply_expert_major`). The experimental `einsum_fused` passes Pallas kernels.
+    `expert_mlp(buffers, experts)` runs the MLP on the [E, G, C, D] buffers; None:
+    `ExpertWeights.apply_expert_major` (the experimental `einsum_fused` passes Pallas kernels).
   """
   check_inputs(x, expert_index, gates)
   capacity = resolve_capacity(capacity, x.shape[1])

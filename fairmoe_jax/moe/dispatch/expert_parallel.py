@@ -2,34 +2,17 @@
 
     y, stats = expert_parallel_moe(x, expert_index, gates, experts, capacity=C, mesh=mesh)
 
-has the semantics of `moe_sort` / `moe_einsum` (groups =
-examples, C slots per group and expert, all top-1 choices of a group before any
-top-2 choice, earlier tokens first, dropped choices contribute 0) and returns the
-same `DispatchStats`, but runs under `jax.shard_map` over the mesh:
+has `moe_sort`'s semantics and `DispatchStats`, run under `jax.shard_map`: the groups
+(examples) [G, S, ...] are split over the batch axes (default every mesh axis), G_l per device;
+the expert weights over the "expert" axis, E_l = E / n_expert per shard.
 
-* x, expert_index, gates ([G, S, ...]) are split on the group axis over all batch
-  axes (by default every mesh axis, i.e. ("data", "expert") of `trainkit.mesh`),
-  so each device holds G_l = G / num_devices groups;
-* the stacked expert weights are split over the "expert" axis (P("expert", ...),
-  as annotated by `SparseMoE`): each expert shard holds E_l = E / n_expert
-  experts, replicated over the other axes.
+Per device, the local groups' expert-major buffers [E, G_l * C, D] are built as `moe_sort`
+builds them; an all-to-all sends experts [j E_l, (j + 1) E_l) to expert shard j, which applies
+its experts to [E_l, n_expert * G_l * C, D], and a second all-to-all brings the outputs back to
+be combined. A group lives on one device, so capacity decisions and stats are exactly the
+single-device ones. Memory O(G_l E C D) per device; expert FLOPs split n_expert ways.
 
-Per device: the expert-major capacity buffers [E, G_l * C, D] of the local groups
-are built with the sort construction of `moe_sort` (no [S, E, C] tensor); an
-all-to-all over the expert axis sends the buffers of experts [j E_l, (j + 1) E_l)
-to expert shard j, which thus receives [E_l, n_expert * G_l * C, D], the tokens of
-its own experts from every shard of its expert axis, in the layout its expert
-matmuls take; it applies its local experts, a second all-to-all returns the
-outputs to the devices owning the groups, and they are combined with the gates
-there. Routing never crosses devices: since a
-group is one example and lives on one device, the capacity decisions (and so the
-stats) are exactly those of the single-device algorithms.
-
-Per-device memory: O(G_l E C D) for the buffers (before and after the
-all-to-all), like `moe_sort` on G_l groups; expert FLOPs are split n_expert ways.
-
-Dropless (capacity-free) expert parallelism would need variable-size exchanges
-(`jax.lax.ragged_all_to_all`, GPU/TPU only); it is not implemented here.
+Dropless expert parallelism would need `jax.lax.ragged_all_to_all` (GPU/TPU only); not here.
 """
 
 from __future__ import annotations
@@ -50,8 +33,7 @@ from fairmoe_jax.moe.dispatch.spmd import ExpertFeatures
 
 __all__ = ["EP_ALGORITHMS", "expert_parallel_moe"]
 
-# Algorithms with an expert-parallel implementation. "sort" and "einsum" share
-# their semantics (and results), so both map to the capacity path below.
+# Algorithms with an expert-parallel implementation ("einsum" has sort's results).
 EP_ALGORITHMS = ("sort", "einsum")
 
 
@@ -86,12 +68,9 @@ def _local_moe(
 def _features_of_every_expert(
     x: jax.Array, experts: ExpertWeights, expert_features: ExpertFeatures, expert_axis: str
 ) -> jax.Array:
-  """[G_l, E, ...] features of the local groups from every expert, each shard computing its own.
-
-  The groups of the expert axis are gathered (in float32, so that the transpose, a
-  reduce-scatter of their gradients, sums in float32 too), every shard computes its E_l
-  experts' features of all of them, and an all-to-all returns each group's row of every expert
-  to the device that owns the group: the tokens travel, not the weights.
+  """[G_l, E, ...] features of the local groups from every expert: the expert axis' groups are
+    gathered (in float32, so the gradients' reduce-scatter sums in float32), each shard computes
+    its E_l experts' features, and an all-to-all returns them: tokens travel, not weights.
   """
   gathered = jax.lax.all_gather(x.astype(jnp.float32), expert_axis, axis=0, tiled=True)
   local = expert_features(gathered.astype(x.dtype), experts)  # [n_expert G_l, E_l, ...]
@@ -113,29 +92,23 @@ def expert_parallel_moe(
 ) -> tuple[jax.Array, DispatchStats] | tuple[jax.Array, DispatchStats, jax.Array]:
   """Capacity-limited expert-parallel MoE; the same results as `moe_sort`.
 
-  Args:
-    x: [G, S, D] tokens (G groups = examples).
-    expert_index: [G, S, k] chosen experts, best first.
-    gates: [G, S, k] gates of those choices.
-    experts: `ExpertWeights` with E experts; E must be divisible by the size of
-      the expert axis. Split over `expert_axis` on their leading axis.
-    capacity: C, slots per group and expert (None: S, i.e. nothing dropped).
-    mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
-    algorithm: "sort" or "einsum" (same semantics, both run the sort-based
-      capacity path); "dropless" raises `NotImplementedError`.
-    expert_axis: mesh axis the experts are split over.
-    batch_axes: mesh axes the group axis is split over; default all mesh axes in
-      mesh order (("data", "expert") for `trainkit.mesh`). Must include
-      `expert_axis`. G must be divisible by the product of their sizes.
-    expert_features: `features(x, experts) -> [G, E, ...]`, per group and expert (a
-      router's `expert_features`): each expert shard computes its experts' features of the
-      groups of its expert axis, returned to the groups' devices by all-to-all.
+    Args:
+      x: [G, S, D] tokens (G groups = examples).
+      expert_index: [G, S, k] chosen experts, best first.
+      gates: [G, S, k] gates of those choices.
+      experts: `ExpertWeights`, E divisible by the expert axis' size; split on their leading axis.
+      capacity: C, slots per group and expert (None: S, nothing dropped).
+      mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
+      algorithm: "sort" or "einsum" (both run the sort path); "dropless" raises.
+      expert_axis: mesh axis the experts are split over.
+      batch_axes: mesh axes the groups are split over, including `expert_axis`; default all.
+      expert_features: a router's `features(x, experts) -> [G, E, ...]`
+        (`_features_of_every_expert`).
 
-  Returns:
-    y: [G, S, D] in x.dtype, sharded like x.
-    stats: `DispatchStats` (kept [G, S, k] and group_expert_fraction [G, E]
-      sharded on the group axis).
-    features: with `expert_features`, its [G, E, ...] result, sharded on the group axis.
+    Returns:
+      y: [G, S, D] in x.dtype, sharded like x.
+      stats: `DispatchStats`, sharded on the group axis.
+      features: with `expert_features`, its [G, E, ...] result, sharded on the group axis.
   """
   if algorithm == "dropless":
     raise NotImplementedError(

@@ -15,21 +15,17 @@ from flax import struct
 def gelu_exact(x: jax.Array) -> jax.Array:
   """The exact (erf) GELU, `jax.nn.gelu(x, approximate=False)`, with its derivative spelled out.
 
-  The values are jax's own. The derivative is the one jax <= 0.10 derives for that function,
-  op for op, so the gradients are bit-identical there. jax 0.11+ differentiates `erfc`
-  through `lax.polynomial` with literal coefficients, which `jax.shard_map(check_vma=True)`
-  rejects ("Primitive polynomial requires varying manual axes to match") when `x` varies
-  over a mesh axis, as the expert-parallel layer's tokens do (docs/design.md, "The exact
-  GELU under shard_map").
+    The derivative is jax 0.10's, op for op (bit-identical gradients there); jax 0.11+'s goes
+    through `lax.polynomial`, which `shard_map(check_vma=True)` rejects on varying `x`
+    (docs/design.md, "The exact GELU under shard_map").
   """
   return jax.nn.gelu(x, approximate=False)
 
 
 @gelu_exact.defjvp
 def _gelu_exact_jvp(primals, tangents):
-  # gelu(x) = 0.5 x erfc(u), u = -x / sqrt(2), and erfc'(u) = -2 / sqrt(pi) exp(-u^2). The
-  # ops and their order are those of jax's own JVP of `jax.nn.gelu` (jax 0.10), so that the
-  # transposed (reverse-mode) rule is too.
+  # gelu(x) = 0.5 x erfc(u), u = -x / sqrt(2), erfc'(u) = -2 / sqrt(pi) exp(-u^2), in jax 0.10's
+  # op order.
   (x,), (x_dot,) = primals, tangents
   sqrt_half = np.sqrt(0.5).astype(x.dtype)
   u = -x * sqrt_half
@@ -73,21 +69,14 @@ class ExpertWeights:
     return jax.tree.map(lambda w: w.astype(dtype), self)
 
   def apply(self, x: jax.Array) -> jax.Array:
-    """Applies expert e to row e of x: [..., E, N, D] -> [..., E, N, D].
-
-    Computed in x.dtype, with the exact (erf) GELU of timm's ViT MLP; the weights' gradients
-    are float32 (`expert_matmul`).
-    """
+    """Expert e on row e of x: [..., E, N, D] -> same, in x.dtype (exact GELU, as timm's ViT)."""
     h = expert_matmul("rows_last", x, self.w1)
     h = gelu_exact(add_bias(h, self.b1[:, None, :]))
     return add_bias(expert_matmul("rows_last", h, self.w2), self.b2[:, None, :])
 
   def apply_expert_major(self, x: jax.Array) -> jax.Array:
-    """Applies expert e to x[e]: [E, *rows, D] -> [E, *rows, D], any number of row axes.
-
-    `apply`'s values on rows laid out as the caller has them, e.g. `moe_einsum`'s
-    [E, G, C, D] buffers, which would need a relayout to become [E, G * C, D] on a TPU when C
-    is not a multiple of its row tile.
+    """Expert e on x[e]: [E, *rows, D] -> same: `apply`'s values without merging row axes
+        (e.g. `moe_einsum`'s [E, G, C, D], a relayout on TPU).
     """
     rows = (1,) * (x.ndim - 2)  # The biases broadcast over the row axes.
     h = expert_matmul("expert_major", x, self.w1)
@@ -106,15 +95,11 @@ _MATMUL_SPECS = {
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def expert_matmul(layout: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """x @ w[e] for each expert e, in x.dtype, with the weight gradient summed into float32.
+  """x @ w[e] for each expert e, in x.dtype, with the weight gradient summed in float32.
 
-  The product runs in the compute dtype (x.dtype, bfloat16 in the paper configs), the weights
-  cast to it. Left to autodiff, the weight gradient would be a bfloat16 matmul: how it
-  accumulates a sum over every token is then the backend's choice, and XLA's CPU compiler in
-  jax 0.11+ splits a contraction over several row axes (`moe_einsum`'s [E, G, C, D] buffers)
-  into bfloat16 partial sums, twice the error of a float32 sum (tests/test_moe_algorithms.py).
-  This VJP asks for a float32 result (`preferred_element_type`), so every backend sums in
-  float32, and returns it in the weights' own dtype.
+    Left to autodiff, the weight gradient is a bfloat16 matmul whose accumulation is the backend's
+    choice (jax 0.11+'s CPU compiler sums in bfloat16 partials: twice the error,
+    tests/test_moe_algorithms.py); this VJP asks for float32 and returns the weights' dtype.
   """
   forward, _, _ = _MATMUL_SPECS[layout]
   return jnp.einsum(forward, x, w.astype(x.dtype))
@@ -136,10 +121,7 @@ expert_matmul.defvjp(_expert_matmul_forward, _expert_matmul_backward)
 
 
 def add_bias(h: jax.Array, bias: jax.Array) -> jax.Array:
-  """h + bias in h.dtype, the bias (broadcastable to h) given in its own dtype (float32).
-
-  The bias is broadcast (or gathered, by the caller) before the cast to h.dtype, so that its
-  gradient, a sum over every token, accumulates in the bias' dtype and not in a bfloat16
-  compute dtype; the values are those of `h + bias.astype(h.dtype)`.
+  """h + bias in h.dtype, the bias broadcast before the cast, so that its gradient (a sum over
+    every token) accumulates in the bias' dtype (float32), not bfloat16.
   """
   return h + jnp.broadcast_to(bias, h.shape).astype(h.dtype)

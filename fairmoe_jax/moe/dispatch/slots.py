@@ -25,13 +25,13 @@ from fairmoe_jax.moe.dispatch.capacity import DispatchStats
 class SlotPlan:
   """Which choice sits in which expert-major capacity slot, both ways.
 
-  With T = G * S tokens (group-major), choice (t, j) is numbered t * k + j, and slot (e, g, c)
-  is row e * G * C + g * C + c of the [E * G * C, D] buffers.
+    Choice (t, j) of T = G * S group-major tokens is t * k + j; slot (e, g, c) is row
+    e * G * C + g * C + c of the [E * G * C, D] buffers.
 
-  Attributes:
-    slot_choice: [E, G * C] int32 choice held by each slot; T * k where the slot is empty.
-    choice_slot: [T, k] int32 slot of each choice; E * G * C where the choice was dropped.
-    stats: the `DispatchStats` of these decisions.
+    Attributes:
+      slot_choice: [E, G * C] int32 choice held by each slot; T * k where the slot is empty.
+      choice_slot: [T, k] int32 slot of each choice; E * G * C where the choice was dropped.
+      stats: the `DispatchStats` of these decisions.
   """
 
   slot_choice: jax.Array
@@ -112,10 +112,6 @@ def gather_slots(tokens: jax.Array, plan: SlotPlan) -> jax.Array:
 
 
 def combine_slots(outputs: jax.Array, gates: jax.Array, plan: SlotPlan) -> jax.Array:
-  """Expert outputs [E, G * C, D] weighted by the gates [T, k] of their choices -> [T, D].
-
-  A dropped choice contributes 0, so a token whose every choice was dropped gets 0 here and
-  is carried only by the residual connection of its block.
-  """
+  """Expert outputs [E, G * C, D] weighted by the gates [T, k] -> [T, D]; dropped choices add 0."""
   flat = outputs.reshape(-1, outputs.shape[-1])
   return _combine(flat, gates, plan.slot_choice.reshape(-1), plan.choice_slot)

@@ -1,22 +1,10 @@
 """`sort` dispatch: capacity-limited dispatch by sorting, in expert-major buffers, by gathers only.
 
-Same capacity semantics as `einsum`. Per group, the (expert, priority) pairs of the k * S
-choices are sorted; a choice's position in its expert's queue is its rank in sorted order minus
-the start of its expert's segment (found by binary search). The result is a `SlotPlan`: two
-index maps between the choices and the expert-major slots [E, G * C] (expert e's buffer holds
-C slots of every group, one after the other), each the inverse of the other on the served
-choices.
-
-With both maps, every data movement is a row gather, in the forward pass and in the backward
-pass (a custom VJP):
-
-  dispatch  buffers[slot] = x[token(slot)]        its VJP  dx[t] = sum_j dbuffers[slot(t, j)]
-  combine   y[t] = sum_j w[t, j] out[slot(t, j)]   its VJP  dout[slot] = w dy[token(slot)]
-
-so no scatter-add (a serial loop on CPU, atomics on GPU) and no transpose of [G, E, C, D]
-buffers is ever run, and the plan is computed once for both passes. The expert matmuls see
-[E, G * C, D], the layout of an expert-parallel all-to-all. O(E G C D + G S k D) memory; no
-[S, E, C] tensor.
+`einsum`'s semantics. Per group, the (expert, priority) pairs of the k * S choices are sorted; a
+choice's queue position is its rank minus its expert's segment start (binary search). The
+resulting `SlotPlan` moves data by row gathers only (`slots`), computed once for both passes;
+the experts see [E, G * C, D], an expert-parallel all-to-all's layout. O(E G C D + G S k D)
+memory, no [S, E, C] tensor.
 """
 
 from __future__ import annotations
@@ -36,14 +24,11 @@ def _batched_searchsorted(sorted_values: jax.Array, queries: jax.Array) -> jax.A
 
 
 def sort_slot_plan(expert_index: jax.Array, *, num_experts: int, capacity: int) -> SlotPlan:
-  """Capacity slots by sorting, with `moe_einsum`'s semantics and no [S, E, C] tensor.
+  """Capacity slots by sorting, with `moe_einsum`'s semantics.
 
-  Per group, the k * S (token, choice) pairs are numbered priority-major
-  (p = j * S + s, so every top-1 choice precedes every top-2 choice and earlier
-  tokens come first) and sorted by the key (expert, p). Expert e's choices then
-  form the segment [start_e, start_e + count_e) of the sorted order, in arrival
-  order, so slot c of expert e is the sorted element start_e + c, served iff
-  c < min(count_e, C).
+    Choices are numbered priority-major (p = j * S + s) and sorted by (expert, p); expert e's
+    choices are then the segment [start_e, start_e + count_e), so slot c of expert e is sorted
+    element start_e + c, served iff c < min(count_e, C).
   """
   num_groups, group_size, top_k = expert_index.shape
   num_choices = group_size * top_k  # Per group.
@@ -106,8 +91,7 @@ def moe_sort(
     *,
     capacity: int | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
-  """Capacity-limited dispatch by sorting (`sort_slot_plan`); the same results as `moe_einsum`,
-  the expert MLP on the [E, G * C, D] capacity buffers."""
+  """`sort_slot_plan`, the expert MLP on [E, G * C, D] buffers; `moe_einsum`'s results."""
   check_inputs(x, expert_index, gates)
   num_groups, group_size, dim = x.shape
   capacity = resolve_capacity(capacity, group_size)

@@ -1,18 +1,14 @@
-"""What the sharded dispatches (`data_parallel`, `expert_parallel`) share: running a per-device
-body under `jax.shard_map` on the caller's mesh, and the expert weights' gradient reduction.
+"""What the sharded dispatches (`data_parallel`, `expert_parallel`) share: a per-device body
+under `jax.shard_map` on the caller's mesh, and the expert weights' gradient reduction.
 
-Why a `shard_map` at all: a dispatch routes by data-dependent gathers, sorts or one-hot tensors
-over the flattened tokens of the batch, which the SPMD partitioner cannot split over the batch
-axes; left to it, every device builds the capacity buffers of the whole global batch and runs
-every expert on them (docs/design.md, "The MoE layer on a device mesh"). Inside `shard_map` the
-body sees only its device's groups, so the work is each device's share by construction.
+Why `shard_map`: a dispatch routes by data-dependent gathers, sorts or one-hots over the flat
+batch, which the SPMD partitioner cannot split; left to it, every device would run every expert
+on the whole global batch (docs/design.md, "The MoE layer on a device mesh").
 
-Why `vary_over`: under `shard_map(check_vma=True)` a weight replicated over a batch axis is
-*invariant* there, and JAX inserts the `pvary` that makes it meet the varying tokens where the
-two first meet. That is after the cast to the compute dtype, or after a bias is broadcast to
-the tokens' shape, so the transpose of that `pvary`, an all-reduce over the batch axis, ran on
-a bfloat16 (or token-shaped) tensor. Marking the float32 weights varying at the top of the
-body puts the one all-reduce on the float32, parameter-shaped gradients.
+Why `vary_over`: under `shard_map(check_vma=True)` JAX inserts the `pvary` of a replicated
+weight where it first meets the varying tokens, after the cast to the compute dtype or a
+broadcast, so its transpose (an all-reduce) would run on a bfloat16 or token-shaped tensor.
+Marking the float32 weights varying first puts the one all-reduce on their float32 gradients.
 """
 
 from __future__ import annotations
@@ -27,15 +23,12 @@ from jax.sharding import PartitionSpec as P
 
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats
 
-# `features(x [G, S, D], experts) -> [G, E, ...]`: something every expert computes of every
-# group, each (group, expert) entry depending on that group and that expert's weights only
-# (`RouterOutput.expert_features`); run inside the sharded region, beside the dispatch.
+# `features(x [G, S, D], experts) -> [G, E, ...]` (`RouterOutput.expert_features`).
 ExpertFeatures = Callable[[jax.Array, Any], jax.Array]
 
 
 def typed_by(mesh: Mesh) -> bool:
-  """Whether arrays here carry their layout on `mesh` in their type: the mesh has Explicit
-  axes and is the one set by `jax.set_mesh` (outside it, arrays are not typed by any mesh)."""
+  """Whether arrays carry their layout on `mesh` in their type (Explicit, `jax.set_mesh`)."""
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return False
   context = jax.sharding.get_abstract_mesh()
@@ -48,11 +41,8 @@ def auto(mesh: Mesh) -> Mesh:
 
 
 def place(value: jax.Array, mesh: Mesh, spec: P, typed: bool) -> jax.Array:
-  """`value` laid out as `spec` on `mesh`: moved if it is not already (eagerly or under jit).
-
-  Where the layout is part of the array's type, shard_map requires it to match `in_specs`
-  exactly, so the array is resharded; elsewhere a sharding constraint lets the compiler move
-  it (a no-op for inputs already laid out so, as in the training kit).
+  """`value` laid out as `spec` on `mesh`: resharded where layouts are typed (shard_map then
+    requires an exact match), else a sharding constraint.
   """
   sharding = NamedSharding(mesh, spec)
   if typed:
@@ -61,10 +51,8 @@ def place(value: jax.Array, mesh: Mesh, spec: P, typed: bool) -> jax.Array:
 
 
 def vary_over(tree: Any, axes: Sequence[str]) -> Any:
-  """`tree`'s arrays marked varying over `axes` (those they are not varying over already).
-
-  Its transpose is one all-reduce (psum) over `axes` of each leaf's gradient, in the leaf's own
-  dtype and shape: call it on the float32 weights before anything is cast or broadcast.
+  """`tree`'s arrays marked varying over `axes`; the transpose is one psum per leaf, in its own
+    dtype and shape, so call it on the float32 weights before any cast or broadcast.
   """
   if not axes:
     return tree
@@ -100,8 +88,7 @@ def vma_check_off() -> Any:
 
 
 def kernels_can_run(*values: jax.Array) -> bool:
-  """Whether a Pallas kernel can run on `values`: outside shard_map, or where `run_kernel` can
-  type its outputs."""
+  """Whether a Pallas kernel can run on `values`: outside shard_map, or where `run_kernel` can."""
   return not any(varying_axes(v) for v in values) or vma_check_off() is not None
 
 
@@ -110,11 +97,10 @@ def run_kernel(
 ) -> Any:
   """`fn(*args, **kwargs)`, a Pallas kernel, also inside `jax.shard_map(check_vma=True)`.
 
-  `pallas_call` gives its outputs shapes without the mesh axes they vary over, which
-  shard_map's check rejects. A kernel is per device, so its outputs vary over the axes its
-  inputs vary over: it is traced without the check and typed so (`pcast`). Call it inside a
-  custom VJP only, which never differentiates through that cast; `typed_like` types the
-  cotangents. `fallback` says what to use instead where this jax has no switch for the check.
+    `pallas_call`'s outputs lack the mesh axes they vary over, which the check rejects; a kernel is
+    per device, so it is traced without the check and its outputs cast to vary as its inputs do.
+    Call it inside a custom VJP only (`typed_like` types the cotangents). `fallback` is the advice
+    where this jax has no switch for the check.
   """
   axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
   check_off = vma_check_off()
@@ -131,9 +117,9 @@ def run_kernel(
 
 
 def typed_like(cotangent: Any, primal: Any) -> Any:
-  """Cotangents typed as their primals inside shard_map (trees of the same structure): summed
-  over the axes a primal does not vary over (a replicated input's gradient is the sum of every
-  device's), cast to vary where the primal does."""
+  """Cotangents typed as their primals inside shard_map: summed over the axes a primal does not
+    vary over, cast to vary where it does.
+  """
 
   def like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
     extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
@@ -171,18 +157,14 @@ def run_sharded(
     out_specs: Any,
     group_like: jax.Array,
 ) -> Any:
-  """`jax.shard_map(body)(*inputs)` on `mesh`, whatever the inputs' layout and the mesh's axis
-  types; outputs laid out on their group axis like `group_like` where arrays are typed.
+  """`jax.shard_map(body)(*inputs)` on `mesh`, whatever the inputs' layout and axis types.
 
-  A mesh with Explicit axes (`jax.make_mesh`'s default) types every array with its layout
-  inside `jax.set_mesh`; outside it the inputs carry no mesh, and the same devices are used as
-  Auto axes so that the outputs come back untyped, like the inputs.
+    Outside `jax.set_mesh` an Explicit mesh is used as Auto, so outputs come back untyped like the
+    inputs; where typed, outputs are laid out on their group axis like `group_like`.
   """
   typed = typed_by(mesh)
   if not typed:
     mesh = auto(mesh)
-  # Whatever the inputs' layout (unsharded, or sharded for another mesh axis), each device
-  # gets its groups and its experts.
   placed = jax.tree.map(lambda v, spec: place(v, mesh, spec, typed), inputs, in_specs)
   outputs = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*placed)
   if typed:  # The caller's next operations expect the layout of the input.
@@ -201,9 +183,10 @@ def run_dispatch(
     batch_axes: Sequence[str],
     with_features: bool,
 ) -> tuple[Any, ...]:
-  """A sharded dispatch: `body(x, expert_index, gates, experts)` returning (y, kept,
-  group_expert_fraction[, features]) per device, run on `mesh` with the groups split over
-  `batch_axes` and the experts laid out as `expert_specs`; (y, `DispatchStats`[, features])."""
+  """`body(x, expert_index, gates, experts) -> (y, kept, group_expert_fraction[, features])`
+    per device, groups over `batch_axes`, experts as `expert_specs`; returns
+    (y, `DispatchStats`[, features]).
+  """
   batch_spec = P(tuple(batch_axes))
   outputs = run_sharded(
       body,

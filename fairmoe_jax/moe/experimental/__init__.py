@@ -1,16 +1,11 @@
 """The dispatches `auto` never picks, beside the main path of `fairmoe_jax.moe.dispatch`.
 
-Each keeps the dispatch signature, is tested against the `dense` oracle like the main ones, and
-registers itself in `DISPATCH_ALGORITHMS` under its name when this package is imported (which
-`fairmoe_jax.moe` does), so `moe.dispatch=<name>` selects it:
+Each keeps the dispatch signature, is tested against the `dense` oracle, and registers itself in
+`DISPATCH_ALGORITHMS` when this package is imported (as `fairmoe_jax.moe` does):
 
-* `einsum_fused` (`fused_mlp`): `einsum` with the expert MLP in one Pallas kernel per pass on a
-  TPU, the hidden activation never in memory; on every other platform, `einsum` itself.
-* `sort_blocks` (`sort_blocks`): `sort`'s capacity semantics, the expert MLP on blocks of the
-  served choices only (no empty capacity slot computed).
-* `blocksparse` (`blocksparse`): dropless, the expert MLP on fixed-size blocks of expert-sorted
-  rows with a block-to-expert map (MegaBlocks); computes only the real rows, rounded up to a
-  block per expert.
+* `einsum_fused` (`fused_mlp`): `einsum` with the expert MLP in Pallas kernels on a TPU.
+* `sort_blocks`: `sort`'s capacity semantics, the MLP on blocks of the served choices only.
+* `blocksparse`: dropless, the MLP on blocks of expert-sorted rows (MegaBlocks).
 """
 
 from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS

@@ -1,18 +1,11 @@
 """`blocksparse` dispatch: dropless, the expert MLP on fixed-size blocks of expert-sorted rows.
 
-The MegaBlocks idea (Gale et al. 2023) in JAX. All T * k choices are sorted by expert; each
-expert's rows are padded up to a multiple of the block size B, so its rows fill whole blocks,
-and the block bounds of every expert say which expert's weights each block uses. The expert MLP
-then runs expert by expert and, inside, block by block (loops whose trip counts are known only
-at run time), so the work is T * k rows rounded up to a block per expert, at most
-T * k + E * (B - 1) rows, never the E * C slots of a capacity buffer, and never the E-fold work
-of a grouped matmul lowered densely (`jax.lax.ragged_dot` on XLA's CPU backend, `dropless`).
-
-Nothing is dropped; the results equal `moe_dense`'s. Data movement reuses `sort`'s row
-gathers in both passes (`gather_slots` / `combine_slots` with a `SlotPlan` whose slots are the
-block rows). The block MLP has a custom VJP with the same loops, which accumulates each
-expert's weight gradient over its blocks and writes it once, so no [blocks, D, H] copy of the
-weights is ever made.
+MegaBlocks (Gale et al. 2023) in JAX: the T * k choices are sorted by expert, each expert's rows
+padded to whole blocks of B, and the MLP runs expert by expert, block by block (run-time trip
+counts): at most T * k + E * (B - 1) rows, never E * C capacity slots nor a densely lowered
+grouped matmul's E-fold work. Results equal `moe_dense`'s. Data moves by `sort`'s row gathers
+(`slots`); the block MLP's custom VJP accumulates each expert's weight gradient over its blocks
+and writes it once.
 """
 
 from __future__ import annotations
@@ -34,11 +27,8 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 128
 
 
 def choose_block_size(num_choices: int, num_experts: int) -> int:
-  """Rows per block: the power of two nearest half an expert's average load, in [16, 128].
-
-  Each expert wastes B/2 rows on average (its last block is part-full), while larger blocks
-  run the per-block matmuls more efficiently; half the average load keeps the waste near a
-  quarter of a block per row-block and was the fastest measured on CPU (docs/benchmarks.md).
+  """Rows per block: the power of two nearest half an expert's mean load, in [16, 128]
+    (the fastest on CPU, docs/benchmarks.md: waste vs. per-block matmul efficiency).
   """
   half_load = max(num_choices / num_experts / 2, 1.0)
   return int(min(max(2 ** round(math.log2(half_load)), MIN_BLOCK_SIZE), MAX_BLOCK_SIZE))
@@ -48,13 +38,11 @@ def choose_block_size(num_choices: int, num_experts: int) -> int:
 class BlockPlan:
   """Expert-sorted rows in blocks of B, and which expert each block belongs to.
 
-  Attributes:
-    slots: the row <-> choice maps as a `SlotPlan` over the [num_rows] block rows (one
-      "expert" axis of size 1 in `slot_choice`, so `sort`'s gathers apply unchanged).
-    block_bounds: [E + 1] int32, expert e's blocks are [block_bounds[e], block_bounds[e + 1]);
-      blocks from block_bounds[E] on are computed by no expert (empty rows, and with `kept`,
-      the dropped choices; then block_bounds has one more entry).
-    block_size: rows per block.
+    Attributes:
+      slots: a `SlotPlan` over the block rows (an "expert" axis of size 1), for `sort`'s gathers.
+      block_bounds: [E + 1] int32, expert e's blocks are [block_bounds[e], block_bounds[e + 1]);
+        later blocks are computed by no expert (with `kept`, one more entry for the dropped).
+      block_size: rows per block.
   """
 
   slots: SlotPlan
@@ -76,9 +64,8 @@ def block_plan(
 ) -> BlockPlan:
   """Sorts the [G, S, k] choices by expert into blocks of `block_size` rows.
 
-  With `kept` ([G, S, k] bool, e.g. a capacity plan's), only the kept choices get rows of
-  their experts' blocks: the others are sorted behind every expert, into blocks that no
-  expert computes, so their outputs are zero, as a dropped choice's are.
+    With `kept` ([G, S, k] bool), the other choices go to blocks behind every expert, computed by
+    none, so their outputs are zero, as a dropped choice's are.
   """
   num_groups, group_size, top_k = expert_index.shape
   stats = dropless_stats(expert_index, num_experts) if kept is None else None
@@ -124,8 +111,7 @@ def block_plan(
 
 
 def _block_expert(block: jax.Array, block_bounds: jax.Array, num_experts: int) -> jax.Array:
-  """The expert whose blocks [block_bounds[e], block_bounds[e + 1]) hold each block number
-  (clipped to [0, num_experts - 1] for blocks past every expert's)."""
+  """The expert whose blocks hold each block number (clipped to [0, E - 1])."""
   expert = jnp.searchsorted(block_bounds, block, side="right") - 1
   return jnp.clip(expert, 0, num_experts - 1).astype(jnp.int32)
 
@@ -134,9 +120,8 @@ def _block_expert(block: jax.Array, block_bounds: jax.Array, num_experts: int) -
 def block_mlp(rows: jax.Array, block_bounds: jax.Array, experts: ExpertWeights) -> jax.Array:
   """Expert e's MLP on blocks [block_bounds[e], block_bounds[e + 1]) of rows [NB, B, D].
 
-  Blocks from `block_bounds[-1]` on are not computed: their outputs are zero. The loops run
-  expert by expert, so each expert's weights are sliced (and, backwards, its gradients
-  written) once, however many blocks it has.
+    Blocks from `block_bounds[-1]` on give zeros. Each expert's weights are sliced (and its
+    gradients written) once, however many blocks it has.
   """
   return _block_mlp_fwd(rows, block_bounds, experts)[0]
 
@@ -159,8 +144,7 @@ def _block_mlp_fwd(rows, block_bounds, experts):
 
 
 def _zeros(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
-  """float32 zeros of `shape` that vary over the mesh axes any of `like` varies over (inside
-  `shard_map`), so that a loop may accumulate gradients of varying weights in them."""
+  """float32 zeros varying over the mesh axes `like` varies over, to accumulate gradients in."""
   axes = set().union(*(spmd.varying_axes(a) for a in like))
   return spmd.vary_over(jnp.zeros(shape, jnp.float32), tuple(sorted(axes)))
 
@@ -181,8 +165,7 @@ def _block_mlp_bwd(residuals, d_out):
       h, gelu_vjp = jax.vjp(gelu_exact, rows[b] @ w1 + b1)
       d_o = d_out[b]
       (d_pre,) = gelu_vjp(d_o @ w2.T)
-      # The weight gradients are sums over every block of the expert: accumulated in float32
-      # whatever the compute dtype (a bfloat16 accumulator rounds at every block).
+      # Accumulated in float32 whatever the compute dtype (bfloat16 would round at every block).
       g = ExpertWeights(
           w1=g.w1 + matmul(rows[b].T, d_pre),
           b1=g.b1 + d_pre.astype(jnp.float32).sum(0),
@@ -207,12 +190,10 @@ block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
 def ragged_block_mlp(
     rows: jax.Array, block_bounds: jax.Array, experts: ExpertWeights
 ) -> jax.Array:
-  """`block_mlp` with two `jax.lax.ragged_dot` grouped matmuls over all blocks instead of loops.
+  """`block_mlp` with two `jax.lax.ragged_dot` grouped matmuls instead of loops.
 
-  Expert e's group is its blocks' rows; the rows of blocks from `block_bounds[E]` on belong to
-  no group and their outputs are zero, as in `block_mlp`. The matmuls accumulate and return
-  float32 (then cast), so the weight gradients, ragged_dot's transposes, are float32 sums over
-  each expert's rows; the biases are gathered in float32 (`add_bias`) for the same reason.
+    Rows of blocks past every expert's give zeros. Matmuls return float32 and biases are gathered
+    in float32, so the weight gradients are float32 sums.
   """
   num_blocks, block_size, dim = rows.shape
   num_experts = experts.num_experts
@@ -234,15 +215,9 @@ def ragged_block_mlp(
   return out.astype(rows.dtype).reshape(rows.shape)
 
 
-# How `apply_on_blocks` runs the expert MLP on the blocks (`matmul=`):
-#   loop: `block_mlp`, loops over the experts and their blocks with one B x D x H matmul at a
-#     time: the work and memory are the real blocks' only. The default on every platform.
-#   ragged_dot: `ragged_block_mlp`, XLA's grouped matmul over all blocks at once. XLA's CPU
-#     backend lowers it as E dense matmuls, and the H100 compiler (jax 0.10.2) needs 10 to 170
-#     times the loops' scratch for it (23.5 GB against 0.22 GB at DeiT-S, 32 images, E=64,
-#     bfloat16; docs/benchmarks.md), as for `dropless`: an option for a compiler with a
-#     grouped-matmul kernel, not a default.
-# The two give the same results up to float rounding.
+# How `apply_on_blocks` runs the block MLP (same results up to rounding): "loop" (`block_mlp`,
+# the default: only the real blocks' work and memory) or "ragged_dot" (`ragged_block_mlp`: dense
+# on CPU, 10-170x the loops' scratch on H100, docs/benchmarks.md).
 BLOCK_MATMULS = ("loop", "ragged_dot")
 
 
@@ -258,8 +233,7 @@ def apply_on_blocks(
     plan: BlockPlan,
     matmul: str = "loop",
 ) -> jax.Array:
-  """The layer output [G, S, D] of tokens x [G, S, D] with gates [G, S, k], computed on the
-  plan's blocks by `matmul` (`BLOCK_MATMULS`)."""
+  """Layer output [G, S, D] of x [G, S, D], gates [G, S, k] on the plan's blocks by `matmul`."""
   _check_block_matmul(matmul)
   num_groups, group_size, dim = x.shape
   tokens = x.reshape(num_groups * group_size, dim)
@@ -282,8 +256,7 @@ def moe_blocksparse(
 ) -> tuple[jax.Array, DispatchStats]:
   """Dropless dispatch on blocks of expert-sorted rows; `capacity` is ignored.
 
-  `block_size` None chooses it from the average load (`choose_block_size`); `matmul` says how
-  the expert MLP runs on the blocks (`BLOCK_MATMULS`).
+    `block_size` None: `choose_block_size`; `matmul`: one of `BLOCK_MATMULS`.
   """
   del capacity
   check_inputs(x, expert_index, gates)

@@ -1,27 +1,13 @@
 """The expert MLP as one Pallas TPU kernel per pass, the hidden activation never in memory.
 
-`ExpertWeights.apply_expert_major` leaves the MLP to XLA, which runs one matmul per fusion: the
-hidden activation h [E, rows, H] is written by the first matmul and read back by the second, and
-the backward pass reads it twice more and writes and reads dh, so seven H-wide floats cross
-memory per row against six D-wide ones (`benchmarks/dispatch_levers.expert_mlp_traffic_floor`).
-With H = 4 D that is most of the MLP's traffic. These kernels keep h in the core's vector memory:
-
-* forward, one grid step per (expert, row block): y = GELU(x W1 + b1) W2 + b2;
-* backward, the same grid: h is recomputed from x, then dx, and dW1, db1, dW2, db2 summed over
-  the expert's row blocks in float32.
-
-Per row, x and y cross memory forward and x, dy and dx backward (5 D floats). Each expert's
-weights are read once per pass and its gradients written once: the row blocks of an expert are
-consecutive grid steps that keep the same weight block, which the Pallas pipeline does not copy
-again. The cost the kernels pass to `pallas_call` (what XLA's TPU cost analysis counts for them)
-is that traffic, computed from the blocks; the FLOPs count the recomputed first matmul.
-
-Values: the matmuls run in x.dtype with float32 accumulation, the biases, GELU and every
-gradient sum in float32, results cast to x.dtype. So in float32 they are the XLA path's up to
-rounding, and in bfloat16 they round h and GELU(h) once less than it does. TPU only:
-`interpret=True` runs them anywhere, slowly (tests). `fused_expert_mlp` lowers the kernels for
-a TPU and the XLA path on every other platform; `moe_einsum_fused`, the dispatch `einsum_fused`,
-is `moe_einsum` with this MLP.
+XLA runs the expert MLP one matmul per fusion, so h [E, rows, H] crosses memory seven times per
+row. These kernels keep h in vector memory: forward, y = GELU(x W1 + b1) W2 + b2 per (expert,
+row block); backward, h recomputed, then dx, and the four weight gradients summed over the
+expert's row blocks in float32. Each expert's weights are read once per pass; the cost passed to
+`pallas_call` is that traffic. Matmuls in x.dtype with float32 accumulation; biases, GELU and
+gradient sums in float32. TPU only (`interpret=True` for tests); `fused_expert_mlp` lowers XLA's
+MLP on other platforms, and `moe_einsum_fused` is the dispatch `einsum_fused`. Why, values and
+figures: docs/design.md, "The fused expert MLP on TPU".
 """
 
 from __future__ import annotations
@@ -43,20 +29,11 @@ from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 # Where a jax cannot type the kernels' outputs inside shard_map (`spmd.run_kernel`).
 _FALLBACK = "use moe.dispatch=einsum"
 
-# The kernels' footprint in vector memory is kept small on purpose. Compiled deviceless for a
-# v5e-16 within FairSMoE's whole DeiT-S train step, the step's bytes accessed grow with the
-# scoped VMEM the kernels ask for (it is taken from what XLA's memory-space assignment has for
-# the rest of the program): 1.496e10 per device with 512-row blocks and double-buffered weights,
-# 1.486e10 with 128-row blocks, 1.474e10 with 128-row blocks and one buffer per weight (`einsum`:
-# 1.488e10). So: 128 rows per grid step at most (a multiple of the TPU's 8-row tile), and one
-# buffer for each expert's weight blocks, which also fits DeiT-S's experts in a v4's 16 MiB.
-# One buffer means an expert's weights load when its first row block starts, not during the
-# previous expert's (each load waits: 4.7 MB of float32 DeiT-S weights forward, about 6 us on a
-# v5e): a cost in time the compiler's cost analysis does not show; a TPU run would weigh it.
+# Small on purpose: the kernels' scoped VMEM is taken from the rest of the train step
+# (docs/design.md, "The fused expert MLP on TPU", "Vector memory, kept small").
 MAX_ROW_BLOCK = 128
 WEIGHT_BUFFERS = 1
-# Bytes of the float32 [rows, H] intermediates of a backward step (h, GELU(h), its slope, dh)
-# at most: the row block shrinks for experts wider than any paper config's (H > 8192).
+# Cap on a backward step's float32 [rows, H] intermediates (binds only for H > 8192).
 HIDDEN_BLOCK_BYTES = 16 * 2**20
 # The most vector memory any TPU core has (v5e, v6e): the scoped limit never asks for more.
 VMEM_CAPACITY_MAX = 128 * 2**20
@@ -65,11 +42,10 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def row_block(rows: int, hidden: int) -> int:
-  """Rows per grid step for `rows` rows per expert of hidden width `hidden`: the largest
-  multiple of 8 that divides `rows` and is at most the cap (MAX_ROW_BLOCK, and
-  HIDDEN_BLOCK_BYTES for the step's four float32 [rows, H] intermediates), or (no such divisor)
-  `rows` rounded up to a multiple of 8 and capped, the rows then padded with zeros to a
-  multiple of it."""
+  """Rows per grid step: the largest multiple of 8 dividing `rows` under the cap (MAX_ROW_BLOCK,
+    HIDDEN_BLOCK_BYTES for four float32 [rows, H] intermediates), else `rows` rounded up to 8 and
+    capped (the rows then zero-padded).
+  """
   cap = max(8, min(MAX_ROW_BLOCK, HIDDEN_BLOCK_BYTES // (16 * hidden)) // 8 * 8)
   for block in range(min(cap, rows - rows % 8), 7, -8):
     if rows % block == 0:
@@ -80,10 +56,10 @@ def row_block(rows: int, hidden: int) -> int:
 def vmem_bytes(
     rows_block: int, dim: int, hidden: int, itemsize: int, weight_buffers: int = 1
 ) -> int:
-  """Vector memory the backward step needs (the larger pass): its row blocks, double-buffered
-  by the Pallas pipeline (x, dy, dx), its expert's blocks in `weight_buffers` buffers (W1, b1,
-  W2 and the four float32 gradients), and the float32 intermediates of its body ([rows, H]: h,
-  GELU(h), the slope, dh; [rows, D]: dx)."""
+  """Vector memory of the backward step (the larger pass): row blocks double-buffered (x, dy,
+    dx), the expert's blocks in `weight_buffers` buffers (W1, b1, W2, four float32 gradients) and
+    the float32 intermediates ([rows, H] h, GELU(h), slope, dh; [rows, D] dx).
+  """
   rows = 2 * 3 * rows_block * dim * itemsize
   expert = weight_buffers * 4 * (4 * dim * hidden + 2 * hidden + dim)
   return rows + expert + 4 * rows_block * (4 * hidden + dim)
@@ -95,10 +71,9 @@ def _squeezed():
 
 
 def _gelu_and_slope(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The exact GELU of h and its derivative, in float32: Phi(h) h and Phi(h) + h phi(h).
-
-  Phi is written with erf, which Mosaic lowers, not with erfc as `experts.gelu_exact` is: the
-  two differ by float32 rounding (absolute, near 1e-7 of Phi), where Phi is tiny."""
+  """Exact GELU of h and its derivative in float32, Phi written with erf (which Mosaic lowers,
+    unlike `experts.gelu_exact`'s erfc; they differ by float32 rounding).
+  """
   cdf = 0.5 + 0.5 * jax.lax.erf(h * _SQRT_HALF)
   return h * cdf, cdf + h * (_INV_SQRT_2PI * jnp.exp(-0.5 * h * h))
 
@@ -155,10 +130,8 @@ def _layout(x: jax.Array, hidden: int, semantics: tuple[str, str]):
 
 
 def _compiler_params(semantics: tuple[str, str], vmem: int):
-  # The scoped limit the kernel asks Mosaic for: its need and a margin for Mosaic's own
-  # temporaries. One expert's weights must fit in a core's vector memory (a v5e's 128 MiB holds
-  # Swin-B's last stage, a v4's 16 MiB DeiT-S's); where they do not, the TPU compile fails, in
-  # the preflight (`--mode=compile`) before any run.
+  # Need plus a margin for Mosaic's temporaries; an expert too large for a core's VMEM fails
+  # the TPU compile (in the preflight, `--mode=compile`).
   limit = min(int(vmem * 1.25) + 8 * 2**20, VMEM_CAPACITY_MAX)
   return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
 
@@ -168,8 +141,7 @@ def _weight_bytes(num_experts: int, dim: int, hidden: int) -> int:
 
 
 def forward_cost(num_experts: int, rows: int, dim: int, hidden: int, itemsize: int):
-  """The forward kernel's FLOPs, transcendentals (erf) and HBM bytes (x read, y written, the
-  weights read once per expert)."""
+  """The forward kernel's FLOPs, erfs and HBM bytes (x, y, the weights once per expert)."""
   return pl.CostEstimate(
       flops=4 * num_experts * rows * dim * hidden,
       transcendentals=num_experts * rows * hidden,
@@ -264,9 +236,8 @@ def fused_expert_mlp_kernels(
 ) -> jax.Array:
   """`experts.apply_expert_major(x)` by the Pallas kernels: [E, *rows, D] -> [E, *rows, D].
 
-  The row axes are merged (a relayout on a TPU where the last one is not a multiple of 8) and
-  padded with zero rows to a whole number of row blocks; the padding's outputs are sliced off,
-  so its cotangents are zero and it adds nothing to any gradient.
+    Row axes are merged and zero-padded to whole row blocks; the padding is sliced off (zero
+    cotangents).
   """
   num_experts, dim = x.shape[0], x.shape[-1]
   rows = int(np.prod(x.shape[1:-1]))
@@ -305,8 +276,8 @@ def moe_einsum_fused(
     capacity: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, DispatchStats]:
-  """`moe_einsum` with the expert MLP in the Pallas kernels on a TPU (`moe_einsum`'s XLA MLP on
-  every other platform; `interpret`: Pallas' interpret mode, for CPU tests): the dispatch
-  `moe.dispatch=einsum_fused`."""
+  """`moe_einsum` with the expert MLP in the Pallas kernels on a TPU (XLA's elsewhere;
+    `interpret` for CPU tests): `moe.dispatch=einsum_fused`.
+  """
   mlp = functools.partial(fused_expert_mlp, interpret=interpret)
   return moe_einsum(x, expert_index, gates, experts, capacity=capacity, expert_mlp=mlp)

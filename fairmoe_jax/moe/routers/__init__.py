@@ -1,13 +1,9 @@
-"""Routers of sparse MoE layers: which experts serve which tokens, with what weight.
+"""Routers of sparse MoE layers (logits always float32).
 
-* `base`: the token-choice router protocol, `RouterOutput` and the shared
-  pieces (`route_from_logits`, the auxiliary losses, `float32_gate`).
+* `base`: the token-choice router protocol, `RouterOutput` and shared pieces.
 * `topk`: `TopKRouter`, softmax top-k (paper Eq. 5).
 * `noisy_topk`: `NoisyTopKRouter` (Shazeer et al. 2017).
-* `expert_choice`: `ExpertChoiceRouter` (Zhou et al. 2022), where experts pick
-  tokens; it has its own path through `SparseMoE`.
-
-Router logits are computed in float32 in all cases.
+* `expert_choice`: `ExpertChoiceRouter` (Zhou et al. 2022), its own path through `SparseMoE`.
 """
 
 from fairmoe_jax.moe.routers.base import (

@@ -1,42 +1,26 @@
-"""The router protocol of sparse mixture-of-experts layers and its shared pieces.
+"""The router protocol of sparse MoE layers and its shared pieces.
 
-Routing is kept apart from dispatch (the V-MoE split): a router only decides
-*where* each token wants to go and *with what weight*; it knows nothing about
-expert capacity. The dispatch algorithms of `fairmoe_jax.moe.dispatch` then
-serve those decisions under the capacity limit.
+Routing is kept apart from dispatch (the V-MoE split): a router decides where each token goes
+and with what weight, knowing nothing of capacity; `fairmoe_jax.moe.dispatch` serves that.
 
-Router protocol (what `SparseMoE` calls for token-choice routing):
+    route = router(x, train=..., rngs=..., context=...)   # x: [T, D]; context: per-token arrays
 
-    route = router(x, train=..., rngs=..., context=...)   # x: [T, D] tokens
-
-returning a `RouterOutput` (or a subclass). `context` maps names to per-token
-arrays with leading dimension T (e.g. the sensitive attributes of each token's
-example); routers that need none ignore it.
-
-Everything else the layer needs of a router comes back through that output (as
-V-MoE's routers return their dispatcher and metrics), so the layer calls no
-method of the router itself; a subclass overrides what its router adds:
+returns a `RouterOutput` (or subclass). Everything else the layer needs comes back through it,
+so the layer calls no router method; a subclass overrides what its router adds:
 
     route.extra_losses()                       # named scalar losses (unweighted)
     route.expert_features(x, experts)          # in training, x: [B, S, D] -> [B, E, ...] or None
     route.expert_losses(features, context)     # in training, context per example
     route.example_readings(batch, seq_len)     # per-example readings for evaluation
 
-`expert_features` and `expert_losses` are for losses that need the experts' outputs
-(FairSMoE's `expert_competence` reading), in two halves so that the experts run where the
-dispatch runs them: on a device mesh `SparseMoE` calls `expert_features` inside its sharded
-region, on each device's examples with the same copy (or, expert-parallel, the same shard) of
-the `ExpertWeights` as the dispatch, so each device computes only its share and the weights'
-gradients cross devices once. It must therefore treat every example and every expert apart:
-entry [b, e] depends only on example b and expert e's weights (`experts.num_experts` may be a
-shard's E_l). `expert_losses` then gets the gathered [B, E, ...] features and the per-example
-context, and its named scalars join `extra_losses()`.
-`example_readings` is a pytree of [B, ...] arrays (or None) that `SparseMoE`
-passes on in `MoEAux.routing` for an evaluation to read (FGR's SA classifiers).
+`expert_features` and `expert_losses` serve losses that need the experts' outputs (FairSMoE's
+`expert_competence`), split in two so that the experts run where the dispatch runs them: on a
+mesh, `expert_features` runs inside the sharded region on each device's examples and expert
+shard, so entry [b, e] must depend only on example b and expert e (`experts.num_experts` may be
+a shard's E_l). `expert_losses` gets the gathered [B, E, ...] features.
 
-Any module that maps tokens to gating logits can reuse `route_from_logits`, so a
-fairness-guided router (FairSMoE, Sec. 5.2) only has to produce logits;
-`float32_gate` is the bias-free float32 gate the built-in routers share.
+`route_from_logits` turns any gating logits into a `RouterOutput`, so a fairness-guided router
+(Sec. 5.2) only has to produce logits.
 """
 
 from __future__ import annotations
@@ -48,8 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-# Same scale as the timm/DeiT linear layers; a small init keeps the initial
-# routing close to uniform.
+# timm/DeiT's linear init; small, so the initial routing is close to uniform.
 _GATE_INIT = nnx.initializers.normal(stddev=0.02)
 
 
@@ -76,16 +59,14 @@ def float32_gate(
 class RouterOutput:
   """Routing decisions for a flat batch of T tokens.
 
-  Attributes:
-    logits: [T, E] float32 gating logits.
-    probs: [T, E] float32 softmax over experts.
-    expert_index: [T, k] int32, the chosen experts, best first.
-    gates: [T, k] float32, `probs` of the chosen experts. Not renormalised to sum
-      to one over the k choices: the paper's Eq. 5-6 weight expert outputs by
-      Top-K(softmax(g(x))), and keeping the raw probabilities also lets the
-      gradient reach the router through the weight of the chosen experts.
-    load_balance_loss: scalar Switch-Transformer auxiliary loss (unweighted).
-    z_loss: scalar ST-MoE router z-loss (unweighted).
+    Attributes:
+      logits: [T, E] float32 gating logits.
+      probs: [T, E] float32 softmax over experts.
+      expert_index: [T, k] int32, the chosen experts, best first.
+      gates: [T, k] float32, `probs` of the chosen experts, not renormalised over the k: Eq. 5-6
+        weigh expert outputs by Top-K(softmax(g(x))).
+      load_balance_loss: scalar Switch-Transformer auxiliary loss (unweighted).
+      z_loss: scalar ST-MoE router z-loss (unweighted).
   """
 
   logits: jax.Array
@@ -96,24 +77,18 @@ class RouterOutput:
   z_loss: jax.Array
 
   def extra_losses(self) -> dict[str, jax.Array]:
-    """Named scalar losses a router adds beyond load balancing and z-loss (unweighted).
-
-    Empty for the plain routers; the fairness-guided router returns its
-    confusion, attribute-classifier and specialization losses here, so that
-    `SparseMoE` can pass them on without knowing the router.
-    """
+    """Named scalar losses beyond load balancing and z-loss (unweighted); FGR's go here."""
     return {}
 
   def expert_features(self, x: jax.Array, experts: Any) -> jax.Array | None:
-    """What `expert_losses` needs of the experts' outputs, per example and expert, in training.
+    """What `expert_losses` needs of the experts' outputs, in training (module docstring).
 
-    Args:
-      x: [B, S, D] the layer's input (a device's examples, on a mesh).
-      experts: stacked `ExpertWeights` (`experts.apply`) of E experts (a shard's, under
-        expert parallelism).
+        Args:
+          x: [B, S, D] the layer's input (a device's examples, on a mesh).
+          experts: `ExpertWeights` of E experts (a shard's, under expert parallelism).
 
-    Returns [B, E, ...], entry [b, e] a function of example b and expert e alone; or None (the
-    plain routers), and then the experts are not run for it.
+        Returns [B, E, ...], entry [b, e] a function of example b and expert e alone; or None, and
+        then the experts are not run for it.
     """
     del x, experts
     return None
@@ -121,42 +96,30 @@ class RouterOutput:
   def expert_losses(
       self, features: jax.Array | None, context: Mapping[str, jax.Array] | None
   ) -> dict[str, jax.Array]:
-    """Named scalar losses that need the experts' outputs (unweighted), in training.
-
-    Args:
-      features: `expert_features`' [B, E, ...] result for the whole batch (None where it
-        returned None).
-      context: the layer's per-example context ([B, ...] arrays), or None.
-
-    Empty for the plain routers; FairSMoE's `expert_competence` reading returns its
-    specialization loss here.
+    """Named scalar losses from `expert_features`' [B, E, ...] result and the
+        per-example context (unweighted), in training.
     """
     del features, context
     return {}
 
   def example_readings(self, batch: int, seq_len: int) -> Any:
-    """Per-example readings of the routing for evaluation, from the flat [B * S] tokens: a pytree
-    of [B, ...] arrays, or None (the plain routers). FGR returns its `FairRoutingReadings`."""
+    """Per-example readings for evaluation from the flat [B * S] tokens (None here)."""
     del batch, seq_len
     return None
 
 
 def load_balance_loss(probs: jax.Array, expert_index: jax.Array) -> jax.Array:
-  """Switch-Transformer load-balancing loss, E * sum_e f_e * P_e.
+  """Switch-Transformer load-balancing loss, E * sum_e f_e * P_e (1 when uniform).
 
-  f_e counts *all* top-k assignments (divided by k so that sum_e f_e = 1), not
-  only the top-1 choice as in the original top-1 Switch paper; this is the
-  usual generalisation for top-k routers. Assignments are counted before any
-  capacity dropping. P_e is the mean router probability of expert e. The loss
-  equals 1 for perfectly uniform routing.
+    f_e counts all top-k assignments before capacity dropping, divided by k (the usual top-k
+    generalisation of top-1 Switch); P_e is the mean router probability of expert e.
 
-  Args:
-    probs: [T, E] router probabilities.
-    expert_index: [T, k] chosen experts.
+    Args:
+      probs: [T, E] router probabilities.
+      expert_index: [T, k] chosen experts.
   """
   num_experts = probs.shape[-1]
-  # [T, k, E] -> [E]: fraction of (token, choice) pairs assigned to e. No
-  # gradient flows through f_e (argmax); it flows through P_e.
+  # No gradient flows through f_e (argmax); it flows through P_e.
   assignments = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)
   fraction_routed = assignments.mean(axis=(0, 1))
   mean_prob = probs.mean(axis=0)
@@ -182,12 +145,7 @@ def check_logits(logits: jax.Array, top_k: int) -> None:
 
 
 def route_from_logits(logits: jax.Array, top_k: int) -> RouterOutput:
-  """Softmax over experts, then top-k; computes the auxiliary losses.
-
-  Args:
-    logits: [T, E] gating logits (cast to float32 here).
-    top_k: number of experts per token.
-  """
+  """Softmax over experts, then top-k, with the auxiliary losses; logits [T, E]."""
   check_logits(logits, top_k)
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)

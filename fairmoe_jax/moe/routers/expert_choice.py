@@ -1,12 +1,8 @@
 """Expert choice routing (Zhou et al. 2022, "Mixture of experts with expert choice routing").
 
-The selection is inverted: every expert picks its C best tokens of a group, so
-there is no capacity overflow to dispatch. `ExpertChoiceRouter` produces an
-expert-major `ExpertChoiceAssignment` rather than a `RouterOutput`, so it does
-not follow the token-choice router protocol of `fairmoe_jax.moe.routers.base`
-and does not feed the dispatch algorithms: `apply_expert_choice` gathers the
-picked tokens, runs the experts and scatters the gated outputs back.
-`SparseMoE(router="expert_choice")` takes this path.
+Every expert picks its C best tokens of a group, so nothing overflows. The expert-major
+`ExpertChoiceAssignment` is not a `RouterOutput`: `apply_expert_choice` gathers the picks, runs
+the experts and scatters back, instead of a dispatch (`SparseMoE(router="expert_choice")`).
 """
 
 from __future__ import annotations
@@ -25,17 +21,14 @@ from fairmoe_jax.moe.routers.base import float32_gate, router_z_loss
 class ExpertChoiceAssignment:
   """Expert-major routing decisions of expert choice routing.
 
-  Attributes:
-    token_index: [G, E, C] int32, the tokens (positions in the group) picked by
-      each expert, highest affinity first.
-    gates: [G, E, C] float32, the affinity softmax(x W_g)[token, expert] of those
-      tokens (softmax over experts, not renormalised).
-    logits: [G, S, E] float32 router logits.
-    probs: [G, S, E] float32 softmax over experts (the affinities).
-    experts_per_token: [G, S] int32, how many experts picked each token (0 for
-      tokens that get no expert and pass only through the residual).
-    fraction_unrouted: scalar, fraction of tokens that no expert picked.
-    z_loss: scalar ST-MoE router z-loss of the logits (unweighted; optional).
+    Attributes:
+      token_index: [G, E, C] int32, each expert's tokens (positions in the group), best first.
+      gates: [G, E, C] float32, their affinity softmax(x W_g)[token, expert] (not renormalised).
+      logits: [G, S, E] float32 router logits.
+      probs: [G, S, E] float32 softmax over experts (the affinities).
+      experts_per_token: [G, S] int32, experts that picked each token (0: residual only).
+      fraction_unrouted: scalar, fraction of tokens that no expert picked.
+      z_loss: scalar ST-MoE router z-loss of the logits (unweighted).
   """
 
   token_index: jax.Array
@@ -48,12 +41,7 @@ class ExpertChoiceAssignment:
 
 
 def expert_choice_from_logits(logits: jax.Array, capacity: int) -> ExpertChoiceAssignment:
-  """Each expert picks its `capacity` highest-affinity tokens per group.
-
-  Args:
-    logits: [G, S, E] router logits (cast to float32).
-    capacity: C, tokens per expert and group, 1 <= C <= S.
-  """
+  """Each expert picks its `capacity` (1 <= C <= S) best tokens of each group; logits [G, S, E]."""
   if logits.ndim != 3:
     raise ValueError(f"logits must be [groups, tokens, experts], got {logits.shape}")
   _, group_size, num_experts = logits.shape
@@ -80,19 +68,11 @@ def expert_choice_from_logits(logits: jax.Array, capacity: int) -> ExpertChoiceA
 class ExpertChoiceRouter(nnx.Module):
   """Expert choice routing (Zhou et al. 2022): experts pick tokens.
 
-  Affinities S = softmax(x W_g) over experts (float32, bias-free gate with the
-  same init as `TopKRouter`); in every group each expert takes its top-C
-  tokens, C = compute_capacity(S, E, top_k=1, capacity_factor) =
-  ceil(capacity_factor * S / E), so capacity_factor is the average number of
-  experts per token. Every expert gets exactly C tokens (perfect balance, no
-  auxiliary loss needed), but a token may be picked by several experts or by
-  none; unpicked tokens get a zero MoE output (residual only).
-
-  Caveat: the selection compares all tokens of a group, so a token's routing
-  depends on the other tokens of its group, including later ones. It is
-  therefore not causal (unsuitable for autoregressive decoding as is), and the
-  output of an example depends on the group composition (here one group per
-  example, so not on the rest of the batch).
+    Affinities softmax(x W_g) over experts (`TopKRouter`'s gate); each expert takes its top-C
+    tokens of a group, C = ceil(capacity_factor * S / E), so capacity_factor is the mean number of
+    experts per token. Perfectly balanced (no auxiliary loss); a token may get several experts or
+    none (zero MoE output). Not causal: a token's routing depends on its group's other tokens (here
+    one group per example, so not on the rest of the batch).
   """
 
   def __init__(self, dim: int, num_experts: int, *, capacity_factor: float, rngs: nnx.Rngs):
@@ -111,12 +91,7 @@ class ExpertChoiceRouter(nnx.Module):
     return self.gate(x.astype(jnp.float32))
 
   def __call__(self, x: jax.Array, *, capacity: int | None = None) -> ExpertChoiceAssignment:
-    """x: [G, S, D] groups of tokens -> `ExpertChoiceAssignment`.
-
-    Args:
-      x: [G, S, D] tokens.
-      capacity: C, tokens per expert and group; None uses `self.capacity(S)`.
-    """
+    """x: [G, S, D] -> `ExpertChoiceAssignment`; capacity None uses `self.capacity(S)`."""
     if x.ndim != 3:
       raise ValueError(f"x must be [groups, tokens, dim], got {x.shape}")
     if capacity is None:
@@ -131,16 +106,11 @@ def apply_expert_choice(
 ) -> jax.Array:
   """Gather -> experts -> gate-weighted scatter-add.
 
-      y[g, s] = sum over (e, c) with token_index[g, e, c] = s of
-                gates[g, e, c] * expert_fn(x[g, token_index])[g, e, c]
+        y[g, s] = sum over (e, c) with token_index[g, e, c] = s of
+                  gates[g, e, c] * expert_fn(x[g, token_index])[g, e, c]
 
-  Args:
-    x: [G, S, D] tokens.
-    assignment: from `ExpertChoiceRouter`.
-    expert_fn: [G, E, C, D] -> [G, E, C, D'], e.g. `ExpertWeights.apply`.
-
-  Returns:
-    y: [G, S, D'] in expert_fn's output dtype; zero for tokens no expert picked.
+    x: [G, S, D]; expert_fn: [G, E, C, D] -> [G, E, C, D'] (e.g. `ExpertWeights.apply`). Returns
+    y [G, S, D'], zero for tokens no expert picked.
   """
   return apply_expert_picks(x, assignment.token_index, assignment.gates, expert_fn)
 
@@ -151,8 +121,9 @@ def apply_expert_picks(
     gates: jax.Array,
     expert_fn: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-  """`apply_expert_choice` from the picks alone: token_index and gates [G, E, C]. Each group is
-  computed apart, so it runs as it is on a device's own groups (`data_parallel.per_device`)."""
+  """`apply_expert_choice` from token_index and gates [G, E, C] alone; groups are
+    computed apart, so it runs as is on a device's own groups (`data_parallel.per_device`).
+  """
   index = token_index
   expert_inputs = jax.vmap(lambda xg, ig: xg[ig])(x, index)  # [G, E, C, D]
   outputs = expert_fn(expert_inputs)

@@ -65,16 +65,12 @@ _EPS = 1e-6
 class FairRoutingReadings:
   """What an evaluation reads of FGR's routing, per example (the mean over its tokens).
 
-  A branch whose vote is the same for every token is a learned constant bias: its variance over
-  tokens is 0, and replacing it by its mean changes no choice.
-
-  Attributes:
-    attribute_probs: per attribute, [B, G_a] the SA classifier's probabilities (() without
-      FGR), so an evaluation can say whether it beats the majority rate.
-    sa_logit_moments: [B, 4, E] token means of (sa, sa^2, gate, gate^2) per expert, where the
-      routing logits are gate + sa (None without FGR).
-    sa_choice_change: [B] the fraction of the example's tokens whose top-k set changes when sa
-      is replaced by its mean over the batch's tokens (None without FGR).
+    Attributes:
+      attribute_probs: per attribute, [B, G_a] the SA classifier's probabilities (() without FGR).
+      sa_logit_moments: [B, 4, E] token means of (sa, sa^2, gate, gate^2) per expert, with routing
+        logits gate + sa (None without FGR).
+      sa_choice_change: [B] fraction of tokens whose top-k set changes when sa is replaced by its
+        batch mean: 0 means the SA branch is a learned constant bias (None without FGR).
   """
 
   attribute_probs: tuple[jax.Array, ...] = ()
@@ -84,8 +80,7 @@ class FairRoutingReadings:
 
 @struct.dataclass
 class CompetenceHead:
-  """What FEM's `expert_competence` reading needs besides the experts: the router's competence
-  head (a linear layer [D, K]), its expert assignment and its settings (`competence_loss`)."""
+  """The router's competence head [D, K], assignment and settings for `competence_loss`."""
 
   kernel: jax.Array
   bias: jax.Array
@@ -94,7 +89,7 @@ class CompetenceHead:
   alpha: float = struct.field(pytree_node=False)
 
   def __call__(self, pooled: jax.Array) -> jax.Array:
-    """The head on [..., D] features, computed as `nnx.Linear` computes it (same program)."""
+    """The head on [..., D] features, computed as `nnx.Linear` does (same program)."""
     logits = jax.lax.dot_general(pooled, self.kernel, (((pooled.ndim - 1,), (0,)), ((), ())))
     return logits + jnp.reshape(self.bias, (1,) * (logits.ndim - 1) + (-1,))
 
@@ -103,14 +98,11 @@ class CompetenceHead:
 class FairRouterOutput(RouterOutput):
   """`RouterOutput` plus the FGR / FEM losses and the attribute predictions.
 
-  Attributes:
-    attribute_probs: per attribute, [T, G_a] softmax of the SA classifier (() without FGR).
-    attribute_logits: [T, E] the SA branch's share of `logits`, sum_a e_a (None without FGR),
-      so an evaluation can say how much of the routing decision it makes.
-    losses: the unweighted "confusion", "attribute_ce" and "specialization" scalars this
-      router computes (only those its configuration has, and only in training).
-    competence: with `specialization="expert_competence"`, the head that `expert_losses`
-      reads the experts' outputs with (None otherwise).
+    Attributes:
+      attribute_probs: per attribute, [T, G_a] softmax of the SA classifier (() without FGR).
+      attribute_logits: [T, E] the SA branch's share of `logits`, sum_a e_a (None without FGR).
+      losses: the unweighted "confusion", "attribute_ce", "specialization" (training only).
+      competence: the head `expert_losses` reads the experts with ("expert_competence" only).
   """
 
   attribute_probs: tuple[jax.Array, ...]
@@ -122,10 +114,9 @@ class FairRouterOutput(RouterOutput):
     return dict(self.losses)
 
   def expert_features(self, x: jax.Array, experts) -> jax.Array | None:
-    """`expert_competence`'s reading of the experts: each expert's output on each example's
-    tokens, pooled over the tokens, [B, E, D] float32 (None without it).
+    """Each expert's output pooled over each example's tokens, [B, E, D] float32.
 
-    Runs every expert on every token (E times the layer's expert FLOPs).
+        None unless "expert_competence"; runs every expert on every token (E times the FLOPs).
     """
     if self.competence is None:
       return None
@@ -136,11 +127,7 @@ class FairRouterOutput(RouterOutput):
   def expert_losses(
       self, features: jax.Array | None, context: Mapping[str, jax.Array] | None
   ) -> dict[str, jax.Array]:
-    """Losses that need the experts' outputs: `expert_competence`'s specialization.
-
-    Called by `SparseMoE` in training with `expert_features`' pooled outputs [B, E, D] and the
-    per-example context ("label" [B], "attributes" [B, m]).
-    """
+    """`expert_competence`'s loss from pooled outputs [B, E, D], context "label", "attributes"."""
     if self.competence is None:
       return {}
     if context is None or "label" not in context or "attributes" not in context:
@@ -159,8 +146,7 @@ class FairRouterOutput(RouterOutput):
     return {"specialization": loss}
 
   def example_readings(self, batch: int, seq_len: int) -> FairRoutingReadings:
-    """The SA classifiers' per-example probabilities and how much of the routing the SA branch
-    decides (`FairRoutingReadings`), from the flat [B * S] tokens."""
+    """`FairRoutingReadings` from the flat [B * S] tokens."""
     probs = tuple(p.reshape(batch, seq_len, -1).mean(axis=1) for p in self.attribute_probs)
     if self.attribute_logits is None:
       return FairRoutingReadings(attribute_probs=probs)
@@ -183,16 +169,14 @@ class FairRouterOutput(RouterOutput):
 def routing_supervision(
     probs: jax.Array, assigned: jax.Array, alpha: float, weight: jax.Array | None = None
 ) -> jax.Array:
-  """Eq. 8 as routing supervision: sum over (expert, attribute) of focus or avoid.
+  """Eq. 8 as routing supervision, >= 0: the weighted-token mean of
+    sum_a [alpha sum_{e in S^-1(a)} -log p_ae + (1 - alpha) sum_{e not in} -log(1 - p_ae)].
 
-  Args:
-    probs: [T, A, E] routing distribution judged for each of A attribute rows.
-    assigned: [T, A, E] or [A, E] 0/1, the experts holding that attribute (or class).
-    alpha: focus weight; 1 - alpha weighs avoid.
-    weight: [T, A] token weights (0 = no supervision); default all ones.
-
-  Returns the mean over weighted tokens of
-  sum_a [alpha sum_{e in S^-1(a)} -log p_ae + (1 - alpha) sum_{e not in} -log(1 - p_ae)], >= 0.
+    Args:
+      probs: [T, A, E] routing distribution judged for each of A attribute rows.
+      assigned: [T, A, E] or [A, E] 0/1, the experts holding that attribute (or class).
+      alpha: focus weight; 1 - alpha weighs avoid.
+      weight: [T, A] token weights (0 = no supervision); default all ones.
   """
   assigned = jnp.broadcast_to(assigned, probs.shape)
   focus = -jnp.sum(assigned * jnp.log(probs + _EPS), axis=-1)
@@ -205,14 +189,7 @@ def routing_supervision(
 
 
 def group_balanced_cross_entropy(nll: jax.Array, groups: jax.Array, num_groups: int) -> jax.Array:
-  """Mean over the groups present of each group's mean loss.
-
-  Args:
-    nll: [B, E] per-example loss of each expert.
-    groups: [B] int group, -1 = missing (left out).
-    num_groups: G.
-  Returns [E].
-  """
+  """Mean over present groups of each group's mean of nll [B, E] -> [E]; group -1 is left out."""
   one_hot = jax.nn.one_hot(groups, num_groups, dtype=jnp.float32)  # -1 -> zeros
   counts = one_hot.sum(0)  # [G]
   per_group = (one_hot.T @ nll) / jnp.maximum(counts, 1.0)[:, None]  # [G, E]
@@ -230,13 +207,13 @@ def competence_loss(
 ) -> jax.Array:
   """The `expert_competence` reading of Eq. 8, summed over experts.
 
-  Args:
-    logits: [B, E, K] each expert's prediction of the target.
-    labels: [B] int target.
-    attributes: [B, m] int groups, -1 = missing.
-    assignment: [m, E] 0/1.
-    group_sizes: G_a.
-    alpha: focus weight.
+    Args:
+      logits: [B, E, K] each expert's prediction of the target.
+      labels: [B] int target.
+      attributes: [B, m] int groups, -1 = missing.
+      assignment: [m, E] 0/1.
+      group_sizes: G_a.
+      alpha: focus weight.
   """
   num_classes = logits.shape[-1]
   log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -251,24 +228,22 @@ def competence_loss(
 class FairRouter(nnx.Module):
   """FairSMoE router: FGR (`guided=True`) and/or FEM's specialization loss.
 
-  With `guided=False` it is the plain linear top-k router plus the specialization loss (the
-  "no FGR" ablation); with `specialization=None` it is FGR without expert management (the
-  "no FEM" ablation). Follows the router protocol of `fairmoe_jax.moe.routers.base`. Its
-  context, per token: "attributes" [T, m] (int, -1 missing), read only in training and, with
-  `route_by="label"`, at evaluation; "label" [T], read in training by "expert_competence".
+    `guided=False` is the "no FGR" ablation, `specialization=None` the "no FEM" one. Context per
+    token: "attributes" [T, m] (int, -1 missing; read in training and with `route_by="label"`),
+    "label" [T] (read in training by "expert_competence").
 
-  Args:
-    dim: token width D.
-    num_experts: E.
-    top_k: experts per token.
-    group_sizes: classes per sensitive attribute, G_1..G_m.
-    num_classes: target classes K (for the competence head of "expert_competence").
-    guided: use the SA branch (FGR).
-    specialization: a reading of `SPECIALIZATIONS`, or None for no specialization loss.
-    route_by: "predicted" or "label" (module docstring).
-    feature_dim: width of z = phi(x); default D.
-    alpha: Eq. 8 focus weight.
-    rngs: parameter RNGs.
+    Args:
+      dim: token width D.
+      num_experts: E.
+      top_k: experts per token.
+      group_sizes: classes per sensitive attribute, G_1..G_m.
+      num_classes: target classes K (the "expert_competence" head).
+      guided: use the SA branch (FGR).
+      specialization: one of `SPECIALIZATIONS`, or None.
+      route_by: "predicted" or "label" (module docstring).
+      feature_dim: width of z = phi(x); default D.
+      alpha: Eq. 8 focus weight.
+      rngs: parameter RNGs.
   """
 
   def __init__(

@@ -19,9 +19,8 @@ from fairmoe_jax.moe.routers.base import (
 class TopKRouter(nnx.Module):
   """Linear top-k router: R(x) = Top-K(softmax(x W)) (paper Eq. 5).
 
-  The gate has no bias and is evaluated in float32 regardless of the compute
-  dtype of the surrounding layer: routing decisions and the z-loss are
-  sensitive to logit precision (ST-MoE, Sec. 3).
+    The bias-free gate runs in float32 whatever the layer's dtype: routing and the z-loss are
+    sensitive to logit precision (ST-MoE, Sec. 3).
   """
 
   def __init__(self, dim: int, num_experts: int, top_k: int, *, rngs: nnx.Rngs):
@@ -42,10 +41,6 @@ class TopKRouter(nnx.Module):
       rngs: nnx.Rngs | None = None,
       context: Mapping[str, jax.Array] | None = None,
   ) -> RouterOutput:
-    """Routes a flat batch of tokens x: [T, D].
-
-    `train`, `rngs` and `context` are the router protocol of `SparseMoE`
-    (every router accepts them); this router is deterministic and context-free.
-    """
+    """Routes tokens x: [T, D]; deterministic and context-free (router protocol args)."""
     del train, rngs, context
     return route_from_logits(self.logits(x), self.top_k)
