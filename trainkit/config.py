@@ -17,11 +17,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
-  """Parses the `key=value,...` part of `--config=file.py:key=value,...`.
-
-  Each key must be one of `defaults`; its value is converted to the type of the
-  default (bools accept true/false/1/0, a bare `key` means `key=True`).
-  """
+  """Parses the `key=value,...` of `--config=file.py:key=value,...`: keys of `defaults`, values
+  of their default's type (bools take true/false/1/0; a bare `key` is `key=True`)."""
   parsed = dict(defaults)
   for item in filter(None, _split_top_level(arg or "")):
     key, sep, raw = item.partition("=")
@@ -79,15 +76,8 @@ def get(config: ml_collections.ConfigDict, key: str) -> Any:
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
-  """Sets each dotted key of `overrides` in `config`, as `--config.KEY=VALUE` does.
-
-  Args:
-    config: The config to change in place.
-    overrides: `{dotted key: value}`, e.g. `{"eval_batch_size": 16, "mesh.data": 1}`.
-
-  Raises:
-    ConfigError: A key the config lacks, or a value of another type than the key's.
-  """
+  """Sets each dotted key of `overrides` (`{"mesh.data": 1}`) in `config`, as `--config.KEY=VALUE`
+  does; a ConfigError for a key the config lacks or a value of another type."""
   for key, value in overrides.items():
     *parents, name = key.split(".")
     node = config
@@ -213,10 +203,7 @@ def startup_timeout_s(config: ml_collections.ConfigDict) -> float:
 def validate_run(
     config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
 ) -> tuple[int, int]:
-  """Checks the keys every run has (steps, batch sizes, cadences, dtype, mesh).
-
-  Returns the (data, expert) mesh shape. Raises ConfigError naming the first bad key.
-  """
+  """Checks the keys every run has; returns the (data, expert) mesh shape, or a ConfigError."""
   require_finite_numbers(config)
   for key in ("num_train_steps", "batch_size", "eval_batch_size", "log_every_steps"):
     require_int(config, key, minimum=1)
@@ -242,20 +229,10 @@ def validate_run(
 def settle_run_length(
     config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
 ) -> str | None:
-  """Makes the length the user gave on the command line the run's: returns a line to print, or
-  None when there is nothing to say.
+  """Makes the run length given in `overrides` (the `--config.KEY=VALUE` values) the run's.
 
-  `num_epochs` > 0 sets `num_train_steps` from the training set's size, so a
-  `--config.num_train_steps=N` on a config file that sets `num_epochs` was ignored without a
-  word. Now the key given on the command line wins over the file's: `num_epochs` is set to 0 and
-  the returned line says so. Both given on the command line (`num_epochs` > 0) contradict each
-  other: a UserError naming both. `--config.num_epochs=0` beside `num_train_steps` is consistent
-  (0 = the steps decide) and is accepted.
-
-  Args:
-    config: the loaded config, changed in place.
-    overrides: the `--config.KEY=VALUE` values given, by dotted key (ml_collections'
-      `get_override_values`).
+  A `num_train_steps` override sets the file's `num_epochs` to 0 and returns a line saying so
+  (else None); both overridden, with `num_epochs` > 0, is a UserError naming both.
   """
   if "num_train_steps" not in overrides or "num_epochs" not in config:
     return None

@@ -1,17 +1,7 @@
 """Finds the config files named on the command line, from a checkout or from an installed package.
 
-Commands name configs by their path in the repository, `--config=configs/quickstart.py`. From
-the repository root that path exists as given. Anywhere else it does not, so a path whose first
-part is `configs/` is looked up in the configs shipped with the package:
-
-* a regular (wheel) install: setup.py copies the repository's configs/ into
-  `trainkit/bundled_configs/`;
-* an editable install or a checkout on `PYTHONPATH`: the repository's own configs/, beside the
-  `trainkit` package.
-
-A path that exists as given always wins (a local edit of a config, or a config of one's own), and
-a path that is found nowhere is returned unchanged, so the error that follows names the path the
-user typed.
+A `configs/...` path that does not exist as given is looked up in the shipped configs:
+`trainkit/bundled_configs/` (setup.py copies them into a wheel), else the checkout's configs/.
 """
 
 from __future__ import annotations
@@ -43,17 +33,8 @@ def _split_arguments(value: str) -> tuple[str, str]:
 
 
 def resolve_config_path(path: str) -> str:
-  """The file a config path names, from the working directory or else the shipped configs.
-
-  Args:
-    path: a config file as given to `--config` or `--sweep`, optionally with `:arguments`
-      (`configs/quickstart.py:steps=100`).
-
-  Returns:
-    `path` itself when it names an existing file or is not under `configs/`; otherwise the
-    absolute path of the shipped copy (with the same `:arguments`), or `path` unchanged when
-    there is none.
-  """
+  """`path` (`configs/x.py:ARGS`) if it exists or is not under `configs/`, else the shipped copy
+  with the same `:ARGS`, else `path` unchanged (so the error names what the user typed)."""
   file, arguments = _split_arguments(path)
   if not file or pathlib.Path(file).expanduser().exists():
     return path
@@ -70,11 +51,8 @@ def resolve_config_path(path: str) -> str:
 
 
 def resolve_config_args(argv: Sequence[str], flag_names: Sequence[str] = CONFIG_FLAGS) -> list[str]:
-  """`argv` with the value of every `--config`/`--sweep` flag passed through `resolve_config_path`.
-
-  Handles `--config=PATH` and `--config PATH` (one or two dashes); overrides such as
-  `--config.batch_size=8` are left alone. argv[0], the program, is never touched.
-  """
+  """`argv` with every `--config`/`--sweep` value (`=PATH` or ` PATH`) through
+  `resolve_config_path`; `--config.KEY=V` overrides are left alone."""
   names = {f"{dashes}{name}" for name in flag_names for dashes in ("-", "--")}
   out = list(argv[:1])
   i = 1

@@ -16,25 +16,16 @@ USER_ERROR_EXIT_CODE = 2
 
 
 class UserError(Exception):
-  """A problem with the user's input: config key, file, workdir or checkpoint.
-
-  The message must name the offending key, file, row or field; `main` prints it
-  and exits with USER_ERROR_EXIT_CODE.
-  """
+  """A problem with the user's input; the message names the key, file, row or field."""
 
 
 class OutOfSpace(UserError):
-  """A write failed because the disk (or the user's quota) is full.
-
-  Background writers (asynchronous checkpoint threads) may still be failing when this is
-  raised; the entry point exits at once rather than letting them print at interpreter exit.
-  """
+  """A write failed because the disk (or quota) is full; the entry point exits at once, before
+  failing background writers print at interpreter exit."""
 
 
 class Unwritable(UserError):
-  """A write failed because its folder is not writable (any more): permissions, a read-only
-  file system. Raised for a checkpoint save, whose background writers may still be waiting on
-  the failed save; the entry point exits at once, as for OutOfSpace."""
+  """A write failed because its folder is not writable (any more); exits at once as OutOfSpace."""
 
 
 _OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -61,8 +52,7 @@ _UNWRITABLE_TEXT = ("Permission denied", "Read-only file system", "Operation not
 
 
 def unwritable_reason(error: BaseException) -> str | None:
-  """`Permission denied: 'PATH'` (or the like) when `error`, or an error it was raised from, says
-  a file or folder cannot be written; None otherwise."""
+  """`Permission denied: 'PATH'` (or the like) when `error` or its cause says so; else None."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
@@ -112,11 +102,7 @@ class ConfigError(UserError):
 
 
 def import_extra(module: str, extra: str, needed_for: str) -> Any:
-  """`module`, imported; where it is missing, a UserError naming the extra that installs it.
-
-  A base install serves the quickstart; what one paper's datasets, metrics or exports need
-  beyond it comes with that paper's extra (setup.py), imported only where it is used.
-  """
+  """`module`, imported; where it is missing, a UserError naming the extra that installs it."""
   try:
     return importlib.import_module(module)
   except ImportError as e:

@@ -1,11 +1,7 @@
 """Whether a compiled step fits the memory of the devices it will run on, checked before it runs.
 
-The training loop and the evaluations compile their step ahead of time anyway (for its FLOPs,
-`trainkit.throughput`), and the call that follows reuses that executable; its memory analysis is
-therefore free. A step that cannot fit is refused with one line naming the key that makes it too
-large, instead of an allocation failing inside XLA (RESOURCE_EXHAUSTED) or the host swapping.
-The training step's need counts the batches `trainkit.prefetch.DevicePrefetch` keeps on the
-devices beside it (`resident_batches`), as the preflight does.
+The step is compiled ahead anyway (for its FLOPs), so its memory analysis is free: a step that
+cannot fit is one line naming the key to change, not RESOURCE_EXHAUSTED inside XLA.
 """
 
 from __future__ import annotations
@@ -58,16 +54,9 @@ def require_fits(
     batch: Any = None,
     prefetch: int = DEFAULT_PREFETCH,
 ) -> None:
-  """Raises UserError if the compiled step's peak memory per device exceeds a device's.
-
-  The compiled program's arguments hold the step's own `batch`; the `prefetch` batches like it
-  that `DevicePrefetch(..., size=prefetch)` places ahead of the step are on the devices too,
-  `resident_batches(prefetch)` in all (`trainkit.prefetch`; `prefetch` = 0 for a step whose
-  batches are not prefetched). Without `batch`, the program's peak alone is counted.
-
-  The message names `batch_key` when what grows with the batch (the batches, the temporaries
-  and outputs) outweighs the rest of the arguments (parameters, optimiser state), else the
-  model's size keys.
+  """Raises UserError if the compiled step's peak per device, plus the `prefetch` batches like
+  `batch` placed ahead of it, exceeds a device's memory. The message names `batch_key` when what
+  grows with the batch outweighs the parameters and optimiser state, else the model's keys.
   """
   if compiled is None:
     return
@@ -99,8 +88,7 @@ def require_fits(
 
 
 def check_eval_step(eval_step: Any, state: Any, batch: Any, eval_batch_size: int) -> None:
-  """`require_fits` for an evaluation's first batch (the step compiled here is the one its
-  call then runs; evaluation batches are not prefetched)."""
+  """`require_fits` for an evaluation's first batch (not prefetched)."""
   if hasattr(eval_step, "lower"):
     require_fits(
         compile_ahead(eval_step, state, batch),

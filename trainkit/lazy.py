@@ -11,13 +11,8 @@ from typing import Any
 def lazy_attributes(
     package: str, names: Mapping[str, str], namespace: MutableMapping[str, Any]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-  """The module-level `__getattr__` and `__dir__` of `package` for its lazy `names`.
-
-  Args:
-    package: The package's `__name__` (for the AttributeError message).
-    names: public name -> the module that defines it, imported on the name's first use.
-    namespace: The package's `globals()`, where each name is cached once imported.
-  """
+  """The module-level `__getattr__` and `__dir__` of `package` for its lazy `names` (name ->
+  defining module), each cached in `namespace` (the package's `globals()`) once imported."""
 
   def __getattr__(name: str) -> Any:  # pylint: disable=invalid-name
     if name in names:

@@ -15,12 +15,8 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 def peak_learning_rate(config: ml_collections.ConfigDict, batch_size: int | None = None) -> float:
-  """`learning_rate`, scaled for `batch_size` when `lr_scaling` asks for it.
-
-  `learning_rate` is the rate at `base_batch_size`; `linear` multiplies it by
-  batch_size / base_batch_size (Goyal et al., 2017), `sqrt` by the square root of that ratio
-  (the usual rule for Adam). So a batch-size sweep keeps the same config.
-  """
+  """`learning_rate` (the rate at `base_batch_size`) times batch_size / base_batch_size for
+  `lr_scaling="linear"` (Goyal et al., 2017), or its square root for `sqrt`."""
   scaling = config.get("lr_scaling", "none")
   if scaling == "none":
     return config.learning_rate
@@ -72,8 +68,6 @@ def default_optimizer_config() -> ml_collections.ConfigDict:
       dict(
           name="adamw",
           learning_rate=5e-4,
-          # The learning rate is for base_batch_size; lr_scaling (none, linear, sqrt) adapts
-          # it to batch_size.
           lr_scaling="none",
           base_batch_size=256,
           warmup_steps=100,

@@ -1,15 +1,8 @@
 """SIGTERM (and Ctrl-C) become a request to checkpoint and stop at the next step boundary.
 
-One process: `PreemptionGuard` catches SIGTERM and SIGINT itself.
-
-Several processes (a TPU pod, a SLURM job): the processes must stop at the same step, since
-the checkpoint is written collectively and a process that stops early leaves the others
-blocked in the next step's collectives. JAX's preemption service does exactly this: its own
-SIGTERM handler (installed by `jax.distributed.initialize`) tells the coordination service,
-which chooses a step every process reaches, and `reached_preemption_sync_point(step)` is true
-there on all of them. So the guard leaves SIGTERM to JAX and `stop_requested` asks the service.
-Ctrl-C in a multi-process run is not synchronised: it aborts, and `distributed.exit_together`
-makes the other processes stop at once (nothing since the last checkpoint is kept).
+Several processes must stop at the same step (the checkpoint is collective), so there SIGTERM
+is left to JAX's preemption service and `stop_requested` asks it
+(`reached_preemption_sync_point`); Ctrl-C aborts them all (`distributed.exit_together`).
 """
 
 from __future__ import annotations
@@ -30,11 +23,8 @@ def _multi_process() -> bool:
 
 
 class PreemptionGuard:
-  """Context manager: while active, SIGTERM/SIGINT set `requested` instead of killing the run.
-
-  A second Ctrl-C restores the default behaviour, so a stuck run can still be interrupted.
-  In a multi-process run no handler is installed (see the module docstring).
-  """
+  """While active, SIGTERM/SIGINT set `requested` instead of killing the run (a second Ctrl-C
+  kills it); no handler in a multi-process run (module docstring)."""
 
   def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
     self._multi_process = _multi_process()
@@ -50,10 +40,7 @@ class PreemptionGuard:
       signal.signal(signal.SIGINT, signal.default_int_handler)
 
   def stop_requested(self, step: int) -> bool:
-    """Whether to checkpoint and stop after `step`; call it once after every step.
-
-    Multi-process: true at the same step on every process once any of them got SIGTERM.
-    """
+    """Whether to checkpoint and stop after `step` (the same step on every process)."""
     if self._multi_process and not self.requested:
       from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
@@ -77,17 +64,12 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 @contextlib.contextmanager
 def sigterm_ends_cleanly(cleanup: Callable[[], None], what: str) -> Iterator[None]:
-  """While active, SIGTERM runs `cleanup()`, says so in one line and ends the process at once
-  (exit status 143), even while the main thread is inside a long native call (an XLA compile).
+  """While active, SIGTERM runs `cleanup()`, says so in one line and exits 143 at once, even
+  inside a long native call (an XLA compile): for work with nothing to checkpoint.
 
-  For work that has nothing to checkpoint (`--mode=compile`): the default action killed the
-  process without running a `finally`, so its `.run.lock` was left behind, and a workdir the run
-  had just created held nothing but that lock. A Python signal handler runs only when the main
-  thread is back in Python, possibly minutes later; the signal's wake-up byte
-  (`signal.set_wakeup_fd`) reaches a watcher thread at once. A handler that something else
-  installed meanwhile (the training loop's `PreemptionGuard`) takes precedence: the watcher acts
-  only while this one's is current. Install it after anything that sets its own SIGTERM handler
-  (libtpu's crash reporter dumps a native stack trace, then dies of the signal). Main thread only.
+  A Python handler waits for the main thread to return to Python; the wake-up byte
+  (`signal.set_wakeup_fd`) reaches a watcher thread at once, which acts only while this handler
+  is current. Install it after libtpu's own. Main thread only.
   """
   if threading.current_thread() is not threading.main_thread():
     yield  # Signal handlers belong to the main thread: elsewhere, SIGTERM keeps its default.

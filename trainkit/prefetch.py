@@ -1,15 +1,9 @@
 """Training batches put on the device ahead of the step that reads them.
 
-`DevicePrefetch` reads the host iterator and transfers its batches (`shard_batch`) in a
-background thread, `size` batches ahead of the one the step is using, so that the host-to-device
-copy of batch n + 1 overlaps step n instead of preceding it. Its `get_state()` is the host
-iterator's state after the last batch handed out, not after the last one read ahead: a
-checkpoint saved after step n resumes at batch n + 1 exactly as without prefetching.
-
-The training batches this keeps on the devices are `resident_batches(size)`: the step's own
-and `size` ahead of it. The memory checks count the same (`trainkit.fits` before the first
-step, `trainkit.preflight` for a target): the compiled step's arguments hold its own batch, and
-`size` more (`DEFAULT_PREFETCH`, the training loop's) lie beside it.
+`DevicePrefetch` transfers batches in a background thread, `size` ahead of the step, so the copy
+of batch n + 1 overlaps step n; its `get_state()` is the host iterator's after the last batch
+handed out, so resuming is exact. The memory checks (`trainkit.fits`, the preflight) count the
+`resident_batches(size)` it keeps on the devices.
 """
 
 from __future__ import annotations
@@ -19,20 +13,14 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-# Batches placed on the devices ahead of the one the step is using: one can be in flight while
-# the step runs and one ready, so a transfer as slow as a step still never makes it wait.
+# One in flight while the step runs and one ready: a transfer as slow as a step never waits.
 DEFAULT_PREFETCH = 2
 _POLL_SECONDS = 0.1
 
 
 def resident_batches(size: int = DEFAULT_PREFETCH) -> int:
-  """Training batches on the devices at once while a loop reading `DevicePrefetch(..., size)`
-  runs a step: the step's own and the `size` placed ahead of it (`size` = 0: no prefetch, the
-  step's own only).
-
-  A step dispatched asynchronously keeps its batch on the devices until it has run: a loop
-  whose dispatches run ahead of the devices holds those steps' batches too.
-  """
+  """Training batches on the devices during a step of a loop reading `DevicePrefetch(..., size)`:
+  the step's own and `size` ahead of it."""
   if size < 0:
     raise ValueError(f"size must be >= 0, got {size}.")
   return size + 1
@@ -41,15 +29,8 @@ def resident_batches(size: int = DEFAULT_PREFETCH) -> int:
 class DevicePrefetch:
   """An iterator of device batches with the checkpointable state of the host iterator it reads.
 
-  `size` counts the batches placed on the devices (`put`) that `next` has not returned yet:
-  there are never more than `size` of them. The background thread takes one of `size` slots
-  before it reads and places a batch, and `next` frees it as it hands that batch out, so a
-  caller that holds one batch at a time (a training step's, dropped before the next `next`)
-  has at most `size` more on the devices ahead of it: `resident_batches(size)` in all.
-
-  The background thread starts at the first `next`, so `set_state` (a resumed run) must come
-  before it; the thread stops at `close()` (and at the end or an error of the host iterator,
-  which `next` then raises in the caller's thread).
+  At most `size` placed batches wait for `next` (a slot each). The thread starts at the first
+  `next`, so `set_state` comes before it; the host iterator's end or error is raised by `next`.
   """
 
   def __init__(
@@ -108,8 +89,7 @@ class DevicePrefetch:
     self._iterator.set_state(state)
 
   def close(self) -> None:
-    """Stops the background thread and drops the batches read ahead (their device memory is
-    freed once nothing else holds them)."""
+    """Stops the background thread and drops the batches read ahead."""
     self._stop.set()
     if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join()

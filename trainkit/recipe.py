@@ -1,18 +1,5 @@
-"""The skeleton every model's recipe shares: set a run up, train it, and finish it.
-
-A package's `train.py` stays the readable, linear recipe of its model (its data, its state,
-its loss, its report); what every recipe does alike lives here once:
-
-  run = setup(config, workdir, train_examples=n, create_state=...)   # mesh, optimizer, state,
-                                                                     # checkpointer
-  trained = train(run, train_iterator=..., loss_fn=..., ...)         # resume, jit, the loop
-  if trained is None: return None                                    # preempted: checkpointed
-  finish(run, trained.state, report, writer=trained.writer, ...)     # report, close, write
-
-and for a trained workdir (`--mode=eval`, `predict`, `export`):
-
-  run = setup(config, workdir, ..., training=False)
-  state, step = restore_trained(run.checkpointer, run.state)
+"""What every package's `train.py` does alike: `setup` a run, `train` it (None when preempted),
+`finish` it; a trained workdir is `setup(..., training=False)` then `restore_trained`.
 """
 
 from __future__ import annotations
@@ -89,8 +76,7 @@ def setup(
 ) -> Run:
   """Resolves the step count (epochs need the train split's size), builds the optimizer and
   the initial state on the config's mesh, and opens `<workdir>/checkpoints`."""
-  # Processes drift apart while they load data; their first collectives (the state's, the
-  # checkpointer's) must start together (trainkit.distributed, `distributed.startup_timeout_s`).
+  # Processes drift apart while loading data; their first collectives must start together.
   wait_for_all_processes("the run's set-up")
   mesh = make_mesh(config.mesh)
   resolve_train_steps(config, train_examples, training=training)
@@ -113,16 +99,8 @@ def train(
     reviews: Sequence[Review] = (),
     run_info: Mapping[str, Any] | None = None,
 ) -> Trained | None:
-  """Trains `run` to `config.num_train_steps`, resuming from its latest checkpoint.
-
-  `run_info`, what inference needs besides config.json and the checkpoints (class names,
-  preprocessing, ...), is written to `<workdir>/run_info.json` beside config.json once the
-  checkpoints accepted the config, so that a trained workdir predicts without its dataset.
-
-  Returns None when SIGTERM stopped the run (its checkpoint is saved and the writers closed;
-  the same command resumes it). Otherwise the metrics log is flushed, so the final report may
-  read it.
-  """
+  """Trains `run` to `config.num_train_steps`, resuming from its latest checkpoint; None when
+  SIGTERM stopped it (checkpointed). `run_info` is saved once the checkpoints accept the config."""
   config = run.config
   is_main = jax.process_index() == 0
   writer = MetricWriter(run.workdir, enabled=is_main)
@@ -171,15 +149,9 @@ def evaluated(config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
 
 
 def keep_earlier_record(workdir: str, evaluation: Mapping[str, Any]) -> str | None:
-  """Moves an earlier report (and its predictions) aside before a new one is written, unless it
-  records the same evaluation: the same step of the same config and data (a rerun).
-
-  An evaluation that fell back to an older checkpoint (the newest was corrupt) must not
-  destroy the record of the step it could not read, and an evaluation of other data at the
-  same step must not destroy the record of the data the run was evaluated on: `report.json` of
-  step N becomes `report.step-N.json`, or `report.step-N.config-SHA.json` for the same step
-  under another config (likewise `predictions.csv`; a numbered suffix never overwrites an
-  earlier kept record). Returns the kept report's name, or None when nothing was kept.
+  """Moves an earlier report and its predictions aside unless they record the same evaluation
+  (step, config and data): to `report.step-N.json`, or `report.step-N.config-SHA.json` for the
+  same step under another config. Returns the kept report's name, or None.
   """
   path = storage.join(workdir, RECORD_FILES[0])
   try:

@@ -1,27 +1,9 @@
 """Rematerialisation of transformer blocks (`model.remat`): memory for recomputation.
 
-A train step keeps, for its backward pass, the activations its forward pass computed (the
-residuals): at a large batch they are most of a step's memory. `jax.checkpoint` around a block
-keeps fewer of them and recomputes the others in the backward pass, inside that block only.
-Which ones are kept is a named policy:
-
-  none   no checkpoint: every residual is kept (the program of a model without the option).
-  dots   keeps the results of matrix products without batch dimensions (the linear layers:
-         qkv, attention projection, MLP or router matmuls) and recomputes the rest: layer
-         norms, activations, softmax, the attention-score products (which have batch
-         dimensions) and what an MoE dispatch sorts, gathers or scatters.
-         (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
-  block  keeps nothing inside a block but its input: the backward pass reruns the block's
-         forward pass first (`jax.checkpoint_policies.nothing_saveable`). The least memory and
-         the most recomputation: less than a whole forward pass, as a product whose result the
-         backward pass does not read (a branch's last projection) is not rerun. A train step's
-         FLOPs grow by 22-25% for the paper's Swin runs compiled for one H100, against the
-         third a whole forward pass would add (docs/scaling.md).
-
-Only the train mode is checkpointed (`train=True`): an evaluation has no backward pass, and a
-decoding step keeps a cache that a checkpoint must not replay. A block's outputs (its MoE
-auxiliaries, attention probabilities a loss reads) are outputs of the checkpointed function and
-so are kept whatever the policy. docs/design.md, "Rematerialisation (`model.remat`)".
+Policies: `none` keeps every residual; `dots` keeps the linear layers' products
+(`dots_with_no_batch_dims_saveable`) and recomputes the rest; `block` keeps only the block's
+input (`nothing_saveable`). Only `train=True` is checkpointed. docs/design.md,
+"Rematerialisation (`model.remat`)", has what each costs.
 """
 
 from __future__ import annotations
@@ -61,16 +43,10 @@ def validate_remat(config: ml_collections.ConfigDict, key: str = "model.remat") 
 def checkpointed(fn: Callable[..., Any], policy: str) -> Callable[..., Any]:
   """`fn(*args)` under `jax.checkpoint` with the named policy (`fn` itself for "none").
 
-  The NNX objects among `args` (the module, an `nnx.Rngs`) go in as their state and come back
-  updated, so dropout draws the same keys in the forward pass and its recomputation and the
-  caller's `Rngs` advances as without the checkpoint. The other arguments (arrays, pytrees of
-  them, None) are the checkpoint's inputs as they are.
-
-  Why not `nnx.remat`: it writes the state back into every variable of the caller's objects,
-  and a train step's model state (FairSMoE's expert assignment) belongs to the jitted step's
-  trace, not to the differentiated loss's: flax refuses ("Cannot mutate ExpertAssignment from a
-  different trace level"). Here only the variables `fn` replaced are written back, after the
-  checkpoint returns, in the caller's trace.
+  NNX objects among `args` go in as their state; only the variables `fn` replaced are written
+  back, in the caller's trace. (`nnx.remat` writes back every variable, which flax refuses for a
+  model state of the jitted step's trace: "Cannot mutate ExpertAssignment from a different trace
+  level".)
   """
   if check_remat(policy) == "none":
     return fn
@@ -87,8 +63,6 @@ def checkpointed(fn: Callable[..., Any], policy: str) -> Callable[..., Any]:
       merged = nnx.merge(graphdef, state)
       inner_nodes, inner_others = iter(merged), iter(others)
       out = fn(*(next(inner_nodes) if node else next(inner_others) for node in is_node))
-      # Only what `fn` changed goes back (an Rngs' counts): the caller may hold variables it
-      # cannot write in this trace, such as a model state that is not differentiated.
       changed = [
           (path, v) for path, v in nnx.to_flat_state(nnx.state(merged))
           if _value(v) is not before.get(path)

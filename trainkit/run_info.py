@@ -1,21 +1,6 @@
-"""The part of `<workdir>/run_info.json` both packages share: a run's metadata as a frozen
-dataclass that writes itself to the workdir and reads itself back, naming the file and the
-package when what it finds is not its own.
-
-A package's metadata (`fairmoe_jax.run_info`, `causal_attn_jax.run_info`) subclasses
-`RunMetadataFile` with its fields, its `PACKAGE` and `from_fields`, which reads them:
-
-    @dataclasses.dataclass(frozen=True)
-    class RunMetadata(RunMetadataFile):
-      PACKAGE: ClassVar[str] = "my_package"
-      task: str
-
-      @classmethod
-      def from_fields(cls, saved):
-        return cls(task=str(saved["task"]))
-
-The file is `{"package": PACKAGE, <the dataclass's fields>}` (`trainkit.workdir`'s
-`save_run_info`, written by `trainkit.recipe.train`).
+"""`<workdir>/run_info.json`, `{"package": PACKAGE, <fields>}`: a frozen dataclass that a
+package's metadata subclasses (`fairmoe_jax.run_info`) with its fields, `PACKAGE` and
+`from_fields`.
 """
 
 from __future__ import annotations

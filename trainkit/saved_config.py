@@ -1,9 +1,7 @@
 """A config file that loads a trained run's `config.json`: what `--config` is without the flag.
 
-`trainkit.cli` passes `--config=<this file>:<config module>:<workdir>` when `--mode=eval`,
-`predict` or `export` is run with `--workdir` alone, so that the saved config goes through the
-same flag machinery as a config file: `--config.KEY=VALUE` overrides apply on top of it, with
-the same type checks and messages.
+`trainkit.cli` passes `--config=<this file>:<config module>:<workdir>` when a mode other than
+train runs with `--workdir` alone, so `--config.KEY=VALUE` overrides apply as on a config file.
 """
 
 from __future__ import annotations
@@ -21,15 +19,7 @@ from trainkit.workdir import load_saved_config, workdir_lock
 
 
 def config_argument(config_module: str, workdir: str) -> str:
-  """The `--config` value that loads `<workdir>/config.json` (this file, then its argument).
-
-  Args:
-    config_module: The package's config module (its `base_config()` gives the key types).
-    workdir: The trained run's working directory.
-
-  Returns:
-    `<path of this file>:<config_module>:<workdir>`.
-  """
+  """`<this file>:<config_module>:<workdir>`, the `--config` that loads the run's config.json."""
   return f"{__file__}:{config_module}:{workdir}"
 
 
@@ -46,12 +36,10 @@ def restore_saved_run(
     restore: Callable[[ml_collections.ConfigDict, str], Any],
     overrides: Mapping[str, Any] | None = None,
 ) -> tuple[str, ml_collections.ConfigDict, Any]:
-  """A trained run from its workdir alone, for a package's `load_run`.
+  """A trained run from its workdir alone: (absolute workdir, config, `restore(config, workdir)`).
 
-  Loads `<workdir>/config.json` (typed by `base_config`), applies `overrides`, validates it
-  without the data checks (`validate(config, num_devices=, num_processes=, check_data=False)`)
-  and calls `restore(config, workdir)` while holding the workdir's lock, so that it never races
-  a training run's in-flight save. Returns (absolute workdir, config, what `restore` returned).
+  The saved config, with `overrides`, is validated without data checks; `restore` runs holding
+  the workdir's lock, so it never races a training run's in-flight save.
   """
   workdir = storage.resolve(workdir)
   config = load_saved_config(workdir, base_config)

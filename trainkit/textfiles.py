@@ -1,9 +1,5 @@
-"""Reading a user's text file into a str, with one clear error naming the file and line.
-
-Every reader of real data (CelebA, ISIC 2019, MNLI/SNLI/QQP/PAWS/HANS, WMT text) goes through
-`read_text`, so that a missing file, an unreadable one or a byte that is not UTF-8 is reported
-the same way: `path:line: not UTF-8 text (byte 0xff)`, never as a byte offset into the file.
-"""
+"""Reading a user's text file, with one error naming the file and line (`path:line: not UTF-8
+text (byte 0xff)`)."""
 
 from __future__ import annotations
 
@@ -17,9 +13,8 @@ _BOM = b"\xef\xbb\xbf"
 
 
 def special_file_kind(path: str | os.PathLike) -> str | None:
-  """What `path` is when it is neither a regular file nor missing ("a folder", "a named pipe
-  (FIFO)", "a socket", "a character device", "a block device"), following links; None for a
-  regular file or a path that does not exist. Opening a FIFO without a writer blocks forever."""
+  """"a folder", "a named pipe (FIFO)", ... for a `path` that exists and is not a regular file
+  (opening a FIFO without a writer blocks forever); else None."""
   try:
     mode = os.stat(path).st_mode
   except OSError:
@@ -52,11 +47,7 @@ def _require_readable_file(path: pathlib.Path, what: str) -> None:
 
 
 def read_text(path: str | os.PathLike, what: str) -> str:
-  """The file's text, decoded as UTF-8 (a leading byte-order mark dropped), newlines kept as is.
-
-  Raises:
-    UserError: `what` names the kind of file in the message ("CelebA", "ISIC", ...).
-  """
+  """The file's UTF-8 text (a byte-order mark dropped); a UserError names it as `what` ("ISIC")."""
   path = pathlib.Path(path)
   _require_readable_file(path, what)
   try:
@@ -72,10 +63,7 @@ def read_text(path: str | os.PathLike, what: str) -> str:
 
 
 def iter_lines(path: str | os.PathLike, what: str):
-  """Yields (1-based line number, line) streaming, split on "\\n" only ("\\r\\n" accepted).
-
-  For files too large to hold twice in memory; errors as `read_text`'s.
-  """
+  """Yields (1-based line number, line) streaming, split on "\\n" only; errors as `read_text`'s."""
   path = pathlib.Path(path)
   _require_readable_file(path, what)
   try:

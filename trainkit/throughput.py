@@ -1,10 +1,7 @@
 """Throughput accounting: model FLOPs of the compiled step and model FLOPs utilisation (MFU).
 
-FLOPs come from XLA's cost analysis of the compiled train step (forward, backward and
-optimiser, as compiled for one device's shard), so they count what the program really does,
-including the MoE dispatch. MFU = achieved FLOP/s / peak FLOP/s of the devices; the peak is
-looked up by device kind (dense bf16 tensor-core figures from the vendors' data sheets) or
-given in the config, since a wrong peak silently gives a wrong MFU.
+FLOPs are XLA's cost analysis of the compiled step (per device, the MoE dispatch included);
+the peak is looked up by device kind or given in the config.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ def peak_flops_per_device(device: Any, override: float = 0.0) -> float | None:
 
 
 def compile_ahead(jitted: Any, *args: Any) -> Any | None:
-  """`jitted` compiled for `args`, or None where lowering fails. The call of `jitted(*args)`
-  that follows reuses this executable: it does not compile again."""
+  """`jitted` compiled for `args` (the call that follows reuses it), or None where that fails."""
   try:
     return jitted.lower(*args).compile()
   except Exception:  # pylint: disable=broad-except  # Best effort: the call reports errors.
@@ -71,11 +67,7 @@ def throughput_scalars(
     peak_flops: float | None = None,
     num_devices: int = 1,
 ) -> dict[str, float]:
-  """examples/s, tokens/s and MFU for a measured step rate.
-
-  `flops_per_step` is the cost analysis of the SPMD program, i.e. per device; MFU is then
-  flops_per_step * steps/s / peak of one device.
-  """
+  """examples/s, tokens/s and MFU (`flops_per_step` is per device) for a measured step rate."""
   scalars = {
       "steps_per_second": steps_per_second,
       "examples_per_second": steps_per_second * examples_per_step,

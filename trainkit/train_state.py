@@ -32,10 +32,8 @@ UpdateExtraFn = Callable[
 class TrainState:
   """Everything a run needs to continue, as one pytree that Orbax saves.
 
-  `rng` is the run's base key: step t uses fold_in(rng, t), so a resumed run
-  draws the same randomness as an uninterrupted one. `extra` holds non-gradient
-  state that later methods update between steps (e.g. Lagrange multipliers or
-  expert assignments) so it is checkpointed with everything else.
+  Step t uses fold_in(rng, t), so a resumed run draws the same randomness. `extra` is
+  non-gradient state updated between steps (e.g. Lagrange multipliers).
   """
 
   step: jax.Array
@@ -56,15 +54,8 @@ def create_train_state(
     *,
     load_weights: Callable[[nnx.Module], None] | None = None,
 ) -> tuple[nnx.GraphDef, TrainState]:
-  """Builds the model in one jitted call on `mesh`, then the optimiser state.
-
-  `make_model` runs under `jax.jit`, so the parameters are created directly as arrays on
-  the mesh (sharded where annotated, replicated otherwise): one compilation instead of one
-  per initialiser, and in a multi-process run each process creates only its own shards.
-  `load_weights(model)` then runs eagerly (e.g. a pretrained checkpoint); it must keep the
-  shapes. `place` gives every leaf an explicit mesh sharding, so the state the first step
-  receives matches the one it returns and nothing recompiles.
-  """
+  """Builds the model in one jitted call on `mesh` (each process creates only its own shards),
+  then the optimiser state. `load_weights(model)` runs eagerly after and must keep the shapes."""
 
   def init() -> nnx.Module:
     model = make_model()
@@ -102,14 +93,8 @@ def abstract_train_state(
     *,
     extra: dict[str, Any] | None = None,
 ) -> tuple[nnx.GraphDef, TrainState]:
-  """The state `create_train_state` would build, as ShapeDtypeStructs with its shardings.
-
-  Nothing is materialised: the model is traced (`nnx.eval_shape`), so a full-size model costs
-  no memory on this host, and `mesh` may be made of devices this host does not have (a TPU
-  slice or GPU node described by `jax.experimental.topologies`). Every leaf carries the
-  sharding the real state has: annotated parameters their mesh axes, the optimiser moments
-  their parameter's, everything else replicated. `extra` (host values) is replicated.
-  """
+  """The state `create_train_state` would build, as ShapeDtypeStructs with its shardings,
+  traced (`nnx.eval_shape`) so that `mesh` may be of devices this host lacks."""
   with jax.set_mesh(mesh):
     model = nnx.eval_shape(make_model)
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
@@ -167,11 +152,8 @@ def make_train_step(
     schedule: optax.Schedule | None = None,
     update_extra: UpdateExtraFn | None = None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """Returns a pure `train_step(state, batch) -> (state, metrics)`; the caller jits it.
-
-  Metrics whose name starts with "_" are internal to `update_extra` (e.g. per-head
-  violation arrays) and are not returned.
-  """
+  """A pure `train_step(state, batch) -> (state, metrics)` to jit; metrics named "_..." are
+  `update_extra`'s alone, not returned."""
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     rng = jax.random.fold_in(state.rng, state.step)

@@ -1,10 +1,6 @@
 """Preflight: compile a run for a TPU slice or GPU node without the hardware, and read off
 what it needs (memory per device, FLOPs, collectives, a step-time bound, device-hours).
 
-  targets.py   the accelerators (devices, hosts, memory, peaks) and their deviceless devices
-  analysis.py  reading a compiled program: memory, cost, collectives, the jaxpr's matmul FLOPs
-  compile.py   `--mode=compile`: the run's train and eval steps compiled, preflight.json
-
 Needs the `preflight` extra (libtpu and the CUDA plugin matching jax): pip install -e ".[preflight]".
 """
 
