@@ -47,14 +47,8 @@ _WIDTH = 100
 
 @dataclasses.dataclass(frozen=True)
 class CommandHelp:
-  """What `--help` prints besides the `__main__` docstring.
-
-  Attributes:
-    usage: the arguments after `python -m MODULE` in the usage line.
-    flag_names: the flags to describe; None = those defined in the `__main__` file.
-    config_module: the module whose base_config holds the config keys (`config_help`); None
-      when the command has no `--config`.
-  """
+  """What `--help` prints besides the `__main__` docstring: the usage line's arguments, the
+  flags (None: the `__main__` file's) and the module of the config keys (`config_help`)."""
 
   usage: str = "[flags]"
   flag_names: Sequence[str] | None = None
@@ -143,10 +137,8 @@ def _first_line(text: str) -> str:
 def _unknown_key_message(error: Exception, argv: Sequence[str]) -> str | None:
   """One line for an override naming a key the config lacks; None when it is something else.
 
-  ml_collections raises KeyError("'key'\\nDid you mean \"other\" instead of \"key\"?") for the
-  missing part of the dotted name (wrapped in an AttributeError for the last part), whose
-  str() is the repr of that two-line message; and KeyError("Attribute <class 'int'>.foo does
-  not exist ... Attempting to lookup: batch_size.foo") below a key that is not a group.
+  Parses ml_collections' KeyError("'key'\\nDid you mean ...") and, below a key that is not a
+  group, KeyError("Attribute <class 'int'>.foo ... Attempting to lookup: batch_size.foo").
   """
   inner = error.args[0] if error.args and isinstance(error.args[0], KeyError) else error
   text = str(inner.args[0]) if inner.args else ""
@@ -210,13 +202,8 @@ def parse_flags(
     command: CommandHelp | None = None,
     prepare_argv: Callable[[list[str]], list[str]] | None = None,
 ) -> list[str]:
-  """absl flag parsing where a bad `--config...` flag is one line, not a traceback.
-
-  `--help` (and `-h`) print `help_text(command)` and `--helpfull` absl's list of every flag,
-  both on stdout with exit status 0, before any flag (a config file to load) is parsed.
-  `prepare_argv(argv)`, when given, may rewrite the arguments before they are parsed (or stop
-  with `fail`).
-  """
+  """absl flag parsing where a bad `--config...` flag is one line, not a traceback; `--help`
+  and `--helpfull` exit 0 before any config loads; `prepare_argv` may rewrite argv first."""
   requested = _requested_help(argv)
   if requested == "short":
     sys.stdout.write(help_text(command or CommandHelp()))
@@ -245,11 +232,7 @@ def parse_flags(
 
 
 def loaded_config(flag: flags.FlagHolder) -> ml_collections.ConfigDict:
-  """The config flag's value; a file that failed to load becomes one clear error.
-
-  ml_collections defers a load failure (missing file, error inside get_config) until
-  the config is first touched, so it is touched here, before anything else runs.
-  """
+  """The config flag's value, touched now: ml_collections defers a load failure until then."""
   config = flag.value
   if not isinstance(config, ml_collections.ConfigDict):
     try:
@@ -262,10 +245,7 @@ def loaded_config(flag: flags.FlagHolder) -> ml_collections.ConfigDict:
 
 
 def quiet_logging() -> None:
-  """JAX and Orbax log at INFO (backends tried, every checkpoint step); users see warnings.
-
-  A `--verbosity` / `-v` on the command line is the user's choice and is left as given.
-  """
+  """Warnings and errors only (JAX and Orbax log much at INFO), unless `--verbosity` is given."""
   if "verbosity" in flags.FLAGS and flags.FLAGS["verbosity"].present:
     return
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -273,12 +253,7 @@ def quiet_logging() -> None:
 
 
 def _accept_jax_flags() -> None:
-  """Defines JAX's config options (`--jax_debug_nans`, ...) as absl flags, as big_vision does.
-
-  JAX copies the values given on the command line into jax.config once the flags are parsed
-  (app.run's after-init callbacks), before `main` runs. Defaults are the current values, so
-  JAX_* environment variables still apply when the flag is not given.
-  """
+  """Defines JAX's config options (`--jax_debug_nans`, ...) as absl flags, as big_vision does."""
   if "jax_debug_nans" not in flags.FLAGS:  # Idempotent: run() may be called more than once.
     jax.config.config_with_absl()
 
@@ -288,10 +263,7 @@ def run(
     command: CommandHelp | None = None,
     prepare_argv: Callable[[list[str]], list[str]] | None = None,
 ) -> None:
-  """app.run with one-line user errors (exit status 2), JAX's flags and the package's --help.
-
-  `prepare_argv` rewrites the command line before its flags are parsed (`parse_flags`).
-  """
+  """app.run with one-line user errors (exit status 2), JAX's flags and the package's --help."""
 
   def guarded_main(argv: list[str]) -> Any:
     try:
@@ -361,19 +333,11 @@ def train_eval_command(
 ) -> Callable[[], None]:
   """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
 
-  `validate(config, num_devices=, num_processes=, check_data=)` runs before anything is
-  compiled; every UserError (a bad config key, a missing file, ...) becomes one line and exit
-  code 2. `--help` documents the flags and points to the keys of `validate`'s module (the
-  package's config, whose `base_config()` gives every key's type). `checkpoint_modes` adds
-  modes beside train and eval, `{name: (function, help)}`, that work on the latest checkpoint
-  of a trained workdir alone (e.g. predict, export): they are validated with
-  `check_data=False`, since they never read the dataset. `preflight_program(config, mesh)`
-  (a `trainkit.preflight.compile.Program`) adds `--mode=compile`: the run compiled for
-  `--config.preflight.target` without its hardware and without data.
-
-  Every mode but train may leave `--config` out: the trained run's `<workdir>/config.json` is
-  then the config (loaded through `trainkit.saved_config`), and `--config.KEY=VALUE` overrides
-  apply on top of it as they do on a config file. A `--config` that is given always wins.
+  `validate(config, num_devices=, num_processes=, check_data=)` runs before anything compiles;
+  a UserError is one line and exit status 2. `checkpoint_modes` (`{name: (function, help)}`)
+  work on a trained workdir's latest checkpoint without the dataset; `preflight_program(config,
+  mesh)` adds `--mode=compile`. Modes but train and compile may leave `--config` out: the
+  workdir's config.json is then the config (`trainkit.saved_config`).
   """
   modes = {
       "train": (train_and_evaluate, "train (resuming if possible) then evaluate"),
@@ -421,8 +385,7 @@ def train_eval_command(
   )
 
   def use_saved_config(argv: list[str]) -> list[str]:
-    """argv with `--config` set to the workdir's config.json when a mode other than train is
-    run without one."""
+    """argv with `--config` set to the workdir's config.json where none is given."""
     if has_flag(argv, "config") or has_flag(argv, "flagfile"):
       return argv  # A flag file may set --config and --mode: main checks the parsed flags.
     mode = flag_value(argv, "mode") or "train"
@@ -453,7 +416,6 @@ def train_eval_command(
         remove_if_empty(workdir)
 
     # Nothing of a compilation is worth keeping: SIGTERM ends it at once, without a stale lock.
-    # (Training checkpoints on SIGTERM instead: trainkit.preemption.PreemptionGuard.)
     guard = (
         sigterm_ends_cleanly(abandon, "during --mode=compile; nothing was written")
         if mode == "compile"
@@ -490,14 +452,12 @@ def train_eval_command(
         print(line, flush=True)
 
     if mode == "compile":
-      # The preflight describes the target's devices itself; this host's own backend stays
-      # the CPU (no CUDA or TPU runtime is started, even where one is installed).
+      # The target's devices are described; this host's own backend stays the CPU.
       with contextlib.suppress(RuntimeError):
         jax.config.update("jax_platforms", "cpu")
       target = validate_preflight(config)
       if target is not None and target.platform == "tpu":
-        # libtpu installs a SIGTERM handler of its own when it loads (a native stack dump, then
-        # death by the signal); loaded here, before `sigterm_ends_cleanly` takes the signal.
+        # libtpu installs its own SIGTERM handler: loaded before `sigterm_ends_cleanly`.
         preflight_devices(target)
       settle_length()
       validate(
@@ -508,15 +468,12 @@ def train_eval_command(
       )
       run_in_workdir(config, workdir, mode)
       return
-    # Multi-process runs (TPU pod, SLURM, launch/local_multiprocess.sh) join JAX's
-    # multi-controller runtime before any device is touched; single runs do nothing here.
     initialize_from_env(startup_timeout_s=startup_timeout_s(config))
     if jax.process_index() != 0:
       # Reports, progress and summaries come from process 0; the others keep stderr only.
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
     elif jax.process_count() > 1:
-      # What the runtime was joined as, in the log: N processes started unconnected (each a
-      # process 0 of 1) print no such line (tests/test_slurm.py checks for it).
+      # tests/test_slurm.py checks for this line (unconnected processes print none).
       print(
           f"Process 0 of {jax.process_count()} (jax.distributed), "
           f"{jax.device_count()} devices in all",

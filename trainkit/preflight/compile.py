@@ -1,10 +1,8 @@
 """`--mode=compile`: a run's train and eval steps compiled for an accelerator it does not have.
 
 The package says what its run is made of (`Program`); the optimiser, mesh, sharded state and
-jitted step are `--mode=train`'s. The state and batch are ShapeDtypeStructs, lowered and
-compiled for the target's devices as MaxText's `train_compile.py` does. `<workdir>/preflight.json`
-holds the fit (the step's peak plus the batches prefetched ahead of it, as `trainkit.fits`
-counts them), FLOPs, bytes, collectives, a step time and the device-hours.
+jitted step are `--mode=train`'s, lowered on ShapeDtypeStructs as MaxText's `train_compile.py`
+does. docs/design.md, "Preflight", says what `<workdir>/preflight.json` holds.
 """
 
 from __future__ import annotations
@@ -87,10 +85,9 @@ def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
 
 @dataclasses.dataclass
 class Program:
-  """What a package's run is made of: the model (traced, never materialised), the loss, the
-  unsharded global batches, `make_eval_step(graphdef)`, the dataset's size at full size (0:
-  unknown) and where it comes from, `TrainState.extra`'s update and initial value, and the
-  choices made for this target that the config leaves open (`moe.dispatch="auto"`)."""
+  """What a package's run is made of: the model (traced only), the loss, the unsharded global
+  batches, the dataset's size (0: unknown), and `settings`, the choices the config left open
+  (`moe.dispatch="auto"`)."""
 
   make_model: Callable[[], nnx.Module]
   loss_fn: LossFn
@@ -108,9 +105,8 @@ BuildProgram = Callable[[ml_collections.ConfigDict, Mesh], Program]
 
 
 def host_rows(mesh: Mesh, batch_size: int) -> list[list[int]]:
-  """[first, end) of the global batch rows each host's devices hold, host by host: host i's
-  block [i * B/n, (i + 1) * B/n), as the input pipelines feed it (`trainkit.mesh.process_block`);
-  a RuntimeError naming a host whose devices hold other rows."""
+  """[first, end) of the batch rows each host's devices hold: host i's block [i * B/n, (i + 1) *
+  B/n) as `trainkit.mesh.process_block` feeds it, or a RuntimeError naming the host."""
   rows: dict[int, set[int]] = {}
   for device, index in batch_sharding(mesh).devices_indices_map((batch_size,)).items():
     start, stop, _ = index[0].indices(batch_size)
@@ -140,9 +136,8 @@ def _out_of_memory(error: Exception) -> dict[str, Any] | None:
   if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
     return None
   found: dict[str, Any] = {"message": text.strip().splitlines()[0][:500]}
-  # Two forms seen from libtpu 0.0.42: "Used 20.5G of 15.75G hbm" and "the total memory
-  # required for HLO temporaries (148.76G) exceeds available HBM (15.75G)" (XLA's units are
-  # binary). The second counts temporaries only: the peak is at least that.
+  # "Used 20.5G of 15.75G hbm", or "... HLO temporaries (148.76G) exceeds available HBM
+  # (15.75G)" (binary units; temporaries only: the peak is at least that).
   scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
   for pattern in (
       r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm",
@@ -159,9 +154,8 @@ def _out_of_memory(error: Exception) -> dict[str, Any] | None:
 def compile_step(
     jitted: Any, args: tuple[Any, ...], mesh: Mesh, target: Target, beside: int = 0
 ) -> tuple[Any | None, dict[str, Any]]:
-  """Lowers and compiles `jitted(*args)` for `target`: (compiled or None, what was learnt).
-  `beside`: bytes per device held beside the program (prefetched batches), counted in `peak`.
-  A program the compiler refuses for memory is recorded (`fits: false`), not raised."""
+  """(compiled or None, what was learnt) for `jitted(*args)` on `target`; `beside` bytes per
+  device (prefetched batches) count in `peak`. A refusal for memory is `fits: false`."""
   start = time.perf_counter()
   options: dict[str, Any] = {}
   with jax.set_mesh(mesh):
@@ -199,8 +193,7 @@ def compile_step(
   record["fits"] = memory["peak"] <= target.usable_bytes
   text = compiled.as_text()
   record["collectives"] = analysis.collectives(text)
-  # The HLO's device ids are positions in the program's device assignment: the mesh's devices
-  # in row-major order, for a program whose shardings are all over `mesh`.
+  # The HLO's device ids index the mesh's devices in row-major order.
   hosts = [d.process_index for d in mesh.devices.flat]
   pricing = analysis.collective_seconds(
       text, hosts, target.interconnect_bandwidth, target.inter_host_bandwidth
@@ -227,9 +220,8 @@ def compile_step(
 
 @contextlib.contextmanager
 def persistent_cache_off() -> Iterator[None]:
-  """JAX's persistent compilation cache off inside the block: a deviceless executable has no
-  client to load into, and a compile time read through the cache is not the compiler's. JAX
-  decides at its first compile whether to use the cache, hence the resets on entry and exit."""
+  """JAX's persistent compilation cache off inside the block (a deviceless executable has no
+  client to load into); JAX decides at its first compile, hence the resets."""
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()
@@ -243,9 +235,8 @@ def persistent_cache_off() -> Iterator[None]:
 def step_estimate(
     bound_seconds: float | None, utilization: float, collective_seconds: float | None
 ) -> dict[str, float | None]:
-  """A step's time (seconds; None: unknown): the roofline at `utilization`, the collectives
-  (not derated: utilisation is compute-side), their sum (the run's figure) and the longer of
-  the two (every collective overlapped with compute)."""
+  """A step's seconds (None: unknown): roofline at `utilization`, collectives (not derated),
+  their sum (the run's figure) and their max (all overlapped)."""
   collectives = collective_seconds or 0.0
   compute = None if bound_seconds is None else bound_seconds / utilization
   return {
@@ -262,8 +253,6 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
   target = validate_preflight(config)
   if target is None:
     raise ConfigError("preflight.target", f"name the target to compile for; known: {', '.join(TARGETS)}")
-  # The preflight compiles for the target it names: a mesh over some of its devices would give
-  # another run's per-device figures and bill the idle devices.
   require_all_devices(
       config.mesh, target.num_devices, f"the {target.num_devices} devices of {target.name}"
   )
@@ -287,8 +276,7 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
   step_fn = make_train_step(graphdef, program.loss_fn, tx, schedule, program.update_extra)
   batch = _sharded_batch(program.train_batch, mesh)
   batch_bytes = analysis.bytes_per_device(batch)
-  # The run's training batches on each device: the step's own (an argument of the program) and
-  # those `DevicePrefetch` places ahead of it, beside the program.
+  # The step's own batch is an argument; those `DevicePrefetch` places ahead lie beside it.
   resident = resident_batches(DEFAULT_PREFETCH)
   prefetched = (resident - 1) * batch_bytes
   _, train = compile_step(
@@ -479,8 +467,8 @@ def _config_value(config: ml_collections.ConfigDict, key: str) -> Any:
 
 
 def settings_text(record: Mapping[str, Any]) -> str:
-  """The choices compiled for the target, as `key=value`, or `key=given (compiled: value)` where
-  the config left the choice open (`moe.dispatch=auto (compiled: sort)`); "" without any."""
+  """The choices compiled, `key=value` or `key=given (compiled: value)` (`moe.dispatch=auto
+  (compiled: sort)`); "" without any."""
   given = record.get("settings_given") or {}
   parts = []
   for key, value in (record.get("settings") or {}).items():
@@ -489,15 +477,13 @@ def settings_text(record: Mapping[str, Any]) -> str:
   return ", ".join(parts)
 
 
-# A GPU step compiled with the cuBLAS fallback (Triton GEMMs off) against the program a device
-# compiles: the CelebA FairSMoE DeiT-S step on an H200 had 1.108x the fallback's temporaries
-# (19.63 GB on the device, jax 0.11.2, against 17.72 GB here, jax 0.10.2; docs/scaling.md).
+# A device's temporaries over the cuBLAS fallback's, measured on an H200 (docs/scaling.md).
 FALLBACK_TEMPORARIES_FACTOR = 19.63 / 17.72
 
 
 def fallback_peak(record: Mapping[str, Any]) -> float | None:
-  """The train step's peak with its temporaries scaled as a device's compile scaled them, where
-  it was compiled with the GPU fallback; None otherwise."""
+  """The train step's peak, temporaries scaled as on a device, for a GPU fallback compile; else
+  None."""
   train = record["train_step"]
   memory = train.get("memory") or {}
   if (train.get("compiler_options") or {}).get("xla_gpu_enable_triton_gemm") is not False:
@@ -537,8 +523,6 @@ def summary(record: Mapping[str, Any]) -> str:
   ]
   scaled = fallback_peak(record)
   if scaled is not None:
-    # Measured: this fallback's temporaries were 0.90x what an H200 compiled for the same step
-    # with Triton GEMMs (jax 0.11.2, whose deviceless compile matched the device's to 0.6%).
     tight = record["fits"] and scaled > t["usable_bytes"]
     lines.insert(
         3,
@@ -618,8 +602,7 @@ def summary(record: Mapping[str, Any]) -> str:
 
 
 def memory_keys(record: Mapping[str, Any]) -> list[str]:
-  """The `MEMORY_KEYS` that can lower the memory per device of the record's run on its target,
-  each with what it would do."""
+  """The `MEMORY_KEYS` that can lower the run's memory per device on its target, each with how."""
   keys = []
   train_short = not record["train_step"]["fits"]
   if train_short:
@@ -642,8 +625,7 @@ def memory_keys(record: Mapping[str, Any]) -> list[str]:
 
 
 def does_not_fit_message(record: Mapping[str, Any]) -> str:
-  """One line: which step does not fit, by how much per device, and the keys that can change
-  that on this target (`memory_keys`)."""
+  """One line: which step does not fit, by how much per device, and `memory_keys`."""
   t = record["target"]
   parts = []
   for name in ("train_step", "eval_step"):
@@ -663,8 +645,7 @@ def does_not_fit_message(record: Mapping[str, Any]) -> str:
 def compile_run(
     config: ml_collections.ConfigDict, workdir: str, build_program: BuildProgram
 ) -> dict[str, Any]:
-  """`--mode=compile`: prints the preflight, writes `<workdir>/preflight.json`, and raises a
-  UserError when the run does not fit (after writing the record)."""
+  """`--mode=compile`: prints, writes `<workdir>/preflight.json`; a UserError if it does not fit."""
   record = preflight(config, build_program)
   write_atomically(os.path.join(workdir, PREFLIGHT_FILE), json.dumps(record, indent=2) + "\n")
   print(summary(record), flush=True)
