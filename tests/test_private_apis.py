@@ -25,6 +25,13 @@ TENSORBOARDX_INTERNALS = (
     "tensorboardX.summary", "tensorboardX.crc32c",
 )  # fmt: skip
 HOOKS = {("sys", "unraisablehook"), ("sys", "excepthook"), ("threading", "excepthook")}
+# Changes to another library's logger (`logging.getLogger("lib")`), which reach every user of it.
+LOGGER_CHANGES = {"setLevel", "addFilter", "disabled"}
+# file -> the libraries' loggers it may change.
+ALLOWED_LOGGERS = {
+    # A filter that keeps one of gcsfs's per-bucket warnings (storage.py's owner to replace).
+    "trainkit/storage.py": {"gcsfs"},
+}
 
 # file -> the private names it may import: each the only way today, each checked below.
 ALLOWED = {
@@ -71,10 +78,43 @@ def _imported_names(node: ast.AST) -> list[str]:
   return []
 
 
+def _foreign_logger(node: ast.AST, names: dict[str, str]) -> str | None:
+  """The library whose logger `node` is: `logging.getLogger("lib")`, or a name bound to one."""
+  if isinstance(node, ast.Name):
+    return names.get(node.id)
+  if (
+      isinstance(node, ast.Call)
+      and ast.unparse(node.func) in ("logging.getLogger", "getLogger")
+      and node.args
+      and isinstance(node.args[0], ast.Constant)
+      and isinstance(node.args[0].value, str)
+      and node.args[0].value.split(".")[0] not in OURS
+  ):
+    return node.args[0].value
+  return None
+
+
 def violations(path: pathlib.Path, relative: str) -> list[str]:
-  """'file:line: what' for each private import and each replaced process-wide hook in `path`."""
+  """'file:line: what' for each private import, each replaced process-wide hook and each change
+  to another library's logger in `path`."""
   found = []
-  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+  tree = ast.parse(path.read_text(), str(path))
+  names = {  # `log = logging.getLogger("lib")`
+      node.targets[0].id: library
+      for node in ast.walk(tree)
+      if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+      if (library := _foreign_logger(node.value, {}))
+  }
+  for node in ast.walk(tree):
+    changed = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+      changed = node.func  # log.setLevel(...), log.addFilter(...)
+    elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
+      changed = node.targets[0]  # log.disabled = True
+    if changed is not None and changed.attr in LOGGER_CHANGES:
+      library = _foreign_logger(changed.value, names)
+      if library and library not in ALLOWED_LOGGERS.get(relative, ()):
+        found.append(f"{relative}:{node.lineno}: changes the {library!r} logger ({changed.attr})")
     for name in _imported_names(node):
       if _is_private(name) and name not in ALLOWED.get(relative, ()):
         found.append(f"{relative}:{node.lineno}: imports {name}, a private module or name")
@@ -85,7 +125,7 @@ def violations(path: pathlib.Path, relative: str) -> list[str]:
       if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
         if (target.value.id, target.attr) in HOOKS:
           found.append(f"{relative}:{node.lineno}: replaces {target.value.id}.{target.attr}")
-  return found
+  return sorted(found, key=lambda line: int(line.split(":")[1]))
 
 
 def _scanned_files() -> list[pathlib.Path]:
@@ -112,6 +152,13 @@ def test_the_scanner_reports_a_planted_private_import_and_hook_with_file_and_lin
       "import importlib\n"
       "importlib.import_module('tensorstore._tensorstore')\n"
       "from tensorboardX import SummaryWriter\n"
+      "import logging\n"
+      "logging.getLogger('absl').setLevel(logging.ERROR)\n"
+      "orbax_log = logging.getLogger('orbax.checkpoint')\n"
+      "orbax_log.addFilter(lambda record: False)\n"
+      "orbax_log.disabled = True\n"
+      "logging.getLogger(__name__).setLevel(logging.INFO)\n"  # Its own logger: allowed.
+      "logging.getLogger('trainkit.loop').setLevel(logging.INFO)\n"
   )
   assert violations(planted, "planted.py") == [
       "planted.py:4: imports orbax.checkpoint._src.futures.future, a private module or name",
@@ -119,6 +166,9 @@ def test_the_scanner_reports_a_planted_private_import_and_hook_with_file_and_lin
       "planted.py:6: imports jax._src, a private module or name",
       "planted.py:7: replaces sys.unraisablehook",
       "planted.py:9: imports tensorstore._tensorstore, a private module or name",
+      "planted.py:12: changes the 'absl' logger (setLevel)",
+      "planted.py:14: changes the 'orbax.checkpoint' logger (addFilter)",
+      "planted.py:15: changes the 'orbax.checkpoint' logger (disabled)",
   ]
   # An allowed import is allowed in its own file only.
   planted.write_text("from jax._src import distributed\n")
@@ -141,6 +191,9 @@ def test_every_allowed_file_still_uses_its_private_names():
         if _is_private(name)
     }
     assert imported == allowed, f"{relative}: update ALLOWED in tests/test_private_apis.py"
+  for relative, libraries in ALLOWED_LOGGERS.items():
+    found = " ".join(violations(ROOT / relative, "a file without allowances"))
+    assert all(f"the {name!r} logger" in found for name in libraries), f"update ALLOWED_LOGGERS: {relative}"
 
 
 @pytest.mark.parametrize("module, attribute", ALLOWED_ATTRIBUTES)

@@ -55,24 +55,18 @@ def _megabytes(n: int) -> str:
   return f"{n / 2**20:.1f} MiB"
 
 
-def _register_array_handler() -> None:
-  # Orbax logs a warning when a registered handler is replaced; this replacement is deliberate.
-  absl_logger = logging.getLogger("absl")
-  level = absl_logger.level
-  absl_logger.setLevel(logging.ERROR)
-  try:
-    ocp.type_handlers.register_type_handler(
-        jax.Array,
-        ocp.type_handlers.ArrayHandler(
-            min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_SLICE_BYTES
-        ),
-        override=True,
-    )
-  finally:
-    absl_logger.setLevel(level)
-
-
-_register_array_handler()
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+  """What `StandardCheckpointHandler` wraps (same files), with Orbax's type handlers but our
+  `ArrayHandler`, in a registry of its own: Orbax's global registry is left as it is."""
+  types = ocp.type_handlers
+  registry = types.create_type_handler_registry(
+      *((t, types.get_type_handler(t)) for t in types.supported_types()),
+      (
+          jax.Array,
+          types.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_SLICE_BYTES),
+      ),
+  )
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
 def _abstract(tree: Any) -> Any:
@@ -340,7 +334,7 @@ class Checkpointer:
           self.directory,
           options=options,
           item_handlers={
-              STATE: ocp.StandardCheckpointHandler(),
+              STATE: _state_handler(),
               DATA_ITERATOR: ocp.JsonCheckpointHandler(),
           },
       )
@@ -379,7 +373,7 @@ class Checkpointer:
       raise
     args = ocp.args.Composite(
         **{
-            STATE: ocp.args.StandardSave(state),
+            STATE: ocp.args.PyTreeSave(state),
             DATA_ITERATOR: ocp.args.JsonSave(data_iterator_state or {}),
         }
     )
@@ -566,7 +560,9 @@ class Checkpointer:
             step,
             args=ocp.args.Composite(
                 **{
-                    STATE: ocp.args.StandardRestore(abstract),
+                    STATE: ocp.args.PyTreeRestore(
+                        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+                    ),
                     DATA_ITERATOR: ocp.args.JsonRestore(),
                 }
             ),
