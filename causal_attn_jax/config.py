@@ -39,8 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.batch_size = 32  # Global, over all devices and processes.
   config.eval_batch_size = 64
   config.num_train_steps = 1000
-  # > 0 overrides num_train_steps: epochs over the train split; a --config.num_train_steps on
-  # the command line wins over a config file's num_epochs.
+  # > 0: epochs over the train split instead of num_train_steps (a command-line one wins).
   config.num_epochs = 0.0
   config.log_every_steps = 50
   config.eval_every_steps = 500  # 0 disables evaluation during training.
@@ -48,14 +47,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.compute_dtype = "float32"
   config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
-  # "START:END" writes a jax.profiler trace of steps START+1..END to <workdir>/profile (open it
-  # with Perfetto or TensorBoard's profile plugin, README); "" = no trace.
+  # "START:END": a jax.profiler trace of steps START+1..END in <workdir>/profile; "" = none.
   config.profile_steps = ""
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
-  # --mode=predict: a TSV of premise<TAB>hypothesis lines (pair classification) or a text file
-  # of source sentences (translation); the output is <workdir>/predict/predictions.tsv.
+  # --mode=predict: a TSV of premise<TAB>hypothesis lines, or source sentences (translation).
   config.predict = ml_collections.ConfigDict(dict(input=""))
-  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md, "Before paying for an accelerator").
+  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md).
   config.preflight = preflight_config()
   # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
   config.distributed = cfg.distributed_config()
@@ -63,8 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict(
       dict(
           # A built-in testbed instead of files or tfds (docs/dataset.md): "spurious_pairs"
-          # (data/spurious.py; keys under data.spurious) or "ood_pairs" (data/ood_pairs.py, whose
-          # challenge split is out of distribution by construction; keys under data.ood_pairs).
+          # (data/spurious.py) or "ood_pairs" (data/ood_pairs.py); keys under their names.
           generator="",
           spurious=ml_collections.ConfigDict(
               dict(
@@ -115,8 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
           tfds_eval_split="validation",
           source_lang="en",
           target_lang="de",
-          # Translate target -> source: the *_target files (tfds target_lang) become the
-          # inputs and the *_source files the references.
+          # Translate target -> source (the *_target files become the inputs).
           reverse=False,
           max_train_examples=0,  # > 0 truncates the train split (small runs).
           max_eval_examples=0,  # > 0 truncates the eval and challenge splits.
@@ -131,8 +126,8 @@ def base_config() -> ml_collections.ConfigDict:
       dict(
           attention="causal",  # One of ATTENTION_KINDS.
           gcn_hops=1,  # 1 = literal Eq. 4, 2 = Kipf & Welling two-hop GCN.
-          # > 0: encoder self-attention is Sinkhorn-normalised (columns ~ 1 as Definition 1
-          # assumes) with this many iterations; 0 = softmax (rows only).
+          # > 0: Sinkhorn iterations on encoder self-attention (columns ~ 1, as Definition 1
+          # assumes); 0 = softmax.
           sinkhorn_iters=0,
           dim=64,
           num_layers=2,  # Encoder layers.
@@ -148,29 +143,24 @@ def base_config() -> ml_collections.ConfigDict:
           num_random=3,
           block_size=4,
           mask_seed=0,
-          # Rematerialisation of each encoder and decoder layer in training (trainkit/remat.py):
-          # none | dots (keep the linear layers' outputs, recompute the rest) | block (keep only
-          # each layer's input, rerun its forward in the backward pass). Less activation memory
-          # per step for more FLOPs (docs/design.md, "Rematerialisation"). The attention
-          # probabilities the constraint reads are layer outputs: kept whatever the policy.
+          # Layer rematerialisation in training (trainkit/remat.py, docs/design.md): none |
+          # dots (keep the linear layers' outputs) | block (keep only each layer's input).
           remat="none",
       )
   )
   config.constraints = ml_collections.ConfigDict(
       dict(
-          # 1 adds the Lagrangian of Eq. 6 to the loss of attention="causal" runs, 0 disables it
-          # (ablation). Baselines never add it; their statistics are still logged.
+          # Weight of Eq. 6's Lagrangian in attention="causal" runs (0: ablation; baselines
+          # never add it, but log its statistics).
           weight=1.0,
           # Reading of Eqs. 2-3 (constraints.py, docs/design.md "Markov-blanket constraint").
           form="node",  # node (Eq. 2: row + column per token) | separate (rows, columns)
           loss="hinge",  # hinge | linear (Eq. 3 as written: signed sums, slacks)
-          # derived_self_loop (1/3 self-loop, derived from the prose) | paper_slack (the
-          # paper's printed constants).
+          # derived_self_loop (1/3 self-loop, from the prose) | paper_slack (printed constants).
           encoder_band="derived_self_loop",
           step_size=0.01,  # Dual ascent step on the multipliers (per train step).
           dual_start_step=0,  # Multipliers stay at init_multiplier before this step.
-          # The dual step grows linearly from 0 to step_size over this many steps after
-          # dual_start_step, so the constraint tightens gradually; 0 = full step at once.
+          # Steps after dual_start_step over which the dual step ramps up to step_size.
           dual_ramp_steps=0,
           init_multiplier=0.0,
           multiplier_cap=10.0,  # Projection of every multiplier onto [0, cap]; 0 = no cap.
@@ -186,8 +176,7 @@ def base_config() -> ml_collections.ConfigDict:
           alpha=0.6,  # GNMT length penalty.
           max_decode_len=64,
           max_eval_sentences=0,  # > 0 decodes only the first this many eval sentences.
-          # BLEU on detokenised text: "moses" detokenises hypotheses and references, "none"
-          # scores them as they are, "auto" = moses when the references look Moses-tokenised.
+          # BLEU on detokenised text: moses | none | auto (moses for Moses-tokenised references).
           detokenize="auto",
       )
   )
@@ -424,9 +413,8 @@ def paper_config(
             "model.dropout_rate": 0.1,
             "batch_size": 32,
             "eval_batch_size": 64,
-            # 300 steps ended at chance on the MNLI sample's validation split (the cosine
-            # schedule reaches 0 before the models leave it); by 1500 both attentions learn
-            # (docs/design.md, "Defaults and the split that chose them").
+            # 300 ended at chance on the MNLI sample (docs/design.md, "Defaults and the split
+            # that chose them").
             "num_train_steps": 1500,
             "log_every_steps": 50,
             "eval_every_steps": 500,
@@ -434,11 +422,8 @@ def paper_config(
             "optimizer.learning_rate": 1e-3,
             "optimizer.warmup_steps": 100,
             "optimizer.weight_decay": 0.01,
-            # The base dual step of the small configs, from step 0 and unramped. Every small
-            # config whose schedule was measured sets its own beside the reason (mnli_hans.py,
-            # spurious_pairs.py, translation below); SNLI and QQP keep this one, which no
-            # measurement on their data chose. docs/design.md ("Defaults and the split that
-            # chose them", "Constraint strength") has the measurements.
+            # Unmeasured base; the measured configs set their own (docs/design.md,
+            # "Constraint strength").
             "constraints.step_size": 0.01,
         }
     )
@@ -474,11 +459,8 @@ def paper_config(
               "nmt.max_decode_len": 32,
               "nmt.beam_size": 2,
               "nmt.max_eval_sentences": 64,
-              # With dual ascent from step 0 the decoder's attention collapsed onto one earlier
-              # token before the model learnt anything (En-De sample: BLEU near 0, the
-              # validation loss stalled); from step 500, ramped over 1,000 steps, its validation
-              # loss fell about as far as vanilla's (docs/design.md, "Defaults and the split
-              # that chose them"). No En-Ro sample was at hand; the model is the same.
+              # From step 0 the decoder's attention collapsed (docs/design.md, "Defaults and
+              # the split that chose them").
               "constraints.dual_start_step": 500,
               "constraints.dual_ramp_steps": 1000,
           }
@@ -534,18 +516,11 @@ def paper_config_from_arg(
 
 
 def testbed_small_settings(config: ml_collections.ConfigDict, attention: str, steps: int) -> None:
-  """The generated testbeds' size=small training settings (configs/spurious_pairs.py,
-  configs/ood_pairs.py), chosen on the spurious-pairs validation split.
-
-  The relation is learnt slowly at the MNLI settings (lr 1e-3, batch 32); these learn it within
-  2,000 steps. Each attention's learning rate is its own, chosen with the same budget
-  (results/spurious_tuning_{vanilla,gcn}.py): vanilla attention 1e-3, the GCN updater
-  (constrained or not) 3e-3; the fixed sparse patterns were not tuned and keep 3e-3. With the
-  full dual step from step 0 the constraint makes attention sparse before the relation is learnt
-  and the model stays at chance; of the four schedules of results/spurious_tuning_causal.py this
-  one has the highest mean validation accuracy (docs/design.md, 'Defaults and the split that
-  chose them').
-  """
+  """The generated testbeds' size=small settings (configs/spurious_pairs.py, ood_pairs.py),
+  chosen on the spurious-pairs validation split (results/spurious_tuning_*.py; docs/design.md,
+  'Defaults and the split that chose them'): each attention its own learning rate, and the dual
+  step from step 500, ramped: from step 0 the constraint sparsifies attention before the
+  relation is learnt."""
   config.batch_size = 64
   config.optimizer.learning_rate = 1e-3 if attention == "vanilla" else 3e-3
   config.model.dropout_rate = 0.0

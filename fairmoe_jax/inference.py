@@ -51,13 +51,13 @@ from trainkit.workdir import output_folder
 class Restored:
   """A trained run's latest checkpoint, ready for inference (`restore_run`).
 
-    Attributes:
-      metadata: run_info.json's class and attribute names and preprocessing.
-      info: The same names as the model's DatasetInfo.
-      graphdef: The model's graph.
-      state: The restored train state.
-      mesh: The device mesh of `config.mesh` the state is placed on.
-      step: The checkpoint's step; None when nothing was restored (`from_checkpoint=False`).
+  Attributes:
+    metadata: run_info.json's class and attribute names and preprocessing.
+    info: The same names as the model's DatasetInfo.
+    graphdef: The model's graph.
+    state: The restored train state.
+    mesh: The device mesh of `config.mesh` the state is placed on.
+    step: The checkpoint's step; None when nothing was restored (`from_checkpoint=False`).
   """
 
   metadata: run_info_lib.RunMetadata
@@ -77,7 +77,7 @@ def restore_run(
     config: ml_collections.ConfigDict, workdir: str, *, from_checkpoint: bool = True
 ) -> Restored:
   """The latest readable checkpoint of `workdir` (UserError if none), from the workdir alone;
-    with `from_checkpoint=False`, the state initialised from `config`.
+  with `from_checkpoint=False`, the state initialised from `config`.
   """
   metadata = run_info_lib.load(workdir)
   info = metadata.dataset_info()
@@ -120,11 +120,11 @@ def _umask() -> int:
 def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Writes the latest checkpoint as a timm-named safetensors state dict.
 
-    `<workdir>/export/model.safetensors`: PyTorch layouts and timm names
-    (`fairmoe_jax.models.convert_timm`; experts stacked as `<block>.mlp.experts.*`), with step,
-    backbone and class names in its metadata; `load_timm_checkpoint(model, path, skip=())` loads
-    it back. Beside it, `config.json` says which timm model it is, or why timm cannot load it
-    (`fairmoe_jax.export`).
+  `<workdir>/export/model.safetensors`: PyTorch layouts and timm names
+  (`fairmoe_jax.models.convert_timm`; experts stacked as `<block>.mlp.experts.*`), with step,
+  backbone and class names in its metadata; `load_timm_checkpoint(model, path, skip=())` loads
+  it back. Beside it, `config.json` says which timm model it is, or why timm cannot load it
+  (`fairmoe_jax.export`).
   """
   save = import_extra("safetensors.numpy", "fairsmoe", "--mode=export").save
 
@@ -227,15 +227,15 @@ def predict_examples(
 ) -> dict[str, Any]:
   """Classifies unlabelled images as evaluation does (same batches, padding and eval step).
 
-    Args:
-      restored: The trained run (`restore_run`).
-      config: Its config.
-      images: Image file paths (an object array [N]), or uint8 images [N, S, S, 3].
-      eval_step: `evaluation.make_eval_step(...)` to reuse its compilation; None makes one.
+  Args:
+    restored: The trained run (`restore_run`).
+    config: Its config.
+    images: Image file paths (an object array [N]), or uint8 images [N, S, S, 3].
+    eval_step: `evaluation.make_eval_step(...)` to reuse its compilation; None makes one.
 
-    Returns:
-      Per example, in `images`' order: `prediction` [N], `probabilities` [N, C] and
-      `experts` {block: [N, E]}.
+  Returns:
+    Per example, in `images`' order: `prediction` [N], `probabilities` [N, C] and
+    `experts` {block: [N, E]}.
   """
   info = restored.info
   # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
@@ -259,9 +259,9 @@ def predict_examples(
 def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Classifies `predict.input`'s images with the latest checkpoint.
 
-    Writes `<workdir>/predict/predictions.csv`: per image its path, predicted class (index, name),
-    class probabilities and, per MoE block and expert, the share of its (token, choice) pairs that
-    expert served. Reads no label, attribute or dataset (class names from run_info.json).
+  Writes `<workdir>/predict/predictions.csv`: per image its path, predicted class (index, name),
+  class probabilities and, per MoE block and expert, the share of its (token, choice) pairs that
+  expert served. Reads no label, attribute or dataset (class names from run_info.json).
   """
   check_predictable(config)
   output_folder(workdir, os.path.dirname(PREDICT_FILE), create=False)  # Before the restore.
@@ -290,12 +290,12 @@ ImageBatch = Sequence[str | os.PathLike] | Sequence[np.ndarray] | np.ndarray | j
 class Predictions(NamedTuple):
   """What `TrainedRun.predict` returns for a batch of N images, in their order.
 
-    Attributes:
-      probabilities: float32 [N, C], columns named by `RunMetadata.class_names`.
-      classes: int [N], the most probable class.
-      class_names: The name of each image's most probable class.
-      experts: Per MoE block, float32 [N, E]: the share of the image's (token, choice) pairs
-        each expert served (predictions.csv's `<block>/expert_<e>` columns).
+  Attributes:
+    probabilities: float32 [N, C], columns named by `RunMetadata.class_names`.
+    classes: int [N], the most probable class.
+    class_names: The name of each image's most probable class.
+    experts: Per MoE block, float32 [N, E]: the share of the image's (token, choice) pairs
+      each expert served (predictions.csv's `<block>/expert_<e>` columns).
   """
 
   probabilities: np.ndarray
@@ -327,27 +327,27 @@ class TrainedRun:
   def model(self) -> nnx.Module:
     """The Flax NNX model with the checkpoint's parameters.
 
-        Called as `logits, aux = model(images, train=False, context=None)` on images normalised as
-        `metadata.preprocessing` says; `predict` always uses the checkpoint's parameters.
+    Called as `logits, aux = model(images, train=False, context=None)` on images normalised as
+    `metadata.preprocessing` says; `predict` always uses the checkpoint's parameters.
     """
     return self._restored.model
 
   def predict(self, images: ImageBatch) -> Predictions:
     """Classifies a batch of images as `--mode=predict` does.
 
-        Args:
-          images: Image file paths, or arrays: uint8 [N, H, W, 3] (or a list of [H, W, 3] of any
-            sizes), floats in [0, 1], or one [H, W, 3] image. Arrays of another size are resized
-            and centre-cropped as files are, floats rounded to uint8, so a PNG and its pixels give
-            the same probabilities (a large JPEG is decoded at reduced scale first).
+    Args:
+      images: Image file paths, or arrays: uint8 [N, H, W, 3] (or a list of [H, W, 3] of any
+        sizes), floats in [0, 1], or one [H, W, 3] image. Arrays of another size are resized
+        and centre-cropped as files are, floats rounded to uint8, so a PNG and its pixels give
+        the same probabilities (a large JPEG is decoded at reduced scale first).
 
-        Returns:
-          Probabilities, predicted classes and names, and expert shares, one row per image.
+    Returns:
+      Probabilities, predicted classes and names, and expert shares, one row per image.
 
-        Raises:
-          TypeError: `images` is a single path, or mixes paths and arrays.
-          ValueError: An image is not [H, W, 3], or has pixel values out of range.
-          trainkit.errors.UserError: An image file is missing or unreadable.
+    Raises:
+      TypeError: `images` is a single path, or mixes paths and arrays.
+      ValueError: An image is not [H, W, 3], or has pixel values out of range.
+      trainkit.errors.UserError: An image file is missing or unreadable.
     """
     check_predictable(self.config)
     inputs = _model_inputs(images, self.metadata.preprocessing.image_size)
@@ -370,14 +370,14 @@ class TrainedRun:
 def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> TrainedRun:
   """Loads a trained run from its workdir alone: config.json, run_info.json, latest checkpoint.
 
-    Args:
-      workdir: The working directory a training run (`python -m fairmoe_jax.main`) wrote.
-      overrides: Config keys to change by dotted name, as `--config.KEY=VALUE`, e.g.
-        `{"eval_batch_size": 16}`.
+  Args:
+    workdir: The working directory a training run (`python -m fairmoe_jax.main`) wrote.
+    overrides: Config keys to change by dotted name, as `--config.KEY=VALUE`, e.g.
+      `{"eval_batch_size": 16}`.
 
-    Raises:
-      trainkit.errors.UserError: No config.json or readable checkpoint, or another run holds
-        the workdir; a ConfigError names a wrong override.
+  Raises:
+    trainkit.errors.UserError: No config.json or readable checkpoint, or another run holds
+      the workdir; a ConfigError names a wrong override.
   """
   workdir, config, restored = restore_saved_run(
       workdir, config_lib.base_config(), config_lib.validate, restore_run, overrides

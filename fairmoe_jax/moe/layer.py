@@ -52,14 +52,14 @@ _BIAS_INIT = nnx.initializers.zeros_init()
 class RoutingReadings:
   """What an evaluation reads of one MoE layer's routing (never logged in training).
 
-    Named fields, not metric names, so renaming a logged metric cannot change an evaluation.
+  Named fields, not metric names, so renaming a logged metric cannot change an evaluation.
 
-    Attributes:
-      fraction_dropped: scalar, dropped (token, choice) pairs (expert choice: untaken tokens).
-      expert_fraction: [B, E] share of each example's (token, choice) pairs each expert served
-        (paper Figs. 2 and 5).
-      gate_weight: [B, E] mean gate weight per expert and example; None for expert choice.
-      router: the router's `RouterOutput.example_readings` (e.g. FGR's), None for plain routers.
+  Attributes:
+    fraction_dropped: scalar, dropped (token, choice) pairs (expert choice: tokens no expert took).
+    expert_fraction: [B, E] share of each example's (token, choice) pairs each expert served
+      (paper Figs. 2 and 5).
+    gate_weight: [B, E] mean gate weight per expert and example; None for expert choice.
+    router: the router's `RouterOutput.example_readings` (e.g. FGR's), None for plain routers.
   """
 
   fraction_dropped: jax.Array
@@ -72,12 +72,12 @@ class RoutingReadings:
 class MoEAux:
   """Auxiliary outputs of one or more MoE layers (losses unweighted: the caller scales them).
 
-    Attributes:
-      loss: scalar load-balancing loss.
-      z_loss: scalar router z-loss.
-      metrics: named arrays for logging, e.g. "fraction_dropped".
-      extra_losses: the router's further named losses (e.g. FGR's "confusion"), summed over layers.
-      routing: each layer's `RoutingReadings` by block name ("" for a layer's own).
+  Attributes:
+    loss: scalar load-balancing loss.
+    z_loss: scalar router z-loss.
+    metrics: named arrays for logging, e.g. "fraction_dropped".
+    extra_losses: the router's further named losses (e.g. FGR's "confusion"), summed over layers.
+    routing: each layer's `RoutingReadings` by block name ("" for a layer's own).
   """
 
   loss: jax.Array
@@ -132,37 +132,37 @@ EXPERT_CHOICE = "expert_choice"
 class SparseMoE(nnx.Module):
   """Top-k sparse MoE replacing a transformer block's MLP: `y, aux = layer(x)`, x [B, S, D].
 
-    The routing path (`self.routing`) is fixed at construction from `router`:
+  The routing path (`self.routing`) is fixed at construction from `router`:
 
-    * token choice (`TOKEN_CHOICE`): the router picks k experts per token; the dispatch algorithm
-      serves them under the capacity limit, optionally in batch-priority order or
-      expert-parallel over `mesh`.
-    * expert choice (`EXPERT_CHOICE`, router="expert_choice"): every expert picks its C best tokens
-      of each example; `dispatch` is unused, `batch_priority` and expert parallelism unavailable.
+  * token choice (`TOKEN_CHOICE`): the router picks k experts per token; the dispatch algorithm
+    serves them under the capacity limit, optionally in batch-priority order or
+    expert-parallel over `mesh`.
+  * expert choice (`EXPERT_CHOICE`, router="expert_choice"): every expert picks its C best tokens
+    of each example; `dispatch` is unused, `batch_priority` and expert parallelism unavailable.
 
-    Expert weights are stacked along a leading axis annotated "expert". Capacity factor and router
-    noise follow `train=` when given, else `model.train()` / `model.eval()`.
+  Expert weights are stacked along a leading axis annotated "expert". Capacity factor and router
+  noise follow `train=` when given, else `model.train()` / `model.eval()`.
 
-    Args:
-      dim: model width D.
-      hidden_dim: hidden width of each expert MLP.
-      num_experts: E.
-      top_k: experts per token.
-      dispatch: a key of `DISPATCH_ALGORITHMS` ("dense", "einsum", "sort", "dropless", ...);
+  Args:
+    dim: model width D.
+    hidden_dim: hidden width of each expert MLP.
+    num_experts: E.
+    top_k: experts per token.
+    dispatch: a key of `DISPATCH_ALGORITHMS` ("dense", "einsum", "sort", "dropless", ...);
       all agree wherever capacity suffices.
-      capacity_factor: capacity factor when training.
-      eval_capacity_factor: capacity factor when evaluating (usually larger: drops almost nothing).
-      router: "topk" (Switch losses), "noisy_topk" (Shazeer et al. 2017), "expert_choice" (Zhou
-        et al. 2022, C = the top-k capacity, so expert FLOPs match), a router module, or a factory
-        `router(dim, num_experts, top_k, rngs=rngs)`.
-      batch_priority: V-MoE batch-priority routing: the most confident tokens of each example are
-        served first, so overflow drops the least confident choices.
-      mesh: the device mesh (batch split over every axis) or None. With an "expert" axis > 1 the
-        experts are split over it (`dispatch.expert_parallel`); otherwise each device dispatches
-        its own examples (`dispatch.data_parallel`).
-      dtype: compute dtype of the experts; routing is always float32.
-      param_dtype: dtype of the parameters.
-      rngs: parameter RNGs; a seed gives the same weights whatever the mesh.
+    capacity_factor: capacity factor when training.
+    eval_capacity_factor: capacity factor when evaluating (usually larger: drops almost nothing).
+    router: "topk" (Switch losses), "noisy_topk" (Shazeer et al. 2017), "expert_choice" (Zhou
+      et al. 2022, C = the top-k capacity, so expert FLOPs match), a router module, or a factory
+      `router(dim, num_experts, top_k, rngs=rngs)`.
+    batch_priority: V-MoE batch-priority routing: the most confident tokens of each example are
+      served first, so overflow drops the least confident choices.
+    mesh: the device mesh (batch split over every axis) or None. With an "expert" axis > 1 the
+      experts are split over it (`dispatch.expert_parallel`); otherwise each device dispatches
+      its own examples (`dispatch.data_parallel`).
+    dtype: compute dtype of the experts; routing is always float32.
+    param_dtype: dtype of the parameters.
+    rngs: parameter RNGs; a seed gives the same weights whatever the mesh.
   """
 
   def __init__(
@@ -244,11 +244,11 @@ class SparseMoE(nnx.Module):
   ) -> tuple[jax.Array, MoEAux]:
     """x: [B, S, D] -> (y [B, S, D], MoEAux); capacity per example and expert.
 
-        Args:
-          x: tokens.
-          train: training behaviour; None follows the module's mode.
-          rngs: randomness for routers that need it (noisy top-k, `noise` stream).
-          context: per-example arrays [B, ...] for the router (e.g. sensitive attributes).
+    Args:
+      x: tokens.
+      train: training behaviour; None follows the module's mode.
+      rngs: randomness for routers that need it (noisy top-k, `noise` stream).
+      context: per-example arrays [B, ...] for the router (e.g. sensitive attributes).
     """
     if train is None:
       train = not self.deterministic

@@ -15,7 +15,7 @@ from fairmoe_jax.moe.routers.base import RouterOutput
 
 def priority_scores(gates: jax.Array, score: str = "max") -> jax.Array:
   """Per-token priority from gates [..., k] -> [...]: "max" (V-MoE's default) or "sum";
-    stop-gradiented.
+  stop-gradiented.
   """
   gates = jax.lax.stop_gradient(gates.astype(jnp.float32))
   if score == "max":
@@ -33,20 +33,20 @@ def batch_priority_order(
 ) -> jax.Array:
   """Permutation serving the highest-priority tokens of each group first.
 
-        order = batch_priority_order(route, num_groups=G)
-        idx_s, gates_s = reorder_tokens((expert_index, gates), order)  # [G, S, k]
-        dispatch_s, combine_s, stats = dispatch_and_combine_masks(idx_s, gates_s, ...)
-        dispatch, combine = restore_token_order((dispatch_s, combine_s), order)
+      order = batch_priority_order(route, num_groups=G)
+      idx_s, gates_s = reorder_tokens((expert_index, gates), order)  # [G, S, k]
+      dispatch_s, combine_s, stats = dispatch_and_combine_masks(idx_s, gates_s, ...)
+      dispatch, combine = restore_token_order((dispatch_s, combine_s), order)
 
-    (or reorder x, run the layer, restore y). With the capacity semantics (top-1 choices first)
-    this is exactly V-MoE's BPR.
+  (or reorder x, run the layer, restore y). With the capacity semantics (top-1 choices first)
+  this is exactly V-MoE's BPR.
 
-    Args:
-      router_output: a `RouterOutput` or its gates, [G, S, k], or [T, k] with `num_groups`.
-      num_groups: G, to split flat [T, k] gates into groups.
-      score: "max" or "sum" (`priority_scores`).
+  Args:
+    router_output: a `RouterOutput` or its gates, [G, S, k], or [T, k] with `num_groups`.
+    num_groups: G, to split flat [T, k] gates into groups.
+    score: "max" or "sum" (`priority_scores`).
 
-    Returns [G, S] int32: order[g, i] is the token served i-th in group g (stable sort).
+  Returns [G, S] int32: order[g, i] is the token served i-th in group g (stable sort).
   """
   gates = router_output.gates if isinstance(router_output, RouterOutput) else router_output
   if gates.ndim == 2:

@@ -15,10 +15,10 @@ from flax import struct
 class DispatchStats:
   """Which routing decisions survived the capacity limit.
 
-    Attributes:
-      kept: [G, S, k] bool, whether choice j of token s was served.
-      fraction_dropped: scalar, fraction of all (token, choice) pairs dropped.
-      group_expert_fraction: [G, E], the fraction of each group's S * k pairs each expert served.
+  Attributes:
+    kept: [G, S, k] bool, whether choice j of token s was served.
+    fraction_dropped: scalar, fraction of all (token, choice) pairs dropped.
+    group_expert_fraction: [G, E], the fraction of each group's S * k pairs each expert served.
   """
 
   kept: jax.Array

@@ -53,8 +53,8 @@ def _megablox_kernels() -> Any:
 
 def row_tile(num_rows: int, num_experts: int = 1) -> int:
   """Rows per tile tm: the power of two at most an expert's mean load, clipped to [128, 512]
-    (rows rounded up to 16 if fewer). Larger tiles read the weights fewer times but may compute up
-    to E - 1 extra tiles.
+  (rows rounded up to 16 if fewer). Larger tiles read the weights fewer times but may compute up
+  to E - 1 extra tiles.
   """
   load = max(num_rows / num_experts, 1.0)
   tm = min(max(2 ** int(math.log2(load)), MEGABLOX_TILE), MAX_ROW_TILE)
@@ -63,7 +63,7 @@ def row_tile(num_rows: int, num_experts: int = 1) -> int:
 
 def _width_tile_candidates(width: int) -> list[int]:
   """Tiles of a feature width, largest first: the whole width, then the multiples of 128 that
-    divide it (a width over 128 that no multiple of 128 divides: its gcd with 128, interpret only).
+  divide it (a width over 128 that no multiple of 128 divides: its gcd with 128, interpret only).
   """
   if width <= MEGABLOX_TILE:
     return [width]
@@ -74,14 +74,14 @@ def _width_tile_candidates(width: int) -> list[int]:
 
 def _vmem_bytes(tm: int, tk: int, tn: int) -> int:
   """VMEM of one call's blocks, as float32: row, weight and output blocks double-buffered,
-    plus the accumulator.
+  plus the accumulator.
   """
   return 4 * (2 * (tm * tk + tk * tn + tm * tn) + max(tm, tk) * tn)
 
 
 def width_tiles(tm: int, k: int, n: int) -> tuple[int, int]:
   """(tk, tn) of an [M, k] x [k, n] call, as wide as `VMEM_BUDGET` allows; tk shrinks first
-    (`gmm` reads its rows once per column tile, whatever tk).
+  (`gmm` reads its rows once per column tile, whatever tk).
   """
   ks, ns = _width_tile_candidates(k), _width_tile_candidates(n)
   while _vmem_bytes(tm, ks[0], ns[0]) > VMEM_BUDGET and (len(ks) > 1 or len(ns) > 1):
@@ -115,9 +115,9 @@ def megablox_matmul(
 ) -> jax.Array:
   """lhs [M, K] rows grouped by `group_sizes` [E] times rhs [E, K, N] -> [M, N] in lhs.dtype.
 
-    Megablox's `gmm`, M a multiple of `tm`; rows past sum(group_sizes) have undefined outputs.
-    The weight gradient (`tgmm`) accumulates in float32 and returns in rhs' dtype; empty groups get
-    zero. `tiling` None gives each kernel call its own tiles (`_tiling`).
+  Megablox's `gmm`, M a multiple of `tm`; rows past sum(group_sizes) have undefined outputs.
+  The weight gradient (`tgmm`) accumulates in float32 and returns in rhs' dtype; empty groups get
+  zero. `tiling` None gives each kernel call its own tiles (`_tiling`).
   """
   return _megablox_matmul_fwd(lhs, rhs, group_sizes, tm, tiling, interpret)[0]
 
@@ -195,7 +195,7 @@ _RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 @jax.custom_vjp
 def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32
-    (as `experts.expert_matmul` does for the capacity dispatches).
+  (as `experts.expert_matmul` does for the capacity dispatches).
   """
   return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
 
@@ -226,8 +226,8 @@ def _megablox_mlp(
 ) -> jax.Array:
   """`_ragged_dot_mlp` with megablox's kernels, the rows padded to whole row tiles.
 
-    The up to tm - 1 zero padding rows join the last expert's group and are sliced off before the
-    combine: zero cotangents, so results are the real rows' exactly.
+  The up to tm - 1 zero padding rows join the last expert's group and are sliced off before the
+  combine: zero cotangents, so results are the real rows' exactly.
   """
   num_rows = rows.shape[0]
   tm = tiling[0] if tiling is not None else row_tile(num_rows, experts.num_experts)
@@ -276,9 +276,9 @@ def moe_dropless(
 ) -> tuple[jax.Array, DispatchStats]:
   """Sort all choices by expert and run grouped matmuls; nothing is dropped.
 
-    `capacity` is ignored; groups only matter for the stats. `matmul` is one of
-    `DROPLESS_MATMULS`; `tiling` (tm, tk, tn, default `row_tile` by `width_tiles` per call) and
-    `interpret` (Pallas' interpret mode, for CPU tests) apply to megablox only.
+  `capacity` is ignored; groups only matter for the stats. `matmul` is one of
+  `DROPLESS_MATMULS`; `tiling` (tm, tk, tn, default `row_tile` by `width_tiles` per call) and
+  `interpret` (Pallas' interpret mode, for CPU tests) apply to megablox only.
   """
   del capacity
   if matmul not in DROPLESS_MATMULS:

@@ -35,11 +35,11 @@ def _slot_plan(
 ) -> tuple[jax.Array, jax.Array, DispatchStats]:
   """Each (token, expert) pair's capacity slot and gate, in `dispatch_and_combine_masks`' order.
 
-    Returns:
-      slot: [G, S, E] int32, the slot of expert e that token s takes; C where the token did not
-        choose e or its choice was dropped.
-      gate: [G, S, E] gates.dtype, the gate of the choice of e, 0 where e was not chosen.
-      stats: `DispatchStats`.
+  Returns:
+    slot: [G, S, E] int32, the slot of expert e that token s takes; C where the token did not
+      choose e or its choice was dropped.
+    gate: [G, S, E] gates.dtype, the gate of the choice of e, 0 where e was not chosen.
+    stats: `DispatchStats`.
   """
   _, group_size, top_k = expert_index.shape
   choice = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32)  # [G, S, k, E]
@@ -73,14 +73,14 @@ def dispatch_and_combine_masks(
 ) -> tuple[jax.Array, jax.Array, DispatchStats]:
   """Builds the [G, S, E, C] dispatch (float32 0/1) and combine (gates.dtype) tensors.
 
-    Priority: all top-1 choices of a group are served before any top-2 choice (and so on); within
-    a level, earlier tokens first (GShard / V-MoE), so a first choice is rarely dropped.
+  Priority: all top-1 choices of a group are served before any top-2 choice (and so on); within
+  a level, earlier tokens first (GShard / V-MoE), so a first choice is rarely dropped.
 
-    Args:
-      expert_index: [G, S, k] int chosen experts, best first.
-      gates: [G, S, k] float weights of those choices.
-      num_experts: E.
-      capacity: C, slots per expert and group.
+  Args:
+    expert_index: [G, S, k] int chosen experts, best first.
+    gates: [G, S, k] float weights of those choices.
+    num_experts: E.
+    capacity: C, slots per expert and group.
   """
   slot, gate, stats = _slot_plan(expert_index, gates, num_experts=num_experts, capacity=capacity)
   # A slot index of C (no slot) gives an all-zero one-hot.
@@ -99,9 +99,9 @@ def einsum_dispatch(
 ) -> tuple[jax.Array, jax.Array, DispatchStats]:
   """Gathers each expert's tokens into fixed-size buffers.
 
-    x: [G, S, D]; expert_index, gates: [G, S, k]. Returns the expert inputs [E, G * C, D] in
-    x.dtype (empty slots zero), the combine weights [G, S, E, C] for `einsum_combine`, and
-    `DispatchStats`.
+  x: [G, S, D]; expert_index, gates: [G, S, k]. Returns the expert inputs [E, G * C, D] in
+  x.dtype (empty slots zero), the combine weights [G, S, E, C] for `einsum_combine`, and
+  `DispatchStats`.
   """
   dispatch, combine, stats = dispatch_and_combine_masks(
       expert_index, gates, num_experts=num_experts, capacity=capacity
@@ -129,8 +129,8 @@ def moe_einsum(
 ) -> tuple[jax.Array, DispatchStats]:
   """`einsum_dispatch` then `einsum_combine`, without a float [G, S, E, C] tensor in memory.
 
-    `expert_mlp(buffers, experts)` runs the MLP on the [E, G, C, D] buffers; None:
-    `ExpertWeights.apply_expert_major` (the experimental `einsum_fused` passes Pallas kernels).
+  `expert_mlp(buffers, experts)` runs the MLP on the [E, G, C, D] buffers; None:
+  `ExpertWeights.apply_expert_major` (the experimental `einsum_fused` passes Pallas kernels).
   """
   check_inputs(x, expert_index, gates)
   capacity = resolve_capacity(capacity, x.shape[1])

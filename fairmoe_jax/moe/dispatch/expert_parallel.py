@@ -69,8 +69,8 @@ def _features_of_every_expert(
     x: jax.Array, experts: ExpertWeights, expert_features: ExpertFeatures, expert_axis: str
 ) -> jax.Array:
   """[G_l, E, ...] features of the local groups from every expert: the expert axis' groups are
-    gathered (in float32, so the gradients' reduce-scatter sums in float32), each shard computes
-    its E_l experts' features, and an all-to-all returns them: tokens travel, not weights.
+  gathered (in float32, so the gradients' reduce-scatter sums in float32), each shard computes
+  its E_l experts' features, and an all-to-all returns them: tokens travel, not weights.
   """
   gathered = jax.lax.all_gather(x.astype(jnp.float32), expert_axis, axis=0, tiled=True)
   local = expert_features(gathered.astype(x.dtype), experts)  # [n_expert G_l, E_l, ...]
@@ -92,23 +92,23 @@ def expert_parallel_moe(
 ) -> tuple[jax.Array, DispatchStats] | tuple[jax.Array, DispatchStats, jax.Array]:
   """Capacity-limited expert-parallel MoE; the same results as `moe_sort`.
 
-    Args:
-      x: [G, S, D] tokens (G groups = examples).
-      expert_index: [G, S, k] chosen experts, best first.
-      gates: [G, S, k] gates of those choices.
-      experts: `ExpertWeights`, E divisible by the expert axis' size; split on their leading axis.
-      capacity: C, slots per group and expert (None: S, nothing dropped).
-      mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
-      algorithm: "sort" or "einsum" (both run the sort path); "dropless" raises.
-      expert_axis: mesh axis the experts are split over.
-      batch_axes: mesh axes the groups are split over, including `expert_axis`; default all.
-      expert_features: a router's `features(x, experts) -> [G, E, ...]`
-        (`_features_of_every_expert`).
+  Args:
+    x: [G, S, D] tokens (G groups = examples).
+    expert_index: [G, S, k] chosen experts, best first.
+    gates: [G, S, k] gates of those choices.
+    experts: `ExpertWeights`, E divisible by the expert axis' size; split on their leading axis.
+    capacity: C, slots per group and expert (None: S, nothing dropped).
+    mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
+    algorithm: "sort" or "einsum" (both run the sort path); "dropless" raises.
+    expert_axis: mesh axis the experts are split over.
+    batch_axes: mesh axes the groups are split over, including `expert_axis`; default all.
+    expert_features: a router's `features(x, experts) -> [G, E, ...]`
+      (`_features_of_every_expert`).
 
-    Returns:
-      y: [G, S, D] in x.dtype, sharded like x.
-      stats: `DispatchStats`, sharded on the group axis.
-      features: with `expert_features`, its [G, E, ...] result, sharded on the group axis.
+  Returns:
+    y: [G, S, D] in x.dtype, sharded like x.
+    stats: `DispatchStats`, sharded on the group axis.
+    features: with `expert_features`, its [G, E, ...] result, sharded on the group axis.
   """
   if algorithm == "dropless":
     raise NotImplementedError(

@@ -15,9 +15,9 @@ from flax import struct
 def gelu_exact(x: jax.Array) -> jax.Array:
   """The exact (erf) GELU, `jax.nn.gelu(x, approximate=False)`, with its derivative spelled out.
 
-    The derivative is jax 0.10's, op for op (bit-identical gradients there); jax 0.11+'s goes
-    through `lax.polynomial`, which `shard_map(check_vma=True)` rejects on varying `x`
-    (docs/design.md, "The exact GELU under shard_map").
+  The derivative is jax 0.10's, op for op (bit-identical gradients there); jax 0.11+'s goes
+  through `lax.polynomial`, which `shard_map(check_vma=True)` rejects on varying `x`
+  (docs/design.md, "The exact GELU under shard_map").
   """
   return jax.nn.gelu(x, approximate=False)
 
@@ -76,7 +76,7 @@ class ExpertWeights:
 
   def apply_expert_major(self, x: jax.Array) -> jax.Array:
     """Expert e on x[e]: [E, *rows, D] -> same: `apply`'s values without merging row axes
-        (e.g. `moe_einsum`'s [E, G, C, D], a relayout on TPU).
+    (e.g. `moe_einsum`'s [E, G, C, D], a relayout on TPU).
     """
     rows = (1,) * (x.ndim - 2)  # The biases broadcast over the row axes.
     h = expert_matmul("expert_major", x, self.w1)
@@ -97,9 +97,9 @@ _MATMUL_SPECS = {
 def expert_matmul(layout: str, x: jax.Array, w: jax.Array) -> jax.Array:
   """x @ w[e] for each expert e, in x.dtype, with the weight gradient summed in float32.
 
-    Left to autodiff, the weight gradient is a bfloat16 matmul whose accumulation is the backend's
-    choice (jax 0.11+'s CPU compiler sums in bfloat16 partials: twice the error,
-    tests/test_moe_algorithms.py); this VJP asks for float32 and returns the weights' dtype.
+  Left to autodiff, the weight gradient is a bfloat16 matmul whose accumulation is the backend's
+  choice (jax 0.11+'s CPU compiler sums in bfloat16 partials: twice the error,
+  tests/test_moe_algorithms.py); this VJP asks for float32 and returns the weights' dtype.
   """
   forward, _, _ = _MATMUL_SPECS[layout]
   return jnp.einsum(forward, x, w.astype(x.dtype))
@@ -122,6 +122,6 @@ expert_matmul.defvjp(_expert_matmul_forward, _expert_matmul_backward)
 
 def add_bias(h: jax.Array, bias: jax.Array) -> jax.Array:
   """h + bias in h.dtype, the bias broadcast before the cast, so that its gradient (a sum over
-    every token) accumulates in the bias' dtype (float32), not bfloat16.
+  every token) accumulates in the bias' dtype (float32), not bfloat16.
   """
   return h + jnp.broadcast_to(bias, h.shape).astype(h.dtype)

@@ -25,13 +25,13 @@ from fairmoe_jax.moe.dispatch.capacity import DispatchStats
 class SlotPlan:
   """Which choice sits in which expert-major capacity slot, both ways.
 
-    Choice (t, j) of T = G * S group-major tokens is t * k + j; slot (e, g, c) is row
-    e * G * C + g * C + c of the [E * G * C, D] buffers.
+  Choice (t, j) of T = G * S group-major tokens is t * k + j; slot (e, g, c) is row
+  e * G * C + g * C + c of the [E * G * C, D] buffers.
 
-    Attributes:
-      slot_choice: [E, G * C] int32 choice held by each slot; T * k where the slot is empty.
-      choice_slot: [T, k] int32 slot of each choice; E * G * C where the choice was dropped.
-      stats: the `DispatchStats` of these decisions.
+  Attributes:
+    slot_choice: [E, G * C] int32 choice held by each slot; T * k where the slot is empty.
+    choice_slot: [T, k] int32 slot of each choice; E * G * C where the choice was dropped.
+    stats: the `DispatchStats` of these decisions.
   """
 
   slot_choice: jax.Array

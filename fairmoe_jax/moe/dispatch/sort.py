@@ -26,9 +26,9 @@ def _batched_searchsorted(sorted_values: jax.Array, queries: jax.Array) -> jax.A
 def sort_slot_plan(expert_index: jax.Array, *, num_experts: int, capacity: int) -> SlotPlan:
   """Capacity slots by sorting, with `moe_einsum`'s semantics.
 
-    Choices are numbered priority-major (p = j * S + s) and sorted by (expert, p); expert e's
-    choices are then the segment [start_e, start_e + count_e), so slot c of expert e is sorted
-    element start_e + c, served iff c < min(count_e, C).
+  Choices are numbered priority-major (p = j * S + s) and sorted by (expert, p); expert e's
+  choices are then the segment [start_e, start_e + count_e), so slot c of expert e is sorted
+  element start_e + c, served iff c < min(count_e, C).
   """
   num_groups, group_size, top_k = expert_index.shape
   num_choices = group_size * top_k  # Per group.

@@ -42,7 +42,7 @@ def auto(mesh: Mesh) -> Mesh:
 
 def place(value: jax.Array, mesh: Mesh, spec: P, typed: bool) -> jax.Array:
   """`value` laid out as `spec` on `mesh`: resharded where layouts are typed (shard_map then
-    requires an exact match), else a sharding constraint.
+  requires an exact match), else a sharding constraint.
   """
   sharding = NamedSharding(mesh, spec)
   if typed:
@@ -52,7 +52,7 @@ def place(value: jax.Array, mesh: Mesh, spec: P, typed: bool) -> jax.Array:
 
 def vary_over(tree: Any, axes: Sequence[str]) -> Any:
   """`tree`'s arrays marked varying over `axes`; the transpose is one psum per leaf, in its own
-    dtype and shape, so call it on the float32 weights before any cast or broadcast.
+  dtype and shape, so call it on the float32 weights before any cast or broadcast.
   """
   if not axes:
     return tree
@@ -97,10 +97,10 @@ def run_kernel(
 ) -> Any:
   """`fn(*args, **kwargs)`, a Pallas kernel, also inside `jax.shard_map(check_vma=True)`.
 
-    `pallas_call`'s outputs lack the mesh axes they vary over, which the check rejects; a kernel is
-    per device, so it is traced without the check and its outputs cast to vary as its inputs do.
-    Call it inside a custom VJP only (`typed_like` types the cotangents). `fallback` is the advice
-    where this jax has no switch for the check.
+  `pallas_call`'s outputs lack the mesh axes they vary over, which the check rejects; a kernel is
+  per device, so it is traced without the check and its outputs cast to vary as its inputs do.
+  Call it inside a custom VJP only (`typed_like` types the cotangents). `fallback` is the advice
+  where this jax has no switch for the check.
   """
   axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
   check_off = vma_check_off()
@@ -118,7 +118,7 @@ def run_kernel(
 
 def typed_like(cotangent: Any, primal: Any) -> Any:
   """Cotangents typed as their primals inside shard_map: summed over the axes a primal does not
-    vary over, cast to vary where it does.
+  vary over, cast to vary where it does.
   """
 
   def like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
@@ -159,8 +159,8 @@ def run_sharded(
 ) -> Any:
   """`jax.shard_map(body)(*inputs)` on `mesh`, whatever the inputs' layout and axis types.
 
-    Outside `jax.set_mesh` an Explicit mesh is used as Auto, so outputs come back untyped like the
-    inputs; where typed, outputs are laid out on their group axis like `group_like`.
+  Outside `jax.set_mesh` an Explicit mesh is used as Auto, so outputs come back untyped like the
+  inputs; where typed, outputs are laid out on their group axis like `group_like`.
   """
   typed = typed_by(mesh)
   if not typed:
@@ -184,8 +184,8 @@ def run_dispatch(
     with_features: bool,
 ) -> tuple[Any, ...]:
   """`body(x, expert_index, gates, experts) -> (y, kept, group_expert_fraction[, features])`
-    per device, groups over `batch_axes`, experts as `expert_specs`; returns
-    (y, `DispatchStats`[, features]).
+  per device, groups over `batch_axes`, experts as `expert_specs`; returns
+  (y, `DispatchStats`[, features]).
   """
   batch_spec = P(tuple(batch_axes))
   outputs = run_sharded(

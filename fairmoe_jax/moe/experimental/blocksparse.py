@@ -28,7 +28,7 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 128
 
 def choose_block_size(num_choices: int, num_experts: int) -> int:
   """Rows per block: the power of two nearest half an expert's mean load, in [16, 128]
-    (the fastest on CPU, docs/benchmarks.md: waste vs. per-block matmul efficiency).
+  (the fastest on CPU, docs/benchmarks.md: waste vs. per-block matmul efficiency).
   """
   half_load = max(num_choices / num_experts / 2, 1.0)
   return int(min(max(2 ** round(math.log2(half_load)), MIN_BLOCK_SIZE), MAX_BLOCK_SIZE))
@@ -38,11 +38,11 @@ def choose_block_size(num_choices: int, num_experts: int) -> int:
 class BlockPlan:
   """Expert-sorted rows in blocks of B, and which expert each block belongs to.
 
-    Attributes:
-      slots: a `SlotPlan` over the block rows (an "expert" axis of size 1), for `sort`'s gathers.
-      block_bounds: [E + 1] int32, expert e's blocks are [block_bounds[e], block_bounds[e + 1]);
-        later blocks are computed by no expert (with `kept`, one more entry for the dropped).
-      block_size: rows per block.
+  Attributes:
+    slots: a `SlotPlan` over the block rows (an "expert" axis of size 1), for `sort`'s gathers.
+    block_bounds: [E + 1] int32, expert e's blocks are [block_bounds[e], block_bounds[e + 1]);
+      later blocks are computed by no expert (with `kept`, one more entry for the dropped).
+    block_size: rows per block.
   """
 
   slots: SlotPlan
@@ -64,8 +64,8 @@ def block_plan(
 ) -> BlockPlan:
   """Sorts the [G, S, k] choices by expert into blocks of `block_size` rows.
 
-    With `kept` ([G, S, k] bool), the other choices go to blocks behind every expert, computed by
-    none, so their outputs are zero, as a dropped choice's are.
+  With `kept` ([G, S, k] bool), the other choices go to blocks behind every expert, computed by
+  none, so their outputs are zero, as a dropped choice's are.
   """
   num_groups, group_size, top_k = expert_index.shape
   stats = dropless_stats(expert_index, num_experts) if kept is None else None
@@ -120,8 +120,8 @@ def _block_expert(block: jax.Array, block_bounds: jax.Array, num_experts: int) -
 def block_mlp(rows: jax.Array, block_bounds: jax.Array, experts: ExpertWeights) -> jax.Array:
   """Expert e's MLP on blocks [block_bounds[e], block_bounds[e + 1]) of rows [NB, B, D].
 
-    Blocks from `block_bounds[-1]` on give zeros. Each expert's weights are sliced (and its
-    gradients written) once, however many blocks it has.
+  Blocks from `block_bounds[-1]` on give zeros. Each expert's weights are sliced (and its
+  gradients written) once, however many blocks it has.
   """
   return _block_mlp_fwd(rows, block_bounds, experts)[0]
 
@@ -192,8 +192,8 @@ def ragged_block_mlp(
 ) -> jax.Array:
   """`block_mlp` with two `jax.lax.ragged_dot` grouped matmuls instead of loops.
 
-    Rows of blocks past every expert's give zeros. Matmuls return float32 and biases are gathered
-    in float32, so the weight gradients are float32 sums.
+  Rows of blocks past every expert's give zeros. Matmuls return float32 and biases are gathered
+  in float32, so the weight gradients are float32 sums.
   """
   num_blocks, block_size, dim = rows.shape
   num_experts = experts.num_experts
@@ -256,7 +256,7 @@ def moe_blocksparse(
 ) -> tuple[jax.Array, DispatchStats]:
   """Dropless dispatch on blocks of expert-sorted rows; `capacity` is ignored.
 
-    `block_size` None: `choose_block_size`; `matmul`: one of `BLOCK_MATMULS`.
+  `block_size` None: `choose_block_size`; `matmul`: one of `BLOCK_MATMULS`.
   """
   del capacity
   check_inputs(x, expert_index, gates)

@@ -43,8 +43,8 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 def row_block(rows: int, hidden: int) -> int:
   """Rows per grid step: the largest multiple of 8 dividing `rows` under the cap (MAX_ROW_BLOCK,
-    HIDDEN_BLOCK_BYTES for four float32 [rows, H] intermediates), else `rows` rounded up to 8 and
-    capped (the rows then zero-padded).
+  HIDDEN_BLOCK_BYTES for four float32 [rows, H] intermediates), else `rows` rounded up to 8 and
+  capped (the rows then zero-padded).
   """
   cap = max(8, min(MAX_ROW_BLOCK, HIDDEN_BLOCK_BYTES // (16 * hidden)) // 8 * 8)
   for block in range(min(cap, rows - rows % 8), 7, -8):
@@ -57,8 +57,8 @@ def vmem_bytes(
     rows_block: int, dim: int, hidden: int, itemsize: int, weight_buffers: int = 1
 ) -> int:
   """Vector memory of the backward step (the larger pass): row blocks double-buffered (x, dy,
-    dx), the expert's blocks in `weight_buffers` buffers (W1, b1, W2, four float32 gradients) and
-    the float32 intermediates ([rows, H] h, GELU(h), slope, dh; [rows, D] dx).
+  dx), the expert's blocks in `weight_buffers` buffers (W1, b1, W2, four float32 gradients) and
+  the float32 intermediates ([rows, H] h, GELU(h), slope, dh; [rows, D] dx).
   """
   rows = 2 * 3 * rows_block * dim * itemsize
   expert = weight_buffers * 4 * (4 * dim * hidden + 2 * hidden + dim)
@@ -72,7 +72,7 @@ def _squeezed():
 
 def _gelu_and_slope(h: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Exact GELU of h and its derivative in float32, Phi written with erf (which Mosaic lowers,
-    unlike `experts.gelu_exact`'s erfc; they differ by float32 rounding).
+  unlike `experts.gelu_exact`'s erfc; they differ by float32 rounding).
   """
   cdf = 0.5 + 0.5 * jax.lax.erf(h * _SQRT_HALF)
   return h * cdf, cdf + h * (_INV_SQRT_2PI * jnp.exp(-0.5 * h * h))
@@ -236,8 +236,8 @@ def fused_expert_mlp_kernels(
 ) -> jax.Array:
   """`experts.apply_expert_major(x)` by the Pallas kernels: [E, *rows, D] -> [E, *rows, D].
 
-    Row axes are merged and zero-padded to whole row blocks; the padding is sliced off (zero
-    cotangents).
+  Row axes are merged and zero-padded to whole row blocks; the padding is sliced off (zero
+  cotangents).
   """
   num_experts, dim = x.shape[0], x.shape[-1]
   rows = int(np.prod(x.shape[1:-1]))
@@ -277,7 +277,7 @@ def moe_einsum_fused(
     interpret: bool = False,
 ) -> tuple[jax.Array, DispatchStats]:
   """`moe_einsum` with the expert MLP in the Pallas kernels on a TPU (XLA's elsewhere;
-    `interpret` for CPU tests): `moe.dispatch=einsum_fused`.
+  `interpret` for CPU tests): `moe.dispatch=einsum_fused`.
   """
   mlp = functools.partial(fused_expert_mlp, interpret=interpret)
   return moe_einsum(x, expert_index, gates, experts, capacity=capacity, expert_mlp=mlp)

@@ -59,14 +59,14 @@ def float32_gate(
 class RouterOutput:
   """Routing decisions for a flat batch of T tokens.
 
-    Attributes:
-      logits: [T, E] float32 gating logits.
-      probs: [T, E] float32 softmax over experts.
-      expert_index: [T, k] int32, the chosen experts, best first.
-      gates: [T, k] float32, `probs` of the chosen experts, not renormalised over the k: Eq. 5-6
-        weigh expert outputs by Top-K(softmax(g(x))).
-      load_balance_loss: scalar Switch-Transformer auxiliary loss (unweighted).
-      z_loss: scalar ST-MoE router z-loss (unweighted).
+  Attributes:
+    logits: [T, E] float32 gating logits.
+    probs: [T, E] float32 softmax over experts.
+    expert_index: [T, k] int32, the chosen experts, best first.
+    gates: [T, k] float32, `probs` of the chosen experts, not renormalised over the k: Eq. 5-6
+      weigh expert outputs by Top-K(softmax(g(x))).
+    load_balance_loss: scalar Switch-Transformer auxiliary loss (unweighted).
+    z_loss: scalar ST-MoE router z-loss (unweighted).
   """
 
   logits: jax.Array
@@ -83,12 +83,12 @@ class RouterOutput:
   def expert_features(self, x: jax.Array, experts: Any) -> jax.Array | None:
     """What `expert_losses` needs of the experts' outputs, in training (module docstring).
 
-        Args:
-          x: [B, S, D] the layer's input (a device's examples, on a mesh).
-          experts: `ExpertWeights` of E experts (a shard's, under expert parallelism).
+    Args:
+      x: [B, S, D] the layer's input (a device's examples, on a mesh).
+      experts: `ExpertWeights` of E experts (a shard's, under expert parallelism).
 
-        Returns [B, E, ...], entry [b, e] a function of example b and expert e alone; or None, and
-        then the experts are not run for it.
+    Returns [B, E, ...], entry [b, e] a function of example b and expert e alone; or None, and
+    then the experts are not run for it.
     """
     del x, experts
     return None
@@ -97,7 +97,7 @@ class RouterOutput:
       self, features: jax.Array | None, context: Mapping[str, jax.Array] | None
   ) -> dict[str, jax.Array]:
     """Named scalar losses from `expert_features`' [B, E, ...] result and the
-        per-example context (unweighted), in training.
+    per-example context (unweighted), in training.
     """
     del features, context
     return {}
@@ -111,12 +111,12 @@ class RouterOutput:
 def load_balance_loss(probs: jax.Array, expert_index: jax.Array) -> jax.Array:
   """Switch-Transformer load-balancing loss, E * sum_e f_e * P_e (1 when uniform).
 
-    f_e counts all top-k assignments before capacity dropping, divided by k (the usual top-k
-    generalisation of top-1 Switch); P_e is the mean router probability of expert e.
+  f_e counts all top-k assignments before capacity dropping, divided by k (the usual top-k
+  generalisation of top-1 Switch); P_e is the mean router probability of expert e.
 
-    Args:
-      probs: [T, E] router probabilities.
-      expert_index: [T, k] chosen experts.
+  Args:
+    probs: [T, E] router probabilities.
+    expert_index: [T, k] chosen experts.
   """
   num_experts = probs.shape[-1]
   # No gradient flows through f_e (argmax); it flows through P_e.

@@ -21,14 +21,14 @@ from fairmoe_jax.moe.routers.base import float32_gate, router_z_loss
 class ExpertChoiceAssignment:
   """Expert-major routing decisions of expert choice routing.
 
-    Attributes:
-      token_index: [G, E, C] int32, each expert's tokens (positions in the group), best first.
-      gates: [G, E, C] float32, their affinity softmax(x W_g)[token, expert] (not renormalised).
-      logits: [G, S, E] float32 router logits.
-      probs: [G, S, E] float32 softmax over experts (the affinities).
-      experts_per_token: [G, S] int32, experts that picked each token (0: residual only).
-      fraction_unrouted: scalar, fraction of tokens that no expert picked.
-      z_loss: scalar ST-MoE router z-loss of the logits (unweighted).
+  Attributes:
+    token_index: [G, E, C] int32, each expert's tokens (positions in the group), best first.
+    gates: [G, E, C] float32, their affinity softmax(x W_g)[token, expert] (not renormalised).
+    logits: [G, S, E] float32 router logits.
+    probs: [G, S, E] float32 softmax over experts (the affinities).
+    experts_per_token: [G, S] int32, experts that picked each token (0: residual only).
+    fraction_unrouted: scalar, fraction of tokens that no expert picked.
+    z_loss: scalar ST-MoE router z-loss of the logits (unweighted).
   """
 
   token_index: jax.Array
@@ -68,11 +68,11 @@ def expert_choice_from_logits(logits: jax.Array, capacity: int) -> ExpertChoiceA
 class ExpertChoiceRouter(nnx.Module):
   """Expert choice routing (Zhou et al. 2022): experts pick tokens.
 
-    Affinities softmax(x W_g) over experts (`TopKRouter`'s gate); each expert takes its top-C
-    tokens of a group, C = ceil(capacity_factor * S / E), so capacity_factor is the mean number of
-    experts per token. Perfectly balanced (no auxiliary loss); a token may get several experts or
-    none (zero MoE output). Not causal: a token's routing depends on its group's other tokens (here
-    one group per example, so not on the rest of the batch).
+  Affinities softmax(x W_g) over experts (`TopKRouter`'s gate); each expert takes its top-C
+  tokens of a group, C = ceil(capacity_factor * S / E), so capacity_factor is the mean number of
+  experts per token. Perfectly balanced (no auxiliary loss); a token may get several experts or
+  none (zero MoE output). Not causal: a token's routing depends on its group's other tokens (here
+  one group per example, so not on the rest of the batch).
   """
 
   def __init__(self, dim: int, num_experts: int, *, capacity_factor: float, rngs: nnx.Rngs):
@@ -106,11 +106,11 @@ def apply_expert_choice(
 ) -> jax.Array:
   """Gather -> experts -> gate-weighted scatter-add.
 
-        y[g, s] = sum over (e, c) with token_index[g, e, c] = s of
-                  gates[g, e, c] * expert_fn(x[g, token_index])[g, e, c]
+      y[g, s] = sum over (e, c) with token_index[g, e, c] = s of
+                gates[g, e, c] * expert_fn(x[g, token_index])[g, e, c]
 
-    x: [G, S, D]; expert_fn: [G, E, C, D] -> [G, E, C, D'] (e.g. `ExpertWeights.apply`). Returns
-    y [G, S, D'], zero for tokens no expert picked.
+  x: [G, S, D]; expert_fn: [G, E, C, D] -> [G, E, C, D'] (e.g. `ExpertWeights.apply`). Returns
+  y [G, S, D'], zero for tokens no expert picked.
   """
   return apply_expert_picks(x, assignment.token_index, assignment.gates, expert_fn)
 
@@ -122,7 +122,7 @@ def apply_expert_picks(
     expert_fn: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
   """`apply_expert_choice` from token_index and gates [G, E, C] alone; groups are
-    computed apart, so it runs as is on a device's own groups (`data_parallel.per_device`).
+  computed apart, so it runs as is on a device's own groups (`data_parallel.per_device`).
   """
   index = token_index
   expert_inputs = jax.vmap(lambda xg, ig: xg[ig])(x, index)  # [G, E, C, D]

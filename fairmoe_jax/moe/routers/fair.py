@@ -65,12 +65,12 @@ _EPS = 1e-6
 class FairRoutingReadings:
   """What an evaluation reads of FGR's routing, per example (the mean over its tokens).
 
-    Attributes:
-      attribute_probs: per attribute, [B, G_a] the SA classifier's probabilities (() without FGR).
-      sa_logit_moments: [B, 4, E] token means of (sa, sa^2, gate, gate^2) per expert, with routing
-        logits gate + sa (None without FGR).
-      sa_choice_change: [B] fraction of tokens whose top-k set changes when sa is replaced by its
-        batch mean: 0 means the SA branch is a learned constant bias (None without FGR).
+  Attributes:
+    attribute_probs: per attribute, [B, G_a] the SA classifier's probabilities (() without FGR).
+    sa_logit_moments: [B, 4, E] token means of (sa, sa^2, gate, gate^2) per expert, with routing
+      logits gate + sa (None without FGR).
+    sa_choice_change: [B] fraction of tokens whose top-k set changes when sa is replaced by its
+      batch mean: 0 means the SA branch is a learned constant bias (None without FGR).
   """
 
   attribute_probs: tuple[jax.Array, ...] = ()
@@ -98,11 +98,11 @@ class CompetenceHead:
 class FairRouterOutput(RouterOutput):
   """`RouterOutput` plus the FGR / FEM losses and the attribute predictions.
 
-    Attributes:
-      attribute_probs: per attribute, [T, G_a] softmax of the SA classifier (() without FGR).
-      attribute_logits: [T, E] the SA branch's share of `logits`, sum_a e_a (None without FGR).
-      losses: the unweighted "confusion", "attribute_ce", "specialization" (training only).
-      competence: the head `expert_losses` reads the experts with ("expert_competence" only).
+  Attributes:
+    attribute_probs: per attribute, [T, G_a] softmax of the SA classifier (() without FGR).
+    attribute_logits: [T, E] the SA branch's share of `logits`, sum_a e_a (None without FGR).
+    losses: the unweighted "confusion", "attribute_ce", "specialization" (training only).
+    competence: the head `expert_losses` reads the experts with ("expert_competence" only).
   """
 
   attribute_probs: tuple[jax.Array, ...]
@@ -116,7 +116,7 @@ class FairRouterOutput(RouterOutput):
   def expert_features(self, x: jax.Array, experts) -> jax.Array | None:
     """Each expert's output pooled over each example's tokens, [B, E, D] float32.
 
-        None unless "expert_competence"; runs every expert on every token (E times the FLOPs).
+    None unless "expert_competence"; runs every expert on every token (E times the FLOPs).
     """
     if self.competence is None:
       return None
@@ -170,13 +170,13 @@ def routing_supervision(
     probs: jax.Array, assigned: jax.Array, alpha: float, weight: jax.Array | None = None
 ) -> jax.Array:
   """Eq. 8 as routing supervision, >= 0: the weighted-token mean of
-    sum_a [alpha sum_{e in S^-1(a)} -log p_ae + (1 - alpha) sum_{e not in} -log(1 - p_ae)].
+  sum_a [alpha sum_{e in S^-1(a)} -log p_ae + (1 - alpha) sum_{e not in} -log(1 - p_ae)].
 
-    Args:
-      probs: [T, A, E] routing distribution judged for each of A attribute rows.
-      assigned: [T, A, E] or [A, E] 0/1, the experts holding that attribute (or class).
-      alpha: focus weight; 1 - alpha weighs avoid.
-      weight: [T, A] token weights (0 = no supervision); default all ones.
+  Args:
+    probs: [T, A, E] routing distribution judged for each of A attribute rows.
+    assigned: [T, A, E] or [A, E] 0/1, the experts holding that attribute (or class).
+    alpha: focus weight; 1 - alpha weighs avoid.
+    weight: [T, A] token weights (0 = no supervision); default all ones.
   """
   assigned = jnp.broadcast_to(assigned, probs.shape)
   focus = -jnp.sum(assigned * jnp.log(probs + _EPS), axis=-1)
@@ -207,13 +207,13 @@ def competence_loss(
 ) -> jax.Array:
   """The `expert_competence` reading of Eq. 8, summed over experts.
 
-    Args:
-      logits: [B, E, K] each expert's prediction of the target.
-      labels: [B] int target.
-      attributes: [B, m] int groups, -1 = missing.
-      assignment: [m, E] 0/1.
-      group_sizes: G_a.
-      alpha: focus weight.
+  Args:
+    logits: [B, E, K] each expert's prediction of the target.
+    labels: [B] int target.
+    attributes: [B, m] int groups, -1 = missing.
+    assignment: [m, E] 0/1.
+    group_sizes: G_a.
+    alpha: focus weight.
   """
   num_classes = logits.shape[-1]
   log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -228,22 +228,22 @@ def competence_loss(
 class FairRouter(nnx.Module):
   """FairSMoE router: FGR (`guided=True`) and/or FEM's specialization loss.
 
-    `guided=False` is the "no FGR" ablation, `specialization=None` the "no FEM" one. Context per
-    token: "attributes" [T, m] (int, -1 missing; read in training and with `route_by="label"`),
-    "label" [T] (read in training by "expert_competence").
+  `guided=False` is the "no FGR" ablation, `specialization=None` the "no FEM" one. Context per
+  token: "attributes" [T, m] (int, -1 missing; read in training and with `route_by="label"`),
+  "label" [T] (read in training by "expert_competence").
 
-    Args:
-      dim: token width D.
-      num_experts: E.
-      top_k: experts per token.
-      group_sizes: classes per sensitive attribute, G_1..G_m.
-      num_classes: target classes K (the "expert_competence" head).
-      guided: use the SA branch (FGR).
-      specialization: one of `SPECIALIZATIONS`, or None.
-      route_by: "predicted" or "label" (module docstring).
-      feature_dim: width of z = phi(x); default D.
-      alpha: Eq. 8 focus weight.
-      rngs: parameter RNGs.
+  Args:
+    dim: token width D.
+    num_experts: E.
+    top_k: experts per token.
+    group_sizes: classes per sensitive attribute, G_1..G_m.
+    num_classes: target classes K (the "expert_competence" head).
+    guided: use the SA branch (FGR).
+    specialization: one of `SPECIALIZATIONS`, or None.
+    route_by: "predicted" or "label" (module docstring).
+    feature_dim: width of z = phi(x); default D.
+    alpha: Eq. 8 focus weight.
+    rngs: parameter RNGs.
   """
 
   def __init__(

@@ -23,19 +23,19 @@ from fairmoe_jax.moe.routers.topk import TopKRouter
 class NoisyRouterOutput(RouterOutput):
   """`RouterOutput` of noisy top-k gating, with the paper's extra quantities.
 
-    Inherited fields: `logits` are the noisy H(x) (clean at evaluation); `probs` is the paper's
-    G(x) = softmax(KeepTopK(H(x), k)), 0 outside the k, column sums = Importance; `gates` are thus
-    renormalised over the k (unlike `TopKRouter`); `load_balance_loss` is importance_weight *
-    importance_loss + load_weight * load_loss (the paper's w = 0.1 is an outer weight of 0.1);
-    `z_loss` is of the clean logits (not in the paper).
+  Inherited fields: `logits` are the noisy H(x) (clean at evaluation); `probs` is the paper's
+  G(x) = softmax(KeepTopK(H(x), k)), 0 outside the k, column sums = Importance; `gates` are thus
+  renormalised over the k (unlike `TopKRouter`); `load_balance_loss` is importance_weight *
+  importance_loss + load_weight * load_loss (the paper's w = 0.1 is an outer weight of 0.1);
+  `z_loss` is of the clean logits (not in the paper).
 
-    Extra attributes:
-      clean_logits: [T, E] float32 x W_g.
-      noise_std: [T, E] float32 softplus(x W_noise).
-      importance: [E] sum over tokens of `probs`.
-      load: [E] smooth load estimator, sum over tokens of P(x, e) (`smooth_load`).
-      importance_loss: scalar CV(importance)^2.
-      load_loss: scalar CV(load)^2.
+  Extra attributes:
+    clean_logits: [T, E] float32 x W_g.
+    noise_std: [T, E] float32 softplus(x W_noise).
+    importance: [E] sum over tokens of `probs`.
+    load: [E] smooth load estimator, sum over tokens of P(x, e) (`smooth_load`).
+    importance_loss: scalar CV(importance)^2.
+    load_loss: scalar CV(load)^2.
   """
 
   clean_logits: jax.Array
@@ -59,9 +59,9 @@ def smooth_load(
 ) -> jax.Array:
   """Per-token P(x, e) of the paper's smooth load estimator, [T, E].
 
-    P(x, e) = Phi((clean_e - kth_excluding(H, k, e)) / std_e), the probability that e is in the
-    top-k if only its own noise were resampled; kth_excluding is the k-th largest noisy logit among
-    the other experts. The threshold is not stop-gradiented (as in the reference code).
+  P(x, e) = Phi((clean_e - kth_excluding(H, k, e)) / std_e), the probability that e is in the
+  top-k if only its own noise were resampled; kth_excluding is the k-th largest noisy logit among
+  the other experts. The threshold is not stop-gradiented (as in the reference code).
   """
   num_experts = noisy_logits.shape[-1]
   if top_k >= num_experts:
@@ -83,13 +83,13 @@ def noisy_top_k_from_logits(
 ) -> NoisyRouterOutput:
   """Noisy top-k gating from precomputed logits.
 
-    Args:
-      clean_logits: [T, E] x W_g.
-      noise_std: [T, E] positive noise scale softplus(x W_noise).
-      noise: [T, E] standard-normal samples, or None (evaluation).
-      top_k: experts per token.
-      importance_weight: weight of CV(importance)^2 in `load_balance_loss`.
-      load_weight: weight of CV(load)^2 in `load_balance_loss`.
+  Args:
+    clean_logits: [T, E] x W_g.
+    noise_std: [T, E] positive noise scale softplus(x W_noise).
+    noise: [T, E] standard-normal samples, or None (evaluation).
+    top_k: experts per token.
+    importance_weight: weight of CV(importance)^2 in `load_balance_loss`.
+    load_weight: weight of CV(load)^2 in `load_balance_loss`.
   """
   check_logits(clean_logits, top_k)
   num_experts = clean_logits.shape[-1]
@@ -126,11 +126,11 @@ def noisy_top_k_from_logits(
 class NoisyTopKRouter(TopKRouter):
   """Noisy top-k gating (Shazeer et al. 2017, Sec. 2.1 and Appendix A).
 
-        H(x)_e = (x W_g)_e + N(0, 1) * softplus((x W_noise)_e)    (training only)
-        G(x) = softmax(KeepTopK(H(x), k))
+      H(x)_e = (x W_g)_e + N(0, 1) * softplus((x W_noise)_e)    (training only)
+      G(x) = softmax(KeepTopK(H(x), k))
 
-    W_noise is zero-initialised as in the paper; W_g keeps `TopKRouter`'s small normal init so
-    step 0 is not a tie. Both losses are computed at evaluation too (H = clean logits).
+  W_noise is zero-initialised as in the paper; W_g keeps `TopKRouter`'s small normal init so
+  step 0 is not a tie. Both losses are computed at evaluation too (H = clean logits).
   """
 
   def __init__(

@@ -19,8 +19,8 @@ from fairmoe_jax.moe.routers.base import (
 class TopKRouter(nnx.Module):
   """Linear top-k router: R(x) = Top-K(softmax(x W)) (paper Eq. 5).
 
-    The bias-free gate runs in float32 whatever the layer's dtype: routing and the z-loss are
-    sensitive to logit precision (ST-MoE, Sec. 3).
+  The bias-free gate runs in float32 whatever the layer's dtype: routing and the z-loss are
+  sensitive to logit precision (ST-MoE, Sec. 3).
   """
 
   def __init__(self, dim: int, num_experts: int, top_k: int, *, rngs: nnx.Rngs):
