@@ -1,10 +1,4 @@
-"""Reading a sweep's runs back: each run's result, the generic tables, the spec's own tables.
-
-Every run becomes a RunResult (its grid point, directory, status ok/failed/missing, report and
-error), read once here, so that the generic tables (`sweep.csv`, `sweep.md`, `sweep.json`) and
-the table collectors a spec names (`tables`, e.g. the paper's comparison table) work from the
-same reading and never disagree about which runs finished.
-"""
+"""A sweep's runs read back once (RunResult), then the generic tables and the spec's collectors."""
 
 from __future__ import annotations
 
@@ -35,16 +29,8 @@ from trainkit.storage import write_atomically
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-  """One run of a sweep as its directory shows it.
-
-  Attributes:
-    point: the run's grid values, in grid order (`@` settings included in their values).
-    run_dir: the run's directory.
-    status: "ok" (a readable report.json), "failed" (error.txt, or a report that cannot be
-      read) or "missing" (never run, or interrupted).
-    report: the parsed report.json when the status is ok, else None.
-    error: why the run has no result (the first paragraph of error.txt), else None.
-  """
+  """One run as its directory shows it: status "ok" (a readable report.json), "failed" (error.txt
+  or an unreadable report; `error` says why) or "missing"."""
 
   point: dict[str, Any]
   run_dir: str
@@ -58,7 +44,6 @@ class RunResult:
 
 
 def read_run(point: Mapping[str, Any], directory: str) -> RunResult:
-  """The RunResult of the run of `point` in `directory`."""
   point = dict(point)
   report_path = storage.join(directory, REPORT)  # The run's directory may be on gs://.
   try:
@@ -147,9 +132,7 @@ def table_columns(sweep: ml_collections.ConfigDict, rows: Sequence[Mapping[str, 
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-  """The lines of a markdown table: its header, the rule under it and a line per row, the
-  cells as given. Every table of the runner and of `paper_runner.tables`, and the packages'
-  table collectors, print through it."""
+  """The lines of a markdown table: its header, the rule under it and a line per row."""
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
   return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
@@ -170,8 +153,7 @@ def write_tables(
 ) -> str:
   """Writes sweep.csv, sweep.md and sweep.json into `workdir`; returns the markdown."""
   columns = table_columns(sweep, rows)
-  # Every file through write_atomically: a rename replaces a symlink planted in the workdir
-  # instead of writing through it to a file outside.
+  # write_atomically: a rename replaces a symlink planted in the workdir.
   table = io.StringIO(newline="")
   writer = csv.DictWriter(table, fieldnames=columns, extrasaction="ignore")
   writer.writeheader()

@@ -1,11 +1,6 @@
-"""Generated tables in a markdown document: the text between `<!-- table:NAME -->` and
-`<!-- /table:NAME -->`, each marker on a line of its own.
-
-Both `paper_runner.tables` and `paper_runner.preflight_table` read and replace tables through
-these functions, which accept a document only when every start marker has its end marker, no
-table is marked twice and nothing nests: a marker without its partner would otherwise make a
-table invisible to `--check` or, worse, make `--write` replace everything up to a later marker.
-"""
+"""Generated tables in a markdown document, between `<!-- table:NAME -->` and
+`<!-- /table:NAME -->` lines; a document is refused unless every marker has its partner, no
+table is marked twice and nothing nests (else `--write` could replace up to a later marker)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """What a recorded number depends on beyond the code: the machine, the software, the input data.
-
-A results record (`paper_runner.tables`) stores `machine()` and the `data_hashes` of the files its
-runs read. `--reproduce` compares a rerun exactly only where `differences` finds none, because
-XLA:CPU compiles for the host's instruction set (the same program can round differently on
-another processor), the libraries change kernels between versions, and a changed data file
-changes everything after it.
-"""
+`--reproduce` compares a rerun exactly only where `differences` finds none (XLA:CPU compiles for
+the host's instruction set; libraries change kernels; data changes everything after it)."""
 
 from __future__ import annotations
 

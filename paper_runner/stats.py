@@ -1,25 +1,7 @@
-"""The statistics behind every results table: intervals per cell, paired differences, verdicts.
-
-A cell is the mean over seeds with its 95% Student-t interval. A claim ("row is higher than
-baseline on metric") is decided on the differences between the two rows' runs of the *same*
-seed (same initialisation and data order), so that what the seeds share cancels:
-
-  holds          the interval of the mean paired difference lies entirely on the claimed side
-  does not hold  it lies entirely on the other side
-  undecided      it contains 0 (or fewer than two pairs exist)
-
-The verdict is the statistics' alone; `MIN_VERDICT_SEEDS` is the protocol's number of pairs a
-verdict must rest on (docs/protocol.md), and a claim with fewer is flagged, not re-decided.
-
-Pairs that share training data (the folds of a cross-validation: every two training sets
-overlap) are not independent, and the Student-t interval is then too narrow. For them
-`corrected_interval` is Nadeau and Bengio's corrected resampled t-interval (Machine Learning
-52, 2003): the variance of the mean is (1/J + n_test/n_train) s^2 instead of s^2 / J, with
-the folds' test-to-train size ratio. `p_value` is the two-sided test that goes with either
-interval (p < 1 - confidence exactly when the interval excludes 0), and `holm` adjusts a
-family's p-values (Holm 1979) so that the chance of any false verdict in the family stays at
-most 1 - confidence.
-"""
+"""The statistics behind every results table (docs/protocol.md, section 3): a cell's mean and its
+95% Student-t interval over seeds; a claim decided on the paired differences of the same seeds;
+for folds whose training sets overlap, Nadeau and Bengio's corrected resampled t-interval
+(Machine Learning 52, 2003); the p-value that goes with either interval; Holm's adjustment."""
 
 from __future__ import annotations
 
@@ -69,9 +51,7 @@ def _mean_sd(values: Sequence[float]) -> tuple[float, float | None, int]:
 def interval(
     values: Sequence[float], test_to_train: float | None = None, confidence: float = CONFIDENCE
 ) -> Interval:
-  """mean ± t_{n-1} · s · sqrt(1/n + test_to_train) (s: ddof=1; no bounds for one value): the
-  Student-t interval, or with `test_to_train` (n_test / n_train of folds whose training sets
-  overlap) Nadeau and Bengio's corrected resampled one."""
+  """mean ± t_{n-1} · s · sqrt(1/n + test_to_train) (s: ddof=1; no bounds for one value)."""
   if test_to_train is not None and test_to_train <= 0:
     raise ValueError(f"test_to_train must be positive, got {test_to_train}")
   mean, sd, n = _mean_sd(values)
@@ -93,8 +73,7 @@ def corrected_interval(
 
 
 def p_value(values: Sequence[float], test_to_train: float | None = None) -> float:
-  """Two-sided p-value of "the mean of `values` is 0" for the interval `interval` gives: the same t
-  statistic, so p < 1 - confidence exactly when that interval excludes 0."""
+  """Two-sided p-value of "the mean is 0": p < 1 - confidence exactly when `interval` excludes 0."""
   if not values:
     return 1.0
   mean, sd, n = _mean_sd(values)
@@ -107,8 +86,7 @@ def p_value(values: Sequence[float], test_to_train: float | None = None) -> floa
 
 
 def holm(p_values: Sequence[float | None]) -> list[float | None]:
-  """Holm's step-down adjusted p-values of one family: sorted ascending, the i-th (from 0) of m is
-  multiplied by m - i, and each is at least the one before it (capped at 1)."""
+  """Holm's step-down adjusted p-values of one family (None: untested, still counted in m)."""
   m = len(p_values)
   tested = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
   adjusted: list[float | None] = [None] * m
@@ -120,8 +98,7 @@ def holm(p_values: Sequence[float | None]) -> list[float | None]:
 
 
 def verdict_at(mean: float, p: float, better: str, confidence: float = CONFIDENCE) -> str:
-  """The verdict a (possibly adjusted) p-value gives a mean difference: decided where p is
-  below 1 - confidence, in the direction of the mean."""
+  """The verdict a (possibly adjusted) p-value gives a mean difference."""
   if better not in DIRECTIONS:
     raise ValueError(f"better must be one of {DIRECTIONS}, got {better!r}")
   if p >= 1.0 - confidence or mean == 0.0:
@@ -138,8 +115,7 @@ def format_interval(
     decimals: int = 3,
     sign: bool = False,
 ) -> str:
-  """`mean [low, high]` scaled and rounded (`mean` alone without an interval); `sign` writes
-  the mean's sign always (for differences)."""
+  """`mean [low, high]` scaled and rounded; `sign` writes the mean's sign always."""
   text = f"{scale * mean:{'+' if sign else ''}.{decimals}f}"
   if low is None:
     return text
@@ -155,8 +131,7 @@ def paired(
 
 
 def verdict(difference: Interval, better: str) -> str:
-  """The verdict on "row is `better` (higher/lower) than its baseline" from the interval of
-  the mean paired difference row - baseline."""
+  """The verdict on "row is `better` than its baseline" from the interval of row - baseline."""
   if better not in DIRECTIONS:
     raise ValueError(f"better must be one of {DIRECTIONS}, got {better!r}")
   if difference.low is None or difference.low <= 0.0 <= difference.high:
@@ -167,8 +142,7 @@ def verdict(difference: Interval, better: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ClaimResult:
-  """A claim decided: the paired seeds, the interval of the mean difference, the verdict and
-  the two-sided p-value that goes with the interval (1.0 without pairs)."""
+  """A claim decided: the paired seeds, the mean difference's interval, the verdict and p."""
 
   seeds: list[int]
   difference: Interval | None
@@ -186,8 +160,7 @@ def decide(
     min_seeds: int = MIN_VERDICT_SEEDS,
     test_to_train: float | None = None,
 ) -> ClaimResult:
-  """Decides one claim from each row's value per seed (only seeds both rows have count); with
-  `test_to_train`, the pairs are cross-validation folds and the interval is the corrected one."""
+  """Decides one claim on the seeds both rows have; with `test_to_train`, the corrected interval."""
   seeds, differences = paired(row, baseline)
   if not differences:
     return ClaimResult([], None, UNDECIDED, False)

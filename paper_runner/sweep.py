@@ -24,58 +24,22 @@ A sweep file is a Python file whose `get_config(arg=None)` returns a ConfigDict 
         tables=("paper_runner.fairmoe.paper_table:write_comparison",),  # Optional: table collectors.
     ))
 
-`dotted()` keeps dotted keys and their order, which a plain dict inside a ConfigDict does not
-(ml_collections sorts keys and rejects dots); nested dicts (`{"moe": {"num_experts": ...}}`) are
-flattened to dotted keys too. Each run trains in `<workdir>/runs/<name>`, its name made from its
-grid values (`batch_size=64,method=vanilla_smoe,seed=0`), with `--config.<key>=<value>` flags
-for the overrides and its grid values.
+`dotted()` keeps dotted keys in order (a ConfigDict sorts keys and rejects dots). Each run
+trains in `<workdir>/runs/<name>`, named by its grid values (`batch_size=64,method=vanilla_smoe,
+seed=0`). A grid value `VALUE@KEY=X@KEY2=Y` also passes `--config.KEY=X --config.KEY2=Y` to its
+runs (over an override of the same key; never a grid key). `tables` collectors,
+`"module:function"`, are imported when the sweep loads and called after collecting as
+`function(workdir, runs) -> [paths written]` with one `paper_runner.collect.RunResult` per run.
 
-A grid value written `VALUE@KEY=X@KEY2=Y` sets its grid key to VALUE and also passes
-`--config.KEY=X --config.KEY2=Y` to the runs that take it, so readings of one method compare
-side by side (`fairsmoe@fair.specialization=class_routing`); an `@` setting takes precedence
-over an override of the same key, and may not set a grid key.
-
-`tables` names table collectors, `"module:function"`, imported when the sweep is loaded (a bad
-name stops the sweep before anything runs). After collecting, each is called as
-`function(workdir, runs) -> [paths written]`, `runs` being one `paper_runner.collect.RunResult`
-per run in grid order (its point, run_dir, status ok/failed/missing, report and error).
-
-Modes (`--mode`):
-  run       (default) runs the runs one after the other as subprocesses of this machine, each
-            logging to `<run dir>/log.txt`. A run whose report.json exists is skipped if it was
-            started with the same settings (`sweep_run.json`) and trained with the config the
-            config file and those settings give now (its `config.json`, so an edited config
-            file counts); otherwise the sweep stops with an error naming the changed keys
-            before running anything, or with `--retrain` moves it aside. An interrupted run
-            resumes from its checkpoint, so rerunning the command resumes the sweep; a failed
-            run (non-zero exit or `timeout_s`) leaves `error.txt` (the reason: the run's last
-            `error:` or exception line), is retried next time and does not stop the others.
-            A timeout, Ctrl-C or SIGTERM sends the running run SIGTERM (the mains checkpoint
-            on it), then SIGKILL after a minute; a runner killed with SIGKILL takes its run
-            with it (SIGTERM, on Linux).
-            Then collects. `--dry_run` (or `--dry-run`, the launchers' spelling) only prints
-            the commands, the number of runs and an estimate of their time (from the runs of
-            the sweep that finished in the workdir: paper_runner/sweep_estimate.py).
-  commands  writes `<workdir>/commands.sh`, one line per run, for a cluster. With
-            `--launcher="launch/slurm.sh --nodes 2 --gpus-per-node 8 --"` each line is
-              launch/slurm.sh --nodes 2 --gpus-per-node 8 --module fairmoe_jax.main -- \
-                  --config=configs/quickstart.py --workdir=<workdir>/runs/<name> --config.k=v ...
-            (`--module` is added for the repo's launchers when the launcher string lacks it;
-            `launch/tpu_pod.sh --name pod --zone Z --accelerator v5litepod-16 --` works alike).
-            Without a launcher each line is `python -m module ...`, and
-            `launch/slurm_array.sh <workdir>/commands.sh` submits the runs as one SLURM job
-            array (resubmitting it submits only the runs without report.json).
-            The workdir may be on gs:// (a TPU pod's shared workdir): each run's workdir is
-            under it and commands.sh is an object there, and `gcloud storage cat
-            gs://.../commands.sh | launch/tpu_pod.sh --name pod --zone Z --accelerator T
-            --delete-after --commands -` runs the whole grid on one slice. `run` mode needs a
-            local workdir.
-  collect   only collects, from a local or gs:// workdir: `<workdir>/sweep.csv`, `sweep.md`
-            and `sweep.json` (one row per run: grid values, status ok/failed/missing, the
-            metrics, and per throughput key the median over the second half of the logged
-            steps, after compilation),
-            `<workdir>/plots/<metric>_vs_<key>.png` (mean ± std over seeds, one line per
-            combination of the other keys), then the `tables` collectors' files.
+Modes (`--mode`; docs/scaling.md, "Sweeps"):
+  run       (default) the runs one after another as subprocesses, then collect. A finished run
+            is skipped only if its `sweep_run.json` and `config.json` match what the spec gives
+            now; else an error names the changed keys (`--retrain` moves it aside). A failed
+            run leaves `error.txt` and is retried next time. `--dry_run` (or `--dry-run`)
+            prints the commands and a time estimate (paper_runner/sweep_estimate.py).
+  commands  `<workdir>/commands.sh`, one line per run, optionally behind `--launcher=...`
+            (a local or gs:// workdir).
+  collect   `sweep.csv`, `sweep.md`, `sweep.json`, `plots/`, then the `tables` collectors.
 
 `--only=KEY=VALUE` (repeatable) keeps the runs whose grid value of KEY is one of the VALUEs
 given for it (written as the run names write them), e.g. the rows a results table's claims

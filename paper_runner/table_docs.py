@@ -1,6 +1,5 @@
-"""The marked tables of a document (`<!-- table:NAME -->` ... `<!-- /table:NAME -->`): a
-table rendered from its record, or a summary across every recorded table (`reruns`, `verdicts`,
-`claims`, `machines`), written into the document (`--write`) or compared with it (`--check`)."""
+"""A document's marked tables (`<!-- table:NAME -->`): a table from its record or a summary across
+records, written (`--write`) or compared (`--check`)."""
 
 from __future__ import annotations
 
@@ -38,22 +37,22 @@ from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 
 
+def _recorded() -> list[str]:
+  return [n for n in table_names() if n not in SUMMARIES and os.path.exists(record_path(n))]
+
+
 def _claims_tables() -> list[tuple[str, TableSpec, dict[str, Any]]]:
   """(name, spec, record) of every recorded table that decides claims, in name order."""
-  found = []
-  for name in table_names():
-    if name in SUMMARIES or not os.path.exists(record_path(name)):
-      continue
-    spec = load_table(name)
-    if spec.claims:
-      found.append((name, spec, read_record(name)))
-  return found
+  specs = [(name, load_table(name)) for name in _recorded()]
+  return [(name, spec, read_record(name)) for name, spec in specs if spec.claims]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  return "\n".join(markdown_table(header, rows)) + "\n"
 
 
 def rerun_summary() -> str:
-  """One row per rerun of every table that decides claims (or "not rerun"): how much of the table it
-  reran, on what, which verdicts and tuning choice it keeps and which it changes, and the largest
-  change of a mean paired difference."""
+  """One row per rerun of every table that decides claims (or "not rerun")."""
   header = (
       "table",
       "rerun",
@@ -118,7 +117,7 @@ def rerun_summary() -> str:
           "—",
       )
   )
-  return "\n".join(markdown_table(header, rows)) + "\n"
+  return _table(header, rows)
 
 
 _VERDICTS = (stats.HOLDS, stats.DOES_NOT_HOLD, stats.UNDECIDED, stats.UNTESTABLE)
@@ -129,9 +128,8 @@ def _counts_text(verdicts: Sequence[str]) -> list[str]:
 
 
 def verdict_summary() -> str:
-  """Per table that decides claims: the interval it uses, its family of claims, how many
-  verdicts are each word before and after Holm's adjustment, how many carry a selection leak;
-  then the totals. Rendered from the records alone."""
+  """Per table that decides claims: its interval, each verdict's count before and after Holm,
+  the marked selection leaks; then the totals."""
   header = [
       "table",
       "interval",
@@ -166,23 +164,21 @@ def verdict_summary() -> str:
           f"**{leaked_all}**",
       ]
   )
-  return "\n".join(markdown_table(header, rows)) + "\n"
+  return _table(header, rows)
 
 
 def claim_summary() -> str:
-  """Claim by claim: each claim (the same rows, direction and metric) and, per Holm-adjusted
-  verdict, the tables that reach it; a raw verdict that differs, a rerun that moved it and a
-  selection leak are noted beside the table. Rendered from the records alone."""
+  """Per claim (rows, direction and metric) and Holm-adjusted verdict, the tables that reach it."""
   found: dict[tuple[str, str], dict[str, list[str]]] = {}
   for name, spec, record in _claims_tables():
     summary = summarise(spec, record)
     labels = {c.path: c.label for c in spec.columns}
-    moved = {}
-    for rerun in record.get("reruns", ()):
-      result = compare_rerun(spec, record, rerun)
-      for claim, before, after, _ in result.claims:
-        if before != after:
-          moved[claim] = after
+    moved = {
+        claim: after
+        for rerun in record.get("reruns", ())
+        for claim, before, after, _ in compare_rerun(spec, record, rerun).claims
+        if before != after
+    }
     for (claim, result), (_, holm) in zip(summary["claims"], summary["holm"]):
       key = (
           f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
@@ -204,15 +200,11 @@ def claim_summary() -> str:
       [claim, metric, *(", ".join(by_verdict.get(word, [])) or "—" for word in _VERDICTS)]
       for (claim, metric), by_verdict in found.items()
   ]
-  return "\n".join(markdown_table(header, rows)) + "\n"
+  return _table(header, rows)
 
 
 def machine_summary() -> str:
-  """Per recorded table: the date of its runs, the machine its record names (older records name
-  no processor and hash no input file), each stamped reproduction of its first run (`--reproduce
-  --stamp`: exact or within the spec's tolerance, when, on what) and each stamped one that did
-  not come back (beyond which tolerance, the value that moved most); the last row counts them.
-  Rendered from the records alone."""
+  """Per recorded table: its runs' date and machine, and its stamped reproductions."""
   header = (
       "table",
       "runs of",
@@ -223,9 +215,7 @@ def machine_summary() -> str:
   )
   rows = []
   recorded = exact = within = failed = 0
-  for name in table_names():
-    if name in SUMMARIES or not os.path.exists(record_path(name)):
-      continue
+  for name in _recorded():
     p = read_record(name)["provenance"]
     recorded += 1
     stamps = []
@@ -266,24 +256,25 @@ def machine_summary() -> str:
           f"**{failed} not reproduced**",
       )
   )
-  return "\n".join(markdown_table(header, rows)) + "\n"
+  return _table(header, rows)
 
 
 def _value_text(value: float | None) -> str:
-  """A recorded value as the record holds it, to 6 significant digits (None: no value)."""
   return "no value" if value is None else format(value, ".6g")
+
+
+_SUMMARY_RENDERERS = {
+    RERUN_SUMMARY: rerun_summary,
+    VERDICT_SUMMARY: verdict_summary,
+    CLAIM_SUMMARY: claim_summary,
+    MACHINE_SUMMARY: machine_summary,
+}
 
 
 def _render_marked(name: str) -> str:
   """A marked table of a document: a generated summary, or the table `name` from its record."""
-  if name == RERUN_SUMMARY:
-    return rerun_summary()
-  if name == VERDICT_SUMMARY:
-    return verdict_summary()
-  if name == CLAIM_SUMMARY:
-    return claim_summary()
-  if name == MACHINE_SUMMARY:
-    return machine_summary()
+  if name in _SUMMARY_RENDERERS:
+    return _SUMMARY_RENDERERS[name]()
   return render(load_table(name), read_record(name))
 
 
@@ -311,7 +302,7 @@ def write_doc(path: str) -> list[str]:
 
 def check_doc(path: str) -> list[str]:
   """Problems with the marked tables of `path`: a table that differs from its record's
-  rendering (with the diff), a record that no longer matches its spec, an unmarked table name."""
+  rendering (with the diff), a record that no longer matches its spec."""
   text = _read_doc(path)
   problems = []
   tables = marked_tables(text, path)

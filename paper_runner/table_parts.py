@@ -1,10 +1,4 @@
-"""The parts results specs (`results/NAME.py`, paper_runner/tables.py) share, declared once.
-
-A spec stays a short declaration: which runs, which columns, which claims. What several specs
-say alike lives here: the claims of a comparison (one row against each baseline on each metric)
-and of a tuning table (the shipped setting against each other one), the FairSMoE methods and the
-paper's claims about them, and the Causal Transformer's two attentions and diagnostics.
-"""
+"""What several results specs (`results/NAME.py`) say alike: claims, methods, columns, sweeps."""
 
 from __future__ import annotations
 
@@ -17,9 +11,7 @@ from paper_runner.spec import dotted
 
 
 def sibling_spec(this_file: str, name: str) -> types.ModuleType:
-  """The results spec `name`.py that lies beside `this_file`, loaded as a module: a variant of
-  a table (another target or budget) takes its runs and claims from it (results/ is a folder
-  of specs, not a package)."""
+  """The results spec `name`.py beside `this_file`, loaded (results/ is not a package)."""
   path = os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py")
   spec = importlib.util.spec_from_file_location(f"_results_{name}", path)
   module = importlib.util.module_from_spec(spec)
@@ -73,17 +65,13 @@ FAIR_METHOD_NAMES = {
     "muffin": "Muffin",
     "multifair": "MultiFair",
 }
-# The paper's controls: vanilla SMoE, and vanilla SMoE with the same L_Psi (what FGR and FEM add
-# beyond the loss).
+# The paper's controls: vanilla SMoE, with and without the same L_Psi.
 FAIR_CONTROLS = ("vanilla_smoe", "vanilla_smoe_psi")
-# The multi-attribute fairness baselines the paper's Table 1 compares FairSMoE with, on MF-PQD
-# and accuracy.
+# The paper's Table 1 baselines, compared on MF-PQD and accuracy.
 FAIR_BASELINES = ("muffin", "multifair")
 FAIR_TABLE1_CLAIMS = (("mf.pqd", "higher"), ("accuracy", "higher"))
 
 
-# The columns of a FairSMoE comparison: test numbers, routing (Fig. 5, 6), validation numbers
-# (what may choose), and what the mechanisms did (docs/design.md).
 ACCURACY: Column = ("accuracy", "Acc. (%)", 100.0, 1)
 MF_PQD: Column = ("mf.pqd", "MF-PQD", 1.0, 3)
 MF_DP: Column = ("mf.dp", "MF-DP", 1.0, 3)
@@ -98,8 +86,6 @@ SA_ABOVE_MAJORITY: Column = (
 SA_VARIANCE_SHARE: Column = ("mechanisms.sa_variance_share", "SA share of routing variance", 1.0, 4)
 FEM_MOVED: Column = ("mechanisms.fem_changes_moved", "FEM changes that moved routing", 1.0, 2)
 DROPPED_TRAIN: Column = ("dropped.train", "Dropped (train)", 1.0, 3)
-# Groups of them: the test numbers every comparison leads with, the validation numbers that may
-# choose, and what FGR and FEM did.
 VALIDATION: tuple[Column, ...] = (VAL_ACCURACY, VAL_MF_PQD)
 MECHANISMS: tuple[Column, ...] = (SA_VARIANCE_SHARE, FEM_MOVED)
 
@@ -111,8 +97,7 @@ def fair_comparison_table(
     table_claims: Sequence[Claim],
     **extra: object,
 ) -> dict:
-  """The TABLE of a FairSMoE comparison on the test split: one row per method, per-attribute
-  group sizes flagged, its claims (e.g. `fair_claims`) and the reference readers."""
+  """The TABLE of a FairSMoE comparison on the test split: one row per method."""
   return dict(
       references=FAIR_REFERENCES,
       title=title,
@@ -128,15 +113,12 @@ def fair_comparison_table(
 
 
 def fair_baseline_claims() -> tuple[Claim, ...]:
-  """The paper's Table 1 against the baselines: FairSMoE higher than Muffin and than MultiFair on
-  MF-PQD and on accuracy."""
+  """The paper's Table 1: FairSMoE higher than Muffin and MultiFair on MF-PQD and accuracy."""
   return claims(FAIRSMOE, FAIR_BASELINES, FAIR_TABLE1_CLAIMS)
 
 
-# What each method's settings were searched over on validation before a FairSMoE table's runs
-# (TABLE["tuning"], printed under the table; docs/protocol.md section 2 asks for equal budgets,
-# and these are not): FairSMoE's lambdas were searched, every other method takes FairSMoE's
-# lambdas (the ablations and the loss control) or its recipe as given.
+# Each method's search on validation before a FairSMoE table's runs (TABLE["tuning"]; the
+# budgets are not equal, docs/protocol.md section 2).
 LAMBDA_SEARCH = (
     "lambda_pqd and lambda_dp, 0.1 and 0.5 each, 3 seeds, on the CelebA sample's official "
     "validation split: `results/lambda_tuning.py`"
@@ -157,9 +139,8 @@ FAIR_TUNING = {
 def fair_tuning(
     methods: Iterable[str], shared: Sequence[tuple[int, str]] = (), elsewhere: str = ""
 ) -> tuple[tuple[str, int, str], ...]:
-  """TABLE["tuning"] of a FairSMoE table with rows `methods`: each method's search
-  (`FAIR_TUNING`), then what every row shares (`shared`: (settings, what)). `elsewhere` notes
-  where FairSMoE's search ran when that is not this table's data."""
+  """TABLE["tuning"] for `methods` (`FAIR_TUNING`), then `shared` (settings, what) for every row;
+  `elsewhere` notes where a search ran when not on this table's data."""
   rows = []
   for method in methods:
     settings, what = FAIR_TUNING[method]
@@ -168,13 +149,10 @@ def fair_tuning(
 
 
 def fair_ablation_claims() -> tuple[Claim, ...]:
-  """The paper's Table 2: each mechanism adds, FairSMoE higher on MF-PQD than without FGR and
-  than without FEM."""
+  """The paper's Table 2: FairSMoE higher on MF-PQD than without FGR and without FEM."""
   return claims(FAIRSMOE, ("fairsmoe_no_fgr", "fairsmoe_no_fem"), (("mf.pqd", "higher"),))
 
 
-# The rows of a comparison that decides the paper's claims: FairSMoE at its default reading,
-# its two ablations, both controls and the two multi-attribute baselines.
 FAIR_COMPARISON = (
     FAIRSMOE,
     "fairsmoe_no_fgr",
@@ -196,9 +174,7 @@ FAIR_PAPER_CLAIMS = (
 def paper_claims_table(
     title: str, attributes: Sequence[str], mechanism_column: Column, **extra: object
 ) -> dict:
-  """The TABLE of a comparison that decides the paper's claims (`FAIR_COMPARISON` rows): test
-  accuracy, MF-PQD and each attribute's PQD, MF-DP, experts active, the gradient cosine, the
-  validation numbers and one column of what a mechanism did."""
+  """The TABLE of a comparison that decides the paper's claims (`FAIR_COMPARISON` rows)."""
   return fair_comparison_table(
       title,
       fair_methods(FAIR_COMPARISON),
@@ -225,9 +201,8 @@ def fair_methods(order: Iterable[str] = tuple(FAIR_METHOD_NAMES)) -> dict[str, s
 
 
 def fair_claims(paper_metrics: Sequence[tuple[str, str]]) -> tuple[Claim, ...]:
-  """FairSMoE's default against both controls on the paper's metrics and against Muffin and
-  MultiFair on Table 1's, then each other reading of Eq. 8 against the default on the
-  validation split (which may choose a reading)."""
+  """FairSMoE against the controls and baselines, then each other reading of Eq. 8 against the
+  default on validation."""
   readings = tuple(
       claim
       for reading in (ATTRIBUTE_ROUTING, CLASS_ROUTING)
@@ -243,8 +218,6 @@ def fair_claims(paper_metrics: Sequence[tuple[str, str]]) -> tuple[Claim, ...]:
 CAUSAL_REFERENCES = "paper_runner.causal.references:reference_reports"
 CAUSAL = "causal"
 VANILLA = "vanilla@constraints.weight=0.0"  # Plain attention: no Markov-blanket loss.
-# What the constraint does to the attention: the keys a row attends to, and the fraction of
-# nodes whose Markov blanket lies in the band (and of runs whose every layer meets it).
 VALIDATION_ACCURACY: Column = ("accuracy", "Val. acc.", 1.0, 3)  # The eval split's.
 EFFECTIVE_KEYS: Column = ("attention.effective_keys", "Effective keys", 1.0, 1)
 NODES_WITHIN: Column = ("constraints.nodes_within", "Nodes within", 1.0, 2)
@@ -262,8 +235,7 @@ LEARNING_RATES = (0.003, 0.001, 0.002, 0.005)
 
 
 def learning_rate_table(title: str) -> dict:
-  """A tuning table of `optimizer.learning_rate` on the spurious-pairs validation split: the
-  highest mean validation accuracy chooses, with the shipped rate's claims for context."""
+  """A tuning table of `optimizer.learning_rate` on the spurious-pairs validation split."""
   return dict(
       references=CAUSAL_REFERENCES,
       title=title,

@@ -1,6 +1,5 @@
-"""A table's record (`results/records/NAME.json`): made from a sweep's finished runs with their
-provenance, reruns and reference rows added to it, and read back checked, so that a table is
-rendered from its record alone."""
+"""A table's record (`results/records/NAME.json`): made from a sweep's runs, added to, read back
+checked."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ from trainkit.workdir import CONFIG_FILE, config_differences, trained_config_dif
 
 
 def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]:
-  """Per row and per value of the pair keys but the pooled one (the seed), the spec's pool
-  function's report of the finished runs that differ only in the pooled key (the folds):
-  [{"row", "seed", "runs", "metrics", "groups"}]; a unit with an unfinished run is left out."""
+  """Per row and unit but the pooled key, the spec's pool function's report of the finished runs
+  that differ only in that key (a unit with an unfinished run is left out)."""
   target, over = spec.pool
   pool = import_spec_object(spec, "pool", target)
   units: dict[tuple[str, Any], list[Any]] = {}
@@ -69,7 +67,6 @@ def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]
 
 
 def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> None:
-  """A UserError unless the finished run `result` is the run of `spec`'s sweep of that name."""
   directory = result.run_dir
   started, trained = os.path.join(directory, RUN), os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(started) and not os.path.isfile(trained):
@@ -97,9 +94,7 @@ def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> 
 
 
 def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
-  """The record of a finished (or partly finished) sweep of `spec` in `workdir`; a UserError
-  when a finished run there was started or trained with other settings than the spec gives it
-  (`_check_started_by_spec`)."""
+  """The record of `spec`'s sweep in `workdir` (finished or not)."""
   runs = []
   dates = []
   configs = []
@@ -152,8 +147,7 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
 
 
 def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
-  """The commit and machine of the finished runs, from the `provenance.json` the sweep wrote beside
-  each when it started it (`paper_runner.supervise`)."""
+  """The commit and machine of the runs, from the `provenance.json` the sweep wrote beside each."""
   here = machine()
   device = {"device": here["device"], "devices": here["devices"]}
   written = []
@@ -189,8 +183,7 @@ def write_record(spec: TableSpec, workdir: str) -> str:
 
 
 def add_rerun(spec: TableSpec, workdir: str) -> str:
-  """Adds the finished runs of a rerun of `spec`'s sweep in `workdir`, with their provenance, to
-  the record's `reruns` (replacing an earlier rerun made with the same machine description)."""
+  """Adds the finished runs in `workdir` to the record's `reruns` (one per machine)."""
   record = read_record(spec.name)
   rerun = make_record(spec, workdir)
   finished = [r for r in rerun["runs"] if r["status"] == "ok"]
@@ -206,8 +199,7 @@ def add_rerun(spec: TableSpec, workdir: str) -> str:
 
 
 def add_references(spec: TableSpec) -> str:
-  """Scores the spec's reference readers into its existing record (whose runs need not exist
-  any more: the readers read only the data), with a cross-validated table's split sizes."""
+  """Scores the spec's reference readers (and folds' split sizes) into its existing record."""
   record = read_record(spec.name)
   record["references"] = reference_rows(spec)
   if spec.cross_validation:
@@ -260,16 +252,13 @@ def read_record(name: str) -> dict[str, Any]:
 
 
 def _run_text(index_name: str, run: Mapping[str, Any]) -> str:
-  """A record's run as an error names it: `runs[3] (row a, seed 0)`, with what it has."""
   known = [f"row {run['row']}"] if "row" in run else []
   known += [f"seed {unit_text(run['seed'])}"] if "seed" in run else []
   return index_name + (f" ({', '.join(known)})" if known else "")
 
 
 def _check_runs(where: str, runs: Any, what: str, name: str, status: bool = True) -> None:
-  """A UserError naming the run, unless every run of a record's list `what` names its row and pair
-  (and status), a finished one has `metrics` of finite numbers or null, and no (row, pair) comes
-  twice."""
+  """A UserError naming the first run without row, pair (status), finite metrics, or twice."""
   remake = f"(remake the record with --record={name})"
   if not isinstance(runs, list):
     raise UserError(f"{where}: {what} is not a list of runs {remake}")
@@ -288,8 +277,6 @@ def _check_runs(where: str, runs: Any, what: str, name: str, status: bool = True
         raise UserError(f"{where}: {text} has a result but no 'metrics' {remake}")
       for path, value in metrics.items():
         if value is not None and not is_number(value):
-          # Not rendered as "nan": a claim on it cannot be decided, and the record holds
-          # only what a report gave as a finite number (`metric_value`), so it was edited.
           raise UserError(
               f"{where}: {text}: {path} is {value!r}, not a finite number or null, so no cell "
               f"or claim on it can be computed {remake}"

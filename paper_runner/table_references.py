@@ -1,6 +1,5 @@
-"""A table's reference rows: readers without a model (majority class, a shortcut's reader,
-chance) scored on the data its runs read, from that data alone; and the sizes of a
-cross-validated table's folds, which its corrected interval needs."""
+"""A table's reference rows (readers without a model scored on its runs' data) and its folds'
+split sizes."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from paper_runner.table_spec import TableSpec, import_spec_object, metric_value,
 
 
 def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]]:
-  """The config of the data each value of `over` (a fold key; None: the one data) gives the
-  runs, from the first run of each row (`paper_runner.spec.resolved_config`): {value: config}."""
+  """{value of `over` (a fold key; None: the one data): the config of its runs' data}."""
   firsts = {}
   for point in grid_points(spec.sweep):
     firsts.setdefault((format_value(point[spec.rows]), point.get(over)), point)
@@ -31,9 +29,7 @@ def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]
 
 
 def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
-  """The spec's reference readers scored on the data its runs read (the config the sweep gives each
-  row's first run, as `paper_runner.spec.resolved_config` builds it): [{"name", "metrics": {path:
-  value}}] for the paths the record keeps."""
+  """The spec's reference readers scored on its runs' data: [{"name", "metrics", ...}]."""
   read = import_spec_object(spec, "references", spec.references)
   over = spec.pool[1] if spec.pool else None
   paths = spec.metrics()
@@ -64,9 +60,7 @@ def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
 
 
 def _simulated(paths: Sequence[str], parts: Sequence[Sequence[Sequence[Any]]]) -> dict[str, Any]:
-  """The mean and 95% range over draws of each path, each draw's value the mean over the parts
-  (folds) of that draw, as a row's cell is the mean over its folds: {"metrics", "ranges",
-  "draws"}. A path some draw lacks has neither."""
+  """Per path, the mean and 95% range over draws of each draw's mean over the folds."""
   draws = min(len(p) for p in parts)
   metrics: dict[str, float | None] = {}
   ranges: dict[str, list[float]] = {}
@@ -87,8 +81,7 @@ def _simulated(paths: Sequence[str], parts: Sequence[Sequence[Sequence[Any]]]) -
 
 
 def split_sizes(spec: TableSpec) -> dict[str, dict[str, int]]:
-  """{fold value: {"train", "validation", "test": examples}} of a cross-validated spec's folds,
-  from the data alone (the spec's `cross_validation` function on each fold's config)."""
+  """{fold value: {"train", "validation", "test": examples}}, from the data alone."""
   fold, target = spec.cross_validation
   sizes = import_spec_object(spec, "cross_validation", target)
   return {

@@ -1,6 +1,4 @@
-"""One table's markdown, rendered from its record alone (deterministic: `--check` compares it):
-the rows with their intervals and the reference rows, the pooled reports, the claims with their
-verdicts, the notes under them, the flags, the reruns and the provenance."""
+"""One table's markdown, rendered from its record alone (deterministic: `--check` compares it)."""
 
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=F
 
 
 def interval_name(ratio: float | None) -> str:
-  """The interval a table's cells and claims use, as its caption names it."""
   confidence = round(100 * stats.CONFIDENCE)
   if ratio is None:
     return f"{confidence}% Student-t interval"
@@ -45,7 +42,6 @@ def _p_text(p: float) -> str:
 
 
 def _reference_cell(reference: Mapping[str, Any], c: Column) -> str:
-  """A reference's value, with its 95% range where it has one (chance, by simulation)."""
   value = reference["metrics"].get(c.path)
   if value is None:
     return "—"
@@ -58,13 +54,11 @@ def _reference_cell(reference: Mapping[str, Any], c: Column) -> str:
 
 
 def _reader(name: str) -> str:
-  """A reference row's reader without the folds it was averaged over."""
   return re.sub(r", mean over \d+ \w+$", "", name)
 
 
 def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
-  """The pooled reports (e.g. the folds of each seed together): per row the mean over the
-  pooled units of every column the reports hold, and the smallest group size they score."""
+  """Per row, the mean over pooled units (e.g. each seed's folds together) of each column."""
   over = spec.pool[1]
   columns = [
       c for c in spec.columns if any(p["metrics"].get(c.path) is not None for p in record["pooled"])
@@ -101,8 +95,7 @@ def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
 
 
 def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
-  """The paragraphs under a claims table: how a fairness claim was gated and matched, the
-  family, the intervals of folds, the tuning budgets and the selection leaks."""
+  """The paragraphs under a claims table."""
   columns = {c.path: c for c in spec.columns}
 
   def column(path: str) -> Column:
@@ -111,10 +104,7 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
   notes = []
   gates = [(claim, gate) for (claim, _), gate in zip(summary["claims"], summary["gates"]) if gate]
   if gates:
-    bars = {}
-    for _, gate in gates:
-      if gate.bar is not None:
-        bars[gate.accuracy] = gate.bar
+    bars = {gate.accuracy: gate.bar for _, gate in gates if gate.bar is not None}
     bar_text = "; ".join(
         f"{column(path).label} {column(path).scale * value:.{column(path).decimals}f} "
         f"({_reader(name)})"
@@ -130,10 +120,11 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
         + f". {untestable} of the table's {len(gates)} fairness claims are "
         f"**{stats.UNTESTABLE}**."
     )
-    slopes = {}
-    for (claim, _), found in zip(summary["claims"], summary["matched"]):
-      if found is not None:
-        slopes[(claim.metric, accuracy_path(claim.metric))] = found[1]
+    slopes = {
+        (claim.metric, accuracy_path(claim.metric)): found[1]
+        for (claim, _), found in zip(summary["claims"], summary["matched"])
+        if found is not None
+    }
     if slopes:
       # Per unit of the accuracy as printed (a point where it is in percent).
       slope_text = "; ".join(
@@ -192,7 +183,6 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
 
 
 def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
-  """The table's markdown, from its record alone (deterministic: `--check` compares it)."""
   summary = summarise(spec, record)
   confidence = round(100 * stats.CONFIDENCE)
   lines = [
@@ -295,38 +285,35 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
   for text in rerun_lines(spec, record):
     lines += ["", text]
-  p = record["provenance"]
-  m = p["machine"]
-  changes = p.get("uncommitted_changes") or []
+  return "\n".join(lines + ["", _provenance_line(spec, record["provenance"])]) + "\n"
+
+
+def _provenance_line(spec: TableSpec, p: Mapping[str, Any]) -> str:
+  m, changes = p["machine"], p.get("uncommitted_changes")
   commit = p["commit"] + (f" with uncommitted changes to {', '.join(changes)}" if changes else "")
-  seeds = ", ".join(str(s) for s in p["seeds"])
-  # Older records name neither the processor nor their input data.
-  processor = f", {m['processor']['model']}" if "processor" in m else ""
-  data = (
-      f"{len(p['data'])} input file(s) or folder(s) hashed in the record; " if p.get("data") else ""
-  )
-  reproduced = "".join(
-      f"first run reproduced {'exactly' if r['exact'] else 'within ' + format(r['tolerance'], 'g')}"
-      f"{stamp_machine_text(r)} on {r['date']} (commit {r['commit']}; "
-      f"{machine_text(r['machine'])}; {len(r['data'])} input file(s) or folder(s) hashed); "
-      for r in p.get("reproduced", ())
-  )
-  lines += [
-      "",
-      f"<sub>Provenance: commit {commit}; runs of {p['date']}; {m['device']}, "
-      f"{m['cpu_cores']} CPU cores ({m['arch']}{processor}), {m['devices']} device(s), "
-      f"JAX {m['jax']}; {data}{reproduced}"
-      f"seeds {seeds}; spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`; "
-      + "; ".join(f"`{c}`" for c in p["commands"])
-      + ".</sub>",
+  processor = f", {m['processor']['model']}" if "processor" in m else ""  # Older records: none.
+  hashed = "input file(s) or folder(s) hashed"
+  parts = [
+      f"commit {commit}",
+      f"runs of {p['date']}",
+      f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), "
+      f"{m['devices']} device(s), JAX {m['jax']}",
+      *([f"{len(p['data'])} {hashed} in the record"] if p.get("data") else []),
+      *(
+          "first run reproduced " + ("exactly" if r["exact"] else f"within {r['tolerance']:g}")
+          + f"{stamp_machine_text(r)} on {r['date']} (commit {r['commit']}; "
+          f"{machine_text(r['machine'])}; {len(r['data'])} {hashed})"
+          for r in p.get("reproduced", ())
+      ),
+      f"seeds {', '.join(map(str, p['seeds']))}",
+      f"spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`",
+      *(f"`{c}`" for c in p["commands"]),
   ]
-  return "\n".join(lines) + "\n"
+  return f"<sub>Provenance: {'; '.join(parts)}.</sub>"
 
 
 def stamp_machine_text(stamp: Mapping[str, Any]) -> str:
-  """Whether a stamped reproduction ran on the recording machine or on another (and what
-  differs): an exact rerun elsewhere is evidence of another kind. Nothing for stamps made
-  before they said."""
+  """Whether a stamped reproduction ran on the recording machine (nothing for older stamps)."""
   if "differs_from_record" not in stamp:
     return ""
   differs = stamp["differs_from_record"]

@@ -1,8 +1,4 @@
-"""`--reproduce`: rerun a record's first run and compare every recorded value, exactly where the
-machine, software and data are the record's (or those of an exact reproduction stamped in it),
-else within the spec's tolerance; with `--stamp`, the reproduction is added to the record's
-provenance: under `reproduced` where it passed, under `not_reproduced` (with the value that
-moved most) where the rerun finished but did not come back."""
+"""`--reproduce`: rerun a record's first run and compare every recorded value (`reproduce`)."""
 
 from __future__ import annotations
 
@@ -24,16 +20,13 @@ from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 from trainkit.workdir import CONFIG_FILE, move_aside
 
-# The provenance key of stamped reproductions whose values did not come back within their
-# tolerance (`reproduced` holds those that did).
 NOT_REPRODUCED = "not_reproduced"
 
 
 def largest_difference(
     recorded: Mapping[str, float | None], report: Mapping[str, Any]
 ) -> dict[str, Any]:
-  """The recorded value that moved most in `report`: its path, both values and the absolute
-  difference (None where one side has no value and the other has)."""
+  """The recorded value that moved most in `report` (difference None: one side has no value)."""
   worst: dict[str, Any] = {}
   for path, value in recorded.items():
     again = metric_value(report, path)
@@ -50,8 +43,7 @@ def largest_difference(
 def compare(
     recorded: Mapping[str, float | None], report: Mapping[str, Any], tolerance: float
 ) -> tuple[bool, list[str]]:
-  """Each recorded value against the same path in a new report: (all within `tolerance`,
-  one line per value)."""
+  """(every recorded value within `tolerance` in `report`, one line per value)."""
   ok = True
   lines = [f"  {'value':<32} {'recorded':>22} {'reproduced':>22}  equal"]
   for path, value in recorded.items():
@@ -72,23 +64,12 @@ def reproduce(
     tolerance: float | None = None,
     stamp: bool = False,
 ) -> tuple[bool, list[str]]:
-  """Reruns the record's run of the first row and the first seed, and compares every recorded
-  value (`compare`): exactly where the machine, software and data match the record
-  (`paper_runner.provenance.differences`: processor and its instruction set, device, cores,
-  package versions, XLA_FLAGS, input-data hashes) or match an exact reproduction stored in it,
-  else within the spec's `tolerance` unless one is given. Returns (reproduced, the lines to
-  print). With `stamp`, a reproduction is added to the record's `provenance.reproduced` (its
-  date, commit, machine, input-data hashes, whether every value was exact, and how its machine
-  differs from the record's): for a record older than its machine's full description, the
-  evidence of where its numbers come back exactly. A rerun that finished but did not come back
-  within the tolerance goes to `provenance.not_reproduced` instead, with the value that moved
-  most: evidence of where they do not (it never vouches). Each machine keeps its latest stamp.
-
-  The rerun trains in `workdir/run`, which must be its own: an earlier run directory there is
-  moved aside first, so no report.json or config.json it left can pass for this rerun's. A
-  rerun that fails (non-zero exit, no report) is a UserError and nothing is compared or
-  stamped. SIGTERM (or Ctrl-C) stops the rerun's process group before this returns, with
-  KeyboardInterrupt."""
+  """Reruns the record's first run in `workdir/run` and compares every recorded value: exactly
+  where the machine, software and data are the record's or those of an exact reproduction stamped
+  in it (`comparison_basis`), else within the spec's tolerance unless one is given. With `stamp`,
+  the result is added to the record's provenance, one stamp per machine: under `reproduced`, or
+  under `not_reproduced` with the value that moved most (never a voucher). A failed rerun is a
+  UserError; SIGTERM stops its process group and raises KeyboardInterrupt."""
   first = grid_points(spec.sweep)[0]
   row, seed = format_value(first[spec.rows]), spec.pair(first)
   recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
@@ -168,16 +149,10 @@ def reproduce(
     entry = {
         "date": datetime.date.today().isoformat(),
         **source_state(REPO_ROOT),
-        # Who vouches: the processor's model and instruction-set features among the rest. A
-        # later reproduction compares exactly on the strength of this stamp only where its own
-        # machine is this one (`comparison_basis`).
         "machine": machine(),
         "data": data_hashes([config]),
         "exact": exact,
         "tolerance": tolerance,
-        # How this machine differs from the recording one (empty: the same): values that come
-        # back exactly on another processor or instruction set are evidence for that machine,
-        # not a rerun of the recording one, and the table says which.
         "differs_from_record": differs_from_record,
     }
     if not ok:  # A finished rerun that did not come back is a measurement too: kept, never a voucher.
@@ -185,8 +160,7 @@ def reproduce(
     key = "reproduced" if ok else NOT_REPRODUCED
     stamped = read_record(spec.name)
     stamps = stamped["provenance"]
-    # One stamp per machine, the latest: a reproduction that fails where an earlier one passed
-    # withdraws that one's vouching, and the other way round.
+    # One stamp per machine, the latest: a failure withdraws an earlier pass and vice versa.
     for listed in ("reproduced", NOT_REPRODUCED):
       if listed in stamps:
         stamps[listed] = [r for r in stamps[listed] if r["machine"] != entry["machine"]]
@@ -200,9 +174,8 @@ def reproduce(
 
 
 def _run_rerun(command: Sequence[str], log_path: str) -> int:
-  """Runs a reproduction's training to its end; returns its exit status. In a session of its own,
-  so that SIGTERM or Ctrl-C here terminates its whole process group; a SIGKILL here reaches it
-  through `die_with_parent` (no preexec_fn: this process has initialised JAX)."""
+  """Runs the training in a session of its own (SIGTERM here stops its group; SIGKILL reaches it
+  through `die_with_parent`); returns its exit status."""
   process = None
   with open(log_path, "w") as log, sigterm_as_interrupt():
     try:
@@ -224,10 +197,8 @@ def _run_rerun(command: Sequence[str], log_path: str) -> int:
 def comparison_basis(
     provenance: Mapping[str, Any],
 ) -> tuple[list[str], Mapping[str, Any] | None]:
-  """How this machine, its software and data differ from a record's `provenance` (empty: the
-  recording one), and the stamped exact reproduction that vouches for comparing exactly here
-  anyway: only one whose own machine (processor and instruction set included) and data are
-  this one's."""
+  """How this machine, software and data differ from a record's `provenance`, and the stamped
+  exact reproduction on this very machine and data that vouches for comparing exactly anyway."""
   differs = _why_not_exact(provenance)
   if not differs:
     return [], None
@@ -238,8 +209,7 @@ def comparison_basis(
 
 
 def _why_not_exact(provenance: Mapping[str, Any]) -> list[str]:
-  """How this machine, its software and the input data differ from a record's (or a recorded
-  reproduction's) `machine` and `data` (nothing: a rerun must give every value exactly)."""
+  """How this machine, software and input data differ from a record's (or a stamp's)."""
   why = differences(provenance["machine"], machine(), "machine.")
   recorded_data = provenance.get("data")
   if recorded_data is None:

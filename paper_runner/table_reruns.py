@@ -1,6 +1,4 @@
-"""What a rerun of a table's runs (another machine, another instruction set) changes: the
-verdicts it keeps, the largest change of a mean paired difference, whether its predictions are
-the record's (then it is no evidence), and the paragraph printed under the table per rerun."""
+"""What a rerun of a table's runs changes, and the paragraph printed under the table per rerun."""
 
 from __future__ import annotations
 
@@ -18,26 +16,19 @@ IDENTICAL = "identical (not independent)"
 
 @dataclasses.dataclass(frozen=True)
 class RerunComparison:
-  """What a rerun of a table's runs changes: per claim both rows have in the rerun, the two
-  verdicts and the change of the mean paired difference (in the claim's column's scale)."""
 
   runs: int
   rows: list[str]
   seeds: list[int]
   claims: list[tuple[Claim, str, str, float]]  # (claim, recorded, rerun verdict, |change|)
   chosen: tuple[str, str] | None  # A tuning table's (recorded, rerun) choice.
-  # Changes are compared across claims in units of the recorded interval's half-width (a
-  # change of 0.01 means little on accuracy in percent and much on a fairness gap), and printed
-  # in the claim's column's scale: (|change|, |change| / half-width or None, claim[, seed]).
+  # (|change| in the column's scale, |change| / the recorded half-width or None, claim[, seed]).
   largest_change: tuple[float, float | None, Claim] | None = None
   largest_seed_change: tuple[float, float | None, Claim, Any] | None = None
-  # Every value the predictions alone decide is the record's to the last bit, in every rerun
-  # run: the rerun cannot disagree with the record, so it is no evidence for its verdicts.
   identical: bool = False
 
 
 def _relative_change(change: float, interval: stats.Interval, scale: float) -> float | None:
-  """`change` (in the column's scale) in half-widths of the recorded interval, or None."""
   if interval.low is None:
     return None
   half_width = (interval.high - interval.low) / 2 * scale
@@ -47,7 +38,6 @@ def _relative_change(change: float, interval: stats.Interval, scale: float) -> f
 
 
 def _by_relative_change(entry: tuple) -> tuple[float, float]:
-  """Sort key: the change in half-widths (where known), then the change itself."""
   return (entry[1] if entry[1] is not None else -1.0, entry[0])
 
 
@@ -96,9 +86,7 @@ def compare_rerun(
 
 
 def prediction_paths(spec: TableSpec) -> list[str]:
-  """The record's paths whose values the predictions alone decide (accuracy, a fairness metric,
-  BLEU, a HANS heuristic's accuracy: counts of the predictions), not a loss or a routing or
-  attention statistic that moves with any change of the weights."""
+  """The record's paths the predictions alone decide (accuracy, fairness, BLEU, HANS heuristics)."""
   return [
       p
       for p in spec.metrics()
@@ -109,9 +97,8 @@ def prediction_paths(spec: TableSpec) -> list[str]:
 def identical_predictions(
     spec: TableSpec, record: Mapping[str, Any], rerun: Mapping[str, Any]
 ) -> bool:
-  """Whether every rerun run reproduces, to the last bit, every value its predictions decide
-  (`prediction_paths`) and the split and group sizes, of the recorded run of the same row and
-  pair."""
+  """Whether every rerun run has its recorded run's prediction values and sizes to the last bit
+  (then it cannot disagree with the record and is no evidence)."""
   paths = prediction_paths(spec)
   if not paths or not rerun["runs"]:
     return False
@@ -128,7 +115,6 @@ def identical_predictions(
 
 
 def _xla_flags(m: Mapping[str, Any]) -> str | None:
-  """The XLA_FLAGS a record's machine ran under (what an instruction-set rerun changes)."""
   return (m.get("environment") or {}).get("XLA_FLAGS")
 
 
@@ -142,9 +128,7 @@ def machine_text(m: Mapping[str, Any]) -> str:
 
 
 def change_text(change: float, relative: float | None, decimals: int, label: str = "") -> str:
-  """A change as `0.4 (0.0061)`, or `0.4 (0.0061, MF-PQD)` with a label: half-widths of the
-  recorded interval, then the change in the column's scale, one decimal finer than the column
-  (a change is smaller than the values)."""
+  """`0.4 (0.0061[, label])`: half-widths of the recorded interval, then the change itself."""
   absolute = f"{change:.{decimals + 1}f}"
   if relative is None:
     return f"{absolute} ({label})" if label else absolute
@@ -155,7 +139,6 @@ def change_text(change: float, relative: float | None, decimals: int, label: str
 
 
 def rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
-  """One paragraph per rerun in the record: what it ran and which verdicts it keeps."""
   lines = []
   labels = {c.path: (c.label, c.decimals) for c in spec.columns}
   # The spec's runs, not the record's: a record that lost a run would read "12 of 11 runs".
@@ -221,7 +204,6 @@ def rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
 
 
 def rerun_machine(provenance: Mapping[str, Any]) -> str:
-  """What tells a rerun's machine apart, briefly: its XLA_FLAGS, else its processor."""
   m = provenance["machine"]
   flags = _xla_flags(m)
   if flags:

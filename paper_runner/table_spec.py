@@ -1,6 +1,5 @@
 """A results table's spec: the `TABLE` of `results/NAME.py` checked into a `TableSpec` (its keys
-are described in paper_runner/tables.py), where the table's record lies, and what a spec's dotted
-path reads of a run's report.json."""
+are described in docs/running.md), and what a dotted path reads of a run's report.json."""
 
 from __future__ import annotations
 
@@ -20,20 +19,15 @@ RESULTS_DIR = os.path.join(REPO_ROOT, "results")
 RECORDS_DIR = os.path.join(RESULTS_DIR, "records")
 SEED_KEY = "seed"
 DEFAULT_TOLERANCE = 0.02
-# The last part of a fairness metric's path (fairmoe_jax.metrics.METRIC_NAMES), and of a path
-# whose value the predictions alone decide (with a split's counts): what a rerun must change
-# to be evidence of anything (`compare_rerun`).
+# The last part of a fairness metric's path, and of one the predictions alone decide.
 FAIRNESS_KEYS = ("pqd", "dp", "eopp", "eodds")
 PREDICTION_KEYS = ("accuracy", *FAIRNESS_KEYS, "bleu")
-# A reference row whose reader reads the task's signal (the testbed's tint reader): what
-# learning reaches, not what a model that learnt nothing scores, so it sets no accuracy bar.
+# A reference row that reads the task's signal: it sets no accuracy bar.
 SIGNAL_ROLE = "signal"
 EVERY_ROW = "*"
 
 
-# The reserved names of the generated summaries (`<!-- table:NAME -->` in a document): every
-# table's reruns, every table's verdict counts, every claim's verdicts across tables, and every
-# record's machine and stamped reproductions. No spec may take them.
+# The generated summaries' names (`<!-- table:NAME -->`), reserved.
 RERUN_SUMMARY = "reruns"
 VERDICT_SUMMARY = "verdicts"
 CLAIM_SUMMARY = "claims"
@@ -59,8 +53,6 @@ class Claim:
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """What was searched on validation before a table's runs: `settings` tried for `row` (a row
-  value, or EVERY_ROW for a setting all rows share), and what and where."""
 
   row: str
   settings: int
@@ -69,8 +61,7 @@ class Tuning:
 
 @dataclasses.dataclass(frozen=True)
 class SelectionLeak:
-  """A choice behind a table's runs that read data the table reports on: every verdict on a
-  claim that compares one of `rows` (None: every row) is marked."""
+  """A choice that read the table's data: verdicts on `rows` (None: every row) are marked."""
 
   rows: tuple[str, ...] | None
   why: str
@@ -106,8 +97,7 @@ class TableSpec:
   selection_leaks: tuple[SelectionLeak, ...] = ()
 
   def pair(self, point: Mapping[str, Any]) -> Any:
-    """The unit a run is paired by across rows: its seed, or "key=value,..." of `pair_by`
-    (cross-validation pairs runs by fold and seed)."""
+    """The unit a run is paired by across rows: its seed, or "key=value,..." of `pair_by`."""
     if self.pair_by == (SEED_KEY,):
       return point[SEED_KEY]
     return ",".join(f"{k}={format_value(point[k])}" for k in self.pair_by)
@@ -117,7 +107,6 @@ class TableSpec:
     return self.row_names.get(text, text)
 
   def metrics(self) -> list[str]:
-    """Every path the record keeps: the columns', then the claims' not among them."""
     paths = [c.path for c in self.columns]
     return paths + [m for m in dict.fromkeys(c.metric for c in self.claims) if m not in paths]
 
@@ -135,12 +124,10 @@ def record_path(name: str) -> str:
 
 
 def table_names() -> list[str]:
-  """Every table spec under results/."""
   return sorted(f[:-3] for f in os.listdir(RESULTS_DIR) if f.endswith(".py") and f[0] != "_")
 
 
 def load_table(name: str) -> TableSpec:
-  """`results/NAME.py` as a TableSpec; a UserError names the file and key that is wrong."""
   path = spec_path(name)
   if name in SUMMARIES:
     raise UserError(
@@ -232,17 +219,13 @@ def load_table(name: str) -> TableSpec:
 
 
 def _check_tolerance(name: str, value: Any) -> float:
-  # NaN would fail every comparison (identical values "do not reproduce") and inf would pass
-  # every one: neither is a tolerance.
   if isinstance(value, bool) or not is_number(value) or value < 0:
     raise spec_error(name, "tolerance", f"{value!r} is not a finite number >= 0")
   return float(value)
 
 
 def accuracy_path(metric: str) -> str | None:
-  """The accuracy a claim on `metric` must be read against when `metric` is a fairness metric
-  (its last part one of FAIRNESS_KEYS): the same split's, `validation.accuracy` for a
-  validation metric, else `accuracy`; None for any other metric."""
+  """The same split's accuracy path for a fairness metric, None for any other."""
   parts = metric.split(".")
   if parts[-1] not in FAIRNESS_KEYS:
     return None
@@ -289,8 +272,6 @@ def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak,
 def _check_pair_key(
     name: str, key: str, value: Any, pair_by: tuple[str, ...], target_first: bool
 ) -> tuple[str, str] | None:
-  """TABLE["pool"], ("pkg.module:function", a pair_by key), or TABLE["cross_validation"], the
-  other way round; the key may not be the seed."""
   if value is None:
     return None
   ok = isinstance(value, (tuple, list)) and len(value) == 2
@@ -351,9 +332,7 @@ def _check_select_within(
 
 
 def metric_value(report: Any, path: str) -> float | None:
-  """The number at a dotted path; numbers nested in mappings or lists there (per layer, per
-  block, per batch) give their mean; a bool counts as 0 or 1 (a column of "met" flags is the
-  fraction of runs that met it); None where the path or a number is missing."""
+  """The number at a dotted path: nested numbers give their mean, a bool 0 or 1; else None."""
   value = lookup(report, path)
   if isinstance(value, bool):
     return float(value)
@@ -374,7 +353,6 @@ def _leaves(value: Any) -> list[Any]:
 
 
 def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
-  """The reported split's example count and, with `groups`, each group's ("attribute=group")."""
   examples = metric_value(report, spec.examples)
   groups = {}
   if spec.groups:
@@ -386,8 +364,7 @@ def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:
 
 
 def unit_text(unit: Any) -> str:
-  """A pairing unit as a reader names it: a seed, or `fold=0,seed=0` for a pair_by unit (the
-  keys shortened to their last part)."""
+  """A pairing unit as a reader names it: a seed, or `fold=0,seed=0` (keys' last parts)."""
   if not isinstance(unit, str):
     return str(unit)
   return ",".join(
@@ -397,5 +374,4 @@ def unit_text(unit: Any) -> str:
 
 
 def pair_units(spec: TableSpec) -> str:
-  """What a table's runs are paired by: "seeds", or e.g. "folds × seeds"."""
   return " × ".join(k.split(".")[-1] + "s" for k in spec.pair_by)

@@ -1,6 +1,4 @@
-"""A table's statistics from its record: per row and column the interval over seeds (or folds),
-per claim the paired difference and verdict, a fairness claim gated by the reference accuracy
-and read at matched accuracy, the Holm-adjusted verdicts of the table's family, and the flags."""
+"""A table's statistics from its record (docs/protocol.md, section 3)."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ from trainkit.errors import UserError
 
 
 def fold_ratio(spec: TableSpec, record: Mapping[str, Any]) -> float | None:
-  """The folds' mean test-to-train size ratio of a cross-validated table (None for a table of
-  independent seeds): the corrected interval's n_test / n_train."""
+  """A cross-validated table's mean n_test / n_train over its folds (None: independent seeds)."""
   if not spec.cross_validation:
     return None
   sizes = record.get("split_sizes")
@@ -30,8 +27,7 @@ def fold_ratio(spec: TableSpec, record: Mapping[str, Any]) -> float | None:
 
 
 def chosen_row(spec: TableSpec, summary: dict[str, Any]) -> str | None:
-  """The row a tuning table chooses: the highest mean of `select` among the rows whose mean of
-  the `select_within` path is within its margin of the best row's (all rows without a guard)."""
+  """The highest mean of `select` among the rows within `select_within`'s margin of the best."""
 
   def means(path):
     return {
@@ -59,9 +55,8 @@ def claim_values(record: Mapping[str, Any], row: str, path: str) -> dict[int, fl
 
 
 def accuracy_bar(record: Mapping[str, Any], path: str) -> tuple[float, str] | None:
-  """The accuracy (at `path`) a fairness claim's rows must lie above, and the reference that
-  sets it: the highest over the record's reference rows that read no signal, each at the upper
-  end of its 95% range where it has one (chance) and at its value otherwise. None without one."""
+  """(bar, reference): the highest accuracy at `path` of a reference that reads no signal, at the
+  upper end of its 95% range where it has one; None without one."""
   bars = []
   for reference in record.get("references", ()):
     if reference.get("role") == SIGNAL_ROLE:
@@ -76,8 +71,7 @@ def accuracy_bar(record: Mapping[str, Any], path: str) -> tuple[float, str] | No
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-  """Why a fairness claim was or was not decided: the accuracy path, the bar and its reference
-  (None: no reference has that accuracy), and whether both rows' intervals lie above it."""
+  """A fairness claim's accuracy, bar (None: no reference) and whether both rows lie above it."""
 
   accuracy: str
   bar: tuple[float, str] | None
@@ -85,9 +79,7 @@ class Gate:
 
 
 def _within(values: list[tuple[Any, Any, float]], sweeps: int = 50) -> list[float]:
-  """`values` [(row, unit, x)] with each row's and each pairing unit's mean removed (two-way
-  demeaning by alternating projections: exact after one sweep when every row has every unit,
-  converging otherwise)."""
+  """`values` [(row, unit, x)] with each row's and unit's mean removed (alternating projections)."""
   x = [v for _, _, v in values]
   for _ in range(sweeps):
     for key in (0, 1):
@@ -104,14 +96,10 @@ def _within(values: list[tuple[Any, Any, float]], sweeps: int = 50) -> list[floa
 def matched_accuracy(
     spec: TableSpec, record: Mapping[str, Any], claim: Claim, ratio: float | None
 ) -> tuple[stats.Interval, float] | None:
-  """A fairness claim's paired difference at matched accuracy, and the slope it uses: each
-  pair's difference minus beta times the pair's accuracy difference, beta the least-squares
-  slope of the metric on the accuracy (same split) over every run of the table with each row's
-  and each pairing unit's means removed. So beta is how the metric moves with the accuracy
-  when the same method lands higher or lower on the same seed's or fold's luck, not a
-  difference between methods, nor what a seed or fold does to every method. Under that linear
-  trade-off, it is the difference the two rows would show at the same accuracy. None where the
-  data do not allow it: fewer than two pairs, or no such spread of accuracy."""
+  """(interval, beta): each pair's difference minus beta times its accuracy difference, beta the
+  least-squares slope of the metric on the accuracy over every run with each row's and unit's
+  means removed (how the metric moves with a method's luck on a seed). None for fewer than two
+  pairs or no spread of accuracy."""
   accuracy = accuracy_path(claim.metric)
   runs = [
       (r["row"], r["seed"], r["metrics"].get(claim.metric), r["metrics"].get(accuracy))
@@ -138,9 +126,8 @@ def matched_accuracy(
 
 
 def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
-  """Per row and column the interval over seeds (or folds), per claim its decision (the
-  fairness claims gated by the reference accuracy), its Holm-adjusted verdict, a fairness
-  claim's difference at matched accuracy, and the flags."""
+  """Per row the cells' intervals; per claim its verdict, gate, Holm verdict and matched
+  difference; the flags."""
   ratio = fold_ratio(spec, record)
   rows = {}
   for value in spec.row_values:
@@ -261,5 +248,4 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def leaks_of(spec: TableSpec, claim: Claim) -> list[int]:
-  """The indices of the spec's selection leaks that touch a claim's rows."""
   return [i for i, leak in enumerate(spec.selection_leaks) if leak.affects(claim)]

@@ -7,15 +7,12 @@ r"""Results tables generated from specs: record a sweep's runs, write and check 
   python -m paper_runner.tables --reproduce=NAME [--workdir=DIR] [--tolerance=X] [--stamp]
   python -m paper_runner.tables --rerun=NAME --workdir=DIR              # add a rerun to the record
   python -m paper_runner.tables --references=NAME                       # score the reference rows
-  python -m paper_runner.tables --list
 
 A spec is a sweep file `results/NAME.py` (paper_runner/sweep.py) with a module-level `TABLE`; its
 keys are checked in paper_runner/table_spec.py and described in docs/running.md. The record
 (`results/records/NAME.json`) holds every run's values, sample sizes, reference rows, reruns and
 provenance, so a table renders from the record alone; docs/protocol.md section 3 gives the
-statistics (intervals, paired claims, accuracy gates, Holm). The modules, each importing only the
-ones before it: table_spec, table_references, table_record, table_summary, table_reruns,
-table_render, table_docs (summaries across tables, `--write`, `--check`), table_reproduce.
+statistics (intervals, paired claims, accuracy gates, Holm).
 """
 
 from __future__ import annotations
@@ -32,29 +29,26 @@ from paper_runner.table_docs import check_doc, write_doc
 from paper_runner.table_record import (
     add_references,
     add_rerun,
-    make_record,
     read_record,
     write_record,
 )
 from paper_runner.table_render import render
 from paper_runner.table_reproduce import reproduce
-from paper_runner.table_spec import load_table, record_path, table_names
+from paper_runner.table_spec import load_table
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.platforms import skip_absent_accelerators
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:
-  """The command line's flags, defined only when run as a script (other front ends that import
-  this module define flags of the same names, e.g. --workdir)."""
+  """Defined only when run as a script: front ends that import this module define --workdir."""
   strings = dict(
       record="Table name: record its sweep in --workdir.",
       write="Markdown file whose marked tables to render.",
       check="Markdown file whose marked tables to check.",
       reproduce="Table name: rerun the first seed of its first row.",
-      preview="Table name: render the table of its sweep in --workdir without recording it.",
       references="Table name: score its spec's reference readers into its record.",
       rerun="Table name: add the finished runs of its sweep in --workdir to its record's reruns.",
-      workdir="--record, --preview, --rerun: the sweep's workdir; --reproduce: where to rerun "
+      workdir="--record, --rerun: the sweep's workdir; --reproduce: where to rerun "
       "(default: a temporary directory).",
   )
   return dict(
@@ -68,7 +62,6 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
           "--reproduce: accepted |difference| (default: 0 on the recording machine, else the "
           "spec's).",
       ),
-      list=flags.DEFINE_bool("list", False, "List the table specs and their records."),
   )
 
 
@@ -77,12 +70,11 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
   """The command line's work on the parsed flag values `f`; returns the exit status."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-  modes = ("record", "preview", "rerun", "references", "write", "check", "reproduce", "list")
+  modes = ("record", "rerun", "references", "write", "check", "reproduce")
   if len([m for m in modes if f.get(m)]) != 1:
     raise UserError("give exactly one of " + ", ".join(f"--{m}" for m in modes))
   given = next(m for m in modes if f.get(m))
-  # Flags of --reproduce alone: given with another mode they would be ignored without a word
-  # (`--check ... --stamp` stamps nothing).
+  # Given with another mode they would be ignored without a word.
   for name in ("stamp", "tolerance"):
     if f.get(name) not in (None, False) and given != "reproduce":
       raise UserError(f"--{name} only applies to --reproduce, not --{given}")
@@ -93,18 +85,9 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
         f"--tolerance={tolerance}: not a finite number >= 0 (the largest |difference| "
         "--reproduce accepts)"
     )
-  if f["list"]:
-    for name in table_names():
-      has = "recorded" if os.path.exists(record_path(name)) else "no record"
-      print(f"{name:<24} results/{name}.py  ({has})")
-    return 0
-  for mode in ("record", "preview", "rerun"):
+  for mode in ("record", "rerun"):
     if f.get(mode) and not f["workdir"]:
       raise UserError(f"--{mode} needs --workdir, the directory the sweep ran in")
-  if f.get("preview"):
-    spec = load_table(f["preview"])
-    print(render(spec, make_record(spec, f["workdir"])))
-    return 0
   if f["record"] or f.get("rerun") or f.get("references"):
     spec = load_table(f["record"] or f.get("rerun") or f.get("references"))
     if f["record"]:

@@ -187,15 +187,6 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   assert "commit " in text and "JAX " in text and "seeds 0, 1, 2, 3, 4" in text
 
 
-def test_preview_renders_a_sweep_s_table_without_recording_it(toy_tables, capsys):
-  flags = dict(record=None, write=None, check=None, reproduce=None, list=False, tolerance=None,
-               preview="toy", workdir=str(toy_tables))
-  assert tables.run(["tables"], flags) == 0
-  out = capsys.readouterr().out
-  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |" in out
-  assert not os.path.exists(table_spec.record_path("toy"))  # Nothing recorded.
-
-
 def test_a_guarded_choice_skips_settings_that_lose_accuracy(toy_tables):
   # The toy's "a" is 2 points more accurate on every seed; with the guard at 1 point only "a"
   # may be chosen on MF-PQD, and with a 5-point guard the higher mean MF-PQD wins.
@@ -569,8 +560,8 @@ def test_a_partial_rerun_names_its_rows_and_the_cli_needs_a_workdir(toy_tables, 
   ]
   assert "5 of 10 runs: the rows a; seeds 0, 1, 2, 3, 4" in line
   assert "no claim has both its rows in the rerun" in line
-  flags = dict(record=None, write=None, check=None, reproduce=None, list=False, tolerance=None,
-               preview=None, rerun="toy", workdir=None)
+  flags = dict(record=None, write=None, check=None, reproduce=None, tolerance=None, rerun="toy",
+               workdir=None)
   with pytest.raises(SystemExit):
     tables.run(["tables"], flags)
   with pytest.raises(UserError, match="no finished run"):
@@ -1169,7 +1160,7 @@ def test_every_number_in_the_results_prose_sits_in_a_table_or_comes_with_its_com
   (problem,) = unsourced_numbers(drifted)
   assert "'52.1%'" in problem
   sourced = drifted.replace(
-      "above 52.1%.", "above 52.1% (`python -m paper_runner.tables --preview=NAME --workdir=DIR`)."
+      "above 52.1%.", "above 52.1% (`python -m paper_runner.tables --record=NAME --workdir=DIR`)."
   )
   assert unsourced_numbers(sourced) == []
 
@@ -1218,9 +1209,8 @@ def _fake_rerun(monkeypatch, toy_tables, mode):
 
 
 def _cli_flags(**given):
-  return {**dict(record=None, write=None, check=None, reproduce=None, preview=None,
-                references=None, rerun=None, workdir=None, tolerance=None, stamp=False,
-                list=False), **given}
+  return {**dict(record=None, write=None, check=None, reproduce=None, references=None,
+                rerun=None, workdir=None, tolerance=None, stamp=False), **given}
 
 
 def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_stamped(
@@ -1478,8 +1468,8 @@ def test_a_killed_reproduction_stops_its_training_run(toy_tables, tmp_path, repo
       f"script = {_FAKE_RERUN!r}\n"
       "table_reproduce.run_command = lambda sweep, point, run_dir: "
       "[sys.executable, '-c', script, run_dir, 'sleep']\n"
-      f"flags = dict(record=None, write=None, check=None, preview=None, references=None, "
-      f"rerun=None, tolerance=None, stamp=False, list=False, reproduce='toy', workdir={str(workdir)!r})\n"
+      f"flags = dict(record=None, write=None, check=None, references=None, rerun=None, "
+      f"tolerance=None, stamp=False, reproduce='toy', workdir={str(workdir)!r})\n"
       "sys.exit(tables.run(['tables'], flags))\n"
   )
   process = subprocess.Popen(

@@ -1,18 +1,9 @@
-"""Reference readers: what a Causal Transformer results table's numbers are read against.
+"""Reference readers for the Causal Transformer results tables, scored as the task scores a model.
 
-Each reader predicts from the data alone, without a model, and is scored as the task's report
-scores a model (report.json's `accuracy` on the eval split, `challenge.accuracy` and
-`challenge.by_heuristic` on the challenge split, `bleu` for translation), so a results table
-(`paper_runner.tables`, a spec's `TABLE["references"]`) prints its rows beside the models':
-
-  majority class  the training split's most frequent label, for every pair (on a HANS
-                  challenge split, that label collapsed to entailment / non-entailment);
-  cue reader      (generated testbeds) the label the planted cue points to: full lexical overlap
-                  means entailment on spurious_pairs, the filler majority's label on ood_pairs
-                  (a tie counts as wrong); what a model that learnt only the shortcut scores;
-  chance          a uniform guess: accuracy 1 / classes in expectation;
-  source copied   (translation) the source sentence as its own translation, BLEU as the task
-                  scores it: what a model earns from names, numbers and shared words alone.
+  majority class  the training split's most frequent label (on HANS, collapsed to two labels);
+  cue reader      (generated testbeds) the label the planted cue points to (a tie is wrong);
+  chance          a uniform guess;
+  source copied   (translation) the source sentence as its own translation, scored by BLEU.
 """
 
 from __future__ import annotations

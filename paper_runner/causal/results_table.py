@@ -1,16 +1,5 @@
-"""Markdown table of causal_attn_jax runs: mean [95% interval] over seeds of what report.json holds.
-
-Columns: in-distribution accuracy, challenge accuracy and its two halves (HANS schema), mean
-effective keys and top-1 mass over the self-attention layers, fraction of nodes in the
-Markov-blanket band, number of seeds. Each cell is the mean and its 95% Student-t interval over
-the seeds (`paper_runner.stats`; a single value for one seed). The tables of docs/results.md are
-made by `paper_runner.tables` from specs under results/, with paired verdicts; this one is for a
-quick look at any set of runs.
-
-Two ways in: `scripts/tabulate_causal.py` on workdirs named `<row>_s<seed>`, and as a table
-collector of the experiment runner, `tables=("paper_runner.causal.results_table:write_table",)`,
-whose rows are the runs' grid values but the seed (`<workdir>/causal_table.md`).
-"""
+"""A quick markdown table of causal_attn_jax runs, mean [95% interval] over seeds, no verdicts
+(`scripts/tabulate_causal.py`, or the sweep collector `paper_runner.causal.results_table:write_table`)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""The paper's comparison table, as a table collector of the experiment runner.
-
-Named in a sweep spec as `tables=("paper_runner.fairmoe.paper_table:write_comparison",)` (as
-`paper_runner.fairmoe.compare` does), it writes `comparison.md` and `comparison.json`: one row per method
-(each distinct grid value of `method`, its `@` settings included, in grid order; with other
-varied grid keys, per combination of them) with the mean and its 95% Student-t interval over
-the seeds that succeeded (`paper_runner.stats`):
-Acc. (%), MF-PQD and MF-DP (× 1e-3, as the paper's Tables 1-2 print it), the effective number of
-experts the MoE block uses (exp of the entropy of its test-set choices, paper Fig. 5) and the
-mean gradient cosine between attribute tasks (Fig. 6), then each attribute's PQD and DP, then
-each method's paired differences (same seed) from vanilla SMoE on accuracy, MF-PQD and MF-DP
-with their intervals and verdicts (holds / does not hold / undecided), then the runs without a
-result and why.
-"""
+"""The paper's comparison table, a sweep collector (`paper_runner.fairmoe.compare`): per method
+the mean [95% Student-t interval] over seeds of Acc., MF-PQD, MF-DP, experts active and the
+gradient cosine, each attribute's PQD and DP, the paired differences from vanilla SMoE with their
+verdicts, and the runs without a result (`comparison.md`, `comparison.json`)."""
 
 from __future__ import annotations
 
@@ -25,17 +15,15 @@ from paper_runner import stats as stats_lib
 from paper_runner.collect import RunResult, markdown_table, row_label
 from trainkit.storage import write_atomically
 
-# Display scale of the markdown table: accuracy in %, MF-DP in units of 1e-3 (the paper's).
-TABLE_SCALE = {"accuracy": 100.0, "mf_pqd": 1.0, "mf_dp": 1e3}
-TABLE_SCALE.update(experts_active=1.0, gradient_cosine=1.0)
+# (key, label, scale, decimals): accuracy in %, MF-DP in units of 1e-3 (the paper's).
 _COLUMNS = (
-    ("accuracy", "Acc. (%)", 2),
-    ("mf_pqd", "MF-PQD", 4),
-    ("mf_dp", "MF-DP (×10⁻³)", 2),
-    ("experts_active", "Experts active", 2),
-    ("gradient_cosine", "Grad. cos", 3),
+    ("accuracy", "Acc. (%)", 100.0, 2),
+    ("mf_pqd", "MF-PQD", 1.0, 4),
+    ("mf_dp", "MF-DP (×10⁻³)", 1e3, 2),
+    ("experts_active", "Experts active", 1.0, 2),
+    ("gradient_cosine", "Grad. cos", 1.0, 3),
 )
-_SUMMARY_KEYS = tuple(key for key, _, _ in _COLUMNS)
+TABLE_SCALE = {key: scale for key, _, scale, _ in _COLUMNS}
 _ATTRIBUTE_METRICS = ("pqd", "dp")
 # The paper's claims against vanilla SMoE (Sec. 6.2): more accurate, higher PQD, lower DP.
 BASELINE = "vanilla_smoe"
@@ -43,7 +31,6 @@ _CLAIMS = (("accuracy", "higher"), ("mf_pqd", "higher"), ("mf_dp", "lower"))
 
 
 def _entry(run: RunResult) -> dict[str, Any]:
-  """One run's entry of the summary: its metrics when it succeeded, else why not."""
   entry: dict[str, Any] = {"run_dir": run.run_dir, "seed": run.point.get("seed")}
   if run.status != "ok":
     return {**entry, "status": run.status, "error": run.error or run.status}
@@ -72,7 +59,6 @@ def _entry(run: RunResult) -> dict[str, Any]:
       entry["gradient_cosine"] = float(np.mean(cosines))
     return entry
   except (ValueError, KeyError, TypeError, AttributeError) as e:
-    # A report without the fairness fields (another package's main) cannot be tabulated here.
     error = f"report.json lacks what the table needs: {type(e).__name__}: {e}"
     return {**entry, "status": "failed", "error": error}
 
@@ -83,14 +69,8 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
   if not values:
     return {"mean": None, "std": None, "low": None, "high": None, "values": []}
   std = float(np.std(values, ddof=1)) if len(values) > 1 else None
-  interval = stats_lib.t_interval(values)
-  return {
-      "mean": float(np.mean(values)),
-      "std": std,
-      "low": interval.low,
-      "high": interval.high,
-      "values": values,
-  }
+  t = stats_lib.t_interval(values)
+  return dict(mean=float(np.mean(values)), std=std, low=t.low, high=t.high, values=values)
 
 
 def paired_claims(methods: dict[str, Any], baseline: str = BASELINE) -> list[dict[str, Any]]:
@@ -109,18 +89,9 @@ def paired_claims(methods: dict[str, Any], baseline: str = BASELINE) -> list[dic
       result = stats_lib.decide(by_seed(entry, key), by_seed(methods[baseline], key), better)
       d = result.difference
       claims.append(
-          {
-              "method": method,
-              "baseline": baseline,
-              "metric": key,
-              "better": better,
-              "seeds": result.seeds,
-              "mean": d.mean if d else None,
-              "low": d.low if d else None,
-              "high": d.high if d else None,
-              "verdict": result.verdict,
-              "enough_seeds": result.enough_seeds,
-          }
+          dict(method=method, baseline=baseline, metric=key, better=better, seeds=result.seeds)
+          | {k: getattr(d, k) if d else None for k in ("mean", "low", "high")}
+          | dict(verdict=result.verdict, enough_seeds=result.enough_seeds)
       )
   return claims
 
@@ -145,7 +116,7 @@ def summarise(runs: Sequence[RunResult]) -> dict[str, Any]:
     methods[method] = {
         "num_seeds": len(ok),
         "seeds": [e["seed"] for e in ok],
-        **{key: _stats([e[key] for e in ok if key in e]) for key in _SUMMARY_KEYS},
+        **{key: _stats([e[key] for e in ok if key in e]) for key in TABLE_SCALE},
         "dropped_train": _stats([e["dropped_train"] for e in ok if "dropped_train" in e]),
         **{
             metric: {
@@ -186,10 +157,10 @@ def format_markdown(summary: dict[str, Any]) -> str:
       "",
   ]
   rows = [
-      [m, *(_cell(s[key], TABLE_SCALE[key], d) for key, _, d in _COLUMNS), str(s["num_seeds"])]
+      [m, *(_cell(s[key], scale, d) for key, _, scale, d in _COLUMNS), str(s["num_seeds"])]
       for m, s in methods.items()
   ]
-  lines += markdown_table(["Method", *(label for _, label, _ in _COLUMNS), "Seeds"], rows)
+  lines += markdown_table(["Method", *(label for _, label, _, _ in _COLUMNS), "Seeds"], rows)
   if summary["attributes"]:
     lines += ["", "## PQD and DP per attribute", ""]
     rows = [
@@ -222,20 +193,14 @@ def format_markdown(summary: dict[str, Any]) -> str:
     ]
   if summary["claims"]:
     lines += ["", f"## Paired differences from {BASELINE} (same seeds)", ""]
-    labels = {key: label for key, label, _ in _COLUMNS}
-    decimals = {key: d for key, _, d in _COLUMNS}
+    columns = {key: (label, scale, d) for key, label, scale, d in _COLUMNS}
     rows = []
     for c in summary["claims"]:
-      verdict = c["verdict"] if c["enough_seeds"] else f"{c['verdict']} (too few seeds)"
-      rows.append(
-          [
-              c["method"],
-              f"{c['better']} {labels[c['metric']]}",
-              _cell(c, TABLE_SCALE[c["metric"]], decimals[c["metric"]], sign=True),
-              str(len(c["seeds"])),
-              verdict,
-          ]
-      )
+      label, scale, decimals = columns[c["metric"]]
+      few = "" if c["enough_seeds"] else " (too few seeds)"
+      cell = _cell(c, scale, decimals, sign=True)
+      pairs = str(len(c["seeds"]))
+      rows.append([c["method"], f"{c['better']} {label}", cell, pairs, c["verdict"] + few])
     lines += markdown_table(
         ["Method", "claim", "difference [95% interval]", "pairs", "verdict"], rows
     )

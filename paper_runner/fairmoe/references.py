@@ -1,32 +1,13 @@
-"""Reference readers: what a FairSMoE results table's numbers are read against.
+"""Reference readers for the FairSMoE results tables: each predicts from the data alone and is
+scored by `metrics.report_of_predictions` on the test split and the validation split.
 
-A test accuracy of 63% says nothing until one knows that always answering the training split's
-most frequent class scores 72% on that test split, or that reading only the synthetic images'
-corner marker scores 63%. Each reader here predicts from the data alone, without a model, and is
-scored by the evaluation's own count code (`metrics.report_of_predictions`) on the test split
-(report.json's top level) and the validation split (its `validation` entry), so a results table
-(`paper_runner.tables`, a spec's `TABLE["references"]`) prints its rows beside the models':
-
-  majority class  the training split's most frequent label (on a tie, the lowest class index),
-                  for every example (its PQD is 1
-                  when every group has the same accuracy, which a constant answer need not
-                  give: the groups' label mixes differ);
-  marker reader   (synthetic data, both kinds) the class the corner marker shows
-                  (`synthetic.read_marker`);
-  tint reader     (the testbed) the class its signal shows, read with the generator's own
-                  parameters (`synthetic_testbed.read_lesion_tint`): what learning the task
-                  can reach, the bar a model is read against (its report says
-                  `"role": "signal"`: it reads the task, so a model need not beat it to have
-                  learnt; the others are floors, what a model that learnt nothing scores);
-  chance          a uniform guess over the classes, independent of the image: `CHANCE_DRAWS`
-                  seeded draws of it on the split's own labels and groups, each scored by the
-                  same report code. Its report is the draws' mean of every number (accuracy 1 /
-                  classes in expectation), and `"draws"` keeps each draw's report so that a
-                  table can give a 95% range, and average draws over folds before taking it.
-
-A uniform guess is the fairest answer PQD knows: every group's accuracy is 1 / classes in
-expectation, so its PQD is near 1 on large groups (lower on small ones, by sampling alone). A
-fairness number means something only beside it.
+  majority class  the training split's most frequent label (ties: the lowest class index);
+  marker reader   (synthetic data) the class the corner marker shows;
+  tint reader     (the testbed) the class its signal shows, with the generator's parameters:
+                  `"role": "signal"`, what learning can reach (the others are floors);
+  chance          a uniform guess: `CHANCE_DRAWS` seeded draws, their mean report, and each
+                  draw's under `"draws"` for a table's 95% range. Its PQD is near 1: a fairness
+                  number means something only beside it.
 """
 
 from __future__ import annotations
