@@ -19,14 +19,8 @@ def write_commands(
     launcher: Sequence[str] = (),
     sweep_path: str = "",
 ) -> str:
-  """Writes `<workdir>/commands.sh`, one shell line per run; returns its path.
-
-  Each line is `python -m module ...`, or the launcher's words followed by the main's flags
-  (`spec.run_command`); the runs then go to the same directories as `--mode=run` would use, so
-  `--mode=collect` on the shared workdir tabulates them. A gs:// workdir gets commands.sh as an
-  object beside the runs (their workdirs are under it): `gcloud storage cat` it, or give it to
-  `launch/tpu_pod.sh --commands`, which runs the whole grid on one slice.
-  """
+  """Writes `<workdir>/commands.sh` (an object on gs://), one line per run, `python -m module ...`
+  or the launcher's words then the main's flags, into the directories `--mode=run` uses."""
   points = grid_points(sweep)
   check_run_names(points)
   storage.makedirs(workdir)

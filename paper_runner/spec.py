@@ -355,13 +355,8 @@ def run_record(sweep: ml_collections.ConfigDict, point: Mapping[str, Any]) -> di
 def resolved_config(
     sweep: ml_collections.ConfigDict, point: Mapping[str, Any], cwd: str = REPO_ROOT
 ) -> ml_collections.ConfigDict:
-  """The config the run of `point` trains with, built as its main builds it, without training.
-
-  The mains (`trainkit.cli.train_eval_command`) load `--config=FILE[:ARGS]` with ml_collections
-  and apply every `--config.KEY=VALUE` flag on top; this parses the run's own flags
-  (`run_command`) the same way, in a flag set of its own. `cwd` is the directory the runs start
-  in (a relative config path is read from there). The result is what the run's `config.json`
-  holds once trained, so a rerun can tell a run trained from an edited config file.
+  """The config the run of `point` trains with (its `config.json` once trained), parsed from the
+  run's own flags as its main parses them; `cwd` is where the runs start.
 
   Raises:
     SweepError: the config file cannot be loaded or a setting names a key it lacks.

@@ -1,14 +1,6 @@
-"""What a sweep's dry run says besides its commands: how many runs, and how long they would take.
-
-The time is estimated only from what this machine has measured: the runs of the sweep that
-finished in its workdir. Each one's wall time, from its `sweep_run.json` (written when the
-runner last started it) to its `report.json` (written when it ended), divided by its steps,
-gives seconds per step with compilation, evaluation and checkpoints included; the runs still to
-run are priced at the median of those, by their own `num_train_steps`. A run whose length is not
-known before it starts (`num_epochs`, set by the size of its data) is priced at the median wall
-time of a finished run. Without a finished run there is no estimate, and the line says so:
-a step's time depends on the machine, the model and the batch, and a figure from elsewhere would
-be a guess.
+"""A sweep's dry-run summary: how many runs, and how long they would take, priced only from the
+runs of the sweep that finished in its workdir (`sweep_run.json` to `report.json`, per step, or
+per run where `num_epochs` sets the length); without one, no estimate.
 """
 
 from __future__ import annotations
