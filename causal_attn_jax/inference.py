@@ -1,6 +1,6 @@
-"""A trained run: restoring it from its workdir and predicting, from the command line
-(`--mode=predict`) and from Python (`load_run`, then `run.predict_pairs(pairs)` for sentence-pair
-classification or `run.translate(sentences)` for translation), which share this code.
+"""A trained run: restoring it from its workdir and predicting, for the command line
+(`--mode=predict`) and Python (`load_run`, then `run.predict_pairs(pairs)` or
+`run.translate(sentences)`).
 
     import causal_attn_jax
 
@@ -8,10 +8,8 @@ classification or `run.translate(sentences)` for translation), which share this 
     result = run.predict_pairs([("A man is sleeping.", "Nobody sleeps.")])
     result.labels, result.probabilities
 
-The workdir alone is read: its config.json, tokenizer (spm.model), run_info.json (label names)
-and latest checkpoint. Predictions are made exactly as `--mode=predict` makes them: same
-tokenisation, batches (`eval_batch_size`) and jitted model (beam search, `nmt.*`, for
-translation).
+Only the workdir is read (config.json, spm.model, run_info.json, latest checkpoint); predictions
+use `--mode=predict`'s tokenisation, batches and jitted model (beam search for translation).
 """
 
 
@@ -122,13 +120,11 @@ PREDICT_FILE = os.path.join("predict", "predictions.tsv")
 
 
 def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """Runs the latest checkpoint on `predict.input` and writes `<workdir>/predict/predictions.tsv`.
+  """Runs the latest checkpoint on `predict.input` into `<workdir>/predict/predictions.tsv`.
 
-  Pair classification reads a TSV of `premise<TAB>hypothesis` lines and writes the predicted
-  label and each label's probability; translation reads one source sentence per line and
-  writes its beam-search translation (config.nmt). Blank lines and, for pairs, lines starting
-  with # are skipped. Reads the workdir alone (config, tokenizer, run_info.json, checkpoint),
-  not the data files.
+  Pairs: a TSV of `premise<TAB>hypothesis` lines -> label and each label's probability;
+  translation: one source sentence per line -> its beam-search translation. Blank lines (and,
+  for pairs, # lines) are skipped. Reads the workdir alone.
   """
   if not config.predict.input:
     raise ConfigError("predict.input", "--mode=predict needs --config.predict.input=FILE")
@@ -160,9 +156,8 @@ class PairPredictions(NamedTuple):
   """What `TrainedRun.predict_pairs` returns for N sentence pairs, in their order.
 
   Attributes:
-    probabilities: float32 [N, C]: each label's probability (`RunMetadata.label_names` names
-      the columns).
-    classes: int [N]: the index of the most probable label.
+    probabilities: float32 [N, C], columns named by `RunMetadata.label_names`.
+    classes: int [N], the most probable label.
     labels: The name of each pair's most probable label.
   """
 
@@ -193,10 +188,8 @@ class TrainedRun:
 
   @functools.cached_property
   def model(self) -> nnx.Module:
-    """The Flax NNX model with the checkpoint's parameters (`PairClassifier` or `Seq2Seq`).
-
-    `predict_pairs` and `translate` always use the checkpoint's parameters, whatever is later
-    done to this module.
+    """The Flax NNX model (`PairClassifier` or `Seq2Seq`); predictions always use the
+    checkpoint's parameters.
     """
     return self._restored.model
 
@@ -209,14 +202,9 @@ class TrainedRun:
     return decoding.make_translate_fn(self._restored.graphdef, self.config)
 
   def predict_pairs(self, pairs: Sequence[tuple[str, str]]) -> PairPredictions:
-    """Classifies sentence pairs as `--mode=predict` does (a pair classification run only).
+    """Classifies (premise, hypothesis) string pairs as `--mode=predict` does.
 
-    Args:
-      pairs: (premise, hypothesis) pairs of strings (question pairs for paraphrase runs).
-
-    Returns:
-      The label probabilities, the predicted classes and their labels, one row per pair in the
-      order given.
+    Returns label probabilities, classes and labels, one row per pair.
 
     Raises:
       TypeError: The run is a translation run, or a pair is not two strings.
@@ -247,14 +235,7 @@ class TrainedRun:
     )
 
   def translate(self, sentences: Sequence[str]) -> list[str]:
-    """Translates sentences as `--mode=predict` does (a translation run only): beam search
-    with the config's `nmt.beam_size`, `nmt.alpha` and `nmt.max_decode_len`.
-
-    Args:
-      sentences: Source sentences, one string each.
-
-    Returns:
-      The translation of each sentence, in the order given.
+    """Translates sentences as `--mode=predict` does (beam search, `nmt.*`), in order.
 
     Raises:
       TypeError: The run is a pair classification run, or a sentence is not a string.
@@ -290,22 +271,17 @@ class TrainedRun:
 
 
 def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> TrainedRun:
-  """Loads a trained run from its workdir alone: config.json, the tokenizer, run_info.json and
-  the latest checkpoint (no data file is read).
+  """Loads a trained run from its workdir alone (config.json, tokenizer, run_info.json,
+  latest checkpoint).
 
   Args:
     workdir: The working directory a training run (`python -m causal_attn_jax.main`) wrote.
-    overrides: Config keys to change, by dotted name, e.g. `{"eval_batch_size": 16,
-      "nmt.beam_size": 1}`; the same as `--config.KEY=VALUE` on the command line.
-
-  Returns:
-    The run: `model`, `config`, `metadata`, `tokenizer`, `step`, and `predict_pairs` or
-    `translate`.
+    overrides: Config keys to change by dotted name, as `--config.KEY=VALUE`, e.g.
+      `{"nmt.beam_size": 1}`.
 
   Raises:
-    trainkit.errors.UserError: The workdir has no config.json, tokenizer or readable
-      checkpoint, or another run holds it; a ConfigError names an override with a wrong key or
-      value.
+    trainkit.errors.UserError: No config.json, tokenizer or readable checkpoint, or another
+      run holds the workdir; a ConfigError names a wrong override.
   """
   workdir, config, restored = restore_saved_run(
       workdir, config_lib.base_config(), config_lib.validate, restore_run, overrides

@@ -1,9 +1,6 @@
-"""What a causal_attn_jax run is made of, for `--mode=compile` (`trainkit.preflight`).
-
-The model, loss and multiplier update are those of `train.py`, the eval step `evaluation.py`'s;
-the data is described from the config alone (vocabulary size, number of classes, sequence
-lengths), never read, and no tokenizer is trained, so a run can be compiled for a TPU slice or
-GPU node on a machine without the data.
+"""What a causal_attn_jax run is made of, for `--mode=compile` (`trainkit.preflight`): `train.py`'s
+model, loss and multiplier update, `evaluation.py`'s eval step, and the data described from the
+config alone (no tokenizer trained), so a run compiles on a machine without the data.
 """
 
 from __future__ import annotations
@@ -61,11 +58,8 @@ class VocabularySize:
 
 
 def num_classes(config: ml_collections.ConfigDict) -> int:
-  """Labels of a pair-classification run, as `data.loading.load_pairs` would find them.
-
-  The generated testbeds are 2-way (`nli.HANS_LABELS`); a tfds dataset's task is its name's
-  (`nli.TFDS_PAIR_DATASETS`); files are read with `data.pair_task`: "nli" 3-way, "paraphrase"
-  2-way. (A HANS-format training file, known only from its header, would be 2-way.)
+  """Labels of a pair-classification run, as `data.loading.load_pairs` would find them: the
+  testbeds are 2-way, a tfds dataset's task is its name's, files follow `data.pair_task`.
   """
   d = config.data
   if d.generator:
@@ -78,9 +72,7 @@ def num_classes(config: ml_collections.ConfigDict) -> int:
 
 def task_data(config: ml_collections.ConfigDict) -> TaskData:
   """A TaskData with no examples: what `build_model` reads of the data, from the config."""
-  # The tokenizer is trained on the training text, so its size is the config's: SentencePiece
-  # makes data.vocab_size pieces or refuses the corpus; were the real one ever a few pieces
-  # short, this is the upper bound (the embeddings and logits as large as they can be).
+  # SentencePiece makes data.vocab_size pieces or refuses the corpus: at worst an upper bound.
   tokenizer = VocabularySize(config.data.vocab_size)  # Stands in for the Tokenizer.
   classes = num_classes(config) if config.task == "classification" else 0
   return TaskData(tokenizer=tokenizer, train={}, eval={}, num_classes=classes)

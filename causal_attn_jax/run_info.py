@@ -1,15 +1,8 @@
 """What a trained causal_attn_jax run needs at inference besides its config and checkpoint.
 
-Training writes it to `<workdir>/run_info.json` (`trainkit.recipe.train`), beside the
-SentencePiece model it trained there (`spm.model`, `spm.vocab`, `spm.json`), so that predict and
-`causal_attn_jax.load_run` work from the workdir alone, without the data files:
-
-```json
-{"package": "causal_attn_jax", "task": "classification",
- "label_names": ["entailment", "neutral", "contradiction"], "tokenizer": "spm.model"}
-```
-
-`label_names` name the classifier's outputs, in order (empty for translation).
+Training writes `<workdir>/run_info.json` (`trainkit.recipe.train`) beside the SentencePiece
+model it trained (`spm.*`), so that predict and `causal_attn_jax.load_run` need no data file:
+the task, the classifier's `label_names` in order (empty for translation) and the tokenizer.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Training of the Causal Transformer and its attention baselines.
 
-`train_and_evaluate` is the whole recipe, top to bottom, on the shared kit (`trainkit.recipe`
-holds the skeleton both packages share): data and tokenizer, model, state (with the Lagrange
-multipliers in `TrainState.extra`), resume, the loop, then the report (`report.json`) and the
-attention heatmaps (paper Fig. 8). What differs between pair classification and translation is
-the task object's (`tasks.py`); the data loading and training iterator are in `data/`, the eval
-step in `evaluation.py`, the report in `report.py`, restoring, predicting and beam search in
-`inference.py` and `decoding.py` (docs/design.md, "Module layout"), so this module reads as the
-recipe and the constrained objective only.
+`train_and_evaluate` is the whole recipe on `trainkit.recipe`: data and tokenizer, model, state
+(the Lagrange multipliers in `TrainState.extra`), resume, loop, report and attention heatmaps
+(Fig. 8); task differences live in `tasks.py` (docs/design.md, "Module layout").
 
 Loss (Eq. 6): task cross-entropy (label-smoothed for NMT) plus, for attention="causal", the
 Lagrangian `sum_l gamma_l . v_l + penalty/2 |v|^2` of the Markov-blanket violations v of every
-encoder and decoder self-attention layer. The multipliers gamma [L_total, H, terms] are updated by
-projected dual ascent inside the jitted step (`update_extra`). Baselines log the same
-constraint statistics but do not add the term.
+encoder and decoder self-attention layer. The multipliers gamma [L_total, H, terms] are updated
+by projected dual ascent inside the jitted step (`update_extra`). Baselines log the same
+statistics without the term.
 """
 
 from __future__ import annotations
@@ -81,11 +76,8 @@ def make_update_extra(config: ml_collections.ConfigDict) -> UpdateExtraFn:
   def update_extra(extra, metrics):
     multipliers, penalty = extra["multipliers"], extra["penalty"]
     if applied:
-      # The multipliers stay put before constraints.dual_start_step and the step then grows
-      # linearly over constraints.dual_ramp_steps, so that the task can learn before the
-      # constraint pulls at full strength: the full step from step 0 left small models at
-      # chance on some data and seeds (docs/design.md, "Constraint strength", has which
-      # schedule each config uses).
+      # Delayed and ramped so the task learns before the constraint pulls at full strength
+      # (docs/design.md, "Constraint strength").
       ramp = (metrics["_step"] - c.dual_start_step + 1) / max(c.dual_ramp_steps, 1)
       step_size = c.step_size * jnp.clip(ramp, 0.0, 1.0)
       multipliers = constraints_lib.dual_update(
@@ -127,10 +119,8 @@ def create_state(
     *,
     pretrained: bool = True,
 ) -> tuple[nnx.GraphDef, TrainState]:
-  """The initial train state; the multipliers live in `extra`, replicated.
-
-  `pretrained=False` skips the GloVe init of `model.glove_path`, for a state that a
-  checkpoint's restore overwrites anyway (predict: the GloVe file need not be there).
+  """The initial train state, multipliers replicated in `extra`; `pretrained=False` skips
+  the GloVe init (a checkpoint's restore overwrites it anyway).
   """
 
   def load_glove(model: nnx.Module) -> None:
@@ -190,14 +180,12 @@ def _setup(
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
-  """Trains (resuming from the latest checkpoint in `workdir`), then writes report.json.
-
-  Returns the report, or None when the run was stopped by SIGTERM.
+  """Trains (resuming from `workdir`'s latest checkpoint), then writes report.json; None when
+  stopped by SIGTERM.
   """
   task = tasks.get_task(config)
   if _has_checkpoint(workdir):
-    # A resume: the checkpoint's token ids need the tokenizer it was trained with; building a
-    # new one from the (maybe other) training text would silently change the vocabulary.
+    # A resume needs the checkpoint's own tokenizer: a new one would change the vocabulary.
     require_tokenizer(workdir)
   data, run = _setup(config, workdir)
   eval_step = evaluation.make_eval_step(run.graphdef, config)

@@ -1,42 +1,22 @@
 """What `--mode=export` writes beside the weights: a timm `config.json` that says what they are.
 
-`<workdir>/export/` holds `model.safetensors` (timm parameter names, PyTorch layouts;
-`fairmoe_jax.models.convert_timm`) and `config.json` in the format timm reads from a Hugging
-Face Hub repository or a local folder (`timm.create_model("local-dir:<workdir>/export")`):
+`<workdir>/export/` holds `model.safetensors` (timm names, PyTorch layouts;
+`fairmoe_jax.models.convert_timm`) and `config.json` in the format timm reads from a Hub repo or
+a local folder (`timm.create_model("local-dir:<workdir>/export")`): `architecture`, a registered
+timm model of the same family (`deit_*`, `swin_*`; the configurable `vit` is
+`vit_base_patch16_224`); `model_args`, every shape argument, so
+`timm.create_model(architecture, pretrained=False, **model_args)` builds our backbone whatever
+its size; `pretrained_cfg`, only fields of timm's `PretrainedCfg` (the rest at the top level,
+with `label_names` and a "fairmoe_jax" section).
 
-```json
-{"architecture": "deit_small_patch16_224", "num_classes": 2, "num_features": 384,
- "global_pool": "token", "label_names": ["not_Attractive", "Attractive"],
- "model_args": {"img_size": 224, "patch_size": 16, "embed_dim": 384, "depth": 12,
-                "num_heads": 6, "mlp_ratio": 4.0, "num_classes": 2, "class_token": true,
-                "global_pool": "token", "qkv_bias": true},
- "pretrained_cfg": {"input_size": [3, 224, 224], "fixed_input_size": true,
-                    "interpolation": "bicubic", "crop_pct": 1.0, "crop_mode": "center",
-                    "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "num_classes": 2,
-                    "first_conv": "patch_embed.proj", "classifier": "head", ...},
- "timm_loadable": true, "load_with": "...", "preprocessing": "...",
- "fairmoe_jax": {"method": "multifair", "backbone": "deit_s", "step": 1000, ...}}
-```
+Preprocessing as evaluation does it (`data/images.py`): RGB decode (PIL; a large JPEG in draft
+mode at a reduced scale), short side resized bicubic to `image_size`, centred square crop, then
+(p / 255 - 0.5) / 0.5. In timm's terms `crop_pct=1.0`, `crop_mode="center"`,
+`interpolation="bicubic"`, mean and std 0.5 (its crop is within half a pixel of ours).
 
-`architecture` is a registered timm model name of the same family (`deit_*`, `swin_*`; the
-configurable `vit` backbone is named `vit_base_patch16_224`), and `model_args` overrides every
-shape argument, so `timm.create_model(architecture, pretrained=False, **model_args)` builds our
-backbone whatever its size. `pretrained_cfg` holds only fields of timm's `PretrainedCfg`; what
-timm has no field for is at the top level.
-
-Preprocessing, as the evaluation pipeline does it (`data/images.py`, `data/augment.py`): the
-image is decoded to RGB (PIL; a JPEG may be decoded at 1/2, 1/4 or 1/8 scale when that still
-covers `image_size`, PIL's draft mode), its short side resized to `image_size` with PIL's
-bicubic filter (antialiased) and the centred `image_size` square cropped, then pixels p in
-[0, 255] become (p / 255 - 0.5) / 0.5. In timm's terms: `crop_pct=1.0`, `crop_mode="center"`,
-`interpolation="bicubic"`, mean and std 0.5 (its eval transform resizes the short side to
-`image_size / crop_pct` and centre-crops `image_size`, with sizes and offsets rounded to whole
-pixels: its crop is within half an output pixel of ours).
-
-Models timm cannot build are still described, with `timm_loadable: false` and the reason
-(`why_not_timm`): a sparse-MoE block (timm has no MoE block), or Muffin's several backbones and
-fusion head. Their file loads back with `load_timm_checkpoint(model, path, skip=())`, and the
-whole run with `fairmoe_jax.load_run(workdir)`.
+Models timm cannot build (a sparse-MoE block, Muffin's several backbones) are still described,
+with `timm_loadable: false` and `why_not_timm`; they load back with
+`load_timm_checkpoint(model, path, skip=())` or `fairmoe_jax.load_run(workdir)`.
 """
 
 from __future__ import annotations
@@ -56,8 +36,7 @@ from fairmoe_jax.run_info import RunMetadata
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
-# Our backbone preset -> the registered timm model of the same shape. The configurable "vit"
-# backbone has no preset: any timm VisionTransformer entry point builds it from model_args.
+# Our backbone preset -> the registered timm model of the same shape ("vit": from model_args).
 TIMM_ARCHITECTURES: dict[str | None, str] = {
     None: "vit_base_patch16_224",
     "deit_tiny": "deit_tiny_patch16_224",
@@ -171,9 +150,6 @@ def timm_config(
     config: The run's config.
     metadata: The run's class names and preprocessing (run_info.json).
     step: The checkpoint's step.
-
-  Returns:
-    A JSON-serialisable dict.
   """
   family, preset = BACKBONES[config.model.backbone]
   backbone, prefix = model, ""

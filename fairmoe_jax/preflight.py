@@ -1,9 +1,6 @@
-"""What a fairmoe_jax run is made of, for `--mode=compile` (`trainkit.preflight`).
-
-The model and loss are those of `train.py`, the eval step that of `evaluation.py`; the dataset
-is described from the config alone (classes, sensitive attributes and their groups, image
-size), never read, so a run can be compiled for a TPU slice or GPU node on a machine without
-the data.
+"""What a fairmoe_jax run is made of, for `--mode=compile` (`trainkit.preflight`): `train.py`'s
+model and loss, `evaluation.py`'s eval step, and the dataset described from the config alone,
+so a run compiles for an accelerator on a machine without the data.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """What a trained fairmoe_jax run needs at inference besides its config and checkpoint.
 
-Training writes it to `<workdir>/run_info.json` (`trainkit.recipe.train`), so that predict,
-export and `fairmoe_jax.load_run` work from the workdir alone, without the dataset:
-
-```json
-{"package": "fairmoe_jax", "dataset": "celeba",
- "class_names": ["not_Attractive", "Attractive"],
- "attribute_names": ["Male"], "group_names": [["not_Male", "Male"]],
- "preprocessing": {"image_size": 64, "resize": "...", "mean": [0.5, 0.5, 0.5],
-                   "std": [0.5, 0.5, 0.5]}}
-```
-
-`preprocessing` says how the evaluation pipeline turns an image into the model's input: image
-files are decoded, their short side resized to `image_size` and a centred square cropped
-(`data/images.py`), and pixels p in [0, 255] become (p / 255 - mean) / std per channel
-(`data/augment.py`, `normalize`).
+Training writes `<workdir>/run_info.json` (`trainkit.recipe.train`), so that predict, export
+and `fairmoe_jax.load_run` need no dataset: the class, attribute and group names and the
+evaluation pipeline's preprocessing (`Preprocessing`).
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ class Preprocessing:
     image_size: Side of the square images the model reads.
     resize: How an image of another size is brought to `image_size`.
     mean: Per-channel mean subtracted from pixels scaled to [0, 1].
-    std: Per-channel standard deviation they are divided by after that.
+    std: Per-channel standard deviation they are then divided by.
   """
 
   image_size: int
@@ -115,7 +103,6 @@ class RunMetadata(RunMetadataFile):
     """Raises UserError when the run's preprocessing is not what this version's pipeline does."""
     ours = Preprocessing(image_size=self.preprocessing.image_size)
     if self.preprocessing != ours:
-      # This version's pipeline can only reproduce its own normalisation and resizing.
       raise UserError(
           f"{source}: the run's preprocessing {self.preprocessing} is not this version's "
           f"({ours})"

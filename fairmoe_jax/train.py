@@ -1,10 +1,7 @@
 """Training of a fair sparse-MoE image classifier.
 
-`train_and_evaluate` is the whole recipe, top to bottom: data, model, state, then
-`trainkit.recipe`'s resume and loop (the skeleton both packages share), then the fairness
-report on the test split. The package's other jobs each have their module: the eval step and
-one evaluation pass in `evaluation.py`, the run's report in `report.py`, restoring a trained
-run, predicting and exporting in `inference.py` (docs/design.md, "Module layout").
+`train_and_evaluate` is the whole recipe: data, model, state, `trainkit.recipe`'s resume and
+loop, then the fairness report on the test split (other jobs: docs/design.md, "Module layout").
 """
 
 from __future__ import annotations
@@ -43,10 +40,8 @@ _DATA_LOCATION_KEYS = {"celeba": "root", "isic2019": "root", "celeba_tfds": "tfd
 def load_data(
     config: ml_collections.ConfigDict,
 ) -> tuple[data_lib.DatasetInfo, dict[str, dict[str, np.ndarray]]]:
-  """The dataset of `config.data`: its DatasetInfo and its splits.
-
-  A data directory that is not there is a ConfigError naming the key to set: a trained
-  workdir's config.json names the data where it was at training time, and it may have moved.
+  """The dataset of `config.data`: its DatasetInfo and splits; a missing data directory (a
+  workdir's config.json names where the data was) is a ConfigError naming the key.
   """
   key = _DATA_LOCATION_KEYS.get(config.data.name)
   location = config.data[key] if key else ""
@@ -97,10 +92,8 @@ def create_state(
     *,
     pretrained: bool = True,
 ) -> tuple[nnx.GraphDef, TrainState]:
-  """The initial train state of `config.method` on `mesh`.
-
-  `pretrained=False` skips loading `model.pretrained`, for a state that a checkpoint's
-  restore overwrites anyway (predict, export: the timm file need not be there).
+  """The initial train state of `config.method` on `mesh`; `pretrained=False` skips
+  `model.pretrained` (a checkpoint's restore overwrites it anyway).
   """
   load_weights = None
   if pretrained and config.model.pretrained:
@@ -122,8 +115,7 @@ def _setup(
     config: ml_collections.ConfigDict, workdir: str, training: bool = True
 ) -> tuple[data_lib.DatasetInfo, dict[str, dict[str, np.ndarray]], recipe.Run]:
   info, splits = load_data(config)
-  # Validation drives checkpoint-worthy evaluation and the test split the report: found empty
-  # only after training, they would cost the whole run.
+  # Empty validation or test splits found only after training would cost the whole run.
   needed = ("train", "val", "test") if training else ("test",)  # --mode=eval scores test only.
   empty = [name for name in needed if not len(splits[name]["label"])]
   if empty:
@@ -148,9 +140,8 @@ def _setup(
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
-  """Trains (resuming from the latest checkpoint in `workdir`), then evaluates on the test split.
-
-  Returns the test report, or None when the run was stopped by SIGTERM.
+  """Trains (resuming from `workdir`'s latest checkpoint), then evaluates on the test split;
+  None when stopped by SIGTERM.
   """
   info, splits, run = _setup(config, workdir)
   mesh = run.mesh

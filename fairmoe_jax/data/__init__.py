@@ -60,8 +60,7 @@ def dataset_from_config(d: Any) -> tuple[DatasetInfo, Splits]:
       image_size=d.image_size, sensitive=sensitive, max_examples_per_split=d.max_examples_per_split
   )
   if d.name == "celeba":
-    # Present only in configs that ask for identity folds (configs/celeba.py:split=identity_folds),
-    # so the configs of official-partition runs, and their config.json, stay as they were.
+    # Only in configs that ask for identity folds (configs/celeba.py:split=identity_folds).
     folds = d.get("identity_folds")
     return load_celeba(
         root=d.root,
