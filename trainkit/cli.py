@@ -130,16 +130,9 @@ def _requested_help(argv: Sequence[str]) -> str | None:
   return None
 
 
-def _first_line(text: str) -> str:
-  return " ".join(text.strip().splitlines()[:1])
-
-
 def _unknown_key_message(error: Exception, argv: Sequence[str]) -> str | None:
-  """One line for an override naming a key the config lacks; None when it is something else.
-
-  Parses ml_collections' KeyError("'key'\\nDid you mean ...") and, below a key that is not a
-  group, KeyError("Attribute <class 'int'>.foo ... Attempting to lookup: batch_size.foo").
-  """
+  """One line for an override naming a key the config lacks (ml_collections' KeyError, parsed);
+  None when it is something else."""
   inner = error.args[0] if error.args and isinstance(error.args[0], KeyError) else error
   text = str(inner.args[0]) if inner.args else ""
   below_leaf = re.search(r"Attribute <class '(\w+)'>.*Attempting to lookup: (\S+)", text, re.S)
@@ -225,7 +218,7 @@ def parse_flags(
     message = _unknown_key_message(e, argv)
     if message is None:  # Raised inside the config file, not by an override.
       text = str(e.args[0]) if e.args else str(e)
-      fail(f"cannot load the config: {type(e).__name__}: {_first_line(text)}")
+      fail(f"cannot load the config: {type(e).__name__}: {' '.join(text.strip().splitlines()[:1])}")
     fail(message)
   except Exception as e:  # A config file that fails to load.
     fail(f"cannot load the config: {type(e).__name__}: {e}")
@@ -252,12 +245,6 @@ def quiet_logging() -> None:
   logging.getLogger().setLevel(logging.WARNING)
 
 
-def _accept_jax_flags() -> None:
-  """Defines JAX's config options (`--jax_debug_nans`, ...) as absl flags, as big_vision does."""
-  if "jax_debug_nans" not in flags.FLAGS:  # Idempotent: run() may be called more than once.
-    jax.config.config_with_absl()
-
-
 def run(
     main: Callable[[list[str]], Any],
     command: CommandHelp | None = None,
@@ -271,10 +258,9 @@ def run(
     except app.UsageError as e:  # absl would print the docstring and exit 1.
       fail(f"{e} (--help shows the usage)")
 
-  # Before any backend starts: on a host without a GPU or TPU, JAX's probe of the installed CUDA
-  # plugin or libtpu prints a traceback in every run (trainkit/platforms.py).
-  skip_absent_accelerators()
-  _accept_jax_flags()
+  skip_absent_accelerators()  # Before any backend starts (trainkit/platforms.py).
+  if "jax_debug_nans" not in flags.FLAGS:  # JAX's options as absl flags, as big_vision does.
+    jax.config.config_with_absl()
   app.run(guarded_main, flags_parser=lambda argv: parse_flags(argv, command, prepare_argv))
 
 
@@ -333,11 +319,10 @@ def train_eval_command(
 ) -> Callable[[], None]:
   """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
 
-  `validate(config, num_devices=, num_processes=, check_data=)` runs before anything compiles;
-  a UserError is one line and exit status 2. `checkpoint_modes` (`{name: (function, help)}`)
-  work on a trained workdir's latest checkpoint without the dataset; `preflight_program(config,
-  mesh)` adds `--mode=compile`. Modes but train and compile may leave `--config` out: the
-  workdir's config.json is then the config (`trainkit.saved_config`).
+  `validate(config, num_devices=, num_processes=, check_data=)` runs before anything compiles.
+  `checkpoint_modes` (`{name: (function, help)}`) work on a trained workdir without the data;
+  `preflight_program(config, mesh)` adds `--mode=compile`. Other modes than train and compile
+  may leave `--config` out: the workdir's config.json is then the config.
   """
   modes = {
       "train": (train_and_evaluate, "train (resuming if possible) then evaluate"),

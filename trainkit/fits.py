@@ -1,8 +1,5 @@
-"""Whether a compiled step fits the memory of the devices it will run on, checked before it runs.
-
-The step is compiled ahead anyway (for its FLOPs), so its memory analysis is free: a step that
-cannot fit is one line naming the key to change, not RESOURCE_EXHAUSTED inside XLA.
-"""
+"""Whether a compiled step fits its devices' memory, checked before it runs: one line naming the
+key to change, not RESOURCE_EXHAUSTED inside XLA (the step is compiled ahead for its FLOPs)."""
 
 from __future__ import annotations
 

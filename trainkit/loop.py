@@ -229,9 +229,7 @@ def train_loop(
 ) -> tuple[TrainState, bool]:
   """Runs `train_step` from `state.step` to `num_train_steps`; returns (state, preempted).
 
-  Metrics are logged on every log, evaluation and checkpoint step; on SIGTERM a checkpoint is
-  saved and the loop returns early. MFU needs the device's peak (`trainkit.throughput`, or
-  `peak_flops` > 0).
+  On SIGTERM a checkpoint is saved and the loop returns early.
 
   `reviews` are `(every_steps, review)` pairs: after step s with s % every_steps == 0 (not the
   last), `review(state) -> (state, scalars[, lines])` may change non-gradient state (e.g. an

@@ -1,12 +1,8 @@
 """On a host without a GPU or TPU, JAX uses the CPU alone instead of probing absent hardware.
 
-The preflight extra (libtpu and the CUDA plugin, for compiling without the hardware) shares the
-training environment, and JAX probes every backend installed: on a CPU host the CUDA plugin
-prints a traceback ("Unable to load CUDA") and libtpu `E0000 ... unexpected worker hostname`
-lines, in every run. JAX has no public switch for this short of `jax_platforms`, so the entry
-points (`trainkit.cli.run`, `paper_runner.tables`) call `skip_absent_accelerators` first. It acts
-only on Linux, only when the user chose no platforms, only when the CUDA plugin or libtpu is all
-there is to skip, and only when the host shows no sign of a GPU or TPU.
+The preflight extra installs libtpu and the CUDA plugin, whose probes print a traceback on a CPU
+host; JAX's only switch is `jax_platforms`, set here by the entry points when nothing but those
+would be skipped (docs/reliability.md, row 26).
 """
 
 from __future__ import annotations
@@ -76,11 +72,8 @@ def probe_host() -> Host:
 def cpu_only_reason(
     environ: Mapping[str, str], host: Host, jax_platforms: str | None = None
 ) -> str | None:
-  """Why JAX should use the CPU alone here, or None to leave JAX's choice as it is.
-
-  `JAX_PLATFORMS` in `environ` (even empty) and `jax_platforms` already set in the process are
-  the user's choice. A plugin other than CUDA's (ROCm, Metal, ...) is a backend not judged here.
-  """
+  """Why JAX should use the CPU alone here, or None: never where the user chose platforms (even
+  `JAX_PLATFORMS=""`) or another plugin (ROCm, Metal) is installed."""
   if "JAX_PLATFORMS" in environ or jax_platforms or host.system != "Linux":
     return None
   cuda = [n.partition(":")[0].rpartition(".")[2].startswith("xla_cuda") for n in host.plugins]
@@ -93,9 +86,8 @@ def cpu_only_reason(
 
 
 def skip_absent_accelerators(environ: Mapping[str, str] | None = None) -> str | None:
-  """Sets `jax_platforms` to "cpu" when `cpu_only_reason` says so (before any backend starts);
-  the reason, or None when nothing changed. The environment, which subprocesses inherit, is
-  left as it is."""
+  """Sets `jax_platforms` (not the environment) to "cpu" when `cpu_only_reason` says so; returns
+  the reason."""
   import jax  # pylint: disable=import-outside-toplevel
 
   environ = os.environ if environ is None else environ

@@ -149,10 +149,8 @@ def evaluated(config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
 
 
 def keep_earlier_record(workdir: str, evaluation: Mapping[str, Any]) -> str | None:
-  """Moves an earlier report and its predictions aside unless they record the same evaluation
-  (step, config and data): to `report.step-N.json`, or `report.step-N.config-SHA.json` for the
-  same step under another config. Returns the kept report's name, or None.
-  """
+  """Moves an earlier report and predictions aside (`report.step-N[.config-SHA].json`) unless
+  they record the same evaluation; returns the kept report's name, or None."""
   path = storage.join(workdir, RECORD_FILES[0])
   try:
     earlier = json.loads(storage.read_text(path))

@@ -1,8 +1,4 @@
-"""Throughput accounting: model FLOPs of the compiled step and model FLOPs utilisation (MFU).
-
-FLOPs are XLA's cost analysis of the compiled step (per device, the MoE dispatch included);
-the peak is looked up by device kind or given in the config.
-"""
+"""Model FLOPs (XLA's cost analysis of the compiled step, per device) and utilisation (MFU)."""
 
 from __future__ import annotations
 

@@ -144,12 +144,8 @@ def _create_lock(path: str, owner: dict[str, Any]) -> bool:
 
 @contextlib.contextmanager
 def workdir_lock(workdir: str) -> Iterator[None]:
-  """Holds `<workdir>/.run.lock` (naming pid, host, start time) for the life of a run.
-
-  A second run is refused naming the owner; a lock whose process is gone from this host is taken
-  over with a warning; one from another host is reported with the command to remove it. Only
-  process 0 takes it.
-  """
+  """Holds `<workdir>/.run.lock` (pid, host, start time) on process 0 for the life of a run; a
+  lock whose process is gone from this host is taken over with a warning."""
   if jax.process_index() != 0:
     yield
     return
@@ -206,34 +202,23 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 CONFIG_FILE = "config.json"
-# The format of a workdir: `save_config` writes it into config.json under FORMAT_VERSION_KEY,
-# beside the config's keys, and `read_saved_config` is the one place that reads a saved config.
-# Version 2 holds every key of version 1's last code, and its run wrote run_info.json.
+# Written into config.json by `save_config`; `read_saved_config` is the one reader.
 FORMAT_VERSION = 2
 FORMAT_VERSION_KEY = "format_version"
-# Version 1 is a config.json without the key: every workdir trained before the version was
-# written. It is migrated, not refused: it is every run trained until now (a refusal would make
-# each one train again), and migrating costs this table. Its keys were added during version 1, so
-# its earliest runs lack them; each gets the value those runs were trained with, where the
-# package's config has the key (data.attribute_cues is fairmoe_jax's alone). Its runs without
-# run_info.json are refused by `load_run_info`: inference would need their dataset to migrate.
+# Version 1 (no key) is migrated, not refused (it is every run trained so far): its earliest runs
+# lack these keys, which get the values they were trained with.
 _ADDED_DURING_VERSION_1 = {
     "model.remat": "none",
     "data.attribute_cues": False,
     "distributed.startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S,
 }
-# What inference needs besides the config and the checkpoint (class names, preprocessing, ...);
-# each package writes its own content (fairmoe_jax/run_info.py, causal_attn_jax/run_info.py).
+# What inference needs besides the config and checkpoint (`trainkit.run_info`).
 RUN_INFO_FILE = "run_info.json"
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes `config.json` (process 0), a differing earlier one moved to
-  `config_history/config.<n>.json` and the changed keys logged.
-
-  Call it only after the checkpoint restore accepted the config, so a rejected resume leaves
-  `config.json` as the checkpoints were trained with.
-  """
+  """Writes `config.json` (process 0), a differing earlier one kept in `config_history/`. Call it
+  after the checkpoint restore accepted the config, so a rejected resume leaves it as it was."""
   if jax.process_index() != 0:
     return
   path = storage.join(workdir, CONFIG_FILE)
@@ -365,8 +350,7 @@ def trained_config_differences(directory: str, config: ml_collections.ConfigDict
   ]
 
 
-# Keys that do not change what a run trains: the preflight's (it only compiles) and the
-# multi-process start-up's timeout.
+# Keys that do not change what a run trains.
 _UNTRAINED_PREFIXES = ("preflight.", "distributed.")
 
 

@@ -1,9 +1,5 @@
-"""The share of the roofline bound a real training step reaches, per platform: roofline bound /
-public step time of the same models on the same hardware (`paper_runner/calibration.py`,
-docs/scaling.md, "Calibration"). `low`/`high` are the range the public rows allow, carried as
-the step estimate's uncertainty; `preflight.utilization` in (0, 1] overrides it. The values are
-`results/records/calibration.json`'s, as tests/test_preflight_calibration.py checks.
-"""
+"""The share of the roofline bound a real step reaches, per platform, from public step times
+(docs/scaling.md, "Calibration"; `results/records/calibration.json`'s values, tests check)."""
 
 from __future__ import annotations
 

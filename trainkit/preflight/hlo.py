@@ -1,8 +1,5 @@
-"""Reading an optimised HLO module's text (`compiled.as_text()`), per device: its matrix
-products, library calls (GPU: cuBLAS/cuDNN `custom-call`s) and collectives with their device
-groups, which only the SPMD-partitioned program shows. Instructions in a while loop count its
-known trip count (`_executions`) where the readers say so.
-"""
+"""Reading an optimised, SPMD-partitioned HLO module's text (`compiled.as_text()`), per device:
+matrix products, library calls (GPU `custom-call`s) and collectives with their device groups."""
 
 from __future__ import annotations
 
@@ -62,9 +59,8 @@ def _instructions(hlo_text: str):
 
 
 def matmul_results(hlo_text: str) -> list[Array]:
-  """The result of every matrix product of the module (in fused computations too): `dot`,
-  `convolution` (TPU lowers dots to it) and cuBLAS GEMM custom calls (GPU; their first result,
-  the workspace left out)."""
+  """The result of every `dot`, `convolution` (TPU lowers dots to it) and cuBLAS GEMM (its first
+  result, not the workspace) of the module, fused computations included."""
   results = []
   for line, op, shape in _instructions(hlo_text):
     if op in ("dot", "convolution") or (op == "custom-call" and _GEMM_TARGET.search(line)):
@@ -75,8 +71,7 @@ def matmul_results(hlo_text: str) -> list[Array]:
 
 
 def _without_operands(shape_text: str) -> str:
-  """An async `-start` whose shape is `((operands...), results...)` (GPU's all-to-all,
-  reduce-scatter): the results alone."""
+  """The results alone of an async `-start`'s `((operands...), results...)` shape."""
   text = shape_text.strip()
   if not text.startswith("(("):
     return text
@@ -89,15 +84,12 @@ def _without_operands(shape_text: str) -> str:
 
 
 def collective_results(hlo_text: str) -> dict[str, list[Array]]:
-  """Per collective kind, the arrays its instructions produce on each device
-  (`collectives_with_groups`)."""
+  """Per collective kind, the arrays its instructions produce on each device."""
   found: dict[str, list[Array]] = {}
   for c in collectives_with_groups(hlo_text):
     found.setdefault(c.kind, []).extend(c.arrays)
   return found
 
-
-# --- The module's computations and how often each runs ---------------------------------------
 
 # A computation's header: `%name (params...) -> shape {` (`ENTRY %name ...` for the entry).
 _COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
@@ -210,19 +202,14 @@ def _backend_config(line: str) -> dict[str, Any]:
   return value if isinstance(value, dict) else {}
 
 
-# --- Library calls (GPU: cuBLAS GEMMs, cuDNN convolutions, other custom calls) ----------------
-
 _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
 
 
 @dataclasses.dataclass(frozen=True)
 class LibraryCall:
-  """One `custom-call` of an optimised (GPU) module (cuBLAS GEMM, cuDNN convolution, other),
-  which XLA's HLO cost analysis does not count. `workspace`: bytes of its scratch buffer (a
-  tuple's last `u8`/`s8` 1-D result), not counted as traffic. `flops`: None for other calls.
-  `executions`: per execution of the module; `in_unknown_loop`: counted once for lack of one.
-  """
+  """One `custom-call` (cuBLAS GEMM, cuDNN convolution, other), which XLA's cost analysis does
+  not count; `workspace` (a tuple's last 1-D `u8`/`s8` result) is not traffic."""
 
   target: str
   kind: str
@@ -240,8 +227,7 @@ class LibraryCall:
 
 
 def _gemm_flops(line: str, operands: list[Array], results: list[Array]) -> float | None:
-  """2 x (result elements) x (contracted elements), from the dot dimension numbers of the
-  GEMM's backend_config: the result is [batch..., M, N], the lhs's contracting dims are K."""
+  """2 x (result elements) x (lhs contracting elements), from the GEMM's backend_config."""
   config = _backend_config(line).get("gemm_backend_config", {})
   contracting = config.get("dot_dimension_numbers", {}).get("lhs_contracting_dimensions")
   if contracting is None or not operands or not results:
@@ -303,8 +289,6 @@ def library_calls(hlo_text: str) -> list[LibraryCall]:
   return found
 
 
-# --- Collectives with their groups ------------------------------------------------------------
-
 _REPLICA_GROUPS = re.compile(r"replica_groups=(?P<groups>\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?[^()]*)\))?"
@@ -315,9 +299,8 @@ _PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>[{}\d,\s]*)\}")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective instruction (an async op by its `-start`): what it produces on each device,
-  its device groups as the HLO's ids (None: one group of every device), a collective-permute's
-  (source, target) pairs, and how often it runs per execution of the module."""
+  """One collective (an async op by its `-start`): its results per device, groups of HLO device
+  ids (None: all devices), a collective-permute's pairs, and runs per module execution."""
 
   kind: str
   arrays: tuple[Array, ...]
@@ -327,8 +310,7 @@ class Collective:
 
 
 def _iota(text: str) -> np.ndarray:
-  """XLA's iota tile form `[shape]<=[dims]T(perm)`: iota over dims, transposed by perm,
-  reshaped to shape."""
+  """XLA's iota tile form `[shape]<=[dims]T(perm)`: iota over dims, transposed, reshaped."""
   shape_text, rest = text.split("<=")
   dims_text, _, perm_text = rest.partition("T")
   shape = [int(d) for d in shape_text.strip("[] ").split(",")]
@@ -338,9 +320,8 @@ def _iota(text: str) -> np.ndarray:
 
 
 def _mesh_axes_groups(match: re.Match) -> tuple[tuple[int, ...], ...] | None:
-  """XLA's mesh-axes form (jaxlib 0.12): `mesh['a'=2,'b'=8] {'b'}`, optionally with
-  `device_ids=(...)` after the axes and sub-axes `'b':(pre)size` in the group. A group is the
-  devices that differ only along the group's axes."""
+  """XLA's mesh-axes form (jaxlib 0.12, `mesh['a'=2,'b'=8] {'b'}`, optional `device_ids=` and
+  sub-axes): a group is the devices that differ only along the group's axes."""
   axes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", match["axes"])]
   if not axes:
     return None
@@ -388,10 +369,8 @@ def _mesh_axes_groups(match: re.Match) -> tuple[tuple[int, ...], ...] | None:
 
 
 def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
-  """The `replica_groups` of an instruction: the explicit form `{{0,1},{2,3}}`, XLA's iota
-  form `[G,S]<=[dims]T(perm)` (G groups of S: iota over dims, transposed by perm, reshaped) or
-  its mesh-axes form (`mesh['a'=2,'b'=8] {'b'}`, jaxlib 0.12); None where absent or empty
-  (`{}`: all devices) or not understood."""
+  """An instruction's `replica_groups` (explicit `{{0,1},{2,3}}`, iota `[G,S]<=[dims]T(perm)` or
+  mesh-axes form); None where absent, empty (all devices) or not understood."""
   mesh = _MESH_GROUPS.search(line)
   if mesh is not None:
     return _mesh_axes_groups(mesh)
@@ -409,9 +388,8 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def collectives_with_groups(hlo_text: str) -> list[Collective]:
-  """Every collective of the module, with its device groups and how often it runs. An async
-  `-start`'s operands are left out: the first group of a `((operands), results)` shape, all but
-  the largest array of an all-gather's or collective-permute's `(operand, result)`."""
+  """Every collective of the module, with its device groups and runs; an async `-start`'s
+  operands are left out."""
   instructions, entry = _module(hlo_text)
   runs = _executions(instructions, entry)
   found = []
