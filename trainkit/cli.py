@@ -38,8 +38,7 @@ from trainkit.workdir import (
     workdir_lock,
 )
 
-# absl's --help lists only the flags defined in the `__main__` file (none here: they are defined
-# in this module) and exits 1; these print the package's own help instead and exit 0.
+# absl's --help lists only the `__main__` file's flags (none) and exits 1: ours replaces it.
 _HELP_ARGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
 _HELPFULL_ARGS = ("--helpfull", "-helpfull")
 _WIDTH = 100
@@ -206,7 +205,6 @@ def parse_flags(
   if prepare_argv is not None:
     argv = prepare_argv(list(argv))
   try:
-    # `--config=configs/x.py` also finds the configs shipped with an installed package.
     return flags.FLAGS(resolve_config_args(argv))
   except flags.UnrecognizedFlagError as e:
     fail(f"{e} (--help lists the flags)")

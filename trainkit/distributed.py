@@ -53,8 +53,7 @@ _PEER_FAILURE = re.compile(
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
-# What libtpu, loaded outside a TPU VM, setenv's TPU_WORKER_ID and others to (unseen by
-# os.environ, inherited by later subprocesses).
+# What libtpu outside a TPU VM setenv's TPU_WORKER_ID and others to (unseen by os.environ).
 _LIBTPU_PLACEHOLDER = re.compile(r"^\s*WARNING: could not determine\b", re.IGNORECASE)
 
 

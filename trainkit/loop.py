@@ -286,8 +286,7 @@ def train_loop(
         if _divergence(baseline, {}):
           baseline = {}
         baseline.update(starting_param_norm)
-      # Read once: a signal arriving later in this iteration is handled at the next step,
-      # never between deciding to stop and deciding to save.
+      # Read once: a later signal waits for the next step, never splits stop from save.
       stop_requested = guard.stop_requested(step)
       eval_due = evaluate is not None and _due(step, eval_every_steps, num_train_steps)
       checkpoint_due = _due(step, checkpoint_every_steps, num_train_steps) or stop_requested

@@ -122,7 +122,6 @@ class RemoteLog:
     return self._lines
 
   def text(self) -> str:
-    """The whole log."""
     return "".join(line + "\n" for line in self._load())
 
   @property
@@ -131,7 +130,6 @@ class RemoteLog:
     return bool(self._parts)
 
   def append(self, line: str) -> None:
-    """Uploads `line` as the log's next part."""
     lines = self._load()
     name = f"{self._next:0{_PART_DIGITS}d}"
     part = storage.join(self.path + PARTS_SUFFIX, name)

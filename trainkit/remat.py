@@ -16,8 +16,7 @@ import ml_collections
 
 from trainkit.config import require_choice
 
-# Policy name -> `jax.checkpoint` policy (None: no checkpoint). Ordered from the most memory to
-# the least: a message that suggests more remat suggests the ones after the config's.
+# Policy name -> `jax.checkpoint` policy, from the most memory kept to the least.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

@@ -30,7 +30,6 @@ class RunMetadataFile:
     del source
 
   def to_json(self) -> dict[str, Any]:
-    """The content of run_info.json."""
     return {"package": self.PACKAGE, **dataclasses.asdict(self)}
 
   @classmethod

@@ -22,8 +22,7 @@ from etils import epath
 
 from trainkit.errors import UserError
 
-# Workdir schemes and the package providing each. Orbax's TensorStore knows gs:// only, so other
-# epath schemes are refused rather than half-supported.
+# Workdir schemes and their packages: Orbax's TensorStore knows gs:// only, so no others.
 REMOTE_SCHEMES = {"gs": ("gcs", "gcsfs")}
 
 
@@ -292,12 +291,9 @@ def save_figure(figure: Any, location: str, *, dpi: int) -> None:
 
 
 def size(location: str) -> int:
-  """The file's size in bytes."""
-  # os.stat for local files: epath's stat also looks up the owner's name, which fails for a uid
-  # that has none (containers).
+  # os.stat for local files: epath's stat looks up the owner's name, which fails in containers.
   return path(location).stat().length if is_remote(location) else os.path.getsize(location)
 
 
 def mtime(location: str) -> float:
-  """The file's modification time (seconds since the epoch)."""
   return path(location).stat().mtime if is_remote(location) else os.path.getmtime(location)

@@ -14,15 +14,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from trainkit.mesh import place, replicated
 
-# loss_fn(model, batch, rng, step, extra) -> (scalar loss, dict of metrics); `step` is the
-# int32 step counter, for losses whose form changes during training (e.g. training phases);
-# `extra` is TrainState.extra (e.g. Lagrange multipliers), read-only in the loss.
+# loss_fn(model, batch, rng, step, extra) -> (scalar loss, metrics); `step` is the int32 counter
+# (for training phases), `extra` TrainState.extra, read-only here.
 LossFn = Callable[
     [nnx.Module, dict[str, jax.Array], jax.Array, jax.Array, dict[str, Any]],
     tuple[jax.Array, dict[str, jax.Array]],
 ]
-# update_extra(extra, metrics) -> (extra, scalar metrics): non-gradient state updated after the
-# optimiser step from the step's metrics (e.g. projected dual ascent on multipliers).
+# update_extra(extra, metrics) -> (extra, scalars): after the optimiser step (e.g. dual ascent).
 UpdateExtraFn = Callable[
     [dict[str, Any], dict[str, jax.Array]], tuple[dict[str, Any], dict[str, jax.Array]]
 ]
@@ -39,8 +37,7 @@ class TrainState:
   step: jax.Array
   params: nnx.State
   model_state: nnx.State
-  # An optax.OptState; typed Any because that alias is recursive (ArrayTree names itself) and the
-  # API reference cannot resolve it.
+  # An optax.OptState, whose recursive alias the API reference cannot resolve.
   opt_state: Any
   rng: jax.Array
   extra: dict[str, Any] = flax.struct.field(default_factory=dict)

@@ -65,7 +65,6 @@ def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
 
 
 def workdir_exists(workdir: str) -> bool:
-  """Whether `workdir` (local or a URI) exists already."""
   return storage.path(storage.resolve(workdir)).exists()
 
 

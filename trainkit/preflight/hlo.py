@@ -28,7 +28,6 @@ _GEMM_TARGET = re.compile(r'custom_call_target="(__cublas\$[\w$]*gemm[\w$]*|__cu
 
 @dataclasses.dataclass(frozen=True)
 class Array:
-  """One array of an instruction's result: its element type and dimensions."""
 
   dtype: str
   dims: tuple[int, ...]

@@ -145,8 +145,8 @@ device_description_str: "{name}"
 """
 
 
-# NVIDIA data sheets (device memory as the driver reports it). NVLink figures there count both
-# directions (H100 900 GB/s, A100 600 GB/s); between nodes, one DGX InfiniBand port per GPU.
+# NVIDIA data sheets (NVLink figures there count both directions); between nodes, one DGX NIC per
+# GPU.
 _H100 = dict(
     device_kind="NVIDIA H100 80GB HBM3",
     memory_bytes=84_942_979_072,
@@ -222,8 +222,7 @@ def _gpu(name: str, facts: dict[str, Any], description: str, hosts: int, per_hos
   )
 
 
-# TPU chips (Cloud TPU system architecture pages; v4's ICI from the TPU v4 paper). ICI per chip,
-# one direction, all links: an upper bound, as the roofline is. It spans a slice's hosts.
+# Cloud TPU system architecture pages. ICI per chip, one way, all links (an upper bound).
 _V4 = dict(
     device_kind="TPU v4", memory_bytes=32 * GIB, memory_bandwidth=1.2e12,
     interconnect="ICI, 3D torus (6 links, 300 GB/s per chip each way)", interconnect_bandwidth=300e9,
@@ -241,8 +240,7 @@ for _chip in (_V4, _V5E, _V5P):
   _chip["inter_host_bandwidth"] = _chip["interconnect_bandwidth"]
 
 
-# TPU v3: JAX sees each chip's two cores as two devices, each with half the chip. Here for the
-# step-time calibration (paper_runner/calibration.py).
+# TPU v3, for the step-time calibration: each core is a device with half the chip.
 _V3_CORE = dict(
     device_kind="TPU v3", memory_bytes=16 * GIB, memory_bandwidth=450e9,
     peak_bf16_flops=PEAK_FLOPS_BY_KIND["TPU v3"], peak_tf32_flops=PEAK_FLOPS_BY_KIND["TPU v3"],
