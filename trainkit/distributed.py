@@ -1,15 +1,11 @@
 """Arguments of `jax.distributed.initialize`, decided from the environment.
 
-`distributed_args(env)` reads, in order of precedence: our `JAX_COORDINATOR_ADDRESS` /
-`JAX_NUM_PROCESSES` / `JAX_PROCESS_ID` (each also overrides SLURM's value); SLURM (coordinator:
-the first host of the step's node list, port `JAX_COORDINATOR_PORT`, one GPU per task when
-`SLURM_GPUS_PER_TASK=1`); a Cloud TPU pod's variables or `TRAINKIT_DISTRIBUTED=auto` (`{}`: JAX
-detects the pod itself). Otherwise None, a single process. docs/scaling.md, "Multi-host", has
-the launchers, `TRAINKIT_HEARTBEAT_TIMEOUT` and what happens when a process dies.
-
-Processes drift apart before their first collective, and Gloo gives up on a peer more than 30 s
-late, so `wait_for_all_processes` holds them on the coordination service's barrier instead
-(timeout `distributed.startup_timeout_s`).
+`distributed_args(env)` reads our `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` /
+`JAX_PROCESS_ID` first, then SLURM's variables, then a Cloud TPU pod's or
+`TRAINKIT_DISTRIBUTED=auto` (`{}`: JAX detects the pod); otherwise None, one process
+(docs/scaling.md, "What happens in a multi-process run", and the launchers' sections). Gloo gives
+up on a peer 30 s late, so `wait_for_all_processes` holds drifting processes on the coordination
+service's barrier instead.
 """
 
 from __future__ import annotations

@@ -229,8 +229,6 @@ def train_loop(
 ) -> tuple[TrainState, bool]:
   """Runs `train_step` from `state.step` to `num_train_steps`; returns (state, preempted).
 
-  On SIGTERM a checkpoint is saved and the loop returns early.
-
   `reviews` are `(every_steps, review)` pairs: after step s with s % every_steps == 0 (not the
   last), `review(state) -> (state, scalars[, lines])` may change non-gradient state (e.g. an
   expert assignment), keeping every array's shape, dtype and sharding so nothing recompiles.

@@ -236,10 +236,8 @@ def _gemm_flops(line: str, operands: list[Array], results: list[Array]) -> float
 
 
 def _convolution_flops(line: str, target: str, operands: list[Array], results: list[Array]) -> float | None:
-  """2 x (forward output elements) x (kernel elements per output feature), grouped ones too.
-
-  cuDNN's calls carry the forward convolution's dimension labels whatever their direction
-  (XLA's GetCudnnConvParams), so forward output is the result, or an operand going backward."""
+  """2 x (forward output elements) x (kernel elements per output feature), grouped ones too;
+  cuDNN's calls carry the forward dimension labels whatever their direction."""
   labels = _DIM_LABELS.search(line)
   if labels is None or len(operands) < 2 or not results:
     return None
