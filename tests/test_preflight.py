@@ -346,7 +346,7 @@ def test_compile_without_a_target_names_the_key():
     preflight(config, preflight_program)
 
 
-def test_the_optimised_gpu_program_is_costed_on_this_host():
+def test_the_optimised_gpu_program_is_costed_from_its_text():
   target = get_target("h100x1")
   mesh = Mesh(np.array(devices(target)).reshape(1, 1), ("data", "expert"))
   spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))
@@ -354,21 +354,11 @@ def test_the_optimised_gpu_program_is_costed_on_this_host():
   with jax.set_mesh(mesh), persistent_cache_off():  # A deviceless program: as the preflight.
     compiled = jax.jit(lambda x, w: jnp.tanh(x @ w)).lower(x, w).compile()
   assert analysis.cost(compiled) is None  # XLA's GPU compiler gives none.
-  hlo = analysis.optimized_hlo_cost(compiled)
-  # One product and a tanh: 2MNK FLOPs (and the tanh's), and at least the operands read and
-  # the result written.
-  assert 2 * 512 * 256 * 1024 <= hlo["flops"] <= 1.01 * 2 * 512 * 256 * 1024 + 512 * 1024
-  assert hlo["bytes accessed"] >= 4 * (512 * 256 + 256 * 1024 + 512 * 1024)
-
-
-def test_an_attribute_xla_cannot_read_back_is_dropped_with_its_nested_braces():
-  # jaxlib 0.12 prints this on a GPU's async all-reduce and its parser rejects it.
-  line = ("%a = f32[4] all-reduce-start(%x), channel_id=9, to_apply=%add, "
-          "output_to_operand_aliasing={{1}: (0, {})}, frontend_attributes={is_spmd=\"true\"}")
-  assert analysis._without_attribute(line, "output_to_operand_aliasing") == (
-      "%a = f32[4] all-reduce-start(%x), channel_id=9, to_apply=%add, "
-      "frontend_attributes={is_spmd=\"true\"}")
-  assert analysis._without_attribute(line, "absent") == line
+  # One fusion of a product and a tanh (a transcendental: no FLOPs): 2MNK FLOPs, its operands
+  # read and its result written.
+  assert analysis.optimized_hlo_cost(compiled.as_text()) == {
+      "flops": 2 * 512 * 256 * 1024, "bytes accessed": 4 * (512 * 256 + 256 * 1024 + 512 * 1024)
+  }
 
 
 def _refused(target: str, *, compute_dtype: str, remat: str, train: bool, eval: bool):

@@ -70,16 +70,35 @@ def test_a_cublas_gemm_is_counted_from_its_shapes():
   assert library["bytes"] == 2 * (M * K + K * N + M * N)  # bf16 operands read, result written
   assert library["flops"] == 2 * M * N * K == analysis.matmul_flops(jax.make_jaxpr(step)(x, w))["flops"]
   assert library["workspace_bytes"] == gemm.workspace
-  # XLA's HLO cost analysis skips the call: its FLOPs are the tanh fusion's, a few per element.
-  fusions_only = analysis.optimized_hlo_cost(compiled, text)
+  # The fusions' count leaves the call to library_call_cost: its FLOPs are the tanh fusion's.
+  fusions_only = analysis.optimized_hlo_cost(text)
   assert fusions_only["flops"] < 4 * M * N
   total = analysis.with_library_calls(fusions_only, library)
-  # The one fusion (bf16 -> tanh -> bf16) reads and writes [M, N] once: exactly, once the cost
-  # analysis' -1 "unknown" mark for the custom call is taken back.
+  # The one fusion (bf16 -> tanh -> bf16) reads and writes [M, N] once.
   assert total["fusions"]["bytes accessed"] == 2 * (2 * M * N)
   assert total["bytes accessed"] == 2 * (2 * M * N) + 2 * (M * K + K * N + M * N)
   assert total["library_calls"] == {"flops": 2 * M * N * K, "bytes accessed": 2 * (M * K + K * N + M * N)}
   assert 2 * M * N * K < total["flops"] < 2 * M * N * K + 4 * M * N
+
+
+def test_a_fusion_counts_the_slice_it_reads_and_a_loop_its_trip_count():
+  mesh = _mesh("h100x1", (1,), ("data",))
+  x = _spec(mesh, (1024, 256), dtype=jnp.float32)
+  _, text = _compile(lambda x: jnp.tanh(x[:128] * 2), (x,))
+  # One fusion: reads the slice, not all of x, writes its result; one multiply per element.
+  assert analysis.optimized_hlo_cost(text) == {"flops": 128 * 256, "bytes accessed": 2 * 4 * 128 * 256}
+  carry = _spec(mesh, (16, 256, 256), dtype=jnp.float32)
+  row = 4 * 256 * 256
+
+  def loop(trips):
+    body = lambda i, c: c.at[i].set(jnp.tanh(c[i]) * 2)  # noqa: E731
+    return analysis.optimized_hlo_cost(_compile(lambda c: jax.lax.fori_loop(0, trips, body, c), (carry,))[1])
+
+  # Each more iteration reads row i and writes it back in place (a dynamic-update-slice), not
+  # the whole carry, and multiplies and selects each element (and a few scalar ops).
+  four, eight = loop(4), loop(8)
+  assert 0 <= eight["bytes accessed"] - four["bytes accessed"] - 4 * 2 * row < 4 * 64
+  assert 0 <= eight["flops"] - four["flops"] - 4 * 2 * 256 * 256 < 4 * 32
 
 
 def test_cudnn_convolutions_forward_and_backward_are_counted():

@@ -39,16 +39,11 @@ ALLOWED = {
     "fairmoe_jax/moe/dispatch/spmd.py": {"jax._src.config"},
     # The coordination service's barrier (`jax.distributed` exposes no client).
     "trainkit/distributed.py": {"jax._src.distributed"},
-    # XLA's HLO cost analysis of a module's text (best effort: None where it fails). The
-    # preflight's owner is rewriting this module; it is allowed here until then.
-    "trainkit/preflight/analysis.py": {"jax._src.lib.hlo", "jax._src.lib.xla_client"},
 }
 # (module, attribute) each allowed import is used for.
 ALLOWED_ATTRIBUTES = [
     ("jax._src.config", "_check_vma"),
     ("jax._src.distributed", "global_state.client"),
-    ("jax._src.lib", "hlo"),
-    ("jax._src.lib", "xla_client._xla.hlo_module_cost_analysis"),
 ]
 
 

@@ -73,57 +73,98 @@ def cost(compiled: Any) -> dict[str, float] | None:
   return dict(result) if result else None
 
 
-def optimized_hlo_cost(compiled: Any, hlo_text: str | None = None) -> dict[str, float] | None:
-  """XLA's HLO cost analysis of the optimised program (a GPU's has none of its own), run on
-  this host's CPU client: the fusions' FLOPs and bytes, each library call counted as -1
-  (`with_library_calls` adds them). jaxlib's HLO bindings are private: None where that fails.
-  """
-  try:
-    from jax._src.lib import hlo as hlo_bindings  # pylint: disable=import-outside-toplevel
-    from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
-
-    text = compiled.as_text() if hlo_text is None else hlo_text
-    module = _parse_hlo(hlo_bindings, text)
-    client = jax.devices("cpu")[0].client
-    result = xla_client._xla.hlo_module_cost_analysis(client, module)  # pylint: disable=protected-access
-  except Exception:  # pylint: disable=broad-except  # Private bindings: best effort.
-    return None
-  return {k: float(v) for k, v in result.items() if k in ("flops", "bytes accessed")} or None
+# Ops XLA's HLO cost analysis counts one FLOP per element of their result (its transcendental
+# ones, exp, tanh, ..., are counted apart and are not FLOPs), and ops that move no data.
+_ELEMENTWISE = frozenset((
+    "abs", "add", "and", "clamp", "compare", "convert", "divide", "floor", "ceil", "maximum",
+    "minimum", "multiply", "negate", "not", "or", "remainder", "round-nearest-afz",
+    "round-nearest-even", "select", "shift-left", "shift-right-arithmetic",
+    "shift-right-logical", "sign", "subtract", "xor", "is-finite",
+))  # fmt: skip
+_NO_TRAFFIC = frozenset((
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+    "call", "after-all", "partition-id", "replica-id", "custom-call", "async-start",
+    "async-update", "async-done",
+))  # fmt: skip
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
-_UNEXPECTED_ATTRIBUTE = re.compile(r'unexpected attribute "(?P<name>[a-z_]+)"')
+def optimized_hlo_cost(hlo_text: str) -> dict[str, float] | None:
+  """XLA's HLO cost analysis of an optimised module (a GPU compiler gives none), counted from its
+  text: the bytes each kernel (a fusion, an unfused op) reads and writes, its operands and
+  results, and the FLOPs of its ops, 2 per multiply-add of a dot, one per result element of an
+  elementwise op and per element a reduction folds. Library calls are `library_call_cost`'s.
+  Loops count their known trip count. None for a module without instructions."""
+  instructions, entry = hlo._module(hlo_text)
+  shapes = {ins.name: ins.shape for ins in instructions}
+  runs = hlo._executions(instructions, entry)
+
+  def called(attribute: str, op: str | None = None) -> set[str]:
+    return {
+        m["name"]
+        for ins in instructions
+        if op in (None, ins.op)
+        for m in hlo._CALLED.finditer(ins.line[ins.operands_at :])
+        if m["attr"] == attribute
+    }
+
+  fused, reducers = called("calls", "fusion"), called("to_apply")
+  reducer_flops = collections.Counter(i.computation for i in instructions if i.op in _ELEMENTWISE)
+  users: dict[str, list[tuple[Any, int]]] = collections.defaultdict(list)
+  parameters, roots = {}, {}
+  for ins in instructions:
+    if ins.computation in fused:
+      for index, name in enumerate(_operand_names(ins)):
+        users[name].append((ins, index))
+      if ins.op == "parameter":
+        parameters[ins.computation, int(ins.line[ins.operands_at :].split(")")[0])] = ins.name
+      if ins.line.lstrip().startswith("ROOT"):
+        roots[ins.computation] = ins
+  flops = traffic = 0.0
+  for ins in instructions:
+    if ins.computation in reducers:
+      continue  # Counted by the op that applies it.
+    results, operands = hlo._arrays(ins.shape), hlo._operand_arrays(ins, shapes)
+    executions = runs.get(ins.computation, (1, False))[0]
+    if ins.op == "fusion" and ins.computation not in fused:
+      body = next(m["name"] for m in hlo._CALLED.finditer(ins.line[ins.operands_at :]))
+      root = roots.get(body)
+      if root is not None and root.op == "dynamic-update-slice":  # In place: the update written.
+        results = hlo._arrays(shapes[_operand_names(root)[1]])
+      operands = [
+          _read_bytes(parameters.get((body, i)), users, shapes) for i in range(len(operands))
+      ]
+      traffic += executions * (sum(operands) + sum(a.bytes for a in results))
+    elif ins.computation not in fused and ins.op not in _NO_TRAFFIC:
+      traffic += executions * sum(a.bytes for a in operands + results)
+    if ins.op in _ELEMENTWISE and results:
+      flops += executions * results[0].size
+    elif ins.op == "dot" and operands and results:
+      contracting = _CONTRACTING.search(ins.line)
+      dims = [int(d) for d in contracting[1].split(",") if d] if contracting else []
+      flops += executions * 2.0 * results[0].size * math.prod(operands[0].dims[d] for d in dims)
+    elif ins.op == "reduce" and operands and results:
+      applied = next(hlo._CALLED.finditer(ins.line[ins.operands_at :]), None)
+      per_element = reducer_flops[applied["name"]] if applied else 1
+      flops += executions * (operands[0].size - results[0].size) * max(1, per_element)
+  return {"flops": flops, "bytes accessed": traffic} if instructions else None
 
 
-def _parse_hlo(hlo: Any, text: str, attempts: int = 4) -> Any:
-  """The HloModule of `text`. Where XLA's parser rejects an attribute its own printer wrote
-  (jaxlib 0.12 prints `output_to_operand_aliasing` on a GPU's async all-reduce and cannot read
-  it back), that attribute is dropped and the text parsed again: aliasing changes neither the
-  FLOPs nor the bytes the cost analysis counts."""
-  for _ in range(attempts):
-    try:
-      return hlo.hlo_module_from_text(text)
-    except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError and kin.
-      unexpected = _UNEXPECTED_ATTRIBUTE.search(str(e))
-      if unexpected is None:
-        raise
-      text = _without_attribute(text, unexpected["name"])
-  return hlo.hlo_module_from_text(text)
+def _operand_names(ins: Any) -> list[str]:
+  return [t.split("%")[-1] for t in hlo._operand_list(ins.line, ins.operands_at)]
 
 
-def _without_attribute(text: str, name: str) -> str:
-  """`text` with every `, name={...}` (balanced braces) removed."""
-  marker = f", {name}={{"
-  pieces, position = [], 0
-  while (start := text.find(marker, position)) >= 0:
-    pieces.append(text[position:start])
-    depth, i = 0, start + len(marker) - 1
-    while i < len(text):
-      depth += {"{": 1, "}": -1}.get(text[i], 0)
-      i += 1
-      if depth == 0:
-        break
-    position = i
-  return "".join(pieces) + text[position:]
+def _read_bytes(name: str | None, users: dict[str, list], shapes: dict[str, str]) -> int:
+  """Bytes a fusion reads of its parameter `name`: what a (dynamic) slice takes of it, nothing
+  where a dynamic-update-slice updates it in place, else the whole of it (once)."""
+  size, whole = 0, False
+  for user, index in users.get(name, []):
+    if user.op == "slice" or (user.op == "dynamic-slice" and index == 0):
+      size += sum(a.bytes for a in hlo._arrays(user.shape))
+    elif not (user.op == "dynamic-update-slice" and index == 0) and not whole:
+      whole = True
+      size += sum(a.bytes for a in hlo._arrays(shapes.get(name, "")))
+  return size
 
 
 # --- Library calls of a GPU program ----------------------------------------------------------
@@ -154,9 +195,9 @@ def library_call_cost(hlo_text: str) -> dict[str, Any]:
 
 
 def with_library_calls(hlo_cost: dict[str, float], library: dict[str, Any]) -> dict[str, Any]:
-  """A GPU program's FLOPs and bytes: the fusions' (`optimized_hlo_cost`, its -1 per custom
-  call added back) plus the library calls' (`library_call_cost`), and the two parts."""
-  fusions = {k: hlo_cost.get(k, 0.0) + library["count"] for k in ("flops", "bytes accessed")}
+  """A GPU program's FLOPs and bytes: the fusions' (`optimized_hlo_cost`) plus the library
+  calls' (`library_call_cost`), and the two parts."""
+  fusions = {k: hlo_cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
   calls = {"flops": float(library["flops"]), "bytes accessed": float(library["bytes"])}
   return {
       "flops": fusions["flops"] + calls["flops"],

@@ -203,7 +203,7 @@ def compile_step(
     record["collective_pricing"] = pricing
   cost = analysis.cost(compiled)
   if not cost and target.platform == "gpu":
-    hlo = analysis.optimized_hlo_cost(compiled, text)
+    hlo = analysis.optimized_hlo_cost(text)
     if hlo:
       record["optimized_hlo_cost"] = hlo
     # cuBLAS/cuDNN calls, which the HLO cost analysis does not count.
@@ -324,7 +324,7 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
     bytes_accessed, bytes_source = xla["bytes accessed"], "xla cost analysis"
   elif hlo.get("bytes accessed"):
     bytes_accessed = hlo["bytes accessed"]
-    bytes_source = "hlo cost analysis of the optimised program (this host's cpu client)" + (
+    bytes_source = "hlo cost analysis of the optimised program (counted from its text)" + (
         with_calls and with_calls + ": operands and results, workspace not counted"
     )
   elif train["memory"].get("arguments") is not None:
