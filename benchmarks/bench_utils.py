@@ -6,7 +6,9 @@ import datetime
 import json
 import math
 import os
+import pathlib
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -101,13 +103,13 @@ def fmt(value: Any, digits: int = 2, scale: float = 1.0) -> str:
   return f"{value * scale:,.{digits}f}" if math.isfinite(value) else "-"
 
 
-def markdown_table(rows: Sequence[dict], columns: Sequence[tuple]) -> list[str]:
-  """`rows` as the lines of a markdown table (after a blank line; none without rows), one column
-  per (heading, key, digits, scale), digits and scale optional (`fmt`'s)."""
+def markdown_table(rows: Sequence[dict], columns: Sequence[tuple]) -> str:
+  """`rows` as a markdown table after a blank line ("" without rows), one column per
+  (heading, key, digits, scale), digits and scale optional (`fmt`'s)."""
   lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|---" * len(columns) + "|"]
   for row in rows:
     lines.append("| " + " | ".join(fmt(row.get(key), *rest) for _, key, *rest in columns) + " |")
-  return ["", *lines] if rows else []
+  return "\n\n" + "\n".join(lines) if rows else ""
 
 
 def run_command(
@@ -132,3 +134,27 @@ def run_command(
       signal.signal(signal.SIGTERM, previous)
     log.seek(0)
     return code, log.read(), time.perf_counter() - start
+
+
+def read_json(path: str) -> dict:
+  try:
+    return json.loads(pathlib.Path(path).read_text())
+  except (OSError, ValueError):
+    return {}
+
+
+TEST_COUNTS = ("passed", "failed", "error", "skipped")
+
+
+def pytest_summary(output: str) -> dict:
+  """pytest -q's counts and FAILED/ERROR lines; where it was stopped before its last line, how
+  many tests had run, and failed, by its progress lines; {} if neither is there."""
+  if last := re.findall(r"^=* ?(\d+ \w+.* in [\d.]+s)", output, re.M):
+    found = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last[-1])}
+    counts = {k.replace("error", "errors"): found.get(k, 0) for k in TEST_COUNTS}
+    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)(?: - (.{0,240}))?", output, re.M)
+    failures = [{"test": test, "message": message} for test, message in failures]
+    return dict(counts, tests=sum(counts.values()), failures=failures)
+  marks = "".join(re.findall(r"^([.sxXFE]+)(?: +\[ *\d+%\])?$", output, re.M))
+  failed = marks.count("F") + marks.count("E")
+  return {"ran_before_stop": len(marks), "failed_before_stop": failed} if marks else {}

@@ -367,6 +367,32 @@ def compare_with_prediction(measured: dict, predicted: dict) -> dict:
   )
 
 
+GIB = 2**-30
+TRAIN_ROWS = {  # label: measured, predicted and ratio keys, scale.
+    "peak memory (GiB), the step's program": (
+        "peak_bytes",
+        "program_peak_bytes",
+        "peak_over_program_peak",
+        GIB,
+    ),
+    "peak memory (GiB), with the batches ahead": ("", "peak_bytes", "peak_over_fit_peak", GIB),
+    "step time (ms)": ("step_seconds", "step_seconds", "step_over_predicted_step", 1e3),
+    "roofline bound (ms)": ("", "roofline_seconds", "step_over_roofline", 1e3),
+    "share of the roofline bound reached": ("implied_utilization", "utilization", "", 1),
+    "images/s": ("images_per_s", "", "", 1),
+}
+
+
+def comparison_table(measured: dict, predicted: dict, ratios: dict) -> str:
+  """`measure_program`'s figures beside `prediction_summary`'s, as a markdown table."""
+  fmt = bench_utils.fmt
+  return "| | measured | predicted | measured / predicted |\n|---|---:|---:|---:|\n" + "\n".join(
+      f"| {label} | {fmt({**ratios, **measured}.get(a), 2, scale)} | "
+      f"{fmt(predicted.get(b), 2, scale)} | {fmt(ratios.get(r))} |"
+      for label, (a, b, r, scale) in TRAIN_ROWS.items()
+  )
+
+
 def evaluate_targets(rows: list[dict]) -> list[dict]:
   targets = []
   for r in rows:

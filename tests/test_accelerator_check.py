@@ -117,7 +117,7 @@ def test_pytest_output_is_counted_and_each_failure_listed(tmp_path):
       [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "test_sample.py"],
       cwd=tmp_path, capture_output=True, text=True, check=False,
   ).stdout
-  summary = accelerator_check.pytest_summary(output)
+  summary = bench_utils.pytest_summary(output)
   assert {k: summary[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == {
       "tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
   [failed, error] = summary["failures"]
@@ -131,11 +131,11 @@ def test_device_tests_stopped_before_their_report_say_how_far_they_got():
       "bringing up nodes...\n\n" + "." * 72 + " [ 22%]\n" + "." * 26 + "s" + "." * 45 + " [ 45%]\n"
       + "." * 40 + "sss" + "." * 26 + "sss [ 68%]\n" + "." * 72 + " [ 91%]\n" + "." * 27
   )
-  assert accelerator_check.pytest_summary(output) == {
+  assert bench_utils.pytest_summary(output) == {
       "ran_before_stop": 315, "failed_before_stop": 0}
   failing = output.replace("." * 72 + " [ 22%]", ".F" + "." * 68 + "E." + " [ 22%]")
-  assert accelerator_check.pytest_summary(failing)["failed_before_stop"] == 2
-  assert accelerator_check.pytest_summary("collected 4 items\nTraceback ...") == {}
+  assert bench_utils.pytest_summary(failing)["failed_before_stop"] == 2
+  assert bench_utils.pytest_summary("collected 4 items\nTraceback ...") == {}
 
 
 def _preflight_record(tmp_path, target, device_kind, batch):
