@@ -1,26 +1,14 @@
 r"""ISIC 2019 (paper Table 1, left): 8 diagnostic classes, sensitive sex, age (5 bins), site.
 
-Official layout under --config.data.root (ISIC_2019_Training_Input/,
-ISIC_2019_Training_GroundTruth.csv, ISIC_2019_Training_Metadata.csv). Split: the paper's
-seeded random 80:20 train/test with 5% of train as validation, or
---config.data.split=<dir with train.csv, val.csv, test.csv>. Missing metadata is an
-"unknown" group (--config.data.missing=exclude drops it from the metrics instead).
-
-One command per table cell:
   python -m fairmoe_jax.main --config=configs/isic2019.py:method=fairsmoe,backbone=deit_s \
       --config.data.root=/data/isic2019 --workdir=/tmp/isic_fairsmoe_deit_s
 
+--config.data.root holds the official layout; the split is the paper's seeded 80:20 train/test
+with 5% of train as validation, or --config.data.split=<dir with train.csv, val.csv, test.csv>.
+Missing metadata is an "unknown" group (--config.data.missing=exclude drops it from the metrics).
 Arguments: as configs/celeba.py (method, backbone, size=full|small, epochs, seed); the paper
-trains 300 epochs.
-
-The sample in ../shared/data has images for 132 of the 25,331 rows (melanoma and nevus only),
-enough to exercise the pipeline, not to measure anything:
-  python -m fairmoe_jax.main --config=configs/isic2019.py:size=small \
-      --config.data.root=../shared/data/isic2019 --workdir=/tmp/isic
-
-Expected result: no generated table (no full ISIC 2019 copy here, and the sample measures
-nothing); the paper reports 77.25% accuracy and 0.801 MF-PQD for FairSMoE with DeiT-S, which we
-have not reached.
+trains 300 epochs. The sample in ../shared/data (132 images) only exercises the pipeline. No
+generated table; the paper's 77.25% accuracy / 0.801 MF-PQD (FairSMoE DeiT-S) is not reached.
 """
 
 from fairmoe_jax.paper_config import paper_config

@@ -1,19 +1,15 @@
 r"""QQP -> PAWS-QQP (Causal Transformers, Sec. 4.1, Table 1): train on QQP, score PAWS-QQP, no fine-tuning.
 
-Full run (200 epochs, warm-up 12800 steps, dropout 0.1, 300-d GloVe init as in the paper):
   python -m causal_attn_jax.main --config=configs/qqp_paws.py:attention=causal \
       --config.data.train_file=/data/glue/QQP/train.tsv \
       --config.data.eval_file=/data/glue/QQP/dev.tsv \
       --config.data.challenge_file=/data/paws_qqp/dev_and_test.tsv \
       --config.model.glove_path=/data/glove.840B.300d.txt --workdir=/tmp/qqp_causal
 
-(tfds: --config.data.tfds_name=glue/qqp --config.data.tfds_data_dir=DIR, PAWS still from a file.)
-
+Or tfds: --config.data.tfds_name=glue/qqp --config.data.tfds_data_dir=DIR (PAWS from a file).
 Arguments: size (full | small), attention (causal | vanilla | band | dilated | random | block),
-gcn_hops (1 | 2), steps, seed.
-
-Expected result: no generated table (no QQP or PAWS sample is in ../shared/data); the paper
-reports 87.8% QQP and 78.1% PAWS-QQP, which we have not reached.
+gcn_hops (1 | 2), steps, seed. No generated table; the paper's 87.8% QQP / 78.1% PAWS-QQP is not
+reached.
 """
 
 from causal_attn_jax.config import paper_config_from_arg

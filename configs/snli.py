@@ -1,31 +1,21 @@
 r"""SNLI with the Causal Transformer or a baseline attention (Causal Transformers, Sec. 4.3, Table 3).
 
-Data: the official SNLI jsonl (or tfds `snli` with --config.data.tfds_name=snli
---config.data.tfds_data_dir=DIR). Paths have no default: a missing one is an error naming the key.
-
-Full run (BERT-base shaped, 300-d GloVe init as in the paper when --config.model.glove_path is
-given):
   python -m causal_attn_jax.main --config=configs/snli.py:attention=causal \
       --config.data.train_file=/data/snli_1.0/snli_1.0_train.jsonl \
       --config.data.eval_file=/data/snli_1.0/snli_1.0_test.jsonl \
       --config.model.glove_path=/data/glove.840B.300d.txt --workdir=/tmp/snli_causal
-
-CPU-scale run on the samples in ../shared/data (train on SNLI dev, evaluate on SNLI test):
   python -m causal_attn_jax.main --config=configs/snli.py:size=small,attention=causal \
       --config.data.train_file=../shared/data/nli/snli_1.0_dev.jsonl \
       --config.data.eval_file=../shared/data/nli/snli_1.0_test.jsonl --workdir=/tmp/snli_small
 
+Data paths have no default (or tfds: --config.data.tfds_name=snli --config.data.tfds_data_dir=DIR).
 Arguments (`--config=configs/snli.py:key=value,...`):
   size       full | small (tiny model, 1500 steps, CPU)
   attention  causal | vanilla | band | dilated | random | block
   gcn_hops   1 (literal Eq. 4) | 2 (two-hop GCN)
   steps      number of training steps (overrides the size's default and epochs)
   seed       run seed (also the data order)
-
-Expected result: no generated table covers SNLI. The small run trains on the dev sample's pairs
-only, so it mainly shows the pipeline and the constraint's effect on the attention (report.json:
-attention.effective_keys per layer). The paper reports 86.7% accuracy / 85.2 macro-F1 (full
-data), which we have not reached.
+No generated table; the paper's 86.7% accuracy / 85.2 macro-F1 (full data) is not reached.
 """
 
 from causal_attn_jax.config import paper_config_from_arg

@@ -1,20 +1,14 @@
 r"""WMT16 English-Romanian NMT (Causal Transformers, Sec. 4.2, Table 2): d_model 512, 6 layers, 8 heads.
 
-Full run on the Lee et al. (2018) preprocessed data (plain text), or tfds
-`wmt16_translate/ro-en` (--config.data.tfds_name=wmt16_translate/ro-en
---config.data.tfds_data_dir=DIR):
   python -m causal_attn_jax.main --config=configs/wmt16_enro.py:attention=causal \
       --config.data.train_source=/data/wmt16_enro/train.en \
       --config.data.train_target=/data/wmt16_enro/train.ro \
       --config.data.eval_source=/data/wmt16_enro/test.en \
       --config.data.eval_target=/data/wmt16_enro/test.ro --workdir=/tmp/enro_causal
 
+Or tfds `wmt16_translate/ro-en` (--config.data.tfds_name, --config.data.tfds_data_dir).
 Arguments: size (full | small), attention (causal | vanilla | band | dilated | random | block),
-gcn_hops (1 | 2), steps, seed, reverse (True: Ro->En).
-
-Expected result: BLEU of the beam-search translations in report.json. No generated table covers
-En-Ro (no En-Ro sample is in ../shared/data); the paper's En-Ro numbers are full-scale results
-we have not reached.
+gcn_hops (1 | 2), steps, seed, reverse (True: Ro->En). No generated table.
 """
 
 from causal_attn_jax.config import paper_config_from_arg

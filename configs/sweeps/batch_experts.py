@@ -1,15 +1,9 @@
-r"""Sweep: batch size x number of experts x method on the quickstart (synthetic data).
+r"""Sweep: batch size (64, 128, 256) x experts (4, 8) x FairSMoE or vanilla SMoE, on the quickstart.
 
-Command:
   python -m paper_runner.sweep --sweep=configs/sweeps/batch_experts.py --workdir=/tmp/batch_experts
 
-Trains FairSMoE and vanilla SMoE for every batch size (64, 128, 256) and expert count (4, 8),
-one seed: 12 runs of 350 steps. The learning rate follows the batch size by the square-root
-rule from batch 128 (`optimizer.lr_scaling`). Writes `sweep.csv`, `sweep.md`, `sweep.json`
-(accuracy, MF-PQD, MF-DP and throughput per run) and `plots/` (each metric against batch size,
-against experts and against method) in the workdir.
-
-Arguments, e.g. `--sweep=configs/sweeps/batch_experts.py:steps=50,seeds=2`:
+The learning rate follows the batch size by the square-root rule from batch 128
+(`optimizer.lr_scaling`). Arguments, e.g. `:steps=50,seeds=2`:
   steps  training steps per run (default 350)
   seeds  seeds 0..seeds-1 per grid point (default 1)
 """

@@ -1,22 +1,15 @@
 r"""Sweep: the augmentation strength of the CelebA sample at the chosen budget, on validation.
 
-Command:
   python -m paper_runner.sweep --sweep=configs/sweeps/celeba_augment.py --workdir=/tmp/celeba_augment
 
-The second axis of the training budget (docs/protocol.md, section 7): vanilla SMoE at size=small
-for 3 epochs (the budget configs/sweeps/celeba_budget.py chose) on identity fold 0 (training on
-folds 2-4, validation on fold 1), target Attractive (or `target=`), sensitive Male, Chubby and
-Goatee, capacity factor 2.0 as in the comparisons, under four augmentation strengths:
-
+Vanilla SMoE as in configs/sweeps/celeba_budget.py, at its chosen budget, under four strengths;
+the rule that reads them is docs/protocol.md section 7:
   none     no crop and no flip: the image is only resized
   weak     random resized crop of 0.7 to 1 of the area, horizontal flips
   shipped  random resized crop of 0.35 to 1 of the area, horizontal flips (size=small's)
   strong   random resized crop of 0.08 to 1 of the area (torchvision's default), flips
 
-Only the validation numbers are read; the rule that reads them is in docs/protocol.md section 7,
-stated before these runs.
-
-Arguments, e.g. `--sweep=configs/sweeps/celeba_augment.py:seeds=2`:
+Arguments, e.g. `:seeds=2`:
   epochs  the budget (default 3)
   seeds   seeds 0..seeds-1 per strength (default 1)
   target  the target attribute (default Attractive)

@@ -1,16 +1,9 @@
 r"""Sweep: the training budget of the CelebA sample, chosen on validation (docs/protocol.md, 6).
 
-Command:
   python -m paper_runner.sweep --sweep=configs/sweeps/celeba_budget.py --workdir=/tmp/celeba_budget
 
-The learning curve of vanilla SMoE at size=small over epochs (3, 6, 12 by default) on identity
-fold 0 (configs/celeba.py:split=identity_folds,fold=0: training on folds 2-4, validation on
-fold 1), target Attractive (or `target=`), sensitive Male, Chubby and Goatee, capacity factor
-2.0 as in the comparisons. Only the validation numbers are read (`validation.*` in each run's
-report.json); the test fold is the comparison's and is not looked at. The rule that reads the
-curve is in docs/protocol.md ("The training budget"), stated before these runs.
-
-Arguments, e.g. `--sweep=configs/sweeps/celeba_budget.py:epochs=(3, 6),seeds=2`:
+Vanilla SMoE's learning curve over epochs on identity fold 0, read on the validation fold only.
+Arguments, e.g. `:epochs=(3, 6),seeds=2`:
   epochs  the budgets (default (3, 6, 12))
   seeds   seeds 0..seeds-1 per budget (default 1)
   target  the target attribute (default Attractive)

@@ -1,15 +1,10 @@
-r"""Sweep: the expert-parallel scaling study on 8 fake CPU devices.
+r"""Sweep: expert-parallel scaling of sparse MoE (8 experts) on 8 fake CPU devices.
 
-Command (the runs inherit the environment, so XLA_FLAGS reaches every one):
-  export XLA_FLAGS=--xla_force_host_platform_device_count=8
+  export XLA_FLAGS=--xla_force_host_platform_device_count=8  # Every run inherits it.
   python -m paper_runner.sweep --sweep=configs/sweeps/scaling_cpu8.py --workdir=/tmp/scaling_cpu8
 
-Sparse MoE (`method=smoe`, 8 experts) on the quickstart for every mesh layout mesh.expert in
-(1, 2, 4, 8) (the data axis takes the remaining devices) and batch size (64, 256): 8 runs of 60
-steps, logging every 5 steps so the throughput medians have enough points. The fake devices
-share this host's cores, so the table and plots show the mechanics and the per-layout overheads
-(all-to-all dispatch, sharded experts), not speedups; real scaling needs real devices.
-
+mesh.expert in (1, 2, 4, 8) (data takes the rest) x batch size (64, 256). The fake devices share
+this host's cores: the table shows the per-layout overheads, not speedups.
 Arguments: `:steps=N` training steps per run (default 60).
 """
 
