@@ -5,22 +5,12 @@ r"""The preflight's step time against public training throughputs: the calibrati
   python -m paper_runner.calibration --write=docs/scaling.md  # render the table
   python -m paper_runner.calibration --check=docs/scaling.md  # exit 1 if it differs
 
-`--mode=compile` turns a compiled step into a time: the roofline bound (the larger of FLOPs at
-the dense bf16 peak and bytes at the HBM bandwidth, `trainkit.preflight.analysis`) divided by a
-utilisation, the share of that bound a real step reaches. This script measures that share. Each
-row is a public training run with its source, and our backbone of the same shape (a plain
-ViT/DeiT: no MoE block, 1000 classes, 224 px, bfloat16, AdamW) compiled by the same preflight
-for the same target, global batch and data-parallel mesh (each row in a process of its own, by
-`python -m paper_runner.fairmoe.calibration_row`). The public step time (global batch / images per
-second) against our roofline bound is the utilisation that platform reached:
-
-  utilisation = roofline bound / public step time.
-
-`trainkit.preflight.calibration` keeps the per-platform figure this gives, with the record's
-date; a test checks that it matches `results/records/calibration.json`. What the public figures
-are and are not (their own code, not ours; a different optimiser, head and input pipeline) is
-said under the table in docs/scaling.md: the calibration carries their uncertainty, shown as
-the range of the rows.
+`--mode=compile` turns a compiled step into a time: its roofline bound divided by a
+utilisation, the share of that bound a real step reaches. Each row is a public training run and
+our backbone of the same shape compiled for the same target, batch and mesh (in a process of
+its own, `paper_runner.fairmoe.calibration_row`); utilisation = roofline bound / public step
+time. `trainkit.preflight.calibration` keeps the per-platform figure (a test checks it against
+the record); docs/scaling.md says what the public figures are and are not.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from typing import Any
 
 from absl import app, flags
 
-from paper_runner.markers import marked_tables
+from paper_runner.markers import write_or_check
 from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.storage import write_atomically
@@ -92,8 +82,7 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-  """The command's flags, defined when it runs: a module that imports this one (a test, beside
-  `paper_runner.preflight_table`, whose flags share names) must not define them twice."""
+  """Defined when run: `paper_runner.preflight_table`'s flags share these names."""
   flags.DEFINE_bool("compile", False, "compile the rows missing from the record")
   flags.DEFINE_string("only", "", "with --compile: only rows whose name contains this")
   flags.DEFINE_string("write", "", "render the table into this document (between its markers)")
@@ -113,7 +102,6 @@ def compile_missing(pattern: str) -> None:
       continue
     print(f"compiling {run['name']} ...", flush=True)
     command = [sys.executable, "-m", ROW_MODULE, f"--row={run['name']}"]
-    # Without what libtpu may have written into this process's environment (trainkit.distributed).
     env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "1", "JAX_PLATFORMS": "cpu"})
     with tempfile.TemporaryDirectory() as scratch:
       out = os.path.join(scratch, "row.json")
@@ -202,31 +190,12 @@ def table(record: dict[str, Any] | None = None) -> str:
   return "\n".join(lines)
 
 
-def _between_markers(path: str) -> tuple[str, int, int]:
-  """(document, start, end) of this table's body in `path`; an error naming the file otherwise."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  ours = [t for t in marked_tables(text, path) if t.name == NAME]
-  if not ours:
-    raise UserError(f"{path}: no '<!-- table:{NAME} -->' ... '<!-- /table:{NAME} -->' lines")
-  return text, ours[0].body_start, ours[0].body_end
-
-
 @exit_on_user_error
 def main(argv: list[str]) -> None:
   del argv
   if FLAGS.compile:
     compile_missing(FLAGS.only)
-  rendered = table() + "\n"
-  if FLAGS.write:
-    text, start, end = _between_markers(FLAGS.write)
-    write_atomically(FLAGS.write, text[:start] + rendered + text[end:])
-  if FLAGS.check:
-    text, start, end = _between_markers(FLAGS.check)
-    if text[start:end] != rendered:
-      print(f"{FLAGS.check}: the {NAME} table differs from {RECORD}; rerun --write", file=sys.stderr)
-      sys.exit(1)
-    print(f"{FLAGS.check}: the {NAME} table matches {RECORD}")
+  write_or_check(NAME, table() + "\n", RECORD, FLAGS.write, FLAGS.check)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,10 @@ r"""Runs a command that gets SIGTERM when the process that started it dies, even
 
   python -m paper_runner.die_with_parent PARENT_PID -- COMMAND [ARG ...]
 
-A process that has initialised JAX cannot give its child a `preexec_fn` (a fork that runs Python
-in a multithreaded process may deadlock), so it starts this instead: a fresh interpreter that
-asks Linux for SIGTERM on its parent's death (PR_SET_PDEATHSIG, which `exec` keeps) and then
-becomes COMMAND. The mains checkpoint on SIGTERM. If the parent is already gone (it is not
-PARENT_PID's child any more), COMMAND never starts. Elsewhere than Linux it only runs COMMAND.
+A process that has initialised JAX cannot safely use `preexec_fn` (fork in a multithreaded
+process), so this fresh interpreter sets PR_SET_PDEATHSIG (kept across `exec`) and becomes
+COMMAND; if the parent is already gone, COMMAND never starts. Elsewhere than Linux it only runs
+COMMAND.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ import os
 import signal
 import sys
 
-# PR_SET_PDEATHSIG from <linux/prctl.h>: the signal a process gets when its parent dies.
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def wrapped(command: list[str], parent_pid: int | None = None) -> list[str]:
@@ -28,8 +26,10 @@ def wrapped(command: list[str], parent_pid: int | None = None) -> list[str]:
 
 def main(argv: list[str]) -> int:
   if len(argv) < 3 or argv[1] != "--":
-    print("usage: python -m paper_runner.die_with_parent PARENT_PID -- COMMAND [ARG ...]",
-          file=sys.stderr)
+    print(
+        "usage: python -m paper_runner.die_with_parent PARENT_PID -- COMMAND [ARG ...]",
+        file=sys.stderr,
+    )
     return 2
   parent, command = int(argv[0]), argv[2:]
   if sys.platform.startswith("linux"):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from typing import Callable
 
 from trainkit.errors import UserError
+from trainkit.storage import write_atomically
 
 _MARKER_LINE = re.compile(r"^<!-- (?P<end>/?)table:(?P<name>[A-Za-z0-9_]+) -->$", re.M)
 
@@ -66,3 +68,27 @@ def replace_tables(text: str, path: str, render: Callable[[str], str]) -> str:
     pieces += [text[position : table.body_start], render(table.name)]
     position = table.body_end
   return "".join(pieces) + text[position:]
+
+
+def table_span(path: str, name: str) -> tuple[str, int, int]:
+  """(document, start, end) of table `name`'s body in `path`; an error naming the file otherwise."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  ours = [t for t in marked_tables(text, path) if t.name == name]
+  if not ours:
+    raise UserError(f"{path}: no '<!-- table:{name} -->' ... '<!-- /table:{name} -->' lines")
+  return text, ours[0].body_start, ours[0].body_end
+
+
+def write_or_check(name: str, rendered: str, record: str, write: str, check: str) -> None:
+  """`--write=DOC` puts `rendered` between table `name`'s markers; `--check=DOC` exits 1 where
+  the document's table differs from it."""
+  if write:
+    text, start, end = table_span(write, name)
+    write_atomically(write, text[:start] + rendered + text[end:])
+  if check:
+    text, start, end = table_span(check, name)
+    if text[start:end] != rendered:
+      print(f"{check}: the {name} table differs from {record}; rerun --write", file=sys.stderr)
+      sys.exit(1)
+    print(f"{check}: the {name} table matches {record}")

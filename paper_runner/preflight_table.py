@@ -6,21 +6,9 @@ r"""The paper's configurations compiled for GPU nodes and TPU slices: the table 
   python -m paper_runner.preflight_table --write=docs/scaling.md   # render the table
   python -m paper_runner.preflight_table --check=docs/scaling.md   # exit 1 if it differs
 
-Each cell is one `--mode=compile` of a main (`trainkit/preflight`), run as a user would run it,
-in a subprocess: FairSMoE, vanilla SMoE, Muffin and MultiFair with DeiT-S, DeiT-B, Swin-S and
-Swin-B at 224 px, batch 256, 4 experts (paper Table 1; `configs/celeba.py`), and the Causal
-Transformer's WMT14 En-De base model and its MNLI classifier, on `h100x1`, `h100x8` (data
-parallel, and with `mesh.expert=4` for FairSMoE and vanilla SMoE, the methods with an MoE
-block), `v5e-16` and `v4-32`. A cell's record
-(fit, peak bytes per device, FLOPs, the roofline step time, compile time, or the error) goes to
-`results/records/preflight_paper.json` as soon as it is compiled, so `--compile` resumes where
-it stopped; the table is rendered from the record alone, with its provenance.
-
-The table compiles the train step only (`--config.preflight.eval_step=False`): the eval step
-has no gradients and the same batch, so it needs less; `--mode=compile` itself checks both.
-CelebA and ISIC 2019 runs have the same shapes (224 px images, 2 or 8 classes, 3 sensitive
-attributes), so one compile gives both datasets' device-hours: the paper's 500 epochs of
-CelebA's 162,770 training images and 300 epochs of ISIC 2019's 19,245 (the random split).
+Each cell is one `--mode=compile` of a main (`trainkit/preflight`) in a subprocess, train step
+only; its summary goes to `results/records/preflight_paper.json` as soon as it is compiled, so
+`--compile` resumes where it stopped, and the table is rendered from that record alone.
 """
 
 from __future__ import annotations
@@ -40,9 +28,9 @@ from typing import Any
 
 from absl import app, flags
 
-from paper_runner.markers import MarkedTable, marked_tables
+from paper_runner.markers import write_or_check
 from trainkit.distributed import child_environment
-from trainkit.errors import UserError, exit_on_user_error
+from trainkit.errors import exit_on_user_error
 from trainkit.storage import write_atomically
 
 NAME = "preflight_paper"
@@ -309,28 +297,6 @@ def render() -> str:
   return "\n".join(lines) + "\n"
 
 
-def _marked(text: str, path: str) -> MarkedTable:
-  """This table's place in the document; an error naming the file and line otherwise."""
-  ours = [table for table in marked_tables(text, path) if table.name == NAME]
-  if not ours:
-    raise UserError(f"{path}: no '<!-- table:{NAME} -->' ... '<!-- /table:{NAME} -->' lines")
-  return ours[0]
-
-
-def text_between_markers(path: str) -> str:
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  table = _marked(text, path)
-  return text[table.body_start : table.body_end]
-
-
-def replace_between_markers(path: str, table: str) -> None:
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  ours = _marked(text, path)
-  write_atomically(path, text[: ours.body_start] + table + text[ours.body_end :])
-
-
 _COMPILE = flags.DEFINE_bool("compile", False, "compile the cells missing from the record")
 _ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
 _SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
@@ -344,13 +310,7 @@ def main(argv: list[str]) -> None:
   del argv
   if _COMPILE.value:
     compile_missing(_ONLY.value, _SKIP.value, _REVERSE.value)
-  if _WRITE.value:
-    replace_between_markers(_WRITE.value, render())
-  if _CHECK.value:
-    if text_between_markers(_CHECK.value) != render():
-      print(f"{_CHECK.value}: the {NAME} table differs from {RECORD}; rerun --write", file=sys.stderr)
-      sys.exit(1)
-    print(f"{_CHECK.value}: the {NAME} table matches {RECORD}")
+  write_or_check(NAME, render(), RECORD, _WRITE.value, _CHECK.value)
 
 
 if __name__ == "__main__":

@@ -93,34 +93,34 @@ def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> 
     )
 
 
+def run_entry(spec: TableSpec, result: RunResult) -> dict[str, Any]:
+  """A run as a record holds it: row, pairing unit, status, settings, then metrics or error."""
+  entry: dict[str, Any] = {
+      "row": format_value(result.point[spec.rows]),
+      "seed": spec.pair(result.point),
+      "status": result.status,
+      "settings": run_record(spec.sweep, result.point)["settings"],
+  }
+  if result.status != "ok":
+    return {**entry, "error": result.error}
+  metrics = {p: metric_value(result.report, p) for p in spec.metrics()}
+  return {**entry, "metrics": metrics, **sample_sizes(result.report, spec)}
+
+
 def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   """The record of `spec`'s sweep in `workdir` (finished or not)."""
-  runs = []
   dates = []
   configs = []
   results = collect(spec.sweep, workdir)  # Read once: the rows, the pooling and the provenance.
   for result in results:
     if result.status == "ok":
       _check_started_by_spec(spec, workdir, result)
-  for result in results:
-    point = result.point
-    entry: dict[str, Any] = {
-        "row": format_value(point[spec.rows]),
-        "seed": spec.pair(point),
-        "status": result.status,
-        "settings": run_record(spec.sweep, point)["settings"],
-    }
+      dates.append(os.path.getmtime(os.path.join(result.run_dir, REPORT)))
     config_path = os.path.join(result.run_dir, "config.json")
     if os.path.isfile(config_path):
       with open(config_path) as f:
         configs.append(json.load(f))
-    if result.status == "ok":
-      entry["metrics"] = {p: metric_value(result.report, p) for p in spec.metrics()}
-      entry.update(sample_sizes(result.report, spec))
-      dates.append(os.path.getmtime(os.path.join(result.run_dir, REPORT)))
-    else:
-      entry["error"] = result.error
-    runs.append(entry)
+  runs = [run_entry(spec, result) for result in results]
   record: dict[str, Any] = {"table": spec.name, "spec": spec.path}
   if spec.references:
     record["references"] = reference_rows(spec)

@@ -285,7 +285,9 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
   for text in rerun_lines(spec, record):
     lines += ["", text]
-  return "\n".join(lines + ["", _provenance_line(spec, record["provenance"])]) + "\n"
+  if "provenance" in record:  # A sweep's own table (paper_runner.fairmoe.compare) has none.
+    lines += ["", _provenance_line(spec, record["provenance"])]
+  return "\n".join(lines) + "\n"
 
 
 def _provenance_line(spec: TableSpec, p: Mapping[str, Any]) -> str:

@@ -1,6 +1,7 @@
-"""`paper_runner.fairmoe.compare` and its table collector `paper_runner.fairmoe.paper_table`: the summary and
-markdown on hand-made runs, early errors, then once end to end through the experiment runner."""
+"""`paper_runner.fairmoe.compare` and its table collector `paper_runner.fairmoe.paper_table`: the
+table on hand-made runs, early errors, then once end to end through the experiment runner."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import scipy.stats
 from conftest import ONE_DEVICE_XLA_FLAGS
 from fairmoe_jax.config import base_config
 from paper_runner import spec
-from paper_runner.collect import RunResult
+from paper_runner.collect import RunResult, write_tables
 from paper_runner.fairmoe import compare, paper_table
 from trainkit.errors import UserError
 
@@ -66,40 +67,20 @@ def runs():
   return fairsmoe + vanilla
 
 
-def test_summarise_mean_and_sample_std_over_successful_seeds(runs):
-  summary = paper_table.summarise(runs)
-  fair = summary["methods"]["fairsmoe"]
-  assert fair["num_seeds"] == 3 and fair["seeds"] == [0, 1, 2]
-  for key, values in {
-      "accuracy": [0.70, 0.74, 0.75],
-      "mf_pqd": [0.80, 0.85, 0.83],
-      "mf_dp": [0.010, 0.012, 0.020],
-  }.items():
-    assert fair[key]["values"] == values
-    np.testing.assert_allclose(fair[key]["mean"], np.mean(values))
-    np.testing.assert_allclose(fair[key]["std"], np.std(values, ddof=1))
-  np.testing.assert_allclose(fair["pqd"]["age"]["mean"], np.mean([0.81, 0.86, 0.84]))
-
-  vanilla = summary["methods"]["vanilla_smoe"]
-  assert vanilla["num_seeds"] == 1
-  assert vanilla["accuracy"] == {
-      "mean": 0.60,
-      "std": None,
-      "low": None,
-      "high": None,
-      "values": [0.60],
-  }
-  assert summary["attributes"] == ["sex", "age"]
-  assert [(f["seed"], f["status"]) for f in summary["failed"]] == [(1, "failed"), (2, "missing")]
-  assert summary["failed"][0]["error"] == "exit code 1: RuntimeError: out of memory"
-  assert {r["status"] for r in vanilla["runs"]} == {"ok", "failed", "missing"}
-  json.dumps(summary)  # comparison.json must be writable as is.
+def _sweep(seeds):
+  """The comparison of fairsmoe and vanilla_smoe over `seeds` on a small quickstart dataset."""
+  small = {"data.train_size": 128, "data.val_size": 64, "data.test_size": 64}
+  return compare.comparison_sweep(
+      "configs/quickstart.py:steps=2", small, ["fairsmoe", "vanilla_smoe"], seeds
+  )
 
 
-def test_format_markdown_scales_and_lists_failures(runs):
-  markdown = paper_table.format_markdown(paper_table.summarise(runs))
-  acc, dp = [0.70, 0.74, 0.75], [0.010, 0.012, 0.020]
-  fair_row = next(line for line in markdown.splitlines() if line.startswith("| fairsmoe | "))
+def _row(markdown: str, label: str) -> str:
+  return next(line for line in markdown.splitlines() if line.startswith(f"| {label} | "))
+
+
+def test_comparison_cells_are_intervals_over_successful_seeds_beside_references(runs):
+  markdown, summary = paper_table.comparison(_sweep([0, 1, 2]), runs)
   t = scipy.stats.t.ppf(0.975, 2)  # 95% Student-t interval over 3 seeds.
 
   def cell(values, scale, decimals):
@@ -108,18 +89,40 @@ def test_format_markdown_scales_and_lists_failures(runs):
     mean = values.mean()
     return f"{mean:.{decimals}f} [{mean - half:.{decimals}f}, {mean + half:.{decimals}f}]"
 
-  assert cell(acc, 100, 2) in fair_row
-  assert cell(dp, 1e3, 2) in fair_row  # DP x 1e-3.
-  assert fair_row.endswith("| 3 |")
+  fair_row = _row(markdown, "fairsmoe")
+  assert cell([0.70, 0.74, 0.75], 100, 1) in fair_row  # Acc. (%).
+  assert cell([0.010, 0.012, 0.020], 1, 3) in fair_row  # MF-DP.
   # Experts active (Fig. 5) and the mean gradient cosine over pairs and batches (Fig. 6).
   assert cell([2.80, 2.85, 2.83], 1, 2) in fair_row
   assert cell([0.40, 0.425, 0.415], 1, 3) in fair_row
+  assert cell([0.81, 0.86, 0.84], 1, 3) in fair_row  # PQD age.
+  assert fair_row.endswith("| 3 |")
   # One seed: the value alone; an attribute the method lacks: a dash.
-  assert "| vanilla_smoe | 60.00 | 0.5000 | 30.00 | 2.50 | 0.250 | 1 |" in markdown
-  assert "| vanilla_smoe | 0.5000 | 0.0300 | — | — |" in markdown
-  assert "| Method | sex PQD | sex DP | age PQD | age DP |" in markdown
-  assert "vanilla_smoe seed 1 (failed" in markdown and "out of memory" in markdown
-  assert "vanilla_smoe seed 2 (missing" in markdown
+  expected = (
+      "| vanilla_smoe | 60.0 | 0.500 | 0.030 | 2.50 | 0.250 | 0.100 | 0.500 | 0.030 | — | — | 1 |"
+  )
+  assert expected in markdown
+  assert (
+      "| Acc. (%) | MF-PQD | MF-DP | Experts active | Grad. cos | Dropped (train) | PQD sex |"
+      in (markdown)
+  )
+  # The readers without a model, scored on the runs' data, and the bar they set.
+  assert "| *reference: majority class of the training split (" in markdown
+  chance = _row(
+      markdown,
+      "*reference: chance (4 classes, a uniform guess); mean [95% range] of 2000 seeded draws*",
+  )
+  assert chance.endswith("| — |") and "[" in chance.split("|")[2]
+  assert "Flag: runs without a result: vanilla_smoe seeds 1 (failed), 2 (missing)." in markdown
+  runs_json = json.loads(json.dumps(summary, default=dataclasses.asdict))["record"]["runs"]
+  assert [(r["row"], r["seed"], r["status"]) for r in runs_json if r["status"] != "ok"] == [
+      ("vanilla_smoe", 1, "failed"),
+      ("vanilla_smoe", 2, "missing"),
+  ]
+  assert runs_json[4]["error"] == "exit code 1: RuntimeError: out of memory"
+  accuracy = summary["rows"]["fairsmoe"]["cells"]["accuracy"]
+  np.testing.assert_allclose(accuracy.mean, np.mean([0.70, 0.74, 0.75]))
+  assert summary["rows"]["vanilla_smoe"]["seeds"] == [0]
 
 
 def test_a_method_entry_carries_config_overrides():
@@ -207,20 +210,20 @@ def test_a_wrong_method_key_stops_the_comparison_before_anything_runs(tmp_path, 
     assert not workdir.exists()
 
 
-def test_write_comparison_is_a_table_collector(runs, tmp_path):
+def test_write_comparison_is_a_table_collector_of_the_sweep_it_finds(runs, tmp_path):
+  sweep = _sweep([0, 1, 2])
+  write_tables(sweep, str(tmp_path), [])  # The runner's sweep.json, written before collectors.
   paths = paper_table.write_comparison(str(tmp_path), runs)
   assert paths == [str(tmp_path / "comparison.md"), str(tmp_path / "comparison.json")]
-  summary = json.loads((tmp_path / "comparison.json").read_text())
-  assert summary == json.loads(json.dumps(paper_table.summarise(runs)))
-  assert (tmp_path / "comparison.md").read_text() == paper_table.format_markdown(summary)
-  # A report without the fairness fields is a run without a result, not a crash.
-  odd = _run("muffin", 0, report={"accuracy": 0.5})
-  summary = paper_table.summarise([odd])
-  assert summary["methods"]["muffin"]["num_seeds"] == 0
-  assert "lacks what the table needs" in summary["failed"][0]["error"]
-  # Other varied grid keys than the seed make rows of their own.
-  wide = RunResult({"batch_size": 64, "method": "fairsmoe", "seed": 0}, "/w", "missing")
-  assert paper_table.summarise([wide])["failed"][0]["method"] == "batch_size=64,method=fairsmoe"
+  markdown, summary = paper_table.comparison(sweep, runs)
+  assert (tmp_path / "comparison.md").read_text() == markdown
+  written = json.loads((tmp_path / "comparison.json").read_text())
+  assert written == json.loads(json.dumps(summary, default=dataclasses.asdict))
+  assert written["record"]["runs"][0]["run_dir"] == "/w/runs/method=fairsmoe,seed=0"
+  # A report without the fairness fields gives dashes where they go, not a crash.
+  odd = [_run("fairsmoe", 0, report={"accuracy": 0.5}), *runs[1:]]
+  markdown, _ = paper_table.comparison(sweep, odd)
+  assert "| vanilla_smoe | 60.0 | 0.500 | 0.030 | 2.50 |" in markdown
 
 
 # Stands in for fairmoe_jax.main in the runs of an in-process comparison: a report the paper
@@ -261,7 +264,9 @@ def test_a_run_trained_with_another_config_is_stale_then_retrained(tmp_path, mon
   assert compare.run(config, str(workdir), ["vanilla_smoe"], ["0"], retrain=True, **kwargs) == 0
   assert json.loads((run / "report.json").read_text())["step"] == 3
   assert (run.parent / f"{run.name}.stale-1" / "report.json").is_file()
-  assert "| vanilla_smoe | 50.00 | 0.9000 | 100.00 | — | — | 1 |" in capsys.readouterr().out
+  assert "| vanilla_smoe | 50.0 | 0.900 | 0.100 | — | — | — | 0.900 | 0.100 | 1 |" in (
+      capsys.readouterr().out
+  )
 
 
 TINY = [
@@ -302,11 +307,13 @@ def test_compare_end_to_end_then_resume_without_retraining(repo_root, tmp_path):
   summary = json.loads((tmp_path / "comparison.json").read_text())
   assert "| vanilla_smoe | " in markdown and f"| {variant} | " in markdown
   assert markdown in result.stdout
-  assert list(summary["methods"]) == ["vanilla_smoe", variant]
-  assert summary["failed"] == []
+  assert [(r["row"], r["status"]) for r in summary["record"]["runs"]] == [
+      ("vanilla_smoe", "ok"),
+      (variant, "ok"),
+  ]
   runs = tmp_path / "runs"
   for method, name in (("vanilla_smoe", "vanilla_smoe"), ("multifair", variant)):
-    assert summary["methods"][name]["num_seeds"] == 1
+    assert summary["rows"][name]["seeds"] == [0]
     run = runs / f"method={name},seed=0"
     assert json.loads((run / "report.json").read_text())["method"] == method
     # The runs' own flags give the config that compare built and checked.
@@ -345,22 +352,32 @@ def test_unknown_method_is_one_line_error(repo_root, tmp_path):
 
 def test_paired_claims_against_vanilla_smoe_decide_on_same_seed_differences():
   """Five seeds whose accuracies share a large seed effect: FairSMoE is 2 points above vanilla
-  SMoE on every seed (holds) while its PQD is the same up to noise (undecided)."""
+  SMoE on every seed (holds) while its PQD is the same up to noise (undecided). Near the
+  reference readers' accuracy, the fairness claims are not decided."""
   shared = [0.0, 0.10, -0.08, 0.05, -0.04]
   noise = [0.01, -0.02, 0.015, -0.005, 0.0]
-  runs = []
-  for seed, (s, n) in enumerate(zip(shared, noise)):
-    runs.append(_run("fairsmoe", seed, report=_report("fairsmoe", 0.72 + s, 0.8 + n, 0.02)))
-    runs.append(_run("vanilla_smoe", seed, report=_report("vanilla_smoe", 0.70 + s, 0.8, 0.03)))
-  summary = paper_table.summarise(runs)
-  claims = {c["metric"]: c for c in summary["claims"]}
-  assert set(claims) == {"accuracy", "mf_pqd", "mf_dp"}
-  assert claims["accuracy"]["verdict"] == "holds" and claims["accuracy"]["enough_seeds"]
-  np.testing.assert_allclose(claims["accuracy"]["mean"], 0.02)
-  assert claims["mf_pqd"]["verdict"] == "undecided"
-  assert claims["mf_dp"]["verdict"] == "holds"  # Lower DP, by 0.01 on every seed.
-  markdown = paper_table.format_markdown(summary)
-  assert "## Paired differences from vanilla_smoe (same seeds)" in markdown
-  assert "| fairsmoe | higher Acc. (%) | +2.00 [2.00, 2.00] | 5 | holds |" in markdown
-  # Unequal token drops are named, so a reader knows one method lost tokens the other kept.
-  assert "dropped in training: fairsmoe 0.300, vanilla_smoe 0.100" in markdown
+
+  def verdicts(accuracy):
+    runs = []
+    for seed, (s, n) in enumerate(zip(shared, noise)):
+      fair = _report("fairsmoe", accuracy + 0.02 + s, 0.8 + n, 0.02)
+      runs += [_run("fairsmoe", seed, report=fair)]
+      runs += [_run("vanilla_smoe", seed, report=_report("vanilla_smoe", accuracy + s, 0.8, 0.03))]
+    markdown, summary = paper_table.comparison(_sweep(list(range(5))), runs)
+    claims = {claim.metric: (claim, result) for claim, result in summary["claims"]}
+    return markdown, {metric: result.verdict for metric, (_, result) in claims.items()}, claims
+
+  markdown, verdict, claims = verdicts(0.90)
+  assert verdict == {"accuracy": "holds", "mf.pqd": "undecided", "mf.dp": "holds"}
+  assert all(claim.baseline == "vanilla_smoe" for claim, _ in claims.values())
+  np.testing.assert_allclose(claims["accuracy"][1].difference.mean, 0.02)
+  assert (
+      "| fairsmoe higher than vanilla_smoe | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** |"
+      in (markdown)
+  )
+  _, verdict, _ = verdicts(0.30)  # Both rows below the corner-marker reader's 62.5%.
+  assert verdict == {
+      "accuracy": "holds",
+      "mf.pqd": "untestable: at reference accuracy",
+      "mf.dp": "untestable: at reference accuracy",
+  }

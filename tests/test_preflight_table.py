@@ -6,14 +6,15 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
+from paper_runner import markers as marked
 from paper_runner import preflight_table
 from trainkit.errors import UserError
 
 
 def test_the_table_in_the_docs_is_the_record(monkeypatch):
   monkeypatch.chdir(REPO_ROOT)
-  shown = preflight_table.text_between_markers("docs/scaling.md")
-  assert shown == preflight_table.render()
+  text, start, end = marked.table_span("docs/scaling.md", preflight_table.NAME)
+  assert text[start:end] == preflight_table.render()
   record = preflight_table._load()
   # Every cell of the record is a cell of the table, with its command and provenance.
   names = {cell["name"] for cell in preflight_table.cells()}
@@ -45,9 +46,9 @@ def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, mark
   path = tmp_path / "doc.md"
   path.write_text("# Doc\n" + markers)
   with pytest.raises(UserError, match=error):
-    preflight_table.text_between_markers(str(path))
+    marked.table_span(str(path), preflight_table.NAME)
   with pytest.raises(UserError, match=error):
-    preflight_table.replace_between_markers(str(path), "table\n")
+    marked.write_or_check(preflight_table.NAME, "table\n", "", str(path), "")
   assert path.read_text() == "# Doc\n" + markers
 
 

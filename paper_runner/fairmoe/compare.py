@@ -8,23 +8,12 @@ same method compare side by side, e.g.
 `--methods=fairsmoe@fair.specialization=class_routing,fairsmoe@fair.route_by=label`.
 `--config.KEY=VALUE` flags apply to every run.
 
-A front end of the experiment runner (`python -m paper_runner.sweep`): the comparison is the
-sweep of `fairmoe_jax.main` over the grid methods x seeds. Every run's config is built and
-validated here first, so a mistake (an unknown method or key, an impossible value) stops the
-comparison before anything trains. Each (method, seed) then trains as a subprocess, started in
-the current directory, in `<workdir>/runs/method=<method>,seed=<k>/`, logging to its `log.txt`.
-A run that finished with the same config (its config.json) is not trained again (one trained
-with another config is an error, or with --retrain is moved aside and retrained), and an
-interrupted run resumes from its checkpoint, so rerunning the same command resumes the
-comparison. A run that fails is recorded (`error.txt`, retried on the next invocation) and the
-others go on.
-
-The result, `<workdir>/comparison.md` and `comparison.json` (paper_runner/fairmoe/paper_table.py), has
-one row per method with mean ± sample std over the seeds that succeeded: Acc. (%), MF-PQD and
-MF-DP (x 1e-3, as the paper's Tables 1-2 print it), the effective number of experts the MoE
-block uses (exp of the entropy of its test-set choices, paper Fig. 5) and the mean gradient
-cosine between attribute tasks (Fig. 6), then each attribute's PQD and DP. The runner's own
-`sweep.csv`, `sweep.md`, `sweep.json` and `plots/` are written beside it.
+A front end of `python -m paper_runner.sweep`: the sweep of `fairmoe_jax.main` over methods x
+seeds, each run in `<workdir>/runs/method=<method>,seed=<k>/`. Every run's config is validated
+before anything trains; a finished run is reused only if trained with the same config, so
+rerunning the command resumes the comparison (docs/running.md). The table is
+`<workdir>/comparison.md` and `comparison.json` (`paper_runner/fairmoe/paper_table.py`), beside
+the runner's `sweep.csv`, `sweep.md`, `sweep.json` and `plots/`.
 The exit status is 1 when any run has no result (the tables are still written), 2 for a bad
 flag or config, 130 when interrupted.
 """
@@ -136,12 +125,8 @@ def _override(config: ml_collections.ConfigDict, key: str, text: str, entry: str
 def run_config(
     config: ml_collections.ConfigDict, method: str, seed: int
 ) -> ml_collections.ConfigDict:
-  """A copy of the shared config for one run, validated (its error names the method and seed).
-
-  The run itself is built by `fairmoe_jax.main` from flags; this in-process copy is what those
-  flags must give, so that a mistake shows before anything trains and a finished run can be
-  checked against the config.json it was trained with.
-  """
+  """A copy of the shared config for one run, validated (its error names the method and seed):
+  what the run's flags must give `fairmoe_jax.main`, checked before anything trains."""
   config = copy.deepcopy(config)
   name, overrides = split_method(method)
   config.method = name
@@ -163,12 +148,8 @@ def comparison_sweep(
     methods: Sequence[str],
     seeds: Sequence[int],
 ) -> ml_collections.ConfigDict:
-  """The runner's spec of the comparison: `fairmoe_jax.main` over methods x seeds.
-
-  `config_file` is `--config`'s value (`file.py[:args]`); its file is made absolute so the runs,
-  started from the repository root, find a config given relative to the current directory.
-  `overrides` are the `--config.KEY` values given to this command, forwarded to every run.
-  """
+  """The runner's spec of the comparison: `fairmoe_jax.main` over methods x seeds, `--config`'s
+  file made absolute and the `--config.KEY` `overrides` forwarded to every run."""
   path, sep, args = config_file.partition(":")
   clash = [k for k in GRID_KEYS if k in overrides]
   if clash:
@@ -199,10 +180,7 @@ def run(
     overrides: Mapping[str, Any] | None = None,
 ) -> int:
   """Trains what is missing, then writes the tables; returns the exit status (1: runs missing).
-
-  `config` is the shared config as loaded (with `overrides`, the `--config.KEY` values, applied);
-  `config_file` and `overrides` are what every run's own `--config` flags repeat.
-  """
+  `config_file` and `overrides` are what every run's own `--config` flags repeat."""
   methods, seeds = parse_methods(methods), parse_seeds(seeds)
   sweep = comparison_sweep(config_file, overrides or {}, methods, seeds)
   # Every config is checked before the first run trains, so a mistake costs seconds, not a run.
