@@ -12,18 +12,19 @@ Lagrangian of Eq. 6) or a baseline ("vanilla", "band", "dilated", "random", "blo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import ml_collections
 
 from causal_attn_jax import constraints as constraints_lib
-from causal_attn_jax.data import ood_pairs
+from causal_attn_jax.data import ood_pairs, spurious
 from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
-from trainkit.preflight.compile import preflight_config, validate_preflight
+from trainkit.preflight.compile import validate_preflight
 from trainkit.remat import validate_remat
 
 TASKS = ("classification", "translation")
@@ -35,63 +36,16 @@ def base_config() -> ml_collections.ConfigDict:
   """Every key a run reads, with defaults; config files override what they need."""
   config = ml_collections.ConfigDict()
   config.task = "classification"  # classification | translation
-  config.seed = 0
-  config.batch_size = 32  # Global, over all devices and processes.
-  config.eval_batch_size = 64
-  config.num_train_steps = 1000
-  # > 0: epochs over the train split instead of num_train_steps (a command-line one wins).
-  config.num_epochs = 0.0
-  config.log_every_steps = 50
-  config.eval_every_steps = 500  # 0 disables evaluation during training.
-  config.checkpoint_every_steps = 500
-  config.keep_checkpoints = 3
-  config.compute_dtype = "float32"
-  config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
-  # "START:END": a jax.profiler trace of steps START+1..END in <workdir>/profile; "" = none.
-  config.profile_steps = ""
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
-  # --mode=predict: a TSV of premise<TAB>hypothesis lines, or source sentences (translation).
-  config.predict = ml_collections.ConfigDict(dict(input=""))
-  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md).
-  config.preflight = preflight_config()
-  # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
-  config.distributed = cfg.distributed_config()
+  cfg.add_run_keys(config, batch_size=32, eval_batch_size=64, num_epochs=0.0)
 
   config.data = ml_collections.ConfigDict(
       dict(
           # A built-in testbed instead of files or tfds (docs/dataset.md): "spurious_pairs"
           # (data/spurious.py) or "ood_pairs" (data/ood_pairs.py); keys under their names.
           generator="",
-          spurious=ml_collections.ConfigDict(
-              dict(
-                  num_train=4000,
-                  num_eval=1000,
-                  num_challenge=1000,
-                  cue_agreement=0.9,  # P(lexical overlap agrees with the label), train and eval.
-                  num_nouns=24,
-                  num_verbs=8,
-                  num_adjectives=12,
-                  modifier_prob=0.0,
-                  distractor_prob=0.5,
-                  seed=0,  # The data's own seed: the same pairs whatever config.seed is.
-              )
-          ),
-          ood_pairs=ml_collections.ConfigDict(
-              dict(
-                  num_train=4000,
-                  num_eval=1000,
-                  num_challenge=1000,
-                  # Fraction of train and eval pairs whose filler majority is the label's class.
-                  cue_agreement=1.0,
-                  challenge_cue="reversed",  # reversed | absent (half the fillers of each class)
-                  num_fillers=8,  # Filler words per pair (data.max_len >= 5 + 3 + num_fillers).
-                  majority_fillers=5,  # Fillers of the pair's cue class (> num_fillers / 2).
-                  num_filler_words=4,  # Words in each of the two filler classes.
-                  num_nouns=24,
-                  num_verbs=8,
-                  seed=0,  # The data's own seed: the same pairs whatever config.seed is.
-              )
-          ),
+          # Keys and defaults: the generators' specs (docs/dataset.md, "Keys").
+          spurious=ml_collections.ConfigDict(dataclasses.asdict(spurious.SpuriousPairsSpec())),
+          ood_pairs=ml_collections.ConfigDict(dataclasses.asdict(ood_pairs.OodPairsSpec())),
           # Sentence pairs (classification): files read by causal_attn_jax.data.nli.read_pairs.
           pair_task="nli",  # nli (3-way) | paraphrase (2-way)
           train_file="",

@@ -19,7 +19,7 @@ from trainkit import config as cfg
 from trainkit.config import parse_arg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
-from trainkit.preflight.compile import preflight_config, validate_preflight
+from trainkit.preflight.compile import validate_preflight
 from trainkit.remat import validate_remat
 
 DATASETS = (*GENERATED_INFO, "celeba", "celeba_tfds", "isic2019")
@@ -29,22 +29,8 @@ def base_config() -> ml_collections.ConfigDict:
   """Every key a run reads, with defaults; config files override what they need."""
   config = ml_collections.ConfigDict()
   config.method = "fairsmoe"  # fairmoe_jax/methods/: METHODS
-  config.seed = 0
-  config.batch_size = 128  # Global, over all devices and processes.
-  config.eval_batch_size = 256
-  config.num_train_steps = 1000
-  # > 0: epochs over the train split instead of num_train_steps (a command-line one wins).
-  config.num_epochs = 0
-  config.log_every_steps = 50
-  config.eval_every_steps = 500  # On the validation split; 0 disables.
-  config.checkpoint_every_steps = 500
-  config.keep_checkpoints = 3
-  config.compute_dtype = "float32"
-  config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
-  # "START:END": a jax.profiler trace of steps START+1..END in <workdir>/profile; "" = none.
-  config.profile_steps = ""
+  cfg.add_run_keys(config, batch_size=128, eval_batch_size=256, num_epochs=0)
   config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
   # The test report (report.json, README "Reading the fairness report").
   config.eval = ml_collections.ConfigDict(
       dict(
@@ -54,12 +40,6 @@ def base_config() -> ml_collections.ConfigDict:
           min_group_size=30,
       )
   )
-  # --mode=predict: a folder of images or a file of image paths (relative to its folder).
-  config.predict = ml_collections.ConfigDict(dict(input=""))
-  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md).
-  config.preflight = preflight_config()
-  # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
-  config.distributed = cfg.distributed_config()
 
   config.data = ml_collections.ConfigDict(
       dict(

@@ -190,9 +190,35 @@ def require_finite_numbers(config: ml_collections.ConfigDict, prefix: str = "") 
         raise ConfigError(key, f"expected a finite number, got {value}")
 
 
-def distributed_config() -> ml_collections.ConfigDict:
-  """The `distributed` keys of every package's config (`trainkit.distributed`)."""
-  return ml_collections.ConfigDict(dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S))
+def add_run_keys(
+    config: ml_collections.ConfigDict, *, batch_size: int, eval_batch_size: int, num_epochs: float
+) -> None:
+  """Adds the keys every package's run has (`validate_run` checks them), with their defaults."""
+  from trainkit.preflight.compile import preflight_config  # pylint: disable=g-import-not-at-top
+
+  config.seed = 0
+  config.batch_size = batch_size  # Global, over all devices and processes.
+  config.eval_batch_size = eval_batch_size
+  config.num_train_steps = 1000
+  # > 0: epochs over the train split instead of num_train_steps (a command-line one wins).
+  config.num_epochs = num_epochs
+  config.log_every_steps = 50
+  config.eval_every_steps = 500  # On the validation split; 0 disables.
+  config.checkpoint_every_steps = 500
+  config.keep_checkpoints = 3
+  config.compute_dtype = "float32"
+  config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
+  # "START:END": a jax.profiler trace of steps START+1..END in <workdir>/profile; "" = none.
+  config.profile_steps = ""
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
+  # --mode=predict: the inputs to predict (images, or sentence pairs or sources: docs/running.md).
+  config.predict = ml_collections.ConfigDict(dict(input=""))
+  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md).
+  config.preflight = preflight_config()
+  # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
+  config.distributed = ml_collections.ConfigDict(
+      dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S)
+  )
 
 
 def startup_timeout_s(config: ml_collections.ConfigDict) -> float:
