@@ -24,7 +24,7 @@ from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
-from trainkit.preflight.compile import validate_preflight
+from trainkit.preflight.compile import preflight_config, validate_preflight
 from trainkit.remat import validate_remat
 
 TASKS = ("classification", "translation")
@@ -37,6 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.task = "classification"  # classification | translation
   cfg.add_run_keys(config, batch_size=32, eval_batch_size=64, num_epochs=0.0)
+  config.preflight = preflight_config()  # --mode=compile (docs/scaling.md).
 
   config.data = ml_collections.ConfigDict(
       dict(

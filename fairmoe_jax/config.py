@@ -19,7 +19,7 @@ from trainkit import config as cfg
 from trainkit.config import parse_arg
 from trainkit.errors import ConfigError
 from trainkit.optim import default_optimizer_config, validate_optimizer_config
-from trainkit.preflight.compile import validate_preflight
+from trainkit.preflight.compile import preflight_config, validate_preflight
 from trainkit.remat import validate_remat
 
 DATASETS = (*GENERATED_INFO, "celeba", "celeba_tfds", "isic2019")
@@ -30,6 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.method = "fairsmoe"  # fairmoe_jax/methods/: METHODS
   cfg.add_run_keys(config, batch_size=128, eval_batch_size=256, num_epochs=0)
+  config.preflight = preflight_config()  # --mode=compile (docs/scaling.md).
   config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
   # The test report (report.json, README "Reading the fairness report").
   config.eval = ml_collections.ConfigDict(

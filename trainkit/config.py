@@ -193,9 +193,8 @@ def require_finite_numbers(config: ml_collections.ConfigDict, prefix: str = "") 
 def add_run_keys(
     config: ml_collections.ConfigDict, *, batch_size: int, eval_batch_size: int, num_epochs: float
 ) -> None:
-  """Adds the keys every package's run has (`validate_run` checks them), with their defaults."""
-  from trainkit.preflight.compile import preflight_config  # pylint: disable=g-import-not-at-top
-
+  """Adds the keys every package's run has (`validate_run` checks them), with their defaults,
+  but for `preflight` (`trainkit.preflight.compile.preflight_config`)."""
   config.seed = 0
   config.batch_size = batch_size  # Global, over all devices and processes.
   config.eval_batch_size = eval_batch_size
@@ -213,8 +212,6 @@ def add_run_keys(
   config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
   # --mode=predict: the inputs to predict (images, or sentence pairs or sources: docs/running.md).
   config.predict = ml_collections.ConfigDict(dict(input=""))
-  # --mode=compile: the accelerator to compile the run for, without it (docs/scaling.md).
-  config.preflight = preflight_config()
   # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
   config.distributed = ml_collections.ConfigDict(
       dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S)

@@ -21,7 +21,6 @@ would merge across lines.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -31,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from trainkit.errors import UserError, import_extra
+from trainkit import tfds_data
+from trainkit.errors import UserError
 from trainkit.textfiles import iter_lines
 
 NLI_LABELS = ("entailment", "neutral", "contradiction")
@@ -324,17 +324,12 @@ def load_tfds_pairs(
         f"{', '.join(TFDS_PAIR_DATASETS)}."
     )
   task, first, second = TFDS_PAIR_DATASETS[name]
-  builder = tfds_builder(name, data_dir)
-  if split not in builder.info.splits:
-    raise UserError(
-        f"tfds {name} in {data_dir} has no split {split!r}; available: "
-        f"{', '.join(builder.info.splits)}."
-    )
+  builder = tfds_data.tfds_builder(name, data_dir, "causal", split)
   label_names = NLI_LABELS if task == "nli" else PARAPHRASE_LABELS
   source = f"tfds {name}[{split}] ({builder.data_dir})"
   pairs = _Builder(source, label_names)
   skipped = 0
-  for i, example in enumerate(tfds_examples(builder, split, max_examples)):
+  for i, example in enumerate(tfds_data.tfds_map(builder, split, max_examples)):
     label = int(example["label"])
     if label == _TFDS_NO_LABEL:
       skipped += 1
@@ -360,52 +355,3 @@ def load_tfds_pairs(
 
 def _text(value: Any) -> str:
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def tfds_builder(name: str, data_dir: str | os.PathLike) -> Any:
-  """The tfds builder of a dataset prepared in ``data_dir`` (UserError if not); never downloads."""
-  tfds = import_extra("tensorflow_datasets", "causal", f"tfds dataset {name}")
-  hint = (
-      f"prepare it there first (e.g. `tfds build {name} --data_dir={data_dir} "
-      "--file_format=array_record`); it is never downloaded here."
-  )
-  try:
-    builder = tfds.builder(name, data_dir=os.fspath(data_dir))
-  except Exception as e:  # pylint: disable=broad-except
-    # Without TensorFlow some builders (glue, wmt) are not registered and tfds
-    # looks only in data_dir, so "not found" means "not prepared".
-    raise UserError(
-        f"tfds dataset {name} is not prepared in {data_dir} ({type(e).__name__}: "
-        f"{str(e).splitlines()[0] if str(e) else ''}); {hint}"
-    ) from e
-  if not builder.is_prepared():
-    raise UserError(
-        f"tfds dataset {name} is not prepared in {data_dir} (looked for {builder.data_dir}); "
-        f"{hint}"
-    )
-  return builder
-
-
-def tfds_examples(builder: Any, split: str, max_examples: int = 0) -> Iterator[Mapping[str, Any]]:
-  """Yields numpy examples of a split, without TensorFlow when stored as array_record."""
-  file_format = str(getattr(builder.info, "file_format", "") or "")
-  if "array_record" in file_format or importlib.util.find_spec("tensorflow") is None:
-    try:
-      source = builder.as_data_source(split=split)
-    except Exception as e:  # pylint: disable=broad-except
-      raise UserError(
-          f"tfds {builder.info.full_name} in {builder.data_dir} is stored as "
-          f"{file_format or 'tfrecord'}, which needs TensorFlow to read; install tensorflow "
-          f"or prepare it with --file_format=array_record ({type(e).__name__}: {e})."
-      ) from e
-    n = len(source)
-    n = min(n, max_examples) if max_examples > 0 else n
-    for i in range(n):
-      yield source[i]
-    return
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-  dataset = builder.as_dataset(split=split, shuffle_files=False)
-  if max_examples > 0:
-    dataset = dataset.take(max_examples)
-  yield from tfds.as_numpy(dataset)

@@ -20,7 +20,7 @@ import os
 import pathlib
 import re
 
-from causal_attn_jax.data import nli
+from trainkit import tfds_data
 from trainkit.errors import UserError
 from trainkit.textfiles import read_text
 
@@ -200,15 +200,10 @@ def load_tfds_translation(
         f"tfds {name}: source_lang={source_lang!r} and target_lang={target_lang!r} must be "
         f"the two languages {' and '.join(sorted(languages))}."
     )
-  builder = nli.tfds_builder(name, data_dir)
-  if split not in builder.info.splits:
-    raise UserError(
-        f"tfds {name} in {data_dir} has no split {split!r}; available: "
-        f"{', '.join(builder.info.splits)}."
-    )
+  builder = tfds_data.tfds_builder(name, data_dir, "causal", split)
   sources: list[str] = []
   targets: list[str] = []
-  for example in nli.tfds_examples(builder, split, max_examples):
+  for example in tfds_data.tfds_map(builder, split, max_examples):
     sources.append(_decode(example[source_lang]))
     targets.append(_decode(example[target_lang]))
   return sources, targets

@@ -23,13 +23,11 @@ counted in ``DatasetInfo.load_stats`` rather than trusted from the header.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import hashlib
-import importlib.util
 import os
 import pathlib
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +35,8 @@ from PIL import Image
 
 from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data.types import DatasetInfo
-from trainkit.errors import UserError, import_extra
+from trainkit import tfds_data
+from trainkit.errors import UserError
 from trainkit.textfiles import read_text
 
 SPLITS = ("train", "val", "test")
@@ -398,14 +397,7 @@ def load_celeba_tfds(
   held. Returns ``(info, splits)`` as ``load_celeba``.
   """
   sensitive = _check_names(target, sensitive)
-  tfds = import_extra("tensorflow_datasets", "fairsmoe", "dataset celeba_tfds")
-  builder = tfds.builder("celeb_a", data_dir=data_dir)
-  if not builder.is_prepared():
-    raise UserError(
-        f"tfds dataset celeb_a is not prepared in {data_dir} (looked for {builder.data_dir}); "
-        "prepare it there first (e.g. `tfds build celeb_a --data_dir=...`); "
-        "it is never downloaded here."
-    )
+  builder = tfds_data.tfds_builder("celeb_a", data_dir, "fairsmoe")
   available = list(builder.info.features["attributes"].keys())
   columns = (target, *sensitive)
   missing = [name for name in columns if name not in available]
@@ -423,7 +415,11 @@ def load_celeba_tfds(
   splits: Splits = {}
   stats: dict[str, int] = {}
   for split, tfds_split in _TFDS_SPLITS.items():
-    converted = list(_tfds_map(builder, tfds_split, max_examples_per_split, convert, num_threads))
+    converted = list(
+        tfds_data.tfds_map(
+            builder, tfds_split, max_examples_per_split, convert, max(1, num_threads)
+        )
+    )
     n = len(converted)
     images = np.zeros((n, image_size, image_size, 3), np.uint8)
     values = np.zeros((n, len(columns)), np.int32)
@@ -434,35 +430,3 @@ def load_celeba_tfds(
     stats[f"{split}_examples"] = n
   images_lib.report_load_stats(f"celeba_tfds ({builder.data_dir})", stats)
   return celeba_info(target, sensitive, image_size, stats), splits
-
-
-def _tfds_map(
-    builder: Any,
-    split: str,
-    max_examples: int,
-    fn: Callable[[Mapping[str, Any]], Any],
-    num_threads: int,
-) -> Iterator[Any]:
-  """Yields ``fn(example)`` over a tfds split (numpy values), without TensorFlow if possible."""
-  file_format = str(getattr(builder.info, "file_format", "") or "")
-  if "array_record" in file_format or importlib.util.find_spec("tensorflow") is None:
-    try:
-      source = builder.as_data_source(split=split)
-    except Exception as e:  # pylint: disable=broad-except
-      raise UserError(
-          f"tfds celeb_a in {builder.data_dir} is stored as {file_format or 'tfrecord'}, which "
-          "needs TensorFlow to read; install tensorflow or prepare it with "
-          f"--file_format=array_record ({type(e).__name__}: {e})."
-      ) from e
-    n = len(source)
-    n = min(n, max_examples) if max_examples > 0 else n
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
-      yield from pool.map(lambda i: fn(source[i]), range(n))
-    return
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-  dataset = builder.as_dataset(split=split, shuffle_files=False)
-  if max_examples > 0:
-    dataset = dataset.take(max_examples)
-  for example in tfds.as_numpy(dataset):
-    yield fn(example)
