@@ -1,8 +1,5 @@
-"""A sweep's plots: each tabulated number against each grid key that varies.
-
-Figures are built with matplotlib's object API on an Agg canvas (no pyplot state), so drawing
-them neither needs a display nor changes the backend of a notebook that imports this module.
-"""
+"""A sweep's plots: each tabulated number against each grid key that varies (matplotlib's object
+API on an Agg canvas: no pyplot state, no display)."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ from paper_runner.collect import is_number, table_columns
 from paper_runner.spec import format_value, safe_name
 from trainkit import storage
 
-# Categorical x: the series of one category are spread over this fraction of the gap between
-# two categories, so that their error bars do not hide each other.
+# The share of the gap between two categories that their series are spread over.
 _DODGE_WIDTH = 0.5
 
 
@@ -27,14 +23,9 @@ def sweep_figure(
     column: str,
     key: str,
 ) -> Any:
-  """The figure of `column` against grid key `key`: a `matplotlib.figure.Figure`.
-
-  y is the mean over the finished runs of each value of `key` (error bar: the sample std when
-  there are several, each run a small dot), one series per combination of the other varied
-  keys. Numeric values of `key` are positions on a number line (log2 when they span a factor
-  of 4 or more) joined by lines; other values (methods, readings, bools) are categories, whose
-  points are not joined, since nothing lies between two categories.
-  """
+  """`column` against grid key `key`: the mean over finished runs (error bar: the sample std),
+  one series per combination of the other varied keys; numeric keys on a (log2 when wide) line,
+  others as unjoined categories with each run a dot."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # Lazily: only plots need it.
   from matplotlib.figure import Figure
 
@@ -75,7 +66,6 @@ def sweep_figure(
   if not numeric:
     ax.set_xlim(-0.5, len(xs) - 0.5)
   labels = [tick_label(x) for x in xs]
-  # Long values would overlap their neighbours when level.
   longest = max(len(line) for label in labels for line in label.split("\n"))
   slant = {"rotation": 20, "ha": "right"} if longest > 12 else {}
   ax.set_xticks(positions, labels, **slant)
@@ -88,9 +78,7 @@ def sweep_figure(
 
 
 def tick_label(value: Any) -> str:
-  """A grid value as a category's tick label: a value with `@` settings puts each setting on a
-  line of its own under the value, its key shortened to the last part (`VALUE@a.b.c=X` ->
-  `VALUE` and `c=X`), so a long value neither runs off the figure nor hides the values after it."""
+  """A grid value as a tick label: `VALUE@a.b.c=X` -> `VALUE` and `c=X` on lines of their own."""
   text = format_value(value)
   value_text, *settings = text.split("@")
   short = []
@@ -103,13 +91,10 @@ def tick_label(value: Any) -> str:
 def write_plots(
     sweep: ml_collections.ConfigDict, workdir: str, rows: Sequence[Mapping[str, Any]]
 ) -> list[str]:
-  """`plots/<column>_vs_<key>.png` per varied non-seed grid key and numeric column; returns paths.
-
-  Each is `sweep_figure(sweep, rows, column, key)`; only finished runs count.
-  """
+  """`plots/<column>_vs_<key>.png` per varied non-seed grid key and numeric column; returns paths."""
   varied = [k for k, values in sweep.grid.items() if k != "seed" and len(values) > 1]
   ok = [r for r in rows if r["status"] == "ok"]
-  columns = [c for c in table_columns(sweep, rows)[len(sweep.grid) + 1 :]]
+  columns = table_columns(sweep, rows)[len(sweep.grid) + 1 :]
   columns = [c for c in columns if any(is_number(r.get(c)) for r in ok)]
   if not varied or not columns:
     return []

@@ -1,16 +1,5 @@
-"""Running a sweep's runs on this machine, one subprocess after the other.
-
-The rules that make rerunning the same command safe:
-* a run whose report.json exists is skipped, but only if it was started with the settings asked
-  for now (its RUN record and the config.json it trained with against the config file and
-  flags of now, or what `differences` says); otherwise the sweep stops before running
-  anything, or with `retrain` moves the run aside and runs it again;
-* a run without report.json is (re)started; the mains resume from their checkpoints;
-* a failed run (non-zero exit, timeout, no report.json) leaves error.txt, is retried next time
-  and does not stop the others;
-* a timeout, Ctrl-C or SIGTERM gives the run SIGTERM (the mains checkpoint on it), then SIGKILL;
-  a runner killed outright (SIGKILL) takes its run with it: the run gets SIGTERM (Linux).
-"""
+"""Running a sweep's runs on this machine, one subprocess after the other, so that rerunning
+the same command is safe (docs/scaling.md, "Sweeps"; docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -59,8 +48,7 @@ from trainkit.workdir import (
 )
 
 ERROR_LOG_LINES = 30
-# A timed-out or interrupted run gets SIGTERM first (the mains checkpoint on it), then SIGKILL.
-TERMINATE_GRACE_S = 60
+TERMINATE_GRACE_S = 60  # Between SIGTERM (the mains checkpoint on it) and SIGKILL.
 # How a finished run in a directory differs from what a grid point asks for now.
 Differences = Callable[[Mapping[str, Any], str], list[str]]
 
@@ -87,11 +75,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-  """SIGTERM to the runner (a preemption, `kill`) stops it like Ctrl-C.
-
-  Without this the runner would die at once and leave the run it started (in a session of its
-  own) training on unsupervised; as an interrupt, the run is terminated and checkpoints.
-  """
+  """SIGTERM to the runner stops it like Ctrl-C, so the run it started is terminated too."""
   if threading.current_thread() is not threading.main_thread():
     yield  # Signal handlers can only be set from the main thread.
     return
@@ -112,12 +96,7 @@ _PROGRESS_LINE = re.compile(r"^\[[#.]*\] \d+/\d+")
 
 
 def _die_with_the_runner(runner_pid: int) -> Callable[[], None]:
-  """The run's preexec_fn: it gets SIGTERM (the mains checkpoint on it) when the runner dies.
-
-  A run has a session of its own, so a SIGKILL to the runner (or its terminal closing) would
-  otherwise leave it training unsupervised, writing to the log a rerun appends to. Linux only
-  (prctl); elsewhere a run outlives a killed runner as before.
-  """
+  """The run's preexec_fn: SIGTERM when the runner dies, even by SIGKILL (Linux only)."""
 
   # Looked up here, before the fork: the child runs as little as it can before its exec.
   prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
@@ -132,13 +111,9 @@ def _die_with_the_runner(runner_pid: int) -> Callable[[], None]:
 
 
 def failure_line(output: list[str]) -> str:
-  """The line of a failed run's output that says why: its last `error: ...` line or exception.
-
-  A main's last words are its `error: ...` line or the exception that ended it, but other lines
-  may follow them in the log (a progress line, a background thread's message), so the last such
-  line wins over the last line. Without one: the exception line of the last traceback, else the
-  last line that is not a progress line, else "".
-  """
+  """The line of a failed run's output that says why: its last `error: ...` or exception line
+  (other lines may follow it), else the last traceback's exception, else the last line that is
+  not a progress line."""
   for line in reversed(output):
     line = line.rstrip()
     if line.lower().startswith("error:") or _EXCEPTION_LINE.match(line):
@@ -174,8 +149,7 @@ def _run_one(
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(command)}\n")
     log.flush()
     offset = log.tell()
-    # A session of its own, so a timeout can stop the run's whole process tree; and SIGTERM
-    # when this runner dies, so a killed runner leaves no run training on unsupervised.
+    # A session of its own: a timeout stops the run's whole process tree.
     process = subprocess.Popen(
         command,
         cwd=cwd,
@@ -226,13 +200,8 @@ def record_differences(
     directory: str,
     cwd: str = REPO_ROOT,
 ) -> list[str]:
-  """How the finished run in `directory` differs from what `point` asks for now.
-
-  First its RUN record (module, config file, every flag); then, when the run saved the config
-  it trained with (`config.json`, as the mains do), that config against the one the same flags
-  give now (`spec.resolved_config`), so an edited config file (a learning rate, a top_k) makes
-  the run stale too and the difference names the key.
-  """
+  """How the finished run in `directory` differs from what `point` asks for now: its RUN record,
+  then its config.json against the config the same flags give now (an edited config file)."""
   changed = config_differences(_recorded_run(directory), run_record(sweep, point))
   if changed or not os.path.exists(os.path.join(directory, CONFIG_FILE)):
     return changed
@@ -251,13 +220,9 @@ def run_sweep(
 ) -> dict[str, str]:
   """Runs every run without a report.json, in order; returns {name: ok|failed|skipped}.
 
-  A finished run started with other settings is an error before anything runs, or with
-  `retrain` is moved aside (`<run>.stale-<n>`) and run again. `differences(point, directory)`
-  decides what "other settings" means; by default `record_differences` (the RUN record, then
-  the saved config.json against the config the flags give now, so an edited config file
-  counts).
-
-  `env` adds to this process's environment (the runs inherit it, XLA_FLAGS included).
+  A finished run that `differences` (default `record_differences`) finds stale is an error
+  before anything runs, or with `retrain` is moved aside and run again. `env` adds to this
+  process's environment.
   """
   base = sweep.config.partition(":")[0]
   if not os.path.isfile(os.path.join(cwd, base)):
@@ -266,7 +231,6 @@ def run_sweep(
   check_run_names(points)
   if differences is None:
     differences = lambda point, directory: record_differences(sweep, point, directory, cwd)
-  # Without libtpu's placeholders, which would make a run take itself for a TPU pod worker.
   run_env = child_environment({"PYTHONUNBUFFERED": "1", **(env or {})})
   stale = []
   for point in points:

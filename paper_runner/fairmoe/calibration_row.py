@@ -2,24 +2,31 @@ r"""One row of the calibration of docs/scaling.md (`paper_runner.calibration`), 
 
   python -m paper_runner.fairmoe.calibration_row --row=vit_b16@a100x8 --out=/tmp/row.json
 
-A row is a public training run (`paper_runner.calibration.PUBLIC_RUNS`) and our backbone of the
-same shape (a plain ViT/DeiT of `fairmoe_jax.models.backbones`: no MoE block, 1000 classes,
-bfloat16) compiled by the preflight for the same target, global batch and data-parallel mesh.
-`python -m paper_runner.calibration --compile` runs this command once per missing row, each in a
-fresh process, and records what it writes to `--out`.
+`python -m paper_runner.calibration --compile` runs it once per missing row, each in a fresh
+process, and records what it writes to `--out`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 from absl import app, flags
 
+from fairmoe_jax.data.augment import normalize_on_device
+from fairmoe_jax.models.backbones import build_backbone
 from paper_runner.calibration import PUBLIC_RUNS
+from trainkit.config_files import resolve_config_path
 from trainkit.errors import UserError, exit_on_user_error
+from trainkit.preflight.compile import Program, preflight
 
 FLAGS = flags.FLAGS
 
@@ -32,11 +39,7 @@ def _run_named(name: str) -> dict[str, Any]:
 
 
 def calibration_config(run: dict[str, Any]):
-  """The config of a row: the paper's CelebA config with its backbone, batch and target."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-
-  from trainkit.config_files import resolve_config_path  # pylint: disable=import-outside-toplevel
-
+  """The paper's CelebA config with the row's backbone, batch and target."""
   spec = importlib.util.spec_from_file_location("celeba_config", resolve_config_path("configs/celeba.py"))
   celeba = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(celeba)
@@ -52,18 +55,8 @@ def calibration_config(run: dict[str, Any]):
 
 
 def plain_classifier_program(config, mesh):
-  """Our backbone as the public runs train it: a plain classifier, softmax cross-entropy on
-  1000 classes, no MoE block, no fairness term."""
-  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-
-  from fairmoe_jax.data.augment import normalize_on_device  # pylint: disable=import-outside-toplevel
-  from fairmoe_jax.models.backbones import build_backbone  # pylint: disable=import-outside-toplevel
-  from trainkit.preflight.compile import Program  # pylint: disable=import-outside-toplevel
-
+  """Our backbone as the public runs train it: softmax cross-entropy on 1000 classes, no MoE
+  block, no fairness term."""
   del mesh
   num_classes, size, batch = 1000, config.data.image_size, config.batch_size
 
@@ -87,9 +80,6 @@ def plain_classifier_program(config, mesh):
 
 
 def compile_row(name: str) -> dict[str, Any]:
-  """The preflight of one row, in this process."""
-  from trainkit.preflight.compile import preflight  # pylint: disable=import-outside-toplevel
-
   run = _run_named(name)
   start = time.perf_counter()
   record = preflight(calibration_config(run), plain_classifier_program)
@@ -123,8 +113,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  # Defined when it runs, as paper_runner.calibration's: a module that imports this one defines
-  # none of them.
   flags.DEFINE_string("row", None, "the public run to compile (paper_runner.calibration)")
   flags.DEFINE_string("out", None, "where to write the row's JSON")
   flags.mark_flags_as_required(["row", "out"])
