@@ -5,29 +5,13 @@ r"""Forward+backward time and memory of one attention layer: causal (GCN updater
   python benchmarks/attention.py --lengths 128 256 512 --repeats 3  # CPU-sized
   python benchmarks/attention.py --lengths 2048 --repeats 0         # compile only (memory)
 
-Each case jits `jax.value_and_grad` with respect to the layer's parameters and its input x
-[B, N, D] of one `causal_attn_jax.layers.attention.MultiHeadAttention` (self-attention, no
-mask, dropout off; the paper's NMT shape by default: B 8, D 512, 8 heads, d_k 64):
-
-* "vanilla": loss = sum(y * cotangent), y = softmax(Q K^T / sqrt(d_k)) V W_O;
-* "causal": the Eq. 4 GCN updater (gcn_hops from --gcn_hops), plus the Markov-blanket term of
-  Eq. 6 as a training step computes it: `constraints.constraint_violations` of the layer's
-  attention probabilities (encoder self-attention: with slack; `--decoder` uses a causal mask
-  and the decoder rules instead) and `constraints.lagrangian_term` with every multiplier equal
-  to --multiplier (nonzero, so that the constraint's gradient flows back through A) and
-  augmented penalty --penalty;
-* "causal_unconstrained" (only when asked for with --kinds): the GCN updater alone, which
-  separates the cost of the updater from that of the constraint.
-
-Time: median of `--repeats` calls, each ended by `block_until_ready`, after compilation and one
-warm-up call (compilation is not timed). Memory: the compiled executable's `memory_analysis()`
-temp_size_in_bytes (scratch besides arguments and outputs; available on CPU too). Where the
-device has `memory_stats()` its peak_bytes_in_use is recorded as well; it cannot be reset
-between cases, so it is a running maximum over the cases run so far.
-
-Prints a table (vs_vanilla = time / vanilla's time at the same N) and the speed target,
-"causal at most 1.15x vanilla at N=256 on GPU", evaluated on the rows; CPU figures do not decide
-it. Writes JSON (default benchmarks/results/attention.json).
+One `MultiHeadAttention` (the paper's NMT shape by default), `jax.value_and_grad` of
+sum(y * cotangent): "vanilla" softmax attention; "causal" the Eq. 4 GCN updater plus the
+Markov-blanket term of Eq. 6 as a training step computes it (`--decoder`: causal mask and the
+decoder rules; every multiplier `--multiplier`, penalty `--penalty`); "causal_unconstrained"
+(`--kinds`) the updater alone. Time: median of `--repeats` calls after a warm-up; memory: the
+executable's temp_size_in_bytes. Prints a table and the target (causal at most 1.15x vanilla at
+N=256 on GPU); writes JSON (default benchmarks/results/attention.json).
 """
 
 from __future__ import annotations
@@ -117,27 +101,16 @@ def benchmark_case(
       times.append(time.perf_counter() - t0)
   stats = jax.devices()[0].memory_stats() or {}
   constrained = kind == "causal" and aux is not None
-  return dict(
-      n=n,
-      kind=kind,
-      batch=batch,
-      dim=dim,
-      heads=heads,
-      head_dim=dim // heads,
-      gcn_hops=gcn_hops if kind != BASELINE else None,
-      dtype=dtype,
-      decoder=decoder,
-      multiplier=multiplier if kind == "causal" else None,
-      penalty=penalty if kind == "causal" else None,
-      time_ms=1e3 * statistics.median(times) if times else None,
-      time_min_ms=1e3 * min(times) if times else None,
-      compile_s=compile_s,
-      rows_within=float(aux[0]) if constrained else None,
-      cols_within=float(aux[1]) if constrained else None,
-      flops=flops(compiled),
-      peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"),
-      **memory_analysis(compiled),
-  )
+  causal = kind == "causal"
+  row = dict(n=n, kind=kind, batch=batch, dim=dim, heads=heads, head_dim=dim // heads)
+  row.update(gcn_hops=gcn_hops if kind != BASELINE else None, dtype=dtype, decoder=decoder)
+  row.update(multiplier=multiplier if causal else None, penalty=penalty if causal else None)
+  row.update(time_ms=1e3 * statistics.median(times) if times else None)
+  row.update(time_min_ms=1e3 * min(times) if times else None, compile_s=compile_s)
+  row.update(rows_within=float(aux[0]) if constrained else None)
+  row.update(cols_within=float(aux[1]) if constrained else None, flops=flops(compiled))
+  row.update(peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"))
+  return dict(row, **memory_analysis(compiled))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

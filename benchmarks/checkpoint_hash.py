@@ -3,11 +3,9 @@ r"""What the checkpoint checksum manifest costs: save, manifest and verify times
   python benchmarks/checkpoint_hash.py                      # DeiT-S size: 22M parameters
   python benchmarks/checkpoint_hash.py --params_millions 86 # DeiT-B / ViT-B size
 
-The state is what a run checkpoints: parameters plus Adam's two moments (3x the parameters, in
-float32), as a few large arrays like a ViT's. Each repeat saves a new step synchronously
-(`Checkpointer(async_save=False)`), then times `write_manifest` (sha256 of every file) and
-`verify_manifest` on that step, and a full `restore`. Medians of `--repeats`. Prints a table and
-writes JSON (default benchmarks/results/checkpoint_hash.json).
+Parameters plus Adam's two moments in float32; medians of `--repeats` synchronous saves,
+`write_manifest`, `verify_manifest` and `restore`. Writes JSON (default
+benchmarks/results/checkpoint_hash.json).
 """
 
 from __future__ import annotations

@@ -4,45 +4,17 @@ r"""Which MoE dispatch on an accelerator, decided by the compiler: one MoE layer
   python benchmarks/dispatch_compile.py --peer-vmoe ../shared/peers/vmoe --dtype float32 bfloat16
   python benchmarks/dispatch_compile.py --targets v5e-8 --dtype bfloat16 --merge   # add rows
 
-The same step as `benchmarks/moe_layer.py` (its loss functions, imported): `jax.value_and_grad`
-of sum(y * cotangent) with respect to the tokens, the router kernel and the four expert weights,
-y the output of one MoE layer (float32 router -> top-k -> the dispatch algorithm, capacity
-`compute_capacity(S, E, k, capacity_factor)` per image), for each of `--dispatch`, the
-equal-FLOPs `dense_mlp` and, with `--peer-vmoe PATH`, V-MoE's own einsum and indices dispatchers.
-Cases: moe_layer.py's `--cases vmoe` (32 x 65 tokens, width 128, MLP 512, E = 8 and 64; 16 x 197
-tokens at DeiT-S widths, E = 8) and DeiT-S scale (`deit_s32`: 32 images of 197 tokens, width
-384, MLP 1536, top-2 of 4 and of 64 experts).
+`benchmarks/moe_layer.py`'s step (forward and backward), for each `--dispatch`, `dense_mlp` and,
+with `--peer-vmoe`, V-MoE's dispatchers, at moe_layer.py's `--cases vmoe` and `deit_s32`, lowered
+on one device of each target (`trainkit.preflight.targets.devices`) and compiled by its XLA. Per
+row: XLA's cost and memory analyses (`scratch` = what the step needs besides its inputs and
+results), a roofline time and the compile time. XLA's GPU compiler gives no cost analysis.
 
-Nothing runs and no accelerator is needed: each step is lowered with ShapeDtypeStructs placed on
-ONE device of the target (`trainkit.preflight.targets.devices`: libtpu describes a TPU slice, the
-CUDA plugin a GPU) and compiled by that target's XLA compiler. One device, because this compares
-the layer's dispatch algorithms with each other, not a sharded run (the preflight,
-`--mode=compile`, does that). Per row: XLA's cost analysis (flops, bytes accessed, and
-`optimal_seconds`, XLA's own time estimate, where it gives a positive one), the memory analysis
-(`trainkit.preflight.analysis.memory`: peak = the compiler's peak where it reports one, else
-arguments + outputs - aliased + temporaries; `scratch` = peak - arguments - outputs + aliased,
-what the step needs besides its inputs and results), a roofline time from the target's peak
-FLOP/s and memory bandwidth (`analysis.roofline_seconds`), and the compile time on this host.
-XLA's GPU compiler gives no cost analysis: GPU rows have memory figures only.
-
-Caveat: XLA's cost analysis counts a while loop's body once. `sort_blocks` and `blocksparse` run
-the expert MLP in loops over experts and blocks whose trip counts are known only at run time,
-so their flops and bytes are undercounted (about one block's MLP is counted); `flops_est` adds
-the matmuls of the blocks a perfectly balanced routing would fill (`balanced_blocks`), and their
-roofline uses it. `while_loops` counts the loops of the optimised HLO of every row (a
-searchsorted's small fixed loop is one too).
-
-`dropless` runs megablox's Pallas grouped-matmul kernels when compiled for a TPU and
-`ragged_dot` elsewhere; the rows `dropless_ragged_dot` and `dropless_megablox` force one
-(`VARIANTS`). A Pallas kernel is a custom call: XLA's TPU cost analysis counts the cost
-estimate the kernel passes to `pallas_call` (megablox's: 2 M K N FLOPs for the rows, the
-weights read once per visited row tile), so those rows' figures include the kernels' own
-estimates (docs/design.md, "Dropless on TPU: megablox").
-
-If a row fails to compile for its target, its `error` says why and the run goes on. Prints a
-markdown table and writes JSON (default benchmarks/results/dispatch_compile.json) with the
-provenance of `bench_utils.write_results` plus the targets, libtpu's version and, per target,
-dtype and case, the dispatch with the smallest roofline time and the one with the least scratch.
+XLA counts a while loop's body once: the looped dispatches (`sort_blocks`, `blocksparse`) add
+`flops_est`, the matmuls of a balanced routing. `dropless_ragged_dot` and `dropless_megablox`
+force one of `dropless`'s kernels; a Pallas kernel's cost is its own estimate. A row that fails
+to compile records its `error`. Writes JSON (default benchmarks/results/dispatch_compile.json)
+with, per target, dtype and case, the dispatch of least roofline time and of least scratch.
 """
 
 from __future__ import annotations
@@ -205,23 +177,10 @@ def compile_row(
       if dispatch == BASELINE
       else compute_capacity(tokens, num_experts, top_k, capacity_factor)
   )
-  row = dict(
-      target=target.name,
-      platform=target.platform,
-      device_kind=target.device_kind,
-      shape=shape,
-      groups=groups,
-      tokens=tokens,
-      dim=dim,
-      hidden=hidden,
-      num_experts=num_experts,
-      top_k=top_k,
-      capacity=capacity,
-      dispatch=dispatch,
-      dtype=dtype,
-      capacity_factor=capacity_factor,
-      error=None,
-  )
+  row = dict(target=target.name, platform=target.platform, device_kind=target.device_kind)
+  row.update(shape=shape, groups=groups, tokens=tokens, dim=dim, hidden=hidden)
+  row.update(num_experts=num_experts, top_k=top_k, capacity=capacity, dispatch=dispatch)
+  row.update(dtype=dtype, capacity_factor=capacity_factor, error=None)
   try:
     args = abstract_args(mesh, shape, num_experts, top_k, dispatch, dtype)
     compiled, seconds = compile_step(loss_fn(dispatch, capacity, top_k, peer), args)

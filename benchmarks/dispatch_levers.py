@@ -4,30 +4,12 @@ the fused expert MLP (`einsum_fused`) that was.
   python benchmarks/dispatch_levers.py                  # deit_s32 E=64 float32 on a v5e, ~2 min
   python benchmarks/dispatch_levers.py --experts 4 --dtype bfloat16
 
-docs/benchmarks.md ("Which dispatch on an accelerator") gives `einsum` at 0.96x the bytes of
-V-MoE's best at `deit_s32` E=64 float32, against the 0.9x asked. This compiles, for one v5e chip
-and as `benchmarks/dispatch_compile.py` compiles its rows (`moe_layer.py`'s loss, forward and
-backward), the layer as committed and under each lever left, then both:
-
-* `router_gsd`: the router's logits computed on the [G, S, D] tokens and flattened afterwards,
-  instead of flattening the tokens (197 is not a multiple of the TPU's 8-row tile, so the
-  flattening is a relayout copy of x, forward and backward);
-* `bf16_residuals`: the expert MLP keeps bf16 GELU(h) and GELU'(h) for its backward pass (behind
-  `optimization_barrier`: without it XLA recomputes both from the float32 h and nothing
-  changes). It changes the float32 gradients, which is why it was not adopted.
-
-It also compiles the expert MLP alone, on the [E, G, C, D] buffers `einsum` hands it (no router,
-no dispatch), and prints its traffic floor (`expert_mlp_traffic_floor`): the bytes any program
-moves that runs the MLP as XLA's TPU compiler does, one matmul per fusion with each [E, G, C, H]
-intermediate written once and read by each matmul that needs it. At `deit_s32` E=64 float32 that
-floor is above 0.9x of V-MoE's best (`benchmarks/results/dispatch_compile.json`), which both
-share, since V-MoE's dispatchers feed the same MLP: the ratio printed last. Below it: the MLP
-in `fused_mlp`'s Pallas kernels, which keep the hidden activation out of memory, alone and as
-the dispatch `einsum_fused` (the kernels' bytes are the estimate they pass to `pallas_call`).
-Last, for `einsum` and `einsum_fused`, the arrays of the dispatched buffers' shape each writes,
-by dtype (`buffer_writes`, read from the optimised HLO).
-
-Nothing else here is used by the library. The JSON (`--out`) holds each variant's bytes.
+Compiled for one v5e chip as `benchmarks/dispatch_compile.py` compiles its rows: the layer as
+committed, under `router_gsd` (router logits on the [G, S, D] tokens, no relayout of x) and
+`bf16_residuals` (the expert MLP keeps bf16 GELU(h) and GELU'(h) for its backward pass), and
+both; the expert MLP alone and its traffic floor (`expert_mlp_traffic_floor`), against V-MoE's
+best; the MLP in `fused_mlp`'s Pallas kernels, alone and as `einsum_fused`; and each dispatch's
+writes of the dispatched buffers' shape (`buffer_writes`). The JSON (`--out`) holds the bytes.
 """
 
 from __future__ import annotations

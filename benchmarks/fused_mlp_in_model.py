@@ -3,17 +3,9 @@ r"""The fused expert MLP inside a whole train step: what `einsum_fused` changes 
   python benchmarks/fused_mlp_in_model.py --out benchmarks/results/fused_mlp_in_model.json  # ~8 min
   python benchmarks/fused_mlp_in_model.py --backbone deit_b --target v5e-16
 
-`benchmarks/dispatch_compile.py` compares the MoE layer alone. This compiles the whole train
-step with the preflight (`--mode=compile`, deviceless), once with `moe.dispatch=einsum` and once
-with `einsum_fused` under each of a few kernel layouts (`fused_mlp.MAX_ROW_BLOCK`, rows per grid
-step, and `fused_mlp.WEIGHT_BUFFERS`, buffers per expert weight block), and prints the step's
-bytes accessed, FLOPs and peak per device (XLA's cost analysis; the kernels' share is their own
-estimate). The layouts differ in the scoped vector memory the kernels ask for, which XLA's TPU
-compiler then does not have for the rest of the program: that is what the comparison shows.
-
-Each compile runs `python -m fairmoe_jax.main` in a child process (this file with `--child`,
-which sets the two constants first), into a temporary workdir. The JSON (`--out`) holds every
-row. Nothing here is used by the library.
+Compiles the train step with the preflight (deviceless) with `moe.dispatch=einsum` and with
+`einsum_fused` under a few kernel layouts (`fused_mlp.MAX_ROW_BLOCK`, `fused_mlp.WEIGHT_BUFFERS`),
+each in a child process (`--child` sets them); prints bytes accessed, FLOPs and peak per device.
 """
 
 from __future__ import annotations

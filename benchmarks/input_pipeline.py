@@ -1,24 +1,14 @@
 """Training input pipeline throughput at 224 px on real CelebA files: images/s per core, over
 worker processes, host-to-device bytes per batch, and cores needed per accelerator.
 
-Rows (all on the paper's augmentation, `configs/celeba.py`: RandomResizedCrop scale 0.08-1, flip,
-decode square `train_decode_size(224)` = 258):
-
-* `float32_two_pass` is the pipeline before 2026-12 rebuilt from the same parts: the file
-  decoded (draft) and resized bicubically to the 258 square, the crop resized bilinearly to 224,
-  normalised to float32 per example on the host;
-* `uint8_two_pass` is the same resampling, kept uint8 (normalised on the device);
-* `uint8_one_pass` is today's default (`data.train_resampling=one_pass`): the crop resampled
-  straight from the file's pixels, uint8.
-
-Each row reads `--batches` batches of `--batch_size` after one warm-up batch (worker start-up is
-not counted) with `num_threads=0` per process, so `--workers=0` is one core in the training
-process and `--workers=n` is n worker processes of one core each (grain's `mp_prefetch`).
-The cores needed per accelerator divide the images/s one accelerator consumes at the preflight's
-step-time estimate (`results/records/preflight_paper.json`, `--preflight_cell`) by the per-core
-rate. Writes JSON (default benchmarks/results/input_pipeline.json).
-
   python benchmarks/input_pipeline.py --workers=0,1,2
+
+Rows, all on the paper's augmentation (`configs/celeba.py`): `float32_two_pass` (decoded, resized
+to the 258 square, cropped to 224, float32 on the host: the pipeline before 2026-12),
+`uint8_two_pass` (the same, uint8) and `uint8_one_pass` (the default: the crop resampled from the
+file's pixels). Each reads `--batches` batches after a warm-up, one core per process. Cores per
+accelerator: the preflight's step rate (`--preflight_cell`) over the per-core rate. Writes JSON
+(default benchmarks/results/input_pipeline.json).
 """
 
 from __future__ import annotations

@@ -4,29 +4,13 @@ r"""Forward+backward time and memory of one MoE layer, by dispatch algorithm, on
   python benchmarks/moe_layer.py --cases vmoe                # the three cases compared with V-MoE
   python benchmarks/moe_layer.py --shape deit_s --dtype bfloat16   # DeiT-S last block (accelerator)
 
-Besides the dispatch algorithms, two rows are references. `dense_mlp` (below) is the
-equal-FLOPs dense layer. `vmoe_ref` is the V-MoE algorithm
-(Riquelme et al. 2021 and google-research/vmoe's `EinsumDispatcher` with `sparse_moe_spmd`),
-written here in a few lines of our own: one-hot [G, S, E, C] dispatch and combine tensors,
-the dispatched buffers laid out expert-major as (E, G * C, D) for the stacked expert MLP, and
-laid back out as [G, E, C, D] for the combine einsum.
-
-Each case jits `jax.value_and_grad` of sum(y * cotangent) with respect to the tokens x, the
-router kernel and the four expert weights, where y is the MoE layer output: float32 router
-logits -> `route_from_logits` (softmax, top-k) -> `DISPATCH_ALGORITHMS[dispatch]` with capacity
-`compute_capacity(S, E, k, capacity_factor)` per group (one group = one image). The baseline
-`dense_mlp` is a single GELU MLP of hidden width k * H: what each token computes when routed to
-k experts of hidden H, i.e. the same active FLOPs without any routing or dispatch.
-
-Time: median of `--repeats` calls, each ended by `block_until_ready`, after compilation and one
-warm-up call; all cases are compiled first and then called in turn, round after round, so a
-slow phase of a shared machine does not fall on one case. Memory: the compiled executable's
-`memory_analysis()` (temp_size_in_bytes is the scratch the step needs besides its arguments and
-outputs; available on CPU too), and XLA's cost analysis gives FLOPs and bytes accessed.
-
-Prints a table and the MoE-layer targets evaluated on the rows (sort at most 0.8x the V-MoE
-reference's time with no more scratch memory, at most 1.3x the dense MLP at E=8, k=2, and at
-least 1.5x faster than einsum at E=64), and writes JSON (default
+Each case jits `jax.value_and_grad` of sum(y * cotangent), y the MoE layer's output (float32
+router, top-k, `DISPATCH_ALGORITHMS[dispatch]`, capacity per image). References: `dense_mlp`, a
+GELU MLP of hidden k * H (the same active FLOPs, no routing), and `vmoe_ref`, V-MoE's einsum
+dispatch (Riquelme et al. 2021) in a few lines of our own. Time: median of `--repeats` rounds,
+the cases alternated (`bench_utils.time_interleaved`); memory and FLOPs: XLA's analyses.
+Prints a table and the targets (sort at most 0.8x V-MoE's time with no more scratch, at most
+1.3x the dense MLP at E=8, k=2, at least 1.5x faster than einsum at E=64); writes JSON (default
 benchmarks/results/moe_layer.json).
 """
 
@@ -326,19 +310,9 @@ def compile_case(
   keys = jax.random.split(jax.random.key(seed), 8)
   x = jax.random.normal(keys[0], (groups, tokens, dim), jnp.float32).astype(dtype)
   cotangent = jax.random.normal(keys[1], (groups, tokens, dim), jnp.float32).astype(dtype)
-  row = dict(
-      shape=shape,
-      groups=groups,
-      tokens=tokens,
-      dim=dim,
-      hidden=hidden,
-      num_experts=num_experts,
-      top_k=top_k,
-      dispatch=dispatch,
-      dtype=dtype,
-      capacity_factor=capacity_factor,
-      capacity=None,
-  )
+  row = dict(shape=shape, groups=groups, tokens=tokens, dim=dim, hidden=hidden)
+  row.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch, dtype=dtype)
+  row.update(capacity_factor=capacity_factor, capacity=None)
   if dispatch == BASELINE:
     width = top_k * hidden
     weights = (
@@ -491,21 +465,8 @@ def _fmt(value: Any, digits: int) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-  header = [
-      "shape",
-      "E",
-      "k",
-      "C",
-      "dispatch",
-      "time_ms",
-      "vs_dense",
-      "vs_ref",
-      "vs_vmoe_best",
-      "GB_accessed",
-      "temp_MB",
-      "vs_ref_memory",
-      "plan_MB",
-  ]
+  header = "shape E k C dispatch time_ms vs_dense vs_ref vs_vmoe_best GB_accessed temp_MB"
+  header = [*header.split(), "vs_ref_memory", "plan_MB"]
   print("| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))
   for r in rows:

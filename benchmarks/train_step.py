@@ -4,19 +4,11 @@ r"""The fairmoe_jax train step against the same ViT with a dense MLP, on this ma
   python benchmarks/train_step.py --configs quickstart --experts 4 32 --dispatch sort dropless
   python benchmarks/train_step.py --configs deit_small --batch_size 256 --compute_dtype bfloat16
 
-Each row times the jitted train step (forward, backward, AdamW update, state donated) of a run
-config's model on random inputs of its image size and batch size, median of `--steps` steps
-after compilation. Beside every MoE row:
-  * `dense`: the same ViT with each MoE block's layer replaced by a plain GELU MLP of hidden width
-    top_k * mlp_dim, i.e. the same active FLOPs per token, no routing and no dispatch;
-    `vs_dense` is the MoE step's time over it (target: at most 1.2x at E=4 and E=32);
-  * model FLOPs per second: the dense step's FLOPs (XLA's cost analysis: the MoE step's active
-    FLOPs) over the step time, and that as a share of this machine's float32 matmul peak (a
-    2048 x 2048 matmul, `--peak_size`);
-  * `--methods` adds other methods' steps (default: FairSMoE, whose extra cost is the FGR
-    branch and its losses; FEM's reviews run outside the step, docs/benchmarks.md).
-
-Prints a table and writes JSON (default benchmarks/results/train_step.json).
+Each row times the jitted train step of a config's model on random inputs (median of `--steps`
+steps after compilation), beside `dense`: the MoE layers replaced by GELU MLPs of hidden
+top_k * mlp_dim, the same active FLOPs (target: `vs_dense` at most 1.2x at E=4 and E=32); model
+FLOP/s and their share of this machine's matmul peak (`--peak_size`); `--methods` adds other
+methods' steps. Prints a table and writes JSON (default benchmarks/results/train_step.json).
 """
 
 from __future__ import annotations
@@ -269,26 +261,15 @@ def measure_program(config: ml_collections.ConfigDict, warmup_steps: int, timed_
   _, [times] = bench_utils.time_interleaved([step], timed_steps)
   step_s = statistics.median(times)
   stats = device.memory_stats() or {}
-  return dict(
-      method=config.method,
-      backbone=config.model.backbone,
-      batch_size=config.batch_size,
-      compute_dtype=config.compute_dtype,
-      image_size=config.data.image_size,
-      dispatch=program.settings.get("moe.dispatch"),
-      device_kind=str(device.device_kind),
-      compile_seconds=compile_s,
-      compiled_memory=bench_utils.memory_analysis(compiled),
-      warmup_steps=warmup_steps + 1,
-      timed_steps=len(times),
-      step_seconds=step_s,
-      step_min_seconds=min(times),
-      step_max_seconds=max(times),
-      images_per_s=config.batch_size / step_s,
-      # The process's peak: the measurement's alone when it has a process of its own.
-      peak_bytes=stats.get("peak_bytes_in_use"),
-      bytes_limit=stats.get("bytes_limit"),
-  )
+  row = dict(method=config.method, backbone=config.model.backbone, batch_size=config.batch_size)
+  row.update(compute_dtype=config.compute_dtype, image_size=config.data.image_size)
+  row.update(dispatch=program.settings.get("moe.dispatch"), device_kind=str(device.device_kind))
+  row.update(compile_seconds=compile_s, compiled_memory=bench_utils.memory_analysis(compiled))
+  row.update(warmup_steps=warmup_steps + 1, timed_steps=len(times), step_seconds=step_s)
+  row.update(step_min_seconds=min(times), step_max_seconds=max(times))
+  row.update(images_per_s=config.batch_size / step_s)
+  # The process's peak: the measurement's alone when it has a process of its own.
+  return dict(row, peak_bytes=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
 
 
 def prediction_summary(record: dict) -> dict:
@@ -297,24 +278,16 @@ def prediction_summary(record: dict) -> dict:
   ahead of the step; the program's is the step's own, what one step on random inputs reaches."""
   target, run, train = (record.get(k) or {} for k in ("target", "run", "train_step"))
   memory, roofline = train.get("memory") or {}, train.get("roofline") or {}
-  return dict(
-      target=target.get("name"),
-      target_device_kind=target.get("device_kind"),
-      usable_bytes=target.get("usable_bytes"),
-      fits=record.get("fits"),
-      peak_bytes=memory.get("peak"),
-      program_peak_bytes=memory.get("program_peak"),
-      step_seconds=run.get("step_seconds"),
-      utilization=run.get("utilization"),
-      roofline_seconds=roofline.get("bound_s"),
-      bound_by=roofline.get("bound_by"),
-      flops_per_step=train.get("flops_per_device"),
-      bytes_accessed_per_step=train.get("bytes_accessed_per_device"),
-      dispatch=(record.get("settings") or {}).get("moe.dispatch"),
-      compile_seconds=train.get("compile_seconds"),
-      provenance=record.get("provenance"),
-      record=record,
-  )
+  summary = dict(target=target.get("name"), target_device_kind=target.get("device_kind"))
+  summary.update(usable_bytes=target.get("usable_bytes"), fits=record.get("fits"))
+  summary.update(peak_bytes=memory.get("peak"), program_peak_bytes=memory.get("program_peak"))
+  summary.update(step_seconds=run.get("step_seconds"), utilization=run.get("utilization"))
+  summary.update(roofline_seconds=roofline.get("bound_s"), bound_by=roofline.get("bound_by"))
+  summary.update(flops_per_step=train.get("flops_per_device"))
+  summary.update(bytes_accessed_per_step=train.get("bytes_accessed_per_device"))
+  summary.update(dispatch=(record.get("settings") or {}).get("moe.dispatch"))
+  summary.update(compile_seconds=train.get("compile_seconds"), provenance=record.get("provenance"))
+  return dict(summary, record=record)
 
 
 def same_chip(a: str | None, b: str | None) -> bool | None:
@@ -487,19 +460,8 @@ def main() -> None:
       f"matmul peak ({args.peak_size}^2): {peak / 1e9:.1f} GFLOP/s; median of {args.steps} "
       "alternated steps"
   )
-  columns = [
-      "config",
-      "method",
-      "num_experts",
-      "dispatch",
-      "batch_size",
-      "compile_s",
-      "step_ms",
-      "vs_dense",
-      "images_per_s",
-      "model_gflops_per_s",
-      "share_of_peak",
-  ]
+  columns = "config method num_experts dispatch batch_size compile_s step_ms vs_dense images_per_s"
+  columns = [*columns.split(), "model_gflops_per_s", "share_of_peak"]
   print("| " + " | ".join(columns) + " |")
   print("|" + "---|" * len(columns))
   for row in rows:

@@ -3,14 +3,10 @@ r"""Statistics of the built-in generated datasets: the numbers in docs/dataset.m
   python scripts/synthetic_stats.py --seed=0 [--dataset=synthetic_testbed] [--output=x.json]
   python scripts/synthetic_stats.py --seed=0 --workdir=/tmp/qs_seed0
 
-For dataset seed ``--seed``: group sizes and label frequencies P(y | group), measured beside the
-generator's expected values; how often the corner marker shows the true class, per group, read
-from the images (``synthetic.read_marker``) and scored with the repository's metric code as a
-classifier (so also that shortcut's per-group accuracy and PQD); for ``synthetic_testbed`` the
-oracle reader of the lesion's tint; a multinomial logistic regression baseline on 8x8 pixels.
-With ``--workdir`` (a finished run on the same data, e.g. the quickstart with
-``configs/quickstart.py:cues=false``) also that model's test accuracy when the marker agrees and
-disagrees with the label, and the share of its errors that follow the marker.
+Group sizes and P(y | group) beside the generator's; how often the corner marker shows the true
+class, scored as a classifier with the repository's metrics; the lesion-tint oracle
+(synthetic_testbed); a logistic regression on 8x8 pixels. With ``--workdir`` (a finished run on
+the same data), that model's accuracy when the marker agrees and disagrees with the label.
 """
 
 from __future__ import annotations
@@ -230,12 +226,8 @@ def oracle_reader(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
 def model_predictions(
     workdir: str, test: Split, expected_data: dict[str, Any]
 ) -> tuple[np.ndarray, int, np.ndarray]:
-  """Test-split predictions, the step and the class probabilities of the final checkpoint in
-  ``workdir`` (a main.py run).
-
-  Exits with a message if the run's ``config.data`` differs from ``expected_data`` in a key the
-  latter has (the predictions would then be for other images).
-  """
+  """Test-split predictions, the step and the class probabilities of ``workdir``'s final
+  checkpoint; exits if its ``config.data`` differs from ``expected_data`` in a key the latter has."""
   import fairmoe_jax
 
   with open(os.path.join(workdir, "config.json")) as f:

@@ -2,11 +2,8 @@ r"""Markdown table of causal_attn_jax runs: mean [95% interval] over seeds of wh
 
   python scripts/tabulate_causal.py ROOT/{vanilla,causal,band}_s{0,1,2}
 
-Workdirs are grouped by name with the trailing `_s<seed>` removed; each group is one row.
-Columns: in-distribution accuracy, challenge accuracy and its two halves (HANS schema), mean
-effective keys and top-1 mass over the self-attention layers, fraction of nodes in the
-Markov-blanket band, number of seeds. The table is `paper_runner.causal.results_table`'s, which a
-sweep can also ask for (`tables=("paper_runner.causal.results_table:write_table",)`).
+Workdirs are grouped by name without the trailing `_s<seed>`, one row each; the table is
+`paper_runner.causal.results_table`'s (a sweep can ask for it too).
 """
 
 from __future__ import annotations
