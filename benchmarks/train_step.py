@@ -166,18 +166,10 @@ def benchmark(
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, inputs).compile()
   compile_s = time.perf_counter() - t0
-  row = dict(
-      config=config_name,
-      method="dense" if dense else method,
-      image_size=image_size,
-      batch_size=batch,
-      num_experts=None if dense else num_experts,
-      top_k=top_k,
-      dispatch="-" if dense else dispatch,
-      compute_dtype=config.compute_dtype,
-      compile_s=round(compile_s, 2),
-      xla_flops=flops(compiled),
-  )
+  row = dict(config=config_name, method="dense" if dense else method, image_size=image_size)
+  row.update(batch_size=batch, num_experts=None if dense else num_experts, top_k=top_k)
+  row.update(dispatch="-" if dense else dispatch, compute_dtype=config.compute_dtype)
+  row.update(compile_s=round(compile_s, 2), xla_flops=flops(compiled))
   return row, _Step(compiled, state, inputs)
 
 
