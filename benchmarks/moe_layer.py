@@ -471,25 +471,13 @@ def print_table(rows: list[dict]) -> None:
   print("|" + "---|" * len(header))
   for r in rows:
     temp, accessed, plan = (
-        r.get("temp_size_in_bytes"),
-        r.get("bytes_accessed"),
-        r.get("dispatch_plan_bytes"),
+        r.get(k) for k in ("temp_size_in_bytes", "bytes_accessed", "dispatch_plan_bytes")
     )
-    cells = [
-        r["shape"],
-        _fmt(r["num_experts"], 0),
-        str(r["top_k"]),
-        _fmt(r["capacity"], 0),
-        r["dispatch"],
-        _fmt(r["time_ms"], 2),
-        _fmt(r["vs_dense"], 2),
-        _fmt(r["vs_reference"], 2),
-        _fmt(r["vs_peer"], 2),
-        _fmt(accessed / 1e9 if accessed else None, 3),
-        _fmt(temp / 2**20 if temp is not None else None, 2),
-        _fmt(r["vs_reference_memory"], 2),
-        _fmt(plan / 2**20 if plan else None, 2),
-    ]
+    cells = [r["shape"], _fmt(r["num_experts"], 0), str(r["top_k"]), _fmt(r["capacity"], 0)]
+    cells += [r["dispatch"], *(_fmt(r[k], 2) for k in ("time_ms", "vs_dense", "vs_reference"))]
+    cells += [_fmt(r["vs_peer"], 2), _fmt(accessed / 1e9 if accessed else None, 3)]
+    cells += [_fmt(temp / 2**20 if temp is not None else None, 2)]
+    cells += [_fmt(r["vs_reference_memory"], 2), _fmt(plan / 2**20 if plan else None, 2)]
     print("| " + " | ".join(cells) + " |")
 
 
