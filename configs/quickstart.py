@@ -11,8 +11,9 @@ Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
   top_k    experts per token (default 2)
 
 Baselines: `--config.method=vanilla_smoe` (or vanilla_smoe_psi, muffin, multifair), or all with
-`python -m paper_runner.fairmoe.compare --config=configs/quickstart.py --workdir=DIR`. The run
-prints the test accuracy (chance 25%) and the fairness report, written to report.json.
+`python -m paper_runner.fairmoe.compare --config=configs/quickstart.py --workdir=DIR`. No
+generated table covers it; the run prints the test accuracy (chance 25%) and the fairness report,
+written to report.json.
 """
 
 from fairmoe_jax.config import quickstart_config
