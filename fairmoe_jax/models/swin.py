@@ -22,8 +22,8 @@ import numpy as np
 from flax import nnx
 
 from fairmoe_jax.models.classifier import BackboneClassifier
-from fairmoe_jax.models.vit import CheckpointedBlock, Mlp, layer_norm, linear, patch_conv
-from fairmoe_jax.moe import MoEAux, SparseMoE
+from fairmoe_jax.models.vit import Attention, CheckpointedBlock, layer_norm, linear, patch_conv
+from fairmoe_jax.moe import MoEAux
 from trainkit.remat import check_remat
 
 # timm initialises Swin like its ViT (vit.py), the relative position bias tables N(0, 0.02).
@@ -129,7 +129,7 @@ class PatchMerging(nnx.Module):
     return self.reduction(self.norm(x.reshape(b, h // 2, w // 2, 4 * c)))
 
 
-class WindowAttention(nnx.Module):
+class WindowAttention(Attention):
   """Multi-head self-attention inside windows, with a learned relative position bias."""
 
   def __init__(
@@ -143,14 +143,10 @@ class WindowAttention(nnx.Module):
       param_dtype: Any,
       rngs: nnx.Rngs,
   ):
-    if dim % num_heads:
-      raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
-    self.num_heads = num_heads
-    self.head_dim = dim // num_heads
+    super().__init__(
+        dim, num_heads, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
     self.window = window
-    self.qkv = linear(dim, 3 * dim, dtype, param_dtype, rngs)
-    self.proj = linear(dim, dim, dtype, param_dtype, rngs)
-    self.proj_drop = nnx.Dropout(dropout_rate)
     # One learned bias per head and relative offset (dy, dx) in [-(w-1), w-1]^2;
     # the index into it is a constant recomputed at trace time, not state.
     self.relative_position_bias_table = nnx.Param(
@@ -164,25 +160,14 @@ class WindowAttention(nnx.Module):
     bias = self.relative_position_bias_table[...].astype(jnp.float32)[index]
     return bias.reshape(n, n, self.num_heads).transpose(2, 0, 1)
 
-  def __call__(
-      self, x: jax.Array, mask: np.ndarray | None, *, train: bool, rngs: nnx.Rngs | None
-  ) -> jax.Array:
-    """x: [B * nW, N, C] windows of one or more images; mask: [nW, N, N] or None."""
-    windows, n, dim = x.shape
-    # Fused output split as (3, heads, head_dim), as timm does.
-    qkv = self.qkv(x).reshape(windows, n, 3, self.num_heads, self.head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B * nW, N, H, Dh]
-    q = q * (self.head_dim**-0.5)
-    # Logits, bias, mask and softmax in float32: bf16 loses too much in exp/sum.
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  def add_bias(self, logits: jax.Array, mask: np.ndarray | None) -> jax.Array:
+    """Logits [B * nW, H, N, N] of windows of one or more images; mask: [nW, N, N] or None."""
     logits = logits + self.relative_position_bias()[None]
     if mask is not None:
-      num_windows = mask.shape[0]
-      logits = logits.reshape(-1, num_windows, self.num_heads, n, n) + mask[None, :, None]
+      windows, n = logits.shape[0], logits.shape[-1]
+      logits = logits.reshape(-1, mask.shape[0], self.num_heads, n, n) + mask[None, :, None]
       logits = logits.reshape(windows, self.num_heads, n, n)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(windows, n, dim)
-    return self.proj_drop(self.proj(out), deterministic=not train, rngs=rngs)
+    return logits
 
 
 class SwinBlock(CheckpointedBlock, nnx.Module):
@@ -212,7 +197,6 @@ class SwinBlock(CheckpointedBlock, nnx.Module):
     self.resolution = resolution
     self.window = window_size
     self.shift = window_size // 2 if shift else 0
-    self.is_moe = moe is not None
     self.remat = check_remat(remat)
     self.norm1 = _layer_norm(dim, dtype, param_dtype, rngs)
     self.attn = WindowAttention(
@@ -225,14 +209,7 @@ class SwinBlock(CheckpointedBlock, nnx.Module):
         rngs=rngs,
     )
     self.norm2 = _layer_norm(dim, dtype, param_dtype, rngs)
-    if moe is not None:
-      self.mlp = SparseMoE(dim, mlp_dim, **moe, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    else:
-      self.mlp = Mlp(
-          dim, mlp_dim, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-      )
-    # The MoE has no internal dropout; the block applies it to the MoE output.
-    self.mlp_drop = nnx.Dropout(dropout_rate)
+    self.init_mlp(dim, mlp_dim, moe, dropout_rate, dtype, param_dtype, rngs)
 
   def attention(self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
     """Window attention on a [B, H, W, C] map (already normalised), same shape out."""
@@ -265,11 +242,7 @@ class SwinBlock(CheckpointedBlock, nnx.Module):
     b, h, w, c = x.shape
     x = x + self.attention(self.norm1(x), train=train, rngs=rngs)
     tokens = self.norm2(x).reshape(b, h * w, c)
-    if self.is_moe:
-      y, aux = self.mlp(tokens, train=train, rngs=rngs, context=context)
-      y = self.mlp_drop(y, deterministic=not train, rngs=rngs)
-    else:
-      y, aux = self.mlp(tokens, train=train, rngs=rngs), None
+    y, aux = self.feed_forward(tokens, train=train, rngs=rngs, context=context)
     # Tokens dropped by the MoE get y = 0 and pass through on the residual.
     return x + y.reshape(b, h, w, c).astype(x.dtype), aux
 

@@ -114,15 +114,23 @@ class Attention(nnx.Module):
     self.proj = linear(dim, dim, dtype, param_dtype, rngs)
     self.proj_drop = nnx.Dropout(dropout_rate)
 
-  def __call__(self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None) -> jax.Array:
+  def add_bias(self, logits: jax.Array, mask: Any) -> jax.Array:
+    """The float32 logits [B, H, N, N] with any additive bias (none here; Swin's windows)."""
+    del mask
+    return logits
+
+  def __call__(
+      self, x: jax.Array, mask: Any = None, *, train: bool, rngs: nnx.Rngs | None
+  ) -> jax.Array:
     batch, seq_len, dim = x.shape
     # timm splits the fused output as (3, heads, head_dim); keep that order so
     # converted checkpoints need no permutation.
     qkv = self.qkv(x).reshape(batch, seq_len, 3, self.num_heads, self.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, N, H, Dh]
     q = q * (self.head_dim**-0.5)
-    # Logits and softmax in float32: in bf16 the exp/sum loses too much precision.
+    # Logits, bias and softmax in float32: in bf16 the exp/sum loses too much precision.
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    logits = self.add_bias(logits, mask)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq_len, dim)
     return self.proj_drop(self.proj(out), deterministic=not train, rngs=rngs)
@@ -152,10 +160,30 @@ class Mlp(nnx.Module):
 
 
 class CheckpointedBlock:
-  """`__call__` of a transformer block: its `forward`, under `trainkit.remat.checkpointed` in
-  training when the block's `remat` is set."""
+  """What the ViT and Swin blocks share: the feed-forward (dense or a `SparseMoE`), and `__call__`,
+  the block's `forward` under `trainkit.remat.checkpointed` in training when `remat` is set."""
 
   remat: str
+
+  def init_mlp(self, dim, mlp_dim, moe, dropout_rate, dtype, param_dtype, rngs) -> None:
+    self.is_moe = moe is not None
+    if moe is not None:
+      self.mlp = SparseMoE(dim, mlp_dim, **moe, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    else:
+      self.mlp = Mlp(
+          dim, mlp_dim, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+      )
+    # The MoE has no internal dropout; the block applies it to the MoE output.
+    self.mlp_drop = nnx.Dropout(dropout_rate)
+
+  def feed_forward(
+      self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None, context: Any
+  ) -> tuple[jax.Array, MoEAux | None]:
+    """Tokens [B, N, D] (normalised) -> (the MLP's output, the MoE's aux or None)."""
+    if self.is_moe:
+      y, aux = self.mlp(x, train=train, rngs=rngs, context=context)
+      return self.mlp_drop(y, deterministic=not train, rngs=rngs), aux
+    return self.mlp(x, train=train, rngs=rngs), None
 
   def __call__(
       self,
@@ -193,21 +221,13 @@ class Block(CheckpointedBlock, nnx.Module):
       rngs: nnx.Rngs,
       remat: str = "none",
   ):
-    self.is_moe = moe is not None
     self.remat = check_remat(remat)
     self.norm1 = layer_norm(dim, dtype, param_dtype, rngs)
     self.attn = Attention(
         dim, num_heads, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
     )
     self.norm2 = layer_norm(dim, dtype, param_dtype, rngs)
-    if moe is not None:
-      self.mlp = SparseMoE(dim, mlp_dim, **moe, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    else:
-      self.mlp = Mlp(
-          dim, mlp_dim, dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-      )
-    # The MoE has no internal dropout; the block applies it to the MoE output.
-    self.mlp_drop = nnx.Dropout(dropout_rate)
+    self.init_mlp(dim, mlp_dim, moe, dropout_rate, dtype, param_dtype, rngs)
 
   def forward(
       self,
@@ -219,11 +239,7 @@ class Block(CheckpointedBlock, nnx.Module):
   ) -> tuple[jax.Array, MoEAux | None]:
     """The block without rematerialisation (what `__call__` checkpoints)."""
     x = x + self.attn(self.norm1(x), train=train, rngs=rngs)
-    if self.is_moe:
-      y, aux = self.mlp(self.norm2(x), train=train, rngs=rngs, context=context)
-      y = self.mlp_drop(y, deterministic=not train, rngs=rngs)
-    else:
-      y, aux = self.mlp(self.norm2(x), train=train, rngs=rngs), None
+    y, aux = self.feed_forward(self.norm2(x), train=train, rngs=rngs, context=context)
     # Tokens dropped by the MoE get y = 0 and pass through on the residual.
     return x + y.astype(x.dtype), aux
 
