@@ -251,15 +251,6 @@ def fold_roles(num_folds: int, fold: int) -> dict[int, int]:
   return roles
 
 
-def _image_dir(root: pathlib.Path) -> pathlib.Path:
-  image_dir = root / IMAGE_DIR
-  if not image_dir.is_dir():
-    raise UserError(f"CelebA image directory {image_dir} does not exist.")
-  # Some archives (e.g. Kaggle's) unpack to img_align_celeba/img_align_celeba/.
-  nested = image_dir / IMAGE_DIR
-  return nested if nested.is_dir() else image_dir
-
-
 def load_celeba(
     *,
     root: str,
@@ -293,10 +284,7 @@ def load_celeba(
     identity folds, also its identities).
   """
   sensitive = _check_names(target, sensitive)
-  root_path = pathlib.Path(root)
-  if not root_path.is_dir():
-    raise UserError(f"CelebA root directory {root_path} does not exist.")
-  image_dir = _image_dir(root_path)
+  root_path, image_dir = images_lib.layout_dirs(root, IMAGE_DIR, "CelebA")
   attr_path = root_path / attr_file
   roles = fold_roles(num_folds, fold) if num_folds else {}  # Bad folds fail before any reading.
   names, values = read_attributes(attr_path, (target, *sensitive))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -139,3 +140,15 @@ def report_load_stats(
       message += f"\n  {key}: {', '.join(names)}{more}"
   logging.info(message)
   print(message, flush=True)
+
+
+def layout_dirs(root: str, image_dir: str, dataset: str) -> tuple[pathlib.Path, pathlib.Path]:
+  """(root, its `image_dir` folder) of a dataset's official layout, or a UserError naming the one
+  that is missing. Some archives (e.g. Kaggle's) unpack to `image_dir/image_dir/`."""
+  root_path = pathlib.Path(root)
+  if not root_path.is_dir():
+    raise UserError(f"{dataset} root directory {root_path} does not exist.")
+  images = root_path / image_dir
+  if not images.is_dir():
+    raise UserError(f"{dataset} image directory {images} does not exist.")
+  return root_path, images / image_dir if (images / image_dir).is_dir() else images

@@ -258,14 +258,6 @@ def read_split_files(split: str) -> tuple[dict[str, int], dict[str, str]]:
   return assignment, origin
 
 
-def _image_dir(root: pathlib.Path) -> pathlib.Path:
-  image_dir = root / IMAGE_DIR
-  if not image_dir.is_dir():
-    raise UserError(f"ISIC image directory {image_dir} does not exist.")
-  nested = image_dir / IMAGE_DIR
-  return nested if nested.is_dir() else image_dir
-
-
 def load_isic2019(
     *,
     root: str,
@@ -309,10 +301,7 @@ def load_isic2019(
     raise UserError(
         f"ISIC test_fraction={test_fraction} and val_fraction={val_fraction} must be in [0, 1)."
     )
-  root_path = pathlib.Path(root)
-  if not root_path.is_dir():
-    raise UserError(f"ISIC root directory {root_path} does not exist.")
-  image_dir = _image_dir(root_path)
+  root_path, image_dir = images_lib.layout_dirs(root, IMAGE_DIR, "ISIC")
   labels = read_ground_truth(root_path / GROUND_TRUTH_FILE)
   metadata = read_metadata(root_path / METADATA_FILE)
   image_files = {
