@@ -123,23 +123,29 @@ class MLP(nnx.Module):
     return self.fc2(h)
 
 
+def _self_attention(
+    spec: TransformerSpec, dtype: Any, rngs: nnx.Rngs, sinkhorn_iters: int = 0
+) -> MultiHeadAttention:
+  """The configured self-attention (kind, GCN hops, the sparse baselines' mask options)."""
+  return MultiHeadAttention(
+      spec.dim,
+      spec.num_heads,
+      kind=spec.attention,
+      gcn_hops=spec.gcn_hops,
+      head_dim=spec.head_dim,
+      sinkhorn_iters=sinkhorn_iters,
+      dtype=dtype,
+      rngs=rngs,
+      **dict(spec.mask_options),
+  )
+
+
 class EncoderLayer(nnx.Module):
   """Pre-norm: x + Drop(SelfAttn(LN(x))), then x + Drop(MLP(LN(x)))."""
 
   def __init__(self, spec: TransformerSpec, *, dtype, rngs: nnx.Rngs):
     self.norm1 = nnx.LayerNorm(spec.dim, dtype=dtype, rngs=rngs)
-    self.attention = MultiHeadAttention(
-        spec.dim,
-        spec.num_heads,
-        kind=spec.attention,
-        gcn_hops=spec.gcn_hops,
-        head_dim=spec.head_dim,
-        dropout_rate=0.0,
-        sinkhorn_iters=spec.sinkhorn_iters,
-        dtype=dtype,
-        rngs=rngs,
-        **dict(spec.mask_options),
-    )
+    self.attention = _self_attention(spec, dtype, rngs, sinkhorn_iters=spec.sinkhorn_iters)
     self.norm2 = nnx.LayerNorm(spec.dim, dtype=dtype, rngs=rngs)
     self.mlp = MLP(spec.dim, spec.mlp_dim, spec.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(spec.dropout_rate)
@@ -163,16 +169,7 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, spec: TransformerSpec, *, dtype, rngs: nnx.Rngs):
     self.norm1 = nnx.LayerNorm(spec.dim, dtype=dtype, rngs=rngs)
-    self.self_attention = MultiHeadAttention(
-        spec.dim,
-        spec.num_heads,
-        kind=spec.attention,
-        gcn_hops=spec.gcn_hops,
-        head_dim=spec.head_dim,
-        dtype=dtype,
-        rngs=rngs,
-        **dict(spec.mask_options),
-    )
+    self.self_attention = _self_attention(spec, dtype, rngs)
     self.norm2 = nnx.LayerNorm(spec.dim, dtype=dtype, rngs=rngs)
     self.cross_attention = MultiHeadAttention(
         spec.dim, spec.num_heads, kind="vanilla", head_dim=spec.head_dim, dtype=dtype, rngs=rngs
