@@ -140,25 +140,6 @@ def base_config() -> ml_collections.ConfigDict:
   return config
 
 
-def _require_file(config: ml_collections.ConfigDict, key: str, what: str) -> None:
-  path = cfg.get(config, key)
-  if not isinstance(path, str) or not path:
-    raise ConfigError(key, f"is required ({what})")
-  if not os.path.isfile(path):
-    raise ConfigError(key, _missing_file_message(key, path))
-
-
-def _optional_file(config: ml_collections.ConfigDict, key: str) -> None:
-  path = cfg.get(config, key)
-  if path and not os.path.isfile(path):
-    raise ConfigError(key, _missing_file_message(key, path))
-
-
-def _missing_file_message(key: str, path: str) -> str:
-  # A config.json reused from a trained workdir names the files where they were then.
-  return f"file {path!r} does not exist (--config.{key}=FILE says where it is)"
-
-
 def uses_tfds(config: ml_collections.ConfigDict) -> bool:
   return bool(config.data.tfds_name and config.data.tfds_data_dir)
 
@@ -228,13 +209,16 @@ def validate(
   trained workdir (predict: its tokenizer, run_info.json and checkpoint) need none of them.
   """
 
-  def require_file(config: ml_collections.ConfigDict, key: str, what: str) -> None:
-    if check_data:
-      _require_file(config, key, what)
-
-  def optional_file(config: ml_collections.ConfigDict, key: str) -> None:
-    if check_data:
-      _optional_file(config, key)
+  def check_file(key: str, what: str = "") -> None:
+    """The data file `key` names exists; `what` (what it holds) makes it required."""
+    if not check_data:
+      return
+    path = cfg.get(config, key)
+    if what and (not isinstance(path, str) or not path):
+      raise ConfigError(key, f"is required ({what})")
+    if path and not os.path.isfile(path):
+      # A config.json reused from a trained workdir names the files where they were then.
+      raise ConfigError(key, f"file {path!r} does not exist (--config.{key}=FILE says where it is)")
 
   task = cfg.require_choice(config, "task", TASKS)
   cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
@@ -257,7 +241,7 @@ def validate(
   cfg.require_int(config, "model.num_random", minimum=0)
   cfg.require_int(config, "model.block_size", minimum=1)
   cfg.require_int(config, "model.mask_seed", minimum=0)
-  optional_file(config, "model.glove_path")
+  check_file("model.glove_path")
 
   cfg.require_choice(config, "constraints.weight", (0, 1, 0.0, 1.0))
   cfg.require_choice(config, "constraints.form", constraints_lib.FORMS)
@@ -304,22 +288,22 @@ def validate(
       cfg.require_float(config, "data.spurious.distractor_prob", minimum=0.0, maximum=1.0)
       cfg.require_int(config, "data.spurious.seed", minimum=0)
     elif not tfds:
-      require_file(config, "data.train_file", "the training sentence pairs")
+      check_file("data.train_file", "the training sentence pairs")
       if config.data.eval_file:
-        optional_file(config, "data.eval_file")
+        check_file("data.eval_file")
       elif config.data.eval_fraction <= 0:
         raise ConfigError(
             "data.eval_fraction", "must be > 0 when data.eval_file is empty (no eval set)"
         )
-    optional_file(config, "data.challenge_file")
+    check_file("data.challenge_file")
   else:
     cfg.require_int(config, "data.max_source_len", minimum=4)
     cfg.require_int(config, "data.max_target_len", minimum=4)
     if not tfds:
-      require_file(config, "data.train_source", "source side of the training text")
-      require_file(config, "data.train_target", "target side of the training text")
-      require_file(config, "data.eval_source", "source side of the evaluation text")
-      require_file(config, "data.eval_target", "target side of the evaluation text")
+      check_file("data.train_source", "source side of the training text")
+      check_file("data.train_target", "target side of the training text")
+      check_file("data.eval_source", "source side of the evaluation text")
+      check_file("data.eval_target", "target side of the evaluation text")
     cfg.require_float(config, "nmt.label_smoothing", minimum=0.0, maximum=0.99)
     cfg.require_int(config, "nmt.beam_size", minimum=1)
     cfg.require_float(config, "nmt.alpha", minimum=0.0)
