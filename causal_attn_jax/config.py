@@ -437,11 +437,7 @@ def paper_config(
 def paper_config_from_arg(
     arg: str | None, *, task: str, size: str = "full", **extra: Any
 ) -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
-  """(paper_config, parsed arg) for a config file's `get_config(arg)`.
-
-  The arguments every config file takes: size, attention, gcn_hops, steps, seed; `extra` adds
-  the file's own (with their defaults).
-  """
+  """(paper_config, parsed arg) of a config file's `get_config(arg)`; `extra`: its own arguments."""
   arg = cfg.parse_arg(arg, size=size, attention="causal", gcn_hops=1, steps=0, seed=0, **extra)
   config = paper_config(
       task=task,
@@ -455,11 +451,10 @@ def paper_config_from_arg(
 
 
 def testbed_small_settings(config: ml_collections.ConfigDict, attention: str, steps: int) -> None:
-  """The generated testbeds' size=small settings (configs/spurious_pairs.py, ood_pairs.py),
-  chosen on the spurious-pairs validation split (results/spurious_tuning_*.py; docs/design.md,
-  'Defaults and the split that chose them'): each attention its own learning rate, and the dual
-  step from step 500, ramped: from step 0 the constraint sparsifies attention before the
-  relation is learnt."""
+  """The generated testbeds' size=small settings (configs/spurious_pairs.py, ood_pairs.py), chosen
+  on the spurious-pairs validation split (docs/design.md, 'Defaults and the split that chose
+  them'); the dual step ramps from step 500: from step 0 the constraint sparsifies attention
+  before the relation is learnt."""
   config.batch_size = 64
   config.optimizer.learning_rate = 1e-3 if attention == "vanilla" else 3e-3
   config.model.dropout_rate = 0.0

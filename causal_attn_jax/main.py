@@ -1,6 +1,4 @@
-r"""Command line of the Causal Transformer: train then evaluate, evaluate (`--mode=eval`), run
-the latest checkpoint on new inputs (`--mode=predict`), or compile the run for an accelerator
-this machine does not have (`--mode=compile`).
+r"""Command line: train then evaluate; evaluate or predict with the latest checkpoint; compile.
 
   python -m causal_attn_jax.main --config=configs/snli.py:size=small,attention=causal \
       --config.data.train_file=../shared/data/nli/snli_1.0_dev.jsonl \
@@ -15,8 +13,7 @@ Without --config, eval and predict read the trained run's <workdir>/config.json
 (--config.KEY=VALUE overrides still apply); predict needs no data file (the tokenizer and the
 label names are in the workdir: spm.model, run_info.json). compile needs --config and no data,
 tokenizer or accelerator: it compiles the run's train and eval steps for
---config.preflight.target (v3-8, v4-8, v4-32, v4-64, v5e-8, v5e-16, v5e-64, v5e-256, v5p-8, v5p-32,
-h100x1, h100x8, h100x16, a100x8; pip install -e ".[preflight]") and writes
+--config.preflight.target (docs/scaling.md lists them; pip install -e ".[preflight]") and writes
 <workdir>/preflight.json; the vocabulary is data.vocab_size and the classes follow
 data.pair_task (or the tfds dataset or testbed).
 

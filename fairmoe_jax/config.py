@@ -161,10 +161,7 @@ def base_config() -> ml_collections.ConfigDict:
 def quickstart_config(
     arg: str | None = None, *, data_name: str = "synthetic"
 ) -> ml_collections.ConfigDict:
-  """The quickstart's run (configs/quickstart.py): the default ViT with a 4-expert top-2 MoE last
-  block, 350 steps of batch 128 on a generated dataset whose sensitive groups tint the images.
-  `arg` as configs/quickstart.py's (steps, experts, top_k, cues); configs/synthetic_testbed.py
-  is the same run on another dataset (`data_name`)."""
+  """configs/quickstart.py's run (`arg` as its); configs/synthetic_testbed.py's with `data_name`."""
   # `cues` (synthetic only): data.attribute_cues (docs/dataset.md, "Attribute cues").
   cues = {"cues": True} if data_name == "synthetic" else {}
   arg = parse_arg(arg, steps=350, experts=4, top_k=2, **cues)
@@ -188,11 +185,7 @@ def quickstart_config(
 
 
 def _missing_root_message(config: ml_collections.ConfigDict) -> str:
-  """How to name the data directory, what it holds, and what the run would cost.
-
-  The design card's `--config=configs/celeba.py` command has no data.root: the message is the
-  user's guide to the layout, the tfds alternative and the CPU-scale config.
-  """
+  """How to name the data directory, what it holds, and what the run would cost."""
   # Imported here, on this error path only: the readers pull in the input pipeline.
   from fairmoe_jax.data import celeba, isic  # pylint: disable=g-import-not-at-top
 

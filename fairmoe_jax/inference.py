@@ -111,12 +111,6 @@ EXPORT_FILE = os.path.join("export", export_lib.WEIGHTS_FILE)
 EXPORT_CONFIG_FILE = os.path.join("export", export_lib.CONFIG_FILE)
 
 
-def _umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
-
-
 def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Writes the latest checkpoint as a timm-named safetensors state dict.
 
@@ -147,8 +141,10 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
     write_atomically(path, save(state, metadata=metadata))
     if not storage.is_remote(path):
       # The temporary file behind an atomic write is private (mode 0600); the export is meant
-      # to be shared like every other output of the run.
-      os.chmod(path, 0o644 & ~_umask())
+      # to be shared like every other output of the run. (os.umask reads it only by setting it.)
+      umask = os.umask(0)
+      os.umask(umask)
+      os.chmod(path, 0o644 & ~umask)
     write_atomically(storage.join(workdir, EXPORT_CONFIG_FILE), json.dumps(timm_config, indent=2))
     size = sum(v.nbytes for v in state.values())
     print(f"Exported step {restored.step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")

@@ -12,9 +12,8 @@ Without --config, eval, predict and export read the trained run's <workdir>/conf
 (--config.KEY=VALUE overrides still apply); predict and export need no dataset (the class names
 and preprocessing are in <workdir>/run_info.json), eval reads the test split from
 --config.data.root (config.json's unless overridden). compile needs --config and no data or
-accelerator: it compiles the run for --config.preflight.target (v3-8, v4-8, v4-32, v4-64, v5e-8,
-v5e-16, v5e-64, v5e-256, v5p-8, v5p-32, h100x1, h100x8, h100x16, a100x8; pip install -e
-".[preflight]") and writes <workdir>/preflight.json.
+accelerator: it compiles the run for --config.preflight.target (docs/scaling.md lists them; pip
+install -e ".[preflight]") and writes <workdir>/preflight.json.
 """
 
 from __future__ import annotations

@@ -75,13 +75,6 @@ def bucketed_batches(
   return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def _trim(batch: dict[str, np.ndarray], seq_keys: Sequence[str], boundaries, pad_id: int):
-  for key in seq_keys:
-    longest = int(sequence_lengths(batch[key], pad_id).max(initial=0))
-    batch[key] = batch[key][:, : bucket_length(longest, boundaries)]
-  return batch
-
-
 def train_batches(
     arrays: Mapping[str, np.ndarray],
     batch_size: int,
@@ -112,7 +105,10 @@ def train_batches(
       lengths, batch_size, seed=seed, epoch=epoch, pool_batches=pool_batches
   ):
     batch = {key: value[indices] for key, value in arrays.items()}
-    yield _trim(batch, seq_keys, boundaries, pad_id) if boundaries else batch
+    for key in seq_keys if boundaries else ():
+      longest = int(sequence_lengths(batch[key], pad_id).max(initial=0))
+      batch[key] = batch[key][:, : bucket_length(longest, boundaries)]
+    yield batch
 
 
 def num_eval_batches(num_examples: int, batch_size: int) -> int:

@@ -41,9 +41,8 @@ SITE_GROUPS = (
     "oral_genital",
 )
 
-# Per-group generation factors, indexed by group id. Image-space numbers
-# (pixels, noise std) refer to a 32x32 image in uint8 units; other sizes scale
-# spatially.
+# Per-group generation factors, indexed by group id. Pixels and noise std (uint8 units) are for a
+# 32x32 image; other sizes scale spatially.
 SEX_FREQ = (0.56, 0.44)
 SEX_HAIR = (0.45, 0.08)  # probability of each of 3 candidate hairs
 SEX_CUE = (0.6, 1.0)  # multiplies the site's marker reliability
@@ -84,18 +83,13 @@ SITE_LESION_CAST = 30.0  # the lesion, at hue angle 2 pi site / 8 in the chromat
 CHUNK_SIZE = 1024
 
 
-def class_angles(num_classes: int) -> np.ndarray:
-  """Stripe angle of each class in degrees, evenly spaced over [0, 90].
-
-  Class ``k`` shows stripes at +-angle (sign random per image), so classes are
-  mirror symmetric and horizontal flips preserve the label.
-  """
-  return 90.0 * np.arange(num_classes) / (num_classes - 1)
-
-
 def class_names(num_classes: int) -> tuple[str, ...]:
-  """Names of the stripe-orientation classes, e.g. ``stripes_30deg``."""
-  return tuple(f"stripes_{round(a):02d}deg" for a in class_angles(num_classes))
+  """Names of the classes' stripe angles, evenly spaced over [0, 90] degrees: ``stripes_30deg``.
+
+  Class ``k`` shows stripes at +-angle (sign random per image): horizontal flips keep the label.
+  """
+  angles = 90.0 * np.arange(num_classes) / (num_classes - 1)
+  return tuple(f"stripes_{round(a):02d}deg" for a in angles)
 
 
 def marker_palette(num_classes: int) -> np.ndarray:
@@ -108,9 +102,8 @@ def marker_palette(num_classes: int) -> np.ndarray:
 def marker_distances(images: np.ndarray, num_classes: int) -> np.ndarray:
   """Distance of each image's marker colour to each palette colour, float64 [N, K].
 
-  The marker colour is the mean of the marker square's interior. The square covers rows and
-  columns ``1 .. m`` (as drawn by ``_generate_chunk``); its interior ``2 .. m - 1`` is untouched
-  by the 3x3 blur, so only the per-pixel noise remains, which the mean averages out.
+  The colour is the mean over the marker's interior (rows and columns ``2 .. m - 1``), which the
+  3x3 blur leaves untouched: only the per-pixel noise remains, which the mean averages out.
   """
   m = marker_side(images.shape[1])
   lo, hi = (2, m) if m > 2 else (1, m + 1)  # A 2 px marker has no interior: use all of it.
@@ -174,10 +167,7 @@ def generated_loader(
       missing_rate: float = 0.0,
   ) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
     """``(info, splits)``, each split i.i.d. ``{"image": uint8 [N, S, S, 3], "label": int32
-    [N], "attributes": int32 [N, 3]}``; ``sizes`` defaults to ``DEFAULT_SIZES``.
-
-    ``missing_rate`` is the probability that an attribute value is ``-1`` ("missing", as in
-    ISIC 2019), drawn from a stream of its own.
+    [N], "attributes": int32 [N, 3]}``; ``missing_rate``: P(an attribute value is -1).
     """
     splits = generate_splits(generate_chunk, image_size, num_classes, sizes, seed, missing_rate)
     return generated_info(name, classes(num_classes), image_size), splits
@@ -352,8 +342,7 @@ def _generate_chunk(
     missing_rate: float,
     attribute_cues: bool = False,
 ) -> dict[str, np.ndarray]:
-  """Renders ``CHUNK_SIZE`` examples from one seed (with ``attribute_cues``, each group's colour
-  cast on top: ``cue_colours``)."""
+  """Renders ``CHUNK_SIZE`` examples from one seed (``attribute_cues``: ``cue_colours``)."""
   rng = np.random.default_rng(seed)
   n, k = CHUNK_SIZE, num_classes
   pixel = 2.0 / size  # one pixel in normalised [-1, 1] coordinates
@@ -385,9 +374,8 @@ def _generate_chunk(
   if attribute_cues:  # After every draw: the cues change no random number.
     skin, lesion = cue_colours(skin, lesion, sex, age, site)
 
-  # --- Rendering, in float32 uint8 units. The scene is linear in the skin,
-  # lesion and hair colours, so their per-pixel weights are built on [n, H, W]
-  # arrays and the colour images [n, H, W, 3] are formed once.
+  # --- Rendering, in float32 uint8 units. The scene is linear in the skin, lesion and hair
+  # colours: their weights are [n, H, W] maps and the colour images [n, H, W, 3] are formed once.
   y, x = pixel_grid(size)
   lesion_w = lesion_weight(y, x, centre, radius, tilt)
   # Stripes run along ``angle``: the wave vector is perpendicular to it.
@@ -406,8 +394,7 @@ def _generate_chunk(
   img += lesion_w[..., None] * lesion[:, None, None].astype(np.float32)
   img += (hair_w * per_image(hair_colour))[..., None]
 
-  # The marker sits over the hair but is blurred and noised like the rest of
-  # the photographed scene.
+  # The marker sits over the hair but is blurred and noised like the rest of the scene.
   m = marker_side(size)
   img[:, 1 : 1 + m, 1 : 1 + m] = marker_palette(k)[cue_class][:, None, None]
   image = photograph(img, np.take(SITE_BLUR, site), noise, noise_std)

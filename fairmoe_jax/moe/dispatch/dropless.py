@@ -42,8 +42,7 @@ MEGABLOX_MODULE = "jax.experimental.pallas.ops.tpu.megablox.gmm"
 
 
 def _megablox_kernels() -> Any:
-  """megablox's `gmm`/`tgmm` module, imported on first use (it loads Pallas' TPU backend), or None.
-  """
+  """megablox's `gmm`/`tgmm` module, imported on first use (it loads Pallas' TPU backend)."""
   try:
     kernels = importlib.import_module(MEGABLOX_MODULE)
   except Exception:  # noqa: BLE001  # ImportError, or a Pallas backend that fails to load.
@@ -62,9 +61,8 @@ def row_tile(num_rows: int, num_experts: int = 1) -> int:
 
 
 def _width_tile_candidates(width: int) -> list[int]:
-  """Tiles of a feature width, largest first: the whole width, then the multiples of 128 that
-  divide it (a width over 128 that no multiple of 128 divides: its gcd with 128, interpret only).
-  """
+  """Tiles of a feature width, largest first: the whole width, then the multiples of 128 dividing
+  it (else its gcd with 128, interpret only)."""
   if width <= MEGABLOX_TILE:
     return [width]
   if width % MEGABLOX_TILE:
@@ -73,9 +71,7 @@ def _width_tile_candidates(width: int) -> list[int]:
 
 
 def _vmem_bytes(tm: int, tk: int, tn: int) -> int:
-  """VMEM of one call's blocks, as float32: row, weight and output blocks double-buffered,
-  plus the accumulator.
-  """
+  """VMEM of one call's float32 blocks: rows, weights and output double-buffered, accumulator."""
   return 4 * (2 * (tm * tk + tk * tn + tm * tn) + max(tm, tk) * tn)
 
 
@@ -194,9 +190,7 @@ _RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 
 @jax.custom_vjp
 def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32
-  (as `experts.expert_matmul` does for the capacity dispatches).
-  """
+  """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32."""
   return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
 
 

@@ -65,15 +65,8 @@ def vmem_bytes(
   return rows + expert + 4 * rows_block * (4 * hidden + dim)
 
 
-def _squeezed():
-  # jax 0.12 names a dropped block dimension `pl.Squeezed()`; earlier jax takes None.
-  return pl.Squeezed() if hasattr(pl, "Squeezed") else None
-
-
 def _gelu_and_slope(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Exact GELU of h and its derivative in float32, Phi written with erf (which Mosaic lowers,
-  unlike `experts.gelu_exact`'s erfc; they differ by float32 rounding).
-  """
+  """Exact GELU of h and its derivative in float32, with erf (Mosaic lowers no erfc)."""
   cdf = 0.5 + 0.5 * jax.lax.erf(h * _SQRT_HALF)
   return h * cdf, cdf + h * (_INV_SQRT_2PI * jnp.exp(-0.5 * h * h))
 
@@ -118,7 +111,8 @@ def _layout(x: jax.Array, hidden: int, semantics: tuple[str, str]):
   num_experts, rows, dim = x.shape
   block = row_block(rows, hidden)
   buffers = WEIGHT_BUFFERS
-  squeezed = _squeezed()
+  # jax 0.12 names a dropped block dimension `pl.Squeezed()`; earlier jax takes None.
+  squeezed = pl.Squeezed() if hasattr(pl, "Squeezed") else None
   rows_spec = pl.BlockSpec((squeezed, block, dim), lambda e, r: (e, r, 0))
   mode = {} if buffers == 2 else {"pipeline_mode": pl.Buffered(buffers)}
 
@@ -126,14 +120,11 @@ def _layout(x: jax.Array, hidden: int, semantics: tuple[str, str]):
     return pl.BlockSpec((squeezed, *shape), lambda e, r: (e,) + (0,) * len(shape), **mode)
 
   vmem = vmem_bytes(block, dim, hidden, x.dtype.itemsize, buffers)
-  return (num_experts, rows // block), rows_spec, per_expert, _compiler_params(semantics, vmem)
-
-
-def _compiler_params(semantics: tuple[str, str], vmem: int):
   # Need plus a margin for Mosaic's temporaries; an expert too large for a core's VMEM fails
   # the TPU compile (in the preflight, `--mode=compile`).
   limit = min(int(vmem * 1.25) + 8 * 2**20, VMEM_CAPACITY_MAX)
-  return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+  params = pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+  return (num_experts, rows // block), rows_spec, per_expert, params
 
 
 def _weight_bytes(num_experts: int, dim: int, hidden: int) -> int:

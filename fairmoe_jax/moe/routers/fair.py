@@ -235,7 +235,6 @@ class FairRouter(nnx.Module):
   Args:
     dim: token width D.
     num_experts: E.
-    top_k: experts per token.
     group_sizes: classes per sensitive attribute, G_1..G_m.
     num_classes: target classes K (the "expert_competence" head).
     guided: use the SA branch (FGR).
@@ -243,7 +242,6 @@ class FairRouter(nnx.Module):
     route_by: "predicted" or "label" (module docstring).
     feature_dim: width of z = phi(x); default D.
     alpha: Eq. 8 focus weight.
-    rngs: parameter RNGs.
   """
 
   def __init__(
