@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench_utils import flops, memory_analysis, write_results
+from bench_utils import cell, flops, memory_analysis, write_results
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.attention import MultiHeadAttention
 
@@ -143,20 +143,14 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
   ]
 
 
-def _fmt(value: Any, digits: int) -> str:
-  if value is None:
-    return "-"
-  return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
 def print_table(rows: list[dict]) -> None:
   header = ["N", "kind", "time_ms", "vs_vanilla", "temp_MB", "vs_vanilla_memory"]
   print("| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))
   for r in rows:
     temp = r["temp_size_in_bytes"]
-    cells = [str(r["n"]), r["kind"], _fmt(r["time_ms"], 2), _fmt(r["vs_vanilla"], 2)]
-    cells += [_fmt(temp / 2**20 if temp is not None else None, 2), _fmt(r["vs_vanilla_memory"], 2)]
+    cells = [str(r["n"]), r["kind"], cell(r["time_ms"], 2), cell(r["vs_vanilla"], 2)]
+    cells += [cell(temp / 2**20 if temp is not None else None, 2), cell(r["vs_vanilla_memory"], 2)]
     print("| " + " | ".join(cells) + " |")
 
 
@@ -219,7 +213,7 @@ def main() -> None:
           repeats=repeats,
       )
       print(
-          f"  N={n} {kind}: {_fmt(row['time_ms'], 2)} ms, compile {row['compile_s']:.1f} s",
+          f"  N={n} {kind}: {cell(row['time_ms'], 2)} ms, compile {row['compile_s']:.1f} s",
           flush=True,
       )
       rows.append(row)

@@ -103,6 +103,13 @@ def fmt(value: Any, digits: int = 2, scale: float = 1.0) -> str:
   return f"{value * scale:,.{digits}f}" if math.isfinite(value) else "-"
 
 
+def cell(value: Any, digits: int) -> str:
+  """A printed table's cell: `-` for None, floats rounded, anything else as it is."""
+  if value is None:
+    return "-"
+  return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
 def markdown_table(rows: Sequence[dict], columns: Sequence[tuple]) -> str:
   """`rows` as a markdown table after a blank line ("" without rows), one column per
   (heading, key, digits, scale), digits and scale optional (`fmt`'s)."""

@@ -91,25 +91,12 @@ def one_device_mesh(target: Target) -> Mesh:
 def abstract_args(
     mesh: Mesh, shape: str, num_experts: int | None, top_k: int, dispatch: str, dtype: str
 ) -> tuple[Any, ...]:
-  """moe_layer.compile_case's arguments as ShapeDtypeStructs on `mesh`: weights float32, the
-  tokens and cotangent in `dtype`."""
-  groups, tokens, dim, hidden = SHAPES[shape]
+  """moe_layer.layer_args as ShapeDtypeStructs on `mesh` (nothing computed)."""
   sharding = NamedSharding(mesh, PartitionSpec())
-
-  def spec(*dims: int, dt: Any = jnp.float32) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(dims, jnp.dtype(dt), sharding=sharding)
-
-  x, cotangent = spec(groups, tokens, dim, dt=dtype), spec(groups, tokens, dim, dt=dtype)
-  if dispatch == BASELINE:
-    width = top_k * hidden
-    return x, (spec(dim, width), spec(width), spec(width, dim), spec(dim)), cotangent
-  experts = ExpertWeights(
-      w1=spec(num_experts, dim, hidden),
-      b1=spec(num_experts, hidden),
-      w2=spec(num_experts, hidden, dim),
-      b2=spec(num_experts, dim),
+  args = jax.eval_shape(
+      lambda: moe_layer.layer_args(SHAPES[shape], num_experts, top_k, dispatch, dtype)
   )
-  return x, spec(dim, num_experts), experts, cotangent
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
 
 
 def loss_fn(dispatch: str, capacity: int | None, top_k: int, peer: Any) -> Callable[..., Any]:

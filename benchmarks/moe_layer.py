@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import bench_utils
-from bench_utils import cost, memory_analysis, write_results
+from bench_utils import cell, cost, memory_analysis, write_results
 from fairmoe_jax.methods.base import AUTO_DISPATCH
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
@@ -291,6 +291,34 @@ def _op_source(instruction: str) -> str:
   return instruction[start : instruction.find('"', start)]
 
 
+def layer_args(
+    dims: tuple, num_experts: int | None, top_k: int, dispatch: str, dtype: str, seed: int = 0
+) -> tuple[Any, ...]:
+  """A row's step arguments for (images, tokens, dim, hidden) `dims`: the tokens and cotangent in
+  `dtype`, the weights (the dense MLP's, or the router's and experts') float32."""
+  groups, tokens, dim, hidden = dims
+  keys = jax.random.split(jax.random.key(seed), 8)
+  x = jax.random.normal(keys[0], (groups, tokens, dim), jnp.float32).astype(dtype)
+  cotangent = jax.random.normal(keys[1], (groups, tokens, dim), jnp.float32).astype(dtype)
+  if dispatch == BASELINE:
+    width = top_k * hidden
+    weights = (
+        _normal(keys[2], (dim, width)),
+        jnp.zeros((width,), jnp.float32),
+        _normal(keys[3], (width, dim)),
+        jnp.zeros((dim,), jnp.float32),
+    )
+    return x, weights, cotangent
+  router = _normal(keys[2], (dim, num_experts))
+  experts = ExpertWeights(
+      w1=_normal(keys[3], (num_experts, dim, hidden)),
+      b1=jnp.zeros((num_experts, hidden), jnp.float32),
+      w2=_normal(keys[4], (num_experts, hidden, dim)),
+      b2=jnp.zeros((num_experts, dim), jnp.float32),
+  )
+  return x, router, experts, cotangent
+
+
 def compile_case(
     shape: str,
     num_experts: int | None,
@@ -307,36 +335,18 @@ def compile_case(
   unused) or PEER_ROWS (then `peer` is `import_peer_vmoe`'s module).
   """
   groups, tokens, dim, hidden = SHAPES[shape]
-  keys = jax.random.split(jax.random.key(seed), 8)
-  x = jax.random.normal(keys[0], (groups, tokens, dim), jnp.float32).astype(dtype)
-  cotangent = jax.random.normal(keys[1], (groups, tokens, dim), jnp.float32).astype(dtype)
+  args = layer_args(SHAPES[shape], num_experts, top_k, dispatch, dtype, seed)
   row = dict(shape=shape, groups=groups, tokens=tokens, dim=dim, hidden=hidden)
   row.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch, dtype=dtype)
   row.update(capacity_factor=capacity_factor, capacity=None)
   if dispatch == BASELINE:
-    width = top_k * hidden
-    weights = (
-        _normal(keys[2], (dim, width)),
-        jnp.zeros((width,), jnp.float32),
-        _normal(keys[3], (width, dim)),
-        jnp.zeros((dim,), jnp.float32),
-    )
-    args = (x, weights, cotangent)
     compiled, figures = _compile(_dense_loss, args)
     return dict(row, **figures), compiled, args
   capacity = compute_capacity(tokens, num_experts, top_k, capacity_factor)
-  router = _normal(keys[2], (dim, num_experts))
-  experts = ExpertWeights(
-      w1=_normal(keys[3], (num_experts, dim, hidden)),
-      b1=jnp.zeros((num_experts, hidden), jnp.float32),
-      w2=_normal(keys[4], (num_experts, hidden, dim)),
-      b2=jnp.zeros((num_experts, dim), jnp.float32),
-  )
   row["capacity"] = capacity
   row["dispatch_plan_bytes"] = dispatch_plan_bytes(
       dispatch, groups, tokens, num_experts, top_k, capacity
   )
-  args = (x, router, experts, cotangent)
   if dispatch in PEER_ROWS:
     loss = _peer_loss(peer, PEER_ROWS[dispatch], capacity, top_k)
   else:
@@ -453,15 +463,9 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
           "sort at least 1.5x faster than einsum at E=64",
           row,
           speedup is not None and speedup >= 1.5,
-          f"einsum/sort time = {_fmt(speedup, 2)}x",
+          f"einsum/sort time = {cell(speedup, 2)}x",
       )
   return targets
-
-
-def _fmt(value: Any, digits: int) -> str:
-  if value is None:
-    return "-"
-  return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -473,11 +477,11 @@ def print_table(rows: list[dict]) -> None:
     temp, accessed, plan = (
         r.get(k) for k in ("temp_size_in_bytes", "bytes_accessed", "dispatch_plan_bytes")
     )
-    cells = [r["shape"], _fmt(r["num_experts"], 0), str(r["top_k"]), _fmt(r["capacity"], 0)]
-    cells += [r["dispatch"], *(_fmt(r[k], 2) for k in ("time_ms", "vs_dense", "vs_reference"))]
-    cells += [_fmt(r["vs_peer"], 2), _fmt(accessed / 1e9 if accessed else None, 3)]
-    cells += [_fmt(temp / 2**20 if temp is not None else None, 2)]
-    cells += [_fmt(r["vs_reference_memory"], 2), _fmt(plan / 2**20 if plan else None, 2)]
+    cells = [r["shape"], cell(r["num_experts"], 0), str(r["top_k"]), cell(r["capacity"], 0)]
+    cells += [r["dispatch"], *(cell(r[k], 2) for k in ("time_ms", "vs_dense", "vs_reference"))]
+    cells += [cell(r["vs_peer"], 2), cell(accessed / 1e9 if accessed else None, 3)]
+    cells += [cell(temp / 2**20 if temp is not None else None, 2)]
+    cells += [cell(r["vs_reference_memory"], 2), cell(plan / 2**20 if plan else None, 2)]
     print("| " + " | ".join(cells) + " |")
 
 
