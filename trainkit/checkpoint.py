@@ -47,10 +47,6 @@ MIN_REPLICA_PARALLEL_SLICE_BYTES = 8 << 20
 _SAVE_MARGIN_BYTES = 4 << 20
 
 
-def _nbytes(tree: Any) -> int:
-  return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
-
-
 def _megabytes(n: int) -> str:
   return f"{n / 2**20:.1f} MiB"
 
@@ -360,7 +356,7 @@ class Checkpointer:
     self._write_manifests()
     # Checked before writing anything: a save that fills the disk fails in Orbax's background
     # threads, half-written, with pages of tracebacks.
-    needed = _nbytes(state) + _SAVE_MARGIN_BYTES
+    needed = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + _SAVE_MARGIN_BYTES
     # An object store has no free space to measure (a full quota fails the upload itself).
     free = None if storage.is_remote(self.directory) else shutil.disk_usage(self.directory).free
     if free is not None and free < needed:
@@ -603,8 +599,10 @@ class Checkpointer:
     self._manager.reload()
     return corrupt
 
-  def _wait_for_save(self) -> None:
-    """Waits for the asynchronous save in flight, turning a full disk into one message."""
+  def _write_manifests(self) -> None:
+    """Waits for the save in flight (a full disk raised as one message), then completes the
+    manifest of each step this checkpointer saved (written before the commit; written whole here
+    after a synchronous save)."""
     try:
       self._manager.wait_until_finished()
     except Exception as e:
@@ -615,11 +613,6 @@ class Checkpointer:
         raise self._unwritable(self._saving[0], e) from e
       raise
     self._saving = None
-
-  def _write_manifests(self) -> None:
-    """Waits for the save in flight, then completes the manifest of each step this checkpointer
-    saved (written before the commit; written whole here after a synchronous save)."""
-    self._wait_for_save()
     if jax.process_index() != 0:
       self._unmanifested.clear()
       return
