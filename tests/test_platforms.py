@@ -71,7 +71,8 @@ def test_a_run_with_the_extra_on_a_cpu_host_prints_no_traceback(tmp_path, repo_r
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
 @pytest.mark.skipif(not NO_ACCELERATOR, reason="this host has a GPU or TPU")
-def test_describing_a_tpu_slice_without_a_tpu_prints_no_libtpu_errors(repo_root):
+@pytest.mark.parametrize("users_hostnames", [None, "localhost"])
+def test_describing_a_tpu_slice_without_a_tpu_prints_no_libtpu_errors(repo_root, users_hostnames):
   script = (
       "import jax\n"
       "jax.config.update('jax_platforms', 'cpu')\n"
@@ -84,14 +85,19 @@ def test_describing_a_tpu_slice_without_a_tpu_prints_no_libtpu_errors(repo_root)
       "names = ('TPU_WORKER_HOSTNAMES', 'TPU_HOST_BOUNDS')\n"
       "print('left:', [k for k in names if k in os.environ])\n"
   )
+  environment = _user_environment()
+  if users_hostnames:
+    environment["TPU_WORKER_HOSTNAMES"] = users_hostnames
   result = subprocess.run(
-      [sys.executable, "-c", script], cwd=repo_root, env=_user_environment(),
+      [sys.executable, "-c", script], cwd=repo_root, env=environment,
       capture_output=True, text=True, timeout=300,
   )
   assert result.returncode == 0, result.stderr
   # The slice described is the one asked for (16 chips on 4 hosts), not this one host.
   assert "described: 16 True 4" in result.stdout, result.stdout
-  assert "left: []" in result.stdout  # Nothing handed on to the processes started later.
+  # Nothing of ours is handed on to the processes started later; a user's own value stays.
+  left = "['TPU_WORKER_HOSTNAMES']" if users_hostnames else "[]"
+  assert f"left: {left}" in result.stdout, result.stdout
   _assert_quiet(result.stderr)
 
 
