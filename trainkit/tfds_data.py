@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -69,10 +68,10 @@ def tfds_map(
     with concurrent.futures.ThreadPoolExecutor(max_workers=num_threads) as pool:
       yield from pool.map(lambda i: fn(source[i]), range(n))
     return
-  # tfds_builder imported it (an extra of the calling package, not of trainkit).
-  tfds = importlib.import_module("tensorflow_datasets")
   dataset = builder.as_dataset(split=split, shuffle_files=False)
   if max_examples > 0:
     dataset = dataset.take(max_examples)
-  for example in tfds.as_numpy(dataset):
+  # tf.data's own numpy view (tfds.as_numpy's, for these dense features): trainkit needs no
+  # tensorflow_datasets import of its own, the calling package's extra brought it.
+  for example in dataset.as_numpy_iterator():
     yield fn(example)
