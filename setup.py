@@ -56,10 +56,10 @@ setup(
     package_data=PACKAGE_DATA,
     zip_safe=False,  # The configs are read as files.
     install_requires=[
-        "jax>=0.7",  # jax.set_mesh
+        "jax>=0.10",  # jax.set_mesh; the oldest jax tested (constraints.txt)
         "flax>=0.12.4",
         "optax>=0.2.5",
-        "orbax-checkpoint>=0.11",
+        "orbax-checkpoint>=0.12",
         # Every file of a workdir is read and written through etils.epath (local or gs://,
         # trainkit/storage.py); both come with Orbax, declared here because trainkit imports them.
         "etils[epath]>=1.7",
