@@ -175,13 +175,6 @@ def library_call_cost(hlo_text: str) -> dict[str, Any]:
   compute, per device and per execution of the module: bytes without the scratch workspace
   (`workspace_bytes` apart), FLOPs of GEMMs and convolutions (`without_flops`: the others)."""
   calls = hlo.library_calls(hlo_text)
-  by_target: dict[str, dict[str, Any]] = {}
-  for call in calls:
-    entry = by_target.setdefault(call.target, {"count": 0, "executions": 0, "bytes": 0, "flops": 0.0})
-    entry["count"] += 1
-    entry["executions"] += call.executions
-    entry["bytes"] += call.bytes * call.executions
-    entry["flops"] += (call.flops or 0.0) * call.executions
   return {
       "count": len(calls),
       "executions": sum(c.executions for c in calls),
@@ -190,7 +183,6 @@ def library_call_cost(hlo_text: str) -> dict[str, Any]:
       "workspace_bytes": sum(c.workspace * c.executions for c in calls),
       "without_flops": sum(c.flops is None for c in calls),
       "in_loops_of_unknown_trip_count": sum(c.in_unknown_loop for c in calls),
-      "by_target": dict(sorted(by_target.items())),
   }
 
 

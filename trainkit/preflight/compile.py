@@ -16,6 +16,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any, Callable, Mapping
 
 import flax.nnx as nnx
@@ -30,7 +31,7 @@ from trainkit.mesh import batch_sharding, make_mesh, require_all_devices
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
 from trainkit.preflight import analysis
-from trainkit.preflight.calibration import calibration_for
+from trainkit.preflight.calibration import CALIBRATION
 from trainkit.preflight.targets import GIB, TARGETS, Target, devices, get_target
 from trainkit.remat import MOST_AGGRESSIVE_REMAT, REMAT_CHOICES, validate_remat
 from trainkit.storage import write_atomically
@@ -237,8 +238,8 @@ def step_estimate(
 ) -> dict[str, float | None]:
   """A step's seconds (None: unknown): roofline at `utilization`, collectives (not derated),
   their sum (the run's figure) and their max (all overlapped)."""
-  collectives = collective_seconds or 0.0
   compute = None if bound_seconds is None else bound_seconds / utilization
+  collectives = collective_seconds or 0.0
   return {
       "compute_step_seconds": compute,
       "collective_seconds": collective_seconds,
@@ -292,47 +293,16 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
   else:
     evaluation = {"skipped": True, "fits": True, "memory": {}, "compile_seconds": 0.0}
 
-  params = analysis.bytes_per_device(state.params)
-  optimizer = analysis.bytes_per_device(state.opt_state)
   train["memory"].update(
-      parameters=params,
-      optimizer_state=optimizer,
+      parameters=analysis.bytes_per_device(state.params),
+      optimizer_state=analysis.bytes_per_device(state.opt_state),
       model_state=analysis.bytes_per_device(state.model_state),
       batch=batch_bytes,
       resident_batches=resident,
       prefetched=prefetched,
   )
   n = target.num_devices
-  xla = train.get("xla_cost", {})
-  hlo = train.get("optimized_hlo_cost", {})
-  library = train.get("library_calls")
-  with_calls = ""
-  if hlo and library is not None:
-    # A GPU program: XLA's fusions (the cost analysis) and the cuBLAS/cuDNN calls it skips.
-    hlo = analysis.with_library_calls(hlo, library)
-    train["cost_split"] = {"fusions": hlo["fusions"], "library_calls": hlo["library_calls"]}
-    with_calls = " + its library calls (cuBLAS/cuDNN custom calls)"
-  matmul_per_device = counted["flops"] / n
-  flops = xla.get("flops") or max(hlo.get("flops", 0.0), matmul_per_device)
-  if "flops" in xla:
-    flops_source = "xla cost analysis"
-  elif hlo.get("flops", 0.0) > matmul_per_device:
-    flops_source = "hlo cost analysis of the optimised program" + with_calls
-  else:
-    flops_source = "matmul count of the jaxpr"
-  if "bytes accessed" in xla:
-    bytes_accessed, bytes_source = xla["bytes accessed"], "xla cost analysis"
-  elif hlo.get("bytes accessed"):
-    bytes_accessed = hlo["bytes accessed"]
-    bytes_source = "hlo cost analysis of the optimised program (counted from its text)" + (
-        with_calls and with_calls + ": operands and results, workspace not counted"
-    )
-  elif train["memory"].get("arguments") is not None:
-    m = train["memory"]
-    bytes_accessed = m["arguments"] + m["outputs"] + 2 * m["temporaries"]
-    bytes_source = "lower bound: arguments read, outputs written, temporaries written and read once"
-  else:
-    bytes_accessed, bytes_source = None, "unknown (the compiler refused the program)"
+  flops, flops_source, bytes_accessed, bytes_source = _step_cost(train, counted["flops"] / n)
   peak_flops = target.peak_flops(config.compute_dtype)
   roofline = None
   if bytes_accessed is not None:
@@ -347,25 +317,22 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
       bytes_accessed_per_device=bytes_accessed,
       bytes_accessed_source=bytes_source,
       roofline=roofline,
-      xla_estimate_seconds=xla.get("optimal_seconds"),
+      xla_estimate_seconds=train.get("xla_cost", {}).get("optimal_seconds"),
   )
   utilization, utilization_source, utilization_range = _utilization(config, target)
-  estimate = step_estimate(
-      roofline["bound_s"] if roofline else None, utilization, train.get("collective_seconds")
-  )
+  bound = roofline["bound_s"] if roofline else None
+  estimate = step_estimate(bound, utilization, train.get("collective_seconds"))
   # The calibration's range carried through: the step at its highest and lowest utilisation.
   step_range = None
   if roofline and utilization_range:
     step_range = [
-        step_estimate(roofline["bound_s"], u, train.get("collective_seconds"))[
-            "step_seconds_no_overlap"
-        ]
+        step_estimate(bound, u, train.get("collective_seconds"))["step_seconds_no_overlap"]
         for u in reversed(utilization_range)
     ]
   step_seconds = estimate["step_seconds_no_overlap"]
   full_overlap = estimate["step_seconds_full_overlap"]
-  fits = bool(train["fits"] and evaluation["fits"])
-  record = {
+  given = {key: _config_value(config, key) for key in program.settings}
+  return {
       "target": {
           "name": target.name,
           "platform": target.platform,
@@ -385,10 +352,7 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
       "remat": validate_remat(config),
       "settings": dict(program.settings),
       # What the config said of each (e.g. moe.dispatch "auto"), printed beside the choice.
-      "settings_given": {
-          key: _config_value(config, key) for key in program.settings
-          if _config_value(config, key) is not None
-      },
+      "settings_given": {key: value for key, value in given.items() if value is not None},
       "batch": {
           "global": config.batch_size,
           "per_host": config.batch_size // target.num_hosts,
@@ -396,7 +360,7 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
           "eval_global": config.eval_batch_size,
           "host_rows": host_rows(mesh, config.batch_size),
       },
-      "fits": fits,
+      "fits": bool(train["fits"] and evaluation["fits"]),
       "train_step": train,
       "eval_step": evaluation,
       "run": {
@@ -425,7 +389,35 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
           "jax_cuda12_plugin": _version("jax-cuda12-plugin"),
       },
   }
-  return record
+
+
+def _step_cost(train: dict[str, Any], matmul_per_device: float) -> tuple[float, str, float | None, str]:
+  """(FLOPs, their source, bytes accessed or None, their source) of one device's step: XLA's
+  cost analysis (TPU), else the optimised program's count with its library calls (GPU)."""
+  xla, hlo, with_calls = train.get("xla_cost", {}), train.get("optimized_hlo_cost") or {}, ""
+  if hlo:  # A GPU program: XLA's fusions and the cuBLAS/cuDNN calls its cost analysis skips.
+    hlo = analysis.with_library_calls(hlo, train["library_calls"])
+    train["cost_split"] = {"fusions": hlo["fusions"], "library_calls": hlo["library_calls"]}
+    with_calls = " + its library calls (cuBLAS/cuDNN custom calls)"
+  if "flops" in xla:
+    flops, flops_source = xla["flops"], "xla cost analysis"
+  elif hlo.get("flops", 0.0) > matmul_per_device:
+    flops, flops_source = hlo["flops"], "hlo cost analysis of the optimised program" + with_calls
+  else:
+    flops, flops_source = matmul_per_device, "matmul count of the jaxpr"
+  m = train["memory"]
+  if "bytes accessed" in xla:
+    return flops, flops_source, xla["bytes accessed"], "xla cost analysis"
+  if hlo.get("bytes accessed"):
+    return flops, flops_source, hlo["bytes accessed"], (
+        "hlo cost analysis of the optimised program (counted from its text)"
+        + (with_calls and with_calls + ": operands and results, workspace not counted")
+    )
+  if m.get("arguments") is not None:
+    return flops, flops_source, m["arguments"] + m["outputs"] + 2 * m["temporaries"], (
+        "lower bound: arguments read, outputs written, temporaries written and read once"
+    )
+  return flops, flops_source, None, "unknown (the compiler refused the program)"
 
 
 def _utilization(
@@ -434,18 +426,12 @@ def _utilization(
   """(utilisation, where it comes from, the range the calibration allows or None)."""
   if config.preflight.utilization > 0:
     return float(config.preflight.utilization), "preflight.utilization", None
-  calibrated = calibration_for(target.platform)
-  if calibrated is None:  # pragma: no cover  # Every platform with a target is calibrated.
-    raise ConfigError(
-        "preflight.utilization", f"no calibration for {target.platform}: give the share (0, 1]"
-    )
+  calibrated = CALIBRATION[target.platform]  # Every platform with a target is calibrated.
   source = f"calibrated on {target.platform.upper()}: {calibrated.source} (paper_runner/calibration.py)"
   return calibrated.utilization, source, [calibrated.low, calibrated.high]
 
 
 def _version(package: str) -> str | None:
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
-
   try:
     return metadata.version(package)
   except metadata.PackageNotFoundError:
@@ -454,6 +440,10 @@ def _version(package: str) -> str | None:
 
 def _gib(n: float | None) -> str:
   return "?" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.2f} ms"
 
 
 def _config_value(config: ml_collections.ConfigDict, key: str) -> Any:
@@ -496,24 +486,22 @@ def fallback_peak(record: Mapping[str, Any]) -> float | None:
 def summary(record: Mapping[str, Any]) -> str:
   """The record as a few readable lines."""
   t, train, ev, run = record["target"], record["train_step"], record["eval_step"], record["run"]
-  m = train["memory"]
-  settings = settings_text(record)
+  m, batch, settings = train["memory"], record["batch"], settings_text(record)
+  if m.get("temporaries") is None:
+    parts = f" (refused by the compiler: {train.get('refused_by_compiler')})"
+  else:
+    parts = (
+        f" = parameters {_gib(m['parameters'])}, optimiser state {_gib(m['optimizer_state'])}, "
+        f"batch {_gib(m['batch'])} and {m['resident_batches'] - 1} prefetched ahead of it "
+        f"{_gib(m['prefetched'])}, other arguments and outputs, temporaries {_gib(m['temporaries'])}"
+    )
   lines = [
       f"preflight for {t['name']}: {t['devices']} x {t['device_kind']} on {t['hosts']} host(s), "
-      f"mesh {record['mesh']}, model.remat={record.get('remat', 'none')}, "
+      f"mesh {record['mesh']}, model.remat={record['remat']}, "
       + (f"{settings}, " if settings else "")
-      + f"batch {record['batch']['global']} "
-      f"({record['batch']['per_host']} per host, {record['batch']['per_device']} per device)",
+      + f"batch {batch['global']} ({batch['per_host']} per host, {batch['per_device']} per device)",
       f"  fits: {'yes' if record['fits'] else 'NO'} (usable {_gib(t['usable_bytes'])} per device)",
-      f"  train step per device: peak {_gib(m.get('peak'))}"
-      + (
-          f" = parameters {_gib(m['parameters'])}, optimiser state {_gib(m['optimizer_state'])}, "
-          f"batch {_gib(m['batch'])} and {m['resident_batches'] - 1} prefetched ahead of it "
-          f"{_gib(m['prefetched'])}, other arguments and outputs, temporaries "
-          f"{_gib(m.get('temporaries'))}"
-          if m.get("temporaries") is not None
-          else f" (refused by the compiler: {train.get('refused_by_compiler')})"
-      ),
+      f"  train step per device: peak {_gib(m.get('peak'))}{parts}",
       "  eval step: not compiled (preflight.eval_step=False)"
       if ev.get("skipped")
       else f"  eval step per device: peak {_gib(ev['memory'].get('peak'))}",
@@ -523,9 +511,7 @@ def summary(record: Mapping[str, Any]) -> str:
   ]
   scaled = fallback_peak(record)
   if scaled is not None:
-    tight = record["fits"] and scaled > t["usable_bytes"]
-    lines.insert(
-        3,
+    lines.insert(3, (
         "  compiled with Triton GEMMs off (this jax cannot tile them without the GPU): a real "
         f"run's program differs; with its temporaries 10% larger, as measured once, the peak is "
         f"{_gib(scaled)}"
@@ -533,10 +519,10 @@ def summary(record: Mapping[str, Any]) -> str:
             ", over the usable memory: a real run may not fit, or XLA may recompute to stay "
             "under it (the six one-H100 paper cells in this case fit on jax 0.11.2); compile "
             "with the jax the run will use (docs/scaling.md)"
-            if tight
+            if record["fits"] and scaled > t["usable_bytes"]
             else " (docs/scaling.md)"
-        ),
-    )
+        )
+    ))
   if train.get("bytes_accessed_per_device") is not None:
     split = train.get("cost_split")
     lines.append(
@@ -551,50 +537,34 @@ def summary(record: Mapping[str, Any]) -> str:
     )
   collectives = train.get("collectives") or {}
   pricing = train.get("collective_pricing")
-  lines.append(
-      "  collectives: "
-      + (", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in collectives.items()) or "none")
-      + (
-          f": {train['collective_seconds'] * 1e3:.3g} ms per step (ring model at "
-          f"{pricing['bandwidth'] / 1e9:.0f} GB/s per device"
-          + (
-              f", {pricing['inter_host_bandwidth'] / 1e9:.0f} GB/s across hosts"
-              if pricing["inter_host_bandwidth"] != pricing["bandwidth"]
-              and any(v["across_hosts"] for v in pricing["by_kind"].values())
-              else ""
-          )
-          + ")"
-          if collectives and pricing
-          else ""
-      )
-  )
+  kinds = [f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in collectives.items()]
+  priced = ""
+  if collectives and pricing:
+    across = pricing["inter_host_bandwidth"] != pricing["bandwidth"] and any(
+        v["across_hosts"] for v in pricing["by_kind"].values()
+    )
+    priced = (
+        f": {train['collective_seconds'] * 1e3:.3g} ms per step (ring model at "
+        f"{pricing['bandwidth'] / 1e9:.0f} GB/s per device"
+        + (f", {pricing['inter_host_bandwidth'] / 1e9:.0f} GB/s across hosts" if across else "")
+        + ")"
+    )
+  lines.append(f"  collectives: {', '.join(kinds) or 'none'}{priced}")
   if train.get("roofline"):
-    r = train["roofline"]
-    xla = train.get("xla_estimate_seconds")
-    compute = run.get("compute_step_seconds", run["step_seconds"])
-    lines.append(
-        f"  step time: roofline {r['bound_s'] * 1e3:.2f} ms ({r['bound_by']}-bound)"
-        + (f", XLA's estimate {xla * 1e3:.2f} ms" if xla else "")
-        + f"; at {run['utilization']:.0%} of the bound {compute * 1e3:.2f} ms"
-        + f" ({run.get('utilization_source', 'preflight.utilization')})"
-    )
-    full = run.get("step_seconds_full_overlap") or run["step_seconds"]
-    spread = run.get("step_seconds_range")
-    lines.append(
-        f"  step with collectives: {run['step_seconds'] * 1e3:.2f} ms without overlap"
-        + (
-            f" ({spread[0] * 1e3:.2f}-{spread[1] * 1e3:.2f} ms over the calibration's range)"
-            if spread
-            else ""
-        )
-        + f", {full * 1e3:.2f} ms with full overlap"
-    )
-    lines.append(
+    r, xla, spread = train["roofline"], train.get("xla_estimate_seconds"), run["step_seconds_range"]
+    lines += [
+        f"  step time: roofline {_ms(r['bound_s'])} ({r['bound_by']}-bound)"
+        + (f", XLA's estimate {_ms(xla)}" if xla else "")
+        + f"; at {run['utilization']:.0%} of the bound {_ms(run['compute_step_seconds'])}"
+        f" ({run['utilization_source']})",
+        f"  step with collectives: {_ms(run['step_seconds'])} without overlap"
+        + (f" ({spread[0] * 1e3:.2f}-{_ms(spread[1])} over the calibration's range)" if spread else "")
+        + f", {_ms(run['step_seconds_full_overlap'])} with full overlap",
         f"  {run['num_train_steps']} steps: {run['wall_hours']:.2f} h wall, "
         f"{run['device_hours']:.1f} device-hours without overlap; "
-        f"{run.get('wall_hours_full_overlap') or run['wall_hours']:.2f} h, "
-        f"{run.get('device_hours_full_overlap') or run['device_hours']:.1f} device-hours with full overlap"
-    )
+        f"{run['wall_hours_full_overlap']:.2f} h, "
+        f"{run['device_hours_full_overlap']:.1f} device-hours with full overlap",
+    ]
   lines.append(
       f"  compile time here: train {train['compile_seconds']} s, eval {ev['compile_seconds']} s"
   )
@@ -604,8 +574,7 @@ def summary(record: Mapping[str, Any]) -> str:
 def memory_keys(record: Mapping[str, Any]) -> list[str]:
   """The `MEMORY_KEYS` that can lower the run's memory per device on its target, each with how."""
   keys = []
-  train_short = not record["train_step"]["fits"]
-  if train_short:
+  if not record["train_step"]["fits"]:
     keys.append("batch_size (activations scale with it)")
     remat = record.get("remat", "none")
     if remat in REMAT_CHOICES and remat != MOST_AGGRESSIVE_REMAT:
@@ -647,9 +616,10 @@ def compile_run(
 ) -> dict[str, Any]:
   """`--mode=compile`: prints, writes `<workdir>/preflight.json`; a UserError if it does not fit."""
   record = preflight(config, build_program)
-  write_atomically(os.path.join(workdir, PREFLIGHT_FILE), json.dumps(record, indent=2) + "\n")
+  path = os.path.join(workdir, PREFLIGHT_FILE)
+  write_atomically(path, json.dumps(record, indent=2) + "\n")
   print(summary(record), flush=True)
-  print(f"  written to {os.path.join(workdir, PREFLIGHT_FILE)}", flush=True)
+  print(f"  written to {path}", flush=True)
   if not record["fits"]:
     raise UserError(does_not_fit_message(record))
   return record

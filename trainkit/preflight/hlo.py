@@ -49,24 +49,16 @@ def _arrays(shape_text: str) -> list[Array]:
   ]
 
 
-def _instructions(hlo_text: str):
-  """(line, op, result shape text) of every instruction of the module."""
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match:
-      yield line, match.group("op"), match.group("shape")
-
-
 def matmul_results(hlo_text: str) -> list[Array]:
   """The result of every `dot`, `convolution` (TPU lowers dots to it) and cuBLAS GEMM (its first
   result, not the workspace) of the module, fused computations included."""
-  results = []
-  for line, op, shape in _instructions(hlo_text):
-    if op in ("dot", "convolution") or (op == "custom-call" and _GEMM_TARGET.search(line)):
-      arrays = _arrays(shape)
-      if arrays:
-        results.append(arrays[0])
-  return results
+  instructions, _ = _module(hlo_text)
+  return [
+      _arrays(ins.shape)[0]
+      for ins in instructions
+      if (ins.op in ("dot", "convolution") or (ins.op == "custom-call" and _GEMM_TARGET.search(ins.line)))
+      and _arrays(ins.shape)
+  ]
 
 
 def _without_operands(shape_text: str) -> str:

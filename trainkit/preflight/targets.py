@@ -100,38 +100,26 @@ def described_memory_bytes(usable_bytes: int) -> int:
   return -(-usable_bytes * 100 // _XLA_DEFAULT_BASE_PERCENT)
 
 
-def _gpu_description(
-    *,
-    name: str,
-    compute_capability: tuple[int, int],
-    core_count: int,
-    fpus_per_core: int,
-    clock_ghz: float,
-    memory_bytes: int,
-    memory_bandwidth: float,
-    l2_cache_bytes: int,
-    shared_memory_per_core: int,
-    shared_memory_per_block_optin: int,
-) -> str:
+def _gpu_description(facts: dict[str, Any], chip: dict[str, Any]) -> str:
   """A GpuTargetConfigProto in text form, its memory as `described_memory_bytes` gives it."""
-  major, minor = compute_capability
-  described = described_memory_bytes(int(memory_bytes * GPU_DEFAULT_MEMORY_FRACTION))
+  major, minor = chip["compute_capability"]
+  described = described_memory_bytes(int(facts["memory_bytes"] * GPU_DEFAULT_MEMORY_FRACTION))
   return f"""gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
-  shared_memory_per_core: {shared_memory_per_core}
+  shared_memory_per_core: {chip["shared_memory_per_core"]}
   threads_per_core_limit: 2048
-  core_count: {core_count}
-  fpus_per_core: {fpus_per_core}
+  core_count: {chip["core_count"]}
+  fpus_per_core: {chip["fpus_per_core"]}
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: {int(memory_bandwidth)}
-  l2_cache_size: {l2_cache_bytes}
-  clock_rate_ghz: {clock_ghz}
+  memory_bandwidth: {int(facts["memory_bandwidth"])}
+  l2_cache_size: {chip["l2_cache_bytes"]}
+  clock_rate_ghz: {chip["clock_ghz"]}
   device_memory_size: {described}
-  shared_memory_per_block_optin: {shared_memory_per_block_optin}
+  shared_memory_per_block_optin: {chip["shared_memory_per_block_optin"]}
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
@@ -141,7 +129,7 @@ def _gpu_description(
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 1 patch: 0 }}
-device_description_str: "{name}"
+device_description_str: "{facts["device_kind"]}"
 """
 
 
@@ -162,15 +150,9 @@ _HOPPER_SXM = dict(
     core_count=132,
     fpus_per_core=128,
     clock_ghz=1.98,
+    l2_cache_bytes=50 * 1024**2,
     shared_memory_per_core=228 * 1024,
     shared_memory_per_block_optin=227 * 1024,
-)
-_H100_DESCRIPTION = _gpu_description(
-    name="NVIDIA H100 80GB HBM3",
-    memory_bytes=_H100["memory_bytes"],
-    memory_bandwidth=_H100["memory_bandwidth"],
-    l2_cache_bytes=50 * 1024**2,
-    **_HOPPER_SXM,
 )
 # H200: the H100's die and links with 141 GB of HBM3e (memory as nvidia-smi reported it).
 _H200 = dict(
@@ -179,13 +161,6 @@ _H200 = dict(
     peak_bf16_flops=PEAK_FLOPS_BY_KIND["NVIDIA H200"],
     memory_bytes=143_771 * 1024**2,
     memory_bandwidth=4.8e12,
-)
-_H200_DESCRIPTION = _gpu_description(
-    name="NVIDIA H200",
-    memory_bytes=_H200["memory_bytes"],
-    memory_bandwidth=_H200["memory_bandwidth"],
-    l2_cache_bytes=60 * 1024**2,
-    **_HOPPER_SXM,
 )
 _A100 = dict(
     device_kind="NVIDIA A100-SXM4-80GB",
@@ -197,19 +172,18 @@ _A100 = dict(
     interconnect_bandwidth=300e9,
     inter_host_bandwidth=25e9,
 )
-_A100_DESCRIPTION = _gpu_description(
-    name="NVIDIA A100-SXM4-80GB",
+_AMPERE_SXM = dict(
     compute_capability=(8, 0),
     core_count=108,
     fpus_per_core=64,
     clock_ghz=1.41,
-    memory_bytes=_A100["memory_bytes"],
-    memory_bandwidth=_A100["memory_bandwidth"],
     l2_cache_bytes=40 * 1024**2,
     shared_memory_per_core=164 * 1024,
     shared_memory_per_block_optin=163 * 1024,
 )
-def _gpu(name: str, facts: dict[str, Any], description: str, hosts: int, per_host: int) -> Target:
+
+
+def _gpu(name: str, facts: dict[str, Any], chip: dict[str, Any], hosts: int, per_host: int) -> Target:
   return Target(
       name=name,
       platform="gpu",
@@ -217,7 +191,7 @@ def _gpu(name: str, facts: dict[str, Any], description: str, hosts: int, per_hos
       num_hosts=hosts,
       usable_fraction=GPU_DEFAULT_MEMORY_FRACTION,
       topology=f"1x{hosts}x{per_host}",
-      gpu_description=description,
+      gpu_description=_gpu_description(facts, chip),
       **facts,
   )
 
@@ -282,12 +256,12 @@ TARGETS: dict[str, Target] = {
         _tpu("v5e-256", _V5E, "v5e:16x16", 256),
         _tpu("v5p-8", _V5P, "v5p:2x2x1", 4, chip_config="megacore"),
         _tpu("v5p-32", _V5P, "v5p:2x2x4", 16, chip_config="megacore"),
-        _gpu("h100x1", _H100, _H100_DESCRIPTION, hosts=1, per_host=1),
-        _gpu("h100x8", _H100, _H100_DESCRIPTION, hosts=1, per_host=8),
-        _gpu("h100x16", _H100, _H100_DESCRIPTION, hosts=2, per_host=8),
-        _gpu("h200x1", _H200, _H200_DESCRIPTION, hosts=1, per_host=1),
-        _gpu("h200x8", _H200, _H200_DESCRIPTION, hosts=1, per_host=8),
-        _gpu("a100x8", _A100, _A100_DESCRIPTION, hosts=1, per_host=8),
+        _gpu("h100x1", _H100, _HOPPER_SXM, hosts=1, per_host=1),
+        _gpu("h100x8", _H100, _HOPPER_SXM, hosts=1, per_host=8),
+        _gpu("h100x16", _H100, _HOPPER_SXM, hosts=2, per_host=8),
+        _gpu("h200x1", _H200, dict(_HOPPER_SXM, l2_cache_bytes=60 * 1024**2), hosts=1, per_host=1),
+        _gpu("h200x8", _H200, dict(_HOPPER_SXM, l2_cache_bytes=60 * 1024**2), hosts=1, per_host=8),
+        _gpu("a100x8", _A100, _AMPERE_SXM, hosts=1, per_host=8),
     )
 }
 
