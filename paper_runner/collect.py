@@ -68,14 +68,6 @@ def collect(sweep: ml_collections.ConfigDict, workdir: str) -> list[RunResult]:
   return [read_run(point, run_dir(workdir, point)) for point in grid_points(sweep)]
 
 
-def row_label(point: Mapping[str, Any], pooled: Sequence[str] = ("seed",)) -> str:
-  """The row of a per-setting table that a run belongs to: its grid values but the pooled keys."""
-  others = {k: v for k, v in point.items() if k not in pooled}
-  if len(others) == 1:
-    return format_value(next(iter(others.values())))
-  return ",".join(f"{k}={format_value(v)}" for k, v in others.items()) or "all runs"
-
-
 def lookup(report: Any, path: str) -> Any:
   """The value at a dotted path into a report, or None where any part is absent."""
   for part in path.split("."):

@@ -62,16 +62,6 @@ def interval(
   return Interval(mean, mean - half, mean + half, n)
 
 
-def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
-  return interval(values, None, confidence)
-
-
-def corrected_interval(
-    values: Sequence[float], test_to_train: float, confidence: float = CONFIDENCE
-) -> Interval:
-  return interval(values, test_to_train, confidence)
-
-
 def p_value(values: Sequence[float], test_to_train: float | None = None) -> float:
   """Two-sided p-value of "the mean is 0": p < 1 - confidence exactly when `interval` excludes 0."""
   if not values:
@@ -98,7 +88,8 @@ def holm(p_values: Sequence[float | None]) -> list[float | None]:
 
 
 def verdict_at(mean: float, p: float, better: str, confidence: float = CONFIDENCE) -> str:
-  """The verdict a (possibly adjusted) p-value gives a mean difference."""
+  """The verdict a (possibly Holm-adjusted) p-value gives a mean difference: without adjustment,
+  "undecided" exactly when the difference's interval contains 0."""
   if better not in DIRECTIONS:
     raise ValueError(f"better must be one of {DIRECTIONS}, got {better!r}")
   if p >= 1.0 - confidence or mean == 0.0:
@@ -130,16 +121,6 @@ def paired(
   return seeds, [float(row[s]) - float(baseline[s]) for s in seeds]
 
 
-def verdict(difference: Interval, better: str) -> str:
-  """The verdict on "row is `better` than its baseline" from the interval of row - baseline."""
-  if better not in DIRECTIONS:
-    raise ValueError(f"better must be one of {DIRECTIONS}, got {better!r}")
-  if difference.low is None or difference.low <= 0.0 <= difference.high:
-    return UNDECIDED
-  above = difference.low > 0.0
-  return HOLDS if above == (better == "higher") else DOES_NOT_HOLD
-
-
 @dataclasses.dataclass(frozen=True)
 class ClaimResult:
   """A claim decided: the paired seeds, the mean difference's interval, the verdict and p."""
@@ -165,10 +146,6 @@ def decide(
   if not differences:
     return ClaimResult([], None, UNDECIDED, False)
   difference = interval(differences, test_to_train, confidence)
-  return ClaimResult(
-      seeds,
-      difference,
-      verdict(difference, better),
-      len(seeds) >= min_seeds,
-      p_value(differences, test_to_train),
-  )
+  p = p_value(differences, test_to_train)
+  verdict = verdict_at(difference.mean, p, better, confidence)
+  return ClaimResult(seeds, difference, verdict, len(seeds) >= min_seeds, p)

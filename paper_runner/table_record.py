@@ -24,7 +24,6 @@ from paper_runner.table_references import reference_rows, split_sizes
 from paper_runner.table_spec import (
     SEED_KEY,
     TableSpec,
-    import_spec_object,
     metric_value,
     record_path,
     sample_sizes,
@@ -33,37 +32,6 @@ from paper_runner.table_spec import (
 from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 from trainkit.workdir import CONFIG_FILE, config_differences, trained_config_differences
-
-
-def pooled_rows(spec: TableSpec, results: Sequence[Any]) -> list[dict[str, Any]]:
-  """Per row and unit but the pooled key, the spec's pool function's report of the finished runs
-  that differ only in that key (a unit with an unfinished run is left out)."""
-  target, over = spec.pool
-  pool = import_spec_object(spec, "pool", target)
-  units: dict[tuple[str, Any], list[Any]] = {}
-  rest = [k for k in spec.pair_by if k != over]
-  for result in results:
-    p = result.point
-    if rest == [SEED_KEY]:
-      unit = p[SEED_KEY]
-    else:
-      unit = ",".join(f"{k}={format_value(p[k])}" for k in rest)
-    units.setdefault((format_value(p[spec.rows]), unit), []).append(result)
-  pooled = []
-  for (row, unit), members in units.items():
-    if any(m.status != "ok" for m in members):
-      continue
-    report = pool([m.run_dir for m in members])
-    pooled.append(
-        {
-            "row": row,
-            "seed": unit,
-            "runs": len(members),
-            "metrics": {p: metric_value(report, p) for p in spec.metrics()},
-            **sample_sizes(report, spec),
-        }
-    )
-  return pooled
 
 
 def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> None:
@@ -111,7 +79,7 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   """The record of `spec`'s sweep in `workdir` (finished or not)."""
   dates = []
   configs = []
-  results = collect(spec.sweep, workdir)  # Read once: the rows, the pooling and the provenance.
+  results = collect(spec.sweep, workdir)  # Read once: the rows and the provenance.
   for result in results:
     if result.status == "ok":
       _check_started_by_spec(spec, workdir, result)
@@ -126,8 +94,6 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
     record["references"] = reference_rows(spec)
   if spec.cross_validation:
     record["split_sizes"] = split_sizes(spec)
-  if spec.pool:
-    record["pooled"] = pooled_rows(spec, results)
   provenance = {
       **_runs_source_and_host(results),
       "date": (
@@ -239,8 +205,6 @@ def read_record(name: str) -> dict[str, Any]:
   for i, rerun in enumerate(record.get("reruns") or ()):
     runs = rerun.get("runs") if isinstance(rerun, dict) else None
     _check_runs(f"{where}: table {name}", runs, f"reruns[{i}].runs", name)
-  if record.get("pooled") is not None:
-    _check_runs(f"{where}: table {name}", record["pooled"], "pooled", name, status=False)
   for reference in record.get("references") or ():
     for path, value in ((reference or {}).get("metrics") or {}).items():
       if value is not None and not is_number(value):
@@ -257,8 +221,8 @@ def _run_text(index_name: str, run: Mapping[str, Any]) -> str:
   return index_name + (f" ({', '.join(known)})" if known else "")
 
 
-def _check_runs(where: str, runs: Any, what: str, name: str, status: bool = True) -> None:
-  """A UserError naming the first run without row, pair (status), finite metrics, or twice."""
+def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
+  """A UserError naming the first run without row, pair, status, finite metrics, or twice."""
   remake = f"(remake the record with --record={name})"
   if not isinstance(runs, list):
     raise UserError(f"{where}: {what} is not a list of runs {remake}")
@@ -268,10 +232,10 @@ def _check_runs(where: str, runs: Any, what: str, name: str, status: bool = True
     if not isinstance(run, dict):
       raise UserError(f"{where}: {index_name} is not a run (a JSON object) {remake}")
     text = _run_text(index_name, run)
-    for key in ("row", "seed", "status") if status else ("row", "seed"):
+    for key in ("row", "seed", "status"):
       if key not in run:
         raise UserError(f"{where}: {text} has no {key!r} {remake}")
-    if not status or run["status"] == "ok":
+    if run["status"] == "ok":
       metrics = run.get("metrics")
       if not isinstance(metrics, dict):
         raise UserError(f"{where}: {text} has a result but no 'metrics' {remake}")

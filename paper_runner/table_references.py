@@ -31,7 +31,7 @@ def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]
 def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
   """The spec's reference readers scored on its runs' data: [{"name", "metrics", ...}]."""
   read = import_spec_object(spec, "references", spec.references)
-  over = spec.pool[1] if spec.pool else None
+  over = spec.cross_validation[0] if spec.cross_validation else None
   paths = spec.metrics()
   scored: dict[str, list[dict[str, Any]]] = {}
   for config in _data_by_part(spec, over).values():

@@ -57,43 +57,6 @@ def _reader(name: str) -> str:
   return re.sub(r", mean over \d+ \w+$", "", name)
 
 
-def _pooled_table(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
-  """Per row, the mean over pooled units (e.g. each seed's folds together) of each column."""
-  over = spec.pool[1]
-  columns = [
-      c for c in spec.columns if any(p["metrics"].get(c.path) is not None for p in record["pooled"])
-  ]
-  body = []
-  for value in spec.row_values:
-    row = format_value(value)
-    units = [p for p in record["pooled"] if p["row"] == row]
-    if not units:
-      continue
-    cells = []
-    for c in columns:
-      values = [p["metrics"][c.path] for p in units if p["metrics"].get(c.path) is not None]
-      cells.append(_interval_text(stats.t_interval(values), c.scale, c.decimals) if values else "—")
-    body.append([spec.label(row), *cells, str(len(units))])
-  sizes = {}
-  for p in record["pooled"]:
-    for group, n in (p.get("groups") or {}).items():
-      sizes[group] = min(n, sizes.get(group, n))
-  runs = sorted({p["runs"] for p in record["pooled"]})
-  title = (
-      f"**Pooled over {'/'.join(map(str, runs))} {over.split('.')[-1]}s**: one report of each "
-      f"unit's runs together (every example scored once; `{spec.pool[0]}`)"
-  )
-  smallest = (
-      "; smallest groups: "
-      + ", ".join(f"{g} (n={n})" for g, n in sorted(sizes.items(), key=lambda x: x[1])[:3])
-      if sizes
-      else ""
-  )
-  return [title + smallest, ""] + markdown_table(
-      ["", *(c.label for c in columns), "pooled units"], body
-  )
-
-
 def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
   """The paragraphs under a claims table."""
   columns = {c.path: c for c in spec.columns}
@@ -206,8 +169,6 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     )
     body.append([f"*reference: {reference['name']}{drawn}*", *cells, "—"])
   lines += markdown_table(["", *(c.label for c in spec.columns), pair_units(spec)], body)
-  if record.get("pooled"):
-    lines += ["", *_pooled_table(spec, record)]
   if summary["claims"]:
     rerun_claims = [
         entry

@@ -90,14 +90,17 @@ class TableSpec:
   select: str | None = None
   select_within: tuple[str, float] | None = None
   references: str | None = None
-  pair_by: tuple[str, ...] = (SEED_KEY,)
-  pool: tuple[str, str] | None = None
+  # (fold key, "module:function" of its split sizes): runs pair by fold and seed.
   cross_validation: tuple[str, str] | None = None
   tuning: tuple[Tuning, ...] = ()
   selection_leaks: tuple[SelectionLeak, ...] = ()
 
+  @property
+  def pair_by(self) -> tuple[str, ...]:
+    return (self.cross_validation[0], SEED_KEY) if self.cross_validation else (SEED_KEY,)
+
   def pair(self, point: Mapping[str, Any]) -> Any:
-    """The unit a run is paired by across rows: its seed, or "key=value,..." of `pair_by`."""
+    """The unit a run is paired by across rows: its seed, or "fold=...,seed=..."."""
     if self.pair_by == (SEED_KEY,):
       return point[SEED_KEY]
     return ",".join(f"{k}={format_value(point[k])}" for k in self.pair_by)
@@ -145,14 +148,19 @@ def load_table(name: str) -> TableSpec:
   if unknown:
     raise spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
   rows = table.get("rows")
-  pair_by = tuple(table.get("pair_by") or (SEED_KEY,))
-  if rows not in sweep.grid or rows in pair_by:
+  cross_validation = table.get("cross_validation")
+  if cross_validation is not None and (
+      not isinstance(cross_validation, (tuple, list))
+      or len(cross_validation) != 2
+      or cross_validation[0] not in sweep.grid
+      or cross_validation[0] in (rows, SEED_KEY)
+      or not re.fullmatch(r"[\w.]+:\w+", str(cross_validation[1]))
+  ):
+    what = "(a grid key other than rows and seed, 'package.module:function')"
+    raise spec_error(name, "cross_validation", f"{cross_validation!r} is not {what}")
+  pair_by = (cross_validation[0], SEED_KEY) if cross_validation else (SEED_KEY,)
+  if rows not in sweep.grid or rows in pair_by or SEED_KEY not in sweep.grid:
     raise spec_error(name, "rows", f"{rows!r} is not a grid key other than {pair_by}")
-  if SEED_KEY not in pair_by:
-    raise spec_error(name, "pair_by", f"{pair_by} must include {SEED_KEY!r}")
-  for key in pair_by:
-    if key not in sweep.grid:
-      raise spec_error(name, "pair_by", f"the grid has no {key!r} key to pair runs by")
   others = [k for k, v in sweep.grid.items() if k not in (rows, *pair_by) and len(v) > 1]
   if others:
     raise spec_error(name, "rows", f"grid key {others[0]!r} also varies; a table has one")
@@ -208,11 +216,7 @@ def load_table(name: str) -> TableSpec:
       select=_check_select(name, table.get("select"), columns),
       select_within=_check_select_within(name, table, columns),
       references=_check_references(name, table.get("references")),
-      pair_by=pair_by,
-      pool=_check_pair_key(name, "pool", table.get("pool"), pair_by, True),
-      cross_validation=_check_pair_key(
-          name, "cross_validation", table.get("cross_validation"), pair_by, False
-      ),
+      cross_validation=tuple(cross_validation) if cross_validation else None,
       tuning=_check_tuning(name, table.get("tuning"), texts),
       selection_leaks=_check_leaks(name, table.get("selection_leaks"), texts),
   )
@@ -269,25 +273,6 @@ def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak,
   return tuple(leaks)
 
 
-def _check_pair_key(
-    name: str, key: str, value: Any, pair_by: tuple[str, ...], target_first: bool
-) -> tuple[str, str] | None:
-  if value is None:
-    return None
-  ok = isinstance(value, (tuple, list)) and len(value) == 2
-  target, pair_key = (value if target_first else value[::-1]) if ok else ("", None)
-  if (
-      not ok
-      or not re.fullmatch(r"[\w.]+:\w+", str(target))
-      or pair_key in (None, SEED_KEY)
-      or pair_key not in pair_by
-  ):
-    what = ("'package.module:function'", "a pair_by key other than seed")
-    what = what if target_first else what[::-1]
-    raise spec_error(name, key, f"{value!r} is not ({', '.join(what)})")
-  return str(value[0]), str(value[1])
-
-
 def import_spec_object(spec: TableSpec, key: str, target: str) -> Any:
   module_name, function = target.split(":")
   try:
@@ -297,9 +282,7 @@ def import_spec_object(spec: TableSpec, key: str, target: str) -> Any:
 
 
 def _check_references(name: str, references: Any) -> str | None:
-  if references is None:
-    return None
-  if not isinstance(references, str) or not re.fullmatch(r"[\w.]+:\w+", references):
+  if references is not None and not re.fullmatch(r"[\w.]+:\w+", str(references)):
     raise spec_error(name, "references", f"{references!r} is not 'package.module:function'")
   return references
 

@@ -84,8 +84,6 @@ TABLE = paper_claims_table(
     "FairSMoE, its ablations and the baselines, CelebA sample, Male, Chubby and Goatee, 5 identity folds",
     ATTRIBUTES,
     SA_VARIANCE_SHARE,
-    pair_by=(FOLD, "seed"),
-    pool=("fairmoe_jax.metrics.pooling:pooled_report", FOLD),
     cross_validation=(FOLD, "paper_runner.fairmoe.references:split_sizes"),
     **budget_and_leaks(3, "Attractive"),
 )

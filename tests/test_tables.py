@@ -38,7 +38,7 @@ def test_the_95_percent_interval_covers_the_true_mean_95_percent_of_the_time():
   true_mean, trials = 1.3, 4000
   for n in (2, 5, 12):
     covered = sum(
-        stats.t_interval(rng.normal(true_mean, 2.0, size=n)).contains(true_mean)
+        stats.interval(rng.normal(true_mean, 2.0, size=n)).contains(true_mean)
         for _ in range(trials)
     )
     # A normal quantile instead of Student's t would cover about 0.88 at n=5, 0.70 at n=2.
@@ -46,9 +46,9 @@ def test_the_95_percent_interval_covers_the_true_mean_95_percent_of_the_time():
 
 
 def test_a_single_value_has_no_interval_and_decides_nothing():
-  interval = stats.t_interval([0.7])
+  interval = stats.interval([0.7])
   assert (interval.mean, interval.low, interval.high, interval.n) == (0.7, None, None, 1)
-  assert stats.verdict(interval, "higher") == stats.UNDECIDED
+  assert stats.decide({0: 0.7}, {0: 0.5}, "higher").verdict == stats.UNDECIDED
 
 
 def _seeded(rng, n, seed_spread, effect, noise):
@@ -62,8 +62,8 @@ def _seeded(rng, n, seed_spread, effect, noise):
 def test_pairing_by_seed_finds_an_effect_that_overlapping_spreads_hide():
   rng = np.random.default_rng(1)
   row, baseline = _seeded(rng, n=5, seed_spread=5.0, effect=1.0, noise=0.1)
-  unpaired_row = stats.t_interval(list(row.values()))
-  unpaired_base = stats.t_interval(list(baseline.values()))
+  unpaired_row = stats.interval(list(row.values()))
+  unpaired_base = stats.interval(list(baseline.values()))
   assert unpaired_row.low < unpaired_base.high  # The per-row intervals overlap ...
   result = stats.decide(row, baseline, "higher")
   assert result.verdict == stats.HOLDS  # ... yet every seed is better by about 1.
@@ -707,9 +707,12 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
   with fold 3 of method b, and the folds' shared difficulty cancels."""
   results = tmp_path / "results"
   (results / "records").mkdir(parents=True)
+  # The folds' sizes are read from their data (references.split_sizes); toy runs have none.
+  sizes = {"train": 300, "validation": 100, "test": 100}
+  monkeypatch.setattr(table_record, "split_sizes", lambda spec: {str(f): sizes for f in range(5)})
   spec_text = _SPEC.replace(
       '"seed": (0, 1, 2, 3, 4), "method"', '"data.fold": (0, 1, 2, 3, 4), "seed": (0,), "method"'
-  ).replace("TABLE = dict(", "TABLE = dict(\n    pair_by=('data.fold', 'seed'),")
+  ).replace("TABLE = dict(", "TABLE = dict(\n    cross_validation=('data.fold', 'toy_sizes:sizes'),")
   (results / "cv.py").write_text(spec_text)
   monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
   monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
@@ -728,62 +731,13 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
   assert table_record.stale_runs(spec, record) == []
   text = table_render.render(spec, record)
   assert "| a higher than b (alpha 0.5) | Acc. (%) | +1.0 [1.0, 1.0] | 5 | <0.001 | **holds** |" in text
-  assert "| folds × seeds |" in text
-  # Pairing needs the seed key; another varying key that pairs nothing is an error.
-  (results / "bad.py").write_text(spec_text.replace("pair_by=('data.fold', 'seed')", "pair_by=('data.fold',)"))
-  with pytest.raises(UserError, match="must include 'seed'"):
+  assert "| folds × seeds |" in text and "test-to-train 0.333" in text
+  # The fold key must be a grid key other than the seed; another varying key is an error.
+  (results / "bad.py").write_text(spec_text.replace("('data.fold', 'toy", "('seed', 'toy"))
+  with pytest.raises(UserError, match=r"TABLE\['cross_validation'\]"):
     table_spec.load_table("bad")
-  (results / "bad.py").write_text(spec_text.replace("    pair_by=('data.fold', 'seed'),\n", ""))
+  (results / "bad.py").write_text(spec_text.replace("    cross_validation=('data.fold', 'toy_sizes:sizes'),\n", ""))
   with pytest.raises(UserError, match="'data.fold' also varies"):
-    table_spec.load_table("bad")
-
-
-def test_a_pooled_table_scores_each_seed_s_folds_together(tmp_path, monkeypatch):
-  """The pool function gets the run directories of one seed's folds, and its report is
-  tabulated per row after the per-run rows."""
-  results = tmp_path / "results"
-  (results / "records").mkdir(parents=True)
-  (tmp_path / "toy_pool.py").write_text(
-      "import json, os\n"
-      "def pool(run_dirs):\n"
-      "  # Pooled accuracy: the folds' correct answers over their examples.\n"
-      "  reports = [json.load(open(os.path.join(d, 'report.json'))) for d in run_dirs]\n"
-      "  n = sum(r['num_examples'] for r in reports)\n"
-      "  right = sum(r['accuracy'] * r['num_examples'] for r in reports)\n"
-      "  return {'accuracy': right / n, 'num_examples': n, 'folds': len(run_dirs),\n"
-      "          'attributes': {'sex': {'groups': {'m': {'n': 3 * len(run_dirs)}}}}}\n"
-  )
-  monkeypatch.syspath_prepend(str(tmp_path))
-  spec_text = _SPEC.replace(
-      '"seed": (0, 1, 2, 3, 4), "method"', '"data.fold": (0, 1, 2), "seed": (0, 1), "method"'
-  ).replace(
-      "TABLE = dict(",
-      "TABLE = dict(\n    pair_by=('data.fold', 'seed'),\n    pool=('toy_pool:pool', 'data.fold'),",
-  )
-  (results / "cv.py").write_text(spec_text)
-  monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
-  monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
-  workdir = tmp_path / "sweep"
-  for fold, n in enumerate((100, 200, 700)):  # Unequal folds: pooling weighs by examples.
-    for seed in (0, 1):
-      for method, accuracy in (("a", 0.5 + 0.1 * fold), ("b@fair.alpha=0.5", 0.9)):
-        run = workdir / "runs" / f"data.fold={fold},seed={seed},method={method}"
-        run.mkdir(parents=True)
-        (run / "report.json").write_text(json.dumps(_report(accuracy, 0.7, n_test=n)))
-  _started_by_the_sweep("cv", workdir)
-  spec = table_spec.load_table("cv")
-  table_record.write_record(spec, str(workdir))
-  record = table_record.read_record("cv")
-  pooled = {(p["row"], p["seed"]): p for p in record["pooled"]}
-  assert set(pooled) == {(r, s) for r in ("a", "b@fair.alpha=0.5") for s in (0, 1)}
-  # (0.5 * 100 + 0.6 * 200 + 0.7 * 700) / 1000, not the folds' plain mean 0.6.
-  assert pooled[("a", 0)]["metrics"]["accuracy"] == pytest.approx(0.66)
-  assert pooled[("a", 0)]["runs"] == 3 and pooled[("a", 0)]["groups"] == {"sex=m": 9}
-  text = table_render.render(spec, table_record.read_record("cv"))
-  assert "**Pooled over 3 folds**" in text and "smallest groups: sex=m (n=9)" in text
-  assert "| a | 66.0 [66.0, 66.0] | 2 |" in text  # Only the columns the reports hold.
-  with pytest.raises(UserError, match=r"TABLE\['pool'\]"):
-    (results / "bad.py").write_text(spec_text.replace("'data.fold'),", "'seed'),"))
     table_spec.load_table("bad")
 
 
@@ -805,14 +759,12 @@ def test_the_corrected_interval_of_folds_is_nadeau_and_bengio_s_on_a_known_examp
   j = len(values)
   mean, variance = np.mean(values), np.var(values, ddof=1)
   half = scipy_stats.t.ppf(0.975, j - 1) * np.sqrt((1 / j + ratio) * variance)
-  interval = stats.corrected_interval(values, ratio)
+  interval = stats.interval(values, ratio)
   assert (interval.mean, interval.low, interval.high) == pytest.approx(
       (mean, mean - half, mean + half)
   )
-  assert stats.interval(values, ratio) == interval
   # Wider than the interval of independent values by sqrt(1 + J n_test / n_train).
-  plain = stats.t_interval(values)
-  assert stats.interval(values) == plain
+  plain = stats.interval(values)
   assert (interval.high - interval.low) / (plain.high - plain.low) == pytest.approx(
       np.sqrt(1 + j * ratio)
   )
@@ -867,12 +819,12 @@ def test_the_fold_tables_decide_with_the_corrected_interval():
       (mean - half, mean + half)
   )
   assert round(result.difference.low, 3) == -0.128 and round(result.difference.high, 3) == 0.556
-  plain = stats.t_interval(differences)
+  plain = stats.interval(differences)
   assert result.difference.low < plain.low - 0.1  # The plain one: [0.005, 0.424].
   # The cells are the folds' too, and the caption says which interval.
   accuracy = table_summary.claim_values(record, "fairsmoe", "accuracy")
   cell = summary["rows"]["fairsmoe"]["cells"]["accuracy"]
-  assert cell == stats.corrected_interval(list(accuracy.values()), ratio)
+  assert cell == stats.interval(list(accuracy.values()), ratio)
   assert "corrected resampled t-interval, test-to-train 0.333] over folds × seeds" in (
       table_render.render(spec, record)
   )

@@ -1,19 +1,15 @@
 """A quick markdown table of causal_attn_jax runs, mean [95% interval] over seeds, no verdicts
-(`scripts/tabulate_causal.py`, or the sweep collector `paper_runner.causal.results_table:write_table`)."""
+(`scripts/tabulate_causal.py`; a results spec gives verdicts: paper_runner/tables.py)."""
 
 from __future__ import annotations
 
 import collections
-import os
 from typing import Any, Mapping
 
 import numpy as np
 
 from paper_runner import stats
-from paper_runner.collect import RunResult, markdown_table, row_label
-from trainkit.storage import write_atomically
-
-TABLE = "causal_table.md"
+from paper_runner.collect import markdown_table
 
 
 def report_values(reports: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -34,7 +30,7 @@ def report_values(reports: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def _cell(values: list[float]) -> str:
-  interval = stats.t_interval(values)
+  interval = stats.interval(values)
   return stats.format_interval(interval.mean, interval.low, interval.high)
 
 
@@ -47,19 +43,3 @@ def format_table(groups: Mapping[str, list[dict[str, Any]]]) -> str:
       for name, values in rows.items()
   ]
   return "\n".join(markdown_table(["run", *columns, "seeds"], body)) + "\n"
-
-
-def write_table(workdir: str, runs: list[RunResult]) -> list[str]:
-  """The table collector: `<workdir>/causal_table.md` from the finished runs, then the others."""
-  groups: dict[str, list[dict[str, Any]]] = {}
-  for run in runs:
-    if run.status == "ok":
-      groups.setdefault(row_label(run.point), []).append(run.report)
-  text = format_table(groups) if groups else "No run has finished.\n"
-  missing = [run for run in runs if run.status != "ok"]
-  if missing:
-    text += "\nRuns without a result:\n\n"
-    text += "".join(f"- {run.name} ({run.status}): {run.error}\n" for run in missing)
-  path = os.path.join(workdir, TABLE)
-  write_atomically(path, text)
-  return [path]
