@@ -8,31 +8,34 @@ r"""The preflight's step time against public training throughputs: the calibrati
 `--mode=compile` turns a compiled step into a time: its roofline bound divided by a
 utilisation, the share of that bound a real step reaches. Each row is a public training run and
 our backbone of the same shape compiled for the same target, batch and mesh (in a process of
-its own, `paper_runner.fairmoe.calibration_row`); utilisation = roofline bound / public step
-time. `trainkit.preflight.calibration` keeps the per-platform figure (a test checks it against
-the record); docs/scaling.md says what the public figures are and are not.
+its own: `--row=NAME --out=PATH`); utilisation = roofline bound / public step time.
+`trainkit.preflight.calibration` keeps the per-platform figure (a test checks it against the
+record); docs/scaling.md says what the public figures are and are not.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
+import ml_collections
 from absl import app, flags
 
+from paper_runner import preflight_table
 from paper_runner.markers import write_or_check
+from trainkit.config_files import resolve_config_path
 from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.storage import write_atomically
 
 NAME = "calibration"
-# Compiles one row in a process of its own (our backbone is fairmoe_jax's, a layer above this one).
-ROW_MODULE = "paper_runner.fairmoe.calibration_row"
 RECORD = os.path.join("results", "records", f"{NAME}.json")
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -78,15 +81,9 @@ PUBLIC_RUNS: tuple[dict[str, Any], ...] = (
     ),
 )
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags() -> None:
-  """Defined when run: `paper_runner.preflight_table`'s flags share these names."""
-  flags.DEFINE_bool("compile", False, "compile the rows missing from the record")
-  flags.DEFINE_string("only", "", "with --compile: only rows whose name contains this")
-  flags.DEFINE_string("write", "", "render the table into this document (between its markers)")
-  flags.DEFINE_string("check", "", "exit 1 if this document's table differs from the record")
+# --compile, --only, --write and --check are preflight_table's (one flag of each name).
+_ROW = flags.DEFINE_string("row", "", "compile this public run alone and write its row to --out")
+_OUT = flags.DEFINE_string("out", "", "with --row: where to write the row's JSON")
 
 
 def _load() -> dict[str, Any]:
@@ -101,7 +98,7 @@ def compile_missing(pattern: str) -> None:
     if pattern not in run["name"] or run["name"] in _load()["rows"]:
       continue
     print(f"compiling {run['name']} ...", flush=True)
-    command = [sys.executable, "-m", ROW_MODULE, f"--row={run['name']}"]
+    command = [sys.executable, "-m", "paper_runner.calibration", f"--row={run['name']}"]
     env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "1", "JAX_PLATFORMS": "cpu"})
     with tempfile.TemporaryDirectory() as scratch:
       out = os.path.join(scratch, "row.json")
@@ -111,13 +108,78 @@ def compile_missing(pattern: str) -> None:
       with open(out) as f:
         row = json.load(f)
     row.update(
-        command=f"python -m {ROW_MODULE} --row={run['name']}",
+        command=f"python -m paper_runner.calibration --row={run['name']}",
         date=datetime.date.today().isoformat(),
     )
     record = _load()
     record["rows"][run["name"]] = row
     write_atomically(RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"  roofline {row['roofline_s'] * 1e3:.1f} ms ({row['bound_by']}-bound)", flush=True)
+
+
+def _config(run: dict[str, Any]) -> ml_collections.ConfigDict:
+  """The paper's CelebA config with the row's backbone, batch and target."""
+  spec = importlib.util.spec_from_file_location("celeba", resolve_config_path("configs/celeba.py"))
+  celeba = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(celeba)
+  config = celeba.get_config(f"method=multifair,backbone={run['backbone']}")
+  config.batch_size = run["batch"]
+  config.compute_dtype = "bfloat16"
+  config.num_epochs = 0
+  config.num_train_steps = 1
+  config.preflight.target = run["target"]
+  config.preflight.eval_step = False
+  config.preflight.utilization = 1.0  # The bound itself: the utilisation is what we measure.
+  return config
+
+
+def _plain_classifier_program(config: ml_collections.ConfigDict, mesh: Any) -> Any:
+  """Our backbone as the public runs train it: softmax cross-entropy on 1000 classes, no MoE
+  block, no fairness term."""
+  # Imported here: rendering and checking the table need no jax.
+  # pylint: disable=import-outside-toplevel
+  import flax.nnx as nnx
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  from fairmoe_jax.data.augment import normalize_on_device
+  from fairmoe_jax.models.backbones import build_backbone
+  from trainkit.preflight.compile import Program
+
+  del mesh
+  size, batch = config.data.image_size, config.batch_size
+
+  def loss_fn(model, batch, rng, step, extra):
+    del step, extra
+    logits, _ = model(normalize_on_device(batch["image"]), train=True, rngs=nnx.Rngs(dropout=rng))
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
+
+  images = {
+      "image": jax.ShapeDtypeStruct((batch, size, size, 3), np.uint8),
+      "label": jax.ShapeDtypeStruct((batch,), np.int32),
+  }
+  return Program(
+      make_model=lambda: build_backbone(config, 1000, None, nnx.Rngs(params=0)),
+      loss_fn=loss_fn,
+      train_batch=images,
+      make_eval_step=lambda graphdef: None,
+      eval_batch=images,
+  )
+
+
+def compile_row(name: str) -> dict[str, Any]:
+  """The preflight of public run `name`'s shape: its roofline bound and what it rests on."""
+  from trainkit.preflight.compile import preflight  # pylint: disable=import-outside-toplevel
+
+  runs = {run["name"]: run for run in PUBLIC_RUNS}
+  if name not in runs:
+    raise UserError(f"--row: no public run named {name!r}; known: {', '.join(runs)}")
+  start = time.perf_counter()
+  record = preflight(_config(runs[name]), _plain_classifier_program)
+  return dict(preflight_table.brief(record), seconds=round(time.perf_counter() - start))
 
 
 def utilisation(run: dict[str, Any], row: dict[str, Any]) -> tuple[float, float]:
@@ -193,11 +255,13 @@ def table(record: dict[str, Any] | None = None) -> str:
 @exit_on_user_error
 def main(argv: list[str]) -> None:
   del argv
-  if FLAGS.compile:
-    compile_missing(FLAGS.only)
-  write_or_check(NAME, table() + "\n", RECORD, FLAGS.write, FLAGS.check)
+  if _ROW.value:
+    write_atomically(_OUT.value, json.dumps(compile_row(_ROW.value)))
+    return
+  if preflight_table.COMPILE.value:
+    compile_missing(preflight_table.ONLY.value)
+  write_or_check(NAME, table() + "\n", RECORD, preflight_table.WRITE.value, preflight_table.CHECK.value)
 
 
 if __name__ == "__main__":
-  _define_flags()
   app.run(main)

@@ -122,35 +122,35 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
       return dict(command=f"python {shown}", error=str(message)[:400], seconds=round(seconds))
     with open(path) as f:
       record = json.load(f)
+  return dict(brief(record), command=f"python {shown}", seconds=round(seconds))
+
+
+def brief(record: dict[str, Any]) -> dict[str, Any]:
+  """What a table keeps of a preflight record (`trainkit.preflight.compile.preflight`)."""
   train, run = record["train_step"], record["run"]
-  memory = train["memory"]
+  roofline, collectives = train.get("roofline") or {}, train.get("collectives") or {}
   return dict(
-      command=f"python {shown}",
       fits=record["fits"],
-      peak=memory.get("peak"),
-      parameters=memory.get("parameters"),
-      optimizer_state=memory.get("optimizer_state"),
+      peak=train["memory"].get("peak"),
       usable=record["target"]["usable_bytes"],
+      devices=record["target"]["devices"],
+      mesh=record["mesh"],
+      settings=record.get("settings", {}),
+      compiler_options=train.get("compiler_options"),
       refused_by_compiler=train.get("refused_by_compiler"),
       flops_per_device=train.get("flops_per_device"),
       flops_source=train.get("flops_source"),
       matmul_flops_per_example=train.get("matmul_flops_per_example"),
+      bytes_accessed_per_device=train.get("bytes_accessed_per_device"),
       bytes_accessed_source=train.get("bytes_accessed_source"),
-      roofline_s=(train.get("roofline") or {}).get("bound_s"),
-      bound_by=(train.get("roofline") or {}).get("bound_by"),
-      xla_estimate_s=train.get("xla_estimate_seconds"),
+      roofline_s=roofline.get("bound_s"),
+      bound_by=roofline.get("bound_by"),
+      collective_bytes={k: v["bytes"] for k, v in collectives.items()},
+      collective_seconds=train.get("collective_seconds"),
       step_s=run.get("step_seconds"),
       utilization=run.get("utilization"),
       num_train_steps=run.get("num_train_steps"),
-      device_hours=run.get("device_hours"),
-      devices=record["target"]["devices"],
-      mesh=record["mesh"],
-      collectives={k: v["count"] for k, v in (train.get("collectives") or {}).items()},
-      collective_bytes={k: v["bytes"] for k, v in (train.get("collectives") or {}).items()},
-      compiler_options=train.get("compiler_options"),
-      settings=record.get("settings", {}),
       compile_seconds=train.get("compile_seconds"),
-      seconds=round(seconds),
       provenance=record["provenance"],
   )
 
@@ -235,11 +235,8 @@ def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
 
 
 def _collectives(result: dict[str, Any]) -> str:
-  """MiB per device per step the train step's collectives produce, by kind (largest first);
-  "not recorded" for a cell compiled before the record kept bytes."""
-  found = result.get("collective_bytes")
-  if found is None:
-    return "not recorded"
+  """MiB per device per step the train step's collectives produce, by kind (largest first)."""
+  found = result["collective_bytes"]
   if not found:
     return "none"
   kinds = sorted(found.items(), key=lambda kv: -kv[1])
@@ -269,13 +266,6 @@ def render() -> str:
       "Do not fit: " + "; ".join(misfits) + ". Each is the whole global batch of 256 (its "
       "activations for the backward pass) on too few devices: more devices, a smaller "
       "`batch_size` or `model.remat` changes that."
-      + (
-          " The h100x1 refusals among them were compiled with the old GPU description (XLA "
-          "given all 80 GB, so its rematerialisation limit and our 75% check disagreed): told "
-          "the real memory, they fit (\"One H100 and `model.remat`\")."
-          if any("@h100x1" in m for m in misfits)
-          else ""
-      )
       if misfits
       else "Every compiled cell fits."
   )
@@ -297,20 +287,20 @@ def render() -> str:
   return "\n".join(lines) + "\n"
 
 
-_COMPILE = flags.DEFINE_bool("compile", False, "compile the cells missing from the record")
-_ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
-_SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
-_REVERSE = flags.DEFINE_bool("reverse", False, "with --compile: last cell first (a second worker)")
-_WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
-_CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
+COMPILE = flags.DEFINE_bool("compile", False, "compile the cells (rows) missing from the record")
+ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
+SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
+REVERSE = flags.DEFINE_bool("reverse", False, "with --compile: last cell first (a second worker)")
+WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
+CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
 
 
 @exit_on_user_error
 def main(argv: list[str]) -> None:
   del argv
-  if _COMPILE.value:
-    compile_missing(_ONLY.value, _SKIP.value, _REVERSE.value)
-  write_or_check(NAME, render(), RECORD, _WRITE.value, _CHECK.value)
+  if COMPILE.value:
+    compile_missing(ONLY.value, SKIP.value, REVERSE.value)
+  write_or_check(NAME, render(), RECORD, WRITE.value, CHECK.value)
 
 
 if __name__ == "__main__":
