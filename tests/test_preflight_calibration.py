@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from paper_runner import calibration
-from trainkit.preflight.calibration import CALIBRATION, calibration_for
+from trainkit.preflight.calibration import CALIBRATION
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ def test_the_preflight_uses_the_utilisation_the_record_gives():
   from_record = calibration.calibrated_utilisation(_record())
   assert set(from_record) == set(CALIBRATION) == {"tpu", "gpu"}
   for platform, measured in from_record.items():
-    used = calibration_for(platform)
+    used = CALIBRATION[platform]
     assert used.rows == measured["rows"]
     for field in ("utilization", "low", "high"):
       assert getattr(used, field) == pytest.approx(measured[field], abs=0.005), (platform, field)
@@ -68,7 +68,7 @@ def test_the_preflight_takes_its_platform_s_calibration_unless_the_config_names_
   config = ml_collections.ConfigDict({"preflight": preflight_config()})
   for name, platform in (("v5e-16", "tpu"), ("h100x8", "gpu")):
     utilization, source, spread = _utilization(config, get_target(name))
-    calibrated = calibration_for(platform)
+    calibrated = CALIBRATION[platform]
     assert utilization == calibrated.utilization and spread == [calibrated.low, calibrated.high]
     assert platform.upper() in source
   config.preflight.utilization = 0.25

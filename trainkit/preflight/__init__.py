@@ -3,8 +3,3 @@ what it needs (memory per device, FLOPs, collectives, a step-time bound, device-
 
 Needs the `preflight` extra (libtpu and the CUDA plugin matching jax): pip install -e ".[preflight]".
 """
-
-from trainkit.preflight.compile import Program, compile_run, preflight
-from trainkit.preflight.targets import TARGETS, Target, get_target
-
-__all__ = ["Program", "TARGETS", "Target", "compile_run", "get_target", "preflight"]

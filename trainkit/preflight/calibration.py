@@ -25,8 +25,3 @@ CALIBRATION: dict[str, Calibration] = {
         0.38, 0.37, 0.40, rows=2, source="ViT-B/16 on 8 A100s and on 8 H100s (JAX-Toolbox t5x)"
     ),
 }
-
-
-def calibration_for(platform: str) -> Calibration | None:
-  """The calibration of `platform` ("tpu", "gpu"), or None where no public run calibrates it."""
-  return CALIBRATION.get(platform)
