@@ -6,7 +6,6 @@ config alone (no tokenizer trained), so a run compiles on a machine without the 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import flax.nnx as nnx
 import jax
@@ -25,29 +24,6 @@ from trainkit.preflight.compile import Program
 
 # The config section of each built-in testbed (data.generator).
 GENERATOR_KEYS = {"spurious_pairs": "spurious", "ood_pairs": "ood_pairs"}
-# Training examples of the full-size datasets whose config counts epochs (mnli_hans.py,
-# qqp_paws.py, snli.py), as the loader keeps them (rows without a gold label skipped); keyed by
-# tfds name and by the official file names.
-MNLI_TRAIN = (392_702, "MNLI's train split")
-SNLI_TRAIN = (549_367, "SNLI's train split less its 785 pairs without a gold label")
-QQP_TRAIN = (363_846, "GLUE QQP's train split (tfds glue/qqp)")
-# Translation configs count steps; this is for a run that sets num_epochs, and is known by its
-# tfds name only (the preprocessed text files have no one name).
-WMT14_ENDE_TRAIN = (4_508_785, "WMT14 En-De's train split (the Vaswani et al. data)")
-KNOWN_TFDS_TRAIN = {
-    "glue/mnli": MNLI_TRAIN,
-    "snli": SNLI_TRAIN,
-    "glue/qqp": QQP_TRAIN,
-    "wmt14_translate/de-en": WMT14_ENDE_TRAIN,
-}
-KNOWN_TRAIN_FILES = {
-    "multinli_1.0_train.jsonl": MNLI_TRAIN,
-    "multinli_1.0_train.txt": MNLI_TRAIN,
-    "mnli/train.tsv": MNLI_TRAIN,
-    "snli_1.0_train.jsonl": SNLI_TRAIN,
-    "snli_1.0_train.txt": SNLI_TRAIN,
-    "qqp/train.tsv": QQP_TRAIN,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,29 +55,13 @@ def task_data(config: ml_collections.ConfigDict) -> TaskData:
 
 
 def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
-  """(training examples per epoch at full size, where the number comes from); (0, "") when the
-  config does not say which dataset it reads."""
-  d = config.data
-  if d.generator:  # Generated in full, never truncated.
-    key = GENERATOR_KEYS[d.generator]
-    return d[key].num_train, f"data.{key}.num_train"
-  if config_lib.uses_tfds(config):
-    known = KNOWN_TFDS_TRAIN.get(d.tfds_name) if d.tfds_train_split == "train" else None
-  else:
-    path = d.train_file if config.task == "classification" else ""
-    name = os.path.basename(path).lower()
-    folder = os.path.basename(os.path.dirname(path)).lower()
-    known = KNOWN_TRAIN_FILES.get(name) or KNOWN_TRAIN_FILES.get(f"{folder}/{name}")
-  if known is None:
+  """(training examples per epoch, where the number comes from) of a generated testbed, which is
+  generated in full; (0, "") for data read from files or tfds, whose size `--mode=compile` does
+  not read (a run that counts epochs gives `preflight.train_examples`)."""
+  if not config.data.generator:
     return 0, ""
-  examples, source = known
-  if not config_lib.uses_tfds(config) and config.task == "classification" and not d.eval_file:
-    # The loader carves the eval set out of the train file (data.eval_fraction).
-    examples -= max(1, int(round(d.eval_fraction * examples)))
-    source += ", less the data.eval_fraction carved for eval"
-  if 0 < d.max_train_examples < examples:
-    return d.max_train_examples, "data.max_train_examples"
-  return examples, source
+  key = GENERATOR_KEYS[config.data.generator]
+  return config.data[key].num_train, f"data.{key}.num_train"
 
 
 def batch_spec(
