@@ -1,8 +1,7 @@
-"""Autoregressive decoding with a cache: greedy and beam search, jit-compatible.
+"""Autoregressive decoding with a cache: beam search, jit-compatible.
 
-Both drive `log_probs [N, V], cache = step_fn(cache, tokens [N], position)`, `cache` any pytree
-with leading dimension N; beam search keeps N = batch * beam rows and reorders them on
-re-ranking.
+It drives `log_probs [N, V], cache = step_fn(cache, tokens [N], position)`, `cache` any pytree
+with leading dimension N = batch * beam rows, reordered on re-ranking.
 
 Beam search follows fairseq's rule: the 2K best extensions of the K alive beams are ranked; one
 ending in EOS among the first K is finished (scored by log-prob / length_penalty), the K best
@@ -35,39 +34,6 @@ _NEG_INF = -1e9
 
 def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
   return ((5.0 + length) / 6.0) ** alpha
-
-
-def greedy_search(
-    step_fn: StepFn,
-    cache: Any,
-    *,
-    batch_size: int,
-    max_len: int,
-    bos_id: int,
-    eos_id: int,
-    pad_id: int = 0,
-) -> tuple[jax.Array, jax.Array]:
-  """Argmax decoding. Returns (tokens [B, max_len] after BOS, padded after EOS; log-prob [B])."""
-
-  def body(i, carry):
-    tokens, last, score, done, cache = carry
-    log_probs, cache = step_fn(cache, last, i)
-    best = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)
-    best_logp = jnp.take_along_axis(log_probs, best[:, None], axis=-1)[:, 0]
-    token = jnp.where(done, pad_id, best)
-    score = score + jnp.where(done, 0.0, best_logp)
-    tokens = tokens.at[:, i].set(token)
-    return tokens, token, score, done | (token == eos_id), cache
-
-  init = (
-      jnp.full((batch_size, max_len), pad_id, jnp.int32),
-      jnp.full((batch_size,), bos_id, jnp.int32),
-      jnp.zeros((batch_size,), jnp.float32),
-      jnp.zeros((batch_size,), bool),
-      cache,
-  )
-  tokens, _, score, _, _ = jax.lax.fori_loop(0, max_len, body, init)
-  return tokens, score
 
 
 def _gather_beams(tree: Any, index: jax.Array, batch_size: int, beam_size: int) -> Any:
@@ -161,13 +127,11 @@ def decode_tokens(
     beam_size: int,
     max_len: int,
     alpha: float = 0.6,
-    use_beam_search: bool | None = None,
 ) -> jax.Array:
   """Translations [B, max_len] of src [B, S] (traceable; call it under jit).
 
   Encodes once, tiles the encoder output per beam and decodes with the KV caches; the scalar
   cache indices stay out of the cache that beam search reorders, rebuilt from the position.
-  `use_beam_search` None = beam search when beam_size > 1.
   """
   batch = src.shape[0]
   beam = beam_size
@@ -186,17 +150,16 @@ def decode_tokens(
     _, _, kv, _ = nnx.split(m, index_filter, nnx.Cache, ...)
     return jax.nn.log_softmax(logits.astype(jnp.float32)), (kv, memory, src_valid)
 
-  common = dict(
-      batch_size=batch, max_len=max_len, bos_id=tokenizer_lib.BOS_ID, eos_id=tokenizer_lib.EOS_ID
+  tokens, _ = beam_search(
+      step_fn,
+      (kv, memory, src_valid),
+      batch_size=batch,
+      beam_size=beam,
+      max_len=max_len,
+      bos_id=tokenizer_lib.BOS_ID,
+      eos_id=tokenizer_lib.EOS_ID,
+      alpha=alpha,
   )
-  if use_beam_search is None:
-    use_beam_search = beam > 1
-  if not use_beam_search:
-    if beam != 1:
-      raise ValueError(f"greedy decoding needs beam_size=1, got {beam}")
-    tokens, _ = greedy_search(step_fn, (kv, memory, src_valid), **common)
-  else:
-    tokens, _ = beam_search(step_fn, (kv, memory, src_valid), beam_size=beam, alpha=alpha, **common)
   return tokens
 
 

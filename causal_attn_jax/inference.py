@@ -47,16 +47,8 @@ from trainkit.workdir import RUN_INFO_FILE, output_folder
 
 @dataclasses.dataclass
 class Restored:
-  """A trained run's latest checkpoint, ready for inference (`restore_run`).
-
-  Attributes:
-    metadata: The run's task and label names (run_info.json).
-    data: The tokenizer and label names as TaskData, with no examples.
-    graphdef: The model's graph.
-    state: The restored train state (params, model state, optimizer state, multipliers).
-    mesh: The device mesh of `config.mesh` the state is placed on.
-    step: The checkpoint's step.
-  """
+  """A trained run's latest checkpoint, ready for inference (`restore_run`); `data` holds the
+  tokenizer and label names, no examples."""
 
   metadata: run_info_lib.RunMetadata
   data: TaskData
@@ -71,10 +63,9 @@ class Restored:
     return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
 
 
-def inference_data(
-    config: ml_collections.ConfigDict, workdir: str
-) -> tuple[run_info_lib.RunMetadata, TaskData]:
-  """The run's metadata and its tokenizer and label names, from the workdir alone."""
+def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
+  """The latest readable checkpoint of `workdir`, from the workdir alone: config, tokenizer,
+  run_info.json and checkpoints (no data file). No readable checkpoint is a UserError."""
   train.require_tokenizer(workdir)
   metadata = run_info_lib.load(workdir)
   if metadata.task != config.task:
@@ -98,13 +89,6 @@ def inference_data(
       num_classes=len(metadata.label_names),
       label_names=metadata.label_names,
   )
-  return metadata, data
-
-
-def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
-  """The latest readable checkpoint of `workdir`, from the workdir alone: config, tokenizer,
-  run_info.json and checkpoints (no data file). No readable checkpoint is a UserError."""
-  metadata, data = inference_data(config, workdir)
   run = recipe.setup(
       config,
       workdir,
@@ -167,15 +151,8 @@ class PairPredictions(NamedTuple):
 
 
 class TrainedRun:
-  """A trained run loaded by `load_run`: its model, config, metadata and tokenizer.
-
-  Attributes:
-    workdir: The run's working directory (absolute).
-    config: The config the run was trained with (with `load_run`'s overrides).
-    metadata: The task and the label names.
-    tokenizer: The SentencePiece tokenizer the run trained in its workdir.
-    step: The training step of the restored checkpoint.
-  """
+  """A trained run loaded by `load_run`: its workdir (absolute), config (with `load_run`'s
+  overrides), metadata (task, label names), tokenizer and the restored checkpoint's step."""
 
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: Restored):
     """Wraps a restored checkpoint (`restore_run`); `load_run` is the way to make one."""
@@ -188,9 +165,7 @@ class TrainedRun:
 
   @functools.cached_property
   def model(self) -> nnx.Module:
-    """The Flax NNX model (`PairClassifier` or `Seq2Seq`); predictions always use the
-    checkpoint's parameters.
-    """
+    """The Flax NNX model (`PairClassifier` or `Seq2Seq`) with the checkpoint's parameters."""
     return self._restored.model
 
   @functools.cached_property

@@ -9,7 +9,7 @@ part of report.json) lives on its task object, so `train` and `report` run one r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import flax.nnx as nnx
 import jax
@@ -37,81 +37,6 @@ LossOutput = tuple[jax.Array, dict[str, jax.Array], list[models.SelfAttentionRec
 Evaluate = Callable[..., dict[str, Any]]
 
 
-class Task(Protocol):
-  """What `train` and `report` ask of a task (the concrete tasks take the types written here)."""
-
-  name: str
-  # Token-id arrays whose lengths bucket the training batches.
-  seq_keys: tuple[str, ...]
-
-  def load_data(self, config: ml_collections.ConfigDict, workdir: str) -> TaskData:
-    ...
-
-  def max_positions(self, config: ml_collections.ConfigDict) -> int:
-    """Length of the model's position table."""
-    ...
-
-  def build_model(
-      self, config: ml_collections.ConfigDict, data: TaskData, rngs: nnx.Rngs
-  ) -> nnx.Module:
-    ...
-
-  def layer_names(self, config: ml_collections.ConfigDict) -> list[str]:
-    """Names of the constrained self-attention layers, in the order of the multipliers."""
-    ...
-
-  def tokens_per_example(self, config: ml_collections.ConfigDict) -> int:
-    """Sequence positions per example as batched (fixed shapes, so padding included)."""
-    ...
-
-  def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
-    """(layer index, batch key of its tokens) of each layer drawn in the report's heatmaps."""
-    ...
-
-  def loss(
-      self,
-      config: ml_collections.ConfigDict,
-      model: nnx.Module,
-      batch: Batch,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None,
-  ) -> LossOutput:
-    """(mean loss, metrics, records, logits); examples with `mask` False weigh nothing."""
-    ...
-
-  def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
-    """What the eval step returns beside the loss and constraint statistics."""
-    ...
-
-  def predict(
-      self,
-      config: ml_collections.ConfigDict,
-      data: TaskData,
-      state: TrainState,
-      *,
-      graphdef: nnx.GraphDef,
-      mesh: Mesh,
-      path: str,
-  ) -> dict[str, list[Any]]:
-    """The columns of predict/predictions.tsv for the inputs in `path` (`predict.input`)."""
-    ...
-
-  def report(
-      self,
-      config: ml_collections.ConfigDict,
-      data: TaskData,
-      state: TrainState,
-      result: dict[str, Any],
-      *,
-      evaluate: Evaluate,
-      graphdef: nnx.GraphDef,
-      mesh: Mesh,
-  ) -> dict[str, Any]:
-    """The task's keys of report.json, from the eval pass `result` and whatever else it runs."""
-    ...
-
-
 def _encoder_names(config: ml_collections.ConfigDict) -> list[str]:
   return [f"enc{l}" for l in range(config.model.num_layers)]
 
@@ -121,10 +46,13 @@ def _weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 class PairClassification:
-  """Sentence-pair classification (NLI, paraphrase) with `models.PairClassifier`."""
+  """Sentence-pair classification (NLI, paraphrase) with `models.PairClassifier`.
+
+  `Translation` has the same methods: what `train` and `report` ask of a task.
+  """
 
   name = "classification"
-  seq_keys = ("ids",)
+  seq_keys = ("ids",)  # Token-id arrays whose lengths bucket the training batches.
 
   def load_data(self, config: ml_collections.ConfigDict, workdir: str) -> TaskData:
     return load_classification(config, workdir)
@@ -141,15 +69,19 @@ class PairClassification:
     return models.PairClassifier(vocab, data.num_classes, spec, dtype=dtype, rngs=rngs)
 
   def layer_names(self, config: ml_collections.ConfigDict) -> list[str]:
+    """Names of the constrained self-attention layers, in the order of the multipliers."""
     return _encoder_names(config)
 
   def tokens_per_example(self, config: ml_collections.ConfigDict) -> int:
+    """Sequence positions per example as batched (fixed shapes, so padding included)."""
     return config.data.max_len
 
   def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
+    """(layer index, batch key of its tokens) of each layer drawn in the report's heatmaps."""
     return [(l, "ids") for l in range(config.model.num_layers)]
 
   def loss(self, config, model, batch, *, train, rngs) -> LossOutput:
+    """(mean loss, metrics, records, logits); examples with `mask` False weigh nothing."""
     del config
     logits, records = model(batch["ids"], batch["segment_ids"], train=train, rngs=rngs)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
@@ -341,6 +273,7 @@ def translate_sentences(
   return translations
 
 
+Task = PairClassification | Translation
 TASKS: dict[str, Task] = {t.name: t for t in (PairClassification(), Translation())}
 
 

@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from causal_attn_jax.layers import (
-    ATTENTION_KINDS,
-    MultiHeadAttention,
-    causal_mask,
-    masked_softmax,
-    padding_mask,
-    sinkhorn_softmax,
-    sparse_mask,
-)
+from causal_attn_jax.layers.attention import MultiHeadAttention, masked_softmax, sinkhorn_softmax
+from causal_attn_jax.layers.masks import ATTENTION_KINDS, causal_mask, padding_mask, sparse_mask
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
 pytestmark = pytest.mark.float32_reference

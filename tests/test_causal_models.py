@@ -138,16 +138,21 @@ def test_seq2seq_cached_decoding_and_beam_one_equals_greedy():
     memory, valid, _ = m.encode(src)
     m.init_cache(3, 6)
     cached = jnp.stack([m.decode_step(tgt[:, i], i, memory, valid) for i in range(6)], axis=1)
-    greedy = decoding.decode_tokens(nnx.merge(graphdef, state), src, beam_size=1, max_len=6)
-    beam1 = decoding.decode_tokens(
-        nnx.merge(graphdef, state), src, beam_size=1, max_len=6, use_beam_search=True
-    )
+    m.init_cache(3, 6)
+    greedy, last = [], jnp.full((3,), 2, jnp.int32)  # Argmax decoding, step by step.
+    for i in range(6):
+      last = jnp.argmax(m.decode_step(last, i, memory, valid), -1).astype(jnp.int32)
+      greedy.append(last)
+    greedy = jnp.stack(greedy, axis=1)
+    beam1 = decoding.decode_tokens(nnx.merge(graphdef, state), src, beam_size=1, max_len=6)
     beam2 = decoding.decode_tokens(nnx.merge(graphdef, state), src, beam_size=2, max_len=6)
     return full, cached, greedy, beam1, beam2, records
 
   full, cached, greedy, beam1, beam2, records = run(state)
   np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=2e-5, rtol=1e-4)
-  np.testing.assert_array_equal(np.asarray(beam1), np.asarray(greedy))
+  greedy = np.asarray(greedy)
+  after_eos = np.cumsum(greedy == 3, axis=1) - (greedy == 3) > 0  # EOS is 3, padding 0.
+  np.testing.assert_array_equal(np.asarray(beam1), np.where(after_eos, 0, greedy))
   assert greedy.shape == beam2.shape == (3, 6)
   # One record per encoder and decoder self-attention layer; the decoder's is causal.
   assert [r.decoder for r in records] == [False, True]

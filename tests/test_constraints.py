@@ -12,7 +12,8 @@ import pytest
 
 from causal_attn_jax import config as config_lib
 from causal_attn_jax import constraints as C
-from causal_attn_jax.layers import causal_mask, masked_softmax, padding_mask, sparse_mask
+from causal_attn_jax.layers.attention import masked_softmax
+from causal_attn_jax.layers.masks import causal_mask, padding_mask, sparse_mask
 from trainkit.errors import ConfigError
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).

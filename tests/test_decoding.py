@@ -1,4 +1,4 @@
-"""Greedy and beam search (causal_attn_jax.decoding) on hand-made next-token models."""
+"""Beam search (causal_attn_jax.decoding) on hand-made next-token models."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from causal_attn_jax.decoding import beam_search, greedy_search, length_penalty
+from causal_attn_jax.decoding import beam_search, length_penalty
 
 PAD, BOS, EOS = 0, 2, 3
 A, B = 4, 5
@@ -63,11 +63,17 @@ def _beam(tables, beam, max_len, alpha):
   )
 
 
-@functools.partial(jax.jit, static_argnames=("max_len",))
 def _greedy(tables, max_len):
-  return greedy_search(
-      _model(tables), _cache(2), batch_size=2, max_len=max_len, bos_id=BOS, eos_id=EOS
-  )
+  """Argmax decoding of `_model(tables)` in numpy, padded after EOS: the oracle of beam 1."""
+  tokens, score = np.full((2, max_len), PAD), np.zeros(2)
+  first = last = BOS
+  for i in range(max_len):
+    token = int(np.argmax(tables[first, last]))
+    tokens[:, i], score = token, score + tables[first, last, token]
+    first, last = (token if i == 0 else first), token
+    if token == EOS:
+      break
+  return tokens, score
 
 
 def test_beam_search_finds_the_planted_best_sequence_that_greedy_misses():
@@ -96,10 +102,10 @@ def test_beam_of_one_equals_greedy(seed):
   )
 
 
-def test_greedy_pads_after_eos():
+def test_beam_of_one_pads_after_eos():
   tables = np.full((VOCAB, VOCAB, VOCAB), 1e-9)
   tables[BOS, BOS, A] = 1.0
   tables[A, :, EOS] = 1.0
-  tokens, score = _greedy(_log(tables), 4)
+  tokens, score = _beam(_log(tables), 1, 4, 0.0)
   assert tokens[0].tolist() == [A, EOS, PAD, PAD]
   np.testing.assert_allclose(score, 0.0, atol=1e-6)

@@ -1,9 +1,8 @@
 """Pure-numpy batching for token sequences, with few distinct shapes so jit rarely recompiles.
 
 Sequences are right-padded with ``pad_id`` to ``max_len``. Training batches are length-bucketed
-and shuffled from ``(seed, epoch)`` only, so a resumed run sees the same batches; with
-``boundaries`` each is trimmed to the smallest boundary that fits (one compiled shape per
-boundary). Eval batches keep one shape, the last padded with ``mask`` False.
+and shuffled from ``(seed, epoch)`` only, so a resumed run sees the same batches. Eval batches
+keep one shape, the last padded with ``mask`` False.
 """
 
 from __future__ import annotations
@@ -15,33 +14,11 @@ import numpy as np
 MASK_KEY = "mask"
 
 
-def pad_to_length(
-    sequences: Sequence[Sequence[int]] | np.ndarray, length: int, pad_id: int = 0
-) -> np.ndarray:
-  """int32 [N, length]: each sequence truncated at the end or right-padded with ``pad_id``."""
-  out = np.full((len(sequences), length), pad_id, np.int32)
-  for i, seq in enumerate(sequences):
-    seq = np.asarray(seq, np.int32)[:length]
-    out[i, : len(seq)] = seq
-  return out
-
-
-def padding_mask(ids: np.ndarray, pad_id: int = 0) -> np.ndarray:
-  """bool mask, True where ``ids`` is a real token (not ``pad_id``)."""
-  return np.asarray(ids) != pad_id
-
-
 def sequence_lengths(ids: np.ndarray, pad_id: int = 0) -> np.ndarray:
   """int32 [N]: tokens up to and including the last non-pad token of each row."""
-  mask = padding_mask(ids, pad_id)
+  mask = np.asarray(ids) != pad_id
   last = mask.shape[-1] - np.argmax(mask[..., ::-1], axis=-1)
   return np.where(mask.any(-1), last, 0).astype(np.int32)
-
-
-def bucket_length(longest: int, boundaries: Sequence[int]) -> int:
-  """The smallest boundary >= ``longest`` (the largest boundary if none is)."""
-  fits = [b for b in sorted(boundaries) if b >= longest]
-  return fits[0] if fits else max(boundaries)
 
 
 def bucketed_batches(
@@ -73,47 +50,6 @@ def bucketed_batches(
   if drop_remainder and batches and len(batches[-1]) < batch_size:
     batches.pop()
   return [batches[i] for i in rng.permutation(len(batches))]
-
-
-def train_batches(
-    arrays: Mapping[str, np.ndarray],
-    batch_size: int,
-    *,
-    seed: int,
-    epoch: int = 0,
-    seq_keys: Sequence[str] = (),
-    lengths: Sequence[int] | np.ndarray | None = None,
-    boundaries: Sequence[int] | None = None,
-    pool_batches: int = 100,
-    pad_id: int = 0,
-) -> Iterator[dict[str, np.ndarray]]:
-  """Yields one epoch of full, length-bucketed batches of ``arrays``.
-
-  Args:
-    seq_keys: Keys of [N, max_len] right-padded sequences; their longest length is the
-      bucketing length unless ``lengths`` is given, and they are trimmed to ``boundaries``.
-    boundaries: Allowed sequence lengths, e.g. (32, 64, 128); None keeps ``max_len``.
-  """
-  n = _common_length(arrays)
-  if lengths is None:
-    if not seq_keys:
-      raise ValueError("train_batches needs seq_keys or lengths to bucket by.")
-    lengths = np.max([sequence_lengths(arrays[key], pad_id) for key in seq_keys], axis=0)
-  if len(lengths) != n:
-    raise ValueError(f"{len(lengths)} lengths for {n} examples.")
-  for indices in bucketed_batches(
-      lengths, batch_size, seed=seed, epoch=epoch, pool_batches=pool_batches
-  ):
-    batch = {key: value[indices] for key, value in arrays.items()}
-    for key in seq_keys if boundaries else ():
-      longest = int(sequence_lengths(batch[key], pad_id).max(initial=0))
-      batch[key] = batch[key][:, : bucket_length(longest, boundaries)]
-    yield batch
-
-
-def num_eval_batches(num_examples: int, batch_size: int) -> int:
-  """Batches ``eval_batches`` yields: ceil(num_examples / batch_size)."""
-  return -(-num_examples // batch_size)
 
 
 def eval_batches(

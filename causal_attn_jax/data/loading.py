@@ -15,15 +15,8 @@ import ml_collections
 import numpy as np
 
 from causal_attn_jax import config as config_lib
-from causal_attn_jax.data import (
-    nli,
-    ood_pairs,
-    spurious,
-    translation,
-)
-from causal_attn_jax.data import (
-    tokenizer as tokenizer_lib,
-)
+from causal_attn_jax.data import nli, ood_pairs, spurious, translation
+from causal_attn_jax.data import tokenizer as tokenizer_lib
 from trainkit.distributed import main_process_first
 from trainkit.errors import UserError
 
@@ -84,22 +77,18 @@ def load_pairs(
 ) -> tuple[nli.PairData, nli.PairData, nli.PairData | None]:
   """The (train, eval, challenge or None) sentence pairs a classification config reads."""
   d = config.data
-  if d.generator == "spurious_pairs":
-    spec = spurious.SpuriousPairsSpec(**d.spurious.to_dict())
-    train, evaluation, challenge = spurious.generate(spec)
+  testbeds = {
+      "spurious_pairs": (spurious.SpuriousPairsSpec, spurious.generate, d.spurious),
+      "ood_pairs": (ood_pairs.OodPairsSpec, ood_pairs.generate, d.ood_pairs),
+  }
+  if d.generator in testbeds:
+    make_spec, generate, settings = testbeds[d.generator]
+    spec = make_spec(**settings.to_dict())
+    train, evaluation, challenge = generate(spec)
+    cue = f", challenge_cue={spec.challenge_cue}" if d.generator == "ood_pairs" else ""
     print(
-        f"spurious_pairs: {len(train)} train, {len(evaluation)} eval, {len(challenge)} challenge "
-        f"pairs (cue_agreement={spec.cue_agreement}, seed={spec.seed})",
-        flush=True,
-    )
-    return train, evaluation, challenge
-  if d.generator == "ood_pairs":
-    spec = ood_pairs.OodPairsSpec(**d.ood_pairs.to_dict())
-    train, evaluation, challenge = ood_pairs.generate(spec)
-    print(
-        f"ood_pairs: {len(train)} train, {len(evaluation)} eval, {len(challenge)} challenge "
-        f"pairs (cue_agreement={spec.cue_agreement}, challenge_cue={spec.challenge_cue}, "
-        f"seed={spec.seed})",
+        f"{d.generator}: {len(train)} train, {len(evaluation)} eval, {len(challenge)} challenge "
+        f"pairs (cue_agreement={spec.cue_agreement}{cue}, seed={spec.seed})",
         flush=True,
     )
     return train, evaluation, challenge

@@ -95,12 +95,6 @@ def _check_task(task: str) -> None:
     raise UserError(f"sentence-pair task {task!r} is unknown; expected one of {', '.join(TASKS)}.")
 
 
-def _open_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
-  """Yields (1-based line number, line); split on '\\n' only, as U+2028, U+0085 and a lone
-  '\\r' occur inside real sentences."""
-  yield from iter_lines(path, "sentence-pair")
-
-
 class _Builder:
   """Accumulates pairs and counts for one file; ``-`` is skipped only with ``NLI_LABELS``."""
 
@@ -186,7 +180,7 @@ def read_nli_jsonl(path: str | os.PathLike, *, report: bool = True) -> PairData:
   """
   path = pathlib.Path(path)
   builder = _Builder(str(path), NLI_LABELS)
-  for number, line in _open_lines(path):
+  for number, line in iter_lines(path, "sentence-pair"):
     if not line.strip():
       continue
     where = f"{path}:{number}"
@@ -207,7 +201,7 @@ def read_nli_jsonl(path: str | os.PathLike, *, report: bool = True) -> PairData:
 def _read_tsv(path: pathlib.Path) -> Iterator[tuple[int, list[str]]]:
   """Yields (line number, fields) of a tab-separated file, header first; checks field counts."""
   width = None
-  for number, line in _open_lines(path):
+  for number, line in iter_lines(path, "sentence-pair"):
     if not line.strip():
       continue
     fields = line.split("\t")

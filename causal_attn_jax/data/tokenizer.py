@@ -17,7 +17,7 @@ import json
 import os
 import pathlib
 import posixpath
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,17 +81,22 @@ def train_sentencepiece(
     )
   spm = _spm()
   prefix = os.fspath(model_prefix)
-  # Trained in memory, checked, then written through `write_atomically` (a temporary file and a
-  # rename on a local disk, a whole upload to an object store): a full disk or a kill leaves
-  # either the complete files or none, never a truncated model that every rerun would fail on.
+  # Trained in memory, checked, then written atomically: never a truncated model.
   output: dict[str, Any] = {"model_writer": io.BytesIO()}
-  sentences = (t for t in (texts() if callable(texts) else texts) if t and t.strip())
-  counted = _Counting(sentences)
+  count = 0  # Sentences read: tells "no text" from other failures.
+
+  def sentences() -> Iterator[str]:
+    nonlocal count
+    for text in texts() if callable(texts) else texts:
+      if text and text.strip():
+        count += 1
+        yield text
+
   spm.set_random_generator_seed(seed)
   try:
     with open(os.devnull, "w") as devnull:
       spm.SentencePieceTrainer.train(
-          sentence_iterator=counted,
+          sentence_iterator=sentences(),
           **output,
           vocab_size=vocab_size,
           model_type=model_type,
@@ -112,10 +117,10 @@ def train_sentencepiece(
           logstream=devnull,
       )
   except RuntimeError as e:
-    if not counted.count:
+    if not count:
       raise UserError(f"tokenizer {prefix}.model: no non-empty training text was given.") from e
     raise UserError(
-        f"tokenizer {prefix}.model: SentencePiece training on {counted.count} sentences "
+        f"tokenizer {prefix}.model: SentencePiece training on {count} sentences "
         f"failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
     ) from e
   proto = output["model_writer"].getvalue()
@@ -136,22 +141,6 @@ def _vocab_text(model_proto: bytes) -> str:
       f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n"
       for i in range(processor.get_piece_size())
   )
-
-
-class _Counting:
-  """An iterator that counts what it yields (to tell "no text" from other failures)."""
-
-  def __init__(self, iterable: Iterable[str]):
-    self._it = iter(iterable)
-    self.count = 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> str:
-    item = next(self._it)
-    self.count += 1
-    return item
 
 
 def load_or_train(
