@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench_utils import cell, flops, memory_analysis, write_results
+from bench_utils import cost, fmt, markdown_table, memory_analysis, time_interleaved, write_results
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.attention import MultiHeadAttention
 
@@ -94,11 +94,8 @@ def benchmark_case(
   compile_s = time.perf_counter() - t0
   times, aux = [], None
   if repeats > 0:  # repeats == 0: compile only, for memory figures of shapes too big to run here.
-    (_, aux), _ = jax.block_until_ready(compiled(params, x, cotangent))  # warm-up, excluded
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(params, x, cotangent))
-      times.append(time.perf_counter() - t0)
+    call = lambda: compiled(params, x, cotangent)  # noqa: E731
+    [((_, aux), _)], [times] = time_interleaved([call], repeats)  # After a warm-up call.
   stats = jax.devices()[0].memory_stats() or {}
   constrained = kind == "causal" and aux is not None
   causal = kind == "causal"
@@ -108,7 +105,7 @@ def benchmark_case(
   row.update(time_ms=1e3 * statistics.median(times) if times else None)
   row.update(time_min_ms=1e3 * min(times) if times else None, compile_s=compile_s)
   row.update(rows_within=float(aux[0]) if constrained else None)
-  row.update(cols_within=float(aux[1]) if constrained else None, flops=flops(compiled))
+  row.update(cols_within=float(aux[1]) if constrained else None, flops=cost(compiled, "flops"))
   row.update(peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"))
   return dict(row, **memory_analysis(compiled))
 
@@ -143,15 +140,11 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
   ]
 
 
-def print_table(rows: list[dict]) -> None:
-  header = ["N", "kind", "time_ms", "vs_vanilla", "temp_MB", "vs_vanilla_memory"]
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header))
-  for r in rows:
-    temp = r["temp_size_in_bytes"]
-    cells = [str(r["n"]), r["kind"], cell(r["time_ms"], 2), cell(r["vs_vanilla"], 2)]
-    cells += [cell(temp / 2**20 if temp is not None else None, 2), cell(r["vs_vanilla_memory"], 2)]
-    print("| " + " | ".join(cells) + " |")
+# The printed table's columns: (heading, key, digits, scale).
+COLUMNS = (
+    *(("N", "n"), ("kind", "kind"), ("time_ms", "time_ms", 2), ("vs_vanilla", "vs_vanilla", 2)),
+    *(("temp_MB", "temp_size_in_bytes", 2, 2**-20), ("vs_vanilla_memory", "vs_vanilla_memory", 2)),
+)
 
 
 def main() -> None:
@@ -199,21 +192,10 @@ def main() -> None:
   for n in args.lengths:
     repeats = 0 if args.compile_only_above and n > args.compile_only_above else args.repeats
     for kind in kinds:
-      row = benchmark_case(
-          n,
-          kind,
-          batch=args.batch,
-          dim=args.dim,
-          heads=args.heads,
-          gcn_hops=args.gcn_hops,
-          dtype=args.dtype,
-          decoder=args.decoder,
-          multiplier=args.multiplier,
-          penalty=args.penalty,
-          repeats=repeats,
-      )
+      case = "batch dim heads gcn_hops dtype decoder multiplier penalty".split()
+      row = benchmark_case(n, kind, repeats=repeats, **{k: getattr(args, k) for k in case})
       print(
-          f"  N={n} {kind}: {cell(row['time_ms'], 2)} ms, compile {row['compile_s']:.1f} s",
+          f"  N={n} {kind}: {fmt(row['time_ms'], 2)} ms, compile {row['compile_s']:.1f} s",
           flush=True,
       )
       rows.append(row)
@@ -225,7 +207,7 @@ def main() -> None:
       f"gcn_hops {args.gcn_hops}, {'decoder' if args.decoder else 'encoder'} self-attention, "
       f"multipliers {args.multiplier}, median of {args.repeats}"
   )
-  print_table(rows)
+  print(markdown_table(rows, COLUMNS).lstrip())
   targets = evaluate_targets(rows)
   if targets:
     print()

@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from trainkit.preflight import analysis
+
 
 def memory_analysis(compiled: Any) -> dict[str, int | None]:
   fields = (
@@ -37,21 +39,13 @@ def memory_analysis(compiled: Any) -> dict[str, int | None]:
 
 def cost(compiled: Any, key: str) -> float | None:
   """A figure of XLA's cost analysis of a compiled executable ("flops", "bytes accessed")."""
-  try:
-    analysis = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
-    return None
-  if isinstance(analysis, (list, tuple)):
-    analysis = analysis[0] if analysis else None
-  return float(analysis[key]) if analysis and key in analysis else None
+  return (analysis.cost(compiled) or {}).get(key)
 
 
-def flops(compiled: Any) -> float | None:
-  return cost(compiled, "flops")
-
-
-def write_results(path: str, args: Any, rows: list[dict], targets: list[dict]) -> None:
-  """Writes the rows, the evaluated targets and where they were measured as JSON."""
+def write_results(
+    path: str, args: Any, rows: list[dict], targets: list[dict], quiet: bool = False, **extra: Any
+) -> None:
+  """Writes the rows, the evaluated targets, where they were measured and `extra` as JSON."""
   device = jax.devices()[0]
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
@@ -66,11 +60,13 @@ def write_results(path: str, args: Any, rows: list[dict], targets: list[dict]) -
             "args": vars(args),
             "rows": rows,
             "targets": targets,
+            **extra,
         },
         f,
         indent=2,
     )
-  print(f"wrote {path}")
+  if not quiet:
+    print(f"wrote {path}")
 
 
 def time_interleaved(
@@ -101,13 +97,6 @@ def fmt(value: Any, digits: int = 2, scale: float = 1.0) -> str:
   if isinstance(value, (bool, int)) and scale == 1 or not isinstance(value, (int, float)):
     return "-" if value is None else str(value)
   return f"{value * scale:,.{digits}f}" if math.isfinite(value) else "-"
-
-
-def cell(value: Any, digits: int) -> str:
-  """A printed table's cell: `-` for None, floats rounded, anything else as it is."""
-  if value is None:
-    return "-"
-  return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[tuple]) -> str:

@@ -20,37 +20,27 @@ with, per target, dtype and case, the dispatch of least roofline time and of lea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import importlib.metadata
-import io
 import json
 import os
 import re
-import time
 from typing import Any, Callable
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import moe_layer
-from bench_utils import write_results
-from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, ExpertWeights, compute_capacity
+from bench_utils import fmt, markdown_table, write_results
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS
 from fairmoe_jax.moe.experimental.blocksparse import choose_block_size
 from trainkit.preflight import analysis
-from trainkit.preflight.compile import persistent_cache_off
 from trainkit.preflight.targets import Target, devices, get_target
 
-# (images, tokens per image, width, expert MLP hidden width): moe_layer.py's, and DeiT-S scale.
-SHAPES = {
-    **moe_layer.SHAPES,
-    "deit_s32": (32, 197, 384, 1536),
-    "test": (2, 16, 32, 64),  # tests/test_dispatch_compile.py
-}
+SHAPES = moe_layer.SHAPES  # (images, tokens per image, width, expert MLP hidden width)
 CASES = {
     "vmoe": moe_layer.VMOE_CASES,  # ("cpu", 8, 2), ("cpu", 64, 2), ("cpu_deit", 8, 2)
     "deit_s": (("deit_s32", 4, 2), ("deit_s32", 64, 2)),
@@ -100,26 +90,13 @@ def abstract_args(
 
 
 def loss_fn(dispatch: str, capacity: int | None, top_k: int, peer: Any) -> Callable[..., Any]:
-  """moe_layer.py's loss of the row (imported, not copied)."""
-  if dispatch == BASELINE:
-    return moe_layer._dense_loss  # pylint: disable=protected-access
-  if dispatch in moe_layer.PEER_ROWS:
-    return moe_layer._peer_loss(peer, moe_layer.PEER_ROWS[dispatch], capacity, top_k)  # pylint: disable=protected-access
-  if dispatch in VARIANTS:  # moe_layer's loss reads the registry when it is made.
-    name, options = VARIANTS[dispatch]
-    algorithm = functools.partial(DISPATCH_ALGORITHMS[name], **options)
-    with mock.patch.dict(DISPATCH_ALGORITHMS, {dispatch: algorithm}):
-      return moe_layer._moe_loss(dispatch, capacity, top_k)  # pylint: disable=protected-access
-  return moe_layer._moe_loss(dispatch, capacity, top_k)  # pylint: disable=protected-access
-
-
-def compile_step(loss: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float]:
-  """moe_layer.py's step (grad w.r.t. all but the cotangent), compiled; and the seconds it took."""
-  step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args) - 1)), has_aux=True))
-  with persistent_cache_off():  # The compile time is the compiler's, and nothing is written.
-    t0 = time.perf_counter()
-    compiled = step.lower(*args).compile()
-    return compiled, time.perf_counter() - t0
+  """moe_layer.py's loss of the row; a VARIANTS row runs its dispatch with its options."""
+  if dispatch not in VARIANTS:
+    return moe_layer.layer_loss(dispatch, capacity, top_k, peer)
+  name, options = VARIANTS[dispatch]
+  algorithm = functools.partial(DISPATCH_ALGORITHMS[name], **options)
+  with mock.patch.dict(DISPATCH_ALGORITHMS, {dispatch: algorithm}):  # Read when the loss is made.
+    return moe_layer.layer_loss(dispatch, capacity, top_k)
 
 
 def balanced_blocks(
@@ -158,19 +135,13 @@ def compile_row(
     peer: Any = None,
 ) -> dict:
   """One row: the step of `dispatch` compiled for one device of `target`, its figures."""
-  groups, tokens, dim, hidden = SHAPES[shape]
-  capacity = (
-      None
-      if dispatch == BASELINE
-      else compute_capacity(tokens, num_experts, top_k, capacity_factor)
-  )
   row = dict(target=target.name, platform=target.platform, device_kind=target.device_kind)
-  row.update(shape=shape, groups=groups, tokens=tokens, dim=dim, hidden=hidden)
-  row.update(num_experts=num_experts, top_k=top_k, capacity=capacity, dispatch=dispatch)
-  row.update(dtype=dtype, capacity_factor=capacity_factor, error=None)
+  row.update(moe_layer.case_row(shape, num_experts, top_k, dispatch, dtype, capacity_factor))
+  groups, tokens, dim, hidden = SHAPES[shape]
+  capacity, row["error"] = row["capacity"], None
   try:
     args = abstract_args(mesh, shape, num_experts, top_k, dispatch, dtype)
-    compiled, seconds = compile_step(loss_fn(dispatch, capacity, top_k, peer), args)
+    compiled, seconds = moe_layer.compile_step(loss_fn(dispatch, capacity, top_k, peer), args)
   except Exception as e:  # pylint: disable=broad-except  # The target compiler's own errors.
     return dict(row, error=_error(e))
   costs = analysis.cost(compiled) or {}
@@ -199,16 +170,6 @@ def compile_row(
   else:
     row.update(roofline_s=None, bound_by=None)
   return row
-
-
-def cases(names: list[str], dispatches: list[str], peers: bool) -> list[tuple]:
-  """(shape, E, k, dispatch) of every row, the dense MLP of each (shape, k) first."""
-  moe = [case for name in names for case in CASES[name]]
-  rows = [(shape, None, k, BASELINE) for shape, k in dict.fromkeys((s, k) for s, _, k in moe)]
-  extra = list(moe_layer.PEER_ROWS) if peers else []
-  for shape, e, k in moe:
-    rows.extend((shape, e, k, d) for d in [*dispatches, *extra])
-  return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -248,39 +209,28 @@ def best_per_case(rows: list[dict]) -> list[dict]:
   return best
 
 
-def _fmt(value: Any, scale: float = 1.0, digits: int = 2) -> str:
-  if value is None:
-    return "-"
-  return f"{value / scale:.{digits}f}"
+# print_table's columns: (heading, key, digits, scale).
+COLUMNS = (
+    *(("target", "target"), ("dtype", "dtype"), ("case", "case"), ("C", "capacity")),
+    *(("dispatch", "dispatch"), ("GFLOP", "gflop"), ("vs dense", "flops_est_vs_dense", 2)),
+    *(("GB accessed", "bytes_accessed", 3, 1e-9), ("roofline us", "roofline_s", 0, 1e6)),
+    *(("peak MB", "peak", 1, 2**-20), ("scratch MB", "scratch", 1, 2**-20)),
+    *(("temp MB", "temporaries", 1, 2**-20), ("compile s", "compile_s", 1)),
+)
 
 
 def print_table(rows: list[dict]) -> None:
-  header = [
-      "target", "dtype", "case", "C", "dispatch", "GFLOP", "vs dense", "GB accessed",
-      "roofline us", "peak MB", "scratch MB", "temp MB", "compile s",
-  ]
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header))
+  """The rows as markdown; a looped row's GFLOP is the estimate, XLA's count in brackets."""
+  shown = []
   for r in rows:
-    case = f"{r['shape']} E={r['num_experts'] or '-'} k={r['top_k']}"
-    head = [r["target"], r["dtype"], case, str(r["capacity"] or "-"), r["dispatch"]]
+    gflop = fmt(r.get("flops_est"), 2, 1e-9)
     if r["error"]:
-      print("| " + " | ".join(head + [f"error: {r['error'][:120]}"] + [""] * 7) + " |")
-      continue
-    flops = _fmt(r["flops_est"], 1e9)
-    if r["dispatch"] in LOOPED and r["flops"] is not None:
-      flops = f"{flops}* ({_fmt(r['flops'], 1e9)})"
-    cells = [
-        flops,
-        _fmt(r["flops_est_vs_dense"]),
-        _fmt(r["bytes_accessed"], 1e9, 3) + ("*" if r["dispatch"] in LOOPED and r["bytes_accessed"] else ""),
-        _fmt(r["roofline_s"], 1e-6, 0),
-        _fmt(r["peak"], 2**20, 1),
-        _fmt(r["scratch"], 2**20, 1),
-        _fmt(r["temporaries"], 2**20, 1),
-        _fmt(r["compile_s"], 1.0, 1),
-    ]
-    print("| " + " | ".join(head + cells) + " |")
+      gflop = f"error: {r['error'][:120]}"
+    elif r["dispatch"] in LOOPED and r["flops"] is not None:
+      gflop = f"{gflop}* ({fmt(r['flops'], 2, 1e-9)})"
+    case = f"{r['shape']} E={r['num_experts'] or '-'} k={r['top_k']}"
+    shown.append(dict(r, case=case, gflop=gflop))
+  print(markdown_table(shown, COLUMNS).lstrip())
 
 
 def main() -> None:
@@ -310,10 +260,7 @@ def main() -> None:
   )
   parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
   parser.add_argument("--capacity_factor", type=float, default=1.25)
-  parser.add_argument(
-      "--output",
-      default=TABLE_JSON,
-  )
+  parser.add_argument("--output", default=TABLE_JSON)
   parser.add_argument(
       "--merge",
       action="store_true",
@@ -326,11 +273,13 @@ def main() -> None:
   targets = [get_target(name) for name in args.targets]
   kept, parts = _earlier_run(args.output) if args.merge else ([], [])
   parts = [*parts, dict(vars(args), date=datetime.date.today().isoformat())]
+  moe = [case for name in args.cases for case in CASES[name]]
+  dispatches = [*args.dispatch, *(moe_layer.PEER_ROWS if peer else [])]
   rows: list[dict] = []
   for target in targets:
     mesh = one_device_mesh(target)
     for dtype in args.dtype:
-      for shape, e, k, dispatch in cases(args.cases, args.dispatch, peer is not None):
+      for shape, e, k, dispatch in moe_layer.cases(moe, dispatches):
         row = compile_row(target, mesh, shape, e, k, dispatch, dtype, args.capacity_factor, peer)
         status = row["error"] or f"compiled in {row['compile_s']:.1f} s"
         print(f"  {target.name} {dtype} {shape} E={e} k={k} {dispatch}: {status}", flush=True)
@@ -384,22 +333,18 @@ def _write(
     quiet: bool = False,
 ) -> None:
   """`bench_utils.write_results`'s provenance, plus the targets, libtpu and the best rows."""
-  if quiet:
-    with contextlib.redirect_stdout(io.StringIO()):
-      write_results(args.output, args, rows, [])
-  else:
-    write_results(args.output, args, rows, [])
-  with open(args.output) as f:
-    results = json.load(f)
-  results.update(
+  write_results(
+      args.output,
+      args,
+      rows,
+      [],
+      quiet=quiet,
       compiled_for=[dict(vars_of(t), devices_used=1) for t in targets],
       libtpu=libtpu_version(),
       best_per_case=best,
       complete=best is not None,
       parts=parts,  # With --merge: each run's arguments and date, the earlier ones first.
   )
-  with open(args.output, "w") as f:
-    json.dump(results, f, indent=2)
 
 
 def vars_of(target: Target) -> dict:

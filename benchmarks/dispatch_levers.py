@@ -125,7 +125,7 @@ def expert_mlp_bytes(
   capacity = compute_capacity(tokens, num_experts, TOP_K, 1.25)
   buffers = jax.ShapeDtypeStruct((num_experts, groups, capacity, dim), x.dtype, sharding=x.sharding)
   loss = functools.partial(_expert_mlp_loss, mlp=mlp)
-  compiled, _ = dispatch_compile.compile_step(loss, (buffers, weights, buffers))
+  compiled, _ = moe_layer.compile_step(loss, (buffers, weights, buffers))
   return analysis.cost(compiled)["bytes accessed"]
 
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
       loss = moe_layer._moe_loss(  # pylint: disable=protected-access
           "einsum", capacity, TOP_K, router_on_groups=router_gsd
       )
-      compiled, _ = dispatch_compile.compile_step(loss, inputs)
+      compiled, _ = moe_layer.compile_step(loss, inputs)
     finally:
       experts_module.ExpertWeights.apply_expert_major = committed
     rows[name] = analysis.cost(compiled)["bytes accessed"]
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
   rows["fused expert MLP alone"] = expert_mlp_bytes(
       mesh, args.shape, args.experts, args.dtype, mlp="fused"
   )
-  compiled, _ = dispatch_compile.compile_step(
+  compiled, _ = moe_layer.compile_step(
       moe_layer._moe_loss("einsum_fused", capacity, TOP_K), inputs  # pylint: disable=protected-access
   )
   rows["einsum_fused"] = analysis.cost(compiled)["bytes accessed"]

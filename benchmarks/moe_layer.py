@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import bench_utils
-from bench_utils import cell, cost, memory_analysis, write_results
+from bench_utils import cost, fmt, markdown_table, memory_analysis, write_results
 from fairmoe_jax.methods.base import AUTO_DISPATCH
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
@@ -42,12 +42,15 @@ from fairmoe_jax.moe.dispatch import (
     sort_slot_plan,
 )
 from fairmoe_jax.moe.routers import route_from_logits
+from trainkit.preflight.compile import persistent_cache_off
 
 SHAPES = {  # images (groups), tokens per image, dim, expert hidden width
     "deit_s": (256, 197, 384, 1536),
     "cpu": (32, 65, 128, 512),
     "cpu_deit": (16, 197, 384, 1536),  # DeiT-S widths and tokens, 16 images.
+    "deit_s32": (32, 197, 384, 1536),  # dispatch_compile.py's
     "tiny": (3, 10, 8, 16),  # For tests.
+    "test": (2, 16, 32, 64),  # tests/test_dispatch_compile.py
 }
 BASELINE = "dense_mlp"
 REFERENCE = "vmoe_ref"
@@ -163,18 +166,24 @@ def _dense_loss(x, weights, cotangent):
   return jnp.sum((y * cotangent).astype(jnp.float32)), jnp.zeros((), jnp.float32)
 
 
-def _compile(loss: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, dict]:
-  """Compiles grad(loss) w.r.t. all but the last argument; its compile-time figures."""
+def compile_step(loss: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float]:
+  """grad(loss) w.r.t. all but the last argument (the cotangent), compiled; and the seconds it
+  took, the compiler's own (no persistent cache)."""
   step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args) - 1)), has_aux=True))
-  t0 = time.perf_counter()
-  compiled = step.lower(*args).compile()
-  figures = dict(
-      compile_s=time.perf_counter() - t0,
-      flops=cost(compiled, "flops"),
-      bytes_accessed=cost(compiled, "bytes accessed"),
-      **memory_analysis(compiled),
-  )
-  return compiled, figures
+  with persistent_cache_off():
+    t0 = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def layer_loss(dispatch: str, capacity: int | None, top_k: int, peer: Any = None) -> Callable:
+  """The loss of a row: the dense MLP's, a vmoe dispatcher's (`peer`: `import_peer_vmoe`'s
+  module) or that of a key of DISPATCH_ALGORITHMS or REFERENCE."""
+  if dispatch == BASELINE:
+    return _dense_loss
+  if dispatch in PEER_ROWS:
+    return _peer_loss(peer, PEER_ROWS[dispatch], capacity, top_k)
+  return _moe_loss(dispatch, capacity, top_k)
 
 
 def time_interleaved(runs: list[tuple[Any, tuple[Any, ...]]], repeats: int) -> list[dict]:
@@ -319,6 +328,27 @@ def layer_args(
   return x, router, experts, cotangent
 
 
+def case_row(
+    shape: str,
+    num_experts: int | None,
+    top_k: int,
+    dispatch: str,
+    dtype: str,
+    capacity_factor: float,
+) -> dict:
+  """A row's case: the shape's sizes, the routing, and the capacity per image (None for the
+  dense MLP, whose num_experts is unused)."""
+  groups, tokens, dim, hidden = SHAPES[shape]
+  capacity = (
+      None
+      if dispatch == BASELINE
+      else compute_capacity(tokens, num_experts, top_k, capacity_factor)
+  )
+  row = dict(shape=shape, groups=groups, tokens=tokens, dim=dim, hidden=hidden)
+  row.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch, dtype=dtype)
+  return dict(row, capacity_factor=capacity_factor, capacity=capacity)
+
+
 def compile_case(
     shape: str,
     num_experts: int | None,
@@ -329,30 +359,17 @@ def compile_case(
     seed: int = 0,
     peer: Any = None,
 ) -> tuple[dict, Any, tuple[Any, ...]]:
-  """One row's compile-time figures, its compiled step and arguments.
-
-  `dispatch` is a key of DISPATCH_ALGORITHMS, REFERENCE, BASELINE (then num_experts is
-  unused) or PEER_ROWS (then `peer` is `import_peer_vmoe`'s module).
-  """
-  groups, tokens, dim, hidden = SHAPES[shape]
+  """One row's compile-time figures, its compiled step and arguments (`layer_loss`'s row)."""
+  row = case_row(shape, num_experts, top_k, dispatch, dtype, capacity_factor)
   args = layer_args(SHAPES[shape], num_experts, top_k, dispatch, dtype, seed)
-  row = dict(shape=shape, groups=groups, tokens=tokens, dim=dim, hidden=hidden)
-  row.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch, dtype=dtype)
-  row.update(capacity_factor=capacity_factor, capacity=None)
-  if dispatch == BASELINE:
-    compiled, figures = _compile(_dense_loss, args)
-    return dict(row, **figures), compiled, args
-  capacity = compute_capacity(tokens, num_experts, top_k, capacity_factor)
-  row["capacity"] = capacity
-  row["dispatch_plan_bytes"] = dispatch_plan_bytes(
-      dispatch, groups, tokens, num_experts, top_k, capacity
-  )
-  if dispatch in PEER_ROWS:
-    loss = _peer_loss(peer, PEER_ROWS[dispatch], capacity, top_k)
-  else:
-    loss = _moe_loss(dispatch, capacity, top_k)
-  compiled, figures = _compile(loss, args)
-  return dict(row, **figures), compiled, args
+  if dispatch != BASELINE:
+    row["dispatch_plan_bytes"] = dispatch_plan_bytes(
+        dispatch, row["groups"], row["tokens"], num_experts, top_k, row["capacity"]
+    )
+  compiled, seconds = compile_step(layer_loss(dispatch, row["capacity"], top_k, peer), args)
+  row.update(compile_s=seconds, flops=cost(compiled, "flops"))
+  row.update(bytes_accessed=cost(compiled, "bytes accessed"), **memory_analysis(compiled))
+  return row, compiled, args
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -463,41 +480,26 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
           "sort at least 1.5x faster than einsum at E=64",
           row,
           speedup is not None and speedup >= 1.5,
-          f"einsum/sort time = {cell(speedup, 2)}x",
+          f"einsum/sort time = {fmt(speedup, 2)}x",
       )
   return targets
 
 
-def print_table(rows: list[dict]) -> None:
-  header = "shape E k C dispatch time_ms vs_dense vs_ref vs_vmoe_best GB_accessed temp_MB"
-  header = [*header.split(), "vs_ref_memory", "plan_MB"]
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header))
-  for r in rows:
-    temp, accessed, plan = (
-        r.get(k) for k in ("temp_size_in_bytes", "bytes_accessed", "dispatch_plan_bytes")
-    )
-    cells = [r["shape"], cell(r["num_experts"], 0), str(r["top_k"]), cell(r["capacity"], 0)]
-    cells += [r["dispatch"], *(cell(r[k], 2) for k in ("time_ms", "vs_dense", "vs_reference"))]
-    cells += [cell(r["vs_peer"], 2), cell(accessed / 1e9 if accessed else None, 3)]
-    cells += [cell(temp / 2**20 if temp is not None else None, 2)]
-    cells += [cell(r["vs_reference_memory"], 2), cell(plan / 2**20 if plan else None, 2)]
-    print("| " + " | ".join(cells) + " |")
+# print_table's columns: (heading, key, digits, scale).
+COLUMNS = (
+    *(("shape", "shape"), ("E", "num_experts"), ("k", "top_k"), ("C", "capacity")),
+    *(("dispatch", "dispatch"), ("time_ms", "time_ms", 2), ("vs_dense", "vs_dense", 2)),
+    *(("vs_ref", "vs_reference", 2), ("vs_vmoe_best", "vs_peer", 2)),
+    *(("GB_accessed", "bytes_accessed", 3, 1e-9), ("temp_MB", "temp_size_in_bytes", 2, 2**-20)),
+    *(("vs_ref_memory", "vs_reference_memory", 2), ("plan_MB", "dispatch_plan_bytes", 2, 2**-20)),
+)
 
 
-def _cases(args: argparse.Namespace) -> list[tuple[str, int | None, int, str]]:
-  """(shape, E, k, dispatch) of every row, the dense MLP of each (shape, k) first."""
-  if args.cases == "vmoe":
-    moe = [(shape, e, k) for shape, e, k in VMOE_CASES]
-  else:
-    moe = [(args.shape, e, k) for k in args.top_k for e in args.experts if k <= e]
-  cases = []
-  for shape, k in dict.fromkeys((shape, k) for shape, _, k in moe):
-    cases.append((shape, None, k, BASELINE))
-  peers = list(PEER_ROWS) if args.peer_vmoe else []
-  for shape, e, k in moe:
-    cases.extend((shape, e, k, d) for d in [*peers, *args.dispatch])
-  return cases
+def cases(moe: Sequence[tuple], dispatches: Sequence[str]) -> list[tuple]:
+  """(shape, E, k, dispatch) of every row of the (shape, E, k) cases `moe`, the dense MLP of
+  each (shape, k) first."""
+  rows = [(shape, None, k, BASELINE) for shape, k in dict.fromkeys((s, k) for s, _, k in moe)]
+  return rows + [(shape, e, k, d) for shape, e, k in moe for d in dispatches]
 
 
 def main() -> None:
@@ -552,8 +554,12 @@ def main() -> None:
   args = parser.parse_args()
 
   peer = import_peer_vmoe(args.peer_vmoe) if args.peer_vmoe else None
+  if args.cases == "vmoe":
+    moe = VMOE_CASES
+  else:
+    moe = [(args.shape, e, k) for k in args.top_k for e in args.experts if k <= e]
   rows, runs = [], []
-  for shape, e, k, dispatch in _cases(args):
+  for shape, e, k, dispatch in cases(moe, [*(PEER_ROWS if peer else []), *args.dispatch]):
     row, compiled, call_args = compile_case(
         shape, e, k, dispatch, args.dtype, args.capacity_factor, peer=peer
     )
@@ -586,7 +592,7 @@ def main() -> None:
       f"dtype {args.dtype}, capacity factor {args.capacity_factor}, median of {args.repeats} "
       "alternated calls"
   )
-  print_table(rows)
+  print(markdown_table(rows, COLUMNS).lstrip())
   targets = evaluate_targets(rows)
   if targets:
     print()

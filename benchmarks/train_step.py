@@ -29,52 +29,26 @@ import ml_collections
 import numpy as np
 
 import bench_utils
-from bench_utils import flops, write_results
+from bench_utils import cost, write_results
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax.data.types import DatasetInfo
+from fairmoe_jax.methods import METHODS
 from fairmoe_jax.models.vit import Mlp
 from fairmoe_jax.preflight import dataset_info, preflight_program
-from fairmoe_jax.train import build_model, create_state, make_loss_fn
+from fairmoe_jax.train import create_state, make_loss_fn
 from trainkit.mesh import make_mesh, shard_batch
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from trainkit.preflight.targets import TARGETS
-from trainkit.train_state import (
-    compute_dtype,
-    create_train_state,
-    jit_train_step,
-    make_train_step,
-)
+from trainkit.train_state import compute_dtype, create_train_state, jit_train_step, make_train_step
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _celeba(image_size: int) -> DatasetInfo:
-  """CelebA's description as the benchmark needs it: Attractive, sensitive attribute Male."""
-  return DatasetInfo(
-      name="celeba",
-      num_classes=2,
-      class_names=("no", "yes"),
-      attribute_names=("Male",),
-      group_names=(("0", "1"),),
-      image_size=image_size,
-  )
-
-
-# The run configs whose step is measured, with the dataset description their model needs.
+# The run configs whose step is measured.
 CONFIGS = {
-    "quickstart": (
-        "configs/quickstart.py",
-        DatasetInfo(
-            name="synthetic",
-            num_classes=4,
-            class_names=tuple("abcd"),
-            attribute_names=("sex", "age", "site"),
-            group_names=(("0", "1"), tuple("01234"), tuple("01234567")),
-            image_size=32,
-        ),
-    ),
-    "celeba_small": ("configs/celeba.py:size=small", _celeba(64)),
-    "deit_small": ("configs/celeba.py:size=full", _celeba(224)),
+    "quickstart": "configs/quickstart.py",
+    "celeba_small": "configs/celeba.py:size=small",
+    "deit_small": "configs/celeba.py:size=full",
 }
 
 
@@ -130,8 +104,7 @@ def benchmark(
     compute_dtype: str | None = None,
 ) -> tuple[dict, "_Step"]:
   """One row's compile-time figures and its compiled step, ready to time."""
-  spec, info = CONFIGS[config_name]
-  config = load_config(spec)
+  config = load_config(CONFIGS[config_name])
   config.method = method
   config.moe.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch)
   if batch_size:
@@ -140,37 +113,48 @@ def benchmark(
     config.compute_dtype = compute_dtype
   config.mesh.data = 1  # One device; the benchmark measures the step, not the mesh.
   fairmoe_config.validate(config, num_devices=jax.device_count(), check_data=False)
-  image_size, batch = config.data.image_size, config.batch_size
+  image_size, batch, info = config.data.image_size, config.batch_size, dataset_info(config)
   mesh = make_mesh(config.mesh)
   tx = make_optimizer(config.optimizer, 1000)
 
   def build():  # The Rngs are made inside: create_train_state traces this function.
-    return build_model(config, info, nnx.Rngs(0))
+    return METHODS[config.method].build_model(config, info, nnx.Rngs(0), None)
 
   if dense:
     build = functools.partial(_dense_equivalent, build, top_k * config.model.mlp_dim, config)
   graphdef, state = create_train_state(build, tx, mesh, 0)
   step_fn = jit_train_step(make_train_step(graphdef, make_loss_fn(config, info), tx), state, mesh)
-  rng = np.random.default_rng(0)
-  inputs = shard_batch(
-      {
-          "image": rng.normal(size=(batch, image_size, image_size, 3)).astype(np.float32),
-          "label": rng.integers(0, info.num_classes, batch).astype(np.int32),
-          "attributes": np.stack(
-              [rng.integers(0, len(g), batch) for g in info.group_names], axis=1
-          ).astype(np.int32),
-          "mask": np.ones(batch, np.float32),
-      },
-      mesh,
-  )
+  specs = dict(image=((batch, image_size, image_size, 3), np.float32), label=((batch,), np.int32))
+  specs.update(attributes=((batch, len(info.group_names)), np.int32), mask=((batch,), np.float32))
+  specs = {k: jax.ShapeDtypeStruct(*v) for k, v in specs.items()}
+  inputs = shard_batch(random_batch(specs, info), mesh)
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, inputs).compile()
   compile_s = time.perf_counter() - t0
   row = dict(config=config_name, method="dense" if dense else method, image_size=image_size)
   row.update(batch_size=batch, num_experts=None if dense else num_experts, top_k=top_k)
   row.update(dispatch="-" if dense else dispatch, compute_dtype=config.compute_dtype)
-  row.update(compile_s=round(compile_s, 2), xla_flops=flops(compiled))
+  row.update(compile_s=round(compile_s, 2), xla_flops=cost(compiled, "flops"))
   return row, _Step(compiled, state, inputs)
+
+
+def random_batch(specs: dict[str, Any], info: DatasetInfo) -> dict[str, np.ndarray]:
+  """Random inputs of the shapes and dtypes of `specs`: images (uint8 0-255, else normal), labels
+  and attributes in their ranges, and the mask: every example counts."""
+  rng, batch = np.random.default_rng(0), {}
+  for key, s in specs.items():
+    if key == "image" and s.dtype == np.uint8:
+      batch[key] = rng.integers(0, 256, s.shape, dtype=np.uint8)
+    elif key == "image":
+      batch[key] = rng.normal(size=s.shape).astype(s.dtype)
+    elif key == "label":
+      batch[key] = rng.integers(0, info.num_classes, s.shape[0]).astype(s.dtype)
+    elif key == "attributes":
+      columns = [rng.integers(0, len(groups), s.shape[0]) for groups in info.group_names]
+      batch[key] = np.stack(columns, axis=1).astype(s.dtype)
+    else:
+      batch[key] = np.ones(s.shape, s.dtype)
+  return batch
 
 
 class _Step:
@@ -230,19 +214,7 @@ def measure_program(config: ml_collections.ConfigDict, warmup_steps: int, timed_
   schedule = learning_rate_schedule(config.optimizer, steps, config.batch_size)
   graphdef, state = create_state(config, info, tx, mesh, pretrained=False)
   train = make_train_step(graphdef, program.loss_fn, tx, schedule, program.update_extra)
-  rng = np.random.default_rng(0)
-  batch = {}
-  for key, s in program.train_batch.items():
-    if key == "image":
-      batch[key] = rng.integers(0, 256, s.shape, dtype=np.uint8)
-    elif key == "label":
-      batch[key] = rng.integers(0, info.num_classes, s.shape[0]).astype(s.dtype)
-    elif key == "attributes":
-      columns = [rng.integers(0, len(groups), s.shape[0]) for groups in info.group_names]
-      batch[key] = np.stack(columns, axis=1).astype(s.dtype)
-    else:  # The mask: every example counts.
-      batch[key] = np.ones(s.shape, s.dtype)
-  inputs = shard_batch(batch, mesh)
+  inputs = shard_batch(random_batch(program.train_batch, info), mesh)
   t0 = time.perf_counter()
   compiled = jit_train_step(train, state, mesh).lower(state, inputs).compile()
   compile_s = time.perf_counter() - t0
@@ -454,10 +426,7 @@ def main() -> None:
   )
   columns = "config method num_experts dispatch batch_size compile_s step_ms vs_dense images_per_s"
   columns = [*columns.split(), "model_gflops_per_s", "share_of_peak"]
-  print("| " + " | ".join(columns) + " |")
-  print("|" + "---|" * len(columns))
-  for row in rows:
-    print("| " + " | ".join("-" if row[c] is None else str(row[c]) for c in columns) + " |")
+  print(bench_utils.markdown_table(rows, [(c, c, 3) for c in columns]).lstrip())
   targets = evaluate_targets(rows)
   for t in targets:
     print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']} ({t['case']}): {t['detail']}")

@@ -4,21 +4,19 @@ the same command is safe (docs/scaling.md, "Sweeps"; docs/reliability.md)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
 import ml_collections
 
-from paper_runner.die_with_parent import PR_SET_PDEATHSIG
+from paper_runner.die_with_parent import wrapped
 from paper_runner.provenance import host, source_state
 from paper_runner.spec import (
     ERROR,
@@ -95,21 +93,6 @@ _EXCEPTION_LINE = re.compile(
 _PROGRESS_LINE = re.compile(r"^\[[#.]*\] \d+/\d+")
 
 
-def _die_with_the_runner(runner_pid: int) -> Callable[[], None]:
-  """The run's preexec_fn: SIGTERM when the runner dies, even by SIGKILL (Linux only)."""
-
-  # Looked up here, before the fork: the child runs as little as it can before its exec.
-  prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-  def preexec() -> None:
-    if prctl is not None:
-      prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != runner_pid:  # The runner died before prctl took effect.
-      os.kill(os.getpid(), signal.SIGTERM)
-
-  return preexec
-
-
 def failure_line(output: list[str]) -> str:
   """The line of a failed run's output that says why: its last `error: ...` or exception line
   (other lines may follow it), else the last traceback's exception, else the last line that is
@@ -149,15 +132,10 @@ def _run_one(
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(command)}\n")
     log.flush()
     offset = log.tell()
-    # A session of its own: a timeout stops the run's whole process tree.
+    # A session of its own: a timeout stops the run's whole process tree; and SIGTERM when the
+    # runner dies, even by SIGKILL.
     process = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_die_with_the_runner(os.getpid()),
+        wrapped(command), cwd=cwd, env=env, stdout=log, stderr=log, start_new_session=True
     )
     try:
       code = process.wait(timeout=timeout_s or None)
