@@ -87,7 +87,8 @@ def rerun_summary() -> str:
             else ""
         )
       if result.chosen:
-        kept_text += "; same choice" if result.chosen[0] == result.chosen[1] else "; another choice"
+        before, after = result.chosen
+        kept_text += "; same choice" if before == after else f"; chooses {spec.label(after)}"
       changed = "; ".join(
           f"{spec.label(c.row)} against {spec.label(c.baseline)}, "
           f"{labels.get(c.metric, (c.metric, 3))[0]}: {before} -> {after}"

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from paper_runner import stats
 from paper_runner.collect import markdown_table
 from paper_runner.spec import REPO_ROOT, format_value
-from paper_runner.table_reruns import compare_rerun, machine_text, rerun_lines
+from paper_runner.table_reruns import compare_rerun, machine_text
 from paper_runner.table_spec import (
     EVERY_ROW,
     Column,
@@ -244,8 +244,6 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       lines += ["", note]
   if summary["flags"]:
     lines += [""] + [f"- Flag: {flag}." for flag in summary["flags"]]
-  for text in rerun_lines(spec, record):
-    lines += ["", text]
   if "provenance" in record:  # A sweep's own table (paper_runner.fairmoe.compare) has none.
     lines += ["", _provenance_line(spec, record["provenance"])]
   return "\n".join(lines) + "\n"

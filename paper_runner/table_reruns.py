@@ -1,4 +1,4 @@
-"""What a rerun of a table's runs changes, and the paragraph printed under the table per rerun."""
+"""What a rerun of a table's runs changes (the `reruns` summary and the marks beside verdicts)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 from typing import Any, Mapping
 
 from paper_runner import stats
-from paper_runner.spec import format_value, grid_points
-from paper_runner.table_spec import PREDICTION_KEYS, Claim, TableSpec, pair_units, unit_text
-from paper_runner.table_summary import chosen_row, claim_values, summarise
+from paper_runner.table_spec import PREDICTION_KEYS, Claim, TableSpec
+from paper_runner.table_summary import chosen_row, summarise
 
 IDENTICAL = "identical (not independent)"
 
@@ -18,14 +17,11 @@ IDENTICAL = "identical (not independent)"
 class RerunComparison:
 
   runs: int
-  rows: list[str]
-  seeds: list[int]
   claims: list[tuple[Claim, str, str, float]]  # (claim, recorded, rerun verdict, |change|)
   chosen: tuple[str, str] | None  # A tuning table's (recorded, rerun) choice.
-  # (|change| in the column's scale, |change| / the recorded half-width or None, claim[, seed]).
-  largest_change: tuple[float, float | None, Claim] | None = None
-  largest_seed_change: tuple[float, float | None, Claim, Any] | None = None
-  identical: bool = False
+  # (|change| in the column's scale, |change| / the recorded half-width or None, claim).
+  largest_change: tuple[float, float | None, Claim] | None
+  identical: bool
 
 
 def _relative_change(change: float, interval: stats.Interval, scale: float) -> float | None:
@@ -50,7 +46,6 @@ def compare_rerun(
   scales = {c.path: c.scale for c in spec.columns}
   claims = []
   changes: list[tuple[float, float | None, Claim]] = []
-  seed_changes: list[tuple[float, float | None, Claim, Any]] = []
   for (claim, before), (_, after) in zip(recorded["claims"], again["claims"]):
     if before.difference is None or after.difference is None:
       continue  # A row of the claim was not rerun.
@@ -58,30 +53,15 @@ def compare_rerun(
     change = abs(after.difference.mean - before.difference.mean) * scale
     claims.append((claim, before.verdict, after.verdict, change))
     changes.append((change, _relative_change(change, before.difference, scale), claim))
-    old, new = (
-        stats.paired(claim_values(r, claim.row, claim.metric), claim_values(r, claim.baseline, claim.metric))
-        for r in (record, rerun)
-    )
-    new_by_seed = dict(zip(*new))
-    for seed, difference in zip(*old):
-      if seed in new_by_seed:
-        seed_change = abs(new_by_seed[seed] - difference) * scale
-        seed_changes.append(
-            (seed_change, _relative_change(seed_change, before.difference, scale), claim, seed)
-        )
-  rows = [r for r in (format_value(v) for v in spec.row_values) if again["rows"][r]["seeds"]]
   chosen = None
-  if spec.select and len(rows) == len(spec.row_values):
+  if spec.select and all(entry["seeds"] for entry in again["rows"].values()):
     chosen = (chosen_row(spec, recorded), chosen_row(spec, again))
   return RerunComparison(
-      identical=identical_predictions(spec, record, rerun),
       runs=len(rerun["runs"]),
-      rows=rows,
-      seeds=sorted({r["seed"] for r in rerun["runs"]}),
       claims=claims,
       chosen=chosen,
       largest_change=max(changes, key=_by_relative_change) if changes else None,
-      largest_seed_change=max(seed_changes, key=_by_relative_change) if seed_changes else None,
+      identical=identical_predictions(spec, record, rerun),
   )
 
 
@@ -127,80 +107,14 @@ def machine_text(m: Mapping[str, Any]) -> str:
   )
 
 
-def change_text(change: float, relative: float | None, decimals: int, label: str = "") -> str:
-  """`0.4 (0.0061[, label])`: half-widths of the recorded interval, then the change itself."""
-  absolute = f"{change:.{decimals + 1}f}"
+def change_text(change: float, relative: float | None, decimals: int, label: str) -> str:
+  """`0.4 (0.0061, label)`: half-widths of the recorded interval, then the change itself."""
+  detail = f"{change:.{decimals + 1}f}, {label}"
   if relative is None:
-    return f"{absolute} ({label})" if label else absolute
-  detail = f"{absolute}, {label}" if label else absolute
+    return f"{change:.{decimals + 1}f} ({label})"
   if math.isinf(relative):
     return f"beyond a zero-width interval ({detail})"
   return f"{relative:.1f} ({detail})"
-
-
-def rerun_lines(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
-  lines = []
-  labels = {c.path: (c.label, c.decimals) for c in spec.columns}
-  # The spec's runs, not the record's: a record that lost a run would read "12 of 11 runs".
-  total = len(grid_points(spec.sweep))
-  for rerun in record.get("reruns", ()):
-    result = compare_rerun(spec, record, rerun)
-    p = rerun["provenance"]
-    which = (
-        "every run"
-        if result.runs == total
-        else f"{result.runs} of {total} runs: the rows "
-        + ", ".join(spec.label(r) for r in result.rows)
-        + f"; {pair_units(spec)} {', '.join(unit_text(u) for u in result.seeds)}"
-    )
-    text = (
-        f"**Rerun** ({which}; runs of {p['date']}, commit {p['commit']}; "
-        f"{machine_text(p['machine'])}): "
-    )
-    changed = [(c, a, b) for c, a, b, _ in result.claims if a != b]
-    if result.identical:
-      text += (
-          f"**{IDENTICAL}**: every value its predictions decide "
-          f"({', '.join(labels.get(p, (p, 3))[0] for p in prediction_paths(spec))}, and every "
-          f"split and group size) is the record's to the last bit in each of its {result.runs} "
-          "runs, so it cannot disagree with the record and is no evidence for its verdicts: "
-          "none is counted as kept"
-      )
-    elif not result.claims:
-      text += "no claim has both its rows in the rerun"
-    elif not changed:
-      text += f"every verdict the same ({len(result.claims)} of {len(spec.claims)} claims rerun)"
-    else:
-      text += f"{len(changed)} of {len(result.claims)} verdicts rerun change: " + "; ".join(
-          f"{spec.label(c.row)} {c.better} than {spec.label(c.baseline)} on "
-          f"{labels.get(c.metric, (c.metric, 3))[0]}: {a} -> {b}"
-          for c, a, b in changed
-      )
-    if result.largest_change:
-      change, relative, claim = result.largest_change
-      label, decimals = labels.get(claim.metric, (claim.metric, 3))
-      text += (
-          "; the largest change of a mean paired difference, in half-widths of its recorded "
-          f"interval, is {change_text(change, relative, decimals)} "
-          f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label})"
-      )
-    if result.largest_seed_change:
-      change, relative, claim, seed = result.largest_seed_change
-      label, decimals = labels.get(claim.metric, (claim.metric, 3))
-      text += (
-          f", of one pair's {change_text(change, relative, decimals)} "
-          f"({spec.label(claim.row)} against {spec.label(claim.baseline)}, {label}, "
-          f"{' × '.join(k.split('.')[-1] for k in spec.pair_by)} {unit_text(seed)})"
-      )
-    if result.chosen:
-      before, after = result.chosen
-      text += (
-          f"; it chooses the same setting, {spec.label(after)}"
-          if before == after
-          else f"; it chooses {spec.label(after)} instead of {spec.label(before)}"
-      )
-    lines.append(text + ".")
-  return lines
 
 
 def rerun_machine(provenance: Mapping[str, Any]) -> str:

@@ -143,6 +143,11 @@ def load_table(name: str) -> TableSpec:
   table = getattr(module, "TABLE", None)
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (paper_runner/tables.py says what)")
+  return make_spec(name, os.path.relpath(path, REPO_ROOT), sweep, table)
+
+
+def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> TableSpec:
+  """The TableSpec of a TABLE dict over a validated `sweep` (`path`: where a reader finds it)."""
   known = {f.name for f in dataclasses.fields(TableSpec)} - {"name", "path", "sweep", "row_values"}
   unknown = sorted(set(table) - known)
   if unknown:
@@ -188,7 +193,7 @@ def load_table(name: str) -> TableSpec:
         raise spec_error(name, f"claims[{i}]", f"{key} {claim[key]!r} is not a row: {texts}")
     if claim["better"] not in stats.DIRECTIONS:
       raise spec_error(name, f"claims[{i}]", f"better must be one of {stats.DIRECTIONS}")
-    claims.append(Claim(claim["row"], claim["baseline"], claim["metric"], claim["better"]))
+    claims.append(Claim(**claim))
   paths = [c.path for c in columns] + [c.metric for c in claims]
   for i, claim in enumerate(claims):
     accuracy = accuracy_path(claim.metric)
@@ -201,7 +206,7 @@ def load_table(name: str) -> TableSpec:
       )
   return TableSpec(
       name=name,
-      path=os.path.relpath(path, REPO_ROOT),
+      path=path,
       sweep=sweep,
       title=str(table.get("title") or name),
       rows=rows,
@@ -253,7 +258,7 @@ def _check_tuning(name: str, value: Any, rows: list[str]) -> tuple[Tuning, ...]:
           f"tuning[{i}]",
           f"{entry!r} is not (a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
       )
-    tuning.append(Tuning(entry[0], entry[1], entry[2]))
+    tuning.append(Tuning(*entry))
   return tuple(tuning)
 
 

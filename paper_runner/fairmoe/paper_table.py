@@ -11,22 +11,21 @@ from typing import Any, Sequence
 
 import ml_collections
 
+from paper_runner import table_parts
 from paper_runner.collect import RunResult
 from paper_runner.spec import format_value, validate_sweep
 from paper_runner.table_parts import (
     ACCURACY,
     DROPPED_TRAIN,
     EXPERTS_ACTIVE,
-    FAIR_REFERENCES,
     GRADIENT_COSINE,
     MF_DP,
     MF_PQD,
-    claims,
 )
 from paper_runner.table_record import run_entry
 from paper_runner.table_references import reference_rows
 from paper_runner.table_render import render
-from paper_runner.table_spec import DEFAULT_TOLERANCE, Claim, Column, TableSpec
+from paper_runner.table_spec import TableSpec, make_spec
 from paper_runner.table_summary import summarise
 from trainkit import storage
 from trainkit.errors import UserError
@@ -46,22 +45,9 @@ def comparison_spec(sweep: ml_collections.ConfigDict, runs: Sequence[RunResult])
       (f"attributes.{a}.{m}", f"{m.upper()} {a}", 1.0, 3) for a in attributes for m in ("pqd", "dp")
   ]
   against = [m for m in methods if m != BASELINE] if BASELINE in methods else []
-  return TableSpec(
-      name="comparison",
-      path="paper_runner.fairmoe.compare",
-      sweep=sweep,
-      title="Method comparison",
-      rows="method",
-      row_values=list(sweep.grid.method),
-      row_names={},
-      split="test",
-      examples="num_examples",
-      groups="attributes",
-      columns=[Column(*c) for c in columns],
-      claims=[Claim(**c) for m in against for c in claims(m, (BASELINE,), CLAIMS)],
-      tolerance=DEFAULT_TOLERANCE,
-      references=FAIR_REFERENCES,
-  )
+  claims = [c for m in against for c in table_parts.claims(m, (BASELINE,), CLAIMS)]
+  table = table_parts.fair_comparison_table("Method comparison", {}, columns, claims)
+  return make_spec("comparison", "paper_runner.fairmoe.compare", sweep, table)
 
 
 def comparison(
