@@ -72,6 +72,11 @@ DEIT_S_H100X8 = PAPER["fairsmoe/deit_s@h100x8"]
 EXPERT_4 = PAPER["fairsmoe/deit_s@h100x8,expert=4"]["collective_bytes"]
 ALL_REDUCE = DEIT_S_H100X8["collective_bytes"]["all-reduce"]
 PER_H100 = 256 / DEIT_S_H100X8["step_s"] / DEIT_S_H100X8["devices"]  # images/s
+FUSED = _record("benchmarks/results/fused_mlp_in_model.json")["rows"]
+BYTES = {
+    d: min(r["bytes_accessed"] for r in FUSED if r["dispatch"] == d)
+    for d in ("einsum", "einsum_fused")
+}
 PINNED_SUITE, NEWEST_SUITE = _suite_run("pinned"), _suite_run("newest")
 SUITE_MINUTES = sorted(round(run["wall_seconds"] / 60) for run in (PINNED_SUITE, NEWEST_SUITE))
 
@@ -166,6 +171,7 @@ FIGURES = [
     (BENCH, r"\*\*([\d.]+) of linear\*\*", _r(WORKERS_SHARE, 2)),
     (BENCH, r"deit_s@h100x8`: ([\d.]+) ms per step", _r(DEIT_S_H100X8["step_s"] * 1e3, 1)),
     (BENCH, r"ms per step of 256, ([\d,]+) images/s per H100", _r(PER_H100)),
+    (BENCH, r"of the bytes \(([\d.]+)x `einsum`", _r(BYTES["einsum_fused"] / BYTES["einsum"], 3)),
     # docs/moe.md: the float32 quickstart on the first lease's GPU and its host's CPU.
     (MOE, r"test accuracy was ([\d.]+) on the GPU", _r(QUICKSTART_1["device"]["test_accuracy"], 3)),
     (MOE, r"and ([\d.]+) on its host's CPU", _r(QUICKSTART_1["cpu"]["test_accuracy"], 3)),
