@@ -23,38 +23,24 @@ from trainkit.workdir import CONFIG_FILE, move_aside
 NOT_REPRODUCED = "not_reproduced"
 
 
-def largest_difference(
-    recorded: Mapping[str, float | None], report: Mapping[str, Any]
-) -> dict[str, Any]:
-  """The recorded value that moved most in `report` (difference None: one side has no value)."""
-  worst: dict[str, Any] = {}
-  for path, value in recorded.items():
-    again = metric_value(report, path)
-    if value is None and again is None:
-      continue
-    moved = None if value is None or again is None else abs(again - value)
-    if not worst or moved is None or (worst["difference"] is not None and moved > worst["difference"]):
-      worst = dict(value=path, recorded=value, reproduced=again, difference=moved)
-      if moved is None:
-        break
-  return worst
-
-
 def compare(
     recorded: Mapping[str, float | None], report: Mapping[str, Any], tolerance: float
-) -> tuple[bool, list[str]]:
-  """(every recorded value within `tolerance` in `report`, one line per value)."""
-  ok = True
+) -> tuple[bool, list[str], dict[str, Any]]:
+  """(every recorded value within `tolerance` in `report`, one line per value, the value that
+  moved most: a difference of None, one side without a value, first)."""
+  ok, worst = True, {}
   lines = [f"  {'value':<32} {'recorded':>22} {'reproduced':>22}  equal"]
   for path, value in recorded.items():
     again = metric_value(report, path)
-    if value is None or again is None:
-      equal = value is None and again is None
-    else:
-      equal = abs(again - value) <= tolerance
+    both_none = value is None and again is None
+    moved = None if value is None or again is None else abs(again - value)
+    equal = both_none if moved is None else moved <= tolerance
     ok &= equal
     lines.append(f"  {path:<32} {value!r:>22} {again!r:>22}  {'yes' if equal else 'NO'}")
-  return ok, lines
+    largest = worst.get("difference", -1.0)
+    if not both_none and largest is not None and (moved is None or moved > largest):
+      worst = dict(value=path, recorded=value, reproduced=again, difference=moved)
+  return ok, lines, worst
 
 
 def reproduce(
@@ -81,14 +67,9 @@ def reproduce(
   same_machine = not why_not_exact
   if tolerance is None:
     tolerance = 0.0 if same_machine else spec.tolerance
-  point = next(
-      p
-      for p in grid_points(spec.sweep)
-      if format_value(p[spec.rows]) == row and spec.pair(p) == seed
-  )
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
   run_dir = os.path.join(workdir, "run")
-  command = run_command(spec.sweep, point, run_dir)
+  command = run_command(spec.sweep, first, run_dir)
   if voucher is not None:  # Not the recording machine: one an exact reproduction ran on.
     where = f"the machine, software and data of the exact reproduction of {voucher['date']}"
   elif same_machine:
@@ -141,7 +122,7 @@ def reproduce(
     ) from None
   if not isinstance(report, dict):
     raise UserError(f"--reproduce={spec.name}: {run_dir}/{REPORT} is not a JSON object; {not_done}")
-  ok, compared = compare(recorded[0]["metrics"], report, tolerance)
+  ok, compared, worst = compare(recorded[0]["metrics"], report, tolerance)
   exact = compare(recorded[0]["metrics"], report, 0.0)[0]
   verdict = "Reproduced" + (" (every value exact)." if exact else ".") if ok else "NOT reproduced."
   lines += compared + [f"{verdict} Run directory: {run_dir}"]
@@ -156,7 +137,7 @@ def reproduce(
         "differs_from_record": differs_from_record,
     }
     if not ok:  # A finished rerun that did not come back is a measurement too: kept, never a voucher.
-      entry["largest_difference"] = largest_difference(recorded[0]["metrics"], report)
+      entry["largest_difference"] = worst
     key = "reproduced" if ok else NOT_REPRODUCED
     stamped = read_record(spec.name)
     stamps = stamped["provenance"]

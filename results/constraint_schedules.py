@@ -1,15 +1,7 @@
 r"""Tuning table (validation only): is there a dual schedule that meets the Markov-blanket
-constraint on the spurious-pairs testbed?
-
-The shipped schedule (dual ascent from step 500, ramped over 1,000 to 0.01; chosen by
-results/spurious_tuning_causal.py) leaves most nodes outside the band when training ends. Three
-stronger schedules, three seeds each, on the in-distribution validation split only (the
-challenge split is not read): a step ten times larger from step 0; the augmented Lagrangian
-(quadratic penalty 1.0) with the paper's step 0.02; and the large step with no cap on the
-multipliers. "Constraint met" is the fraction of runs in which at least 90% of the nodes of
-every layer end inside the band (causal_attn_jax/report.py). The table answers whether a
-schedule meets the constraint and what that costs in validation accuracy; it chooses no default
-(results/spurious_tuning_causal.py chose the shipped schedule on validation accuracy).
+constraint on the spurious-pairs testbed? The shipped schedule against three stronger ones, three
+seeds; it chooses no default (docs/results.md, "Is there a dual schedule that meets the
+constraint?"; "Constraint met" as causal_attn_jax/report.py defines it).
 """
 
 from paper_runner.table_parts import (

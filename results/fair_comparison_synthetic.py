@@ -1,20 +1,10 @@
-r"""Table: FairSMoE under three readings of Eq. 8, its two ablations and four baselines, on the
-built-in synthetic dataset (three sensitive attributes).
-
-The quickstart model and data (configs/quickstart.py: 32-px generated images, 4 classes, sex 2,
-age 5 and site 8 groups; a 4-block ViT with a 4-expert top-2 MoE in its last block) without the
-quickstart's attribute cues (cues=false: the data this record was made on, where FGR's
-sensitive-attribute classifiers stay at the majority rate; docs/dataset.md), 200 steps
-of batch 128, FEM reviews every 25 steps on the validation split, capacity factor 2.0 (no token
-dropped). L_Psi is the one rule (PQD and DP, lambda_pqd 0.5, lambda_dp 0.1; results/lambda_tuning.py)
-for every method that has it. Five paired seeds (the seed changes the initialisation and the
-data order, not the data). Fig. 6's gradient cosine between the attributes' fairness tasks is
-the mean over 16 validation batches of each run (analysis_batches=16). The same rows as the
-CelebA table (results/fair_comparison_celeba.py).
+r"""Table: FairSMoE under three readings of Eq. 8, its two ablations and four baselines on the
+built-in synthetic data without the quickstart's attribute cues (cues=false, the data this record
+was made on; docs/results.md, "The built-in synthetic data: three attributes"). Five paired seeds.
 
 The paper's claims (Sec. 6.2-6.3): higher MF-PQD at no worse accuracy (Table 1), more experts
-active (Fig. 5), a higher gradient cosine (Fig. 6), each tested against vanilla SMoE and vanilla
-SMoE + L_Psi; and the readings compared on the validation split.
+active (Fig. 5), a higher gradient cosine (Fig. 6), each against vanilla SMoE and vanilla SMoE +
+L_Psi; and the readings compared on the validation split.
 """
 
 from paper_runner.spec import dotted

@@ -1,16 +1,8 @@
-r"""Table: the testbed comparison with 16 experts, where vanilla SMoE's routing concentrates.
-
-results/fair_comparison_testbed.py runs 4 experts, where vanilla SMoE keeps nearly every expert
-busy over the test split (utilisation 0.965-0.995, docs/dataset.md). The routing measurement of
-docs/protocol.md section 8 found the paper's over-utilisation at 16 experts (utilisation
-0.711-0.768, two experts serving 28-37% of the choices): that is where FGR and FEM have the
-failure to fix that they are for. This table is the testbed comparison with 16 experts (top-2),
-everything else the same, except the capacity factor: 8.0 in training and evaluation, which
-every token fits at 16 experts, as 2.0 does at 4 (no method drops a token). Written before its
-runs. The 16 experts come from that routing measurement, which read the test split; repeated on
-the validation split, its rule reads the same (docs/protocol.md section 8), so the setting is
-one a validation reading chooses. Only the five rows the claims compare run (Muffin and
-MultiFair decide no claim; CPU time).
+r"""Table: the testbed comparison with 16 experts (top-2), where the routing measurement of
+docs/protocol.md section 8 found vanilla SMoE's routing concentrating (docs/results.md, "The
+synthetic testbed at 16 experts"). Everything else is results/fair_comparison_testbed.py's but
+the capacity factor, 8.0, which every token fits at 16 experts. Written before its runs; only the
+five rows the claims compare run (Muffin and MultiFair decide no claim; CPU time).
 """
 
 from paper_runner.table_parts import FAIR_CONTROLS, FAIRSMOE, sibling_spec

@@ -1,30 +1,13 @@
-r"""Table: FairSMoE, its ablations and the baselines on the CelebA sample's three paper attributes,
-scored by identity-grouped 5-fold cross-validation.
+r"""Table: FairSMoE, its ablations and the baselines on the CelebA sample's three paper attributes
+(Male, Chubby, Goatee), scored by identity-grouped 5-fold cross-validation (docs/protocol.md
+section 6; docs/results.md, "The paper's three attributes on the CelebA sample, by identity
+folds"). `:target=` and `:epochs=` change the target and the budget: Smiling has tables of its
+own that take everything else from this one (results/fair_cv_celeba_smiling*.py).
 
-`:target=` and `:epochs=` change the target and the budget. The second target, Smiling
-(docs/protocol.md section 7 chose it by a data-only rule before any run), has tables of its own
-that take everything else from this one: results/fair_cv_celeba_smiling.py (3 epochs) and
-results/fair_cv_celeba_smiling_12.py (the 12 epochs Smiling's own budget curve chose).
-
-The sample of ../shared/data/celeba with the paper's sensitive attributes Male, Chubby and Goatee
-(docs/protocol.md section 6): run F tests on fold F's people, validates on fold F+1's and
-trains on the other three folds'; runs are paired by (fold, seed), so every method sees the same
-people, initialisation and data order in a pair. The size=small model (a 4-block ViT at 64 px
-with a 4-expert top-2 MoE in its last block) for 3 epochs (the budget the learning curve of
-docs/protocol.md section 7 chose), FEM reviews every 20 steps on the validation fold, capacity
-factor 2.0 (no method drops a token), Fig. 6's gradient cosine between the three attributes'
-tasks on 16 validation batches. Every method with L_Psi trains the same rule and lambdas.
-
-The paper's claims: FairSMoE has a higher MF-PQD than vanilla SMoE and vanilla SMoE + L_Psi at
-no worse accuracy (Table 1), and than Muffin and MultiFair (Table 1), keeps more experts active
-(Fig. 5) and has a higher gradient cosine between the attributes' tasks (Fig. 6); each of FGR
-and FEM adds to it (Table 2: FairSMoE higher than FairSMoE without FGR, and without FEM).
-
-The folds share training data, so the table's intervals are the corrected resampled ones
-(`cross_validation`, paper_runner/stats.py). Two choices behind these runs read faces that are
-test faces here (docs/protocol.md section 9): the budget, read on fold 1, and the lambdas,
-read on the official validation split; both are declared as selection leaks, and every verdict
-they touch is marked.
+Runs are paired by (fold, seed); the folds share training data, so the intervals are the
+corrected resampled ones (`cross_validation`). Two choices behind these runs read faces that are
+test faces here (docs/protocol.md section 9): the budget and the lambdas, declared as selection
+leaks.
 """
 
 from paper_runner.spec import dotted

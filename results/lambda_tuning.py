@@ -1,13 +1,8 @@
-r"""Tuning table (validation only): the lambdas of the L_Psi rule, FairSMoE on the CelebA sample.
-
-The rule was fixed before any run (docs/design.md, "One L_Psi rule"): PQD, the paper's headline
-metric, and DP are trained together, lambda_pqd * L_PQD + lambda_dp * L_DP, for every method
-that has the term (FairSMoE, its ablations, vanilla SMoE + L_Psi, Muffin) and every dataset.
-Only the two lambdas are chosen here, on the validation split: the paper's 0.1 (Sec. 6.1) and
-0.5 for each, three paired seeds, FairSMoE as in results/fair_comparison.py (3 epochs, capacity
-2.0). The choice is the highest mean validation MF-PQD among the settings whose mean validation
-accuracy is within one point of the best (the paper's claim is fairness at no cost in accuracy).
-The test split is not read by this table.
+r"""Tuning table (validation only): the lambdas of the L_Psi rule (docs/design.md, "One L_Psi
+rule"), FairSMoE on the CelebA sample: the paper's 0.1 and 0.5 for each, three paired seeds. The
+choice is the highest mean validation MF-PQD among the settings whose mean validation accuracy
+is within one point of the best (the paper's claim is fairness at no cost in accuracy). The test
+split is not read.
 """
 
 from paper_runner.spec import dotted
