@@ -34,14 +34,6 @@ def claims(
   )
 
 
-def tuning_claims(settings: Iterable[str], metric: str) -> tuple[Claim, ...]:
-  """A tuning table's claims: the first (shipped) setting higher than each other on `metric`."""
-  shipped, *others = settings
-  return tuple(
-      dict(row=shipped, baseline=other, metric=metric, better="higher") for other in others
-  )
-
-
 def against_first(settings: Iterable[str], metric: str) -> tuple[Claim, ...]:
   """Each other setting higher than the first (the paper's or the shipped one) on `metric`."""
   first, *others = settings
@@ -148,11 +140,6 @@ def fair_tuning(
   return tuple(rows) + tuple(("*", settings, what) for settings, what in shared)
 
 
-def fair_ablation_claims() -> tuple[Claim, ...]:
-  """The paper's Table 2: FairSMoE higher on MF-PQD than without FGR and without FEM."""
-  return claims(FAIRSMOE, ("fairsmoe_no_fgr", "fairsmoe_no_fem"), (("mf.pqd", "higher"),))
-
-
 FAIR_COMPARISON = (
     FAIRSMOE,
     "fairsmoe_no_fgr",
@@ -190,7 +177,8 @@ def paper_claims_table(
       ),
       claims(FAIRSMOE, FAIR_CONTROLS, FAIR_PAPER_CLAIMS)
       + fair_baseline_claims()
-      + fair_ablation_claims(),
+      # The paper's Table 2: FairSMoE higher on MF-PQD than without FGR and without FEM.
+      + claims(FAIRSMOE, ("fairsmoe_no_fgr", "fairsmoe_no_fem"), (("mf.pqd", "higher"),)),
       **extra,
   )
 
@@ -224,9 +212,6 @@ NODES_WITHIN: Column = ("constraints.nodes_within", "Nodes within", 1.0, 2)
 CONSTRAINT_MET: Column = ("constraints.met", "Constraint met", 1.0, 2)
 
 
-def causal_rows(names: Mapping[str, str] | None = None) -> dict[str, str]:
-  """{attention grid value: display name}: causal and vanilla attention, then any others."""
-  return {CAUSAL: "causal", VANILLA: "vanilla", **(names or {})}
 VANILLA_TUNED = f"{VANILLA}@optimizer.learning_rate=0.001"  # Its rate chosen on validation.
 UNCONSTRAINED = "causal@constraints.weight=0.0"  # The same GCN updater, no constraint.
 SPURIOUS_CONFIG = "configs/spurious_pairs.py:size=small"
@@ -244,7 +229,10 @@ def learning_rate_table(title: str) -> dict:
       examples="num_examples",
       select="accuracy",
       columns=(VALIDATION_ACCURACY, EFFECTIVE_KEYS),
-      claims=tuning_claims([repr(rate) for rate in LEARNING_RATES], "accuracy"),
+      # The shipped rate higher than each other.
+      claims=claims(
+          repr(LEARNING_RATES[0]), map(repr, LEARNING_RATES[1:]), (("accuracy", "higher"),)
+      ),
   )
 
 

@@ -14,7 +14,6 @@ from paper_runner.table_parts import (
     EFFECTIVE_KEYS,
     NODES_WITHIN,
     VANILLA,
-    causal_rows,
     claims,
 )
 
@@ -23,7 +22,7 @@ TABLE = dict(
     references=CAUSAL_REFERENCES,
     title="Causal and vanilla attention, MNLI sample to HANS",
     rows="model.attention",
-    row_names=causal_rows(),
+    row_names={CAUSAL: "causal", VANILLA: "vanilla"},
     split="challenge",
     examples="challenge.num_examples",
     columns=(

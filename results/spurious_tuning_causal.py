@@ -11,8 +11,8 @@ from paper_runner.table_parts import (
     EFFECTIVE_KEYS,
     NODES_WITHIN,
     VALIDATION_ACCURACY,
+    claims,
     spurious_sweep,
-    tuning_claims,
 )
 
 # The rows key is the dual step; each value also sets when dual ascent starts and its ramp.
@@ -43,7 +43,7 @@ TABLE = dict(
         EFFECTIVE_KEYS,
         NODES_WITHIN,
     ),
-    claims=tuning_claims(SCHEDULES, "accuracy"),
+    claims=claims(next(iter(SCHEDULES)), list(SCHEDULES)[1:], (("accuracy", "higher"),)),
 )
 
 
