@@ -33,9 +33,6 @@ class Interval:
   high: float | None
   n: int
 
-  def contains(self, value: float) -> bool:
-    return self.low is None or self.low <= value <= self.high
-
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float | None, int]:
   values = [float(v) for v in values]
