@@ -231,16 +231,12 @@ def validate(
   head_dim = cfg.require_int(config, "model.head_dim", minimum=0)
   if head_dim == 0 and dim % heads:
     raise ConfigError("model.num_heads", f"{heads} does not divide model.dim={dim}")
-  cfg.require_int(config, "model.num_layers", minimum=1)
-  cfg.require_int(config, "model.num_decoder_layers", minimum=1)
-  cfg.require_int(config, "model.mlp_dim", minimum=1)
+  for key in ("num_layers", "num_decoder_layers", "mlp_dim", "dilation", "block_size"):
+    cfg.require_int(config, f"model.{key}", minimum=1)
+  for key in ("band_width", "num_random", "mask_seed", "sinkhorn_iters"):
+    cfg.require_int(config, f"model.{key}", minimum=0)
   cfg.require_float(config, "model.dropout_rate", minimum=0.0, maximum=1.0)
   validate_remat(config)
-  cfg.require_int(config, "model.band_width", minimum=0)
-  cfg.require_int(config, "model.dilation", minimum=1)
-  cfg.require_int(config, "model.num_random", minimum=0)
-  cfg.require_int(config, "model.block_size", minimum=1)
-  cfg.require_int(config, "model.mask_seed", minimum=0)
   check_file("model.glove_path")
 
   cfg.require_choice(config, "constraints.weight", (0, 1, 0.0, 1.0))
@@ -257,7 +253,6 @@ def validate(
         "constraints.loss",
         "'linear' (Eq. 3) is written on node sums: needs constraints.form='node'",
     )
-  cfg.require_int(config, "model.sinkhorn_iters", minimum=0)
   cfg.require_int(config, "constraints.dual_start_step", minimum=0)
   cfg.require_int(config, "constraints.dual_ramp_steps", minimum=0)
   for key in ("step_size", "init_multiplier", "multiplier_cap", "penalty", "penalty_max"):
@@ -266,8 +261,8 @@ def validate(
 
   cfg.require_int(config, "data.vocab_size", minimum=16)
   cfg.require_choice(config, "data.tokenizer_type", ("unigram", "bpe"))
-  cfg.require_int(config, "data.max_train_examples", minimum=0)
-  cfg.require_int(config, "data.max_eval_examples", minimum=0)
+  for key in ("max_train_examples", "max_eval_examples"):
+    cfg.require_int(config, f"data.{key}", minimum=0)
   tfds = uses_tfds(config)
   if task == "classification":
     cfg.require_choice(config, "data.pair_task", PAIR_TASKS)
@@ -280,12 +275,11 @@ def validate(
       for key in ("num_train", "num_eval", "num_challenge"):
         cfg.require_int(config, f"data.spurious.{key}", minimum=1)
       _require_generated_pairs_fit(config, "spurious")
-      cfg.require_float(config, "data.spurious.cue_agreement", minimum=0.0, maximum=1.0)
+      for key in ("cue_agreement", "modifier_prob", "distractor_prob"):
+        cfg.require_float(config, f"data.spurious.{key}", minimum=0.0, maximum=1.0)
       cfg.require_int(config, "data.spurious.num_nouns", minimum=4)
       cfg.require_int(config, "data.spurious.num_verbs", minimum=2)
       cfg.require_int(config, "data.spurious.num_adjectives", minimum=1)
-      cfg.require_float(config, "data.spurious.modifier_prob", minimum=0.0, maximum=1.0)
-      cfg.require_float(config, "data.spurious.distractor_prob", minimum=0.0, maximum=1.0)
       cfg.require_int(config, "data.spurious.seed", minimum=0)
     elif not tfds:
       check_file("data.train_file", "the training sentence pairs")

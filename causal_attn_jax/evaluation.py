@@ -1,8 +1,5 @@
 """Evaluation of the Causal Transformer: the jitted eval step and one pass over a split
-(`run_eval`: mean loss, per-layer constraint fractions and attention sparsity, predictions and
-a few attention maps).
-
-`attention_stats` is shared with training, whose loss (Eq. 6) adds the same violations.
+(`run_eval`); `attention_stats` is shared with training, whose loss (Eq. 6) adds the violations.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""A trained run: restoring it from its workdir and predicting, for the command line
-(`--mode=predict`) and Python (`load_run`, then `run.predict_pairs(pairs)` or
-`run.translate(sentences)`).
-
-    import causal_attn_jax
-
-    run = causal_attn_jax.load_run("/tmp/mnli_small")
-    result = run.predict_pairs([("A man is sleeping.", "Nobody sleeps.")])
-    result.labels, result.probabilities
-
-Only the workdir is read (config.json, spm.model, run_info.json, latest checkpoint); predictions
-use `--mode=predict`'s tokenisation, batches and jitted model (beam search for translation).
+"""A trained run restored from its workdir alone, for `--mode=predict` and Python (`load_run`,
+then `run.predict_pairs(pairs)` or `run.translate(sentences)`, as `--mode=predict` predicts).
 """
-
 
 from __future__ import annotations
 
@@ -50,17 +39,12 @@ class Restored:
   """A trained run's latest checkpoint, ready for inference (`restore_run`); `data` holds the
   tokenizer and label names, no examples."""
 
-  metadata: run_info_lib.RunMetadata
+  metadata: RunMetadata
   data: TaskData
   graphdef: nnx.GraphDef
   state: TrainState
   mesh: Mesh
   step: int
-
-  @property
-  def model(self) -> nnx.Module:
-    """The model with the restored parameters."""
-    return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
 
 
 def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
@@ -166,7 +150,8 @@ class TrainedRun:
   @functools.cached_property
   def model(self) -> nnx.Module:
     """The Flax NNX model (`PairClassifier` or `Seq2Seq`) with the checkpoint's parameters."""
-    return self._restored.model
+    restored = self._restored
+    return nnx.merge(restored.graphdef, restored.state.params, restored.state.model_state)
 
   @functools.cached_property
   def _pair_probabilities(self) -> tasks.PairProbabilities:

@@ -1,8 +1,5 @@
-"""What a finished run reports: report.json, its printed summary, eval scalars and heatmaps.
-
-Built from one eval pass through an `evaluate` callable (no dependence on the training module);
-the task adds its own part and says which layers to draw. Schema of report.json: module
-docstring of `causal_attn_jax.main`.
+"""What a finished run reports: report.json, its printed summary, eval scalars and heatmaps,
+from one eval pass through an `evaluate` callable (report.json's schema: `causal_attn_jax.main`).
 """
 
 from __future__ import annotations
@@ -74,17 +71,6 @@ def _constraint_report(
   return report
 
 
-def _attention_report(result: dict[str, Any], names: list[str], kind: str) -> dict[str, Any]:
-  """The attention kind and, per self-attention layer, how concentrated it is (metrics.sparsity)."""
-  return {
-      "kind": kind,
-      **{
-          key: {name: float(result[key][l]) for l, name in enumerate(names)}
-          for key in ("effective_keys", "top1_mass")
-      },
-  }
-
-
 def summary_scalars(result: dict[str, Any], data: TaskData, prefix: str) -> dict[str, float]:
   """The scalars of an eval pass that metrics.jsonl logs under `prefix/`."""
   scalars = {f"{prefix}/loss": result["loss"]}
@@ -141,9 +127,15 @@ def final_report(
 ) -> dict[str, Any]:
   """report.json's content (module docstring of main) and the heatmaps."""
   result = evaluate(data.eval, keep_attention=config.plots.num_examples)
+  names = task.layer_names(config)
+  # Per self-attention layer, how concentrated it is (metrics.sparsity).
+  attention = {
+      key: {name: float(result[key][l]) for l, name in enumerate(names)}
+      for key in ("effective_keys", "top1_mass")
+  }
   report: dict[str, Any] = {
       "task": config.task,
-      "attention": _attention_report(result, task.layer_names(config), config.model.attention),
+      "attention": {"kind": config.model.attention, **attention},
       "step": int(state.step),
       "eval_loss": result["loss"],
   }
@@ -152,7 +144,6 @@ def final_report(
   )
   if data.glove_matched is not None:
     report["glove_matched_pieces"] = data.glove_matched
-  names = task.layer_names(config)
   multipliers = np.asarray(jax.device_get(state.extra["multipliers"]))
   report["constraints"] = _constraint_report(
       result, names, multipliers, config_lib.constraint_applied(config)

@@ -1,8 +1,5 @@
-"""What a trained causal_attn_jax run needs at inference besides its config and checkpoint.
-
-Training writes `<workdir>/run_info.json` (`trainkit.recipe.train`) beside the SentencePiece
-model it trained (`spm.*`), so that predict and `causal_attn_jax.load_run` need no data file:
-the task, the classifier's `label_names` in order (empty for translation) and the tokenizer.
+"""What a trained causal_attn_jax run needs at inference besides its config and checkpoint
+(`<workdir>/run_info.json`, beside the SentencePiece model), so that it needs no data file.
 """
 
 from __future__ import annotations

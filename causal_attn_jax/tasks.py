@@ -1,9 +1,6 @@
-"""The Causal Transformers paper's two kinds of run, one object each: pair classification and
-translation.
-
-What differs between them (data, model, constrained layers, objective, eval outputs, the task's
-part of report.json) lives on its task object, so `train` and `report` run one recipe for both.
-`config.task` picks the object (`get_task`).
+"""The Causal Transformers paper's two kinds of run, pair classification and translation: what
+differs between them lives on its task object (`get_task`), so `train` and `report` run one
+recipe for both.
 """
 
 from __future__ import annotations

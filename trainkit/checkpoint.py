@@ -1,11 +1,8 @@
 """Orbax checkpoints of the train state and the data-iterator position.
 
-Periodic saves keep the newest `max_to_keep`; the final step is always saved. Each step
-carries a manifest (sha256 and size of its files) from the moment it is published.
-Restoring walks back from the newest step: a corrupt checkpoint, or one without a
-manifest, is skipped with a warning, and only when no checkpoint is usable does the run
-stop with a UserError naming the directory (and, for steps without a manifest, the
-command that vouches for them: `python -m trainkit.checkpoint --trust STEP_DIR`).
+Each step carries a manifest (sha256 and size of its files) from the moment it is published.
+Restoring walks back from the newest step, skipping corrupt or unmanifested ones with a warning;
+only when none is usable does the run stop with a UserError naming the directory.
 """
 
 from __future__ import annotations
@@ -36,12 +33,10 @@ _log = logging.getLogger(__name__)
 STATE = "state"
 DATA_ITERATOR = "data_iterator"
 _TMP_MARKER = ".orbax-checkpoint-tmp"
-# How a failed synchronisation of the processes (Orbax's, at the manager's creation) reads.
+# A failed synchronisation of the processes at the manager's creation.
 _COLLECTIVE_FAILURE = re.compile(r"gloo|nccl|collective|DEADLINE_EXCEEDED|barrier", re.I)
-# Orbax splits a replicated array across its replicas so that they write it in parallel, and
-# each split shape costs a compilation (of a slice) at the first save: 6 s for a small model
-# on 8 devices. Below this size per replica the parallel write gains nothing, so one replica
-# writes the array whole.
+# Each shape Orbax splits a replicated array into (to write it in parallel) costs a compilation
+# at the first save (6 s for a small model on 8 devices); below this size one replica writes it.
 MIN_REPLICA_PARALLEL_SLICE_BYTES = 8 << 20
 # Room kept free beyond a step's arrays: metadata, the manifest, the data-iterator state.
 _SAVE_MARGIN_BYTES = 4 << 20
@@ -52,8 +47,7 @@ def _megabytes(n: int) -> str:
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
-  """What `StandardCheckpointHandler` wraps (same files), with Orbax's type handlers but our
-  `ArrayHandler`, in a registry of its own: Orbax's global registry is left as it is."""
+  """`StandardCheckpointHandler`'s handler with our `ArrayHandler`, in a registry of its own."""
   types = ocp.type_handlers
   registry = types.create_type_handler_registry(
       *((t, types.get_type_handler(t)) for t in types.supported_types()),
@@ -75,9 +69,8 @@ def _abstract(tree: Any) -> Any:
 
 
 def _remove_failed_save(directory: str, *, quiet_for: float = 0.2, at_most: float = 5.0) -> None:
-  """Removes the temporary directory of a save that failed (e.g. on a full disk). Its writes
-  still in flight (TensorStore's: a failed save does not wait for them) may recreate files for a
-  moment, so it is removed until nothing reappears for `quiet_for` seconds."""
+  """Removes the temporary directory of a failed save until nothing reappears for `quiet_for`
+  seconds: TensorStore's writes still in flight may recreate files for a moment."""
   if jax.process_index() != 0 or not storage.path(directory).is_dir():
     return
   start = quiet = time.monotonic()
@@ -91,11 +84,8 @@ def _remove_failed_save(directory: str, *, quiet_for: float = 0.2, at_most: floa
 
 
 def _remove_interrupted_saves(directory: str, *, say: bool = True) -> None:
-  """Deletes the temporary directories of saves cut short (e.g. by SIGKILL).
-
-  Done here, synchronously, rather than by Orbax's option of the same purpose, which
-  cleans up in a background thread that can race with a short run's exit.
-  """
+  """Deletes the temporary directories of saves cut short (e.g. by SIGKILL), synchronously:
+  Orbax's own clean-up runs in a thread that can race with a short run's exit."""
   if jax.process_index() != 0 or not storage.path(directory).is_dir():
     return
   for child in storage.path(directory).iterdir():
@@ -113,10 +103,8 @@ SET_ASIDE = "set-aside"
 def _set_aside_links(directory: str) -> None:
   """Moves symbolic links among the steps to `<directory>/set-aside/`, with a warning.
 
-  Every step is a directory the checkpointer wrote. A link planted there (`ln -s /elsewhere
-  ckpt/5`) would be restored as a step, and Orbax's clean-up of old steps refuses to rmtree a
-  link, so every save would fail; deleting it would instead reach outside the workdir. Moving
-  the link moves only the link: what it points to is never touched.
+  A planted link would be restored as a step and fail every save (Orbax will not rmtree it);
+  deleting it could reach outside the workdir. Moving it never touches what it points to.
   """
   if jax.process_index() != 0 or storage.is_remote(directory) or not os.path.isdir(directory):
     return  # An object store has no symbolic links.
@@ -162,9 +150,7 @@ def _structure_mismatch(abstract: Any, metadata: Any, limit: int = 3) -> str | N
 
 
 MANIFEST = "trainkit_manifest.json"  # sha256 and size of every file of a finished step.
-# The files of a step that Orbax's commit writes after the manifest (the commit timestamp in the
-# step's metadata, the commit marker): the manifest names them and the first check of the
-# finished step adds their checksums (`complete_manifest`).
+# Files Orbax's commit writes after the manifest; `complete_manifest` adds their checksums.
 _WRITTEN_AT_COMMIT = ("_CHECKPOINT_METADATA", "commit_success.txt")
 # How to vouch for a step that has no manifest (`main` below).
 TRUST_COMMAND = "python -m trainkit.checkpoint --trust"
@@ -191,12 +177,8 @@ def _save_manifest(step_dir: str, entries: dict[str, Any]) -> None:
 
 
 def write_manifest(step_dir: str, *, at_commit: tuple[str, ...] = ()) -> None:
-  """Records every file of a finalised step (sha256, size), written atomically.
-
-  `at_commit` names files that are still to be written or changed (Orbax's commit, after the
-  manifest is written in the temporary directory): they are listed without a checksum until
-  `complete_manifest` adds it.
-  """
+  """Records every file of a finalised step (sha256, size), atomically; `at_commit` files are
+  listed without a checksum until `complete_manifest` adds it."""
   entries = {
       path: {"at_commit": True} if path in at_commit else _file_entry(storage.join(step_dir, path))
       for path in _step_files(step_dir)
@@ -256,12 +238,8 @@ def verify_manifest(step_dir: str) -> str:
 
 
 def _check_writable(directory: str) -> None:
-  """Raises the OSError of a local checkpoint folder that cannot take a new file (permissions, a
-  read-only remount), before a save starts. A save that Orbax started there fails in an early
-  stage of its threads while the later ones wait for that stage's signal, up to Orbax's
-  coordination timeout, in threads the interpreter's exit waits for. (A folder that turns
-  unwritable during a save is still raised by `wait`/`poll`; the entry point then exits at once,
-  `exit_on_user_error`, without waiting for those threads.)"""
+  """Raises the OSError of a local checkpoint folder that cannot take a new file, before a save
+  starts: a save Orbax started there would hang its threads up to its coordination timeout."""
   if jax.process_index() == 0 and not storage.is_remote(directory):
     tempfile.TemporaryFile(dir=directory).close()
 
@@ -271,8 +249,8 @@ class _Unusable(ValueError):
 
 
 def _describe(error: Exception, step_dir: str) -> str:
-  """One line saying what is wrong with a checkpoint: the file when it can be told, and the
-  first informative line of the error (TensorStore errors start with a pybind11 repr)."""
+  """One line on what is wrong with a checkpoint: the file if known, and the error's first
+  informative line (TensorStore errors start with a pybind11 repr)."""
   if isinstance(error, _Unusable):
     return str(error)
   if isinstance(error, json.JSONDecodeError):
@@ -302,10 +280,9 @@ class Checkpointer:
       async_save: bool = True,
   ):
     self.directory = storage.resolve(directory)
-    # What the last restore skipped ("step N: why"), for the report; empty when nothing was.
-    self.skipped: list[str] = []
-    # Steps this checkpointer saved whose manifest is not complete yet. Only these get a manifest
-    # written here: a step found on disk without one is never vouched for (`verify_manifest`).
+    self.skipped: list[str] = []  # What the last restore skipped ("step N: why").
+    # Steps saved here whose manifest is not complete yet; a step found without one is never
+    # vouched for.
     self._unmanifested: set[int] = set()
     self._saving: tuple[int, int] | None = None  # (step, bytes) of the save in flight.
     self._async = async_save
@@ -319,8 +296,7 @@ class Checkpointer:
         save_interval_steps=save_interval_steps,
         create=True,
         enable_async_checkpointing=async_save,
-        # The manifest is written as soon as a step is complete, inside its temporary directory,
-        # so the commit (a rename) publishes the step and its manifest together.
+        # The manifest is written in the step's temporary directory: the commit publishes both.
         async_options=ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit)
         if async_save
         else None,
@@ -336,9 +312,7 @@ class Checkpointer:
       )
     except Exception as e:  # Orbax reports unreadable directories in many ways.
       if jax.process_count() > 1 and _COLLECTIVE_FAILURE.search(str(e)):
-        # Its synchronisation of the processes failed, not the directory: the caller's
-        # `exit_together` says what that means (trainkit.distributed.describe_failure).
-        raise
+        raise  # Not the directory: `exit_together` describes it.
       raise UserError(f"cannot open checkpoint directory '{self.directory}': {e}") from e
 
   def all_steps(self) -> list[int]:
@@ -353,9 +327,8 @@ class Checkpointer:
     """Saves if `step` is due (or `force`); returns whether a save started."""
     if step in self._manager.all_steps():
       return False
-    self._write_manifests()
-    # Checked before writing anything: a save that fills the disk fails in Orbax's background
-    # threads, half-written, with pages of tracebacks.
+    self.wait()
+    # Checked first: a save that fills the disk fails half-written in Orbax's threads.
     needed = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + _SAVE_MARGIN_BYTES
     # An object store has no free space to measure (a full quota fails the upload itself).
     free = None if storage.is_remote(self.directory) else shutil.disk_usage(self.directory).free
@@ -385,19 +358,17 @@ class Checkpointer:
     if started:
       self._unmanifested.add(step)
       if not self._async:  # Finalised already: its manifest at once.
-        self._write_manifests()
+        self.wait()
     return started
 
   def _manifest_before_commit(self) -> None:
-    """Orbax's callback once every file of the step in flight is written, before the rename that
-    publishes it (primary host, a background thread): writes the step's manifest in the
-    temporary directory, so that no finished step is ever without one."""
+    """Orbax's callback before the commit of the step in flight: writes its manifest, so that no
+    finished step is ever without one."""
     if self._saving is None or jax.process_index() != 0:
       return
     step = self._saving[0]
     if storage.is_remote(self.directory):
-      # On gs:// Orbax writes the step in place and commits it with commit_success.txt, written
-      # after this callback: the manifest goes in the step's own directory.
+      # On gs:// Orbax writes the step in place and commits it with commit_success.txt.
       step_dir = storage.join(self.directory, str(step))
       if storage.path(step_dir).is_dir():
         write_manifest(step_dir, at_commit=_WRITTEN_AT_COMMIT)
@@ -408,17 +379,15 @@ class Checkpointer:
     # Otherwise (another atomicity mode) the manifest is written once the step is finalised.
 
   def poll(self) -> None:
-    """Non-blocking, at a step boundary: once the save in flight has finished, completes its
-    manifest, or raises its failure (a full disk as one OutOfSpace naming the resume step)."""
+    """Non-blocking: once the save in flight has finished, completes its manifest or raises."""
     if self._saving is not None and not self._manager.is_saving_in_progress():
-      self._write_manifests()
+      self.wait()
 
   def out_of_space(self, what: str) -> OutOfSpace:
-    """The error for a write other than a checkpoint's (e.g. `metrics.jsonl`) that found the disk
-    full: waits for the save in flight (kept if it finished, removed if the disk stopped it too)
-    and names the step the run resumes from."""
+    """The error for another write (e.g. `metrics.jsonl`) that found the disk full, naming the
+    step the run resumes from once the save in flight is finished or removed."""
     try:
-      self._write_manifests()
+      self.wait()
     except Exception as e:  # The disk is full: the save in flight most likely failed too.
       _log.debug("the save in flight failed: %r", e)
     _remove_failed_save(self.directory)
@@ -434,9 +403,8 @@ class Checkpointer:
   def _unwritable(
       self, step: int, error: BaseException, *, manifest_kept: bool | None = None
   ) -> Unwritable:
-    """The error for a checkpoint folder that became unwritable: at the save of `step` (what was
-    written of it is removed where that is still possible), or, when `manifest_kept` is given,
-    at the writing of step `step`'s manifest (the step is restorable if the manifest was kept)."""
+    """The error for a checkpoint folder that became unwritable at the save of `step`, or (with
+    `manifest_kept`) at the writing of its manifest."""
     at_manifest = manifest_kept is not None
     if not at_manifest:
       _remove_failed_save(self.directory, at_most=1.0)  # May not be removable any more.
@@ -474,13 +442,9 @@ class Checkpointer:
       *,
       check_iterator_state: Callable[[dict], Any] | None = None,
   ) -> tuple[Any, dict, int] | None:
-    """Restores the newest readable checkpoint onto `template_state`'s shapes and shardings.
-
-    `check_iterator_state(state)` (e.g. the train iterator's `set_state`) must raise on a data-
-    iterator state it cannot resume from; such a checkpoint is skipped like an unreadable one,
-    so a resume never silently restarts the data stream.
-
-    Returns (state, data_iterator_state, step), or None when there is no checkpoint.
+    """(state, data_iterator_state, step) of the newest readable checkpoint, restored onto
+    `template_state`'s shapes and shardings, or None when there is none. A step whose iterator
+    state `check_iterator_state` rejects is skipped, so a resume never restarts the data stream.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
     self.skipped = []
@@ -577,12 +541,8 @@ class Checkpointer:
     return None
 
   def _move_aside(self, steps: list[int]) -> str:
-    """Moves unreadable step directories to `<directory>/corrupt/` (kept for inspection).
-
-    A corrupt step left in place would make `save` skip that step ("already saved") and a later
-    --mode=eval score an older one; moved aside, the step is written again when training
-    reaches it. Every process tries the rename; one succeeds.
-    """
+    """Moves unreadable step directories to `<directory>/corrupt/`: left in place, `save` would
+    skip that step as already saved. Every process tries the rename; one succeeds."""
     corrupt = storage.join(self.directory, "corrupt")
     storage.makedirs(corrupt)
     for step in steps:
@@ -599,10 +559,8 @@ class Checkpointer:
     self._manager.reload()
     return corrupt
 
-  def _write_manifests(self) -> None:
-    """Waits for the save in flight (a full disk raised as one message), then completes the
-    manifest of each step this checkpointer saved (written before the commit; written whole here
-    after a synchronous save)."""
+  def wait(self) -> None:
+    """Waits for the save in flight, then completes the manifest of each step saved here."""
     try:
       self._manager.wait_until_finished()
     except Exception as e:
@@ -626,18 +584,14 @@ class Checkpointer:
             write_manifest(step_dir)
       except OSError as e:
         if unwritable_reason(e):
-          # Written before the commit (asynchronous saves), the manifest verifies the step
-          # without the commit's checksums; without one the step is not restorable.
+          # A manifest written before the commit still verifies the step.
           kept = storage.path(storage.join(step_dir, MANIFEST)).exists()
           raise self._unwritable(step, e, manifest_kept=kept) from e
         raise
       self._unmanifested.discard(step)
 
-  def wait(self) -> None:
-    self._write_manifests()
-
   def close(self) -> None:
-    self._write_manifests()
+    self.wait()
     self._manager.close()
 
 
@@ -653,18 +607,14 @@ def restore_trained(checkpointer: Checkpointer, template_state: Any) -> tuple[An
 
 
 def checkpoint_report(checkpointer: Checkpointer) -> dict[str, Any]:
-  """report.json's statement of a fallback: the unreadable checkpoints the run skipped, if any.
-
-  A warning among thousands of log lines is easy to miss; the report is what people read.
-  """
+  """report.json's statement of the unreadable checkpoints the run skipped, if any."""
   if not checkpointer.skipped:
     return {}
   return {"checkpoint_fallback": {"skipped": list(checkpointer.skipped)}}
 
 
 def trust(step_dir: str) -> str:
-  """Writes the manifest of a step that has none, vouching for its files as they are now (what
-  `TRUST_COMMAND` does); returns what was done, in words."""
+  """Writes the manifest of a step that has none (`TRUST_COMMAND`); returns what was done."""
   step_dir = storage.resolve(step_dir)
   name = storage.path(step_dir).name
   if not name.isdigit() or not storage.path(step_dir).is_dir():

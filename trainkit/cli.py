@@ -46,8 +46,7 @@ _WIDTH = 100
 
 @dataclasses.dataclass(frozen=True)
 class CommandHelp:
-  """What `--help` prints besides the `__main__` docstring: the usage line's arguments, the
-  flags (None: the `__main__` file's) and the module of the config keys (`config_help`)."""
+  """What `--help` prints besides the `__main__` docstring (flag_names None: `__main__`'s)."""
 
   usage: str = "[flags]"
   flag_names: Sequence[str] | None = None
@@ -118,7 +117,7 @@ def help_text(command: CommandHelp) -> str:
 
 
 def _requested_help(argv: Sequence[str]) -> str | None:
-  """`short` or `full` when argv asks for help before any `--`; None otherwise."""
+  """`short` or `full` when argv asks for help before any `--`."""
   for arg in argv[1:]:
     if arg == "--":
       break
@@ -130,8 +129,7 @@ def _requested_help(argv: Sequence[str]) -> str | None:
 
 
 def _unknown_key_message(error: Exception, argv: Sequence[str]) -> str | None:
-  """One line for an override naming a key the config lacks (ml_collections' KeyError, parsed);
-  None when it is something else."""
+  """One line for an override naming a key the config lacks (ml_collections' KeyError), or None."""
   inner = error.args[0] if error.args and isinstance(error.args[0], KeyError) else error
   text = str(inner.args[0]) if inner.args else ""
   below_leaf = re.search(r"Attribute <class '(\w+)'>.*Attempting to lookup: (\S+)", text, re.S)
@@ -165,8 +163,7 @@ def _unknown_key_message(error: Exception, argv: Sequence[str]) -> str | None:
 
 
 def flag_value(argv: Sequence[str], name: str) -> str | None:
-  """The value argv gives flag `name` (`--name=V`, `--name V`, one dash or two), the last one
-  wins as in absl; None when absent. Only arguments before a `--` are flags."""
+  """The value argv gives flag `name` before any `--` (the last one wins, as in absl), or None."""
   value = None
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
@@ -195,7 +192,7 @@ def parse_flags(
     prepare_argv: Callable[[list[str]], list[str]] | None = None,
 ) -> list[str]:
   """absl flag parsing where a bad `--config...` flag is one line, not a traceback; `--help`
-  and `--helpfull` exit 0 before any config loads; `prepare_argv` may rewrite argv first."""
+  exits 0 before any config loads."""
   requested = _requested_help(argv)
   if requested == "short":
     sys.stdout.write(help_text(command or CommandHelp()))
@@ -317,10 +314,8 @@ def train_eval_command(
 ) -> Callable[[], None]:
   """Defines the --config / --workdir / --mode flags and returns the `main` of a package.
 
-  `validate(config, num_devices=, num_processes=, check_data=)` runs before anything compiles.
   `checkpoint_modes` (`{name: (function, help)}`) work on a trained workdir without the data;
-  `preflight_program(config, mesh)` adds `--mode=compile`. Other modes than train and compile
-  may leave `--config` out: the workdir's config.json is then the config.
+  `preflight_program(config, mesh)` adds `--mode=compile`.
   """
   modes = {
       "train": (train_and_evaluate, "train (resuming if possible) then evaluate"),
@@ -335,9 +330,7 @@ def train_eval_command(
         "<workdir>/preflight.json (memory per device and the fit, FLOPs, collectives, step "
         "time, device-hours)",
     )
-  data_modes = ("train", "eval")
-  # Modes that need --config, as training does (they describe a run, not a trained workdir).
-  config_modes = ("train", "compile")
+  config_modes = ("train", "compile")  # They describe a run, not a trained workdir.
   config_module = validate.__module__
   config_flag = config_flags.DEFINE_config_file(
       "config",
@@ -360,7 +353,7 @@ def train_eval_command(
       flag_names=("config", "workdir", "mode"),
       config_module=config_module,
   )
-  without_config = "|".join(name for name in modes if name not in ("train", "compile"))
+  without_config = "|".join(name for name in modes if name not in config_modes)
   config_required = (
       "--config is required with --mode=train (a new run, or the same --config to resume "
       f"one) and --mode=compile; --mode={without_config} can read a trained run's "
@@ -393,12 +386,11 @@ def train_eval_command(
     created = not workdir_exists(workdir)
     workdir = prepare_workdir(workdir)
 
-    def abandon() -> None:  # What a SIGTERM during --mode=compile leaves: nothing.
+    def abandon() -> None:  # Nothing of a compilation is worth keeping, nor a stale lock.
       release_lock(workdir)
       if created:
         remove_if_empty(workdir)
 
-    # Nothing of a compilation is worth keeping: SIGTERM ends it at once, without a stale lock.
     guard = (
         sigterm_ends_cleanly(abandon, "during --mode=compile; nothing was written")
         if mode == "compile"
@@ -428,8 +420,7 @@ def train_eval_command(
     if workdir:
       storage.check_filesystem(workdir)  # Before anything is loaded, built or written.
 
-    def settle_length() -> None:
-      # A --config.num_train_steps given wins over the file's num_epochs, and says so.
+    def settle_length() -> None:  # A --config.num_train_steps wins over num_epochs.
       line = settle_run_length(config, overrides or {})
       if line:
         print(line, flush=True)
@@ -468,7 +459,7 @@ def train_eval_command(
           config,
           num_devices=jax.device_count(),
           num_processes=jax.process_count(),
-          check_data=mode in data_modes,
+          check_data=mode in ("train", "eval"),
       )
       if mode != "train":
         require_checkpoint(workdir)  # Before seconds of data loading and model building.

@@ -252,11 +252,8 @@ def validate_run(
 def settle_run_length(
     config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
 ) -> str | None:
-  """Makes the run length given in `overrides` (the `--config.KEY=VALUE` values) the run's.
-
-  A `num_train_steps` override sets the file's `num_epochs` to 0 and returns a line saying so
-  (else None); both overridden, with `num_epochs` > 0, is a UserError naming both.
-  """
+  """A `num_train_steps` override (`--config.KEY=VALUE`) sets the file's `num_epochs` to 0 and
+  returns a line saying so; both overridden, with `num_epochs` > 0, is a UserError."""
   if "num_train_steps" not in overrides or "num_epochs" not in config:
     return None
   steps = overrides["num_train_steps"]

@@ -1,8 +1,5 @@
-"""Finds the config files named on the command line, from a checkout or from an installed package.
-
-A `configs/...` path that does not exist as given is looked up in the shipped configs:
-`trainkit/bundled_configs/` (setup.py copies them into a wheel), else the checkout's configs/.
-"""
+"""Finds the config files named on the command line: a `configs/...` path that does not exist
+as given is looked up in `trainkit/bundled_configs/` (a wheel's copy), else the checkout's."""
 
 from __future__ import annotations
 

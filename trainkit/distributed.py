@@ -1,11 +1,9 @@
 """Arguments of `jax.distributed.initialize`, decided from the environment.
 
-`distributed_args(env)` reads our `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` /
-`JAX_PROCESS_ID` first, then SLURM's variables, then a Cloud TPU pod's or
-`TRAINKIT_DISTRIBUTED=auto` (`{}`: JAX detects the pod); otherwise None, one process
-(docs/scaling.md, "What happens in a multi-process run", and the launchers' sections). Gloo gives
-up on a peer 30 s late, so `wait_for_all_processes` holds drifting processes on the coordination
-service's barrier instead.
+`distributed_args(env)` reads `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`,
+then SLURM's variables, then a Cloud TPU pod's or `TRAINKIT_DISTRIBUTED=auto` (`{}`: JAX detects
+the pod); otherwise None (docs/scaling.md). Gloo gives up on a peer 30 s late, so
+`wait_for_all_processes` holds drifting processes on the coordination service's barrier instead.
 """
 
 from __future__ import annotations
@@ -315,12 +313,8 @@ def describe_failure(error: BaseException, where: str, resume: str) -> tuple[str
 
 @contextlib.contextmanager
 def exit_together(workdir_hint: str = "") -> Iterator[None]:
-  """In a multi-process run, an error ends this process at once (`os._exit`) with one message.
-
-  Exiting normally would wait in JAX's shutdown barrier for peers blocked in a collective on it;
-  `os._exit` closes the connections, so their collectives fail too. A failed collective is
-  reported as what it almost always is: another process died.
-  """
+  """In a multi-process run, an error ends this process at once (`os._exit`) with one message:
+  a normal exit would wait for peers blocked in a collective on it, which now fail too."""
   try:
     yield
   except BaseException as e:  # pylint: disable=broad-except

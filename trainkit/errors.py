@@ -7,7 +7,7 @@ import functools
 import importlib
 import os
 import sys
-from typing import Any, Callable, NoReturn, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -20,8 +20,7 @@ class UserError(Exception):
 
 
 class OutOfSpace(UserError):
-  """A write failed because the disk (or quota) is full; the entry point exits at once, before
-  failing background writers print at interpreter exit."""
+  """A write failed because the disk (or quota) is full; the entry point exits at once."""
 
 
 class Unwritable(UserError):
@@ -33,17 +32,22 @@ _OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _OUT_OF_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
 
 
-def is_out_of_space(error: BaseException) -> bool:
-  """Whether `error`, or an error it was raised from, says the disk or quota is full."""
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+  """`error` and the errors it was raised from."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
-    if isinstance(error, OSError) and error.errno in _OUT_OF_SPACE_ERRNOS:
-      return True
-    if any(text in str(error) for text in _OUT_OF_SPACE_TEXT):
-      return True
+    yield error
     error = error.__cause__ or error.__context__
-  return False
+
+
+def is_out_of_space(error: BaseException) -> bool:
+  """Whether `error`, or an error it was raised from, says the disk or quota is full."""
+  return any(
+      (isinstance(e, OSError) and e.errno in _OUT_OF_SPACE_ERRNOS)
+      or any(text in str(e) for text in _OUT_OF_SPACE_TEXT)
+      for e in _chain(error)
+  )
 
 
 _UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -53,16 +57,13 @@ _UNWRITABLE_TEXT = ("Permission denied", "Read-only file system", "Operation not
 
 def unwritable_reason(error: BaseException) -> str | None:
   """`Permission denied: 'PATH'` (or the like) when `error` or its cause says so; else None."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, OSError) and error.errno in _UNWRITABLE_ERRNOS:
-      where = f": '{error.filename}'" if error.filename else ""
-      return f"{error.strerror or os.strerror(error.errno)}{where}"
-    text = next((t for t in _UNWRITABLE_TEXT if t in str(error)), None)
+  for e in _chain(error):
+    if isinstance(e, OSError) and e.errno in _UNWRITABLE_ERRNOS:
+      where = f": '{e.filename}'" if e.filename else ""
+      return f"{e.strerror or os.strerror(e.errno)}{where}"
+    text = next((t for t in _UNWRITABLE_TEXT if t in str(e)), None)
     if text:
       return text
-    error = error.__cause__ or error.__context__
   return None
 
 
@@ -72,13 +73,10 @@ _OUT_OF_MEMORY_TEXT = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
 def is_out_of_memory(error: BaseException) -> bool:
   """Whether `error`, or an error it was raised from, is a failed memory allocation."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, MemoryError) or any(t in str(error) for t in _OUT_OF_MEMORY_TEXT):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
+  return any(
+      isinstance(e, MemoryError) or any(t in str(e) for t in _OUT_OF_MEMORY_TEXT)
+      for e in _chain(error)
+  )
 
 
 def out_of_memory_message(error: BaseException) -> str:

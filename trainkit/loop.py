@@ -17,7 +17,6 @@ from jax.sharding import Mesh
 
 from trainkit import storage
 from trainkit.checkpoint import Checkpointer
-from trainkit.config import parse_profile_steps
 from trainkit.errors import UserError, is_out_of_space
 from trainkit.fits import require_fits
 from trainkit.mesh import shard_batch
@@ -36,8 +35,7 @@ class TrainingDiverged(UserError):
   """The loss or gradient norm became NaN or infinite, or exploded past the run's baseline."""
 
 
-# Multiples of the first step's loss or gradient norm (a random model's) that are divergence;
-# the parameter norm, which moves slowly, gets a tighter factor.
+# Multiples of the first step's values that are divergence (the slow parameter norm: tighter).
 DIVERGENCE_FACTORS = {"loss": 1e4, "grad_norm": 1e4, "param_norm": 1e2}
 
 
@@ -83,7 +81,7 @@ class CheckpointableIterator(Protocol):
 
 
 class _Unprefetched:
-  """`DevicePrefetch`'s interface without the read-ahead."""
+  """`DevicePrefetch`'s interface without the read-ahead (`device_prefetch=0`)."""
 
   def __init__(self, iterator: CheckpointableIterator, put: Callable):
     self._iterator, self._put = iterator, put
@@ -143,21 +141,7 @@ class _StepTrace:
         self._local = None
 
 
-def loop_settings(config: Any) -> dict[str, Any]:
-  """`train_loop`'s keyword arguments that every run config holds under the same keys."""
-  return dict(
-      profile_steps=parse_profile_steps(config),
-      num_train_steps=config.num_train_steps,
-      log_every_steps=config.log_every_steps,
-      eval_every_steps=config.eval_every_steps,
-      checkpoint_every_steps=config.checkpoint_every_steps,
-      examples_per_step=config.batch_size,
-      peak_flops=config.peak_flops_per_device,
-  )
-
-
-# The progress line: the total loss (every `loss/<term>` summed) beside the task's own loss and
-# the learning rate; the two can move apart (FairSMoE's terms: docs/report.md).
+# The progress line: the total loss (every `loss/<term>` summed), the task's own loss, the rate.
 PROGRESS_KEYS = {
     "loss": "total loss",
     "loss/cross_entropy": "task loss",
@@ -195,7 +179,7 @@ def evaluation_summary(step: int, scalars: Mapping[str, float]) -> str:
 
 @contextlib.contextmanager
 def _full_disk_names_the_resume_step(checkpointer: Checkpointer):
-  """A full disk in the loop's own writes becomes one OutOfSpace naming the step to resume from."""
+  """A full disk in the loop's own writes becomes one OutOfSpace naming the resume step."""
   try:
     yield
   except OSError as e:
@@ -232,10 +216,7 @@ def train_loop(
   `reviews` are `(every_steps, review)` pairs: after step s with s % every_steps == 0 (not the
   last), `review(state) -> (state, scalars[, lines])` may change non-gradient state (e.g. an
   expert assignment), keeping every array's shape, dtype and sharding so nothing recompiles.
-
-  `profile_steps` = (start, end) traces whole steps start+1 .. end to `<workdir>/profile`.
-  `device_prefetch` batches are put on the devices ahead of the step (`trainkit.prefetch`; 0:
-  none); checkpoints save the iterator state of the batches consumed, so resuming is exact.
+  `profile_steps` = (start, end) traces steps start+1 .. end to `<workdir>/profile`.
   """
   step = int(state.step)
   progress = ProgressBar(
@@ -377,12 +358,3 @@ def resume_training(
   save_config(config, workdir)
   return state
 
-
-def stop_after_preemption(
-    state: TrainState, checkpointer: Checkpointer, writer: MetricWriter
-) -> None:
-  """Closes the run's writers after train_loop returned preempted (its checkpoint is saved)."""
-  checkpointer.close()
-  writer.close()
-  if jax.process_index() == 0:
-    print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)

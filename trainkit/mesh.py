@@ -114,11 +114,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-  """Puts host values identical on every process onto `shardings` (one, or a matching tree).
-
-  Each process fills its own devices' shards, so nothing crosses processes (`jax.device_put`
-  compares the value across them: a collective per leaf, and a false mismatch on NaN).
-  """
+  """Puts host values identical on every process onto `shardings` (one, or a matching tree);
+  each fills its own shards (`jax.device_put` would compare values across processes)."""
   if isinstance(shardings, jax.sharding.Sharding):
     shardings = jax.tree.map(lambda _: shardings, tree)
 

@@ -70,7 +70,7 @@ def _step_of(line: str) -> float | None:
 
 def _remote_log_lines(path: str) -> tuple[list[str], list[str]]:
   """(the object's lines then its parts', the parts' names); parts whose steps the object holds
-  already (left by a writer stopped between folding and deleting them) are skipped."""
+  already (a writer stopped between folding and deleting them) are skipped."""
   try:
     lines = storage.read_text(path).splitlines()
   except FileNotFoundError:
@@ -195,8 +195,7 @@ def _field(number: int, wire_type: int, payload: bytes) -> bytes:
 
 
 def _event(step: int, *, file_version: str = "", tag: str = "", value: float = 0.0) -> bytes:
-  """A serialised TensorBoard `Event` (event.proto: wall_time = 1, step = 2, file_version = 3,
-  summary = 5; Summary.value = 1; Value.tag = 1, simple_value = 2): the version record or one
+  """A serialised TensorBoard `Event` (event.proto's field numbers): the version record or one
   scalar, encoded here rather than through tensorboardX's private protos."""
   event = _field(1, 1, struct.pack("<d", time.time()))
   event += _field(2, 0, _varint(step)) if step else b""  # proto3 leaves a default value out.
@@ -207,13 +206,9 @@ def _event(step: int, *, file_version: str = "", tag: str = "", value: float = 0
 
 
 class _ScalarEvents:
-  """TensorBoard scalars written in the caller's thread (tensorboardX's public `RecordWriter`):
-  unlike SummaryWriter's thread, `flush` writes every event added before it and a failed write
-  (a full disk) is raised to the loop.
-
-  On an object store the file is written locally and each flush uploads the new events as an
-  object `<name>.NNNNNN` (TensorBoard reads event files in name order); `close` uploads the file
-  whole as `<name>` and deletes the parts."""
+  """TensorBoard scalars written in the caller's thread (tensorboardX's `RecordWriter`), so a
+  failed write (a full disk) is raised to the loop. On an object store each flush uploads the new
+  events as `<name>.NNNNNN`; `close` uploads the file whole as `<name>` and deletes the parts."""
 
   def __init__(self, logdir: str):
     storage.makedirs(logdir)

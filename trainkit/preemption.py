@@ -64,12 +64,9 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 @contextlib.contextmanager
 def sigterm_ends_cleanly(cleanup: Callable[[], None], what: str) -> Iterator[None]:
-  """While active, SIGTERM runs `cleanup()`, says so in one line and exits 143 at once, even
-  inside a long native call (an XLA compile): for work with nothing to checkpoint.
-
-  A Python handler waits for the main thread to return to Python; the wake-up byte
-  (`signal.set_wakeup_fd`) reaches a watcher thread at once, which acts only while this handler
-  is current. Install it after libtpu's own. Main thread only.
+  """While active, SIGTERM runs `cleanup()`, says so and exits 143 at once, even inside a long
+  native call (an XLA compile), through a watcher thread woken by `signal.set_wakeup_fd`.
+  Install it after libtpu's own handler; main thread only.
   """
   if threading.current_thread() is not threading.main_thread():
     yield  # Signal handlers belong to the main thread: elsewhere, SIGTERM keeps its default.

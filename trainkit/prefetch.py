@@ -1,9 +1,6 @@
-"""Training batches put on the device ahead of the step that reads them.
-
-`DevicePrefetch` transfers batches in a background thread, `size` ahead of the step, so the copy
-of batch n + 1 overlaps step n; its `get_state()` is the host iterator's after the last batch
-handed out, so resuming is exact. The memory checks (`trainkit.fits`, the preflight) count the
-`resident_batches(size)` it keeps on the devices.
+"""Training batches put on the device ahead of the step that reads them, in a background thread,
+so the copy of batch n + 1 overlaps step n; `get_state()` is the host iterator's after the last
+batch handed out, so resuming is exact.
 """
 
 from __future__ import annotations
@@ -27,11 +24,8 @@ def resident_batches(size: int = DEFAULT_PREFETCH) -> int:
 
 
 class DevicePrefetch:
-  """An iterator of device batches with the checkpointable state of the host iterator it reads.
-
-  At most `size` placed batches wait for `next` (a slot each). The thread starts at the first
-  `next`, so `set_state` comes before it; the host iterator's end or error is raised by `next`.
-  """
+  """An iterator of device batches, at most `size` waiting, with the checkpointable state of the
+  host iterator it reads; the thread starts at the first `next`, so `set_state` comes before."""
 
   def __init__(
       self,

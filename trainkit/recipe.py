@@ -1,6 +1,4 @@
-"""What every package's `train.py` does alike: `setup` a run, `train` it (None when preempted),
-`finish` it; a trained workdir is `setup(..., training=False)` then `restore_trained`.
-"""
+"""What every package's `train.py` does alike: `setup` a run, `train` it, `finish` it."""
 
 from __future__ import annotations
 
@@ -18,15 +16,9 @@ from jax.sharding import Mesh
 
 from trainkit import storage
 from trainkit.checkpoint import Checkpointer, checkpoint_report
-from trainkit.config import resolve_train_steps
+from trainkit.config import parse_profile_steps, resolve_train_steps
 from trainkit.distributed import wait_for_all_processes
-from trainkit.loop import (
-    CheckpointableIterator,
-    loop_settings,
-    resume_training,
-    stop_after_preemption,
-    train_loop,
-)
+from trainkit.loop import CheckpointableIterator, resume_training, train_loop
 from trainkit.mesh import make_mesh
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
@@ -46,8 +38,7 @@ Review = tuple[int, Callable[[TrainState], tuple[TrainState, Mapping[str, Any]]]
 
 @dataclasses.dataclass
 class Run:
-  """What a run is made of before any step: its config (with the step count resolved), mesh,
-  optimizer, the model's graph, the initial state and the workdir's checkpointer."""
+  """What a run is made of before any step (its config with the step count resolved)."""
 
   config: ml_collections.ConfigDict
   workdir: str
@@ -74,8 +65,8 @@ def setup(
     create_state: CreateState,
     training: bool = True,
 ) -> Run:
-  """Resolves the step count (epochs need the train split's size), builds the optimizer and
-  the initial state on the config's mesh, and opens `<workdir>/checkpoints`."""
+  """Resolves the step count, builds the optimizer and the initial state on the config's mesh,
+  and opens `<workdir>/checkpoints`."""
   # Processes drift apart while loading data; their first collectives must start together.
   wait_for_all_processes("the run's set-up")
   mesh = make_mesh(config.mesh)
@@ -120,14 +111,23 @@ def train(
       mesh=run.mesh,
       checkpointer=run.checkpointer,
       writer=writer,
-      **loop_settings(config),
+      num_train_steps=config.num_train_steps,
+      log_every_steps=config.log_every_steps,
+      eval_every_steps=config.eval_every_steps,
+      checkpoint_every_steps=config.checkpoint_every_steps,
+      examples_per_step=config.batch_size,
+      peak_flops=config.peak_flops_per_device,
+      profile_steps=parse_profile_steps(config),
       tokens_per_example=tokens_per_example,
       evaluate=evaluate if config.eval_every_steps > 0 else None,
       reviews=reviews,
       show_progress=is_main,
   )
-  if preempted:
-    stop_after_preemption(state, run.checkpointer, writer)
+  if preempted:  # Its checkpoint is saved.
+    run.checkpointer.close()
+    writer.close()
+    if is_main:
+      print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)
     return None
   writer.flush()
   return Trained(state, writer)
@@ -138,8 +138,7 @@ RECORD_FILES = ("report.json", "predictions.csv")
 
 
 def evaluated(config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
-  """What an evaluation evaluated: the checkpoint's step, the data it read, and a fingerprint
-  of the whole config (a report of the same step but other data or settings is another record)."""
+  """What an evaluation evaluated: the checkpoint's step, the data it read, a config fingerprint."""
   settings = json.dumps(config.to_dict(), sort_keys=True, default=str)
   return {
       "step": step,
@@ -190,7 +189,7 @@ def finish(
     scalars: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
   """Adds the checkpoints' provenance to `report`, logs `scalars` at the final step, closes the
-  writer and the checkpointer, and has process 0 write the report (`write_report(report)`)."""
+  writer and checkpointer; process 0 writes the report."""
   report.update(checkpoint_report(run.checkpointer))
   report["evaluated"] = evaluated(run.config, int(report.get("step", state.step)))
   if jax.process_index() == 0:

@@ -1,9 +1,6 @@
-"""Rematerialisation of transformer blocks (`model.remat`): memory for recomputation.
-
-Policies: `none` keeps every residual; `dots` keeps the linear layers' products
-(`dots_with_no_batch_dims_saveable`) and recomputes the rest; `block` keeps only the block's
-input (`nothing_saveable`). Only `train=True` is checkpointed. docs/design.md,
-"Rematerialisation (`model.remat`)", has what each costs.
+"""Rematerialisation of transformer blocks (`model.remat`), in training only: `none`, `dots`
+(keeps the linear layers' products) or `block` (keeps only the block's input); docs/design.md
+has what each costs.
 """
 
 from __future__ import annotations
@@ -42,10 +39,8 @@ def validate_remat(config: ml_collections.ConfigDict, key: str = "model.remat") 
 def checkpointed(fn: Callable[..., Any], policy: str) -> Callable[..., Any]:
   """`fn(*args)` under `jax.checkpoint` with the named policy (`fn` itself for "none").
 
-  NNX objects among `args` go in as their state; only the variables `fn` replaced are written
-  back, in the caller's trace. (`nnx.remat` writes back every variable, which flax refuses for a
-  model state of the jitted step's trace: "Cannot mutate ExpertAssignment from a different trace
-  level".)
+  Only the variables `fn` replaced are written back: `nnx.remat` writes back every one, which
+  flax refuses for a model state of the jitted step's trace.
   """
   if check_remat(policy) == "none":
     return fn

@@ -1,8 +1,5 @@
-"""A config file that loads a trained run's `config.json`: what `--config` is without the flag.
-
-`trainkit.cli` passes `--config=<this file>:<config module>:<workdir>` when a mode other than
-train runs with `--workdir` alone, so `--config.KEY=VALUE` overrides apply as on a config file.
-"""
+"""A config file that loads a trained run's `config.json`: what `--config` is without the flag
+(`trainkit.cli`), so that `--config.KEY=VALUE` overrides apply as on a config file."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Where a run's files live: the local disk or an object store (`gs://bucket/run`).
 
-Every workdir file goes through `etils.epath`, so a `gs://` workdir is never a local folder named
-`gs:`; paths stay plain strings and `path(p)` gives the `epath.Path`. An object store has neither
-a rename nor an exclusive create: docs/design.md, "Remote workdirs", says what that changes
-(atomic writes, append-only logs, the run lock) and how gs:// finds its credentials or emulator.
+Paths stay plain strings; `path(p)` gives the `etils.epath.Path`. docs/design.md, "Remote
+workdirs", says what an object store without rename or exclusive create changes.
 """
 
 from __future__ import annotations
@@ -84,10 +82,8 @@ def emulator_url() -> str:
 def configure_gcs(location: str = "gs://") -> None:
   """Sets gcsfs up for this process's gs:// paths, once (again if the emulator changed).
 
-  With an emulator: gcsfs's plain GCSFileSystem (the default class asks a gRPC API an emulator
-  lacks, at every open) and TensorStore pointed at the same server. Without one: missing
-  credentials are one UserError now, not anonymous access that cannot write. Nothing when another
-  file system is registered for gs:// (tests/fake_gcs.py).
+  With an emulator: gcsfs's plain GCSFileSystem (the default asks a gRPC API an emulator lacks)
+  and TensorStore pointed at the same server. Without one: missing credentials are a UserError.
   """
   global _gcs_configured, _gcsfs_default
   import fsspec.config
@@ -191,8 +187,7 @@ def _refuse_mistyped_uri(location: str | os.PathLike) -> None:
 
 
 def resolve(location: str | os.PathLike) -> str:
-  """An absolute local path (`~` expanded, `..` as the system takes it), or a URI without its
-  trailing slash once `check_filesystem` accepted it."""
+  """An absolute local path (`~` expanded), or a URI without its trailing slash."""
   text = os.fspath(location)
   if not is_remote(text):
     _refuse_mistyped_uri(text)
@@ -238,8 +233,8 @@ def makedirs(location: str) -> None:
 
 
 def walk_files(directory: str) -> Iterator[str]:
-  """The files under `directory` as `/`-separated relative paths, at any depth (`iterdir`:
-  `epath.Path.walk` drops an fsspec root's scheme)."""
+  """The files under `directory` as `/`-separated relative paths (`epath.Path.walk` drops an
+  fsspec root's scheme)."""
   pending = [(path(directory), "")]
   while pending:
     folder, prefix = pending.pop()
@@ -260,8 +255,8 @@ def read_text(location: str) -> str:
 
 
 def write_atomically(location: str, text: str | bytes) -> None:
-  """Replaces `location` with `text` via a temporary file and a rename (a failed write leaves the
-  file as it was); an object store's whole upload is atomic itself."""
+  """Replaces `location` with `text` via a temporary file and a rename; an object store's upload
+  is atomic itself."""
   if is_remote(location):
     target = path(location)
     target.write_bytes(text) if isinstance(text, bytes) else target.write_text(text)

@@ -35,11 +35,6 @@ def compile_ahead(jitted: Any, *args: Any) -> Any | None:
     return None
 
 
-def compiled_flops(jitted: Any, *args: Any) -> float | None:
-  """FLOPs per call of `jitted(*args)` from XLA's cost analysis, or None where unavailable."""
-  return flops_of(compile_ahead(jitted, *args))
-
-
 def flops_of(compiled: Any | None) -> float | None:
   """FLOPs per call of a compiled program from XLA's cost analysis, or None."""
   if compiled is None:

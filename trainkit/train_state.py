@@ -28,11 +28,8 @@ UpdateExtraFn = Callable[
 
 @flax.struct.dataclass
 class TrainState:
-  """Everything a run needs to continue, as one pytree that Orbax saves.
-
-  Step t uses fold_in(rng, t), so a resumed run draws the same randomness. `extra` is
-  non-gradient state updated between steps (e.g. Lagrange multipliers).
-  """
+  """Everything a run needs to continue, as one pytree; step t uses fold_in(rng, t), and `extra`
+  is non-gradient state updated between steps (e.g. Lagrange multipliers)."""
 
   step: jax.Array
   params: nnx.State

@@ -44,8 +44,8 @@ def prepare_workdir(workdir: str | None) -> str:
 
 
 def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
-  """`<workdir>/<name>` (e.g. `export`), created unless `create` is False; a UserError when it is
-  a file or a symbolic link out of the workdir (every file a run writes stays in its workdir)."""
+  """`<workdir>/<name>`, created unless `create` is False; a UserError when it leads out of the
+  workdir (a symbolic link)."""
   folder = storage.join(workdir, name)
   if not storage.is_remote(folder) and os.path.lexists(folder):
     inside = os.path.realpath(workdir)
@@ -216,8 +216,8 @@ RUN_INFO_FILE = "run_info.json"
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes `config.json` (process 0), a differing earlier one kept in `config_history/`. Call it
-  after the checkpoint restore accepted the config, so a rejected resume leaves it as it was."""
+  """Writes `config.json` (process 0), a differing earlier one kept in `config_history/`; called
+  once the checkpoint restore accepted the config."""
   if jax.process_index() != 0:
     return
   path = storage.join(workdir, CONFIG_FILE)
@@ -250,9 +250,8 @@ def _as_typed(saved: Any, default: Any) -> Any:
 
 
 def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, Any]:
-  """`<workdir>/config.json` migrated to this format version; version 1's missing keys are
-  filled in where `reference` (a config of the same package) has them. A UserError naming the
-  file when it is missing, not a JSON object or of an unknown version."""
+  """`<workdir>/config.json` migrated to this format version (version 1's missing keys filled in
+  where `reference` has them); a UserError naming the file when it cannot be used."""
   path = storage.join(workdir, CONFIG_FILE)
   try:
     saved = json.loads(storage.read_text(path))
@@ -295,8 +294,7 @@ def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
 
 
 def load_run_info(workdir: str) -> dict[str, Any]:
-  """`<workdir>/run_info.json`; a UserError naming it when missing (an early version-1 run's:
-  refused, as migrating would need its dataset) or unreadable."""
+  """`<workdir>/run_info.json`; a UserError naming it when missing or unreadable."""
   path = storage.join(workdir, RUN_INFO_FILE)
   try:
     info = json.loads(storage.read_text(path))

@@ -1,9 +1,6 @@
-"""From a config's `data` section to tokenised numpy splits, for either task of the
-Causal Transformers paper.
-
-This module decides which files or tfds splits a run reads, carves an eval set when none is
-given, trains (or reloads) the tokenizer on the training text only, and encodes every split to
-fixed-length int32 arrays. What the report needs later travels with them in `TaskData`.
+"""From a config's `data` section to tokenised numpy splits, for either task: which files or
+tfds splits a run reads, the carved eval set, the tokenizer (trained on the training text only)
+and fixed-length int32 arrays, in `TaskData`.
 """
 
 from __future__ import annotations

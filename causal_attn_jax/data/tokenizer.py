@@ -1,13 +1,9 @@
-"""SentencePiece tokenizer trained in the run's workdir, with fixed special ids.
+"""SentencePiece tokenizer trained in the run's workdir, with fixed special ids (``PAD_ID`` 0
+... ``EOS_ID`` 3, then ``[SEP]``) that models, masks and the loss hard-code.
 
-The special ids are fixed (``PAD_ID`` 0 ... ``EOS_ID`` 3, then ``[SEP]``) so that models,
-padding masks (``ids != PAD_ID``) and the loss can hard-code them whatever the corpus.
-
-``load_or_train`` trains ``<workdir>/<name>.model`` once and reuses it on resume: retraining
-would give different ids and silently invalidate the checkpointed embeddings. A reused model
-must match the settings recorded in ``<name>.json``. Multi-host runs should call it on one
-process first: concurrent training in one workdir is not coordinated (each writer replaces the
-model file atomically).
+``load_or_train`` trains ``<workdir>/<name>.model`` once and reuses it on resume (retraining
+would change the ids under the checkpointed embeddings); multi-host runs call it on one process
+first.
 """
 
 from __future__ import annotations
