@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench_utils import cost, fmt, markdown_table, memory_analysis, time_interleaved, write_results
+import bench_utils
+from bench_utils import fmt, markdown_table, memory_analysis, ratio, time_interleaved, write_results
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.attention import MultiHeadAttention
 
@@ -105,13 +106,10 @@ def benchmark_case(
   row.update(time_ms=1e3 * statistics.median(times) if times else None)
   row.update(time_min_ms=1e3 * min(times) if times else None, compile_s=compile_s)
   row.update(rows_within=float(aux[0]) if constrained else None)
-  row.update(cols_within=float(aux[1]) if constrained else None, flops=cost(compiled, "flops"))
+  row.update(cols_within=float(aux[1]) if constrained else None)
+  row.update(flops=bench_utils.cost(compiled, "flops"))
   row.update(peak_bytes_in_use_so_far=stats.get("peak_bytes_in_use"))
   return dict(row, **memory_analysis(compiled))
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-  return a / b if a is not None and b else None
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -119,8 +117,8 @@ def add_ratios(rows: list[dict]) -> None:
   vanilla = {r["n"]: r for r in rows if r["kind"] == BASELINE}
   for r in rows:
     v = vanilla.get(r["n"])
-    r["vs_vanilla"] = _ratio(r["time_ms"], v["time_ms"]) if v else None
-    r["vs_vanilla_memory"] = _ratio(r["temp_size_in_bytes"], v["temp_size_in_bytes"]) if v else None
+    r["vs_vanilla"] = ratio(r["time_ms"], v["time_ms"]) if v else None
+    r["vs_vanilla_memory"] = ratio(r["temp_size_in_bytes"], v["temp_size_in_bytes"]) if v else None
 
 
 def evaluate_targets(rows: list[dict]) -> list[dict]:

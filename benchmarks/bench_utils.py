@@ -92,6 +92,11 @@ def time_interleaved(
   return warm_up, times
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+  """a / b, None where either is missing (or b is 0)."""
+  return a / b if a is not None and b else None
+
+
 def fmt(value: Any, digits: int = 2, scale: float = 1.0) -> str:
   """A figure for a markdown table: `-` for None, ints as they are, floats scaled and rounded."""
   if isinstance(value, (bool, int)) and scale == 1 or not isinstance(value, (int, float)):

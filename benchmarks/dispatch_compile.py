@@ -64,6 +64,9 @@ LOOPED = ("sort_blocks", "blocksparse")
 # Matmuls per row of a block's expert MLP, forward and backward (`blocksparse.block_mlp`): two
 # forward, and backward the recomputed first one plus four.
 _BLOCK_MATMULS = 7
+# What the JSON records of each target compiled for.
+TARGET_FIELDS = ("name", "platform", "device_kind", "num_devices", "peak_bf16_flops")
+TARGET_FIELDS += ("peak_tf32_flops", "memory_bandwidth", "topology")
 
 
 def libtpu_version() -> str | None:
@@ -339,21 +342,15 @@ def _write(
       rows,
       [],
       quiet=quiet,
-      compiled_for=[dict(vars_of(t), devices_used=1) for t in targets],
+      compiled_for=[
+          dict({k: v for k, v in vars(t).items() if k in TARGET_FIELDS}, devices_used=1)
+          for t in targets
+      ],
       libtpu=libtpu_version(),
       best_per_case=best,
       complete=best is not None,
       parts=parts,  # With --merge: each run's arguments and date, the earlier ones first.
   )
-
-
-def vars_of(target: Target) -> dict:
-  return {
-      k: v
-      for k, v in vars(target).items()
-      if k in ("name", "platform", "device_kind", "num_devices", "peak_bf16_flops",
-               "peak_tf32_flops", "memory_bandwidth", "topology")
-  }
 
 
 if __name__ == "__main__":

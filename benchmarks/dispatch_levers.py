@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
   )
   committed = experts_module.ExpertWeights.apply_expert_major
   rows = {}
+  case = f"{args.target} {args.shape} E={args.experts} {args.dtype}"
+
+  def record(name: str, value: float, note: str = "") -> None:
+    rows[name] = value
+    print(f"{case} {name}: {value / 1e9:.3f} GB accessed{note}", flush=True)
+
   for name, router_gsd, bf16_residuals in (
       ("as committed", False, False),
       ("router_gsd", True, False),
@@ -204,13 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
       compiled, _ = moe_layer.compile_step(loss, inputs)
     finally:
       experts_module.ExpertWeights.apply_expert_major = committed
-    rows[name] = analysis.cost(compiled)["bytes accessed"]
-    print(f"{args.target} {args.shape} E={args.experts} {args.dtype} {name}: "
-          f"{rows[name] / 1e9:.3f} GB accessed", flush=True)
+    record(name, analysis.cost(compiled)["bytes accessed"])
     if name == "as committed":
       committed_step = compiled
   groups, _, dim, hidden = dispatch_compile.SHAPES[args.shape]
-  rows["expert MLP alone"] = expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype)
   # The floor counts every tensor in float32; a bfloat16 layer mixes float32 weights with
   # bfloat16 tokens and intermediates, and meets the 0.9x target already.
   floor = (
@@ -218,21 +221,17 @@ def main(argv: list[str] | None = None) -> dict:
       if args.dtype == "float32"
       else None
   )
-  print(f"{args.target} {args.shape} E={args.experts} {args.dtype} expert MLP alone: "
-        f"{rows['expert MLP alone'] / 1e9:.3f} GB accessed"
-        + (f"; its floor {floor / 1e9:.3f} GB" if floor else ""), flush=True)
+  alone = expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype)
+  record("expert MLP alone", alone, f"; its floor {floor / 1e9:.3f} GB" if floor else "")
   # What goes below that floor: the MLP in one Pallas kernel per pass (`fused_mlp`), alone and
   # in the layer (the dispatch `einsum_fused`). The kernels' share is their own cost estimate.
-  rows["fused expert MLP alone"] = expert_mlp_bytes(
-      mesh, args.shape, args.experts, args.dtype, mlp="fused"
+  record(
+      "fused expert MLP alone", expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype, "fused")
   )
   compiled, _ = moe_layer.compile_step(
       moe_layer._moe_loss("einsum_fused", capacity, TOP_K), inputs  # pylint: disable=protected-access
   )
-  rows["einsum_fused"] = analysis.cost(compiled)["bytes accessed"]
-  for name in ("fused expert MLP alone", "einsum_fused"):
-    print(f"{args.target} {args.shape} E={args.experts} {args.dtype} {name}: "
-          f"{rows[name] / 1e9:.3f} GB accessed", flush=True)
+  record("einsum_fused", analysis.cost(compiled)["bytes accessed"])
   # Where the layers' bytes beyond the MLP go: the precision of the buffers each writes, and
   # einsum_fused's copies of them into the kernels' row layout (forward and backward).
   for name, step in (("einsum", committed_step), ("einsum_fused", compiled)):

@@ -23,6 +23,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import bench_utils
-from bench_utils import cost, fmt, markdown_table, memory_analysis, write_results
+from bench_utils import cost, fmt, markdown_table, memory_analysis, ratio, write_results
 from fairmoe_jax.methods.base import AUTO_DISPATCH
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
@@ -186,23 +187,6 @@ def layer_loss(dispatch: str, capacity: int | None, top_k: int, peer: Any = None
   return _moe_loss(dispatch, capacity, top_k)
 
 
-def time_interleaved(runs: list[tuple[Any, tuple[Any, ...]]], repeats: int) -> list[dict]:
-  """Median time of each compiled call, the calls alternated round by round
-  (`bench_utils.time_interleaved`); the fraction dropped is the warm-up call's."""
-  outputs, times = bench_utils.time_interleaved(
-      [functools.partial(compiled, *args) for compiled, args in runs], repeats
-  )
-  dropped = [float(fraction) for (_, fraction), _ in outputs]
-  return [
-      dict(
-          time_ms=1e3 * statistics.median(t) if t else None,
-          time_min_ms=1e3 * min(t) if t else None,
-          fraction_dropped=d,
-      )
-      for t, d in zip(times, dropped)
-  ]
-
-
 # How each capacity algorithm represents "which token goes to which slot": einsum builds one-hot
 # [G, S, E, C] dispatch and combine tensors, sort an index plan of [G, E * C] slots.
 _DISPATCH_PLANS = {
@@ -292,12 +276,8 @@ def time_by_kind(ops: list[dict]) -> dict[str, float]:
 
 def _op_source(instruction: str) -> str:
   """The JAX operation an HLO instruction came from (its metadata op_name)."""
-  marker = 'op_name="'
-  start = instruction.find(marker)
-  if start < 0:
-    return ""
-  start += len(marker)
-  return instruction[start : instruction.find('"', start)]
+  found = re.search(r'op_name="([^"]*)"', instruction)
+  return found.group(1) if found else ""
 
 
 def layer_args(
@@ -372,10 +352,6 @@ def compile_case(
   return row, compiled, args
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-  return a / b if a is not None and b else None
-
-
 def add_ratios(rows: list[dict]) -> None:
   """Each row against the equal-FLOPs dense MLP (time), the V-MoE reference (time, memory)
   and vmoe's own fastest dispatcher in the same case (time, `vs_peer`)."""
@@ -392,14 +368,14 @@ def add_ratios(rows: list[dict]) -> None:
   for r in rows:
     peer = peer_best.get((r["shape"], r["num_experts"], r["top_k"]))
     r["peer_best"] = peer["dispatch"] if peer else None
-    r["vs_peer"] = _ratio(r["time_ms"], peer["time_ms"]) if peer else None
+    r["vs_peer"] = ratio(r["time_ms"], peer["time_ms"]) if peer else None
     d = dense.get((r["shape"], r["top_k"]))
     ref = reference.get((r["shape"], r["num_experts"], r["top_k"]))
     moe = r["dispatch"] != BASELINE
-    r["vs_dense"] = _ratio(r["time_ms"], d["time_ms"]) if d else None
-    r["vs_reference"] = _ratio(r["time_ms"], ref["time_ms"]) if ref and moe else None
+    r["vs_dense"] = ratio(r["time_ms"], d["time_ms"]) if d else None
+    r["vs_reference"] = ratio(r["time_ms"], ref["time_ms"]) if ref and moe else None
     r["vs_reference_memory"] = (
-        _ratio(r["temp_size_in_bytes"], ref["temp_size_in_bytes"]) if ref and moe else None
+        ratio(r["temp_size_in_bytes"], ref["temp_size_in_bytes"]) if ref and moe else None
     )
 
 
@@ -475,7 +451,7 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
       )
     einsum = find.get((shape, num_experts, top_k, "einsum"))
     if num_experts == 64 and einsum is not None:
-      speedup = _ratio(einsum["time_ms"], row["time_ms"])
+      speedup = ratio(einsum["time_ms"], row["time_ms"])
       add(
           "sort at least 1.5x faster than einsum at E=64",
           row,
@@ -513,8 +489,6 @@ def main() -> None:
       "--cases",
       default="grid",
       choices=["grid", "vmoe"],
-      # "issue" is read as "vmoe", so recorded commands that use it keep working.
-      type=lambda name: "vmoe" if name == "issue" else name,
       help="grid: --shape x --experts x --top_k; vmoe: the three cases of the V-MoE comparison "
       f"{VMOE_CASES} (overrides --shape, --experts and --top_k)",
   )
@@ -566,12 +540,14 @@ def main() -> None:
     print(f"  {shape} E={e} k={k} {dispatch}: compiled in {row['compile_s']:.1f} s", flush=True)
     rows.append(row)
     runs.append((compiled, call_args))
+  outputs, times = [None] * len(rows), [[]] * len(rows)
   if args.repeats > 0:  # 0: compile only, for memory figures of shapes too big to run here.
-    for row, timing in zip(rows, time_interleaved(runs, args.repeats)):
-      row.update(timing)
-  else:
-    for row in rows:
-      row.update(time_ms=None, time_min_ms=None, fraction_dropped=None)
+    calls = [functools.partial(compiled, *call_args) for compiled, call_args in runs]
+    outputs, times = bench_utils.time_interleaved(calls, args.repeats)  # Alternated rounds.
+  for row, output, t in zip(rows, outputs, times):
+    row.update(time_ms=1e3 * statistics.median(t) if t else None)
+    row.update(time_min_ms=1e3 * min(t) if t else None)
+    row.update(fraction_dropped=float(output[0][1]) if output else None)  # The warm-up call's.
   if args.profile:
     for row, (compiled, call_args) in zip(rows, runs):
       case = f"{row['shape']}_E{row['num_experts']}_k{row['top_k']}_{row['dispatch']}"

@@ -65,13 +65,8 @@ def matmul_peak(size: int = 2048, repeats: int = 10) -> float:
   """FLOP/s of a float32 [size, size] @ [size, size] matmul here (best of `repeats`)."""
   a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), jnp.float32)
   matmul = jax.jit(lambda x: x @ x).lower(a).compile()
-  jax.block_until_ready(matmul(a))
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(matmul(a))
-    best = min(best, time.perf_counter() - t0)
-  return 2 * size**3 / best
+  _, [times] = bench_utils.time_interleaved([lambda: matmul(a)], repeats)
+  return 2 * size**3 / min(times)
 
 
 def _dense_equivalent(build: Any, hidden: int, config: ml_collections.ConfigDict) -> nnx.Module:
@@ -285,11 +280,7 @@ def one_device_target(device_kind: str | None) -> str:
 
 def compare_with_prediction(measured: dict, predicted: dict) -> dict:
   """`measure_program`'s figures over `prediction_summary`'s."""
-  step_s, peak = measured["step_seconds"], measured.get("peak_bytes")
-
-  def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
+  step_s, peak, ratio = measured["step_seconds"], measured.get("peak_bytes"), bench_utils.ratio
   return dict(
       source=predicted.get("source"),
       peak_over_program_peak=ratio(peak, predicted.get("program_peak_bytes")),

@@ -38,10 +38,6 @@ def group_sizes(split: Split, info: data_lib.DatasetInfo) -> dict[str, dict[str,
   }
 
 
-def _nominal_frequencies() -> dict[str, tuple[float, ...]]:
-  return {"sex": synthetic.SEX_FREQ, "age": synthetic.AGE_FREQ, "site": synthetic.SITE_FREQ}
-
-
 def _expected_label_probs(num_classes: int) -> dict[str, np.ndarray]:
   """Generator's P(y | group) per attribute, [G, K], marginalised over the other attribute."""
   probs = synthetic.label_probs(num_classes)  # [age, site, K]
@@ -244,14 +240,10 @@ def model_predictions(
         f"{workdir} was trained on data {trained_data}, not on {expected_data}: "
         "pass the matching --seed and split sizes"
     )
-  # The run's own predictor: it normalises the uint8 images inside its jitted step.
+  # The run's own predictor: it normalises the uint8 images inside its jitted step, and feeds
+  # them in evaluation's batches.
   run = fairmoe_jax.load_run(workdir)
-  probabilities = np.concatenate(
-      [
-          run.predict(test["image"][i : i + run.config.eval_batch_size]).probabilities
-          for i in range(0, len(test["image"]), run.config.eval_batch_size)
-      ]
-  )
+  probabilities = run.predict(test["image"]).probabilities
   return probabilities.argmax(-1).astype(np.int32), int(run.step), probabilities
 
 
@@ -308,7 +300,11 @@ def compute(
           "class_names": list(info.class_names),
       },
       "generation_seconds": generation_seconds,
-      "nominal_frequencies": {k: list(v) for k, v in _nominal_frequencies().items()},
+      "nominal_frequencies": {
+          "sex": list(synthetic.SEX_FREQ),
+          "age": list(synthetic.AGE_FREQ),
+          "site": list(synthetic.SITE_FREQ),
+      },
       "group_sizes": {name: group_sizes(s, info) for name, s in splits.items()},
       "label_frequencies": {"split": split, **label_frequencies(splits[split], info)},
       "marker_agreement": {
@@ -323,14 +319,10 @@ def compute(
   )
   stats["logistic_regression"]["seconds"] = time.perf_counter() - start
   if workdir is not None:
-    expected_data = {
-        "name": dataset,
-        "seed": seed,
-        "image_size": image_size,
-        "num_classes": num_classes,
-        "test_size": sizes["test"],
-    }
-    predictions, step, _ = model_predictions(workdir, splits["test"], expected_data)
+    expected_data = dict(name=dataset, seed=seed, image_size=image_size, num_classes=num_classes)
+    predictions, step, _ = model_predictions(
+        workdir, splits["test"], dict(expected_data, test_size=sizes["test"])
+    )
     stats["model"] = {
         "workdir": workdir,
         "step": step,
