@@ -132,7 +132,7 @@ def _sharded_batch(batch: Mapping[str, jax.ShapeDtypeStruct], mesh: Mesh) -> dic
 
 
 def _out_of_memory(error: Exception) -> dict[str, Any] | None:
-  """What a TPU compiler's RESOURCE_EXHAUSTED says (bytes used, capacity); None otherwise."""
+  """What a TPU compiler's RESOURCE_EXHAUSTED says (message, bytes used); None otherwise."""
   text = str(error)
   if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
     return None
@@ -147,7 +147,6 @@ def _out_of_memory(error: Exception) -> dict[str, Any] | None:
     used = re.search(pattern, text)
     if used:
       found["peak"] = int(float(used.group(1)) * scale[used.group(2)])
-      found["capacity"] = int(float(used.group(3)) * scale[used.group(4)])
       break
   return found
 
@@ -175,16 +174,13 @@ def compile_step(
       refused = _out_of_memory(e)
       if refused is None:
         raise
-      record = {
+      peak = refused.get("peak")
+      return None, {
           "compile_seconds": round(time.perf_counter() - start, 1),
           "fits": False,
           "refused_by_compiler": refused["message"],
-          "memory": {
-              "peak": None if refused.get("peak") is None else refused["peak"] + beside,
-              "program_peak": refused.get("peak"),
-          },
+          "memory": {"peak": None if peak is None else peak + beside, "program_peak": peak},
       }
-      return None, record
   record: dict[str, Any] = {"compile_seconds": round(time.perf_counter() - start, 1)}
   if options:
     record["compiler_options"] = options
@@ -204,9 +200,7 @@ def compile_step(
     record["collective_pricing"] = pricing
   cost = analysis.cost(compiled)
   if not cost and target.platform == "gpu":
-    hlo = analysis.optimized_hlo_cost(text)
-    if hlo:
-      record["optimized_hlo_cost"] = hlo
+    record["optimized_hlo_cost"] = analysis.optimized_hlo_cost(text)
     # cuBLAS/cuDNN calls, which the HLO cost analysis does not count.
     record["library_calls"] = analysis.library_call_cost(text)
   if cost:
