@@ -67,7 +67,8 @@ def rerun_summary() -> str:
       rows.append((f"`{name}`", "not rerun", "—", "—", "—"))
       continue
     labels = {c.path: (c.label, c.decimals) for c in spec.columns}
-    total = len(grid_points(spec.sweep))  # The spec's runs (as in `rerun_lines`).
+    # The spec's runs, not the record's: a record that lost a run would read "12 of 11 runs".
+    total = len(grid_points(spec.sweep))
     for rerun in record["reruns"]:
       result = compare_rerun(spec, record, rerun)
       how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
