@@ -3,3 +3,5 @@ what it needs (memory per device, FLOPs, collectives, a step-time bound, device-
 
 Needs the `preflight` extra (libtpu and the CUDA plugin matching jax): pip install -e ".[preflight]".
 """
+
+__all__: list[str] = []  # Modules only: each caller imports the one it uses.
