@@ -177,40 +177,35 @@ def evaluate(
       info.group_names,
   )
   report["loss"] = float(totals["loss_sum"]) / max(report["num_examples"], 1)
-  for kind, key in (("choices", "expert_utilisation"), ("gate_weight", "expert_gate_weight")):
-    blocks = totals["expert_usage"].get(kind)
-    if not blocks:
-      continue
-    report[key] = {
+
+  def per_group(blocks, value, skip_empty=False):  # {block: {attribute: {group: value(row)}}}
+    return {
         block: {
             attribute: {
-                group: (row / max(row.sum(), 1e-12)).round(6).tolist()
-                for group, row in zip(groups, np.asarray(per_group))
+                group: value(row)
+                for group, row in zip(groups, np.asarray(rows))
+                if not skip_empty or row.sum() > 0
             }
-            for attribute, groups, per_group in zip(
+            for attribute, groups, rows in zip(
                 info.attribute_names, info.group_names, usage["groups"]
             )
         }
         for block, usage in blocks.items()
     }
+
+  for kind, key in (("choices", "expert_utilisation"), ("gate_weight", "expert_gate_weight")):
+    blocks = totals["expert_usage"].get(kind)
+    if not blocks:
+      continue
+    report[key] = per_group(blocks, lambda row: (row / max(row.sum(), 1e-12)).round(6).tolist())
     report.setdefault("experts_active", {})[kind] = {
         block: effective_experts(np.asarray(usage["total"])) for block, usage in blocks.items()
     }
     # The same per group: a router whose groups each use one expert but different ones has
     # many experts active overall and one per group.
-    report.setdefault("experts_active_by_group", {})[kind] = {
-        block: {
-            attribute: {
-                group: effective_experts(np.asarray(row))
-                for group, row in zip(groups, np.asarray(per_group))
-                if np.asarray(row).sum() > 0
-            }
-            for attribute, groups, per_group in zip(
-                info.attribute_names, info.group_names, usage["groups"]
-            )
-        }
-        for block, usage in blocks.items()
-    }
+    report.setdefault("experts_active_by_group", {})[kind] = per_group(
+        blocks, effective_experts, skip_empty=True
+    )
   if "expert_utilisation" in report:
     # How far routing depends on the groups: the group whose choices are spread over the experts
     # most unlike the split's. FGR's SA branch is what would make it large (`route_by`).

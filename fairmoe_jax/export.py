@@ -1,22 +1,11 @@
 """What `--mode=export` writes beside the weights: a timm `config.json` that says what they are.
 
 `<workdir>/export/` holds `model.safetensors` (timm names, PyTorch layouts;
-`fairmoe_jax.models.convert_timm`) and `config.json` in the format timm reads from a Hub repo or
-a local folder (`timm.create_model("local-dir:<workdir>/export")`): `architecture`, a registered
-timm model of the same family (`deit_*`, `swin_*`; the configurable `vit` is
-`vit_base_patch16_224`); `model_args`, every shape argument, so
-`timm.create_model(architecture, pretrained=False, **model_args)` builds our backbone whatever
-its size; `pretrained_cfg`, only fields of timm's `PretrainedCfg` (the rest at the top level,
-with `label_names` and a "fairmoe_jax" section).
-
-Preprocessing as evaluation does it (`data/images.py`): RGB decode (PIL; a large JPEG in draft
-mode at a reduced scale), short side resized bicubic to `image_size`, centred square crop, then
-(p / 255 - 0.5) / 0.5. In timm's terms `crop_pct=1.0`, `crop_mode="center"`,
-`interpolation="bicubic"`, mean and std 0.5 (its crop is within half a pixel of ours).
-
-Models timm cannot build (a sparse-MoE block, Muffin's several backbones) are still described,
-with `timm_loadable: false` and `why_not_timm`; they load back with
-`load_timm_checkpoint(model, path, skip=())` or `fairmoe_jax.load_run(workdir)`.
+`fairmoe_jax.models.convert_timm`) and `config.json` in the format timm reads
+(`timm.create_model("local-dir:<workdir>/export")`): `architecture`, a registered timm model of
+the same family; `model_args`, every shape argument; `pretrained_cfg`, only fields of timm's
+`PretrainedCfg`. Models timm cannot build (a sparse-MoE block, Muffin) are still described, with
+`timm_loadable: false` and `why_not_timm`.
 """
 
 from __future__ import annotations

@@ -49,16 +49,8 @@ from trainkit.workdir import output_folder
 
 @dataclasses.dataclass
 class Restored:
-  """A trained run's latest checkpoint, ready for inference (`restore_run`).
-
-  Attributes:
-    metadata: run_info.json's class and attribute names and preprocessing.
-    info: The same names as the model's DatasetInfo.
-    graphdef: The model's graph.
-    state: The restored train state.
-    mesh: The device mesh of `config.mesh` the state is placed on.
-    step: The checkpoint's step; None when nothing was restored (`from_checkpoint=False`).
-  """
+  """A trained run's latest checkpoint, ready for inference (`restore_run`); `step` is None when
+  nothing was restored (`from_checkpoint=False`)."""
 
   metadata: run_info_lib.RunMetadata
   info: data_lib.DatasetInfo
@@ -69,7 +61,6 @@ class Restored:
 
   @property
   def model(self) -> nnx.Module:
-    """The model with the restored parameters."""
     return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
 
 
@@ -96,15 +87,6 @@ def restore_run(
   else:
     run.checkpointer.close()
   return Restored(metadata, info, run.graphdef, state, run.mesh, step)
-
-
-def load_model(
-    config: ml_collections.ConfigDict, workdir: str, *, restore: bool = True
-) -> tuple[nnx.Module, int | None]:
-  """The model of the latest readable checkpoint in `workdir` and its step, or with
-  `restore=False` the model as initialised from `config` (step None)."""
-  restored = restore_run(config, workdir, from_checkpoint=restore)
-  return restored.model, restored.step
 
 
 EXPORT_FILE = os.path.join("export", export_lib.WEIGHTS_FILE)
@@ -221,18 +203,10 @@ def predict_examples(
     images: np.ndarray,
     eval_step: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
-  """Classifies unlabelled images as evaluation does (same batches, padding and eval step).
-
-  Args:
-    restored: The trained run (`restore_run`).
-    config: Its config.
-    images: Image file paths (an object array [N]), or uint8 images [N, S, S, 3].
-    eval_step: `evaluation.make_eval_step(...)` to reuse its compilation; None makes one.
-
-  Returns:
-    Per example, in `images`' order: `prediction` [N], `probabilities` [N, C] and
-    `experts` {block: [N, E]}.
-  """
+  """Classifies unlabelled images, file paths (an object array [N]) or uint8 [N, S, S, 3], as
+  evaluation does (same batches, padding and eval step; `eval_step` to reuse a compilation).
+  Returns per example, in `images`' order: `prediction` [N], `probabilities` [N, C] and
+  `experts` {block: [N, E]}."""
   info = restored.info
   # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
   split = {
@@ -301,17 +275,10 @@ class Predictions(NamedTuple):
 
 
 class TrainedRun:
-  """A trained run loaded by `load_run`: its model, config and metadata, and `predict`.
-
-  Attributes:
-    workdir: The run's working directory (absolute).
-    config: The config the run was trained with (with `load_run`'s overrides).
-    metadata: Class names, attribute and group names, and the image preprocessing.
-    step: The training step of the restored checkpoint.
-  """
+  """A trained run loaded by `load_run`: its (absolute) workdir, config (with `load_run`'s
+  overrides), metadata (names and preprocessing), checkpoint step, model and `predict`."""
 
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: Restored):
-    """Wraps a restored checkpoint (`restore_run`); `load_run` is the way to make one."""
     self.workdir = workdir
     self.config = config
     self.metadata: RunMetadata = restored.metadata
@@ -366,10 +333,8 @@ class TrainedRun:
 def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> TrainedRun:
   """Loads a trained run from its workdir alone: config.json, run_info.json, latest checkpoint.
 
-  Args:
-    workdir: The working directory a training run (`python -m fairmoe_jax.main`) wrote.
-    overrides: Config keys to change by dotted name, as `--config.KEY=VALUE`, e.g.
-      `{"eval_batch_size": 16}`.
+  `overrides` change config keys by dotted name, as `--config.KEY=VALUE`, e.g.
+  `{"eval_batch_size": 16}`.
 
   Raises:
     trainkit.errors.UserError: No config.json or readable checkpoint, or another run holds
@@ -389,16 +354,7 @@ def _model_inputs(images: ImageBatch, image_size: int) -> np.ndarray:
     array = np.asarray(images)
     if array.ndim == 3:  # One image.
       array = array[None]
-    if (
-        array.dtype == np.uint8
-        and array.ndim == 4
-        and array.shape[1:]
-        == (
-            image_size,
-            image_size,
-            3,
-        )
-    ):
+    if array.dtype == np.uint8 and array.shape[1:] == (image_size, image_size, 3):
       return array
     images = list(array)
   items = list(images)

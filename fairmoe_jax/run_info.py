@@ -25,14 +25,8 @@ RESIZE = "short side to image_size (bicubic), centred square crop"
 
 @dataclasses.dataclass(frozen=True)
 class Preprocessing:
-  """How an image becomes the model's input (the evaluation pipeline's steps).
-
-  Attributes:
-    image_size: Side of the square images the model reads.
-    resize: How an image of another size is brought to `image_size`.
-    mean: Per-channel mean subtracted from pixels scaled to [0, 1].
-    std: Per-channel standard deviation they are then divided by.
-  """
+  """How an image becomes the model's input (the evaluation pipeline's steps): `resize` to the
+  square `image_size`, then pixels scaled to [0, 1] less `mean`, divided by `std`, per channel."""
 
   image_size: int
   resize: str = RESIZE
@@ -42,15 +36,8 @@ class Preprocessing:
 
 @dataclasses.dataclass(frozen=True)
 class RunMetadata(RunMetadataFile):
-  """The dataset's names and the preprocessing a trained run was trained with.
-
-  Attributes:
-    dataset: The dataset's name (`data.name`).
-    class_names: One name per target class, in the order of the model's outputs.
-    attribute_names: The sensitive attributes, in the order of FairSMoE's attribute branches.
-    group_names: For each attribute, the names of its groups.
-    preprocessing: How images become the model's input.
-  """
+  """The dataset's names (classes in the order of the model's outputs, attributes in the order of
+  FairSMoE's attribute branches) and the preprocessing a trained run was trained with."""
 
   PACKAGE: ClassVar[str] = PACKAGE
 

@@ -60,19 +60,6 @@ def load_data(
   return data_lib.dataset_from_config(config.data)
 
 
-def build_model(
-    config: ml_collections.ConfigDict,
-    info: data_lib.DatasetInfo,
-    rngs: nnx.Rngs,
-    mesh: Mesh | None = None,
-) -> nnx.Module:
-  """The model of `config.method`, from a timm checkpoint when `model.pretrained` is set."""
-  model = METHODS[config.method].build_model(config, info, rngs, mesh)
-  if config.model.pretrained:
-    load_pretrained(config, model)
-  return model
-
-
 def load_pretrained(config: ml_collections.ConfigDict, model: nnx.Module) -> None:
   """Loads `model.pretrained` (a timm checkpoint) into the backbone, keeping the shardings."""
   # Muffin's backbones each start from the checkpoint.
@@ -83,6 +70,7 @@ def load_pretrained(config: ml_collections.ConfigDict, model: nnx.Module) -> Non
 
 def make_loss_fn(config: ml_collections.ConfigDict, info: data_lib.DatasetInfo):
   return method_loss_fn(METHODS[config.method], config, info)
+
 
 def create_state(
     config: ml_collections.ConfigDict,

@@ -255,11 +255,12 @@ def test_pretrained_checkpoint_initialises_every_backbone(tmp_path, method):
   # A "timm checkpoint" of the plain backbone, exported from a differently seeded model.
   plain = _config("vanilla_smoe")
   plain.moe.blocks = ()
-  source = train.build_model(plain, info, nnx.Rngs(7))
+  source = methods.METHODS[plain.method].build_model(plain, info, nnx.Rngs(7), None)
   path = tmp_path / "backbone.npz"
   np.savez(path, **export_timm_state_dict(source))
   config.model.pretrained = str(path)
-  model = train.build_model(config, info, nnx.Rngs(0))
+  model = methods.METHODS[method].build_model(config, info, nnx.Rngs(0), None)
+  train.load_pretrained(config, model)
   backbones = model.backbones if method == "muffin" else [model]
   for backbone in backbones:
     np.testing.assert_array_equal(backbone.pos_embed[...], source.pos_embed[...])

@@ -31,15 +31,11 @@ from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 pytestmark = pytest.mark.float32_reference
 
 G, S, D, H, E, K = 2, 6, 8, 16, 4, 2
-# Besides the registered algorithms: blocksparse with tiny blocks (many blocks per expert), and
-# the block algorithms with `ragged_dot` grouped matmuls instead of loops.
+# Besides the registered algorithms: blocksparse with tiny blocks (many blocks per expert).
 ALGORITHMS = {
     **DISPATCH_ALGORITHMS,
     "blocksparse_b1": functools.partial(moe_blocksparse, block_size=1),
     "blocksparse_b3": functools.partial(moe_blocksparse, block_size=3),
-    "sort_blocks_ragged": functools.partial(moe_sort_blocks, matmul="ragged_dot"),
-    "blocksparse_ragged": functools.partial(moe_blocksparse, matmul="ragged_dot"),
-    "blocksparse_b3_ragged": functools.partial(moe_blocksparse, block_size=3, matmul="ragged_dot"),
     # The fused expert MLP's Pallas kernels, run by Pallas' interpreter (on a TPU, compiled).
     "einsum_fused_kernels": functools.partial(moe_einsum_fused, interpret=True),
 }
@@ -51,9 +47,6 @@ SPARSE = (
     "blocksparse",
     "blocksparse_b1",
     "blocksparse_b3",
-    "sort_blocks_ragged",
-    "blocksparse_ragged",
-    "blocksparse_b3_ragged",
     "einsum_fused_kernels",
 )
 SORT_LAYOUTS = ("sort", "sort_blocks")  # The capacity buffers, and blocks of the served choices.
@@ -205,43 +198,6 @@ def test_sort_equals_einsum_under_overflow(groups, tokens, num_experts, top_k, c
   # Dropped choices contribute nothing: a (dense) oracle on the kept gates agrees.
   y_kept, _ = _jitted("dense")(x, index, gates * stats.kept, experts)
   np.testing.assert_allclose(y, y_kept, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "groups, tokens, num_experts, top_k, capacity",
-    [(3, 10, 4, 2, 2), (2, 12, 4, 1, 2), (1, 16, 8, 2, 1), (2, 40, 4, 2, 100)],
-)
-@pytest.mark.parametrize("name", ["sort_blocks", "blocksparse", "blocksparse_b1", "blocksparse_b3"])
-def test_ragged_dot_blocks_equal_the_loops(name, groups, tokens, num_experts, top_k, capacity):
-  """ragged_dot grouped matmuls and the loops: the same outputs and gradients, with dropped
-  choices (sort_blocks' extra "expert") and experts without blocks."""
-  x, experts = _normal(0, (groups, tokens, D)), _experts(1, num_experts=num_experts)
-  skew = np.arange(num_experts, 0, -1) ** 2
-  index, gates = _random_routing(7, groups, tokens, num_experts, top_k, skew=skew)
-  args = (x, gates, experts, index, _normal(8, (groups, tokens, D)))
-  algorithm = ALGORITHMS[name]
-  runs = {}
-  for matmul in ("loop", "ragged_dot"):
-
-    def loss(x, gates, experts, index, cotangent, matmul=matmul):
-      y, stats = algorithm(x, index, gates, experts, capacity=capacity, matmul=matmul)
-      return jnp.sum(y * cotangent), (y, stats)
-
-    runs[matmul] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-  (_, (y, stats)), grads = runs["ragged_dot"]
-  (_, (y_ref, stats_ref)), grads_ref = runs["loop"]
-  _assert_stats_equal(stats, stats_ref)
-  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-6)
-  assert float(jnp.abs(y).max()) > 0 and float(jnp.abs(grads[2].b1).max()) > 0
-
-
-@pytest.mark.parametrize("name", ["sort_blocks", "blocksparse"])
-def test_unknown_block_matmul_is_refused(name):
-  x, experts = _normal(0, (G, S, D)), _experts(1)
-  index, gates = _random_routing(3, G, S, E, K)
-  with pytest.raises(ValueError, match="matmul='ragged'; known: loop, ragged_dot"):
-    ALGORITHMS[name](x, index, gates, experts, capacity=S, matmul="ragged")
 
 
 @pytest.mark.parametrize("name", ["einsum", *SORT_LAYOUTS])

@@ -365,14 +365,15 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   assert timm_config["timm_loadable"] is False and "no MoE block" in timm_config["why_not_timm"]
 
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-  trained, step = inference.load_model(config, str(workdir))
-  assert step == 20
+  restored = inference.restore_run(config, str(workdir))
+  trained = restored.model
+  assert restored.step == 20
   expected = export_timm_state_dict(trained)
   assert sorted(exported) == sorted(expected)
   for name, value in expected.items():
     np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
-  fresh, _ = inference.load_model(config, str(workdir), restore=False)
+  fresh = inference.restore_run(config, str(workdir), from_checkpoint=False).model
   assert any(  # Initialised, not trained: the load below has work to do.
       not np.array_equal(value, expected[name])
       for name, value in export_timm_state_dict(fresh).items()

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax import train
+from fairmoe_jax.methods import METHODS
 from trainkit.mesh import make_mesh
 from trainkit.metric_writers import read_metrics
 from trainkit.optim import make_optimizer
@@ -67,7 +68,8 @@ def test_expert_weights_are_sharded_over_the_expert_axis():
   mesh = make_mesh(config.mesh)
   info, _ = train.load_data(config)
   tx = make_optimizer(config.optimizer, config.num_train_steps)
-  _, state = create_train_state(lambda: train.build_model(config, info, nnx.Rngs(0)), tx, mesh, 0)
+  build = lambda: METHODS[config.method].build_model(config, info, nnx.Rngs(0), None)
+  _, state = create_train_state(build, tx, mesh, 0)
   moe = state.params["blocks"][1]["mlp"]
   expert_sharded = NamedSharding(mesh, P("expert", None, None))
   assert moe["w1"].sharding.is_equivalent_to(expert_sharded, 3)

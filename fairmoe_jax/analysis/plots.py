@@ -25,10 +25,6 @@ from trainkit import storage
 from trainkit.errors import UserError
 from trainkit.metric_writers import log_exists, read_log
 
-# metrics.jsonl keys of FairSMoE's expert management, one per review: `fem/experts/<ATTR>` and
-# `fem/share/<EXPERT>`.
-_ALLOCATION_PREFIX = ALLOCATION_PREFIX
-_SHARE_PREFIX = SHARE_PREFIX
 _DPI = 120
 # Heatmap cells are annotated with their value only while the text stays legible.
 _MAX_ANNOTATED_CELLS = 160
@@ -179,7 +175,7 @@ def plot_group_accuracy(report: dict[str, Any], path: str) -> str:
 def _allocation_attributes(report: dict[str, Any], metrics: Sequence[dict]) -> list[str]:
   """Attributes with a logged allocation, in the report's order (then any others, sorted)."""
   logged = {
-      k[len(_ALLOCATION_PREFIX) :] for r in metrics for k in r if k.startswith(_ALLOCATION_PREFIX)
+      k[len(ALLOCATION_PREFIX) :] for r in metrics for k in r if k.startswith(ALLOCATION_PREFIX)
   }
   ordered = [a for a in report.get("attributes", {}) if a in logged]
   return ordered + sorted(logged - set(ordered))
@@ -193,14 +189,14 @@ def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], pat
   """
   attributes = _allocation_attributes(report, metrics)
   experts = sorted(
-      {int(k[len(_SHARE_PREFIX) :]) for r in metrics for k in r if k.startswith(_SHARE_PREFIX)}
+      {int(k[len(SHARE_PREFIX) :]) for r in metrics for k in r if k.startswith(SHARE_PREFIX)}
   )
   panels = len(attributes) + bool(experts)
   fig = Figure(figsize=(6.4, 1.2 + 1.6 * panels), layout="constrained")
   FigureCanvasAgg(fig)
   axes = fig.subplots(panels, 1, sharex=True, squeeze=False).ravel()
   for ax, attribute in zip(axes, attributes):
-    steps, values = _series(metrics, _ALLOCATION_PREFIX + attribute)
+    steps, values = _series(metrics, ALLOCATION_PREFIX + attribute)
     ax.plot(steps, values, drawstyle="steps-post", marker="o", color="tab:green")
     ax.set_ylim(0.0, max(values, default=1.0) + 1.0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -211,7 +207,7 @@ def plot_allocation_history(report: dict[str, Any], metrics: Sequence[dict], pat
     # the reviews that changed the allocation marked.
     ax = axes[-1]
     for e in experts:
-      ax.plot(*_series(metrics, f"{_SHARE_PREFIX}{e}"), marker=".", label=f"expert {e}")
+      ax.plot(*_series(metrics, f"{SHARE_PREFIX}{e}"), marker=".", label=f"expert {e}")
     for change in report.get("fem_changes", []):
       ax.axvline(change["step"], color="0.6", lw=0.8, ls=":")
     ax.set_ylim(0.0, 1.0)
@@ -305,11 +301,6 @@ def validation_curves_figure(report: dict[str, Any], metrics: Sequence[dict]) ->
   return fig
 
 
-def plot_validation_curves(report: dict[str, Any], metrics: Sequence[dict], path: str) -> str:
-  """Writes `validation_curves_figure(report, metrics)` to `path`; returns it."""
-  return _save(validation_curves_figure(report, metrics), path)
-
-
 def write_plots(workdir: str) -> list[str]:
   """Writes every plot the run has data for into `workdir/plots/`; returns their paths.
 
@@ -331,11 +322,13 @@ def write_plots(workdir: str) -> list[str]:
       )
   if report.get("attributes"):
     jobs.append(("group_accuracy.png", lambda p: plot_group_accuracy(report, p)))
-  if any(k.startswith(_ALLOCATION_PREFIX) for r in metrics for k in r):
+  if any(k.startswith(ALLOCATION_PREFIX) for r in metrics for k in r):
     jobs.append(("allocation_history.png", lambda p: plot_allocation_history(report, metrics, p)))
   if report.get("gradient_cosine"):
     jobs.append(("gradient_cosine.png", lambda p: plot_gradient_cosine(report, p)))
   if any(_series(metrics, key)[0] for key in ("loss", "val/accuracy", "val/mf_pqd")):
-    jobs.append(("validation_curves.png", lambda p: plot_validation_curves(report, metrics, p)))
+    jobs.append(
+        ("validation_curves.png", lambda p: _save(validation_curves_figure(report, metrics), p))
+    )
 
   return [draw(storage.join(out_dir, name)) for name, draw in jobs]

@@ -171,43 +171,34 @@ def read_attributes(
   return images, (raw == "1").astype(np.int32)
 
 
-def read_partition(path: str | os.PathLike) -> dict[str, int]:
-  """Reads ``list_eval_partition.txt`` into {image name: 0 train / 1 val / 2 test}."""
+def _read_pairs(path: str | os.PathLike, second: str, file_name: str) -> dict[str, str]:
+  """{image name: second field} of a two-column CelebA file such as ``list_eval_partition.txt``."""
   path = pathlib.Path(path)
-  partition: dict[str, int] = {}
+  pairs: dict[str, str] = {}
   for i, line in enumerate(_read_lines(path)):
     row = line.split()
     if not row:
       continue
-    if len(row) != 2 or row[1] not in ("0", "1", "2"):
+    if len(row) != 2 or (second == "split" and row[1] not in ("0", "1", "2")):
       # The line itself is not repeated: the file may be anything a path was pointed at.
       raise UserError(
-          f"{path}:{i + 1}: expected 'image split' with split 0, 1 or 2 (got {len(row)} "
-          "field(s) of another form): is it CelebA's list_eval_partition.txt?"
+          f"{path}:{i + 1}: expected 'image {second}' (got {len(row)} field(s) of another form): "
+          f"is it CelebA's {file_name}?"
       )
-    if row[0] in partition:
+    if row[0] in pairs:
       raise UserError(f"{path}:{i + 1}: image {row[0]} is listed twice.")
-    partition[row[0]] = int(row[1])
-  return partition
+    pairs[row[0]] = row[1]
+  return pairs
+
+
+def read_partition(path: str | os.PathLike) -> dict[str, int]:
+  """Reads ``list_eval_partition.txt`` into {image name: 0 train / 1 val / 2 test}."""
+  return {k: int(v) for k, v in _read_pairs(path, "split", PARTITION_FILE).items()}
 
 
 def read_identities(path: str | os.PathLike) -> dict[str, str]:
   """Reads ``identity_CelebA.txt`` into {image name: identity}."""
-  path = pathlib.Path(path)
-  identity: dict[str, str] = {}
-  for i, line in enumerate(_read_lines(path)):
-    row = line.split()
-    if not row:
-      continue
-    if len(row) != 2:
-      raise UserError(
-          f"{path}:{i + 1}: expected 'image identity' (got {len(row)} field(s)): is it CelebA's "
-          "identity_CelebA.txt?"
-      )
-    if row[0] in identity:
-      raise UserError(f"{path}:{i + 1}: image {row[0]} is listed twice.")
-    identity[row[0]] = row[1]
-  return identity
+  return _read_pairs(path, "identity", IDENTITY_FILE)
 
 
 def identity_folds(identities: Sequence[str], num_folds: int) -> dict[str, int]:
@@ -269,19 +260,12 @@ def load_celeba(
   An example is an attribute row whose image file exists and which has a partition entry
   (identity folds: an identity), in the attribute file's order.
 
-  Args:
-    root: Directory with ``img_align_celeba/``, ``attr_file`` and ``list_eval_partition.txt``.
-    image_size: Side of the square images (short side resized, centre crop).
-    attr_file: Attribute file name (relative to ``root``) or absolute path.
-    preload: Decode all images now (``image``); otherwise splits carry ``path``.
-    max_examples_per_split: If > 0, keep only the first this many examples of each split.
-    num_folds: 0 reads the official partition; k >= 3 splits by identity folds (module doc).
-    fold: With ``num_folds`` > 0, the fold that is the test split.
-
-  Returns:
-    ``(info, splits)``; ``info.load_stats`` counts the rows, the image files, every kind of
-    unmatched row (the first few names of each are printed) and each split's examples (with
-    identity folds, also its identities).
+  ``attr_file`` is relative to ``root`` or absolute; ``preload`` decodes all images now
+  (``image``), else splits carry ``path``; ``max_examples_per_split`` > 0 keeps the first of each
+  split; ``num_folds`` 0 reads the official partition, k >= 3 makes ``fold`` the test split of
+  identity folds (module doc). ``info.load_stats`` counts the rows, the image files, every kind
+  of unmatched row (the first few names of each are printed) and each split's examples (with
+  identity folds, also its identities).
   """
   sensitive = _check_names(target, sensitive)
   root_path, image_dir = images_lib.layout_dirs(root, IMAGE_DIR, "CelebA")

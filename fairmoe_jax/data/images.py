@@ -95,17 +95,11 @@ def load_images(
   PIL releases the GIL while decoding, so threads scale without worker processes' memory.
   """
   images = np.empty((len(paths), size, size, 3), np.uint8)
-  if not len(paths):
-    return images
 
   def decode(i: int) -> None:
     images[i] = load_image(paths[i], size)
 
-  if num_threads <= 1 or len(paths) == 1:
-    for i in range(len(paths)):
-      decode(i)
-    return images
-  with concurrent.futures.ThreadPoolExecutor(max_workers=num_threads) as pool:
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
     # list() re-raises the first decoding error (a UserError naming the file).
     list(pool.map(decode, range(len(paths))))
   return images

@@ -274,19 +274,11 @@ def load_isic2019(
 ) -> tuple[DatasetInfo, Splits]:
   """Loads the ISIC 2019 training part with sensitive attributes from its metadata.
 
-  Args:
-    root: Directory with ``ISIC_2019_Training_Input/`` and the two CSVs.
-    image_size: Side of the square images (short side resized, centre crop).
-    sensitive: Any of ``sex``, ``age``, ``site``, in the column order wanted.
-    missing: One of ``MISSING_MODES`` (module doc).
-    split: ``"random"`` (``random_split`` over all ground-truth rows) or a split directory or
-      CSV (``read_split_files``).
-    preload: Decode all images now (``image``); otherwise splits carry ``path``.
-    max_examples_per_split: If > 0, keep the first this many of each split.
-
-  Returns:
-    ``(info, splits)`` in ground-truth order; ``info.load_stats`` counts the rows, image files,
-    unmatched rows of each kind, missing values per attribute and each split's examples.
+  ``sensitive``: any of ``sex``, ``age``, ``site``, in the column order wanted; ``split``:
+  ``"random"`` (``random_split`` over all ground-truth rows) or a split directory or CSV
+  (``read_split_files``); other arguments as ``load_celeba``'s. Splits are in ground-truth
+  order; ``info.load_stats`` counts the rows, image files, unmatched rows of each kind, missing
+  values per attribute and each split's examples.
   """
   sensitive = tuple(sensitive)
   unknown = [name for name in sensitive if name not in GROUPS]

@@ -271,23 +271,11 @@ def train_iterator(
   Augmentation randomness comes from ``seed`` and the position in the global stream, so the
   global batches are the same whatever the number of processes, threads or workers.
 
-  Args:
-    arrays: Split dict with ``image`` uint8 [N, H, W, 3] (or ``path`` [N]), ``label`` [N]
-      and ``attributes`` [N, m].
-    global_batch_size: Batch size summed over all processes.
-    image_size: Output image side.
-    seed: Seed of the shuffle and the augmentation.
-    augment: An ``AugmentConfig`` or its fields; ``None`` means the defaults.
-    num_threads: Threads preparing batches (0 prepares them on ``next``), per worker.
-    prefetch_buffer_size: Batches prepared ahead (per worker).
-    decode_size: ``path`` splits only: the square the random crop is drawn in; ``None``
-      means ``train_decode_size(image_size)``.
-    num_workers: Worker processes preparing whole batches; 0 prepares them in this process.
-    resampling: ``path`` splits only: one of ``TRAIN_RESAMPLING``.
-
-  Returns:
-    A ``TrainBatches``; ``set_state`` on a fresh one (any ``num_workers``) resumes the
-    exact stream.
+  ``num_threads`` (0: prepared on ``next``) and ``prefetch_buffer_size`` are per worker
+  process (``num_workers``; 0 prepares batches in this process). ``path`` splits only:
+  ``decode_size`` is the square the random crop is drawn in (``None``: ``train_decode_size``),
+  ``resampling`` one of ``TRAIN_RESAMPLING``. ``set_state`` on a fresh ``TrainBatches`` (any
+  ``num_workers``) resumes the exact stream.
   """
   if not isinstance(augment, AugmentConfig):
     augment = AugmentConfig(**(augment or {}))

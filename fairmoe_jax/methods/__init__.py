@@ -11,7 +11,7 @@
 | muffin            | muffin.py     | 2+ backbones, fusion head     |
 | multifair         | multifair.py  | backbone, cross-group mixup   |
 
-Each follows the `base.Method` protocol; `base.make_loss_fn` sums a method's named loss terms.
+Each is a `base.Method`; `base.make_loss_fn` sums a method's named loss terms.
 """
 
 from __future__ import annotations

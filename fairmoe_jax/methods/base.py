@@ -8,7 +8,7 @@ loss is always the sum of the named terms (`make_loss_fn`), and each term is log
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import flax.nnx as nnx
 import jax
@@ -29,31 +29,28 @@ LossTerms = Callable[..., tuple[dict[str, jax.Array], dict[str, jax.Array]]]
 Review = Callable[[Any], tuple[Any, dict[str, float]]]
 
 
-class Method(Protocol):
-  """What `fairmoe_jax.train` asks of a method."""
+class Method:
+  """What `fairmoe_jax.train` asks of a method; the defaults are those of a method that reads
+  nothing at inference and never revises itself."""
 
   name: str
   uses_moe: bool
 
   def build_model(
-      self,
-      config: ml_collections.ConfigDict,
-      info: DatasetInfo,
-      rngs: nnx.Rngs,
-      mesh: Mesh | None,
+      self, config: ml_collections.ConfigDict, info: DatasetInfo, rngs: nnx.Rngs, mesh: Mesh | None
   ) -> nnx.Module:
-    ...
+    raise NotImplementedError
 
   def loss_terms(self, config: ml_collections.ConfigDict, info: DatasetInfo) -> LossTerms:
-    ...
+    raise NotImplementedError
 
   def eval_context(self, config: ml_collections.ConfigDict, batch: Batch) -> dict | None:
     """What the model reads beside the images at evaluation (None: nothing)."""
-    ...
+    return None
 
   def initial_extra(self, config: ml_collections.ConfigDict, info: DatasetInfo) -> dict:
     """Host values kept in TrainState.extra (checkpointed with the run)."""
-    ...
+    return {}
 
   def review(
       self,
@@ -65,19 +62,6 @@ class Method(Protocol):
       validate: Callable[[Any], dict[str, Any]],
   ) -> tuple[int, Review] | None:
     """(every_steps, review) for a method that revises itself during training, else None."""
-    ...
-
-
-class MethodDefaults:
-  """The protocol's answers for a method that reads nothing at inference and never revises."""
-
-  def eval_context(self, config, batch):
-    return None
-
-  def initial_extra(self, config, info):
-    return {}
-
-  def review(self, config, info, *, graphdef, mesh, validate):
     return None
 
 

@@ -28,7 +28,7 @@ def muffin_attributes(config, info) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class MuffinMethod(base.MethodDefaults):
+class MuffinMethod(base.Method):
   name: str = "muffin"
   uses_moe: bool = False
 

@@ -22,7 +22,7 @@ from fairmoe_jax.models.backbones import build_backbone
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiFair(base.MethodDefaults):
+class MultiFair(base.Method):
   name: str = "multifair"
   uses_moe: bool = False
 

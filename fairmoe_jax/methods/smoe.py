@@ -20,7 +20,7 @@ from fairmoe_jax.models.backbones import build_backbone
 
 
 @dataclasses.dataclass(frozen=True)
-class PlainSMoE(base.MethodDefaults):
+class PlainSMoE(base.Method):
   name: str
   fixed_router: str | None  # None: config.moe.router
   uses_moe: bool = True

@@ -4,8 +4,8 @@ r"""One fairness report over the test predictions of several runs: the folds of 
 
 Under identity folds (docs/protocol.md) the k runs of one seed together predict every image
 once; pooling scores each group on all its images, where one fold may hold a handful. The
-confusion counts of all rows are added and scored by `fairness_report`, as a run's own test
-report is. Runs must name the same classes and attributes and no image twice.
+confusion counts of all rows are added and scored as a run's own test report is. Runs must name
+the same classes and attributes and no image twice.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fairmoe_jax.metrics.report import fairness_report, format_report
+from fairmoe_jax.metrics.report import format_report, report_of_predictions
 from trainkit import storage
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.storage import write_atomically
@@ -84,20 +84,18 @@ def pooled_report(
         )
       seen[row["example_id"]] = run_dir
   rows = [row for table in tables for row in table]
-  num_classes = len(class_names)
-  labels = np.array([int(row["label"]) for row in rows], np.int64)
-  predictions = np.array([int(row["prediction"]) for row in rows], np.int64)
-  overall = np.zeros((num_classes, num_classes), np.int64)
-  np.add.at(overall, (labels, predictions), 1)
-  per_attribute = []
-  for name in attribute_names:
-    counts = np.zeros((len(groups[name]), num_classes, num_classes), np.int64)
-    index = {g: i for i, g in enumerate(groups[name])}
-    known = np.array([row[name] != "" for row in rows], bool)  # "" = attribute missing.
-    group = np.array([index[row[name]] for row in rows if row[name] != ""], np.int64)
-    np.add.at(counts, (group, labels[known], predictions[known]), 1)
-    per_attribute.append(counts)
-  report = fairness_report(overall, per_attribute, attribute_names, list(groups.values()))
+  attributes = [  # "" = attribute missing, -1 to the counts.
+      [groups[name].index(row[name]) if row[name] != "" else -1 for name in attribute_names]
+      for row in rows
+  ]
+  report = report_of_predictions(
+      np.array([int(row["label"]) for row in rows], np.int32),
+      np.array([int(row["prediction"]) for row in rows], np.int32),
+      np.array(attributes, np.int32).reshape(len(rows), len(attribute_names)),
+      attribute_names,
+      list(groups.values()),
+      len(class_names),
+  )
   for entry in report["attributes"].values():
     entry["small_groups"] = [g for g, v in entry["groups"].items() if v["n"] < min_group_size]
   report["runs"] = [str(d) for d in run_dirs]

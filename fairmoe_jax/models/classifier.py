@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -18,6 +18,16 @@ class BackboneClassifier(nnx.Module):
   """
 
   num_features: int
+
+  def _set_moe_blocks(self, moe_blocks: Sequence[int], moe: object, num_blocks: int) -> set[int]:
+    """Sets `self.moe_blocks`, the sorted block indices `moe_blocks` names; returns them as a set."""
+    blocks = set()
+    for i in moe_blocks if moe is not None else ():
+      if not -num_blocks <= i < num_blocks:
+        raise ValueError(f"moe_blocks index {i} out of range for {num_blocks} blocks")
+      blocks.add(i % num_blocks)
+    self.moe_blocks: tuple[int, ...] = tuple(sorted(blocks))
+    return blocks
 
   def _encode(
       self,

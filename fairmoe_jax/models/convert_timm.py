@@ -239,23 +239,14 @@ def load_timm_checkpoint(
     skip: Sequence[str] = ("head",),
     upcycle_moe: bool = True,
 ) -> list[str]:
-  """Loads a timm ViT / DeiT / Swin state dict into `model` in place.
+  """Loads a timm ViT / DeiT / Swin state dict (`.safetensors` or `.npz`) into `model` in place.
 
-  Args:
-    model: a `VisionTransformer` or `SwinTransformer` (any module with timm names).
-    path: `.safetensors` or `.npz` file holding a flat timm state dict.
-    skip: timm-name prefixes (at dot boundaries) of parameters to keep at their initialisation,
-      e.g. "head" when fine-tuning on new classes.
-    upcycle_moe: module doc; with False, MoE blocks need the expert entries (or a `skip`
-      prefix such as "blocks.11.mlp").
-
-  ViT `pos_embed` of another grid and Swin bias tables of another window are resampled.
-
-  Returns:
-    Human-readable notes: what was kept at init, upcycled, resampled or left unused.
-
-  Raises:
-    UserError: unreadable file, or parameters missing or of an unconvertible shape (all listed).
+  `skip`: timm-name prefixes (at dot boundaries) of parameters to keep at their initialisation,
+  e.g. "head" when fine-tuning on new classes. `upcycle_moe`: module doc; with False, MoE blocks
+  need the expert entries (or a `skip` prefix such as "blocks.11.mlp"). ViT `pos_embed` of
+  another grid and Swin bias tables of another window are resampled. Returns human-readable
+  notes (what was kept at init, upcycled, resampled or left unused); a UserError lists every
+  missing or unconvertible parameter.
   """
   ckpt = read_state_dict(path)
   rules = _rules(model)

@@ -327,13 +327,7 @@ class SwinTransformer(BackboneClassifier):
       raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
     if len(depths) != len(num_heads):
       raise ValueError(f"depths={tuple(depths)} and num_heads={tuple(num_heads)} differ in length")
-    total = sum(depths)
-    moe_set = set()
-    for i in moe_blocks if moe is not None else ():
-      if not -total <= i < total:
-        raise ValueError(f"moe_blocks index {i} out of range for {total} blocks (depths={depths})")
-      moe_set.add(i % total)
-    self.moe_blocks: tuple[int, ...] = tuple(sorted(moe_set))
+    moe_set = self._set_moe_blocks(moe_blocks, moe, sum(depths))
     self.num_classes = num_classes
     self.image_size = image_size
     self.patch_size = patch_size

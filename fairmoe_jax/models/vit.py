@@ -279,12 +279,7 @@ class VisionTransformer(BackboneClassifier):
   ):
     if image_size % patch_size:
       raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
-    moe_set = set()
-    for i in moe_blocks if moe is not None else ():
-      if not -depth <= i < depth:
-        raise ValueError(f"moe_blocks index {i} out of range for depth={depth}")
-      moe_set.add(i % depth)
-    self.moe_blocks: tuple[int, ...] = tuple(sorted(moe_set))
+    moe_set = self._set_moe_blocks(moe_blocks, moe, depth)
     self.num_classes = num_classes
     self.image_size = image_size
     self.patch_size = patch_size

@@ -144,14 +144,8 @@ class SparseMoE(nnx.Module):
   noise follow `train=` when given, else `model.train()` / `model.eval()`.
 
   Args:
-    dim: model width D.
-    hidden_dim: hidden width of each expert MLP.
-    num_experts: E.
-    top_k: experts per token.
-    dispatch: a key of `DISPATCH_ALGORITHMS` ("dense", "einsum", "sort", "dropless", ...);
-      all agree wherever capacity suffices.
-    capacity_factor: capacity factor when training.
-    eval_capacity_factor: capacity factor when evaluating (usually larger: drops almost nothing).
+    dispatch: a key of `DISPATCH_ALGORITHMS`; all agree wherever capacity suffices.
+    eval_capacity_factor: usually larger than `capacity_factor`: drops almost nothing.
     router: "topk" (Switch losses), "noisy_topk" (Shazeer et al. 2017), "expert_choice" (Zhou
       et al. 2022, C = the top-k capacity, so expert FLOPs match), a router module, or a factory
       `router(dim, num_experts, top_k, rngs=rngs)`.
@@ -161,7 +155,6 @@ class SparseMoE(nnx.Module):
       experts are split over it (`dispatch.expert_parallel`); otherwise each device dispatches
       its own examples (`dispatch.data_parallel`).
     dtype: compute dtype of the experts; routing is always float32.
-    param_dtype: dtype of the parameters.
     rngs: parameter RNGs; a seed gives the same weights whatever the mesh.
   """
 
@@ -242,14 +235,9 @@ class SparseMoE(nnx.Module):
       rngs: nnx.Rngs | None = None,
       context: Mapping[str, jax.Array] | None = None,
   ) -> tuple[jax.Array, MoEAux]:
-    """x: [B, S, D] -> (y [B, S, D], MoEAux); capacity per example and expert.
-
-    Args:
-      x: tokens.
-      train: training behaviour; None follows the module's mode.
-      rngs: randomness for routers that need it (noisy top-k, `noise` stream).
-      context: per-example arrays [B, ...] for the router (e.g. sensitive attributes).
-    """
+    """x: [B, S, D] -> (y [B, S, D], MoEAux); capacity per example and expert. `train` None
+    follows the module's mode; `rngs` feeds noisy routers' `noise` stream; `context` holds
+    per-example arrays [B, ...] for the router (e.g. sensitive attributes)."""
     if train is None:
       train = not self.deterministic
     # Trace-time checks: a wrong shape fails here, not deep inside a dispatch einsum.

@@ -41,22 +41,10 @@ def data_parallel_moe(
 ) -> tuple[jax.Array, DispatchStats] | tuple[jax.Array, DispatchStats, jax.Array]:
   """`algorithm` run on every device's own groups; the same results as `algorithm` alone.
 
-  Args:
-    algorithm: a dispatch algorithm (`DISPATCH_ALGORITHMS[name]`).
-    x: [G, S, D] tokens (G groups = examples).
-    expert_index: [G, S, k] chosen experts, best first.
-    gates: [G, S, k] gates of those choices.
-    experts: `ExpertWeights`, replicated on every device.
-    capacity: C, as `algorithm` takes it.
-    mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
-    batch_axes: mesh axes the groups are split over; default every mesh axis.
-    expert_features: a router's `features(x, experts) -> [G, E, ...]`, computed per device with
-      the dispatch's copy of the experts (one all-reduce for both gradients).
-
-  Returns:
-    y: [G, S, D] in x.dtype, laid out like x.
-    stats: `DispatchStats`, laid out on the group axis.
-    features: with `expert_features`, its [G, E, ...] result, laid out on the group axis.
+  Arguments and results as the dispatch interface's (`dispatch.base`), `experts` replicated on
+  every device. `batch_axes`: the mesh axes the groups are split over (default every axis).
+  `expert_features`: a router's `features(x, experts) -> [G, E, ...]`, computed per device with
+  the dispatch's copy of the experts (one all-reduce for both gradients) and returned third.
   """
   check_inputs(x, expert_index, gates)
   batch_axes = spmd.batch_axes_of(mesh, batch_axes)

@@ -247,12 +247,8 @@ def _auto_mlp(rows, group_sizes, row_expert, experts, tiling, interpret):
   if not megablox_fits(rows.dtype, *widths) or not usable:
     return _ragged_dot_mlp(rows, group_sizes, row_expert, experts)
   megablox = functools.partial(_megablox_mlp, tiling=tiling, interpret=interpret)
-  platform_dependent = getattr(jax.lax, "platform_dependent", None)
-  if platform_dependent is None:  # A jax without it: the platform JAX runs on.
-    mlp = megablox if jax.default_backend() == "tpu" else _ragged_dot_mlp
-    return mlp(rows, group_sizes, row_expert, experts)
   # Both branches are traced; only the lowering platform's is lowered and compiled.
-  return platform_dependent(
+  return jax.lax.platform_dependent(
       rows, group_sizes, row_expert, experts, tpu=megablox, default=_ragged_dot_mlp
   )
 

@@ -92,23 +92,9 @@ def expert_parallel_moe(
 ) -> tuple[jax.Array, DispatchStats] | tuple[jax.Array, DispatchStats, jax.Array]:
   """Capacity-limited expert-parallel MoE; the same results as `moe_sort`.
 
-  Args:
-    x: [G, S, D] tokens (G groups = examples).
-    expert_index: [G, S, k] chosen experts, best first.
-    gates: [G, S, k] gates of those choices.
-    experts: `ExpertWeights`, E divisible by the expert axis' size; split on their leading axis.
-    capacity: C, slots per group and expert (None: S, nothing dropped).
-    mesh: the device mesh (e.g. `trainkit.mesh.make_mesh`).
-    algorithm: "sort" or "einsum" (both run the sort path); "dropless" raises.
-    expert_axis: mesh axis the experts are split over.
-    batch_axes: mesh axes the groups are split over, including `expert_axis`; default all.
-    expert_features: a router's `features(x, experts) -> [G, E, ...]`
-      (`_features_of_every_expert`).
-
-  Returns:
-    y: [G, S, D] in x.dtype, sharded like x.
-    stats: `DispatchStats`, sharded on the group axis.
-    features: with `expert_features`, its [G, E, ...] result, sharded on the group axis.
+  Arguments and results as `data_parallel_moe`'s, except: `experts` are split on their leading
+  axis over `expert_axis` (E divisible by its size); `algorithm` is "sort" or "einsum" (both run
+  the sort path; "dropless" raises); `batch_axes` include `expert_axis`.
   """
   if algorithm == "dropless":
     raise NotImplementedError(

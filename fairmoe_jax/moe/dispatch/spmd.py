@@ -61,9 +61,7 @@ def vary_over(tree: Any, axes: Sequence[str]) -> Any:
     missing = tuple(a for a in axes if a not in varying_axes(leaf))
     if not missing:
       return leaf
-    if hasattr(jax.lax, "pcast"):  # jax >= 0.8; pvary is its older name.
-      return jax.lax.pcast(leaf, missing, to="varying")
-    return jax.lax.pvary(leaf, missing)  # pragma: no cover
+    return jax.lax.pcast(leaf, missing, to="varying")
 
   return jax.tree.map(vary, tree)
 

@@ -19,7 +19,7 @@ from flax import struct
 from fairmoe_jax.moe.dispatch import spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
-from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
+from fairmoe_jax.moe.dispatch.experts import ExpertWeights, gelu_exact
 from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_slots
 
 # Block sizes the automatic choice picks from (`choose_block_size`).
@@ -187,59 +187,17 @@ def _block_mlp_bwd(residuals, d_out):
 block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
 
 
-def ragged_block_mlp(
-    rows: jax.Array, block_bounds: jax.Array, experts: ExpertWeights
-) -> jax.Array:
-  """`block_mlp` with two `jax.lax.ragged_dot` grouped matmuls instead of loops.
-
-  Rows of blocks past every expert's give zeros. Matmuls return float32 and biases are gathered
-  in float32, so the weight gradients are float32 sums.
-  """
-  num_blocks, block_size, dim = rows.shape
-  num_experts = experts.num_experts
-  group_sizes = (block_bounds[1 : num_experts + 1] - block_bounds[:num_experts]) * block_size
-  block = jnp.arange(num_blocks * block_size, dtype=jnp.int32) // block_size
-  row_expert = _block_expert(block, block_bounds, num_experts)
-  w = experts.cast(rows.dtype)
-
-  def grouped_matmul(lhs, rhs):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-
-  def row_bias(bias):  # Its transpose: a float32 scatter-add with sorted indices.
-    return bias.at[row_expert].get(indices_are_sorted=True)
-
-  pre = add_bias(grouped_matmul(rows.reshape(-1, dim), w.w1), row_bias(experts.b1))
-  h = gelu_exact(pre.astype(rows.dtype))
-  out = add_bias(grouped_matmul(h, w.w2), row_bias(experts.b2))
-  out = jnp.where((block < block_bounds[num_experts])[:, None], out, 0.0)
-  return out.astype(rows.dtype).reshape(rows.shape)
-
-
-# How `apply_on_blocks` runs the block MLP (same results up to rounding): "loop" (`block_mlp`,
-# the default: only the real blocks' work and memory) or "ragged_dot" (`ragged_block_mlp`: dense
-# on CPU, 10-170x the loops' scratch on H100, docs/benchmarks.md).
-BLOCK_MATMULS = ("loop", "ragged_dot")
-
-
-def _check_block_matmul(matmul: str) -> None:
-  if matmul not in BLOCK_MATMULS:
-    raise ValueError(f"matmul={matmul!r}; known: {', '.join(BLOCK_MATMULS)}")
-
-
 def apply_on_blocks(
     x: jax.Array,
     gates: jax.Array,
     experts: ExpertWeights,
     plan: BlockPlan,
-    matmul: str = "loop",
 ) -> jax.Array:
-  """Layer output [G, S, D] of x [G, S, D], gates [G, S, k] on the plan's blocks by `matmul`."""
-  _check_block_matmul(matmul)
+  """Layer output [G, S, D] of x [G, S, D], gates [G, S, k] on the plan's blocks."""
   num_groups, group_size, dim = x.shape
   tokens = x.reshape(num_groups * group_size, dim)
   rows = gather_slots(tokens, plan.slots).reshape(-1, plan.block_size, dim)
-  mlp = {"loop": block_mlp, "ragged_dot": ragged_block_mlp}[matmul]
-  outputs = mlp(rows, plan.block_bounds, experts)
+  outputs = block_mlp(rows, plan.block_bounds, experts)
   gates = gates.reshape(num_groups * group_size, -1)
   return combine_slots(outputs.reshape(1, -1, dim), gates, plan.slots).reshape(x.shape)
 
@@ -252,16 +210,13 @@ def moe_blocksparse(
     *,
     capacity: int | None = None,
     block_size: int | None = None,
-    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
-  """Dropless dispatch on blocks of expert-sorted rows; `capacity` is ignored.
-
-  `block_size` None: `choose_block_size`; `matmul`: one of `BLOCK_MATMULS`.
-  """
+  """Dropless dispatch on blocks of expert-sorted rows (`block_size` None: `choose_block_size`);
+  `capacity` is ignored."""
   del capacity
   check_inputs(x, expert_index, gates)
   num_experts = experts.num_experts
   if block_size is None:
     block_size = choose_block_size(expert_index.size, num_experts)
   plan = block_plan(expert_index, num_experts=num_experts, block_size=block_size)
-  return apply_on_blocks(x, gates, experts, plan, matmul), plan.slots.stats
+  return apply_on_blocks(x, gates, experts, plan), plan.slots.stats

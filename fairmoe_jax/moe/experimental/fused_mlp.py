@@ -247,13 +247,8 @@ def fused_expert_mlp(x: jax.Array, experts: ExpertWeights, *, interpret: bool = 
     return experts.apply_expert_major(x)  # Inside shard_map on a jax that cannot type them.
   if interpret:
     return fused_expert_mlp_kernels(x, experts, interpret=True)
-  platform_dependent = getattr(jax.lax, "platform_dependent", None)
-  if platform_dependent is None:  # A jax without it: the platform JAX runs on.
-    if jax.default_backend() == "tpu":
-      return fused_expert_mlp_kernels(x, experts)
-    return experts.apply_expert_major(x)
   # Both branches are traced; only the lowering platform's is lowered and compiled.
-  return platform_dependent(
+  return jax.lax.platform_dependent(
       x, experts, tpu=fused_expert_mlp_kernels, default=lambda x, w: w.apply_expert_major(x)
   )
 

@@ -22,10 +22,8 @@ def moe_sort_blocks(
     experts: ExpertWeights,
     *,
     capacity: int | None = None,
-    matmul: str = "loop",
 ) -> tuple[jax.Array, DispatchStats]:
-  """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed),
-  run by `matmul` (`blocksparse.BLOCK_MATMULS`)."""
+  """`moe_sort` with the expert MLP on blocks of the served choices (no empty slot computed)."""
   check_inputs(x, expert_index, gates)
   num_experts = experts.num_experts
   capacity = resolve_capacity(capacity, x.shape[1])
@@ -36,4 +34,4 @@ def moe_sort_blocks(
       block_size=choose_block_size(expert_index.size, num_experts),
       kept=stats.kept,
   )
-  return apply_on_blocks(x, gates, experts, blocks, matmul), stats
+  return apply_on_blocks(x, gates, experts, blocks), stats
