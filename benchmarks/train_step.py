@@ -94,7 +94,6 @@ def benchmark(
     dispatch: str,
     method: str,
     dense: bool,
-    steps: int,
     batch_size: int | None = None,
     compute_dtype: str | None = None,
 ) -> tuple[dict, "_Step"]:
@@ -386,7 +385,6 @@ def main() -> None:
   run = functools.partial(
       benchmark,
       top_k=args.top_k,
-      steps=args.steps,
       batch_size=args.batch_size or None,
       compute_dtype=args.compute_dtype or None,
   )

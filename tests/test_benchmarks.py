@@ -83,7 +83,6 @@ def test_the_train_step_benchmark_times_moe_against_its_dense_equivalent():
         dispatch="sort",
         method="vanilla_smoe",
         dense=dense,
-        steps=1,
         batch_size=8,
     )
     rows.append(row)
