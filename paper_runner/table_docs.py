@@ -12,21 +12,12 @@ from paper_runner.collect import markdown_table
 from paper_runner.markers import marked_tables, replace_tables
 from paper_runner.spec import grid_points
 from paper_runner.table_record import read_record, stale_runs
-from paper_runner.table_render import render, stamp_machine_text
-from paper_runner.table_reproduce import NOT_REPRODUCED
-from paper_runner.table_reruns import (
-    IDENTICAL,
-    change_text,
-    compare_rerun,
-    machine_text,
-    rerun_machine,
-)
+from paper_runner.table_render import render
+from paper_runner.table_reruns import IDENTICAL, change_text, compare_rerun, rerun_machine
 from paper_runner.table_spec import (
     CLAIM_SUMMARY,
-    MACHINE_SUMMARY,
     RERUN_SUMMARY,
     SUMMARIES,
-    VERDICT_SUMMARY,
     TableSpec,
     load_table,
     record_path,
@@ -125,50 +116,6 @@ def rerun_summary() -> str:
 _VERDICTS = (stats.HOLDS, stats.DOES_NOT_HOLD, stats.UNDECIDED, stats.UNTESTABLE)
 
 
-def _counts_text(verdicts: Sequence[str]) -> list[str]:
-  return [str(sum(v == word for v in verdicts)) for word in _VERDICTS]
-
-
-def verdict_summary() -> str:
-  """Per table that decides claims: its interval, each verdict's count before and after Holm,
-  the marked selection leaks; then the totals."""
-  header = [
-      "table",
-      "interval",
-      "claims (one family)",
-      *(f"raw: {word}" for word in _VERDICTS),
-      *(f"Holm: {word}" for word in _VERDICTS),
-      "marked selection leak",
-  ]
-  rows = []
-  raw_all: list[str] = []
-  holm_all: list[str] = []
-  leaked_all = 0
-  for name, spec, record in _claims_tables():
-    summary = summarise(spec, record)
-    raw = [result.verdict for _, result in summary["claims"]]
-    holm = [verdict for _, verdict in summary["holm"]]
-    leaked = sum(1 for claim, _ in summary["claims"] if leaks_of(spec, claim))
-    raw_all += raw
-    holm_all += holm
-    leaked_all += leaked
-    kind = "Student-t" if summary["ratio"] is None else "corrected resampled t"
-    rows.append(
-        [f"`{name}`", kind, str(len(raw)), *_counts_text(raw), *_counts_text(holm), str(leaked)]
-    )
-  rows.append(
-      [
-          "**every table**",
-          "—",
-          f"**{len(raw_all)}**",
-          *(f"**{c}**" for c in _counts_text(raw_all)),
-          *(f"**{c}**" for c in _counts_text(holm_all)),
-          f"**{leaked_all}**",
-      ]
-  )
-  return _table(header, rows)
-
-
 def claim_summary() -> str:
   """Per claim (rows, direction and metric) and Holm-adjusted verdict, the tables that reach it."""
   found: dict[tuple[str, str], dict[str, list[str]]] = {}
@@ -205,71 +152,9 @@ def claim_summary() -> str:
   return _table(header, rows)
 
 
-def machine_summary() -> str:
-  """Per recorded table: its runs' date and machine, and its stamped reproductions."""
-  header = (
-      "table",
-      "runs of",
-      "machine the record names",
-      "input files hashed",
-      "first run reproduced (`--reproduce=NAME --stamp`)",
-      "first run not reproduced (the value that moved most)",
-  )
-  rows = []
-  recorded = exact = within = failed = 0
-  for name in _recorded():
-    p = read_record(name)["provenance"]
-    recorded += 1
-    stamps = []
-    for stamp in p.get("reproduced", ()):
-      exact += bool(stamp["exact"])
-      within += not stamp["exact"]
-      how = "exactly" if stamp["exact"] else f"within {format(stamp['tolerance'], 'g')}, not exactly"
-      stamps.append(
-          f"{how}{stamp_machine_text(stamp)} on {stamp['date']} "
-          f"({machine_text(stamp['machine'])})"
-      )
-    misses = []
-    for stamp in p.get(NOT_REPRODUCED, ()):
-      failed += 1
-      moved = stamp["largest_difference"]
-      misses.append(
-          f"beyond {format(stamp['tolerance'], 'g')}{stamp_machine_text(stamp)} on "
-          f"{stamp['date']} ({machine_text(stamp['machine'])}; `{moved['value']}` "
-          f"{_value_text(moved['recorded'])} recorded, {_value_text(moved['reproduced'])} again)"
-      )
-    rows.append(
-        (
-            f"`{name}`",
-            p["date"],
-            machine_text(p["machine"]),
-            str(len(p["data"])) if "data" in p else "— (not recorded)",
-            "; ".join(stamps) or "—",
-            "; ".join(misses) or "—",
-        )
-    )
-  rows.append(
-      (
-          "**every table**",
-          f"{recorded} records",
-          "—",
-          "—",
-          f"**{exact} exactly, {within} within the tolerance** ({exact + within} stamped)",
-          f"**{failed} not reproduced**",
-      )
-  )
-  return _table(header, rows)
-
-
-def _value_text(value: float | None) -> str:
-  return "no value" if value is None else format(value, ".6g")
-
-
 _SUMMARY_RENDERERS = {
     RERUN_SUMMARY: rerun_summary,
-    VERDICT_SUMMARY: verdict_summary,
     CLAIM_SUMMARY: claim_summary,
-    MACHINE_SUMMARY: machine_summary,
 }
 
 

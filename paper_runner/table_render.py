@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from paper_runner import stats
 from paper_runner.collect import markdown_table
 from paper_runner.spec import REPO_ROOT, format_value
+from paper_runner.table_reproduce import NOT_REPRODUCED
 from paper_runner.table_reruns import compare_rerun, machine_text
 from paper_runner.table_spec import (
     EVERY_ROW,
@@ -45,12 +46,8 @@ def _reference_cell(reference: Mapping[str, Any], c: Column) -> str:
   value = reference["metrics"].get(c.path)
   if value is None:
     return "—"
-  text = f"{c.scale * value:.{c.decimals}f}"
-  low_high = (reference.get("ranges") or {}).get(c.path)
-  if low_high:
-    low, high = low_high
-    text += f" [{c.scale * low:.{c.decimals}f}, {c.scale * high:.{c.decimals}f}]"
-  return text.replace("-", "−")
+  low, high = (reference.get("ranges") or {}).get(c.path) or (None, None)
+  return _interval_text(stats.Interval(value, low, high, 0), c.scale, c.decimals)
 
 
 def _reader(name: str) -> str:
@@ -104,17 +101,6 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
           "accuracy under that one linear trade-off. The slope's own uncertainty is not in its "
           "interval, so it is reported, not decided."
       )
-  notes.append(
-      f"**One family**: the table's {len(summary['claims'])} claims (an untestable one counts "
-      "too); the Holm-adjusted verdict is decided where Holm's adjusted p is below "
-      f"{1 - stats.CONFIDENCE:.2f} (docs/protocol.md, section 3)."
-  )
-  if summary["ratio"] is not None:
-    notes.append(
-        f"**Intervals of folds**: the {pair_units(spec)} share training data, so every interval "
-        f"here is the {interval_name(summary['ratio'])} (the folds' mean n_test / n_train, "
-        "from the record's split sizes), not the Student-t interval of independent seeds."
-    )
   if spec.tuning:
     notes.append(
         f"**Tuning budget** (settings tried on validation before these runs, `{spec.path}`): "
@@ -261,16 +247,32 @@ def _provenance_line(spec: TableSpec, p: Mapping[str, Any]) -> str:
       f"{m['devices']} device(s), JAX {m['jax']}",
       *([f"{len(p['data'])} {hashed} in the record"] if p.get("data") else []),
       *(
-          "first run reproduced " + ("exactly" if r["exact"] else f"within {r['tolerance']:g}")
-          + f"{stamp_machine_text(r)} on {r['date']} (commit {r['commit']}; "
-          f"{machine_text(r['machine'])}; {len(r['data'])} {hashed})"
-          for r in p.get("reproduced", ())
+          f"first run {_outcome_text(r)}{stamp_machine_text(r)} on {r['date']} (commit "
+          f"{r['commit']}; {machine_text(r['machine'])}; {len(r['data'])} {hashed}{_moved_text(r)})"
+          for r in (*p.get("reproduced", ()), *p.get(NOT_REPRODUCED, ()))
       ),
       f"seeds {', '.join(map(str, p['seeds']))}",
       f"spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`",
       *(f"`{c}`" for c in p["commands"]),
   ]
   return f"<sub>Provenance: {'; '.join(parts)}.</sub>"
+
+
+def _outcome_text(stamp: Mapping[str, Any]) -> str:
+  if "largest_difference" in stamp:
+    return f"not reproduced, beyond {stamp['tolerance']:g}"
+  return "reproduced " + ("exactly" if stamp["exact"] else f"within {stamp['tolerance']:g}")
+
+
+def _moved_text(stamp: Mapping[str, Any]) -> str:
+  """A failed reproduction's value that moved most, recorded and again."""
+  if "largest_difference" not in stamp:
+    return ""
+  moved = stamp["largest_difference"]
+  values = [
+      "no value" if v is None else format(v, ".6g") for v in (moved["recorded"], moved["reproduced"])
+  ]
+  return f"; `{moved['value']}` {values[0]} recorded, {values[1]} again"
 
 
 def stamp_machine_text(stamp: Mapping[str, Any]) -> str:

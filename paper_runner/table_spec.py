@@ -29,10 +29,8 @@ EVERY_ROW = "*"
 
 # The generated summaries' names (`<!-- table:NAME -->`), reserved.
 RERUN_SUMMARY = "reruns"
-VERDICT_SUMMARY = "verdicts"
 CLAIM_SUMMARY = "claims"
-MACHINE_SUMMARY = "machines"
-SUMMARIES = (RERUN_SUMMARY, VERDICT_SUMMARY, CLAIM_SUMMARY, MACHINE_SUMMARY)
+SUMMARIES = (RERUN_SUMMARY, CLAIM_SUMMARY)
 
 
 @dataclasses.dataclass(frozen=True)

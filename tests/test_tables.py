@@ -623,34 +623,21 @@ def test_the_rerun_summary_lists_every_claims_table_and_what_its_rerun_changed(
     table_spec.load_table("reruns")
 
 
-def test_the_machine_summary_lists_every_record_s_machine_and_its_stamped_reproductions(
-    toy_tables, tmp_path
-):
+def test_the_provenance_line_names_each_stamped_reproduction(toy_tables):
   spec = table_spec.load_table("toy")
   table_record.write_record(spec, str(toy_tables))
-  doc = tmp_path / "results.md"
-  doc.write_text("<!-- table:machines -->\n<!-- /table:machines -->\n")
-  assert table_docs.write_doc(str(doc)) == ["machines"]
   record = table_record.read_record("toy")
-  date = record["provenance"]["date"]
-  assert f"| `toy` | {date} | " in doc.read_text()
-  assert (
-      "| **every table** | 1 records | — | — | **0 exactly, 0 within the tolerance** (0 stamped) "
-      "| **0 not reproduced** |" in doc.read_text()
-  )
-  # A reproduction stamped within the tolerance: the summary (now stale) names it and counts it.
+  assert "first run" not in table_render.render(spec, record)
   stamp = dict(date="2030-01-02", commit="abc", machine=record["provenance"]["machine"], data={})
   record["provenance"]["reproduced"] = [dict(stamp, exact=False, tolerance=0.02)]
-  with open(table_spec.record_path("toy"), "w") as f:
-    json.dump(record, f)
-  (problem,) = table_docs.check_doc(str(doc))
-  assert "table machines differs from its record" in problem
-  assert "| within 0.02, not exactly on 2030-01-02 (" in table_docs.machine_summary()
-  assert "**0 exactly, 1 within the tolerance** (1 stamped)" in table_docs.machine_summary()
-  with open(os.path.join(table_spec.RESULTS_DIR, "machines.py"), "w") as f:
+  assert "; first run reproduced within 0.02 on 2030-01-02 (commit abc; " in (
+      table_render.render(spec, record)
+  )
+  # A generated summary's name is reserved: no spec may take it.
+  with open(os.path.join(table_spec.RESULTS_DIR, "claims.py"), "w") as f:
     f.write(_SPEC)
   with pytest.raises(UserError, match="reserved"):
-    table_spec.load_table("machines")
+    table_spec.load_table("claims")
 
 
 def test_reference_rows_are_scored_from_the_runs_data_and_printed_below_the_models(
@@ -1196,7 +1183,7 @@ def test_a_reproduction_that_does_not_come_back_is_stamped_as_such_and_never_vou
     toy_tables, tmp_path, monkeypatch
 ):
   """`--stamp` keeps a finished rerun whose values moved beyond the tolerance under
-  `not_reproduced`, with the value that moved most; the machine summary shows and counts it; it
+  `not_reproduced`, with the value that moved most; the table's provenance line shows it; it
   never lets a later reproduction compare exactly; and a later passing reproduction on the same
   machine replaces it (one stamp per machine, the latest)."""
   spec = table_spec.load_table("toy")
@@ -1214,10 +1201,9 @@ def test_a_reproduction_that_does_not_come_back_is_stamped_as_such_and_never_vou
   assert moved["reproduced"] == pytest.approx(moved["recorded"] + 0.25, abs=1e-12)
   assert moved["difference"] == pytest.approx(0.25, abs=1e-12)
   assert miss["exact"] is False and miss["tolerance"] == 0.0
-  summary = table_docs.machine_summary()
-  assert "| beyond 0 on the recording machine, software and data on " in summary
-  assert f"`accuracy` {moved['recorded']:.6g} recorded, {moved['reproduced']:.6g} again)" in summary
-  assert "(0 stamped) | **1 not reproduced** |" in summary
+  line = table_render.render(spec, stamped)
+  assert "first run not reproduced, beyond 0 on the recording machine, software and data on " in line
+  assert f"`accuracy` {moved['recorded']:.6g} recorded, {moved['reproduced']:.6g} again)" in line
   # Never a voucher, even on its own machine, whatever it says of exactness.
   vouching = json.loads(json.dumps(stamped))
   vouching["provenance"]["machine"]["processor"]["model"] = "Another CPU"
@@ -1229,9 +1215,8 @@ def test_a_reproduction_that_does_not_come_back_is_stamped_as_such_and_never_vou
   assert ok, "\n".join(lines)
   again = table_record.read_record("toy")["provenance"]
   assert "not_reproduced" not in again and [r["exact"] for r in again["reproduced"]] == [True]
-  assert "**1 exactly, 0 within the tolerance** (1 stamped) | **0 not reproduced** |" in (
-      table_docs.machine_summary()
-  )
+  line = table_render.render(spec, table_record.read_record("toy"))
+  assert "first run reproduced exactly" in line and "not reproduced" not in line
 
 
 def _another_sweep(name, steps):
