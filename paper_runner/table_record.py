@@ -140,12 +140,15 @@ def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
   return found
 
 
-def write_record(spec: TableSpec, workdir: str) -> str:
-  record = make_record(spec, workdir)
-  path = record_path(spec.name)
+def save_record(name: str, record: Mapping[str, Any]) -> str:
+  path = record_path(name)
   os.makedirs(os.path.dirname(path), exist_ok=True)  # The records folder (`table_spec`).
   write_atomically(path, json.dumps(record, indent=1) + "\n")
   return path
+
+
+def write_record(spec: TableSpec, workdir: str) -> str:
+  return save_record(spec.name, make_record(spec, workdir))
 
 
 def add_rerun(spec: TableSpec, workdir: str) -> str:
@@ -159,9 +162,7 @@ def add_rerun(spec: TableSpec, workdir: str) -> str:
   machine_of = lambda r: r["provenance"]["machine"]  # noqa: E731
   record["reruns"] = [r for r in record.get("reruns", []) if machine_of(r) != machine_of(entry)]
   record["reruns"].append(entry)
-  path = record_path(spec.name)
-  write_atomically(path, json.dumps(record, indent=1) + "\n")
-  return path
+  return save_record(spec.name, record)
 
 
 def add_references(spec: TableSpec) -> str:
@@ -170,9 +171,7 @@ def add_references(spec: TableSpec) -> str:
   record["references"] = reference_rows(spec)
   if spec.cross_validation:
     record["split_sizes"] = split_sizes(spec)
-  path = record_path(spec.name)
-  write_atomically(path, json.dumps(record, indent=1) + "\n")
-  return path
+  return save_record(spec.name, record)
 
 
 # What `render` and `stale_runs` read of a record.

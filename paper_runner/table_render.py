@@ -181,11 +181,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       verdict = f"**{result.verdict}{few}**" + (
           f" ({'; '.join(notes + leak)})" if notes + leak else ""
       )
-      adjusted = f"**{holm_verdict}{few}**" + (
-          f" ({'; '.join(([] if holm_p is None else [_p_text(holm_p)]) + leak)})"
-          if holm_p is not None or leak
-          else ""
-      )
+      # The leak is marked once, beside the raw verdict.
+      adjusted = f"**{holm_verdict}{few}**" + ("" if holm_p is None else f" ({_p_text(holm_p)})")
       cells = [
           f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
           label,

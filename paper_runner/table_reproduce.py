@@ -13,11 +13,10 @@ from paper_runner import die_with_parent
 from paper_runner.provenance import data_hash, data_hashes, differences, machine, source_state
 from paper_runner.spec import LOG, REPO_ROOT, REPORT, format_value, grid_points, run_command
 from paper_runner.supervise import failure_line, sigterm_as_interrupt, terminate_group
-from paper_runner.table_record import read_record
+from paper_runner.table_record import read_record, save_record
 from paper_runner.table_spec import TableSpec, metric_value, record_path
 from trainkit.distributed import child_environment
 from trainkit.errors import UserError
-from trainkit.storage import write_atomically
 from trainkit.workdir import CONFIG_FILE, move_aside
 
 NOT_REPRODUCED = "not_reproduced"
@@ -80,14 +79,7 @@ def reproduce(
       f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance "
       f"{tolerance:g})",
   ]
-  if not same_machine:
-    lines += [f"  differs: {why}" for why in why_not_exact]
-    lines.append(
-        "  so the rerun is compared within "
-        + (f"the spec's tolerance ({spec.tolerance:g})" if tolerance == spec.tolerance
-           else f"the given tolerance ({tolerance:g})")
-        + ", not exactly"
-    )
+  lines += [f"  differs: {why}" for why in why_not_exact]
   lines.append("  python " + " ".join(command[1:]))
   if os.path.lexists(run_dir):
     # An earlier rerun's report.json and config.json would pass for this rerun's, and the main
@@ -148,7 +140,7 @@ def reproduce(
     stamps.setdefault(key, []).append(entry)
     if not stamps.get(NOT_REPRODUCED, True):
       del stamps[NOT_REPRODUCED]  # Records that never failed keep their shape.
-    write_atomically(record_path(spec.name), json.dumps(stamped, indent=1) + "\n")
+    save_record(spec.name, stamped)
     what = "reproduction" if ok else f"reproduction, under {NOT_REPRODUCED},"
     lines.append(f"Added the {what} to {os.path.relpath(record_path(spec.name), REPO_ROOT)}.")
   return ok, lines
