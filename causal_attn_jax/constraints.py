@@ -135,9 +135,9 @@ class ConstraintSpec:
         ("encoder_band", self.encoder_band, ENCODER_BANDS),
     ):
       if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; expected one of {choices}")
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     if self.loss == "linear" and self.form != "node":
-      raise ValueError("loss='linear' is Eq. 3, which is written on node sums: needs form='node'")
+      raise ValueError("loss 'linear' (Eq. 3) is written on node sums: needs form='node'")
 
   @property
   def names(self) -> tuple[str, ...]:

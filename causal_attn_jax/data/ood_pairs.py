@@ -62,6 +62,18 @@ class OodPairsSpec:
   seed: int = 0
 
   def __post_init__(self):
+    # Each message starts with the field it is about (causal_attn_jax.config names the key).
+    # Two nouns besides S: O and a replacement; two of each split's four kinds at least.
+    spurious.require_minima(
+        self,
+        num_train=2,
+        num_eval=2,
+        num_challenge=2,
+        num_fillers=1,
+        num_filler_words=1,
+        num_nouns=3,
+        num_verbs=1,
+    )
     if not 0.0 <= self.cue_agreement <= 1.0:
       raise ValueError(f"cue_agreement must be in [0, 1], got {self.cue_agreement}")
     if self.challenge_cue not in CHALLENGE_CUES:
@@ -69,17 +81,12 @@ class OodPairsSpec:
     if not self.num_fillers / 2 < self.majority_fillers <= self.num_fillers:
       raise ValueError(
           f"majority_fillers must be more than half of num_fillers={self.num_fillers} and at "
-          f"most it, got {self.majority_fillers}"
+          f"most it (the cue is the majority class of the fillers), got {self.majority_fillers}"
       )
     if self.challenge_cue == "absent" and self.num_fillers % 2:
       raise ValueError(
-          f"challenge_cue='absent' needs an even num_fillers (half of each class), got "
-          f"{self.num_fillers}"
-      )
-    if self.num_nouns < 3 or self.num_verbs < 1 or self.num_filler_words < 1:
-      raise ValueError(
-          "need num_nouns >= 3 (S, O and a replacement), num_verbs >= 1 and "
-          "num_filler_words >= 1"
+          f"num_fillers must be even with challenge_cue='absent' (half the fillers of each "
+          f"class), got {self.num_fillers}"
       )
 
 

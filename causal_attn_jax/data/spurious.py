@@ -26,6 +26,7 @@ challenge split holds only the disagreeing kinds (HANS schema: heuristic "lexica
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -61,10 +62,21 @@ class SpuriousPairsSpec:
   seed: int = 0
 
   def __post_init__(self):
-    if not 0.0 <= self.cue_agreement <= 1.0:
-      raise ValueError(f"cue_agreement must be in [0, 1], got {self.cue_agreement}")
-    if self.num_nouns < 4 or self.num_verbs < 2:
-      raise ValueError("need num_nouns >= 4 and num_verbs >= 2 (replacements and distractors)")
+    # Each message starts with the field it is about (causal_attn_jax.config names the key).
+    # Replacements and distractors need four nouns and two verbs.
+    require_minima(
+        self, num_train=1, num_eval=1, num_challenge=1, num_nouns=4, num_verbs=2, num_adjectives=1
+    )
+    for name in ("cue_agreement", "modifier_prob", "distractor_prob"):
+      if not 0.0 <= getattr(self, name) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+def require_minima(spec: Any, **minima: int) -> None:
+  """ValueError naming the first field of `spec` below its minimum."""
+  for name, least in minima.items():
+    if getattr(spec, name) < least:
+      raise ValueError(f"{name} must be >= {least}, got {getattr(spec, name)}")
 
 
 def pseudo_words(rng: np.random.Generator, count: int, taken: set[str]) -> list[str]:
