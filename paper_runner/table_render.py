@@ -29,15 +29,6 @@ def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=F
   return text.replace("-", "−")  # Typographic minus in the markdown tables.
 
 
-def interval_name(ratio: float | None) -> str:
-  confidence = round(100 * stats.CONFIDENCE)
-  if ratio is None:
-    return f"{confidence}% Student-t interval"
-  return (
-      f"{confidence}% Nadeau–Bengio corrected resampled t-interval, test-to-train {ratio:.3f}"
-  )
-
-
 def _p_text(p: float) -> str:
   return "<0.001" if p < 0.001 else f"{p:.3f}"
 
@@ -134,9 +125,14 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
 def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   summary = summarise(spec, record)
   confidence = round(100 * stats.CONFIDENCE)
+  interval = f"{confidence}% Student-t interval"
+  if summary["ratio"] is not None:
+    interval = (
+        f"{confidence}% Nadeau–Bengio corrected resampled t-interval, test-to-train "
+        f"{summary['ratio']:.3f}"
+    )
   lines = [
-      f"**{spec.title}** ({spec.split} split; mean [{interval_name(summary['ratio'])}] over "
-      f"{pair_units(spec)})",
+      f"**{spec.title}** ({spec.split} split; mean [{interval}] over {pair_units(spec)})",
       "",
   ]
   body = []

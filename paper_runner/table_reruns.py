@@ -65,21 +65,17 @@ def compare_rerun(
   )
 
 
-def prediction_paths(spec: TableSpec) -> list[str]:
-  """The record's paths the predictions alone decide (accuracy, fairness, BLEU, HANS heuristics)."""
-  return [
-      p
-      for p in spec.metrics()
-      if p.split(".")[-1] in PREDICTION_KEYS or ".by_heuristic." in f".{p}"
-  ]
-
-
 def identical_predictions(
     spec: TableSpec, record: Mapping[str, Any], rerun: Mapping[str, Any]
 ) -> bool:
   """Whether every rerun run has its recorded run's prediction values and sizes to the last bit
   (then it cannot disagree with the record and is no evidence)."""
-  paths = prediction_paths(spec)
+  # The paths the predictions alone decide (accuracy, fairness, BLEU, HANS heuristics).
+  paths = [
+      p
+      for p in spec.metrics()
+      if p.split(".")[-1] in PREDICTION_KEYS or ".by_heuristic." in f".{p}"
+  ]
   if not paths or not rerun["runs"]:
     return False
   recorded = {(r["row"], r["seed"]): r for r in record["runs"] if r["status"] == "ok"}
