@@ -30,7 +30,11 @@ from trainkit.remat import validate_remat
 
 TASKS = ("classification", "translation")
 PAIR_TASKS = ("nli", "paraphrase")
-GENERATORS = ("", "spurious_pairs", "ood_pairs")  # data.generator: "" = files or tfds.
+# data.generator ("" = files or tfds) -> (its config section under data, spec class, generate).
+GENERATORS = {
+    "spurious_pairs": ("spurious", spurious.SpuriousPairsSpec, spurious.generate),
+    "ood_pairs": ("ood_pairs", ood_pairs.OodPairsSpec, ood_pairs.generate),
+}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -170,18 +174,16 @@ def _require_spec(config: ml_collections.ConfigDict, key: str, build: Callable[[
     raise ConfigError(f"{key}.{field}", str(e)[len(field) :].strip()) from None
 
 
-def _validate_generator(config: ml_collections.ConfigDict, generator: str) -> None:
-  """data.<generator>.* (a spec of data/spurious.py or data/ood_pairs.py) and, for ood_pairs,
-  data.max_len long enough for its pairs."""
-  spec_class = {"spurious": spurious.SpuriousPairsSpec, "ood_pairs": ood_pairs.OodPairsSpec}
-  for field in dataclasses.fields(spec_class[generator]):
+def _validate_generator(config: ml_collections.ConfigDict) -> None:
+  """data.<section>.* of data.generator (GENERATORS) and, for ood_pairs, data.max_len long
+  enough for its pairs."""
+  generator, spec_class, _ = GENERATORS[config.data.generator]
+  for field in dataclasses.fields(spec_class):
     if field.type == "int":
       cfg.require_int(config, f"data.{generator}.{field.name}", minimum=0)
     elif field.type == "float":  # Every float of both specs is a share (NaN passes no check).
       cfg.require_float(config, f"data.{generator}.{field.name}", minimum=0.0, maximum=1.0)
-  spec = _require_spec(
-      config, f"data.{generator}", lambda: spec_class[generator](**config.data[generator])
-  )
+  spec = _require_spec(config, f"data.{generator}", lambda: generator_spec(config))
   _require_generated_pairs_fit(config, generator)
   if generator == "spurious":
     return
@@ -255,9 +257,8 @@ def validate(
     cfg.require_choice(config, "data.pair_task", PAIR_TASKS)
     cfg.require_int(config, "data.max_len", minimum=8)
     cfg.require_float(config, "data.eval_fraction", minimum=0.0, maximum=0.9)
-    generator = cfg.require_choice(config, "data.generator", GENERATORS)
-    if generator:
-      _validate_generator(config, {"spurious_pairs": "spurious"}.get(generator, generator))
+    if cfg.require_choice(config, "data.generator", ("", *GENERATORS)):
+      _validate_generator(config)
     elif not tfds:
       check_file("data.train_file", "the training sentence pairs")
       if config.data.eval_file:
@@ -412,6 +413,12 @@ def testbed_small_settings(config: ml_collections.ConfigDict, attention: str, st
   config.constraints.dual_start_step = 500
   config.constraints.dual_ramp_steps = 1000
   config.constraints.step_size = 0.01
+
+
+def generator_spec(config: ml_collections.ConfigDict) -> Any:
+  """The spec (`SpuriousPairsSpec` or `OodPairsSpec`) of config.data.generator's settings."""
+  section, spec_class, _ = GENERATORS[config.data.generator]
+  return spec_class(**config.data[section].to_dict())
 
 
 def constraint_applied(config: ml_collections.ConfigDict) -> bool:

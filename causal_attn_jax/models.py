@@ -153,7 +153,8 @@ class EncoderLayer(nnx.Module):
 
   def __call__(self, x, mask, *, train: bool, rngs: nnx.Rngs | None):
     if train and self.remat != "none":  # An evaluation has no backward pass to save memory for.
-      return checkpointed(_train_encoder_layer, self.remat)(self, x, mask, rngs)
+      forward = lambda layer, x, mask, rngs: layer.forward(x, mask, train=True, rngs=rngs)
+      return checkpointed(forward, self.remat)(self, x, mask, rngs)
     return self.forward(x, mask, train=train, rngs=rngs)
 
   def forward(self, x, mask, *, train: bool, rngs: nnx.Rngs | None):
@@ -182,9 +183,10 @@ class DecoderLayer(nnx.Module):
   def __call__(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
     # Decoding (never in training) updates the cache, which a checkpoint must not replay.
     if train and not decode and self.remat != "none":
-      return checkpointed(_train_decoder_layer, self.remat)(
-          self, y, memory, self_mask, cross_mask, rngs
+      forward = lambda layer, y, memory, self_mask, cross_mask, rngs: layer.forward(
+          y, memory, self_mask, cross_mask, train=True, rngs=rngs
       )
+      return checkpointed(forward, self.remat)(self, y, memory, self_mask, cross_mask, rngs)
     return self.forward(y, memory, self_mask, cross_mask, train=train, rngs=rngs, decode=decode)
 
   def forward(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
@@ -198,16 +200,6 @@ class DecoderLayer(nnx.Module):
     y = y + drop(h)
     y = y + drop(self.mlp(self.norm3(y), train=train, rngs=rngs))
     return y, probs
-
-
-def _train_encoder_layer(layer: EncoderLayer, x, mask, rngs):
-  """An encoder layer's training forward pass, as `trainkit.remat.checkpointed` takes it."""
-  return layer.forward(x, mask, train=True, rngs=rngs)
-
-
-def _train_decoder_layer(layer: DecoderLayer, y, memory, self_mask, cross_mask, rngs):
-  """A decoder layer's training forward pass, as `trainkit.remat.checkpointed` takes it."""
-  return layer.forward(y, memory, self_mask, cross_mask, train=True, rngs=rngs)
 
 
 class Embedder(nnx.Module):
@@ -246,6 +238,20 @@ def _self_attention_mask(spec: TransformerSpec, valid: jax.Array, *, decoder: bo
   return mask if pattern is None else mask & pattern
 
 
+def _encode(
+    embed: Embedder, layers: nnx.List, spec: TransformerSpec, ids, segment_ids, *, train, rngs
+):
+  """(encoder output before its final norm, valid-token flags, a record per layer)."""
+  valid = ids != PAD_ID
+  mask = _self_attention_mask(spec, valid, decoder=False)
+  x = embed(ids, segment_ids, train=train, rngs=rngs)
+  records = []
+  for layer in layers:
+    x, probs = layer(x, mask, train=train, rngs=rngs)
+    records.append(SelfAttentionRecord(probs, mask, valid, decoder=False))
+  return x, valid, records
+
+
 class PairClassifier(nnx.Module):
   """Encoder over a packed sentence pair, BOS pooling, linear head.
 
@@ -270,13 +276,9 @@ class PairClassifier(nnx.Module):
     self.head = nnx.Linear(spec.dim, num_classes, kernel_init=_LINEAR_INIT, rngs=rngs)
 
   def __call__(self, ids, segment_ids, *, train: bool = False, rngs: nnx.Rngs | None = None):
-    valid = ids != PAD_ID
-    mask = _self_attention_mask(self.spec, valid, decoder=False)
-    x = self.embed(ids, segment_ids, train=train, rngs=rngs)
-    records = []
-    for layer in self.layers:
-      x, probs = layer(x, mask, train=train, rngs=rngs)
-      records.append(SelfAttentionRecord(probs, mask, valid, decoder=False))
+    x, _, records = _encode(
+        self.embed, self.layers, self.spec, ids, segment_ids, train=train, rngs=rngs
+    )
     pooled = self.norm(x[:, 0])  # The <bos> token.
     return self.head(pooled.astype(jnp.float32)), records
 
@@ -304,13 +306,9 @@ class Seq2Seq(nnx.Module):
 
   def encode(self, src, *, train: bool = False, rngs: nnx.Rngs | None = None):
     """(memory [B, S, D], src_valid [B, S], encoder records)."""
-    valid = src != PAD_ID
-    mask = _self_attention_mask(self.spec, valid, decoder=False)
-    x = self.embed(src, train=train, rngs=rngs)
-    records = []
-    for layer in self.encoder:
-      x, probs = layer(x, mask, train=train, rngs=rngs)
-      records.append(SelfAttentionRecord(probs, mask, valid, decoder=False))
+    x, valid, records = _encode(
+        self.embed, self.encoder, self.spec, src, None, train=train, rngs=rngs
+    )
     return self.encoder_norm(x), valid, records
 
   def _logits(self, y):

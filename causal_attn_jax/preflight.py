@@ -22,9 +22,6 @@ from causal_attn_jax.evaluation import make_eval_step
 from causal_attn_jax.train import initial_extra, make_loss_fn, make_update_extra
 from trainkit.preflight.compile import Program
 
-# The config section of each built-in testbed (data.generator).
-GENERATOR_KEYS = {"spurious_pairs": "spurious", "ood_pairs": "ood_pairs"}
-
 
 @dataclasses.dataclass(frozen=True)
 class VocabularySize:
@@ -60,7 +57,7 @@ def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
   not read (a run that counts epochs gives `preflight.train_examples`)."""
   if not config.data.generator:
     return 0, ""
-  key = GENERATOR_KEYS[config.data.generator]
+  key = config_lib.GENERATORS[config.data.generator][0]
   return config.data[key].num_train, f"data.{key}.num_train"
 
 

@@ -278,16 +278,17 @@ def format_value(value: Any) -> str:
 
 
 def safe_name(text: str) -> str:
-  """`text` with the characters that are awkward in a file name replaced by '_'."""
-  return re.sub(r"[^A-Za-z0-9._=,@-]", "_", text)
+  """`text` with the characters that are awkward in a file name replaced by '_', and cut to
+  _NAME_LIMIT characters when longer (still readable at the front, unique by a hash)."""
+  name = re.sub(r"[^A-Za-z0-9._=,@-]", "_", text)
+  if len(name) > _NAME_LIMIT:
+    name = f"{name[:_NAME_LIMIT - 11]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+  return name
 
 
 def run_name(point: Mapping[str, Any]) -> str:
-  """`key=value,...` in grid order, with characters unsafe in a file name replaced by '_'."""
-  name = safe_name(",".join(f"{k}={format_value(v)}" for k, v in point.items()))
-  if len(name) > _NAME_LIMIT:  # Still readable at the front, unique by the hash.
-    name = f"{name[:_NAME_LIMIT - 11]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
-  return name
+  """`key=value,...` in grid order, as a file name (`safe_name`)."""
+  return safe_name(",".join(f"{k}={format_value(v)}" for k, v in point.items()))
 
 
 def run_dir(workdir: str, point: Mapping[str, Any]) -> str:

@@ -53,7 +53,6 @@ sweep or flag, 130 when interrupted (rerun the same command to resume).
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 import sys
 from typing import Mapping, Sequence
@@ -204,12 +203,7 @@ def execute(
 def subset_dir_name(only: Sequence[str]) -> str:
   """The folder under the workdir for the tables of the runs `--only` keeps: `only-KEY=VALUE`
   (several joined by commas, in the order given); "" without --only."""
-  if not only:
-    return ""
-  name = safe_name("only-" + ",".join(only))
-  if len(name) > 200:  # Below the usual 255-byte file-name limit, unique by the hash.
-    name = f"{name[:189]}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
-  return name
+  return safe_name("only-" + ",".join(only)) if only else ""
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:

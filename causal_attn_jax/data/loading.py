@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 
 from causal_attn_jax import config as config_lib
-from causal_attn_jax.data import nli, ood_pairs, spurious, translation
+from causal_attn_jax.data import nli, translation
 from causal_attn_jax.data import tokenizer as tokenizer_lib
 from trainkit.distributed import main_process_first
 from trainkit.errors import UserError
@@ -74,14 +74,9 @@ def load_pairs(
 ) -> tuple[nli.PairData, nli.PairData, nli.PairData | None]:
   """The (train, eval, challenge or None) sentence pairs a classification config reads."""
   d = config.data
-  testbeds = {
-      "spurious_pairs": (spurious.SpuriousPairsSpec, spurious.generate, d.spurious),
-      "ood_pairs": (ood_pairs.OodPairsSpec, ood_pairs.generate, d.ood_pairs),
-  }
-  if d.generator in testbeds:
-    make_spec, generate, settings = testbeds[d.generator]
-    spec = make_spec(**settings.to_dict())
-    train, evaluation, challenge = generate(spec)
+  if d.generator:
+    spec = config_lib.generator_spec(config)
+    train, evaluation, challenge = config_lib.GENERATORS[d.generator][2](spec)
     cue = f", challenge_cue={spec.challenge_cue}" if d.generator == "ood_pairs" else ""
     print(
         f"{d.generator}: {len(train)} train, {len(evaluation)} eval, {len(challenge)} challenge "
