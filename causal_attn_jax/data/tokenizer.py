@@ -49,10 +49,7 @@ def train_sentencepiece(
     vocab_size: int,
     model_type: str = "unigram",
     character_coverage: float = 0.9995,
-    input_sentence_size: int = 2_000_000,
-    byte_fallback: bool = False,
     seed: int = 0,
-    num_threads: int = 4,
 ) -> pathlib.Path:
   """Trains a SentencePiece model; writes and returns ``<model_prefix>.model`` (and ``.vocab``).
 
@@ -61,8 +58,7 @@ def train_sentencepiece(
       source and target text together for a shared NMT vocabulary.
     vocab_size: Pieces in the vocabulary, specials and ``[SEP]`` included.
     character_coverage: Fraction of characters covered by single pieces; the rarest rest map
-      to ``<unk>`` (or bytes with ``byte_fallback``).
-    input_sentence_size: At most this many sentences are sampled for training.
+      to ``<unk>``. At most 2M sentences are sampled for training.
 
   Raises:
     UserError: Bad settings, no text, or SentencePiece refused the corpus.
@@ -97,10 +93,10 @@ def train_sentencepiece(
           vocab_size=vocab_size,
           model_type=model_type,
           character_coverage=character_coverage,
-          input_sentence_size=input_sentence_size,
+          input_sentence_size=2_000_000,
           shuffle_input_sentence=True,
-          byte_fallback=byte_fallback,
-          num_threads=num_threads,
+          byte_fallback=False,
+          num_threads=4,
           pad_id=PAD_ID,
           unk_id=UNK_ID,
           bos_id=BOS_ID,
@@ -147,8 +143,6 @@ def load_or_train(
     model_type: str = "unigram",
     name: str = "spm",
     character_coverage: float = 0.9995,
-    input_sentence_size: int = 2_000_000,
-    byte_fallback: bool = False,
     seed: int = 0,
 ) -> Tokenizer:
   """Returns the tokenizer ``<workdir>/<name>.model``, training it only if absent.
@@ -163,7 +157,7 @@ def load_or_train(
       "vocab_size": vocab_size,
       "model_type": model_type,
       "character_coverage": character_coverage,
-      "byte_fallback": byte_fallback,
+      "byte_fallback": False,  # Always; recorded, so a model trained with bytes is refused.
   }
   if storage.path(model_path).is_file():
     tokenizer = Tokenizer(model_path)
@@ -191,8 +185,6 @@ def load_or_train(
       vocab_size=vocab_size,
       model_type=model_type,
       character_coverage=character_coverage,
-      input_sentence_size=input_sentence_size,
-      byte_fallback=byte_fallback,
       seed=seed,
   )
   write_atomically(settings_path, json.dumps(settings, indent=2) + "\n")
