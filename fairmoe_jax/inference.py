@@ -49,43 +49,32 @@ from trainkit.workdir import output_folder
 
 @dataclasses.dataclass
 class Restored:
-  """A trained run's latest checkpoint, ready for inference (`restore_run`); `step` is None when
-  nothing was restored (`from_checkpoint=False`)."""
+  """A trained run's latest checkpoint, ready for inference (`restore_run`)."""
 
   metadata: run_info_lib.RunMetadata
   info: data_lib.DatasetInfo
   graphdef: nnx.GraphDef
   state: TrainState
   mesh: Mesh
-  step: int | None
+  step: int
 
   @property
   def model(self) -> nnx.Module:
     return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
 
 
-def restore_run(
-    config: ml_collections.ConfigDict, workdir: str, *, from_checkpoint: bool = True
-) -> Restored:
-  """The latest readable checkpoint of `workdir` (UserError if none), from the workdir alone;
-  with `from_checkpoint=False`, the state initialised from `config`.
-  """
+def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
+  """The latest readable checkpoint of `workdir` (UserError if none), from the workdir alone."""
   metadata = run_info_lib.load(workdir)
   info = metadata.dataset_info()
   run = recipe.setup(
       config,
       workdir,
       train_examples=0,  # num_train_steps is config.json's, resolved at training time.
-      create_state=lambda tx, mesh: train.create_state(
-          config, info, tx, mesh, pretrained=not from_checkpoint
-      ),
+      create_state=lambda tx, mesh: train.create_state(config, info, tx, mesh, pretrained=False),
       training=False,
   )
-  state, step = run.state, None
-  if from_checkpoint:
-    state, step = restore_trained(run.checkpointer, state)
-  else:
-    run.checkpointer.close()
+  state, step = restore_trained(run.checkpointer, run.state)
   return Restored(metadata, info, run.graphdef, state, run.mesh, step)
 
 
@@ -282,7 +271,7 @@ class TrainedRun:
     self.workdir = workdir
     self.config = config
     self.metadata: RunMetadata = restored.metadata
-    self.step: int | None = restored.step
+    self.step: int = restored.step
     self._restored = restored
     self._eval_step = evaluation.make_eval_step(restored.graphdef, restored.info, config)
 

@@ -261,24 +261,6 @@ def test_relative_position_bias_table_resampling(tmp_path):
   assert small_window.layers[1].blocks[0].attn.relative_position_bias_table.shape == (9, 4)
 
 
-def test_old_timm_swin_checkpoint_names(tmp_path):
-  """timm < 0.9 kept patch merging at the end of stage i and the head as `head`."""
-  source = BUILDERS["swin"](0)
-  _randomize(source)
-  state = export_timm_state_dict(source)
-  old = {}
-  for k, v in state.items():
-    k = re.sub(r"^layers\.(\d+)\.downsample", lambda m: f"layers.{int(m[1]) - 1}.downsample", k)
-    old[k.replace("head.fc.", "head.")] = v
-  assert "layers.0.downsample.reduction.weight" in old and "head.weight" in old
-  model = BUILDERS["swin"](1)
-  notes = load_timm_checkpoint(model, _save(old, tmp_path / "old.npz"), skip=())
-  assert any("timm < 0.9" in n for n in notes)
-  expected = _params(source)
-  for name, value in _params(model).items():
-    np.testing.assert_array_equal(value, expected[name], name)
-
-
 # --- A numpy transcription of timm's Swin forward, run on a timm state dict. -------------
 
 

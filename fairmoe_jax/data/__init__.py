@@ -13,10 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from fairmoe_jax.data.augment import AugmentConfig
 from fairmoe_jax.data.celeba import load_celeba, load_celeba_tfds
 from fairmoe_jax.data.isic import load_isic2019
-from fairmoe_jax.data.pipeline import eval_batches, num_eval_batches, train_iterator
+from fairmoe_jax.data.pipeline import eval_batches, train_iterator
 from fairmoe_jax.data.synthetic import load_synthetic, synthetic_info
 from fairmoe_jax.data.synthetic_testbed import load_synthetic_testbed, testbed_info
 from fairmoe_jax.data.types import DatasetInfo
@@ -93,7 +92,6 @@ def get_dataset(name: str, **kwargs) -> tuple[DatasetInfo, Splits]:
 
 
 __all__ = [
-    "AugmentConfig",
     "DatasetInfo",
     "Splits",
     "eval_batches",
@@ -102,6 +100,5 @@ __all__ = [
     "get_dataset",
     "load_synthetic",
     "load_synthetic_testbed",
-    "num_eval_batches",
     "train_iterator",
 ]

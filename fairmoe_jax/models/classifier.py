@@ -29,16 +29,6 @@ class BackboneClassifier(nnx.Module):
     self.moe_blocks: tuple[int, ...] = tuple(sorted(blocks))
     return blocks
 
-  def _encode(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None,
-      context: Mapping[str, jax.Array] | None,
-  ) -> tuple[jax.Array, MoEAux]:
-    raise NotImplementedError
-
   def _check_rngs(self, train: bool, rngs: nnx.Rngs | None) -> None:
     if train and getattr(self, "dropout_rate", 0.0) > 0 and rngs is None:
       raise ValueError("train=True with dropout_rate > 0 needs `rngs` with a 'dropout' stream")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -188,29 +187,6 @@ def _matches(name: str, prefixes: Sequence[str]) -> bool:
   return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
 
 
-def _upgrade_old_swin_names(
-    ckpt: dict[str, np.ndarray], model_names: set[str], notes: list[str]
-) -> dict[str, np.ndarray]:
-  """timm < 0.9 Swin checkpoints: patch merging at the end of stage i, `head.weight`.
-
-  timm >= 0.9 put it at the start of stage i + 1 and the head under `head.fc`
-  (timm's checkpoint_filter_fn renames the same way).
-  """
-  old = any(k.startswith("layers.0.downsample.") for k in ckpt) and not any(
-      n.startswith("layers.0.downsample.") for n in model_names
-  )
-  if not old:
-    return ckpt
-  renamed = {}
-  for k, v in ckpt.items():
-    k = re.sub(r"^layers\.(\d+)\.downsample", lambda m: f"layers.{int(m[1]) + 1}.downsample", k)
-    if "head.fc.weight" in model_names:
-      k = re.sub(r"^head\.(weight|bias)$", r"head.fc.\1", k)
-    renamed[k] = v
-  notes.append("renamed a timm < 0.9 Swin checkpoint (layers.{i}.downsample -> layers.{i+1})")
-  return renamed
-
-
 def _convert(
     rule: _Rule, value: np.ndarray, target_shape: tuple[int, ...], model: nnx.Module, path: Path
 ) -> np.ndarray:
@@ -251,7 +227,6 @@ def load_timm_checkpoint(
   ckpt = read_state_dict(path)
   rules = _rules(model)
   notes: list[str] = []
-  ckpt = _upgrade_old_swin_names(ckpt, {r.name for _, r, _, _ in rules}, notes)
   params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   used: set[str] = set()
   missing: list[str] = []

@@ -8,8 +8,6 @@ from fairmoe_jax.moe.dispatch import (
     ExpertWeights,
     compute_capacity,
     dispatch_and_combine_masks,
-    einsum_combine,
-    einsum_dispatch,
 )
 from fairmoe_jax.moe.layer import EXPERT_AXIS, MoEAux, SparseMoE
 from fairmoe_jax.moe.routers import (
@@ -33,7 +31,5 @@ __all__ = [
     "TopKRouter",
     "compute_capacity",
     "dispatch_and_combine_masks",
-    "einsum_combine",
-    "einsum_dispatch",
     "route_from_logits",
 ]

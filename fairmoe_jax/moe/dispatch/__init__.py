@@ -15,37 +15,20 @@ when `fairmoe_jax.moe` is imported. Beside them: `capacity`, `experts` (`ExpertW
 `spmd` (what those two share) and `batch_priority` (V-MoE's token order).
 """
 
-from fairmoe_jax.moe.dispatch.base import DispatchAlgorithm, check_inputs
+from fairmoe_jax.moe.dispatch.base import DispatchAlgorithm
 from fairmoe_jax.moe.dispatch.batch_priority import (
     batch_priority_order,
-    priority_scores,
     reorder_tokens,
     restore_token_order,
 )
-from fairmoe_jax.moe.dispatch.capacity import (
-    DispatchStats,
-    compute_capacity,
-    dropless_stats,
-    resolve_capacity,
-)
+from fairmoe_jax.moe.dispatch.capacity import DispatchStats, compute_capacity
 from fairmoe_jax.moe.dispatch.data_parallel import data_parallel_moe, per_device
 from fairmoe_jax.moe.dispatch.dense import moe_dense
 from fairmoe_jax.moe.dispatch.dropless import moe_dropless
-from fairmoe_jax.moe.dispatch.einsum import (
-    dispatch_and_combine_masks,
-    einsum_combine,
-    einsum_dispatch,
-    moe_einsum,
-)
+from fairmoe_jax.moe.dispatch.einsum import dispatch_and_combine_masks, moe_einsum
 from fairmoe_jax.moe.dispatch.expert_parallel import EP_ALGORITHMS, expert_parallel_moe
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
-from fairmoe_jax.moe.dispatch.sort import (
-    SlotPlan,
-    combine_slots,
-    gather_slots,
-    moe_sort,
-    sort_slot_plan,
-)
+from fairmoe_jax.moe.dispatch.sort import moe_sort, sort_slot_plan
 
 # Dispatch algorithms by name (`SparseMoE(dispatch=...)`, config key `moe.dispatch`);
 # `fairmoe_jax.moe.experimental` adds its own.
@@ -62,26 +45,17 @@ __all__ = [
     "DispatchStats",
     "EP_ALGORITHMS",
     "ExpertWeights",
-    "SlotPlan",
     "batch_priority_order",
-    "check_inputs",
-    "combine_slots",
     "compute_capacity",
     "data_parallel_moe",
     "dispatch_and_combine_masks",
-    "dropless_stats",
-    "einsum_combine",
-    "einsum_dispatch",
     "expert_parallel_moe",
-    "gather_slots",
     "moe_dense",
     "moe_dropless",
     "moe_einsum",
     "moe_sort",
     "per_device",
-    "priority_scores",
     "reorder_tokens",
-    "resolve_capacity",
     "restore_token_order",
     "sort_slot_plan",
 ]

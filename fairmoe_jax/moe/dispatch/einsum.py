@@ -89,35 +89,6 @@ def dispatch_and_combine_masks(
   return dispatch, combine, stats
 
 
-def einsum_dispatch(
-    x: jax.Array,
-    expert_index: jax.Array,
-    gates: jax.Array,
-    capacity: int,
-    *,
-    num_experts: int,
-) -> tuple[jax.Array, jax.Array, DispatchStats]:
-  """Gathers each expert's tokens into fixed-size buffers.
-
-  x: [G, S, D]; expert_index, gates: [G, S, k]. Returns the expert inputs [E, G * C, D] in
-  x.dtype (empty slots zero), the combine weights [G, S, E, C] for `einsum_combine`, and
-  `DispatchStats`.
-  """
-  dispatch, combine, stats = dispatch_and_combine_masks(
-      expert_index, gates, num_experts=num_experts, capacity=capacity
-  )
-  dispatched = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)
-  num_groups, dim = x.shape[0], x.shape[-1]
-  return dispatched.reshape(num_experts, num_groups * capacity, dim), combine, stats
-
-
-def einsum_combine(combine: jax.Array, expert_outputs: jax.Array) -> jax.Array:
-  """[G, S, E, C] weights x [E, G * C, D] outputs -> [G, S, D]; dropped choices weigh 0."""
-  num_groups, _, num_experts, capacity = combine.shape
-  outputs = expert_outputs.reshape(num_experts, num_groups, capacity, -1)
-  return jnp.einsum("gsec,egcd->gsd", combine.astype(expert_outputs.dtype), outputs)
-
-
 def moe_einsum(
     x: jax.Array,
     expert_index: jax.Array,
@@ -127,7 +98,7 @@ def moe_einsum(
     capacity: int | None = None,
     expert_mlp: Callable[[jax.Array, ExpertWeights], jax.Array] | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
-  """`einsum_dispatch` then `einsum_combine`, without a float [G, S, E, C] tensor in memory.
+  """The einsums of the module doc, without a float [G, S, E, C] tensor in memory.
 
   `expert_mlp(buffers, experts)` runs the MLP on the [E, G, C, D] buffers; None:
   `ExpertWeights.apply_expert_major` (the experimental `einsum_fused` passes Pallas kernels).
@@ -144,7 +115,6 @@ def moe_einsum(
     outputs = experts.apply_expert_major(buffers)
   else:
     outputs = expert_mlp(buffers, experts)
-  # The gates in float32 until they weight the outputs, as `einsum_combine` does.
+  # The gates in float32 until they weight the outputs.
   combine = jnp.where(mask, gate[..., None], 0).astype(outputs.dtype)
   return jnp.einsum("gsec,egcd->gsd", combine, outputs), stats
-

@@ -68,11 +68,7 @@ def vary_over(tree: Any, axes: Sequence[str]) -> Any:
 
 def varying_axes(value: jax.Array) -> frozenset[str]:
   """The mesh axes `value` varies over inside `shard_map` (empty outside it)."""
-  aval = jax.typeof(value)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", ()))
+  return frozenset(jax.typeof(value).manual_axis_type.varying)
 
 
 def vma_check_off() -> Any:

@@ -111,8 +111,7 @@ def _layout(x: jax.Array, hidden: int, semantics: tuple[str, str]):
   num_experts, rows, dim = x.shape
   block = row_block(rows, hidden)
   buffers = WEIGHT_BUFFERS
-  # jax 0.12 names a dropped block dimension `pl.Squeezed()`; earlier jax takes None.
-  squeezed = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+  squeezed = pl.Squeezed()  # A dropped block dimension.
   rows_spec = pl.BlockSpec((squeezed, block, dim), lambda e, r: (e, r, 0))
   mode = {} if buffers == 2 else {"pipeline_mode": pl.Buffered(buffers)}
 

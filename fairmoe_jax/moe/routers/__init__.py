@@ -8,13 +8,11 @@
 
 from fairmoe_jax.moe.routers.base import (
     RouterOutput,
-    float32_gate,
     load_balance_loss,
     route_from_logits,
     router_z_loss,
 )
 from fairmoe_jax.moe.routers.expert_choice import (
-    ExpertChoiceAssignment,
     ExpertChoiceRouter,
     apply_expert_choice,
     expert_choice_from_logits,
@@ -22,26 +20,20 @@ from fairmoe_jax.moe.routers.expert_choice import (
 from fairmoe_jax.moe.routers.noisy_topk import (
     NoisyRouterOutput,
     NoisyTopKRouter,
-    cv_squared,
     noisy_top_k_from_logits,
-    smooth_load,
 )
 from fairmoe_jax.moe.routers.topk import TopKRouter
 
 __all__ = [
-    "ExpertChoiceAssignment",
     "ExpertChoiceRouter",
     "NoisyRouterOutput",
     "NoisyTopKRouter",
     "RouterOutput",
     "TopKRouter",
     "apply_expert_choice",
-    "cv_squared",
     "expert_choice_from_logits",
-    "float32_gate",
     "load_balance_loss",
     "noisy_top_k_from_logits",
     "route_from_logits",
     "router_z_loss",
-    "smooth_load",
 ]
