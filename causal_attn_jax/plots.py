@@ -24,14 +24,9 @@ def _ticks(labels: Sequence[str]) -> tuple[list[int], list[str]]:
   return positions, [labels[i] for i in positions]
 
 
-def attention_heads_figure(
-    maps: np.ndarray,
-    labels: Sequence[str],
-    *,
-    title: str = "",
-    column_labels: Sequence[str] | None = None,
-) -> Any:
-  """Every head of one layer, `maps` [H, Nq, Nk], as a grid of heatmaps (a matplotlib Figure).
+def attention_heads_figure(maps: np.ndarray, labels: Sequence[str], *, title: str = "") -> Any:
+  """Every head of one self-attention layer, `maps` [H, N, N], as a grid of heatmaps (a matplotlib
+  Figure); `labels` name the tokens on both axes.
 
   The heads share one colour scale, so a head that spreads its attention looks paler than one
   that concentrates it. Queries are rows, keys columns.
@@ -43,7 +38,6 @@ def attention_heads_figure(
   if maps.ndim != 3:
     raise ValueError(f"expected attention maps [heads, queries, keys], got shape {maps.shape}")
   heads = maps.shape[0]
-  column_labels = labels if column_labels is None else column_labels
   cols = min(heads, _GRID_COLUMNS)
   rows = math.ceil(heads / cols)
   panel = min(max(1.6 + 0.14 * max(maps.shape[1:]), 2.6), 7.0)
@@ -60,7 +54,7 @@ def attention_heads_figure(
     axes.set_title(f"head {h}", fontsize=8)
     row, col = divmod(h, cols)
     bottom = row == rows - 1 or h + cols >= heads
-    axes.set_xticks(*_ticks(column_labels), fontsize=6, rotation=90)
+    axes.set_xticks(*_ticks(labels), fontsize=6, rotation=90)
     axes.set_yticks(*_ticks(labels), fontsize=6)
     # Token labels on the outer panels only: every panel has the same tokens.
     axes.tick_params(labelbottom=bottom, labelleft=col == 0)
@@ -74,15 +68,7 @@ def attention_heads_figure(
   return figure
 
 
-def save_attention_heads(
-    path: str,
-    maps: np.ndarray,
-    labels: Sequence[str],
-    *,
-    title: str = "",
-    column_labels: Sequence[str] | None = None,
-) -> str:
-  """Writes `attention_heads_figure(maps, labels, ...)` as a PNG; returns the path."""
-  figure = attention_heads_figure(maps, labels, title=title, column_labels=column_labels)
-  storage.save_figure(figure, path, dpi=100)
+def save_attention_heads(path: str, maps: np.ndarray, labels: Sequence[str], *, title: str) -> str:
+  """Writes `attention_heads_figure(maps, labels, title=title)` as a PNG; returns the path."""
+  storage.save_figure(attention_heads_figure(maps, labels, title=title), path, dpi=100)
   return path

@@ -336,8 +336,8 @@ def load_tfds_pairs(
     pairs.add(
         f"{source} example {i}",
         "label",
-        _text(example[first]),
-        _text(example[second]),
+        as_text(example[first]),
+        as_text(example[second]),
         label_names[label],
     )
   pairs.stats["skipped_no_label"] = skipped
@@ -347,5 +347,6 @@ def load_tfds_pairs(
   return data
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+  """A tfds text feature (bytes or str) as str."""
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)

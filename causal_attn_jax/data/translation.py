@@ -20,6 +20,7 @@ import os
 import pathlib
 import re
 
+from causal_attn_jax.data.nli import as_text
 from trainkit import tfds_data
 from trainkit.errors import UserError
 from trainkit.textfiles import read_text
@@ -204,10 +205,6 @@ def load_tfds_translation(
   sources: list[str] = []
   targets: list[str] = []
   for example in tfds_data.tfds_map(builder, split, max_examples):
-    sources.append(_decode(example[source_lang]))
-    targets.append(_decode(example[target_lang]))
+    sources.append(as_text(example[source_lang]))
+    targets.append(as_text(example[target_lang]))
   return sources, targets
-
-
-def _decode(value) -> str:
-  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
