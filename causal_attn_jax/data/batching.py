@@ -28,13 +28,12 @@ def bucketed_batches(
     seed: int,
     epoch: int = 0,
     pool_batches: int = 100,
-    drop_remainder: bool = True,
 ) -> list[np.ndarray]:
   """Shuffled index batches whose examples have similar lengths.
 
   The examples are shuffled, cut into pools of ``pool_batches * batch_size`` (1 = no
-  bucketing), each pool sorted by length and cut into batches, and the batch order shuffled.
-  Returns int64 index arrays, one per batch.
+  bucketing), each pool sorted by length and cut into batches (a short last one dropped), and
+  the batch order shuffled. Returns int64 index arrays, one per batch.
   """
   if batch_size <= 0 or pool_batches <= 0:
     raise ValueError(f"batch_size {batch_size} and pool_batches {pool_batches} must be > 0.")
@@ -47,7 +46,7 @@ def bucketed_batches(
     pool = order[start : start + pool_size]
     pool = pool[np.argsort(lengths[pool], kind="stable")]
     batches.extend(pool[i : i + batch_size] for i in range(0, len(pool), batch_size))
-  if drop_remainder and batches and len(batches[-1]) < batch_size:
+  if batches and len(batches[-1]) < batch_size:
     batches.pop()
   return [batches[i] for i in rng.permutation(len(batches))]
 
