@@ -11,9 +11,14 @@ import optax
 import pytest
 from flax import nnx
 
-from fairmoe_jax.models import VIT_PRESETS, VisionTransformer, num_params
+from fairmoe_jax.models import VIT_PRESETS, VisionTransformer
 from fairmoe_jax.models.vit import Mlp
 from fairmoe_jax.moe import SparseMoE
+
+
+def num_params(module: nnx.Module) -> int:
+  return optax.tree_utils.tree_size(nnx.state(module, nnx.Param))
+
 
 TINY = dict(
     num_classes=3,

@@ -21,29 +21,13 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fairmoe_jax.fairness.experts import ALLOCATION_PREFIX, SHARE_PREFIX
+from fairmoe_jax.metrics.pooling import read_report
 from trainkit import storage
-from trainkit.errors import UserError
 from trainkit.metric_writers import log_exists, read_log
 
 _DPI = 120
 # Heatmap cells are annotated with their value only while the text stays legible.
 _MAX_ANNOTATED_CELLS = 160
-
-
-def load_report(workdir: str) -> dict[str, Any]:
-  """The run's `report.json`; a missing or unreadable one is a UserError naming the file."""
-  path = storage.join(workdir, "report.json")
-  if not storage.path(path).exists():
-    raise UserError(
-        f"no report '{path}': train the run first (python -m fairmoe_jax.main ... --workdir={workdir})"
-    )
-  try:
-    report = json.loads(storage.read_text(path))
-  except (OSError, json.JSONDecodeError) as e:
-    raise UserError(f"cannot read report '{path}': {e}") from None
-  if not isinstance(report, dict):
-    raise UserError(f"report '{path}' is not a JSON object")
-  return report
 
 
 def load_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -306,7 +290,7 @@ def write_plots(workdir: str) -> list[str]:
 
   Needs `workdir/report.json` (UserError otherwise); metrics.jsonl is optional.
   """
-  report = load_report(workdir)
+  report = read_report(workdir)
   metrics = load_metrics(workdir)
   out_dir = storage.join(workdir, "plots")
   storage.makedirs(out_dir)

@@ -30,18 +30,27 @@ MIN_GROUP_SIZE = 50
 REPORT_FILE = "report.json"
 
 
+def read_report(run_dir: str) -> dict[str, Any]:
+  """A finished run's report.json; a UserError names the file when it is missing or unreadable."""
+  path = storage.join(run_dir, REPORT_FILE)
+  if not storage.path(path).exists():
+    raise UserError(f"{path} does not exist: is {run_dir} a finished run?")
+  try:
+    report = json.loads(storage.read_text(path))
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f"cannot read {path}: {e}") from None
+  if not isinstance(report, dict):
+    raise UserError(f"{path} is not a JSON object")
+  return report
+
+
 def _read_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
   """A run's report.json and the rows of its predictions.csv."""
-  paths = {name: storage.join(run_dir, name) for name in (REPORT_FILE, PREDICTIONS_FILE)}
-  for path in paths.values():
-    if not storage.path(path).exists():
-      raise UserError(f"{path} does not exist: is {run_dir} a finished run?")
-  try:
-    report = json.loads(storage.read_text(paths[REPORT_FILE]))
-  except json.JSONDecodeError as e:
-    raise UserError(f"{paths[REPORT_FILE]}: not JSON ({e})") from None
-  rows = list(csv.DictReader(storage.read_text(paths[PREDICTIONS_FILE]).splitlines()))
-  return report, rows
+  report = read_report(run_dir)
+  path = storage.join(run_dir, PREDICTIONS_FILE)
+  if not storage.path(path).exists():
+    raise UserError(f"{path} does not exist: is {run_dir} a finished run?")
+  return report, list(csv.DictReader(storage.read_text(path).splitlines()))
 
 
 def _group_names(report: dict[str, Any], name: str) -> list[str]:

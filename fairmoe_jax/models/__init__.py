@@ -2,7 +2,7 @@
 
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.models.swin import SWIN_PRESETS, SwinTransformer
-from fairmoe_jax.models.vit import VIT_PRESETS, VisionTransformer, num_params
+from fairmoe_jax.models.vit import VIT_PRESETS, VisionTransformer
 
 __all__ = [
     "SWIN_PRESETS",
@@ -11,5 +11,4 @@ __all__ = [
     "VisionTransformer",
     "export_timm_state_dict",
     "load_timm_checkpoint",
-    "num_params",
 ]

@@ -38,11 +38,6 @@ VIT_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def num_params(module: nnx.Module) -> int:
-  """Total number of parameter entries (nnx.Param) in `module`."""
-  return sum(int(x.size) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
-
-
 def linear(
     din: int, dout: int, dtype: Any, param_dtype: Any, rngs: nnx.Rngs, *, use_bias: bool = True
 ) -> nnx.Linear:
