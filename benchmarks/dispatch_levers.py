@@ -1,15 +1,13 @@
-r"""Bytes accessed by `einsum` under two variants that were measured and not adopted, and with
-the fused expert MLP (`einsum_fused`) that was.
+r"""Bytes accessed by the `einsum` layer, by its expert MLP against that MLP's traffic floor, and
+with the fused expert MLP (`einsum_fused`).
 
   python benchmarks/dispatch_levers.py                  # deit_s32 E=64 float32 on a v5e, ~2 min
   python benchmarks/dispatch_levers.py --experts 4 --dtype bfloat16
 
-Compiled for one v5e chip as `benchmarks/dispatch_compile.py` compiles its rows: the layer as
-committed, under `router_gsd` (router logits on the [G, S, D] tokens, no relayout of x) and
-`bf16_residuals` (the expert MLP keeps bf16 GELU(h) and GELU'(h) for its backward pass), and
-both; the expert MLP alone and its traffic floor (`expert_mlp_traffic_floor`), against V-MoE's
-best; the MLP in `fused_mlp`'s Pallas kernels, alone and as `einsum_fused`; and each dispatch's
-writes of the dispatched buffers' shape (`buffer_writes`). The JSON (`--out`) holds the bytes.
+Compiled for one v5e chip as `benchmarks/dispatch_compile.py` compiles its rows: the layer, the
+expert MLP alone and its traffic floor (`expert_mlp_traffic_floor`), against V-MoE's best; the
+MLP in `fused_mlp`'s Pallas kernels, alone and as `einsum_fused`; and each dispatch's writes of
+the dispatched buffers' shape (`buffer_writes`). The JSON (`--out`) holds the bytes.
 """
 
 from __future__ import annotations
@@ -38,54 +36,6 @@ from trainkit.preflight import analysis  # noqa: E402
 from trainkit.preflight.targets import get_target  # noqa: E402
 
 TOP_K = 2
-
-
-@jax.custom_vjp
-def _gelu_bf16_slope(h: jax.Array) -> jax.Array:
-  return jax.nn.gelu(h, approximate=False)
-
-
-def _gelu_forward(h):
-  y, slope = jax.jvp(lambda t: jax.nn.gelu(t, approximate=False), (h,), (jnp.ones_like(h),))
-  return y, jax.lax.optimization_barrier(slope.astype(jnp.bfloat16))
-
-
-def _gelu_backward(slope, d_y):
-  return (d_y * slope.astype(d_y.dtype),)
-
-
-_gelu_bf16_slope.defvjp(_gelu_forward, _gelu_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul_bf16_input(layout: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  forward, _, _ = experts_module._MATMUL_SPECS[layout]  # pylint: disable=protected-access
-  return jnp.einsum(forward, x, w.astype(x.dtype))
-
-
-def _matmul_forward(layout, x, w):
-  kept = jax.lax.optimization_barrier(x.astype(jnp.bfloat16))
-  return _matmul_bf16_input(layout, kept.astype(x.dtype), w), (kept, w)
-
-
-def _matmul_backward(layout, residuals, d_y):
-  kept, w = residuals
-  _, input_spec, weight_spec = experts_module._MATMUL_SPECS[layout]  # pylint: disable=protected-access
-  d_x = jnp.einsum(input_spec, d_y, w.astype(d_y.dtype))
-  d_w = jnp.einsum(weight_spec, kept.astype(d_y.dtype), d_y, preferred_element_type=jnp.float32)
-  return d_x, d_w.astype(w.dtype)
-
-
-_matmul_bf16_input.defvjp(_matmul_forward, _matmul_backward)
-
-
-def _apply_with_bf16_residuals(self, x):
-  """`ExpertWeights.apply_expert_major` keeping bf16 GELU(h) and GELU'(h) for the backward."""
-  rows = (1,) * (x.ndim - 2)
-  h = experts_module.expert_matmul("expert_major", x, self.w1)
-  h = _gelu_bf16_slope(experts_module.add_bias(h, self.b1.reshape(self.num_experts, *rows, -1)))
-  y = _matmul_bf16_input("expert_major", h, self.w2)
-  return experts_module.add_bias(y, self.b2.reshape(self.num_experts, *rows, -1))
 
 
 def expert_mlp_traffic_floor(
@@ -186,7 +136,6 @@ def main(argv: list[str] | None = None) -> dict:
   inputs = dispatch_compile.abstract_args(
       mesh, args.shape, args.experts, TOP_K, "einsum", args.dtype
   )
-  committed = experts_module.ExpertWeights.apply_expert_major
   rows = {}
   case = f"{args.target} {args.shape} E={args.experts} {args.dtype}"
 
@@ -194,25 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows[name] = value
     print(f"{case} {name}: {value / 1e9:.3f} GB accessed{note}", flush=True)
 
-  for name, router_gsd, bf16_residuals in (
-      ("as committed", False, False),
-      ("router_gsd", True, False),
-      ("bf16_residuals", False, True),
-      ("both", True, True),
-  ):
-    experts_module.ExpertWeights.apply_expert_major = (
-        _apply_with_bf16_residuals if bf16_residuals else committed
-    )
-    try:
-      loss = moe_layer._moe_loss(  # pylint: disable=protected-access
-          "einsum", capacity, TOP_K, router_on_groups=router_gsd
-      )
-      compiled, _ = moe_layer.compile_step(loss, inputs)
-    finally:
-      experts_module.ExpertWeights.apply_expert_major = committed
-    record(name, analysis.cost(compiled)["bytes accessed"])
-    if name == "as committed":
-      committed_step = compiled
+  einsum_step, _ = moe_layer.compile_step(moe_layer.layer_loss("einsum", capacity, TOP_K), inputs)
+  record("einsum", analysis.cost(einsum_step)["bytes accessed"])
   groups, _, dim, hidden = dispatch_compile.SHAPES[args.shape]
   # The floor counts every tensor in float32; a bfloat16 layer mixes float32 weights with
   # bfloat16 tokens and intermediates, and meets the 0.9x target already.
@@ -229,12 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
       "fused expert MLP alone", expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype, "fused")
   )
   compiled, _ = moe_layer.compile_step(
-      moe_layer._moe_loss("einsum_fused", capacity, TOP_K), inputs  # pylint: disable=protected-access
+      moe_layer.layer_loss("einsum_fused", capacity, TOP_K), inputs
   )
   record("einsum_fused", analysis.cost(compiled)["bytes accessed"])
   # Where the layers' bytes beyond the MLP go: the precision of the buffers each writes, and
   # einsum_fused's copies of them into the kernels' row layout (forward and backward).
-  for name, step in (("einsum", committed_step), ("einsum_fused", compiled)):
+  for name, step in (("einsum", einsum_step), ("einsum_fused", compiled)):
     print(_buffer_line(name, step, args.experts, groups, capacity, dim), flush=True)
   vmoe_best = _vmoe_best(args.shape, args.experts, args.dtype, args.target)
   if vmoe_best is not None:

@@ -17,13 +17,8 @@ benchmarks/results/moe_layer.json).
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import glob
-import gzip
-import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -96,21 +91,13 @@ class _Dropped(NamedTuple):
   fraction_dropped: jax.Array
 
 
-def _moe_loss(
-    dispatch: str, capacity: int, top_k: int, router_on_groups: bool = False
-) -> Callable[..., Any]:
-  """The layer's loss. `router_on_groups`: the logits computed on the [G, S, D] tokens and
-  flattened afterwards, as the layer does not (benchmarks/dispatch_levers.py)."""
+def _moe_loss(dispatch: str, capacity: int, top_k: int) -> Callable[..., Any]:
   algorithm = vmoe_reference if dispatch == REFERENCE else DISPATCH_ALGORITHMS[dispatch]
 
   def loss(x, router, experts, cotangent):
     groups, tokens, dim = x.shape
     # The router runs in float32 whatever the compute dtype (as `TopKRouter` does).
-    if router_on_groups:
-      logits = jnp.einsum("gsd,de->gse", x.astype(jnp.float32), router)
-      logits = logits.reshape(groups * tokens, -1)
-    else:
-      logits = x.reshape(groups * tokens, dim).astype(jnp.float32) @ router
+    logits = x.reshape(groups * tokens, dim).astype(jnp.float32) @ router
     routing = route_from_logits(logits, top_k)
     y, stats = algorithm(
         x,
@@ -214,70 +201,6 @@ def dispatch_plan_bytes(
   if memory is None:
     return None
   return int(memory.output_size_in_bytes + memory.temp_size_in_bytes)
-
-
-def profile(compiled: Any, args: tuple[Any, ...], directory: str, calls: int = 5) -> list[dict]:
-  """Writes a `jax.profiler` trace of `calls` calls to `directory` (open it in Perfetto or
-  TensorBoard's profile plugin) and returns XLA's operations by total time per call, with the
-  HLO instruction each one runs (`compiled.as_text()` names them)."""
-  jax.block_until_ready(compiled(*args))
-  jax.profiler.start_trace(directory)
-  for _ in range(calls):
-    jax.block_until_ready(compiled(*args))
-  jax.profiler.stop_trace()
-  [trace] = glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True)[-1:]
-  with gzip.open(trace) as f:
-    events = json.load(f)["traceEvents"]
-  hlo = {}
-  for line in compiled.as_text().splitlines():
-    name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
-    if rest:
-      hlo[name.lstrip("%")] = rest
-  per_op = collections.Counter()
-  for event in events:
-    if event.get("ph") == "X" and event.get("name") in hlo:
-      per_op[event["name"]] += event.get("dur", 0)
-  total = sum(per_op.values())
-  return [
-      dict(
-          op=name,
-          ms_per_call=us / calls / 1e3,
-          share=us / total,
-          shape=hlo[name].split(" ")[0],
-          source=_op_source(hlo[name]),
-      )
-      for name, us in per_op.most_common()
-  ]
-
-
-# What each traced XLA operation does, from the JAX operation it came from (its op_name).
-def op_kind(source: str) -> str:
-  """expert matmul | elementwise (GELU and friends) | scatter | gather | transpose | other."""
-  if "dot_general" in source and ("end" in source or "enh" in source):
-    return "expert matmul"
-  if any(name in source for name in ("erfc", "erf", "jvp()/mul")):
-    return "elementwise"
-  if "scatter" in source:
-    return "scatter"
-  if any(name in source for name in ("gather", "take", "dynamic_slice")):
-    return "gather"
-  if "transpose" in source and "dot_general" not in source:
-    return "transpose"
-  return "other"
-
-
-def time_by_kind(ops: list[dict]) -> dict[str, float]:
-  """Milliseconds per call of a `profile` listing, summed by `op_kind`."""
-  totals: dict[str, float] = collections.Counter()
-  for op in ops:
-    totals[op_kind(op["source"])] += op["ms_per_call"]
-  return dict(totals)
-
-
-def _op_source(instruction: str) -> str:
-  """The JAX operation an HLO instruction came from (its metadata op_name)."""
-  found = re.search(r'op_name="([^"]*)"', instruction)
-  return found.group(1) if found else ""
 
 
 def layer_args(
@@ -516,13 +439,6 @@ def main() -> None:
   )
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument(
-      "--profile",
-      default="",
-      metavar="DIR",
-      help="also write a jax.profiler trace of every case under DIR and print where its time "
-      "goes (XLA operations by share of the traced time)",
-  )
-  parser.add_argument(
       "--output", default=os.path.join(os.path.dirname(__file__), "results", "moe_layer.json")
   )
   args = parser.parse_args()
@@ -548,19 +464,6 @@ def main() -> None:
     row.update(time_ms=1e3 * statistics.median(t) if t else None)
     row.update(time_min_ms=1e3 * min(t) if t else None)
     row.update(fraction_dropped=float(output[0][1]) if output else None)  # The warm-up call's.
-  if args.profile:
-    for row, (compiled, call_args) in zip(rows, runs):
-      case = f"{row['shape']}_E{row['num_experts']}_k{row['top_k']}_{row['dispatch']}"
-      row["profile"] = profile(compiled, call_args, os.path.join(args.profile, case))
-      print(f"\n{case}: where the time goes (trace in {os.path.join(args.profile, case)})")
-      for op in row["profile"][:8]:
-        print(f"  {op['share']:6.1%} {op['ms_per_call']:8.2f} ms  {op['shape']:<22} {op['source']}")
-      by_kind = time_by_kind(row["profile"])
-      row["profile_ms_by_kind"] = by_kind
-      print(
-          f"  traced {sum(by_kind.values()):.1f} ms per call; by kind: "
-          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
-      )
   add_ratios(rows)
   device = jax.devices()[0]
   print(

@@ -19,6 +19,8 @@ import time
 from typing import Any
 
 import numpy as np
+import scipy.optimize
+import scipy.special
 
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.data import synthetic, synthetic_testbed
@@ -124,63 +126,31 @@ def downsample(images: np.ndarray, side: int = 8) -> np.ndarray:
   return pooled.reshape(n, -1)
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-  z = np.exp(logits - logits.max(axis=1, keepdims=True))
-  return z / z.sum(axis=1, keepdims=True)
-
-
 def fit_logistic_regression(
-    x: np.ndarray,
-    y: np.ndarray,
-    num_classes: int,
-    *,
-    l2: float,
-    max_iterations: int = 50,
-    tolerance: float = 1e-8,
+    x: np.ndarray, y: np.ndarray, num_classes: int, *, l2: float
 ) -> np.ndarray:
-  """Multinomial logistic regression by Newton's method; returns weights [D + 1, K].
+  """Multinomial logistic regression; returns weights [D + 1, K].
 
-  Minimises ``mean cross-entropy + l2 / 2 * |W|^2`` (the bias, the last row, is not penalised).
-  ``x`` should be standardised. Deterministic: no random initialisation, no sampling; a step
-  that does not lower the loss is halved.
+  Minimises ``mean cross-entropy + l2 / 2 * |W|^2`` (the bias, the last row, is not penalised)
+  with scipy's L-BFGS from zero weights: deterministic, and the minimum is unique for l2 > 0.
+  ``x`` should be standardised.
   """
   n = x.shape[0]
   xb = np.concatenate([x, np.ones((n, 1))], axis=1)
-  d, k = xb.shape[1], num_classes
-  onehot = np.eye(k)[y]
-  penalty = np.full(d, l2)
+  shape = (xb.shape[1], num_classes)
+  onehot = np.eye(num_classes)[y]
+  penalty = np.full((shape[0], 1), l2)
   penalty[-1] = 0.0
 
-  def loss(w: np.ndarray) -> float:
+  def loss_and_grad(flat: np.ndarray) -> tuple[float, np.ndarray]:
+    w = flat.reshape(shape)
     logits = xb @ w
-    log_z = logits.max(1) + np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
-    return float(np.mean(log_z - logits[np.arange(n), y]) + 0.5 * np.sum(penalty[:, None] * w * w))
+    loss = np.mean(scipy.special.logsumexp(logits, axis=1) - logits[np.arange(n), y])
+    grad = xb.T @ (scipy.special.softmax(logits, axis=1) - onehot) / n + penalty * w
+    return loss + 0.5 * np.sum(penalty * w * w), grad.ravel()
 
-  w = np.zeros((d, k))
-  current = loss(w)
-  for _ in range(max_iterations):
-    p = _softmax(xb @ w)
-    grad = xb.T @ (p - onehot) / n + penalty[:, None] * w  # [D, K]
-    # Hessian blocks H[a, b] = X^T diag(p_a (delta_ab - p_b)) X / n, laid out [K*D, K*D].
-    hess = np.zeros((k, d, k, d))
-    for a in range(k):
-      for b in range(a, k):
-        weight = p[:, a] * ((a == b) - p[:, b])
-        block = (xb * weight[:, None]).T @ xb / n
-        hess[a, :, b, :] = block
-        hess[b, :, a, :] = block.T
-    hess = hess.reshape(k * d, k * d) + np.diag(np.tile(penalty, k)) + 1e-10 * np.eye(k * d)
-    step = np.linalg.solve(hess, grad.T.reshape(-1)).reshape(k, d).T
-    scale = 1.0
-    while (candidate := loss(w - scale * step)) > current:
-      scale /= 2
-      if scale < 1e-4:  # No step lowers the loss: w is the minimum up to rounding.
-        return w
-    w -= scale * step
-    improvement, current = current - candidate, candidate
-    if improvement < tolerance:
-      break
-  return w
+  fit = scipy.optimize.minimize(loss_and_grad, np.zeros(shape).ravel(), jac=True, method="L-BFGS-B")
+  return fit.x.reshape(shape)
 
 
 def logistic_regression_baseline(
