@@ -14,7 +14,6 @@ probabilities, the mask used, valid-token flags) for `constraints.constraint_vio
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any, Sequence
 
@@ -391,5 +390,4 @@ def init_from_glove(model: nnx.Module, pieces: Sequence[str], glove_path: str) -
   embed = model.embed.tokens
   table, matched = glove_embedding(pieces, glove_path, embed.embedding.shape[-1])
   embed.embedding[...] = jnp.asarray(table, embed.embedding.dtype)
-  logging.info("GloVe: %d of %d pieces matched in %s", matched, len(pieces), glove_path)
-  return matched
+  return matched  # train.create_state prints it.

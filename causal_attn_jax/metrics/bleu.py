@@ -47,32 +47,29 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
   return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
 
 
-def _masked(labels, predictions, mask) -> tuple[np.ndarray, np.ndarray]:
+def _flat(labels, predictions) -> tuple[np.ndarray, np.ndarray]:
   labels = np.asarray(labels).reshape(-1)
   predictions = np.asarray(predictions).reshape(-1)
   if labels.shape != predictions.shape:
     raise ValueError(f"{labels.shape[0]} labels but {predictions.shape[0]} predictions.")
-  if mask is not None:
-    keep = np.asarray(mask, bool).reshape(-1)
-    labels, predictions = labels[keep], predictions[keep]
   return labels, predictions
 
 
-def accuracy(labels, predictions, mask=None) -> float:
-  """Fraction of correct predictions; examples with ``mask`` False (eval padding) are ignored."""
-  labels, predictions = _masked(labels, predictions, mask)
+def accuracy(labels, predictions) -> float:
+  """Fraction of correct predictions (NaN for none)."""
+  labels, predictions = _flat(labels, predictions)
   if not labels.size:
     return float("nan")
   return float(np.mean(labels == predictions))
 
 
-def macro_f1(labels, predictions, num_classes: int, mask=None) -> float:
+def macro_f1(labels, predictions, num_classes: int) -> float:
   """Unweighted mean over ``num_classes`` classes of the per-class F1.
 
   A class with no true and no predicted example has F1 0 and still counts, as in
   ``sklearn.metrics.f1_score(average="macro", labels=range(num_classes))``.
   """
-  labels, predictions = _masked(labels, predictions, mask)
+  labels, predictions = _flat(labels, predictions)
   classes = np.arange(num_classes)[:, None]
   true_positive = ((labels == classes) & (predictions == classes)).sum(1)
   false_positive = ((labels != classes) & (predictions == classes)).sum(1)
