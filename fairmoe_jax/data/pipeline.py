@@ -51,9 +51,6 @@ class ArraySource:
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     return {k: v[index] for k, v in self._arrays.items()}
 
-  def __repr__(self) -> str:
-    return f"ArraySource(len={self._len}, image_key={self._image_key!r})"
-
 
 class ProcessBlocks(grain.MapDataset):
   """This process's part of each global batch of a (shuffled, augmented) global stream.
@@ -94,9 +91,6 @@ class ProcessBlocks(grain.MapDataset):
     if isinstance(index, slice):
       return self.slice(index)
     return self._parent[self._parent_index(index)]
-
-  def __str__(self) -> str:
-    return f"ProcessBlocks(global={self._global}, local={self._local}, offset={self._offset})"
 
 
 # How training resamples an image file: "one_pass" crops straight from the file's pixels;
