@@ -8,7 +8,6 @@ only when none is usable does the run stop with a UserError naming the directory
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import logging
@@ -18,13 +17,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from trainkit import storage
+from trainkit import errors, storage
 from trainkit.errors import OutOfSpace, Unwritable, UserError, is_out_of_space, unwritable_reason
 from trainkit.storage import write_atomically
 
@@ -334,48 +333,50 @@ class Checkpointer:
     free = None if storage.is_remote(self.directory) else shutil.disk_usage(self.directory).free
     if free is not None and free < needed:
       raise self._out_of_space(step, needed, free)
-    try:
+    with self._save_errors((step, needed)):
       _check_writable(self.directory)
-    except OSError as e:
-      if unwritable_reason(e):
-        raise self._unwritable(step, e) from e
-      raise
-    args = ocp.args.Composite(
-        **{
-            STATE: ocp.args.PyTreeSave(state),
-            DATA_ITERATOR: ocp.args.JsonSave(data_iterator_state or {}),
-        }
-    )
-    self._saving = (step, needed)
-    try:
+      args = ocp.args.Composite(
+          **{
+              STATE: ocp.args.PyTreeSave(state),
+              DATA_ITERATOR: ocp.args.JsonSave(data_iterator_state or {}),
+          }
+      )
+      self._saving = (step, needed)
       started = self._manager.save(step, args=args, force=force)
-    except Exception as e:
-      if is_out_of_space(e):
-        raise self._out_of_space(step, needed) from e
-      if unwritable_reason(e):
-        raise self._unwritable(step, e) from e
-      raise
     if started:
       self._unmanifested.add(step)
       if not self._async:  # Finalised already: its manifest at once.
         self.wait()
     return started
 
+  @contextlib.contextmanager
+  def _save_errors(self, saving: tuple[int, int] | None) -> Iterator[None]:
+    """A full disk or an unwritable folder during the save of `saving` (step, bytes) becomes one
+    error naming the step a rerun resumes from."""
+    try:
+      yield
+    except Exception as e:
+      if saving is not None and is_out_of_space(e):
+        raise self._out_of_space(*saving) from e
+      if saving is not None and unwritable_reason(e):
+        raise self._unwritable(saving[0], e) from e
+      raise
+
   def _manifest_before_commit(self) -> None:
     """Orbax's callback before the commit of the step in flight: writes its manifest, so that no
     finished step is ever without one."""
     if self._saving is None or jax.process_index() != 0:
       return
-    step = self._saving[0]
-    if storage.is_remote(self.directory):
-      # On gs:// Orbax writes the step in place and commits it with commit_success.txt.
-      step_dir = storage.join(self.directory, str(step))
-      if storage.path(step_dir).is_dir():
-        write_manifest(step_dir, at_commit=_WRITTEN_AT_COMMIT)
-      return
-    pending = glob.glob(os.path.join(glob.escape(self.directory), f"{step}{_TMP_MARKER}*"))
-    if len(pending) == 1 and os.path.isdir(pending[0]):
-      write_manifest(pending[0], at_commit=_WRITTEN_AT_COMMIT)
+    # On gs:// Orbax writes the step in place (`<step>`) and commits it with commit_success.txt;
+    # locally in `<step>.orbax-checkpoint-tmp...`, renamed at the commit.
+    step = str(self._saving[0])
+    pending = [
+        p
+        for p in storage.path(self.directory).iterdir()
+        if p.name == step or p.name.startswith(step + _TMP_MARKER)
+    ]
+    if len(pending) == 1 and pending[0].is_dir():
+      write_manifest(storage.join(self.directory, pending[0].name), at_commit=_WRITTEN_AT_COMMIT)
     # Otherwise (another atomicity mode) the manifest is written once the step is finalised.
 
   def poll(self) -> None:
@@ -408,16 +409,18 @@ class Checkpointer:
     at_manifest = manifest_kept is not None
     if not at_manifest:
       _remove_failed_save(self.directory, at_most=1.0)  # May not be removable any more.
-    latest = [s for s in self._manager.all_steps() if s != step or manifest_kept]
-    resume = (
-        f"the run can resume from step {max(latest)}"
-        if latest
-        else "no earlier checkpoint exists, so a rerun starts afresh"
-    )
+    resume = self._resume_without(None if manifest_kept else step, ", so a rerun starts afresh")
     what = f"the manifest of step {step}" if at_manifest else f"the checkpoint of step {step}"
     return Unwritable(
         f"cannot write {what} in '{self.directory}': {unwritable_reason(error)} (the folder is "
         f"not writable); {resume}; make the folder writable and rerun"
+    )
+
+  def _resume_without(self, step: int | None, afresh: str = "") -> str:
+    """Where a rerun resumes once the failed save of `step` is gone."""
+    latest = [s for s in self._manager.all_steps() if s != step]
+    return f"the run can resume from step {max(latest)}" if latest else (
+        f"no earlier checkpoint exists{afresh}"
     )
 
   def _out_of_space(self, step: int, needed: int, free: int | None = None) -> OutOfSpace:
@@ -426,10 +429,7 @@ class Checkpointer:
     if free is None and not storage.is_remote(self.directory):
       free = shutil.disk_usage(self.directory).free
     available = f"{_megabytes(free)} is free" if free is not None else "the store refused it"
-    latest = [s for s in self._manager.all_steps() if s != step]
-    resume = (
-        f"the run can resume from step {max(latest)}" if latest else "no earlier checkpoint exists"
-    )
+    resume = self._resume_without(step)
     return OutOfSpace(
         f"no space left to save the checkpoint of step {step} in '{self.directory}': it needs "
         f"about {_megabytes(needed)} and {available}. Nothing of step {step} was "
@@ -464,38 +464,6 @@ class Checkpointer:
           failures[-1],
       )
 
-    restored = self._restore_newest_readable(steps, abstract, skip, check_iterator_state)
-    if restored is None:
-      unverified = [step for step, why in zip(skipped_steps, failures) if f"no {MANIFEST}" in why]
-      hint = (
-          f"\nA step without a manifest is not restored unverified. If you know its files are as "
-          f"saved (e.g. a workdir from before checksums), vouch for it with\n  {TRUST_COMMAND} "
-          + " ".join(storage.join(self.directory, str(step)) for step in unverified)
-          if unverified
-          else ""
-      )
-      raise UserError(
-          f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures) + hint
-      )
-    if failures:
-      moved = self._move_aside(skipped_steps)
-      _log.warning(
-          "restored step %d after skipping checkpoints that cannot be used (moved to %s): %s",
-          restored[2],
-          moved,
-          "; ".join(failures),
-      )
-      self.skipped = failures
-    return restored
-
-  def _restore_newest_readable(
-      self,
-      steps: list[int],
-      abstract: Any,
-      skip: Callable[[int, Exception], None],
-      check_iterator_state: Callable[[dict], Any] | None,
-  ) -> tuple[Any, dict, int] | None:
-    """The first of `steps` that restores and passes the checks; `skip` records the others."""
     for step in steps:
       tampered = verify_manifest(storage.join(self.directory, str(step)))
       if tampered:
@@ -537,8 +505,30 @@ class Checkpointer:
         except Exception as e:  # Any failure to resume the stream from it.
           skip(step, _Unusable(f"unusable data-iterator state {iterator_state!r}: {e!r}"))
           continue
-      return restored[STATE], iterator_state, step
-    return None
+      restored = restored[STATE], iterator_state, step
+      break
+    else:
+      unverified = [step for step, why in zip(skipped_steps, failures) if f"no {MANIFEST}" in why]
+      hint = (
+          f"\nA step without a manifest is not restored unverified. If you know its files are as "
+          f"saved (e.g. a workdir from before checksums), vouch for it with\n  {TRUST_COMMAND} "
+          + " ".join(storage.join(self.directory, str(step)) for step in unverified)
+          if unverified
+          else ""
+      )
+      raise UserError(
+          f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures) + hint
+      )
+    if failures:
+      moved = self._move_aside(skipped_steps)
+      _log.warning(
+          "restored step %d after skipping checkpoints that cannot be used (moved to %s): %s",
+          restored[2],
+          moved,
+          "; ".join(failures),
+      )
+      self.skipped = failures
+    return restored
 
   def _move_aside(self, steps: list[int]) -> str:
     """Moves unreadable step directories to `<directory>/corrupt/`: left in place, `save` would
@@ -561,15 +551,8 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Waits for the save in flight, then completes the manifest of each step saved here."""
-    try:
+    with self._save_errors(self._saving):
       self._manager.wait_until_finished()
-    except Exception as e:
-      if self._saving is not None and is_out_of_space(e):
-        step, needed = self._saving
-        raise self._out_of_space(step, needed) from e
-      if self._saving is not None and unwritable_reason(e):
-        raise self._unwritable(self._saving[0], e) from e
-      raise
     self._saving = None
     if jax.process_index() != 0:
       self._unmanifested.clear()
@@ -606,13 +589,6 @@ def restore_trained(checkpointer: Checkpointer, template_state: Any) -> tuple[An
   return state, step
 
 
-def checkpoint_report(checkpointer: Checkpointer) -> dict[str, Any]:
-  """report.json's statement of the unreadable checkpoints the run skipped, if any."""
-  if not checkpointer.skipped:
-    return {}
-  return {"checkpoint_fallback": {"skipped": list(checkpointer.skipped)}}
-
-
 def trust(step_dir: str) -> str:
   """Writes the manifest of a step that has none (`TRUST_COMMAND`); returns what was done."""
   step_dir = storage.resolve(step_dir)
@@ -633,10 +609,9 @@ def trust(step_dir: str) -> str:
   return f"{step_dir}: manifest written; the step will be restored as it is now"
 
 
+@errors.exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
   import argparse
-
-  from trainkit.errors import exit_on_user_error
 
   parser = argparse.ArgumentParser(
       prog="python -m trainkit.checkpoint",
@@ -647,14 +622,8 @@ def main(argv: list[str] | None = None) -> int:
       ),
   )
   parser.add_argument("--trust", nargs="+", metavar="STEP_DIR", required=True)
-  args = parser.parse_args(argv)
-
-  @exit_on_user_error
-  def run() -> None:
-    for step_dir in args.trust:
-      print(trust(step_dir))
-
-  run()
+  for step_dir in parser.parse_args(argv).trust:
+    print(trust(step_dir))
   return 0
 
 

@@ -34,7 +34,6 @@ from trainkit.workdir import (
     release_lock,
     remove_if_empty,
     require_checkpoint,
-    workdir_exists,
     workdir_lock,
 )
 
@@ -383,7 +382,7 @@ def train_eval_command(
     return [argv[0], f"--config={saved_config.config_argument(config_module, workdir)}", *argv[1:]]
 
   def run_in_workdir(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
-    created = not workdir_exists(workdir)
+    created = not storage.path(storage.resolve(workdir)).exists()
     workdir = prepare_workdir(workdir)
 
     def abandon() -> None:  # Nothing of a compilation is worth keeping, nor a stale lock.
@@ -419,12 +418,6 @@ def train_eval_command(
   ) -> None:
     if workdir:
       storage.check_filesystem(workdir)  # Before anything is loaded, built or written.
-
-    def settle_length() -> None:  # A --config.num_train_steps wins over num_epochs.
-      line = settle_run_length(config, overrides or {})
-      if line:
-        print(line, flush=True)
-
     if mode == "compile":
       # The target's devices are described; this host's own backend stays the CPU.
       with contextlib.suppress(RuntimeError):
@@ -433,35 +426,30 @@ def train_eval_command(
       if target is not None and target.platform == "tpu":
         # libtpu installs its own SIGTERM handler: loaded before `sigterm_ends_cleanly`.
         preflight_devices(target)
-      settle_length()
+      devices = (target.num_devices, target.num_hosts) if target else (jax.device_count(), 1)
+    else:
+      initialize_from_env(startup_timeout_s=startup_timeout_s(config))
+      devices = (jax.device_count(), jax.process_count())
+      if jax.process_index() != 0:
+        # Reports, progress and summaries come from process 0; the others keep stderr only.
+        sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
+      elif jax.process_count() > 1:
+        # tests/test_slurm.py checks for this line (unconnected processes print none).
+        print(
+            f"Process 0 of {devices[1]} (jax.distributed), {devices[0]} devices in all", flush=True
+        )
+    with contextlib.nullcontext() if mode == "compile" else exit_together(workdir):
+      line = settle_run_length(config, overrides or {})  # --config.num_train_steps wins.
+      if line:
+        print(line, flush=True)
+      num_devices, num_processes = devices
       validate(
           config,
-          num_devices=target.num_devices if target else jax.device_count(),
-          num_processes=target.num_hosts if target else 1,
-          check_data=False,
-      )
-      run_in_workdir(config, workdir, mode)
-      return
-    initialize_from_env(startup_timeout_s=startup_timeout_s(config))
-    if jax.process_index() != 0:
-      # Reports, progress and summaries come from process 0; the others keep stderr only.
-      sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
-    elif jax.process_count() > 1:
-      # tests/test_slurm.py checks for this line (unconnected processes print none).
-      print(
-          f"Process 0 of {jax.process_count()} (jax.distributed), "
-          f"{jax.device_count()} devices in all",
-          flush=True,
-      )
-    with exit_together(workdir):
-      settle_length()
-      validate(
-          config,
-          num_devices=jax.device_count(),
-          num_processes=jax.process_count(),
+          num_devices=num_devices,
+          num_processes=num_processes,
           check_data=mode in ("train", "eval"),
       )
-      if mode != "train":
+      if mode not in ("train", "compile"):
         require_checkpoint(workdir)  # Before seconds of data loading and model building.
       run_in_workdir(config, workdir, mode)
 

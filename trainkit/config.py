@@ -79,12 +79,11 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
   """Sets each dotted key of `overrides` (`{"mesh.data": 1}`) in `config`, as `--config.KEY=VALUE`
   does; a ConfigError for a key the config lacks or a value of another type."""
   for key, value in overrides.items():
-    *parents, name = key.split(".")
-    node = config
-    for part in parents:
-      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-        raise ConfigError(key, "unknown config key")
-      node = node[part]
+    parent, _, name = key.rpartition(".")
+    try:
+      node = get(config, parent) if parent else config
+    except ConfigError:
+      node = None
     if not isinstance(node, ml_collections.ConfigDict) or name not in node:
       raise ConfigError(key, "unknown config key")
     try:
@@ -103,6 +102,10 @@ def require_int(
   value = get(config, key)
   if isinstance(value, bool) or not isinstance(value, int):
     raise ConfigError(key, f"expected an integer, got {value!r}")
+  return _in_range(key, value, minimum, maximum)
+
+
+def _in_range(key: str, value: Any, minimum: Any, maximum: Any) -> Any:
   if minimum is not None and value < minimum:
     raise ConfigError(key, f"must be >= {minimum}, got {value}")
   if maximum is not None and value > maximum:
@@ -142,11 +145,7 @@ def require_float(
     raise ConfigError(key, f"expected a number, got {value!r}")
   if not math.isfinite(value):  # Every comparison with NaN is false: check it first.
     raise ConfigError(key, f"expected a finite number, got {value}")
-  if minimum is not None and value < minimum:
-    raise ConfigError(key, f"must be >= {minimum}, got {value}")
-  if maximum is not None and value > maximum:
-    raise ConfigError(key, f"must be <= {maximum}, got {value}")
-  return float(value)
+  return float(_in_range(key, value, minimum, maximum))
 
 
 def require_choice(config: ml_collections.ConfigDict, key: str, choices: Iterable[Any]) -> Any:

@@ -126,7 +126,7 @@ def _expand_host(item: str, variable: str, whole: str) -> list[str]:
   return [prefix + v + tail for v in values for tail in tails]
 
 
-def _int(env: Mapping[str, str], variable: str, minimum: int) -> int:
+def _int(env: Mapping[str, str], variable: str, minimum: int, maximum: int | None = None) -> int:
   value = env[variable]
   try:
     n = int(value.strip())
@@ -134,6 +134,8 @@ def _int(env: Mapping[str, str], variable: str, minimum: int) -> int:
     raise _bad(variable, value, "expected an integer") from None
   if n < minimum:
     raise _bad(variable, value, f"expected an integer >= {minimum}")
+  if maximum is not None and n > maximum:
+    raise _bad(variable, value, f"expected a port <= {maximum}")
   return n
 
 
@@ -143,15 +145,6 @@ def _coordinator(env: Mapping[str, str]) -> str:
   if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
     raise _bad("JAX_COORDINATOR_ADDRESS", value, "expected host:port")
   return value.strip()
-
-
-def _port(env: Mapping[str, str]) -> int:
-  if "JAX_COORDINATOR_PORT" not in env:
-    return DEFAULT_COORDINATOR_PORT
-  port = _int(env, "JAX_COORDINATOR_PORT", 1)
-  if port > 65535:
-    raise _bad("JAX_COORDINATOR_PORT", env["JAX_COORDINATOR_PORT"], "expected a port <= 65535")
-  return port
 
 
 def _slurm_args(env: Mapping[str, str]) -> dict[str, Any] | None:
@@ -174,7 +167,12 @@ def _slurm_args(env: Mapping[str, str]) -> dict[str, Any] | None:
           "(set JAX_COORDINATOR_ADDRESS=host:port)"
       )
     first_host = expand_nodelist(env[variable], variable)[0]
-    args["coordinator_address"] = f"{first_host}:{_port(env)}"
+    port = (
+        _int(env, "JAX_COORDINATOR_PORT", 1, 65535)
+        if "JAX_COORDINATOR_PORT" in env
+        else DEFAULT_COORDINATOR_PORT
+    )
+    args["coordinator_address"] = f"{first_host}:{port}"
   if env.get("SLURM_GPUS_PER_TASK", "").strip() == "1":
     local_id = _int(env, "SLURM_LOCALID", 0) if "SLURM_LOCALID" in env else None
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -345,12 +343,8 @@ def main_process_first(name: str, fn: Callable[[], T]) -> T:
     return fn()
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
+  result = fn() if jax.process_index() == 0 else None
   # On the barrier, not in a collective, which Gloo abandons after 30 s.
-  if jax.process_index() == 0:
-    result = fn()
-    wait_for_all_processes(name)
-    multihost_utils.sync_global_devices(name)
-    return result
   wait_for_all_processes(name)
   multihost_utils.sync_global_devices(name)
-  return fn()
+  return result if jax.process_index() == 0 else fn()

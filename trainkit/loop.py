@@ -80,22 +80,6 @@ class CheckpointableIterator(Protocol):
     ...
 
 
-class _Unprefetched:
-  """`DevicePrefetch`'s interface without the read-ahead (`device_prefetch=0`)."""
-
-  def __init__(self, iterator: CheckpointableIterator, put: Callable):
-    self._iterator, self._put = iterator, put
-
-  def __next__(self) -> Any:
-    return self._put(next(self._iterator))
-
-  def get_state(self) -> dict:
-    return self._iterator.get_state()
-
-  def close(self) -> None:
-    pass
-
-
 def _due(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
@@ -230,11 +214,7 @@ def train_loop(
   peak = peak_flops_per_device(jax.devices()[0], peak_flops)
   workdir = posixpath.dirname(writer.path)  # metrics.jsonl's directory, local or a URI.
   trace = _StepTrace(profile_steps, storage.join(workdir, "profile"))
-  put = lambda batch: shard_batch(batch, mesh)  # noqa: E731
-  if device_prefetch > 0:
-    batches = DevicePrefetch(train_iterator, put, device_prefetch)
-  else:
-    batches = _Unprefetched(train_iterator, put)
+  batches = DevicePrefetch(train_iterator, lambda b: shard_batch(b, mesh), device_prefetch)
   with (
       contextlib.closing(batches),
       _full_disk_names_the_resume_step(checkpointer),

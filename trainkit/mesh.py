@@ -83,10 +83,10 @@ def require_all_devices(
   """`mesh_shape`, with a ConfigError naming `mesh.data` or `mesh.expert` for a mesh over fewer
   than `num_devices` (a preflight's target, or every process's devices, which each get a block)."""
   message = idle_devices_message(mesh_config, num_devices, where)
+  data, expert = mesh_shape(mesh_config, num_devices)
   if message:
-    expert = mesh_shape(mesh_config, num_devices)[1]
     raise ConfigError("mesh.data" if num_devices % expert == 0 else "mesh.expert", message)
-  return mesh_shape(mesh_config, num_devices)
+  return data, expert
 
 
 def make_mesh(mesh_config: Mapping[str, int], devices: list[Any] | None = None) -> Mesh:

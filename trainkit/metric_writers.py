@@ -23,14 +23,9 @@ from trainkit.storage import write_atomically
 _log = logging.getLogger(__name__)
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-  """The records of an append-only JSON-lines log: a torn last line (a kill mid-append, which
-  the resumed run rewrites) is dropped with a warning; a bad line elsewhere is a UserError."""
-  return parse_jsonl(read_log(path), path)
-
-
 def parse_jsonl(text: str, path: str) -> list[dict[str, Any]]:
-  """The records of the JSON-lines `text` read from `path`, as `read_jsonl` reads them."""
+  """The records of the JSON-lines `text` read from `path`: a torn last line (a kill mid-append,
+  which the resumed run rewrites) is dropped with a warning; a bad line elsewhere is a UserError."""
   lines = text.split("\n")
   records = []
   numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
@@ -328,5 +323,6 @@ class MetricWriter:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """`metrics.jsonl`'s records (`read_jsonl`, `read_log`)."""
-  return read_jsonl(storage.join(workdir, "metrics.jsonl"))
+  """`metrics.jsonl`'s records (`parse_jsonl`, `read_log`)."""
+  path = storage.join(workdir, "metrics.jsonl")
+  return parse_jsonl(read_log(path), path)

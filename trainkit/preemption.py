@@ -16,18 +16,14 @@ import types
 from collections.abc import Callable, Iterator
 
 
-def _multi_process() -> bool:
-  import jax  # pylint: disable=import-outside-toplevel
-
-  return jax.process_count() > 1
-
-
 class PreemptionGuard:
   """While active, SIGTERM/SIGINT set `requested` instead of killing the run (a second Ctrl-C
   kills it); no handler in a multi-process run (module docstring)."""
 
   def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
-    self._multi_process = _multi_process()
+    import jax  # pylint: disable=import-outside-toplevel
+
+    self._multi_process = jax.process_count() > 1
     self._signals = () if self._multi_process else signals
     self._previous: dict[int, object] = {}
     self.requested = False

@@ -24,8 +24,9 @@ def resident_batches(size: int = DEFAULT_PREFETCH) -> int:
 
 
 class DevicePrefetch:
-  """An iterator of device batches, at most `size` waiting, with the checkpointable state of the
-  host iterator it reads; the thread starts at the first `next`, so `set_state` comes before."""
+  """An iterator of device batches, at most `size` waiting (0: none, no thread), with the
+  checkpointable state of the host iterator it reads; the thread starts at the first `next`, so
+  `set_state` comes before."""
 
   def __init__(
       self,
@@ -33,8 +34,9 @@ class DevicePrefetch:
       put: Callable[[Mapping[str, Any]], Any],
       size: int = DEFAULT_PREFETCH,
   ):
-    if size < 1:
-      raise ValueError(f"size must be >= 1, got {size}.")
+    if size < 0:
+      raise ValueError(f"size must be >= 0, got {size}.")
+    self._size = size
     self._iterator = iterator
     self._put = put
     # A free slot per batch the thread may still place; the queue never holds more than `size`.
@@ -61,6 +63,8 @@ class DevicePrefetch:
     return self
 
   def __next__(self) -> Any:
+    if self._size == 0:
+      return self._put(next(self._iterator))
     if self._thread is None:
       self._state = self._iterator.get_state()
       self._thread = threading.Thread(target=self._fill, name="device_prefetch", daemon=True)

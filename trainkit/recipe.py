@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh
 
 from trainkit import storage
-from trainkit.checkpoint import Checkpointer, checkpoint_report
+from trainkit.checkpoint import Checkpointer
 from trainkit.config import parse_profile_steps, resolve_train_steps
 from trainkit.distributed import wait_for_all_processes
 from trainkit.loop import CheckpointableIterator, resume_training, train_loop
@@ -190,7 +190,8 @@ def finish(
 ) -> dict[str, Any]:
   """Adds the checkpoints' provenance to `report`, logs `scalars` at the final step, closes the
   writer and checkpointer; process 0 writes the report."""
-  report.update(checkpoint_report(run.checkpointer))
+  if run.checkpointer.skipped:  # The unreadable checkpoints the run skipped.
+    report["checkpoint_fallback"] = {"skipped": list(run.checkpointer.skipped)}
   report["evaluated"] = evaluated(run.config, int(report.get("step", state.step)))
   if jax.process_index() == 0:
     kept = keep_earlier_record(run.workdir, report["evaluated"])

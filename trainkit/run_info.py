@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, TypeVar
 
+from trainkit import storage
 from trainkit.errors import UserError
-from trainkit.workdir import RUN_INFO_FILE, load_run_info, save_run_info
+from trainkit.workdir import CONFIG_FILE, RUN_INFO_FILE, read_json_object, save_run_info
 
 _Metadata = TypeVar("_Metadata", bound="RunMetadataFile")
 
@@ -53,5 +54,10 @@ class RunMetadataFile:
   @classmethod
   def load(cls: type[_Metadata], workdir: str) -> _Metadata:
     """The metadata in `<workdir>/run_info.json`; a UserError names the file when it is
-    missing (`load_run_info`) or not this package's."""
-    return cls.from_json(load_run_info(workdir), f"{workdir}/{RUN_INFO_FILE}")
+    missing, unreadable or not this package's."""
+    path = storage.join(workdir, RUN_INFO_FILE)
+    missing = (
+        f"training writes it beside {CONFIG_FILE} with what inference reads (class or label "
+        "names); restore it from a copy of the workdir, or train again"
+    )
+    return cls.from_json(read_json_object(path, missing), path)

@@ -189,15 +189,14 @@ def _refuse_mistyped_uri(location: str | os.PathLike) -> None:
 def resolve(location: str | os.PathLike) -> str:
   """An absolute local path (`~` expanded), or a URI without its trailing slash."""
   text = os.fspath(location)
-  if not is_remote(text):
-    _refuse_mistyped_uri(text)
-    text = os.path.expanduser(text)
-    if ".." in text.split(os.sep):
-      # `link/../run` is the parent of what `link` points to, not what abspath makes of it.
-      return os.path.realpath(text)
-    return os.path.abspath(text)
   check_filesystem(text)
-  return text.rstrip("/")
+  if is_remote(text):
+    return text.rstrip("/")
+  text = os.path.expanduser(text)
+  if ".." in text.split(os.sep):
+    # `link/../run` is the parent of what `link` points to, not what abspath makes of it.
+    return os.path.realpath(text)
+  return os.path.abspath(text)
 
 
 def path(location: str | os.PathLike) -> epath.Path:

@@ -56,7 +56,6 @@ def throughput_scalars(
     tokens_per_example: int = 0,
     flops_per_step: float | None = None,
     peak_flops: float | None = None,
-    num_devices: int = 1,
 ) -> dict[str, float]:
   """examples/s, tokens/s and MFU (`flops_per_step` is per device) for a measured step rate."""
   scalars = {
@@ -69,5 +68,4 @@ def throughput_scalars(
     scalars["model_tflops_per_second_per_device"] = flops_per_step * steps_per_second / 1e12
     if peak_flops:
       scalars["mfu"] = flops_per_step * steps_per_second / peak_flops
-  del num_devices
   return scalars

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -29,15 +28,11 @@ def prepare_workdir(workdir: str | None) -> str:
     raise UserError("--workdir is required")
   workdir = storage.resolve(workdir)
   try:
-    if storage.is_remote(workdir):
-      # An object store has no directories to create; writing an object checks the access.
-      probe = storage.path(storage.join(workdir, f".write_test_{os.getpid()}"))
-      probe.write_text("")
-      probe.unlink()
-    else:
+    if not storage.is_remote(workdir):  # An object store has no directories to create.
       os.makedirs(workdir, exist_ok=True)
-      with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
-        pass
+    probe = storage.path(storage.join(workdir, f".write_test_{os.getpid()}"))
+    probe.write_text("")
+    probe.unlink()
   except OSError as e:
     raise UserError(f"workdir '{workdir}' is not writable: {e.strerror or e}") from None
   return workdir
@@ -62,10 +57,6 @@ def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
   if create:
     storage.makedirs(folder)
   return folder
-
-
-def workdir_exists(workdir: str) -> bool:
-  return storage.path(storage.resolve(workdir)).exists()
 
 
 LOCK_NAME = ".run.lock"
@@ -101,7 +92,7 @@ def _process_alive(pid: int) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:  # Alive, owned by someone else.
-    return True
+    pass
   return True
 
 
@@ -240,6 +231,20 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   write_atomically(path, text)
 
 
+def read_json_object(path: str, missing: str, what: str = "") -> dict[str, Any]:
+  """The JSON object in `path`; a UserError naming the file otherwise (`missing` says what
+  writes it, for a file that does not exist)."""
+  try:
+    value = json.loads(storage.read_text(path))
+  except FileNotFoundError:
+    raise UserError(f"{path} does not exist: {missing}") from None
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f"cannot read {what}{path}: {e}") from None
+  if not isinstance(value, dict):
+    raise UserError(f"cannot read {what}{path}: not a JSON object")
+  return value
+
+
 def _as_typed(saved: Any, default: Any) -> Any:
   """`saved` (parsed JSON) with the tuples of `default` back: JSON writes tuples as lists."""
   if isinstance(saved, dict) and isinstance(default, (dict, ml_collections.ConfigDict)):
@@ -253,17 +258,11 @@ def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, A
   """`<workdir>/config.json` migrated to this format version (version 1's missing keys filled in
   where `reference` has them); a UserError naming the file when it cannot be used."""
   path = storage.join(workdir, CONFIG_FILE)
-  try:
-    saved = json.loads(storage.read_text(path))
-  except FileNotFoundError:
-    raise UserError(
-        f"{path} does not exist: {workdir} is not the workdir of a trained run (training "
-        f"writes {CONFIG_FILE} there)"
-    ) from None
-  except (OSError, json.JSONDecodeError) as e:
-    raise UserError(f"cannot read the run's config {path}: {e}") from None
-  if not isinstance(saved, dict):
-    raise UserError(f"cannot read the run's config {path}: not a JSON object")
+  saved = read_json_object(
+      path,
+      f"{workdir} is not the workdir of a trained run (training writes {CONFIG_FILE} there)",
+      "the run's config ",
+  )
   version = saved.pop(FORMAT_VERSION_KEY, 1)
   if version == 1:
     for key, value in _ADDED_DURING_VERSION_1.items():
@@ -291,23 +290,6 @@ def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
   if jax.process_index() != 0:
     return
   write_atomically(storage.join(workdir, RUN_INFO_FILE), json.dumps(run_info, indent=2) + "\n")
-
-
-def load_run_info(workdir: str) -> dict[str, Any]:
-  """`<workdir>/run_info.json`; a UserError naming it when missing or unreadable."""
-  path = storage.join(workdir, RUN_INFO_FILE)
-  try:
-    info = json.loads(storage.read_text(path))
-  except FileNotFoundError:
-    raise UserError(
-        f"{path} does not exist: training writes it beside {CONFIG_FILE} with what inference "
-        "reads (class or label names); restore it from a copy of the workdir, or train again"
-    ) from None
-  except (OSError, json.JSONDecodeError) as e:
-    raise UserError(f"cannot read {path}: {e}") from None
-  if not isinstance(info, dict):
-    raise UserError(f"cannot read {path}: not a JSON object")
-  return info
 
 
 def _keep_in_history(workdir: str, text: str) -> str:
