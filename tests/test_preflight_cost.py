@@ -9,21 +9,22 @@ and the targets' stated bandwidths.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-pytest.importorskip("jax_cuda12_plugin", reason="the preflight extra is not installed")
+from trainkit.errors import UserError
+from trainkit.preflight import analysis, hlo
+from trainkit.preflight.compile import compile_step, persistent_cache_off, step_estimate
+from trainkit.preflight.hlo import Array
+from trainkit.preflight.targets import TARGETS, devices, get_target
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from trainkit.errors import UserError  # noqa: E402
-from trainkit.preflight import analysis, hlo  # noqa: E402
-from trainkit.preflight.compile import compile_step, persistent_cache_off, step_estimate  # noqa: E402
-from trainkit.preflight.hlo import Array  # noqa: E402
-from trainkit.preflight.targets import TARGETS, devices, get_target  # noqa: E402
+# Every case compiles for (or describes) a GPU target (tests/conftest.py skips where the CUDA
+# plugin is not installed).
+pytestmark = pytest.mark.compile_gpu
 
 # A GEMM whose three sizes differ, so that a swapped dimension shows.
 M, K, N = 512, 1024, 768

@@ -29,9 +29,15 @@ def test_ci_runs_the_readme_test_command_on_both_stacks():
   # The newest stack: the README's command verbatim (with python3 being Python 3.13).
   assert command in ci_lines
   # The pinned stack: the same command with every package pinned by constraints.txt.
-  install, tests = command.split(" && pytest ")
-  assert f"{install} -c constraints.txt && pytest {tests}" in ci_lines
-  assert ci_lines.index(f"{install} -c constraints.txt && pytest {tests}") < ci_lines.index(command)
+  install, tests = command.split(" && pytest ", 1)
+  pinned = f"{install} -c constraints.txt && pytest {tests}"
+  assert pinned in ci_lines and ci_lines.index(pinned) < ci_lines.index(command)
+
+
+def test_the_readme_runs_the_fast_tier_first_then_the_slow_one():
+  """A newcomer's first answer comes from the fast tier (README: its time); every test runs."""
+  runs = _quickstart_commands()[1].split(" && pytest ")[1:]
+  assert runs == ['-q -n 2 -m "not slow" tests', "-q -n 2 -m slow tests"]
 
 
 def test_readme_names_the_tested_versions():

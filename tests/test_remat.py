@@ -307,9 +307,9 @@ def test_fairsmoe_on_a_mesh_gives_the_loss_and_gradients_of_no_remat(data, exper
   _assert_same_gradients(grads, ref_grads)
 
 
+@pytest.mark.compile_gpu
 def test_the_gpu_compiler_keeps_fewer_temporaries_with_each_policy():
-  pytest.importorskip("jax_cuda12_plugin", reason="the preflight extra is not installed")
-  # pylint: disable=import-outside-toplevel  # The preflight extra's plugin is checked first.
+  # pylint: disable=import-outside-toplevel
   from trainkit.preflight.compile import compile_step, persistent_cache_off
   from trainkit.preflight.targets import devices, get_target
 
