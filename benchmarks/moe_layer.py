@@ -46,7 +46,7 @@ SHAPES = {  # images (groups), tokens per image, dim, expert hidden width
     "cpu_deit": (16, 197, 384, 1536),  # DeiT-S widths and tokens, 16 images.
     "deit_s32": (32, 197, 384, 1536),  # dispatch_compile.py's
     "tiny": (3, 10, 8, 16),  # For tests.
-    "test": (2, 16, 32, 64),  # tests/test_dispatch_compile.py
+    "test": (2, 16, 32, 64),  # tests/benchmarks/test_dispatch_compile.py
 }
 BASELINE = "dense_mlp"
 REFERENCE = "vmoe_ref"

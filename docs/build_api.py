@@ -7,7 +7,7 @@ Every module is documented, including those a package's `__all__` leaves out (pd
 follows `__all__`, which lists the packages' entry points, not their modules). Docstrings are
 read as Google style. Any warning pdoc emits (an annotation it cannot resolve, a module that
 does not import, a malformed docstring section) is printed and makes the exit status 1, so a
-docstring that breaks the reference fails `tests/test_api_docs.py`.
+docstring that breaks the reference fails `tests/project/test_api_docs.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Submits launch/slurm_gpu.sbatch: NODES nodes, one task per GPU (GPUS_PER_NODE tasks per node).
 # `--gpus-per-node 0 --tasks-per-node T` submits a CPU job instead: T tasks per node, no GPUs,
-# JAX_PLATFORMS=cpu (tests/test_slurm.py runs it on a one-node test cluster).
+# JAX_PLATFORMS=cpu (tests/e2e/test_slurm.py runs it on a one-node test cluster).
 #
 # Usage: launch/slurm.sh [--dry-run] --nodes N --gpus-per-node G [--tasks-per-node T]
 #            [--partition P] [--time HH:MM:SS] [--module MODULE] -- [main args...]

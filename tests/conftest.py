@@ -72,7 +72,7 @@ ENDE_TINY_MODEL = {
     "eval_batch_size": 8,
 }
 
-# This project's modules, as a regex over a warning's module (tests/test_deprecations.py).
+# This project's modules, as a regex over a warning's module (tests/e2e/test_deprecations.py).
 OWN_MODULES = r"(fairmoe_jax|causal_attn_jax|trainkit|paper_runner)(\.|$)"
 
 
@@ -116,10 +116,34 @@ def devices_missing(error: BaseException) -> bool:
   return any(pattern.search(str(error)) for pattern in _TOO_FEW_DEVICES)
 
 
+# A test not marked slow starts no Python process: the fast tier's promise (pytest.ini). Popen
+# is wrapped for the whole session, so that a process started by a module-scoped fixture is
+# charged to the first test that needed it.
+_python_started: list[str] = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _popen_init_recording(self, args, *rest, **kwargs):
+  argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+  program = os.path.basename(os.fsdecode(argv[0]).split()[0]) if argv else ""
+  if program.startswith("python"):
+    _python_started.append(" ".join(os.fsdecode(a) for a in argv[:4]))
+  _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _popen_init_recording
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+  _python_started.clear()
+  return (yield)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
   try:
-    return (yield)
+    result = yield
   except Exception as error:
     if not devices_missing(error):  # Checked first: most failures never touch jax here.
       raise
@@ -131,6 +155,9 @@ def pytest_runtest_call(item):
         f"needs more devices than this {jax.default_backend()} host's {jax.device_count()}: "
         f"{str(error).splitlines()[0][:200]}"
     )
+  if _python_started and item.get_closest_marker("slow") is None:
+    pytest.fail(f"starts a Python process but is not marked slow: {_python_started[0]}")
+  return result
 
 
 # CPU-scale FairSMoE on the CelebA sample (with --config.data.root): seconds of training.

@@ -434,7 +434,7 @@ def train_eval_command(
         # Reports, progress and summaries come from process 0; the others keep stderr only.
         sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
       elif jax.process_count() > 1:
-        # tests/test_slurm.py checks for this line (unconnected processes print none).
+        # tests/e2e/test_slurm.py checks for this line (unconnected processes print none).
         print(
             f"Process 0 of {devices[1]} (jax.distributed), {devices[0]} devices in all", flush=True
         )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node SLURM cluster on this machine, for tests (tests/test_slurm.py) and CI (.ci/run).
+# A one-node SLURM cluster on this machine, for tests (tests/e2e/test_slurm.py) and CI (.ci/run).
 #
 # Usage: launch/testing/local_slurm.sh start|stop|status
 #   start   installs munge, slurmctld, slurmd and the SLURM clients with apt-get where they are
@@ -24,7 +24,7 @@ default_conf=/etc/slurm/slurm.conf
 # Seconds to wait for the node to turn idle after the daemons started.
 wait_s=${LOCAL_SLURM_WAIT_S:-60}
 
-# Why the last start failed, for the tests' skip message (tests/test_slurm.py).
+# Why the last start failed, for the tests' skip message (tests/e2e/test_slurm.py).
 failure_file="$dir/not_started.txt"
 
 say() { echo "local_slurm: $*" >&2; }

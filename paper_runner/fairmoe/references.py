@@ -46,7 +46,7 @@ def _counts(
 ) -> np.ndarray:
   """[D, num_groups, k, k] confusion counts of D rows of predictions at once: what
   `metrics.attribute_counts` counts for one row (an example whose group is negative, a missing
-  attribute, is skipped as it skips it; tests/test_references.py checks they agree)."""
+  attribute, is skipped as it skips it; tests/paper_runner/test_references.py checks they agree)."""
   draws = predictions.shape[0]
   keep = groups >= 0
   cell = (groups * k + labels) * k  # Without the prediction: added per draw below.

@@ -9,7 +9,7 @@ GPU memory: the fit and the compiler's limit are one number, `Target.usable_byte
 (XLA_PYTHON_CLIENT_MEM_FRACTION of the device). Without a client, XLA's GPU compiler takes 80%
 of the description's `device_memory_size` as the base of its rematerialisation limit
 (`GetSchedulerMemoryLimit`), so the description carries usable / 0.8 and the preflight's
-compile aims at the limit a real run's compile applies (tests/test_preflight.py checks the base
+compile aims at the limit a real run's compile applies (tests/trainkit/test_preflight.py checks the base
 limit XLA logs is `usable_bytes` exactly).
 """
 

@@ -99,7 +99,7 @@ def expert_matmul(layout: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
   Left to autodiff, the weight gradient is a bfloat16 matmul whose accumulation is the backend's
   choice (jax 0.11+'s CPU compiler sums in bfloat16 partials: twice the error,
-  tests/test_moe_algorithms.py); this VJP asks for float32 and returns the weights' dtype.
+  tests/fairmoe_jax/test_moe_algorithms.py); this VJP asks for float32 and returns the weights' dtype.
   """
   forward, _, _ = _MATMUL_SPECS[layout]
   return jnp.einsum(forward, x, w.astype(x.dtype))

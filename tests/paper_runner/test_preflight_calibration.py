@@ -4,14 +4,12 @@ utilisation is what its definition says."""
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 
+from conftest import REPO_ROOT
 from paper_runner import calibration
 from trainkit.preflight.calibration import CALIBRATION
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _record() -> dict:

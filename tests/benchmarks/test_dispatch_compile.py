@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import dispatch_compile  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position

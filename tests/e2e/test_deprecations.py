@@ -10,8 +10,9 @@ import os
 import subprocess
 import sys
 
-from conftest import CAUSAL_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, OWN_MODULES, REPO_ROOT, SHARED_DATA
 from test_cli import TINY as FAIR_TINY
+
+from conftest import CAUSAL_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, OWN_MODULES, REPO_ROOT, SHARED_DATA
 
 NLI = SHARED_DATA / "nli"
 DEPRECATIONS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")

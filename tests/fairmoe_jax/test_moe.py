@@ -47,7 +47,7 @@ _route_from_logits = jax.jit(route_from_logits, static_argnums=1)
 _masks = jax.jit(dispatch_and_combine_masks, static_argnames=("num_experts", "capacity"))
 
 
-# Same shapes as the MoE block of tests/test_vit.py: eager initialisers compile
+# Same shapes as the MoE block of tests/fairmoe_jax/test_vit.py: eager initialisers compile
 # once per distinct shape, so sharing shapes keeps the test session short.
 DIM, HIDDEN, EXPERTS, TOP_K = 16, 32, 4, 2
 

@@ -2,14 +2,14 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
 from trainkit.distributed import distributed_args, expand_nodelist
 from trainkit.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 
 
 def _run(script, *args, env=None):

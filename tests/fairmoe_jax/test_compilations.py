@@ -13,9 +13,9 @@ import types
 
 import jax
 import numpy as np
+from test_methods import _config, _setup
 
 from fairmoe_jax import evaluation, methods, train
-from test_methods import _config, _setup
 from trainkit import loop
 
 

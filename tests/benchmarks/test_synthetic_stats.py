@@ -2,17 +2,17 @@
 
 import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
 
+from conftest import REPO_ROOT
 from fairmoe_jax.data import synthetic
 
 
 @pytest.fixture(scope="module")
 def stats_module():
-  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "synthetic_stats.py"
+  path = REPO_ROOT / "scripts" / "synthetic_stats.py"
   spec = importlib.util.spec_from_file_location("synthetic_stats", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -108,7 +108,7 @@ def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
        "--config.model.patch_size=8", "--config.batch_size=32", "--config.eval_batch_size=32",
        "--config.fair.review_every_steps=0", "--config.eval_every_steps=0",
        *(f"--config.data.{k}={v}" for k, v in sizes.items())],
-      cwd=pathlib.Path(__file__).resolve().parents[1], check=True, capture_output=True,
+      cwd=REPO_ROOT, check=True, capture_output=True,
   )
   _, splits = synthetic.load_synthetic(
       image_size=32, num_classes=4, seed=0, sizes={"train": 128, "val": 32, "test": 64}

@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from conftest import REPO_ROOT
+
+ROOT = REPO_ROOT
 SCANNED = (
     "trainkit", "fairmoe_jax", "causal_attn_jax", "paper_runner", "benchmarks", "scripts",
     "configs", "results", "docs",
@@ -131,7 +133,7 @@ def test_no_file_imports_a_private_module_or_replaces_a_process_wide_hook():
   files = _scanned_files()
   assert len(files) > 100 and ROOT / "trainkit" / "checkpoint.py" in files
   found = [v for p in files for v in violations(p, p.relative_to(ROOT).as_posix())]
-  assert not found, "private internals (see tests/test_private_apis.py):\n" + "\n".join(found)
+  assert not found, "private internals (see tests/project/test_private_apis.py):\n" + "\n".join(found)
 
 
 def test_the_scanner_reports_a_planted_private_import_and_hook_with_file_and_line(tmp_path):
@@ -185,7 +187,7 @@ def test_every_allowed_file_still_uses_its_private_names():
         for name in _imported_names(node)
         if _is_private(name)
     }
-    assert imported == allowed, f"{relative}: update ALLOWED in tests/test_private_apis.py"
+    assert imported == allowed, f"{relative}: update ALLOWED in tests/project/test_private_apis.py"
   for relative, libraries in ALLOWED_LOGGERS.items():
     found = " ".join(violations(ROOT / relative, "a file without allowances"))
     assert all(f"the {name!r} logger" in found for name in libraries), f"update ALLOWED_LOGGERS: {relative}"
@@ -206,7 +208,7 @@ def test_each_allowed_private_name_still_exists(module, attribute):
   if not found:
     pytest.fail(
         f"jax {jax.__version__} no longer has {module}.{attribute}, a private name trainkit or "
-        "fairmoe_jax relies on (see ALLOWED in tests/test_private_apis.py): find its public "
+        "fairmoe_jax relies on (see ALLOWED in tests/project/test_private_apis.py): find its public "
         "replacement",
         pytrace=False,
     )

@@ -11,7 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 PEER = os.path.join(os.path.dirname(ROOT), "shared", "peers", "vmoe")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 

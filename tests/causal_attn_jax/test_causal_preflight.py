@@ -31,7 +31,7 @@ CASES = {
         "size=small,attention=causal",
         {"batch_size": 32, "eval_batch_size": 24},
     ),
-    # The OpenNMT En-De sample, cut short as tests/test_causal_cli.py cuts it.
+    # The OpenNMT En-De sample, cut short as tests/e2e/test_causal_cli.py cuts it.
     "translation": (
         "wmt14_ende.py",
         "size=small,attention=causal",

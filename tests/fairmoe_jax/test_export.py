@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from PIL import Image
+from test_cli import TINY, _env
 
 from conftest import REPO_ROOT
 from fairmoe_jax import config as config_lib
@@ -27,7 +28,6 @@ from fairmoe_jax.models import SwinTransformer, VisionTransformer
 from fairmoe_jax.models.backbones import build_backbone
 from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 from fairmoe_jax.run_info import Preprocessing, RunMetadata
-from test_cli import TINY, _env
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
 
 # The timm constructor arguments the rebuilders below interpret; any other is a failure, so a

@@ -288,7 +288,7 @@ def _choice_share(router, x, attributes, expert):
 def test_growing_an_attributes_experts_moves_routing_onto_them_under_attribute_routing():
   # Under attribute_routing, FEM's allocation reaches routing directly: Eq. 8 pushes each
   # attribute's vote onto the experts it holds. (Under expert_competence it cannot: see
-  # tests/test_methods.py, the allocation reaches routing only through what the experts learn.)
+  # tests/fairmoe_jax/test_methods.py, the allocation reaches routing only through what the experts learn.)
   router = _router("predicted", "attribute_routing", random_projections=False)
   x, attributes = _tokens(64), _groups(64)
   router, _ = _minimise_specialization(router, x, attributes, steps=200)

@@ -8,13 +8,14 @@ figure changed by hand fails. A new figure is one row.
 
 import functools
 import json
-import pathlib
 import re
 import sys
 
 import pytest
 
-ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "setup.py").exists())
+from conftest import REPO_ROOT
+
+ROOT = REPO_ROOT
 README, SCALING, BENCH, MOE = "README.md", "docs/scaling.md", "docs/benchmarks.md", "docs/moe.md"
 GIB, MIB = 2**30, 2**20
 sys.path.insert(0, str(ROOT / "benchmarks"))

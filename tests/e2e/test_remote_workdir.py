@@ -212,6 +212,6 @@ def test_uris_keep_their_scheme_and_local_paths_become_absolute(tmp_path, monkey
 def test_a_sweep_run_on_gs_is_one_error_pointing_to_commands():
   from paper_runner import sweep
 
-  # --mode=commands and --mode=collect take a gs:// workdir (tests/test_gcs_server.py).
+  # --mode=commands and --mode=collect take a gs:// workdir (tests/e2e/test_gcs_server.py).
   with pytest.raises(UserError, match="--mode=run runs the sweep on this machine.*--mode=commands"):
     sweep.execute("configs/sweeps/batch_experts.py", "gs://bucket/sweep")

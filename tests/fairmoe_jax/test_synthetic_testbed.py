@@ -2,18 +2,18 @@
 design promises (docs/dataset.md, "The synthetic testbed"), checked on the generated data."""
 
 import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
 
+from conftest import REPO_ROOT
 from fairmoe_jax import data as data_lib
 from fairmoe_jax.config import quickstart_config, validate
 from fairmoe_jax.data import synthetic
 from fairmoe_jax.data import synthetic_testbed as testbed
 
 SEX, AGE, SITE = 0, 1, 2
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["seed0", "seed1"])

@@ -4,7 +4,7 @@ fake-gcs-server (tests/gcs_server.py) serves GCS's JSON API on localhost; gcsfs 
 the run) and TensorStore's GCS driver (Orbax's arrays) reach it through the variables a user
 sets for any GCS endpoint. Each run is `python -m ...` in a working directory and a $TMPDIR of
 its own, both empty and checked to stay so; what the bucket holds is listed and read over the
-server's HTTP API, never through our code. tests/test_remote_workdir.py covers the same runs
+server's HTTP API, never through our code. tests/e2e/test_remote_workdir.py covers the same runs
 against an in-process fake, faster, without the network clients.
 
 One module fixture trains the quickstart (tiny) as a user would sweep it, on a gs:// workdir:

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from test_cli import TINY, _env
 
 from conftest import REPO_ROOT
 from fairmoe_jax import config as config_lib
@@ -16,7 +17,6 @@ from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data import pipeline
 from fairmoe_jax.metrics import intersections
 from fairmoe_jax.metrics.report import format_report
-from test_cli import TINY, _env
 from trainkit.errors import ConfigError
 
 METRICS = ("pqd", "dp", "eopp", "eodds")

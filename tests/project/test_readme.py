@@ -97,7 +97,7 @@ def test_first_journey_commands_parse_up_to_the_missing_data(tmp_path):
   assert result.returncode == 0, result.stderr
   assert "--nodes=2" in result.stdout and "--ntasks-per-node=8" in result.stdout
   assert " ".join(slurm[slurm.index("--") + 1 :]) in result.stdout
-  # The short run is the CelebA config at the size the CPU tests train (tests/test_celeba.py).
+  # The short run is the CelebA config at the size the CPU tests train (tests/fairmoe_jax/test_celeba.py).
   assert short[:3] == ["python", "-m", "fairmoe_jax.main"]
   assert "--config=configs/celeba.py:size=small,epochs=1" in short
   assert "--config.data.root=../shared/data/celeba" in short

@@ -26,14 +26,15 @@ import time
 
 import numpy as np
 import pytest
-
-from multiprocess import cpu_env, free_port
 from test_multiprocess import FAIRMOE_TINY, STEPS
+
+from conftest import REPO_ROOT
+from multiprocess import cpu_env, free_port
 from trainkit.metric_writers import read_metrics
 
 pytestmark = pytest.mark.slurm
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 LOCAL_SLURM = REPO / "launch" / "testing" / "local_slurm.sh"
 LOCAL_SLURM_DIR = pathlib.Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/local_slurm"))
 # Long enough that a scancel sent after the second logged step lands mid-run, whatever the load.
@@ -149,7 +150,7 @@ def _losses(workdir: pathlib.Path) -> np.ndarray:
 
 
 def _fairmoe_args(repo_root: pathlib.Path, workdir: pathlib.Path) -> list[str]:
-  # tests/test_multiprocess.py's run, so JAX's compilation cache serves both files' programs.
+  # tests/e2e/test_multiprocess.py's run, so JAX's compilation cache serves both files' programs.
   config = f"--config={repo_root}/configs/quickstart.py:steps={STEPS}"
   return [config, f"--workdir={workdir}", *FAIRMOE_TINY]
 
@@ -216,7 +217,7 @@ def test_srun_two_tasks_join_one_jax_runtime_from_slurm_and_train_like_one_proce
 
 
 def _write_sweep(repo_root: pathlib.Path, path: pathlib.Path) -> None:
-  """A 2x1 batch size x experts grid of the quickstart, as tiny as tests/test_multiprocess.py's."""
+  """A 2x1 batch size x experts grid of the quickstart, as tiny as tests/e2e/test_multiprocess.py's."""
   tiny = {}
   for flag in FAIRMOE_TINY:
     key, value = flag.removeprefix("--config.").split("=", 1)

@@ -10,7 +10,7 @@ from fairmoe_jax import config as fairmoe_config
 from trainkit.errors import ConfigError
 
 # The fairmoe configs; the causal_attn_jax ones (their docstrings run causal_attn_jax.main) are
-# checked by tests/test_causal_cli.py with that package's validator.
+# checked by tests/e2e/test_causal_cli.py with that package's validator.
 CONFIG_FILES = sorted(
     p
     for p in (REPO_ROOT / "configs").glob("*.py")
@@ -158,7 +158,7 @@ def test_generated_data_larger_than_the_host_s_memory_is_refused_naming_the_key(
 
 
 def test_a_run_of_one_process_may_leave_devices_idle_with_a_warning(caplog):
-  # On purpose, e.g. a one-device reference run on a host of 8 (tests/test_sharded_training.py):
+  # On purpose, e.g. a one-device reference run on a host of 8 (tests/fairmoe_jax/test_sharded_training.py):
   # it runs, and says what it leaves idle and which key fills the devices.
   from trainkit.mesh import make_mesh  # pylint: disable=import-outside-toplevel
 

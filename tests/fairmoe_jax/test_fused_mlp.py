@@ -196,7 +196,7 @@ def test_inside_shard_map_each_device_runs_the_kernels_on_its_own_rows():
   Pallas' interpreter cannot run a kernel inside a shard_map that checks varying axes (its
   grid loop's carry loses them, jax 0.10-0.12), so this one does not check; the typing under
   `check_vma=True`, as `data_parallel.py` runs the layer, is checked where the kernels are
-  lowered, for a TPU (`tests/test_moe_compiled.py`, `einsum_fused` on a v5e-8)."""
+  lowered, for a TPU (`tests/fairmoe_jax/test_moe_compiled.py`, `einsum_fused` on a v5e-8)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
   rows = jax.sharding.PartitionSpec(None, "data")
   r = np.random.default_rng(5)
