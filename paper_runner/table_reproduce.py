@@ -20,6 +20,8 @@ from trainkit.errors import UserError
 from trainkit.workdir import CONFIG_FILE, move_aside
 
 NOT_REPRODUCED = "not_reproduced"
+# What --reproduce accepts off the recording machine unless --tolerance says otherwise.
+DEFAULT_TOLERANCE = 0.02
 
 
 def compare(
@@ -51,7 +53,7 @@ def reproduce(
 ) -> tuple[bool, list[str]]:
   """Reruns the record's first run in `workdir/run` and compares every recorded value: exactly
   where the machine, software and data are the record's or those of an exact reproduction stamped
-  in it (`comparison_basis`), else within the spec's tolerance unless one is given. With `stamp`,
+  in it (`comparison_basis`), else within DEFAULT_TOLERANCE unless one is given. With `stamp`,
   the result is added to the record's provenance, one stamp per machine: under `reproduced`, or
   under `not_reproduced` with the value that moved most (never a voucher). A failed rerun is a
   UserError; SIGTERM stops its process group and raises KeyboardInterrupt."""
@@ -65,7 +67,7 @@ def reproduce(
   why_not_exact = [] if voucher is not None else differs_from_record
   same_machine = not why_not_exact
   if tolerance is None:
-    tolerance = 0.0 if same_machine else spec.tolerance
+    tolerance = 0.0 if same_machine else DEFAULT_TOLERANCE
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
   run_dir = os.path.join(workdir, "run")
   command = run_command(spec.sweep, first, run_dir)

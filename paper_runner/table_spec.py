@@ -18,7 +18,6 @@ from trainkit.errors import UserError
 RESULTS_DIR = os.path.join(REPO_ROOT, "results")
 RECORDS_DIR = os.path.join(RESULTS_DIR, "records")
 SEED_KEY = "seed"
-DEFAULT_TOLERANCE = 0.02
 # The last part of a fairness metric's path, and of one the predictions alone decide.
 FAIRNESS_KEYS = ("pqd", "dp", "eopp", "eodds")
 PREDICTION_KEYS = ("accuracy", *FAIRNESS_KEYS, "bleu")
@@ -84,7 +83,6 @@ class TableSpec:
   groups: str | None
   columns: list[Column]
   claims: list[Claim]
-  tolerance: float
   select: str | None = None
   select_within: tuple[str, float] | None = None
   references: str | None = None
@@ -215,7 +213,6 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
       groups=table.get("groups"),
       columns=columns,
       claims=claims,
-      tolerance=_check_tolerance(name, table.get("tolerance", DEFAULT_TOLERANCE)),
       select=_check_select(name, table.get("select"), columns),
       select_within=_check_select_within(name, table, columns),
       references=_check_references(name, table.get("references")),
@@ -223,12 +220,6 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
       tuning=_check_tuning(name, table.get("tuning"), texts),
       selection_leaks=_check_leaks(name, table.get("selection_leaks"), texts),
   )
-
-
-def _check_tolerance(name: str, value: Any) -> float:
-  if isinstance(value, bool) or not is_number(value) or value < 0:
-    raise spec_error(name, "tolerance", f"{value!r} is not a finite number >= 0")
-  return float(value)
 
 
 def accuracy_path(metric: str) -> str | None:

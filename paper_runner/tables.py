@@ -59,8 +59,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
       tolerance=flags.DEFINE_float(
           "tolerance",
           None,
-          "--reproduce: accepted |difference| (default: 0 on the recording machine, else the "
-          "spec's).",
+          "--reproduce: accepted |difference| (default: 0 on the recording machine, else 0.02).",
       ),
   )
 
