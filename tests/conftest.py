@@ -171,6 +171,28 @@ FAIR_TINY_ARGS = [
     "--config.batch_size=32",
     "--config.eval_batch_size=32",
 ]
+# The quickstart cut to seconds of training (tests of whole runs in several folders).
+QUICKSTART_TINY_ARGS = [
+    "--config.data.train_size=512",
+    "--config.data.val_size=64",
+    "--config.data.test_size=128",
+    "--config.model.dim=32",
+    "--config.model.depth=2",
+    "--config.model.num_heads=2",
+    "--config.model.mlp_dim=64",
+    "--config.batch_size=32",
+    "--config.eval_batch_size=64",
+]
+
+
+def one_device_env() -> dict[str, str]:
+  """The environment of a `python -m ...` run on one CPU device, as on a user's laptop."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device, as on a user's laptop.
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
 # A tiny Causal Transformer (model, vocabulary and data) so a run takes seconds.
 CAUSAL_TINY_ARGS = [
     "--config.model.dim=16",

@@ -31,6 +31,7 @@ def _positive(*values):
     assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, values
 
 
+@pytest.mark.slow
 def test_tiny_run_reports_every_part_and_a_failing_part_keeps_the_others(tmp_path, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", ONE_DEVICE_XLA_FLAGS)  # One device, as on the lent GPU.
   # The MoE layer's command fails (moe_layer.py has no such shape): recorded, the others report.
@@ -104,6 +105,7 @@ def test_an_exhausted_budget_skips_every_unit_with_the_reason(tmp_path, capsys):
   assert "`quickstart.cpu`: skipped: time budget" in md and md in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_pytest_output_is_counted_and_each_failure_listed(tmp_path):
   (tmp_path / "test_sample.py").write_text(
       "import pytest\n"
@@ -219,6 +221,7 @@ def _alive(pid):
     return False
 
 
+@pytest.mark.slow
 def test_a_command_that_outlasts_its_share_is_stopped_with_its_children():
   # The command starts a worker (as grain's are), prints its pid, and both sleep past the share.
   command = [sys.executable, "-c", "import subprocess, sys, time; worker = subprocess.Popen("

@@ -93,6 +93,7 @@ def test_testbed_stats_have_the_oracle_reader(stats_module):
     stats_module.compute(seed=0, sizes={"train": 10, "test": 10}, dataset="celeba")
 
 
+@pytest.mark.slow
 def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
   """--workdir restores the run and predicts the test split as the run's evaluation did (it once
   fed the model raw uint8 pixels, which the run normalises inside its step, and reported a

@@ -12,29 +12,13 @@ import time
 import numpy as np
 import pytest
 
-from conftest import FAIR_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, SHARED_DATA
+from conftest import FAIR_TINY_ARGS, QUICKSTART_TINY_ARGS, SHARED_DATA, one_device_env
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
 # A tiny model and dataset so each run takes seconds; everything else is the quickstart.
-TINY = [
-    "--config.data.train_size=512",
-    "--config.data.val_size=64",
-    "--config.data.test_size=128",
-    "--config.model.dim=32",
-    "--config.model.depth=2",
-    "--config.model.num_heads=2",
-    "--config.model.mlp_dim=64",
-    "--config.batch_size=32",
-    "--config.eval_batch_size=64",
-]
-
-
-def _env():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device, as on a user's laptop.
-  env["PYTHONUNBUFFERED"] = "1"
-  return env
+TINY = QUICKSTART_TINY_ARGS
+_env = one_device_env
 
 
 def _command(repo_root, workdir, *args, config="configs/quickstart.py"):

@@ -10,9 +10,8 @@ import os
 import subprocess
 import sys
 
-from test_cli import TINY as FAIR_TINY
-
 from conftest import CAUSAL_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, OWN_MODULES, REPO_ROOT, SHARED_DATA
+from conftest import QUICKSTART_TINY_ARGS as FAIR_TINY
 
 NLI = SHARED_DATA / "nli"
 DEPRECATIONS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")

@@ -12,8 +12,8 @@ import sys
 import time
 
 import numpy as np
-from test_causal_cli import TINY as CAUSAL_TINY
 
+from conftest import CAUSAL_TINY_ARGS as CAUSAL_TINY
 from conftest import SHARED_DATA
 from multiprocess import HEARTBEAT_TIMEOUT_S, cpu_env, log_text, start
 from trainkit.metric_writers import read_metrics

@@ -305,6 +305,7 @@ def test_pooling_refuses_runs_that_share_an_image_or_a_task(tmp_path):
     pooling.pooled_report([str(tmp_path / "a"), str(tmp_path / "c")])
 
 
+@pytest.mark.slow
 @needs_celeba
 def test_one_fold_trains_reports_three_attributes_and_pools(tmp_path):
   args = [a for a in FAIR_TINY_ARGS if not a.startswith("--config.data.sensitive")]

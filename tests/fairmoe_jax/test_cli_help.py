@@ -79,6 +79,7 @@ def test_help_shows_the_flags_the_config_keys_and_examples(
   assert "--grain_" not in out and "Try --helpfull" not in out
 
 
+@pytest.mark.slow
 def test_helpfull_lists_every_flag_and_exits_0(repo_root):
   result = _python(repo_root, "-m", "fairmoe_jax.main", "--helpfull")
   assert result.returncode == 0, result.stderr
@@ -170,6 +171,7 @@ def test_jax_flags_set_jax_config_and_verbosity_is_the_users(repo_root, args, ex
   assert result.stdout.strip() == expected
 
 
+@pytest.mark.slow
 def test_main_accepts_jax_flags_and_logs_at_the_given_verbosity(repo_root, tmp_path):
   # --mode=eval on an empty workdir stops early, after JAX has initialised its backend.
   args = ["-m", "fairmoe_jax.main", "--config=configs/quickstart.py", f"--workdir={tmp_path}"]
@@ -211,6 +213,7 @@ def test_launch_scripts_answer_help_with_their_usage(repo_root, script, help_fla
   assert f"launch/{script}" in result.stdout and "#" not in result.stdout.split("\n", 1)[0]
 
 
+@pytest.mark.slow
 def test_celeba_without_data_root_says_how_and_what_it_costs(repo_root, tmp_path):
   result = _python(
       repo_root,

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from PIL import Image
-from test_cli import TINY, _env
 
+from conftest import QUICKSTART_TINY_ARGS as TINY
 from conftest import REPO_ROOT
+from conftest import one_device_env as _env
 from fairmoe_jax import config as config_lib
 from fairmoe_jax import export
 from fairmoe_jax.data import augment
@@ -139,6 +140,7 @@ def dense_run(tmp_path_factory):
   return workdir, result.stdout
 
 
+@pytest.mark.slow
 def test_dense_export_rebuilds_from_its_config_with_the_trained_outputs(dense_run):
   import fairmoe_jax
 
@@ -286,6 +288,7 @@ def test_stated_preprocessing_is_the_pipeline_s(tmp_path):
   assert default > 5 * stated, (default, stated)
 
 
+@pytest.mark.slow
 def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run, tmp_path):
   workdir = tmp_path / "copy"
   shutil.copytree(dense_run[0], workdir, symlinks=True)

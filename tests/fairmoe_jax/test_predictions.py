@@ -9,9 +9,10 @@ import sys
 
 import numpy as np
 import pytest
-from test_cli import TINY, _env
 
+from conftest import QUICKSTART_TINY_ARGS as TINY
 from conftest import REPO_ROOT
+from conftest import one_device_env as _env
 from fairmoe_jax import config as config_lib
 from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.data import pipeline
@@ -230,6 +231,7 @@ def _read(workdir):
   )
 
 
+@pytest.mark.slow
 def test_fairlearn_on_predictions_csv_reproduces_the_report(run):
   from fairlearn.metrics import MetricFrame, count, demographic_parity_difference
   from sklearn.metrics import accuracy_score
@@ -331,6 +333,7 @@ def test_routing_measures_read_a_real_run_consistently(run):
     assert sum(shares) == pytest.approx(1.0, abs=1e-4)  # Each share rounded to 6 decimals.
 
 
+@pytest.mark.slow
 def test_eval_mode_writes_the_same_predictions(run):
   workdir, _ = run
   trained = (workdir / "predictions.csv").read_text()
@@ -339,6 +342,7 @@ def test_eval_mode_writes_the_same_predictions(run):
   assert (workdir / "predictions.csv").read_text() == trained
 
 
+@pytest.mark.slow
 def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   """--mode=export, then the file loads into a freshly initialised model of the same config
   and gives back the trained parameters (FairSMoE's router and attribute branches included)."""
@@ -387,6 +391,7 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(name))
 
 
+@pytest.mark.slow
 def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path):
   """Test images saved as PNG files (lossless) and classified with --mode=predict, from a
   folder and from a list file, get the probabilities evaluation gave them, with no label or
@@ -425,6 +430,7 @@ def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path
     assert any(c.endswith("/expert_0") for c in predicted.columns)
 
 
+@pytest.mark.slow
 def test_predict_refuses_routing_by_labels_and_empty_inputs(run, tmp_path):
   workdir, _ = run
   for args, key in (

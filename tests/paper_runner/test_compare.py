@@ -240,6 +240,7 @@ STUB_MAIN = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_a_run_trained_with_another_config_is_stale_then_retrained(tmp_path, monkeypatch, capsys):
   """Finished runs are checked against the whole config they were trained with (config.json)."""
   (tmp_path / "stub_fairmoe_main.py").write_text(STUB_MAIN)
@@ -298,6 +299,7 @@ def _compare(repo_root, workdir, *args):
   )
 
 
+@pytest.mark.slow
 def test_compare_end_to_end_then_resume_without_retraining(repo_root, tmp_path):
   variant = "multifair@multifair.weight=0.5"  # A method with an @ setting, end to end.
   args = [f"--methods=vanilla_smoe,{variant}", "--seeds=0"]
@@ -341,6 +343,7 @@ def test_compare_end_to_end_then_resume_without_retraining(repo_root, tmp_path):
   assert [p.stat().st_mtime_ns for p in reports] == mtimes
 
 
+@pytest.mark.slow
 def test_unknown_method_is_one_line_error(repo_root, tmp_path):
   result = _compare(repo_root, tmp_path, "--methods=vanilla_smoe,bogus")
   assert result.returncode == 2

@@ -74,6 +74,7 @@ def test_runs_of_unknown_length_are_priced_per_run(tmp_path):
   assert format_duration(30) == "30 s" and format_duration(3 * 3600) == "3.0 h"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", ["--dry-run", "--dry_run"])
 def test_the_sweep_takes_both_spellings_of_the_dry_run(tmp_path, repo_root, spelling):
   result = subprocess.run(

@@ -24,6 +24,7 @@ def test_the_table_in_the_docs_is_the_record(monkeypatch):
     assert "error" in result or (result["peak"] and result["provenance"]["jax"])
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_changed_table(tmp_path):
   text = (REPO_ROOT / "docs" / "scaling.md").read_text()
   start = text.index("<!-- table:preflight_paper -->")

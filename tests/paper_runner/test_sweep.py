@@ -112,6 +112,7 @@ def test_command_formats_values(tmp_path):
   ]
 
 
+@pytest.mark.slow
 def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
   sweep = spec.validate_sweep(_sweep(batch_sizes=(16, 13, 32)))
   sweep_path = tmp_path / "sweep.py"
@@ -271,6 +272,7 @@ COLLECTOR = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_spec_tables_collector_gets_the_run_results(tmp_path, stub_env, capsys, monkeypatch):
   (tmp_path / "stub_collector.py").write_text(COLLECTOR)
   monkeypatch.syspath_prepend(str(tmp_path))
@@ -363,6 +365,7 @@ def _slow_sweep(**extra):
   )
 
 
+@pytest.mark.slow
 def test_timeouts_terminate_then_kill_and_leave_error_txt(tmp_path, slow_env, monkeypatch, capsys):
   from paper_runner import supervise
 
@@ -400,6 +403,7 @@ def _start_slow_sweep(tmp_path, slow_env, repo_root, modes, **popen):
   return runner, workdir / "runs" / f"mode={modes[0]}" / "started.txt"
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_runner_stops_the_running_run(tmp_path, slow_env, repo_root):
   runner, started = _start_slow_sweep(
       tmp_path,
@@ -431,6 +435,7 @@ def _running(pid):
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_run_dies_with_a_killed_runner(tmp_path, slow_env, repo_root):
   """A SIGKILL to the runner would leave its run (a session of its own) training on; instead it
@@ -460,6 +465,7 @@ def test_a_run_dies_with_a_killed_runner(tmp_path, slow_env, repo_root):
       os.kill(run_pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_the_failure_reason_is_the_error_line_not_what_followed_it(tmp_path):
   """A progress line written after the run's error (by a run left over from a killed
   runner, or a background thread) is not the reason: the error or exception line is."""
@@ -556,6 +562,7 @@ def test_bad_sweeps_name_the_key(changes, key):
     spec.validate_sweep(raw)
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line(tmp_path, repo_root):
   bad = tmp_path / "bad.py"
   bad.write_text(
@@ -688,6 +695,7 @@ REAL_RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", list(REAL_RUNS))
 def test_an_edited_config_file_makes_finished_runs_stale(module, repo_root, tmp_path, capsys):
   """The flags alone (sweep_run.json) do not see an edit of the config file the
@@ -788,6 +796,7 @@ def test_only_names_an_unknown_key_or_value(only, message):
     sweep_cli.restrict_grid(sweep, [only])
 
 
+@pytest.mark.slow
 def test_collect_of_a_subset_writes_its_tables_beside_the_full_sweep_s(
     tmp_path, stub_env, monkeypatch, capsys
 ):

@@ -346,6 +346,7 @@ def test_compare_is_exact_unless_a_tolerance_is_given():
 # ---------------------------------------------------------------- the repository's own tables
 
 
+@pytest.mark.slow
 def test_every_table_in_the_results_doc_matches_its_stored_record(repo_root):
   result = subprocess.run(
       [sys.executable, "-m", "paper_runner.tables", "--check=docs/results.md"],
@@ -384,6 +385,7 @@ def _replaying(run_dir):
   return run
 
 
+@pytest.mark.slow
 def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   """The whole path on a real (tiny) run: sweep, record, rerun seed 0 of the first row."""
   results = tmp_path / "results"
@@ -1366,6 +1368,7 @@ def _running(pid):
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_a_killed_reproduction_stops_its_training_run(toy_tables, tmp_path, repo_root, signum):

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pdoc  # The build below runs it in a subprocess; a missing pdoc should fail here.
+import pytest
 
 from conftest import REPO_ROOT
 
@@ -26,6 +27,7 @@ def _build(*args, pythonpath=None):
   )
 
 
+@pytest.mark.slow
 def test_api_reference_builds_without_a_warning(tmp_path):
   assert pdoc.__version__
   result = _build(f"--output={tmp_path}")
@@ -50,6 +52,7 @@ def test_api_reference_builds_without_a_warning(tmp_path):
   assert "timm_config" in export_page and 'id="arguments"' in export_page
 
 
+@pytest.mark.slow
 def test_a_warning_fails_the_build(tmp_path):
   """What the test above relies on: a docstring or annotation pdoc cannot use is an error."""
   package = tmp_path / "src" / "apidoc_broken"

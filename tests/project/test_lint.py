@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pyink  # noqa: F401  The checks run both in a subprocess; a missing one should fail here.
+import pytest
 import ruff  # noqa: F401
 
 from conftest import REPO_ROOT
@@ -44,6 +45,7 @@ def _ruff_isort(*paths) -> subprocess.CompletedProcess:
   )
 
 
+@pytest.mark.slow
 def test_imports_are_sorted():
   result = _ruff_isort(*LINTED)
   assert result.returncode == 0, (
@@ -53,6 +55,7 @@ def test_imports_are_sorted():
   )
 
 
+@pytest.mark.slow
 def test_an_unsorted_or_repeated_import_fails(tmp_path):
   """What the test above relies on: the check reports a module like train.py's old imports."""
   module = tmp_path / "unsorted.py"
@@ -78,6 +81,7 @@ def _pyink_check(*paths) -> subprocess.CompletedProcess:
   )
 
 
+@pytest.mark.slow
 def test_the_tree_is_formatted():
   result = _pyink_check(*LINTED, "docs", "setup.py")
   assert result.returncode == 0, (
@@ -86,6 +90,7 @@ def test_the_tree_is_formatted():
   )
 
 
+@pytest.mark.slow
 def test_an_unformatted_file_fails(tmp_path):
   """What the test above relies on: four-space indentation and odd spacing are reported."""
   module = tmp_path / "unformatted.py"

@@ -139,6 +139,7 @@ def test_setup_ships_configs_and_type_markers(setup_args):
     assert (REPO_ROOT / package / "py.typed").is_file()
 
 
+@pytest.mark.slow
 def test_built_tree_holds_every_config_and_type_marker(built_tree):
   for package in PACKAGES:
     assert (built_tree / package / "py.typed").is_file()
@@ -150,6 +151,7 @@ def test_built_tree_holds_every_config_and_type_marker(built_tree):
   assert pathlib.Path("sweeps/batch_experts.py") in shipped
 
 
+@pytest.mark.slow
 def test_installed_layout_resolves_configs_from_any_directory(built_tree, tmp_path):
   """With only the built tree on the path (as after `pip install`), configs/... still resolves."""
   script = (
@@ -265,8 +267,12 @@ def _third_party_imports(paths) -> dict[str, set[str]]:
         continue
       for name in names:
         top = name.split(".")[0]
-        # Modules of tests/ and of benchmarks/ (the benchmark tests import those).
-        local = any((REPO_ROOT / d / f"{top}.py").exists() for d in ("tests", "benchmarks"))
+        # Modules of tests/ (its helpers, and test modules beside the importing one) and of
+        # benchmarks/ (the benchmark tests import those).
+        local = any(
+            (folder / f"{top}.py").exists()
+            for folder in (REPO_ROOT / "tests", pathlib.Path(path).parent, REPO_ROOT / "benchmarks")
+        )
         if top not in sys.stdlib_module_names and top not in _FIRST_PARTY and not local:
           found.setdefault(top, set()).add(str(path))
   return found
@@ -360,6 +366,7 @@ def test_constraints_pin_every_declared_dependency(setup_args):
 _EXTRA_ONLY = ("tensorflow_datasets", "safetensors", "sentencepiece", "sacrebleu", "sacremoses")
 
 
+@pytest.mark.slow
 def test_the_quickstart_imports_nothing_an_extra_installs():
   # A base install (`pip install -e .`) serves the quickstart: its modules, imported in a process
   # of their own, load none of the extras' packages.

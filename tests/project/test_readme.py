@@ -6,6 +6,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 
 
@@ -72,6 +74,7 @@ def test_readme_is_a_front_door_with_three_journeys():
     assert (REPO_ROOT / page).is_file(), page
 
 
+@pytest.mark.slow
 def test_first_journey_commands_parse_up_to_the_missing_data(tmp_path):
   # The CelebA command and the TPU slice's: every flag and config key is accepted; on this
   # machine the run stops at the data directory the reader must provide (one line, exit 2).
@@ -103,6 +106,7 @@ def test_first_journey_commands_parse_up_to_the_missing_data(tmp_path):
   assert "--config.data.root=../shared/data/celeba" in short
 
 
+@pytest.mark.slow
 def test_second_journey_writes_the_sweep_and_submits_it_as_one_array(tmp_path):
   sweep, submit = (shlex.split(c) for c in _journey_blocks("bash")[3].strip().split(" && "))
   workdir = tmp_path / "sweep"

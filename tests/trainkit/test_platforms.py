@@ -54,6 +54,7 @@ def _assert_quiet(stderr: str) -> None:
     assert noise not in stderr, stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not EXTRA_INSTALLED, reason="needs the preflight extra (CUDA plugin, libtpu)")
 @pytest.mark.skipif(not NO_ACCELERATOR, reason="this host has a GPU or TPU")
 def test_a_run_with_the_extra_on_a_cpu_host_prints_no_traceback(tmp_path, repo_root):
@@ -69,6 +70,7 @@ def test_a_run_with_the_extra_on_a_cpu_host_prints_no_traceback(tmp_path, repo_r
   _assert_quiet(result.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
 @pytest.mark.skipif(not NO_ACCELERATOR, reason="this host has a GPU or TPU")
 @pytest.mark.parametrize("users_hostnames", [None, "localhost"])

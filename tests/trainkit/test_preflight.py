@@ -204,6 +204,7 @@ def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
   assert "mesh.expert" in message and "mesh.data" not in message
 
 
+@pytest.mark.slow
 @pytest.mark.compile_gpu
 def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
   # The GPU compiler compiles it anyway; our check against 75% of 80 GiB refuses it.
@@ -312,6 +313,7 @@ def test_without_the_plugins_the_preflight_says_what_to_install(monkeypatch):
     devices(target)
 
 
+@pytest.mark.slow
 @pytest.mark.compile_tpu
 def test_describing_a_slice_leaves_no_tpu_pod_variables_to_subprocesses():
   # libtpu sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID, ... behind Python's back; a run started

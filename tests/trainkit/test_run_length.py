@@ -87,6 +87,7 @@ def _main(tmp_path, repo_root, *overrides):
   )
 
 
+@pytest.mark.slow
 def test_a_run_trains_the_steps_given_on_a_config_that_sets_epochs(tmp_path, repo_root):
   result = _main(tmp_path, repo_root, "--config.num_train_steps=2")
   assert result.returncode == 0, result.stdout + result.stderr
@@ -98,6 +99,7 @@ def test_a_run_trains_the_steps_given_on_a_config_that_sets_epochs(tmp_path, rep
   assert saved["num_train_steps"] == 2 and saved["num_epochs"] == 0
 
 
+@pytest.mark.slow
 def test_both_lengths_given_stop_the_run_in_one_line(tmp_path, repo_root):
   result = _main(tmp_path, repo_root, "--config.num_train_steps=2", "--config.num_epochs=1")
   assert result.returncode == 2, result.stdout + result.stderr

@@ -41,6 +41,7 @@ def test_unwritable_workdir_is_a_user_error(tmp_path):
     prepare_workdir(str(blocker / "sub"))
 
 
+@pytest.mark.slow
 def test_workdir_lock_refuses_a_second_run_and_takes_over_stale_locks(tmp_path, caplog):
   with workdir_lock(str(tmp_path)):
     owner = json.loads((tmp_path / ".run.lock").read_text())
