@@ -72,8 +72,6 @@ from flax import struct
 FORMS = ("node", "separate")
 LOSSES = ("hinge", "linear")
 ENCODER_BANDS = ("derived_self_loop", "paper_slack")
-# Old names of encoder bands and what they are called now (rejected, never read as the new name).
-RENAMED_ENCODER_BANDS = {"self_loop": "derived_self_loop"}
 
 # Definition 1: two parents at 1/2 (lower) to one parent (upper), in tau - N.
 DEFINITION1_LOWER = 2.0 * math.expm1(0.5)
@@ -92,18 +90,8 @@ class Band:
   count_diagonal: bool
 
 
-def renamed_encoder_band_message(encoder_band: str) -> str:
-  """What to use instead of an old encoder band name (a key of RENAMED_ENCODER_BANDS)."""
-  return (
-      f"{encoder_band!r} was renamed {RENAMED_ENCODER_BANDS[encoder_band]!r} (the band derived "
-      "from the prose; 'paper_slack' is the one with the paper's printed constants)"
-  )
-
-
 def band(*, decoder: bool, encoder_band: str = "derived_self_loop") -> Band:
   """The band of a self-attention layer (module docstring: one row shape per bound)."""
-  if encoder_band in RENAMED_ENCODER_BANDS:
-    raise ValueError(f"encoder_band {renamed_encoder_band_message(encoder_band)}")
   if decoder:
     return Band(DEFINITION1_LOWER, DEFINITION1_UPPER, count_diagonal=False)
   if encoder_band == "derived_self_loop":
@@ -127,8 +115,6 @@ class ConstraintSpec:
   encoder_band: str = "derived_self_loop"
 
   def __post_init__(self):
-    if self.encoder_band in RENAMED_ENCODER_BANDS:
-      raise ValueError(f"encoder_band {renamed_encoder_band_message(self.encoder_band)}")
     for name, value, choices in (
         ("form", self.form, FORMS),
         ("loss", self.loss, LOSSES),

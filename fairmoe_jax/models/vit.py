@@ -189,15 +189,11 @@ class CheckpointedBlock:
       context: Mapping[str, jax.Array] | None = None,
   ) -> tuple[jax.Array, MoEAux | None]:
     if train and self.remat != "none":  # An evaluation has no backward pass to save memory for.
-      return checkpointed(_train_forward, self.remat)(self, x, rngs, context)
+      forward = lambda block, x, rngs, context: block.forward(
+          x, train=True, rngs=rngs, context=context
+      )
+      return checkpointed(forward, self.remat)(self, x, rngs, context)
     return self.forward(x, train=train, rngs=rngs, context=context)
-
-
-def _train_forward(
-    block: nnx.Module, x: jax.Array, rngs: nnx.Rngs | None, context: Any
-) -> tuple[jax.Array, MoEAux | None]:
-  """A block's training forward pass, its arguments as `trainkit.remat.checkpointed` takes them."""
-  return block.forward(x, train=True, rngs=rngs, context=context)
 
 
 class Block(CheckpointedBlock, nnx.Module):

@@ -170,16 +170,17 @@ def test_paper_slack_reading_cannot_reject_uniform_attention():
   assert _violated(C.constraint_violations(jnp.eye(7)[None, None], None, spec=spec, **ENCODER))
 
 
-def test_old_band_name_self_loop_is_refused_naming_its_new_name():
-  """The derived band is derived_self_loop; the old name runs nothing and names the new one."""
+def test_an_unknown_band_is_refused_naming_the_bands():
+  """The derived band is derived_self_loop; any other name (its old name self_loop included)
+  runs nothing and is one error naming the key and the bands."""
   assert C.ConstraintSpec().encoder_band == "derived_self_loop"
-  with pytest.raises(ValueError, match="'self_loop' was renamed 'derived_self_loop'"):
+  with pytest.raises(ValueError, match="derived_self_loop"):
     C.ConstraintSpec(encoder_band="self_loop")
-  with pytest.raises(ValueError, match="'self_loop' was renamed 'derived_self_loop'"):
+  with pytest.raises(ValueError, match="unknown encoder_band 'self_loop'"):
     C.band(decoder=False, encoder_band="self_loop")
   config = config_lib.base_config()
   config.constraints.encoder_band = "self_loop"
-  with pytest.raises(ConfigError, match="'self_loop' was renamed 'derived_self_loop'") as e:
+  with pytest.raises(ConfigError, match="'derived_self_loop', 'paper_slack'.*got 'self_loop'") as e:
     config_lib.validate(config, num_devices=1)
   assert e.value.key == "constraints.encoder_band"
   # Both current names pass the constraint's checks (validation stops later, at the data).
