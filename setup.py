@@ -84,7 +84,9 @@ setup(
         "causal": CAUSAL,
         # Everything the tests and the docs' snippets import beyond install_requires
         # (tests/project/test_packaging.py checks that the declarations cover every import).
-        "test": FAIRSMOE + CAUSAL + [
+        "test": FAIRSMOE
+        + CAUSAL
+        + [
             "pytest>=8",
             "pytest-xdist>=3.5",
             "fairlearn>=0.10",

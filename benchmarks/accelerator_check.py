@@ -34,7 +34,9 @@ DEVICE_TESTS = "fairmoe_jax/moe_algorithms fairmoe_jax/moe fairmoe_jax/routers f
 DEVICE_TESTS += " fairmoe_jax/vit fairmoe_jax/swin fairmoe_jax/fairness_metrics fairmoe_jax/remat"
 DEVICE_TESTS += " fairmoe_jax/moe_layer_options fairmoe_jax/dropless_tpu fairmoe_jax/methods"
 DEVICE_TESTS += " fairmoe_jax/fairness_training causal_attn_jax/causal_attention"
-DEVICE_TESTS += " causal_attn_jax/decoding causal_attn_jax/causal_models causal_attn_jax/constraints"
+DEVICE_TESTS += (
+    " causal_attn_jax/decoding causal_attn_jax/causal_models causal_attn_jax/constraints"
+)
 DEVICE_TESTS += " trainkit/optim"
 OURS = ("sort", "einsum", "dropless")  # What `moe.dispatch=auto` may choose on a GPU.
 TRAIN = {"batch_size": 256, "compute_dtype": "bfloat16", "preflight.eval_step": False}
@@ -46,7 +48,9 @@ SIZES = {  # moe: shape, experts, top-k, rounds; pipeline: image size, batch, ba
         moe=("deit_s", (4, 64), 2, 20),
         pipeline=(224, 256, 4, ("0", "cores")),
         quickstart=("configs/quickstart.py",),
-        tests=[f"tests/{d}/test_{name}.py" for d, name in (t.split("/") for t in DEVICE_TESTS.split())],
+        tests=[
+            f"tests/{d}/test_{name}.py" for d, name in (t.split("/") for t in DEVICE_TESTS.split())
+        ],
         budget_s=480.0,
     ),
     "tiny": dict(

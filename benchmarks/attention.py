@@ -84,9 +84,7 @@ def benchmark_case(
   keys = jax.random.split(jax.random.key(seed + 1), 2)
   x = jax.random.normal(keys[0], (batch, n, dim), jnp.float32).astype(dtype)
   cotangent = jax.random.normal(keys[1], (batch, n, dim), jnp.float32).astype(dtype)
-  multipliers = jnp.full(
-      (heads, len(constraints_lib.DEFAULT_SPEC.names)), multiplier, jnp.float32
-  )
+  multipliers = jnp.full((heads, len(constraints_lib.DEFAULT_SPEC.names)), multiplier, jnp.float32)
   loss = _make_loss(graphdef, kind, decoder, n, multipliers, penalty)
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 

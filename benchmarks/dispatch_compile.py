@@ -46,7 +46,13 @@ CASES = {
     "deit_s": (("deit_s32", 4, 2), ("deit_s32", 64, 2)),
 }
 DISPATCHES = (
-    "sort", "einsum", "einsum_fused", "sort_blocks", "blocksparse", "dropless", "dropless_ragged_dot"
+    "sort",
+    "einsum",
+    "einsum_fused",
+    "sort_blocks",
+    "blocksparse",
+    "dropless",
+    "dropless_ragged_dot",
 )
 # Rows that run a registered dispatch with one option set: `dropless` picks its grouped matmuls
 # by the platform it is compiled for (megablox's Pallas kernels on TPU, `ragged_dot` elsewhere);
@@ -58,7 +64,9 @@ VARIANTS = {
 }
 BASELINE = moe_layer.BASELINE
 # The table docs/benchmarks.md cites (committed).
-TABLE_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dispatch_compile.json")
+TABLE_JSON = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "dispatch_compile.json"
+)
 # Dispatches whose expert MLP runs in loops with run-time trip counts (see the caveat above).
 LOOPED = ("sort_blocks", "blocksparse")
 # Matmuls per row of a block's expert MLP, forward and backward (`blocksparse.block_mlp`): two
@@ -287,7 +295,9 @@ def main() -> None:
         status = row["error"] or f"compiled in {row['compile_s']:.1f} s"
         print(f"  {target.name} {dtype} {shape} E={e} k={k} {dispatch}: {status}", flush=True)
         rows.append(row)
-        _write(args, parts, merged(kept, rows), targets, quiet=True)  # A partial file if interrupted.
+        _write(
+            args, parts, merged(kept, rows), targets, quiet=True
+        )  # A partial file if interrupted.
   rows = merged(kept, rows)
   add_ratios(rows)
   best = best_per_case(rows)
@@ -309,7 +319,14 @@ def main() -> None:
 
 
 def _key(row: dict) -> tuple:
-  return (row["target"], row["dtype"], row["shape"], row["num_experts"], row["top_k"], row["dispatch"])
+  return (
+      row["target"],
+      row["dtype"],
+      row["shape"],
+      row["num_experts"],
+      row["top_k"],
+      row["dispatch"],
+  )
 
 
 def merged(kept: list[dict], rows: list[dict]) -> list[dict]:

@@ -71,7 +71,9 @@ def expert_mlp_bytes(
   [E, G, C, D] buffers `einsum` hands it at `shape` (weights float32, tokens in `dtype`); `mlp`
   "xla" (`ExpertWeights.apply_expert_major`) or "fused" (`fused_mlp`'s kernels on a TPU)."""
   groups, tokens, dim, _ = dispatch_compile.SHAPES[shape]
-  x, _, weights, _ = dispatch_compile.abstract_args(mesh, shape, num_experts, TOP_K, "einsum", dtype)
+  x, _, weights, _ = dispatch_compile.abstract_args(
+      mesh, shape, num_experts, TOP_K, "einsum", dtype
+  )
   capacity = compute_capacity(tokens, num_experts, TOP_K, 1.25)
   buffers = jax.ShapeDtypeStruct((num_experts, groups, capacity, dim), x.dtype, sharding=x.sharding)
   loss = functools.partial(_expert_mlp_loss, mlp=mlp)
@@ -86,9 +88,12 @@ def _vmoe_best(shape: str, num_experts: int, dtype: str, target: str) -> float |
   with open(dispatch_compile.TABLE_JSON) as f:
     rows = json.load(f)["rows"]
   peers = [
-      r["bytes_accessed"] for r in rows
-      if (r["shape"], r["num_experts"], r["dtype"], r["target"]) == (shape, num_experts, dtype, target)
-      and r["dispatch"] in moe_layer.PEER_ROWS and r.get("bytes_accessed")
+      r["bytes_accessed"]
+      for r in rows
+      if (r["shape"], r["num_experts"], r["dtype"], r["target"])
+      == (shape, num_experts, dtype, target)
+      and r["dispatch"] in moe_layer.PEER_ROWS
+      and r.get("bytes_accessed")
   ]
   return min(peers) if peers else None
 
@@ -114,9 +119,11 @@ def _buffer_line(name: str, compiled: Any, experts: int, groups: int, capacity: 
   text = compiled.as_text()
   buffers = buffer_writes(text, (experts, groups, capacity, dim))
   rows = buffer_writes(text, (experts, groups * capacity, dim))
-  return (f"{name}: arrays of the dispatched buffers' shape [E, G, C, D] = "
-          f"[{experts}, {groups}, {capacity}, {dim}] written, by dtype: {buffers or 'none'}; "
-          f"of the kernels' rows [E, G C, D]: {rows or 'none'}")
+  return (
+      f"{name}: arrays of the dispatched buffers' shape [E, G, C, D] = "
+      f"[{experts}, {groups}, {capacity}, {dim}] written, by dtype: {buffers or 'none'}; "
+      f"of the kernels' rows [E, G C, D]: {rows or 'none'}"
+  )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
   # What goes below that floor: the MLP in one Pallas kernel per pass (`fused_mlp`), alone and
   # in the layer (the dispatch `einsum_fused`). The kernels' share is their own cost estimate.
   record(
-      "fused expert MLP alone", expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype, "fused")
+      "fused expert MLP alone",
+      expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype, "fused"),
   )
   compiled, _ = moe_layer.compile_step(
       moe_layer.layer_loss("einsum_fused", capacity, TOP_K), inputs
@@ -170,9 +178,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(_buffer_line(name, step, args.experts, groups, capacity, dim), flush=True)
   vmoe_best = _vmoe_best(args.shape, args.experts, args.dtype, args.target)
   if vmoe_best is not None:
-    print(f"V-MoE's best (benchmarks/results/dispatch_compile.json): {vmoe_best / 1e9:.3f} GB; "
-          + ", ".join(f"{name} {value / vmoe_best:.3f}x" for name, value in rows.items())
-          + (f", the MLP's floor {floor / vmoe_best:.3f}x" if floor else ""), flush=True)
+    print(
+        f"V-MoE's best (benchmarks/results/dispatch_compile.json): {vmoe_best / 1e9:.3f} GB; "
+        + ", ".join(f"{name} {value / vmoe_best:.3f}x" for name, value in rows.items())
+        + (f", the MLP's floor {floor / vmoe_best:.3f}x" if floor else ""),
+        flush=True,
+    )
   if args.out:
     with open(args.out, "w") as f:
       json.dump(

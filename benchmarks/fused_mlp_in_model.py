@@ -34,9 +34,14 @@ def _child(argv: list[str]) -> None:
 def _compile(backbone: str, target: str, dispatch: str, layout: tuple[int, int]) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     command = [
-        sys.executable, os.path.abspath(__file__), "--child", *map(str, layout),
-        f"--config=configs/celeba.py:backbone={backbone}", "--mode=compile",
-        f"--config.preflight.target={target}", f"--config.moe.dispatch={dispatch}",
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        *map(str, layout),
+        f"--config=configs/celeba.py:backbone={backbone}",
+        "--mode=compile",
+        f"--config.preflight.target={target}",
+        f"--config.moe.dispatch={dispatch}",
         f"--workdir={workdir}",
     ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -70,14 +75,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
   for row in rows:
     name = row["dispatch"] + (
         f" (rows {row['layout'][0]}, {row['layout'][1]} buffer(s))"
-        if row["dispatch"] == "einsum_fused" else ""
+        if row["dispatch"] == "einsum_fused"
+        else ""
     )
     if "error" in row:
       print(f"  {name}: {row['error']}")
       continue
-    print(f"  {name}: {row['bytes_accessed']:.4g} bytes accessed"
-          + (f" ({row['bytes_accessed'] / base:.3f}x einsum)" if base else "")
-          + f", {row['flops']:.4g} FLOPs, peak {row['peak'] / 2**30:.2f} GiB", flush=True)
+    print(
+        f"  {name}: {row['bytes_accessed']:.4g} bytes accessed"
+        + (f" ({row['bytes_accessed'] / base:.3f}x einsum)" if base else "")
+        + f", {row['flops']:.4g} FLOPs, peak {row['peak'] / 2**30:.2f} GiB",
+        flush=True,
+    )
   if args.out:
     # Imported after every child has run: this process initialises jax only now (on the CPU).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -101,7 +101,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument("--data_root", default=os.path.join(os.path.dirname(ROOT), "shared", "data", "celeba"))
+  parser.add_argument(
+      "--data_root", default=os.path.join(os.path.dirname(ROOT), "shared", "data", "celeba")
+  )
   parser.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
   parser.add_argument("--rows", default="uint8_two_pass,uint8_one_pass")
   parser.add_argument("--batch_size", type=int, default=256)

@@ -121,12 +121,7 @@ TranslateFn = Callable[[Any, Any, jax.Array], jax.Array]
 
 
 def decode_tokens(
-    model: models.Seq2Seq,
-    src: jax.Array,
-    *,
-    beam_size: int,
-    max_len: int,
-    alpha: float = 0.6,
+    model: models.Seq2Seq, src: jax.Array, *, beam_size: int, max_len: int, alpha: float = 0.6
 ) -> jax.Array:
   """Translations [B, max_len] of src [B, S] (traceable; call it under jit).
 

@@ -79,7 +79,5 @@ def get_config(arg: str | None = None):
   config.fair.psi = arg.psi
   if arg.split == "identity_folds":
     # Added only here: the official partition's configs keep exactly the keys they had.
-    config.data.identity_folds = ml_collections.ConfigDict(
-        dict(num_folds=NUM_FOLDS, fold=arg.fold)
-    )
+    config.data.identity_folds = ml_collections.ConfigDict(dict(num_folds=NUM_FOLDS, fold=arg.fold))
   return config

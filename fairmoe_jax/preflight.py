@@ -50,7 +50,10 @@ def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
     return 0, ""
   n_test = round(d.test_fraction * ISIC2019_IMAGES)
   n_val = round(d.val_fraction * (ISIC2019_IMAGES - n_test))
-  return ISIC2019_IMAGES - n_test - n_val, "ISIC 2019's training images less the random split's test and val"
+  return (
+      ISIC2019_IMAGES - n_test - n_val,
+      "ISIC 2019's training images less the random split's test and val",
+  )
 
 
 def batch_spec(
@@ -86,4 +89,3 @@ def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
       initial_extra=method.initial_extra(config, info),
       settings={"moe.dispatch": resolve_dispatch(config.moe.dispatch, mesh)},
   )
-

@@ -216,7 +216,9 @@ def table(record: dict[str, Any] | None = None) -> str:
     step = run["batch"] / high * 1e3, run["batch"] / low * 1e3
     step_shown = f"{step[0]:.0f}" if low == high else f"{step[0]:.0f}-{step[1]:.0f}"
     if row is None:
-      lines.append(f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} | {step_shown} | not compiled | | |")
+      lines.append(
+          f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} | {step_shown} | not compiled | | |"
+      )
       continue
     u = utilisation(run, row)
     u_shown = f"{u[0]:.2f}" if low == high else f"{u[0]:.2f}-{u[1]:.2f}"
@@ -252,7 +254,9 @@ def main(argv: list[str]) -> None:
     return
   if preflight_table.COMPILE.value:
     compile_missing(preflight_table.ONLY.value)
-  write_or_check(NAME, table() + "\n", RECORD, preflight_table.WRITE.value, preflight_table.CHECK.value)
+  write_or_check(
+      NAME, table() + "\n", RECORD, preflight_table.WRITE.value, preflight_table.CHECK.value
+  )
 
 
 if __name__ == "__main__":

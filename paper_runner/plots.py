@@ -18,10 +18,7 @@ _DODGE_WIDTH = 0.5
 
 
 def sweep_figure(
-    sweep: ml_collections.ConfigDict,
-    rows: Sequence[Mapping[str, Any]],
-    column: str,
-    key: str,
+    sweep: ml_collections.ConfigDict, rows: Sequence[Mapping[str, Any]], column: str, key: str
 ) -> Any:
   """`column` against grid key `key`: the mean over finished runs (error bar: the sample std),
   one series per combination of the other varied keys; numeric keys on a (log2 when wide) line,

@@ -97,8 +97,13 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
   """Runs `--mode=compile` for one cell; the summary of its preflight.json, or its error."""
   with tempfile.TemporaryDirectory() as workdir:
     command = [
-        sys.executable, "-m", cell["module"], f"--config={cell['config']}", "--mode=compile",
-        f"--config.preflight.target={cell['target']}", "--config.preflight.eval_step=False",
+        sys.executable,
+        "-m",
+        cell["module"],
+        f"--config={cell['config']}",
+        "--mode=compile",
+        f"--config.preflight.target={cell['target']}",
+        "--config.preflight.eval_step=False",
         f"--workdir={workdir}/run",
     ]
     if cell["epochs"]:
@@ -110,7 +115,9 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     path = os.path.join(workdir, "run", "preflight.json")
-    shown = " ".join(c if " " not in c else repr(c) for c in command[1:] if not c.startswith("--workdir"))
+    shown = " ".join(
+        c if " " not in c else repr(c) for c in command[1:] if not c.startswith("--workdir")
+    )
     if not os.path.exists(path) and result.returncode < 0:
       # Killed from outside (SIGKILL is what the out-of-memory killer sends): a fact about this
       # host at that moment, not about the configuration, so nothing is recorded for the cell.
@@ -194,7 +201,11 @@ def compile_missing(pattern: str, skip: str, reverse: bool = False) -> None:
           flush=True,
       )
       continue
-    result.update(commit=_commit(), date=datetime.date.today().isoformat(), host=platform.processor() or platform.machine())
+    result.update(
+        commit=_commit(),
+        date=datetime.date.today().isoformat(),
+        host=platform.processor() or platform.machine(),
+    )
     _save(record, cell["name"], result)
     print(f"  {_row(cell, result)}", flush=True)
 
@@ -207,7 +218,11 @@ def _hours(result: dict[str, Any], dataset: dict[str, int] | None) -> str:
   step = result.get("step_s")
   if not step:
     return "-"
-  steps = result["num_train_steps"] if dataset is None else math.ceil(dataset["epochs"] * dataset["examples"] / BATCH)
+  steps = (
+      result["num_train_steps"]
+      if dataset is None
+      else math.ceil(dataset["epochs"] * dataset["examples"] / BATCH)
+  )
   return f"{steps * step * result['devices'] / 3600:,.1f}"
 
 
@@ -222,7 +237,11 @@ def _row(cell: dict[str, Any], result: dict[str, Any] | None) -> str:
     return f"| {label} | {where} | error: {result['error'].replace('|', '/')} | | | | | | | |"
   fits = "yes" if result["fits"] else "**no**"
   step = f"{result['step_s'] * 1e3:.0f}" if result.get("step_s") else "-"
-  bound = f"{result['roofline_s'] * 1e3:.1f} ({result['bound_by']})" if result.get("roofline_s") else "-"
+  bound = (
+      f"{result['roofline_s'] * 1e3:.1f} ({result['bound_by']})"
+      if result.get("roofline_s")
+      else "-"
+  )
   if cell["epochs"]:
     hours = f"{_hours(result, CELEBA)} / {_hours(result, ISIC)}"
   else:
@@ -257,7 +276,11 @@ def render() -> str:
   done = [r for r in results.values() if "provenance" in r]
   misfits = [
       f"{name} needs {_gib(r['peak'])} GiB per device"
-      + (" at least (the TPU compiler's count of its temporaries)" if r.get("refused_by_compiler") else "")
+      + (
+          " at least (the TPU compiler's count of its temporaries)"
+          if r.get("refused_by_compiler")
+          else ""
+      )
       + f" of {_gib(r['usable'])} usable"
       for name, r in sorted(results.items())
       if "provenance" in r and not r["fits"]

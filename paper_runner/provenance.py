@@ -15,9 +15,28 @@ from typing import Any, Iterable, Mapping
 # fused multiply-add, bfloat16 and int8 dot products): two CPUs that differ in these may round
 # the same program differently.
 _CPU_FEATURES = (
-    "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw",
-    "avx512vl", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_bf16",
-    "amx_tile", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm",
+    "sse4_1",
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512dq",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_tile",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
 )
 # Packages whose version changes numbers (kernels, initialisers, optimiser updates).
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
@@ -153,7 +172,9 @@ def data_hashes(configs: Iterable[Mapping[str, Any]]) -> dict[str, str]:
   return {path: data_hash(path) for path in paths}
 
 
-def differences(recorded: Mapping[str, Any], current: Mapping[str, Any], path: str = "") -> list[str]:
+def differences(
+    recorded: Mapping[str, Any], current: Mapping[str, Any], path: str = ""
+) -> list[str]:
   """What differs between a recorded and a current description ("processor.model: A != B");
   a value the record lacks counts as different (an older record cannot vouch for it)."""
   found = []

@@ -107,8 +107,7 @@ def failure_line(output: list[str]) -> str:
       if line.strip() and not line[0].isspace():
         return line.strip()
   return next(
-      (l.strip() for l in reversed(output) if l.strip() and not _PROGRESS_LINE.match(l.strip())),
-      "",
+      (l.strip() for l in reversed(output) if l.strip() and not _PROGRESS_LINE.match(l.strip())), ""
   )
 
 
@@ -173,10 +172,7 @@ def _recorded_run(directory: str) -> dict[str, Any]:
 
 
 def record_differences(
-    sweep: ml_collections.ConfigDict,
-    point: Mapping[str, Any],
-    directory: str,
-    cwd: str = REPO_ROOT,
+    sweep: ml_collections.ConfigDict, point: Mapping[str, Any], directory: str, cwd: str = REPO_ROOT
 ) -> list[str]:
   """How the finished run in `directory` differs from what `point` asks for now: its RUN record,
   then its config.json against the config the same flags give now (an edited config file)."""

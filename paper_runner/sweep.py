@@ -81,10 +81,14 @@ def restrict_grid(sweep: ml_collections.ConfigDict, only: Sequence[str]) -> None
     if not sep or not key:
       raise UserError(f"--only={item}: not KEY=VALUE")
     if key not in sweep.grid:
-      raise UserError(f"--only={item}: {key!r} is not a grid key; grid keys: {', '.join(sweep.grid)}")
+      raise UserError(
+          f"--only={item}: {key!r} is not a grid key; grid keys: {', '.join(sweep.grid)}"
+      )
     values = [format_value(v) for v in sweep.grid[key]]
     if value not in values:
-      raise UserError(f"--only={item}: {value!r} is not a value of {key}; values: {', '.join(values)}")
+      raise UserError(
+          f"--only={item}: {value!r} is not a value of {key}; values: {', '.join(values)}"
+      )
     wanted.setdefault(key, []).append(value)
   for key, values in wanted.items():
     sweep.grid[key] = tuple(v for v in sweep.grid[key] if format_value(v) in values)
@@ -128,13 +132,7 @@ def execute_sweep(
     return 0
   if mode == "run":
     run_sweep(
-        sweep,
-        workdir,
-        dry_run=dry_run,
-        retrain=retrain,
-        env=env,
-        cwd=cwd,
-        differences=differences,
+        sweep, workdir, dry_run=dry_run, retrain=retrain, env=env, cwd=cwd, differences=differences
     )
     if dry_run:
       return 0

@@ -152,10 +152,7 @@ def claim_summary() -> str:
   return _table(header, rows)
 
 
-_SUMMARY_RENDERERS = {
-    RERUN_SUMMARY: rerun_summary,
-    CLAIM_SUMMARY: claim_summary,
-}
+_SUMMARY_RENDERERS = {RERUN_SUMMARY: rerun_summary, CLAIM_SUMMARY: claim_summary}
 
 
 def _render_marked(name: str) -> str:

@@ -73,7 +73,10 @@ GRADIENT_COSINE: Column = ("gradient_cosine", "Grad. cos", 1.0, 3)
 VAL_ACCURACY: Column = ("validation.accuracy", "Val. acc. (%)", 100.0, 1)
 VAL_MF_PQD: Column = ("validation.mf.pqd", "Val. MF-PQD", 1.0, 3)
 SA_ABOVE_MAJORITY: Column = (
-    "mechanisms.sa_above_majority", "SA classifiers above majority", 1.0, 2
+    "mechanisms.sa_above_majority",
+    "SA classifiers above majority",
+    1.0,
+    2,
 )
 SA_VARIANCE_SHARE: Column = ("mechanisms.sa_variance_share", "SA share of routing variance", 1.0, 4)
 FEM_MOVED: Column = ("mechanisms.fem_changes_moved", "FEM changes that moved routing", 1.0, 2)
@@ -175,8 +178,7 @@ def paper_claims_table(
           *VALIDATION,
           mechanism_column,
       ),
-      claims(FAIRSMOE, FAIR_CONTROLS, FAIR_PAPER_CLAIMS)
-      + fair_baseline_claims()
+      claims(FAIRSMOE, FAIR_CONTROLS, FAIR_PAPER_CLAIMS) + fair_baseline_claims()
       # The paper's Table 2: FairSMoE higher on MF-PQD than without FGR and without FEM.
       + claims(FAIRSMOE, ("fairsmoe_no_fgr", "fairsmoe_no_fem"), (("mf.pqd", "higher"),)),
       **extra,

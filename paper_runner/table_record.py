@@ -132,9 +132,9 @@ def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
       "uncommitted_changes": first["uncommitted_changes"],
       "machine": {**device, **first["host"]},
   }
-  others = sorted(
-      {w["commit"] for w in written} - {first["commit"]}
-  ) + sorted({why for w in written for why in differences(first["host"], w["host"], "host.")})
+  others = sorted({w["commit"] for w in written} - {first["commit"]}) + sorted(
+      {why for w in written for why in differences(first["host"], w["host"], "host.")}
+  )
   if others:  # A sweep resumed on another checkout or machine: say so in the record.
     found["mixed_runs"] = others
   return found
@@ -199,7 +199,9 @@ def read_record(name: str) -> dict[str, Any]:
       raise UserError(f"{where}: the record has no {key!r} (remake it with --record={name})")
   for key in _PROVENANCE_KEYS:
     if not isinstance(record["provenance"], dict) or key not in record["provenance"]:
-      raise UserError(f"{where}: the record's provenance has no {key!r} (remake it with --record={name})")
+      raise UserError(
+          f"{where}: the record's provenance has no {key!r} (remake it with --record={name})"
+      )
   _check_runs(f"{where}: table {name}", record["runs"], "runs", name)
   for i, rerun in enumerate(record.get("reruns") or ()):
     runs = rerun.get("runs") if isinstance(rerun, dict) else None

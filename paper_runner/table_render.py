@@ -131,10 +131,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         f"{confidence}% Nadeau–Bengio corrected resampled t-interval, test-to-train "
         f"{summary['ratio']:.3f}"
     )
-  lines = [
-      f"**{spec.title}** ({spec.split} split; mean [{interval}] over {pair_units(spec)})",
-      "",
-  ]
+  lines = [f"**{spec.title}** ({spec.split} split; mean [{interval}] over {pair_units(spec)})", ""]
   body = []
   for row, entry in summary["rows"].items():
     cells = [
@@ -189,9 +186,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
           adjusted,
       ]
       if matched_column:
-        cells.append(
-            "—" if found is None else _interval_text(found[0], scale, decimals, sign=True)
-        )
+        cells.append("—" if found is None else _interval_text(found[0], scale, decimals, sign=True))
       body.append(cells)
     lines += [""]
     header = [
@@ -263,7 +258,8 @@ def _moved_text(stamp: Mapping[str, Any]) -> str:
     return ""
   moved = stamp["largest_difference"]
   values = [
-      "no value" if v is None else format(v, ".6g") for v in (moved["recorded"], moved["reproduced"])
+      "no value" if v is None else format(v, ".6g")
+      for v in (moved["recorded"], moved["reproduced"])
   ]
   return f"; `{moved['value']}` {values[0]} recorded, {values[1]} again"
 

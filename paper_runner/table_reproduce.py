@@ -79,7 +79,7 @@ def reproduce(
     where = "not the recording machine, software or data"
   lines = [
       f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance "
-      f"{tolerance:g})",
+      f"{tolerance:g})"
   ]
   lines += [f"  differs: {why}" for why in why_not_exact]
   lines.append("  python " + " ".join(command[1:]))
@@ -130,7 +130,9 @@ def reproduce(
         "tolerance": tolerance,
         "differs_from_record": differs_from_record,
     }
-    if not ok:  # A finished rerun that did not come back is a measurement too: kept, never a voucher.
+    if (
+        not ok
+    ):  # A finished rerun that did not come back is a measurement too: kept, never a voucher.
       entry["largest_difference"] = worst
     key = "reproduced" if ok else NOT_REPRODUCED
     stamped = read_record(spec.name)
@@ -169,9 +171,7 @@ def _run_rerun(command: Sequence[str], log_path: str) -> int:
       raise
 
 
-def comparison_basis(
-    provenance: Mapping[str, Any],
-) -> tuple[list[str], Mapping[str, Any] | None]:
+def comparison_basis(provenance: Mapping[str, Any]) -> tuple[list[str], Mapping[str, Any] | None]:
   """How this machine, software and data differ from a record's `provenance`, and the stamped
   exact reproduction on this very machine and data that vouches for comparing exactly anyway."""
   differs = _why_not_exact(provenance)

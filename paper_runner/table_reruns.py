@@ -97,9 +97,8 @@ def _xla_flags(m: Mapping[str, Any]) -> str | None:
 def machine_text(m: Mapping[str, Any]) -> str:
   processor = f", {m['processor']['model']}" if "processor" in m else ""
   flags = _xla_flags(m)
-  return (
-      f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), JAX {m['jax']}"
-      + (f", `XLA_FLAGS={flags}`" if flags else "")
+  return f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), JAX {m['jax']}" + (
+      f", `XLA_FLAGS={flags}`" if flags else ""
   )
 
 

@@ -257,9 +257,7 @@ def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak,
     if not isinstance(entry, Mapping) or set(entry) != {"rows", "why"}:
       raise spec_error(name, f"selection_leaks[{i}]", "must be dict(rows=, why=)")
     affected = entry["rows"]
-    if affected is not None and (
-        isinstance(affected, str) or not all(r in rows for r in affected)
-    ):
+    if affected is not None and (isinstance(affected, str) or not all(r in rows for r in affected)):
       raise spec_error(
           name, f"selection_leaks[{i}]", f"rows {affected!r} must be None or rows of {rows}"
       )

@@ -114,7 +114,8 @@ def matched_accuracy(
     return None
   slope = math.fsum(f * a for f, a in zip(fairness, accuracies)) / den
   units, differences = stats.paired(
-      claim_values(record, claim.row, claim.metric), claim_values(record, claim.baseline, claim.metric)
+      claim_values(record, claim.row, claim.metric),
+      claim_values(record, claim.baseline, claim.metric),
   )
   accuracy_units, accuracy_gaps = stats.paired(
       claim_values(record, claim.row, accuracy), claim_values(record, claim.baseline, accuracy)
@@ -160,7 +161,9 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
     if accuracy is not None:
       bar = accuracy_bar(record, accuracy)
       intervals = [
-          stats.interval(list(v.values()), ratio) if (v := claim_values(record, r, accuracy)) else None
+          stats.interval(list(v.values()), ratio)
+          if (v := claim_values(record, r, accuracy))
+          else None
           for r in (claim.row, claim.baseline)
       ]
       above = bar is not None and all(
@@ -214,9 +217,7 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   missing: dict[str, list[str]] = {}
   for r in record["runs"]:
     if r["status"] != "ok":
-      missing.setdefault(spec.label(r["row"]), []).append(
-          f"{unit_text(r['seed'])} ({r['status']})"
-      )
+      missing.setdefault(spec.label(r["row"]), []).append(f"{unit_text(r['seed'])} ({r['status']})")
   if missing:
     listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
     flags.append(f"runs without a result: {listed}")

@@ -26,12 +26,7 @@ from absl import app, flags
 
 from paper_runner.spec import REPO_ROOT
 from paper_runner.table_docs import check_doc, write_doc
-from paper_runner.table_record import (
-    add_references,
-    add_rerun,
-    read_record,
-    write_record,
-)
+from paper_runner.table_record import add_references, add_rerun, read_record, write_record
 from paper_runner.table_render import render
 from paper_runner.table_reproduce import reproduce
 from paper_runner.table_spec import load_table

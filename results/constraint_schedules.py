@@ -30,12 +30,7 @@ TABLE = dict(
     row_names=SCHEDULES,
     split="validation",
     examples="num_examples",
-    columns=(
-        VALIDATION_ACCURACY,
-        NODES_WITHIN,
-        CONSTRAINT_MET,
-        EFFECTIVE_KEYS,
-    ),
+    columns=(VALIDATION_ACCURACY, NODES_WITHIN, CONSTRAINT_MET, EFFECTIVE_KEYS),
     claims=against_first(SCHEDULES, "constraints.nodes_within"),
     tuning=(
         (

@@ -38,11 +38,7 @@ TABLE = dict(
     split="validation",
     examples="num_examples",
     select="accuracy",
-    columns=(
-        VALIDATION_ACCURACY,
-        EFFECTIVE_KEYS,
-        NODES_WITHIN,
-    ),
+    columns=(VALIDATION_ACCURACY, EFFECTIVE_KEYS, NODES_WITHIN),
     claims=claims(next(iter(SCHEDULES)), list(SCHEDULES)[1:], (("accuracy", "higher"),)),
 )
 

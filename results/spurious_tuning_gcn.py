@@ -5,7 +5,9 @@ paper_runner.table_parts.learning_rate_table).
 
 from paper_runner.table_parts import LEARNING_RATES, learning_rate_table, spurious_sweep
 
-TABLE = learning_rate_table("The unconstrained GCN's learning rate on the testbed, validation split")
+TABLE = learning_rate_table(
+    "The unconstrained GCN's learning rate on the testbed, validation split"
+)
 
 
 def get_config(arg=None):

@@ -60,8 +60,12 @@ def rank_targets(root: str, fold: int = 0, num_folds: int = 5) -> list[dict[str,
   attr_path = os.path.join(root, "list_attr_celeba.txt")
   names = celeba.read_attribute_names(attr_path)
   _, splits = celeba.load_celeba(
-      root=root, sensitive=("Male",), image_size=PROBE_SIZE, preload=False,
-      num_folds=num_folds, fold=fold,
+      root=root,
+      sensitive=("Male",),
+      image_size=PROBE_SIZE,
+      preload=False,
+      num_folds=num_folds,
+      fold=fold,
   )
   rows, values = celeba.read_attributes(attr_path, names)
   row_of = {image: i for i, image in enumerate(rows)}
@@ -91,7 +95,9 @@ def rank_targets(root: str, fold: int = 0, num_folds: int = 5) -> list[dict[str,
   return ranked
 
 
-_ROOT = flags.DEFINE_string("root", "../shared/data/celeba", "CelebA layout with identity_CelebA.txt")
+_ROOT = flags.DEFINE_string(
+    "root", "../shared/data/celeba", "CelebA layout with identity_CelebA.txt"
+)
 
 
 @exit_on_user_error
@@ -102,7 +108,9 @@ def main(argv: Sequence[str]) -> None:
   for e in ranked:
     score = e.get("validation_balanced_accuracy")
     shown = f"{score:14.3f}" if score is not None else f"{'':14}"
-    print(f"{e['attribute']:<22} {e['positive_rate']:9.3f} {e['max_phi']:9.3f} {shown}  {e['excluded']}")
+    print(
+        f"{e['attribute']:<22} {e['positive_rate']:9.3f} {e['max_phi']:9.3f} {shown}  {e['excluded']}"
+    )
   print(f"Second target: {ranked[0]['attribute']}")
 
 

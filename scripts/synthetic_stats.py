@@ -193,7 +193,8 @@ def model_predictions(
     workdir: str, test: Split, expected_data: dict[str, Any]
 ) -> tuple[np.ndarray, int, np.ndarray]:
   """Test-split predictions, the step and the class probabilities of ``workdir``'s final
-  checkpoint; exits if its ``config.data`` differs from ``expected_data`` in a key the latter has."""
+  checkpoint; exits if its ``config.data`` differs from ``expected_data`` in a key the latter has.
+  """
   import fairmoe_jax
 
   with open(os.path.join(workdir, "config.json")) as f:

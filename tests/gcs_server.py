@@ -123,8 +123,9 @@ class GCSServer:
     found: dict[str, int] = {}
     token = ""
     while True:
-      query = urllib.parse.urlencode({"prefix": prefix, "pageToken": token} if token else
-                                     {"prefix": prefix})
+      query = urllib.parse.urlencode(
+          {"prefix": prefix, "pageToken": token} if token else {"prefix": prefix}
+      )
       listing = json.loads(self._request("GET", f"/storage/v1/b/{bucket}/o?{query}"))
       found.update({item["name"]: int(item["size"]) for item in listing.get("items", [])})
       token = listing.get("nextPageToken", "")

@@ -304,10 +304,7 @@ class Checkpointer:
       self._manager = ocp.CheckpointManager(
           self.directory,
           options=options,
-          item_handlers={
-              STATE: _state_handler(),
-              DATA_ITERATOR: ocp.JsonCheckpointHandler(),
-          },
+          item_handlers={STATE: _state_handler(), DATA_ITERATOR: ocp.JsonCheckpointHandler()},
       )
     except Exception as e:  # Orbax reports unreadable directories in many ways.
       if jax.process_count() > 1 and _COLLECTIVE_FAILURE.search(str(e)):
@@ -419,8 +416,10 @@ class Checkpointer:
   def _resume_without(self, step: int | None, afresh: str = "") -> str:
     """Where a rerun resumes once the failed save of `step` is gone."""
     latest = [s for s in self._manager.all_steps() if s != step]
-    return f"the run can resume from step {max(latest)}" if latest else (
-        f"no earlier checkpoint exists{afresh}"
+    return (
+        f"the run can resume from step {max(latest)}"
+        if latest
+        else (f"no earlier checkpoint exists{afresh}")
     )
 
   def _out_of_space(self, step: int, needed: int, free: int | None = None) -> OutOfSpace:
@@ -437,10 +436,7 @@ class Checkpointer:
     )
 
   def restore(
-      self,
-      template_state: Any,
-      *,
-      check_iterator_state: Callable[[dict], Any] | None = None,
+      self, template_state: Any, *, check_iterator_state: Callable[[dict], Any] | None = None
   ) -> tuple[Any, dict, int] | None:
     """(state, data_iterator_state, step) of the newest readable checkpoint, restored onto
     `template_state`'s shapes and shardings, or None when there is none. A step whose iterator

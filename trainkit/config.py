@@ -212,9 +212,7 @@ def add_run_keys(
   # --mode=predict: the inputs to predict (images, or sentence pairs or sources: docs/running.md).
   config.predict = ml_collections.ConfigDict(dict(input=""))
   # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
-  config.distributed = ml_collections.ConfigDict(
-      dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S)
-  )
+  config.distributed = ml_collections.ConfigDict(dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S))
 
 
 def startup_timeout_s(config: ml_collections.ConfigDict) -> float:

@@ -227,9 +227,7 @@ def distributed_args(env: Mapping[str, str]) -> dict[str, Any] | None:
 
 
 def initialize_from_env(
-    env: Mapping[str, str] = os.environ,
-    *,
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    env: Mapping[str, str] = os.environ, *, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 ) -> dict[str, Any] | None:
   """`jax.distributed.initialize(**distributed_args(env))` unless single-process, before any
   other JAX call; returns the arguments. `startup_timeout_s` bounds `wait_for_all_processes`."""
@@ -258,9 +256,7 @@ def wait_for_all_processes(name: str) -> None:
     return
   _barriers_passed += 1  # A barrier's id is used once.
   try:
-    client.wait_at_barrier(
-        f"trainkit:{name}:{_barriers_passed}", int(_startup_timeout_s * 1000)
-    )
+    client.wait_at_barrier(f"trainkit:{name}:{_barriers_passed}", int(_startup_timeout_s * 1000))
   except Exception as e:  # pylint: disable=broad-except  # jaxlib's own error type.
     if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
       raise

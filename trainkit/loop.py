@@ -337,4 +337,3 @@ def resume_training(
     writer.truncate_after(int(state.step))
   save_config(config, workdir)
   return state
-

@@ -56,7 +56,9 @@ def installed_plugins() -> list[str]:
   names = {e.value for e in importlib.metadata.entry_points(group="jax_plugins")}
   spec = importlib.util.find_spec("jax_plugins")
   if spec is not None and spec.submodule_search_locations:
-    names.update(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations, "jax_plugins."))
+    names.update(
+        m.name for m in pkgutil.iter_modules(spec.submodule_search_locations, "jax_plugins.")
+    )
   return sorted(names)
 
 

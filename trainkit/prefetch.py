@@ -29,10 +29,7 @@ class DevicePrefetch:
   `set_state` comes before."""
 
   def __init__(
-      self,
-      iterator: Any,
-      put: Callable[[Mapping[str, Any]], Any],
-      size: int = DEFAULT_PREFETCH,
+      self, iterator: Any, put: Callable[[Mapping[str, Any]], Any], size: int = DEFAULT_PREFETCH
   ):
     if size < 0:
       raise ValueError(f"size must be >= 0, got {size}.")

@@ -142,7 +142,9 @@ def evaluated(config: ml_collections.ConfigDict, step: int) -> dict[str, Any]:
   settings = json.dumps(config.to_dict(), sort_keys=True, default=str)
   return {
       "step": step,
-      "data": json.loads(json.dumps(config.data.to_dict(), default=str)) if "data" in config else {},
+      "data": json.loads(json.dumps(config.data.to_dict(), default=str))
+      if "data" in config
+      else {},
       "config_sha256": hashlib.sha256(settings.encode()).hexdigest(),
   }
 
@@ -167,8 +169,10 @@ def keep_earlier_record(workdir: str, evaluation: Mapping[str, Any]) -> str | No
     tag += f".config-{earlier_sha[:12]}"
   taken = {entry.name for entry in storage.path(workdir).iterdir()}
   suffix, number = "", 1
-  while any(f"{os.path.splitext(n)[0]}.{tag}{suffix}{os.path.splitext(n)[1]}" in taken
-            for n in RECORD_FILES):
+  while any(
+      f"{os.path.splitext(n)[0]}.{tag}{suffix}{os.path.splitext(n)[1]}" in taken
+      for n in RECORD_FILES
+  ):
     number += 1
     suffix = f".{number}"
   for name in RECORD_FILES:

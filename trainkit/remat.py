@@ -58,7 +58,8 @@ def checkpointed(fn: Callable[..., Any], policy: str) -> Callable[..., Any]:
       inner_nodes, inner_others = iter(merged), iter(others)
       out = fn(*(next(inner_nodes) if node else next(inner_others) for node in is_node))
       changed = [
-          (path, v) for path, v in nnx.to_flat_state(nnx.state(merged))
+          (path, v)
+          for path, v in nnx.to_flat_state(nnx.state(merged))
           if _value(v) is not before.get(path)
       ]
       return out, nnx.from_flat_state(changed)

@@ -13,7 +13,7 @@ _BOM = b"\xef\xbb\xbf"
 
 
 def special_file_kind(path: str | os.PathLike) -> str | None:
-  """"a folder", "a named pipe (FIFO)", ... for a `path` that exists and is not a regular file
+  """ "a folder", "a named pipe (FIFO)", ... for a `path` that exists and is not a regular file
   (opening a FIFO without a writer blocks forever); else None."""
   try:
     mode = os.stat(path).st_mode
@@ -74,9 +74,7 @@ def iter_lines(path: str | os.PathLike, what: str):
         try:
           line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-          raise UserError(
-              f"{path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x})."
-          ) from None
+          raise UserError(f"{path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x}).") from None
         yield number, line.rstrip("\n").rstrip("\r")
   except OSError as e:
     raise UserError(f"{what} file {path} cannot be read: {e.strerror or e}") from None

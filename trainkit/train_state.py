@@ -107,7 +107,9 @@ def abstract_train_state(
       jax.eval_shape(tx.init, params),
       _optimizer_shardings(tx, params, mesh),
   )
-  replicate = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated(mesh))
+  replicate = lambda x: jax.ShapeDtypeStruct(
+      np.shape(x), np.asarray(x).dtype, sharding=replicated(mesh)
+  )
   state = TrainState(
       step=replicate(np.zeros((), np.int32)),
       params=params,

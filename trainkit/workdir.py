@@ -46,8 +46,10 @@ def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
     inside = os.path.realpath(workdir)
     resolved = os.path.realpath(folder)
     if os.path.commonpath([inside, resolved]) != inside:
-      shown = f"a symbolic link to {os.readlink(folder)}" if os.path.islink(folder) else (
-          f"reached through a symbolic link, at {resolved}"
+      shown = (
+          f"a symbolic link to {os.readlink(folder)}"
+          if os.path.islink(folder)
+          else (f"reached through a symbolic link, at {resolved}")
       )
       raise UserError(
           f"'{folder}' is {shown}, outside the workdir: a run writes only inside its workdir; "

@@ -25,12 +25,7 @@ class TrainIterator:
   """
 
   def __init__(
-      self,
-      arrays: dict[str, np.ndarray],
-      batch_size: int,
-      *,
-      seed: int,
-      seq_keys: Sequence[str],
+      self, arrays: dict[str, np.ndarray], batch_size: int, *, seed: int, seq_keys: Sequence[str]
   ):
     self.arrays = arrays
     self.batch_size = batch_size

@@ -250,11 +250,7 @@ class Tokenizer:
     return self._sp.encode(batch, out_type=int)
 
   def encode(
-      self,
-      texts: str | Sequence[str],
-      max_len: int,
-      add_bos: bool = False,
-      add_eos: bool = True,
+      self, texts: str | Sequence[str], max_len: int, add_bos: bool = False, add_eos: bool = True
   ) -> np.ndarray:
     """Encodes to int32 [N, max_len] ([max_len] for one str), padded with ``PAD_ID``.
 
@@ -274,10 +270,7 @@ class Tokenizer:
     return out[0] if isinstance(texts, str) else out
 
   def encode_pair(
-      self,
-      premise: str | Sequence[str],
-      hypothesis: str | Sequence[str],
-      max_len: int,
+      self, premise: str | Sequence[str], hypothesis: str | Sequence[str], max_len: int
   ) -> tuple[np.ndarray, np.ndarray]:
     """Packs ``<bos> premise <sep> hypothesis <eos>`` into ``max_len`` tokens (``pair_lengths``).
 

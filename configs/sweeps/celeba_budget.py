@@ -48,6 +48,4 @@ def fold0_curve(
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = parse_arg(arg, epochs=(3, 6, 12), seeds=1, target="Attractive")
-  return fold0_curve(
-      {"num_epochs": tuple(arg.epochs), "seed": tuple(range(arg.seeds))}, arg.target
-  )
+  return fold0_curve({"num_epochs": tuple(arg.epochs), "seed": tuple(range(arg.seeds))}, arg.target)

@@ -20,13 +20,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       dict(
           module="fairmoe_jax.main",
           config="configs/quickstart.py",
-          grid=dotted(
-              {
-                  "mesh.expert": (1, 2, 4, 8),
-                  "batch_size": (64, 256),
-                  "seed": (0,),
-              }
-          ),
+          grid=dotted({"mesh.expert": (1, 2, 4, 8), "batch_size": (64, 256), "seed": (0,)}),
           overrides=dotted(
               {
                   "method": "smoe",

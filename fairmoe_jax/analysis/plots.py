@@ -94,8 +94,7 @@ def plot_expert_activation(report: dict[str, Any], block: str, path: str) -> str
   per_attribute = report["expert_utilisation"][block]
   fig, axes = _subplots(len(per_attribute), width=4.2, height=3.4)
   vmax = max(
-      (max(row) for groups in per_attribute.values() for row in groups.values() if row),
-      default=1.0,
+      (max(row) for groups in per_attribute.values() for row in groups.values() if row), default=1.0
   )
   image = None
   for ax, (attribute, groups) in zip(axes, per_attribute.items()):

@@ -122,10 +122,7 @@ def normalize_on_device(images: jax.Array, mask: jax.Array | None = None) -> jax
 
 
 def augment_image(
-    image: np.ndarray,
-    rng: np.random.Generator,
-    size: int,
-    config: AugmentConfig,
+    image: np.ndarray, rng: np.random.Generator, size: int, config: AugmentConfig
 ) -> np.ndarray:
   """Training augmentation of one uint8 image; returns uint8 [size, size, 3]."""
   if config.random_resized_crop:
@@ -151,11 +148,7 @@ def source_crop_box(
 
 
 def augment_decoded(
-    image: Image.Image,
-    rng: np.random.Generator,
-    size: int,
-    decode_size: int,
-    config: AugmentConfig,
+    image: Image.Image, rng: np.random.Generator, size: int, decode_size: int, config: AugmentConfig
 ) -> np.ndarray:
   """Training augmentation of a decoded image file in one resampling pass; uint8 [size, size, 3].
 

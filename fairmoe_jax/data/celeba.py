@@ -61,10 +61,7 @@ def _check_names(target: str, sensitive: Sequence[str]) -> tuple[str, ...]:
 
 
 def celeba_info(
-    target: str,
-    sensitive: Sequence[str],
-    image_size: int,
-    load_stats: dict[str, int] | None = None,
+    target: str, sensitive: Sequence[str], image_size: int, load_stats: dict[str, int] | None = None
 ) -> DatasetInfo:
   """The ``DatasetInfo`` of CelebA with binary ``target`` and ``sensitive`` attributes."""
   return DatasetInfo(
@@ -340,8 +337,7 @@ def _identity_fold_splits(
     )
   fold_of = identity_folds([identity[name] for name in kept], num_folds)
   split_of = np.array(
-      [roles[fold_of[identity[name]]] if ok else -1 for name, ok in zip(names, has_image)],
-      np.int64,
+      [roles[fold_of[identity[name]]] if ok else -1 for name, ok in zip(names, has_image)], np.int64
   )
   name_set = set(names)
   stats["identities"] = len(fold_of)

@@ -146,9 +146,7 @@ class TrainBatches:
   a per-worker state by summing the positions. Resuming at N reads `dataset[N:]`.
   """
 
-  def __init__(
-      self, dataset: grain.MapDataset, read_options: grain.ReadOptions, num_workers: int
-  ):
+  def __init__(self, dataset: grain.MapDataset, read_options: grain.ReadOptions, num_workers: int):
     self._dataset, self._read_options, self._num_workers = dataset, read_options, num_workers
     self._start = 0  # The batch the underlying iterator starts at.
     self._read = 0  # Batches read from it.

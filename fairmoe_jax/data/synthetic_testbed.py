@@ -35,9 +35,7 @@ CENTRE_STD, CENTRE_MAX = 0.05, 0.1  # lesion centre offset, normal, clipped
 READ_RADIUS = 0.45  # the oracle reads the disk of this radius at the centre: inside the lesion
 
 # Orthonormal basis of the chroma plane in log-RGB: red-green and yellow-blue.
-CHROMA_BASIS = np.array(
-    [[1.0, -1.0, 0.0], [1.0, 1.0, -2.0]]
-) / np.sqrt([[2.0], [6.0]])
+CHROMA_BASIS = np.array([[1.0, -1.0, 0.0], [1.0, 1.0, -2.0]]) / np.sqrt([[2.0], [6.0]])
 
 
 def tint_angles(num_classes: int) -> np.ndarray:

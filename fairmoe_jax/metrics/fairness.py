@@ -85,11 +85,7 @@ def attribute_counts(
 
 
 def overall_counts(
-    labels: jax.Array,
-    predictions: jax.Array,
-    mask: jax.Array,
-    *,
-    num_classes: int,
+    labels: jax.Array, predictions: jax.Array, mask: jax.Array, *, num_classes: int
 ) -> jax.Array:
   """Confusion matrix over all unmasked examples, float32 ``[num_classes, num_classes]``.
 

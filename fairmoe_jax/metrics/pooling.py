@@ -58,9 +58,7 @@ def _group_names(report: dict[str, Any], name: str) -> list[str]:
   return [*attribute["groups"], *attribute.get("empty_groups", [])]
 
 
-def pooled_report(
-    run_dirs: Sequence[str], min_group_size: int = MIN_GROUP_SIZE
-) -> dict[str, Any]:
+def pooled_report(run_dirs: Sequence[str], min_group_size: int = MIN_GROUP_SIZE) -> dict[str, Any]:
   """The fairness report of the union of the runs' test predictions.
 
   Returns `fairness_report`'s dict plus `runs`, `run_examples` (test rows of each) and, per
@@ -127,7 +125,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   print(format_report(report))
   for name, entry in report["attributes"].items():
     if entry["small_groups"]:
-      print(f"Small groups of {name} (< {MIN_GROUP_SIZE} examples): {', '.join(entry['small_groups'])}")
+      print(
+          f"Small groups of {name} (< {MIN_GROUP_SIZE} examples): {', '.join(entry['small_groups'])}"
+      )
   if args.output:
     write_atomically(os.path.abspath(args.output), json.dumps(report, indent=2) + "\n")
 

@@ -157,7 +157,9 @@ def reference_check(
     where = "below" if high < bar else "not clearly above"
     reference = (
         f"the majority-class rate {100 * rate:.2f}% (always '{class_names[majority]}'; chance "
-        f"{100 * chance:.1f}%)" if rate >= chance else f"chance {100 * chance:.1f}%"
+        f"{100 * chance:.1f}%)"
+        if rate >= chance
+        else f"chance {100 * chance:.1f}%"
     )
     check["reason"] = (
         f"accuracy {100 * accuracy:.2f}% (95% interval [{100 * low:.1f}%, {100 * high:.1f}%], "

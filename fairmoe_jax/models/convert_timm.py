@@ -209,11 +209,7 @@ def _convert(
 
 
 def load_timm_checkpoint(
-    model: nnx.Module,
-    path: str,
-    *,
-    skip: Sequence[str] = ("head",),
-    upcycle_moe: bool = True,
+    model: nnx.Module, path: str, *, skip: Sequence[str] = ("head",), upcycle_moe: bool = True
 ) -> list[str]:
   """Loads a timm ViT / DeiT / Swin state dict (`.safetensors` or `.npz`) into `model` in place.
 

@@ -34,10 +34,7 @@ class Muffin(nnx.Module):
     self.backbones = nnx.List([make_backbone(rngs) for _ in range(num_backbones)])
     width = sum(b.num_features for b in self.backbones)
     self.fusion_head = nnx.Linear(
-        width,
-        num_classes,
-        kernel_init=nnx.initializers.normal(stddev=0.02),
-        rngs=rngs,
+        width, num_classes, kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs
     )
 
   def branches(

@@ -1,9 +1,9 @@
 """Reference readers for the Causal Transformer results tables, scored as the task scores a model.
 
-  majority class  the training split's most frequent label (on HANS, collapsed to two labels);
-  cue reader      (generated testbeds) the label the planted cue points to (a tie is wrong);
-  chance          a uniform guess;
-  source copied   (translation) the source sentence as its own translation, scored by BLEU.
+majority class  the training split's most frequent label (on HANS, collapsed to two labels);
+cue reader      (generated testbeds) the label the planted cue points to (a tie is wrong);
+chance          a uniform guess;
+source copied   (translation) the source sentence as its own translation, scored by BLEU.
 """
 
 from __future__ import annotations

@@ -143,10 +143,7 @@ def run_config(
 
 
 def comparison_sweep(
-    config_file: str,
-    overrides: Mapping[str, Any],
-    methods: Sequence[str],
-    seeds: Sequence[int],
+    config_file: str, overrides: Mapping[str, Any], methods: Sequence[str], seeds: Sequence[int]
 ) -> ml_collections.ConfigDict:
   """The runner's spec of the comparison: `fairmoe_jax.main` over methods x seeds, `--config`'s
   file made absolute and the `--config.KEY` `overrides` forwarded to every run."""

@@ -50,7 +50,9 @@ def _counts(
   draws = predictions.shape[0]
   keep = groups >= 0
   cell = (groups * k + labels) * k  # Without the prediction: added per draw below.
-  index = cell[keep][None, :] + predictions[:, keep] + (np.arange(draws) * num_groups * k * k)[:, None]
+  index = (
+      cell[keep][None, :] + predictions[:, keep] + (np.arange(draws) * num_groups * k * k)[:, None]
+  )
   counts = np.bincount(index.ravel(), minlength=draws * num_groups * k * k)
   return counts.reshape(draws, num_groups, k, k).astype(np.float64)
 
@@ -120,7 +122,7 @@ def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[st
   readers = {
       f"majority class of the training split ({info.class_names[majority]})": (
           lambda split: np.full(len(split["label"]), majority)
-      ),
+      )
   }
   if info.name in ("synthetic", synthetic_testbed.NAME):  # Both carry the corner marker.
     readers["corner-marker reader"] = lambda split: synthetic.read_marker(split["image"], k)

@@ -63,7 +63,8 @@ def test_tiny_run_reports_every_part_and_a_failing_part_keeps_the_others(tmp_pat
   assert measured["peak_bytes"] is None  # A CPU reports no memory_stats.
   ratios = train["ratios"]
   assert ratios["step_over_predicted_step"] == pytest.approx(
-      measured["step_seconds"] / predicted["step_seconds"])
+      measured["step_seconds"] / predicted["step_seconds"]
+  )
   assert ratios["same_dispatch"] and ratios["peak_over_program_peak"] is None
 
   pipeline = data["parts"]["input_pipeline"]
@@ -117,11 +118,19 @@ def test_pytest_output_is_counted_and_each_failure_listed(tmp_path):
   )
   output = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "test_sample.py"],
-      cwd=tmp_path, capture_output=True, text=True, check=False,
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      check=False,
   ).stdout
   summary = bench_utils.pytest_summary(output)
   assert {k: summary[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == {
-      "tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+      "tests": 4,
+      "passed": 1,
+      "failed": 1,
+      "errors": 1,
+      "skipped": 1,
+  }
   [failed, error] = summary["failures"]
   assert failed["test"] == "test_sample.py::test_close" and "tolerance" in failed["message"]
   assert error["test"] == "test_sample.py::test_import" and "fairlearn" in error["message"]
@@ -130,11 +139,22 @@ def test_pytest_output_is_counted_and_each_failure_listed(tmp_path):
 def test_device_tests_stopped_before_their_report_say_how_far_they_got():
   # The end of the output of the lent H200's run on 2026-11-28, stopped at its 240 s share.
   output = (
-      "bringing up nodes...\n\n" + "." * 72 + " [ 22%]\n" + "." * 26 + "s" + "." * 45 + " [ 45%]\n"
-      + "." * 40 + "sss" + "." * 26 + "sss [ 68%]\n" + "." * 72 + " [ 91%]\n" + "." * 27
+      "bringing up nodes...\n\n"
+      + "." * 72
+      + " [ 22%]\n"
+      + "." * 26
+      + "s"
+      + "." * 45
+      + " [ 45%]\n"
+      + "." * 40
+      + "sss"
+      + "." * 26
+      + "sss [ 68%]\n"
+      + "." * 72
+      + " [ 91%]\n"
+      + "." * 27
   )
-  assert bench_utils.pytest_summary(output) == {
-      "ran_before_stop": 315, "failed_before_stop": 0}
+  assert bench_utils.pytest_summary(output) == {"ran_before_stop": 315, "failed_before_stop": 0}
   failing = output.replace("." * 72 + " [ 22%]", ".F" + "." * 68 + "E." + " [ 22%]")
   assert bench_utils.pytest_summary(failing)["failed_before_stop"] == 2
   assert bench_utils.pytest_summary("collected 4 items\nTraceback ...") == {}
@@ -142,15 +162,21 @@ def test_device_tests_stopped_before_their_report_say_how_far_they_got():
 
 def _preflight_record(tmp_path, target, device_kind, batch):
   path = tmp_path / f"{target}_{batch}.json"
-  path.write_text(json.dumps({
-      "target": {"name": target, "device_kind": device_kind},
-      "batch": {"global": batch},
-      "fits": True,
-      "settings": {"moe.dispatch": "sort"},
-      "train_step": {"memory": {"peak": 10 * 2**30, "program_peak": 8 * 2**30},
-                     "roofline": {"bound_s": 0.01, "bound_by": "memory"}},
-      "run": {"step_seconds": 0.025, "utilization": 0.4},
-  }))
+  path.write_text(
+      json.dumps(
+          {
+              "target": {"name": target, "device_kind": device_kind},
+              "batch": {"global": batch},
+              "fits": True,
+              "settings": {"moe.dispatch": "sort"},
+              "train_step": {
+                  "memory": {"peak": 10 * 2**30, "program_peak": 8 * 2**30},
+                  "roofline": {"bound_s": 0.01, "bound_by": "memory"},
+              },
+              "run": {"step_seconds": 0.025, "utilization": 0.4},
+          }
+      )
+  )
   return str(path)
 
 
@@ -166,18 +192,30 @@ def test_the_prediction_made_beforehand_is_the_one_for_the_chip_and_batch(tmp_pa
     assert predicted["target"] == target and predicted["source"] == f"--preflight_json={wanted}"
   assert train_step.find_prediction([h100, other_batch], "h200x1", 8) is None
 
-  measured = {"step_seconds": 0.05, "peak_bytes": 9 * 2**30, "images_per_s": 160.0,
-              "dispatch": "sort", "device_kind": "NVIDIA H200"}
-  for predicted, same_chip in ((train_step.find_prediction([h200], "h200x1", 8), True),
-                               (train_step.find_prediction([h100], "h100x1", 8), False)):
+  measured = {
+      "step_seconds": 0.05,
+      "peak_bytes": 9 * 2**30,
+      "images_per_s": 160.0,
+      "dispatch": "sort",
+      "device_kind": "NVIDIA H200",
+  }
+  for predicted, same_chip in (
+      (train_step.find_prediction([h200], "h200x1", 8), True),
+      (train_step.find_prediction([h100], "h100x1", 8), False),
+  ):
     ratios = train_step.compare_with_prediction(measured, predicted)
     assert ratios["step_over_predicted_step"] == pytest.approx(2.0)
     assert ratios["implied_utilization"] == pytest.approx(0.2)
     assert ratios["peak_over_program_peak"] == pytest.approx(9 / 8) and ratios["same_dispatch"]
     assert ratios["same_chip"] is same_chip
-    result = {"command": "python benchmarks/accelerator_check.py", "date": "2026-11-27",
-              "size": "tiny", "budget_s": 900.0, "environment": {},
-              "parts": {p: {} for p in accelerator_check.PARTS}}
+    result = {
+        "command": "python benchmarks/accelerator_check.py",
+        "date": "2026-11-27",
+        "size": "tiny",
+        "budget_s": 900.0,
+        "environment": {},
+        "parts": {p: {} for p in accelerator_check.PARTS},
+    }
     result["parts"]["train_step"] = {"measured": measured, "prediction": predicted}
     accelerator_check.derive(result)
     md = accelerator_check.markdown(result)
@@ -191,21 +229,41 @@ def test_the_fastest_of_ours_at_every_expert_count_is_what_auto_should_be():
     return [dict(num_experts=e, dispatch=d, time_ms=t) for e, d, t in times]
 
   agreed = moe_layer.fastest_dispatch(
-      rows([(None, "dense_mlp", 1.0), (4, "vmoe_indices", 2.0), (4, "sort", 3.0),
-            (4, "einsum", 4.0), (64, "sort", 5.0), (64, "dropless", 9.0)]),
-      ("sort", "einsum", "dropless"), "gpu")
-  assert agreed["fastest"]["4"] == {"ours": "sort", "ours_ms": 3.0, "overall": "vmoe_indices",
-                                    "overall_ms": 2.0}
+      rows(
+          [
+              (None, "dense_mlp", 1.0),
+              (4, "vmoe_indices", 2.0),
+              (4, "sort", 3.0),
+              (4, "einsum", 4.0),
+              (64, "sort", 5.0),
+              (64, "dropless", 9.0),
+          ]
+      ),
+      ("sort", "einsum", "dropless"),
+      "gpu",
+  )
+  assert agreed["fastest"]["4"] == {
+      "ours": "sort",
+      "ours_ms": 3.0,
+      "overall": "vmoe_indices",
+      "overall_ms": 2.0,
+  }
   assert agreed["auto"] == {"platform": "gpu", "current": "sort", "agrees": True, "fastest": "sort"}
-  split = moe_layer.fastest_dispatch(rows([(4, "einsum", 1.0), (4, "sort", 2.0), (64, "sort", 1.0),
-                                           (64, "einsum", 2.0)]), ("sort", "einsum"), "tpu")
+  split = moe_layer.fastest_dispatch(
+      rows([(4, "einsum", 1.0), (4, "sort", 2.0), (64, "sort", 1.0), (64, "einsum", 2.0)]),
+      ("sort", "einsum"),
+      "tpu",
+  )
   assert split["auto"] == {"platform": "tpu", "current": "einsum", "agrees": False, "fastest": None}
 
 
 def test_the_markdown_of_a_run_that_measured_nothing_still_names_where_and_how():
   result = {
-      "command": "python benchmarks/accelerator_check.py --out=x.json", "date": "2026-11-27",
-      "size": "full", "budget_s": 420.0, "environment": {"status": "error", "error": "no GPU"},
+      "command": "python benchmarks/accelerator_check.py --out=x.json",
+      "date": "2026-11-27",
+      "size": "full",
+      "budget_s": 420.0,
+      "environment": {"status": "error", "error": "no GPU"},
       "parts": {p: {"status": "pending"} for p in accelerator_check.PARTS},
   }
   md = accelerator_check.markdown(result)
@@ -224,9 +282,13 @@ def _alive(pid):
 @pytest.mark.slow
 def test_a_command_that_outlasts_its_share_is_stopped_with_its_children():
   # The command starts a worker (as grain's are), prints its pid, and both sleep past the share.
-  command = [sys.executable, "-c", "import subprocess, sys, time; worker = subprocess.Popen("
-             "[sys.executable, '-c', 'import time; time.sleep(120)']); print(worker.pid, "
-             "flush=True); time.sleep(120)"]
+  command = [
+      sys.executable,
+      "-c",
+      "import subprocess, sys, time; worker = subprocess.Popen("
+      "[sys.executable, '-c', 'import time; time.sleep(120)']); print(worker.pid, "
+      "flush=True); time.sleep(120)",
+  ]
   code, output, seconds = bench_utils.run_command(command, dict(os.environ), timeout=3.0)
   assert code is None and seconds < 60
   worker = int(output.split()[0])

@@ -117,21 +117,23 @@ def test_buffer_writes_counts_the_arrays_of_one_shape_by_dtype():
   [E, G, C, D] buffers in (docs/benchmarks.md, "The fused expert MLP")."""
   import dispatch_levers  # pylint: disable=import-outside-toplevel
 
-  hlo = "\n".join([
-      "%fused_computation (p: f32[64,32,8,384]) -> bf16[64,32,8,384] {",
-      "  %c = bf16[64,32,8,384]{3,2,1,0} convert(f32[64,32,8,384]{3,2,1,0} %p)",  # In a fusion.
-      "}",
-      "",
-      "ENTRY %main (p.2: f32[64,32,8,384]) -> f32[64,256,384] {",
-      "  %p.2 = f32[64,32,8,384]{3,2,1,0} parameter(2)",
-      "  %fusion.1 = bf16[64,32,8,384]{3,2,1,0:T(8,128)(2,1)} fusion(f32[2,3]{1,0} %p), kind=kLoop",
-      "  %b = f32[64,32,8,384]{3,2,1,0} fusion(%x), kind=kOutput",
-      "  %v = f32[64,32,8,384]{3,2,1,0} bitcast(%b)",
-      "  %t = (f32[64,32,8,384]{3,2,1,0}, f32[1]{0}) tuple(%b, %c)",  # Not an array.
-      "  %other = f32[64,32,8,3840]{3,2,1,0} fusion(%x)",
-      "  ROOT %copy_bitcast_fusion = f32[64,256,384]{2,1,0} fusion(f32[64,32,8,384]{3,2,1,0} %b)",
-      "}",
-  ])
+  hlo = "\n".join(
+      [
+          "%fused_computation (p: f32[64,32,8,384]) -> bf16[64,32,8,384] {",
+          "  %c = bf16[64,32,8,384]{3,2,1,0} convert(f32[64,32,8,384]{3,2,1,0} %p)",  # In a fusion.
+          "}",
+          "",
+          "ENTRY %main (p.2: f32[64,32,8,384]) -> f32[64,256,384] {",
+          "  %p.2 = f32[64,32,8,384]{3,2,1,0} parameter(2)",
+          "  %fusion.1 = bf16[64,32,8,384]{3,2,1,0:T(8,128)(2,1)} fusion(f32[2,3]{1,0} %p), kind=kLoop",
+          "  %b = f32[64,32,8,384]{3,2,1,0} fusion(%x), kind=kOutput",
+          "  %v = f32[64,32,8,384]{3,2,1,0} bitcast(%b)",
+          "  %t = (f32[64,32,8,384]{3,2,1,0}, f32[1]{0}) tuple(%b, %c)",  # Not an array.
+          "  %other = f32[64,32,8,3840]{3,2,1,0} fusion(%x)",
+          "  ROOT %copy_bitcast_fusion = f32[64,256,384]{2,1,0} fusion(f32[64,32,8,384]{3,2,1,0} %b)",
+          "}",
+      ]
+  )
   assert dispatch_levers.buffer_writes(hlo, (64, 32, 8, 384)) == {"bf16": 1, "f32": 1}
   assert dispatch_levers.buffer_writes(hlo, (64, 256, 384)) == {"f32": 1}
   assert dispatch_levers.buffer_writes(hlo, (64, 32, 8)) == {}

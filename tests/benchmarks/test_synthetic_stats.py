@@ -104,12 +104,24 @@ def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
   workdir = tmp_path / "run"
   sizes = {"train_size": 128, "val_size": 32, "test_size": 64}
   subprocess.run(
-      [sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py:steps=3,cues=false",
-       f"--workdir={workdir}", "--config.model.dim=16", "--config.model.depth=1",
-       "--config.model.patch_size=8", "--config.batch_size=32", "--config.eval_batch_size=32",
-       "--config.fair.review_every_steps=0", "--config.eval_every_steps=0",
-       *(f"--config.data.{k}={v}" for k, v in sizes.items())],
-      cwd=REPO_ROOT, check=True, capture_output=True,
+      [
+          sys.executable,
+          "-m",
+          "fairmoe_jax.main",
+          "--config=configs/quickstart.py:steps=3,cues=false",
+          f"--workdir={workdir}",
+          "--config.model.dim=16",
+          "--config.model.depth=1",
+          "--config.model.patch_size=8",
+          "--config.batch_size=32",
+          "--config.eval_batch_size=32",
+          "--config.fair.review_every_steps=0",
+          "--config.eval_every_steps=0",
+          *(f"--config.data.{k}={v}" for k, v in sizes.items()),
+      ],
+      cwd=REPO_ROOT,
+      check=True,
+      capture_output=True,
   )
   _, splits = synthetic.load_synthetic(
       image_size=32, num_classes=4, seed=0, sizes={"train": 128, "val": 32, "test": 64}

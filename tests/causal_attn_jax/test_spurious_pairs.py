@@ -68,8 +68,12 @@ def test_the_label_is_the_relation_not_the_words():
 
 def _word_ids(pairs: nli.PairData, max_len: int) -> tuple[np.ndarray, np.ndarray]:
   """<bos> premise <sep> hypothesis <eos> as word ids (no SentencePiece: the test is the model)."""
-  vocab = {w: i + 5 for i, w in enumerate(sorted({w for t in pairs.premises + pairs.hypotheses
-                                                   for w in t.split()}))}
+  vocab = {
+      w: i + 5
+      for i, w in enumerate(
+          sorted({w for t in pairs.premises + pairs.hypotheses for w in t.split()})
+      )
+  }
   ids = np.zeros((len(pairs), max_len), np.int32)
   segments = np.zeros_like(ids)
   for row, (p, h) in enumerate(zip(pairs.premises, pairs.hypotheses)):
@@ -92,8 +96,9 @@ def test_both_attentions_fit_64_training_pairs(kind):
       "label": jnp.asarray(pairs.labels),
   }
   config = config_lib.base_config()
-  config.model.update(attention=kind, dim=32, num_layers=2, num_heads=2, mlp_dim=64,
-                      dropout_rate=0.0)
+  config.model.update(
+      attention=kind, dim=32, num_layers=2, num_heads=2, mlp_dim=64, dropout_rate=0.0
+  )
   config.constraints.weight = 1.0 if kind == "causal" else 0.0
   spec = models.TransformerSpec.from_config(config.model, max_len=24)
   tx = optax.adam(3e-3)

@@ -179,7 +179,9 @@ def test_shared_samples_tokenisation_is_detected():
 @pytest.mark.parametrize("reverse", [False, True])
 def test_reverse_swaps_file_inputs(repo_root, reverse):
   ENDE = _real(WMT14)
-  spec = importlib.util.spec_from_file_location("wmt14_ende", repo_root / "configs" / "wmt14_ende.py")
+  spec = importlib.util.spec_from_file_location(
+      "wmt14_ende", repo_root / "configs" / "wmt14_ende.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config(f"size=small,reverse={reverse}")

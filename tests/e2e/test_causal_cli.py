@@ -12,12 +12,12 @@ import pytest
 
 from causal_attn_jax import inference, train
 from conftest import (
-  CAUSAL_TINY_ARGS,
-  ENDE,
-  ENDE_TINY_DATA,
-  ENDE_TINY_MODEL,
-  ONE_DEVICE_XLA_FLAGS,
-  SHARED_DATA,
+    CAUSAL_TINY_ARGS,
+    ENDE,
+    ENDE_TINY_DATA,
+    ENDE_TINY_MODEL,
+    ONE_DEVICE_XLA_FLAGS,
+    SHARED_DATA,
 )
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics

@@ -99,7 +99,7 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
 
   shares = report["expert_utilisation"]["moe_block1"]
   split = np.asarray(report["expert_share"]["choices"]["moe_block1"], np.float64)
-  (expected, group) = group_divergence(split, shares)
+  expected, group = group_divergence(split, shares)
   routed = report["routing_by_group"]["moe_block1"]
   assert routed["group"] == group and 0.0 <= routed["divergence"] <= 1.0
   assert routed["divergence"] == pytest.approx(expected, abs=1e-5)  # Shares rounded to 1e-6.
@@ -308,9 +308,12 @@ def test_a_workdir_deleted_while_training_is_one_line(repo_root, tmp_path):
   # It used to end in two chained tracebacks (the metrics log, then the empty-workdir clean-up).
   workdir = tmp_path / "run"
   process = subprocess.Popen(
-      _command(repo_root, workdir, *RESUME,
-               config="configs/quickstart.py:steps=100000"),
-      cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      _command(repo_root, workdir, *RESUME, config="configs/quickstart.py:steps=100000"),
+      cwd=repo_root,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
   )
   metrics = workdir / "metrics.jsonl"
   deadline = time.time() + 300
@@ -337,7 +340,11 @@ def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_
   workdir = tmp_path / "compile"
   process = subprocess.Popen(
       _command(repo_root, workdir, "--mode=compile", "--config.preflight.target=v5e-8"),
-      cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      cwd=repo_root,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
   )
   try:
     deadline = time.time() + 120
@@ -361,7 +368,11 @@ def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_
   (workdir / "notes.txt").write_text("mine")
   process = subprocess.Popen(
       _command(repo_root, workdir, "--mode=compile", "--config.preflight.target=v5e-8"),
-      cwd=repo_root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      cwd=repo_root,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
   )
   try:
     while not (workdir / ".run.lock").exists():

@@ -39,43 +39,76 @@ def _run_strictly(module, *args):
 
 def _assert_no_deprecation(result):
   assert result.returncode == 0, result.stderr[-3000:]
-  own = [line for line in result.stderr.splitlines()
-         if any(category in line for category in DEPRECATIONS)
-         and any(f"/{package}/" in line for package in ("fairmoe_jax", "causal_attn_jax",
-                                                        "trainkit", "paper_runner"))]
+  own = [
+      line
+      for line in result.stderr.splitlines()
+      if any(category in line for category in DEPRECATIONS)
+      and any(
+          f"/{package}/" in line
+          for package in ("fairmoe_jax", "causal_attn_jax", "trainkit", "paper_runner")
+      )
+  ]
   assert not own, own
 
 
 def test_a_fairsmoe_run_trains_evaluates_and_predicts_without_deprecations(tmp_path):
   workdir = tmp_path / "fair"
-  _assert_no_deprecation(_run_strictly(
-      "fairmoe_jax.main", f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=2",
-      f"--workdir={workdir}", "--config.eval_every_steps=2",
-      # The quickstart's code paths on a smaller model and dataset: half the compile time.
-      *FAIR_TINY))
+  _assert_no_deprecation(
+      _run_strictly(
+          "fairmoe_jax.main",
+          f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=2",
+          f"--workdir={workdir}",
+          "--config.eval_every_steps=2",
+          # The quickstart's code paths on a smaller model and dataset: half the compile time.
+          *FAIR_TINY,
+      )
+  )
   images = SHARED_DATA / "celeba" / "img_align_celeba"
-  _assert_no_deprecation(_run_strictly(
-      "fairmoe_jax.main", f"--workdir={workdir}", "--mode=predict",
-      f"--config.predict.input={images}"))
+  _assert_no_deprecation(
+      _run_strictly(
+          "fairmoe_jax.main",
+          f"--workdir={workdir}",
+          "--mode=predict",
+          f"--config.predict.input={images}",
+      )
+  )
 
 
 def test_a_causal_run_trains_and_evaluates_without_deprecations(tmp_path):
-  _assert_no_deprecation(_run_strictly(
-      "causal_attn_jax.main", f"--config={REPO_ROOT / 'configs/mnli_hans.py'}:size=small,steps=4",
-      f"--workdir={tmp_path / 'causal'}", *CAUSAL_TINY_ARGS,
-      f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
-      f"--config.data.challenge_file={NLI / 'hans_format_sample.txt'}"))
+  _assert_no_deprecation(
+      _run_strictly(
+          "causal_attn_jax.main",
+          f"--config={REPO_ROOT / 'configs/mnli_hans.py'}:size=small,steps=4",
+          f"--workdir={tmp_path / 'causal'}",
+          *CAUSAL_TINY_ARGS,
+          f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
+          f"--config.data.challenge_file={NLI / 'hans_format_sample.txt'}",
+      )
+  )
 
 
 def test_the_filter_catches_a_deprecation_in_our_code(tmp_path):
   # The check itself can fail: a deprecated call made from one of our modules stops the run.
   probe = tmp_path / "probe.py"
-  probe.write_text("import warnings\n"
-                   "import trainkit\n"
-                   "exec(compile('warnings.warn(\"old\", DeprecationWarning)', "
-                   "trainkit.__file__, 'exec'), {'warnings': warnings, '__name__': 'trainkit'})\n")
-  result = subprocess.run([sys.executable, "-c", RUNNER.replace(
-      "runpy.run_module(sys.argv[0], run_name=\"__main__\", alter_sys=True)",
-      "runpy.run_path(sys.argv[0], run_name='__main__')"), str(probe)],
-      cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+  probe.write_text(
+      "import warnings\n"
+      "import trainkit\n"
+      "exec(compile('warnings.warn(\"old\", DeprecationWarning)', "
+      "trainkit.__file__, 'exec'), {'warnings': warnings, '__name__': 'trainkit'})\n"
+  )
+  result = subprocess.run(
+      [
+          sys.executable,
+          "-c",
+          RUNNER.replace(
+              'runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)',
+              "runpy.run_path(sys.argv[0], run_name='__main__')",
+          ),
+          str(probe),
+      ],
+      cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert result.returncode != 0 and "DeprecationWarning: old" in result.stderr, result.stderr

@@ -56,7 +56,7 @@ TINY = {
     "eval_every_steps": 0,
     "fair.review_every_steps": 8,
 }
-SWEEP = f'''
+SWEEP = f"""
 import ml_collections
 from paper_runner.spec import dotted
 
@@ -68,7 +68,7 @@ def get_config(arg=None):
       overrides=dotted({TINY!r}),
       metrics=("accuracy", "mf.pqd"),
   ))
-'''
+"""
 # stderr lines that are warnings or errors: absl's W/E lines (Python and C++), Python's warnings
 # and logging, and gcsfs's credential complaint however it is printed.
 _WARNING = re.compile(r"^[WEF]\d{4} |warning|error|credentials", re.IGNORECASE)
@@ -211,8 +211,10 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
 
 def test_quickstart_on_gs_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(trained):
   assert SIGNAL_AFTER <= trained.stopped_at < STEPS, "the signal came after the run ended"
-  assert f"Resumed from the checkpoint at step {trained.stopped_at} in {trained.bucket.uri}/run/"\
-         "checkpoints" in trained.resumed.stdout
+  assert (
+      f"Resumed from the checkpoint at step {trained.stopped_at} in {trained.bucket.uri}/run/"
+      "checkpoints" in trained.resumed.stdout
+  )
   reference = _losses(trained.bucket, "sweep/runs/seed=0")
   assert sorted(reference) == list(range(1, STEPS + 1))
   assert _losses(trained.bucket, "run") == reference

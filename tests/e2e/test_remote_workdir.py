@@ -78,9 +78,9 @@ def _ok(result):
 def _manifest_matches_bucket(step_dir):
   """Every file of a checkpoint step is in its manifest with the bucket's bytes, and vice versa."""
   entries = json.loads((step_dir / "trainkit_manifest.json").read_text())["files"]
-  files = {
-      str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()
-  } - {"trainkit_manifest.json"}
+  files = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()} - {
+      "trainkit_manifest.json"
+  }
   assert set(entries) == files
   for name, entry in entries.items():
     data = (step_dir / name).read_bytes()
@@ -107,7 +107,9 @@ def test_fairmoe_trains_resumes_evaluates_and_predicts_on_gs_with_nothing_local(
   assert f"Resumed from the checkpoint at step 3 in {WORKDIR}/checkpoints" in resumed.stdout
   places.assert_nothing_local()
   assert places.stored("config_history/config.1.json").is_file()
-  steps = [json.loads(line)["step"] for line in places.stored("metrics.jsonl").read_text().splitlines()]
+  steps = [
+      json.loads(line)["step"] for line in places.stored("metrics.jsonl").read_text().splitlines()
+  ]
   assert steps == sorted(set(steps)) and steps[-1] == 6, steps
   assert len(list(places.stored("tensorboard").glob("events.out.tfevents.*"))) == 2
   assert all(p.stat().st_size > 0 for p in places.stored("tensorboard").iterdir())
@@ -173,14 +175,9 @@ def test_causal_tokenizer_and_heatmaps_on_gs_with_nothing_local(places):
 
 @pytest.mark.parametrize(
     "workdir, needle",
-    [
-        ("gs://bucket/run", "pip install gcsfs"),
-        ("s3://bucket/run", "s3:// is not supported"),
-    ],
+    [("gs://bucket/run", "pip install gcsfs"), ("s3://bucket/run", "s3:// is not supported")],
 )
-def test_a_file_system_that_is_not_installed_is_one_error_before_any_write(
-    places, workdir, needle
-):
+def test_a_file_system_that_is_not_installed_is_one_error_before_any_write(places, workdir, needle):
   result = places.run(
       "fairmoe_jax.main",
       f"--config={REPO_ROOT / 'configs/quickstart.py'}",

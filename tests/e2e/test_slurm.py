@@ -48,7 +48,11 @@ def _slurm_conf_env() -> dict[str, str]:
   not find one themselves (local_slurm.sh links /etc/slurm/slurm.conf only where it is free)."""
   env = dict(os.environ)
   local_conf = LOCAL_SLURM_DIR / "slurm.conf"
-  if "SLURM_CONF" not in env and not os.path.exists("/etc/slurm/slurm.conf") and local_conf.exists():
+  if (
+      "SLURM_CONF" not in env
+      and not os.path.exists("/etc/slurm/slurm.conf")
+      and local_conf.exists()
+  ):
     env["SLURM_CONF"] = str(local_conf)
   return env
 
@@ -223,9 +227,7 @@ def _write_sweep(repo_root: pathlib.Path, path: pathlib.Path) -> None:
     key, value = flag.removeprefix("--config.").split("=", 1)
     if key != "batch_size":
       tiny[key] = int(value)
-  path.write_text(
-      textwrap.dedent(
-          f"""\
+  path.write_text(textwrap.dedent(f"""\
           import ml_collections
 
           from paper_runner.spec import dotted
@@ -239,16 +241,20 @@ def _write_sweep(repo_root: pathlib.Path, path: pathlib.Path) -> None:
                 overrides=dotted({{**{tiny!r}, "num_train_steps": {SWEEP_STEPS}}}),
                 metrics=("accuracy", "mf.pqd"),
             ))
-          """
-      )
-  )
+          """))
 
 
 def test_array_sweep_survives_a_cancelled_task_resumes_it_and_collects(repo_root, tmp_path):
   _require_cluster()
   sweep_file, workdir = tmp_path / "tiny_sweep.py", tmp_path / "sweep"
   _write_sweep(repo_root, sweep_file)
-  sweep = [sys.executable, "-m", "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}"]
+  sweep = [
+      sys.executable,
+      "-m",
+      "paper_runner.sweep",
+      f"--sweep={sweep_file}",
+      f"--workdir={workdir}",
+  ]
   written = subprocess.run(
       [*sweep, "--mode=commands"], cwd=repo_root, capture_output=True, text=True, timeout=300
   )

@@ -21,14 +21,14 @@ import pytest
 from PIL import Image
 
 from conftest import (
-  CAUSAL_TINY_ARGS,
-  ENDE,
-  ENDE_TINY_DATA,
-  ENDE_TINY_MODEL,
-  FAIR_TINY_ARGS,
-  ONE_DEVICE_XLA_FLAGS,
-  REPO_ROOT,
-  SHARED_DATA,
+    CAUSAL_TINY_ARGS,
+    ENDE,
+    ENDE_TINY_DATA,
+    ENDE_TINY_MODEL,
+    FAIR_TINY_ARGS,
+    ONE_DEVICE_XLA_FLAGS,
+    REPO_ROOT,
+    SHARED_DATA,
 )
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
@@ -38,8 +38,11 @@ NLI = SHARED_DATA / "nli"
 FAIR_ARGS = FAIR_TINY_ARGS
 # A tiny Causal Transformer on the MNLI sample (test_causal_cli.py's), without plots.
 CAUSAL_ARGS = [
-    *(a for a in CAUSAL_TINY_ARGS if not a.startswith(("--config.log_every_steps=",
-                                                        "--config.plots.num_examples="))),
+    *(
+        a
+        for a in CAUSAL_TINY_ARGS
+        if not a.startswith(("--config.log_every_steps=", "--config.plots.num_examples="))
+    ),
     "--config.plots.num_examples=0",
 ]
 PAIRS = [
@@ -420,15 +423,26 @@ def test_a_one_slash_uri_workdir_is_refused_up_front(tmp_path):
   from trainkit import storage
   from trainkit.errors import UserError
 
-  for typo, meant in (("gs:/bucket/run", "gs://bucket/run"), ("gs:bucket/run", "gs://bucket/run"),
-                      ("s3:/bucket/run", "s3://bucket/run")):
+  for typo, meant in (
+      ("gs:/bucket/run", "gs://bucket/run"),
+      ("gs:bucket/run", "gs://bucket/run"),
+      ("s3:/bucket/run", "s3://bucket/run"),
+  ):
     with pytest.raises(UserError, match=f"did you mean {meant}"):
       storage.resolve(typo)
   assert storage.resolve("gsx:/run") == os.path.abspath("gsx:/run")  # Not a URI scheme of ours.
   result = subprocess.run(
-      [sys.executable, "-m", "fairmoe_jax.main", f"--config={REPO_ROOT / 'configs/quickstart.py'}",
-       "--workdir=gs:/bucket/run"],
-      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+      [
+          sys.executable,
+          "-m",
+          "fairmoe_jax.main",
+          f"--config={REPO_ROOT / 'configs/quickstart.py'}",
+          "--workdir=gs:/bucket/run",
+      ],
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      timeout=300,
   )
   _one_line_error(result, "'gs:/bucket/run' is not a gs:// URI", "did you mean gs://bucket/run?")
   assert list(tmp_path.iterdir()) == []

@@ -185,9 +185,7 @@ def test_unknown_attribute_lists_the_available_ones(tmp_path):
   assert "available: Attractive Male Young" in message
 
 
-def test_a_data_file_pointed_at_another_kind_of_file_is_named_without_echoing_its_content(
-    tmp_path,
-):
+def test_a_data_file_pointed_at_another_kind_of_file_is_named_without_echoing_its_content(tmp_path):
   # A config.json edited to point data.attr_file at a system file: the error printed that
   # file's first line ("available: root:x:0:0:root:/root:/bin/bash").
   good_layout(tmp_path)
@@ -299,7 +297,8 @@ def test_an_empty_split_is_an_error_before_training(tmp_path):
 
   good_layout(tmp_path)  # Its partition has no test rows.
   config = fairmoe_config.base_config()
-  config.data.update(name="celeba", root=str(tmp_path), sensitive="Male", image_size=8,
-                     preload=False)
+  config.data.update(
+      name="celeba", root=str(tmp_path), sensitive="Male", image_size=8, preload=False
+  )
   with pytest.raises(UserError, match=r"data.name=celeba: the test split\(s\) are empty"):
     fairmoe_train._setup(config, str(tmp_path / "run"))

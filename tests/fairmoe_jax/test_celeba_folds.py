@@ -59,7 +59,9 @@ def write_fold_layout(root: pathlib.Path) -> dict[str, str]:
       # Attractive alternates, Male is the identity's parity: values to check against the file.
       rows.append(f"{image} {1 if number % 2 else -1:2d} {1 if int(identity) % 2 else -1:2d}")
       Image.new("RGB", (18, 22), (number, 100, 30)).save(root / "img_align_celeba" / image)
-  (root / "list_attr_celeba.txt").write_text("\n".join([str(number), "Attractive Male", *rows]) + "\n")
+  (root / "list_attr_celeba.txt").write_text(
+      "\n".join([str(number), "Attractive Male", *rows]) + "\n"
+  )
   (root / "identity_CelebA.txt").write_text("".join(f"{i} {p}\n" for i, p in identity_of.items()))
   return identity_of
 
@@ -131,7 +133,11 @@ def test_folds_are_balanced_deterministic_and_independent_of_order():
 @pytest.mark.parametrize(
     "edit, kwargs, pattern",
     [
-        (lambda root: (root / "identity_CelebA.txt").unlink(), {}, r"identity_CelebA.txt does not exist"),
+        (
+            lambda root: (root / "identity_CelebA.txt").unlink(),
+            {},
+            r"identity_CelebA.txt does not exist",
+        ),
         (
             lambda root: (root / "identity_CelebA.txt").write_text(
                 "".join(
@@ -150,7 +156,11 @@ def test_folds_are_balanced_deterministic_and_independent_of_order():
         ),
         (lambda root: None, dict(fold=3), r"fold 3 is outside 0..2"),
         (lambda root: None, dict(num_folds=2, fold=0), r"num_folds >= 3"),
-        (lambda root: None, dict(num_folds=9, fold=0), r"9 identity folds need at least 9 identities; the images have 8"),
+        (
+            lambda root: None,
+            dict(num_folds=9, fold=0),
+            r"9 identity folds need at least 9 identities; the images have 8",
+        ),
     ],
 )
 def test_bad_fold_input_is_one_user_error(tmp_path, edit, kwargs, pattern):
@@ -182,7 +192,9 @@ def test_config_split_argument_and_its_validation(tmp_path):
   folds.data.identity_folds.num_folds = 5
   folds.data.name = "celeba_tfds"
   folds.data.tfds_data_dir = str(tmp_path)
-  with pytest.raises(ConfigError, match=r"'data.identity_folds': .* must be celeba, not celeba_tfds"):
+  with pytest.raises(
+      ConfigError, match=r"'data.identity_folds': .* must be celeba, not celeba_tfds"
+  ):
     config_lib.validate(folds, num_devices=1)
 
 
@@ -284,9 +296,12 @@ def test_pooled_score_equals_the_score_of_all_rows(tmp_path):
     assert report["mf"][metric] == pytest.approx(expected[metric], abs=1e-12)
   assert male["groups"]["Male"]["n"] == int(groups.sum())
   assert male["small_groups"] == ["Male"]  # 90 rows, a third of them Male: under 50.
-  assert pooling.pooled_report([str(tmp_path / "f1")], min_group_size=3)["attributes"]["Male"][
-      "small_groups"
-  ] == []
+  assert (
+      pooling.pooled_report([str(tmp_path / "f1")], min_group_size=3)["attributes"]["Male"][
+          "small_groups"
+      ]
+      == []
+  )
 
 
 def test_pooling_refuses_runs_that_share_an_image_or_a_task(tmp_path):
@@ -342,7 +357,13 @@ def test_one_fold_trains_reports_three_attributes_and_pools(tmp_path):
     ids = [row["example_id"] for row in csv.DictReader(f)]
   assert ids == images_of(splits["test"])[:96]
   pooled = subprocess.run(
-      [sys.executable, "-m", "fairmoe_jax.metrics.pooling", str(workdir), f"--output={tmp_path / 'p.json'}"],
+      [
+          sys.executable,
+          "-m",
+          "fairmoe_jax.metrics.pooling",
+          str(workdir),
+          f"--output={tmp_path / 'p.json'}",
+      ],
       cwd=REPO_ROOT,
       env=env,
       capture_output=True,

@@ -214,10 +214,7 @@ def test_inside_shard_map_each_device_on_its_own_groups(matmul, experts_vary):
     return algorithm(x, index, gates, experts)[0]
 
   layer = jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()),
-      out_specs=spec,
+      body, mesh=mesh, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()), out_specs=spec
   )
 
   def sharded(x, index, gates, experts):
@@ -252,9 +249,7 @@ def _lowered_text(matmul: str, platform: str) -> str:
     pytest.skip(f"no cross-platform lowering in this jax: {e}")
 
 
-@pytest.mark.parametrize(
-    ("platform", "kernels"), [("tpu", True), ("cpu", False), ("cuda", False)]
-)
+@pytest.mark.parametrize(("platform", "kernels"), [("tpu", True), ("cpu", False), ("cuda", False)])
 def test_auto_picks_megablox_where_lowered_for_tpu(platform, kernels):
   """`auto` decides by the platform the step is lowered for, not where Python runs: a TPU gets
   the Pallas kernels (Mosaic custom calls) forward and backward, CPU and GPU `ragged_dot`."""

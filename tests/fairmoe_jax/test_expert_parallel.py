@@ -54,9 +54,7 @@ def _loss_and_grads(algorithm, x, expert_index, gates, experts, cotangent):
 
 def _assert_tree_close(actual, expected):
   jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL),
-      actual,
-      expected,
+      lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL), actual, expected
   )
 
 
@@ -220,7 +218,9 @@ def test_layer_eagerly_matches_one_device(axis_type):
   axis_types = (getattr(jax.sharding.AxisType, axis_type),) * 2
   mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=axis_types)
   x, cotangent, expected = _single_device_layer_results()
-  _assert_layer_results_match(_layer_loss_and_grads(_layer(mesh), x, cotangent, jit=False), expected)
+  _assert_layer_results_match(
+      _layer_loss_and_grads(_layer(mesh), x, cotangent, jit=False), expected
+  )
 
 
 def test_layer_on_an_auto_mesh_with_unsharded_inputs_matches_one_device():

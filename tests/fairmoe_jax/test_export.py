@@ -297,7 +297,11 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
   def export():
     return subprocess.run(
         [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", "--mode=export"],
-        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=REPO_ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
   # export/ is a file: one line naming it (it was a FileExistsError traceback).
@@ -319,7 +323,9 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
   assert json.loads((workdir / "export" / "config.json").read_text())["timm_loadable"] is True
 
 
-def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(dense_run, tmp_path):
+def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(
+    dense_run, tmp_path
+):
   # Round three kept single files from being written through a planted link; a link in place
   # of the export/ or predict/ folder still had model.safetensors, config.json and
   # predictions.csv written to the folder it points to.
@@ -329,14 +335,20 @@ def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(
   images = tmp_path / "images"
   images.mkdir()
   Image.new("RGB", (32, 32)).save(images / "a.png")
-  for folder, mode in (("export", ["--mode=export"]),
-                       ("predict", ["--mode=predict", f"--config.predict.input={images}"])):
+  for folder, mode in (
+      ("export", ["--mode=export"]),
+      ("predict", ["--mode=predict", f"--config.predict.input={images}"]),
+  ):
     outside = tmp_path / f"outside_{folder}"
     outside.mkdir()
     (workdir / folder).symlink_to(outside)
     result = subprocess.run(
         [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", *mode],
-        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=REPO_ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
     (line,) = result.stderr.strip().splitlines()
@@ -369,10 +381,20 @@ def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_std
 
   def predict(source, **kwargs):
     return subprocess.run(
-        [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", "--mode=predict",
-         f"--config.predict.input={source}"],
-        cwd=kwargs.pop("cwd", REPO_ROOT), env=_env(), capture_output=True, text=True,
-        timeout=120, **kwargs,
+        [
+            sys.executable,
+            "-m",
+            "fairmoe_jax.main",
+            f"--workdir={workdir}",
+            "--mode=predict",
+            f"--config.predict.input={source}",
+        ],
+        cwd=kwargs.pop("cwd", REPO_ROOT),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
     )
 
   # A list on stdin: its relative paths are read from the current folder.
@@ -404,7 +426,9 @@ def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_std
     images_lib.load_image(tmp_path / "e.jpg", 32)  # Not opened: that would block.
 
 
-def test_an_evaluation_step_that_cannot_fit_is_refused_naming_eval_batch_size(dense_run, monkeypatch):
+def test_an_evaluation_step_that_cannot_fit_is_refused_naming_eval_batch_size(
+    dense_run, monkeypatch
+):
   import fairmoe_jax
   from trainkit import fits
 
@@ -415,5 +439,7 @@ def test_an_evaluation_step_that_cannot_fit_is_refused_naming_eval_batch_size(de
   with pytest.raises(UserError, match=r"the evaluation step needs .* make the model smaller"):
     run.predict(images)  # 3 images in a small batch: the parameters are most of the memory.
   large = fairmoe_jax.load_run(dense_run[0], overrides={"eval_batch_size": 4096})
-  with pytest.raises(UserError, match=r"the evaluation step needs .* lower eval_batch_size \(now 4096\)"):
+  with pytest.raises(
+      UserError, match=r"the evaluation step needs .* lower eval_batch_size \(now 4096\)"
+  ):
     large.predict(images)  # Padded to 4096 rows: the activations are.

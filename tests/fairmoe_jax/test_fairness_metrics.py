@@ -252,10 +252,7 @@ def test_binary_metrics_match_fairlearn():
 
   tpr_spread = {
       c: MetricFrame(
-          metrics=tpr_of_class(c),
-          y_true=labels,
-          y_pred=preds,
-          sensitive_features=groups,
+          metrics=tpr_of_class(c), y_true=labels, y_pred=preds, sensitive_features=groups
       ).difference()
       for c in (0, 1)
   }
@@ -439,7 +436,11 @@ def test_an_attribute_with_one_group_in_the_split_is_left_out_of_mf_and_flagged(
   per_attribute = [
       np.asarray(c)
       for c in attribute_counts(
-          labels, preds, np.stack([male, bald], 1), mask, group_sizes=(2, 2),
+          labels,
+          preds,
+          np.stack([male, bald], 1),
+          mask,
+          group_sizes=(2, 2),
           num_classes=num_classes,
       )
   ]
@@ -526,14 +527,23 @@ def test_routing_by_group_names_the_group_routed_least_like_the_split():
   }
   reference = {
       f"{a}={g}": 0.5 * np.abs(np.float64(v) / np.sum(v) - split / split.sum()).sum()
-      for a, by in groups.items() for g, v in by.items() if np.sum(v) > 0
+      for a, by in groups.items()
+      for g, v in by.items()
+      if np.sum(v) > 0
   }
   divergence, group = group_divergence(split, groups)
   assert group == max(reference, key=reference.get) == "site=head"
   assert divergence == pytest.approx(reference["site=head"], abs=1e-15) and divergence == 0.6
-  base = {"accuracy": 0.5, "num_examples": 100, "attributes": {},
-          "mf": dict.fromkeys(("pqd", "dp", "eopp", "eodds"), 0.0)}
-  text = format_report({**base, "routing_by_group": {"moe_block3": {"divergence": 0.6,
-                                                                    "group": "site=head"}}})
-  assert "Routing by group (moe_block3): the group routed least like the split is site=head, " \
-         "60.0% of its choices away" in text
+  base = {
+      "accuracy": 0.5,
+      "num_examples": 100,
+      "attributes": {},
+      "mf": dict.fromkeys(("pqd", "dp", "eopp", "eodds"), 0.0),
+  }
+  text = format_report(
+      {**base, "routing_by_group": {"moe_block3": {"divergence": 0.6, "group": "site=head"}}}
+  )
+  assert (
+      "Routing by group (moe_block3): the group routed least like the split is site=head, "
+      "60.0% of its choices away" in text
+  )

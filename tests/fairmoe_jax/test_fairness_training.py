@@ -151,14 +151,7 @@ def test_class_assignment_splits_an_attributes_experts_among_its_classes():
 
 def _router(route_by="label", specialization="attribute_routing", random_projections=True, **kw):
   router = FairRouter(
-      8,
-      4,
-      2,
-      GROUP_SIZES,
-      route_by=route_by,
-      specialization=specialization,
-      rngs=nnx.Rngs(0),
-      **kw,
+      8, 4, 2, GROUP_SIZES, route_by=route_by, specialization=specialization, rngs=nnx.Rngs(0), **kw
   )
   if random_projections:
     rng = np.random.default_rng(1)

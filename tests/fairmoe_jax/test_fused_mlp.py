@@ -119,8 +119,8 @@ def test_kernels_match_the_float64_mlp_values_and_gradients(
   # float32 sums (D and H terms), GELU(h) cast to `dtype`, the result cast. Backward adds the
   # cast of dh and the sums over the expert's rows.
   forward_terms = 4 + (D + H) * UNIT_ROUNDOFF[jnp.float32] / UNIT_ROUNDOFF[dtype]
-  backward_terms = forward_terms + 2 + (num_rows + D + H) * (
-      UNIT_ROUNDOFF[jnp.float32] / UNIT_ROUNDOFF[dtype]
+  backward_terms = (
+      forward_terms + 2 + (num_rows + D + H) * (UNIT_ROUNDOFF[jnp.float32] / UNIT_ROUNDOFF[dtype])
   )
   _assert_within_rounding("y", flat(y), want_y, mag_y, dtype, forward_terms)
   for name in want:
@@ -253,8 +253,10 @@ def test_replicated_weights_get_every_devices_gradient_when_lowered_for_a_tpu():
   )
   x = spec((E, 2, 8, dim), rows)
   w = ExpertWeights(
-      spec((E, dim, hidden), replicated), spec((E, hidden), replicated),
-      spec((E, hidden, dim), replicated), spec((E, dim), replicated),
+      spec((E, dim, hidden), replicated),
+      spec((E, hidden), replicated),
+      spec((E, hidden, dim), replicated),
+      spec((E, dim), replicated),
   )
   # The kernels themselves: `fused_expert_mlp`'s other branch, XLA's MLP, needs the weights
   # marked varying first, as `data_parallel.py` marks them.
@@ -286,9 +288,7 @@ def test_einsum_fused_in_a_data_parallel_layer_on_the_cpu_is_einsum():
 
   def step(name):
     def loss(x, gates, w):
-      y, _ = data_parallel_moe(
-          DISPATCH_ALGORITHMS[name], x, index, gates, w, capacity=4, mesh=mesh
-      )
+      y, _ = data_parallel_moe(DISPATCH_ALGORITHMS[name], x, index, gates, w, capacity=4, mesh=mesh)
       return jnp.sum(y * y)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, gates, w)

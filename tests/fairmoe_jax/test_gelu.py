@@ -68,9 +68,13 @@ def test_same_values_and_gradients_as_jax_nn_gelu(dtype):
 def test_differentiable_inside_shard_map_with_varying_inputs():
   # jax.nn.gelu(approximate=False) fails here on jax 0.11+ ("Primitive polynomial requires
   # varying manual axes to match"); the expert-parallel layer depends on this.
-  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
-                       devices=jax.devices()[:2])
+  mesh = jax.make_mesh(
+      (2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2]
+  )
   x = jax.device_put(jnp.linspace(-3.0, 3.0, 8), NamedSharding(mesh, P("x")))
-  slope = jax.jit(jax.shard_map(jax.grad(lambda h: gelu_exact(h).sum()), mesh=mesh,
-                                in_specs=P("x"), out_specs=P("x")))(x)
+  slope = jax.jit(
+      jax.shard_map(
+          jax.grad(lambda h: gelu_exact(h).sum()), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+      )
+  )(x)
   np.testing.assert_allclose(slope, _gelu_slope_f64(np.linspace(-3.0, 3.0, 8)), rtol=1e-5)

@@ -71,7 +71,8 @@ def test_a_16_bit_image_reads_as_its_8_bit_copy(tmp_path):
   assert Image.open(tmp_path / "grey16.png").mode.startswith("I;16")
   for size in (40, 24):
     np.testing.assert_array_equal(
-        images.load_image(tmp_path / "grey16.png", size), images.load_image(tmp_path / "grey8.png", size)
+        images.load_image(tmp_path / "grey16.png", size),
+        images.load_image(tmp_path / "grey8.png", size),
     )
   # Values between the 8-bit levels round to the nearest one.
   Image.fromarray(np.full((8, 8), 257 * 100 + 120, np.uint16)).save(tmp_path / "between.png")
@@ -81,7 +82,9 @@ def test_a_16_bit_image_reads_as_its_8_bit_copy(tmp_path):
 def test_an_image_of_32_bit_or_float_pixels_is_refused_naming_the_file(tmp_path):
   path = tmp_path / "depth.tiff"
   Image.fromarray(np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)).save(path)
-  with pytest.raises(UserError, match=r"depth\.tiff is not a readable image: its pixels are 32-bit floats"):
+  with pytest.raises(
+      UserError, match=r"depth\.tiff is not a readable image: its pixels are 32-bit floats"
+  ):
     images.load_image(path, 8)
 
 
@@ -197,8 +200,11 @@ def test_a_16_bit_image_trains_as_its_8_bit_copy(tmp_path):
   Image.fromarray(grey8.astype(np.uint16) * 257).save(tmp_path / "grey16.png")
   config = augment.AugmentConfig(random_resized_crop=True, horizontal_flip=True)
   decoded = [
-      images.read_image(tmp_path / name, 40, lambda image: augment.augment_decoded(
-          image, np.random.default_rng(0), 32, 40, config))
+      images.read_image(
+          tmp_path / name,
+          40,
+          lambda image: augment.augment_decoded(image, np.random.default_rng(0), 32, 40, config),
+      )
       for name in ("grey16.png", "grey8.png")
   ]
   np.testing.assert_array_equal(*decoded)

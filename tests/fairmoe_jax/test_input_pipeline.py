@@ -31,11 +31,7 @@ PAPER_AUGMENT = {"crop_scale": (0.08, 1.0)}
 def path_split(paths) -> dict[str, np.ndarray]:
   n = len(paths)
   ids = np.arange(n, dtype=np.int32)
-  return {
-      "path": np.array(paths, dtype=object),
-      "label": ids % 2,
-      "attributes": ids[:, None],
-  }
+  return {"path": np.array(paths, dtype=object), "label": ids % 2, "attributes": ids[:, None]}
 
 
 @needs_celeba
@@ -57,7 +53,9 @@ def test_one_pass_batches_are_the_two_pass_batches_up_to_interpolation():
     per_image.append(diff.mean(axis=(1, 2, 3)))
     # Against the mirrored reference the error is large: the flips agree.
     flipped_errors.append(
-        np.abs(a["image"].astype(np.int16) - b["image"][:, :, ::-1].astype(np.int16)).mean((1, 2, 3))
+        np.abs(a["image"].astype(np.int16) - b["image"][:, :, ::-1].astype(np.int16)).mean(
+            (1, 2, 3)
+        )
     )
     assert np.percentile(diff, 99) <= 10
   per_image = np.concatenate(per_image)
@@ -119,8 +117,11 @@ def test_a_run_resumes_exactly_with_another_number_of_workers():
   assert state == {"next_index": 3}  # What 0 workers save too.
   # grain's own state of 2 workers after 3 batches (checkpoints of earlier versions).
   grain_state = {
-      "next_index_in_cycle": 1, "next_index_in_datasets": 2, "iterators_in_use_indices": [0, 1],
-      "iterators_in_use_states": [{"next_index": 2}, {"next_index": 1}], "exhausted": [0, 0],
+      "next_index_in_cycle": 1,
+      "next_index_in_datasets": 2,
+      "iterators_in_use_indices": [0, 1],
+      "iterators_in_use_states": [{"next_index": 2}, {"next_index": 1}],
+      "exhausted": [0, 0],
       "future_states": {},
   }
   for workers, resume_from in ((0, state), (3, state), (0, grain_state)):
@@ -130,8 +131,12 @@ def test_a_run_resumes_exactly_with_another_number_of_workers():
       np.testing.assert_array_equal(next(resumed)["attributes"], batch)
     resumed.close()
   # A state that is no position of the stream is refused (the checkpoint is skipped).
-  for bad in ({}, {"next_index": -1}, {"next_index": "3"},
-              {**grain_state, "iterators_in_use_states": [{"next_index": 0}, {"next_index": 3}]}):
+  for bad in (
+      {},
+      {"next_index": -1},
+      {"next_index": "3"},
+      {**grain_state, "iterators_in_use_states": [{"next_index": 0}, {"next_index": 3}]},
+  ):
     with pytest.raises(ValueError):
       pipeline.train_iterator(arrays, **kwargs).set_state(bad)
 
@@ -204,7 +209,10 @@ def test_worker_processes_end_with_the_run_and_their_faults_are_one_line(tmp_pat
   script = tmp_path / "read.py"
   script.write_text(_WORKERS_SCRIPT)
   process = subprocess.Popen(
-      [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      [sys.executable, str(script)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
       start_new_session=True,  # Its own process group, as a terminal's foreground job.
   )
   descendants: list[int] = []

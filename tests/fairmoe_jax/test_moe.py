@@ -192,9 +192,7 @@ def test_capacity_overflow_drops_by_priority():
 
   # Per-example usage of served choices, as a fraction of S * k = 12.
   np.testing.assert_allclose(
-      aux.metrics["example_expert_fraction"],
-      np.array([[3, 3, 2, 1], [3, 3, 0, 0]]) / 12,
-      rtol=1e-6,
+      aux.metrics["example_expert_fraction"], np.array([[3, 3, 2, 1], [3, 3, 0, 0]]) / 12, rtol=1e-6
   )
 
 
@@ -376,4 +374,3 @@ def test_the_layer_takes_a_router_s_extras_from_its_output_alone():
   assert float(readings.fraction_dropped) == float(evaluated.metrics["fraction_dropped"])
   merged = MoEAux.merge({"moe_block1": evaluated, "moe_block3": evaluated})
   assert set(merged.routing) == {"moe_block1", "moe_block3"}
-

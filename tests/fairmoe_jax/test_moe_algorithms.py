@@ -375,7 +375,9 @@ def test_blocksparse_never_drops_and_matches_dense(block_size):
   # ulps from its matmuls (summed in another order by each algorithm), and the sum of the G S D
   # = 96 summands up to log2(96) < 7 more: 16 ulps of the summands' total.
   summands = float(jnp.sum(jnp.abs(moe_dense(x, index, gates, experts)[0] * cotangent)))
-  np.testing.assert_allclose(value, value_ref, rtol=0, atol=16 * np.finfo(np.float32).eps * summands)
+  np.testing.assert_allclose(
+      value, value_ref, rtol=0, atol=16 * np.finfo(np.float32).eps * summands
+  )
   chex.assert_trees_all_close(grads, grads_ref, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(grads[2].w1[2:], 0.0)
   _, stats = algorithm(x, index, gates, experts)

@@ -188,18 +188,34 @@ class _FixedRouter(nnx.Module):
 def test_gate_weight_tells_a_dominant_expert_from_an_even_split():
   x = _normal(3, (2, 5, DIM))
   # Both routers choose experts 0 and 1 for every token: identical choice counts.
-  dominant = SparseMoE(DIM, HIDDEN, EXPERTS, 2, router=_FixedRouter([8.0, 0.0, -9.0, -9.0]),
-                       capacity_factor=100.0, rngs=nnx.Rngs(0))
-  even = SparseMoE(DIM, HIDDEN, EXPERTS, 2, router=_FixedRouter([1.0, 1.0, -9.0, -9.0]),
-                   capacity_factor=100.0, rngs=nnx.Rngs(0))
+  dominant = SparseMoE(
+      DIM,
+      HIDDEN,
+      EXPERTS,
+      2,
+      router=_FixedRouter([8.0, 0.0, -9.0, -9.0]),
+      capacity_factor=100.0,
+      rngs=nnx.Rngs(0),
+  )
+  even = SparseMoE(
+      DIM,
+      HIDDEN,
+      EXPERTS,
+      2,
+      router=_FixedRouter([1.0, 1.0, -9.0, -9.0]),
+      capacity_factor=100.0,
+      rngs=nnx.Rngs(0),
+  )
   (_, a), (_, b) = _apply(dominant, x), _apply(even, x)
   np.testing.assert_allclose(
-      a.metrics["example_expert_fraction"], b.metrics["example_expert_fraction"])
+      a.metrics["example_expert_fraction"], b.metrics["example_expert_fraction"]
+  )
   for aux, logits in ((a, [8.0, 0.0, -9.0, -9.0]), (b, [1.0, 1.0, -9.0, -9.0])):
     probs = scipy.special.softmax(np.asarray(logits, np.float64))
     expected = np.where(np.arange(EXPERTS) < 2, probs, 0.0)  # Top-2 gates, not renormalised.
-    np.testing.assert_allclose(aux.metrics["example_gate_weight"], np.tile(expected, (2, 1)),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        aux.metrics["example_gate_weight"], np.tile(expected, (2, 1)), rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("router", ["topk", "noisy_topk"])

@@ -60,16 +60,33 @@ def _vision_loss(model, batch, rngs):
 def _vit(remat: str):
   # Dropout on: the recomputation must draw the forward pass's masks.
   return VisionTransformer(
-      num_classes=3, image_size=16, patch_size=4, dim=32, depth=2, num_heads=2, mlp_dim=64,
-      moe=dict(num_experts=4, top_k=2), dropout_rate=0.1, rngs=nnx.Rngs(0), remat=remat,
+      num_classes=3,
+      image_size=16,
+      patch_size=4,
+      dim=32,
+      depth=2,
+      num_heads=2,
+      mlp_dim=64,
+      moe=dict(num_experts=4, top_k=2),
+      dropout_rate=0.1,
+      rngs=nnx.Rngs(0),
+      remat=remat,
   )
 
 
 def _swin(remat: str):
   # One stage of a plain and a shifted-window block (4x4 windows of an 8x8 map), the MoE last.
   return SwinTransformer(
-      num_classes=3, image_size=32, patch_size=4, embed_dim=32, depths=(2,), num_heads=(2,),
-      window_size=4, moe=dict(num_experts=4, top_k=2), dropout_rate=0.1, rngs=nnx.Rngs(0),
+      num_classes=3,
+      image_size=32,
+      patch_size=4,
+      embed_dim=32,
+      depths=(2,),
+      num_heads=(2,),
+      window_size=4,
+      moe=dict(num_experts=4, top_k=2),
+      dropout_rate=0.1,
+      rngs=nnx.Rngs(0),
       remat=remat,
   )
 
@@ -78,8 +95,14 @@ def _causal_config(task: str, remat: str):
   config = causal_config.base_config()
   config.task = task
   config.model.update(
-      attention="causal", dim=32, num_layers=1, num_decoder_layers=1, num_heads=2, mlp_dim=64,
-      dropout_rate=0.1, remat=remat,
+      attention="causal",
+      dim=32,
+      num_layers=1,
+      num_decoder_layers=1,
+      num_heads=2,
+      mlp_dim=64,
+      dropout_rate=0.1,
+      remat=remat,
   )
   config.data.update(max_len=16, max_source_len=12, max_target_len=12)
   config.nmt.max_decode_len = 12
@@ -133,12 +156,8 @@ def _translation_batch():
 FAMILIES = {
     "vit": (_vit, _vision_loss, lambda: {"image": _images(32, 16)}),
     "swin": (_swin, _vision_loss, lambda: {"image": _images(16, 32)}),
-    "pair_classifier": (
-        _pair, _causal_loss(_causal_config("classification", "none")), _pair_batch
-    ),
-    "seq2seq": (
-        _seq2seq, _causal_loss(_causal_config("translation", "none")), _translation_batch
-    ),
+    "pair_classifier": (_pair, _causal_loss(_causal_config("classification", "none")), _pair_batch),
+    "seq2seq": (_seq2seq, _causal_loss(_causal_config("translation", "none")), _translation_batch),
 }
 
 

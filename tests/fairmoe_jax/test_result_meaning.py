@@ -72,9 +72,7 @@ def test_the_progress_line_names_its_total_loss_and_what_it_sums():
   }
   assert progress_scalars(logged) == {"total loss": 5.0, "task loss": 0.6, "lr": 1e-3}
   note = loss_terms_note(logged)
-  assert note.startswith(
-      "total loss = cross_entropy (the task loss) + fairness + specialization;"
-  )
+  assert note.startswith("total loss = cross_entropy (the task loss) + fairness + specialization;")
   # A run whose loss is its task loss alone needs no note.
   assert loss_terms_note({"loss": 1.0, "loss/cross_entropy": 1.0}) is None
   assert loss_terms_note({"loss": 1.0}) is None

@@ -103,8 +103,9 @@ def test_routing_table_collector_writes_a_row_per_run_and_block(tmp_path):
 
   def run(name, path, status="ok"):
     report = json.loads((path / "report.json").read_text()) if status == "ok" else None
-    return types.SimpleNamespace(name=name, point={"seed": 0}, run_dir=str(path), status=status,
-                                 report=report)
+    return types.SimpleNamespace(
+        name=name, point={"seed": 0}, run_dir=str(path), status=status, report=report
+    )
 
   runs = [run("ok", ok), run("bare", bare), run("failed", tmp_path, "failed")]
   md, js = routing.write_routing_table(str(tmp_path), runs)
@@ -128,8 +129,13 @@ def test_the_validation_table_reads_the_validation_split_s_routing(tmp_path):
   old = tmp_path / "runs" / "old"
   _write_run(old, dict(_report([0.5, 0.5]), validation={"accuracy": 0.5}), top_k=1)
   runs = [
-      types.SimpleNamespace(name=path.name, point={"seed": 0}, run_dir=str(path), status="ok",
-                            report=json.loads((path / "report.json").read_text()))
+      types.SimpleNamespace(
+          name=path.name,
+          point={"seed": 0},
+          run_dir=str(path),
+          status="ok",
+          report=json.loads((path / "report.json").read_text()),
+      )
       for path in (both, old)
   ]
   md, js = routing.write_validation_routing_table(str(tmp_path), runs)
@@ -161,4 +167,6 @@ def test_testbed_routing_sweep_evaluates_every_choice():
   # test split shows the router's choices, none dropped.
   for experts in {p["moe.num_experts"] for p in points}:
     tokens = (32 // 4) ** 2
-    assert compute_capacity(tokens, experts, 2, sweep.overrides["moe.eval_capacity_factor"]) == tokens
+    assert (
+        compute_capacity(tokens, experts, 2, sweep.overrides["moe.eval_capacity_factor"]) == tokens
+    )

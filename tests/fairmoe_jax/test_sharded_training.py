@@ -77,7 +77,8 @@ def test_expert_weights_are_sharded_over_the_expert_axis():
   assert state.params["blocks"][0]["mlp"]["fc1"]["kernel"].sharding.spec == P()
   # Adam's moments follow their parameters' sharding.
   adam = next(
-      s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
+      s
+      for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
       if hasattr(s, "mu")
   )
   mu = adam.mu["blocks"][1]["mlp"]["w1"]

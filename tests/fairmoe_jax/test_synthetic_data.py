@@ -253,6 +253,7 @@ def test_attribute_cues_change_only_the_colours():
     np.testing.assert_array_equal(plain[split]["label"], cued[split]["label"])
     np.testing.assert_array_equal(plain[split]["attributes"], cued[split]["attributes"])
     np.testing.assert_array_equal(
-        synthetic.read_marker(plain[split]["image"], 4), synthetic.read_marker(cued[split]["image"], 4)
+        synthetic.read_marker(plain[split]["image"], 4),
+        synthetic.read_marker(cued[split]["image"], 4),
     )
     assert not np.array_equal(plain[split]["image"], cued[split]["image"])

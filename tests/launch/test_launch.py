@@ -203,7 +203,9 @@ def _commands_file(tmp_path, done=()):
 
 def test_slurm_array_submits_the_runs_without_a_report(tmp_path):
   commands = _commands_file(tmp_path, done=(1,))
-  result = _run("slurm_array.sh", "--dry-run", "--parallel", "2", "--time", "1:00:00", str(commands))
+  result = _run(
+      "slurm_array.sh", "--dry-run", "--parallel", "2", "--time", "1:00:00", str(commands)
+  )
   assert result.returncode == 0, result.stderr
   assert result.stdout == (
       f"+ sbatch --array=0,2%2 --output={tmp_path}/sweep/slurm/%A_%a.out --ntasks=1 "
@@ -483,8 +485,10 @@ def test_a_late_process_is_named_as_the_cause_not_the_checkpoint_directory(tmp_p
   assert not isinstance(raised.value, UserError)  # Not blamed on the directory.
   monkeypatch.undo()
   message, code, with_traceback = describe_failure(raised.value, "process 0 of 2", "Restart.")
-  assert message.startswith("error: process 0 of 2: the processes' CPU collectives could not "
-                            "connect (INTERNAL: Gloo context initialization failed")
+  assert message.startswith(
+      "error: process 0 of 2: the processes' CPU collectives could not "
+      "connect (INTERNAL: Gloo context initialization failed"
+  )
   assert "reached its first collective more than 30 s (Gloo's limit) after this one" in message
   assert STARTUP_TIMEOUT_KEY in message and (code, with_traceback) == (1, False)
   # The wait that keeps the processes together is a config key with a generous default.

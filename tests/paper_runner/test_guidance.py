@@ -78,9 +78,18 @@ def test_runs_of_unknown_length_are_priced_per_run(tmp_path):
 @pytest.mark.parametrize("spelling", ["--dry-run", "--dry_run"])
 def test_the_sweep_takes_both_spellings_of_the_dry_run(tmp_path, repo_root, spelling):
   result = subprocess.run(
-      [sys.executable, "-m", "paper_runner.sweep", f"--sweep={SWEEP}", f"--workdir={tmp_path}",
-       spelling],
-      cwd=repo_root, capture_output=True, text=True, timeout=300,
+      [
+          sys.executable,
+          "-m",
+          "paper_runner.sweep",
+          f"--sweep={SWEEP}",
+          f"--workdir={tmp_path}",
+          spelling,
+      ],
+      cwd=repo_root,
+      capture_output=True,
+      text=True,
+      timeout=300,
   )
   assert result.returncode == 0, result.stderr
   assert "dry run: 12 run(s) in the sweep, 12 to run" in result.stdout
@@ -91,17 +100,39 @@ def test_dashed_flag_names_leave_the_rest_alone():
   argv = ["sweep", "--dry-run", "--nodry-run", "--dry-run=false", "--dry-running", "--"]
   argv.append("--dry-run")  # After `--`: a positional argument.
   assert sweep_cli.dashed_flag_names(argv) == [
-      "sweep", "--dry_run", "--nodry_run", "--dry_run=false", "--dry-running", "--", "--dry-run"
+      "sweep",
+      "--dry_run",
+      "--nodry_run",
+      "--dry_run=false",
+      "--dry-running",
+      "--",
+      "--dry-run",
   ]
 
 
 LAUNCHERS = {
     "local.sh": ["configs/quickstart.py", "/tmp/wd"],
     "local_multiprocess.sh": ["--processes", "2", "--", "--config=configs/quickstart.py"],
-    "slurm.sh": ["--nodes", "1", "--gpus-per-node", "8", "--", "--config=configs/quickstart.py",
-                 "--workdir=/tmp/wd"],
-    "tpu_pod.sh": ["--name", "pod", "--zone", "z", "--accelerator", "v5litepod-16", "--",
-                   "--config=configs/quickstart.py", "--workdir=gs://bucket/run"],
+    "slurm.sh": [
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "--",
+        "--config=configs/quickstart.py",
+        "--workdir=/tmp/wd",
+    ],
+    "tpu_pod.sh": [
+        "--name",
+        "pod",
+        "--zone",
+        "z",
+        "--accelerator",
+        "v5litepod-16",
+        "--",
+        "--config=configs/quickstart.py",
+        "--workdir=gs://bucket/run",
+    ],
 }
 
 
@@ -120,7 +151,11 @@ def test_every_launcher_takes_both_spellings_of_the_dry_run(script, tmp_path, re
   for spelling in ("--dry-run", "--dry_run"):
     result = subprocess.run(
         ["bash", str(repo_root / "launch" / script), spelling, *args],
-        cwd=repo_root, capture_output=True, text=True, timeout=60, env=env,
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert result.returncode == 0, (spelling, result.stderr)
     outputs.append(result.stdout)

@@ -32,17 +32,27 @@ def test_check_fails_on_a_changed_table(tmp_path):
   changed.write_text(text[: start + 40] + "| a changed row |\n" + text[start + 40 :])
   result = subprocess.run(
       [sys.executable, "-m", "paper_runner.preflight_table", f"--check={changed}"],
-      cwd=REPO_ROOT, capture_output=True, text=True,
+      cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
   )
   assert result.returncode == 1 and "differs" in result.stderr
 
 
-@pytest.mark.parametrize("markers, error", [
-    ("", r"doc\.md: no '<!-- table:preflight_paper -->'"),
-    ("<!-- /table:preflight_paper -->\n<!-- table:preflight_paper -->\n",
-     r"doc\.md:2: '<!-- /table:preflight_paper -->' ends a table that was not started"),
-    ("<!-- table:preflight_paper -->\nx\n", r"doc\.md:2: table preflight_paper has no end marker"),
-])
+@pytest.mark.parametrize(
+    "markers, error",
+    [
+        ("", r"doc\.md: no '<!-- table:preflight_paper -->'"),
+        (
+            "<!-- /table:preflight_paper -->\n<!-- table:preflight_paper -->\n",
+            r"doc\.md:2: '<!-- /table:preflight_paper -->' ends a table that was not started",
+        ),
+        (
+            "<!-- table:preflight_paper -->\nx\n",
+            r"doc\.md:2: table preflight_paper has no end marker",
+        ),
+    ],
+)
 def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, markers, error):
   path = tmp_path / "doc.md"
   path.write_text("# Doc\n" + markers)
@@ -53,13 +63,17 @@ def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, mark
   assert path.read_text() == "# Doc\n" + markers
 
 
-def test_a_compile_killed_from_outside_is_not_recorded_and_is_retried(monkeypatch, tmp_path, capsys):
+def test_a_compile_killed_from_outside_is_not_recorded_and_is_retried(
+    monkeypatch, tmp_path, capsys
+):
   """A cell whose compile is killed by a signal (the out-of-memory killer's SIGKILL) records
   nothing, so the next `--compile` tries it again; a compile that fails on its own is recorded
   with its error line."""
   record = {"cells": {}}
   monkeypatch.setattr(preflight_table, "_load", lambda: record)
-  monkeypatch.setattr(preflight_table, "_save", lambda r, name, result: r["cells"].update({name: result}))
+  monkeypatch.setattr(
+      preflight_table, "_save", lambda r, name, result: r["cells"].update({name: result})
+  )
   outcomes = {"killed": -9, "refused": 2}
 
   def fake_run(command, **kwargs):

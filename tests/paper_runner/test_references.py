@@ -21,7 +21,9 @@ def test_the_majority_reader_scores_the_test_share_of_the_training_majority():
   config = _fair_config()
   reports = fair_references.reference_reports(config)
   _, splits = load_synthetic(
-      image_size=config["data"]["image_size"], num_classes=4, seed=0,
+      image_size=config["data"]["image_size"],
+      num_classes=4,
+      seed=0,
       sizes={"train": 600, "val": 300, "test": 400},
   )
   majority = np.bincount(splits["train"]["label"], minlength=4).argmax()
@@ -74,8 +76,12 @@ def test_chance_is_counted_by_the_evaluation_s_own_code_and_seeded_by_its_split(
   predictions = np.random.default_rng([fair_references.CHANCE_SEED, seed]).integers(0, k, (5, n))
   for d in range(5):
     expected = report_of_predictions(
-        split["label"], predictions[d].astype(np.int32), split["attributes"],
-        info.attribute_names, info.group_names, k,
+        split["label"],
+        predictions[d].astype(np.int32),
+        split["attributes"],
+        info.attribute_names,
+        info.group_names,
+        k,
     )
     assert draws[d] == expected  # Counts are integers: the same numbers exactly.
   other = {**split, "label": (split["label"] + 1) % k}

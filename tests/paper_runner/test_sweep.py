@@ -134,7 +134,9 @@ def test_run_collect_resume_and_plots(tmp_path, stub_env, capsys, monkeypatch):
   report = json.loads((runs / "batch_size=16,moe.num_experts=2,seed=0" / "report.json").read_text())
   assert report["flags"]["use_flag"] == "True" and report["flags"]["lr"] == "0.001"
   # Each run's commit and host, for its table's record (the runs' own XLA_FLAGS included).
-  started = json.loads((runs / "batch_size=16,moe.num_experts=2,seed=0" / "provenance.json").read_text())
+  started = json.loads(
+      (runs / "batch_size=16,moe.num_experts=2,seed=0" / "provenance.json").read_text()
+  )
   assert started["commit"] and started["host"]["environment"]["JAX_DEFAULT_MATMUL_PRECISION"] == (
       "float32"
   )
@@ -812,9 +814,10 @@ def test_collect_of_a_subset_writes_its_tables_beside_the_full_sweep_s(
   full = {name: (workdir / name).read_bytes() for name in names}
   plots = {p: (workdir / "plots" / p).read_bytes() for p in os.listdir(workdir / "plots")}
   capsys.readouterr()
-  assert sweep_cli.execute(
-      str(tmp_path / "sweep.py"), str(workdir), mode="collect", only=["seed=0"]
-  ) == 0
+  assert (
+      sweep_cli.execute(str(tmp_path / "sweep.py"), str(workdir), mode="collect", only=["seed=0"])
+      == 0
+  )
   out = capsys.readouterr().out
   assert {name: (workdir / name).read_bytes() for name in names} == full
   assert {p: (workdir / "plots" / p).read_bytes() for p in os.listdir(workdir / "plots")} == plots

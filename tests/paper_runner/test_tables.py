@@ -175,7 +175,10 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   text = table_render.render(spec, record)
   # Accuracy: +2 points on every seed despite a seed spread of 5, p near 0 before and after
   # Holm's adjustment (2 claims).
-  assert "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |" in text
+  assert (
+      "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |"
+      in text
+  )
   # MF-PQD is a fairness claim: without a reference accuracy to read it against, untestable.
   assert "| a higher than b (alpha 0.5) | MF-PQD |" in text
   assert "**untestable: at reference accuracy** | **untestable: at reference accuracy** |" in text
@@ -232,7 +235,10 @@ def test_check_passes_on_the_written_file_and_names_what_changed(toy_tables, tmp
 
 def _two_table_doc(toy_tables, tmp_path):
   """A document with two recorded tables (the toy spec under two names), written."""
-  shutil.copy(os.path.join(table_spec.RESULTS_DIR, "toy.py"), os.path.join(table_spec.RESULTS_DIR, "toy2.py"))
+  shutil.copy(
+      os.path.join(table_spec.RESULTS_DIR, "toy.py"),
+      os.path.join(table_spec.RESULTS_DIR, "toy2.py"),
+  )
   for name in ("toy", "toy2"):
     table_record.write_record(table_spec.load_table(name), str(toy_tables))
   doc = tmp_path / "results.md"
@@ -262,8 +268,11 @@ def test_a_start_marker_without_its_end_is_an_error_naming_its_line(toy_tables, 
   text = text.replace("**holds**", "**does not hold**", 1)
   doc.write_text(text)
   line = text.splitlines().index("<!-- table:toy -->") + 1
-  with pytest.raises(UserError, match=rf"results.md:{line + 0}: table toy has no end marker|"
-                                      rf"table toy2 starts inside table toy"):
+  with pytest.raises(
+      UserError,
+      match=rf"results.md:{line + 0}: table toy has no end marker|"
+      rf"table toy2 starts inside table toy",
+  ):
     table_docs.check_doc(str(doc))
   with pytest.raises(UserError, match="inside table toy"):
     table_docs.write_doc(str(doc))
@@ -273,13 +282,19 @@ def test_a_start_marker_without_its_end_is_an_error_naming_its_line(toy_tables, 
 def test_a_repeated_marker_after_a_missing_end_leaves_the_document_whole(toy_tables, tmp_path):
   doc = _two_table_doc(toy_tables, tmp_path)
   text = doc.read_text()
-  text = text.replace("<!-- /table:toy -->\n", "", 1) + "\n<!-- table:toy -->\nagain\n<!-- /table:toy -->\n"
+  text = (
+      text.replace("<!-- /table:toy -->\n", "", 1)
+      + "\n<!-- table:toy -->\nagain\n<!-- /table:toy -->\n"
+  )
   doc.write_text(text)
   with pytest.raises(UserError, match=r"results.md:\d+: "):
     table_docs.write_doc(str(doc))
   assert doc.read_text() == text  # Nothing deleted.
   # Marked twice, each properly closed: an error too, naming both lines.
-  doc.write_text(_two_table_doc(toy_tables, tmp_path).read_text() + "\n<!-- table:toy -->\nx\n<!-- /table:toy -->\n")
+  doc.write_text(
+      _two_table_doc(toy_tables, tmp_path).read_text()
+      + "\n<!-- table:toy -->\nx\n<!-- /table:toy -->\n"
+  )
   with pytest.raises(UserError, match=r"table toy is marked a second time \(first at line 3\)"):
     table_docs.check_doc(str(doc))
 
@@ -287,7 +302,9 @@ def test_a_repeated_marker_after_a_missing_end_leaves_the_document_whole(toy_tab
 def test_an_end_marker_without_its_start_is_an_error(tmp_path):
   doc = tmp_path / "results.md"
   doc.write_text("# R\n\n<!-- /table:toy -->\n")
-  with pytest.raises(UserError, match=r"results.md:3: '<!-- /table:toy -->' ends a table that was not started"):
+  with pytest.raises(
+      UserError, match=r"results.md:3: '<!-- /table:toy -->' ends a table that was not started"
+  ):
     table_docs.write_doc(str(doc))
 
 
@@ -438,7 +455,10 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   other["provenance"]["machine"]["processor"]["features"] = ["sse4_2"]
   ok, lines = table_reproduce.reproduce(spec, other, str(tmp_path / "elsewhere"))
   assert ok, "\n".join(lines)
-  assert f"not the recording machine, software or data; tolerance {table_reproduce.DEFAULT_TOLERANCE:g}" in lines[0]
+  assert (
+      f"not the recording machine, software or data; tolerance {table_reproduce.DEFAULT_TOLERANCE:g}"
+      in lines[0]
+  )
   assert any("differs: machine.processor.model: Another CPU != " in line for line in lines)
   # A record without data hashes (made before they were recorded) cannot vouch for its data.
   del other["provenance"]["data"]
@@ -474,8 +494,15 @@ def test_data_hashes_name_every_input_file_and_change_with_its_bytes(tmp_path):
   (tmp_path / "images").mkdir()
   (tmp_path / "images" / "a.jpg").write_bytes(b"a")
   (tmp_path / "list.txt").write_text("rows\n")
-  config = {"data": {"root": str(tmp_path / "images"), "train_file": str(tmp_path / "list.txt"),
-                     "eval_file": "", "name": "celeba"}, "model": {"dim": 4}}
+  config = {
+      "data": {
+          "root": str(tmp_path / "images"),
+          "train_file": str(tmp_path / "list.txt"),
+          "eval_file": "",
+          "name": "celeba",
+      },
+      "model": {"dim": 4},
+  }
   before = provenance.data_hashes([config])
   assert sorted(before) == [str(tmp_path / "images"), str(tmp_path / "list.txt")]
   (tmp_path / "images" / "a.jpg").write_bytes(b"b")
@@ -549,8 +576,9 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
 def test_a_rerun_needs_a_workdir_with_a_finished_run(toy_tables, tmp_path):
   spec = table_spec.load_table("toy")
   table_record.write_record(spec, str(toy_tables))
-  flags = dict(record=None, write=None, check=None, reproduce=None, tolerance=None, rerun="toy",
-               workdir=None)
+  flags = dict(
+      record=None, write=None, check=None, reproduce=None, tolerance=None, rerun="toy", workdir=None
+  )
   with pytest.raises(SystemExit):
     tables.run(["tables"], flags)
   with pytest.raises(UserError, match="no finished run"):
@@ -688,7 +716,9 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
   monkeypatch.setattr(table_record, "split_sizes", lambda spec: {str(f): sizes for f in range(5)})
   spec_text = _SPEC.replace(
       '"seed": (0, 1, 2, 3, 4), "method"', '"data.fold": (0, 1, 2, 3, 4), "seed": (0,), "method"'
-  ).replace("TABLE = dict(", "TABLE = dict(\n    cross_validation=('data.fold', 'toy_sizes:sizes'),")
+  ).replace(
+      "TABLE = dict(", "TABLE = dict(\n    cross_validation=('data.fold', 'toy_sizes:sizes'),"
+  )
   (results / "cv.py").write_text(spec_text)
   monkeypatch.setattr(table_spec, "RESULTS_DIR", str(results))
   monkeypatch.setattr(table_spec, "RECORDS_DIR", str(results / "records"))
@@ -706,13 +736,18 @@ def test_cross_validated_runs_pair_by_fold_and_seed(tmp_path, monkeypatch):
   assert record["runs"][0]["seed"] == "data.fold=0,seed=0"
   assert table_record.stale_runs(spec, record) == []
   text = table_render.render(spec, record)
-  assert "| a higher than b (alpha 0.5) | Acc. (%) | +1.0 [1.0, 1.0] | 5 | <0.001 | **holds** |" in text
+  assert (
+      "| a higher than b (alpha 0.5) | Acc. (%) | +1.0 [1.0, 1.0] | 5 | <0.001 | **holds** |"
+      in text
+  )
   assert "| folds × seeds |" in text and "test-to-train 0.333" in text
   # The fold key must be a grid key other than the seed; another varying key is an error.
   (results / "bad.py").write_text(spec_text.replace("('data.fold', 'toy", "('seed', 'toy"))
   with pytest.raises(UserError, match=r"TABLE\['cross_validation'\]"):
     table_spec.load_table("bad")
-  (results / "bad.py").write_text(spec_text.replace("    cross_validation=('data.fold', 'toy_sizes:sizes'),\n", ""))
+  (results / "bad.py").write_text(
+      spec_text.replace("    cross_validation=('data.fold', 'toy_sizes:sizes'),\n", "")
+  )
   with pytest.raises(UserError, match="'data.fold' also varies"):
     table_spec.load_table("bad")
 
@@ -1135,8 +1170,20 @@ def _fake_rerun(monkeypatch, toy_tables, mode):
 
 
 def _cli_flags(**given):
-  return {**dict(record=None, write=None, check=None, reproduce=None, references=None,
-                rerun=None, workdir=None, tolerance=None, stamp=False), **given}
+  return {
+      **dict(
+          record=None,
+          write=None,
+          check=None,
+          reproduce=None,
+          references=None,
+          rerun=None,
+          workdir=None,
+          tolerance=None,
+          stamp=False,
+      ),
+      **given,
+  }
 
 
 def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_stamped(
@@ -1203,7 +1250,9 @@ def test_a_reproduction_that_does_not_come_back_is_stamped_as_such_and_never_vou
   assert moved["difference"] == pytest.approx(0.25, abs=1e-12)
   assert miss["exact"] is False and miss["tolerance"] == 0.0
   line = table_render.render(spec, stamped)
-  assert "first run not reproduced, beyond 0 on the recording machine, software and data on " in line
+  assert (
+      "first run not reproduced, beyond 0 on the recording machine, software and data on " in line
+  )
   assert f"`accuracy` {moved['recorded']:.6g} recorded, {moved['reproduced']:.6g} again)" in line
   # Never a voucher, even on its own machine, whatever it says of exactness.
   vouching = json.loads(json.dumps(stamped))
@@ -1304,8 +1353,10 @@ def test_a_duplicated_or_incomplete_run_in_a_record_is_one_error_naming_it(toy_t
 
   cases = [
       (duplicate, r"runs\[0\] \(row a, seed 0\) and runs\[10\] \(row a, seed 0\) are the same run"),
-      (lambda r: r["runs"][3].pop("metrics"),
-       r"runs\[3\] \(row b@fair.alpha=0.5, seed 1\) has a result but no 'metrics'"),
+      (
+          lambda r: r["runs"][3].pop("metrics"),
+          r"runs\[3\] \(row b@fair.alpha=0.5, seed 1\) has a result but no 'metrics'",
+      ),
       (lambda r: r["runs"][3].pop("row"), r"runs\[3\] \(seed 1\) has no 'row'"),
   ]
   for edit, message in cases:
@@ -1329,7 +1380,10 @@ def test_a_tolerance_that_is_not_a_finite_number_at_least_zero_is_refused(
     tables.run(["tables"], _cli_flags(reproduce="toy", tolerance=float(tolerance)))
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
-  assert err == f"error: --tolerance={float(tolerance)}: not a finite number >= 0 (the largest |difference| --reproduce accepts)\n"
+  assert (
+      err
+      == f"error: --tolerance={float(tolerance)}: not a finite number >= 0 (the largest |difference| --reproduce accepts)\n"
+  )
 
 
 def test_reproduce_s_flags_with_another_mode_are_refused_naming_both(toy_tables, tmp_path, capsys):
@@ -1435,9 +1489,7 @@ def _on_cpu(monkeypatch, **changed):
   monkeypatch.setattr(provenance, "_cpuinfo", lambda: dict(info))
 
 
-def test_provenance_names_the_processor_model_and_its_instruction_set_each_on_its_own(
-    monkeypatch,
-):
+def test_provenance_names_the_processor_model_and_its_instruction_set_each_on_its_own(monkeypatch):
   """the one test of the processor changed its model and features together,
   so dropping the features from the description passed it. Each field alone must tell two
   machines apart, in the description and in what --reproduce compares."""
@@ -1447,8 +1499,17 @@ def test_provenance_names_the_processor_model_and_its_instruction_set_each_on_it
       "model": "Test CPU 9000",
       "vendor": "GenuineTest",
       "family": "6/143/8",
-      "features": ["avx", "avx2", "avx512_fp16", "avx512bw", "avx512f", "f16c", "fma", "sse4_1",
-                   "sse4_2"],
+      "features": [
+          "avx",
+          "avx2",
+          "avx512_fp16",
+          "avx512bw",
+          "avx512f",
+          "f16c",
+          "fma",
+          "sse4_1",
+          "sse4_2",
+      ],
   }
   record = {"machine": provenance.machine(), "data": {}}
   assert table_reproduce._why_not_exact(record) == []
@@ -1484,7 +1545,11 @@ def test_an_exact_reproduction_vouches_only_for_its_own_processor_one_field_at_a
   _on_cpu(monkeypatch)
   _fake_rerun(monkeypatch, toy_tables, "ok")
   ok, lines = table_reproduce.reproduce(spec, record, str(tmp_path / "a"), stamp=True)
-  assert ok and "not the recording machine" in lines[0] and f"tolerance {table_reproduce.DEFAULT_TOLERANCE:g}" in lines[0]
+  assert (
+      ok
+      and "not the recording machine" in lines[0]
+      and f"tolerance {table_reproduce.DEFAULT_TOLERANCE:g}" in lines[0]
+  )
   stamped = table_record.read_record("toy")
   (stamp,) = stamped["provenance"]["reproduced"]
   assert stamp["exact"] and stamp["machine"]["processor"]["model"] == "Test CPU 9000"

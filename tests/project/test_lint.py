@@ -68,7 +68,12 @@ def test_an_unsorted_or_repeated_import_fails(tmp_path):
 
 
 # Google's Black, as docs/contributing.md ("Formatting") runs it.
-PYINK_STYLE = ("--pyink-indentation=2", "--line-length=100", "--pyink-use-majority-quotes")
+PYINK_STYLE = (
+    "--pyink-indentation=2",
+    "--line-length=100",
+    "--pyink-use-majority-quotes",
+    "--skip-magic-trailing-comma",
+)
 
 
 def _pyink_check(*paths) -> subprocess.CompletedProcess:
@@ -96,4 +101,8 @@ def test_an_unformatted_file_fails(tmp_path):
   module = tmp_path / "unformatted.py"
   module.write_text("def f( x ):\n    return x\n")
   result = _pyink_check(module)
-  assert result.returncode == 1 and "would reformat" in result.stderr and "unformatted.py" in result.stderr
+  assert (
+      result.returncode == 1
+      and "would reformat" in result.stderr
+      and "unformatted.py" in result.stderr
+  )

@@ -386,7 +386,9 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
   from trainkit.errors import UserError, import_extra  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setitem(sys.modules, "sacrebleu", None)  # Importing it now raises ImportError.
-  with pytest.raises(UserError, match=r"BLEU needs sacrebleu, .*pip install 'fairmoe-jax\[causal\]'"):
+  with pytest.raises(
+      UserError, match=r"BLEU needs sacrebleu, .*pip install 'fairmoe-jax\[causal\]'"
+  ):
     from causal_attn_jax.metrics import bleu  # pylint: disable=import-outside-toplevel
 
     bleu.corpus_bleu(["a"], ["a"])

@@ -32,7 +32,7 @@ LOGGER_CHANGES = {"setLevel", "addFilter", "disabled"}
 # file -> the libraries' loggers it may change.
 ALLOWED_LOGGERS = {
     # A filter that keeps one of gcsfs's per-bucket warnings (storage.py's owner to replace).
-    "trainkit/storage.py": {"gcsfs"},
+    "trainkit/storage.py": {"gcsfs"}
 }
 
 # file -> the private names it may import: each the only way today, each checked below.
@@ -133,7 +133,9 @@ def test_no_file_imports_a_private_module_or_replaces_a_process_wide_hook():
   files = _scanned_files()
   assert len(files) > 100 and ROOT / "trainkit" / "checkpoint.py" in files
   found = [v for p in files for v in violations(p, p.relative_to(ROOT).as_posix())]
-  assert not found, "private internals (see tests/project/test_private_apis.py):\n" + "\n".join(found)
+  assert not found, "private internals (see tests/project/test_private_apis.py):\n" + "\n".join(
+      found
+  )
 
 
 def test_the_scanner_reports_a_planted_private_import_and_hook_with_file_and_line(tmp_path):
@@ -190,7 +192,9 @@ def test_every_allowed_file_still_uses_its_private_names():
     assert imported == allowed, f"{relative}: update ALLOWED in tests/project/test_private_apis.py"
   for relative, libraries in ALLOWED_LOGGERS.items():
     found = " ".join(violations(ROOT / relative, "a file without allowances"))
-    assert all(f"the {name!r} logger" in found for name in libraries), f"update ALLOWED_LOGGERS: {relative}"
+    assert all(
+        f"the {name!r} logger" in found for name in libraries
+    ), f"update ALLOWED_LOGGERS: {relative}"
 
 
 @pytest.mark.parametrize("module, attribute", ALLOWED_ATTRIBUTES)

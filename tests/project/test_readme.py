@@ -46,7 +46,8 @@ def test_readme_names_the_tested_versions():
   readme = (REPO_ROOT / "README.md").read_text()
   section = readme.split("### Tested versions", 1)[1].split("\n#", 1)[0]
   pins = dict(
-      line.split("==") for line in (REPO_ROOT / "constraints.txt").read_text().splitlines()
+      line.split("==")
+      for line in (REPO_ROOT / "constraints.txt").read_text().splitlines()
       if "==" in line and not line.startswith("#")
   )
   for package in ("jax", "jaxlib", "flax", "orbax-checkpoint", "grain", "optax", "numpy"):

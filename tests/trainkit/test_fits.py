@@ -14,10 +14,15 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs_naming_the_key(tmp_pat
   batch_heavy = jax.jit(lambda x: jnp.outer(x, x)).lower(big).compile()  # A 16 MiB output
   weight_heavy = jax.jit(lambda w: w[:4] * 2).lower(jnp.ones((1 << 22,))).compile()  # 16 MiB arg
   monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 1 << 20)  # A 1 MiB device.
-  with pytest.raises(UserError, match=r"the train step needs .* but a device here has 0\.0 GiB: "
-                                      r"lower batch_size \(now 2048\); --mode=compile"):
+  with pytest.raises(
+      UserError,
+      match=r"the train step needs .* but a device here has 0\.0 GiB: "
+      r"lower batch_size \(now 2048\); --mode=compile",
+  ):
     fits.require_fits(batch_heavy, what="train step", batch_key="batch_size", batch_size=2048)
-  with pytest.raises(UserError, match=r"make the model smaller \(its model\.\* keys, moe\.num_experts\)"):
+  with pytest.raises(
+      UserError, match=r"make the model smaller \(its model\.\* keys, moe\.num_experts\)"
+  ):
     fits.require_fits(weight_heavy, what="train step", batch_key="batch_size", batch_size=8)
   monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 1 << 30)
   fits.require_fits(batch_heavy, what="train step", batch_key="batch_size", batch_size=2048)

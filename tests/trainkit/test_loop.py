@@ -286,11 +286,19 @@ def test_the_loop_checks_the_executable_of_its_own_batch_before_the_first_step(
 
   def run(rows: int, workdir):
     return train_loop(
-        state=toy_train_state(), train_step=step, train_iterator=_Rows(rows), mesh=mesh,
+        state=toy_train_state(),
+        train_step=step,
+        train_iterator=_Rows(rows),
+        mesh=mesh,
         checkpointer=Checkpointer(str(workdir / "ckpt"), async_save=False),
-        writer=MetricWriter(str(workdir), tensorboard=False), num_train_steps=2,
-        log_every_steps=1, eval_every_steps=0, checkpoint_every_steps=2,
-        examples_per_step=rows, show_progress=False, device_prefetch=0,
+        writer=MetricWriter(str(workdir), tensorboard=False),
+        num_train_steps=2,
+        log_every_steps=1,
+        eval_every_steps=0,
+        checkpoint_every_steps=2,
+        examples_per_step=rows,
+        show_progress=False,
+        device_prefetch=0,
     )
 
   # 64 examples (8 a device) do not fit: refused before the first step, nothing trained.

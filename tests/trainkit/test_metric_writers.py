@@ -30,7 +30,8 @@ def test_a_flush_writes_every_tensorboard_scalar_logged_before_it(tmp_path):
     events = scalar_events(events_file.read_bytes())
     assert [s for s, _ in events] == [s for s in range(1, step + 1) for _ in range(2)]
   assert events[-2:] == [
-      (50, {"loss": pytest.approx(1.0 / 50)}), (50, {"val/accuracy": pytest.approx(0.5)})
+      (50, {"loss": pytest.approx(1.0 / 50)}),
+      (50, {"val/accuracy": pytest.approx(0.5)}),
   ]
   writer.close()
 
@@ -149,7 +150,9 @@ def test_a_full_disk_under_the_tensorboard_events_is_the_out_of_space_error(tmp_
       return getattr(self._file, name)
 
   monkeypatch.setattr(
-      record_writer, "open", lambda path, mode: FullAfterTwentySteps(open(path, mode)),
+      record_writer,
+      "open",
+      lambda path, mode: FullAfterTwentySteps(open(path, mode)),
       raising=False,
   )
   ckpt = Checkpointer(str(tmp_path / "ckpt"))

@@ -49,8 +49,14 @@ def _user_environment() -> dict[str, str]:
 
 
 def _assert_quiet(stderr: str) -> None:
-  for noise in ("Traceback", "Unable to load", "plugin configuration error", "E0000",
-                "unexpected worker hostname", "Failed to find host bounds"):
+  for noise in (
+      "Traceback",
+      "Unable to load",
+      "plugin configuration error",
+      "E0000",
+      "unexpected worker hostname",
+      "Failed to find host bounds",
+  ):
     assert noise not in stderr, stderr
 
 
@@ -61,9 +67,19 @@ def test_a_run_with_the_extra_on_a_cpu_host_prints_no_traceback(tmp_path, repo_r
   # A run that starts JAX's backends (joining the runtime, counting the devices) and then stops
   # at a config check: one line on stderr, and nothing from the plugins.
   result = subprocess.run(
-      [sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py",
-       f"--workdir={tmp_path / 'run'}", "--config.optimizer.learning_rate=-1"],
-      cwd=repo_root, env=_user_environment(), capture_output=True, text=True, timeout=300,
+      [
+          sys.executable,
+          "-m",
+          "fairmoe_jax.main",
+          "--config=configs/quickstart.py",
+          f"--workdir={tmp_path / 'run'}",
+          "--config.optimizer.learning_rate=-1",
+      ],
+      cwd=repo_root,
+      env=_user_environment(),
+      capture_output=True,
+      text=True,
+      timeout=300,
   )
   assert result.returncode == 2, result.stderr
   assert "optimizer.learning_rate" in result.stderr
@@ -91,8 +107,12 @@ def test_describing_a_tpu_slice_without_a_tpu_prints_no_libtpu_errors(repo_root,
   if users_hostnames:
     environment["TPU_WORKER_HOSTNAMES"] = users_hostnames
   result = subprocess.run(
-      [sys.executable, "-c", script], cwd=repo_root, env=environment,
-      capture_output=True, text=True, timeout=300,
+      [sys.executable, "-c", script],
+      cwd=repo_root,
+      env=environment,
+      capture_output=True,
+      text=True,
+      timeout=300,
   )
   assert result.returncode == 0, result.stderr
   # The slice described is the one asked for (16 chips on 4 hosts), not this one host.

@@ -86,7 +86,9 @@ def test_the_declared_batches_are_the_pipelines():
       image_size=32, num_classes=4, seed=0, sizes={"train": 32, "val": 16, "test": 16}
   )
   assert dataset_info(config) == info  # From the config alone, the loader's own description.
-  train = next(data_lib.train_iterator(splits["train"], global_batch_size=16, image_size=32, seed=0))
+  train = next(
+      data_lib.train_iterator(splits["train"], global_batch_size=16, image_size=32, seed=0)
+  )
   assert _shapes(batch_spec(config, info, 16, eval=False)) == _shapes(train)
   evaluation = next(iter(data_lib.eval_batches(splits["val"], batch_size=8, image_size=32)))
   assert _shapes(batch_spec(config, info, 8, eval=True)) == _shapes(evaluation)
@@ -98,7 +100,11 @@ def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   record = preflight(config, preflight_program)
   assert record["fits"] and record["mesh"] == {"data": 4, "expert": 2}
   assert record["batch"] == {
-      "global": 128, "per_host": 128, "per_device": 16, "eval_global": 256, "host_rows": [[0, 128]]
+      "global": 128,
+      "per_host": 128,
+      "per_device": 16,
+      "eval_global": 256,
+      "host_rows": [[0, 128]],
   }
   train = record["train_step"]
   # Experts over two devices: tokens travel to their experts and back.
@@ -143,9 +149,13 @@ def test_quickstart_on_an_h100_node(private_compilation_cache):
       split["fusions"]["bytes accessed"] + split["library_calls"]["bytes accessed"]
   )
   run = record["run"]
-  assert train["collective_seconds"] > 0 and run["collective_seconds"] == train["collective_seconds"]
+  assert (
+      train["collective_seconds"] > 0 and run["collective_seconds"] == train["collective_seconds"]
+  )
   assert run["step_seconds"] == run["step_seconds_no_overlap"] > run["compute_step_seconds"]
-  assert run["step_seconds_full_overlap"] == max(run["compute_step_seconds"], train["collective_seconds"])
+  assert run["step_seconds_full_overlap"] == max(
+      run["compute_step_seconds"], train["collective_seconds"]
+  )
   assert run["device_hours"] > run["device_hours_full_overlap"] > 0
   assert "without overlap" in summary(record) and "with full overlap" in summary(record)
   # The dispatch compiled is named, with the config's "auto" it was chosen for.
@@ -166,7 +176,9 @@ def test_quickstart_on_an_h100_node(private_compilation_cache):
   # A GPU step compiled with the cuBLAS fallback says that a real run's program differs, and
   # where its temporaries 10% larger would not fit, that the run may not.
   caveat = "compiled with Triton GEMMs off"
-  fallback = dict(record, train_step=dict(train, compiler_options={"xla_gpu_enable_triton_gemm": False}))
+  fallback = dict(
+      record, train_step=dict(train, compiler_options={"xla_gpu_enable_triton_gemm": False})
+  )
   line = summary(fallback).splitlines()[3]
   assert caveat in line and "may not fit" not in line
   scaled = memory["peak"] + 0.1078 * memory["temporaries"]
@@ -211,12 +223,21 @@ def test_an_oversized_run_on_a_gpu_is_one_error_naming_the_shortfall(tmp_path):
   workdir = tmp_path / "w"
   result = subprocess.run(
       [
-          sys.executable, "-m", "fairmoe_jax.main", "--config=configs/quickstart.py:steps=10",
-          "--mode=compile", "--config.preflight.target=h100x1", "--config.batch_size=32768",
+          sys.executable,
+          "-m",
+          "fairmoe_jax.main",
+          "--config=configs/quickstart.py:steps=10",
+          "--mode=compile",
+          "--config.preflight.target=h100x1",
+          "--config.batch_size=32768",
           "--config.data.train_size=32768",
-          "--config.data.image_size=64", f"--workdir={workdir}",
+          "--config.data.image_size=64",
+          f"--workdir={workdir}",
       ],
-      capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      cwd=REPO_ROOT,
   )
   assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
   error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -237,8 +258,15 @@ def test_each_host_of_a_slice_holds_the_rows_its_input_pipeline_reads():
   mesh = make_mesh({"data": -1, "expert": 4}, list(devices(get_target("v5e-16"))))
   assert host_rows(mesh, 256) == [[0, 64], [64, 128], [128, 192], [192, 256]]
   # Devices laid out host-interleaved: host 0 would hold rows another host's pipeline reads.
-  shuffled = Mesh(np.asarray(devices(get_target("v5e-16")))[[0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]].reshape(4, 4), ("data", "expert"))
-  with pytest.raises(RuntimeError, match=r"host 0's devices hold batch rows other than its block \[0, 64\)"):
+  shuffled = Mesh(
+      np.asarray(devices(get_target("v5e-16")))[
+          [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]
+      ].reshape(4, 4),
+      ("data", "expert"),
+  )
+  with pytest.raises(
+      RuntimeError, match=r"host 0's devices hold batch rows other than its block \[0, 64\)"
+  ):
     host_rows(shuffled, 256)
 
 
@@ -262,29 +290,41 @@ def test_matmul_flops_counts_dots_convolutions_scans_and_shard_map():
   assert analysis.matmul_flops(dense)["flops"] == 4 * 8 * 64 * 32
   image, kernel = jnp.ones((2, 16, 16, 3)), jnp.ones((4, 4, 3, 8))
   conv = jax.make_jaxpr(
-      lambda i, k: jax.lax.conv_general_dilated(i, k, (4, 4), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      lambda i, k: jax.lax.conv_general_dilated(
+          i, k, (4, 4), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
   )(image, kernel)
   assert analysis.matmul_flops(conv)["flops"] == 2 * (2 * 4 * 4 * 8) * (4 * 4 * 3)
-  scan = jax.make_jaxpr(lambda w: jax.lax.scan(lambda c, _: (c @ w, None), jnp.ones((8, 32)), None, length=5)[0])(jnp.ones((32, 32)))
+  scan = jax.make_jaxpr(
+      lambda w: jax.lax.scan(lambda c, _: (c @ w, None), jnp.ones((8, 32)), None, length=5)[0]
+  )(jnp.ones((32, 32)))
   assert analysis.matmul_flops(scan)["flops"] == 5 * 2 * 8 * 32 * 32
   mesh = Mesh(np.array(jax.devices()[:4]), ("expert",))
   sharded = jax.make_jaxpr(
-      jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("expert"), P()), out_specs=P("expert"))
+      jax.shard_map(
+          lambda a, b: a @ b, mesh=mesh, in_specs=(P("expert"), P()), out_specs=P("expert")
+      )
   )(jnp.ones((16, 64)), jnp.ones((64, 32)))
   # Each of the 4 devices multiplies its 4 rows: the whole product, once.
   assert analysis.matmul_flops(sharded)["flops"] == 2 * 16 * 64 * 32
-  loop = jax.make_jaxpr(lambda w: jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ w, c[1] + 1), (jnp.ones((2, 4)), 0))[0])(jnp.ones((4, 4)))
+  loop = jax.make_jaxpr(
+      lambda w: jax.lax.while_loop(
+          lambda c: c[1] < 3, lambda c: (c[0] @ w, c[1] + 1), (jnp.ones((2, 4)), 0)
+      )[0]
+  )(jnp.ones((4, 4)))
   assert analysis.matmul_flops(loop) == {"flops": 2 * 2 * 4 * 4, "uncounted_loops": 1}
 
 
 def test_collectives_are_read_from_hlo_text():
-  hlo = "\n".join([
-      "  %all-reduce-start = (f32[1024,1024]{1,0}, bf16[16]{0}) all-reduce-start(%a, %b), channel_id=1",
-      "  %all-reduce-done = (f32[1024,1024]{1,0}, bf16[16]{0}) all-reduce-done(%all-reduce-start)",
-      "  %all-gather-start = (f32[8,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%c), dimensions={0}",
-      "  ROOT %all-to-all.3 = s32[4,2,6]{2,1,0} all-to-all(%d), dimensions={0}",
-      "  %fusion = f32[4]{0} fusion(%all-to-all.3), kind=kLoop",
-  ])
+  hlo = "\n".join(
+      [
+          "  %all-reduce-start = (f32[1024,1024]{1,0}, bf16[16]{0}) all-reduce-start(%a, %b), channel_id=1",
+          "  %all-reduce-done = (f32[1024,1024]{1,0}, bf16[16]{0}) all-reduce-done(%all-reduce-start)",
+          "  %all-gather-start = (f32[8,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%c), dimensions={0}",
+          "  ROOT %all-to-all.3 = s32[4,2,6]{2,1,0} all-to-all(%d), dimensions={0}",
+          "  %fusion = f32[4]{0} fusion(%all-to-all.3), kind=kLoop",
+      ]
+  )
   assert analysis.collectives(hlo) == {
       "all-gather": {"count": 1, "bytes": 64 * 4 * 4},
       "all-reduce": {"count": 1, "bytes": 1024 * 1024 * 4 + 16 * 2},
@@ -295,7 +335,9 @@ def test_collectives_are_read_from_hlo_text():
 def test_bytes_per_device_follow_the_sharding():
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "expert"))
   tree = {
-      "split": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "expert"))),
+      "split": jax.ShapeDtypeStruct(
+          (8, 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "expert"))
+      ),
       "whole": jax.ShapeDtypeStruct((3,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
   }
   assert analysis.bytes_per_device(tree) == 2 * 3 * 4 + 3 * 2
@@ -335,7 +377,11 @@ def test_describing_a_slice_leaves_no_tpu_pod_variables_to_subprocesses():
 @pytest.mark.parametrize(
     "key, value, pattern",
     [
-        ("preflight.target", "v9-1024", r"preflight.target.*unknown target 'v9-1024'; known: v3-8, v4-8"),
+        (
+            "preflight.target",
+            "v9-1024",
+            r"preflight.target.*unknown target 'v9-1024'; known: v3-8, v4-8",
+        ),
         ("preflight.utilization", -0.1, r"preflight.utilization"),
         ("preflight.utilization", float("nan"), r"preflight.utilization"),
         ("preflight.train_examples", -1, r"preflight.train_examples"),
@@ -349,7 +395,9 @@ def test_bad_preflight_keys_are_errors_naming_the_key(key, value, pattern):
 
 def test_compile_without_a_target_names_the_key():
   config = quickstart()
-  with pytest.raises(ConfigError, match=r"preflight.target.*name the target to compile for; known: v3-8, v4-8"):
+  with pytest.raises(
+      ConfigError, match=r"preflight.target.*name the target to compile for; known: v3-8, v4-8"
+  ):
     preflight(config, preflight_program)
 
 
@@ -365,7 +413,8 @@ def test_the_optimised_gpu_program_is_costed_from_its_text():
   # One fusion of a product and a tanh (a transcendental: no FLOPs): 2MNK FLOPs, its operands
   # read and its result written.
   assert analysis.optimized_hlo_cost(compiled.as_text()) == {
-      "flops": 2 * 512 * 256 * 1024, "bytes accessed": 4 * (512 * 256 + 256 * 1024 + 512 * 1024)
+      "flops": 2 * 512 * 256 * 1024,
+      "bytes accessed": 4 * (512 * 256 + 256 * 1024 + 512 * 1024),
   }
 
 

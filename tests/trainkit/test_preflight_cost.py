@@ -41,7 +41,9 @@ def _mesh(target_name: str, shape: tuple[int, ...], names: tuple[str, ...]) -> M
   return Mesh(np.array(found).reshape(shape), names)
 
 
-def _spec(mesh: Mesh, shape: tuple[int, ...], spec: P = P(), dtype=jnp.bfloat16) -> jax.ShapeDtypeStruct:
+def _spec(
+    mesh: Mesh, shape: tuple[int, ...], spec: P = P(), dtype=jnp.bfloat16
+) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
@@ -69,7 +71,11 @@ def test_a_cublas_gemm_is_counted_from_its_shapes():
   assert gemm.flops == 2 * M * N * K and gemm.executions == 1
   library = analysis.library_call_cost(text)
   assert library["bytes"] == 2 * (M * K + K * N + M * N)  # bf16 operands read, result written
-  assert library["flops"] == 2 * M * N * K == analysis.matmul_flops(jax.make_jaxpr(step)(x, w))["flops"]
+  assert (
+      library["flops"]
+      == 2 * M * N * K
+      == analysis.matmul_flops(jax.make_jaxpr(step)(x, w))["flops"]
+  )
   assert library["workspace_bytes"] == gemm.workspace
   # The fusions' count leaves the call to library_call_cost: its FLOPs are the tanh fusion's.
   fusions_only = analysis.optimized_hlo_cost(text)
@@ -78,7 +84,10 @@ def test_a_cublas_gemm_is_counted_from_its_shapes():
   # The one fusion (bf16 -> tanh -> bf16) reads and writes [M, N] once.
   assert total["fusions"]["bytes accessed"] == 2 * (2 * M * N)
   assert total["bytes accessed"] == 2 * (2 * M * N) + 2 * (M * K + K * N + M * N)
-  assert total["library_calls"] == {"flops": 2 * M * N * K, "bytes accessed": 2 * (M * K + K * N + M * N)}
+  assert total["library_calls"] == {
+      "flops": 2 * M * N * K,
+      "bytes accessed": 2 * (M * K + K * N + M * N),
+  }
   assert 2 * M * N * K < total["flops"] < 2 * M * N * K + 4 * M * N
 
 
@@ -87,13 +96,18 @@ def test_a_fusion_counts_the_slice_it_reads_and_a_loop_its_trip_count():
   x = _spec(mesh, (1024, 256), dtype=jnp.float32)
   _, text = _compile(lambda x: jnp.tanh(x[:128] * 2), (x,))
   # One fusion: reads the slice, not all of x, writes its result; one multiply per element.
-  assert analysis.optimized_hlo_cost(text) == {"flops": 128 * 256, "bytes accessed": 2 * 4 * 128 * 256}
+  assert analysis.optimized_hlo_cost(text) == {
+      "flops": 128 * 256,
+      "bytes accessed": 2 * 4 * 128 * 256,
+  }
   carry = _spec(mesh, (16, 256, 256), dtype=jnp.float32)
   row = 4 * 256 * 256
 
   def loop(trips):
     body = lambda i, c: c.at[i].set(jnp.tanh(c[i]) * 2)  # noqa: E731
-    return analysis.optimized_hlo_cost(_compile(lambda c: jax.lax.fori_loop(0, trips, body, c), (carry,))[1])
+    return analysis.optimized_hlo_cost(
+        _compile(lambda c: jax.lax.fori_loop(0, trips, body, c), (carry,))[1]
+    )
 
   # Each more iteration reads row i and writes it back in place (a dynamic-update-slice), not
   # the whole carry, and multiplies and selects each element (and a few scalar ops).
@@ -112,7 +126,9 @@ def test_cudnn_convolutions_forward_and_backward_are_counted():
     )
 
   def step(image, kernel):  # Both gradients: cuDNN's backward-input and backward-filter calls.
-    return jax.grad(lambda i, k: jnp.sum(conv(i, k).astype(jnp.float32)), argnums=(0, 1))(image, kernel)
+    return jax.grad(lambda i, k: jnp.sum(conv(i, k).astype(jnp.float32)), argnums=(0, 1))(
+        image, kernel
+    )
 
   def forward_and_back(image, kernel):
     return conv(image, kernel), step(image, kernel)
@@ -120,7 +136,9 @@ def test_cudnn_convolutions_forward_and_backward_are_counted():
   _, text = _compile(forward_and_back, (image, kernel), CUBLAS)
   calls = {c.target: c for c in hlo.library_calls(text) if c.kind == "convolution"}
   assert sorted(calls) == [
-      "__cudnn$convBackwardFilter", "__cudnn$convBackwardInput", "__cudnn$convForward"
+      "__cudnn$convBackwardFilter",
+      "__cudnn$convBackwardInput",
+      "__cudnn$convForward",
   ]
   # Each: 2 x (8 x 32 x 32 x 128 outputs) x (3 x 3 x 64 multiply-adds per output).
   one = 2 * (8 * 32 * 32 * 128) * (3 * 3 * 64)
@@ -203,14 +221,19 @@ def test_a_group_that_spans_hosts_is_priced_at_the_inter_host_bandwidth(name, ac
       2 * (per_host - 1) / per_host * block / target.interconnect_bandwidth, rel=1e-12
   )
   assert within["collective_pricing"]["by_kind"]["all-reduce"]["across_hosts"] == 0
-  assert spanning["collective_seconds"] == pytest.approx(2 * (n - 1) / n * block / across, rel=1e-12)
+  assert spanning["collective_seconds"] == pytest.approx(
+      2 * (n - 1) / n * block / across, rel=1e-12
+  )
   assert spanning["collective_pricing"]["by_kind"]["all-reduce"]["group_sizes"] == [n]
   assert spanning["collective_pricing"]["by_kind"]["all-reduce"]["across_hosts"] == 1
 
 
 def test_replica_groups_and_ring_factors_are_read_from_hlo_text():
   # XLA's iota form: 8 ids as [4, 2], transposed, in groups of 4.
-  assert hlo.replica_groups("x, replica_groups=[2,4]<=[4,2]T(1,0), y") == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert hlo.replica_groups("x, replica_groups=[2,4]<=[4,2]T(1,0), y") == (
+      (0, 2, 4, 6),
+      (1, 3, 5, 7),
+  )
   assert hlo.replica_groups("x, replica_groups=[1,8]<=[8], y") == ((0, 1, 2, 3, 4, 5, 6, 7),)
   assert hlo.replica_groups("x, replica_groups={{0,1},{2,3}}, y") == ((0, 1), (2, 3))
   assert hlo.replica_groups("x, replica_groups={}, y") is None  # Every device.
@@ -226,13 +249,15 @@ def test_replica_groups_and_ring_factors_are_read_from_hlo_text():
   assert hlo.replica_groups(
       "x, replica_groups=mesh['a'=2,'b'=1,'c'=4], device_ids=([4,2]T(1,0)) {'a'}, y"
   ) == ((0, 1), (2, 3), (4, 5), (6, 7))
-  text = "\n".join([
-      "ENTRY %main (p: f32[64]) -> f32[8] {",
-      "  %p = f32[64]{0} parameter(0)",
-      "  %rs = f32[8]{0} reduce-scatter(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add",
-      "  ROOT %cp = f32[8]{0} collective-permute(%rs), channel_id=2, source_target_pairs={{0,4},{4,0}}",
-      "}",
-  ])
+  text = "\n".join(
+      [
+          "ENTRY %main (p: f32[64]) -> f32[8] {",
+          "  %p = f32[64]{0} parameter(0)",
+          "  %rs = f32[8]{0} reduce-scatter(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add",
+          "  ROOT %cp = f32[8]{0} collective-permute(%rs), channel_id=2, source_target_pairs={{0,4},{4,0}}",
+          "}",
+      ]
+  )
   hosts = [0, 0, 0, 0, 1, 1, 1, 1]
   priced = analysis.collective_seconds(text, hosts, bandwidth=100.0, inter_host_bandwidth=10.0)
   # Reduce-scatter over 8 spanning both hosts: (n - 1) / n of its 64-float input, i.e. 7 of its

@@ -188,8 +188,12 @@ def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(t
   def evaluate(config):
     evaluation = _setup(config, tmp_path, training=False)
     state, _ = restore_trained(evaluation.checkpointer, evaluation.state)
-    return recipe.finish(evaluation, state, {"step": 60},
-                         write_report=lambda r: (tmp_path / "report.json").write_text(json.dumps(r)))
+    return recipe.finish(
+        evaluation,
+        state,
+        {"step": 60},
+        write_report=lambda r: (tmp_path / "report.json").write_text(json.dumps(r)),
+    )
 
   # The same evaluation again replaces the record (a rerun, nothing kept).
   assert "earlier_report" not in evaluate(_config())
@@ -208,4 +212,5 @@ def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(t
   report = evaluate(_config())
   assert report["earlier_report"] == f"report.step-60.config-{seed_7}.json"
   assert sorted(p.name for p in tmp_path.glob("report*.json")) == sorted(
-      ["report.json", kept, f"report.step-60.config-{seed_7}.json"])
+      ["report.json", kept, f"report.step-60.config-{seed_7}.json"]
+  )

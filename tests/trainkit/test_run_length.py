@@ -80,9 +80,18 @@ def get_config(arg=None):
 def _main(tmp_path, repo_root, *overrides):
   (tmp_path / "epochs.py").write_text(EPOCHS_CONFIG)
   return subprocess.run(
-      [sys.executable, "-m", "fairmoe_jax.main", f"--config={tmp_path / 'epochs.py'}",
-       f"--workdir={tmp_path / 'run'}", *overrides],
-      cwd=repo_root, capture_output=True, text=True, timeout=600,
+      [
+          sys.executable,
+          "-m",
+          "fairmoe_jax.main",
+          f"--config={tmp_path / 'epochs.py'}",
+          f"--workdir={tmp_path / 'run'}",
+          *overrides,
+      ],
+      cwd=repo_root,
+      capture_output=True,
+      text=True,
+      timeout=600,
       env={**os.environ, "PYTHONPATH": str(repo_root)},
   )
 

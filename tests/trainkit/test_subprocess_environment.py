@@ -78,8 +78,9 @@ def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tm
       f"              overrides=dotted({tiny!r}))\n"
   )
   record = {
-      "runs": [{"row": "vanilla_smoe_psi", "seed": 0, "status": "ok",
-                "metrics": {"accuracy": 0.5}}],
+      "runs": [
+          {"row": "vanilla_smoe_psi", "seed": 0, "status": "ok", "metrics": {"accuracy": 0.5}}
+      ],
       "provenance": {"machine": {}, "data": {}},
   }
   (results / "records" / "tiny.json").write_text(json.dumps(record))
@@ -105,7 +106,11 @@ def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tm
   """)
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   result = subprocess.run(
-      [sys.executable, "-c", script], cwd=repo_root, env=env, capture_output=True, text=True,
+      [sys.executable, "-c", script],
+      cwd=repo_root,
+      env=env,
+      capture_output=True,
+      text=True,
       timeout=300,
   )
   output = result.stdout + result.stderr

@@ -4,12 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from trainkit.throughput import (
-    compile_ahead,
-    flops_of,
-    peak_flops_per_device,
-    throughput_scalars,
-)
+from trainkit.throughput import compile_ahead, flops_of, peak_flops_per_device, throughput_scalars
 
 
 class _Device:

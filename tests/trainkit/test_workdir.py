@@ -103,14 +103,19 @@ def test_keys_that_change_nothing_trained_do_not_make_a_finished_run_stale(tmp_p
   saved = {"optimizer": {"learning_rate": 0.1}, "model": {}, "preflight": {"utilization": 0.4}}
   (tmp_path / "config.json").write_text(json.dumps(saved))
   config = ml_collections.ConfigDict(
-      {"optimizer": {"learning_rate": 0.1}, "model": {"remat": "none"},
-       "preflight": {"utilization": 0.0}, "distributed": {"startup_timeout_s": 600}}
+      {
+          "optimizer": {"learning_rate": 0.1},
+          "model": {"remat": "none"},
+          "preflight": {"utilization": 0.0},
+          "distributed": {"startup_timeout_s": 600},
+      }
   )
   assert trained_config_differences(str(tmp_path), config) == []
   config.model.remat = "block"
   config.optimizer.learning_rate = 0.2
   assert trained_config_differences(str(tmp_path), config) == [
-      "model.remat: 'none' -> 'block'", "optimizer.learning_rate: 0.1 -> 0.2"
+      "model.remat: 'none' -> 'block'",
+      "optimizer.learning_rate: 0.1 -> 0.2",
   ]
 
 

@@ -201,6 +201,7 @@ def with_library_calls(hlo_cost: dict[str, float], library: dict[str, Any]) -> d
 
 # --- Collectives in the optimised HLO --------------------------------------------------------
 
+
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   """Per collective kind of an optimised HLO module: how many instructions and the bytes of
   their results, per device (an async op counts once, by its results)."""
@@ -260,7 +261,9 @@ def collective_seconds(
     sent = ring_factor(op.kind, n) * sum(a.bytes for a in op.arrays) * op.executions
     seconds = sent / (inter_host_bandwidth if across else bandwidth)
     total += seconds
-    entry = by_kind.setdefault(op.kind, {"seconds": 0.0, "bytes_sent": 0.0, "group_sizes": [], "across_hosts": 0})
+    entry = by_kind.setdefault(
+        op.kind, {"seconds": 0.0, "bytes_sent": 0.0, "group_sizes": [], "across_hosts": 0}
+    )
     entry["seconds"] += seconds
     entry["bytes_sent"] += sent
     entry["across_hosts"] += int(across)

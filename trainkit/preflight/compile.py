@@ -71,11 +71,14 @@ def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
   utilization = require_float(config, "preflight.utilization", minimum=0.0, maximum=1.0)
   if not math.isfinite(utilization):  # NaN passes every comparison.
     raise ConfigError(
-        "preflight.utilization", f"must be in (0, 1], or 0 for the calibrated one, got {utilization!r}"
+        "preflight.utilization",
+        f"must be in (0, 1], or 0 for the calibrated one, got {utilization!r}",
     )
   require_int(config, "preflight.train_examples", minimum=0)
   if not isinstance(config.preflight.eval_step, bool):
-    raise ConfigError("preflight.eval_step", f"must be True or False, got {config.preflight.eval_step!r}")
+    raise ConfigError(
+        "preflight.eval_step", f"must be True or False, got {config.preflight.eval_step!r}"
+    )
   name = config.preflight.target
   if not name:
     return None
@@ -247,7 +250,9 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
   """Compiles the run of `config` for `config.preflight.target`; returns the preflight record."""
   target = validate_preflight(config)
   if target is None:
-    raise ConfigError("preflight.target", f"name the target to compile for; known: {', '.join(TARGETS)}")
+    raise ConfigError(
+        "preflight.target", f"name the target to compile for; known: {', '.join(TARGETS)}"
+    )
   require_all_devices(
       config.mesh, target.num_devices, f"the {target.num_devices} devices of {target.name}"
   )
@@ -362,7 +367,8 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
           "num_epochs": config.num_epochs,
           "train_examples": train_examples,
           "train_examples_source": (
-              "preflight.train_examples" if config.preflight.train_examples
+              "preflight.train_examples"
+              if config.preflight.train_examples
               else program.train_examples_source
           ),
           "utilization": utilization,
@@ -385,7 +391,9 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
   }
 
 
-def _step_cost(train: dict[str, Any], matmul_per_device: float) -> tuple[float, str, float | None, str]:
+def _step_cost(
+    train: dict[str, Any], matmul_per_device: float
+) -> tuple[float, str, float | None, str]:
   """(FLOPs, their source, bytes accessed or None, their source) of one device's step: XLA's
   cost analysis (TPU), else the optimised program's count with its library calls (GPU)."""
   xla, hlo, with_calls = train.get("xla_cost", {}), train.get("optimized_hlo_cost") or {}, ""
@@ -403,13 +411,21 @@ def _step_cost(train: dict[str, Any], matmul_per_device: float) -> tuple[float, 
   if "bytes accessed" in xla:
     return flops, flops_source, xla["bytes accessed"], "xla cost analysis"
   if hlo.get("bytes accessed"):
-    return flops, flops_source, hlo["bytes accessed"], (
-        "hlo cost analysis of the optimised program (counted from its text)"
-        + (with_calls and with_calls + ": operands and results, workspace not counted")
+    return (
+        flops,
+        flops_source,
+        hlo["bytes accessed"],
+        (
+            "hlo cost analysis of the optimised program (counted from its text)"
+            + (with_calls and with_calls + ": operands and results, workspace not counted")
+        ),
     )
   if m.get("arguments") is not None:
-    return flops, flops_source, m["arguments"] + m["outputs"] + 2 * m["temporaries"], (
-        "lower bound: arguments read, outputs written, temporaries written and read once"
+    return (
+        flops,
+        flops_source,
+        m["arguments"] + m["outputs"] + 2 * m["temporaries"],
+        ("lower bound: arguments read, outputs written, temporaries written and read once"),
     )
   return flops, flops_source, None, "unknown (the compiler refused the program)"
 
@@ -421,7 +437,9 @@ def _utilization(
   if config.preflight.utilization > 0:
     return float(config.preflight.utilization), "preflight.utilization", None
   calibrated = CALIBRATION[target.platform]  # Every platform with a target is calibrated.
-  source = f"calibrated on {target.platform.upper()}: {calibrated.source} (paper_runner/calibration.py)"
+  source = (
+      f"calibrated on {target.platform.upper()}: {calibrated.source} (paper_runner/calibration.py)"
+  )
   return calibrated.utilization, source, [calibrated.low, calibrated.high]
 
 
@@ -505,18 +523,21 @@ def summary(record: Mapping[str, Any]) -> str:
   ]
   scaled = fallback_peak(record)
   if scaled is not None:
-    lines.insert(3, (
-        "  compiled with Triton GEMMs off (this jax cannot tile them without the GPU): a real "
-        f"run's program differs; with its temporaries 10% larger, as measured once, the peak is "
-        f"{_gib(scaled)}"
-        + (
-            ", over the usable memory: a real run may not fit, or XLA may recompute to stay "
-            "under it (the six one-H100 paper cells in this case fit on jax 0.11.2); compile "
-            "with the jax the run will use (docs/scaling.md)"
-            if record["fits"] and scaled > t["usable_bytes"]
-            else " (docs/scaling.md)"
-        )
-    ))
+    lines.insert(
+        3,
+        (
+            "  compiled with Triton GEMMs off (this jax cannot tile them without the GPU): a real "
+            f"run's program differs; with its temporaries 10% larger, as measured once, the peak is "
+            f"{_gib(scaled)}"
+            + (
+                ", over the usable memory: a real run may not fit, or XLA may recompute to stay "
+                "under it (the six one-H100 paper cells in this case fit on jax 0.11.2); compile "
+                "with the jax the run will use (docs/scaling.md)"
+                if record["fits"] and scaled > t["usable_bytes"]
+                else " (docs/scaling.md)"
+            )
+        ),
+    )
   if train.get("bytes_accessed_per_device") is not None:
     split = train.get("cost_split")
     lines.append(
@@ -552,7 +573,11 @@ def summary(record: Mapping[str, Any]) -> str:
         + f"; at {run['utilization']:.0%} of the bound {_ms(run['compute_step_seconds'])}"
         f" ({run['utilization_source']})",
         f"  step with collectives: {_ms(run['step_seconds'])} without overlap"
-        + (f" ({spread[0] * 1e3:.2f}-{_ms(spread[1])} over the calibration's range)" if spread else "")
+        + (
+            f" ({spread[0] * 1e3:.2f}-{_ms(spread[1])} over the calibration's range)"
+            if spread
+            else ""
+        )
         + f", {_ms(run['step_seconds_full_overlap'])} with full overlap",
         f"  {run['num_train_steps']} steps: {run['wall_hours']:.2f} h wall, "
         f"{run['device_hours']:.1f} device-hours without overlap; "

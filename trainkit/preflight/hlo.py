@@ -11,8 +11,15 @@ from typing import Any
 
 import numpy as np
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-               "collective-permute", "collective-broadcast")
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
 _DTYPE_BYTES = {
     **dict.fromkeys(("pred", "s8", "u8", "f8e4m3fn", "f8e5m2"), 1),
     **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
@@ -23,7 +30,9 @@ _DTYPE_BYTES = {
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 # `%name = SHAPE op(` where SHAPE is one array or a tuple of them.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>[\w\-]+)\(")
-_GEMM_TARGET = re.compile(r'custom_call_target="(__cublas\$[\w$]*gemm[\w$]*|__cublas\$lt\$matmul[\w$]*)"')
+_GEMM_TARGET = re.compile(
+    r'custom_call_target="(__cublas\$[\w$]*gemm[\w$]*|__cublas\$lt\$matmul[\w$]*)"'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +65,10 @@ def matmul_results(hlo_text: str) -> list[Array]:
   return [
       _arrays(ins.shape)[0]
       for ins in instructions
-      if (ins.op in ("dot", "convolution") or (ins.op == "custom-call" and _GEMM_TARGET.search(ins.line)))
+      if (
+          ins.op in ("dot", "convolution")
+          or (ins.op == "custom-call" and _GEMM_TARGET.search(ins.line))
+      )
       and _arrays(ins.shape)
   ]
 
@@ -84,7 +96,9 @@ def collective_results(hlo_text: str) -> dict[str, list[Array]]:
 
 # A computation's header: `%name (params...) -> shape {` (`ENTRY %name ...` for the entry).
 _COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
-_CALLED = re.compile(r"\b(?P<attr>condition|body|calls|to_apply|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_CALLED = re.compile(
+    r"\b(?P<attr>condition|body|calls|to_apply|true_computation|false_computation)=%(?P<name>[\w.\-]+)"
+)
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{(?P<names>[^}]*)\}")
 # `"known_trip_count":{"n":"3"}` in a while's backend_config (jaxlib 0.10 to 0.12).
 _TRIP_COUNT = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
@@ -174,7 +188,9 @@ def _operand_arrays(ins: _Instruction, shapes: dict[str, str]) -> list[Array]:
   for token in _operand_list(ins.line, ins.operands_at):
     name = re.search(r"%([\w.\-]+)\s*$", token)
     written = token[: name.start()] if name else token
-    arrays += _arrays(written if _ARRAY.search(written) else shapes.get(name[1] if name else "", ""))
+    arrays += _arrays(
+        written if _ARRAY.search(written) else shapes.get(name[1] if name else "", "")
+    )
   return arrays
 
 
@@ -227,7 +243,9 @@ def _gemm_flops(line: str, operands: list[Array], results: list[Array]) -> float
   return 2.0 * results[0].size * math.prod(lhs.dims[int(d)] for d in contracting)
 
 
-def _convolution_flops(line: str, target: str, operands: list[Array], results: list[Array]) -> float | None:
+def _convolution_flops(
+    line: str, target: str, operands: list[Array], results: list[Array]
+) -> float | None:
   """2 x (forward output elements) x (kernel elements per output feature), grouped ones too;
   cuDNN's calls carry the forward dimension labels whatever their direction."""
   labels = _DIM_LABELS.search(line)
@@ -273,12 +291,16 @@ def library_calls(hlo_text: str) -> list[LibraryCall]:
       kind, flops = "other", None
     executions, unknown = runs.get(ins.computation, (1, False))
     found.append(
-        LibraryCall(target, kind, tuple(operands), tuple(results), workspace, flops, executions, unknown)
+        LibraryCall(
+            target, kind, tuple(operands), tuple(results), workspace, flops, executions, unknown
+        )
     )
   return found
 
 
-_REPLICA_GROUPS = re.compile(r"replica_groups=(?P<groups>\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_REPLICA_GROUPS = re.compile(
+    r"replica_groups=(?P<groups>\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)"
+)
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?[^()]*)\))?"
     r"\s*\{(?P<group>[^}]*)\}"
@@ -304,14 +326,18 @@ def _iota(text: str) -> np.ndarray:
   dims_text, _, perm_text = rest.partition("T")
   shape = [int(d) for d in shape_text.strip("[] ").split(",")]
   dims = [int(d) for d in dims_text.strip("[] ").split(",")]
-  perm = [int(p) for p in perm_text.strip("() ").split(",")] if perm_text else list(range(len(dims)))
+  perm = (
+      [int(p) for p in perm_text.strip("() ").split(",")] if perm_text else list(range(len(dims)))
+  )
   return np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(shape)
 
 
 def _mesh_axes_groups(match: re.Match) -> tuple[tuple[int, ...], ...] | None:
   """XLA's mesh-axes form (jaxlib 0.12, `mesh['a'=2,'b'=8] {'b'}`, optional `device_ids=` and
   sub-axes): a group is the devices that differ only along the group's axes."""
-  axes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", match["axes"])]
+  axes = [
+      (name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", match["axes"])
+  ]
   if not axes:
     return None
   sizes = [size for _, size in axes]
@@ -370,7 +396,8 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
   if text.startswith("["):
     return tuple(tuple(int(i) for i in row) for row in _iota(text))
   groups = tuple(
-      tuple(int(i) for i in g.split(",") if i.strip()) for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])
+      tuple(int(i) for i in g.split(",") if i.strip())
+      for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])
   )
   groups = tuple(g for g in groups if g)
   return groups or None
@@ -395,7 +422,8 @@ def collectives_with_groups(hlo_text: str) -> list[Collective]:
     pair_match = _PAIRS.search(ins.line)
     if pair_match:
       pairs = tuple(
-          (int(a), int(b)) for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", pair_match["pairs"])
+          (int(a), int(b))
+          for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", pair_match["pairs"])
       )
     executions, _ = runs.get(ins.computation, (1, False))
     found.append(Collective(kind, tuple(arrays), replica_groups(ins.line), pairs, executions))

@@ -183,7 +183,9 @@ _AMPERE_SXM = dict(
 )
 
 
-def _gpu(name: str, facts: dict[str, Any], chip: dict[str, Any], hosts: int, per_host: int) -> Target:
+def _gpu(
+    name: str, facts: dict[str, Any], chip: dict[str, Any], hosts: int, per_host: int
+) -> Target:
   return Target(
       name=name,
       platform="gpu",
@@ -198,16 +200,25 @@ def _gpu(name: str, facts: dict[str, Any], chip: dict[str, Any], hosts: int, per
 
 # Cloud TPU system architecture pages. ICI per chip, one way, all links (an upper bound).
 _V4 = dict(
-    device_kind="TPU v4", memory_bytes=32 * GIB, memory_bandwidth=1.2e12,
-    interconnect="ICI, 3D torus (6 links, 300 GB/s per chip each way)", interconnect_bandwidth=300e9,
+    device_kind="TPU v4",
+    memory_bytes=32 * GIB,
+    memory_bandwidth=1.2e12,
+    interconnect="ICI, 3D torus (6 links, 300 GB/s per chip each way)",
+    interconnect_bandwidth=300e9,
 )
 _V5E = dict(
-    device_kind="TPU v5 lite", memory_bytes=16 * GIB, memory_bandwidth=8.19e11,
-    interconnect="ICI, 2D torus (4 links, 200 GB/s per chip each way)", interconnect_bandwidth=200e9,
+    device_kind="TPU v5 lite",
+    memory_bytes=16 * GIB,
+    memory_bandwidth=8.19e11,
+    interconnect="ICI, 2D torus (4 links, 200 GB/s per chip each way)",
+    interconnect_bandwidth=200e9,
 )
 _V5P = dict(
-    device_kind="TPU v5", memory_bytes=95 * GIB, memory_bandwidth=2.765e12,
-    interconnect="ICI, 3D torus (6 links, 600 GB/s per chip each way)", interconnect_bandwidth=600e9,
+    device_kind="TPU v5",
+    memory_bytes=95 * GIB,
+    memory_bandwidth=2.765e12,
+    interconnect="ICI, 3D torus (6 links, 600 GB/s per chip each way)",
+    interconnect_bandwidth=600e9,
 )
 for _chip in (_V4, _V5E, _V5P):
   _chip["peak_bf16_flops"] = _chip["peak_tf32_flops"] = PEAK_FLOPS_BY_KIND[_chip["device_kind"]]
@@ -216,10 +227,14 @@ for _chip in (_V4, _V5E, _V5P):
 
 # TPU v3, for the step-time calibration: each core is a device with half the chip.
 _V3_CORE = dict(
-    device_kind="TPU v3", memory_bytes=16 * GIB, memory_bandwidth=450e9,
-    peak_bf16_flops=PEAK_FLOPS_BY_KIND["TPU v3"], peak_tf32_flops=PEAK_FLOPS_BY_KIND["TPU v3"],
+    device_kind="TPU v3",
+    memory_bytes=16 * GIB,
+    memory_bandwidth=450e9,
+    peak_bf16_flops=PEAK_FLOPS_BY_KIND["TPU v3"],
+    peak_tf32_flops=PEAK_FLOPS_BY_KIND["TPU v3"],
     interconnect="ICI, 2D torus (332 GB/s per chip all-reduce, half per core)",
-    interconnect_bandwidth=166e9, inter_host_bandwidth=166e9,
+    interconnect_bandwidth=166e9,
+    inter_host_bandwidth=166e9,
 )
 
 
@@ -245,8 +260,15 @@ def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: 
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target(name="v3-8", platform="tpu", num_devices=8, num_hosts=1, usable_fraction=1.0,
-               topology="v3:2x2", **_V3_CORE),
+        Target(
+            name="v3-8",
+            platform="tpu",
+            num_devices=8,
+            num_hosts=1,
+            usable_fraction=1.0,
+            topology="v3:2x2",
+            **_V3_CORE,
+        ),
         _tpu("v4-8", _V4, "v4:2x2x1", 4, chip_config="megacore"),
         _tpu("v4-32", _V4, "v4:2x2x4", 16, chip_config="megacore"),
         _tpu("v4-64", _V4, "v4:2x4x4", 32, chip_config="megacore"),

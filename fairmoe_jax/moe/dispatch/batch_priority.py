@@ -26,10 +26,7 @@ def priority_scores(gates: jax.Array, score: str = "max") -> jax.Array:
 
 
 def batch_priority_order(
-    router_output: RouterOutput | jax.Array,
-    *,
-    num_groups: int | None = None,
-    score: str = "max",
+    router_output: RouterOutput | jax.Array, *, num_groups: int | None = None, score: str = "max"
 ) -> jax.Array:
   """Permutation serving the highest-priority tokens of each group first.
 

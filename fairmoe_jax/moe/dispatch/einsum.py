@@ -65,11 +65,7 @@ def _slot_plan(
 
 
 def dispatch_and_combine_masks(
-    expert_index: jax.Array,
-    gates: jax.Array,
-    *,
-    num_experts: int,
-    capacity: int,
+    expert_index: jax.Array, gates: jax.Array, *, num_experts: int, capacity: int
 ) -> tuple[jax.Array, jax.Array, DispatchStats]:
   """Builds the [G, S, E, C] dispatch (float32 0/1) and combine (gates.dtype) tensors.
 

@@ -56,11 +56,7 @@ def max_blocks(num_choices: int, num_experts: int, block_size: int) -> int:
 
 
 def block_plan(
-    expert_index: jax.Array,
-    *,
-    num_experts: int,
-    block_size: int,
-    kept: jax.Array | None = None,
+    expert_index: jax.Array, *, num_experts: int, block_size: int, kept: jax.Array | None = None
 ) -> BlockPlan:
   """Sorts the [G, S, k] choices by expert into blocks of `block_size` rows.
 
@@ -188,10 +184,7 @@ block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
 
 
 def apply_on_blocks(
-    x: jax.Array,
-    gates: jax.Array,
-    experts: ExpertWeights,
-    plan: BlockPlan,
+    x: jax.Array, gates: jax.Array, experts: ExpertWeights, plan: BlockPlan
 ) -> jax.Array:
   """Layer output [G, S, D] of x [G, S, D], gates [G, S, k] on the plan's blocks."""
   num_groups, group_size, dim = x.shape

@@ -85,8 +85,9 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref):
   y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1_ref, dw2_ref,
-                     db2_ref):
+def _backward_kernel(
+    x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1_ref, dw2_ref, db2_ref
+):
   @pl.when(pl.program_id(1) == 0)
   def _():  # The first row block of an expert: its gradient sums start at zero.
     for ref in (dw1_ref, db1_ref, dw2_ref, db2_ref):
@@ -135,7 +136,8 @@ def forward_cost(num_experts: int, rows: int, dim: int, hidden: int, itemsize: i
   return pl.CostEstimate(
       flops=4 * num_experts * rows * dim * hidden,
       transcendentals=num_experts * rows * hidden,
-      bytes_accessed=2 * itemsize * num_experts * rows * dim + _weight_bytes(num_experts, dim, hidden),
+      bytes_accessed=2 * itemsize * num_experts * rows * dim
+      + _weight_bytes(num_experts, dim, hidden),
   )
 
 
@@ -146,8 +148,9 @@ def backward_cost(num_experts: int, rows: int, dim: int, hidden: int, itemsize: 
   return pl.CostEstimate(
       flops=10 * num_experts * rows * dim * hidden,
       transcendentals=2 * num_experts * rows * hidden,
-      bytes_accessed=(3 * itemsize * num_experts * rows * dim + read
-                      + _weight_bytes(num_experts, dim, hidden)),
+      bytes_accessed=(
+          3 * itemsize * num_experts * rows * dim + read + _weight_bytes(num_experts, dim, hidden)
+      ),
   )
 
 
@@ -159,8 +162,13 @@ def _forward(x: jax.Array, experts: ExpertWeights, interpret: bool) -> jax.Array
       _forward_kernel,
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=grid,
-      in_specs=[rows_spec, per_expert(dim, hidden), per_expert(1, hidden),
-                per_expert(hidden, dim), per_expert(1, dim)],
+      in_specs=[
+          rows_spec,
+          per_expert(dim, hidden),
+          per_expert(1, hidden),
+          per_expert(hidden, dim),
+          per_expert(1, dim),
+      ],
       out_specs=rows_spec,
       compiler_params=params,
       cost_estimate=forward_cost(num_experts, rows, dim, hidden, x.dtype.itemsize),
@@ -187,10 +195,20 @@ def _backward(x, d_y, experts, interpret):
           jax.ShapeDtypeStruct((num_experts, 1, dim), f32),
       ),
       grid=grid,
-      in_specs=[rows_spec, rows_spec, per_expert(dim, hidden), per_expert(1, hidden),
-                per_expert(hidden, dim)],
-      out_specs=(rows_spec, per_expert(dim, hidden), per_expert(1, hidden),
-                 per_expert(hidden, dim), per_expert(1, dim)),
+      in_specs=[
+          rows_spec,
+          rows_spec,
+          per_expert(dim, hidden),
+          per_expert(1, hidden),
+          per_expert(hidden, dim),
+      ],
+      out_specs=(
+          rows_spec,
+          per_expert(dim, hidden),
+          per_expert(1, hidden),
+          per_expert(hidden, dim),
+          per_expert(1, dim),
+      ),
       compiler_params=params,
       cost_estimate=backward_cost(num_experts, rows, dim, hidden, x.dtype.itemsize),
       interpret=interpret,

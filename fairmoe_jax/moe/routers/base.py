@@ -37,11 +37,7 @@ _GATE_INIT = nnx.initializers.normal(stddev=0.02)
 
 
 def float32_gate(
-    dim: int,
-    num_experts: int,
-    *,
-    rngs: nnx.Rngs,
-    kernel_init: nnx.Initializer = _GATE_INIT,
+    dim: int, num_experts: int, *, rngs: nnx.Rngs, kernel_init: nnx.Initializer = _GATE_INIT
 ) -> nnx.Linear:
   """A bias-free linear gate computed and stored in float32, whatever the model's dtype."""
   return nnx.Linear(

@@ -100,9 +100,7 @@ class ExpertChoiceRouter(nnx.Module):
 
 
 def apply_expert_choice(
-    x: jax.Array,
-    assignment: ExpertChoiceAssignment,
-    expert_fn: Callable[[jax.Array], jax.Array],
+    x: jax.Array, assignment: ExpertChoiceAssignment, expert_fn: Callable[[jax.Array], jax.Array]
 ) -> jax.Array:
   """Gather -> experts -> gate-weighted scatter-add.
 

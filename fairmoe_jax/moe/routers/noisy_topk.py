@@ -10,12 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from fairmoe_jax.moe.routers.base import (
-    RouterOutput,
-    check_logits,
-    float32_gate,
-    router_z_loss,
-)
+from fairmoe_jax.moe.routers.base import RouterOutput, check_logits, float32_gate, router_z_loss
 from fairmoe_jax.moe.routers.topk import TopKRouter
 
 
