@@ -116,10 +116,10 @@ def devices_missing(error: BaseException) -> bool:
   return any(pattern.search(str(error)) for pattern in _TOO_FEW_DEVICES)
 
 
-# A test not marked slow starts no Python process: the fast tier's promise (pytest.ini). Popen
-# is wrapped for the whole session, so that a process started by a module-scoped fixture is
-# charged to the first test that needed it.
+# A test not marked slow starts no Python process, and uses no fixture that did: the fast tier's
+# promise (pytest.ini). Popen is wrapped for the whole session.
 _python_started: list[str] = []
+_fixtures_that_started_python: set[str] = set()
 _popen_init = subprocess.Popen.__init__
 
 
@@ -141,6 +141,15 @@ def pytest_runtest_setup(item):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+  started = len(_python_started)
+  result = yield
+  if len(_python_started) > started:
+    _fixtures_that_started_python.add(fixturedef.argname)
+  return result
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
   try:
     result = yield
@@ -155,8 +164,11 @@ def pytest_runtest_call(item):
         f"needs more devices than this {jax.default_backend()} host's {jax.device_count()}: "
         f"{str(error).splitlines()[0][:200]}"
     )
-  if _python_started and item.get_closest_marker("slow") is None:
-    pytest.fail(f"starts a Python process but is not marked slow: {_python_started[0]}")
+  if item.get_closest_marker("slow") is None:
+    if _python_started:
+      pytest.fail(f"starts a Python process but is not marked slow: {_python_started[0]}")
+    if used := _fixtures_that_started_python.intersection(item.fixturenames):
+      pytest.fail(f"uses fixtures that start a Python process but is not marked slow: {used}")
   return result
 
 

@@ -73,6 +73,7 @@ def test_a_wrong_peer_path_is_one_clear_error(tmp_path):
     moe_layer.import_peer_vmoe(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_the_train_step_benchmark_times_moe_against_its_dense_equivalent():
   import train_step  # pylint: disable=g-import-not-at-top
 

@@ -139,6 +139,7 @@ def test_buffer_writes_counts_the_arrays_of_one_shape_by_dtype():
   assert dispatch_levers.buffer_writes(hlo, (64, 32, 8)) == {}
 
 
+@pytest.mark.slow
 def test_the_fused_expert_mlp_goes_below_xlas_floor_and_takes_einsum_under_0_9x_vmoe(tpu):
   """docs/benchmarks.md, "The fused expert MLP": with the MLP in `fused_mlp`'s Pallas kernels
   (the dispatch `einsum_fused`), the whole layer at `deit_s32` E=64 float32, the case `einsum`

@@ -86,6 +86,7 @@ def _word_ids(pairs: nli.PairData, max_len: int) -> tuple[np.ndarray, np.ndarray
   return ids, segments
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal", "vanilla"])
 def test_both_attentions_fit_64_training_pairs(kind):
   pairs = spurious.generate(dataclasses.replace(SMALL, num_train=64))[0]

@@ -43,6 +43,7 @@ def _python(repo_root, *args):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "package, help_flag, own_configs, other_configs",
     [
@@ -87,6 +88,7 @@ def test_helpfull_lists_every_flag_and_exits_0(repo_root):
     assert flag in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -157,6 +159,7 @@ _REPORTING_MAIN = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -184,6 +187,7 @@ def test_main_accepts_jax_flags_and_logs_at_the_given_verbosity(repo_root, tmp_p
   assert re.search(r"^I\d{4} .* xla_bridge\.py:\d+\] ", result.stderr, re.M)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, needle",
     [

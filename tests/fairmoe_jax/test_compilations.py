@@ -13,6 +13,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 from test_methods import _config, _setup
 
 from fairmoe_jax import evaluation, methods, train
@@ -56,6 +57,7 @@ def test_the_starting_parameter_norm_is_one_program():
   np.testing.assert_allclose(norm["param_norm"], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_validation_compiles_once_across_fem_reviews():
   # A FEM review validates between training steps; the quickstart reviews six times. Its
   # validation split ends on a padded batch, which must not compile a program of its own.

@@ -323,6 +323,7 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
   assert json.loads((workdir / "export" / "config.json").read_text())["timm_loadable"] is True
 
 
+@pytest.mark.slow
 def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(
     dense_run, tmp_path
 ):
@@ -365,6 +366,7 @@ def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(
   assert output_folder(str(workdir), "export") == str(workdir / "export")
 
 
+@pytest.mark.slow
 def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_stdin(
     dense_run, tmp_path
 ):
@@ -426,6 +428,7 @@ def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_std
     images_lib.load_image(tmp_path / "e.jpg", 32)  # Not opened: that would block.
 
 
+@pytest.mark.slow
 def test_an_evaluation_step_that_cannot_fit_is_refused_naming_eval_batch_size(
     dense_run, monkeypatch
 ):

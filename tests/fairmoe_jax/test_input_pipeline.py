@@ -199,6 +199,7 @@ def _until(condition, what: str, timeout: float = 30.0) -> None:
     time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc (Linux)")
 @pytest.mark.parametrize("fault", ["kill_main", "kill_worker", "ctrl_c"])
 def test_worker_processes_end_with_the_run_and_their_faults_are_one_line(tmp_path, fault):

@@ -62,6 +62,7 @@ TERMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method,backbone",
     [(m, "vit") for m in sorted(methods.METHODS)] + [("fairsmoe", "swin_tiny_cpu")],
@@ -194,6 +195,7 @@ def _eval_predictions(config, scramble: bool):
   return overall, np.asarray(logits)
 
 
+@pytest.mark.slow
 def test_default_evaluation_never_reads_the_sensitive_attributes():
   config = _config("fairsmoe")
   assert config.fair.route_by == "predicted"

@@ -302,6 +302,7 @@ def test_fairlearn_on_predictions_csv_reproduces_the_report(run):
   assert "[sex*age]" in stdout
 
 
+@pytest.mark.slow
 def test_routing_measures_read_a_real_run_consistently(run):
   """fairmoe_jax/analysis/routing.py on a trained run: the split's expert shares in report.json
   are the mean of predictions.csv's per-image shares (every image has as many choices), and the

@@ -313,6 +313,7 @@ def _fairsmoe_loss_and_grads(remat: str, data: int, expert: int):
   return jax.device_get((loss, metrics, grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,expert", [(8, 1), (4, 2)], ids=["data_parallel", "expert_parallel"])
 def test_fairsmoe_on_a_mesh_gives_the_loss_and_gradients_of_no_remat(data, expert):
   # The MoE layer inside shard_map (all_to_all when expert-parallel), FGR's context and its
@@ -326,6 +327,7 @@ def test_fairsmoe_on_a_mesh_gives_the_loss_and_gradients_of_no_remat(data, exper
   _assert_same_gradients(grads, ref_grads)
 
 
+@pytest.mark.slow
 @pytest.mark.compile_gpu
 def test_the_gpu_compiler_keeps_fewer_temporaries_with_each_policy():
   # pylint: disable=import-outside-toplevel

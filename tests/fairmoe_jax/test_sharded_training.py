@@ -49,6 +49,7 @@ def single_device_losses(tmp_path_factory):
   return _train_losses(_tiny_config(1, 1), tmp_path_factory.mktemp("single"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,expert", [(2, 4), (4, 2)])
 def test_sharded_training_matches_one_device(tmp_path, single_device_losses, data, expert):
   losses = _train_losses(_tiny_config(data, expert), tmp_path)
@@ -56,6 +57,7 @@ def test_sharded_training_matches_one_device(tmp_path, single_device_losses, dat
   np.testing.assert_allclose(losses, single_device_losses, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_fairsmoe_on_an_expert_parallel_mesh_matches_one_device(tmp_path):
   # The fairness-guided router, its losses and the attributes travelling to it under shard_map.
   single = _train_losses(_tiny_config(1, 1, method="fairsmoe"), tmp_path / "single")
@@ -103,6 +105,7 @@ def test_every_dispatch_algorithm_trains_like_einsum(tmp_path, einsum_losses, di
   np.testing.assert_allclose(losses, einsum_losses, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_trains_with_float32_parameters(tmp_path):
   losses = _train_losses(_tiny_config(1, 1, "bfloat16"), tmp_path)
   assert np.all(np.isfinite(losses))

@@ -210,6 +210,7 @@ def test_a_wrong_method_key_stops_the_comparison_before_anything_runs(tmp_path, 
     assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_write_comparison_is_a_table_collector_of_the_sweep_it_finds(runs, tmp_path):
   sweep = _sweep([0, 1, 2])
   write_tables(sweep, str(tmp_path), [])  # The runner's sweep.json, written before collectors.
@@ -353,6 +354,7 @@ def test_unknown_method_is_one_line_error(repo_root, tmp_path):
   assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_paired_claims_against_vanilla_smoe_decide_on_same_seed_differences():
   """Five seeds whose accuracies share a large seed effect: FairSMoE is 2 points above vanilla
   SMoE on every seed (holds) while its PQD is the same up to noise (undecided). Near the

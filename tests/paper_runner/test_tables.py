@@ -1186,6 +1186,7 @@ def _cli_flags(**given):
   }
 
 
+@pytest.mark.slow
 def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_stamped(
     toy_tables, tmp_path, monkeypatch, capsys
 ):
@@ -1227,6 +1228,7 @@ def test_a_failed_rerun_is_one_error_whatever_its_workdir_holds_and_nothing_is_s
   assert table_record.read_record("toy")["provenance"]["reproduced"][0]["exact"] is True
 
 
+@pytest.mark.slow
 def test_a_reproduction_that_does_not_come_back_is_stamped_as_such_and_never_vouches(
     toy_tables, tmp_path, monkeypatch
 ):
@@ -1529,6 +1531,7 @@ def test_provenance_names_the_processor_model_and_its_instruction_set_each_on_it
   assert provenance.processor()["features"] == ["asimd", "bf16", "sve"]
 
 
+@pytest.mark.slow
 def test_an_exact_reproduction_vouches_only_for_its_own_processor_one_field_at_a_time(
     toy_tables, tmp_path, monkeypatch
 ):

@@ -94,6 +94,7 @@ def test_the_declared_batches_are_the_pipelines():
   assert _shapes(batch_spec(config, info, 8, eval=True)) == _shapes(evaluation)
 
 
+@pytest.mark.slow
 @pytest.mark.compile_tpu
 def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   config = quickstart(**{"preflight.target": "v5e-8", "mesh.expert": 2, "moe.dispatch": "sort"})
@@ -125,6 +126,7 @@ def test_quickstart_on_a_tpu_slice_with_expert_parallelism():
   assert record["run"]["device_hours"] > 0 and record["eval_step"]["fits"]
 
 
+@pytest.mark.slow
 @pytest.mark.compile_gpu
 def test_quickstart_on_an_h100_node(private_compilation_cache):
   before = sorted(private_compilation_cache.iterdir())
@@ -190,6 +192,7 @@ def test_quickstart_on_an_h100_node(private_compilation_cache):
   assert caveat not in summary(plain) and fallback_peak(plain) is None
 
 
+@pytest.mark.slow
 @pytest.mark.compile_tpu
 def test_a_run_the_tpu_compiler_refuses_is_reported_not_raised():
   # 64k images of 64 px on 8 chips of 16 GiB: the activations alone are ~3x the HBM.

@@ -46,6 +46,7 @@ def test_libtpu_s_placeholders_are_not_a_tpu_pod():
   assert clean == {"HOME": "/root", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the preflight extra)"
 )
