@@ -78,8 +78,6 @@ BYTES = {
     d: min(r["bytes_accessed"] for r in FUSED if r["dispatch"] == d)
     for d in ("einsum", "einsum_fused")
 }
-PINNED_SUITE, NEWEST_SUITE = _suite_run("pinned"), _suite_run("newest")
-SUITE_MINUTES = sorted(round(run["wall_seconds"] / 60) for run in (PINNED_SUITE, NEWEST_SUITE))
 
 
 def _hours(cell: str) -> str:
@@ -91,13 +89,6 @@ def _peak(cell: str) -> str:
 
 
 FIGURES = [
-    # README: the test command's time, from tests/timings.json.
-    (README, r"run every test \(about (\d+-\d+) min", "{}-{}".format(*SUITE_MINUTES)),
-    (README, r"about \d+-\d+ min on (\d+) CPU cores", str(PINNED_SUITE["host_cores"])),
-    (README, r"(\d+:\d\d) pinned", _minutes_seconds(PINNED_SUITE["wall_seconds"])),
-    (README, r"(\d+:\d\d) newest", _minutes_seconds(NEWEST_SUITE["wall_seconds"])),
-    (README, r"newest, (\d{4}-\d\d-\d\d)\)", NEWEST_SUITE["date"]),
-    (README, r'preflight\]" && (pytest [^`]*?) ```', PINNED_SUITE["command"]),
     # README: the tests on a lent GPU.
     (README, r"the (\d+) device test files", str(len(GPU_TEST_FILES))),
     (README, r"files gave (\d+) passed", str(GPU_TESTS["passed"])),
