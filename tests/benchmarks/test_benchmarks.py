@@ -28,6 +28,7 @@ def _value_and_grads(dispatch: str, num_experts: int, capacity_factor: float, pe
   return row, float(value), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_experts", [4, 8])
 def test_every_row_computes_the_same_layer_without_drops(num_experts):
   peer = moe_layer.import_peer_vmoe(PEER) if os.path.isdir(PEER) else None

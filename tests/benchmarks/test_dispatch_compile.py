@@ -67,6 +67,7 @@ def test_flops_on_one_v5e_device_are_the_recorded_ones(tpu, dispatch):
   assert row["roofline_s"] > 0 and row["bound_by"] in ("compute", "memory")
 
 
+@pytest.mark.slow
 def test_einsum_accesses_no_more_bytes_than_vmoes_own_dispatchers(tpu, monkeypatch):
   """docs/benchmarks.md, "Which dispatch on an accelerator": on the TPU compiler `einsum`
   accesses fewer bytes than V-MoE's best dispatcher, here at DeiT's 197 tokens per image and
@@ -93,6 +94,7 @@ def test_einsum_accesses_no_more_bytes_than_vmoes_own_dispatchers(tpu, monkeypat
   assert rows["einsum"]["bytes_accessed"] <= peer_best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_experts", [4, 64])
 def test_the_expert_mlp_traffic_floor_bounds_the_compiled_mlp_tightly(tpu, num_experts):
   """docs/benchmarks.md: at `deit_s32` E=64 float32 the expert MLP's floor is 0.908x V-MoE's

@@ -63,6 +63,7 @@ def _state(config, model_fn, mesh):
   return graphdef, state, tx
 
 
+@pytest.mark.slow
 def test_pair_classifier_trains_with_every_attention_kind():
   """One jitted program holds a train step of every attention kind (one compile for all six)."""
   mesh = make_mesh({"data": 1, "expert": 1})
@@ -123,6 +124,7 @@ def _seq2seq(kind: str = "causal", hops: int = 1):
   return config, model
 
 
+@pytest.mark.slow
 def test_seq2seq_cached_decoding_and_beam_one_equals_greedy():
   """Cached step logits == teacher-forced logits; beam search with K=1 == greedy search."""
   _, model = _seq2seq("causal", 2)
@@ -192,6 +194,7 @@ def test_dual_step_ramps_linearly_after_dual_start_step():
   assert steps == pytest.approx({9: 0.0, 10: 0.125, 11: 0.25, 13: 0.5, 20: 0.5})
 
 
+@pytest.mark.slow
 def test_training_with_the_constraint_term_moves_attention_into_the_band():
   """The same model, data and steps, with and without the Lagrangian term in the loss: only
   the run that minimises it ends with fewer violations (fails if the term leaves the loss)."""

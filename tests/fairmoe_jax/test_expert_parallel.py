@@ -213,6 +213,7 @@ def test_layer_with_sharded_inputs_inside_set_mesh_keeps_their_layout():
   _assert_layer_results_match(results, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 def test_layer_eagerly_matches_one_device(axis_type):
   axis_types = (getattr(jax.sharding.AxisType, axis_type),) * 2

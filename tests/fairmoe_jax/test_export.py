@@ -195,6 +195,7 @@ def test_muffin_export_says_timm_cannot_load_it():
   assert cfg["model_args"]["depth"] == config.model.depth and cfg["fairmoe_jax"]["moe_blocks"] == []
 
 
+@pytest.mark.slow
 def test_swin_export_rebuilds_from_its_config(tmp_path):
   """The same for a dense Swin (the tiny CPU one), without training: the export of any weights."""
   from safetensors.numpy import save_file

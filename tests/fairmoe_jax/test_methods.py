@@ -87,6 +87,7 @@ def test_every_method_trains_and_its_loss_is_the_sum_of_its_named_terms(method, 
     assert phases == [1.0, 1.0, 2.0, 2.0]  # Backbones first, then the fusion head.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fairsmoe", "vanilla_smoe"])
 def test_every_moe_method_shares_one_auxiliary_loss_recipe(method):
   config = _config(method)
@@ -275,6 +276,7 @@ def test_pretrained_checkpoint_initialises_every_backbone(tmp_path, method):
       np.testing.assert_array_equal(moe.w1[...][e], source.blocks[-1].mlp.fc1.kernel[...])
 
 
+@pytest.mark.slow
 def test_the_eval_step_reads_routing_readings_not_metric_names(monkeypatch):
   """Each MoE block's expert usage is the masked sum of its `RoutingReadings` (numpy), and
   renaming every logged metric changes none of the eval step's counts."""

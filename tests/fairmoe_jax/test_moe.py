@@ -346,6 +346,7 @@ class _ReadingRouter(nnx.Module):
     return _ReadingRouterOutput(**{f.name: getattr(route, f.name) for f in fields(route)})
 
 
+@pytest.mark.slow
 def test_the_layer_takes_a_router_s_extras_from_its_output_alone():
   """The router protocol: losses that need the experts (in training only) and per-example
   readings come back through the router's output, and `MoEAux.merge` names them by block."""

@@ -99,6 +99,7 @@ def einsum_losses(tmp_path_factory):
   return _train_losses(_ample_capacity_config("einsum"), tmp_path_factory.mktemp("einsum"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["dense", "sort", "dropless"])
 def test_every_dispatch_algorithm_trains_like_einsum(tmp_path, einsum_losses, dispatch):
   losses = _train_losses(_ample_capacity_config(dispatch), tmp_path)
@@ -131,6 +132,7 @@ def test_local_launcher_dry_run_prints_the_command(repo_root):
   ) in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "router,batch_priority", [("noisy_topk", False), ("expert_choice", False), ("topk", True)]
 )
