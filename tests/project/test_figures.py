@@ -42,7 +42,7 @@ def _minutes_seconds(seconds: float) -> str:
   return f"{minutes}:{rest:02d}"
 
 
-FAST = _suite_run("pinned", "fast")  # The README's fast-tier figures.
+FAST, SLOW = _suite_run("pinned", "fast"), _suite_run("pinned", "slow")  # The README's.
 
 # The first H200 lease: the measured step, and the two compiles the README sets against it.
 LEASE_1 = "benchmarks/results/h200_2026-11-27/"
@@ -96,6 +96,8 @@ FIGURES = [
     (README, r"fast tier took \d+:\d\d on (\d+) CPU cores", str(FAST["host_cores"])),
     (README, r"fast tier took [^(]*\(pinned stack, (\d{4}-\d\d-\d\d)", FAST["date"]),
     (README, r"fast tier took [^)]*\): (\d+) passed", str(FAST["passed"])),
+    (README, r"slow tier then took (\d+:\d\d)", _minutes_seconds(SLOW["wall_seconds"])),
+    (README, r"with another test run: (\d+) passed", str(SLOW["passed"])),
     # README: the tests on a lent GPU.
     (README, r"the (\d+) device test files", str(len(GPU_TEST_FILES))),
     (README, r"files gave (\d+) passed", str(GPU_TESTS["passed"])),
