@@ -125,7 +125,8 @@ _popen_init = subprocess.Popen.__init__
 
 def _popen_init_recording(self, args, *rest, **kwargs):
   argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-  program = os.path.basename(os.fsdecode(argv[0]).split()[0]) if argv else ""
+  words = os.fsdecode(argv[0]).split() if argv else []
+  program = os.path.basename(words[0]) if words else ""
   if program.startswith("python"):
     _python_started.append(" ".join(os.fsdecode(a) for a in argv[:4]))
   _popen_init(self, args, *rest, **kwargs)
