@@ -14,29 +14,9 @@ from typing import Any, Iterable, Mapping
 # The instruction-set extensions LLVM may use when XLA compiles for this CPU (vector widths,
 # fused multiply-add, bfloat16 and int8 dot products): two CPUs that differ in these may round
 # the same program differently.
-_CPU_FEATURES = (
-    "sse4_1",
-    "sse4_2",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512dq",
-    "avx512bw",
-    "avx512vl",
-    "avx512_bf16",
-    "avx512_fp16",
-    "avx512_vnni",
-    "avx_vnni",
-    "amx_bf16",
-    "amx_tile",
-    "amx_int8",
-    "asimd",
-    "sve",
-    "sve2",
-    "bf16",
-    "i8mm",
+_CPU_FEATURES = frozenset(
+    "sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_fp16 "
+    "avx512_vnni avx_vnni amx_bf16 amx_tile amx_int8 asimd sve sve2 bf16 i8mm".split()
 )
 # Packages whose version changes numbers (kernels, initialisers, optimiser updates).
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")

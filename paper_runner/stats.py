@@ -34,7 +34,11 @@ class Interval:
   n: int
 
 
-def _mean_sd(values: Sequence[float]) -> tuple[float, float | None, int]:
+def _mean_se(
+    values: Sequence[float], test_to_train: float | None
+) -> tuple[float, float | None, int]:
+  """The mean, its standard error sd · sqrt(1/n + test_to_train) (sd: ddof=1; None for one
+  value) and n."""
   values = [float(v) for v in values]
   n = len(values)
   if n == 0:
@@ -42,31 +46,24 @@ def _mean_sd(values: Sequence[float]) -> tuple[float, float | None, int]:
   mean = math.fsum(values) / n
   if n < 2:
     return mean, None, n
-  return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1)), n
+  sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+  return mean, sd * math.sqrt(1.0 / n + (test_to_train or 0.0)), n
 
 
-def interval(
-    values: Sequence[float], test_to_train: float | None = None, confidence: float = CONFIDENCE
-) -> Interval:
-  """mean ± t_{n-1} · s · sqrt(1/n + test_to_train) (s: ddof=1; no bounds for one value)."""
-  if test_to_train is not None and test_to_train <= 0:
-    raise ValueError(f"test_to_train must be positive, got {test_to_train}")
-  mean, sd, n = _mean_sd(values)
-  if sd is None:
+def interval(values: Sequence[float], test_to_train: float | None = None) -> Interval:
+  """mean ± t_{n-1} · se (no bounds for one value)."""
+  mean, se, n = _mean_se(values, test_to_train)
+  if se is None:
     return Interval(mean, None, None, n)
-  t = float(scipy_stats.t.ppf(0.5 + confidence / 2, n - 1))
-  half = t * sd * math.sqrt(1.0 / n + (test_to_train or 0.0))
+  half = float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * se
   return Interval(mean, mean - half, mean + half, n)
 
 
 def p_value(values: Sequence[float], test_to_train: float | None = None) -> float:
-  """Two-sided p-value of "the mean is 0": p < 1 - confidence exactly when `interval` excludes 0."""
-  if not values:
+  """Two-sided p-value of "the mean is 0": p < 1 - CONFIDENCE exactly when `interval` excludes 0."""
+  mean, se, n = _mean_se(values, test_to_train)
+  if se is None:
     return 1.0
-  mean, sd, n = _mean_sd(values)
-  if sd is None:
-    return 1.0
-  se = sd * math.sqrt(1.0 / n + (test_to_train or 0.0))
   if se == 0.0:
     return 1.0 if mean == 0.0 else 0.0
   return float(2.0 * scipy_stats.t.sf(abs(mean) / se, n - 1))
@@ -84,30 +81,12 @@ def holm(p_values: Sequence[float | None]) -> list[float | None]:
   return adjusted
 
 
-def verdict_at(mean: float, p: float, better: str, confidence: float = CONFIDENCE) -> str:
+def verdict_at(mean: float, p: float, better: str) -> str:
   """The verdict a (possibly Holm-adjusted) p-value gives a mean difference: without adjustment,
   "undecided" exactly when the difference's interval contains 0."""
-  if better not in DIRECTIONS:
-    raise ValueError(f"better must be one of {DIRECTIONS}, got {better!r}")
-  if p >= 1.0 - confidence or mean == 0.0:
+  if p >= 1.0 - CONFIDENCE or mean == 0.0:
     return UNDECIDED
   return HOLDS if (mean > 0.0) == (better == "higher") else DOES_NOT_HOLD
-
-
-def format_interval(
-    mean: float,
-    low: float | None,
-    high: float | None,
-    *,
-    scale: float = 1.0,
-    decimals: int = 3,
-    sign: bool = False,
-) -> str:
-  """`mean [low, high]` scaled and rounded; `sign` writes the mean's sign always."""
-  text = f"{scale * mean:{'+' if sign else ''}.{decimals}f}"
-  if low is None:
-    return text
-  return f"{text} [{scale * low:.{decimals}f}, {scale * high:.{decimals}f}]"
 
 
 def paired(
@@ -133,16 +112,13 @@ def decide(
     row: Mapping[int, float],
     baseline: Mapping[int, float],
     better: str,
-    *,
-    confidence: float = CONFIDENCE,
-    min_seeds: int = MIN_VERDICT_SEEDS,
     test_to_train: float | None = None,
 ) -> ClaimResult:
   """Decides one claim on the seeds both rows have; with `test_to_train`, the corrected interval."""
   seeds, differences = paired(row, baseline)
   if not differences:
     return ClaimResult([], None, UNDECIDED, False)
-  difference = interval(differences, test_to_train, confidence)
+  difference = interval(differences, test_to_train)
   p = p_value(differences, test_to_train)
-  verdict = verdict_at(difference.mean, p, better, confidence)
-  return ClaimResult(seeds, difference, verdict, len(seeds) >= min_seeds, p)
+  verdict = verdict_at(difference.mean, p, better)
+  return ClaimResult(seeds, difference, verdict, len(seeds) >= MIN_VERDICT_SEEDS, p)

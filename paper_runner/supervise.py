@@ -121,7 +121,7 @@ def _output_since(log_path: str, offset: int) -> list[str]:
     return []
 
 
-def _run_one(
+def run_one(
     command: list[str], directory: str, *, timeout_s: float, cwd: str, env: Mapping[str, str]
 ) -> tuple[bool, str]:
   """Runs one command, logging to log.txt; returns (ok, why not)."""
@@ -250,7 +250,7 @@ def run_sweep(
           json.dumps({**source, "host": host(run_env)}, indent=2),
       )
       try:
-        ok, why = _run_one(command, directory, timeout_s=sweep.timeout_s, cwd=cwd, env=run_env)
+        ok, why = run_one(command, directory, timeout_s=sweep.timeout_s, cwd=cwd, env=run_env)
       except KeyboardInterrupt:
         print(f"{prefix} interrupted; rerun the same command to resume the sweep", flush=True)
         raise

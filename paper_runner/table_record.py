@@ -20,6 +20,7 @@ from paper_runner.spec import (
     resolved_config,
     run_record,
 )
+from paper_runner.supervise import record_differences
 from paper_runner.table_references import reference_rows, split_sizes
 from paper_runner.table_spec import (
     SEED_KEY,
@@ -31,26 +32,20 @@ from paper_runner.table_spec import (
 )
 from trainkit.errors import UserError
 from trainkit.storage import write_atomically
-from trainkit.workdir import CONFIG_FILE, config_differences, trained_config_differences
+from trainkit.workdir import CONFIG_FILE, trained_config_differences
 
 
 def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> None:
   directory = result.run_dir
-  started, trained = os.path.join(directory, RUN), os.path.join(directory, CONFIG_FILE)
-  if not os.path.isfile(started) and not os.path.isfile(trained):
+  if os.path.isfile(os.path.join(directory, RUN)):
+    changed = record_differences(spec.sweep, result.point, directory)
+  elif os.path.isfile(os.path.join(directory, CONFIG_FILE)):
+    changed = trained_config_differences(directory, resolved_config(spec.sweep, result.point))
+  else:
     raise UserError(
         f"{workdir}: run {result.name} has neither {RUN} nor {CONFIG_FILE}, so nothing shows it "
         f"was started by the sweep of {spec.path}; record only a workdir that sweep ran in"
     )
-  changed: list[str] = []
-  if os.path.isfile(started):
-    try:
-      with open(started) as f:
-        changed = config_differences(json.load(f), run_record(spec.sweep, result.point))
-    except (OSError, ValueError) as e:
-      changed = [f"{RUN} unreadable ({type(e).__name__})"]
-  if not changed and os.path.isfile(trained):
-    changed = trained_config_differences(directory, resolved_config(spec.sweep, result.point))
   if changed:
     more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
     raise UserError(

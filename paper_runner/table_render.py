@@ -23,10 +23,11 @@ from paper_runner.table_summary import chosen_row, leaks_of, summarise
 
 
 def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=False) -> str:
-  text = stats.format_interval(
-      interval.mean, interval.low, interval.high, scale=scale, decimals=decimals, sign=sign
-  )
-  return text.replace("-", "−")  # Typographic minus in the markdown tables.
+  """`mean [low, high]` scaled and rounded (`sign`: the mean's sign always), typographic minus."""
+  text = f"{scale * interval.mean:{'+' if sign else ''}.{decimals}f}"
+  if interval.low is not None:
+    text += f" [{scale * interval.low:.{decimals}f}, {scale * interval.high:.{decimals}f}]"
+  return text.replace("-", "−")
 
 
 def _p_text(p: float) -> str:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import tempfile
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from paper_runner import die_with_parent
+from paper_runner.collect import read_run
 from paper_runner.provenance import data_hash, data_hashes, differences, machine, source_state
-from paper_runner.spec import LOG, REPO_ROOT, REPORT, format_value, grid_points, run_command
-from paper_runner.supervise import failure_line, sigterm_as_interrupt, terminate_group
+from paper_runner.spec import LOG, REPO_ROOT, format_value, grid_points, run_command
+from paper_runner.supervise import run_one, sigterm_as_interrupt
 from paper_runner.table_record import read_record, save_record
 from paper_runner.table_spec import TableSpec, metric_value, record_path
 from trainkit.distributed import child_environment
@@ -87,40 +86,28 @@ def reproduce(
     # An earlier rerun's report.json and config.json would pass for this rerun's, and the main
     # would resume its checkpoints instead of training: kept aside, never reused.
     lines.append(f"  moved the earlier run directory {run_dir} aside to {move_aside(run_dir)}")
-  os.makedirs(run_dir)
-  log_path = os.path.join(run_dir, LOG)
   not_done = "nothing was compared" + (" or stamped" if stamp else "")
-  status = _run_rerun(command, log_path)
-  why = "" if status == 0 else f"exit code {status}"
-  if not why and not os.path.isfile(os.path.join(run_dir, REPORT)):
-    why = f"exit code 0 but no {REPORT}"
-  if why:
-    with open(log_path, errors="replace") as f:
-      last = failure_line(f.read().splitlines())
-    raise UserError(
-        f"--reproduce={spec.name}: the rerun failed ({why}{': ' + last if last else ''}); "
-        f"its log: {log_path}; {not_done}"
+  with sigterm_as_interrupt():
+    ran, why = run_one(
+        command,
+        run_dir,
+        timeout_s=0,
+        cwd=REPO_ROOT,
+        env=child_environment({"PYTHONUNBUFFERED": "1"}),
     )
-  try:
-    with open(os.path.join(run_dir, REPORT)) as f:
-      report = json.load(f)
-    config = None
-    if stamp:  # What the rerun read, for the stamp's data hashes: this rerun's own config.
-      with open(os.path.join(run_dir, CONFIG_FILE)) as f:
-        config = json.load(f)
-  except (OSError, ValueError) as e:
+  report = read_run(first, run_dir)
+  if not ran or report.status != "ok":
     raise UserError(
-        f"--reproduce={spec.name}: the rerun exited 0 but left no readable "
-        f"{os.path.basename(getattr(e, 'filename', None) or REPORT)} in {run_dir} ({e}); "
-        f"its log: {log_path}; {not_done}"
-    ) from None
-  if not isinstance(report, dict):
-    raise UserError(f"--reproduce={spec.name}: {run_dir}/{REPORT} is not a JSON object; {not_done}")
-  ok, compared, worst = compare(recorded[0]["metrics"], report, tolerance)
-  exact = compare(recorded[0]["metrics"], report, 0.0)[0]
+        f"--reproduce={spec.name}: the rerun failed ({why or report.error}); its log: "
+        f"{os.path.join(run_dir, LOG)}; {not_done}"
+    )
+  ok, compared, worst = compare(recorded[0]["metrics"], report.report, tolerance)
+  exact = compare(recorded[0]["metrics"], report.report, 0.0)[0]
   verdict = "Reproduced" + (" (every value exact)." if exact else ".") if ok else "NOT reproduced."
   lines += compared + [f"{verdict} Run directory: {run_dir}"]
   if stamp:
+    with open(os.path.join(run_dir, CONFIG_FILE)) as f:  # What this rerun read, for data hashes.
+      config = json.load(f)
     entry = {
         "date": datetime.date.today().isoformat(),
         **source_state(REPO_ROOT),
@@ -148,27 +135,6 @@ def reproduce(
     what = "reproduction" if ok else f"reproduction, under {NOT_REPRODUCED},"
     lines.append(f"Added the {what} to {os.path.relpath(record_path(spec.name), REPO_ROOT)}.")
   return ok, lines
-
-
-def _run_rerun(command: Sequence[str], log_path: str) -> int:
-  """Runs the training in a session of its own (SIGTERM here stops its group; SIGKILL reaches it
-  through `die_with_parent`); returns its exit status."""
-  process = None
-  with open(log_path, "w") as log, sigterm_as_interrupt():
-    try:
-      process = subprocess.Popen(
-          die_with_parent.wrapped(list(command)),
-          cwd=REPO_ROOT,
-          env=child_environment({"PYTHONUNBUFFERED": "1"}),
-          stdout=log,
-          stderr=subprocess.STDOUT,
-          start_new_session=True,
-      )
-      return process.wait()
-    except BaseException:
-      if process is not None:
-        terminate_group(process)
-      raise
 
 
 def comparison_basis(provenance: Mapping[str, Any]) -> tuple[list[str], Mapping[str, Any] | None]:

@@ -33,16 +33,18 @@ from paper_runner.table_spec import load_table
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.platforms import skip_absent_accelerators
 
+MODES = ("record", "rerun", "references", "write", "check", "reproduce")
+
 
 def _define_flags() -> dict[str, flags.FlagHolder]:
   """Defined only when run as a script: front ends that import this module define --workdir."""
   strings = dict(
       record="Table name: record its sweep in --workdir.",
+      rerun="Table name: add the finished runs of its sweep in --workdir to its record's reruns.",
+      references="Table name: score its spec's reference readers into its record.",
       write="Markdown file whose marked tables to render.",
       check="Markdown file whose marked tables to check.",
       reproduce="Table name: rerun the first seed of its first row.",
-      references="Table name: score its spec's reference readers into its record.",
-      rerun="Table name: add the finished runs of its sweep in --workdir to its record's reruns.",
       workdir="--record, --rerun: the sweep's workdir; --reproduce: where to rerun "
       "(default: a temporary directory).",
   )
@@ -64,62 +66,52 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
   """The command line's work on the parsed flag values `f`; returns the exit status."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-  modes = ("record", "rerun", "references", "write", "check", "reproduce")
-  if len([m for m in modes if f.get(m)]) != 1:
-    raise UserError("give exactly one of " + ", ".join(f"--{m}" for m in modes))
-  given = next(m for m in modes if f.get(m))
+  given = [m for m in MODES if f.get(m)]
+  if len(given) != 1:
+    raise UserError("give exactly one of " + ", ".join(f"--{m}" for m in MODES))
+  mode, target, tolerance = given[0], f[given[0]], f.get("tolerance")
   # Given with another mode they would be ignored without a word.
   for name in ("stamp", "tolerance"):
-    if f.get(name) not in (None, False) and given != "reproduce":
-      raise UserError(f"--{name} only applies to --reproduce, not --{given}")
-  tolerance = f.get("tolerance")
+    if f.get(name) not in (None, False) and mode != "reproduce":
+      raise UserError(f"--{name} only applies to --reproduce, not --{mode}")
   if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
     # NaN fails every comparison (identical values would "not reproduce"); inf passes every one.
     raise UserError(
         f"--tolerance={tolerance}: not a finite number >= 0 (the largest |difference| "
         "--reproduce accepts)"
     )
-  for mode in ("record", "rerun"):
-    if f.get(mode) and not f["workdir"]:
-      raise UserError(f"--{mode} needs --workdir, the directory the sweep ran in")
-  if f["record"] or f.get("rerun") or f.get("references"):
-    spec = load_table(f["record"] or f.get("rerun") or f.get("references"))
-    if f["record"]:
-      written = write_record(spec, f["workdir"])
-    elif f.get("rerun"):
-      written = add_rerun(spec, f["workdir"])
-    elif not spec.references:
-      raise UserError(f"results/{spec.name}.py: TABLE has no 'references' to score")
-    else:
-      written = add_references(spec)
-    print(f"Wrote {os.path.relpath(written, REPO_ROOT)}")
-    print(render(spec, read_record(spec.name)))
+  if mode in ("record", "rerun") and not f.get("workdir"):
+    raise UserError(f"--{mode} needs --workdir, the directory the sweep ran in")
+  if mode == "write":
+    names = write_doc(target)
+    print(f"Rendered {len(names)} table(s) in {target}: {', '.join(names)}")
     return 0
-  if f["write"]:
-    names = write_doc(f["write"])
-    print(f"Rendered {len(names)} table(s) in {f['write']}: {', '.join(names)}")
-    return 0
-  if f["check"]:
-    problems = check_doc(f["check"])
-    for problem in problems:
-      print(problem)
-    if not problems:
-      print(f"Every marked table of {f['check']} matches its record.")
+  if mode == "check":
+    problems = check_doc(target)
+    print("\n".join(problems) or f"Every marked table of {target} matches its record.")
     return 1 if problems else 0
-  spec = load_table(f["reproduce"])
-  try:
-    ok, lines = reproduce(
-        spec, read_record(spec.name), f["workdir"], tolerance, stamp=bool(f.get("stamp"))
-    )
-  except KeyboardInterrupt:  # SIGTERM or Ctrl-C: `reproduce` has stopped the rerun.
-    print(
-        f"error: --reproduce={spec.name}: interrupted; the rerun was stopped, nothing was "
-        "compared or stamped",
-        file=sys.stderr,
-    )
-    return 130
-  print("\n".join(lines))
-  return 0 if ok else 1
+  spec = load_table(target)
+  if mode == "reproduce":
+    try:
+      ok, lines = reproduce(
+          spec, read_record(spec.name), f.get("workdir"), tolerance, stamp=bool(f.get("stamp"))
+      )
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: `reproduce` has stopped the rerun.
+      print(
+          f"error: --reproduce={spec.name}: interrupted; the rerun was stopped, nothing was "
+          "compared or stamped",
+          file=sys.stderr,
+      )
+      return 130
+    print("\n".join(lines))
+    return 0 if ok else 1
+  if mode == "references" and not spec.references:
+    raise UserError(f"results/{spec.name}.py: TABLE has no 'references' to score")
+  written = {"record": write_record, "rerun": add_rerun}.get(mode)
+  path = written(spec, f["workdir"]) if written else add_references(spec)
+  print(f"Wrote {os.path.relpath(path, REPO_ROOT)}")
+  print(render(spec, read_record(spec.name)))
+  return 0
 
 
 if __name__ == "__main__":

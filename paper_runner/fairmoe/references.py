@@ -5,9 +5,9 @@ scored by `metrics.report_of_predictions` on the test split and the validation s
   marker reader   (synthetic data) the class the corner marker shows;
   tint reader     (the testbed) the class its signal shows, with the generator's parameters:
                   `"role": "signal"`, what learning can reach (the others are floors);
-  chance          a uniform guess: `CHANCE_DRAWS` seeded draws, their mean report, and each
-                  draw's under `"draws"` for a table's 95% range. Its PQD is near 1: a fairness
-                  number means something only beside it.
+  chance          a uniform guess: `CHANCE_DRAWS` seeded draws' reports under `"draws"`, whose
+                  mean and 95% range a table shows. Its PQD is near 1: a fairness number means
+                  something only beside it.
 """
 
 from __future__ import annotations
@@ -81,18 +81,6 @@ def chance_draws(
   ]
 
 
-def _mean_report(reports: list[Any]) -> Any:
-  """The leafwise mean of reports of one shape (numbers averaged, everything else from the
-  first; a leaf missing from some draw, a group empty by chance, is left out)."""
-  first = reports[0]
-  if isinstance(first, Mapping):
-    keys = [key for key in first if all(isinstance(r, Mapping) and key in r for r in reports)]
-    return {key: _mean_report([r[key] for r in reports]) for key in keys}
-  if isinstance(first, (int, float)) and not isinstance(first, bool):
-    return float(np.mean([float(r) for r in reports]))
-  return first
-
-
 def _load(config: Mapping[str, Any], base_dir: str) -> tuple[DatasetInfo, Any]:
   data = ml_collections.ConfigDict(dict(config["data"]))
   if data.get("root") and not os.path.isabs(os.path.expanduser(data.root)):
@@ -145,5 +133,5 @@ def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[st
           chance_draws(splits[TEST], info), chance_draws(splits[VALIDATION], info)
       )
   ]
-  reports[f"chance ({k} classes, a uniform guess)"] = {**_mean_report(draws), "draws": draws}
+  reports[f"chance ({k} classes, a uniform guess)"] = {"draws": draws}
   return reports

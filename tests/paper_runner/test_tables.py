@@ -389,15 +389,13 @@ def test_every_spec_loads_and_its_record_describes_its_runs():
 
 
 def _replaying(run_dir):
-  """A stand-in for `table_reproduce._run_rerun` that puts `run_dir`'s files in the command's
+  """A stand-in for `table_reproduce.run_one` that puts `run_dir`'s files in the command's
   workdir and reports success."""
 
-  def run(command, log_path):
+  def run(command, directory, **unused):
     (workdir,) = [a.split("=", 1)[1] for a in command if a.startswith("--workdir=")]
     shutil.copytree(run_dir, workdir, dirs_exist_ok=True)
-    with open(log_path, "w") as log:
-      log.write("replayed\n")
-    return 0
+    return True, ""
 
   return run
 
@@ -448,7 +446,7 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   assert "the recording machine, software and data; tolerance 0" in lines[0]
   # The reproductions below differ only in the record they are compared with: each replays this
   # rerun's files (the same command, so the same run) instead of training again.
-  monkeypatch.setattr(table_reproduce, "_run_rerun", _replaying(tmp_path / "again" / "run"))
+  monkeypatch.setattr(table_reproduce, "run_one", _replaying(tmp_path / "again" / "run"))
   # Made under another processor description: compared within the default tolerance, saying why.
   other = json.loads(json.dumps(record))
   other["provenance"]["machine"]["processor"]["model"] = "Another CPU"
