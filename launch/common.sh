@@ -5,6 +5,9 @@
 
 # The script that sourced this file: show_help prints its header comment.
 launch_script=${BASH_SOURCE[1]}
+# This folder, where the scripts found this file (through any symlink to them): the batch
+# scripts and the repository are found from it, not from the path the script was called by.
+launch_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # Prints the comment at the top of the calling script (what it does, its usage and an example).
 show_help() {
@@ -44,6 +47,17 @@ require_positive_int() {
 # `require_module MODULE` (the --module option): the usage, exit 2, unless it is a module name.
 require_module() {
   [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*$ ]] || usage_error "bad --module: $1"
+}
+
+# `main_workdir ARG...` (a main's args): prints the value of its --workdir (either spelling).
+main_workdir() {
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --workdir=*) printf '%s' "${1#--workdir=}"; return ;;
+      --workdir) printf '%s' "${2:-}"; return ;;
+    esac
+    shift
+  done
 }
 
 # Quotes one word for a shell, only when needed.

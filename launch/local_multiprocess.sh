@@ -9,7 +9,8 @@
 #            -- [main args...]
 # Example: launch/local_multiprocess.sh --processes 2 -- --config=configs/quickstart.py \
 #            --workdir=/tmp/run2
-# The python interpreter is $PYTHON (default: python). --dry-run only prints the commands.
+# N is at most the number of CPUs. The python interpreter is $PYTHON (default: python).
+# --dry-run only prints the commands.
 set -euo pipefail
 
 # common.sh sits beside this file (a symlink to this file is followed).
@@ -31,6 +32,10 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 require_positive_int --processes "$processes"
+# At most one per CPU: each is a whole JAX runtime, and a typo (100000) would swamp the host.
+cpus=$(getconf _NPROCESSORS_ONLN)
+[[ "$processes" -le "$cpus" ]] ||
+  usage_error "--processes $processes: at most this machine's $cpus CPUs"
 is_positive_int "$port" && [[ "$port" -le 65535 ]] || usage_error "bad --port: $port"
 require_module "$module"
 

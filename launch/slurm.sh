@@ -44,7 +44,10 @@ fi
   usage_error "bad --time: $time_limit"
 require_module "$module"
 
-script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/slurm_gpu.sbatch"
+# Every main needs --workdir: without it the job would wait in the queue for its nodes, then fail.
+[[ -n "$(main_workdir "$@")" ]] || usage_error "no --workdir=DIR among the main args after --"
+
+script="$launch_dir/slurm_gpu.sbatch"
 if [[ "$gpus" == 0 ]]; then
   # --gpus-per-task=0 overrides the batch script's `#SBATCH --gpus-per-task=1`; JAX_PLATFORMS
   # keeps an installed CUDA plugin from looking for GPUs.

@@ -22,7 +22,10 @@
 #   python -m paper_runner.sweep --sweep=configs/sweeps/batch_experts.py \
 #       --workdir=gs://bucket/sweep --mode=collect
 # Every command is printed (prefixed with "+ ") before it runs; --dry-run only prints them.
-# The workdir should be a gs:// path (or another directory shared by all workers).
+# The workdir should be a gs:// path (or another directory shared by all workers); with
+# --delete-after it must be gs://, as the slice's disks go with it. The workers keep their copy
+# in ~/fairmoe, updated in place (a relative workdir, under it, is never deleted), and run it in
+# ~/fairmoe/.venv with Python 3.11 or newer (launch/tpu_worker_venv.sh).
 # trainkit.distributed reads TRAINKIT_DISTRIBUTED=auto and lets JAX detect the pod.
 set -euo pipefail
 
@@ -80,8 +83,16 @@ ARGS' (write the sweep's commands without --launcher): $line"
   done < <(if [[ "$commands" == "-" ]]; then cat; else cat -- "$commands"; fi)
   [[ ${#run_modules[@]} -gt 0 ]] || usage_error "--commands: no 'python -m MODULE ARGS' line"
 fi
+if [[ $delete_after == 1 ]]; then
+  for args in "${run_args[@]}"; do
+    eval "words=($args)"  # As the workers' shell will split it.
+    workdir=$(main_workdir ${words[@]+"${words[@]}"})
+    [[ "$workdir" == gs://?* ]] || usage_error "--delete-after deletes the slice with its disks, \
+so the workdir must be gs://BUCKET/...: --workdir=$workdir"
+  done
+fi
 
-repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo_root=$(dirname "$launch_dir")
 remote_dir="fairmoe"
 archive="/tmp/${name}-repo.tar.gz"
 common=(--zone="$zone")
@@ -105,12 +116,16 @@ run bash -c "cd $(quote "$repo_root") && git ls-files -z --cached --others --exc
 | tar --null -czf $(quote "$archive") -T -"
 run gcloud compute tpus tpu-vm scp "$archive" "${name}:${remote_dir}.tar.gz" "${common[@]}" \
   --worker=all
+# Unpacked over the copy of an earlier launch, never deleting it: a relative workdir is in it.
 run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
-  --command="rm -rf ${remote_dir} && mkdir -p ${remote_dir} && tar -xzf ${remote_dir}.tar.gz -C ${remote_dir} && cd ${remote_dir} && pip install -q -e . 'jax[tpu]' gcsfs"
+  --command="mkdir -p ${remote_dir} && tar -xzf ${remote_dir}.tar.gz -C ${remote_dir} && \
+cd ${remote_dir} && bash launch/tpu_worker_venv.sh && . .venv/bin/activate && \
+pip install -q -e . 'jax[tpu]' gcsfs"
 # `run_on_workers MODULE ARGS`: the main on every worker at once; their output streams here.
 run_on_workers() {
   run gcloud compute tpus tpu-vm ssh "$name" "${common[@]}" --worker=all \
-    --command="cd ${remote_dir} && TRAINKIT_DISTRIBUTED=auto python3 -m $1$2"
+    --command="cd ${remote_dir} && . .venv/bin/activate && \
+TRAINKIT_DISTRIBUTED=auto python3 -m $1$2"
 }
 if [[ -z "$commands" ]]; then
   run_on_workers "${run_modules[0]}" "${run_args[0]}"  # Its failure is the script's.

@@ -1,11 +1,13 @@
 """The launchers' --dry-run output and usage errors, and trainkit.distributed.distributed_args."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO_ROOT
+from gcs_server import gcs, gcs_server  # noqa: F401
 from trainkit.distributed import distributed_args, expand_nodelist
 from trainkit.errors import UserError
 
@@ -26,6 +28,7 @@ def _run(script, *args, env=None):
     "script",
     [
         "tpu_pod.sh",
+        "tpu_worker_venv.sh",
         "slurm.sh",
         "local_multiprocess.sh",
         "slurm_gpu.sbatch",
@@ -177,12 +180,26 @@ def test_slurm_cpu_job_dry_run_asks_for_no_gpu():
         ["--nodes", "2", "--gpus-per-node", "8", "extra"],
         ["--nodes", "1", "--gpus-per-node", "0"],  # A CPU job needs --tasks-per-node.
         ["--nodes", "1", "--gpus-per-node", "8", "--tasks-per-node", "2"],  # One task per GPU.
+        # No workdir: the job would wait in the queue for its nodes, only to fail.
+        ["--nodes", "1", "--gpus-per-node", "8"],
+        ["--nodes", "1", "--gpus-per-node", "8", "--", "--config=configs/quickstart.py"],
     ],
 )
 def test_slurm_bad_args(args):
   result = _run("slurm.sh", "--dry-run", *args)
   assert result.returncode == 2
   assert "usage: " in result.stderr and result.stdout == ""
+
+
+def test_slurm_through_a_symlink_submits_the_batch_script_beside_its_target(tmp_path):
+  (tmp_path / "slurm.sh").symlink_to(REPO / "launch" / "slurm.sh")
+  result = subprocess.run(
+      ["bash", str(tmp_path / "slurm.sh"), "--dry-run", "--nodes", "1", "--gpus-per-node", "1",
+       "--", "--workdir=/shared/run"],
+      capture_output=True, text=True, timeout=30,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr
+  assert f" {REPO}/launch/slurm_gpu.sbatch --workdir=/shared/run\n" in result.stdout
 
 
 def _commands_file(tmp_path, done=()):
@@ -242,6 +259,43 @@ def test_slurm_array_task_runs_its_line_and_skips_a_done_run(tmp_path):
   assert beyond.returncode == 2 and "has 3 runs" in beyond.stderr
 
 
+@pytest.mark.slow
+def test_slurm_array_asks_the_bucket_which_gs_runs_are_done_and_writes_no_local_tree(gcs, tmp_path):
+  # Before: --pending looked for a gs:// run's report.json on the local disk, so every
+  # resubmission resubmitted every run, and a task made a local gs:/bucket/... tree, then failed
+  # on `>> gs://.../log.txt` before its run started.
+  from trainkit import storage
+
+  runs = [f"{gcs.uri}/sweep/runs/seed={i}" for i in range(3)]
+  storage.write_atomically(f"{runs[1]}/report.json", "{}")
+  (tmp_path / "fake_main.py").write_text("import sys\nprint('ran', *sys.argv[1:])\n")
+  submit = tmp_path / "submit"
+  submit.mkdir()
+  commands = submit / "commands.sh"
+  commands.write_text(
+      "\n".join([f"cd {tmp_path}", *(f"python -m fake_main --workdir={run}" for run in runs)])
+  )
+  env = {**gcs.env, "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}
+
+  def launch(script, *args, **variables):
+    return subprocess.run(
+        ["bash", str(REPO / "launch" / script), *args, str(commands)],
+        cwd=submit, env={**env, **variables}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+  pending = launch("slurm_array.sh", "--dry-run")
+  assert pending.returncode == 0, pending.stderr
+  assert pending.stdout.startswith("+ sbatch --array=0,2 ")
+  assert f"done, skipped: {runs[1]}" in pending.stderr
+  done = launch("slurm_array.sbatch", SLURM_ARRAY_TASK_ID="1")
+  assert done.returncode == 0 and "run 1 (?_1): done, skipped" in done.stdout, done.stderr
+  ran = launch("slurm_array.sbatch", SLURM_ARRAY_TASK_ID="0")
+  assert ran.returncode == 0, ran.stderr
+  assert f"ran --workdir={runs[0]}" in ran.stdout  # In the task's SLURM output file.
+  assert os.listdir(submit) == ["commands.sh"]  # No gs:/ folder.
+  assert gcs.objects() == {"sweep/runs/seed=1/report.json": 2}
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -272,7 +326,7 @@ def test_local_multiprocess_dry_run_prints_every_process(tmp_path):
       "local_multiprocess.sh",
       "--dry-run",
       "--processes",
-      "3",
+      "2",
       "--port",
       "2222",
       "--",
@@ -281,9 +335,9 @@ def test_local_multiprocess_dry_run_prints_every_process(tmp_path):
   )
   assert result.returncode == 0, result.stderr
   assert result.stdout.splitlines() == [
-      f"+ env JAX_COORDINATOR_ADDRESS=localhost:2222 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} "
+      f"+ env JAX_COORDINATOR_ADDRESS=localhost:2222 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID={i} "
       "JAX_PLATFORMS=cpu python3 -m fairmoe_jax.main --config=configs/quickstart.py"
-      for i in range(3)
+      for i in range(2)
   ]
   result = _run(
       "local_multiprocess.sh", "--dry-run", "--processes", "1", env={**env, "JAX_PLATFORMS": "gpu"}
@@ -304,7 +358,7 @@ def test_local_multiprocess_prefixes_output_and_stops_on_failure(tmp_path):
   assert ok.returncode == 0, ok.stderr
   assert "[0] hello from 0 of 2" in ok.stdout and "[1] hello from 1 of 2" in ok.stdout
   failed = _run(
-      "local_multiprocess.sh", "--processes", "3", "--module", "fake_main", "--", "fail", env=env
+      "local_multiprocess.sh", "--processes", "2", "--module", "fake_main", "--", "fail", env=env
   )
   assert failed.returncode == 3
   assert "process 1 exited with status 3" in failed.stderr
@@ -317,6 +371,14 @@ def test_local_multiprocess_bad_args(args):
   result = _run("local_multiprocess.sh", "--dry-run", *args)
   assert result.returncode == 2
   assert "usage: " in result.stderr and result.stdout == ""
+
+
+def test_local_multiprocess_starts_at_most_one_process_per_cpu():
+  result = _run("local_multiprocess.sh", "--dry-run", "--processes", str(os.cpu_count() + 1))
+  assert result.returncode == 2 and result.stdout == ""
+  assert result.stderr.startswith(
+      f"--processes {os.cpu_count() + 1}: at most this machine's {os.cpu_count()} CPUs\n"
+  )
 
 
 # distributed_args
