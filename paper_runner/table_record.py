@@ -252,10 +252,8 @@ def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
 
 def stale_runs(spec: TableSpec, record: Mapping[str, Any]) -> list[str]:
   """Why the record no longer describes the spec's runs (another grid or other settings)."""
-  expected = {
-      (format_value(p[spec.rows]), spec.pair(p)): run_record(spec.sweep, p)["settings"]
-      for p in grid_points(spec.sweep)
-  }
+  settings = [run_record(spec.sweep, p)["settings"] for p in grid_points(spec.sweep)]
+  expected = dict(zip(spec.units(), settings))
   recorded = {(r["row"], r["seed"]): r.get("settings") for r in record["runs"]}
   problems = [f"run {k[0]} seed {k[1]} is not in the record" for k in expected if k not in recorded]
   problems += [

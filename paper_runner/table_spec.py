@@ -8,11 +8,11 @@ import importlib
 import math
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from paper_runner import stats
 from paper_runner.collect import is_number, lookup
-from paper_runner.spec import REPO_ROOT, format_value, load_sweep_file
+from paper_runner.spec import REPO_ROOT, format_value, grid_points, load_sweep_file
 from trainkit.errors import UserError
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "results")
@@ -101,6 +101,10 @@ class TableSpec:
       return point[SEED_KEY]
     return ",".join(f"{k}={format_value(point[k])}" for k in self.pair_by)
 
+  def units(self) -> list[tuple[str, Any]]:
+    """(row, pairing unit) of each run of the sweep, in grid order."""
+    return [(format_value(p[self.rows]), self.pair(p)) for p in grid_points(self.sweep)]
+
   def label(self, row: Any) -> str:
     text = format_value(row)
     return self.row_names.get(text, text)
@@ -114,10 +118,6 @@ def spec_error(name: str, key: str, message: str) -> UserError:
   return UserError(f"results/{name}.py: TABLE['{key}']: {message}")
 
 
-def spec_path(name: str) -> str:
-  return os.path.join(RESULTS_DIR, f"{name}.py")
-
-
 def record_path(name: str) -> str:
   return os.path.join(RECORDS_DIR, f"{name}.json")
 
@@ -127,7 +127,7 @@ def table_names() -> list[str]:
 
 
 def load_table(name: str) -> TableSpec:
-  path = spec_path(name)
+  path = os.path.join(RESULTS_DIR, f"{name}.py")
   if name in SUMMARIES:
     raise UserError(
         f"results/{name}.py: '{name}' is reserved, the name of a generated summary "
@@ -142,6 +142,31 @@ def load_table(name: str) -> TableSpec:
   return make_spec(name, os.path.relpath(path, REPO_ROOT), sweep, table)
 
 
+def _fits(entry: Any, *checks: Callable[[Any], bool]) -> bool:
+  """Whether `entry` is a tuple or list with one item per check, each passing its check."""
+  return (
+      isinstance(entry, (tuple, list))
+      and len(entry) == len(checks)
+      and all(check(item) for check, item in zip(checks, entry))
+  )
+
+
+def _entries(name: str, key: str, value: Any, fits: Callable[[Any], bool], shape: str) -> list:
+  """TABLE[key]'s entries; an error naming the first that `fits` refuses, and the `shape` due."""
+  for i, entry in enumerate(value or ()):
+    if not fits(entry):
+      raise spec_error(name, f"{key}[{i}]", f"{entry!r} is not {shape}")
+  return list(value or ())
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_target(value: Any) -> bool:
+  return re.fullmatch(r"[\w.]+:\w+", str(value)) is not None
+
+
 def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> TableSpec:
   """The TableSpec of a TABLE dict over a validated `sweep` (`path`: where a reader finds it)."""
   known = {f.name for f in dataclasses.fields(TableSpec)} - {"name", "path", "sweep", "row_values"}
@@ -149,17 +174,12 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
   if unknown:
     raise spec_error(name, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
   rows = table.get("rows")
-  cross_validation = table.get("cross_validation")
-  if cross_validation is not None and (
-      not isinstance(cross_validation, (tuple, list))
-      or len(cross_validation) != 2
-      or cross_validation[0] not in sweep.grid
-      or cross_validation[0] in (rows, SEED_KEY)
-      or not re.fullmatch(r"[\w.]+:\w+", str(cross_validation[1]))
-  ):
+  folds = table.get("cross_validation")
+  grid_key = lambda key: key in sweep.grid and key not in (rows, SEED_KEY)  # noqa: E731
+  if folds is not None and not _fits(folds, grid_key, _is_target):
     what = "(a grid key other than rows and seed, 'package.module:function')"
-    raise spec_error(name, "cross_validation", f"{cross_validation!r} is not {what}")
-  pair_by = (cross_validation[0], SEED_KEY) if cross_validation else (SEED_KEY,)
+    raise spec_error(name, "cross_validation", f"{folds!r} is not {what}")
+  pair_by = (folds[0], SEED_KEY) if folds else (SEED_KEY,)
   if rows not in sweep.grid or rows in pair_by or SEED_KEY not in sweep.grid:
     raise spec_error(name, "rows", f"{rows!r} is not a grid key other than {pair_by}")
   others = [k for k, v in sweep.grid.items() if k not in (rows, *pair_by) and len(v) > 1]
@@ -167,39 +187,76 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
     raise spec_error(name, "rows", f"grid key {others[0]!r} also varies; a table has one")
   row_values = list(sweep.grid[rows])
   texts = [format_value(v) for v in row_values]
-  columns = []
-  for i, column in enumerate(table.get("columns") or ()):
-    if (
-        not isinstance(column, (tuple, list))
-        or len(column) != 4
-        or not all(isinstance(c, str) for c in column[:2])
-        or not isinstance(column[2], (int, float))
-        or not isinstance(column[3], int)
-    ):
-      raise spec_error(name, f"columns[{i}]", f"{column!r} is not (path, label, scale, decimals)")
-    columns.append(Column(column[0], column[1], float(column[2]), column[3]))
+  is_str = lambda value: isinstance(value, str)  # noqa: E731
+  columns = [
+      Column(path, label, float(scale), decimals)
+      for path, label, scale, decimals in _entries(
+          name,
+          "columns",
+          table.get("columns"),
+          lambda c: _fits(c, is_str, is_str, _is_number, lambda d: isinstance(d, int)),
+          "(path, label, scale, decimals)",
+      )
+  ]
   if not columns:
     raise spec_error(name, "columns", "at least one column is needed")
-  claims = []
-  for i, claim in enumerate(table.get("claims") or ()):
-    if not isinstance(claim, Mapping) or set(claim) != {"row", "baseline", "metric", "better"}:
-      raise spec_error(name, f"claims[{i}]", "must be dict(row=, baseline=, metric=, better=)")
-    for key in ("row", "baseline"):
-      if claim[key] not in texts:
-        raise spec_error(name, f"claims[{i}]", f"{key} {claim[key]!r} is not a row: {texts}")
-    if claim["better"] not in stats.DIRECTIONS:
-      raise spec_error(name, f"claims[{i}]", f"better must be one of {stats.DIRECTIONS}")
-    claims.append(Claim(**claim))
-  paths = [c.path for c in columns] + [c.metric for c in claims]
+  claims = [
+      Claim(**claim)
+      for claim in _entries(
+          name,
+          "claims",
+          table.get("claims"),
+          lambda c: isinstance(c, Mapping)
+          and set(c) == {"row", "baseline", "metric", "better"}
+          and c["row"] in texts
+          and c["baseline"] in texts
+          and c["better"] in stats.DIRECTIONS,
+          f"dict(row=, baseline=, metric=, better=) with rows of {texts} and better one of "
+          f"{stats.DIRECTIONS}",
+      )
+  ]
+  paths = [c.path for c in columns]
   for i, claim in enumerate(claims):
     accuracy = accuracy_path(claim.metric)
-    if accuracy is not None and accuracy not in paths:
+    if accuracy is not None and accuracy not in paths + [c.metric for c in claims]:
       raise spec_error(
           name,
           f"claims[{i}]",
           f"{claim.metric!r} is a fairness metric; deciding it needs the accuracy on its split, "
           f"{accuracy!r}, as a column or a claim",
       )
+  tuning = _entries(
+      name,
+      "tuning",
+      table.get("tuning"),
+      lambda t: _fits(
+          t,
+          lambda r: r in (*texts, EVERY_ROW),
+          lambda n: _is_number(n) and isinstance(n, int) and n >= 0,
+          is_str,
+      ),
+      f"(a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
+  )
+  leaks = _entries(
+      name,
+      "selection_leaks",
+      table.get("selection_leaks"),
+      lambda leak: isinstance(leak, Mapping)
+      and set(leak) == {"rows", "why"}
+      and (leak["rows"] is None or not is_str(leak["rows"]) and set(leak["rows"]) <= set(texts)),
+      f"dict(rows=None or rows of {texts}, why=)",
+  )
+  select, within = table.get("select"), table.get("select_within")
+  if select is not None and select not in paths:
+    raise spec_error(name, "select", f"{select!r} is not the path of a column")
+  if within is not None and not (
+      select and _fits(within, paths.__contains__, lambda m: _is_number(m) and m >= 0)
+  ):
+    what = "(path of a column, non-negative margin) beside a select path"
+    raise spec_error(name, "select_within", f"{within!r} is not {what}")
+  references = table.get("references")
+  if references is not None and not _is_target(references):
+    raise spec_error(name, "references", f"{references!r} is not 'package.module:function'")
   return TableSpec(
       name=name,
       path=path,
@@ -213,12 +270,15 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
       groups=table.get("groups"),
       columns=columns,
       claims=claims,
-      select=_check_select(name, table.get("select"), columns),
-      select_within=_check_select_within(name, table, columns),
-      references=_check_references(name, table.get("references")),
-      cross_validation=tuple(cross_validation) if cross_validation else None,
-      tuning=_check_tuning(name, table.get("tuning"), texts),
-      selection_leaks=_check_leaks(name, table.get("selection_leaks"), texts),
+      select=select,
+      select_within=(str(within[0]), float(within[1])) if within is not None else None,
+      references=references,
+      cross_validation=tuple(folds) if folds else None,
+      tuning=tuple(Tuning(*t) for t in tuning),
+      selection_leaks=tuple(
+          SelectionLeak(None if leak["rows"] is None else tuple(leak["rows"]), str(leak["why"]))
+          for leak in leaks
+      ),
   )
 
 
@@ -230,80 +290,12 @@ def accuracy_path(metric: str) -> str | None:
   return "validation.accuracy" if parts[0] == "validation" else "accuracy"
 
 
-def _check_tuning(name: str, value: Any, rows: list[str]) -> tuple[Tuning, ...]:
-  tuning = []
-  for i, entry in enumerate(value or ()):
-    if (
-        not isinstance(entry, (tuple, list))
-        or len(entry) != 3
-        or entry[0] not in (*rows, EVERY_ROW)
-        or isinstance(entry[1], bool)
-        or not isinstance(entry[1], int)
-        or entry[1] < 0
-        or not isinstance(entry[2], str)
-    ):
-      raise spec_error(
-          name,
-          f"tuning[{i}]",
-          f"{entry!r} is not (a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
-      )
-    tuning.append(Tuning(*entry))
-  return tuple(tuning)
-
-
-def _check_leaks(name: str, value: Any, rows: list[str]) -> tuple[SelectionLeak, ...]:
-  leaks = []
-  for i, entry in enumerate(value or ()):
-    if not isinstance(entry, Mapping) or set(entry) != {"rows", "why"}:
-      raise spec_error(name, f"selection_leaks[{i}]", "must be dict(rows=, why=)")
-    affected = entry["rows"]
-    if affected is not None and (isinstance(affected, str) or not all(r in rows for r in affected)):
-      raise spec_error(
-          name, f"selection_leaks[{i}]", f"rows {affected!r} must be None or rows of {rows}"
-      )
-    leaks.append(SelectionLeak(None if affected is None else tuple(affected), str(entry["why"])))
-  return tuple(leaks)
-
-
 def import_spec_object(spec: TableSpec, key: str, target: str) -> Any:
   module_name, function = target.split(":")
   try:
     return getattr(importlib.import_module(module_name), function)
   except (ImportError, AttributeError) as e:
     raise spec_error(spec.name, key, f"cannot import {target}: {e}") from None
-
-
-def _check_references(name: str, references: Any) -> str | None:
-  if references is not None and not re.fullmatch(r"[\w.]+:\w+", str(references)):
-    raise spec_error(name, "references", f"{references!r} is not 'package.module:function'")
-  return references
-
-
-def _check_select(name: str, select: Any, columns: list[Column]) -> str | None:
-  if select is not None and select not in [c.path for c in columns]:
-    raise spec_error(name, "select", f"{select!r} is not the path of a column")
-  return select
-
-
-def _check_select_within(
-    name: str, table: Mapping[str, Any], columns: list[Column]
-) -> tuple[str, float] | None:
-  within = table.get("select_within")
-  if within is None:
-    return None
-  if not table.get("select"):
-    raise spec_error(name, "select_within", "needs a select path")
-  if (
-      not isinstance(within, (tuple, list))
-      or len(within) != 2
-      or within[0] not in [c.path for c in columns]
-      or not isinstance(within[1], (int, float))
-      or within[1] < 0
-  ):
-    raise spec_error(
-        name, "select_within", f"{within!r} is not (path of a column, non-negative margin)"
-    )
-  return str(within[0]), float(within[1])
 
 
 def metric_value(report: Any, path: str) -> float | None:

@@ -7,7 +7,7 @@ import math
 from typing import Any, Mapping
 
 from paper_runner import stats
-from paper_runner.spec import format_value, grid_points
+from paper_runner.spec import format_value
 from paper_runner.table_spec import SIGNAL_ROLE, Claim, TableSpec, accuracy_path, unit_text
 from trainkit.errors import UserError
 
@@ -126,24 +126,26 @@ def matched_accuracy(
   return stats.interval(adjusted, ratio), slope
 
 
+def _by_row(spec: TableSpec, units: list[tuple[str, str]]) -> str:
+  """`row seeds u, v; row seeds w` of (row, pairing unit text) pairs."""
+  rows: dict[str, list[str]] = {}
+  for row, unit in units:
+    rows.setdefault(spec.label(row), []).append(unit)
+  return "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in rows.items())
+
+
 def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
-  """Per row the cells' intervals; per claim its verdict, gate, Holm verdict and matched
-  difference; the flags."""
+  """Per row its seeds and each metric's interval; per claim its verdict, gate, Holm verdict and
+  matched difference; the flags."""
   ratio = fold_ratio(spec, record)
+  ok = [r for r in record["runs"] if r["status"] == "ok"]
   rows = {}
-  for value in spec.row_values:
-    row = format_value(value)
+  for row in map(format_value, spec.row_values):
+    values = {path: claim_values(record, row, path) for path in spec.metrics()}
     rows[row] = {
-        "seeds": sorted(
-            {r["seed"] for r in record["runs"] if r["row"] == row and r["status"] == "ok"}
-        ),
+        "seeds": sorted({r["seed"] for r in ok if r["row"] == row}),
         "cells": {
-            c.path: (
-                stats.interval(list(v.values()), ratio)
-                if (v := claim_values(record, row, c.path))
-                else None
-            )
-            for c in spec.columns
+            p: stats.interval(list(v.values()), ratio) if v else None for p, v in values.items()
         },
     }
   claims = []
@@ -160,17 +162,10 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
     gate = None
     if accuracy is not None:
       bar = accuracy_bar(record, accuracy)
-      intervals = [
-          stats.interval(list(v.values()), ratio)
-          if (v := claim_values(record, r, accuracy))
-          else None
-          for r in (claim.row, claim.baseline)
-      ]
-      above = bar is not None and all(
-          i is not None and i.low is not None and i.low > bar[0] for i in intervals
-      )
+      cells = [rows[row]["cells"][accuracy] for row in (claim.row, claim.baseline)]
+      above = bar is not None and all(c and c.low is not None and c.low > bar[0] for c in cells)
       gate = Gate(accuracy, bar, above)
-      if not above:  # Not decided, whatever its interval says: see paper_runner/tables.py.
+      if not above:  # Not decided, whatever its interval says (docs/protocol.md, section 3).
         result = dataclasses.replace(result, verdict=stats.UNTESTABLE)
     claims.append((claim, result))
     gates.append(gate)
@@ -179,19 +174,13 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   adjusted = stats.holm(
       [None if result.verdict == stats.UNTESTABLE else result.p for _, result in claims]
   )
+  # Without a difference p is 1: undecided.
+  means = [r.difference.mean if r.difference else 0.0 for _, r in claims]
   holm = [
-      (
-          p,
-          stats.UNTESTABLE
-          if p is None
-          else stats.verdict_at(result.difference.mean, p, claim.better)
-          if result.difference
-          else stats.UNDECIDED,
-      )
-      for (claim, result), p in zip(claims, adjusted)
+      (p, stats.UNTESTABLE if p is None else stats.verdict_at(mean, p, c.better))
+      for (c, _), mean, p in zip(claims, means, adjusted)
   ]
   flags = []
-  ok = [r for r in record["runs"] if r["status"] == "ok"]
   examples = sorted({r["examples"] for r in ok if r.get("examples") is not None})
   if examples and examples[0] < stats.MIN_SPLIT_EXAMPLES:
     flags.append(
@@ -199,10 +188,9 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
         f"(< {stats.MIN_SPLIT_EXAMPLES})"
     )
   small_groups = {}
-  for r in ok:
-    for group, n in (r.get("groups") or {}).items():
-      if n < stats.MIN_GROUP_EXAMPLES:
-        small_groups[group] = min(n, small_groups.get(group, n))
+  for group, n in ((g, n) for r in ok for g, n in (r.get("groups") or {}).items()):
+    if n < stats.MIN_GROUP_EXAMPLES:
+      small_groups[group] = min(n, small_groups.get(group, n))
   if small_groups:
     listed = ", ".join(f"{g} (n={n})" for g, n in sorted(small_groups.items()))
     flags.append(
@@ -214,23 +202,17 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
         f"{'/'.join(map(str, few))} paired seeds where a verdict needs {stats.MIN_VERDICT_SEEDS}: "
         "those verdicts are for context only"
     )
-  missing: dict[str, list[str]] = {}
-  for r in record["runs"]:
-    if r["status"] != "ok":
-      missing.setdefault(spec.label(r["row"]), []).append(f"{unit_text(r['seed'])} ({r['status']})")
-  if missing:
-    listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in missing.items())
-    flags.append(f"runs without a result: {listed}")
+  failed = [
+      (r["row"], f"{unit_text(r['seed'])} ({r['status']})")
+      for r in record["runs"]
+      if r["status"] != "ok"
+  ]
+  if failed:
+    flags.append(f"runs without a result: {_by_row(spec, failed)}")
   recorded = {(r["row"], r["seed"]) for r in record["runs"]}
-  absent: dict[str, list[str]] = {}
-  for point in grid_points(spec.sweep):
-    if (format_value(point[spec.rows]), spec.pair(point)) not in recorded:
-      absent.setdefault(spec.label(format_value(point[spec.rows])), []).append(
-          unit_text(spec.pair(point))
-      )
+  absent = [(row, unit_text(unit)) for row, unit in spec.units() if (row, unit) not in recorded]
   if absent:  # Named, not counted away: `--check` says the record is stale too.
-    listed = "; ".join(f"{row} seeds {', '.join(seeds)}" for row, seeds in absent.items())
-    flags.append(f"runs of the spec not in the record: {listed}")
+    flags.append(f"runs of the spec not in the record: {_by_row(spec, absent)}")
   if any(gate is not None and gate.bar is None for gate in gates):
     flags.append(
         "a fairness claim needs a reference accuracy to be decided against (a reference row "

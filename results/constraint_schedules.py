@@ -1,18 +1,9 @@
-r"""Tuning table (validation only): is there a dual schedule that meets the Markov-blanket
-constraint on the spurious-pairs testbed? The shipped schedule against three stronger ones, three
-seeds; it chooses no default (docs/results.md, "Is there a dual schedule that meets the
-constraint?"; "Constraint met" as causal_attn_jax/report.py defines it).
+r"""Tuning table (validation only): the shipped dual schedule against three stronger ones on the
+spurious-pairs testbed, three seeds: does any meet the Markov-blanket constraint? It chooses no
+default (docs/results.md, "Is there a dual schedule that meets the constraint?").
 """
 
-from paper_runner.table_parts import (
-    CAUSAL_REFERENCES,
-    CONSTRAINT_MET,
-    EFFECTIVE_KEYS,
-    NODES_WITHIN,
-    VALIDATION_ACCURACY,
-    against_first,
-    spurious_sweep,
-)
+from paper_runner import table_parts as parts
 
 SCHEDULES = {
     "0.01@constraints.dual_start_step=500@constraints.dual_ramp_steps=1000": (
@@ -24,14 +15,19 @@ SCHEDULES = {
 }
 
 TABLE = dict(
-    references=CAUSAL_REFERENCES,
+    references=parts.CAUSAL_REFERENCES,
     title="Dual schedules against the constraint on the spurious-pairs testbed, validation split",
     rows="constraints.step_size",
     row_names=SCHEDULES,
     split="validation",
     examples="num_examples",
-    columns=(VALIDATION_ACCURACY, NODES_WITHIN, CONSTRAINT_MET, EFFECTIVE_KEYS),
-    claims=against_first(SCHEDULES, "constraints.nodes_within"),
+    columns=(
+        parts.VALIDATION_ACCURACY,
+        parts.NODES_WITHIN,
+        parts.CONSTRAINT_MET,
+        parts.EFFECTIVE_KEYS,
+    ),
+    claims=parts.against_first(SCHEDULES, "constraints.nodes_within"),
     tuning=(
         (
             next(iter(SCHEDULES)),
@@ -45,4 +41,4 @@ TABLE = dict(
 
 def get_config(arg=None):
   del arg
-  return spurious_sweep({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)})
+  return parts.spurious_sweep({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)})

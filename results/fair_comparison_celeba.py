@@ -1,38 +1,29 @@
-r"""Table: every FairSMoE reading, its ablations and every baseline under one protocol, CelebA
-sample with its official partition, sensitive attribute Male (docs/results.md, "Every reading,
-ablation and baseline on the CelebA sample"). Five paired seeds; nothing here was chosen on the
-test split, and the readings of Eq. 8 are compared on validation (the last claims).
-
-The paper's claims (Sec. 6.2-6.3): a higher MF-PQD than vanilla SMoE at no worse accuracy
-(Table 1) and more experts active (Fig. 5), each against vanilla SMoE and vanilla SMoE + L_Psi,
-the control that separates what FGR and FEM add from what the fairness loss adds.
+r"""Table: every FairSMoE reading, its ablations and every baseline on the CelebA sample's official
+partition, sensitive attribute Male, five paired seeds (docs/results.md, "Every reading, ablation
+and baseline on the CelebA sample"). The paper's claims (Sec. 6.2-6.3) against vanilla SMoE and
+vanilla SMoE + L_Psi; the readings of Eq. 8 compared on validation.
 """
 
+from paper_runner import table_parts as parts
 from paper_runner.spec import dotted
-from paper_runner.table_parts import (
-    ACCURACY,
-    DROPPED_TRAIN,
-    EXPERTS_ACTIVE,
-    FAIR_PAPER_CLAIMS,
-    MECHANISMS,
-    MF_DP,
-    MF_EODDS,
-    MF_PQD,
-    VALIDATION,
-    fair_claims,
-    fair_comparison_table,
-    fair_methods,
-    fair_tuning,
-)
 
-METHODS = fair_methods()
+METHODS = parts.fair_methods()
 
-TABLE = fair_comparison_table(
+TABLE = parts.fair_comparison_table(
     "FairSMoE (three readings of Eq. 8, two ablations) against four baselines, CelebA sample",
     METHODS,
-    (ACCURACY, MF_PQD, MF_DP, MF_EODDS, EXPERTS_ACTIVE, *VALIDATION, *MECHANISMS, DROPPED_TRAIN),
-    fair_claims(FAIR_PAPER_CLAIMS[:3]),  # Fig. 6's cosine needs two attributes.
-    tuning=fair_tuning(METHODS),
+    (
+        parts.ACCURACY,
+        parts.MF_PQD,
+        parts.MF_DP,
+        parts.MF_EODDS,
+        parts.EXPERTS_ACTIVE,
+        *parts.VALIDATION,
+        *parts.MECHANISMS,
+        parts.DROPPED_TRAIN,
+    ),
+    parts.fair_claims(parts.FAIR_PAPER_CLAIMS[:3]),  # Fig. 6's cosine needs two attributes.
+    tuning=parts.fair_tuning(METHODS),
 )
 
 

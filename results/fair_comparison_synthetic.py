@@ -1,39 +1,19 @@
-r"""Table: FairSMoE under three readings of Eq. 8, its two ablations and four baselines on the
-built-in synthetic data without the quickstart's attribute cues (cues=false, the data this record
-was made on; docs/results.md, "The built-in synthetic data: three attributes"). Five paired seeds.
-
-The paper's claims (Sec. 6.2-6.3): higher MF-PQD at no worse accuracy (Table 1), more experts
-active (Fig. 5), a higher gradient cosine (Fig. 6), each against vanilla SMoE and vanilla SMoE +
-L_Psi; and the readings compared on the validation split.
+r"""Table: FairSMoE's three readings of Eq. 8, its two ablations and four baselines on the built-in
+synthetic data without attribute cues (cues=false), five paired seeds (docs/results.md, "The
+built-in synthetic data: three attributes"). The paper's claims (Sec. 6.2-6.3) against vanilla
+SMoE and vanilla SMoE + L_Psi; the readings compared on validation.
 """
 
+from paper_runner import table_parts as parts
 from paper_runner.spec import dotted
-from paper_runner.table_parts import (
-    ACCURACY,
-    ATTRIBUTE_ROUTING,
-    CLASS_ROUTING,
-    EXPERTS_ACTIVE,
-    FAIR_PAPER_CLAIMS,
-    FAIRSMOE,
-    GRADIENT_COSINE,
-    MECHANISMS,
-    MF_DP,
-    MF_PQD,
-    SA_ABOVE_MAJORITY,
-    VALIDATION,
-    fair_claims,
-    fair_comparison_table,
-    fair_methods,
-    fair_tuning,
-)
 
-METHODS = fair_methods(
+METHODS = parts.fair_methods(
     (
-        FAIRSMOE,
-        ATTRIBUTE_ROUTING,
+        parts.FAIRSMOE,
+        parts.ATTRIBUTE_ROUTING,
         "vanilla_smoe_psi",
         "vanilla_smoe",
-        CLASS_ROUTING,
+        parts.CLASS_ROUTING,
         "fairsmoe_no_fgr",
         "fairsmoe_no_fem",
         "muffin",
@@ -41,15 +21,15 @@ METHODS = fair_methods(
     )
 )
 
-TABLE = fair_comparison_table(
+TABLE = parts.fair_comparison_table(
     "FairSMoE (three readings of Eq. 8, two ablations) against four baselines, synthetic data",
     METHODS,
     (
-        *(ACCURACY, MF_PQD, MF_DP, EXPERTS_ACTIVE, GRADIENT_COSINE),
-        *(*VALIDATION, SA_ABOVE_MAJORITY, *MECHANISMS),
+        *(parts.ACCURACY, parts.MF_PQD, parts.MF_DP, parts.EXPERTS_ACTIVE, parts.GRADIENT_COSINE),
+        *(*parts.VALIDATION, parts.SA_ABOVE_MAJORITY, *parts.MECHANISMS),
     ),
-    fair_claims(FAIR_PAPER_CLAIMS),
-    tuning=fair_tuning(METHODS, elsewhere=" (not this data)"),
+    parts.fair_claims(parts.FAIR_PAPER_CLAIMS),
+    tuning=parts.fair_tuning(METHODS, elsewhere=" (not this data)"),
 )
 
 

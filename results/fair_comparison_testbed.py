@@ -1,27 +1,18 @@
 r"""Table: FairSMoE, its ablations and the baselines on the synthetic testbed built for them
-(docs/dataset.md, "The FairSMoE testbed"; docs/results.md, "The synthetic testbed"), 200 steps
-(CPU time did not allow the config's 350 for 35 runs). Five paired seeds.
-
-The paper's claims: higher MF-PQD than vanilla SMoE and vanilla SMoE + L_Psi at no worse accuracy
-(Table 1), more experts active (Fig. 5), a higher gradient cosine (Fig. 6), and each of FGR and
-FEM adds (Table 2).
+(docs/dataset.md; docs/results.md, "The synthetic testbed"), 200 steps, five paired seeds: the
+paper's Table 1, Fig. 5, Fig. 6 and Table 2 claims.
 """
 
+from paper_runner import table_parts as parts
 from paper_runner.spec import dotted
-from paper_runner.table_parts import (
-    FAIR_COMPARISON,
-    SA_ABOVE_MAJORITY,
-    fair_tuning,
-    paper_claims_table,
-)
 
 ATTRIBUTES = ("sex", "age", "site")
 
-TABLE = paper_claims_table(
+TABLE = parts.paper_claims_table(
     "FairSMoE, its ablations and the baselines, the synthetic testbed",
     ATTRIBUTES,
-    SA_ABOVE_MAJORITY,
-    tuning=fair_tuning(FAIR_COMPARISON, elsewhere=" (not this data)"),
+    parts.SA_ABOVE_MAJORITY,
+    tuning=parts.fair_tuning(parts.FAIR_COMPARISON, elsewhere=" (not this data)"),
 )
 
 
@@ -30,7 +21,7 @@ def get_config(arg=None):
   return dict(
       module="fairmoe_jax.main",
       config="configs/synthetic_testbed.py:steps=200",
-      grid=dotted({"seed": (0, 1, 2, 3, 4), "method": FAIR_COMPARISON}),
+      grid=dotted({"seed": (0, 1, 2, 3, 4), "method": parts.FAIR_COMPARISON}),
       overrides=dotted(
           {"fair.review_every_steps": 25, "moe.capacity_factor": 2.0, "analysis_batches": 16}
       ),

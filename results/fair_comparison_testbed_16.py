@@ -1,16 +1,15 @@
-r"""Table: the testbed comparison with 16 experts (top-2), where the routing measurement of
-docs/protocol.md section 8 found vanilla SMoE's routing concentrating (docs/results.md, "The
-synthetic testbed at 16 experts"). Everything else is results/fair_comparison_testbed.py's but
-the capacity factor, 8.0, which every token fits at 16 experts. Written before its runs; only the
-five rows the claims compare run (Muffin and MultiFair decide no claim; CPU time).
+r"""Table: results/fair_comparison_testbed.py with 16 experts (top-2) and capacity factor 8.0,
+where the routing measurement of docs/protocol.md section 8 found vanilla SMoE's routing
+concentrating (docs/results.md, "The synthetic testbed at 16 experts"). Only the five rows the
+claims compare run.
 """
 
-from paper_runner.table_parts import FAIR_CONTROLS, FAIRSMOE, sibling_spec
+from paper_runner import table_parts as parts
 
-fair_comparison_testbed = sibling_spec(__file__, "fair_comparison_testbed")
+fair_comparison_testbed = parts.sibling_spec(__file__, "fair_comparison_testbed")
 
 # The rows the claims compare: FairSMoE, its two ablations and the two controls.
-CLAIM_ROWS = (FAIRSMOE, "fairsmoe_no_fgr", "fairsmoe_no_fem", *FAIR_CONTROLS[::-1])
+CLAIM_ROWS = (parts.FAIRSMOE, "fairsmoe_no_fgr", "fairsmoe_no_fem", *parts.FAIR_CONTROLS[::-1])
 
 TABLE = dict(
     fair_comparison_testbed.TABLE,

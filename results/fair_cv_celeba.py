@@ -1,22 +1,13 @@
 r"""Table: FairSMoE, its ablations and the baselines on the CelebA sample's three paper attributes
-(Male, Chubby, Goatee), scored by identity-grouped 5-fold cross-validation (docs/protocol.md
-section 6; docs/results.md, "The paper's three attributes on the CelebA sample, by identity
-folds"). `:target=` and `:epochs=` change the target and the budget: Smiling has tables of its
-own that take everything else from this one (results/fair_cv_celeba_smiling*.py).
-
-Runs are paired by (fold, seed); the folds share training data, so the intervals are the
-corrected resampled ones (`cross_validation`). Two choices behind these runs read faces that are
-test faces here (docs/protocol.md section 9): the budget and the lambdas, declared as selection
-leaks.
+(Male, Chubby, Goatee), by identity-grouped 5-fold cross-validation (docs/protocol.md section 6;
+docs/results.md, "The paper's three attributes on the CelebA sample, by identity folds"). Runs
+pair by (fold, seed) with the corrected resampled interval; the budget and the lambdas read test
+faces (docs/protocol.md section 9), declared as selection leaks. `:target=` and `:epochs=` serve
+the Smiling tables (results/fair_cv_celeba_smiling*.py).
 """
 
+from paper_runner import table_parts as parts
 from paper_runner.spec import dotted
-from paper_runner.table_parts import (
-    FAIR_COMPARISON,
-    SA_VARIANCE_SHARE,
-    fair_tuning,
-    paper_claims_table,
-)
 from trainkit.config import parse_arg
 
 FOLD = "data.identity_folds.fold"
@@ -30,8 +21,8 @@ def budget_and_leaks(epochs: int, curve: str) -> dict:
   and the two selection leaks (docs/protocol.md sections 7 and 9). `curve` names the target
   whose validation curve chose `epochs`."""
   return dict(
-      tuning=fair_tuning(
-          FAIR_COMPARISON,
+      tuning=parts.fair_tuning(
+          parts.FAIR_COMPARISON,
           shared=(
               (
                   3,
@@ -63,10 +54,10 @@ def budget_and_leaks(epochs: int, curve: str) -> dict:
   )
 
 
-TABLE = paper_claims_table(
+TABLE = parts.paper_claims_table(
     "FairSMoE, its ablations and the baselines, CelebA sample, Male, Chubby and Goatee, 5 identity folds",
     ATTRIBUTES,
-    SA_VARIANCE_SHARE,
+    parts.SA_VARIANCE_SHARE,
     cross_validation=(FOLD, "paper_runner.fairmoe.references:split_sizes"),
     **budget_and_leaks(3, "Attractive"),
 )
@@ -77,7 +68,7 @@ def get_config(arg=None):
   return dict(
       module="fairmoe_jax.main",
       config=f"configs/celeba.py:size=small,epochs={arg.epochs},split=identity_folds",
-      grid=dotted({FOLD: (0, 1, 2, 3, 4), "seed": (0,), "method": FAIR_COMPARISON}),
+      grid=dotted({FOLD: (0, 1, 2, 3, 4), "seed": (0,), "method": parts.FAIR_COMPARISON}),
       overrides=dotted(
           {
               "data.root": "../shared/data/celeba",

@@ -1,10 +1,5 @@
-r"""Table: the CelebA comparison of results/fair_cv_celeba.py with Smiling as the target, at 3 epochs.
-
-Smiling is the second target of issue 34: one that a small model can learn from 2.5k faces,
-chosen by the data-only rule of docs/protocol.md section 7 on fold 0's training and validation
-folds, before any run. Everything else (folds, the 3-epoch budget chosen on Attractive, methods,
-pairing, claims) is results/fair_cv_celeba.py's, so the two tables differ only in the target.
-Smiling's own budget curve chose 12 epochs afterwards: results/fair_cv_celeba_smiling_12.py.
+r"""Table: results/fair_cv_celeba.py with Smiling as the target (chosen by the data-only rule of
+docs/protocol.md section 7), at Attractive's 3 epochs: the two tables differ only in the target.
 """
 
 from paper_runner.table_parts import sibling_spec

@@ -1,9 +1,5 @@
-r"""Table: the CelebA comparison with Smiling as the target, at the 12 epochs its own curve chose.
-
-At 3 epochs (results/fair_cv_celeba_smiling.py) no model learns Smiling. The budget rule of
-docs/protocol.md section 7 applied to Smiling (`configs/sweeps/celeba_budget.py:target=Smiling`,
-written before its runs) chose 12 epochs; this table is results/fair_cv_celeba.py with Smiling
-and that budget, everything else the same.
+r"""Table: results/fair_cv_celeba.py with Smiling as the target at the 12 epochs its own budget
+curve chose (docs/protocol.md section 7, `configs/sweeps/celeba_budget.py:target=Smiling`).
 """
 
 from paper_runner.table_parts import sibling_spec

@@ -1,8 +1,6 @@
-r"""Tuning table (validation only): the lambdas of the L_Psi rule (docs/design.md, "One L_Psi
-rule"), FairSMoE on the CelebA sample: the paper's 0.1 and 0.5 for each, three paired seeds. The
-choice is the highest mean validation MF-PQD among the settings whose mean validation accuracy
-is within one point of the best (the paper's claim is fairness at no cost in accuracy). The test
-split is not read.
+r"""Tuning table (validation only): L_Psi's lambdas (docs/design.md, "One L_Psi rule"), FairSMoE
+on the CelebA sample, the paper's 0.1 and 0.5 for each, three paired seeds. It chooses the highest
+validation MF-PQD within one accuracy point of the best (fairness at no cost in accuracy).
 """
 
 from paper_runner.spec import dotted

@@ -3,15 +3,16 @@ constraint (constraints.weight=0) on the testbed (budget and choice:
 paper_runner.table_parts.learning_rate_table).
 """
 
-from paper_runner.table_parts import LEARNING_RATES, learning_rate_table, spurious_sweep
+from paper_runner import table_parts as parts
 
-TABLE = learning_rate_table(
+TABLE = parts.learning_rate_table(
     "The unconstrained GCN's learning rate on the testbed, validation split"
 )
 
 
 def get_config(arg=None):
   del arg
-  return spurious_sweep(
-      {"seed": (0, 1, 2), "optimizer.learning_rate": LEARNING_RATES}, {"constraints.weight": 0.0}
+  return parts.spurious_sweep(
+      {"seed": (0, 1, 2), "optimizer.learning_rate": parts.LEARNING_RATES},
+      {"constraints.weight": 0.0},
   )

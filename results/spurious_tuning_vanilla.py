@@ -2,14 +2,16 @@ r"""Tuning table (validation only): the learning rate of vanilla attention on th
 (budget and choice: paper_runner.table_parts.learning_rate_table).
 """
 
-from paper_runner.table_parts import LEARNING_RATES, learning_rate_table, spurious_sweep
+from paper_runner import table_parts as parts
 
-TABLE = learning_rate_table("Vanilla attention's learning rate on the testbed, validation split")
+TABLE = parts.learning_rate_table(
+    "Vanilla attention's learning rate on the testbed, validation split"
+)
 
 
 def get_config(arg=None):
   del arg
-  return spurious_sweep(
-      {"seed": (0, 1, 2), "optimizer.learning_rate": LEARNING_RATES},
+  return parts.spurious_sweep(
+      {"seed": (0, 1, 2), "optimizer.learning_rate": parts.LEARNING_RATES},
       {"model.attention": "vanilla", "constraints.weight": 0.0},
   )

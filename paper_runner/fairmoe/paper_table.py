@@ -11,17 +11,9 @@ from typing import Any, Sequence
 
 import ml_collections
 
-from paper_runner import table_parts
+from paper_runner import table_parts as parts
 from paper_runner.collect import RunResult
 from paper_runner.spec import format_value, validate_sweep
-from paper_runner.table_parts import (
-    ACCURACY,
-    DROPPED_TRAIN,
-    EXPERTS_ACTIVE,
-    GRADIENT_COSINE,
-    MF_DP,
-    MF_PQD,
-)
 from paper_runner.table_record import run_entry
 from paper_runner.table_references import reference_rows
 from paper_runner.table_render import render
@@ -40,13 +32,14 @@ def comparison_spec(sweep: ml_collections.ConfigDict, runs: Sequence[RunResult])
   methods = [format_value(m) for m in sweep.grid.method]
   reported = (r.report.get("attributes") or {} for r in runs if r.status == "ok")
   attributes = dict.fromkeys(a for names in reported for a in names)
-  columns = [ACCURACY, MF_PQD, MF_DP, EXPERTS_ACTIVE, GRADIENT_COSINE, DROPPED_TRAIN]
+  columns = [parts.ACCURACY, parts.MF_PQD, parts.MF_DP, parts.EXPERTS_ACTIVE]
+  columns += [parts.GRADIENT_COSINE, parts.DROPPED_TRAIN]
   columns += [
       (f"attributes.{a}.{m}", f"{m.upper()} {a}", 1.0, 3) for a in attributes for m in ("pqd", "dp")
   ]
   against = [m for m in methods if m != BASELINE] if BASELINE in methods else []
-  claims = [c for m in against for c in table_parts.claims(m, (BASELINE,), CLAIMS)]
-  table = table_parts.fair_comparison_table("Method comparison", {}, columns, claims)
+  claims = [c for m in against for c in parts.claims(m, (BASELINE,), CLAIMS)]
+  table = parts.fair_comparison_table("Method comparison", {}, columns, claims)
   return make_spec("comparison", "paper_runner.fairmoe.compare", sweep, table)
 
 
