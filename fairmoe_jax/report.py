@@ -14,7 +14,6 @@ import jax
 import numpy as np
 
 from fairmoe_jax import evaluation
-from fairmoe_jax.analysis import write_plots
 from fairmoe_jax.fairness import experts as experts_lib
 from fairmoe_jax.fairness.surrogates import review_metric
 from fairmoe_jax.methods import METHODS
@@ -208,6 +207,9 @@ def write_report(report: dict[str, Any], predictions: dict[str, np.ndarray], wor
   write_atomically(storage.join(workdir, "report.json"), json.dumps(report, indent=2))
   predictions_lib.write_csv(storage.join(workdir, "predictions.csv"), predictions)
   print(format_report(report), flush=True)
+  # Imported here: matplotlib costs a second at start-up, which a run that fails early never needs.
+  from fairmoe_jax.analysis import write_plots  # pylint: disable=g-import-not-at-top
+
   plots = write_plots(workdir)
   shown = ", ".join(storage.relpath(p, workdir) for p in plots)
   print(f"Plots: {shown} in {workdir}", flush=True)
