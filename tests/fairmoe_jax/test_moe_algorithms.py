@@ -18,13 +18,17 @@ from fairmoe_jax.moe import route_from_logits
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
     ExpertWeights,
+    batch_priority_order,
     moe_dense,
     moe_dropless,
     moe_einsum,
     moe_sort,
+    reorder_tokens,
+    restore_token_order,
 )
 from fairmoe_jax.moe.experimental import moe_blocksparse, moe_einsum_fused, moe_sort_blocks
 from fairmoe_jax.moe.experimental.blocksparse import block_mlp, block_plan
+from fairmoe_jax.moe.routers.expert_choice import apply_expert_picks, expert_choice_from_logits
 from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
@@ -256,25 +260,65 @@ def test_sort_builds_no_token_by_expert_by_capacity_tensor(sort):
   assert sizes[sort] < sizes["einsum"] / 4
 
 
-@pytest.mark.parametrize("name", [*SORT_LAYOUTS, "blocksparse"])
+def _expert_choice_step():
+  """value_and_grad of `apply_expert_picks` (expert choice's combine), `_gates_grad_fn`'s
+  signature with index and gates [G, E, C]."""
+
+  def loss(x, gates, experts, index, cotangent):
+    y = apply_expert_picks(x, index, gates, experts.apply)
+    return jnp.sum(y * cotangent), (y, None)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _batch_priority_step():
+  """value_and_grad of `sort` between `reorder_tokens` and `restore_token_order`."""
+
+  def loss(x, gates, experts, index, cotangent):
+    order = batch_priority_order(gates)
+    x_s, index_s, gates_s = reorder_tokens((x, index, gates), order)
+    y = restore_token_order(moe_sort(x_s, index_s, gates_s, experts, capacity=2)[0], order)
+    return jnp.sum(y * cotangent), (y, None)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+GATHER_ONLY_STEPS = {
+    **{
+        name: functools.partial(_gates_grad_fn, name, 2)
+        for name in (*SORT_LAYOUTS, "blocksparse", "dropless")
+    },
+    "expert_choice": _expert_choice_step,
+    "batch_priority": _batch_priority_step,
+}
+
+
+@pytest.mark.parametrize("name", GATHER_ONLY_STEPS)
 def test_moves_data_by_gathers_only_in_both_passes(name):
-  """Scatter-adds run serially on CPU and with atomics on GPU; sort's forward and backward
-  move every row by a gather, with the plan computed once (its custom VJP)."""
+  """Scatter-adds run serially on CPU and with atomics on GPU, so a GPU's reruns differ; these
+  combine, and take their gradients, by gathers and their sums (`slots.gather_rows`)."""
   x, experts, cotangent = _normal(0, (G, S, D)), _experts(1), _normal(2, (G, S, D))
   index, gates = _random_routing(3, G, S, E, K)
-  step = _gates_grad_fn(name, 2).lower(x, gates, experts, index, cotangent)
-  hlo = step.compile().as_text()
+  if name == "expert_choice":  # Each expert's C = 4 of S = 6 tokens, overlapping.
+    assignment = expert_choice_from_logits(_normal(4, (G, S, E)), 4)
+    index, gates = assignment.token_index, assignment.gates
+  step = GATHER_ONLY_STEPS[name]()
+  hlo = step.lower(x, gates, experts, index, cotangent).compile().as_text()
   scatters = [line for line in hlo.splitlines() if " scatter(" in line]
   # The scatters left are the plans' int32 inverse permutations (G S k elements), not data.
   assert all("s32[" in line.split("=")[1].split("scatter(")[0] for line in scatters), scatters
-  assert len(scatters) <= {"sort": 1, "sort_blocks": 2, "blocksparse": 1}[name], scatters
+  assert len(scatters) <= {"sort_blocks": 2}.get(name, 1), scatters
+  # The same program twice gives the same bits (what atomics would not on a GPU).
+  chex.assert_trees_all_equal(
+      step(x, gates, experts, index, cotangent), step(x, gates, experts, index, cotangent)
+  )
 
 
 # Relative error norm |g16 - g32| / |g32| of each gradient leaf, bfloat16 tokens against the
 # float32 oracle: `sort`'s (measured 0.45-0.6% per leaf here, from rounding the inputs, weights
 # and intermediates to bfloat16 alone). A sum over the 512 choices (or the blocks of one
 # expert) accumulated in bfloat16 rounds at every term and adds 0.2-1% here, more with more
-# tokens (4% for `dropless`'s bias scatter-add at 4096 choices).
+# tokens (4% for a bias gradient summed so at 4096 choices).
 BFLOAT16_GRADIENT_TOLERANCE = 7e-3
 
 

@@ -12,8 +12,11 @@ import pytest
 import scipy.special
 from flax import nnx
 
+from fairmoe_jax import config as fairmoe_config
+from fairmoe_jax.methods.base import moe_kwargs
 from fairmoe_jax.moe import SparseMoE
 from fairmoe_jax.moe.routers import route_from_logits
+from trainkit.errors import ConfigError
 from trainkit.mesh import make_mesh
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
@@ -88,6 +91,27 @@ def test_noisy_router_is_random_in_training_only():
   assert float(aux.loss) > 0.0  # CV^2 of importance and load.
   with pytest.raises(ValueError, match="rngs"):
     layer(x, train=True)
+
+
+def test_expert_choice_routes_alike_in_training_and_evaluation():
+  """Expert choice's capacity is part of its function: a config evaluating at another factor is
+  refused, and the one accepted builds a layer that routes alike in training and evaluation."""
+  config = fairmoe_config.base_config()
+  config.update(method="smoe")
+  config.moe.update(router="expert_choice", num_experts=EXPERTS, top_k=TOP_K)
+  with pytest.raises(ConfigError) as e:
+    fairmoe_config.validate(config, num_devices=8)
+  assert e.value.key == "moe.eval_capacity_factor"
+  config.moe.eval_capacity_factor = config.moe.capacity_factor
+  fairmoe_config.validate(config, num_devices=8)
+  layer = SparseMoE(DIM, HIDDEN, rngs=nnx.Rngs(0), **moe_kwargs(config, None, "expert_choice"))
+  _randomise(layer, 5)
+  x = _normal(6, (2, 12, DIM))
+  (y_train, aux_train), (y_eval, aux_eval) = (_apply(layer, x, train=t) for t in (True, False))
+  np.testing.assert_array_equal(y_train, y_eval)
+  np.testing.assert_array_equal(
+      aux_train.routing[""].expert_fraction, aux_eval.routing[""].expert_fraction
+  )
 
 
 def test_layer_follows_module_mode_without_train_argument():

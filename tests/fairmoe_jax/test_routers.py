@@ -30,6 +30,7 @@ from fairmoe_jax.moe.routers import (
     noisy_top_k_from_logits,
     route_from_logits,
 )
+from fairmoe_jax.moe.routers.expert_choice import apply_expert_picks
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
 pytestmark = pytest.mark.float32_reference
@@ -238,6 +239,9 @@ def test_batch_priority_sum_score_and_exact_restore():
   np.testing.assert_array_equal(sorted_x[1], np.asarray(x)[1][np.asarray(order)[1]])
   np.testing.assert_array_equal(restore_token_order(sorted_x, order), x)
   np.testing.assert_array_equal(reorder_tokens(restore_token_order(x, order), order), x)
+  # The gradient of a reordering is the restoring one (a gather too: `slots.gather_rows`).
+  _, reorder_vjp = jax.vjp(lambda x: reorder_tokens(x, order), x)
+  np.testing.assert_array_equal(reorder_vjp(sorted_x)[0], x)
 
 
 # ---------------------------------------------------------------------------
@@ -298,3 +302,23 @@ def test_apply_expert_choice_matches_numpy_loop():
   np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
   unrouted = np.asarray(assignment.experts_per_token) == 0
   np.testing.assert_array_equal(np.asarray(y)[unrouted], 0.0)
+
+  # Gradients (x, gates, the experts' weights) against one-hot matmuls, a different program.
+  def loss(x, gates, w, one_hot):
+    def expert_fn(h):
+      return jnp.tanh(jnp.einsum("gecd,edf->gecf", h, w))
+
+    if one_hot:
+      picks = jax.nn.one_hot(assignment.token_index, s)  # [G, E, C, S]
+      out = expert_fn(jnp.einsum("gecs,gsd->gecd", picks, x))
+      y = jnp.einsum("gecs,gec,gecd->gsd", picks, gates, out)
+    else:
+      y = apply_expert_picks(x, assignment.token_index, gates, expert_fn)
+    return jnp.sum(y * jnp.arange(y.size).reshape(y.shape) / y.size)
+
+  grads = [
+      jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(x, assignment.gates, w, o)
+      for o in (False, True)
+  ]
+  for grad, grad_ref in zip(*grads, strict=True):
+    np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-6)

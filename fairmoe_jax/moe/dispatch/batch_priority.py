@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fairmoe_jax.moe.dispatch.slots import gather_rows
 from fairmoe_jax.moe.routers.base import RouterOutput
 
 
@@ -56,17 +57,23 @@ def batch_priority_order(
   return jnp.argsort(-priority, axis=1, stable=True).astype(jnp.int32)
 
 
-def _take_tokens(x: jax.Array, index: jax.Array) -> jax.Array:
-  """x [G, S, ...] reindexed along S by index [G, S]."""
-  return jax.vmap(lambda xg, ig: xg[ig])(x, index)
+def _take_tokens(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+  """x [G, S, ...] reindexed along S by the permutations index [G, S] (inverse: theirs), by a
+  gather in both passes (`slots.gather_rows`; a gather's VJP would scatter-add)."""
+  num_groups, group_size = index.shape
+  offset = jnp.arange(num_groups, dtype=jnp.int32)[:, None] * group_size
+  rows = x.reshape(num_groups * group_size, -1)
+  out = gather_rows(rows, (index + offset).reshape(-1), (inverse + offset).reshape(-1, 1))
+  return out.reshape(x.shape)
 
 
 def reorder_tokens(tree: Any, order: jax.Array) -> Any:
   """Every [G, S, ...] array of `tree` in serving order: out[g, i] = x[g, order[g, i]]."""
-  return jax.tree.map(lambda x: _take_tokens(x, order), tree)
+  inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
+  return jax.tree.map(lambda x: _take_tokens(x, order, inverse), tree)
 
 
 def restore_token_order(tree: Any, order: jax.Array) -> Any:
   """Inverse of `reorder_tokens`: out[g, order[g, i]] = x[g, i]."""
   inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
-  return jax.tree.map(lambda x: _take_tokens(x, inverse), tree)
+  return jax.tree.map(lambda x: _take_tokens(x, inverse, order), tree)

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from fairmoe_jax.moe.dispatch import spmd
+from fairmoe_jax.moe.dispatch import grouped_gemm, spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
+from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_slots
 
 DROPLESS_MATMULS = ("auto", "ragged_dot", "megablox")
 
@@ -171,14 +173,35 @@ def _megablox_matmul_bwd(tm, tiling, interpret, residuals, d_out):
 megablox_matmul.defvjp(_megablox_matmul_fwd, _megablox_matmul_bwd)
 
 
+@jax.custom_vjp
+def _bias_rows(bias: jax.Array, row_expert: jax.Array) -> jax.Array:
+  """bias [E, H] of each row's expert -> [N, H]. Its VJP sums each expert's rows by a one-hot
+  matmul, not the gather's scatter-add (atomics on a GPU, so reruns would differ)."""
+  return bias[row_expert]
+
+
+def _bias_rows_fwd(bias, row_expert):
+  return _bias_rows(bias, row_expert), (bias, row_expert)
+
+
+def _bias_rows_bwd(residuals, d_rows):
+  bias, row_expert = residuals
+  one_hot = jax.nn.one_hot(row_expert, bias.shape[0], dtype=d_rows.dtype)
+  d_bias = jnp.einsum("ne,nh->eh", one_hot, d_rows, preferred_element_type=jnp.float32)
+  return spmd.typed_like(d_bias.astype(bias.dtype), bias), None
+
+
+_bias_rows.defvjp(_bias_rows_fwd, _bias_rows_bwd)
+
+
 def _ragged_dot_mlp(
     rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array, experts: ExpertWeights
 ) -> jax.Array:
   """The expert MLP of expert-sorted rows [N, D] with `jax.lax.ragged_dot`, in rows.dtype."""
   # Biases gathered in float32 (`add_bias`): their gradients accumulate in float32.
-  h = add_bias(ragged_matmul(rows, experts.w1, group_sizes), experts.b1[row_expert])
+  h = add_bias(ragged_matmul(rows, experts.w1, group_sizes), _bias_rows(experts.b1, row_expert))
   h = gelu_exact(h)
-  return add_bias(ragged_matmul(h, experts.w2, group_sizes), experts.b2[row_expert])
+  return add_bias(ragged_matmul(h, experts.w2, group_sizes), _bias_rows(experts.b2, row_expert))
 
 
 # The weight gradient of a ragged_dot: rows [N, K] and output cotangents [N, M], contracted over
@@ -191,7 +214,7 @@ _RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 @jax.custom_vjp
 def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32."""
-  return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
+  return grouped_gemm.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
 
 
 def _ragged_matmul_fwd(rows, w, group_sizes):
@@ -200,8 +223,8 @@ def _ragged_matmul_fwd(rows, w, group_sizes):
 
 def _ragged_matmul_bwd(residuals, d_out):
   rows, w, group_sizes = residuals
-  d_rows = jax.lax.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
-  d_w = jax.lax.ragged_dot_general(
+  d_rows = grouped_gemm.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
+  d_w = grouped_gemm.ragged_dot_general(
       rows, d_out, group_sizes, _RAGGED_WEIGHT_GRADIENT, preferred_element_type=jnp.float32
   )
   return d_rows.astype(rows.dtype), d_w.astype(w.dtype), None
@@ -234,17 +257,30 @@ def _megablox_mlp(
   def matmul(lhs, rhs):
     return megablox_matmul(lhs, rhs, sizes, tm, tiling, interpret)
 
-  h = gelu_exact(add_bias(matmul(rows, experts.w1), experts.b1[row_expert]))
-  out = add_bias(matmul(h, experts.w2), experts.b2[row_expert])
+  h = gelu_exact(add_bias(matmul(rows, experts.w1), _bias_rows(experts.b1, row_expert)))
+  out = add_bias(matmul(h, experts.w2), _bias_rows(experts.b2, row_expert))
   return out[:num_rows]
+
+
+@functools.cache
+def _note_xla_fallback(num_experts: int) -> None:
+  logging.warning(
+      "dropless (matmul='auto'): megablox cannot run in jax %s (no Pallas TPU megablox module, "
+      "or no check_vma switch inside shard_map), so on a TPU the experts run "
+      "jax.lax.ragged_dot, lowered densely: %d times the expert FLOPs",
+      jax.__version__,
+      num_experts,
+  )
 
 
 def _auto_mlp(rows, group_sizes, row_expert, experts, tiling, interpret):
   """megablox when lowered for a TPU (and it fits), `ragged_dot` on every other platform."""
   # An explicit `tiling` is the caller's promise that the widths fit it: only the dtype is read.
   widths = (MEGABLOX_TILE, MEGABLOX_TILE) if tiling is not None else experts.w1.shape[1:]
-  usable = _megablox_kernels() is not None and spmd.kernels_can_run(rows, experts.w1)
-  if not megablox_fits(rows.dtype, *widths) or not usable:
+  if not megablox_fits(rows.dtype, *widths):
+    return _ragged_dot_mlp(rows, group_sizes, row_expert, experts)
+  if _megablox_kernels() is None or not spmd.kernels_can_run(rows, experts.w1):
+    _note_xla_fallback(experts.num_experts)
     return _ragged_dot_mlp(rows, group_sizes, row_expert, experts)
   megablox = functools.partial(_megablox_mlp, tiling=tiling, interpret=interpret)
   # Both branches are traced; only the lowering platform's is lowered and compiled.
@@ -292,16 +328,19 @@ def moe_dropless(
   )
   bounds = jnp.searchsorted(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32))
   group_sizes = (bounds[1:] - bounds[:-1]).astype(jnp.int32)
-  token = sorted_choice // top_k
 
-  x_sorted = x.reshape(num_groups * group_size, dim)[token]
+  # Row i of the sorted rows holds choice sorted_choice[i]; choice c sits in row choice_row[c].
+  choice_row = (
+      jnp.zeros_like(choice).at[sorted_choice].set(choice, unique_indices=True).reshape(-1, top_k)
+  )
+  # Gathers both ways (`slots`): no scatter-add, so the sums are the same on every rerun.
+  plan = SlotPlan(sorted_choice, choice_row, dropless_stats(expert_index, num_experts))
+  x_sorted = gather_slots(x.reshape(num_groups * group_size, dim), plan)
   if matmul == "ragged_dot":
     out = _ragged_dot_mlp(x_sorted, group_sizes, sorted_expert, experts)
   elif matmul == "megablox":
     out = _megablox_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
   else:
     out = _auto_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
-  # Weighted and summed in float32, so the gates' gradients accumulate in float32.
-  weighted = out.astype(jnp.float32) * gates.reshape(num_choices)[sorted_choice][:, None]
-  y = jnp.zeros((num_groups * group_size, dim), jnp.float32).at[token].add(weighted)
-  return y.astype(x.dtype).reshape(x.shape), dropless_stats(expert_index, num_experts)
+  y = combine_slots(out, gates.reshape(-1, top_k), plan)
+  return y.reshape(x.shape), plan.stats

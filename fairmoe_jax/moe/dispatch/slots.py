@@ -7,9 +7,11 @@ backward pass (a custom VJP):
   dispatch  buffers[slot] = x[token(slot)]        its VJP  dx[t] = sum_j dbuffers[slot(t, j)]
   combine   y[t] = sum_j w[t, j] out[slot(t, j)]   its VJP  dout[slot] = w dy[token(slot)]
 
-so no scatter-add (a serial loop on CPU, atomics on GPU) and no transpose of [G, E, C, D]
-buffers is ever run. `sort` fills the slots under a capacity (`sort_slot_plan`), the
-experimental `blocksparse` with expert-sorted blocks (`experimental.blocksparse.block_plan`).
+so no scatter-add (a serial loop on CPU, atomics on GPU: reruns differ) and no transpose of
+[G, E, C, D] buffers is ever run. `sort` fills the slots under a capacity (`sort_slot_plan`), the
+experimental `blocksparse` with expert-sorted blocks (`experimental.blocksparse.block_plan`),
+`dropless` with every choice sorted by expert, expert choice with each expert's picks;
+batch priority permutes tokens with `gather_rows` alone.
 """
 
 from __future__ import annotations
@@ -26,17 +28,18 @@ class SlotPlan:
   """Which choice sits in which expert-major capacity slot, both ways.
 
   Choice (t, j) of T = G * S group-major tokens is t * k + j; slot (e, g, c) is row
-  e * G * C + g * C + c of the [E * G * C, D] buffers.
+  e * G * C + g * C + c of the [E * G * C, D] buffers (`sort`; the buffers take the shape of
+  `slot_choice`, whatever it is: dropless' [N] sorted choices, expert choice's [G, E, C]).
 
   Attributes:
     slot_choice: [E, G * C] int32 choice held by each slot; T * k where the slot is empty.
     choice_slot: [T, k] int32 slot of each choice; E * G * C where the choice was dropped.
-    stats: the `DispatchStats` of these decisions.
+    stats: the `DispatchStats` of these decisions (None for expert choice's).
   """
 
   slot_choice: jax.Array
   choice_slot: jax.Array
-  stats: DispatchStats
+  stats: DispatchStats | None = None
 
   @property
   def top_k(self) -> int:
@@ -57,23 +60,23 @@ def _take_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def _dispatch(tokens: jax.Array, slot_token: jax.Array, choice_slot: jax.Array) -> jax.Array:
-  """[T, D] tokens -> [N, D] slot rows; empty slots are zero."""
-  return _take_rows(tokens, slot_token)
+def gather_rows(rows: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+  """rows[index] along the first axis (out-of-range indices give zero rows), with a gather for
+  its VJP: `inverse` [R, m] lists, for each of the R rows, the m positions i with index[i] = row
+  (out of range where fewer), so d_rows[r] = sum_j d_out[inverse[r, j]].
+  """
+  return _take_rows(rows, index)
 
 
-def _dispatch_fwd(tokens, slot_token, choice_slot):
-  return _dispatch(tokens, slot_token, choice_slot), (slot_token, choice_slot)
+def _gather_rows_fwd(rows, index, inverse):
+  return gather_rows(rows, index, inverse), inverse
 
 
-def _dispatch_bwd(residuals, d_buffers):
-  slot_token, choice_slot = residuals
-  # Each token's gradient is the sum over its served choices of their slots' gradients.
-  d_tokens = _take_rows(d_buffers, choice_slot).sum(axis=1)
-  return d_tokens, None, None
+def _gather_rows_bwd(inverse, d_out):
+  return _take_rows(d_out, inverse).sum(axis=1), None, None
 
 
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 @jax.custom_vjp
@@ -107,7 +110,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def gather_slots(tokens: jax.Array, plan: SlotPlan) -> jax.Array:
   """Expert-major buffers [E, G * C, D] of tokens [T, D] (T = G * S, group-major)."""
-  buffers = _dispatch(tokens, plan.slot_token(), plan.choice_slot)
+  buffers = gather_rows(tokens, plan.slot_token(), plan.choice_slot)
   return buffers.reshape(*plan.slot_choice.shape, tokens.shape[-1])
 
 

@@ -2,7 +2,8 @@
 
 Every expert picks its C best tokens of a group, so nothing overflows. The expert-major
 `ExpertChoiceAssignment` is not a `RouterOutput`: `apply_expert_choice` gathers the picks, runs
-the experts and scatters back, instead of a dispatch (`SparseMoE(router="expert_choice")`).
+the experts and gathers their outputs back (`dispatch.slots`), instead of a dispatch
+(`SparseMoE(router="expert_choice")`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from fairmoe_jax.moe.dispatch.capacity import compute_capacity
+from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_rows, gather_slots
 from fairmoe_jax.moe.routers.base import float32_gate, router_z_loss
 
 
@@ -102,7 +104,7 @@ class ExpertChoiceRouter(nnx.Module):
 def apply_expert_choice(
     x: jax.Array, assignment: ExpertChoiceAssignment, expert_fn: Callable[[jax.Array], jax.Array]
 ) -> jax.Array:
-  """Gather -> experts -> gate-weighted scatter-add.
+  """Gather -> experts -> gate-weighted sum per token.
 
       y[g, s] = sum over (e, c) with token_index[g, e, c] = s of
                 gates[g, e, c] * expert_fn(x[g, token_index])[g, e, c]
@@ -121,15 +123,21 @@ def apply_expert_picks(
 ) -> jax.Array:
   """`apply_expert_choice` from token_index and gates [G, E, C] alone; groups are
   computed apart, so it runs as is on a device's own groups (`data_parallel.per_device`).
+
+  Moved by gathers both ways (`slots`): slot (g, e, c) holds choice (token, e) of the flat
+  [G * S] tokens, and each token's E choices know their slots, so no scatter-add runs.
   """
-  index = token_index
-  expert_inputs = jax.vmap(lambda xg, ig: xg[ig])(x, index)  # [G, E, C, D]
-  outputs = expert_fn(expert_inputs)
-  weighted = outputs * gates.astype(outputs.dtype)[..., None]
-  group_size = x.shape[1]
-
-  def scatter(out_g: jax.Array, index_g: jax.Array) -> jax.Array:
-    flat = out_g.reshape(-1, out_g.shape[-1])
-    return jnp.zeros((group_size, flat.shape[-1]), flat.dtype).at[index_g.reshape(-1)].add(flat)
-
-  return jax.vmap(scatter)(weighted, index)
+  num_groups, group_size, _ = x.shape
+  _, num_experts, _ = token_index.shape
+  groups = jnp.arange(num_groups, dtype=jnp.int32)[:, None, None]
+  experts = jnp.arange(num_experts, dtype=jnp.int32)[None, :, None]
+  slot_choice = ((groups * group_size + token_index) * num_experts + experts).reshape(-1)
+  num_slots, num_choices = slot_choice.size, num_groups * group_size * num_experts
+  choice_slot = jnp.full((num_choices,), num_slots, jnp.int32)
+  choice_slot = choice_slot.at[slot_choice].set(jnp.arange(num_slots), unique_indices=True)
+  plan = SlotPlan(slot_choice.reshape(token_index.shape), choice_slot.reshape(-1, num_experts))
+  outputs = expert_fn(gather_slots(x.reshape(-1, x.shape[-1]), plan))
+  # Choice (t, e)'s gate, 0 where e did not pick t; its gradient gathers back per slot.
+  weights = gather_rows(gates.reshape(num_slots, 1), choice_slot, slot_choice[:, None])
+  y = combine_slots(outputs, weights.reshape(-1, num_experts), plan)
+  return y.reshape(num_groups, group_size, -1)
