@@ -356,5 +356,13 @@ def validate(
     cfg.require_float(config, key, minimum=1e-6)
   for key in ("moe.aux_loss_weight", "moe.z_loss_weight"):
     cfg.require_float(config, key, minimum=0.0)
+  # A larger capacity drops fewer of token choice's tokens, but gives expert choice's experts
+  # more tokens each: another function than the one trained (Zhou et al. keep one factor).
+  if router == "expert_choice" and config.moe.eval_capacity_factor != config.moe.capacity_factor:
+    raise ConfigError(
+        "moe.eval_capacity_factor",
+        f"{config.moe.eval_capacity_factor}: expert_choice evaluates at its training capacity, "
+        f"so it must equal moe.capacity_factor ({config.moe.capacity_factor})",
+    )
 
   validate_optimizer_config(config)
