@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fairmoe_jax.moe.dispatch import grouped_gemm, spmd
+from fairmoe_jax.moe.dispatch import spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
@@ -214,7 +214,7 @@ _RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 @jax.custom_vjp
 def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32."""
-  return grouped_gemm.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
+  return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
 
 
 def _ragged_matmul_fwd(rows, w, group_sizes):
@@ -223,8 +223,8 @@ def _ragged_matmul_fwd(rows, w, group_sizes):
 
 def _ragged_matmul_bwd(residuals, d_out):
   rows, w, group_sizes = residuals
-  d_rows = grouped_gemm.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
-  d_w = grouped_gemm.ragged_dot_general(
+  d_rows = jax.lax.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
+  d_w = jax.lax.ragged_dot_general(
       rows, d_out, group_sizes, _RAGGED_WEIGHT_GRADIENT, preferred_element_type=jnp.float32
   )
   return d_rows.astype(rows.dtype), d_w.astype(w.dtype), None
