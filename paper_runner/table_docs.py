@@ -10,10 +10,15 @@ from typing import Any, Sequence
 from paper_runner import stats
 from paper_runner.collect import markdown_table
 from paper_runner.markers import marked_tables, replace_tables
-from paper_runner.spec import grid_points
 from paper_runner.table_record import read_record, stale_runs
 from paper_runner.table_render import render
-from paper_runner.table_reruns import IDENTICAL, change_text, compare_rerun, rerun_machine
+from paper_runner.table_reruns import (
+    IDENTICAL,
+    change_text,
+    compare_rerun,
+    moved_verdicts,
+    rerun_machine,
+)
 from paper_runner.table_spec import (
     CLAIM_SUMMARY,
     RERUN_SUMMARY,
@@ -28,13 +33,9 @@ from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 
 
-def _recorded() -> list[str]:
-  return [n for n in table_names() if n not in SUMMARIES and os.path.exists(record_path(n))]
-
-
 def _claims_tables() -> list[tuple[str, TableSpec, dict[str, Any]]]:
   """(name, spec, record) of every recorded table that decides claims, in name order."""
-  specs = [(name, load_table(name)) for name in _recorded()]
+  specs = [(n, load_table(n)) for n in table_names() if os.path.exists(record_path(n))]
   return [(name, spec, read_record(name)) for name, spec in specs if spec.claims]
 
 
@@ -56,60 +57,44 @@ def rerun_summary() -> str:
   for name, spec, record in _claims_tables():
     if not record.get("reruns"):
       rows.append((f"`{name}`", "not rerun", "—", "—", "—"))
-      continue
-    labels = {c.path: (c.label, c.decimals) for c in spec.columns}
     # The spec's runs, not the record's: a record that lost a run would read "12 of 11 runs".
-    total = len(grid_points(spec.sweep))
-    for rerun in record["reruns"]:
+    total = len(spec.units())
+    for rerun in record.get("reruns", ()):
       result = compare_rerun(spec, record, rerun)
-      how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
+      rerun_claims = len(result.claims)
       kept = sum(before == after for _, before, after, _ in result.claims)
       if result.identical:
         identical += 1
         kept_text = f"{IDENTICAL}: not counted"
-      elif not result.claims:
+      elif not rerun_claims:
         kept_text = "— (no claim has both its rows rerun)"
       else:
         counted += 1
-        claims_rerun += len(result.claims)
+        claims_rerun += rerun_claims
         claims_kept += kept
-        kept_text = f"{kept} of {len(result.claims)}" + (
-            f" ({len(result.claims)} of {len(spec.claims)} claims rerun)"
-            if len(result.claims) < len(spec.claims)
-            else ""
-        )
+        kept_text = f"{kept} of {rerun_claims}"
+        if rerun_claims < len(spec.claims):
+          kept_text += f" ({rerun_claims} of {len(spec.claims)} claims rerun)"
       if result.chosen:
         before, after = result.chosen
         kept_text += "; same choice" if before == after else f"; chooses {spec.label(after)}"
       changed = "; ".join(
           f"{spec.label(c.row)} against {spec.label(c.baseline)}, "
-          f"{labels.get(c.metric, (c.metric, 3))[0]}: {before} -> {after}"
+          f"{spec.column(c.metric).label}: {before} -> {after}"
           for c, before, after, _ in result.claims
           if before != after
       )
       largest = "—"
       if result.largest_change:
         change, relative, claim = result.largest_change
-        label, decimals = labels.get(claim.metric, (claim.metric, 3))
-        largest = change_text(change, relative, decimals, label)
-      rows.append(
-          (
-              f"`{name}`",
-              f"{how_much}, {rerun_machine(rerun['provenance'])}",
-              kept_text,
-              changed or "none",
-              largest,
-          )
-      )
-  rows.append(
-      (
-          "**every table**",
-          f"{counted + identical} reruns; {identical} {IDENTICAL}",
-          f"**{claims_kept} of {claims_rerun}** (the {counted} reruns that could differ)",
-          "—",
-          "—",
-      )
-  )
+        column = spec.column(claim.metric)
+        largest = change_text(change, relative, column.decimals, column.label)
+      how_much = "every run" if result.runs == total else f"{result.runs} of {total} runs"
+      where = f"{how_much}, {rerun_machine(rerun['provenance'])}"
+      rows.append((f"`{name}`", where, kept_text, changed or "none", largest))
+  reruns = f"{counted + identical} reruns; {identical} {IDENTICAL}"
+  kept_text = f"**{claims_kept} of {claims_rerun}** (the {counted} reruns that could differ)"
+  rows.append(("**every table**", reruns, kept_text, "—", "—"))
   return _table(header, rows)
 
 
@@ -121,17 +106,11 @@ def claim_summary() -> str:
   found: dict[tuple[str, str], dict[str, list[str]]] = {}
   for name, spec, record in _claims_tables():
     summary = summarise(spec, record)
-    labels = {c.path: c.label for c in spec.columns}
-    moved = {
-        claim: after
-        for rerun in record.get("reruns", ())
-        for claim, before, after, _ in compare_rerun(spec, record, rerun).claims
-        if before != after
-    }
+    moved = moved_verdicts(spec, record)
     for (claim, result), (_, holm) in zip(summary["claims"], summary["holm"]):
       key = (
           f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
-          labels.get(claim.metric, claim.metric),
+          spec.column(claim.metric).label,
       )
       notes = []
       if result.verdict != holm:

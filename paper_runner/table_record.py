@@ -84,11 +84,7 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
       with open(config_path) as f:
         configs.append(json.load(f))
   runs = [run_entry(spec, result) for result in results]
-  record: dict[str, Any] = {"table": spec.name, "spec": spec.path}
-  if spec.references:
-    record["references"] = reference_rows(spec)
-  if spec.cross_validation:
-    record["split_sizes"] = split_sizes(spec)
+  record = {"table": spec.name, "spec": spec.path, **_scored(spec)}
   provenance = {
       **_runs_source_and_host(results),
       "date": (
@@ -162,11 +158,15 @@ def add_rerun(spec: TableSpec, workdir: str) -> str:
 
 def add_references(spec: TableSpec) -> str:
   """Scores the spec's reference readers (and folds' split sizes) into its existing record."""
-  record = read_record(spec.name)
-  record["references"] = reference_rows(spec)
-  if spec.cross_validation:
-    record["split_sizes"] = split_sizes(spec)
-  return save_record(spec.name, record)
+  return save_record(spec.name, {**read_record(spec.name), **_scored(spec)})
+
+
+def _scored(spec: TableSpec) -> dict[str, Any]:
+  """The reference rows and the folds' split sizes the spec asks for, from its data alone."""
+  return {
+      **({"references": reference_rows(spec)} if spec.references else {}),
+      **({"split_sizes": split_sizes(spec)} if spec.cross_validation else {}),
+  }
 
 
 # What `render` and `stale_runs` read of a record.

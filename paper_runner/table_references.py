@@ -28,56 +28,39 @@ def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]
   return {part: next(iter(configs.values())) for part, configs in data.items()}
 
 
+def _mean(values: Sequence[float | None]) -> float | None:
+  return None if None in values else math.fsum(values) / len(values)
+
+
 def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
-  """The spec's reference readers scored on its runs' data: [{"name", "metrics", ...}]."""
+  """The spec's reference readers scored on its runs' data: [{"name", "metrics", ...}], each value
+  the mean over the folds; a reader with seeded `draws` gets the mean and 95% range over its
+  draws of each draw's mean over the folds."""
   read = import_spec_object(spec, "references", spec.references)
   over = spec.cross_validation[0] if spec.cross_validation else None
-  paths = spec.metrics()
   scored: dict[str, list[dict[str, Any]]] = {}
   for config in _data_by_part(spec, over).values():
     for name, report in read(config, REPO_ROOT).items():
-      entry: dict[str, Any] = {
-          "metrics": {p: metric_value(report, p) for p in paths},
-          "role": report.get("role"),
-      }
-      if report.get("draws"):
-        entry["draws"] = [[metric_value(d, p) for p in paths] for d in report["draws"]]
-      scored.setdefault(name, []).append(entry)
+      scored.setdefault(name, []).append(report)
   rows = []
-  for name, parts in scored.items():
-    metrics = {}
-    for path in paths:
-      values = [m["metrics"][path] for m in parts if m["metrics"][path] is not None]
-      metrics[path] = math.fsum(values) / len(values) if len(values) == len(parts) else None
-    suffix = f", mean over {len(parts)} {over.split('.')[-1]}s" if len(parts) > 1 else ""
-    row: dict[str, Any] = {"name": name + suffix, "metrics": metrics}
-    if parts[0]["role"]:
-      row["role"] = parts[0]["role"]
-    if all("draws" in m for m in parts):
-      row.update(_simulated(paths, [m["draws"] for m in parts]))
+  for name, reports in scored.items():
+    suffix = f", mean over {len(reports)} {over.split('.')[-1]}s" if len(reports) > 1 else ""
+    row: dict[str, Any] = {"name": name + suffix, "metrics": {}}
+    if reports[0].get("role"):
+      row["role"] = reports[0]["role"]
+    drawn = all(r.get("draws") for r in reports)  # Else each reader's report is its one draw.
+    draws = [r["draws"] if drawn else [r] for r in reports]
+    count, ranges = min(len(d) for d in draws), {}
+    for path in spec.metrics():
+      values = [_mean([metric_value(d[i], path) for d in draws]) for i in range(count)]
+      row["metrics"][path] = _mean(values)
+      if drawn and None not in values:
+        quantiles = [(1 - stats.CONFIDENCE) / 2, (1 + stats.CONFIDENCE) / 2]
+        ranges[path] = [float(q) for q in np.quantile(values, quantiles)]
+    if drawn:
+      row.update(ranges=ranges, draws=count)
     rows.append(row)
   return rows
-
-
-def _simulated(paths: Sequence[str], parts: Sequence[Sequence[Sequence[Any]]]) -> dict[str, Any]:
-  """Per path, the mean and 95% range over draws of each draw's mean over the folds."""
-  draws = min(len(p) for p in parts)
-  metrics: dict[str, float | None] = {}
-  ranges: dict[str, list[float]] = {}
-  for j, path in enumerate(paths):
-    values = []
-    for i in range(draws):
-      per_part = [p[i][j] for p in parts]
-      if any(v is None for v in per_part):
-        break
-      values.append(math.fsum(per_part) / len(per_part))
-    if len(values) < draws:
-      metrics[path] = None
-      continue
-    low, high = np.quantile(values, [(1 - stats.CONFIDENCE) / 2, (1 + stats.CONFIDENCE) / 2])
-    metrics[path] = math.fsum(values) / draws
-    ranges[path] = [float(low), float(high)]
-  return {"metrics": metrics, "ranges": ranges, "draws": draws}
 
 
 def split_sizes(spec: TableSpec) -> dict[str, dict[str, int]]:

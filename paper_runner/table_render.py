@@ -10,7 +10,7 @@ from paper_runner import stats
 from paper_runner.collect import markdown_table
 from paper_runner.spec import REPO_ROOT, format_value
 from paper_runner.table_reproduce import NOT_REPRODUCED
-from paper_runner.table_reruns import compare_rerun, machine_text
+from paper_runner.table_reruns import machine_text, moved_verdicts
 from paper_runner.table_spec import (
     EVERY_ROW,
     Column,
@@ -48,11 +48,7 @@ def _reader(name: str) -> str:
 
 def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
   """The paragraphs under a claims table."""
-  columns = {c.path: c for c in spec.columns}
-
-  def column(path: str) -> Column:
-    return columns.get(path) or Column(path, path, 1.0, 3)
-
+  column = spec.column
   notes = []
   gates = [(claim, gate) for (claim, _), gate in zip(summary["claims"], summary["gates"]) if gate]
   if gates:
@@ -150,27 +146,19 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     body.append([f"*reference: {reference['name']}{drawn}*", *cells, "—"])
   lines += markdown_table(["", *(c.label for c in spec.columns), pair_units(spec)], body)
   if summary["claims"]:
-    rerun_claims = [
-        entry
-        for rerun in record.get("reruns", ())
-        for entry in compare_rerun(spec, record, rerun).claims
-    ]
-    scales = {c.path: (c.scale, c.decimals, c.label) for c in spec.columns}
+    moved = moved_verdicts(spec, record)
     matched_column = any(summary["gates"])
     body = []
     for (claim, result), (holm_p, holm_verdict), found in zip(
         summary["claims"], summary["holm"], summary["matched"]
     ):
-      scale, decimals, label = scales.get(claim.metric, (1.0, 3, claim.metric))
-      difference = (
-          _interval_text(result.difference, scale, decimals, sign=True)
-          if result.difference
-          else "—"
-      )
+      column = spec.column(claim.metric)
+      difference = "—"
+      if result.difference:
+        difference = _interval_text(result.difference, column.scale, column.decimals, sign=True)
       few = "" if result.enough_seeds else " (too few seeds)"
       # A verdict a rerun does not reach is marked where it is read, not only below the table.
-      moved = [after for c, before, after, _ in rerun_claims if c == claim and after != before]
-      notes = [f"a rerun: {', '.join(moved)}"] if moved else []
+      notes = [f"a rerun: {moved[claim]}"] if claim in moved else []
       leak = ["selection leak"] if leaks_of(spec, claim) else []
       verdict = f"**{result.verdict}{few}**" + (
           f" ({'; '.join(notes + leak)})" if notes + leak else ""
@@ -179,7 +167,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       adjusted = f"**{holm_verdict}{few}**" + ("" if holm_p is None else f" ({_p_text(holm_p)})")
       cells = [
           f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
-          label,
+          column.label,
           difference,
           str(len(result.seeds)),
           _p_text(result.p) if result.difference else "—",
@@ -187,7 +175,11 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
           adjusted,
       ]
       if matched_column:
-        cells.append("—" if found is None else _interval_text(found[0], scale, decimals, sign=True))
+        cells.append(
+            "—"
+            if found is None
+            else _interval_text(found[0], column.scale, column.decimals, sign=True)
+        )
       body.append(cells)
     lines += [""]
     header = [
@@ -235,11 +227,7 @@ def _provenance_line(spec: TableSpec, p: Mapping[str, Any]) -> str:
       f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), "
       f"{m['devices']} device(s), JAX {m['jax']}",
       *([f"{len(p['data'])} {hashed} in the record"] if p.get("data") else []),
-      *(
-          f"first run {_outcome_text(r)}{stamp_machine_text(r)} on {r['date']} (commit "
-          f"{r['commit']}; {machine_text(r['machine'])}; {len(r['data'])} {hashed}{_moved_text(r)})"
-          for r in (*p.get("reproduced", ()), *p.get(NOT_REPRODUCED, ()))
-      ),
+      *(_stamp_text(r, hashed) for r in (*p.get("reproduced", ()), *p.get(NOT_REPRODUCED, ()))),
       f"seeds {', '.join(map(str, p['seeds']))}",
       f"spec `{spec.path}`, record `{os.path.relpath(record_path(spec.name), REPO_ROOT)}`",
       *(f"`{c}`" for c in p["commands"]),
@@ -247,30 +235,27 @@ def _provenance_line(spec: TableSpec, p: Mapping[str, Any]) -> str:
   return f"<sub>Provenance: {'; '.join(parts)}.</sub>"
 
 
-def _outcome_text(stamp: Mapping[str, Any]) -> str:
+def _stamp_text(stamp: Mapping[str, Any], hashed: str) -> str:
+  """A stamped reproduction: its outcome, whether on the recording machine (older stamps do not
+  say), and a failed one's value that moved most, recorded and again."""
   if "largest_difference" in stamp:
-    return f"not reproduced, beyond {stamp['tolerance']:g}"
-  return "reproduced " + ("exactly" if stamp["exact"] else f"within {stamp['tolerance']:g}")
-
-
-def _moved_text(stamp: Mapping[str, Any]) -> str:
-  """A failed reproduction's value that moved most, recorded and again."""
-  if "largest_difference" not in stamp:
-    return ""
-  moved = stamp["largest_difference"]
-  values = [
-      "no value" if v is None else format(v, ".6g")
-      for v in (moved["recorded"], moved["reproduced"])
-  ]
-  return f"; `{moved['value']}` {values[0]} recorded, {values[1]} again"
-
-
-def stamp_machine_text(stamp: Mapping[str, Any]) -> str:
-  """Whether a stamped reproduction ran on the recording machine (nothing for older stamps)."""
-  if "differs_from_record" not in stamp:
-    return ""
-  differs = stamp["differs_from_record"]
-  if not differs:
-    return " on the recording machine, software and data"
-  keys = list(dict.fromkeys(why.split(":", 1)[0] for why in differs))
-  return f" on another machine, software or data (differs in {', '.join(keys)})"
+    moved = stamp["largest_difference"]
+    values = [
+        "no value" if v is None else format(v, ".6g")
+        for v in (moved["recorded"], moved["reproduced"])
+    ]
+    outcome = f"not reproduced, beyond {stamp['tolerance']:g}"
+    detail = f"; `{moved['value']}` {values[0]} recorded, {values[1]} again"
+  else:
+    outcome = "reproduced " + ("exactly" if stamp["exact"] else f"within {stamp['tolerance']:g}")
+    detail = ""
+  where = ""
+  if "differs_from_record" in stamp:
+    keys = list(dict.fromkeys(why.split(":", 1)[0] for why in stamp["differs_from_record"]))
+    where = " on the recording machine, software and data"
+    if keys:
+      where = f" on another machine, software or data (differs in {', '.join(keys)})"
+  return (
+      f"first run {outcome}{where} on {stamp['date']} (commit {stamp['commit']}; "
+      f"{machine_text(stamp['machine'])}; {len(stamp['data'])} {hashed}{detail})"
+  )

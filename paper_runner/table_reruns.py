@@ -33,23 +33,18 @@ def _relative_change(change: float, interval: stats.Interval, scale: float) -> f
   return change / half_width
 
 
-def _by_relative_change(entry: tuple) -> tuple[float, float]:
-  return (entry[1] if entry[1] is not None else -1.0, entry[0])
-
-
 def compare_rerun(
     spec: TableSpec, record: Mapping[str, Any], rerun: Mapping[str, Any]
 ) -> RerunComparison:
   recorded = summarise(spec, record)
   # The rerun is read as the record is: against its references and with its folds' sizes.
   again = summarise(spec, {**record, "runs": rerun["runs"], "reruns": []})
-  scales = {c.path: c.scale for c in spec.columns}
   claims = []
   changes: list[tuple[float, float | None, Claim]] = []
   for (claim, before), (_, after) in zip(recorded["claims"], again["claims"]):
     if before.difference is None or after.difference is None:
       continue  # A row of the claim was not rerun.
-    scale = scales.get(claim.metric, 1.0)
+    scale = spec.column(claim.metric).scale
     change = abs(after.difference.mean - before.difference.mean) * scale
     claims.append((claim, before.verdict, after.verdict, change))
     changes.append((change, _relative_change(change, before.difference, scale), claim))
@@ -60,9 +55,21 @@ def compare_rerun(
       runs=len(rerun["runs"]),
       claims=claims,
       chosen=chosen,
-      largest_change=max(changes, key=_by_relative_change) if changes else None,
+      largest_change=max(changes, key=lambda c: (-1.0 if c[1] is None else c[1], c[0]))
+      if changes
+      else None,
       identical=identical_predictions(spec, record, rerun),
   )
+
+
+def moved_verdicts(spec: TableSpec, record: Mapping[str, Any]) -> dict[Claim, str]:
+  """Per claim whose verdict a rerun of the record changes, the rerun verdicts."""
+  moved: dict[Claim, list[str]] = {}
+  for rerun in record.get("reruns", ()):
+    for claim, before, after, _ in compare_rerun(spec, record, rerun).claims:
+      if after != before:
+        moved.setdefault(claim, []).append(after)
+  return {claim: ", ".join(verdicts) for claim, verdicts in moved.items()}
 
 
 def identical_predictions(

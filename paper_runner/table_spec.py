@@ -50,7 +50,6 @@ class Claim:
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-
   row: str
   settings: int
   what: str
@@ -62,9 +61,6 @@ class SelectionLeak:
 
   rows: tuple[str, ...] | None
   why: str
-
-  def affects(self, claim: Claim) -> bool:
-    return self.rows is None or claim.row in self.rows or claim.baseline in self.rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +100,10 @@ class TableSpec:
   def units(self) -> list[tuple[str, Any]]:
     """(row, pairing unit) of each run of the sweep, in grid order."""
     return [(format_value(p[self.rows]), self.pair(p)) for p in grid_points(self.sweep)]
+
+  def column(self, path: str) -> Column:
+    """The column of `path`, or a plain one for a metric only a claim reads."""
+    return next((c for c in self.columns if c.path == path), Column(path, path, 1.0, 3))
 
   def label(self, row: Any) -> str:
     text = format_value(row)

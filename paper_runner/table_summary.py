@@ -231,4 +231,9 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def leaks_of(spec: TableSpec, claim: Claim) -> list[int]:
-  return [i for i, leak in enumerate(spec.selection_leaks) if leak.affects(claim)]
+  """The selection leaks whose rows include the claim's row or baseline."""
+  return [
+      i
+      for i, leak in enumerate(spec.selection_leaks)
+      if leak.rows is None or {claim.row, claim.baseline} & set(leak.rows)
+  ]

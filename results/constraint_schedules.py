@@ -20,7 +20,6 @@ TABLE = dict(
     rows="constraints.step_size",
     row_names=SCHEDULES,
     split="validation",
-    examples="num_examples",
     columns=(
         parts.VALIDATION_ACCURACY,
         parts.NODES_WITHIN,

@@ -27,7 +27,6 @@ TABLE = dict(
     rows="constraints.step_size",
     row_names=SCHEDULES,
     split="validation",
-    examples="num_examples",
     select="accuracy",
     columns=(parts.VALIDATION_ACCURACY, parts.EFFECTIVE_KEYS, parts.NODES_WITHIN),
     claims=parts.claims(next(iter(SCHEDULES)), list(SCHEDULES)[1:], (("accuracy", "higher"),)),
