@@ -110,6 +110,12 @@ def base_config() -> ml_collections.ConfigDict:
           top_k=2,
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
+          # Token choice's C rounded up to a multiple of it: 8, a float32 TPU tile's rows
+          # (docs/benchmarks.md, "Capacity granularity and routing groups").
+          capacity_multiple_of=8,
+          # Examples whose tokens compete for the same expert slots (token choice); 1 is the
+          # papers' reading, V-MoE groups several images per device.
+          group_size=1,
           # auto | dense | einsum | sort | dropless (moe/dispatch) | einsum_fused | sort_blocks |
           # blocksparse (moe/experimental); auto: sort on CPU and GPU, einsum on TPU
           # (methods/base.py AUTO_DISPATCH).
@@ -227,7 +233,9 @@ def validate(
   `check_data=False` skips the keys that locate the dataset (`data.root`,
   `data.tfds_data_dir`): the modes that read only a trained workdir (predict, export) need none.
   """
-  _, expert_size = cfg.validate_run(config, num_devices=num_devices, num_processes=num_processes)
+  data_size, expert_size = cfg.validate_run(
+      config, num_devices=num_devices, num_processes=num_processes
+  )
   validate_preflight(config)
   cfg.require_int(config, "analysis_batches", minimum=0)
   cfg.require_float(config, "peak_flops_per_device", minimum=0.0)
@@ -356,6 +364,16 @@ def validate(
     cfg.require_float(config, key, minimum=1e-6)
   for key in ("moe.aux_loss_weight", "moe.z_loss_weight"):
     cfg.require_float(config, key, minimum=0.0)
+  cfg.require_int(config, "moe.capacity_multiple_of", minimum=1)
+  group_size = cfg.require_int(config, "moe.group_size", minimum=1)
+  if group_size > 1 and router == "expert_choice":
+    raise ConfigError("moe.group_size", f"{group_size}: expert_choice routes each example alone")
+  for key in ("batch_size", "eval_batch_size"):  # A routing group never spans two devices.
+    per_device = config[key] // (data_size * expert_size)
+    if per_device % group_size:
+      raise ConfigError(
+          "moe.group_size", f"{group_size} does not divide {key}'s {per_device} examples per device"
+      )
   # A larger capacity drops fewer of token choice's tokens, but gives expert choice's experts
   # more tokens each: another function than the one trained (Zhou et al. keep one factor).
   if router == "expert_choice" and config.moe.eval_capacity_factor != config.moe.capacity_factor:

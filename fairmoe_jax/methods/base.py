@@ -133,6 +133,8 @@ def moe_kwargs(config: ml_collections.ConfigDict, mesh: Mesh | None, router: Any
       eval_capacity_factor=c.eval_capacity_factor,
       router=router,
       batch_priority=c.batch_priority,
+      capacity_multiple_of=c.capacity_multiple_of,
+      group_size=c.group_size,
       mesh=mesh if sharded else None,
   )
 

@@ -31,6 +31,7 @@ from fairmoe_jax.moe.dispatch import (
     reorder_tokens,
     restore_token_order,
 )
+from fairmoe_jax.moe.dispatch.capacity import stats_per_example, to_groups
 from fairmoe_jax.moe.routers import (
     ExpertChoiceRouter,
     NoisyTopKRouter,
@@ -151,6 +152,9 @@ class SparseMoE(nnx.Module):
       `router(dim, num_experts, top_k, rngs=rngs)`.
     batch_priority: V-MoE batch-priority routing: the most confident tokens of each example are
       served first, so overflow drops the least confident choices.
+    capacity_multiple_of: token choice's C rounded up to a multiple of it (`compute_capacity`).
+    group_size: examples per routing group (token choice): their tokens compete for the same
+      slots, as in V-MoE's groups of images; 1 (one group per example) is the papers' reading.
     mesh: the device mesh (batch split over every axis) or None. With an "expert" axis > 1 the
       experts are split over it (`dispatch.expert_parallel`); otherwise each device dispatches
       its own examples (`dispatch.data_parallel`).
@@ -170,6 +174,8 @@ class SparseMoE(nnx.Module):
       eval_capacity_factor: float = 2.0,
       router: str | nnx.Module | Callable[..., nnx.Module] = "topk",
       batch_priority: bool = False,
+      capacity_multiple_of: int = 1,
+      group_size: int = 1,
       mesh: jax.sharding.Mesh | None = None,
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
@@ -204,6 +210,10 @@ class SparseMoE(nnx.Module):
     self.capacity_factor = capacity_factor
     self.eval_capacity_factor = eval_capacity_factor
     self.batch_priority = batch_priority
+    if group_size > 1 and self.routing == EXPERT_CHOICE:
+      raise ValueError(f"group_size={group_size}: expert choice routes one group per example")
+    self.capacity_multiple_of = capacity_multiple_of
+    self.group_size = group_size
     self.dtype = dtype
     self.deterministic = False  # Toggled by model.eval() / model.train().
     if router == "topk":
@@ -251,6 +261,14 @@ class SparseMoE(nnx.Module):
     experts = ExpertWeights.from_module(self)
     if self.routing == EXPERT_CHOICE:
       return self._expert_choice(x, experts, capacity)
+    # Token choice's C: for groups of `group_size` examples, rounded up (`compute_capacity`).
+    capacity = compute_capacity(
+        self.group_size * x.shape[1],
+        self.num_experts,
+        self.top_k,
+        capacity_factor,
+        self.capacity_multiple_of,
+    )
     return self._token_choice(x, experts, capacity, train=train, rngs=rngs, context=context)
 
   def _token_choice(
@@ -286,6 +304,16 @@ class SparseMoE(nnx.Module):
         )
         / seq_len
     )
+    if self.group_size > 1:  # The tokens of `group_size` examples compete for the same slots.
+      x, expert_index, gates = to_groups((x, expert_index, gates), self.group_size)
+      if expert_features is not None:  # Per example (routers/base.py), not per group.
+        if self.batch_priority:
+          raise ValueError("batch_priority with group_size > 1 mixes the examples' tokens")
+        example_features = expert_features
+
+        def expert_features(x: jax.Array, experts: ExpertWeights) -> jax.Array:
+          return example_features(x.reshape(-1, seq_len, dim), experts)
+
     order = None
     if self.batch_priority:  # Serve confident tokens first; undone on y and the stats below.
       order = batch_priority_order(gates)
@@ -297,6 +325,10 @@ class SparseMoE(nnx.Module):
     if order is not None:
       y, kept = restore_token_order((y, stats.kept), order)
       stats = stats.replace(kept=kept)
+    if self.group_size > 1:
+      y = y.reshape(batch, seq_len, -1)
+      token_expert = route.expert_index.reshape(batch, seq_len, self.top_k)
+      stats = stats_per_example(stats, token_expert, self.num_experts)
 
     metrics = _routing_metrics(route.probs, stats.fraction_dropped, stats.group_expert_fraction)
     metrics["example_gate_weight"] = gate_weight

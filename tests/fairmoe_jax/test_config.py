@@ -75,6 +75,19 @@ def test_quickstart_arguments_reach_the_config():
         (lambda c: c.optimizer.update(final_lr_fraction=2.0), "optimizer.final_lr_fraction"),
         (lambda c: c.fair.update(psi="eodds"), "fair.psi"),
         (lambda c: c.fair.update(lambda_dp=-0.1), "fair.lambda_dp"),
+        (lambda c: c.moe.update(capacity_multiple_of=0), "moe.capacity_multiple_of"),
+        (lambda c: c.moe.update(group_size=0), "moe.group_size"),
+        # 128 / 8 devices = 16 examples per device, not a multiple of 3.
+        (lambda c: c.moe.update(group_size=3), "moe.group_size"),
+        # The training batch divides (16 per device), the evaluation batch (8) does not.
+        (
+            lambda c: c.update(batch_size=128, eval_batch_size=64) or c.moe.update(group_size=16),
+            "moe.group_size",
+        ),
+        (
+            lambda c: c.update(method="smoe") or c.moe.update(router="expert_choice", group_size=2),
+            "moe.group_size",
+        ),
     ],
 )
 def test_impossible_values_name_the_key(mutate, key):
@@ -83,6 +96,7 @@ def test_impossible_values_name_the_key(mutate, key):
   with pytest.raises(ConfigError) as e:
     fairmoe_config.validate(config, num_devices=8)
   assert e.value.key == key
+  assert key in str(e.value) and "\n" not in str(e.value)
 
 
 def test_batch_must_split_over_processes():

@@ -21,6 +21,7 @@ from fairmoe_jax.moe import (
     dispatch_and_combine_masks,
     route_from_logits,
 )
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, ExpertWeights
 from fairmoe_jax.moe.routers.base import RouterOutput, float32_gate
 from moe_cases import HAND_BUILT_EXPECTED_KEPT, HAND_BUILT_PREFERENCES
 
@@ -194,6 +195,81 @@ def test_capacity_overflow_drops_by_priority():
   np.testing.assert_allclose(
       aux.metrics["example_expert_fraction"], np.array([[3, 3, 2, 1], [3, 3, 0, 0]]) / 12, rtol=1e-6
   )
+
+
+@pytest.mark.parametrize("multiple_of", [1, 4, 8])
+@pytest.mark.parametrize(
+    "args", [(197, 4, 2, 1.25), (197, 64, 2, 1.25), (6, 4, 2, 1.0), (5, 8, 1, 0.1)]
+)
+def test_capacity_is_rounded_up_to_its_multiple(args, multiple_of):
+  unrounded = compute_capacity(*args)
+  capacity = compute_capacity(*args, multiple_of=multiple_of)
+  assert capacity % multiple_of == 0 and unrounded <= capacity < unrounded + multiple_of
+  with pytest.raises(ValueError, match="multiple_of"):
+    compute_capacity(*args, multiple_of=0)
+
+
+# Served choices of HAND_BUILT_PREFERENCES routed as ONE group of both examples: C = 12 * 2 / 4 =
+# 6. Expert 0's six slots go to example 0's t1-t4 and example 1's t0, t1 (top-1 choices first,
+# in token order), so example 1's t2 loses the top-1 choice it keeps when routed alone (C = 3).
+GROUPED_EXPECTED_KEPT = np.array(
+    [
+        [[1, 0], [1, 1], [1, 1], [1, 1], [1, 1], [1, 0]],
+        [[1, 1], [1, 1], [0, 1], [0, 0], [0, 0], [0, 0]],
+    ],
+    bool,
+)
+
+
+@pytest.mark.parametrize("dispatch", ["sort", "einsum"])
+def test_group_size_makes_the_examples_of_a_group_compete_for_slots(dispatch):
+  x = jnp.asarray(_hand_routed_inputs())
+  outputs = {}
+  for group_size in (1, 2):
+    layer = _make_layer(capacity_factor=1.0, group_size=group_size, dispatch=dispatch)
+    _randomise(layer)
+    layer.router.gate.kernel.set_value(jnp.eye(DIM, EXPERTS))
+    outputs[group_size] = _apply(layer, x)
+  kept = {1: HAND_BUILT_EXPECTED_KEPT, 2: GROUPED_EXPECTED_KEPT}
+
+  route = _route(layer.router, x.reshape(12, DIM))
+  idx = np.asarray(route.expert_index).reshape(2, 6, 2)
+  p = {k: np.asarray(v, np.float64) for k, v in _params(layer).items()}
+  pre = np.einsum("gsd,edh->gseh", np.asarray(x), p["w1"]) + p["b1"]
+  out_all = np.einsum("gseh,ehd->gsed", pre * 0.5 * (1 + scipy.special.erf(pre / 2**0.5)), p["w2"])
+  out_all = np.take_along_axis(out_all + p["b2"], idx[..., None], 2)
+  for group_size, (y, aux) in outputs.items():
+    gates = np.asarray(route.gates).reshape(2, 6, 2) * kept[group_size]
+    np.testing.assert_allclose(y, np.einsum("gsk,gskd->gsd", gates, out_all), rtol=1e-5, atol=1e-6)
+    # Per example again, as a fraction of its own S * k = 12 choices.
+    served = np.stack([np.bincount(i[k], minlength=EXPERTS) for i, k in zip(idx, kept[group_size])])
+    np.testing.assert_allclose(aux.metrics["example_expert_fraction"], served / 12, rtol=1e-6)
+  assert not np.array_equal(outputs[1][0][1, 2], outputs[2][0][1, 2])
+  with pytest.raises(ValueError, match="group_size=2 does not divide the batch of 1"):
+    _apply(layer, x[:1])
+
+
+def test_group_size_one_is_the_per_example_dispatch_bit_for_bit():
+  layer = _make_layer(capacity_factor=0.5)
+  _randomise(layer, seed=3)
+  x = _normal(1, (4, 10, DIM))
+  y, aux = _apply(layer, x)
+
+  @jax.jit
+  def per_example(layer, x):
+    route = layer.router(x.reshape(40, DIM), train=True)
+    return DISPATCH_ALGORITHMS["sort"](
+        x,
+        route.expert_index.reshape(4, 10, 2),
+        route.gates.reshape(4, 10, 2),
+        ExpertWeights.from_module(layer),
+        capacity=compute_capacity(10, EXPERTS, TOP_K, 0.5),
+    )
+
+  expected_y, stats = per_example(layer, x)
+  assert aux.metrics["fraction_dropped"] > 0  # The capacity limit is exercised.
+  np.testing.assert_array_equal(y, expected_y)
+  np.testing.assert_array_equal(aux.metrics["example_expert_fraction"], stats.group_expert_fraction)
 
 
 def test_example_expert_fraction_accounts_for_drops():

@@ -61,7 +61,12 @@ def _block(mesh, dispatch: str, fair: bool, router_name: str = "topk") -> Sparse
 
   config = base_config()
   config.moe.update(
-      num_experts=E, top_k=K, dispatch=dispatch, capacity_factor=CAPACITY_FACTOR, router=router_name
+      num_experts=E,
+      top_k=K,
+      dispatch=dispatch,
+      capacity_factor=CAPACITY_FACTOR,
+      capacity_multiple_of=1,  # C = CAPACITY, unrounded: the sizes above stay apart.
+      router=router_name,
   )
   kwargs = moe_kwargs(config, mesh, router or config.moe.router)
   return SparseMoE(D, H, **kwargs, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

@@ -1,5 +1,6 @@
-"""Expert capacity (one group per example) and `DispatchStats`, the record of which choices
-were served, the same for every algorithm (semantics: `fairmoe_jax.moe.dispatch.base`).
+"""Expert capacity, routing groups (`group_size` examples whose tokens compete for the same
+slots) and `DispatchStats`, the record of which choices were served, the same for every
+algorithm (semantics: `fairmoe_jax.moe.dispatch.base`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,41 @@ class DispatchStats:
 
 
 def compute_capacity(
-    tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float
+    tokens_per_group: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float,
+    multiple_of: int = 1,
 ) -> int:
-  """C = ceil(capacity_factor * S * k / E), clipped to [1, S] (an expert gets at most S)."""
+  """C = ceil(capacity_factor * S * k / E), clipped to [1, S] (an expert gets at most S), then
+  rounded up to a multiple of `multiple_of` (V-MoE rounds to 4; a TPU tile has 8 float32 rows,
+  so [E, G, C, D] buffers merge to [E, G C, D] rows without a relayout copy)."""
+  if multiple_of < 1:
+    raise ValueError(f"capacity multiple_of must be >= 1, got {multiple_of}")
   # The small epsilon keeps e.g. 1.1 * 10 = 11.000000000000002 from rounding up.
   capacity = math.ceil(capacity_factor * tokens_per_group * top_k / num_experts - 1e-9)
-  return int(min(max(capacity, 1), tokens_per_group))
+  capacity = min(max(capacity, 1), tokens_per_group)
+  return int(-(-capacity // multiple_of) * multiple_of)
+
+
+def to_groups(arrays: tuple[jax.Array, ...], group_size: int) -> tuple[jax.Array, ...]:
+  """Per-example [B, S, ...] arrays as routing groups [B / g, g S, ...] of g examples each."""
+  batch = arrays[0].shape[0]
+  if group_size < 1 or batch % group_size:
+    raise ValueError(f"group_size={group_size} does not divide the batch of {batch} examples")
+  return tuple(a.reshape(batch // group_size, -1, *a.shape[2:]) for a in arrays)
+
+
+def stats_per_example(
+    stats: DispatchStats, expert_index: jax.Array, num_experts: int
+) -> DispatchStats:
+  """Stats of routing groups of several examples, per example again: `expert_index` [B, S, k]
+  in token order, `stats.kept` [B / g, g S, k] -> [B, S, k] and each example's own expert
+  fraction [B, E]."""
+  kept = stats.kept.reshape(expert_index.shape)
+  served = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.float32) * kept[..., None]
+  _, seq_len, top_k = expert_index.shape
+  return stats.replace(kept=kept, group_expert_fraction=served.sum(axis=(1, 2)) / (seq_len * top_k))
 
 
 def resolve_capacity(capacity: int | None, group_size: int) -> int:
