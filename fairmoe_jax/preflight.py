@@ -24,7 +24,12 @@ from trainkit.preflight.compile import Program
 # (list_eval_partition.txt, 162,770 images); ISIC 2019's 25,331 training images less the
 # random split's test and validation parts (fairmoe_jax/data/isic.py, random_split).
 CELEBA_TRAIN_EXAMPLES = 162_770
+CELEBA_VAL_EXAMPLES = 19_867
 ISIC2019_IMAGES = 25_331
+# Training images one host core decodes and augments per second (224 px CelebA JPEGs, the default
+# uint8 pipeline): the lower of the two lent H200 hosts' rows with 15 grain workers on 16 cores
+# (benchmarks/results/h200_2026-11-2*/device.json, input_pipeline; a test checks).
+IMAGES_PER_S_PER_CORE = 440.0
 
 
 def dataset_info(config: ml_collections.ConfigDict) -> data_lib.DatasetInfo:
@@ -54,6 +59,19 @@ def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
       ISIC2019_IMAGES - n_test - n_val,
       "ISIC 2019's training images less the random split's test and val",
   )
+
+
+def val_examples(config: ml_collections.ConfigDict) -> int:
+  """Examples of the validation split each evaluation reads, at full size (0: not known)."""
+  d = config.data
+  if d.name in data_lib.GENERATED_INFO:
+    return d.val_size
+  if d.name in ("celeba", "celeba_tfds"):
+    return CELEBA_VAL_EXAMPLES  # The official partition's (identity folds differ).
+  if d.split != "random":
+    return 0
+  n_test = round(d.test_fraction * ISIC2019_IMAGES)
+  return round(d.val_fraction * (ISIC2019_IMAGES - n_test))
 
 
 def batch_spec(
@@ -88,4 +106,13 @@ def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
       train_examples_source=source,
       initial_extra=method.initial_extra(config, info),
       settings={"moe.dispatch": resolve_dispatch(config.moe.dispatch, mesh)},
+      eval_examples=val_examples(config),
+      # The rate is of decoding JPEG files; a generated dataset is in memory already.
+      input_pipeline={}
+      if config.data.name in data_lib.GENERATED_INFO
+      else dict(
+          examples_per_s_per_core=IMAGES_PER_S_PER_CORE,
+          cores=max(1, config.data.num_workers),
+          cores_from=f"data.num_workers={config.data.num_workers}",
+      ),
   )

@@ -73,6 +73,30 @@ PUBLIC_RUNS: tuple[dict[str, Any], ...] = (
     ),
 )
 
+# Our own steps measured on a lent GPU (benchmarks/accelerator_check.py), each beside the
+# preflight of its chip compiled beforehand with the pinned jax.
+MEASURED = tuple(
+    (f"benchmarks/results/{lease}/device.json", f"benchmarks/results/{lease}/preflight_h200x1.json")
+    for lease in ("h200_2026-11-27", "h200_2026-11-28")
+)
+# One program compiled deviceless by each tested jax (0.10.2, 0.11.2); `record#cell` is a cell
+# of the paper table's record.
+JAX_PAIRS = (
+    (
+        "benchmarks/results/h200_2026-11-27/preflight_h200x1.json",
+        "benchmarks/results/h200_2026-11-27/preflight_h200x1_jax0.11.2.json",
+    ),
+    *(
+        (
+            f"{preflight_table.RECORD}#{method}/{backbone}@h100x1",
+            f"benchmarks/results/h100x1_jax0.11.2_2026-11-27/{method}_{backbone}.json",
+        )
+        for method in ("muffin", "multifair")
+        for backbone in ("deit_b", "swin_s", "swin_b")
+    ),
+)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # --compile, --only, --write and --check are preflight_table's (one flag of each name).
 _ROW = flags.DEFINE_string("row", "", "compile this public run alone and write its row to --out")
 _OUT = flags.DEFINE_string("out", "", "with --row: where to write the row's JSON")
@@ -180,10 +204,8 @@ def utilisation(run: dict[str, Any], row: dict[str, Any]) -> tuple[float, float]
   return row["roofline_s"] * low / run["batch"], row["roofline_s"] * high / run["batch"]
 
 
-def calibrated_utilisation(record: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
-  """Per platform: the mid-point of each row's utilisation range, averaged over the platform's
-  rows, and the lowest and highest value any row allows."""
-  record = record if record is not None else _load()
+def _public_ranges(record: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+  """Per platform, the utilisation range of each compiled public row."""
   found: dict[str, list[tuple[float, float]]] = {}
   for run in PUBLIC_RUNS:
     row = record["rows"].get(run["name"])
@@ -191,6 +213,13 @@ def calibrated_utilisation(record: dict[str, Any] | None = None) -> dict[str, di
       continue
     platform = "tpu" if run["target"].startswith("v") else "gpu"
     found.setdefault(platform, []).append(utilisation(run, row))
+  return found
+
+
+def calibrated_utilisation(record: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+  """Per platform: the mid-point of each row's utilisation range, averaged over the platform's
+  rows, and the lowest and highest value any row allows."""
+  found = _public_ranges(record if record is not None else _load())
   return {
       platform: dict(
           utilization=sum((lo + hi) / 2 for lo, hi in ranges) / len(ranges),
@@ -200,6 +229,53 @@ def calibrated_utilisation(record: dict[str, Any] | None = None) -> dict[str, di
       )
       for platform, ranges in found.items()
   }
+
+
+def _json(path: str) -> dict[str, Any]:
+  with open(os.path.join(_ROOT, path)) as f:
+    return json.load(f)
+
+
+def measured_utilisation() -> list[float]:
+  """Roofline bound / measured step of each of our measured one-GPU steps (`MEASURED`)."""
+  found = []
+  for device, prediction in MEASURED:
+    measured, compiled = _json(device)["parts"]["train_step"]["measured"], _json(prediction)
+    if measured["device_kind"] != compiled["target"]["device_kind"]:
+      raise ValueError(f"{device} measured another chip than {prediction} compiled for")
+    found.append(compiled["train_step"]["roofline"]["bound_s"] / measured["step_seconds"])
+  return found
+
+
+def jax_spread() -> float:
+  """The largest ratio between the roofline bounds the two tested jax versions compile for one
+  program (`JAX_PAIRS`)."""
+
+  def bound(path: str) -> float:
+    file, _, cell = path.partition("#")
+    record = _json(file)
+    return (
+        record["cells"][cell]["roofline_s"] if cell else record["train_step"]["roofline"]["bound_s"]
+    )
+
+  return max(max(a, b) / min(a, b) for a, b in ((bound(p), bound(q)) for p, q in JAX_PAIRS))
+
+
+def band(record: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+  """Per platform, the utilisations bounding the step range the preflight prints: the lowest and
+  highest of every calibration point (each public row's range; on GPU our measured steps too),
+  divided and multiplied by `jax_spread` (recorded on GPU, applied to both)."""
+  spread, measured = jax_spread(), {"gpu": measured_utilisation()}
+  found = {}
+  for platform, ranges in _public_ranges(record if record is not None else _load()).items():
+    points = [u for r in ranges for u in r] + measured.get(platform, [])
+    found[platform] = dict(
+        low=min(points) / spread,
+        high=max(points) * spread,
+        measured=len(measured.get(platform, [])),
+        spread=spread,
+    )
+  return found
 
 
 def table(record: dict[str, Any] | None = None) -> str:
@@ -231,6 +307,12 @@ def table(record: dict[str, Any] | None = None) -> str:
     lines.append(
         f"- **{platform.upper()}**: utilisation {c['utilization']:.2f} (rows allow "
         f"{c['low']:.2f}-{c['high']:.2f}; {c['rows']} row(s))."
+    )
+  for platform, b in sorted(band(record).items()):
+    lines.append(
+        f"- **{platform.upper()} band** (the printed step range): utilisation "
+        f"{b['low']:.2f}-{b['high']:.2f}, every row's range and {b['measured']} measured step(s) "
+        f"widened by the jax versions' spread of the roofline, {b['spread']:.2f}x."
     )
   lines.append("")
   lines.append("Sources:")

@@ -1,6 +1,9 @@
 """The launchers' --dry-run output and usage errors, and trainkit.distributed.distributed_args."""
 
+import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -135,16 +138,35 @@ def test_slurm_dry_run_prints_sbatch():
   assert result.returncode == 0, result.stderr
   assert result.stdout == (
       "+ sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-task=1 "
-      "--export=ALL,MODULE=causal_attn_jax.main --partition=gpu --time=04:00:00 "
-      f"{REPO}/launch/slurm_gpu.sbatch --config=configs/quickstart.py --workdir=/shared/run\n"
+      "--export=ALL,MODULE=causal_attn_jax.main --cpus-per-task=11 --partition=gpu "
+      f"--time=04:00:00 {REPO}/launch/slurm_gpu.sbatch --config=configs/quickstart.py "
+      "--workdir=/shared/run\n"
   )
+  given = _run("slurm.sh", "--dry-run", "--nodes", "1", "--gpus-per-node", "1",
+               "--cpus-per-task", "6", "--", "--workdir=/shared/run")  # fmt: skip
+  assert " --cpus-per-task=6 " in given.stdout and "=11" not in given.stdout
+
+
+def test_a_gpu_task_gets_the_cores_that_feed_a_measured_h200_step():
+  """slurm.sh's default --cpus-per-task: the lent H200's measured CelebA step (images/s) over
+  the input pipeline's measured rate per core."""
+  from fairmoe_jax.preflight import IMAGES_PER_S_PER_CORE
+
+  text = (REPO / "launch/slurm.sh").read_text()
+  default = int(re.search(r"^DEFAULT_CPUS_PER_GPU_TASK=(\d+)$", text, re.M)[1])
+  record = json.loads((REPO / "benchmarks/results/h200_2026-11-27/device.json").read_text())
+  step = record["parts"]["train_step"]["measured"]
+  assert default == math.ceil(step["images_per_s"] / IMAGES_PER_S_PER_CORE)
+  assert f"by default {default}," in text  # The usage text says so.
 
 
 def test_sbatch_script_runs_the_module_under_srun():
   text = (REPO / "launch/slurm_gpu.sbatch").read_text()
   assert "#SBATCH --gpus-per-task=1" in text and "#SBATCH --ntasks-per-node=" in text
   assert "module_name=${MODULE:-fairmoe_jax.main}" in text
-  assert 'srun --label python -m "${module_name}" "$@"' in text
+  assert 'python -m "${module_name}" "$@"' in text
+  # srun passes the job's --cpus-per-task on to each task (it no longer inherits it).
+  assert '${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}' in text
 
 
 def test_slurm_cpu_job_dry_run_asks_for_no_gpu():
@@ -180,6 +202,7 @@ def test_slurm_cpu_job_dry_run_asks_for_no_gpu():
         ["--nodes", "2", "--gpus-per-node", "8", "extra"],
         ["--nodes", "1", "--gpus-per-node", "0"],  # A CPU job needs --tasks-per-node.
         ["--nodes", "1", "--gpus-per-node", "8", "--tasks-per-node", "2"],  # One task per GPU.
+        ["--nodes", "1", "--gpus-per-node", "8", "--cpus-per-task", "0", "--", "--workdir=/w"],
         # No workdir: the job would wait in the queue for its nodes, only to fail.
         ["--nodes", "1", "--gpus-per-node", "8"],
         ["--nodes", "1", "--gpus-per-node", "8", "--", "--config=configs/quickstart.py"],

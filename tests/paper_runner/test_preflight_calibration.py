@@ -67,7 +67,8 @@ def test_the_preflight_takes_its_platform_s_calibration_unless_the_config_names_
   for name, platform in (("v5e-16", "tpu"), ("h100x8", "gpu")):
     utilization, source, spread = _utilization(config, get_target(name))
     calibrated = CALIBRATION[platform]
-    assert utilization == calibrated.utilization and spread == [calibrated.low, calibrated.high]
+    assert utilization == calibrated.utilization and spread == list(calibrated.band)
+    assert spread[0] < calibrated.low < calibrated.high < spread[1]  # Wider than the rows alone.
     assert platform.upper() in source
   config.preflight.utilization = 0.25
   assert _utilization(config, get_target("h100x8")) == (0.25, "preflight.utilization", None)

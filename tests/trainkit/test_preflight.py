@@ -160,6 +160,20 @@ def test_quickstart_on_an_h100_node(private_compilation_cache):
   )
   assert run["device_hours"] > run["device_hours_full_overlap"] > 0
   assert "without overlap" in summary(record) and "with full overlap" in summary(record)
+  # The band, and the jax and GEMM backend that compiled the estimate.
+  low, high = run["device_hours_range"]
+  assert low < run["device_hours"] < high
+  assert f"compiled by jax {jax.__version__}; GEMMs: " in summary(record)
+  assert record["provenance"]["gemm_backend"] == train["gemm_backend"]
+  assert re.fullmatch(r"\d+ cuBLAS calls, \d+ Triton GEMM fusions.*", train["gemm_backend"])
+  # The quickstart's data is generated in memory: no cores to feed it. A JPEG pipeline given
+  # fewer cores per process than it needs is warned of.
+  assert record["input"] is None
+  fed = dict(examples_per_s_per_core=440.0, cores=1, cores_from="data.num_workers=0")
+  short = dict(record, input=dict(fed, processes_per_host=8, cores_needed=5))
+  assert "5 host cores per GPU (launch/slurm.sh --cpus-per-task)" in summary(short)
+  assert "WARNING: data.num_workers=0 gives the input pipeline 1 core(s)" in summary(short)
+  assert "WARNING" not in summary(dict(short, input=dict(short["input"], cores=5)))
   # The dispatch compiled is named, with the config's "auto" it was chosen for.
   dispatch = record["settings"]["moe.dispatch"]
   assert config.moe.dispatch == "auto" and record["settings_given"] == {"moe.dispatch": "auto"}

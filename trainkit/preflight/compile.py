@@ -30,7 +30,7 @@ from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import batch_sharding, make_mesh, require_all_devices
 from trainkit.optim import learning_rate_schedule, make_optimizer
 from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
-from trainkit.preflight import analysis
+from trainkit.preflight import analysis, hlo
 from trainkit.preflight.calibration import CALIBRATION
 from trainkit.preflight.targets import GIB, TARGETS, Target, devices, get_target
 from trainkit.remat import MOST_AGGRESSIVE_REMAT, REMAT_CHOICES, validate_remat
@@ -44,6 +44,11 @@ from trainkit.train_state import (
 )
 
 PREFLIGHT_FILE = "preflight.json"
+# Checkpoints are saved asynchronously (trainkit.checkpoint): the devices wait only while the
+# state is copied to the host, taken at PCIe 4.0 x16's 25 GB/s per device, one way.
+HOST_COPY_BYTES_PER_S = 25e9
+# An eval step is the forward pass alone: about a third of a training step's work per example.
+EVAL_SHARE_OF_TRAIN_STEP = 1 / 3
 _GPU_TILING_ERROR = "Couldn't find output tile sizes"
 # What can change a step's memory per device (`memory_keys` names those that help).
 MEMORY_KEYS = ("batch_size", "eval_batch_size", "model.remat", "compute_dtype", "mesh.expert")
@@ -90,8 +95,10 @@ def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
 @dataclasses.dataclass
 class Program:
   """What a package's run is made of: the model (traced only), the loss, the unsharded global
-  batches, the dataset's size (0: unknown), and `settings`, the choices the config left open
-  (`moe.dispatch="auto"`)."""
+  batches, the dataset's size and its validation split's (0: unknown), `settings`, the choices
+  the config left open (`moe.dispatch="auto"`), and `input_pipeline`: the examples/s one host
+  core prepares (`examples_per_s_per_core`, measured) and the cores the config gives it per
+  process (`cores`, named by `cores_from`)."""
 
   make_model: Callable[[], nnx.Module]
   loss_fn: LossFn
@@ -103,6 +110,8 @@ class Program:
   update_extra: UpdateExtraFn | None = None
   initial_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  eval_examples: int = 0
+  input_pipeline: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 BuildProgram = Callable[[ml_collections.ConfigDict, Mesh], Program]
@@ -206,6 +215,8 @@ def compile_step(
     record["optimized_hlo_cost"] = analysis.optimized_hlo_cost(text)
     # cuBLAS/cuDNN calls, which the HLO cost analysis does not count.
     record["library_calls"] = analysis.library_call_cost(text)
+  if target.platform == "gpu":
+    record["gemm_backend"] = gemm_backend(text, options)
   if cost:
     # A negative optimal_seconds is XLA's "no estimate" (seen with collectives in the program).
     record["xla_cost"] = {
@@ -214,6 +225,17 @@ def compile_step(
         if k in cost and float(cost[k]) > 0
     }
   return compiled, record
+
+
+_TRITON_GEMM = re.compile(r'"kind":\s*"__triton[\w]*gemm')
+
+
+def gemm_backend(hlo_text: str, options: Mapping[str, Any]) -> str:
+  """Which library a GPU program's GEMMs compiled to: its cuBLAS calls and Triton GEMM fusions."""
+  cublas = sum(1 for _ in hlo._GEMM_TARGET.finditer(hlo_text))
+  triton = len(_TRITON_GEMM.findall(hlo_text))
+  off = " (Triton GEMMs off: this jax cannot tile them without the GPU)" if options else ""
+  return f"{cublas} cuBLAS calls, {triton} Triton GEMM fusions{off}"
 
 
 @contextlib.contextmanager
@@ -243,6 +265,17 @@ def step_estimate(
       "step_seconds_no_overlap": None if compute is None else compute + collectives,
       "step_seconds_full_overlap": None if compute is None else max(compute, collectives),
   }
+
+
+def band_seconds(
+    bound_seconds: float, collective_seconds: float | None, utilization_range: list[float]
+) -> list[float]:
+  """[fastest, slowest] step without overlap: the roofline bound at the highest and the lowest
+  utilisation of the calibration's band."""
+  return [
+      step_estimate(bound_seconds, u, collective_seconds)["step_seconds_no_overlap"]
+      for u in sorted(utilization_range, reverse=True)
+  ]
 
 
 @persistent_cache_off()
@@ -321,15 +354,20 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
   utilization, utilization_source, utilization_range = _utilization(config, target)
   bound = roofline["bound_s"] if roofline else None
   estimate = step_estimate(bound, utilization, train.get("collective_seconds"))
-  # The calibration's range carried through: the step at its highest and lowest utilisation.
   step_range = None
   if roofline and utilization_range:
-    step_range = [
-        step_estimate(bound, u, train.get("collective_seconds"))["step_seconds_no_overlap"]
-        for u in reversed(utilization_range)
-    ]
+    step_range = band_seconds(bound, train.get("collective_seconds"), utilization_range)
   step_seconds = estimate["step_seconds_no_overlap"]
   full_overlap = estimate["step_seconds_full_overlap"]
+  outside = outside_steps(config, program, steps, train["memory"])
+
+  def hours(step: float | None) -> float | None:
+    """Wall hours of the run: its steps, its evaluations and its checkpoint saves."""
+    if not step:
+      return None
+    return (steps * step * (1 + outside["eval_share"]) + outside["checkpoint_seconds"]) / 3600
+
+  wall, wall_full = hours(step_seconds), hours(full_overlap)
   given = {key: _config_value(config, key) for key in program.settings}
   return {
       "target": {
@@ -377,18 +415,63 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
           **estimate,
           "step_seconds_range": step_range,
           "step_seconds": step_seconds,
-          "wall_hours": steps * step_seconds / 3600 if step_seconds else None,
-          "device_hours": steps * step_seconds * n / 3600 if step_seconds else None,
-          "wall_hours_full_overlap": steps * full_overlap / 3600 if full_overlap else None,
-          "device_hours_full_overlap": steps * full_overlap * n / 3600 if full_overlap else None,
+          **outside,
+          "wall_hours": wall,
+          "device_hours": wall * n if wall else None,
+          "device_hours_range": [hours(s) * n for s in step_range] if step_range else None,
+          "wall_hours_full_overlap": wall_full,
+          "device_hours_full_overlap": wall_full * n if wall_full else None,
       },
+      "input": input_cores(program, target, config.batch_size, (step_range or [step_seconds])[0]),
       "provenance": {
           "date": datetime.date.today().isoformat(),
           "jax": jax.__version__,
           "libtpu": _version("libtpu"),
           "jax_cuda12_plugin": _version("jax-cuda12-plugin"),
+          "gemm_backend": train.get("gemm_backend", f"XLA ({target.platform.upper()})"),
       },
   }
+
+
+def outside_steps(
+    config: ml_collections.ConfigDict, program: Program, steps: int, memory: Mapping[str, Any]
+) -> dict[str, Any]:
+  """What a run spends beside its training steps: evaluations of the validation split every
+  `eval_every_steps` (as a share of the steps' time) and checkpoint saves every
+  `checkpoint_every_steps` (seconds), as the training loop schedules them."""
+  every_eval, every_save = config.get("eval_every_steps", 0), config.get(
+      "checkpoint_every_steps", 0
+  )
+  evaluations = math.ceil(steps / every_eval) if every_eval > 0 and program.eval_examples else 0
+  saves = math.ceil(steps / every_save) if every_save > 0 else 0
+  state = sum(memory.get(k) or 0 for k in ("parameters", "optimizer_state", "model_state"))
+  return {
+      "evaluations": evaluations,
+      "eval_examples": program.eval_examples,
+      # Per training step: the eval examples' forward passes, spread over the steps.
+      "eval_share": evaluations
+      * program.eval_examples
+      * EVAL_SHARE_OF_TRAIN_STEP
+      / (steps * config.batch_size),
+      "checkpoints": saves,
+      "checkpoint_seconds": saves * state / HOST_COPY_BYTES_PER_S,
+  }
+
+
+def input_cores(
+    program: Program, target: Target, batch_size: int, step_seconds: float | None
+) -> dict[str, Any] | None:
+  """Host cores per process that prepare the batches as fast as `step_seconds` consumes them, at
+  the program's measured rate per core; one process per host on a TPU, per GPU on a GPU node
+  (launch/slurm.sh). None where the rate is not known."""
+  rate = program.input_pipeline.get("examples_per_s_per_core")
+  if not rate or not step_seconds:
+    return None
+  processes = target.num_hosts if target.platform == "tpu" else target.num_devices
+  needed = math.ceil(batch_size / processes / step_seconds / rate)
+  return dict(
+      program.input_pipeline, processes_per_host=processes // target.num_hosts, cores_needed=needed
+  )
 
 
 def _step_cost(
@@ -440,7 +523,7 @@ def _utilization(
   source = (
       f"calibrated on {target.platform.upper()}: {calibrated.source} (paper_runner/calibration.py)"
   )
-  return calibrated.utilization, source, [calibrated.low, calibrated.high]
+  return calibrated.utilization, source, list(calibrated.band)
 
 
 def _version(package: str) -> str | None:
@@ -574,19 +657,36 @@ def summary(record: Mapping[str, Any]) -> str:
         f" ({run['utilization_source']})",
         f"  step with collectives: {_ms(run['step_seconds'])} without overlap"
         + (
-            f" ({spread[0] * 1e3:.2f}-{_ms(spread[1])} over the calibration's range)"
+            f" (band {spread[0] * 1e3:.2f}-{_ms(spread[1])}: every calibration point and the jax "
+            "versions' spread, docs/scaling.md)"
             if spread
             else ""
         )
         + f", {_ms(run['step_seconds_full_overlap'])} with full overlap",
-        f"  {run['num_train_steps']} steps: {run['wall_hours']:.2f} h wall, "
-        f"{run['device_hours']:.1f} device-hours without overlap; "
-        f"{run['wall_hours_full_overlap']:.2f} h, "
+        f"  {run['num_train_steps']} steps, {run['evaluations']} evaluations of "
+        f"{run['eval_examples']} examples, {run['checkpoints']} checkpoint saves: "
+        f"{run['wall_hours']:.2f} h wall, {run['device_hours']:.1f} device-hours without overlap"
+        + (f" (band {hours[0]:.1f}-{hours[1]:.1f})" if (hours := run["device_hours_range"]) else "")
+        + f"; {run['wall_hours_full_overlap']:.2f} h, "
         f"{run['device_hours_full_overlap']:.1f} device-hours with full overlap",
     ]
   lines.append(
       f"  compile time here: train {train['compile_seconds']} s, eval {ev['compile_seconds']} s"
   )
+  p = record["provenance"]
+  lines.append(f"  compiled by jax {p['jax']}; GEMMs: {p['gemm_backend']}")
+  feed = record.get("input")
+  if feed:
+    per = "host" if feed["processes_per_host"] == 1 else "GPU (launch/slurm.sh --cpus-per-task)"
+    lines.append(
+        f"  input pipeline: {feed['cores_needed']} host cores per {per} feed the band's fastest "
+        f"step at {feed['examples_per_s_per_core']:.0f} examples/s per core (measured)"
+    )
+    if feed["cores"] < feed["cores_needed"]:
+      lines.append(
+          f"  WARNING: {feed['cores_from']} gives the input pipeline {feed['cores']} core(s) per "
+          f"process, fewer than the {feed['cores_needed']} that keep the step fed"
+      )
   return "\n".join(lines)
 
 

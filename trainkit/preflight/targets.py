@@ -154,12 +154,14 @@ _HOPPER_SXM = dict(
     shared_memory_per_core=228 * 1024,
     shared_memory_per_block_optin=227 * 1024,
 )
-# H200: the H100's die and links with 141 GB of HBM3e (memory as nvidia-smi reported it).
+# H200: the H100's die and links with 141 GB of HBM3e. Memory as CUDA reports it (nvidia-smi's
+# 143,771 MiB less the driver's reserve): JAX's bytes_limit at the default fraction was
+# 112,583,507,968 on both lent H200s (benchmarks/results/h200_2026-11-2*/device.json; a test checks).
 _H200 = dict(
     _H100,
     device_kind="NVIDIA H200",
     peak_bf16_flops=PEAK_FLOPS_BY_KIND["NVIDIA H200"],
-    memory_bytes=143_771 * 1024**2,
+    memory_bytes=150_111_343_958,
     memory_bandwidth=4.8e12,
 )
 _A100 = dict(
