@@ -20,7 +20,6 @@ class MarkedTable:
   """One table's place in a document: its body is `text[body_start:body_end]`."""
 
   name: str
-  line: int  # 1-based line of the start marker.
   body_start: int
   body_end: int
 
@@ -51,7 +50,7 @@ def marked_tables(text: str, path: str) -> list[MarkedTable]:
           f"(no '<!-- table:{name} -->' line before it)"
       )
     else:
-      tables.append(MarkedTable(name, open_table[1], open_table[2], match.start()))
+      tables.append(MarkedTable(name, open_table[2], match.start()))
       open_table = None
   if open_table is not None:
     raise UserError(

@@ -50,13 +50,6 @@ def processor() -> dict[str, Any]:
   }
 
 
-def _version(package: str) -> str | None:
-  try:
-    return importlib.metadata.version(package)
-  except importlib.metadata.PackageNotFoundError:
-    return None
-
-
 def host(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   """Processor, cores, software versions and the numerics environment (`environ`, default this
   process's): everything of `machine()` but the devices, so a sweep's supervisor can describe
@@ -67,8 +60,8 @@ def host(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
       "arch": platform.machine(),
       "processor": processor(),
       "python": platform.python_version(),
-      "jax": _version("jax"),
-      "versions": {package: _version(package) for package in _PACKAGES},
+      "jax": importlib.metadata.version("jax"),
+      "versions": {package: importlib.metadata.version(package) for package in _PACKAGES},
       "environment": {name: environ.get(name, "") for name in _ENVIRONMENT},
   }
 
@@ -108,11 +101,8 @@ def source_state(repo: str) -> dict[str, Any]:
 
 
 def _file_hash(path: str) -> str:
-  digest = hashlib.sha256()
   with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def data_hash(path: str) -> str:

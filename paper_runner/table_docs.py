@@ -12,13 +12,6 @@ from paper_runner.collect import markdown_table
 from paper_runner.markers import marked_tables, replace_tables
 from paper_runner.table_record import read_record, stale_runs
 from paper_runner.table_render import render
-from paper_runner.table_reruns import (
-    IDENTICAL,
-    change_text,
-    compare_rerun,
-    moved_verdicts,
-    rerun_machine,
-)
 from paper_runner.table_spec import (
     CLAIM_SUMMARY,
     RERUN_SUMMARY,
@@ -28,7 +21,15 @@ from paper_runner.table_spec import (
     record_path,
     table_names,
 )
-from paper_runner.table_summary import leaks_of, summarise
+from paper_runner.table_summary import (
+    IDENTICAL,
+    change_text,
+    compare_rerun,
+    leaks_of,
+    moved_verdicts,
+    rerun_machine,
+    summarise,
+)
 from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 

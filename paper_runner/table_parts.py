@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import types
 from typing import Iterable, Mapping, Sequence
 
-from paper_runner.spec import dotted
+from paper_runner.spec import dotted, load_sweep_file
 
 
 def sibling_spec(this_file: str, name: str) -> types.ModuleType:
   """The results spec `name`.py beside `this_file`, loaded (results/ is not a package)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"_results_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_sweep_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py"))[1]
 
 
 Claim = dict[str, str]
@@ -43,6 +38,17 @@ def against_first(settings: Iterable[str], metric: str) -> tuple[Claim, ...]:
 # ---------------------------------------------------------------- FairSMoE
 
 FAIR_REFERENCES = "paper_runner.fairmoe.references:reference_reports"
+# What the FairSMoE sweeps on the CelebA sample, and on synthetic data, override alike.
+CELEBA_OVERRIDES = {
+    "data.root": "../shared/data/celeba",
+    "fair.review_every_steps": 20,
+    "moe.capacity_factor": 2.0,
+}
+SYNTHETIC_OVERRIDES = {
+    "fair.review_every_steps": 25,
+    "moe.capacity_factor": 2.0,
+    "analysis_batches": 16,
+}
 FAIRSMOE = "fairsmoe"  # Eq. 8 read literally (expert_competence), the default.
 ATTRIBUTE_ROUTING = "fairsmoe@fair.specialization=attribute_routing"
 CLASS_ROUTING = "fairsmoe@fair.specialization=class_routing"

@@ -1,13 +1,18 @@
-"""A table's record (`results/records/NAME.json`): made from a sweep's runs, added to, read back
-checked."""
+"""A table's record (`results/records/NAME.json`): made from a sweep's runs, with its reference
+rows (readers without a model scored on its runs' data) and its folds' split sizes; added to, read
+back checked."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
+from paper_runner import stats
 from paper_runner.collect import RunResult, collect, is_number
 from paper_runner.provenance import data_hashes, differences, machine, source_state
 from paper_runner.spec import (
@@ -21,18 +26,78 @@ from paper_runner.spec import (
     run_record,
 )
 from paper_runner.supervise import record_differences
-from paper_runner.table_references import reference_rows, split_sizes
 from paper_runner.table_spec import (
     SEED_KEY,
     TableSpec,
+    import_spec_object,
     metric_value,
     record_path,
     sample_sizes,
+    spec_error,
     unit_text,
 )
 from trainkit.errors import UserError
 from trainkit.storage import write_atomically
 from trainkit.workdir import CONFIG_FILE, trained_config_differences
+
+
+def _data_by_part(spec: TableSpec, over: str | None) -> dict[Any, dict[str, Any]]:
+  """{value of `over` (a fold key; None: the one data): the config of its runs' data}."""
+  firsts = {}
+  for point in grid_points(spec.sweep):
+    firsts.setdefault((format_value(point[spec.rows]), point.get(over)), point)
+  data: dict[Any, dict[str, Any]] = {}
+  for (_, part), point in firsts.items():
+    config = resolved_config(spec.sweep, point).to_dict()
+    data.setdefault(part, {}).setdefault(json.dumps(config["data"], sort_keys=True), config)
+  if any(len(configs) > 1 for configs in data.values()):
+    raise spec_error(spec.name, "references", "its rows read different data; one is needed")
+  return {part: next(iter(configs.values())) for part, configs in data.items()}
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+  return None if None in values else math.fsum(values) / len(values)
+
+
+def reference_rows(spec: TableSpec) -> list[dict[str, Any]]:
+  """The spec's reference readers scored on its runs' data: [{"name", "metrics", ...}], each value
+  the mean over the folds; a reader with seeded `draws` gets the mean and 95% range over its
+  draws of each draw's mean over the folds."""
+  read = import_spec_object(spec, "references", spec.references)
+  over = spec.cross_validation[0] if spec.cross_validation else None
+  scored: dict[str, list[dict[str, Any]]] = {}
+  for config in _data_by_part(spec, over).values():
+    for name, report in read(config, REPO_ROOT).items():
+      scored.setdefault(name, []).append(report)
+  rows = []
+  for name, reports in scored.items():
+    suffix = f", mean over {len(reports)} {over.split('.')[-1]}s" if len(reports) > 1 else ""
+    row: dict[str, Any] = {"name": name + suffix, "metrics": {}}
+    if reports[0].get("role"):
+      row["role"] = reports[0]["role"]
+    drawn = all(r.get("draws") for r in reports)  # Else each reader's report is its one draw.
+    draws = [r["draws"] if drawn else [r] for r in reports]
+    count, ranges = min(len(d) for d in draws), {}
+    for path in spec.metrics():
+      values = [_mean([metric_value(d[i], path) for d in draws]) for i in range(count)]
+      row["metrics"][path] = _mean(values)
+      if drawn and None not in values:
+        quantiles = [(1 - stats.CONFIDENCE) / 2, (1 + stats.CONFIDENCE) / 2]
+        ranges[path] = [float(q) for q in np.quantile(values, quantiles)]
+    if drawn:
+      row.update(ranges=ranges, draws=count)
+    rows.append(row)
+  return rows
+
+
+def split_sizes(spec: TableSpec) -> dict[str, dict[str, int]]:
+  """{fold value: {"train", "validation", "test": examples}}, from the data alone."""
+  fold, target = spec.cross_validation
+  sizes = import_spec_object(spec, "cross_validation", target)
+  return {
+      format_value(part): dict(sizes(config, REPO_ROOT))
+      for part, config in _data_by_part(spec, fold).items()
+  }
 
 
 def _check_started_by_spec(spec: TableSpec, workdir: str, result: RunResult) -> None:
@@ -211,12 +276,6 @@ def read_record(name: str) -> dict[str, Any]:
   return record
 
 
-def _run_text(index_name: str, run: Mapping[str, Any]) -> str:
-  known = [f"row {run['row']}"] if "row" in run else []
-  known += [f"seed {unit_text(run['seed'])}"] if "seed" in run else []
-  return index_name + (f" ({', '.join(known)})" if known else "")
-
-
 def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
   """A UserError naming the first run without row, pair, status, finite metrics, or twice."""
   remake = f"(remake the record with --record={name})"
@@ -227,7 +286,9 @@ def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
     index_name = f"{what}[{i}]"
     if not isinstance(run, dict):
       raise UserError(f"{where}: {index_name} is not a run (a JSON object) {remake}")
-    text = _run_text(index_name, run)
+    known = [f"row {run['row']}"] if "row" in run else []
+    known += [f"seed {unit_text(run['seed'])}"] if "seed" in run else []
+    text = index_name + (f" ({', '.join(known)})" if known else "")
     for key in ("row", "seed", "status"):
       if key not in run:
         raise UserError(f"{where}: {text} has no {key!r} {remake}")

@@ -10,7 +10,6 @@ from paper_runner import stats
 from paper_runner.collect import markdown_table
 from paper_runner.spec import REPO_ROOT, format_value
 from paper_runner.table_reproduce import NOT_REPRODUCED
-from paper_runner.table_reruns import machine_text, moved_verdicts
 from paper_runner.table_spec import (
     EVERY_ROW,
     Column,
@@ -19,7 +18,13 @@ from paper_runner.table_spec import (
     pair_units,
     record_path,
 )
-from paper_runner.table_summary import chosen_row, leaks_of, summarise
+from paper_runner.table_summary import (
+    chosen_row,
+    leaks_of,
+    machine_text,
+    moved_verdicts,
+    summarise,
+)
 
 
 def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=False) -> str:

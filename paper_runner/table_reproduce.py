@@ -141,12 +141,8 @@ def comparison_basis(provenance: Mapping[str, Any]) -> tuple[list[str], Mapping[
   """How this machine, software and data differ from a record's `provenance`, and the stamped
   exact reproduction on this very machine and data that vouches for comparing exactly anyway."""
   differs = _why_not_exact(provenance)
-  if not differs:
-    return [], None
-  for stamp in provenance.get("reproduced", ()):
-    if stamp.get("exact") and not _why_not_exact(stamp):
-      return differs, stamp
-  return differs, None
+  stamps = provenance.get("reproduced", ()) if differs else ()
+  return differs, next((s for s in stamps if s.get("exact") and not _why_not_exact(s)), None)
 
 
 def _why_not_exact(provenance: Mapping[str, Any]) -> list[str]:

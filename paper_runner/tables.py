@@ -8,11 +8,8 @@ r"""Results tables generated from specs: record a sweep's runs, write and check 
   python -m paper_runner.tables --rerun=NAME --workdir=DIR              # add a rerun to the record
   python -m paper_runner.tables --references=NAME                       # score the reference rows
 
-A spec is a sweep file `results/NAME.py` (paper_runner/sweep.py) with a module-level `TABLE`; its
-keys are checked in paper_runner/table_spec.py and described in docs/running.md. The record
-(`results/records/NAME.json`) holds every run's values, sample sizes, reference rows, reruns and
-provenance, so a table renders from the record alone; docs/protocol.md section 3 gives the
-statistics (intervals, paired claims, accuracy gates, Holm).
+A spec is a sweep file `results/NAME.py` with a `TABLE` (keys: docs/running.md); its record
+holds all a table renders from (statistics: docs/protocol.md section 3).
 """
 
 from __future__ import annotations

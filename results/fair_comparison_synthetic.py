@@ -39,8 +39,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config="configs/quickstart.py:steps=200,cues=false",
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": tuple(METHODS)}),
-      overrides=dotted(
-          {"fair.review_every_steps": 25, "moe.capacity_factor": 2.0, "analysis_batches": 16}
-      ),
+      overrides=dotted(parts.SYNTHETIC_OVERRIDES),
       metrics=("accuracy", "mf.pqd", "mf.dp", "validation.accuracy", "gradient_cosine"),
   )

@@ -70,13 +70,7 @@ def get_config(arg=None):
       config=f"configs/celeba.py:size=small,epochs={arg.epochs},split=identity_folds",
       grid=dotted({FOLD: (0, 1, 2, 3, 4), "seed": (0,), "method": parts.FAIR_COMPARISON}),
       overrides=dotted(
-          {
-              "data.root": "../shared/data/celeba",
-              "data.target": arg.target,
-              "fair.review_every_steps": 20,
-              "moe.capacity_factor": 2.0,
-              "analysis_batches": 16,
-          }
+          {**parts.CELEBA_OVERRIDES, "data.target": arg.target, "analysis_batches": 16}
       ),
       metrics=("accuracy", "mf.pqd", "validation.accuracy", "experts_active.choices"),
   )

@@ -3,8 +3,8 @@ on the CelebA sample, the paper's 0.1 and 0.5 for each, three paired seeds. It c
 validation MF-PQD within one accuracy point of the best (fairness at no cost in accuracy).
 """
 
+from paper_runner import table_parts as parts
 from paper_runner.spec import dotted
-from paper_runner.table_parts import FAIR_REFERENCES, against_first
 
 # Rows: lambda_pqd, each value also setting lambda_dp.
 SETTINGS = {
@@ -15,7 +15,7 @@ SETTINGS = {
 }
 
 TABLE = dict(
-    references=FAIR_REFERENCES,
+    references=parts.FAIR_REFERENCES,
     title="The lambdas of L_Psi = lambda_pqd L_PQD + lambda_dp L_DP, FairSMoE, CelebA sample, validation split",
     rows="fair.lambda_pqd",
     row_names=SETTINGS,
@@ -28,7 +28,7 @@ TABLE = dict(
     ),
     select="validation.mf.pqd",
     select_within=("validation.accuracy", 0.01),
-    claims=against_first(SETTINGS, "validation.mf.pqd"),
+    claims=parts.against_first(SETTINGS, "validation.mf.pqd"),
 )
 
 
@@ -38,13 +38,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config="configs/celeba.py:size=small,epochs=3",
       grid=dotted({"seed": (0, 1, 2), "fair.lambda_pqd": tuple(SETTINGS)}),
-      overrides=dotted(
-          {
-              "data.root": "../shared/data/celeba",
-              "data.sensitive": "Male",
-              "fair.review_every_steps": 20,
-              "moe.capacity_factor": 2.0,
-          }
-      ),
+      overrides=dotted({**parts.CELEBA_OVERRIDES, "data.sensitive": "Male"}),
       metrics=("validation.accuracy", "validation.mf.pqd", "validation.mf.dp"),
   )

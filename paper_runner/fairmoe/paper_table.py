@@ -14,8 +14,7 @@ import ml_collections
 from paper_runner import table_parts as parts
 from paper_runner.collect import RunResult
 from paper_runner.spec import format_value, validate_sweep
-from paper_runner.table_record import run_entry
-from paper_runner.table_references import reference_rows
+from paper_runner.table_record import reference_rows, run_entry
 from paper_runner.table_render import render
 from paper_runner.table_spec import TableSpec, make_spec
 from paper_runner.table_summary import summarise

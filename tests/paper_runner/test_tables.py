@@ -22,7 +22,6 @@ from paper_runner import (
     table_record,
     table_render,
     table_reproduce,
-    table_reruns,
     table_spec,
     table_summary,
     tables,
@@ -553,7 +552,7 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
   assert rerun["provenance"]["commit"] == "abc"  # The runs' commit, not this checkout's.
   assert rerun["provenance"]["machine"]["environment"]["XLA_FLAGS"] == "--isa=x"
   text = table_render.render(spec, record)
-  result = table_reruns.compare_rerun(spec, record, rerun)
+  result = table_summary.compare_rerun(spec, record, rerun)
   assert [(c.metric, before, after) for c, before, after, _ in result.claims] == [
       ("accuracy", "holds", "does not hold"),
       ("mf.pqd", stats.UNTESTABLE, stats.UNTESTABLE),  # The toy has no reference accuracy.
@@ -569,7 +568,7 @@ def test_a_rerun_says_which_verdicts_it_keeps_and_the_largest_change(toy_tables,
   table_record.add_rerun(spec, str(_rerun_workdir(toy_tables, tmp_path / "2", accuracy_gain=0.02)))
   record = table_record.read_record("toy")
   assert len(record["reruns"]) == 1
-  result = table_reruns.compare_rerun(spec, record, record["reruns"][0])
+  result = table_summary.compare_rerun(spec, record, record["reruns"][0])
   assert all(before == after for _, before, after, _ in result.claims) and len(result.claims) == 2
   assert result.chosen == ("a", "a")
 
@@ -605,7 +604,7 @@ def test_the_largest_rerun_change_is_measured_against_each_claim_s_own_interval(
         )
     return {"runs": runs}
 
-  result = table_reruns.compare_rerun(spec, record(0, 0), record(0.01, 0.02))
+  result = table_summary.compare_rerun(spec, record(0, 0), record(0.01, 0.02))
   change, relative, claim = result.largest_change
   assert claim.metric == "mf.pqd"
   # The MF-PQD gaps' interval: mean 0.04, half-width t(0.975, 4) * s / sqrt(5) with s = 0.00707.
@@ -979,7 +978,7 @@ def test_a_rerun_that_predicts_as_recorded_is_identical_and_not_counted(toy_tabl
     run["metrics"] = dict(recorded["metrics"])
   with open(table_spec.record_path("toy"), "w") as f:
     json.dump(record, f)
-  assert table_reruns.compare_rerun(spec, record, record["reruns"][0]).identical
+  assert table_summary.compare_rerun(spec, record, record["reruns"][0]).identical
   summary = table_docs.rerun_summary()
   assert "| identical (not independent): not counted" in summary
   assert (
@@ -990,7 +989,7 @@ def test_a_rerun_that_predicts_as_recorded_is_identical_and_not_counted(toy_tabl
   record["reruns"][0]["runs"][0]["metrics"]["accuracy"] += 1e-12
   with open(table_spec.record_path("toy"), "w") as f:
     json.dump(record, f)
-  assert not table_reruns.compare_rerun(spec, record, record["reruns"][0]).identical
+  assert not table_summary.compare_rerun(spec, record, record["reruns"][0]).identical
   assert "**2 of 2** (the 1 reruns that could differ)" in table_docs.rerun_summary()
 
 
