@@ -439,20 +439,16 @@ def outside_steps(
   """What a run spends beside its training steps: evaluations of the validation split every
   `eval_every_steps` (as a share of the steps' time) and checkpoint saves every
   `checkpoint_every_steps` (seconds), as the training loop schedules them."""
-  every_eval, every_save = config.get("eval_every_steps", 0), config.get(
-      "checkpoint_every_steps", 0
-  )
-  evaluations = math.ceil(steps / every_eval) if every_eval > 0 and program.eval_examples else 0
+  every_eval = config.get("eval_every_steps", 0) if program.eval_examples else 0
+  every_save = config.get("checkpoint_every_steps", 0)
+  evaluations = math.ceil(steps / every_eval) if every_eval > 0 else 0
   saves = math.ceil(steps / every_save) if every_save > 0 else 0
   state = sum(memory.get(k) or 0 for k in ("parameters", "optimizer_state", "model_state"))
+  evaluated = evaluations * program.eval_examples * EVAL_SHARE_OF_TRAIN_STEP
   return {
       "evaluations": evaluations,
       "eval_examples": program.eval_examples,
-      # Per training step: the eval examples' forward passes, spread over the steps.
-      "eval_share": evaluations
-      * program.eval_examples
-      * EVAL_SHARE_OF_TRAIN_STEP
-      / (steps * config.batch_size),
+      "eval_share": evaluated / (steps * config.batch_size),  # Of the training steps' time.
       "checkpoints": saves,
       "checkpoint_seconds": saves * state / HOST_COPY_BYTES_PER_S,
   }
@@ -663,8 +659,13 @@ def summary(record: Mapping[str, Any]) -> str:
             else ""
         )
         + f", {_ms(run['step_seconds_full_overlap'])} with full overlap",
-        f"  {run['num_train_steps']} steps, {run['evaluations']} evaluations of "
-        f"{run['eval_examples']} examples, {run['checkpoints']} checkpoint saves: "
+        f"  {run['num_train_steps']} steps, "
+        + (
+            f"{run['evaluations']} evaluations of {run['eval_examples']} examples"
+            if run["eval_examples"]
+            else "evaluations not counted (the validation split's size is not known)"
+        )
+        + f", {run['checkpoints']} checkpoint saves: "
         f"{run['wall_hours']:.2f} h wall, {run['device_hours']:.1f} device-hours without overlap"
         + (f" (band {hours[0]:.1f}-{hours[1]:.1f})" if (hours := run["device_hours_range"]) else "")
         + f"; {run['wall_hours_full_overlap']:.2f} h, "
