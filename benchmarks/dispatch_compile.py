@@ -3,6 +3,7 @@ r"""Which MoE dispatch on an accelerator, decided by the compiler: one MoE layer
   python benchmarks/dispatch_compile.py                                  # v5e-8 and h100x1, float32
   python benchmarks/dispatch_compile.py --peer-vmoe ../shared/peers/vmoe --dtype float32 bfloat16
   python benchmarks/dispatch_compile.py --targets v5e-8 --dtype bfloat16 --merge   # add rows
+  python benchmarks/dispatch_compile.py --targets v5e-8 --cases deit_s_e4 --mesh 4 2 --merge
 
 `benchmarks/moe_layer.py`'s step (forward and backward), for each `--dispatch`, `dense_mlp` and,
 with `--peer-vmoe`, V-MoE's dispatchers, at moe_layer.py's `--cases vmoe` and `deit_s32`, lowered
@@ -13,8 +14,10 @@ results), a roofline time and the compile time. XLA's GPU compiler gives no cost
 XLA counts a while loop's body once: the looped dispatches (`sort_blocks`, `blocksparse`) add
 `flops_est`, the matmuls of a balanced routing. `dropless_ragged_dot` and `dropless_megablox`
 force one of `dropless`'s kernels; a Pallas kernel's cost is its own estimate. A row that fails
-to compile records its `error`. Writes JSON (default benchmarks/results/dispatch_compile.json)
-with, per target, dtype and case, the dispatch of least roofline time and of least scratch.
+to compile records its `error`. With `--mesh DATA EXPERT` the step is compiled on that mesh of
+the target's devices instead (tokens over both axes, experts over "expert", the dispatch per
+device as `SparseMoE` runs it); figures per device, plus each collective's bytes and the number
+of row gathers. Writes JSON (default benchmarks/results/dispatch_compile.json) with, per target, dtype and case, the dispatch of least roofline time and of least scratch.
 """
 
 from __future__ import annotations
@@ -35,15 +38,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import moe_layer
 from bench_utils import fmt, markdown_table, write_results
-from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS
+from fairmoe_jax.moe.dispatch import (
+    DISPATCH_ALGORITHMS,
+    ExpertWeights,
+    data_parallel_moe,
+    expert_parallel_moe,
+)
 from fairmoe_jax.moe.experimental.blocksparse import choose_block_size
-from trainkit.preflight import analysis
+from fairmoe_jax.moe.layer import EXPERT_AXIS
+from trainkit.mesh import BATCH_AXES, make_mesh
+from trainkit.preflight import analysis, hlo
 from trainkit.preflight.targets import Target, devices, get_target
 
 SHAPES = moe_layer.SHAPES  # (images, tokens per image, width, expert MLP hidden width)
 CASES = {
     "vmoe": moe_layer.VMOE_CASES,  # ("cpu", 8, 2), ("cpu", 64, 2), ("cpu_deit", 8, 2)
     "deit_s": (("deit_s32", 4, 2), ("deit_s32", 64, 2)),
+    "deit_s_e4": (("deit_s32", 4, 2),),  # The --mesh rows'.
 }
 DISPATCHES = (
     "sort",
@@ -89,23 +100,46 @@ def one_device_mesh(target: Target) -> Mesh:
   return Mesh(np.array(devices(target)[:1]).reshape(1), ("data",))
 
 
+def sharded_mesh(target: Target, data: int, expert: int) -> Mesh:
+  """The (data, expert) mesh of a training run on `target`'s devices."""
+  return make_mesh({"data": data, "expert": expert}, devices(target))
+
+
 def abstract_args(
     mesh: Mesh, shape: str, num_experts: int | None, top_k: int, dispatch: str, dtype: str
 ) -> tuple[Any, ...]:
-  """moe_layer.layer_args as ShapeDtypeStructs on `mesh` (nothing computed)."""
-  sharding = NamedSharding(mesh, PartitionSpec())
+  """moe_layer.layer_args as ShapeDtypeStructs on `mesh` (nothing computed); on a `sharded_mesh`
+  laid out as training lays them out: tokens and cotangent over every axis, experts over
+  "expert", the other weights replicated."""
   args = jax.eval_shape(
       lambda: moe_layer.layer_args(SHAPES[shape], num_experts, top_k, dispatch, dtype)
   )
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+
+  def placed(i: int, arg: Any) -> Any:
+    spec = PartitionSpec()
+    if EXPERT_AXIS in mesh.shape and i in (0, len(args) - 1):
+      spec = PartitionSpec(BATCH_AXES)
+    elif EXPERT_AXIS in mesh.shape and isinstance(arg, ExpertWeights):
+      spec = PartitionSpec(EXPERT_AXIS)
+    sharding = NamedSharding(mesh, spec)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), arg)
+
+  return tuple(placed(i, arg) for i, arg in enumerate(args))
 
 
-def loss_fn(dispatch: str, capacity: int | None, top_k: int, peer: Any) -> Callable[..., Any]:
-  """moe_layer.py's loss of the row; a VARIANTS row runs its dispatch with its options."""
-  if dispatch not in VARIANTS:
+def loss_fn(
+    dispatch: str, capacity: int | None, top_k: int, peer: Any, mesh: Mesh
+) -> Callable[..., Any]:
+  """moe_layer.py's loss of the row; a VARIANTS row runs its dispatch with its options, and on a
+  `sharded_mesh` the dispatch runs per device as `SparseMoE` runs it."""
+  name, options = VARIANTS.get(dispatch, (dispatch, {}))
+  if name not in DISPATCH_ALGORITHMS:  # The dense MLP and V-MoE's: the partitioner splits them.
     return moe_layer.layer_loss(dispatch, capacity, top_k, peer)
-  name, options = VARIANTS[dispatch]
   algorithm = functools.partial(DISPATCH_ALGORITHMS[name], **options)
+  if mesh.shape.get(EXPERT_AXIS, 1) > 1:
+    algorithm = functools.partial(expert_parallel_moe, mesh=mesh, algorithm=name)
+  elif EXPERT_AXIS in mesh.shape:
+    algorithm = functools.partial(data_parallel_moe, algorithm, mesh=mesh)
   with mock.patch.dict(DISPATCH_ALGORITHMS, {dispatch: algorithm}):  # Read when the loss is made.
     return moe_layer.layer_loss(dispatch, capacity, top_k)
 
@@ -145,14 +179,17 @@ def compile_row(
     capacity_factor: float,
     peer: Any = None,
 ) -> dict:
-  """One row: the step of `dispatch` compiled for one device of `target`, its figures."""
+  """One row: the step of `dispatch` compiled on `mesh` (`one_device_mesh`, `sharded_mesh`) of
+  `target`, its figures."""
   row = dict(target=target.name, platform=target.platform, device_kind=target.device_kind)
   row.update(moe_layer.case_row(shape, num_experts, top_k, dispatch, dtype, capacity_factor))
+  if EXPERT_AXIS in mesh.shape:
+    row["mesh"] = "x".join(f"{axis}{size}" for axis, size in mesh.shape.items())
   groups, tokens, dim, hidden = SHAPES[shape]
   capacity, row["error"] = row["capacity"], None
   try:
     args = abstract_args(mesh, shape, num_experts, top_k, dispatch, dtype)
-    compiled, seconds = moe_layer.compile_step(loss_fn(dispatch, capacity, top_k, peer), args)
+    compiled, seconds = moe_layer.compile_step(loss_fn(dispatch, capacity, top_k, peer, mesh), args)
   except Exception as e:  # pylint: disable=broad-except  # The target compiler's own errors.
     return dict(row, error=_error(e))
   costs = analysis.cost(compiled) or {}
@@ -164,6 +201,11 @@ def compile_row(
       optimal_seconds=optimal if optimal is not None and optimal > 0 else None,
       while_loops=_while_loops(compiled),
   )
+  if "mesh" in row:
+    text = compiled.as_text()
+    collectives = hlo.collective_results(text).items()
+    row["collective_bytes"] = {kind: sum(a.bytes for a in arrays) for kind, arrays in collectives}
+    row["gathers"] = text.count(" gather(")
   memory = analysis.memory(compiled)
   row.update(memory)
   row["scratch"] = memory["peak"] - memory["arguments"] - memory["outputs"] + memory["aliased"]
@@ -184,25 +226,26 @@ def compile_row(
 
 
 def add_ratios(rows: list[dict]) -> None:
-  """flops_est and scratch of each row over those of the dense MLP of its target, dtype, shape."""
+  """flops_est and scratch of each row over those of the dense MLP of its target, dtype, shape
+  and mesh."""
   dense = {
-      (r["target"], r["dtype"], r["shape"], r["top_k"]): r
+      (r["target"], r.get("mesh"), r["dtype"], r["shape"], r["top_k"]): r
       for r in rows
       if r["dispatch"] == BASELINE and not r["error"]
   }
   for r in rows:
-    d = dense.get((r["target"], r["dtype"], r["shape"], r["top_k"]))
+    d = dense.get((r["target"], r.get("mesh"), r["dtype"], r["shape"], r["top_k"]))
     for key in ("flops_est", "scratch"):
       ok = d is not None and not r["error"] and r.get(key) is not None and d.get(key)
       r[f"{key}_vs_dense"] = r[key] / d[key] if ok else None
 
 
 def best_per_case(rows: list[dict]) -> list[dict]:
-  """Per target, dtype and MoE case: the dispatch with the smallest roofline time (TPU) and
-  the one with the least scratch memory, among those that compiled."""
+  """Per target, dtype and MoE case on one device: the dispatch with the smallest roofline time
+  (TPU) and the one with the least scratch memory, among those that compiled."""
   groups: dict[tuple, list[dict]] = {}
   for r in rows:
-    if r["dispatch"] != BASELINE and not r["error"]:
+    if r["dispatch"] != BASELINE and not r["error"] and "mesh" not in r:
       key = (r["target"], r["dtype"], r["shape"], r["num_experts"], r["top_k"])
       groups.setdefault(key, []).append(r)
   best = []
@@ -239,7 +282,7 @@ def print_table(rows: list[dict]) -> None:
       gflop = f"error: {r['error'][:120]}"
     elif r["dispatch"] in LOOPED and r["flops"] is not None:
       gflop = f"{gflop}* ({fmt(r['flops'], 2, 1e-9)})"
-    case = f"{r['shape']} E={r['num_experts'] or '-'} k={r['top_k']}"
+    case = f"{r['shape']} E={r['num_experts'] or '-'} k={r['top_k']} {r.get('mesh', '')}"
     shown.append(dict(r, case=case, gflop=gflop))
   print(markdown_table(shown, COLUMNS).lstrip())
 
@@ -255,7 +298,7 @@ def main() -> None:
       help="trainkit.preflight targets to compile for (one device of each); GPU targets give "
       "memory figures only",
   )
-  parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+  parser.add_argument("--cases", nargs="+", default=["vmoe", "deit_s"], choices=list(CASES))
   parser.add_argument(
       "--dispatch",
       nargs="+",
@@ -270,6 +313,13 @@ def main() -> None:
       "vmoe_indices rows, as in moe_layer.py",
   )
   parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+  parser.add_argument(
+      "--mesh",
+      nargs=2,
+      type=int,
+      metavar=("DATA", "EXPERT"),
+      help="compile on this (data, expert) mesh of each target's devices, not on one device",
+  )
   parser.add_argument("--capacity_factor", type=float, default=1.25)
   parser.add_argument("--output", default=TABLE_JSON)
   parser.add_argument(
@@ -288,7 +338,7 @@ def main() -> None:
   dispatches = [*args.dispatch, *(moe_layer.PEER_ROWS if peer else [])]
   rows: list[dict] = []
   for target in targets:
-    mesh = one_device_mesh(target)
+    mesh = sharded_mesh(target, *args.mesh) if args.mesh else one_device_mesh(target)
     for dtype in args.dtype:
       for shape, e, k, dispatch in moe_layer.cases(moe, dispatches):
         row = compile_row(target, mesh, shape, e, k, dispatch, dtype, args.capacity_factor, peer)
@@ -321,6 +371,7 @@ def main() -> None:
 def _key(row: dict) -> tuple:
   return (
       row["target"],
+      row.get("mesh"),
       row["dtype"],
       row["shape"],
       row["num_experts"],

@@ -1,4 +1,5 @@
-"""Expert-parallel MoE (shard_map + all-to-all) against the single-device `moe_sort`."""
+"""Expert-parallel MoE (shard_map + all-to-all), `sort` and `einsum`, against the single-device
+`moe_sort`."""
 
 import functools
 
@@ -73,12 +74,19 @@ def _reference(capacity):
   return _run(moe_sort, capacity)
 
 
+# `einsum` on two meshes only (each case is a compile): one expert per shard, and two.
+EP_CASES = [pytest.param(s, "sort", id=f"data{s[0]}xexpert{s[1]}") for s in MESHES] + [
+    pytest.param(s, "einsum", id=f"einsum-data{s[0]}xexpert{s[1]}") for s in [(1, 8), (4, 2)]
+]
+
+
 @pytest.mark.parametrize("capacity", [None, 1], ids=["ample", "overflow"])
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"data{s[0]}xexpert{s[1]}")
-def test_matches_moe_sort(mesh_shape, capacity):
+@pytest.mark.parametrize(("mesh_shape", "algorithm"), EP_CASES)
+def test_matches_moe_sort(mesh_shape, algorithm, capacity):
   mesh = make_mesh({"data": mesh_shape[0], "expert": mesh_shape[1]})
   y_ref, stats_ref, grads_ref = _reference(capacity)
-  y, stats, grads = _run(expert_parallel_moe, capacity, mesh=mesh)
+  ep = functools.partial(expert_parallel_moe, algorithm=algorithm)
+  y, stats, grads = _run(ep, capacity, mesh=mesh)
 
   np.testing.assert_allclose(y, y_ref, **TOL)
   np.testing.assert_array_equal(stats.kept, stats_ref.kept)
@@ -92,6 +100,18 @@ def test_matches_moe_sort(mesh_shape, capacity):
     assert 0.0 < stats.fraction_dropped < 1.0
     # Top-1 choices are served before any top-2 choice.
     assert stats.kept[..., 0].mean() > stats.kept[..., 1].mean()
+
+
+def test_einsum_builds_its_buffers_without_row_gathers():
+  """Expert-parallel `einsum` dispatches and combines by one-hot einsums (`moe_einsum`), forward
+  and backward, around the same four all-to-alls as `sort`, whose row gathers it does not run."""
+  mesh = make_mesh({"data": 4, "expert": 2})
+  x, expert_index, gates, experts = _problem(seed=6)
+  fn = functools.partial(expert_parallel_moe, capacity=2, mesh=mesh, algorithm="einsum")
+  step = jax.jit(functools.partial(_loss_and_grads, fn))
+  text = step.lower(x, expert_index, gates, experts, x).compile().as_text()
+  assert text.count(" all-to-all(") == 4
+  assert text.count(" gather(") == 0
 
 
 def test_sharded_inputs_and_outputs():

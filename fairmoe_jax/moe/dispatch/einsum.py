@@ -93,16 +93,19 @@ def moe_einsum(
     *,
     capacity: int | None = None,
     expert_mlp: Callable[[jax.Array, ExpertWeights], jax.Array] | None = None,
+    num_experts: int | None = None,
 ) -> tuple[jax.Array, DispatchStats]:
   """The einsums of the module doc, without a float [G, S, E, C] tensor in memory.
 
   `expert_mlp(buffers, experts)` runs the MLP on the [E, G, C, D] buffers; None:
-  `ExpertWeights.apply_expert_major` (the experimental `einsum_fused` passes Pallas kernels).
+  `ExpertWeights.apply_expert_major` (the experimental `einsum_fused` passes Pallas kernels,
+  expert parallelism its all-to-all exchange). `num_experts`: E, default `experts.num_experts`
+  (expert parallelism holds a shard of the experts).
   """
   check_inputs(x, expert_index, gates)
   capacity = resolve_capacity(capacity, x.shape[1])
   slot, gate, stats = _slot_plan(
-      expert_index, gates, num_experts=experts.num_experts, capacity=capacity
+      expert_index, gates, num_experts=num_experts or experts.num_experts, capacity=capacity
   )
   mask = jax.nn.one_hot(slot, capacity, dtype=jnp.bool_)  # [G, S, E, C]
   # 0/1 entries are exact in any float dtype, so the gather is lossless.

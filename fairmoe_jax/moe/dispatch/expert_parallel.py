@@ -6,17 +6,20 @@ has `moe_sort`'s semantics and `DispatchStats`, run under `jax.shard_map`: the g
 (examples) [G, S, ...] are split over the batch axes (default every mesh axis), G_l per device;
 the expert weights over the "expert" axis, E_l = E / n_expert per shard.
 
-Per device, the local groups' expert-major buffers [E, G_l * C, D] are built as `moe_sort`
-builds them; an all-to-all sends experts [j E_l, (j + 1) E_l) to expert shard j, which applies
-its experts to [E_l, n_expert * G_l * C, D], and a second all-to-all brings the outputs back to
-be combined. A group lives on one device, so capacity decisions and stats are exactly the
-single-device ones. Memory O(G_l E C D) per device; expert FLOPs split n_expert ways.
+Per device, the local groups' expert-major buffers are built as the single-device dispatch
+builds them: `moe_sort`'s row gathers [E, G_l * C, D], or `moe_einsum`'s one-hot einsum
+[E, G_l, C, D] (GShard / V-MoE; no row gather: on a v5e-8 `sort`'s step accesses 1.74x its
+bytes, docs/benchmarks.md). An all-to-all sends experts [j E_l, (j + 1) E_l) to expert shard
+j, which applies its experts to [E_l, n_expert * G_l, ...], and a second all-to-all brings the
+outputs back to be combined. A group lives on one device, so capacity decisions and stats are exactly
+the single-device ones. Memory O(G_l E C D) per device; expert FLOPs split n_expert ways.
 
 Dropless expert parallelism would need `jax.lax.ragged_all_to_all` (GPU/TPU only); not here.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -27,14 +30,25 @@ from jax.sharding import PartitionSpec as P
 from fairmoe_jax.moe.dispatch import spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, resolve_capacity
+from fairmoe_jax.moe.dispatch.einsum import moe_einsum
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights
 from fairmoe_jax.moe.dispatch.sort import combine_slots, gather_slots, sort_slot_plan
 from fairmoe_jax.moe.dispatch.spmd import ExpertFeatures
 
 __all__ = ["EP_ALGORITHMS", "expert_parallel_moe"]
 
-# Algorithms with an expert-parallel implementation ("einsum" has sort's results).
+# Algorithms with an expert-parallel implementation.
 EP_ALGORITHMS = ("sort", "einsum")
+
+
+def _exchange(buffers: jax.Array, experts: ExpertWeights, expert_axis: str) -> jax.Array:
+  """The local experts applied to every expert shard's buffers for them: [E, G_l, ...] ->
+  [E_l, n_expert G_l, ...] (expert shard j gets experts [j E_l, (j + 1) E_l) of every shard of
+  its axis, already expert-major) -> the MLP -> back to [E, G_l, ...].
+  """
+  received = jax.lax.all_to_all(buffers, expert_axis, split_axis=0, concat_axis=1, tiled=True)
+  outputs = experts.apply_expert_major(received)
+  return jax.lax.all_to_all(outputs, expert_axis, split_axis=1, concat_axis=0, tiled=True)
 
 
 def _local_moe(
@@ -43,23 +57,31 @@ def _local_moe(
     gates: jax.Array,
     experts: ExpertWeights,
     *,
+    algorithm: str,
     num_experts: int,
     capacity: int,
     expert_axis: str,
     expert_features: ExpertFeatures | None = None,
 ) -> tuple[jax.Array, ...]:
   """Per-device body: local groups [G_l, S, ...], local experts [E_l, ...]."""
-  num_groups, group_size, dim = x.shape
-  plan = sort_slot_plan(expert_index, num_experts=num_experts, capacity=capacity)
-  buffers = gather_slots(x.reshape(num_groups * group_size, dim), plan)
-  # [E, G_l C, D] -> [E_l, n_expert G_l C, D]: expert shard j gets the slots of its experts
-  # [j E_l, (j + 1) E_l) from every shard of its expert axis, already expert-major.
-  received = jax.lax.all_to_all(buffers, expert_axis, split_axis=0, concat_axis=1, tiled=True)
-  outputs = experts.apply(received)
-  # And back: [E_l, n_expert G_l C, D] -> [E, G_l C, D].
-  outputs = jax.lax.all_to_all(outputs, expert_axis, split_axis=1, concat_axis=0, tiled=True)
-  y = combine_slots(outputs, gates.reshape(num_groups * group_size, -1), plan)
-  results = (y.reshape(x.shape), plan.stats.kept, plan.stats.group_expert_fraction)
+  exchange = functools.partial(_exchange, expert_axis=expert_axis)
+  if algorithm == "einsum":
+    y, stats = moe_einsum(
+        x,
+        expert_index,
+        gates,
+        experts,
+        capacity=capacity,
+        expert_mlp=exchange,
+        num_experts=num_experts,
+    )
+  else:
+    num_groups, group_size, dim = x.shape
+    plan = sort_slot_plan(expert_index, num_experts=num_experts, capacity=capacity)
+    outputs = exchange(gather_slots(x.reshape(num_groups * group_size, dim), plan), experts)
+    y = combine_slots(outputs, gates.reshape(num_groups * group_size, -1), plan)
+    y, stats = y.reshape(x.shape), plan.stats
+  results = (y, stats.kept, stats.group_expert_fraction)
   if expert_features is not None:
     results += (_features_of_every_expert(x, experts, expert_features, expert_axis),)
   return results
@@ -93,8 +115,9 @@ def expert_parallel_moe(
   """Capacity-limited expert-parallel MoE; the same results as `moe_sort`.
 
   Arguments and results as `data_parallel_moe`'s, except: `experts` are split on their leading
-  axis over `expert_axis` (E divisible by its size); `algorithm` is "sort" or "einsum" (both run
-  the sort path; "dropless" raises); `batch_axes` include `expert_axis`.
+  axis over `expert_axis` (E divisible by its size); `algorithm` is "sort" or "einsum" (the same
+  results; "einsum" builds its buffers by one-hot einsums, no row gathers; "dropless" raises);
+  `batch_axes` include `expert_axis`.
   """
   if algorithm == "dropless":
     raise NotImplementedError(
@@ -143,6 +166,7 @@ def expert_parallel_moe(
         expert_index,
         gates,
         spmd.vary_over(experts, replica_axes),
+        algorithm=algorithm,
         num_experts=num_experts,
         capacity=capacity,
         expert_axis=expert_axis,
