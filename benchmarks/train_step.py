@@ -223,6 +223,8 @@ def measure_program(config: ml_collections.ConfigDict, warmup_steps: int, timed_
   row.update(compute_dtype=config.compute_dtype, image_size=config.data.image_size)
   row.update(dispatch=program.settings.get("moe.dispatch"), device_kind=str(device.device_kind))
   row.update(compile_seconds=compile_s, compiled_memory=bench_utils.memory_analysis(compiled))
+  # Whether cuDNN's fused attention took the backbone's shapes (fairmoe_jax/models/vit.py).
+  row.update(cudnn_attention="__cudnn$fmha" in compiled.as_text())
   row.update(warmup_steps=warmup_steps + 1, timed_steps=len(times), step_seconds=step_s)
   row.update(step_min_seconds=min(times), step_max_seconds=max(times))
   row.update(images_per_s=config.batch_size / step_s)

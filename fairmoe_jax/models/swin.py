@@ -160,14 +160,14 @@ class WindowAttention(Attention):
     bias = self.relative_position_bias_table[...].astype(jnp.float32)[index]
     return bias.reshape(n, n, self.num_heads).transpose(2, 0, 1)
 
-  def add_bias(self, logits: jax.Array, mask: np.ndarray | None) -> jax.Array:
-    """Logits [B * nW, H, N, N] of windows of one or more images; mask: [nW, N, N] or None."""
-    logits = logits + self.relative_position_bias()[None]
-    if mask is not None:
-      windows, n = logits.shape[0], logits.shape[-1]
-      logits = logits.reshape(-1, mask.shape[0], self.num_heads, n, n) + mask[None, :, None]
-      logits = logits.reshape(windows, self.num_heads, n, n)
-    return logits
+  def logits_bias(self, mask: np.ndarray | None, batch: int) -> jax.Array:
+    """[1 or batch, heads, N, N] for `batch` windows, of one image after another; mask: the
+    shifted windows' [nW, N, N] or None."""
+    bias = self.relative_position_bias()[None]
+    if mask is None:
+      return bias
+    bias = bias + mask[:, None]  # [nW, heads, N, N]
+    return jnp.tile(bias, (batch // mask.shape[0], 1, 1, 1))
 
 
 class SwinBlock(CheckpointedBlock, nnx.Module):

@@ -88,6 +88,40 @@ class PatchEmbed(nnx.Module):
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None = None
+) -> jax.Array:
+  """softmax(q k^T / sqrt(Dh) + bias) v for q, k, v [B, N, H, Dh], logits and softmax in float32.
+
+  Lowered for a GPU, bf16/fp16 attention without a bias runs cuDNN's fused kernel, which never
+  writes the [B, H, N, N] logits to memory; elsewhere, or where jax finds no cuDNN at trace time
+  (a CPU or TPU host), XLA's. `implementation=None` is XLA in jax 0.10-0.12, hence the switch.
+  """
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias)
+  # jax checks the head dim only when differentiating, which `jax.checkpoint` defers past the
+  # `except` below: check it here (<= 128 and a multiple of 8 before Hopper).
+  head_dim = q.shape[-1]
+  cudnn_shapes = q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+  if bias is not None or not cudnn_shapes:
+    return xla(q, k, v)
+  try:
+    return jax.lax.platform_dependent(q, k, v, cuda=_cudnn_attention, default=xla)
+  except RuntimeError:  # jax found no cuDNN library ("cuDNN not found" / "not detected").
+    return xla(q, k, v)
+
+
+def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """cuDNN's fused attention; its training kernel refuses odd lengths (ViT's 197 tokens), so an odd
+  sequence gets one padding token, masked out of the keys by their length, its row dropped."""
+  seq_len = q.shape[1]
+  if seq_len % 2 == 0:
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+  q, k, v = (jnp.pad(t, ((0, 0), (0, 1), (0, 0), (0, 0))) for t in (q, k, v))
+  lengths = jnp.full((q.shape[0],), seq_len, jnp.int32)
+  out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
+  return out[:, :seq_len]
+
+
 class Attention(nnx.Module):
   """Multi-head self-attention with a fused qkv projection (timm layout)."""
 
@@ -109,10 +143,11 @@ class Attention(nnx.Module):
     self.proj = linear(dim, dim, dtype, param_dtype, rngs)
     self.proj_drop = nnx.Dropout(dropout_rate)
 
-  def add_bias(self, logits: jax.Array, mask: Any) -> jax.Array:
-    """The float32 logits [B, H, N, N] with any additive bias (none here; Swin's windows)."""
-    del mask
-    return logits
+  def logits_bias(self, mask: Any, batch: int) -> jax.Array | None:
+    """A float32 bias added to the logits, broadcastable to [batch, heads, N, N] (none here; Swin's
+    windows have one)."""
+    del mask, batch
+    return None
 
   def __call__(
       self, x: jax.Array, mask: Any = None, *, train: bool, rngs: nnx.Rngs | None
@@ -122,12 +157,8 @@ class Attention(nnx.Module):
     # converted checkpoints need no permutation.
     qkv = self.qkv(x).reshape(batch, seq_len, 3, self.num_heads, self.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, N, H, Dh]
-    q = q * (self.head_dim**-0.5)
-    # Logits, bias and softmax in float32: in bf16 the exp/sum loses too much precision.
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    logits = self.add_bias(logits, mask)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq_len, dim)
+    out = dot_product_attention(q, k, v, self.logits_bias(mask, batch))
+    out = out.reshape(batch, seq_len, dim)
     return self.proj_drop(self.proj(out), deterministic=not train, rngs=rngs)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_vit import attention_reference
 
 from fairmoe_jax.models import SWIN_PRESETS, SwinTransformer
 from fairmoe_jax.models.swin import (
@@ -20,7 +21,7 @@ from fairmoe_jax.models.swin import (
     window_partition,
     window_reverse,
 )
-from fairmoe_jax.models.vit import Mlp
+from fairmoe_jax.models.vit import Mlp, dot_product_attention
 from fairmoe_jax.moe import SparseMoE
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
@@ -256,6 +257,27 @@ def test_single_window_block_equals_plain_attention():
   bias = table[rel[..., 0] * 7 + rel[..., 1]].transpose(2, 0, 1)  # [H, N, N]
   out = np.asarray(attend(jnp.asarray(x))).reshape(16, 32)
   np.testing.assert_allclose(out, _numpy_attention(x.reshape(16, 32), attn, bias), atol=1e-5)
+
+
+def test_shifted_window_bias_matches_float64_reference():
+  # Two 8x8 maps, four shifted 4x4 windows each: the bias of window row i is the table's entry
+  # for each token offset plus the mask of window i % 4 (the windows of one image, then the next).
+  block = SwinTransformer(**{**TINY, "moe": None}, rngs=nnx.Rngs(0)).layers[0].blocks[1]
+  attn = block.attn
+  rng = np.random.default_rng(5)
+  attn.relative_position_bias_table[...] = jnp.asarray(rng.normal(size=(49, 2)), jnp.float32)
+  mask = shifted_window_mask(8, 8, 4, 2)
+  q, k, v = (jnp.asarray(rng.normal(size=(8, 16, 2, 8)), jnp.float32) for _ in range(3))
+  out = nnx.jit(lambda a, q, k, v: dot_product_attention(q, k, v, a.logits_bias(mask, 8)))(
+      attn, q, k, v
+  )
+  table = _np(attn.relative_position_bias_table)
+  coords = np.array([(i, j) for i in range(4) for j in range(4)])
+  rel = coords[:, None] - coords[None, :] + 3
+  position = table[rel[..., 0] * 7 + rel[..., 1]].transpose(2, 0, 1)  # [H, N, N]
+  bias = np.stack([position + mask[i % 4] for i in range(8)])
+  expected, bound = attention_reference(q, k, v, bias, eps=float(jnp.finfo(jnp.float32).eps))
+  np.testing.assert_array_less(np.abs(np.asarray(out, np.float64) - expected), bound)
 
 
 def test_dropout_needs_rngs_when_training():

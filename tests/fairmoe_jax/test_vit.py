@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from fairmoe_jax.models import VIT_PRESETS, VisionTransformer
-from fairmoe_jax.models.vit import Mlp
+from fairmoe_jax.models.vit import Mlp, dot_product_attention
 from fairmoe_jax.moe import SparseMoE
 
 
@@ -122,6 +122,62 @@ def test_bfloat16_compute():
   assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
   assert aux.loss.dtype == jnp.float32
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def attention_reference(q, k, v, bias=None, *, eps: float) -> tuple[np.ndarray, np.ndarray]:
+  """The attention the backbones computed before `dot_product_attention`, in float64 from the
+  (rounded) inputs q, k, v [B, N, H, Dh] and bias [.., H, N, N], and a bound on each output's
+  error when its probabilities and output are rounded with `eps`.
+
+  The output is a convex combination of v's rows: an error d in the logits moves it by at most
+  2 d sum_j p_j |v_j| (d: Dh float32 roundings, Dh eps32 scale max(|q| |k|^T)); rounding the
+  probabilities and the output adds eps / 2 of sum_j p_j |v_j| each.
+  """
+  q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+  scale = q.shape[-1] ** -0.5
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  if bias is not None:
+    logits = logits + np.asarray(bias, np.float64)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  magnitude = np.einsum("bqhd,bkhd->bhqk", np.abs(q), np.abs(k)).max() * scale
+  logits_error = q.shape[-1] * np.finfo(np.float32).eps * magnitude
+  spread = np.einsum("bhqk,bkhd->bqhd", probs, np.abs(v))
+  return np.einsum("bhqk,bkhd->bqhd", probs, v), (2 * logits_error + eps) * spread
+
+
+@pytest.mark.float32_reference
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_matches_float64_reference(dtype):
+  # DeiT's 197 tokens (odd: cuDNN's path pads them) and head dim 64, at a small batch.
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 197, 3, 64)), dtype) for _ in range(3))
+  out = jax.jit(dot_product_attention)(q, k, v)
+  assert out.shape == q.shape and out.dtype == dtype
+  expected, bound = attention_reference(q, k, v, eps=float(jnp.finfo(dtype).eps))
+  np.testing.assert_array_less(np.abs(np.asarray(out, np.float64) - expected), bound)
+
+
+@pytest.mark.compile_gpu
+def test_gpu_compile_runs_deit_attention_in_cudnn():
+  # pylint: disable=import-outside-toplevel
+  from trainkit.mesh import make_mesh
+  from trainkit.preflight.compile import compile_step, persistent_cache_off
+  from trainkit.preflight.targets import devices, get_target
+
+  target = get_target("h200x1")
+  mesh = make_mesh({"data": 1, "expert": 1}, list(devices(target)))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  q = jax.ShapeDtypeStruct((8, 197, 6, 64), jnp.bfloat16, sharding=sharding)
+  try:  # jax asks the cuDNN library for its version when tracing, whatever the target.
+    jax.eval_shape(functools.partial(jax.nn.dot_product_attention, implementation="cudnn"), q, q, q)
+  except RuntimeError as e:
+    pytest.skip(f"no cuDNN library on this host ({e})")
+  loss = lambda q, k, v: dot_product_attention(q, k, v).astype(jnp.float32).sum()
+  with persistent_cache_off():  # A deviceless executable cannot be loaded back from it.
+    compiled, _ = compile_step(jax.jit(jax.grad(loss, (0, 1, 2))), (q, q, q), mesh, target)
+  text = compiled.as_text()
+  assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
 
 
 def test_dropout_uses_rngs_only_when_training():
