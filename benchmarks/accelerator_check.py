@@ -230,7 +230,8 @@ size `{result['size']}`; {result.get('elapsed_s', 0):.0f} s of a {result['budget
 ```
 
 **Train step** ({train.get('status')}): `{measured.get('config')}`, batch \
-{measured.get('batch_size')}, dispatch `{measured.get('dispatch')}`, median of \
+{measured.get('batch_size')}, dispatch `{measured.get('dispatch')}`, cuDNN attention \
+{measured.get('cudnn_attention')}, median of \
 {measured.get('timed_steps')} steps; predicted for `{predicted.get('target')}`: \
 {predicted.get('source')}.{other_chip}
 
