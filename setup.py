@@ -111,6 +111,8 @@ setup(
         # `--mode=compile` (trainkit/preflight): libtpu and the CUDA plugin without CUDA, to
         # compile for a TPU slice or GPU node on a machine without one. jax's own extras pin
         # the libtpu and plugin that match its jaxlib; constraints.txt pins the tested ones.
-        "preflight": ["jax[tpu,cuda12-local]"],
+        "preflight": ["jax[tpu,cuda12-local]", "tokamax>=0.0.12"],
+        # `dropless` on a GPU: tokamax's grouped GEMMs (fairmoe_jax/moe/dispatch/grouped_gemm.py).
+        "gpu": ["tokamax>=0.0.12"],
     },
 )

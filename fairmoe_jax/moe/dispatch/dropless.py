@@ -6,7 +6,8 @@ and nothing is dropped. O(G S k D) memory, no padding beyond one tile.
 The grouped matmuls (`matmul=`, `DROPLESS_MATMULS`):
 
 * `ragged_dot`: `jax.lax.ragged_dot`, lowered densely over the experts on CPU and TPU
-  (docs/benchmarks.md). What runs on CPU and GPU.
+  (docs/benchmarks.md); on a GPU, tokamax's grouped GEMMs where installed (`grouped_gemm`).
+  What runs on CPU and GPU.
 * `megablox`: the Pallas TPU kernels of `jax.experimental.pallas.ops.tpu.megablox` (`gmm`,
   `tgmm`, as MaxText), visiting only each expert's row tiles. TPU only (`interpret=True` for tests).
 * `auto` (default): `megablox` where the step is lowered for a TPU and the kernels fit
@@ -26,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fairmoe_jax.moe.dispatch import spmd
+from fairmoe_jax.moe.dispatch import grouped_gemm, spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights, add_bias, gelu_exact
@@ -214,7 +215,7 @@ _RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 @jax.custom_vjp
 def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32."""
-  return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
+  return grouped_gemm.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
 
 
 def _ragged_matmul_fwd(rows, w, group_sizes):
@@ -223,8 +224,8 @@ def _ragged_matmul_fwd(rows, w, group_sizes):
 
 def _ragged_matmul_bwd(residuals, d_out):
   rows, w, group_sizes = residuals
-  d_rows = jax.lax.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
-  d_w = jax.lax.ragged_dot_general(
+  d_rows = grouped_gemm.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
+  d_w = grouped_gemm.ragged_dot_general(
       rows, d_out, group_sizes, _RAGGED_WEIGHT_GRADIENT, preferred_element_type=jnp.float32
   )
   return d_rows.astype(rows.dtype), d_w.astype(w.dtype), None
