@@ -4,6 +4,8 @@ recorded with its error; the JSON and its markdown (`.md`) are rewritten after e
 
   python benchmarks/accelerator_check.py --out=$OUT/accelerator_check.json    # a lent GPU, < 9 min
   python benchmarks/accelerator_check.py --size=tiny --out=/tmp/ac/check.json  # any CPU: the path
+  python benchmarks/moe_layer.py --shape=deit_s --experts 64 --dtype=bfloat16 --dispatch sort dropless
+      # dropless' grouped GEMMs (tokamax's, `grouped_gemm.py`) against sort, alone
 """
 
 import argparse
@@ -27,6 +29,7 @@ from trainkit.distributed import child_environment  # noqa: E402  pylint: disabl
 PEERS = (os.path.join(ROOT, "..", "shared", "peers", "vmoe"), os.path.join(ROOT, ".carry/vmoe"))
 CELEBA = (os.path.join(ROOT, "..", "shared", "data", "celeba"), os.path.join(ROOT, ".carry/celeba"))
 PACKAGES = "jax jaxlib flax optax orbax-checkpoint grain array-record ml-collections tensorboardX"
+PACKAGES += " tokamax"  # None: `dropless` ran XLA's dense ragged_dot on the GPU.
 PARTS = ("train_step", "moe_layer", "input_pipeline", "tests", "quickstart")
 # The test files a lent device runs (docs/benchmarks.md, "The tests on a lent GPU").
 # The test files that run on the device: fairmoe_jax's, causal_attn_jax's, then trainkit's.
