@@ -51,9 +51,8 @@ def processor() -> dict[str, Any]:
 
 
 def host(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-  """Processor, cores, software versions and the numerics environment (`environ`, default this
-  process's): everything of `machine()` but the devices, so a sweep's supervisor can describe
-  the host its runs start on without initialising a backend the runs need."""
+  """`machine()` but the devices (`environ` default: this process's), so a sweep's supervisor can
+  describe the host its runs start on without initialising a backend the runs need."""
   environ = os.environ if environ is None else environ
   return {
       "cpu_cores": os.cpu_count(),

@@ -41,8 +41,6 @@ def _mean_se(
   value) and n."""
   values = [float(v) for v in values]
   n = len(values)
-  if n == 0:
-    raise ValueError("no values to summarise")
   mean = math.fsum(values) / n
   if n < 2:
     return mean, None, n

@@ -153,15 +153,9 @@ def _read_doc(path: str) -> str:
 def write_doc(path: str) -> list[str]:
   """Renders every marked table of the markdown file `path` in place."""
   text = _read_doc(path)
-  names = []
-
-  def rendered(name: str) -> str:
-    names.append(name)
-    return _render_marked(name)
-
-  text = replace_tables(text, path, rendered)
-  write_atomically(os.path.realpath(path), text)  # Messages above name the path as given.
-  return names
+  rendered = replace_tables(text, path, _render_marked)
+  write_atomically(os.path.realpath(path), rendered)  # Messages above name the path as given.
+  return [table.name for table in marked_tables(text, path)]
 
 
 def check_doc(path: str) -> list[str]:

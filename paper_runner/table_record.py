@@ -137,8 +137,7 @@ def run_entry(spec: TableSpec, result: RunResult) -> dict[str, Any]:
 
 def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
   """The record of `spec`'s sweep in `workdir` (finished or not)."""
-  dates = []
-  configs = []
+  dates, configs = [], []
   results = collect(spec.sweep, workdir)  # Read once: the rows and the provenance.
   for result in results:
     if result.status == "ok":
@@ -267,13 +266,19 @@ def read_record(name: str) -> dict[str, Any]:
     runs = rerun.get("runs") if isinstance(rerun, dict) else None
     _check_runs(f"{where}: table {name}", runs, f"reruns[{i}].runs", name)
   for reference in record.get("references") or ():
-    for path, value in ((reference or {}).get("metrics") or {}).items():
-      if value is not None and not is_number(value):
-        raise UserError(
-            f"{where}: table {name}: reference {reference.get('name')!r}: {path} is {value!r}, "
-            "not a finite number or null (remake it with --references=" + name + ")"
-        )
+    what, remake = f"reference {reference.get('name')!r}", f"(remake it with --references={name})"
+    _check_finite(f"{where}: table {name}", what, reference.get("metrics"), remake)
   return record
+
+
+def _check_finite(where: str, what: str, metrics: Any, remake: str) -> None:
+  """A UserError naming the first value of `metrics` that is neither a finite number nor null."""
+  for path, value in (metrics or {}).items():
+    if value is not None and not is_number(value):
+      raise UserError(
+          f"{where}: {what}: {path} is {value!r}, not a finite number or null, so no cell or "
+          f"claim on it can be computed {remake}"
+      )
 
 
 def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
@@ -296,12 +301,7 @@ def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
       metrics = run.get("metrics")
       if not isinstance(metrics, dict):
         raise UserError(f"{where}: {text} has a result but no 'metrics' {remake}")
-      for path, value in metrics.items():
-        if value is not None and not is_number(value):
-          raise UserError(
-              f"{where}: {text}: {path} is {value!r}, not a finite number or null, so no cell "
-              f"or claim on it can be computed {remake}"
-          )
+      _check_finite(where, text, metrics, remake)
     key = json.dumps([run["row"], run["seed"]])
     if key in seen:
       raise UserError(

@@ -26,12 +26,17 @@ from paper_runner.table_summary import (
     summarise,
 )
 
+_FOLDS_MEAN = re.compile(r", mean over \d+ \w+$")  # A reference name's suffix, not its reader's.
 
-def _interval_text(interval: stats.Interval, scale: float, decimals: int, sign=False) -> str:
-  """`mean [low, high]` scaled and rounded (`sign`: the mean's sign always), typographic minus."""
-  text = f"{scale * interval.mean:{'+' if sign else ''}.{decimals}f}"
+
+def _interval_text(interval: stats.Interval | None, c: Column, sign: bool = False) -> str:
+  """`mean [low, high]` in the column's scale and decimals (`sign`: the mean's sign always), with
+  a typographic minus; "—" for no interval."""
+  if interval is None:
+    return "—"
+  text = f"{c.scale * interval.mean:{'+' if sign else ''}.{c.decimals}f}"
   if interval.low is not None:
-    text += f" [{scale * interval.low:.{decimals}f}, {scale * interval.high:.{decimals}f}]"
+    text += f" [{c.scale * interval.low:.{c.decimals}f}, {c.scale * interval.high:.{c.decimals}f}]"
   return text.replace("-", "−")
 
 
@@ -41,14 +46,8 @@ def _p_text(p: float) -> str:
 
 def _reference_cell(reference: Mapping[str, Any], c: Column) -> str:
   value = reference["metrics"].get(c.path)
-  if value is None:
-    return "—"
   low, high = (reference.get("ranges") or {}).get(c.path) or (None, None)
-  return _interval_text(stats.Interval(value, low, high, 0), c.scale, c.decimals)
-
-
-def _reader(name: str) -> str:
-  return re.sub(r", mean over \d+ \w+$", "", name)
+  return _interval_text(None if value is None else stats.Interval(value, low, high, 0), c)
 
 
 def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
@@ -60,7 +59,7 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
     bars = {gate.accuracy: gate.bar for _, gate in gates if gate.bar is not None}
     bar_text = "; ".join(
         f"{column(path).label} {column(path).scale * value:.{column(path).decimals}f} "
-        f"({_reader(name)})"
+        f"({_FOLDS_MEAN.sub('', name)})"
         for path, (value, name) in bars.items()
     )
     untestable = sum(1 for _, gate in gates if not gate.above)
@@ -136,12 +135,7 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   lines = [f"**{spec.title}** ({spec.split} split; mean [{interval}] over {pair_units(spec)})", ""]
   body = []
   for row, entry in summary["rows"].items():
-    cells = [
-        _interval_text(entry["cells"][c.path], c.scale, c.decimals)
-        if entry["cells"][c.path]
-        else "—"
-        for c in spec.columns
-    ]
+    cells = [_interval_text(entry["cells"][c.path], c) for c in spec.columns]
     body.append([spec.label(row), *cells, str(len(entry["seeds"]))])
   for reference in record.get("references", ()):
     cells = [_reference_cell(reference, c) for c in spec.columns]
@@ -158,9 +152,6 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         summary["claims"], summary["holm"], summary["matched"]
     ):
       column = spec.column(claim.metric)
-      difference = "—"
-      if result.difference:
-        difference = _interval_text(result.difference, column.scale, column.decimals, sign=True)
       few = "" if result.enough_seeds else " (too few seeds)"
       # A verdict a rerun does not reach is marked where it is read, not only below the table.
       notes = [f"a rerun: {moved[claim]}"] if claim in moved else []
@@ -173,18 +164,14 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       cells = [
           f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
           column.label,
-          difference,
+          _interval_text(result.difference, column, sign=True),
           str(len(result.seeds)),
           _p_text(result.p) if result.difference else "—",
           verdict,
           adjusted,
       ]
       if matched_column:
-        cells.append(
-            "—"
-            if found is None
-            else _interval_text(found[0], column.scale, column.decimals, sign=True)
-        )
+        cells.append(_interval_text(found and found[0], column, sign=True))
       body.append(cells)
     lines += [""]
     header = [
@@ -201,11 +188,10 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     lines += markdown_table(header, body)
   best = chosen_row(spec, summary) if spec.select else None
   if best is not None:
-    label = next(c.label for c in spec.columns if c.path == spec.select)
-    rule = f"the highest mean {label}"
+    rule = f"the highest mean {spec.column(spec.select).label}"
     if spec.select_within:
       path, margin = spec.select_within
-      guard = next(c for c in spec.columns if c.path == path)
+      guard = spec.column(path)
       rule += (
           f" among the settings whose mean {guard.label} is within "
           f"{format_value(margin * guard.scale)} of the best"

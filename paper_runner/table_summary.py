@@ -252,7 +252,6 @@ IDENTICAL = "identical (not independent)"
 
 @dataclasses.dataclass(frozen=True)
 class RerunComparison:
-
   runs: int
   claims: list[tuple[Claim, str, str, float]]  # (claim, recorded, rerun verdict, |change|)
   chosen: tuple[str, str] | None  # A tuning table's (recorded, rerun) choice.
@@ -292,9 +291,9 @@ def compare_rerun(
       runs=len(rerun["runs"]),
       claims=claims,
       chosen=chosen,
-      largest_change=max(changes, key=lambda c: (-1.0 if c[1] is None else c[1], c[0]))
-      if changes
-      else None,
+      largest_change=max(
+          changes, key=lambda c: (-1.0 if c[1] is None else c[1], c[0]), default=None
+      ),
       identical=identical_predictions(spec, record, rerun),
   )
 
@@ -323,15 +322,11 @@ def identical_predictions(
   if not paths or not rerun["runs"]:
     return False
   recorded = {(r["row"], r["seed"]): r for r in record["runs"] if r["status"] == "ok"}
-  for run in rerun["runs"]:
-    before = recorded.get((run["row"], run["seed"]))
-    if before is None:
-      return False
-    if any(before["metrics"].get(p) != run["metrics"].get(p) for p in paths):
-      return False
-    if before.get("examples") != run.get("examples") or before.get("groups") != run.get("groups"):
-      return False
-  return True
+
+  def predicted(run: Mapping[str, Any] | None) -> list[Any] | None:
+    return run and [run["metrics"].get(p) for p in paths] + [run.get("examples"), run.get("groups")]
+
+  return all(predicted(recorded.get((r["row"], r["seed"]))) == predicted(r) for r in rerun["runs"])
 
 
 def _xla_flags(m: Mapping[str, Any]) -> str | None:

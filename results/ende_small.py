@@ -24,7 +24,7 @@ TABLE = dict(
         parts.CONSTRAINT_MET,
     ),
     claims=parts.claims(
-        parts.CAUSAL, (parts.VANILLA,), (("bleu", "higher"), ("eval_loss", "lower"))
+        (parts.CAUSAL,), (parts.VANILLA,), (("bleu", "higher"), ("eval_loss", "lower"))
     ),
     tuning=(
         (

@@ -33,6 +33,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config="configs/celeba.py:size=small,epochs=3",
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": tuple(METHODS)}),
-      overrides=dotted({**parts.CELEBA_OVERRIDES, "data.sensitive": "Male"}),
+      overrides=dotted({**parts.ON_CELEBA, "data.sensitive": "Male"}),
       metrics=("accuracy", "mf.pqd", "mf.dp", "validation.accuracy", "validation.mf.pqd"),
   )

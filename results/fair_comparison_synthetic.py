@@ -39,6 +39,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config="configs/quickstart.py:steps=200,cues=false",
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": tuple(METHODS)}),
-      overrides=dotted(parts.SYNTHETIC_OVERRIDES),
+      overrides=dotted(parts.ON_SYNTHETIC),
       metrics=("accuracy", "mf.pqd", "mf.dp", "validation.accuracy", "gradient_cosine"),
   )

@@ -22,6 +22,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config="configs/synthetic_testbed.py:steps=200",
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": parts.FAIR_COMPARISON}),
-      overrides=dotted(parts.SYNTHETIC_OVERRIDES),
+      overrides=dotted(parts.ON_SYNTHETIC),
       metrics=("accuracy", "mf.pqd", "experts_active.choices", "gradient_cosine"),
   )

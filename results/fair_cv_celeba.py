@@ -69,8 +69,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config=f"configs/celeba.py:size=small,epochs={arg.epochs},split=identity_folds",
       grid=dotted({FOLD: (0, 1, 2, 3, 4), "seed": (0,), "method": parts.FAIR_COMPARISON}),
-      overrides=dotted(
-          {**parts.CELEBA_OVERRIDES, "data.target": arg.target, "analysis_batches": 16}
-      ),
+      overrides=dotted({**parts.ON_CELEBA, "data.target": arg.target, "analysis_batches": 16}),
       metrics=("accuracy", "mf.pqd", "validation.accuracy", "experts_active.choices"),
   )

@@ -38,6 +38,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config="configs/celeba.py:size=small,epochs=3",
       grid=dotted({"seed": (0, 1, 2), "fair.lambda_pqd": tuple(SETTINGS)}),
-      overrides=dotted({**parts.CELEBA_OVERRIDES, "data.sensitive": "Male"}),
+      overrides=dotted({**parts.ON_CELEBA, "data.sensitive": "Male"}),
       metrics=("validation.accuracy", "validation.mf.pqd", "validation.mf.dp"),
   )

@@ -26,7 +26,7 @@ TABLE = dict(
         parts.NODES_WITHIN,
     ),
     claims=parts.claims(
-        parts.CAUSAL, (VANILLA, parts.UNCONSTRAINED), (("challenge.accuracy", "higher"),)
+        (parts.CAUSAL,), (VANILLA, parts.UNCONSTRAINED), (("challenge.accuracy", "higher"),)
     ),
     tuning=(
         (parts.CAUSAL, 4, "dual-ascent schedules: `results/spurious_tuning_causal.py`"),

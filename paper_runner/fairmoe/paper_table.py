@@ -1,7 +1,5 @@
-"""The table collector of `paper_runner.fairmoe.compare`: the results machinery's table of its
-methods over seeds (`table_render.render`, docs/protocol.md section 3), with the FairSMoE
-reference readers and each method's claims against vanilla SMoE (`comparison.md`), and the
-runs, references and statistics behind it (`comparison.json`)."""
+"""The table collector of `paper_runner.fairmoe.compare`: its methods over seeds as a results
+table with the reference readers and claims against vanilla SMoE (`comparison.md`, `.json`)."""
 
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ def comparison_spec(sweep: ml_collections.ConfigDict, runs: Sequence[RunResult])
       (f"attributes.{a}.{m}", f"{m.upper()} {a}", 1.0, 3) for a in attributes for m in ("pqd", "dp")
   ]
   against = [m for m in methods if m != BASELINE] if BASELINE in methods else []
-  claims = [c for m in against for c in parts.claims(m, (BASELINE,), CLAIMS)]
+  claims = parts.claims(against, (BASELINE,), CLAIMS)
   table = parts.fair_comparison_table("Method comparison", {}, columns, claims)
   return make_spec("comparison", "paper_runner.fairmoe.compare", sweep, table)
 

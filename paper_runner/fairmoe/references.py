@@ -94,11 +94,8 @@ def split_sizes(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, int
   """{"train", "validation", "test": examples} of the data of a run's saved `config`: what the
   corrected interval of a cross-validated table needs (its folds' test-to-train ratio)."""
   _, splits = _load(config, base_dir)
-  return {
-      "train": len(splits[TRAIN]["label"]),
-      "validation": len(splits[VALIDATION]["label"]),
-      "test": len(splits[TEST]["label"]),
-  }
+  names = {"train": TRAIN, "validation": VALIDATION, "test": TEST}
+  return {name: len(splits[split]["label"]) for name, split in names.items()}
 
 
 def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, dict[str, Any]]:
