@@ -28,11 +28,13 @@ from fairmoe_jax.methods import make_loss_fn as method_loss_fn
 from fairmoe_jax.metrics import intersections as intersections_lib
 from fairmoe_jax.models.convert_timm import load_timm_checkpoint
 from fairmoe_jax.models.muffin import Muffin
+from fairmoe_jax.moe.dispatch import spmd
 from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import place, replicated
 from trainkit.train_state import TrainState, create_train_state
+from trainkit.workdir import save_run_info
 
 _DATA_LOCATION_KEYS = {"celeba": "root", "isic2019": "root", "celeba_tfds": "tfds_data_dir"}
 
@@ -167,6 +169,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   review = METHODS[config.method].review(
       config, info, graphdef=run.graphdef, mesh=mesh, validate=validate
   )
+  # Class names and preprocessing: predict and export then need the workdir alone.
+  run_info = run_info_lib.RunMetadata.from_dataset(info, config).to_json()
   trained = recipe.train(
       run,
       train_iterator=train_iterator,
@@ -175,9 +179,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       tokens_per_example=(config.data.image_size // config.model.patch_size) ** 2,
       evaluate=lambda state: report_lib.summary_scalars(validate(state), "val"),
       reviews=[review] if review else [],
-      # Class names and preprocessing: predict and export then need the workdir alone.
-      run_info=run_info_lib.RunMetadata.from_dataset(info, config).to_json(),
+      run_info=run_info,
   )
+  if spmd.FALLBACKS:  # Known once the steps are traced: what ran in place of a dispatch.
+    save_run_info({**run_info, "fallbacks": list(spmd.FALLBACKS)}, workdir)
   if trained is None:
     return None
   report, predictions = report_lib.final_report(

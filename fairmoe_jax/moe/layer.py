@@ -155,9 +155,12 @@ class SparseMoE(nnx.Module):
     capacity_multiple_of: token choice's C rounded up to a multiple of it (`compute_capacity`).
     group_size: examples per routing group (token choice): their tokens compete for the same
       slots, as in V-MoE's groups of images; 1 (one group per example) is the papers' reading.
-    mesh: the device mesh (batch split over every axis) or None. With an "expert" axis > 1 the
-      experts are split over it (`dispatch.expert_parallel`); otherwise each device dispatches
-      its own examples (`dispatch.data_parallel`).
+    mesh: the device mesh (batch split over every axis), or None for the one in context at call
+      time (`jax.set_mesh`). With an "expert" axis > 1 the experts are split over it
+      (`dispatch.expert_parallel`); otherwise each device dispatches its own examples
+      (`dispatch.data_parallel`). A batch that does not divide the mesh is padded with empty
+      examples. With no mesh at all, every device runs the dispatch on the whole batch (XLA's
+      partitioner splits only "einsum" and "dense"; docs/moe.md).
     dtype: compute dtype of the experts; routing is always float32.
     rngs: parameter RNGs; a seed gives the same weights whatever the mesh.
   """
@@ -186,26 +189,15 @@ class SparseMoE(nnx.Module):
     if isinstance(router, str) and router not in ROUTERS:
       raise ValueError(f"router={router!r}; known: {', '.join(ROUTERS)} (or a router module)")
     self.routing = EXPERT_CHOICE if router == "expert_choice" else TOKEN_CHOICE
-    if mesh is not None and mesh.shape.get(EXPERT_AXIS, 1) > 1:
-      if self.routing == EXPERT_CHOICE:
-        raise ValueError("router='expert_choice' has no expert-parallel version; use mesh=None")
-      if dispatch not in EP_ALGORITHMS:
-        raise ValueError(
-            f"dispatch={dispatch!r} has no expert-parallel version; with a mesh use one of "
-            f"{', '.join(EP_ALGORITHMS)}"
-        )
-      if num_experts % mesh.shape[EXPERT_AXIS]:
-        raise ValueError(
-            f"num_experts={num_experts} is not divisible by the mesh's {EXPERT_AXIS!r} axis "
-            f"of size {mesh.shape[EXPERT_AXIS]}"
-        )
+    self.dispatch = dispatch
+    self.num_experts = num_experts
+    if mesh is not None:
+      self._check_mesh(mesh)
     if batch_priority and self.routing == EXPERT_CHOICE:
       raise ValueError("batch_priority applies to token-choice routers, not 'expert_choice'")
-    self.dispatch = dispatch
     self.mesh = mesh
     self.dim = dim
     self.hidden_dim = hidden_dim
-    self.num_experts = num_experts
     self.top_k = top_k
     self.capacity_factor = capacity_factor
     self.eval_capacity_factor = eval_capacity_factor
@@ -359,41 +351,54 @@ class SparseMoE(nnx.Module):
   ) -> tuple[jax.Array, DispatchStats, jax.Array | None]:
     """The dispatch on one device or per device of the mesh, with `expert_features`."""
     algorithm = DISPATCH_ALGORITHMS[self.dispatch]
-    if not self._sharded(x):
+    mesh = self._mesh()
+    if mesh is None:
       y, stats = algorithm(x, expert_index, gates, experts, capacity=capacity)
       features = None if expert_features is None else expert_features(x, experts)
       return y, stats, features
-    if self.mesh.shape.get(EXPERT_AXIS, 1) == 1:  # Each device dispatches its own examples.
+    if mesh.shape.get(EXPERT_AXIS, 1) == 1:  # Each device dispatches its own examples.
       sharded = functools.partial(data_parallel_moe, algorithm)
     else:  # Each device routes its own examples; tokens reach their experts by all_to_all.
       sharded = functools.partial(expert_parallel_moe, algorithm=self.dispatch)
-    try:
-      outputs = sharded(
-          x,
-          expert_index,
-          gates,
-          experts,
-          capacity=capacity,
-          mesh=self.mesh,
-          expert_features=expert_features,
-      )
-    except ValueError as e:
-      raise ValueError(self._mesh_error(x, e)) from e
-    y, stats = outputs[:2]
-    return y, stats, (outputs[2] if expert_features is not None else None)
-
-  def _sharded(self, x: jax.Array) -> bool:
-    """Per device on a multi-device mesh, unless a data-parallel batch does not divide."""
-    if self.mesh is None or self.mesh.size == 1:
-      return False
-    expert_parallel = self.mesh.shape.get(EXPERT_AXIS, 1) > 1
-    return expert_parallel or x.shape[0] % self.mesh.size == 0
-
-  def _mesh_error(self, x: jax.Array, error: ValueError) -> str:
-    return (
-        f"SparseMoE (dim {self.dim}, {self.num_experts} experts) on mesh "
-        f"{dict(self.mesh.shape)} cannot take input of shape {tuple(x.shape)}: {error}"
+    outputs = sharded(
+        *_pad_groups((x, expert_index, gates), mesh.size),
+        experts,
+        capacity=capacity,
+        mesh=mesh,
+        expert_features=expert_features,
     )
+    batch = x.shape[0]  # The padding's outputs and statistics are cut off.
+    y, stats = outputs[0][:batch], outputs[1]
+    stats = DispatchStats.from_kept(stats.kept[:batch], stats.group_expert_fraction[:batch])
+    return y, stats, (outputs[2][:batch] if expert_features is not None else None)
+
+  def _mesh(self) -> jax.sharding.Mesh | jax.sharding.AbstractMesh | None:
+    """The mesh the layer's dispatch runs on: its own, else the one in context (`jax.set_mesh`);
+    None on one device."""
+    mesh = self.mesh
+    if mesh is None:
+      mesh = jax.sharding.get_abstract_mesh()
+      if mesh.empty:
+        return None
+      self._check_mesh(mesh)
+    return mesh if mesh.size > 1 else None
+
+  def _check_mesh(self, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> None:
+    """Raises ValueError where the layer cannot split its experts over the mesh's expert axis."""
+    if mesh.shape.get(EXPERT_AXIS, 1) == 1:
+      return
+    if self.routing == EXPERT_CHOICE:
+      raise ValueError("router='expert_choice' has no expert-parallel version: expert axis 1")
+    if self.dispatch not in EP_ALGORITHMS:
+      raise ValueError(
+          f"dispatch={self.dispatch!r} has no expert-parallel version; with a mesh use one of "
+          f"{', '.join(EP_ALGORITHMS)}"
+      )
+    if self.num_experts % mesh.shape[EXPERT_AXIS]:
+      raise ValueError(
+          f"num_experts={self.num_experts} is not divisible by the mesh's {EXPERT_AXIS!r} axis "
+          f"of size {mesh.shape[EXPERT_AXIS]}"
+      )
 
   def _expert_choice(
       self, x: jax.Array, experts: ExpertWeights, capacity: int
@@ -401,18 +406,16 @@ class SparseMoE(nnx.Module):
     """Expert choice: every expert takes its `capacity` best tokens of each example."""
     batch, seq_len, _ = x.shape
     assignment = self.router(x, capacity=capacity)
-    if not self._sharded(x):
+    mesh = self._mesh()
+    if mesh is None:
       y = apply_expert_choice(x, assignment, experts.apply)
     else:  # Each device gathers, runs and scatters its own examples' picks.
-      try:
-        y = per_device(
-            lambda x, index, gates, experts: apply_expert_picks(x, index, gates, experts.apply),
-            (x, assignment.token_index, assignment.gates),
-            experts,
-            mesh=self.mesh,
-        )
-      except ValueError as e:
-        raise ValueError(self._mesh_error(x, e)) from e
+      y = per_device(
+          lambda x, index, gates, experts: apply_expert_picks(x, index, gates, experts.apply),
+          _pad_groups((x, assignment.token_index, assignment.gates), mesh.size),
+          experts,
+          mesh=mesh,
+      )[:batch]
     # Each expert serves `capacity` tokens of the S * k slots a top-k router would fill.
     served = jnp.full((batch, self.num_experts), capacity / (seq_len * self.top_k), jnp.float32)
     probs = assignment.probs.reshape(-1, self.num_experts)
@@ -427,6 +430,15 @@ class SparseMoE(nnx.Module):
         metrics=metrics,
         routing={"": readings},
     )
+
+
+def _pad_groups(arrays: tuple[jax.Array, ...], devices: int) -> tuple[jax.Array, ...]:
+  """The arrays' group (leading) axis zero-padded to a multiple of `devices`: whole groups of
+  zero gates, which take no other group's capacity (capacity is per group)."""
+  pad = -arrays[0].shape[0] % devices
+  if not pad:
+    return arrays
+  return tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in arrays)
 
 
 def _routing_metrics(

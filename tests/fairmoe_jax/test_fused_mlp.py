@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, ExpertWeights, data_parallel_moe
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, ExpertWeights, data_parallel_moe, spmd
 from fairmoe_jax.moe.experimental import fused_mlp
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
@@ -141,6 +141,25 @@ def test_kernels_agree_with_the_xla_mlp_they_replace():
   # Both round the same float64 values: twice one computation's bound.
   bound = 2 * (4 + D + H) * UNIT_ROUNDOFF[jnp.float32] * magnitude.reshape(x.shape)
   assert np.all(np.abs(np.asarray(kernels, np.float64) - np.asarray(xla)) <= bound)
+
+
+def test_each_fall_back_to_xla_s_mlp_is_said_once_and_kept_for_run_info(monkeypatch, caplog):
+  """Off a TPU, and inside shard_map where jax's private check_vma switch is gone, einsum_fused
+  runs XLA's MLP: one log line each, listed in `spmd.FALLBACKS` (run_info.json's "fallbacks")."""
+  monkeypatch.setattr(spmd, "FALLBACKS", [])
+  x, w = jnp.ones((E, 2, 4, D)), _weights(4)
+  for _ in range(2):
+    fused_mlp.fused_expert_mlp(x, w)
+  assert spmd.FALLBACKS == ["einsum_fused on cpu: XLA's MLP, no kernel: the einsum dispatch's cost"]
+  monkeypatch.setattr(spmd, "vma_check_off", lambda: None)  # A jax without the switch.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  rows, replicated = jax.sharding.PartitionSpec(None, "data"), jax.sharding.PartitionSpec()
+  body = lambda x, w: fused_mlp.fused_expert_mlp(x, spmd.vary_over(w, ("data",)))  # noqa: E731
+  jax.shard_map(body, mesh=mesh, in_specs=(rows, replicated), out_specs=rows)(x, w)
+  assert spmd.FALLBACKS[1] == (
+      f"einsum_fused on cpu: XLA's MLP: jax {jax.__version__} lacks jax._src.config._check_vma"
+  )
+  assert [r.getMessage() for r in caplog.records] == [f"fall-back: {f}" for f in spmd.FALLBACKS]
 
 
 @pytest.mark.parametrize(

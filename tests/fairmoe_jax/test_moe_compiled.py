@@ -16,6 +16,7 @@ shapes, never copied from a compile:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -45,6 +46,8 @@ GROUP_SIZES = (2, 3)  # FairSMoE: two sensitive attributes
 
 
 def _devices(target_name: str):
+  if target_name == "cpu":  # The tests' 8 fake CPU devices (tests/conftest.py).
+    return jax.devices()
   try:
     return list(devices(get_target(target_name)))
   except UserError as e:  # The CUDA plugin or libtpu cannot describe the target here.
@@ -79,11 +82,16 @@ def _compile(
     dispatch: str,
     fair: bool = False,
     router_name: str = "topk",
+    in_context: bool = False,
+    batch_size: int = B,
 ):
   """The block's gradient step on the target's (data, expert) mesh: its optimised HLO and the
-  block's parameters (abstract, laid out as training lays them out)."""
+  block's parameters (abstract, laid out as training lays them out). `in_context`: the block is
+  built without the mesh and compiled under `jax.set_mesh`, as a user's own model is; a
+  `batch_size` that does not divide the mesh is replicated, as an evaluation's last batch."""
   mesh = make_mesh({"data": data, "expert": expert}, _devices(target_name))
-  abstract = nnx.eval_shape(lambda: _block(mesh, dispatch, fair, router_name))
+  block_mesh = None if in_context else mesh
+  abstract = nnx.eval_shape(lambda: _block(block_mesh, dispatch, fair, router_name))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   specs = nnx.get_partition_spec(params)
 
@@ -96,9 +104,9 @@ def _compile(
 
   params = placed(params, specs)
   rest = placed(rest, jax.tree.map(lambda _: P(), rest))
-  batch = NamedSharding(mesh, P(BATCH_AXES))
-  x = jax.ShapeDtypeStruct((B, S, D), jnp.bfloat16, sharding=batch)
-  cotangent = jax.ShapeDtypeStruct((B, S, D), jnp.bfloat16, sharding=batch)
+  batch = NamedSharding(mesh, P(BATCH_AXES) if batch_size % mesh.size == 0 else P())
+  x = jax.ShapeDtypeStruct((batch_size, S, D), jnp.bfloat16, sharding=batch)
+  cotangent = jax.ShapeDtypeStruct((batch_size, S, D), jnp.bfloat16, sharding=batch)
   context = None
   if fair:
     context = {
@@ -112,7 +120,7 @@ def _compile(
     return value + sum(aux.extra_losses.values())
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  with persistent_cache_off():  # A deviceless executable cannot be read back.
+  with persistent_cache_off(), jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
     compiled = step.lower(params, x, cotangent, context, rest).compile()
   return compiled.as_text(), params, mesh
 
@@ -180,6 +188,25 @@ def test_each_device_runs_its_own_tokens_and_sends_the_floor(target, data, exper
     assert {a.dtype for a in all_to_all} == {"bf16"}
     assert sum(a.bytes for a in all_to_all) == 4 * E * local_groups * CAPACITY * D * 2
   assert collectives == {}, f"unexpected collectives: {collectives}"
+
+
+@pytest.mark.parametrize(
+    ("target", "dispatch", "batch_size"),
+    [("cpu", d, b) for d in ("sort", "dropless", "einsum") for b in (B, B - 4)]
+    + [on(t, d, B - 4) for t in ("v5e-8", "h100x8") for d in ("sort", "einsum")],
+)
+def test_a_mesh_in_context_splits_the_dispatch_and_pads_a_batch_that_does_not_divide(
+    target, dispatch, batch_size
+):
+  """A user's model: the block built without a mesh, compiled by plain `jax.jit` under
+  `jax.set_mesh` on 8 devices. Each device's expert matmuls have its own examples' rows (a batch
+  of 12 padded to 16): [E, (B / 8) C, H], dropless's [(B / 8) S k, H]."""
+  text, _, _ = _compile(target, 8, 1, dispatch, in_context=True, batch_size=batch_size)
+  local_groups = -(-batch_size // 8)
+  rows = local_groups * S * K if dispatch == "dropless" else E * local_groups * CAPACITY
+  weights = ({E, D, H}, {E, H})  # The weight and bias gradients' matmuls.
+  matmuls = [a for a in hlo.matmul_results(text) if H in a.dims and {*a.dims} - {1} not in weights]
+  assert {a.size // H for a in matmuls} == {rows}, matmuls
 
 
 @pytest.mark.compile_tpu

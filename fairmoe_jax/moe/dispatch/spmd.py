@@ -13,12 +13,13 @@ Marking the float32 weights varying first puts the one all-reduce on their float
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats
@@ -35,8 +36,10 @@ def typed_by(mesh: Mesh) -> bool:
   return not context.empty and context == mesh.abstract_mesh
 
 
-def auto(mesh: Mesh) -> Mesh:
+def auto(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
   """The same devices and axis names, with every axis Auto."""
+  if all(t == AxisType.Auto for t in mesh.axis_types):  # Also the context's AbstractMesh.
+    return mesh
   return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
@@ -81,9 +84,27 @@ def vma_check_off() -> Any:
   return state(False) if state is not None else None
 
 
-def kernels_can_run(*values: jax.Array) -> bool:
-  """Whether a Pallas kernel can run on `values`: outside shard_map, or where `run_kernel` can."""
-  return not any(varying_axes(v) for v in values) or vma_check_off() is not None
+def kernels_can_run(*values: jax.Array, dispatch: str = "a Pallas kernel") -> bool:
+  """Whether a Pallas kernel can run on `values`: outside shard_map, or where `run_kernel` can
+  (else the fall-back is reported, for `dispatch`)."""
+  if not any(varying_axes(v) for v in values) or vma_check_off() is not None:
+    return True
+  report_fallback(dispatch, f"XLA's MLP: jax {jax.__version__} lacks jax._src.config._check_vma")
+  return False
+
+
+# "<dispatch> on <platform>: <what runs instead, and its cost>", once per process: what
+# `fairmoe_jax.train` adds to run_info.json ("fallbacks").
+FALLBACKS: list[str] = []
+
+
+def report_fallback(dispatch: str, cost: str) -> None:
+  """Says once, in one line, that `dispatch` runs something other than its name promises on
+  this process' platform, and at what cost."""
+  line = f"{dispatch} on {jax.default_backend()}: {cost}"
+  if line not in FALLBACKS:
+    FALLBACKS.append(line)
+    logging.warning("fall-back: %s", line)
 
 
 def run_kernel(

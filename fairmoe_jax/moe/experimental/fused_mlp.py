@@ -260,10 +260,12 @@ def fused_expert_mlp_kernels(
 def fused_expert_mlp(x: jax.Array, experts: ExpertWeights, *, interpret: bool = False) -> jax.Array:
   """`experts.apply_expert_major(x)`: the Pallas kernels where lowered for a TPU (or with
   `interpret`), XLA's MLP on every other platform."""
-  if not spmd.kernels_can_run(x, *jax.tree.leaves(experts)):
+  if not spmd.kernels_can_run(x, *jax.tree.leaves(experts), dispatch="einsum_fused"):
     return experts.apply_expert_major(x)  # Inside shard_map on a jax that cannot type them.
   if interpret:
     return fused_expert_mlp_kernels(x, experts, interpret=True)
+  if jax.default_backend() != "tpu":  # A deviceless TPU compile traces here too: said anyway.
+    spmd.report_fallback("einsum_fused", "XLA's MLP, no kernel: the einsum dispatch's cost")
   # Both branches are traced; only the lowering platform's is lowered and compiled.
   return jax.lax.platform_dependent(
       x, experts, tpu=fused_expert_mlp_kernels, default=lambda x, w: w.apply_expert_major(x)
