@@ -1,5 +1,6 @@
 """The fairmoe train step on meshes of 8 fake CPU devices: same losses as on one device."""
 
+import json
 import subprocess
 
 import flax.nnx as nnx
@@ -100,10 +101,13 @@ def einsum_losses(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatch", ["dense", "sort", "dropless"])
+@pytest.mark.parametrize("dispatch", ["dense", "sort", "dropless", "einsum_fused"])
 def test_every_dispatch_algorithm_trains_like_einsum(tmp_path, einsum_losses, dispatch):
   losses = _train_losses(_ample_capacity_config(dispatch), tmp_path)
   np.testing.assert_allclose(losses, einsum_losses, rtol=2e-5)
+  if dispatch == "einsum_fused":  # XLA's MLP on the CPU: said, and kept in run_info.json.
+    fallbacks = json.loads((tmp_path / "run_info.json").read_text())["fallbacks"]
+    assert any(line.startswith("einsum_fused on cpu: XLA's MLP") for line in fallbacks)
 
 
 @pytest.mark.slow
