@@ -374,13 +374,4 @@ def validate(
       raise ConfigError(
           "moe.group_size", f"{group_size} does not divide {key}'s {per_device} examples per device"
       )
-  # A larger capacity drops fewer of token choice's tokens, but gives expert choice's experts
-  # more tokens each: another function than the one trained (Zhou et al. keep one factor).
-  if router == "expert_choice" and config.moe.eval_capacity_factor != config.moe.capacity_factor:
-    raise ConfigError(
-        "moe.eval_capacity_factor",
-        f"{config.moe.eval_capacity_factor}: expert_choice evaluates at its training capacity, "
-        f"so it must equal moe.capacity_factor ({config.moe.capacity_factor})",
-    )
-
   validate_optimizer_config(config)

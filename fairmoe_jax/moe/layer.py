@@ -146,7 +146,8 @@ class SparseMoE(nnx.Module):
 
   Args:
     dispatch: a key of `DISPATCH_ALGORITHMS`; all agree wherever capacity suffices.
-    eval_capacity_factor: usually larger than `capacity_factor`: drops almost nothing.
+    eval_capacity_factor: token choice's, usually larger than `capacity_factor`: drops almost
+      nothing. Expert choice evaluates at `capacity_factor`.
     router: "topk" (Switch losses), "noisy_topk" (Shazeer et al. 2017), "expert_choice" (Zhou
       et al. 2022, C = the top-k capacity, so expert FLOPs match), a router module, or a factory
       `router(dim, num_experts, top_k, rngs=rngs)`.
@@ -248,11 +249,14 @@ class SparseMoE(nnx.Module):
     if context is not None:
       chex.assert_equal_shape_prefix([x, *context.values()], 1)
     x = x.astype(self.dtype)
-    capacity_factor = self.capacity_factor if train else self.eval_capacity_factor
-    capacity = compute_capacity(x.shape[1], self.num_experts, self.top_k, capacity_factor)
     experts = ExpertWeights.from_module(self)
     if self.routing == EXPERT_CHOICE:
+      # One capacity in training and evaluation (Zhou et al.): a larger one would give each
+      # expert more tokens, another function than the one trained. Token choice's larger
+      # evaluation capacity only drops fewer tokens.
+      capacity = compute_capacity(x.shape[1], self.num_experts, self.top_k, self.capacity_factor)
       return self._expert_choice(x, experts, capacity)
+    capacity_factor = self.capacity_factor if train else self.eval_capacity_factor
     # Token choice's C: for groups of `group_size` examples, rounded up (`compute_capacity`).
     capacity = compute_capacity(
         self.group_size * x.shape[1],
