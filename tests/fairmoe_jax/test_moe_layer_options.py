@@ -16,7 +16,6 @@ from fairmoe_jax import config as fairmoe_config
 from fairmoe_jax.methods.base import moe_kwargs
 from fairmoe_jax.moe import SparseMoE
 from fairmoe_jax.moe.routers import route_from_logits
-from trainkit.errors import ConfigError
 from trainkit.mesh import make_mesh
 
 # Checked against float64 at float32's rounding (tests/conftest.py: full precision on accelerators).
