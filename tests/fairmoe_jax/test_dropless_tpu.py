@@ -267,14 +267,15 @@ def test_auto_picks_megablox_where_lowered_for_tpu(platform, kernels):
 def test_auto_says_once_where_the_kernels_cannot_run(monkeypatch, caplog):
   """Where megablox cannot run (here as if this jax lacked shard_map's check switch), `auto`
   lowers `ragged_dot` for a TPU too, and says so once: the dispatch, the platform, the cost."""
-  monkeypatch.setattr(dropless_module.spmd, "kernels_can_run", lambda *values: False)
-  dropless_module._note_xla_fallback.cache_clear()  # pylint: disable=protected-access
+  monkeypatch.setattr(dropless_module.spmd, "kernels_can_run", lambda *values, report: False)
+  monkeypatch.setattr(dropless_module.spmd, "FALLBACKS", [])
   with caplog.at_level(logging.WARNING):
     texts = [_lowered_text("auto", "tpu") for _ in range(2)]
   assert not any("tpu_custom_call" in text for text in texts)
   notes = [r.getMessage() for r in caplog.records if "dropless" in r.getMessage()]
   assert len(notes) == 1 and "\n" not in notes[0], notes
   assert "on a TPU" in notes[0] and f"{E} times the expert FLOPs" in notes[0]
+  assert dropless_module.spmd.FALLBACKS == [notes[0].removeprefix("fall-back: ")]  # run_info.json
 
 
 def test_auto_keeps_ragged_dot_where_megablox_does_not_fit():

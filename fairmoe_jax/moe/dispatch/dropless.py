@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import math
 from typing import Any
 
@@ -263,25 +262,19 @@ def _megablox_mlp(
   return out[:num_rows]
 
 
-@functools.cache
-def _note_xla_fallback(num_experts: int) -> None:
-  logging.warning(
-      "dropless (matmul='auto'): megablox cannot run in jax %s (no Pallas TPU megablox module, "
-      "or no check_vma switch inside shard_map), so on a TPU the experts run "
-      "jax.lax.ragged_dot, lowered densely: %d times the expert FLOPs",
-      jax.__version__,
-      num_experts,
-  )
-
-
 def _auto_mlp(rows, group_sizes, row_expert, experts, tiling, interpret):
   """megablox when lowered for a TPU (and it fits), `ragged_dot` on every other platform."""
   # An explicit `tiling` is the caller's promise that the widths fit it: only the dtype is read.
   widths = (MEGABLOX_TILE, MEGABLOX_TILE) if tiling is not None else experts.w1.shape[1:]
   if not megablox_fits(rows.dtype, *widths):
     return _ragged_dot_mlp(rows, group_sizes, row_expert, experts)
-  if _megablox_kernels() is None or not spmd.kernels_can_run(rows, experts.w1):
-    _note_xla_fallback(experts.num_experts)
+  if _megablox_kernels() is None or not spmd.kernels_can_run(rows, experts.w1, report=False):
+    spmd.report_fallback(
+        "dropless",
+        f"megablox cannot run in jax {jax.__version__} (no Pallas TPU megablox module, or no "
+        "check_vma switch inside shard_map), so on a TPU the experts run jax.lax.ragged_dot, "
+        f"lowered densely: {experts.num_experts} times the expert FLOPs",
+    )
     return _ragged_dot_mlp(rows, group_sizes, row_expert, experts)
   megablox = functools.partial(_megablox_mlp, tiling=tiling, interpret=interpret)
   # Both branches are traced; only the lowering platform's is lowered and compiled.

@@ -84,12 +84,15 @@ def vma_check_off() -> Any:
   return state(False) if state is not None else None
 
 
-def kernels_can_run(*values: jax.Array, dispatch: str = "a Pallas kernel") -> bool:
+def kernels_can_run(
+    *values: jax.Array, dispatch: str = "a Pallas kernel", report: bool = True
+) -> bool:
   """Whether a Pallas kernel can run on `values`: outside shard_map, or where `run_kernel` can
-  (else the fall-back is reported, for `dispatch`)."""
+  (else the fall-back is reported, for `dispatch`, unless the caller reports its own)."""
   if not any(varying_axes(v) for v in values) or vma_check_off() is not None:
     return True
-  report_fallback(dispatch, f"XLA's MLP: jax {jax.__version__} lacks jax._src.config._check_vma")
+  if report:
+    report_fallback(dispatch, f"XLA's MLP: jax {jax.__version__} lacks jax._src.config._check_vma")
   return False
 
 
