@@ -81,6 +81,14 @@ BYTES = {
     for d in ("einsum", "einsum_fused")
 }
 
+# docs/benchmarks.md's "Fused attention": the h200x1 step compiled before and after.
+ATTENTION = "benchmarks/results/fused_attention_2026-12-06/preflight_h200x1_"
+STEP_BYTES, STEP_BOUND = {}, {}
+for _name in ("before", "no_cudnn", "cudnn_cublas"):
+  _step = _record(ATTENTION + _name + ".json")["train_step"]
+  STEP_BYTES[_name] = _r(_step["bytes_accessed_per_device"] / 1e9, 2)
+  STEP_BOUND[_name] = _r(_step["roofline"]["bound_s"] * 1e3, 2)
+
 
 def _hours(cell: str) -> str:
   return _r(PAPER[cell]["device_hours"], 1)
@@ -173,6 +181,11 @@ FIGURES = [
     (BENCH, r"deit_s@h100x8`: ([\d.]+) ms per step", _r(DEIT_S_H100X8["step_s"] * 1e3, 1)),
     (BENCH, r"ms per step of 256, ([\d,]+) images/s per H100", _r(PER_H100)),
     (BENCH, r"of the bytes \(([\d.]+)x `einsum`", _r(BYTES["einsum_fused"] / BYTES["einsum"], 3)),
+    (BENCH, r"accesses ([\d.]+) GB per step against", STEP_BYTES["cudnn_cublas"]),
+    (BENCH, r"GB per step against ([\d.]+) GB before", STEP_BYTES["before"]),
+    (BENCH, r"\(roofline ([\d.]+) ms against", STEP_BOUND["cudnn_cublas"]),
+    (BENCH, r"\(roofline [\d.]+ ms against ([\d.]+)\)", STEP_BOUND["before"]),
+    (BENCH, r"keeps XLA's attention, ([\d.]+) GB", STEP_BYTES["no_cudnn"]),
     # docs/moe.md: the float32 quickstart on the first lease's GPU and its host's CPU.
     (MOE, r"test accuracy was ([\d.]+) on the GPU", _r(QUICKSTART_1["device"]["test_accuracy"], 3)),
     (MOE, r"and ([\d.]+) on its host's CPU", _r(QUICKSTART_1["cpu"]["test_accuracy"], 3)),
