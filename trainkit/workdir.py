@@ -195,14 +195,18 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 CONFIG_FILE = "config.json"
 # Written into config.json by `save_config`; `read_saved_config` is the one reader.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FORMAT_VERSION_KEY = "format_version"
-# Version 1 (no key) is migrated, not refused (it is every run trained so far): its earliest runs
-# lack these keys, which get the values they were trained with.
-_ADDED_DURING_VERSION_1 = {
-    "model.remat": "none",
-    "data.attribute_cues": False,
-    "distributed.startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S,
+# An older version is migrated, not refused (every run trained so far is one): each version's
+# runs lack the keys added after it (version 1's earliest runs these), which get the values those
+# runs were trained with, where the package has the key.
+_ADDED_AFTER_VERSION = {
+    1: {
+        "model.remat": "none",
+        "data.attribute_cues": False,
+        "distributed.startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S,
+    },
+    2: {"moe.capacity_multiple_of": 1, "moe.group_size": 1},
 }
 # What inference needs besides the config and checkpoint (`trainkit.run_info`).
 RUN_INFO_FILE = "run_info.json"
@@ -257,8 +261,8 @@ def _as_typed(saved: Any, default: Any) -> Any:
 
 
 def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, Any]:
-  """`<workdir>/config.json` migrated to this format version (version 1's missing keys filled in
-  where `reference` has them); a UserError naming the file when it cannot be used."""
+  """`<workdir>/config.json` migrated to this format version (an older version's missing keys
+  filled in where `reference` has them); a UserError naming the file when it cannot be used."""
   path = storage.join(workdir, CONFIG_FILE)
   saved = read_json_object(
       path,
@@ -266,11 +270,12 @@ def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, A
       "the run's config ",
   )
   version = saved.pop(FORMAT_VERSION_KEY, 1)
-  if version == 1:
-    for key, value in _ADDED_DURING_VERSION_1.items():
-      section, name = key.split(".")
-      if name in reference.get(section, {}) and name not in saved.get(section, {}):
-        saved.setdefault(section, {})[name] = value
+  if version in _ADDED_AFTER_VERSION:
+    for added in range(version, FORMAT_VERSION):
+      for key, value in _ADDED_AFTER_VERSION[added].items():
+        section, name = key.split(".")
+        if name in reference.get(section, {}) and name not in saved.get(section, {}):
+          saved.setdefault(section, {})[name] = value
   elif version != FORMAT_VERSION:
     raise UserError(
         f"{path} is of workdir format version {version!r}, and this code reads versions 1 to "

@@ -119,10 +119,10 @@ def test_keys_that_change_nothing_trained_do_not_make_a_finished_run_stale(tmp_p
   ]
 
 
-def test_the_format_version_is_written_and_version_1_migrated_in_one_place(tmp_path):
-  """config.json carries the format version; a config.json without one (version 1) gets the
-  keys its earliest runs lacked, with the values they trained with, where the package has them
-  (data.attribute_cues is fairmoe_jax's alone)."""
+def test_the_format_version_is_written_and_older_versions_migrated_in_one_place(tmp_path):
+  """config.json carries the format version; an older one gets the keys its runs lacked, with
+  the values they trained with, where the package has them (data.attribute_cues and the moe keys
+  are fairmoe_jax's alone): version 1 (no version key) and 2 (no capacity rounding or groups)."""
   from causal_attn_jax.config import base_config as causal_base
   from fairmoe_jax.config import base_config as fair_base
   from trainkit.workdir import FORMAT_VERSION, load_saved_config, trained_config_differences
@@ -131,7 +131,7 @@ def test_the_format_version_is_written_and_version_1_migrated_in_one_place(tmp_p
   config.model.remat = "block"
   save_config(config, str(tmp_path))
   saved = json.loads((tmp_path / "config.json").read_text())
-  assert saved["format_version"] == FORMAT_VERSION == 2
+  assert saved["format_version"] == FORMAT_VERSION == 3
   assert load_saved_config(str(tmp_path), fair_base()).to_dict() == config.to_dict()
   assert trained_config_differences(str(tmp_path), config) == []  # The version is no key.
 
@@ -139,21 +139,31 @@ def test_the_format_version_is_written_and_version_1_migrated_in_one_place(tmp_p
     old = json.loads(base().to_json_best_effort())
     del old["model"]["remat"], old["distributed"]
     old["data"].pop("attribute_cues", None)
+    old.get("moe", {}).pop("capacity_multiple_of", None)
     (tmp_path / "config.json").write_text(json.dumps(old))
     loaded = load_saved_config(str(tmp_path), base())
     assert loaded.model.remat == "none" and loaded.distributed.startup_timeout_s == 600
     assert loaded.data.get("attribute_cues") is (False if base is fair_base else None)
+    assert loaded.get("moe", {}).get("capacity_multiple_of") == (1 if base is fair_base else None)
     assert "format_version" not in loaded
+    version_2 = {**json.loads(base().to_json_best_effort()), "format_version": 2}
+    if base is fair_base:
+      del version_2["moe"]["capacity_multiple_of"], version_2["moe"]["group_size"]
+    (tmp_path / "config.json").write_text(json.dumps(version_2))
+    loaded = load_saved_config(str(tmp_path), base())
+    if base is fair_base:
+      assert (loaded.moe.capacity_multiple_of, loaded.moe.group_size) == (1, 1)
+    assert "moe" not in loaded or base is fair_base
 
 
 def test_a_newer_format_version_is_refused_in_one_line(tmp_path):
   from fairmoe_jax.config import base_config
   from trainkit.workdir import load_saved_config
 
-  (tmp_path / "config.json").write_text(json.dumps({"format_version": 3, "seed": 0}))
+  (tmp_path / "config.json").write_text(json.dumps({"format_version": 4, "seed": 0}))
   with pytest.raises(UserError) as e:
     load_saved_config(str(tmp_path), base_config())
   assert str(e.value) == (
-      f"{tmp_path / 'config.json'} is of workdir format version 3, and this code reads versions "
-      "1 to 2: use the version of the code that trained the run"
+      f"{tmp_path / 'config.json'} is of workdir format version 4, and this code reads versions "
+      "1 to 3: use the version of the code that trained the run"
   )
