@@ -143,12 +143,10 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
     if result.status == "ok":
       _check_started_by_spec(spec, workdir, result)
       dates.append(os.path.getmtime(os.path.join(result.run_dir, REPORT)))
-    config_path = os.path.join(result.run_dir, "config.json")
+    config_path = os.path.join(result.run_dir, CONFIG_FILE)
     if os.path.isfile(config_path):
       with open(config_path) as f:
         configs.append(json.load(f))
-  runs = [run_entry(spec, result) for result in results]
-  record = {"table": spec.name, "spec": spec.path, **_scored(spec)}
   provenance = {
       **_runs_source_and_host(results),
       "date": (
@@ -164,13 +162,13 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
           f"python -m paper_runner.tables --record={spec.name} --workdir=WORKDIR",
       ],
   }
-  return {**record, "provenance": provenance, "runs": runs}
+  record = {"table": spec.name, "spec": spec.path, **_scored(spec), "provenance": provenance}
+  return {**record, "runs": [run_entry(spec, result) for result in results]}
 
 
 def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
   """The commit and machine of the runs, from the `provenance.json` the sweep wrote beside each."""
   here = machine()
-  device = {"device": here["device"], "devices": here["devices"]}
   written = []
   for result in results:
     try:
@@ -185,7 +183,7 @@ def _runs_source_and_host(results: Sequence[Any]) -> dict[str, Any]:
   found = {
       "commit": first["commit"],
       "uncommitted_changes": first["uncommitted_changes"],
-      "machine": {**device, **first["host"]},
+      "machine": {"device": here["device"], "devices": here["devices"], **first["host"]},
   }
   others = sorted({w["commit"] for w in written} - {first["commit"]}) + sorted(
       {why for w in written for why in differences(first["host"], w["host"], "host.")}
