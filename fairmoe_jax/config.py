@@ -110,9 +110,11 @@ def base_config() -> ml_collections.ConfigDict:
           top_k=2,
           capacity_factor=1.25,
           eval_capacity_factor=2.0,
-          # Token choice's C rounded up to a multiple of it: 8, a float32 TPU tile's rows
-          # (docs/benchmarks.md, "Capacity granularity and routing groups").
-          capacity_multiple_of=8,
+          # Token choice's C rounded up to a multiple of it. 1, the papers' C: a rounding
+          # changes which tokens drop, which only a validation split may choose, and at 8 (a
+          # float32 TPU tile) the default TPU dispatch's bytes are unchanged (docs/benchmarks.md,
+          # "Capacity granularity and routing groups"); 8 helps einsum_fused.
+          capacity_multiple_of=1,
           # Examples whose tokens compete for the same expert slots (token choice); 1 is the
           # papers' reading, V-MoE groups several images per device.
           group_size=1,
