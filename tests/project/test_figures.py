@@ -219,3 +219,10 @@ def test_each_suite_run_records_what_its_figures_need():
   for run in _record("tests/timings.json")["runs"]:
     assert fields <= set(run) <= fields | {"note"}, run
     assert run["tier"] in ("fast", "slow", "full"), run
+
+
+@pytest.mark.parametrize("page", ["docs/design.md", BENCH])
+def test_the_reference_pages_stay_within_600_lines(page):
+  """design.md (the papers' readings, the architecture) and benchmarks.md (the current figures)
+  are a reference; dated investigations go to docs/notebook/ (docs/notebook/README.md)."""
+  assert len((ROOT / page).read_text().splitlines()) <= 600
