@@ -36,9 +36,8 @@ def dataset_info(config: ml_collections.ConfigDict) -> data_lib.DatasetInfo:
   """The DatasetInfo a run of `config` would load, from the config alone."""
   d = config.data
   if d.name in data_lib.GENERATED_INFO:
-    return data_lib.GENERATED_INFO[d.name](d.image_size, d.num_classes)
-  sensitive = tuple(s.strip() for s in d.sensitive.split(",") if s.strip())
-  sensitive = sensitive or data_lib.DEFAULT_SENSITIVE[d.name]
+    return data_lib.generated_info(d)[0]
+  sensitive = data_lib.sensitive_names(d)
   if d.name in ("celeba", "celeba_tfds"):
     return celeba_info(d.target, sensitive, d.image_size)
   return isic2019_info(sensitive, d.missing, d.image_size)

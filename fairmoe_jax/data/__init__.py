@@ -8,7 +8,8 @@ numpy arrays ``image`` uint8 [N, S, S, 3], ``label`` int32 [N] and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from fairmoe_jax.data.isic import load_isic2019
 from fairmoe_jax.data.pipeline import eval_batches, train_iterator
 from fairmoe_jax.data.synthetic import load_synthetic, synthetic_info
 from fairmoe_jax.data.synthetic_testbed import load_synthetic_testbed, testbed_info
-from fairmoe_jax.data.types import DatasetInfo
+from fairmoe_jax.data.types import DatasetInfo, check_sensitive
 
 Splits = dict[str, dict[str, np.ndarray]]
 
@@ -45,16 +46,37 @@ DEFAULT_SENSITIVE = {
 }
 
 
+def sensitive_names(d: Any) -> tuple[str, ...]:
+  """The sensitive attributes a config's `data` section names, or its dataset's default."""
+  names = tuple(s.strip() for s in d.sensitive.split(",") if s.strip())
+  if d.name in GENERATED_INFO:
+    return names or GENERATED_INFO[d.name](d.image_size, d.num_classes).attribute_names
+  return names or DEFAULT_SENSITIVE[d.name]
+
+
+def generated_info(d: Any) -> tuple[DatasetInfo, list[int]]:
+  """A generated dataset's DatasetInfo with only the attributes `data.sensitive` names, and
+  their columns among the generated ones."""
+  info = GENERATED_INFO[d.name](d.image_size, d.num_classes)
+  names = check_sensitive(d.name, sensitive_names(d), info.attribute_names)
+  columns = [info.attribute_names.index(name) for name in names]
+  group_names = tuple(info.group_names[c] for c in columns)
+  return dataclasses.replace(info, attribute_names=names, group_names=group_names), columns
+
+
 def dataset_from_config(d: Any) -> tuple[DatasetInfo, Splits]:
   """Loads the dataset described by a config's `data` section (fairmoe_jax/config.py)."""
   if d.name in GENERATED_INFO:
+    info, columns = generated_info(d)
     sizes = {"train": d.train_size, "val": d.val_size, "test": d.test_size}
     cues = {"attribute_cues": True} if d.attribute_cues else {}
-    return _LOADERS[d.name](
+    _, splits = _LOADERS[d.name](
         image_size=d.image_size, num_classes=d.num_classes, seed=d.seed, sizes=sizes, **cues
     )
-  sensitive = tuple(s.strip() for s in d.sensitive.split(",") if s.strip())
-  sensitive = sensitive or DEFAULT_SENSITIVE[d.name]
+    for split in splits.values():
+      split["attributes"] = split["attributes"][:, columns]
+    return info, splits
+  sensitive = sensitive_names(d)
   common = dict(
       image_size=d.image_size, sensitive=sensitive, max_examples_per_split=d.max_examples_per_split
   )

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fairmoe_jax.data import images as images_lib
-from fairmoe_jax.data.types import DatasetInfo
+from fairmoe_jax.data.types import DatasetInfo, check_sensitive
 from trainkit.errors import UserError
 from trainkit.textfiles import read_text
 
@@ -280,13 +280,7 @@ def load_isic2019(
   order; ``info.load_stats`` counts the rows, image files, unmatched rows of each kind, missing
   values per attribute and each split's examples.
   """
-  sensitive = tuple(sensitive)
-  unknown = [name for name in sensitive if name not in GROUPS]
-  if unknown or len(set(sensitive)) != len(sensitive) or isinstance(sensitive, str):
-    raise UserError(
-        f"ISIC sensitive attributes {sensitive!r}: expected distinct names among "
-        f"{', '.join(GROUPS)}."
-    )
+  sensitive = check_sensitive("isic2019", sensitive, tuple(GROUPS))
   if missing not in MISSING_MODES:
     raise UserError(f"ISIC missing={missing!r}: expected one of {', '.join(MISSING_MODES)}.")
   if not (0 <= test_fraction < 1 and 0 <= val_fraction < 1):

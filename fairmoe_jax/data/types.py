@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+from trainkit.errors import UserError
+
+
+def check_sensitive(dataset: str, names: Sequence[str], known: Sequence[str]) -> tuple[str, ...]:
+  """``names`` as a tuple when they are distinct names among ``known``, else one UserError
+  naming `data.sensitive`."""
+  if isinstance(names, str) or set(names) - set(known) or len(set(names)) != len(names):
+    raise UserError(
+        f"data.sensitive={names!r} for {dataset}: expected distinct names among "
+        f"{', '.join(known)}."
+    )
+  return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)

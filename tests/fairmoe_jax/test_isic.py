@@ -333,7 +333,7 @@ def test_missing_columns_files_and_bad_arguments(tmp_path):
   kwargs = dict(root=str(tmp_path), image_size=8, preload=False)
   with pytest.raises(UserError, match="missing=.*expected one of unknown, exclude"):
     isic.load_isic2019(missing="drop", **kwargs)
-  with pytest.raises(UserError, match="sensitive attributes .*'skin'"):
+  with pytest.raises(UserError, match="data.sensitive=.*'skin'"):
     isic.load_isic2019(sensitive=("sex", "skin"), **kwargs)
   metadata = tmp_path / isic.METADATA_FILE
   metadata.write_text(metadata.read_text().replace("sex", "gender", 1))

@@ -2,12 +2,16 @@
 
 import hashlib
 
+import ml_collections
 import numpy as np
 import pytest
 
+from fairmoe_jax import config as config_lib
 from fairmoe_jax import data as data_lib
+from fairmoe_jax import preflight
 from fairmoe_jax.data import synthetic
 from fairmoe_jax.data.types import DatasetInfo
+from trainkit.errors import UserError
 
 SEX, AGE, SITE = 0, 1, 2
 
@@ -173,6 +177,27 @@ def test_registry():
   )
   with pytest.raises(ValueError, match="synthetic"):
     data_lib.get_dataset("imagenet")
+
+
+@pytest.mark.parametrize("name", ["synthetic", "synthetic_testbed"])
+def test_data_sensitive_selects_the_generated_attributes_or_is_one_line(name):
+  data = config_lib.base_config().data
+  data.update(name=name, image_size=8, train_size=8, val_size=4, test_size=4, sensitive="age,sex")
+  info, splits = data_lib.dataset_from_config(data)
+  assert info.attribute_names == ("age", "sex") and info == preflight.dataset_info(
+      ml_collections.ConfigDict({"data": data})
+  )
+  full = data_lib.GENERATED_INFO[name](8, data.num_classes)
+  assert info.group_names == (full.group_names[1], full.group_names[0])
+  data.sensitive = ""
+  _, all_splits = data_lib.dataset_from_config(data)
+  np.testing.assert_array_equal(
+      splits["test"]["attributes"], all_splits["test"]["attributes"][:, [1, 0]]
+  )
+  for bad in ("sex,sex", "sex,skin"):
+    data.sensitive = bad
+    with pytest.raises(UserError, match=f"^data.sensitive=.*{name}: expected distinct names"):
+      data_lib.dataset_from_config(data)
 
 
 @pytest.mark.parametrize(
