@@ -25,12 +25,14 @@ from paper_runner.spec import (
 from trainkit import storage
 from trainkit.metric_writers import read_metrics
 from trainkit.storage import write_atomically
+from trainkit.workdir import live_lock_owner
 
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-  """One run as its directory shows it: status "ok" (a readable report.json), "failed" (error.txt
-  or an unreadable report; `error` says why) or "missing"."""
+  """One run as its directory shows it: status "ok" (a readable report.json), "failed" (error.txt,
+  an unreadable or empty report, or a metric that is not a number; `error` says why), "running"
+  (a live process holds its workdir lock) or "missing"."""
 
   point: dict[str, Any]
   run_dir: str
@@ -43,13 +45,22 @@ class RunResult:
     return run_name(self.point)
 
 
-def read_run(point: Mapping[str, Any], directory: str) -> RunResult:
+def read_run(point: Mapping[str, Any], directory: str, metrics: Sequence[str] = ()) -> RunResult:
+  """The run in `directory`; a value of `metrics` present in its report but not a number fails it."""
   point = dict(point)
+  owner = live_lock_owner(directory)  # A run training now may have an earlier attempt's files.
+  if owner:
+    where = f"pid {owner.get('pid')} on {owner.get('host')}"
+    return RunResult(point, directory, "running", error=f"training now ({where})")
   report_path = storage.join(directory, REPORT)  # The run's directory may be on gs://.
   try:
     report = json.loads(storage.read_text(report_path))
-    if not isinstance(report, dict):
-      raise ValueError(f"a JSON {type(report).__name__}, not an object")
+    if not isinstance(report, dict) or not report:
+      raise ValueError(f"{report!r}, not an object with the run's results")
+    for metric in metrics:
+      value = lookup(report, metric)
+      if isinstance(value, (bool, str, list, dict)):  # A diverged run's NaN is still a number.
+        raise ValueError(f"metric {metric} is {value!r}, not a number")
     return RunResult(point, directory, "ok", report=report)
   except FileNotFoundError:
     pass
@@ -65,7 +76,7 @@ def read_run(point: Mapping[str, Any], directory: str) -> RunResult:
 
 def collect(sweep: ml_collections.ConfigDict, workdir: str) -> list[RunResult]:
   """Every run of the sweep, in grid order."""
-  return [read_run(point, run_dir(workdir, point)) for point in grid_points(sweep)]
+  return [read_run(p, run_dir(workdir, p), sweep.metrics) for p in grid_points(sweep)]
 
 
 def lookup(report: Any, path: str) -> Any:

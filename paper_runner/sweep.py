@@ -154,8 +154,10 @@ def execute_sweep(
   for path in write_spec_tables(sweep, tables_dir, results):
     print(f"Wrote {path}")
   missing = [r for r in results if r.status != "ok"]
+  for result in missing:
+    print(f"{result.name}: {result.status}: {result.error}")
   if missing:
-    print(f"{len(missing)} run(s) without report.json; rerun --mode=run to retry them.")
+    print(f"{len(missing)} run(s) without a usable report.json; rerun --mode=run to retry them.")
   return 1 if missing else 0
 
 

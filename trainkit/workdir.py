@@ -105,6 +105,16 @@ def _read_lock(path: str) -> dict[str, Any]:
     return {}  # Being written, or truncated by a crash: treated as unknown owner.
 
 
+def live_lock_owner(workdir: str) -> dict[str, Any]:
+  """The owner (pid, host, start time) named in `<workdir>/.run.lock` while it holds it, as
+  `workdir_lock` judges: {} when there is no lock, or it names a process gone from this host."""
+  owner = _read_lock(storage.join(workdir, LOCK_NAME))
+  pid = owner.get("pid")
+  if owner.get("host") == socket.gethostname() and isinstance(pid, int) and not _process_alive(pid):
+    return {}
+  return owner
+
+
 # A lock still empty this long after its creation never will be named.
 _UNWRITTEN_LOCK_SECONDS = 5.0
 

@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -826,3 +827,34 @@ def test_collect_of_a_subset_writes_its_tables_beside_the_full_sweep_s(
   assert "4 of 4 runs finished" in full["sweep.md"].decode()
   assert f"--only: these are the tables of 2 of the sweep's runs, in {subset}; " in out
   assert "sweep.md, sweep.csv, sweep.json and plots/ are left as they were" in out
+
+
+def test_collect_tells_running_from_missing_and_refuses_empty_or_non_numeric_reports(
+    tmp_path, monkeypatch, capsys
+):
+  """Issue 63 item 16: a run training now was "missing", an empty report.json "ok", and a
+  metric "high" was written into sweep.csv."""
+  sweep = spec.validate_sweep(_sweep(batch_sizes=(16,)))
+  monkeypatch.setattr(sweep_cli, "load_sweep", lambda _: sweep)
+  workdir = tmp_path / "sweep"
+  running, empty, word, good = [spec.run_dir(str(workdir), p) for p in spec.grid_points(sweep)]
+  for directory, report in ((empty, {}), (word, {"accuracy": "high"}), (good, {"accuracy": 0.5})):
+    os.makedirs(directory)
+    with open(os.path.join(directory, spec.REPORT), "w") as f:
+      json.dump(report, f)
+  os.makedirs(running)  # An earlier attempt's error; this process holds the lock now.
+  with open(os.path.join(running, spec.ERROR), "w") as f:
+    f.write("killed\n")
+  lock = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+  with open(os.path.join(running, ".run.lock"), "w") as f:
+    json.dump(lock, f)
+  status = sweep_cli.execute("sweep.py", str(workdir), mode="collect")
+  out = capsys.readouterr().out
+  rows = {r["run_dir"]: r for r in json.loads((workdir / "sweep.json").read_text())["rows"]}
+  assert status == 1
+  statuses = [rows[d]["status"] for d in (running, empty, word, good)]
+  assert statuses == ["running", "failed", "failed", "ok"]
+  assert "high" not in (workdir / "sweep.csv").read_text()
+  name = os.path.basename(word)
+  assert f"{name}: failed: unreadable {word}/report.json: metric accuracy is 'high'" in out
+  assert f"{os.path.basename(running)}: running: training now (pid {os.getpid()}" in out
