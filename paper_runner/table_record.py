@@ -27,6 +27,7 @@ from paper_runner.spec import (
 )
 from paper_runner.supervise import record_differences
 from paper_runner.table_spec import (
+    METRIC_RANGES,
     SEED_KEY,
     TableSpec,
     import_spec_object,
@@ -270,13 +271,17 @@ def read_record(name: str) -> dict[str, Any]:
 
 
 def _check_finite(where: str, what: str, metrics: Any, remake: str) -> None:
-  """A UserError naming the first value of `metrics` that is neither a finite number nor null."""
+  """A UserError naming the first value of `metrics` that is neither a finite number in its
+  range (`METRIC_RANGES`) nor null."""
   for path, value in (metrics or {}).items():
     if value is not None and not is_number(value):
       raise UserError(
           f"{where}: {what}: {path} is {value!r}, not a finite number or null, so no cell or "
           f"claim on it can be computed {remake}"
       )
+    low, high = METRIC_RANGES.get(path.rpartition(".")[2], (-math.inf, math.inf))
+    if value is not None and not low <= value <= high:
+      raise UserError(f"{where}: {what}: {path} is {value!r}, outside [{low}, {high}] {remake}")
 
 
 def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
@@ -295,6 +300,12 @@ def _check_runs(where: str, runs: Any, what: str, name: str) -> None:
     for key in ("row", "seed", "status"):
       if key not in run:
         raise UserError(f"{where}: {text} has no {key!r} {remake}")
+    seed = run["seed"]
+    if not (type(seed) is int or isinstance(seed, str) and "=" in seed):
+      raise UserError(
+          f"{where}: {index_name} (row {run['row']}): its 'seed' is {seed!r}, not a whole number (nor a pairing unit "
+          f"such as fold=0,seed=0) {remake}"
+      )
     if run["status"] == "ok":
       metrics = run.get("metrics")
       if not isinstance(metrics, dict):

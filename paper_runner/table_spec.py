@@ -21,6 +21,11 @@ SEED_KEY = "seed"
 # The last part of a fairness metric's path, and of one the predictions alone decide.
 FAIRNESS_KEYS = ("pqd", "dp", "eopp", "eodds")
 PREDICTION_KEYS = ("accuracy", *FAIRNESS_KEYS, "bleu")
+# The valid range of a metric by its path's last part (fractions, a cosine); others: any finite.
+METRIC_RANGES = {
+    **dict.fromkeys(("accuracy", *FAIRNESS_KEYS, "entailment", "non-entailment", "met"), (0, 1)),
+    "gradient_cosine": (-1, 1),
+}
 # A reference row that reads the task's signal: it sets no accuracy bar.
 SIGNAL_ROLE = "signal"
 EVERY_ROW = "*"

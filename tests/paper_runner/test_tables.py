@@ -319,6 +319,25 @@ def test_a_record_without_provenance_names_the_file_and_the_key(toy_tables, tmp_
     table_docs.write_doc(str(doc))
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("accuracy", 63.4, r"runs\[0\] \(row a, seed 0\): accuracy is 63.4, outside \[0, 1\]"),
+        ("mf.pqd", -0.1, r"runs\[0\] \(row a, seed 0\): mf.pqd is -0.1, outside \[0, 1\]"),
+        ("seed", "0", r"runs\[0\] \(row a\): its 'seed' is '0', not a whole number"),
+    ],
+)
+def test_a_hand_edited_record_value_out_of_its_range_is_one_line(toy_tables, field, value, message):
+  table_record.write_record(table_spec.load_table("toy"), str(toy_tables))
+  record = table_record.read_record("toy")
+  run = record["runs"][0]
+  (run if field == "seed" else run["metrics"])[field] = value
+  with open(table_spec.record_path("toy"), "w") as f:
+    json.dump(record, f)
+  with pytest.raises(UserError, match=r"/records/toy.json: table toy: " + message):
+    table_record.read_record("toy")
+
+
 def test_a_table_spec_mistake_names_the_key(toy_tables):
   spec_file = os.path.join(table_spec.RESULTS_DIR, "toy.py")
   with open(spec_file) as f:
