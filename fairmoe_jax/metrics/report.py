@@ -257,6 +257,15 @@ def format_report(report: dict[str, Any]) -> str:
   for kind, blocks in report.get("experts_active", {}).items():
     active = ", ".join(f"{block} {value:.2f}" for block, value in blocks.items())
     lines.append(f"Experts active (exp entropy of the test-set {kind.replace('_', ' ')}): {active}")
+  if (
+      report.get("fraction_dropped") and "dropped" in report
+  ):  # MoE blocks: their capacity drops (token, choice) pairs.
+    train = report["dropped"]["train"]
+    lines.append(
+        "Dropped (token, choice) pairs, over the experts' capacity: training "
+        + ("not logged" if train is None else f"{100 * train:.1f}%")
+        + f", test {100 * report['dropped']['test']:.1f}% (moe.eval_capacity_factor)"
+    )
   for block, by_group in report.get("routing_by_group", {}).items():
     if not by_group["group"]:  # No group had a routed choice.
       continue

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fairmoe_jax import report as report_lib
 from fairmoe_jax.metrics import (
     METRIC_NAMES,
     attribute_counts,
@@ -405,6 +406,19 @@ def test_report_schema_and_values():
   for m in METRIC_NAMES:
     expected = np.mean([report["attributes"][a][m] for a in names])
     assert report["mf"][m] == pytest.approx(expected)
+
+
+def test_the_console_report_gives_training_s_and_the_test_s_dropped_fractions():
+  report = fairness_report(*_report_inputs()[:4])
+  assert "Dropped" not in format_report(report)  # No MoE block.
+  report["fraction_dropped"] = {"block_1": 0.95, "block_3": 0.85}
+  records = [{"step": 10, "train/block_1/fraction_dropped": 0.2, "val/block_1/fraction_dropped": 1}]
+  records.append({"step": 20, "train/block_1/fraction_dropped": 0.114})
+  report["dropped"] = report_lib.dropped_summary(report, records)
+  (line,) = [line for line in format_report(report).splitlines() if "Dropped" in line]
+  assert "training 15.7%, test 90.0%" in line
+  report["dropped"] = report_lib.dropped_summary(report, [{"step": 10}])
+  assert "training not logged, test 90.0%" in format_report(report)
 
 
 def test_format_report_lists_groups_and_mf():
