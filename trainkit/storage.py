@@ -42,6 +42,14 @@ def check_filesystem(location: str) -> None:
   name = scheme(location)
   if name is None:
     _refuse_mistyped_uri(location)
+    try:
+      location.encode()  # TensorStore (Orbax's arrays) takes UTF-8 paths only.
+    except UnicodeEncodeError:
+      shown = os.fsencode(location).decode(errors="backslashreplace")
+      raise UserError(
+          f"'{shown}': the workdir's name is not UTF-8 (its other bytes shown as \\xNN), and "
+          "Orbax's checkpoints need a UTF-8 path: choose a workdir whose name is UTF-8"
+      ) from None
     return
   if name not in REMOTE_SCHEMES:
     supported = ", ".join(f"{s}://" for s in REMOTE_SCHEMES)

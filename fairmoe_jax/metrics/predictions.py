@@ -94,6 +94,8 @@ def write_csv(path: str, columns: Mapping[str, np.ndarray]) -> None:
 
   def cell(value: Any) -> Any:
     # Six significant digits keep the file small while probabilities still sum to 1 to ~1e-6.
+    if isinstance(value, str):  # A file name that is not UTF-8: its other bytes as \xNN.
+      return os.fsencode(value).decode(errors="backslashreplace")
     return f"{value:.6g}" if isinstance(value, (float, np.floating)) else value
 
   names = list(columns)

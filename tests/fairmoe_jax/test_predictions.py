@@ -3,6 +3,7 @@ and intersection metrics match a direct numpy computation."""
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -452,3 +453,20 @@ def test_predict_refuses_routing_by_labels_and_empty_inputs(run, tmp_path):
     result = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True)
     assert result.returncode == 2 and f"config key '{key}'" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_image_named_in_latin_1_is_read_and_its_name_written_escaped(tmp_path):
+  # predictions.csv's UTF-8 write raised UnicodeEncodeError and the whole predict was lost.
+  from PIL import Image
+
+  from fairmoe_jax.inference import predict_inputs
+  from fairmoe_jax.metrics import predictions as predictions_lib
+
+  Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / os.fsdecode(b"caf\xe9.png"))
+  (path,) = predict_inputs(str(tmp_path))
+  assert images_lib.load_image(path, 8).shape == (8, 8, 3)
+  csv_path = tmp_path / "predictions.csv"
+  columns = {"path": np.array([path], dtype=object), "class_name": np.array(["b\xe9"], object)}
+  predictions_lib.write_csv(str(csv_path), columns)
+  rows = csv_path.read_text(encoding="utf-8").splitlines()
+  assert rows == ["path,class_name", f"{tmp_path}/caf\\xe9.png,b\xe9"]

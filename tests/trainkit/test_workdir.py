@@ -10,6 +10,7 @@ import time
 import ml_collections
 import pytest
 
+from trainkit import storage
 from trainkit.errors import UserError
 from trainkit.workdir import prepare_workdir, save_config, workdir_lock
 
@@ -167,3 +168,12 @@ def test_a_newer_format_version_is_refused_in_one_line(tmp_path):
       f"{tmp_path / 'config.json'} is of workdir format version 4, and this code reads versions "
       "1 to 3: use the version of the code that trained the run"
   )
+
+
+def test_a_workdir_whose_name_is_not_utf_8_is_refused_up_front(tmp_path):
+  # It trained, then its first checkpoint save was 111 tracebacks (TensorStore takes UTF-8 only).
+  workdir = str(tmp_path / os.fsdecode(b"r\xe9sultats"))
+  with pytest.raises(UserError, match=r"^'.*/r\\xe9sultats': the workdir's name is not UTF-8"):
+    storage.resolve(workdir)
+  assert not os.path.exists(workdir)
+  assert storage.resolve(str(tmp_path / "r\xe9sultats")) == str(tmp_path / "r\xe9sultats")
