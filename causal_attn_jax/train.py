@@ -179,10 +179,9 @@ def _setup(
   return data, run
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
-  """Trains (resuming from `workdir`'s latest checkpoint), then writes report.json; None when
-  stopped by SIGTERM.
-  """
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains (resuming from `workdir`'s latest checkpoint), then writes report.json (SIGTERM:
+  `recipe.train` checkpoints and exits)."""
   task = tasks.get_task(config)
   if _has_checkpoint(workdir):
     # A resume needs the checkpoint's own tokenizer: a new one would change the vocabulary.
@@ -207,8 +206,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       # Label names beside the tokenizer: predict then needs the workdir alone.
       run_info=run_info_lib.RunMetadata.from_data(config, data).to_json(),
   )
-  if trained is None:
-    return None
   report = _final_report(config, run.graphdef, eval_step, trained.state, data, run.mesh, workdir)
   scalars = {f"final/{k}": report[k] for k in ("accuracy", "macro_f1", "bleu") if k in report}
   if "challenge" in report:

@@ -129,10 +129,9 @@ def _setup(
   return info, splits, run
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
-  """Trains (resuming from `workdir`'s latest checkpoint), then evaluates on the test split;
-  None when stopped by SIGTERM.
-  """
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains (resuming from `workdir`'s latest checkpoint), then evaluates on the test split
+  (SIGTERM: `recipe.train` checkpoints and exits)."""
   info, splits, run = _setup(config, workdir)
   mesh = run.mesh
   train_iterator = data_lib.train_iterator(
@@ -183,8 +182,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   )
   if spmd.FALLBACKS:  # Known once the steps are traced: what ran in place of a dispatch.
     save_run_info({**run_info, "fallbacks": list(spmd.FALLBACKS)}, workdir)
-  if trained is None:
-    return None
   report, predictions = report_lib.final_report(
       eval_step, run.graphdef, trained.state, splits, info, config, mesh, workdir, validate
   )

@@ -390,9 +390,17 @@ def train_eval_command(
       if created:
         remove_if_empty(workdir)
 
-    guard = (
-        sigterm_ends_cleanly(abandon, "during --mode=compile; nothing was written")
+    # Outside the training steps (set-up, the first compile, evaluation, plots) SIGTERM ends the
+    # run at once, without its lock; within them the loop's PreemptionGuard checkpoints first.
+    # A multi-process run's SIGTERM is JAX's preemption service's.
+    what = (
+        "during --mode=compile; nothing was written"
         if mode == "compile"
+        else "outside the training steps; its checkpoints are kept: rerun the same command"
+    )
+    guard = (
+        sigterm_ends_cleanly(abandon, what)
+        if mode == "compile" or jax.process_count() == 1
         else contextlib.nullcontext()
     )
     try:

@@ -16,6 +16,7 @@ import traceback
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from trainkit.errors import USER_ERROR_EXIT_CODE, UserError
+from trainkit.preemption import SIGTERM_EXIT_CODE
 
 T = TypeVar("T")
 
@@ -314,7 +315,9 @@ def exit_together(workdir_hint: str = "") -> Iterator[None]:
   except BaseException as e:  # pylint: disable=broad-except
     import jax  # pylint: disable=import-outside-toplevel
 
-    if jax.process_count() == 1 or (isinstance(e, SystemExit) and e.code in (0, None)):
+    if jax.process_count() == 1 or (
+        isinstance(e, SystemExit) and e.code in (0, None, SIGTERM_EXIT_CODE)  # A pre-emption.
+    ):
       raise
     where = f"process {jax.process_index()} of {jax.process_count()}"
     resume = (

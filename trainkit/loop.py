@@ -202,7 +202,7 @@ def train_loop(
   expert assignment), keeping every array's shape, dtype and sharding so nothing recompiles.
   `profile_steps` = (start, end) traces steps start+1 .. end to `<workdir>/profile`.
   """
-  step = int(state.step)
+  step = first_step = int(state.step)
   progress = ProgressBar(
       num_train_steps, initial=step, examples_per_step=examples_per_step, enabled=show_progress
   )
@@ -225,7 +225,8 @@ def train_loop(
       trace.before_step(step, state)
       batch = next(batches)
       if flops_per_step is None and hasattr(train_step, "lower"):
-        compiled = compile_ahead(train_step, state, batch)
+        with guard.deferred():  # No step of this segment yet: nothing a signal would lose.
+          compiled = compile_ahead(train_step, state, batch)
         require_fits(
             compiled,
             what="train step",
@@ -235,6 +236,10 @@ def train_loop(
             prefetch=device_prefetch,
         )
         flops_per_step = flops_of(compiled) or 0.0
+      if guard.requested and step == first_step:  # Nothing trained since the checkpoint.
+        preempted = True
+        _log.warning("%s received before the first step: stopping", guard.signal_name)
+        break
       state, metrics = train_step(state, batch)
       step += 1
       trace.after_step(step, state)

@@ -44,6 +44,21 @@ class PreemptionGuard:
         self.requested, self.signal_name = True, "SIGTERM (on some process)"
     return self.requested
 
+  @contextlib.contextmanager
+  def deferred(self) -> Iterator[None]:
+    """While active, SIGTERM goes to the handler the guard replaced, when that one acts at once
+    (`sigterm_ends_cleanly`): for a stretch with nothing to checkpoint, such as the first compile,
+    which a flag would leave a scheduler's grace period to wait out."""
+    previous = self._previous.get(signal.SIGTERM)
+    if not callable(previous):
+      yield
+      return
+    signal.signal(signal.SIGTERM, previous)
+    try:
+      yield
+    finally:
+      signal.signal(signal.SIGTERM, self._handle)
+
   def __enter__(self) -> "PreemptionGuard":
     for s in self._signals:
       self._previous[s] = signal.signal(s, self._handle)

@@ -22,6 +22,7 @@ from trainkit.loop import CheckpointableIterator, resume_training, train_loop
 from trainkit.mesh import make_mesh
 from trainkit.metric_writers import MetricWriter
 from trainkit.optim import learning_rate_schedule, make_optimizer
+from trainkit.preemption import SIGTERM_EXIT_CODE
 from trainkit.train_state import (
     LossFn,
     TrainState,
@@ -89,9 +90,10 @@ def train(
     evaluate: Callable[[TrainState], Mapping[str, Any]] | None = None,
     reviews: Sequence[Review] = (),
     run_info: Mapping[str, Any] | None = None,
-) -> Trained | None:
-  """Trains `run` to `config.num_train_steps`, resuming from its latest checkpoint; None when
-  SIGTERM stopped it (checkpointed). `run_info` is saved once the checkpoints accept the config."""
+) -> Trained:
+  """Trains `run` to `config.num_train_steps`, resuming from its latest checkpoint; SIGTERM (or
+  Ctrl-C) checkpoints the step reached, if any, and exits with SIGTERM_EXIT_CODE. `run_info` is
+  saved once the checkpoints accept the config."""
   config = run.config
   is_main = jax.process_index() == 0
   writer = MetricWriter(run.workdir, enabled=is_main)
@@ -123,12 +125,12 @@ def train(
       reviews=reviews,
       show_progress=is_main,
   )
-  if preempted:  # Its checkpoint is saved.
+  if preempted:  # Its checkpoint is saved; a scheduler reads the status as a pre-emption.
     run.checkpointer.close()
     writer.close()
     if is_main:
       print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)
-    return None
+    raise SystemExit(SIGTERM_EXIT_CODE)
   writer.flush()
   return Trained(state, writer)
 

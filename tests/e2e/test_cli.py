@@ -165,9 +165,10 @@ def test_sigterm_then_sigkill_then_resume_log_the_uninterrupted_losses(repo_root
   reference_losses = _losses(tmp_path / "reference")
   workdir = tmp_path / "run"
 
-  # SIGTERM saves at the current step, not only at the last periodic checkpoint, and exits 0.
+  # SIGTERM saves at the current step, not only at the last periodic checkpoint, and exits 143
+  # (a pre-emption, not a finished run).
   code, stdout, stderr = _interrupt(repo_root, workdir, signal.SIGTERM, after_step=7)
-  assert code == 0, stderr
+  assert code == 128 + signal.SIGTERM, stderr
   assert "Stopped at step" in stdout
   stopped = max(_losses(workdir))
   assert stopped < 60, "the run finished before the signal arrived"
@@ -330,16 +331,11 @@ def test_a_workdir_deleted_while_training_is_one_line(repo_root, tmp_path):
   assert not workdir.exists()  # Nothing recreated.
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="compiles for a TPU target: needs libtpu (the preflight extra)",
-)
-def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_path):
-  # SIGTERM killed `--mode=compile` without any clean-up: a stale .run.lock (a new workdir
-  # held nothing else) and, for a TPU target, libtpu's native stack dump.
-  workdir = tmp_path / "compile"
+def _sigterm_once_locked(repo_root, workdir, *args, config=QUICKSTART, settle_s=0.0):
+  """Starts a run, sends it SIGTERM `settle_s` after its `.run.lock` appears; (code, out, err)
+  once it exits, which must be within 30 s of the signal."""
   process = subprocess.Popen(
-      _command(repo_root, workdir, "--mode=compile", "--config.preflight.target=v5e-8"),
+      _command(repo_root, workdir, *args, config=config),
       cwd=repo_root,
       env=_env(),
       stdout=subprocess.PIPE,
@@ -351,13 +347,39 @@ def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_
     while not (workdir / ".run.lock").exists():
       assert process.poll() is None and time.time() < deadline, process.communicate()
       time.sleep(0.05)
-    time.sleep(1.0)  # Into the compilation.
+    time.sleep(settle_s)
     process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=30)  # At once, not after the compilation.
+    out, err = process.communicate(timeout=30)
   finally:
     if process.poll() is None:
       process.kill()
-  assert process.returncode == 128 + signal.SIGTERM, err
+  return process.returncode, out, err
+
+
+def test_sigterm_before_the_first_step_ends_the_run_at_once_without_its_lock(repo_root, tmp_path):
+  """Issue 63 item 17: outside the training steps (set-up, the first compile, the plots) SIGTERM
+  killed the run silently and left its lock; in the first compile it waited for a step."""
+  workdir = tmp_path / "run"
+  code, out, err = _sigterm_once_locked(
+      repo_root, workdir, *RESUME, config=f"{QUICKSTART}:steps=60"
+  )
+  assert code == 128 + signal.SIGTERM, err
+  assert "stopped by SIGTERM outside the training steps" in err or "Stopped at step 0;" in out
+  assert not (workdir / ".run.lock").exists() and not (workdir / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiles for a TPU target: needs libtpu (the preflight extra)",
+)
+def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_path):
+  # SIGTERM killed `--mode=compile` without any clean-up: a stale .run.lock (a new workdir
+  # held nothing else) and, for a TPU target, libtpu's native stack dump.
+  workdir = tmp_path / "compile"
+  args = ("--mode=compile", "--config.preflight.target=v5e-8")
+  # Into the compilation; the run ends at once, not after it.
+  code, _, err = _sigterm_once_locked(repo_root, workdir, *args, settle_s=1.0)
+  assert code == 128 + signal.SIGTERM, err
   assert err.strip().splitlines()[-1] == (
       "stopped by SIGTERM during --mode=compile; nothing was written"
   ), err
@@ -366,22 +388,6 @@ def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_
   # In a workdir that existed, only the lock goes.
   workdir.mkdir()
   (workdir / "notes.txt").write_text("mine")
-  process = subprocess.Popen(
-      _command(repo_root, workdir, "--mode=compile", "--config.preflight.target=v5e-8"),
-      cwd=repo_root,
-      env=_env(),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-  )
-  try:
-    while not (workdir / ".run.lock").exists():
-      assert process.poll() is None, process.communicate()
-      time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=30)
-  finally:
-    if process.poll() is None:
-      process.kill()
-  assert process.returncode == 128 + signal.SIGTERM
+  code, _, err = _sigterm_once_locked(repo_root, workdir, *args)
+  assert code == 128 + signal.SIGTERM, err
   assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]

@@ -114,11 +114,11 @@ class Places:
     return self.checked(result)
 
   def checked(
-      self, result: subprocess.CompletedProcess[str], expected: str = ""
+      self, result: subprocess.CompletedProcess[str], expected: str = "", code: int = 0
   ) -> subprocess.CompletedProcess[str]:
-    """`result` of a run that exited 0, wrote nothing locally and printed no warning but those
-    `expected` matches."""
-    assert result.returncode == 0, result.stderr[-3000:]
+    """`result` of a run that exited `code`, wrote nothing locally and printed no warning but
+    those `expected` matches."""
+    assert result.returncode == code, result.stderr[-3000:]
     assert sorted(self.cwd.rglob("*")) == [], "the run wrote into its working directory"
     assert sorted(self.tmp.rglob("*")) == [], "the run wrote into $TMPDIR"
     assert warnings_in(result.stderr, expected) == [], result.stderr[-3000:]
@@ -200,6 +200,7 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
   stopped = places.checked(
       subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr),
       expected=r"\] SIGTERM received: saved a checkpoint at step \d+; stopping$",
+      code=128 + signal.SIGTERM,
   )
   stopped_at = int(re.search(r"Stopped at step (\d+)", stopped.stdout).group(1))
   resumed = places.run("fairmoe_jax.main", *args)

@@ -72,9 +72,9 @@ def _single_process(module, args, repo_root, devices=1):
   assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _wait_all(processes, logs):
+def _wait_all(processes, logs, code=0):
   codes = [p.wait(timeout=300) for p in processes]
-  assert codes == [0] * len(processes), log_text(logs, 0)[-3000:] + log_text(logs, 1)[-3000:]
+  assert codes == [code] * len(processes), log_text(logs, 0)[-3000:] + log_text(logs, 1)[-3000:]
 
 
 def _start_two(repo_root, workdir, logs):
@@ -95,12 +95,12 @@ def test_two_processes_train_like_one_through_sigterm_a_dead_process_and_resumes
   assert len(reference) == STEPS
   workdir = tmp_path / "two"
 
-  # 1. SIGTERM reaches process 1 only: both save at the same step and exit 0.
+  # 1. SIGTERM reaches process 1 only: both save at the same step and exit 143.
   logs = tmp_path / "sigterm"
   processes = _start_two(repo_root, workdir, logs)
   _wait_for_steps(workdir, 2, processes)
   processes[1].send_signal(signal.SIGTERM)
-  _wait_all(processes, logs)
+  _wait_all(processes, logs, code=128 + signal.SIGTERM)
   stopped = _checkpoints(workdir)[-1]
   assert stopped < STEPS, f"the run ended before the preemption: {_checkpoints(workdir)}"
   assert f"Stopped at step {stopped}" in log_text(logs, 0)

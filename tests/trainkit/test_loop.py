@@ -18,6 +18,7 @@ from trainkit.errors import UserError
 from trainkit.loop import TrainingDiverged, train_loop
 from trainkit.mesh import make_mesh, shard_batch
 from trainkit.metric_writers import MetricWriter, read_metrics
+from trainkit.preemption import PreemptionGuard
 
 
 class _SignallingIterator:
@@ -114,6 +115,26 @@ def test_sigterm_checkpoints_the_current_step_and_stops(tmp_path, device_prefetc
   assert [(m["step"], m["loss"]) for m in read_metrics(str(tmp_path))] == [(step, 8.0)]
   assert signal.getsignal(signal.SIGTERM) == previous_handler  # The guard restores the handler.
   ckpt.close()
+
+
+def test_a_deferring_guard_hands_sigterm_to_the_handler_it_replaced():
+  """During the first compile SIGTERM goes to the entry point's handler (which ends the run at
+  once, `sigterm_ends_cleanly`); a SIG_DFL it replaced is not restored (that would kill)."""
+  received = []
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+  try:
+    with PreemptionGuard() as guard:
+      with guard.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+      assert received == [signal.SIGTERM] and not guard.requested
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert guard.requested and received == [signal.SIGTERM]
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with PreemptionGuard() as guard, guard.deferred():
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert guard.requested
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def test_diverged_loss_stops_without_checkpointing_nan(tmp_path):

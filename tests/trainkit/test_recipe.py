@@ -138,8 +138,9 @@ def test_a_rerun_resumes_the_finished_run_and_a_trained_workdir_restores_it(tmp_
 def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path, capsys):
   config = _config()
   run = _setup(config, tmp_path)
-  trained = recipe.train(run, train_iterator=_Regression(signal_at=7), loss_fn=_loss_fn)
-  assert trained is None
+  with pytest.raises(SystemExit) as stopped:
+    recipe.train(run, train_iterator=_Regression(signal_at=7), loss_fn=_loss_fn)
+  assert stopped.value.code == 128 + signal.SIGTERM  # A pre-emption, not a finished run.
   # The signal comes while batch 7 is read; the loop reads batches ahead of its steps
   # (trainkit.prefetch), so it stops at step 7 or a little before.
   [stopped_at] = run.checkpointer.all_steps()
@@ -152,6 +153,19 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path,
   assert int(resumed.state.step) == 60 and evaluations == [20, 40, 60]
   steps = [m["step"] for m in read_metrics(str(tmp_path)) if "mse" in m]
   assert steps == sorted(set(steps))  # The log was rewound to step 7, not duplicated.
+
+
+def test_sigterm_before_the_first_step_stops_after_the_compile_with_nothing_to_save(
+    tmp_path, capsys
+):
+  """Issue 63 item 17: a SIGTERM during the first compile was acted on after one more step,
+  and the run exited 0."""
+  run = _setup(_config(), tmp_path)
+  with pytest.raises(SystemExit) as stopped:
+    recipe.train(run, train_iterator=_Regression(signal_at=1), loss_fn=_loss_fn)
+  assert stopped.value.code == 128 + signal.SIGTERM
+  assert run.checkpointer.all_steps() == [] and not (tmp_path / "metrics.jsonl").exists()
+  assert "Stopped at step 0; rerun the same command to resume." in capsys.readouterr().out
 
 
 def test_an_evaluation_that_falls_back_keeps_the_record_of_the_step_it_could_not_read(tmp_path):
