@@ -144,11 +144,21 @@ def predict_inputs(source: str) -> list[str]:
         "predict.input", "--mode=predict needs --config.predict.input=FOLDER_OR_LIST_FILE"
     )
   if os.path.isdir(source):
-    paths = sorted(
-        os.path.join(source, name)
-        for name in os.listdir(source)
-        if name.lower().endswith(IMAGE_SUFFIXES)
-    )
+    names = sorted(os.listdir(source))
+    paths = [os.path.join(source, n) for n in names if n.lower().endswith(IMAGE_SUFFIXES)]
+    skipped = [
+        n + "/" if os.path.isdir(os.path.join(source, n)) else n
+        for n in names
+        if not n.lower().endswith(IMAGE_SUFFIXES)
+    ]
+    if skipped:
+      more = f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else ""
+      print(
+          f"predict.input: skipped {len(skipped)} entries of {source} that are not "
+          f"{'/'.join(IMAGE_SUFFIXES)} files (subfolders are not read): "
+          f"{', '.join(skipped[:5])}{more}",
+          flush=True,
+      )
     if not paths:
       raise ConfigError(
           "predict.input", f"folder {source} holds no image ({', '.join(IMAGE_SUFFIXES)})"
@@ -225,6 +235,8 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   check_predictable(config)
   output_folder(workdir, os.path.dirname(PREDICT_FILE), create=False)  # Before the restore.
   paths = predict_inputs(config.predict.input)
+  for path in paths:  # Headers: an unreadable image is named before the restore and compile.
+    images_lib.read_image(path, 1, Image.Image.verify)
   restored = restore_run(config, workdir)
   examples = predict_examples(restored, config, np.array(paths, dtype=object))
   prediction = examples["prediction"]

@@ -470,3 +470,34 @@ def test_an_image_named_in_latin_1_is_read_and_its_name_written_escaped(tmp_path
   predictions_lib.write_csv(str(csv_path), columns)
   rows = csv_path.read_text(encoding="utf-8").splitlines()
   assert rows == ["path,class_name", f"{tmp_path}/caf\\xe9.png,b\xe9"]
+
+
+def test_predict_names_what_it_skips_and_a_corrupt_image_before_the_restore(
+    tmp_path, capsys, monkeypatch
+):
+  """Issue 63 item 15: other suffixes (an animated GIF) and subfolders were skipped silently, and
+  a corrupt image was reported only after the checkpoint was restored and compiled."""
+  from PIL import Image
+
+  from fairmoe_jax import inference
+  from trainkit.errors import UserError
+
+  folder = tmp_path / "images"
+  (folder / "more").mkdir(parents=True)
+  Image.new("RGB", (8, 8)).save(folder / "a.png")
+  Image.new("RGB", (8, 8)).save(folder / "anim.gif")
+  (folder / "b.jpg").write_bytes(b"not a JPEG at all")
+  assert inference.predict_inputs(str(folder)) == [str(folder / "a.png"), str(folder / "b.jpg")]
+  assert capsys.readouterr().out == (
+      f"predict.input: skipped 2 entries of {folder} that are not "
+      f"{'/'.join(inference.IMAGE_SUFFIXES)} files (subfolders are not read): anim.gif, more/\n"
+  )
+
+  def restore(*args):
+    raise AssertionError("restored before the images were checked")
+
+  monkeypatch.setattr(inference, "restore_run", restore)
+  config = config_lib.quickstart_config()
+  config.predict.input = str(folder)
+  with pytest.raises(UserError, match=f"image file {folder / 'b.jpg'} is not a readable image"):
+    inference.predict_checkpoint(config, str(tmp_path / "run"))
