@@ -276,13 +276,16 @@ def settle_run_length(
 def resolve_train_steps(
     config: ml_collections.ConfigDict, train_examples: int, *, training: bool
 ) -> None:
-  """Checks one batch fits the loaded training data; `num_epochs` > 0 sets `num_train_steps`."""
+  """Checks one batch fits the loaded training data; `num_epochs` > 0 sets `num_train_steps`
+  (rounded up to whole updates)."""
   if training and train_examples < config.batch_size:
     raise UserError(
         f"the training data has {train_examples} examples, fewer than one batch "
         f"(batch_size={config.batch_size}); lower batch_size or add data"
     )
   if config.num_epochs > 0 and train_examples:
-    config.num_train_steps = max(
-        1, math.ceil(config.num_epochs * train_examples / config.batch_size)
+    # Whole updates of optimizer.accumulation_steps steps each (trainkit.optim).
+    k = config.optimizer.get("accumulation_steps", 1) if "optimizer" in config else 1
+    config.num_train_steps = k * max(
+        1, math.ceil(config.num_epochs * train_examples / (config.batch_size * k))
     )

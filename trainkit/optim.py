@@ -1,5 +1,12 @@
 """Optax optimiser from config: AdamW with linear warm-up and cosine decay, gradient clipping,
-and the peak learning rate optionally scaled with the batch size."""
+the peak learning rate optionally scaled with the batch size, and gradient accumulation.
+
+With `accumulation_steps` k > 1 (optax.MultiSteps), a training step reads one batch of
+`batch_size` examples, and every k-th step updates the parameters with the mean gradient of the
+last k batches: an update of `batch_size * k` examples. The optimizer's keys are per update, as
+a paper states them (`warmup_steps` counts updates, `lr_scaling` scales with batch_size * k); the
+run's are per step (`num_train_steps`, a multiple of k, `num_epochs`' steps, the `*_every_steps`,
+checkpoints, which may fall between updates, and the logged step and learning rate)."""
 
 from __future__ import annotations
 
@@ -10,35 +17,41 @@ import ml_collections
 import optax
 
 from trainkit import config as cfg
+from trainkit.errors import ConfigError
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 def peak_learning_rate(config: ml_collections.ConfigDict, batch_size: int | None = None) -> float:
-  """`learning_rate` (the rate at `base_batch_size`) times batch_size / base_batch_size for
-  `lr_scaling="linear"` (Goyal et al., 2017), or its square root for `sqrt`."""
+  """`learning_rate` (the rate at `base_batch_size`) times the update's batch (batch_size *
+  accumulation_steps) / base_batch_size for `lr_scaling="linear"` (Goyal et al., 2017), or its
+  square root for `sqrt`."""
   scaling = config.get("lr_scaling", "none")
   if scaling == "none":
     return config.learning_rate
   if batch_size is None:
     raise ValueError("optimizer.lr_scaling needs the batch size")
-  ratio = batch_size / config.base_batch_size
+  ratio = batch_size * config.accumulation_steps / config.base_batch_size
   return config.learning_rate * (ratio if scaling == "linear" else math.sqrt(ratio))
 
 
 def learning_rate_schedule(
     config: ml_collections.ConfigDict, num_train_steps: int, batch_size: int | None = None
 ) -> optax.Schedule:
-  """Linear warm-up to the peak rate, then cosine decay to `peak * final_lr_fraction`."""
+  """Linear warm-up to the peak rate, then cosine decay to `peak * final_lr_fraction`, over the
+  run's updates; a function of the step (step s's gradient goes into update s // k)."""
   peak = peak_learning_rate(config, batch_size)
-  warmup = min(config.warmup_steps, num_train_steps)
-  return optax.warmup_cosine_decay_schedule(
+  k = config.accumulation_steps
+  updates = max(1, num_train_steps // k)
+  warmup = min(config.warmup_steps, updates)
+  schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=peak,
       warmup_steps=warmup,
-      decay_steps=max(num_train_steps, warmup + 1),
+      decay_steps=max(updates, warmup + 1),
       end_value=peak * config.final_lr_fraction,
   )
+  return schedule if k == 1 else lambda step: schedule(step // k)
 
 
 def _decay_mask(params):
@@ -50,17 +63,25 @@ def make_optimizer(
     config: ml_collections.ConfigDict, num_train_steps: int, batch_size: int | None = None
 ) -> optax.GradientTransformation:
   """`config` is the `optimizer` section: name, learning_rate, lr_scaling, base_batch_size,
-  warmup_steps, final_lr_fraction, weight_decay, b1, b2, grad_clip_norm (0 disables clipping)."""
+  warmup_steps, final_lr_fraction, weight_decay, b1, b2, grad_clip_norm (0 disables clipping),
+  accumulation_steps (k: wrapped in optax.MultiSteps, whose state the checkpoints hold)."""
+  k = config.accumulation_steps
   schedule = learning_rate_schedule(config, num_train_steps, batch_size)
   chain = []
   if config.grad_clip_norm > 0:
     chain.append(optax.clip_by_global_norm(config.grad_clip_norm))
   chain.append(
       optax.adamw(
-          schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay, mask=_decay_mask
+          lambda updates: schedule(updates * k),  # optax counts updates, the schedule steps.
+          b1=config.b1,
+          b2=config.b2,
+          weight_decay=config.weight_decay,
+          mask=_decay_mask,
       )
   )
-  return optax.chain(*chain)
+  tx = optax.chain(*chain)
+  # k = 1 keeps the optimizer state of the runs before accumulation (their checkpoints restore).
+  return tx if k == 1 else optax.MultiSteps(tx, every_k_schedule=k).gradient_transformation()
 
 
 def default_optimizer_config() -> ml_collections.ConfigDict:
@@ -76,6 +97,8 @@ def default_optimizer_config() -> ml_collections.ConfigDict:
           b1=0.9,
           b2=0.999,
           grad_clip_norm=1.0,
+          # > 1: each update averages the gradients of this many steps' batches (module doc).
+          accumulation_steps=1,
       )
   )
 
@@ -90,3 +113,10 @@ def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
   cfg.require_float(config, "optimizer.final_lr_fraction", minimum=0.0, maximum=1.0)
   cfg.require_float(config, "optimizer.weight_decay", minimum=0.0)
   cfg.require_float(config, "optimizer.grad_clip_norm", minimum=0.0)
+  k = cfg.require_int(config, "optimizer.accumulation_steps", minimum=1)
+  if config.get("num_epochs", 0) <= 0 and config.num_train_steps % k:
+    raise ConfigError(
+        "num_train_steps",
+        f"{config.num_train_steps} is not a multiple of optimizer.accumulation_steps={k}: the "
+        "last steps' gradients would never be applied",
+    )

@@ -205,7 +205,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 CONFIG_FILE = "config.json"
 # Written into config.json by `save_config`; `read_saved_config` is the one reader.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 FORMAT_VERSION_KEY = "format_version"
 # An older version is migrated, not refused (every run trained so far is one): each version's
 # runs lack the keys added after it (version 1's earliest runs these), which get the values those
@@ -217,6 +217,7 @@ _ADDED_AFTER_VERSION = {
         "distributed.startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S,
     },
     2: {"moe.capacity_multiple_of": 1, "moe.group_size": 1},
+    3: {"optimizer.accumulation_steps": 1},
 }
 # What inference needs besides the config and checkpoint (`trainkit.run_info`).
 RUN_INFO_FILE = "run_info.json"
