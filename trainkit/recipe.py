@@ -30,7 +30,7 @@ from trainkit.train_state import (
     jit_train_step,
     make_train_step,
 )
-from trainkit.workdir import save_run_info
+from trainkit.workdir import CONFIG_FILE, save_run_info, trained_config_differences
 
 # create_state(tx, mesh) -> (graphdef, initial state placed on the mesh).
 CreateState = Callable[[optax.GradientTransformation, Mesh], tuple[nnx.GraphDef, TrainState]]
@@ -199,10 +199,21 @@ def finish(
   if run.checkpointer.skipped:  # The unreadable checkpoints the run skipped.
     report["checkpoint_fallback"] = {"skipped": list(run.checkpointer.skipped)}
   report["evaluated"] = evaluated(run.config, int(report.get("step", state.step)))
+  # An evaluation's overrides (`--mode=eval --config.KEY=...`) by name, not only by fingerprint.
+  trained = storage.path(storage.join(run.workdir, CONFIG_FILE)).exists()
+  differences = trained_config_differences(run.workdir, run.config) if trained else []
+  report["evaluated"]["differs_from_training"] = differences
   if jax.process_index() == 0:
+    if differences:
+      print(f"This evaluation differs from training in {'; '.join(differences)}", flush=True)
     kept = keep_earlier_record(run.workdir, report["evaluated"])
     if kept:
       report["earlier_report"] = kept
+      print(
+          f"Kept the earlier record as {kept} (its predictions beside it); this evaluation's "
+          "is written to report.json",
+          flush=True,
+      )
   if writer is not None:
     if scalars:
       writer.write_scalars(int(state.step), dict(scalars))

@@ -290,12 +290,17 @@ def format_report(report: dict[str, Any]) -> str:
   if classifiers and not any(c["above_majority"] for c in classifiers):
     # Under the default route_by=predicted this is what Eq. 7 asks of the router's features;
     # the label reading routes by group whatever the classifiers learn (docs/design.md).
-    lines.append(
-        "Note: FGR's sensitive-attribute classifiers do not beat the majority rate, so the SA "
-        "branch adds the same vote for every group: Eq. 7's confusion loss has hidden the groups "
-        "from the router's features, as it intends."
-    )
-    if "note" not in report:  # route_by=predicted: the model read no sensitive label.
+    if "note" in report:  # route_by=label: the SA branch read the labels, not the classifiers.
+      lines.append(
+          "Note: FGR's sensitive-attribute classifiers do not beat the majority rate; under "
+          "route_by=label the SA branch votes by each image's true group, not by them."
+      )
+    else:  # route_by=predicted: the model read no sensitive label.
+      lines.append(
+          "Note: FGR's sensitive-attribute classifiers do not beat the majority rate, so the SA "
+          "branch adds the same vote for every group: Eq. 7's confusion loss has hidden the "
+          "groups from the router's features, as it intends."
+      )
       lines.append(
           "  FGR routes by each image's own group only when it is given the group: "
           "--config.fair.route_by=label (reads the sensitive labels, also at test time; "

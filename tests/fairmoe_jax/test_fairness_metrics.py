@@ -517,11 +517,13 @@ def test_the_report_says_whether_the_sa_classifiers_beat_the_majority_rate():
   # Not a fault of the run: Eq. 7's aim, and where to look for routing by group.
   assert "the SA branch adds the same vote for every group" in text and "Warning" not in text
   assert "--config.fair.route_by=label" in text
-  # A run that routed by the labels is not pointed to them again.
+  # A run that routed by the labels is not pointed to them again, nor told that its SA branch
+  # (which read the labels) gave every group the same vote (issue 63 item 14).
   by_label = format_report(
       {**base, "sa_classifiers": {"moe_block3": result}, "note": "route_by=label: ..."}
   )
-  assert "same vote" in by_label and "--config.fair.route_by=label" not in by_label
+  assert "same vote" not in by_label and "--config.fair.route_by=label" not in by_label
+  assert "under route_by=label the SA branch votes by each image's true group" in by_label
 
 
 def test_routing_by_group_names_the_group_routed_least_like_the_split():

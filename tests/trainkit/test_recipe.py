@@ -17,6 +17,7 @@ from trainkit.checkpoint import restore_trained
 from trainkit.metric_writers import read_metrics
 from trainkit.optim import default_optimizer_config
 from trainkit.train_state import create_train_state
+from trainkit.workdir import save_config
 
 TRUE_W = np.array([[2.0], [-3.0]], np.float32)
 
@@ -193,8 +194,9 @@ def test_an_evaluation_that_falls_back_keeps_the_record_of_the_step_it_could_not
   assert not (tmp_path / "predictions.csv").exists()  # This evaluation writes its own.
 
 
-def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(tmp_path):
+def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(tmp_path, capsys):
   _train_and_finish(tmp_path, _config())
+  save_config(_config(), str(tmp_path))  # As the entry point saves it: what training used.
   (tmp_path / "predictions.csv").write_text("index,prediction\n0,1\n")
   finished = json.loads((tmp_path / "report.json").read_text())
   assert finished["evaluated"]["step"] == 60
@@ -210,7 +212,9 @@ def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(t
     )
 
   # The same evaluation again replaces the record (a rerun, nothing kept).
+  capsys.readouterr()
   assert "earlier_report" not in evaluate(_config())
+  assert "differs from training" not in capsys.readouterr().out
   assert json.loads((tmp_path / "report.json").read_text())["evaluated"] == finished["evaluated"]
   # Other data at the same step: the earlier record is kept under its config's fingerprint.
   other = _config()
@@ -218,6 +222,11 @@ def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(t
   report = evaluate(other)
   kept = f"report.step-60.config-{finished['evaluated']['config_sha256'][:12]}.json"
   assert report["earlier_report"] == kept
+  # Issue 63 item 14: the report names the settings, and the console says what it kept.
+  assert report["evaluated"]["differs_from_training"] == ["seed: 0 -> 7"]
+  out = capsys.readouterr().out
+  assert "This evaluation differs from training in seed: 0 -> 7\n" in out
+  assert f"Kept the earlier record as {kept} (its predictions beside it)" in out
   assert json.loads((tmp_path / kept).read_text())["evaluated"] == finished["evaluated"]
   assert (tmp_path / kept.replace("report", "predictions").replace(".json", ".csv")).exists()
   assert report["evaluated"]["config_sha256"] != finished["evaluated"]["config_sha256"]
