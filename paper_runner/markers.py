@@ -4,7 +4,7 @@ table is marked twice and nothing nests (else `--write` could replace up to a la
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import re
 import sys
 from typing import Callable
@@ -15,13 +15,8 @@ from trainkit.storage import write_atomically
 _MARKER_LINE = re.compile(r"^<!-- (?P<end>/?)table:(?P<name>[A-Za-z0-9_]+) -->$", re.M)
 
 
-@dataclasses.dataclass(frozen=True)
-class MarkedTable:
-  """One table's place in a document: its body is `text[body_start:body_end]`."""
-
-  name: str
-  body_start: int
-  body_end: int
+# One table's place in a document: its body is `text[body_start:body_end]`.
+MarkedTable = collections.namedtuple("MarkedTable", "name body_start body_end")
 
 
 def marked_tables(text: str, path: str) -> list[MarkedTable]:

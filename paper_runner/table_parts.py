@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from paper_runner.spec import dotted, load_sweep_file
 
@@ -212,11 +212,13 @@ SPURIOUS_CONFIG = "configs/spurious_pairs.py:size=small"
 LEARNING_RATES = (0.003, 0.001, 0.002, 0.005)
 
 
-def learning_rate_table(title: str) -> dict:
-  """A tuning table of `optimizer.learning_rate` on the spurious-pairs validation split, with
-  causal attention's budget (results/spurious_tuning_causal.py): the shipped rate, 3e-3, against
-  1e-3, 2e-3 and 5e-3, three seeds; the highest mean validation accuracy is chosen."""
-  return dict(
+def learning_rate_table(title: str, overrides: Mapping[str, object]) -> tuple[dict, Callable]:
+  """(TABLE, get_config) of a tuning table of `optimizer.learning_rate` with `overrides` on the
+  spurious-pairs validation split, with causal attention's budget
+  (results/spurious_tuning_causal.py): the shipped rate, 3e-3, against 1e-3, 2e-3 and 5e-3, three
+  seeds; the highest mean validation accuracy is chosen."""
+  grid = {"seed": (0, 1, 2), "optimizer.learning_rate": LEARNING_RATES}
+  table = dict(
       references=CAUSAL_REFERENCES,
       title=title,
       rows="optimizer.learning_rate",
@@ -227,13 +229,17 @@ def learning_rate_table(title: str) -> dict:
           (repr(LEARNING_RATES[0]),), map(repr, LEARNING_RATES[1:]), (("accuracy", "higher"),)
       ),
   )
+  return table, lambda arg=None: causal_sweep(grid, overrides)
 
 
-def spurious_sweep(
-    grid: Mapping[str, Sequence], overrides: Mapping[str, object] | None = None
+def causal_sweep(
+    grid: Mapping[str, Sequence],
+    overrides: Mapping[str, object] | None = None,
+    config: str = SPURIOUS_CONFIG,
+    metrics: Sequence[str] | None = None,
 ) -> dict:
-  """A sweep of the Causal Transformer on the spurious-pairs testbed (size=small)."""
-  sweep = dict(module="causal_attn_jax.main", config=SPURIOUS_CONFIG, grid=dotted(grid))
+  """A sweep of the Causal Transformer (default: on the spurious-pairs testbed, size=small)."""
+  sweep = dict(module="causal_attn_jax.main", config=config, grid=dotted(grid))
   if overrides:
     sweep["overrides"] = dotted(overrides)
-  return sweep
+  return dict(sweep, metrics=metrics) if metrics else sweep

@@ -117,9 +117,7 @@ def reproduce(
         "tolerance": tolerance,
         "differs_from_record": differs_from_record,
     }
-    if (
-        not ok
-    ):  # A finished rerun that did not come back is a measurement too: kept, never a voucher.
+    if not ok:  # A finished rerun that did not come back is a measurement: kept, not a voucher.
       entry["largest_difference"] = worst
     key = "reproduced" if ok else NOT_REPRODUCED
     stamped = read_record(spec.name)

@@ -164,10 +164,6 @@ def _entries(name: str, key: str, value: Any, fits: Callable[[Any], bool], shape
   return list(value or ())
 
 
-def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _is_target(value: Any) -> bool:
   return re.fullmatch(r"[\w.]+:\w+", str(value)) is not None
 
@@ -199,7 +195,7 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
           name,
           "columns",
           table.get("columns"),
-          lambda c: _fits(c, is_str, is_str, _is_number, lambda d: isinstance(d, int)),
+          lambda c: _fits(c, is_str, is_str, is_number, lambda d: isinstance(d, int)),
           "(path, label, scale, decimals)",
       )
   ]
@@ -237,7 +233,7 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
       lambda t: _fits(
           t,
           lambda r: r in (*texts, EVERY_ROW),
-          lambda n: _is_number(n) and isinstance(n, int) and n >= 0,
+          lambda n: is_number(n) and isinstance(n, int) and n >= 0,
           is_str,
       ),
       f"(a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
@@ -255,7 +251,7 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
   if select is not None and select not in paths:
     raise spec_error(name, "select", f"{select!r} is not the path of a column")
   if within is not None and not (
-      select and _fits(within, paths.__contains__, lambda m: _is_number(m) and m >= 0)
+      select and _fits(within, paths.__contains__, lambda m: is_number(m) and m >= 0)
   ):
     what = "(path of a column, non-negative margin) beside a select path"
     raise spec_error(name, "select_within", f"{within!r} is not {what}")

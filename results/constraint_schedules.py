@@ -40,4 +40,4 @@ TABLE = dict(
 
 def get_config(arg=None):
   del arg
-  return parts.spurious_sweep({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)})
+  return parts.causal_sweep({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)})

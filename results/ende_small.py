@@ -5,7 +5,6 @@ the causal model's schedule (the selection leak below).
 """
 
 from paper_runner import table_parts as parts
-from paper_runner.spec import dotted
 
 _DATA = "../shared/data/translation/wmt14_ende_opennmt"
 
@@ -52,19 +51,16 @@ TABLE = dict(
 
 def get_config(arg=None):
   del arg
-  return dict(
-      module="causal_attn_jax.main",
+  return parts.causal_sweep(
+      {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)},
+      {
+          "data.train_source": f"{_DATA}/src-train.txt",
+          "data.train_target": f"{_DATA}/tgt-train.txt",
+          "data.eval_source": f"{_DATA}/src-val.txt",
+          "data.eval_target": f"{_DATA}/tgt-val.txt",
+          "data.unescape": True,
+          "nmt.max_eval_sentences": 500,
+      },
       config="configs/wmt14_ende.py:size=small",
-      grid=dotted({"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)}),
-      overrides=dotted(
-          {
-              "data.train_source": f"{_DATA}/src-train.txt",
-              "data.train_target": f"{_DATA}/tgt-train.txt",
-              "data.eval_source": f"{_DATA}/src-val.txt",
-              "data.eval_target": f"{_DATA}/tgt-val.txt",
-              "data.unescape": True,
-              "nmt.max_eval_sentences": 500,
-          }
-      ),
       metrics=("bleu", "eval_loss"),
   )

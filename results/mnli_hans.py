@@ -4,7 +4,6 @@ HANS pairs, five paired seeds: the paper's Table 1 claim that causal attention s
 """
 
 from paper_runner import table_parts as parts
-from paper_runner.spec import dotted
 
 TABLE = dict(
     references=parts.CAUSAL_REFERENCES,
@@ -45,15 +44,12 @@ TABLE = dict(
 
 def get_config(arg=None):
   del arg
-  return dict(
-      module="causal_attn_jax.main",
+  return parts.causal_sweep(
+      {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)},
+      {
+          "data.train_file": "../shared/data/nli/mnli_dev_matched.tsv",
+          "data.challenge_file": "../shared/data/nli/hans_regenerated_sample.txt",
+      },
       config="configs/mnli_hans.py:size=small",
-      grid=dotted({"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)}),
-      overrides=dotted(
-          {
-              "data.train_file": "../shared/data/nli/mnli_dev_matched.tsv",
-              "data.challenge_file": "../shared/data/nli/hans_regenerated_sample.txt",
-          }
-      ),
       metrics=("accuracy", "challenge.accuracy"),
   )

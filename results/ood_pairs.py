@@ -6,7 +6,6 @@ is a second causal row.
 """
 
 from paper_runner import table_parts as parts
-from paper_runner.spec import dotted
 
 VANILLA = parts.VANILLA_TUNED
 
@@ -51,14 +50,11 @@ TABLE = dict(
 
 def get_config(arg=None):
   del arg
-  return dict(
-      module="causal_attn_jax.main",
+  return parts.causal_sweep(
+      {
+          "seed": (0, 1, 2, 3, 4),
+          "model.attention": (parts.CAUSAL, PAPER_SCHEDULE, VANILLA, parts.UNCONSTRAINED),
+      },
       config="configs/ood_pairs.py:size=small",
-      grid=dotted(
-          {
-              "seed": (0, 1, 2, 3, 4),
-              "model.attention": (parts.CAUSAL, PAPER_SCHEDULE, VANILLA, parts.UNCONSTRAINED),
-          }
-      ),
       metrics=("accuracy", "challenge.accuracy"),
   )

@@ -38,7 +38,7 @@ TABLE = dict(
 
 def get_config(arg=None):
   del arg
-  sweep = parts.spurious_sweep(
-      {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, VANILLA, parts.UNCONSTRAINED)}
+  return parts.causal_sweep(
+      {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, VANILLA, parts.UNCONSTRAINED)},
+      metrics=("accuracy", "challenge.accuracy"),
   )
-  return dict(sweep, metrics=("accuracy", "challenge.accuracy"))

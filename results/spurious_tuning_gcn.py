@@ -5,14 +5,7 @@ paper_runner.table_parts.learning_rate_table).
 
 from paper_runner import table_parts as parts
 
-TABLE = parts.learning_rate_table(
-    "The unconstrained GCN's learning rate on the testbed, validation split"
+TABLE, get_config = parts.learning_rate_table(
+    "The unconstrained GCN's learning rate on the testbed, validation split",
+    {"constraints.weight": 0.0},
 )
-
-
-def get_config(arg=None):
-  del arg
-  return parts.spurious_sweep(
-      {"seed": (0, 1, 2), "optimizer.learning_rate": parts.LEARNING_RATES},
-      {"constraints.weight": 0.0},
-  )

@@ -4,14 +4,7 @@ r"""Tuning table (validation only): the learning rate of vanilla attention on th
 
 from paper_runner import table_parts as parts
 
-TABLE = parts.learning_rate_table(
-    "Vanilla attention's learning rate on the testbed, validation split"
+TABLE, get_config = parts.learning_rate_table(
+    "Vanilla attention's learning rate on the testbed, validation split",
+    {"model.attention": "vanilla", "constraints.weight": 0.0},
 )
-
-
-def get_config(arg=None):
-  del arg
-  return parts.spurious_sweep(
-      {"seed": (0, 1, 2), "optimizer.learning_rate": parts.LEARNING_RATES},
-      {"model.attention": "vanilla", "constraints.weight": 0.0},
-  )
