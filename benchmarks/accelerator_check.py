@@ -32,15 +32,11 @@ PACKAGES = "jax jaxlib flax optax orbax-checkpoint grain array-record ml-collect
 PACKAGES += " tokamax"  # None: `dropless` ran XLA's dense ragged_dot on the GPU.
 PARTS = ("train_step", "moe_layer", "input_pipeline", "tests", "quickstart")
 # The test files a lent device runs (docs/benchmarks.md, "The tests on a lent GPU").
-# The test files that run on the device: fairmoe_jax's, causal_attn_jax's, then trainkit's.
-DEVICE_TESTS = "fairmoe_jax/moe_algorithms fairmoe_jax/moe fairmoe_jax/routers fairmoe_jax/gelu"
-DEVICE_TESTS += " fairmoe_jax/vit fairmoe_jax/swin fairmoe_jax/fairness_metrics fairmoe_jax/remat"
-DEVICE_TESTS += " fairmoe_jax/moe_layer_options fairmoe_jax/dropless_tpu fairmoe_jax/methods"
-DEVICE_TESTS += " fairmoe_jax/fairness_training causal_attn_jax/causal_attention"
-DEVICE_TESTS += (
-    " causal_attn_jax/decoding causal_attn_jax/causal_models causal_attn_jax/constraints"
-)
-DEVICE_TESTS += " trainkit/optim"
+DEVICE_TESTS = """fairmoe_jax/moe_algorithms fairmoe_jax/moe fairmoe_jax/routers fairmoe_jax/gelu
+fairmoe_jax/vit fairmoe_jax/swin fairmoe_jax/fairness_metrics fairmoe_jax/remat
+fairmoe_jax/moe_layer_options fairmoe_jax/dropless_tpu fairmoe_jax/methods
+fairmoe_jax/fairness_training causal_attn_jax/causal_attention causal_attn_jax/decoding
+causal_attn_jax/causal_models causal_attn_jax/constraints trainkit/optim"""
 OURS = ("sort", "einsum", "dropless")  # What `moe.dispatch=auto` may choose on a GPU.
 TRAIN = {"batch_size": 256, "compute_dtype": "bfloat16", "preflight.eval_step": False}
 SIZES = {  # moe: shape, experts, top-k, rounds; pipeline: image size, batch, batches, workers.
@@ -175,9 +171,8 @@ def run_unit(unit: tuple, args: argparse.Namespace, scratch: str, timeout: float
 
 def derive(result: dict) -> None:
   """Each part's status, the measured step over its prediction, and the pipeline beside it."""
-  for units in (
-      parts := result["parts"]
-  ).values():  # ok, skipped, error (one failed or timed out) or partial.
+  parts = result["parts"]
+  for units in parts.values():  # ok, skipped, error (one failed or timed out) or partial.
     got = {u["status"] for u in units.values() if isinstance(u, dict) and "status" in u}
     mixed = "pending" if not got else "error" if got & {"error", "timeout"} else "partial"
     units["status"] = got.pop() if got in ({"ok"}, {"skipped"}) else mixed

@@ -345,9 +345,8 @@ def main() -> None:
         status = row["error"] or f"compiled in {row['compile_s']:.1f} s"
         print(f"  {target.name} {dtype} {shape} E={e} k={k} {dispatch}: {status}", flush=True)
         rows.append(row)
-        _write(
-            args, parts, merged(kept, rows), targets, quiet=True
-        )  # A partial file if interrupted.
+        # A partial file if interrupted.
+        _write(args, parts, merged(kept, rows), targets, quiet=True)
   rows = merged(kept, rows)
   add_ratios(rows)
   best = best_per_case(rows)

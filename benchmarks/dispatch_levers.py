@@ -8,6 +8,21 @@ Compiled for one v5e chip as `benchmarks/dispatch_compile.py` compiles its rows:
 expert MLP alone and its traffic floor (`expert_mlp_traffic_floor`), against V-MoE's best; the
 MLP in `fused_mlp`'s Pallas kernels, alone and as `einsum_fused`; and each dispatch's writes of
 the dispatched buffers' shape (`buffer_writes`). The JSON (`--out`) holds the bytes.
+
+With `--settings MULTIPLE,GROUP_SIZE ...` (capacity granularity and routing groups,
+`moe.capacity_multiple_of` and `moe.group_size`), each setting's C, bytes accessed, relayout copies
+and drop rate instead, compiled for every `--dispatch` (none: C and drops only):
+
+  python benchmarks/dispatch_levers.py --experts 4 --settings 1,1 4,1 8,1 8,2 \
+      --out benchmarks/results/capacity_granularity.json
+  python benchmarks/dispatch_levers.py --experts 64 --dispatch --settings 1,1 1,2 1,4 8,4
+
+The step is the layer's with the images routed in groups of `group_size`, as `SparseMoE` forms
+them, and C = `compute_capacity(group_size * S, E, k, 1.25, multiple_of)`. Relayout copies: the
+arrays of the [E, G C, D] and [E, G C, H] row layout the entry computation writes
+(`buffer_writes`), each a copy of an [E, G, C, .] buffer. Drop rate: the fraction of (token,
+choice) pairs over capacity on the step's own inputs (`moe_layer.layer_args`, seed 0), the same
+for every capacity dispatch.
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ import re
 import sys
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,9 +45,12 @@ import jax.numpy as jnp  # noqa: E402
 
 import dispatch_compile  # noqa: E402
 import moe_layer  # noqa: E402
-from fairmoe_jax.moe.dispatch import compute_capacity  # noqa: E402
+from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, compute_capacity  # noqa: E402
 from fairmoe_jax.moe.dispatch import experts as experts_module  # noqa: E402
+from fairmoe_jax.moe.dispatch.capacity import stats_per_example, to_groups  # noqa: E402
+from fairmoe_jax.moe.dispatch.sort import sort_slot_plan  # noqa: E402
 from fairmoe_jax.moe.experimental.fused_mlp import fused_expert_mlp  # noqa: E402
+from fairmoe_jax.moe.routers import route_from_logits  # noqa: E402
 from trainkit.preflight import analysis  # noqa: E402
 from trainkit.preflight.targets import get_target  # noqa: E402
 
@@ -126,7 +145,64 @@ def _buffer_line(name: str, compiled: Any, experts: int, groups: int, capacity: 
   )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def grouped(algorithm, group_size: int):
+  """`algorithm` on routing groups of `group_size` images, undone on y and the stats."""
+
+  def run(x, expert_index, gates, experts, *, capacity):
+    groups = to_groups((x, expert_index, gates), group_size)
+    y, stats = algorithm(*groups, experts, capacity=capacity)
+    return y.reshape(x.shape), stats_per_example(stats, expert_index, experts.num_experts)
+
+  return run
+
+
+def drop_rate(args: tuple, num_experts: int, group_size: int, capacity: int) -> float:
+  x, router, _, _ = args
+  routing = route_from_logits(x.reshape(-1, x.shape[-1]).astype(jnp.float32) @ router, TOP_K)
+  index = routing.expert_index.reshape(x.shape[0] // group_size, -1, TOP_K)
+  return float(
+      sort_slot_plan(index, num_experts=num_experts, capacity=capacity).stats.fraction_dropped
+  )
+
+
+def granularity(args: argparse.Namespace, inputs: tuple) -> list[dict]:
+  """The rows of `--settings`: per setting its C and drop rate, then per dispatch its bytes."""
+  images, tokens, dim, hidden = dispatch_compile.SHAPES[args.shape]
+  concrete = moe_layer.layer_args(
+      dispatch_compile.SHAPES[args.shape], args.experts, TOP_K, "einsum", args.dtype
+  )
+  rows, compiled = [], {}
+  for setting in args.settings:
+    multiple_of, group_size = (int(v) for v in setting.split(","))
+    capacity = compute_capacity(group_size * tokens, args.experts, TOP_K, 1.25, multiple_of)
+    dropped = drop_rate(concrete, args.experts, group_size, capacity)
+    setting = dict(capacity_multiple_of=multiple_of, group_size=group_size, capacity=capacity)
+    rows.append(dict(setting, dispatch=None, fraction_dropped=dropped))
+    print(f"{args.shape} E={args.experts} {setting}: {dropped:.4f} dropped", flush=True)
+    for name in args.dispatch:
+      key = (name, group_size, capacity)  # A multiple that leaves C as it is: the same step.
+      if key not in compiled:
+        algorithm = DISPATCH_ALGORITHMS[name]
+        algorithm = grouped(algorithm, group_size) if group_size > 1 else algorithm
+        with mock.patch.dict(DISPATCH_ALGORITHMS, {name: algorithm}):
+          step, _ = moe_layer.compile_step(moe_layer.layer_loss(name, capacity, TOP_K), inputs)
+        layout = (args.experts, images // group_size * capacity)
+        compiled[key] = dict(
+            bytes_accessed=analysis.cost(step)["bytes accessed"],
+            relayout_copies=sum(
+                sum(buffer_writes(step.as_text(), (*layout, w)).values()) for w in (dim, hidden)
+            ),
+        )
+      rows.append(dict(setting, dispatch=name, **compiled[key]))
+      print(f"  {args.target} {args.dtype} {name}: {compiled[key]}", flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      record = dict(vars(args), jax=jax.__version__, libtpu=dispatch_compile.libtpu_version())
+      json.dump(dict(record, rows=rows), f, indent=1)
+  return rows
+
+
+def main(argv: list[str] | None = None) -> dict | list[dict]:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
@@ -135,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--target", default="v5e-8")
   parser.add_argument("--out", default="")
+  parser.add_argument("--settings", nargs="*", default=[], metavar="MULTIPLE,GROUP_SIZE")
+  parser.add_argument("--dispatch", nargs="*", default=["einsum_fused", "einsum"])
   args = parser.parse_args(argv)
   target = get_target(args.target)
   mesh = dispatch_compile.one_device_mesh(target)
@@ -143,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
   inputs = dispatch_compile.abstract_args(
       mesh, args.shape, args.experts, TOP_K, "einsum", args.dtype
   )
+  if args.settings:
+    return granularity(args, inputs)
   rows = {}
   case = f"{args.target} {args.shape} E={args.experts} {args.dtype}"
 
