@@ -1,7 +1,7 @@
 r"""Table: causal against vanilla attention for En-De translation on the OpenNMT sample
 (docs/results.md, "En-De sample: translation"); the paper's claim (Table 2) that the causal model
 translates at least as well. The sample has no test split: its validation split reports, and chose
-the causal model's schedule (the selection leak below).
+the causal model's schedule (the selection leak below; docs/protocol.md, sections 1 and 9).
 """
 
 from paper_runner import table_parts as parts
@@ -34,8 +34,6 @@ TABLE = dict(
         ),
         (parts.VANILLA, 0, "not tuned"),
     ),
-    # The sample has no other in-distribution split: the schedule was chosen on the split the
-    # table reports (docs/protocol.md, sections 1 and 9).
     selection_leaks=(
         dict(
             rows=(parts.CAUSAL,),

@@ -37,8 +37,6 @@ TABLE = dict(
         (VANILLA, parts.UNCONSTRAINED),
         (("challenge.accuracy", "higher"),),
     ),
-    # This validation split cannot choose (every setting scores 1 on it): each attention keeps
-    # its spurious-pairs setting.
     tuning=(
         (parts.CAUSAL, 4, "dual-ascent schedules on the spurious-pairs testbed, not this one"),
         (PAPER_SCHEDULE, 0, "the paper's step"),
