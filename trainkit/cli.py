@@ -34,6 +34,8 @@ from trainkit.workdir import (
     release_lock,
     remove_if_empty,
     require_checkpoint,
+    stopped_by_workdir,
+    workdir_exists,
     workdir_lock,
 )
 
@@ -382,7 +384,7 @@ def train_eval_command(
     return [argv[0], f"--config={saved_config.config_argument(config_module, workdir)}", *argv[1:]]
 
   def run_in_workdir(config: ml_collections.ConfigDict, workdir: str, mode: str) -> None:
-    created = not storage.path(storage.resolve(workdir)).exists()
+    created = not workdir_exists(storage.resolve(workdir))
     workdir = prepare_workdir(workdir)
 
     def abandon() -> None:  # Nothing of a compilation is worth keeping, nor a stale lock.
@@ -407,12 +409,9 @@ def train_eval_command(
       with guard, workdir_lock(workdir):
         modes[mode][0](config, workdir)
     except BaseException as e:
-      if isinstance(e, Exception) and not storage.is_remote(workdir) and not os.path.isdir(workdir):
-        # Deleted, moved or unmounted under the run: whatever failed first, this is the cause.
-        raise UserError(
-            f"the workdir {workdir} vanished while the run was using it (deleted, moved or "
-            "unmounted); the run stopped, as nothing more can be saved there"
-        ) from e
+      stopped = stopped_by_workdir(workdir, e) if isinstance(e, Exception) else None
+      if stopped is not None:
+        raise stopped from e
       if created and jax.process_index() == 0:
         remove_if_empty(workdir)  # An early error leaves no empty workdir behind.
       raise

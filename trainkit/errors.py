@@ -32,7 +32,7 @@ _OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _OUT_OF_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
 
 
-def _chain(error: BaseException | None) -> Iterator[BaseException]:
+def causes(error: BaseException | None) -> Iterator[BaseException]:
   """`error` and the errors it was raised from."""
   seen = set()
   while error is not None and id(error) not in seen:
@@ -46,7 +46,7 @@ def is_out_of_space(error: BaseException) -> bool:
   return any(
       (isinstance(e, OSError) and e.errno in _OUT_OF_SPACE_ERRNOS)
       or any(text in str(e) for text in _OUT_OF_SPACE_TEXT)
-      for e in _chain(error)
+      for e in causes(error)
   )
 
 
@@ -57,7 +57,7 @@ _UNWRITABLE_TEXT = ("Permission denied", "Read-only file system", "Operation not
 
 def unwritable_reason(error: BaseException) -> str | None:
   """`Permission denied: 'PATH'` (or the like) when `error` or its cause says so; else None."""
-  for e in _chain(error):
+  for e in causes(error):
     if isinstance(e, OSError) and e.errno in _UNWRITABLE_ERRNOS:
       where = f": '{e.filename}'" if e.filename else ""
       return f"{e.strerror or os.strerror(e.errno)}{where}"
@@ -75,7 +75,7 @@ def is_out_of_memory(error: BaseException) -> bool:
   """Whether `error`, or an error it was raised from, is a failed memory allocation."""
   return any(
       isinstance(e, MemoryError) or any(t in str(e) for t in _OUT_OF_MEMORY_TEXT)
-      for e in _chain(error)
+      for e in causes(error)
   )
 
 

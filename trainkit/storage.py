@@ -18,7 +18,7 @@ from typing import Any
 
 from etils import epath
 
-from trainkit.errors import UserError
+from trainkit.errors import UserError, causes
 
 # Workdir schemes and their packages: Orbax's TensorStore knows gs:// only, so no others.
 REMOTE_SCHEMES = {"gs": ("gcs", "gcsfs")}
@@ -123,9 +123,9 @@ def configure_gcs(location: str = "gs://") -> None:
         os.environ.setdefault(TENSORSTORE_TOKEN_VARIABLE, "emulator")
     else:
       _check_credentials(location)
-      gcsfs_logger = logging.getLogger("gcsfs")
-      if not any(isinstance(f, _OncePerBucket) for f in gcsfs_logger.filters):
-        gcsfs_logger.addFilter(_OncePerBucket())
+    gcsfs_logger = logging.getLogger("gcsfs")
+    if not any(isinstance(f, _GcsfsLog) for f in gcsfs_logger.filters):
+      gcsfs_logger.addFilter(_GcsfsLog())
     _gcs_configured = emulator
 
 
@@ -159,8 +159,10 @@ def _check_credentials(location: str) -> None:
     ) from None
 
 
-class _OncePerBucket(logging.Filter):
-  """gcsfs's "Could not determine bucket type" warning once per bucket, not at every open."""
+class _GcsfsLog(logging.Filter):
+  """gcsfs's "Could not determine bucket type" warning once per bucket, not at every open; none
+  of its tracebacks of a request that failed, as the error is raised to the caller, which words
+  it (`failure_reason`)."""
 
   _MESSAGE = "Could not determine bucket type for bucket name "
 
@@ -170,6 +172,8 @@ class _OncePerBucket(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
+    if record.exc_info and " out of retries on exception: " in message:
+      return False
     if not message.startswith(self._MESSAGE):
       return True
     bucket = message[len(self._MESSAGE) :].partition(":")[0]
@@ -255,6 +259,22 @@ def walk_files(directory: str) -> Iterator[str]:
         pending.append((child, relative + "/"))
       else:
         yield relative
+
+
+def failure_reason(error: BaseException) -> str | None:
+  """Why a request to an object store failed, in one line, when `error` or its cause says the
+  store cannot be reached (gcsfs's aiohttp, after its retries) or refused it (HTTP 403); else
+  None."""
+  for e in causes(error):
+    text = " ".join(str(e).split()) or type(e).__name__
+    if type(e).__module__.startswith("aiohttp") or isinstance(e, (ConnectionError, TimeoutError)):
+      return f"the object store cannot be reached ({text})"
+    if isinstance(e, OSError) and text.startswith("Forbidden"):  # gcsfs's words for HTTP 403.
+      return (
+          f"the object store refused the request, HTTP 403 ({text}): the credentials lack "
+          "storage rights on the bucket"
+      )
+  return None
 
 
 def read_text(location: str) -> str:

@@ -16,7 +16,7 @@ import ml_collections
 
 from trainkit import storage
 from trainkit.distributed import DEFAULT_STARTUP_TIMEOUT_S
-from trainkit.errors import UserError
+from trainkit.errors import Unwritable, UserError
 from trainkit.storage import write_atomically
 
 _log = logging.getLogger(__name__)
@@ -33,9 +33,49 @@ def prepare_workdir(workdir: str | None) -> str:
     probe = storage.path(storage.join(workdir, f".write_test_{os.getpid()}"))
     probe.write_text("")
     probe.unlink()
+  except FileNotFoundError as e:  # Writing an object: its bucket does not exist (gcsfs's words).
+    raise UserError(
+        f"workdir '{workdir}' is not writable: its bucket does not exist ({e}); create it, or "
+        "correct the bucket's name"
+    ) from None
   except OSError as e:
-    raise UserError(f"workdir '{workdir}' is not writable: {e.strerror or e}") from None
+    raise UserError(
+        f"workdir '{workdir}' is not writable: {storage.failure_reason(e) or e.strerror or e}"
+    ) from None
   return workdir
+
+
+def workdir_exists(workdir: str) -> bool:
+  """Whether `workdir` exists; a UserError when its object store refuses or cannot be reached."""
+  try:
+    return storage.path(workdir).exists()
+  except OSError as e:
+    raise UserError(
+        f"cannot read workdir '{workdir}': {storage.failure_reason(e) or e.strerror or e}"
+    ) from None
+
+
+def _vanished(workdir: str) -> UserError:
+  return UserError(
+      f"the workdir {workdir} vanished while the run was using it (deleted, moved or "
+      "unmounted); the run stopped, as nothing more can be saved there"
+  )
+
+
+def stopped_by_workdir(workdir: str, error: BaseException) -> UserError | None:
+  """The one-line error for a run stopped by its workdir failing under it (a local one gone, an
+  object store unreachable or refusing), whatever failed first; None for another `error`."""
+  if not storage.is_remote(workdir):
+    return None if os.path.isdir(workdir) else _vanished(workdir)
+  reason = storage.failure_reason(error)
+  if reason is None:
+    return None
+  # Unwritable: exits at once, without the failing background uploads' tracebacks.
+  return Unwritable(
+      f"the run stopped, as nothing more can be saved in its workdir {workdir}: {reason}; once "
+      "the store answers, rerun the same command: it resumes from the latest checkpoint "
+      "committed there (a step is committed whole or not at all)"
+  )
 
 
 def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
@@ -184,14 +224,20 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   try:
     yield
   finally:
-    release_lock(workdir)
+    held = release_lock(workdir)
+  if not held and storage.is_remote(workdir):
+    # Its objects deleted under the run (config.json, run_info.json and the lock with them),
+    # which uploads do not notice: as a local workdir that vanished.
+    raise _vanished(workdir)
 
 
-def release_lock(workdir: str) -> None:
-  """Removes `<workdir>/.run.lock` if this process holds it (`workdir_lock`)."""
+def release_lock(workdir: str) -> bool:
+  """Removes `<workdir>/.run.lock` if this process holds it (`workdir_lock`); whether it did."""
   path = storage.join(workdir, LOCK_NAME)
-  if _read_lock(path).get("pid") == os.getpid():
-    storage.path(path).unlink(missing_ok=True)
+  if _read_lock(path).get("pid") != os.getpid():
+    return False
+  storage.path(path).unlink(missing_ok=True)
+  return True
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
