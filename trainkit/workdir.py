@@ -55,18 +55,16 @@ def workdir_exists(workdir: str) -> bool:
     ) from None
 
 
-def _vanished(workdir: str) -> UserError:
-  return UserError(
-      f"the workdir {workdir} vanished while the run was using it (deleted, moved or "
-      "unmounted); the run stopped, as nothing more can be saved there"
-  )
-
-
 def stopped_by_workdir(workdir: str, error: BaseException) -> UserError | None:
   """The one-line error for a run stopped by its workdir failing under it (a local one gone, an
   object store unreachable or refusing), whatever failed first; None for another `error`."""
   if not storage.is_remote(workdir):
-    return None if os.path.isdir(workdir) else _vanished(workdir)
+    if os.path.isdir(workdir):
+      return None
+    return UserError(
+        f"the workdir {workdir} vanished while the run was using it (deleted, moved or "
+        "unmounted); the run stopped, as nothing more can be saved there"
+    )
   reason = storage.failure_reason(error)
   if reason is None:
     return None
@@ -226,9 +224,12 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   finally:
     held = release_lock(workdir)
   if not held and storage.is_remote(workdir):
-    # Its objects deleted under the run (config.json, run_info.json and the lock with them),
-    # which uploads do not notice: as a local workdir that vanished.
-    raise _vanished(workdir)
+    # Its objects deleted under the run, which uploads do not notice: as a local workdir gone.
+    raise UserError(
+        f"the workdir {workdir} vanished while the run was using it (its objects deleted, the "
+        f"run's {LOCK_NAME} with them), so its {CONFIG_FILE} and {RUN_INFO_FILE} may be gone: "
+        "rerun the same command, which resumes from the checkpoints left and writes them again"
+    )
 
 
 def release_lock(workdir: str) -> bool:

@@ -99,7 +99,7 @@ def test_http_403_on_every_request_is_one_line_before_anything_is_written(monkey
 
 def test_every_object_of_a_gs_workdir_deleted_mid_run_is_noticed(gcs):  # noqa: F811
   workdir = f"{gcs.uri}/run"
-  with pytest.raises(UserError, match=f"the workdir {workdir} vanished while the run"):
+  with pytest.raises(UserError, match=f"the workdir {workdir} vanished while the run") as raised:
     with workdir_lock(workdir):
       storage.path(f"{workdir}/config.json").write_text("{}")
       for name in gcs.objects("run/"):  # Deleted over the server's API, as `gsutil rm` would.
@@ -110,6 +110,7 @@ def test_every_object_of_a_gs_workdir_deleted_mid_run_is_noticed(gcs):  # noqa: 
         with contextlib.closing(urllib.request.urlopen(request, timeout=30)):
           pass
       assert gcs.objects("run/") == {}
+  assert "config.json" in str(raised.value) and "rerun the same command" in str(raised.value)
   # A run that ends with its workdir whole releases its lock without a word.
   with workdir_lock(workdir):
     pass
