@@ -20,6 +20,7 @@ from flax import nnx
 
 from fairmoe_jax.models.classifier import BackboneClassifier
 from fairmoe_jax.moe import MoEAux, SparseMoE
+from fairmoe_jax.moe.dispatch import spmd
 from trainkit.remat import check_remat, checkpointed
 
 # timm's ViT/DeiT initialisation: N(0, 0.02) linear kernels and position embedding, zero
@@ -107,6 +108,11 @@ def dot_product_attention(
   try:
     return jax.lax.platform_dependent(q, k, v, cuda=_cudnn_attention, default=xla)
   except RuntimeError:  # jax found no cuDNN library ("cuDNN not found" / "not detected").
+    spmd.report_fallback(
+        "attention",
+        "XLA's attention, jax found no cuDNN library: a GPU step compiled here writes the "
+        "[B, H, N, N] logits that cuDNN's fused kernel would not",
+    )
     return xla(q, k, v)
 
 

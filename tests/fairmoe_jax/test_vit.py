@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from fairmoe_jax.models import VIT_PRESETS, VisionTransformer
+from fairmoe_jax.models import vit as vit_module
 from fairmoe_jax.models.vit import Mlp, dot_product_attention
 from fairmoe_jax.moe import SparseMoE
 
@@ -156,6 +157,23 @@ def test_attention_matches_float64_reference(dtype):
   assert out.shape == q.shape and out.dtype == dtype
   expected, bound = attention_reference(q, k, v, eps=float(jnp.finfo(dtype).eps))
   np.testing.assert_array_less(np.abs(np.asarray(out, np.float64) - expected), bound)
+
+
+def test_attention_without_cudnn_says_so_once(monkeypatch):
+  """Where jax finds no cuDNN library at trace time, XLA's attention runs and the run says so
+  once (`run_info.json`'s fallbacks): a GPU preflight compiled here is not cuDNN's step."""
+
+  def no_cudnn(q, k, v):
+    raise RuntimeError("cuDNN not found")
+
+  monkeypatch.setattr(vit_module, "_cudnn_attention", no_cudnn)
+  monkeypatch.setattr(vit_module.spmd, "FALLBACKS", [])
+  q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  for _ in range(2):
+    out = jax.jit(dot_product_attention)(q, q, q)
+  np.testing.assert_array_equal(out, jax.nn.dot_product_attention(q, q, q))
+  (line,) = vit_module.spmd.FALLBACKS
+  assert line.startswith(f"attention on {jax.default_backend()}: XLA's attention"), line
 
 
 @pytest.mark.compile_gpu
