@@ -26,6 +26,7 @@ from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit.platforms import skip_absent_accelerators
 from trainkit.preemption import sigterm_ends_cleanly
+from trainkit.preflight import targets as preflight_targets
 from trainkit.preflight.compile import compile_run, validate_preflight
 from trainkit.preflight.targets import devices as preflight_devices
 from trainkit.workdir import (
@@ -327,7 +328,8 @@ def train_eval_command(
     modes["compile"] = (
         functools.partial(compile_run, build_program=preflight_program),
         "compile the train and eval steps for --config.preflight.target (a TPU slice or GPU "
-        "node, e.g. v5e-16, h100x8) without its hardware or data; print and write "
+        f"node: {', '.join(preflight_targets.TARGETS)}) without its hardware or data; print and "
+        "write "
         "<workdir>/preflight.json (memory per device and the fit, FLOPs, collectives, step "
         "time, device-hours)",
     )

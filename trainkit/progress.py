@@ -31,8 +31,8 @@ class ProgressBar:
     self.stream = stream or sys.stderr
     self.enabled = enabled
     self._interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
-    self._start_step, self._start_time = initial, time.perf_counter()
-    self._last_step, self._last_time = initial, self._start_time
+    self._last_step, self._last_time = initial, time.perf_counter()
+    self._eta_origin: tuple[int, float] | None = None
 
   def rate(self, step: int) -> float:
     """Steps per second since the previous call."""
@@ -44,8 +44,11 @@ class ProgressBar:
   def update(self, step: int, steps_per_second: float, scalars: Mapping[str, float] = ()) -> None:
     if not self.enabled:
       return
-    elapsed = time.perf_counter() - self._start_time
-    done = step - self._start_step
+    # The ETA is timed from the first update on: the steps before it include the compile.
+    now = time.perf_counter()
+    if self._eta_origin is None:
+      self._eta_origin = (step, now)
+    done, elapsed = step - self._eta_origin[0], now - self._eta_origin[1]
     eta = (self.total - step) * elapsed / done if done > 0 else float("nan")
     filled = int(self.width * step / max(self.total, 1))
     bar = "#" * filled + "." * (self.width - filled)
@@ -54,7 +57,7 @@ class ProgressBar:
         f"{steps_per_second * self.examples_per_step:.1f} ex/s",
         f"ETA {_duration(eta) if eta == eta else '?'}",
     ]
-    parts += [f"{k} {v:.4g}" for k, v in scalars.items()]
+    parts += [f"{k} {v:.4g}" for k, v in dict(scalars).items()]
     line = " | ".join(parts)
     if self._interactive:
       self.stream.write("\r\033[K" + line)

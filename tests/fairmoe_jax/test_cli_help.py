@@ -13,6 +13,7 @@ from conftest import ONE_DEVICE_XLA_FLAGS
 from fairmoe_jax.config import base_config
 from trainkit import cli
 from trainkit.errors import USER_ERROR_EXIT_CODE
+from trainkit.preflight.targets import TARGETS
 
 LAUNCH_SCRIPTS = [
     "local.sh",
@@ -78,6 +79,9 @@ def test_help_shows_the_flags_the_config_keys_and_examples(
   assert "--jax_debug_nans" in out and "--helpfull" in out and "--verbosity" in out
   # Not absl's: no library's flags, and not the hint absl prints instead of them.
   assert "--grain_" not in out and "Try --helpfull" not in out
+  # Every preflight target by name, the README's h200x1 among them.
+  targets = " ".join(out.split()).split("GPU node: ", 1)[1].split(")", 1)[0].split(", ")
+  assert targets == list(TARGETS) and "h200x1" in targets
 
 
 @pytest.mark.slow
