@@ -14,7 +14,7 @@ HANS is scored by collapsing the 3-way predictions (neutral, contradiction -> no
 report.json has challenge.accuracy and, per heuristic, entailment and non-entailment accuracy.
 Arguments: size (full: 200 epochs as in the paper | small), attention (causal | vanilla | band |
 dilated | random | block), gcn_hops (1 | 2), steps, seed. Score on
-../shared/data/nli/hans_regenerated_sample.txt (3,000 pairs); the 3-row sample only exercises the
+../shared/data/nli/hans_regenerated_sample.txt (3,000 pairs); the 4-row sample only exercises the
 pipeline. Expected result: docs/results.md, table `mnli_hans`; the paper's 72.8% MNLI-m / 85.2%
 HANS (full scale) is not reached.
 """
