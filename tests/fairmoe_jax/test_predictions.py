@@ -475,7 +475,7 @@ def test_an_image_named_in_latin_1_is_read_and_its_name_written_escaped(tmp_path
 def test_predict_names_what_it_skips_and_a_corrupt_image_before_the_restore(
     tmp_path, capsys, monkeypatch
 ):
-  """Issue 63 item 15: other suffixes (an animated GIF) and subfolders were skipped silently, and
+  """Other suffixes (an animated GIF) and subfolders were skipped silently, and
   a corrupt image was reported only after the checkpoint was restored and compiled."""
   from PIL import Image
 

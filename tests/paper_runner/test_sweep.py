@@ -832,7 +832,7 @@ def test_collect_of_a_subset_writes_its_tables_beside_the_full_sweep_s(
 def test_collect_tells_running_from_missing_and_refuses_empty_or_non_numeric_reports(
     tmp_path, monkeypatch, capsys
 ):
-  """Issue 63 item 16: a run training now was "missing", an empty report.json "ok", and a
+  """A run training now was "missing", an empty report.json "ok", and a
   metric "high" was written into sweep.csv."""
   sweep = spec.validate_sweep(_sweep(batch_sizes=(16,)))
   monkeypatch.setattr(sweep_cli, "load_sweep", lambda _: sweep)

@@ -159,7 +159,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path,
 def test_sigterm_before_the_first_step_stops_after_the_compile_with_nothing_to_save(
     tmp_path, capsys
 ):
-  """Issue 63 item 17: a SIGTERM during the first compile was acted on after one more step,
+  """A SIGTERM during the first compile was acted on after one more step,
   and the run exited 0."""
   run = _setup(_config(), tmp_path)
   with pytest.raises(SystemExit) as stopped:
@@ -222,7 +222,7 @@ def test_an_evaluation_of_other_data_at_the_same_step_keeps_the_earlier_record(t
   report = evaluate(other)
   kept = f"report.step-60.config-{finished['evaluated']['config_sha256'][:12]}.json"
   assert report["earlier_report"] == kept
-  # Issue 63 item 14: the report names the settings, and the console says what it kept.
+  # The report names the settings, and the console says what it kept.
   assert report["evaluated"]["differs_from_training"] == ["seed: 0 -> 7"]
   out = capsys.readouterr().out
   assert "This evaluation differs from training in seed: 0 -> 7\n" in out

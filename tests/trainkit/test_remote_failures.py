@@ -1,6 +1,6 @@
 """A gs:// workdir whose object store fails under the run, against the GCS API server
 (tests/gcs_server.py): unreachable, refusing every request (HTTP 403), emptied, without its
-bucket. Each is one line naming the workdir and the cause (issue 63, items 6 to 9)."""
+bucket. Each is one line naming the workdir and the cause."""
 
 import asyncio
 import contextlib
