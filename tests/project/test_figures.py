@@ -32,9 +32,11 @@ def _r(x: float, digits: int = 0) -> str:
 
 
 def _suite_run(stack: str, tier: str = "full") -> dict:
-  """The latest measured run of the test suite for a stack and tier (tests/timings.json)."""
+  """The latest measured run of the test suite for a stack and tier (tests/timings.json): the
+  latest date, and of one date the run listed last."""
   runs = _record("tests/timings.json")["runs"]
-  return max((r for r in runs if (r["stack"], r["tier"]) == (stack, tier)), key=lambda r: r["date"])
+  matching = [r for r in runs if (r["stack"], r["tier"]) == (stack, tier)]
+  return sorted(matching, key=lambda r: r["date"])[-1]
 
 
 def _minutes_seconds(seconds: float) -> str:
