@@ -9,7 +9,7 @@ numpy arrays ``image`` uint8 [N, S, S, 3], ``label`` int32 [N] and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
