@@ -25,6 +25,7 @@ import ml_collections
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
+from trainkit.config import get as config_get
 from trainkit.config import require_float, require_int
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import batch_sharding, make_mesh, require_all_devices
@@ -73,12 +74,7 @@ def preflight_config() -> ml_collections.ConfigDict:
 
 def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
   """Checks the preflight keys; returns the target (None when none is named)."""
-  utilization = require_float(config, "preflight.utilization", minimum=0.0, maximum=1.0)
-  if not math.isfinite(utilization):  # NaN passes every comparison.
-    raise ConfigError(
-        "preflight.utilization",
-        f"must be in (0, 1], or 0 for the calibrated one, got {utilization!r}",
-    )
+  require_float(config, "preflight.utilization", minimum=0.0, maximum=1.0)  # NaN refused too.
   require_int(config, "preflight.train_examples", minimum=0)
   if not isinstance(config.preflight.eval_step, bool):
     raise ConfigError(
@@ -368,7 +364,10 @@ def preflight(config: ml_collections.ConfigDict, build_program: BuildProgram) ->
     return (steps * step * (1 + outside["eval_share"]) + outside["checkpoint_seconds"]) / 3600
 
   wall, wall_full = hours(step_seconds), hours(full_overlap)
-  given = {key: _config_value(config, key) for key in program.settings}
+  given = {}
+  for key in program.settings:
+    with contextlib.suppress(ConfigError):  # A key the config lacks: nothing was asked.
+      given[key] = config_get(config, key)
   return {
       "target": {
           "name": target.name,
@@ -488,25 +487,20 @@ def _step_cost(
     flops, flops_source = matmul_per_device, "matmul count of the jaxpr"
   m = train["memory"]
   if "bytes accessed" in xla:
-    return flops, flops_source, xla["bytes accessed"], "xla cost analysis"
-  if hlo.get("bytes accessed"):
-    return (
-        flops,
-        flops_source,
-        hlo["bytes accessed"],
-        (
-            "hlo cost analysis of the optimised program (counted from its text)"
-            + (with_calls and with_calls + ": operands and results, workspace not counted")
-        ),
+    accessed, accessed_source = xla["bytes accessed"], "xla cost analysis"
+  elif hlo.get("bytes accessed"):
+    accessed = hlo["bytes accessed"]
+    accessed_source = "hlo cost analysis of the optimised program (counted from its text)" + (
+        with_calls and with_calls + ": operands and results, workspace not counted"
     )
-  if m.get("arguments") is not None:
-    return (
-        flops,
-        flops_source,
-        m["arguments"] + m["outputs"] + 2 * m["temporaries"],
-        ("lower bound: arguments read, outputs written, temporaries written and read once"),
+  elif m.get("arguments") is not None:
+    accessed = m["arguments"] + m["outputs"] + 2 * m["temporaries"]
+    accessed_source = (
+        "lower bound: arguments read, outputs written, temporaries written and read once"
     )
-  return flops, flops_source, None, "unknown (the compiler refused the program)"
+  else:
+    accessed, accessed_source = None, "unknown (the compiler refused the program)"
+  return flops, flops_source, accessed, accessed_source
 
 
 def _utilization(
@@ -535,16 +529,6 @@ def _gib(n: float | None) -> str:
 
 def _ms(seconds: float) -> str:
   return f"{seconds * 1e3:.2f} ms"
-
-
-def _config_value(config: ml_collections.ConfigDict, key: str) -> Any:
-  """The value of dotted `key` in `config`, or None where it has none."""
-  node: Any = config
-  for part in key.split("."):
-    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      return None
-    node = node[part]
-  return node
 
 
 def settings_text(record: Mapping[str, Any]) -> str:
