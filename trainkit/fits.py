@@ -10,7 +10,7 @@ import jax
 from trainkit.config import host_memory_bytes
 from trainkit.errors import UserError
 from trainkit.prefetch import DEFAULT_PREFETCH, resident_batches
-from trainkit.preflight.analysis import memory
+from trainkit.preflight.analysis import bytes_per_device, memory
 from trainkit.throughput import compile_ahead
 
 
@@ -33,15 +33,6 @@ def _gib(n: float) -> str:
   return f"{n / 2**30:.1f} GiB"
 
 
-def _bytes_per_device(tree: Any) -> int:
-  """Bytes of one device's share of the arrays of `tree` (their first addressable shard)."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    shards = getattr(leaf, "addressable_shards", None)
-    total += int(shards[0].data.nbytes) if shards else int(getattr(leaf, "nbytes", 0))
-  return total
-
-
 def require_fits(
     compiled: Any,
     *,
@@ -61,7 +52,7 @@ def require_fits(
     needed = memory(compiled)
   except Exception:  # pylint: disable=broad-except  # Memory analysis is best effort.
     return
-  batch_bytes = min(_bytes_per_device(batch), needed["arguments"]) if batch is not None else 0
+  batch_bytes = min(bytes_per_device(batch), needed["arguments"]) if batch is not None else 0
   ahead = resident_batches(prefetch) - 1
   prefetched = ahead * batch_bytes
   peak = needed["peak"] + prefetched

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from flax import traverse_util
 
 from trainkit import storage
 from trainkit.distributed import DEFAULT_STARTUP_TIMEOUT_S
@@ -241,18 +242,9 @@ def release_lock(workdir: str) -> bool:
   return True
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if not isinstance(tree, dict):
-    return {prefix: tree}
-  flat = {}
-  for key, value in tree.items():
-    flat.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
-  return flat
-
-
 CONFIG_FILE = "config.json"
 # Written into config.json by `save_config`; `read_saved_config` is the one reader.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 FORMAT_VERSION_KEY = "format_version"
 # An older version is migrated, not refused (every run trained so far is one): each version's
 # runs lack the keys added after it (version 1's earliest runs these), which get the values those
@@ -265,6 +257,7 @@ _ADDED_AFTER_VERSION = {
     },
     2: {"moe.capacity_multiple_of": 1, "moe.group_size": 1},
     3: {"optimizer.accumulation_steps": 1},
+    4: {"optimizer.ema_decay": 0.0},
 }
 # What inference needs besides the config and checkpoint (`trainkit.run_info`).
 RUN_INFO_FILE = "run_info.json"
@@ -281,8 +274,8 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   if storage.path(path).exists():
     previous = storage.read_text(path)
     try:
-      before = json.loads(previous)
-    except json.JSONDecodeError:
+      before = dict(json.loads(previous))
+    except (TypeError, ValueError):  # Not JSON, or not an object.
       before = {}
     if previous != text:
       kept = _keep_in_history(workdir, previous)
@@ -290,7 +283,7 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
           "config differs from the previous run in this workdir (%s, kept as %s): %s",
           path,
           kept,
-          ", ".join(config_differences(before, json.loads(text))) or "unreadable before",
+          ", ".join(config_differences(before, saved)) or "unreadable before",
       )
   write_atomically(path, text)
 
@@ -370,7 +363,7 @@ def _keep_in_history(workdir: str, text: str) -> str:
 
 def config_differences(saved: Any, requested: Any, *, ignore: tuple[str, ...] = ()) -> list[str]:
   """`key: saved -> requested` for every dotted key whose value differs (JSON-like trees)."""
-  before, after = _flatten(saved), _flatten(requested)
+  before, after = (traverse_util.flatten_dict(tree, sep=".") for tree in (saved, requested))
   return [
       f"{k}: {before.get(k)!r} -> {after.get(k)!r}"
       for k in sorted(before.keys() | after.keys())
