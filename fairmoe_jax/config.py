@@ -135,7 +135,7 @@ def base_config() -> ml_collections.ConfigDict:
           # L_Psi (Eq. 3-4), one rule for every dataset and method (docs/design.md, "One L_Psi
           # rule"): pqd | dp | pqd+dp, each with its lambda (results/lambda_tuning.py).
           psi="pqd+dp",
-          lambda_pqd=0.5,
+          lambda_pqd=0.1,
           lambda_dp=0.1,
           alpha=0.6,  # Eq. 8 focus weight, paper Sec. 6.1.
           # Reading of Eq. 8 (moe/routers/fair.py): expert_competence (the literal one; their
