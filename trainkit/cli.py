@@ -178,16 +178,6 @@ def flag_value(argv: Sequence[str], name: str) -> str | None:
   return value
 
 
-def has_flag(argv: Sequence[str], name: str) -> bool:
-  """Whether argv sets flag `name` itself (`--config=F`, `--config F`; not `--config.KEY=V`)."""
-  for arg in argv[1:]:
-    if arg == "--":
-      break
-    if any(arg == f"{d}{name}" or arg.startswith(f"{d}{name}=") for d in ("--", "-")):
-      return True
-  return False
-
-
 def parse_flags(
     argv: list[str],
     command: CommandHelp | None = None,
@@ -207,9 +197,7 @@ def parse_flags(
     return flags.FLAGS(resolve_config_args(argv))
   except flags.UnrecognizedFlagError as e:
     fail(f"{e} (--help lists the flags)")
-  except flags.Error as e:
-    fail(str(e))
-  except UserError as e:  # Raised by a config file's get_config(arg).
+  except (flags.Error, UserError) as e:  # A UserError: raised by a config file's get_config(arg).
     fail(str(e))
   except (KeyError, AttributeError) as e:  # An override names a key the config lacks.
     message = _unknown_key_message(e, argv)
@@ -365,7 +353,7 @@ def train_eval_command(
 
   def use_saved_config(argv: list[str]) -> list[str]:
     """argv with `--config` set to the workdir's config.json where none is given."""
-    if has_flag(argv, "config") or has_flag(argv, "flagfile"):
+    if flag_value(argv, "config") is not None or flag_value(argv, "flagfile") is not None:
       return argv  # A flag file may set --config and --mode: main checks the parsed flags.
     mode = flag_value(argv, "mode") or "train"
     if mode in config_modes:

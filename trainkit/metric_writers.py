@@ -156,11 +156,7 @@ class RemoteLog:
 
 
 def append_line(path: str, line: str) -> None:
-  """Appends `line` and a newline, all or nothing (a failed write is cut back); on an object store
-  the line is an object of its own (`RemoteLog`)."""
-  if storage.is_remote(path):
-    RemoteLog(path).append(line)
-    return
+  """Appends `line` and a newline to a local file, all or nothing (a failed write is cut back)."""
   data = (line + "\n").encode()
   with open(path, "ab", buffering=0) as f:
     start = f.seek(0, os.SEEK_END)

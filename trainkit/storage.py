@@ -67,8 +67,7 @@ def check_filesystem(location: str) -> None:
         f"'{location}' is on {name}://, whose file system needs the {package} package, which is "
         f"not installed: pip install {package}"
     ) from None
-  if name == "gs":
-    configure_gcs(location)
+  configure_gcs(location)  # gs://, the one remote scheme.
 
 
 # A GCS API emulator: gcsfs reads the first, TensorStore (Orbax's arrays) the second.

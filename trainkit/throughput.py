@@ -37,15 +37,9 @@ def compile_ahead(jitted: Any, *args: Any) -> Any | None:
 
 def flops_of(compiled: Any | None) -> float | None:
   """FLOPs per call of a compiled program from XLA's cost analysis, or None."""
-  if compiled is None:
-    return None
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except  # Cost analysis is best effort.
-    return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  flops = cost.get("flops") if cost else None
+  from trainkit.preflight.analysis import cost  # pylint: disable=import-outside-toplevel  # jax
+
+  flops = (cost(compiled) or {}).get("flops") if compiled is not None else None
   return float(flops) if flops and flops > 0 else None
 
 
