@@ -33,6 +33,7 @@ from trainkit import recipe, storage
 from trainkit.checkpoint import restore_trained
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import place, replicated
+from trainkit.optim import evaluation_state
 from trainkit.train_state import TrainState, create_train_state
 from trainkit.workdir import save_run_info
 
@@ -156,12 +157,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   last_validation: dict[int, dict[str, Any]] = {}
 
   def validate(state: TrainState) -> dict[str, Any]:
-    # A step that is due for both evaluation and an expert review validates once.
+    # A step that is due for both evaluation and an expert review validates once, on the
+    # parameter EMA when the optimizer keeps one (FEM's reviews as the evaluations).
     step = int(state.step)
     if step not in last_validation:
       last_validation.clear()
       last_validation[step], _ = evaluation.evaluate(
-          eval_step, state, splits["val"], info, config, mesh
+          eval_step, evaluation_state(state), splits["val"], info, config, mesh
       )
     return last_validation[step]
 

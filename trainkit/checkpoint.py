@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 
 from trainkit import errors, storage
 from trainkit.errors import OutOfSpace, Unwritable, UserError, is_out_of_space, unwritable_reason
+from trainkit.optim import evaluation_state
 from trainkit.storage import write_atomically
 
 _log = logging.getLogger(__name__)
@@ -582,7 +583,7 @@ def restore_trained(checkpointer: Checkpointer, template_state: Any) -> tuple[An
   if restored is None:
     raise UserError(f"no checkpoint in '{checkpointer.directory}': train first (--mode=train)")
   state, _, step = restored
-  return state, step
+  return evaluation_state(state), step  # The parameter EMA when the optimizer keeps one.
 
 
 def trust(step_dir: str) -> str:

@@ -6,18 +6,25 @@ With `accumulation_steps` k > 1 (optax.MultiSteps), a training step reads one ba
 last k batches: an update of `batch_size * k` examples. The optimizer's keys are per update, as
 a paper states them (`warmup_steps` counts updates, `lr_scaling` scales with batch_size * k); the
 run's are per step (`num_train_steps`, a multiple of k, `num_epochs`' steps, the `*_every_steps`,
-checkpoints, which may fall between updates, and the logged step and learning rate)."""
+checkpoints, which may fall between updates, and the logged step and learning rate).
+
+With `ema_decay` d > 0 the optimizer state also keeps an exponential moving average of the
+parameters after each update, ema <- d * ema + (1 - d) * params, from the initial parameters;
+evaluation reads it (`evaluation_state`), and checkpoints hold it with the rest of the state."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
+from trainkit.train_state import TrainState
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 
@@ -59,12 +66,36 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+class EmaParamsState(NamedTuple):
+  ema_params: optax.Params
+
+
+def params_ema(decay: float) -> optax.GradientTransformation:
+  """Passes the updates through and keeps the EMA of the parameters they lead to."""
+
+  def update(updates, state, params):
+    new_params = optax.apply_updates(params, updates)
+    return updates, EmaParamsState(
+        optax.incremental_update(new_params, state.ema_params, 1 - decay)
+    )
+
+  # A copy: the train step donates the parameters' buffers.
+  return optax.GradientTransformation(lambda p: EmaParamsState(jax.tree.map(jnp.copy, p)), update)
+
+
+def evaluation_state(state: TrainState) -> TrainState:
+  """A train state with the parameter EMA as its params when its optimizer keeps one."""
+  ema = optax.tree.get(state.opt_state, "ema_params")
+  return state if ema is None else state.replace(params=ema)
+
+
 def make_optimizer(
     config: ml_collections.ConfigDict, num_train_steps: int, batch_size: int | None = None
 ) -> optax.GradientTransformation:
   """`config` is the `optimizer` section: name, learning_rate, lr_scaling, base_batch_size,
   warmup_steps, final_lr_fraction, weight_decay, b1, b2, grad_clip_norm (0 disables clipping),
-  accumulation_steps (k: wrapped in optax.MultiSteps, whose state the checkpoints hold)."""
+  accumulation_steps (k: wrapped in optax.MultiSteps, whose state the checkpoints hold),
+  ema_decay (0 disables the parameter EMA)."""
   k = config.accumulation_steps
   schedule = learning_rate_schedule(config, num_train_steps, batch_size)
   chain = []
@@ -79,6 +110,8 @@ def make_optimizer(
           mask=_decay_mask,
       )
   )
+  if config.ema_decay > 0:  # Inside MultiSteps: once per update, as the parameters change.
+    chain.append(params_ema(config.ema_decay))
   tx = optax.chain(*chain)
   # k = 1 keeps the optimizer state of the runs before accumulation (their checkpoints restore).
   return tx if k == 1 else optax.MultiSteps(tx, every_k_schedule=k).gradient_transformation()
@@ -99,6 +132,8 @@ def default_optimizer_config() -> ml_collections.ConfigDict:
           grad_clip_norm=1.0,
           # > 1: each update averages the gradients of this many steps' batches (module doc).
           accumulation_steps=1,
+          # > 0: evaluation uses an EMA of the parameters with this decay per update (e.g. 0.9999).
+          ema_decay=0.0,
       )
   )
 
@@ -114,6 +149,8 @@ def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
   cfg.require_float(config, "optimizer.weight_decay", minimum=0.0)
   cfg.require_float(config, "optimizer.grad_clip_norm", minimum=0.0)
   k = cfg.require_int(config, "optimizer.accumulation_steps", minimum=1)
+  if cfg.require_float(config, "optimizer.ema_decay", minimum=0.0, maximum=1.0) == 1.0:
+    raise ConfigError("optimizer.ema_decay", "1.0 would keep the initial parameters; use < 1")
   if config.get("num_epochs", 0) <= 0 and config.num_train_steps % k:
     raise ConfigError(
         "num_train_steps",

@@ -21,7 +21,7 @@ from trainkit.distributed import wait_for_all_processes
 from trainkit.loop import CheckpointableIterator, resume_training, train_loop
 from trainkit.mesh import make_mesh
 from trainkit.metric_writers import MetricWriter
-from trainkit.optim import learning_rate_schedule, make_optimizer
+from trainkit.optim import evaluation_state, learning_rate_schedule, make_optimizer
 from trainkit.preemption import SIGTERM_EXIT_CODE
 from trainkit.train_state import (
     LossFn,
@@ -52,7 +52,8 @@ class Run:
 
 @dataclasses.dataclass
 class Trained:
-  """The state `train` ended with and the open metrics writer (the final report logs to it)."""
+  """The state `train` ended with (its params the EMA's when the optimizer keeps one) and the open
+  metrics writer (the final report logs to it)."""
 
   state: TrainState
   writer: MetricWriter
@@ -121,7 +122,10 @@ def train(
       peak_flops=config.peak_flops_per_device,
       profile_steps=parse_profile_steps(config),
       tokens_per_example=tokens_per_example,
-      evaluate=evaluate if config.eval_every_steps > 0 else None,
+      # Evaluations read the parameter EMA when the optimizer keeps one (optimizer.ema_decay).
+      evaluate=(lambda s: evaluate(evaluation_state(s)))
+      if evaluate and config.eval_every_steps > 0
+      else None,
       reviews=reviews,
       show_progress=is_main,
   )
@@ -132,7 +136,7 @@ def train(
       print(f"Stopped at step {int(state.step)}; rerun the same command to resume.", flush=True)
     raise SystemExit(SIGTERM_EXIT_CODE)
   writer.flush()
-  return Trained(state, writer)
+  return Trained(evaluation_state(state), writer)
 
 
 # What a run's final evaluation writes in its workdir: one record of one step.

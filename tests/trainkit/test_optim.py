@@ -9,13 +9,13 @@ import optax
 import pytest
 
 from toy_training import WaitingIterator
-from trainkit.checkpoint import Checkpointer
+from trainkit.checkpoint import Checkpointer, restore_trained
 from trainkit.errors import ConfigError
 from trainkit.loop import train_loop
 from trainkit.mesh import make_mesh
 from trainkit.metric_writers import MetricWriter, read_metrics
 from trainkit.optim import default_optimizer_config, learning_rate_schedule, make_optimizer
-from trainkit.train_state import create_train_state, jit_train_step, make_train_step
+from trainkit.train_state import TrainState, create_train_state, jit_train_step, make_train_step
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
@@ -129,12 +129,16 @@ def test_accumulation_steps_is_a_validated_config_key():
   validate_optimizer_config(config)
 
 
-def test_a_run_checkpointed_between_micro_steps_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("ema_decay", [0.0, 0.5])
+def test_a_run_checkpointed_between_micro_steps_resumes_exactly(tmp_path, ema_decay):
   """With accumulation_steps=2, a run stopped after step 3 (one gradient accumulated, not yet
   applied) and resumed from its checkpoint ends at step 6 with the parameters, optimizer state
-  and losses of a run that never stopped."""
+  (the parameter EMA's too, with ema_decay) and losses of a run that never stopped; a trained
+  run's restore (eval, predict, export) then reads the EMA's parameters."""
   mesh = make_mesh({"data": 8, "expert": 1})
-  tx = make_optimizer(_accumulating(2, 1), 6, batch_size=4)
+  config = _accumulating(2, 1)
+  config.ema_decay = ema_decay
+  tx = make_optimizer(config, 6, batch_size=4)
   graphdef, initial = create_train_state(lambda: nnx.Linear(1, 1, rngs=nnx.Rngs(0)), tx, mesh, 0)
 
   def loss_fn(model, batch, rng, step, extra):
@@ -172,6 +176,40 @@ def test_a_run_checkpointed_between_micro_steps_resumes_exactly(tmp_path):
   assert resumed_losses == unbroken_losses and first_losses == unbroken_losses[:3]
   jax.tree.map(np.testing.assert_array_equal, resumed, unbroken)
   assert not np.array_equal(unbroken.params["kernel"][...], initial.params["kernel"][...])
+  evaluated, _ = restore_trained(Checkpointer(str(tmp_path / "unbroken")), initial)
+  ema = optax.tree.get(unbroken.opt_state, "ema_params")
+  expected = unbroken.params if ema is None else ema
+  jax.tree.map(np.testing.assert_array_equal, evaluated.params, expected)
+  if ema_decay:  # Two updates, each halfway from the EMA to the new parameters.
+    assert not np.array_equal(ema["kernel"][...], unbroken.params["kernel"][...])
+
+
+def test_the_parameter_ema_follows_each_update_and_evaluation_reads_it():
+  from trainkit.optim import evaluation_state, validate_optimizer_config
+
+  config = default_optimizer_config()
+  config.update(ema_decay=0.75, warmup_steps=0, learning_rate=0.1)
+  tx = make_optimizer(config, 3)
+  params = {"w": jnp.ones((2, 2))}
+  opt_state, expected = tx.init(params), params["w"]
+  for _ in range(3):
+    updates, opt_state = tx.update({"w": jnp.ones((2, 2))}, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    expected = 0.75 * expected + 0.25 * params["w"]
+  state = TrainState(step=3, params=params, model_state={}, opt_state=opt_state, rng=None)
+  # A few float32 roundings of values near 1: eps each.
+  np.testing.assert_allclose(
+      evaluation_state(state).params["w"], expected, atol=8 * np.finfo(np.float32).eps
+  )
+  assert not np.allclose(expected, params["w"])
+  config.ema_decay = 0.0
+  state = state.replace(opt_state=make_optimizer(config, 3).init(params))
+  assert evaluation_state(state) is state  # Off: the trained parameters.
+  config.ema_decay = 1.0  # The EMA would never leave the initial parameters.
+  with pytest.raises(ConfigError, match="optimizer.ema_decay"):
+    validate_optimizer_config(
+        ml_collections.ConfigDict({"optimizer": config, "num_train_steps": 3})
+    )
 
 
 def test_an_epochs_run_is_whole_updates():

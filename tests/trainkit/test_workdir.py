@@ -124,7 +124,7 @@ def test_the_format_version_is_written_and_older_versions_migrated_in_one_place(
   """config.json carries the format version; an older one gets the keys its runs lacked, with
   the values they trained with, where the package has them (data.attribute_cues and the moe keys
   are fairmoe_jax's alone): version 1 (no version key), 2 (no capacity rounding or groups) and 3
-  (no gradient accumulation)."""
+  (no gradient accumulation) and 4 (no parameter EMA)."""
   from causal_attn_jax.config import base_config as causal_base
   from fairmoe_jax.config import base_config as fair_base
   from trainkit.workdir import FORMAT_VERSION, load_saved_config, trained_config_differences
@@ -133,7 +133,7 @@ def test_the_format_version_is_written_and_older_versions_migrated_in_one_place(
   config.model.remat = "block"
   save_config(config, str(tmp_path))
   saved = json.loads((tmp_path / "config.json").read_text())
-  assert saved["format_version"] == FORMAT_VERSION == 4
+  assert saved["format_version"] == FORMAT_VERSION == 5
   assert load_saved_config(str(tmp_path), fair_base()).to_dict() == config.to_dict()
   assert trained_config_differences(str(tmp_path), config) == []  # The version is no key.
 
@@ -160,18 +160,22 @@ def test_the_format_version_is_written_and_older_versions_migrated_in_one_place(
     del version_3["optimizer"]["accumulation_steps"]  # Before gradient accumulation.
     (tmp_path / "config.json").write_text(json.dumps(version_3))
     assert load_saved_config(str(tmp_path), base()).optimizer.accumulation_steps == 1
+    version_4 = {**json.loads(base().to_json_best_effort()), "format_version": 4}
+    del version_4["optimizer"]["ema_decay"]  # Before the parameter EMA.
+    (tmp_path / "config.json").write_text(json.dumps(version_4))
+    assert load_saved_config(str(tmp_path), base()).optimizer.ema_decay == 0.0
 
 
 def test_a_newer_format_version_is_refused_in_one_line(tmp_path):
   from fairmoe_jax.config import base_config
   from trainkit.workdir import load_saved_config
 
-  (tmp_path / "config.json").write_text(json.dumps({"format_version": 5, "seed": 0}))
+  (tmp_path / "config.json").write_text(json.dumps({"format_version": 6, "seed": 0}))
   with pytest.raises(UserError) as e:
     load_saved_config(str(tmp_path), base_config())
   assert str(e.value) == (
-      f"{tmp_path / 'config.json'} is of workdir format version 5, and this code reads versions "
-      "1 to 4: use the version of the code that trained the run"
+      f"{tmp_path / 'config.json'} is of workdir format version 6, and this code reads versions "
+      "1 to 5: use the version of the code that trained the run"
   )
 
 
