@@ -23,27 +23,19 @@ def config_roots() -> list[pathlib.Path]:
   return [root for root in roots if root.is_dir()]
 
 
-def _split_arguments(value: str) -> tuple[str, str]:
-  """`file.py:key=value` -> ("file.py", ":key=value"), the split ml_collections makes."""
-  path, sep, arguments = value.partition(":")
-  return path, sep + arguments
-
-
 def resolve_config_path(path: str) -> str:
   """`path` (`configs/x.py:ARGS`) if it exists or is not under `configs/`, else the shipped copy
   with the same `:ARGS`, else `path` unchanged (so the error names what the user typed)."""
-  file, arguments = _split_arguments(path)
+  file, colon, arguments = path.partition(":")  # The split ml_collections makes.
   if not file or pathlib.Path(file).expanduser().exists():
     return path
-  parts = pathlib.PurePath(file).parts
-  if parts[:1] == (".",):
-    parts = parts[1:]
+  parts = pathlib.PurePath(file).parts  # `./configs/x.py` is ("configs", "x.py").
   if len(parts) < 2 or parts[0] != CONFIGS_DIR:
     return path
   for root in config_roots():
     candidate = root.joinpath(*parts[1:])
     if candidate.is_file():
-      return str(candidate) + arguments
+      return str(candidate) + colon + arguments
   return path
 
 

@@ -5,14 +5,13 @@ batch handed out, so resuming is exact.
 
 from __future__ import annotations
 
-import queue
-import threading
+import collections
+import concurrent.futures
 from collections.abc import Callable, Mapping
 from typing import Any
 
 # One in flight while the step runs and one ready: a transfer as slow as a step never waits.
 DEFAULT_PREFETCH = 2
-_POLL_SECONDS = 0.1
 
 
 def resident_batches(size: int = DEFAULT_PREFETCH) -> int:
@@ -24,37 +23,22 @@ def resident_batches(size: int = DEFAULT_PREFETCH) -> int:
 
 
 class DevicePrefetch:
-  """An iterator of device batches, at most `size` waiting (0: none, no thread), with the
-  checkpointable state of the host iterator it reads; the thread starts at the first `next`, so
-  `set_state` comes before."""
+  """An iterator of device batches, `size` placed ahead of the one handed out last (0: none, no
+  thread), with the checkpointable state of the host iterator it reads; reading ahead starts at
+  the first `next`, so `set_state` comes before."""
 
   def __init__(
       self, iterator: Any, put: Callable[[Mapping[str, Any]], Any], size: int = DEFAULT_PREFETCH
   ):
-    if size < 0:
-      raise ValueError(f"size must be >= 0, got {size}.")
-    self._size = size
+    self._size = resident_batches(size) - 1  # Checked.
     self._iterator = iterator
     self._put = put
-    # A free slot per batch the thread may still place; the queue never holds more than `size`.
-    self._slots = threading.Semaphore(size)
-    self._queue: queue.SimpleQueue = queue.SimpleQueue()
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._ahead: collections.deque[concurrent.futures.Future] = collections.deque()
     self._state: dict | None = None
 
-  def _fill(self) -> None:
-    while not self._stop.is_set():
-      # The slot comes first: a batch is placed on the devices only where it may wait there.
-      if not self._slots.acquire(timeout=_POLL_SECONDS):
-        continue
-      try:
-        item = (self._put(next(self._iterator)), self._iterator.get_state(), None)
-      except BaseException as e:  # pylint: disable=broad-except
-        item = (None, None, e)  # Raised by `next` in the training thread.
-      self._queue.put(item)
-      if item[2] is not None:
-        return
+  def _read(self) -> tuple[Any, dict]:
+    return self._put(next(self._iterator)), self._iterator.get_state()
 
   def __iter__(self) -> DevicePrefetch:
     return self
@@ -62,16 +46,17 @@ class DevicePrefetch:
   def __next__(self) -> Any:
     if self._size == 0:
       return self._put(next(self._iterator))
-    if self._thread is None:
+    if self._pool is None:
       self._state = self._iterator.get_state()
-      self._thread = threading.Thread(target=self._fill, name="device_prefetch", daemon=True)
-      self._thread.start()
-    batch, state, error = self._queue.get()
-    self._slots.release()  # The caller holds this batch now: the thread may place the next.
-    if error is not None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="device_prefetch")
+    # One thread reads the batches in order; the caller's last batch released, one more is placed.
+    while len(self._ahead) <= self._size:
+      self._ahead.append(self._pool.submit(self._read))
+    try:
+      batch, self._state = self._ahead.popleft().result()
+    except BaseException:  # The host iterator's error (or its end), raised in order.
       self.close()
-      raise error
-    self._state = state
+      raise
     return batch
 
   def get_state(self) -> dict:
@@ -79,17 +64,14 @@ class DevicePrefetch:
     return self._iterator.get_state() if self._state is None else self._state
 
   def set_state(self, state: dict) -> None:
-    if self._thread is not None:
+    if self._pool is not None:
       raise RuntimeError("DevicePrefetch.set_state after batches were read ahead.")
     self._iterator.set_state(state)
 
   def close(self) -> None:
-    """Stops the background thread and drops the batches read ahead."""
-    self._stop.set()
-    if self._thread is not None and self._thread is not threading.current_thread():
-      self._thread.join()
-    while True:
-      try:
-        self._queue.get_nowait()
-      except queue.Empty:
-        break
+    """Stops reading ahead and drops the batches read ahead."""
+    for future in self._ahead:
+      future.cancel()
+    self._ahead.clear()
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
