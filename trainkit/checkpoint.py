@@ -271,14 +271,7 @@ def _describe(error: Exception, step_dir: str) -> str:
 class Checkpointer:
   """Saves and restores (train state, data-iterator state) pairs under `directory`."""
 
-  def __init__(
-      self,
-      directory: str,
-      *,
-      max_to_keep: int = 3,
-      save_interval_steps: int = 1,
-      async_save: bool = True,
-  ):
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = storage.resolve(directory)
     self.skipped: list[str] = []  # What the last restore skipped ("step N: why").
     # Steps saved here whose manifest is not complete yet; a step found without one is never
@@ -293,7 +286,6 @@ class Checkpointer:
     _set_aside_links(self.directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
-        save_interval_steps=save_interval_steps,
         create=True,
         enable_async_checkpointing=async_save,
         # The manifest is written in the step's temporary directory: the commit publishes both.
@@ -390,12 +382,7 @@ class Checkpointer:
     except Exception as e:  # The disk is full: the save in flight most likely failed too.
       _log.debug("the save in flight failed: %r", e)
     _remove_failed_save(self.directory)
-    latest = self._manager.latest_step()
-    resume = (
-        f"the run can resume from step {latest}, its latest checkpoint"
-        if latest is not None
-        else "no checkpoint was written yet, so a rerun starts afresh"
-    )
+    resume = self._resume_without(None, ", so a rerun starts afresh")
     where = f" {what}" if what else ""
     return OutOfSpace(f"no space left on the device{where}: {resume}; free space and rerun")
 
@@ -420,7 +407,7 @@ class Checkpointer:
     return (
         f"the run can resume from step {max(latest)}"
         if latest
-        else (f"no earlier checkpoint exists{afresh}")
+        else f"no earlier checkpoint exists{afresh}"
     )
 
   def _out_of_space(self, step: int, needed: int, free: int | None = None) -> OutOfSpace:
@@ -448,17 +435,15 @@ class Checkpointer:
     if not steps:
       return None
     abstract = _abstract(template_state)
-    failures = []
-    skipped_steps = []
+    failures: dict[int, str] = {}  # Step skipped: why.
 
     def skip(step: int, error: Exception) -> None:
-      skipped_steps.append(step)
-      failures.append(f"step {step}: {_describe(error, storage.join(self.directory, str(step)))}")
+      failures[step] = f"step {step}: {_describe(error, storage.join(self.directory, str(step)))}"
       _log.warning(
           "checkpoint at step %d in %s cannot be used (%s); trying an older one",
           step,
           self.directory,
-          failures[-1],
+          failures[step],
       )
 
     for step in steps:
@@ -505,7 +490,7 @@ class Checkpointer:
       restored = restored[STATE], iterator_state, step
       break
     else:
-      unverified = [step for step, why in zip(skipped_steps, failures) if f"no {MANIFEST}" in why]
+      unverified = [step for step, why in failures.items() if f"no {MANIFEST}" in why]
       hint = (
           f"\nA step without a manifest is not restored unverified. If you know its files are as "
           f"saved (e.g. a workdir from before checksums), vouch for it with\n  {TRUST_COMMAND} "
@@ -514,17 +499,18 @@ class Checkpointer:
           else ""
       )
       raise UserError(
-          f"no readable checkpoint in '{self.directory}':\n  " + "\n  ".join(failures) + hint
+          f"no readable checkpoint in '{self.directory}':\n  "
+          + "\n  ".join(failures.values())
+          + hint
       )
     if failures:
-      moved = self._move_aside(skipped_steps)
+      self.skipped = list(failures.values())
       _log.warning(
           "restored step %d after skipping checkpoints that cannot be used (moved to %s): %s",
           restored[2],
-          moved,
-          "; ".join(failures),
+          self._move_aside(list(failures)),
+          "; ".join(self.skipped),
       )
-      self.skipped = failures
     return restored
 
   def _move_aside(self, steps: list[int]) -> str:
