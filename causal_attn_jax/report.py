@@ -19,6 +19,7 @@ from causal_attn_jax.data import batching
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import accuracy
 from trainkit import storage
+from trainkit.metric_writers import log_exists, read_metrics
 from trainkit.storage import write_atomically
 from trainkit.train_state import TrainState
 
@@ -69,6 +70,42 @@ def _constraint_report(
       + (f"; not met in {', '.join(missed)}" if trained and missed else "")
   )
   return report
+
+
+def constraint_notes(
+    records: list[dict[str, Any]], names: list[str], config: ml_collections.ConfigDict, met: bool
+) -> list[str]:
+  """From a constrained run's logged training steps (metrics.jsonl): why the constraint is not
+  met at this budget, when it is not, and why the total loss rose, when it did."""
+  logged = [r for r in records if "task_loss" in r and f"constraints/{names[0]}/multiplier" in r]
+  if len(logged) < 2:
+    return []
+  first, before, last = logged[0], logged[-2], logged[-1]
+  gamma = lambda r: float(np.mean([r[f"constraints/{name}/multiplier"] for name in names]))
+  at = lambda r: f"{gamma(r):.3g} at step {r['step']}"
+  notes = []
+  if not met and gamma(last) > gamma(before):
+    notes.append(
+        f"Not met at this budget: the multipliers were still rising at the last logged step (mean "
+        f"{at(before)} -> {at(last)}), so dual ascent had not yet weighted the violations enough "
+        f"to hold the attention in the band; more steps than num_train_steps="
+        f"{config.num_train_steps} (or a larger constraints.step_size) continue it."
+    )
+  elif not met:
+    notes.append(
+        f"Not met at this budget: the multipliers stopped rising (mean {at(last)}: the training "
+        "batches' violations were near zero, or constraints.multiplier_cap held them), so more "
+        "steps alone will not meet it on the eval split."
+    )
+  if last["loss"] > first["loss"]:
+    notes.append(
+        f"The total loss rose ({first['loss']:.3g} at step {first['step']} -> {last['loss']:.3g})"
+        f" while the task loss went {first['task_loss']:.3g} -> {last['task_loss']:.3g}: the "
+        "total adds Eq. 6's Lagrangian, gamma . violation (+ penalty/2 |violation|^2), and the "
+        f"multipliers gamma grew ({gamma(first):.3g} -> {gamma(last):.3g}); it measures the "
+        "constraint's pull, not the model getting worse."
+    )
+  return notes
 
 
 def summary_scalars(result: dict[str, Any], data: TaskData, prefix: str) -> dict[str, float]:
@@ -148,6 +185,11 @@ def final_report(
   report["constraints"] = _constraint_report(
       result, names, multipliers, config_lib.constraint_applied(config)
   )
+  log = storage.join(workdir, "metrics.jsonl")  # Process 0's, which writes the report.
+  if config_lib.constraint_applied(config) and log_exists(log):
+    report["constraints"]["notes"] = constraint_notes(
+        read_metrics(workdir), names, config, report["constraints"]["met"]
+    )
   if jax.process_index() == 0:
     report["plots"] = [
         storage.relpath(p, workdir) for p in _heatmaps(result, data, config, task, workdir)
@@ -241,6 +283,7 @@ def format_summary(report: dict[str, Any]) -> str:
     lines += _table(header, rows)
   if constraints.get("summary"):
     lines.append(constraints["summary"])
+  lines += constraints.get("notes", [])
   return "\n".join(lines)
 
 

@@ -155,6 +155,39 @@ def test_summary_of_a_translation_report_from_an_older_run():
   ]
 
 
+def test_an_unmet_constraint_says_why_at_its_budget_and_why_the_total_loss_rose():
+  """Read from the run's logged steps: the multipliers still rising at the last one (or not),
+  and the total loss's rise beside the task loss's fall and the multipliers' growth."""
+  config = ml_collections.ConfigDict({"num_train_steps": 60})
+  names = ["enc0", "enc1"]
+
+  def logged(step, loss, task_loss, multiplier):
+    layers = {"constraints/enc0/multiplier": multiplier, "constraints/enc1/multiplier": 0.2}
+    return {"step": step, "loss": loss, "task_loss": task_loss, **layers}
+
+  records = [logged(20, 1.12, 1.1, 0.0), {"step": 30, "eval/loss": 1.0}, logged(40, 3.0, 0.9, 0.6)]
+  records.append(logged(60, 4.74, 0.8, 1.0))
+  rising, loss = report_lib.constraint_notes(records, names, config, met=False)
+  assert rising.startswith(
+      "Not met at this budget: the multipliers were still rising at the last logged step (mean "
+      "0.4 at step 40 -> 0.6 at step 60)"
+  )
+  assert "more steps than num_train_steps=60" in rising
+  assert loss.startswith(
+      "The total loss rose (1.12 at step 20 -> 4.74) while the task loss went 1.1 -> 0.8: the "
+      "total adds Eq. 6's Lagrangian"
+  )
+  assert "multipliers gamma grew (0.1 -> 0.6)" in loss
+  records[-1] = logged(60, 0.7, 0.6, 0.6)  # The multipliers stopped, the total fell.
+  [stopped] = report_lib.constraint_notes(records, names, config, met=False)
+  assert stopped.startswith("Not met at this budget: the multipliers stopped rising (mean 0.4 at")
+  assert report_lib.constraint_notes(records, names, config, met=True) == []
+  report = copy.deepcopy(CLASSIFICATION)
+  report["constraints"]["notes"] = [rising, loss]
+  lines = report_lib.format_summary(report).splitlines()
+  assert lines[-3:] == [CLASSIFICATION["constraints"]["summary"], rising, loss]
+
+
 def test_write_report_keeps_report_json_and_prints_the_summary(tmp_path, capsys):
   report_lib.write_report(copy.deepcopy(CLASSIFICATION), str(tmp_path))
   assert json.loads((tmp_path / "report.json").read_text()) == CLASSIFICATION
