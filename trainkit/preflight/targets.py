@@ -19,7 +19,6 @@ import ctypes
 import dataclasses
 import functools
 import os
-import re
 from typing import Any
 
 from trainkit.errors import UserError
@@ -52,7 +51,8 @@ class Target:
   chip_config: str = "default"
   chips_per_host_bounds: tuple[int, int, int] = (2, 2, 1)
   wrap: tuple[bool, bool, bool] = (False, False, False)
-  gpu_description: str = ""
+  # A GPU's chip facts for its XLA description (`gpu_description`).
+  gpu_chip: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
   interconnect: str = ""
   interconnect_bandwidth: float = 0.0
   inter_host_bandwidth: float = 0.0
@@ -63,6 +63,40 @@ class Target:
 
   def peak_flops(self, compute_dtype: str) -> float:
     return self.peak_bf16_flops if compute_dtype == "bfloat16" else self.peak_tf32_flops
+
+  @property
+  def gpu_description(self) -> str:
+    """A GpuTargetConfigProto in text form, its memory as `described_memory_bytes` gives it."""
+    chip = self.gpu_chip
+    major, minor = chip["compute_capability"]
+    described = described_memory_bytes(self.usable_bytes)
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {chip["shared_memory_per_core"]}
+  threads_per_core_limit: 2048
+  core_count: {chip["core_count"]}
+  fpus_per_core: {chip["fpus_per_core"]}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(self.memory_bandwidth)}
+  l2_cache_size: {chip["l2_cache_bytes"]}
+  clock_rate_ghz: {chip["clock_ghz"]}
+  device_memory_size: {described}
+  shared_memory_per_block_optin: {chip["shared_memory_per_block_optin"]}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 1 patch: 0 }}
+device_description_str: "{self.device_kind}"
+"""
 
   def describe(self) -> str:
     return (
@@ -98,39 +132,6 @@ def gpu_memory_fraction() -> float:
 def described_memory_bytes(usable_bytes: int) -> int:
   """ceil(usable / 0.8): the `device_memory_size` whose 80% is `usable_bytes` exactly."""
   return -(-usable_bytes * 100 // _XLA_DEFAULT_BASE_PERCENT)
-
-
-def _gpu_description(facts: dict[str, Any], chip: dict[str, Any]) -> str:
-  """A GpuTargetConfigProto in text form, its memory as `described_memory_bytes` gives it."""
-  major, minor = chip["compute_capability"]
-  described = described_memory_bytes(int(facts["memory_bytes"] * GPU_DEFAULT_MEMORY_FRACTION))
-  return f"""gpu_device_info {{
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: {chip["shared_memory_per_core"]}
-  threads_per_core_limit: 2048
-  core_count: {chip["core_count"]}
-  fpus_per_core: {chip["fpus_per_core"]}
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: {int(facts["memory_bandwidth"])}
-  l2_cache_size: {chip["l2_cache_bytes"]}
-  clock_rate_ghz: {chip["clock_ghz"]}
-  device_memory_size: {described}
-  shared_memory_per_block_optin: {chip["shared_memory_per_block_optin"]}
-  cuda_compute_capability {{ major: {major} minor: {minor} }}
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-  thread_dim_limit_x: 1024
-  thread_dim_limit_y: 1024
-  thread_dim_limit_z: 64
-}}
-platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 1 patch: 0 }}
-device_description_str: "{facts["device_kind"]}"
-"""
 
 
 # NVIDIA data sheets (NVLink figures there count both directions); between nodes, one DGX NIC per
@@ -195,7 +196,7 @@ def _gpu(
       num_hosts=hosts,
       usable_fraction=GPU_DEFAULT_MEMORY_FRACTION,
       topology=f"1x{hosts}x{per_host}",
-      gpu_description=_gpu_description(facts, chip),
+      gpu_chip=chip,
       **facts,
   )
 
@@ -294,21 +295,10 @@ def get_target(name: str) -> Target:
   """The target called `name`, its GPU memory at `gpu_memory_fraction`; a KeyError if unknown."""
   if name not in TARGETS:
     raise KeyError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
-  return _with_memory_fraction(TARGETS[name])
-
-
-def _with_memory_fraction(target: Target) -> Target:
+  target = TARGETS[name]
   if target.platform != "gpu":
     return target
-  fraction = gpu_memory_fraction()
-  if fraction == target.usable_fraction:
-    return target
-  described = described_memory_bytes(int(target.memory_bytes * fraction))
-  description, count = re.subn(
-      r"device_memory_size: \d+", f"device_memory_size: {described}", target.gpu_description
-  )
-  assert count == 1, "a GPU description has one device_memory_size"
-  return dataclasses.replace(target, usable_fraction=fraction, gpu_description=description)
+  return dataclasses.replace(target, usable_fraction=gpu_memory_fraction())
 
 
 def _c_environment() -> dict[str, str]:
