@@ -17,10 +17,11 @@ MIN_VERDICT_SEEDS = 5  # Paired seeds a verdict rests on (3 are enough for a con
 MIN_SPLIT_EXAMPLES = 500
 MIN_GROUP_EXAMPLES = 50
 
+POWER = 0.8  # Of the smallest difference an undecided verdict's table could detect.
 HOLDS, DOES_NOT_HOLD, UNDECIDED = "holds", "does not hold", "undecided"
-# A fairness claim between rows whose accuracy does not lie above what a reader without a model
-# scores: a constant or random answer is "fair" by PQD (docs/protocol.md, section 3).
-UNTESTABLE = "untestable: at reference accuracy"
+# A claim whose rows do not lie above what a reader without a model scores (a constant, a coin
+# flip, the source copied): docs/protocol.md, section 3.
+UNTESTABLE = "untestable: at reference"
 DIRECTIONS = ("higher", "lower")
 
 
@@ -97,13 +98,16 @@ def paired(
 
 @dataclasses.dataclass(frozen=True)
 class ClaimResult:
-  """A claim decided: the paired seeds, the mean difference's interval, the verdict and p."""
+  """A claim decided: the paired seeds, the mean difference's interval, the verdict, p and the
+  smallest difference detectable at `POWER` (None below two pairs)."""
 
   seeds: list[int]
   difference: Interval | None
   verdict: str
   enough_seeds: bool
   p: float = 1.0
+  detectable: float | None = None
+  tested_mean: float = 0.0  # The mean difference moved by a margin (0 without a difference).
 
 
 def decide(
@@ -111,12 +115,23 @@ def decide(
     baseline: Mapping[int, float],
     better: str,
     test_to_train: float | None = None,
+    margin: float = 0.0,
 ) -> ClaimResult:
-  """Decides one claim on the seeds both rows have; with `test_to_train`, the corrected interval."""
+  """Decides one claim on the seeds both rows have; with `test_to_train`, the corrected interval;
+  with a `margin`, as non-inferiority: "not worse by more than the margin" (the differences moved
+  by it towards `better`)."""
   seeds, differences = paired(row, baseline)
   if not differences:
     return ClaimResult([], None, UNDECIDED, False)
+  shift = margin if better == "higher" else -margin
+  moved = [d + shift for d in differences]
+  p = p_value(moved, test_to_train)
+  _, se, n = _mean_se(differences, test_to_train)
+  # (t_{1-alpha/2} + t_{power}) se: the paired t-test's minimum detectable difference.
+  t = lambda q: float(scipy_stats.t.ppf(q, n - 1))  # noqa: E731
+  detectable = None if se is None else (t(0.5 + CONFIDENCE / 2) + t(POWER)) * se
+  tested = math.fsum(moved) / n
+  enough = len(seeds) >= MIN_VERDICT_SEEDS
+  verdict = verdict_at(tested, p, better)
   difference = interval(differences, test_to_train)
-  p = p_value(differences, test_to_train)
-  verdict = verdict_at(difference.mean, p, better)
-  return ClaimResult(seeds, difference, verdict, len(seeds) >= MIN_VERDICT_SEEDS, p)
+  return ClaimResult(seeds, difference, verdict, enough, p, detectable, tested)

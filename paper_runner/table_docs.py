@@ -16,6 +16,7 @@ from paper_runner.table_spec import (
     CLAIM_SUMMARY,
     RERUN_SUMMARY,
     SUMMARIES,
+    VERDICT_SUMMARY,
     TableSpec,
     load_table,
     record_path,
@@ -25,6 +26,7 @@ from paper_runner.table_summary import (
     IDENTICAL,
     change_text,
     compare_rerun,
+    final_verdict,
     leaks_of,
     moved_verdicts,
     rerun_machine,
@@ -102,37 +104,62 @@ def rerun_summary() -> str:
 _VERDICTS = (stats.HOLDS, stats.DOES_NOT_HOLD, stats.UNDECIDED, stats.UNTESTABLE)
 
 
-def claim_summary() -> str:
-  """Per claim (rows, direction and metric) and Holm-adjusted verdict, the tables that reach it."""
+def claim_verdicts() -> dict[tuple[str, str], dict[str, list[str]]]:
+  """Per claim (its text, its metric's label), per `final_verdict`, the tables that reach it with
+  their notes: the one source of the claims summary and of the prose's verdicts."""
   found: dict[tuple[str, str], dict[str, list[str]]] = {}
   for name, spec, record in _claims_tables():
     summary = summarise(spec, record)
     moved = moved_verdicts(spec, record)
     for (claim, result), (_, holm) in zip(summary["claims"], summary["holm"]):
-      key = (
-          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
-          spec.column(claim.metric).label,
-      )
-      notes = []
-      if result.verdict != holm:
-        notes.append(f"raw: {result.verdict}")
+      column = spec.column(claim.metric)
+      verdict = final_verdict(holm, moved.get(claim))
+      notes = [f"raw: {result.verdict}"] if result.verdict != verdict else []
+      if verdict != holm:
+        notes.append(f"Holm: {holm}")
       if claim in moved:
         notes.append(f"a rerun: {moved[claim]}")
       if leaks_of(spec, claim):
         notes.append("selection leak")
       if not result.enough_seeds:
         notes.append("too few seeds")
+      if verdict == stats.UNDECIDED and result.detectable is not None:
+        notes.append(f"detectable: {column.scale * result.detectable:.{column.decimals}f}")
       entry = f"`{name}`" + (f" ({'; '.join(notes)})" if notes else "")
-      found.setdefault(key, {}).setdefault(holm, []).append(entry)
-  header = ["claim", "on", *(f"Holm: {word}" for word in _VERDICTS)]
+      found.setdefault((spec.claim_text(claim), column.label), {}).setdefault(verdict, [])
+      found[spec.claim_text(claim), column.label][verdict].append(entry)
+  return found
+
+
+def claim_summary() -> str:
+  """Per claim and verdict (`claim_verdicts`), the tables that reach it."""
+  header = ["claim", "on", *_VERDICTS]
   rows = [
       [claim, metric, *(", ".join(by_verdict.get(word, [])) or "—" for word in _VERDICTS)]
-      for (claim, metric), by_verdict in found.items()
+      for (claim, metric), by_verdict in claim_verdicts().items()
   ]
   return _table(header, rows)
 
 
-_SUMMARY_RENDERERS = {RERUN_SUMMARY: rerun_summary, CLAIM_SUMMARY: claim_summary}
+def verdict_prose() -> str:
+  """The prose summary's verdicts, one line per claim, from `claim_verdicts` as the table's."""
+  return "".join(
+      f"- {claim}, on {metric}: "
+      + "; ".join(
+          f"**{word}** on {len(by_verdict[word])} table{'s' * (len(by_verdict[word]) > 1)}"
+          for word in _VERDICTS
+          if word in by_verdict
+      )
+      + ".\n"
+      for (claim, metric), by_verdict in claim_verdicts().items()
+  )
+
+
+_SUMMARY_RENDERERS = {
+    RERUN_SUMMARY: rerun_summary,
+    CLAIM_SUMMARY: claim_summary,
+    VERDICT_SUMMARY: verdict_prose,
+}
 
 
 def _render_marked(name: str) -> str:

@@ -10,14 +10,7 @@ from paper_runner import stats
 from paper_runner.collect import markdown_table
 from paper_runner.spec import REPO_ROOT, format_value
 from paper_runner.table_reproduce import NOT_REPRODUCED
-from paper_runner.table_spec import (
-    EVERY_ROW,
-    Column,
-    TableSpec,
-    accuracy_path,
-    pair_units,
-    record_path,
-)
+from paper_runner.table_spec import EVERY_ROW, Column, TableSpec, pair_units, record_path
 from paper_runner.table_summary import (
     chosen_row,
     leaks_of,
@@ -40,6 +33,10 @@ def _interval_text(interval: stats.Interval | None, c: Column, sign: bool = Fals
   return text.replace("-", "−")
 
 
+def _point(value: float) -> stats.Interval:
+  return stats.Interval(value, None, None, 1)
+
+
 def _p_text(p: float) -> str:
   return "<0.001" if p < 0.001 else f"{p:.3f}"
 
@@ -54,45 +51,24 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
   """The paragraphs under a claims table."""
   column = spec.column
   notes = []
-  gates = [(claim, gate) for (claim, _), gate in zip(summary["claims"], summary["gates"]) if gate]
+  gates = [gate for gate in summary["gates"] if gate]
   if gates:
-    bars = {gate.accuracy: gate.bar for _, gate in gates if gate.bar is not None}
+    bars = {gate.path: gate.bar for gate in gates if gate.bar is not None}
     bar_text = "; ".join(
         f"{column(path).label} {column(path).scale * value:.{column(path).decimals}f} "
         f"({_FOLDS_MEAN.sub('', name)})"
         for path, (value, name) in bars.items()
     )
-    untestable = sum(1 for _, gate in gates if not gate.above)
+    untestable = sum(1 for gate in gates if not gate.above)
     notes.append(
-        "**Fairness claims need a model that learnt** (docs/protocol.md, section 3): a claim "
-        "on a fairness metric is decided only where both rows' accuracy interval on its split "
-        "lies above the best accuracy of a reference that reads no signal (chance at the upper "
-        "end of its 95% range)"
+        "**Claims need a model that learnt** (docs/protocol.md, section 3): a claim on a score "
+        "(accuracy, BLEU) is decided only where a row's interval lies above the best score of a "
+        "reference that reads no signal (chance at the upper end of its 95% range), a claim on "
+        "a fairness metric only where both rows' accuracy interval on its split does"
         + (f": {bar_text}" if bar_text else "")
-        + f". {untestable} of the table's {len(gates)} fairness claims are "
+        + f". {untestable} of the table's {len(gates)} gated claims are "
         f"**{stats.UNTESTABLE}**."
     )
-    slopes = {
-        (claim.metric, accuracy_path(claim.metric)): found[1]
-        for (claim, _), found in zip(summary["claims"], summary["matched"])
-        if found is not None
-    }
-    if slopes:
-      # Per unit of the accuracy as printed (a point where it is in percent).
-      slope_text = "; ".join(
-          f"{column(metric).label} on {column(accuracy).label}: "
-          + f"{slope / column(accuracy).scale * column(metric).scale:+.4f}".replace("-", "−")
-          + f" per unit of {column(accuracy).label}"
-          for (metric, accuracy), slope in slopes.items()
-      )
-      notes.append(
-          "**At matched accuracy**: each fairness claim's paired differences minus the slope "
-          "times the pair's accuracy difference on the same split, the slope that of the metric "
-          "on the accuracy over every run of the table with each row's and each pair's means "
-          "removed (" + slope_text + "): the difference the two rows would show at equal "
-          "accuracy under that one linear trade-off. The slope's own uncertainty is not in its "
-          "interval, so it is reported, not decided."
-      )
   if spec.tuning:
     notes.append(
         f"**Tuning budget** (settings tried on validation before these runs, `{spec.path}`): "
@@ -146,23 +122,22 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
   lines += markdown_table(["", *(c.label for c in spec.columns), pair_units(spec)], body)
   if summary["claims"]:
     moved = moved_verdicts(spec, record)
-    matched_column = any(summary["gates"])
     body = []
-    for (claim, result), (holm_p, holm_verdict), found in zip(
-        summary["claims"], summary["holm"], summary["matched"]
-    ):
+    for (claim, result), (holm_p, holm_verdict) in zip(summary["claims"], summary["holm"]):
       column = spec.column(claim.metric)
       few = "" if result.enough_seeds else " (too few seeds)"
       # A verdict a rerun does not reach is marked where it is read, not only below the table.
       notes = [f"a rerun: {moved[claim]}"] if claim in moved else []
       leak = ["selection leak"] if leaks_of(spec, claim) else []
+      if result.verdict == stats.UNDECIDED and result.detectable is not None:
+        notes.append(f"detectable: {_interval_text(_point(result.detectable), column)}")
       verdict = f"**{result.verdict}{few}**" + (
           f" ({'; '.join(notes + leak)})" if notes + leak else ""
       )
       # The leak is marked once, beside the raw verdict.
       adjusted = f"**{holm_verdict}{few}**" + ("" if holm_p is None else f" ({_p_text(holm_p)})")
       cells = [
-          f"{spec.label(claim.row)} {claim.better} than {spec.label(claim.baseline)}",
+          spec.claim_text(claim),
           column.label,
           _interval_text(result.difference, column, sign=True),
           str(len(result.seeds)),
@@ -170,8 +145,6 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
           verdict,
           adjusted,
       ]
-      if matched_column:
-        cells.append(_interval_text(found and found[0], column, sign=True))
       body.append(cells)
     lines += [""]
     header = [
@@ -183,8 +156,6 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
         "verdict",
         "Holm-adjusted verdict (adjusted p)",
     ]
-    if matched_column:
-      header.append(f"at matched accuracy [{confidence}% interval]")
     lines += markdown_table(header, body)
   best = chosen_row(spec, summary) if spec.select else None
   if best is not None:

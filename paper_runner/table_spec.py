@@ -34,7 +34,8 @@ EVERY_ROW = "*"
 # The generated summaries' names (`<!-- table:NAME -->`), reserved.
 RERUN_SUMMARY = "reruns"
 CLAIM_SUMMARY = "claims"
-SUMMARIES = (RERUN_SUMMARY, CLAIM_SUMMARY)
+VERDICT_SUMMARY = "verdicts"  # The prose's: the claims summary's verdicts, one line per claim.
+SUMMARIES = (RERUN_SUMMARY, CLAIM_SUMMARY, VERDICT_SUMMARY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Claim:
   baseline: str
   metric: str
   better: str
+  margin: float = 0.0  # > 0: non-inferiority, "not worse by more than" (docs/protocol.md, 3).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,14 @@ class TableSpec:
   def label(self, row: Any) -> str:
     text = format_value(row)
     return self.row_names.get(text, text)
+
+  def claim_text(self, claim: Claim) -> str:
+    row, baseline = self.label(claim.row), self.label(claim.baseline)
+    if not claim.margin:
+      return f"{row} {claim.better} than {baseline}"
+    worse = dict(zip(stats.DIRECTIONS, stats.DIRECTIONS[::-1]))[claim.better]
+    margin = format_value(claim.margin * self.column(claim.metric).scale)
+    return f"{row} not {worse} than {baseline} by more than {margin}"
 
   def metrics(self) -> list[str]:
     paths = [c.path for c in self.columns]
@@ -208,12 +218,14 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
           "claims",
           table.get("claims"),
           lambda c: isinstance(c, Mapping)
-          and set(c) == {"row", "baseline", "metric", "better"}
+          and set(c) - {"margin"} == {"row", "baseline", "metric", "better"}
           and c["row"] in texts
           and c["baseline"] in texts
-          and c["better"] in stats.DIRECTIONS,
-          f"dict(row=, baseline=, metric=, better=) with rows of {texts} and better one of "
-          f"{stats.DIRECTIONS}",
+          and c["better"] in stats.DIRECTIONS
+          and is_number(c.get("margin", 0))
+          and c.get("margin", 0) >= 0,
+          f"dict(row=, baseline=, metric=, better=[, margin=]) with rows of {texts}, better one "
+          f"of {stats.DIRECTIONS} and a margin >= 0",
       )
   ]
   paths = [c.path for c in columns]
@@ -281,6 +293,12 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
           for leak in leaks
       ),
   )
+
+
+def gate_path(metric: str) -> str | None:
+  """Where a claim's rows must lie above the references that read no signal: a score's own path
+  (accuracy, BLEU), a fairness metric's split accuracy; None for any other metric."""
+  return metric if metric.split(".")[-1] in ("accuracy", "bleu") else accuracy_path(metric)
 
 
 def accuracy_path(metric: str) -> str | None:

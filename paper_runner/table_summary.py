@@ -15,6 +15,7 @@ from paper_runner.table_spec import (
     Claim,
     TableSpec,
     accuracy_path,
+    gate_path,
     unit_text,
 )
 from trainkit.errors import UserError
@@ -79,59 +80,17 @@ def accuracy_bar(record: Mapping[str, Any], path: str) -> tuple[float, str] | No
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-  """A fairness claim's accuracy, bar (None: no reference) and whether both rows lie above it."""
+  """A claim's gate path (`gate_path`), bar (None: no reference) and whether its rows lie above."""
 
-  accuracy: str
+  path: str
   bar: tuple[float, str] | None
   above: bool
 
 
-def _within(values: list[tuple[Any, Any, float]], sweeps: int = 50) -> list[float]:
-  """`values` [(row, unit, x)] with each row's and unit's mean removed (alternating projections)."""
-  x = [v for _, _, v in values]
-  for _ in range(sweeps):
-    for key in (0, 1):
-      groups: dict[Any, list[int]] = {}
-      for i, entry in enumerate(values):
-        groups.setdefault(entry[key], []).append(i)
-      for members in groups.values():
-        mean = math.fsum(x[i] for i in members) / len(members)
-        for i in members:
-          x[i] -= mean
-  return x
-
-
-def matched_accuracy(
-    spec: TableSpec, record: Mapping[str, Any], claim: Claim, ratio: float | None
-) -> tuple[stats.Interval, float] | None:
-  """(interval, beta): each pair's difference minus beta times its accuracy difference, beta the
-  least-squares slope of the metric on the accuracy over every run with each row's and unit's
-  means removed (how the metric moves with a method's luck on a seed). None for fewer than two
-  pairs or no spread of accuracy."""
-  accuracy = accuracy_path(claim.metric)
-  runs = [
-      (r["row"], r["seed"], r["metrics"].get(claim.metric), r["metrics"].get(accuracy))
-      for r in record["runs"]
-      if r["status"] == "ok"
-  ]
-  runs = [(row, unit, f, a) for row, unit, f, a in runs if f is not None and a is not None]
-  fairness = _within([(row, unit, f) for row, unit, f, _ in runs])
-  accuracies = _within([(row, unit, a) for row, unit, _, a in runs])
-  den = math.fsum(a * a for a in accuracies)
-  if den <= 1e-24:
-    return None
-  slope = math.fsum(f * a for f, a in zip(fairness, accuracies)) / den
-  units, differences = stats.paired(
-      claim_values(record, claim.row, claim.metric),
-      claim_values(record, claim.baseline, claim.metric),
-  )
-  accuracy_units, accuracy_gaps = stats.paired(
-      claim_values(record, claim.row, accuracy), claim_values(record, claim.baseline, accuracy)
-  )
-  if units != accuracy_units or len(units) < 2:
-    return None
-  adjusted = [f - slope * a for f, a in zip(differences, accuracy_gaps)]
-  return stats.interval(adjusted, ratio), slope
+def final_verdict(holm: str, moved: str | None) -> str:
+  """A claim's one verdict, in the claims summary and the prose alike: the Holm-adjusted one,
+  read as undecided where a rerun moves the raw one (docs/protocol.md, section 5)."""
+  return stats.UNDECIDED if moved and holm != stats.UNTESTABLE else holm
 
 
 def _by_row(spec: TableSpec, units: list[tuple[str, str]]) -> str:
@@ -143,8 +102,8 @@ def _by_row(spec: TableSpec, units: list[tuple[str, str]]) -> str:
 
 
 def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
-  """Per row its seeds and each metric's interval; per claim its verdict, gate, Holm verdict and
-  matched difference; the flags."""
+  """Per row its seeds and each metric's interval; per claim its verdict, gate and Holm verdict;
+  the flags."""
   ratio = fold_ratio(spec, record)
   ok = [r for r in record["runs"] if r["status"] == "ok"]
   rows = {}
@@ -158,35 +117,33 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
     }
   claims = []
   gates: list[Gate | None] = []
-  matched: list[tuple[stats.Interval, float] | None] = []
   for claim in spec.claims:
     result = stats.decide(
         claim_values(record, claim.row, claim.metric),
         claim_values(record, claim.baseline, claim.metric),
         claim.better,
-        test_to_train=ratio,
+        ratio,
+        claim.margin,
     )
-    accuracy = accuracy_path(claim.metric)
+    fairness, path = accuracy_path(claim.metric) is not None, gate_path(claim.metric)
+    bar = accuracy_bar(record, path) if path else None
     gate = None
-    if accuracy is not None:
-      bar = accuracy_bar(record, accuracy)
-      cells = [rows[row]["cells"][accuracy] for row in (claim.row, claim.baseline)]
-      above = bar is not None and all(c and c.low is not None and c.low > bar[0] for c in cells)
-      gate = Gate(accuracy, bar, above)
-      if not above:  # Not decided, whatever its interval says (docs/protocol.md, section 3).
+    if bar is not None or fairness:
+      cells = [rows[row]["cells"][path] for row in (claim.row, claim.baseline)]
+      above = [bar is not None and c and c.low is not None and c.low > bar[0] for c in cells]
+      # A fairness metric rewards a model that learnt nothing: both rows must have learnt.
+      gate = Gate(path, bar, all(above) if fairness else any(above))
+      if not gate.above:  # Not decided, whatever its interval says (docs/protocol.md, section 3).
         result = dataclasses.replace(result, verdict=stats.UNTESTABLE)
     claims.append((claim, result))
     gates.append(gate)
-    matched.append(matched_accuracy(spec, record, claim, ratio) if accuracy else None)
   # The family is every claim of the table, an untested one included (stats.holm).
   adjusted = stats.holm(
       [None if result.verdict == stats.UNTESTABLE else result.p for _, result in claims]
   )
-  # Without a difference p is 1: undecided.
-  means = [r.difference.mean if r.difference else 0.0 for _, r in claims]
   holm = [
-      (p, stats.UNTESTABLE if p is None else stats.verdict_at(mean, p, c.better))
-      for (c, _), mean, p in zip(claims, means, adjusted)
+      (p, stats.UNTESTABLE if p is None else stats.verdict_at(r.tested_mean, p, c.better))
+      for (c, r), p in zip(claims, adjusted)
   ]
   flags = []
   examples = sorted({r["examples"] for r in ok if r.get("examples") is not None})
@@ -232,7 +189,6 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
       "claims": claims,
       "holm": holm,
       "gates": gates,
-      "matched": matched,
       "ratio": ratio,
       "flags": flags,
   }

@@ -383,6 +383,6 @@ def test_paired_claims_against_vanilla_smoe_decide_on_same_seed_differences():
   _, verdict, _ = verdicts(0.30)  # Both rows below the corner-marker reader's 62.5%.
   assert verdict == {
       "accuracy": "holds",
-      "mf.pqd": "untestable: at reference accuracy",
-      "mf.dp": "untestable: at reference accuracy",
+      "mf.pqd": "untestable: at reference",
+      "mf.dp": "untestable: at reference",
   }

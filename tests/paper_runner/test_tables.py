@@ -19,6 +19,7 @@ from paper_runner import (
     provenance,
     stats,
     table_docs,
+    table_parts,
     table_record,
     table_render,
     table_reproduce,
@@ -175,12 +176,12 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   # Accuracy: +2 points on every seed despite a seed spread of 5, p near 0 before and after
   # Holm's adjustment (2 claims).
   assert (
-      "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) | — |"
+      "| a higher than b (alpha 0.5) | Acc. (%) | +2.0 [2.0, 2.0] | 5 | <0.001 | **holds** | **holds** (<0.001) |\n"
       in text
   )
   # MF-PQD is a fairness claim: without a reference accuracy to read it against, untestable.
   assert "| a higher than b (alpha 0.5) | MF-PQD |" in text
-  assert "**untestable: at reference accuracy** | **untestable: at reference accuracy** |" in text
+  assert "**untestable: at reference** | **untestable: at reference** |" in text
   assert "this table has none, so its fairness claims are untestable" in text
   assert "the test split has 400 examples (< 500)" in text
   assert "sex=m (n=30)" in text
@@ -906,7 +907,10 @@ def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
   # The majority class scores as much: untestable, raw and adjusted, whatever its interval.
   found = verdicts(_gated_record(bar=0.795))
   assert found["mf.pqd"] == (stats.UNTESTABLE, stats.UNTESTABLE)
-  assert found["accuracy"][0] == stats.HOLDS  # An accuracy claim keeps today's rule.
+  # A score needs one row above the floor (a: 0.800 to 0.808), not both as fairness does ...
+  assert found["accuracy"][0] == stats.HOLDS
+  # ... and with both at or below it (the majority class at 0.85), the lead is untestable too.
+  assert verdicts(_gated_record(bar=0.85))["accuracy"] == (stats.UNTESTABLE, stats.UNTESTABLE)
   # Chance counts at the upper end of its 95% range, not at its mean.
   assert verdicts(_gated_record(bar=0.5, chance_high=0.81))["mf.pqd"][0] == stats.UNTESTABLE
   # A reader of the task's signal sets no bar: a model below it may have learnt.
@@ -920,12 +924,117 @@ def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
   machine = dict(device="CPU", devices=1, cpu_cores=2, arch="x86_64", jax="0.10.2")
   provenance = dict(commit="abc", date="2026-11-27", machine=machine, seeds=[0], commands=[])
   text = table_render.render(spec, {**_gated_record(bar=0.795), "provenance": provenance})
-  assert "| **untestable: at reference accuracy** | **untestable: at reference accuracy** |" in text
+  assert "| **untestable: at reference** | **untestable: at reference** |" in text
   assert (
       "| *reference: chance; mean [95% range] of 2000 seeded draws* | 50.0 [45.0, 55.0] | "
       "0.950 [0.900, 0.990] | — |"
   ) in text
-  assert "1 of the table's 1 fairness claims are **untestable: at reference accuracy**" in text
+  assert "1 of the table's 2 gated claims are **untestable: at reference**" in text
+
+
+def _verdicts_of(name: str, record: dict | None = None) -> dict[tuple[str, str, str], str]:
+  spec = table_spec.load_table(name)
+  summary = table_summary.summarise(spec, record or table_record.read_record(name))
+  return {(c.row, c.baseline, c.metric): r.verdict for c, r in summary["claims"]}
+
+
+def test_hans_ood_pairs_and_bleu_at_reference_level_are_untestable_until_the_reference_moves():
+  """Two models whose scores do not lie above a reader without a model (HANS: both intervals
+  contain the majority class's 0.500; ood-pairs: every model at 0, the cue reader's score;
+  BLEU: below copying the source) are not compared; the same runs beside a lower reference are."""
+  for name in ("mnli_hans", "ood_pairs"):
+    assert set(_verdicts_of(name).values()) == {stats.UNTESTABLE}, name
+  assert _verdicts_of("ende_small")[("causal", table_parts.VANILLA, "bleu")] == stats.UNTESTABLE
+  # Move the references below the models: HANS's lead of vanilla attention is decided again.
+  record = table_record.read_record("mnli_hans")
+  for reference in record["references"]:
+    reference["metrics"]["challenge.accuracy"] = 0.3
+  assert set(_verdicts_of("mnli_hans", record).values()) == {stats.DOES_NOT_HOLD}
+
+
+def test_at_no_worse_accuracy_is_non_inferiority_within_its_margin():
+  """FairSMoE 0.5 points less accurate on every seed, with little spread: worse, so superiority
+  does not hold; not worse by more than 1 point, so non-inferiority holds; 2 points worse, not."""
+  rng = np.random.default_rng(3)
+  row = {s: 0.80 - 0.005 + rng.normal(0, 0.001) for s in range(5)}
+  baseline = {s: 0.80 for s in range(5)}
+  assert stats.decide(row, baseline, "higher").verdict == stats.DOES_NOT_HOLD
+  assert stats.decide(row, baseline, "higher", margin=0.01).verdict == stats.HOLDS
+  worse = {s: v - 0.015 for s, v in row.items()}
+  assert stats.decide(worse, baseline, "higher", margin=0.01).verdict == stats.DOES_NOT_HOLD
+  # The specs test Table 1's "at no worse accuracy" so, and print the margin in the claim.
+  spec = table_spec.load_table("fair_comparison_testbed")
+  (claim,) = [c for c in spec.claims if c.metric == "accuracy" and c.baseline == "muffin"]
+  assert claim.margin == 0.01 and spec.claim_text(claim).endswith("by more than 1.0")
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_an_undecided_verdict_s_detectable_difference_has_80_percent_power(n):
+  """(t_0.975 + t_0.8) se is the paired t-test's detectable difference; its exact power, from the
+  noncentral t with that noncentrality, is the approximation's 0.80 less its small-n error
+  (0.77 at 3 pairs, 0.79 at 5)."""
+  from scipy import stats as scipy_stats
+
+  values = {s: v for s, v in enumerate(np.random.default_rng(n).normal(0, 0.02, n))}
+  result = stats.decide(values, dict.fromkeys(values, 0.0), "higher")
+  sd = float(np.std(list(values.values()), ddof=1))
+  assert result.detectable == pytest.approx(
+      (scipy_stats.t.ppf(0.975, n - 1) + scipy_stats.t.ppf(0.8, n - 1)) * sd / math.sqrt(n)
+  )
+  critical, shift = scipy_stats.t.ppf(0.975, n - 1), result.detectable / (sd / math.sqrt(n))
+  power = scipy_stats.nct.sf(critical, n - 1, shift) + scipy_stats.nct.cdf(-critical, n - 1, shift)
+  assert 0.76 < power < 0.81
+  # The testbed's MF-PQD against vanilla SMoE: undecided, beside the 0.035 it could detect.
+  text = table_render.render(
+      table_spec.load_table("fair_comparison_testbed"),
+      table_record.read_record("fair_comparison_testbed"),
+  )
+  assert "| **undecided** (detectable: 0.035) |" in text
+
+
+def _verdict_lists(text: str) -> tuple[dict, dict]:
+  """({(claim, metric): {verdict: tables}} of the claims table, {...: {verdict: count}} of the
+  prose's verdict list) as `docs/results.md` prints them."""
+  from paper_runner.markers import marked_tables
+
+  bodies = {t.name: text[t.body_start : t.body_end] for t in marked_tables(text, "results.md")}
+  lines = bodies["claims"].splitlines()
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  table = {}
+  for line in lines[2:]:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    table[cells[0], cells[1]] = {
+        word: len(re.findall(r"`\w+`", cell)) for word, cell in zip(header[2:], cells[2:])
+    }
+    table[cells[0], cells[1]] = {w: n for w, n in table[cells[0], cells[1]].items() if n}
+  prose = {}
+  for line in bodies["verdicts"].splitlines():
+    claim, _, verdicts = line[2:].rpartition(": **")
+    claim, _, metric = claim.rpartition(", on ")
+    found = re.findall(r"\*\*([^*]+)\*\* on (\d+) tables?", "**" + verdicts)
+    prose[claim, metric] = {word: int(n) for word, n in found}
+  return table, prose
+
+
+def test_the_claims_table_and_the_prose_give_one_verdict_per_claim(repo_root):
+  """The prose's verdicts and the claims table come from one function (`final_verdict`: Holm's
+  verdict, undecided where a rerun moves it); edited apart, this fails. The hand-written prose
+  of the summary section states no verdict of its own in bold."""
+  text = (repo_root / "docs" / "results.md").read_text()
+  table, prose = _verdict_lists(text)
+  assert table == prose and len(table) > 30
+  # spurious_pairs' constraint claim held on its records, and its rerun moved it: undecided in both.
+  claim = [k for k in table if k[0].startswith("causal (constrained GCN) higher than GCN")]
+  assert [table[k] for k in claim] == [{stats.UNDECIDED: 1}]
+  drifted = text.replace("**untestable: at reference** on 1 table.", "**holds** on 1 table.", 1)
+  assert _verdict_lists(drifted)[0] != _verdict_lists(drifted)[1]
+  section = text[text.index("## What holds") : text.index("### Every claim, table by table")]
+  from paper_runner.markers import marked_tables
+
+  for t in marked_tables(section, "results.md"):
+    section = section.replace(section[t.body_start : t.body_end], "")
+  words = "|".join(map(re.escape, (stats.HOLDS, stats.DOES_NOT_HOLD, stats.UNDECIDED)))
+  assert not re.search(rf"\*\*({words}|untestable[^*]*)\*\*", section)
 
 
 def test_the_attractive_folds_mf_pqd_claim_is_untestable_beside_chance_s_row():
@@ -956,34 +1065,6 @@ def test_every_reference_row_fills_every_fairness_column():
       if reference.get("draws"):
         assert set(fairness) <= set(reference["ranges"]), (name, reference["name"])
   assert checked > 100
-
-
-def test_matched_accuracy_removes_a_linear_trade_off(toy_tables):
-  """MF-PQD falls one for one with accuracy within each method; row a is 0.03 fairer at equal
-  accuracy but 0.05 more accurate: the raw difference is about -0.02, at matched accuracy +0.03."""
-  spec = table_spec.load_table("toy")
-  rng = np.random.default_rng(11)
-  runs = []
-  for seed in range(8):
-    for row, accuracy, bonus in (
-        ("a", 0.80 + rng.normal(0, 0.02), 0.03),
-        ("b@fair.alpha=0.5", 0.75 + rng.normal(0, 0.02), 0.0),
-    ):
-      pqd = 1.5 - accuracy + bonus + rng.normal(0, 0.001)
-      runs.append(
-          dict(row=row, seed=seed, status="ok", metrics={"accuracy": accuracy, "mf.pqd": pqd})
-      )
-  record = {"runs": runs}
-  (claim,) = [c for c in spec.claims if c.metric == "mf.pqd"]
-  interval, slope = table_summary.matched_accuracy(spec, record, claim, None)
-  assert slope == pytest.approx(-1.0, abs=0.05)
-  assert interval.mean == pytest.approx(0.03, abs=0.005)
-  raw = stats.decide(
-      table_summary.claim_values(record, "a", "mf.pqd"),
-      table_summary.claim_values(record, "b@fair.alpha=0.5", "mf.pqd"),
-      "higher",
-  )
-  assert raw.difference.mean < 0
 
 
 def test_a_rerun_that_predicts_as_recorded_is_identical_and_not_counted(toy_tables, tmp_path):
