@@ -92,21 +92,11 @@ def abstract_train_state(
   with jax.set_mesh(mesh):
     model = nnx.eval_shape(make_model)
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-
-  def annotate(state: Any) -> Any:
-    specs = nnx.get_partition_spec(state)
-    return jax.tree.map(
-        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-        state,
-        specs,
-    )
-
-  params, model_state = annotate(params), annotate(model_state)
-  opt_state = jax.tree.map(
-      lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-      jax.eval_shape(tx.init, params),
-      _optimizer_shardings(tx, params, mesh),
+  placed = lambda tree, shardings: jax.tree.map(
+      lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree, shardings
   )
+  params, model_state = (placed(s, nnx.get_named_sharding(s, mesh)) for s in (params, model_state))
+  opt_state = placed(jax.eval_shape(tx.init, params), _optimizer_shardings(tx, params, mesh))
   replicate = lambda x: jax.ShapeDtypeStruct(
       np.shape(x), np.asarray(x).dtype, sharding=replicated(mesh)
   )
