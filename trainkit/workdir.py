@@ -127,14 +127,18 @@ def remove_if_empty(workdir: str) -> None:
   os.rmdir(workdir)
 
 
-def _process_alive(pid: int) -> bool:
+def _gone(owner: Mapping[str, Any]) -> bool:
+  """Whether a lock's `owner` is a process of this host that no longer runs."""
+  pid = owner.get("pid")
+  if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
+    return False
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
-    return False
+    return True
   except PermissionError:  # Alive, owned by someone else.
     pass
-  return True
+  return False
 
 
 def _read_lock(path: str) -> dict[str, Any]:
@@ -148,10 +152,7 @@ def live_lock_owner(workdir: str) -> dict[str, Any]:
   """The owner (pid, host, start time) named in `<workdir>/.run.lock` while it holds it, as
   `workdir_lock` judges: {} when there is no lock, or it names a process gone from this host."""
   owner = _read_lock(storage.join(workdir, LOCK_NAME))
-  pid = owner.get("pid")
-  if owner.get("host") == socket.gethostname() and isinstance(pid, int) and not _process_alive(pid):
-    return {}
-  return owner
+  return {} if _gone(owner) else owner
 
 
 # A lock still empty this long after its creation never will be named.
@@ -200,7 +201,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
     if not created:
       owner = _read_lock(path)
       pid, host = owner.get("pid"), owner.get("host")
-      if host == me["host"] and isinstance(pid, int) and not _process_alive(pid):
+      if _gone(owner):
         _log.warning("removing the stale run lock %s of pid %d, which no longer runs", path, pid)
         storage.path(path).unlink(missing_ok=True)
         continue
