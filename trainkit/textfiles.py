@@ -3,9 +3,11 @@ text (byte 0xff)`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import stat
+from collections.abc import Mapping, Sequence
 
 from trainkit.errors import UserError
 
@@ -78,3 +80,17 @@ def iter_lines(path: str | os.PathLike, what: str):
         yield number, line.rstrip("\n").rstrip("\r")
   except OSError as e:
     raise UserError(f"{what} file {path} cannot be read: {e.strerror or e}") from None
+
+
+def report_counts(
+    source: str, stats: Mapping[str, int], examples: Mapping[str, Sequence[str]] | None = None
+) -> None:
+  """Logs and prints (visible without logging set up) what a reader of `source` counted;
+  `examples` names the first few items behind a non-zero count."""
+  message = f"{source}: " + ", ".join(f"{k}={v}" for k, v in stats.items())
+  for key, names in (examples or {}).items():
+    if names:
+      more = ", ..." if stats.get(key, 0) > len(names) else ""
+      message += f"\n  {key}: {', '.join(names)}{more}"
+  logging.info(message)
+  print(message, flush=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import pathlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,7 +31,7 @@ import numpy as np
 
 from trainkit import tfds_data
 from trainkit.errors import UserError
-from trainkit.textfiles import iter_lines
+from trainkit.textfiles import iter_lines, report_counts
 
 NLI_LABELS = ("entailment", "neutral", "contradiction")
 HANS_LABELS = ("entailment", "non-entailment")
@@ -81,13 +80,6 @@ def nli_to_hans(predictions: np.ndarray) -> np.ndarray:
   """Maps 3-way NLI predictions to ``HANS_LABELS``: neutral and contradiction are non-entailment."""
   predictions = np.asarray(predictions)
   return np.where(predictions == NLI_LABELS.index("entailment"), 0, 1).astype(np.int32)
-
-
-def _report(source: str, stats: Mapping[str, int]) -> None:
-  """Logs and prints the counts once, so skipped rows are visible in every run."""
-  message = f"{source}: " + ", ".join(f"{k}={v}" for k, v in stats.items())
-  logging.info(message)
-  print(message, flush=True)
 
 
 def _check_task(task: str) -> None:
@@ -159,7 +151,7 @@ class _Builder:
     for i, name in enumerate(self.label_names):
       self.stats[f"label_{name}"] = int((labels == i).sum())
     if report:
-      _report(self.source, self.stats)
+      report_counts(self.source, self.stats)
     return PairData(
         premises=self.premises,
         hypotheses=self.hypotheses,

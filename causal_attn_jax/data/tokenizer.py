@@ -212,17 +212,12 @@ class Tokenizer:
 
   def __init__(self, model_path: str | os.PathLike):
     """Loads ``model_path``; its special ids must be the fixed ones (module doc)."""
-    spm = _spm()
-    remote = storage.is_remote(model_path)
-    self.path = storage.path(model_path) if remote else pathlib.Path(model_path)
+    self.path = storage.path(model_path)
     if not self.path.is_file():
       raise UserError(f"tokenizer model {self.path} does not exist.")
-    self._sp = spm.SentencePieceProcessor()
+    self._sp = _spm().SentencePieceProcessor()
     try:
-      if remote:
-        self._sp.LoadFromSerializedProto(self.path.read_bytes())
-      else:
-        self._sp.Load(str(self.path))
+      self._sp.LoadFromSerializedProto(self.path.read_bytes())
     except (OSError, RuntimeError) as e:
       raise UserError(f"tokenizer model {self.path} cannot be loaded: {e}") from e
     found = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())

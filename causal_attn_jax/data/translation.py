@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import bisect
-import logging
 import os
 import pathlib
 import re
@@ -23,7 +22,7 @@ import re
 from causal_attn_jax.data.nli import as_text
 from trainkit import tfds_data
 from trainkit.errors import UserError
-from trainkit.textfiles import read_text
+from trainkit.textfiles import read_text, report_counts
 
 SGM_SUFFIX = ".sgm"
 _TFDS_NAME = re.compile(r"^wmt\d\d_translate/([a-z]{2})-([a-z]{2})$")
@@ -169,9 +168,9 @@ def read_parallel(
       )
   if report:
     empty = sum(not s or not t for s, t in zip(sources, targets))
-    message = f"parallel {source} | {target}: pairs={len(sources)}, pairs_with_empty_side={empty}"
-    logging.info(message)
-    print(message, flush=True)
+    report_counts(
+        f"parallel {source} | {target}", dict(pairs=len(sources), pairs_with_empty_side=empty)
+    )
   return sources, targets
 
 

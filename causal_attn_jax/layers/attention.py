@@ -25,7 +25,7 @@ float32 whatever the compute dtype, because the constraint sums expm1 of them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +97,6 @@ class MultiHeadAttention(nnx.Module):
     dropout_rate: dropout on the output (after W_O); never on A, which is the graph that the
       constraint acts on.
     dtype: compute dtype; logits, softmax and the returned probabilities stay float32.
-    gcn_activation: sigma of Eq. 4 (ReLU, as in Kipf & Welling).
     sinkhorn_iters: > 0 replaces the softmax by `sinkhorn_softmax` with this many iterations
       (columns about normalised, Definition 1); 0 = softmax. Not for causal masks.
     **mask_options: `masks.sparse_mask`'s options for the sparse kinds; ignored by the others,
@@ -115,7 +114,6 @@ class MultiHeadAttention(nnx.Module):
       dropout_rate: float = 0.0,
       dtype: Any = jnp.float32,
       param_dtype: Any = jnp.float32,
-      gcn_activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
       sinkhorn_iters: int = 0,
       rngs: nnx.Rngs,
       **mask_options: int,
@@ -137,7 +135,6 @@ class MultiHeadAttention(nnx.Module):
     self.kind = kind
     self.gcn_hops = gcn_hops
     self.dtype = dtype
-    self.gcn_activation = gcn_activation
     if sinkhorn_iters < 0:
       raise ValueError(f"sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
     self.sinkhorn_iters = sinkhorn_iters
@@ -185,7 +182,7 @@ class MultiHeadAttention(nnx.Module):
     if self.kind != "causal":
       v = self.value(x)
     elif self.gcn_hops == 1:
-      v = self.gcn_activation(self.gcn_in(x))
+      v = jax.nn.relu(self.gcn_in(x))
     else:
       v = self.gcn_in(x)
     return v.reshape(batch, n, self.num_heads, self.head_dim)
@@ -263,13 +260,13 @@ class MultiHeadAttention(nnx.Module):
     if self.kind == "causal":
       if self.gcn_hops == 2:
         # First hop sigma(A X Wv0), then propagate its outputs through A again.
-        h = self.gcn_activation(h)
+        h = jax.nn.relu(h)
         if decode:
           h = jax.lax.dynamic_update_slice(self.cached_hidden[...], h, (0, index, 0, 0))
           self.cached_hidden[...] = h
         h = jnp.einsum("bhqk,bkhd->bqhd", adjacency, h)
       w1 = self.gcn_hidden[...].astype(self.dtype)
-      h = self.gcn_activation(jnp.einsum("bqhd,hde->bqhe", h, w1))
+      h = jax.nn.relu(jnp.einsum("bqhd,hde->bqhe", h, w1))
 
     if decode:
       self.cache_index[...] = index + n_q

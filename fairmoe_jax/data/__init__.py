@@ -12,16 +12,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from fairmoe_jax.data.celeba import load_celeba, load_celeba_tfds
 from fairmoe_jax.data.isic import load_isic2019
 from fairmoe_jax.data.pipeline import eval_batches, train_iterator
 from fairmoe_jax.data.synthetic import load_synthetic, synthetic_info
 from fairmoe_jax.data.synthetic_testbed import load_synthetic_testbed, testbed_info
-from fairmoe_jax.data.types import DatasetInfo, check_sensitive
-
-Splits = dict[str, dict[str, np.ndarray]]
+from fairmoe_jax.data.types import DatasetInfo, Splits, check_sensitive
 
 _LOADERS: dict[str, Callable[..., tuple[DatasetInfo, Splits]]] = {
     "synthetic": load_synthetic,

@@ -34,19 +34,16 @@ import numpy as np
 from PIL import Image
 
 from fairmoe_jax.data import images as images_lib
-from fairmoe_jax.data.types import DatasetInfo
+from fairmoe_jax.data.types import SPLITS, DatasetInfo, Splits
 from trainkit import tfds_data
 from trainkit.errors import UserError
-from trainkit.textfiles import read_text
+from trainkit.textfiles import read_text, report_counts
 
-SPLITS = ("train", "val", "test")
 PARTITION_FILE = "list_eval_partition.txt"
 IDENTITY_FILE = "identity_CelebA.txt"
 IMAGE_DIR = "img_align_celeba"
 # tfds names the validation split "validation".
 _TFDS_SPLITS = {"train": "train", "val": "validation", "test": "test"}
-
-Splits = dict[str, dict[str, np.ndarray]]
 
 
 def _check_names(target: str, sensitive: Sequence[str]) -> tuple[str, ...]:
@@ -309,7 +306,7 @@ def load_celeba(
         "attributes": values[indices, 1:].astype(np.int32).reshape(len(indices), len(sensitive)),
     }
     stats[f"{split}_examples"] = len(indices)
-  images_lib.report_load_stats(f"celeba ({attr_path})", stats, examples)
+  report_counts(f"celeba ({attr_path})", stats, examples)
   if preload:
     splits = {k: images_lib.preload_images(v, image_size, num_threads) for k, v in splits.items()}
   return celeba_info(target, sensitive, image_size, stats), splits
@@ -396,5 +393,5 @@ def load_celeba_tfds(
       values[i] = value
     splits[split] = {"image": images, "label": values[:, 0].copy(), "attributes": values[:, 1:]}
     stats[f"{split}_examples"] = n
-  images_lib.report_load_stats(f"celeba_tfds ({builder.data_dir})", stats)
+  report_counts(f"celeba_tfds ({builder.data_dir})", stats)
   return celeba_info(target, sensitive, image_size, stats), splits

@@ -8,7 +8,6 @@ read (``pipeline.ArraySource``).
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
@@ -120,20 +119,6 @@ def preload_images(
   out.setdefault("id", np.array([os.path.basename(str(p)) for p in paths], dtype=object))
   out["image"] = load_images(paths, size, num_threads)
   return out
-
-
-def report_load_stats(
-    dataset: str, stats: Mapping[str, int], examples: Mapping[str, Sequence[str]] | None = None
-) -> None:
-  """Logs and prints (visible without logging set up) what a loader counted; `examples` names
-  the first few items behind a non-zero count."""
-  message = f"{dataset}: " + ", ".join(f"{k}={v}" for k, v in stats.items())
-  for key, names in (examples or {}).items():
-    if names:
-      more = ", ..." if stats.get(key, 0) > len(names) else ""
-      message += f"\n  {key}: {', '.join(names)}{more}"
-  logging.info(message)
-  print(message, flush=True)
 
 
 def layout_dirs(root: str, image_dir: str, dataset: str) -> tuple[pathlib.Path, pathlib.Path]:

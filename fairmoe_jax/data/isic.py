@@ -29,11 +29,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from fairmoe_jax.data import images as images_lib
-from fairmoe_jax.data.types import DatasetInfo, check_sensitive
+from fairmoe_jax.data.types import SPLITS, DatasetInfo, Splits, check_sensitive
 from trainkit.errors import UserError
-from trainkit.textfiles import read_text
+from trainkit.textfiles import read_text, report_counts
 
-SPLITS = ("train", "val", "test")
 IMAGE_DIR = "ISIC_2019_Training_Input"
 GROUND_TRUTH_FILE = "ISIC_2019_Training_GroundTruth.csv"
 METADATA_FILE = "ISIC_2019_Training_Metadata.csv"
@@ -56,8 +55,6 @@ SITE_GROUPS = (
 GROUPS = {"sex": SEX_GROUPS, "age": AGE_GROUPS, "site": SITE_GROUPS}
 UNKNOWN_GROUP = "unknown"
 MISSING_MODES = ("unknown", "exclude")
-
-Splits = dict[str, dict[str, np.ndarray]]
 
 
 def age_group(age: float) -> int:
@@ -334,7 +331,7 @@ def load_isic2019(
         "attributes": attributes[indices].astype(np.int32),
     }
     stats[f"{split_name}_examples"] = len(indices)
-  images_lib.report_load_stats(f"isic2019 ({root_path})", stats)
+  report_counts(f"isic2019 ({root_path})", stats)
   if preload:
     splits = {k: images_lib.preload_images(v, image_size, num_threads) for k, v in splits.items()}
   return isic2019_info(sensitive, missing, image_size, stats), splits

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fairmoe_jax.data.types import DatasetInfo
+from fairmoe_jax.data.types import DatasetInfo, Splits
 
 DEFAULT_SIZES = {"train": 8000, "val": 1000, "test": 2000}
 ATTRIBUTE_NAMES = ("sex", "age", "site")
@@ -149,7 +149,7 @@ def generated_info(name: str, classes: tuple[str, ...], image_size: int) -> Data
 ChunkGenerator = Callable[[np.random.SeedSequence, int, int, float], dict[str, np.ndarray]]
 
 
-Loader = Callable[..., tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]]
+Loader = Callable[..., tuple[DatasetInfo, Splits]]
 
 
 def generated_loader(
@@ -165,7 +165,7 @@ def generated_loader(
       sizes: dict[str, int] | None = None,
       seed: int = 0,
       missing_rate: float = 0.0,
-  ) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
+  ) -> tuple[DatasetInfo, Splits]:
     """``(info, splits)``, each split i.i.d. ``{"image": uint8 [N, S, S, 3], "label": int32
     [N], "attributes": int32 [N, 3]}``; ``missing_rate``: P(an attribute value is -1).
     """
@@ -183,7 +183,7 @@ def generate_splits(
     sizes: dict[str, int] | None,
     seed: int,
     missing_rate: float,
-) -> dict[str, dict[str, np.ndarray]]:
+) -> Splits:
   """Each split of ``sizes`` (default ``DEFAULT_SIZES``) from chunks of ``CHUNK_SIZE`` examples.
 
   Every chunk has its own seed, from ``seed``, the split's name and the chunk's index only, so
@@ -408,8 +408,6 @@ _load_with_cues = generated_loader(
 )
 
 
-def load_synthetic(
-    *, attribute_cues: bool = False, **kwargs
-) -> tuple[DatasetInfo, dict[str, dict[str, np.ndarray]]]:
+def load_synthetic(*, attribute_cues: bool = False, **kwargs) -> tuple[DatasetInfo, Splits]:
   """Generates the synthetic benchmark (module doc); ``kwargs`` as ``generated_loader``'s."""
   return (_load_with_cues if attribute_cues else _load_without_cues)(**kwargs)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from trainkit.errors import UserError
+
+SPLITS = ("train", "val", "test")
+# Per split, parallel arrays: ``image`` (or ``path``), ``label``, ``attributes``.
+Splits = dict[str, dict[str, np.ndarray]]
 
 
 def check_sensitive(dataset: str, names: Sequence[str], known: Sequence[str]) -> tuple[str, ...]:

@@ -34,7 +34,6 @@ class Method:
   nothing at inference and never revises itself."""
 
   name: str
-  uses_moe: bool
 
   def build_model(
       self, config: ml_collections.ConfigDict, info: DatasetInfo, rngs: nnx.Rngs, mesh: Mesh | None

@@ -41,7 +41,6 @@ class FairSMoE:
   name: str
   guided: bool  # FGR
   managed: bool  # FEM
-  uses_moe: bool = True
 
   def build_model(self, config, info, rngs, mesh):
     f = config.fair

@@ -30,7 +30,6 @@ def muffin_attributes(config, info) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class MuffinMethod(base.Method):
   name: str = "muffin"
-  uses_moe: bool = False
 
   def build_model(self, config, info, rngs, mesh):
     del mesh

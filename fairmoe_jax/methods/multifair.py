@@ -24,7 +24,6 @@ from fairmoe_jax.models.backbones import build_backbone
 @dataclasses.dataclass(frozen=True)
 class MultiFair(base.Method):
   name: str = "multifair"
-  uses_moe: bool = False
 
   def build_model(self, config, info, rngs, mesh):
     del mesh

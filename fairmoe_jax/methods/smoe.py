@@ -23,7 +23,6 @@ from fairmoe_jax.models.backbones import build_backbone
 class PlainSMoE(base.Method):
   name: str
   fixed_router: str | None  # None: config.moe.router
-  uses_moe: bool = True
   fairness_loss: bool = False  # Adds lambda * L_Psi, as FairSMoE does.
 
   def build_model(self, config, info, rngs, mesh):

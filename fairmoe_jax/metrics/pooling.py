@@ -23,6 +23,7 @@ from fairmoe_jax.metrics.report import format_report, report_of_predictions
 from trainkit import storage
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.storage import write_atomically
+from trainkit.workdir import read_json_object
 
 PREDICTIONS_FILE = "predictions.csv"
 # docs/protocol.md, section 3: a group under 50 examples in a reported split is flagged.
@@ -32,16 +33,7 @@ REPORT_FILE = "report.json"
 
 def read_report(run_dir: str) -> dict[str, Any]:
   """A finished run's report.json; a UserError names the file when it is missing or unreadable."""
-  path = storage.join(run_dir, REPORT_FILE)
-  if not storage.path(path).exists():
-    raise UserError(f"{path} does not exist: is {run_dir} a finished run?")
-  try:
-    report = json.loads(storage.read_text(path))
-  except (OSError, json.JSONDecodeError) as e:
-    raise UserError(f"cannot read {path}: {e}") from None
-  if not isinstance(report, dict):
-    raise UserError(f"{path} is not a JSON object")
-  return report
+  return read_json_object(storage.join(run_dir, REPORT_FILE), f"is {run_dir} a finished run?")
 
 
 def _read_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, str]]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,23 +73,21 @@ def _bilinear_resize(x: np.ndarray, size: tuple[int, int]) -> np.ndarray:
   return np.asarray(out).astype(x.dtype)
 
 
-def resample_pos_embed(
-    pos_embed: np.ndarray, num_tokens: int, *, num_prefix_tokens: int = 1
-) -> np.ndarray:
-  """Resamples a ViT position embedding [1, prefix + g*g, D] to [1, num_tokens, D].
+def resample_pos_embed(pos_embed: np.ndarray, num_tokens: int) -> np.ndarray:
+  """Resamples a ViT position embedding [1, 1 + g*g, D] to [1, num_tokens, D].
 
-  The prefix tokens are kept; the grid is resized bilinearly (timm's `resample_abs_pos_embed`
+  The class token's is kept; the grid is resized bilinearly (timm's `resample_abs_pos_embed`
   defaults to bicubic).
   """
-  old_grid = pos_embed.shape[1] - num_prefix_tokens
-  new_grid = num_tokens - num_prefix_tokens
+  old_grid = pos_embed.shape[1] - 1
+  new_grid = num_tokens - 1
   g_old, g_new = math.isqrt(old_grid), math.isqrt(max(new_grid, 0))
   if g_old * g_old != old_grid or g_new * g_new != new_grid or g_new == 0:
     raise ValueError(
         f"cannot resample pos_embed of {pos_embed.shape[1]} tokens to {num_tokens}: "
         "the patch grids must be square"
     )
-  prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[0, num_prefix_tokens:]
+  prefix, grid = pos_embed[:, :1], pos_embed[0, 1:]
   grid = _bilinear_resize(grid.reshape(g_old, g_old, -1), (g_new, g_new))
   return np.concatenate([prefix, grid.reshape(1, g_new * g_new, -1)], axis=1)
 
@@ -109,29 +107,16 @@ def resample_relative_position_bias_table(table: np.ndarray, window: int) -> np.
   )
 
 
-class _Rule:
+class _Rule(NamedTuple):
   """How one model parameter maps to one timm tensor."""
 
-  def __init__(
-      self,
-      name: str,
-      to_timm: Callable[[Array], Array] = lambda x: x,
-      from_timm: Callable[[Array], Array] = lambda x: x,
-  ):
-    self.name = name
-    self.to_timm = to_timm
-    self.from_timm = from_timm
+  name: str
+  to_timm: Callable[[Array], Array] = lambda x: x
+  from_timm: Callable[[Array], Array] = lambda x: x
 
 
 def _linear_rule(name: str) -> _Rule:
-  return _Rule(name, lambda x: x.T, lambda x: x.T)
-
-
-def _conv_rule(name: str) -> _Rule:
-  return _Rule(name, lambda x: x.transpose(3, 2, 0, 1), lambda x: x.transpose(2, 3, 1, 0))
-
-
-def _stacked_linear_rule(name: str) -> _Rule:
+  """A Linear kernel [in, out] (or the experts' stacked [E, in, out]) <-> weight [out, in]."""
   return _Rule(name, lambda x: x.swapaxes(-1, -2), lambda x: x.swapaxes(-1, -2))
 
 
@@ -142,7 +127,9 @@ def _generic_rule(path: Path, ndim: int) -> _Rule:
   if leaf == "kernel" and ndim == 2:
     return _linear_rule(join("weight"))
   if leaf == "kernel" and ndim == 4:
-    return _conv_rule(join("weight"))
+    return _Rule(
+        join("weight"), lambda x: x.transpose(3, 2, 0, 1), lambda x: x.transpose(2, 3, 1, 0)
+    )
   if leaf == "kernel":
     raise NotImplementedError(f"no timm layout for a {ndim}-d kernel at {'.'.join(map(str, path))}")
   if leaf == "scale":
@@ -163,7 +150,7 @@ def _rules(model: nnx.Module) -> list[tuple[Path, _Rule, Path | None, str | None
     moe = next((m for m in moes if path[: len(m)] == m), None)
     if moe is not None and len(path) == len(moe) + 1 and path[-1] in _EXPERT_NAMES:
       name = ".".join(map(str, moe)) + "." + _EXPERT_NAMES[path[-1]][0]
-      rule = _stacked_linear_rule(name) if path[-1] in ("w1", "w2") else _Rule(name)
+      rule = _linear_rule(name) if path[-1] in ("w1", "w2") else _Rule(name)
       out.append((path, rule, moe, path[-1]))
     else:
       out.append((path, _generic_rule(path, len(var.shape)), moe, None))
