@@ -40,6 +40,6 @@ def get_config(arg=None):
       module="fairmoe_jax.main",
       config="configs/celeba.py:size=small,epochs=3",
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": tuple(METHODS)}),
-      overrides=dotted({**parts.ON_CELEBA, "data.sensitive": "Male"}),
+      overrides=dotted({**parts.ON_CELEBA, **parts.RECORDED_LAMBDAS, "data.sensitive": "Male"}),
       metrics=("accuracy", "mf.pqd", "mf.dp", "validation.accuracy", "validation.mf.pqd"),
   )
