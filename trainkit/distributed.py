@@ -80,37 +80,26 @@ def _bad(variable: str, value: str, why: str) -> UserError:
 
 
 def _split_top_level(text: str, variable: str) -> list[str]:
-  items, depth, start = [], 0, 0
-  for i, ch in enumerate(text):
-    if ch == "[":
-      depth += 1
-      if depth > 1:
-        raise _bad(variable, text, "nested brackets")
-    elif ch == "]":
-      depth -= 1
-      if depth < 0:
-        raise _bad(variable, text, "']' without '['")
-    elif ch == "," and depth == 0:
-      items.append(text[start:i])
-      start = i + 1
-  if depth != 0:
+  depth = 0
+  for ch in text:
+    depth += {"[": 1, "]": -1}.get(ch, 0)
+    if depth not in (0, 1):
+      raise _bad(variable, text, "nested brackets" if depth > 1 else "']' without '['")
+  if depth:
     raise _bad(variable, text, "'[' without ']'")
-  items.append(text[start:])
-  if any(not item for item in items):
+  items = re.split(r",(?![^\[]*\])", text)  # The commas outside brackets.
+  if not all(items):
     raise _bad(variable, text, "empty host name")
   return items
 
 
 def _expand_host(item: str, variable: str, whole: str) -> list[str]:
-  open_at = item.find("[")
-  if open_at < 0:
-    if not _HOST_RE.match(item):
-      raise _bad(variable, whole, f"bad host name {item!r}")
-    return [item]
-  close_at = item.index("]", open_at)
-  prefix, ranges, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
+  prefix, bracket, rest = item.partition("[")
   if prefix and not _HOST_RE.match(prefix):
-    raise _bad(variable, whole, f"bad host name prefix {prefix!r}")
+    raise _bad(variable, whole, f"bad host name{' prefix' if bracket else ''} {prefix!r}")
+  if not bracket:
+    return [item]
+  ranges, _, rest = rest.partition("]")
   values = []
   for part in ranges.split(","):
     m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
@@ -119,8 +108,7 @@ def _expand_host(item: str, variable: str, whole: str) -> list[str]:
     lo, hi = m.group(1), m.group(2) or m.group(1)
     if int(hi) < int(lo):
       raise _bad(variable, whole, f"range {part!r} is decreasing")
-    width = len(lo)
-    values.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    values.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
   tails = _expand_host(rest, variable, whole) if rest else [""]
   return [prefix + v + tail for v in values for tail in tails]
 
