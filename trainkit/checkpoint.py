@@ -157,11 +157,8 @@ TRUST_COMMAND = "python -m trainkit.checkpoint --trust"
 
 
 def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
   with storage.path(path).open("rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _step_files(step_dir: str) -> list[str]:
