@@ -170,11 +170,9 @@ def flag_value(argv: Sequence[str], name: str) -> str | None:
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
       break
-    for dashes in ("--", "-"):
-      if arg.startswith(f"{dashes}{name}="):
-        value = arg[len(dashes) + len(name) + 1 :]
-      elif arg == f"{dashes}{name}" and i + 1 < len(argv):
-        value = argv[i + 1]
+    flag, equals, given = arg.partition("=")
+    if flag in (f"--{name}", f"-{name}"):
+      value = given if equals else argv[i + 1] if i + 1 < len(argv) else value
   return value
 
 
