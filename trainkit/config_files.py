@@ -3,6 +3,7 @@ as given is looked up in `trainkit/bundled_configs/` (a wheel's copy), else the 
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 from collections.abc import Sequence
 
@@ -43,20 +44,15 @@ def resolve_config_args(argv: Sequence[str], flag_names: Sequence[str] = CONFIG_
   """`argv` with every `--config`/`--sweep` value (`=PATH` or ` PATH`) through
   `resolve_config_path`; `--config.KEY=V` overrides are left alone."""
   names = {f"{dashes}{name}" for name in flag_names for dashes in ("-", "--")}
-  out = list(argv[:1])
-  i = 1
-  while i < len(argv):
-    arg = argv[i]
+  out, rest = list(argv[:1]), iter(argv[1:])
+  for arg in rest:
     flag, eq, value = arg.partition("=")
     if eq and flag in names:
       out.append(f"{flag}={resolve_config_path(value)}")
-    elif arg in names and i + 1 < len(argv):
-      out.extend([arg, resolve_config_path(argv[i + 1])])
-      i += 1
+    elif arg in names:  # Its value is the next argument, if any.
+      out.extend([arg, *map(resolve_config_path, itertools.islice(rest, 1))])
     else:
       out.append(arg)
-    if arg == "--":  # Everything after `--` is a positional argument.
-      out.extend(argv[i + 1 :])
-      break
-    i += 1
+      if arg == "--":  # Everything after `--` is a positional argument.
+        out.extend(rest)
   return out
