@@ -5,7 +5,7 @@ config alone (no tokenizer trained), so a run compiles on a machine without the 
 
 from __future__ import annotations
 
-import dataclasses
+import types
 
 import flax.nnx as nnx
 import jax
@@ -23,13 +23,6 @@ from causal_attn_jax.train import initial_extra, make_loss_fn, make_update_extra
 from trainkit.preflight.compile import Program
 
 
-@dataclasses.dataclass(frozen=True)
-class VocabularySize:
-  """The one fact of the tokenizer the model needs (`TaskData.tokenizer.vocab_size`)."""
-
-  vocab_size: int
-
-
 def num_classes(config: ml_collections.ConfigDict) -> int:
   """Labels of a pair-classification run, as `data.loading.load_pairs` would find them: the
   testbeds are 2-way, a tfds dataset's task is its name's, files follow `data.pair_task`.
@@ -45,8 +38,9 @@ def num_classes(config: ml_collections.ConfigDict) -> int:
 
 def task_data(config: ml_collections.ConfigDict) -> TaskData:
   """A TaskData with no examples: what `build_model` reads of the data, from the config."""
-  # SentencePiece makes data.vocab_size pieces or refuses the corpus: at worst an upper bound.
-  tokenizer = VocabularySize(config.data.vocab_size)  # Stands in for the Tokenizer.
+  # The one fact of the tokenizer the model needs; SentencePiece makes data.vocab_size pieces or
+  # refuses the corpus: at worst an upper bound.
+  tokenizer = types.SimpleNamespace(vocab_size=config.data.vocab_size)
   classes = num_classes(config) if config.task == "classification" else 0
   return TaskData(tokenizer=tokenizer, train={}, eval={}, num_classes=classes)
 

@@ -225,61 +225,45 @@ def plot_gradient_cosine(report: dict[str, Any], path: str) -> str:
   return _save(fig, path)
 
 
+_CE = "training task loss (cross-entropy)"
+# (panel, metrics.jsonl key, scale, style) of each curve of `validation_curves_figure`; a curve
+# the run did not log is left out, each attribute's validation PQD follows the last.
+_CURVES = (
+    (0, "loss", 1, dict(color="tab:blue", linewidth=1, label="training loss (all terms)")),
+    (0, "loss/cross_entropy", 1, dict(color="tab:orange", linestyle="--", linewidth=1, label=_CE)),
+    (0, "val/loss", 1, dict(marker="o", color="black", label="validation cross-entropy")),
+    (1, "accuracy", 100, dict(color="tab:blue", linewidth=1, alpha=0.6, label="training batches")),
+    (1, "val/accuracy", 100, dict(marker="o", color="black", label="validation")),
+    (2, "val/mf_pqd", 1, dict(marker="o", color="black", linewidth=2, label="MF-PQD")),
+)
+
+
 def validation_curves_figure(report: dict[str, Any], metrics: Sequence[dict]) -> Figure:
   """The run's curves against step, in three panels sharing the step axis.
 
   Loss (training, its cross-entropy term, validation), accuracy (training batches thin,
   validation points) and validation MF-PQD with each attribute's PQD (thin).
   """
-  attributes = list(report.get("attributes", {}))
   fig = Figure(figsize=(14.0, 3.8), layout="constrained")
   FigureCanvasAgg(fig)
-  loss_ax, acc_ax, pqd_ax = fig.subplots(1, 3, sharex=True)
-  loss_ax.plot(
-      *_series(metrics, "loss"), color="tab:blue", linewidth=1, label="training loss (all terms)"
-  )
-  steps, values = _series(metrics, "loss/cross_entropy")
-  if steps:
-    loss_ax.plot(
-        steps,
-        values,
-        color="tab:orange",
-        linewidth=1,
-        linestyle="--",
-        label="training task loss (cross-entropy)",
-    )
-  steps, values = _series(metrics, "val/loss")
-  if steps:
-    loss_ax.plot(steps, values, marker="o", color="black", label="validation cross-entropy")
-  loss_ax.set_ylabel("loss")
-  steps, values = _series(metrics, "accuracy")
-  if steps:
-    acc_ax.plot(
-        steps,
-        [100.0 * v for v in values],
-        color="tab:blue",
-        linewidth=1,
-        alpha=0.6,
-        label="training batches",
-    )
-  steps, values = _series(metrics, "val/accuracy")
-  acc_ax.plot(steps, [100.0 * v for v in values], marker="o", color="black", label="validation")
-  acc_ax.set_ylabel("accuracy (%)")
-  mf_steps, mf_values = _series(metrics, "val/mf_pqd")
-  pqd_ax.plot(mf_steps, mf_values, marker="o", color="black", linewidth=2, label="MF-PQD")
-  for attribute in attributes:
-    steps, values = _series(metrics, f"val/{attribute}/pqd")
+  axes = fig.subplots(1, 3, sharex=True)
+  curves = [*_CURVES] + [
+      (2, f"val/{a}/pqd", 1, dict(linewidth=1, alpha=0.7, label=a))
+      for a in report.get("attributes", {})
+  ]
+  for panel, key, scale, style in curves:
+    steps, values = _series(metrics, key)
     if steps:
-      pqd_ax.plot(steps, values, linewidth=1, alpha=0.7, label=attribute)
-  if not mf_steps:
-    pqd_ax.text(0.5, 0.5, "no evaluation logged", transform=pqd_ax.transAxes, ha="center")
-  pqd_ax.set_ylabel("validation PQD (1 = fair)")
-  pqd_ax.set_ylim(0.0, 1.05)
-  for ax in (loss_ax, acc_ax, pqd_ax):
+      axes[panel].plot(steps, [scale * v for v in values], **style)
+  if not _series(metrics, "val/mf_pqd")[0]:
+    axes[2].text(0.5, 0.5, "no evaluation logged", transform=axes[2].transAxes, ha="center")
+  for ax, label in zip(axes, ("loss", "accuracy (%)", "validation PQD (1 = fair)")):
+    ax.set_ylabel(label)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=8)
+  axes[2].set_ylim(0.0, 1.05)
   fig.suptitle(f"Training and validation curves ({_title(report)})")
   return fig
 
