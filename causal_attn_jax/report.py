@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 
 _WITHIN = ("rows_within", "cols_within", "nodes_within")
+# The number formats of `format_summary`'s layer columns after the name, but for "met".
+_LAYER_FORMATS = (".2f", ".3f", ".3f", ".3f", ".3f", ".4f", ".4f")
 # A layer meets the Markov-blanket constraint when at least this fraction of its nodes (tokens,
 # over heads and evaluation examples) ends inside the band.
 MET_FRACTION = 0.9
@@ -261,25 +263,15 @@ def format_summary(report: dict[str, Any]) -> str:
     lines += ["", "Self-attention layers (eval split)"]
     header = ["layer", "effective keys", "top-1 mass", "nodes in band", "rows in band"]
     header += ["cols in band", "violation", "multiplier", "met"]
-    rows = []
+    rows, mean_multiplier = [], constraints.get("mean_multiplier", {})
     for name in layers:
       layer = per_layer.get(name, {})
+      values = [attention.get(key, {}).get(name) for key in ("effective_keys", "top1_mass")]
+      values += [layer.get(key) for key in ("nodes_within", "rows_within", "cols_within")]
+      values += [layer.get("violation"), layer.get("multiplier", mean_multiplier.get(name))]
+      cells = [_number(v, spec) for v, spec in zip(values, _LAYER_FORMATS)]
       met = layer.get("met")
-      rows.append(
-          [
-              name,
-              _number(attention.get("effective_keys", {}).get(name), ".2f"),
-              _number(attention.get("top1_mass", {}).get(name), ".3f"),
-              _number(layer.get("nodes_within"), ".3f"),
-              _number(layer.get("rows_within"), ".3f"),
-              _number(layer.get("cols_within"), ".3f"),
-              _number(layer.get("violation"), ".4f"),
-              _number(
-                  layer.get("multiplier", constraints.get("mean_multiplier", {}).get(name)), ".4f"
-              ),
-              "-" if met is None else ("yes" if met else "no"),
-          ]
-      )
+      rows.append([name, *cells, "-" if met is None else ("yes" if met else "no")])
     lines += _table(header, rows)
   if constraints.get("summary"):
     lines.append(constraints["summary"])
