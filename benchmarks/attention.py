@@ -8,7 +8,7 @@ r"""Forward+backward time and memory of one attention layer: causal (GCN updater
 One `MultiHeadAttention` (the paper's NMT shape by default), `jax.value_and_grad` of
 sum(y * cotangent): "vanilla" softmax attention; "causal" the Eq. 4 GCN updater plus the
 Markov-blanket term of Eq. 6 as a training step computes it (`--decoder`: causal mask and the
-decoder rules; every multiplier `--multiplier`, penalty `--penalty`); "causal_unconstrained"
+decoder rules; `CASE`'s multiplier and penalty); "causal_unconstrained"
 (`--kinds`) the updater alone. Time: median of `--repeats` calls after a warm-up; memory: the
 executable's temp_size_in_bytes. Prints a table and the target (causal at most 1.15x vanilla at
 N=256 on GPU); writes JSON (default benchmarks/results/attention.json).
@@ -16,8 +16,6 @@ N=256 on GPU); writes JSON (default benchmarks/results/attention.json).
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 from typing import Any
@@ -35,6 +33,8 @@ KINDS = ("vanilla", "causal", "causal_unconstrained")
 BASELINE = "vanilla"
 TARGET_LENGTH = 256
 TARGET_RATIO = 1.15
+# The paper's NMT layer; every Lagrange multiplier 1, no augmented-Lagrangian penalty.
+CASE = dict(batch=8, dim=512, heads=8, gcn_hops=1, multiplier=1.0, penalty=0.0)
 
 
 def _make_loss(
@@ -144,9 +144,7 @@ COLUMNS = (
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = bench_utils.parser(__doc__, "attention")
   parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 2048])
   parser.add_argument(
       "--kinds",
@@ -155,19 +153,11 @@ def main() -> None:
       choices=KINDS,
       help="vanilla always runs (it is the baseline of vs_vanilla)",
   )
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--dim", type=int, default=512)
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--gcn_hops", type=int, default=1, choices=[1, 2])
   parser.add_argument(
       "--decoder",
       action="store_true",
       help="causal mask and decoder constraint rules (default: encoder self-attention)",
   )
-  parser.add_argument(
-      "--multiplier", type=float, default=1.0, help="every Lagrange multiplier (causal)"
-  )
-  parser.add_argument("--penalty", type=float, default=0.0, help="augmented-Lagrangian penalty")
   parser.add_argument(
       "--repeats", type=int, default=10, help="timed calls per case; 0 compiles only (memory)"
   )
@@ -178,9 +168,6 @@ def main() -> None:
       help="lengths above this are compiled only (memory, no time); 0 = time every length",
   )
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument(
-      "--output", default=os.path.join(os.path.dirname(__file__), "results", "attention.json")
-  )
   args = parser.parse_args()
 
   kinds = [BASELINE] + [k for k in dict.fromkeys(args.kinds) if k != BASELINE]
@@ -188,8 +175,7 @@ def main() -> None:
   for n in args.lengths:
     repeats = 0 if args.compile_only_above and n > args.compile_only_above else args.repeats
     for kind in kinds:
-      case = "batch dim heads gcn_hops dtype decoder multiplier penalty".split()
-      row = benchmark_case(n, kind, repeats=repeats, **{k: getattr(args, k) for k in case})
+      row = benchmark_case(n, kind, repeats=repeats, dtype=args.dtype, decoder=args.decoder, **CASE)
       print(
           f"  N={n} {kind}: {fmt(row['time_ms'], 2)} ms, compile {row['compile_s']:.1f} s",
           flush=True,
@@ -199,9 +185,9 @@ def main() -> None:
   device = jax.devices()[0]
   print(
       f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}, "
-      f"dtype {args.dtype}, B {args.batch}, D {args.dim}, H {args.heads}, "
-      f"gcn_hops {args.gcn_hops}, {'decoder' if args.decoder else 'encoder'} self-attention, "
-      f"multipliers {args.multiplier}, median of {args.repeats}"
+      f"dtype {args.dtype}, B {CASE['batch']}, D {CASE['dim']}, H {CASE['heads']}, "
+      f"gcn_hops {CASE['gcn_hops']}, {'decoder' if args.decoder else 'encoder'} self-attention, "
+      f"multipliers {CASE['multiplier']}, median of {args.repeats}"
   )
   print(markdown_table(rows, COLUMNS).lstrip())
   targets = evaluate_targets(rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -20,6 +21,18 @@ from typing import Any
 import jax
 
 from trainkit.preflight import analysis
+
+
+def parser(doc: str, output: str = "") -> argparse.ArgumentParser:
+  """A benchmark's command line: `doc` as its help; with `output`, `--output` defaults to
+  benchmarks/results/<output>.json."""
+  found = argparse.ArgumentParser(
+      description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  if output:
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    found.add_argument("--output", default=os.path.join(results, f"{output}.json"))
+  return found
 
 
 def memory_analysis(compiled: Any) -> dict[str, int | None]:

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import bench_utils
 import moe_layer
 from bench_utils import fmt, markdown_table, write_results
 from fairmoe_jax.moe.dispatch import (
@@ -156,13 +157,6 @@ def balanced_blocks(
   return num_experts * int(-(-per_expert // block)), block
 
 
-def _while_loops(compiled: Any) -> int | None:
-  try:
-    return len(re.findall(r"\swhile\(", compiled.as_text()))
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
 def _error(e: Exception) -> str:
   lines = [line for line in str(e).splitlines() if line.strip()]
   return f"{type(e).__name__}: {' / '.join(lines[:3])[:600]}"
@@ -192,17 +186,16 @@ def compile_row(
     compiled, seconds = moe_layer.compile_step(loss_fn(dispatch, capacity, top_k, peer, mesh), args)
   except Exception as e:  # pylint: disable=broad-except  # The target compiler's own errors.
     return dict(row, error=_error(e))
-  costs = analysis.cost(compiled) or {}
+  costs, text = analysis.cost(compiled) or {}, compiled.as_text()
   optimal = costs.get("optimal_seconds")
   row.update(
       compile_s=seconds,
       flops=costs.get("flops"),
       bytes_accessed=costs.get("bytes accessed"),
       optimal_seconds=optimal if optimal is not None and optimal > 0 else None,
-      while_loops=_while_loops(compiled),
+      while_loops=len(re.findall(r"\swhile\(", text)),
   )
   if "mesh" in row:
-    text = compiled.as_text()
     collectives = hlo.collective_results(text).items()
     row["collective_bytes"] = {kind: sum(a.bytes for a in arrays) for kind, arrays in collectives}
     row["gathers"] = text.count(" gather(")
@@ -288,9 +281,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = bench_utils.parser(__doc__, "dispatch_compile")
   parser.add_argument(
       "--targets",
       nargs="+",
@@ -321,7 +312,6 @@ def main() -> None:
       help="compile on this (data, expert) mesh of each target's devices, not on one device",
   )
   parser.add_argument("--capacity_factor", type=float, default=1.25)
-  parser.add_argument("--output", default=TABLE_JSON)
   parser.add_argument(
       "--merge",
       action="store_true",
@@ -368,15 +358,9 @@ def main() -> None:
 
 
 def _key(row: dict) -> tuple:
-  return (
-      row["target"],
-      row.get("mesh"),
-      row["dtype"],
-      row["shape"],
-      row["num_experts"],
-      row["top_k"],
-      row["dispatch"],
-  )
+  """What a row measures: a recompiled row replaces the kept one with the same key."""
+  keys = ("target", "mesh", "dtype", "shape", "num_experts", "top_k", "dispatch")
+  return tuple(row.get(k) for k in keys)
 
 
 def merged(kept: list[dict], rows: list[dict]) -> list[dict]:

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import bench_utils  # noqa: E402
 import dispatch_compile  # noqa: E402
 import moe_layer  # noqa: E402
 from fairmoe_jax.moe.dispatch import DISPATCH_ALGORITHMS, compute_capacity  # noqa: E402
@@ -203,9 +204,7 @@ def granularity(args: argparse.Namespace, inputs: tuple) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict | list[dict]:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = bench_utils.parser(__doc__)
   parser.add_argument("--shape", default="deit_s32")
   parser.add_argument("--experts", type=int, default=64)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

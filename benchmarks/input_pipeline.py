@@ -13,7 +13,6 @@ benchmarks/results/input_pipeline.json).
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import glob
 import json
@@ -28,6 +27,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_utils  # noqa: E402
 from bench_utils import write_results  # noqa: E402
 from fairmoe_jax.data import augment, pipeline  # noqa: E402
 
@@ -98,9 +98,7 @@ def accelerator_images_per_s(cell: str) -> tuple[float, dict]:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = bench_utils.parser(__doc__, "input_pipeline")
   parser.add_argument(
       "--data_root", default=os.path.join(os.path.dirname(ROOT), "shared", "data", "celeba")
   )
@@ -110,7 +108,6 @@ def main() -> None:
   parser.add_argument("--batches", type=int, default=6)
   parser.add_argument("--image_size", type=int, default=224)
   parser.add_argument("--preflight_cell", default="fairsmoe/deit_s@h100x8")
-  parser.add_argument("--output", default="benchmarks/results/input_pipeline.json")
   parser.add_argument(
       "--synthetic",
       action="store_true",

@@ -16,7 +16,6 @@ benchmarks/results/moe_layer.json).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -326,61 +325,38 @@ def fastest_dispatch(rows: list[dict], dispatches: Sequence[str], platform: str)
   return dict(fastest=fastest, auto=auto) if fastest else {}
 
 
+# The ratio targets: (dispatch, (E, k) or None for every case, ratio key, at most, target).
+DENSE = "the equal-FLOPs dense MLP at E="
+REF = "the V-MoE reference's"
+BLOCKSPARSE_TARGET = f"blocksparse (dropless) at most 1.15x {DENSE}64, k=2"
+CHECKS = (
+    ("blocksparse", (64, 2), "vs_dense", 1.15, BLOCKSPARSE_TARGET),
+    ("sort", None, "vs_peer", 0.8, "sort fwd+bwd at most 0.8x vmoe's own fastest dispatcher"),
+    ("sort", None, "vs_reference", 0.8, f"sort fwd+bwd at most 0.8x {REF} time"),
+    ("sort", None, "vs_reference_memory", 1.0, f"sort scratch memory no higher than {REF}"),
+    ("sort", (8, 2), "vs_dense", 1.3, f"sort at most 1.3x {DENSE}8, k=2"),
+)
+# What each ratio divides, for a target's detail.
+RATIO_OF = dict(vs_dense="{dispatch}/dense_mlp time", vs_peer="sort/{peer_best} time")
+RATIO_OF.update(vs_reference="sort/vmoe_ref time", vs_reference_memory="sort/vmoe_ref temp")
+
+
 def evaluate_targets(rows: list[dict]) -> list[dict]:
   """The MoE-layer targets, on whichever rows are present."""
   find = {(r["shape"], r["num_experts"], r["top_k"], r["dispatch"]): r for r in rows}
   targets = []
-
-  def add(target: str, row: dict, passed: bool, detail: str) -> None:
-    case = f"{row['shape']} E={row['num_experts']} k={row['top_k']}"
-    targets.append(dict(target=target, case=case, passed=passed, detail=detail))
-
   for (shape, num_experts, top_k, dispatch), row in find.items():
-    if dispatch == "blocksparse" and (num_experts, top_k) == (64, 2) and row["vs_dense"]:
-      add(
-          "blocksparse (dropless) at most 1.15x the equal-FLOPs dense MLP at E=64, k=2",
-          row,
-          row["vs_dense"] <= 1.15,
-          f"blocksparse/dense_mlp time = {row['vs_dense']:.2f}x",
-      )
-    if dispatch != "sort":
-      continue
-    if row["vs_peer"] is not None:
-      add(
-          "sort fwd+bwd at most 0.8x vmoe's own fastest dispatcher",
-          row,
-          row["vs_peer"] <= 0.8,
-          f"sort/{row['peer_best']} time = {row['vs_peer']:.2f}x",
-      )
-    if row["vs_reference"] is not None:
-      add(
-          "sort fwd+bwd at most 0.8x the V-MoE reference's time",
-          row,
-          row["vs_reference"] <= 0.8,
-          f"sort/vmoe_ref time = {row['vs_reference']:.2f}x",
-      )
-      add(
-          "sort scratch memory no higher than the V-MoE reference's",
-          row,
-          row["vs_reference_memory"] <= 1.0,
-          f"sort/vmoe_ref temp = {row['vs_reference_memory']:.2f}x",
-      )
-    if (num_experts, top_k) == (8, 2) and row["vs_dense"] is not None:
-      add(
-          "sort at most 1.3x the equal-FLOPs dense MLP at E=8, k=2",
-          row,
-          row["vs_dense"] <= 1.3,
-          f"sort/dense_mlp time = {row['vs_dense']:.2f}x",
-      )
+    case = f"{shape} E={num_experts} k={top_k}"
+    for name, where, key, bound, target in CHECKS:
+      if name == dispatch and where in (None, (num_experts, top_k)) and row[key] is not None:
+        detail = f"{RATIO_OF[key].format(**row)} = {row[key]:.2f}x"
+        targets.append(dict(target=target, case=case, passed=row[key] <= bound, detail=detail))
     einsum = find.get((shape, num_experts, top_k, "einsum"))
-    if num_experts == 64 and einsum is not None:
+    if dispatch == "sort" and num_experts == 64 and einsum is not None:
       speedup = ratio(einsum["time_ms"], row["time_ms"])
-      add(
-          "sort at least 1.5x faster than einsum at E=64",
-          row,
-          speedup is not None and speedup >= 1.5,
-          f"einsum/sort time = {fmt(speedup, 2)}x",
-      )
+      target = dict(target="sort at least 1.5x faster than einsum at E=64", case=case)
+      passed = speedup is not None and speedup >= 1.5
+      targets.append(dict(target, passed=passed, detail=f"einsum/sort time = {fmt(speedup, 2)}x"))
   return targets
 
 
@@ -402,9 +378,7 @@ def cases(moe: Sequence[tuple], dispatches: Sequence[str]) -> list[tuple]:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = bench_utils.parser(__doc__, "moe_layer")
   parser.add_argument("--shape", default="cpu", choices=sorted(SHAPES))
   parser.add_argument("--experts", type=int, nargs="+", default=[4, 8, 32, 64])
   parser.add_argument("--top_k", type=int, nargs="+", default=[1, 2])
@@ -438,9 +412,6 @@ def main() -> None:
       help="timed calls per case, alternated between cases; 0 compiles only (memory)",
   )
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument(
-      "--output", default=os.path.join(os.path.dirname(__file__), "results", "moe_layer.json")
-  )
   args = parser.parse_args()
 
   peer = import_peer_vmoe(args.peer_vmoe) if args.peer_vmoe else None

@@ -7,13 +7,12 @@ r"""The fairmoe_jax train step against the same ViT with a dense MLP, on this ma
 Each row times the jitted train step of a config's model on random inputs (median of `--steps`
 steps after compilation), beside `dense`: the MoE layers replaced by GELU MLPs of hidden
 top_k * mlp_dim, the same active FLOPs (target: `vs_dense` at most 1.2x at E=4 and E=32); model
-FLOP/s and their share of this machine's matmul peak (`--peak_size`); `--methods` adds other
+FLOP/s and their share of this machine's float32 matmul peak (2048^2); `--methods` adds other
 methods' steps. Prints a table and writes JSON (default benchmarks/results/train_step.json).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import json
@@ -338,9 +337,7 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = bench_utils.parser(__doc__, "train_step")
   parser.add_argument(
       "--configs", nargs="+", default=["quickstart", "celeba_small"], choices=sorted(CONFIGS)
   )
@@ -363,10 +360,6 @@ def main() -> None:
   parser.add_argument("--batch_size", type=int, default=0, help="0: the config's")
   parser.add_argument("--compute_dtype", default="", choices=["", "float32", "bfloat16"])
   parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--peak_size", type=int, default=2048)
-  parser.add_argument(
-      "--output", default=os.path.join(os.path.dirname(__file__), "results", "train_step.json")
-  )
   parser.add_argument(
       "--program",
       default="",
@@ -407,12 +400,12 @@ def main() -> None:
     time_interleaved([r for r, _ in compiled], [s for _, s in compiled], args.steps)
     rows += [r for r, _ in compiled]
     del compiled
-  peak = matmul_peak(args.peak_size)
+  peak = matmul_peak()
   add_ratios(rows, peak)
   device = jax.devices()[0]
   print(
       f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}; float32 "
-      f"matmul peak ({args.peak_size}^2): {peak / 1e9:.1f} GFLOP/s; median of {args.steps} "
+      f"matmul peak (2048^2): {peak / 1e9:.1f} GFLOP/s; median of {args.steps} "
       "alternated steps"
   )
   columns = "config method num_experts dispatch batch_size compile_s step_ms vs_dense images_per_s"

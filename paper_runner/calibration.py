@@ -103,10 +103,7 @@ _OUT = flags.DEFINE_string("out", "", "with --row: where to write the row's JSON
 
 
 def _load() -> dict[str, Any]:
-  if os.path.exists(RECORD):
-    with open(RECORD) as f:
-      return json.load(f)
-  return {"rows": {}}
+  return preflight_table.load(RECORD, "rows")
 
 
 def compile_missing(pattern: str) -> None:
@@ -127,9 +124,7 @@ def compile_missing(pattern: str) -> None:
         command=f"python -m paper_runner.calibration --row={run['name']}",
         date=datetime.date.today().isoformat(),
     )
-    record = _load()
-    record["rows"][run["name"]] = row
-    write_atomically(RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    preflight_table.save(run["name"], row, RECORD, "rows")
     print(f"  roofline {row['roofline_s'] * 1e3:.1f} ms ({row['bound_by']}-bound)", flush=True)
 
 

@@ -29,6 +29,8 @@ from typing import Any
 from absl import app, flags
 
 from paper_runner.markers import write_or_check
+from paper_runner.provenance import source_state
+from paper_runner.spec import REPO_ROOT
 from trainkit.distributed import child_environment
 from trainkit.errors import exit_on_user_error
 from trainkit.storage import write_atomically
@@ -162,35 +164,26 @@ def brief(record: dict[str, Any]) -> dict[str, Any]:
   )
 
 
-def _load() -> dict[str, Any]:
-  if os.path.exists(RECORD):
-    with open(RECORD) as f:
+def load(path: str = RECORD, key: str = "cells") -> dict[str, Any]:
+  """A record (this table's or calibration's), `{key: {}}` before its first entry."""
+  if os.path.exists(path):
+    with open(path) as f:
       return json.load(f)
-  return {"cells": {}}
+  return {key: {}}
 
 
-def _save(record: dict[str, Any], name: str, result: dict[str, Any]) -> None:
-  """Adds one cell to the record on disk (read again first: two --compile may run at once)."""
-  record.update(_load())
-  record["cells"][name] = result
-  write_atomically(RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+def save(name: str, result: dict[str, Any], path: str = RECORD, key: str = "cells") -> None:
+  """Adds one entry to the record on disk (read again first: two --compile may run at once)."""
+  record = load(path, key)
+  record[key][name] = result
+  write_atomically(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
-def _commit() -> str:
-  try:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
-def compile_missing(pattern: str, skip: str, reverse: bool = False) -> None:
-  record = _load()
-  for cell in reversed(cells()) if reverse else cells():
+def compile_missing(pattern: str, skip: str) -> None:
+  for cell in cells():
     if not fnmatch.fnmatch(cell["name"], f"*{pattern}*") or (skip and skip in cell["name"]):
       continue
-    if cell["name"] in _load()["cells"]:
+    if cell["name"] in load()["cells"]:
       continue
     print(f"compiling {cell['name']} ...", flush=True)
     result = compile_cell(cell)
@@ -202,11 +195,11 @@ def compile_missing(pattern: str, skip: str, reverse: bool = False) -> None:
       )
       continue
     result.update(
-        commit=_commit(),
+        commit=source_state(REPO_ROOT)["commit"],
         date=datetime.date.today().isoformat(),
         host=platform.processor() or platform.machine(),
     )
-    _save(record, cell["name"], result)
+    save(cell["name"], result)
     print(f"  {_row(cell, result)}", flush=True)
 
 
@@ -264,8 +257,7 @@ def _collectives(result: dict[str, Any]) -> str:
 
 
 def render() -> str:
-  record = _load()
-  results = record["cells"]
+  results = load()["cells"]
   lines = [
       "| Run | Target | Fits | Peak / usable GiB per device | Matmul GFLOPs per example | "
       "Roofline ms per step (bound) | Est. ms per step | Collective MiB per step per device (by kind) | "
@@ -313,7 +305,6 @@ def render() -> str:
 COMPILE = flags.DEFINE_bool("compile", False, "compile the cells (rows) missing from the record")
 ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
 SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
-REVERSE = flags.DEFINE_bool("reverse", False, "with --compile: last cell first (a second worker)")
 WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
 CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
 
@@ -322,7 +313,7 @@ CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs 
 def main(argv: list[str]) -> None:
   del argv
   if COMPILE.value:
-    compile_missing(ONLY.value, SKIP.value, REVERSE.value)
+    compile_missing(ONLY.value, SKIP.value)
   write_or_check(NAME, render(), RECORD, WRITE.value, CHECK.value)
 
 

@@ -240,18 +240,12 @@ def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict
 
 
 def compute(
-    *,
-    seed: int,
-    sizes: dict[str, int],
-    dataset: str = "synthetic",
-    image_size: int = 32,
-    num_classes: int = 4,
-    split: str = "train",
-    l2: float = 1e-3,
-    workdir: str | None = None,
+    *, seed: int, sizes: dict[str, int], dataset: str = "synthetic", workdir: str | None = None
 ) -> dict[str, Any]:
-  """All statistics as a JSON-serialisable dict."""
-  for needed in (split, "train", "test"):
+  """All statistics as a JSON-serialisable dict: 32x32 images, 4 classes, label frequencies of
+  the training split, logistic regression with L2 penalty 1e-3."""
+  image_size, num_classes, split, l2 = 32, 4, "train", 1e-3
+  for needed in ("train", "test"):
     if needed not in sizes:
       raise ValueError(f"sizes must include a {needed!r} split, got {sorted(sizes)}")
   start = time.perf_counter()
@@ -406,14 +400,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       help="the generated dataset (default synthetic)",
   )
   parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
-  parser.add_argument("--image-size", type=int, default=32)
-  parser.add_argument("--num-classes", type=int, default=4)
   for name, size in synthetic.DEFAULT_SIZES.items():
     parser.add_argument(f"--{name}-size", type=int, default=size, help=f"default {size}")
-  parser.add_argument("--split", default="train", help="split for the label frequencies")
-  parser.add_argument(
-      "--l2", type=float, default=1e-3, help="L2 penalty of the logistic regression (default 1e-3)"
-  )
   parser.add_argument(
       "--workdir",
       help="a finished fairmoe_jax.main run on this dataset: "
@@ -423,16 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parser.parse_args(argv)
 
   sizes = {name: getattr(args, f"{name}_size") for name in synthetic.DEFAULT_SIZES}
-  stats = compute(
-      seed=args.seed,
-      dataset=args.dataset,
-      sizes=sizes,
-      image_size=args.image_size,
-      num_classes=args.num_classes,
-      split=args.split,
-      l2=args.l2,
-      workdir=args.workdir,
-  )
+  stats = compute(seed=args.seed, dataset=args.dataset, sizes=sizes, workdir=args.workdir)
   print(format_stats(stats), flush=True)
   if args.output:
     with open(args.output, "w") as f:

@@ -15,7 +15,7 @@ def test_the_table_in_the_docs_is_the_record(monkeypatch):
   monkeypatch.chdir(REPO_ROOT)
   text, start, end = marked.table_span("docs/scaling.md", preflight_table.NAME)
   assert text[start:end] == preflight_table.render()
-  record = preflight_table._load()
+  record = preflight_table.load()
   # Every cell of the record is a cell of the table, with its command and provenance.
   names = {cell["name"] for cell in preflight_table.cells()}
   assert set(record["cells"]) <= names
@@ -70,9 +70,9 @@ def test_a_compile_killed_from_outside_is_not_recorded_and_is_retried(
   nothing, so the next `--compile` tries it again; a compile that fails on its own is recorded
   with its error line."""
   record = {"cells": {}}
-  monkeypatch.setattr(preflight_table, "_load", lambda: record)
+  monkeypatch.setattr(preflight_table, "load", lambda: record)
   monkeypatch.setattr(
-      preflight_table, "_save", lambda r, name, result: r["cells"].update({name: result})
+      preflight_table, "save", lambda name, result: record["cells"].update({name: result})
   )
   outcomes = {"killed": -9, "refused": 2}
 
@@ -81,11 +81,11 @@ def test_a_compile_killed_from_outside_is_not_recorded_and_is_retried(
     return subprocess.CompletedProcess(command, code, "", "I0000 a log line\nerror: does not fit\n")
 
   monkeypatch.setattr(preflight_table.subprocess, "run", fake_run)
-  preflight_table.compile_missing("fairsmoe/deit_", "", False)
+  preflight_table.compile_missing("fairsmoe/deit_", "")
   out = capsys.readouterr().out
   assert "fairsmoe/deit_s@h100x1" not in record["cells"]
   assert "killed by SIGKILL after" in out and "not recorded" in out
   assert record["cells"]["fairsmoe/deit_b@h100x1"]["error"] == "error: does not fit"
   # Retried: the killed cells are still missing, the failed ones are not.
-  preflight_table.compile_missing("fairsmoe/deit_", "", False)
+  preflight_table.compile_missing("fairsmoe/deit_", "")
   assert capsys.readouterr().out.count("compiling fairsmoe/deit_s@") == 5
