@@ -160,6 +160,11 @@ def test_quickstart_on_an_h100_node(private_compilation_cache):
   )
   assert run["device_hours"] > run["device_hours_full_overlap"] > 0
   assert "without overlap" in summary(record) and "with full overlap" in summary(record)
+  # Where the bytes go: the parts sum to the step's, the gradients' all-reduce is collectives'.
+  parts = train["cost_by_part"]
+  assert sum(p["bytes accessed"] for p in parts.values()) == train["bytes_accessed_per_device"]
+  assert parts["collectives"]["bytes accessed"] > 0 and parts["MoE block"]["flops"] > 0
+  assert "bytes / FLOPs by part" in summary(record)
   # The band, and the jax and GEMM backend that compiled the estimate.
   low, high = run["device_hours_range"]
   assert low < run["device_hours"] < high

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -92,9 +92,17 @@ _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 def optimized_hlo_cost(hlo_text: str) -> dict[str, float] | None:
   """XLA's HLO cost analysis of an optimised module (a GPU compiler gives none), counted from its
   text: the bytes each kernel (a fusion, an unfused op) reads and writes, its operands and
-  results, and the FLOPs of its ops, 2 per multiply-add of a dot, one per result element of an
-  elementwise op and per element a reduction folds. Library calls are `library_call_cost`'s.
-  Loops count their known trip count. None for a module without instructions."""
+  results, and the FLOPs of its ops, 2 per multiply-add of a dot or convolution, one per result
+  element of an elementwise op and per element a reduction folds. Library calls are
+  `library_call_cost`'s. Loops count their known trip count. None for a module without
+  instructions."""
+  costs = list(_instruction_costs(hlo_text))
+  flops, traffic = (sum(c[k] for c in costs) for k in (1, 2))
+  return {"flops": flops, "bytes accessed": traffic} if costs else None
+
+
+def _instruction_costs(hlo_text: str) -> Iterator[tuple[Any, float, float]]:
+  """(instruction, FLOPs, bytes) of every instruction, as `optimized_hlo_cost` counts them."""
   instructions, entry = hlo._module(hlo_text)
   shapes = {ins.name: ins.shape for ins in instructions}
   runs = hlo._executions(instructions, entry)
@@ -120,34 +128,56 @@ def optimized_hlo_cost(hlo_text: str) -> dict[str, float] | None:
         parameters[ins.computation, int(ins.line[ins.operands_at :].split(")")[0])] = ins.name
       if ins.line.lstrip().startswith("ROOT"):
         roots[ins.computation] = ins
-  flops = traffic = 0.0
   for ins in instructions:
     if ins.computation in reducers:
       continue  # Counted by the op that applies it.
+    callee = next(hlo._CALLED.finditer(ins.line[ins.operands_at :]), None)
     results, operands = hlo._arrays(ins.shape), hlo._operand_arrays(ins, shapes)
     executions = runs.get(ins.computation, (1, False))[0]
+    flops = traffic = 0.0
     if ins.op == "fusion" and ins.computation not in fused:
-      body = next(m["name"] for m in hlo._CALLED.finditer(ins.line[ins.operands_at :]))
+      body = callee["name"]
       root = roots.get(body)
       if root is not None and root.op == "dynamic-update-slice":  # In place: the update written.
         results = hlo._arrays(shapes[_operand_names(root)[1]])
       operands = [
           _read_bytes(parameters.get((body, i)), users, shapes) for i in range(len(operands))
       ]
-      traffic += executions * (sum(operands) + sum(a.bytes for a in results))
+      traffic = executions * (sum(operands) + sum(a.bytes for a in results))
     elif ins.computation not in fused and ins.op not in _NO_TRAFFIC:
-      traffic += executions * sum(a.bytes for a in operands + results)
+      traffic = executions * sum(a.bytes for a in operands + results)
     if ins.op in _ELEMENTWISE and results:
-      flops += executions * results[0].size
+      flops = executions * results[0].size
     elif ins.op == "dot" and operands and results:
       contracting = _CONTRACTING.search(ins.line)
       dims = [int(d) for d in contracting[1].split(",") if d] if contracting else []
-      flops += executions * 2.0 * results[0].size * math.prod(operands[0].dims[d] for d in dims)
+      flops = executions * 2.0 * results[0].size * math.prod(operands[0].dims[d] for d in dims)
+    elif ins.op == "convolution" and len(operands) > 1 and results:  # Also a TPU's dots.
+      flops = executions * _convolution_flops(ins.line, *operands[:2], results[0])
     elif ins.op == "reduce" and operands and results:
-      applied = next(hlo._CALLED.finditer(ins.line[ins.operands_at :]), None)
-      per_element = reducer_flops[applied["name"]] if applied else 1
-      flops += executions * (operands[0].size - results[0].size) * max(1, per_element)
-  return {"flops": flops, "bytes accessed": traffic} if instructions else None
+      per_element = reducer_flops[callee["name"]] if callee else 1
+      flops = executions * (operands[0].size - results[0].size) * max(1, per_element)
+    yield ins, flops, traffic
+
+
+def _convolution_flops(line: str, lhs: hlo.Array, kernel: hlo.Array, result: hlo.Array) -> float:
+  """2 x result elements x input features x the window's taps that meet an input element, on
+  average over the output (padding and the holes of `lhs_dilate` meet none: a TPU's batched dot
+  is such a convolution)."""
+  labels, window = hlo._DIM_LABELS.search(line), re.search(r"window=\{([^}]*)\}", line)
+  if labels is None or len(labels["rhs"]) != len(kernel.dims) or "i" not in labels["rhs"]:
+    return 0.0
+  fields = dict(f.split("=", 1) for f in window[1].split()) if window else {}
+  get = lambda key, axis, default: (  # noqa: E731
+      int(fields[key].split("x")[axis].split("_")[0]) if key in fields else default
+  )
+  taps = 1.0
+  for axis in range(len(fields["size"].split("x")) if "size" in fields else 0):
+    n, m = lhs.dims[labels["lhs"].index(str(axis))], result.dims[labels["out"].index(str(axis))]
+    w, s, d, r = (get(k, axis, 1) for k in ("size", "stride", "lhs_dilate", "rhs_dilate"))
+    at = np.arange(m)[:, None] * s + np.arange(w)[None, :] * r - get("pad", axis, 0)
+    taps *= int(np.count_nonzero((at >= 0) & (at <= (n - 1) * d) & (at % d == 0))) / max(m, 1)
+  return 2.0 * result.size * kernel.dims[labels["rhs"].index("i")] * taps
 
 
 def _operand_names(ins: Any) -> list[str]:
@@ -165,6 +195,43 @@ def _read_bytes(name: str | None, users: dict[str, list], shapes: dict[str, str]
       whole = True
       size += sum(a.bytes for a in hlo._arrays(shapes.get(name, "")))
   return size
+
+
+# The step's parts: an op belongs to the first part one of the frames that traced it names
+# (`file:function`, innermost first); collectives by their op, the rest is "other".
+PARTS = (
+    ("attention", re.compile(r"[Aa]ttention")),
+    ("MoE block", re.compile(r"/moe/|MoE\b")),
+    ("MLPs", re.compile(r":(Mlp|MLP)\.")),
+    ("norms", re.compile(r":\w*Norm\.|/normalization\.py:")),
+    ("optimizer update", re.compile(r"/optax/(?!losses/)|/trainkit/optim\.py:")),
+)
+
+
+def cost_by_part(hlo_text: str, library_calls: bool = True) -> dict[str, dict[str, float]]:
+  """An optimised module's FLOPs and bytes (`optimized_hlo_cost`, and `library_call_cost` where
+  `library_calls`: a GPU's) split by the part of the step each op belongs to (`PARTS`,
+  "collectives", "other"), read from the Python call stacks XLA keeps in their metadata. A fusion
+  counts whole in its root op's part."""
+  stacks = hlo.call_stacks(hlo_text)
+  names = [name for name, _ in PARTS] + ["collectives", "other"]
+  parts = {name: {"flops": 0.0, "bytes accessed": 0.0} for name in names}
+
+  def part(op: str, frame: int) -> str:
+    if op.removesuffix("-start").removesuffix("-done") in hlo.COLLECTIVES:
+      return "collectives"
+    places = stacks.get(frame, ())
+    return next((n for place in places for n, pattern in PARTS if pattern.search(place)), "other")
+
+  costs = [(part(i.op, i.frame), f, b) for i, f, b in _instruction_costs(hlo_text)]
+  costs += [
+      (part("custom-call", c.frame), (c.flops or 0.0) * c.executions, c.bytes * c.executions)
+      for c in (hlo.library_calls(hlo_text) if library_calls else ())
+  ]
+  for name, flops, traffic in costs:
+    parts[name]["flops"] += flops
+    parts[name]["bytes accessed"] += traffic
+  return parts
 
 
 # --- Library calls of a GPU program ----------------------------------------------------------

@@ -198,6 +198,7 @@ def compile_step(
   record["fits"] = memory["peak"] <= target.usable_bytes
   text = compiled.as_text()
   record["collectives"] = analysis.collectives(text)
+  record["cost_by_part"] = analysis.cost_by_part(text, target.platform == "gpu")
   # The HLO's device ids index the mesh's devices in row-major order.
   hosts = [d.process_index for d in mesh.devices.flat]
   pricing = analysis.collective_seconds(
@@ -612,6 +613,13 @@ def summary(record: Mapping[str, Any]) -> str:
             else ""
         )
         + f" ({train['bytes_accessed_source']})"
+    )
+  if parts := train.get("cost_by_part"):
+    b, f = (sum(p[k] for p in parts.values()) or 1.0 for k in ("bytes accessed", "flops"))
+    shares = [f"{k} {p['bytes accessed'] / b:.0%} / {p['flops'] / f:.0%}" for k, p in parts.items()]
+    lines.append(
+        f"  bytes / FLOPs by part (of {b:.3e} / {f:.3e} counted from the optimised program's ops): "
+        + ", ".join(shares)
     )
   collectives = train.get("collectives") or {}
   pricing = train.get("collective_pricing")

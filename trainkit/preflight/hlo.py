@@ -4,6 +4,7 @@ matrix products, library calls (GPU `custom-call`s) and collectives with their d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -112,6 +113,7 @@ class _Instruction:
   shape: str
   name: str
   operands_at: int  # Where the operand list starts in `line` (after `op(`).
+  frame: int = 0  # Its metadata's `stack_frame_id` (`call_stacks`); 0: none.
 
 
 def _module(hlo_text: str) -> tuple[list[_Instruction], str | None]:
@@ -127,8 +129,70 @@ def _module(hlo_text: str) -> tuple[list[_Instruction], str | None]:
     match = _INSTRUCTION.match(line)
     if match:
       name = line.split("=", 1)[0].split("%", 1)[1].strip()
-      found.append(_Instruction(computation, line, match["op"], match["shape"], name, match.end()))
-  return found, entry
+      at, frame = match.end(), int(m[1]) if (m := _FRAME_ID.search(line)) else 0
+      found.append(_Instruction(computation, line, match["op"], match["shape"], name, at, frame))
+  return _with_frames(found), entry
+
+
+_FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
+
+
+def _with_frames(instructions: list[_Instruction]) -> list[_Instruction]:
+  """The instructions, each with a stack frame where XLA left it none (a fusion of ops traced in
+  different places, layout copies, some library calls and async ops): a fusion or async op and
+  its computation's ops take that computation's root's (printed last), else its last op's, else
+  the caller's; any other op the first its operands' makers have."""
+  calls = lambda i: next(_CALLED.finditer(i.line[i.operands_at :]), None)  # noqa: E731
+  callers = {
+      c["name"]: i.name
+      for i in instructions
+      if i.op in ("fusion", "async-start") and (c := calls(i))
+  }
+  roots: dict[str, int] = {}
+  for ins in reversed(instructions):
+    if ins.frame and ins.computation in callers:
+      roots.setdefault(ins.computation, ins.frame)
+  by_name = {ins.name: ins for ins in instructions}
+
+  @functools.cache
+  def frame(name: str, depth: int = 0) -> int:
+    ins = by_name[name]
+    body = calls(ins) if ins.op in ("fusion", "async-start") else None
+    found = ins.frame or roots.get(ins.computation) or (body and roots.get(body["name"]))
+    if found or depth > 16:
+      return found or 0
+    makers = [callers.get(ins.computation, "")]
+    makers += [t.split("%")[-1] for t in _operand_list(ins.line, ins.operands_at)]
+    return next((f for m in makers if m in by_name and (f := frame(m, depth + 1))), 0)
+
+  return [i if i.frame else dataclasses.replace(i, frame=frame(i.name)) for i in instructions]
+
+
+def call_stacks(hlo_text: str) -> dict[int, tuple[str, ...]]:
+  """Per `stack_frame_id` of the module's metadata, the Python frames that traced the op as
+  `file:function`, innermost first, read from its `FileNames`, `FunctionNames`, `FileLocations`
+  and `StackFrames` tables ({} where it prints none)."""
+  tables: dict[str, dict[int, str]] = {}
+  rows: dict[int, str] = {}
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      rows = tables.setdefault(line, {})
+    elif row := re.match(r"(\d+) (.*)$", line):  # Only these tables' rows start with a digit.
+      rows[int(row[1])] = row[2].strip('"')
+  ids = lambda text: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}  # noqa: E731
+  places = {i: ids(text) for i, text in tables.get("FileLocations", {}).items()}
+  frames = {i: ids(text) for i, text in tables.get("StackFrames", {}).items()}
+  stacks: dict[int, tuple[str, ...]] = {}
+  for i in frames:
+    stack, at = [], i
+    # jaxlib 0.10 to 0.12 print the id of a frame's parent plus one (1: no parent).
+    while at in frames and len(stack) < len(frames):
+      place = places[frames[at]["file_location_id"]]
+      file, function = place["file_name_id"], place["function_name_id"]
+      stack.append(f"{tables['FileNames'][file]}:{tables['FunctionNames'][function]}")
+      at = frames[at]["parent_frame_id"] - 1
+    stacks[i] = tuple(stack)
+  return stacks
 
 
 def _executions(instructions: list[_Instruction], entry: str | None) -> dict[str, tuple[int, bool]]:
@@ -226,6 +290,7 @@ class LibraryCall:
   flops: float | None
   executions: int = 1
   in_unknown_loop: bool = False
+  frame: int = 0  # `call_stacks`' id of the frames that traced it.
 
   @property
   def bytes(self) -> int:
@@ -290,11 +355,8 @@ def library_calls(hlo_text: str) -> list[LibraryCall]:
     else:
       kind, flops = "other", None
     executions, unknown = runs.get(ins.computation, (1, False))
-    found.append(
-        LibraryCall(
-            target, kind, tuple(operands), tuple(results), workspace, flops, executions, unknown
-        )
-    )
+    call = (target, kind, tuple(operands), tuple(results), workspace, flops, executions, unknown)
+    found.append(LibraryCall(*call, ins.frame))
   return found
 
 
