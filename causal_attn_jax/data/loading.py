@@ -85,18 +85,11 @@ def load_pairs(
     )
     return train, evaluation, challenge
   if config_lib.uses_tfds(config):
-    train = nli.load_tfds_pairs(
-        d.tfds_name,
-        split=d.tfds_train_split,
-        data_dir=d.tfds_data_dir,
-        max_examples=d.max_train_examples,
+    load = lambda split, limit: nli.load_tfds_pairs(
+        d.tfds_name, split=split, data_dir=d.tfds_data_dir, max_examples=limit
     )
-    evaluation = nli.load_tfds_pairs(
-        d.tfds_name,
-        split=d.tfds_eval_split,
-        data_dir=d.tfds_data_dir,
-        max_examples=d.max_eval_examples,
-    )
+    train = load(d.tfds_train_split, d.max_train_examples)
+    evaluation = load(d.tfds_eval_split, d.max_eval_examples)
   else:
     train = nli.read_pairs(d.train_file, task=d.pair_task)
     if d.eval_file:

@@ -165,7 +165,7 @@ def _split(lex: Lexicon, spec: OodPairsSpec, name: str, size: int) -> nli.PairDa
     num_against = int(round((1.0 - spec.cue_agreement) * size))
     against = rng.permutation(np.arange(size) < num_against)
   absent = name == "challenge" and spec.challenge_cue == "absent"
-  premises, hypotheses, labels, cues = [], [], [], []
+  rows, cues = [], []
   for kind, is_against in zip(kinds, against):
     label = 0 if kind in ENTAILED_KINDS else 1  # Index into nli.HANS_LABELS.
     cue_class = 1 - label if is_against else label  # Class 0 marks entailment in training.
@@ -177,23 +177,10 @@ def _split(lex: Lexicon, spec: OodPairsSpec, name: str, size: int) -> nli.PairDa
       num_class0 = spec.majority_fillers if cue_class == 0 else minority
       cues.append("against" if is_against else "agrees")
     premise, hypothesis = _pair(lex, spec, kind, num_class0, rng)
-    premises.append(premise)
-    hypotheses.append(hypothesis)
-    labels.append(label)
-  labels = np.asarray(labels, np.int32)
-  stats = {"rows": size, "examples": size}
-  stats.update({f"label_{n}": int((labels == i).sum()) for i, n in enumerate(nli.HANS_LABELS)})
-  stats.update({f"kind_{k}": kinds.count(k) for k in KINDS})
-  stats.update({f"cue_{c}": cues.count(c) for c in ("agrees", "against", "absent")})
-  return nli.PairData(
-      premises=premises,
-      hypotheses=hypotheses,
-      labels=labels,
-      label_names=nli.HANS_LABELS,
-      source=f"ood_pairs:{name}(seed={spec.seed})",
-      heuristics=[HEURISTIC] * size,
-      subcases=kinds,
-      stats=stats,
+    rows.append((premise, hypothesis, label, kind))
+  cue_counts = {f"cue_{c}": cues.count(c) for c in ("agrees", "against", "absent")}
+  return spurious.hans_pairs(
+      rows, KINDS, f"ood_pairs:{name}(seed={spec.seed})", HEURISTIC, **cue_counts
   )
 
 

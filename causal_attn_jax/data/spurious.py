@@ -170,30 +170,34 @@ def _split(
 ) -> nli.PairData:
   entailed = rng.permutation(np.arange(size) % 2 == 0)
   agrees = rng.random(size) < agreement
-  premises, hypotheses, labels, subcases = [], [], [], []
+  rows = []
   for is_entailed, agree in zip(entailed, agrees):
     if is_entailed:
       kind = "same" if agree else "synonym"
     else:
       kind = "replaced" if agree else "role_swap"
     premise, hypothesis, label = _pair(lex, spec, kind, rng)
-    premises.append(premise)
-    hypotheses.append(hypothesis)
-    labels.append(nli.HANS_LABELS.index(label))
-    subcases.append(kind)
+    rows.append((premise, hypothesis, nli.HANS_LABELS.index(label), kind))
+  return hans_pairs(rows, KINDS, f"spurious_pairs:{name}(seed={spec.seed})", "lexical_overlap")
+
+
+def hans_pairs(
+    rows: list[tuple[str, str, int, str]],
+    kinds: tuple[str, ...],
+    source: str,
+    heuristic: str,
+    **counts: int,
+) -> nli.PairData:
+  """Generated (premise, hypothesis, label, kind) rows in the HANS schema, the kind as subcase;
+  its stats count the labels, the `kinds` and the generator's own `counts`."""
+  premises, hypotheses, labels, subcases = (list(column) for column in zip(*rows))
   labels = np.asarray(labels, np.int32)
-  stats = {"rows": size, "examples": size}
+  stats = {"rows": len(rows), "examples": len(rows)}
   stats.update({f"label_{n}": int((labels == i).sum()) for i, n in enumerate(nli.HANS_LABELS)})
-  stats.update({f"kind_{k}": subcases.count(k) for k in KINDS})
+  stats.update({f"kind_{k}": subcases.count(k) for k in kinds}, **counts)
+  heuristics = [heuristic] * len(rows)
   return nli.PairData(
-      premises=premises,
-      hypotheses=hypotheses,
-      labels=labels,
-      label_names=nli.HANS_LABELS,
-      source=f"spurious_pairs:{name}(seed={spec.seed})",
-      heuristics=["lexical_overlap"] * size,
-      subcases=subcases,
-      stats=stats,
+      premises, hypotheses, labels, nli.HANS_LABELS, source, heuristics, subcases, stats
   )
 
 
