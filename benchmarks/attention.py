@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import bench_utils
-from bench_utils import fmt, markdown_table, memory_analysis, ratio, time_interleaved, write_results
+from bench_utils import fmt, memory_analysis, ratio, time_interleaved
 from causal_attn_jax import constraints as constraints_lib
 from causal_attn_jax.layers.attention import MultiHeadAttention
 
@@ -182,22 +182,14 @@ def main() -> None:
       )
       rows.append(row)
   add_ratios(rows)
-  device = jax.devices()[0]
-  print(
-      f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}, "
+  if jax.devices()[0].platform == "cpu":
+    print(f"note: CPU figures do not decide the GPU target; run on a GPU (N={TARGET_LENGTH} row).")
+  how = (
       f"dtype {args.dtype}, B {CASE['batch']}, D {CASE['dim']}, H {CASE['heads']}, "
       f"gcn_hops {CASE['gcn_hops']}, {'decoder' if args.decoder else 'encoder'} self-attention, "
       f"multipliers {CASE['multiplier']}, median of {args.repeats}"
   )
-  print(markdown_table(rows, COLUMNS).lstrip())
-  targets = evaluate_targets(rows)
-  if targets:
-    print()
-    for t in targets:
-      print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']}: {t['detail']}")
-  if device.platform == "cpu":
-    print(f"note: CPU figures do not decide the GPU target; run on a GPU (N={TARGET_LENGTH} row).")
-  write_results(args.output, args, rows, targets)
+  bench_utils.finish(args, rows, COLUMNS, evaluate_targets(rows), how)
 
 
 if __name__ == "__main__":

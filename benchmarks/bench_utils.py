@@ -82,6 +82,18 @@ def write_results(
     print(f"wrote {path}")
 
 
+def finish(args: Any, rows: list[dict], columns: Sequence[tuple], targets: list[dict], how: str):
+  """Prints where and `how` the rows were measured, their table (`markdown_table`'s columns) and
+  each target's verdict, then writes the JSON (`write_results`) to `args.output`."""
+  device = jax.devices()[0]
+  print(f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}, {how}")
+  print(markdown_table(rows, columns).lstrip() + "\n" * bool(targets))
+  for t in targets:
+    case = f" ({t['case']})" if "case" in t else ""
+    print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']}{case}: {t['detail']}")
+  write_results(args.output, args, rows, targets)
+
+
 def time_interleaved(
     calls: Sequence[Callable[[], Any]], repeats: int
 ) -> tuple[list[Any], list[list[float]]]:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import bench_utils
-from bench_utils import cost, fmt, markdown_table, memory_analysis, ratio, write_results
+from bench_utils import cost, fmt, memory_analysis, ratio
 from fairmoe_jax.methods.base import AUTO_DISPATCH
 from fairmoe_jax.moe.dispatch import (
     DISPATCH_ALGORITHMS,
@@ -436,19 +436,8 @@ def main() -> None:
     row.update(time_min_ms=1e3 * min(t) if t else None)
     row.update(fraction_dropped=float(output[0][1]) if output else None)  # The warm-up call's.
   add_ratios(rows)
-  device = jax.devices()[0]
-  print(
-      f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}, "
-      f"dtype {args.dtype}, capacity factor {args.capacity_factor}, median of {args.repeats} "
-      "alternated calls"
-  )
-  print(markdown_table(rows, COLUMNS).lstrip())
-  targets = evaluate_targets(rows)
-  if targets:
-    print()
-    for t in targets:
-      print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']} ({t['case']}): {t['detail']}")
-  write_results(args.output, args, rows, targets)
+  how = f"dtype {args.dtype}, capacity factor {args.capacity_factor}, median of {args.repeats}"
+  bench_utils.finish(args, rows, COLUMNS, evaluate_targets(rows), f"{how} alternated calls")
 
 
 if __name__ == "__main__":

@@ -402,20 +402,11 @@ def main() -> None:
     del compiled
   peak = matmul_peak()
   add_ratios(rows, peak)
-  device = jax.devices()[0]
-  print(
-      f"\ndevice: {device.device_kind} ({device.platform}), JAX {jax.__version__}; float32 "
-      f"matmul peak (2048^2): {peak / 1e9:.1f} GFLOP/s; median of {args.steps} "
-      "alternated steps"
-  )
   columns = "config method num_experts dispatch batch_size compile_s step_ms vs_dense images_per_s"
-  columns = [*columns.split(), "model_gflops_per_s", "share_of_peak"]
-  print(bench_utils.markdown_table(rows, [(c, c, 3) for c in columns]).lstrip())
-  targets = evaluate_targets(rows)
-  for t in targets:
-    print(f"[{'PASS' if t['passed'] else 'FAIL'}] {t['target']} ({t['case']}): {t['detail']}")
+  columns = [(c, c, 3) for c in [*columns.split(), "model_gflops_per_s", "share_of_peak"]]
   args.peak_flops_per_s = peak
-  write_results(args.output, args, rows, targets)
+  how = f"float32 matmul peak (2048^2) {peak / 1e9:.1f} GFLOP/s, median of {args.steps} steps"
+  bench_utils.finish(args, rows, columns, evaluate_targets(rows), how)
 
 
 if __name__ == "__main__":
