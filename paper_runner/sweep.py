@@ -196,14 +196,9 @@ def execute(
       retrain=retrain,
       env=env,
       sweep_path=sweep_path,
-      subset_dir=subset_dir_name(only),
+      # The folder of the tables of the runs --only keeps: only-KEY=VALUE,... in the order given.
+      subset_dir=safe_name("only-" + ",".join(only)) if only else "",
   )
-
-
-def subset_dir_name(only: Sequence[str]) -> str:
-  """The folder under the workdir for the tables of the runs `--only` keeps: `only-KEY=VALUE`
-  (several joined by commas, in the order given); "" without --only."""
-  return safe_name("only-" + ",".join(only)) if only else ""
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:

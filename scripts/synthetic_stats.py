@@ -29,9 +29,6 @@ from fairmoe_jax.metrics import format_report, report_of_predictions
 Split = dict[str, np.ndarray]
 
 
-# Group sizes and label frequencies.
-
-
 def group_sizes(split: Split, info: data_lib.DatasetInfo) -> dict[str, dict[str, int]]:
   """``{attribute: {group: n}}`` for one split (missing values, -1, are not counted)."""
   return {
@@ -72,9 +69,6 @@ def label_frequencies(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any
   return result
 
 
-# The corner marker.
-
-
 def _report(
     labels: np.ndarray, predictions: np.ndarray, attributes: np.ndarray, info: data_lib.DatasetInfo
 ) -> dict[str, Any]:
@@ -111,9 +105,6 @@ def marker_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]
       "measured": _report(split["label"], marker, split["attributes"], info),
       "expected": _expected_agreement(split, info),
   }
-
-
-# Logistic regression baseline.
 
 
 def downsample(images: np.ndarray, side: int = 8) -> np.ndarray:
@@ -174,9 +165,6 @@ def logistic_regression_baseline(
   }
 
 
-# Optional: how much a trained model follows the marker.
-
-
 def accuracy_gap(attribute_report: dict[str, Any]) -> float:
   """Largest minus smallest group accuracy of one attribute of a fairness report."""
   accuracies = [g["accuracy"] for g in attribute_report["groups"].values()]
@@ -234,9 +222,6 @@ def shortcut_use(predictions: np.ndarray, test: Split, num_classes: int) -> dict
           np.mean(predictions[wrong_on_disagreeing] == marker[wrong_on_disagreeing])
       ),
   }
-
-
-# Command line.
 
 
 def compute(
