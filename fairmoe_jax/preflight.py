@@ -43,34 +43,20 @@ def dataset_info(config: ml_collections.ConfigDict) -> data_lib.DatasetInfo:
   return isic2019_info(sensitive, d.missing, d.image_size)
 
 
-def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
-  """(training examples per epoch at full size, where the number comes from)."""
+def split_sizes(config: ml_collections.ConfigDict) -> tuple[int, str, int]:
+  """(training examples per epoch at full size, where that number comes from, examples of the
+  validation split each evaluation reads); 0 where the config alone does not tell."""
   d = config.data
   if d.name in data_lib.GENERATED_INFO:
-    return d.train_size, "data.train_size"
-  if d.name in ("celeba", "celeba_tfds"):
-    return CELEBA_TRAIN_EXAMPLES, "CelebA's official train partition"
+    return d.train_size, "data.train_size", d.val_size
+  if d.name in ("celeba", "celeba_tfds"):  # The official partition's (identity folds differ).
+    return CELEBA_TRAIN_EXAMPLES, "CelebA's official train partition", CELEBA_VAL_EXAMPLES
   if d.split != "random":
-    return 0, ""
+    return 0, "", 0
   n_test = round(d.test_fraction * ISIC2019_IMAGES)
   n_val = round(d.val_fraction * (ISIC2019_IMAGES - n_test))
-  return (
-      ISIC2019_IMAGES - n_test - n_val,
-      "ISIC 2019's training images less the random split's test and val",
-  )
-
-
-def val_examples(config: ml_collections.ConfigDict) -> int:
-  """Examples of the validation split each evaluation reads, at full size (0: not known)."""
-  d = config.data
-  if d.name in data_lib.GENERATED_INFO:
-    return d.val_size
-  if d.name in ("celeba", "celeba_tfds"):
-    return CELEBA_VAL_EXAMPLES  # The official partition's (identity folds differ).
-  if d.split != "random":
-    return 0
-  n_test = round(d.test_fraction * ISIC2019_IMAGES)
-  return round(d.val_fraction * (ISIC2019_IMAGES - n_test))
+  source = "ISIC 2019's training images less the random split's test and val"
+  return ISIC2019_IMAGES - n_test - n_val, source, n_val
 
 
 def batch_spec(
@@ -94,7 +80,7 @@ def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
   """The run of `config` as `trainkit.preflight` compiles it."""
   info = dataset_info(config)
   method = METHODS[config.method]
-  examples, source = train_examples(config)
+  examples, source, val_examples = split_sizes(config)
   return Program(
       make_model=lambda: method.build_model(config, info, nnx.Rngs(params=config.seed), mesh),
       loss_fn=make_loss_fn(config, info),
@@ -105,7 +91,7 @@ def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
       train_examples_source=source,
       initial_extra=method.initial_extra(config, info),
       settings={"moe.dispatch": resolve_dispatch(config.moe.dispatch, mesh)},
-      eval_examples=val_examples(config),
+      eval_examples=val_examples,
       # The rate is of decoding JPEG files; a generated dataset is in memory already.
       input_pipeline={}
       if config.data.name in data_lib.GENERATED_INFO
