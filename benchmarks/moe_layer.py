@@ -230,45 +230,27 @@ def layer_args(
   return x, router, experts, cotangent
 
 
-def case_row(
-    shape: str,
-    num_experts: int | None,
-    top_k: int,
-    dispatch: str,
-    dtype: str,
-    capacity_factor: float,
-) -> dict:
-  """A row's case: the shape's sizes, the routing, and the capacity per image (None for the
-  dense MLP, whose num_experts is unused)."""
+def case_row(shape: str, e: int | None, k: int, dispatch: str, dtype: str, factor: float) -> dict:
+  """A row's case: the shape's sizes, the routing (E experts, top-k), and the capacity per image
+  at capacity factor `factor` (None for the dense MLP, whose E is unused)."""
   groups, tokens, dim, hidden = SHAPES[shape]
-  capacity = (
-      None
-      if dispatch == BASELINE
-      else compute_capacity(tokens, num_experts, top_k, capacity_factor)
-  )
+  capacity = None if dispatch == BASELINE else compute_capacity(tokens, e, k, factor)
   row = dict(shape=shape, groups=groups, tokens=tokens, dim=dim, hidden=hidden)
-  row.update(num_experts=num_experts, top_k=top_k, dispatch=dispatch, dtype=dtype)
-  return dict(row, capacity_factor=capacity_factor, capacity=capacity)
+  row.update(num_experts=e, top_k=k, dispatch=dispatch, dtype=dtype)
+  return dict(row, capacity_factor=factor, capacity=capacity)
 
 
 def compile_case(
-    shape: str,
-    num_experts: int | None,
-    top_k: int,
-    dispatch: str,
-    dtype: str,
-    capacity_factor: float,
-    seed: int = 0,
-    peer: Any = None,
+    shape: str, e: int | None, k: int, dispatch: str, dtype: str, factor: float, peer: Any = None
 ) -> tuple[dict, Any, tuple[Any, ...]]:
   """One row's compile-time figures, its compiled step and arguments (`layer_loss`'s row)."""
-  row = case_row(shape, num_experts, top_k, dispatch, dtype, capacity_factor)
-  args = layer_args(SHAPES[shape], num_experts, top_k, dispatch, dtype, seed)
+  row = case_row(shape, e, k, dispatch, dtype, factor)
+  args = layer_args(SHAPES[shape], e, k, dispatch, dtype)
   if dispatch != BASELINE:
     row["dispatch_plan_bytes"] = dispatch_plan_bytes(
-        dispatch, row["groups"], row["tokens"], num_experts, top_k, row["capacity"]
+        dispatch, row["groups"], row["tokens"], e, k, row["capacity"]
     )
-  compiled, seconds = compile_step(layer_loss(dispatch, row["capacity"], top_k, peer), args)
+  compiled, seconds = compile_step(layer_loss(dispatch, row["capacity"], k, peer), args)
   row.update(compile_s=seconds, flops=cost(compiled, "flops"))
   row.update(bytes_accessed=cost(compiled, "bytes accessed"), **memory_analysis(compiled))
   return row, compiled, args
