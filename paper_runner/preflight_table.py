@@ -56,43 +56,29 @@ def cells() -> list[dict[str, Any]]:
   found = []
   for backbone in BACKBONES:
     for method in METHODS:
+      config = f"configs/celeba.py:method={method},backbone={backbone}"
       for target, overrides in TARGETS:
         if overrides.get("mesh.expert") and method in ("muffin", "multifair"):
           continue  # No MoE block (dense backbones): nothing to spread over an expert axis.
-        found.append(
-            dict(
-                name=_name(f"{method}/{backbone}", target, overrides),
-                module="fairmoe_jax.main",
-                config=f"configs/celeba.py:method={method},backbone={backbone}",
-                target=target,
-                overrides=overrides,
-                epochs=True,
-            )
-        )
+        found.append(_cell(f"{method}/{backbone}", "fairmoe_jax.main", config, target, overrides))
   # MNLI's config names no dataset size (its data is files): MNLI's 392,702 training pairs.
   for label, config, extra in (
       ("causal/wmt14_base", "configs/wmt14_ende.py:attention=causal", {}),
       ("causal/mnli", "configs/mnli_hans.py", {"preflight.train_examples": 392_702}),
   ):
-    for target, overrides in TARGETS:
-      if not overrides:
-        found.append(
-            dict(
-                name=_name(label, target, {}),
-                module="causal_attn_jax.main",
-                config=config,
-                target=target,
-                overrides={},
-                flags=extra,
-                epochs=False,
-            )
-        )
+    found += [
+        _cell(label, "causal_attn_jax.main", config, t, {}, extra) for t, o in TARGETS if not o
+    ]
   return found
 
 
-def _name(label: str, target: str, overrides: dict[str, Any]) -> str:
+def _cell(label: str, module: str, config: str, target: str, overrides: dict, extra=None) -> dict:
+  """A cell: named `label@target` then `,key=value` per override; a causal cell (`extra`, the
+  flags of its main) runs its config's steps, a FairSMoE cell the paper's epochs."""
   suffix = "".join(f",{k.split('.')[-1]}={v}" for k, v in overrides.items())
-  return f"{label}@{target}{suffix}"
+  cell = dict(name=f"{label}@{target}{suffix}", module=module, config=config, target=target)
+  cell.update(overrides=overrides, **({} if extra is None else {"flags": extra}))
+  return dict(cell, epochs=extra is None)
 
 
 def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
