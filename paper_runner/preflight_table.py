@@ -120,34 +120,24 @@ def compile_cell(cell: dict[str, Any]) -> dict[str, Any]:
   return dict(brief(record), command=f"python {shown}", seconds=round(seconds))
 
 
+# The train step's figures a table keeps as the preflight records them.
+TRAIN_KEYS = """compiler_options refused_by_compiler flops_per_device flops_source
+matmul_flops_per_example bytes_accessed_per_device bytes_accessed_source collective_seconds
+compile_seconds""".split()
+
+
 def brief(record: dict[str, Any]) -> dict[str, Any]:
   """What a table keeps of a preflight record (`trainkit.preflight.compile.preflight`)."""
-  train, run = record["train_step"], record["run"]
+  train, run, target = record["train_step"], record["run"], record["target"]
   roofline, collectives = train.get("roofline") or {}, train.get("collectives") or {}
-  return dict(
-      fits=record["fits"],
-      peak=train["memory"].get("peak"),
-      usable=record["target"]["usable_bytes"],
-      devices=record["target"]["devices"],
-      mesh=record["mesh"],
-      settings=record.get("settings", {}),
-      compiler_options=train.get("compiler_options"),
-      refused_by_compiler=train.get("refused_by_compiler"),
-      flops_per_device=train.get("flops_per_device"),
-      flops_source=train.get("flops_source"),
-      matmul_flops_per_example=train.get("matmul_flops_per_example"),
-      bytes_accessed_per_device=train.get("bytes_accessed_per_device"),
-      bytes_accessed_source=train.get("bytes_accessed_source"),
-      roofline_s=roofline.get("bound_s"),
-      bound_by=roofline.get("bound_by"),
-      collective_bytes={k: v["bytes"] for k, v in collectives.items()},
-      collective_seconds=train.get("collective_seconds"),
-      step_s=run.get("step_seconds"),
-      utilization=run.get("utilization"),
-      num_train_steps=run.get("num_train_steps"),
-      compile_seconds=train.get("compile_seconds"),
-      provenance=record["provenance"],
-  )
+  found = {key: train.get(key) for key in TRAIN_KEYS}
+  found.update(fits=record["fits"], peak=train["memory"].get("peak"), mesh=record["mesh"])
+  found.update(usable=target["usable_bytes"], devices=target["devices"])
+  found.update(settings=record.get("settings", {}), provenance=record["provenance"])
+  found.update(roofline_s=roofline.get("bound_s"), bound_by=roofline.get("bound_by"))
+  found.update(step_s=run.get("step_seconds"), utilization=run.get("utilization"))
+  found.update(collective_bytes={k: v["bytes"] for k, v in collectives.items()})
+  return dict(found, num_train_steps=run.get("num_train_steps"))
 
 
 def load(path: str = RECORD, key: str = "cells") -> dict[str, Any]:
