@@ -13,7 +13,8 @@ Arguments, e.g. `--config=configs/quickstart.py:steps=100,experts=8`:
 Baselines: `--config.method=vanilla_smoe` (or vanilla_smoe_psi, muffin, multifair), or all with
 `python -m paper_runner.fairmoe.compare --config=configs/quickstart.py --workdir=DIR`. No
 generated table covers it; the run prints the test accuracy (chance 25%) and the fairness report,
-written to report.json.
+written to report.json, with vanilla SMoE's figures on the same settings beside them (from
+results/records/quickstart_vanilla_smoe.json, which holds its command).
 """
 
 from fairmoe_jax.config import quickstart_config

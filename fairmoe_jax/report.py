@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 
 from fairmoe_jax import evaluation
@@ -22,7 +24,9 @@ from fairmoe_jax.metrics import intersections as intersections_lib
 from fairmoe_jax.metrics import predictions as predictions_lib
 from fairmoe_jax.metrics.gradients import gradient_cosines
 from fairmoe_jax.metrics.report import reference_check
+from trainkit import config as cfg
 from trainkit import storage
+from trainkit.errors import ConfigError
 from trainkit.metric_writers import log_exists, read_metrics
 from trainkit.storage import write_atomically
 from trainkit.train_state import TrainState
@@ -92,6 +96,61 @@ VALIDATION_ROUTING_KEYS = (
     "experts_active",
     "fraction_dropped",
 )
+
+
+# Vanilla SMoE on the quickstart's data, size, steps and seed (one run, its command inside): a
+# FairSMoE run of the same settings prints it beside its own figures. In a checkout only.
+BASELINE_RECORD = "results/records/quickstart_vanilla_smoe.json"
+
+
+def matching_baseline(config: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """The vanilla SMoE record, without its settings, when `config` has all of them; else None."""
+  checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    with open(os.path.join(checkout, BASELINE_RECORD), encoding="utf-8") as f:
+      record = json.load(f)
+    if all(cfg.get(config, key) == value for key, value in record.pop("settings").items()):
+      return {**record, "record": BASELINE_RECORD}
+  except (OSError, ValueError, ConfigError):  # No record here, or a key the config lacks.
+    pass
+  return None
+
+
+# How a FEM change reaches routing under each reading of Eq. 8 (docs/design.md, "FEM and routing").
+_FEM_MECHANISM = {
+    "expert_competence": "FEM changes what its experts learn, never the router: routing follows "
+    "only through the task loss",
+    "attribute_routing": "FEM's allocation routes the tokens directly",
+}
+
+
+def fem_reading(report: dict[str, Any], specialization: str) -> str:
+  """What FEM did, in one line read from the run's numbers: its changes, whether routing moved,
+  an expert a change emptied (its share of the validation choices fell below a point), and the
+  idle experts at the end (test split)."""
+  changes, reviews = report.get("fem_changes", []), len(report.get("allocation_history", []))
+  shares = np.mean(list(report["expert_share"]["choices"].values()), axis=0)
+  idle = [
+      f"expert {e} {100 * s:.1f}%" for e, s in enumerate(shares) if s < experts_lib.USAGE_CHANGE
+  ]
+  followed = [c for c in changes if c.get("usage_changed")]
+  parts = [f"{len(changes)} change(s) in {reviews} reviews"]
+  if changes:
+    parts[0] += f", routing moved after {len(followed)}"
+    if specialization in _FEM_MECHANISM:
+      parts[0] += f" (under {specialization}, {_FEM_MECHANISM[specialization]})"
+  parts += [
+      f"expert {', '.join(map(str, c['experts']))} emptied by FEM's move: {c['attribute']} "
+      f"{'gained' if c['change'] == 'grow' else 'lost'} it at step {c['step']}, and its share of "
+      f"the validation choices fell {100 * c['share_before']:.1f}% -> {100 * c['share_after']:.1f}%"
+      for c in followed
+      if c["share_after"] < experts_lib.USAGE_CHANGE <= c["share_before"]
+  ]
+  parts.append(
+      f"at the end {len(shares) - len(idle)} of {len(shares)} experts serve 1% or more of the "
+      "test choices" + (f" (idle: {', '.join(idle)})" if idle else "")
+  )
+  return "FEM's reading: " + "; ".join(parts)
 
 
 def final_report(
@@ -181,6 +240,10 @@ def final_report(
         config.moe.num_experts,
         final_share=np.mean(shares, axis=0).tolist() if shares else None,
     )
+  if "fem_changes" in report and "expert_share" in report:
+    report["fem_reading"] = fem_reading(report, config.fair.specialization)
+  if config.method.startswith("fairsmoe"):
+    report["baseline"] = matching_baseline(config)
   report["dropped"] = dropped_summary(report, records)
   report["mechanisms"] = mechanism_summary(report)
   batches = itertools.islice(

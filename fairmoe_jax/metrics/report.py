@@ -319,13 +319,31 @@ def format_report(report: dict[str, Any]) -> str:
           f"{100 * change['share_after']:.1f}% ({moved})"
       )
     lines.append(line)
+  if "fem_reading" in report:
+    lines.append(report["fem_reading"])
   if "note" in report:
     lines.append(f"Note: {report['note']}")
   if report.get("method", "").startswith("fairsmoe"):
-    lines += [
-        "",
-        f"Method {report['method']}. To see the baselines it improves on, run the same config with",
+    base = report.get("baseline")
+    if base:  # The record's own run: same data, size, steps and seed (fairmoe_jax.report).
+      lines += [
+          "",
+          f"Vanilla SMoE on the same data, size, steps and seed (one run, {base['date']}, jax "
+          f"{base['jax']}, {base['machine']}; {base['record']}):",
+          f"  {base['command']}",
+          f"  accuracy {100 * base['accuracy']:.2f}% (this run {100 * report['accuracy']:.2f}%), "
+          f"MF-PQD {base['mf']['pqd']:.3f} ({report['mf']['pqd']:.3f}), MF-DP "
+          f"{base['mf']['dp']:.3f} ({report['mf']['dp']:.3f})",
+          "More seeds and the other baselines, with intervals:",
+      ]
+    else:
+      lines += [
+          "",
+          f"Method {report['method']}: no vanilla SMoE record matches this run's data, size, "
+          "steps and seed (the quickstart's has one); to see the baselines it improves on, run",
+      ]
+    lines.append(
         "  python -m paper_runner.fairmoe.compare --methods=fairsmoe,vanilla_smoe,muffin,multifair "
-        "--config=<config> --workdir=<dir>",
-    ]
+        "--config=<config> --workdir=<dir>"
+    )
   return "\n".join(lines)

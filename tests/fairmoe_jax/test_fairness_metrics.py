@@ -421,6 +421,62 @@ def test_the_console_report_gives_training_s_and_the_test_s_dropped_fractions():
   assert "training not logged, test 90.0%" in format_report(report)
 
 
+def test_a_fairsmoe_run_prints_vanilla_smoe_s_record_only_for_the_record_s_settings():
+  from fairmoe_jax.config import quickstart_config
+
+  report = {**fairness_report(*_report_inputs()[:4]), "method": "fairsmoe"}
+  base = report_lib.matching_baseline(quickstart_config(None))  # The quickstart's: a record.
+  assert base["command"].startswith(
+      "python -m fairmoe_jax.main --config=configs/quickstart.py --config.method=vanilla_smoe"
+  )
+  lines = format_report({**report, "baseline": base}).splitlines()
+  heading = lines.index(
+      f"Vanilla SMoE on the same data, size, steps and seed (one run, {base['date']}, jax "
+      f"{base['jax']}, {base['machine']}; results/records/quickstart_vanilla_smoe.json):"
+  )
+  assert lines[heading + 1 : heading + 3] == [
+      f"  {base['command']}",
+      f"  accuracy {100 * base['accuracy']:.2f}% (this run {100 * report['accuracy']:.2f}%), "
+      f"MF-PQD {base['mf']['pqd']:.3f} ({report['mf']['pqd']:.3f}), MF-DP "
+      f"{base['mf']['dp']:.3f} ({report['mf']['dp']:.3f})",
+  ]
+  for other in ("steps=100", "experts=8", "cues=false"):
+    assert report_lib.matching_baseline(quickstart_config(other)) is None
+  seed_1 = quickstart_config(None)
+  seed_1.seed = 1
+  assert report_lib.matching_baseline(seed_1) is None
+  text = format_report({**report, "baseline": None})
+  assert "no vanilla SMoE record matches this run's data, size, steps and seed" in text
+  assert "Vanilla SMoE on the same data" not in text
+
+
+def test_fem_s_reading_names_an_expert_a_change_emptied_and_the_idle_ones():
+  emptied = {"step": 150, "attribute": "age", "change": "grow", "experts": [1]}
+  emptied.update(share_before=0.381, share_after=0.001, usage_changed=True)
+  report = {
+      "allocation_history": [{}] * 6,
+      "expert_share": {"choices": {"moe_block3": [0.5, 0.001, 0.3, 0.199]}},
+      "fem_changes": [emptied],
+  }
+  assert report_lib.fem_reading(report, "expert_competence") == (
+      "FEM's reading: 1 change(s) in 6 reviews, routing moved after 1 (under expert_competence, "
+      "FEM changes what its experts learn, never the router: routing follows only through the "
+      "task loss); expert 1 emptied by FEM's move: age gained it at step 150, and its share of "
+      "the validation choices fell 38.1% -> 0.1%; at the end 3 of 4 experts serve 1% or more of "
+      "the test choices (idle: expert 1 0.1%)"
+  )
+  report["fem_changes"] = [dict(emptied, share_after=0.35, usage_changed=True)]  # Not emptied.
+  report["expert_share"]["choices"]["moe_block3"][1] = 0.35
+  reading = report_lib.fem_reading(report, "class_routing")
+  assert reading == (
+      "FEM's reading: 1 change(s) in 6 reviews, routing moved after 1; at the end 4 of 4 "
+      "experts serve 1% or more of the test choices"
+  )
+  assert reading in format_report(
+      {**fairness_report(*_report_inputs()[:4]), "fem_reading": reading}
+  )
+
+
 def test_format_report_lists_groups_and_mf():
   overall, per_attribute, names, group_names, _ = _report_inputs()
   report = fairness_report(overall, per_attribute, names, group_names)
