@@ -286,17 +286,14 @@ def table(record: dict[str, Any] | None = None) -> str:
     shown = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
     step = run["batch"] / high * 1e3, run["batch"] / low * 1e3
     step_shown = f"{step[0]:.0f}" if low == high else f"{step[0]:.0f}-{step[1]:.0f}"
+    head = f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} "
     if row is None:
-      lines.append(
-          f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} | {step_shown} | not compiled | | |"
-      )
+      lines.append(f"{head}| {step_shown} | not compiled | | |")
       continue
     u = utilisation(run, row)
     u_shown = f"{u[0]:.2f}" if low == high else f"{u[0]:.2f}-{u[1]:.2f}"
-    lines.append(
-        f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} "
-        f"| {step_shown} | {row['roofline_s'] * 1e3:.1f} | {row['bound_by']} | {u_shown} |"
-    )
+    figures = f"{row['roofline_s'] * 1e3:.1f} | {row['bound_by']} | {u_shown}"
+    lines.append(f"{head}| {step_shown} | {figures} |")
   lines.append("")
   for platform, c in sorted(calibrated_utilisation(record).items()):
     lines.append(
