@@ -66,10 +66,8 @@ DISPATCHES = (
     "dropless",
     "dropless_ragged_dot",
 )
-# Rows that run a registered dispatch with one option set: `dropless` picks its grouped matmuls
-# by the platform it is compiled for (megablox's Pallas kernels on TPU, `ragged_dot` elsewhere);
-# these force one. Megablox's kernels are custom calls, whose FLOPs and bytes in XLA's cost
-# analysis are the estimates the kernels pass to `pallas_call` (`cost_estimate`).
+# Rows that force one of the grouped matmuls `dropless` picks by platform (megablox's Pallas
+# kernels on TPU, `ragged_dot` elsewhere).
 VARIANTS = {
     "dropless_ragged_dot": ("dropless", {"matmul": "ragged_dot"}),
     "dropless_megablox": ("dropless", {"matmul": "megablox"}),
@@ -387,21 +385,11 @@ def _write(
     quiet: bool = False,
 ) -> None:
   """`bench_utils.write_results`'s provenance, plus the targets, libtpu and the best rows."""
-  write_results(
-      args.output,
-      args,
-      rows,
-      [],
-      quiet=quiet,
-      compiled_for=[
-          dict({k: v for k, v in vars(t).items() if k in TARGET_FIELDS}, devices_used=1)
-          for t in targets
-      ],
-      libtpu=libtpu_version(),
-      best_per_case=best,
-      complete=best is not None,
-      parts=parts,  # With --merge: each run's arguments and date, the earlier ones first.
-  )
+  fields = [{k: v for k, v in vars(t).items() if k in TARGET_FIELDS} for t in targets]
+  extra = dict(compiled_for=[dict(f, devices_used=1) for f in fields], libtpu=libtpu_version())
+  # With --merge, `parts` holds each run's arguments and date, the earlier ones first.
+  extra.update(best_per_case=best, complete=best is not None, parts=parts)
+  write_results(args.output, args, rows, [], quiet=quiet, **extra)
 
 
 if __name__ == "__main__":
