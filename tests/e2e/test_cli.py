@@ -19,6 +19,10 @@ from trainkit.metric_writers import read_metrics
 # A tiny model and dataset so each run takes seconds; everything else is the quickstart.
 TINY = QUICKSTART_TINY_ARGS
 _env = one_device_env
+QUICKSTART = "configs/quickstart.py"
+# One length for the runs of the quickstart below: the schedule's length is part of the train
+# step, so equal lengths let the persistent compilation cache compile it once for all of them.
+STEPS = 30
 
 
 def _command(repo_root, workdir, *args, config="configs/quickstart.py"):
@@ -55,7 +59,7 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
       "--config.eval_every_steps=15",
       "--config.log_every_steps=10",
       "--config.fair.review_every_steps=10",
-      config="configs/quickstart.py:steps=30",
+      config=f"{QUICKSTART}:steps={STEPS}",
   )
   assert result.returncode == 0, result.stderr
   report = json.loads((tmp_path / "report.json").read_text())
@@ -120,9 +124,7 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   for name in ("sex", "age", "site", "MF"):
     assert name in result.stdout
   # --mode=eval on the same workdir reproduces the report from the final checkpoint.
-  evaluated = _run(
-      repo_root, tmp_path, *TINY, "--mode=eval", config="configs/quickstart.py:steps=30"
-  )
+  evaluated = _run(repo_root, tmp_path, *TINY, "--mode=eval", config=f"{QUICKSTART}:steps={STEPS}")
   assert evaluated.returncode == 0, evaluated.stderr
   assert json.loads((tmp_path / "report.json").read_text())["accuracy"] == report["accuracy"]
 
@@ -135,13 +137,10 @@ RESUME = TINY + [
 ]
 
 
-QUICKSTART = "configs/quickstart.py"
-
-
 def _interrupt(repo_root, workdir, sig, after_step):
-  """Starts a 60-step run and sends `sig` once `after_step` has been logged."""
+  """Starts a STEPS-step run and sends `sig` once `after_step` has been logged."""
   process = subprocess.Popen(
-      _command(repo_root, workdir, *RESUME, config="configs/quickstart.py:steps=60"),
+      _command(repo_root, workdir, *RESUME, config=f"{QUICKSTART}:steps={STEPS}"),
       cwd=repo_root,
       env=_env(),
       stdout=subprocess.PIPE,
@@ -160,7 +159,7 @@ def _interrupt(repo_root, workdir, sig, after_step):
 
 
 def test_sigterm_then_sigkill_then_resume_log_the_uninterrupted_losses(repo_root, tmp_path):
-  reference = _run(repo_root, tmp_path / "reference", *RESUME, config=f"{QUICKSTART}:steps=60")
+  reference = _run(repo_root, tmp_path / "reference", *RESUME, config=f"{QUICKSTART}:steps={STEPS}")
   assert reference.returncode == 0, reference.stderr
   reference_losses = _losses(tmp_path / "reference")
   workdir = tmp_path / "run"
@@ -171,7 +170,7 @@ def test_sigterm_then_sigkill_then_resume_log_the_uninterrupted_losses(repo_root
   assert code == 128 + signal.SIGTERM, stderr
   assert "Stopped at step" in stdout
   stopped = max(_losses(workdir))
-  assert stopped < 60, "the run finished before the signal arrived"
+  assert stopped < STEPS, "the run finished before the signal arrived"
   assert str(stopped) in os.listdir(workdir / "checkpoints")
 
   # The resumed run is killed outright: the next resume starts from the last periodic checkpoint.
@@ -179,7 +178,7 @@ def test_sigterm_then_sigkill_then_resume_log_the_uninterrupted_losses(repo_root
   assert code == -signal.SIGKILL
   assert f"Resumed from the checkpoint at step {stopped}" in stdout
 
-  resumed = _run(repo_root, workdir, *RESUME, config=f"{QUICKSTART}:steps=60")
+  resumed = _run(repo_root, workdir, *RESUME, config=f"{QUICKSTART}:steps={STEPS}")
   assert resumed.returncode == 0, resumed.stderr
   assert "Resumed from the checkpoint at step" in resumed.stdout
   assert _losses(workdir) == reference_losses
@@ -361,7 +360,7 @@ def test_sigterm_before_the_first_step_ends_the_run_at_once_without_its_lock(rep
   killed the run silently and left its lock; in the first compile it waited for a step."""
   workdir = tmp_path / "run"
   code, out, err = _sigterm_once_locked(
-      repo_root, workdir, *RESUME, config=f"{QUICKSTART}:steps=60"
+      repo_root, workdir, *RESUME, config=f"{QUICKSTART}:steps={STEPS}"
   )
   assert code == 128 + signal.SIGTERM, err
   assert "stopped by SIGTERM outside the training steps" in err or "Stopped at step 0;" in out

@@ -36,7 +36,7 @@ from event_files import scalar_events
 from gcs_server import Bucket, gcs, gcs_server, guard_variables, new_bucket  # noqa: F401
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
-STEPS = 24
+STEPS = 16
 SIGNAL_AFTER = 6  # Logged steps before the SIGTERM.
 # The quickstart cut to seconds: a tiny model and dataset, a line per step, no evaluation during
 # training nor gradient analysis at the end.

@@ -33,7 +33,7 @@ FAIRMOE_TINY = [
     "--config.eval_every_steps=0",
     "--config.analysis_batches=0",
 ]
-STEPS = 24
+STEPS = 16
 
 
 def _fairmoe_args(repo_root, workdir):
