@@ -85,7 +85,7 @@ def params_ema(decay: float) -> optax.GradientTransformation:
 
 def evaluation_state(state: TrainState) -> TrainState:
   """A train state with the parameter EMA as its params when its optimizer keeps one."""
-  ema = optax.tree.get(state.opt_state, "ema_params")
+  ema = optax.tree.get(getattr(state, "opt_state", None), "ema_params")  # None: not kept.
   return state if ema is None else state.replace(params=ema)
 
 
