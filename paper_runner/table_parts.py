@@ -6,6 +6,7 @@ import os
 import types
 from typing import Callable, Iterable, Mapping, Sequence
 
+from paper_runner.paper_scale import SCALE, at_scale  # noqa: F401 (the specs' scale)
 from paper_runner.spec import dotted, load_sweep_file
 
 

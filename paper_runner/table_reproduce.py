@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
+import statistics
 import tempfile
 from typing import Any, Mapping
 
@@ -19,24 +21,51 @@ from trainkit.errors import UserError
 from trainkit.workdir import CONFIG_FILE, move_aside
 
 NOT_REPRODUCED = "not_reproduced"
-# What --reproduce accepts off the recording machine unless --tolerance says otherwise.
-DEFAULT_TOLERANCE = 0.02
+
+
+def tolerances(
+    run: Mapping[str, Any], runs: list[Mapping[str, Any]]
+) -> dict[str, tuple[float, str]]:
+  """(tolerance, why) per value of the recorded `run` from its row's finished `runs`: a rerun that
+  rounds otherwise is another draw, so sqrt(2) x the value's spread (its seeds' s.d., or with one
+  seed the binomial sqrt(p(1-p)/n) of the run's n examples) x the normal quantile at which any
+  of the k values fails by chance 5% of the time (Bonferroni); no spread: exact."""
+  first, n = run["metrics"], run.get("examples") or 0
+  z = statistics.NormalDist().inv_cdf(1 - 0.05 / (2 * max(len(first), 1)))
+  found = {}
+  for path, value in first.items():
+    seen = [r["metrics"][path] for r in runs if r["metrics"].get(path) is not None]
+    if len(seen) > 1:
+      spread, why = statistics.stdev(seen), f"{len(seen)} seeds' s.d."
+    elif value is not None and n and 0 <= value <= 1:
+      spread, why = math.sqrt(value * (1 - value) / n), f"binomial, n={n}"
+    else:
+      spread, why = 0.0, "no spread recorded"
+    found[path] = (z * math.sqrt(2) * spread, why)
+  return found
 
 
 def compare(
-    recorded: Mapping[str, float | None], report: Mapping[str, Any], tolerance: float
+    recorded: Mapping[str, float | None],
+    report: Mapping[str, Any],
+    tolerance: float | Mapping[str, tuple[float, str]],
 ) -> tuple[bool, list[str], dict[str, Any]]:
-  """(every recorded value within `tolerance` in `report`, one line per value, the value that
-  moved most: a difference of None, one side without a value, first)."""
+  """(every recorded value within its tolerance in `report` -- `tolerance`, or per value
+  `(tolerance, why)` from `tolerances` -- one line per value, the value that moved most: a
+  difference of None, one side without a value, first)."""
   ok, worst = True, {}
-  lines = [f"  {'value':<32} {'recorded':>22} {'reproduced':>22}  equal"]
+  lines = [f"  {'value':<32} {'recorded':>22} {'reproduced':>22} {'tolerance':>30}  equal"]
   for path, value in recorded.items():
+    limit, why = tolerance[path] if isinstance(tolerance, Mapping) else (tolerance, "")
     again = metric_value(report, path)
     both_none = value is None and again is None
     moved = None if value is None or again is None else abs(again - value)
-    equal = both_none if moved is None else moved <= tolerance
+    equal = both_none if moved is None else moved <= limit
     ok &= equal
-    lines.append(f"  {path:<32} {value!r:>22} {again!r:>22}  {'yes' if equal else 'NO'}")
+    shown = f"{limit:.3g}" + (f" ({why})" if why else "")
+    lines.append(
+        f"  {path:<32} {value!r:>22} {again!r:>22} {shown:>30}  {'yes' if equal else 'NO'}"
+    )
     largest = worst.get("difference", -1.0)
     if not both_none and largest is not None and (moved is None or moved > largest):
       worst = dict(value=path, recorded=value, reproduced=again, difference=moved)
@@ -52,10 +81,10 @@ def reproduce(
 ) -> tuple[bool, list[str]]:
   """Reruns the record's first run in `workdir/run` and compares every recorded value: exactly
   where the machine, software and data are the record's or those of an exact reproduction stamped
-  in it (`comparison_basis`), else within DEFAULT_TOLERANCE unless one is given. With `stamp`,
-  the result is added to the record's provenance, one stamp per machine: under `reproduced`, or
-  under `not_reproduced` with the value that moved most (never a voucher). A failed rerun is a
-  UserError; SIGTERM stops its process group and raises KeyboardInterrupt."""
+  in it (`comparison_basis`), else within each value's `tolerances` unless one is given. With
+  `stamp`, the result is added to the record's provenance, one stamp per machine: under
+  `reproduced`, or under `not_reproduced` with the value that moved most (never a voucher). A
+  failed rerun is a UserError; SIGTERM stops its process group and raises KeyboardInterrupt."""
   first = grid_points(spec.sweep)[0]
   row, seed = format_value(first[spec.rows]), spec.pair(first)
   recorded = [r for r in record["runs"] if r["row"] == row and r["seed"] == seed]
@@ -65,8 +94,10 @@ def reproduce(
   differs_from_record, voucher = comparison_basis(provenance)
   why_not_exact = [] if voucher is not None else differs_from_record
   same_machine = not why_not_exact
-  if tolerance is None:
-    tolerance = 0.0 if same_machine else DEFAULT_TOLERANCE
+  if tolerance is None and same_machine:
+    tolerance = 0.0
+  row_runs = [r for r in record["runs"] if r["row"] == row and r["status"] == "ok"]
+  limits = tolerance if tolerance is not None else tolerances(recorded[0], row_runs)
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
   run_dir = os.path.join(workdir, "run")
   command = run_command(spec.sweep, first, run_dir)
@@ -76,9 +107,9 @@ def reproduce(
     where = "the recording machine, software and data"
   else:
     where = "not the recording machine, software or data"
+  shown = "each value's, below" if tolerance is None else f"{tolerance:g}"
   lines = [
-      f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance "
-      f"{tolerance:g})"
+      f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance {shown})"
   ]
   lines += [f"  differs: {why}" for why in why_not_exact]
   lines.append("  python " + " ".join(command[1:]))
@@ -101,7 +132,7 @@ def reproduce(
         f"--reproduce={spec.name}: the rerun failed ({why or report.error}); its log: "
         f"{os.path.join(run_dir, LOG)}; {not_done}"
     )
-  ok, compared, worst = compare(recorded[0]["metrics"], report.report, tolerance)
+  ok, compared, worst = compare(recorded[0]["metrics"], report.report, limits)
   exact = compare(recorded[0]["metrics"], report.report, 0.0)[0]
   verdict = "Reproduced" + (" (every value exact)." if exact else ".") if ok else "NOT reproduced."
   lines += compared + [f"{verdict} Run directory: {run_dir}"]
@@ -117,6 +148,9 @@ def reproduce(
         "tolerance": tolerance,
         "differs_from_record": differs_from_record,
     }
+    if tolerance is None:  # Each value's, and the largest: the table says "within" it.
+      entry["tolerances"] = {path: limit for path, (limit, _) in limits.items()}
+      entry["tolerance"] = max(entry["tolerances"].values(), default=0.0)
     if not ok:  # A finished rerun that did not come back is a measurement: kept, not a voucher.
       entry["largest_difference"] = worst
     key = "reproduced" if ok else NOT_REPRODUCED

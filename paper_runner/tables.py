@@ -7,6 +7,7 @@ r"""Results tables generated from specs: record a sweep's runs, write and check 
   python -m paper_runner.tables --reproduce=NAME [--workdir=DIR] [--tolerance=X] [--stamp]
   python -m paper_runner.tables --rerun=NAME --workdir=DIR              # add a rerun to the record
   python -m paper_runner.tables --references=NAME                       # score the reference rows
+  python -m paper_runner.tables --estimate=NAME --scale=paper --target=h100x8  # device-hours
 
 A spec is a sweep file `results/NAME.py` with a `TABLE` (keys: docs/running.md); its record
 holds all a table renders from (statistics: docs/protocol.md section 3).
@@ -21,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from absl import app, flags
 
+from paper_runner.paper_scale import paper_estimate
 from paper_runner.spec import REPO_ROOT
 from paper_runner.table_docs import check_doc, write_doc
 from paper_runner.table_record import add_references, add_rerun, read_record, write_record
@@ -30,7 +32,7 @@ from paper_runner.table_spec import load_table
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.platforms import skip_absent_accelerators
 
-MODES = ("record", "rerun", "references", "write", "check", "reproduce")
+MODES = ("record", "rerun", "references", "write", "check", "reproduce", "estimate")
 
 
 def _define_flags() -> dict[str, flags.FlagHolder]:
@@ -42,6 +44,10 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
       write="Markdown file whose marked tables to render.",
       check="Markdown file whose marked tables to check.",
       reproduce="Table name: rerun the first seed of its first row.",
+      estimate="Table name: the device-hours of its runs and equal tuning budgets at --scale on "
+      "--target, from the preflight (docs/reproducing.md).",
+      scale="--estimate: paper, the scale the preflight compiled.",
+      target="--estimate: the preflight target (h100x1, h100x8, v5e-16, v4-32).",
       workdir="--record, --rerun: the sweep's workdir; --reproduce: where to rerun "
       "(default: a temporary directory).",
   )
@@ -53,7 +59,8 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
       tolerance=flags.DEFINE_float(
           "tolerance",
           None,
-          "--reproduce: accepted |difference| (default: 0 on the recording machine, else 0.02).",
+          "--reproduce: accepted |difference| (default: 0 on the recording machine, else each "
+          "value's from its recorded run-to-run spread: table_reproduce.tolerances).",
       ),
   )
 
@@ -88,6 +95,9 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
     print("\n".join(problems) or f"Every marked table of {target} matches its record.")
     return 1 if problems else 0
   spec = load_table(target)
+  if mode == "estimate":
+    print("\n".join(paper_estimate(spec.path, spec.rows, f.get("scale"), f.get("target"))))
+    return 0
   if mode == "reproduce":
     try:
       ok, lines = reproduce(

@@ -35,11 +35,11 @@ TABLE = parts.fair_comparison_table(
 
 
 def get_config(arg=None):
-  del arg
-  return dict(
+  sweep = dict(
       module="fairmoe_jax.main",
       config="configs/celeba.py:size=small,epochs=3",
       grid=dotted({"seed": (0, 1, 2, 3, 4), "method": tuple(METHODS)}),
       overrides=dotted({**parts.ON_CELEBA, **parts.RECORDED_LAMBDAS, "data.sensitive": "Male"}),
       metrics=("accuracy", "mf.pqd", "mf.dp", "validation.accuracy", "validation.mf.pqd"),
   )
+  return parts.at_scale(arg, sweep)

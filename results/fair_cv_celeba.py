@@ -62,12 +62,13 @@ TABLE = parts.paper_claims_table(
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, target="Attractive", epochs=3)
+  arg = parse_arg(arg, target="Attractive", epochs=3, **parts.SCALE)
   overrides = {**parts.ON_CELEBA, **parts.RECORDED_LAMBDAS, "data.target": arg.target}
-  return dict(
+  sweep = dict(
       module="fairmoe_jax.main",
       config=f"configs/celeba.py:size=small,epochs={arg.epochs},split=identity_folds",
       grid=dotted({FOLD: (0, 1, 2, 3, 4), "seed": (0,), "method": parts.FAIR_COMPARISON}),
       overrides=dotted({**overrides, "analysis_batches": 16}),
       metrics=("accuracy", "mf.pqd", "validation.accuracy", "experts_active.choices"),
   )
+  return parts.at_scale(arg, sweep)

@@ -33,11 +33,11 @@ TABLE = dict(
 
 
 def get_config(arg=None):
-  del arg
-  return dict(
+  sweep = dict(
       module="fairmoe_jax.main",
       config="configs/celeba.py:size=small,epochs=3",
       grid=dotted({"seed": (0, 1, 2), "fair.lambda_pqd": tuple(SETTINGS)}),
       overrides=dotted({**parts.ON_CELEBA, "data.sensitive": "Male"}),
       metrics=("validation.accuracy", "validation.mf.pqd", "validation.mf.dp"),
   )
+  return parts.at_scale(arg, sweep)

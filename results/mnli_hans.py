@@ -43,8 +43,7 @@ TABLE = dict(
 
 
 def get_config(arg=None):
-  del arg
-  return parts.causal_sweep(
+  sweep = parts.causal_sweep(
       {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)},
       {
           "data.train_file": "../shared/data/nli/mnli_dev_matched.tsv",
@@ -53,3 +52,4 @@ def get_config(arg=None):
       config="configs/mnli_hans.py:size=small",
       metrics=("accuracy", "challenge.accuracy"),
   )
+  return parts.at_scale(arg, sweep)

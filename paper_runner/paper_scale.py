@@ -1,0 +1,130 @@
+"""The papers at their scale: a results spec's `results/NAME.py:scale=paper,data=ROOT` sweep
+(`at_scale`) and its cost, priced from the preflight's compiled cells before anything runs
+(`paper_estimate`; docs/reproducing.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+
+from paper_runner.spec import REPO_ROOT, dotted, grid_points, load_sweep
+from trainkit.config import parse_arg
+from trainkit.errors import ConfigError, UserError
+from trainkit.preflight.calibration import CALIBRATION
+from trainkit.preflight.targets import TARGETS
+
+# A spec's `results/NAME.py:scale=small|paper,data=ROOT` (docs/reproducing.md): at the paper's
+# scale, each config file's paper data, under ROOT, in place of the sample's.
+SCALE = dict(scale="small", data="/data")
+MNLI = "multinli_1.0/multinli_1.0_"
+PAPER_DATA = {
+    "configs/celeba.py": {"data.root": "celeba"},
+    "configs/mnli_hans.py": {
+        "data.train_file": f"{MNLI}train.jsonl",
+        "data.eval_file": f"{MNLI}dev_matched.jsonl",
+        "data.challenge_file": "hans/heuristics_evaluation_set.txt",
+        "model.glove_path": "glove.840B.300d.txt",
+    },
+}
+
+
+def at_scale(arg: Any, sweep: dict) -> dict:
+  """`sweep`, the CPU sample's (`scale=small`, the default), or with `scale=paper` the paper's:
+  its config file's defaults (full size: the paper's model, epochs, lambdas and official split)
+  for all but the spec's `data.*` choices, PAPER_DATA, and five seeds in place of identity folds
+  (`arg`: the spec's argument, or parsed with SCALE's keys)."""
+  arg = arg if hasattr(arg, "scale") else parse_arg(arg, **SCALE)
+  config = sweep["config"].partition(":")[0]
+  if arg.scale == "small":
+    return sweep
+  if arg.scale != "paper" or config not in PAPER_DATA:
+    raise ConfigError("scale", f"{arg.scale!r}: small, or paper for {', '.join(PAPER_DATA)}")
+  grid = {k: v for k, v in sweep["grid"].items() if not k.startswith("data.identity_folds")}
+  overrides = {k: v for k, v in sweep.get("overrides", {}).items() if k.startswith("data.")}
+  overrides = {k: v for k, v in overrides.items() if not str(v).startswith("../shared/")}
+  overrides.update({k: os.path.join(arg.data, v) for k, v in PAPER_DATA[config].items()})
+  seeds = {"seed": (0, 1, 2, 3, 4)} if len(grid) < len(sweep["grid"]) else {}
+  grid, overrides = dotted({**grid, **seeds}), dotted(overrides)
+  return dict(sweep, config=config, grid=grid, overrides=overrides)
+
+
+# Equal tuning budgets at the paper's scale (docs/reproducing.md): per main, the rows with a
+# setting to choose on validation and the runs each one's search takes -- the lambda search of
+# results/lambda_tuning.py (4 settings x 3 seeds) for FairSMoE and for every method with a loss
+# weight; the Causal Transformer's 10 dual-step schedules (one seed each) for both attentions.
+PAPER_SEARCH = {
+    "fairmoe_jax.main": (("fairsmoe", "vanilla_smoe_psi", "muffin", "multifair"), 12),
+    "causal_attn_jax.main": (("causal", "vanilla@constraints.weight=0.0"), 10),
+}
+# paper_runner/preflight_table.py's record, and its run of a Causal Transformer config (a
+# FairSMoE run's: its method and backbone).
+PREFLIGHT = os.path.join("results", "records", "preflight_paper.json")
+CAUSAL_CELLS = {"configs/mnli_hans.py": "causal/mnli", "configs/wmt14_ende.py": "causal/wmt14_base"}
+
+
+def _cell(
+    sweep: ml_collections.ConfigDict, point: Mapping[str, Any], target: str, cells: Mapping
+) -> str:
+  """The preflight cell that prices `point`'s run: a FairSMoE ablation or `+ L_Psi` as the
+  method it changes (the same backbone and MoE block), on the config's backbone."""
+  path, _, args = sweep.config.partition(":")
+  if sweep.module != "fairmoe_jax.main":
+    return f"{CAUSAL_CELLS.get(path, path)}@{target}"
+  method = str(point.get("method", "fairsmoe"))
+  family = max((c.split("/")[0] for c in cells if method.startswith(c.split("/")[0])), key=len)
+  backbone = dict(a.split("=", 1) for a in args.split(",") if a).get("backbone", "deit_s")
+  return f"{family}/{backbone}@{target}"
+
+
+def paper_estimate(
+    path: str, rows: str, scale: str | None, target: str | None, cells: Mapping | None = None
+) -> list[str]:
+  """The device-hours of the runs of the spec at `path` (rows keyed by `rows`) at `scale`, only
+  paper, and of its rows' equal tuning budgets (PAPER_SEARCH) on `target`, from the preflight's
+  cells: the estimate at the calibrated utilisation, and the range over the calibration's band."""
+  if scale != "paper":
+    raise UserError(f"--scale={scale}: the preflight compiled the paper's runs; give --scale=paper")
+  sweep = load_sweep(f"{os.path.join(REPO_ROOT, path)}:scale=paper")
+  if cells is None:
+    with open(os.path.join(REPO_ROOT, PREFLIGHT)) as f:
+      cells = json.load(f)["cells"]
+  if (target or "").split(",")[0] not in TARGETS:
+    raise UserError(f"--target={target}: not a preflight target; known: {', '.join(TARGETS)}")
+  platform = TARGETS[target.split(",")[0]].platform
+  low_u, high_u = CALIBRATION[platform].band
+
+  def hours(point: Mapping[str, Any]) -> tuple[float, float, float]:
+    name = _cell(sweep, point, target, cells)
+    if name not in cells:
+      raise UserError(
+          f"no preflight cell {name} in {PREFLIGHT}: compile it with `python -m "
+          f"paper_runner.preflight_table --compile --only={name}`"
+      )
+    cell = cells[name]
+    # The step is the roofline bound at the utilisation, plus the collectives' time.
+    collectives = cell["step_s"] - cell["roofline_s"] / cell["utilization"]
+    at = lambda u: cell["device_hours"] * (cell["roofline_s"] / u + collectives) / cell["step_s"]
+    return cell["device_hours"], at(high_u), at(low_u)
+
+  points = grid_points(sweep)
+  searched, runs = PAPER_SEARCH.get(sweep.module, ((), 0))
+  first: dict[str, Mapping[str, Any]] = {}
+  for point in points:
+    if str(point[rows]) in searched:
+      first.setdefault(str(point[rows]), point)
+  parts = [("the table", len(points), [hours(p) for p in points])]
+  if first:
+    search = [h for p in first.values() for h in [hours(p)] * runs]
+    parts.append((f"equal tuning ({runs} runs each: {', '.join(first)})", len(search), search))
+  parts.append(("total", sum(n for _, n, _ in parts), [h for _, _, hs in parts for h in hs]))
+  lines = [f"{path} at scale=paper on {target}, priced from {PREFLIGHT}:"]
+  for what, count, found in parts:
+    estimate, fast, slow = (sum(h[i] for h in found) for i in range(3))
+    lines.append(
+        f"  {what}: {count} runs, {estimate:,.0f} device-hours ({fast:,.0f}-{slow:,.0f} over "
+        f"the {platform} calibration band {low_u}-{high_u})"
+    )
+  return lines

@@ -1,0 +1,95 @@
+"""The papers at their scale: a spec's `scale=paper` sweep, its estimate from the recorded
+preflight, its SLURM array lines, and --reproduce's tolerances from the recorded spread."""
+
+import json
+import math
+import os
+import shlex
+
+import pytest
+
+from paper_runner import paper_scale, table_reproduce
+from paper_runner.commands import write_commands
+from paper_runner.spec import REPO_ROOT, grid_points, load_sweep
+from paper_runner.table_parts import FAIR_COMPARISON
+from trainkit.errors import UserError
+
+with open(os.path.join(REPO_ROOT, paper_scale.PREFLIGHT)) as f:
+  CELLS = json.load(f)["cells"]
+TABLE_1_AND_2 = os.path.join("results", "fair_cv_celeba.py")
+
+
+def _hours(name, target):
+  return CELLS[f"{name}@{target}"]["device_hours"]
+
+
+def test_the_paper_scale_estimate_sums_the_recorded_preflight_cells_and_the_equal_budgets():
+  for target in ("h100x1", "h100x8"):
+    h = {
+        m: _hours(f"{m}/deit_s", target)
+        for m in ("fairsmoe", "vanilla_smoe", "muffin", "multifair")
+    }
+    # 7 rows x 5 seeds: FairSMoE and its two ablations, vanilla SMoE with and without L_Psi.
+    table = 5 * (3 * h["fairsmoe"] + 2 * h["vanilla_smoe"] + h["muffin"] + h["multifair"])
+    search = 12 * (h["fairsmoe"] + h["vanilla_smoe"] + h["muffin"] + h["multifair"])
+    lines = paper_scale.paper_estimate(TABLE_1_AND_2, "method", "paper", target, CELLS)
+    assert f"the table: 35 runs, {table:,.0f} device-hours" in lines[1]
+    assert f"48 runs, {search:,.0f} device-hours" in lines[2]
+    assert f"total: 83 runs, {table + search:,.0f} device-hours" in lines[3]
+  # The issue's figures from the same record: 359, 916 and 1,140 H100-hours.
+  assert "total: 83 runs, 1,140 device-hours" in lines[3]
+  # The range: the roofline bound at the band's utilisations (no collectives on one GPU).
+  mnli = os.path.join("results", "mnli_hans.py")
+  lines = paper_scale.paper_estimate(mnli, "model.attention", "paper", "h100x1", CELLS)
+  cell = CELLS["causal/mnli@h100x1"]
+  fast, slow = (10 * cell["device_hours"] * cell["utilization"] / u for u in (0.59, 0.32))
+  assert f"the table: 10 runs, 197 device-hours ({fast:,.0f}-{slow:,.0f} over" in lines[1]
+  assert "total: 30 runs, 590 device-hours" in lines[3]
+  with pytest.raises(UserError, match="no preflight cell causal/mnli@h200x1"):
+    paper_scale.paper_estimate(mnli, "model.attention", "paper", "h200x1", CELLS)
+  with pytest.raises(UserError, match="--scale=small: the preflight compiled the paper's runs"):
+    paper_scale.paper_estimate(mnli, "model.attention", "small", "h100x1", CELLS)
+
+
+def test_a_paper_scale_spec_writes_an_array_of_the_paper_s_runs(tmp_path):
+  path = os.path.join(REPO_ROOT, TABLE_1_AND_2)
+  small, sweep = load_sweep(path), load_sweep(f"{path}:scale=paper,data=/datasets")
+  with open(write_commands(sweep, str(tmp_path))) as f:
+    lines = f.read().splitlines()
+  runs = lines[lines.index(next(l for l in lines if l.startswith("cd "))) + 1 :]
+  assert len(runs) == len(grid_points(sweep)) == 35 and len(grid_points(small)) == 35
+  words = [shlex.split(line) for line in runs]
+  assert all(w[:3] == ["python", "-m", "fairmoe_jax.main"] for w in words)
+  # The paper's config (full size, 500 epochs, official split), its data, five seeds, no folds.
+  assert all(
+      "--config=configs/celeba.py" in w and "--config.data.root=/datasets/celeba" in w
+      for w in words
+  )
+  assert not any("identity_folds" in line or "../shared" in line for line in runs)
+  assert {(w[-2], w[-1]) for w in words} == {
+      (f"--config.seed={s}", f"--config.method={m}") for s in range(5) for m in FAIR_COMPARISON
+  }
+  with pytest.raises(UserError, match="scale"):
+    load_sweep(f"{path}:scale=huge")
+
+
+def test_reproduce_judges_each_value_by_its_own_recorded_spread():
+  values = [0.50, 0.54, 0.46, 0.52, 0.48]  # s.d. 0.0316
+  runs = [
+      {"metrics": {"acc": v, "keys": 10.0 + i, "flat": 1.0}, "examples": 400}
+      for i, v in enumerate(values)
+  ]
+  limits = table_reproduce.tolerances(runs[0], runs)
+  z = 2.3940  # Normal quantile at 1 - 0.05 / (2 x 3 values).
+  assert limits["acc"][0] == pytest.approx(z * math.sqrt(2) * 0.0316228, rel=1e-4)
+  assert limits["keys"][0] == pytest.approx(z * math.sqrt(2) * 1.5811388, rel=1e-4)
+  assert limits["flat"] == (0.0, "5 seeds' s.d.")  # Every seed alike: exact.
+  recorded = runs[0]["metrics"]
+  within = {"acc": 0.50 + 0.10, "keys": 10.0 - 5.0, "flat": 1.0}
+  ok, lines, _ = table_reproduce.compare(recorded, within, limits)
+  assert ok and "0.107 (5 seeds' s.d.)" in lines[1]
+  beyond = dict(within, acc=0.50 + 0.11)
+  assert not table_reproduce.compare(recorded, beyond, limits)[0]
+  # One seed: the binomial error of the run's n examples.
+  (acc, why), _, _ = table_reproduce.tolerances(runs[0], runs[:1]).values()
+  assert why == "binomial, n=400" and acc == pytest.approx(z * math.sqrt(2 * 0.25 / 400), rel=1e-4)
