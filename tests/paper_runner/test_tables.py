@@ -475,9 +475,7 @@ def test_a_recorded_run_is_reproduced_exactly(tmp_path, monkeypatch):
   other["provenance"]["machine"]["processor"]["features"] = ["sse4_2"]
   ok, lines = table_reproduce.reproduce(spec, other, str(tmp_path / "elsewhere"))
   assert ok, "\n".join(lines)
-  assert (
-      "not the recording machine, software or data; tolerance each value's, below" in lines[0]
-  )
+  assert "not the recording machine, software or data; tolerance each value's, below" in lines[0]
   assert any("differs: machine.processor.model: Another CPU != " in line for line in lines)
   # A record without data hashes (made before they were recorded) cannot vouch for its data.
   del other["provenance"]["data"]
@@ -1648,9 +1646,7 @@ def test_an_exact_reproduction_vouches_only_for_its_own_processor_one_field_at_a
   _fake_rerun(monkeypatch, toy_tables, "ok")
   ok, lines = table_reproduce.reproduce(spec, record, str(tmp_path / "a"), stamp=True)
   assert (
-      ok
-      and "not the recording machine" in lines[0]
-      and "tolerance each value's, below" in lines[0]
+      ok and "not the recording machine" in lines[0] and "tolerance each value's, below" in lines[0]
   )
   stamped = table_record.read_record("toy")
   (stamp,) = stamped["provenance"]["reproduced"]
