@@ -242,8 +242,9 @@ def final_report(
     )
   if "fem_changes" in report and "expert_share" in report:
     report["fem_reading"] = fem_reading(report, config.fair.specialization)
-  if config.method.startswith("fairsmoe"):
-    report["baseline"] = matching_baseline(config)
+  baseline = matching_baseline(config) if config.method.startswith("fairsmoe") else None
+  if baseline:  # Vanilla SMoE's figures on this run's settings, for the console.
+    report["baseline"] = baseline
   report["dropped"] = dropped_summary(report, records)
   report["mechanisms"] = mechanism_summary(report)
   batches = itertools.islice(
