@@ -10,6 +10,7 @@ import flax.nnx as nnx
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from trainkit import recipe
@@ -134,6 +135,29 @@ def test_a_rerun_resumes_the_finished_run_and_a_trained_workdir_restores_it(tmp_
   # finish after restore_trained (which closed the checkpointer) may close it again.
   report = recipe.finish(evaluation, state, {}, write_report=lambda r: None)
   assert list(report) == ["evaluated"] and report["evaluated"]["step"] == 60
+
+
+def test_with_a_parameter_ema_the_evaluations_and_the_trained_state_read_it(tmp_path):
+  """optimizer.ema_decay changes no training step; what `evaluate` and `Trained.state` (the
+  final report's) see is the EMA in the optimizer state, not the trained parameters."""
+  trained_w = {}
+  for decay in (0.0, 0.9):
+    config = _config(steps=20)
+    config.optimizer.ema_decay = decay
+    run = _setup(config, tmp_path / str(decay))
+    seen = []
+    trained = recipe.train(
+        run,
+        train_iterator=_Regression(),
+        loss_fn=_loss_fn,
+        evaluate=lambda state: seen.append(_weights(run, state)) or {"val/seen": 1.0},
+    )
+    trained_w[decay] = _weights(run, trained.state)
+    np.testing.assert_array_equal(seen[-1], trained_w[decay])  # Step 20's evaluation.
+  ema = optax.tree.get(trained.state.opt_state, "ema_params")["kernel"]
+  np.testing.assert_array_equal(trained_w[0.9], ema)
+  # From the initial weights, 0.9 per update: 20 updates leave it well behind the parameters.
+  assert np.abs(trained_w[0.9] - trained_w[0.0]).max() > 0.1
 
 
 def test_sigterm_stops_with_a_checkpoint_and_the_same_command_finishes(tmp_path, capsys):
