@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import os
-import pathlib
 import shlex
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import moe_layer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import
 import train_step  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_utils import fmt, markdown_table, pytest_summary, read_json, run_command  # noqa: E402
 from trainkit.distributed import child_environment  # noqa: E402  pylint: disable=g-import-not-at-top
+from trainkit.storage import write_atomically  # noqa: E402  pylint: disable=g-import-not-at-top
 
 # A google-research/vmoe checkout and CelebA's JPEGs: beside the repository, or in .carry/.
 PEERS = (os.path.join(ROOT, "..", "shared", "peers", "vmoe"), os.path.join(ROOT, ".carry/vmoe"))
@@ -295,10 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
       print(f"{now}: {record['status']} {why}\n{tail}", flush=True)
       result["elapsed_s"] = round(time.perf_counter() - start, 1)
       derive(result)
-      data, md = json.dumps(result, indent=2, default=str), os.path.splitext(args.out)[0] + ".md"
-      for path, text in ((args.out, data), (md, markdown(result))):
-        pathlib.Path(f"{path}.tmp").write_text(text)
-        os.replace(f"{path}.tmp", path)  # Whole or not at all.
+      write_atomically(args.out, json.dumps(result, indent=2, default=str))  # Whole or not at all.
+      write_atomically(os.path.splitext(args.out)[0] + ".md", markdown(result))
   print(f"\nwrote {args.out}\n\n{markdown(result)}", flush=True)
   return result
 

@@ -383,17 +383,15 @@ def main() -> None:
       batch_size=args.batch_size or None,
       compute_dtype=args.compute_dtype or None,
   )
+  # Per E: vanilla SMoE with each dispatch, then each other method with the first dispatch.
+  pairs = [(d, "vanilla_smoe") for d in args.dispatch]
+  pairs += [(args.dispatch[0], m) for m in args.methods]
+  cases = [dict(num_experts=args.experts[0], dispatch="sort", method="vanilla_smoe", dense=True)]
+  cases += [
+      dict(num_experts=e, dispatch=d, method=m, dense=False) for e in args.experts for d, m in pairs
+  ]
   rows = []
   for name in args.configs:
-    cases = [dict(num_experts=args.experts[0], dispatch="sort", method="vanilla_smoe", dense=True)]
-    for e in args.experts:
-      cases += [
-          dict(num_experts=e, dispatch=d, method="vanilla_smoe", dense=False) for d in args.dispatch
-      ]
-      cases += [
-          dict(num_experts=e, dispatch=args.dispatch[0], method=m, dense=False)
-          for m in args.methods
-      ]
     # One config at a time, so only its states are held.
     compiled = [run(name, **case) for case in cases]
     print(f"  {name}: {len(cases)} steps compiled, timing", flush=True)

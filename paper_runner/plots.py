@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 
 from paper_runner.collect import is_number, table_columns
-from paper_runner.spec import format_value, safe_name
+from paper_runner.spec import format_value, safe_name, split_value
 from trainkit import storage
 
 # The share of the gap between two categories that their series are spread over.
@@ -76,13 +76,8 @@ def sweep_figure(
 
 def tick_label(value: Any) -> str:
   """A grid value as a tick label: `VALUE@a.b.c=X` -> `VALUE` and `c=X` on lines of their own."""
-  text = format_value(value)
-  value_text, *settings = text.split("@")
-  short = []
-  for setting in settings:
-    key, _, setting_value = setting.partition("=")
-    short.append(f"{key.rpartition('.')[2]}={setting_value}")
-  return "\n".join([value_text, *short])
+  value_text, settings = split_value(format_value(value))  # Validated with the sweep.
+  return "\n".join([value_text, *(f"{k.rpartition('.')[2]}={v}" for k, v in settings.items())])
 
 
 def write_plots(

@@ -84,10 +84,7 @@ def parse_methods(names: Sequence[str]) -> list[str]:
 def parse_seeds(values: Sequence[str]) -> list[int]:
   """Validated, de-duplicated `--seeds` as integers."""
   seeds = []
-  for value in values:
-    value = value.strip()
-    if not value:
-      continue
+  for value in filter(None, (v.strip() for v in values)):
     try:
       seed = int(value)
     except ValueError:
