@@ -100,6 +100,15 @@ def _peak(cell: str) -> str:
   return _r(PAPER[cell]["peak"] / GIB, 1)
 
 
+def _estimate(name: str, rows: str, line: int) -> str:
+  """`tables --estimate=NAME --scale=paper --target=h100x1`'s device-hours on `line` (1: the
+  table's runs, 3: with the equal tuning budgets), as docs/reproducing.md pastes it."""
+  from paper_runner.paper_scale import paper_estimate  # pylint: disable=g-import-not-at-top
+
+  found = paper_estimate(f"results/{name}.py", rows, "paper", "h100x1")[line]
+  return re.search(r"runs, ([\d,]+) device-hours", found).group(1)
+
+
 FIGURES = [
     # README: the fast tier's time, from tests/timings.json.
     (README, r"fast tier took (\d+:\d\d) on", _minutes_seconds(FAST["wall_seconds"])),
@@ -113,6 +122,11 @@ FIGURES = [
     (README, r"files gave (\d+) passed", str(GPU_TESTS["passed"])),
     (README, r"gave \d+ passed, (\d+) skipped", str(GPU_TESTS["skipped"])),
     (README, r"skipped, (\d+) failed \(`docs/benchmarks", str(GPU_TESTS["failed"])),
+    # README: the papers' tables at their scale (docs/reproducing.md).
+    (README, r"35 such runs, about (\d+) H100-hours", _estimate("fair_cv_celeba", "method", 1)),
+    (README, r"about (\d+) with equal tuning budgets", _estimate("fair_cv_celeba", "method", 3)),
+    (README, r"5 seeds, about (\d+), and", _estimate("mnli_hans", "model.attention", 1)),
+    (README, r"and (\d+) with the schedule search", _estimate("mnli_hans", "model.attention", 3)),
     # README: the preflight against a measured H200 step.
     (README, r"against one H200's ([\d.]+) ms step", _r(STEP_1_MS, 2)),
     (README, r"jax 0\.10\.2 was ([\d.]+) ms", _r(PINNED_MS, 2)),
