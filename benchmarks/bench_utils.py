@@ -82,7 +82,7 @@ def write_results(
     print(f"wrote {path}")
 
 
-def finish(args: Any, rows: list[dict], columns: Sequence[tuple], targets: list[dict], how: str):
+def finish(args: Any, rows: list[dict], columns: Sequence, targets: list[dict], how: str) -> None:
   """Prints where and `how` the rows were measured, their table (`markdown_table`'s columns) and
   each target's verdict, then writes the JSON (`write_results`) to `args.output`."""
   device = jax.devices()[0]

@@ -72,7 +72,7 @@ def cells() -> list[dict[str, Any]]:
   return found
 
 
-def _cell(label: str, module: str, config: str, target: str, overrides: dict, extra=None) -> dict:
+def _cell(label: str, module: str, config: str, target: str, overrides: dict, extra: Any = None):
   """A cell: named `label@target` then `,key=value` per override; a causal cell (`extra`, the
   flags of its main) runs its config's steps, a FairSMoE cell the paper's epochs."""
   suffix = "".join(f",{k.split('.')[-1]}={v}" for k, v in overrides.items())
