@@ -38,7 +38,7 @@ REPO = REPO_ROOT
 LOCAL_SLURM = REPO / "launch" / "testing" / "local_slurm.sh"
 LOCAL_SLURM_DIR = pathlib.Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/local_slurm"))
 # Long enough that a scancel sent after the second logged step lands mid-run, whatever the load.
-SWEEP_STEPS = 60
+SWEEP_STEPS = 30
 # Bounds every wait on the cluster: a stuck job fails the test instead of hanging the suite.
 JOB_TIMEOUT_S = 600
 
