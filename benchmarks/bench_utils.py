@@ -36,13 +36,7 @@ def parser(doc: str, output: str = "") -> argparse.ArgumentParser:
 
 
 def memory_analysis(compiled: Any) -> dict[str, int | None]:
-  fields = (
-      "temp_size_in_bytes",
-      "argument_size_in_bytes",
-      "output_size_in_bytes",
-      "alias_size_in_bytes",
-      "generated_code_size_in_bytes",
-  )
+  fields = [f"{k}_size_in_bytes" for k in ("temp", "argument", "output", "alias", "generated_code")]
   try:
     analysis = compiled.memory_analysis()
   except Exception:  # pylint: disable=broad-except

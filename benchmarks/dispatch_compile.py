@@ -57,14 +57,8 @@ CASES = {
     "deit_s": (("deit_s32", 4, 2), ("deit_s32", 64, 2)),
     "deit_s_e4": (("deit_s32", 4, 2),),  # The --mesh rows'.
 }
-DISPATCHES = (
-    "sort",
-    "einsum",
-    "einsum_fused",
-    "sort_blocks",
-    "blocksparse",
-    "dropless",
-    "dropless_ragged_dot",
+DISPATCHES = tuple(
+    "sort einsum einsum_fused sort_blocks blocksparse dropless dropless_ragged_dot".split()
 )
 # Rows that force one of the grouped matmuls `dropless` picks by platform (megablox's Pallas
 # kernels on TPU, `ragged_dot` elsewhere).

@@ -31,16 +31,7 @@ from trainkit.errors import UserError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_THROUGHPUT_KEYS = ("examples_per_second", "tokens_per_second", "mfu")
-SWEEP_KEYS = (
-    "module",
-    "config",
-    "grid",
-    "overrides",
-    "metrics",
-    "throughput_keys",
-    "timeout_s",
-    "tables",
-)
+SWEEP_KEYS = tuple("module config grid overrides metrics throughput_keys timeout_s tables".split())
 # The repo's launchers take `--module M` before their `--`; without it they run fairmoe_jax.main.
 MODULE_LAUNCHERS = ("slurm.sh", "tpu_pod.sh", "local_multiprocess.sh")
 # The files of a run directory that the runner reads or writes (the main writes REPORT).
