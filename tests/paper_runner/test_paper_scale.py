@@ -47,6 +47,8 @@ def test_the_paper_scale_estimate_sums_the_recorded_preflight_cells_and_the_equa
   assert "total: 30 runs, 590 device-hours" in lines[3]
   with pytest.raises(UserError, match="no preflight cell causal/mnli@h200x1"):
     paper_scale.paper_estimate(mnli, "model.attention", "paper", "h200x1", CELLS)
+  with pytest.raises(UserError, match="spurious_pairs.py has no paper scale"):
+    paper_scale.paper_estimate("results/spurious_pairs.py", "model.attention", "paper", "h100x1")
   with pytest.raises(UserError, match="--scale=small: the preflight compiled the paper's runs"):
     paper_scale.paper_estimate(mnli, "model.attention", "small", "h100x1", CELLS)
 
