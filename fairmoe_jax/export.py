@@ -131,8 +131,15 @@ def timm_config(
     metadata: RunMetadata,
     step: int | None,
 ) -> dict[str, Any]:
-  """The export's `config.json` (module docstring) for the trained `model` and its exported
-  `state` (`export_timm_state_dict(model)`, model.safetensors' content)."""
+  """The export's `config.json` (module docstring) for `model` and its exported `state`.
+
+  Args:
+    model: The trained model (`inference.Restored.model`).
+    state: `export_timm_state_dict(model)`, the content of model.safetensors.
+    config: The run's config.
+    metadata: The run's class names and preprocessing (run_info.json).
+    step: The checkpoint's step.
+  """
   family, preset = BACKBONES[config.model.backbone]
   backbone, prefix = model, ""
   if isinstance(model, Muffin):

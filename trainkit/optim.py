@@ -15,7 +15,7 @@ evaluation reads it (`evaluation_state`), and checkpoints hold it with the rest 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +67,7 @@ def _decay_mask(params):
 
 
 class EmaParamsState(NamedTuple):
-  ema_params: optax.Params
+  ema_params: Any  # The parameters' tree (optax.Params, which the API docs cannot resolve).
 
 
 def params_ema(decay: float) -> optax.GradientTransformation:
