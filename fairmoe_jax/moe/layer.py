@@ -160,8 +160,9 @@ class SparseMoE(nnx.Module):
       time (`jax.set_mesh`). With an "expert" axis > 1 the experts are split over it
       (`dispatch.expert_parallel`); otherwise each device dispatches its own examples
       (`dispatch.data_parallel`). A batch that does not divide the mesh is padded with empty
-      examples. With no mesh at all, every device runs the dispatch on the whole batch (XLA's
-      partitioner splits only "einsum" and "dense"; docs/moe.md).
+      examples. With no mesh at all, "sort", "einsum", "dense" and "dropless" work per group,
+      which XLA's partitioner splits over a sharded batch (the block dispatches it does not;
+      docs/moe.md).
     dtype: compute dtype of the experts; routing is always float32.
     rngs: parameter RNGs; a seed gives the same weights whatever the mesh.
   """
@@ -357,6 +358,10 @@ class SparseMoE(nnx.Module):
     algorithm = DISPATCH_ALGORITHMS[self.dispatch]
     mesh = self._mesh()
     if mesh is None:
+      if self.dispatch == "dropless" and jax.device_count() > 1:
+        # The batch may be sharded: each group's choices apart, which the SPMD partitioner
+        # splits (`sort` and `einsum` are per group anyway; one device keeps megablox).
+        algorithm = functools.partial(algorithm, per_group=True)
       y, stats = algorithm(x, expert_index, gates, experts, capacity=capacity)
       features = None if expert_features is None else expert_features(x, experts)
       return y, stats, features

@@ -42,12 +42,15 @@ ALGORITHMS = {
     "blocksparse_b3": functools.partial(moe_blocksparse, block_size=3),
     # The fused expert MLP's Pallas kernels, run by Pallas' interpreter (on a TPU, compiled).
     "einsum_fused_kernels": functools.partial(moe_einsum_fused, interpret=True),
+    # Each group's choices sorted apart (the layer's where no mesh is known).
+    "dropless_per_group": functools.partial(moe_dropless, per_group=True),
 }
 SPARSE = (
     "einsum",
     "sort",
     "sort_blocks",
     "dropless",
+    "dropless_per_group",
     "blocksparse",
     "blocksparse_b1",
     "blocksparse_b3",
@@ -286,7 +289,7 @@ def _batch_priority_step():
 GATHER_ONLY_STEPS = {
     **{
         name: functools.partial(_gates_grad_fn, name, 2)
-        for name in (*SORT_LAYOUTS, "blocksparse", "dropless")
+        for name in (*SORT_LAYOUTS, "blocksparse", "dropless", "dropless_per_group")
     },
     "expert_choice": _expert_choice_step,
     "batch_priority": _batch_priority_step,

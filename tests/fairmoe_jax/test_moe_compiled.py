@@ -82,15 +82,17 @@ def _compile(
     dispatch: str,
     fair: bool = False,
     router_name: str = "topk",
-    in_context: bool = False,
+    mesh_from: str = "layer",
     batch_size: int = B,
 ):
   """The block's gradient step on the target's (data, expert) mesh: its optimised HLO and the
-  block's parameters (abstract, laid out as training lays them out). `in_context`: the block is
-  built without the mesh and compiled under `jax.set_mesh`, as a user's own model is; a
-  `batch_size` that does not divide the mesh is replicated, as an evaluation's last batch."""
+  block's parameters (abstract, laid out as training lays them out). `mesh_from` "context": the
+  block is built without the mesh and compiled under `jax.set_mesh`, as a user's own model is;
+  "none": nor under `jax.set_mesh`, the mesh only in the inputs' shardings. A `batch_size` that
+  does not divide the mesh is replicated, as an evaluation's last batch."""
   mesh = make_mesh({"data": data, "expert": expert}, _devices(target_name))
-  block_mesh = None if in_context else mesh
+  in_context = mesh_from == "context"
+  block_mesh = mesh if mesh_from == "layer" else None
   abstract = nnx.eval_shape(lambda: _block(block_mesh, dispatch, fair, router_name))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   specs = nnx.get_partition_spec(params)
@@ -191,22 +193,27 @@ def test_each_device_runs_its_own_tokens_and_sends_the_floor(target, data, exper
 
 
 @pytest.mark.parametrize(
-    ("target", "dispatch", "batch_size"),
-    [("cpu", d, b) for d in ("sort", "dropless", "einsum") for b in (B, B - 4)]
-    + [on(t, d, B - 4) for t in ("v5e-8", "h100x8") for d in ("sort", "einsum")],
+    ("target", "dispatch", "mesh_from", "batch_size"),
+    [("cpu", d, "context", b) for d in ("sort", "dropless", "einsum") for b in (B, B - 4)]
+    + [on(t, d, "context", B - 4) for t in ("v5e-8", "h100x8") for d in ("sort", "einsum")]
+    # 24: dropless' 3 S k local rows differ from D.
+    + [("cpu", d, "none", 24) for d in ("sort", "dropless", "einsum")]
+    + [on(t, d, "none", 24) for t in ("v5e-8", "h100x8") for d in ("sort", "dropless", "einsum")],
 )
-def test_a_mesh_in_context_splits_the_dispatch_and_pads_a_batch_that_does_not_divide(
-    target, dispatch, batch_size
-):
-  """A user's model: the block built without a mesh, compiled by plain `jax.jit` under
-  `jax.set_mesh` on 8 devices. Each device's expert matmuls have its own examples' rows (a batch
-  of 12 padded to 16): [E, (B / 8) C, H], dropless's [(B / 8) S k, H]."""
-  text, _, _ = _compile(target, 8, 1, dispatch, in_context=True, batch_size=batch_size)
+def test_a_user_s_model_runs_each_device_s_own_tokens(target, dispatch, mesh_from, batch_size):
+  """A user's model: the block built without a mesh, compiled by plain `jax.jit` on 8 devices
+  under `jax.set_mesh`, or with no mesh at all but the batch's sharding (the SPMD partitioner
+  splits the per-group dispatch). Each device's expert matmuls have its own examples' rows (a
+  batch of 12 padded to 16): [E, (B / 8) C, H], dropless's [(B / 8) S k, H] (or [E, ..., H]
+  where every expert runs on them: `dropless._ragged_dot` per group)."""
+  text, _, _ = _compile(target, 8, 1, dispatch, mesh_from=mesh_from, batch_size=batch_size)
   local_groups = -(-batch_size // 8)
-  rows = local_groups * S * K if dispatch == "dropless" else E * local_groups * CAPACITY
-  weights = ({E, D, H}, {E, H})  # The weight and bias gradients' matmuls.
-  matmuls = [a for a in hlo.matmul_results(text) if H in a.dims and {*a.dims} - {1} not in weights]
-  assert {a.size // H for a in matmuls} == {rows}, matmuls
+  rows = local_groups * (S * K if dispatch == "dropless" else CAPACITY)
+  # Rows per expert, the weight and bias gradients' matmuls left out, whatever their layout.
+  matmuls = [
+      a for a in hlo.matmul_results(text) if H in a.dims and a.size not in (E * D * H, E * H)
+  ]
+  assert {a.size // H // (E if E in a.dims else 1) for a in matmuls} == {rows}, matmuls
 
 
 @pytest.mark.compile_tpu

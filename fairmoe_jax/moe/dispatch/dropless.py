@@ -187,7 +187,7 @@ def _bias_rows_fwd(bias, row_expert):
 def _bias_rows_bwd(residuals, d_rows):
   bias, row_expert = residuals
   one_hot = jax.nn.one_hot(row_expert, bias.shape[0], dtype=d_rows.dtype)
-  d_bias = jnp.einsum("ne,nh->eh", one_hot, d_rows, preferred_element_type=jnp.float32)
+  d_bias = jnp.einsum("...e,...h->eh", one_hot, d_rows, preferred_element_type=jnp.float32)
   return spmd.typed_like(d_bias.astype(bias.dtype), bias), None
 
 
@@ -197,7 +197,8 @@ _bias_rows.defvjp(_bias_rows_fwd, _bias_rows_bwd)
 def _ragged_dot_mlp(
     rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array, experts: ExpertWeights
 ) -> jax.Array:
-  """The expert MLP of expert-sorted rows [N, D] with `jax.lax.ragged_dot`, in rows.dtype."""
+  """The expert MLP of expert-sorted rows [N, D] (or [G, N, D], each group sorted apart, with
+  group_sizes [G, E]) by `_ragged_dot`, in rows.dtype."""
   # Biases gathered in float32 (`add_bias`): their gradients accumulate in float32.
   h = add_bias(ragged_matmul(rows, experts.w1, group_sizes), _bias_rows(experts.b1, row_expert))
   h = gelu_exact(h)
@@ -211,10 +212,29 @@ _RAGGED_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+def _row_experts(group_sizes: jax.Array, num_rows: int, dtype: Any) -> jax.Array:
+  """[G, M, E] one-hot expert of each row of G groups of expert-sorted rows (sizes [G, E])."""
+  end = jnp.cumsum(group_sizes, axis=-1)[:, None, :]
+  row = jnp.arange(num_rows)[None, :, None]
+  return ((row >= end - group_sizes[:, None, :]) & (row < end)).astype(dtype)
+
+
+def _ragged_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """`jax.lax.ragged_dot` of rows [M, K] with group_sizes [E]; of rows [G, M, K] with
+  group_sizes [G, E], a one-hot contraction over the experts: what XLA lowers a ragged dot to
+  (E times the FLOPs), with a group axis the SPMD partitioner splits. (`ragged_dot_general` with
+  a batch dimension broadcasts the weights per group, and libtpu refuses it.)"""
+  if rows.ndim == 2:
+    return grouped_gemm.ragged_dot(rows, w, group_sizes)
+  return jnp.einsum(
+      "gme,gmk,ekn->gmn", _row_experts(group_sizes, rows.shape[1], rows.dtype), rows, w
+  )
+
+
 @jax.custom_vjp
 def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  """`jax.lax.ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32."""
-  return grouped_gemm.ragged_dot(rows, w.astype(rows.dtype), group_sizes)
+  """`_ragged_dot(rows, w, group_sizes)` with its weight gradient summed in float32."""
+  return _ragged_dot(rows, w.astype(rows.dtype), group_sizes)
 
 
 def _ragged_matmul_fwd(rows, w, group_sizes):
@@ -223,10 +243,14 @@ def _ragged_matmul_fwd(rows, w, group_sizes):
 
 def _ragged_matmul_bwd(residuals, d_out):
   rows, w, group_sizes = residuals
-  d_rows = grouped_gemm.ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
-  d_w = grouped_gemm.ragged_dot_general(
-      rows, d_out, group_sizes, _RAGGED_WEIGHT_GRADIENT, preferred_element_type=jnp.float32
-  )
+  d_rows = _ragged_dot(d_out, w.astype(rows.dtype).swapaxes(1, 2), group_sizes)
+  if rows.ndim == 2:
+    d_w = grouped_gemm.ragged_dot_general(
+        rows, d_out, group_sizes, _RAGGED_WEIGHT_GRADIENT, preferred_element_type=jnp.float32
+    )
+  else:  # Summed over the groups in the contraction, not held per group [G, E, K, N].
+    masked = _row_experts(group_sizes, rows.shape[1], rows.dtype)[..., None] * rows[:, :, None]
+    d_w = jnp.einsum("gmek,gmn->ekn", masked, d_out, preferred_element_type=jnp.float32)
   return d_rows.astype(rows.dtype), d_w.astype(w.dtype), None
 
 
@@ -283,6 +307,26 @@ def _auto_mlp(rows, group_sizes, row_expert, experts, tiling, interpret):
   )
 
 
+def _expert_sorted_plan(
+    expert_index: jax.Array, num_experts: int
+) -> tuple[SlotPlan, jax.Array, jax.Array]:
+  """Every choice of [G, S, k] sorted by expert: the `SlotPlan` (row i holds choice
+  slot_choice[i], choice c sits in row choice_slot[c]), the [E] group sizes and [N] row experts."""
+  top_k = expert_index.shape[-1]
+  flat_expert = expert_index.reshape(-1).astype(jnp.int32)
+  # Choice i = (t * k + j) belongs to token t = i // k of the flattened [G * S] tokens.
+  choice = jnp.arange(flat_expert.size, dtype=jnp.int32)
+  sorted_expert, sorted_choice = jax.lax.sort(
+      (flat_expert, choice), dimension=0, is_stable=True, num_keys=1
+  )
+  bounds = jnp.searchsorted(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32))
+  group_sizes = (bounds[1:] - bounds[:-1]).astype(jnp.int32)
+  choice_row = (
+      jnp.zeros_like(choice).at[sorted_choice].set(choice, unique_indices=True).reshape(-1, top_k)
+  )
+  return SlotPlan(sorted_choice, choice_row), group_sizes, sorted_expert
+
+
 def moe_dropless(
     x: jax.Array,
     expert_index: jax.Array,
@@ -293,48 +337,41 @@ def moe_dropless(
     matmul: str = "auto",
     tiling: tuple[int, int, int] | None = None,
     interpret: bool = False,
+    per_group: bool = False,
 ) -> tuple[jax.Array, DispatchStats]:
   """Sort all choices by expert and run grouped matmuls; nothing is dropped.
 
   `capacity` is ignored; groups only matter for the stats. `matmul` is one of
   `DROPLESS_MATMULS`; `tiling` (tm, tk, tn, default `row_tile` by `width_tiles` per call) and
-  `interpret` (Pallas' interpret mode, for CPU tests) apply to megablox only.
-  """
+  `interpret` (Pallas' interpret mode, for CPU tests) apply to megablox only. `per_group`: each
+  group's choices sorted apart and the experts run by `_ragged_dot`'s one-hot contraction with a
+  group axis, which the SPMD partitioner splits (the layer's choice where no mesh is known)."""
   del capacity
   if matmul not in DROPLESS_MATMULS:
     raise ValueError(f"matmul={matmul!r}; known: {', '.join(DROPLESS_MATMULS)}")
+  if matmul == "megablox" and per_group:
+    raise ValueError("matmul='megablox' sorts all groups' choices together: per_group=False")
   if matmul == "megablox" and _megablox_kernels() is None:
     raise ImportError(
         "matmul='megablox' needs jax.experimental.pallas.ops.tpu.megablox, which this jax "
         f"({jax.__version__}) does not provide; use matmul='ragged_dot'"
     )
   check_inputs(x, expert_index, gates)
-  num_groups, group_size, top_k = expert_index.shape
-  num_experts = experts.num_experts
-  dim = x.shape[-1]
-  num_choices = num_groups * group_size * top_k
-
-  flat_expert = expert_index.reshape(num_choices).astype(jnp.int32)
-  # Choice i = (t * k + j) belongs to token t = i // k of the flattened [G * S] tokens.
-  choice = jnp.arange(num_choices, dtype=jnp.int32)
-  sorted_expert, sorted_choice = jax.lax.sort(
-      (flat_expert, choice), dimension=0, is_stable=True, num_keys=1
-  )
-  bounds = jnp.searchsorted(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32))
-  group_sizes = (bounds[1:] - bounds[:-1]).astype(jnp.int32)
-
-  # Row i of the sorted rows holds choice sorted_choice[i]; choice c sits in row choice_row[c].
-  choice_row = (
-      jnp.zeros_like(choice).at[sorted_choice].set(choice, unique_indices=True).reshape(-1, top_k)
-  )
+  stats = dropless_stats(expert_index, experts.num_experts)
+  if per_group:
+    plan, group_sizes, row_expert = jax.vmap(
+        lambda index: _expert_sorted_plan(index[None], experts.num_experts)
+    )(expert_index)
+    out = _ragged_dot_mlp(jax.vmap(gather_slots)(x, plan), group_sizes, row_expert, experts)
+    return jax.vmap(combine_slots)(out, gates, plan), stats
+  plan, group_sizes, row_expert = _expert_sorted_plan(expert_index, experts.num_experts)
   # Gathers both ways (`slots`): no scatter-add, so the sums are the same on every rerun.
-  plan = SlotPlan(sorted_choice, choice_row, dropless_stats(expert_index, num_experts))
-  x_sorted = gather_slots(x.reshape(num_groups * group_size, dim), plan)
+  x_sorted = gather_slots(x.reshape(-1, x.shape[-1]), plan)
   if matmul == "ragged_dot":
-    out = _ragged_dot_mlp(x_sorted, group_sizes, sorted_expert, experts)
+    out = _ragged_dot_mlp(x_sorted, group_sizes, row_expert, experts)
   elif matmul == "megablox":
-    out = _megablox_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
+    out = _megablox_mlp(x_sorted, group_sizes, row_expert, experts, tiling, interpret)
   else:
-    out = _auto_mlp(x_sorted, group_sizes, sorted_expert, experts, tiling, interpret)
-  y = combine_slots(out, gates.reshape(-1, top_k), plan)
-  return y.reshape(x.shape), plan.stats
+    out = _auto_mlp(x_sorted, group_sizes, row_expert, experts, tiling, interpret)
+  y = combine_slots(out, gates.reshape(-1, expert_index.shape[-1]), plan)
+  return y.reshape(x.shape), stats

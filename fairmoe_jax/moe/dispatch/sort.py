@@ -93,10 +93,17 @@ def moe_sort(
 ) -> tuple[jax.Array, DispatchStats]:
   """`sort_slot_plan`, the expert MLP on [E, G * C, D] buffers; `moe_einsum`'s results."""
   check_inputs(x, expert_index, gates)
-  num_groups, group_size, dim = x.shape
-  capacity = resolve_capacity(capacity, group_size)
-  plan = sort_slot_plan(expert_index, num_experts=experts.num_experts, capacity=capacity)
-  tokens = x.reshape(num_groups * group_size, dim)
-  gates = gates.reshape(num_groups * group_size, -1)
-  y = combine_slots(experts.apply(gather_slots(tokens, plan)), gates, plan)
-  return y.reshape(x.shape), plan.stats
+  capacity = resolve_capacity(capacity, x.shape[1])
+  # Each group's plan and gathers apart (vmap): gathers with a group batch axis, which the SPMD
+  # partitioner splits over a sharded batch where no mesh is known; the MLP outside the vmap, so
+  # the weights' gradient sums over every group at once.
+  plan = jax.vmap(
+      lambda index: sort_slot_plan(index[None], num_experts=experts.num_experts, capacity=capacity)
+  )(expert_index)
+  buffers = jax.vmap(gather_slots, out_axes=1)(x, plan)  # [E, G, C, D]
+  outputs = experts.apply(buffers.reshape(experts.num_experts, -1, x.shape[-1]))
+  y = jax.vmap(combine_slots, in_axes=(1, 0, 0))(outputs.reshape(buffers.shape), gates, plan)
+  stats = DispatchStats.from_kept(
+      plan.stats.kept.reshape(expert_index.shape), plan.stats.group_expert_fraction[:, 0]
+  )
+  return y, stats
