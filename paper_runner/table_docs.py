@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from paper_runner import stats
 from paper_runner.collect import markdown_table
 from paper_runner.markers import marked_tables, replace_tables
+from paper_runner.spec import grid_points, resolved_config
 from paper_runner.table_record import read_record, stale_runs
 from paper_runner.table_render import render
 from paper_runner.table_spec import (
@@ -19,6 +20,7 @@ from paper_runner.table_spec import (
     VERDICT_SUMMARY,
     TableSpec,
     load_table,
+    pair_units,
     record_path,
     table_names,
 )
@@ -141,24 +143,49 @@ def claim_summary() -> str:
   return _table(header, rows)
 
 
-def verdict_prose() -> str:
-  """The prose summary's verdicts, one line per claim, from `claim_verdicts` as the table's."""
-  return "".join(
-      f"- {claim}, on {metric}: "
-      + "; ".join(
-          f"**{word}** on {len(by_verdict[word])} table{'s' * (len(by_verdict[word]) > 1)}"
-          for word in _VERDICTS
-          if word in by_verdict
-      )
-      + ".\n"
-      for (claim, metric), by_verdict in claim_verdicts().items()
+def _setup(spec: TableSpec, record: dict[str, Any]) -> tuple[str, ...]:
+  """(data and its size, model, budget, pairing units, hardware) of a table's runs."""
+  config = resolved_config(spec.sweep, grid_points(spec.sweep)[0])
+  sizes = sorted({r["examples"] for r in record["runs"] if r.get("examples")})
+  size = "-".join(map(str, sorted({sizes[0], sizes[-1]}))) if sizes else "?"
+  data = f"{os.path.basename(spec.sweep.config.split(':')[0])[:-3]} ({size} {spec.split})"
+  m, moe = config.model, config.get("moe")
+  layers = m.get("depth", m.get("num_layers"))
+  model = f"{m.get('backbone', 'transformer')}, dim {m.dim}, {layers} layers"
+  epochs = config.get("num_epochs")
+  budget = f"{epochs} epochs" if epochs else f"{config.num_train_steps} steps"
+  machine = record["provenance"]["machine"]
+  return (
+      data,
+      model + (f", {moe.num_experts} experts" if moe else ""),
+      budget,
+      f"{len(spec.units()) // len(spec.row_values)} ({pair_units(spec)})",
+      f"{machine['device']}, {machine['cpu_cores']} cores",
   )
+
+
+def claim_scale() -> str:
+  """One row per claim: its tables' data, model, budget, seeds and hardware, and its verdicts
+  (`claim_verdicts`, as the claims table's)."""
+  setups: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+  for _, spec, record in _claims_tables():
+    setup = _setup(spec, record)
+    for claim in spec.claims:
+      setups.setdefault((spec.claim_text(claim), spec.column(claim.metric).label), []).append(setup)
+  header = ["claim", "on", "data (examples)", "model", "budget", "per row", "hardware", "verdict"]
+  rows = []
+  for (claim, metric), by_verdict in claim_verdicts().items():
+    counts = {word: len(by_verdict[word]) for word in _VERDICTS if word in by_verdict}
+    verdicts = "; ".join(f"**{w}** on {n} table{'s' * (n > 1)}" for w, n in counts.items())
+    columns = ("; ".join(dict.fromkeys(column)) for column in zip(*setups[claim, metric]))
+    rows.append([claim, metric, *columns, verdicts])
+  return _table(header, rows)
 
 
 _SUMMARY_RENDERERS = {
     RERUN_SUMMARY: rerun_summary,
     CLAIM_SUMMARY: claim_summary,
-    VERDICT_SUMMARY: verdict_prose,
+    VERDICT_SUMMARY: claim_scale,
 }
 
 

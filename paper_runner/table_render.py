@@ -66,6 +66,8 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
         "reference that reads no signal (chance at the upper end of its 95% range), a claim on "
         "a fairness metric only where both rows' accuracy interval on its split does"
         + (f": {bar_text}" if bar_text else "")
+        + "; a claim on routing or gradients only where the claimed row's interval is clear of "
+        "each control's (an untrained model's 95% range over seeds, a reference router's value)"
         + f". {untestable} of the table's {len(gates)} gated claims are "
         f"**{stats.UNTESTABLE}**."
     )

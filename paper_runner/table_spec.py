@@ -28,13 +28,16 @@ METRIC_RANGES = {
 }
 # A reference row that reads the task's signal: it sets no accuracy bar.
 SIGNAL_ROLE = "signal"
+# A reference row that learnt nothing (an untrained model, a fixed router): `is_mechanism`'s.
+CONTROL_ROLE = "control"
 EVERY_ROW = "*"
 
 
 # The generated summaries' names (`<!-- table:NAME -->`), reserved.
 RERUN_SUMMARY = "reruns"
 CLAIM_SUMMARY = "claims"
-VERDICT_SUMMARY = "verdicts"  # The prose's: the claims summary's verdicts, one line per claim.
+# The opening table: one row per claim, its data, model, budget, seeds, hardware and verdicts.
+VERDICT_SUMMARY = "verdicts"
 SUMMARIES = (RERUN_SUMMARY, CLAIM_SUMMARY, VERDICT_SUMMARY)
 
 
@@ -299,6 +302,11 @@ def gate_path(metric: str) -> str | None:
   """Where a claim's rows must lie above the references that read no signal: a score's own path
   (accuracy, BLEU), a fairness metric's split accuracy; None for any other metric."""
   return metric if metric.split(".")[-1] in ("accuracy", "bleu") else accuracy_path(metric)
+
+
+def is_mechanism(metric: str) -> bool:
+  """Whether a claim on `metric` is about what training does (read against CONTROL_ROLE rows)."""
+  return metric.split(".")[0] in ("experts_active", "gradient_cosine", "mechanisms")
 
 
 def accuracy_path(metric: str) -> str | None:

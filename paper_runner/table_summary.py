@@ -10,12 +10,14 @@ from typing import Any, Mapping
 from paper_runner import stats
 from paper_runner.spec import format_value
 from paper_runner.table_spec import (
+    CONTROL_ROLE,
     PREDICTION_KEYS,
     SIGNAL_ROLE,
     Claim,
     TableSpec,
     accuracy_path,
     gate_path,
+    is_mechanism,
     unit_text,
 )
 from trainkit.errors import UserError
@@ -78,6 +80,15 @@ def accuracy_bar(record: Mapping[str, Any], path: str) -> tuple[float, str] | No
   return max(bars) if bars else None
 
 
+def control_ranges(record: Mapping[str, Any], path: str) -> list[tuple[float, float]]:
+  """(low, high) at `path` of each control reference: its 95% range over seeds, or its value."""
+  return [
+      (reference.get("ranges") or {}).get(path) or (reference["metrics"][path],) * 2
+      for reference in record.get("references", ())
+      if reference.get("role") == CONTROL_ROLE and reference["metrics"].get(path) is not None
+  ]
+
+
 @dataclasses.dataclass(frozen=True)
 class Gate:
   """A claim's gate path (`gate_path`), bar (None: no reference) and whether its rows lie above."""
@@ -128,13 +139,18 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
     fairness, path = accuracy_path(claim.metric) is not None, gate_path(claim.metric)
     bar = accuracy_bar(record, path) if path else None
     gate = None
-    if bar is not None or fairness:
+    if is_mechanism(claim.metric):
+      # What training did: the claimed row's interval clear of every control's range.
+      c, controls = rows[claim.row]["cells"][claim.metric], control_ranges(record, claim.metric)
+      clear = c and c.low is not None and all(c.low > hi or c.high < lo for lo, hi in controls)
+      gate = Gate(claim.metric, None, bool(controls and clear))
+    elif bar is not None or fairness:
       cells = [rows[row]["cells"][path] for row in (claim.row, claim.baseline)]
       above = [bar is not None and c and c.low is not None and c.low > bar[0] for c in cells]
       # A fairness metric rewards a model that learnt nothing: both rows must have learnt.
       gate = Gate(path, bar, all(above) if fairness else any(above))
-      if not gate.above:  # Not decided, whatever its interval says (docs/protocol.md, section 3).
-        result = dataclasses.replace(result, verdict=stats.UNTESTABLE)
+    if gate and not gate.above:  # Not decided, whatever its interval says (protocol, section 3).
+      result = dataclasses.replace(result, verdict=stats.UNTESTABLE)
     claims.append((claim, result))
     gates.append(gate)
   # The family is every claim of the table, an untested one included (stats.holm).
@@ -178,11 +194,11 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   absent = [(row, unit_text(unit)) for row, unit in spec.units() if (row, unit) not in recorded]
   if absent:  # Named, not counted away: `--check` says the record is stale too.
     flags.append(f"runs of the spec not in the record: {_by_row(spec, absent)}")
-  if any(gate is not None and gate.bar is None for gate in gates):
+  if any(g and g.bar is None and not control_ranges(record, g.path) for g in gates):
     flags.append(
-        "a fairness claim needs a reference accuracy to be decided against (a reference row "
-        "with the accuracy of its split); this table has none, so its fairness claims are "
-        "untestable"
+        "a claim on fairness needs a reference accuracy to be decided against, one on routing "
+        "or gradients an untrained model or a reference router (a reference row of role "
+        "control); this table has none for some, so those claims are untestable"
     )
   return {
       "rows": rows,

@@ -14,10 +14,10 @@ TABLE = parts.paper_claims_table(
     parts.SA_ABOVE_MAJORITY,
     tuning=parts.fair_tuning(parts.FAIR_COMPARISON, elsewhere=" (not this data)"),
 )
+TABLE["references"] = "paper_runner.fairmoe.references:with_controls"  # With the controls.
 
 
-def get_config(arg=None):
-  del arg
+def get_config():
   return dict(
       module="fairmoe_jax.main",
       config="configs/synthetic_testbed.py:steps=200",

@@ -10,6 +10,7 @@ Arguments, e.g. `:experts=(4, 8),seeds=1`:
   experts  the numbers of experts (default (4, 8, 16))
   seeds    seeds 0..seeds-1 (default 2)
   steps    training steps (default 350, the config's)
+  untrained  1: the control, one step at learning rate 0, last block only (default 0)
 """
 
 import ml_collections
@@ -21,19 +22,22 @@ LAST_BLOCK, FIRST_BLOCK = (-1,), (0,)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, experts=(4, 8, 16), seeds=2, steps=350)
+  arg = parse_arg(arg, experts=(4, 8, 16), seeds=2, steps=350, untrained=0)
+  untrained = {"optimizer.learning_rate": 0.0} if arg.untrained else {}
   return ml_collections.ConfigDict(
       dict(
           module="fairmoe_jax.main",
-          config=f"configs/synthetic_testbed.py:steps={arg.steps}",
+          config=f"configs/synthetic_testbed.py:steps={1 if arg.untrained else arg.steps}",
           grid=dotted(
               {
-                  "moe.blocks": (LAST_BLOCK, FIRST_BLOCK),
+                  "moe.blocks": (LAST_BLOCK,) if arg.untrained else (LAST_BLOCK, FIRST_BLOCK),
                   "moe.num_experts": tuple(arg.experts),
                   "seed": tuple(range(arg.seeds)),
               }
           ),
-          overrides=dotted({"method": "vanilla_smoe", "moe.eval_capacity_factor": 8.0}),
+          overrides=dotted(
+              {"method": "vanilla_smoe", "moe.eval_capacity_factor": 8.0, **untrained}
+          ),
           metrics=("accuracy", "mf.pqd", "validation.accuracy"),
           tables=(
               "fairmoe_jax.analysis.routing:write_routing_table",

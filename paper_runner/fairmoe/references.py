@@ -8,11 +8,15 @@ scored by `metrics.report_of_predictions` on the test split and the validation s
   chance          a uniform guess: `CHANCE_DRAWS` seeded draws' reports under `"draws"`, whose
                   mean and 95% range a table shows. Its PQD is near 1: a fairness number means
                   something only beside it.
+`with_controls` adds the controls of a claim on routing or gradients (`"role": "control"`;
+it trains, so only the testbed's tables ask for it): vanilla SMoE untrained (one step at
+learning rate 0) and the routers that learn nothing, uniform and fixed.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 from typing import Any, Mapping
 
@@ -22,12 +26,14 @@ import numpy as np
 from fairmoe_jax.data import dataset_from_config, synthetic, synthetic_testbed
 from fairmoe_jax.data.types import DatasetInfo
 from fairmoe_jax.metrics import fairness_report, report_of_predictions
+from paper_runner.table_spec import CONTROL_ROLE
 
 TEST, VALIDATION, TRAIN = "test", "val", "train"
 # Draws of the chance reader: the 2.5% and 97.5% quantiles of 2,000 draws sit within about
 # 0.01 (in probability) of the true ones, finer than a table's last printed digit needs.
 CHANCE_DRAWS = 2000
 CHANCE_SEED = 0
+UNTRAINED_SEEDS = (0, 1, 2, 3, 4)  # The testbed tables' seeds.
 
 
 def _score(split: Mapping[str, np.ndarray], predictions: np.ndarray, info: DatasetInfo) -> dict:
@@ -132,3 +138,25 @@ def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[st
   ]
   reports[f"chance ({k} classes, a uniform guess)"] = {"draws": draws}
   return reports
+
+
+def with_controls(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, dict[str, Any]]:
+  """`reference_reports` and the controls' routing and gradient measures."""
+  from fairmoe_jax import train  # Imports the model: only where the controls are trained.
+
+  untrained = []
+  for seed in UNTRAINED_SEEDS:
+    run = ml_collections.ConfigDict(dict(config))
+    run.update(method="vanilla_smoe", seed=seed, num_train_steps=1)
+    run.optimizer.learning_rate = 0.0
+    with tempfile.TemporaryDirectory() as workdir:
+      report = train.train_and_evaluate(run, workdir)
+    untrained.append({k: report.get(k) for k in ("experts_active", "gradient_cosine")})
+  experts, top_k = config["moe"]["num_experts"], config["moe"]["top_k"]
+  controls = {
+      "vanilla SMoE untrained (1 step at learning rate 0)": dict(draws=untrained),
+      f"uniform router (all {experts} experts alike)": dict(experts_active={"choices": experts}),
+      f"fixed router (every token to the same {top_k})": dict(experts_active={"choices": top_k}),
+  }
+  controls = {name: dict(report, role=CONTROL_ROLE) for name, report in controls.items()}
+  return reference_reports(config, base_dir) | controls

@@ -182,7 +182,7 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   # MF-PQD is a fairness claim: without a reference accuracy to read it against, untestable.
   assert "| a higher than b (alpha 0.5) | MF-PQD |" in text
   assert "**untestable: at reference** | **untestable: at reference** |" in text
-  assert "this table has none, so its fairness claims are untestable" in text
+  assert "this table has none for some, so those claims are untestable" in text
   assert "the test split has 400 examples (< 500)" in text
   assert "sex=m (n=30)" in text
   assert "Chosen by the highest mean Acc. (%): **a**." in text
@@ -929,6 +929,40 @@ def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
   assert "1 of the table's 2 gated claims are **untestable: at reference**" in text
 
 
+def test_a_mechanism_claim_is_decided_only_clear_of_every_control(toy_tables):
+  """A claim on routing (Fig. 5's experts active) is read against an untrained model's range
+  and a reference router's value: within either, or with neither recorded, it is untestable."""
+  spec_text = _SPEC.replace('"mf.pqd", "MF-PQD", 1.0, 3', '"experts_active.choices", "E", 1.0, 2')
+  spec_text = spec_text.replace('metric="mf.pqd"', 'metric="experts_active.choices"')
+  (toy_tables.parent / "results" / "mech.py").write_text(spec_text)
+  spec = table_spec.load_table("mech")
+  runs = [
+      dict(row=row, seed=seed, status="ok", metrics={"experts_active.choices": value + seed / step})
+      for seed in range(5)
+      for row, value, step in (("a", 3.0, 100), ("b@fair.alpha=0.5", 2.5, 50))
+  ]
+
+  def verdict(*controls, role="control"):
+    references = [
+        {"name": f"c{i}", "role": role, "metrics": {"experts_active.choices": sum(c) / 2}}
+        | ({"ranges": {"experts_active.choices": list(c)}} if c[0] != c[1] else {})
+        for i, c in enumerate(controls)
+    ]
+    summary = table_summary.summarise(spec, {"runs": runs, "references": references})
+    return summary["claims"][1][1].verdict, summary["flags"]
+
+  # The untrained model's range and both routers lie clear of a's 3.00-3.04: decided.
+  assert verdict((2.0, 2.2), (4.0, 4.0), (2.0, 2.0))[0] == stats.HOLDS
+  # a within the untrained model's range, or at a router's value: untestable.
+  assert verdict((2.9, 3.1), (4.0, 4.0))[0] == stats.UNTESTABLE
+  assert verdict((2.0, 2.2), (3.02, 3.02))[0] == stats.UNTESTABLE
+  # A row that is no control gates nothing; no control at all is untestable, and flagged.
+  assert verdict((2.9, 3.1), role="signal")[0] == stats.UNTESTABLE
+  found, flags = verdict()
+  assert found == stats.UNTESTABLE
+  assert any("or gradients an untrained model or a reference router" in flag for flag in flags)
+
+
 def _verdicts_of(name: str, record: dict | None = None) -> dict[tuple[str, str, str], str]:
   spec = table_spec.load_table(name)
   summary = table_summary.summarise(spec, record or table_record.read_record(name))
@@ -991,7 +1025,7 @@ def test_an_undecided_verdict_s_detectable_difference_has_80_percent_power(n):
 
 def _verdict_lists(text: str) -> tuple[dict, dict]:
   """({(claim, metric): {verdict: tables}} of the claims table, {...: {verdict: count}} of the
-  prose's verdict list) as `docs/results.md` prints them."""
+  opening table, one row per claim with its scale) as `docs/results.md` prints them."""
   from paper_runner.markers import marked_tables
 
   bodies = {t.name: text[t.body_start : t.body_end] for t in marked_tables(text, "results.md")}
@@ -1005,11 +1039,10 @@ def _verdict_lists(text: str) -> tuple[dict, dict]:
     }
     table[cells[0], cells[1]] = {w: n for w, n in table[cells[0], cells[1]].items() if n}
   prose = {}
-  for line in bodies["verdicts"].splitlines():
-    claim, _, verdicts = line[2:].rpartition(": **")
-    claim, _, metric = claim.rpartition(", on ")
-    found = re.findall(r"\*\*([^*]+)\*\* on (\d+) tables?", "**" + verdicts)
-    prose[claim, metric] = {word: int(n) for word, n in found}
+  for line in bodies["verdicts"].splitlines()[2:]:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    found = re.findall(r"\*\*([^*]+)\*\* on (\d+) tables?", cells[-1])
+    prose[cells[0], cells[1]] = {word: int(n) for word, n in found}
   return table, prose
 
 
@@ -1023,7 +1056,7 @@ def test_the_claims_table_and_the_prose_give_one_verdict_per_claim(repo_root):
   # spurious_pairs' constraint claim held on its records, and its rerun moved it: undecided in both.
   claim = [k for k in table if k[0].startswith("causal (constrained GCN) higher than GCN")]
   assert [table[k] for k in claim] == [{stats.UNDECIDED: 1}]
-  drifted = text.replace("**untestable: at reference** on 1 table.", "**holds** on 1 table.", 1)
+  drifted = text.replace("**untestable: at reference** on 1 table |", "**holds** on 1 table |", 1)
   assert _verdict_lists(drifted)[0] != _verdict_lists(drifted)[1]
   section = text[text.index("## What holds") : text.index("### Every claim, table by table")]
   from paper_runner.markers import marked_tables
@@ -1056,6 +1089,8 @@ def test_every_reference_row_fills_every_fairness_column():
       continue
     fairness = [c.path for c in spec.columns if table_spec.accuracy_path(c.path)]
     for reference in table_record.read_record(name)["references"]:
+      if reference.get("role") == table_spec.CONTROL_ROLE:
+        continue  # An untrained model or a router: the controls of the routing claims only.
       for path in fairness:
         assert reference["metrics"].get(path) is not None, (name, reference["name"], path)
         checked += 1
