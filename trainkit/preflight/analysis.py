@@ -144,6 +144,9 @@ def _instruction_costs(hlo_text: str) -> Iterator[tuple[Any, float, float]]:
           _read_bytes(parameters.get((body, i)), users, shapes) for i in range(len(operands))
       ]
       traffic = executions * (sum(operands) + sum(a.bytes for a in results))
+    elif ins.op in ("copy-start", "copy-done", "slice-start", "slice-done"):
+      # A TPU's asynchronous copy or slice: its result read and written once (at its -done).
+      traffic = executions * 2 * sum(a.bytes for a in results) * ins.op.endswith("-done")
     elif ins.computation not in fused and ins.op not in _NO_TRAFFIC:
       traffic = executions * sum(a.bytes for a in operands + results)
     if ins.op in _ELEMENTWISE and results:
