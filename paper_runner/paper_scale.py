@@ -88,7 +88,7 @@ def paper_estimate(
   if scale != "paper":
     raise UserError(f"--scale={scale}: the preflight compiled the paper's runs; give --scale=paper")
   sweep = load_sweep(f"{os.path.join(REPO_ROOT, path)}:scale=paper")
-  if sweep.config not in PAPER_DATA:  # A spec without a scale ignores the argument.
+  if sweep.config not in PAPER_DATA:  # A spec whose options include no scale.
     raise UserError(f"{path} has no paper scale (its config: {sweep.config})")
   if cells is None:
     with open(os.path.join(REPO_ROOT, PREFLIGHT)) as f:

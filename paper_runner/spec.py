@@ -245,6 +245,8 @@ def load_sweep_file(path_with_args: str) -> tuple[ml_collections.ConfigDict, Any
   try:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if sep and not inspect.signature(module.get_config).parameters:  # No scale, no options.
+      raise UserError(f"{path} takes no argument: ':{arg}' cannot be applied to it")
     raw = module.get_config(arg) if sep else module.get_config()
   except UserError:
     raise

@@ -236,7 +236,7 @@ def learning_rate_table(title: str, overrides: Mapping[str, object]) -> tuple[di
           (repr(LEARNING_RATES[0]),), map(repr, LEARNING_RATES[1:]), (("accuracy", "higher"),)
       ),
   )
-  return table, lambda arg=None: causal_sweep(grid, overrides)
+  return table, lambda: causal_sweep(grid, overrides)
 
 
 def causal_sweep(

@@ -33,8 +33,7 @@ TABLE = parts.fair_comparison_table(
 )
 
 
-def get_config(arg=None):
-  del arg
+def get_config():
   return dict(
       module="fairmoe_jax.main",
       config="configs/quickstart.py:steps=200,cues=false",

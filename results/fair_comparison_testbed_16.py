@@ -37,8 +37,8 @@ TABLE = dict(
 )
 
 
-def get_config(arg=None):
-  del arg  # The number of experts is this table's difference; another is another table.
+def get_config():
+  # The number of experts is this table's difference; another is another table.
   config = fair_comparison_testbed.get_config()
   config["grid"]["method"] = CLAIM_ROWS
   config["overrides"]["moe.num_experts"] = 16

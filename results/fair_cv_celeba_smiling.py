@@ -14,6 +14,6 @@ TABLE = dict(
 )
 
 
-def get_config(arg=None):
-  del arg  # The target is this table's one difference; another choice is another table.
+def get_config():
+  # The target is this table's one difference; another choice is another table.
   return fair_cv_celeba.get_config("target=Smiling")

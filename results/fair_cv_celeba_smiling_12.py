@@ -15,6 +15,6 @@ TABLE = dict(
 )
 
 
-def get_config(arg=None):
-  del arg  # Target and budget are this table's differences; another choice is another table.
+def get_config():
+  # Target and budget are this table's differences; another choice is another table.
   return fair_cv_celeba.get_config("target=Smiling,epochs=12")

@@ -46,8 +46,7 @@ TABLE = dict(
 )
 
 
-def get_config(arg=None):
-  del arg
+def get_config():
   return parts.causal_sweep(
       {
           "seed": (0, 1, 2, 3, 4),

@@ -43,8 +43,7 @@ TABLE = dict(
 )
 
 
-def get_config(arg=None):
-  del arg
+def get_config():
   return parts.causal_sweep(
       {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, VANILLA, parts.UNCONSTRAINED)},
       metrics=("accuracy", "challenge.accuracy"),

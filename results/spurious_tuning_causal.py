@@ -33,6 +33,5 @@ TABLE = dict(
 )
 
 
-def get_config(arg=None):
-  del arg
+def get_config():
   return parts.causal_sweep({"seed": (0, 1, 2), "constraints.step_size": tuple(SCHEDULES)})

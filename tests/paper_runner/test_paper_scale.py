@@ -47,7 +47,7 @@ def test_the_paper_scale_estimate_sums_the_recorded_preflight_cells_and_the_equa
   assert "total: 30 runs, 590 device-hours" in lines[3]
   with pytest.raises(UserError, match="no preflight cell causal/mnli@h200x1"):
     paper_scale.paper_estimate(mnli, "model.attention", "paper", "h200x1", CELLS)
-  with pytest.raises(UserError, match="spurious_pairs.py has no paper scale"):
+  with pytest.raises(UserError, match="spurious_pairs.py takes no argument"):
     paper_scale.paper_estimate("results/spurious_pairs.py", "model.attention", "paper", "h100x1")
   with pytest.raises(UserError, match="--scale=small: the preflight compiled the paper's runs"):
     paper_scale.paper_estimate(mnli, "model.attention", "small", "h100x1", CELLS)
@@ -95,3 +95,11 @@ def test_reproduce_judges_each_value_by_its_own_recorded_spread():
   # One seed: the binomial error of the run's n examples.
   (acc, why), _, _ = table_reproduce.tolerances(runs[0], runs[:1]).values()
   assert why == "binomial, n=400" and acc == pytest.approx(z * math.sqrt(2 * 0.25 / 400), rel=1e-4)
+
+
+def test_a_spec_without_a_paper_scale_refuses_one_instead_of_running_its_small_sweep():
+  # The testbed tables have no paper scale; `del arg` once made them run the CPU sample's sweep.
+  for name in ("fair_comparison_testbed", "spurious_tuning_gcn"):
+    with pytest.raises(UserError, match=f"{name}.py takes no argument: ':scale=paper'"):
+      load_sweep(f"results/{name}.py:scale=paper")
+  assert load_sweep("results/fair_comparison_testbed.py").grid  # Without one, as before.
