@@ -1,11 +1,8 @@
-r"""One command for a lent GPU: the figures the preflight and the dispatch choice rest on, each
-measured by its benchmark's command (docs/benchmarks.md, "Accelerator check"), a failing one
-recorded with its error; the JSON and its markdown (`.md`) are rewritten after each unit.
+r"""One command for a lent GPU: each figure the preflight and dispatch choice rest on, by its own
+benchmark (docs/benchmarks.md, "Accelerator check"); failures kept; JSON and .md after each unit.
 
   python benchmarks/accelerator_check.py --out=$OUT/accelerator_check.json    # a lent GPU, < 9 min
   python benchmarks/accelerator_check.py --size=tiny --out=/tmp/ac/check.json  # any CPU: the path
-  python benchmarks/moe_layer.py --shape=deit_s --experts 64 --dtype=bfloat16 --dispatch sort dropless
-      # dropless' grouped GEMMs (tokamax's, `grouped_gemm.py`) against sort, alone
 """
 
 import argparse
@@ -32,11 +29,12 @@ PACKAGES = "jax jaxlib flax optax orbax-checkpoint grain array-record ml-collect
 PACKAGES += " tokamax"  # None: `dropless` ran XLA's dense ragged_dot on the GPU.
 PARTS = ("train_step", "moe_layer", "input_pipeline", "tests", "quickstart")
 # The test files a lent device runs (docs/benchmarks.md, "The tests on a lent GPU").
-DEVICE_TESTS = """fairmoe_jax/moe_algorithms fairmoe_jax/moe fairmoe_jax/routers fairmoe_jax/gelu
-fairmoe_jax/vit fairmoe_jax/swin fairmoe_jax/fairness_metrics fairmoe_jax/remat
-fairmoe_jax/moe_layer_options fairmoe_jax/dropless_tpu fairmoe_jax/methods
-fairmoe_jax/fairness_training causal_attn_jax/causal_attention causal_attn_jax/decoding
-causal_attn_jax/causal_models causal_attn_jax/constraints trainkit/optim"""
+DEVICE_TESTS = [f"tests/{d}/test_{name}.py" for d, name in (t.split("/") for t in """
+fairmoe_jax/moe_algorithms fairmoe_jax/moe fairmoe_jax/routers fairmoe_jax/gelu fairmoe_jax/vit
+fairmoe_jax/swin fairmoe_jax/fairness_metrics fairmoe_jax/remat fairmoe_jax/moe_layer_options
+fairmoe_jax/dropless_tpu fairmoe_jax/methods fairmoe_jax/fairness_training
+causal_attn_jax/causal_attention causal_attn_jax/decoding causal_attn_jax/causal_models
+causal_attn_jax/constraints trainkit/optim""".split())]
 OURS = ("sort", "einsum", "dropless")  # What `moe.dispatch=auto` may choose on a GPU.
 TRAIN = {"batch_size": 256, "compute_dtype": "bfloat16", "preflight.eval_step": False}
 SIZES = {  # moe: shape, experts, top-k, rounds; pipeline: image size, batch, batches, workers.
@@ -47,9 +45,7 @@ SIZES = {  # moe: shape, experts, top-k, rounds; pipeline: image size, batch, ba
         moe=("deit_s", (4, 64), 2, 20),
         pipeline=(224, 256, 4, ("0", "cores")),
         quickstart=("configs/quickstart.py",),
-        tests=[
-            f"tests/{d}/test_{name}.py" for d, name in (t.split("/") for t in DEVICE_TESTS.split())
-        ],
+        tests=DEVICE_TESTS,
         budget_s=480.0,
     ),
     "tiny": dict(
@@ -163,8 +159,7 @@ def run_unit(unit: tuple, args: argparse.Namespace, scratch: str, timeout: float
     return dict(record, status="ok", seconds=round(seconds, 1))
   last_line = (output.strip().splitlines() or ["no output"])[-1].strip()
   error = failed or f"exit code {code}: {last_line}"
-  if code is None:
-    error = f"stopped after {seconds:.0f} s, its share of the budget"
+  error = f"stopped after {seconds:.0f} s, its share of the budget" if code is None else error
   status, tail = "timeout" if code is None else "error", output[-2000:]
   return dict(record, status=status, error=error, seconds=round(seconds, 1), output_tail=tail)
 
@@ -185,7 +180,7 @@ def derive(result: dict) -> None:
     best = max(rows, key=lambda r: r["images_per_s"])
     vs = dict(step_images_per_s=step, pipeline_images_per_s=best["images_per_s"])
     vs.update(pipeline_workers=best["workers"], pipeline_over_step=best["images_per_s"] / step)
-    per_core = max(r["images_per_s_per_core"] for r in rows)
+    per_core = max(r["images_per_s_per_core"] for r in rows)  # The cores at the best rate.
     pipeline["vs_step"] = dict(vs, cores_to_feed_step=step / per_core)
 
 
