@@ -88,14 +88,6 @@ def verdict_at(mean: float, p: float, better: str) -> str:
   return HOLDS if (mean > 0.0) == (better == "higher") else DOES_NOT_HOLD
 
 
-def paired(
-    row: Mapping[int, float], baseline: Mapping[int, float]
-) -> tuple[list[int], list[float]]:
-  """(seeds both have, row - baseline per such seed), in seed order."""
-  seeds = sorted(set(row) & set(baseline))
-  return seeds, [float(row[s]) - float(baseline[s]) for s in seeds]
-
-
 @dataclasses.dataclass(frozen=True)
 class ClaimResult:
   """A claim decided: the paired seeds, the mean difference's interval, the verdict, p and the
@@ -120,7 +112,8 @@ def decide(
   """Decides one claim on the seeds both rows have; with `test_to_train`, the corrected interval;
   with a `margin`, as non-inferiority: "not worse by more than the margin" (the differences moved
   by it towards `better`)."""
-  seeds, differences = paired(row, baseline)
+  seeds = sorted(set(row) & set(baseline))
+  differences = [float(row[s]) - float(baseline[s]) for s in seeds]
   if not differences:
     return ClaimResult([], None, UNDECIDED, False)
   shift = margin if better == "higher" else -margin

@@ -33,10 +33,6 @@ def _interval_text(interval: stats.Interval | None, c: Column, sign: bool = Fals
   return text.replace("-", "−")
 
 
-def _point(value: float) -> stats.Interval:
-  return stats.Interval(value, None, None, 1)
-
-
 def _p_text(p: float) -> str:
   return "<0.001" if p < 0.001 else f"{p:.3f}"
 
@@ -132,7 +128,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       notes = [f"a rerun: {moved[claim]}"] if claim in moved else []
       leak = ["selection leak"] if leaks_of(spec, claim) else []
       if result.verdict == stats.UNDECIDED and result.detectable is not None:
-        notes.append(f"detectable: {_interval_text(_point(result.detectable), column)}")
+        detectable = stats.Interval(result.detectable, None, None, 1)
+        notes.append(f"detectable: {_interval_text(detectable, column)}")
       verdict = f"**{result.verdict}{few}**" + (
           f" ({'; '.join(notes + leak)})" if notes + leak else ""
       )

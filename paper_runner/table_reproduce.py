@@ -73,15 +73,11 @@ def compare(
 
 
 def reproduce(
-    spec: TableSpec,
-    record: Mapping[str, Any],
-    workdir: str | None = None,
-    tolerance: float | None = None,
-    stamp: bool = False,
+    spec: TableSpec, record: Mapping[str, Any], workdir: str | None = None, stamp: bool = False
 ) -> tuple[bool, list[str]]:
   """Reruns the record's first run in `workdir/run` and compares every recorded value: exactly
   where the machine, software and data are the record's or those of an exact reproduction stamped
-  in it (`comparison_basis`), else within each value's `tolerances` unless one is given. With
+  in it (`comparison_basis`), else within each value's `tolerances`. With
   `stamp`, the result is added to the record's provenance, one stamp per machine: under
   `reproduced`, or under `not_reproduced` with the value that moved most (never a voucher). A
   failed rerun is a UserError; SIGTERM stops its process group and raises KeyboardInterrupt."""
@@ -94,10 +90,8 @@ def reproduce(
   differs_from_record, voucher = comparison_basis(provenance)
   why_not_exact = [] if voucher is not None else differs_from_record
   same_machine = not why_not_exact
-  if tolerance is None and same_machine:
-    tolerance = 0.0
   row_runs = [r for r in record["runs"] if r["row"] == row and r["status"] == "ok"]
-  limits = tolerance if tolerance is not None else tolerances(recorded[0], row_runs)
+  limits = 0.0 if same_machine else tolerances(recorded[0], row_runs)
   workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"reproduce_{spec.name}_"))
   run_dir = os.path.join(workdir, "run")
   command = run_command(spec.sweep, first, run_dir)
@@ -107,7 +101,7 @@ def reproduce(
     where = "the recording machine, software and data"
   else:
     where = "not the recording machine, software or data"
-  shown = "each value's, below" if tolerance is None else f"{tolerance:g}"
+  shown = "0" if same_machine else "each value's, below"
   lines = [
       f"Reproducing table {spec.name}: {spec.label(row)}, seed {seed} ({where}; tolerance {shown})"
   ]
@@ -145,10 +139,10 @@ def reproduce(
         "machine": machine(),
         "data": data_hashes([config]),
         "exact": exact,
-        "tolerance": tolerance,
+        "tolerance": 0.0,
         "differs_from_record": differs_from_record,
     }
-    if tolerance is None:  # Each value's, and the largest: the table says "within" it.
+    if not same_machine:  # Each value's, and the largest: the table says "within" it.
       entry["tolerances"] = {path: limit for path, (limit, _) in limits.items()}
       entry["tolerance"] = max(entry["tolerances"].values(), default=0.0)
     if not ok:  # A finished rerun that did not come back is a measurement: kept, not a voucher.

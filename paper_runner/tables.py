@@ -4,7 +4,7 @@ r"""Results tables generated from specs: record a sweep's runs, write and check 
   python -m paper_runner.tables --record=NAME --workdir=DIR             # results/records/NAME.json
   python -m paper_runner.tables --write=docs/results.md                 # every marked table
   python -m paper_runner.tables --check=docs/results.md                 # exit 1 if one differs
-  python -m paper_runner.tables --reproduce=NAME [--workdir=DIR] [--tolerance=X] [--stamp]
+  python -m paper_runner.tables --reproduce=NAME [--workdir=DIR] [--stamp]
   python -m paper_runner.tables --rerun=NAME --workdir=DIR              # add a rerun to the record
   python -m paper_runner.tables --references=NAME                       # score the reference rows
   python -m paper_runner.tables --estimate=NAME --scale=paper --target=h100x8  # device-hours
@@ -15,7 +15,6 @@ holds all a table renders from (statistics: docs/protocol.md section 3).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Any, Mapping, Sequence
@@ -56,12 +55,6 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
       stamp=flags.DEFINE_bool(
           "stamp", False, "--reproduce: add a passing reproduction to the record's provenance."
       ),
-      tolerance=flags.DEFINE_float(
-          "tolerance",
-          None,
-          "--reproduce: accepted |difference| (default: 0 on the recording machine, else each "
-          "value's from its recorded run-to-run spread: table_reproduce.tolerances).",
-      ),
   )
 
 
@@ -73,17 +66,9 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
   given = [m for m in MODES if f.get(m)]
   if len(given) != 1:
     raise UserError("give exactly one of " + ", ".join(f"--{m}" for m in MODES))
-  mode, target, tolerance = given[0], f[given[0]], f.get("tolerance")
-  # Given with another mode they would be ignored without a word.
-  for name in ("stamp", "tolerance"):
-    if f.get(name) not in (None, False) and mode != "reproduce":
-      raise UserError(f"--{name} only applies to --reproduce, not --{mode}")
-  if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
-    # NaN fails every comparison (identical values would "not reproduce"); inf passes every one.
-    raise UserError(
-        f"--tolerance={tolerance}: not a finite number >= 0 (the largest |difference| "
-        "--reproduce accepts)"
-    )
+  mode, target = given[0], f[given[0]]
+  if f.get("stamp") and mode != "reproduce":  # Else ignored without a word.
+    raise UserError(f"--stamp only applies to --reproduce, not --{mode}")
   if mode in ("record", "rerun") and not f.get("workdir"):
     raise UserError(f"--{mode} needs --workdir, the directory the sweep ran in")
   if mode == "write":
@@ -100,9 +85,7 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
     return 0
   if mode == "reproduce":
     try:
-      ok, lines = reproduce(
-          spec, read_record(spec.name), f.get("workdir"), tolerance, stamp=bool(f.get("stamp"))
-      )
+      ok, lines = reproduce(spec, read_record(spec.name), f.get("workdir"), bool(f.get("stamp")))
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: `reproduce` has stopped the rerun.
       print(
           f"error: --reproduce={spec.name}: interrupted; the rerun was stopped, nothing was "

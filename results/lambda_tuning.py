@@ -21,11 +21,7 @@ TABLE = dict(
     row_names=SETTINGS,
     split="validation",
     examples="validation.num_examples",
-    columns=(
-        ("validation.mf.pqd", "Val. MF-PQD", 1.0, 3),
-        ("validation.mf.dp", "Val. MF-DP", 1.0, 3),
-        ("validation.accuracy", "Val. acc. (%)", 100.0, 1),
-    ),
+    columns=(parts.VAL_MF_PQD, ("validation.mf.dp", "Val. MF-DP", 1.0, 3), parts.VAL_ACCURACY),
     select="validation.mf.pqd",
     select_within=("validation.accuracy", 0.01),
     claims=parts.against_first(SETTINGS, "validation.mf.pqd"),
