@@ -3,6 +3,7 @@ are described in docs/running.md), and what a dotted path reads of a run's repor
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import math
@@ -40,13 +41,10 @@ CLAIM_SUMMARY = "claims"
 VERDICT_SUMMARY = "verdicts"
 SUMMARIES = (RERUN_SUMMARY, CLAIM_SUMMARY, VERDICT_SUMMARY)
 
-
-@dataclasses.dataclass(frozen=True)
-class Column:
-  path: str
-  label: str
-  scale: float
-  decimals: int
+Column = collections.namedtuple("Column", "path label scale decimals")
+Tuning = collections.namedtuple("Tuning", "row settings what")
+# A choice that read the table's data: verdicts on `rows` (None: every row) are marked.
+SelectionLeak = collections.namedtuple("SelectionLeak", "rows why")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,21 +54,6 @@ class Claim:
   metric: str
   better: str
   margin: float = 0.0  # > 0: non-inferiority, "not worse by more than" (docs/protocol.md, 3).
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-  row: str
-  settings: int
-  what: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SelectionLeak:
-  """A choice that read the table's data: verdicts on `rows` (None: every row) are marked."""
-
-  rows: tuple[str, ...] | None
-  why: str
 
 
 @dataclasses.dataclass(frozen=True)
