@@ -40,6 +40,20 @@ def test_utilisation_is_the_roofline_bound_over_the_public_step_time():
   assert found == {"tpu": pytest.approx(dict(utilization=0.3, low=0.2, high=0.4, rows=1))}
 
 
+def test_mfu_is_the_step_s_flops_per_second_over_the_peak_of_the_dtype_it_ran_in():
+  from trainkit.preflight.targets import TARGETS
+
+  run = dict(calibration.PUBLIC_RUNS[0], target="h100x8", batch=800, images_per_s=(400.0, 800.0))
+  h100 = TARGETS["h100x8"]
+  row = {"flops_per_device": h100.peak_bf16_flops}  # One second of bfloat16 peak per step.
+  # A step every 2 s (low) and every 1 s (high); float32 runs at the lower TF32 peak.
+  assert calibration.mfu(dict(run, compute_dtype="bfloat16"), row) == pytest.approx((0.5, 1.0))
+  tf32 = h100.peak_bf16_flops / h100.peak_tf32_flops
+  assert calibration.mfu(dict(run, compute_dtype="float32"), row) == pytest.approx(
+      (0.5 * tf32, tf32)
+  )
+
+
 def test_every_public_run_names_its_source_and_a_known_target():
   from trainkit.preflight.targets import TARGETS
 
