@@ -76,6 +76,27 @@ PUBLIC_RUNS: tuple[dict[str, Any], ...] = (
         "(arXiv:2205.01580), abstract: 300 epochs in under a day on the TPU v3-8 of its 90-epoch "
         "figure; vit_s16_i1k.py with --config.total_epochs 300, as its docstring says",
     ),
+    # DeiT's recipe reproduced in JAX on a v4-64 (32 chips), 300 epochs of all of ImageNet-1k,
+    # evaluation every epoch included; the model and its loss run in float32 (no dtype set).
+    *(
+        dict(
+            name=f"deit_{size.lower()}16@v4-64",
+            model=f"DeiT-{size}/16, 300 epochs",
+            backbone=f"deit_{size.lower()}",
+            target="v4-64",
+            batch=1024,
+            images_per_s=(300 * IMAGENET_TRAIN_IMAGES / seconds,) * 2,
+            compute_dtype="float32",
+            framework="deit3-jax (JAX), float32, pure data parallel, 32 per chip",
+            source=f"affjljoo3581/deit3-jax, README.md (DeiT Reproduction, {size}/16, 300 epochs: "
+            f"{took} on a v4-64) and config/deit/deit-{size.lower()}16-224-in1k-300ep.sh (batch "
+            "1024, 224 px); src/modeling.py and src/training.py set no dtype",
+        )
+        for size, took, seconds in (
+            ("S", "2h 43m", 2 * 3600 + 43 * 60),
+            ("B", "4h 40m", 4 * 3600 + 40 * 60),
+        )
+    ),
     *(
         dict(
             name=f"vit_b16@{gpu.lower()}x8",
