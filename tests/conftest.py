@@ -40,6 +40,8 @@ import contextlib  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -74,12 +76,22 @@ ENDE_TINY_MODEL = {
 
 # This project's modules, as a regex over a warning's module (tests/e2e/test_deprecations.py).
 OWN_MODULES = r"(fairmoe_jax|causal_attn_jax|trainkit|paper_runner)(\.|$)"
+DEPRECATIONS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")
+# `python -c STRICT_RUNNER module args...` runs a package's main with every deprecation attributed
+# to our modules raised as an error.
+STRICT_RUNNER = f"""
+import runpy, sys, warnings
+for category in ({", ".join(DEPRECATIONS)}):
+  warnings.filterwarnings("error", category=category, module={OWN_MODULES!r})
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
 
 
 def pytest_configure(config):
   # A deprecated call from our own code is an error in every test, on either stack (README,
   # "Tested versions").
-  for category in ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"):
+  for category in DEPRECATIONS:
     config.addinivalue_line("filterwarnings", f"error::{category}:{OWN_MODULES}")
 
 
@@ -204,6 +216,40 @@ def one_device_env() -> dict[str, str]:
   env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS  # One CPU device, as on a user's laptop.
   env["PYTHONUNBUFFERED"] = "1"
   return env
+
+
+# The reduced quickstart's whole run, shared by the tests that read one (tests/e2e/test_cli.py,
+# test_deprecations.py, tests/fairmoe_jax/test_predictions.py): each process pays for imports,
+# cache loads and compiles, while the steps cost little. Its length is also test_cli.py's runs'
+# (the schedule's length is part of the train step: one compile in the persistent cache).
+QUICKSTART_STEPS = 30
+QUICKSTART_RUN_ARGS = [
+    f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps={QUICKSTART_STEPS}",
+    *QUICKSTART_TINY_ARGS,
+    "--config.eval_every_steps=15",
+    "--config.log_every_steps=10",
+    "--config.fair.review_every_steps=10",
+    "--config.eval.intersections=sex*age",
+    "--config.eval.min_group_size=10",
+]
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+  """The reduced quickstart trained once (with our deprecations raised as errors, for
+  test_deprecations.py): `.workdir` and the finished process `.result`. A test that writes into
+  the workdir copies it first (shutil.copytree)."""
+  workdir = tmp_path_factory.mktemp("quickstart_run")
+  result = subprocess.run(
+      [sys.executable, "-c", STRICT_RUNNER, "fairmoe_jax.main", f"--workdir={workdir}"]
+      + QUICKSTART_RUN_ARGS,
+      cwd=REPO_ROOT,
+      env=one_device_env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  return types.SimpleNamespace(workdir=workdir, result=result)
 
 
 # A tiny Causal Transformer (model, vocabulary and data) so a run takes seconds.
