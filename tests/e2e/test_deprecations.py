@@ -7,22 +7,14 @@ non-zero with the warning's traceback.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
-from conftest import CAUSAL_TINY_ARGS, ONE_DEVICE_XLA_FLAGS, OWN_MODULES, REPO_ROOT, SHARED_DATA
-from conftest import QUICKSTART_TINY_ARGS as FAIR_TINY
+from conftest import CAUSAL_TINY_ARGS, DEPRECATIONS, ONE_DEVICE_XLA_FLAGS, REPO_ROOT, SHARED_DATA
+from conftest import STRICT_RUNNER as RUNNER
 
 NLI = SHARED_DATA / "nli"
-DEPRECATIONS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")
-# Runs a package's main with every deprecation attributed to our modules raised as an error.
-RUNNER = f"""
-import runpy, sys, warnings
-for category in ({", ".join(DEPRECATIONS)}):
-  warnings.filterwarnings("error", category=category, module={OWN_MODULES!r})
-sys.argv = sys.argv[1:]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-"""
 
 
 def _run_strictly(module, *args):
@@ -51,18 +43,12 @@ def _assert_no_deprecation(result):
   assert not own, own
 
 
-def test_a_fairsmoe_run_trains_evaluates_and_predicts_without_deprecations(tmp_path):
-  workdir = tmp_path / "fair"
-  _assert_no_deprecation(
-      _run_strictly(
-          "fairmoe_jax.main",
-          f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=2",
-          f"--workdir={workdir}",
-          "--config.eval_every_steps=2",
-          # The quickstart's code paths on a smaller model and dataset: half the compile time.
-          *FAIR_TINY,
-      )
-  )
+def test_a_fairsmoe_run_trains_evaluates_and_predicts_without_deprecations(
+    quickstart_run, tmp_path
+):
+  # The reduced quickstart, run with RUNNER once for the session (tests/conftest.py).
+  _assert_no_deprecation(quickstart_run.result)
+  workdir = shutil.copytree(quickstart_run.workdir, tmp_path / "fair")
   images = SHARED_DATA / "celeba" / "img_align_celeba"
   _assert_no_deprecation(
       _run_strictly(
