@@ -5,14 +5,14 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import QUICKSTART_TINY_ARGS as TINY
-from conftest import REPO_ROOT
+from conftest import QUICKSTART_RUN_ARGS, QUICKSTART_STEPS, REPO_ROOT
 from conftest import one_device_env as _env
 from fairmoe_jax import config as config_lib
 from fairmoe_jax.data import images as images_lib
@@ -191,7 +191,7 @@ def test_preloaded_split_keeps_the_file_names(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# End to end: a tiny training run, then --mode=eval on its checkpoint.
+# End to end: the reduced quickstart's run (tests/conftest.py), then other modes on its workdir.
 # ---------------------------------------------------------------------------
 
 
@@ -200,13 +200,8 @@ def _main(workdir, *args):
       sys.executable,
       "-m",
       "fairmoe_jax.main",
-      f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=20",
       f"--workdir={workdir}",
-      *TINY,
-      "--config.eval_every_steps=0",
-      "--config.fair.review_every_steps=10",
-      "--config.eval.intersections=sex*age",
-      "--config.eval.min_group_size=10",
+      *QUICKSTART_RUN_ARGS,
       *args,
   ]
   result = subprocess.run(
@@ -217,10 +212,12 @@ def _main(workdir, *args):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("predictions_run")
-  stdout = _main(workdir)
-  return workdir, stdout
+def run(quickstart_run, tmp_path_factory):
+  """A copy of the session's run, which the tests below write into (export/, predict/)."""
+  assert quickstart_run.result.returncode == 0, quickstart_run.result.stderr[-3000:]
+  workdir = tmp_path_factory.mktemp("predictions_run") / "run"
+  shutil.copytree(quickstart_run.workdir, workdir)
+  return workdir, quickstart_run.result.stdout
 
 
 def _read(workdir):
@@ -336,15 +333,6 @@ def test_routing_measures_read_a_real_run_consistently(run):
 
 
 @pytest.mark.slow
-def test_eval_mode_writes_the_same_predictions(run):
-  workdir, _ = run
-  trained = (workdir / "predictions.csv").read_text()
-  (workdir / "predictions.csv").unlink()
-  _main(workdir, "--mode=eval")
-  assert (workdir / "predictions.csv").read_text() == trained
-
-
-@pytest.mark.slow
 def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   """--mode=export, then the file loads into a freshly initialised model of the same config
   and gives back the trained parameters (FairSMoE's router and attribute branches included)."""
@@ -374,7 +362,7 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
   restored = inference.restore_run(config, str(workdir))
   trained = restored.model
-  assert restored.step == 20
+  assert restored.step == QUICKSTART_STEPS
   expected = export_timm_state_dict(trained)
   assert sorted(exported) == sorted(expected)
   for name, value in expected.items():
@@ -444,9 +432,8 @@ def test_predict_refuses_routing_by_labels_and_empty_inputs(run, tmp_path):
         sys.executable,
         "-m",
         "fairmoe_jax.main",
-        f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=20",
         f"--workdir={workdir}",
-        *TINY,
+        *QUICKSTART_RUN_ARGS,
         "--mode=predict",
         *args,
     ]
