@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import FAIR_TINY_ARGS, QUICKSTART_TINY_ARGS, SHARED_DATA, one_device_env
+from conftest import QUICKSTART_RUN_ARGS, QUICKSTART_STEPS, QUICKSTART_TINY_ARGS, one_device_env
 from trainkit.errors import USER_ERROR_EXIT_CODE
 from trainkit.metric_writers import read_metrics
 
@@ -20,9 +20,7 @@ from trainkit.metric_writers import read_metrics
 TINY = QUICKSTART_TINY_ARGS
 _env = one_device_env
 QUICKSTART = "configs/quickstart.py"
-# One length for the runs of the quickstart below: the schedule's length is part of the train
-# step, so equal lengths let the persistent compilation cache compile it once for all of them.
-STEPS = 30
+STEPS = QUICKSTART_STEPS  # The shared quickstart run's length: its train step, compiled once.
 
 
 def _command(repo_root, workdir, *args, config="configs/quickstart.py"):
@@ -51,18 +49,11 @@ def _losses(workdir):
   return {m["step"]: m["loss"] for m in read_metrics(str(workdir))}
 
 
-def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
-  result = _run(
-      repo_root,
-      tmp_path,
-      *TINY,
-      "--config.eval_every_steps=15",
-      "--config.log_every_steps=10",
-      "--config.fair.review_every_steps=10",
-      config=f"{QUICKSTART}:steps={STEPS}",
-  )
+def test_quickstart_reduced_trains_evaluates_and_reports(quickstart_run, repo_root, tmp_path):
+  # The session's reduced quickstart run (tests/conftest.py: QUICKSTART_RUN_ARGS).
+  result, workdir = quickstart_run.result, quickstart_run.workdir
   assert result.returncode == 0, result.stderr
-  report = json.loads((tmp_path / "report.json").read_text())
+  report = json.loads((workdir / "report.json").read_text())
   assert report["num_examples"] == 128 and 0.0 <= report["accuracy"] <= 1.0
   assert set(report["attributes"]) == {"sex", "age", "site"}
   for attribute in report["attributes"].values():
@@ -110,7 +101,7 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   assert f"Routing by group (moe_block1): the group routed least like the split is {group}" in (
       result.stdout
   )
-  metrics = read_metrics(str(tmp_path))
+  metrics = read_metrics(str(workdir))
   assert [m["step"] for m in metrics if "loss" in m] == [10, 15, 20, 30]
   assert all("fem/experts/site" in m for m in metrics if m["step"] in (10, 20))
   for m in (m for m in metrics if "loss" in m):  # The loss is the sum of its logged terms.
@@ -120,13 +111,18 @@ def test_quickstart_reduced_trains_evaluates_and_reports(repo_root, tmp_path):
   # Throughput accounting: FLOPs from the compiled step (no MFU on CPU: no known peak).
   assert metrics[-1]["tokens_per_second"] == metrics[-1]["examples_per_second"] * 64
   assert metrics[-1]["model_tflops_per_second_per_device"] > 0 and "mfu" not in metrics[-1]
-  assert os.listdir(tmp_path / "tensorboard")
+  assert os.listdir(workdir / "tensorboard")
   for name in ("sex", "age", "site", "MF"):
     assert name in result.stdout
-  # --mode=eval on the same workdir reproduces the report from the final checkpoint.
-  evaluated = _run(repo_root, tmp_path, *TINY, "--mode=eval", config=f"{QUICKSTART}:steps={STEPS}")
+  # --mode=eval on (a copy of) the workdir reproduces the report and the predictions from the
+  # final checkpoint.
+  copy = shutil.copytree(workdir, tmp_path / "run")
+  (copy / "predictions.csv").unlink()
+  args = QUICKSTART_RUN_ARGS[1:]  # Its overrides, after its --config.
+  evaluated = _run(repo_root, copy, *args, "--mode=eval", config=f"{QUICKSTART}:steps={STEPS}")
   assert evaluated.returncode == 0, evaluated.stderr
-  assert json.loads((tmp_path / "report.json").read_text())["accuracy"] == report["accuracy"]
+  assert json.loads((copy / "report.json").read_text())["accuracy"] == report["accuracy"]
+  assert (copy / "predictions.csv").read_text() == (workdir / "predictions.csv").read_text()
 
 
 RESUME = TINY + [
@@ -239,39 +235,6 @@ def test_missing_config_file_is_one_clear_message(repo_root, tmp_path):
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert "does_not_exist.py" in result.stderr and "No such file" in result.stderr
   assert "Traceback" not in result.stderr
-
-
-@pytest.mark.skipif(not (SHARED_DATA / "celeba").is_dir(), reason="../shared/data/celeba absent")
-def test_celeba_sample_trains_fairsmoe_and_evaluates_on_another_copy(repo_root, tmp_path):
-  small = [f"--config.data.root={SHARED_DATA / 'celeba'}", *FAIR_TINY_ARGS]
-  workdir = tmp_path / "run"
-  config = "configs/celeba.py:size=small,epochs=1"
-  result = _run(repo_root, workdir, *small, config=config)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "rows_without_image=0" in result.stdout  # The load report is printed.
-  report = json.loads((workdir / "report.json").read_text())
-  assert report["method"] == "fairsmoe" and report["num_examples"] == 96
-  assert set(report["attributes"]) == {"Male"}
-  usage = report["expert_utilisation"]["moe_block0"]["Male"]
-  assert set(usage) == {"not_Male", "Male"} and all(len(v) == 4 for v in usage.values())
-  assert (workdir / "plots" / "expert_activation_moe_block0.png").is_file()
-
-  # Evaluate the trained model on another copy of the layout (here: a subset of the rows).
-  copy = tmp_path / "copy"
-  copy.mkdir()
-  (copy / "img_align_celeba").symlink_to(SHARED_DATA / "celeba" / "img_align_celeba")
-  lines = (SHARED_DATA / "celeba" / "list_attr_celeba.txt").read_text().splitlines()
-  (copy / "list_attr_celeba.txt").write_text("\n".join(lines[:2] + lines[-50:]) + "\n")
-  (copy / "list_eval_partition.txt").symlink_to(SHARED_DATA / "celeba" / "list_eval_partition.txt")
-  other = [
-      a if not a.startswith("--config.data.root") else f"--config.data.root={copy}" for a in small
-  ]
-  result = _run(repo_root, workdir, *other, "--mode=eval", config=config)
-  assert result.returncode == 0, result.stderr[-3000:]
-  report_copy = json.loads((workdir / "report.json").read_text())
-  assert report_copy["step"] == report["step"]
-  assert report_copy["num_examples"] == 50  # The copy's test split, not the original's.
-  assert "validation" not in report_copy  # The copy has no validation rows.
 
 
 def test_the_report_says_how_many_tokens_the_moe_dropped_and_what_validation_gave(

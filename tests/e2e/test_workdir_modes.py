@@ -115,7 +115,7 @@ def fair_run(tmp_path_factory):
   trained = root / "trained"
   config = f"--config={REPO_ROOT / 'configs/celeba.py'}:size=small,epochs=1"
   common = [config, f"--workdir={trained}", f"--config.data.root={data}", *FAIR_ARGS]
-  _ok(_main("fairmoe_jax", *common))
+  trained_stdout = _ok(_main("fairmoe_jax", *common)).stdout
   # Predict as before: the training command's config, with the data in place.
   _ok(_main("fairmoe_jax", *common, "--mode=predict", f"--config.predict.input={images}"))
   run = types.SimpleNamespace(
@@ -125,6 +125,7 @@ def fair_run(tmp_path_factory):
       predicted=(trained / "predict" / "predictions.csv").read_text(),
       workdir=root / "copy",
       data=data,
+      stdout=trained_stdout,
   )
   shutil.copytree(trained, run.workdir)
   shutil.rmtree(trained)
@@ -205,6 +206,31 @@ def test_fairmoe_eval_names_the_data_key_and_takes_its_new_location(fair_run, tm
   assert (workdir / "predictions.csv").read_text() == fair_run.evaluated
   # config.json stays the trained one: the override was for this evaluation only.
   assert json.loads((workdir / "config.json").read_text())["data"]["root"] == str(fair_run.data)
+
+
+def test_celeba_sample_trains_fairsmoe_and_evaluates_on_another_copy(fair_run, tmp_path):
+  assert "rows_without_image=0" in fair_run.stdout  # The load report is printed.
+  report = fair_run.report
+  assert report["method"] == "fairsmoe" and report["num_examples"] == 96
+  assert set(report["attributes"]) == {"Male"}
+  usage = report["expert_utilisation"]["moe_block0"]["Male"]
+  assert set(usage) == {"not_Male", "Male"} and all(len(v) == 4 for v in usage.values())
+  assert (fair_run.workdir / "plots" / "expert_activation_moe_block0.png").is_file()
+
+  # Evaluate the trained model (a copy: other tests read this one) on another copy of the
+  # layout (here: a subset of the rows).
+  workdir = shutil.copytree(fair_run.workdir, tmp_path / "run")
+  copy = tmp_path / "copy"
+  copy.mkdir()
+  (copy / "img_align_celeba").symlink_to(CELEBA / "img_align_celeba")
+  lines = (CELEBA / "list_attr_celeba.txt").read_text().splitlines()
+  (copy / "list_attr_celeba.txt").write_text("\n".join(lines[:2] + lines[-50:]) + "\n")
+  (copy / "list_eval_partition.txt").symlink_to(CELEBA / "list_eval_partition.txt")
+  _ok(_main("fairmoe_jax", f"--workdir={workdir}", "--mode=eval", f"--config.data.root={copy}"))
+  report_copy = json.loads((workdir / "report.json").read_text())
+  assert report_copy["step"] == report["step"]
+  assert report_copy["num_examples"] == 50  # The copy's test split, not the original's.
+  assert "validation" not in report_copy  # The copy has no validation rows.
 
 
 def test_fairmoe_load_run_reproduces_predict_mode(fair_run):
