@@ -132,19 +132,29 @@ def dense_run(tmp_path_factory):
       "--config.eval_every_steps=0",
       "--config.analysis_batches=0",
   ]
-  for args in (train, ["--mode=export"]):
+
+  def main(args):
     result = subprocess.run(
         common + args, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
-  return workdir, result.stdout
+    return result.stdout
+
+  main(train)
+  # export/config.json planted as a link to a file outside the workdir: the export replaces it,
+  # never writing through (test_export_where_a_file_or_a_planted_link_is_refused_or_replaced).
+  outside = tmp_path_factory.mktemp("outside") / "outside.json"
+  outside.write_text("precious")
+  (workdir / "export").mkdir()
+  (workdir / "export" / "config.json").symlink_to(outside)
+  return workdir, main(["--mode=export"]), outside
 
 
 @pytest.mark.slow
 def test_dense_export_rebuilds_from_its_config_with_the_trained_outputs(dense_run):
   import fairmoe_jax
 
-  workdir, stdout = dense_run
+  workdir, stdout, _ = dense_run
   cfg = json.loads((workdir / "export" / "config.json").read_text())
   run_info = json.loads((workdir / "run_info.json").read_text())
   assert cfg["timm_loadable"] is True and "why_not_timm" not in cfg
@@ -295,33 +305,25 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
   shutil.copytree(dense_run[0], workdir, symlinks=True)
   shutil.rmtree(workdir / "export")
 
-  def export():
-    return subprocess.run(
-        [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", "--mode=export"],
-        cwd=REPO_ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
   # export/ is a file: one line naming it (it was a FileExistsError traceback).
   (workdir / "export").write_text("not a folder")
-  result = export()
+  result = subprocess.run(
+      [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", "--mode=export"],
+      cwd=REPO_ROOT,
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
   (line,) = result.stderr.strip().splitlines()
   assert line.startswith(f"error: '{workdir / 'export'}' (or a folder above it) is a file"), line
-  # export/config.json is a link to a file outside the workdir: replaced, never written through.
-  (workdir / "export").unlink()
-  (workdir / "export").mkdir()
-  outside = tmp_path / "outside.json"
-  outside.write_text("precious")
-  (workdir / "export" / "config.json").symlink_to(outside)
-  result = export()
-  assert result.returncode == 0, result.stderr[-3000:]
+  # export/config.json was a link to a file outside the workdir (dense_run planted it before its
+  # export): replaced, never written through.
+  trained, _, outside = dense_run
   assert outside.read_text() == "precious"
-  assert not (workdir / "export" / "config.json").is_symlink()
-  assert json.loads((workdir / "export" / "config.json").read_text())["timm_loadable"] is True
+  assert not (trained / "export" / "config.json").is_symlink()
+  assert json.loads((trained / "export" / "config.json").read_text())["timm_loadable"] is True
 
 
 @pytest.mark.slow
