@@ -36,7 +36,7 @@ def test_the_paper_scale_estimate_sums_the_recorded_preflight_cells_and_the_equa
     assert f"the table: 35 runs, {table:,.0f} device-hours" in lines[1]
     assert f"48 runs, {search:,.0f} device-hours" in lines[2]
     assert f"total: 83 runs, {table + search:,.0f} device-hours" in lines[3]
-  # The figures from the same record: 359, 916 and 1,140 H100-hours.
+  # The README's and docs/reproducing.md's figures: 359, 916 and 1,140 H100-hours.
   assert "total: 83 runs, 1,140 device-hours" in lines[3]
   # The range: the roofline bound at the band's utilisations (no collectives on one GPU).
   mnli = os.path.join("results", "mnli_hans.py")
