@@ -116,7 +116,8 @@ FIGURES = [
     (README, r"fast tier took [^(]*\(pinned stack, (\d{4}-\d\d-\d\d)", FAST["date"]),
     (README, r"fast tier took [^)]*\): (\d+) passed", str(FAST["passed"])),
     (README, r"slow tier then took (\d+:\d\d)", _minutes_seconds(SLOW["wall_seconds"])),
-    (README, r"with another test run: (\d+) passed", str(SLOW["passed"])),
+    (README, r"slow tier then took \d+:\d\d, [^:]*: (\d+) passed", str(SLOW["passed"])),
+    (README, r"slow tier then took [^)]*, (\d+) failed", str(SLOW["failed"])),
     # README: the tests on a lent GPU.
     (README, r"the (\d+) device test files", str(len(GPU_TEST_FILES))),
     (README, r"files gave (\d+) passed", str(GPU_TESTS["passed"])),
