@@ -95,6 +95,8 @@ def paper_estimate(
       cells = json.load(f)["cells"]
   if (target or "").split(",")[0] not in TARGETS:
     raise UserError(f"--target={target}: not a preflight target; known: {', '.join(TARGETS)}")
+  from trainkit.preflight.compile import band_seconds  # pylint: disable=import-outside-toplevel
+
   platform = TARGETS[target.split(",")[0]].platform
   low_u, high_u = CALIBRATION[platform].band
 
@@ -108,8 +110,8 @@ def paper_estimate(
     cell = cells[name]
     # The step is the roofline bound at the utilisation, plus the collectives' time.
     collectives = cell["step_s"] - cell["roofline_s"] / cell["utilization"]
-    at = lambda u: cell["device_hours"] * (cell["roofline_s"] / u + collectives) / cell["step_s"]
-    return cell["device_hours"], at(high_u), at(low_u)
+    band = band_seconds(cell["roofline_s"], collectives, [low_u, high_u])
+    return cell["device_hours"], *(cell["device_hours"] * s / cell["step_s"] for s in band)
 
   points = grid_points(sweep)
   searched, runs = PAPER_SEARCH.get(sweep.module, ((), 0))
