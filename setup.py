@@ -30,6 +30,8 @@ PACKAGES = find_packages(include=[f"{p}*" for p in CODE_PACKAGES]) + sorted(CONF
 PACKAGE_DIR = dict(CONFIG_DIRS)
 # PEP 561 markers: the packages carry type hints.
 PACKAGE_DATA = {p: ["py.typed"] for p in CODE_PACKAGES}
+# The vanilla SMoE record the quickstart prints beside its figures (fairmoe_jax/report.py).
+PACKAGE_DATA["fairmoe_jax"].append("quickstart_vanilla_smoe.json")
 
 setup(
     name="fairmoe-jax",

@@ -5,6 +5,7 @@ validation split's headline numbers, the gradient cosines and one number per mec
 
 from __future__ import annotations
 
+import importlib.resources
 import itertools
 import json
 import os
@@ -99,19 +100,19 @@ VALIDATION_ROUTING_KEYS = (
 
 
 # Vanilla SMoE on the quickstart's data, size, steps and seed (one run, its command inside): a
-# FairSMoE run of the same settings prints it beside its own figures. In a checkout only.
+# FairSMoE run of the same settings prints it beside its own figures. The package ships a copy of
+# the record, so that a run needs no checkout (tests/fairmoe_jax checks that the two are equal).
 BASELINE_RECORD = "results/records/quickstart_vanilla_smoe.json"
 
 
 def matching_baseline(config: ml_collections.ConfigDict) -> dict[str, Any] | None:
   """The vanilla SMoE record, without its settings, when `config` has all of them; else None."""
-  checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  shipped = importlib.resources.files("fairmoe_jax") / os.path.basename(BASELINE_RECORD)
+  record = json.loads(shipped.read_text(encoding="utf-8"))
   try:
-    with open(os.path.join(checkout, BASELINE_RECORD), encoding="utf-8") as f:
-      record = json.load(f)
     if all(cfg.get(config, key) == value for key, value in record.pop("settings").items()):
       return {**record, "record": BASELINE_RECORD}
-  except (OSError, ValueError, ConfigError):  # No record here, or a key the config lacks.
+  except ConfigError:  # A key the config lacks.
     pass
   return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import pathlib
 import types
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import REPO_ROOT
 from fairmoe_jax import report as report_lib
 from fairmoe_jax.metrics import (
     METRIC_NAMES,
@@ -448,6 +450,11 @@ def test_a_fairsmoe_run_prints_vanilla_smoe_s_record_only_for_the_record_s_setti
   text = format_report({**report, "baseline": None})
   assert "no vanilla SMoE record matches this run's data, size, steps and seed" in text
   assert "Vanilla SMoE on the same data" not in text
+
+
+def test_the_shipped_vanilla_smoe_record_is_the_checkout_s_record():
+  shipped = pathlib.Path(report_lib.__file__).with_name("quickstart_vanilla_smoe.json")
+  assert shipped.read_bytes() == (REPO_ROOT / report_lib.BASELINE_RECORD).read_bytes()
 
 
 def test_fem_s_reading_names_an_expert_a_change_emptied_and_the_idle_ones():

@@ -143,6 +143,7 @@ def test_setup_ships_configs_and_type_markers(setup_args):
 def test_built_tree_holds_every_config_and_type_marker(built_tree):
   for package in PACKAGES:
     assert (built_tree / package / "py.typed").is_file()
+  assert (built_tree / "fairmoe_jax" / "quickstart_vanilla_smoe.json").is_file()  # report.py's
   bundled = built_tree / "trainkit" / config_files.BUNDLED_CONFIGS
   shipped = sorted(p.relative_to(bundled) for p in bundled.rglob("*.py"))
   configs = REPO_ROOT / "configs"
