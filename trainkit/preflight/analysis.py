@@ -27,14 +27,8 @@ def bytes_per_device(tree: Any) -> int:
     sharding = getattr(leaf, "sharding", None)
     if sharding is not None:
       shape = sharding.shard_shape(shape)
-    total += math.prod(shape) * _itemsize(leaf.dtype)
+    total += math.prod(shape) * leaf.dtype.itemsize  # A PRNG key's dtype has one too.
   return total
-
-
-def _itemsize(dtype: Any) -> int:
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return 8  # A threefry key: two uint32.
-  return np.dtype(dtype).itemsize
 
 
 # --- Memory of a compiled program -----------------------------------------------------------
@@ -44,8 +38,6 @@ def memory(compiled: Any) -> dict[str, int]:
   """Per-device bytes of a compiled program: arguments, outputs, the donated part both share,
   temporaries, generated code, and the peak (arguments + outputs - aliased + temporaries)."""
   stats = compiled.memory_analysis()
-  if isinstance(stats, (list, tuple)):
-    stats = stats[0]
   argument = int(stats.argument_size_in_bytes)
   output = int(stats.output_size_in_bytes)
   alias = int(stats.alias_size_in_bytes)
@@ -64,13 +56,7 @@ def memory(compiled: Any) -> dict[str, int]:
 def cost(compiled: Any) -> dict[str, float] | None:
   """XLA's cost analysis of a compiled program (per device), or None where the backend has
   none (GPU)."""
-  try:
-    result = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except  # Unsupported on some backends.
-    return None
-  if isinstance(result, (list, tuple)):
-    result = result[0] if result else None
-  return dict(result) if result else None
+  return compiled.cost_analysis() or None
 
 
 # Ops XLA's HLO cost analysis counts one FLOP per element of their result (its transcendental
@@ -356,63 +342,43 @@ def matmul_flops(closed_jaxpr: Any) -> dict[str, Any]:
   """FLOPs (2 x multiply-adds) of every dot_general, convolution and ragged_dot of a traced
   program, over all devices: a shard_map body on each device of its manual axes, a scan body
   `length` times, a cond's costliest branch, a while body once (`uncounted_loops`)."""
-  loops = [0]
+  loops = 0
 
   def count(jaxpr: Any) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-      total += _eqn_flops(eqn, count, loops)
-    return total
+    return sum((eqn_flops(eqn) for eqn in jaxpr.eqns), 0.0)
+
+  def eqn_flops(eqn: Any) -> float:
+    nonlocal loops
+    name, params = eqn.primitive.name, eqn.params
+    if name in ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"):
+      lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+      out = math.prod(eqn.outvars[0].aval.shape)
+      if name == "dot_general":
+        (contracting, _), _ = params["dimension_numbers"]
+        return 2.0 * out * math.prod(lhs[d] for d in contracting)
+      if name == "conv_general_dilated":
+        spec = params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
+        return 2.0 * out * math.prod(rhs[d] for d in spec[1:])
+      return 2.0 * out * lhs[-1]
+    subs = list(jax.extend.core.jaxprs_in_params(params))
+    if not subs:
+      return 0.0
+    if name == "cond":
+      return max(count(j) for j in subs)
+    inner = sum(count(j) for j in subs)
+    if name == "scan":
+      return inner * params["length"]
+    if name == "while":
+      loops += 1
+      return inner
+    if name == "shard_map":
+      mesh = params["mesh"]
+      axes = params.get("manual_axes") or params.get("axis_names") or mesh.axis_names
+      return inner * math.prod(mesh.shape[a] for a in axes)
+    return inner
 
   flops = count(closed_jaxpr.jaxpr)
-  return {"flops": flops, "uncounted_loops": loops[0]}
-
-
-def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
-  found = []
-  for value in params.values():
-    for item in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(item, jax.extend.core.ClosedJaxpr):
-        found.append(item.jaxpr)
-      elif isinstance(item, jax.extend.core.Jaxpr):
-        found.append(item)
-  return found
-
-
-def _eqn_flops(eqn: Any, count: Any, loops: list[int]) -> float:
-  name = eqn.primitive.name
-  params = eqn.params
-  if name == "dot_general":
-    (contracting, _), _ = params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    out = eqn.outvars[0].aval.shape
-    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
-  if name == "conv_general_dilated":
-    rhs = eqn.invars[1].aval.shape
-    out = eqn.outvars[0].aval.shape
-    spec = params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
-    kernel = math.prod(rhs[d] for d in spec[1:])
-    return 2.0 * math.prod(out) * kernel
-  if name == "ragged_dot" or name == "ragged_dot_general":
-    lhs = eqn.invars[0].aval.shape
-    out = eqn.outvars[0].aval.shape
-    return 2.0 * math.prod(out) * lhs[-1]
-  subs = _sub_jaxprs(params)
-  if not subs:
-    return 0.0
-  if name == "cond":
-    return max(count(j) for j in subs)
-  inner = sum(count(j) for j in subs)
-  if name == "scan":
-    return inner * params["length"]
-  if name == "while":
-    loops[0] += 1
-    return inner
-  if name == "shard_map":
-    mesh = params["mesh"]
-    axes = params.get("manual_axes") or params.get("axis_names") or mesh.axis_names
-    return inner * math.prod(mesh.shape[a] for a in axes)
-  return inner
+  return {"flops": flops, "uncounted_loops": loops}
 
 
 # --- Step time ------------------------------------------------------------------------------
