@@ -8,14 +8,11 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """One platform's calibration: the utilisation, the range the public rows allow, and `band`,
-  the utilisations that bound the printed step range (`paper_runner.calibration.band`: every
+  """One platform's calibration: the utilisation, the public rows it is from, and `band`, the
+  utilisations that bound the printed step range (`paper_runner.calibration.band`: every
   calibration point, widened by the spread between jax versions; rounded outwards)."""
 
   utilization: float
-  low: float
-  high: float
-  rows: int
   source: str
   band: tuple[float, float]
 
@@ -25,20 +22,12 @@ CALIBRATION: dict[str, Calibration] = {
     # deit3-jax's float32 DeiT-S/16 and DeiT-B/16 on a v4-64 (300 epochs in 2h43m and 4h40m).
     "tpu": Calibration(
         0.94,
-        0.57,
-        1.41,
-        rows=4,
         source="ViT-S/16 on a TPU v3-8 (big_vision) and DeiT-S/B on a v4-64 (deit3-jax), float32",
         band=(0.50, 1.61),
     ),
     # NVIDIA JAX-Toolbox's ViT-B/16 pre-training on 8 A100s and on 8 H100s (t5x, bfloat16); the
     # band also holds our CelebA DeiT-S step measured on two lent H200s.
     "gpu": Calibration(
-        0.38,
-        0.37,
-        0.40,
-        rows=2,
-        source="ViT-B/16 on 8 A100s and on 8 H100s (JAX-Toolbox t5x)",
-        band=(0.32, 0.59),
+        0.38, source="ViT-B/16 on 8 A100s and on 8 H100s (JAX-Toolbox t5x)", band=(0.32, 0.59)
     ),
 }
