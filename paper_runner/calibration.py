@@ -30,6 +30,7 @@ from absl import app, flags
 
 from paper_runner import preflight_table
 from paper_runner.markers import write_or_check
+from paper_runner.spec import REPO_ROOT
 from trainkit.config_files import resolve_config_path
 from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
@@ -136,7 +137,6 @@ JAX_PAIRS = (
         for backbone in ("deit_b", "swin_s", "swin_b")
     ),
 )
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --compile, --only, --write and --check are preflight_table's (one flag of each name).
 _ROW = flags.DEFINE_string("row", "", "compile this public run alone and write its row to --out")
@@ -283,7 +283,7 @@ def calibrated_utilisation(record: dict[str, Any] | None = None) -> dict[str, di
 
 
 def _json(path: str) -> dict[str, Any]:
-  with open(os.path.join(_ROOT, path)) as f:
+  with open(os.path.join(REPO_ROOT, path)) as f:
     return json.load(f)
 
 
@@ -329,6 +329,12 @@ def band(record: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
   return found
 
 
+def _span(pair: tuple[float, float], spec: str) -> str:
+  """One figure where the public source gives one, else `low-high`."""
+  low, high = (format(x, spec) for x in pair)
+  return low if pair[0] == pair[1] else f"{low}-{high}"
+
+
 def table(record: dict[str, Any] | None = None) -> str:
   record = record if record is not None else _load()
   lines = [
@@ -339,18 +345,14 @@ def table(record: dict[str, Any] | None = None) -> str:
   for run in PUBLIC_RUNS:
     row = record["rows"].get(run["name"])
     low, high = run["images_per_s"]
-    shown = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
-    step = run["batch"] / high * 1e3, run["batch"] / low * 1e3
-    step_shown = f"{step[0]:.0f}" if low == high else f"{step[0]:.0f}-{step[1]:.0f}"
-    head = f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} "
+    step = _span((run["batch"] / high * 1e3, run["batch"] / low * 1e3), ".0f")
+    head = f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} "
+    head += f"| {_span((low, high), ',.0f')} | {step} "
     if row is None:
-      lines.append(f"{head}| {step_shown} | not compiled | | | |")
+      lines.append(f"{head}| not compiled | | | |")
       continue
-    u, m = utilisation(run, row), mfu(run, row)
-    u_shown = f"{u[0]:.2f}" if low == high else f"{u[0]:.2f}-{u[1]:.2f}"
-    m_shown = f"{m[0]:.0%}" if low == high else f"{m[0]:.0%}-{m[1]:.0%}"
-    figures = f"{row['roofline_s'] * 1e3:.1f} | {row['bound_by']} | {u_shown} | {m_shown}"
-    lines.append(f"{head}| {step_shown} | {figures} |")
+    u, m = _span(utilisation(run, row), ".2f"), _span(mfu(run, row), ".0%")
+    lines.append(f"{head}| {row['roofline_s'] * 1e3:.1f} | {row['bound_by']} | {u} | {m} |")
   lines.append("")
   for platform, c in sorted(calibrated_utilisation(record).items()):
     lines.append(
