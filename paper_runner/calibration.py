@@ -329,12 +329,6 @@ def band(record: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
   return found
 
 
-def _span(pair: tuple[float, float], spec: str) -> str:
-  """One figure where the public source gives one, else `low-high`."""
-  low, high = (format(x, spec) for x in pair)
-  return low if pair[0] == pair[1] else f"{low}-{high}"
-
-
 def table(record: dict[str, Any] | None = None) -> str:
   record = record if record is not None else _load()
   lines = [
@@ -345,14 +339,18 @@ def table(record: dict[str, Any] | None = None) -> str:
   for run in PUBLIC_RUNS:
     row = record["rows"].get(run["name"])
     low, high = run["images_per_s"]
-    step = _span((run["batch"] / high * 1e3, run["batch"] / low * 1e3), ".0f")
-    head = f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} "
-    head += f"| {_span((low, high), ',.0f')} | {step} "
+    shown = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
+    step = run["batch"] / high * 1e3, run["batch"] / low * 1e3
+    step_shown = f"{step[0]:.0f}" if low == high else f"{step[0]:.0f}-{step[1]:.0f}"
+    head = f"| {run['model']}, {run['framework']} | {run['target']} | {run['batch']} | {shown} "
     if row is None:
-      lines.append(f"{head}| not compiled | | | |")
+      lines.append(f"{head}| {step_shown} | not compiled | | | |")
       continue
-    u, m = _span(utilisation(run, row), ".2f"), _span(mfu(run, row), ".0%")
-    lines.append(f"{head}| {row['roofline_s'] * 1e3:.1f} | {row['bound_by']} | {u} | {m} |")
+    u, m = utilisation(run, row), mfu(run, row)
+    u_shown = f"{u[0]:.2f}" if low == high else f"{u[0]:.2f}-{u[1]:.2f}"
+    m_shown = f"{m[0]:.0%}" if low == high else f"{m[0]:.0%}-{m[1]:.0%}"
+    figures = f"{row['roofline_s'] * 1e3:.1f} | {row['bound_by']} | {u_shown} | {m_shown}"
+    lines.append(f"{head}| {step_shown} | {figures} |")
   lines.append("")
   for platform, c in sorted(calibrated_utilisation(record).items()):
     lines.append(
