@@ -234,13 +234,6 @@ def verify_manifest(step_dir: str) -> str:
   return ""
 
 
-def _check_writable(directory: str) -> None:
-  """Raises the OSError of a local checkpoint folder that cannot take a new file, before a save
-  starts: a save Orbax started there would hang its threads up to its coordination timeout."""
-  if jax.process_index() == 0 and not storage.is_remote(directory):
-    tempfile.TemporaryFile(dir=directory).close()
-
-
 class _Unusable(ValueError):
   """A reason of ours, already one readable line."""
 
@@ -321,7 +314,10 @@ class Checkpointer:
     if free is not None and free < needed:
       raise self._out_of_space(step, needed, free)
     with self._save_errors((step, needed)):
-      _check_writable(self.directory)
+      if jax.process_index() == 0 and not storage.is_remote(self.directory):
+        # A folder that cannot take a new file raises here: a save Orbax started there would
+        # hang its threads up to its coordination timeout.
+        tempfile.TemporaryFile(dir=self.directory).close()
       args = ocp.args.Composite(
           **{
               STATE: ocp.args.PyTreeSave(state),

@@ -61,11 +61,6 @@ def learning_rate_schedule(
   return schedule if k == 1 else lambda step: schedule(step // k)
 
 
-def _decay_mask(params):
-  # Biases, norm scales and 1-d embeddings are not decayed (DeiT / timm convention).
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
 class EmaParamsState(NamedTuple):
   ema_params: Any  # The parameters' tree (optax.Params, which the API docs cannot resolve).
 
@@ -107,7 +102,8 @@ def make_optimizer(
           b1=config.b1,
           b2=config.b2,
           weight_decay=config.weight_decay,
-          mask=_decay_mask,
+          # Biases, norm scales and 1-d embeddings are not decayed (DeiT / timm convention).
+          mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
       )
   )
   if config.ema_decay > 0:  # Inside MultiSteps: once per update, as the parameters change.
