@@ -26,7 +26,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
 from trainkit.config import get as config_get
-from trainkit.config import require_float, require_int
+from trainkit.config import require_choice, require_float, require_int
 from trainkit.errors import ConfigError, UserError
 from trainkit.mesh import batch_sharding, make_mesh, require_all_devices
 from trainkit.optim import learning_rate_schedule, make_optimizer
@@ -76,10 +76,7 @@ def validate_preflight(config: ml_collections.ConfigDict) -> Target | None:
   """Checks the preflight keys; returns the target (None when none is named)."""
   require_float(config, "preflight.utilization", minimum=0.0, maximum=1.0)  # NaN refused too.
   require_int(config, "preflight.train_examples", minimum=0)
-  if not isinstance(config.preflight.eval_step, bool):
-    raise ConfigError(
-        "preflight.eval_step", f"must be True or False, got {config.preflight.eval_step!r}"
-    )
+  require_choice(config, "preflight.eval_step", (True, False))
   name = config.preflight.target
   if not name:
     return None

@@ -210,20 +210,17 @@ def _executions(instructions: list[_Instruction], entry: str | None) -> dict[str
       loop = ins.op == "while" and attribute in ("body", "condition")
       times = int(trip.group(1)) if loop and trip else 1
       callers.setdefault(name, []).append((ins.computation, times, loop and trip is None))
-  memo: dict[str, tuple[int, bool]] = {}
 
+  @functools.cache
   def count(name: str) -> tuple[int, bool]:
     if name == entry or entry is None or name not in callers:
       return (1, False)  # The entry, or called through an attribute not read here: once.
-    if name not in memo:
-      memo[name] = (0, False)  # HLO has no recursion; this only guards malformed text.
-      total, unknown = 0, False
-      for caller, times, unknown_here in callers.get(name, []):
-        n, u = count(caller)
-        total += n * times
-        unknown = unknown or u or (unknown_here and n > 0)
-      memo[name] = (total, unknown)
-    return memo[name]
+    total, unknown = 0, False
+    for caller, times, unknown_here in callers[name]:
+      n, u = count(caller)
+      total += n * times
+      unknown = unknown or u or (unknown_here and n > 0)
+    return total, unknown
 
   return {ins.computation: count(ins.computation) for ins in instructions}
 
