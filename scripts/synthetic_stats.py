@@ -165,12 +165,6 @@ def logistic_regression_baseline(
   }
 
 
-def accuracy_gap(attribute_report: dict[str, Any]) -> float:
-  """Largest minus smallest group accuracy of one attribute of a fairness report."""
-  accuracies = [g["accuracy"] for g in attribute_report["groups"].values()]
-  return max(accuracies) - min(accuracies)
-
-
 def oracle_reader(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]:
   """The fairness report of reading the class from the lesion's tint (synthetic_testbed)."""
   tint = synthetic_testbed.read_lesion_tint(split["image"], info.num_classes)
@@ -293,31 +287,25 @@ def format_stats(stats: dict[str, Any]) -> str:
       f"{d['num_classes']} classes, sizes {d['sizes']} "
       f"(generated in {stats['generation_seconds']:.2f} s)",
       "",
+      "== Group sizes (nominal frequency in brackets)",
   ]
-
-  lines.append("== Group sizes (nominal frequency in brackets)")
   split_names = list(stats["group_sizes"])
   for attr, nominal in stats["nominal_frequencies"].items():
     lines.append(f"[{attr}]  " + "  ".join(f"{s:>6}" for s in split_names))
     for j, g in enumerate(stats["group_sizes"][split_names[0]][attr]):
       counts = "  ".join(f"{stats['group_sizes'][s][attr][g]:>6}" for s in split_names)
       lines.append(f"  {g:<16} ({nominal[j]:.2f})  {counts}")
-  lines.append("")
 
   lf = stats["label_frequencies"]
-  lines.append(
-      f"== Label frequencies P(y | group) on {lf['split']}: measured [expected]; "
-      f"classes {', '.join(d['class_names'])}"
-  )
-  lines.append(
-      f"  {'all':<16} {_fmt_probs(lf['all']['measured'])}  "
-      f"[{_fmt_probs(lf['all']['expected'])}]"
-  )
   majority = int(np.argmax(lf["all"]["measured"]))
-  lines.append(
+  lines += [
+      "",
+      f"== Label frequencies P(y | group) on {lf['split']}: measured [expected]; "
+      f"classes {', '.join(d['class_names'])}",
+      f"  {'all':<16} {_fmt_probs(lf['all']['measured'])}  [{_fmt_probs(lf['all']['expected'])}]",
       f"  majority class {d['class_names'][majority]}: {lf['all']['measured'][majority]:.3f} "
-      f"of {lf['split']} (the accuracy of always answering it)"
-  )
+      f"of {lf['split']} (the accuracy of always answering it)",
+  ]
   for attr in stats["nominal_frequencies"]:
     lines.append(f"[{attr}]")
     for g, v in lf[attr].items():
@@ -326,16 +314,13 @@ def format_stats(stats: dict[str, Any]) -> str:
 
   for split, ma in stats["marker_agreement"].items():
     measured, expected = ma["measured"], ma["expected"]
-    lines.append(
+    lines += [
         f"== Marker shows the true class ({split}): measured from the images "
-        "[expected from the generator's factors]"
-    )
-    lines.append(
+        "[expected from the generator's factors]",
         f"  (marker colour within {ma['decoding']['max_distance_to_nearest']:.1f} of its "
-        f"palette colour, at least {ma['decoding']['min_distance_to_second']:.1f} from "
-        "any other)"
-    )
-    lines.append(f"  {'all':<16} {measured['accuracy']:.3f}  [{expected['all']:.3f}]")
+        f"palette colour, at least {ma['decoding']['min_distance_to_second']:.1f} from any other)",
+        f"  {'all':<16} {measured['accuracy']:.3f}  [{expected['all']:.3f}]",
+    ]
     for attr, entry in measured["attributes"].items():
       lines.append(f"[{attr}]  PQD of always following the marker: {entry['pqd']:.3f}")
       for g, v in entry["groups"].items():
@@ -343,22 +328,26 @@ def format_stats(stats: dict[str, Any]) -> str:
     lines.append("")
 
   for split, report in stats.get("oracle_reader", {}).items():
-    gaps = ", ".join(f"{name} {accuracy_gap(a):.3f}" for name, a in report["attributes"].items())
-    lines.append(f"== Oracle reader ({split}): the class read from the lesion's tint")
-    lines.append(f"  accuracy gap across groups (max - min): {gaps}")
-    lines.append(format_report(report))
-    lines.append("")
+    # The accuracy gap across an attribute's groups: the largest minus the smallest.
+    accuracies = {
+        name: [g["accuracy"] for g in a["groups"].values()]
+        for name, a in report["attributes"].items()
+    }
+    gaps = ", ".join(f"{name} {max(a) - min(a):.3f}" for name, a in accuracies.items())
+    lines += [
+        f"== Oracle reader ({split}): the class read from the lesion's tint",
+        f"  accuracy gap across groups (max - min): {gaps}",
+        format_report(report),
+        "",
+    ]
   lr = stats["logistic_regression"]
-  lines.append(
+  lines += [
       f"== Logistic regression on {lr['features']}, l2 {lr['l2']:g} "
-      f"({lr['seconds']:.1f} s): train accuracy {lr['train_accuracy']:.3f}; test:"
-  )
-  lines.append(format_report(lr["test"]))
-  lines.append(
+      f"({lr['seconds']:.1f} s): train accuracy {lr['train_accuracy']:.3f}; test:",
+      format_report(lr["test"]),
       f"It predicts the class the marker shows on {lr['test_share_predicting_marker']:.3f} of the "
-      "test images."
-  )
-
+      "test images.",
+  ]
   if "model" in stats:
     m = stats["model"]
     lines += [
