@@ -56,8 +56,8 @@ class ProcessBlocks(grain.MapDataset):
   """This process's part of each global batch of a (shuffled, augmented) global stream.
 
   The parent's first ``num_batches * global_batch_size`` elements are cut into global
-  batches; process ``i`` reads the ``i``-th block of ``local_batch_size`` consecutive
-  elements of each. Batching this dataset by ``local_batch_size`` and concatenating the
+  batches; process ``i`` reads the ``i``-th block of ``global_batch_size // process_count``
+  consecutive elements of each. Batching this dataset by that size and concatenating the
   processes' batches in process order (``jax.make_array_from_process_local_data``) gives
   exactly the global batch one process would read: the training stream does not depend on
   the number of processes. Indices past one epoch map to the parent's next epoch, as
@@ -104,15 +104,6 @@ def train_decode_size(image_size: int) -> int:
   """Side at which training decodes image files: larger than the output, so the random crop
   resamples from more pixels than it emits, as on pre-decoded images."""
   return round(image_size * 1.15)
-
-
-def local_batch_size(global_batch_size: int, process_count: int) -> int:
-  if global_batch_size % process_count:
-    raise ValueError(
-        f"global_batch_size {global_batch_size} is not divisible by "
-        f"process_count {process_count}."
-    )
-  return global_batch_size // process_count
 
 
 # How often a worker process checks that the process that started it is still there.
@@ -275,7 +266,11 @@ def train_iterator(
     raise ValueError(f"resampling must be one of {TRAIN_RESAMPLING}, got {resampling!r}.")
   if num_workers < 0:
     raise ValueError(f"num_workers must be >= 0, got {num_workers}.")
-  batch_size = local_batch_size(global_batch_size, process_count)
+  if global_batch_size % process_count:
+    raise ValueError(
+        f"global_batch_size {global_batch_size} is not divisible by "
+        f"process_count {process_count}."
+    )
   source = ArraySource(arrays)
   if len(source) < global_batch_size:
     raise ValueError(
@@ -316,7 +311,7 @@ def train_iterator(
           global_batch_size=global_batch_size,
           process_index=process_index,
           process_count=process_count,
-      ).batch(batch_size, drop_remainder=True)
+      ).batch(global_batch_size // process_count, drop_remainder=True)
       # Repeating after batching keeps batches within epochs; it re-seeds the
       # shuffle and the augmentation for every epoch.
       .repeat(None)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fairmoe_jax.metrics.fairness import METRIC_NAMES, attribute_fairness
+from fairmoe_jax.metrics.fairness import METRIC_NAMES, attribute_fairness, confusion_counts
 
 SEPARATOR = "*"
 
@@ -55,25 +55,6 @@ def check_attributes(
           f"{SEPARATOR.join(names)!r}: no sensitive attribute {', '.join(map(repr, unknown))}; "
           f"the dataset has {', '.join(attribute_names)}"
       )
-
-
-def group_counts(
-    labels: np.ndarray,
-    predictions: np.ndarray,
-    groups: np.ndarray,
-    *,
-    num_groups: int,
-    num_classes: int,
-) -> np.ndarray:
-  """Host version of ``confusion_counts``: ``[G, C, C]``, examples with ``groups < 0`` skipped."""
-  keep = np.asarray(groups) >= 0
-  counts = np.zeros((num_groups, num_classes, num_classes), np.float64)
-  np.add.at(
-      counts,
-      (np.asarray(groups)[keep], np.asarray(labels)[keep], np.asarray(predictions)[keep]),
-      1.0,
-  )
-  return counts
 
 
 def intersection_groups(attributes: np.ndarray, group_sizes: Sequence[int]) -> np.ndarray:
@@ -114,12 +95,15 @@ def intersection_report(
     columns = [list(attribute_names).index(name) for name in names]
     sizes = [len(group_names[c]) for c in columns]
     combined = intersection_groups(np.asarray(attributes)[:, columns], sizes)
-    counts = group_counts(
-        labels, predictions, combined, num_groups=int(np.prod(sizes)), num_classes=num_classes
-    )
     group_keys = [
         SEPARATOR.join(parts) for parts in itertools.product(*(group_names[c] for c in columns))
     ]
+    mask = np.ones_like(combined)
+    counts = np.asarray(
+        confusion_counts(
+            labels, predictions, combined, mask, num_groups=len(group_keys), num_classes=num_classes
+        )
+    )
     result = attribute_fairness(counts)
     n = result.group_n
     small = (n > 0) & (n < min_group_size)
