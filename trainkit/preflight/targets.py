@@ -241,11 +241,10 @@ _V3_CORE = dict(
 )
 
 
-def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: Any) -> Target:
-  per_host = 4 if chips >= 4 else chips
-  if name.startswith("v5e") and chips == 8:
-    per_host = 8  # A v5e-8 is one host with 8 chips (2x4).
-  bounds = kwargs.pop("chips_per_host_bounds", (2, 2, 1) if per_host == 4 else (2, 4, 1))
+def _tpu(
+    name: str, facts: dict[str, Any], topology: str, chips: int, per_host: int = 4, **kwargs: Any
+) -> Target:
+  kwargs.setdefault("chips_per_host_bounds", (2, 2, 1) if per_host == 4 else (2, 4, 1))
   return Target(
       name=name,
       platform="tpu",
@@ -253,7 +252,6 @@ def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: 
       num_hosts=max(1, chips // per_host),
       usable_fraction=1.0,
       topology=topology,
-      chips_per_host_bounds=bounds,
       **facts,
       **kwargs,
   )
@@ -263,19 +261,11 @@ def _tpu(name: str, facts: dict[str, Any], topology: str, chips: int, **kwargs: 
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target(
-            name="v3-8",
-            platform="tpu",
-            num_devices=8,
-            num_hosts=1,
-            usable_fraction=1.0,
-            topology="v3:2x2",
-            **_V3_CORE,
-        ),
+        _tpu("v3-8", _V3_CORE, "v3:2x2", 8, per_host=8, chips_per_host_bounds=(2, 2, 1)),
         _tpu("v4-8", _V4, "v4:2x2x1", 4, chip_config="megacore"),
         _tpu("v4-32", _V4, "v4:2x2x4", 16, chip_config="megacore"),
         _tpu("v4-64", _V4, "v4:2x4x4", 32, chip_config="megacore"),
-        _tpu("v5e-8", _V5E, "v5e:2x4", 8),
+        _tpu("v5e-8", _V5E, "v5e:2x4", 8, per_host=8),  # One host with 8 chips (2x4).
         _tpu("v5e-16", _V5E, "v5e:4x4", 16),
         _tpu("v5e-64", _V5E, "v5e:8x8", 64),
         _tpu("v5e-256", _V5E, "v5e:16x16", 256),
