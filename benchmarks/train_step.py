@@ -181,11 +181,9 @@ def add_ratios(rows: list[dict], peak: float) -> None:
   for r in rows:
     d = dense.get((r["config"], r["top_k"]))
     r["vs_dense"] = round(r["step_ms"] / d["step_ms"], 3) if d else None
-    model_flops = d["xla_flops"] if d else None
-    r["model_gflops_per_s"] = (
-        round(model_flops / r["step_ms"] * 1e3 / 1e9, 2) if model_flops else None
-    )
-    r["share_of_peak"] = round(model_flops / r["step_ms"] * 1e3 / peak, 3) if model_flops else None
+    flops_per_s = d["xla_flops"] / r["step_ms"] * 1e3 if d and d["xla_flops"] else None
+    r["model_gflops_per_s"] = round(flops_per_s / 1e9, 2) if flops_per_s else None
+    r["share_of_peak"] = round(flops_per_s / peak, 3) if flops_per_s else None
 
 
 def measure_program(config: ml_collections.ConfigDict, warmup_steps: int, timed_steps: int) -> dict:
@@ -268,14 +266,8 @@ def find_prediction(paths: list[str], target: str, batch_size: int) -> dict | No
 
 def one_device_target(device_kind: str | None) -> str:
   """The one-device preflight target of a chip (`h200x1` for "NVIDIA H200"), `h100x1` if none."""
-  return next(
-      (
-          name
-          for name, t in TARGETS.items()
-          if t.num_devices == 1 and same_chip(device_kind, t.device_kind)
-      ),
-      "h100x1",
-  )
+  chips = {name: t.device_kind for name, t in TARGETS.items() if t.num_devices == 1}
+  return next((name for name, kind in chips.items() if same_chip(device_kind, kind)), "h100x1")
 
 
 def compare_with_prediction(measured: dict, predicted: dict) -> dict:
@@ -322,17 +314,12 @@ def comparison_table(measured: dict, predicted: dict, ratios: dict) -> str:
 
 
 def evaluate_targets(rows: list[dict]) -> list[dict]:
-  targets = []
+  target, targets = "vanilla SMoE train step at most 1.2x the dense model's at E=4 and E=32", []
   for r in rows:
     if r["method"] in ("smoe", "vanilla_smoe") and r["num_experts"] in (4, 32) and r["vs_dense"]:
-      targets.append(
-          dict(
-              target="vanilla SMoE train step at most 1.2x the dense model's at E=4 and E=32",
-              case=f"{r['config']} E={r['num_experts']} {r['dispatch']}",
-              passed=r["vs_dense"] <= 1.2,
-              detail=f"step/dense = {r['vs_dense']:.2f}x",
-          )
-      )
+      case = f"{r['config']} E={r['num_experts']} {r['dispatch']}"
+      detail = f"step/dense = {r['vs_dense']:.2f}x"
+      targets.append(dict(target=target, case=case, passed=r["vs_dense"] <= 1.2, detail=detail))
   return targets
 
 
