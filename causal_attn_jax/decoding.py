@@ -19,14 +19,9 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import Mesh
 
 from causal_attn_jax import models
 from causal_attn_jax.data import tokenizer as tokenizer_lib
-from causal_attn_jax.data.iterator import device_batches
-from causal_attn_jax.data.loading import TaskData
-from trainkit.mesh import to_host
-from trainkit.train_state import TrainState
 
 StepFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 _NEG_INF = -1e9
@@ -173,20 +168,3 @@ def make_translate_fn(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict)
     )
 
   return translate
-
-
-def translate_eval(
-    translate: TranslateFn,
-    state: TrainState,
-    data: TaskData,
-    config: ml_collections.ConfigDict,
-    mesh: Mesh,
-) -> tuple[list[str], list[str]]:
-  """Hypotheses and references of the eval set (first nmt.max_eval_sentences if > 0)."""
-  limit = config.nmt.max_eval_sentences or len(data.eval_references)
-  arrays = {"src": data.eval["src"][:limit]}
-  hypotheses = []
-  for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
-    tokens = to_host(translate(state.params, state.model_state, batch["src"]))
-    hypotheses += data.tokenizer.decode_batch(tokens[host_batch["mask"]])
-  return hypotheses, data.eval_references[:limit]

@@ -25,6 +25,9 @@ from trainkit.train_state import TrainState
 
 # eval_step(state, batch) -> loss, constraint fractions, attention maps and the task's outputs.
 EvalStep = Callable[[TrainState, dict[str, jax.Array]], dict[str, Any]]
+WITHIN = ("rows_within", "cols_within", "nodes_within")
+# Per-layer statistics of an eval pass, averaged over batches weighted by their examples.
+LAYER_STATS = (*WITHIN, "violation", "effective_keys", "top1_mass")
 
 
 def attention_stats(
@@ -67,9 +70,7 @@ def make_eval_step(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict) ->
     sparsity = [attention_sparsity(r.probs, valid_tokens(r, batch["mask"])) for r in records]
     return {
         "loss": loss,
-        "rows_within": jnp.stack([s.rows_within for s in stats]),
-        "cols_within": jnp.stack([s.cols_within for s in stats]),
-        "nodes_within": jnp.stack([s.nodes_within for s in stats]),
+        **{key: jnp.stack([getattr(s, key) for s in stats]) for key in WITHIN},
         "violation": jnp.stack([s.violations.mean() for s in stats]),
         "effective_keys": jnp.stack([k for k, _ in sparsity]),
         "top1_mass": jnp.stack([m for _, m in sparsity]),
@@ -79,17 +80,6 @@ def make_eval_step(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict) ->
     }
 
   return eval_step
-
-
-# Per-layer statistics of an eval pass, averaged over batches weighted by their examples.
-_LAYER_STATS = (
-    "rows_within",
-    "cols_within",
-    "nodes_within",
-    "violation",
-    "effective_keys",
-    "top1_mass",
-)
 
 
 def run_eval(
@@ -103,7 +93,7 @@ def run_eval(
 ) -> dict[str, Any]:
   """One pass: mean loss, per-layer constraint fractions, predictions, a few attention maps."""
   totals: dict[str, Any] = {"loss": 0.0, "weight": 0.0}
-  totals.update({key: 0.0 for key in _LAYER_STATS})
+  totals.update({key: 0.0 for key in LAYER_STATS})
   predictions, attention, inputs = [], [], []
   for host_batch, batch in device_batches(arrays, config.eval_batch_size, mesh):
     if not totals["weight"]:  # Before the first batch runs: refuse a step that cannot fit.
@@ -111,7 +101,7 @@ def run_eval(
     out = eval_step(state, batch)
     weight = float(host_batch["mask"].sum())
     totals["loss"] += float(out["loss"]) * weight
-    for key in _LAYER_STATS:
+    for key in LAYER_STATS:
       totals[key] += to_host(out[key]) * weight
     totals["weight"] += weight
     if "predictions" in out:
@@ -125,7 +115,7 @@ def run_eval(
   n = max(totals["weight"], 1.0)
   return {
       "loss": totals["loss"] / n,
-      **{key: np.asarray(totals[key]) / n for key in _LAYER_STATS},
+      **{key: np.asarray(totals[key]) / n for key in LAYER_STATS},
       "predictions": np.concatenate(predictions) if predictions else None,
       "attention": attention,
       "inputs": inputs,

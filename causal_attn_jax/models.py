@@ -27,8 +27,7 @@ from causal_attn_jax.layers.attention import MultiHeadAttention
 from causal_attn_jax.layers.masks import SPARSE_KINDS, causal_mask, padding_mask, sparse_mask
 from trainkit.remat import check_remat, checkpointed
 
-_EMBED_INIT = nnx.initializers.normal(stddev=0.02)
-_LINEAR_INIT = nnx.initializers.normal(stddev=0.02)
+_INIT = nnx.initializers.normal(stddev=0.02)  # Embeddings and linear layers.
 
 
 @dataclasses.dataclass
@@ -102,18 +101,12 @@ class TransformerSpec:
         remat=model_config.remat,
     )
 
-  def sparse_pattern(self, n: int) -> jax.Array | None:
-    """The baseline's fixed pattern [1, 1, n, n], or None for dense kinds."""
-    if self.attention not in SPARSE_KINDS:
-      return None
-    return sparse_mask(self.attention, n, **dict(self.mask_options))
-
 
 class MLP(nnx.Module):
 
   def __init__(self, dim: int, mlp_dim: int, dropout_rate: float, *, dtype, rngs: nnx.Rngs):
-    self.fc1 = nnx.Linear(dim, mlp_dim, kernel_init=_LINEAR_INIT, dtype=dtype, rngs=rngs)
-    self.fc2 = nnx.Linear(mlp_dim, dim, kernel_init=_LINEAR_INIT, dtype=dtype, rngs=rngs)
+    self.fc1 = nnx.Linear(dim, mlp_dim, kernel_init=_INIT, dtype=dtype, rngs=rngs)
+    self.fc2 = nnx.Linear(mlp_dim, dim, kernel_init=_INIT, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate)
 
   def __call__(self, x, *, train: bool, rngs: nnx.Rngs | None):
@@ -151,10 +144,9 @@ class EncoderLayer(nnx.Module):
     self.remat = spec.remat
 
   def __call__(self, x, mask, *, train: bool, rngs: nnx.Rngs | None):
-    if train and self.remat != "none":  # An evaluation has no backward pass to save memory for.
-      forward = lambda layer, x, mask, rngs: layer.forward(x, mask, train=True, rngs=rngs)
-      return checkpointed(forward, self.remat)(self, x, mask, rngs)
-    return self.forward(x, mask, train=train, rngs=rngs)
+    # An evaluation has no backward pass to save memory for.
+    forward = lambda layer, x, mask, rngs: layer.forward(x, mask, train=train, rngs=rngs)
+    return checkpointed(forward, self.remat if train else "none")(self, x, mask, rngs)
 
   def forward(self, x, mask, *, train: bool, rngs: nnx.Rngs | None):
     """The layer without rematerialisation (what `__call__` checkpoints)."""
@@ -181,12 +173,11 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
     # Decoding (never in training) updates the cache, which a checkpoint must not replay.
-    if train and not decode and self.remat != "none":
-      forward = lambda layer, y, memory, self_mask, cross_mask, rngs: layer.forward(
-          y, memory, self_mask, cross_mask, train=True, rngs=rngs
-      )
-      return checkpointed(forward, self.remat)(self, y, memory, self_mask, cross_mask, rngs)
-    return self.forward(y, memory, self_mask, cross_mask, train=train, rngs=rngs, decode=decode)
+    policy = self.remat if train and not decode else "none"
+    forward = lambda layer, y, memory, self_mask, cross_mask, rngs: layer.forward(
+        y, memory, self_mask, cross_mask, train=train, rngs=rngs, decode=decode
+    )
+    return checkpointed(forward, policy)(self, y, memory, self_mask, cross_mask, rngs)
 
   def forward(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
     """The layer without rematerialisation (what `__call__` checkpoints)."""
@@ -209,11 +200,9 @@ class Embedder(nnx.Module):
   ):
     self.dim = spec.dim
     self.dtype = dtype
-    self.tokens = nnx.Embed(vocab_size, spec.dim, embedding_init=_EMBED_INIT, rngs=rngs)
+    self.tokens = nnx.Embed(vocab_size, spec.dim, embedding_init=_INIT, rngs=rngs)
     self.segments = (
-        nnx.Embed(NUM_SEGMENT_IDS, spec.dim, embedding_init=_EMBED_INIT, rngs=rngs)
-        if segments
-        else None
+        nnx.Embed(NUM_SEGMENT_IDS, spec.dim, embedding_init=_INIT, rngs=rngs) if segments else None
     )
     self.positions = nnx.Variable(jnp.asarray(sinusoidal_positions(spec.max_len, spec.dim)))
     self.dropout = nnx.Dropout(spec.dropout_rate)
@@ -233,8 +222,9 @@ def _self_attention_mask(spec: TransformerSpec, valid: jax.Array, *, decoder: bo
   mask = padding_mask(valid, valid)
   if decoder:
     mask = mask & causal_mask(n)
-  pattern = spec.sparse_pattern(n)
-  return mask if pattern is None else mask & pattern
+  if spec.attention not in SPARSE_KINDS:
+    return mask
+  return mask & sparse_mask(spec.attention, n, **dict(spec.mask_options))
 
 
 def _encode(
@@ -272,7 +262,7 @@ class PairClassifier(nnx.Module):
         [EncoderLayer(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
     )
     self.norm = nnx.LayerNorm(spec.dim, dtype=dtype, rngs=rngs)
-    self.head = nnx.Linear(spec.dim, num_classes, kernel_init=_LINEAR_INIT, rngs=rngs)
+    self.head = nnx.Linear(spec.dim, num_classes, kernel_init=_INIT, rngs=rngs)
 
   def __call__(self, ids, segment_ids, *, train: bool = False, rngs: nnx.Rngs | None = None):
     x, _, records = _encode(
@@ -347,17 +337,6 @@ class Seq2Seq(nnx.Module):
 # --- GloVe initialisation ------------------------------------------------------------------------
 
 
-def read_glove(path: str, words: set[str]) -> dict[str, np.ndarray]:
-  """Vectors of `words` from a GloVe text file (`word v1 v2 ...` per line)."""
-  vectors: dict[str, np.ndarray] = {}
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for line in f:
-      word, _, rest = line.rstrip("\n").partition(" ")
-      if word in words and word not in vectors:
-        vectors[word] = np.asarray(rest.split(), np.float32)
-  return vectors
-
-
 def glove_embedding(
     pieces: Sequence[str], glove_path: str, dim: int, *, scale: float = 0.02, seed: int = 0
 ) -> tuple[np.ndarray, int]:
@@ -367,8 +346,13 @@ def glove_embedding(
   uncased). Vectors are truncated or zero-padded to `dim` and rescaled to std `scale`. Returns
   (table, number of matched pieces).
   """
-  words = {p.lstrip("▁").lower(): p for p in pieces}
-  vectors = read_glove(glove_path, set(words) - {""})
+  words = {p.lstrip("▁").lower() for p in pieces} - {""}
+  vectors: dict[str, np.ndarray] = {}
+  with open(glove_path, encoding="utf-8", errors="replace") as f:  # `word v1 v2 ...` per line.
+    for line in f:
+      word, _, rest = line.rstrip("\n").partition(" ")
+      if word in words and word not in vectors:
+        vectors[word] = np.asarray(rest.split(), np.float32)
   rng = np.random.default_rng(seed)
   table = rng.normal(0.0, scale, (len(pieces), dim)).astype(np.float32)
   matched = 0
@@ -383,11 +367,3 @@ def glove_embedding(
     table[i] = row * (scale / std)
     matched += 1
   return table, matched
-
-
-def init_from_glove(model: nnx.Module, pieces: Sequence[str], glove_path: str) -> int:
-  """Overwrites `model.embed.tokens` with `glove_embedding`; returns how many pieces matched."""
-  embed = model.embed.tokens
-  table, matched = glove_embedding(pieces, glove_path, embed.embedding.shape[-1])
-  embed.embedding[...] = jnp.asarray(table, embed.embedding.dtype)
-  return matched  # train.create_state prints it.

@@ -1,11 +1,12 @@
 """What a finished run reports: report.json, its printed summary, eval scalars and heatmaps,
-from one eval pass through an `evaluate` callable (report.json's schema: `causal_attn_jax.main`).
+from one eval pass (report.json's schema: `causal_attn_jax.main`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.nnx as nnx
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from causal_attn_jax import config as config_lib
-from causal_attn_jax import plots
+from causal_attn_jax import evaluation, plots, tasks
 from causal_attn_jax.data import batching
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.metrics import accuracy
@@ -23,11 +24,6 @@ from trainkit.metric_writers import log_exists, read_metrics
 from trainkit.storage import write_atomically
 from trainkit.train_state import TrainState
 
-if TYPE_CHECKING:
-  from causal_attn_jax.tasks import Evaluate, Task
-
-
-_WITHIN = ("rows_within", "cols_within", "nodes_within")
 # The number formats of `format_summary`'s layer columns after the name, but for "met".
 _LAYER_FORMATS = (".2f", ".3f", ".3f", ".3f", ".3f", ".4f", ".4f")
 # A layer meets the Markov-blanket constraint when at least this fraction of its nodes (tokens,
@@ -44,10 +40,10 @@ def _constraint_report(
   the Lagrangian's terms over heads) and the mean final multiplier; `met` is nodes_within >=
   MET_FRACTION in every layer, and `summary` says it in words.
   """
-  report: dict[str, Any] = {key: float(np.mean(result[key])) for key in _WITHIN}
+  report: dict[str, Any] = {key: float(np.mean(result[key])) for key in evaluation.WITHIN}
   report["per_layer"] = {
       name: {
-          **{key: float(result[key][l]) for key in _WITHIN},
+          **{key: float(result[key][l]) for key in evaluation.WITHIN},
           "violation": float(result["violation"][l]),
           "multiplier": float(multipliers[l].mean()),
           "met": bool(result["nodes_within"][l] >= MET_FRACTION),
@@ -116,7 +112,7 @@ def summary_scalars(result: dict[str, Any], data: TaskData, prefix: str) -> dict
   if result["predictions"] is not None:
     labels = data.eval["label"]
     scalars[f"{prefix}/accuracy"] = accuracy(labels, result["predictions"])
-  for key in _WITHIN + ("effective_keys", "top1_mass"):
+  for key in evaluation.WITHIN + ("effective_keys", "top1_mass"):
     scalars[f"{prefix}/{key}"] = float(np.mean(result[key]))
   return scalars
 
@@ -125,7 +121,7 @@ def _heatmaps(
     result: dict[str, Any],
     data: TaskData,
     config: ml_collections.ConfigDict,
-    task: Task,
+    task: tasks.Task,
     workdir: str,
 ) -> list[str]:
   """Per kept eval example and self-attention layer (those the report measures), a PNG with a
@@ -154,17 +150,17 @@ def _heatmaps(
 
 
 def final_report(
-    task: Task,
+    config: ml_collections.ConfigDict,
+    graphdef: nnx.GraphDef,
+    eval_step: evaluation.EvalStep,
     state: TrainState,
     data: TaskData,
-    config: ml_collections.ConfigDict,
-    workdir: str,
-    *,
-    evaluate: Evaluate,
-    graphdef: nnx.GraphDef,
     mesh: Mesh,
+    workdir: str,
 ) -> dict[str, Any]:
   """report.json's content (module docstring of main) and the heatmaps."""
+  task = tasks.get_task(config)
+  evaluate = functools.partial(evaluation.run_eval, eval_step, state, config=config, mesh=mesh)
   result = evaluate(data.eval, keep_attention=config.plots.num_examples)
   names = task.layer_names(config)
   # Per self-attention layer, how concentrated it is (metrics.sparsity).

@@ -30,8 +30,6 @@ from trainkit.train_state import TrainState, compute_dtype
 Batch = dict[str, jax.Array]
 # (mean loss, metrics, one record per self-attention layer, logits)
 LossOutput = tuple[jax.Array, dict[str, jax.Array], list[models.SelfAttentionRecord], jax.Array]
-# evaluate(arrays, keep_attention=0) -> evaluation.run_eval's result for the state being reported.
-Evaluate = Callable[..., dict[str, Any]]
 
 
 def _encoder_names(config: ml_collections.ConfigDict) -> list[str]:
@@ -196,7 +194,9 @@ class Translation:
   def report(self, config, data, state, result, *, evaluate, graphdef, mesh) -> dict[str, Any]:
     del result, evaluate  # BLEU needs decoded text, not the teacher-forced pass.
     translate = decoding.make_translate_fn(graphdef, config)
-    hypotheses, references = decoding.translate_eval(translate, state, data, config, mesh)
+    limit = config.nmt.max_eval_sentences or len(data.eval_references)
+    hypotheses = translate_ids(config, data, state, translate, mesh, data.eval["src"][:limit])
+    references = data.eval_references[:limit]
     detokenizer = config.nmt.detokenize
     if detokenizer == "auto":
       detokenizer = "moses" if bleu.looks_tokenized(references) else "none"
@@ -263,6 +263,18 @@ def translate_sentences(
   src = data.tokenizer.encode(
       list(sources), config.data.max_source_len, add_bos=False, add_eos=True
   )
+  return translate_ids(config, data, state, translate, mesh, src)
+
+
+def translate_ids(
+    config: ml_collections.ConfigDict,
+    data: TaskData,
+    state: TrainState,
+    translate: decoding.TranslateFn,
+    mesh: Mesh,
+    src: np.ndarray,
+) -> list[str]:
+  """`translate_sentences` of source sentences already encoded, src int32 [N, S]."""
   translations = []
   for host_batch, batch in device_batches({"src": src}, config.eval_batch_size, mesh):
     tokens = to_host(translate(state.params, state.model_state, batch["src"]))

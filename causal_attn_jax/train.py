@@ -13,7 +13,6 @@ statistics without the term.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.nnx as nnx
@@ -59,9 +58,7 @@ def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
     metrics["constraints/lagrangian"] = term
     metrics["constraints/violation"] = violations.sum()
     for name, s in zip(names, stats):
-      metrics[f"constraints/{name}/rows_within"] = s.rows_within
-      metrics[f"constraints/{name}/cols_within"] = s.cols_within
-      metrics[f"constraints/{name}/nodes_within"] = s.nodes_within
+      metrics.update({f"constraints/{name}/{key}": getattr(s, key) for key in evaluation.WITHIN})
     return loss, metrics
 
   return loss_fn
@@ -124,10 +121,13 @@ def create_state(
   """
 
   def load_glove(model: nnx.Module) -> None:
-    matched = models.init_from_glove(model, data.tokenizer.pieces(), config.model.glove_path)
-    data.glove_matched = matched
+    embedding = model.embed.tokens.embedding
+    table, data.glove_matched = models.glove_embedding(
+        data.tokenizer.pieces(), config.model.glove_path, embedding.shape[-1]
+    )
+    embedding[...] = jnp.asarray(table, embedding.dtype)
     print(
-        f"GloVe init: {matched} of {data.tokenizer.vocab_size} pieces matched in "
+        f"GloVe init: {data.glove_matched} of {data.tokenizer.vocab_size} pieces matched in "
         f"{config.model.glove_path}",
         flush=True,
     )
@@ -142,27 +142,6 @@ def create_state(
   )
   state = state.replace(extra=place(initial_extra(config), replicated(mesh)))
   return graphdef, state
-
-
-def _final_report(
-    config: ml_collections.ConfigDict,
-    graphdef: nnx.GraphDef,
-    eval_step: evaluation.EvalStep,
-    state: TrainState,
-    data: TaskData,
-    mesh: Mesh,
-    workdir: str,
-) -> dict[str, Any]:
-  return report_lib.final_report(
-      tasks.get_task(config),
-      state,
-      data,
-      config,
-      workdir,
-      evaluate=functools.partial(evaluation.run_eval, eval_step, state, config=config, mesh=mesh),
-      graphdef=graphdef,
-      mesh=mesh,
-  )
 
 
 def _setup(
@@ -206,7 +185,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       # Label names beside the tokenizer: predict then needs the workdir alone.
       run_info=run_info_lib.RunMetadata.from_data(config, data).to_json(),
   )
-  report = _final_report(config, run.graphdef, eval_step, trained.state, data, run.mesh, workdir)
+  report = report_lib.final_report(
+      config, run.graphdef, eval_step, trained.state, data, run.mesh, workdir
+  )
   scalars = {f"final/{k}": report[k] for k in ("accuracy", "macro_f1", "bleu") if k in report}
   if "challenge" in report:
     scalars["final/challenge_accuracy"] = report["challenge"]["accuracy"]
@@ -245,7 +226,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
   data, run = _setup(config, workdir, training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
   eval_step = evaluation.make_eval_step(run.graphdef, config)
-  report = _final_report(config, run.graphdef, eval_step, state, data, run.mesh, workdir)
+  report = report_lib.final_report(config, run.graphdef, eval_step, state, data, run.mesh, workdir)
   return recipe.finish(
       run, state, report, write_report=lambda report: report_lib.write_report(report, workdir)
   )

@@ -166,14 +166,13 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
 
   # --mode=predict on eval sentences (the escape-free ones, as the file reader leaves them)
   # translates them as the evaluation's beam search did.
-  from causal_attn_jax import decoding
+  from causal_attn_jax import decoding, tasks
   from trainkit.checkpoint import restore_trained
 
   data, run = train._setup(config, str(tmp_path), training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
-  hypotheses, _ = decoding.translate_eval(
-      decoding.make_translate_fn(run.graphdef, config), state, data, config, run.mesh
-  )
+  translate = decoding.make_translate_fn(run.graphdef, config)
+  hypotheses = tasks.translate_ids(config, data, state, translate, run.mesh, data.eval["src"][:16])
   lines = (ENDE / "src-val.txt").read_text().splitlines()[:16]
   chosen = [i for i, line in enumerate(lines) if "&" not in line and line.strip()][:3]
   sources = tmp_path / "sources.txt"
