@@ -36,25 +36,6 @@ def num_classes(config: ml_collections.ConfigDict) -> int:
   return len(nli.NLI_LABELS if task == "nli" else nli.PARAPHRASE_LABELS)
 
 
-def task_data(config: ml_collections.ConfigDict) -> TaskData:
-  """A TaskData with no examples: what `build_model` reads of the data, from the config."""
-  # The one fact of the tokenizer the model needs; SentencePiece makes data.vocab_size pieces or
-  # refuses the corpus: at worst an upper bound.
-  tokenizer = types.SimpleNamespace(vocab_size=config.data.vocab_size)
-  classes = num_classes(config) if config.task == "classification" else 0
-  return TaskData(tokenizer=tokenizer, train={}, eval={}, num_classes=classes)
-
-
-def train_examples(config: ml_collections.ConfigDict) -> tuple[int, str]:
-  """(training examples per epoch, where the number comes from) of a generated testbed, which is
-  generated in full; (0, "") for data read from files or tfds, whose size `--mode=compile` does
-  not read (a run that counts epochs gives `preflight.train_examples`)."""
-  if not config.data.generator:
-    return 0, ""
-  key = config_lib.GENERATORS[config.data.generator][0]
-  return config.data[key].num_train, f"data.{key}.num_train"
-
-
 def batch_spec(
     config: ml_collections.ConfigDict, batch_size: int, *, eval: bool
 ) -> dict[str, jax.ShapeDtypeStruct]:
@@ -83,8 +64,17 @@ def preflight_program(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
   """The run of `config` as `trainkit.preflight` compiles it."""
   del mesh  # build_model takes none: the recipe's shardings are abstract_train_state's.
   task = tasks.get_task(config)
-  data = task_data(config)
-  examples, source = train_examples(config)
+  # What build_model reads of the data: of the tokenizer, its size alone (SentencePiece makes
+  # data.vocab_size pieces or refuses the corpus: at worst an upper bound).
+  tokenizer = types.SimpleNamespace(vocab_size=config.data.vocab_size)
+  classes = num_classes(config) if config.task == "classification" else 0
+  data = TaskData(tokenizer=tokenizer, train={}, eval={}, num_classes=classes)
+  # A generated testbed is generated in full; the size of data read from files or tfds is not
+  # read here (a run that counts epochs gives `preflight.train_examples`).
+  examples, source = 0, ""
+  if config.data.generator:
+    key = config_lib.GENERATORS[config.data.generator][0]
+    examples, source = config.data[key].num_train, f"data.{key}.num_train"
   return Program(
       make_model=lambda: task.build_model(config, data, nnx.Rngs(params=config.seed)),
       loss_fn=make_loss_fn(config),
