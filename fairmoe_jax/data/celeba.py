@@ -385,13 +385,9 @@ def load_celeba_tfds(
             builder, tfds_split, max_examples_per_split, convert, max(1, num_threads)
         )
     )
-    n = len(converted)
-    images = np.zeros((n, image_size, image_size, 3), np.uint8)
-    values = np.zeros((n, len(columns)), np.int32)
-    for i, (image, value) in enumerate(converted):
-      images[i] = image
-      values[i] = value
+    images = np.array([c[0] for c in converted], np.uint8).reshape(-1, image_size, image_size, 3)
+    values = np.array([c[1] for c in converted], np.int32).reshape(-1, len(columns))
     splits[split] = {"image": images, "label": values[:, 0].copy(), "attributes": values[:, 1:]}
-    stats[f"{split}_examples"] = n
+    stats[f"{split}_examples"] = len(converted)
   report_counts(f"celeba_tfds ({builder.data_dir})", stats)
   return celeba_info(target, sensitive, image_size, stats), splits
