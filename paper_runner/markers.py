@@ -64,10 +64,17 @@ def replace_tables(text: str, path: str, render: Callable[[str], str]) -> str:
   return "".join(pieces) + text[position:]
 
 
+def read_doc(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"{path}: cannot read the document ({e})") from None
+
+
 def table_span(path: str, name: str) -> tuple[str, int, int]:
   """(document, start, end) of table `name`'s body in `path`; an error naming the file otherwise."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  text = read_doc(path)
   ours = [t for t in marked_tables(text, path) if t.name == name]
   if not ours:
     raise UserError(f"{path}: no '<!-- table:{name} -->' ... '<!-- /table:{name} -->' lines")

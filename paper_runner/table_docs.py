@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from paper_runner import stats
 from paper_runner.collect import markdown_table
-from paper_runner.markers import marked_tables, replace_tables
+from paper_runner.markers import marked_tables, read_doc, replace_tables
 from paper_runner.spec import grid_points, resolved_config
 from paper_runner.table_record import read_record, stale_runs
 from paper_runner.table_render import render
@@ -196,17 +196,9 @@ def _render_marked(name: str) -> str:
   return render(load_table(name), read_record(name))
 
 
-def _read_doc(path: str) -> str:
-  try:
-    with open(path, encoding="utf-8") as f:
-      return f.read()
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(f"{path}: cannot read the document ({e})") from None
-
-
 def write_doc(path: str) -> list[str]:
   """Renders every marked table of the markdown file `path` in place."""
-  text = _read_doc(path)
+  text = read_doc(path)
   rendered = replace_tables(text, path, _render_marked)
   write_atomically(os.path.realpath(path), rendered)  # Messages above name the path as given.
   return [table.name for table in marked_tables(text, path)]
@@ -215,7 +207,7 @@ def write_doc(path: str) -> list[str]:
 def check_doc(path: str) -> list[str]:
   """Problems with the marked tables of `path`: a table that differs from its record's
   rendering (with the diff), a record that no longer matches its spec."""
-  text = _read_doc(path)
+  text = read_doc(path)
   problems = []
   tables = marked_tables(text, path)
   if not tables:

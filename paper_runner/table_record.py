@@ -239,17 +239,17 @@ _PROVENANCE_KEYS = ("commit", "date", "machine", "seeds", "commands")
 
 def read_record(name: str) -> dict[str, Any]:
   path = record_path(name)
+  where = os.path.relpath(path, REPO_ROOT)
   try:
     with open(path) as f:
       record = json.load(f)
   except FileNotFoundError:
     raise UserError(
-        f"table {name!r} has no record {os.path.relpath(path, REPO_ROOT)}; make it with "
+        f"table {name!r} has no record {where}; make it with "
         f"`python -m paper_runner.tables --record={name} --workdir=DIR` after its sweep"
     ) from None
   except ValueError as e:
-    raise UserError(f"{os.path.relpath(path, REPO_ROOT)}: not JSON ({e})") from None
-  where = os.path.relpath(path, REPO_ROOT)
+    raise UserError(f"{where}: not JSON ({e})") from None
   if not isinstance(record, dict):
     raise UserError(f"{where}: not a table record (a JSON object with {', '.join(_RECORD_KEYS)})")
   for key in _RECORD_KEYS:

@@ -11,6 +11,8 @@ import os
 import re
 from typing import Any, Callable, Mapping
 
+import jax
+
 from paper_runner import stats
 from paper_runner.collect import is_number, lookup
 from paper_runner.spec import REPO_ROOT, format_value, grid_points, load_sweep_file
@@ -314,19 +316,11 @@ def metric_value(report: Any, path: str) -> float | None:
   if isinstance(value, bool):
     return float(value)
   if isinstance(value, (Mapping, list, tuple)):
-    numbers = _leaves(value)
+    numbers = jax.tree_util.tree_leaves(value, is_leaf=lambda leaf: leaf is None)
     if not numbers or not all(is_number(v) for v in numbers):
       return None
     return math.fsum(numbers) / len(numbers)
   return float(value) if is_number(value) else None
-
-
-def _leaves(value: Any) -> list[Any]:
-  if isinstance(value, Mapping):
-    value = list(value.values())
-  if isinstance(value, (list, tuple)):
-    return [leaf for v in value for leaf in _leaves(v)]
-  return [value]
 
 
 def sample_sizes(report: Mapping[str, Any], spec: TableSpec) -> dict[str, Any]:

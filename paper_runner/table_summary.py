@@ -3,6 +3,7 @@ changes (the `reruns` summary and the marks beside verdicts)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Mapping
@@ -21,20 +22,6 @@ from paper_runner.table_spec import (
     unit_text,
 )
 from trainkit.errors import UserError
-
-
-def fold_ratio(spec: TableSpec, record: Mapping[str, Any]) -> float | None:
-  """A cross-validated table's mean n_test / n_train over its folds (None: independent seeds)."""
-  if not spec.cross_validation:
-    return None
-  sizes = record.get("split_sizes")
-  if not sizes:
-    raise UserError(
-        f"table {spec.name}: its record has no split_sizes, which the corrected interval of its "
-        f"folds needs; add them with `python -m paper_runner.tables --references={spec.name}`"
-    )
-  ratios = [s["test"] / s["train"] for s in sizes.values()]
-  return math.fsum(ratios) / len(ratios)
 
 
 def chosen_row(spec: TableSpec, summary: dict[str, Any]) -> str | None:
@@ -70,12 +57,9 @@ def accuracy_bar(record: Mapping[str, Any], path: str) -> tuple[float, str] | No
   upper end of its 95% range where it has one; None without one."""
   bars = []
   for reference in record.get("references", ()):
-    if reference.get("role") == SIGNAL_ROLE:
-      continue
-    value = (reference.get("ranges") or {}).get(path, [None, None])[1]
-    if value is None:
-      value = reference["metrics"].get(path)
-    if value is not None:
+    high = (reference.get("ranges") or {}).get(path, [None, None])[1]
+    value = reference["metrics"].get(path) if high is None else high
+    if value is not None and reference.get("role") != SIGNAL_ROLE:
       bars.append((value, reference["name"]))
   return max(bars) if bars else None
 
@@ -115,7 +99,15 @@ def _by_row(spec: TableSpec, units: list[tuple[str, str]]) -> str:
 def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
   """Per row its seeds and each metric's interval; per claim its verdict, gate and Holm verdict;
   the flags."""
-  ratio = fold_ratio(spec, record)
+  ratio = None  # A cross-validated table's: the mean n_test / n_train over its folds.
+  if spec.cross_validation:
+    sizes = record.get("split_sizes")
+    if not sizes:
+      raise UserError(
+          f"table {spec.name}: its record has no split_sizes, which the corrected interval of its "
+          f"folds needs; add them with `python -m paper_runner.tables --references={spec.name}`"
+      )
+    ratio = math.fsum(s["test"] / s["train"] for s in sizes.values()) / len(sizes)
   ok = [r for r in record["runs"] if r["status"] == "ok"]
   rows = {}
   for row in map(format_value, spec.row_values):
@@ -200,14 +192,7 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
         "or gradients an untrained model or a reference router (a reference row of role "
         "control); this table has none for some, so those claims are untestable"
     )
-  return {
-      "rows": rows,
-      "claims": claims,
-      "holm": holm,
-      "gates": gates,
-      "ratio": ratio,
-      "flags": flags,
-  }
+  return dict(rows=rows, claims=claims, holm=holm, gates=gates, ratio=ratio, flags=flags)
 
 
 def leaks_of(spec: TableSpec, claim: Claim) -> list[int]:
@@ -222,14 +207,12 @@ def leaks_of(spec: TableSpec, claim: Claim) -> list[int]:
 IDENTICAL = "identical (not independent)"
 
 
-@dataclasses.dataclass(frozen=True)
-class RerunComparison:
-  runs: int
-  claims: list[tuple[Claim, str, str, float]]  # (claim, recorded, rerun verdict, |change|)
-  chosen: tuple[str, str] | None  # A tuning table's (recorded, rerun) choice.
-  # (|change| in the column's scale, |change| / the recorded half-width or None, claim).
-  largest_change: tuple[float, float | None, Claim] | None
-  identical: bool
+# claims: (claim, recorded, rerun verdict, |change|); chosen: a tuning table's (recorded, rerun)
+# choice or None; largest_change: (|change| in the column's scale, |change| / the recorded
+# half-width or None, claim) or None.
+RerunComparison = collections.namedtuple(
+    "RerunComparison", "runs claims chosen largest_change identical"
+)
 
 
 def _relative_change(change: float, interval: stats.Interval, scale: float) -> float | None:
@@ -301,13 +284,9 @@ def identical_predictions(
   return all(predicted(recorded.get((r["row"], r["seed"]))) == predicted(r) for r in rerun["runs"])
 
 
-def _xla_flags(m: Mapping[str, Any]) -> str | None:
-  return (m.get("environment") or {}).get("XLA_FLAGS")
-
-
 def machine_text(m: Mapping[str, Any]) -> str:
   processor = f", {m['processor']['model']}" if "processor" in m else ""
-  flags = _xla_flags(m)
+  flags = (m.get("environment") or {}).get("XLA_FLAGS")
   return f"{m['device']}, {m['cpu_cores']} CPU cores ({m['arch']}{processor}), JAX {m['jax']}" + (
       f", `XLA_FLAGS={flags}`" if flags else ""
   )
@@ -325,7 +304,7 @@ def change_text(change: float, relative: float | None, decimals: int, label: str
 
 def rerun_machine(provenance: Mapping[str, Any]) -> str:
   m = provenance["machine"]
-  flags = _xla_flags(m)
+  flags = (m.get("environment") or {}).get("XLA_FLAGS")
   if flags:
     return f"`XLA_FLAGS={flags}`"
   return m.get("processor", {}).get("model") or m["device"]
