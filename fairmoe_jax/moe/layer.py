@@ -10,7 +10,7 @@ stacked expert weights; expert choice is a separate path (`SparseMoE`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import chex
@@ -106,20 +106,6 @@ class MoEAux:
         extra[k] = extra.get(k, 0.0) + v
       routing.update({f"{name}/{k}" if k else name: v for k, v in aux.routing.items()})
     return cls(loss=loss, z_loss=z_loss, metrics=metrics, extra_losses=extra, routing=routing)
-
-
-def _expert_param(
-    init: Callable[..., jax.Array],
-    key: jax.Array,
-    shape: Sequence[int],
-    dtype: Any,
-    sharding: tuple[str | None, ...],
-) -> nnx.Param:
-  """A Param with logical axis names, sharded eagerly only where the mesh has those axes."""
-  mesh = jax.sharding.get_abstract_mesh()
-  eager = not mesh.empty and all(a in mesh.axis_names for a in sharding if a is not None)
-  annotated = nnx.with_partitioning(init, sharding, eager_sharding=eager)
-  return nnx.Param(annotated(key, tuple(shape), dtype))
 
 
 # Built-in routers by name (`SparseMoE(router=...)`).
@@ -222,9 +208,13 @@ class SparseMoE(nnx.Module):
       self.router = router(dim, num_experts, top_k, rngs=rngs)
 
     def param(init: Callable[..., jax.Array], shape: tuple[int, ...]) -> nnx.Param:
-      # One tensor for all experts, sharded along its leading expert axis only.
+      # One tensor for all experts, sharded along its leading expert axis only: eagerly where
+      # the mesh in context has that axis.
       sharding = (EXPERT_AXIS,) + (None,) * len(shape)
-      return _expert_param(init, rngs.params(), (num_experts, *shape), param_dtype, sharding)
+      mesh = jax.sharding.get_abstract_mesh()
+      eager = not mesh.empty and EXPERT_AXIS in mesh.axis_names
+      annotated = nnx.with_partitioning(init, sharding, eager_sharding=eager)
+      return nnx.Param(annotated(rngs.params(), (num_experts, *shape), param_dtype))
 
     self.w1 = param(_KERNEL_INIT, (dim, hidden_dim))
     self.b1 = param(_BIAS_INIT, (hidden_dim,))
