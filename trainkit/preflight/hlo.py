@@ -74,19 +74,6 @@ def matmul_results(hlo_text: str) -> list[Array]:
   ]
 
 
-def _without_operands(shape_text: str) -> str:
-  """The results alone of an async `-start`'s `((operands...), results...)` shape."""
-  text = shape_text.strip()
-  if not text.startswith("(("):
-    return text
-  depth = 0
-  for i, char in enumerate(text[1:], start=1):
-    depth += {"(": 1, ")": -1}.get(char, 0)
-    if depth == 0:
-      return text[i + 1 :]
-  return text
-
-
 def collective_results(hlo_text: str) -> dict[str, list[Array]]:
   """Per collective kind, the arrays its instructions produce on each device."""
   found: dict[str, list[Array]] = {}
@@ -473,7 +460,9 @@ def collectives_with_groups(hlo_text: str) -> list[Collective]:
     kind = ins.op.removesuffix("-start")
     if kind not in COLLECTIVES:
       continue
-    shape = _without_operands(ins.shape) if start else ins.shape
+    shape = ins.shape.strip()
+    if start and shape.startswith("(("):  # An async start's ((operands...), results...).
+      shape = ",".join(_operand_list(shape, 1)[1:])
     arrays = _arrays(shape)
     if start and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
       arrays = [max(arrays, key=lambda a: a.bytes)]
