@@ -213,13 +213,10 @@ def compile_row(
 def add_ratios(rows: list[dict]) -> None:
   """flops_est and scratch of each row over those of the dense MLP of its target, dtype, shape
   and mesh."""
-  dense = {
-      (r["target"], r.get("mesh"), r["dtype"], r["shape"], r["top_k"]): r
-      for r in rows
-      if r["dispatch"] == BASELINE and not r["error"]
-  }
+  case = lambda r: (r["target"], r.get("mesh"), r["dtype"], r["shape"], r["top_k"])  # noqa: E731
+  dense = {case(r): r for r in rows if r["dispatch"] == BASELINE and not r["error"]}
   for r in rows:
-    d = dense.get((r["target"], r.get("mesh"), r["dtype"], r["shape"], r["top_k"]))
+    d = dense.get(case(r))
     for key in ("flops_est", "scratch"):
       ok = d is not None and not r["error"] and r.get(key) is not None and d.get(key)
       r[f"{key}_vs_dense"] = r[key] / d[key] if ok else None
@@ -236,15 +233,9 @@ def best_per_case(rows: list[dict]) -> list[dict]:
   best = []
   for (target, dtype, shape, e, k), members in groups.items():
     timed = [r for r in members if r.get("roofline_s")]
-    best.append(
-        dict(
-            target=target,
-            dtype=dtype,
-            case=f"{shape} E={e} k={k}",
-            least_roofline=min(timed, key=lambda r: r["roofline_s"])["dispatch"] if timed else None,
-            least_scratch=min(members, key=lambda r: r["scratch"])["dispatch"],
-        )
-    )
+    row = dict(target=target, dtype=dtype, case=f"{shape} E={e} k={k}")
+    row["least_roofline"] = min(timed, key=lambda r: r["roofline_s"])["dispatch"] if timed else None
+    best.append(dict(row, least_scratch=min(members, key=lambda r: r["scratch"])["dispatch"]))
   return best
 
 

@@ -103,15 +103,12 @@ def expert_mlp_bytes(
 
 def _vmoe_best(shape: str, num_experts: int, dtype: str, target: str) -> float | None:
   """V-MoE's best bytes for the case in the committed dispatch table, or None."""
-  if not os.path.isfile(dispatch_compile.TABLE_JSON):
-    return None
-  with open(dispatch_compile.TABLE_JSON) as f:
-    rows = json.load(f)["rows"]
+  rows = bench_utils.read_json(dispatch_compile.TABLE_JSON).get("rows", [])
+  case = (shape, num_experts, dtype, target)
   peers = [
       r["bytes_accessed"]
       for r in rows
-      if (r["shape"], r["num_experts"], r["dtype"], r["target"])
-      == (shape, num_experts, dtype, target)
+      if (r["shape"], r["num_experts"], r["dtype"], r["target"]) == case
       and r["dispatch"] in moe_layer.PEER_ROWS
       and r.get("bytes_accessed")
   ]
@@ -234,19 +231,15 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
   groups, _, dim, hidden = dispatch_compile.SHAPES[args.shape]
   # The floor counts every tensor in float32; a bfloat16 layer mixes float32 weights with
   # bfloat16 tokens and intermediates, and meets the 0.9x target already.
-  floor = (
-      expert_mlp_traffic_floor(args.experts, groups * capacity, dim, hidden)
-      if args.dtype == "float32"
-      else None
-  )
+  floor = None
+  if args.dtype == "float32":
+    floor = expert_mlp_traffic_floor(args.experts, groups * capacity, dim, hidden)
   alone = expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype)
   record("expert MLP alone", alone, f"; its floor {floor / 1e9:.3f} GB" if floor else "")
   # What goes below that floor: the MLP in one Pallas kernel per pass (`fused_mlp`), alone and
   # in the layer (the dispatch `einsum_fused`). The kernels' share is their own cost estimate.
-  record(
-      "fused expert MLP alone",
-      expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype, "fused"),
-  )
+  fused = expert_mlp_bytes(mesh, args.shape, args.experts, args.dtype, "fused")
+  record("fused expert MLP alone", fused)
   compiled, _ = moe_layer.compile_step(
       moe_layer.layer_loss("einsum_fused", capacity, TOP_K), inputs
   )

@@ -73,11 +73,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   base = rows[0].get("bytes_accessed")
   print(f"FairSMoE {args.backbone} train step on {args.target}, per device:")
   for row in rows:
-    name = row["dispatch"] + (
-        f" (rows {row['layout'][0]}, {row['layout'][1]} buffer(s))"
-        if row["dispatch"] == "einsum_fused"
-        else ""
-    )
+    layout = f" (rows {row['layout'][0]}, {row['layout'][1]} buffer(s))"
+    name = row["dispatch"] + (layout if row["dispatch"] == "einsum_fused" else "")
     if "error" in row:
       print(f"  {name}: {row['error']}")
       continue

@@ -25,13 +25,13 @@ import time
 import numpy as np
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import bench_utils  # noqa: E402
 from bench_utils import write_results  # noqa: E402
 from fairmoe_jax.data import augment, pipeline  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # configs/celeba.py at size=full (fairmoe_jax/paper_config.py).
 PAPER_AUGMENT = augment.AugmentConfig(crop_scale=(0.08, 1.0))
 GOAL_IMAGES_PER_CORE = 400.0

@@ -291,19 +291,11 @@ def fastest_dispatch(rows: list[dict], dispatches: Sequence[str], platform: str)
     timed = [r for r in rows if r["num_experts"] == e and r.get("time_ms")]
     if ours := [r for r in timed if r["dispatch"] in dispatches]:
       best, overall = (min(rs, key=lambda r: r["time_ms"]) for rs in (ours, timed))
-      fastest[str(e)] = dict(
-          ours=best["dispatch"],
-          ours_ms=best["time_ms"],
-          overall=overall["dispatch"],
-          overall_ms=overall["time_ms"],
-      )
+      fastest[str(e)] = dict(ours=best["dispatch"], ours_ms=best["time_ms"])
+      fastest[str(e)].update(overall=overall["dispatch"], overall_ms=overall["time_ms"])
   winners, current = {f["ours"] for f in fastest.values()}, AUTO_DISPATCH.get(platform, "sort")
-  auto = dict(
-      platform=platform,
-      current=current,
-      agrees=winners == {current},
-      fastest=next(iter(winners)) if len(winners) == 1 else None,
-  )
+  auto = dict(platform=platform, current=current, agrees=winners == {current})
+  auto["fastest"] = next(iter(winners)) if len(winners) == 1 else None
   return dict(fastest=fastest, auto=auto) if fastest else {}
 
 
@@ -397,10 +389,8 @@ def main() -> None:
   args = parser.parse_args()
 
   peer = import_peer_vmoe(args.peer_vmoe) if args.peer_vmoe else None
-  if args.cases == "vmoe":
-    moe = VMOE_CASES
-  else:
-    moe = [(args.shape, e, k) for k in args.top_k for e in args.experts if k <= e]
+  moe = [(args.shape, e, k) for k in args.top_k for e in args.experts if k <= e]
+  moe = VMOE_CASES if args.cases == "vmoe" else moe
   rows, runs = [], []
   for shape, e, k, dispatch in cases(moe, [*(PEER_ROWS if peer else []), *args.dispatch]):
     row, compiled, call_args = compile_case(
