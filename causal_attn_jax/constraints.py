@@ -9,55 +9,19 @@ so that masked and padded entries (A_ij = 0) add exactly 0, the bounds do not de
 N and nothing cancels catastrophically (tau is about N; the bounds differ from it by O(1)). Sums
 are taken in float32 (float64 stays float64) whatever the compute dtype.
 
-Why the bounds bind (docs/design.md, "Markov-blanket constraint", has the derivation). A row that
-sums to 1 over k keys scores between k expm1(1/k) (uniform; -> 1 as k grows) and e - 1 (one-hot),
-so the band must sit inside [1, e - 1] to say anything. Each band below is read off a row shape of
-Definition 1 and Figure 5:
-
-* decoder (no self-loop, Definition 2): the diagonal is not a Markov-blanket edge and is left out
-  of r and c; the band is Definition 1's own, [2 expm1(1/2), expm1(1)]: two parents at 1/2 to one
-  parent. A row that has earlier tokens but attends only to itself scores 0 and violates it.
-* encoder, `encoder_band="derived_self_loop"` (default; derived from the prose, not a printed
-  constant): the self-loop holds 1/3 and the parents the rest, so the band is
-  [3 expm1(1/3), expm1(1/3) + expm1(2/3)] = [1.187, 1.343] with the diagonal counted: two parents
-  at 1/3 beside the self-loop to one parent at 2/3 beside it. Uniform rows over k >= 4 keys
-  (<= 1.137) and the self-loop-only graph A = I (1.718) both violate it.
-* encoder, `encoder_band="paper_slack"` (the paper's printed constants): the printed slacks, read
-  as what a 1/3 self-loop costs Definition 1's band when the diagonal is not counted:
-  2 (e^(1/2) - e^(1/3)) = 0.5062 lowers the lower bound (two parents at 1/3 instead of 1/2) and
-  e - e^0.7 = 0.7045 lowers the upper (one parent at 0.7 instead of 1); the paper names them the
-  other way round (eps'_max = 0.7045 beside the lower bound). Band [0.791, 1.014] on the
-  off-diagonal sums. Uniform rows over k >= 3 keys fall inside it (their off-diagonal sum is
-  (k - 1) expm1(1/k), in [0.79, 1)), so this reading cannot tell uniform attention from a Markov
-  blanket; it is kept for comparison.
-
-Form of the constraint:
-
-* `form="node"` (Eq. 2): per node i, tau of its row plus tau of its column, against twice the
-  band; we divide by 2 (the node's mean measure) so both forms are in the same units. Where one of
-  the two measures is unconstrainable (below), the node is held to the band by the other alone.
-* `form="separate"`: rows and columns each against the band (four constraints per head).
-
-Definition 1 assumes columns that sum to 1; softmax attention normalises rows only. The option
-`sinkhorn_iters` of the attention layer (layers/attention.py) makes encoder attention close to
-doubly stochastic; without it, a column's measure is whatever the rows put into it.
+The bands (`band`: each bound is the measure of a row shape of Definition 1 and Figure 5), the
+forms (`form="node"`: Eq. 2's row plus column per token, halved so both forms share units;
+`"separate"`: rows and columns each) and the losses (`loss="hinge"`, and `"linear"`: Eq. 3 as
+written, whose minimising slacks are 0) are derived in docs/design.md, "Markov-blanket
+constraint", which also says why `encoder_band="paper_slack"` (the printed constants) is not the
+default: it cannot tell uniform attention from a Markov blanket.
 
 A row (column) is unconstrainable, and left out, when no attention can put it in the band: a row
 with no admissible key (a padded query; a decoder's first token once its self-loop is discounted),
 an encoder row whose only key is itself (a one-hot self-loop exceeds the upper bound), a column
 that no admissible row may feed (a decoder's last token) or whose feeders cannot reach the lower
-bound. All of this is computed from the mask, so padding and sparse patterns need no special case.
-
-Loss (Definition 3):
-
-* `loss="hinge"`: the mean over constrained nodes (rows, columns) of relu(lower - m) and
-  relu(m - upper), one multiplier per (layer, head, constraint), projected dual ascent on them.
-* `loss="linear"` (Eq. 3 as written): sums over nodes of the signed terms gamma_3 (lower - m +
-  eps'_i) and gamma_4 (m - upper + eps''_i) plus gamma_1 (eps'_i - eps'_max) and gamma_2
-  (eps''_i - eps''_max), with the slacks eps_i in [0, eps_max] at the minimiser of h for the
-  current multipliers. With the signs as printed their coefficients (gamma_1 + gamma_3,
-  gamma_2 + gamma_4) are >= 0, so the minimising slacks are 0: the slack terms are constants and
-  the node terms are a linear Lagrangian whose multipliers rise and fall with the signed sums.
+bound. All of this is computed from the mask, so padding and sparse patterns need no special case;
+in the node form, a node with one measure left out is held to the band by the other alone.
 """
 
 from __future__ import annotations
@@ -91,7 +55,7 @@ class Band:
 
 
 def band(*, decoder: bool, encoder_band: str = "derived_self_loop") -> Band:
-  """The band of a self-attention layer (module docstring: one row shape per bound)."""
+  """The band of a self-attention layer (docs/design.md: one row shape per bound)."""
   if decoder:
     return Band(DEFINITION1_LOWER, DEFINITION1_UPPER, count_diagonal=False)
   if encoder_band == "derived_self_loop":
@@ -108,7 +72,7 @@ def band(*, decoder: bool, encoder_band: str = "derived_self_loop") -> Band:
 
 @dataclasses.dataclass(frozen=True)
 class ConstraintSpec:
-  """Which reading of Eqs. 2-3 a run uses (module docstring)."""
+  """Which reading of Eqs. 2-3 a run uses (docs/design.md)."""
 
   form: str = "node"
   loss: str = "hinge"
@@ -203,7 +167,7 @@ def constraint_violations(
   Args:
     probs: [B, H, N, N] self-attention probabilities.
     mask: bool broadcastable to [B, H, N, N] (the mask the attention used), or None.
-    decoder: causal self-attention: no self-loop (module docstring).
+    decoder: causal self-attention: no self-loop (Definition 2).
     valid_q: [B, N] bool (default all valid): padded rows are left out.
     valid_k: [B, N] bool (default all valid): padded columns are left out.
   """
@@ -268,7 +232,7 @@ def _linear_terms(node: jax.Array, node_w: jax.Array, b: Band, *, decoder: bool)
   """[H, 4] Eq. 3 terms (gamma_1..gamma_4 order), summed over nodes, mean over the batch.
 
   The slacks are at the minimiser of h over [0, eps_max] for multipliers >= 0, which is 0 with the
-  printed signs (module docstring); they are kept as explicit zeros so that each term is Eq. 3's.
+  printed signs (docs/design.md); they are kept as explicit zeros so that each term is Eq. 3's.
   Decoder slack maxima are 0 (Definition 2).
   """
   slack_max = (0.0, 0.0) if decoder else (PAPER_SLACK_LOWER, PAPER_SLACK_UPPER)

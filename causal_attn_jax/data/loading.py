@@ -154,13 +154,6 @@ Parallel = tuple[list[str], list[str]]  # (sources, targets)
 
 def load_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Parallel]:
   """The (train, eval) (sources, targets) a translation config reads, reversed if it says so."""
-  train, evaluation = _read_parallel(config)
-  if config.data.reverse:
-    return (train[1], train[0]), (evaluation[1], evaluation[0])
-  return train, evaluation
-
-
-def _read_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Parallel]:
   d = config.data
   if config_lib.uses_tfds(config):
     load = lambda split, limit: translation.load_tfds_translation(
@@ -171,13 +164,16 @@ def _read_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Paralle
         target_lang=d.target_lang,
         max_examples=limit,
     )
-    return load(d.tfds_train_split, d.max_train_examples), load(
-        d.tfds_eval_split, d.max_eval_examples
-    )
-  train = translation.read_parallel(d.train_source, d.train_target, unescape=d.unescape)
-  evaluation = translation.read_parallel(d.eval_source, d.eval_target, unescape=d.unescape)
-  cut = lambda pair, n: (pair[0][:n], pair[1][:n]) if n > 0 else pair
-  return cut(train, d.max_train_examples), cut(evaluation, d.max_eval_examples)
+    train = load(d.tfds_train_split, d.max_train_examples)
+    evaluation = load(d.tfds_eval_split, d.max_eval_examples)
+  else:
+    train = translation.read_parallel(d.train_source, d.train_target, unescape=d.unescape)
+    evaluation = translation.read_parallel(d.eval_source, d.eval_target, unescape=d.unescape)
+    cut = lambda pair, n: (pair[0][:n], pair[1][:n]) if n > 0 else pair
+    train, evaluation = cut(train, d.max_train_examples), cut(evaluation, d.max_eval_examples)
+  if d.reverse:
+    return (train[1], train[0]), (evaluation[1], evaluation[0])
+  return train, evaluation
 
 
 def _encode_parallel(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pathlib
 import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -50,8 +49,8 @@ def train_sentencepiece(
     model_type: str = "unigram",
     character_coverage: float = 0.9995,
     seed: int = 0,
-) -> pathlib.Path:
-  """Trains a SentencePiece model; writes and returns ``<model_prefix>.model`` (and ``.vocab``).
+) -> None:
+  """Trains a SentencePiece model; writes ``<model_prefix>.model`` (and ``.vocab``).
 
   Args:
     texts: Training sentences (or a callable returning them); empty ones are skipped. Give
@@ -122,8 +121,6 @@ def train_sentencepiece(
     storage.makedirs(parent)
   write_atomically(f"{prefix}.vocab", vocab)
   write_atomically(f"{prefix}.model", proto)  # Last: the model means the tokenizer is complete.
-  model = f"{prefix}.model"
-  return storage.path(model) if storage.is_remote(model) else pathlib.Path(model)
 
 
 def _vocab_text(model_proto: bytes) -> str:

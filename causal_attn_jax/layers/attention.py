@@ -14,9 +14,7 @@ activation of the Kipf & Welling GCN that the paper's "two-layer GCN" refers to.
 
 The other kinds are the baselines: "vanilla" = softmax(Q K^T / sqrt(d_k)) V, and the sparse
 kinds of Fig. 2 ("band", "dilated", "random", "block") = vanilla with their pattern ANDed into
-the mask. All kinds end with the usual multi-head output projection W_O (Eq. 4 is written for
-one head; concatenating heads and projecting back to the model width is how the paper's
-"multi-head causal self-attention" gets back into the residual stream).
+the mask. All kinds end with the multi-head output projection W_O (docs/design.md says why).
 
 Every call also returns the attention probabilities in float32, which the Markov-blanket
 constraint (`causal_attn_jax.constraints`) needs; logits and softmax are always computed in
