@@ -112,15 +112,8 @@ def plot_expert_activation(report: dict[str, Any], block: str, path: str) -> str
     ax.set_yticks(range(len(names)), names)
     if values.size <= _MAX_ANNOTATED_CELLS:
       for (i, j), v in np.ndenumerate(values):
-        ax.text(
-            j,
-            i,
-            f"{v:.2f}",
-            ha="center",
-            va="center",
-            fontsize=7,
-            color="black" if v > 0.6 * vmax else "white",
-        )
+        colour = "black" if v > 0.6 * vmax else "white"  # Legible on the cell's own shade.
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color=colour)
   if image is not None:
     fig.colorbar(image, ax=axes, shrink=0.8, label="fraction of the group's routed tokens")
   fig.suptitle(f"Expert activation per group, {block} ({_title(report)})")
