@@ -29,7 +29,6 @@ from paper_runner.table_render import render
 from paper_runner.table_reproduce import reproduce
 from paper_runner.table_spec import load_table
 from trainkit.errors import UserError, exit_on_user_error
-from trainkit.platforms import skip_absent_accelerators
 
 MODES = ("record", "rerun", "references", "write", "check", "reproduce", "estimate")
 
@@ -106,7 +105,4 @@ def run(argv: Sequence[str], f: Mapping[str, Any]) -> int:
 
 if __name__ == "__main__":
   _FLAGS = _define_flags()
-  # A record names this machine's devices: without an accelerator, skip the probes that print
-  # the preflight extra's tracebacks (trainkit/platforms.py).
-  skip_absent_accelerators()
   app.run(lambda argv: sys.exit(run(argv, {k: v.value for k, v in _FLAGS.items()})))

@@ -24,7 +24,6 @@ from trainkit.config import settle_run_length, startup_timeout_s
 from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
-from trainkit.platforms import skip_absent_accelerators
 from trainkit.preemption import sigterm_ends_cleanly
 from trainkit.preflight import targets as preflight_targets
 from trainkit.preflight.compile import compile_run, validate_preflight
@@ -241,7 +240,6 @@ def run(
     except app.UsageError as e:  # absl would print the docstring and exit 1.
       fail(f"{e} (--help shows the usage)")
 
-  skip_absent_accelerators()  # Before any backend starts (trainkit/platforms.py).
   if "jax_debug_nans" not in flags.FLAGS:  # JAX's options as absl flags, as big_vision does.
     jax.config.config_with_absl()
   app.run(guarded_main, flags_parser=lambda argv: parse_flags(argv, command, prepare_argv))

@@ -23,6 +23,11 @@ def test_readme_has_exactly_two_commands():
   assert len(commands) == 2
   assert "python -m fairmoe_jax.main --config=configs/quickstart.py --workdir=" in commands[0]
   assert 'pip install -e ".[test,preflight]"' in commands[1] and "pytest" in commands[1]
+  # The preflight's plugins (libtpu, the CUDA plugin) go into an environment of their own, not
+  # the one the quickstart trains in (docs/running.md).
+  venvs = [re.search(r"python3 -m venv (\S+) && \. \1/bin/activate && ", c) for c in commands]
+  assert all(venvs) and venvs[0][1] != venvs[1][1], commands
+  assert "preflight" not in commands[0]
 
 
 def test_ci_runs_the_readme_test_command_on_both_stacks():

@@ -1,45 +1,61 @@
-"""On a host without a GPU or TPU, the preflight extra's CUDA plugin and libtpu stay silent
-(trainkit/platforms.py; a TPU compile: trainkit/preflight/targets.py)."""
+"""The preflight's compilers (libtpu, the CUDA plugin) stay out of the environment a user trains
+in, and describe a TPU slice quietly where they are installed (trainkit/preflight/targets.py)."""
 
-import importlib.util
+import importlib.metadata
 import os
+import re
+import runpy
 import subprocess
 import sys
 
 import pytest
+import setuptools
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from trainkit import platforms
-from trainkit.platforms import Host, cpu_only_reason
+from conftest import REPO_ROOT
+from trainkit.preflight.targets import tpu_signs
 
-CUDA = ("jax_plugins.xla_cuda12",)
-BARE = Host(system="Linux", plugins=CUDA, libtpu=True, accelerator_signs=())
-EXTRA_INSTALLED = bool(platforms.installed_plugins()) or importlib.util.find_spec("libtpu")
-NO_ACCELERATOR = not platforms.accelerator_signs()
-
-
-def test_a_host_without_accelerators_uses_the_cpu_alone():
-  assert "no GPU or TPU" in cpu_only_reason({}, BARE)
-  assert cpu_only_reason({}, Host("Linux", (), True, ())) is not None  # libtpu alone.
-  assert cpu_only_reason({}, Host("Linux", CUDA, False, ())) is not None  # CUDA alone.
+# What JAX loads as a backend plugin, and probes for hardware at its first device use.
+JAX_PLUGIN = re.compile(r"libtpu|jax-(cuda|rocm)\d+-(plugin|pjrt)")
 
 
-@pytest.mark.parametrize(
-    "environ, host, jax_platforms",
-    [
-        ({"JAX_PLATFORMS": ""}, BARE, None),  # The user's choice, even empty (JAX's "any").
-        ({"JAX_PLATFORMS": "cuda"}, BARE, None),
-        ({}, BARE, "tpu"),  # Set in the process already (--jax_platforms, jax.config).
-        ({}, Host("Linux", CUDA, True, ("/dev/nvidia0",)), None),
-        ({}, Host("Linux", CUDA, True, ("/dev/kfd",)), None),
-        ({}, Host("Linux", CUDA, True, ("/dev/vfio/0",)), None),
-        ({}, Host("Linux", CUDA, True, ("/sys/bus/pci/devices/0000:00:04.0",)), None),
-        ({}, Host("Darwin", CUDA, True, ()), None),  # Metal, or what this module cannot see.
-        ({}, Host("Linux", (*CUDA, "jax_plugins.xla_rocm7"), True, ()), None),  # Unknown plugin.
-        ({}, Host("Linux", (), False, ()), None),  # Only the CPU backend: nothing to skip.
-    ],
-)
-def test_the_platforms_are_left_alone_unless_nothing_can_start(environ, host, jax_platforms):
-  assert cpu_only_reason(environ, host, jax_platforms) is None
+def _reached(requirements: list[str]) -> set[str]:
+  """The distributions `requirements` bring, transitively, as far as this environment has them
+  installed (one not installed here is named, not followed)."""
+  seen, todo = set(), [Requirement(r) for r in requirements]
+  while todo:
+    requirement = todo.pop()
+    key = (canonicalize_name(requirement.name), *sorted(requirement.extras))
+    if key in seen:
+      continue
+    seen.add(key)
+    try:
+      requires = importlib.metadata.requires(key[0]) or []
+    except importlib.metadata.PackageNotFoundError:
+      continue
+    for child in map(Requirement, requires):
+      if child.marker is None or any(child.marker.evaluate({"extra": e}) for e in key[1:] or [""]):
+        todo.append(child)
+  return {name for name, *_ in seen}
+
+
+def test_the_base_install_and_the_paper_extras_bring_no_jax_plugin():
+  setup_args = {}
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(setuptools, "setup", lambda **kwargs: setup_args.update(kwargs))
+    runpy.run_path(str(REPO_ROOT / "setup.py"), run_name="__main__")
+  extras = setup_args["extras_require"]
+  for extra, requirements in [("base", []), *extras.items()]:
+    plugins = {
+        name
+        for name in _reached(setup_args["install_requires"] + requirements)
+        if JAX_PLUGIN.fullmatch(name)
+    }
+    if extra == "preflight":  # The one extra that brings them (and the walk finds them).
+      assert "libtpu" in plugins and any("cuda" in n for n in plugins), plugins
+    else:
+      assert not plugins, (extra, plugins)
 
 
 def _user_environment() -> dict[str, str]:
@@ -61,34 +77,8 @@ def _assert_quiet(stderr: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not EXTRA_INSTALLED, reason="needs the preflight extra (CUDA plugin, libtpu)")
-@pytest.mark.skipif(not NO_ACCELERATOR, reason="this host has a GPU or TPU")
-def test_a_run_with_the_extra_on_a_cpu_host_prints_no_traceback(tmp_path, repo_root):
-  # A run that starts JAX's backends (joining the runtime, counting the devices) and then stops
-  # at a config check: one line on stderr, and nothing from the plugins.
-  result = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "fairmoe_jax.main",
-          "--config=configs/quickstart.py",
-          f"--workdir={tmp_path / 'run'}",
-          "--config.optimizer.learning_rate=-1",
-      ],
-      cwd=repo_root,
-      env=_user_environment(),
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
-  assert result.returncode == 2, result.stderr
-  assert "optimizer.learning_rate" in result.stderr
-  _assert_quiet(result.stderr)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
-@pytest.mark.skipif(not NO_ACCELERATOR, reason="this host has a GPU or TPU")
+@pytest.mark.compile_tpu
+@pytest.mark.skipif(bool(tpu_signs()), reason="this host has a TPU")
 @pytest.mark.parametrize("users_hostnames", [None, "localhost"])
 def test_describing_a_tpu_slice_without_a_tpu_prints_no_libtpu_errors(repo_root, users_hostnames):
   script = (

@@ -18,11 +18,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import glob
 import os
 from typing import Any
 
 from trainkit.errors import UserError
-from trainkit.platforms import tpu_signs
 from trainkit.throughput import PEAK_FLOPS_BY_KIND
 
 GIB = 1024**3
@@ -313,6 +313,22 @@ def _forget_variables_set_behind_pythons_back(before: dict[str, str]) -> None:
 
 
 _ONE_WORKER = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
+# TPU device files: /dev/accel* (v2 to v4), /dev/vfio/<n> (v5e and later).
+TPU_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
+GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def tpu_signs() -> list[str]:
+  """TPU device files and Google PCI devices of this host (empty: no TPU here)."""
+  found = [path for pattern in TPU_DEVICE_GLOBS for path in sorted(glob.glob(pattern))]
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(vendor) as f:
+        if f.read().strip() == GOOGLE_PCI_VENDOR:
+          found.append(os.path.dirname(vendor))
+    except OSError:
+      pass
+  return found
 
 
 @functools.cache
