@@ -154,16 +154,6 @@ def uses_tfds(config: ml_collections.ConfigDict) -> bool:
 _GENERATED_PAIR_BYTES = 2048
 
 
-def _require_generated_pairs_fit(config: ml_collections.ConfigDict, generator: str) -> None:
-  sizes = {k: config.data[generator][k] for k in ("num_train", "num_eval", "num_challenge")}
-  largest = max(sizes, key=sizes.get)
-  cfg.require_fits_in_host_memory(
-      f"data.{generator}.{largest}",
-      sum(sizes.values()) * (_GENERATED_PAIR_BYTES + 8 * config.data.max_len),
-      f"the generated testbed ({sum(sizes.values())} sentence pairs)",
-  )
-
-
 def _require_spec(config: ml_collections.ConfigDict, key: str, build: Callable[[], Any]) -> Any:
   """`build()`, with its ValueError (whose message starts with the field it is about) raised as a
   ConfigError naming `key.field`: the spec classes hold the rules, the config names the key."""
@@ -175,8 +165,8 @@ def _require_spec(config: ml_collections.ConfigDict, key: str, build: Callable[[
 
 
 def _validate_generator(config: ml_collections.ConfigDict) -> None:
-  """data.<section>.* of data.generator (GENERATORS) and, for ood_pairs, data.max_len long
-  enough for its pairs."""
+  """data.<section>.* of data.generator (GENERATORS), its pairs fitting in host memory and, for
+  ood_pairs, data.max_len long enough for its pairs."""
   generator, spec_class, _ = GENERATORS[config.data.generator]
   for field in dataclasses.fields(spec_class):
     if field.type == "int":
@@ -184,7 +174,12 @@ def _validate_generator(config: ml_collections.ConfigDict) -> None:
     elif field.type == "float":  # Every float of both specs is a share (NaN passes no check).
       cfg.require_float(config, f"data.{generator}.{field.name}", minimum=0.0, maximum=1.0)
   spec = _require_spec(config, f"data.{generator}", lambda: generator_spec(config))
-  _require_generated_pairs_fit(config, generator)
+  sizes = {k: config.data[generator][k] for k in ("num_train", "num_eval", "num_challenge")}
+  cfg.require_fits_in_host_memory(
+      f"data.{generator}.{max(sizes, key=sizes.get)}",
+      sum(sizes.values()) * (_GENERATED_PAIR_BYTES + 8 * config.data.max_len),
+      f"the generated testbed ({sum(sizes.values())} sentence pairs)",
+  )
   if generator == "spurious":
     return
   # <bos> S V O <sep> s v <eos> and the fillers: a shorter max_len would cut fillers or words.

@@ -62,26 +62,16 @@ def eval_batches(
     raise ValueError(f"batch_size {batch_size} must be > 0.")
   if MASK_KEY in arrays:
     raise ValueError(f"arrays already have a {MASK_KEY!r} key.")
-  n = _common_length(arrays)
-  for start in range(0, n, batch_size):
-    stop = min(start + batch_size, n)
-    batch = {}
-    for key, value in arrays.items():
-      part = value[start:stop]
-      if len(part) < batch_size:
-        pad = np.zeros((batch_size - len(part),) + part.shape[1:], part.dtype)
-        part = np.concatenate([part, pad])
-      batch[key] = part
-    mask = np.zeros(batch_size, bool)
-    mask[: stop - start] = True
-    batch[MASK_KEY] = mask
-    yield batch
-
-
-def _common_length(arrays: Mapping[str, np.ndarray]) -> int:
   sizes = {key: len(value) for key, value in arrays.items()}
   if len(set(sizes.values())) > 1:
     raise ValueError(f"arrays have different lengths: {sizes}.")
   if not sizes:
     raise ValueError("no arrays to batch.")
-  return next(iter(sizes.values()))
+  n = next(iter(sizes.values()))
+  for start in range(0, n, batch_size):
+    batch = {}
+    for key, value in arrays.items():
+      part = value[start : start + batch_size]
+      batch[key] = np.pad(part, [(0, batch_size - len(part))] + [(0, 0)] * (part.ndim - 1))
+    batch[MASK_KEY] = np.arange(batch_size) < n - start
+    yield batch

@@ -5,22 +5,12 @@ that predicts the label in training stops predicting it (HANS after MNLI, PAWS a
 generator makes that situation from a seed, with the cue's strength as a config key.
 
 Every pair is a premise "the [adj] S V the [adj] O [while the S' V' ...]" and a hypothesis
-"the s v the o". The label is a sparse relation among six tokens:
-
-    entailment  iff  s ~ S, v ~ V and o ~ O,
-
-where `~` is "the same concept": every noun and verb concept has two surface forms (unrelated
-pseudo-words), both used in premises and hypotheses, so no single word marks a substitution. The
-surface cue is lexical overlap: whether every word of the hypothesis occurs in the premise:
-
-    kind              label           overlap   how the hypothesis is made
-    same              entailment      full      the premise's own S, V, O
-    replaced          non-entailment  partial   one of S, V, O replaced by an unrelated word
-    synonym           entailment      partial   one of S, V, O replaced by its synonym
-    role_swap         non-entailment  full      S and O exchanged
-
-Train and eval pairs agree with the cue (same, replaced) with probability `cue_agreement`; the
-challenge split holds only the disagreeing kinds (HANS schema: heuristic "lexical_overlap").
+"the s v the o" over pseudo-words, and entailment iff s, v, o name the concepts of S, V, O (every
+noun and verb concept has two unrelated surface forms). The cue is lexical overlap; the four kinds
+of pair (`KINDS`: two agree with the cue, two disagree) are docs/dataset.md's table ("The
+spurious-pairs testbed", "What a pair is"). Train and eval pairs agree with the cue with
+probability `cue_agreement`; the challenge split holds only the disagreeing kinds (HANS schema:
+heuristic "lexical_overlap").
 """
 
 from __future__ import annotations
