@@ -64,7 +64,7 @@ def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   flat = {}
   for key, value in mapping.items():
     key = f"{prefix}{key}"
-    if isinstance(value, Mapping) or isinstance(value, ml_collections.ConfigDict):
+    if isinstance(value, (Mapping, ml_collections.ConfigDict)):
       flat.update(_flatten(value, f"{key}."))
     else:
       flat[key] = value

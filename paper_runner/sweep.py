@@ -233,21 +233,19 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
   return holders
 
 
-def dashed_flag_names(argv: Sequence[str], names: Sequence[str] = ("dry_run",)) -> list[str]:
+def dashed_flag_names(argv: Sequence[str]) -> list[str]:
   """`argv` with `--dry-run` (the launchers' spelling; `--nodry-run`, `--dry-run=false` too)
-  written `--dry_run`, absl's, for each of `names`; arguments after `--` are left alone."""
+  written `--dry_run`, absl's; arguments after `--` are left alone."""
   out = list(argv[:1])
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
       out.extend(argv[i:])
       break
-    for name in names:
-      dashed = name.replace("_", "-")
-      for prefix in ("--", "-", "--no", "-no"):
-        flag = prefix + dashed
-        if arg == flag or arg.startswith(flag + "="):
-          arg = prefix + name + arg[len(flag) :]
-          break
+    for prefix in ("--", "-", "--no", "-no"):
+      flag = prefix + "dry-run"
+      if arg == flag or arg.startswith(flag + "="):
+        arg = prefix + "dry_run" + arg[len(flag) :]
+        break
     out.append(arg)
   return out
 

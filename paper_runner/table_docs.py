@@ -128,8 +128,8 @@ def claim_verdicts() -> dict[tuple[str, str], dict[str, list[str]]]:
       if verdict == stats.UNDECIDED and result.detectable is not None:
         notes.append(f"detectable: {column.scale * result.detectable:.{column.decimals}f}")
       entry = f"`{name}`" + (f" ({'; '.join(notes)})" if notes else "")
-      found.setdefault((spec.claim_text(claim), column.label), {}).setdefault(verdict, [])
-      found[spec.claim_text(claim), column.label][verdict].append(entry)
+      by_verdict = found.setdefault((spec.claim_text(claim), column.label), {})
+      by_verdict.setdefault(verdict, []).append(entry)
   return found
 
 

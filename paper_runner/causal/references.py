@@ -21,14 +21,6 @@ from causal_attn_jax.metrics.challenge import challenge_report
 Reader = Callable[[nli.PairData], np.ndarray]
 
 
-def _with_paths_under(config: ml_collections.ConfigDict, base_dir: str) -> None:
-  """Makes the relative data file paths absolute under `base_dir` (where the runs started)."""
-  for key, value in list(config.data.items()):
-    if isinstance(value, str) and value and (key.endswith(("_file", "_source", "_target"))):
-      if not os.path.isabs(os.path.expanduser(value)):
-        config.data[key] = os.path.join(base_dir, value)
-
-
 def _pair_reports(config: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
   train, evaluation, challenge = loading.load_pairs(config)
   k = train.num_classes
@@ -87,7 +79,10 @@ def _translation_reports(config: ml_collections.ConfigDict) -> dict[str, dict[st
 def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, dict[str, Any]]:
   """{reader name: a report.json-shaped dict} for the data of a run's saved `config`."""
   config = ml_collections.ConfigDict(dict(config))
-  _with_paths_under(config, base_dir)
+  for key, value in list(config.data.items()):  # Relative data files: under `base_dir`.
+    if isinstance(value, str) and value and key.endswith(("_file", "_source", "_target")):
+      if not os.path.isabs(os.path.expanduser(value)):
+        config.data[key] = os.path.join(base_dir, value)
   if config.task == "translation":
     return _translation_reports(config)
   return _pair_reports(config)

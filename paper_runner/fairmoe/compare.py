@@ -105,20 +105,6 @@ def split_method(entry: str) -> tuple[str, dict[str, str]]:
     raise UserError(f"--methods: {e} in {entry!r}") from None
 
 
-def _override(config: ml_collections.ConfigDict, key: str, text: str, entry: str) -> None:
-  """Sets `key` from `text`, parsed to the type the key already has."""
-  try:
-    current = cfg.get(config, key)
-  except ConfigError:
-    raise UserError(f"--methods: unknown config key {key!r} in {entry!r}") from None
-  try:
-    value = cfg.convert(key, text, current)
-  except ConfigError as e:
-    raise UserError(f"--methods: {e} (in {entry!r})") from None
-  parent, _, leaf = key.rpartition(".")
-  (cfg.get(config, parent) if parent else config)[leaf] = value
-
-
 def run_config(
     config: ml_collections.ConfigDict, method: str, seed: int
 ) -> ml_collections.ConfigDict:
@@ -128,8 +114,15 @@ def run_config(
   name, overrides = split_method(method)
   config.method = name
   config.seed = seed
-  for key, text in overrides.items():
-    _override(config, key, text, method)
+  for key, text in overrides.items():  # Each parsed to the type the key already has.
+    try:
+      current = cfg.get(config, key)
+    except ConfigError:
+      raise UserError(f"--methods: unknown config key {key!r} in {method!r}") from None
+    try:
+      cfg.apply_overrides(config, {key: cfg.convert(key, text, current)})
+    except ConfigError as e:
+      raise UserError(f"--methods: {e} (in {method!r})") from None
   try:
     fairmoe_config.validate(
         config, num_devices=jax.device_count(), num_processes=jax.process_count()
