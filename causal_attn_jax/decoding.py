@@ -31,12 +31,6 @@ def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
   return ((5.0 + length) / 6.0) ** alpha
 
 
-def _gather_beams(tree: Any, index: jax.Array, batch_size: int, beam_size: int) -> Any:
-  """Rows [B * K, ...] reordered by beam index [B, K'] -> [B * K', ...]."""
-  flat = (jnp.arange(batch_size)[:, None] * beam_size + index).reshape(-1)
-  return jax.tree.map(lambda x: x[flat], tree)
-
-
 def beam_search(
     step_fn: StepFn,
     cache: Any,
@@ -83,7 +77,9 @@ def beam_search(
     alive_candidates = jnp.where(is_eos, _NEG_INF, top_logp)
     alive_logp, pick = jax.lax.top_k(alive_candidates, k)
     alive_seq = jnp.take_along_axis(seqs, pick[:, :, None], axis=1)
-    cache = _gather_beams(cache, jnp.take_along_axis(parent, pick, axis=1), b, k)
+    # The cache's B * K rows reordered to follow the alive beams' parents.
+    rows = (jnp.arange(b)[:, None] * k + jnp.take_along_axis(parent, pick, axis=1)).reshape(-1)
+    cache = jax.tree.map(lambda x: x[rows], cache)
     return alive_seq, alive_logp, fin_seq, fin_score, fin_count, cache
 
   alive_seq = jnp.full((b, k, max_len + 1), pad_id, jnp.int32).at[:, :, 0].set(bos_id)

@@ -7,9 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import ml_collections
-
-from causal_attn_jax.data.loading import TaskData
 from trainkit.run_info import RunMetadataFile
 
 PACKAGE = "causal_attn_jax"
@@ -31,11 +28,6 @@ class RunMetadata(RunMetadataFile):
   task: str
   label_names: tuple[str, ...] = ()
   tokenizer: str = TOKENIZER_FILE
-
-  @classmethod
-  def from_data(cls, config: ml_collections.ConfigDict, data: TaskData) -> RunMetadata:
-    """The metadata of a run of `config` on `data` (its label names)."""
-    return cls(task=config.task, label_names=tuple(data.label_names))
 
   @classmethod
   def from_fields(cls, saved: dict[str, Any]) -> RunMetadata:

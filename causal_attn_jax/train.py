@@ -183,7 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       tokens_per_example=task.tokens_per_example(config),
       evaluate=evaluate,
       # Label names beside the tokenizer: predict then needs the workdir alone.
-      run_info=run_info_lib.RunMetadata.from_data(config, data).to_json(),
+      run_info=run_info_lib.RunMetadata(config.task, tuple(data.label_names)).to_json(),
   )
   report = report_lib.final_report(
       config, run.graphdef, eval_step, trained.state, data, run.mesh, workdir
