@@ -91,6 +91,7 @@ setup(
         + [
             "pytest>=8",
             "pytest-xdist>=3.5",
+            "packaging>=22",  # tests/trainkit/test_platforms.py reads requirements and markers.
             "fairlearn>=0.10",
             "pandas>=2.0",
             "scikit-learn>=1.3",
