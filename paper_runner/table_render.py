@@ -126,25 +126,24 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       few = "" if result.enough_seeds else " (too few seeds)"
       # A verdict a rerun does not reach is marked where it is read, not only below the table.
       notes = [f"a rerun: {moved[claim]}"] if claim in moved else []
-      leak = ["selection leak"] if leaks_of(spec, claim) else []
       if result.verdict == stats.UNDECIDED and result.detectable is not None:
         detectable = stats.Interval(result.detectable, None, None, 1)
         notes.append(f"detectable: {_interval_text(detectable, column)}")
-      verdict = f"**{result.verdict}{few}**" + (
-          f" ({'; '.join(notes + leak)})" if notes + leak else ""
-      )
+      notes += ["selection leak"] if leaks_of(spec, claim) else []
+      verdict = f"**{result.verdict}{few}**" + (f" ({'; '.join(notes)})" if notes else "")
       # The leak is marked once, beside the raw verdict.
       adjusted = f"**{holm_verdict}{few}**" + ("" if holm_p is None else f" ({_p_text(holm_p)})")
-      cells = [
-          spec.claim_text(claim),
-          column.label,
-          _interval_text(result.difference, column, sign=True),
-          str(len(result.seeds)),
-          _p_text(result.p) if result.difference else "—",
-          verdict,
-          adjusted,
-      ]
-      body.append(cells)
+      body.append(
+          [
+              spec.claim_text(claim),
+              column.label,
+              _interval_text(result.difference, column, sign=True),
+              str(len(result.seeds)),
+              _p_text(result.p) if result.difference else "—",
+              verdict,
+              adjusted,
+          ]
+      )
     lines += [""]
     header = [
         "claim",

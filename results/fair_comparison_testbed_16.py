@@ -14,11 +14,7 @@ CLAIM_ROWS = (parts.FAIRSMOE, "fairsmoe_no_fgr", "fairsmoe_no_fem", *parts.FAIR_
 TABLE = dict(
     fair_comparison_testbed.TABLE,
     title=fair_comparison_testbed.TABLE["title"] + ", 16 experts",
-    row_names={
-        method: name
-        for method, name in fair_comparison_testbed.TABLE["row_names"].items()
-        if method in CLAIM_ROWS
-    },
+    row_names=parts.fair_methods(CLAIM_ROWS),
     # Muffin and MultiFair did not run at 16 experts: their claims are the 4-expert table's.
     claims=tuple(
         claim
