@@ -58,11 +58,9 @@ def terminate_group(process: subprocess.Popen) -> None:
       os.killpg(process.pid, sig)
     except ProcessLookupError:
       return
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
       process.wait(timeout=wait_s)
       return
-    except subprocess.TimeoutExpired:
-      continue
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
