@@ -108,7 +108,7 @@ def _instruction_costs(hlo_text: str) -> Iterator[tuple[Any, float, float]]:
   parameters, roots = {}, {}
   for ins in instructions:
     if ins.computation in fused:
-      for index, name in enumerate(_operand_names(ins)):
+      for index, name in enumerate(hlo._operand_names(ins)):
         users[name].append((ins, index))
       if ins.op == "parameter":
         parameters[ins.computation, int(ins.line[ins.operands_at :].split(")")[0])] = ins.name
@@ -125,7 +125,7 @@ def _instruction_costs(hlo_text: str) -> Iterator[tuple[Any, float, float]]:
       body = callee["name"]
       root = roots.get(body)
       if root is not None and root.op == "dynamic-update-slice":  # In place: the update written.
-        results = hlo._arrays(shapes[_operand_names(root)[1]])
+        results = hlo._arrays(shapes[hlo._operand_names(root)[1]])
       operands = [
           _read_bytes(parameters.get((body, i)), users, shapes) for i in range(len(operands))
       ]
@@ -167,10 +167,6 @@ def _convolution_flops(line: str, lhs: hlo.Array, kernel: hlo.Array, result: hlo
     at = np.arange(m)[:, None] * s + np.arange(w)[None, :] * r - get("pad", axis, 0)
     taps *= int(np.count_nonzero((at >= 0) & (at <= (n - 1) * d) & (at % d == 0))) / max(m, 1)
   return 2.0 * result.size * kernel.dims[labels["rhs"].index("i")] * taps
-
-
-def _operand_names(ins: Any) -> list[str]:
-  return [t.split("%")[-1] for t in hlo._operand_list(ins.line, ins.operands_at)]
 
 
 def _read_bytes(name: str | None, users: dict[str, list], shapes: dict[str, str]) -> int:

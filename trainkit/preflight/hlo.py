@@ -149,7 +149,7 @@ def _with_frames(instructions: list[_Instruction]) -> list[_Instruction]:
     if found or depth > 16:
       return found or 0
     makers = [callers.get(ins.computation, "")]
-    makers += [t.split("%")[-1] for t in _operand_list(ins.line, ins.operands_at)]
+    makers += _operand_names(ins)
     return next((f for m in makers if m in by_name and (f := frame(m, depth + 1))), 0)
 
   return [i if i.frame else dataclasses.replace(i, frame=frame(i.name)) for i in instructions]
@@ -229,6 +229,10 @@ def _operand_list(line: str, start: int) -> list[str]:
       token.append(char)
   tokens.append("".join(token))
   return [t.strip() for t in tokens if t.strip()]
+
+
+def _operand_names(ins: _Instruction) -> list[str]:
+  return [t.split("%")[-1] for t in _operand_list(ins.line, ins.operands_at)]
 
 
 def _operand_arrays(ins: _Instruction, shapes: dict[str, str]) -> list[Array]:
