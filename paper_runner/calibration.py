@@ -8,7 +8,7 @@ r"""The preflight's step time against public training throughputs: the calibrati
 `--mode=compile` turns a compiled step into a time: its roofline bound divided by a
 utilisation, the share of that bound a real step reaches. Each row is a public training run and
 our backbone of the same shape compiled for the same target, batch and mesh (in a process of
-its own: `--row=NAME --out=PATH`); utilisation = roofline bound / public step time.
+its own: `--row=NAME`, which prints it); utilisation = roofline bound / public step time.
 `trainkit.preflight.calibration` keeps the per-platform figure (a test checks it against the
 record); docs/scaling.md says what the public figures are and are not.
 """
@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -35,7 +34,6 @@ from trainkit.config_files import resolve_config_path
 from trainkit.distributed import child_environment
 from trainkit.errors import UserError, exit_on_user_error
 from trainkit.preflight.targets import TARGETS
-from trainkit.storage import write_atomically
 
 NAME = "calibration"
 RECORD = os.path.join("results", "records", f"{NAME}.json")
@@ -139,8 +137,7 @@ JAX_PAIRS = (
 )
 
 # --compile, --only, --write and --check are preflight_table's (one flag of each name).
-_ROW = flags.DEFINE_string("row", "", "compile this public run alone and write its row to --out")
-_OUT = flags.DEFINE_string("out", "", "with --row: where to write the row's JSON")
+_ROW = flags.DEFINE_string("row", "", "compile this public run alone and print its row's JSON")
 
 
 def _load() -> dict[str, Any]:
@@ -157,13 +154,10 @@ def compile_missing(pattern: str) -> None:
     print(f"compiling {run['name']} ...", flush=True)
     command = [sys.executable, "-m", "paper_runner.calibration", f"--row={run['name']}"]
     env = child_environment({"TF_CPP_MIN_LOG_LEVEL": "1", "JAX_PLATFORMS": "cpu"})
-    with tempfile.TemporaryDirectory() as scratch:
-      out = os.path.join(scratch, "row.json")
-      result = subprocess.run([*command, f"--out={out}"], capture_output=True, text=True, env=env)
-      if result.returncode or not os.path.exists(out):
-        raise UserError(f"{run['name']} failed:\n{result.stderr[-3000:]}")
-      with open(out) as f:
-        row = json.load(f)
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode:
+      raise UserError(f"{run['name']} failed:\n{result.stderr[-3000:]}")
+    row = json.loads(result.stdout.splitlines()[-1])  # The row is the child's last line.
     row.update(
         command=f"python -m paper_runner.calibration --row={run['name']}",
         date=datetime.date.today().isoformat(),
@@ -381,7 +375,7 @@ def table(record: dict[str, Any] | None = None) -> str:
 def main(argv: list[str]) -> None:
   del argv
   if _ROW.value:
-    write_atomically(_OUT.value, json.dumps(compile_row(_ROW.value)))
+    print(json.dumps(compile_row(_ROW.value)), flush=True)
     return
   if preflight_table.COMPILE.value:
     compile_missing(preflight_table.ONLY.value)
