@@ -54,24 +54,12 @@ def write_results(
 ) -> None:
   """Writes the rows, the evaluated targets, where they were measured and `extra` as JSON."""
   device = jax.devices()[0]
+  record = dict(device=str(device.device_kind), platform=device.platform)
+  record.update(num_devices=jax.device_count(), jax=jax.__version__, host=platform.node())
+  record.update(date=datetime.date.today().isoformat(), args=vars(args), rows=rows)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
-    json.dump(
-        {
-            "device": str(device.device_kind),
-            "platform": device.platform,
-            "num_devices": jax.device_count(),
-            "jax": jax.__version__,
-            "host": platform.node(),
-            "date": datetime.date.today().isoformat(),
-            "args": vars(args),
-            "rows": rows,
-            "targets": targets,
-            **extra,
-        },
-        f,
-        indent=2,
-    )
+    json.dump(dict(record, targets=targets, **extra), f, indent=2)
   if not quiet:
     print(f"wrote {path}")
 

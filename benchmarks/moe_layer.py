@@ -213,13 +213,8 @@ def layer_args(
   cotangent = jax.random.normal(keys[1], (groups, tokens, dim), jnp.float32).astype(dtype)
   if dispatch == BASELINE:
     width = top_k * hidden
-    weights = (
-        _normal(keys[2], (dim, width)),
-        jnp.zeros((width,), jnp.float32),
-        _normal(keys[3], (width, dim)),
-        jnp.zeros((dim,), jnp.float32),
-    )
-    return x, weights, cotangent
+    w1, w2 = _normal(keys[2], (dim, width)), _normal(keys[3], (width, dim))
+    return x, (w1, jnp.zeros((width,), jnp.float32), w2, jnp.zeros((dim,), jnp.float32)), cotangent
   router = _normal(keys[2], (dim, num_experts))
   experts = ExpertWeights(
       w1=_normal(keys[3], (num_experts, dim, hidden)),

@@ -121,14 +121,12 @@ def benchmark(
   specs.update(attributes=((batch, len(info.group_names)), np.int32), mask=((batch,), np.float32))
   specs = {k: jax.ShapeDtypeStruct(*v) for k, v in specs.items()}
   inputs = shard_batch(random_batch(specs, info), mesh)
-  t0 = time.perf_counter()
-  compiled = step_fn.lower(state, inputs).compile()
-  compile_s = time.perf_counter() - t0
   row = dict(config=config_name, method="dense" if dense else method, image_size=image_size)
   row.update(batch_size=batch, num_experts=None if dense else num_experts, top_k=top_k)
   row.update(dispatch="-" if dense else dispatch, compute_dtype=config.compute_dtype)
-  row.update(compile_s=round(compile_s, 2), xla_flops=cost(compiled, "flops"))
-  return row, _Step(compiled, state, inputs)
+  step = _Step(step_fn, state, inputs)
+  row.update(compile_s=round(step.compile_s, 2), xla_flops=cost(step.compiled, "flops"))
+  return row, step
 
 
 def random_batch(specs: dict[str, Any], info: DatasetInfo) -> dict[str, np.ndarray]:
@@ -151,10 +149,13 @@ def random_batch(specs: dict[str, Any], info: DatasetInfo) -> dict[str, np.ndarr
 
 
 class _Step:
-  """A compiled train step with its (donated, so replaced every call) state."""
+  """A compiled train step with its (donated, so replaced every call) state, and the seconds
+  its compilation took (`compile_s`)."""
 
-  def __init__(self, compiled: Any, state: Any, inputs: Any):
-    self.compiled, self.state, self.inputs = compiled, state, inputs
+  def __init__(self, step_fn: Any, state: Any, inputs: Any):
+    t0 = time.perf_counter()
+    self.compiled = step_fn.lower(state, inputs).compile()
+    self.compile_s, self.state, self.inputs = time.perf_counter() - t0, state, inputs
 
   def __call__(self) -> Any:
     """Runs one step; returns its metrics (to wait for)."""
@@ -206,10 +207,8 @@ def measure_program(config: ml_collections.ConfigDict, warmup_steps: int, timed_
   graphdef, state = create_state(config, info, tx, mesh, pretrained=False)
   train = make_train_step(graphdef, program.loss_fn, tx, schedule, program.update_extra)
   inputs = shard_batch(random_batch(program.train_batch, info), mesh)
-  t0 = time.perf_counter()
-  compiled = jit_train_step(train, state, mesh).lower(state, inputs).compile()
-  compile_s = time.perf_counter() - t0
-  step = _Step(compiled, state, inputs)
+  step = _Step(jit_train_step(train, state, mesh), state, inputs)
+  compiled = step.compiled
   for _ in range(warmup_steps):
     jax.block_until_ready(step())
   # bench_utils' timing runs one more warm-up call, then times each step to its end.
@@ -219,7 +218,7 @@ def measure_program(config: ml_collections.ConfigDict, warmup_steps: int, timed_
   row = dict(method=config.method, backbone=config.model.backbone, batch_size=config.batch_size)
   row.update(compute_dtype=config.compute_dtype, image_size=config.data.image_size)
   row.update(dispatch=program.settings.get("moe.dispatch"), device_kind=str(device.device_kind))
-  row.update(compile_seconds=compile_s, compiled_memory=bench_utils.memory_analysis(compiled))
+  row.update(compile_seconds=step.compile_s, compiled_memory=bench_utils.memory_analysis(compiled))
   # Whether cuDNN's fused attention took the backbone's shapes (fairmoe_jax/models/vit.py).
   row.update(cudnn_attention="__cudnn$fmha" in compiled.as_text())
   row.update(warmup_steps=warmup_steps + 1, timed_steps=len(times), step_seconds=step_s)
@@ -364,12 +363,8 @@ def main() -> None:
     write_results(args.output, args, [row], [])
     return
 
-  run = functools.partial(
-      benchmark,
-      top_k=args.top_k,
-      batch_size=args.batch_size or None,
-      compute_dtype=args.compute_dtype or None,
-  )
+  # 0 and "": the config's batch size and compute dtype.
+  options = dict(top_k=args.top_k, batch_size=args.batch_size, compute_dtype=args.compute_dtype)
   # Per E: vanilla SMoE with each dispatch, then each other method with the first dispatch.
   pairs = [(d, "vanilla_smoe") for d in args.dispatch]
   pairs += [(args.dispatch[0], m) for m in args.methods]
@@ -380,7 +375,7 @@ def main() -> None:
   rows = []
   for name in args.configs:
     # One config at a time, so only its states are held.
-    compiled = [run(name, **case) for case in cases]
+    compiled = [benchmark(name, **case, **options) for case in cases]
     print(f"  {name}: {len(cases)} steps compiled, timing", flush=True)
     time_interleaved([r for r, _ in compiled], [s for _, s in compiled], args.steps)
     rows += [r for r, _ in compiled]

@@ -234,15 +234,10 @@ def compute(
       dataset, image_size=image_size, num_classes=num_classes, sizes=sizes, seed=seed
   )
   generation_seconds = time.perf_counter() - start
+  # What a trained run's config.data must hold to have been trained on this data.
+  data = dict(name=dataset, seed=seed, image_size=image_size, num_classes=num_classes)
   stats: dict[str, Any] = {
-      "dataset": {
-          "name": dataset,
-          "seed": seed,
-          "image_size": image_size,
-          "num_classes": num_classes,
-          "sizes": dict(sizes),
-          "class_names": list(info.class_names),
-      },
+      "dataset": dict(data, sizes=dict(sizes), class_names=list(info.class_names)),
       "generation_seconds": generation_seconds,
       "nominal_frequencies": {
           "sex": list(synthetic.SEX_FREQ),
@@ -263,9 +258,8 @@ def compute(
   )
   stats["logistic_regression"]["seconds"] = time.perf_counter() - start
   if workdir is not None:
-    expected_data = dict(name=dataset, seed=seed, image_size=image_size, num_classes=num_classes)
     predictions, step, _ = model_predictions(
-        workdir, splits["test"], dict(expected_data, test_size=sizes["test"])
+        workdir, splits["test"], dict(data, test_size=sizes["test"])
     )
     stats["model"] = {
         "workdir": workdir,
