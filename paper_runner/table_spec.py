@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -154,12 +155,14 @@ def _fits(entry: Any, *checks: Callable[[Any], bool]) -> bool:
   )
 
 
-def _entries(name: str, key: str, value: Any, fits: Callable[[Any], bool], shape: str) -> list:
+def _entries(
+    name: str, table: Mapping[str, Any], key: str, fits: Callable[[Any], bool], shape: str
+) -> list:
   """TABLE[key]'s entries; an error naming the first that `fits` refuses, and the `shape` due."""
-  for i, entry in enumerate(value or ()):
+  for i, entry in enumerate(table.get(key) or ()):
     if not fits(entry):
       raise spec_error(name, f"{key}[{i}]", f"{entry!r} is not {shape}")
-  return list(value or ())
+  return list(table.get(key) or ())
 
 
 def _is_target(value: Any) -> bool:
@@ -187,12 +190,11 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
   row_values = list(sweep.grid[rows])
   texts = [format_value(v) for v in row_values]
   is_str = lambda value: isinstance(value, str)  # noqa: E731
+  entries = functools.partial(_entries, name, table)
   columns = [
       Column(path, label, float(scale), decimals)
-      for path, label, scale, decimals in _entries(
-          name,
+      for path, label, scale, decimals in entries(
           "columns",
-          table.get("columns"),
           lambda c: _fits(c, is_str, is_str, is_number, lambda d: isinstance(d, int)),
           "(path, label, scale, decimals)",
       )
@@ -201,10 +203,8 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
     raise spec_error(name, "columns", "at least one column is needed")
   claims = [
       Claim(**claim)
-      for claim in _entries(
-          name,
+      for claim in entries(
           "claims",
-          table.get("claims"),
           lambda c: isinstance(c, Mapping)
           and set(c) - {"margin"} == {"row", "baseline", "metric", "better"}
           and c["row"] in texts
@@ -226,10 +226,8 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
           f"{claim.metric!r} is a fairness metric; deciding it needs the accuracy on its split, "
           f"{accuracy!r}, as a column or a claim",
       )
-  tuning = _entries(
-      name,
+  tuning = entries(
       "tuning",
-      table.get("tuning"),
       lambda t: _fits(
           t,
           lambda r: r in (*texts, EVERY_ROW),
@@ -238,10 +236,8 @@ def make_spec(name: str, path: str, sweep: Any, table: Mapping[str, Any]) -> Tab
       ),
       f"(a row or {EVERY_ROW!r}, settings tried (an int >= 0), what)",
   )
-  leaks = _entries(
-      name,
+  leaks = entries(
       "selection_leaks",
-      table.get("selection_leaks"),
       lambda leak: isinstance(leak, Mapping)
       and set(leak) == {"rows", "why"}
       and (leak["rows"] is None or not is_str(leak["rows"]) and set(leak["rows"]) <= set(texts)),
