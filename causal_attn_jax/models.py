@@ -150,7 +150,7 @@ class EncoderLayer(nnx.Module):
 
   def forward(self, x, mask, *, train: bool, rngs: nnx.Rngs | None):
     """The layer without rematerialisation (what `__call__` checkpoints)."""
-    h, probs = self.attention(self.norm1(x), mask=mask, train=train, rngs=rngs)
+    h, probs = self.attention(self.norm1(x), mask=mask)
     x = x + self.dropout(h, deterministic=not train, rngs=rngs)
     h = self.mlp(self.norm2(x), train=train, rngs=rngs)
     return x + self.dropout(h, deterministic=not train, rngs=rngs), probs
@@ -182,11 +182,9 @@ class DecoderLayer(nnx.Module):
   def forward(self, y, memory, self_mask, cross_mask, *, train, rngs, decode: bool = False):
     """The layer without rematerialisation (what `__call__` checkpoints)."""
     drop = lambda h: self.dropout(h, deterministic=not train, rngs=rngs)
-    h, probs = self.self_attention(
-        self.norm1(y), mask=self_mask, train=train, rngs=rngs, decode=decode
-    )
+    h, probs = self.self_attention(self.norm1(y), mask=self_mask, decode=decode)
     y = y + drop(h)
-    h, _ = self.cross_attention(self.norm2(y), memory, mask=cross_mask, train=train, rngs=rngs)
+    h, _ = self.cross_attention(self.norm2(y), memory, mask=cross_mask)
     y = y + drop(h)
     y = y + drop(self.mlp(self.norm3(y), train=train, rngs=rngs))
     return y, probs

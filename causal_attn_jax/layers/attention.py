@@ -92,8 +92,6 @@ class MultiHeadAttention(nnx.Module):
     gcn_hops: 1 = literal Eq. 4, 2 = Kipf two-layer GCN (propagates through A twice; needs
       self-attention). Only used by kind "causal".
     head_dim: per-head width d_k = d_v; default D // H.
-    dropout_rate: dropout on the output (after W_O); never on A, which is the graph that the
-      constraint acts on.
     dtype: compute dtype; logits, softmax and the returned probabilities stay float32.
     sinkhorn_iters: > 0 replaces the softmax by `sinkhorn_softmax` with this many iterations
       (columns about normalised, Definition 1); 0 = softmax. Not for causal masks.
@@ -109,9 +107,7 @@ class MultiHeadAttention(nnx.Module):
       kind: str = "vanilla",
       gcn_hops: int = 1,
       head_dim: int | None = None,
-      dropout_rate: float = 0.0,
       dtype: Any = jnp.float32,
-      param_dtype: Any = jnp.float32,
       sinkhorn_iters: int = 0,
       rngs: nnx.Rngs,
       **mask_options: int,
@@ -141,7 +137,7 @@ class MultiHeadAttention(nnx.Module):
 
     def linear(din: int, dout: int, **kw: Any) -> nnx.Linear:
       kw.setdefault("kernel_init", _LINEAR_INIT)
-      return nnx.Linear(din, dout, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kw)
+      return nnx.Linear(din, dout, dtype=dtype, rngs=rngs, **kw)
 
     self.query = linear(dim, inner)
     self.key = linear(dim, inner)
@@ -149,12 +145,11 @@ class MultiHeadAttention(nnx.Module):
       # Eq. 4 has no biases: Wv0 [D, H * dv] and per-head Wv1 [H, dv, dv].
       self.gcn_in = linear(dim, inner, use_bias=False, kernel_init=_GCN_INIT)
       self.gcn_hidden = nnx.Param(
-          _GCN_HIDDEN_INIT(rngs.params(), (num_heads, head_dim, head_dim), param_dtype)
+          _GCN_HIDDEN_INIT(rngs.params(), (num_heads, head_dim, head_dim), jnp.float32)
       )
     else:
       self.value = linear(dim, inner)
     self.out = linear(inner, dim)
-    self.dropout = nnx.Dropout(dropout_rate)
 
   def init_cache(self, batch: int, max_len: int) -> None:
     """Creates an empty KV cache for `decode=True` (decoder self-attention only).
@@ -191,8 +186,6 @@ class MultiHeadAttention(nnx.Module):
       x_kv: jax.Array | None = None,
       *,
       mask: jax.Array | None = None,
-      train: bool = False,
-      rngs: nnx.Rngs | None = None,
       decode: bool = False,
   ) -> tuple[jax.Array, jax.Array]:
     """Attends from x_q [B, Nq, D] to x_kv [B, Nk, D] (default x_q: self-attention).
@@ -201,7 +194,6 @@ class MultiHeadAttention(nnx.Module):
       mask: bool, broadcastable to [B, H, Nq, Nk], True = may attend (padding and, in the
         decoder, causal). Sparse kinds AND their pattern into it. With decode=True it is over
         the cache, [B, 1, Nq | 1, max_len] (e.g. key padding); the causal part is added here.
-      train: enables dropout (needs `rngs` with a "dropout" stream when dropout_rate > 0).
       decode: autoregressive decoding with the cache from `init_cache`: x_q holds the next Nq
         positions (1 per step, or a longer prefill chunk), which attend causally to the cached
         positions and to themselves.
@@ -268,5 +260,5 @@ class MultiHeadAttention(nnx.Module):
 
     if decode:
       self.cache_index[...] = index + n_q
-    out = self.out(h.reshape(batch, n_q, heads * head_dim))
-    return self.dropout(out, deterministic=not train, rngs=rngs), probs
+    # No dropout here: the models drop the output in their residual branch, never A.
+    return self.out(h.reshape(batch, n_q, heads * head_dim)), probs
