@@ -20,7 +20,7 @@ from typing import Any, Callable
 import ml_collections
 
 from causal_attn_jax import constraints as constraints_lib
-from causal_attn_jax.data import ood_pairs, spurious
+from causal_attn_jax.data import nli, ood_pairs, spurious
 from causal_attn_jax.layers.masks import ATTENTION_KINDS
 from trainkit import config as cfg
 from trainkit.errors import ConfigError
@@ -29,7 +29,6 @@ from trainkit.preflight.compile import preflight_config, validate_preflight
 from trainkit.remat import validate_remat
 
 TASKS = ("classification", "translation")
-PAIR_TASKS = ("nli", "paraphrase")
 # data.generator ("" = files or tfds) -> (its config section under data, spec class, generate).
 GENERATORS = {
     "spurious_pairs": ("spurious", spurious.SpuriousPairsSpec, spurious.generate),
@@ -249,7 +248,7 @@ def validate(
     cfg.require_int(config, f"data.{key}", minimum=0)
   tfds = uses_tfds(config)
   if task == "classification":
-    cfg.require_choice(config, "data.pair_task", PAIR_TASKS)
+    cfg.require_choice(config, "data.pair_task", nli.TASKS)
     cfg.require_int(config, "data.max_len", minimum=8)
     cfg.require_float(config, "data.eval_fraction", minimum=0.0, maximum=0.9)
     if cfg.require_choice(config, "data.generator", ("", *GENERATORS)):

@@ -24,7 +24,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
