@@ -179,14 +179,11 @@ def compile_row(
   except Exception as e:  # pylint: disable=broad-except  # The target compiler's own errors.
     return dict(row, error=_error(e))
   costs, text = analysis.cost(compiled) or {}, compiled.as_text()
-  optimal = costs.get("optimal_seconds")
-  row.update(
-      compile_s=seconds,
-      flops=costs.get("flops"),
-      bytes_accessed=costs.get("bytes accessed"),
-      optimal_seconds=optimal if optimal is not None and optimal > 0 else None,
-      while_loops=len(re.findall(r"\swhile\(", text)),
-  )
+  optimal = costs.get("optimal_seconds") or 0.0
+  row.update(compile_s=seconds, flops=costs.get("flops"))
+  row.update(bytes_accessed=costs.get("bytes accessed"))
+  row.update(optimal_seconds=optimal if optimal > 0 else None)
+  row.update(while_loops=len(re.findall(r"\swhile\(", text)))
   if "mesh" in row:
     collectives = hlo.collective_results(text).items()
     row["collective_bytes"] = {kind: sum(a.bytes for a in arrays) for kind, arrays in collectives}

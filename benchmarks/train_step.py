@@ -169,11 +169,8 @@ def time_interleaved(rows: list[dict], steps: list[_Step], repeats: int) -> None
   _, times = bench_utils.time_interleaved(steps, repeats)
   for row, t in zip(rows, times):
     step_s = statistics.median(t)
-    row.update(
-        step_ms=round(1e3 * step_s, 2),
-        step_min_ms=round(1e3 * min(t), 2),
-        images_per_s=round(row["batch_size"] / step_s, 1),
-    )
+    row.update(step_ms=round(1e3 * step_s, 2), step_min_ms=round(1e3 * min(t), 2))
+    row.update(images_per_s=round(row["batch_size"] / step_s, 1))
 
 
 def add_ratios(rows: list[dict], peak: float) -> None:
