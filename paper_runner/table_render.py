@@ -133,17 +133,16 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       verdict = f"**{result.verdict}{few}**" + (f" ({'; '.join(notes)})" if notes else "")
       # The leak is marked once, beside the raw verdict.
       adjusted = f"**{holm_verdict}{few}**" + ("" if holm_p is None else f" ({_p_text(holm_p)})")
-      body.append(
-          [
-              spec.claim_text(claim),
-              column.label,
-              _interval_text(result.difference, column, sign=True),
-              str(len(result.seeds)),
-              _p_text(result.p) if result.difference else "—",
-              verdict,
-              adjusted,
-          ]
-      )
+      cells = [
+          spec.claim_text(claim),
+          column.label,
+          _interval_text(result.difference, column, sign=True),
+          str(len(result.seeds)),
+          _p_text(result.p) if result.difference else "—",
+          verdict,
+          adjusted,
+      ]
+      body.append(cells)
     lines += [""]
     header = [
         "claim",
