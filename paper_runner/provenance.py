@@ -11,6 +11,8 @@ import platform
 import subprocess
 from typing import Any, Iterable, Mapping
 
+from paper_runner.spec import flatten
+
 # The instruction-set extensions LLVM may use when XLA compiles for this CPU (vector widths,
 # fused multiply-add, bfloat16 and int8 dot products): two CPUs that differ in these may round
 # the same program differently.
@@ -117,28 +119,19 @@ def data_hash(path: str) -> str:
   return digest.hexdigest()
 
 
-def input_paths(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-  """The config keys under `data` (and `model.glove_path`) that name an existing file or
-  directory: what a run reads besides its workdir."""
-  found = {}
-  for key, value in config.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, Mapping):
-      found.update(input_paths(value, f"{name}."))
-    elif (
-        isinstance(value, str)
-        and value
-        and (name.startswith("data.") or name == "model.glove_path")
-        and os.path.exists(value)
-    ):
-      found[name] = os.path.abspath(value)
-  return found
-
-
 def data_hashes(configs: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-  """{path: sha256} of every input file or directory the runs of `configs` read."""
-  paths = sorted({p for config in configs for p in input_paths(config).values()})
-  return {path: data_hash(path) for path in paths}
+  """{path: sha256} of every input file or directory the runs of `configs` read besides their
+  workdir: the config keys under `data` (and `model.glove_path`) that name an existing one."""
+  paths = {
+      os.path.abspath(value)
+      for config in configs
+      for key, value in flatten(config).items()
+      if isinstance(value, str)
+      and value
+      and (key.startswith("data.") or key == "model.glove_path")
+      and os.path.exists(value)
+  }
+  return {path: data_hash(path) for path in sorted(paths)}
 
 
 def differences(

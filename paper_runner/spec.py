@@ -60,12 +60,13 @@ def dotted(mapping: Mapping[str, Any]) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(mapping), allow_dotted_keys=True, sort_keys=False)
 
 
-def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{dotted key: value} of the leaves of a nested mapping or ConfigDict."""
   flat = {}
   for key, value in mapping.items():
     key = f"{prefix}{key}"
     if isinstance(value, (Mapping, ml_collections.ConfigDict)):
-      flat.update(_flatten(value, f"{key}."))
+      flat.update(flatten(value, f"{key}."))
     else:
       flat[key] = value
   return flat
@@ -107,7 +108,7 @@ def split_value(text: str) -> tuple[str, dict[str, str]]:
 
 def _check_grid(raw_grid: Mapping[str, Any]) -> dict[str, list[Any]]:
   grid = {}
-  for key, values in _flatten(raw_grid).items():
+  for key, values in flatten(raw_grid).items():
     if not isinstance(values, (list, tuple)) or not values:
       raise SweepError(f"grid.{key}", "must be a non-empty list")
     values = [_check_value(f"grid.{key}", v) for v in values]
@@ -200,7 +201,7 @@ def validate_sweep(raw: Any) -> ml_collections.ConfigDict:
   if not isinstance(overrides_raw, (Mapping, ml_collections.ConfigDict)):
     raise SweepError("overrides", "must be a mapping from dotted config keys to values")
   overrides = {}
-  for key, value in _flatten(overrides_raw).items():
+  for key, value in flatten(overrides_raw).items():
     if key in grid:
       raise SweepError(f"overrides.{key}", "is also a grid key; keep it in one place")
     overrides[key] = _check_value(f"overrides.{key}", value)
