@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
   args = parser.parse_args(argv)
   target = get_target(args.target)
   mesh = dispatch_compile.one_device_mesh(target)
-  _, tokens, _, _ = dispatch_compile.SHAPES[args.shape]
+  groups, tokens, dim, hidden = dispatch_compile.SHAPES[args.shape]
   capacity = compute_capacity(tokens, args.experts, TOP_K, 1.25)
   inputs = dispatch_compile.abstract_args(
       mesh, args.shape, args.experts, TOP_K, "einsum", args.dtype
@@ -228,7 +228,6 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
 
   einsum_step, _ = moe_layer.compile_step(moe_layer.layer_loss("einsum", capacity, TOP_K), inputs)
   record("einsum", analysis.cost(einsum_step)["bytes accessed"])
-  groups, _, dim, hidden = dispatch_compile.SHAPES[args.shape]
   # The floor counts every tensor in float32; a bfloat16 layer mixes float32 weights with
   # bfloat16 tokens and intermediates, and meets the 0.9x target already.
   floor = None
