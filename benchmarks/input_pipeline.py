@@ -56,17 +56,12 @@ def measure(row: str, split, args, workers: int) -> dict:
   seconds = time.perf_counter() - start
   if hasattr(iterator, "close"):
     iterator.close()
-  images_per_s = args.batches * args.batch_size / seconds
-  return {
-      "row": row,
-      "workers": workers,
-      "cores": max(1, workers),
-      "images_per_s": round(images_per_s, 1),
-      "images_per_s_per_core": round(images_per_s / max(1, workers), 1),
-      "image_dtype": str(first["image"].dtype),
-      "bytes_per_batch": int(sum(v.nbytes for v in first.values())),
-      "image_bytes_per_batch": int(first["image"].nbytes),
-  }
+  cores, images_per_s = max(1, workers), args.batches * args.batch_size / seconds
+  result = dict(row=row, workers=workers, cores=cores, images_per_s=round(images_per_s, 1))
+  result.update(images_per_s_per_core=round(images_per_s / cores, 1))
+  result.update(image_dtype=str(first["image"].dtype))
+  result.update(bytes_per_batch=int(sum(v.nbytes for v in first.values())))
+  return dict(result, image_bytes_per_batch=int(first["image"].nbytes))
 
 
 def synthetic_jpegs(folder: str, count: int, size: tuple[int, int] = (178, 218)) -> None:
@@ -128,11 +123,8 @@ def main() -> None:
   if len(paths) < args.batch_size:
     sys.exit(f"{args.data_root}/img_align_celeba holds {len(paths)} JPEG files, fewer than a batch")
   n = len(paths)
-  split = {
-      "path": np.array(paths, dtype=object),
-      "label": np.zeros(n, np.int32),
-      "attributes": np.zeros((n, 1), np.int32),
-  }
+  split = dict(path=np.array(paths, dtype=object), label=np.zeros(n, np.int32))
+  split["attributes"] = np.zeros((n, 1), np.int32)
   per_accelerator, source = accelerator_images_per_s(args.preflight_cell)
   rows = []
   for row in args.rows.split(","):
