@@ -32,6 +32,7 @@ def _child(argv: list[str]) -> None:
 
 
 def _compile(backbone: str, target: str, dispatch: str, layout: tuple[int, int]) -> dict:
+  row = dict(dispatch=dispatch, layout=layout)
   with tempfile.TemporaryDirectory() as workdir:
     command = [
         sys.executable,
@@ -48,16 +49,11 @@ def _compile(backbone: str, target: str, dispatch: str, layout: tuple[int, int])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode:
-      return dict(dispatch=dispatch, layout=layout, error=done.stderr.strip().splitlines()[-1])
+      return dict(row, error=done.stderr.strip().splitlines()[-1])
     with open(os.path.join(workdir, "preflight.json")) as f:
       step = json.load(f)["train_step"]
-  return dict(
-      dispatch=dispatch,
-      layout=layout,
-      bytes_accessed=step["bytes_accessed_per_device"],
-      flops=step["flops_per_device"],
-      peak=step["memory"]["peak"],
-  )
+  row.update(bytes_accessed=step["bytes_accessed_per_device"], flops=step["flops_per_device"])
+  return dict(row, peak=step["memory"]["peak"])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
