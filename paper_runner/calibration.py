@@ -2,8 +2,7 @@ r"""The preflight's step time against public training throughputs: the calibrati
 
   python -m paper_runner.calibration --compile                # compile the missing rows (minutes)
   python -m paper_runner.calibration --compile --only=h100    # rows whose name matches
-  python -m paper_runner.calibration --write=docs/scaling.md  # render the table
-  python -m paper_runner.calibration --check=docs/scaling.md  # exit 1 if it differs
+  python -m paper_runner.tables --write=docs/scaling.md       # render its table (and --check)
 
 `--mode=compile` turns a compiled step into a time: its roofline bound divided by a
 utilisation, the share of that bound a real step reaches. Each row is a public training run and
@@ -28,7 +27,6 @@ import ml_collections
 from absl import app, flags
 
 from paper_runner import preflight_table
-from paper_runner.markers import write_or_check
 from paper_runner.spec import REPO_ROOT
 from trainkit.config_files import resolve_config_path
 from trainkit.distributed import child_environment
@@ -368,7 +366,7 @@ def table(record: dict[str, Any] | None = None) -> str:
       f"Compiled {', '.join(dates)} with jax {', '.join(versions)} on this CPU (deviceless), by "
       "`python -m paper_runner.calibration --compile`; record `results/records/calibration.json`."
   )
-  return "\n".join(lines)
+  return "\n".join(lines) + "\n"
 
 
 @exit_on_user_error
@@ -379,9 +377,6 @@ def main(argv: list[str]) -> None:
     return
   if preflight_table.COMPILE.value:
     compile_missing(preflight_table.ONLY.value)
-  write_or_check(
-      NAME, table() + "\n", RECORD, preflight_table.WRITE.value, preflight_table.CHECK.value
-  )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import collections
 import re
-import sys
 from typing import Callable
 
 from trainkit.errors import UserError
-from trainkit.storage import write_atomically
 
 _MARKER_LINE = re.compile(r"^<!-- (?P<end>/?)table:(?P<name>[A-Za-z0-9_]+) -->$", re.M)
 
@@ -70,26 +68,3 @@ def read_doc(path: str) -> str:
       return f.read()
   except (OSError, UnicodeDecodeError) as e:
     raise UserError(f"{path}: cannot read the document ({e})") from None
-
-
-def table_span(path: str, name: str) -> tuple[str, int, int]:
-  """(document, start, end) of table `name`'s body in `path`; an error naming the file otherwise."""
-  text = read_doc(path)
-  ours = [t for t in marked_tables(text, path) if t.name == name]
-  if not ours:
-    raise UserError(f"{path}: no '<!-- table:{name} -->' ... '<!-- /table:{name} -->' lines")
-  return text, ours[0].body_start, ours[0].body_end
-
-
-def write_or_check(name: str, rendered: str, record: str, write: str, check: str) -> None:
-  """`--write=DOC` puts `rendered` between table `name`'s markers; `--check=DOC` exits 1 where
-  the document's table differs from it."""
-  if write:
-    text, start, end = table_span(write, name)
-    write_atomically(write, text[:start] + rendered + text[end:])
-  if check:
-    text, start, end = table_span(check, name)
-    if text[start:end] != rendered:
-      print(f"{check}: the {name} table differs from {record}; rerun --write", file=sys.stderr)
-      sys.exit(1)
-    print(f"{check}: the {name} table matches {record}")

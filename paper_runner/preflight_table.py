@@ -3,8 +3,7 @@ r"""The paper's configurations compiled for GPU nodes and TPU slices: the table 
   python -m paper_runner.preflight_table --compile              # compile the missing cells
   python -m paper_runner.preflight_table --compile --only=deit_s   # cells whose name matches
   python -m paper_runner.preflight_table --compile --only=@h100 --skip=deit_s   # ... and not
-  python -m paper_runner.preflight_table --write=docs/scaling.md   # render the table
-  python -m paper_runner.preflight_table --check=docs/scaling.md   # exit 1 if it differs
+  python -m paper_runner.tables --write=docs/scaling.md   # render the table (and --check)
 
 Each cell is one `--mode=compile` of a main (`trainkit/preflight`) in a subprocess, train step
 only; its summary goes to `results/records/preflight_paper.json` as soon as it is compiled, so
@@ -28,7 +27,6 @@ from typing import Any
 
 from absl import app, flags
 
-from paper_runner.markers import write_or_check
 from paper_runner.provenance import source_state
 from paper_runner.spec import REPO_ROOT
 from trainkit.distributed import child_environment
@@ -281,8 +279,6 @@ def render() -> str:
 COMPILE = flags.DEFINE_bool("compile", False, "compile the cells (rows) missing from the record")
 ONLY = flags.DEFINE_string("only", "", "with --compile: only cells whose name contains this")
 SKIP = flags.DEFINE_string("skip", "", "with --compile: leave out cells whose name contains this")
-WRITE = flags.DEFINE_string("write", None, "render the table into this markdown file")
-CHECK = flags.DEFINE_string("check", None, "exit 1 if this file's table differs from the record")
 
 
 @exit_on_user_error
@@ -290,7 +286,6 @@ def main(argv: list[str]) -> None:
   del argv
   if COMPILE.value:
     compile_missing(ONLY.value, SKIP.value)
-  write_or_check(NAME, render(), RECORD, WRITE.value, CHECK.value)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ records, written (`--write`) or compared (`--check`)."""
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 from typing import Any, Sequence
 
@@ -16,7 +17,6 @@ from paper_runner.table_render import render
 from paper_runner.table_spec import (
     CLAIM_SUMMARY,
     RERUN_SUMMARY,
-    SUMMARIES,
     VERDICT_SUMMARY,
     TableSpec,
     load_table,
@@ -182,18 +182,24 @@ def claim_scale() -> str:
   return _table(header, rows)
 
 
-_SUMMARY_RENDERERS = {
+_SUMMARY_RENDERERS: dict[str, Any] = {
     RERUN_SUMMARY: rerun_summary,
     CLAIM_SUMMARY: claim_summary,
     VERDICT_SUMMARY: claim_scale,
+    # docs/scaling.md's tables, from the preflight's records (imported only where a document marks
+    # them: they bring the compile machinery).
+    "preflight_paper": "paper_runner.preflight_table:render",
+    "calibration": "paper_runner.calibration:table",
 }
 
 
 def _render_marked(name: str) -> str:
   """A marked table of a document: a generated summary, or the table `name` from its record."""
-  if name in _SUMMARY_RENDERERS:
-    return _SUMMARY_RENDERERS[name]()
-  return render(load_table(name), read_record(name))
+  renderer = _SUMMARY_RENDERERS.get(name)
+  if isinstance(renderer, str):
+    module, _, function = renderer.partition(":")
+    renderer = getattr(importlib.import_module(module), function)
+  return renderer() if renderer else render(load_table(name), read_record(name))
 
 
 def write_doc(path: str) -> list[str]:
@@ -215,7 +221,7 @@ def check_doc(path: str) -> list[str]:
   for table in tables:
     name, body = table.name, text[table.body_start : table.body_end]
     try:
-      if name not in SUMMARIES:
+      if name not in _SUMMARY_RENDERERS:
         for why in stale_runs(load_table(name), read_record(name)):
           problems.append(f"{path}: table {name}: the record is stale: {why}")
       expected = _render_marked(name)

@@ -6,15 +6,14 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
-from paper_runner import markers as marked
 from paper_runner import preflight_table
-from trainkit.errors import UserError
 
 
 def test_the_table_in_the_docs_is_the_record(monkeypatch):
   monkeypatch.chdir(REPO_ROOT)
-  text, start, end = marked.table_span("docs/scaling.md", preflight_table.NAME)
-  assert text[start:end] == preflight_table.render()
+  text = (REPO_ROOT / "docs" / "scaling.md").read_text()
+  start = text.index("<!-- table:preflight_paper -->\n") + len("<!-- table:preflight_paper -->\n")
+  assert text[start : text.index("<!-- /table:preflight_paper -->")] == preflight_table.render()
   record = preflight_table.load()
   # Every cell of the record is a cell of the table, with its command and provenance.
   names = {cell["name"] for cell in preflight_table.cells()}
@@ -31,36 +30,12 @@ def test_check_fails_on_a_changed_table(tmp_path):
   changed = tmp_path / "scaling.md"
   changed.write_text(text[: start + 40] + "| a changed row |\n" + text[start + 40 :])
   result = subprocess.run(
-      [sys.executable, "-m", "paper_runner.preflight_table", f"--check={changed}"],
+      [sys.executable, "-m", "paper_runner.tables", f"--check={changed}"],
       cwd=REPO_ROOT,
       capture_output=True,
       text=True,
   )
-  assert result.returncode == 1 and "differs" in result.stderr
-
-
-@pytest.mark.parametrize(
-    "markers, error",
-    [
-        ("", r"doc\.md: no '<!-- table:preflight_paper -->'"),
-        (
-            "<!-- /table:preflight_paper -->\n<!-- table:preflight_paper -->\n",
-            r"doc\.md:2: '<!-- /table:preflight_paper -->' ends a table that was not started",
-        ),
-        (
-            "<!-- table:preflight_paper -->\nx\n",
-            r"doc\.md:2: table preflight_paper has no end marker",
-        ),
-    ],
-)
-def test_missing_or_reversed_markers_are_an_error_naming_the_file(tmp_path, markers, error):
-  path = tmp_path / "doc.md"
-  path.write_text("# Doc\n" + markers)
-  with pytest.raises(UserError, match=error):
-    marked.table_span(str(path), preflight_table.NAME)
-  with pytest.raises(UserError, match=error):
-    marked.write_or_check(preflight_table.NAME, "table\n", "", str(path), "")
-  assert path.read_text() == "# Doc\n" + markers
+  assert result.returncode == 1 and "table preflight_paper differs" in result.stdout
 
 
 def test_a_compile_killed_from_outside_is_not_recorded_and_is_retried(
