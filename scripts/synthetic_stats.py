@@ -95,13 +95,11 @@ def marker_agreement(split: Split, info: data_lib.DatasetInfo) -> dict[str, Any]
   """Measured (from the images) and expected rate at which the marker shows the true class."""
   distances = np.sort(synthetic.marker_distances(split["image"], info.num_classes), axis=1)
   marker = synthetic.read_marker(split["image"], info.num_classes)
+  nearest, second = float(distances[:, 0].max()), float(distances[:, 1].min())
   return {
       # The decoding is unambiguous when every marker is much closer to its nearest palette
       # colour than any marker is to its second nearest.
-      "decoding": {
-          "max_distance_to_nearest": float(distances[:, 0].max()),
-          "min_distance_to_second": float(distances[:, 1].min()),
-      },
+      "decoding": {"max_distance_to_nearest": nearest, "min_distance_to_second": second},
       "measured": _report(split["label"], marker, split["attributes"], info),
       "expected": _expected_agreement(split, info),
   }
@@ -261,11 +259,8 @@ def compute(
     predictions, step, _ = model_predictions(
         workdir, splits["test"], dict(data, test_size=sizes["test"])
     )
-    stats["model"] = {
-        "workdir": workdir,
-        "step": step,
-        **shortcut_use(predictions, splits["test"], num_classes),
-    }
+    use = shortcut_use(predictions, splits["test"], num_classes)
+    stats["model"] = dict(workdir=workdir, step=step, **use)
   return stats
 
 
