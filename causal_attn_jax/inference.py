@@ -5,53 +5,35 @@ then `run.predict_pairs(pairs)` or `run.translate(sentences)`, as `--mode=predic
 from __future__ import annotations
 
 import csv
-import dataclasses
 import functools
 import io
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import flax.nnx as nnx
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh
 
 from causal_attn_jax import config as config_lib
 from causal_attn_jax import decoding, tasks, train
-from causal_attn_jax import run_info as run_info_lib
 from causal_attn_jax.data import tokenizer as tokenizer_lib
 from causal_attn_jax.data.loading import TaskData
 from causal_attn_jax.data.tokenizer import Tokenizer
 from causal_attn_jax.run_info import RunMetadata
-from trainkit import recipe, storage
-from trainkit.checkpoint import restore_trained
+from trainkit import storage, trained_run
 from trainkit.errors import ConfigError, UserError
 from trainkit.saved_config import restore_saved_run
 from trainkit.storage import write_atomically
-from trainkit.train_state import TrainState
 from trainkit.workdir import RUN_INFO_FILE, output_folder
 
 
-@dataclasses.dataclass
-class Restored:
-  """A trained run's latest checkpoint, ready for inference (`restore_run`); `data` holds the
-  tokenizer and label names, no examples."""
-
-  metadata: RunMetadata
-  data: TaskData
-  graphdef: nnx.GraphDef
-  state: TrainState
-  mesh: Mesh
-  step: int
-
-
-def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
+def restore_run(config: ml_collections.ConfigDict, workdir: str) -> TrainedRun:
   """The latest readable checkpoint of `workdir`, from the workdir alone: config, tokenizer,
-  run_info.json and checkpoints (no data file). No readable checkpoint is a UserError."""
+  run_info.json and checkpoints (no data file); its `data` holds the tokenizer and label names, no
+  examples. No readable checkpoint is a UserError."""
   train.require_tokenizer(workdir)
-  metadata = run_info_lib.load(workdir)
+  metadata = RunMetadata.load(workdir)
   if metadata.task != config.task:
     raise UserError(
         f"{workdir}/{RUN_INFO_FILE} is a {metadata.task} run's, but the config "
@@ -73,15 +55,7 @@ def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
       num_classes=len(metadata.label_names),
       label_names=metadata.label_names,
   )
-  run = recipe.setup(
-      config,
-      workdir,
-      train_examples=0,  # num_train_steps is config.json's, resolved at training time.
-      create_state=lambda tx, mesh: train.create_state(config, data, tx, mesh, pretrained=False),
-      training=False,
-  )
-  state, step = restore_trained(run.checkpointer, run.state)
-  return Restored(metadata, data, run.graphdef, state, run.mesh, step)
+  return TrainedRun.restore(config, workdir, metadata, data, train.create_state)
 
 
 PREDICT_FILE = os.path.join("predict", "predictions.tsv")
@@ -134,32 +108,25 @@ class PairPredictions(NamedTuple):
   labels: list[str]
 
 
-class TrainedRun:
-  """A trained run loaded by `load_run`: its workdir (absolute), config (with `load_run`'s
-  overrides), metadata (task, label names), tokenizer and the restored checkpoint's step."""
+class TrainedRun(trained_run.TrainedRun):
+  """A trained run loaded by `load_run`, with its metadata (task, label names), tokenizer,
+  `predict_pairs` and `translate`; its `model` is a `PairClassifier` or a `Seq2Seq`."""
 
-  def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: Restored):
-    """Wraps a restored checkpoint (`restore_run`); `load_run` is the way to make one."""
-    self.workdir = workdir
-    self.config = config
-    self.metadata: RunMetadata = restored.metadata
-    self.tokenizer: Tokenizer = restored.data.tokenizer
-    self.step: int = restored.step
-    self._restored = restored
+  metadata: RunMetadata
+  data: TaskData
 
-  @functools.cached_property
-  def model(self) -> nnx.Module:
-    """The Flax NNX model (`PairClassifier` or `Seq2Seq`) with the checkpoint's parameters."""
-    restored = self._restored
-    return nnx.merge(restored.graphdef, restored.state.params, restored.state.model_state)
+  @property
+  def tokenizer(self) -> Tokenizer:
+    """The run's SentencePiece tokenizer (its workdir's model file)."""
+    return self.data.tokenizer
 
   @functools.cached_property
   def _pair_probabilities(self) -> tasks.PairProbabilities:
-    return tasks.make_pair_probabilities(self._restored.graphdef)
+    return tasks.make_pair_probabilities(self.graphdef)
 
   @functools.cached_property
   def _translate(self) -> decoding.TranslateFn:
-    return decoding.make_translate_fn(self._restored.graphdef, self.config)
+    return decoding.make_translate_fn(self.graphdef, self.config)
 
   def predict_pairs(self, pairs: Sequence[tuple[str, str]]) -> PairPredictions:
     """Classifies (premise, hypothesis) string pairs as `--mode=predict` does.
@@ -177,13 +144,12 @@ class TrainedRun:
     for i, pair in enumerate(pairs):
       if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
         raise TypeError(f"pair {i}: expected (premise, hypothesis) strings, got {pair!r}")
-    restored = self._restored
     probabilities = tasks.pair_probabilities(
         self.config,
-        restored.data,
-        restored.state,
+        self.data,
+        self.state,
         self._pair_probabilities,
-        restored.mesh,
+        self.mesh,
         [premise for premise, _ in pairs],
         [hypothesis for _, hypothesis in pairs],
     )
@@ -210,9 +176,8 @@ class TrainedRun:
     for i, sentence in enumerate(sentences):
       if not isinstance(sentence, str):
         raise TypeError(f"sentence {i}: expected a string, got {sentence!r}")
-    restored = self._restored
     return tasks.translate_sentences(
-        self.config, restored.data, restored.state, self._translate, restored.mesh, sentences
+        self.config, self.data, self.state, self._translate, self.mesh, sentences
     )
 
   def _require_task(self, task: str, method: str, other: str) -> None:
@@ -243,7 +208,7 @@ def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     trainkit.errors.UserError: No config.json, tokenizer or readable checkpoint, or another
       run holds the workdir; a ConfigError names a wrong override.
   """
-  workdir, config, restored = restore_saved_run(
+  _, _, run = restore_saved_run(
       workdir, config_lib.base_config(), config_lib.validate, restore_run, overrides
   )
-  return TrainedRun(workdir, config, restored)
+  return run

@@ -37,7 +37,3 @@ class RunMetadata(RunMetadataFile):
         label_names=tuple(str(name) for name in saved["label_names"]),
         tokenizer=str(saved["tokenizer"]),
     )
-
-
-# The metadata in `<workdir>/run_info.json`; a UserError names the file when it is missing.
-load = RunMetadata.load

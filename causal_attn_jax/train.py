@@ -34,7 +34,7 @@ from trainkit.checkpoint import restore_trained
 from trainkit.errors import UserError
 from trainkit.mesh import place, replicated
 from trainkit.train_state import LossFn, TrainState, UpdateExtraFn, create_train_state
-from trainkit.workdir import require_checkpoint
+from trainkit.workdir import has_checkpoint
 
 
 def make_loss_fn(config: ml_collections.ConfigDict) -> LossFn:
@@ -162,7 +162,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains (resuming from `workdir`'s latest checkpoint), then writes report.json (SIGTERM:
   `recipe.train` checkpoints and exits)."""
   task = tasks.get_task(config)
-  if _has_checkpoint(workdir):
+  if has_checkpoint(workdir):
     # A resume needs the checkpoint's own tokenizer: a new one would change the vocabulary.
     require_tokenizer(workdir)
   data, run = _setup(config, workdir)
@@ -199,14 +199,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       scalars=scalars,
       write_report=lambda report: report_lib.write_report(report, workdir),
   )
-
-
-def _has_checkpoint(workdir: str) -> bool:
-  try:
-    require_checkpoint(workdir)
-  except UserError:
-    return False
-  return True
 
 
 def require_tokenizer(workdir: str) -> None:

@@ -13,69 +13,39 @@ Only the workdir is read (config.json, run_info.json, latest checkpoint); predic
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import flax.nnx as nnx
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh
 from PIL import Image
 
 from fairmoe_jax import config as config_lib
-from fairmoe_jax import data as data_lib
 from fairmoe_jax import evaluation, train
 from fairmoe_jax import export as export_lib
-from fairmoe_jax import run_info as run_info_lib
+from fairmoe_jax.data import DatasetInfo
 from fairmoe_jax.data import images as images_lib
 from fairmoe_jax.methods import METHODS
 from fairmoe_jax.metrics import predictions as predictions_lib
 from fairmoe_jax.models.convert_timm import export_timm_state_dict
 from fairmoe_jax.run_info import RunMetadata
-from trainkit import recipe, storage
-from trainkit.checkpoint import restore_trained
+from trainkit import storage, trained_run
 from trainkit.errors import ConfigError, import_extra
 from trainkit.saved_config import restore_saved_run
 from trainkit.storage import write_atomically
 from trainkit.textfiles import is_stream, iter_lines, special_file_kind
-from trainkit.train_state import TrainState
 from trainkit.workdir import output_folder
 
 
-@dataclasses.dataclass
-class Restored:
-  """A trained run's latest checkpoint, ready for inference (`restore_run`)."""
-
-  metadata: run_info_lib.RunMetadata
-  info: data_lib.DatasetInfo
-  graphdef: nnx.GraphDef
-  state: TrainState
-  mesh: Mesh
-  step: int
-
-  @property
-  def model(self) -> nnx.Module:
-    return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
-
-
-def restore_run(config: ml_collections.ConfigDict, workdir: str) -> Restored:
-  """The latest readable checkpoint of `workdir` (UserError if none), from the workdir alone."""
-  metadata = run_info_lib.load(workdir)
-  info = metadata.dataset_info()
-  run = recipe.setup(
-      config,
-      workdir,
-      train_examples=0,  # num_train_steps is config.json's, resolved at training time.
-      create_state=lambda tx, mesh: train.create_state(config, info, tx, mesh, pretrained=False),
-      training=False,
-  )
-  state, step = restore_trained(run.checkpointer, run.state)
-  return Restored(metadata, info, run.graphdef, state, run.mesh, step)
+def restore_run(config: ml_collections.ConfigDict, workdir: str) -> TrainedRun:
+  """The latest readable checkpoint of `workdir` (UserError if none), from the workdir alone;
+  its `data` is the run's DatasetInfo."""
+  metadata = RunMetadata.load(workdir)
+  return TrainedRun.restore(config, workdir, metadata, metadata.dataset_info(), train.create_state)
 
 
 EXPORT_FILE = os.path.join("export", export_lib.WEIGHTS_FILE)
@@ -196,35 +166,6 @@ def check_predictable(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def predict_examples(
-    restored: Restored,
-    config: ml_collections.ConfigDict,
-    images: np.ndarray,
-    eval_step: Callable[..., Any] | None = None,
-) -> dict[str, Any]:
-  """Classifies unlabelled images, file paths (an object array [N]) or uint8 [N, S, S, 3], as
-  evaluation does (same batches, padding and eval step; `eval_step` to reuse a compilation).
-  Returns per example, in `images`' order: `prediction` [N], `probabilities` [N, C] and
-  `experts` {block: [N, E]}."""
-  info = restored.info
-  # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
-  split = {
-      "path" if images.dtype == object else "image": images,
-      "label": np.zeros(len(images), np.int32),
-      "attributes": np.full((len(images), len(info.attribute_names)), -1, np.int32),
-  }
-  _, examples = evaluation.evaluate(
-      eval_step or evaluation.make_eval_step(restored.graphdef, info, config),
-      restored.state,
-      split,
-      info,
-      config,
-      restored.mesh,
-      keep_examples=True,
-  )
-  return examples
-
-
 def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Classifies `predict.input`'s images with the latest checkpoint.
 
@@ -238,7 +179,7 @@ def predict_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
   for path in paths:  # Headers: an unreadable image is named before the restore and compile.
     images_lib.read_image(path, 1, Image.Image.verify)
   restored = restore_run(config, workdir)
-  examples = predict_examples(restored, config, np.array(paths, dtype=object))
+  examples = restored.predict_examples(np.array(paths, dtype=object))
   prediction = examples["prediction"]
   columns: dict[str, np.ndarray] = {
       "path": np.array(paths, dtype=object)[examples["index"]],
@@ -275,26 +216,18 @@ class Predictions(NamedTuple):
   experts: dict[str, np.ndarray]
 
 
-class TrainedRun:
-  """A trained run loaded by `load_run`: its (absolute) workdir, config (with `load_run`'s
-  overrides), metadata (names and preprocessing), checkpoint step, model and `predict`."""
+class TrainedRun(trained_run.TrainedRun):
+  """A trained run loaded by `load_run`, with its metadata (names and preprocessing) and
+  `predict`. Its `model` is called as `logits, aux = model(images, train=False, context=None)`
+  on images normalised as `metadata.preprocessing` says; `predict` always uses the checkpoint's
+  parameters."""
 
-  def __init__(self, workdir: str, config: ml_collections.ConfigDict, restored: Restored):
-    self.workdir = workdir
-    self.config = config
-    self.metadata: RunMetadata = restored.metadata
-    self.step: int = restored.step
-    self._restored = restored
-    self._eval_step = evaluation.make_eval_step(restored.graphdef, restored.info, config)
+  metadata: RunMetadata
+  data: DatasetInfo
 
   @functools.cached_property
-  def model(self) -> nnx.Module:
-    """The Flax NNX model with the checkpoint's parameters.
-
-    Called as `logits, aux = model(images, train=False, context=None)` on images normalised as
-    `metadata.preprocessing` says; `predict` always uses the checkpoint's parameters.
-    """
-    return self._restored.model
+  def _eval_step(self) -> Callable[..., Any]:  # Compiled once for every `predict`.
+    return evaluation.make_eval_step(self.graphdef, self.data, self.config)
 
   def predict(self, images: ImageBatch) -> Predictions:
     """Classifies a batch of images as `--mode=predict` does.
@@ -315,7 +248,7 @@ class TrainedRun:
     """
     check_predictable(self.config)
     inputs = _model_inputs(images, self.metadata.preprocessing.image_size)
-    examples = predict_examples(self._restored, self.config, inputs, self._eval_step)
+    examples = self.predict_examples(inputs)
     classes = examples["prediction"]
     return Predictions(
         probabilities=examples["probabilities"],
@@ -323,6 +256,21 @@ class TrainedRun:
         class_names=[self.metadata.class_names[c] for c in classes],
         experts=examples["experts"],
     )
+
+  def predict_examples(self, images: np.ndarray) -> dict[str, Any]:
+    """Classifies unlabelled images, file paths (an object array [N]) or uint8 [N, S, S, 3], as
+    evaluation does (same batches, padding and eval step). Returns per example, in `images`'
+    order: `prediction` [N], `probabilities` [N, C] and `experts` {block: [N, E]}."""
+    # Labels and attributes are placeholders the eval step needs in its batch; unread by the model.
+    split = {
+        "path" if images.dtype == object else "image": images,
+        "label": np.zeros(len(images), np.int32),
+        "attributes": np.full((len(images), len(self.data.attribute_names)), -1, np.int32),
+    }
+    _, examples = evaluation.evaluate(
+        self._eval_step, self.state, split, self.data, self.config, self.mesh, keep_examples=True
+    )
+    return examples
 
   def __repr__(self) -> str:
     return (
@@ -341,10 +289,10 @@ def load_run(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     trainkit.errors.UserError: No config.json or readable checkpoint, or another run holds
       the workdir; a ConfigError names a wrong override.
   """
-  workdir, config, restored = restore_saved_run(
+  _, _, run = restore_saved_run(
       workdir, config_lib.base_config(), config_lib.validate, restore_run, overrides
   )
-  return TrainedRun(workdir, config, restored)
+  return run
 
 
 def _model_inputs(images: ImageBatch, image_size: int) -> np.ndarray:

@@ -94,7 +94,3 @@ class RunMetadata(RunMetadataFile):
           f"{source}: the run's preprocessing {self.preprocessing} is not this version's "
           f"({ours})"
       )
-
-
-# The metadata in `<workdir>/run_info.json`; a UserError names the file when it is missing.
-load = RunMetadata.load

@@ -103,14 +103,20 @@ def output_folder(workdir: str, name: str, *, create: bool = True) -> str:
 LOCK_NAME = ".run.lock"
 
 
-def require_checkpoint(workdir: str) -> None:
-  """Raises UserError unless `<workdir>/checkpoints` holds at least one step directory."""
-  directory = storage.join(storage.resolve(workdir), "checkpoints")
+def has_checkpoint(workdir: str) -> bool:
+  """Whether `<workdir>/checkpoints` holds at least one step directory."""
   try:
-    steps = [p.name for p in storage.path(directory).iterdir() if p.name.isdigit()]
+    return any(
+        p.name.isdigit() for p in storage.path(storage.join(workdir, "checkpoints")).iterdir()
+    )
   except OSError:
-    steps = []
-  if not steps:
+    return False
+
+
+def require_checkpoint(workdir: str) -> None:
+  """Raises UserError unless `has_checkpoint(workdir)`."""
+  if not has_checkpoint(workdir):
+    directory = storage.join(storage.resolve(workdir), "checkpoints")
     raise UserError(f"no checkpoint in '{directory}': train first (--mode=train)")
 
 

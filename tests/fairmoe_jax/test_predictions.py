@@ -368,7 +368,7 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   for name, value in expected.items():
     np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
-  fresh = METHODS[config.method].build_model(config, restored.info, nnx.Rngs(params=1), None)
+  fresh = METHODS[config.method].build_model(config, restored.data, nnx.Rngs(params=1), None)
   assert any(  # Initialised, not trained: the load below has work to do.
       not np.array_equal(value, expected[name])
       for name, value in export_timm_state_dict(fresh).items()

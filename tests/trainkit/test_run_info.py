@@ -24,18 +24,18 @@ CAUSAL = causal_run_info.RunMetadata(task="classification", label_names=("yes", 
 def test_metadata_round_trips_through_run_info_json(tmp_path, module, metadata):
   # Missing (deleted, or a run trained before the file was written): one line naming it.
   with pytest.raises(UserError, match=f"{tmp_path / 'run_info.json'} does not exist: training"):
-    module.load(str(tmp_path))
+    module.RunMetadata.load(str(tmp_path))
   metadata.save(str(tmp_path))
   saved = json.loads((tmp_path / "run_info.json").read_text())
   assert list(saved)[0] == "package" and saved["package"] == module.PACKAGE
-  loaded = module.load(str(tmp_path))
+  loaded = module.RunMetadata.load(str(tmp_path))
   assert loaded == metadata and type(loaded) is module.RunMetadata
 
 
 def test_another_package_s_run_info_is_refused(tmp_path):
   CAUSAL.save(str(tmp_path))
   with pytest.raises(UserError, match="run_info.json is a causal_attn_jax run's, not a fairmoe"):
-    fair_run_info.load(str(tmp_path))
+    fair_run_info.RunMetadata.load(str(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_a_malformed_field_names_the_file(tmp_path, module, metadata, field, val
   (tmp_path / "run_info.json").write_text(json.dumps(saved))
   message = f"run_info.json: not a {module.PACKAGE} run's metadata \\({error}"
   with pytest.raises(UserError, match=message):
-    module.load(str(tmp_path))
+    module.RunMetadata.load(str(tmp_path))
 
 
 def test_another_preprocessing_is_refused(tmp_path):
@@ -62,4 +62,4 @@ def test_another_preprocessing_is_refused(tmp_path):
   saved["preprocessing"]["mean"] = [0.485, 0.456, 0.406]
   (tmp_path / "run_info.json").write_text(json.dumps(saved))
   with pytest.raises(UserError, match="run_info.json: the run's preprocessing .* not this version"):
-    fair_run_info.load(str(tmp_path))
+    fair_run_info.RunMetadata.load(str(tmp_path))
