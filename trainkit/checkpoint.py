@@ -59,15 +59,6 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
   return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-      if isinstance(x, jax.Array)
-      else x,
-      tree,
-  )
-
-
 def _remove_failed_save(directory: str, *, quiet_for: float = 0.2, at_most: float = 5.0) -> None:
   """Removes the temporary directory of a failed save until nothing reappears for `quiet_for`
   seconds: TensorStore's writes still in flight may recreate files for a moment."""
@@ -427,7 +418,7 @@ class Checkpointer:
     self.skipped = []
     if not steps:
       return None
-    abstract = _abstract(template_state)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template_state)
     failures: dict[int, str] = {}  # Step skipped: why.
 
     def skip(step: int, error: Exception) -> None:
