@@ -43,6 +43,8 @@ from fairmoe_jax.moe.routers.expert_choice import apply_expert_picks
 
 # Logical axis name of the expert dimension, also the mesh axis name.
 EXPERT_AXIS = "expert"
+# Dispatches with a `per_group` form, taken with no mesh known on several devices (docs/moe.md).
+PER_GROUP_DISPATCHES = ("dropless", "sort_blocks", "blocksparse", "einsum_fused")
 
 # Each expert is initialised like the dense ViT MLP it replaces (timm: N(0, 0.02)).
 _KERNEL_INIT = nnx.initializers.normal(stddev=0.02)
@@ -146,9 +148,8 @@ class SparseMoE(nnx.Module):
       time (`jax.set_mesh`). With an "expert" axis > 1 the experts are split over it
       (`dispatch.expert_parallel`); otherwise each device dispatches its own examples
       (`dispatch.data_parallel`). A batch that does not divide the mesh is padded with empty
-      examples. With no mesh at all, "sort", "einsum", "dense" and "dropless" work per group,
-      which XLA's partitioner splits over a sharded batch (the block dispatches it does not;
-      docs/moe.md).
+      examples. With no mesh at all every dispatch works per group, which XLA's partitioner
+      splits over a sharded batch (the experimental ones as their XLA reference; docs/moe.md).
     dtype: compute dtype of the experts; routing is always float32.
     rngs: parameter RNGs; a seed gives the same weights whatever the mesh.
   """
@@ -348,9 +349,9 @@ class SparseMoE(nnx.Module):
     algorithm = DISPATCH_ALGORITHMS[self.dispatch]
     mesh = self._mesh()
     if mesh is None:
-      if self.dispatch == "dropless" and jax.device_count() > 1:
+      if self.dispatch in PER_GROUP_DISPATCHES and jax.device_count() > 1:
         # The batch may be sharded: each group's choices apart, which the SPMD partitioner
-        # splits (`sort` and `einsum` are per group anyway; one device keeps megablox).
+        # splits (`sort` and `einsum` are per group anyway; one device runs the named path).
         algorithm = functools.partial(algorithm, per_group=True)
       y, stats = algorithm(x, expert_index, gates, experts, capacity=capacity)
       features = None if expert_features is None else expert_features(x, experts)

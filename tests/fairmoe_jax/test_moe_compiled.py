@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from fairmoe_jax.config import base_config
 from fairmoe_jax.methods.base import moe_kwargs
 from fairmoe_jax.moe import SparseMoE
-from fairmoe_jax.moe.dispatch import compute_capacity
+from fairmoe_jax.moe.dispatch import compute_capacity, spmd
 from fairmoe_jax.moe.routers.fair import FairRouter
 from trainkit.errors import UserError
 from trainkit.mesh import BATCH_AXES, make_mesh
@@ -192,28 +192,40 @@ def test_each_device_runs_its_own_tokens_and_sends_the_floor(target, data, exper
   assert collectives == {}, f"unexpected collectives: {collectives}"
 
 
+# The capacity dispatches and the dropless ones (every choice a row), experimental ones included.
+DROPLESS = ("dropless", "blocksparse")
+EXPERIMENTAL = ("sort_blocks", "einsum_fused", "blocksparse")
+EVERY_DISPATCH = ("sort", "einsum", "dropless", *EXPERIMENTAL)
+
+
 @pytest.mark.parametrize(
     ("target", "dispatch", "mesh_from", "batch_size"),
     [("cpu", d, "context", b) for d in ("sort", "dropless", "einsum") for b in (B, B - 4)]
     + [on(t, d, "context", B - 4) for t in ("v5e-8", "h100x8") for d in ("sort", "einsum")]
     # 24: dropless' 3 S k local rows differ from D.
-    + [("cpu", d, "none", 24) for d in ("sort", "dropless", "einsum")]
-    + [on(t, d, "none", 24) for t in ("v5e-8", "h100x8") for d in ("sort", "dropless", "einsum")],
+    + [("cpu", d, "none", 24) for d in EVERY_DISPATCH]
+    + [on(t, d, "none", 24) for t in ("v5e-8", "h100x8") for d in EVERY_DISPATCH],
 )
-def test_a_user_s_model_runs_each_device_s_own_tokens(target, dispatch, mesh_from, batch_size):
+def test_a_user_s_model_runs_each_device_s_own_tokens(
+    target, dispatch, mesh_from, batch_size, monkeypatch
+):
   """A user's model: the block built without a mesh, compiled by plain `jax.jit` on 8 devices
   under `jax.set_mesh`, or with no mesh at all but the batch's sharding (the SPMD partitioner
-  splits the per-group dispatch). Each device's expert matmuls have its own examples' rows (a
-  batch of 12 padded to 16): [E, (B / 8) C, H], dropless's [(B / 8) S k, H] (or [E, ..., H]
-  where every expert runs on them: `dropless._ragged_dot` per group)."""
+  splits the per-group dispatch; the experimental ones run their XLA reference, and say so).
+  Each device's expert matmuls have its own examples' rows (a batch of 12 padded to 16):
+  [E, (B / 8) C, H], dropless's [(B / 8) S k, H] (or [E, ..., H] where every expert runs on
+  them: `dropless._ragged_dot` per group)."""
+  monkeypatch.setattr(spmd, "FALLBACKS", [])
   text, _, _ = _compile(target, 8, 1, dispatch, mesh_from=mesh_from, batch_size=batch_size)
   local_groups = -(-batch_size // 8)
-  rows = local_groups * (S * K if dispatch == "dropless" else CAPACITY)
+  rows = local_groups * (S * K if dispatch in DROPLESS else CAPACITY)
   # Rows per expert, the weight and bias gradients' matmuls left out, whatever their layout.
   matmuls = [
       a for a in hlo.matmul_results(text) if H in a.dims and a.size not in (E * D * H, E * H)
   ]
   assert {a.size // H // (E if E in a.dims else 1) for a in matmuls} == {rows}, matmuls
+  said = [line.split(" on ")[0] for line in spmd.FALLBACKS if ": no mesh: " in line]
+  assert said == ([dispatch] if mesh_from == "none" and dispatch in EXPERIMENTAL else []), said
 
 
 @pytest.mark.compile_tpu

@@ -19,6 +19,7 @@ from flax import struct
 from fairmoe_jax.moe.dispatch import spmd
 from fairmoe_jax.moe.dispatch.base import check_inputs
 from fairmoe_jax.moe.dispatch.capacity import DispatchStats, dropless_stats
+from fairmoe_jax.moe.dispatch.dropless import moe_dropless
 from fairmoe_jax.moe.dispatch.experts import ExpertWeights, gelu_exact
 from fairmoe_jax.moe.dispatch.slots import SlotPlan, combine_slots, gather_slots
 
@@ -203,9 +204,17 @@ def moe_blocksparse(
     *,
     capacity: int | None = None,
     block_size: int | None = None,
+    per_group: bool = False,
 ) -> tuple[jax.Array, DispatchStats]:
   """Dropless dispatch on blocks of expert-sorted rows (`block_size` None: `choose_block_size`);
-  `capacity` is ignored."""
+  `capacity` is ignored. `per_group` (the layer's where no mesh is known): `moe_dropless`'s per
+  group path, which the SPMD partitioner splits over a sharded batch (the blocks sort every
+  group's choices together)."""
+  if per_group:
+    spmd.report_fallback(
+        "blocksparse", f"no mesh: dropless per group, {experts.num_experts} times the expert FLOPs"
+    )
+    return moe_dropless(x, expert_index, gates, experts, per_group=True)
   del capacity
   check_inputs(x, expert_index, gates)
   num_experts = experts.num_experts

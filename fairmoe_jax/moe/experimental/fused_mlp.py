@@ -280,9 +280,14 @@ def moe_einsum_fused(
     *,
     capacity: int | None = None,
     interpret: bool = False,
+    per_group: bool = False,
 ) -> tuple[jax.Array, DispatchStats]:
   """`moe_einsum` with the expert MLP in the Pallas kernels on a TPU (XLA's elsewhere;
-  `interpret` for CPU tests): `moe.dispatch=einsum_fused`.
-  """
+  `interpret` for CPU tests): `moe.dispatch=einsum_fused`. `per_group` (the layer's where no mesh
+  is known): XLA's MLP, which the SPMD partitioner splits over a sharded batch (it cannot split
+  a Mosaic kernel)."""
+  if per_group:
+    spmd.report_fallback("einsum_fused", "no mesh: XLA's MLP, the einsum dispatch's cost")
+    return moe_einsum(x, expert_index, gates, experts, capacity=capacity)
   mlp = functools.partial(fused_expert_mlp, interpret=interpret)
   return moe_einsum(x, expert_index, gates, experts, capacity=capacity, expert_mlp=mlp)
