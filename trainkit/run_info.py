@@ -10,7 +10,7 @@ from typing import Any, ClassVar, TypeVar
 
 from trainkit import storage
 from trainkit.errors import UserError
-from trainkit.workdir import CONFIG_FILE, RUN_INFO_FILE, read_json_object, save_run_info
+from trainkit.workdir import CONFIG_FILE, RUN_INFO_FILE, read_json_object
 
 _Metadata = TypeVar("_Metadata", bound="RunMetadataFile")
 
@@ -46,10 +46,6 @@ class RunMetadataFile:
       ) from None
     metadata.check(source)
     return metadata
-
-  def save(self, workdir: str) -> None:
-    """Writes `<workdir>/run_info.json` (process 0 only)."""
-    save_run_info(self.to_json(), workdir)
 
   @classmethod
   def load(cls: type[_Metadata], workdir: str) -> _Metadata:

@@ -9,6 +9,7 @@ import pytest
 from causal_attn_jax import run_info as causal_run_info
 from fairmoe_jax import run_info as fair_run_info
 from trainkit.errors import UserError
+from trainkit.workdir import save_run_info
 
 FAIR = fair_run_info.RunMetadata(
     dataset="synthetic",
@@ -25,7 +26,7 @@ def test_metadata_round_trips_through_run_info_json(tmp_path, module, metadata):
   # Missing (deleted, or a run trained before the file was written): one line naming it.
   with pytest.raises(UserError, match=f"{tmp_path / 'run_info.json'} does not exist: training"):
     module.RunMetadata.load(str(tmp_path))
-  metadata.save(str(tmp_path))
+  save_run_info(metadata.to_json(), str(tmp_path))  # As training writes it.
   saved = json.loads((tmp_path / "run_info.json").read_text())
   assert list(saved)[0] == "package" and saved["package"] == module.PACKAGE
   loaded = module.RunMetadata.load(str(tmp_path))
@@ -33,7 +34,7 @@ def test_metadata_round_trips_through_run_info_json(tmp_path, module, metadata):
 
 
 def test_another_package_s_run_info_is_refused(tmp_path):
-  CAUSAL.save(str(tmp_path))
+  save_run_info(CAUSAL.to_json(), str(tmp_path))
   with pytest.raises(UserError, match="run_info.json is a causal_attn_jax run's, not a fairmoe"):
     fair_run_info.RunMetadata.load(str(tmp_path))
 
