@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Self
 
 import flax.nnx as nnx
 import ml_collections
@@ -14,8 +14,6 @@ from jax.sharding import Mesh
 from trainkit import recipe
 from trainkit.checkpoint import restore_trained
 from trainkit.train_state import TrainState
-
-_Run = TypeVar("_Run", bound="TrainedRun")
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,13 +34,13 @@ class TrainedRun:
 
   @classmethod
   def restore(
-      cls: type[_Run],
+      cls,
       config: ml_collections.ConfigDict,
       workdir: str,
       metadata: Any,
       data: Any,
       create_state: Callable[..., tuple[nnx.GraphDef, TrainState]],
-  ) -> _Run:
+  ) -> Self:
     """The latest readable checkpoint of `workdir` (UserError if none); `create_state` is the
     package's `train.create_state(config, data, tx, mesh, *, pretrained)`."""
     run = recipe.setup(
