@@ -147,6 +147,9 @@ def create_state(
 def _setup(
     config: ml_collections.ConfigDict, workdir: str, training: bool = True
 ) -> tuple[TaskData, recipe.Run]:
+  if not training or has_checkpoint(workdir):
+    # A trained run needs its own tokenizer: a new one would change the vocabulary.
+    require_tokenizer(workdir)
   data = tasks.get_task(config).load_data(config, workdir)
   run = recipe.setup(
       config,
@@ -162,9 +165,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains (resuming from `workdir`'s latest checkpoint), then writes report.json (SIGTERM:
   `recipe.train` checkpoints and exits)."""
   task = tasks.get_task(config)
-  if has_checkpoint(workdir):
-    # A resume needs the checkpoint's own tokenizer: a new one would change the vocabulary.
-    require_tokenizer(workdir)
   data, run = _setup(config, workdir)
   eval_step = evaluation.make_eval_step(run.graphdef, config)
 
@@ -214,7 +214,6 @@ def require_tokenizer(workdir: str) -> None:
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Evaluates the latest readable checkpoint in `workdir`; writes report.json."""
-  require_tokenizer(workdir)
   data, run = _setup(config, workdir, training=False)
   state, _ = restore_trained(run.checkpointer, run.state)
   eval_step = evaluation.make_eval_step(run.graphdef, config)
