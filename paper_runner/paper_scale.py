@@ -108,10 +108,12 @@ def paper_estimate(
           f"paper_runner.preflight_table --compile --only={name}`"
       )
     cell = cells[name]
-    # The step is the roofline bound at the utilisation, plus the collectives' time.
+    # The step is the roofline bound at the utilisation, plus the collectives' time; re-priced
+    # at today's calibration (a cell keeps the utilisation it was compiled at).
     collectives = cell["step_s"] - cell["roofline_s"] / cell["utilization"]
     band = band_seconds(cell["roofline_s"], collectives, [low_u, high_u])
-    return cell["device_hours"], *(cell["device_hours"] * s / cell["step_s"] for s in band)
+    steps = (cell["roofline_s"] / CALIBRATION[platform].utilization + collectives, *band)
+    return tuple(cell["device_hours"] * s / cell["step_s"] for s in steps)
 
   points = grid_points(sweep)
   searched, runs = PAPER_SEARCH.get(sweep.module, ((), 0))
@@ -129,6 +131,6 @@ def paper_estimate(
     estimate, fast, slow = (sum(h[i] for h in found) for i in range(3))
     lines.append(
         f"  {what}: {count} runs, {estimate:,.0f} device-hours ({fast:,.0f}-{slow:,.0f} over "
-        f"the {platform} calibration band {low_u}-{high_u})"
+        f"the {platform} calibration band {low_u:.2f}-{high_u:.2f})"
     )
   return lines

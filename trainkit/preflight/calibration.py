@@ -28,6 +28,6 @@ CALIBRATION: dict[str, Calibration] = {
     # NVIDIA JAX-Toolbox's ViT-B/16 pre-training on 8 A100s and on 8 H100s (t5x, bfloat16); the
     # band also holds our CelebA DeiT-S step measured on two lent H200s.
     "gpu": Calibration(
-        0.38, source="ViT-B/16 on 8 A100s and on 8 H100s (JAX-Toolbox t5x)", band=(0.32, 0.59)
+        0.36, source="ViT-B/16 on 8 A100s and on 8 H100s (JAX-Toolbox t5x)", band=(0.30, 0.59)
     ),
 }
