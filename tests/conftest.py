@@ -37,6 +37,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import contextlib  # noqa: E402
+import fcntl  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -238,17 +240,27 @@ QUICKSTART_RUN_ARGS = [
 def quickstart_run(tmp_path_factory):
   """The reduced quickstart trained once (with our deprecations raised as errors, for
   test_deprecations.py): `.workdir` and the finished process `.result`. A test that writes into
-  the workdir copies it first (shutil.copytree)."""
-  workdir = tmp_path_factory.mktemp("quickstart_run")
-  result = subprocess.run(
-      [sys.executable, "-c", STRICT_RUNNER, "fairmoe_jax.main", f"--workdir={workdir}"]
-      + QUICKSTART_RUN_ARGS,
-      cwd=REPO_ROOT,
-      env=one_device_env(),
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
+  the workdir copies it first (shutil.copytree). Under pytest-xdist the workers share one run:
+  the first to need it trains it while the others wait on a lock (xdist's documented recipe)."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # This session's folder, above each worker's own.
+  workdir, saved = root / "quickstart_run", root / "quickstart_run.json"
+  with open(root / "quickstart_run.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not saved.exists():
+      result = subprocess.run(
+          [sys.executable, "-c", STRICT_RUNNER, "fairmoe_jax.main", f"--workdir={workdir}"]
+          + QUICKSTART_RUN_ARGS,
+          cwd=REPO_ROOT,
+          env=one_device_env(),
+          capture_output=True,
+          text=True,
+          timeout=600,
+      )
+      saved.write_text(json.dumps(vars(result)))
+  _fixtures_that_started_python.add("quickstart_run")  # Here or by another worker: slow either way.
+  result = subprocess.CompletedProcess(**json.loads(saved.read_text()))
   return types.SimpleNamespace(workdir=workdir, result=result)
 
 
