@@ -131,7 +131,7 @@ def test_bad_data_path_is_one_line_error(repo_root, tmp_path):
 
 
 @pytest.mark.skipif(not ENDE.is_dir(), reason="needs ../shared/data/translation")
-def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
+def test_tiny_translation_run_reports_bleu(repo_root, tmp_path, capfd):
   import importlib.util
 
   spec = importlib.util.spec_from_file_location("wmt14_ende", repo_root / "configs/wmt14_ende.py")
@@ -163,6 +163,11 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path):
   # The decoder (no slack) starts out of bounds: its multipliers grow step after step.
   multipliers = [m["constraints/dec0/multiplier"] for m in read_metrics(str(tmp_path))]
   assert multipliers[0] > 0 and all(b > a for a, b in zip(multipliers, multipliers[1:]))
+  # Not met at this budget, and the report says why (issue 63 item 20): still rising.
+  assert not report["constraints"]["met"]
+  [why, *_] = report["constraints"]["notes"]
+  assert why.startswith("Not met at this budget: the multipliers were still rising at the last")
+  assert why in capfd.readouterr().out
 
   # --mode=predict on eval sentences (the escape-free ones, as the file reader leaves them)
   # translates them as the evaluation's beam search did.
