@@ -163,7 +163,7 @@ def test_tiny_translation_run_reports_bleu(repo_root, tmp_path, capfd):
   # The decoder (no slack) starts out of bounds: its multipliers grow step after step.
   multipliers = [m["constraints/dec0/multiplier"] for m in read_metrics(str(tmp_path))]
   assert multipliers[0] > 0 and all(b > a for a, b in zip(multipliers, multipliers[1:]))
-  # Not met at this budget, and the report says why (issue 63 item 20): still rising.
+  # Not met at this budget, and the console says why: the multipliers were still rising.
   assert not report["constraints"]["met"]
   [why, *_] = report["constraints"]["notes"]
   assert why.startswith("Not met at this budget: the multipliers were still rising at the last")

@@ -66,7 +66,7 @@ def test_quickstart_reduced_trains_evaluates_and_reports(quickstart_run, repo_ro
   # FEM reviews on its own cadence (steps 10 and 20; none after the last step).
   history = report["allocation_history"]
   assert [h["step"] for h in history] == [10, 20]
-  # What FEM did, read from those reviews, on the console (issue 63 item 19).
+  # What FEM did, read from those reviews, on the console.
   assert report["fem_reading"].startswith(f"FEM's reading: {len(report['fem_changes'])} change(s)")
   assert f" in {len(history)} reviews" in report["fem_reading"]
   assert report["fem_reading"] in result.stdout
