@@ -45,6 +45,7 @@ def _minutes_seconds(seconds: float) -> str:
 
 
 FAST, SLOW = _suite_run("pinned", "fast"), _suite_run("pinned", "slow")  # The README's.
+CI_RUN = _suite_run("both", "ci")  # `.ci/run`: every tier on both stacks, installs included.
 
 # The first H200 lease: the measured step, and the two compiles the README sets against it.
 LEASE_1 = "benchmarks/results/h200_2026-11-27/"
@@ -118,6 +119,11 @@ FIGURES = [
     (README, r"slow tier then took (\d+:\d\d)", _minutes_seconds(SLOW["wall_seconds"])),
     (README, r"slow tier then took \d+:\d\d, [^:]*: (\d+) passed", str(SLOW["passed"])),
     (README, r"slow tier then took [^)]*, (\d+) failed", str(SLOW["failed"])),
+    (
+        README,
+        r"`\.ci/run` \(every tier on both stacks[^)]*\) took (\d+:\d\d)",
+        _minutes_seconds(CI_RUN["wall_seconds"]),
+    ),
     # README: the tests on a lent GPU.
     (README, r"the (\d+) device test files", str(len(GPU_TEST_FILES))),
     (README, r"files gave (\d+) passed", str(GPU_TESTS["passed"])),
@@ -235,7 +241,7 @@ def test_each_suite_run_records_what_its_figures_need():
   fields |= {"skipped", "failed", "host_cores"}
   for run in _record("tests/timings.json")["runs"]:
     assert fields <= set(run) <= fields | {"note"}, run
-    assert run["tier"] in ("fast", "slow", "full"), run
+    assert run["tier"] in ("fast", "slow", "full", "ci"), run
 
 
 @pytest.mark.parametrize("page", ["docs/design.md", BENCH])
