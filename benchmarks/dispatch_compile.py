@@ -23,6 +23,7 @@ of row gathers. Writes JSON (default benchmarks/results/dispatch_compile.json) w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import importlib.metadata
@@ -175,7 +176,11 @@ def compile_row(
   capacity, row["error"] = row["capacity"], None
   try:
     args = abstract_args(mesh, shape, num_experts, top_k, dispatch, dtype)
-    compiled, seconds = moe_layer.compile_step(loss_fn(dispatch, capacity, top_k, peer, mesh), args)
+    # tokamax picks its grouped-GEMM kernels by the default device when traced (grouped_gemm.py).
+    gpu = target.platform == "gpu"
+    with jax.default_device(mesh.devices.flat[0]) if gpu else contextlib.nullcontext():
+      loss = loss_fn(dispatch, capacity, top_k, peer, mesh)
+      compiled, seconds = moe_layer.compile_step(loss, args)
   except Exception as e:  # pylint: disable=broad-except  # The target compiler's own errors.
     return dict(row, error=_error(e))
   costs, text = analysis.cost(compiled) or {}, compiled.as_text()
