@@ -8,10 +8,11 @@ server's HTTP API, never through our code. tests/e2e/test_remote_workdir.py cove
 against an in-process fake, faster, without the network clients.
 
 One module fixture trains the quickstart (tiny) as a user would sweep it, on a gs:// workdir:
-`paper_runner.sweep --mode=commands` writes the commands of two seeds, each is run, and
-`--mode=collect` reads their reports back from the bucket. The seed-0 run is then trained again
-in another workdir, stopped by SIGTERM midway and resumed, and its losses are the sweep run's;
-eval, predict and export run from that workdir.
+`paper_runner.sweep --mode=commands` writes the commands of two runs that differ only in how
+often they save a checkpoint, so they train alike. The first is run; the second is stopped by
+SIGTERM midway and its command run again resumes it: its losses are the first's. Then
+`--mode=collect` reads their reports back from the bucket, and eval, predict and export run from
+the resumed run's workdir.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from event_files import scalar_events
 from gcs_server import Bucket, gcs, gcs_server, guard_variables, new_bucket  # noqa: F401
 from trainkit.errors import USER_ERROR_EXIT_CODE
 
-STEPS = 16
-SIGNAL_AFTER = 6  # Logged steps before the SIGTERM.
+STEPS = 12
+SIGNAL_AFTER = 4  # Logged steps before the SIGTERM.
+CHECKPOINT_EVERY = (STEPS, 6)  # The sweep's grid: the uninterrupted run, the stopped one.
+RUNS = [f"sweep/runs/checkpoint_every_steps={steps}" for steps in CHECKPOINT_EVERY]
+RESUMED = RUNS[1]  # Its path in the bucket.
 # The quickstart cut to seconds: a tiny model and dataset, a line per step, no evaluation during
 # training nor gradient analysis at the end.
 TINY = {
@@ -52,9 +56,8 @@ TINY = {
     "eval_batch_size": 64,
     "analysis_batches": 0,
     "log_every_steps": 1,
-    "checkpoint_every_steps": 8,
     "eval_every_steps": 0,
-    "fair.review_every_steps": 8,
+    "fair.review_every_steps": 6,
 }
 SWEEP = f"""
 import ml_collections
@@ -64,7 +67,7 @@ def get_config(arg=None):
   return ml_collections.ConfigDict(dict(
       module="fairmoe_jax.main",
       config="{REPO_ROOT / 'configs' / 'quickstart.py'}:steps={STEPS}",
-      grid=dotted({{"seed": (0, 1)}}),
+      grid=dotted({{"checkpoint_every_steps": {CHECKPOINT_EVERY!r}}}),
       overrides=dotted({TINY!r}),
       metrics=("accuracy", "mf.pqd"),
   ))
@@ -161,9 +164,8 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
   sweep_file = root / "sweep.py"
   sweep_file.write_text(SWEEP)
   places = Places(root / "sweep", bucket)
-  stderrs = []
 
-  # The sweep: its commands, written into the bucket, then each run as commands.sh has it.
+  # The sweep's commands, written into the bucket; the first run as commands.sh has it.
   workdir = f"{bucket.uri}/sweep"
   written = places.run(
       "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}", "--mode=commands"
@@ -171,19 +173,12 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
   assert written.stdout.strip() == f"{workdir}/commands.sh"
   runs = _command_lines(bucket, "sweep")
   assert [argv[:3] for argv in runs] == [["python", "-m", "fairmoe_jax.main"]] * 2
-  for argv in runs:
-    stderrs.append(places.run(*argv[2:]).stderr)
-  collected = places.run(
-      "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}", "--mode=collect"
-  )
+  stderrs = [places.run(*runs[0][2:]).stderr]
 
-  # The seed-0 run again, in a workdir of its own: SIGTERM once SIGNAL_AFTER steps are logged
-  # (one object per logged step: metrics.jsonl.parts/), then the same command resumes it.
-  args = [a for a in runs[0][3:] if not a.startswith("--workdir=")]
-  args.append(f"--workdir={bucket.uri}/run")
-  places = Places(root / "run", bucket)
+  # The second: SIGTERM once SIGNAL_AFTER steps are logged (one object per logged step:
+  # metrics.jsonl.parts/), then the same command resumes it.
   process = subprocess.Popen(
-      places.command("fairmoe_jax.main", *args),
+      places.command(*runs[1][2:]),
       cwd=places.cwd,
       env=places.env(),
       stdout=subprocess.PIPE,
@@ -192,7 +187,7 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
   )
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and process.poll() is None:
-    if len(bucket.objects("run/metrics.jsonl.parts/")) >= SIGNAL_AFTER:
+    if len(bucket.objects(f"{RESUMED}/metrics.jsonl.parts/")) >= SIGNAL_AFTER:
       process.send_signal(signal.SIGTERM)
       break
     time.sleep(0.05)
@@ -203,8 +198,11 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
       code=128 + signal.SIGTERM,
   )
   stopped_at = int(re.search(r"Stopped at step (\d+)", stopped.stdout).group(1))
-  resumed = places.run("fairmoe_jax.main", *args)
+  resumed = places.run(*runs[1][2:])
   stderrs += [stopped.stderr, resumed.stderr]
+  collected = places.run(
+      "paper_runner.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}", "--mode=collect"
+  )
   return Trained(
       bucket, root, sweep_file, runs, collected.stdout, stopped, stopped_at, resumed, stderrs
   )
@@ -213,25 +211,25 @@ def trained(gcs_server, tmp_path_factory) -> Trained:  # noqa: F811
 def test_quickstart_on_gs_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(trained):
   assert SIGNAL_AFTER <= trained.stopped_at < STEPS, "the signal came after the run ended"
   assert (
-      f"Resumed from the checkpoint at step {trained.stopped_at} in {trained.bucket.uri}/run/"
+      f"Resumed from the checkpoint at step {trained.stopped_at} in {trained.bucket.uri}/{RESUMED}/"
       "checkpoints" in trained.resumed.stdout
   )
-  reference = _losses(trained.bucket, "sweep/runs/seed=0")
+  reference = _losses(trained.bucket, RUNS[0])
   assert sorted(reference) == list(range(1, STEPS + 1))
-  assert _losses(trained.bucket, "run") == reference
+  assert _losses(trained.bucket, RESUMED) == reference
   # The log was written one object per flush and folded into metrics.jsonl at the end.
-  assert trained.bucket.objects("run/metrics.jsonl.parts/") == {}
+  assert trained.bucket.objects(f"{RESUMED}/metrics.jsonl.parts/") == {}
 
 
 def test_checkpoint_steps_are_objects_in_the_bucket(trained):
   """Listed over the server's HTTP API: Orbax's arrays (TensorStore's OCDBT files) are there,
   with the bytes our manifest recorded; an Orbax that wrote them elsewhere fails this."""
   bucket = trained.bucket
-  listed = bucket.objects("run/checkpoints/")
-  steps = {name.split("/")[2] for name in listed}
+  listed = bucket.objects(f"{RESUMED}/checkpoints/")
+  steps = {name.split("/")[4] for name in listed}
   assert {str(trained.stopped_at), str(STEPS)} <= steps, sorted(steps)
   for step in (trained.stopped_at, STEPS):
-    prefix = f"run/checkpoints/{step}/"
+    prefix = f"{RESUMED}/checkpoints/{step}/"
     names = {name[len(prefix) :]: size for name, size in listed.items() if name.startswith(prefix)}
     assert {"commit_success.txt", "trainkit_manifest.json", "state/manifest.ocdbt"} <= set(names)
     arrays = {n: s for n, s in names.items() if re.fullmatch(r"state/(ocdbt\.process_0/)?d/\w+", n)}
@@ -247,18 +245,18 @@ def test_checkpoint_steps_are_objects_in_the_bucket(trained):
 def test_a_healthy_bucket_gives_no_credential_or_other_warning(trained):
   # Each run was checked as it ran (Places.checked); here the lines gcsfs used to print, a few
   # per file written ("Could not determine bucket type ... credentials were not found").
-  assert len(trained.stderrs) == 4
+  assert len(trained.stderrs) == 3
   for stderr in trained.stderrs:
     assert "bucket type" not in stderr and "credentials" not in stderr.lower()
 
 
 def test_eval_predict_and_export_run_from_the_bucket(trained):
-  bucket, workdir = trained.bucket, f"{trained.bucket.uri}/run"
+  bucket, workdir = trained.bucket, f"{trained.bucket.uri}/{RESUMED}"
   places = Places(trained.root / "modes", bucket)
   # Without --config: each mode reads the run's config.json from the bucket.
   evaluated = places.run("fairmoe_jax.main", f"--workdir={workdir}", "--mode=eval")
   assert f"in {workdir}" in evaluated.stdout
-  report = json.loads(bucket.read("run/report.json"))
+  report = json.loads(bucket.read(f"{RESUMED}/report.json"))
   assert report["step"] == STEPS and 0.0 <= report["accuracy"] <= 1.0
   images = trained.root / "images"  # The inputs are local files, outside the run's places.
   images.mkdir()
@@ -267,29 +265,27 @@ def test_eval_predict_and_export_run_from_the_bucket(trained):
   predict = ("--mode=predict", f"--config.predict.input={images}")
   predicted = places.run("fairmoe_jax.main", f"--workdir={workdir}", *predict)
   assert f"{workdir}/predict/predictions.csv" in predicted.stdout
-  rows = bucket.read("run/predict/predictions.csv").decode().splitlines()
+  rows = bucket.read(f"{RESUMED}/predict/predictions.csv").decode().splitlines()
   assert len(rows) == 1 + 3 and all(f"{i}.png" in rows[1 + i] for i in range(3))
   places.run("fairmoe_jax.main", f"--workdir={workdir}", "--mode=export")
-  exported = bucket.objects("run/export/")
-  assert exported.get("run/export/model.safetensors", 0) > 100_000, exported
+  exported = bucket.objects(f"{RESUMED}/export/")
+  assert exported.get(f"{RESUMED}/export/model.safetensors", 0) > 100_000, exported
 
 
 def test_sweep_commands_put_every_run_under_the_gs_workdir_and_collect_reads_them(trained):
   bucket = trained.bucket
-  assert [argv[4] for argv in trained.sweep_runs] == [  # python -m MODULE --config=... --workdir=
-      f"--workdir={bucket.uri}/sweep/runs/seed=0",
-      f"--workdir={bucket.uri}/sweep/runs/seed=1",
-  ]
+  # python -m MODULE --config=... --workdir=
+  assert [argv[4] for argv in trained.sweep_runs] == [f"--workdir={bucket.uri}/{r}" for r in RUNS]
   table = bucket.read("sweep/sweep.md").decode()
   assert "2 of 2 runs finished" in table, table
   assert table in trained.collected
-  for seed in (0, 1):
-    report = json.loads(bucket.read(f"sweep/runs/seed={seed}/report.json"))
-    row = next(line for line in table.splitlines() if line.startswith(f"| {seed} |"))
+  for every, run in zip(CHECKPOINT_EVERY, RUNS):
+    report = json.loads(bucket.read(f"{run}/report.json"))
+    row = next(line for line in table.splitlines() if line.startswith(f"| {every} |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert cells[:3] == [str(seed), "ok", f"{report['accuracy']:.4g}"], row
+    assert cells[:3] == [str(every), "ok", f"{report['accuracy']:.4g}"], row
   rows = json.loads(bucket.read("sweep/sweep.json"))["rows"]
-  assert [r["run_dir"] for r in rows] == [f"{bucket.uri}/sweep/runs/seed={s}" for s in (0, 1)]
+  assert [r["run_dir"] for r in rows] == [f"{bucket.uri}/{run}" for run in RUNS]
   assert all(r["examples_per_second"] > 0 for r in rows)  # Read from each run's metrics.jsonl.
 
 
