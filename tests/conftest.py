@@ -236,22 +236,33 @@ QUICKSTART_RUN_ARGS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory):
-  """The reduced quickstart trained once (with our deprecations raised as errors, for
-  test_deprecations.py): `.workdir` and the finished process `.result`. A test that writes into
-  the workdir copies it first (shutil.copytree). Under pytest-xdist the workers share one run:
-  the first to need it trains it while the others wait on a lock (xdist's documented recipe)."""
+# A dense (multifair: a plain ViT) run of the tiny quickstart on the images without cues, shared by
+# tests/fairmoe_jax/test_export.py and tests/benchmarks/test_synthetic_stats.py.
+DENSE_RUN_STEPS = 4
+DENSE_RUN_ARGS = [
+    f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps={DENSE_RUN_STEPS},cues=false",
+    *QUICKSTART_TINY_ARGS,
+    "--config.method=multifair",
+    "--config.eval_every_steps=0",
+    "--config.analysis_batches=0",
+]
+
+
+def _session_run(tmp_path_factory, name: str, args: list[str]) -> types.SimpleNamespace:
+  """`python -m fairmoe_jax.main` (our deprecations raised as errors, for test_deprecations.py)
+  run once per session into a workdir `name`: `.workdir` and the finished process `.result`. A
+  test that writes into the workdir copies it first (shutil.copytree). Under pytest-xdist the
+  workers share one run: the first to need it trains it while the others wait on a lock
+  (xdist's documented recipe)."""
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent  # This session's folder, above each worker's own.
-  workdir, saved = root / "quickstart_run", root / "quickstart_run.json"
-  with open(root / "quickstart_run.lock", "w") as lock:
+  workdir, saved = root / name, root / f"{name}.json"
+  with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not saved.exists():
       result = subprocess.run(
-          [sys.executable, "-c", STRICT_RUNNER, "fairmoe_jax.main", f"--workdir={workdir}"]
-          + QUICKSTART_RUN_ARGS,
+          [sys.executable, "-c", STRICT_RUNNER, "fairmoe_jax.main", f"--workdir={workdir}", *args],
           cwd=REPO_ROOT,
           env=one_device_env(),
           capture_output=True,
@@ -259,9 +270,23 @@ def quickstart_run(tmp_path_factory):
           timeout=600,
       )
       saved.write_text(json.dumps(vars(result)))
-  _fixtures_that_started_python.add("quickstart_run")  # Here or by another worker: slow either way.
+  _fixtures_that_started_python.add(name)  # Here or by another worker: slow either way.
   result = subprocess.CompletedProcess(**json.loads(saved.read_text()))
   return types.SimpleNamespace(workdir=workdir, result=result)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+  """The reduced quickstart trained once (_session_run)."""
+  return _session_run(tmp_path_factory, "quickstart_run", QUICKSTART_RUN_ARGS)
+
+
+@pytest.fixture(scope="session")
+def dense_run(tmp_path_factory):
+  """DENSE_RUN_ARGS trained once (_session_run); its returncode checked here."""
+  run = _session_run(tmp_path_factory, "dense_run", DENSE_RUN_ARGS)
+  assert run.result.returncode == 0, run.result.stderr[-3000:]
+  return run
 
 
 # A tiny Causal Transformer (model, vocabulary and data) so a run takes seconds.

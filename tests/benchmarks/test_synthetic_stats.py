@@ -2,11 +2,12 @@
 
 import importlib.util
 import json
+import shutil
 
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import DENSE_RUN_STEPS, REPO_ROOT
 from fairmoe_jax.data import synthetic
 
 
@@ -94,37 +95,14 @@ def test_testbed_stats_have_the_oracle_reader(stats_module):
 
 
 @pytest.mark.slow
-def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
+def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, dense_run, tmp_path):
   """--workdir restores the run and predicts the test split as the run's evaluation did (it once
   fed the model raw uint8 pixels, which the run normalises inside its step, and reported a
-  wrong accuracy)."""
-  import subprocess
-  import sys
-
-  workdir = tmp_path / "run"
-  sizes = {"train_size": 128, "val_size": 32, "test_size": 64}
-  subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "fairmoe_jax.main",
-          "--config=configs/quickstart.py:steps=3,cues=false",
-          f"--workdir={workdir}",
-          "--config.model.dim=16",
-          "--config.model.depth=1",
-          "--config.model.patch_size=8",
-          "--config.batch_size=32",
-          "--config.eval_batch_size=32",
-          "--config.fair.review_every_steps=0",
-          "--config.eval_every_steps=0",
-          *(f"--config.data.{k}={v}" for k, v in sizes.items()),
-      ],
-      cwd=REPO_ROOT,
-      check=True,
-      capture_output=True,
-  )
+  wrong accuracy). The run is the session's dense one, trained without cues (tests/conftest.py)."""
+  workdir = shutil.copytree(dense_run.workdir, tmp_path / "run")  # Its config.json is changed.
+  sizes = {"train_size": 512, "val_size": 64, "test_size": 128}
   _, splits = synthetic.load_synthetic(
-      image_size=32, num_classes=4, seed=0, sizes={"train": 128, "val": 32, "test": 64}
+      image_size=32, num_classes=4, seed=0, sizes={"train": 512, "val": 64, "test": 128}
   )
   predictions, step, probabilities = stats_module.model_predictions(
       str(workdir), splits["test"], sizes
@@ -135,7 +113,7 @@ def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
   recorded_probabilities = np.array(
       [[float(row[header.index(f"prob_{c}")]) for c in range(4)] for row in rows]
   )
-  assert step == 3
+  assert step == DENSE_RUN_STEPS
   np.testing.assert_array_equal(predictions, recorded)
   # A run on the tinted images (the quickstart's default) is refused, not predicted untinted.
   config = json.loads((workdir / "config.json").read_text())
@@ -143,5 +121,5 @@ def test_a_trained_run_s_predictions_are_the_run_s_own(stats_module, tmp_path):
   (workdir / "config.json").write_text(json.dumps(config))
   with pytest.raises(SystemExit, match="attribute cues"):
     stats_module.model_predictions(str(workdir), splits["test"], sizes)
-  # A 3-step model may answer one class for every image; its probabilities still tell.
+  # A 4-step model may answer one class for every image; its probabilities still tell.
   np.testing.assert_allclose(probabilities, recorded_probabilities, atol=1e-5)

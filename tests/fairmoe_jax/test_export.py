@@ -7,6 +7,8 @@ the trained model's. The stated preprocessing is checked against timm's eval tra
 out from its definition (short side to size / crop_pct, bicubic, centre crop).
 """
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -18,7 +20,6 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from conftest import QUICKSTART_TINY_ARGS as TINY
 from conftest import REPO_ROOT
 from conftest import one_device_env as _env
 from fairmoe_jax import config as config_lib
@@ -122,39 +123,31 @@ def _images(size, n=3):
 
 
 @pytest.fixture(scope="module")
-def dense_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("dense_export")
-  common = [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}"]
-  train = [
-      f"--config={REPO_ROOT / 'configs/quickstart.py'}:steps=4",
-      *TINY,
-      "--config.method=multifair",
-      "--config.eval_every_steps=0",
-      "--config.analysis_batches=0",
-  ]
+def exported_run(dense_run, tmp_path_factory):
+  """A copy of the session's dense run (tests/conftest.py), exported in this process."""
+  import ml_collections
 
-  def main(args):
-    result = subprocess.run(
-        common + args, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+  from fairmoe_jax import inference
 
-  main(train)
+  workdir = tmp_path_factory.mktemp("dense_export") / "run"
+  shutil.copytree(dense_run.workdir, workdir)
   # export/config.json planted as a link to a file outside the workdir: the export replaces it,
   # never writing through (test_export_where_a_file_or_a_planted_link_is_refused_or_replaced).
   outside = tmp_path_factory.mktemp("outside") / "outside.json"
   outside.write_text("precious")
   (workdir / "export").mkdir()
   (workdir / "export" / "config.json").symlink_to(outside)
-  return workdir, main(["--mode=export"]), outside
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  with contextlib.redirect_stdout(io.StringIO()) as stdout:
+    inference.export_checkpoint(config, str(workdir))
+  return workdir, stdout.getvalue(), outside
 
 
 @pytest.mark.slow
-def test_dense_export_rebuilds_from_its_config_with_the_trained_outputs(dense_run):
+def test_dense_export_rebuilds_from_its_config_with_the_trained_outputs(exported_run):
   import fairmoe_jax
 
-  workdir, stdout, _ = dense_run
+  workdir, stdout, _ = exported_run
   cfg = json.loads((workdir / "export" / "config.json").read_text())
   run_info = json.loads((workdir / "run_info.json").read_text())
   assert cfg["timm_loadable"] is True and "why_not_timm" not in cfg
@@ -300,9 +293,9 @@ def test_stated_preprocessing_is_the_pipeline_s(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run, tmp_path):
+def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(exported_run, tmp_path):
   workdir = tmp_path / "copy"
-  shutil.copytree(dense_run[0], workdir, symlinks=True)
+  shutil.copytree(exported_run[0], workdir, symlinks=True)
   shutil.rmtree(workdir / "export")
 
   # export/ is a file: one line naming it (it was a FileExistsError traceback).
@@ -318,9 +311,9 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
   assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
   (line,) = result.stderr.strip().splitlines()
   assert line.startswith(f"error: '{workdir / 'export'}' (or a folder above it) is a file"), line
-  # export/config.json was a link to a file outside the workdir (dense_run planted it before its
+  # export/config.json was a link to a file outside the workdir (planted before exported_run's
   # export): replaced, never written through.
-  trained, _, outside = dense_run
+  trained, _, outside = exported_run
   assert outside.read_text() == "precious"
   assert not (trained / "export" / "config.json").is_symlink()
   assert json.loads((trained / "export" / "config.json").read_text())["timm_loadable"] is True
@@ -328,37 +321,36 @@ def test_export_where_a_file_or_a_planted_link_is_refused_or_replaced(dense_run,
 
 @pytest.mark.slow
 def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(
-    dense_run, tmp_path
+    exported_run, tmp_path
 ):
   # Round three kept single files from being written through a planted link; a link in place
   # of the export/ or predict/ folder still had model.safetensors, config.json and
   # predictions.csv written to the folder it points to.
   workdir = tmp_path / "copy"
-  shutil.copytree(dense_run[0], workdir, symlinks=True)
+  shutil.copytree(exported_run[0], workdir, symlinks=True)
   shutil.rmtree(workdir / "export")
   images = tmp_path / "images"
   images.mkdir()
   Image.new("RGB", (32, 32)).save(images / "a.png")
-  for folder, mode in (
-      ("export", ["--mode=export"]),
-      ("predict", ["--mode=predict", f"--config.predict.input={images}"]),
+  import ml_collections
+
+  from fairmoe_jax import inference
+
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  config.predict.input = str(images)
+  # In this process (the command's one-line error is the test above's).
+  for folder, write in (
+      ("export", inference.export_checkpoint),
+      ("predict", inference.predict_checkpoint),
   ):
     outside = tmp_path / f"outside_{folder}"
     outside.mkdir()
     (workdir / folder).symlink_to(outside)
-    result = subprocess.run(
-        [sys.executable, "-m", "fairmoe_jax.main", f"--workdir={workdir}", *mode],
-        cwd=REPO_ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr[-3000:]
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith(
-        f"error: '{workdir / folder}' is a symbolic link to {outside}, outside the workdir"
-    ), line
+    with pytest.raises(UserError) as refused:
+      write(config, str(workdir))
+    assert str(refused.value).startswith(
+        f"'{workdir / folder}' is a symbolic link to {outside}, outside the workdir"
+    ), refused.value
     assert list(outside.iterdir()) == []  # Nothing written there.
   # A link to a folder inside the workdir stays allowed.
   (workdir / "export").unlink()
@@ -371,7 +363,7 @@ def test_export_or_predict_as_a_link_to_a_folder_outside_the_workdir_is_refused(
 
 @pytest.mark.slow
 def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_stdin(
-    dense_run, tmp_path
+    exported_run, tmp_path
 ):
   # A FIFO among the images hung --mode=predict until killed (a stale lock left);
   # `--config.predict.input=/dev/stdin` (a pipe) said "list file does not exist".
@@ -379,7 +371,7 @@ def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_std
   import socket
 
   workdir = tmp_path / "copy"
-  shutil.copytree(dense_run[0], workdir, symlinks=True)
+  shutil.copytree(exported_run[0], workdir, symlinks=True)
   images = tmp_path / "images"
   images.mkdir()
   Image.new("RGB", (32, 32), (200, 10, 10)).save(images / "a.png")
@@ -433,18 +425,18 @@ def test_predict_refuses_special_files_without_hanging_and_reads_a_list_from_std
 
 @pytest.mark.slow
 def test_an_evaluation_step_that_cannot_fit_is_refused_naming_eval_batch_size(
-    dense_run, monkeypatch
+    exported_run, monkeypatch
 ):
   import fairmoe_jax
   from trainkit import fits
 
-  run = fairmoe_jax.load_run(dense_run[0])
+  run = fairmoe_jax.load_run(exported_run[0])
   images = (np.random.default_rng(0).uniform(0, 1, (3, 32, 32, 3))).astype(np.float32)
   assert run.predict(images) is not None  # It fits as it is.
   monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 16)  # A 16-byte device.
   with pytest.raises(UserError, match=r"the evaluation step needs .* make the model smaller"):
     run.predict(images)  # 3 images in a small batch: the parameters are most of the memory.
-  large = fairmoe_jax.load_run(dense_run[0], overrides={"eval_batch_size": 4096})
+  large = fairmoe_jax.load_run(exported_run[0], overrides={"eval_batch_size": 4096})
   with pytest.raises(
       UserError, match=r"the evaluation step needs .* lower eval_batch_size \(now 4096\)"
   ):
