@@ -4,6 +4,7 @@ data path, and a tiny translation run through `train_and_evaluate` (BLEU in the 
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from conftest import (
     ENDE_TINY_DATA,
     ENDE_TINY_MODEL,
     ONE_DEVICE_XLA_FLAGS,
+    REPO_ROOT,
     SHARED_DATA,
 )
 from trainkit.errors import USER_ERROR_EXIT_CODE
@@ -25,6 +27,13 @@ from trainkit.metric_writers import read_metrics
 NLI = SHARED_DATA / "nli"
 
 TINY = CAUSAL_TINY_ARGS
+# The tiny MNLI/HANS run the tests below share (each copies its workdir before writing into it).
+TRAINED = [
+    *TINY,
+    f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
+    f"--config.data.challenge_file={NLI / 'hans_format_sample.txt'}",
+    "--config.checkpoint_every_steps=2",
+]
 
 
 def _env():
@@ -52,14 +61,24 @@ def _run(repo_root, workdir, *args, config="configs/mnli_hans.py:size=small,step
   )
 
 
-@pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
-def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
-  data_args = [
-      f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
-      f"--config.data.challenge_file={NLI / 'hans_format_sample.txt'}",
-  ]
-  result = _run(repo_root, tmp_path, *TINY, *data_args)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """The finished process and its workdir: one tiny run trained with TRAINED."""
+  if not NLI.is_dir():
+    pytest.skip("needs ../shared/data/nli")
+  workdir = tmp_path_factory.mktemp("trained")
+  return _run(REPO_ROOT, workdir, *TRAINED), workdir
+
+
+def _copy(trained, tmp_path):
+  result, workdir = trained
   assert result.returncode == 0, result.stderr
+  return shutil.copytree(workdir, tmp_path, dirs_exist_ok=True)
+
+
+def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path, trained):
+  result = trained[0]
+  _copy(trained, tmp_path)
   report = json.loads((tmp_path / "report.json").read_text())
   assert 0.0 <= report["accuracy"] <= 1.0 and 0.0 <= report["macro_f1"] <= 1.0
   assert report["num_examples"] == 64 and report["attention"]["kind"] == "causal"
@@ -95,9 +114,7 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
   pairs = pairs + [(f"Sentence {i}.", f"Other {i}.") for i in range(38)] + pairs[:1]
   tsv = tmp_path / "pairs.tsv"
   tsv.write_text("# premise\thypothesis\n" + "".join(f"{p}\t{h}\n" for p, h in pairs))
-  result = _run(
-      repo_root, tmp_path, *TINY, *data_args, "--mode=predict", f"--config.predict.input={tsv}"
-  )
+  result = _run(repo_root, tmp_path, *TRAINED, "--mode=predict", f"--config.predict.input={tsv}")
   assert result.returncode == 0, result.stderr
   with open(tmp_path / "predict" / "predictions.tsv", newline="") as f:
     rows = list(csv.DictReader(f, delimiter="\t"))
@@ -109,9 +126,7 @@ def test_mnli_hans_cli_trains_evaluates_and_reports(repo_root, tmp_path):
     assert row["prediction"] == max(probs, key=probs.get)
   assert {k: v for k, v in rows[0].items()} == {k: v for k, v in rows[-1].items()}
   tsv.write_text("only one field\n")
-  result = _run(
-      repo_root, tmp_path, *TINY, *data_args, "--mode=predict", f"--config.predict.input={tsv}"
-  )
+  result = _run(repo_root, tmp_path, *TRAINED, "--mode=predict", f"--config.predict.input={tsv}")
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert (
       result.stderr.strip()
@@ -124,10 +139,6 @@ def test_bad_data_path_is_one_line_error(repo_root, tmp_path):
   assert result.returncode == USER_ERROR_EXIT_CODE
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and "data.train_file" in lines[0] and "/nonexistent/train.tsv" in lines[0]
-  # Data paths have no default: the bare config names the key that is missing.
-  result = _run(repo_root, tmp_path)
-  assert result.returncode == USER_ERROR_EXIT_CODE
-  assert "data.train_file" in result.stderr and "required" in result.stderr
 
 
 @pytest.mark.skipif(not ENDE.is_dir(), reason="needs ../shared/data/translation")
@@ -213,7 +224,8 @@ def test_causal_config_files_validate_once_data_is_given(repo_root, name, tmp_pa
   for arg in ("size=full", "size=small,attention=band,gcn_hops=2"):
     config = _load_config(repo_root, name, arg)
     key = "data.train_file" if config.task == "classification" else "data.train_source"
-    with pytest.raises(ConfigError, match=key):  # Data paths have no default.
+    # Data paths have no default: the bare config names the key that is missing.
+    with pytest.raises(ConfigError, match=f"{key}': is required"):
       config_lib.validate(config, num_devices=8)
     for key in ("train_file", "train_source", "train_target", "eval_source", "eval_target"):
       config.data[key] = str(sample)
@@ -225,25 +237,22 @@ def test_causal_config_files_validate_once_data_is_given(repo_root, name, tmp_pa
   assert _load_config(repo_root, name, "attention=vanilla").constraints.weight == 0
 
 
-@pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
-def test_rejected_resume_leaves_config_json_as_trained(repo_root, tmp_path):
-  data = [f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}"]
-  assert _run(repo_root, tmp_path, *TINY, *data).returncode == 0
-  trained = (tmp_path / "config.json").read_text()
-  result = _run(repo_root, tmp_path, *TINY, *data, "--config.model.mlp_dim=32")
+def test_rejected_resume_leaves_config_json_as_trained(repo_root, tmp_path, trained):
+  saved = (_copy(trained, tmp_path) / "config.json").read_text()
+  result = _run(repo_root, tmp_path, *TRAINED, "--config.model.mlp_dim=32")
   assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr
   assert "config.json" in result.stderr
-  assert (tmp_path / "config.json").read_text() == trained
+  assert (tmp_path / "config.json").read_text() == saved
   assert not (tmp_path / "config_history").exists()
 
   # --mode=eval never retrains a deleted tokenizer (it would change the vocabulary).
   (tmp_path / "spm.model").unlink()
-  result = _run(repo_root, tmp_path, *TINY, *data, "--mode=eval")
+  result = _run(repo_root, tmp_path, *TRAINED, "--mode=eval")
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert "spm.model is missing" in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / "spm.model").exists()
   # Nor does a resumed training run (it would train on with another vocabulary).
-  result = _run(repo_root, tmp_path, *TINY, *data)
+  result = _run(repo_root, tmp_path, *TRAINED)
   assert result.returncode == USER_ERROR_EXIT_CODE
   assert "spm.model is missing" in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / "spm.model").exists()
@@ -269,26 +278,22 @@ def test_eval_without_checkpoint_and_early_errors_leave_no_workdir(repo_root, tm
   assert not workdir.exists()
 
 
-@pytest.mark.skipif(not NLI.is_dir(), reason="needs ../shared/data/nli")
-def test_corrupt_final_checkpoint_is_moved_aside_rewritten_and_reported(repo_root, tmp_path):
-  args = [
-      *TINY,
-      f"--config.data.train_file={NLI / 'mnli_dev_matched.tsv'}",
-      "--config.checkpoint_every_steps=2",
-  ]
-  assert _run(repo_root, tmp_path, *args).returncode == 0
+def test_corrupt_final_checkpoint_is_moved_aside_rewritten_and_reported(
+    repo_root, tmp_path, trained
+):
+  _copy(trained, tmp_path)
   for root, _, files in os.walk(tmp_path / "checkpoints" / "4"):
     for name in files:
       with open(os.path.join(root, name), "wb") as f:
         f.write(b"garbage")
-  result = _run(repo_root, tmp_path, *args)
+  result = _run(repo_root, tmp_path, *TRAINED)
   assert result.returncode == 0, result.stderr[-2000:]
   report = json.loads((tmp_path / "report.json").read_text())
   assert report["step"] == 4
   assert report["checkpoint_fallback"]["skipped"][0].startswith("step 4:")
   assert (tmp_path / "checkpoints" / "corrupt" / "4").is_dir()
   # The final state was saved again: evaluation scores step 4, with nothing skipped.
-  result = _run(repo_root, tmp_path, *args, "--mode=eval")
+  result = _run(repo_root, tmp_path, *TRAINED, "--mode=eval")
   assert result.returncode == 0, result.stderr[-2000:]
   report = json.loads((tmp_path / "report.json").read_text())
   assert report["step"] == 4 and "checkpoint_fallback" not in report
