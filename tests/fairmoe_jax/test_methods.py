@@ -131,49 +131,68 @@ def test_under_expert_competence_the_allocation_reaches_routing_only_through_the
   assert any(v > 0 for k, v in norms.items() if "competence_head" in k)
 
 
-def _sa_branch(scale: float) -> dict:
+@pytest.fixture(scope="module")
+def trained_fairsmoe():
+  """The default FairSMoE, its info, graphdef, state and batch after 3 steps on that batch (the
+  SA classifiers leave their initial point, so p_a varies over tokens): one compile of its train
+  step for the tests that read its evaluation."""
+  config = _config("fairsmoe")
+  _, info, graphdef, state, step, batch = _setup(config)
+  for _ in range(3):
+    state, _ = step(state, batch)
+  return config, info, graphdef, state, dict(batch, mask=jnp.ones(len(batch["label"])))
+
+
+def _with_routers(trained, edit):
+  """(graphdef, state) of a copy of the trained model after `edit(router)` on each FairRouter."""
+  _, _, graphdef, state, _ = trained
+  # A copy: merged models share the state's variables, which the other tests read unedited.
+  model = nnx.clone(nnx.merge(graphdef, state.params, state.model_state))
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, FairRouter):
+      edit(node)
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+  return graphdef, state.replace(params=params, model_state=model_state)
+
+
+def _sa_branch(trained, scale: float) -> dict:
   """`report["sa_branch"]` of one evaluation batch after the projections W_a and the SA
   classifiers' kernels are set to scale * N(0, 1) (0 = an SA branch that adds nothing; large =
   confident classifiers whose votes differ between tokens)."""
-  config = _config("fairsmoe")
-  _, info, graphdef, state, step, batch = _setup(config)
-  for _ in range(3):  # The SA classifiers leave their initial point, so p_a varies over tokens.
-    state, _ = step(state, batch)
-  model = nnx.merge(graphdef, state.params, state.model_state)
+  config, info, _, _, batch = trained
   rng = np.random.default_rng(0)
-  for _, node in nnx.iter_graph(model):
-    if isinstance(node, FairRouter):
-      for p in [*node.projections, *(h.kernel for h in node.attribute_heads)]:
-        p.set_value(jnp.asarray(rng.normal(size=p.shape) * scale, jnp.float32))
-  _, params, model_state = nnx.split(model, nnx.Param, ...)
-  state = state.replace(params=params, model_state=model_state)
-  batch = dict(batch, mask=jnp.ones(len(batch["label"])))
+
+  def scale_sa_branch(router):
+    for p in [*router.projections, *(h.kernel for h in router.attribute_heads)]:
+      p.set_value(jnp.asarray(rng.normal(size=p.shape) * scale, jnp.float32))
+
+  graphdef, state = _with_routers(trained, scale_sa_branch)
   counts = evaluation.make_eval_step(graphdef, info, config)(state, batch)
   return evaluation.sa_branch_report(jax.device_get(counts["sa_branch"]))
 
 
-def test_the_report_says_how_much_of_the_routing_the_sa_branch_decides():
-  (silent,) = _sa_branch(0.0).values()
+def test_the_report_says_how_much_of_the_routing_the_sa_branch_decides(trained_fairsmoe):
+  (silent,) = _sa_branch(trained_fairsmoe, 0.0).values()
   assert silent["variance_share"] == 0.0 and silent["choices_changed"] == 0.0
-  (loud,) = _sa_branch(30.0).values()
+  (loud,) = _sa_branch(trained_fairsmoe, 30.0).values()
   assert loud["variance_share"] > 0.5 and loud["choices_changed"] > 0.1, loud
   assert loud["sa_logit_std"] > loud["gate_logit_std"]
 
 
-def _eval_predictions(config):
+def _eval_predictions(trained, route_by: str):
   """The eval step's counts and the model's logits on one batch, with its sensitive attributes
-  as they are and scrambled, after a little training."""
-  mesh, info, graphdef, state, step, batch = _setup(config)
-  for _ in range(3):  # Train a little so that the attribute projections are not zero.
-    state, _ = step(state, batch)
-  model = nnx.merge(graphdef, state.params, state.model_state)
-  for _, node in nnx.iter_graph(model):  # Make every attribute move the routing strongly.
-    if isinstance(node, FairRouter):
-      rng = np.random.default_rng(0)
-      for p in node.projections:
-        p.set_value(jnp.asarray(rng.normal(size=p.shape) * 10, jnp.float32))
-  _, params, model_state = nnx.split(model, nnx.Param, ...)
-  state = state.replace(params=params, model_state=model_state)
+  as they are and scrambled, with the trained model's routers reading them as `route_by` says."""
+  config, info, _, _, batch = trained
+  config = config.copy_and_resolve_references()
+  config.fair.route_by = route_by
+  rng = np.random.default_rng(0)
+
+  def read_attributes_strongly(router):
+    router.route_by = route_by
+    for p in router.projections:  # Make every attribute move the routing strongly.
+      p.set_value(jnp.asarray(rng.normal(size=p.shape) * 10, jnp.float32))
+
+  graphdef, state = _with_routers(trained, read_attributes_strongly)
   eval_step = evaluation.make_eval_step(graphdef, info, config)
 
   @jax.jit  # Eagerly, the forward compiles each of its hundreds of operations: 4x the time.
@@ -186,7 +205,6 @@ def _eval_predictions(config):
   results = []
   for batch_attributes in (attributes, scrambled):
     probe = {**batch, "attributes": jnp.asarray(batch_attributes)}
-    probe["mask"] = jnp.ones(len(probe["label"]))
     counts = eval_step(state, probe)
     context = methods.METHODS[config.method].eval_context(config, probe)
     logits = logits_of(state, probe["image"], context)
@@ -195,15 +213,15 @@ def _eval_predictions(config):
 
 
 @pytest.mark.slow
-def test_default_evaluation_never_reads_the_sensitive_attributes():
-  config = _config("fairsmoe")
-  assert config.fair.route_by == "predicted"
-  (counts, logits), (scrambled_counts, scrambled_logits) = _eval_predictions(config)
+def test_default_evaluation_never_reads_the_sensitive_attributes(trained_fairsmoe):
+  assert trained_fairsmoe[0].fair.route_by == "predicted"
+  (counts, logits), (scrambled_counts, scrambled_logits) = _eval_predictions(
+      trained_fairsmoe, "predicted"
+  )
   np.testing.assert_array_equal(logits, scrambled_logits)
   np.testing.assert_array_equal(counts, scrambled_counts)
-  # The same probe sees the difference when the model does read them (route_by=label).
-  config.fair.route_by = "label"
-  (_, by_label), (_, by_label_scrambled) = _eval_predictions(config)
+  # The same probe sees the difference when the same weights do read them (route_by=label).
+  (_, by_label), (_, by_label_scrambled) = _eval_predictions(trained_fairsmoe, "label")
   assert np.abs(by_label - by_label_scrambled).max() > 1e-4
 
 
@@ -273,21 +291,22 @@ def test_pretrained_checkpoint_initialises_every_backbone(tmp_path, method):
 
 
 @pytest.mark.slow
-def test_the_eval_step_reads_routing_readings_not_metric_names(monkeypatch):
+def test_the_eval_step_reads_routing_readings_not_metric_names(monkeypatch, trained_fairsmoe):
   """Each MoE block's expert usage is the masked sum of its `RoutingReadings` (numpy), and
   renaming every logged metric changes none of the eval step's counts."""
   from fairmoe_jax.data.augment import normalize_on_device
   from fairmoe_jax.moe import MoEAux
 
-  config = _config("fairsmoe")
-  _, info, graphdef, state, step, batch = _setup(config)
-  state, _ = step(state, batch)
+  config, info, graphdef, state, batch = trained_fairsmoe
   mask = np.r_[np.ones(12), np.zeros(4)].astype(np.float32)
   batch = dict(batch, mask=jnp.asarray(mask))
   counts = jax.device_get(evaluation.make_eval_step(graphdef, info, config)(state, batch))
 
-  model = nnx.merge(graphdef, state.params, state.model_state)
-  _, aux = model(normalize_on_device(batch["image"], batch["mask"]), train=False)
+  @jax.jit  # Eagerly, the forward compiles each of its hundreds of operations.
+  def forward_aux(state, images):
+    return nnx.merge(graphdef, state.params, state.model_state)(images, train=False)[1]
+
+  aux = forward_aux(state, normalize_on_device(batch["image"], batch["mask"]))
   assert set(counts["expert_usage"]["choices"]) == set(aux.routing) == {"moe_block1"}
   assert set(counts["sa_correct"]) == set(counts["sa_branch"]) == set(aux.routing)
   for block, readings in aux.routing.items():
