@@ -195,22 +195,6 @@ def test_preloaded_split_keeps_the_file_names(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def _main(workdir, *args):
-  command = [
-      sys.executable,
-      "-m",
-      "fairmoe_jax.main",
-      f"--workdir={workdir}",
-      *QUICKSTART_RUN_ARGS,
-      *args,
-  ]
-  result = subprocess.run(
-      command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result.stdout
-
-
 @pytest.fixture(scope="module")
 def run(quickstart_run, tmp_path_factory):
   """A copy of the session's run, which the tests below write into (export/, predict/)."""
@@ -333,9 +317,10 @@ def test_routing_measures_read_a_real_run_consistently(run):
 
 
 @pytest.mark.slow
-def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
-  """--mode=export, then the file loads into a freshly initialised model of the same config
-  and gives back the trained parameters (FairSMoE's router and attribute branches included)."""
+def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run, capsys):
+  """--mode=export (in this process: test_workdir_modes.py runs the command), then the file
+  loads into a freshly initialised model of the same config and gives back the trained
+  parameters (FairSMoE's router and attribute branches included)."""
   safetensors_numpy = pytest.importorskip("safetensors.numpy")
   import ml_collections
   from flax import nnx
@@ -345,8 +330,10 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   from fairmoe_jax.models.convert_timm import export_timm_state_dict, load_timm_checkpoint
 
   workdir, _ = run
-  stdout = _main(workdir, "--mode=export")
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
   path = workdir / "export" / "model.safetensors"
+  assert inference.export_checkpoint(config, str(workdir)) == str(path)
+  stdout = capsys.readouterr().out
   assert f"to {path}" in stdout
   # Readable by others like every other output (safetensors alone leaves its temp file's 0600).
   assert path.stat().st_mode & 0o044 == (workdir / "report.json").stat().st_mode & 0o044
@@ -359,7 +346,6 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
   timm_config = json.loads((workdir / "export" / "config.json").read_text())
   assert timm_config["timm_loadable"] is False and "no MoE block" in timm_config["why_not_timm"]
 
-  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
   restored = inference.restore_run(config, str(workdir))
   trained = restored.model
   assert restored.step == QUICKSTART_STEPS
@@ -382,14 +368,14 @@ def test_export_writes_a_timm_state_dict_that_loads_back_into_the_model(run):
 
 
 @pytest.mark.slow
-def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path):
-  """Test images saved as PNG files (lossless) and classified with --mode=predict, from a
-  folder and from a list file, get the probabilities evaluation gave them, with no label or
-  sensitive attribute read."""
+def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path, capsys):
+  """Test images saved as PNG files (lossless) and classified with --mode=predict (in this
+  process), from a folder and from a list file, get the probabilities evaluation gave them,
+  with no label or sensitive attribute read."""
   import ml_collections
   from PIL import Image
 
-  from fairmoe_jax import train
+  from fairmoe_jax import inference, train
 
   workdir, _ = run
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
@@ -405,8 +391,9 @@ def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path
   listing = tmp_path / "list.txt"
   listing.write_text("# a comment\n" + "".join(f"images/test_{i:03d}.png\n" for i in chosen[:2]))
   for source, expected in ((folder, sorted(chosen)), (listing, chosen[:2])):
-    stdout = _main(workdir, "--mode=predict", f"--config.predict.input={source}")
-    assert f"Predicted {len(expected)} images" in stdout
+    config.predict.input = str(source)
+    inference.predict_checkpoint(config, str(workdir))
+    assert f"Predicted {len(expected)} images" in capsys.readouterr().out
     pd = pytest.importorskip("pandas")
     predicted = pd.read_csv(workdir / "predict" / "predictions.csv", keep_default_na=False)
     assert [int(p[-7:-4]) for p in predicted["path"]] == expected
@@ -422,24 +409,31 @@ def test_predict_on_image_files_gives_the_evaluation_s_predictions(run, tmp_path
 
 @pytest.mark.slow
 def test_predict_refuses_routing_by_labels_and_empty_inputs(run, tmp_path):
+  import ml_collections
+
+  from fairmoe_jax import inference
+
   workdir, _ = run
-  for args, key in (
-      (["--config.fair.route_by=label", f"--config.predict.input={tmp_path}"], "fair.route_by"),
-      ([f"--config.predict.input={tmp_path}"], "predict.input"),
-      ([], "predict.input"),
-  ):
-    command = [
-        sys.executable,
-        "-m",
-        "fairmoe_jax.main",
-        f"--workdir={workdir}",
-        *QUICKSTART_RUN_ARGS,
-        "--mode=predict",
-        *args,
-    ]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True)
-    assert result.returncode == 2 and f"config key '{key}'" in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+  # The command: exit status 2 and one line naming the key.
+  command = [
+      sys.executable,
+      "-m",
+      "fairmoe_jax.main",
+      f"--workdir={workdir}",
+      *QUICKSTART_RUN_ARGS,
+      "--mode=predict",
+      "--config.fair.route_by=label",
+      f"--config.predict.input={tmp_path}",
+  ]
+  result = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True)
+  assert result.returncode == 2 and "config key 'fair.route_by'" in result.stderr, result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1
+  # The empty inputs, in this process: the same UserError before anything is restored.
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  for source in (str(tmp_path), ""):
+    config.predict.input = source
+    with pytest.raises(ConfigError, match="^config key 'predict.input'"):
+      inference.predict_checkpoint(config, str(workdir))
 
 
 def test_an_image_named_in_latin_1_is_read_and_its_name_written_escaped(tmp_path):
