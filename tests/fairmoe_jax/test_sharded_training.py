@@ -41,6 +41,14 @@ def _tiny_config(data: int, expert: int, dtype: str = "float32", method: str = "
   return config
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_plots():
+  # These tests compare losses: the report's plots (1.6 CPU-s a run) are the e2e tests'.
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr("fairmoe_jax.analysis.write_plots", lambda workdir: [])
+    yield
+
+
 def _train_losses(config, workdir) -> np.ndarray:
   train.train_and_evaluate(config, str(workdir))
   return np.array([m["loss"] for m in read_metrics(str(workdir))])
