@@ -28,7 +28,6 @@ for every capacity dispatch.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -77,13 +76,6 @@ def expert_mlp_traffic_floor(
   return itemsize * (3 * kernels + num_experts * rows * per_row)
 
 
-def _expert_mlp_loss(
-    x: jax.Array, experts: experts_module.ExpertWeights, cotangent: jax.Array, *, mlp: str
-):
-  y = fused_expert_mlp(x, experts) if mlp == "fused" else experts.apply_expert_major(x)
-  return jnp.sum((y * cotangent).astype(jnp.float32)), jnp.zeros(())
-
-
 def expert_mlp_bytes(
     mesh: jax.sharding.Mesh, shape: str, num_experts: int, dtype: str, mlp: str = "xla"
 ) -> float:
@@ -96,7 +88,11 @@ def expert_mlp_bytes(
   )
   capacity = compute_capacity(tokens, num_experts, TOP_K, 1.25)
   buffers = jax.ShapeDtypeStruct((num_experts, groups, capacity, dim), x.dtype, sharding=x.sharding)
-  loss = functools.partial(_expert_mlp_loss, mlp=mlp)
+
+  def loss(x: jax.Array, experts: experts_module.ExpertWeights, cotangent: jax.Array):
+    y = fused_expert_mlp(x, experts) if mlp == "fused" else experts.apply_expert_major(x)
+    return jnp.sum((y * cotangent).astype(jnp.float32)), jnp.zeros(())
+
   compiled, _ = moe_layer.compile_step(loss, (buffers, weights, buffers))
   return analysis.cost(compiled)["bytes accessed"]
 

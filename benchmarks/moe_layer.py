@@ -197,9 +197,7 @@ def dispatch_plan_bytes(
   gates = jax.ShapeDtypeStruct((groups, tokens, top_k), jnp.float32)
   plan = jax.jit(lambda i, g: _DISPATCH_PLANS[dispatch](i, g, num_experts, capacity))
   memory = plan.lower(index, gates).compile().memory_analysis()
-  if memory is None:
-    return None
-  return int(memory.output_size_in_bytes + memory.temp_size_in_bytes)
+  return int(memory.output_size_in_bytes + memory.temp_size_in_bytes) if memory else None
 
 
 def layer_args(

@@ -142,7 +142,8 @@ def blanket_sums(probs: jax.Array, edges: jax.Array | None) -> tuple[jax.Array, 
   return e.sum(axis=-1), e.sum(axis=-2)
 
 
-def _weighted_mean(values: jax.Array, weights: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+def weighted_mean(values: jax.Array, weights: jax.Array, axes: tuple[int, ...] | None) -> jax.Array:
+  """The mean of `values` weighted by `weights` over `axes` (None: all); 0 where no weight."""
   return (values * weights).sum(axes) / jnp.maximum(weights.sum(axes), 1.0)
 
 
@@ -201,30 +202,29 @@ def constraint_violations(
   if spec.form == "separate":
     violations = jnp.stack(
         [
-            _weighted_mean(jax.nn.relu(b.lower - r), row_w, (0, 2)),
-            _weighted_mean(jax.nn.relu(r - b.upper), row_w, (0, 2)),
-            _weighted_mean(jax.nn.relu(b.lower - c), col_w, (0, 2)),
-            _weighted_mean(jax.nn.relu(c - b.upper), col_w, (0, 2)),
+            weighted_mean(jax.nn.relu(b.lower - r), row_w, (0, 2)),
+            weighted_mean(jax.nn.relu(r - b.upper), row_w, (0, 2)),
+            weighted_mean(jax.nn.relu(b.lower - c), col_w, (0, 2)),
+            weighted_mean(jax.nn.relu(c - b.upper), col_w, (0, 2)),
         ],
         axis=-1,
     )
   elif spec.loss == "hinge":
     violations = jnp.stack(
         [
-            _weighted_mean(jax.nn.relu(b.lower - node), node_w, (0, 2)),
-            _weighted_mean(jax.nn.relu(node - b.upper), node_w, (0, 2)),
+            weighted_mean(jax.nn.relu(b.lower - node), node_w, (0, 2)),
+            weighted_mean(jax.nn.relu(node - b.upper), node_w, (0, 2)),
         ],
         axis=-1,
     )
   else:
     violations = _linear_terms(node, node_w, b, decoder=decoder)
 
-  everything = (0, 1, 2)
   return ConstraintStats(
       violations=violations,
-      rows_within=_weighted_mean(_within(r, b), row_w, everything),
-      cols_within=_weighted_mean(_within(c, b), col_w, everything),
-      nodes_within=_weighted_mean(_within(node, b), node_w, everything),
+      rows_within=weighted_mean(_within(r, b), row_w, None),
+      cols_within=weighted_mean(_within(c, b), col_w, None),
+      nodes_within=weighted_mean(_within(node, b), node_w, None),
   )
 
 

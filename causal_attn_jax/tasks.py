@@ -11,12 +11,12 @@ from typing import Any
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh
+from ml_collections import ConfigDict
 
-from causal_attn_jax import decoding, models
+from causal_attn_jax import constraints, decoding, models
 from causal_attn_jax.data import tokenizer as tokenizer_lib
 from causal_attn_jax.data.iterator import device_batches
 from causal_attn_jax.data.loading import TaskData, load_classification, load_translation
@@ -32,12 +32,8 @@ Batch = dict[str, jax.Array]
 LossOutput = tuple[jax.Array, dict[str, jax.Array], list[models.SelfAttentionRecord], jax.Array]
 
 
-def _encoder_names(config: ml_collections.ConfigDict) -> list[str]:
+def _encoder_names(config: ConfigDict) -> list[str]:
   return [f"enc{l}" for l in range(config.model.num_layers)]
-
-
-def _weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
-  return (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
 class PairClassification:
@@ -49,29 +45,27 @@ class PairClassification:
   name = "classification"
   seq_keys = ("ids",)  # Token-id arrays whose lengths bucket the training batches.
 
-  def load_data(self, config: ml_collections.ConfigDict, workdir: str) -> TaskData:
+  def load_data(self, config: ConfigDict, workdir: str) -> TaskData:
     return load_classification(config, workdir)
 
-  def max_positions(self, config: ml_collections.ConfigDict) -> int:
+  def max_positions(self, config: ConfigDict) -> int:
     return config.data.max_len
 
-  def build_model(
-      self, config: ml_collections.ConfigDict, data: TaskData, rngs: nnx.Rngs
-  ) -> nnx.Module:
+  def build_model(self, config: ConfigDict, data: TaskData, rngs: nnx.Rngs) -> nnx.Module:
     spec = models.TransformerSpec.from_config(config.model, self.max_positions(config))
     dtype = compute_dtype(config.compute_dtype)
     vocab = data.tokenizer.vocab_size
     return models.PairClassifier(vocab, data.num_classes, spec, dtype=dtype, rngs=rngs)
 
-  def layer_names(self, config: ml_collections.ConfigDict) -> list[str]:
+  def layer_names(self, config: ConfigDict) -> list[str]:
     """Names of the constrained self-attention layers, in the order of the multipliers."""
     return _encoder_names(config)
 
-  def tokens_per_example(self, config: ml_collections.ConfigDict) -> int:
+  def tokens_per_example(self, config: ConfigDict) -> int:
     """Sequence positions per example as batched (fixed shapes, so padding included)."""
     return config.data.max_len
 
-  def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
+  def heatmap_inputs(self, config: ConfigDict) -> list[tuple[int, str]]:
     """(layer index, batch key of its tokens) of each layer drawn in the report's heatmaps."""
     return [(l, "ids") for l in range(config.model.num_layers)]
 
@@ -82,8 +76,8 @@ class PairClassification:
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
     weights = batch.get("mask", jnp.ones_like(ce, bool)).astype(jnp.float32)
-    metrics = {"accuracy": _weighted_mean(correct, weights)}
-    return _weighted_mean(ce, weights), metrics, records, logits
+    metrics = {"accuracy": constraints.weighted_mean(correct, weights, None)}
+    return constraints.weighted_mean(ce, weights, None), metrics, records, logits
 
   def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
     return {"predictions": jnp.argmax(logits, -1)}
@@ -137,28 +131,26 @@ class Translation:
   name = "translation"
   seq_keys = ("src", "tgt_in")
 
-  def load_data(self, config: ml_collections.ConfigDict, workdir: str) -> TaskData:
+  def load_data(self, config: ConfigDict, workdir: str) -> TaskData:
     return load_translation(config, workdir)
 
-  def max_positions(self, config: ml_collections.ConfigDict) -> int:
+  def max_positions(self, config: ConfigDict) -> int:
     # The position table covers the source, the training targets and beam-search decoding.
     d = config.data
     return max(d.max_source_len, d.max_target_len, config.nmt.max_decode_len) + 1
 
-  def build_model(
-      self, config: ml_collections.ConfigDict, data: TaskData, rngs: nnx.Rngs
-  ) -> nnx.Module:
+  def build_model(self, config: ConfigDict, data: TaskData, rngs: nnx.Rngs) -> nnx.Module:
     spec = models.TransformerSpec.from_config(config.model, self.max_positions(config))
     dtype = compute_dtype(config.compute_dtype)
     return models.Seq2Seq(data.tokenizer.vocab_size, spec, dtype=dtype, rngs=rngs)
 
-  def layer_names(self, config: ml_collections.ConfigDict) -> list[str]:
+  def layer_names(self, config: ConfigDict) -> list[str]:
     return _encoder_names(config) + [f"dec{l}" for l in range(config.model.num_decoder_layers)]
 
-  def tokens_per_example(self, config: ml_collections.ConfigDict) -> int:
+  def tokens_per_example(self, config: ConfigDict) -> int:
     return config.data.max_source_len + config.data.max_target_len
 
-  def heatmap_inputs(self, config: ml_collections.ConfigDict) -> list[tuple[int, str]]:
+  def heatmap_inputs(self, config: ConfigDict) -> list[tuple[int, str]]:
     # Decoder self-attention is over the shifted targets.
     encoder = config.model.num_layers
     return [(l, "src") for l in range(encoder)] + [
@@ -176,8 +168,8 @@ class Translation:
     labels = optax.smooth_labels(jax.nn.one_hot(targets, vocab), smoothing)
     ce = optax.softmax_cross_entropy(logits, labels)
     correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-    metrics = {"token_accuracy": _weighted_mean(correct, weights)}
-    return _weighted_mean(ce, weights), metrics, records, logits
+    metrics = {"token_accuracy": constraints.weighted_mean(correct, weights, None)}
+    return constraints.weighted_mean(ce, weights, None), metrics, records, logits
 
   def eval_outputs(self, logits: jax.Array) -> dict[str, jax.Array]:
     del logits  # Token accuracy is in the metrics; the report decodes with `decoding` instead.
@@ -234,7 +226,7 @@ def make_pair_probabilities(graphdef: nnx.GraphDef) -> PairProbabilities:
 
 
 def pair_probabilities(
-    config: ml_collections.ConfigDict,
+    config: ConfigDict,
     data: TaskData,
     state: TrainState,
     probabilities: PairProbabilities,
@@ -252,7 +244,7 @@ def pair_probabilities(
 
 
 def translate_sentences(
-    config: ml_collections.ConfigDict,
+    config: ConfigDict,
     data: TaskData,
     state: TrainState,
     translate: decoding.TranslateFn,
@@ -267,7 +259,7 @@ def translate_sentences(
 
 
 def translate_ids(
-    config: ml_collections.ConfigDict,
+    config: ConfigDict,
     data: TaskData,
     state: TrainState,
     translate: decoding.TranslateFn,
@@ -286,7 +278,7 @@ Task = PairClassification | Translation
 TASKS: dict[str, Task] = {t.name: t for t in (PairClassification(), Translation())}
 
 
-def get_task(config: ml_collections.ConfigDict) -> Task:
+def get_task(config: ConfigDict) -> Task:
   """The task object of `config.task`."""
   if config.task not in TASKS:
     raise ValueError(f"unknown task {config.task!r}; known tasks: {sorted(TASKS)}")

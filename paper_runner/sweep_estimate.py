@@ -38,9 +38,7 @@ def finished_timing(directory: str) -> tuple[float, int | None] | None:
     )
   except OSError:
     return None
-  if seconds <= 0:
-    return None
-  return seconds, _steps(directory)
+  return (seconds, _steps(directory)) if seconds > 0 else None
 
 
 def planned_steps(config: ml_collections.ConfigDict) -> int | None:

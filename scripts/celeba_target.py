@@ -31,9 +31,7 @@ RIDGE_LAMBDA = 100.0
 
 def phi(a: np.ndarray, b: np.ndarray) -> float:
   """The correlation of two 0/1 arrays (0.0 where either is constant)."""
-  if a.std() == 0 or b.std() == 0:
-    return 0.0
-  return float(np.corrcoef(a, b)[0, 1])
+  return 0.0 if a.std() == 0 or b.std() == 0 else float(np.corrcoef(a, b)[0, 1])
 
 
 def ridge_probe(

@@ -220,9 +220,7 @@ def verify_manifest(step_dir: str) -> str:
     if storage.size(file) != entry.get("size") or _sha256(file) != entry.get("sha256"):
       return f"{name} does not match its checksum in {MANIFEST} (changed since it was saved)"
   extra = sorted(set(_step_files(step_dir)) - set(entries))
-  if extra:
-    return f"{extra[0]} was not part of the saved checkpoint"
-  return ""
+  return f"{extra[0]} was not part of the saved checkpoint" if extra else ""
 
 
 class _Unusable(ValueError):
@@ -503,11 +501,9 @@ class Checkpointer:
     corrupt = storage.join(self.directory, "corrupt")
     storage.makedirs(corrupt)
     for step in steps:
-      target = storage.join(corrupt, str(step))
-      n = 1
+      target, n = storage.join(corrupt, str(step)), 1
       while storage.path(target).exists():
-        target = storage.join(corrupt, f"{step}.{n}")
-        n += 1
+        target, n = storage.join(corrupt, f"{step}.{n}"), n + 1
       try:
         # On an object store a rename is a copy of each object, then a delete.
         storage.path(storage.join(self.directory, str(step))).rename(target)

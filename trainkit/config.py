@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any, Iterable, Mapping
 
-import ml_collections
+from ml_collections import ConfigDict
 
 from trainkit.distributed import DEFAULT_STARTUP_TIMEOUT_S
 from trainkit.errors import ConfigError, UserError
@@ -16,7 +16,7 @@ from trainkit.mesh import mesh_shape
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
-def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+def parse_arg(arg: str | None, **defaults: Any) -> ConfigDict:
   """Parses the `key=value,...` of `--config=file.py:key=value,...`: keys of `defaults`, values
   of their default's type (bools take true/false/1/0; a bare `key` is `key=True`)."""
   parsed = dict(defaults)
@@ -26,7 +26,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     if key not in defaults:
       raise ConfigError(key, f"unknown config argument; known: {', '.join(sorted(defaults))}")
     parsed[key] = convert(key, raw.strip() if sep else "true", defaults[key])
-  return ml_collections.ConfigDict(parsed)
+  return ConfigDict(parsed)
 
 
 def _split_top_level(arg: str) -> list[str]:
@@ -65,17 +65,17 @@ def convert(key: str, raw: str, default: Any) -> Any:
   return raw
 
 
-def get(config: ml_collections.ConfigDict, key: str) -> Any:
+def get(config: ConfigDict, key: str) -> Any:
   """Reads a dotted key, raising ConfigError naming it when it is absent."""
   node = config
   for part in key.split("."):
-    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+    if not isinstance(node, ConfigDict) or part not in node:
       raise ConfigError(key, "missing from the config")
     node = node[part]
   return node
 
 
-def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
+def apply_overrides(config: ConfigDict, overrides: Mapping[str, Any]) -> None:
   """Sets each dotted key of `overrides` (`{"mesh.data": 1}`) in `config`, as `--config.KEY=VALUE`
   does; a ConfigError for a key the config lacks or a value of another type."""
   for key, value in overrides.items():
@@ -84,7 +84,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
       node = get(config, parent) if parent else config
     except ConfigError:
       node = None
-    if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+    if not isinstance(node, ConfigDict) or name not in node:
       raise ConfigError(key, "unknown config key")
     try:
       node[name] = value
@@ -93,11 +93,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
 
 
 def require_int(
-    config: ml_collections.ConfigDict,
-    key: str,
-    *,
-    minimum: int | None = None,
-    maximum: int | None = None,
+    config: ConfigDict, key: str, *, minimum: int | None = None, maximum: int | None = None
 ) -> int:
   value = get(config, key)
   if isinstance(value, bool) or not isinstance(value, int):
@@ -134,11 +130,7 @@ def require_fits_in_host_memory(key: str, nbytes: int, what: str) -> None:
 
 
 def require_float(
-    config: ml_collections.ConfigDict,
-    key: str,
-    *,
-    minimum: float | None = None,
-    maximum: float | None = None,
+    config: ConfigDict, key: str, *, minimum: float | None = None, maximum: float | None = None
 ) -> float:
   value = get(config, key)
   if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -148,7 +140,7 @@ def require_float(
   return float(_in_range(key, value, minimum, maximum))
 
 
-def require_choice(config: ml_collections.ConfigDict, key: str, choices: Iterable[Any]) -> Any:
+def require_choice(config: ConfigDict, key: str, choices: Iterable[Any]) -> Any:
   value = get(config, key)
   choices = tuple(choices)
   if value not in choices:
@@ -156,7 +148,7 @@ def require_choice(config: ml_collections.ConfigDict, key: str, choices: Iterabl
   return value
 
 
-def parse_profile_steps(config: ml_collections.ConfigDict) -> tuple[int, int] | None:
+def parse_profile_steps(config: ConfigDict) -> tuple[int, int] | None:
   """`profile_steps` = "START:END" as (START, END): trace steps START+1 .. END; "" = None."""
   value = get(config, "profile_steps") if "profile_steps" in config else ""
   if value in ("", None):
@@ -175,12 +167,12 @@ def parse_profile_steps(config: ml_collections.ConfigDict) -> tuple[int, int] | 
   return bounds
 
 
-def require_finite_numbers(config: ml_collections.ConfigDict, prefix: str = "") -> None:
+def require_finite_numbers(config: ConfigDict, prefix: str = "") -> None:
   """No NaN or infinity anywhere in the config: no key gives either a meaning, and NaN passes
   every range check (each comparison with it is false)."""
   for name, value in config.items():
     key = f"{prefix}{name}"
-    if isinstance(value, ml_collections.ConfigDict):
+    if isinstance(value, ConfigDict):
       require_finite_numbers(value, f"{key}.")
       continue
     values = value if isinstance(value, (list, tuple)) else [value]
@@ -190,7 +182,7 @@ def require_finite_numbers(config: ml_collections.ConfigDict, prefix: str = "") 
 
 
 def add_run_keys(
-    config: ml_collections.ConfigDict, *, batch_size: int, eval_batch_size: int, num_epochs: float
+    config: ConfigDict, *, batch_size: int, eval_batch_size: int, num_epochs: float
 ) -> None:
   """Adds the keys every package's run has (`validate_run` checks them), with their defaults,
   but for `preflight` (`trainkit.preflight.compile.preflight_config`)."""
@@ -208,20 +200,20 @@ def add_run_keys(
   config.peak_flops_per_device = 0.0  # For MFU; 0 = look the device up (trainkit/throughput.py).
   # "START:END": a jax.profiler trace of steps START+1..END in <workdir>/profile; "" = none.
   config.profile_steps = ""
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, expert=1))
+  config.mesh = ConfigDict(dict(data=-1, expert=1))
   # --mode=predict: the inputs to predict (images, or sentence pairs or sources: docs/running.md).
-  config.predict = ml_collections.ConfigDict(dict(input=""))
+  config.predict = ConfigDict(dict(input=""))
   # Multi-process runs: how long a process waits for the slowest one (trainkit.distributed).
-  config.distributed = ml_collections.ConfigDict(dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S))
+  config.distributed = ConfigDict(dict(startup_timeout_s=DEFAULT_STARTUP_TIMEOUT_S))
 
 
-def startup_timeout_s(config: ml_collections.ConfigDict) -> float:
+def startup_timeout_s(config: ConfigDict) -> float:
   """`distributed.startup_timeout_s` (a saved config without it is migrated: trainkit.workdir)."""
   return require_float(config, "distributed.startup_timeout_s", minimum=1.0)
 
 
 def validate_run(
-    config: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1
+    config: ConfigDict, *, num_devices: int, num_processes: int = 1
 ) -> tuple[int, int]:
   """Checks the keys every run has; returns the (data, expert) mesh shape, or a ConfigError."""
   require_finite_numbers(config)
@@ -246,9 +238,7 @@ def validate_run(
   return data_size, expert_size
 
 
-def settle_run_length(
-    config: ml_collections.ConfigDict, overrides: Mapping[str, Any]
-) -> str | None:
+def settle_run_length(config: ConfigDict, overrides: Mapping[str, Any]) -> str | None:
   """A `num_train_steps` override (`--config.KEY=VALUE`) sets the file's `num_epochs` to 0 and
   returns a line saying so; both overridden, with `num_epochs` > 0, is a UserError."""
   if "num_train_steps" not in overrides or "num_epochs" not in config:
@@ -273,9 +263,7 @@ def settle_run_length(
   )
 
 
-def resolve_train_steps(
-    config: ml_collections.ConfigDict, train_examples: int, *, training: bool
-) -> None:
+def resolve_train_steps(config: ConfigDict, train_examples: int, *, training: bool) -> None:
   """Checks one batch fits the loaded training data; `num_epochs` > 0 sets `num_train_steps`
   (rounded up to whole updates)."""
   if training and train_examples < config.batch_size:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -12,8 +13,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
-import ml_collections
 from flax import traverse_util
+from ml_collections import ConfigDict
 
 from trainkit import storage
 from trainkit.distributed import DEFAULT_STARTUP_TIMEOUT_S
@@ -270,7 +271,7 @@ _ADDED_AFTER_VERSION = {
 RUN_INFO_FILE = "run_info.json"
 
 
-def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+def save_config(config: ConfigDict, workdir: str) -> None:
   """Writes `config.json` (process 0), a differing earlier one kept in `config_history/`; called
   once the checkpoint restore accepted the config."""
   if jax.process_index() != 0:
@@ -311,7 +312,7 @@ def read_json_object(path: str, missing: str, what: str = "") -> dict[str, Any]:
 
 def _as_typed(saved: Any, default: Any) -> Any:
   """`saved` (parsed JSON) with the tuples of `default` back: JSON writes tuples as lists."""
-  if isinstance(saved, dict) and isinstance(default, (dict, ml_collections.ConfigDict)):
+  if isinstance(saved, dict) and isinstance(default, (dict, ConfigDict)):
     return {k: _as_typed(v, default[k]) if k in default else v for k, v in saved.items()}
   if isinstance(saved, list) and isinstance(default, tuple):
     return tuple(saved)
@@ -342,12 +343,10 @@ def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, A
   return saved
 
 
-def load_saved_config(
-    workdir: str, defaults: ml_collections.ConfigDict
-) -> ml_collections.ConfigDict:
+def load_saved_config(workdir: str, defaults: ConfigDict) -> ConfigDict:
   """`read_saved_config` as a ConfigDict, tuples of `defaults` (JSON lists) read back as tuples."""
   saved = read_saved_config(storage.resolve(workdir), defaults)
-  return ml_collections.ConfigDict(_as_typed(saved, defaults))
+  return ConfigDict(_as_typed(saved, defaults))
 
 
 def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
@@ -360,10 +359,8 @@ def save_run_info(run_info: dict[str, Any], workdir: str) -> None:
 def _keep_in_history(workdir: str, text: str) -> str:
   history = storage.join(workdir, "config_history")
   storage.makedirs(history)
-  n = 1
-  while storage.path(storage.join(history, f"config.{n}.json")).exists():
-    n += 1
-  kept = storage.join(history, f"config.{n}.json")
+  numbered = (storage.join(history, f"config.{n}.json") for n in itertools.count(1))
+  kept = next(p for p in numbered if not storage.path(p).exists())
   storage.path(kept).write_text(text)
   return kept
 
@@ -378,7 +375,7 @@ def config_differences(saved: Any, requested: Any, *, ignore: tuple[str, ...] = 
   ]
 
 
-def trained_config_differences(directory: str, config: ml_collections.ConfigDict) -> list[str]:
+def trained_config_differences(directory: str, config: ConfigDict) -> list[str]:
   """How `config` differs from a finished run's config.json (an unreadable one is a difference;
   `num_train_steps` is left out when `num_epochs` sets it)."""
   requested = json.loads(config.to_json_best_effort())
@@ -400,11 +397,9 @@ _UNTRAINED_PREFIXES = ("preflight.", "distributed.")
 
 def move_aside(directory: str) -> str:
   """Renames a run directory to `<directory>.stale-<n>` (kept for inspection); returns the name."""
-  n = 1
-  while os.path.exists(f"{directory}.stale-{n}"):
-    n += 1
-  os.rename(directory, f"{directory}.stale-{n}")
-  return f"{directory}.stale-{n}"
+  stale = next(d for n in itertools.count(1) if not os.path.exists(d := f"{directory}.stale-{n}"))
+  os.rename(directory, stale)
+  return stale
 
 
 def stale_runs_error(stale: list[tuple[str, list[str]]], flag: str) -> UserError:

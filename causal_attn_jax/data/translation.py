@@ -68,9 +68,7 @@ def read_lines(path: str | os.PathLike, *, unescape: bool = False) -> list[str]:
 
 def _attribute(attrs: str, name: str) -> str | None:
   match = re.search(_ATTR.format(name), attrs, re.IGNORECASE)
-  if not match:
-    return None
-  return next(group for group in match.groups() if group is not None)
+  return next(group for group in match.groups() if group is not None) if match else None
 
 
 def read_sgm(path: str | os.PathLike) -> dict[tuple[str, str], str]:

@@ -58,9 +58,7 @@ def _flat(labels, predictions) -> tuple[np.ndarray, np.ndarray]:
 def accuracy(labels, predictions) -> float:
   """Fraction of correct predictions (NaN for none)."""
   labels, predictions = _flat(labels, predictions)
-  if not labels.size:
-    return float("nan")
-  return float(np.mean(labels == predictions))
+  return float(np.mean(labels == predictions)) if labels.size else float("nan")
 
 
 def macro_f1(labels, predictions, num_classes: int) -> float:

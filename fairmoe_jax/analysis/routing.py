@@ -121,9 +121,7 @@ def run_concentration(
   top_k = int(json.loads(storage.read_text(storage.join(run_dir, CONFIG_FILE)))["moe"]["top_k"])
   if split == "validation":
     validation = report.get("validation") or {}
-    if "expert_share" not in validation:
-      return None
-    return routing_concentration(validation, top_k)
+    return routing_concentration(validation, top_k) if "expert_share" in validation else None
   path = storage.join(run_dir, PREDICTIONS_FILE)
   image_shares = read_expert_columns(path) if storage.path(path).exists() else None
   return routing_concentration(report, top_k, image_shares)

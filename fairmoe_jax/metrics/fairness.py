@@ -161,9 +161,7 @@ def predictive_quality_disparity(counts: np.ndarray) -> float:
   if np.count_nonzero(nonempty) < 2:
     return 1.0
   acc = np.trace(counts, axis1=1, axis2=2)[nonempty] / n[nonempty]
-  if acc.max() == 0.0:
-    return 1.0
-  return float(acc.min() / acc.max())
+  return 1.0 if acc.max() == 0.0 else float(acc.min() / acc.max())
 
 
 def demographic_parity(counts: np.ndarray) -> float:

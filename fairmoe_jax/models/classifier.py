@@ -9,6 +9,9 @@ from flax import nnx
 
 from fairmoe_jax.moe import MoEAux
 
+# What a backbone passes its MoE routers besides the tokens (e.g. the batch's "attributes").
+Context = Mapping[str, jax.Array] | None
+
 
 class BackboneClassifier(nnx.Module):
   """Base of the ViT/DeiT and Swin classifiers.
@@ -38,23 +41,13 @@ class BackboneClassifier(nnx.Module):
     raise NotImplementedError
 
   def features(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, jax.Array] | None = None,
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None, context: Context = None
   ) -> jax.Array:
     """Pre-head feature [B, num_features] in the compute dtype (MoE auxiliary losses dropped)."""
     return self._encode(images, train=train, rngs=rngs, context=context)[0]
 
   def __call__(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, jax.Array] | None = None,
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None, context: Context = None
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (float32 logits [B, num_classes], MoEAux summed over MoE blocks).
 

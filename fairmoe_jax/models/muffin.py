@@ -7,13 +7,13 @@ schedule lives in `fairmoe_jax.methods.muffin`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fairmoe_jax.models.classifier import Context
 from fairmoe_jax.moe import MoEAux
 
 
@@ -52,12 +52,7 @@ class Muffin(nnx.Module):
     return self.fusion_head(jnp.concatenate(list(features), axis=-1)).astype(jnp.float32)
 
   def __call__(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None = None,
-      context: Mapping[str, Any] | None = None,
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None = None, context: Context = None
   ) -> tuple[jax.Array, MoEAux]:
     """Fused logits; the same call contract as the MoE backbones (no MoE, zero aux)."""
     del context

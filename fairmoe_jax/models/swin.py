@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fairmoe_jax.models.classifier import BackboneClassifier
+from fairmoe_jax.models.classifier import BackboneClassifier, Context
 from fairmoe_jax.models.vit import Attention, CheckpointedBlock, layer_norm, linear, patch_conv
 from fairmoe_jax.moe import MoEAux
 from trainkit.remat import check_remat
@@ -231,12 +231,7 @@ class SwinBlock(CheckpointedBlock, nnx.Module):
     return x
 
   def forward(
-      self,
-      x: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None,
-      context: Mapping[str, jax.Array] | None = None,
+      self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None, context: Context = None
   ) -> tuple[jax.Array, MoEAux | None]:
     """The block without rematerialisation (what `__call__` checkpoints)."""
     b, h, w, c = x.shape
@@ -376,12 +371,7 @@ class SwinTransformer(BackboneClassifier):
     )
 
   def _encode(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None,
-      context: Mapping[str, jax.Array] | None,
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None, context: Context
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (pooled final-norm feature [B, C], merged MoEAux)."""
     self._check_rngs(train, rngs)

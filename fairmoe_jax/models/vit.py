@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fairmoe_jax.models.classifier import BackboneClassifier
+from fairmoe_jax.models.classifier import BackboneClassifier, Context
 from fairmoe_jax.moe import MoEAux, SparseMoE
 from fairmoe_jax.moe.dispatch import spmd
 from trainkit.remat import check_remat, checkpointed
@@ -218,12 +218,7 @@ class CheckpointedBlock:
     return self.mlp(x, train=train, rngs=rngs), None
 
   def __call__(
-      self,
-      x: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None,
-      context: Mapping[str, jax.Array] | None = None,
+      self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None, context: Context = None
   ) -> tuple[jax.Array, MoEAux | None]:
     if train and self.remat != "none":  # An evaluation has no backward pass to save memory for.
       forward = lambda block, x, rngs, context: block.forward(
@@ -258,12 +253,7 @@ class Block(CheckpointedBlock, nnx.Module):
     self.init_mlp(dim, mlp_dim, moe, dropout_rate, dtype, param_dtype, rngs)
 
   def forward(
-      self,
-      x: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None,
-      context: Mapping[str, jax.Array] | None = None,
+      self, x: jax.Array, *, train: bool, rngs: nnx.Rngs | None, context: Context = None
   ) -> tuple[jax.Array, MoEAux | None]:
     """The block without rematerialisation (what `__call__` checkpoints)."""
     x = x + self.attn(self.norm1(x), train=train, rngs=rngs)
@@ -343,12 +333,7 @@ class VisionTransformer(BackboneClassifier):
     self.head = linear(dim, num_classes, dtype, param_dtype, rngs)
 
   def _encode(
-      self,
-      images: jax.Array,
-      *,
-      train: bool,
-      rngs: nnx.Rngs | None,
-      context: Mapping[str, jax.Array] | None,
+      self, images: jax.Array, *, train: bool, rngs: nnx.Rngs | None, context: Context
   ) -> tuple[jax.Array, MoEAux]:
     """[B, H, W, 3] -> (final-norm class-token feature [B, dim], merged MoEAux)."""
     self._check_rngs(train, rngs)

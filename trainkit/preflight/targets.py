@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import functools
 import glob
+import itertools
 import os
 from typing import Any
 
@@ -291,19 +292,14 @@ def get_target(name: str) -> Target:
   return dataclasses.replace(target, usable_fraction=gpu_memory_fraction())
 
 
-def _c_environment() -> dict[str, str]:
-  """The process's environment as the C library holds it (os.environ is Python's copy)."""
+def _c_environment() -> set[str]:
+  """The variable names of the C library's environment (os.environ is Python's copy)."""
   environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
-  found = {}
-  i = 0
-  while environ[i] is not None:
-    name, _, value = environ[i].decode(errors="replace").partition("=")
-    found[name] = value
-    i += 1
-  return found
+  raw = itertools.takewhile(lambda e: e is not None, map(environ.__getitem__, itertools.count()))
+  return {entry.decode(errors="replace").partition("=")[0] for entry in raw}
 
 
-def _forget_variables_set_behind_pythons_back(before: dict[str, str]) -> None:
+def _forget_variables_set_behind_pythons_back(before: set[str]) -> None:
   """Unsets what libtpu setenv'd (TPU_WORKER_ID="WARNING: ..."): children would take
   themselves for a TPU pod worker (trainkit/distributed.py)."""
   libc = ctypes.CDLL(None)

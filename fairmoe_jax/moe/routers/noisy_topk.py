@@ -44,9 +44,7 @@ class NoisyRouterOutput(RouterOutput):
 def cv_squared(x: jax.Array, eps: float = 1e-10) -> jax.Array:
   """Var(x) / (Mean(x)^2 + eps), population variance as in tensor2tensor; 0 for one element."""
   x = x.astype(jnp.float32)
-  if x.size <= 1:
-    return jnp.zeros((), jnp.float32)
-  return jnp.var(x) / (jnp.square(jnp.mean(x)) + eps)
+  return jnp.zeros((), jnp.float32) if x.size <= 1 else jnp.var(x) / (jnp.square(jnp.mean(x)) + eps)
 
 
 def smooth_load(
