@@ -108,16 +108,15 @@ setup(
             # gcsfs's HTTP client, whose connection error tests/trainkit/test_remote_failures.py
             # takes from a stopped server.
             "aiohttp>=3.9",
+            # The grouped GEMMs' compiled-program tests (tests/fairmoe_jax/test_grouped_gemm.py).
+            # The preflight's compilers are no extra: python -m trainkit.preflight.compilers.
+            "tokamax>=0.0.12",
         ],
         # The recipe (docs/api.md) for loading a dense export into timm (tested with timm 1.0.31);
         # the project itself never imports them.
         "timm": ["timm>=1.0", "torch>=2.0"],
         # `tensorboard --logdir WORKDIR` shows every scalar a run logs (docs/report.md).
         "tensorboard": ["tensorboard>=2.15"],
-        # `--mode=compile` (trainkit/preflight): libtpu and the CUDA plugin without CUDA, to
-        # compile for a TPU slice or GPU node on a machine without one. jax's own extras pin
-        # the libtpu and plugin that match its jaxlib; constraints.txt pins the tested ones.
-        "preflight": ["jax[tpu,cuda12-local]", "tokamax>=0.0.12"],
         # `dropless` on a GPU: tokamax's grouped GEMMs (fairmoe_jax/moe/dispatch/grouped_gemm.py).
         "gpu": ["tokamax>=0.0.12"],
     },

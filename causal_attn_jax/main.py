@@ -13,8 +13,8 @@ Without --config, eval and predict read the trained run's <workdir>/config.json
 (--config.KEY=VALUE overrides still apply); predict needs no data file (the tokenizer and the
 label names are in the workdir: spm.model, run_info.json). compile needs --config and no data,
 tokenizer or accelerator: it compiles the run's train and eval steps for
---config.preflight.target (docs/scaling.md lists them; pip install -e ".[preflight]") and writes
-<workdir>/preflight.json; the vocabulary is data.vocab_size and the classes follow
+--config.preflight.target (docs/scaling.md lists them; python -m trainkit.preflight.compilers) and
+writes <workdir>/preflight.json; the vocabulary is data.vocab_size and the classes follow
 data.pair_task (or the tfds dataset or testbed).
 
 Writes <workdir>/report.json: classification {accuracy, macro_f1, challenge: {accuracy,

@@ -12,8 +12,8 @@ Without --config, eval, predict and export read the trained run's <workdir>/conf
 (--config.KEY=VALUE overrides still apply); predict and export need no dataset (the class names
 and preprocessing are in <workdir>/run_info.json), eval reads the test split from
 --config.data.root (config.json's unless overridden). compile needs --config and no data or
-accelerator: it compiles the run for --config.preflight.target (docs/scaling.md lists them; pip
-install -e ".[preflight]") and writes <workdir>/preflight.json.
+accelerator: it compiles the run for --config.preflight.target (docs/scaling.md lists them;
+python -m trainkit.preflight.compilers) and writes <workdir>/preflight.json.
 """
 
 from __future__ import annotations

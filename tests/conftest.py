@@ -23,7 +23,7 @@ _USER_XLA_FLAGS = [
 ONE_DEVICE_XLA_FLAGS = " ".join([TEST_COMPILE_FLAGS, *_USER_XLA_FLAGS])
 os.environ["XLA_FLAGS"] = f"{ONE_DEVICE_XLA_FLAGS} --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# With the preflight extra installed (CI installs it), XLA logs at INFO from C++; the tests read
+# With the CUDA plugin loaded (the compile_gpu tests), XLA logs at INFO from C++; the tests read
 # stderr.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 # Many tests compile the same programs (a run, then its resume; one device, then a mesh), in
@@ -35,6 +35,16 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402,F401
+
+from trainkit.preflight import compilers  # noqa: E402
+
+# The preflight's compilers (python -m trainkit.preflight.compilers) for the compile_tpu and
+# compile_gpu tests in this process: before JAX starts its backends, after jax's import (which
+# would load libtpu, and libtpu sets TPU_LIBRARY_PATH for every child). The `python -m ...`
+# processes the tests start find them as a user's do.
+compilers.add_to_path()
 
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
@@ -341,10 +351,10 @@ def private_compilation_cache(tmp_path):
     compilation_cache.reset_cache()
 
 
-# The CUDA plugin of the preflight extra (CI installs it) logs these lines from C++, before any
-# log set-up, whenever a process imports JAX on a machine without a GPU; no setting silences
-# them. They are not the program's output: the tests that read a subprocess's stderr (one error
-# line, no traceback) read it without them.
+# The CUDA plugin (trainkit.preflight.compilers; CI installs it) logs these lines from C++, before
+# any log set-up, whenever a process that can import it starts JAX without a GPU; no setting
+# silences them. They are not the program's output: the tests that read a subprocess's stderr (one
+# error line, no traceback) read it without them.
 _CUDA_PLUGIN_LOG = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
     r"STDERR|I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your "
@@ -398,11 +408,12 @@ def small_disk(tmp_path, megabytes: int):
 _COMPILERS = {
     "compile_tpu": (
         "libtpu",
-        "no TPU compiler: libtpu is not installed (pip install -e '.[preflight]')",
+        "no TPU compiler: libtpu is not installed (python -m trainkit.preflight.compilers)",
     ),
     "compile_gpu": (
         "jax_cuda12_plugin",
-        "no GPU compiler: the CUDA plugin is not installed (pip install -e '.[preflight]')",
+        "no GPU compiler: the CUDA plugin is not installed "
+        "(python -m trainkit.preflight.compilers)",
     ),
 }
 E2E = REPO_ROOT / "tests" / "e2e"

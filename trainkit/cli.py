@@ -25,6 +25,7 @@ from trainkit.config_files import config_roots, resolve_config_args
 from trainkit.distributed import exit_together, initialize_from_env
 from trainkit.errors import UserError, exit_on_user_error, fail
 from trainkit.preemption import sigterm_ends_cleanly
+from trainkit.preflight import compilers as preflight_compilers
 from trainkit.preflight import targets as preflight_targets
 from trainkit.preflight.compile import compile_run, validate_preflight
 from trainkit.preflight.targets import devices as preflight_devices
@@ -413,6 +414,7 @@ def train_eval_command(
       storage.check_filesystem(workdir)  # Before anything is loaded, built or written.
     if mode == "compile":
       # The target's devices are described; this host's own backend stays the CPU.
+      preflight_compilers.add_to_path()  # Before JAX starts a backend (it finds plugins once).
       with contextlib.suppress(RuntimeError):
         jax.config.update("jax_platforms", "cpu")
       target = validate_preflight(config)

@@ -38,7 +38,7 @@ def _versions_or_skip() -> None:
   try:
     libtpu = importlib.metadata.version("libtpu")
   except importlib.metadata.PackageNotFoundError:
-    pytest.skip("libtpu is not installed (pip install -e '.[preflight]'): no TPU compiler")
+    pytest.skip("libtpu is not installed (python -m trainkit.preflight.compilers): no TPU compiler")
   jax_version = importlib.metadata.version("jax")
   if (libtpu, jax_version) != (RECORDED["libtpu"], RECORDED["jax"]):
     pytest.skip(

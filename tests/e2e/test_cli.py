@@ -346,7 +346,7 @@ def test_sigterm_before_the_first_step_ends_the_run_at_once_without_its_lock(rep
 
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="compiles for a TPU target: needs libtpu (the preflight extra)",
+    reason="compiles for a TPU target: needs libtpu (python -m trainkit.preflight.compilers)",
 )
 def test_sigterm_during_compile_leaves_no_lock_and_no_stack_dump(repo_root, tmp_path):
   # SIGTERM killed `--mode=compile` without any clean-up: a stale .run.lock (a new workdir

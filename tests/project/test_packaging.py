@@ -356,7 +356,7 @@ def test_constraints_pin_every_declared_dependency(setup_args):
   declared = _requirement_names(setup_args["install_requires"]) | _requirement_names(
       setup_args["extras_require"]["test"]
   )
-  # The test extra holds every paper's extra, so CI's `.[test,preflight]` installs them all.
+  # The test extra holds every paper's extra, so CI's `.[test]` installs them all.
   for extra in ("fairsmoe", "causal"):
     assert _requirement_names(setup_args["extras_require"][extra]) <= declared, extra
   assert declared - set(pinned) == set()

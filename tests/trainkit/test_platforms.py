@@ -1,7 +1,8 @@
-"""The preflight's compilers (libtpu, the CUDA plugin) stay out of the environment a user trains
-in, and describe a TPU slice quietly where they are installed (trainkit/preflight/targets.py)."""
+"""The preflight's compilers (libtpu, the CUDA plugin) stay off the import path of every process
+but the preflight's (trainkit/preflight/compilers.py), and describe a TPU slice quietly."""
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import runpy
@@ -14,7 +15,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from conftest import REPO_ROOT
-from trainkit.preflight.targets import tpu_signs
+from trainkit.preflight import compilers
+from trainkit.preflight.targets import TARGETS, devices, tpu_signs
 
 # What JAX loads as a backend plugin, and probes for hardware at its first device use.
 JAX_PLUGIN = re.compile(r"libtpu|jax-(cuda|rocm)\d+-(plugin|pjrt)")
@@ -52,10 +54,30 @@ def test_the_base_install_and_the_paper_extras_bring_no_jax_plugin():
         for name in _reached(setup_args["install_requires"] + requirements)
         if JAX_PLUGIN.fullmatch(name)
     }
-    if extra == "preflight":  # The one extra that brings them (and the walk finds them).
-      assert "libtpu" in plugins and any("cuda" in n for n in plugins), plugins
-    else:
-      assert not plugins, (extra, plugins)
+    assert not plugins, (extra, plugins)
+  # The walk finds them where they are asked for.
+  assert {"libtpu", "jax-cuda12-plugin"} <= set(_reached(["jax[tpu,cuda12-local]"]))
+
+
+@pytest.mark.slow
+@pytest.mark.compile_tpu
+@pytest.mark.compile_gpu
+def test_where_the_compilers_are_installed_a_users_script_prints_only_its_answer(tmp_path):
+  devices(TARGETS["v5e-8"])  # This process loads libtpu; the script below is its child.
+  script = (
+      "import importlib.util, jax\n"
+      "print(importlib.util.find_spec('libtpu'), jax.devices()[0].platform)"
+  )
+  result = subprocess.run(
+      [sys.executable, "-c", script],
+      cwd=tmp_path,
+      env=_user_environment(),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert (result.returncode, result.stderr, result.stdout) == (0, "", "None cpu\n")
+  assert compilers.add_to_path() and importlib.util.find_spec("libtpu") is not None
 
 
 def _user_environment() -> dict[str, str]:

@@ -1,10 +1,10 @@
 """The preflight (`--mode=compile`): a run compiled for a TPU slice or GPU node without one.
 
-The TPU and GPU devices come from libtpu and the CUDA plugin (the `preflight` extra), described
-on this CPU; nothing runs on them. What is checked: the memory accounting against a hand count,
-the refusal of a run that does not fit (by the TPU compiler, and by our own check on a GPU,
-whose compiler does not refuse), the collectives of expert parallelism, the FLOP count and the
-HLO reading against simple references.
+The TPU and GPU devices come from libtpu and the CUDA plugin (trainkit.preflight.compilers),
+described on this CPU; nothing runs on them. What is checked: the memory accounting against a hand
+count, the refusal of a run that does not fit (by the TPU compiler, and by our own check on a GPU,
+whose compiler does not refuse), the collectives of expert parallelism, the FLOP count and the HLO
+reading against simple references.
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def test_without_the_plugins_the_preflight_says_what_to_install(monkeypatch):
 
   monkeypatch.setattr(topologies, "get_topology_desc", missing)
   target = dataclasses.replace(get_target("v5e-8"), name="v5e-8-without-libtpu")
-  with pytest.raises(UserError, match=r'needs libtpu: pip install -e "\.\[preflight\]"'):
+  with pytest.raises(UserError, match=r"needs libtpu: python -m trainkit\.preflight\.compilers"):
     devices(target)
 
 

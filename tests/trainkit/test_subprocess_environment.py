@@ -1,6 +1,6 @@
 """Processes that start others after touching JAX hand on a clean environment: libtpu's placeholders never make a child a TPU pod worker.
 
-libtpu, loaded by JAX's backend initialisation wherever it is installed (the preflight extra),
+libtpu, loaded by JAX's backend initialisation wherever it is importable (jax[tpu] on a TPU VM),
 sets TPU_WORKER_ID, CLOUD_TPU_TASK_ID and CLOUD_TPU_ACCELERATOR_TYPE to "WARNING: could not
 determine ..." with setenv. A training subprocess that inherited them took itself for a Cloud TPU
 pod worker and failed in `jax.distributed.initialize` ("coordinator_address should be defined").
@@ -48,7 +48,8 @@ def test_libtpu_s_placeholders_are_not_a_tpu_pod():
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the preflight extra)"
+    importlib.util.find_spec("libtpu") is None,
+    reason="needs libtpu (python -m trainkit.preflight.compilers)",
 )
 def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tmp_path, repo_root):
   # What `python -m paper_runner.tables --reproduce=NAME` does, with JAX_PLATFORMS unset as a
@@ -87,6 +88,8 @@ def test_a_reproduction_started_after_jax_loaded_libtpu_trains_as_one_process(tm
   (results / "records" / "tiny.json").write_text(json.dumps(record))
   script = textwrap.dedent(f"""
       import os, sys
+      from trainkit.preflight import compilers
+      compilers.add_to_path()  # libtpu importable here, as where jax[tpu] is installed.
       from paper_runner import table_reproduce, table_spec
       table_spec.RESULTS_DIR = {str(results)!r}
       table_spec.RECORDS_DIR = {str(results / "records")!r}

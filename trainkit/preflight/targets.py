@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from trainkit.errors import UserError
+from trainkit.preflight import compilers
 from trainkit.throughput import PEAK_FLOPS_BY_KIND
 
 GIB = 1024**3
@@ -332,12 +333,15 @@ def devices(target: Target) -> tuple[Any, ...]:
   """The target's devices without the hardware; a UserError naming the missing plugin."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
+  compilers.add_to_path()
   environment = _c_environment()
   # Without a TPU, libtpu prints `E0000 ... unexpected worker hostname` unless this host is the
   # one worker (only meanwhile; the user's own values are kept).
   single_host = {}
   if target.platform == "tpu" and not tpu_signs():
     single_host = {k: v for k, v in _ONE_WORKER.items() if k not in os.environ}
+  # libtpu's import sets TPU_LIBRARY_PATH, with which every child process would start libtpu.
+  meanwhile = [*single_host, *{"TPU_LIBRARY_PATH"} - set(os.environ)]
   try:
     if target.platform == "tpu":
       # Two processes that load libtpu at once (tests in parallel) need this.
@@ -356,14 +360,14 @@ def devices(target: Target) -> tuple[Any, ...]:
           platform="cuda", target_config=target.gpu_description, topology=target.topology
       )
   except Exception as e:  # pylint: disable=broad-except  # The plugin's own error types.
-    extra = "libtpu" if target.platform == "tpu" else "the CUDA plugin (jax[cuda12-local])"
+    extra = "libtpu" if target.platform == "tpu" else "the CUDA plugin"
     raise UserError(
         f"cannot describe the devices of {target.name} ({type(e).__name__}: "
         f"{str(e).splitlines()[0] if str(e) else ''}); the preflight needs {extra}: "
-        'pip install -e ".[preflight]"'
+        "python -m trainkit.preflight.compilers"
     ) from e
   finally:
-    for name in single_host:
+    for name in meanwhile:
       os.environ.pop(name, None)
     _forget_variables_set_behind_pythons_back(environment)
   found = tuple(topology.devices)
