@@ -143,9 +143,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list
 def _cell(value: Any) -> str:
   if value is None:
     return ""
-  if isinstance(value, float):
-    return f"{value:.4g}"
-  return format_value(value)
+  return f"{value:.4g}" if isinstance(value, float) else format_value(value)
 
 
 def write_tables(

@@ -52,9 +52,7 @@ def planned_steps(config: ml_collections.ConfigDict) -> int | None:
 def format_duration(seconds: float) -> str:
   if seconds < 90:
     return f"{seconds:.0f} s"
-  if seconds < 90 * 60:
-    return f"{seconds / 60:.0f} min"
-  return f"{seconds / 3600:.1f} h"
+  return f"{seconds / 60:.0f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
 
 
 def dry_run_summary(

@@ -305,6 +305,4 @@ def change_text(change: float, relative: float | None, decimals: int, label: str
 def rerun_machine(provenance: Mapping[str, Any]) -> str:
   m = provenance["machine"]
   flags = (m.get("environment") or {}).get("XLA_FLAGS")
-  if flags:
-    return f"`XLA_FLAGS={flags}`"
-  return m.get("processor", {}).get("model") or m["device"]
+  return f"`XLA_FLAGS={flags}`" if flags else m.get("processor", {}).get("model") or m["device"]

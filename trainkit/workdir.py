@@ -314,9 +314,7 @@ def _as_typed(saved: Any, default: Any) -> Any:
   """`saved` (parsed JSON) with the tuples of `default` back: JSON writes tuples as lists."""
   if isinstance(saved, dict) and isinstance(default, (dict, ConfigDict)):
     return {k: _as_typed(v, default[k]) if k in default else v for k, v in saved.items()}
-  if isinstance(saved, list) and isinstance(default, tuple):
-    return tuple(saved)
-  return saved
+  return tuple(saved) if isinstance(saved, list) and isinstance(default, tuple) else saved
 
 
 def read_saved_config(workdir: str, reference: Mapping[str, Any]) -> dict[str, Any]:

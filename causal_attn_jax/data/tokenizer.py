@@ -289,9 +289,7 @@ class Tokenizer:
       ids[i, len(first) : len(first) + len(second)] = second
       segments[i, : len(first)] = 1
       segments[i, len(first) : len(first) + len(second)] = 2
-    if single:
-      return ids[0], segments[0]
-    return ids, segments
+    return (ids[0], segments[0]) if single else (ids, segments)
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Text of one id sequence: stops at the first ``<eos>``, skips pad and bos; ids beyond the

@@ -79,9 +79,7 @@ def sinkhorn_softmax(logits: jax.Array, mask: jax.Array | None, iters: int) -> j
 def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
   if a is None:
     return b
-  if b is None:
-    return a
-  return a & b
+  return a if b is None else a & b
 
 
 class MultiHeadAttention(nnx.Module):

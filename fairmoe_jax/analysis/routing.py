@@ -143,9 +143,7 @@ def _cell(key: str, measures: Mapping[str, Any]) -> str:
   value = f"{measures[key]:.3f}"
   if key == "top_k_share":
     return f"{value} ({measures['uniform_top_k_share']:.3f})"
-  if key == "group_divergence":
-    return f"{value} ({measures['most_divergent_group']})"
-  return value
+  return f"{value} ({measures['most_divergent_group']})" if key == "group_divergence" else value
 
 
 def format_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -170,9 +168,7 @@ def _without_nan(value: Any) -> Any:
     return None
   if isinstance(value, dict):
     return {k: _without_nan(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return [_without_nan(v) for v in value]
-  return value
+  return [_without_nan(v) for v in value] if isinstance(value, list) else value
 
 
 # A finished run whose report has no routing of the validation split.

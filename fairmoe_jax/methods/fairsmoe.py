@@ -83,9 +83,7 @@ class FairSMoE:
 
   def eval_context(self, config, batch):
     # Algorithm 1 routes from the SA classifiers' predictions: no sensitive label at inference.
-    if config.fair.route_by == "label":
-      return {"attributes": batch["attributes"]}
-    return None
+    return {"attributes": batch["attributes"]} if config.fair.route_by == "label" else None
 
   def manages_experts(self, config) -> bool:
     return self.managed and config.fair.dynamic_allocation and config.fair.review_every_steps > 0

@@ -132,9 +132,7 @@ def _generic_rule(path: Path, ndim: int) -> _Rule:
     )
   if leaf == "kernel":
     raise NotImplementedError(f"no timm layout for a {ndim}-d kernel at {'.'.join(map(str, path))}")
-  if leaf == "scale":
-    return _Rule(join("weight"))
-  return _Rule(join(leaf))
+  return _Rule(join("weight")) if leaf == "scale" else _Rule(join(leaf))
 
 
 def _moe_paths(model: nnx.Module) -> list[Path]:

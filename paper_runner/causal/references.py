@@ -83,6 +83,4 @@ def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[st
     if isinstance(value, str) and value and key.endswith(("_file", "_source", "_target")):
       if not os.path.isabs(os.path.expanduser(value)):
         config.data[key] = os.path.join(base_dir, value)
-  if config.task == "translation":
-    return _translation_reports(config)
-  return _pair_reports(config)
+  return _translation_reports(config) if config.task == "translation" else _pair_reports(config)

@@ -62,9 +62,7 @@ def vary_over(tree: Any, axes: Sequence[str]) -> Any:
 
   def vary(leaf: jax.Array) -> jax.Array:
     missing = tuple(a for a in axes if a not in varying_axes(leaf))
-    if not missing:
-      return leaf
-    return jax.lax.pcast(leaf, missing, to="varying")
+    return leaf if not missing else jax.lax.pcast(leaf, missing, to="varying")
 
   return jax.tree.map(vary, tree)
 
