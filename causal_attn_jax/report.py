@@ -53,12 +53,9 @@ def _constraint_report(
   report["mean_multiplier"] = {name: float(multipliers[l].mean()) for l, name in enumerate(names)}
   missed = [name for name, layer in report["per_layer"].items() if not layer["met"]]
   report["met"] = not missed
+  how = "NOT met" if missed else "met"
   if not trained:
     how = "not trained with the constraint (measured only)"
-  elif missed:
-    how = "NOT met"
-  else:
-    how = "met"
   layers = ", ".join(
       f"{name} {layer['nodes_within']:.2f}" for name, layer in report["per_layer"].items()
   )

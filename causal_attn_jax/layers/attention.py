@@ -172,10 +172,8 @@ class MultiHeadAttention(nnx.Module):
     batch, n, _ = x.shape
     if self.kind != "causal":
       v = self.value(x)
-    elif self.gcn_hops == 1:
-      v = jax.nn.relu(self.gcn_in(x))
     else:
-      v = self.gcn_in(x)
+      v = jax.nn.relu(self.gcn_in(x)) if self.gcn_hops == 1 else self.gcn_in(x)
     return v.reshape(batch, n, self.num_heads, self.head_dim)
 
   def __call__(

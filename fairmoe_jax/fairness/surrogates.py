@@ -80,10 +80,8 @@ def fairness_surrogate(
     raise ValueError(f"psi={psi!r}; known: {', '.join(PSI_SURROGATES)}")
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   weights = jnp.ones(labels.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-  if psi == "pqd":
-    values = jnp.take_along_axis(probs, labels[:, None], axis=-1)  # [B, 1]
-  else:
-    values = probs
+  # PQD reads the label's probability [B, 1]; the others every class's [B, K].
+  values = jnp.take_along_axis(probs, labels[:, None], axis=-1) if psi == "pqd" else probs
   indices = range(len(group_sizes)) if attribute_indices is None else attribute_indices
   spreads = []
   for i in indices:

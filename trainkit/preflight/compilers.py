@@ -9,11 +9,14 @@ go into `FOLDER`, not site-packages, and only a process that compiles for a targ
 """
 
 import importlib.metadata
+import json
 import pathlib
 import subprocess
 import sys
 
 FOLDER = pathlib.Path(sys.prefix) / "compilers"
+_EXTRAS = "jax[tpu,cuda12-local]"
+_COMPILERS = ("libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt")
 
 
 def add_to_path() -> bool:
@@ -24,13 +27,24 @@ def add_to_path() -> bool:
   return FOLDER.is_dir()
 
 
-def requirements() -> list[str]:
-  """The libtpu jax's `tpu` extra pins; the CUDA plugin and its PJRT at jaxlib's version."""
-  tpu = [r.split(";")[0] for r in importlib.metadata.requires("jax") if r.startswith("libtpu")]
-  jaxlib = importlib.metadata.version("jaxlib")
-  return [*tpu, f"jax-cuda12-plugin=={jaxlib}", f"jax-cuda12-pjrt=={jaxlib}"]
+def _resolve(pip: list[str], *requirement: str) -> dict[str, str]:
+  """{distribution: version} pip would install for `requirement`; {} where it cannot."""
+  command = [*pip, "--dry-run", "-q", "--report", "-", *requirement]
+  dry_run = subprocess.run(command, capture_output=True)
+  report = json.loads(dry_run.stdout)["install"] if dry_run.returncode == 0 else []
+  return {p["metadata"]["name"].lower().replace("_", "-"): p["metadata"]["version"] for p in report}
 
 
 if __name__ == "__main__":
-  pip = [sys.executable, "-m", "pip", "install", "--upgrade", "--no-deps", "--target", str(FOLDER)]
-  sys.exit(subprocess.call([*pip, *requirements(), *sys.argv[1:]]))
+  pip = [sys.executable, "-m", "pip", "install", *sys.argv[1:]]
+  jax = importlib.metadata.version("jax")
+  # The compilers jax's own extras pin for the installed jax; where the index has none (a release
+  # whose libtpu is not out yet), pip steps jax back to the newest that has them.
+  found = _resolve(pip, "--ignore-installed", f"{_EXTRAS}=={jax}") or _resolve(pip, _EXTRAS)
+  if not set(_COMPILERS) <= set(found):
+    sys.exit(f"error: the package index has no libtpu and CUDA plugin for jax {jax}")
+  if found.get("jax", jax) != jax:
+    print(f"the preflight's compilers need jax {found['jax']}, the newest jax they exist for")
+    subprocess.check_call([*pip, f"jax=={found['jax']}", f"jaxlib=={found['jaxlib']}"])
+  compilers = [f"{name}=={found[name]}" for name in _COMPILERS]
+  sys.exit(subprocess.call([*pip, "--upgrade", "--no-deps", "--target", str(FOLDER), *compilers]))
