@@ -32,8 +32,7 @@ TABLE = parts.fair_comparison_table(
         ),
     ),
 )
-# With the controls of its mechanism claims (experts active): they train, one step each.
-TABLE["references"] = "paper_runner.fairmoe.references:with_controls"
+TABLE["references"] = "paper_runner.fairmoe.references:with_controls"  # With the controls.
 
 
 def get_config(arg=None):
