@@ -171,9 +171,8 @@ def load_parallel(config: ml_collections.ConfigDict) -> tuple[Parallel, Parallel
     evaluation = translation.read_parallel(d.eval_source, d.eval_target, unescape=d.unescape)
     cut = lambda pair, n: (pair[0][:n], pair[1][:n]) if n > 0 else pair
     train, evaluation = cut(train, d.max_train_examples), cut(evaluation, d.max_eval_examples)
-  if d.reverse:
-    return (train[1], train[0]), (evaluation[1], evaluation[0])
-  return train, evaluation
+  flip = lambda pair: (pair[1], pair[0]) if d.reverse else pair
+  return flip(train), flip(evaluation)
 
 
 def _encode_parallel(

@@ -77,9 +77,7 @@ def sinkhorn_softmax(logits: jax.Array, mask: jax.Array | None, iters: int) -> j
 
 
 def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
-  if a is None:
-    return b
-  return a if b is None else a & b
+  return b if a is None else (a if b is None else a & b)
 
 
 class MultiHeadAttention(nnx.Module):

@@ -80,6 +80,21 @@ def test_where_the_compilers_are_installed_a_users_script_prints_only_its_answer
   assert compilers.add_to_path() and importlib.util.find_spec("libtpu") is not None
 
 
+@pytest.mark.slow
+def test_compilers_the_index_cannot_give_are_one_line_with_pips_reason():
+  # --no-index: pip reaches no index (as offline), so it resolves nothing and installs nothing.
+  result = subprocess.run(
+      [sys.executable, "-m", "trainkit.preflight.compilers", "--no-index", "--no-cache-dir"],
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  jax = importlib.metadata.version("jax")
+  assert (result.returncode, result.stdout) == (1, "")
+  assert result.stderr.startswith(f"error: pip found no libtpu and CUDA plugin for jax {jax}: ")
+  assert "(from versions: none)" in result.stderr and result.stderr.count("\n") == 1
+
+
 def _user_environment() -> dict[str, str]:
   """The tests' environment as a user's shell has it: no JAX_PLATFORMS, C++ logs at INFO."""
   drop = ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")

@@ -27,12 +27,14 @@ def add_to_path() -> bool:
   return FOLDER.is_dir()
 
 
-def _resolve(pip: list[str], *requirement: str) -> dict[str, str]:
-  """{distribution: version} pip would install for `requirement`; {} where it cannot."""
+def _resolve(pip: list[str], *requirement: str) -> tuple[dict[str, str], str]:
+  """({distribution: version} pip would install for `requirement`, {} where it cannot; why not:
+  pip's first error, whose "from versions: none" tells an index that could not be reached)."""
   command = [*pip, "--dry-run", "-q", "--report", "-", *requirement]
-  dry_run = subprocess.run(command, capture_output=True)
+  dry_run = subprocess.run(command, capture_output=True, text=True)
   report = json.loads(dry_run.stdout)["install"] if dry_run.returncode == 0 else []
-  return {p["metadata"]["name"].lower().replace("_", "-"): p["metadata"]["version"] for p in report}
+  pins = {p["metadata"]["name"].lower().replace("_", "-"): p["metadata"]["version"] for p in report}
+  return pins, next((line for line in dry_run.stderr.splitlines() if "ERROR" in line), "")
 
 
 if __name__ == "__main__":
@@ -40,9 +42,10 @@ if __name__ == "__main__":
   jax = importlib.metadata.version("jax")
   # The compilers jax's own extras pin for the installed jax; where the index has none (a release
   # whose libtpu is not out yet), pip steps jax back to the newest that has them.
-  found = _resolve(pip, "--ignore-installed", f"{_EXTRAS}=={jax}") or _resolve(pip, _EXTRAS)
+  found, why = _resolve(pip, "--ignore-installed", f"{_EXTRAS}=={jax}")
+  found, why = (found, why) if found else _resolve(pip, _EXTRAS)
   if not set(_COMPILERS) <= set(found):
-    sys.exit(f"error: the package index has no libtpu and CUDA plugin for jax {jax}")
+    sys.exit(f"error: pip found no libtpu and CUDA plugin for jax {jax}: {why}")
   if found.get("jax", jax) != jax:
     print(f"the preflight's compilers need jax {found['jax']}, the newest jax they exist for")
     subprocess.check_call([*pip, f"jax=={found['jax']}", f"jaxlib=={found['jaxlib']}"])
