@@ -32,7 +32,6 @@ TABLE = parts.fair_comparison_table(
         ),
     ),
 )
-TABLE["references"] = "paper_runner.fairmoe.references:with_controls"  # With the controls.
 
 
 def get_config(arg=None):

@@ -14,7 +14,6 @@ TABLE = parts.paper_claims_table(
     parts.SA_ABOVE_MAJORITY,
     tuning=parts.fair_tuning(parts.FAIR_COMPARISON, elsewhere=" (not this data)"),
 )
-TABLE["references"] = "paper_runner.fairmoe.references:with_controls"  # With the controls.
 
 
 def get_config():

@@ -9,7 +9,7 @@ scored by `metrics.report_of_predictions` on the test split and the validation s
                   mean and 95% range a table shows. Its PQD is near 1: a fairness number means
                   something only beside it.
 `with_controls` adds the controls of a claim on routing or gradients (`"role": "control"`;
-it trains, so only the testbed's tables ask for it): vanilla SMoE untrained (one step at
+it trains, so only the comparison tables ask for it): vanilla SMoE untrained (one step at
 learning rate 0) and the routers that learn nothing, uniform and fixed.
 """
 
@@ -148,6 +148,7 @@ def with_controls(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, d
   for seed in UNTRAINED_SEEDS:
     run = ml_collections.ConfigDict(dict(config))
     run.update(method="vanilla_smoe", seed=seed, num_train_steps=1)
+    run.num_epochs = type(run.num_epochs)(0)  # Else the config's epochs set the steps.
     run.optimizer.learning_rate = 0.0
     with tempfile.TemporaryDirectory() as workdir:
       report = train.train_and_evaluate(run, workdir)

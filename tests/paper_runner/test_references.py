@@ -108,6 +108,28 @@ def test_the_marker_reader_reads_the_class_a_painted_marker_shows():
   assert 0.55 < reports["corner-marker reader"]["accuracy"] < 0.72
 
 
+def test_the_untrained_control_is_one_step_at_learning_rate_0_whatever_the_epochs(monkeypatch):
+  from fairmoe_jax import train  # pylint: disable=g-import-not-at-top
+
+  trained, train_and_evaluate = [], train.train_and_evaluate
+
+  def spy(config, workdir):
+    report = train_and_evaluate(config, workdir)
+    trained.append((report["step"], config.optimizer.learning_rate))
+    return report
+
+  monkeypatch.setattr(train, "train_and_evaluate", spy)
+  monkeypatch.setattr(fair_references, "UNTRAINED_SEEDS", (0,))
+  config = base_config()
+  config.data.train_size, config.data.val_size, config.data.test_size = 64, 32, 32
+  config.model.update(dim=16, depth=2, num_heads=2, mlp_dim=16)
+  config.update(num_epochs=2, batch_size=16, eval_batch_size=32, analysis_batches=1)
+  reports = fair_references.with_controls(config.to_dict())
+  assert trained == [(1, 0.0)]  # Not the config's 2 epochs (8 steps).
+  (untrained,) = [r for name, r in reports.items() if name.startswith("vanilla SMoE untrained")]
+  assert untrained["role"] == "control" and untrained["draws"][0]["experts_active"]
+
+
 def _pairs_config(generator):
   config = causal_config.base_config()
   config.data.generator = generator
