@@ -82,9 +82,12 @@ def test_where_the_compilers_are_installed_a_users_script_prints_only_its_answer
 
 @pytest.mark.slow
 def test_compilers_the_index_cannot_give_are_one_line_with_pips_reason():
-  # --no-index: pip reaches no index (as offline), so it resolves nothing and installs nothing.
+  # --no-index, and no pip configuration (a machine's find-links would still be read): pip
+  # reaches nothing, as offline, so it resolves nothing and installs nothing.
+  pip_free = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
   result = subprocess.run(
       [sys.executable, "-m", "trainkit.preflight.compilers", "--no-index", "--no-cache-dir"],
+      env={**pip_free, "PIP_CONFIG_FILE": os.devnull},
       capture_output=True,
       text=True,
       timeout=300,
