@@ -206,6 +206,7 @@ def fair_claims(paper_metrics: Sequence[tuple[str, str]]) -> tuple[Claim, ...]:
 # ---------------------------------------------------------------- The Causal Transformer
 
 CAUSAL_REFERENCES = "paper_runner.causal.references:reference_reports"
+CAUSAL_WITH_CONTROLS = "paper_runner.causal.references:with_controls"  # Trains the controls.
 CAUSAL = "causal"
 VANILLA = "vanilla@constraints.weight=0.0"  # Plain attention: no Markov-blanket loss.
 VALIDATION_ACCURACY: Column = ("accuracy", "Val. acc.", 1.0, 3)  # The eval split's.

@@ -148,13 +148,10 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
     if os.path.isfile(config_path):
       with open(config_path) as f:
         configs.append(json.load(f))
+  last = max(dates, default=None)
   provenance = {
       **_runs_source_and_host(results),
-      "date": (
-          datetime.datetime.fromtimestamp(max(dates), datetime.timezone.utc).strftime("%Y-%m-%d")
-          if dates
-          else None
-      ),
+      "date": last and datetime.datetime.fromtimestamp(last, datetime.UTC).strftime("%Y-%m-%d"),
       # Every input file or directory the runs read (their config.json's data keys).
       "data": data_hashes(configs),
       "seeds": list(spec.sweep.grid[SEED_KEY]),

@@ -62,8 +62,9 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
         "reference that reads no signal (chance at the upper end of its 95% range), a claim on "
         "a fairness metric only where both rows' accuracy interval on its split does"
         + (f": {bar_text}" if bar_text else "")
-        + "; a claim on routing or gradients only where the claimed row's interval is clear of "
-        "each control's (an untrained model's 95% range over seeds, a reference router's value)"
+        + "; a claim on routing, gradients, the constraint or attention only where the claimed "
+        "row's interval is clear of each control's (an untrained model's 95% range over seeds, "
+        "a reference router's or uniform attention's value)"
         + f". {untestable} of the table's {len(gates)} gated claims are "
         f"**{stats.UNTESTABLE}**."
     )
@@ -84,12 +85,8 @@ def _claims_notes(spec: TableSpec, summary: Mapping[str, Any]) -> list[str]:
     )
   for i, leak in enumerate(spec.selection_leaks):
     marked = sum(1 for claim, _ in summary["claims"] if i in leaks_of(spec, claim))
-    if leak.rows is None:
-      rows = "every row"
-    else:
-      rows = ("the row " if len(leak.rows) == 1 else "the rows ") + ", ".join(
-          spec.label(r) for r in leak.rows
-      )
+    named = ", ".join(spec.label(r) for r in leak.rows or ())
+    rows = "every row" if leak.rows is None else f"the row{'s' * (len(leak.rows) > 1)} {named}"
     notes.append(
         f"**Selection leak {i + 1}** ({rows}; {marked} of the {len(summary['claims'])} verdicts "
         f"above are marked): {leak.why}"
@@ -113,9 +110,8 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
     body.append([spec.label(row), *cells, str(len(entry["seeds"]))])
   for reference in record.get("references", ()):
     cells = [_reference_cell(reference, c) for c in spec.columns]
-    drawn = (
-        f"; mean [95% range] of {reference['draws']} seeded draws" if reference.get("draws") else ""
-    )
+    draws = reference.get("draws")
+    drawn = f"; mean [95% range] of {draws} seeded draws" if draws else ""
     body.append([f"*reference: {reference['name']}{drawn}*", *cells, "—"])
   lines += markdown_table(["", *(c.label for c in spec.columns), pair_units(spec)], body)
   if summary["claims"]:
@@ -133,27 +129,12 @@ def render(spec: TableSpec, record: Mapping[str, Any]) -> str:
       verdict = f"**{result.verdict}{few}**" + (f" ({'; '.join(notes)})" if notes else "")
       # The leak is marked once, beside the raw verdict.
       adjusted = f"**{holm_verdict}{few}**" + ("" if holm_p is None else f" ({_p_text(holm_p)})")
-      cells = [
-          spec.claim_text(claim),
-          column.label,
-          _interval_text(result.difference, column, sign=True),
-          str(len(result.seeds)),
-          _p_text(result.p) if result.difference else "—",
-          verdict,
-          adjusted,
-      ]
-      body.append(cells)
-    lines += [""]
-    header = [
-        "claim",
-        "on",
-        f"paired difference [{confidence}% interval]",
-        "pairs",
-        "p",
-        "verdict",
-        "Holm-adjusted verdict (adjusted p)",
-    ]
-    lines += markdown_table(header, body)
+      difference = _interval_text(result.difference, column, sign=True)
+      p = _p_text(result.p) if result.difference else "—"
+      body.append([spec.claim_text(claim), column.label, difference, str(len(result.seeds)), p])
+      body[-1] += [verdict, adjusted]
+    header = ["claim", "on", f"paired difference [{confidence}% interval]", "pairs", "p"]
+    lines += ["", *markdown_table([*header, "verdict", "Holm-adjusted verdict (adjusted p)"], body)]
   best = chosen_row(spec, summary) if spec.select else None
   if best is not None:
     rule = f"the highest mean {spec.column(spec.select).label}"

@@ -10,9 +10,11 @@ import importlib
 import math
 import os
 import re
+import tempfile
 from typing import Any, Callable, Mapping
 
 import jax
+import ml_collections
 
 from paper_runner import stats
 from paper_runner.collect import is_number, lookup
@@ -35,6 +37,8 @@ SIGNAL_ROLE = "signal"
 # A reference row that learnt nothing (an untrained model, a fixed router): `is_mechanism`'s.
 CONTROL_ROLE = "control"
 EVERY_ROW = "*"
+# A report's sections that say what training did to routing, gradients, the constraint, attention.
+MECHANISM_ROOTS = ("experts_active", "gradient_cosine", "mechanisms", "constraints", "attention")
 
 
 # The generated summaries' names (`<!-- table:NAME -->`), reserved.
@@ -287,7 +291,21 @@ def gate_path(metric: str) -> str | None:
 
 def is_mechanism(metric: str) -> bool:
   """Whether a claim on `metric` is about what training does (read against CONTROL_ROLE rows)."""
-  return metric.split(".")[0] in ("experts_active", "gradient_cosine", "mechanisms")
+  return metric.split(".")[0] in MECHANISM_ROOTS
+
+
+def untrained_control(train: Callable, config: Mapping, settings: dict, keys: tuple, seeds: tuple):
+  """A control row: `keys` of the reports of `config` with `settings` (dotted keys) after one
+  step at learning rate 0, one draw per seed; a model that learnt nothing."""
+  draws, at_rate_0 = [], {"num_train_steps": 1, "optimizer.learning_rate": 0.0, **settings}
+  for seed in seeds:
+    run = ml_collections.ConfigDict(dict(config))
+    run.update_from_flattened_dict({"seed": seed, **at_rate_0})
+    run.num_epochs = type(run.num_epochs)(0)  # Else the config's epochs set the steps.
+    with tempfile.TemporaryDirectory() as workdir:
+      report = train(run, workdir)
+    draws.append({k: report.get(k) for k in keys})
+  return dict(draws=draws, role=CONTROL_ROLE)
 
 
 def accuracy_path(metric: str) -> str | None:

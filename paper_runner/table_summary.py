@@ -26,14 +26,8 @@ from trainkit.errors import UserError
 
 def chosen_row(spec: TableSpec, summary: dict[str, Any]) -> str | None:
   """The highest mean of `select` among the rows within `select_within`'s margin of the best."""
-
-  def means(path):
-    return {
-        row: entry["cells"][path].mean
-        for row, entry in summary["rows"].items()
-        if entry["cells"].get(path)
-    }
-
+  rows = summary["rows"].items()
+  means = lambda p: {row: e["cells"][p].mean for row, e in rows if e["cells"].get(p)}  # noqa: E731
   scores = means(spec.select)
   if spec.select_within:
     path, margin = spec.select_within
@@ -188,9 +182,10 @@ def summarise(spec: TableSpec, record: Mapping[str, Any]) -> dict[str, Any]:
     flags.append(f"runs of the spec not in the record: {_by_row(spec, absent)}")
   if any(g and g.bar is None and not control_ranges(record, g.path) for g in gates):
     flags.append(
-        "a claim on fairness needs a reference accuracy to be decided against, one on routing "
-        "or gradients an untrained model or a reference router (a reference row of role "
-        "control); this table has none for some, so those claims are untestable"
+        "a claim on fairness needs a reference accuracy to be decided against, one on routing, "
+        "gradients, the constraint or attention an untrained model or a reference router or "
+        "attention (a reference row of role control); this table has none for some, so those "
+        "claims are untestable"
     )
   return dict(rows=rows, claims=claims, holm=holm, gates=gates, ratio=ratio, flags=flags)
 
@@ -242,15 +237,9 @@ def compare_rerun(
   chosen = None
   if spec.select and all(entry["seeds"] for entry in again["rows"].values()):
     chosen = (chosen_row(spec, recorded), chosen_row(spec, again))
-  return RerunComparison(
-      runs=len(rerun["runs"]),
-      claims=claims,
-      chosen=chosen,
-      largest_change=max(
-          changes, key=lambda c: (-1.0 if c[1] is None else c[1], c[0]), default=None
-      ),
-      identical=identical_predictions(spec, record, rerun),
-  )
+  largest = max(changes, key=lambda c: (-1.0 if c[1] is None else c[1], c[0]), default=None)
+  identical = identical_predictions(spec, record, rerun)
+  return RerunComparison(len(rerun["runs"]), claims, chosen, largest, identical)
 
 
 def moved_verdicts(spec: TableSpec, record: Mapping[str, Any]) -> dict[Claim, str]:

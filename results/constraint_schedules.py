@@ -15,7 +15,7 @@ SCHEDULES = {
 }
 
 TABLE = dict(
-    references=parts.CAUSAL_REFERENCES,
+    references=parts.CAUSAL_WITH_CONTROLS,
     title="Dual schedules against the constraint on the spurious-pairs testbed, validation split",
     rows="constraints.step_size",
     row_names=SCHEDULES,

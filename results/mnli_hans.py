@@ -6,7 +6,7 @@ HANS pairs, five paired seeds: the paper's Table 1 claim that causal attention s
 from paper_runner import table_parts as parts
 
 TABLE = dict(
-    references=parts.CAUSAL_REFERENCES,
+    references=parts.CAUSAL_WITH_CONTROLS,
     title="Causal and vanilla attention, MNLI sample to HANS",
     rows="model.attention",
     row_names={parts.CAUSAL: "causal", parts.VANILLA: "vanilla"},

@@ -14,7 +14,7 @@ PAPER_SCHEDULE = (
 )
 
 TABLE = dict(
-    references=parts.CAUSAL_REFERENCES,
+    references=parts.CAUSAL_WITH_CONTROLS,
     title="Causal attention, vanilla attention and the unconstrained GCN on the ood-pairs testbed",
     rows="model.attention",
     row_names={

@@ -64,16 +64,8 @@ class OodPairsSpec:
   def __post_init__(self):
     # Each message starts with the field it is about (causal_attn_jax.config names the key).
     # Two nouns besides S: O and a replacement; two of each split's four kinds at least.
-    spurious.require_minima(
-        self,
-        num_train=2,
-        num_eval=2,
-        num_challenge=2,
-        num_fillers=1,
-        num_filler_words=1,
-        num_nouns=3,
-        num_verbs=1,
-    )
+    minima = dict(num_train=2, num_eval=2, num_challenge=2, num_fillers=1, num_filler_words=1)
+    spurious.require_minima(self, **minima, num_nouns=3, num_verbs=1)
     if not 0.0 <= self.cue_agreement <= 1.0:
       raise ValueError(f"cue_agreement must be in [0, 1], got {self.cue_agreement}")
     if self.challenge_cue not in CHALLENGE_CUES:

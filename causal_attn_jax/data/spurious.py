@@ -162,10 +162,7 @@ def _split(
   agrees = rng.random(size) < agreement
   rows = []
   for is_entailed, agree in zip(entailed, agrees):
-    if is_entailed:
-      kind = "same" if agree else "synonym"
-    else:
-      kind = "replaced" if agree else "role_swap"
+    kind = KINDS[2 * (not agree) + (not is_entailed)]  # The cue agreeing, entailed first.
     premise, hypothesis, label = _pair(lex, spec, kind, rng)
     rows.append((premise, hypothesis, nli.HANS_LABELS.index(label), kind))
   return hans_pairs(rows, KINDS, f"spurious_pairs:{name}(seed={spec.seed})", "lexical_overlap")

@@ -4,19 +4,25 @@ majority class  the training split's most frequent label (on HANS, collapsed to 
 cue reader      (generated testbeds) the label the planted cue points to (a tie is wrong);
 chance          a uniform guess;
 source copied   (translation) the source sentence as its own translation, scored by BLEU.
+`with_controls` adds (it trains) the controls of a claim on the constraint or attention, role
+control: causal attention untrained (one step at learning rate 0), uniform attention (pair tasks).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any, Callable, Mapping
 
 import ml_collections
 import numpy as np
 
-from causal_attn_jax.data import loading, nli, ood_pairs, spurious
-from causal_attn_jax.metrics import bleu
+from causal_attn_jax.config import constraint_spec
+from causal_attn_jax.constraints import constraint_violations
+from causal_attn_jax.data import loading, nli, ood_pairs, spurious, tokenizer
+from causal_attn_jax.metrics import attention_sparsity, bleu
 from causal_attn_jax.metrics.challenge import challenge_report
+from paper_runner.table_spec import CONTROL_ROLE, untrained_control
 
 Reader = Callable[[nli.PairData], np.ndarray]
 
@@ -84,3 +90,33 @@ def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[st
       if not os.path.isabs(os.path.expanduser(value)):
         config.data[key] = os.path.join(base_dir, value)
   return _translation_reports(config) if config.task == "translation" else _pair_reports(config)
+
+
+UNTRAINED_SEEDS = (0, 1, 2)  # The causal tables' seeds.
+
+
+def uniform_attention(run: ml_collections.ConfigDict, eval_ids: np.ndarray) -> dict[str, Any]:
+  """The constraint and sparsity measures of attention uniform over each query's real tokens."""
+  valid = eval_ids != tokenizer.PAD_ID
+  mask = (valid[:, :, None] & valid[:, None, :])[:, None]  # [B, 1, N, N]: one head.
+  probs = (mask / np.maximum(mask.sum(-1, keepdims=True), 1)).astype(np.float32)
+  spec = constraint_spec(run)
+  measured = constraint_violations(probs, mask, decoder=False, spec=spec, valid_q=valid)
+  within, keys = float(measured.nodes_within), float(attention_sparsity(probs, valid)[0])
+  report = dict(constraints=dict(nodes_within=within), attention=dict(effective_keys=keys))
+  return dict(report, role=CONTROL_ROLE)
+
+
+def with_controls(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, dict[str, Any]]:
+  """`reference_reports` and the controls' constraint and attention measures."""
+  from causal_attn_jax import tasks, train  # Imports the model: only where controls are trained.
+
+  run = ml_collections.ConfigDict(dict(config))
+  with tempfile.TemporaryDirectory() as workdir:  # The eval split as a model reads it.
+    ids = tasks.get_task(run).load_data(run, workdir).eval["ids"]
+  measures, causal = ("constraints", "attention"), {"model.attention": "causal"}
+  untrained = untrained_control(train.train_and_evaluate, config, causal, measures, UNTRAINED_SEEDS)
+  return reference_reports(config, base_dir) | {
+      "causal attention untrained (1 step at learning rate 0)": untrained,
+      "uniform attention (every real token alike)": uniform_attention(run, ids),
+  }

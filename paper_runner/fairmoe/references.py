@@ -16,7 +16,6 @@ learning rate 0) and the routers that learn nothing, uniform and fixed.
 from __future__ import annotations
 
 import os
-import tempfile
 import zlib
 from typing import Any, Mapping
 
@@ -26,7 +25,7 @@ import numpy as np
 from fairmoe_jax.data import dataset_from_config, synthetic, synthetic_testbed
 from fairmoe_jax.data.types import DatasetInfo
 from fairmoe_jax.metrics import fairness_report, report_of_predictions
-from paper_runner.table_spec import CONTROL_ROLE
+from paper_runner.table_spec import CONTROL_ROLE, untrained_control
 
 TEST, VALIDATION, TRAIN = "test", "val", "train"
 # Draws of the chance reader: the 2.5% and 97.5% quantiles of 2,000 draws sit within about
@@ -37,13 +36,9 @@ UNTRAINED_SEEDS = (0, 1, 2, 3, 4)  # The testbed tables' seeds.
 
 
 def _score(split: Mapping[str, np.ndarray], predictions: np.ndarray, info: DatasetInfo) -> dict:
+  names = (info.attribute_names, info.group_names, info.num_classes)
   return report_of_predictions(
-      split["label"],
-      predictions.astype(np.int32),
-      split["attributes"],
-      info.attribute_names,
-      info.group_names,
-      info.num_classes,
+      split["label"], predictions.astype(np.int32), split["attributes"], *names
   )
 
 
@@ -56,9 +51,8 @@ def _counts(
   draws = predictions.shape[0]
   keep = groups >= 0
   cell = (groups * k + labels) * k  # Without the prediction: added per draw below.
-  index = (
-      cell[keep][None, :] + predictions[:, keep] + (np.arange(draws) * num_groups * k * k)[:, None]
-  )
+  offsets = np.arange(draws)[:, None] * (num_groups * k * k)  # Each draw's own counts.
+  index = cell[keep][None, :] + predictions[:, keep] + offsets
   counts = np.bincount(index.ravel(), minlength=draws * num_groups * k * k)
   return counts.reshape(draws, num_groups, k, k).astype(np.float64)
 
@@ -79,11 +73,9 @@ def chance_draws(
       _counts(labels, predictions, attributes[:, i], len(groups), k)
       for i, groups in enumerate(info.group_names)
   ]
+  names = (info.attribute_names, info.group_names)
   return [
-      fairness_report(
-          overall[d, 0], [c[d] for c in per_attribute], info.attribute_names, info.group_names
-      )
-      for d in range(draws)
+      fairness_report(overall[d, 0], [c[d] for c in per_attribute], *names) for d in range(draws)
   ]
 
 
@@ -110,11 +102,8 @@ def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[st
   info, splits = _load(config, base_dir)
   k = info.num_classes
   majority = int(np.bincount(splits[TRAIN]["label"], minlength=k).argmax())
-  readers = {
-      f"majority class of the training split ({info.class_names[majority]})": (
-          lambda split: np.full(len(split["label"]), majority)
-      )
-  }
+  majority_name = f"majority class of the training split ({info.class_names[majority]})"
+  readers = {majority_name: lambda split: np.full(len(split["label"]), majority)}
   if info.name in ("synthetic", synthetic_testbed.NAME):  # Both carry the corner marker.
     readers["corner-marker reader"] = lambda split: synthetic.read_marker(split["image"], k)
   if info.name == synthetic_testbed.NAME:
@@ -144,20 +133,14 @@ def with_controls(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, d
   """`reference_reports` and the controls' routing and gradient measures."""
   from fairmoe_jax import train  # Imports the model: only where the controls are trained.
 
-  untrained = []
-  for seed in UNTRAINED_SEEDS:
-    run = ml_collections.ConfigDict(dict(config))
-    run.update(method="vanilla_smoe", seed=seed, num_train_steps=1)
-    run.num_epochs = type(run.num_epochs)(0)  # Else the config's epochs set the steps.
-    run.optimizer.learning_rate = 0.0
-    with tempfile.TemporaryDirectory() as workdir:
-      report = train.train_and_evaluate(run, workdir)
-    untrained.append({k: report.get(k) for k in ("experts_active", "gradient_cosine")})
   experts, top_k = config["moe"]["num_experts"], config["moe"]["top_k"]
+  keys, vanilla = ("experts_active", "gradient_cosine"), {"method": "vanilla_smoe"}
   controls = {
-      "vanilla SMoE untrained (1 step at learning rate 0)": dict(draws=untrained),
       f"uniform router (all {experts} experts alike)": dict(experts_active={"choices": experts}),
       f"fixed router (every token to the same {top_k})": dict(experts_active={"choices": top_k}),
   }
-  controls = {name: dict(report, role=CONTROL_ROLE) for name, report in controls.items()}
-  return reference_reports(config, base_dir) | controls
+  untrained = untrained_control(train.train_and_evaluate, config, vanilla, keys, UNTRAINED_SEEDS)
+  return reference_reports(config, base_dir) | {
+      "vanilla SMoE untrained (1 step at learning rate 0)": untrained,
+      **{name: dict(report, role=CONTROL_ROLE) for name, report in controls.items()},
+  }

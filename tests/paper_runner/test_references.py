@@ -158,3 +158,40 @@ def test_the_filler_cue_reader_is_perfect_in_distribution_and_wrong_out_of_it():
   cue = reports["cue reader (the filler majority's label)"]
   assert cue["accuracy"] == 1.0 and cue["challenge"]["accuracy"] == 0.0
   assert reports["chance (2 classes, a uniform guess)"]["challenge"]["accuracy"] == 0.5
+
+
+def test_uniform_attention_has_a_key_per_token_and_is_within_the_band_up_to_three_keys():
+  # Uniform over k keys puts k * expm1(1 / k) in each row and column: in the encoder's band
+  # [3 expm1(1/3), expm1(1/3) + expm1(2/3)] for k = 2, 3, below it beyond (k = 5 gives 1.107).
+  ids = np.zeros((2, 7), np.int32)
+  ids[0, :3], ids[1, :5] = 7, 9  # 3 and 5 real tokens, the rest padding (PAD_ID 0).
+  measures = causal_references.uniform_attention(causal_config.base_config(), ids)
+  assert measures["constraints"]["nodes_within"] == pytest.approx(3 / 8)  # 3 of 8 nodes.
+  assert measures["attention"]["effective_keys"] == pytest.approx((3 * 3 + 5 * 5) / 8)
+
+
+def test_the_causal_controls_are_one_step_at_learning_rate_0_and_near_uniform(monkeypatch):
+  from causal_attn_jax import train  # pylint: disable=g-import-not-at-top
+
+  trained, train_and_evaluate = [], train.train_and_evaluate
+
+  def spy(config, workdir):
+    report = train_and_evaluate(config, workdir)
+    trained.append((report["step"], config.optimizer.learning_rate, config.model.attention))
+    return report
+
+  monkeypatch.setattr(train, "train_and_evaluate", spy)
+  monkeypatch.setattr(causal_references, "UNTRAINED_SEEDS", (0,))
+  config = _pairs_config("spurious_pairs")
+  config.model.update(attention="vanilla", dim=16, num_layers=1, num_heads=2, mlp_dim=16)
+  config.update(num_epochs=2.0, batch_size=32, eval_batch_size=200)
+  config.plots.num_examples = 0
+  config.data.vocab_size = 93
+  reports = causal_references.with_controls(config.to_dict())
+  assert trained == [(1, 0.0, "causal")]  # Not the config's 2 epochs, nor its attention.
+  untrained = reports["causal attention untrained (1 step at learning rate 0)"]
+  uniform = reports["uniform attention (every real token alike)"]
+  assert untrained["role"] == uniform["role"] == "control"
+  # Freshly initialised attention is close to uniform: its exp(entropy) near the token count.
+  keys = untrained["draws"][0]["attention"]["effective_keys"]
+  assert 0.9 < np.mean(list(keys.values())) / uniform["attention"]["effective_keys"] <= 1.0
