@@ -33,11 +33,8 @@ def _cpuinfo() -> dict[str, str]:
       text = f.read()
   except OSError:
     return {}
-  fields = {}
-  for line in text.split("\n\n", 1)[0].splitlines():
-    key, _, value = line.partition(":")
-    fields[key.strip()] = value.strip()
-  return fields
+  pairs = (line.partition(":") for line in text.split("\n\n", 1)[0].splitlines())
+  return {key.strip(): value.strip() for key, _, value in pairs}
 
 
 def processor() -> dict[str, Any]:
@@ -82,9 +79,8 @@ def machine() -> dict[str, Any]:
 
 def _git(repo: str, *args: str) -> str:
   try:
-    return subprocess.run(
-        ["git", *args], cwd=repo, capture_output=True, text=True, check=True
-    ).stdout
+    done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True)
+    return done.stdout
   except (OSError, subprocess.CalledProcessError):
     return ""
 
@@ -92,11 +88,8 @@ def _git(repo: str, *args: str) -> str:
 def source_state(repo: str) -> dict[str, Any]:
   """The commit checked out in `repo` and its tracked files with uncommitted changes (results
   documents and records aside: recording a table changes them)."""
-  changed = [
-      line[3:]
-      for line in _git(repo, "status", "--porcelain", "--untracked-files=no").splitlines()
-      if not line[3:].startswith(("docs/", "results/records/"))
-  ]
+  status = _git(repo, "status", "--porcelain", "--untracked-files=no").splitlines()
+  changed = [line[3:] for line in status if not line[3:].startswith(("docs/", "results/records/"))]
   commit = _git(repo, "rev-parse", "--short=10", "HEAD").strip() or "unknown"
   return {"commit": commit, "uncommitted_changes": changed}
 
@@ -134,9 +127,7 @@ def data_hashes(configs: Iterable[Mapping[str, Any]]) -> dict[str, str]:
   return {path: data_hash(path) for path in sorted(paths)}
 
 
-def differences(
-    recorded: Mapping[str, Any], current: Mapping[str, Any], path: str = ""
-) -> list[str]:
+def differences(recorded: Mapping, current: Mapping, path: str = "") -> list[str]:
   """What differs between a recorded and a current description ("processor.model: A != B");
   a value the record lacks counts as different (an older record cannot vouch for it)."""
   found = []

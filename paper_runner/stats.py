@@ -124,7 +124,6 @@ def decide(
   t = lambda q: float(scipy_stats.t.ppf(q, n - 1))  # noqa: E731
   detectable = None if se is None else (t(0.5 + CONFIDENCE / 2) + t(POWER)) * se
   tested = math.fsum(moved) / n
-  enough = len(seeds) >= MIN_VERDICT_SEEDS
-  verdict = verdict_at(tested, p, better)
+  enough, verdict = len(seeds) >= MIN_VERDICT_SEEDS, verdict_at(tested, p, better)
   difference = interval(differences, test_to_train)
   return ClaimResult(seeds, difference, verdict, enough, p, detectable, tested)

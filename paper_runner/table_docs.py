@@ -50,13 +50,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def rerun_summary() -> str:
   """One row per rerun of every table that decides claims (or "not rerun")."""
-  header = (
-      "table",
-      "rerun",
-      "verdicts kept",
-      "verdicts that change (recorded -> rerun)",
-      "largest change of a mean paired difference, in half-widths of its interval (change)",
-  )
+  header = ("table", "rerun", "verdicts kept", "verdicts that change (recorded -> rerun)")
+  header += ("largest change of a mean paired difference, in half-widths of its interval (change)",)
   rows = []
   counted = identical = claims_rerun = claims_kept = 0
   for name, spec, record in _claims_tables():
@@ -229,10 +224,7 @@ def check_doc(path: str) -> list[str]:
       problems.append(f"{path}: table {name}: {e}")
       continue
     if body != expected:
-      diff = "".join(
-          difflib.unified_diff(
-              body.splitlines(True), expected.splitlines(True), "in the file", "rendered"
-          )
-      )
+      both = (body.splitlines(True), expected.splitlines(True))
+      diff = "".join(difflib.unified_diff(*both, "in the file", "rendered"))
       problems.append(f"{path}: table {name} differs from its record:\n{diff}")
   return problems

@@ -34,6 +34,7 @@ from paper_runner.table_spec import (
     metric_value,
     record_path,
     sample_sizes,
+    scaled_name,
     spec_error,
     unit_text,
 )
@@ -157,7 +158,8 @@ def make_record(spec: TableSpec, workdir: str) -> dict[str, Any]:
       "seeds": list(spec.sweep.grid[SEED_KEY]),
       "commands": [
           f"python -m paper_runner.sweep --sweep={spec.path} --workdir=WORKDIR",
-          f"python -m paper_runner.tables --record={spec.name} --workdir=WORKDIR",
+          f"python -m paper_runner.tables --record={scaled_name(spec.path) or spec.name} "
+          "--workdir=WORKDIR",
       ],
   }
   record = {"table": spec.name, "spec": spec.path, **_scored(spec), "provenance": provenance}

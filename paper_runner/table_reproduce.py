@@ -23,9 +23,7 @@ from trainkit.workdir import CONFIG_FILE, move_aside
 NOT_REPRODUCED = "not_reproduced"
 
 
-def tolerances(
-    run: Mapping[str, Any], runs: list[Mapping[str, Any]]
-) -> dict[str, tuple[float, str]]:
+def tolerances(run: Mapping[str, Any], runs: list[Mapping]) -> dict[str, tuple[float, str]]:
   """(tolerance, why) per value of the recorded `run` from its row's finished `runs`: a rerun that
   rounds otherwise is another draw, so sqrt(2) x the value's spread (its seeds' s.d., or with one
   seed the binomial sqrt(p(1-p)/n) of the run's n examples) x the normal quantile at which any
@@ -113,13 +111,8 @@ def reproduce(
     lines.append(f"  moved the earlier run directory {run_dir} aside to {move_aside(run_dir)}")
   not_done = "nothing was compared" + (" or stamped" if stamp else "")
   with sigterm_as_interrupt():
-    ran, why = run_one(
-        command,
-        run_dir,
-        timeout_s=0,
-        cwd=REPO_ROOT,
-        env=child_environment({"PYTHONUNBUFFERED": "1"}),
-    )
+    env = child_environment({"PYTHONUNBUFFERED": "1"})
+    ran, why = run_one(command, run_dir, timeout_s=0, cwd=REPO_ROOT, env=env)
   report = read_run(first, run_dir)
   if not ran or report.status != "ok":
     raise UserError(
@@ -177,8 +170,5 @@ def _why_not_exact(provenance: Mapping[str, Any]) -> list[str]:
   recorded_data = provenance.get("data")
   if recorded_data is None:
     return why + ["data: the record has no hashes of its input files"]
-  return why + differences(
-      recorded_data,
-      {path: data_hash(path) if os.path.exists(path) else "<missing>" for path in recorded_data},
-      "data ",
-  )
+  found = {p: data_hash(p) if os.path.exists(p) else "<missing>" for p in recorded_data}
+  return why + differences(recorded_data, found, "data ")

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import functools
 import importlib
+import json
 import math
 import os
 import re
@@ -135,7 +136,17 @@ def table_names() -> list[str]:
 
 
 def load_table(name: str) -> TableSpec:
-  path = os.path.join(RESULTS_DIR, f"{name}.py")
+  """`NAME`'s spec, `NAME:scale=S[,data=ROOT]` its sweep at scale S (`paper_scale.at_scale`),
+  recorded as `NAME_S`; a name only a record has is that record's scaled spec."""
+  name, sep, arg = name.partition(":")
+  path, scale = os.path.join(RESULTS_DIR, f"{name}.py"), re.search(r"(^|,)scale=(\w+)", arg)
+  if not (sep or os.path.isfile(path)) and os.path.isfile(record_path(name)):
+    with open(record_path(name)) as f:
+      scaled = scaled_name(json.load(f).get("spec", ""))
+    if scaled:
+      return load_table(scaled)
+  if sep and not scale:
+    raise UserError(f"{name}:{arg}: a table's argument sets its scale (scale=paper,data=ROOT)")
   if name in SUMMARIES:
     raise UserError(
         f"results/{name}.py: '{name}' is reserved, the name of a generated summary "
@@ -143,11 +154,22 @@ def load_table(name: str) -> TableSpec:
     )
   if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not os.path.isfile(path):
     raise UserError(f"no table spec results/{name}.py; known: {', '.join(table_names())}")
-  sweep, module = load_sweep_file(path)
+  sweep, module = load_sweep_file(path + sep + arg)
   table = getattr(module, "TABLE", None)
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (paper_runner/tables.py says what)")
-  return make_spec(name, os.path.relpath(path, REPO_ROOT), sweep, table)
+  if scale and scale[2] != "small":  # The paper's runs: not the sample's folds, nor its choices.
+    table = {k: v for k, v in table.items() if k not in ("cross_validation", "selection_leaks")}
+    tuning = [(EVERY_ROW, 0, "the paper's settings")] * bool(table.get("tuning"))
+    title = getattr(module, "PAPER_TITLE", table.get("title"))
+    table, name = dict(table, title=title, tuning=tuning), f"{name}_{scale[2]}"
+  return make_spec(name, os.path.relpath(path, REPO_ROOT) + sep + arg, sweep, table)
+
+
+def scaled_name(spec_path: str) -> str:
+  """`NAME:ARG` of a spec path with an argument (`results/NAME.py:ARG`), else ''."""
+  path, sep, arg = spec_path.partition(":")
+  return sep and os.path.basename(path)[:-3] + sep + arg
 
 
 def _fits(entry: Any, *checks: Callable[[Any], bool]) -> bool:

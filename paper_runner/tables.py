@@ -36,7 +36,7 @@ MODES = ("record", "rerun", "references", "write", "check", "reproduce", "estima
 def _define_flags() -> dict[str, flags.FlagHolder]:
   """Defined only when run as a script: front ends that import this module define --workdir."""
   strings = dict(
-      record="Table name: record its sweep in --workdir.",
+      record="Table name, or NAME:scale=paper,data=ROOT: record its sweep in --workdir.",
       rerun="Table name: add the finished runs of its sweep in --workdir to its record's reruns.",
       references="Table name: score its spec's reference readers into its record.",
       write="Markdown file whose marked tables to render.",

@@ -189,6 +189,40 @@ def test_a_recorded_table_renders_its_verdicts_flags_and_provenance(toy_tables):
   assert "commit " in text and "JAX " in text and "seeds 0, 1, 2, 3, 4" in text
 
 
+def test_a_table_at_another_scale_is_recorded_and_rendered_beside_the_small_one(toy_tables):
+  """`--record=toy:scale=paper` checks the runs against the paper-scale sweep, keeps the small
+  record, and a record-only name (`toy_paper`) loads its spec at the recorded scale."""
+  results = toy_tables.parent / "results"
+  scaled = _SPEC.replace(
+      'overrides=dotted({"num_train_steps": 5}),',
+      'overrides=dotted({"num_train_steps": 500 if arg and "scale=paper" in arg else 5}),',
+  ).replace(
+      '    select="accuracy",',
+      '    select="accuracy", tuning=(("a", 2, "two tried"),), '
+      'selection_leaks=(dict(rows=None, why="chosen on the test split"),),',
+  )
+  scaled += 'PAPER_TITLE = "Toy at the paper\'s scale"\n'
+
+  (results / "toy.py").write_text(scaled)
+  with pytest.raises(UserError, match="is not the run of table toy_paper's sweep"):
+    table_record.write_record(table_spec.load_table("toy:scale=paper"), str(toy_tables))
+  _started_by_the_sweep("toy:scale=paper,data=/data", toy_tables)
+  table_record.write_record(table_spec.load_table("toy:scale=paper,data=/data"), str(toy_tables))
+  assert not (results / "records" / "toy.json").exists()
+  spec = table_spec.load_table("toy_paper")  # Its record names the scaled spec.
+  assert spec.name == "toy_paper" and spec.sweep.overrides["num_train_steps"] == 500
+  # The sample's choices and leaks are not the paper-scale runs'.
+  assert spec.title == "Toy at the paper's scale" and not spec.selection_leaks
+  assert spec.tuning == (table_spec.Tuning("*", 0, "the paper's settings"),)
+  assert table_spec.load_table("toy").tuning[0].settings == 2
+  record = table_record.read_record("toy_paper")
+  assert record["spec"].endswith("toy.py:scale=paper,data=/data")
+  assert "--record=toy:scale=paper,data=/data --workdir" in table_render.render(spec, record)
+  assert not table_record.stale_runs(spec, record)
+  with pytest.raises(UserError, match="argument sets its scale"):
+    table_spec.load_table("toy:data=/data")
+
+
 def test_a_guarded_choice_skips_settings_that_lose_accuracy(toy_tables):
   # The toy's "a" is 2 points more accurate on every seed; with the guard at 1 point only "a"
   # may be chosen on MF-PQD, and with a 5-point guard the higher mean MF-PQD wins.
