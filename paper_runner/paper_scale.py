@@ -20,6 +20,7 @@ from trainkit.preflight.targets import TARGETS
 # scale, each config file's paper data, under ROOT, in place of the sample's.
 SCALE = dict(scale="small", data="/data")
 MNLI = "multinli_1.0/multinli_1.0_"
+SIDES = (("source", "en"), ("target", "de"))
 PAPER_DATA = {
     "configs/celeba.py": {"data.root": "celeba"},
     "configs/mnli_hans.py": {
@@ -27,6 +28,12 @@ PAPER_DATA = {
         "data.eval_file": f"{MNLI}dev_matched.jsonl",
         "data.challenge_file": "hans/heuristics_evaluation_set.txt",
         "model.glove_path": "glove.840B.300d.txt",
+    },
+    # Table 2: WMT14 En-De as the config's docstring reads it, scored on newstest2014.
+    "configs/wmt14_ende.py": {
+        **{f"data.train_{side}": f"wmt14/train.{lang}" for side, lang in SIDES},
+        **{f"data.eval_{side}": f"wmt14/newstest2014.{lang}" for side, lang in SIDES},
+        "data.unescape": False,  # The sample's Moses escapes: not the raw corpus's.
     },
 }
 
@@ -45,7 +52,8 @@ def at_scale(arg: Any, sweep: dict) -> dict:
   grid = {k: v for k, v in sweep["grid"].items() if not k.startswith("data.identity_folds")}
   overrides = {k: v for k, v in sweep.get("overrides", {}).items() if k.startswith("data.")}
   overrides = {k: v for k, v in overrides.items() if not str(v).startswith("../shared/")}
-  overrides.update({k: os.path.join(arg.data, v) for k, v in PAPER_DATA[config].items()})
+  root = lambda v: os.path.join(arg.data, v) if isinstance(v, str) else v  # noqa: E731
+  overrides.update({k: root(v) for k, v in PAPER_DATA[config].items()})
   seeds = {"seed": (0, 1, 2, 3, 4)} if len(grid) < len(sweep["grid"]) else {}
   grid, overrides = dotted({**grid, **seeds}), dotted(overrides)
   return dict(sweep, config=config, grid=grid, overrides=overrides)
@@ -65,9 +73,7 @@ PREFLIGHT = os.path.join("results", "records", "preflight_paper.json")
 CAUSAL_CELLS = {"configs/mnli_hans.py": "causal/mnli", "configs/wmt14_ende.py": "causal/wmt14_base"}
 
 
-def _cell(
-    sweep: ml_collections.ConfigDict, point: Mapping[str, Any], target: str, cells: Mapping
-) -> str:
+def _cell(sweep: ml_collections.ConfigDict, point: Mapping, target: str, cells: Mapping) -> str:
   """The preflight cell that prices `point`'s run: a FairSMoE ablation or `+ L_Psi` as the
   method it changes (the same backbone and MoE block), on the config's backbone."""
   path, _, args = sweep.config.partition(":")
@@ -103,10 +109,8 @@ def paper_estimate(
   def hours(point: Mapping[str, Any]) -> tuple[float, float, float]:
     name = _cell(sweep, point, target, cells)
     if name not in cells:
-      raise UserError(
-          f"no preflight cell {name} in {PREFLIGHT}: compile it with `python -m "
-          f"paper_runner.preflight_table --compile --only={name}`"
-      )
+      command = f"python -m paper_runner.preflight_table --compile --only={name}"
+      raise UserError(f"no preflight cell {name} in {PREFLIGHT}: compile it with `{command}`")
     cell = cells[name]
     # The step is the roofline bound at the utilisation, plus the collectives' time; re-priced
     # at today's calibration (a cell keeps the utilisation it was compiled at).
@@ -118,9 +122,8 @@ def paper_estimate(
   points = grid_points(sweep)
   searched, runs = PAPER_SEARCH.get(sweep.module, ((), 0))
   first: dict[str, Mapping[str, Any]] = {}
-  for point in points:
-    if str(point[rows]) in searched:
-      first.setdefault(str(point[rows]), point)
+  for point in (p for p in points if str(p[rows]) in searched):
+    first.setdefault(str(point[rows]), point)
   parts = [("the table", len(points), [hours(p) for p in points])]
   if first:
     search = [h for p in first.values() for h in [hours(p)] * runs]

@@ -161,8 +161,8 @@ def load_table(name: str) -> TableSpec:
   if scale and scale[2] != "small":  # The paper's runs: not the sample's folds, nor its choices.
     table = {k: v for k, v in table.items() if k not in ("cross_validation", "selection_leaks")}
     tuning = [(EVERY_ROW, 0, "the paper's settings")] * bool(table.get("tuning"))
-    title = getattr(module, "PAPER_TITLE", table.get("title"))
-    table, name = dict(table, title=title, tuning=tuning), f"{name}_{scale[2]}"
+    table = dict(table, tuning=tuning, **getattr(module, "PAPER_TABLE", {}))
+    name += f"_{scale[2]}"
   return make_spec(name, os.path.relpath(path, REPO_ROOT) + sep + arg, sweep, table)
 
 

@@ -8,6 +8,7 @@ from paper_runner import table_parts as parts
 
 _DATA = "../shared/data/translation/wmt14_ende_opennmt"
 
+PAPER_TABLE = dict(title="Causal and vanilla attention, WMT14 En-De at paper scale", split="test")
 TABLE = dict(
     references=parts.CAUSAL_REFERENCES,
     title="Causal and vanilla attention, En-De sample (validation split)",
@@ -47,8 +48,8 @@ TABLE = dict(
 )
 
 
-def get_config():
-  return parts.causal_sweep(
+def get_config(arg=None):
+  sweep = parts.causal_sweep(
       {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)},
       {
           "data.train_source": f"{_DATA}/src-train.txt",
@@ -61,3 +62,4 @@ def get_config():
       config="configs/wmt14_ende.py:size=small",
       metrics=("bleu", "eval_loss"),
   )
+  return parts.at_scale(arg, sweep)

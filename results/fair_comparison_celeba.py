@@ -9,7 +9,7 @@ from paper_runner.spec import dotted
 
 METHODS = parts.fair_methods()
 
-PAPER_TITLE = "FairSMoE, its readings and ablations, four baselines, CelebA at the paper's scale"
+PAPER_TABLE = dict(title="FairSMoE readings, ablations, four baselines, CelebA at paper scale")
 TABLE = parts.fair_comparison_table(
     "FairSMoE (three readings of Eq. 8, two ablations) against four baselines, CelebA sample",
     METHODS,

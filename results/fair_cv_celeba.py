@@ -52,7 +52,7 @@ def budget_and_leaks(epochs: int, curve: str) -> dict:
   )
 
 
-PAPER_TITLE = "FairSMoE, its ablations and the baselines, CelebA at the paper's scale"
+PAPER_TABLE = dict(title="FairSMoE, its ablations and the baselines, CelebA at paper scale")
 TABLE = parts.paper_claims_table(
     "FairSMoE, its ablations and the baselines, CelebA sample, Male, Chubby and Goatee, 5 identity folds",
     ATTRIBUTES,

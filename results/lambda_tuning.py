@@ -14,7 +14,7 @@ SETTINGS = {
     "0.5@fair.lambda_dp=0.5": "lambda_pqd 0.5, lambda_dp 0.5",
 }
 
-PAPER_TITLE = "The lambdas of L_Psi, FairSMoE, CelebA at the paper's scale"
+PAPER_TABLE = dict(title="The lambdas of L_Psi, FairSMoE, CelebA at paper scale")
 TABLE = dict(
     references=parts.FAIR_REFERENCES,
     title="The lambdas of L_Psi = lambda_pqd L_PQD + lambda_dp L_DP, FairSMoE, CelebA sample, validation split",

@@ -5,7 +5,7 @@ HANS pairs, five paired seeds: the paper's Table 1 claim that causal attention s
 
 from paper_runner import table_parts as parts
 
-PAPER_TITLE = "Causal and vanilla attention, MNLI to HANS at the paper's scale"
+PAPER_TABLE = dict(title="Causal and vanilla attention, MNLI to HANS at paper scale")
 TABLE = dict(
     references=parts.CAUSAL_WITH_CONTROLS,
     title="Causal and vanilla attention, MNLI sample to HANS",

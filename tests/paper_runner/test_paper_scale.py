@@ -117,14 +117,19 @@ def test_a_spec_without_a_paper_scale_refuses_one_instead_of_running_its_small_s
   assert load_sweep("results/fair_comparison_testbed.py").grid  # Without one, as before.
 
 
-@pytest.mark.parametrize("name", ["fair_cv_celeba", "fair_comparison_celeba", "mnli_hans"])
+@pytest.mark.parametrize(
+    "name", ["fair_cv_celeba", "fair_comparison_celeba", "mnli_hans", "ende_small"]
+)
 def test_a_paper_scale_table_loads_without_the_sample_s_folds_choices_and_leaks(name):
   from paper_runner import table_spec  # pylint: disable=g-import-not-at-top
 
   small, paper = table_spec.load_table(name), table_spec.load_table(f"{name}:scale=paper,data=/d")
   assert paper.name == f"{name}_paper" and paper.cross_validation is None
   assert not paper.selection_leaks and {t.settings for t in paper.tuning} == {0}
-  assert "paper's scale" in paper.title and paper.claims == small.claims
+  assert paper.title.endswith("at paper scale") and paper.claims == small.claims
   # Five paired seeds per row, on the paper's data under the root given.
   assert len(grid_points(paper.sweep)) == 5 * len(paper.row_values)
   assert any(str(v).startswith("/d/") for v in paper.sweep.overrides.values())
+  if name == "ende_small":  # newstest2014 is Table 2's test set; the raw corpus has no escapes.
+    assert paper.split == "test" and paper.sweep.overrides["data.unescape"] is False
+    assert small.split == "validation" and small.sweep.overrides["data.unescape"] is True

@@ -201,7 +201,7 @@ def test_a_table_at_another_scale_is_recorded_and_rendered_beside_the_small_one(
       '    select="accuracy", tuning=(("a", 2, "two tried"),), '
       'selection_leaks=(dict(rows=None, why="chosen on the test split"),),',
   )
-  scaled += 'PAPER_TITLE = "Toy at the paper\'s scale"\n'
+  scaled += 'PAPER_TABLE = dict(title="Toy at paper scale")\n'
 
   (results / "toy.py").write_text(scaled)
   with pytest.raises(UserError, match="is not the run of table toy_paper's sweep"):
@@ -212,7 +212,7 @@ def test_a_table_at_another_scale_is_recorded_and_rendered_beside_the_small_one(
   spec = table_spec.load_table("toy_paper")  # Its record names the scaled spec.
   assert spec.name == "toy_paper" and spec.sweep.overrides["num_train_steps"] == 500
   # The sample's choices and leaks are not the paper-scale runs'.
-  assert spec.title == "Toy at the paper's scale" and not spec.selection_leaks
+  assert spec.title == "Toy at paper scale" and not spec.selection_leaks
   assert spec.tuning == (table_spec.Tuning("*", 0, "the paper's settings"),)
   assert table_spec.load_table("toy").tuning[0].settings == 2
   record = table_record.read_record("toy_paper")

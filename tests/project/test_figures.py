@@ -134,6 +134,16 @@ FIGURES = [
     (README, r"about (\d+) with equal tuning budgets", _estimate("fair_cv_celeba", "method", 3)),
     (README, r"5 seeds, about (\d+), and", _estimate("mnli_hans", "model.attention", 1)),
     (README, r"and (\d+) with the schedule search", _estimate("mnli_hans", "model.attention", 3)),
+    (
+        README,
+        r"En-De\stranslation, about (\d+), and",
+        _estimate("ende_small", "model.attention", 1),
+    ),
+    (
+        README,
+        r"En-De\stranslation, about \d+, and (\d+) with",
+        _estimate("ende_small", "model.attention", 3),
+    ),
     # README: the preflight against a measured H200 step.
     (README, r"against one H200's ([\d.]+) ms step", _r(STEP_1_MS, 2)),
     (README, r"jax 0\.10\.2 was ([\d.]+) ms", _r(PINNED_MS, 2)),
