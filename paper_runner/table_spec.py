@@ -316,9 +316,9 @@ def is_mechanism(metric: str) -> bool:
   return metric.split(".")[0] in MECHANISM_ROOTS
 
 
-def untrained_control(train: Callable, config: Mapping, settings: dict, keys: tuple, seeds: tuple):
-  """A control row: `keys` of the reports of `config` with `settings` (dotted keys) after one
-  step at learning rate 0, one draw per seed; a model that learnt nothing."""
+def untrained_control(train: Callable, config: Mapping, settings: dict, keys, seeds) -> dict:
+  """A control row: the report `keys` (a tuple) of `config` with `settings` (dotted keys) after
+  one step at learning rate 0, one draw per seed of `seeds`; a model that learnt nothing."""
   draws, at_rate_0 = [], {"num_train_steps": 1, "optimizer.learning_rate": 0.0, **settings}
   for seed in seeds:
     run = ml_collections.ConfigDict(dict(config))
