@@ -31,12 +31,12 @@ def comparison_spec(sweep: ml_collections.ConfigDict, runs: Sequence[RunResult])
   attributes = dict.fromkeys(a for names in reported for a in names)
   columns = [parts.ACCURACY, parts.MF_PQD, parts.MF_DP, parts.EXPERTS_ACTIVE]
   columns += [parts.GRADIENT_COSINE, parts.DROPPED_TRAIN]
-  columns += [
-      (f"attributes.{a}.{m}", f"{m.upper()} {a}", 1.0, 3) for a in attributes for m in ("pqd", "dp")
-  ]
+  pairs = [(a, m) for a in attributes for m in ("pqd", "dp")]
+  columns += [(f"attributes.{a}.{m}", f"{m.upper()} {a}", 1.0, 3) for a, m in pairs]
   against = [m for m in methods if m != BASELINE] if BASELINE in methods else []
   claims = parts.claims(against, (BASELINE,), CLAIMS)
   table = parts.fair_comparison_table("Method comparison", {}, columns, claims)
+  table["references"] = parts.FAIR_REFERENCES  # Claims on scores only: no controls to train.
   return make_spec("comparison", "paper_runner.fairmoe.compare", sweep, table)
 
 

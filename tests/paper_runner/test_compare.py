@@ -113,6 +113,9 @@ def test_comparison_cells_are_intervals_over_successful_seeds_beside_references(
       "*reference: chance (4 classes, a uniform guess); mean [95% range] of 2000 seeded draws*",
   )
   assert chance.endswith("| — |") and "[" in chance.split("|")[2]
+  # Its claims are on scores, so no control is trained (the results tables' comparisons have them).
+  assert "*reference: vanilla SMoE untrained" not in markdown
+  assert "*reference: uniform router" not in markdown
   assert "Flag: runs without a result: vanilla_smoe seeds 1 (failed), 2 (missing)." in markdown
   runs_json = json.loads(json.dumps(summary, default=dataclasses.asdict))["record"]["runs"]
   assert [(r["row"], r["seed"], r["status"]) for r in runs_json if r["status"] != "ok"] == [
