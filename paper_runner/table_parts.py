@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from paper_runner.paper_scale import SCALE, at_scale  # noqa: F401 (the specs' scale)
 from paper_runner.spec import dotted, load_sweep_file
+from paper_runner.table_spec import is_mechanism
 
 
 def sibling_spec(this_file: str, name: str) -> types.ModuleType:
@@ -103,9 +104,10 @@ def fair_comparison_table(
     **extra: object,
 ) -> dict:
   """The TABLE of a FairSMoE comparison on the test split: one row per method, its claims on
-  routing and gradients read against the controls."""
+  routing and gradients read against the controls (trained only where such a claim needs them)."""
+  mechanism = any(is_mechanism(claim["metric"]) for claim in table_claims)
   return dict(
-      references=FAIR_WITH_CONTROLS,
+      references=FAIR_WITH_CONTROLS if mechanism else FAIR_REFERENCES,
       title=title,
       rows="method",
       row_names=dict(methods),
@@ -138,11 +140,8 @@ FAIR_TUNING = {
 def fair_tuning(methods: Iterable[str], elsewhere: str = "", **own: tuple[int, str]) -> tuple:
   """TABLE["tuning"] for `methods` (`FAIR_TUNING`, or `own` where a method has its own);
   `elsewhere` notes where a search ran when not on this table's data."""
-  rows = []
-  for method in methods:
-    settings, what = own.get(method) or FAIR_TUNING[method]
-    rows.append((method, settings, f"{what}{elsewhere}" if settings else what))
-  return tuple(rows)
+  found = [(method, *(own.get(method) or FAIR_TUNING[method])) for method in methods]
+  return tuple((m, n, f"{what}{elsewhere}" if n else what) for m, n, what in found)
 
 
 FAIR_COMPARISON = (

@@ -36,7 +36,6 @@ def comparison_spec(sweep: ml_collections.ConfigDict, runs: Sequence[RunResult])
   against = [m for m in methods if m != BASELINE] if BASELINE in methods else []
   claims = parts.claims(against, (BASELINE,), CLAIMS)
   table = parts.fair_comparison_table("Method comparison", {}, columns, claims)
-  table["references"] = parts.FAIR_REFERENCES  # Claims on scores only: no controls to train.
   return make_spec("comparison", "paper_runner.fairmoe.compare", sweep, table)
 
 

@@ -961,6 +961,16 @@ def test_a_fairness_claim_at_reference_accuracy_gets_no_verdict(toy_tables):
   assert "1 of the table's 2 gated claims are **untestable: at reference**" in text
 
 
+def test_a_comparison_trains_the_controls_only_where_a_claim_is_on_what_training_did():
+  """The controls train five runs; a table whose claims are all on scores has no use for them."""
+  parts = table_parts
+  scores = parts.claims(("a",), ("b",), (("accuracy", "higher"), ("mf.pqd", "higher")))
+  routing = parts.claims(("a",), ("b",), (("experts_active.choices", "higher"),))
+  assert parts.fair_comparison_table("t", {}, (), scores)["references"] == parts.FAIR_REFERENCES
+  table = parts.fair_comparison_table("t", {}, (), scores + routing)
+  assert table["references"] == parts.FAIR_WITH_CONTROLS
+
+
 @pytest.mark.parametrize(
     "path", ["experts_active.choices", "constraints.nodes_within", "attention.effective_keys"]
 )
