@@ -32,6 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
   cfg.add_run_keys(config, batch_size=128, eval_batch_size=256, num_epochs=0)
   config.preflight = preflight_config()  # --mode=compile (docs/scaling.md).
   config.analysis_batches = 4  # Validation batches for the gradient-conflict analysis (Fig. 6).
+  config.plots = True  # The finished run's PNGs (fairmoe_jax.analysis): a sweep may skip them.
   # The test report (report.json, README "Reading the fairness report").
   config.eval = ml_collections.ConfigDict(
       dict(

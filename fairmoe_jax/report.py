@@ -266,12 +266,16 @@ def final_report(
   return report, columns
 
 
-def write_report(report: dict[str, Any], predictions: dict[str, np.ndarray], workdir: str) -> None:
-  """Writes report.json and predictions.csv, prints the report and draws the plots."""
+def write_report(
+    report: dict[str, Any], predictions: dict[str, np.ndarray], workdir: str, plots: bool = True
+) -> None:
+  """Writes report.json and predictions.csv, prints the report and draws the plots (`plots`)."""
   # Each file is replaced whole or not at all: a crash mid-write never tears the earlier one.
   write_atomically(storage.join(workdir, "report.json"), json.dumps(report, indent=2))
   predictions_lib.write_csv(storage.join(workdir, "predictions.csv"), predictions)
   print(format_report(report), flush=True)
+  if not plots:
+    return
   # Imported here: matplotlib costs a second at start-up, which a run that fails early never needs.
   from fairmoe_jax.analysis import write_plots  # pylint: disable=g-import-not-at-top
 

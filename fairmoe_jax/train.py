@@ -193,7 +193,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       report,
       writer=trained.writer,
       scalars=report_lib.summary_scalars(report, "test"),
-      write_report=lambda report: report_lib.write_report(report, predictions, workdir),
+      write_report=lambda report: report_lib.write_report(
+          report, predictions, workdir, config.plots
+      ),
   )
 
 
@@ -215,5 +217,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
       run,
       state,
       report,
-      write_report=lambda report: report_lib.write_report(report, predictions, workdir),
+      write_report=lambda report: report_lib.write_report(
+          report, predictions, workdir, config.plots
+      ),
   )

@@ -207,6 +207,7 @@ FAIR_TINY_ARGS = [
     "--config.model.patch_size=8",
     "--config.batch_size=32",
     "--config.eval_batch_size=32",
+    "--config.plots=false",  # 2 CPU-s a run: QUICKSTART_RUN_ARGS draw them.
 ]
 # The quickstart cut to seconds of training (tests of whole runs in several folders).
 QUICKSTART_TINY_ARGS = [
@@ -219,6 +220,7 @@ QUICKSTART_TINY_ARGS = [
     "--config.model.mlp_dim=64",
     "--config.batch_size=32",
     "--config.eval_batch_size=64",
+    "--config.plots=false",  # 2 CPU-s a run: QUICKSTART_RUN_ARGS draw them.
 ]
 
 
@@ -243,6 +245,7 @@ QUICKSTART_RUN_ARGS = [
     "--config.fair.review_every_steps=10",
     "--config.eval.intersections=sex*age",
     "--config.eval.min_group_size=10",
+    "--config.plots=true",
 ]
 
 

@@ -61,6 +61,14 @@ def test_quickstart_reduced_trains_evaluates_and_reports(quickstart_run, repo_ro
     assert {"pqd", "dp", "eopp", "eodds", "groups"} <= set(attribute)
     assert sum(g["n"] for g in attribute["groups"].values()) == 128
   assert set(report["mf"]) >= {"pqd", "dp", "eodds"}
+  plots = sorted(p.name for p in (workdir / "plots").iterdir())
+  assert plots == [
+      "allocation_history.png",
+      "expert_activation_moe_block1.png",
+      "gradient_cosine.png",
+      "group_accuracy.png",
+      "validation_curves.png",
+  ]
   # Fig. 6's analysis: cosines between the attribute tasks' gradients at the MoE layer.
   cosines = [c for pair in report["gradient_cosine"].values() for c in pair]
   assert cosines and all(-1.0 - 1e-6 <= c <= 1.0 + 1e-6 for c in cosines)
@@ -272,6 +280,7 @@ def test_the_report_says_how_many_tokens_the_moe_dropped_and_what_validation_gav
     )
     assert result.returncode == 0, result.stderr
     report = json.loads((workdir / "report.json").read_text())
+    assert "Plots:" not in result.stdout and not (workdir / "plots").exists()  # plots=false.
     fractions[factor] = report["dropped"]
     assert report["validation"]["num_examples"] == 64
     assert 0.0 <= report["validation"]["accuracy"] <= 1.0 and "pqd" in report["validation"]["mf"]

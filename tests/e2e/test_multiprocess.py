@@ -32,6 +32,7 @@ FAIRMOE_TINY = [
     "--config.checkpoint_every_steps=4",
     "--config.eval_every_steps=0",
     "--config.analysis_batches=0",
+    "--config.plots=false",
 ]
 STEPS = 16
 

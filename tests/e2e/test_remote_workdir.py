@@ -24,7 +24,7 @@ NLI = SHARED_DATA / "nli"
 FAKE_GCS = REPO_ROOT / "tests" / "fake_gcs.py"
 WORKDIR = "gs://bucket/run"
 
-FAIR_ARGS = [f"--config.data.root={CELEBA}", *FAIR_TINY_ARGS]
+FAIR_ARGS = [f"--config.data.root={CELEBA}", *FAIR_TINY_ARGS, "--config.plots=true"]
 CAUSAL_ARGS = CAUSAL_TINY_ARGS
 
 

@@ -34,19 +34,12 @@ def _tiny_config(data: int, expert: int, dtype: str = "float32", method: str = "
       eval_every_steps=0,
       checkpoint_every_steps=0,
       compute_dtype=dtype,
-      analysis_batches=0,  # The gradient-cosine analysis is not what these tests compare.
+      analysis_batches=0,  # The gradient-cosine analysis and the plots are not what these
+      plots=False,  # tests compare.
   )
   config.mesh.update(data=data, expert=expert)
   fairmoe_config.validate(config, num_devices=jax.device_count())
   return config
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_plots():
-  # These tests compare losses: the report's plots (1.6 CPU-s a run) are the e2e tests'.
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr("fairmoe_jax.analysis.write_plots", lambda workdir: [])
-    yield
 
 
 def _train_losses(config, workdir) -> np.ndarray:
