@@ -289,6 +289,7 @@ TINY = [
     "--config.model.num_heads=2",
     "--config.model.mlp_dim=64",
     "--config.analysis_batches=0",
+    "--config.plots=false",
 ]
 
 

@@ -666,6 +666,7 @@ REAL_RUNS = {
             eval_batch_size=64,
             eval_every_steps=0,
             analysis_batches=0,
+            plots=False,
             **{
                 "data.train_size": 128,
                 "data.val_size": 64,
