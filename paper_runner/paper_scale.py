@@ -60,12 +60,12 @@ def at_scale(arg: Any, sweep: dict) -> dict:
 
 
 # Equal tuning budgets at the paper's scale (docs/reproducing.md): per main, the rows with a
-# setting to choose on validation and the runs each one's search takes -- the lambda search of
-# results/lambda_tuning.py (4 settings x 3 seeds) for FairSMoE and for every method with a loss
-# weight; the Causal Transformer's 10 dual-step schedules (one seed each) for both attentions.
+# setting to choose on validation and the runs each one's search takes (4 settings x 3 seeds):
+# results/lambda_tuning.py:method=M for FairSMoE and every method with a loss weight,
+# results/mnli_tuning.py:attention=A for both attentions (WMT14's priced alike, with no spec).
 PAPER_SEARCH = {
     "fairmoe_jax.main": (("fairsmoe", "vanilla_smoe_psi", "muffin", "multifair"), 12),
-    "causal_attn_jax.main": (("causal", "vanilla@constraints.weight=0.0"), 10),
+    "causal_attn_jax.main": (("causal", "vanilla@constraints.weight=0.0"), 12),
 }
 # paper_runner/preflight_table.py's record, and its run of a Causal Transformer config (a
 # FairSMoE run's: its method and backbone).

@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from paper_runner.paper_scale import SCALE, at_scale  # noqa: F401 (the specs' scale)
 from paper_runner.spec import dotted, load_sweep_file
 from paper_runner.table_spec import is_mechanism
+from trainkit.config import parse_arg
+from trainkit.errors import ConfigError
 
 
 def sibling_spec(this_file: str, name: str) -> types.ModuleType:
   """The results spec `name`.py beside `this_file`, loaded (results/ is not a package)."""
   return load_sweep_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py"))[1]
+
+
+def spec_arg(arg: Any, key: str, choices: Iterable[str]) -> Any:
+  """A spec's argument, parsed (`results/NAME.py:KEY=V,scale=S,data=ROOT`): SCALE's keys and
+  `key`, one of `choices`, the first by default."""
+  choices = list(choices)
+  arg = arg if hasattr(arg, key) else parse_arg(arg, **{key: choices[0]}, **SCALE)
+  if arg[key] not in choices:
+    raise ConfigError(key, f"{arg[key]!r}: one of {', '.join(choices)}")
+  return arg
 
 
 Claim = dict[str, str]

@@ -136,8 +136,9 @@ def table_names() -> list[str]:
 
 
 def load_table(name: str) -> TableSpec:
-  """`NAME`'s spec, `NAME:scale=S[,data=ROOT]` its sweep at scale S (`paper_scale.at_scale`),
-  recorded as `NAME_S`; a name only a record has is that record's scaled spec."""
+  """`NAME`'s spec; `NAME:ARG` its sweep with the spec's argument (`scale=S,data=ROOT`:
+  `paper_scale.at_scale`; a spec's own keys), recorded as `NAME_V..._S` (each value but data's
+  and the scale, then the scale unless small); a name only a record has is that record's spec."""
   name, sep, arg = name.partition(":")
   path, scale = os.path.join(RESULTS_DIR, f"{name}.py"), re.search(r"(^|,)scale=(\w+)", arg)
   if not (sep or os.path.isfile(path)) and os.path.isfile(record_path(name)):
@@ -145,8 +146,6 @@ def load_table(name: str) -> TableSpec:
       scaled = scaled_name(json.load(f).get("spec", ""))
     if scaled:
       return load_table(scaled)
-  if sep and not scale:
-    raise UserError(f"{name}:{arg}: a table's argument sets its scale (scale=paper,data=ROOT)")
   if name in SUMMARIES:
     raise UserError(
         f"results/{name}.py: '{name}' is reserved, the name of a generated summary "
@@ -156,13 +155,18 @@ def load_table(name: str) -> TableSpec:
     raise UserError(f"no table spec results/{name}.py; known: {', '.join(table_names())}")
   sweep, module = load_sweep_file(path + sep + arg)
   table = getattr(module, "TABLE", None)
+  table = table(arg or None) if callable(table) else table  # One that follows its argument.
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (paper_runner/tables.py says what)")
   if scale and scale[2] != "small":  # The paper's runs: not the sample's folds, nor its choices.
     table = {k: v for k, v in table.items() if k not in ("cross_validation", "selection_leaks")}
     tuning = [(EVERY_ROW, 0, "the paper's settings")] * bool(table.get("tuning"))
     table = dict(table, tuning=tuning, **getattr(module, "PAPER_TABLE", {}))
-    name += f"_{scale[2]}"
+  values = dict(sorted(item.partition("=")[::2] for item in arg.split(",") if item))
+  values.pop("data", None)
+  scale = values.pop("scale", "small")
+  name += "".join(f"_{re.sub(r'[^A-Za-z0-9]', '_', v)}" for v in values.values())
+  name += f"_{scale}" * (scale != "small")
   return make_spec(name, os.path.relpath(path, REPO_ROOT) + sep + arg, sweep, table)
 
 

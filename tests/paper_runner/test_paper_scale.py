@@ -1,6 +1,7 @@
 """The papers at their scale: a spec's `scale=paper` sweep, its estimate from the recorded
 preflight, its SLURM array lines, and --reproduce's tolerances from the recorded spread."""
 
+import importlib.util
 import json
 import math
 import os
@@ -10,7 +11,7 @@ import pytest
 
 from paper_runner import paper_scale, table_reproduce
 from paper_runner.commands import write_commands
-from paper_runner.spec import REPO_ROOT, grid_points, load_sweep
+from paper_runner.spec import REPO_ROOT, grid_points, load_sweep, run_settings
 from paper_runner.table_parts import FAIR_COMPARISON
 from trainkit.errors import UserError
 from trainkit.preflight.calibration import CALIBRATION
@@ -56,7 +57,7 @@ def test_the_paper_scale_estimate_sums_the_recorded_preflight_cells_and_the_equa
       f"the table: 10 runs, {estimate:,.0f} device-hours ({fast:,.0f}-{slow:,.0f} over" in lines[1]
   )
   assert "the table: 10 runs, 207 device-hours" in lines[1]
-  assert "total: 30 runs, 622 device-hours" in lines[3]
+  assert "total: 34 runs, 705 device-hours" in lines[3]
   with pytest.raises(UserError, match="no preflight cell causal/mnli@h200x1"):
     paper_scale.paper_estimate(mnli, "model.attention", "paper", "h200x1", CELLS)
   with pytest.raises(UserError, match="spurious_pairs.py takes no argument"):
@@ -115,6 +116,56 @@ def test_a_spec_without_a_paper_scale_refuses_one_instead_of_running_its_small_s
     with pytest.raises(UserError, match=f"{name}.py takes no argument: ':scale=paper'"):
       load_sweep(f"results/{name}.py:scale=paper")
   assert load_sweep("results/fair_comparison_testbed.py").grid  # Without one, as before.
+
+
+def test_every_method_with_a_loss_weight_gets_fairsmoe_s_search_as_a_table_of_its_own():
+  from paper_runner import table_spec  # pylint: disable=g-import-not-at-top
+
+  methods, runs = paper_scale.PAPER_SEARCH["fairmoe_jax.main"]
+  fairsmoe = table_spec.load_table("lambda_tuning:scale=paper,data=/d")
+  assert fairsmoe.name == "lambda_tuning_paper"
+  for method in methods:
+    spec = table_spec.load_table(f"lambda_tuning:method={method},scale=paper,data=/d")
+    points = grid_points(spec.sweep)
+    assert len(points) == runs and len(spec.row_values) == len(fairsmoe.row_values)
+    assert spec.name == f"lambda_tuning_{method}_paper"  # Its record's name: each value given.
+    settings = [run_settings(spec.sweep, p) for p in points]
+    assert {s.get("method", "fairsmoe") for s in settings} == {method}
+    # Four distinct settings of the method's own weights, each on three paired seeds.
+    weights = "multifair." if method == "multifair" else "fair.lambda_"
+    tried = {tuple(sorted((k, v) for k, v in s.items() if k.startswith(weights))) for s in settings}
+    assert len(tried) == 4 and all(len(t) == 2 for t in tried), tried
+    assert spec.select == "validation.mf.pqd" and spec.split == "validation"
+  assert table_spec.load_table("lambda_tuning:method=muffin").name == "lambda_tuning_muffin"
+  # The CPU table as recorded: FairSMoE by the config's default, no method override.
+  recorded = table_spec.load_table("lambda_tuning").sweep
+  assert "method" not in recorded.overrides and "method" not in recorded.grid
+  with pytest.raises(UserError, match="config key 'method': 'dense': one of fairsmoe"):
+    table_spec.load_table("lambda_tuning:method=dense")
+
+
+@pytest.mark.parametrize("scale", ["small", "paper"])
+def test_both_attentions_search_on_mnli_validation_from_their_config_s_own_setting(scale):
+  from paper_runner import table_spec  # pylint: disable=g-import-not-at-top
+
+  _, runs = paper_scale.PAPER_SEARCH["causal_attn_jax.main"]
+  path = os.path.join(REPO_ROOT, "configs", "mnli_hans.py")
+  module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("mnli", path))
+  module.__spec__.loader.exec_module(module)
+  config = module.get_config("size=small" if scale == "small" else None)
+  schedule = ("constraints.step_size", "constraints.dual_start_step", "constraints.dual_ramp_steps")
+  for attention, keys in (("causal", schedule), ("vanilla", ("optimizer.learning_rate",))):
+    spec = table_spec.load_table(f"mnli_tuning:attention={attention},scale={scale},data=/d")
+    points = grid_points(spec.sweep)
+    assert len(points) == runs and spec.split == "validation" and spec.select == "accuracy"
+    settings = [run_settings(spec.sweep, p) for p in points]
+    assert {s["model.attention"] for s in settings} == {attention}
+    # The first row is what the config trains with; the other three differ from it.
+    tried = [tuple(float(s[k]) for k in keys) for s in settings]
+    assert tried[0] == tuple(float(config[k]) for k in keys), (tried[0], attention)
+    assert len(set(tried)) == 4
+  with pytest.raises(UserError, match="config key 'attention': 'band': one of causal"):
+    table_spec.load_table("mnli_tuning:attention=band")
 
 
 @pytest.mark.parametrize(
