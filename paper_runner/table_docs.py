@@ -21,8 +21,7 @@ from paper_runner.table_spec import (
     TableSpec,
     load_table,
     pair_units,
-    record_path,
-    table_names,
+    recorded_tables,
 )
 from paper_runner.table_summary import (
     IDENTICAL,
@@ -39,8 +38,8 @@ from trainkit.storage import write_atomically
 
 
 def _claims_tables() -> list[tuple[str, TableSpec, dict[str, Any]]]:
-  """(name, spec, record) of every recorded table that decides claims, in name order."""
-  specs = [(n, load_table(n)) for n in table_names() if os.path.exists(record_path(n))]
+  """(name, spec, record) of every recorded table that decides claims, the CPU tables' first."""
+  specs = [(name, load_table(name)) for name in recorded_tables()]
   return [(name, spec, read_record(name)) for name, spec in specs if spec.claims]
 
 

@@ -135,6 +135,17 @@ def table_names() -> list[str]:
   return sorted(f[:-3] for f in os.listdir(RESULTS_DIR) if f.endswith(".py") and f[0] != "_")
 
 
+def recorded_tables() -> list[str]:
+  """The tables with a record: each spec's, then each spec's at an argument (`NAME_paper`)."""
+  names, records = table_names(), sorted(
+      f[:-5] for f in os.listdir(RECORDS_DIR) if f[-5:] == ".json"
+  )
+  for name in (n for n in records if n not in names):
+    with open(record_path(name)) as f:
+      names += [name] * bool(scaled_name(json.load(f).get("spec", "")))
+  return [name for name in names if name in records]
+
+
 def load_table(name: str) -> TableSpec:
   """`NAME`'s spec; `NAME:ARG` its sweep with the spec's argument (`scale=S,data=ROOT`:
   `paper_scale.at_scale`; a spec's own keys), recorded as `NAME_V..._S` (each value but data's

@@ -220,6 +220,9 @@ def test_a_table_at_another_scale_is_recorded_and_rendered_beside_the_small_one(
   assert "--record=toy:scale=paper,data=/data --workdir" in table_render.render(spec, record)
   assert not table_record.stale_runs(spec, record)
   assert table_spec.load_table("toy:data=/data").name == "toy"  # The sample's: data is unread.
+  # The generated summaries read it beside the CPU tables.
+  assert table_spec.recorded_tables() == ["toy_paper"]
+  assert "`toy_paper`" in table_docs.rerun_summary() and "toy_paper" in table_docs.claim_summary()
 
 
 def test_a_guarded_choice_skips_settings_that_lose_accuracy(toy_tables):
