@@ -38,11 +38,12 @@ PAPER_DATA = {
 }
 
 
-def at_scale(arg: Any, sweep: dict) -> dict:
+def at_scale(arg: Any, sweep: dict, paper_data: Mapping[str, Any] | None = None) -> dict:
   """`sweep`, the CPU sample's (`scale=small`, the default), or with `scale=paper` the paper's:
   its config file's defaults (full size: the paper's model, epochs, lambdas and official split)
-  for all but the spec's `data.*` choices, PAPER_DATA, and five seeds in place of identity folds
-  (`arg`: the spec's argument, or parsed with SCALE's keys)."""
+  for all but the spec's `data.*` choices, PAPER_DATA updated with `paper_data` (under ROOT too),
+  and five seeds in place of identity folds (`arg`: the spec's argument, or parsed with SCALE's
+  keys)."""
   arg = arg if hasattr(arg, "scale") else parse_arg(arg, **SCALE)
   config = sweep["config"].partition(":")[0]
   if arg.scale == "small":
@@ -53,7 +54,7 @@ def at_scale(arg: Any, sweep: dict) -> dict:
   overrides = {k: v for k, v in sweep.get("overrides", {}).items() if k.startswith("data.")}
   overrides = {k: v for k, v in overrides.items() if not str(v).startswith("../shared/")}
   root = lambda v: os.path.join(arg.data, v) if isinstance(v, str) else v  # noqa: E731
-  overrides.update({k: root(v) for k, v in PAPER_DATA[config].items()})
+  overrides.update({k: root(v) for k, v in {**PAPER_DATA[config], **(paper_data or {})}.items()})
   seeds = {"seed": (0, 1, 2, 3, 4)} if len(grid) < len(sweep["grid"]) else {}
   grid, overrides = dotted({**grid, **seeds}), dotted(overrides)
   return dict(sweep, config=config, grid=grid, overrides=overrides)
@@ -62,7 +63,7 @@ def at_scale(arg: Any, sweep: dict) -> dict:
 # Equal tuning budgets at the paper's scale (docs/reproducing.md): per main, the rows with a
 # setting to choose on validation and the runs each one's search takes (4 settings x 3 seeds):
 # results/lambda_tuning.py:method=M for FairSMoE and every method with a loss weight,
-# results/mnli_tuning.py:attention=A for both attentions (WMT14's priced alike, with no spec).
+# results/attention_tuning.py:task=T,attention=A for both attentions on MNLI and WMT14.
 PAPER_SEARCH = {
     "fairmoe_jax.main": (("fairsmoe", "vanilla_smoe_psi", "muffin", "multifair"), 12),
     "causal_attn_jax.main": (("causal", "vanilla@constraints.weight=0.0"), 12),

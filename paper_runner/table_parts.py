@@ -6,7 +6,7 @@ import os
 import types
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from paper_runner.paper_scale import SCALE, at_scale  # noqa: F401 (the specs' scale)
+from paper_runner.paper_scale import SCALE, SIDES, at_scale  # noqa: F401 (the specs' scale)
 from paper_runner.spec import dotted, load_sweep_file
 from paper_runner.table_spec import is_mechanism
 from trainkit.config import parse_arg
@@ -18,13 +18,15 @@ def sibling_spec(this_file: str, name: str) -> types.ModuleType:
   return load_sweep_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py"))[1]
 
 
-def spec_arg(arg: Any, key: str, choices: Iterable[str]) -> Any:
-  """A spec's argument, parsed (`results/NAME.py:KEY=V,scale=S,data=ROOT`): SCALE's keys and
-  `key`, one of `choices`, the first by default."""
-  choices = list(choices)
-  arg = arg if hasattr(arg, key) else parse_arg(arg, **{key: choices[0]}, **SCALE)
-  if arg[key] not in choices:
-    raise ConfigError(key, f"{arg[key]!r}: one of {', '.join(choices)}")
+def spec_arg(arg: Any, **choices: Iterable[str]) -> Any:
+  """A spec's argument, parsed (`results/NAME.py:KEY=V,...,scale=S,data=ROOT`): SCALE's keys and
+  each key of `choices`, one of its choices, the first by default."""
+  choices = {key: list(values) for key, values in choices.items()}
+  if not hasattr(arg, "scale"):
+    arg = parse_arg(arg, **{key: values[0] for key, values in choices.items()}, **SCALE)
+  for key, values in choices.items():
+    if arg[key] not in values:
+      raise ConfigError(key, f"{arg[key]!r}: one of {', '.join(values)}")
   return arg
 
 
@@ -251,6 +253,23 @@ def learning_rate_table(title: str, overrides: Mapping[str, object]) -> tuple[di
       ),
   )
   return table, lambda: causal_sweep(grid, overrides)
+
+
+# The samples of the papers' tasks: MNLI (to HANS) and the WMT14 En-De sample (Moses-escaped).
+_NLI, _ENDE = "../shared/data/nli", "../shared/data/translation/wmt14_ende_opennmt"
+MNLI_SAMPLE = {
+    "data.train_file": f"{_NLI}/mnli_dev_matched.tsv",
+    "data.challenge_file": f"{_NLI}/hans_regenerated_sample.txt",
+}
+ENDE_SAMPLE = {
+    **{
+        f"data.{split}_{side}": f"{_ENDE}/{file}-{split.replace('eval', 'val')}.txt"
+        for split in ("train", "eval")
+        for side, file in (("source", "src"), ("target", "tgt"))
+    },
+    "data.unescape": True,
+    "nmt.max_eval_sentences": 500,
+}
 
 
 def causal_sweep(

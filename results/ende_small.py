@@ -6,8 +6,6 @@ the causal model's schedule (the selection leak below; docs/protocol.md, section
 
 from paper_runner import table_parts as parts
 
-_DATA = "../shared/data/translation/wmt14_ende_opennmt"
-
 PAPER_TABLE = dict(title="Causal and vanilla attention, WMT14 En-De at paper scale", split="test")
 TABLE = dict(
     references=parts.CAUSAL_REFERENCES,
@@ -51,14 +49,7 @@ TABLE = dict(
 def get_config(arg=None):
   sweep = parts.causal_sweep(
       {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)},
-      {
-          "data.train_source": f"{_DATA}/src-train.txt",
-          "data.train_target": f"{_DATA}/tgt-train.txt",
-          "data.eval_source": f"{_DATA}/src-val.txt",
-          "data.eval_target": f"{_DATA}/tgt-val.txt",
-          "data.unescape": True,
-          "nmt.max_eval_sentences": 500,
-      },
+      parts.ENDE_SAMPLE,
       config="configs/wmt14_ende.py:size=small",
       metrics=("bleu", "eval_loss"),
   )

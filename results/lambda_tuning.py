@@ -35,7 +35,7 @@ SEARCHES = {  # Per method: the rows key, its settings (the baseline first), the
 
 
 def TABLE(arg=None):  # noqa: N802 (a spec's TABLE, here following its argument)
-  arg = parts.spec_arg(arg, "method", SEARCHES)
+  arg = parts.spec_arg(arg, method=SEARCHES)
   rows, settings, what = SEARCHES[arg.method]
   data = "CelebA at paper scale" if arg.scale == "paper" else "CelebA sample"
   return dict(
@@ -53,7 +53,7 @@ def TABLE(arg=None):  # noqa: N802 (a spec's TABLE, here following its argument)
 
 
 def get_config(arg=None):
-  arg = parts.spec_arg(arg, "method", SEARCHES)
+  arg = parts.spec_arg(arg, method=SEARCHES)
   rows, settings, _ = SEARCHES[arg.method]
   method = {} if arg.method == "fairsmoe" else {"method": (arg.method,)}  # Kept at any scale.
   sweep = dict(

@@ -46,10 +46,7 @@ TABLE = dict(
 def get_config(arg=None):
   sweep = parts.causal_sweep(
       {"seed": (0, 1, 2, 3, 4), "model.attention": (parts.CAUSAL, parts.VANILLA)},
-      {
-          "data.train_file": "../shared/data/nli/mnli_dev_matched.tsv",
-          "data.challenge_file": "../shared/data/nli/hans_regenerated_sample.txt",
-      },
+      parts.MNLI_SAMPLE,
       config="configs/mnli_hans.py:size=small",
       metrics=("accuracy", "challenge.accuracy"),
   )
