@@ -55,7 +55,6 @@ TINY = {
     "batch_size": 32,
     "eval_batch_size": 64,
     "analysis_batches": 0,
-    "plots": False,
     "log_every_steps": 1,
     "eval_every_steps": 0,
     "fair.review_every_steps": 6,

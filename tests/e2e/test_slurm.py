@@ -226,7 +226,7 @@ def _write_sweep(repo_root: pathlib.Path, path: pathlib.Path) -> None:
   for flag in FAIRMOE_TINY:
     key, value = flag.removeprefix("--config.").split("=", 1)
     if key != "batch_size":
-      tiny[key] = int(value)
+      tiny[key] = value == "true" if value in ("true", "false") else int(value)
   path.write_text(textwrap.dedent(f"""\
           import ml_collections
 

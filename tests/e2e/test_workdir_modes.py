@@ -35,7 +35,7 @@ from trainkit.errors import USER_ERROR_EXIT_CODE
 CELEBA = SHARED_DATA / "celeba"
 NLI = SHARED_DATA / "nli"
 
-FAIR_ARGS = FAIR_TINY_ARGS
+FAIR_ARGS = [*FAIR_TINY_ARGS, "--config.plots=true"]  # One test reads them.
 # A tiny Causal Transformer on the MNLI sample (test_causal_cli.py's), without plots.
 CAUSAL_ARGS = [
     *(
