@@ -193,9 +193,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       report,
       writer=trained.writer,
       scalars=report_lib.summary_scalars(report, "test"),
-      write_report=lambda report: report_lib.write_report(
-          report, predictions, workdir, config.plots
-      ),
+      write_report=lambda r: report_lib.write_report(r, predictions, workdir, config.plots),
   )
 
 
@@ -217,7 +215,5 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
       run,
       state,
       report,
-      write_report=lambda report: report_lib.write_report(
-          report, predictions, workdir, config.plots
-      ),
+      write_report=lambda r: report_lib.write_report(r, predictions, workdir, config.plots),
   )
