@@ -262,11 +262,10 @@ MNLI_SAMPLE = {
     "data.challenge_file": f"{_NLI}/hans_regenerated_sample.txt",
 }
 ENDE_SAMPLE = {
-    **{
-        f"data.{split}_{side}": f"{_ENDE}/{file}-{split.replace('eval', 'val')}.txt"
-        for split in ("train", "eval")
-        for side, file in (("source", "src"), ("target", "tgt"))
-    },
+    "data.train_source": f"{_ENDE}/src-train.txt",
+    "data.train_target": f"{_ENDE}/tgt-train.txt",
+    "data.eval_source": f"{_ENDE}/src-val.txt",
+    "data.eval_target": f"{_ENDE}/tgt-val.txt",
     "data.unescape": True,
     "nmt.max_eval_sentences": 500,
 }

@@ -137,9 +137,8 @@ def table_names() -> list[str]:
 
 def recorded_tables() -> list[str]:
   """The tables with a record: each spec's, then each spec's at an argument (`NAME_paper`)."""
-  names, records = table_names(), sorted(
-      f[:-5] for f in os.listdir(RECORDS_DIR) if f[-5:] == ".json"
-  )
+  names = table_names()
+  records = sorted(f[:-5] for f in os.listdir(RECORDS_DIR) if f.endswith(".json"))
   for name in (n for n in records if n not in names):
     with open(record_path(name)) as f:
       names += [name] * bool(scaled_name(json.load(f).get("spec", "")))
@@ -151,7 +150,9 @@ def load_table(name: str) -> TableSpec:
   `paper_scale.at_scale`; a spec's own keys), recorded as `NAME_V..._S` (each value but data's
   and the scale, then the scale unless small); a name only a record has is that record's spec."""
   name, sep, arg = name.partition(":")
-  path, scale = os.path.join(RESULTS_DIR, f"{name}.py"), re.search(r"(^|,)scale=(\w+)", arg)
+  path = os.path.join(RESULTS_DIR, f"{name}.py")
+  values = dict(sorted(item.partition("=")[::2] for item in arg.split(",") if item))
+  scale = values.pop("scale", "small")
   if not (sep or os.path.isfile(path)) and os.path.isfile(record_path(name)):
     with open(record_path(name)) as f:
       scaled = scaled_name(json.load(f).get("spec", ""))
@@ -169,13 +170,11 @@ def load_table(name: str) -> TableSpec:
   table = table(arg or None) if callable(table) else table  # One that follows its argument.
   if not isinstance(table, Mapping):
     raise UserError(f"results/{name}.py has no TABLE dict (paper_runner/tables.py says what)")
-  if scale and scale[2] != "small":  # The paper's runs: not the sample's folds, nor its choices.
+  if scale != "small":  # The paper's runs: not the sample's folds, nor its choices.
     table = {k: v for k, v in table.items() if k not in ("cross_validation", "selection_leaks")}
     tuning = [(EVERY_ROW, 0, "the paper's settings")] * bool(table.get("tuning"))
     table = dict(table, tuning=tuning, **getattr(module, "PAPER_TABLE", {}))
-  values = dict(sorted(item.partition("=")[::2] for item in arg.split(",") if item))
-  values.pop("data", None)
-  scale = values.pop("scale", "small")
+  values.pop("data", None)  # The record's name: each value of the argument but the data's.
   name += "".join(f"_{re.sub(r'[^A-Za-z0-9]', '_', v)}" for v in values.values())
   name += f"_{scale}" * (scale != "small")
   return make_spec(name, os.path.relpath(path, REPO_ROOT) + sep + arg, sweep, table)
