@@ -82,13 +82,19 @@ def _translation_reports(config: ml_collections.ConfigDict) -> dict[str, dict[st
   return {"source copied as its translation": {"bleu": bleu.corpus_bleu(sources, targets)}}
 
 
-def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, dict[str, Any]]:
-  """{reader name: a report.json-shaped dict} for the data of a run's saved `config`."""
+def _rooted(config: Mapping[str, Any], base_dir: str) -> ml_collections.ConfigDict:
+  """`config` with its relative data files read from `base_dir` (where the runs started)."""
   config = ml_collections.ConfigDict(dict(config))
-  for key, value in list(config.data.items()):  # Relative data files: under `base_dir`.
+  for key, value in list(config.data.items()):
     if isinstance(value, str) and value and key.endswith(("_file", "_source", "_target")):
       if not os.path.isabs(os.path.expanduser(value)):
         config.data[key] = os.path.join(base_dir, value)
+  return config
+
+
+def reference_reports(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, dict[str, Any]]:
+  """{reader name: a report.json-shaped dict} for the data of a run's saved `config`."""
+  config = _rooted(config, base_dir)
   return _translation_reports(config) if config.task == "translation" else _pair_reports(config)
 
 
@@ -111,12 +117,14 @@ def with_controls(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, d
   """`reference_reports` and the controls' constraint and attention measures."""
   from causal_attn_jax import tasks, train  # Imports the model: only where controls are trained.
 
-  run = ml_collections.ConfigDict(dict(config))
+  run = _rooted(config, base_dir)  # The controls read the runs' data too.
   with tempfile.TemporaryDirectory() as workdir:  # The eval split as a model reads it.
     ids = tasks.get_task(run).load_data(run, workdir).eval["ids"]
   measures, causal = ("constraints", "attention"), {"model.attention": "causal"}
-  untrained = untrained_control(train.train_and_evaluate, config, causal, measures, UNTRAINED_SEEDS)
-  return reference_reports(config, base_dir) | {
+  untrained = untrained_control(
+      train.train_and_evaluate, run.to_dict(), causal, measures, UNTRAINED_SEEDS
+  )
+  return reference_reports(run) | {
       "causal attention untrained (1 step at learning rate 0)": untrained,
       "uniform attention (every real token alike)": uniform_attention(run, ids),
   }

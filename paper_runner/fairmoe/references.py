@@ -79,10 +79,16 @@ def chance_draws(
   ]
 
 
+def _rooted(config: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
+  """`config` with a relative data root read from `base_dir` (the directory the runs started in)."""
+  root = config["data"].get("root")
+  if not root or os.path.isabs(os.path.expanduser(root)):
+    return dict(config)
+  return {**config, "data": {**config["data"], "root": os.path.join(base_dir, root)}}
+
+
 def _load(config: Mapping[str, Any], base_dir: str) -> tuple[DatasetInfo, Any]:
-  data = ml_collections.ConfigDict(dict(config["data"]))
-  if data.get("root") and not os.path.isabs(os.path.expanduser(data.root)):
-    data.root = os.path.join(base_dir, data.root)
+  data = ml_collections.ConfigDict(_rooted(config, base_dir)["data"])
   if "preload" in data and data.name != "synthetic":
     data.preload = False  # Only the marker reader looks at pixels.
   return dataset_from_config(data)
@@ -133,6 +139,7 @@ def with_controls(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, d
   """`reference_reports` and the controls' routing and gradient measures."""
   from fairmoe_jax import train  # Imports the model: only where the controls are trained.
 
+  config = _rooted(config, base_dir)  # The controls train on the runs' data too.
   experts, top_k = config["moe"]["num_experts"], config["moe"]["top_k"]
   keys, vanilla = ("experts_active", "gradient_cosine"), {"method": "vanilla_smoe"}
   controls = {
@@ -140,7 +147,7 @@ def with_controls(config: Mapping[str, Any], base_dir: str = ".") -> dict[str, d
       f"fixed router (every token to the same {top_k})": dict(experts_active={"choices": top_k}),
   }
   untrained = untrained_control(train.train_and_evaluate, config, vanilla, keys, UNTRAINED_SEEDS)
-  return reference_reports(config, base_dir) | {
+  return reference_reports(config) | {
       "vanilla SMoE untrained (1 step at learning rate 0)": untrained,
       **{name: dict(report, role=CONTROL_ROLE) for name, report in controls.items()},
   }

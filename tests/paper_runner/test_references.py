@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from causal_attn_jax import config as causal_config
+from conftest import REPO_ROOT
 from fairmoe_jax.config import base_config
 from fairmoe_jax.data import load_synthetic, synthetic
 from paper_runner.causal import references as causal_references
@@ -108,7 +109,9 @@ def test_the_marker_reader_reads_the_class_a_painted_marker_shows():
   assert 0.55 < reports["corner-marker reader"]["accuracy"] < 0.72
 
 
-def test_the_untrained_control_is_one_step_at_learning_rate_0_whatever_the_epochs(monkeypatch):
+def test_the_untrained_control_is_one_step_at_learning_rate_0_whatever_the_epochs(
+    monkeypatch, tmp_path
+):
   from fairmoe_jax import train  # pylint: disable=g-import-not-at-top
 
   trained, train_and_evaluate = [], train.train_and_evaluate
@@ -121,11 +124,14 @@ def test_the_untrained_control_is_one_step_at_learning_rate_0_whatever_the_epoch
   monkeypatch.setattr(train, "train_and_evaluate", spy)
   monkeypatch.setattr(fair_references, "UNTRAINED_SEEDS", (0,))
   config = base_config()
-  config.data.train_size, config.data.val_size, config.data.test_size = 64, 32, 32
-  config.model.update(dim=16, depth=2, num_heads=2, mlp_dim=16)
+  # The CelebA sample by the relative root a sweep's runs read from the repository root.
+  config.data.update(name="celeba", root="../shared/data/celeba", target="Attractive")
+  config.data.update(sensitive="Male", num_classes=2, image_size=32, max_examples_per_split=48)
+  config.model.update(dim=16, depth=2, num_heads=2, mlp_dim=16, patch_size=8)
   config.update(num_epochs=2, batch_size=16, eval_batch_size=32, analysis_batches=1)
-  reports = fair_references.with_controls(config.to_dict())
-  assert trained == [(1, 0.0)]  # Not the config's 2 epochs (8 steps).
+  monkeypatch.chdir(tmp_path)  # Not where the runs started: the controls read base_dir's data.
+  reports = fair_references.with_controls(config.to_dict(), str(REPO_ROOT))
+  assert trained == [(1, 0.0)]  # Not the config's 2 epochs (6 steps).
   (untrained,) = [r for name, r in reports.items() if name.startswith("vanilla SMoE untrained")]
   assert untrained["role"] == "control" and untrained["draws"][0]["experts_active"]
 
@@ -170,7 +176,9 @@ def test_uniform_attention_has_a_key_per_token_and_is_within_the_band_up_to_thre
   assert measures["attention"]["effective_keys"] == pytest.approx((3 * 3 + 5 * 5) / 8)
 
 
-def test_the_causal_controls_are_one_step_at_learning_rate_0_and_near_uniform(monkeypatch):
+def test_the_causal_controls_are_one_step_at_learning_rate_0_and_near_uniform(
+    monkeypatch, tmp_path
+):
   from causal_attn_jax import train  # pylint: disable=g-import-not-at-top
 
   trained, train_and_evaluate = [], train.train_and_evaluate
@@ -182,12 +190,15 @@ def test_the_causal_controls_are_one_step_at_learning_rate_0_and_near_uniform(mo
 
   monkeypatch.setattr(train, "train_and_evaluate", spy)
   monkeypatch.setattr(causal_references, "UNTRAINED_SEEDS", (0,))
-  config = _pairs_config("spurious_pairs")
+  config = causal_config.base_config()
+  # The MNLI sample by the relative paths a sweep's runs read from the repository root.
+  config.data.update(pair_task="nli", train_file="../shared/data/nli/mnli_dev_matched.tsv")
+  config.data.update(challenge_file="../shared/data/nli/hans_format_sample.txt", vocab_size=200)
   config.model.update(attention="vanilla", dim=16, num_layers=1, num_heads=2, mlp_dim=16)
   config.update(num_epochs=2.0, batch_size=32, eval_batch_size=200)
   config.plots.num_examples = 0
-  config.data.vocab_size = 93
-  reports = causal_references.with_controls(config.to_dict())
+  monkeypatch.chdir(tmp_path)  # Not where the runs started: the controls read base_dir's data.
+  reports = causal_references.with_controls(config.to_dict(), str(REPO_ROOT))
   assert trained == [(1, 0.0, "causal")]  # Not the config's 2 epochs, nor its attention.
   untrained = reports["causal attention untrained (1 step at learning rate 0)"]
   uniform = reports["uniform attention (every real token alike)"]
