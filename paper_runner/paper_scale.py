@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from paper_runner.spec import REPO_ROOT, dotted, grid_points, load_sweep
+from paper_runner.spec import REPO_ROOT, dotted, grid_points, load_sweep, split_value
 from trainkit.config import parse_arg
 from trainkit.errors import ConfigError, UserError
 from trainkit.preflight.calibration import CALIBRATION
@@ -38,12 +38,15 @@ PAPER_DATA = {
 }
 
 
-def at_scale(arg: Any, sweep: dict, paper_data: Mapping[str, Any] | None = None) -> dict:
+def at_scale(
+    arg: Any, sweep: dict, paper_data: Mapping[str, Any] | None = None, tuned: str = ""
+) -> dict:
   """`sweep`, the CPU sample's (`scale=small`, the default), or with `scale=paper` the paper's:
   its config file's defaults (full size: the paper's model, epochs, lambdas and official split)
   for all but the spec's `data.*` choices, PAPER_DATA updated with `paper_data` (under ROOT too),
   and five seeds in place of identity folds (`arg`: the spec's argument, or parsed with SCALE's
-  keys)."""
+  keys). A comparison names its rows key as `tuned`: each row whose equal tuning budget is
+  recorded at the paper's scale trains with that search's choice (`tuned_choice`)."""
   arg = arg if hasattr(arg, "scale") else parse_arg(arg, **SCALE)
   config = sweep["config"].partition(":")[0]
   if arg.scale == "small":
@@ -56,8 +59,35 @@ def at_scale(arg: Any, sweep: dict, paper_data: Mapping[str, Any] | None = None)
   root = lambda v: os.path.join(arg.data, v) if isinstance(v, str) else v  # noqa: E731
   overrides.update({k: root(v) for k, v in {**PAPER_DATA[config], **(paper_data or {})}.items()})
   seeds = {"seed": (0, 1, 2, 3, 4)} if len(grid) < len(sweep["grid"]) else {}
+  choices = ((v, tuned_choice(sweep["module"], config, v)) for v in grid.get(tuned, ()))
+  row_settings = tuple((tuned, v, *choice) for v, choice in choices if choice)
   grid, overrides = dotted({**grid, **seeds}), dotted(overrides)
-  return dict(sweep, config=config, grid=grid, overrides=overrides)
+  return dict(sweep, config=config, grid=grid, overrides=overrides, row_settings=row_settings)
+
+
+def tuned_choice(module: str, config: str, row: str) -> tuple[str, int, str] | None:
+  """(the chosen `KEY=X@...`, settings searched, record) of the paper-scale search that tunes
+  `row` (PAPER_SEARCH; FairSMoE's readings and ablations take FairSMoE's lambdas), or None where
+  none is recorded: the row then trains the paper's settings, the search's first row."""
+  from paper_runner import table_record, table_spec, table_summary  # They load specs: not above.
+
+  searched = PAPER_SEARCH.get(module, ((), 0))[0]
+  row = row if row in searched or not row.startswith("fairsmoe") else "fairsmoe"
+  if row not in searched:
+    return None
+  if module == "fairmoe_jax.main":  # The default method's record has no method in its name.
+    names = [f"lambda_tuning_{row}_paper"] + ["lambda_tuning_paper"] * (row == "fairsmoe")
+  else:  # results/attention_tuning.py's task and attention.
+    task = {"configs/mnli_hans.py": "mnli", "configs/wmt14_ende.py": "wmt14"}.get(config)
+    names = [f"attention_tuning_{row.split('@')[0]}_{task}_paper"]
+  for name in (n for n in names if os.path.isfile(table_spec.record_path(n))):
+    spec = table_spec.load_table(name)
+    summary = table_summary.summarise(spec, table_record.read_record(name))
+    value, extra = split_value(table_summary.chosen_row(spec, summary) or "")
+    if value:  # Else no run of the search finished.
+      settings = "@".join(f"{k}={v}" for k, v in {spec.rows: value, **extra}.items())
+      return settings, len(spec.row_values), name
+  return None
 
 
 # Equal tuning budgets at the paper's scale (docs/reproducing.md): per main, the rows with a

@@ -31,7 +31,9 @@ from trainkit.errors import UserError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_THROUGHPUT_KEYS = ("examples_per_second", "tokens_per_second", "mfu")
-SWEEP_KEYS = tuple("module config grid overrides metrics throughput_keys timeout_s tables".split())
+SWEEP_KEYS = tuple(
+    "module config grid overrides row_settings metrics throughput_keys timeout_s tables".split()
+)
 # The repo's launchers take `--module M` before their `--`; without it they run fairmoe_jax.main.
 MODULE_LAUNCHERS = ("slurm.sh", "tpu_pod.sh", "local_multiprocess.sh")
 # The files of a run directory that the runner reads or writes (the main writes REPORT).
@@ -137,6 +139,26 @@ def _check_grid(raw_grid: Mapping[str, Any]) -> dict[str, list[Any]]:
   return grid
 
 
+def _check_row_settings(entries: Any, grid: Mapping[str, list[Any]]) -> tuple:
+  """`row_settings`: (grid key, one of its values, "KEY=X@KEY2=Y"[, settings searched, source]),
+  each setting config keys for the runs of that value without renaming them: a search's choice
+  (`paper_scale.at_scale`), which a table's tuning line reports from the last two."""
+  checked = []
+  for i, entry in enumerate(entries):
+    fits = isinstance(entry, (list, tuple)) and len(entry) in (3, 5)
+    key, value, text, searched, source = (*entry, 0, "")[:5] if fits else [None] * 5
+    if key not in grid or value not in grid[key] or not isinstance(text, str):
+      raise SweepError(f"row_settings[{i}]", f"{entry!r} is not (grid key, its value, 'KEY=X@...')")
+    try:
+      settings = split_value(f"row{VALUE_SETTINGS_SEPARATOR}{text}")[1]
+    except ValueError as e:
+      raise SweepError(f"row_settings[{i}]", f"{text!r}: {e}") from None
+    if any(k in grid for k in settings):
+      raise SweepError(f"row_settings[{i}]", f"{text!r} sets a grid key; keep it in one place")
+    checked.append((key, value, text, int(searched or 0), str(source or "")))
+  return tuple(checked)
+
+
 def import_collector(name: str) -> TableCollector:
   """The function a `tables` entry `module:function` names; UserError if there is none."""
   module_name, sep, attribute = name.partition(":")
@@ -209,6 +231,7 @@ def validate_sweep(raw: Any) -> ml_collections.ConfigDict:
   sweep = ml_collections.ConfigDict()
   sweep.module, sweep.config = raw["module"].strip(), raw["config"].strip()
   sweep.grid, sweep.overrides = dotted(grid), dotted(overrides)
+  sweep.row_settings = _check_row_settings(raw.get("row_settings") or (), grid)
   sweep.metrics = _check_names("metrics", raw.get("metrics"), ())
   sweep.throughput_keys = _check_names(
       "throughput_keys", raw.get("throughput_keys"), DEFAULT_THROUGHPUT_KEYS
@@ -303,7 +326,8 @@ def check_run_names(points: Sequence[Mapping[str, Any]]) -> None:
 def run_settings(sweep: ml_collections.ConfigDict, point: Mapping[str, Any]) -> dict[str, Any]:
   """Every config key the run sets: the overrides, then its grid values and their `@` settings.
 
-  An `@` setting replaces an override of the same key: it is the more specific of the two.
+  An `@` setting replaces an override of the same key: it is the more specific of the two; the
+  `row_settings` of the point's values come last.
   """
   settings = dict(sweep.overrides)
   for key, value in point.items():
@@ -312,6 +336,9 @@ def run_settings(sweep: ml_collections.ConfigDict, point: Mapping[str, Any]) -> 
       value, extra = split_value(value)
     settings[key] = value
     settings.update(extra)
+  for key, value, text, *_ in sweep.get("row_settings") or ():
+    if point.get(key) == value:
+      settings.update(split_value(f"row{VALUE_SETTINGS_SEPARATOR}{text}")[1])
   return settings
 
 

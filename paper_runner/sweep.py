@@ -18,6 +18,7 @@ A sweep file is a Python file whose `get_config(arg=None)` returns a ConfigDict 
             "seed": (0, 1),
         }),
         overrides=dotted({"num_train_steps": arg.steps}),  # Applied to every run.
+        row_settings=(("method", "vanilla_smoe", "moe.top_k=1"),),  # Optional: a value's runs.
         metrics=("accuracy", "mf.pqd"),      # Dotted paths into each run's report.json.
         throughput_keys=("examples_per_second", "tokens_per_second", "mfu"),  # Optional.
         timeout_s=0,                         # Optional: seconds per run, 0 = none.
@@ -27,7 +28,9 @@ A sweep file is a Python file whose `get_config(arg=None)` returns a ConfigDict 
 `dotted()` keeps dotted keys in order (a ConfigDict sorts keys and rejects dots). Each run
 trains in `<workdir>/runs/<name>`, named by its grid values (`batch_size=64,method=vanilla_smoe,
 seed=0`). A grid value `VALUE@KEY=X@KEY2=Y` also passes `--config.KEY=X --config.KEY2=Y` to its
-runs (over an override of the same key; never a grid key). `tables` collectors,
+runs (over an override of the same key; never a grid key); `row_settings` passes its settings to
+the runs of one grid value without renaming them (a search's choice at the paper's scale,
+paper_runner/paper_scale.py). `tables` collectors,
 `"module:function"`, are imported when the sweep loads and called after collecting as
 `function(workdir, runs) -> [paths written]` with one `paper_runner.collect.RunResult` per run.
 

@@ -173,6 +173,13 @@ def load_table(name: str) -> TableSpec:
   if scale != "small":  # The paper's runs: not the sample's folds, nor its choices.
     table = {k: v for k, v in table.items() if k not in ("cross_validation", "selection_leaks")}
     tuning = [(EVERY_ROW, 0, "the paper's settings")] * bool(table.get("tuning"))
+    if tuning and sweep.row_settings:  # Rows that train their paper-scale search's choice.
+      chosen = {
+          format_value(v): (n, f"chosen on validation: {settings} (results/records/{record}.json)")
+          for _, v, settings, n, record in sweep.row_settings
+      }
+      paper = (0, "the paper's settings")
+      tuning = [(r, *chosen.get(r, paper)) for r in map(format_value, sweep.grid[table["rows"]])]
     table = dict(table, tuning=tuning, **getattr(module, "PAPER_TABLE", {}))
   values.pop("data", None)  # The record's name: each value of the argument but the data's.
   name += "".join(f"_{re.sub(r'[^A-Za-z0-9]', '_', v)}" for v in values.values())

@@ -53,4 +53,4 @@ def get_config(arg=None):
       config="configs/wmt14_ende.py:size=small",
       metrics=("bleu", "eval_loss"),
   )
-  return parts.at_scale(arg, sweep)
+  return parts.at_scale(arg, sweep, tuned="model.attention")

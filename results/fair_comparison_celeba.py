@@ -43,4 +43,4 @@ def get_config(arg=None):
       overrides=dotted({**parts.ON_CELEBA, **parts.RECORDED_LAMBDAS, "data.sensitive": "Male"}),
       metrics=("accuracy", "mf.pqd", "mf.dp", "validation.accuracy", "validation.mf.pqd"),
   )
-  return parts.at_scale(arg, sweep)
+  return parts.at_scale(arg, sweep, tuned="method")

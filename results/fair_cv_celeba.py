@@ -72,4 +72,4 @@ def get_config(arg=None):
       overrides=dotted({**overrides, "analysis_batches": 16}),
       metrics=("accuracy", "mf.pqd", "validation.accuracy", "experts_active.choices"),
   )
-  return parts.at_scale(arg, sweep)
+  return parts.at_scale(arg, sweep, tuned="method")

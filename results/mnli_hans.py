@@ -50,4 +50,4 @@ def get_config(arg=None):
       config="configs/mnli_hans.py:size=small",
       metrics=("accuracy", "challenge.accuracy"),
   )
-  return parts.at_scale(arg, sweep)
+  return parts.at_scale(arg, sweep, tuned="model.attention")

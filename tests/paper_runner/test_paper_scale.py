@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from paper_runner import paper_scale, table_reproduce
+from paper_runner import paper_scale, table_reproduce, table_spec
 from paper_runner.commands import write_commands
 from paper_runner.spec import REPO_ROOT, grid_points, load_sweep, run_settings
 from paper_runner.table_parts import FAIR_COMPARISON
@@ -193,3 +193,78 @@ def test_a_paper_scale_table_loads_without_the_sample_s_folds_choices_and_leaks(
   if name == "ende_small":  # newstest2014 is Table 2's test set; the raw corpus has no escapes.
     assert paper.split == "test" and paper.sweep.overrides["data.unescape"] is False
     assert small.split == "validation" and small.sweep.overrides["data.unescape"] is True
+
+
+def _search_record(records, name, spec, best):
+  """A paper-scale record of FairSMoE's lambda search (the CPU record's runs), `best` highest on
+  validation MF-PQD at equal accuracy."""
+  with open(os.path.join(REPO_ROOT, "results", "records", "lambda_tuning.json")) as f:
+    record = json.load(f)
+  for run in record["runs"]:
+    run["metrics"].update({"validation.mf.pqd": 0.9 if run["row"] == best else 0.5})
+    run["metrics"]["validation.accuracy"] = 0.8
+  (records / f"{name}.json").write_text(json.dumps(dict(record, spec=spec)))
+
+
+def test_a_comparison_at_paper_scale_trains_each_rows_recorded_search_choice(tmp_path, monkeypatch):
+  records = tmp_path / "records"
+  records.mkdir()
+  monkeypatch.setattr(table_spec, "RECORDS_DIR", str(records))
+  data = "scale=paper,data=/data"
+  untuned = load_sweep(f"{TABLE_1_AND_2}:{data}")
+  _search_record(
+      records,
+      "lambda_tuning_muffin_paper",
+      f"results/lambda_tuning.py:method=muffin,{data}",
+      "0.1@fair.lambda_dp=0.5",
+  )
+  # FairSMoE's search recorded without a method (its default): its readings and ablations too.
+  _search_record(
+      records, "lambda_tuning_paper", f"results/lambda_tuning.py:{data}", "0.5@fair.lambda_dp=0.5"
+  )
+  sweep = load_sweep(f"{TABLE_1_AND_2}:{data}")
+  assert grid_points(sweep) == grid_points(untuned)  # The rows keep their names and runs.
+  lambdas = {}
+  for point in grid_points(sweep):
+    settings = run_settings(sweep, point)
+    assert settings == {**run_settings(untuned, point), **settings}  # Only added keys.
+    lambdas[point["method"]] = (settings.get("fair.lambda_pqd"), settings.get("fair.lambda_dp"))
+  assert lambdas["muffin"] == ("0.1", "0.5")
+  for method in ("fairsmoe", "fairsmoe_no_fgr", "fairsmoe_no_fem"):
+    assert lambdas[method] == ("0.5", "0.5")
+  for method in ("vanilla_smoe_psi", "vanilla_smoe", "multifair"):  # No search recorded, or none.
+    assert lambdas[method] == (None, None)
+  tuning = {t.row: t for t in table_spec.load_table(f"fair_cv_celeba:{data}").tuning}
+  assert (
+      tuning["muffin"].settings == 4 and "lambda_tuning_muffin_paper.json" in tuning["muffin"].what
+  )
+  assert "fair.lambda_pqd=0.1@fair.lambda_dp=0.5" in tuning["muffin"].what
+  assert tuning["multifair"] == table_spec.Tuning("multifair", 0, "the paper's settings")
+  # The search itself trains its own grid, not its recorded choice.
+  search = load_sweep(f"results/lambda_tuning.py:method=muffin,{data}")
+  assert not search.row_settings
+
+
+def test_the_causal_comparison_takes_each_attentions_recorded_search_choice(tmp_path, monkeypatch):
+  records = tmp_path / "records"
+  records.mkdir()
+  monkeypatch.setattr(table_spec, "RECORDS_DIR", str(records))
+  data, name = "scale=paper,data=/data", "attention_tuning_vanilla_mnli_paper"
+  search = table_spec.load_table(f"attention_tuning:task=mnli,attention=vanilla,{data}")
+  assert search.name == name
+  with open(os.path.join(REPO_ROOT, "results", "records", "mnli_hans.json")) as f:
+    record = json.load(f)  # A recorded table's provenance; the runs are the search's.
+  best = search.row_values[2]
+  record["runs"] = [
+      {"row": row, "seed": seed, "status": "ok", "settings": {}, "examples": 100, "groups": {}}
+      | {"metrics": {search.select: 0.7 if row == best else 0.6}}
+      for row in search.row_values
+      for seed in (0, 1, 2)
+  ]
+  (records / f"{name}.json").write_text(json.dumps(dict(record, spec=search.path, references=[])))
+  sweep = load_sweep(f"results/mnli_hans.py:{data}")
+  rates = {
+      p["model.attention"]: run_settings(sweep, p).get("optimizer.learning_rate")
+      for p in grid_points(sweep)
+  }
+  assert rates == {"causal": None, "vanilla@constraints.weight=0.0": best.split("@")[0]}

@@ -555,6 +555,9 @@ def test_commands_mode_with_launcher(tmp_path):
         ({"overrides": {"seed": 3}}, "overrides.seed"),
         ({"timeout_s": -1}, "timeout_s"),
         ({"tables": "m:f"}, "tables"),
+        ({"row_settings": (("batch_size", 64, "lr=1"),)}, r"row_settings\[0\]"),  # Not a value.
+        ({"row_settings": (("batch_size", 16, "seed=1"),)}, r"row_settings\[0\]"),  # A grid key.
+        ({"row_settings": (("batch_size", 16, "lr"),)}, r"row_settings\[0\]"),
     ],
 )
 def test_bad_sweeps_name_the_key(changes, key):
