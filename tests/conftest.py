@@ -48,6 +48,7 @@ compilers.add_to_path()
 
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
@@ -98,6 +99,13 @@ for category in ({", ".join(DEPRECATIONS)}):
 sys.argv = sys.argv[1:]
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
+
+
+def pytest_collection_finish(session):
+  # What the imports and the collection built lives all session: frozen, Python's full garbage
+  # collections no longer walk it while the tests trace their programs (trainkit.cli.run does
+  # the same for a run). The fast tier takes about a fifteenth less time.
+  gc.freeze()
 
 
 def pytest_configure(config):

@@ -6,6 +6,7 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import re
@@ -243,6 +244,10 @@ def run(
 
   if "jax_debug_nans" not in flags.FLAGS:  # JAX's options as absl flags, as big_vision does.
     jax.config.config_with_absl()
+  # Tracing a step makes many short-lived objects, and each of Python's full collections would
+  # walk every object the imports made (jax, flax, grain, orbax): frozen, they are skipped. A
+  # warm-cache tiny run spends about a tenth less CPU.
+  gc.freeze()
   app.run(guarded_main, flags_parser=lambda argv: parse_flags(argv, command, prepare_argv))
 
 
