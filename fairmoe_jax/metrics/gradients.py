@@ -27,13 +27,6 @@ def moe_paths(model: nnx.Module) -> list[tuple[Any, ...]]:
   return [path for path, node in nnx.iter_graph(model) if isinstance(node, SparseMoE)]
 
 
-def _cosine(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> jax.Array:
-  dot = sum(jnp.vdot(x, y) for x, y in zip(a, b))
-  norm_a = jnp.sqrt(sum(jnp.vdot(x, x) for x in a))
-  norm_b = jnp.sqrt(sum(jnp.vdot(y, y) for y in b))
-  return dot / jnp.maximum(norm_a * norm_b, 1e-12)
-
-
 def gradient_cosines(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -52,32 +45,42 @@ def gradient_cosines(
   def in_moe(path, _):
     return any(tuple(path[: len(p)]) == tuple(p) for p in prefixes)
 
+  moe_params, other_params = nnx.split_state(params, in_moe, ...)
   pairs = list(itertools.combinations(range(len(group_sizes)), 2))
 
   @jax.jit
-  def batch_cosines(params, batch):
-    def task_loss(p, i):
-      model = nnx.merge(graphdef, p, model_state)
+  def batch_cosines(moe_params, batch):
+    def task_losses(moe_params):  # [m]: one forward pass for every attribute's task.
+      model = nnx.merge(graphdef, moe_params, other_params, model_state)
       images = normalize_on_device(batch["image"], batch["mask"])
       logits, _ = model(images, train=False, context={"attributes": batch["attributes"]})
-      return fairness_surrogate(
-          logits,
-          batch["label"],
-          batch["attributes"],
-          group_sizes,
-          psi,
-          mask=batch["mask"],
-          attribute_indices=(i,),
+      return jnp.stack(
+          [
+              fairness_surrogate(
+                  logits,
+                  batch["label"],
+                  batch["attributes"],
+                  group_sizes,
+                  psi,
+                  mask=batch["mask"],
+                  attribute_indices=(i,),
+              )
+              for i in range(len(group_sizes))
+          ]
       )
 
-    grads = []
-    for i in range(len(group_sizes)):
-      g = jax.grad(task_loss)(params, i)
-      leaves = [(path, getattr(x, "get_value", lambda: x)()) for path, x in nnx.to_flat_state(g)]
-      grads.append([x for path, x in leaves if in_moe(path, x)])
-    return jnp.stack([_cosine(grads[a], grads[b]) for a, b in pairs])
+    # Each task's gradient with respect to the MoE parameters only, as rows of one [m, P] matrix:
+    # one forward and one backward batched over the tasks, not a pass per task.
+    jacobian = jax.jacrev(task_losses)(moe_params)
+    rows = jnp.concatenate(
+        [x.reshape(len(group_sizes), -1) for x in jax.tree.leaves(jacobian)], axis=1
+    )
+    gram = jnp.matmul(rows, rows.T, precision=jax.lax.Precision.HIGHEST)
+    norms = jnp.sqrt(jnp.diagonal(gram))
+    cosines = gram / jnp.maximum(norms[:, None] * norms[None, :], 1e-12)
+    return jnp.stack([cosines[a, b] for a, b in pairs])
 
-  per_batch = [np.asarray(batch_cosines(params, b)) for b in batches]
+  per_batch = [np.asarray(batch_cosines(moe_params, b)) for b in batches]
   if not per_batch:
     return {}
   values = np.stack(per_batch)

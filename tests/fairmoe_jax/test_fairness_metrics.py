@@ -626,3 +626,82 @@ def test_routing_by_group_names_the_group_routed_least_like_the_split():
       "Routing by group (moe_block3): the group routed least like the split is site=head, "
       "60.0% of its choices away" in text
   )
+
+
+@pytest.mark.parametrize("method", ["fairsmoe", "multifair"])
+def test_gradient_cosines_are_those_of_each_attribute_s_own_gradient_of_the_moe_weights(method):
+  """fairmoe_jax/metrics/gradients.py against one backward pass per attribute over the whole
+  model, cut to the MoE blocks' weights, its cosines in float64; {} for a model without MoE."""
+  import flax.nnx as nnx
+
+  from fairmoe_jax import config as fairmoe_config
+  from fairmoe_jax import train
+  from fairmoe_jax.data.augment import normalize_on_device
+  from fairmoe_jax.fairness.surrogates import fairness_surrogate
+  from fairmoe_jax.methods import METHODS
+  from fairmoe_jax.metrics.gradients import gradient_cosines, moe_paths
+
+  config = fairmoe_config.base_config()
+  config.method = method
+  config.data.update(train_size=32, val_size=32, test_size=32, num_threads=0, image_size=16)
+  config.model.update(dim=16, depth=2, num_heads=2, mlp_dim=32)
+  config.update(batch_size=16, eval_batch_size=16, num_train_steps=1)
+  fairmoe_config.validate(config, num_devices=jax.device_count())
+  info, splits = train.load_data(config)
+  model = METHODS[method].build_model(config, info, nnx.Rngs(params=0), None)
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+  val = splits["val"]
+  batches = [
+      {
+          "image": jnp.asarray(val["image"][rows]),
+          "label": jnp.asarray(val["label"][rows]),
+          "attributes": jnp.asarray(val["attributes"][rows]),
+          "mask": jnp.ones(16, jnp.float32),
+      }
+      for rows in (slice(0, 16), slice(16, 32))
+  ]
+  names = info.attribute_names
+  got = gradient_cosines(
+      graphdef,
+      params,
+      model_state,
+      batches,
+      attribute_names=names,
+      group_sizes=info.group_sizes,
+      psi="pqd",
+  )
+  prefixes = moe_paths(model)
+  if method == "multifair":  # A plain ViT: no MoE weights to compare.
+    assert not prefixes and got == {}
+    return
+  assert len(names) >= 3 and prefixes
+
+  @functools.partial(jax.jit, static_argnums=2)
+  @functools.partial(jax.grad)
+  def task_gradient(params, batch, i):
+    logits, _ = nnx.merge(graphdef, params, model_state)(
+        normalize_on_device(batch["image"], batch["mask"]),
+        train=False,
+        context={"attributes": batch["attributes"]},
+    )
+    return fairness_surrogate(
+        logits, batch["label"], batch["attributes"], info.group_sizes, "pqd", attribute_indices=(i,)
+    )
+
+  def moe_gradient(batch, i):
+    return np.concatenate(
+        [
+            np.ravel(np.asarray(x[...] if hasattr(x, "get_value") else x, np.float64))
+            for path, x in nnx.to_flat_state(task_gradient(params, batch, i))
+            if any(tuple(path[: len(p)]) == tuple(p) for p in prefixes)
+        ]
+    )
+
+  for n, batch in enumerate(batches):
+    grads = [moe_gradient(batch, i) for i in range(len(names))]
+    assert all(np.linalg.norm(g) > 0 for g in grads)  # Every attribute's task moves the MoE.
+    for a in range(len(names)):
+      for b in range(a + 1, len(names)):
+        want = grads[a] @ grads[b] / (np.linalg.norm(grads[a]) * np.linalg.norm(grads[b]))
+        # float32 sums over the MoE weights: a few ulps of a cosine.
+        assert got[f"{names[a]}|{names[b]}"][n] == pytest.approx(want, abs=1e-5)
