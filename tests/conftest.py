@@ -117,6 +117,15 @@ def pytest_collection_finish(session):
   gc.freeze()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+  # And what each test leaves alive (jit caches, module fixtures), once its cycles are collected:
+  # otherwise every later test's collections walk it again. Three MoE test files: 5-10% less CPU.
+  del item, nextitem
+  gc.collect()
+  gc.freeze()
+
+
 def pytest_configure(config):
   # A deprecated call from our own code is an error in every test, on either stack (README,
   # "Tested versions").
