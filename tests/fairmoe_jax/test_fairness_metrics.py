@@ -676,9 +676,7 @@ def test_gradient_cosines_are_those_of_each_attribute_s_own_gradient_of_the_moe_
     return
   assert len(names) >= 3 and prefixes
 
-  @functools.partial(jax.jit, static_argnums=2)
-  @functools.partial(jax.grad)
-  def task_gradient(params, batch, i):
+  def task_loss(params, batch, i):
     logits, _ = nnx.merge(graphdef, params, model_state)(
         normalize_on_device(batch["image"], batch["mask"]),
         train=False,
@@ -688,17 +686,24 @@ def test_gradient_cosines_are_those_of_each_attribute_s_own_gradient_of_the_moe_
         logits, batch["label"], batch["attributes"], info.group_sizes, "pqd", attribute_indices=(i,)
     )
 
-  def moe_gradient(batch, i):
-    return np.concatenate(
-        [
-            np.ravel(np.asarray(x[...] if hasattr(x, "get_value") else x, np.float64))
-            for path, x in nnx.to_flat_state(task_gradient(params, batch, i))
-            if any(tuple(path[: len(p)]) == tuple(p) for p in prefixes)
-        ]
-    )
+  @jax.jit  # One program, one separate backward pass per attribute in it.
+  def task_gradients(params, batch):
+    return [jax.grad(task_loss)(params, batch, i) for i in range(len(names))]
+
+  def moe_gradients(batch):
+    return [
+        np.concatenate(
+            [
+                np.ravel(np.asarray(x[...] if hasattr(x, "get_value") else x, np.float64))
+                for path, x in nnx.to_flat_state(gradient)
+                if any(tuple(path[: len(p)]) == tuple(p) for p in prefixes)
+            ]
+        )
+        for gradient in task_gradients(params, batch)
+    ]
 
   for n, batch in enumerate(batches):
-    grads = [moe_gradient(batch, i) for i in range(len(names))]
+    grads = moe_gradients(batch)
     assert all(np.linalg.norm(g) > 0 for g in grads)  # Every attribute's task moves the MoE.
     for a in range(len(names)):
       for b in range(a + 1, len(names)):
