@@ -12,6 +12,12 @@ import tempfile
 # starts a process on one device gives it ONE_DEVICE_XLA_FLAGS, so that the flags a user set
 # (`XLA_FLAGS=--xla_cpu_max_isa=AVX2 pytest`) reach it too.
 TEST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA splits each program's LLVM module into up to 32 parts to generate code on several threads;
+# with a test process per core, the parts' set-up costs more than the threads save (test_remat and
+# test_moe_algorithms from a cold cache, CPU-s: 46 and 52 against 62 and 56 on the pinned stack,
+# 94 and 97 against 96 and 108 on the newest). The programs are the same; only how their
+# functions are grouped for code generation changes.
+TEST_COMPILE_FLAGS += " --xla_cpu_parallel_codegen_split_count=1"
 # The pinned jaxlib (0.10) still has XLA's elemental emitters beside the MLIR fusion emitters
 # that replaced them: they turn the same fused HLO into machine code in about half the time (the
 # pinned stack's test_methods, test_remat, test_moe_algorithms and test_causal_models: 50 s
