@@ -15,8 +15,9 @@ TEST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 # XLA splits each program's LLVM module into up to 32 parts to generate code on several threads;
 # with a test process per core, the parts' set-up costs more than the threads save (test_remat and
 # test_moe_algorithms from a cold cache, CPU-s: 46 and 52 against 62 and 56 on the pinned stack,
-# 94 and 97 against 96 and 108 on the newest). The programs are the same; only how their
-# functions are grouped for code generation changes.
+# 94 and 97 against 96 and 108 on the newest; `XLA_FLAGS=--xla_cpu_parallel_codegen_split_count=32
+# pytest -q -p no:xdist -m "not slow" FILES` puts XLA's default back). The programs are the same;
+# only how their functions are grouped for code generation changes.
 TEST_COMPILE_FLAGS += " --xla_cpu_parallel_codegen_split_count=1"
 # The pinned jaxlib (0.10) still has XLA's elemental emitters beside the MLIR fusion emitters
 # that replaced them: they turn the same fused HLO into machine code in about half the time (the
@@ -116,18 +117,14 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
-def pytest_collection_finish(session):
-  # What the imports and the collection built lives all session: frozen, Python's full garbage
-  # collections no longer walk it while the tests trace their programs (trainkit.cli.run does
-  # the same for a run). The fast tier takes about a fifteenth less time.
-  gc.freeze()
-
-
 @pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item, nextitem):
-  # And what each test leaves alive (jit caches, module fixtures), once its cycles are collected:
-  # otherwise every later test's collections walk it again. Three MoE test files: 5-10% less CPU.
-  del item, nextitem
+def pytest_runtest_teardown():
+  # Tracing makes many short-lived objects, and each of Python's full garbage collections walks
+  # every live one: what the imports and each finished test leave alive (jit caches, module
+  # fixtures) is frozen once its cycles are collected, as trainkit.cli.run freezes a run's
+  # start-up. test_moe_algorithms, test_expert_parallel and test_moe_layer_options in one process
+  # (`pytest -q -p no:xdist -m "not slow" FILES`, warm cache), CPU-s: 50.9, 54.1, 47.0, 49.4
+  # against 59.8, 57.6, 50.5, 47.9 freezing only after the collection.
   gc.collect()
   gc.freeze()
 

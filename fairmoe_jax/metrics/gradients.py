@@ -49,7 +49,7 @@ def gradient_cosines(
   pairs = list(itertools.combinations(range(len(group_sizes)), 2))
 
   @jax.jit
-  def batch_cosines(moe_params, batch):
+  def batch_cosines(moe_params, other_params, model_state, batch):
     def task_losses(moe_params):  # [m]: one forward pass for every attribute's task.
       model = nnx.merge(graphdef, moe_params, other_params, model_state)
       images = normalize_on_device(batch["image"], batch["mask"])
@@ -80,7 +80,7 @@ def gradient_cosines(
     cosines = gram / jnp.maximum(norms[:, None] * norms[None, :], 1e-12)
     return jnp.stack([cosines[a, b] for a, b in pairs])
 
-  per_batch = [np.asarray(batch_cosines(moe_params, b)) for b in batches]
+  per_batch = [np.asarray(batch_cosines(moe_params, other_params, model_state, b)) for b in batches]
   if not per_batch:
     return {}
   values = np.stack(per_batch)

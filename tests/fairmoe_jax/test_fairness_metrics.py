@@ -708,5 +708,7 @@ def test_gradient_cosines_are_those_of_each_attribute_s_own_gradient_of_the_moe_
     for a in range(len(names)):
       for b in range(a + 1, len(names)):
         want = grads[a] @ grads[b] / (np.linalg.norm(grads[a]) * np.linalg.norm(grads[b]))
-        # float32 sums over the MoE weights: a few ulps of a cosine.
-        assert got[f"{names[a]}|{names[b]}"][n] == pytest.approx(want, abs=1e-5)
+        # The report rounds to 6 decimals; float32 sums over P MoE weights err by about
+        # sqrt(P) roundings (measured: at most 6e-7 on both stacks, also with AVX2 only).
+        tolerance = 5e-7 + np.sqrt(grads[a].size) * np.finfo(np.float32).eps
+        assert got[f"{names[a]}|{names[b]}"][n] == pytest.approx(want, abs=tolerance)
