@@ -69,13 +69,14 @@ def gradient_cosines(
           ]
       )
 
-    # Each task's gradient with respect to the MoE parameters only, as rows of one [m, P] matrix:
-    # one forward and one backward batched over the tasks, not a pass per task.
+    # Each task's gradient with respect to the MoE parameters only, one [m, ...] leaf per weight:
+    # one forward and one backward batched over the tasks, not a pass per task. Their [m, m] Gram
+    # matrix is summed leaf by leaf, so expert-sharded leaves are reduced where they lie.
     jacobian = jax.jacrev(task_losses)(moe_params)
-    rows = jnp.concatenate(
-        [x.reshape(len(group_sizes), -1) for x in jax.tree.leaves(jacobian)], axis=1
+    gram = sum(
+        jnp.einsum("mp,np->mn", x, x, precision=jax.lax.Precision.HIGHEST)
+        for x in (leaf.reshape(len(group_sizes), -1) for leaf in jax.tree.leaves(jacobian))
     )
-    gram = jnp.matmul(rows, rows.T, precision=jax.lax.Precision.HIGHEST)
     norms = jnp.sqrt(jnp.diagonal(gram))
     cosines = gram / jnp.maximum(norms[:, None] * norms[None, :], 1e-12)
     return jnp.stack([cosines[a, b] for a, b in pairs])
