@@ -331,7 +331,7 @@ def test_fairsmoe_on_a_mesh_gives_the_loss_and_gradients_of_no_remat(data, exper
 @pytest.mark.compile_gpu
 def test_the_gpu_compiler_keeps_fewer_temporaries_with_each_policy():
   # pylint: disable=import-outside-toplevel
-  from trainkit.preflight.compile import compile_step, persistent_cache_off
+  from trainkit.preflight.compile import persistent_cache_off
   from trainkit.preflight.targets import devices, get_target
 
   target = get_target("h100x1")
@@ -347,8 +347,11 @@ def test_the_gpu_compiler_keeps_fewer_temporaries_with_each_policy():
     grad = jax.jit(
         jax.grad(lambda p, images: objective(p, {"image": images}, jax.random.key(1))[0])
     )
-    with persistent_cache_off():  # A deviceless executable cannot be loaded back from it.
-      _, record = compile_step(grad, (params, images), mesh, target)
-    temporaries[policy] = record["memory"]["temporaries"]
+    # cuBLAS GEMMs: the policies are compared under one compiler, which then compiles no candidate
+    # Triton tilings per dot to find one that compiles (it cannot time them without a GPU). From a
+    # cold cache, CPU-s: 25.5 against 32.5 on the pinned stack, 38.5 against 50 on the newest.
+    with jax.set_mesh(mesh), persistent_cache_off():  # A deviceless executable: not cached.
+      compiled = grad.lower(params, images).compile({"xla_gpu_enable_triton_gemm": False})
+    temporaries[policy] = compiled.memory_analysis().temp_size_in_bytes
   values = [temporaries[p] for p in REMAT_CHOICES]
   assert values == sorted(values, reverse=True) and len(set(values)) == 3, temporaries
