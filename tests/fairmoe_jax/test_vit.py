@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ from fairmoe_jax.moe import SparseMoE
 
 
 def num_params(module: nnx.Module) -> int:
-  return optax.tree_utils.tree_size(nnx.state(module, nnx.Param))
+  # From the shapes: optax's tree_size calls jnp.size, deprecated on an abstract (eval_shape) leaf.
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
 TINY = dict(
