@@ -9,7 +9,7 @@ Values near 1 mean the attribute tasks pull the MoE the same way.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import flax.nnx as nnx
@@ -27,25 +27,24 @@ def moe_paths(model: nnx.Module) -> list[tuple[Any, ...]]:
   return [path for path, node in nnx.iter_graph(model) if isinstance(node, SparseMoE)]
 
 
-def gradient_cosines(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    model_state: nnx.State,
-    batches: Iterable[dict[str, jax.Array]],
-    *,
-    attribute_names: Sequence[str],
-    group_sizes: Sequence[int],
-    psi: str,
-) -> dict[str, list[float]]:
-  """{"a|b": [cosine per batch]} for every pair of attributes; {} without MoE blocks."""
+def split_moe_weights(
+    graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State
+) -> tuple[nnx.State, nnx.State] | None:
+  """(the SparseMoE blocks' weights, every other weight), or None without MoE blocks."""
   prefixes = moe_paths(nnx.merge(graphdef, params, model_state))
-  if not prefixes or len(group_sizes) < 2:
-    return {}
+  if not prefixes:
+    return None
 
   def in_moe(path, _):
     return any(tuple(path[: len(p)]) == tuple(p) for p in prefixes)
 
-  moe_params, other_params = nnx.split_state(params, in_moe, ...)
+  return nnx.split_state(params, in_moe, ...)
+
+
+def batch_cosines_fn(
+    graphdef: nnx.GraphDef, group_sizes: Sequence[int], psi: str
+) -> Callable[..., jax.Array]:
+  """The jitted (moe_params, other_params, model_state, batch) -> [pairs] cosines of one batch."""
   pairs = list(itertools.combinations(range(len(group_sizes)), 2))
 
   @jax.jit
@@ -81,10 +80,29 @@ def gradient_cosines(
     cosines = gram / jnp.maximum(norms[:, None] * norms[None, :], 1e-12)
     return jnp.stack([cosines[a, b] for a, b in pairs])
 
-  per_batch = [np.asarray(batch_cosines(moe_params, other_params, model_state, b)) for b in batches]
+  return batch_cosines
+
+
+def gradient_cosines(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    model_state: nnx.State,
+    batches: Iterable[dict[str, jax.Array]],
+    *,
+    attribute_names: Sequence[str],
+    group_sizes: Sequence[int],
+    psi: str,
+) -> dict[str, list[float]]:
+  """{"a|b": [cosine per batch]} for every pair of attributes; {} without MoE blocks."""
+  split = split_moe_weights(graphdef, params, model_state)
+  if split is None or len(group_sizes) < 2:
+    return {}
+  batch_cosines = batch_cosines_fn(graphdef, group_sizes, psi)
+  per_batch = [np.asarray(batch_cosines(*split, model_state, b)) for b in batches]
   if not per_batch:
     return {}
   values = np.stack(per_batch)
+  pairs = itertools.combinations(range(len(group_sizes)), 2)
   return {
       f"{attribute_names[a]}|{attribute_names[b]}": values[:, n].round(6).tolist()
       for n, (a, b) in enumerate(pairs)

@@ -712,3 +712,43 @@ def test_gradient_cosines_are_those_of_each_attribute_s_own_gradient_of_the_moe_
         # sqrt(P) roundings (measured: at most 6e-7 on both stacks, also with AVX2 only).
         tolerance = 5e-7 + np.sqrt(grads[a].size) * np.finfo(np.float32).eps
         assert got[f"{names[a]}|{names[b]}"][n] == pytest.approx(want, abs=tolerance)
+
+
+def test_gradient_cosines_on_an_expert_parallel_mesh_move_no_gradient_rows():
+  """Compiled for FairSMoE on a data 2 x expert 4 mesh of 8 CPU devices: the attributes'
+  gradients of the expert-sharded weights are reduced where they lie. Joined into one [m, P]
+  matrix first, they were all-gathered (8 all-gathers of [m, ...] rows, 4 all-reduces)."""
+  import re
+
+  import optax
+
+  from fairmoe_jax import config as fairmoe_config
+  from fairmoe_jax import evaluation, train
+  from fairmoe_jax.metrics.gradients import batch_cosines_fn, split_moe_weights
+  from trainkit.mesh import make_mesh
+
+  config = fairmoe_config.base_config()
+  config.method = "fairsmoe"
+  config.data.update(train_size=32, val_size=32, test_size=32, num_threads=0)
+  config.model.update(dim=32, depth=2, num_heads=2, mlp_dim=64)
+  config.moe.num_experts = 8
+  config.mesh.update(data=2, expert=4)
+  config.update(batch_size=32, eval_batch_size=32, num_train_steps=1)
+  fairmoe_config.validate(config, num_devices=jax.device_count())
+  info, splits = train.load_data(config)
+  mesh = make_mesh(config.mesh)
+  graphdef, state = train.create_state(config, info, optax.sgd(0.1), mesh, pretrained=False)
+  batch = next(iter(evaluation.eval_batches(splits["val"], config, mesh)))
+  moe_params, other_params = split_moe_weights(graphdef, state.params, state.model_state)
+  sharded = [x for x in jax.tree.leaves(moe_params) if "expert" in str(x.sharding.spec)]
+  assert sharded  # The experts' weights are split over the expert axis.
+  cosines = batch_cosines_fn(graphdef, info.group_sizes, "pqd")
+  with jax.set_mesh(mesh):
+    hlo = cosines.lower(moe_params, other_params, state.model_state, batch).compile().as_text()
+  m = len(info.group_sizes)
+  moved = re.findall(r"= [a-z]\w*\[([\d,]*)\]\S* (?:all-gather|all-reduce)(?:-start)?\(", hlo)
+  assert not [dims for dims in moved if dims.split(",")[0] == str(m)], moved
+  # Whatever else is gathered (the routing of the batch's tokens) is less than one attribute's
+  # gradient of the expert-sharded weights.
+  moved_elements = sum(math.prod(int(d) for d in dims.split(",") if d) for dims in moved)
+  assert moved_elements < sum(x.size for x in sharded), moved
